@@ -1,0 +1,32 @@
+"""offload: train ``nn.Sequential`` models larger than accelerator memory.
+
+Wrap the model in :class:`OffloadModel` and train as usual; parameters live in host memory and
+stream to the device slice by slice.
+
+Note: [Glossary]
+    The words below mean exactly this everywhere in the package.
+
+    host copy
+        A parameter or buffer as the user sees it: it lives on ``offload_device`` (pinned when the
+        compute device is CUDA) and is the master the optimizer updates.
+    device copy
+        A slice's parameters and buffers in a device slot, used for compute and then overwritten.
+    slice
+        A contiguous run of layers that is loaded and run as a unit.
+    slot
+        A persistent device buffer that holds one slice's device copy; there are two, so one
+        slice can load while the other computes.
+    boundary activation
+        The input of a slice for one microbatch: what a recompute starts from.
+    microbatch
+        A chunk of the batch along dim 0; every slice runs on each in turn.
+    load / offload
+        A copy host→device / device→host.
+    ready event
+        The event a copy records when it completes; compute waits on it. ``None`` on the CPU,
+        where copies are synchronous.
+"""
+
+from .model import OffloadModel
+
+__all__ = ["OffloadModel"]

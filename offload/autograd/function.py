@@ -1,0 +1,525 @@
+"""The autograd Function that runs a sliced model forward and walks it backward slice by slice.
+
+Vocabulary as in Note: [Glossary] (``offload/__init__.py``).
+
+Note: [Checkpoints and kept graphs]
+    For every slice ``i`` and microbatch ``m``, forward leaves one of two records for backward:
+
+    - a *checkpoint*: the slice's boundary activation (offloaded to the host), the CPU and device
+      generator states just before the slice ran, and, if the run changed the slice's buffers,
+      the buffers as they were before it. Backward loads the boundary activation and re-runs the
+      slice under the same generator and autocast state, so dropout draws the same masks.
+    - a *kept graph*: the slice ran with grad enabled in forward and autograd's graph is kept.
+
+    With ``checkpoint_activation=True`` only the last microbatch of the last slice is a kept
+    graph: it is the first thing backward needs, so it is neither reloaded nor recomputed. With
+    ``checkpoint_activation=False`` every record is a kept graph and activations stay on the
+    device. Kept graphs refer to slot memory only through slot references (see
+    ``offload/streams/device_slots.py``), so slots can be reused while they wait.
+
+Note: [Gradients through autograd]
+    The host parameters are inputs of the Function and backward returns their gradients, on the
+    host. Autograd itself then runs hooks, accumulates into ``.grad`` (or hands the gradients to
+    ``torch.autograd.grad``), so every PyTorch semantic holds: accumulation across backwards,
+    ``retain_graph``, ``inputs=``, hooks firing once. Every tensor a backward needs is saved with
+    ``ctx.save_for_backward``, so autograd frees it with the graph and a second backward without
+    ``retain_graph`` fails exactly as in PyTorch.
+
+Note: [Buffers]
+    Buffers are the only device data a forward may change (running statistics, counters). A run
+    counts as changing them if it wrote to the slot in place (the slot's version counter moved),
+    reassigned a buffer, or holds a normalisation layer that tracks running statistics in
+    training mode (its kernel updates them without bumping any version counter). After a slice's
+    microbatches ran, changed buffers are written back to the host copies; unchanged slices send
+    nothing back. For exact recompute a changed run keeps a snapshot of the buffers from before
+    it, which backward restores on the device before re-running; the recompute's own updates are
+    discarded, so running statistics are updated once per forward, never by backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.autograd.function import once_differentiable
+from torch.autograd.graph import saved_tensors_hooks
+from torch.profiler import record_function
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+
+from ..engine import Engine
+from ..microbatch import Split, join_input_grads, join_outputs, split_leaves, split_like
+from ..streams import Event, OffloadTicket, PendingGradients
+from .replay import AutocastState, capture_rng, replaying_rng
+
+
+@dataclass
+class Call:
+    """One call's bookkeeping shared between the model and the Function (never stored on the module).
+
+    The model fills in the input side; the Function's forward fills in the output side, which the
+    model needs to rebuild the output structure around the tensors autograd returns.
+    """
+
+    input_spec: TreeSpec
+    input_leaves: list[Any]  # tensors replaced by None: they travel as Function arguments
+    tensor_positions: list[int]
+    output_spec: TreeSpec | None = None
+    output_leaves: list[Any] = field(default_factory=list)
+    output_tensor_positions: list[int] = field(default_factory=list)
+
+
+# -- records kept from forward for backward -----------------------------------------------------
+
+
+@dataclass
+class _SavedLeaf:
+    """A boundary leaf in a checkpoint: a saved tensor (``stash``) with its offload ticket, or a value."""
+
+    stash: int | None = None
+    ticket: OffloadTicket | None = None
+    value: Any = None
+
+
+@dataclass
+class _Checkpoint:
+    inputs: list[_SavedLeaf]
+    spec: TreeSpec
+    cpu_rng: int
+    device_rng: int | None
+    buffers: tuple[int, OffloadTicket] | None = None
+
+
+@dataclass
+class _KeptGraph:
+    outputs: list[int | None]
+    inputs: list[int | None]
+    entries: list[int]
+
+
+class _Stash:
+    """Collects the tensors one call saves for backward; records refer to them by index."""
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+
+    def add(self, tensor: torch.Tensor) -> int:
+        self.tensors.append(tensor)
+        return len(self.tensors) - 1
+
+
+@dataclass
+class _Run:
+    """Everything backward needs from forward except tensors, which are saved tensors."""
+
+    engine: Engine
+    call: Call
+    split: Split
+    records: list[list[_Checkpoint | _KeptGraph]]
+    grad_upstream: list[bool]  # per slice: whether its boundary activations need gradients
+    param_versions: list[tuple[int, ...]]
+    autocast: AutocastState
+    output_concatenated: tuple[bool, ...]
+    num_input_tensors: int
+    input_requires_grad: list[bool]  # per input leaf position
+    input_meta: list[tuple[torch.Size, torch.dtype, torch.device]]  # per input tensor
+
+
+def _is_differentiable(tensor: torch.Tensor) -> bool:
+    return tensor.is_floating_point() or tensor.is_complex()
+
+
+def _as_leaf(value: Any, requires_grad: bool) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    return value.detach().requires_grad_(requires_grad and _is_differentiable(value))
+
+
+class OffloadFunction(torch.autograd.Function):
+    """Forward over all slices without a graph (checkpointing) and a backward that walks them in reverse.
+
+    Called as ``OffloadFunction.apply(engine, call, checkpoint, num_microbatches, *input_tensors, *params)``.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, engine: Engine, call: Call, checkpoint: bool, num_microbatches: int,
+                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.set_materialize_grads(False)
+        num_inputs = len(call.tensor_positions)
+        input_tensors = tensors[:num_inputs]
+        leaves = list(call.input_leaves)
+        for position, tensor in zip(call.tensor_positions, input_tensors):
+            leaves[position] = tensor
+        microbatches, split = split_leaves(leaves, num_microbatches)
+        count = split.count
+        n = engine.num_slices
+        device = engine.device
+        stash = _Stash()
+
+        # Chunks and device copies are made under no_grad, so remember what the caller's inputs required.
+        input_requires_grad = [isinstance(x, torch.Tensor) and x.requires_grad for x in leaves]
+        grad_upstream = [any(input_requires_grad)]
+        for s in engine.slices[:-1]:
+            grad_upstream.append(grad_upstream[-1] or any(e.tensor.requires_grad for e in s.storage.params))
+
+        def keeps_graph(i: int, m: int) -> bool:
+            return not checkpoint or (i == n - 1 and m == count - 1)
+
+        records: list[list[Any]] = [[None] * count for _ in range(n)]
+        # The boundary entering the current slice, per microbatch, on the device.
+        boundary: list[tuple[list[Any], TreeSpec]] = []
+        for m, mb_leaves in enumerate(microbatches):
+            if not keeps_graph(0, m):
+                saved = [_SavedLeaf(stash=stash.add(x)) if isinstance(x, torch.Tensor) else _SavedLeaf(value=x)
+                         for x in mb_leaves]
+                records[0][m] = _Checkpoint(saved, call.input_spec, -1, None)
+            boundary.append((engine.to_device(mb_leaves), call.input_spec))
+
+        buffer_events: list[Event | None] = []
+        try:
+            for i, s in enumerate(engine.slices):
+                views = engine.slots.acquire(i)
+                if i + 1 < n:
+                    engine.slots.prefetch(i + 1)
+                buffers_changed = False
+                next_boundary: list[tuple[list[Any], TreeSpec]] = []
+                for m in range(count):
+                    in_leaves, in_spec = boundary[m]
+                    with record_function(f"offload::forward slice {i}"):
+                        if keeps_graph(i, m):
+                            graph_inputs = [
+                                _as_leaf(x, input_requires_grad[k] if i == 0 else grad_upstream[i])
+                                for k, x in enumerate(in_leaves)
+                            ]
+                            entry_tensors = [
+                                v.detach().requires_grad_(e.tensor.requires_grad) if e.is_parameter else v
+                                for v, e in zip(views, s.storage.entries)
+                            ]
+                            with torch.enable_grad(), engine.slots.saved_tensors_hooks():
+                                result = engine.run_slice(i, entry_tensors, tree_unflatten(graph_inputs, in_spec),
+                                                          want_snapshot=False)
+                            out_leaves, out_spec = tree_flatten(result.output)
+                            records[i][m] = _KeptGraph(
+                                outputs=[stash.add(o) if isinstance(o, torch.Tensor) else None for o in out_leaves],
+                                inputs=[stash.add(x) if isinstance(x, torch.Tensor) else None for x in graph_inputs],
+                                entries=[stash.add(t) for t, e in zip(entry_tensors, s.storage.entries) if e.is_parameter],
+                            )
+                            out_leaves = [o.detach() if isinstance(o, torch.Tensor) else o for o in out_leaves]
+                        else:
+                            cpu_state, device_state = capture_rng(device)
+                            record = records[i][m]
+                            record.cpu_rng = stash.add(cpu_state)
+                            record.device_rng = stash.add(device_state) if device_state is not None else None
+                            result = engine.run_slice(i, views, tree_unflatten(list(in_leaves), in_spec),
+                                                      want_snapshot=True)
+                            if result.snapshot is not None:
+                                host_snapshot, ticket = engine.activations.offload(result.snapshot)
+                                record.buffers = (stash.add(host_snapshot), ticket)
+                            out_leaves, out_spec = tree_flatten(result.output)
+                    buffers_changed |= result.buffers_changed
+                    if i + 1 < n and not keeps_graph(i + 1, m):
+                        records[i + 1][m] = _Checkpoint(
+                            [_offload_leaf(engine, stash, o) for o in out_leaves], out_spec, -1, None
+                        )
+                    next_boundary.append((out_leaves, out_spec))
+                if buffers_changed:
+                    buffer_events.append(engine.slots.write_back_buffers(i))
+                engine.slots.release(i)
+                boundary = next_boundary
+            # Buffers are host state the user may read right after forward.
+            engine.copies.wait_host_all(buffer_events)
+        except BaseException:
+            engine.slots.invalidate()
+            raise
+
+        joined, concatenated = join_outputs([leaves for leaves, _ in boundary], split.sizes)
+        call.output_spec = boundary[0][1]
+        call.output_tensor_positions = [p for p, leaf in enumerate(joined) if isinstance(leaf, torch.Tensor)]
+        call.output_leaves = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in joined]
+        outputs = tuple(joined[p] for p in call.output_tensor_positions)
+        non_differentiable = [o for o in outputs if not _is_differentiable(o)]
+        if non_differentiable:
+            ctx.mark_non_differentiable(*non_differentiable)
+
+        ctx.run = _Run(
+            engine=engine,
+            call=call,
+            split=split,
+            records=records,
+            grad_upstream=grad_upstream,
+            param_versions=[s.storage.param_versions() for s in engine.slices],
+            autocast=AutocastState.capture(device),
+            output_concatenated=tuple(concatenated[p] for p in call.output_tensor_positions),
+            num_input_tensors=num_inputs,
+            input_requires_grad=input_requires_grad,
+            input_meta=[(t.shape, t.dtype, t.device) for t in input_tensors],
+        )
+        # Identity hooks shield our saved tensors from any saved-tensor hooks the caller has active
+        # (e.g. save_on_cpu): a kept graph's outputs must come back with their graph attached.
+        with saved_tensors_hooks(lambda t: t, lambda t: t):
+            ctx.save_for_backward(*stash.tensors)
+        return outputs
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        saved = ctx.saved_tensors  # raises PyTorch's own error on a second backward without retain_graph
+        run: _Run = ctx.run
+        engine = run.engine
+        _check_versions(run)
+        keep_graph = _keep_graph()
+        needed = _needed_grads(ctx, run.num_input_tensors + len(engine.parameters()))
+        inputs_needed = needed[:run.num_input_tensors]
+        params_needed = needed[run.num_input_tensors:]
+        n = engine.num_slices
+        count = run.split.count
+
+        per_slice_needed: list[list[bool]] = []
+        offset = 0
+        for s in engine.slices:
+            k = len(s.storage.params)
+            per_slice_needed.append(list(params_needed[offset:offset + k]))
+            offset += k
+        lowest = 0 if any(inputs_needed) else next(
+            (i for i, flags in enumerate(per_slice_needed) if any(flags)), n
+        )
+
+        # Gradients of the current slice's outputs, per microbatch, aligned with its output leaves.
+        grad_out = _split_output_grads(run, grad_outputs)
+        loader = _BoundaryLoader(engine, run, saved)
+        steps = [(i, m) for i in reversed(range(lowest, n)) for m in reversed(range(count))]
+        pending: list[tuple[int, PendingGradients]] = []
+        try:
+            for step, (i, m) in enumerate(steps):
+                s = engine.slices[i]
+                if m == count - 1:
+                    views = engine.slots.acquire(i)
+                    if i - 1 >= lowest:
+                        engine.slots.prefetch(i - 1)
+                    slice_grads = (engine.gradients.begin(s.storage.params, per_slice_needed[i])
+                                   if any(per_slice_needed[i]) else None)
+                    grad_in: list[list[torch.Tensor | None]] = [[] for _ in range(count)]
+                    restored = False
+                if step + 1 < len(steps):
+                    loader.prefetch(*steps[step + 1])
+                record = run.records[i][m]
+                wants_input_grads = i > lowest or (i == 0 and any(inputs_needed))
+                with record_function(f"offload::backward slice {i}"):
+                    if isinstance(record, _KeptGraph):
+                        outputs = [saved[k] if k is not None else None for k in record.outputs]
+                        inputs = [saved[k] if k is not None else None for k in record.inputs]
+                        params = [saved[k] for k in record.entries]
+                        retain = keep_graph
+                    else:
+                        restored |= record.buffers is not None
+                        outputs, inputs, params = _recompute(engine, run, saved, loader, i, m, record, views,
+                                                             wants_input_grads)
+                        retain = False
+                    in_grads, param_grads = _differentiate(outputs, grad_out[m], inputs, params,
+                                                           per_slice_needed[i], wants_input_grads, retain)
+                grad_in[m] = in_grads
+                if slice_grads is not None:
+                    slice_grads.add(param_grads)
+                if m == 0:
+                    if slice_grads is not None:
+                        pending.append((i, engine.gradients.offload(slice_grads, label=f"offload::offload gradients slice {i}")))
+                    if restored:
+                        engine.slots.mark_stale(i)
+                    engine.slots.release(i)
+                    grad_out = grad_in
+            engine.gradients.finish([p for _, p in pending])
+        except BaseException:
+            engine.slots.invalidate()
+            raise
+        finally:
+            engine.pool.end_step()
+
+        param_results: list[torch.Tensor | None] = [None] * len(params_needed)
+        starts = [0]
+        for s in engine.slices:
+            starts.append(starts[-1] + len(s.storage.params))
+        for i, grads in pending:
+            for j, g in enumerate(grads.host_views):
+                param_results[starts[i] + j] = g
+
+        input_results = _input_grads(run, grad_out if lowest == 0 else None, inputs_needed)
+        return (None, None, None, None, *input_results, *param_results)
+
+
+# -- forward helpers ------------------------------------------------------------------------------
+
+
+def _offload_leaf(engine: Engine, stash: _Stash, leaf: Any) -> _SavedLeaf:
+    if not isinstance(leaf, torch.Tensor):
+        return _SavedLeaf(value=leaf)
+    if leaf.device != engine.device:
+        return _SavedLeaf(stash=stash.add(leaf))
+    host, ticket = engine.activations.offload(leaf)
+    return _SavedLeaf(stash=stash.add(host), ticket=ticket)
+
+
+# -- backward helpers -----------------------------------------------------------------------------
+
+
+def _keep_graph() -> bool:
+    """Whether the running backward was called with ``retain_graph=True``."""
+    getter = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if getter is None else bool(getter())
+
+
+def _needed_grads(ctx: Any, count: int) -> list[bool]:
+    """Per tensor argument of forward, whether this backward must produce its gradient.
+
+    ``ctx.needs_input_grad`` says what requires grad; the engine knows what this particular
+    backward asks for (``inputs=`` or ``torch.autograd.grad``). Where it cannot tell, assume needed.
+    """
+    requires = list(ctx.needs_input_grad[4:4 + count])
+    edges = list(ctx.next_functions)
+    will_execute = getattr(torch._C, "_will_engine_execute_node", None)
+    needed = []
+    for k, required in enumerate(requires):
+        if not required:
+            needed.append(False)
+            continue
+        node = edges[k][0] if k < len(edges) else None
+        if node is None or will_execute is None:
+            needed.append(True)
+            continue
+        try:
+            needed.append(bool(will_execute(node)))
+        except RuntimeError:
+            needed.append(True)
+    return needed
+
+
+def _check_versions(run: _Run) -> None:
+    for s, recorded in zip(run.engine.slices, run.param_versions):
+        if s.storage.param_versions() != recorded:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: a parameter of slice {s.index} ({', '.join(s.names)}) changed between forward and "
+                "backward (for example optimizer.step() before backward). Run backward before updating parameters."
+            )
+
+
+def _split_output_grads(run: _Run, grad_outputs: Sequence[torch.Tensor | None]) -> list[list[Any]]:
+    call = run.call
+    count = run.split.count
+    per_position: dict[int, list[torch.Tensor | None]] = {}
+    for position, grad, concatenated in zip(call.output_tensor_positions, grad_outputs, run.output_concatenated):
+        per_position[position] = split_like(grad, run.split.sizes, concatenated)
+    num_leaves = len(call.output_leaves)
+    return [[per_position[p][m] if p in per_position else None for p in range(num_leaves)] for m in range(count)]
+
+
+class _BoundaryLoader:
+    """Loads checkpointed boundary activations to the device one step ahead of their recompute."""
+
+    def __init__(self, engine: Engine, run: _Run, saved: Sequence[torch.Tensor]) -> None:
+        self.engine = engine
+        self.run = run
+        self.saved = saved
+        self._loaded: dict[tuple[int, int], tuple[list[Any], list[Event | None]]] = {}
+
+    def prefetch(self, i: int, m: int) -> None:
+        record = self.run.records[i][m]
+        if not isinstance(record, _Checkpoint) or (i, m) in self._loaded:
+            return
+        leaves: list[Any] = []
+        events: list[Event | None] = []
+        for leaf in record.inputs:
+            if leaf.stash is None:
+                leaves.append(leaf.value)
+                continue
+            host = self.saved[leaf.stash]
+            if leaf.ticket is not None:
+                tensor, ready = self.engine.activations.load(leaf.ticket, host)
+            elif host.device != self.engine.device:
+                tensor, ready = self.engine.copies.to_device(host)
+            else:
+                tensor, ready = host, None
+            leaves.append(tensor)
+            events.append(ready)
+        self._loaded[(i, m)] = (leaves, events)
+
+    def take(self, i: int, m: int) -> list[Any]:
+        self.prefetch(i, m)
+        leaves, events = self._loaded.pop((i, m))
+        for event in events:
+            self.engine.copies.wait_ready(event)
+        return leaves
+
+
+def _recompute(engine: Engine, run: _Run, saved: Sequence[torch.Tensor], loader: _BoundaryLoader, i: int, m: int,
+               record: _Checkpoint, views: Sequence[torch.Tensor], wants_input_grads: bool
+               ) -> tuple[list[Any], list[Any], list[torch.Tensor]]:
+    """Re-run slice ``i`` on microbatch ``m`` with a graph, exactly as forward ran it."""
+    s = engine.slices[i]
+    leaves = loader.take(i, m)
+    if record.buffers is not None:
+        stash_index, ticket = record.buffers
+        engine.slots.restore_buffers(i, saved[stash_index], ticket.ready)
+    graph_inputs = [
+        _as_leaf(x, wants_input_grads and (run.input_requires_grad[k] if i == 0 else run.grad_upstream[i]))
+        for k, x in enumerate(leaves)
+    ]
+    params = [v.detach().requires_grad_(e.tensor.requires_grad) for v, e in zip(views, s.storage.entries) if e.is_parameter]
+    entry_tensors = params + [v for v, e in zip(views, s.storage.entries) if not e.is_parameter]
+    device_rng = saved[record.device_rng] if record.device_rng is not None else None
+    with replaying_rng(engine.device, saved[record.cpu_rng], device_rng), run.autocast.applied(), torch.enable_grad():
+        result = engine.run_slice(i, entry_tensors, tree_unflatten(graph_inputs, record.spec), want_snapshot=False)
+    outputs, _ = tree_flatten(result.output)
+    return outputs, graph_inputs, params
+
+
+def _differentiate(outputs: Sequence[Any], grads: Sequence[Any], inputs: Sequence[Any], params: Sequence[torch.Tensor],
+                   params_needed: Sequence[bool], wants_input_grads: bool, retain_graph: bool) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+    """Gradients of one slice-microbatch graph w.r.t. its boundary inputs and its parameters."""
+    pairs = [
+        (o, g) for o, g in zip(outputs, grads)
+        if isinstance(o, torch.Tensor) and o.requires_grad and g is not None
+    ]
+    wrt: list[torch.Tensor] = []
+    input_slots: list[int] = []
+    param_slots: list[int] = []
+    if wants_input_grads:
+        for k, x in enumerate(inputs):
+            if isinstance(x, torch.Tensor) and x.requires_grad:
+                input_slots.append(k)
+                wrt.append(x)
+    for j, (p, want) in enumerate(zip(params, params_needed)):
+        if want and p.requires_grad:
+            param_slots.append(j)
+            wrt.append(p)
+    in_grads: list[torch.Tensor | None] = [None] * len(inputs)
+    param_grads: list[torch.Tensor | None] = [None] * len(params)
+    if not pairs or not wrt:
+        return in_grads, param_grads
+    # A kept graph's saved slot tensors resolve through the unpack hook registered when they were
+    # saved; the slice was acquired above, so they resolve to its current device copy.
+    results = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs],
+                                  allow_unused=True, retain_graph=retain_graph)
+    for k, g in zip(input_slots, results[:len(input_slots)]):
+        in_grads[k] = g
+    for j, g in zip(param_slots, results[len(input_slots):]):
+        param_grads[j] = g
+    return in_grads, param_grads
+
+
+def _input_grads(run: _Run, grad_in: list[list[torch.Tensor | None]] | None,
+                 inputs_needed: Sequence[bool]) -> list[torch.Tensor | None]:
+    """Gradients of the model's input tensors, joined over microbatches, on each input's device."""
+    call = run.call
+    results: list[torch.Tensor | None] = []
+    for k, position in enumerate(call.tensor_positions):
+        if grad_in is None or not inputs_needed[k]:
+            results.append(None)
+            continue
+        per_mb = [grad_in[m][position] if grad_in[m] else None for m in range(run.split.count)]
+        shape, dtype, device = run.input_meta[k]
+        grad = join_input_grads(per_mb, run.split.sizes, run.split.carries_batch[position], shape[1:], dtype)
+        if grad is not None and grad.device != device:
+            grad = run.engine.copies.to_host(grad, device)
+        results.append(grad)
+    return results

@@ -1,0 +1,78 @@
+"""Running the user's own modules on device copies of their tensors.
+
+A slice runs its layers unchanged; for the duration of the call each registration site of a
+parameter or buffer (``module._parameters[name]`` / ``module._buffers[name]``) holds the device copy
+instead of the host copy, and gets the host copy back afterwards, also when the layer raises. The
+same mechanism as :func:`torch.func.functional_call`, without its per-call name resolution.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Site:
+    """One place a tensor is registered: ``module._parameters[name]`` or ``module._buffers[name]``."""
+
+    module: nn.Module
+    name: str
+    is_parameter: bool
+
+    def table(self) -> dict[str, torch.Tensor | None]:
+        return self.module._parameters if self.is_parameter else self.module._buffers  # type: ignore[return-value]
+
+
+@dataclass
+class Binding:
+    """Context manager that puts ``tensors[i]`` at every site in ``sites[i]``.
+
+    After the call, :attr:`reassigned` lists ``(i, new_tensor)`` for buffers a module replaced
+    during the call (``self.count = self.count + 1``); the caller decides what to keep of them.
+    """
+
+    sites: Sequence[Sequence[Site]]
+    tensors: Sequence[torch.Tensor]
+    reassigned: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    _originals: list[tuple[Site, torch.Tensor | None]] = field(default_factory=list)
+
+    def __enter__(self) -> Binding:
+        for entry_sites, tensor in zip(self.sites, self.tensors):
+            for site in entry_sites:
+                table = site.table()
+                self._originals.append((site, table[site.name]))
+                table[site.name] = tensor
+        _refresh_flat_weights(self.sites)
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if exc_type is None:
+            for index, (entry_sites, tensor) in enumerate(zip(self.sites, self.tensors)):
+                current = entry_sites[0].table()[entry_sites[0].name]
+                if current is not tensor and current is not None and not entry_sites[0].is_parameter:
+                    self.reassigned.append((index, current))
+        for site, original in reversed(self._originals):
+            site.table()[site.name] = original
+        self._originals.clear()
+        _refresh_flat_weights(self.sites)
+
+
+def _refresh_flat_weights(sites: Sequence[Sequence[Site]]) -> None:
+    # Recurrent layers (nn.LSTM, nn.GRU, nn.RNN) keep a list of their weights next to _parameters
+    # and read that list in forward; rebuild it so it follows the swap.
+    refreshed: set[int] = set()
+    for entry_sites in sites:
+        for site in entry_sites:
+            module = site.module
+            if id(module) not in refreshed and hasattr(module, "_flat_weights_names"):
+                refreshed.add(id(module))
+                module._flat_weights = [  # type: ignore[attr-defined]
+                    getattr(module, name) if hasattr(module, name) else None
+                    for name in module._flat_weights_names  # type: ignore[attr-defined]
+                ]

@@ -1,0 +1,168 @@
+"""The slices of one model and the machinery that moves them: what a forward or backward walk uses.
+
+An :class:`Engine` is built once per :class:`~offload.OffloadModel`. It holds no per-call state:
+everything a backward needs from its forward travels in the autograd context, so several forwards
+may be in flight before their backwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from .binding import Binding
+from .streams import (
+    ActivationOffloader,
+    CopyStreams,
+    DeviceSlots,
+    GradientOffloader,
+    HostBufferPool,
+    SliceStorage,
+)
+
+
+@dataclass
+class Slice:
+    """A contiguous run of layers that is loaded and run as a unit."""
+
+    index: int
+    names: list[str]
+    layers: list[nn.Module]
+    storage: SliceStorage
+
+    def run(self, inputs: Any) -> Any:
+        # nn.Sequential semantics: each layer gets the previous layer's output as its one argument.
+        for layer in self.layers:
+            inputs = layer(inputs)
+        return inputs
+
+
+@dataclass
+class SliceResult:
+    """What running a slice on one microbatch produced besides its output.
+
+    Attributes:
+        buffers_changed: the run changed the slice's buffers on the device.
+        snapshot: when asked for, a device copy of the buffers as they were before the run.
+    """
+
+    output: Any
+    buffers_changed: bool
+    snapshot: torch.Tensor | None
+
+
+class Engine:
+    """Slices, their host storage, device slots and copy streams of one model.
+
+    Args:
+        groups: the layers of each slice, with their names.
+        device: the compute device.
+        host_device: where host copies live (``offload_device``).
+        synchronous_copies: force synchronous copies (see :class:`~offload.streams.CopyStreams`).
+    """
+
+    def __init__(self, groups: Sequence[tuple[list[str], list[nn.Module]]], device: torch.device,
+                 host_device: torch.device, synchronous_copies: bool = False) -> None:
+        self.device = device
+        self.host_device = host_device
+        self.copies = CopyStreams(device, synchronous=synchronous_copies)
+        self.pin = self.copies.pins_host_memory and host_device.type == "cpu"
+        self.slices = [
+            Slice(i, names, layers, SliceStorage(layers, host_device, self.pin))
+            for i, (names, layers) in enumerate(groups)
+        ]
+        _reject_sharing_across_slices(self.slices)
+        self.pool = HostBufferPool(host_device, self.pin)
+        self.activations = ActivationOffloader(self.copies, self.pool)
+        self._build_device_side()
+
+    def _build_device_side(self) -> None:
+        storages = [s.storage for s in self.slices]
+        self.slots = DeviceSlots(storages, self.copies)
+        self.gradients = GradientOffloader(self.copies, self.pool, max(st.grad_nbytes for st in storages))
+
+    @property
+    def num_slices(self) -> int:
+        return len(self.slices)
+
+    def parameters(self) -> list[nn.Parameter]:
+        """Every parameter, slice by slice, in the order the autograd Function receives them."""
+        return [entry.tensor for s in self.slices for entry in s.storage.params]  # type: ignore[misc]
+
+    def refresh(self) -> None:
+        """Follow changes the user made to parameters since the last call.
+
+        ``p.data = other`` or assigning a new ``nn.Parameter`` to a layer takes the tensor out of the
+        slice's flat host buffer; the slice is laid out again so the next load sees the change.
+        """
+        rebuilt = False
+        for s in self.slices:
+            if s.storage.moved() or s.storage.registered_tensors_changed():
+                s.storage.build()
+                rebuilt = True
+        if rebuilt:
+            _reject_sharing_across_slices(self.slices)
+            self._build_device_side()
+
+    def to_device(self, leaves: Sequence[Any]) -> list[Any]:
+        """The leaves with every tensor on the compute device, ready for compute."""
+        moved: list[Any] = []
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor) and leaf.device != self.device:
+                tensor, ready = self.copies.to_device(leaf)
+                self.copies.wait_ready(ready)
+                moved.append(tensor)
+            else:
+                moved.append(leaf)
+        return moved
+
+    def run_slice(self, index: int, tensors: Sequence[torch.Tensor], inputs: Any, want_snapshot: bool) -> SliceResult:
+        """Run slice ``index`` on ``inputs`` with ``tensors`` (one per storage entry) in place of the
+        host copies. The slice must be acquired.
+
+        See Note: [Buffers] in ``offload/autograd/function.py``.
+        """
+        s = self.slices[index]
+        has_buffers = bool(s.storage.buffers)
+        written_before = self.slots.write_counter(index) if has_buffers else 0
+        snapshot = self.slots.snapshot_buffers(index) if has_buffers and want_snapshot else None
+        sites = [entry.sites for entry in s.storage.entries]
+        with Binding(sites, tensors) as binding:
+            output = s.run(inputs)
+        # An output that aliases the slot (a layer returning a weight or a view of one) would change
+        # under the caller's feet when the slot is reused: give it memory of its own.
+        output = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) and self.slots.owns(t) else t, output)
+        for position, new_value in binding.reassigned:
+            target = tensors[position]
+            if new_value.shape != target.shape:
+                raise RuntimeError(
+                    f"a layer in slice {index} replaced buffer '{sites[position][0].name}' with a tensor of "
+                    f"shape {tuple(new_value.shape)} (was {tuple(target.shape)}); OffloadModel keeps buffers "
+                    "at a fixed size: update them in place instead"
+                )
+            with torch.no_grad():
+                target.copy_(new_value)
+        changed = has_buffers and (
+            bool(binding.reassigned)
+            or self.slots.write_counter(index) != written_before
+            or s.storage.has_running_stats_in_training()
+        )
+        return SliceResult(output, changed, snapshot if changed else None)
+
+
+def _reject_sharing_across_slices(slices: Sequence[Slice]) -> None:
+    owner: dict[int, int] = {}
+    for s in slices:
+        for entry in s.storage.entries:
+            first = owner.setdefault(id(entry.tensor), s.index)
+            if first != s.index:
+                name = entry.sites[0].name
+                raise ValueError(
+                    f"tensor '{name}' is shared by slice {first} and slice {s.index}; tied weights must sit "
+                    "in one slice: pass the layers that share it as one element of a list, or use fewer slices"
+                )

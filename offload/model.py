@@ -1,0 +1,268 @@
+"""``OffloadModel``: the user-facing wrapper around an ``nn.Sequential``."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .autograd import Call, OffloadFunction
+from .engine import Engine
+from .slicing import layer_nbytes, partition
+from .streamed import streamed_forward
+
+
+class OffloadModel(nn.Module):
+    """Train an ``nn.Sequential`` whose parameters live in host memory.
+
+    The layers are cut into slices. Forward loads each slice to ``device`` just before it runs
+    while the next one is already being copied in, keeps each slice's input (its *boundary
+    activation*) on ``offload_device``, and returns the output on ``device``. Backward walks the
+    slices in reverse: it reloads each slice and its boundary activation, re-runs the slice with
+    the same random numbers and autocast state, and sends the parameter gradients back to the
+    host, where autograd accumulates them into ``.grad`` as usual. Only about two slices'
+    parameters and one slice's activations are on the device at any time.
+
+    The cost: with ``checkpoint_activation=True`` every slice but the last runs forward twice
+    (once more in backward), and every slice's parameters cross the host-device link about twice
+    per step, gradients once.
+
+    The wrapped layers become this module's children under their original names, so
+    ``state_dict()`` keys match the plain ``nn.Sequential``'s and checkpoints move freely between
+    the two. The parameters stay the same ``nn.Parameter`` objects (now in host memory, pinned when
+    ``device`` is CUDA): an optimizer built on the original model's parameters or on
+    ``OffloadModel.parameters()`` trains the model.
+
+    Args:
+        model: an ``nn.Sequential`` (sliced automatically), or a list of modules that are used as
+            the slices exactly as given (``num_slices`` is then ignored). Subclasses of
+            ``nn.Sequential`` that override ``forward`` are rejected: slicing would bypass it.
+        device: where the layers compute, e.g. ``"cuda"`` or ``"cpu"``.
+        offload_device: where parameters and boundary activations live between uses.
+        num_slices: how many slices to cut an ``nn.Sequential`` into; clamped to the number of
+            layers. Slices are balanced by parameter and buffer bytes. More slices: less device
+            memory, more, smaller copies.
+        checkpoint_activation: keep only slice inputs (on ``offload_device``) and recompute in
+            backward; the default, because it is what saves memory. With ``False`` every slice's
+            activations stay on ``device`` until backward, as in the plain model (parameters are
+            still offloaded): faster, but activation memory grows with depth.
+        num_microbatches: run every slice on this many chunks of the batch (dim 0), one after
+            another, so activations of one chunk are on the device at a time. A batch with fewer
+            rows than this uses one microbatch per row. Layers that mix rows (BatchNorm in
+            training mode) see microbatches, not the whole batch, and random layers draw their
+            numbers per microbatch: outputs equal running the plain layers slice by slice on each
+            chunk in turn, which equals the plain model only for ``num_microbatches=1``.
+
+    Raises:
+        TypeError: ``model`` is neither an ``nn.Sequential`` nor a list of modules, or an
+            argument has the wrong type.
+        ValueError: ``num_slices < 1``, ``num_microbatches < 1``, an empty model, a device that
+            does not exist on this machine, or a tensor shared between two slices.
+
+    Example::
+
+        >>> model = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+        >>> model = OffloadModel(model, device="cuda", num_slices=2)
+        >>> optimizer = torch.optim.AdamW(model.parameters())
+        >>> loss = nn.functional.cross_entropy(model(x), y)
+        >>> loss.backward()
+        >>> optimizer.step()
+    """
+
+    def __init__(
+        self,
+        model: nn.Sequential | Sequence[nn.Module],
+        device: torch.device | str | int,
+        offload_device: torch.device | str | int = "cpu",
+        num_slices: int = 3,
+        checkpoint_activation: bool = True,
+        num_microbatches: int = 1,
+    ) -> None:
+        super().__init__()
+        named_groups = _slice_groups(model, _positive_int("num_slices", num_slices))
+        self.num_microbatches = _positive_int("num_microbatches", num_microbatches)
+        if not isinstance(checkpoint_activation, bool):
+            raise TypeError(f"checkpoint_activation must be a bool, got {type(checkpoint_activation).__name__}")
+        self.checkpoint_activation = checkpoint_activation
+        self.device = _existing_device(device, "device")
+        self.offload_device = _existing_device(offload_device, "offload_device")
+        for names, layers in named_groups:
+            for name, layer in zip(names, layers):
+                self.add_module(name, layer)
+        self._engine = Engine(named_groups, self.device, self.offload_device)
+        self._warned_microbatch_batchnorm = False
+
+    # -- inspection --------------------------------------------------------------------------
+
+    @property
+    def partition(self) -> tuple[tuple[str, ...], ...]:
+        """Names of the layers in each slice, in order."""
+        return tuple(tuple(s.names) for s in self._engine.slices)
+
+    @property
+    def num_slices(self) -> int:
+        return self._engine.num_slices
+
+    def extra_repr(self) -> str:
+        slices = ", ".join(
+            f"[{_span(s.names)}: {_size(s.storage.nbytes)}]" for s in self._engine.slices
+        )
+        return (
+            f"device={self.device}, offload_device={self.offload_device}, "
+            f"checkpoint_activation={self.checkpoint_activation}, num_microbatches={self.num_microbatches}, "
+            f"slices={slices}"
+        )
+
+    # -- forward -----------------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the wrapped layers on one input, as ``nn.Sequential.forward`` does.
+
+        Raises:
+            TypeError: keyword arguments, or not exactly one positional argument.
+        """
+        if kwargs:
+            raise TypeError(
+                f"OffloadModel.forward takes one positional input, as nn.Sequential does; got keyword "
+                f"argument(s) {sorted(kwargs)}. Pack extra values into the input (e.g. a tuple) instead."
+            )
+        if len(args) != 1:
+            raise TypeError(f"OffloadModel.forward takes exactly one input, as nn.Sequential does; got {len(args)}")
+        engine = self._engine
+        engine.refresh()
+        self._warn_microbatch_batchnorm()
+        leaves, spec = tree_flatten(args[0])
+        params = engine.parameters()
+        needs_graph = torch.is_grad_enabled() and (
+            any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves)
+            or any(p.requires_grad for p in params)
+        )
+        if not needs_graph:
+            return streamed_forward(engine, leaves, spec, self.num_microbatches)
+        positions = [k for k, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        call = Call(spec, [None if isinstance(x, torch.Tensor) else x for x in leaves], positions)
+        outputs = OffloadFunction.apply(
+            engine, call, self.checkpoint_activation, self.num_microbatches,
+            *(leaves[k] for k in positions), *params,
+        )
+        out_leaves = list(call.output_leaves)
+        for position, tensor in zip(call.output_tensor_positions, outputs):
+            out_leaves[position] = tensor
+        assert call.output_spec is not None
+        return tree_unflatten(out_leaves, call.output_spec)
+
+    def _warn_microbatch_batchnorm(self) -> None:
+        if self._warned_microbatch_batchnorm or self.num_microbatches == 1 or not self.training:
+            return
+        if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.modules()):
+            self._warned_microbatch_batchnorm = True
+            warnings.warn(
+                "OffloadModel with num_microbatches > 1 runs BatchNorm layers on each microbatch, so "
+                "their batch statistics differ from the full batch's; use num_microbatches=1 for exact "
+                "full-batch normalisation",
+                stacklevel=3,
+            )
+
+    # -- placement ---------------------------------------------------------------------------
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> OffloadModel:
+        # .to(dtype), .half(), .double() change the host copies and are followed; moving the host
+        # copies to another device would defeat offloading (and may not fit), so it is refused.
+        try:
+            probe = fn(torch.empty(0, device=self.offload_device))
+        except (RuntimeError, AssertionError) as error:
+            raise RuntimeError(self._placement_message()) from error
+        if probe.device != self.offload_device:
+            raise RuntimeError(self._placement_message())
+        super()._apply(fn, recurse)
+        self._engine.refresh()
+        return self
+
+    def _placement_message(self) -> str:
+        return (
+            f"OffloadModel keeps its parameters on offload_device={self.offload_device} and moves slices "
+            f"to device={self.device} itself; don't move it with .to(device)/.cuda()/.cpu(). To compute "
+            "elsewhere, wrap the layers in a new OffloadModel with that device."
+        )
+
+
+# -- argument checking ------------------------------------------------------------------------------
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1, got {value}")
+    return value
+
+
+def _existing_device(value: Any, name: str) -> torch.device:
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError) as error:
+        raise TypeError(f"{name} must be a torch.device, a string like 'cuda:0', or an int, got {value!r}") from error
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"{name}={str(device)!r} was requested, but CUDA is not available on this machine; "
+                f"pass {name}='cpu' to run on the CPU"
+            )
+        index = torch.cuda.current_device() if device.index is None else device.index
+        if index >= torch.cuda.device_count():
+            raise ValueError(
+                f"{name}={str(device)!r} was requested, but this machine has {torch.cuda.device_count()} CUDA device(s)"
+            )
+        return torch.device("cuda", index)
+    if device.type not in ("cpu", "meta") and not _backend_available(device.type):
+        raise ValueError(f"{name}={str(device)!r} was requested, but that backend is not available on this machine")
+    return device
+
+
+def _backend_available(device_type: str) -> bool:
+    module = getattr(torch, device_type, None)
+    is_available = getattr(module, "is_available", None)
+    return bool(is_available()) if callable(is_available) else False
+
+
+def _slice_groups(model: Any, num_slices: int) -> list[tuple[list[str], list[nn.Module]]]:
+    if isinstance(model, nn.Sequential):
+        if type(model).forward is not nn.Sequential.forward:
+            raise TypeError(
+                f"{type(model).__name__} overrides nn.Sequential.forward; OffloadModel runs the layers one after "
+                "another and would bypass it. Pass a plain nn.Sequential, or a list of modules to use as slices."
+            )
+        names = list(model._modules)
+        layers = [model._modules[name] for name in names]
+        if not layers:
+            raise ValueError("the nn.Sequential has no layers")
+        if any(layer is None for layer in layers):
+            raise ValueError("the nn.Sequential holds a None layer")
+        ranges = partition([layer_nbytes(layer) for layer in layers], num_slices)  # type: ignore[arg-type]
+        return [([names[k] for k in r], [layers[k] for k in r]) for r in ranges]  # type: ignore[misc]
+    if isinstance(model, (list, tuple, nn.ModuleList)):
+        modules = list(model)
+        if not modules:
+            raise ValueError("the list of slices is empty")
+        for k, module in enumerate(modules):
+            if not isinstance(module, nn.Module):
+                raise TypeError(f"slice {k} is a {type(module).__name__}; every slice must be an nn.Module")
+        return [([str(k)], [module]) for k, module in enumerate(modules)]
+    raise TypeError(
+        f"OffloadModel expects an nn.Sequential, or a list of nn.Module used as slices; got {type(model).__name__}"
+    )
+
+
+def _span(names: Sequence[str]) -> str:
+    return names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"

@@ -1,0 +1,47 @@
+"""Forward without autograd: under ``torch.no_grad()`` / ``torch.inference_mode()``, or when
+nothing requires grad.
+
+Slices stream through the device slots exactly as in a training forward, but nothing is kept for
+backward: no boundary activations, no generator states, no graphs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.profiler import record_function
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+
+from .engine import Engine
+from .microbatch import join_outputs, split_leaves
+from .streams import Event
+
+
+def streamed_forward(engine: Engine, leaves: list[Any], spec: TreeSpec, num_microbatches: int) -> Any:
+    """Run every slice over every microbatch and return the joined output structure."""
+    microbatches, split = split_leaves(leaves, num_microbatches)
+    boundary = [(engine.to_device(mb), spec) for mb in microbatches]
+    buffer_events: list[Event | None] = []
+    try:
+        for i in range(engine.num_slices):
+            views = engine.slots.acquire(i)
+            if i + 1 < engine.num_slices:
+                engine.slots.prefetch(i + 1)
+            changed = False
+            next_boundary = []
+            for in_leaves, in_spec in boundary:
+                with record_function(f"offload::forward slice {i}"):
+                    result = engine.run_slice(i, views, tree_unflatten(list(in_leaves), in_spec), want_snapshot=False)
+                changed |= result.buffers_changed
+                next_boundary.append(tree_flatten(result.output))
+            if changed:
+                buffer_events.append(engine.slots.write_back_buffers(i))
+            engine.slots.release(i)
+            boundary = next_boundary
+        # Buffers are host state the caller may read as soon as this returns.
+        engine.copies.wait_host_all(buffer_events)
+    except BaseException:
+        engine.slots.invalidate()
+        raise
+    joined, _ = join_outputs([out_leaves for out_leaves, _ in boundary], split.sizes)
+    return tree_unflatten(joined, boundary[0][1])

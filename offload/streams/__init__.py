@@ -1,0 +1,33 @@
+"""Everything that moves tensors between host and device, and everything that orders those moves.
+
+- ``copies``: the copy engine; the only place that touches streams and events.
+- ``host_storage``: a slice's host copies, as views into one flat (pinned) buffer.
+- ``host_buffers``: pooled host buffers for gradients and activations.
+- ``device_slots``: the two device slots that slices take turns in.
+- ``activations``: boundary activations offloaded and loaded back.
+- ``gradients``: slice gradients accumulated on the device and offloaded.
+"""
+
+from .activations import ActivationOffloader, OffloadTicket
+from .copies import SYNC_ENV_VAR, CopyStreams, Event
+from .device_slots import DeviceSlots, SlotReference
+from .gradients import GradientOffloader, PendingGradients, SliceGradients
+from .host_buffers import HostBuffer, HostBufferPool
+from .host_storage import Entry, SliceStorage
+
+__all__ = [
+    "SYNC_ENV_VAR",
+    "ActivationOffloader",
+    "CopyStreams",
+    "DeviceSlots",
+    "Entry",
+    "Event",
+    "GradientOffloader",
+    "HostBuffer",
+    "HostBufferPool",
+    "OffloadTicket",
+    "PendingGradients",
+    "SliceGradients",
+    "SliceStorage",
+    "SlotReference",
+]

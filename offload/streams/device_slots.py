@@ -1,0 +1,215 @@
+"""Two device slots that take turns holding slices: while one computes, the other loads.
+
+A slot is one persistent device byte buffer, sized for the largest slice; loading a slice is one
+copy of its host buffer into a free slot. A slot remembers which slice it holds and at which
+parameter versions, so a slice that is still there and unchanged is not loaded again; that is how
+the last slice stays resident from the end of forward into the start of backward.
+
+Graphs that autograd keeps across slot reuse (the last slice's, or every slice's without
+activation checkpointing) must not hold slot memory: the slot may hold another slice when
+backward reaches them. :meth:`DeviceSlots.saved_tensors_hooks` replaces every slot tensor that
+autograd saves with a *slot reference* (slice, dtype, shape, strides, offset) and resolves it
+again, after the slice has been loaded back, when backward unpacks it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+
+from .copies import CopyStreams, Event
+from .host_storage import SliceStorage
+
+
+@dataclass
+class _Slot:
+    data: torch.Tensor
+    slice_index: int | None = None
+    versions: tuple[int, ...] | None = None
+    ready: Event | None = None
+    free: Event | None = None
+    in_use: bool = False
+    last_used: int = 0
+    views: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class SlotReference:
+    """What a saved slot tensor is, independent of which slot holds its slice later."""
+
+    slice_index: int
+    dtype: torch.dtype
+    size: torch.Size
+    stride: tuple[int, ...]
+    byte_offset: int
+
+
+class DeviceSlots:
+    """Double-buffered device copies of slices.
+
+    Args:
+        storages: host copies of every slice.
+        copies: the copy engine.
+        num_slots: how many slices can be on the device at once; two is enough to overlap the
+            next slice's load with this slice's compute.
+    """
+
+    def __init__(self, storages: Sequence[SliceStorage], copies: CopyStreams, num_slots: int = 2) -> None:
+        self.storages = storages
+        self.copies = copies
+        self._tick = 0
+        nbytes = max(storage.device_nbytes for storage in storages)
+        self._slots = [
+            _Slot(torch.empty(nbytes, dtype=torch.uint8, device=copies.device))
+            for _ in range(min(num_slots, len(storages)))
+        ]
+        self.loads = 0  # loads issued; tests and benchmarks read it
+
+    @property
+    def slot_nbytes(self) -> int:
+        return int(self._slots[0].data.numel())
+
+    def _find(self, index: int) -> _Slot | None:
+        for slot in self._slots:
+            if slot.slice_index == index:
+                return slot
+        return None
+
+    def _current(self, slot: _Slot, index: int) -> bool:
+        return slot.slice_index == index and slot.versions == self.storages[index].versions()
+
+    def prefetch(self, index: int) -> None:
+        """Start loading slice ``index`` unless a slot already holds it, current."""
+        slot = self._find(index)
+        if slot is not None and self._current(slot, index):
+            return
+        if slot is None:
+            candidates = [s for s in self._slots if not s.in_use]
+            if not candidates:
+                raise RuntimeError("internal error: every device slot is in use; release one before loading")
+            slot = min(candidates, key=lambda s: s.last_used)
+        elif slot.in_use:
+            raise RuntimeError(f"internal error: slice {index} is stale while in use")
+        storage = self.storages[index]
+        slot.slice_index = None  # if the copy below raises, the slot holds nothing usable
+        slot.ready = self.copies.load(
+            slot.data[:storage.device_nbytes], storage.flat, after=(slot.free,), label=f"offload::load slice {index}"
+        )
+        slot.slice_index = index
+        slot.versions = storage.versions()
+        slot.views = storage.device_views(slot.data)
+        self.loads += 1
+
+    def acquire(self, index: int) -> list[torch.Tensor]:
+        """Slice ``index`` on the device, ready for compute: typed views, one per entry.
+
+        The slot stays reserved until :meth:`release`.
+        """
+        self.prefetch(index)
+        slot = self._find(index)
+        assert slot is not None
+        self.copies.wait_ready(slot.ready)
+        slot.in_use = True
+        self._tick += 1
+        slot.last_used = self._tick
+        return slot.views
+
+    def release(self, index: int) -> None:
+        """Compute issued so far is the last to read slice ``index`` before the slot may be reused."""
+        slot = self._find(index)
+        if slot is None:
+            return
+        slot.free = self.copies.compute_done()
+        slot.in_use = False
+
+    def mark_stale(self, index: int) -> None:
+        """The device copy of slice ``index`` was modified (buffers restored or updated on the device)."""
+        slot = self._find(index)
+        if slot is not None:
+            slot.versions = None
+
+    def invalidate(self) -> None:
+        """Forget every slot's content and reservation, after an exception interrupted a walk."""
+        for slot in self._slots:
+            slot.slice_index = None
+            slot.versions = None
+            slot.in_use = False
+            slot.free = self.copies.compute_done()
+
+    # -- buffers ---------------------------------------------------------------------------------
+    # Buffers are the only device data that compute may change (running statistics, counters).
+    # See Note: [Buffers] in offload/autograd/function.py.
+
+    def _buffer_region(self, index: int) -> torch.Tensor:
+        slot = self._find(index)
+        assert slot is not None and slot.in_use, "slice must be acquired"
+        start, end = self.storages[index].buffer_region
+        return slot.data[start:end]
+
+    def write_counter(self, index: int) -> int:
+        """Counter of in-place writes to slice ``index``'s device copy (through any of its views)."""
+        slot = self._find(index)
+        assert slot is not None
+        return slot.data._version
+
+    def snapshot_buffers(self, index: int) -> torch.Tensor | None:
+        """A device copy of the acquired slice's buffers as they are now, or None without buffers."""
+        region = self._buffer_region(index)
+        return region.clone() if region.numel() else None
+
+    def write_back_buffers(self, index: int) -> Event | None:
+        """Start copying the acquired slice's device buffers over its host buffers."""
+        storage = self.storages[index]
+        return self.copies.offload(storage.buffer_bytes(), self._buffer_region(index),
+                                   label=f"offload::write back buffers of slice {index}")
+
+    def restore_buffers(self, index: int, host_snapshot: torch.Tensor, after: Event | None) -> None:
+        """Load a buffer snapshot into the acquired slice's device copy and wait for it.
+
+        The device copy then differs from the host copy, so the slot is marked stale.
+        """
+        ready = self.copies.load(self._buffer_region(index), host_snapshot, after=(after,),
+                                 after_queued_compute=True, label=f"offload::restore buffers of slice {index}")
+        self.copies.wait_ready(ready)
+        self.mark_stale(index)
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` lives in slot memory."""
+        try:
+            ptr = tensor.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):
+            return False
+        return any(slot.data.untyped_storage().data_ptr() == ptr for slot in self._slots)
+
+    # -- saved tensors of kept graphs ------------------------------------------------------------
+
+    def saved_tensors_hooks(self) -> saved_tensors_hooks:
+        """Hooks under which autograd saves slot tensors as :class:`SlotReference` s."""
+        return saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        try:
+            ptr = tensor.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):
+            return tensor
+        for slot in self._slots:
+            if slot.slice_index is not None and slot.data.untyped_storage().data_ptr() == ptr:
+                return SlotReference(slot.slice_index, tensor.dtype, tensor.size(), tuple(tensor.stride()),
+                                     tensor.storage_offset() * tensor.element_size())
+        return tensor
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, SlotReference):
+            return packed
+        slot = self._find(packed.slice_index)
+        if slot is None or not slot.in_use:
+            raise RuntimeError(
+                f"internal error: slice {packed.slice_index} must be acquired before its kept graph runs backward"
+            )
+        typed = slot.data.view(packed.dtype) if packed.dtype != torch.uint8 else slot.data
+        itemsize = slot.data.new_empty((), dtype=packed.dtype).element_size()
+        return typed.as_strided(packed.size, packed.stride, packed.byte_offset // itemsize)

@@ -1,0 +1,89 @@
+"""Reusable host byte buffers for gradients and boundary activations.
+
+Pinning host memory is slow (it maps pages for the device) and unpinned buffers of this size are
+handed back to the OS on free and faulted in again on reuse, so buffers are allocated once and
+reused. A buffer is handed out again only when nothing outside the pool refers to its memory:
+a gradient the user still holds as ``.grad``, or an activation autograd still keeps for backward,
+keeps its buffer out of circulation. There is no "return" call to forget.
+
+This file allocates and recycles; the copies into and out of buffers belong to ``copies.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .copies import Event
+
+
+def _storage_use_count(tensor: torch.Tensor) -> int | None:
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:
+        return None
+    return int(use_count(tensor.untyped_storage()._cdata))
+
+
+@dataclass
+class HostBuffer:
+    """A pooled host byte buffer.
+
+    Attributes:
+        data: the bytes (``torch.uint8``), pinned when copies are asynchronous.
+        read_event: ready event of the last load that read this buffer; an offload into it must
+            wait for it. ``None`` on the CPU.
+    """
+
+    data: torch.Tensor
+    read_event: Event | None = None
+    _idle_use_count: int | None = None
+    _last_taken: int = 0
+
+    def is_idle(self) -> bool:
+        count = _storage_use_count(self.data)
+        # Without a way to count references, never reuse: correct, only slower.
+        return count is not None and self._idle_use_count is not None and count <= self._idle_use_count
+
+
+class HostBufferPool:
+    """Exact-size host buffers, reused once nothing else refers to them.
+
+    Args:
+        host_device: where the buffers live (the offload device).
+        pin: pin the buffers (only useful, and only possible, with a CUDA device).
+    """
+
+    def __init__(self, host_device: torch.device, pin: bool) -> None:
+        self.host_device = host_device
+        self.pin = pin
+        self._buffers: dict[int, list[HostBuffer]] = {}
+        self._step = 0
+
+    def take(self, nbytes: int) -> HostBuffer:
+        """An idle buffer of exactly ``nbytes``, allocated if none is idle."""
+        for buffer in self._buffers.get(nbytes, ()):
+            if buffer.is_idle():
+                buffer._last_taken = self._step
+                return buffer
+        data = torch.empty(nbytes, dtype=torch.uint8, device=self.host_device, pin_memory=self.pin)
+        buffer = HostBuffer(data)
+        buffer._idle_use_count = _storage_use_count(data)
+        buffer._last_taken = self._step
+        self._buffers.setdefault(nbytes, []).append(buffer)
+        return buffer
+
+    def end_step(self) -> None:
+        """Free idle buffers not taken in this step or the one before (the shapes changed)."""
+        for nbytes in list(self._buffers):
+            kept = [b for b in self._buffers[nbytes] if b._last_taken >= self._step - 1 or not b.is_idle()]
+            if kept:
+                self._buffers[nbytes] = kept
+            else:
+                del self._buffers[nbytes]
+        self._step += 1
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the pool, idle or not."""
+        return sum(nbytes * len(buffers) for nbytes, buffers in self._buffers.items())

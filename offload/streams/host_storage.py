@@ -1,0 +1,195 @@
+"""The host copies of one slice: every parameter and buffer as a view into one flat byte buffer.
+
+The user's ``nn.Parameter`` objects stay the same Python objects; only their ``.data`` is pointed
+into the slice's buffer, so an optimizer built on them keeps working and its in-place updates land
+where the next load reads them. One flat buffer per slice means a load is one copy, and the buffer
+is pinned once for the life of the model.
+
+Layout: parameters first, then buffers, each entry aligned to :data:`ALIGNMENT` bytes. The device
+slot uses the same layout in the *device dtype* of each entry, so a slice without dtype changes
+loads with a single byte copy, and the buffers form one contiguous region that can be snapshotted
+and written back on its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..binding import Site
+
+#: Byte alignment of every entry: keeps typed views legal and vector loads aligned.
+ALIGNMENT = 64
+
+
+def _align(n: int) -> int:
+    return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+def typed_view(flat: torch.Tensor, offset: int, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+    """A ``dtype`` view of ``shape`` into the byte tensor ``flat`` starting at byte ``offset``."""
+    nbytes = shape.numel() * _itemsize(dtype)
+    return flat[offset:offset + nbytes].view(dtype).view(shape)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass
+class Entry:
+    """One parameter or buffer of a slice.
+
+    Attributes:
+        tensor: the host copy: the user's own ``nn.Parameter`` or buffer object.
+        sites: every place it is registered (more than one for tied weights).
+        device_dtype: dtype of the device copy; differs from ``tensor.dtype`` only under a
+            compute dtype.
+        host_offset / device_offset: byte offsets into the host buffer and into a device slot.
+        grad_offset: byte offset of this parameter's gradient in a slice gradient buffer
+            (parameters only; gradients travel in the device dtype).
+    """
+
+    tensor: torch.Tensor
+    sites: tuple[Site, ...]
+    shape: torch.Size
+    dtype: torch.dtype
+    device_dtype: torch.dtype
+    host_offset: int = 0
+    device_offset: int = 0
+    grad_offset: int = 0
+
+    @property
+    def is_parameter(self) -> bool:
+        return self.sites[0].is_parameter
+
+
+def collect_entries(layers: Sequence[nn.Module]) -> tuple[list[Entry], list[Entry]]:
+    """The parameters and buffers registered anywhere in ``layers``, each tensor once."""
+    by_id: dict[int, tuple[torch.Tensor, list[Site]]] = {}
+    order: list[int] = []
+    for layer in layers:
+        for module in layer.modules():
+            for is_parameter, table in ((True, module._parameters), (False, module._buffers)):
+                for name, tensor in table.items():
+                    if tensor is None:
+                        continue
+                    if id(tensor) not in by_id:
+                        by_id[id(tensor)] = (tensor, [])
+                        order.append(id(tensor))
+                    by_id[id(tensor)][1].append(Site(module, name, is_parameter))
+    params: list[Entry] = []
+    buffers: list[Entry] = []
+    for key in order:
+        tensor, sites = by_id[key]
+        if len({site.is_parameter for site in sites}) > 1:
+            raise ValueError("a tensor is registered both as a parameter and as a buffer; OffloadModel cannot place it")
+        if tensor.is_sparse or tensor.layout != torch.strided:
+            raise ValueError(f"only dense (strided) parameters and buffers are supported, got layout {tensor.layout}")
+        entry = Entry(tensor, tuple(sites), tensor.shape, tensor.dtype, tensor.dtype)
+        (params if sites[0].is_parameter else buffers).append(entry)
+    return params, buffers
+
+
+class SliceStorage:
+    """Host copies of one slice's parameters and buffers, in one flat (pinned) byte buffer.
+
+    Args:
+        layers: the slice's layers.
+        host_device: where the host copies live (``offload_device``).
+        pin: pin the buffer (only with a CUDA compute device).
+
+    Raises:
+        ValueError: for sparse tensors or a tensor registered both as parameter and as buffer.
+    """
+
+    def __init__(self, layers: Sequence[nn.Module], host_device: torch.device, pin: bool) -> None:
+        self.layers = list(layers)
+        self.host_device = host_device
+        self.pin = pin
+        self.build()
+
+    def build(self) -> None:
+        """Lay the slice out and move every tensor's data into the flat buffer."""
+        self.params, self.buffers = collect_entries(self.layers)
+        self.entries = self.params + self.buffers
+        offset = 0
+        for entry in self.entries:
+            entry.host_offset = entry.device_offset = offset
+            offset = _align(offset + entry.shape.numel() * _itemsize(entry.dtype))
+        self.buffer_region = (
+            (self.buffers[0].device_offset, offset) if self.buffers else (offset, offset)
+        )
+        self.device_nbytes = offset
+        grad_offset = 0
+        for entry in self.params:
+            entry.grad_offset = grad_offset
+            grad_offset = _align(grad_offset + entry.shape.numel() * _itemsize(entry.device_dtype))
+        self.grad_nbytes = grad_offset
+        self.flat = torch.empty(offset, dtype=torch.uint8, device=self.host_device, pin_memory=self.pin)
+        for entry in self.entries:
+            view = typed_view(self.flat, entry.host_offset, entry.dtype, entry.shape)
+            view.copy_(entry.tensor.detach())
+            # Same object, new storage: optimizers and user references keep working.
+            entry.tensor.data = view
+        self._expected_ptrs = [entry.tensor.data_ptr() for entry in self.entries]
+
+    def moved(self) -> bool:
+        """Whether a tensor's ``.data`` was replaced since :meth:`build` (``p.data = other``).
+
+        Replacing ``.data`` takes the tensor out of the flat buffer, so the next load would miss the
+        new values; the caller rebuilds the storage when this is true.
+        """
+        for entry, ptr in zip(self.entries, self._expected_ptrs):
+            tensor = entry.tensor
+            if tensor.data_ptr() != ptr or tensor.dtype != entry.dtype or tensor.shape != entry.shape:
+                return True
+        return False
+
+    def registered_tensors_changed(self) -> bool:
+        """Whether a layer now registers tensors other than the ones laid out (a new parameter object)."""
+        params, buffers = collect_entries(self.layers)
+        current = [id(e.tensor) for e in params + buffers]
+        return current != [id(e.tensor) for e in self.entries]
+
+    def param_versions(self) -> tuple[int, ...]:
+        """In-place modification counters of the parameters (the optimizer bumps them)."""
+        return tuple(entry.tensor._version for entry in self.params)
+
+    def versions(self) -> tuple[int, ...]:
+        """Counters of parameters and buffers: a device copy made at these versions is current."""
+        return tuple(entry.tensor._version for entry in self.entries)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the host buffer."""
+        return self.device_nbytes
+
+    def buffer_bytes(self) -> torch.Tensor:
+        """The host buffer's byte region that holds the buffers."""
+        start, end = self.buffer_region
+        return self.flat[start:end]
+
+    def device_views(self, slot: torch.Tensor) -> list[torch.Tensor]:
+        """Typed views of every entry into a device slot that holds this slice."""
+        return [typed_view(slot, e.device_offset, e.device_dtype, e.shape) for e in self.entries]
+
+    def grad_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Typed views of every parameter's gradient into a slice gradient buffer."""
+        return [typed_view(flat, e.grad_offset, e.device_dtype, e.shape) for e in self.params]
+
+    def has_running_stats_in_training(self) -> bool:
+        """Whether a normalisation layer here updates running statistics in this forward.
+
+        Their kernels update ``running_mean``/``running_var`` without bumping the tensors' version
+        counters, so a version check alone would not see the change.
+        """
+        for layer in self.layers:
+            for module in layer.modules():
+                if (module.training and getattr(module, "track_running_stats", False)
+                        and getattr(module, "running_mean", None) is not None):
+                    return True
+        return False

@@ -1,0 +1,66 @@
+"""Shared test helpers: the reference to compare against, and the devices to run on.
+
+Every parity test builds an unwrapped reference with ``copy.deepcopy`` and runs it from the same
+generator state; GPU variants run the same test on ``cuda`` behind the ``cuda`` marker.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+CUDA = pytest.mark.cuda
+
+#: Run a test on the CPU always and on CUDA behind the marker. and on CUDA behind the marker.
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=CUDA)]
+
+
+def clone_model(model: nn.Module) -> nn.Module:
+    return copy.deepcopy(model)
+
+
+def grads_of(module: nn.Module) -> dict[str, torch.Tensor | None]:
+    return {name: (p.grad.detach().clone() if p.grad is not None else None) for name, p in module.named_parameters()}
+
+
+def assert_same_grads(actual: nn.Module, expected: nn.Module, **tolerance: Any) -> None:
+    got, want = grads_of(actual), grads_of(expected)
+    assert got.keys() == want.keys()
+    for name in want:
+        if want[name] is None:
+            assert got[name] is None, f"{name}: expected no gradient"
+            continue
+        assert got[name] is not None, f"{name}: missing gradient"
+        torch.testing.assert_close(got[name].to(want[name].device), want[name], msg=lambda m: f"{name}: {m}",
+                                   **tolerance)
+
+
+def microbatched_reference(layers: nn.Sequential, partition: Sequence[Sequence[str]], x: torch.Tensor,
+                           num_microbatches: int) -> torch.Tensor:
+    """What OffloadModel computes with microbatches: each slice runs its layers on each chunk in turn.
+
+    Built from the plain layers only: slice by slice, chunk by chunk, in the documented order, so
+    random layers draw the same numbers as the offloaded model's.
+    """
+    chunks = list(torch.tensor_split(x, min(num_microbatches, x.shape[0]), dim=0))
+    for names in partition:
+        chunks = [_run(layers, names, chunk) for chunk in chunks]
+    return torch.cat(chunks, dim=0)
+
+
+def _run(layers: nn.Sequential, names: Sequence[str], value: Any) -> Any:
+    for name in names:
+        value = layers._modules[name](value)
+    return value
+
+
+def seeded(seed: int, fn: Callable[[], Any]) -> Any:
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+    return fn()
