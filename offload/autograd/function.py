@@ -95,7 +95,11 @@ class _Checkpoint:
 class _KeptGraph:
     outputs: list[int | None]
     inputs: list[int | None]
-    entries: list[int]
+    # The graph's parameter leaves: views of a slot, so they share its version counter and would
+    # trip autograd's saved-tensor version check once the slot is reloaded. They are only handed
+    # to autograd.grad as the tensors to differentiate with respect to (their values are read
+    # through slot references), so they are kept here rather than saved.
+    params: list[torch.Tensor]
 
 
 class _Stash:
@@ -203,7 +207,7 @@ class OffloadFunction(torch.autograd.Function):
                             records[i][m] = _KeptGraph(
                                 outputs=[stash.add(o) if isinstance(o, torch.Tensor) else None for o in out_leaves],
                                 inputs=[stash.add(x) if isinstance(x, torch.Tensor) else None for x in graph_inputs],
-                                entries=[stash.add(t) for t, e in zip(entry_tensors, s.storage.entries) if e.is_parameter],
+                                params=[t for t, e in zip(entry_tensors, s.storage.entries) if e.is_parameter],
                             )
                             out_leaves = [o.detach() if isinstance(o, torch.Tensor) else o for o in out_leaves]
                         else:
@@ -309,7 +313,7 @@ class OffloadFunction(torch.autograd.Function):
                     if isinstance(record, _KeptGraph):
                         outputs = [saved[k] if k is not None else None for k in record.outputs]
                         inputs = [saved[k] if k is not None else None for k in record.inputs]
-                        params = [saved[k] for k in record.entries]
+                        params = record.params
                         retain = keep_graph
                     else:
                         restored |= record.buffers is not None

@@ -151,10 +151,10 @@ class DeviceSlots:
         return slot.data[start:end]
 
     def write_counter(self, index: int) -> int:
-        """Counter of in-place writes to slice ``index``'s device copy (through any of its views)."""
+        """Sum of the version counters of slice ``index``'s device copies: moves on any in-place write."""
         slot = self._find(index)
         assert slot is not None
-        return slot.data._version
+        return sum(view._version for view in slot.views)
 
     def snapshot_buffers(self, index: int) -> torch.Tensor | None:
         """A device copy of the acquired slice's buffers as they are now, or None without buffers."""

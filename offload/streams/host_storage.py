@@ -35,6 +35,23 @@ def typed_view(flat: torch.Tensor, offset: int, dtype: torch.dtype, shape: torch
     return flat[offset:offset + nbytes].view(dtype).view(shape)
 
 
+def alias(flat: torch.Tensor, offset: int, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+    """Like :func:`typed_view`, but a tensor of its own rather than a view of ``flat``.
+
+    Views share their base's version counter, so an in-place update of one buffer would look to
+    autograd like a change of every tensor in the slot. An alias made with ``set_`` shares only
+    the memory and counts its own in-place writes, like a separately allocated tensor would.
+    """
+    itemsize = _itemsize(dtype)
+    # A tensor created inside inference_mode would be an inference tensor, which training code
+    # may not update in place later; these aliases outlive the call that creates them.
+    with torch.inference_mode(False):
+        tensor = torch.empty(0, dtype=dtype, device=flat.device)
+        tensor.set_(flat.untyped_storage(), (flat.storage_offset() + offset) // itemsize, shape,
+                    torch.empty(shape, device="meta").stride())
+    return tensor
+
+
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -174,8 +191,8 @@ class SliceStorage:
         return self.flat[start:end]
 
     def device_views(self, slot: torch.Tensor) -> list[torch.Tensor]:
-        """Typed views of every entry into a device slot that holds this slice."""
-        return [typed_view(slot, e.device_offset, e.device_dtype, e.shape) for e in self.entries]
+        """Every entry's device copy in a slot that holds this slice, each with its own version counter."""
+        return [alias(slot, e.device_offset, e.device_dtype, e.shape) for e in self.entries]
 
     def grad_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Typed views of every parameter's gradient into a slice gradient buffer."""

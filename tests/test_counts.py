@@ -1,0 +1,91 @@
+"""How often each slice runs and loads per training step: the recompute schedule is part of the spec."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from offload import OffloadModel
+
+from .helpers import DEVICES
+
+
+class Counted(nn.Module):
+    """A linear layer that counts its forward calls."""
+
+    def __init__(self, width: int = 4):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return torch.tanh(self.linear(x))
+
+
+def counted_model(num_layers: int) -> nn.Sequential:
+    return nn.Sequential(*[Counted() for _ in range(num_layers)])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_slices", [1, 2, 4])
+@pytest.mark.parametrize("num_microbatches", [1, 3])
+@pytest.mark.parametrize("checkpoint", [True, False])
+def test_forward_runs_per_slice_per_step(device, num_slices, num_microbatches, checkpoint):
+    model = OffloadModel(counted_model(4), device=device, num_slices=num_slices,
+                         num_microbatches=num_microbatches, checkpoint_activation=checkpoint)
+    model(torch.randn(6, 4, device=device)).sum().backward()
+    last_slice = set(model.partition[-1])
+    for name, layer in model.named_children():
+        if not checkpoint:
+            expected = num_microbatches  # graphs kept: never recomputed
+        elif name in last_slice:
+            # The last microbatch of the last slice is resident at the turn: not recomputed.
+            expected = num_microbatches + (num_microbatches - 1)
+        else:
+            expected = 2 * num_microbatches
+        assert layer.calls == expected, f"layer {name}"
+
+
+@pytest.mark.parametrize("num_slices", [1, 2, 3, 5])
+def test_loads_per_step(num_slices):
+    model = OffloadModel(counted_model(5), device="cpu", num_slices=num_slices)
+    slots = model._engine.slots
+    model(torch.randn(2, 4)).sum().backward()
+    # Forward loads every slice; backward finds the last two still in their slots (two slots).
+    resident = min(2, num_slices)
+    assert slots.loads == num_slices + (num_slices - resident)
+    # Without an optimizer step nothing changed: backward ended on slices 1 and 0, which the next
+    # forward finds resident.
+    before = slots.loads
+    with torch.no_grad():
+        model(torch.randn(2, 4))
+    assert slots.loads - before == max(0, num_slices - 2)
+
+
+def test_parameter_update_forces_a_reload():
+    model = OffloadModel(counted_model(2), device="cpu", num_slices=2)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        first = model(x)
+        loads = model._engine.slots.loads
+        model(x)
+        assert model._engine.slots.loads == loads  # both slices resident, unchanged
+        model._modules["1"].linear.weight.mul_(2.0)
+        second = model(x)
+    assert model._engine.slots.loads == loads + 1
+    assert not torch.equal(first, second)
+
+
+def test_unchanged_weights_never_travel_back():
+    model = OffloadModel(counted_model(4), device="cpu", num_slices=4)
+    x = torch.randn(3, 4)
+    model(x).sum().backward()
+    engine = model._engine
+    grad_bytes = sum(s.storage.grad_nbytes for s in engine.slices)
+    # Offloads: gradients, and the boundary activations of slices 1 and 2 (slice 0's input is the
+    # caller's tensor; the last slice's graph is kept). No parameter bytes.
+    boundary_bytes = 2 * x.numel() * x.element_size()
+    assert engine.gradients.offloaded_bytes == grad_bytes
+    assert engine.activations.offloaded_bytes == boundary_bytes

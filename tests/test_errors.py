@@ -1,0 +1,94 @@
+"""Bad input gets a clear error that says what to do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from offload import OffloadModel
+
+
+def test_rejects_a_model_that_is_not_sequential():
+    with pytest.raises(TypeError, match="nn.Sequential, or a list of nn.Module"):
+        OffloadModel(nn.Linear(2, 2), device="cpu")
+
+
+def test_rejects_a_sequential_subclass_with_its_own_forward():
+    class Custom(nn.Sequential):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    with pytest.raises(TypeError, match="overrides nn.Sequential.forward"):
+        OffloadModel(Custom(nn.Linear(2, 2)), device="cpu")
+
+
+def test_rejects_a_list_with_a_non_module():
+    with pytest.raises(TypeError, match="slice 1 is a builtin_function_or_method; every slice must be an nn.Module"):
+        OffloadModel([nn.Linear(2, 2), torch.relu], device="cpu")
+
+
+@pytest.mark.parametrize("model", [nn.Sequential(), []])
+def test_rejects_empty_models(model):
+    with pytest.raises(ValueError, match="no layers|empty"):
+        OffloadModel(model, device="cpu")
+
+
+@pytest.mark.parametrize("name", ["num_slices", "num_microbatches"])
+@pytest.mark.parametrize("value", [0, -2])
+def test_rejects_counts_below_one(name, value):
+    with pytest.raises(ValueError, match=f"{name} must be at least 1"):
+        OffloadModel(nn.Sequential(nn.Linear(2, 2)), device="cpu", **{name: value})
+
+
+@pytest.mark.parametrize("name", ["num_slices", "num_microbatches"])
+def test_rejects_non_integer_counts(name):
+    with pytest.raises(TypeError, match=f"{name} must be an int"):
+        OffloadModel(nn.Sequential(nn.Linear(2, 2)), device="cpu", **{name: 2.5})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_requested_without_cuda_names_the_device():
+    with pytest.raises(ValueError, match="device='cuda:1' was requested, but CUDA is not available"):
+        OffloadModel(nn.Sequential(nn.Linear(2, 2)), device="cuda:1")
+
+
+def test_unknown_device_string():
+    with pytest.raises(TypeError, match="device must be"):
+        OffloadModel(nn.Sequential(nn.Linear(2, 2)), device="gpu0")
+
+
+def test_keyword_arguments_to_forward_are_refused():
+    model = OffloadModel(nn.Sequential(nn.Linear(2, 2)), device="cpu")
+    with pytest.raises(TypeError, match=r"keyword argument\(s\) \['mask'\]"):
+        model(torch.randn(1, 2), mask=None)
+
+
+def test_more_than_one_positional_input_is_refused():
+    model = OffloadModel(nn.Sequential(nn.Linear(2, 2)), device="cpu")
+    with pytest.raises(TypeError, match="exactly one input"):
+        model(torch.randn(1, 2), torch.randn(1, 2))
+
+
+def test_tied_weights_across_slices_are_refused_with_advice():
+    first, last = nn.Embedding(10, 4), nn.Linear(4, 10, bias=False)
+    last.weight = first.weight
+    with pytest.raises(ValueError, match="shared by slice 0 and slice 1; tied weights must sit in one slice"):
+        OffloadModel(nn.Sequential(first, nn.Linear(4, 4), last), device="cpu", num_slices=2)
+
+
+def test_moving_the_model_to_another_device_is_refused():
+    model = OffloadModel(nn.Sequential(nn.Linear(2, 2)), device="cpu")
+    with pytest.raises(RuntimeError, match="don't move it with"):
+        model.to("meta")
+
+
+def test_optimizer_step_between_forward_and_backward_is_detected():
+    model = OffloadModel(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1)), device="cpu", num_slices=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = model(torch.randn(3, 2)).sum()
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

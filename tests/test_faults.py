@@ -1,0 +1,145 @@
+"""An exception inside a layer (the stand-in for device out-of-memory) propagates unchanged, leaves
+the host parameters and gradients intact, and the next ordinary step succeeds."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+from offload import OffloadModel
+
+from .helpers import DEVICES, assert_same_grads, clone_model
+
+
+class SimulatedOutOfMemory(RuntimeError):
+    pass
+
+
+class Faulty(nn.Module):
+    """A linear layer that raises on chosen forward calls, or in its backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.fail_on_calls: set[int] = set()
+        self.fail_in_backward = False
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls in self.fail_on_calls:
+            raise SimulatedOutOfMemory("CUDA out of memory (simulated)")
+        y = self.linear(x)
+        return _RaiseInBackward.apply(y) if self.fail_in_backward else y
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise SimulatedOutOfMemory("CUDA out of memory in backward (simulated)")
+
+
+def build(device: str, faulty_position: int):
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1)]
+    layers.insert(faulty_position, Faulty())
+    reference = nn.Sequential(*layers).to(device)
+    model = OffloadModel(clone_model(reference), device=device, num_slices=4)
+    # Position 6 lands in the last slice, whose graph is kept rather than recomputed.
+    assert (str(faulty_position) in model.partition[-1]) == (faulty_position == 6)
+    return reference, model
+
+
+def host_state(model: nn.Module):
+    return ({k: v.detach().clone() for k, v in model.state_dict().items()},
+            {n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()})
+
+
+def assert_intact(model: nn.Module, state) -> None:
+    values, grads = state
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, values[k]), f"{k} changed"
+    for n, p in model.named_parameters():
+        if grads[n] is None:
+            assert p.grad is None, f"{n} got a gradient"
+        else:
+            assert torch.equal(p.grad, grads[n]), f"{n}.grad changed"
+
+
+def assert_nothing_stashed(model: OffloadModel) -> None:
+    # Gradients the user holds as .grad keep their host buffers; everything else must be released.
+    for p in model.parameters():
+        p.grad = None
+    gc.collect()
+    engine = model._engine
+    assert not any(slot.in_use for slot in engine.slots._slots)
+    for buffers in engine.pool._buffers.values():
+        assert all(b.is_idle() for b in buffers)
+
+
+def next_step_matches(model, reference, device):
+    for net in (model, reference):
+        for p in net.parameters():
+            p.grad = None
+    x = torch.randn(5, 4, device=device)
+    model(x).pow(2).sum().backward()
+    reference(x).pow(2).sum().backward()
+    assert_same_grads(model, reference, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("faulty_position", [0, 3, 6])
+def test_fault_in_forward(device, faulty_position):
+    reference, model = build(device, faulty_position)
+    model(torch.randn(5, 4, device=device)).sum().backward()  # a good step first: .grad exists
+    reference(torch.randn(5, 4, device=device))
+    state = host_state(model)
+    faulty = model._modules[str(faulty_position)]
+    faulty.fail_on_calls = {faulty.calls + 1}
+    with pytest.raises(SimulatedOutOfMemory, match="simulated"):
+        model(torch.randn(5, 4, device=device))
+    assert_intact(model, state)
+    assert_nothing_stashed(model)
+    next_step_matches(model, reference, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("faulty_position", [0, 3])
+def test_fault_during_recompute(device, faulty_position):
+    reference, model = build(device, faulty_position)
+    model(torch.randn(5, 4, device=device)).sum().backward()
+    state = host_state(model)
+    faulty = model._modules[str(faulty_position)]
+    loss = model(torch.randn(5, 4, device=device)).sum()
+    faulty.fail_on_calls = {faulty.calls + 1}  # the recompute in backward
+    with pytest.raises(SimulatedOutOfMemory, match="simulated"):
+        loss.backward()
+    del loss
+    assert_intact(model, state)
+    assert_nothing_stashed(model)
+    next_step_matches(model, reference, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("faulty_position", [0, 6])
+def test_fault_inside_a_layers_backward(device, faulty_position):
+    reference, model = build(device, faulty_position)
+    model(torch.randn(5, 4, device=device)).sum().backward()
+    state = host_state(model)
+    faulty = model._modules[str(faulty_position)]
+    faulty.fail_in_backward = True
+    loss = model(torch.randn(5, 4, device=device)).sum()
+    with pytest.raises(SimulatedOutOfMemory, match="in backward"):
+        loss.backward()
+    del loss
+    faulty.fail_in_backward = False
+    assert_intact(model, state)
+    assert_nothing_stashed(model)
+    next_step_matches(model, reference, device)

@@ -1,0 +1,569 @@
+"""PyTorch's autograd and nn.Module semantics keep working through OffloadModel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from offload import OffloadModel
+
+from .helpers import DEVICES, assert_same_grads, clone_model, microbatched_reference, seeded
+
+EXACT = {"rtol": 0.0, "atol": 0.0}
+
+
+def small(dropout: float = 0.0) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Linear(6, 10), nn.ReLU(), nn.Dropout(dropout), nn.Linear(10, 10), nn.Tanh(), nn.Linear(10, 3)
+    )
+
+
+def pair(device: str, dropout: float = 0.0, **kwargs):
+    torch.manual_seed(0)
+    reference = small(dropout).to(device)
+    kwargs.setdefault("num_slices", 3)
+    return reference, OffloadModel(clone_model(reference), device=device, **kwargs)
+
+
+# -- gradients through autograd ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradients_accumulate_across_backward_calls(device):
+    reference, model = pair(device)
+    x1, x2 = torch.randn(4, 6, device=device), torch.randn(5, 6, device=device)
+    for net in (reference, model):
+        net(x1).sum().backward()
+        net(x2).pow(2).sum().backward()
+    assert_same_grads(model, reference, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("checkpoint", [True, False])
+def test_several_forwards_before_one_backward(device, checkpoint):
+    reference, model = pair(device, dropout=0.2, checkpoint_activation=checkpoint)
+    xs = [torch.randn(4, 6, device=device) for _ in range(3)]
+
+    def losses(net):
+        return [net(x).pow(2).sum() for x in xs]
+
+    ref_losses = seeded(1, lambda: losses(reference))
+    off_losses = seeded(1, lambda: losses(model))
+    for loss_ref, loss_off in zip(ref_losses, off_losses):
+        torch.testing.assert_close(loss_off, loss_ref, **EXACT)
+    # Backward in a different order than forward: each call carries its own state.
+    for k in (1, 0, 2):
+        ref_losses[k].backward()
+        off_losses[k].backward()
+    assert_same_grads(model, reference, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("checkpoint", [True, False])
+def test_retain_graph_twice_doubles_and_third_backward_raises(device, checkpoint):
+    reference, model = pair(device, checkpoint_activation=checkpoint)
+    x = torch.randn(4, 6, device=device)
+    loss_ref, loss_off = reference(x).sum(), model(x).sum()
+    loss_ref.backward(retain_graph=True)
+    loss_ref.backward()
+    loss_off.backward(retain_graph=True)
+    loss_off.backward()
+    assert_same_grads(model, reference, rtol=1e-6, atol=0)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        loss_ref.backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        loss_off.backward()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_autograd_grad_wrt_input_leaves_dot_grad_untouched(device):
+    reference, model = pair(device)
+    x_ref = torch.randn(4, 6, device=device, requires_grad=True)
+    x_off = x_ref.detach().clone().requires_grad_()
+    (g_ref,) = torch.autograd.grad(reference(x_ref).pow(2).sum(), x_ref)
+    (g_off,) = torch.autograd.grad(model(x_off).pow(2).sum(), x_off)
+    torch.testing.assert_close(g_off, g_ref, **EXACT)
+    assert x_off.grad is None
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_autograd_grad_wrt_parameters_and_input(device):
+    reference, model = pair(device)
+    x_ref = torch.randn(4, 6, device=device, requires_grad=True)
+    x_off = x_ref.detach().clone().requires_grad_()
+    ref_params, off_params = list(reference.parameters()), list(model.parameters())
+    picks = [0, 3, 5]
+    g_ref = torch.autograd.grad(reference(x_ref).sum(), [x_ref] + [ref_params[k] for k in picks])
+    g_off = torch.autograd.grad(model(x_off).sum(), [x_off] + [off_params[k] for k in picks])
+    for a, b in zip(g_off, g_ref):
+        torch.testing.assert_close(a.to(b.device), b, **EXACT)
+    assert all(p.grad is None for p in model.parameters())
+    assert x_off.grad is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_with_inputs_fills_only_those_grads(device):
+    reference, model = pair(device)
+    x = torch.randn(4, 6, device=device)
+    last_ref, last_off = list(reference.parameters())[-1], list(model.parameters())[-1]
+    reference(x).sum().backward(inputs=[last_ref])
+    model(x).sum().backward(inputs=[last_off])
+    torch.testing.assert_close(last_off.grad.to(device), last_ref.grad, **EXACT)
+    assert all(p.grad is None for p in list(model.parameters())[:-1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grad_tensors_for_non_scalar_output(device):
+    reference, model = pair(device)
+    x = torch.randn(4, 6, device=device)
+    weights = torch.randn(4, 3, device=device)
+    reference(x).backward(weights)
+    model(x).backward(weights)
+    assert_same_grads(model, reference, **EXACT)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_parameter_hooks_fire_once_per_backward(device):
+    _, model = pair(device)
+    calls: dict[str, int] = {}
+    for name, p in model.named_parameters():
+        p.register_hook(lambda g, name=name: calls.__setitem__(name, calls.get(name, 0) + 1))
+    post: list[str] = []
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, name=name: post.append(name))
+    model(torch.randn(4, 6, device=device)).sum().backward()
+    assert calls == {name: 1 for name, _ in model.named_parameters()}
+    assert sorted(post) == sorted(name for name, _ in model.named_parameters())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_parameters_stay_the_same_objects_on_the_offload_device(device):
+    torch.manual_seed(0)
+    plain = small().to(device)
+    originals = list(plain.parameters())
+    model = OffloadModel(plain, device=device, num_slices=2)
+    assert [id(p) for p in model.parameters()] == [id(p) for p in originals]
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    model(torch.randn(3, 6, device=device)).sum().backward()
+    assert all(p.grad is not None and p.grad.device.type == "cpu" for p in model.parameters())
+    assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_frozen_parameters_get_no_gradient(device):
+    reference, model = pair(device)
+    for net in (reference, model):
+        for p in list(net.parameters())[:2]:
+            p.requires_grad_(False)
+    x = torch.randn(4, 6, device=device)
+    reference(x).sum().backward()
+    model(x).sum().backward()
+    assert_same_grads(model, reference, **EXACT)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_unused_parameter_gets_no_gradient(device):
+    class TakesFirst(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used = nn.Linear(4, 4)
+            self.unused = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.used(x)
+
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(4, 4), TakesFirst(), nn.Linear(4, 2)).to(device)
+    model = OffloadModel(clone_model(reference), device=device, num_slices=3)
+    x = torch.randn(3, 4, device=device)
+    reference(x).sum().backward()
+    model(x).sum().backward()
+    assert_same_grads(model, reference, **EXACT)
+    assert model._modules["1"].unused.weight.grad is None
+
+
+# -- nn.Module behaviour ----------------------------------------------------------------------------
+
+
+def test_state_dict_keys_match_and_checkpoints_move_both_ways():
+    torch.manual_seed(0)
+    plain = small()
+    model = OffloadModel(clone_model(plain), device="cpu", num_slices=2)
+    assert list(model.state_dict()) == list(plain.state_dict())
+
+    other = small()
+    model.load_state_dict(other.state_dict())
+    x = torch.randn(3, 6)
+    torch.testing.assert_close(model(x), other(x), **EXACT)
+
+    fresh = small()
+    fresh.load_state_dict(model.state_dict())
+    torch.testing.assert_close(fresh(x), model(x), **EXACT)
+
+
+def test_train_and_eval_switch_dropout():
+    torch.manual_seed(0)
+    model = OffloadModel(small(dropout=0.5), device="cpu", num_slices=2)
+    x = torch.randn(8, 6)
+    model.eval()
+    assert not any(m.training for m in model.modules())
+    torch.testing.assert_close(model(x), model(x), **EXACT)
+    model.train()
+    assert all(m.training for m in model.modules())
+    assert not torch.equal(model(x), model(x))
+
+
+def test_repr_and_partition_show_the_slices():
+    model = OffloadModel(small(), device="cpu", num_slices=3)
+    assert model.partition == (("0", "1", "2"), ("3", "4"), ("5",))
+    text = repr(model)
+    assert "slices=[0..2:" in text and "[5:" in text and "checkpoint_activation=True" in text
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_loading_a_new_parameter_object_or_data_is_followed(device):
+    reference, model = pair(device)
+    x = torch.randn(3, 6, device=device)
+    model(x)  # slots now hold the old values
+    with torch.no_grad():
+        new_weight = torch.randn(10, 6)
+    model._modules["0"].weight.data = new_weight.clone()
+    reference._modules["0"].weight.data = new_weight.clone().to(device)
+    torch.testing.assert_close(model(x), reference(x), **EXACT)
+    model._modules["5"].bias = nn.Parameter(torch.ones(3))
+    reference._modules["5"].bias = nn.Parameter(torch.ones(3, device=device))
+    torch.testing.assert_close(model(x), reference(x), **EXACT)
+    model(x).sum().backward()
+    assert model._modules["5"].bias.grad is not None
+
+
+def test_dtype_conversion_is_followed_and_device_moves_are_refused():
+    torch.manual_seed(0)
+    reference = small().double()
+    model = OffloadModel(small(), device="cpu", num_slices=2)
+    model.load_state_dict(reference.state_dict())  # copies into float32 host copies
+    model.double()
+    assert all(p.dtype == torch.float64 for p in model.parameters())
+    x = torch.randn(3, 6, dtype=torch.float64)
+    torch.testing.assert_close(model(x), reference(x), **EXACT)
+    with pytest.raises(RuntimeError, match="offload_device"):
+        model.to("meta")
+
+
+# -- boundaries and inputs --------------------------------------------------------------------------
+
+
+class Pair(nn.Module):
+    """Returns a tuple: the next layer receives it as one argument, as in nn.Sequential."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(5, 5)
+        self.b = nn.Linear(5, 5)
+
+    def forward(self, x):
+        return self.a(x), [self.b(x), {"scale": 0.5, "mask": (x > 0)}]
+
+
+class Merge(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Linear(5, 5)
+
+    def forward(self, inputs):
+        a, (b, extra) = inputs
+        return self.c(a * extra["scale"] + b * extra["mask"])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_microbatches", [1, 2])
+def test_nested_tuple_boundaries(device, num_microbatches):
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(5, 5), Pair(), Merge(), nn.Linear(5, 2)).to(device)
+    model = OffloadModel(clone_model(reference), device=device, num_slices=4, num_microbatches=num_microbatches)
+    x_ref = torch.randn(6, 5, device=device, requires_grad=True)
+    x_off = x_ref.detach().clone().requires_grad_()
+    reference(x_ref).pow(2).sum().backward()
+    model(x_off).pow(2).sum().backward()
+    torch.testing.assert_close(x_off.grad, x_ref.grad, rtol=1e-6, atol=1e-7)
+    assert_same_grads(model, reference, rtol=1e-6, atol=1e-7)
+
+
+class AddMask(nn.Module):
+    """Takes (x, mask) where mask goes whole to every microbatch and requires grad."""
+
+    def forward(self, inputs):
+        x, bias = inputs
+        return x + bias
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_microbatches", [1, 3])
+def test_tuple_input_with_a_shared_tensor(device, num_microbatches):
+    torch.manual_seed(0)
+    reference = nn.Sequential(AddMask(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1)).to(device)
+    model = OffloadModel(clone_model(reference), device=device, num_slices=2, num_microbatches=num_microbatches)
+    x = torch.randn(6, 4, device=device, requires_grad=True)
+    bias = torch.randn(4, device=device, requires_grad=True)  # no batch dimension: goes whole
+    x2, bias2 = x.detach().clone().requires_grad_(), bias.detach().clone().requires_grad_()
+    out_ref = reference((x, bias))
+    out_off = model((x2, bias2))
+    assert out_off.shape == (6, 1)
+    out_ref.pow(2).sum().backward()
+    out_off.pow(2).sum().backward()
+    torch.testing.assert_close(x2.grad, x.grad, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(bias2.grad, bias.grad, rtol=1e-6, atol=1e-6)
+    assert_same_grads(model, reference, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_microbatches", [1, 2])
+def test_integer_token_ids_into_an_embedding(device, num_microbatches):
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Embedding(50, 8), nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 50)).to(device)
+    model = OffloadModel(clone_model(reference), device=device, num_slices=3, num_microbatches=num_microbatches)
+    tokens = torch.randint(0, 50, (4, 7), device=device)
+    targets = torch.randint(0, 50, (4, 7), device=device)
+    for net in (reference, model):
+        logits = net(tokens)
+        nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+    assert_same_grads(model, reference, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_host_input_with_device_compute(device):
+    reference, model = pair(device)
+    x_host = torch.randn(4, 6, requires_grad=True)
+    out = model(x_host)
+    assert out.device.type == torch.device(device).type
+    out.sum().backward()
+    assert x_host.grad is not None and x_host.grad.device.type == "cpu"
+    x_ref = x_host.detach().to(device).requires_grad_()
+    reference(x_ref).sum().backward()
+    torch.testing.assert_close(x_host.grad, x_ref.grad.cpu(), **EXACT)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fewer_rows_than_microbatches_uses_one_microbatch_per_row(device):
+    reference, model = pair(device, num_microbatches=8)
+    x = torch.randn(3, 6, device=device)
+    torch.testing.assert_close(model(x), reference(x), rtol=1e-6, atol=1e-7)
+    model(x).sum().backward()
+    reference(x).sum().backward()
+    assert_same_grads(model, reference, rtol=1e-6, atol=1e-7)
+
+
+def test_output_without_batch_dimension_cannot_be_joined_across_microbatches():
+    class Summarise(nn.Module):
+        def forward(self, x):
+            return x.sum()
+
+    model = OffloadModel(nn.Sequential(nn.Linear(3, 3), Summarise()), device="cpu", num_slices=2, num_microbatches=2)
+    with pytest.raises(ValueError, match="batch dimension"):
+        model(torch.randn(4, 3))
+    single = OffloadModel(nn.Sequential(nn.Linear(3, 3), Summarise()), device="cpu", num_slices=2)
+    assert single(torch.randn(4, 3)).shape == ()
+
+
+# -- no graph ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_no_grad_and_inference_mode_keep_nothing(device, mode):
+    reference, model = pair(device, dropout=0.3)
+    x = torch.randn(4, 6, device=device)
+    context = torch.no_grad if mode == "no_grad" else torch.inference_mode
+    with context():
+        out_ref = seeded(2, lambda: reference(x))
+        out_off = seeded(2, lambda: model(x))
+    torch.testing.assert_close(out_off, out_ref, **EXACT)
+    assert out_off.grad_fn is None and not out_off.requires_grad
+    # And training afterwards still works.
+    model(x).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_no_parameter_requires_grad_runs_without_graph(device):
+    _, model = pair(device)
+    model.requires_grad_(False)
+    out = model(torch.randn(2, 6, device=device))
+    assert out.grad_fn is None
+
+
+# -- layers with state ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("checkpoint", [True, False])
+def test_batchnorm_running_stats_update_once_per_forward(device, checkpoint):
+    torch.manual_seed(0)
+    reference = nn.Sequential(
+        nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 2)
+    ).to(device)
+    model = OffloadModel(clone_model(reference), device=device, num_slices=3, checkpoint_activation=checkpoint)
+    for _ in range(3):
+        x = torch.randn(6, 4, device=device)
+        reference(x).pow(2).sum().backward()
+        model(x).pow(2).sum().backward()
+    for (name, b_off), b_ref in zip(model.named_buffers(), reference.buffers()):
+        torch.testing.assert_close(b_off.to(device), b_ref, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
+    assert_same_grads(model, reference, rtol=1e-5, atol=1e-6)
+    assert int(model._modules["1"].num_batches_tracked) == 3
+    model.eval()
+    reference.eval()
+    x = torch.randn(5, 4, device=device)
+    torch.testing.assert_close(model(x), reference(x), rtol=1e-6, atol=1e-6)
+
+
+class Counter(nn.Module):
+    """A layer whose output depends on a buffer it updates: recompute must see the old value."""
+
+    def __init__(self, in_place: bool = True):
+        super().__init__()
+        self.in_place = in_place
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x):
+        if self.in_place:
+            self.count += 1
+        else:
+            # Same values without the in-place write, so the plain model can run several chunks
+            # in one graph (in place, PyTorch itself refuses: the saved count was modified).
+            self.count = self.count + 1
+        return x * self.count
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_microbatches", [1, 3])
+def test_buffer_updated_in_forward_is_restored_for_recompute(device, num_microbatches):
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(3, 3), Counter(), nn.Linear(3, 3), Counter(), nn.Linear(3, 1)).to(device)
+    model = OffloadModel(clone_model(reference), device=device, num_slices=3, num_microbatches=num_microbatches)
+    for layer in reference:
+        if isinstance(layer, Counter):
+            layer.in_place = num_microbatches == 1
+    for _ in range(2):
+        x = torch.randn(6, 3, device=device)
+        out_ref = microbatched_reference(reference, model.partition, x, num_microbatches)
+        out_off = model(x)
+        torch.testing.assert_close(out_off, out_ref, **EXACT)
+        out_ref.sum().backward()
+        out_off.sum().backward()
+    assert float(model._modules["1"].count) == float(reference._modules["1"].count) == 2 * num_microbatches
+    assert_same_grads(model, reference, rtol=1e-5, atol=1e-6)
+
+
+class Reassigns(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x):
+        self.steps = self.steps + 1  # reassignment, not in place
+        return x + self.steps
+
+
+def test_reassigned_buffer_is_written_back():
+    model = OffloadModel(nn.Sequential(nn.Linear(2, 2), Reassigns(), nn.Linear(2, 1)), device="cpu", num_slices=3)
+    for _ in range(3):
+        model(torch.randn(2, 2)).sum().backward()
+    assert float(model._modules["1"].steps) == 3.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_lstm_returning_a_tuple(device):
+    class LastStep(nn.Module):
+        def forward(self, inputs):
+            output, _ = inputs
+            return output[:, -1]
+
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(3, 6), nn.LSTM(6, 6, batch_first=True), LastStep(), nn.Linear(6, 2)).to(device)
+    model = OffloadModel(clone_model(reference), device=device, num_slices=3)
+    x = torch.randn(4, 5, 3, device=device)
+    reference(x).sum().backward()
+    model(x).sum().backward()
+    assert_same_grads(model, reference, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tied_weights_inside_one_slice(device):
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first = nn.Linear(4, 4, bias=False)
+            self.second = nn.Linear(4, 4, bias=False)
+            self.second.weight = self.first.weight
+
+        def forward(self, x):
+            return self.second(torch.tanh(self.first(x)))
+
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(4, 4), Tied(), nn.Linear(4, 1)).to(device)
+    model = OffloadModel(clone_model(reference), device=device, num_slices=3)
+    x = torch.randn(3, 4, device=device)
+    reference(x).sum().backward()
+    model(x).sum().backward()
+    assert_same_grads(model, reference, rtol=1e-6, atol=1e-7)
+    tied = model._modules["1"]
+    assert tied.first.weight is tied.second.weight
+
+
+def test_layer_returning_its_own_weight_gets_a_copy():
+    class Emits(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = nn.Parameter(torch.randn(3, 3))
+
+        def forward(self, x):
+            return self.table  # aliases the device copy
+
+    model = OffloadModel(nn.Sequential(nn.Linear(3, 3), Emits(), nn.Linear(3, 3), nn.Linear(3, 3)),
+                         device="cpu", num_slices=4)
+    with torch.no_grad():
+        out = model(torch.randn(3, 3))
+    expected = model._modules["3"](model._modules["2"](model._modules["1"].table))
+    torch.testing.assert_close(out, expected, **EXACT)
+
+
+# -- mixed precision tools ------------------------------------------------------------------------
+
+
+def test_grad_scaler_with_host_gradients_and_cpu_autocast():
+    torch.manual_seed(0)
+    reference = small()
+    model = OffloadModel(clone_model(reference), device="cpu", num_slices=3)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10) for _ in range(2)]
+    optims = [torch.optim.SGD(net.parameters(), lr=0.05) for net in (reference, model)]
+    for step in range(3):
+        x = torch.randn(4, 6)
+        for net, scaler, opt in zip((reference, model), scalers, optims):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = net(x).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    for p_off, p_ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p_off, p_ref, **EXACT)
+    assert scalers[0].get_scale() == scalers[1].get_scale()
+
+
+def test_grad_scaler_skips_the_step_on_overflow():
+    torch.manual_seed(0)
+    model = OffloadModel(small(), device="cpu", num_slices=3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    x = torch.randn(4, 6)
+    x[0, 0] = float("inf")
+    scaler.scale(model(x).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    for p, p0 in zip(model.parameters(), before):
+        assert torch.equal(p, p0)
+    assert scaler.get_scale() == 2.0**7
