@@ -70,9 +70,9 @@ def _refresh_flat_weights(sites: Sequence[Sequence[Site]]) -> None:
     for entry_sites in sites:
         for site in entry_sites:
             module = site.module
-            if id(module) not in refreshed and hasattr(module, "_flat_weights_names"):
+            if isinstance(module, nn.RNNBase) and id(module) not in refreshed:
                 refreshed.add(id(module))
-                module._flat_weights = [  # type: ignore[attr-defined]
+                module._flat_weights = [
                     getattr(module, name) if hasattr(module, name) else None
-                    for name in module._flat_weights_names  # type: ignore[attr-defined]
+                    for name in module._flat_weights_names
                 ]

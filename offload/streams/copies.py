@@ -27,7 +27,7 @@ Note: [Copy ordering]
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch.profiler import record_function
@@ -133,6 +133,31 @@ class CopyStreams:
                 ready.record(self.offload_stream)
             # Rule 3: keep the allocator from recycling src before the copy has read it.
             src.record_stream(self.offload_stream)
+            return ready
+
+    def offload_many(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor],
+                     after: Iterable[Event | None] = (), label: str = "offload::offload") -> Event | None:
+        """Like :meth:`offload` for several tensors at once, with one ready event for all."""
+        with record_function(label):
+            if not self.is_async:
+                for dst, src in zip(dsts, srcs):
+                    dst.copy_(src)
+                return None
+            assert self.offload_stream is not None
+            # Rule 3: the sources were produced by compute issued so far.
+            self.offload_stream.wait_stream(torch.cuda.current_stream(self.device))
+            for event in after:
+                if event is not None:
+                    # A previous load still reads this host memory.
+                    self.offload_stream.wait_event(event)
+            with torch.cuda.stream(self.offload_stream):
+                for dst, src in zip(dsts, srcs):
+                    dst.copy_(src, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record(self.offload_stream)
+            for src in srcs:
+                # Rule 3: keep the allocator from recycling each source before the copy has read it.
+                src.record_stream(self.offload_stream)
             return ready
 
     def to_host(self, src: torch.Tensor, host_device: torch.device) -> torch.Tensor:

@@ -35,6 +35,9 @@ class _Slot:
     in_use: bool = False
     last_used: int = 0
     views: list[torch.Tensor] = field(default_factory=list)
+    # Device copies of each slice this slot has held, made once: creating them costs more Python
+    # time than a small slice's copy.
+    view_cache: dict[int, list[torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,9 @@ class DeviceSlots:
         )
         slot.slice_index = index
         slot.versions = storage.versions()
-        slot.views = storage.device_views(slot.data)
+        if index not in slot.view_cache:
+            slot.view_cache[index] = storage.device_views(slot.data)
+        slot.views = slot.view_cache[index]
         self.loads += 1
 
     def acquire(self, index: int) -> list[torch.Tensor]:

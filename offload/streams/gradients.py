@@ -1,17 +1,17 @@
 """Parameter gradients: summed on the device over microbatches, then offloaded to the host.
 
-Each slice's gradients are accumulated into one of two persistent device gradient buffers and
-leave for the host in a single copy while the previous slice computes; the two buffers alternate,
-and compute writes into one only after its previous offload has read it. The host side is a
-pooled buffer whose views are handed to autograd as the parameters' gradients: autograd adopts
-them as ``.grad`` when ``.grad`` is empty and adds them otherwise, so the buffer is reused as soon
-as nobody holds it.
+With one microbatch, the gradients autograd produced are offloaded as they are. With several,
+they are summed into one of two persistent device gradient buffers and leave for the host in a
+single copy while the previous slice computes; the two buffers alternate, and compute writes into
+one only after its previous offload has read it. The host side is a pooled buffer whose views are
+handed to autograd as the parameters' gradients: autograd adopts them as ``.grad`` when ``.grad``
+is empty and adds them otherwise, so the buffer is reused as soon as nobody holds it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,41 +20,72 @@ from .host_buffers import HostBufferPool
 from .host_storage import Entry, _align, _itemsize, typed_view
 
 
+@dataclass(frozen=True)
+class _Place:
+    """Where one parameter's gradient sits in a slice's gradient buffer (device and host alike)."""
+
+    offset: int
+    dtype: torch.dtype
+    shape: torch.Size
+
+    def view(self, flat: torch.Tensor) -> torch.Tensor:
+        return typed_view(flat, self.offset, self.dtype, self.shape)
+
+
 @dataclass
 class SliceGradients:
-    """One slice's gradients being accumulated on the device.
+    """One slice's gradients while its microbatches run backward.
 
     Attributes:
-        views: per parameter of the slice, its gradient's view into the device buffer, or ``None``
-            where no gradient is needed.
-        received: per parameter, whether any microbatch produced a gradient yet.
-        nbytes: bytes in use at the front of the device buffer.
+        places: per parameter of the slice, where its gradient goes, or ``None`` where no
+            gradient is needed.
+        received: per parameter, whether any microbatch produced a gradient.
+        held: the first microbatch's gradients as autograd made them, until a second microbatch
+            needs a device buffer to sum into.
+        sums: once summing started, per parameter its view into the device buffer.
+        nbytes: bytes of all needed gradients laid out by :attr:`places`.
     """
 
-    views: list[torch.Tensor | None]
-    received: list[bool]
+    places: list[_Place | None]
     nbytes: int
-    buffer_index: int
-    entries: Sequence[Entry]
+    offloader: GradientOffloader
+    received: list[bool] = field(init=False)
+    held: list[torch.Tensor | None] = field(init=False)
+    sums: list[torch.Tensor | None] | None = None
+    buffer_index: int | None = None
+
+    def __post_init__(self) -> None:
+        self.received = [False] * len(self.places)
+        self.held = [None] * len(self.places)
 
     def add(self, grads: Sequence[torch.Tensor | None]) -> None:
-        """Add one microbatch's gradients (aligned with :attr:`views`)."""
-        first_dst, first_src, add_dst, add_src = [], [], [], []
-        for j, grad in enumerate(grads):
-            view = self.views[j]
-            if grad is None or view is None:
-                continue
-            if self.received[j]:
-                add_dst.append(view)
-                add_src.append(grad)
-            else:
-                first_dst.append(view)
-                first_src.append(grad)
+        """Add one microbatch's gradients (aligned with :attr:`places`)."""
+        incoming = [(j, g) for j, g in enumerate(grads) if g is not None and self.places[j] is not None]
+        if self.sums is None and not any(self.received):
+            for j, g in incoming:
+                self.held[j] = g
                 self.received[j] = True
-        if first_dst:
-            torch._foreach_copy_(first_dst, first_src)
+            return
+        if self.sums is None:
+            self._start_summing()
+        assert self.sums is not None
+        copy_dst, copy_src, add_dst, add_src = [], [], [], []
+        for j, g in incoming:
+            (add_dst if self.received[j] else copy_dst).append(self.sums[j])
+            (add_src if self.received[j] else copy_src).append(g)
+            self.received[j] = True
+        if copy_dst:
+            torch._foreach_copy_(copy_dst, copy_src)
         if add_dst:
             torch._foreach_add_(add_dst, add_src)
+
+    def _start_summing(self) -> None:
+        self.buffer_index, flat = self.offloader._claim_buffer()
+        self.sums = [place.view(flat) if place is not None else None for place in self.places]
+        pairs = [(s, h) for s, h in zip(self.sums, self.held) if s is not None and h is not None]
+        if pairs:
+            torch._foreach_copy_([s for s, _ in pairs], [h for _, h in pairs])
+        self.held = [None] * len(self.places)
 
 
 @dataclass
@@ -66,7 +97,7 @@ class PendingGradients:
 
 
 class GradientOffloader:
-    """Device accumulation buffers and the offload of finished slice gradients.
+    """Device summation buffers and the offload of finished slice gradients.
 
     Args:
         copies: the copy engine.
@@ -77,43 +108,57 @@ class GradientOffloader:
     def __init__(self, copies: CopyStreams, pool: HostBufferPool, max_nbytes: int) -> None:
         self.copies = copies
         self.pool = pool
-        self._buffers = [torch.empty(max_nbytes, dtype=torch.uint8, device=copies.device) for _ in range(2)]
+        self._max_nbytes = max_nbytes
+        # Allocated on first use: with one microbatch they are never needed.
+        self._buffers: list[torch.Tensor | None] = [None, None]
         self._offloaded: list[Event | None] = [None, None]
         self._next = 0
         self.offloaded_bytes = 0
 
     def begin(self, entries: Sequence[Entry], needed: Sequence[bool]) -> SliceGradients:
-        """A device buffer for one slice's gradients, laid out for the parameters in ``needed``."""
-        index = self._next
-        self._next = 1 - index
-        # Rule 3 of [Copy ordering]: the previous offload from this buffer must have read it.
-        self.copies.wait_ready(self._offloaded[index])
+        """Start collecting one slice's gradients for the parameters in ``needed``."""
         offset = 0
-        views: list[torch.Tensor | None] = []
+        places: list[_Place | None] = []
         for entry, want in zip(entries, needed):
             if not want:
-                views.append(None)
+                places.append(None)
                 continue
-            views.append(typed_view(self._buffers[index], offset, entry.device_dtype, entry.shape))
+            places.append(_Place(offset, entry.device_dtype, entry.shape))
             offset = _align(offset + entry.shape.numel() * _itemsize(entry.device_dtype))
-        return SliceGradients(views, [False] * len(views), offset, index, entries)
+        return SliceGradients(places, offset, self)
+
+    def _claim_buffer(self) -> tuple[int, torch.Tensor]:
+        """A device buffer for compute to sum into, alternating between the two."""
+        index = self._next
+        self._next = 1 - index
+        buffer = self._buffers[index]
+        if buffer is None:
+            buffer = self._buffers[index] = torch.empty(self._max_nbytes, dtype=torch.uint8, device=self.copies.device)
+        # Rule 3 of [Copy ordering]: the previous offload from this buffer must have read it.
+        self.copies.wait_ready(self._offloaded[index])
+        return index, buffer
 
     def offload(self, grads: SliceGradients, label: str = "offload::offload gradients") -> PendingGradients:
         """Start copying a slice's finished gradients to a host buffer."""
         if not any(grads.received):
-            return PendingGradients([None] * len(grads.views), None)
+            return PendingGradients([None] * len(grads.places), None)
         host = self.pool.take(grads.nbytes)
-        device = self._buffers[grads.buffer_index]
-        ready = self.copies.offload(host.data, device[:grads.nbytes], after=(host.read_event,), label=label)
-        self._offloaded[grads.buffer_index] = ready
-        self.offloaded_bytes += grads.nbytes
-        host_views: list[torch.Tensor | None] = []
-        for view, received in zip(grads.views, grads.received):
-            if view is None or not received:
-                host_views.append(None)
-                continue
-            offset = view.storage_offset() * view.element_size() - device.storage_offset()
-            host_views.append(typed_view(host.data, offset, view.dtype, view.shape))
+        host_views = [
+            place.view(host.data) if place is not None and got else None
+            for place, got in zip(grads.places, grads.received)
+        ]
+        if grads.sums is not None:
+            assert grads.buffer_index is not None
+            device = self._buffers[grads.buffer_index]
+            assert device is not None
+            ready = self.copies.offload(host.data, device[:grads.nbytes], after=(host.read_event,), label=label)
+            self._offloaded[grads.buffer_index] = ready
+        else:
+            pairs = [(h, g) for h, g in zip(host_views, grads.held) if h is not None and g is not None]
+            ready = self.copies.offload_many([h for h, _ in pairs], [g for _, g in pairs],
+                                             after=(host.read_event,), label=label)
+            grads.held = [None] * len(grads.places)
+        self.offloaded_bytes += sum(v.numel() * v.element_size() for v in host_views if v is not None)
         return PendingGradients(host_views, ready)
 
     def finish(self, pending: Sequence[PendingGradients]) -> None:

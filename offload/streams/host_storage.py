@@ -167,10 +167,13 @@ class SliceStorage:
         return False
 
     def registered_tensors_changed(self) -> bool:
-        """Whether a layer now registers tensors other than the ones laid out (a new parameter object)."""
-        params, buffers = collect_entries(self.layers)
-        current = [id(e.tensor) for e in params + buffers]
-        return current != [id(e.tensor) for e in self.entries]
+        """Whether a registration site now holds another tensor than the one laid out
+        (``layer.weight = nn.Parameter(...)``)."""
+        for entry in self.entries:
+            for site in entry.sites:
+                if site.table().get(site.name) is not entry.tensor:
+                    return True
+        return False
 
     def param_versions(self) -> tuple[int, ...]:
         """In-place modification counters of the parameters (the optimizer bumps them)."""

@@ -1,0 +1,147 @@
+"""What OffloadModel's machinery costs on the CPU, where no copy can overlap anything.
+
+Times one training step (forward, backward, SGD step) of the same MLP three ways, interleaved in
+one process so that machine noise hits all three alike:
+
+- ``plain``: the unwrapped model.
+- ``checkpoint``: ``torch.utils.checkpoint.checkpoint_sequential`` (non-reentrant) with the same
+  segments as OffloadModel's slices: the same recompute, no copies.
+- ``offload``: ``OffloadModel(device="cpu")``: the same recompute plus every copy (host to "device"
+  slots, boundary activations, gradients), synchronously.
+
+The ratio offload / checkpoint is the overhead of the offloading machinery itself; the target is
+at most 1.10. Most of it is memory copies whose size does not depend on the batch (each slice's
+parameters are copied into a slot, gradients out of one), so the ratio falls as rows per step
+grow; the default run sweeps the batch size to show where the target is met.
+
+Usage::
+
+    python scripts/bench_cpu_overhead.py                  # sweep of batch sizes, prints a table
+    python scripts/bench_cpu_overhead.py --batch 512 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint_sequential
+
+from offload import OffloadModel
+
+
+def build_mlp(width: int, depth: int) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.GELU()]
+    return nn.Sequential(*layers)
+
+
+def measure(args: argparse.Namespace, batch: int) -> dict:
+    """Median step times of the three variants at one batch size."""
+    torch.manual_seed(0)
+    base = build_mlp(args.width, args.depth)
+    plain = copy.deepcopy(base)
+    checkpointed = copy.deepcopy(base)
+    offloaded = OffloadModel(copy.deepcopy(base), device="cpu", num_slices=args.slices)
+    segments = len(offloaded.partition)
+    x = torch.randn(batch, args.width)
+
+    def step_fn(model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], None]:
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+
+        def step() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            forward(x).float().pow(2).mean().backward()
+            optimizer.step()
+
+        return step
+
+    variants = {
+        "plain": step_fn(plain, plain),
+        "checkpoint": step_fn(
+            checkpointed, lambda inp: checkpoint_sequential(checkpointed, segments, inp, use_reentrant=False)
+        ),
+        "offload": step_fn(offloaded, offloaded),
+    }
+    for _ in range(args.warmup):
+        for step in variants.values():
+            step()
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    names = list(variants)
+    for k in range(args.steps):
+        # Rotate the order so no variant always runs right after the same neighbour.
+        for name in names[k % len(names):] + names[:k % len(names)]:
+            start = time.perf_counter()
+            variants[name]()
+            times[name].append(time.perf_counter() - start)
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    # Per-round ratios cancel slow drifts of the machine's speed that hit all variants alike.
+    paired = statistics.median(o / c for o, c in zip(times["offload"], times["checkpoint"]))
+    engine = offloaded._engine
+    return {
+        "batch": batch,
+        "segments": segments,
+        "median_step_s": medians,
+        "all_step_s": times,
+        "offload_over_checkpoint": medians["offload"] / medians["checkpoint"],
+        "offload_over_checkpoint_paired": paired,
+        "offload_over_plain": medians["offload"] / medians["plain"],
+        "parameter_bytes": sum(p.numel() * p.element_size() for p in offloaded.parameters()),
+        "slot_loads": engine.slots.loads,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--depth", type=int, default=8, help="Linear+GELU blocks")
+    parser.add_argument("--batch", type=int, nargs="+", default=[256, 512, 1024, 2048],
+                        help="rows per step; several values make a sweep")
+    parser.add_argument("--slices", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=12, help="timed steps per variant")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    runs = [measure(args, batch) for batch in args.batch]
+    print(f"MLP {args.depth}x(Linear {args.width}+GELU), {runs[0]['segments']} slices = checkpoint segments, "
+          f"{torch.get_num_threads()} threads, median of {args.steps} interleaved steps")
+    print(f"{'rows':>6}{'plain ms':>11}{'checkpoint ms':>15}{'offload ms':>12}{'offload/ckpt':>14}"
+          f"{'paired':>9}{'offload/plain':>15}")
+    for run in runs:
+        m = run["median_step_s"]
+        print(f"{run['batch']:>6}{m['plain'] * 1e3:>11.1f}{m['checkpoint'] * 1e3:>15.1f}{m['offload'] * 1e3:>12.1f}"
+              f"{run['offload_over_checkpoint']:>14.3f}{run['offload_over_checkpoint_paired']:>9.3f}"
+              f"{run['offload_over_plain']:>15.3f}")
+    print("offload/ckpt: ratio of medians; paired: median of per-round ratios. Target: <= 1.10")
+    if args.json:
+        result = {
+            "benchmark": "cpu_overhead",
+            "command": "python " + " ".join(sys.argv),
+            "config": vars(args) | {"torch": torch.__version__, "threads": torch.get_num_threads()},
+            "machine": {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count()},
+            "date": datetime.date.today().isoformat(),
+            "target_offload_over_checkpoint": 1.10,
+            "runs": runs,
+        }
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+            f.write("\n")
+
+
+if __name__ == "__main__":
+    main()
