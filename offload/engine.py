@@ -90,6 +90,10 @@ class Engine:
     def num_slices(self) -> int:
         return len(self.slices)
 
+    def traffic(self) -> tuple[int, int]:
+        """Bytes loaded (host to device) and offloaded (device to host) since the model was built."""
+        return self.copies.loaded_bytes, self.copies.offloaded_bytes
+
     def parameters(self) -> list[nn.Parameter]:
         """Every parameter, slice by slice, in the order the autograd Function receives them."""
         return [entry.tensor for s in self.slices for entry in s.storage.params]  # type: ignore[misc]

@@ -55,6 +55,9 @@ class CopyStreams:
     def __init__(self, device: torch.device, synchronous: bool = False) -> None:
         self.device = device
         self.is_async = device.type == "cuda" and not (synchronous or synchronous_copies_requested())
+        # Bytes copied so far, per direction: benchmarks compare them with the link's bandwidth.
+        self.loaded_bytes = 0
+        self.offloaded_bytes = 0
         if self.is_async:
             # Loads run here so the next slice's host-to-device copy overlaps this slice's compute.
             self.load_stream: torch.cuda.Stream | None = torch.cuda.Stream(device)
@@ -81,6 +84,7 @@ class CopyStreams:
             after_queued_compute: wait for all compute issued so far before writing ``dst``: it was
                 just allocated on the compute stream, or queued compute may still read it (rule 2).
         """
+        self.loaded_bytes += src.numel() * src.element_size()
         with record_function(label):
             if not self.is_async:
                 dst.copy_(src)
@@ -116,6 +120,7 @@ class CopyStreams:
             after: events that must complete before ``dst`` may be overwritten (a pending load
                 that still reads it).
         """
+        self.offloaded_bytes += src.numel() * src.element_size()
         with record_function(label):
             if not self.is_async:
                 dst.copy_(src)
@@ -138,6 +143,7 @@ class CopyStreams:
     def offload_many(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor],
                      after: Iterable[Event | None] = (), label: str = "offload::offload") -> Event | None:
         """Like :meth:`offload` for several tensors at once, with one ready event for all."""
+        self.offloaded_bytes += sum(src.numel() * src.element_size() for src in srcs)
         with record_function(label):
             if not self.is_async:
                 for dst, src in zip(dsts, srcs):

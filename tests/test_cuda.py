@@ -1,0 +1,208 @@
+"""GPU-only checks: copy ordering under delayed kernels, the device memory budget, pinned memory,
+fitting a model larger than a capped device, and loss scaling on CUDA.
+
+The CPU-and-GPU parity tests live in the other files (their ``cuda`` variants); these need the
+asynchronous copy path itself.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+from offload import OffloadModel
+
+from .helpers import assert_same_grads
+
+pytestmark = pytest.mark.cuda
+
+EXACT = {"rtol": 0.0, "atol": 0.0}
+
+
+class Sleepy(nn.Module):
+    """A linear layer whose kernels start late: the GPU spins before and after the matmul.
+
+    With little arithmetic per byte and delayed kernels, copies race far ahead of compute; any
+    copy not ordered by an event would overwrite a slot or read a gradient too early.
+    """
+
+    def __init__(self, width: int, cycles: int):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.cycles = cycles
+
+    def forward(self, x):
+        torch.cuda._sleep(self.cycles)
+        y = torch.tanh(self.linear(x))
+        torch.cuda._sleep(self.cycles)
+        return y
+
+
+def sleepy_model(width: int = 1024, depth: int = 8, cycles: int = 2_000_000) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[Sleepy(width, cycles) for _ in range(depth)], nn.Linear(width, 1)).cuda()
+
+
+@pytest.mark.parametrize("num_microbatches", [1, 3])
+@pytest.mark.parametrize("checkpoint", [True, False])
+def test_delayed_kernels_still_give_exact_gradients(num_microbatches, checkpoint):
+    reference = sleepy_model()
+    model = OffloadModel(copy.deepcopy(reference), device="cuda", num_slices=8,
+                         checkpoint_activation=checkpoint, num_microbatches=num_microbatches)
+    for step in range(3):
+        x = torch.randn(6, 1024, device="cuda")
+        for net in (reference, model):
+            for p in net.parameters():
+                p.grad = None
+        if num_microbatches == 1:
+            out_ref = reference(x)
+        else:
+            from .helpers import microbatched_reference
+
+            out_ref = microbatched_reference(reference, model.partition, x, num_microbatches)
+        out_off = model(x)
+        torch.testing.assert_close(out_off, out_ref, **EXACT)
+        out_ref.pow(2).sum().backward()
+        out_off.pow(2).sum().backward()
+        # No synchronize here: gradients must be complete when backward returns.
+        tol = EXACT if num_microbatches == 1 else {"rtol": 1e-5, "atol": 1e-6}
+        assert_same_grads(model, reference, **tol)
+
+
+def test_delayed_kernels_with_optimizer_steps_match_the_resident_model():
+    reference = sleepy_model(depth=6)
+    model = OffloadModel(copy.deepcopy(reference), device="cuda", num_slices=6)
+    opt_ref = torch.optim.SGD(reference.parameters(), lr=1e-2)
+    opt_off = torch.optim.SGD(model.parameters(), lr=1e-2)
+    for _ in range(4):
+        x = torch.randn(4, 1024, device="cuda")
+        for net, opt in ((reference, opt_ref), (model, opt_off)):
+            opt.zero_grad()
+            net(x).pow(2).sum().backward()
+            opt.step()
+    for p_off, p_ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p_off.cuda(), p_ref, **EXACT)
+
+
+def test_synchronous_copies_switch_gives_the_same_result(monkeypatch):
+    reference = sleepy_model(depth=4, cycles=100_000)
+    asynchronous = OffloadModel(copy.deepcopy(reference), device="cuda", num_slices=4)
+    monkeypatch.setenv("OFFLOAD_SYNC_COPIES", "1")
+    synchronous = OffloadModel(copy.deepcopy(reference), device="cuda", num_slices=4)
+    assert asynchronous._engine.copies.is_async and not synchronous._engine.copies.is_async
+    x = torch.randn(5, 1024, device="cuda")
+    for net in (asynchronous, synchronous):
+        net(x).sum().backward()
+    assert_same_grads(asynchronous, synchronous, **EXACT)
+
+
+def test_host_copies_and_gradients_are_pinned():
+    model = OffloadModel(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)), device="cuda", num_slices=2)
+    model(torch.randn(3, 64, device="cuda")).sum().backward()
+    for p in model.parameters():
+        assert p.device.type == "cpu" and p.is_pinned()
+        assert p.grad.device.type == "cpu" and p.grad.is_pinned()
+
+
+def _warm_up_cublas(width: int) -> None:
+    # cuBLAS allocates its workspace on first use; do that before measuring.
+    a = torch.randn(8, width, device="cuda", requires_grad=True)
+    b = torch.randn(width, width, device="cuda", requires_grad=True)
+    (a @ b).sum().backward()
+    del a, b
+    torch.cuda.synchronize()
+
+
+def test_peak_device_memory_stays_under_the_budget():
+    width, depth, rows, num_slices = 4096, 8, 16, 8
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    model = OffloadModel(nn.Sequential(*layers), device="cuda", num_slices=num_slices)
+    x = torch.randn(rows, width, device="cuda")
+    _warm_up_cublas(width)
+    model(x).sum().backward()  # first step allocates the slots and warms the allocator
+    for p in model.parameters():
+        p.grad = None
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    baseline = torch.cuda.memory_allocated()
+    model(x).sum().backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - baseline
+
+    float_bytes = 4
+    slice_param_bytes = 2 * (width * width + width) * float_bytes  # two Linear layers per slice
+    activation = rows * width * float_bytes
+    budget = (
+        # Slots are allocated before the baseline; they are in `baseline`, not in `peak`.
+        # One slice's gradients being produced, the previous slice's still being copied out.
+        2 * slice_param_bytes
+        # Boundary activations: the current slice's input and output, the next one prefetched,
+        # and their gradients.
+        + 6 * activation
+        # One slice's activations for one microbatch: each Linear and ReLU saves one tensor.
+        + 4 * activation
+        # Small tensors (loss, events' bookkeeping, rounding of the caching allocator).
+        + 8 * 2**20
+    )
+    assert peak <= budget, f"peak {peak / 2**20:.1f} MiB over budget {budget / 2**20:.1f} MiB"
+    # And the slots hold two slices, not the model.
+    assert model._engine.slots.slot_nbytes * 2 < depth * slice_param_bytes / 2
+
+
+def test_a_model_larger_than_the_capped_device_trains():
+    width, depth = 4096, 8
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    plain = nn.Sequential(*layers)
+    model_bytes = sum(p.numel() * p.element_size() for p in plain.parameters())
+    reference = copy.deepcopy(plain).cuda()
+    x = torch.randn(8, width, device="cuda")
+    reference(x).sum().backward()
+    expected = {n: p.grad.cpu() for n, p in reference.named_parameters()}
+    del reference
+    gc.collect()
+    torch.cuda.empty_cache()
+
+    model = OffloadModel(plain, device="cuda", num_slices=depth)
+    total = torch.cuda.get_device_properties(0).total_memory
+    cap = model_bytes // 2  # half the parameters alone would not fit
+    torch.cuda.set_per_process_memory_fraction(cap / total)
+    try:
+        model(x).sum().backward()
+        torch.cuda.synchronize()
+        assert torch.cuda.max_memory_reserved() <= cap
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_autocast_and_grad_scaler_on_cuda_with_host_gradients(dtype):
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4)).cuda()
+    model = OffloadModel(copy.deepcopy(reference), device="cuda", num_slices=3)
+    scalers = [torch.amp.GradScaler("cuda", init_scale=2.0**12) for _ in range(2)]
+    optims = [torch.optim.SGD(net.parameters(), lr=1e-2) for net in (reference, model)]
+    for _ in range(3):
+        x = torch.randn(8, 32, device="cuda")
+        for net, scaler, opt in zip((reference, model), scalers, optims):
+            opt.zero_grad()
+            with torch.autocast("cuda", dtype=dtype):
+                loss = net(x).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    for p_off, p_ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p_off.cuda(), p_ref, **EXACT)
+    assert scalers[0].get_scale() == scalers[1].get_scale()
