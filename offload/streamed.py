@@ -22,6 +22,7 @@ def streamed_forward(engine: Engine, leaves: list[Any], spec: TreeSpec, num_micr
     microbatches, split = split_leaves(leaves, num_microbatches)
     boundary = [(engine.to_device(mb), spec) for mb in microbatches]
     buffer_events: list[Event | None] = []
+    engine.slots.forget_contents()
     try:
         for i in range(engine.num_slices):
             views = engine.slots.acquire(i)

@@ -181,6 +181,7 @@ class OffloadFunction(torch.autograd.Function):
             boundary.append((engine.to_device(mb_leaves), call.input_spec))
 
         buffer_events: list[Event | None] = []
+        engine.slots.forget_contents()
         try:
             for i, s in enumerate(engine.slices):
                 views = engine.slots.acquire(i)

@@ -1,9 +1,17 @@
 """Two device slots that take turns holding slices: while one computes, the other loads.
 
 A slot is one persistent device byte buffer, sized for the largest slice; loading a slice is one
-copy of its host buffer into a free slot. A slot remembers which slice it holds and at which
-parameter versions, so a slice that is still there and unchanged is not loaded again; that is how
-the last slice stays resident from the end of forward into the start of backward.
+copy of its host buffer into a free slot. A slot remembers which slice it holds, so within one
+forward and its backward a slice still in a slot is not loaded again: that is how the last slice
+stays resident from the end of forward into the start of backward.
+
+Note: [Device copies expire at the next forward]
+    Every forward starts by forgetting what the slots hold and loads every slice afresh. Version
+    counters cannot prove that host copies are unchanged across an optimizer step: fused
+    optimizers (``torch.optim.AdamW(fused=True)``) and writes through ``p.data`` update the host
+    copy without bumping ``p._version``, so a device copy kept across steps could silently be
+    stale. Within one forward/backward pair the versions still guard against the common mistake
+    of an optimizer step between forward and backward (see ``_check_versions``).
 
 Graphs that autograd keeps across slot reuse (the last slice's, or every slice's without
 activation checkpointing) must not hold slot memory: the slot may hold another slice when
@@ -130,6 +138,11 @@ class DeviceSlots:
             return
         slot.free = self.copies.compute_done()
         slot.in_use = False
+
+    def forget_contents(self) -> None:
+        """Treat every slot as holding nothing current: see Note: [Device copies expire at the next forward]."""
+        for slot in self._slots:
+            slot.versions = None
 
     def mark_stale(self, index: int) -> None:
         """The device copy of slice ``index`` was modified (buffers restored or updated on the device)."""

@@ -1,0 +1,406 @@
+"""Step time of OffloadModel against the physical limit, the resident model and fairscale.
+
+For each preset the same model and input run several ways, interleaved step by step after a
+warm-up:
+
+- ``resident``: the plain model on the device, checkpointed with the same segments
+  (``checkpoint_sequential``, non-reentrant): the compute time offloading cannot beat.
+- ``offload``: ``OffloadModel``.
+- ``fairscale``: fairscale's ``OffloadModel`` with the same settings, when it can be imported
+  (it is not a dependency; install it for the comparison).
+
+Per run it reports the median step time, samples/s, bytes moved per step (each direction), the
+ideal time ``max(resident step, loaded bytes / host-to-device bandwidth, offloaded bytes /
+device-to-host bandwidth)`` with bandwidths measured on this machine, ``efficiency = ideal /
+measured``, ``speedup_vs_fairscale``, peak device memory and the memory budget of the design.
+
+A preset can cap device memory (``torch.cuda.set_per_process_memory_fraction``) so a big GPU
+stands in for a small one: its resident run is then measured before the cap is set, as the
+compute reference, and only the offloaded runs run under the cap.
+
+Without a GPU it runs the ``tiny`` preset on the CPU as a smoke test.
+
+Usage::
+
+    python scripts/benchmark.py                              # every preset (GPU) or the smoke test (CPU)
+    python scripts/benchmark.py --preset gpt-capped --steps 10
+    python scripts/benchmark.py --out-dir benchmarks/results  # where JSON and Markdown go
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import gc
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint_sequential
+
+from offload import OffloadModel
+from offload.presets import Preset, build_preset
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmark configuration."""
+
+    label: str
+    preset: str
+    overrides: dict[str, Any]
+    batch: int
+    num_slices: int
+    num_microbatches: int = 1
+    memory_fraction: float | None = None  # cap device memory for the offloaded runs
+    note: str = ""
+
+
+CASES = {
+    "tiny": Case("tiny", "tiny", {}, batch=8, num_slices=2, note="CPU smoke test"),
+    "mlp": Case("mlp", "mlp", {}, batch=256, num_slices=4),
+    "gpt-compute-bound": Case(
+        "gpt-compute-bound", "transformer",
+        {"n_layers": 12, "d_model": 1024, "n_heads": 16, "seq_len": 1024, "vocab": 32000},
+        batch=16, num_slices=6,
+        note="per-slice compute exceeds its transfer time",
+    ),
+    "gpt-capped": Case(
+        "gpt-capped", "transformer",
+        {"n_layers": 24, "d_model": 2048, "n_heads": 16, "seq_len": 512, "vocab": 32000},
+        batch=8, num_slices=12, num_microbatches=2, memory_fraction=0.05,
+        note="about 1.4B parameters (5.6 GB in float32) under a 4 GB device cap",
+    ),
+}
+
+
+# -- measurements ------------------------------------------------------------------------------
+
+
+def measure_bandwidth(device: torch.device, nbytes: int = 256 * 2**20, repeats: int = 10) -> dict[str, float]:
+    """Pinned host-to-device and device-to-host copy bandwidth in bytes/s (host memcpy on the CPU)."""
+    if device.type != "cuda":
+        src = torch.empty(nbytes, dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        src.fill_(1)
+        dst.copy_(src)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            dst.copy_(src)
+        rate = nbytes * repeats / (time.perf_counter() - start)
+        return {"host_to_device": rate, "device_to_host": rate, "kind": "host memcpy"}  # type: ignore[dict-item]
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host.fill_(1)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    rates = {}
+    for name, (dst, src) in {"host_to_device": (dev, host), "device_to_host": (host, dev)}.items():
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(repeats):
+            dst.copy_(src, non_blocking=True)
+        end.record()
+        torch.cuda.synchronize()
+        rates[name] = nbytes * repeats / (begin.elapsed_time(end) / 1e3)
+    return rates | {"kind": "pinned cudaMemcpyAsync"}  # type: ignore[operator]
+
+
+@dataclass
+class Runner:
+    """A way of running the model: a step function and what it measured."""
+
+    name: str
+    step: Callable[[], None]
+    model: nn.Module
+    times: list[float] = field(default_factory=list)
+    peak: int = 0
+    traffic: Callable[[], tuple[int, int]] | None = None
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_step(runner: Runner, device: torch.device) -> None:
+    synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    runner.step()
+    synchronize(device)
+    runner.times.append(time.perf_counter() - start)
+    if device.type == "cuda":
+        runner.peak = max(runner.peak, torch.cuda.max_memory_allocated(device))
+
+
+def make_step(model: nn.Module, forward: Callable[[Any], Any], preset: Preset, batch: Any,
+              target: Any) -> Callable[[], None]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        preset.loss(forward(batch), target).backward()
+        optimizer.step()
+
+    return step
+
+
+def fairscale_class() -> type | None:
+    try:
+        from fairscale.experimental.nn.offload import OffloadModel as FairscaleOffloadModel
+    except Exception:  # ImportError, or fairscale failing to import against this torch
+        return None
+    return FairscaleOffloadModel
+
+
+def memory_budget(model: OffloadModel, boundary_bytes: int, slice_activation_bytes: int) -> int:
+    """The design's bound on device memory for one step (see README, Memory)."""
+    engine = model._engine
+    largest_params = max(sum(e.tensor.numel() * e.tensor.element_size() for e in s.storage.params)
+                         for s in engine.slices)
+    return (2 * engine.slots.slot_nbytes + 2 * largest_params + 6 * boundary_bytes
+            + slice_activation_bytes + 64 * 2**20)
+
+
+def slice_footprint(model: OffloadModel, batch: Any, device: torch.device) -> tuple[int, int]:
+    """Bytes of one boundary activation entering the largest slice, and the peak memory of one
+    microbatch through that slice, resident, forward and backward (its activations)."""
+    if device.type != "cuda":
+        return 0, 0
+    engine = model._engine
+    index = max(range(engine.num_slices), key=lambda i: engine.slices[i].storage.nbytes)
+    x = batch
+    with torch.no_grad():
+        for s in engine.slices[:index]:
+            for layer in s.layers:
+                x = copy.deepcopy(layer).to(device)(x)
+    boundary = x.numel() * x.element_size()
+    layers = nn.Sequential(*copy.deepcopy(engine.slices[index].layers)).to(device)
+    rows = max(1, x.shape[0] // model.num_microbatches)
+    x = x[:rows].detach().requires_grad_(x.is_floating_point())
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    layers(x).float().sum().backward()
+    torch.cuda.synchronize()
+    activations = torch.cuda.max_memory_allocated(device) - base
+    del layers, x
+    gc.collect()
+    torch.cuda.empty_cache()
+    return boundary, activations
+
+
+def run_case(case: Case, args: argparse.Namespace, device: torch.device, bandwidth: dict[str, float]) -> dict:
+    torch.manual_seed(0)
+    preset = build_preset(case.preset, **case.overrides)
+    batch, target = preset.make_batch(case.batch, device)
+    param_bytes = sum(p.numel() * p.element_size() for p in preset.model.parameters())
+    print(f"\n[{case.label}] {preset.description}; {param_bytes / 2**30:.2f} GiB of parameters, batch {case.batch}"
+          + (f"; {case.note}" if case.note else ""), flush=True)
+    result: dict[str, Any] = {"case": case.label, "preset": case.preset, "overrides": case.overrides,
+                              "batch": case.batch, "num_slices": case.num_slices,
+                              "num_microbatches": case.num_microbatches, "parameter_bytes": param_bytes,
+                              "note": case.note, "runs": {}}
+
+    offloaded = OffloadModel(copy.deepcopy(preset.model), device=device, num_slices=case.num_slices,
+                             num_microbatches=case.num_microbatches)
+    segments = len(offloaded.partition)
+    boundary, activations = slice_footprint(offloaded, batch, device)
+    runners: list[Runner] = []
+    offload_runner = Runner("offload", make_step(offloaded, offloaded, preset, batch, target), offloaded,
+                            traffic=offloaded._engine.traffic)
+
+    resident_model = copy.deepcopy(preset.model).to(device)
+
+    def resident_forward(x: Any) -> Any:
+        return checkpoint_sequential(resident_model, segments, x, use_reentrant=False)
+
+    resident = Runner("resident", make_step(resident_model, resident_forward, preset, batch, target), resident_model)
+    capped = case.memory_fraction is not None and device.type == "cuda"
+    if capped:
+        # The resident model would not fit under the cap: measure its compute time first, uncapped.
+        for _ in range(args.warmup):
+            timed_step(resident, device)
+        resident.times.clear()
+        resident.peak = 0
+        for _ in range(args.steps):
+            timed_step(resident, device)
+        result["runs"]["resident"] = summarise(resident, case, None)
+        result["runs"]["resident"]["measured"] = "before the cap, as the compute reference"
+        del resident, resident_model
+        gc.collect()
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(case.memory_fraction, device)
+        result["device_memory_cap_bytes"] = int(total * case.memory_fraction)
+    else:
+        runners.append(resident)
+    runners.append(offload_runner)
+
+    fairscale = fairscale_class() if device.type == "cuda" and not args.no_fairscale else None
+    if fairscale is not None:
+        fs_model = fairscale(model=copy.deepcopy(preset.model), device=device, offload_device=torch.device("cpu"),
+                             num_slices=case.num_slices, checkpoint_activation=True,
+                             num_microbatches=case.num_microbatches)
+        runners.append(Runner("fairscale", make_step(fs_model, fs_model, preset, batch, target), fs_model))
+    else:
+        result["fairscale"] = "not measured: fairscale is not importable" if device.type == "cuda" else "GPU only"
+
+    try:
+        for _ in range(args.warmup):
+            for runner in runners:
+                timed_step(runner, device)
+        for runner in runners:
+            runner.times.clear()
+            runner.peak = 0
+        traffic_before = offloaded._engine.traffic()
+        rss_before = psutil.Process().memory_info().rss
+        for k in range(args.steps):
+            for runner in runners[k % len(runners):] + runners[:k % len(runners)]:
+                timed_step(runner, device)
+        loaded, offloaded_bytes = (after - before for after, before in zip(offloaded._engine.traffic(), traffic_before))
+        rss_after = psutil.Process().memory_info().rss
+        per_step = (loaded / args.steps, offloaded_bytes / args.steps)
+        for runner in runners:
+            result["runs"][runner.name] = summarise(runner, case, per_step if runner.name == "offload" else None)
+        result["host_rss_growth_bytes_over_timed_steps"] = rss_after - rss_before
+        result["memory_budget_bytes"] = memory_budget(offloaded, boundary, activations) if device.type == "cuda" else None
+    finally:
+        if capped:
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
+
+    reference = result["runs"]["resident"]["median_step_s"]
+    run = result["runs"]["offload"]
+    transfer = max(per_step[0] / bandwidth["host_to_device"], per_step[1] / bandwidth["device_to_host"])
+    run["ideal_s"] = max(reference, transfer)
+    run["transfer_s"] = transfer
+    run["efficiency"] = run["ideal_s"] / run["median_step_s"]
+    run["limited_by"] = "compute" if reference >= transfer else "host-device link"
+    if "fairscale" in result["runs"]:
+        run["speedup_vs_fairscale"] = result["runs"]["fairscale"]["median_step_s"] / run["median_step_s"]
+    if args.rss_steps and device.type == "cuda":
+        result["host_rss_over_steps"] = rss_trace(offload_runner, device, args.rss_steps, case)
+    del runners, offload_runner, offloaded
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def summarise(runner: Runner, case: Case, per_step: tuple[float, float] | None) -> dict:
+    median = statistics.median(runner.times)
+    summary = {
+        "median_step_s": median,
+        "samples_per_s": case.batch / median,
+        "step_s": runner.times,
+        "peak_device_bytes": runner.peak or None,
+    }
+    if per_step is not None:
+        summary["loaded_bytes_per_step"] = per_step[0]
+        summary["offloaded_bytes_per_step"] = per_step[1]
+    return summary
+
+
+def rss_trace(runner: Runner, device: torch.device, steps: int, case: Case) -> list[int]:
+    """Host RSS after every 10th of ``steps`` more steps: flat when pinned memory is allocated once."""
+    trace = []
+    for k in range(steps):
+        runner.step()
+        if (k + 1) % 10 == 0:
+            synchronize(device)
+            trace.append(psutil.Process().memory_info().rss)
+    return trace
+
+
+# -- reporting ---------------------------------------------------------------------------------
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def table(results: list[dict]) -> str:
+    header = ("| case | run | step ms | samples/s | loaded MB/step | offloaded MB/step | ideal ms | efficiency "
+              "| vs fairscale | peak device MiB | budget MiB |")
+    lines = [header, "|---" * (header.count("|") - 1) + "|"]
+    for result in results:
+        budget = result.get("memory_budget_bytes")
+        for name, run in result["runs"].items():
+            def fmt(key: str, scale: float = 1.0, digits: int = 1) -> str:
+                value = run.get(key)
+                return "" if value is None else f"{value * scale:.{digits}f}"
+            lines.append(
+                f"| {result['case']} | {name} | {fmt('median_step_s', 1e3)} | {fmt('samples_per_s')} "
+                f"| {fmt('loaded_bytes_per_step', 1e-6)} | {fmt('offloaded_bytes_per_step', 1e-6)} "
+                f"| {fmt('ideal_s', 1e3)} | {fmt('efficiency', 1, 2)} | {fmt('speedup_vs_fairscale', 1, 2)} "
+                f"| {fmt('peak_device_bytes', 2**-20, 0)} "
+                f"| {'' if name != 'offload' or budget is None else f'{budget / 2**20:.0f}'} |"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", nargs="+", choices=sorted(CASES), help="cases to run (default: all on a GPU, tiny on the CPU)")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rss-steps", type=int, default=0, help="extra offload steps to trace host RSS (GPU)")
+    parser.add_argument("--no-fairscale", action="store_true")
+    parser.add_argument("--out-dir", default="benchmarks/results")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    names = args.preset or (list(CASES) if device.type == "cuda" else ["tiny"])
+    if device.type != "cuda":
+        args.steps = min(args.steps, 3)
+        args.warmup = min(args.warmup, 1)
+
+    bandwidth = measure_bandwidth(device)
+    print(f"device: {device_name(device)}; host->device {bandwidth['host_to_device'] / 1e9:.1f} GB/s, "
+          f"device->host {bandwidth['device_to_host'] / 1e9:.1f} GB/s ({bandwidth['kind']})")
+    results = [run_case(CASES[name], args, device, bandwidth) for name in names]
+
+    report = {
+        "command": "python " + " ".join(sys.argv),
+        "date": datetime.date.today().isoformat(),
+        "device_name": device_name(device),
+        "torch": torch.__version__,
+        "bandwidth_bytes_per_s": bandwidth,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "results": results,
+    }
+    text = table(results)
+    print("\n" + text)
+    os.makedirs(args.out_dir, exist_ok=True)
+    slug = re.sub(r"[^a-z0-9]+", "-", device_name(device).lower()).strip("-")
+    stem = os.path.join(args.out_dir, f"benchmark_{slug}_{report['date']}")
+    with open(stem + ".json", "w") as f:
+        json.dump(report, f, indent=2)
+        f.write("\n")
+    with open(stem + ".md", "w") as f:
+        f.write(f"# Benchmark on {report['device_name']}, {report['date']}\n\n")
+        f.write(f"Command: `{report['command']}`\n\n")
+        f.write(f"Bandwidth: host->device {bandwidth['host_to_device'] / 1e9:.1f} GB/s, "
+                f"device->host {bandwidth['device_to_host'] / 1e9:.1f} GB/s ({bandwidth['kind']}).\n\n")
+        f.write(text + "\n")
+    print(f"\nwrote {stem}.json and {stem}.md")
+
+
+if __name__ == "__main__":
+    main()
