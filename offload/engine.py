@@ -64,16 +64,19 @@ class Engine:
         device: the compute device.
         host_device: where host copies live (``offload_device``).
         synchronous_copies: force synchronous copies (see :class:`~offload.streams.CopyStreams`).
+        compute_dtype: dtype of the device copies of floating-point parameters, or None.
     """
 
     def __init__(self, groups: Sequence[tuple[list[str], list[nn.Module]]], device: torch.device,
-                 host_device: torch.device, synchronous_copies: bool = False) -> None:
+                 host_device: torch.device, synchronous_copies: bool = False,
+                 compute_dtype: torch.dtype | None = None) -> None:
         self.device = device
         self.host_device = host_device
+        self.compute_dtype = compute_dtype
         self.copies = CopyStreams(device, synchronous=synchronous_copies)
         self.pin = self.copies.pins_host_memory and host_device.type == "cpu"
         self.slices = [
-            Slice(i, names, layers, SliceStorage(layers, host_device, self.pin))
+            Slice(i, names, layers, SliceStorage(layers, host_device, self.pin, compute_dtype))
             for i, (names, layers) in enumerate(groups)
         ]
         _reject_sharing_across_slices(self.slices)

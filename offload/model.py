@@ -56,6 +56,15 @@ class OffloadModel(nn.Module):
             training mode) see microbatches, not the whole batch, and random layers draw their
             numbers per microbatch: outputs equal running the plain layers slice by slice on each
             chunk in turn, which equals the plain model only for ``num_microbatches=1``.
+        compute_dtype: ``torch.bfloat16`` or ``torch.float16`` to compute in half precision while
+            the host copies stay in their dtype (float32 masters for the optimizer). Device copies
+            of floating-point parameters are made, and transferred, in this dtype: half the bytes
+            of float32 per load. Parameters of normalisation layers (BatchNorm, LayerNorm,
+            GroupNorm, RMSNorm) and all buffers keep their dtype: they are small, and their kernels
+            take a half-precision input with float32 weights and statistics. Floating-point inputs
+            are cast to this dtype, outputs come out in it, and gradients travel back in it and
+            are accumulated into ``.grad`` in the parameter's dtype. The cost: a cast of every
+            parameter on the host once per forward, into a pinned shadow buffer.
 
     Raises:
         TypeError: ``model`` is neither an ``nn.Sequential`` nor a list of modules, or an
@@ -81,9 +90,13 @@ class OffloadModel(nn.Module):
         num_slices: int = 3,
         checkpoint_activation: bool = True,
         num_microbatches: int = 1,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         named_groups = _slice_groups(model, _positive_int("num_slices", num_slices))
+        if compute_dtype not in (None, torch.bfloat16, torch.float16):
+            raise ValueError(f"compute_dtype must be None, torch.bfloat16 or torch.float16, got {compute_dtype!r}")
+        self.compute_dtype = compute_dtype
         self.num_microbatches = _positive_int("num_microbatches", num_microbatches)
         if not isinstance(checkpoint_activation, bool):
             raise TypeError(f"checkpoint_activation must be a bool, got {type(checkpoint_activation).__name__}")
@@ -93,7 +106,7 @@ class OffloadModel(nn.Module):
         for names, layers in named_groups:
             for name, layer in zip(names, layers):
                 self.add_module(name, layer)
-        self._engine = Engine(named_groups, self.device, self.offload_device)
+        self._engine = Engine(named_groups, self.device, self.offload_device, compute_dtype=compute_dtype)
         self._warned_microbatch_batchnorm = False
 
     # -- inspection --------------------------------------------------------------------------
@@ -111,10 +124,11 @@ class OffloadModel(nn.Module):
         slices = ", ".join(
             f"[{_span(s.names)}: {_size(s.storage.nbytes)}]" for s in self._engine.slices
         )
+        precision = f"compute_dtype={self.compute_dtype}, " if self.compute_dtype is not None else ""
         return (
             f"device={self.device}, offload_device={self.offload_device}, "
             f"checkpoint_activation={self.checkpoint_activation}, num_microbatches={self.num_microbatches}, "
-            f"slices={slices}"
+            f"{precision}slices={slices}"
         )
 
     # -- forward -----------------------------------------------------------------------------
@@ -136,6 +150,10 @@ class OffloadModel(nn.Module):
         engine.refresh()
         self._warn_microbatch_batchnorm()
         leaves, spec = tree_flatten(args[0])
+        if self.compute_dtype is not None:
+            # Outside the Function, so autograd casts the input gradient back to the input's dtype.
+            leaves = [x.to(self.compute_dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+                      for x in leaves]
         params = engine.parameters()
         needs_graph = torch.is_grad_enabled() and (
             any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves)

@@ -26,21 +26,24 @@ def streamed_forward(engine: Engine, leaves: list[Any], spec: TreeSpec, num_micr
     try:
         for i in range(engine.num_slices):
             views = engine.slots.acquire(i)
-            if i + 1 < engine.num_slices:
-                engine.slots.prefetch(i + 1)
             changed = False
             next_boundary = []
-            for in_leaves, in_spec in boundary:
+            for m, (in_leaves, in_spec) in enumerate(boundary):
                 with record_function(f"offload::forward slice {i}"):
                     result = engine.run_slice(i, views, tree_unflatten(list(in_leaves), in_spec), want_snapshot=False)
                 changed |= result.buffers_changed
                 next_boundary.append(tree_flatten(result.output))
+                if m == 0 and i + 1 < engine.num_slices:
+                    # Once this slice's first compute is queued, so a load's CPU work overlaps it.
+                    engine.slots.prefetch(i + 1)
             if changed:
                 buffer_events.append(engine.slots.write_back_buffers(i))
             engine.slots.release(i)
             boundary = next_boundary
-        # Buffers are host state the caller may read as soon as this returns.
+        # Buffers are host state the caller may read as soon as this returns, and host copies the
+        # loads read may be overwritten right after it (rule 4 of [Copy ordering]).
         engine.copies.wait_host_all(buffer_events)
+        engine.copies.wait_loads_done()
     except BaseException:
         engine.slots.invalidate()
         raise

@@ -185,8 +185,6 @@ class OffloadFunction(torch.autograd.Function):
         try:
             for i, s in enumerate(engine.slices):
                 views = engine.slots.acquire(i)
-                if i + 1 < n:
-                    engine.slots.prefetch(i + 1)
                 buffers_changed = False
                 next_boundary: list[tuple[list[Any], TreeSpec]] = []
                 for m in range(count):
@@ -223,6 +221,10 @@ class OffloadFunction(torch.autograd.Function):
                                 record.buffers = (stash.add(host_snapshot), ticket)
                             out_leaves, out_spec = tree_flatten(result.output)
                     buffers_changed |= result.buffers_changed
+                    if m == 0 and i + 1 < n:
+                        # Issued once this slice's first compute is queued, so that the CPU work of a
+                        # load (a shadow refresh) overlaps it.
+                        engine.slots.prefetch(i + 1)
                     if i + 1 < n and not keeps_graph(i + 1, m):
                         records[i + 1][m] = _Checkpoint(
                             [_offload_leaf(engine, stash, o) for o in out_leaves], out_spec, -1, None
@@ -232,8 +234,10 @@ class OffloadFunction(torch.autograd.Function):
                     buffer_events.append(engine.slots.write_back_buffers(i))
                 engine.slots.release(i)
                 boundary = next_boundary
-            # Buffers are host state the user may read right after forward.
+            # Buffers are host state the user may read right after forward, and host copies the
+            # loads read may be overwritten right after it (rule 4 of [Copy ordering]).
             engine.copies.wait_host_all(buffer_events)
+            engine.copies.wait_loads_done()
         except BaseException:
             engine.slots.invalidate()
             raise
@@ -300,8 +304,6 @@ class OffloadFunction(torch.autograd.Function):
                 s = engine.slices[i]
                 if m == count - 1:
                     views = engine.slots.acquire(i)
-                    if i - 1 >= lowest:
-                        engine.slots.prefetch(i - 1)
                     slice_grads = (engine.gradients.begin(s.storage.params, per_slice_needed[i])
                                    if any(per_slice_needed[i]) else None)
                     grad_in: list[list[torch.Tensor | None]] = [[] for _ in range(count)]
@@ -326,6 +328,9 @@ class OffloadFunction(torch.autograd.Function):
                 grad_in[m] = in_grads
                 if slice_grads is not None:
                     slice_grads.add(param_grads)
+                if m == count - 1 and i - 1 >= lowest:
+                    # After this slice's first compute is queued: see the forward walk.
+                    engine.slots.prefetch(i - 1)
                 if m == 0:
                     if slice_grads is not None:
                         pending.append((i, engine.gradients.offload(slice_grads, label=f"offload::offload gradients slice {i}")))

@@ -17,8 +17,11 @@ Note: [Copy ordering]
        the source as used by ``offload_stream`` (``record_stream``) so the allocator does not
        reuse it before the copy has read it.
     4. A host buffer is read by the CPU (optimizer, user code) only after its offload's ready
-       event has completed: :meth:`CopyStreams.wait_host` is the only blocking call, used once
-       per backward for gradients and once per forward when buffers changed.
+       event has completed, and host memory a load reads is not given back to the CPU until the
+       load has completed: the optimizer, the next batch or the next shadow refresh may
+       overwrite it. :meth:`CopyStreams.wait_host` is the only blocking call: once per backward
+       for gradients, and at the end of each forward for the last load (loads complete in order)
+       and for buffers written back.
 
     On the CPU, and when asynchronous copies are switched off, copies are synchronous and every
     event is ``None``; the same calls run, so tests on the CPU go through the same code.
@@ -58,6 +61,7 @@ class CopyStreams:
         # Bytes copied so far, per direction: benchmarks compare them with the link's bandwidth.
         self.loaded_bytes = 0
         self.offloaded_bytes = 0
+        self._last_load: Event | None = None
         if self.is_async:
             # Loads run here so the next slice's host-to-device copy overlaps this slice's compute.
             self.load_stream: torch.cuda.Stream | None = torch.cuda.Stream(device)
@@ -101,6 +105,7 @@ class CopyStreams:
                 dst.copy_(src, non_blocking=True)
                 ready = torch.cuda.Event()
                 ready.record(self.load_stream)
+            self._last_load = ready
             return ready
 
     def to_device(self, src: torch.Tensor, after: Iterable[Event | None] = ()) -> tuple[torch.Tensor, Event | None]:
@@ -196,6 +201,11 @@ class CopyStreams:
         if event is not None:
             # Rule 4: the CPU is about to read host memory this copy writes.
             event.synchronize()
+
+    def wait_loads_done(self) -> None:
+        """Block the CPU until every load issued so far has read its host memory (rule 4)."""
+        self.wait_host(self._last_load)
+        self._last_load = None
 
     def wait_host_all(self, events: Iterable[Event | None]) -> None:
         for event in events:

@@ -108,7 +108,8 @@ class DeviceSlots:
         storage = self.storages[index]
         slot.slice_index = None  # if the copy below raises, the slot holds nothing usable
         slot.ready = self.copies.load(
-            slot.data[:storage.device_nbytes], storage.flat, after=(slot.free,), label=f"offload::load slice {index}"
+            slot.data[:storage.device_nbytes], storage.transfer_source(), after=(slot.free,),
+            label=f"offload::load slice {index}",
         )
         slot.slice_index = index
         slot.versions = storage.versions()
@@ -143,6 +144,8 @@ class DeviceSlots:
         """Treat every slot as holding nothing current: see Note: [Device copies expire at the next forward]."""
         for slot in self._slots:
             slot.versions = None
+        for storage in self.storages:
+            storage.expire_shadow()
 
     def mark_stale(self, index: int) -> None:
         """The device copy of slice ``index`` was modified (buffers restored or updated on the device)."""

@@ -111,48 +111,95 @@ def collect_entries(layers: Sequence[nn.Module]) -> tuple[list[Entry], list[Entr
     return params, buffers
 
 
+#: Layers whose parameters keep their own dtype under a compute dtype: their kernels take a
+#: half-precision input with float32 weight and statistics and accumulate in float32, and their
+#: parameters are small, so keeping them costs almost no bandwidth.
+NORMALIZATION_LAYERS: tuple[type[nn.Module], ...] = tuple(
+    cls for cls in (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, getattr(nn, "RMSNorm", None))
+    if cls is not None
+)
+
+
 class SliceStorage:
     """Host copies of one slice's parameters and buffers, in one flat (pinned) byte buffer.
 
     Args:
         layers: the slice's layers.
         host_device: where the host copies live (``offload_device``).
-        pin: pin the buffer (only with a CUDA compute device).
+        pin: pin the buffers (only with a CUDA compute device).
+        compute_dtype: dtype of the device copies of floating-point parameters (outside
+            normalisation layers); ``None`` keeps every dtype. When set, a pinned *shadow* holds the
+            slice in the device layout and dtypes, so loads move half the bytes of float32; it is
+            refreshed from the host copies once per forward (see :meth:`transfer_source`).
 
     Raises:
         ValueError: for sparse tensors or a tensor registered both as parameter and as buffer.
     """
 
-    def __init__(self, layers: Sequence[nn.Module], host_device: torch.device, pin: bool) -> None:
+    def __init__(self, layers: Sequence[nn.Module], host_device: torch.device, pin: bool,
+                 compute_dtype: torch.dtype | None = None) -> None:
         self.layers = list(layers)
         self.host_device = host_device
         self.pin = pin
+        self.compute_dtype = compute_dtype
         self.build()
 
     def build(self) -> None:
         """Lay the slice out and move every tensor's data into the flat buffer."""
         self.params, self.buffers = collect_entries(self.layers)
         self.entries = self.params + self.buffers
-        offset = 0
+        if self.compute_dtype is not None:
+            kept = {id(p) for layer in self.layers for m in layer.modules()
+                    if isinstance(m, NORMALIZATION_LAYERS) for p in m.parameters(recurse=False)}
+            for entry in self.params:
+                if entry.dtype.is_floating_point and id(entry.tensor) not in kept:
+                    entry.device_dtype = self.compute_dtype
+        host_end = device_end = 0
         for entry in self.entries:
-            entry.host_offset = entry.device_offset = offset
-            offset = _align(offset + entry.shape.numel() * _itemsize(entry.dtype))
-        self.buffer_region = (
-            (self.buffers[0].device_offset, offset) if self.buffers else (offset, offset)
-        )
-        self.device_nbytes = offset
+            entry.host_offset, entry.device_offset = host_end, device_end
+            host_end = _align(host_end + entry.shape.numel() * _itemsize(entry.dtype))
+            device_end = _align(device_end + entry.shape.numel() * _itemsize(entry.device_dtype))
+        first = self.buffers[0] if self.buffers else None
+        self.host_buffer_region = (first.host_offset if first else host_end, host_end)
+        self.buffer_region = (first.device_offset if first else device_end, device_end)
+        self.device_nbytes = device_end
+        self.host_nbytes = host_end
         grad_offset = 0
         for entry in self.params:
             entry.grad_offset = grad_offset
             grad_offset = _align(grad_offset + entry.shape.numel() * _itemsize(entry.device_dtype))
         self.grad_nbytes = grad_offset
-        self.flat = torch.empty(offset, dtype=torch.uint8, device=self.host_device, pin_memory=self.pin)
+        self.flat = torch.empty(host_end, dtype=torch.uint8, device=self.host_device, pin_memory=self.pin)
         for entry in self.entries:
             view = typed_view(self.flat, entry.host_offset, entry.dtype, entry.shape)
             view.copy_(entry.tensor.detach())
             # Same object, new storage: optimizers and user references keep working.
             entry.tensor.data = view
         self._expected_ptrs = [entry.tensor.data_ptr() for entry in self.entries]
+        casts = any(entry.device_dtype != entry.dtype for entry in self.entries)
+        self.shadow = (
+            torch.empty(device_end, dtype=torch.uint8, device=self.host_device, pin_memory=self.pin)
+            if casts else None
+        )
+        self._shadow_current = False
+        self.shadow_refreshes = 0
+
+    def transfer_source(self) -> torch.Tensor:
+        """The bytes a load copies to a slot: the host buffer itself, or the shadow in the device
+        dtypes, refreshed from the host copies if it has not been since :meth:`expire_shadow`."""
+        if self.shadow is None:
+            return self.flat
+        if not self._shadow_current:
+            with torch.no_grad():
+                for entry in self.entries:
+                    typed_view(self.shadow, entry.device_offset, entry.device_dtype, entry.shape).copy_(entry.tensor)
+            self._shadow_current = True
+            self.shadow_refreshes += 1
+        return self.shadow
+
+    def expire_shadow(self) -> None:
+        """The host copies may have changed (a new forward): refresh the shadow before the next load."""
+        self._shadow_current = False
 
     def moved(self) -> bool:
         """Whether a tensor's ``.data`` was replaced since :meth:`build` (``p.data = other``).
@@ -185,12 +232,13 @@ class SliceStorage:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the host buffer."""
-        return self.device_nbytes
+        """Bytes of the host buffer (the shadow not counted)."""
+        return self.host_nbytes
 
     def buffer_bytes(self) -> torch.Tensor:
-        """The host buffer's byte region that holds the buffers."""
-        start, end = self.buffer_region
+        """The host buffer's byte region that holds the buffers (same layout as on the device:
+        buffers keep their dtype)."""
+        start, end = self.host_buffer_region
         return self.flat[start:end]
 
     def device_views(self, slot: torch.Tensor) -> list[torch.Tensor]:

@@ -1,0 +1,223 @@
+"""compute_dtype: half-precision compute with float32 host masters, loss scaling, accumulation, clipping."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from offload import OffloadModel
+from offload.streams.host_storage import NORMALIZATION_LAYERS
+
+from .helpers import DEVICES, assert_same_grads, microbatched_reference, seeded
+
+EXACT = {"rtol": 0.0, "atol": 0.0}
+HALF = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
+
+
+def network(dropout: float = 0.0) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Linear(12, 32), nn.LayerNorm(32), nn.GELU(), nn.Dropout(dropout),
+        nn.Linear(32, 32), nn.BatchNorm1d(32), nn.Tanh(),
+        nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 4),
+    )
+
+
+def converted(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """The plain model as OffloadModel computes it: parameters in ``dtype`` except those of
+    normalisation layers; buffers unchanged."""
+    reference = copy.deepcopy(model)
+    for module in reference.modules():
+        if isinstance(module, NORMALIZATION_LAYERS):
+            continue
+        for name, param in module.named_parameters(recurse=False):
+            param.data = param.data.to(dtype)
+    return reference
+
+
+def master_grads_of(reference: nn.Module) -> nn.Module:
+    """A float32 view of a converted reference's gradients, to compare with float32 .grad."""
+    view = copy.deepcopy(reference)
+    for p, p_ref in zip(view.parameters(), reference.parameters()):
+        p.data = p.data.float()
+        p.grad = None if p_ref.grad is None else p_ref.grad.float()
+    return view
+
+
+@pytest.mark.filterwarnings("ignore:OffloadModel with num_microbatches > 1 runs BatchNorm")
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("num_slices", [1, 3])
+@pytest.mark.parametrize("num_microbatches", [1, 2])
+@pytest.mark.parametrize("checkpoint", [True, False])
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_parity_with_the_converted_model(device, dtype, num_slices, num_microbatches, checkpoint, dropout):
+    torch.manual_seed(0)
+    plain = network(dropout)
+    reference = converted(plain, dtype).to(device)
+    model = OffloadModel(copy.deepcopy(plain), device=device, num_slices=num_slices, num_microbatches=num_microbatches,
+                         checkpoint_activation=checkpoint, compute_dtype=dtype)
+    x = torch.randn(8, 12, device=device)
+    x_ref = x.clone().requires_grad_()
+    x_off = x.clone().requires_grad_()
+
+    def reference_step():
+        out = microbatched_reference(reference, model.partition, x_ref.to(dtype), num_microbatches)
+        out.float().pow(2).mean().backward()
+        return out
+
+    out_ref = seeded(5, reference_step)
+    out_off = seeded(5, lambda: model(x_off))
+    out_off.float().pow(2).mean().backward()
+
+    assert out_off.dtype == dtype
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())
+    torch.testing.assert_close(out_off, out_ref, **EXACT)
+    assert x_off.grad.dtype == torch.float32
+    if num_microbatches == 1:
+        # Same half-precision operations, and gradients cast exactly from half to float32.
+        torch.testing.assert_close(x_off.grad, x_ref.grad, **EXACT)
+        assert_same_grads(model, master_grads_of(reference), **EXACT)
+    else:
+        # Microbatch gradients are summed in float32 here, in half precision by the reference.
+        tol = {"rtol": 2e-2, "atol": 2e-3}
+        torch.testing.assert_close(x_off.grad, x_ref.grad, **tol)
+        assert_same_grads(model, master_grads_of(reference), **tol)
+    for (name, b_off), b_ref in zip(model.named_buffers(), reference.buffers()):
+        torch.testing.assert_close(b_off.to(device), b_ref, **EXACT, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_transfers_move_half_the_bytes(device):
+    torch.manual_seed(0)
+    plain = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+    full = OffloadModel(copy.deepcopy(plain), device=device, num_slices=4)
+    half = OffloadModel(copy.deepcopy(plain), device=device, num_slices=4, compute_dtype=torch.bfloat16)
+    x = torch.randn(2, 64, device=device)
+    for model in (full, half):
+        model(x).float().sum().backward()
+    loaded_full, offloaded_full = full._engine.traffic()
+    loaded_half, offloaded_half = half._engine.traffic()
+    input_bytes = x.numel() * x.element_size()
+    assert loaded_half < 0.52 * loaded_full
+    assert offloaded_half - input_bytes < 0.52 * offloaded_full
+
+
+def test_bf16_training_tracks_float32():
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 1))
+    teacher = torch.randn(16, 1)
+    runs = {}
+    for dtype in (None, torch.bfloat16):
+        torch.manual_seed(1)
+        model = OffloadModel(copy.deepcopy(plain), device="cpu", num_slices=3, compute_dtype=dtype)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        losses = []
+        for _ in range(60):
+            x = torch.randn(64, 16)
+            y = torch.tanh(x @ teacher / 4)
+            optimizer.zero_grad()
+            loss = nn.functional.mse_loss(model(x).float(), y)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        runs[dtype] = losses
+    fp32, bf16 = runs[None], runs[torch.bfloat16]
+    assert fp32[-1] < 0.2 * fp32[0] and bf16[-1] < 0.2 * bf16[0]
+    late = slice(-10, None)
+    assert abs(sum(bf16[late]) - sum(fp32[late])) <= 0.15 * sum(fp32[late])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grad_scaler_overflow_skips_the_step_and_leaves_parameters_bit_identical(device):
+    torch.manual_seed(0)
+    model = OffloadModel(network(), device=device, num_slices=3, compute_dtype=torch.float16)
+    scaler = torch.amp.GradScaler(torch.device(device).type, init_scale=2.0**10)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    x = torch.randn(8, 12, device=device)
+    x[3, 5] = float("inf")  # the stand-in for an overflow in half precision
+    scaler.scale(model(x).float().pow(2).mean()).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n
+    assert scaler.get_scale() == 2.0**9
+    assert not optimizer.state  # the optimizer never stepped
+
+    # The next, finite step goes through: unscaled gradients match an unscaled backward up to
+    # half-precision rounding (scaling exists because small fp16 gradients underflow unscaled).
+    twin = copy.deepcopy(model)
+    x = torch.randn(8, 12, device=device)
+    optimizer.zero_grad()
+    scaler.scale(model(x).float().pow(2).mean()).backward()
+    scaler.unscale_(optimizer)
+    twin(x).float().pow(2).mean().backward()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-2, atol=1e-4)
+    scaler.step(optimizer)
+    scaler.update()
+    assert optimizer.state and scaler.get_scale() == 2.0**9
+    assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_gradient_accumulation_over_micro_steps(device, dtype):
+    torch.manual_seed(0)
+    plain = network()
+    model = OffloadModel(copy.deepcopy(plain), device=device, num_slices=3, compute_dtype=dtype)
+    reference = (converted(plain, dtype) if dtype else copy.deepcopy(plain)).to(device)
+    steps = 4
+    summed: dict[str, torch.Tensor] = {}
+    for _ in range(steps):
+        x = torch.randn(8, 12, device=device)
+        (model(x).float().pow(2).mean() / steps).backward()
+        reference.zero_grad()
+        (reference(x.to(dtype) if dtype else x).float().pow(2).mean() / steps).backward()
+        for name, p in reference.named_parameters():
+            # The masters accumulate in float32; so does this sum of the reference's gradients.
+            summed[name] = summed.get(name, 0) + p.grad.float()
+    tol = EXACT if dtype is None else {"rtol": 1e-6, "atol": 1e-7}
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.to(device), summed[name], **tol, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_clip_grad_norm_over_host_gradients_matches(device):
+    torch.manual_seed(0)
+    plain = network()
+    model = OffloadModel(copy.deepcopy(plain), device=device, num_slices=3)
+    reference = copy.deepcopy(plain).to(device)
+    x = torch.randn(8, 12, device=device)
+    for net in (model, reference):
+        net(x).pow(2).sum().backward()
+    norm_off = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
+    norm_ref = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm=0.5)
+    torch.testing.assert_close(norm_off.to(device), norm_ref, rtol=1e-6, atol=0)
+    assert norm_ref > 0.5  # clipping happened
+    assert_same_grads(model, reference, rtol=1e-6, atol=1e-8)
+
+
+def test_compute_dtype_is_validated():
+    with pytest.raises(ValueError, match="compute_dtype must be None, torch.bfloat16 or torch.float16"):
+        OffloadModel(nn.Sequential(nn.Linear(2, 2)), device="cpu", compute_dtype=torch.float64)
+
+
+def test_shadow_is_refreshed_once_per_forward():
+    model = OffloadModel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)), device="cpu",
+                         num_slices=3, compute_dtype=torch.bfloat16)
+    storages = [s.storage for s in model._engine.slices]
+    model(torch.randn(2, 4)).float().sum().backward()  # backward reloads slice 0 from the same shadow
+    assert [st.shadow_refreshes for st in storages] == [1, 1, 1]
+    with torch.no_grad():
+        model._modules["0"].weight.data.fill_(0.5)  # not visible to version counters
+        out = model(torch.randn(2, 4))
+    assert [st.shadow_refreshes for st in storages] == [2, 2, 2]
+    assert torch.isfinite(out).all()
+    loaded = model._engine.slots._slots
+    assert any(slot.slice_index is not None for slot in loaded)
+    device_weight = storages[0].device_views(storages[0].shadow)[0]
+    assert torch.equal(device_weight, torch.full((4, 4), 0.5, dtype=torch.bfloat16))
