@@ -86,7 +86,14 @@ class Engine:
 
     def _build_device_side(self) -> None:
         storages = [s.storage for s in self.slices]
-        self.slots = DeviceSlots(storages, self.copies)
+        needed = max(st.device_nbytes for st in storages)
+        slots = getattr(self, "slots", None)
+        if slots is not None and slots.slot_nbytes >= needed:
+            # Keep the slots object: graphs still waiting for backward resolve their slot
+            # references through it.
+            slots.adopt(storages)
+        else:
+            self.slots = DeviceSlots(storages, self.copies)
         self.gradients = GradientOffloader(self.copies, self.pool, max(st.grad_nbytes for st in storages))
 
     @property

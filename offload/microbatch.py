@@ -104,6 +104,9 @@ def split_like(leaf: torch.Tensor | None, sizes: Sequence[int], concatenated: bo
     """Cut a gradient of a joined output back into per-microbatch gradients."""
     if leaf is None:
         return [None] * len(sizes)
+    if len(sizes) == 1:
+        # One microbatch: nothing was joined, whatever the output's dim 0 (e.g. rows of B*T).
+        return [leaf]
     if not concatenated:
         return [leaf] + [None] * (len(sizes) - 1)
     return list(torch.split(leaf, list(sizes), dim=0))

@@ -367,6 +367,22 @@ def test_output_without_batch_dimension_cannot_be_joined_across_microbatches():
     assert single(torch.randn(4, 3)).shape == ()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_output_rows_other_than_the_batch_with_one_microbatch(device):
+    class Flatten(nn.Module):
+        def forward(self, x):
+            return x.reshape(-1, x.shape[-1])  # (batch, seq, vocab) -> (batch * seq, vocab)
+
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Embedding(20, 8), nn.Linear(8, 20), Flatten()).to(device)
+    model = OffloadModel(clone_model(reference), device=device, num_slices=3)
+    tokens = torch.randint(0, 20, (3, 5), device=device)
+    targets = torch.randint(0, 20, (15,), device=device)
+    for net in (reference, model):
+        nn.functional.cross_entropy(net(tokens), targets).backward()
+    assert_same_grads(model, reference, **EXACT)
+
+
 # -- no graph ---------------------------------------------------------------------------------------
 
 

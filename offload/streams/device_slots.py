@@ -140,6 +140,14 @@ class DeviceSlots:
         slot.free = self.copies.compute_done()
         slot.in_use = False
 
+    def adopt(self, storages: Sequence[SliceStorage]) -> None:
+        """Serve re-laid-out storages (that fit the slots) from now on; nothing loaded stays valid."""
+        self.storages = storages
+        for slot in self._slots:
+            slot.slice_index = None
+            slot.versions = None
+            slot.view_cache.clear()
+
     def forget_contents(self) -> None:
         """Treat every slot as holding nothing current: see Note: [Device copies expire at the next forward]."""
         for slot in self._slots:
