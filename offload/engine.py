@@ -22,6 +22,7 @@ from .streams import (
     DeviceSlots,
     GradientOffloader,
     HostBufferPool,
+    OffloadTicket,
     SliceStorage,
 )
 
@@ -44,16 +45,16 @@ class Slice:
 
 @dataclass
 class SliceResult:
-    """What running a slice on one microbatch produced besides its output.
+    """What running a slice on one microbatch produced.
 
     Attributes:
-        buffers_changed: the run changed the slice's buffers on the device.
-        snapshot: when asked for, a device copy of the buffers as they were before the run.
+        output: the slice's output.
+        buffers_changed: the run changed the slice's buffers on the device (see Note: [Buffers]
+            in ``offload/autograd/function.py``).
     """
 
     output: Any
     buffers_changed: bool
-    snapshot: torch.Tensor | None
 
 
 class Engine:
@@ -135,16 +136,13 @@ class Engine:
                 moved.append(leaf)
         return moved
 
-    def run_slice(self, index: int, tensors: Sequence[torch.Tensor], inputs: Any, want_snapshot: bool) -> SliceResult:
+    def run_slice(self, index: int, tensors: Sequence[torch.Tensor], inputs: Any) -> SliceResult:
         """Run slice ``index`` on ``inputs`` with ``tensors`` (one per storage entry) in place of the
         host copies. The slice must be acquired.
-
-        See Note: [Buffers] in ``offload/autograd/function.py``.
         """
         s = self.slices[index]
         has_buffers = bool(s.storage.buffers)
         written_before = self.slots.write_counter(index) if has_buffers else 0
-        snapshot = self.slots.snapshot_buffers(index) if has_buffers and want_snapshot else None
         sites = [entry.sites for entry in s.storage.entries]
         with Binding(sites, tensors) as binding:
             output = s.run(inputs)
@@ -166,7 +164,11 @@ class Engine:
             or self.slots.write_counter(index) != written_before
             or s.storage.has_running_stats_in_training()
         )
-        return SliceResult(output, changed, snapshot if changed else None)
+        return SliceResult(output, changed)
+
+    def offload_buffers(self, index: int) -> tuple[torch.Tensor, OffloadTicket]:
+        """A host copy of the acquired slice's device buffers as they are now."""
+        return self.activations.offload(self.slots.buffer_region(index))
 
 
 def _reject_sharing_across_slices(slices: Sequence[Slice]) -> None:

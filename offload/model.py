@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .autograd import Call, OffloadFunction
@@ -163,10 +164,14 @@ class OffloadModel(nn.Module):
             return streamed_forward(engine, leaves, spec, self.num_microbatches)
         positions = [k for k, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         call = Call(spec, [None if isinstance(x, torch.Tensor) else x for x in leaves], positions)
-        outputs = OffloadFunction.apply(
-            engine, call, self.checkpoint_activation, self.num_microbatches,
-            *(leaves[k] for k in positions), *params,
-        )
+        # Saved tensors are packed when apply returns: the identity hooks keep any hooks the caller
+        # has active (save_on_cpu, say) away from them. They are already on the host or in pooled
+        # buffers whose copies may still be in flight.
+        with saved_tensors_hooks(_identity, _identity):
+            outputs = OffloadFunction.apply(
+                engine, call, self.checkpoint_activation, self.num_microbatches,
+                *(leaves[k] for k in positions), *params,
+            )
         out_leaves = list(call.output_leaves)
         for position, tensor in zip(call.output_tensor_positions, outputs):
             out_leaves[position] = tensor
@@ -206,6 +211,10 @@ class OffloadModel(nn.Module):
             f"to device={self.device} itself; don't move it with .to(device)/.cuda()/.cpu(). To compute "
             "elsewhere, wrap the layers in a new OffloadModel with that device."
         )
+
+
+def _identity(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 # -- argument checking ------------------------------------------------------------------------------

@@ -73,6 +73,52 @@ def test_delayed_kernels_still_give_exact_gradients(num_microbatches, checkpoint
         assert_same_grads(model, reference, **tol)
 
 
+class SleepyNorm(nn.Module):
+    """BatchNorm after a delayed kernel: its running statistics are written back to the host
+    while the next slices load; the slot must not be reloaded before that copy read it."""
+
+    def __init__(self, width: int, cycles: int):
+        super().__init__()
+        self.norm = nn.BatchNorm1d(width)
+        self.cycles = cycles
+
+    def forward(self, x):
+        torch.cuda._sleep(self.cycles)
+        return self.norm(x)
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_buffer_write_back_is_not_overtaken_by_slot_reuse(grad):
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(5):
+        layers += [nn.Linear(512, 512), SleepyNorm(512, 4_000_000)]
+    reference = nn.Sequential(*layers).cuda()
+    model = OffloadModel(copy.deepcopy(reference), device="cuda", num_slices=5)
+    for _ in range(3):
+        x = torch.randn(16, 512, device="cuda")
+        with torch.set_grad_enabled(grad):
+            out_ref, out_off = reference(x), model(x)
+        if grad:
+            out_ref.sum().backward()
+            out_off.sum().backward()
+    # Read right after the call returns: no synchronize in between.
+    for (name, b_off), b_ref in zip(model.named_buffers(), reference.buffers()):
+        torch.testing.assert_close(b_off.cuda(), b_ref, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("checkpoint", [True, False])
+def test_in_place_first_layers_do_not_corrupt_offloaded_boundaries(checkpoint):
+    torch.manual_seed(0)
+    slices = [nn.Sequential(nn.ReLU(inplace=True), Sleepy(1024, 2_000_000)) for _ in range(6)]
+    reference = nn.Sequential(*copy.deepcopy(slices)).cuda()
+    model = OffloadModel(slices, device="cuda", checkpoint_activation=checkpoint)
+    x = torch.randn(8, 1024, device="cuda")
+    reference(x.clone()).pow(2).sum().backward()
+    model(x.clone()).pow(2).sum().backward()
+    assert_same_grads(model, reference, **EXACT)
+
+
 def test_delayed_kernels_with_optimizer_steps_match_the_resident_model():
     reference = sleepy_model(depth=6)
     model = OffloadModel(copy.deepcopy(reference), device="cuda", num_slices=6)

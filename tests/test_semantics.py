@@ -583,3 +583,136 @@ def test_grad_scaler_skips_the_step_on_overflow():
     for p, p0 in zip(model.parameters(), before):
         assert torch.equal(p, p0)
     assert scaler.get_scale() == 2.0**7
+
+
+# -- edges of autograd found in review --------------------------------------------------------------
+
+
+def test_double_backward_is_refused_with_a_clear_error():
+    _, model = pair("cpu")
+    x = torch.randn(3, 6, requires_grad=True)
+    out = model(x)
+    with pytest.raises(RuntimeError, match="does not support double backward"):
+        torch.autograd.grad(out.sum(), x, create_graph=True)
+
+
+@pytest.mark.parametrize("checkpoint", [True, False])
+def test_callers_saved_tensor_hooks_do_not_see_internal_state(checkpoint):
+    reference, model = pair("cpu", checkpoint_activation=checkpoint)
+    x = torch.randn(4, 6)
+    packed = []
+
+    def pack(t):
+        packed.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(x)
+    assert packed == []
+    with torch.autograd.graph.save_on_cpu():
+        loss = model(x).pow(2).sum()
+    loss.backward()
+    out.pow(2).sum().backward()
+    reference(x).pow(2).sum().backward()
+    reference(x).pow(2).sum().backward()
+    assert_same_grads(model, reference, rtol=1e-6, atol=1e-7)
+
+
+class KeepsWeakref(nn.Module):
+    """Remembers its output weakly: the test checks graphs that never see backward are freed."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+        self.last = None
+
+    def forward(self, x):
+        import weakref
+
+        y = torch.tanh(self.linear(x))  # tanh saves its own output for backward
+        self.last = weakref.ref(y)
+        return y
+
+
+@pytest.mark.parametrize("checkpoint", [True, False])
+def test_kept_graphs_without_backward_are_freed(checkpoint):
+    import gc
+
+    model = OffloadModel(nn.Sequential(nn.Linear(6, 6), KeepsWeakref(), KeepsWeakref()), device="cpu",
+                         num_slices=3, checkpoint_activation=checkpoint)
+    out = model(torch.randn(2, 6))  # e.g. a validation pass with grad enabled
+    del out
+    gc.collect()
+    assert model._modules["2"].last() is None
+    assert model._modules["1"].last() is None
+    loss = model(torch.randn(2, 6)).sum()
+    loss.backward(retain_graph=True)
+    del loss
+    gc.collect()
+    assert model._modules["2"].last() is None
+
+
+class ScalesInPlace(nn.Module):
+    def forward(self, x):
+        return x.mul_(2)
+
+
+@pytest.mark.parametrize("checkpoint", [True, False])
+def test_in_place_change_of_a_saved_tensor_raises_as_in_pytorch(checkpoint):
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Sigmoid(), ScalesInPlace())
+
+    plain = build()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        plain(torch.randn(2, 4)).sum().backward()
+    model = OffloadModel(build(), device="cpu", num_slices=2, checkpoint_activation=checkpoint)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        model(torch.randn(2, 4)).sum().backward()
+
+
+@pytest.mark.parametrize("checkpoint", [True, False])
+def test_in_place_on_the_output_behaves_as_in_pytorch(checkpoint):
+    reference, model = pair("cpu", checkpoint_activation=checkpoint)  # last layer: Linear
+    x = torch.randn(4, 6)
+    for net in (reference, model):
+        y = net(x)
+        y.relu_()
+        y.sum().backward()
+    assert_same_grads(model, reference, **EXACT)
+    sigmoid_last = OffloadModel(nn.Sequential(nn.Linear(6, 6), nn.Sigmoid()), device="cpu", num_slices=2,
+                                checkpoint_activation=checkpoint)
+    y = sigmoid_last(x)
+    y.mul_(2)  # sigmoid saved its output: PyTorch refuses this backward, and so do we
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("checkpoint", [True, False])
+@pytest.mark.parametrize("num_microbatches", [1, 2])
+def test_slice_starting_with_an_in_place_layer(device, checkpoint, num_microbatches):
+    torch.manual_seed(0)
+    first = nn.Sequential(nn.Linear(5, 5), nn.Linear(5, 5))
+    second = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(5, 5))
+    third = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(5, 1))
+    reference = nn.Sequential(first, second, third).to(device)
+    model = OffloadModel([clone_model(first), clone_model(second), clone_model(third)], device=device,
+                         checkpoint_activation=checkpoint, num_microbatches=num_microbatches)
+    model.to(torch.float32)  # no-op conversion; the layers are on the offload device now
+    x = torch.randn(6, 5, device=device)
+    reference(x).pow(2).sum().backward()
+    model(x).pow(2).sum().backward()
+    assert_same_grads(model, reference, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_frozen_model_gradient_of_the_input_only(device):
+    reference, model = pair(device)
+    for net in (reference, model):
+        net.requires_grad_(False)
+    x_ref = torch.randn(4, 6, device=device, requires_grad=True)
+    x_off = x_ref.detach().clone().requires_grad_()
+    reference(x_ref).pow(2).sum().backward()
+    model(x_off).pow(2).sum().backward()
+    torch.testing.assert_close(x_off.grad, x_ref.grad, **EXACT)

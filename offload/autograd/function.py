@@ -14,26 +14,35 @@ Note: [Checkpoints and kept graphs]
     With ``checkpoint_activation=True`` only the last microbatch of the last slice is a kept
     graph: it is the first thing backward needs, so it is neither reloaded nor recomputed. With
     ``checkpoint_activation=False`` every record is a kept graph and activations stay on the
-    device. Kept graphs refer to slot memory only through slot references (see
+    device. Kept graphs save slot memory only as slot references (see
     ``offload/streams/device_slots.py``), so slots can be reused while they wait.
+
+    A slice's graph starts from leaves (the boundary activations, detached); each leaf that needs a
+    gradient enters the slice through a copy, so a first layer that works in place on its input
+    (``ReLU(inplace=True)``) behaves as in the plain model, where its input is not a leaf.
 
 Note: [Gradients through autograd]
     The host parameters are inputs of the Function and backward returns their gradients, on the
     host. Autograd itself then runs hooks, accumulates into ``.grad`` (or hands the gradients to
     ``torch.autograd.grad``), so every PyTorch semantic holds: accumulation across backwards,
-    ``retain_graph``, ``inputs=``, hooks firing once. Every tensor a backward needs is saved with
-    ``ctx.save_for_backward``, so autograd frees it with the graph and a second backward without
-    ``retain_graph`` fails exactly as in PyTorch.
+    ``retain_graph``, ``inputs=``, hooks firing once. Everything a backward needs is saved with
+    ``ctx.save_for_backward`` or released by backward itself, so autograd frees it with the graph
+    and a second backward without ``retain_graph`` fails exactly as in PyTorch. Double backward
+    (``create_graph=True``) is refused with an error: the recompute's graph is not differentiable
+    twice.
 
 Note: [Buffers]
     Buffers are the only device data a forward may change (running statistics, counters). A run
-    counts as changing them if it wrote to the slot in place (the slot's version counter moved),
+    counts as changing them if it wrote to a slot tensor in place (a version counter moved),
     reassigned a buffer, or holds a normalisation layer that tracks running statistics in
     training mode (its kernel updates them without bumping any version counter). After a slice's
     microbatches ran, changed buffers are written back to the host copies; unchanged slices send
-    nothing back. For exact recompute a changed run keeps a snapshot of the buffers from before
-    it, which backward restores on the device before re-running; the recompute's own updates are
-    discarded, so running statistics are updated once per forward, never by backward.
+    nothing back. For exact recompute, a run that changed the buffers keeps them as they were
+    before it: for the first microbatch that is still the host copy (written back only after the
+    last one), for a later one it is the device copy the previous run left, offloaded right
+    after that run when it changed anything. Backward restores them on the device before
+    re-running; the recompute's own updates are discarded, so running statistics are updated once
+    per forward, never by backward.
 """
 
 from __future__ import annotations
@@ -43,8 +52,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.autograd.function import once_differentiable
-from torch.autograd.graph import saved_tensors_hooks
 from torch.profiler import record_function
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
@@ -86,19 +93,19 @@ class _SavedLeaf:
 class _Checkpoint:
     inputs: list[_SavedLeaf]
     spec: TreeSpec
-    cpu_rng: int
-    device_rng: int | None
-    buffers: tuple[int, OffloadTicket] | None = None
+    cpu_rng: int = -1
+    device_rng: int | None = None
+    buffers: tuple[int, OffloadTicket | None] | None = None  # saved tensor of the buffers before the run
 
 
 @dataclass
 class _KeptGraph:
-    outputs: list[int | None]
-    inputs: list[int | None]
-    # The graph's parameter leaves: views of a slot, so they share its version counter and would
-    # trip autograd's saved-tensor version check once the slot is reloaded. They are only handed
-    # to autograd.grad as the tensors to differentiate with respect to (their values are read
-    # through slot references), so they are kept here rather than saved.
+    # The graph's outputs (with their grad_fn) and parameter leaves are held here rather than
+    # saved: a saved output shares its version counter with the tensor returned to the caller,
+    # which may update it in place as freely as the plain model's output; the leaves are slot
+    # tensors whose values are read through slot references. Backward releases both.
+    outputs: list[torch.Tensor | None]
+    inputs: list[int | None]  # saved tensors: the detached boundary leaves
     params: list[torch.Tensor]
 
 
@@ -106,7 +113,9 @@ class _Stash:
     """Collects the tensors one call saves for backward; records refer to them by index."""
 
     def __init__(self) -> None:
-        self.tensors: list[torch.Tensor] = []
+        # Always one tensor, so that a second backward without retain_graph meets autograd's own
+        # "freed" error even when nothing else was saved.
+        self.tensors: list[torch.Tensor] = [torch.empty(0)]
 
     def add(self, tensor: torch.Tensor) -> int:
         self.tensors.append(tensor)
@@ -115,17 +124,16 @@ class _Stash:
 
 @dataclass
 class _Run:
-    """Everything backward needs from forward except tensors, which are saved tensors."""
+    """Everything backward needs from forward except saved tensors."""
 
     engine: Engine
     call: Call
     split: Split
-    records: list[list[_Checkpoint | _KeptGraph]]
+    records: list[list[_Checkpoint | _KeptGraph | None]]
     grad_upstream: list[bool]  # per slice: whether its boundary activations need gradients
     param_versions: list[tuple[int, ...]]
     autocast: AutocastState
     output_concatenated: tuple[bool, ...]
-    num_input_tensors: int
     input_requires_grad: list[bool]  # per input leaf position
     input_meta: list[tuple[torch.Size, torch.dtype, torch.device]]  # per input tensor
 
@@ -134,10 +142,31 @@ def _is_differentiable(tensor: torch.Tensor) -> bool:
     return tensor.is_floating_point() or tensor.is_complex()
 
 
-def _as_leaf(value: Any, requires_grad: bool) -> Any:
-    if not isinstance(value, torch.Tensor):
-        return value
-    return value.detach().requires_grad_(requires_grad and _is_differentiable(value))
+def _graph_inputs(leaves: Sequence[Any], requires: Sequence[bool]) -> tuple[list[Any], list[Any]]:
+    """Leaves to differentiate with respect to, and what the slice receives in their place
+    (call with grad enabled: the copies must be part of the graph).
+
+    See Note: [Checkpoints and kept graphs] for why a leaf that needs a gradient enters through a copy.
+    """
+    graph_leaves: list[Any] = []
+    fed: list[Any] = []
+    for leaf, wants in zip(leaves, requires):
+        if not isinstance(leaf, torch.Tensor):
+            graph_leaves.append(leaf)
+            fed.append(leaf)
+            continue
+        detached = leaf.detach().requires_grad_(wants and _is_differentiable(leaf))
+        graph_leaves.append(detached)
+        fed.append(detached.clone() if detached.requires_grad else detached)
+    return graph_leaves, fed
+
+
+def _param_leaves(views: Sequence[torch.Tensor], engine: Engine, index: int) -> list[torch.Tensor]:
+    """What a graph of slice ``index`` runs with: parameter leaves over the device copies, buffers as they are."""
+    return [
+        view.detach().requires_grad_(entry.tensor.requires_grad) if entry.is_parameter else view
+        for view, entry in zip(views, engine.slices[index].storage.entries)
+    ]
 
 
 class OffloadFunction(torch.autograd.Function):
@@ -158,7 +187,6 @@ class OffloadFunction(torch.autograd.Function):
         microbatches, split = split_leaves(leaves, num_microbatches)
         count = split.count
         n = engine.num_slices
-        device = engine.device
         stash = _Stash()
 
         # Chunks and device copies are made under no_grad, so remember what the caller's inputs required.
@@ -173,76 +201,71 @@ class OffloadFunction(torch.autograd.Function):
         records: list[list[Any]] = [[None] * count for _ in range(n)]
         # The boundary entering the current slice, per microbatch, on the device.
         boundary: list[tuple[list[Any], TreeSpec]] = []
-        for m, mb_leaves in enumerate(microbatches):
-            if not keeps_graph(0, m):
-                saved = [_SavedLeaf(stash=stash.add(x)) if isinstance(x, torch.Tensor) else _SavedLeaf(value=x)
-                         for x in mb_leaves]
-                records[0][m] = _Checkpoint(saved, call.input_spec, -1, None)
-            boundary.append((engine.to_device(mb_leaves), call.input_spec))
-
-        buffer_events: list[Event | None] = []
+        written_back: list[Event | None] = []
         engine.slots.forget_contents()
         try:
-            for i, s in enumerate(engine.slices):
+            for m, mb_leaves in enumerate(microbatches):
+                if not keeps_graph(0, m):
+                    records[0][m] = _Checkpoint([_checkpoint_leaf(engine, stash, x) for x in mb_leaves], call.input_spec)
+                boundary.append((engine.to_device(mb_leaves), call.input_spec))
+            for i in range(n):
                 views = engine.slots.acquire(i)
                 buffers_changed = False
+                before_run: tuple[int, OffloadTicket | None] | None = None  # None: the host copy
                 next_boundary: list[tuple[list[Any], TreeSpec]] = []
                 for m in range(count):
                     in_leaves, in_spec = boundary[m]
                     with record_function(f"offload::forward slice {i}"):
                         if keeps_graph(i, m):
-                            graph_inputs = [
-                                _as_leaf(x, input_requires_grad[k] if i == 0 else grad_upstream[i])
-                                for k, x in enumerate(in_leaves)
-                            ]
-                            entry_tensors = [
-                                v.detach().requires_grad_(e.tensor.requires_grad) if e.is_parameter else v
-                                for v, e in zip(views, s.storage.entries)
-                            ]
+                            requires = [input_requires_grad[k] if i == 0 else grad_upstream[i]
+                                        for k in range(len(in_leaves))]
                             with torch.enable_grad(), engine.slots.saved_tensors_hooks():
-                                result = engine.run_slice(i, entry_tensors, tree_unflatten(graph_inputs, in_spec),
-                                                          want_snapshot=False)
+                                graph_leaves, fed = _graph_inputs(in_leaves, requires)
+                                entry_tensors = _param_leaves(views, engine, i)
+                                result = engine.run_slice(i, entry_tensors, tree_unflatten(fed, in_spec))
                             out_leaves, out_spec = tree_flatten(result.output)
                             records[i][m] = _KeptGraph(
-                                outputs=[stash.add(o) if isinstance(o, torch.Tensor) else None for o in out_leaves],
-                                inputs=[stash.add(x) if isinstance(x, torch.Tensor) else None for x in graph_inputs],
-                                params=[t for t, e in zip(entry_tensors, s.storage.entries) if e.is_parameter],
+                                outputs=[o if isinstance(o, torch.Tensor) else None for o in out_leaves],
+                                inputs=[stash.add(x) if isinstance(x, torch.Tensor) else None for x in graph_leaves],
+                                params=[t for t, e in zip(entry_tensors, engine.slices[i].storage.entries)
+                                        if e.is_parameter],
                             )
                             out_leaves = [o.detach() if isinstance(o, torch.Tensor) else o for o in out_leaves]
                         else:
-                            cpu_state, device_state = capture_rng(device)
                             record = records[i][m]
+                            cpu_state, device_state = capture_rng(engine.device)
                             record.cpu_rng = stash.add(cpu_state)
                             record.device_rng = stash.add(device_state) if device_state is not None else None
-                            result = engine.run_slice(i, views, tree_unflatten(list(in_leaves), in_spec),
-                                                      want_snapshot=True)
-                            if result.snapshot is not None:
-                                host_snapshot, ticket = engine.activations.offload(result.snapshot)
-                                record.buffers = (stash.add(host_snapshot), ticket)
+                            result = engine.run_slice(i, views, tree_unflatten(list(in_leaves), in_spec))
+                            if result.buffers_changed:
+                                record.buffers = before_run or (
+                                    stash.add(engine.slices[i].storage.buffer_bytes().clone()), None
+                                )
                             out_leaves, out_spec = tree_flatten(result.output)
-                    buffers_changed |= result.buffers_changed
+                    if result.buffers_changed:
+                        buffers_changed = True
+                        if m + 1 < count and not keeps_graph(i, m + 1):
+                            host, ticket = engine.offload_buffers(i)
+                            before_run = (stash.add(host), ticket)
                     if m == 0 and i + 1 < n:
                         # Issued once this slice's first compute is queued, so that the CPU work of a
                         # load (a shadow refresh) overlaps it.
                         engine.slots.prefetch(i + 1)
                     if i + 1 < n and not keeps_graph(i + 1, m):
-                        records[i + 1][m] = _Checkpoint(
-                            [_offload_leaf(engine, stash, o) for o in out_leaves], out_spec, -1, None
-                        )
+                        records[i + 1][m] = _Checkpoint([_checkpoint_leaf(engine, stash, o) for o in out_leaves],
+                                                        out_spec)
                     next_boundary.append((out_leaves, out_spec))
                 if buffers_changed:
-                    buffer_events.append(engine.slots.write_back_buffers(i))
+                    written_back.append(engine.slots.write_back_buffers(i))
                 engine.slots.release(i)
                 boundary = next_boundary
-            # Buffers are host state the user may read right after forward, and host copies the
-            # loads read may be overwritten right after it (rule 4 of [Copy ordering]).
-            engine.copies.wait_host_all(buffer_events)
-            engine.copies.wait_loads_done()
+            # Buffers are host state the user may read right after forward.
+            engine.copies.wait_host_all(written_back)
         except BaseException:
             engine.slots.invalidate()
             raise
 
-        joined, concatenated = join_outputs([leaves for leaves, _ in boundary], split.sizes)
+        joined, concatenated = join_outputs([out for out, _ in boundary], split.sizes)
         call.output_spec = boundary[0][1]
         call.output_tensor_positions = [p for p, leaf in enumerate(joined) if isinstance(leaf, torch.Tensor)]
         call.output_leaves = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in joined]
@@ -258,41 +281,39 @@ class OffloadFunction(torch.autograd.Function):
             records=records,
             grad_upstream=grad_upstream,
             param_versions=[s.storage.param_versions() for s in engine.slices],
-            autocast=AutocastState.capture(device),
+            autocast=AutocastState.capture(engine.device),
             output_concatenated=tuple(concatenated[p] for p in call.output_tensor_positions),
-            num_input_tensors=num_inputs,
             input_requires_grad=input_requires_grad,
             input_meta=[(t.shape, t.dtype, t.device) for t in input_tensors],
         )
-        # Identity hooks shield our saved tensors from any saved-tensor hooks the caller has active
-        # (e.g. save_on_cpu): a kept graph's outputs must come back with their graph attached.
-        with saved_tensors_hooks(lambda t: t, lambda t: t):
-            ctx.save_for_backward(*stash.tensors)
+        ctx.save_for_backward(*stash.tensors)
         return outputs
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "OffloadModel does not support double backward (create_graph=True, e.g. for a gradient "
+                "penalty): the recomputed slices are differentiated once. Compute such terms on a model "
+                "that is not offloaded."
+            )
         saved = ctx.saved_tensors  # raises PyTorch's own error on a second backward without retain_graph
         run: _Run = ctx.run
         engine = run.engine
         _check_versions(run)
         keep_graph = _keep_graph()
-        needed = _needed_grads(ctx, run.num_input_tensors + len(engine.parameters()))
-        inputs_needed = needed[:run.num_input_tensors]
-        params_needed = needed[run.num_input_tensors:]
+        num_inputs = len(run.input_meta)
+        num_params = sum(len(s.storage.params) for s in engine.slices)
+        needed = _needed_grads(ctx, num_inputs + num_params)
+        inputs_needed = needed[:num_inputs]
+        per_slice_needed: list[list[bool]] = []
+        offset = num_inputs
+        for s in engine.slices:
+            per_slice_needed.append(needed[offset:offset + len(s.storage.params)])
+            offset += len(s.storage.params)
         n = engine.num_slices
         count = run.split.count
-
-        per_slice_needed: list[list[bool]] = []
-        offset = 0
-        for s in engine.slices:
-            k = len(s.storage.params)
-            per_slice_needed.append(list(params_needed[offset:offset + k]))
-            offset += k
-        lowest = 0 if any(inputs_needed) else next(
-            (i for i, flags in enumerate(per_slice_needed) if any(flags)), n
-        )
+        lowest = 0 if any(inputs_needed) else next((i for i, f in enumerate(per_slice_needed) if any(f)), n)
 
         # Gradients of the current slice's outputs, per microbatch, aligned with its output leaves.
         grad_out = _split_output_grads(run, grad_outputs)
@@ -301,10 +322,9 @@ class OffloadFunction(torch.autograd.Function):
         pending: list[tuple[int, PendingGradients]] = []
         try:
             for step, (i, m) in enumerate(steps):
-                s = engine.slices[i]
                 if m == count - 1:
                     views = engine.slots.acquire(i)
-                    slice_grads = (engine.gradients.begin(s.storage.params, per_slice_needed[i])
+                    slice_grads = (engine.gradients.begin(engine.slices[i].storage.params, per_slice_needed[i])
                                    if any(per_slice_needed[i]) else None)
                     grad_in: list[list[torch.Tensor | None]] = [[] for _ in range(count)]
                     restored = False
@@ -314,17 +334,21 @@ class OffloadFunction(torch.autograd.Function):
                 wants_input_grads = i > lowest or (i == 0 and any(inputs_needed))
                 with record_function(f"offload::backward slice {i}"):
                     if isinstance(record, _KeptGraph):
-                        outputs = [saved[k] if k is not None else None for k in record.outputs]
+                        outputs, params = record.outputs, record.params
                         inputs = [saved[k] if k is not None else None for k in record.inputs]
-                        params = record.params
+                        if not keep_graph:
+                            run.records[i][m] = None
                         retain = keep_graph
-                    else:
+                    elif isinstance(record, _Checkpoint):
                         restored |= record.buffers is not None
                         outputs, inputs, params = _recompute(engine, run, saved, loader, i, m, record, views,
                                                              wants_input_grads)
                         retain = False
+                    else:
+                        raise RuntimeError("internal error: backward reached a record that was already released")
                     in_grads, param_grads = _differentiate(outputs, grad_out[m], inputs, params,
                                                            per_slice_needed[i], wants_input_grads, retain)
+                    del outputs, inputs, params
                 grad_in[m] = in_grads
                 if slice_grads is not None:
                     slice_grads.add(param_grads)
@@ -333,26 +357,28 @@ class OffloadFunction(torch.autograd.Function):
                     engine.slots.prefetch(i - 1)
                 if m == 0:
                     if slice_grads is not None:
-                        pending.append((i, engine.gradients.offload(slice_grads, label=f"offload::offload gradients slice {i}")))
+                        pending.append((i, engine.gradients.offload(
+                            slice_grads, label=f"offload::offload gradients slice {i}")))
                     if restored:
                         engine.slots.mark_stale(i)
                     engine.slots.release(i)
                     grad_out = grad_in
+            # The optimizer reads the gradients next, and may overwrite the host copies the loads read.
             engine.gradients.finish([p for _, p in pending])
+            engine.copies.wait_loads_done()
         except BaseException:
             engine.slots.invalidate()
             raise
         finally:
             engine.pool.end_step()
 
-        param_results: list[torch.Tensor | None] = [None] * len(params_needed)
+        param_results: list[torch.Tensor | None] = [None] * num_params
         starts = [0]
         for s in engine.slices:
             starts.append(starts[-1] + len(s.storage.params))
         for i, grads in pending:
             for j, g in enumerate(grads.host_views):
                 param_results[starts[i] + j] = g
-
         input_results = _input_grads(run, grad_out if lowest == 0 else None, inputs_needed)
         return (None, None, None, None, *input_results, *param_results)
 
@@ -360,7 +386,8 @@ class OffloadFunction(torch.autograd.Function):
 # -- forward helpers ------------------------------------------------------------------------------
 
 
-def _offload_leaf(engine: Engine, stash: _Stash, leaf: Any) -> _SavedLeaf:
+def _checkpoint_leaf(engine: Engine, stash: _Stash, leaf: Any) -> _SavedLeaf:
+    """Keep a boundary leaf for the recompute: tensors on the compute device go to the host."""
     if not isinstance(leaf, torch.Tensor):
         return _SavedLeaf(value=leaf)
     if leaf.device != engine.device:
@@ -465,26 +492,25 @@ def _recompute(engine: Engine, run: _Run, saved: Sequence[torch.Tensor], loader:
                record: _Checkpoint, views: Sequence[torch.Tensor], wants_input_grads: bool
                ) -> tuple[list[Any], list[Any], list[torch.Tensor]]:
     """Re-run slice ``i`` on microbatch ``m`` with a graph, exactly as forward ran it."""
-    s = engine.slices[i]
     leaves = loader.take(i, m)
     if record.buffers is not None:
         stash_index, ticket = record.buffers
-        engine.slots.restore_buffers(i, saved[stash_index], ticket.ready)
-    graph_inputs = [
-        _as_leaf(x, wants_input_grads and (run.input_requires_grad[k] if i == 0 else run.grad_upstream[i]))
-        for k, x in enumerate(leaves)
-    ]
-    params = [v.detach().requires_grad_(e.tensor.requires_grad) for v, e in zip(views, s.storage.entries) if e.is_parameter]
-    entry_tensors = params + [v for v, e in zip(views, s.storage.entries) if not e.is_parameter]
+        engine.slots.restore_buffers(i, saved[stash_index], ticket.ready if ticket is not None else None)
+    requires = [wants_input_grads and (run.input_requires_grad[k] if i == 0 else run.grad_upstream[i])
+                for k in range(len(leaves))]
     device_rng = saved[record.device_rng] if record.device_rng is not None else None
     with replaying_rng(engine.device, saved[record.cpu_rng], device_rng), run.autocast.applied(), torch.enable_grad():
-        result = engine.run_slice(i, entry_tensors, tree_unflatten(graph_inputs, record.spec), want_snapshot=False)
+        graph_leaves, fed = _graph_inputs(leaves, requires)
+        entry_tensors = _param_leaves(views, engine, i)
+        result = engine.run_slice(i, entry_tensors, tree_unflatten(fed, record.spec))
     outputs, _ = tree_flatten(result.output)
-    return outputs, graph_inputs, params
+    params = [t for t, e in zip(entry_tensors, engine.slices[i].storage.entries) if e.is_parameter]
+    return outputs, graph_leaves, params
 
 
 def _differentiate(outputs: Sequence[Any], grads: Sequence[Any], inputs: Sequence[Any], params: Sequence[torch.Tensor],
-                   params_needed: Sequence[bool], wants_input_grads: bool, retain_graph: bool) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+                   params_needed: Sequence[bool], wants_input_grads: bool, retain_graph: bool
+                   ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
     """Gradients of one slice-microbatch graph w.r.t. its boundary inputs and its parameters."""
     pairs = [
         (o, g) for o, g in zip(outputs, grads)

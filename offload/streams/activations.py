@@ -49,7 +49,8 @@ class ActivationOffloader:
         self.loaded_bytes = 0
 
     def offload(self, tensor: torch.Tensor) -> tuple[torch.Tensor, OffloadTicket]:
-        """Start copying ``tensor`` into a host buffer.
+        """Start copying ``tensor`` into a host buffer, as it is now: later compute may update it
+        in place (the next layer, the next microbatch) without changing the host copy.
 
         Returns:
             The host tensor (valid once the ticket's ``ready`` completes) and the ticket.
@@ -58,7 +59,8 @@ class ActivationOffloader:
         nbytes = source.numel() * source.element_size()
         buffer = self.pool.take(nbytes)
         host = typed_view(buffer.data, 0, source.dtype, source.shape)
-        ready = self.copies.offload(host, source, after=(buffer.read_event,), label="offload::offload activation")
+        ready = self.copies.offload(host, source, after=(buffer.read_event,), src_may_change=source is tensor,
+                                    label="offload::offload activation")
         self.offloaded_bytes += nbytes
         return host, OffloadTicket(ready, buffer)
 

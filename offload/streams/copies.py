@@ -9,19 +9,26 @@ Note: [Copy ordering]
     The rules, each enforced here and nowhere else:
 
     1. A load records a ready event; compute waits on it before touching the destination.
-    2. A load into memory that compute may still be reading waits first for the event that says
-       compute is done with it (a slot's *free event*), or, for freshly allocated memory, for all
-       compute issued so far: the caching allocator may hand out a block that a queued kernel
-       still reads.
+    2. A load into memory that compute may still be reading waits first for the events that say
+       every earlier reader is done with it (a slot's free event and the write-back that read
+       its buffers), or, for freshly allocated memory, for all compute issued so far: the caching
+       allocator may hand out a block that a queued kernel still reads. The destination is marked
+       as used by ``load_stream`` so that, if it is freed early (an exception), the allocator does
+       not hand it out while the copy may still write it.
     3. An offload waits for all compute issued so far (its source was produced there) and marks
-       the source as used by ``offload_stream`` (``record_stream``) so the allocator does not
-       reuse it before the copy has read it.
-    4. A host buffer is read by the CPU (optimizer, user code) only after its offload's ready
-       event has completed, and host memory a load reads is not given back to the CPU until the
-       load has completed: the optimizer, the next batch or the next shadow refresh may
-       overwrite it. :meth:`CopyStreams.wait_host` is the only blocking call: once per backward
-       for gradients, and at the end of each forward for the last load (loads complete in order)
-       and for buffers written back.
+       the source as used by ``offload_stream`` so the allocator does not reuse it before the copy
+       has read it. A source that later compute may change in place (a boundary activation the
+       next layer may update in place, buffers the next microbatch updates) is first copied on
+       the compute stream, and the private copy is what travels. Compute that overwrites memory
+       an offload reads (a gradient buffer) waits for that offload's ready event.
+    4. Host memory is handed back to the CPU only once the copies touching it are done: an
+       offload's destination is read by the CPU (optimizer, user code) after its ready event,
+       and a load's source may be overwritten (optimizer step, next batch, shadow refresh) only
+       after the load. :meth:`CopyStreams.wait_host` is the only blocking call: at the end of
+       each backward, at the end of a forward without autograd, and when buffers were written
+       back.
+    5. After an exception the streams are drained (:meth:`CopyStreams.drain`): whatever was in
+       flight finishes before compute or the CPU touch that memory again.
 
     On the CPU, and when asynchronous copies are switched off, copies are synchronous and every
     event is ``None``; the same calls run, so tests on the CPU go through the same code.
@@ -58,10 +65,6 @@ class CopyStreams:
     def __init__(self, device: torch.device, synchronous: bool = False) -> None:
         self.device = device
         self.is_async = device.type == "cuda" and not (synchronous or synchronous_copies_requested())
-        # Bytes copied so far, per direction: benchmarks compare them with the link's bandwidth.
-        self.loaded_bytes = 0
-        self.offloaded_bytes = 0
-        self._last_load: Event | None = None
         if self.is_async:
             # Loads run here so the next slice's host-to-device copy overlaps this slice's compute.
             self.load_stream: torch.cuda.Stream | None = torch.cuda.Stream(device)
@@ -70,11 +73,18 @@ class CopyStreams:
         else:
             self.load_stream = None
             self.offload_stream = None
+        # Bytes copied so far, per direction: benchmarks compare them with the link's bandwidth.
+        self.loaded_bytes = 0
+        self.offloaded_bytes = 0
+        self._last_load: Event | None = None
 
     @property
     def pins_host_memory(self) -> bool:
         """Whether host buffers should be pinned: only pinned memory copies asynchronously."""
         return self.device.type == "cuda"
+
+    def _compute_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self.device)
 
     # -- loads -------------------------------------------------------------------------------
 
@@ -96,15 +106,17 @@ class CopyStreams:
             assert self.load_stream is not None
             if after_queued_compute:
                 # Rule 2: the allocator may have recycled a block that queued compute still reads.
-                self.load_stream.wait_stream(torch.cuda.current_stream(self.device))
+                self.load_stream.wait_stream(self._compute_stream())
             for event in after:
                 if event is not None:
-                    # Rule 2: the destination (or the source's offload) must be finished first.
+                    # Rule 2: earlier readers of the destination (or the source's offload) first.
                     self.load_stream.wait_event(event)
             with torch.cuda.stream(self.load_stream):
                 dst.copy_(src, non_blocking=True)
                 ready = torch.cuda.Event()
                 ready.record(self.load_stream)
+            # Rule 2: if dst is freed before compute used it, the copy may still be writing it.
+            dst.record_stream(self.load_stream)
             self._last_load = ready
             return ready
 
@@ -118,35 +130,19 @@ class CopyStreams:
     # -- offloads ----------------------------------------------------------------------------
 
     def offload(self, dst: torch.Tensor, src: torch.Tensor, after: Iterable[Event | None] = (),
-                label: str = "offload::offload") -> Event | None:
+                src_may_change: bool = False, label: str = "offload::offload") -> Event | None:
         """Copy ``src`` (device) into ``dst`` (host); return the ready event.
 
         Args:
             after: events that must complete before ``dst`` may be overwritten (a pending load
                 that still reads it).
+            src_may_change: later compute may update ``src`` in place; copy a private snapshot.
         """
-        self.offloaded_bytes += src.numel() * src.element_size()
-        with record_function(label):
-            if not self.is_async:
-                dst.copy_(src)
-                return None
-            assert self.offload_stream is not None
-            # Rule 3: the source was produced by compute issued so far.
-            self.offload_stream.wait_stream(torch.cuda.current_stream(self.device))
-            for event in after:
-                if event is not None:
-                    # A previous load still reads this host buffer.
-                    self.offload_stream.wait_event(event)
-            with torch.cuda.stream(self.offload_stream):
-                dst.copy_(src, non_blocking=True)
-                ready = torch.cuda.Event()
-                ready.record(self.offload_stream)
-            # Rule 3: keep the allocator from recycling src before the copy has read it.
-            src.record_stream(self.offload_stream)
-            return ready
+        return self.offload_many([dst], [src], after=after, src_may_change=src_may_change, label=label)
 
     def offload_many(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor],
-                     after: Iterable[Event | None] = (), label: str = "offload::offload") -> Event | None:
+                     after: Iterable[Event | None] = (), src_may_change: bool = False,
+                     label: str = "offload::offload") -> Event | None:
         """Like :meth:`offload` for several tensors at once, with one ready event for all."""
         self.offloaded_bytes += sum(src.numel() * src.element_size() for src in srcs)
         with record_function(label):
@@ -155,8 +151,11 @@ class CopyStreams:
                     dst.copy_(src)
                 return None
             assert self.offload_stream is not None
+            if src_may_change:
+                # Rule 3: a private copy, taken on compute before any later in-place update.
+                srcs = [src.clone() for src in srcs]
             # Rule 3: the sources were produced by compute issued so far.
-            self.offload_stream.wait_stream(torch.cuda.current_stream(self.device))
+            self.offload_stream.wait_stream(self._compute_stream())
             for event in after:
                 if event is not None:
                     # A previous load still reads this host memory.
@@ -186,27 +185,44 @@ class CopyStreams:
         device buffer that compute is about to overwrite (rule 3)."""
         if event is not None:
             # Rules 1 and 3: compute must not touch the memory before that copy is done with it.
-            torch.cuda.current_stream(self.device).wait_event(event)
+            self._compute_stream().wait_event(event)
 
     def compute_done(self) -> Event | None:
         """An event marking all compute issued so far: a device buffer's free event."""
         if not self.is_async:
             return None
         event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
+        event.record(self._compute_stream())
         return event
 
     def wait_host(self, event: Event | None) -> None:
         """Block the CPU until ``event`` has completed (rule 4)."""
         if event is not None:
-            # Rule 4: the CPU is about to read host memory this copy writes.
+            # Rule 4: the CPU is about to read (or overwrite) host memory this copy touches.
             event.synchronize()
-
-    def wait_loads_done(self) -> None:
-        """Block the CPU until every load issued so far has read its host memory (rule 4)."""
-        self.wait_host(self._last_load)
-        self._last_load = None
 
     def wait_host_all(self, events: Iterable[Event | None]) -> None:
         for event in events:
             self.wait_host(event)
+
+    def wait_loads_done(self) -> None:
+        """Block the CPU until every load issued so far has read its host memory (rule 4).
+
+        Loads complete in issue order (one stream), so the last one stands for all.
+        """
+        self.wait_host(self._last_load)
+        self._last_load = None
+
+    def drain(self) -> None:
+        """After an exception: let every copy in flight finish before anything reuses its memory (rule 5)."""
+        if not self.is_async:
+            return
+        assert self.load_stream is not None and self.offload_stream is not None
+        compute = self._compute_stream()
+        # Rule 5: device memory the side streams touch is reused by compute next.
+        compute.wait_stream(self.load_stream)
+        compute.wait_stream(self.offload_stream)
+        # Rule 5: host memory they touch is reused by the CPU next.
+        self.load_stream.synchronize()
+        self.offload_stream.synchronize()
+        self._last_load = None

@@ -40,6 +40,7 @@ class _Slot:
     versions: tuple[int, ...] | None = None
     ready: Event | None = None
     free: Event | None = None
+    written_back: Event | None = None  # the write-back that reads this slot's buffers
     in_use: bool = False
     last_used: int = 0
     views: list[torch.Tensor] = field(default_factory=list)
@@ -50,13 +51,37 @@ class _Slot:
 
 @dataclass(frozen=True)
 class SlotReference:
-    """What a saved slot tensor is, independent of which slot holds its slice later."""
+    """What a saved slot tensor is, independent of which slot holds its slice later.
+
+    ``version_of`` shares the saved tensor's version counter (it is the tensor detached), so an
+    in-place change between forward and backward is caught as autograd would catch it.
+    """
 
     slice_index: int
     dtype: torch.dtype
     size: torch.Size
     stride: tuple[int, ...]
     byte_offset: int
+    version_of: torch.Tensor
+    version: int
+
+
+@dataclass(frozen=True)
+class _SavedTensor:
+    """A saved tensor other than slot memory: detached, so the graph holds no cycle through its
+    own outputs, with the version it had when saved."""
+
+    tensor: torch.Tensor
+    version: int
+
+
+def _check_version(saved: torch.Tensor, version: int) -> None:
+    if saved._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace "
+            f"operation: [{saved.type()} {list(saved.shape)}] is at version {saved._version}; expected "
+            f"version {version} instead."
+        )
 
 
 class DeviceSlots:
@@ -75,7 +100,9 @@ class DeviceSlots:
         self._tick = 0
         nbytes = max(storage.device_nbytes for storage in storages)
         self._slots = [
-            _Slot(torch.empty(nbytes, dtype=torch.uint8, device=copies.device))
+            # Free from the start only after queued compute: the allocator may have handed out
+            # memory that a kernel from an earlier forward still reads (rule 2).
+            _Slot(torch.empty(nbytes, dtype=torch.uint8, device=copies.device), free=copies.compute_done())
             for _ in range(min(num_slots, len(storages)))
         ]
         self.loads = 0  # loads issued; tests and benchmarks read it
@@ -107,10 +134,16 @@ class DeviceSlots:
             raise RuntimeError(f"internal error: slice {index} is stale while in use")
         storage = self.storages[index]
         slot.slice_index = None  # if the copy below raises, the slot holds nothing usable
+        if storage.shadow_stale():
+            # Rule 4 of [Copy ordering]: an earlier load may still read the shadow.
+            self.copies.wait_host(storage.shadow_read)
+            storage.refresh_shadow()
         slot.ready = self.copies.load(
-            slot.data[:storage.device_nbytes], storage.transfer_source(), after=(slot.free,),
+            slot.data[:storage.device_nbytes], storage.transfer_source(), after=(slot.free, slot.written_back),
             label=f"offload::load slice {index}",
         )
+        if storage.shadow is not None:
+            storage.shadow_read = slot.ready
         slot.slice_index = index
         slot.versions = storage.versions()
         if index not in slot.view_cache:
@@ -163,17 +196,20 @@ class DeviceSlots:
 
     def invalidate(self) -> None:
         """Forget every slot's content and reservation, after an exception interrupted a walk."""
+        self.copies.drain()
         for slot in self._slots:
             slot.slice_index = None
             slot.versions = None
             slot.in_use = False
             slot.free = self.copies.compute_done()
+            slot.written_back = None
 
     # -- buffers ---------------------------------------------------------------------------------
     # Buffers are the only device data that compute may change (running statistics, counters).
     # See Note: [Buffers] in offload/autograd/function.py.
 
-    def _buffer_region(self, index: int) -> torch.Tensor:
+    def buffer_region(self, index: int) -> torch.Tensor:
+        """The device bytes holding the acquired slice ``index``'s buffers."""
         slot = self._find(index)
         assert slot is not None and slot.in_use, "slice must be acquired"
         start, end = self.storages[index].buffer_region
@@ -185,23 +221,24 @@ class DeviceSlots:
         assert slot is not None
         return sum(view._version for view in slot.views)
 
-    def snapshot_buffers(self, index: int) -> torch.Tensor | None:
-        """A device copy of the acquired slice's buffers as they are now, or None without buffers."""
-        region = self._buffer_region(index)
-        return region.clone() if region.numel() else None
-
     def write_back_buffers(self, index: int) -> Event | None:
-        """Start copying the acquired slice's device buffers over its host buffers."""
+        """Start copying the acquired slice's device buffers over its host buffers.
+
+        The slot is not loaded again before this copy has read it (rule 2 of [Copy ordering]).
+        """
         storage = self.storages[index]
-        return self.copies.offload(storage.buffer_bytes(), self._buffer_region(index),
-                                   label=f"offload::write back buffers of slice {index}")
+        slot = self._find(index)
+        assert slot is not None
+        slot.written_back = self.copies.offload(storage.buffer_bytes(), self.buffer_region(index),
+                                                label=f"offload::write back buffers of slice {index}")
+        return slot.written_back
 
     def restore_buffers(self, index: int, host_snapshot: torch.Tensor, after: Event | None) -> None:
         """Load a buffer snapshot into the acquired slice's device copy and wait for it.
 
         The device copy then differs from the host copy, so the slot is marked stale.
         """
-        ready = self.copies.load(self._buffer_region(index), host_snapshot, after=(after,),
+        ready = self.copies.load(self.buffer_region(index), host_snapshot, after=(after,),
                                  after_queued_compute=True, label=f"offload::restore buffers of slice {index}")
         self.copies.wait_ready(ready)
         self.mark_stale(index)
@@ -224,16 +261,19 @@ class DeviceSlots:
         try:
             ptr = tensor.untyped_storage().data_ptr()
         except (RuntimeError, NotImplementedError):
-            return tensor
+            ptr = None
         for slot in self._slots:
-            if slot.slice_index is not None and slot.data.untyped_storage().data_ptr() == ptr:
+            if ptr is not None and slot.slice_index is not None and slot.data.untyped_storage().data_ptr() == ptr:
                 return SlotReference(slot.slice_index, tensor.dtype, tensor.size(), tuple(tensor.stride()),
-                                     tensor.storage_offset() * tensor.element_size())
-        return tensor
+                                     tensor.storage_offset() * tensor.element_size(), tensor.detach(),
+                                     tensor._version)
+        return _SavedTensor(tensor.detach(), tensor._version)
 
     def _unpack(self, packed: Any) -> torch.Tensor:
-        if not isinstance(packed, SlotReference):
-            return packed
+        if isinstance(packed, _SavedTensor):
+            _check_version(packed.tensor, packed.version)
+            return packed.tensor
+        _check_version(packed.version_of, packed.version)
         slot = self._find(packed.slice_index)
         if slot is None or not slot.in_use:
             raise RuntimeError(

@@ -183,19 +183,25 @@ class SliceStorage:
         )
         self._shadow_current = False
         self.shadow_refreshes = 0
+        # Ready event of the last load that read the shadow: a refresh must wait for it.
+        self.shadow_read: torch.cuda.Event | None = None
+
+    def shadow_stale(self) -> bool:
+        """Whether the shadow must be refreshed before the next load."""
+        return self.shadow is not None and not self._shadow_current
+
+    def refresh_shadow(self) -> None:
+        """Cast the host copies into the shadow (the caller ensures no load still reads it)."""
+        assert self.shadow is not None
+        with torch.no_grad():
+            for entry in self.entries:
+                typed_view(self.shadow, entry.device_offset, entry.device_dtype, entry.shape).copy_(entry.tensor)
+        self._shadow_current = True
+        self.shadow_refreshes += 1
 
     def transfer_source(self) -> torch.Tensor:
-        """The bytes a load copies to a slot: the host buffer itself, or the shadow in the device
-        dtypes, refreshed from the host copies if it has not been since :meth:`expire_shadow`."""
-        if self.shadow is None:
-            return self.flat
-        if not self._shadow_current:
-            with torch.no_grad():
-                for entry in self.entries:
-                    typed_view(self.shadow, entry.device_offset, entry.device_dtype, entry.shape).copy_(entry.tensor)
-            self._shadow_current = True
-            self.shadow_refreshes += 1
-        return self.shadow
+        """The bytes a load copies to a slot: the host buffer itself, or the shadow in the device dtypes."""
+        return self.flat if self.shadow is None else self.shadow
 
     def expire_shadow(self) -> None:
         """The host copies may have changed (a new forward): refresh the shadow before the next load."""
