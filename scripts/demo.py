@@ -40,7 +40,7 @@ def main() -> None:
         loss = nn.functional.mse_loss(model(x.to(args.device)), y.to(args.device))
         loss.backward()
         optimizer.step()
-        if step == 1 or step % 5 == 0:
+        if step == 1 or step % 5 == 0 or step == args.steps:
             print(f"step {step:3d}  loss {loss.item():.4f}")
     print("parameters live on:", {str(p.device) for p in model.parameters()})
 

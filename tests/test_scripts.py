@@ -1,0 +1,48 @@
+"""The scripts in scripts/ run end to end (small settings): what the README quotes keeps working."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(*args: str, cwd: Path = ROOT) -> str:
+    done = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_demo_trains_and_names_its_device():
+    out = run("scripts/demo.py", "--steps", "3", "--device", "cpu")
+    assert "device: cpu" in out and "step   3" in out
+
+
+def test_benchmark_smoke_test_on_cpu(tmp_path):
+    out = run("scripts/benchmark.py", "--device", "cpu", "--out-dir", str(tmp_path))
+    assert "| tiny | offload |" in out
+    (report,) = tmp_path.glob("benchmark_*.json")
+    data = json.loads(report.read_text())
+    run_ = data["results"][0]["runs"]["offload"]
+    assert run_["loaded_bytes_per_step"] > 0 and run_["offloaded_bytes_per_step"] > 0
+    assert 0 < run_["efficiency"] and run_["median_step_s"] > 0
+    assert (tmp_path / report.name.replace(".json", ".md")).exists()
+
+
+def test_cpu_overhead_benchmark(tmp_path):
+    out = run("scripts/bench_cpu_overhead.py", "--width", "32", "--depth", "2", "--batch", "8", "16",
+              "--steps", "2", "--warmup", "1", "--json", str(tmp_path / "overhead.json"))
+    assert "offload/ckpt" in out
+    data = json.loads((tmp_path / "overhead.json").read_text())
+    assert [r["batch"] for r in data["runs"]] == [8, 16]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_cast_benchmark(tmp_path, dtype):
+    run("scripts/bench_cast.py", "--mib", "1", "--repeats", "2", "--dtype", dtype, "--json", str(tmp_path / "c.json"))
+    assert json.loads((tmp_path / "c.json").read_text())["host_cast_float32_gb_per_s"] > 0
