@@ -47,10 +47,12 @@ from typing import Any
 import psutil
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import checkpoint_sequential
 
 from offload import OffloadModel
 from offload.presets import Preset, build_preset
+from offload.streams.host_storage import NORMALIZATION_LAYERS
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,7 @@ class Case:
     num_slices: int
     num_microbatches: int = 1
     memory_fraction: float | None = None  # cap device memory for the offloaded runs
+    compute_dtype: torch.dtype | None = None
     note: str = ""
 
 
@@ -82,7 +85,38 @@ CASES = {
         batch=8, num_slices=12, num_microbatches=2, memory_fraction=0.05,
         note="about 1.4B parameters (5.6 GB in float32) under a 4 GB device cap",
     ),
+    "gpt-capped-bf16": Case(
+        "gpt-capped-bf16", "transformer",
+        {"n_layers": 24, "d_model": 2048, "n_heads": 16, "seq_len": 512, "vocab": 32000},
+        batch=8, num_slices=12, num_microbatches=2, memory_fraction=0.05, compute_dtype=torch.bfloat16,
+        note="gpt-capped with compute_dtype=bfloat16: half the bytes per load",
+    ),
+    "gpt-compute-bound-bf16": Case(
+        "gpt-compute-bound-bf16", "transformer",
+        {"n_layers": 12, "d_model": 1024, "n_heads": 16, "seq_len": 1024, "vocab": 32000},
+        batch=16, num_slices=6, compute_dtype=torch.bfloat16,
+        note="gpt-compute-bound with compute_dtype=bfloat16",
+    ),
 }
+
+
+def in_compute_dtype(model: nn.Module, dtype: torch.dtype | None) -> nn.Module:
+    """The resident counterpart of ``compute_dtype``: parameters in ``dtype`` except those of
+    normalisation layers, buffers as they are."""
+    if dtype is None:
+        return model
+    for module in model.modules():
+        if not isinstance(module, NORMALIZATION_LAYERS):
+            for param in module.parameters(recurse=False):
+                if param.is_floating_point():
+                    param.data = param.data.to(dtype)
+    return model
+
+
+def cast_input(batch: Any, dtype: torch.dtype | None) -> Any:
+    if dtype is None:
+        return batch
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, batch)
 
 
 # -- measurements ------------------------------------------------------------------------------
@@ -216,17 +250,17 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device, bandwid
                               "note": case.note, "runs": {}}
 
     offloaded = OffloadModel(copy.deepcopy(preset.model), device=device, num_slices=case.num_slices,
-                             num_microbatches=case.num_microbatches)
+                             num_microbatches=case.num_microbatches, compute_dtype=case.compute_dtype)
     segments = len(offloaded.partition)
     boundary, activations = slice_footprint(offloaded, batch, device)
     runners: list[Runner] = []
     offload_runner = Runner("offload", make_step(offloaded, offloaded, preset, batch, target), offloaded,
                             traffic=offloaded._engine.traffic)
 
-    resident_model = copy.deepcopy(preset.model).to(device)
+    resident_model = in_compute_dtype(copy.deepcopy(preset.model), case.compute_dtype).to(device)
 
     def resident_forward(x: Any) -> Any:
-        return checkpoint_sequential(resident_model, segments, x, use_reentrant=False)
+        return checkpoint_sequential(resident_model, segments, cast_input(x, case.compute_dtype), use_reentrant=False)
 
     resident = Runner("resident", make_step(resident_model, resident_forward, preset, batch, target), resident_model)
     capped = case.memory_fraction is not None and device.type == "cuda"
@@ -251,12 +285,15 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device, bandwid
     runners.append(offload_runner)
 
     fairscale = fairscale_class() if device.type == "cuda" and not args.no_fairscale else None
-    if fairscale is not None:
+    if case.compute_dtype is not None:
+        fairscale = None
+        result["fairscale"] = "not measured: fairscale's OffloadModel has no compute dtype"
+    elif fairscale is not None:
         fs_model = fairscale(model=copy.deepcopy(preset.model), device=device, offload_device=torch.device("cpu"),
                              num_slices=case.num_slices, checkpoint_activation=True,
                              num_microbatches=case.num_microbatches)
         runners.append(Runner("fairscale", make_step(fs_model, fs_model, preset, batch, target), fs_model))
-    else:
+    elif "fairscale" not in result:
         result["fairscale"] = "not measured: fairscale is not importable" if device.type == "cuda" else "GPU only"
 
     try:
@@ -282,6 +319,12 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device, bandwid
         if capped:
             torch.cuda.set_per_process_memory_fraction(1.0, device)
 
+    if not capped:
+        # The same steps on the same data from the same weights: parameters should agree.
+        result["max_parameter_difference_vs_resident"] = max_difference(offloaded, resident_model)
+        if "fairscale" in result["runs"]:
+            result["max_parameter_difference_fairscale_vs_resident"] = max_difference(
+                runners[-1].model, resident_model)
     reference = result["runs"]["resident"]["median_step_s"]
     run = result["runs"]["offload"]
     transfer = max(per_step[0] / bandwidth["host_to_device"], per_step[1] / bandwidth["device_to_host"])
@@ -298,6 +341,17 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device, bandwid
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return result
+
+
+def max_difference(model: nn.Module, reference: nn.Module) -> float:
+    """Largest absolute parameter difference, relative to the largest reference parameter."""
+    worst = scale = 0.0
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), reference.parameters()):
+            q = q.float()
+            worst = max(worst, (p.to(q.device).float() - q).abs().max().item())
+            scale = max(scale, q.abs().max().item())
+    return worst / scale if scale else worst
 
 
 def summarise(runner: Runner, case: Case, per_step: tuple[float, float] | None) -> dict:
