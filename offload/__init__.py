@@ -27,6 +27,6 @@ Note: [Glossary]
         where copies are synchronous.
 """
 
-from .model import OffloadModel
+from .model import MemoryFootprint, OffloadModel
 
-__all__ = ["OffloadModel"]
+__all__ = ["MemoryFootprint", "OffloadModel"]

@@ -215,6 +215,19 @@ def test_train_and_eval_switch_dropout():
     assert not torch.equal(model(x), model(x))
 
 
+def test_memory_footprint_accounts_for_host_copies_slots_and_pool():
+    model = OffloadModel(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64)), device="cpu",
+                         num_slices=3, compute_dtype=torch.bfloat16)
+    before = model.memory_footprint()
+    layer_bytes = (64 * 64 + 64) * 4
+    assert before.host_copies >= 3 * layer_bytes and before.host_copies < 3 * layer_bytes + 3 * 256
+    assert before.host_shadows >= 3 * layer_bytes // 2
+    assert before.device_slots >= 2 * layer_bytes // 2 and before.host_pool == 0 and not before.pinned
+    assert before.pinned_bytes == 0
+    model(torch.randn(4, 64)).float().sum().backward()
+    assert model.memory_footprint().host_pool > 0
+
+
 def test_repr_and_partition_show_the_slices():
     model = OffloadModel(small(), device="cpu", num_slices=3)
     assert model.partition == (("0", "1", "2"), ("3", "4"), ("5",))

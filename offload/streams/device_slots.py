@@ -111,6 +111,10 @@ class DeviceSlots:
     def slot_nbytes(self) -> int:
         return int(self._slots[0].data.numel())
 
+    @property
+    def num_slots(self) -> int:
+        return len(self._slots)
+
     def _find(self, index: int) -> _Slot | None:
         for slot in self._slots:
             if slot.slice_index == index:
