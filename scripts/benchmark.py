@@ -65,7 +65,7 @@ class Case:
     batch: int
     num_slices: int
     num_microbatches: int = 1
-    memory_fraction: float | None = None  # cap device memory for the offloaded runs
+    memory_cap_bytes: int | None = None  # cap device memory for the offloaded runs
     compute_dtype: torch.dtype | None = None
     note: str = ""
 
@@ -82,13 +82,13 @@ CASES = {
     "gpt-capped": Case(
         "gpt-capped", "transformer",
         {"n_layers": 24, "d_model": 2048, "n_heads": 16, "seq_len": 512, "vocab": 32000},
-        batch=8, num_slices=12, num_microbatches=2, memory_fraction=0.05,
-        note="about 1.4B parameters (5.6 GB in float32) under a 4 GB device cap",
+        batch=8, num_slices=12, num_microbatches=2, memory_cap_bytes=4 * 2**30,
+        note="about 1.3B parameters (5.4 GB in float32) under a 4 GiB device cap",
     ),
     "gpt-capped-bf16": Case(
         "gpt-capped-bf16", "transformer",
         {"n_layers": 24, "d_model": 2048, "n_heads": 16, "seq_len": 512, "vocab": 32000},
-        batch=8, num_slices=12, num_microbatches=2, memory_fraction=0.05, compute_dtype=torch.bfloat16,
+        batch=8, num_slices=12, num_microbatches=2, memory_cap_bytes=4 * 2**30, compute_dtype=torch.bfloat16,
         note="gpt-capped with compute_dtype=bfloat16: half the bytes per load",
     ),
     "gpt-compute-bound-bf16": Case(
@@ -263,7 +263,7 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device, bandwid
         return checkpoint_sequential(resident_model, segments, cast_input(x, case.compute_dtype), use_reentrant=False)
 
     resident = Runner("resident", make_step(resident_model, resident_forward, preset, batch, target), resident_model)
-    capped = case.memory_fraction is not None and device.type == "cuda"
+    capped = case.memory_cap_bytes is not None and device.type == "cuda"
     if capped:
         # The resident model would not fit under the cap: measure its compute time first, uncapped.
         for _ in range(args.warmup):
@@ -278,8 +278,8 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device, bandwid
         gc.collect()
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(case.memory_fraction, device)
-        result["device_memory_cap_bytes"] = int(total * case.memory_fraction)
+        torch.cuda.set_per_process_memory_fraction(case.memory_cap_bytes / total, device)
+        result["device_memory_cap_bytes"] = case.memory_cap_bytes
     else:
         runners.append(resident)
     runners.append(offload_runner)
