@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -129,11 +130,26 @@ class OffloadModel(nn.Module):
         self.checkpoint_activation = checkpoint_activation
         self.device = _existing_device(device, "device")
         self.offload_device = _existing_device(offload_device, "offload_device")
+        self._adopt(named_groups)
+
+    def _adopt(self, named_groups: list[tuple[list[str], list[nn.Module]]]) -> None:
         for names, layers in named_groups:
             for name, layer in zip(names, layers):
                 self.add_module(name, layer)
-        self._engine = Engine(named_groups, self.device, self.offload_device, compute_dtype=compute_dtype)
+        self._engine = Engine(named_groups, self.device, self.offload_device, compute_dtype=self.compute_dtype)
         self._warned_microbatch_batchnorm = False
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> OffloadModel:
+        # The engine holds streams, events and pinned buffers that must not be copied field by
+        # field: build a new model around deep copies of the layers, cut the same way.
+        twin = type(self).__new__(type(self))
+        nn.Module.__init__(twin)
+        memo[id(self)] = twin
+        for name in ("compute_dtype", "num_microbatches", "checkpoint_activation", "device", "offload_device",
+                     "training"):
+            setattr(twin, name, getattr(self, name))
+        twin._adopt([(list(s.names), copy.deepcopy(s.layers, memo)) for s in self._engine.slices])
+        return twin
 
     # -- inspection --------------------------------------------------------------------------
 

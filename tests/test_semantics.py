@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -226,6 +228,27 @@ def test_memory_footprint_accounts_for_host_copies_slots_and_pool():
     assert before.pinned_bytes == 0
     model(torch.randn(4, 64)).float().sum().backward()
     assert model.memory_footprint().host_pool > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_deepcopy_makes_an_independent_model_cut_the_same_way(device):
+    torch.manual_seed(0)
+    model = OffloadModel(small(dropout=0.1), device=device, num_slices=3, num_microbatches=2,
+                         compute_dtype=torch.bfloat16)
+    model.eval()
+    twin = copy.deepcopy(model)
+    assert twin.partition == model.partition and not twin.training
+    assert (twin.num_microbatches, twin.compute_dtype, twin.device) == (2, torch.bfloat16, model.device)
+    assert all(p is not q for p, q in zip(twin.parameters(), model.parameters()))
+    x = torch.randn(4, 6, device=device)
+    torch.testing.assert_close(twin(x), model(x), **EXACT)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.zero_()
+    assert not torch.equal(twin(x), model(x))  # independent storage
+    twin.train()
+    twin(x).float().sum().backward()
+    assert all(p.grad is not None for p in twin.parameters()) and all(p.grad is None for p in model.parameters())
 
 
 def test_repr_and_partition_show_the_slices():
