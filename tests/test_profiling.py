@@ -1,4 +1,4 @@
-"""The memory profiler (``offload/profiling.py``, ``scripts/profile_memory.py``) and the model presets.
+"""The memory profiler (``offload/profiling/``, ``scripts/profile_memory.py``) and the model presets.
 
 The script runs end to end on the ``tiny`` preset in a subprocess, as a user would run it; the
 measuring functions are tested directly. Figures that need a GPU or NVML must be reported as

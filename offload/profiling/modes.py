@@ -1,0 +1,56 @@
+"""What the profiler runs: a :class:`Mode` is one way to run the model, resident or offloaded.
+
+Holds :class:`Mode` and :func:`offload_modes` (every combination of offload settings). Running a
+mode and measuring it is :mod:`offload.profiling.measure`; running several in turn is
+:mod:`offload.profiling.runner`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One way to run the model.
+
+    Attributes:
+        kind: ``"resident"`` (the plain model on the device, in its own dtype) or ``"offload"``
+            (wrapped in :class:`~offload.OffloadModel` with the settings below, which are its
+            arguments of the same names; ignored for ``resident``).
+    """
+
+    kind: str
+    num_slices: int = 1
+    num_microbatches: int = 1
+    checkpoint_activation: bool = True
+    compute_dtype: torch.dtype | None = None
+
+    @classmethod
+    def resident(cls) -> Mode:
+        return cls("resident")
+
+    @classmethod
+    def offload(cls, num_slices: int = 3, num_microbatches: int = 1, checkpoint_activation: bool = True,
+                compute_dtype: torch.dtype | None = None) -> Mode:
+        return cls("offload", num_slices, num_microbatches, checkpoint_activation, compute_dtype)
+
+    @property
+    def label(self) -> str:
+        if self.kind == "resident":
+            return "resident"
+        checkpoint = "on" if self.checkpoint_activation else "off"
+        precision = f" {_DTYPE_NAMES[self.compute_dtype]}" if self.compute_dtype is not None else ""
+        return f"offload slices={self.num_slices} mb={self.num_microbatches} ckpt={checkpoint}{precision}"
+
+
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def offload_modes(slices: Sequence[int], microbatches: Sequence[int] = (1,), checkpoint: Sequence[bool] = (True,),
+                  compute_dtypes: Sequence[torch.dtype | None] = (None,)) -> list[Mode]:
+    """Every combination of the given offload settings, in order."""
+    return [Mode.offload(s, m, c, d) for s in slices for m in microbatches for c in checkpoint for d in compute_dtypes]

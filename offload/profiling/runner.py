@@ -1,0 +1,153 @@
+"""Run several modes one after another in this process, each starting from the same memory.
+
+Holds :func:`profile_modes` and :class:`ModeFailed`: it checks the request, says per figure group
+what can be measured here and how (or why not), runs one unmeasured warm-up step, then each mode
+in turn, and frees what a mode left before the next one begins. Running and measuring one mode is
+:mod:`offload.profiling.measure`; the figures it returns are :mod:`offload.profiling.results`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..presets import Preset
+from .formatting import error_reason
+from .measure import OPTIMIZERS, empty_result, finish_notes, run_mode
+from .modes import Mode
+from .nvml import open_nvml
+from .results import ModeResult, Profile
+from .sampler import MemorySampler
+
+
+class ModeFailed(RuntimeError):
+    """A mode raised something other than running out of memory; the message names the mode."""
+
+
+def profile_modes(build: Callable[[], Preset], modes: Sequence[Mode], device: torch.device | str,
+                  steps: int = 3, batch_size: int | None = None, optimizer: str = "adamw", lr: float = 1e-4,
+                  sample_interval_s: float = 0.005, progress: Callable[[str], None] | None = None) -> Profile:
+    """Train ``build()``'s model for ``steps`` steps in each mode and measure each.
+
+    ``build`` is called once per mode, so every mode starts from a freshly built model (presets
+    build the same weights every time) and nothing of one mode outlives it; it is called once
+    more before that, for one unmeasured warm-up step of the first mode. A mode that runs out
+    of device memory is reported as such and the next one runs.
+
+    Args:
+        build: returns a :class:`~offload.presets.Preset`, e.g. ``lambda: build_preset("mlp")``.
+        modes: what to run, in order.
+        device: compute device.
+        steps: training steps per mode.
+        batch_size: rows per step; the preset's own when ``None``.
+        optimizer: ``"adamw"`` or ``"sgd"``. AdamW's state (two tensors per parameter) lives
+            where the parameters live: on the device when resident, on the host when offloaded.
+        progress: called with one line per mode and step.
+
+    Raises:
+        ValueError: no modes, a mode of unknown kind, ``steps < 1`` or an unknown optimizer.
+        ModeFailed: a mode raised an error other than out-of-memory.
+    """
+    device = torch.device(device)
+    if not modes:
+        raise ValueError("no modes to profile")
+    if steps < 1:
+        raise ValueError(f"steps must be at least 1, got {steps}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; choose from {', '.join(OPTIMIZERS)}")
+    for mode in modes:
+        empty_result(mode)  # an unknown kind fails here, before anything runs
+    cuda = device.type == "cuda"
+    if cuda:
+        device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+    figures, unavailable = {}, {}
+    if cuda:
+        figures["device"] = f"torch.cuda allocator peaks on {device} ({torch.cuda.get_device_name(device)})"
+    else:
+        unavailable["device"] = f"device is {device.type}"
+        figures["device"] = f"unavailable ({unavailable['device']})"
+    nvml, figures["nvml"] = open_nvml(device)
+    if nvml is None:
+        unavailable["nvml"] = figures["nvml"]
+    figures["host_rss"] = f"psutil process RSS, sampled every {sample_interval_s * 1e3:g} ms and at phase boundaries"
+    if cuda:
+        figures["host_pinned"] = ("bytes of OffloadModel's pinned host buffers (parameters and their compute-dtype "
+                                  "copies, gradients, boundary activations)")
+    else:
+        unavailable["host_pinned"] = "host buffers are pinned only for a CUDA device"
+        figures["host_pinned"] = "not pinned (CPU device)"
+
+    report = progress or (lambda line: None)
+    description: str | None = None
+    runs: list[ModeResult] = []
+    try:
+        with MemorySampler(device, nvml, sample_interval_s) as sampler:
+            _warm_up(build, modes[0], device, batch_size, optimizer, sampler)
+            for number, mode in enumerate(modes, 1):
+                _reset_memory(device)
+                where = f"[{number}/{len(modes)}] {mode.label}"
+                result = empty_result(mode)
+                try:
+                    built, rows = run_mode(build, mode, result, device, steps, batch_size, optimizer, lr,
+                                           sampler, lambda text, where=where: report(f"{where}: {text}"))
+                    description, batch_size = description or built, batch_size or rows
+                except torch.cuda.OutOfMemoryError as error:
+                    result.error = "out of memory"
+                    result.notes["error"] = error_reason(error)
+                    report(f"{where}: out of memory ({error_reason(error)})")
+                except Exception as error:
+                    raise ModeFailed(f"mode '{mode.label}' failed: {error_reason(error)}") from error
+                finish_notes(result, cuda, nvml is not None)
+                runs.append(result)
+                _reset_memory(device)
+                sampler.sample()  # the end of the teardown: what the mode gave back
+                sampler.pause()
+    finally:
+        if nvml is not None:
+            nvml.close()
+    return Profile(description or "model", str(device), batch_size or 0, steps, OPTIMIZERS[optimizer][0],
+                   runs, list(sampler.samples), figures, unavailable)
+
+
+def _warm_up(build: Callable[[], Preset], mode: Mode, device: torch.device, batch_size: int | None,
+             optimizer_name: str, sampler: MemorySampler) -> None:
+    """One unmeasured step of ``mode`` before anything is measured.
+
+    The first mode would otherwise pay one-time costs the others do not: the first optimizer
+    imports a good part of PyTorch (about 80 MiB of RSS), the first kernels of each shape are
+    selected, the heap grows to its working size and, on CUDA, the context and library handles
+    are created.
+    """
+    try:
+        run_mode(build, mode, empty_result(mode), device, 1, batch_size, optimizer_name, 1e-4, sampler,
+                 lambda line: None)
+    except Exception:
+        pass  # the measured run of this mode fails the same way, and reports it
+    sampler.discard()
+    _reset_memory(device)
+
+
+def _reset_memory(device: torch.device) -> None:
+    """Free what the previous mode left, so the next one starts from the same memory."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        # Freed pinned blocks stay cached by PyTorch's host allocator and would count in the next
+        # mode's RSS; there is no public call to release them.
+        empty_host_cache = getattr(torch._C, "_host_emptyCache", None)
+        if empty_host_cache is not None:
+            empty_host_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    _trim_host_heap()
+
+
+def _trim_host_heap() -> None:
+    # glibc keeps freed heap memory mapped, so RSS would not fall between modes without this.
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
