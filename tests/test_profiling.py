@@ -518,3 +518,16 @@ def test_without_pynvml_a_gpu_run_still_reports_allocator_figures(monkeypatch):
     assert profile.unavailable["nvml"].startswith("NVML unavailable: cannot import pynvml")
     for run in profile.runs:
         assert run.nvml_peak_used_bytes is None and run.device_peak_allocated_bytes > 0
+
+
+def test_mode_rejects_an_unsupported_compute_dtype():
+    with pytest.raises(ValueError, match="compute_dtype must be None, torch.bfloat16 or torch.float16"):
+        Mode.offload(2, compute_dtype=torch.float32)
+
+
+def test_host_allocation_failure_counts_as_out_of_memory():
+    from offload.profiling.runner import _out_of_memory
+
+    assert _out_of_memory(RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory"))
+    assert _out_of_memory(MemoryError())
+    assert not _out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))

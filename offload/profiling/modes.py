@@ -33,6 +33,12 @@ class Mode:
     def resident(cls) -> Mode:
         return cls("resident")
 
+    def __post_init__(self) -> None:
+        if self.kind not in ("resident", "offload"):
+            raise ValueError(f"unknown mode kind {self.kind!r}; use 'resident' or 'offload'")
+        if self.compute_dtype is not None and self.compute_dtype not in _DTYPE_NAMES:
+            raise ValueError(f"compute_dtype must be None, torch.bfloat16 or torch.float16, got {self.compute_dtype}")
+
     @classmethod
     def offload(cls, num_slices: int = 3, num_microbatches: int = 1, checkpoint_activation: bool = True,
                 compute_dtype: torch.dtype | None = None) -> Mode:

@@ -85,7 +85,7 @@ def profile_modes(build: Callable[[], Preset], modes: Sequence[Mode], device: to
     runs: list[ModeResult] = []
     try:
         with MemorySampler(device, nvml, sample_interval_s) as sampler:
-            _warm_up(build, modes[0], device, batch_size, optimizer, sampler)
+            _warm_up(build, modes[0], device, batch_size, optimizer, lr, sampler)
             for number, mode in enumerate(modes, 1):
                 _reset_memory(device)
                 where = f"[{number}/{len(modes)}] {mode.label}"
@@ -94,12 +94,13 @@ def profile_modes(build: Callable[[], Preset], modes: Sequence[Mode], device: to
                     built, rows = run_mode(build, mode, result, device, steps, batch_size, optimizer, lr,
                                            sampler, lambda text, where=where: report(f"{where}: {text}"))
                     description, batch_size = description or built, batch_size or rows
-                except torch.cuda.OutOfMemoryError as error:
+                except Exception as error:
+                    if not _out_of_memory(error):
+                        raise ModeFailed(f"mode '{mode.label}' failed: {error_reason(error)}") from error
+                    # A mode that does not fit is a result, not a failure: report it and go on.
                     result.error = "out of memory"
                     result.notes["error"] = error_reason(error)
                     report(f"{where}: out of memory ({error_reason(error)})")
-                except Exception as error:
-                    raise ModeFailed(f"mode '{mode.label}' failed: {error_reason(error)}") from error
                 finish_notes(result, cuda, nvml is not None)
                 runs.append(result)
                 _reset_memory(device)
@@ -112,8 +113,18 @@ def profile_modes(build: Callable[[], Preset], modes: Sequence[Mode], device: to
                    runs, list(sampler.samples), figures, unavailable)
 
 
+def _out_of_memory(error: BaseException) -> bool:
+    """Device out-of-memory, or the host allocator failing (offloading moves memory to the host)."""
+    if isinstance(error, torch.cuda.OutOfMemoryError):
+        return True
+    text = str(error)
+    return isinstance(error, (RuntimeError, MemoryError)) and (
+        isinstance(error, MemoryError) or "can't allocate memory" in text or "out of memory" in text.lower()
+    )
+
+
 def _warm_up(build: Callable[[], Preset], mode: Mode, device: torch.device, batch_size: int | None,
-             optimizer_name: str, sampler: MemorySampler) -> None:
+             optimizer_name: str, lr: float, sampler: MemorySampler) -> None:
     """One unmeasured step of ``mode`` before anything is measured.
 
     The first mode would otherwise pay one-time costs the others do not: the first optimizer
@@ -122,7 +133,7 @@ def _warm_up(build: Callable[[], Preset], mode: Mode, device: torch.device, batc
     are created.
     """
     try:
-        run_mode(build, mode, empty_result(mode), device, 1, batch_size, optimizer_name, 1e-4, sampler,
+        run_mode(build, mode, empty_result(mode), device, 1, batch_size, optimizer_name, lr, sampler,
                  lambda line: None)
     except Exception:
         pass  # the measured run of this mode fails the same way, and reports it
