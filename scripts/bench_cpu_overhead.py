@@ -77,6 +77,7 @@ def measure(args: argparse.Namespace, batch: int) -> dict:
     for _ in range(args.warmup):
         for step in variants.values():
             step()
+    traffic_before = offloaded._engine.traffic()
     times: dict[str, list[float]] = {name: [] for name in variants}
     names = list(variants)
     for k in range(args.steps):
@@ -85,6 +86,7 @@ def measure(args: argparse.Namespace, batch: int) -> dict:
             start = time.perf_counter()
             variants[name]()
             times[name].append(time.perf_counter() - start)
+    copied = sum(after - before for after, before in zip(offloaded._engine.traffic(), traffic_before)) / args.steps
     medians = {name: statistics.median(values) for name, values in times.items()}
     # Per-round ratios cancel slow drifts of the machine's speed that hit all variants alike.
     paired = statistics.median(o / c for o, c in zip(times["offload"], times["checkpoint"]))
@@ -98,8 +100,20 @@ def measure(args: argparse.Namespace, batch: int) -> dict:
         "offload_over_checkpoint_paired": paired,
         "offload_over_plain": medians["offload"] / medians["plain"],
         "parameter_bytes": sum(p.numel() * p.element_size() for p in offloaded.parameters()),
+        "copied_bytes_per_step": copied,
         "slot_loads": engine.slots.loads,
     }
+
+
+def copy_rate(nbytes: int = 8 * 2**20, repeats: int = 20) -> float:
+    """Bytes per second of a warm memory copy of slice-sized buffers on this machine."""
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dst.copy_(src)
+    return nbytes * repeats / (time.perf_counter() - start)
 
 
 def main() -> None:
@@ -118,6 +132,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     runs = [measure(args, batch) for batch in args.batch]
+    rate = copy_rate()
     print(f"MLP {args.depth}x(Linear {args.width}+GELU), {runs[0]['segments']} slices = checkpoint segments, "
           f"{torch.get_num_threads()} threads, median of {args.steps} interleaved steps")
     print(f"{'rows':>6}{'plain ms':>11}{'checkpoint ms':>15}{'offload ms':>12}{'offload/ckpt':>14}"
@@ -128,6 +143,9 @@ def main() -> None:
               f"{run['offload_over_checkpoint']:>14.3f}{run['offload_over_checkpoint_paired']:>9.3f}"
               f"{run['offload_over_plain']:>15.3f}")
     print("offload/ckpt: ratio of medians; paired: median of per-round ratios. Target: <= 1.10")
+    copied = runs[-1]["copied_bytes_per_step"]
+    print(f"copies per step: {copied / 1e6:.1f} MB at rows={runs[-1]['batch']}; at this machine's "
+          f"{rate / 1e9:.1f} GB/s copy rate that is {copied / rate * 1e3:.1f} ms")
     if args.json:
         result = {
             "benchmark": "cpu_overhead",
@@ -136,6 +154,7 @@ def main() -> None:
             "machine": {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count()},
             "date": datetime.date.today().isoformat(),
             "target_offload_over_checkpoint": 1.10,
+            "copy_rate_bytes_per_s": rate,
             "runs": runs,
         }
         with open(args.json, "w") as f:
