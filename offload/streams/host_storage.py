@@ -66,8 +66,6 @@ class Entry:
         device_dtype: dtype of the device copy; differs from ``tensor.dtype`` only under a
             compute dtype.
         host_offset / device_offset: byte offsets into the host buffer and into a device slot.
-        grad_offset: byte offset of this parameter's gradient in a slice gradient buffer
-            (parameters only; gradients travel in the device dtype).
     """
 
     tensor: torch.Tensor
@@ -77,7 +75,6 @@ class Entry:
     device_dtype: torch.dtype
     host_offset: int = 0
     device_offset: int = 0
-    grad_offset: int = 0
 
     @property
     def is_parameter(self) -> bool:
@@ -164,11 +161,8 @@ class SliceStorage:
         self.buffer_region = (first.device_offset if first else device_end, device_end)
         self.device_nbytes = device_end
         self.host_nbytes = host_end
-        grad_offset = 0
-        for entry in self.params:
-            entry.grad_offset = grad_offset
-            grad_offset = _align(grad_offset + entry.shape.numel() * _itemsize(entry.device_dtype))
-        self.grad_nbytes = grad_offset
+        # Gradients travel in the device dtype; this bounds a slice's gradient buffer.
+        self.grad_nbytes = sum(_align(e.shape.numel() * _itemsize(e.device_dtype)) for e in self.params)
         self.flat = torch.empty(host_end, dtype=torch.uint8, device=self.host_device, pin_memory=self.pin)
         for entry in self.entries:
             view = typed_view(self.flat, entry.host_offset, entry.dtype, entry.shape)
@@ -250,10 +244,6 @@ class SliceStorage:
     def device_views(self, slot: torch.Tensor) -> list[torch.Tensor]:
         """Every entry's device copy in a slot that holds this slice, each with its own version counter."""
         return [alias(slot, e.device_offset, e.device_dtype, e.shape) for e in self.entries]
-
-    def grad_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Typed views of every parameter's gradient into a slice gradient buffer."""
-        return [typed_view(flat, e.grad_offset, e.device_dtype, e.shape) for e in self.params]
 
     def has_running_stats_in_training(self) -> bool:
         """Whether a normalisation layer here updates running statistics in this forward.
