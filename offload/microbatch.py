@@ -66,28 +66,22 @@ def split_leaves(leaves: Sequence[Any], num_microbatches: int) -> tuple[list[lis
     return [[chunks[m] for chunks in per_leaf] for m in range(count)], Split(sizes, carries)
 
 
-def join_outputs(outputs: Sequence[Sequence[Any]], sizes: Sequence[int]) -> tuple[list[Any], tuple[bool, ...]]:
+def join_outputs(outputs: Sequence[Sequence[Any]], sizes: Sequence[int]) -> list[Any]:
     """Join the flattened outputs of each microbatch into the outputs of the whole batch.
 
     Tensor leaves that carry each microbatch's rows are concatenated along dim 0; non-tensor leaves
-    are taken from the first microbatch.
-
-    Returns:
-        The joined leaves and, per leaf, whether it was concatenated.
+    are taken from the first microbatch. With one microbatch nothing is joined.
 
     Raises:
-        ValueError: a tensor output does not carry the batch dimension, so there is no way to join
-            it across microbatches.
+        ValueError: with several microbatches, a tensor output does not carry the batch dimension,
+            so there is no way to join it.
     """
     if len(outputs) == 1:
-        first = outputs[0]
-        return list(first), tuple(isinstance(leaf, torch.Tensor) and leaf.dim() >= 1 for leaf in first)
+        return list(outputs[0])
     joined: list[Any] = []
-    concatenated: list[bool] = []
     for position, per_microbatch in enumerate(zip(*outputs)):
         if not isinstance(per_microbatch[0], torch.Tensor):
             joined.append(per_microbatch[0])
-            concatenated.append(False)
             continue
         if not all(t.dim() >= 1 and t.shape[0] == rows for t, rows in zip(per_microbatch, sizes)):
             raise ValueError(
@@ -96,19 +90,19 @@ def join_outputs(outputs: Sequence[Sequence[Any]], sizes: Sequence[int]) -> tupl
                 "microbatches; use num_microbatches=1 or return only per-row tensors from the last layer"
             )
         joined.append(torch.cat(per_microbatch, dim=0))
-        concatenated.append(True)
-    return joined, tuple(concatenated)
+    return joined
 
 
-def split_like(leaf: torch.Tensor | None, sizes: Sequence[int], concatenated: bool) -> list[torch.Tensor | None]:
-    """Cut a gradient of a joined output back into per-microbatch gradients."""
+def split_like(leaf: torch.Tensor | None, sizes: Sequence[int]) -> list[torch.Tensor | None]:
+    """Cut a gradient of a joined output tensor back into per-microbatch gradients.
+
+    With one microbatch nothing was joined, whatever the output's dim 0 (e.g. rows of B*T); with
+    several, :func:`join_outputs` concatenated every tensor output along dim 0.
+    """
     if leaf is None:
         return [None] * len(sizes)
     if len(sizes) == 1:
-        # One microbatch: nothing was joined, whatever the output's dim 0 (e.g. rows of B*T).
         return [leaf]
-    if not concatenated:
-        return [leaf] + [None] * (len(sizes) - 1)
     return list(torch.split(leaf, list(sizes), dim=0))
 
 

@@ -175,7 +175,7 @@ class OffloadModel(nn.Module):
 
     def extra_repr(self) -> str:
         slices = ", ".join(
-            f"[{_span(s.names)}: {_size(s.storage.nbytes)}]" for s in self._engine.slices
+            f"[{_span(s.names)}: {_size(s.storage.host_nbytes)}]" for s in self._engine.slices
         )
         precision = f"compute_dtype={self.compute_dtype}, " if self.compute_dtype is not None else ""
         return (

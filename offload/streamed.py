@@ -47,5 +47,5 @@ def streamed_forward(engine: Engine, leaves: list[Any], spec: TreeSpec, num_micr
     except BaseException:
         engine.slots.invalidate()
         raise
-    joined, _ = join_outputs([out_leaves for out_leaves, _ in boundary], split.sizes)
+    joined = join_outputs([out_leaves for out_leaves, _ in boundary], split.sizes)
     return tree_unflatten(joined, boundary[0][1])

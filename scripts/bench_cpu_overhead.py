@@ -39,6 +39,8 @@ from torch.utils.checkpoint import checkpoint_sequential
 
 from offload import OffloadModel
 
+from benchmark import measure_bandwidth  # scripts/benchmark.py, next to this file
+
 
 def build_mlp(width: int, depth: int) -> nn.Sequential:
     layers: list[nn.Module] = []
@@ -105,17 +107,6 @@ def measure(args: argparse.Namespace, batch: int) -> dict:
     }
 
 
-def copy_rate(nbytes: int = 8 * 2**20, repeats: int = 20) -> float:
-    """Bytes per second of a warm memory copy of slice-sized buffers on this machine."""
-    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        dst.copy_(src)
-    return nbytes * repeats / (time.perf_counter() - start)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--width", type=int, default=1024)
@@ -132,7 +123,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     runs = [measure(args, batch) for batch in args.batch]
-    rate = copy_rate()
+    # Slice-sized buffers (8 MiB), copied warm: the rate the slot and gradient copies see.
+    rate = measure_bandwidth(torch.device("cpu"), nbytes=8 * 2**20, repeats=20)["host_to_device"]
     print(f"MLP {args.depth}x(Linear {args.width}+GELU), {runs[0]['segments']} slices = checkpoint segments, "
           f"{torch.get_num_threads()} threads, median of {args.steps} interleaved steps")
     print(f"{'rows':>6}{'plain ms':>11}{'checkpoint ms':>15}{'offload ms':>12}{'offload/ckpt':>14}"

@@ -215,7 +215,7 @@ def slice_footprint(model: OffloadModel, batch: Any, device: torch.device) -> tu
     if device.type != "cuda":
         return 0, 0
     engine = model._engine
-    index = max(range(engine.num_slices), key=lambda i: engine.slices[i].storage.nbytes)
+    index = max(range(engine.num_slices), key=lambda i: engine.slices[i].storage.host_nbytes)
     x = batch
     with torch.no_grad():
         for s in engine.slices[:index]:

@@ -84,6 +84,13 @@ def assert_nothing_stashed(model: OffloadModel) -> None:
         assert all(b.is_idle() for b in buffers)
 
 
+def assert_recovered(model, reference, state, device) -> None:
+    """After the fault: nothing changed on the host, nothing is held, and training goes on."""
+    assert_intact(model, state)
+    assert_nothing_stashed(model)
+    next_step_matches(model, reference, device)
+
+
 def next_step_matches(model, reference, device):
     for net in (model, reference):
         for p in net.parameters():
@@ -105,9 +112,7 @@ def test_fault_in_forward(device, faulty_position):
     faulty.fail_on_calls = {faulty.calls + 1}
     with pytest.raises(SimulatedOutOfMemory, match="simulated"):
         model(torch.randn(5, 4, device=device))
-    assert_intact(model, state)
-    assert_nothing_stashed(model)
-    next_step_matches(model, reference, device)
+    assert_recovered(model, reference, state, device)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -122,9 +127,7 @@ def test_fault_during_recompute(device, faulty_position):
     with pytest.raises(SimulatedOutOfMemory, match="simulated"):
         loss.backward()
     del loss
-    assert_intact(model, state)
-    assert_nothing_stashed(model)
-    next_step_matches(model, reference, device)
+    assert_recovered(model, reference, state, device)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -140,6 +143,4 @@ def test_fault_inside_a_layers_backward(device, faulty_position):
         loss.backward()
     del loss
     faulty.fail_in_backward = False
-    assert_intact(model, state)
-    assert_nothing_stashed(model)
-    next_step_matches(model, reference, device)
+    assert_recovered(model, reference, state, device)

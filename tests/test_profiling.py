@@ -400,7 +400,7 @@ def test_host_buffer_bytes_reads_the_model_buffers():
     model = OffloadModel(build_preset("tiny").model, device="cpu", num_slices=3)
     held = host_buffer_bytes(model)
     slices = model._engine.slices
-    assert held["model"] == sum(s.storage.nbytes for s in slices)
+    assert held["model"] == sum(s.storage.host_nbytes for s in slices)
     assert held["model"] >= sum(p.numel() * p.element_size() for p in model.parameters())
     assert held["slots"] == 2 * max(s.storage.device_nbytes for s in slices)
     assert held["pool"] == 0 and held["shadow"] == 0 and held["pinned"] is False

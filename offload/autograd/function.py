@@ -133,7 +133,6 @@ class _Run:
     grad_upstream: list[bool]  # per slice: whether its boundary activations need gradients
     param_versions: list[tuple[int, ...]]
     autocast: AutocastState
-    output_concatenated: tuple[bool, ...]
     input_requires_grad: list[bool]  # per input leaf position
     input_meta: list[tuple[torch.Size, torch.dtype, torch.device]]  # per input tensor
 
@@ -265,7 +264,7 @@ class OffloadFunction(torch.autograd.Function):
             engine.slots.invalidate()
             raise
 
-        joined, concatenated = join_outputs([out for out, _ in boundary], split.sizes)
+        joined = join_outputs([out for out, _ in boundary], split.sizes)
         call.output_spec = boundary[0][1]
         call.output_tensor_positions = [p for p, leaf in enumerate(joined) if isinstance(leaf, torch.Tensor)]
         call.output_leaves = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in joined]
@@ -282,7 +281,6 @@ class OffloadFunction(torch.autograd.Function):
             grad_upstream=grad_upstream,
             param_versions=[s.storage.param_versions() for s in engine.slices],
             autocast=AutocastState.capture(engine.device),
-            output_concatenated=tuple(concatenated[p] for p in call.output_tensor_positions),
             input_requires_grad=input_requires_grad,
             input_meta=[(t.shape, t.dtype, t.device) for t in input_tensors],
         )
@@ -444,8 +442,8 @@ def _split_output_grads(run: _Run, grad_outputs: Sequence[torch.Tensor | None]) 
     call = run.call
     count = run.split.count
     per_position: dict[int, list[torch.Tensor | None]] = {}
-    for position, grad, concatenated in zip(call.output_tensor_positions, grad_outputs, run.output_concatenated):
-        per_position[position] = split_like(grad, run.split.sizes, concatenated)
+    for position, grad in zip(call.output_tensor_positions, grad_outputs):
+        per_position[position] = split_like(grad, run.split.sizes)
     num_leaves = len(call.output_leaves)
     return [[per_position[p][m] if p in per_position else None for p in range(num_leaves)] for m in range(count)]
 

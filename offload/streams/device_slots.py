@@ -10,8 +10,9 @@ Note: [Device copies expire at the next forward]
     counters cannot prove that host copies are unchanged across an optimizer step: fused
     optimizers (``torch.optim.AdamW(fused=True)``) and writes through ``p.data`` update the host
     copy without bumping ``p._version``, so a device copy kept across steps could silently be
-    stale. Within one forward/backward pair the versions still guard against the common mistake
-    of an optimizer step between forward and backward (see ``_check_versions``).
+    stale. Within one forward/backward pair, backward itself checks the parameters' versions
+    against the common mistake of an optimizer step between forward and backward (see
+    ``_check_versions``).
 
 Graphs that autograd keeps across slot reuse (the last slice's, or every slice's without
 activation checkpointing) must not hold slot memory: the slot may hold another slice when
@@ -37,7 +38,7 @@ from .host_storage import SliceStorage
 class _Slot:
     data: torch.Tensor
     slice_index: int | None = None
-    versions: tuple[int, ...] | None = None
+    current: bool = False  # holds slice_index as loaded, unchanged since (see forget_contents)
     ready: Event | None = None
     free: Event | None = None
     written_back: Event | None = None  # the write-back that reads this slot's buffers
@@ -121,13 +122,10 @@ class DeviceSlots:
                 return slot
         return None
 
-    def _current(self, slot: _Slot, index: int) -> bool:
-        return slot.slice_index == index and slot.versions == self.storages[index].versions()
-
     def prefetch(self, index: int) -> None:
         """Start loading slice ``index`` unless a slot already holds it, current."""
         slot = self._find(index)
-        if slot is not None and self._current(slot, index):
+        if slot is not None and slot.current:
             return
         if slot is None:
             candidates = [s for s in self._slots if not s.in_use]
@@ -149,7 +147,7 @@ class DeviceSlots:
         if storage.shadow is not None:
             storage.shadow_read = slot.ready
         slot.slice_index = index
-        slot.versions = storage.versions()
+        slot.current = True
         if index not in slot.view_cache:
             slot.view_cache[index] = storage.device_views(slot.data)
         slot.views = slot.view_cache[index]
@@ -182,13 +180,13 @@ class DeviceSlots:
         self.storages = storages
         for slot in self._slots:
             slot.slice_index = None
-            slot.versions = None
+            slot.current = False
             slot.view_cache.clear()
 
     def forget_contents(self) -> None:
         """Treat every slot as holding nothing current: see Note: [Device copies expire at the next forward]."""
         for slot in self._slots:
-            slot.versions = None
+            slot.current = False
         for storage in self.storages:
             storage.expire_shadow()
 
@@ -196,14 +194,14 @@ class DeviceSlots:
         """The device copy of slice ``index`` was modified (buffers restored or updated on the device)."""
         slot = self._find(index)
         if slot is not None:
-            slot.versions = None
+            slot.current = False
 
     def invalidate(self) -> None:
         """Forget every slot's content and reservation, after an exception interrupted a walk."""
         self.copies.drain()
         for slot in self._slots:
             slot.slice_index = None
-            slot.versions = None
+            slot.current = False
             slot.in_use = False
             slot.free = self.copies.compute_done()
             slot.written_back = None

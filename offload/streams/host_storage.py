@@ -145,6 +145,10 @@ class SliceStorage:
         """Lay the slice out and move every tensor's data into the flat buffer."""
         self.params, self.buffers = collect_entries(self.layers)
         self.entries = self.params + self.buffers
+        self._running_stat_modules = [
+            m for layer in self.layers for m in layer.modules()
+            if getattr(m, "track_running_stats", False) and getattr(m, "running_mean", None) is not None
+        ]
         if self.compute_dtype is not None:
             kept = {id(p) for layer in self.layers for m in layer.modules()
                     if isinstance(m, NORMALIZATION_LAYERS) for p in m.parameters(recurse=False)}
@@ -226,15 +230,6 @@ class SliceStorage:
         """In-place modification counters of the parameters (the optimizer bumps them)."""
         return tuple(entry.tensor._version for entry in self.params)
 
-    def versions(self) -> tuple[int, ...]:
-        """Counters of parameters and buffers: a device copy made at these versions is current."""
-        return tuple(entry.tensor._version for entry in self.entries)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the host buffer (the shadow not counted)."""
-        return self.host_nbytes
-
     def buffer_bytes(self) -> torch.Tensor:
         """The host buffer's byte region that holds the buffers (same layout as on the device:
         buffers keep their dtype)."""
@@ -251,9 +246,4 @@ class SliceStorage:
         Their kernels update ``running_mean``/``running_var`` without bumping the tensors' version
         counters, so a version check alone would not see the change.
         """
-        for layer in self.layers:
-            for module in layer.modules():
-                if (module.training and getattr(module, "track_running_stats", False)
-                        and getattr(module, "running_mean", None) is not None):
-                    return True
-        return False
+        return any(module.training for module in self._running_stat_modules)
