@@ -86,11 +86,13 @@ class OffloadModel(nn.Module):
         compute_dtype: ``torch.bfloat16`` or ``torch.float16`` to compute in half precision while
             the host copies stay in their dtype (float32 masters for the optimizer). Device copies
             of floating-point parameters are made, and transferred, in this dtype: half the bytes
-            of float32 per load. Parameters of normalisation layers (BatchNorm, LayerNorm,
-            GroupNorm, RMSNorm) and all buffers keep their dtype: they are small, and their kernels
-            take a half-precision input with float32 weights and statistics. Floating-point inputs
-            are cast to this dtype, outputs come out in it, and gradients travel back in it and
-            are accumulated into ``.grad`` in the parameter's dtype. The cost: a cast of every
+            of float32 per load. Parameters of batch and instance norms and all buffers keep
+            their dtype: they are small, and those kernels take a half-precision input with
+            float32 weights and statistics on every device. Other norms (LayerNorm, GroupNorm,
+            RMSNorm) compute in this dtype, as under ``model.to(dtype)``, because their CUDA
+            kernels refuse mixed dtypes. Floating-point inputs
+            are cast to this dtype and outputs come out in it; gradients are cast to the
+            parameter's dtype on the device and travel back in it, into ``.grad``. The cost: a cast of every
             parameter on the host once per forward, into a pinned shadow buffer.
 
     Raises:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import datetime
 import gc
 import json
@@ -52,7 +53,7 @@ from torch.utils.checkpoint import checkpoint_sequential
 
 from offload import OffloadModel
 from offload.presets import Preset, build_preset
-from offload.streams.host_storage import NORMALIZATION_LAYERS
+from offload.streams.host_storage import FLOAT32_LAYERS
 
 
 @dataclass(frozen=True)
@@ -79,16 +80,21 @@ CASES = {
         batch=16, num_slices=6,
         note="per-slice compute exceeds its transfer time",
     ),
+    # 24 slices, not 12: on an H100 the whole-batch float32 logits, their log-softmax and
+    # gradient take about 1.5 GiB of the 4 GiB, and 12 slices' two slots and gradients did not fit
+    # beside them (out of memory at 3.96 GiB allocated). With 24, float32 still needs
+    # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: without it, 0.68 GiB of the cap sat in
+    # fragments and a 500 MiB logits block found no room (see benchmarks/results/h100-2026-11-22).
     "gpt-capped": Case(
         "gpt-capped", "transformer",
         {"n_layers": 24, "d_model": 2048, "n_heads": 16, "seq_len": 512, "vocab": 32000},
-        batch=8, num_slices=12, num_microbatches=2, memory_cap_bytes=4 * 2**30,
+        batch=8, num_slices=24, num_microbatches=2, memory_cap_bytes=4 * 2**30,
         note="about 1.3B parameters (5.4 GB in float32) under a 4 GiB device cap",
     ),
     "gpt-capped-bf16": Case(
         "gpt-capped-bf16", "transformer",
         {"n_layers": 24, "d_model": 2048, "n_heads": 16, "seq_len": 512, "vocab": 32000},
-        batch=8, num_slices=12, num_microbatches=2, memory_cap_bytes=4 * 2**30, compute_dtype=torch.bfloat16,
+        batch=8, num_slices=24, num_microbatches=2, memory_cap_bytes=4 * 2**30, compute_dtype=torch.bfloat16,
         note="gpt-capped with compute_dtype=bfloat16: half the bytes per load",
     ),
     "gpt-compute-bound-bf16": Case(
@@ -102,11 +108,11 @@ CASES = {
 
 def in_compute_dtype(model: nn.Module, dtype: torch.dtype | None) -> nn.Module:
     """The resident counterpart of ``compute_dtype``: parameters in ``dtype`` except those of
-    normalisation layers, buffers as they are."""
+    batch and instance norms, buffers as they are."""
     if dtype is None:
         return model
     for module in model.modules():
-        if not isinstance(module, NORMALIZATION_LAYERS):
+        if not isinstance(module, FLOAT32_LAYERS):
             for param in module.parameters(recurse=False):
                 if param.is_floating_point():
                     param.data = param.data.to(dtype)
@@ -159,6 +165,7 @@ class Runner:
     step: Callable[[], None]
     model: nn.Module
     times: list[float] = field(default_factory=list)
+    model_times: list[float] = field(default_factory=list)  # forward and backward, optimizer excluded
     peak: int = 0
     traffic: Callable[[], tuple[int, int]] | None = None
 
@@ -173,7 +180,7 @@ def timed_step(runner: Runner, device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
-    runner.step()
+    runner.model_times.append(runner.step())
     synchronize(device)
     runner.times.append(time.perf_counter() - start)
     if device.type == "cuda":
@@ -181,13 +188,19 @@ def timed_step(runner: Runner, device: torch.device) -> None:
 
 
 def make_step(model: nn.Module, forward: Callable[[Any], Any], preset: Preset, batch: Any,
-              target: Any) -> Callable[[], None]:
+              target: Any, device: torch.device) -> Callable[[], float]:
+    """A training step that returns the seconds of its forward and backward (the optimizer's
+    update follows; for OffloadModel it runs on the host)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
 
-    def step() -> None:
+    def step() -> float:
+        start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         preset.loss(forward(batch), target).backward()
+        synchronize(device)
+        model_time = time.perf_counter() - start
         optimizer.step()
+        return model_time
 
     return step
 
@@ -254,7 +267,7 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device, bandwid
     segments = len(offloaded.partition)
     boundary, activations = slice_footprint(offloaded, batch, device)
     runners: list[Runner] = []
-    offload_runner = Runner("offload", make_step(offloaded, offloaded, preset, batch, target), offloaded,
+    offload_runner = Runner("offload", make_step(offloaded, offloaded, preset, batch, target, device), offloaded,
                             traffic=offloaded._engine.traffic)
 
     resident_model = in_compute_dtype(copy.deepcopy(preset.model), case.compute_dtype).to(device)
@@ -262,13 +275,14 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device, bandwid
     def resident_forward(x: Any) -> Any:
         return checkpoint_sequential(resident_model, segments, cast_input(x, case.compute_dtype), use_reentrant=False)
 
-    resident = Runner("resident", make_step(resident_model, resident_forward, preset, batch, target), resident_model)
+    resident = Runner("resident", make_step(resident_model, resident_forward, preset, batch, target, device), resident_model)
     capped = case.memory_cap_bytes is not None and device.type == "cuda"
     if capped:
         # The resident model would not fit under the cap: measure its compute time first, uncapped.
         for _ in range(args.warmup):
             timed_step(resident, device)
         resident.times.clear()
+        resident.model_times.clear()
         resident.peak = 0
         for _ in range(args.steps):
             timed_step(resident, device)
@@ -292,16 +306,29 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device, bandwid
         fs_model = fairscale(model=copy.deepcopy(preset.model), device=device, offload_device=torch.device("cpu"),
                              num_slices=case.num_slices, checkpoint_activation=True,
                              num_microbatches=case.num_microbatches)
-        runners.append(Runner("fairscale", make_step(fs_model, fs_model, preset, batch, target), fs_model))
+        runners.append(Runner("fairscale", make_step(fs_model, fs_model, preset, batch, target, device), fs_model))
     elif "fairscale" not in result:
-        result["fairscale"] = "not measured: fairscale is not importable" if device.type == "cuda" else "GPU only"
+        result["fairscale"] = ("GPU only" if device.type != "cuda" else "not measured: --no-fairscale"
+                               if args.no_fairscale else "not measured: fairscale is not importable")
 
     try:
         for _ in range(args.warmup):
-            for runner in runners:
-                timed_step(runner, device)
+            for runner in list(runners):
+                try:
+                    timed_step(runner, device)
+                except Exception as error:  # noqa: BLE001 - a failing comparison must not hide ours
+                    if runner.name != "fairscale":
+                        raise
+                    runners.remove(runner)
+                    result["fairscale"] = f"failed: {type(error).__name__}: {error}"
+                    print(f"  fairscale {result['fairscale']}", flush=True)
+                    del error
+                    gc.collect()
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
         for runner in runners:
             runner.times.clear()
+            runner.model_times.clear()
             runner.peak = 0
         traffic_before = offloaded._engine.traffic()
         rss_before = psutil.Process().memory_info().rss
@@ -325,15 +352,22 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device, bandwid
         if "fairscale" in result["runs"]:
             result["max_parameter_difference_fairscale_vs_resident"] = max_difference(
                 runners[-1].model, resident_model)
-    reference = result["runs"]["resident"]["median_step_s"]
+    resident_run = result["runs"]["resident"]
     run = result["runs"]["offload"]
     transfer = max(per_step[0] / bandwidth["host_to_device"], per_step[1] / bandwidth["device_to_host"])
-    run["ideal_s"] = max(reference, transfer)
+    # The model's part (forward and backward) against its floor, then the whole step, whose
+    # optimizer runs on the host for OffloadModel and on the device for the resident model.
+    run["ideal_forward_backward_s"] = max(resident_run["median_forward_backward_s"], transfer)
+    run["efficiency_forward_backward"] = run["ideal_forward_backward_s"] / run["median_forward_backward_s"]
+    run["ideal_s"] = max(resident_run["median_step_s"], transfer)
     run["transfer_s"] = transfer
     run["efficiency"] = run["ideal_s"] / run["median_step_s"]
-    run["limited_by"] = "compute" if reference >= transfer else "host-device link"
+    run["host_optimizer_s"] = run["median_step_s"] - run["median_forward_backward_s"]
+    run["limited_by"] = "compute" if resident_run["median_forward_backward_s"] >= transfer else "host-device link"
     if "fairscale" in result["runs"]:
         run["speedup_vs_fairscale"] = result["runs"]["fairscale"]["median_step_s"] / run["median_step_s"]
+        run["speedup_vs_fairscale_forward_backward"] = (
+            result["runs"]["fairscale"]["median_forward_backward_s"] / run["median_forward_backward_s"])
     if args.rss_steps and device.type == "cuda":
         result["host_rss_over_steps"] = rss_trace(offload_runner, device, args.rss_steps, case)
     del runners, offload_runner, offloaded
@@ -358,6 +392,7 @@ def summarise(runner: Runner, case: Case, per_step: tuple[float, float] | None) 
     median = statistics.median(runner.times)
     summary = {
         "median_step_s": median,
+        "median_forward_backward_s": statistics.median(runner.model_times),
         "samples_per_s": case.batch / median,
         "step_s": runner.times,
         "peak_device_bytes": runner.peak or None,
@@ -389,8 +424,8 @@ def device_name(device: torch.device) -> str:
 
 
 def table(results: list[dict]) -> str:
-    header = ("| case | run | step ms | samples/s | loaded MB/step | offloaded MB/step | ideal ms | efficiency "
-              "| vs fairscale | peak device MiB | budget MiB |")
+    header = ("| case | run | step ms | fwd+bwd ms | samples/s | loaded MB/step | offloaded MB/step | ideal fwd+bwd ms "
+              "| efficiency fwd+bwd | efficiency step | vs fairscale (step) | peak device MiB | budget MiB |")
     lines = [header, "|---" * (header.count("|") - 1) + "|"]
     for result in results:
         budget = result.get("memory_budget_bytes")
@@ -399,9 +434,11 @@ def table(results: list[dict]) -> str:
                 value = run.get(key)
                 return "" if value is None else f"{value * scale:.{digits}f}"
             lines.append(
-                f"| {result['case']} | {name} | {fmt('median_step_s', 1e3)} | {fmt('samples_per_s')} "
+                f"| {result['case']} | {name} | {fmt('median_step_s', 1e3)} | {fmt('median_forward_backward_s', 1e3)} "
+                f"| {fmt('samples_per_s')} "
                 f"| {fmt('loaded_bytes_per_step', 1e-6)} | {fmt('offloaded_bytes_per_step', 1e-6)} "
-                f"| {fmt('ideal_s', 1e3)} | {fmt('efficiency', 1, 2)} | {fmt('speedup_vs_fairscale', 1, 2)} "
+                f"| {fmt('ideal_forward_backward_s', 1e3)} | {fmt('efficiency_forward_backward', 1, 2)} "
+                f"| {fmt('efficiency', 1, 2)} | {fmt('speedup_vs_fairscale', 1, 2)} "
                 f"| {fmt('peak_device_bytes', 2**-20, 0)} "
                 f"| {'' if name != 'offload' or budget is None else f'{budget / 2**20:.0f}'} |"
             )
@@ -415,11 +452,16 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rss-steps", type=int, default=0, help="extra offload steps to trace host RSS (GPU)")
     parser.add_argument("--no-fairscale", action="store_true")
+    parser.add_argument("--slices", type=int, help="override every case's num_slices")
     parser.add_argument("--out-dir", default="benchmarks/results")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:  # the memory cap needs an index
+        device = torch.device("cuda", torch.cuda.current_device())
     names = args.preset or (list(CASES) if device.type == "cuda" else ["tiny"])
+    cases = {name: CASES[name] if args.slices is None else dataclasses.replace(CASES[name], num_slices=args.slices)
+             for name in names}
     if device.type != "cuda":
         args.steps = min(args.steps, 3)
         args.warmup = min(args.warmup, 1)
@@ -427,23 +469,41 @@ def main() -> None:
     bandwidth = measure_bandwidth(device)
     print(f"device: {device_name(device)}; host->device {bandwidth['host_to_device'] / 1e9:.1f} GB/s, "
           f"device->host {bandwidth['device_to_host'] / 1e9:.1f} GB/s ({bandwidth['kind']})")
-    results = [run_case(CASES[name], args, device, bandwidth) for name in names]
-
     report = {
         "command": "python " + " ".join(sys.argv),
         "date": datetime.date.today().isoformat(),
         "device_name": device_name(device),
         "torch": torch.__version__,
+        "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
         "bandwidth_bytes_per_s": bandwidth,
         "steps": args.steps,
         "warmup": args.warmup,
-        "results": results,
+        "results": [],
+        "failed": {},
     }
-    text = table(results)
-    print("\n" + text)
     os.makedirs(args.out_dir, exist_ok=True)
     slug = re.sub(r"[^a-z0-9]+", "-", device_name(device).lower()).strip("-")
-    stem = os.path.join(args.out_dir, f"benchmark_{slug}_{report['date']}")
+    tag = ("" if args.preset is None else "_" + "_".join(names)) + ("" if args.slices is None else f"_{args.slices}slices")
+    stem = os.path.join(args.out_dir, f"benchmark_{slug}_{report['date']}{tag}")
+    for name in names:
+        # One case failing (out of memory on a smaller card, say) must not lose the others' figures.
+        try:
+            report["results"].append(run_case(cases[name], args, device, bandwidth))
+        except Exception as error:  # noqa: BLE001 - recorded and reported below
+            report["failed"][name] = f"{type(error).__name__}: {error}"
+            print(f"\n[{name}] failed: {report['failed'][name]}", file=sys.stderr)
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        write_report(report, stem)
+    print("\n" + table(report["results"]))
+    print(f"\nwrote {stem}.json and {stem}.md")
+    if report["failed"]:
+        sys.exit(1)
+
+
+def write_report(report: dict, stem: str) -> None:
+    bandwidth = report["bandwidth_bytes_per_s"]
     with open(stem + ".json", "w") as f:
         json.dump(report, f, indent=2)
         f.write("\n")
@@ -452,8 +512,9 @@ def main() -> None:
         f.write(f"Command: `{report['command']}`\n\n")
         f.write(f"Bandwidth: host->device {bandwidth['host_to_device'] / 1e9:.1f} GB/s, "
                 f"device->host {bandwidth['device_to_host'] / 1e9:.1f} GB/s ({bandwidth['kind']}).\n\n")
-        f.write(text + "\n")
-    print(f"\nwrote {stem}.json and {stem}.md")
+        f.write(table(report["results"]) + "\n")
+        for name, error in report["failed"].items():
+            f.write(f"\n{name} failed: {error}\n")
 
 
 if __name__ == "__main__":

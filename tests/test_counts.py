@@ -10,7 +10,7 @@ from torch import nn
 
 from offload import OffloadModel
 
-from .helpers import DEVICES
+from .helpers import DEVICES, HostStepped
 
 
 class Counted(nn.Module):
@@ -72,7 +72,7 @@ def test_updates_that_do_not_bump_versions_are_seen(device):
     torch.manual_seed(0)
     reference = counted_model(4).to(device)
     model = OffloadModel(copy.deepcopy(reference), device=device, num_slices=4)
-    opt_ref = torch.optim.AdamW(reference.parameters(), lr=0.05, fused=True)
+    opt_ref = HostStepped(reference, lambda params: torch.optim.AdamW(params, lr=0.05, fused=True))
     opt_off = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
     for _ in range(3):
         x = torch.randn(3, 4, device=device)

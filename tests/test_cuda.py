@@ -30,14 +30,17 @@ class Sleepy(nn.Module):
     copy not ordered by an event would overwrite a slot or read a gradient too early.
     """
 
-    def __init__(self, width: int, cycles: int):
+    def __init__(self, width: int, cycles: int, activation: bool = True):
         super().__init__()
         self.linear = nn.Linear(width, width)
         self.cycles = cycles
+        self.activation = activation
 
     def forward(self, x):
         torch.cuda._sleep(self.cycles)
-        y = torch.tanh(self.linear(x))
+        y = self.linear(x)
+        if self.activation:
+            y = torch.tanh(y)
         torch.cuda._sleep(self.cycles)
         return y
 
@@ -110,7 +113,9 @@ def test_buffer_write_back_is_not_overtaken_by_slot_reuse(grad):
 @pytest.mark.parametrize("checkpoint", [True, False])
 def test_in_place_first_layers_do_not_corrupt_offloaded_boundaries(checkpoint):
     torch.manual_seed(0)
-    slices = [nn.Sequential(nn.ReLU(inplace=True), Sleepy(1024, 2_000_000)) for _ in range(6)]
+    # Sleepy without tanh: tanh saves its output, which an in-place ReLU after it would make the
+    # plain model's own backward refuse.
+    slices = [nn.Sequential(nn.ReLU(inplace=True), Sleepy(1024, 2_000_000, activation=False)) for _ in range(6)]
     reference = nn.Sequential(*copy.deepcopy(slices)).cuda()
     model = OffloadModel(slices, device="cuda", checkpoint_activation=checkpoint)
     x = torch.randn(8, 1024, device="cuda")
@@ -204,7 +209,7 @@ def test_peak_device_memory_stays_under_the_budget():
 
 
 def test_a_model_larger_than_the_capped_device_trains():
-    width, depth = 4096, 8
+    width, depth = 4096, 16
     torch.manual_seed(0)
     layers: list[nn.Module] = []
     for _ in range(depth):
@@ -222,11 +227,17 @@ def test_a_model_larger_than_the_capped_device_trains():
     model = OffloadModel(plain, device="cuda", num_slices=depth)
     total = torch.cuda.get_device_properties(0).total_memory
     cap = model_bytes // 2  # half the parameters alone would not fit
+    slice_bytes = model_bytes // depth
     torch.cuda.set_per_process_memory_fraction(cap / total)
+    torch.cuda.reset_peak_memory_stats()
+    # What is already there (the input, cuBLAS workspaces from the reference run) is not ours.
+    base = torch.cuda.memory_allocated()
     try:
         model(x).sum().backward()
         torch.cuda.synchronize()
-        assert torch.cuda.max_memory_reserved() <= cap
+        # The README's budget: two slots, one slice's gradients (two while one is copied out),
+        # and activations that are small here.
+        assert torch.cuda.max_memory_allocated() - base <= 4 * slice_bytes + 16 * 2**20
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
     for name, p in model.named_parameters():

@@ -16,7 +16,7 @@ from torch import nn
 
 from offload import OffloadModel
 
-from .helpers import DEVICES, assert_same_grads, clone_model, microbatched_reference, seeded
+from .helpers import DEVICES, HostStepped, assert_same_grads, clone_model, microbatched_reference, seeded
 
 EXACT = {"rtol": 0.0, "atol": 0.0}
 
@@ -133,7 +133,7 @@ def test_training_trajectory_matches(device):
     torch.manual_seed(0)
     reference = mlp(dropout=0.1).to(device)
     model = OffloadModel(clone_model(reference), device=device, num_slices=3)
-    opt_ref = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    opt_ref = HostStepped(reference, lambda params: torch.optim.AdamW(params, lr=1e-2))
     opt_off = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(4):
         x = torch.randn(8, 12, device=device)

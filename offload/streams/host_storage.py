@@ -108,13 +108,13 @@ def collect_entries(layers: Sequence[nn.Module]) -> tuple[list[Entry], list[Entr
     return params, buffers
 
 
-#: Layers whose parameters keep their own dtype under a compute dtype: their kernels take a
-#: half-precision input with float32 weight and statistics and accumulate in float32, and their
-#: parameters are small, so keeping them costs almost no bandwidth.
-NORMALIZATION_LAYERS: tuple[type[nn.Module], ...] = tuple(
-    cls for cls in (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, getattr(nn, "RMSNorm", None))
-    if cls is not None
-)
+#: Layers whose parameters keep their own dtype under a compute dtype: the batch and instance
+#: norms, whose kernels take a half-precision input with float32 weight and running statistics on
+#: the CPU and on CUDA alike (cuDNN's batch norm wants exactly that). LayerNorm, GroupNorm and
+#: RMSNorm are not among them: on CUDA their kernels refuse a float32 weight with a half input
+#: ("expected scalar type BFloat16 but found Float"), so they take the compute dtype, as under
+#: ``model.to(dtype)``.
+FLOAT32_LAYERS: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._NormBase,)
 
 
 class SliceStorage:
@@ -125,7 +125,7 @@ class SliceStorage:
         host_device: where the host copies live (``offload_device``).
         pin: pin the buffers (only with a CUDA compute device).
         compute_dtype: dtype of the device copies of floating-point parameters (outside
-            normalisation layers); ``None`` keeps every dtype. When set, a pinned *shadow* holds the
+            batch and instance norms); ``None`` keeps every dtype. When set, a pinned *shadow* holds the
             slice in the device layout and dtypes, so loads move half the bytes of float32; it is
             refreshed from the host copies once per forward (see :meth:`transfer_source`).
 
@@ -151,7 +151,7 @@ class SliceStorage:
         ]
         if self.compute_dtype is not None:
             kept = {id(p) for layer in self.layers for m in layer.modules()
-                    if isinstance(m, NORMALIZATION_LAYERS) for p in m.parameters(recurse=False)}
+                    if isinstance(m, FLOAT32_LAYERS) for p in m.parameters(recurse=False)}
             for entry in self.params:
                 if entry.dtype.is_floating_point and id(entry.tensor) not in kept:
                     entry.device_dtype = self.compute_dtype
@@ -165,8 +165,8 @@ class SliceStorage:
         self.buffer_region = (first.device_offset if first else device_end, device_end)
         self.device_nbytes = device_end
         self.host_nbytes = host_end
-        # Gradients travel in the device dtype; this bounds a slice's gradient buffer.
-        self.grad_nbytes = sum(_align(e.shape.numel() * _itemsize(e.device_dtype)) for e in self.params)
+        # Gradients travel in the parameters' own dtype; this bounds a slice's gradient buffer.
+        self.grad_nbytes = sum(_align(e.shape.numel() * _itemsize(e.dtype)) for e in self.params)
         self.flat = torch.empty(host_end, dtype=torch.uint8, device=self.host_device, pin_memory=self.pin)
         for entry in self.entries:
             view = typed_view(self.flat, entry.host_offset, entry.dtype, entry.shape)

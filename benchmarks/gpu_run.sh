@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Everything that needs a GPU, in stages, each bounded in time, logs and JSON under $OUT
+# (or ./gpu_out when $OUT is unset). Uses the machine's own torch; does not reinstall it.
+#
+#   bash benchmarks/gpu_run.sh tests 300 cast profile   # the test suite (its time limit), cast and memory scripts
+#   bash benchmarks/gpu_run.sh bench "mlp gpt-compute-bound" 0 300          # presets, RSS-trace steps, time limit
+#   bash benchmarks/gpu_run.sh bench "gpt-capped" 0 300 "--steps 5 --warmup 2"
+#
+# A fairscale wheel under .whl/ (not a dependency) is installed for the comparison when present.
+set -uo pipefail
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+{
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,power.limit --format=csv
+    python3 -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"
+    nproc; free -g | head -2
+} 2>&1 | tee -a "$OUT/run.log"
+
+while [ $# -gt 0 ]; do
+    stage=$1; shift
+    echo "=== $stage $(date +%T)" | tee -a "$OUT/run.log"
+    case $stage in
+        tests)  # tests <seconds>
+            timeout "$1" python3 -m pytest -q -rfE -p no:cacheprovider > "$OUT/pytest.log" 2>&1; shift
+            grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.log" | tail -n 60 | tee -a "$OUT/run.log" ;;
+        only)  # only "<pytest args>"
+            timeout 300 python3 -m pytest -q -rfE -p no:cacheprovider $1 2>&1 | tail -n 200 | tee -a "$OUT/run.log"; shift ;;
+        cast)
+            timeout 120 python3 scripts/bench_cast.py --json "$OUT/cast.json" 2>&1 | tee -a "$OUT/run.log" ;;
+        profile)
+            timeout 240 python3 scripts/profile_memory.py --preset transformer --slices 2 4 --microbatches 1 2 \
+                --checkpoint on --json "$OUT/profile.json" --plot "$OUT/profile.png" 2>&1 | tail -n 60 | tee -a "$OUT/run.log" ;;
+        bench)  # bench "<presets>" <rss steps> <seconds> ["<more arguments>"]
+            presets=$1; rss=$2; limit=$3; shift 3; more=""
+            if [ $# -gt 0 ] && [ "${1#--}" != "$1" ]; then more=$1; shift; fi
+            timeout "$limit" python3 scripts/benchmark.py --preset $presets --rss-steps "$rss" $more --out-dir "$OUT" 2>&1 \
+                | grep -v Warning | tail -n 80 | tee -a "$OUT/run.log" ;;
+        pstep)  # pstep <case> <seconds>: torch.profiler tables of one case's offloaded step
+            timeout "$2" python3 scripts/profile_step.py --case "$1" > "$OUT/profile_step_$1.txt" 2>&1
+            head -n 40 "$OUT/profile_step_$1.txt" | tee -a "$OUT/run.log"; shift 2 ;;
+        *) echo "unknown stage $stage" | tee -a "$OUT/run.log" ;;
+    esac
+done
+echo "=== done $(date +%T)" | tee -a "$OUT/run.log"
