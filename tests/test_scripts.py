@@ -34,6 +34,23 @@ def test_benchmark_smoke_test_on_cpu(tmp_path):
     assert (tmp_path / report.name.replace(".json", ".md")).exists()
 
 
+def test_benchmark_records_forward_backward_apart_and_a_slices_override(tmp_path):
+    run("scripts/benchmark.py", "--device", "cpu", "--preset", "tiny", "--slices", "3", "--out-dir", str(tmp_path))
+    (report,) = tmp_path.glob("benchmark_*_tiny_3slices.json")
+    result = json.loads(report.read_text())["results"][0]
+    assert result["num_slices"] == 3
+    offload = result["runs"]["offload"]
+    assert 0 < offload["median_forward_backward_s"] < offload["median_step_s"]
+    assert offload["host_optimizer_s"] > 0 and offload["efficiency_forward_backward"] > 0
+
+
+def test_profile_step_prints_the_busiest_operations(tmp_path):
+    out = run("scripts/profile_step.py", "--case", "tiny", "--steps", "1", "--rows", "5",
+              "--device", "cpu", "--trace", str(tmp_path / "trace.json"))
+    assert "host time by operation" in out and "OffloadFunction" in out
+    assert json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+
+
 def test_cpu_overhead_benchmark(tmp_path):
     out = run("scripts/bench_cpu_overhead.py", "--width", "32", "--depth", "2", "--batch", "8", "16",
               "--steps", "2", "--warmup", "1", "--json", str(tmp_path / "overhead.json"))
