@@ -76,12 +76,16 @@ class Engine:
         self.compute_dtype = compute_dtype
         self.copies = CopyStreams(device, synchronous=synchronous_copies)
         self.pin = self.copies.pins_host_memory and host_device.type == "cpu"
+
+        def allocate(nbytes: int) -> torch.Tensor:
+            return self.copies.empty_host(nbytes, host_device)
+
         self.slices = [
-            Slice(i, names, layers, SliceStorage(layers, host_device, self.pin, compute_dtype))
+            Slice(i, names, layers, SliceStorage(layers, allocate, compute_dtype))
             for i, (names, layers) in enumerate(groups)
         ]
         _reject_sharing_across_slices(self.slices)
-        self.pool = HostBufferPool(host_device, self.pin)
+        self.pool = HostBufferPool(allocate)
         self.activations = ActivationOffloader(self.copies, self.pool)
         self._build_device_side()
 
@@ -129,7 +133,7 @@ class Engine:
         moved: list[Any] = []
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor) and leaf.device != self.device:
-                tensor, ready = self.copies.to_device(leaf)
+                tensor, ready = self.activations.load_host(leaf)
                 self.copies.wait_ready(ready)
                 moved.append(tensor)
             else:
@@ -169,6 +173,10 @@ class Engine:
     def offload_buffers(self, index: int) -> tuple[torch.Tensor, OffloadTicket]:
         """A host copy of the acquired slice's device buffers as they are now."""
         return self.activations.offload(self.slots.buffer_region(index))
+
+    def snapshot_host_buffers(self, index: int) -> tuple[torch.Tensor, OffloadTicket]:
+        """A copy of slice ``index``'s host buffers as they are now, in a pooled buffer."""
+        return self.activations.copy_on_host(self.slices[index].storage.buffer_bytes())
 
 
 def _reject_sharing_across_slices(slices: Sequence[Slice]) -> None:

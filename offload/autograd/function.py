@@ -95,7 +95,7 @@ class _Checkpoint:
     spec: TreeSpec
     cpu_rng: int = -1
     device_rng: int | None = None
-    buffers: tuple[int, OffloadTicket | None] | None = None  # saved tensor of the buffers before the run
+    buffers: tuple[int, OffloadTicket] | None = None  # saved tensor of the buffers before the run
 
 
 @dataclass
@@ -210,7 +210,7 @@ class OffloadFunction(torch.autograd.Function):
             for i in range(n):
                 views = engine.slots.acquire(i)
                 buffers_changed = False
-                before_run: tuple[int, OffloadTicket | None] | None = None  # None: the host copy
+                before_run: tuple[int, OffloadTicket] | None = None  # None: as the host copy holds them
                 next_boundary: list[tuple[list[Any], TreeSpec]] = []
                 for m in range(count):
                     in_leaves, in_spec = boundary[m]
@@ -237,9 +237,10 @@ class OffloadFunction(torch.autograd.Function):
                             record.device_rng = stash.add(device_state) if device_state is not None else None
                             result = engine.run_slice(i, views, tree_unflatten(list(in_leaves), in_spec))
                             if result.buffers_changed:
-                                record.buffers = before_run or (
-                                    stash.add(engine.slices[i].storage.buffer_bytes().clone()), None
-                                )
+                                if before_run is None:
+                                    host, ticket = engine.snapshot_host_buffers(i)
+                                    before_run = (stash.add(host), ticket)
+                                record.buffers = before_run
                             out_leaves, out_spec = tree_flatten(result.output)
                     if result.buffers_changed:
                         buffers_changed = True
@@ -258,8 +259,11 @@ class OffloadFunction(torch.autograd.Function):
                     written_back.append(engine.slots.write_back_buffers(i))
                 engine.slots.release(i)
                 boundary = next_boundary
-            # Buffers are host state the user may read right after forward.
+            # Buffers are host state the user may read right after forward, and the host copies
+            # the loads read may be overwritten right after it (an optimizer step on earlier
+            # gradients, load_state_dict): rule 4 of [Copy ordering].
             engine.copies.wait_host_all(written_back)
+            engine.copies.wait_loads_done()
         except BaseException:
             engine.slots.invalidate()
             raise
@@ -471,7 +475,7 @@ class _BoundaryLoader:
             if leaf.ticket is not None:
                 tensor, ready = self.engine.activations.load(leaf.ticket, host)
             elif host.device != self.engine.device:
-                tensor, ready = self.engine.copies.to_device(host)
+                tensor, ready = self.engine.activations.load_host(host)
             else:
                 tensor, ready = host, None
             leaves.append(tensor)
@@ -493,7 +497,7 @@ def _recompute(engine: Engine, run: _Run, saved: Sequence[torch.Tensor], loader:
     leaves = loader.take(i, m)
     if record.buffers is not None:
         stash_index, ticket = record.buffers
-        engine.slots.restore_buffers(i, saved[stash_index], ticket.ready if ticket is not None else None)
+        engine.slots.restore_buffers(i, saved[stash_index], ticket)
     requires = [wants_input_grads and (run.input_requires_grad[k] if i == 0 else run.grad_upstream[i])
                 for k in range(len(leaves))]
     device_rng = saved[record.device_rng] if record.device_rng is not None else None

@@ -1,6 +1,7 @@
 """Everything that moves tensors between host and device, and everything that orders those moves.
 
-- ``copies``: the copy engine; the only place that touches streams and events.
+- ``copies``: the copy engine; the only place that decides how copies are ordered.
+- ``backend``: streams, events and asynchronous copies of a device (CUDA, or a checker's simulation).
 - ``host_storage``: a slice's host copies, as views into one flat (pinned) buffer.
 - ``host_buffers``: pooled host buffers for gradients and activations.
 - ``device_slots``: the two device slots that slices take turns in.
@@ -9,7 +10,8 @@
 """
 
 from .activations import ActivationOffloader, OffloadTicket
-from .copies import SYNC_ENV_VAR, CopyStreams, Event
+from .backend import CudaBackend, Event, StreamBackend, using_backend
+from .copies import SYNC_ENV_VAR, CopyStreams
 from .device_slots import DeviceSlots, SlotReference
 from .gradients import GradientOffloader, PendingGradients, SliceGradients
 from .host_buffers import HostBuffer, HostBufferPool
@@ -19,6 +21,7 @@ __all__ = [
     "SYNC_ENV_VAR",
     "ActivationOffloader",
     "CopyStreams",
+    "CudaBackend",
     "DeviceSlots",
     "Entry",
     "Event",
@@ -29,5 +32,7 @@ __all__ = [
     "PendingGradients",
     "SliceGradients",
     "SliceStorage",
+    "StreamBackend",
     "SlotReference",
+    "using_backend",
 ]

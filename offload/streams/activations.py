@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .copies import CopyStreams, Event
+from .backend import Event
+from .copies import CopyStreams
 from .host_buffers import HostBuffer, HostBufferPool
 from .host_storage import typed_view
 
@@ -63,6 +64,38 @@ class ActivationOffloader:
                                     label="offload::offload activation")
         self.offloaded_bytes += nbytes
         return host, OffloadTicket(ready, buffer)
+
+    def copy_on_host(self, host_tensor: torch.Tensor) -> tuple[torch.Tensor, OffloadTicket]:
+        """A copy of a host tensor in a pooled buffer, made now on the CPU: a snapshot that later
+        host writes do not change, in memory that loads can read asynchronously.
+
+        Returns:
+            The pooled copy and its ticket (``ready`` is ``None``: the copy is complete).
+        """
+        nbytes = host_tensor.numel() * host_tensor.element_size()
+        buffer = self.pool.take(nbytes)
+        # Rule 4 of [Copy ordering]: a load may still be reading what this buffer held before.
+        self.copies.wait_host(buffer.read_event)
+        copy = typed_view(buffer.data, 0, host_tensor.dtype, host_tensor.shape)
+        copy.copy_(host_tensor)
+        return copy, OffloadTicket(None, buffer)
+
+    def load_host(self, host_tensor: torch.Tensor) -> tuple[torch.Tensor, Event | None]:
+        """Start copying a host tensor the caller owns (a model input) to the device.
+
+        Memory the copy engine did not allocate may be pageable, and an asynchronous copy from
+        pageable memory may block the CPU until it is done (CUDA stages it through a bounce
+        buffer): such a tensor is first copied on the CPU into a pooled pinned buffer.
+
+        Returns:
+            The new device tensor and its ready event.
+        """
+        if host_tensor.device.type != "cpu" or self.copies.is_pinned(host_tensor):
+            return self.copies.to_device(host_tensor)
+        staged, ticket = self.copy_on_host(host_tensor.contiguous())
+        device_tensor, ready = self.copies.to_device(staged)
+        ticket.buffer.read_event = ready
+        return device_tensor, ready
 
     def load(self, ticket: OffloadTicket, host_tensor: torch.Tensor) -> tuple[torch.Tensor, Event | None]:
         """Start copying an offloaded tensor back to the device.

@@ -1,7 +1,8 @@
 """Every copy between host and device, and every ordering decision about it.
 
-This is the one file in the package that calls ``wait_stream``, ``wait_event``, ``record_stream``
-or synchronises. Everything else asks it for a copy and gets back the copy's *ready event*.
+This is the one file in the package that decides when to wait, record, mark memory as used or
+synchronise; the stream backend (``backend.py``) carries those decisions out on the device.
+Everything else asks for a copy and gets back the copy's *ready event*.
 
 Note: [Copy ordering]
     On CUDA there are three streams. *Compute* is the caller's current stream: layers run there.
@@ -25,13 +26,16 @@ Note: [Copy ordering]
        offload's destination is read by the CPU (optimizer, user code) after its ready event,
        and a load's source may be overwritten (optimizer step, next batch, shadow refresh) only
        after the load. :meth:`CopyStreams.wait_host` is the only blocking call: at the end of
-       each backward, at the end of a forward without autograd, and when buffers were written
-       back.
+       every forward and backward, when buffers were written back, and before a pooled host
+       buffer is written on the CPU. Host tensors the user passes in are copied on the CPU into
+       pooled pinned buffers first: an asynchronous copy from pageable memory may block.
     5. After an exception the streams are drained (:meth:`CopyStreams.drain`): whatever was in
        flight finishes before compute or the CPU touch that memory again.
 
     On the CPU, and when asynchronous copies are switched off, copies are synchronous and every
-    event is ``None``; the same calls run, so tests on the CPU go through the same code.
+    event is ``None``; the same calls run, so tests on the CPU go through the same code. The
+    asynchronous path runs on the CPU too, under the stream-ordering checker (``offload.streamcheck``),
+    which installs a simulated backend that defers copies and checks every access for races.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch.profiler import record_function
 
-Event = torch.cuda.Event
+from .backend import Event, StreamBackend, backend_for
 
 #: Set to 1 to make every copy synchronous, for bisecting a suspected ordering bug.
 SYNC_ENV_VAR = "OFFLOAD_SYNC_COPIES"
@@ -64,15 +68,14 @@ class CopyStreams:
 
     def __init__(self, device: torch.device, synchronous: bool = False) -> None:
         self.device = device
-        self.is_async = device.type == "cuda" and not (synchronous or synchronous_copies_requested())
-        if self.is_async:
+        backend = None if synchronous or synchronous_copies_requested() else backend_for(device)
+        self.backend: StreamBackend | None = backend
+        self.is_async = backend is not None
+        if backend is not None:
             # Loads run here so the next slice's host-to-device copy overlaps this slice's compute.
-            self.load_stream: torch.cuda.Stream | None = torch.cuda.Stream(device)
+            self.load_stream = backend.new_stream("load")
             # Offloads run here so gradients and activations leave while the next slice computes.
-            self.offload_stream: torch.cuda.Stream | None = torch.cuda.Stream(device)
-        else:
-            self.load_stream = None
-            self.offload_stream = None
+            self.offload_stream = backend.new_stream("offload")
         # Bytes copied so far, per direction: benchmarks compare them with the link's bandwidth.
         self.loaded_bytes = 0
         self.offloaded_bytes = 0
@@ -80,11 +83,18 @@ class CopyStreams:
 
     @property
     def pins_host_memory(self) -> bool:
-        """Whether host buffers should be pinned: only pinned memory copies asynchronously."""
-        return self.device.type == "cuda"
+        """Whether host buffers come from the backend (pinned): only such memory copies asynchronously."""
+        return self.backend is not None
 
-    def _compute_stream(self) -> torch.cuda.Stream:
-        return torch.cuda.current_stream(self.device)
+    def empty_host(self, nbytes: int, host_device: torch.device) -> torch.Tensor:
+        """``nbytes`` of host memory on ``host_device`` for copies: pinned when copies are asynchronous."""
+        if self.backend is not None and host_device.type == "cpu":
+            return self.backend.empty_host(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8, device=host_device)
+
+    def _compute_stream(self) -> object:
+        assert self.backend is not None
+        return self.backend.current_stream()
 
     # -- loads -------------------------------------------------------------------------------
 
@@ -100,32 +110,35 @@ class CopyStreams:
         """
         self.loaded_bytes += src.numel() * src.element_size()
         with record_function(label):
-            if not self.is_async:
+            backend = self.backend
+            if backend is None:
                 dst.copy_(src)
                 return None
-            assert self.load_stream is not None
             if after_queued_compute:
                 # Rule 2: the allocator may have recycled a block that queued compute still reads.
-                self.load_stream.wait_stream(self._compute_stream())
+                backend.wait_stream(self.load_stream, self._compute_stream())
             for event in after:
                 if event is not None:
                     # Rule 2: earlier readers of the destination (or the source's offload) first.
-                    self.load_stream.wait_event(event)
-            with torch.cuda.stream(self.load_stream):
-                dst.copy_(src, non_blocking=True)
-                ready = torch.cuda.Event()
-                ready.record(self.load_stream)
+                    backend.wait_event(self.load_stream, event)
+            backend.copy(dst, src, self.load_stream, to_device=True)
+            ready = backend.record(self.load_stream)
             # Rule 2: if dst is freed before compute used it, the copy may still be writing it.
-            dst.record_stream(self.load_stream)
+            backend.mark_used(dst, self.load_stream)
             self._last_load = ready
             return ready
 
     def to_device(self, src: torch.Tensor, after: Iterable[Event | None] = ()) -> tuple[torch.Tensor, Event | None]:
-        """A new device tensor holding ``src``; returns it with its ready event."""
+        """A new device tensor holding ``src`` (host memory from :meth:`empty_host`); returns it
+        with its ready event."""
         if src.device == self.device:
             return src, None
         dst = torch.empty_like(src, device=self.device)
         return dst, self.load(dst, src, after=after, after_queued_compute=True)
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is host memory that an asynchronous copy can use without blocking."""
+        return self.backend is None or self.backend.is_pinned(tensor)
 
     # -- offloads ----------------------------------------------------------------------------
 
@@ -146,35 +159,34 @@ class CopyStreams:
         """Like :meth:`offload` for several tensors at once, with one ready event for all."""
         self.offloaded_bytes += sum(src.numel() * src.element_size() for src in srcs)
         with record_function(label):
-            if not self.is_async:
+            backend = self.backend
+            if backend is None:
                 for dst, src in zip(dsts, srcs):
                     dst.copy_(src)
                 return None
-            assert self.offload_stream is not None
             if src_may_change:
                 # Rule 3: a private copy, taken on compute before any later in-place update.
                 srcs = [src.clone() for src in srcs]
             # Rule 3: the sources were produced by compute issued so far.
-            self.offload_stream.wait_stream(self._compute_stream())
+            backend.wait_stream(self.offload_stream, self._compute_stream())
             for event in after:
                 if event is not None:
                     # A previous load still reads this host memory.
-                    self.offload_stream.wait_event(event)
-            with torch.cuda.stream(self.offload_stream):
-                for dst, src in zip(dsts, srcs):
-                    dst.copy_(src, non_blocking=True)
-                ready = torch.cuda.Event()
-                ready.record(self.offload_stream)
+                    backend.wait_event(self.offload_stream, event)
+            for dst, src in zip(dsts, srcs):
+                backend.copy(dst, src, self.offload_stream, to_device=False)
+            ready = backend.record(self.offload_stream)
             for src in srcs:
                 # Rule 3: keep the allocator from recycling each source before the copy has read it.
-                src.record_stream(self.offload_stream)
+                backend.mark_used(src, self.offload_stream)
             return ready
 
     def to_host(self, src: torch.Tensor, host_device: torch.device) -> torch.Tensor:
         """A host copy of ``src``, complete when this returns (for small, rare copies)."""
         if src.device == host_device:
             return src
-        dst = torch.empty_like(src, device=host_device)
+        nbytes = src.numel() * src.element_size()
+        dst = self.empty_host(nbytes, host_device).view(src.dtype).view(src.shape)
         self.wait_host(self.offload(dst, src))
         return dst
 
@@ -184,22 +196,22 @@ class CopyStreams:
         """Make compute wait for a copy: a load it reads (rule 1), or an offload still reading a
         device buffer that compute is about to overwrite (rule 3)."""
         if event is not None:
+            assert self.backend is not None
             # Rules 1 and 3: compute must not touch the memory before that copy is done with it.
-            self._compute_stream().wait_event(event)
+            self.backend.wait_event(self._compute_stream(), event)
 
     def compute_done(self) -> Event | None:
         """An event marking all compute issued so far: a device buffer's free event."""
-        if not self.is_async:
+        if self.backend is None:
             return None
-        event = torch.cuda.Event()
-        event.record(self._compute_stream())
-        return event
+        return self.backend.record(self._compute_stream())
 
     def wait_host(self, event: Event | None) -> None:
         """Block the CPU until ``event`` has completed (rule 4)."""
         if event is not None:
+            assert self.backend is not None
             # Rule 4: the CPU is about to read (or overwrite) host memory this copy touches.
-            event.synchronize()
+            self.backend.synchronize_event(event)
 
     def wait_host_all(self, events: Iterable[Event | None]) -> None:
         for event in events:
@@ -215,14 +227,14 @@ class CopyStreams:
 
     def drain(self) -> None:
         """After an exception: let every copy in flight finish before anything reuses its memory (rule 5)."""
-        if not self.is_async:
+        backend = self.backend
+        if backend is None:
             return
-        assert self.load_stream is not None and self.offload_stream is not None
         compute = self._compute_stream()
         # Rule 5: device memory the side streams touch is reused by compute next.
-        compute.wait_stream(self.load_stream)
-        compute.wait_stream(self.offload_stream)
+        backend.wait_stream(compute, self.load_stream)
+        backend.wait_stream(compute, self.offload_stream)
         # Rule 5: host memory they touch is reused by the CPU next.
-        self.load_stream.synchronize()
-        self.offload_stream.synchronize()
+        backend.synchronize_stream(self.load_stream)
+        backend.synchronize_stream(self.offload_stream)
         self._last_load = None

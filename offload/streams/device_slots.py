@@ -30,7 +30,9 @@ from typing import Any
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
-from .copies import CopyStreams, Event
+from .activations import OffloadTicket
+from .backend import Event
+from .copies import CopyStreams
 from .host_storage import SliceStorage
 
 
@@ -235,13 +237,16 @@ class DeviceSlots:
                                                 label=f"offload::write back buffers of slice {index}")
         return slot.written_back
 
-    def restore_buffers(self, index: int, host_snapshot: torch.Tensor, after: Event | None) -> None:
-        """Load a buffer snapshot into the acquired slice's device copy and wait for it.
+    def restore_buffers(self, index: int, host_snapshot: torch.Tensor, ticket: OffloadTicket) -> None:
+        """Load a buffer snapshot (a pooled host buffer, see ``ActivationOffloader``) into the
+        acquired slice's device copy and make compute wait for it.
 
         The device copy then differs from the host copy, so the slot is marked stale.
         """
-        ready = self.copies.load(self.buffer_region(index), host_snapshot, after=(after,),
+        ready = self.copies.load(self.buffer_region(index), host_snapshot, after=(ticket.ready,),
                                  after_queued_compute=True, label=f"offload::restore buffers of slice {index}")
+        # Rule 4: the pooled buffer is not written again before this load has read it.
+        ticket.buffer.read_event = ready
         self.copies.wait_ready(ready)
         self.mark_stale(index)
 
@@ -282,5 +287,4 @@ class DeviceSlots:
                 f"internal error: slice {packed.slice_index} must be acquired before its kept graph runs backward"
             )
         typed = slot.data.view(packed.dtype) if packed.dtype != torch.uint8 else slot.data
-        itemsize = slot.data.new_empty((), dtype=packed.dtype).element_size()
-        return typed.as_strided(packed.size, packed.stride, packed.byte_offset // itemsize)
+        return typed.as_strided(packed.size, packed.stride, packed.byte_offset // packed.dtype.itemsize)

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .copies import CopyStreams, Event
+from .backend import Event
+from .copies import CopyStreams
 from .host_buffers import HostBufferPool
 from .host_storage import Entry, _align, _itemsize, typed_view
 

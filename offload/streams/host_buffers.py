@@ -11,11 +11,12 @@ This file allocates and recycles; the copies into and out of buffers belong to `
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from .copies import Event
+from .backend import Event
 
 
 def _storage_use_count(tensor: torch.Tensor) -> int | None:
@@ -50,13 +51,12 @@ class HostBufferPool:
     """Exact-size host buffers, reused once nothing else refers to them.
 
     Args:
-        host_device: where the buffers live (the offload device).
-        pin: pin the buffers (only useful, and only possible, with a CUDA device).
+        allocate: host byte allocator: pinned memory when copies are asynchronous (see
+            ``CopyStreams.empty_host``).
     """
 
-    def __init__(self, host_device: torch.device, pin: bool) -> None:
-        self.host_device = host_device
-        self.pin = pin
+    def __init__(self, allocate: Callable[[int], torch.Tensor]) -> None:
+        self.allocate = allocate
         self._buffers: dict[int, list[HostBuffer]] = {}
         self._step = 0
 
@@ -66,7 +66,7 @@ class HostBufferPool:
             if buffer.is_idle():
                 buffer._last_taken = self._step
                 return buffer
-        data = torch.empty(nbytes, dtype=torch.uint8, device=self.host_device, pin_memory=self.pin)
+        data = self.allocate(nbytes)
         buffer = HostBuffer(data)
         buffer._idle_use_count = _storage_use_count(data)
         buffer._last_taken = self._step

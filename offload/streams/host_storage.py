@@ -13,13 +13,14 @@ and written back on its own.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..binding import Site
+from .backend import Event
 
 #: Byte alignment of every entry: keeps typed views legal and vector loads aligned.
 ALIGNMENT = 64
@@ -53,7 +54,7 @@ def alias(flat: torch.Tensor, offset: int, dtype: torch.dtype, shape: torch.Size
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 @dataclass
@@ -122,22 +123,21 @@ class SliceStorage:
 
     Args:
         layers: the slice's layers.
-        host_device: where the host copies live (``offload_device``).
-        pin: pin the buffers (only with a CUDA compute device).
+        allocate: host byte allocator for buffers on ``offload_device``: pinned memory when
+            copies are asynchronous (see ``CopyStreams.empty_host``).
         compute_dtype: dtype of the device copies of floating-point parameters (outside
-            batch and instance norms); ``None`` keeps every dtype. When set, a pinned *shadow* holds the
-            slice in the device layout and dtypes, so loads move half the bytes of float32; it is
+            batch and instance norms); ``None`` keeps every dtype. When set, a pinned *shadow*
+            holds the slice in the device layout and dtypes, so loads move half the bytes of float32; it is
             refreshed from the host copies once per forward (see :meth:`transfer_source`).
 
     Raises:
         ValueError: for sparse tensors or a tensor registered both as parameter and as buffer.
     """
 
-    def __init__(self, layers: Sequence[nn.Module], host_device: torch.device, pin: bool,
+    def __init__(self, layers: Sequence[nn.Module], allocate: Callable[[int], torch.Tensor],
                  compute_dtype: torch.dtype | None = None) -> None:
         self.layers = list(layers)
-        self.host_device = host_device
-        self.pin = pin
+        self.allocate = allocate
         self.compute_dtype = compute_dtype
         self.build()
 
@@ -167,7 +167,7 @@ class SliceStorage:
         self.host_nbytes = host_end
         # Gradients travel in the parameters' own dtype; this bounds a slice's gradient buffer.
         self.grad_nbytes = sum(_align(e.shape.numel() * _itemsize(e.dtype)) for e in self.params)
-        self.flat = torch.empty(host_end, dtype=torch.uint8, device=self.host_device, pin_memory=self.pin)
+        self.flat = self.allocate(host_end)
         for entry in self.entries:
             view = typed_view(self.flat, entry.host_offset, entry.dtype, entry.shape)
             view.copy_(entry.tensor.detach())
@@ -176,13 +176,12 @@ class SliceStorage:
         self._expected_ptrs = [entry.tensor.data_ptr() for entry in self.entries]
         casts = any(entry.device_dtype != entry.dtype for entry in self.entries)
         self.shadow = (
-            torch.empty(device_end, dtype=torch.uint8, device=self.host_device, pin_memory=self.pin)
-            if casts else None
+            self.allocate(device_end) if casts else None
         )
         self._shadow_current = False
         self.shadow_refreshes = 0
         # Ready event of the last load that read the shadow: a refresh must wait for it.
-        self.shadow_read: torch.cuda.Event | None = None
+        self.shadow_read: Event | None = None
 
     def shadow_stale(self) -> bool:
         """Whether the shadow must be refreshed before the next load."""

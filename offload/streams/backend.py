@@ -1,0 +1,159 @@
+"""The stream and event operations the copy engine needs from a device, behind one small interface.
+
+:class:`~offload.streams.CopyStreams` decides *what* is ordered after what (Note: [Copy ordering]);
+a backend only carries those decisions out. :class:`CudaBackend` does it with CUDA streams and
+events. A stream-ordering checker (``offload.streamcheck``) implements the same interface on the
+CPU, with deferred copies and a happens-before race detector, so that the asynchronous code path
+users run on a GPU also runs, and is checked, on machines without one.
+
+Which backend a :class:`CopyStreams` uses is chosen when it is built: the one installed with
+:func:`using_backend` if any (the checker does this), else :class:`CudaBackend` for a CUDA device,
+else none (copies are synchronous and every ready event is ``None``).
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+#: A backend's event: completes when the work recorded before it on its stream is done.
+#: Opaque to the rest of the package, which only passes events back to the backend.
+Event = Any
+#: A backend's stream: a queue of device work that runs in order.
+Stream = Any
+
+
+class StreamBackend(abc.ABC):
+    """Streams, events and asynchronous copies for one compute device.
+
+    Every method is a primitive; none decides an ordering on its own.
+    """
+
+    device: torch.device
+
+    @abc.abstractmethod
+    def current_stream(self) -> Stream:
+        """The stream the caller's compute is queued on."""
+
+    @abc.abstractmethod
+    def new_stream(self, role: str) -> Stream:
+        """A new stream; ``role`` names it in reports and profiles (``"load"``, ``"offload"``)."""
+
+    @abc.abstractmethod
+    def record(self, stream: Stream) -> Event:
+        """An event that completes once the work queued on ``stream`` so far is done."""
+
+    @abc.abstractmethod
+    def wait_event(self, stream: Stream, event: Event) -> None:
+        """Work queued on ``stream`` from now on starts after ``event``."""
+
+    @abc.abstractmethod
+    def wait_stream(self, stream: Stream, other: Stream) -> None:
+        """Work queued on ``stream`` from now on starts after the work queued on ``other`` so far."""
+
+    @abc.abstractmethod
+    def synchronize_event(self, event: Event) -> None:
+        """Block the calling thread until ``event`` has completed."""
+
+    @abc.abstractmethod
+    def synchronize_stream(self, stream: Stream) -> None:
+        """Block the calling thread until the work queued on ``stream`` so far is done."""
+
+    @abc.abstractmethod
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream, to_device: bool) -> None:
+        """Queue ``dst.copy_(src)`` on ``stream`` without blocking the calling thread.
+
+        ``to_device`` says which side is host memory: ``src`` for a load, ``dst`` for an offload.
+        Host memory must come from :meth:`empty_host`, or the copy may block.
+        """
+
+    @abc.abstractmethod
+    def mark_used(self, tensor: torch.Tensor, stream: Stream) -> None:
+        """Device memory of ``tensor`` is used by ``stream``: if it is freed, the allocator must not
+        hand it out again before the work queued on ``stream`` so far is done."""
+
+    @abc.abstractmethod
+    def empty_host(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of host memory (``torch.uint8``) that copies can use asynchronously."""
+
+    @abc.abstractmethod
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is host memory that copies can use asynchronously."""
+
+
+class CudaBackend(StreamBackend):
+    """CUDA streams and events; host memory is pinned (page-locked)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def current_stream(self) -> Stream:
+        return torch.cuda.current_stream(self.device)
+
+    def new_stream(self, role: str) -> Stream:
+        return torch.cuda.Stream(self.device)
+
+    def record(self, stream: Stream) -> Event:
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def wait_event(self, stream: Stream, event: Event) -> None:
+        stream.wait_event(event)
+
+    def wait_stream(self, stream: Stream, other: Stream) -> None:
+        stream.wait_stream(other)
+
+    def synchronize_event(self, event: Event) -> None:
+        event.synchronize()
+
+    def synchronize_stream(self, stream: Stream) -> None:
+        stream.synchronize()
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream, to_device: bool) -> None:
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+
+    def mark_used(self, tensor: torch.Tensor, stream: Stream) -> None:
+        tensor.record_stream(stream)
+
+    def empty_host(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        return tensor.is_pinned()
+
+
+_installed = threading.local()
+
+
+@contextlib.contextmanager
+def using_backend(backend: StreamBackend) -> Iterator[StreamBackend]:
+    """Build every :class:`~offload.streams.CopyStreams` (so every ``OffloadModel``) created in
+    this block, in this thread, on ``backend`` instead of the device's own.
+
+    Models built inside keep the backend after the block ends.
+    """
+    previous = getattr(_installed, "backend", None)
+    _installed.backend = backend
+    try:
+        yield backend
+    finally:
+        _installed.backend = previous
+
+
+def backend_for(device: torch.device) -> StreamBackend | None:
+    """The backend a copy engine for ``device`` uses, or ``None`` for synchronous copies."""
+    installed = getattr(_installed, "backend", None)
+    if installed is not None:
+        if installed.device != device:
+            raise ValueError(f"the installed stream backend serves {installed.device}, not {device}")
+        return installed
+    if device.type == "cuda":
+        return CudaBackend(device)
+    return None
