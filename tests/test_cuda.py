@@ -15,12 +15,53 @@ import torch
 from torch import nn
 
 from offload import OffloadModel
+from offload.streams import CudaBackend, using_backend
 
 from .helpers import assert_same_grads
 
 pytestmark = pytest.mark.cuda
 
 EXACT = {"rtol": 0.0, "atol": 0.0}
+
+
+class DelayedCopies(CudaBackend):
+    """CUDA streams whose copies start late: the side stream spins before each copy, so compute
+    that does not wait for a load reads the slot's old contents, and the host that does not wait
+    for an offload reads the buffer's old contents."""
+
+    def __init__(self, device: torch.device, cycles: int = 4_000_000) -> None:
+        super().__init__(device)
+        self.cycles = cycles
+
+    def copy(self, dst, src, stream, to_device):
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(self.cycles)
+        super().copy(dst, src, stream, to_device)
+
+
+class ComputeDoesNotWait(DelayedCopies):
+    """A deliberately broken backend: compute never waits for a copy. Proves the tests can fail."""
+
+    def wait_event(self, stream, event):
+        if stream == self.current_stream():
+            return
+        super().wait_event(stream, event)
+
+
+#: Which side of the race is slowed down: the layers' kernels, or the copies.
+DELAYS = ["compute", "copies"]
+
+
+def build(layers, delay: str, **kwargs) -> OffloadModel:
+    """OffloadModel on CUDA, its copies delayed when ``delay == "copies"``."""
+    if delay == "copies":
+        with using_backend(DelayedCopies(torch.device("cuda", torch.cuda.current_device()))):
+            return OffloadModel(layers, device="cuda", **kwargs)
+    return OffloadModel(layers, device="cuda", **kwargs)
+
+
+def cycles(delay: str, compute_cycles: int = 2_000_000) -> int:
+    return compute_cycles if delay == "compute" else 0
 
 
 class Sleepy(nn.Module):
@@ -50,12 +91,13 @@ def sleepy_model(width: int = 1024, depth: int = 8, cycles: int = 2_000_000) -> 
     return nn.Sequential(*[Sleepy(width, cycles) for _ in range(depth)], nn.Linear(width, 1)).cuda()
 
 
+@pytest.mark.parametrize("delay", DELAYS)
 @pytest.mark.parametrize("num_microbatches", [1, 3])
 @pytest.mark.parametrize("checkpoint", [True, False])
-def test_delayed_kernels_still_give_exact_gradients(num_microbatches, checkpoint):
-    reference = sleepy_model()
-    model = OffloadModel(copy.deepcopy(reference), device="cuda", num_slices=8,
-                         checkpoint_activation=checkpoint, num_microbatches=num_microbatches)
+def test_delayed_kernels_still_give_exact_gradients(num_microbatches, checkpoint, delay):
+    reference = sleepy_model(cycles=cycles(delay))
+    model = build(copy.deepcopy(reference), delay, num_slices=8, checkpoint_activation=checkpoint,
+                  num_microbatches=num_microbatches)
     for step in range(3):
         x = torch.randn(6, 1024, device="cuda")
         for net in (reference, model):
@@ -90,14 +132,15 @@ class SleepyNorm(nn.Module):
         return self.norm(x)
 
 
+@pytest.mark.parametrize("delay", DELAYS)
 @pytest.mark.parametrize("grad", [True, False])
-def test_buffer_write_back_is_not_overtaken_by_slot_reuse(grad):
+def test_buffer_write_back_is_not_overtaken_by_slot_reuse(grad, delay):
     torch.manual_seed(0)
     layers: list[nn.Module] = []
     for _ in range(5):
-        layers += [nn.Linear(512, 512), SleepyNorm(512, 4_000_000)]
+        layers += [nn.Linear(512, 512), SleepyNorm(512, cycles(delay, 4_000_000))]
     reference = nn.Sequential(*layers).cuda()
-    model = OffloadModel(copy.deepcopy(reference), device="cuda", num_slices=5)
+    model = build(copy.deepcopy(reference), delay, num_slices=5)
     for _ in range(3):
         x = torch.randn(16, 512, device="cuda")
         with torch.set_grad_enabled(grad):
@@ -110,23 +153,25 @@ def test_buffer_write_back_is_not_overtaken_by_slot_reuse(grad):
         torch.testing.assert_close(b_off.cuda(), b_ref, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("delay", DELAYS)
 @pytest.mark.parametrize("checkpoint", [True, False])
-def test_in_place_first_layers_do_not_corrupt_offloaded_boundaries(checkpoint):
+def test_in_place_first_layers_do_not_corrupt_offloaded_boundaries(checkpoint, delay):
     torch.manual_seed(0)
     # Sleepy without tanh: tanh saves its output, which an in-place ReLU after it would make the
     # plain model's own backward refuse.
-    slices = [nn.Sequential(nn.ReLU(inplace=True), Sleepy(1024, 2_000_000, activation=False)) for _ in range(6)]
+    slices = [nn.Sequential(nn.ReLU(inplace=True), Sleepy(1024, cycles(delay), activation=False)) for _ in range(6)]
     reference = nn.Sequential(*copy.deepcopy(slices)).cuda()
-    model = OffloadModel(slices, device="cuda", checkpoint_activation=checkpoint)
+    model = build(slices, delay, checkpoint_activation=checkpoint)
     x = torch.randn(8, 1024, device="cuda")
     reference(x.clone()).pow(2).sum().backward()
     model(x.clone()).pow(2).sum().backward()
     assert_same_grads(model, reference, **EXACT)
 
 
-def test_delayed_kernels_with_optimizer_steps_match_the_resident_model():
-    reference = sleepy_model(depth=6)
-    model = OffloadModel(copy.deepcopy(reference), device="cuda", num_slices=6)
+@pytest.mark.parametrize("delay", DELAYS)
+def test_delayed_kernels_with_optimizer_steps_match_the_resident_model(delay):
+    reference = sleepy_model(depth=6, cycles=cycles(delay))
+    model = build(copy.deepcopy(reference), delay, num_slices=6)
     opt_ref = torch.optim.SGD(reference.parameters(), lr=1e-2)
     opt_off = torch.optim.SGD(model.parameters(), lr=1e-2)
     for _ in range(4):
@@ -137,6 +182,16 @@ def test_delayed_kernels_with_optimizer_steps_match_the_resident_model():
             opt.step()
     for p_off, p_ref in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p_off.cuda(), p_ref, **EXACT)
+
+
+def test_a_missing_wait_fails_the_delayed_copy_test():
+    """The delayed-copies variant can fail: with compute not waiting for its loads, it reads slots
+    before they are filled."""
+    reference = sleepy_model(depth=6, cycles=0)
+    with using_backend(ComputeDoesNotWait(torch.device("cuda", torch.cuda.current_device()))):
+        model = OffloadModel(copy.deepcopy(reference), device="cuda", num_slices=6)
+    x = torch.randn(4, 1024, device="cuda")
+    assert not torch.equal(model(x), reference(x))
 
 
 def test_synchronous_copies_switch_gives_the_same_result(monkeypatch):
@@ -189,7 +244,8 @@ def test_peak_device_memory_stays_under_the_budget():
     peak = torch.cuda.max_memory_allocated() - baseline
 
     float_bytes = 4
-    slice_param_bytes = 2 * (width * width + width) * float_bytes  # two Linear layers per slice
+    assert all(len(names) == 2 for names in model.partition)  # one Linear and its ReLU per slice
+    slice_param_bytes = (width * width + width) * float_bytes
     activation = rows * width * float_bytes
     budget = (
         # Slots are allocated before the baseline; they are in `baseline`, not in `peak`.

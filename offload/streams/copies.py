@@ -32,10 +32,34 @@ Note: [Copy ordering]
     5. After an exception the streams are drained (:meth:`CopyStreams.drain`): whatever was in
        flight finishes before compute or the CPU touch that memory again.
 
+    Every wait, synchronisation and mark above is needed: the stream-ordering checker's mutation
+    test (``tests/test_streamcheck.py``) leaves each one out in turn and a training scenario
+    notices, except for the safety nets in Note: [Orderings the end of a walk covers].
+
     On the CPU, and when asynchronous copies are switched off, copies are synchronous and every
     event is ``None``; the same calls run, so tests on the CPU go through the same code. The
     asynchronous path runs on the CPU too, under the stream-ordering checker (``offload.streamcheck``),
     which installs a simulated backend that defers copies and checks every access for races.
+
+Note: [Orderings the end of a walk covers]
+    Every forward and backward ends with the host waiting for its loads and for what it wrote
+    back (rule 4), and an exception drains both side streams (rule 5). Those waits make the
+    orderings below redundant today; they stay because they state the rule where the memory is
+    used, and because work that lets the host run ahead of a walk's end (an overlapped optimizer,
+    say) would remove that cover. The mutation test checks that each is still covered.
+
+    - Marks of device memory as used by a side stream, for slots (loads, buffer restores and
+      write-backs), the persistent gradient summation buffers and loaded boundary activations:
+      slots and summation buffers live as long as the model, and an activation loaded for a
+      recompute is freed early only when an exception ends the walk, after the drain.
+    - The host waiting for the last load of a pooled buffer before writing it (``copy_on_host``)
+      or before refreshing a slice's shadow, and offloads into a pooled buffer waiting for the
+      load that read it last: a buffer is reused, and a shadow refreshed, only in a later walk,
+      after the end of the walk that loaded it.
+    - A buffer restore waiting for the offload of a later microbatch's buffer snapshot: the same
+      forward waited for the write-back queued after it on the offload stream.
+    - After an exception, compute waiting for the side streams: nothing it runs next touches
+      their memory before the host has synchronised with them.
 """
 
 from __future__ import annotations

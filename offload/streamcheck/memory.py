@@ -1,0 +1,253 @@
+"""Who touched which bytes, and when: the happens-before race check over memory.
+
+Memory is tracked per storage (the allocation behind a tensor and all its views), byte range by
+byte range. For every range the tracker keeps the last write and, per agent, the last read since.
+A new access is checked against them: a write must come after earlier reads and writes by other
+agents, a read after the earlier write, where "after" means *happens after* (see ``clocks.py``).
+
+Storages also carry where they live, as the simulation sees it (all of them are CPU memory):
+
+- ``PINNED``: host memory from the copy engine's allocator, the only host memory an asynchronous
+  copy may use;
+- ``HOST``: other host memory (what host-side code such as an optimizer creates from host tensors);
+- ``DEVICE``: memory of the simulated device (what compute produced, or a copy wrote to the
+  device side);
+- ``UNKNOWN``: not yet seen in a role (a tensor the user made); it becomes ``DEVICE`` the first
+  time compute uses it.
+
+A storage is held (its memory cannot be reused) while the tracker has history for it, so that
+addresses never alias across allocations. The tracker notices that the program freed a storage
+when its own references are the last ones (:meth:`MemoryTracker.collect`), and then models the
+caching allocator: device memory freed while a side stream may still use it, and not marked as
+used by that stream, could be handed to compute too early.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from .clocks import COMPUTE, Epoch, VectorClock
+
+PINNED = "pinned host"
+HOST = "host"
+DEVICE = "device"
+UNKNOWN = "unknown"
+
+
+def _use_count(storage: torch.UntypedStorage) -> int:
+    return int(torch._C._storage_Use_Count(storage._cdata))
+
+
+@dataclass
+class _Range:
+    """What happened to bytes [start, end) of a storage."""
+
+    start: int
+    end: int
+    write: Epoch | None = None
+    reads: dict[int, Epoch] = field(default_factory=dict)
+
+
+@dataclass
+class Tracked:
+    """A storage the tracker holds.
+
+    Attributes:
+        storage: the tracker's own reference (keeps the memory from being reused).
+        where: ``PINNED``, ``HOST``, ``DEVICE`` or ``UNKNOWN``.
+        born_after_compute: operations of the compute stream queued when it was allocated: a
+            freshly allocated device block may still be in use by them (the caching allocator
+            reuses blocks in stream order), so another stream must wait for them before writing.
+        side_written: whether a side stream has written it yet (the check above applies once).
+        marked: agents that marked it as used (``record_stream``).
+        held: references the simulation itself holds through tensors of pending copies.
+        freed: the program has let go of it (pending copies may still hold it).
+    """
+
+    storage: torch.UntypedStorage
+    where: str
+    born_after_compute: int
+    side_written: bool = False
+    marked: set[int] = field(default_factory=set)
+    held: int = 0
+    freed: bool = False
+    ranges: list[_Range] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Race:
+    """Two accesses to the same bytes from different agents, neither ordered before the other,
+    or another ordering mistake the checker found."""
+
+    kind: str
+    first: str
+    second: str
+    detail: str = ""
+
+    def __str__(self) -> str:
+        text = f"{self.kind}: {self.first}  --then-->  {self.second}"
+        return text + (f" ({self.detail})" if self.detail else "")
+
+
+def byte_span(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """The bytes of its storage a tensor covers (its first to last element), or None if empty."""
+    if tensor.numel() == 0:
+        return None
+    itemsize = tensor.element_size()
+    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()) if size > 0)
+    start = tensor.storage_offset() * itemsize
+    return start, start + (last + 1) * itemsize
+
+
+class MemoryTracker:
+    """Access history of every storage the simulation has seen.
+
+    Args:
+        report: called with each race found.
+    """
+
+    def __init__(self, report: Callable[[Race], None]) -> None:
+        self.report = report
+        self.storages: dict[int, Tracked] = {}
+
+    # -- storages ------------------------------------------------------------------------------
+
+    def tracked(self, tensor: torch.Tensor, where: str = UNKNOWN, compute_count: int = 0) -> Tracked | None:
+        """The record of ``tensor``'s storage, made on first sight."""
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse, meta, or a subclass without storage
+            return None
+        if storage.device.type != "cpu":
+            return None
+        key = storage._cdata
+        record = self.storages.get(key)
+        if record is None:
+            record = self.storages[key] = Tracked(storage, where, compute_count)
+        return record
+
+    def where(self, tensor: torch.Tensor) -> str:
+        record = self.tracked(tensor)
+        return record.where if record is not None else UNKNOWN
+
+    def collect(self, compute_clock: VectorClock, side_agents: Callable[[int], bool],
+                describe: Callable[[int], str], only: int | None = None) -> None:
+        """Forget storages the program has freed (all, or the one with key ``only``, called while
+        one of its tensors is being destroyed and still holds a reference); report device memory
+        freed while a side stream may still use it without having marked it as used."""
+        dying = 0 if only is None else 1
+        candidates = list(self.storages.items()) if only is None else [
+            (only, self.storages[only])] if only in self.storages else []
+        for key, record in candidates:
+            if record.freed:
+                if record.held == 0:
+                    del self.storages[key]
+                continue
+            if _use_count(record.storage) > 1 + record.held + dying:
+                continue
+            record.freed = True
+            if record.where == DEVICE:
+                for epoch in self._accesses(record):
+                    if (side_agents(epoch.agent) and epoch.agent not in record.marked
+                            and not epoch.happens_before(compute_clock)):
+                        self.report(Race(
+                            "device memory freed while a side stream may still use it, without marking it used",
+                            epoch.what, "free", f"{describe(epoch.agent)} never marked it (record_stream)"))
+                        break
+            if record.held == 0:
+                del self.storages[key]
+
+    @staticmethod
+    def _accesses(record: Tracked) -> Iterator[Epoch]:
+        for r in record.ranges:
+            if r.write is not None:
+                yield r.write
+            yield from r.reads.values()
+
+    # -- accesses ------------------------------------------------------------------------------
+
+    def access(self, tensor: torch.Tensor, write: bool, epoch: Epoch, clock: VectorClock) -> None:
+        """Check an access by ``epoch.agent`` (whose clock is ``clock``) and remember it."""
+        record = self.tracked(tensor)
+        span = byte_span(tensor)
+        if record is None or span is None:
+            return
+        for r in self._cover(record, *span):
+            if r.write is not None and r.write.agent != epoch.agent and not r.write.happens_before(clock):
+                self.report(Race("write then " + ("write" if write else "read") + " not ordered",
+                                 r.write.what, epoch.what))
+            if write:
+                for read in r.reads.values():
+                    if read.agent != epoch.agent and not read.happens_before(clock):
+                        self.report(Race("read then write not ordered", read.what, epoch.what))
+                r.write = epoch
+                r.reads = {}
+            else:
+                r.reads[epoch.agent] = epoch
+
+    def pending_conflict(self, tensor: torch.Tensor, agent: int) -> bool:
+        """Whether ``agent`` has accessed bytes of ``tensor`` (used to find pending copies)."""
+        record = self.tracked(tensor)
+        span = byte_span(tensor)
+        if record is None or span is None:
+            return False
+        start, end = span
+        for r in record.ranges:
+            if r.end > start and r.start < end and (
+                    (r.write is not None and r.write.agent == agent) or agent in r.reads):
+                return True
+        return False
+
+    def check_fresh_write(self, tensor: torch.Tensor, epoch: Epoch, clock: VectorClock) -> None:
+        """A side stream writes ``tensor``: if its block is freshly allocated device memory, the
+        stream must have waited for the compute queued when it was allocated."""
+        record = self.tracked(tensor)
+        if record is None or record.side_written:
+            return
+        record.side_written = True
+        if record.where in (PINNED, HOST):
+            return
+        if clock.get(COMPUTE, 0) < record.born_after_compute:
+            self.report(Race(
+                "write to freshly allocated device memory before the compute queued at its allocation",
+                f"allocation after compute operation {record.born_after_compute}", epoch.what,
+                "the caching allocator may hand out a block that queued compute still uses: wait for compute first"))
+
+    def _cover(self, record: Tracked, start: int, end: int) -> list[_Range]:
+        """The ranges exactly covering [start, end), split and created as needed."""
+        ranges = record.ranges
+        starts = [r.start for r in ranges]
+        k = bisect.bisect_right(starts, start) - 1
+        if k >= 0 and ranges[k].end > start:
+            if ranges[k].start < start:
+                left = ranges[k]
+                right = _Range(start, left.end, left.write, dict(left.reads))
+                left.end = start
+                ranges.insert(k + 1, right)
+            k += 1 if ranges[k].start < start else 0
+        else:
+            k += 1
+        covered: list[_Range] = []
+        position = start
+        while position < end:
+            if k < len(ranges) and ranges[k].start <= position:
+                r = ranges[k]
+                if r.end > end:
+                    tail = _Range(end, r.end, r.write, dict(r.reads))
+                    r.end = end
+                    ranges.insert(k + 1, tail)
+                covered.append(r)
+                position = r.end
+                k += 1
+            else:
+                gap_end = ranges[k].start if k < len(ranges) and ranges[k].start < end else end
+                gap = _Range(position, gap_end)
+                ranges.insert(k, gap)
+                covered.append(gap)
+                position = gap_end
+                k += 1
+        return covered

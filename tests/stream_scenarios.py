@@ -1,0 +1,270 @@
+"""Training scenarios for the stream-ordering checker.
+
+Each scenario builds its model with the ``build`` it is given (``OffloadModel`` on the CPU, with
+keyword arguments), trains or evaluates it the way users do, and returns every tensor a user could
+look at afterwards: outputs, losses, gradients, parameters, buffers. Run once with synchronous
+copies and once under :class:`~offload.streamcheck.StreamChecker`, the two lists must be equal bit
+for bit and the checker must find nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from offload import OffloadModel
+
+Build = Callable[..., OffloadModel]
+
+
+class Fault(RuntimeError):
+    """The stand-in for a device out-of-memory error."""
+
+
+class _FailInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise Fault("out of memory in backward (simulated)")
+
+
+class Faulty(nn.Module):
+    """A linear layer that fails when armed: in forward, or in its backward."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.fail_forward = False
+        self.fail_backward = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fail_forward:
+            raise Fault("out of memory in forward (simulated)")
+        y = self.linear(x)
+        return _FailInBackward.apply(y) if self.fail_backward else y
+
+
+def mlp(width: int = 8, depth: int = 4, dropout: float = 0.0, norm: bool = False, seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+        if norm:
+            layers.append(nn.BatchNorm1d(width))
+        if dropout:
+            layers.append(nn.Dropout(dropout))
+    layers.append(nn.Linear(width, 3))
+    return nn.Sequential(*layers)
+
+
+def state(model: nn.Module) -> list[torch.Tensor]:
+    """Parameters, their gradients and buffers, as copies."""
+    out = [t.detach().clone() for t in model.parameters()] + [t.detach().clone() for t in model.buffers()]
+    out += [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    return out
+
+
+def inputs(step: int, rows: int = 6, width: int = 8) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(100 + step)
+    return torch.randn(rows, width, generator=generator)
+
+
+def train(model: nn.Module, steps: int, optimizer: torch.optim.Optimizer | None = None,
+          rows: int = 6) -> list[torch.Tensor]:
+    optimizer = optimizer or torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    seen: list[torch.Tensor] = []
+    for step in range(steps):
+        torch.manual_seed(step)
+        optimizer.zero_grad(set_to_none=True)
+        out = model(inputs(step, rows))
+        loss = out.float().pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        seen += [out.detach().clone(), loss.detach().clone()]
+    return seen + state(model)
+
+
+# -- the scenarios --------------------------------------------------------------------------------
+
+
+def dropout_mlp(build: Build) -> list[torch.Tensor]:
+    return train(build(mlp(dropout=0.2), num_slices=3), steps=3)
+
+
+def batchnorm(build: Build) -> list[torch.Tensor]:
+    return train(build(mlp(norm=True), num_slices=4), steps=3)
+
+
+def batchnorm_microbatches(build: Build) -> list[torch.Tensor]:
+    return train(build(mlp(norm=True), num_slices=4, num_microbatches=3), steps=2)
+
+
+def in_place_first_layer(build: Build) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    slices = [nn.Sequential(nn.ReLU(inplace=True), nn.Linear(8, 8)) for _ in range(4)]
+    return train(build(slices), steps=2)
+
+
+def microbatches(build: Build) -> list[torch.Tensor]:
+    return train(build(mlp(dropout=0.1), num_slices=3, num_microbatches=3), steps=2)
+
+
+def no_checkpointing(build: Build) -> list[torch.Tensor]:
+    return train(build(mlp(dropout=0.1), num_slices=3, checkpoint_activation=False), steps=2)
+
+
+def no_checkpointing_microbatches(build: Build) -> list[torch.Tensor]:
+    return train(build(mlp(norm=True), num_slices=3, checkpoint_activation=False, num_microbatches=3), steps=2)
+
+
+def bfloat16(build: Build) -> list[torch.Tensor]:
+    model = build(mlp(norm=True), num_slices=3, compute_dtype=torch.bfloat16)
+    return train(model, steps=3, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2))
+
+
+def adamw_steps(build: Build) -> list[torch.Tensor]:
+    model = build(mlp(dropout=0.1), num_slices=4)
+    return train(model, steps=4, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True))
+
+
+def two_forwards_one_backward(build: Build) -> list[torch.Tensor]:
+    model = build(mlp(dropout=0.1), num_slices=3)
+    first, second = model(inputs(0)), model(inputs(1))
+    (first.pow(2).sum() + second.pow(3).sum()).backward()
+    return [first.detach(), second.detach()] + state(model)
+
+
+def retain_graph_twice(build: Build) -> list[torch.Tensor]:
+    model = build(mlp(dropout=0.1), num_slices=3, num_microbatches=2)
+    out = model(inputs(0))
+    out.pow(2).sum().backward(retain_graph=True)
+    first = [p.grad.clone() for p in model.parameters()]
+    out.pow(2).sum().backward()
+    return [out.detach()] + first + state(model)
+
+
+def no_grad_between_steps(build: Build) -> list[torch.Tensor]:
+    """Forwards without autograd, in eval mode and in train mode (running statistics change)."""
+    model = build(mlp(norm=True, dropout=0.1), num_slices=3)
+    seen = train(model, steps=1)
+    with torch.no_grad():
+        model.eval()
+        seen.append(model(inputs(5)).clone())
+        model.train()
+        seen.append(model(inputs(6)).clone())
+        seen += [b.clone() for b in model.buffers()]  # host state, right after the forward
+    return seen + train(model, steps=1)
+
+
+def forward_then_host_writes(build: Build) -> list[torch.Tensor]:
+    """A forward without backward, then the host writes the parameters: an optimizer step on
+    earlier gradients, a state dict, a direct copy; the next step must use the new values."""
+    model = build(mlp(dropout=0.1), num_slices=3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(inputs(0)).pow(2).sum().backward()
+    saved = copy.deepcopy(model.state_dict())
+    seen = [model(inputs(1)).detach().clone()]
+    optimizer.step()
+    seen.append(model(inputs(2)).detach().clone())
+    model.load_state_dict(saved)
+    with torch.no_grad():
+        seen.append(model(inputs(3)).clone())
+    optimizer.step()
+    seen.append(model(inputs(4)).detach().clone())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data.copy_(p.data * 0.5)
+    return seen + train(model, steps=1)
+
+
+def buffers_read_after_forward(build: Build) -> list[torch.Tensor]:
+    model = build(mlp(norm=True), num_slices=4)
+    out = model(inputs(0))
+    stats = [b.clone() for b in model.buffers()]  # host state, right after forward
+    out.pow(2).sum().backward()
+    return [out.detach()] + stats + state(model)
+
+
+class Counter(nn.Module):
+    """A scale whose buffer changes in every forward. Its gradients and its buffers take the same
+    number of bytes, so pooled host buffers pass from one use to the other."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(width))
+        self.register_buffer("seen", torch.zeros(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.add_(x.detach().mean(0))
+        return x * self.scale
+
+
+def faults(build: Build) -> list[torch.Tensor]:
+    """A failure in forward and one in backward; after each the user reloads a checkpoint (host
+    writes to the parameters) and trains on."""
+    torch.manual_seed(0)
+    layers = [Counter(8), nn.Linear(8, 8), nn.Tanh(), Faulty(8), nn.Tanh(), Counter(8), nn.Linear(8, 8), nn.Tanh(),
+              nn.Linear(8, 3)]
+    model = build(nn.Sequential(*layers), num_slices=5)
+    faulty = model.get_submodule("3")
+    seen = train(model, steps=1)
+    for arm in ("fail_forward", "fail_backward"):
+        saved = copy.deepcopy(model.state_dict())
+        setattr(faulty, arm, True)
+        try:
+            model(inputs(7)).pow(2).sum().backward()
+        except Fault:
+            pass
+        else:
+            raise AssertionError("the armed layer did not fail")
+        setattr(faulty, arm, False)
+        model.load_state_dict(saved)
+        seen += state(model) + train(model, steps=1)
+    return seen
+
+
+def frozen_first_slice(build: Build) -> list[torch.Tensor]:
+    plain = mlp(dropout=0.1)
+    for p in list(plain.parameters())[:4]:
+        p.requires_grad_(False)
+    model = build(plain, num_slices=3)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    return train(model, steps=2, optimizer=optimizer)
+
+
+def input_gradients_only(build: Build) -> list[torch.Tensor]:
+    """``torch.autograd.grad`` with respect to the input: no parameter gradient leaves the device."""
+    model = build(mlp(dropout=0.1), num_slices=3)
+    x = inputs(0).requires_grad_()
+    (grad,) = torch.autograd.grad(model(x).pow(2).sum(), x)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)
+    return [grad] + state(model) + train(model, steps=1)
+
+
+def second_model_after_compute(build: Build) -> list[torch.Tensor]:
+    """A model built after compute was queued: its fresh device slots may still be in use."""
+    seen = train(build(mlp(seed=1), num_slices=2), steps=1)
+    return seen + train(build(mlp(seed=2), num_slices=3), steps=1)
+
+
+SCENARIOS: dict[str, Callable[[Build], list[torch.Tensor]]] = {
+    f.__name__: f for f in (
+        dropout_mlp, batchnorm, batchnorm_microbatches, in_place_first_layer, microbatches, no_checkpointing,
+        no_checkpointing_microbatches, bfloat16, adamw_steps, two_forwards_one_backward, retain_graph_twice,
+        no_grad_between_steps, forward_then_host_writes, buffers_read_after_forward, faults, frozen_first_slice,
+        input_gradients_only, second_model_after_compute,
+    )
+}
+
+
+def build_on_cpu(layers: Any, **kwargs: Any) -> OffloadModel:
+    return OffloadModel(layers, device="cpu", **kwargs)
