@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch.profiler import record_function
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from .engine import Engine
+from .labels import label
 from .microbatch import join_outputs, split_leaves
 from .streams import Event
 
@@ -29,7 +29,7 @@ def streamed_forward(engine: Engine, leaves: list[Any], spec: TreeSpec, num_micr
             changed = False
             next_boundary = []
             for m, (in_leaves, in_spec) in enumerate(boundary):
-                with record_function(f"offload::forward slice {i}"):
+                with label(f"offload::forward slice {i}"):
                     result = engine.run_slice(i, views, tree_unflatten(list(in_leaves), in_spec))
                 changed |= result.buffers_changed
                 next_boundary.append(tree_flatten(result.output))

@@ -52,10 +52,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.profiler import record_function
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from ..engine import Engine
+from ..labels import label
 from ..microbatch import Split, join_input_grads, join_outputs, split_leaves, split_like
 from ..streams import Event, OffloadTicket, PendingGradients
 from .replay import AutocastState, capture_rng, replaying_rng
@@ -214,7 +214,7 @@ class OffloadFunction(torch.autograd.Function):
                 next_boundary: list[tuple[list[Any], TreeSpec]] = []
                 for m in range(count):
                     in_leaves, in_spec = boundary[m]
-                    with record_function(f"offload::forward slice {i}"):
+                    with label(f"offload::forward slice {i}"):
                         if keeps_graph(i, m):
                             requires = [input_requires_grad[k] if i == 0 else grad_upstream[i]
                                         for k in range(len(in_leaves))]
@@ -334,7 +334,7 @@ class OffloadFunction(torch.autograd.Function):
                     loader.prefetch(*steps[step + 1])
                 record = run.records[i][m]
                 wants_input_grads = i > lowest or (i == 0 and any(inputs_needed))
-                with record_function(f"offload::backward slice {i}"):
+                with label(f"offload::backward slice {i}"):
                     if isinstance(record, _KeptGraph):
                         outputs, params = record.outputs, record.params
                         inputs = [saved[k] if k is not None else None for k in record.inputs]

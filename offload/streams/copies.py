@@ -68,8 +68,8 @@ import os
 from collections.abc import Iterable, Sequence
 
 import torch
-from torch.profiler import record_function
 
+from ..labels import label as region
 from .backend import Event, StreamBackend, backend_for
 
 #: Set to 1 to make every copy synchronous, for bisecting a suspected ordering bug.
@@ -133,7 +133,7 @@ class CopyStreams:
                 just allocated on the compute stream, or queued compute may still read it (rule 2).
         """
         self.loaded_bytes += src.numel() * src.element_size()
-        with record_function(label):
+        with region(label):
             backend = self.backend
             if backend is None:
                 dst.copy_(src)
@@ -182,7 +182,7 @@ class CopyStreams:
                      label: str = "offload::offload") -> Event | None:
         """Like :meth:`offload` for several tensors at once, with one ready event for all."""
         self.offloaded_bytes += sum(src.numel() * src.element_size() for src in srcs)
-        with record_function(label):
+        with region(label):
             backend = self.backend
             if backend is None:
                 for dst, src in zip(dsts, srcs):
