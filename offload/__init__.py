@@ -28,5 +28,6 @@ Note: [Glossary]
 """
 
 from .model import MemoryFootprint, OffloadModel
+from .optimizer import OffloadOptimizer
 
-__all__ = ["MemoryFootprint", "OffloadModel"]
+__all__ = ["MemoryFootprint", "OffloadModel", "OffloadOptimizer"]

@@ -24,6 +24,7 @@ from .streams import (
     HostBufferPool,
     OffloadTicket,
     SliceStorage,
+    SliceUpdates,
 )
 
 
@@ -93,12 +94,16 @@ class Engine:
         storages = [s.storage for s in self.slices]
         needed = max(st.device_nbytes for st in storages)
         slots = getattr(self, "slots", None)
+        if slots is not None:
+            self.updates.adopt(storages)
+        else:
+            self.updates = SliceUpdates(self.copies, storages)
         if slots is not None and slots.slot_nbytes >= needed:
             # Keep the slots object: graphs still waiting for backward resolve their slot
             # references through it.
             slots.adopt(storages)
         else:
-            self.slots = DeviceSlots(storages, self.copies)
+            self.slots = DeviceSlots(storages, self.copies, self.updates)
         self.gradients = GradientOffloader(self.copies, self.pool, max(st.grad_nbytes for st in storages))
 
     @property

@@ -13,6 +13,7 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from . import per_tensor_warning
 from .autograd import Call, OffloadFunction
 from .engine import Engine
 from .slicing import layer_nbytes, partition
@@ -140,10 +141,39 @@ class OffloadModel(nn.Module):
                 self.add_module(name, layer)
         self._engine = Engine(named_groups, self.device, self.offload_device, compute_dtype=self.compute_dtype)
         self._warned_microbatch_batchnorm = False
+        per_tensor_warning.install()
+        per_tensor_warning.register(self._engine.parameters())
+
+    # -- pending host updates ------------------------------------------------------------------
+    # See Note: [Overlapped host update] in offload/optimizer.py: whatever hands out the host
+    # copies waits for OffloadOptimizer's pending updates first.
+
+    def _settle(self) -> None:
+        engine = self.__dict__.get("_engine")
+        if engine is not None and engine.updates.pending():
+            engine.updates.wait_all(shadows_stale=True)
+
+    def __getattr__(self, name: str) -> Any:
+        if name != "_engine":
+            self._settle()  # a submodule, whose parameters the caller may read
+        return super().__getattr__(name)
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:
+        self._settle()
+        return super().named_parameters(*args, **kwargs)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        self._settle()
+        return super().state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        self._settle()
+        return super().load_state_dict(*args, **kwargs)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> OffloadModel:
         # The engine holds streams, events and pinned buffers that must not be copied field by
         # field: build a new model around deep copies of the layers, cut the same way.
+        self._settle()
         twin = type(self).__new__(type(self))
         nn.Module.__init__(twin)
         memo[id(self)] = twin
@@ -247,6 +277,7 @@ class OffloadModel(nn.Module):
     # -- placement ---------------------------------------------------------------------------
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> OffloadModel:
+        self._settle()
         # .to(dtype), .half(), .double() change the host copies and are followed; moving the host
         # copies to another device would defeat offloading (and may not fit), so it is refused.
         try:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from offload import OffloadModel
+from offload import OffloadModel, OffloadOptimizer
 
 Build = Callable[..., OffloadModel]
 
@@ -256,12 +256,50 @@ def second_model_after_compute(build: Build) -> list[torch.Tensor]:
     return seen + train(build(mlp(seed=2), num_slices=3), steps=1)
 
 
+def offload_optimizer(build: Build) -> list[torch.Tensor]:
+    """OffloadOptimizer: updates on a host worker, each slice's load waiting for its update."""
+    model = build(mlp(dropout=0.1), num_slices=4)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True, chunk_bytes=512)
+    return train(model, steps=3, optimizer=optimizer)
+
+
+def offload_optimizer_bfloat16(build: Build) -> list[torch.Tensor]:
+    """The update writes each slice's bfloat16 shadow; the next forward loads it as it is."""
+    model = build(mlp(norm=True), num_slices=3, compute_dtype=torch.bfloat16)
+    optimizer = OffloadOptimizer(model, torch.optim.SGD, lr=0.1, momentum=0.9, chunk_bytes=512)
+    return train(model, steps=3, optimizer=optimizer)
+
+
+def reads_between_step_and_forward(build: Build) -> list[torch.Tensor]:
+    """Code between step() and the next forward reads the parameters through the model and the
+    optimizer, zeroes gradients in place, and changes the learning rate."""
+    model = build(mlp(dropout=0.1), num_slices=3, compute_dtype=torch.bfloat16)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, foreach=True)
+    seen: list[torch.Tensor] = []
+    for step in range(3):
+        torch.manual_seed(step)
+        model(inputs(step)).float().pow(2).mean().backward()
+        optimizer.step()
+        if step == 0:
+            seen += [p.detach().clone() for p in model.parameters()]
+        elif step == 1:
+            seen += [v.clone() for v in model.state_dict().values()]
+            optimizer.zero_grad(set_to_none=False)
+        else:
+            saved = optimizer.state_dict()["state"]
+            seen += [t.clone() for k in sorted(saved) for t in saved[k].values()]
+        optimizer.param_groups[0]["lr"] *= 0.5
+        optimizer.zero_grad()
+    return seen + state(model)
+
+
 SCENARIOS: dict[str, Callable[[Build], list[torch.Tensor]]] = {
     f.__name__: f for f in (
         dropout_mlp, batchnorm, batchnorm_microbatches, in_place_first_layer, microbatches, no_checkpointing,
         no_checkpointing_microbatches, bfloat16, adamw_steps, two_forwards_one_backward, retain_graph_twice,
         no_grad_between_steps, forward_then_host_writes, buffers_read_after_forward, faults, frozen_first_slice,
-        input_gradients_only, second_model_after_compute,
+        input_gradients_only, second_model_after_compute, offload_optimizer, offload_optimizer_bfloat16,
+        reads_between_step_and_forward,
     )
 }
 

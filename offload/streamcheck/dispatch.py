@@ -104,8 +104,10 @@ class AccessRecorder(TorchDispatchMode):
                                      "a kernel cannot read the host copy: bind the device copy"))
         backend = self.backend
         what = f"{name} at {caller_site()}"
-        epoch = backend.compute_epoch(what) if on_compute else backend.host_epoch(what)
-        clock = backend.compute.clock if on_compute else backend.host_clock
+        if on_compute:
+            epoch, clock = backend.compute_epoch(what), backend.compute.clock
+        else:
+            epoch, clock = backend.host_epoch(what)
         written = _mutated(func, args, kwargs)
         written_ids = {id(t) for t in written}
         for tensor in inputs:

@@ -41,7 +41,7 @@ SCHEDULES = ("late", "issue", "random")
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _INTERNAL = (os.path.join(_PACKAGE, "streamcheck"), os.path.join(_PACKAGE, "streams", "backend.py"),
-             os.path.join(_PACKAGE, "streams", "copies.py"))
+             os.path.join(_PACKAGE, "streams", "copies.py"), os.path.join(_PACKAGE, "streams", "updates.py"))
 
 
 def library_site() -> str:
@@ -118,6 +118,39 @@ class SimStream:
         return f"{self.role} stream"
 
 
+@dataclass
+class SimWorker(SimStream):
+    """A host worker (``offload/streams/workers.py``) whose work runs when forced, like a copy:
+    its operations on memory count as its own agent's, not the host's."""
+
+    backend: Any = None
+    error: BaseException | None = None
+    skip_through: int = 0
+
+    def submit(self, work: Callable[[], None]) -> None:
+        self.backend.submit_work(self, work)
+
+    def record(self) -> SimEvent:
+        return self.backend.record(self)
+
+    def raise_pending(self) -> None:
+        error, self.error = self.error, None
+        if error is not None:
+            self.skip_through = self.issued
+            raise error
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class _Task:
+    work: Callable[[], None]
+    position: int
+    epoch: Epoch  # every access the work makes counts as this one operation of the worker
+    clock: VectorClock  # what the worker knew when the work was submitted
+
+
 @dataclass(frozen=True)
 class SimEvent:
     stream: SimStream
@@ -167,6 +200,7 @@ class SimulatedBackend(StreamBackend):
         self.dependencies: set[Dependency] = set()
         self.left_out: set[Dependency] = set()
         self._operations = 0
+        self.active_task: _Task | None = None
 
     # -- agents ----------------------------------------------------------------------------------
 
@@ -178,11 +212,16 @@ class SimulatedBackend(StreamBackend):
     def is_side(self, agent: int) -> bool:
         return agent not in (HOST, COMPUTE)
 
-    def host_epoch(self, what: str) -> Epoch:
-        return Epoch(HOST, self.host_clock.tick(HOST), f"host: {what}")
+    def host_epoch(self, what: str) -> tuple[Epoch, VectorClock]:
+        """An operation of the host thread, or of the host worker whose work is running."""
+        task = self.active_task
+        if task is not None:
+            return Epoch(task.epoch.agent, task.epoch.count, f"{task.epoch.what}: {what}"), task.clock
+        return Epoch(HOST, self.host_clock.tick(HOST), f"host: {what}"), self.host_clock
 
     def compute_epoch(self, what: str) -> Epoch:
-        self.compute.clock.join(self.host_clock)  # compute is queued by the host, after what it did
+        issuer = self.active_task.clock if self.active_task is not None else self.host_clock
+        self.compute.clock.join(issuer)  # compute is queued by the host, after what it did
         self.compute.issued += 1
         self.compute.done += 1
         return Epoch(COMPUTE, self.compute.clock.tick(COMPUTE), f"compute: {what}")
@@ -223,6 +262,23 @@ class SimulatedBackend(StreamBackend):
             return
         self.host_clock.join(event.clock)
         self.run_until(event.stream, event.position)
+        if isinstance(event.stream, SimWorker):
+            event.stream.raise_pending()
+
+    def new_worker(self, role: str, num_threads: int | None = None) -> SimWorker:
+        worker = SimWorker(len(self.streams) + 1, role, backend=self)
+        self.streams.append(worker)
+        return worker
+
+    def submit_work(self, worker: SimWorker, work: Callable[[], None]) -> None:
+        worker.clock.join(self.host_clock)  # it runs after what the host did before submitting it
+        worker.issued += 1
+        epoch = Epoch(worker.agent, worker.clock.tick(worker.agent), f"{worker.name} ({library_site()})")
+        worker.queue.append(_Task(work, worker.issued, epoch, worker.clock.copy()))
+        if self.schedule == "issue":
+            self.run_until(worker, worker.issued)
+        elif self.schedule == "random":
+            self.maybe_run()
 
     def synchronize_stream(self, stream: SimStream) -> None:
         if self._skipped("synchronize_stream", stream):
@@ -309,6 +365,10 @@ class SimulatedBackend(StreamBackend):
                 self.run_until(operation.stream, operation.until)
                 stream.done = operation.position
                 continue
+            if isinstance(operation, _Task):
+                self._run_task(stream, operation)
+                stream.done = operation.position
+                continue
             with torch.no_grad(), _untracked():
                 operation.dst.copy_(operation.src)
             for tensor in (operation.dst, operation.src):
@@ -318,6 +378,17 @@ class SimulatedBackend(StreamBackend):
             stream.done = operation.position
         if not stream.queue:
             stream.done = stream.issued
+
+    def _run_task(self, worker: SimWorker, task: _Task) -> None:
+        if worker.error is not None or task.position <= worker.skip_through:
+            return
+        previous, self.active_task = self.active_task, task
+        try:
+            task.work()
+        except BaseException as error:  # noqa: BLE001 - raised in the host thread when it waits
+            worker.error = error
+        finally:
+            self.active_task = previous
 
     def run_all(self) -> None:
         for stream in self.streams:

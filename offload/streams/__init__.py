@@ -7,6 +7,8 @@
 - ``device_slots``: the two device slots that slices take turns in.
 - ``activations``: boundary activations offloaded and loaded back.
 - ``gradients``: slice gradients accumulated on the device and offloaded.
+- ``workers``: host threads that run host-side work (an optimizer's update) in order, with events.
+- ``updates``: pending host updates of slices, and the waits for them before a load.
 """
 
 from .activations import ActivationOffloader, OffloadTicket
@@ -16,6 +18,8 @@ from .device_slots import DeviceSlots, SlotReference
 from .gradients import GradientOffloader, PendingGradients, SliceGradients
 from .host_buffers import HostBuffer, HostBufferPool
 from .host_storage import Entry, SliceStorage
+from .updates import SliceUpdates
+from .workers import HostWorker, WorkerEvent
 
 __all__ = [
     "SYNC_ENV_VAR",
@@ -28,11 +32,14 @@ __all__ = [
     "GradientOffloader",
     "HostBuffer",
     "HostBufferPool",
+    "HostWorker",
     "OffloadTicket",
     "PendingGradients",
     "SliceGradients",
     "SliceStorage",
+    "SliceUpdates",
     "StreamBackend",
     "SlotReference",
+    "WorkerEvent",
     "using_backend",
 ]

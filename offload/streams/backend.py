@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from .workers import HostWorker
+
 #: A backend's event: completes when the work recorded before it on its stream is done.
 #: Opaque to the rest of the package, which only passes events back to the backend.
 Event = Any
@@ -84,6 +86,11 @@ class StreamBackend(abc.ABC):
     @abc.abstractmethod
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is host memory that copies can use asynchronously."""
+
+    def new_worker(self, role: str, num_threads: int | None = None) -> HostWorker:
+        """A host worker (see ``workers.py``): submitted work runs in order, off the calling thread;
+        its ``record()`` events can be passed to :meth:`synchronize_event`."""
+        return HostWorker(f"offload {role}", num_threads)
 
 
 class CudaBackend(StreamBackend):

@@ -65,12 +65,13 @@ Note: [Orderings the end of a walk covers]
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
 from ..labels import label as region
 from .backend import Event, StreamBackend, backend_for
+from .workers import HostWorker
 
 #: Set to 1 to make every copy synchronous, for bisecting a suspected ordering bug.
 SYNC_ENV_VAR = "OFFLOAD_SYNC_COPIES"
@@ -231,11 +232,28 @@ class CopyStreams:
         return self.backend.record(self._compute_stream())
 
     def wait_host(self, event: Event | None) -> None:
-        """Block the CPU until ``event`` has completed (rule 4)."""
-        if event is not None:
-            assert self.backend is not None
-            # Rule 4: the CPU is about to read (or overwrite) host memory this copy touches.
+        """Block the CPU until ``event`` (a copy's, or a host worker's) has completed (rule 4)."""
+        if event is None:
+            return
+        # Rule 4: the CPU is about to read (or overwrite) host memory this copy or work touches.
+        if self.backend is None:
+            event.synchronize()  # a host worker's event: the only kind there is without a backend
+        else:
             self.backend.synchronize_event(event)
+
+    # -- host work ---------------------------------------------------------------------------
+
+    def new_worker(self, role: str, num_threads: int | None = None) -> HostWorker:
+        """A host worker for work that runs beside the caller (an optimizer's update)."""
+        if self.backend is None:
+            return HostWorker(f"offload {role}", num_threads)
+        return self.backend.new_worker(role, num_threads)
+
+    def submit(self, worker: HostWorker, work: Callable[[], None]) -> Event:
+        """Run ``work`` on ``worker`` after everything submitted to it before, and after what the
+        calling thread did so far; returns the event that completes when it has run."""
+        worker.submit(work)
+        return worker.record()
 
     def wait_host_all(self, events: Iterable[Event | None]) -> None:
         for event in events:

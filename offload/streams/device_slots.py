@@ -34,6 +34,7 @@ from .activations import OffloadTicket
 from .backend import Event
 from .copies import CopyStreams
 from .host_storage import SliceStorage
+from .updates import SliceUpdates
 
 
 @dataclass
@@ -97,9 +98,11 @@ class DeviceSlots:
             next slice's load with this slice's compute.
     """
 
-    def __init__(self, storages: Sequence[SliceStorage], copies: CopyStreams, num_slots: int = 2) -> None:
+    def __init__(self, storages: Sequence[SliceStorage], copies: CopyStreams, updates: SliceUpdates,
+                 num_slots: int = 2) -> None:
         self.storages = storages
         self.copies = copies
+        self.updates = updates
         self._tick = 0
         nbytes = max(storage.device_nbytes for storage in storages)
         self._slots = [
@@ -138,6 +141,8 @@ class DeviceSlots:
             raise RuntimeError(f"internal error: slice {index} is stale while in use")
         storage = self.storages[index]
         slot.slice_index = None  # if the copy below raises, the slot holds nothing usable
+        # A pending host update (an optimizer step) finishes the host copy, and maybe the shadow.
+        self.updates.wait(index)
         if storage.shadow_stale():
             # Rule 4 of [Copy ordering]: an earlier load may still read the shadow.
             self.copies.wait_host(storage.shadow_read)
@@ -186,11 +191,15 @@ class DeviceSlots:
             slot.view_cache.clear()
 
     def forget_contents(self) -> None:
-        """Treat every slot as holding nothing current: see Note: [Device copies expire at the next forward]."""
+        """Treat every slot as holding nothing current: see Note: [Device copies expire at the next forward].
+
+        A slice with a pending host update keeps its shadow as the update will leave it.
+        """
         for slot in self._slots:
             slot.current = False
-        for storage in self.storages:
-            storage.expire_shadow()
+        for index, storage in enumerate(self.storages):
+            if not self.updates.is_pending(index):
+                storage.expire_shadow()
 
     def mark_stale(self, index: int) -> None:
         """The device copy of slice ``index`` was modified (buffers restored or updated on the device)."""

@@ -196,6 +196,11 @@ class SliceStorage:
         self._shadow_current = True
         self.shadow_refreshes += 1
 
+    def shadow_written(self) -> None:
+        """The shadow was written from the current host copies (by a host update)."""
+        self._shadow_current = True
+        self.shadow_refreshes += 1
+
     def transfer_source(self) -> torch.Tensor:
         """The bytes a load copies to a slot: the host buffer itself, or the shadow in the device dtypes."""
         return self.flat if self.shadow is None else self.shadow

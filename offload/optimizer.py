@@ -1,0 +1,223 @@
+"""``OffloadOptimizer``: any ``torch.optim`` optimizer, stepping an OffloadModel's host copies slice
+by slice on a host worker, overlapped with the device's next forward.
+
+Note: [Overlapped host update]
+    ``step()`` captures each parameter's gradient and each group's hyperparameters, then hands
+    one task per slice, in slice order, to a host worker (``offload/streams/workers.py``) and
+    returns. The next forward loads slice ``k`` only once slice ``k``'s update is done (the device
+    slots wait for it, ``offload/streams/updates.py``), so while the device computes slice ``k``,
+    the host updates slice ``k + 1``: what is left on the critical path is about one slice's
+    update. No update starts while a load still reads the host copies (``step()`` waits for the
+    loads first).
+
+    The results are the plain optimizer's, bit for bit: the same class steps the same values
+    with the same hyperparameters, and ``torch.optim`` updates treat every parameter on its own,
+    so stepping a slice at a time changes nothing (see ``slice_update.py``). Gradients and
+    hyperparameters are captured when ``step()`` is called, so ``zero_grad()``, a learning-rate
+    scheduler or a ``GradScaler.update()`` right after it cannot change the update.
+
+    What reads the parameters through the model (``parameters()``, ``named_parameters()``,
+    ``state_dict()``, ``load_state_dict()``, ``zero_grad()``, submodules by attribute) or through
+    this optimizer (``state_dict()``, ``synchronize()``) first waits for every pending update. The
+    one thing that does not: a reference to a parameter (or to the model's submodule) taken
+    before ``step()``; call ``synchronize()`` before reading through it.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .model import OffloadModel
+from .slice_update import Chunk, SliceStep, StateByProxy, chunked
+
+#: Default bytes of parameters stepped together: a few MiB, so that a chunk's masters are still in
+#: the CPU caches when its shadow is written right after its update.
+CHUNK_BYTES = 4 * 2**20
+
+
+class OffloadOptimizer(torch.optim.Optimizer):
+    """Wrap a ``torch.optim`` optimizer class so it steps an :class:`~offload.OffloadModel`'s host
+    copies on a host worker, overlapped with the next forward. See Note: [Overlapped host update].
+
+    It *is* a ``torch.optim.Optimizer``: learning-rate schedulers and ``torch.amp.GradScaler``
+    accept it, its ``param_groups`` are the groups you passed, and its ``state_dict()`` loads into
+    ``optimizer_class`` and back.
+
+    Args:
+        model: the :class:`~offload.OffloadModel` whose parameters it steps.
+        optimizer_class: a ``torch.optim.Optimizer`` subclass (``torch.optim.AdamW``, ...).
+        params: parameters or parameter groups, as ``optimizer_class`` takes them; default
+            ``model.parameters()``. Parameters outside ``model`` are stepped in ``step()`` itself.
+        num_threads: CPU threads for the update (``torch.set_num_threads`` in the worker); default:
+            PyTorch's setting. On a machine with few cores, leave some to the input pipeline.
+        chunk_bytes: parameter bytes stepped together (see ``slice_update.py``).
+        **optimizer_kwargs: keyword arguments of ``optimizer_class`` (``lr=1e-4, fused=True``).
+
+    Raises:
+        TypeError: ``model`` is not an OffloadModel or ``optimizer_class`` not an optimizer class.
+        ValueError: an optimizer that needs a closure (``LBFGS``).
+
+    Example::
+
+        >>> model = OffloadModel(layers, device="cuda", num_slices=8)
+        >>> optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-4, fused=True)
+        >>> for x, y in loader:
+        ...     loss_fn(model(x), y).backward()
+        ...     optimizer.step()          # returns at once; the update runs beside the next forward
+        ...     optimizer.zero_grad()
+    """
+
+    def __init__(self, model: OffloadModel, optimizer_class: type[torch.optim.Optimizer],
+                 params: Iterable[Any] | None = None, *, num_threads: int | None = None,
+                 chunk_bytes: int = CHUNK_BYTES, **optimizer_kwargs: Any) -> None:
+        if not isinstance(model, OffloadModel):
+            raise TypeError(f"OffloadOptimizer steps an OffloadModel, got {type(model).__name__}")
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+            raise TypeError(
+                f"optimizer_class must be a torch.optim.Optimizer subclass such as torch.optim.AdamW, got "
+                f"{optimizer_class!r}; pass its arguments as keywords: OffloadOptimizer(model, torch.optim.AdamW, lr=1e-3)")
+        if issubclass(optimizer_class, torch.optim.LBFGS):
+            raise ValueError("LBFGS re-evaluates the model inside step() through a closure; OffloadOptimizer "
+                             "cannot overlap that. Use it directly on model.parameters().")
+        if num_threads is not None and (isinstance(num_threads, bool) or not isinstance(num_threads, int)
+                                        or num_threads < 1):
+            raise ValueError(f"num_threads must be a positive int or None, got {num_threads!r}")
+        # The class checks its own arguments and fills in its defaults.
+        template = optimizer_class(model.parameters() if params is None else params, **optimizer_kwargs)
+        super().__init__(template.param_groups, template.defaults)
+        self.state.update(template.state)  # optimizers that set up state eagerly (Adagrad)
+        # Fused implementations take GradScaler's scale and inf flag themselves: so do we.
+        self._step_supports_amp_scaling = getattr(template, "_step_supports_amp_scaling", False)
+        self.model = model
+        self.optimizer_class = optimizer_class
+        self.optimizer_kwargs = optimizer_kwargs
+        self.num_threads = num_threads
+        self.chunk_bytes = chunk_bytes
+        self._plan_key: tuple[Any, ...] | None = None
+        self._steps: list[SliceStep] = []
+        self._rest: list[Chunk] = []
+        self._worker: Any = None
+        self._offload_outer = True  # the per-tensor warning is about plain optimizers
+
+    # -- stepping --------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Start the update of every slice, in slice order, on the host worker, and return.
+
+        The next forward waits for each slice's update just before loading it.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        engine = self.model._engine
+        self._plan()
+        hyper = [_snapshot(group) for group in self.param_groups]
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        # An update must not write host copies that a load still reads.
+        engine.copies.wait_loads_done()
+        if self._worker is None:
+            self._worker = engine.copies.new_worker("host update", self.num_threads)
+            weakref.finalize(self, self._worker.close)
+        for step in self._steps:
+            grads = [[p.grad for p in chunk.params] for chunk in step.chunks]
+            if not any(g is not None for chunk_grads in grads for g in chunk_grads):
+                continue
+            if step.needs_bind():
+                engine.updates.wait(step.index)  # the proxies may still be in use by its last update
+                step.bind()
+            work = functools.partial(step.run, grads, hyper, grad_scale, found_inf)
+            engine.updates.submitted(step.index, engine.copies.submit(self._worker, work))
+        for chunk in self._rest:
+            _step_chunk(chunk, [p.grad for p in chunk.params], hyper, grad_scale, found_inf)
+        return loss
+
+    def synchronize(self) -> None:
+        """Block until every pending update is done; raise what an update raised."""
+        self.model._engine.updates.wait_all()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the gradients, as ``torch.optim.Optimizer.zero_grad`` does.
+
+        With ``set_to_none=True`` (the default) it returns at once: pending updates keep the
+        gradients they captured. With ``False`` it zeroes them in place, after the updates that
+        read them.
+        """
+        if not set_to_none:
+            self.synchronize()
+        super().zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        self.synchronize()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.synchronize()
+        super().load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "_steps", None):
+            self.synchronize()
+        super().add_param_group(param_group)
+
+    # -- the plan: which inner optimizer steps which parameters -----------------------------------
+
+    def _plan(self) -> None:
+        engine = self.model._engine
+        key = (tuple(tuple(map(id, group["params"])) for group in self.param_groups),
+               tuple(tuple(id(e.tensor) for e in s.storage.params) for s in engine.slices))
+        if key == self._plan_key:
+            return
+        self.synchronize()
+        place = {id(e.tensor): (s.index, k) for s in engine.slices for k, e in enumerate(s.storage.params)}
+        per_slice: dict[int, list[tuple[int, torch.Tensor, int]]] = {}
+        rest: list[tuple[torch.Tensor, int]] = []
+        for g, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if id(p) in place:
+                    index, k = place[id(p)]
+                    per_slice.setdefault(index, []).append((k, p, g))
+                else:
+                    rest.append((p, g))
+        self._steps = []
+        for index in sorted(per_slice):
+            items = sorted(per_slice[index], key=lambda item: item[0])  # memory order
+            runs = chunked([p for _, p, _ in items], self.chunk_bytes)
+            chunks = [self._chunk([(items[r][1], items[r][2]) for r in run], [items[r][0] for r in run])
+                      for run in runs]
+            self._steps.append(SliceStep(index, engine.slices[index].storage, chunks))
+        self._rest = [self._chunk(rest, [])] if rest else []
+        self._plan_key = key
+
+    def _chunk(self, members: list[tuple[torch.Tensor, int]], entries: list[int]) -> Chunk:
+        """An inner optimizer over proxies of ``members`` (parameter, index of its group)."""
+        proxies = [nn.Parameter(p.data, requires_grad=p.requires_grad) for p, _ in members]
+        groups: dict[int, list[nn.Parameter]] = {}
+        for proxy, (_, g) in zip(proxies, members):
+            groups.setdefault(g, []).append(proxy)
+        inner_groups = [{**_snapshot(self.param_groups[g]), "params": group} for g, group in groups.items()]
+        inner = self.optimizer_class(inner_groups, **self.optimizer_kwargs)
+        inner._offload_inner = True  # type: ignore[attr-defined]
+        inner.state = StateByProxy(self, {proxy: p for proxy, (p, _) in zip(proxies, members)})  # type: ignore[assignment]
+        return Chunk(inner, proxies, [p for p, _ in members], list(groups), entries)
+
+
+def _snapshot(group: dict[str, Any]) -> dict[str, Any]:
+    """A group's hyperparameters as they are now (tensors copied: schedulers may change them in place)."""
+    return {k: (v.clone() if isinstance(v, torch.Tensor) else copy.copy(v)) for k, v in group.items() if k != "params"}
+
+
+def _step_chunk(chunk: Chunk, grads: list[torch.Tensor | None], hyper: list[dict[str, Any]],
+                grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
+    step = SliceStep(-1, None, [chunk])
+    step.bind()
+    step.run([grads], hyper, grad_scale, found_inf)

@@ -1,0 +1,69 @@
+"""Host work that rewrites slices' host copies (an optimizer's update), and what must wait for it.
+
+An update of slice ``k`` runs on a host worker while the device works; it must finish before a
+load reads slice ``k``'s host copy, and nothing that reads the host copies through the model
+(``parameters()``, ``state_dict()``) may see it half done. :class:`SliceUpdates` keeps, per slice,
+the event of the last update submitted and is the one place that waits for it: the device slots
+before loading a slice, the model before handing out its parameters.
+
+An update may also write the slice's half-precision *shadow* from the fresh masters (one pass
+over host memory instead of a separate cast at the next forward); a slice whose update is pending
+keeps its shadow as the update leaves it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .backend import Event
+from .copies import CopyStreams
+from .host_storage import SliceStorage
+
+
+class SliceUpdates:
+    """Pending host updates, per slice.
+
+    Args:
+        copies: the copy engine (its waits).
+        storages: the host copies of every slice.
+    """
+
+    def __init__(self, copies: CopyStreams, storages: Sequence[SliceStorage]) -> None:
+        self.copies = copies
+        self.storages = storages
+        self._pending: dict[int, Event] = {}
+
+    def submitted(self, index: int, event: Event) -> None:
+        """An update of slice ``index`` was submitted; ``event`` completes when it is done."""
+        self._pending[index] = event
+
+    def is_pending(self, index: int) -> bool:
+        return index in self._pending
+
+    def pending(self) -> bool:
+        """Whether any update is pending."""
+        return bool(self._pending)
+
+    def wait(self, index: int) -> None:
+        """Block until slice ``index``'s host copy is final: before a load reads it."""
+        event = self._pending.pop(index, None)
+        # A load must not read a host copy the update is still writing.
+        self.copies.wait_host(event)
+
+    def wait_all(self, shadows_stale: bool = False) -> None:
+        """Block until every host copy is final, in slice order.
+
+        Args:
+            shadows_stale: the caller may write the host copies next (it asked for them through
+                the model), so shadows the updates wrote are no longer to be trusted.
+        """
+        for index in sorted(self._pending):
+            self.wait(index)
+        if shadows_stale:
+            for storage in self.storages:
+                storage.expire_shadow()
+
+    def adopt(self, storages: Sequence[SliceStorage]) -> None:
+        """Serve re-laid-out storages; nothing may be pending."""
+        assert not self._pending, "internal error: storages rebuilt while updates are pending"
+        self.storages = storages
