@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from .model import OffloadModel
-from .slice_update import Chunk, SliceStep, StateByProxy, chunked
+from .slice_update import Chunk, HostUpdateError, SliceStep, StateByProxy, chunked
 
 #: Default bytes of parameters stepped together: a few MiB, so that a chunk's masters are still in
 #: the CPU caches when its shadow is written right after its update.
@@ -62,7 +62,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     Raises:
         TypeError: ``model`` is not an OffloadModel or ``optimizer_class`` not an optimizer class.
-        ValueError: an optimizer that needs a closure (``LBFGS``).
+        ValueError: an optimizer that needs a closure (``LBFGS``), or a bad ``num_threads``.
+
+    If the optimizer raises while it updates a slice, the error (a :class:`HostUpdateError`)
+    surfaces at the next call that waits for updates; slices before that one are updated, the
+    ones after it are left as they were, and that slice is unchanged when the optimizer raised
+    before changing it (argument checks, setting up its state), as ``torch.optim`` optimizers do.
 
     Example::
 
@@ -129,16 +134,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._worker = engine.copies.new_worker("host update", self.num_threads)
             weakref.finalize(self, self._worker.close)
         for step in self._steps:
-            grads = [[p.grad for p in chunk.params] for chunk in step.chunks]
-            if not any(g is not None for chunk_grads in grads for g in chunk_grads):
+            grads = [p.grad for p in step.whole.params]
+            if all(g is None for g in grads):
                 continue
             if step.needs_bind():
                 engine.updates.wait(step.index)  # the proxies may still be in use by its last update
                 step.bind()
             work = functools.partial(step.run, grads, hyper, grad_scale, found_inf)
             engine.updates.submitted(step.index, engine.copies.submit(self._worker, work))
-        for chunk in self._rest:
-            _step_chunk(chunk, [p.grad for p in chunk.params], hyper, grad_scale, found_inf)
+        for step in self._rest:
+            step.bind()
+            step.run([p.grad for p in step.whole.params], hyper, grad_scale, found_inf)
         return loss
 
     def synchronize(self) -> None:
@@ -191,24 +197,35 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._steps = []
         for index in sorted(per_slice):
             items = sorted(per_slice[index], key=lambda item: item[0])  # memory order
-            runs = chunked([p for _, p, _ in items], self.chunk_bytes)
-            chunks = [self._chunk([(items[r][1], items[r][2]) for r in run], [items[r][0] for r in run])
-                      for run in runs]
-            self._steps.append(SliceStep(index, engine.slices[index].storage, chunks))
-        self._rest = [self._chunk(rest, [])] if rest else []
+            storage = engine.slices[index].storage
+            params = [p for _, p, _ in items]
+            groups = [g for _, _, g in items]
+            entries = [k for k, _, _ in items]
+            proxies = [nn.Parameter(p.data, requires_grad=p.requires_grad) for p in params]
+            whole = self._chunk(proxies, params, groups, list(range(len(params))), entries)
+            runs = chunked(params, self.chunk_bytes) if storage.shadow is not None else []
+            chunks = [self._chunk([proxies[r] for r in run], [params[r] for r in run], [groups[r] for r in run],
+                                  run, [entries[r] for r in run]) for run in runs] if len(runs) > 1 else []
+            self._steps.append(SliceStep(index, storage, whole, chunks))
+        self._rest = []
+        if rest:
+            params = [p for p, _ in rest]
+            proxies = [nn.Parameter(p.data, requires_grad=p.requires_grad) for p in params]
+            whole = self._chunk(proxies, params, [g for _, g in rest], list(range(len(params))), [])
+            self._rest = [SliceStep(-1, None, whole, [])]
         self._plan_key = key
 
-    def _chunk(self, members: list[tuple[torch.Tensor, int]], entries: list[int]) -> Chunk:
-        """An inner optimizer over proxies of ``members`` (parameter, index of its group)."""
-        proxies = [nn.Parameter(p.data, requires_grad=p.requires_grad) for p, _ in members]
-        groups: dict[int, list[nn.Parameter]] = {}
-        for proxy, (_, g) in zip(proxies, members):
-            groups.setdefault(g, []).append(proxy)
-        inner_groups = [{**_snapshot(self.param_groups[g]), "params": group} for g, group in groups.items()]
+    def _chunk(self, proxies: list[nn.Parameter], params: list[torch.Tensor], groups: list[int],
+               positions: list[int], entries: list[int]) -> Chunk:
+        """An inner optimizer over ``proxies`` of ``params``, each in its user group's settings."""
+        by_group: dict[int, list[nn.Parameter]] = {}
+        for proxy, g in zip(proxies, groups):
+            by_group.setdefault(g, []).append(proxy)
+        inner_groups = [{**_snapshot(self.param_groups[g]), "params": members} for g, members in by_group.items()]
         inner = self.optimizer_class(inner_groups, **self.optimizer_kwargs)
         inner._offload_inner = True  # type: ignore[attr-defined]
-        inner.state = StateByProxy(self, {proxy: p for proxy, (p, _) in zip(proxies, members)})  # type: ignore[assignment]
-        return Chunk(inner, proxies, [p for p, _ in members], list(groups), entries)
+        inner.state = StateByProxy(self, dict(zip(proxies, params)))  # type: ignore[assignment]
+        return Chunk(inner, proxies, params, list(by_group), positions, entries)
 
 
 def _snapshot(group: dict[str, Any]) -> dict[str, Any]:
@@ -216,8 +233,3 @@ def _snapshot(group: dict[str, Any]) -> dict[str, Any]:
     return {k: (v.clone() if isinstance(v, torch.Tensor) else copy.copy(v)) for k, v in group.items() if k != "params"}
 
 
-def _step_chunk(chunk: Chunk, grads: list[torch.Tensor | None], hyper: list[dict[str, Any]],
-                grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
-    step = SliceStep(-1, None, [chunk])
-    step.bind()
-    step.run([grads], hyper, grad_scale, found_inf)

@@ -15,8 +15,8 @@ still in cache, instead of in a separate pass over host memory before the next l
 
 from __future__ import annotations
 
-from collections.abc import Iterator, MutableMapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, MutableMapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,61 +54,100 @@ class StateByProxy(MutableMapping[torch.Tensor, dict[str, Any]]):
 
 @dataclass
 class Chunk:
-    """Parameters of one slice stepped together, by one inner optimizer."""
+    """Parameters of one slice stepped together, by one inner optimizer over their proxies."""
 
     optimizer: torch.optim.Optimizer
     proxies: list[nn.Parameter]
     params: list[torch.Tensor]
     group_of: list[int]  # per inner group: the index of the user's group it comes from
-    entries: list[int] = field(default_factory=list)  # storage entries whose shadow it writes
+    positions: list[int]  # where its parameters are in the slice's list
+    entries: list[int]  # the storage entries of its parameters (for the shadow)
+
+    def step(self, grads: Sequence[torch.Tensor | None], hyper: Sequence[dict[str, Any]],
+             grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
+        if all(g is None for g in grads):
+            return
+        for proxy, grad in zip(self.proxies, grads):
+            proxy.grad = grad
+        for group, source in zip(self.optimizer.param_groups, self.group_of):
+            group.update(hyper[source])
+        self.optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
+        self.optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+        try:
+            self.optimizer.step()
+        finally:
+            for proxy in self.proxies:
+                proxy.grad = None
+
+
+class HostUpdateError(RuntimeError):
+    """The optimizer raised while a host worker updated a slice (raised at the next call that
+    waits for the update: a forward, ``step()``, ``synchronize()``...)."""
 
 
 @dataclass
 class SliceStep:
-    """Everything needed to step one slice's parameters: its chunks and its storage."""
+    """Everything needed to step one slice's parameters.
+
+    Attributes:
+        whole: one inner optimizer over all of the slice's parameters.
+        chunks: inner optimizers over cache-sized runs of them, used once their state exists when
+            the slice has a shadow to write; empty otherwise.
+    """
 
     index: int
     storage: SliceStorage | None  # None: parameters outside the model, stepped where step() is called
+    whole: Chunk
     chunks: list[Chunk]
 
     def needs_bind(self) -> bool:
         """Whether a parameter's memory moved since the proxies were pointed at it."""
         return any(proxy.data_ptr() != param.data_ptr() or proxy.shape != param.shape or proxy.dtype != param.dtype
-                   for chunk in self.chunks for proxy, param in zip(chunk.proxies, chunk.params))
+                   for proxy, param in zip(self.whole.proxies, self.whole.params))
 
     def bind(self) -> None:
         """Point the proxies at the parameters' current memory (it moves when a slice is laid out
         again); called in the caller's thread before the work is submitted."""
-        for chunk in self.chunks:
-            for proxy, param in zip(chunk.proxies, chunk.params):
-                proxy.data = param.data
+        for proxy, param in zip(self.whole.proxies, self.whole.params):
+            proxy.data = param.data
 
-    def run(self, grads: Sequence[Sequence[torch.Tensor | None]], hyper: Sequence[dict[str, Any]],
+    def run(self, grads: Sequence[torch.Tensor | None], hyper: Sequence[dict[str, Any]],
             grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
-        """Step every chunk with the captured gradients and hyperparameters, then write the
-        shadow (if the slice has one) from the fresh masters, chunk by chunk."""
-        shadow = self.storage.shadow if self.storage is not None else None
-        for chunk, chunk_grads in zip(self.chunks, grads):
-            if any(g is not None for g in chunk_grads):
-                for proxy, grad in zip(chunk.proxies, chunk_grads):
-                    proxy.grad = grad
-                for group, source in zip(chunk.optimizer.param_groups, chunk.group_of):
-                    group.update(hyper[source])
-                chunk.optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
-                chunk.optimizer.found_inf = found_inf  # type: ignore[attr-defined]
-                try:
-                    chunk.optimizer.step()
-                finally:
-                    for proxy in chunk.proxies:
-                        proxy.grad = None
-            if shadow is not None:
-                self._cast(chunk.entries)
-        if shadow is not None:
-            self._cast(self._entries_left())
-            assert self.storage is not None
+        """Step the slice with the gradients (aligned with ``whole.params``) and hyperparameters
+        captured by ``step()``, then write its shadow, if it has one, from the fresh masters.
+
+        Chunk by chunk once the optimizer state exists, so each chunk is cast while in cache; in
+        one step of the whole slice otherwise (the first step), so that an optimizer that fails
+        while setting up its state leaves the slice as it was.
+
+        Raises:
+            HostUpdateError: the optimizer raised.
+        """
+        try:
+            if self.chunks and self._state_ready(grads):
+                for chunk in self.chunks:
+                    chunk.step([grads[k] for k in chunk.positions], hyper, grad_scale, found_inf)
+                    self._cast(chunk.entries)
+                self._cast(self._entries_left())
+            else:
+                self.whole.step(grads, hyper, grad_scale, found_inf)
+                if self.storage is not None and self.storage.shadow is not None:
+                    self._cast(range(len(self.storage.entries)))
+        except Exception as error:
+            raise HostUpdateError(
+                f"the optimizer raised while updating slice {self.index} of the model on the host: slices "
+                f"before it are updated and slices after it were left as they were; slice {self.index} is "
+                "unchanged if the optimizer raised before changing it (checking its arguments, allocating its "
+                "state) and may be partly updated otherwise. Reload a checkpoint before training on."
+            ) from error
+        if self.storage is not None and self.storage.shadow is not None:
             self.storage.shadow_written()
 
-    def _cast(self, entries: Sequence[int]) -> None:
+    def _state_ready(self, grads: Sequence[torch.Tensor | None]) -> bool:
+        state = self.whole.optimizer.state
+        return all(g is None or state[proxy] for proxy, g in zip(self.whole.proxies, grads))
+
+    def _cast(self, entries: Iterable[int]) -> None:
         storage = self.storage
         assert storage is not None and storage.shadow is not None
         with torch.no_grad():

@@ -15,12 +15,25 @@ before that is skipped, since it may depend on what failed.
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+
+_live: weakref.WeakSet[HostWorker] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_workers() -> None:
+    # A daemon thread still inside a PyTorch kernel when the interpreter tears down can abort
+    # the process; let each finish its work and end first.
+    for worker in list(_live):
+        worker.close(timeout=10.0)
 
 
 @dataclass(frozen=True)
@@ -57,6 +70,7 @@ class HostWorker:
         self._queue: queue.SimpleQueue[tuple[int, Callable[[], None]] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+        _live.add(self)
 
     def submit(self, work: Callable[[], None]) -> None:
         """Queue ``work`` after everything submitted before."""
@@ -82,8 +96,11 @@ class HostWorker:
         if error is not None:
             raise error
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
+        """Let the thread finish what was submitted and end; wait up to ``timeout`` seconds."""
         self._queue.put(None)
+        if timeout is not None and self._thread.is_alive():
+            self._thread.join(timeout)
 
     def _run(self) -> None:
         if self.num_threads is not None:

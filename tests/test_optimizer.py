@@ -1,0 +1,334 @@
+"""OffloadOptimizer: the plain optimizer's results bit for bit, with the update on a host worker."""
+
+from __future__ import annotations
+
+import copy
+import threading
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from offload import OffloadModel, OffloadOptimizer
+from offload.slice_update import HostUpdateError
+
+EXACT = {"rtol": 0.0, "atol": 0.0}
+
+#: The implementations the issue names: default (per-tensor on the CPU), foreach and fused.
+OPTIMIZERS = [
+    pytest.param(torch.optim.AdamW, {"lr": 1e-2}, id="AdamW-default"),
+    pytest.param(torch.optim.AdamW, {"lr": 1e-2, "foreach": True}, id="AdamW-foreach"),
+    pytest.param(torch.optim.AdamW, {"lr": 1e-2, "fused": True, "weight_decay": 0.1}, id="AdamW-fused"),
+    pytest.param(torch.optim.Adam, {"lr": 1e-2, "amsgrad": True}, id="Adam-amsgrad"),
+    pytest.param(torch.optim.Adam, {"lr": 1e-2, "fused": True}, id="Adam-fused"),
+    pytest.param(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, id="SGD-momentum"),
+    pytest.param(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True, "foreach": True}, id="SGD-nesterov"),
+]
+
+
+def network(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.LayerNorm(16), nn.Tanh(),
+                         nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def batch(step: int) -> torch.Tensor:
+    return torch.randn(5, 6, generator=torch.Generator().manual_seed(step))
+
+
+def pair(cls, kwargs, compute_dtype=None, num_slices=3, chunk_bytes=256):
+    """The plain optimizer on an OffloadModel and OffloadOptimizer on a twin: the only difference
+    is who steps the host parameters."""
+    plain_model = OffloadModel(network(), device="cpu", num_slices=num_slices, compute_dtype=compute_dtype)
+    model = OffloadModel(network(), device="cpu", num_slices=num_slices, compute_dtype=compute_dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the per-tensor warning, about the reference itself
+        plain = cls(plain_model.parameters(), **kwargs)
+    return (plain_model, plain), (model, OffloadOptimizer(model, cls, chunk_bytes=chunk_bytes, **kwargs))
+
+
+def loss_of(model: nn.Module, step: int) -> torch.Tensor:
+    return model(batch(step)).float().pow(2).mean()
+
+
+def assert_same(model_a, opt_a, model_b, opt_b) -> None:
+    opt_b.synchronize() if isinstance(opt_b, OffloadOptimizer) else None
+    for (name, a), b in zip(model_a.named_parameters(), model_b.parameters()):
+        torch.testing.assert_close(a, b, **EXACT, msg=lambda m: f"{name}: {m}")
+    state_a, state_b = opt_a.state_dict(), opt_b.state_dict()
+    assert state_a["param_groups"] == state_b["param_groups"]
+    assert state_a["state"].keys() == state_b["state"].keys()
+    for k in state_a["state"]:
+        assert state_a["state"][k].keys() == state_b["state"][k].keys()
+        for name in state_a["state"][k]:
+            torch.testing.assert_close(state_b["state"][k][name], state_a["state"][k][name], **EXACT)
+
+
+@pytest.mark.parametrize("compute_dtype", [None, torch.bfloat16], ids=["float32", "bf16"])
+@pytest.mark.parametrize("cls, kwargs", OPTIMIZERS)
+def test_steps_equal_the_plain_optimizer(cls, kwargs, compute_dtype):
+    (plain_model, plain), (model, optimizer) = pair(cls, kwargs, compute_dtype)
+    for step in range(4):
+        for m, opt in ((plain_model, plain), (model, optimizer)):
+            opt.zero_grad()
+            loss_of(m, step).backward()
+            opt.step()
+    assert_same(plain_model, plain, model, optimizer)
+
+
+def test_schedulers_clipping_accumulation_and_groups():
+    (plain_model, plain), (model, optimizer) = pair(torch.optim.AdamW, {"lr": 1e-2, "fused": True})
+    for opt, m in ((plain, plain_model), (optimizer, model)):
+        # A second group with its own learning rate: the last two layers.
+        last = list(m.parameters())[-4:]
+        opt.param_groups[0]["params"] = [p for p in m.parameters() if all(p is not q for q in last)]
+        opt.add_param_group({"params": last, "lr": 3e-3, "weight_decay": 0.0})
+    schedulers = [torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[2e-2, 5e-3], total_steps=8)
+                  for opt in (plain, optimizer)]
+    for step in range(4):
+        for m, opt, scheduler in ((plain_model, plain, schedulers[0]), (model, optimizer, schedulers[1])):
+            for micro in range(3):  # accumulation over three backwards
+                (loss_of(m, 10 * step + micro) / 3).backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm=0.05)
+            opt.step()
+            scheduler.step()  # right after step(): the pending update keeps its learning rate
+            opt.zero_grad(set_to_none=step % 2 == 0)
+    assert_same(plain_model, plain, model, optimizer)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_grad_scaler_steps_and_skips_like_the_plain_optimizer(fused):
+    (plain_model, plain), (model, optimizer) = pair(torch.optim.AdamW, {"lr": 1e-2, "fused": fused})
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**8) for _ in range(2)]
+    for step in range(4):
+        for m, opt, scaler in ((plain_model, plain, scalers[0]), (model, optimizer, scalers[1])):
+            opt.zero_grad()
+            loss = loss_of(m, step)
+            if step == 2:
+                loss = loss * float("inf")  # an overflow: the step is skipped
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert scalers[0].get_scale() == scalers[1].get_scale()
+    assert_same(plain_model, plain, model, optimizer)
+
+
+def test_state_dicts_move_both_ways():
+    (plain_model, plain), (model, optimizer) = pair(torch.optim.AdamW, {"lr": 1e-2, "foreach": True})
+    for step in range(2):
+        for m, opt in ((plain_model, plain), (model, optimizer)):
+            opt.zero_grad()
+            loss_of(m, step).backward()
+            opt.step()
+    # Swap the optimizer states: each continues from the other's checkpoint.
+    from_plain, from_offload = copy.deepcopy(plain.state_dict()), copy.deepcopy(optimizer.state_dict())
+    optimizer.load_state_dict(from_plain)
+    plain.load_state_dict(from_offload)
+    for step in range(2, 4):
+        for m, opt in ((plain_model, plain), (model, optimizer)):
+            opt.zero_grad()
+            loss_of(m, step).backward()
+            opt.step()
+    assert_same(plain_model, plain, model, optimizer)
+
+
+def test_parameters_outside_the_model_are_stepped_too():
+    model = OffloadModel(network(), device="cpu", num_slices=3)
+    scale = nn.Parameter(torch.ones(3))
+    reference_model, reference_scale = copy.deepcopy(network()), nn.Parameter(torch.ones(3))
+    optimizer = OffloadOptimizer(model, torch.optim.SGD, [{"params": model.parameters()}, {"params": [scale]}],
+                                 lr=0.1, momentum=0.9)
+    plain = torch.optim.SGD([{"params": reference_model.parameters()}, {"params": [reference_scale]}],
+                            lr=0.1, momentum=0.9, foreach=False)
+    for step in range(3):
+        for m, s, opt in ((model, scale, optimizer), (reference_model, reference_scale, plain)):
+            opt.zero_grad()
+            (m(batch(step)) * s).pow(2).mean().backward()
+            opt.step()
+    optimizer.synchronize()
+    torch.testing.assert_close(scale, reference_scale, **EXACT)
+    for a, b in zip(model.parameters(), reference_model.parameters()):
+        torch.testing.assert_close(a, b, **EXACT)
+
+
+# -- overlap and what waits for it -----------------------------------------------------------------
+
+
+class Recorded(torch.optim.SGD):
+    """SGD that notes when each slice's update starts and ends, can be held back until an event,
+    and can fail."""
+
+    log: list[tuple[str, int]] = []
+    hold: dict[int, threading.Event] = {}
+    timed_out: list[int] = []
+    fail_on: int | None = None
+    thread_count: list[int] = []
+    tag_of: dict[int, int] = {}
+
+    def step(self, closure=None):
+        tag = Recorded.tag_of.get(self.param_groups[0]["params"][0].data_ptr(), -1)
+        Recorded.log.append(("start", tag))
+        Recorded.thread_count.append(torch.get_num_threads())
+        if Recorded.fail_on == tag:
+            raise MemoryError("no memory for the optimizer state (simulated)")
+        if tag in Recorded.hold and not Recorded.hold[tag].wait(timeout=10):
+            Recorded.timed_out.append(tag)
+        result = super().step(closure)
+        Recorded.log.append(("end", tag))
+        return result
+
+
+def recorded(model: OffloadModel) -> None:
+    Recorded.log, Recorded.thread_count, Recorded.hold, Recorded.timed_out, Recorded.fail_on = [], [], {}, [], None
+    Recorded.tag_of = {s.storage.params[0].tensor.data_ptr(): s.index for s in model._engine.slices}
+
+
+def recorded_model(num_slices: int = 4) -> OffloadModel:
+    model = OffloadModel(network(), device="cpu", num_slices=num_slices)
+    recorded(model)
+    return model
+
+
+class Timed(nn.Module):
+    """A layer that notes when it runs, and lets the update of another slice go on."""
+
+    def __init__(self, inner: nn.Module, index: int, releases: int | None = None):
+        super().__init__()
+        self.inner, self.index, self.releases = inner, index, releases
+
+    def forward(self, x):
+        Recorded.log.append(("forward", self.index))
+        if self.releases is not None and self.releases in Recorded.hold:
+            Recorded.hold[self.releases].set()
+        return self.inner(x)
+
+
+def test_the_next_forward_overlaps_the_update_of_later_slices():
+    torch.manual_seed(0)
+    layers = [Timed(nn.Linear(6, 6), k, releases=3 if k == 0 else None) for k in range(4)]
+    model = OffloadModel(layers, device="cpu")
+    recorded(model)
+    optimizer = OffloadOptimizer(model, Recorded, lr=0.1)
+    model(batch(0)).sum().backward()
+    Recorded.log.clear()
+    # Slice 0's update waits until step() has returned; slice 3's until slice 0 has computed.
+    Recorded.hold = {0: threading.Event(), 3: threading.Event()}
+    optimizer.step()
+    Recorded.hold[0].set()  # had step() waited for the update, the test would have hung until here
+    model(batch(1))
+    assert not Recorded.timed_out, "the forward waited for every update before it started"
+    order = Recorded.log
+    for k in range(4):
+        # Each slice computes only after its own update...
+        assert order.index(("forward", k)) > order.index(("end", k))
+    # ...and slice 0 computed while slice 3 was still being updated.
+    assert order.index(("forward", 0)) < order.index(("end", 3))
+
+
+def test_reads_through_the_model_and_the_optimizer_wait_for_the_update():
+    model = recorded_model()
+    optimizer = OffloadOptimizer(model, Recorded, lr=0.1)
+    Recorded.delay = 0.02
+    model(batch(0)).sum().backward()
+    expected = OffloadModel(network(), device="cpu", num_slices=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain = torch.optim.SGD(expected.parameters(), lr=0.1)
+    expected(batch(0)).sum().backward()
+    reads = (lambda: list(model.parameters()), lambda: model.state_dict(), lambda: model.get_submodule("0"),
+             lambda: optimizer.state_dict(), optimizer.synchronize)
+    for read in reads:
+        optimizer.step()  # the same gradients every time: five identical updates
+        read()
+        assert not model._engine.updates.pending()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plain.step()
+    for a, b in zip(model.parameters(), expected.parameters()):
+        torch.testing.assert_close(a, b, **EXACT)
+
+
+def test_a_failing_update_surfaces_at_the_next_call_and_leaves_later_slices_untouched():
+    model = recorded_model(num_slices=4)
+    optimizer = OffloadOptimizer(model, Recorded, lr=0.1)
+    model(batch(0)).sum().backward()
+    before = [p.detach().clone() for p in model._engine.parameters()]
+    slice_of = [s.index for s in model._engine.slices for _ in s.storage.params]
+    Recorded.fail_on = 2
+    optimizer.step()
+    with pytest.raises(HostUpdateError, match="slice 2") as raised:
+        model(batch(1))
+    assert isinstance(raised.value.__cause__, MemoryError)
+    for p, old, index in zip(model._engine.parameters(), before, slice_of):
+        assert torch.equal(p, old) == (index >= 2), f"slice {index}"
+    # Training goes on once the cause is gone.
+    Recorded.fail_on = None
+    optimizer.zero_grad()
+    model(batch(2)).sum().backward()
+    optimizer.step()
+    optimizer.synchronize()
+
+
+def test_worker_thread_count_is_set_and_checked():
+    model = recorded_model()
+    optimizer = OffloadOptimizer(model, Recorded, lr=0.1, num_threads=1)
+    model(batch(0)).sum().backward()
+    optimizer.step()
+    optimizer.synchronize()
+    assert set(Recorded.thread_count) == {1}
+    assert threading.current_thread() is threading.main_thread()
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="num_threads"):
+            OffloadOptimizer(model, torch.optim.SGD, lr=0.1, num_threads=bad)
+
+
+def test_bad_arguments_get_clear_errors():
+    model = OffloadModel(network(), device="cpu", num_slices=2)
+    with pytest.raises(TypeError, match="steps an OffloadModel"):
+        OffloadOptimizer(network(), torch.optim.SGD, lr=0.1)
+    with pytest.raises(TypeError, match="torch.optim.Optimizer subclass"):
+        OffloadOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="closure"):
+        OffloadOptimizer(model, torch.optim.LBFGS)
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        OffloadOptimizer(model, torch.optim.SGD, lr=-1.0)
+
+
+def test_the_compute_dtype_shadow_is_written_by_the_update_not_by_the_forward():
+    model = OffloadModel(network(), device="cpu", num_slices=3, compute_dtype=torch.bfloat16)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True, chunk_bytes=512)
+    refreshes = []
+    for storage in (s.storage for s in model._engine.slices):
+        original = storage.refresh_shadow
+
+        def counted(original=original):
+            refreshes.append(1)
+            original()
+        storage.refresh_shadow = counted
+    for step in range(3):
+        loss_of(model, step).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    # Only the first forward casts (no update has written the shadows yet).
+    assert len(refreshes) == model.num_slices
+
+
+def test_a_plain_per_tensor_optimizer_on_offloaded_parameters_warns_once(monkeypatch):
+    from offload import per_tensor_warning
+
+    monkeypatch.setitem(per_tensor_warning._state, "warned", False)
+    model = OffloadModel(network(), device="cpu", num_slices=2)
+    for kwargs, warns in (({"fused": True}, False), ({"foreach": True}, False), ({}, True)):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, **kwargs)
+        loss_of(model, 0).backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            optimizer.step()
+            optimizer.step()
+        messages = [str(w.message) for w in caught if "per-tensor" in str(w.message)]
+        assert len(messages) == (1 if warns else 0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        OffloadOptimizer(model, torch.optim.AdamW, lr=1e-3).step()
+    assert not [w for w in caught if "per-tensor" in str(w.message)]
