@@ -37,9 +37,13 @@ from torch import nn
 from .model import OffloadModel
 from .slice_update import Chunk, HostUpdateError, SliceStep, StateByProxy, chunked
 
-#: Default bytes of parameters stepped together: a few MiB, so that a chunk's masters are still in
-#: the CPU caches when its shadow is written right after its update.
-CHUNK_BYTES = 4 * 2**20
+#: Default bytes of parameters stepped together before their shadow is written. On a 2-core
+#: x86-64 host (``scripts/bench_optimizer.py --chunk-sweep``, results in the README), writing the
+#: bfloat16 shadow right after each 64 MiB chunk's update cost about what a separate cast pass
+#: costs, and smaller chunks, which keep the masters in cache, cost more: the per-chunk optimizer
+#: calls outweigh the cache hits. What the shadow gains from the update is where it is written:
+#: on the worker, overlapped, instead of on the thread that drives the next forward.
+CHUNK_BYTES = 64 * 2**20
 
 
 class OffloadOptimizer(torch.optim.Optimizer):

@@ -15,14 +15,14 @@ still in cache, instead of in a separate pass over host memory before the next l
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, MutableMapping, Sequence
+from collections.abc import Iterator, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from .streams.host_storage import SliceStorage, typed_view
+from .streams.host_storage import SliceStorage
 
 
 class StateByProxy(MutableMapping[torch.Tensor, dict[str, Any]]):
@@ -132,7 +132,7 @@ class SliceStep:
             else:
                 self.whole.step(grads, hyper, grad_scale, found_inf)
                 if self.storage is not None and self.storage.shadow is not None:
-                    self._cast(range(len(self.storage.entries)))
+                    self._cast(list(range(len(self.storage.entries))))
         except Exception as error:
             raise HostUpdateError(
                 f"the optimizer raised while updating slice {self.index} of the model on the host: slices "
@@ -147,13 +147,15 @@ class SliceStep:
         state = self.whole.optimizer.state
         return all(g is None or state[proxy] for proxy, g in zip(self.whole.proxies, grads))
 
-    def _cast(self, entries: Iterable[int]) -> None:
+    def _cast(self, entries: Sequence[int]) -> None:
+        """Write the shadow of ``entries`` (consecutive runs of them at a time)."""
         storage = self.storage
-        assert storage is not None and storage.shadow is not None
-        with torch.no_grad():
-            for k in entries:
-                entry = storage.entries[k]
-                typed_view(storage.shadow, entry.device_offset, entry.device_dtype, entry.shape).copy_(entry.tensor)
+        assert storage is not None
+        start = 0
+        for k in range(1, len(entries) + 1):
+            if k == len(entries) or entries[k] != entries[k - 1] + 1:
+                storage.write_shadow(entries[start], entries[k - 1] + 1)
+                start = k
 
     def _entries_left(self) -> list[int]:
         """Entries no chunk writes: parameters this optimizer does not step, and buffers."""

@@ -41,7 +41,8 @@ def test_benchmark_records_forward_backward_apart_and_a_slices_override(tmp_path
     assert result["num_slices"] == 3
     offload = result["runs"]["offload"]
     assert 0 < offload["median_forward_backward_s"] < offload["median_step_s"]
-    assert offload["host_optimizer_s"] > 0 and offload["efficiency_forward_backward"] > 0
+    assert offload["optimizer_in_step_s"] > 0 and offload["efficiency_forward_backward"] > 0
+    assert offload["median_exposed_update_s"] >= 0
 
 
 def test_profile_step_prints_the_busiest_operations(tmp_path):
@@ -49,6 +50,17 @@ def test_profile_step_prints_the_busiest_operations(tmp_path):
               "--device", "cpu", "--trace", str(tmp_path / "trace.json"))
     assert "host time by operation" in out and "OffloadFunction" in out
     assert json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+
+
+def test_optimizer_benchmark(tmp_path):
+    run("scripts/bench_optimizer.py", "--params", "4e5", "--tensors", "40", "--slices", "4", "--rounds", "1",
+        "--overlap-params", "4e5", "--sleep", "0.001", "--chunk-sweep", "--json", str(tmp_path / "o.json"))
+    data = json.loads((tmp_path / "o.json").read_text())
+    assert data["update"]["update_bandwidth_fraction"] > 0
+    assert set(data["update"]["variants"]) == {"default", "foreach", "fused", "OffloadOptimizer",
+                                               "OffloadOptimizer+bf16 shadow"}
+    assert data["overlap"]["num_slices"] == 4 and "exposed_fraction" in data["overlap"]
+    assert data["chunk_sweep"]["shadow_cost_vs_update"]
 
 
 def test_cpu_overhead_benchmark(tmp_path):

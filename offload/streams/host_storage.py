@@ -22,12 +22,19 @@ from torch import nn
 from ..binding import Site
 from .backend import Event
 
-#: Byte alignment of every entry: keeps typed views legal and vector loads aligned.
+#: Byte alignment of gradient buffers' entries: keeps typed views legal and vector loads aligned.
 ALIGNMENT = 64
+#: Entries of a slice start, and end, at multiples of this many *elements* of their own dtype, on
+#: the host and on the device alike: consecutive entries of one dtype pair then sit at the same
+#: element offsets in the host buffer and in the shadow, so one cast covers a whole run of them.
+ALIGN_ELEMENTS = 16
+#: Where the buffers begin, on both sides: a multiple of every entry alignment, so the buffer
+#: region has the same byte layout on the host and on the device (write-backs copy it as bytes).
+BUFFER_REGION_ALIGNMENT = 256
 
 
-def _align(n: int) -> int:
-    return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+def _align(n: int, alignment: int = ALIGNMENT) -> int:
+    return (n + alignment - 1) // alignment * alignment
 
 
 def typed_view(flat: torch.Tensor, offset: int, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
@@ -118,6 +125,24 @@ def collect_entries(layers: Sequence[nn.Module]) -> tuple[list[Entry], list[Entr
 FLOAT32_LAYERS: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._NormBase,)
 
 
+def _runs(entries: Sequence[Entry]) -> list[range]:
+    """Maximal runs of consecutive entries whose element offsets agree on the host and on the
+    device: the same host and device dtypes, no realignment in between (see ALIGN_ELEMENTS)."""
+
+    def continues(a: Entry, b: Entry) -> bool:
+        return ((a.dtype, a.device_dtype) == (b.dtype, b.device_dtype)
+                and (b.host_offset - a.host_offset) // _itemsize(a.dtype)
+                == (b.device_offset - a.device_offset) // _itemsize(a.device_dtype))
+
+    runs: list[range] = []
+    start = 0
+    for k in range(1, len(entries) + 1):
+        if k == len(entries) or not continues(entries[start], entries[k]):
+            runs.append(range(start, k))
+            start = k
+    return runs
+
+
 class SliceStorage:
     """Host copies of one slice's parameters and buffers, in one flat (pinned) byte buffer.
 
@@ -157,9 +182,16 @@ class SliceStorage:
                     entry.device_dtype = self.compute_dtype
         host_end = device_end = 0
         for entry in self.entries:
-            entry.host_offset, entry.device_offset = host_end, device_end
-            host_end = _align(host_end + entry.shape.numel() * _itemsize(entry.dtype))
-            device_end = _align(device_end + entry.shape.numel() * _itemsize(entry.device_dtype))
+            if self.buffers and entry is self.buffers[0]:
+                host_end = _align(host_end, BUFFER_REGION_ALIGNMENT)
+                device_end = _align(device_end, BUFFER_REGION_ALIGNMENT)
+            host_align = ALIGN_ELEMENTS * _itemsize(entry.dtype)
+            device_align = ALIGN_ELEMENTS * _itemsize(entry.device_dtype)
+            entry.host_offset = _align(host_end, host_align)
+            entry.device_offset = _align(device_end, device_align)
+            host_end = _align(entry.host_offset + entry.shape.numel() * _itemsize(entry.dtype), host_align)
+            device_end = _align(entry.device_offset + entry.shape.numel() * _itemsize(entry.device_dtype), device_align)
+        self.cast_runs = _runs(self.entries)
         first = self.buffers[0] if self.buffers else None
         self.host_buffer_region = (first.host_offset if first else host_end, host_end)
         self.buffer_region = (first.device_offset if first else device_end, device_end)
@@ -189,12 +221,22 @@ class SliceStorage:
 
     def refresh_shadow(self) -> None:
         """Cast the host copies into the shadow (the caller ensures no load still reads it)."""
-        assert self.shadow is not None
-        with torch.no_grad():
-            for entry in self.entries:
-                typed_view(self.shadow, entry.device_offset, entry.device_dtype, entry.shape).copy_(entry.tensor)
+        self.write_shadow(0, len(self.entries))
         self._shadow_current = True
         self.shadow_refreshes += 1
+
+    def write_shadow(self, start: int, stop: int) -> None:
+        """Cast entries ``start`` to ``stop - 1`` into the shadow, a run of equal dtypes at a time."""
+        assert self.shadow is not None
+        with torch.no_grad():
+            for run in self.cast_runs:
+                first, last = max(run.start, start), min(run.stop, stop)
+                if first >= last:
+                    continue
+                begin, end = self.entries[first], self.entries[last - 1]
+                count = (end.host_offset - begin.host_offset) // _itemsize(begin.dtype) + end.shape.numel()
+                source = typed_view(self.flat, begin.host_offset, begin.dtype, torch.Size([count]))
+                typed_view(self.shadow, begin.device_offset, begin.device_dtype, torch.Size([count])).copy_(source)
 
     def shadow_written(self) -> None:
         """The shadow was written from the current host copies (by a host update)."""
