@@ -97,8 +97,9 @@ def test_schedulers_clipping_accumulation_and_groups():
     assert_same(plain_model, plain, model, optimizer)
 
 
+@pytest.mark.parametrize("unscale_and_clip", [False, True])
 @pytest.mark.parametrize("fused", [False, True])
-def test_grad_scaler_steps_and_skips_like_the_plain_optimizer(fused):
+def test_grad_scaler_steps_and_skips_like_the_plain_optimizer(fused, unscale_and_clip):
     (plain_model, plain), (model, optimizer) = pair(torch.optim.AdamW, {"lr": 1e-2, "fused": fused})
     scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**8) for _ in range(2)]
     for step in range(4):
@@ -108,6 +109,9 @@ def test_grad_scaler_steps_and_skips_like_the_plain_optimizer(fused):
             if step == 2:
                 loss = loss * float("inf")  # an overflow: the step is skipped
             scaler.scale(loss).backward()
+            if unscale_and_clip:  # the README's recipe
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm=0.05)
             scaler.step(opt)
             scaler.update()
     assert scalers[0].get_scale() == scalers[1].get_scale()
