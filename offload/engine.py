@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from .binding import Binding
+from .milestones import Milestones
 from .streams import (
     ActivationOffloader,
     CopyStreams,
@@ -87,6 +88,7 @@ class Engine:
         ]
         _reject_sharing_across_slices(self.slices)
         self.pool = HostBufferPool(allocate)
+        self.milestones = Milestones()
         self.activations = ActivationOffloader(self.copies, self.pool)
         self._build_device_side()
 

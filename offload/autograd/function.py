@@ -202,6 +202,7 @@ class OffloadFunction(torch.autograd.Function):
         boundary: list[tuple[list[Any], TreeSpec]] = []
         written_back: list[Event | None] = []
         engine.slots.forget_contents()
+        engine.milestones.forward_started(call)
         try:
             for m, mb_leaves in enumerate(microbatches):
                 if not keeps_graph(0, m):
@@ -361,12 +362,14 @@ class OffloadFunction(torch.autograd.Function):
                     if slice_grads is not None:
                         pending.append((i, engine.gradients.offload(
                             slice_grads, label=f"offload::offload gradients slice {i}")))
+                        engine.milestones.gradients_leaving(run.call, i, pending[-1][1])
                     if restored:
                         engine.slots.mark_stale(i)
                     engine.slots.release(i)
                     grad_out = grad_in
             # The optimizer reads the gradients next, and may overwrite the host copies the loads read.
             engine.gradients.finish([p for _, p in pending])
+            engine.milestones.gradients_landed(run.call, dict(pending))
             engine.copies.wait_loads_done()
         except BaseException:
             engine.slots.invalidate()

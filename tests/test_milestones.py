@@ -1,0 +1,48 @@
+"""The walks announce per-slice milestones to subscribers (gradient reduction subscribes)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from offload import OffloadModel
+
+
+class Recorder:
+    def __init__(self):
+        self.events = []
+
+    def forward_started(self, token):
+        self.events.append(("forward", id(token)))
+
+    def gradients_leaving(self, token, index, pending):
+        self.events.append(("leaving", id(token), index))
+
+    def gradients_landed(self, token, pending):
+        # On the host and final: what autograd receives next.
+        views = [v for p in pending.values() for v in p.host_views if v is not None]
+        assert all(torch.isfinite(v).all() for v in views)
+        self.events.append(("landed", id(token), sorted(pending)))
+
+
+def test_milestones_come_in_walk_order_per_forward():
+    model = OffloadModel(nn.Sequential(*[nn.Linear(4, 4) for _ in range(3)]), device="cpu", num_slices=3)
+    recorder = Recorder()
+    model._engine.milestones.subscribe(recorder)
+    first, second = model(torch.randn(2, 4)), model(torch.randn(2, 4))
+    second.sum().backward()
+    first.sum().backward()
+    forwards = [e[1] for e in recorder.events if e[0] == "forward"]
+    assert len(forwards) == 2
+    a, b = forwards
+    assert recorder.events[2:] == [("leaving", b, 2), ("leaving", b, 1), ("leaving", b, 0), ("landed", b, [0, 1, 2]),
+                                   ("leaving", a, 2), ("leaving", a, 1), ("leaving", a, 0), ("landed", a, [0, 1, 2])]
+
+
+def test_no_milestones_without_autograd():
+    model = OffloadModel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), device="cpu", num_slices=2)
+    recorder = Recorder()
+    model._engine.milestones.subscribe(recorder)
+    with torch.no_grad():
+        model(torch.randn(2, 4))
+    assert recorder.events == []
