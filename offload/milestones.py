@@ -6,6 +6,8 @@ subscribes here instead of being written into the walks. A *token* identifies on
 its backward (several may be in flight).
 
 - ``forward_started(token)``: a forward with autograd begins.
+- ``gradients_produced(token, index, grads)``: slice ``index``'s gradients are complete on the
+  device (``grads.device_tensors()``), summed over microbatches, about to leave for the host.
 - ``gradients_leaving(token, index, pending)``: slice ``index``'s gradients are on their way to
   the host (``pending.ready`` completes when they are there); backward goes on with the slices
   before it.
@@ -19,11 +21,13 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from .streams import PendingGradients
+from .streams import PendingGradients, SliceGradients
 
 
 class Subscriber(Protocol):
     def forward_started(self, token: Any) -> None: ...
+
+    def gradients_produced(self, token: Any, index: int, grads: SliceGradients) -> None: ...
 
     def gradients_leaving(self, token: Any, index: int, pending: PendingGradients) -> None: ...
 
@@ -42,6 +46,10 @@ class Milestones:
     def forward_started(self, token: Any) -> None:
         for subscriber in self.subscribers:
             subscriber.forward_started(token)
+
+    def gradients_produced(self, token: Any, index: int, grads: SliceGradients) -> None:
+        for subscriber in self.subscribers:
+            subscriber.gradients_produced(token, index, grads)
 
     def gradients_leaving(self, token: Any, index: int, pending: PendingGradients) -> None:
         for subscriber in self.subscribers:

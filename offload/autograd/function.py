@@ -360,6 +360,7 @@ class OffloadFunction(torch.autograd.Function):
                     engine.slots.prefetch(i - 1)
                 if m == 0:
                     if slice_grads is not None:
+                        engine.milestones.gradients_produced(run.call, i, slice_grads)
                         pending.append((i, engine.gradients.offload(
                             slice_grads, label=f"offload::offload gradients slice {i}")))
                         engine.milestones.gradients_leaving(run.call, i, pending[-1][1])

@@ -149,6 +149,7 @@ class _Task:
     position: int
     epoch: Epoch  # every access the work makes counts as this one operation of the worker
     clock: VectorClock  # what the worker knew when the work was submitted
+    after: list[Any]  # events the work waits for before it runs
 
 
 @dataclass(frozen=True)
@@ -270,11 +271,18 @@ class SimulatedBackend(StreamBackend):
         self.streams.append(worker)
         return worker
 
-    def submit_work(self, worker: SimWorker, work: Callable[[], None]) -> None:
+    def submit(self, worker: SimWorker, work: Callable[[], None], after: list[SimEvent]) -> SimEvent:
+        waits = [event for event in after if not self._skipped("synchronize_event", event.stream)]
+        self.submit_work(worker, work, waits)
+        return self.record(worker)
+
+    def submit_work(self, worker: SimWorker, work: Callable[[], None], after: list[SimEvent] | None = None) -> None:
         worker.clock.join(self.host_clock)  # it runs after what the host did before submitting it
+        for event in after or ():
+            worker.clock.join(event.clock)  # and after the copies or work it waits for
         worker.issued += 1
         epoch = Epoch(worker.agent, worker.clock.tick(worker.agent), f"{worker.name} ({library_site()})")
-        worker.queue.append(_Task(work, worker.issued, epoch, worker.clock.copy()))
+        worker.queue.append(_Task(work, worker.issued, epoch, worker.clock.copy(), list(after or ())))
         if self.schedule == "issue":
             self.run_until(worker, worker.issued)
         elif self.schedule == "random":
@@ -382,6 +390,8 @@ class SimulatedBackend(StreamBackend):
     def _run_task(self, worker: SimWorker, task: _Task) -> None:
         if worker.error is not None or task.position <= worker.skip_through:
             return
+        for event in task.after:
+            self.run_until(event.stream, event.position)
         previous, self.active_task = self.active_task, task
         try:
             task.work()

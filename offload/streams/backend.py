@@ -16,7 +16,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -91,6 +91,16 @@ class StreamBackend(abc.ABC):
         """A host worker (see ``workers.py``): submitted work runs in order, off the calling thread;
         its ``record()`` events can be passed to :meth:`synchronize_event`."""
         return HostWorker(f"offload {role}", num_threads)
+
+    def submit(self, worker: HostWorker, work: Callable[[], None], after: list[Event]) -> Event:
+        """Queue ``work`` on ``worker``; the worker first waits for ``after``. Returns its event."""
+        def waiting() -> None:
+            for event in after:
+                # The work reads what these copies or other work wrote.
+                self.synchronize_event(event)
+            work()
+        worker.submit(waiting)
+        return worker.record()
 
 
 class CudaBackend(StreamBackend):

@@ -249,11 +249,22 @@ class CopyStreams:
             return HostWorker(f"offload {role}", num_threads)
         return self.backend.new_worker(role, num_threads)
 
-    def submit(self, worker: HostWorker, work: Callable[[], None]) -> Event:
-        """Run ``work`` on ``worker`` after everything submitted to it before, and after what the
-        calling thread did so far; returns the event that completes when it has run."""
-        worker.submit(work)
-        return worker.record()
+    def submit(self, worker: HostWorker, work: Callable[[], None], after: Iterable[Event | None] = ()) -> Event:
+        """Run ``work`` on ``worker`` after everything submitted to it before, after what the
+        calling thread did so far, and after the events ``after`` (copies it reads, other work);
+        returns the event that completes when it has run."""
+        events = [event for event in after if event is not None]
+        if self.backend is None:
+            if events:
+                def waiting() -> None:
+                    for event in events:
+                        event.synchronize()
+                    work()
+                worker.submit(waiting)
+            else:
+                worker.submit(work)
+            return worker.record()
+        return self.backend.submit(worker, work, events)
 
     def wait_host_all(self, events: Iterable[Event | None]) -> None:
         for event in events:

@@ -89,6 +89,12 @@ class SliceGradients:
         if add_dst:
             torch._foreach_add_(add_dst, add_src)
 
+    def device_tensors(self) -> list[torch.Tensor | None]:
+        """Per parameter, its gradient on the device (summed over microbatches), or ``None``."""
+        if self.sums is not None:
+            return [s if got else None for s, got in zip(self.sums, self.received)]
+        return list(self.held)
+
     def _start_summing(self) -> None:
         self.buffer_index, flat = self.offloader._claim_buffer()
         self.sums = [place.view(flat) if place is not None else None for place in self.places]
