@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import per_tensor_warning
 from .autograd import Call, OffloadFunction
+from .data_parallel import DataParallel
 from .engine import Engine
 from .slicing import layer_nbytes, partition
 from .streamed import streamed_forward
@@ -95,12 +97,18 @@ class OffloadModel(nn.Module):
             are cast to this dtype and outputs come out in it; gradients are cast to the
             parameter's dtype on the device and travel back in it, into ``.grad``. The cost: a cast of every
             parameter on the host once per forward, into a pinned shadow buffer.
+        process_group: a ``torch.distributed`` process group to train data-parallel over (every
+            rank builds the same model and passes the same group): rank 0's parameters and
+            buffers are taken at construction, and gradients are averaged across the group slice
+            by slice during backward (see ``offload/data_parallel.py``). ``None``: one process.
 
     Raises:
         TypeError: ``model`` is neither an ``nn.Sequential`` nor a list of modules, or an
             argument has the wrong type.
         ValueError: ``num_slices < 1``, ``num_microbatches < 1``, an empty model, a device that
-            does not exist on this machine, or a tensor shared between two slices.
+            does not exist on this machine, a tensor shared between two slices, a process group
+            whose backend cannot reduce on ``device``, or ranks whose models differ.
+        RuntimeError: ``process_group`` without an initialised ``torch.distributed``.
 
     Example::
 
@@ -121,6 +129,7 @@ class OffloadModel(nn.Module):
         checkpoint_activation: bool = True,
         num_microbatches: int = 1,
         compute_dtype: torch.dtype | None = None,
+        process_group: Any = None,
     ) -> None:
         super().__init__()
         named_groups = _slice_groups(model, _positive_int("num_slices", num_slices))
@@ -134,6 +143,11 @@ class OffloadModel(nn.Module):
         self.device = _existing_device(device, "device")
         self.offload_device = _existing_device(offload_device, "offload_device")
         self._adopt(named_groups)
+        self._data_parallel: DataParallel | None = None
+        if process_group is not None:
+            named = list(nn.Module.named_parameters(self)) + list(nn.Module.named_buffers(self))
+            self._data_parallel = DataParallel(self._engine, process_group, named)
+            self._engine.milestones.subscribe(self._data_parallel)
 
     def _adopt(self, named_groups: list[tuple[list[str], list[nn.Module]]]) -> None:
         for names, layers in named_groups:
@@ -143,6 +157,26 @@ class OffloadModel(nn.Module):
         self._warned_microbatch_batchnorm = False
         per_tensor_warning.install()
         per_tensor_warning.register(self._engine.parameters())
+
+    # -- data parallelism ----------------------------------------------------------------------
+
+    @property
+    def process_group(self) -> Any:
+        """The process group gradients are averaged over, or ``None``."""
+        data_parallel = self.__dict__.get("_data_parallel")
+        return None if data_parallel is None else data_parallel.group
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Forwards and backwards in this block keep their gradients local, as under
+        ``DistributedDataParallel.no_sync()``: the first backward of a forward outside it averages
+        the accumulated total. A no-op without a ``process_group``."""
+        data_parallel = self.__dict__.get("_data_parallel")
+        if data_parallel is None:
+            yield
+            return
+        with data_parallel.no_sync():
+            yield
 
     # -- pending host updates ------------------------------------------------------------------
     # See Note: [Overlapped host update] in offload/optimizer.py: whatever hands out the host
@@ -181,6 +215,7 @@ class OffloadModel(nn.Module):
                      "training"):
             setattr(twin, name, getattr(self, name))
         twin._adopt([(list(s.names), copy.deepcopy(s.layers, memo)) for s in self._engine.slices])
+        twin._data_parallel = None  # a copy is local: building one must not need the other ranks
         return twin
 
     # -- inspection --------------------------------------------------------------------------

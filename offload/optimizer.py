@@ -32,9 +32,11 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .model import OffloadModel
+from .streams.collectives import HostCollectives
 from .slice_update import Chunk, HostUpdateError, SliceStep, StateByProxy, chunked
 
 #: Default bytes of parameters stepped together before their shadow is written. On a 2-core
@@ -85,7 +87,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def __init__(self, model: OffloadModel, optimizer_class: type[torch.optim.Optimizer],
                  params: Iterable[Any] | None = None, *, num_threads: int | None = None,
-                 chunk_bytes: int = CHUNK_BYTES, **optimizer_kwargs: Any) -> None:
+                 chunk_bytes: int = CHUNK_BYTES, shard: bool | None = None, process_group: Any = None,
+                 **optimizer_kwargs: Any) -> None:
         if not isinstance(model, OffloadModel):
             raise TypeError(f"OffloadOptimizer steps an OffloadModel, got {type(model).__name__}")
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
@@ -114,6 +117,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._rest: list[Chunk] = []
         self._worker: Any = None
         self._offload_outer = True  # the per-tensor warning is about plain optimizers
+        self._collectives = self._sharding(shard, process_group)
+        self._shared: dict[int, tuple[list[torch.Tensor], list[int]]] = {}
 
     # -- stepping --------------------------------------------------------------------------------
 
@@ -138,6 +143,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._worker = engine.copies.new_worker("host update", self.num_threads)
             weakref.finalize(self, self._worker.close)
         for step in self._steps:
+            if self._collectives is not None:
+                self._submit_shard(step, hyper, grad_scale, found_inf)
+                continue
+            assert step.whole is not None
             grads = [p.grad for p in step.whole.params]
             if all(g is None for g in grads):
                 continue
@@ -150,6 +159,77 @@ class OffloadOptimizer(torch.optim.Optimizer):
             step.bind()
             step.run([p.grad for p in step.whole.params], hyper, grad_scale, found_inf)
         return loss
+
+    def _submit_shard(self, step: SliceStep, hyper: list[dict[str, Any]], grad_scale: torch.Tensor | None,
+                      found_inf: torch.Tensor | None) -> None:
+        """Sharded: this rank updates the parameters it owns, then every rank takes each updated
+        parameter from its owner; the next forward's load waits for that."""
+        engine = self.model._engine
+        collectives = self._collectives
+        assert collectives is not None
+        everyone, owners = self._shared[step.index]
+        stepped = [(p, owner) for p, owner in zip(everyone, owners) if p.grad is not None]
+        if not stepped:
+            return
+        updated = None
+        if step.whole is not None:
+            grads = [p.grad for p in step.whole.params]
+            if any(g is not None for g in grads):
+                if step.needs_bind():
+                    engine.updates.wait(step.index)
+                    step.bind()
+                work = functools.partial(step.run, grads, hyper, grad_scale, found_inf)
+                updated = engine.copies.submit(self._worker, work)
+        storage = step.storage
+        then = None
+        if storage is not None and storage.shadow is not None:
+            def then() -> None:  # every parameter is final now: write the whole shadow
+                storage.write_shadow(0, len(storage.entries))
+                storage.shadow_written()
+        event = collectives.broadcast([p.detach() for p, _ in stepped], [owner for _, owner in stepped],
+                                      after=[updated], what=f"sharing the updated parameters of slice {step.index}",
+                                      then=then)
+        engine.updates.submitted(step.index, event)
+
+    def consolidated_state_dict(self, to: int = 0) -> dict[str, Any] | None:
+        """The whole optimizer state, gathered from the ranks that own its parts, on rank ``to``
+        (of the process group); ``None`` on the others. Call it on every rank. Without sharding it
+        is ``state_dict()`` on every rank. The result loads into ``optimizer_class`` and into an
+        OffloadOptimizer, sharded or not.
+        """
+        local = self.state_dict()
+        if self._collectives is None:
+            return local
+        group = self._collectives.group
+        gathered: list[Any] | None = [None] * self._collectives.world_size if self._collectives.rank == to else None
+        dist.gather_object(local["state"], gathered, dst=dist.get_global_rank(group, to), group=group)
+        if gathered is None:
+            return None
+        merged: dict[int, Any] = {}
+        for part in gathered:
+            merged.update(part)
+        return {"state": dict(sorted(merged.items())), "param_groups": local["param_groups"]}
+
+    def _sharding(self, shard: bool | None, process_group: Any) -> HostCollectives | None:
+        """The host collectives of a sharded update, or None when every rank updates everything."""
+        data_parallel = self.model.__dict__.get("_data_parallel")
+        group = process_group if process_group is not None else (
+            data_parallel.group if data_parallel is not None else None)
+        if shard is None:
+            shard = group is not None and dist.get_world_size(group) > 1
+        if not shard:
+            return None
+        if group is None:
+            raise ValueError("shard=True needs a process group: the model's (OffloadModel(..., process_group=...)) "
+                             "or process_group= here")
+        if process_group is None and data_parallel is not None and data_parallel.host is not None:
+            return data_parallel.host  # one worker issues all of the group's host collectives
+        if "nccl" in str(dist.get_backend(group)).lower():
+            raise ValueError(
+                "the sharded update shares parameters between the ranks' host memory, which NCCL cannot reduce: "
+                "pass process_group=torch.distributed.new_group(backend='gloo'), or shard=False to update "
+                "everything on every rank")
+        return HostCollectives(self.model._engine.copies, group)
 
     def synchronize(self) -> None:
         """Block until every pending update is done; raise what an update raised."""
@@ -173,6 +253,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.synchronize()
         super().load_state_dict(state_dict)
+        self._plan_key = None  # a sharded optimizer keeps only its own parameters' state
+        if self._collectives is not None:
+            self._plan()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "_steps", None):
@@ -199,18 +282,32 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 else:
                     rest.append((p, g))
         self._steps = []
+        self._shared = {}
+        sharded = self._collectives is not None
         for index in sorted(per_slice):
             items = sorted(per_slice[index], key=lambda item: item[0])  # memory order
             storage = engine.slices[index].storage
+            if sharded:
+                owners = _owners([p for _, p, _ in items], self._collectives.world_size)  # type: ignore[union-attr]
+                self._shared[index] = ([p for _, p, _ in items], owners)
+                mine = self._collectives.rank  # type: ignore[union-attr]
+                for (_, p, _), owner in zip(items, owners):
+                    if owner != mine:
+                        self.state.pop(p, None)  # its owner keeps its state
+                items = [item for item, owner in zip(items, owners) if owner == mine]
+            if not items:
+                self._steps.append(SliceStep(index, storage, None, [], writes_shadow=False))
+                continue
             params = [p for _, p, _ in items]
             groups = [g for _, _, g in items]
             entries = [k for k, _, _ in items]
             proxies = [nn.Parameter(p.data, requires_grad=p.requires_grad) for p in params]
             whole = self._chunk(proxies, params, groups, list(range(len(params))), entries)
-            runs = chunked(params, self.chunk_bytes) if storage.shadow is not None else []
+            runs = chunked(params, self.chunk_bytes) if storage.shadow is not None and not sharded else []
             chunks = [self._chunk([proxies[r] for r in run], [params[r] for r in run], [groups[r] for r in run],
                                   run, [entries[r] for r in run]) for run in runs] if len(runs) > 1 else []
-            self._steps.append(SliceStep(index, storage, whole, chunks))
+            # Sharded, the shadow is written once every rank's part of the slice has arrived.
+            self._steps.append(SliceStep(index, storage, whole, chunks, writes_shadow=not sharded))
         self._rest = []
         if rest:
             params = [p for p, _ in rest]
@@ -230,6 +327,18 @@ class OffloadOptimizer(torch.optim.Optimizer):
         inner._offload_inner = True  # type: ignore[attr-defined]
         inner.state = StateByProxy(self, dict(zip(proxies, params)))  # type: ignore[assignment]
         return Chunk(inner, proxies, params, list(by_group), positions, entries)
+
+
+def _owners(params: list[torch.Tensor], world_size: int) -> list[int]:
+    """Which rank updates each parameter: the largest first, each to the least loaded rank (the
+    same answer on every rank)."""
+    load = [0] * world_size
+    owners = [0] * len(params)
+    for k in sorted(range(len(params)), key=lambda k: (-params[k].numel(), k)):
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        owners[k] = rank
+        load[rank] += params[k].numel()
+    return owners
 
 
 def _snapshot(group: dict[str, Any]) -> dict[str, Any]:

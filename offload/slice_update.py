@@ -97,17 +97,22 @@ class SliceStep:
 
     index: int
     storage: SliceStorage | None  # None: parameters outside the model, stepped where step() is called
-    whole: Chunk
+    whole: Chunk | None  # None: this rank owns none of the slice's parameters (sharded update)
     chunks: list[Chunk]
+    writes_shadow: bool = True  # sharded, the shadow is written after the other ranks' parts arrive
 
     def needs_bind(self) -> bool:
         """Whether a parameter's memory moved since the proxies were pointed at it."""
+        if self.whole is None:
+            return False
         return any(proxy.data_ptr() != param.data_ptr() or proxy.shape != param.shape or proxy.dtype != param.dtype
                    for proxy, param in zip(self.whole.proxies, self.whole.params))
 
     def bind(self) -> None:
         """Point the proxies at the parameters' current memory (it moves when a slice is laid out
         again); called in the caller's thread before the work is submitted."""
+        if self.whole is None:
+            return
         for proxy, param in zip(self.whole.proxies, self.whole.params):
             proxy.data = param.data
 
@@ -123,15 +128,20 @@ class SliceStep:
         Raises:
             HostUpdateError: the optimizer raised.
         """
+        shadow = self.writes_shadow and self.storage is not None and self.storage.shadow is not None
+        assert self.whole is not None
         try:
             if self.chunks and self._state_ready(grads):
                 for chunk in self.chunks:
                     chunk.step([grads[k] for k in chunk.positions], hyper, grad_scale, found_inf)
-                    self._cast(chunk.entries)
-                self._cast(self._entries_left())
+                    if shadow:
+                        self._cast(chunk.entries)
+                if shadow:
+                    self._cast(self._entries_left())
             else:
                 self.whole.step(grads, hyper, grad_scale, found_inf)
-                if self.storage is not None and self.storage.shadow is not None:
+                if shadow:
+                    assert self.storage is not None
                     self._cast(list(range(len(self.storage.entries))))
         except Exception as error:
             raise HostUpdateError(
@@ -140,10 +150,12 @@ class SliceStep:
                 "unchanged if the optimizer raised before changing it (checking its arguments, allocating its "
                 "state) and may be partly updated otherwise. Reload a checkpoint before training on."
             ) from error
-        if self.storage is not None and self.storage.shadow is not None:
+        if shadow:
+            assert self.storage is not None
             self.storage.shadow_written()
 
     def _state_ready(self, grads: Sequence[torch.Tensor | None]) -> bool:
+        assert self.whole is not None
         state = self.whole.optimizer.state
         return all(g is None or state[proxy] for proxy, g in zip(self.whole.proxies, grads))
 

@@ -10,10 +10,13 @@ for bit and the checker must find nothing.
 from __future__ import annotations
 
 import copy
+import os
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from offload import OffloadModel, OffloadOptimizer
@@ -293,13 +296,30 @@ def reads_between_step_and_forward(build: Build) -> list[torch.Tensor]:
     return seen + state(model)
 
 
+def data_parallel_one_rank(build: Build) -> list[torch.Tensor]:
+    """Gradient averaging and a sharded update over a gloo group of one process: the collectives'
+    worker waits for the gradients' offload, the next forward for the parameters' broadcast."""
+    directory = tempfile.mkdtemp()
+    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(directory, "store"), 1), rank=0, world_size=1)
+    try:
+        model = build(mlp(dropout=0.1), num_slices=3, compute_dtype=torch.bfloat16, process_group=dist.group.WORLD)
+        optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True, shard=True)
+        seen = train(model, steps=2, optimizer=optimizer)
+        with model.no_sync():
+            model(inputs(5)).float().sum().backward()
+        model(inputs(6)).float().sum().backward()
+        return seen + state(model)
+    finally:
+        dist.destroy_process_group()
+
+
 SCENARIOS: dict[str, Callable[[Build], list[torch.Tensor]]] = {
     f.__name__: f for f in (
         dropout_mlp, batchnorm, batchnorm_microbatches, in_place_first_layer, microbatches, no_checkpointing,
         no_checkpointing_microbatches, bfloat16, adamw_steps, two_forwards_one_backward, retain_graph_twice,
         no_grad_between_steps, forward_then_host_writes, buffers_read_after_forward, faults, frozen_first_slice,
         input_gradients_only, second_model_after_compute, offload_optimizer, offload_optimizer_bfloat16,
-        reads_between_step_and_forward,
+        reads_between_step_and_forward, data_parallel_one_rank,
     )
 }
 

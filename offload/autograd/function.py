@@ -61,7 +61,7 @@ from ..streams import Event, OffloadTicket, PendingGradients
 from .replay import AutocastState, capture_rng, replaying_rng
 
 
-@dataclass
+@dataclass(eq=False)  # compared and hashed by identity: milestone subscribers key on it
 class Call:
     """One call's bookkeeping shared between the model and the Function (never stored on the module).
 

@@ -41,7 +41,8 @@ SCHEDULES = ("late", "issue", "random")
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _INTERNAL = (os.path.join(_PACKAGE, "streamcheck"), os.path.join(_PACKAGE, "streams", "backend.py"),
-             os.path.join(_PACKAGE, "streams", "copies.py"), os.path.join(_PACKAGE, "streams", "updates.py"))
+             os.path.join(_PACKAGE, "streams", "copies.py"), os.path.join(_PACKAGE, "streams", "updates.py"),
+             os.path.join(_PACKAGE, "streams", "collectives.py"))
 
 
 def library_site() -> str:

@@ -1,0 +1,178 @@
+"""Data parallelism on ``torch.distributed``: every process trains its own OffloadModel on its share
+of the batch, and the gradients are averaged across the process group slice by slice.
+
+Note: [Gradient averaging]
+    At construction every rank checks that its model has rank 0's structure, then takes rank 0's
+    parameters and buffers. In backward, each slice's gradients are averaged across the group as
+    soon as they exist, while backward goes on with the slices before it (a milestone subscriber,
+    ``offload/milestones.py``): with a gloo group on the host copies of the gradients, in a host
+    worker once they have landed; with NCCL on the device, before they leave. When backward
+    returns they are averaged and final on the host, and autograd accumulates them into
+    ``.grad`` as usual. Averaging the per-rank gradients of per-rank mean losses gives the
+    gradient of the mean loss over the concatenated batch, up to the order of the additions.
+
+    ``no_sync()``, as DDP's: the forwards and backwards inside it leave their gradients local
+    (accumulated into ``.grad``); the first backward of a forward outside it averages the local
+    total, that backward's gradients included.
+
+    BatchNorm running statistics stay per rank (use one rank's, or ``nn.SyncBatchNorm`` semantics
+    are not provided).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .engine import Engine
+from .streams import PendingGradients, SliceGradients
+from .streams.collectives import HostCollectives, average_on_device
+
+
+def check_group(group: Any, device: torch.device) -> str:
+    """The group's backend, after checking that it is usable with ``device``.
+
+    Raises:
+        RuntimeError: ``torch.distributed`` is not initialised.
+        ValueError: the backend cannot reduce where this model's gradients are.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "process_group was given but torch.distributed is not initialised: call "
+            "torch.distributed.init_process_group(...) first (torchrun sets up its environment), then pass "
+            "process_group=torch.distributed.group.WORLD or a group from torch.distributed.new_group()")
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and device.type != "cuda":
+        raise ValueError(
+            f"a NCCL process group reduces CUDA tensors, and this model computes on {device}: use a gloo group "
+            "(torch.distributed.new_group(backend='gloo')) or device='cuda'")
+    return backend
+
+
+class DataParallel:
+    """The gradient-averaging subscriber of one model; see Note: [Gradient averaging].
+
+    Args:
+        engine: the model's engine.
+        group: the process group.
+        named_tensors: the model's parameters and buffers by name (for the structure check and the
+            broadcast from rank 0).
+    """
+
+    def __init__(self, engine: Engine, group: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        backend = check_group(group, engine.device)
+        self.engine = engine
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.on_device = "nccl" in backend
+        self.host = None if self.on_device else HostCollectives(engine.copies, group)
+        self.sync = True
+        self._sync_of: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+        self._events: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
+        self._included: weakref.WeakKeyDictionary[Any, list[torch.Tensor]] = weakref.WeakKeyDictionary()
+        self._local: dict[int, torch.Tensor] = {}  # parameters whose .grad holds local, unaveraged sums
+        self._check_structure(named_tensors)
+        self._take_rank_zeros(named_tensors)
+
+    # -- construction ----------------------------------------------------------------------------
+
+    def _check_structure(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        mine = [(name, tuple(t.shape), str(t.dtype)) for name, t in named_tensors]
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, mine, group=self.group)
+        for rank, theirs in enumerate(everyone):
+            if theirs != everyone[0]:
+                difference = next(((a, b) for a, b in zip(everyone[0], theirs) if a != b),
+                                  (f"{len(everyone[0])} tensors", f"{len(theirs)} tensors"))
+                raise ValueError(
+                    f"rank {rank}'s model differs from rank 0's (first difference: rank 0 has {difference[0]}, rank "
+                    f"{rank} has {difference[1]}); every rank must build the same model before wrapping it")
+
+    def _take_rank_zeros(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        source = dist.get_global_rank(self.group, 0)
+        with torch.no_grad():
+            for _, tensor in named_tensors:
+                if self.on_device:
+                    staged = tensor.to(self.engine.device)
+                    dist.broadcast(staged, src=source, group=self.group)
+                    tensor.copy_(staged.cpu())
+                else:
+                    dist.broadcast(tensor, src=source, group=self.group)
+
+    # -- no_sync -----------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        previous, self.sync = self.sync, False
+        try:
+            yield
+        finally:
+            self.sync = previous
+
+    # -- milestones --------------------------------------------------------------------------------
+
+    def forward_started(self, token: Any) -> None:
+        self._sync_of[token] = self.sync
+        self._events[token] = []
+        self._included[token] = []
+
+    def _local_grads(self, token: Any, index: int, needed: list[bool]) -> list[torch.Tensor | None]:
+        """The local sums (from forwards under no_sync) to include in this slice's average."""
+        extra: list[torch.Tensor | None] = []
+        for entry, wanted in zip(self.engine.slices[index].storage.params, needed):
+            p = entry.tensor
+            local = self._local.get(id(p)) if wanted else None
+            if local is not None and local is p and p.grad is not None:
+                extra.append(p.grad)
+                self._included[token].append(p)
+            else:
+                extra.append(None)
+        return extra
+
+    def gradients_produced(self, token: Any, index: int, grads: SliceGradients) -> None:
+        if not self.on_device or not self._sync_of.get(token, True):
+            return
+        tensors = grads.device_tensors()
+        extra = self._local_grads(token, index, [t is not None for t in tensors])
+        present = [t for t in tensors if t is not None]
+        for tensor, local in zip(tensors, extra):
+            if tensor is not None and local is not None:
+                moved, ready = self.engine.copies.to_device(local)
+                self.engine.copies.wait_ready(ready)
+                tensor.add_(moved)
+        average_on_device(present, self.group, self.world_size)
+
+    def gradients_leaving(self, token: Any, index: int, pending: PendingGradients) -> None:
+        if self.on_device or not self._sync_of.get(token, True):
+            return
+        assert self.host is not None
+        views = pending.host_views
+        extra = self._local_grads(token, index, [v is not None for v in views])
+        present = [(v, e) for v, e in zip(views, extra) if v is not None]
+        event = self.host.average([v for v, _ in present], [e for _, e in present], after=[pending.ready],
+                                  what=f"averaging the gradients of slice {index}")
+        self._events.setdefault(token, []).append(event)
+
+    def gradients_landed(self, token: Any, pending: dict[int, PendingGradients]) -> None:
+        sync = self._sync_of.get(token, True)
+        events = self._events.get(token, [])
+        self._events[token] = []
+        for event in events:
+            self.engine.copies.wait_host(event)  # raises CollectiveError if a rank failed
+        landed = [(entry.tensor, view) for index, p in pending.items()
+                  for entry, view in zip(self.engine.slices[index].storage.params, p.host_views) if view is not None]
+        if sync:
+            for p in self._included.get(token, []):
+                p.grad = None  # the averaged total autograd receives replaces the local sum
+            self._included[token] = []
+            for p, _ in landed:
+                self._local.pop(id(p), None)
+        else:
+            for p, _ in landed:
+                self._local[id(p)] = p

@@ -1,0 +1,123 @@
+"""What each rank runs in ``test_distributed.py`` (spawned processes import it from here).
+
+Every job takes ``(rank, world_size, directory)``, joins a gloo group through a file store in
+``directory`` with a short timeout, and saves what it wants compared to ``directory/<job>.<rank>.pt``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from offload import OffloadModel, OffloadOptimizer
+from offload.streams.collectives import CollectiveError
+
+TIMEOUT_S = 8
+
+
+def network(seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                         nn.Linear(16, 3))
+
+
+def data(step: int, world_size: int, rows: int = 4) -> torch.Tensor:
+    """The whole batch of a step: rank r trains on rows [r * rows, (r + 1) * rows)."""
+    return torch.randn(world_size * rows, 6, generator=torch.Generator().manual_seed(1000 + step))
+
+
+def share(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    return batch.chunk(world_size)[rank]
+
+
+def join(rank: int, world_size: int, directory: str) -> None:
+    store = dist.FileStore(os.path.join(directory, "store"), world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+
+
+def save(directory: str, job: str, rank: int, value: Any) -> None:
+    torch.save(value, os.path.join(directory, f"{job}.{rank}.pt"))
+
+
+def run(rank: int, world_size: int, directory: str, job: str) -> None:
+    join(rank, world_size, directory)
+    try:
+        JOBS[job](rank, world_size, directory)
+    finally:
+        dist.destroy_process_group()
+
+
+def train(rank: int, world_size: int, directory: str) -> None:
+    """Ranks start from different seeds; SGD with momentum and AdamW, three steps each."""
+    results = {}
+    for name, make in (("sgd", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=True)),
+                       ("adamw", lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True))):
+        model = OffloadModel(network(seed=rank), device="cpu", num_slices=3, process_group=dist.group.WORLD)
+        optimizer = make(list(model.parameters()))
+        for step in range(3):
+            optimizer.zero_grad()
+            model(share(data(step, world_size), rank, world_size)).pow(2).mean().backward()
+            optimizer.step()
+        results[name] = [p.detach().clone() for p in model.parameters()]
+    save(directory, "train", rank, results)
+
+
+def no_sync(rank: int, world_size: int, directory: str) -> None:
+    """Accumulation over three micro-steps, the first two under no_sync."""
+    model = OffloadModel(network(seed=0), device="cpu", num_slices=3, process_group=dist.group.WORLD)
+    for micro in range(3):
+        batch = share(data(micro, world_size), rank, world_size)
+        if micro < 2:
+            with model.no_sync():
+                (model(batch).pow(2).mean() / 3).backward()
+        else:
+            (model(batch).pow(2).mean() / 3).backward()
+    save(directory, "no_sync", rank, [p.grad.clone() for p in model.parameters()])
+
+
+def sharded(rank: int, world_size: int, directory: str) -> None:
+    """OffloadOptimizer updates each rank's share; float32 and bfloat16 compute."""
+    results: dict[str, Any] = {}
+    for dtype in (None, torch.bfloat16):
+        model = OffloadModel(network(seed=0), device="cpu", num_slices=3, compute_dtype=dtype,
+                             process_group=dist.group.WORLD)
+        optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
+        assert optimizer._collectives is not None
+        for step in range(3):
+            model(share(data(step, world_size), rank, world_size)).float().pow(2).mean().backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            optimizer.step()
+            optimizer.zero_grad()
+        owned = len(optimizer.state)
+        full = optimizer.consolidated_state_dict(to=0)
+        results[str(dtype)] = {"params": [p.detach().clone() for p in model.parameters()], "owned": owned,
+                               "state": full, "outputs": model(data(9, 1)).detach().float()}
+    save(directory, "sharded", rank, results)
+
+
+def different_models(rank: int, world_size: int, directory: str) -> None:
+    layers = network(seed=0) if rank == 0 else nn.Sequential(nn.Linear(6, 17), nn.Tanh(), nn.Linear(17, 3))
+    try:
+        OffloadModel(layers, device="cpu", num_slices=2, process_group=dist.group.WORLD)
+    except ValueError as error:
+        save(directory, "different_models", rank, str(error))
+
+
+def one_rank_fails(rank: int, world_size: int, directory: str) -> None:
+    model = OffloadModel(network(seed=0), device="cpu", num_slices=3, process_group=dist.group.WORLD)
+    if rank == 1:
+        save(directory, "one_rank_fails", rank, "failed before backward")
+        return  # leaves the step: the others wait in vain
+    try:
+        model(share(data(0, world_size), rank, world_size)).sum().backward()
+    except CollectiveError as error:
+        save(directory, "one_rank_fails", rank, str(error))
+
+
+JOBS = {f.__name__: f for f in (train, no_sync, sharded, different_models, one_rank_fails)}

@@ -1,0 +1,124 @@
+"""Data parallelism over a gloo group of two processes on this machine (``dist_workers.py``)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from offload import OffloadModel, OffloadOptimizer
+from offload.data_parallel import check_group
+
+from .dist_workers import data, network
+
+WORLD = 2
+#: Averaging two ranks' gradients adds in another order than one process over the whole batch.
+ROUNDING = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def spawn(job: str, tmp_path) -> list:
+    """Run ``job`` on two ranks; return what each saved."""
+    from . import dist_workers
+
+    started = time.monotonic()
+    mp.spawn(dist_workers.run, args=(WORLD, str(tmp_path), job), nprocs=WORLD, join=True)
+    assert time.monotonic() - started < 120
+    results = []
+    for rank in range(WORLD):
+        path = os.path.join(tmp_path, f"{job}.{rank}.pt")
+        results.append(torch.load(path, weights_only=False) if os.path.exists(path) else None)
+    return results
+
+
+def one_process(make, steps=3, clip=None):
+    """The plain model on the whole batch (the mean loss over every rank's rows)."""
+    model = network(seed=0)
+    optimizer = make(list(model.parameters()))
+    for step in range(steps):
+        optimizer.zero_grad()
+        model(data(step, WORLD)).pow(2).mean().backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+    return model, optimizer
+
+
+def test_ranks_agree_with_each_other_and_with_one_process(tmp_path):
+    results = spawn("train", tmp_path)
+    for name, make in (("sgd", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=True)),
+                       ("adamw", lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True))):
+        # Ranks began from different seeds: rank 0's weights were taken, and they stay identical.
+        for a, b in zip(results[0][name], results[1][name]):
+            assert torch.equal(a, b)
+        reference, _ = one_process(make)
+        for got, want in zip(results[0][name], reference.parameters()):
+            torch.testing.assert_close(got, want.detach(), **ROUNDING)
+
+
+def test_no_sync_accumulates_locally_then_averages_the_total(tmp_path):
+    results = spawn("no_sync", tmp_path)
+    reference = network(seed=0)
+    for micro in range(3):
+        (reference(data(micro, WORLD)).pow(2).mean() / 3).backward()
+    for a, b, want in zip(results[0], results[1], reference.parameters()):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, want.grad, **ROUNDING)
+
+
+def test_sharded_offload_optimizer(tmp_path):
+    results = spawn("sharded", tmp_path)
+    reference, plain = one_process(lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True), clip=0.5)
+    for dtype in ("None", "torch.bfloat16"):
+        mine, theirs = results[0][dtype], results[1][dtype]
+        for a, b in zip(mine["params"], theirs["params"]):
+            assert torch.equal(a, b)
+        torch.testing.assert_close(mine["outputs"], theirs["outputs"], rtol=0, atol=0)
+        # Each rank keeps the optimizer state of its own share only.
+        assert mine["owned"] + theirs["owned"] == len(list(reference.parameters()))
+        assert 0 < mine["owned"] < len(list(reference.parameters()))
+        assert theirs["state"] is None
+        full = mine["state"]
+        loaded = torch.optim.AdamW(network(seed=0).parameters(), lr=1e-2, fused=True)
+        loaded.load_state_dict(full)  # gathers into a plain optimizer's checkpoint
+        if dtype == "None":
+            for got, want in zip(mine["params"], reference.parameters()):
+                torch.testing.assert_close(got, want.detach(), **ROUNDING)
+            want_state = plain.state_dict()["state"]
+            for k in want_state:
+                for key in want_state[k]:
+                    torch.testing.assert_close(full["state"][k][key], want_state[k][key], **ROUNDING)
+
+
+def test_ranks_with_different_models_are_refused(tmp_path):
+    errors = spawn("different_models", tmp_path)
+    for error in errors:
+        assert error is not None and "differs from rank 0's" in error
+
+
+def test_a_rank_that_fails_does_not_leave_the_others_waiting_forever(tmp_path):
+    results = spawn("one_rank_fails", tmp_path)
+    assert results[1] == "failed before backward"
+    assert results[0] is not None and "averaging the gradients of slice" in results[0] and "rank 0 of 2" in results[0]
+
+
+def test_a_process_group_needs_torch_distributed():
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        OffloadModel(network(seed=0), device="cpu", process_group=object())
+
+
+def test_nccl_cannot_reduce_a_cpu_model(monkeypatch):
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    with pytest.raises(ValueError, match="gloo group"):
+        check_group(object(), torch.device("cpu"))
+
+
+def test_sharding_without_a_group_is_refused():
+    model = OffloadModel(network(seed=0), device="cpu", num_slices=2)
+    with pytest.raises(ValueError, match="needs a process group"):
+        OffloadOptimizer(model, torch.optim.AdamW, lr=1e-3, shard=True)
