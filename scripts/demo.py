@@ -12,7 +12,7 @@ import argparse
 import torch
 from torch import nn
 
-from offload import OffloadModel
+from offload import OffloadModel, OffloadOptimizer
 
 
 def main() -> None:
@@ -31,7 +31,7 @@ def main() -> None:
     layers.append(nn.Linear(256, 4))
     model = OffloadModel(nn.Sequential(*layers), device=args.device, num_slices=4, num_microbatches=2)
     print(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=3e-3, fused=True)
 
     for step in range(1, args.steps + 1):
         x = torch.randn(128, 32)

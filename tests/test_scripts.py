@@ -63,6 +63,12 @@ def test_optimizer_benchmark(tmp_path):
     assert data["chunk_sweep"]["shadow_cost_vs_update"]
 
 
+def test_distributed_training_script_runs_on_two_cpu_processes():
+    out = run("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "scripts/train_distributed.py",
+              "--preset", "tiny", "--steps", "4")
+    assert "rank 0:" in out and "rank 1:" in out and "total:" in out and "on 2 rank(s)" in out
+
+
 def test_cpu_overhead_benchmark(tmp_path):
     out = run("scripts/bench_cpu_overhead.py", "--width", "32", "--depth", "2", "--batch", "8", "16",
               "--steps", "2", "--warmup", "1", "--json", str(tmp_path / "overhead.json"))

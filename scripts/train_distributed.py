@@ -1,0 +1,103 @@
+"""Data-parallel training of a preset model with OffloadModel, one process per GPU (or per CPU
+process with gloo), launched with ``torchrun``.
+
+Every rank builds the same model and wraps it with ``process_group``; a ``DistributedSampler``
+gives each rank its share of a synthetic dataset; gradients are averaged across ranks during
+backward, and ``OffloadOptimizer`` updates each rank's share of the parameters. Each rank prints
+its samples/s; rank 0 prints the total and the last loss.
+
+Usage::
+
+    torchrun --nproc_per_node=2 scripts/train_distributed.py --preset mlp --steps 20
+    torchrun --nproc_per_node=8 scripts/train_distributed.py --preset transformer --batch-size 8 \\
+        --set n_layers=24 --set d_model=2048 --compute-dtype bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from offload import OffloadModel, OffloadOptimizer
+from offload.presets import build_preset, preset_names
+
+
+def setting(text: str) -> tuple[str, int]:
+    name, _, value = text.partition("=")
+    if not value:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    return name, int(value)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=preset_names(), default="mlp")
+    parser.add_argument("--set", type=setting, action="append", default=[], metavar="NAME=VALUE",
+                        help="override a preset setting (repeatable)")
+    parser.add_argument("--batch-size", type=int, help="rows per rank and step (default: the preset's)")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--slices", type=int, default=4)
+    parser.add_argument("--microbatches", type=int, default=1)
+    parser.add_argument("--compute-dtype", choices=["none", "bf16", "fp16"], default="none")
+    parser.add_argument("--lr", type=float, default=1e-4)
+    args = parser.parse_args()
+
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+
+    preset = build_preset(args.preset, **dict(args.set))
+    batch_size = args.batch_size or preset.batch_size
+    inputs, targets = preset.make_batch(batch_size * world_size * args.steps, "cpu")
+    sampler = DistributedSampler(TensorDataset(inputs, targets), num_replicas=world_size, rank=rank, shuffle=True,
+                                 seed=0, drop_last=True)
+    loader = DataLoader(TensorDataset(inputs, targets), batch_size=batch_size, sampler=sampler, pin_memory=cuda)
+    dtype = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.compute_dtype]
+    model = OffloadModel(preset.model, device=device, num_slices=args.slices, num_microbatches=args.microbatches,
+                         compute_dtype=dtype, process_group=dist.group.WORLD)
+    # The host update shares parameters through host memory: a gloo group when the model's is NCCL.
+    host_group = dist.new_group(backend="gloo") if cuda and world_size > 1 else None
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=args.lr, fused=True, process_group=host_group)
+    if rank == 0:
+        print(f"{preset.description}; {preset.parameter_bytes / 2**20:.1f} MiB of parameters; {world_size} rank(s) "
+              f"on {device.type}, {batch_size} rows per rank and step", flush=True)
+
+    sampler.set_epoch(0)
+    start = time.perf_counter()
+    steps = 0
+    loss = torch.zeros(())
+    for x, y in loader:
+        if steps == 1:
+            start = time.perf_counter()  # the first step allocates and warms up
+        loss = preset.loss(model(x.to(device, non_blocking=True)), y.to(device, non_blocking=True))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        steps += 1
+        if steps == args.steps:
+            break
+    optimizer.synchronize()
+    if cuda:
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    timed = max(steps - 1, 1)
+    rate = torch.tensor(timed * batch_size / seconds, dtype=torch.float64)
+    print(f"rank {rank}: {rate.item():.1f} samples/s over {timed} steps", flush=True)
+    rates = [torch.zeros((), dtype=torch.float64) for _ in range(world_size)]
+    dist.all_gather(rates, rate.to(device) if cuda else rate)
+    if rank == 0:
+        total = sum(r.item() for r in rates)
+        print(f"total: {total:.1f} samples/s on {world_size} rank(s); last loss {loss.item():.4f}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
