@@ -35,9 +35,9 @@ def share(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     return batch.chunk(world_size)[rank]
 
 
-def join(rank: int, world_size: int, directory: str) -> None:
+def join(rank: int, world_size: int, directory: str, backend: str = "gloo") -> None:
     store = dist.FileStore(os.path.join(directory, "store"), world_size)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=TIMEOUT_S))
 
 
@@ -45,8 +45,8 @@ def save(directory: str, job: str, rank: int, value: Any) -> None:
     torch.save(value, os.path.join(directory, f"{job}.{rank}.pt"))
 
 
-def run(rank: int, world_size: int, directory: str, job: str) -> None:
-    join(rank, world_size, directory)
+def run(rank: int, world_size: int, directory: str, job: str, backend: str = "gloo") -> None:
+    join(rank, world_size, directory, backend)
     try:
         JOBS[job](rank, world_size, directory)
     finally:
@@ -120,4 +120,19 @@ def one_rank_fails(rank: int, world_size: int, directory: str) -> None:
         save(directory, "one_rank_fails", rank, str(error))
 
 
-JOBS = {f.__name__: f for f in (train, no_sync, sharded, different_models, one_rank_fails)}
+def nccl_one_gpu(rank: int, world_size: int, directory: str) -> None:
+    """NCCL on one GPU: the device-side average, and the sharded update over a gloo group."""
+    torch.cuda.set_device(0)
+    model = OffloadModel(network(seed=0), device="cuda", num_slices=3, process_group=dist.group.WORLD)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True,
+                                 process_group=dist.new_group(backend="gloo"), shard=True)
+    for step in range(3):
+        with model.no_sync() if step == 0 else torch.enable_grad():
+            model(share(data(step, 1), 0, 1).cuda()).pow(2).mean().backward()
+        if step > 0:
+            optimizer.step()
+            optimizer.zero_grad()
+    save(directory, "nccl_one_gpu", rank, [p.detach().clone() for p in model.parameters()])
+
+
+JOBS = {f.__name__: f for f in (train, no_sync, sharded, different_models, one_rank_fails, nccl_one_gpu)}

@@ -20,15 +20,15 @@ WORLD = 2
 ROUNDING = {"rtol": 1e-5, "atol": 1e-6}
 
 
-def spawn(job: str, tmp_path) -> list:
-    """Run ``job`` on two ranks; return what each saved."""
+def spawn(job: str, tmp_path, world: int = WORLD, backend: str = "gloo") -> list:
+    """Run ``job`` on ``world`` ranks; return what each saved."""
     from . import dist_workers
 
     started = time.monotonic()
-    mp.spawn(dist_workers.run, args=(WORLD, str(tmp_path), job), nprocs=WORLD, join=True)
+    mp.spawn(dist_workers.run, args=(world, str(tmp_path), job, backend), nprocs=world, join=True)
     assert time.monotonic() - started < 120
     results = []
-    for rank in range(WORLD):
+    for rank in range(world):
         path = os.path.join(tmp_path, f"{job}.{rank}.pt")
         results.append(torch.load(path, weights_only=False) if os.path.exists(path) else None)
     return results
@@ -122,3 +122,17 @@ def test_sharding_without_a_group_is_refused():
     model = OffloadModel(network(seed=0), device="cpu", num_slices=2)
     with pytest.raises(ValueError, match="needs a process group"):
         OffloadOptimizer(model, torch.optim.AdamW, lr=1e-3, shard=True)
+
+
+@pytest.mark.cuda
+def test_nccl_on_one_gpu_matches_one_process(tmp_path):
+    (params,) = spawn("nccl_one_gpu", tmp_path, world=1, backend="nccl")
+    model = network(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    for step in range(3):
+        model(data(step, 1)).pow(2).mean().backward()
+        if step > 0:
+            optimizer.step()
+            optimizer.zero_grad()
+    for got, want in zip(params, model.parameters()):
+        torch.testing.assert_close(got.cpu(), want.detach(), **ROUNDING)
