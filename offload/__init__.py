@@ -29,5 +29,7 @@ Note: [Glossary]
 
 from .model import MemoryFootprint, OffloadModel
 from .optimizer import OffloadOptimizer
+from .slice_update import HostUpdateError
+from .streams.collectives import CollectiveError
 
-__all__ = ["MemoryFootprint", "OffloadModel", "OffloadOptimizer"]
+__all__ = ["CollectiveError", "HostUpdateError", "MemoryFootprint", "OffloadModel", "OffloadOptimizer"]
