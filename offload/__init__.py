@@ -27,9 +27,11 @@ Note: [Glossary]
         where copies are synchronous.
 """
 
+from .autograd.recompute_state import is_recomputing
 from .model import MemoryFootprint, OffloadModel
 from .optimizer import OffloadOptimizer
 from .slice_update import HostUpdateError
 from .streams.collectives import CollectiveError
 
-__all__ = ["CollectiveError", "HostUpdateError", "MemoryFootprint", "OffloadModel", "OffloadOptimizer"]
+__all__ = ["CollectiveError", "HostUpdateError", "MemoryFootprint", "OffloadModel", "OffloadOptimizer",
+           "is_recomputing"]

@@ -177,6 +177,21 @@ class Engine:
         )
         return SliceResult(output, changed)
 
+    def keep_buffers_of_failed_run(self, index: int) -> None:
+        """A forward failed inside slice ``index``: write its device buffers back as the run left
+        them, so the host holds what the plain model's layers leave behind after the same failure
+        (the layers before the failing one updated, the rest not). Slices before it were written
+        back already; slices after it never ran."""
+        if self.slices[index].storage.buffers:
+            # Issued only: the drain that follows every failure (rule 5 of [Copy ordering])
+            # completes it before the exception reaches the caller.
+            self.slots.write_back_buffers(index)
+
+    def bound(self, index: int, tensors: Sequence[torch.Tensor]) -> Binding:
+        """A context in which slice ``index``'s layers see ``tensors`` (one per entry) in place of
+        their host copies (see Note: [Device copies while autograd runs a slice])."""
+        return Binding([entry.sites for entry in self.slices[index].storage.entries], tensors)
+
     def offload_buffers(self, index: int) -> tuple[torch.Tensor, OffloadTicket]:
         """A host copy of the acquired slice's device buffers as they are now."""
         return self.activations.offload(self.slots.buffer_region(index))

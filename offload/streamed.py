@@ -23,9 +23,11 @@ def streamed_forward(engine: Engine, leaves: list[Any], spec: TreeSpec, num_micr
     boundary = [(engine.to_device(mb), spec) for mb in microbatches]
     buffer_events: list[Event | None] = []
     engine.slots.forget_contents()
+    acquired: int | None = None  # the slice running now, if any
     try:
         for i in range(engine.num_slices):
             views = engine.slots.acquire(i)
+            acquired = i
             changed = False
             next_boundary = []
             for m, (in_leaves, in_spec) in enumerate(boundary):
@@ -39,12 +41,15 @@ def streamed_forward(engine: Engine, leaves: list[Any], spec: TreeSpec, num_micr
             if changed:
                 buffer_events.append(engine.slots.write_back_buffers(i))
             engine.slots.release(i)
+            acquired = None
             boundary = next_boundary
         # Buffers are host state the caller may read as soon as this returns, and host copies the
         # loads read may be overwritten right after it (rule 4 of [Copy ordering]).
         engine.copies.wait_host_all(buffer_events)
         engine.copies.wait_loads_done()
     except BaseException:
+        if acquired is not None:
+            engine.keep_buffers_of_failed_run(acquired)
         engine.slots.invalidate()
         raise
     joined = join_outputs([out_leaves for out_leaves, _ in boundary], split.sizes)

@@ -144,3 +144,21 @@ def test_fault_inside_a_layers_backward(device, faulty_position):
     del loss
     faulty.fail_in_backward = False
     assert_recovered(model, reference, state, device)
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_a_failed_forward_leaves_running_statistics_as_the_plain_model_does(grad):
+    """Layers before the failing one have updated their statistics, the rest have not."""
+    torch.manual_seed(0)
+    slices = [nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)),
+              nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), Faulty(), nn.BatchNorm1d(4)),
+              nn.Sequential(nn.Linear(4, 1))]
+    plain = nn.Sequential(*clone_model(nn.ModuleList(slices)))
+    model = OffloadModel(slices, device="cpu")
+    x = torch.randn(8, 4)
+    for net in (plain, model):
+        net.get_submodule("1.2").fail_on_calls = {1}
+        with torch.set_grad_enabled(grad), pytest.raises(SimulatedOutOfMemory):
+            net(x)
+    for (name, b_off), b_ref in zip(model.named_buffers(), plain.buffers()):
+        torch.testing.assert_close(b_off, b_ref, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")

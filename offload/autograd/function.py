@@ -21,6 +21,14 @@ Note: [Checkpoints and kept graphs]
     gradient enters the slice through a copy, so a first layer that works in place on its input
     (``ReLU(inplace=True)``) behaves as in the plain model, where its input is not a leaf.
 
+Note: [Device copies while autograd runs a slice]
+    A layer may run part of its own forward again while autograd differentiates it: a
+    ``torch.utils.checkpoint`` inside the layer, or a Hugging Face model with gradient
+    checkpointing enabled, recomputes during the slice's backward. The layers must see the device
+    copies then too, not the host copies that are bound again between runs; so the slice's
+    tensors are bound (``Engine.bound``) for as long as autograd runs the slice's graph, a kept
+    graph's parameter leaves pointed at the slot that holds the slice at that time.
+
 Note: [Gradients through autograd]
     The host parameters are inputs of the Function and backward returns their gradients, on the
     host. Autograd itself then runs hooks, accumulates into ``.grad`` (or hands the gradients to
@@ -47,7 +55,8 @@ Note: [Buffers]
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +67,7 @@ from ..engine import Engine
 from ..labels import label
 from ..microbatch import Split, join_input_grads, join_outputs, split_leaves, split_like
 from ..streams import Event, OffloadTicket, PendingGradients
+from .recompute_state import recomputing
 from .replay import AutocastState, capture_rng, replaying_rng
 
 
@@ -203,6 +213,7 @@ class OffloadFunction(torch.autograd.Function):
         written_back: list[Event | None] = []
         engine.slots.forget_contents()
         engine.milestones.forward_started(call)
+        acquired: int | None = None  # the slice running now, if any
         try:
             for m, mb_leaves in enumerate(microbatches):
                 if not keeps_graph(0, m):
@@ -210,6 +221,7 @@ class OffloadFunction(torch.autograd.Function):
                 boundary.append((engine.to_device(mb_leaves), call.input_spec))
             for i in range(n):
                 views = engine.slots.acquire(i)
+                acquired = i
                 buffers_changed = False
                 before_run: tuple[int, OffloadTicket] | None = None  # None: as the host copy holds them
                 next_boundary: list[tuple[list[Any], TreeSpec]] = []
@@ -259,6 +271,7 @@ class OffloadFunction(torch.autograd.Function):
                 if buffers_changed:
                     written_back.append(engine.slots.write_back_buffers(i))
                 engine.slots.release(i)
+                acquired = None
                 boundary = next_boundary
             # Buffers are host state the user may read right after forward, and the host copies
             # the loads read may be overwritten right after it (an optimizer step on earlier
@@ -266,6 +279,8 @@ class OffloadFunction(torch.autograd.Function):
             engine.copies.wait_host_all(written_back)
             engine.copies.wait_loads_done()
         except BaseException:
+            if acquired is not None:
+                engine.keep_buffers_of_failed_run(acquired)
             engine.slots.invalidate()
             raise
 
@@ -339,19 +354,22 @@ class OffloadFunction(torch.autograd.Function):
                     if isinstance(record, _KeptGraph):
                         outputs, params = record.outputs, record.params
                         inputs = [saved[k] if k is not None else None for k in record.inputs]
+                        entry_tensors = _kept_entry_tensors(engine, i, record, views)
                         if not keep_graph:
                             run.records[i][m] = None
                         retain = keep_graph
                     elif isinstance(record, _Checkpoint):
                         restored |= record.buffers is not None
-                        outputs, inputs, params = _recompute(engine, run, saved, loader, i, m, record, views,
-                                                             wants_input_grads)
+                        outputs, inputs, params, entry_tensors = _recompute(engine, run, saved, loader, i, m, record,
+                                                                            views, wants_input_grads)
                         retain = False
                     else:
                         raise RuntimeError("internal error: backward reached a record that was already released")
-                    in_grads, param_grads = _differentiate(outputs, grad_out[m], inputs, params,
-                                                           per_slice_needed[i], wants_input_grads, retain)
-                    del outputs, inputs, params
+                    # See Note: [Device copies while autograd runs a slice].
+                    with engine.bound(i, entry_tensors), _naming_reentrant_checkpoints(engine, i):
+                        in_grads, param_grads = _differentiate(outputs, grad_out[m], inputs, params,
+                                                               per_slice_needed[i], wants_input_grads, retain)
+                    del outputs, inputs, params, entry_tensors
                 grad_in[m] = in_grads
                 if slice_grads is not None:
                     slice_grads.add(param_grads)
@@ -496,8 +514,11 @@ class _BoundaryLoader:
 
 def _recompute(engine: Engine, run: _Run, saved: Sequence[torch.Tensor], loader: _BoundaryLoader, i: int, m: int,
                record: _Checkpoint, views: Sequence[torch.Tensor], wants_input_grads: bool
-               ) -> tuple[list[Any], list[Any], list[torch.Tensor]]:
-    """Re-run slice ``i`` on microbatch ``m`` with a graph, exactly as forward ran it."""
+               ) -> tuple[list[Any], list[Any], list[torch.Tensor], list[torch.Tensor]]:
+    """Re-run slice ``i`` on microbatch ``m`` with a graph, exactly as forward ran it.
+
+    Returns its outputs, its input leaves, its parameter leaves and every entry's tensor it ran with.
+    """
     leaves = loader.take(i, m)
     if record.buffers is not None:
         stash_index, ticket = record.buffers
@@ -505,13 +526,50 @@ def _recompute(engine: Engine, run: _Run, saved: Sequence[torch.Tensor], loader:
     requires = [wants_input_grads and (run.input_requires_grad[k] if i == 0 else run.grad_upstream[i])
                 for k in range(len(leaves))]
     device_rng = saved[record.device_rng] if record.device_rng is not None else None
-    with replaying_rng(engine.device, saved[record.cpu_rng], device_rng), run.autocast.applied(), torch.enable_grad():
+    with replaying_rng(engine.device, saved[record.cpu_rng], device_rng), run.autocast.applied(), \
+            torch.enable_grad(), recomputing():
         graph_leaves, fed = _graph_inputs(leaves, requires)
         entry_tensors = _param_leaves(views, engine, i)
         result = engine.run_slice(i, entry_tensors, tree_unflatten(fed, record.spec))
     outputs, _ = tree_flatten(result.output)
     params = [t for t, e in zip(entry_tensors, engine.slices[i].storage.entries) if e.is_parameter]
-    return outputs, graph_leaves, params
+    return outputs, graph_leaves, params, entry_tensors
+
+
+@contextlib.contextmanager
+def _naming_reentrant_checkpoints(engine: Engine, index: int) -> Iterator[None]:
+    """Turn the reentrant checkpoint's refusal of ``torch.autograd.grad`` into advice that names
+    the layers: the user never passed the argument PyTorch's message tells them to remove."""
+    try:
+        yield
+    except RuntimeError as error:
+        if "use_reentrant=True" not in str(error) or ".grad()" not in str(error):
+            raise
+        names = ", ".join(engine.slices[index].names)
+        raise RuntimeError(
+            f"a layer in slice {index} ({names}) uses torch.utils.checkpoint with use_reentrant=True, which "
+            "cannot run inside OffloadModel's backward (it refuses torch.autograd.grad). Use "
+            "use_reentrant=False (PyTorch's recommended form; for Hugging Face models, "
+            "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})), or leave "
+            "the checkpointing to OffloadModel, which already recomputes each slice."
+        ) from error
+
+
+def _kept_entry_tensors(engine: Engine, index: int, record: _KeptGraph, views: Sequence[torch.Tensor]
+                        ) -> list[torch.Tensor]:
+    """What slice ``index``'s layers must see while autograd runs a graph kept from forward: its
+    parameter leaves, pointed at the slot that holds the slice now (it may have moved), and the
+    buffers there."""
+    params = iter(record.params)
+    tensors: list[torch.Tensor] = []
+    for view, entry in zip(views, engine.slices[index].storage.entries):
+        if entry.is_parameter:
+            leaf = next(params)
+            leaf.data = view  # same leaf (the graph's), current memory
+            tensors.append(leaf)
+        else:
+            tensors.append(view)
+    return tensors
 
 
 def _differentiate(outputs: Sequence[Any], grads: Sequence[Any], inputs: Sequence[Any], params: Sequence[torch.Tensor],
