@@ -21,6 +21,19 @@ Note: [Checkpoints and kept graphs]
     gradient enters the slice through a copy, so a first layer that works in place on its input
     (``ReLU(inplace=True)``) behaves as in the plain model, where its input is not a leaf.
 
+Note: [Boundary gradients]
+    Every tensor that crosses a slice boundary requires grad exactly when it does in the plain
+    model: an attention mask computed from token ids, or rotary tables carried beside the hidden
+    states, do not. Kernels look at the flag (``scaled_dot_product_attention`` picks its
+    implementation by it), so a different flag means different bits, and a flag set without need
+    makes every slice compute a gradient nobody uses. Forward therefore runs every slice with grad
+    enabled, as the plain model does, and learns each output's flag from autograd itself; a
+    checkpointed run saves nothing (its graph is dropped as soon as the flags are read), so its
+    activations are freed as under ``no_grad``. The flags travel with the boundary: the next
+    slice's leaves, the checkpoint's recompute (even where backward wants no gradient for an
+    input, so that it takes the forward's kernels), and the Function's outputs (one that requires
+    no grad in the plain model is marked non-differentiable).
+
 Note: [Device copies while autograd runs a slice]
     A layer may run part of its own forward again while autograd differentiates it: a
     ``torch.utils.checkpoint`` inside the layer, or a Hugging Face model with gradient
@@ -103,6 +116,7 @@ class _SavedLeaf:
 class _Checkpoint:
     inputs: list[_SavedLeaf]
     spec: TreeSpec
+    requires: list[bool]  # per input leaf: whether it required grad in forward (Note: [Boundary gradients])
     cpu_rng: int = -1
     device_rng: int | None = None
     buffers: tuple[int, OffloadTicket] | None = None  # saved tensor of the buffers before the run
@@ -140,15 +154,32 @@ class _Run:
     call: Call
     split: Split
     records: list[list[_Checkpoint | _KeptGraph | None]]
-    grad_upstream: list[bool]  # per slice: whether its boundary activations need gradients
     param_versions: list[tuple[int, ...]]
     autocast: AutocastState
-    input_requires_grad: list[bool]  # per input leaf position
     input_meta: list[tuple[torch.Size, torch.dtype, torch.device]]  # per input tensor
 
 
 def _is_differentiable(tensor: torch.Tensor) -> bool:
     return tensor.is_floating_point() or tensor.is_complex()
+
+
+def _requires_grad(leaves: Sequence[Any]) -> list[bool]:
+    return [isinstance(x, torch.Tensor) and x.requires_grad for x in leaves]
+
+
+def _discard(tensor: torch.Tensor) -> None:
+    return None
+
+
+def _never_unpacked(packed: None) -> torch.Tensor:
+    raise RuntimeError("internal error: a checkpointed forward's graph was differentiated")
+
+
+def _saving_nothing() -> torch.autograd.graph.saved_tensors_hooks:
+    """Hooks under which a graph saves nothing: a checkpointed forward builds one only to learn
+    what its outputs require, so its activations are freed as soon as they are used, as under
+    ``no_grad``. Innermost hooks win, so the caller's hooks (``save_on_cpu``) see nothing either."""
+    return torch.autograd.graph.saved_tensors_hooks(_discard, _never_unpacked)
 
 
 def _graph_inputs(leaves: Sequence[Any], requires: Sequence[bool]) -> tuple[list[Any], list[Any]]:
@@ -199,17 +230,15 @@ class OffloadFunction(torch.autograd.Function):
         stash = _Stash()
 
         # Chunks and device copies are made under no_grad, so remember what the caller's inputs required.
-        input_requires_grad = [isinstance(x, torch.Tensor) and x.requires_grad for x in leaves]
-        grad_upstream = [any(input_requires_grad)]
-        for s in engine.slices[:-1]:
-            grad_upstream.append(grad_upstream[-1] or any(e.tensor.requires_grad for e in s.storage.params))
+        input_requires_grad = _requires_grad(leaves)
 
         def keeps_graph(i: int, m: int) -> bool:
             return not checkpoint or (i == n - 1 and m == count - 1)
 
         records: list[list[Any]] = [[None] * count for _ in range(n)]
-        # The boundary entering the current slice, per microbatch, on the device.
-        boundary: list[tuple[list[Any], TreeSpec]] = []
+        # The boundary entering the current slice, per microbatch, on the device, with what each leaf
+        # requires (Note: [Boundary gradients]).
+        boundary: list[tuple[list[Any], TreeSpec, list[bool]]] = []
         written_back: list[Event | None] = []
         engine.slots.forget_contents()
         engine.milestones.forward_started(call)
@@ -217,20 +246,19 @@ class OffloadFunction(torch.autograd.Function):
         try:
             for m, mb_leaves in enumerate(microbatches):
                 if not keeps_graph(0, m):
-                    records[0][m] = _Checkpoint([_checkpoint_leaf(engine, stash, x) for x in mb_leaves], call.input_spec)
-                boundary.append((engine.to_device(mb_leaves), call.input_spec))
+                    records[0][m] = _Checkpoint([_checkpoint_leaf(engine, stash, x) for x in mb_leaves], call.input_spec,
+                                                input_requires_grad)
+                boundary.append((engine.to_device(mb_leaves), call.input_spec, input_requires_grad))
             for i in range(n):
                 views = engine.slots.acquire(i)
                 acquired = i
                 buffers_changed = False
                 before_run: tuple[int, OffloadTicket] | None = None  # None: as the host copy holds them
-                next_boundary: list[tuple[list[Any], TreeSpec]] = []
+                next_boundary: list[tuple[list[Any], TreeSpec, list[bool]]] = []
                 for m in range(count):
-                    in_leaves, in_spec = boundary[m]
+                    in_leaves, in_spec, requires = boundary[m]
                     with label(f"offload::forward slice {i}"):
                         if keeps_graph(i, m):
-                            requires = [input_requires_grad[k] if i == 0 else grad_upstream[i]
-                                        for k in range(len(in_leaves))]
                             with torch.enable_grad(), engine.slots.saved_tensors_hooks():
                                 graph_leaves, fed = _graph_inputs(in_leaves, requires)
                                 entry_tensors = _param_leaves(views, engine, i)
@@ -242,20 +270,30 @@ class OffloadFunction(torch.autograd.Function):
                                 params=[t for t, e in zip(entry_tensors, engine.slices[i].storage.entries)
                                         if e.is_parameter],
                             )
-                            out_leaves = [o.detach() if isinstance(o, torch.Tensor) else o for o in out_leaves]
                         else:
                             record = records[i][m]
                             cpu_state, device_state = capture_rng(engine.device)
                             record.cpu_rng = stash.add(cpu_state)
                             record.device_rng = stash.add(device_state) if device_state is not None else None
-                            result = engine.run_slice(i, views, tree_unflatten(list(in_leaves), in_spec))
+                            # With grad enabled, as in the plain model, so that every output requires
+                            # grad exactly as there and kernels that look at it choose alike; nothing
+                            # is saved (Note: [Boundary gradients]).
+                            with torch.enable_grad(), _saving_nothing():
+                                _, fed = _graph_inputs(in_leaves, requires)
+                                result = engine.run_slice(i, _param_leaves(views, engine, i),
+                                                          tree_unflatten(fed, in_spec))
+                                del fed
                             if result.buffers_changed:
                                 if before_run is None:
                                     host, ticket = engine.snapshot_host_buffers(i)
                                     before_run = (stash.add(host), ticket)
                                 record.buffers = before_run
                             out_leaves, out_spec = tree_flatten(result.output)
-                    if result.buffers_changed:
+                        out_requires = _requires_grad(out_leaves)
+                        out_leaves = [o.detach() if isinstance(o, torch.Tensor) else o for o in out_leaves]
+                        run_changed_buffers = result.buffers_changed
+                        del result  # frees the graph of a checkpointed run right away
+                    if run_changed_buffers:
                         buffers_changed = True
                         if m + 1 < count and not keeps_graph(i, m + 1):
                             host, ticket = engine.offload_buffers(i)
@@ -266,8 +304,8 @@ class OffloadFunction(torch.autograd.Function):
                         engine.slots.prefetch(i + 1)
                     if i + 1 < n and not keeps_graph(i + 1, m):
                         records[i + 1][m] = _Checkpoint([_checkpoint_leaf(engine, stash, o) for o in out_leaves],
-                                                        out_spec)
-                    next_boundary.append((out_leaves, out_spec))
+                                                        out_spec, out_requires)
+                    next_boundary.append((out_leaves, out_spec, out_requires))
                 if buffers_changed:
                     written_back.append(engine.slots.write_back_buffers(i))
                 engine.slots.release(i)
@@ -284,12 +322,13 @@ class OffloadFunction(torch.autograd.Function):
             engine.slots.invalidate()
             raise
 
-        joined = join_outputs([out for out, _ in boundary], split.sizes)
+        joined = join_outputs([out for out, _, _ in boundary], split.sizes)
         call.output_spec = boundary[0][1]
         call.output_tensor_positions = [p for p, leaf in enumerate(joined) if isinstance(leaf, torch.Tensor)]
         call.output_leaves = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in joined]
         outputs = tuple(joined[p] for p in call.output_tensor_positions)
-        non_differentiable = [o for o in outputs if not _is_differentiable(o)]
+        out_requires = [any(flags[p] for _, _, flags in boundary) for p in call.output_tensor_positions]
+        non_differentiable = [o for o, wanted in zip(outputs, out_requires) if not wanted or not _is_differentiable(o)]
         if non_differentiable:
             ctx.mark_non_differentiable(*non_differentiable)
 
@@ -298,10 +337,8 @@ class OffloadFunction(torch.autograd.Function):
             call=call,
             split=split,
             records=records,
-            grad_upstream=grad_upstream,
             param_versions=[s.storage.param_versions() for s in engine.slices],
             autocast=AutocastState.capture(engine.device),
-            input_requires_grad=input_requires_grad,
             input_meta=[(t.shape, t.dtype, t.device) for t in input_tensors],
         )
         ctx.save_for_backward(*stash.tensors)
@@ -361,7 +398,7 @@ class OffloadFunction(torch.autograd.Function):
                     elif isinstance(record, _Checkpoint):
                         restored |= record.buffers is not None
                         outputs, inputs, params, entry_tensors = _recompute(engine, run, saved, loader, i, m, record,
-                                                                            views, wants_input_grads)
+                                                                            views)
                         retain = False
                     else:
                         raise RuntimeError("internal error: backward reached a record that was already released")
@@ -513,7 +550,7 @@ class _BoundaryLoader:
 
 
 def _recompute(engine: Engine, run: _Run, saved: Sequence[torch.Tensor], loader: _BoundaryLoader, i: int, m: int,
-               record: _Checkpoint, views: Sequence[torch.Tensor], wants_input_grads: bool
+               record: _Checkpoint, views: Sequence[torch.Tensor]
                ) -> tuple[list[Any], list[Any], list[torch.Tensor], list[torch.Tensor]]:
     """Re-run slice ``i`` on microbatch ``m`` with a graph, exactly as forward ran it.
 
@@ -523,12 +560,12 @@ def _recompute(engine: Engine, run: _Run, saved: Sequence[torch.Tensor], loader:
     if record.buffers is not None:
         stash_index, ticket = record.buffers
         engine.slots.restore_buffers(i, saved[stash_index], ticket)
-    requires = [wants_input_grads and (run.input_requires_grad[k] if i == 0 else run.grad_upstream[i])
-                for k in range(len(leaves))]
     device_rng = saved[record.device_rng] if record.device_rng is not None else None
     with replaying_rng(engine.device, saved[record.cpu_rng], device_rng), run.autocast.applied(), \
             torch.enable_grad(), recomputing():
-        graph_leaves, fed = _graph_inputs(leaves, requires)
+        # The leaves require grad as in forward even where this backward wants no input gradient:
+        # the recompute must take the forward's kernels (Note: [Boundary gradients]).
+        graph_leaves, fed = _graph_inputs(leaves, record.requires)
         entry_tensors = _param_leaves(views, engine, i)
         result = engine.run_slice(i, entry_tensors, tree_unflatten(fed, record.spec))
     outputs, _ = tree_flatten(result.output)
