@@ -284,11 +284,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._steps = []
         self._shared = {}
         sharded = self._collectives is not None
-        for index in sorted(per_slice):
-            items = sorted(per_slice[index], key=lambda item: item[0])  # memory order
+        # Each slice's parameters in memory order.
+        ordered = {index: sorted(per_slice[index], key=lambda item: item[0]) for index in sorted(per_slice)}
+        if sharded:
+            owners_of = dict(zip(ordered, _owners([[p for _, p, _ in items] for items in ordered.values()],
+                                                  self._collectives.world_size)))  # type: ignore[union-attr]
+        for index, items in ordered.items():
             storage = engine.slices[index].storage
             if sharded:
-                owners = _owners([p for _, p, _ in items], self._collectives.world_size)  # type: ignore[union-attr]
+                owners = owners_of[index]
                 self._shared[index] = ([p for _, p, _ in items], owners)
                 mine = self._collectives.rank  # type: ignore[union-attr]
                 for (_, p, _), owner in zip(items, owners):
@@ -329,15 +333,28 @@ class OffloadOptimizer(torch.optim.Optimizer):
         return Chunk(inner, proxies, params, list(by_group), positions, entries)
 
 
-def _owners(params: list[torch.Tensor], world_size: int) -> list[int]:
-    """Which rank updates each parameter: the largest first, each to the least loaded rank (the
-    same answer on every rank)."""
+def _owners(slices: list[list[torch.Tensor]], world_size: int) -> list[list[int]]:
+    """Which rank updates each parameter of each slice (the same answer on every rank).
+
+    Slice by slice, each slice's parameters largest first, every parameter goes to the rank with
+    the fewest elements so far, counted over the whole model: a rank takes a parameter only while
+    no other has less, so no rank ends with more than ``1 / world_size`` of the elements plus the
+    largest parameter. Counting per slice instead would hand rank 0 the largest parameter of every
+    slice (nearly all of a model whose slices are one big weight each). Parameters are not split
+    across ranks: an optimizer may treat a parameter as a whole (a norm over it, a factored
+    second moment), and each rank's state stays a plain optimizer's, per whole parameter.
+
+    Args:
+        slices: per slice, its parameters that the optimizer steps.
+        world_size: the number of ranks.
+    """
     load = [0] * world_size
-    owners = [0] * len(params)
-    for k in sorted(range(len(params)), key=lambda k: (-params[k].numel(), k)):
-        rank = min(range(world_size), key=lambda r: (load[r], r))
-        owners[k] = rank
-        load[rank] += params[k].numel()
+    owners = [[0] * len(params) for params in slices]
+    for params, mine in zip(slices, owners):
+        for k in sorted(range(len(params)), key=lambda k: (-params[k].numel(), k)):
+            rank = min(range(world_size), key=lambda r: (load[r], r))
+            mine[k] = rank
+            load[rank] += params[k].numel()
     return owners
 
 

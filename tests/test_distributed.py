@@ -12,6 +12,8 @@ import torch.multiprocessing as mp
 
 from offload import OffloadModel, OffloadOptimizer
 from offload.data_parallel import check_group
+from offload.optimizer import _owners
+from offload.presets import build_preset
 
 from .dist_workers import data, network
 
@@ -91,6 +93,23 @@ def test_sharded_offload_optimizer(tmp_path):
             for k in want_state:
                 for key in want_state[k]:
                     torch.testing.assert_close(full["state"][k][key], want_state[k][key], **ROUNDING)
+
+
+@pytest.mark.parametrize("preset, world", [("mlp", 2), ("mlp", 8), ("transformer", 2), ("transformer", 8),
+                                           ("tiny", 3)])
+def test_each_rank_updates_about_its_share_of_the_model(preset, world):
+    """The sharded update's ranks own ``1 / world`` of the elements, give or take one parameter."""
+    model = OffloadModel(build_preset(preset).model, device="cpu", num_slices=8)
+    slices = [[entry.tensor for entry in s.storage.params] for s in model._engine.slices]
+    owners = _owners(slices, world)
+    load = [0] * world
+    for params, mine in zip(slices, owners):
+        for p, owner in zip(params, mine):
+            load[owner] += p.numel()
+    total = sum(load)
+    largest = max(p.numel() for params in slices for p in params)
+    assert max(load) / total <= 1 / world + largest / total, f"a rank owns {max(load) / total:.2f} of the elements"
+    assert len({rank for mine in owners for rank in mine}) == world
 
 
 def test_ranks_with_different_models_are_refused(tmp_path):
