@@ -1,0 +1,207 @@
+"""Hugging Face causal LMs through ``offload.integrations.transformers``, against the models' own forward.
+
+Models are built from small configs with random weights: nothing is downloaded. The reference is
+a deep copy of the same model run the ordinary way with ``use_cache=False`` (the training setting:
+with GPT-2's default ``use_cache=True`` its forward builds a key/value cache even in training,
+which changes the attention's memory layout and the last bits of the logits).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from offload import OffloadModel
+
+from .helpers import assert_same_grads
+from .test_mixed_precision import converted, master_grads_of
+
+transformers = pytest.importorskip("transformers")
+from offload.integrations.transformers import (  # noqa: E402  (needs transformers)
+    SUPPORTED_MODEL_TYPES,
+    causal_lm_sequential,
+)
+
+EXACT = {"rtol": 0.0, "atol": 0.0}
+VOCAB = 97
+FAMILIES = ["gpt2", "llama", "mistral", "qwen2", "qwen3"]
+
+
+def build(kind: str, dropout: float = 0.1, tied: bool = False, layers: int = 3) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(n_embd=32, n_layer=layers, n_head=4, vocab_size=VOCAB, n_positions=64,
+                                         resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+                                         tie_word_embeddings=tied, bos_token_id=0, eos_token_id=0)
+    else:
+        extra = {"sliding_window": 4} if kind == "mistral" else {}  # shorter than the sequence: the mask matters
+        config = transformers.AutoConfig.for_model(
+            kind, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, attention_dropout=dropout,
+            tie_word_embeddings=tied, **extra)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def batch() -> dict[str, torch.Tensor]:
+    torch.manual_seed(1)
+    ids = torch.randint(1, VOCAB, (4, 10))
+    mask = torch.ones_like(ids)
+    mask[0, 7:] = 0  # right padding
+    mask[2, :3] = 0  # left padding
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def reference_loss(hf, inputs, labels):
+    out = hf(**inputs, labels=labels, use_cache=False)
+    return out.logits, out.loss
+
+
+def offloaded_loss(hf, model, inputs, labels):
+    logits = model(inputs)
+    return logits, hf.loss_function(logits=logits, labels=labels, vocab_size=hf.config.vocab_size)
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("checkpoint_activation", [True, False])
+def test_logits_loss_and_gradients_are_bit_identical(kind, train, checkpoint_activation):
+    hf = build(kind)
+    reference = copy.deepcopy(hf)
+    hf.train(train)
+    reference.train(train)
+    model = OffloadModel(causal_lm_sequential(hf), device="cpu", num_slices=3,
+                         checkpoint_activation=checkpoint_activation)
+    inputs = batch()
+    labels = inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)
+    for _ in range(2):  # the second step after an update of the host copies
+        torch.manual_seed(7)
+        want_logits, want_loss = reference_loss(reference, inputs, labels)
+        want_loss.backward()
+        torch.manual_seed(7)
+        got_logits, got_loss = offloaded_loss(hf, model, inputs, labels)
+        got_loss.backward()
+        torch.testing.assert_close(got_logits, want_logits, **EXACT)
+        torch.testing.assert_close(got_loss, want_loss, **EXACT)
+        assert_same_grads(hf, reference, **EXACT)
+        with torch.no_grad():
+            for p, q in zip(hf.parameters(), reference.parameters()):
+                p.sub_(0.1 * p.grad)
+                q.sub_(0.1 * q.grad)
+                p.grad = q.grad = None
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_with_the_models_own_gradient_checkpointing(kind):
+    hf = build(kind)
+    hf.gradient_checkpointing_enable()
+    reference = copy.deepcopy(hf)
+    model = OffloadModel(causal_lm_sequential(hf), device="cpu", num_slices=2)
+    inputs = batch()
+    labels = inputs["input_ids"]
+    torch.manual_seed(3)
+    want_logits, want_loss = reference_loss(reference, inputs, labels)
+    want_loss.backward()
+    torch.manual_seed(3)
+    got_logits, got_loss = offloaded_loss(hf, model, inputs, labels)
+    got_loss.backward()
+    torch.testing.assert_close(got_logits, want_logits, **EXACT)
+    assert_same_grads(hf, reference, **EXACT)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2"])
+def test_under_a_compute_dtype(kind):
+    hf = build(kind)
+    reference = converted(hf, torch.bfloat16)  # parameters in bf16, buffers (rotary tables) as they are
+    model = OffloadModel(causal_lm_sequential(hf), device="cpu", num_slices=3, compute_dtype=torch.bfloat16)
+    inputs = batch()
+    labels = inputs["input_ids"]
+    torch.manual_seed(3)
+    want_logits, want_loss = reference_loss(reference, inputs, labels)
+    want_loss.backward()
+    torch.manual_seed(3)
+    got_logits, got_loss = offloaded_loss(hf, model, inputs, labels)
+    got_loss.backward()
+    assert got_logits.dtype == torch.bfloat16
+    torch.testing.assert_close(got_logits, want_logits, **EXACT)
+    assert_same_grads(hf, master_grads_of(reference), **EXACT)
+
+
+def test_microbatches_follow_the_model_chunk_by_chunk():
+    hf = build("llama", dropout=0.0)
+    reference = copy.deepcopy(hf)
+    model = OffloadModel(causal_lm_sequential(hf), device="cpu", num_slices=3, num_microbatches=2)
+    inputs = batch()
+    got = model(inputs)
+    want = torch.cat([reference(input_ids=inputs["input_ids"][rows], attention_mask=inputs["attention_mask"][rows],
+                                use_cache=False).logits for rows in (slice(0, 2), slice(2, 4))])
+    torch.testing.assert_close(got, want, **EXACT)
+
+
+def test_input_ids_alone_and_explicit_positions():
+    hf = build("qwen2", dropout=0.0).eval()
+    reference = copy.deepcopy(hf)
+    model = OffloadModel(causal_lm_sequential(hf), device="cpu", num_slices=2)
+    ids = batch()["input_ids"]
+    torch.testing.assert_close(model(ids), reference(input_ids=ids, use_cache=False).logits, **EXACT)
+    positions = torch.arange(3, 13).unsqueeze(0)
+    torch.testing.assert_close(model({"input_ids": ids, "position_ids": positions}),
+                               reference(input_ids=ids, position_ids=positions, use_cache=False).logits, **EXACT)
+
+
+def test_the_hugging_face_model_holds_the_trained_weights(tmp_path):
+    hf = build("llama")
+    layers = causal_lm_sequential(hf)
+    model = OffloadModel(layers, device="cpu", num_slices=3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    inputs = batch()
+    for _ in range(2):
+        _, loss = offloaded_loss(hf, model, inputs, inputs["input_ids"])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    renamed = layers.hf_state_dict(model.state_dict())
+    assert renamed.keys() == hf.state_dict().keys()
+    hf.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).state_dict()
+    assert loaded.keys() == renamed.keys()
+    for key, value in renamed.items():
+        torch.testing.assert_close(loaded[key], value, **EXACT, msg=key)
+    assert not torch.equal(renamed["model.layers.0.mlp.up_proj.weight"],
+                           build("llama").state_dict()["model.layers.0.mlp.up_proj.weight"]), "training changed nothing"
+    with pytest.raises(KeyError, match="not a parameter or buffer"):
+        layers.hf_name("7.nothing.weight")
+
+
+def test_tied_embeddings_are_refused_with_advice_or_untied_on_request(tmp_path):
+    with pytest.raises(ValueError, match="untie_embeddings=True"):
+        causal_lm_sequential(build("gpt2", tied=True))
+    hf = build("gpt2", tied=True, dropout=0.0).eval()
+    reference = copy.deepcopy(hf)
+    model = OffloadModel(causal_lm_sequential(hf, untie_embeddings=True), device="cpu", num_slices=3)
+    inputs = batch()
+    # Same values, so the first forward is unchanged...
+    torch.testing.assert_close(model(inputs), reference(**inputs, use_cache=False).logits, **EXACT)
+    assert hf.lm_head.weight is not hf.transformer.wte.weight
+    assert not hf.config.tie_word_embeddings
+    # ...and the checkpoint holds both matrices.
+    hf.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert loaded.lm_head.weight is not loaded.transformer.wte.weight
+
+
+def test_unsupported_models_and_batches_get_clear_errors():
+    config = transformers.AutoConfig.for_model("gemma", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                               num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                               vocab_size=VOCAB)
+    with pytest.raises(ValueError, match=", ".join(SUPPORTED_MODEL_TYPES)):
+        causal_lm_sequential(transformers.AutoModelForCausalLM.from_config(config))
+    with pytest.raises(ValueError, match="supports the causal LMs"):
+        causal_lm_sequential(torch.nn.Linear(2, 2))
+    layers = causal_lm_sequential(build("llama"))
+    inputs = batch()
+    with pytest.raises(TypeError, match="compute the loss from them"):
+        layers({**inputs, "labels": inputs["input_ids"]})
+    with pytest.raises(TypeError, match="dict of tensors"):
+        layers([inputs["input_ids"]])
