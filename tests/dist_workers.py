@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import threading
 from typing import Any
 
 import torch
@@ -120,6 +121,11 @@ def one_rank_fails(rank: int, world_size: int, directory: str) -> None:
         save(directory, "one_rank_fails", rank, str(error))
 
 
+def hangs(rank: int, world_size: int, directory: str) -> None:
+    """Never returns: the test's deadline must end it."""
+    threading.Event().wait()
+
+
 def nccl_one_gpu(rank: int, world_size: int, directory: str) -> None:
     """NCCL on one GPU: the device-side average, and the sharded update over a gloo group."""
     torch.cuda.set_device(0)
@@ -135,4 +141,4 @@ def nccl_one_gpu(rank: int, world_size: int, directory: str) -> None:
     save(directory, "nccl_one_gpu", rank, [p.detach().clone() for p in model.parameters()])
 
 
-JOBS = {f.__name__: f for f in (train, no_sync, sharded, different_models, one_rank_fails, nccl_one_gpu)}
+JOBS = {f.__name__: f for f in (train, no_sync, sharded, different_models, one_rank_fails, hangs, nccl_one_gpu)}

@@ -20,15 +20,37 @@ from .dist_workers import data, network
 WORLD = 2
 #: Averaging two ranks' gradients adds in another order than one process over the whole batch.
 ROUNDING = {"rtol": 1e-5, "atol": 1e-6}
+#: Seconds a job's ranks get before they are killed and the test fails: far above a job's few
+#: seconds, even on a loaded machine, and far below a CI timeout.
+DEADLINE_S = 120
+
+# Ranks fork from a server process that imported these once. A freshly spawned process would
+# import torch again, and torch._dynamo at its first optimizer: seconds apiece, most of a job's time.
+mp.set_forkserver_preload(["torch", "torch._dynamo", "tests.dist_workers"])
 
 
-def spawn(job: str, tmp_path, world: int = WORLD, backend: str = "gloo") -> list:
-    """Run ``job`` on ``world`` ranks; return what each saved."""
+def spawn(job: str, tmp_path, world: int = WORLD, backend: str = "gloo", deadline_s: float = DEADLINE_S) -> list:
+    """Run ``job`` on ``world`` ranks; return what each saved.
+
+    Raises:
+        torch.multiprocessing.ProcessRaisedException: a rank raised.
+        pytest.fail.Exception: the ranks were still running after ``deadline_s`` (they are killed).
+    """
     from . import dist_workers
 
-    started = time.monotonic()
-    mp.spawn(dist_workers.run, args=(world, str(tmp_path), job, backend), nprocs=world, join=True)
-    assert time.monotonic() - started < 120
+    ranks = mp.start_processes(dist_workers.run, args=(world, str(tmp_path), job, backend), nprocs=world,
+                               join=False, start_method="forkserver")
+    deadline = time.monotonic() + deadline_s
+    # join() raises, after terminating the other ranks, as soon as one rank fails.
+    while not ranks.join(timeout=max(deadline - time.monotonic(), 0.0)):
+        if time.monotonic() >= deadline:
+            hung = [rank for rank, process in enumerate(ranks.processes) if process.is_alive()]
+            for process in ranks.processes:
+                if process.is_alive():
+                    process.kill()
+                process.join()
+            pytest.fail(f"job {job!r}: ranks {hung} of {world} were still running after {deadline_s} s and were "
+                        "killed (a collective that never completes?)")
     results = []
     for rank in range(world):
         path = os.path.join(tmp_path, f"{job}.{rank}.pt")
@@ -122,6 +144,13 @@ def test_a_rank_that_fails_does_not_leave_the_others_waiting_forever(tmp_path):
     results = spawn("one_rank_fails", tmp_path)
     assert results[1] == "failed before backward"
     assert results[0] is not None and "averaging the gradients of slice" in results[0] and "rank 0 of 2" in results[0]
+
+
+def test_a_job_that_hangs_is_killed_at_the_deadline(tmp_path):
+    started = time.monotonic()
+    with pytest.raises(pytest.fail.Exception, match=r"ranks \[0, 1\] of 2 were still running after 2 s"):
+        spawn("hangs", tmp_path, deadline_s=2)
+    assert time.monotonic() - started < 30
 
 
 def test_a_process_group_needs_torch_distributed():
