@@ -89,12 +89,13 @@ def main() -> None:
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
     timed = max(steps - 1, 1)
-    rate = torch.tensor(timed * batch_size / seconds, dtype=torch.float64)
-    print(f"rank {rank}: {rate.item():.1f} samples/s over {timed} steps", flush=True)
-    rates = [torch.zeros((), dtype=torch.float64) for _ in range(world_size)]
-    dist.all_gather(rates, rate.to(device) if cuda else rate)
+    rate = timed * batch_size / seconds
+    print(f"rank {rank}: {rate:.1f} samples/s over {timed} steps", flush=True)
+    # Gathered as objects: a NCCL group gathers only CUDA tensors, and this is one float per rank.
+    rates: list[float | None] = [None] * world_size
+    dist.all_gather_object(rates, rate)
     if rank == 0:
-        total = sum(r.item() for r in rates)
+        total = sum(r for r in rates if r is not None)
         print(f"total: {total:.1f} samples/s on {world_size} rank(s); last loss {loss.item():.4f}", flush=True)
     dist.destroy_process_group()
 
