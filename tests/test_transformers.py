@@ -9,6 +9,9 @@ which changes the attention's memory layout and the last bits of the logits).
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -205,3 +208,58 @@ def test_unsupported_models_and_batches_get_clear_errors():
         layers({**inputs, "labels": inputs["input_ids"]})
     with pytest.raises(TypeError, match="dict of tensors"):
         layers([inputs["input_ids"]])
+
+
+# -- scripts/finetune_causal_lm.py --------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def finetune(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "scripts/finetune_causal_lm.py", *args, "--device", "cpu", "--no-progress"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def save_local_model(path: Path, config) -> torch.nn.Module:
+    """A model and a word-level tokenizer of the shipped text, saved as a user's local checkpoint would be."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = sorted(set((ROOT / "scripts" / "data" / "sample.txt").read_text().split()))
+    vocab = {"[UNK]": 0, **{word: i + 1 for i, word in enumerate(words)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+    config.vocab_size = len(vocab)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return model
+
+
+def test_finetune_script_trains_a_random_model_and_saves_it(tmp_path):
+    done = finetune("--out", str(tmp_path / "tuned"), "--steps", "3")
+    assert done.returncode == 0, done.stderr[-3000:]
+    losses = [float(line.split("loss ")[1].split()[0]) for line in done.stdout.splitlines() if line.startswith("step ")]
+    assert len(losses) == 3 and "saved to" in done.stdout
+    assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tuned").config.model_type == "llama"
+
+
+def test_finetune_script_on_local_weights_with_their_tokenizer(tmp_path):
+    config = transformers.AutoConfig.for_model("qwen2", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                               num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    original = save_local_model(tmp_path / "base", config)
+    done = finetune("--model", str(tmp_path / "base"), "--out", str(tmp_path / "tuned"), "--steps", "2",
+                    "--seq-len", "16", "--untie-embeddings")
+    assert done.returncode == 0, done.stderr[-3000:]
+    tuned = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tuned")
+    assert not tuned.config.tie_word_embeddings
+    assert not torch.equal(tuned.model.layers[0].mlp.up_proj.weight, original.model.layers[0].mlp.up_proj.weight)
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "tuned")("The clock")["input_ids"] != [0, 0]
+
+
+def test_finetune_script_explains_what_to_do_with_a_tied_model(tmp_path):
+    save_local_model(tmp_path / "base", transformers.GPT2Config(n_embd=32, n_layer=1, n_head=4, tie_word_embeddings=True))
+    done = finetune("--model", str(tmp_path / "base"), "--out", str(tmp_path / "tuned"), "--steps", "1")
+    assert done.returncode != 0
+    assert "--untie-embeddings" in done.stderr
