@@ -7,8 +7,10 @@ import copy
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from offload import OffloadModel
+from offload.streams import DeviceSlots
 
 from .helpers import DEVICES, HostStepped
 
@@ -99,3 +101,38 @@ def test_unchanged_weights_never_travel_back():
     boundary_bytes = 3 * x.numel() * x.element_size()
     assert engine.gradients.offloaded_bytes == grad_bytes
     assert engine.activations.offloaded_bytes == boundary_bytes
+
+
+class _OpLog(TorchDispatchMode):
+    """Records every aten op dispatched inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[torch._ops.OpOverload] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_unpacking_a_kept_graph_allocates_nothing(monkeypatch):
+    """Resolving a slot reference is pure view arithmetic. It once allocated a device scalar per
+    unpack to learn an item size (defect 4 of issue 8): on CUDA an allocation and a kernel for
+    every saved tensor of every kept graph."""
+    seen: list[tuple[str, list[torch._ops.OpOverload]]] = []
+    original = DeviceSlots._unpack
+
+    def logged_unpack(self, packed):
+        with _OpLog() as log:
+            tensor = original(self, packed)
+        seen.append((type(packed).__name__, log.ops))
+        return tensor
+
+    # Patched before forward: the hooks bind the method when the graph is saved.
+    monkeypatch.setattr(DeviceSlots, "_unpack", logged_unpack)
+    model = OffloadModel(counted_model(4), device="cpu", num_slices=2, checkpoint_activation=False)
+    model(torch.randn(3, 4, dtype=torch.float32)).sum().backward()
+    references = [ops for kind, ops in seen if kind == "SlotReference"]
+    assert references, "the kept graphs saved no slot tensor: the test no longer reaches _unpack's slot path"
+    not_views = sorted({str(op) for ops in references for op in ops if not op.is_view})
+    assert not_views == []
