@@ -214,6 +214,47 @@ def test_host_copies_and_gradients_are_pinned():
         assert p.grad.device.type == "cpu" and p.grad.is_pinned()
 
 
+class PinnedCheck(CudaBackend):
+    """CUDA streams that note the host side of every asynchronous copy."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.host_sides: list[tuple[bool, tuple[int, ...], bool]] = []  # to_device, shape, pinned
+
+    def copy(self, dst, src, stream, to_device):
+        host = src if to_device else dst
+        self.host_sides.append((to_device, tuple(host.shape), host.is_pinned()))
+        super().copy(dst, src, stream, to_device)
+
+
+@pytest.mark.parametrize("checkpoint", [True, False])
+def test_a_cpu_input_reaches_the_device_through_pinned_memory(checkpoint):
+    """Every asynchronous copy's host side is pinned, the user's pageable CPU input included: it is
+    staged through a pooled pinned buffer (``ActivationOffloader.load_host``)."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1)).cuda()
+    backend = PinnedCheck(torch.device("cuda", torch.cuda.current_device()))
+    with using_backend(backend):
+        model = OffloadModel(copy.deepcopy(reference), device="cuda", num_slices=3, checkpoint_activation=checkpoint)
+    x = torch.randn(7, 64)
+    with torch.no_grad():
+        model(x)
+    # Without a graph the only loads are the slices and the input.
+    assert (True, tuple(x.shape), True) in backend.host_sides, "the input did not travel by an asynchronous copy"
+    for _ in range(2):
+        x = torch.randn(7, 64)  # pageable host memory
+        assert not x.is_pinned()
+        for net in (reference, model):
+            for p in net.parameters():
+                p.grad = None
+        out = model(x)
+        torch.testing.assert_close(out, reference(x.cuda()), **EXACT)
+        out.pow(2).sum().backward()
+        reference(x.cuda()).pow(2).sum().backward()
+        assert_same_grads(model, reference, **EXACT)
+    assert all(pinned for _, _, pinned in backend.host_sides), backend.host_sides
+
+
 def _warm_up_cublas(width: int) -> None:
     # cuBLAS allocates its workspace on first use; do that before measuring.
     a = torch.randn(8, width, device="cuda", requires_grad=True)
