@@ -9,6 +9,12 @@ users run on a GPU also runs, and is checked, on machines without one.
 Which backend a :class:`CopyStreams` uses is chosen when it is built: the one installed with
 :func:`using_backend` if any (the checker does this), else :class:`CudaBackend` for a CUDA device,
 else none (copies are synchronous and every ready event is ``None``).
+
+:class:`CudaBackend` calls ``torch.cuda`` streams and events, not the device-generic
+``torch.Stream`` / ``torch.Event`` / ``torch.accelerator``. On CUDA both reach the same runtime
+calls, so switching would gain nothing there; it would only open a path to other accelerators
+that no machine of ours can test. The choice is confined to this file: another accelerator gets
+its own small backend, picked in :func:`backend_for`, and the ordering logic stays as it is.
 """
 
 from __future__ import annotations
