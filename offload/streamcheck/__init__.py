@@ -6,9 +6,10 @@ path at all. :class:`StreamChecker` installs a simulated stream backend so that 
 and makes mistakes show:
 
 - **Deferred copies.** A copy queued on a side stream runs only when something forces it (or at
-  issue, or at random points: three schedules); until then its destination holds NaN or an
-  all-ones bit pattern, and its source is read when it runs. Reading a destination too early, or
-  writing a source too early, gives wrong values.
+  issue, or at random points: three schedules); until then its destination holds poison (NaN;
+  ``0xFF`` bytes, NaN through any floating-point view, for ``uint8``; ``True`` for ``bool``; the
+  most negative value for other integers), and its source is read when it runs. Reading a
+  destination too early, or writing a source too early, gives wrong values.
 - **Happens-before race checking.** Vector clocks for the host, the compute stream and each side
   stream, advanced by events, stream waits and host synchronisation, and every byte range touched
   by compute, by copies and by host-side code (an optimizer, the caller's code between steps) is

@@ -1,10 +1,11 @@
 """A stream backend that simulates CUDA stream semantics on the CPU, copies deferred.
 
 Compute runs when the host issues it (it is ordinary CPU work), but a copy queued on a side stream
-does not: its destination is *poisoned* at once (NaN for floating point, all bits set otherwise)
-and the copy runs only when something forces it — compute waiting on its event or its stream,
-the host synchronising, a copy queued after it on another stream that waits for it — or earlier,
-as the schedule decides:
+does not: its destination is *poisoned* at once (NaN for floating point; ``0xFF`` bytes for
+``uint8``, the raw bytes of slots and pooled buffers, which read as NaN through any floating-point
+view; ``True`` for ``bool``; the most negative value for other integers) and the copy runs only
+when something forces it — compute waiting on its event or its stream, the host synchronising,
+a copy queued after it on another stream that waits for it — or earlier, as the schedule decides:
 
 - ``"late"``: only when forced, as late as is legal;
 - ``"issue"``: as soon as it is queued (after whatever it waits for);
