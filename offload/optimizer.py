@@ -37,15 +37,7 @@ from torch import nn
 
 from .model import OffloadModel
 from .streams.collectives import HostCollectives
-from .slice_update import Chunk, HostUpdateError, SliceStep, StateByProxy, chunked
-
-#: Default bytes of parameters stepped together before their shadow is written. On a 2-core
-#: x86-64 host (``scripts/bench_optimizer.py --chunk-sweep``, results in the README), writing the
-#: bfloat16 shadow right after each 64 MiB chunk's update cost about what a separate cast pass
-#: costs, and smaller chunks, which keep the masters in cache, cost more: the per-chunk optimizer
-#: calls outweigh the cache hits. What the shadow gains from the update is where it is written:
-#: on the worker, overlapped, instead of on the thread that drives the next forward.
-CHUNK_BYTES = 64 * 2**20
+from .slice_update import Chunk, HostUpdateError, SliceStep, StateByProxy
 
 
 class OffloadOptimizer(torch.optim.Optimizer):
@@ -63,7 +55,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
             ``model.parameters()``. Parameters outside ``model`` are stepped in ``step()`` itself.
         num_threads: CPU threads for the update (``torch.set_num_threads`` in the worker); default:
             PyTorch's setting. On a machine with few cores, leave some to the input pipeline.
-        chunk_bytes: parameter bytes stepped together (see ``slice_update.py``).
         **optimizer_kwargs: keyword arguments of ``optimizer_class`` (``lr=1e-4, fused=True``).
 
     Raises:
@@ -87,7 +78,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def __init__(self, model: OffloadModel, optimizer_class: type[torch.optim.Optimizer],
                  params: Iterable[Any] | None = None, *, num_threads: int | None = None,
-                 chunk_bytes: int = CHUNK_BYTES, shard: bool | None = None, process_group: Any = None,
+                 shard: bool | None = None, process_group: Any = None,
                  **optimizer_kwargs: Any) -> None:
         if not isinstance(model, OffloadModel):
             raise TypeError(f"OffloadOptimizer steps an OffloadModel, got {type(model).__name__}")
@@ -111,10 +102,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.optimizer_class = optimizer_class
         self.optimizer_kwargs = optimizer_kwargs
         self.num_threads = num_threads
-        self.chunk_bytes = chunk_bytes
         self._plan_key: tuple[Any, ...] | None = None
         self._steps: list[SliceStep] = []
-        self._rest: list[Chunk] = []
+        self._rest: list[SliceStep] = []
         self._worker: Any = None
         self._offload_outer = True  # the per-tensor warning is about plain optimizers
         self._collectives = self._sharding(shard, process_group)
@@ -300,28 +290,23 @@ class OffloadOptimizer(torch.optim.Optimizer):
                         self.state.pop(p, None)  # its owner keeps its state
                 items = [item for item, owner in zip(items, owners) if owner == mine]
             if not items:
-                self._steps.append(SliceStep(index, storage, None, [], writes_shadow=False))
+                self._steps.append(SliceStep(index, storage, None, writes_shadow=False))
                 continue
             params = [p for _, p, _ in items]
             groups = [g for _, _, g in items]
-            entries = [k for k, _, _ in items]
             proxies = [nn.Parameter(p.data, requires_grad=p.requires_grad) for p in params]
-            whole = self._chunk(proxies, params, groups, list(range(len(params))), entries)
-            runs = chunked(params, self.chunk_bytes) if storage.shadow is not None and not sharded else []
-            chunks = [self._chunk([proxies[r] for r in run], [params[r] for r in run], [groups[r] for r in run],
-                                  run, [entries[r] for r in run]) for run in runs] if len(runs) > 1 else []
+            whole = self._chunk(proxies, params, groups)
             # Sharded, the shadow is written once every rank's part of the slice has arrived.
-            self._steps.append(SliceStep(index, storage, whole, chunks, writes_shadow=not sharded))
+            self._steps.append(SliceStep(index, storage, whole, writes_shadow=not sharded))
         self._rest = []
         if rest:
             params = [p for p, _ in rest]
             proxies = [nn.Parameter(p.data, requires_grad=p.requires_grad) for p in params]
-            whole = self._chunk(proxies, params, [g for _, g in rest], list(range(len(params))), [])
-            self._rest = [SliceStep(-1, None, whole, [])]
+            whole = self._chunk(proxies, params, [g for _, g in rest])
+            self._rest = [SliceStep(-1, None, whole)]
         self._plan_key = key
 
-    def _chunk(self, proxies: list[nn.Parameter], params: list[torch.Tensor], groups: list[int],
-               positions: list[int], entries: list[int]) -> Chunk:
+    def _chunk(self, proxies: list[nn.Parameter], params: list[torch.Tensor], groups: list[int]) -> Chunk:
         """An inner optimizer over ``proxies`` of ``params``, each in its user group's settings."""
         by_group: dict[int, list[nn.Parameter]] = {}
         for proxy, g in zip(proxies, groups):
@@ -330,7 +315,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         inner = self.optimizer_class(inner_groups, **self.optimizer_kwargs)
         inner._offload_inner = True  # type: ignore[attr-defined]
         inner.state = StateByProxy(self, dict(zip(proxies, params)))  # type: ignore[assignment]
-        return Chunk(inner, proxies, params, list(by_group), positions, entries)
+        return Chunk(inner, proxies, params, list(by_group))
 
 
 def _owners(slices: list[list[torch.Tensor]], world_size: int) -> list[list[int]]:

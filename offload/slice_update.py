@@ -5,12 +5,22 @@ parameters (the host copies) but are objects of their own, so that a proxy's ``.
 gradient captured when ``step()`` was called while the user's ``.grad`` is already reset for the
 next step. The optimizer state is keyed by the user's parameters, as the plain optimizer keys it,
 through :class:`StateByProxy`; so ``state_dict()`` has the plain optimizer's format, and, because
-every ``torch.optim`` update treats each parameter on its own, stepping a slice's parameters (in
-chunks) gives bit for bit what stepping all of them at once gives.
+every ``torch.optim`` update treats each parameter on its own, stepping a slice's parameters
+gives bit for bit what stepping all of them at once gives.
 
-A slice is stepped in chunks of parameters that fit in the CPU caches: under a compute dtype each
-chunk's fresh masters are cast into the slice's shadow right after their update, while they are
-still in cache, instead of in a separate pass over host memory before the next load.
+A slice is stepped by one call of the optimizer, so an optimizer that raises before changing
+anything (checking its arguments, allocating state or a temporary) leaves the whole slice as it
+was. Under a compute dtype the slice's shadow is then cast from the fresh masters on the worker,
+beside the device's work, instead of on the thread that drives the next forward. See Note:
+[Whole-slice update].
+
+Note: [Whole-slice update]
+    Stepping a slice in cache-sized chunks and casting each chunk's shadow right after its update
+    would read the masters once instead of twice, but a failure in a later chunk would leave the
+    earlier ones updated. Measured when the update was chunked (the chunk sweeps in
+    ``benchmarks/results/optimizer_cpu_2026-11-22.json`` and ``optimizer_chunks_cpu_2026-11-22.json``,
+    README), the per-chunk optimizer calls cost more than the cache hits saved, at every chunk size
+    tried: the whole slice, then its shadow, is both the simpler guarantee and the faster update.
 """
 
 from __future__ import annotations
@@ -54,14 +64,13 @@ class StateByProxy(MutableMapping[torch.Tensor, dict[str, Any]]):
 
 @dataclass
 class Chunk:
-    """Parameters of one slice stepped together, by one inner optimizer over their proxies."""
+    """Parameters stepped together (a slice's, or those outside the model), by one inner
+    optimizer over their proxies."""
 
     optimizer: torch.optim.Optimizer
     proxies: list[nn.Parameter]
     params: list[torch.Tensor]
     group_of: list[int]  # per inner group: the index of the user's group it comes from
-    positions: list[int]  # where its parameters are in the slice's list
-    entries: list[int]  # the storage entries of its parameters (for the shadow)
 
     def step(self, grads: Sequence[torch.Tensor | None], hyper: Sequence[dict[str, Any]],
              grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
@@ -90,15 +99,13 @@ class SliceStep:
     """Everything needed to step one slice's parameters.
 
     Attributes:
-        whole: one inner optimizer over all of the slice's parameters.
-        chunks: inner optimizers over cache-sized runs of them, used once their state exists when
-            the slice has a shadow to write; empty otherwise.
+        whole: one inner optimizer over all of the slice's parameters (see Note: [Whole-slice
+            update]).
     """
 
     index: int
     storage: SliceStorage | None  # None: parameters outside the model, stepped where step() is called
     whole: Chunk | None  # None: this rank owns none of the slice's parameters (sharded update)
-    chunks: list[Chunk]
     writes_shadow: bool = True  # sharded, the shadow is written after the other ranks' parts arrive
 
     def needs_bind(self) -> bool:
@@ -121,9 +128,9 @@ class SliceStep:
         """Step the slice with the gradients (aligned with ``whole.params``) and hyperparameters
         captured by ``step()``, then write its shadow, if it has one, from the fresh masters.
 
-        Chunk by chunk once the optimizer state exists, so each chunk is cast while in cache; in
-        one step of the whole slice otherwise (the first step), so that an optimizer that fails
-        while setting up its state leaves the slice as it was.
+        One optimizer call steps the whole slice, and the shadow is written only after it
+        returned: an optimizer that raises before changing anything leaves the slice, and its
+        shadow, as they were (see Note: [Whole-slice update]).
 
         Raises:
             HostUpdateError: the optimizer raised.
@@ -131,18 +138,10 @@ class SliceStep:
         shadow = self.writes_shadow and self.storage is not None and self.storage.shadow is not None
         assert self.whole is not None
         try:
-            if self.chunks and self._state_ready(grads):
-                for chunk in self.chunks:
-                    chunk.step([grads[k] for k in chunk.positions], hyper, grad_scale, found_inf)
-                    if shadow:
-                        self._cast(chunk.entries)
-                if shadow:
-                    self._cast(self._entries_left())
-            else:
-                self.whole.step(grads, hyper, grad_scale, found_inf)
-                if shadow:
-                    assert self.storage is not None
-                    self._cast(list(range(len(self.storage.entries))))
+            self.whole.step(grads, hyper, grad_scale, found_inf)
+            if shadow:
+                assert self.storage is not None
+                self.storage.write_shadow(0, len(self.storage.entries))
         except Exception as error:
             raise HostUpdateError(
                 f"the optimizer raised while updating slice {self.index} of the model on the host: slices "
@@ -153,38 +152,3 @@ class SliceStep:
         if shadow:
             assert self.storage is not None
             self.storage.shadow_written()
-
-    def _state_ready(self, grads: Sequence[torch.Tensor | None]) -> bool:
-        assert self.whole is not None
-        state = self.whole.optimizer.state
-        return all(g is None or state[proxy] for proxy, g in zip(self.whole.proxies, grads))
-
-    def _cast(self, entries: Sequence[int]) -> None:
-        """Write the shadow of ``entries`` (consecutive runs of them at a time)."""
-        storage = self.storage
-        assert storage is not None
-        start = 0
-        for k in range(1, len(entries) + 1):
-            if k == len(entries) or entries[k] != entries[k - 1] + 1:
-                storage.write_shadow(entries[start], entries[k - 1] + 1)
-                start = k
-
-    def _entries_left(self) -> list[int]:
-        """Entries no chunk writes: parameters this optimizer does not step, and buffers."""
-        assert self.storage is not None
-        written = {k for chunk in self.chunks for k in chunk.entries}
-        return [k for k in range(len(self.storage.entries)) if k not in written]
-
-
-def chunked(params: Sequence[torch.Tensor], chunk_bytes: int) -> list[list[int]]:
-    """Consecutive runs of parameter positions, each at most ``chunk_bytes`` (or one parameter)."""
-    runs: list[list[int]] = []
-    size = 0
-    for position, param in enumerate(params):
-        nbytes = param.numel() * param.element_size()
-        if not runs or size + nbytes > chunk_bytes:
-            runs.append([])
-            size = 0
-        runs[-1].append(position)
-        size += nbytes
-    return runs

@@ -262,14 +262,14 @@ def second_model_after_compute(build: Build) -> list[torch.Tensor]:
 def offload_optimizer(build: Build) -> list[torch.Tensor]:
     """OffloadOptimizer: updates on a host worker, each slice's load waiting for its update."""
     model = build(mlp(dropout=0.1), num_slices=4)
-    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True, chunk_bytes=512)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
     return train(model, steps=3, optimizer=optimizer)
 
 
 def offload_optimizer_bfloat16(build: Build) -> list[torch.Tensor]:
     """The update writes each slice's bfloat16 shadow; the next forward loads it as it is."""
     model = build(mlp(norm=True), num_slices=3, compute_dtype=torch.bfloat16)
-    optimizer = OffloadOptimizer(model, torch.optim.SGD, lr=0.1, momentum=0.9, chunk_bytes=512)
+    optimizer = OffloadOptimizer(model, torch.optim.SGD, lr=0.1, momentum=0.9)
     return train(model, steps=3, optimizer=optimizer)
 
 

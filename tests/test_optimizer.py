@@ -37,7 +37,7 @@ def batch(step: int) -> torch.Tensor:
     return torch.randn(5, 6, generator=torch.Generator().manual_seed(step))
 
 
-def pair(cls, kwargs, compute_dtype=None, num_slices=3, chunk_bytes=256):
+def pair(cls, kwargs, compute_dtype=None, num_slices=3):
     """The plain optimizer on an OffloadModel and OffloadOptimizer on a twin: the only difference
     is who steps the host parameters."""
     plain_model = OffloadModel(network(), device="cpu", num_slices=num_slices, compute_dtype=compute_dtype)
@@ -45,7 +45,7 @@ def pair(cls, kwargs, compute_dtype=None, num_slices=3, chunk_bytes=256):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the per-tensor warning, about the reference itself
         plain = cls(plain_model.parameters(), **kwargs)
-    return (plain_model, plain), (model, OffloadOptimizer(model, cls, chunk_bytes=chunk_bytes, **kwargs))
+    return (plain_model, plain), (model, OffloadOptimizer(model, cls, **kwargs))
 
 
 def loss_of(model: nn.Module, step: int) -> torch.Tensor:
@@ -274,6 +274,48 @@ def test_a_failing_update_surfaces_at_the_next_call_and_leaves_later_slices_unto
     optimizer.synchronize()
 
 
+class FailsOn(torch.optim.SGD):
+    """SGD that raises, before changing anything, when it is asked to step the tensor whose
+    memory starts at ``target``."""
+
+    target: int | None = None
+
+    def step(self, closure=None):
+        if any(p.data_ptr() == FailsOn.target for group in self.param_groups for p in group["params"]):
+            raise MemoryError("no memory for a temporary (simulated)")
+        return super().step(closure)
+
+
+def test_a_failure_before_any_change_leaves_the_whole_slice_unchanged_with_a_shadow():
+    # With compute_dtype the update also writes the shadow; the failing parameter is the last of
+    # its slice, so anything that stepped the slice's parameters a part at a time would already
+    # have changed the others (see Note: [Whole-slice update] in offload/slice_update.py).
+    model = OffloadModel(network(), device="cpu", num_slices=2, compute_dtype=torch.bfloat16)
+    optimizer = OffloadOptimizer(model, FailsOn, lr=0.1, momentum=0.9)
+    FailsOn.target = None
+    for step in range(2):  # the second step finds the momentum state in place
+        loss_of(model, step).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    loss_of(model, 2).backward()
+    slices = model._engine.slices
+    before = [[e.tensor.detach().clone() for e in s.storage.params] for s in slices]
+    FailsOn.target = slices[0].storage.params[-1].tensor.data_ptr()
+    optimizer.step()
+    with pytest.raises(HostUpdateError, match="slice 0"):
+        optimizer.synchronize()
+    for s, old in zip(slices, before):
+        for e, value in zip(s.storage.params, old):
+            assert torch.equal(e.tensor, value), f"slice {s.index} changed"
+    # The next forward loads the masters as they are, and training goes on.
+    FailsOn.target = None
+    plain = OffloadModel(copy.deepcopy(network()), device="cpu", num_slices=2, compute_dtype=torch.bfloat16)
+    plain.load_state_dict(model.state_dict())
+    torch.testing.assert_close(model(batch(3)), plain(batch(3)), **EXACT)
+    optimizer.step()
+    optimizer.synchronize()
+
+
 def test_worker_thread_count_is_set_and_checked():
     model = recorded_model()
     optimizer = OffloadOptimizer(model, Recorded, lr=0.1, num_threads=1)
@@ -301,7 +343,7 @@ def test_bad_arguments_get_clear_errors():
 
 def test_the_compute_dtype_shadow_is_written_by_the_update_not_by_the_forward():
     model = OffloadModel(network(), device="cpu", num_slices=3, compute_dtype=torch.bfloat16)
-    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True, chunk_bytes=512)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
     refreshes = []
     for storage in (s.storage for s in model._engine.slices):
         original = storage.refresh_shadow
