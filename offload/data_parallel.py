@@ -6,7 +6,8 @@ Note: [Gradient averaging]
     parameters and buffers. In backward, each slice's gradients are averaged across the group as
     soon as they exist, while backward goes on with the slices before it (a milestone subscriber,
     ``offload/milestones.py``): with a gloo group on the host copies of the gradients, in a host
-    worker once they have landed; with NCCL on the device, before they leave. When backward
+    worker once they have landed; with NCCL on the device, on a communication stream, before they
+    leave (Note: [Device collectives] in ``offload/streams/collectives.py``). When backward
     returns they are averaged and final on the host, and autograd accumulates them into
     ``.grad`` as usual. Averaging the per-rank gradients of per-rank mean losses gives the
     gradient of the mean loss over the concatenated batch, up to the order of the additions.
@@ -31,7 +32,7 @@ import torch.distributed as dist
 
 from .engine import Engine
 from .streams import PendingGradients, SliceGradients
-from .streams.collectives import HostCollectives, average_on_device
+from .streams.collectives import DeviceCollectives, HostCollectives
 
 
 def check_group(group: Any, device: torch.device) -> str:
@@ -72,6 +73,7 @@ class DataParallel:
         self.world_size = dist.get_world_size(group)
         self.on_device = "nccl" in backend
         self.host = None if self.on_device else HostCollectives(engine.copies, group)
+        self.device_collectives = DeviceCollectives(engine.copies, group) if self.on_device else None
         self.sync = True
         self._sync_of: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
         self._events: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
@@ -146,7 +148,8 @@ class DataParallel:
                 moved, ready = self.engine.copies.to_device(local)
                 self.engine.copies.wait_ready(ready)
                 tensor.add_(moved)
-        average_on_device(present, self.group, self.world_size)
+        assert self.device_collectives is not None
+        grads.reduced = self.device_collectives.average(present)
 
     def gradients_leaving(self, token: Any, index: int, pending: PendingGradients) -> None:
         if self.on_device or not self._sync_of.get(token, True):
@@ -165,6 +168,8 @@ class DataParallel:
         self._events[token] = []
         for event in events:
             self.engine.copies.wait_host(event)  # raises CollectiveError if a rank failed
+        if self.device_collectives is not None:
+            self.device_collectives.landed()  # the offloads after the reductions have completed
         landed = [(entry.tensor, view) for index, p in pending.items()
                   for entry, view in zip(self.engine.slices[index].storage.params, p.host_views) if view is not None]
         if sync:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -11,9 +12,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from offload import OffloadModel, OffloadOptimizer
+from offload import data_parallel
 from offload.data_parallel import check_group
 from offload.optimizer import _owners
 from offload.presets import build_preset
+from offload.streams import StreamBackend, using_backend
 
 from .dist_workers import data, network
 
@@ -170,6 +173,100 @@ def test_sharding_without_a_group_is_refused():
     model = OffloadModel(network(seed=0), device="cpu", num_slices=2)
     with pytest.raises(ValueError, match="needs a process group"):
         OffloadOptimizer(model, torch.optim.AdamW, lr=1e-3, shard=True)
+
+
+class RecordingBackend(StreamBackend):
+    """Streams that only log the orderings asked of them; copies and device work run at once, on
+    the CPU. Events are ``(stream, count)``."""
+
+    def __init__(self) -> None:
+        self.device = torch.device("cpu")
+        self.log: list[tuple] = []
+        self.current = "compute"
+        self.recorded = 0
+
+    def current_stream(self):
+        return self.current
+
+    def new_stream(self, role):
+        return role
+
+    def record(self, stream):
+        self.recorded += 1
+        return (stream, self.recorded)
+
+    def wait_event(self, stream, event):
+        self.log.append(("wait_event", stream, event))
+
+    def wait_stream(self, stream, other):
+        self.log.append(("wait_stream", stream, other))
+
+    def synchronize_event(self, event):
+        if hasattr(event, "synchronize"):
+            event.synchronize()  # a host worker's
+
+    def synchronize_stream(self, stream):
+        pass
+
+    def copy(self, dst, src, stream, to_device):
+        dst.copy_(src)
+        self.log.append(("copy", stream, "to device" if to_device else "to host"))
+
+    def mark_used(self, tensor, stream):
+        self.log.append(("mark_used", stream))
+
+    def empty_host(self, nbytes):
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def is_pinned(self, tensor):
+        return True
+
+    @contextlib.contextmanager
+    def issuing_on(self, stream):
+        previous, self.current = self.current, stream
+        try:
+            yield
+        finally:
+            self.current = previous
+
+
+def test_device_averages_run_on_a_communication_stream_that_the_offload_waits_for(tmp_path, monkeypatch):
+    """The NCCL path's orderings (Note: [Device collectives]), asked of a backend that records them:
+    a gloo group of one process stands in for NCCL, the host for the device."""
+    backend = RecordingBackend()
+    reductions = []
+    all_reduce = dist.all_reduce
+
+    def recorded_all_reduce(tensor, *args, async_op=False, **kwargs):
+        reductions.append((backend.current, async_op))
+        return all_reduce(tensor, *args, async_op=async_op, **kwargs)
+
+    monkeypatch.setattr(dist, "all_reduce", recorded_all_reduce)
+    monkeypatch.setattr(data_parallel, "check_group", lambda group, device: "nccl")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        with using_backend(backend):
+            model = OffloadModel(network(seed=0), device="cpu", num_slices=3, process_group=dist.group.WORLD)
+        backend.log.clear()
+        model(data(0, 1)).pow(2).mean().backward()
+    finally:
+        dist.destroy_process_group()
+    reference = network(seed=0)
+    reference(data(0, 1)).pow(2).mean().backward()
+    for got, want in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(got.grad, want.grad)
+
+    assert reductions and all(r == ("communication", True) for r in reductions)
+    log = backend.log
+    offloads = [k for k, entry in enumerate(log) if entry[:3] == ("copy", "offload", "to host")]
+    waits = [k for k, entry in enumerate(log) if entry[:2] == ("wait_event", "offload")
+             and entry[2][0] == "communication"]
+    # Every slice: the communication stream waits for compute, the offload for the reduction.
+    assert log.count(("wait_stream", "communication", "compute")) == 3
+    assert len(waits) == 3 and all(any(w < k for k in offloads) for w in waits)
+    first_offload_after = [min(k for k in offloads if k > w) for w in waits]
+    assert len(set(first_offload_after)) == 3  # one wait before each slice's gradients leave
+    assert log.count(("mark_used", "communication")) == len(reductions)
 
 
 @pytest.mark.cuda

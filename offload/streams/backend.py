@@ -93,6 +93,15 @@ class StreamBackend(abc.ABC):
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is host memory that copies can use asynchronously."""
 
+    def issuing_on(self, stream: Stream) -> contextlib.AbstractContextManager[Any]:
+        """A block whose device work (kernels, collectives) is queued on ``stream`` instead of the
+        compute stream. Backends that cannot run device work on a side stream raise.
+
+        Raises:
+            NotImplementedError: this backend has no such streams (the stream-ordering checker).
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot queue device work on a side stream")
+
     def new_worker(self, role: str, num_threads: int | None = None) -> HostWorker:
         """A host worker (see ``workers.py``): submitted work runs in order, off the calling thread;
         its ``record()`` events can be passed to :meth:`synchronize_event`."""
@@ -141,6 +150,9 @@ class CudaBackend(StreamBackend):
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream, to_device: bool) -> None:
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
+
+    def issuing_on(self, stream: Stream) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.stream(stream)
 
     def mark_used(self, tensor: torch.Tensor, stream: Stream) -> None:
         tensor.record_stream(stream)

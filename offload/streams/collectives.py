@@ -6,11 +6,39 @@ program submits them: the gradient averages of each backward, slice by slice, th
 broadcasts of a sharded optimizer step. Each waits, in the worker, for the copy or the update that
 produced its data (the ``after`` events), and the caller's thread goes on meanwhile, so the
 averages overlap the backward of earlier slices. Collectives on device memory (NCCL) are issued by
-the caller's thread on the compute stream, where the data is produced, and the offload that
-follows is ordered after them like after any compute.
+the caller's thread on a communication stream; see Note: [Device collectives].
 
 A collective that fails (a timeout because another rank died, a broken connection) is raised, at
 the next wait, as :class:`CollectiveError`, saying on which rank and what it was doing.
+
+Note: [Device collectives]
+    A slice's gradients are averaged on the device (NCCL) on ``communication_stream``, so the
+    reduction runs while compute goes on with the backward of the slices before it. The orderings,
+    each made in :meth:`DeviceCollectives.average`:
+
+    1. The communication stream waits for all compute issued so far: the gradients were produced
+       there (and the local sums of ``no_sync`` steps were added to them there).
+    2. The collectives are issued with ``async_op=True`` while the communication stream is the
+       current stream: NCCL runs them on its own stream, after the work queued on the current one;
+       ``Work.wait()`` makes the current (communication) stream wait for them without blocking the
+       CPU. The division by the world size is queued there after them.
+    3. The returned event travels with the slice's gradients (``SliceGradients.reduced``); the
+       offload that copies them to the host waits for it on the offload stream. Compute never waits
+       for it: the next writer of a summation buffer waits for that buffer's offload, which comes
+       after the reduction, and nothing else writes the gradients.
+    4. Each gradient is marked as used by the communication stream: autograd's own gradient
+       tensors are dropped once their offload is queued, and the allocator must not hand their
+       memory out before the reduction is done with it. The ``Work`` handles are kept until the
+       backward's gradients have landed on the host (so after every reduction completed), in case
+       the process group keeps its tensors alive through them rather than by marking them.
+    5. After an exception, the copy engine drains the communication stream with its own (rule 5
+       of Note: [Copy ordering]).
+
+    The stream-ordering checker does not run this path: it simulates one process whose "device"
+    is host memory, and no process group reduces on its simulated streams. Modelling it would take
+    a simulated collective (a deferred in-place operation on a side stream) and device work issued
+    on a side stream, which the checker's dispatch attributes to the compute stream today. The
+    orderings above are the copy engine's rules 1 to 3 applied to one more side stream.
 """
 
 from __future__ import annotations
@@ -83,9 +111,50 @@ class HostCollectives:
         return self.submit(what, work, after)
 
 
-def average_on_device(tensors: Sequence[torch.Tensor], group: Any, world_size: int) -> None:
-    """Replace each device tensor by its mean over the group, queued on the compute stream."""
-    with torch.no_grad():
-        for tensor in tensors:
-            dist.all_reduce(tensor, group=group)
-            tensor.div_(world_size)
+class DeviceCollectives:
+    """The device-memory collectives (NCCL) of one process group, on a communication stream; see
+    Note: [Device collectives].
+
+    Args:
+        copies: the copy engine (its backend and streams). Without a backend (copies made
+            synchronous) the collectives run on the compute stream and block it.
+        group: the process group.
+    """
+
+    def __init__(self, copies: CopyStreams, group: Any) -> None:
+        self.copies = copies
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        # Reductions run here so that they overlap the backward of the slices before them.
+        self.communication_stream = copies.new_side_stream("communication") if copies.backend is not None else None
+        self._in_flight: list[Any] = []  # Work handles, until the reductions are known done
+
+    def average(self, tensors: Sequence[torch.Tensor]) -> Event | None:
+        """Replace each device tensor by its mean over the group; returns the event after which
+        the means are there (``None`` when they are there on return)."""
+        backend, stream = self.copies.backend, self.communication_stream
+        with torch.no_grad():
+            if backend is None or stream is None:
+                for tensor in tensors:
+                    dist.all_reduce(tensor, group=self.group)
+                    tensor.div_(self.world_size)
+                return None
+            # Ordering 1: the gradients were produced by the compute issued so far.
+            backend.wait_stream(stream, backend.current_stream())
+            with backend.issuing_on(stream):
+                for tensor in tensors:
+                    work = dist.all_reduce(tensor, group=self.group, async_op=True)
+                    # Ordering 2: the division, and whatever waits for this stream, come after the sum.
+                    work.wait()
+                    tensor.div_(self.world_size)
+                    self._in_flight.append(work)
+            reduced = backend.record(stream)
+            for tensor in tensors:
+                # Ordering 4: if the gradient is freed first, the reduction may still be using it.
+                backend.mark_used(tensor, stream)
+            return reduced
+
+    def landed(self) -> None:
+        """Every reduction issued so far is done (the offloads after them completed): let go of
+        their handles."""
+        self._in_flight.clear()

@@ -70,7 +70,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from ..labels import label as region
-from .backend import Event, StreamBackend, backend_for
+from .backend import Event, Stream, StreamBackend, backend_for
 from .workers import HostWorker
 
 #: Set to 1 to make every copy synchronous, for bisecting a suspected ordering bug.
@@ -101,6 +101,7 @@ class CopyStreams:
             self.load_stream = backend.new_stream("load")
             # Offloads run here so gradients and activations leave while the next slice computes.
             self.offload_stream = backend.new_stream("offload")
+        self._other_streams: list[Stream] = []  # side streams of collectives, drained with these
         # Bytes copied so far, per direction: benchmarks compare them with the link's bandwidth.
         self.loaded_bytes = 0
         self.offloaded_bytes = 0
@@ -172,8 +173,8 @@ class CopyStreams:
         """Copy ``src`` (device) into ``dst`` (host); return the ready event.
 
         Args:
-            after: events that must complete before ``dst`` may be overwritten (a pending load
-                that still reads it).
+            after: events that must complete first: a pending load that still reads ``dst``, or
+                a collective that still rewrites ``src``.
             src_may_change: later compute may update ``src`` in place; copy a private snapshot.
         """
         return self.offload_many([dst], [src], after=after, src_may_change=src_may_change, label=label)
@@ -196,7 +197,7 @@ class CopyStreams:
             backend.wait_stream(self.offload_stream, self._compute_stream())
             for event in after:
                 if event is not None:
-                    # A previous load still reads this host memory.
+                    # A previous load still reads this host memory, or a collective the sources.
                     backend.wait_event(self.offload_stream, event)
             for dst, src in zip(dsts, srcs):
                 backend.copy(dst, src, self.offload_stream, to_device=False)
@@ -287,7 +288,23 @@ class CopyStreams:
         # Rule 5: device memory the side streams touch is reused by compute next.
         backend.wait_stream(compute, self.load_stream)
         backend.wait_stream(compute, self.offload_stream)
+        for stream in self._other_streams:
+            # Rule 5: a collective's stream may still rewrite gradients that compute reuses next.
+            backend.wait_stream(compute, stream)
         # Rule 5: host memory they touch is reused by the CPU next.
         backend.synchronize_stream(self.load_stream)
         backend.synchronize_stream(self.offload_stream)
         self._last_load = None
+
+    def new_side_stream(self, role: str) -> Stream:
+        """Another side stream, for device work that overlaps compute (a collective's; see
+        Note: [Device collectives] in ``collectives.py``); drained with the copy streams.
+
+        Raises:
+            RuntimeError: copies are synchronous (no backend, so no streams).
+        """
+        if self.backend is None:
+            raise RuntimeError("internal error: a side stream was asked for with synchronous copies")
+        stream = self.backend.new_stream(role)
+        self._other_streams.append(stream)
+        return stream

@@ -54,6 +54,8 @@ class SliceGradients:
             microbatch needs a device buffer to sum into.
         sums: once summing started, per parameter its view into the device buffer.
         nbytes: bytes of all needed gradients laid out by :attr:`places`.
+        reduced: an event the offload waits for: a collective still rewriting the device
+            gradients (Note: [Device collectives] in ``collectives.py``), or ``None``.
     """
 
     places: list[_Place | None]
@@ -63,6 +65,7 @@ class SliceGradients:
     held: list[torch.Tensor | None] = field(init=False)
     sums: list[torch.Tensor | None] | None = None
     buffer_index: int | None = None
+    reduced: Event | None = None
 
     def __post_init__(self) -> None:
         self.received = [False] * len(self.places)
@@ -167,12 +170,13 @@ class GradientOffloader:
             assert grads.buffer_index is not None
             device = self._buffers[grads.buffer_index]
             assert device is not None
-            ready = self.copies.offload(host.data, device[:grads.nbytes], after=(host.read_event,), label=label)
+            ready = self.copies.offload(host.data, device[:grads.nbytes], after=(host.read_event, grads.reduced),
+                                        label=label)
             self._offloaded[grads.buffer_index] = ready
         else:
             pairs = [(h, g) for h, g in zip(host_views, grads.held) if h is not None and g is not None]
             ready = self.copies.offload_many([h for h, _ in pairs], [g for _, g in pairs],
-                                             after=(host.read_event,), label=label)
+                                             after=(host.read_event, grads.reduced), label=label)
             grads.held = [None] * len(grads.places)
         self.offloaded_bytes += sum(v.numel() * v.element_size() for v in host_views if v is not None)
         return PendingGradients(host_views, ready)
