@@ -196,6 +196,26 @@ class OffloadModel(nn.Module):
         self._settle()
         return super().named_parameters(*args, **kwargs)
 
+    def named_modules(self, *args: Any, **kwargs: Any) -> Any:
+        # modules(), buffers() and apply() come through here: the submodules hold the parameters.
+        self._settle()
+        return super().named_modules(*args, **kwargs)
+
+    def named_children(self) -> Any:
+        self._settle()  # children() comes through here
+        return super().named_children()
+
+    def train(self, mode: bool = True) -> OffloadModel:
+        """Set training mode, as ``nn.Module.train``, without waiting for pending updates: it sets
+        flags and reads no parameter (``nn.Module.train`` would ask ``children()``, which waits)."""
+        if not isinstance(mode, bool):
+            raise ValueError("training mode is expected to be boolean")
+        self.training = mode
+        for layer in self._modules.values():
+            if layer is not None:
+                layer.train(mode)
+        return self
+
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         self._settle()
         return super().state_dict(*args, **kwargs)
@@ -216,6 +236,29 @@ class OffloadModel(nn.Module):
             setattr(twin, name, getattr(self, name))
         twin._adopt([(list(s.names), copy.deepcopy(s.layers, memo)) for s in self._engine.slices])
         twin._data_parallel = None  # a copy is local: building one must not need the other ranks
+        return twin
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickling (torch.save(model)): the engine's streams, events, worker threads and pinned
+        # buffers don't pickle, and need not: keep the layers, the settings and how the layers
+        # were cut, and build a new engine when loading (__setstate__).
+        self._settle()
+        state = self.__dict__.copy()
+        state["_slice_names"] = [list(s.names) for s in state.pop("_engine").slices]
+        state["_data_parallel"] = None  # a loaded model is local, as a deep copy is
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        names = state.pop("_slice_names")
+        super().__setstate__(state)
+        self._adopt([(list(group), [self._modules[name] for name in group]) for group in names])
+
+    def __copy__(self) -> OffloadModel:
+        # A shallow copy shares the engine, as nn.Module's default copy shares everything; going
+        # through __getstate__ would build a second engine over the same parameters.
+        twin = type(self).__new__(type(self))
+        twin.__dict__.update(self.__dict__)
         return twin
 
     # -- inspection --------------------------------------------------------------------------
@@ -300,7 +343,9 @@ class OffloadModel(nn.Module):
     def _warn_microbatch_batchnorm(self) -> None:
         if self._warned_microbatch_batchnorm or self.num_microbatches == 1 or not self.training:
             return
-        if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.modules()):
+        # The engine's layers, not self.modules(): that would wait for pending updates.
+        layers = (m for s in self._engine.slices for layer in s.layers for m in layer.modules())
+        if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in layers):
             self._warned_microbatch_batchnorm = True
             warnings.warn(
                 "OffloadModel with num_microbatches > 1 runs BatchNorm layers on each microbatch, so "

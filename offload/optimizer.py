@@ -17,10 +17,11 @@ Note: [Overlapped host update]
     scheduler or a ``GradScaler.update()`` right after it cannot change the update.
 
     What reads the parameters through the model (``parameters()``, ``named_parameters()``,
-    ``state_dict()``, ``load_state_dict()``, ``zero_grad()``, submodules by attribute) or through
-    this optimizer (``state_dict()``, ``synchronize()``) first waits for every pending update. The
-    one thing that does not: a reference to a parameter (or to the model's submodule) taken
-    before ``step()``; call ``synchronize()`` before reading through it.
+    ``modules()``, ``children()``, ``state_dict()``, ``load_state_dict()``, ``zero_grad()``,
+    submodules by attribute, pickling) or through this optimizer (``state_dict()``,
+    ``synchronize()``) first waits for every pending update. The one thing that does not: a
+    reference to a parameter (or to the model's submodule) taken before ``step()``; call
+    ``synchronize()`` before reading through it.
 """
 
 from __future__ import annotations

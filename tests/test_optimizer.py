@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from offload import OffloadModel, OffloadOptimizer
 from offload.slice_update import HostUpdateError
@@ -137,6 +138,29 @@ def test_state_dicts_move_both_ways():
     assert_same(plain_model, plain, model, optimizer)
 
 
+def test_a_whole_model_saves_loads_and_trains_on(tmp_path):
+    model = OffloadModel(network(), device="cpu", num_slices=3, compute_dtype=torch.bfloat16)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
+    loss_of(model, 0).backward()
+    optimizer.step()  # pending while the model is saved: saving waits for it
+    torch.save(model, tmp_path / "model.pt")
+    torch.save(optimizer.state_dict(), tmp_path / "optimizer.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert isinstance(loaded, OffloadModel) and loaded.partition == model.partition
+    assert loaded.compute_dtype == torch.bfloat16
+    loaded_optimizer = OffloadOptimizer(loaded, torch.optim.AdamW, lr=1e-2, fused=True)
+    loaded_optimizer.load_state_dict(torch.load(tmp_path / "optimizer.pt"))
+    assert_same(model, optimizer, loaded, loaded_optimizer)
+    for step in range(1, 3):  # both train on, with memory of their own
+        for m, opt in ((model, optimizer), (loaded, loaded_optimizer)):
+            opt.zero_grad()
+            loss_of(m, step).backward()
+            opt.step()
+    assert_same(model, optimizer, loaded, loaded_optimizer)
+    assert all(a.data_ptr() != b.data_ptr() for a, b in zip(model.parameters(), loaded.parameters()))
+    assert copy.copy(loaded)._engine is loaded._engine  # a shallow copy shares, as before
+
+
 def test_parameters_outside_the_model_are_stepped_too():
     model = OffloadModel(network(), device="cpu", num_slices=3)
     scale = nn.Parameter(torch.ones(3))
@@ -233,24 +257,65 @@ def test_the_next_forward_overlaps_the_update_of_later_slices():
 def test_reads_through_the_model_and_the_optimizer_wait_for_the_update():
     model = recorded_model()
     optimizer = OffloadOptimizer(model, Recorded, lr=0.1)
-    Recorded.delay = 0.02
     model(batch(0)).sum().backward()
     expected = OffloadModel(network(), device="cpu", num_slices=4)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         plain = torch.optim.SGD(expected.parameters(), lr=0.1)
     expected(batch(0)).sum().backward()
-    reads = (lambda: list(model.parameters()), lambda: model.state_dict(), lambda: model.get_submodule("0"),
-             lambda: optimizer.state_dict(), optimizer.synchronize)
-    for read in reads:
-        optimizer.step()  # the same gradients every time: five identical updates
-        read()
-        assert not model._engine.updates.pending()
+    ema_of = {id(m): AveragedModel(m, multi_avg_fn=get_ema_multi_avg_fn(0.5)) for m in (model, expected)}
+
+    def values(tensors):
+        return [t.detach().clone() for t in tensors]
+
+    def ema(m):  # an EMA helper, reading the parameters right after step()
+        ema_of[id(m)].update_parameters(m)
+        return values(ema_of[id(m)].module.parameters())
+
+    def through_optimizer(read):
+        def run(m):
+            if m is model:
+                read()
+            return []
+        return run
+
+    # Each read, applied to the model right after step() and to the reference after its plain
+    # step, must see the same values.
+    reads = [
+        lambda m: values(m.parameters()),
+        lambda m: values(p for _, p in m.named_parameters()),
+        lambda m: values(p for module in m.modules() for p in module.parameters(recurse=False)),
+        lambda m: values(p for _, module in m.named_modules() for p in module.parameters(recurse=False)),
+        lambda m: values(p for child in m.children() for p in child.parameters()),
+        lambda m: values(m.state_dict().values()),
+        lambda m: values(m.get_submodule("0").parameters()),
+        ema,
+        through_optimizer(optimizer.state_dict),
+        through_optimizer(optimizer.synchronize),
+    ]
+    for k, read in enumerate(reads):
+        optimizer.step()  # the same gradients every time: identical updates
+        seen = read(model)
+        assert not model._engine.updates.pending(), f"read {k} did not wait"
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             plain.step()
+        for a, b in zip(seen, read(expected), strict=True):
+            torch.testing.assert_close(a, b, **EXACT, msg=lambda m: f"read {k}: {m}")
     for a, b in zip(model.parameters(), expected.parameters()):
         torch.testing.assert_close(a, b, **EXACT)
+
+
+def test_train_and_eval_do_not_wait_for_the_update():
+    model = recorded_model()
+    optimizer = OffloadOptimizer(model, Recorded, lr=0.1)
+    model(batch(0)).sum().backward()
+    optimizer.step()
+    model.eval()
+    model.train()
+    assert model._engine.updates.pending()
+    assert all(m.training for m in model.modules())
+    assert not model._engine.updates.pending()  # modules() waited
 
 
 def test_a_failing_update_surfaces_at_the_next_call_and_leaves_later_slices_untouched():
