@@ -107,7 +107,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._steps: list[SliceStep] = []
         self._rest: list[SliceStep] = []
         self._worker: Any = None
-        self._offload_outer = True  # the per-tensor warning is about plain optimizers
+        self._offload_outer = True  # the per-tensor warning names optimizer_class (per_tensor_warning.py)
         self._collectives = self._sharding(shard, process_group)
         self._shared: dict[int, tuple[list[torch.Tensor], list[int]]] = {}
 

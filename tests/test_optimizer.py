@@ -425,21 +425,31 @@ def test_the_compute_dtype_shadow_is_written_by_the_update_not_by_the_forward():
     assert len(refreshes) == model.num_slices
 
 
-def test_a_plain_per_tensor_optimizer_on_offloaded_parameters_warns_once(monkeypatch):
+@pytest.mark.parametrize("wrapped", [False, True], ids=["plain", "OffloadOptimizer"])
+def test_an_optimizer_without_fused_on_offloaded_parameters_warns_once(monkeypatch, wrapped):
     from offload import per_tensor_warning
 
-    monkeypatch.setitem(per_tensor_warning._state, "warned", False)
     model = OffloadModel(network(), device="cpu", num_slices=2)
-    for kwargs, warns in (({"fused": True}, False), ({"foreach": True}, False), ({}, True)):
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, **kwargs)
+    cases = (({"fused": True}, None), ({"foreach": True}, "with foreach=True"), ({}, "per-tensor"))
+    for kwargs, warns in cases:
+        monkeypatch.setitem(per_tensor_warning._state, "warned", False)
+        if wrapped:
+            optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-3, **kwargs)
+        else:
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, **kwargs)
         loss_of(model, 0).backward()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             optimizer.step()
             optimizer.step()
-        messages = [str(w.message) for w in caught if "per-tensor" in str(w.message)]
-        assert len(messages) == (1 if warns else 0)
+        messages = [str(w.message) for w in caught if "slower than fused=True" in str(w.message)]
+        assert len(messages) == (0 if warns is None else 1), messages
+        if warns is not None:
+            assert warns in messages[0] and "AdamW" in messages[0]
+            assert ("OffloadOptimizer(model, torch.optim.AdamW, ..., fused=True)" in messages[0])
+    # An optimizer without a fused implementation has nothing better to offer: no warning.
+    monkeypatch.setitem(per_tensor_warning._state, "warned", False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        OffloadOptimizer(model, torch.optim.AdamW, lr=1e-3).step()
-    assert not [w for w in caught if "per-tensor" in str(w.message)]
+        torch.optim.RMSprop(model.parameters(), lr=1e-3).step()
+    assert not [w for w in caught if "slower than fused=True" in str(w.message)]
