@@ -128,7 +128,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         hyper = [_snapshot(group) for group in self.param_groups]
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
-        # An update must not write host copies that a load still reads.
+        # An update must not write host copies that a load still reads (a safety net: see Note:
+        # [Orderings the end of a walk covers] in offload/streams/copies.py).
         engine.copies.wait_loads_done()
         if self._worker is None:
             self._worker = engine.copies.new_worker("host update", self.num_threads)

@@ -273,6 +273,23 @@ def offload_optimizer_bfloat16(build: Build) -> list[torch.Tensor]:
     return train(model, steps=3, optimizer=optimizer)
 
 
+def offload_optimizer_after_forwards_without_backward(build: Build) -> list[torch.Tensor]:
+    """Between backward and OffloadOptimizer.step(), a forward with autograd and one without whose
+    loads read the host copies; the updates of the earlier gradients must come after them."""
+    model = build(mlp(dropout=0.1), num_slices=3, compute_dtype=torch.bfloat16)
+    optimizer = OffloadOptimizer(model, torch.optim.SGD, lr=0.1, momentum=0.9)
+    seen: list[torch.Tensor] = []
+    for step in range(2):
+        torch.manual_seed(step)
+        model(inputs(step)).float().pow(2).mean().backward()
+        seen.append(model(inputs(10 + step)).detach().clone())
+        with torch.no_grad():
+            seen.append(model(inputs(20 + step)).clone())
+        optimizer.step()
+        optimizer.zero_grad()
+    return seen + train(model, steps=1, optimizer=optimizer)
+
+
 def reads_between_step_and_forward(build: Build) -> list[torch.Tensor]:
     """Code between step() and the next forward reads the parameters through the model and the
     optimizer, zeroes gradients in place, and changes the learning rate."""
@@ -319,7 +336,7 @@ SCENARIOS: dict[str, Callable[[Build], list[torch.Tensor]]] = {
         no_checkpointing_microbatches, bfloat16, adamw_steps, two_forwards_one_backward, retain_graph_twice,
         no_grad_between_steps, forward_then_host_writes, buffers_read_after_forward, faults, frozen_first_slice,
         input_gradients_only, second_model_after_compute, offload_optimizer, offload_optimizer_bfloat16,
-        reads_between_step_and_forward, data_parallel_one_rank,
+        offload_optimizer_after_forwards_without_backward, reads_between_step_and_forward, data_parallel_one_rank,
     )
 }
 

@@ -60,6 +60,13 @@ Note: [Orderings the end of a walk covers]
       forward waited for the write-back queued after it on the offload stream.
     - After an exception, compute waiting for the side streams: nothing it runs next touches
       their memory before the host has synchronised with them.
+    - ``OffloadOptimizer.step()`` waiting for the loads before its updates write the host copies
+      (``optimizer.py:step``): user code calls ``step()`` between walks, and every walk ends with
+      the host waiting for its loads, so no load is in flight and the wait never reaches the
+      backend (the checker does not list it as asked; the test of the lists notices if that
+      changes). A forward without backward followed by ``step()`` on earlier gradients is ordered
+      by the forward's own wait, which the mutation test shows is needed. Only ``step()`` called
+      inside a walk (from a layer's forward hook) would rely on this one.
 """
 
 from __future__ import annotations
