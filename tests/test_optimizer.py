@@ -21,6 +21,8 @@ OPTIMIZERS = [
     pytest.param(torch.optim.AdamW, {"lr": 1e-2}, id="AdamW-default"),
     pytest.param(torch.optim.AdamW, {"lr": 1e-2, "foreach": True}, id="AdamW-foreach"),
     pytest.param(torch.optim.AdamW, {"lr": 1e-2, "fused": True, "weight_decay": 0.1}, id="AdamW-fused"),
+    pytest.param(torch.optim.Adam, {"lr": 1e-2}, id="Adam-default"),
+    pytest.param(torch.optim.Adam, {"lr": 1e-2, "foreach": True}, id="Adam-foreach"),
     pytest.param(torch.optim.Adam, {"lr": 1e-2, "amsgrad": True}, id="Adam-amsgrad"),
     pytest.param(torch.optim.Adam, {"lr": 1e-2, "fused": True}, id="Adam-fused"),
     pytest.param(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, id="SGD-momentum"),
@@ -95,6 +97,19 @@ def test_schedulers_clipping_accumulation_and_groups():
             opt.step()
             scheduler.step()  # right after step(): the pending update keeps its learning rate
             opt.zero_grad(set_to_none=step % 2 == 0)
+    assert_same(plain_model, plain, model, optimizer)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_learning_rate_set_by_hand_is_followed(fused):
+    (plain_model, plain), (model, optimizer) = pair(torch.optim.AdamW, {"lr": 1e-2, "fused": fused})
+    for step in range(4):
+        for m, opt in ((plain_model, plain), (model, optimizer)):
+            opt.zero_grad()
+            loss_of(m, step).backward()
+            opt.step()
+            # Right after step(): the pending update keeps the rate it was started with.
+            opt.param_groups[0]["lr"] = 1e-2 / (step + 2)
     assert_same(plain_model, plain, model, optimizer)
 
 
