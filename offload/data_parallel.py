@@ -130,7 +130,9 @@ class DataParallel:
         for entry, wanted in zip(self.engine.slices[index].storage.params, needed):
             p = entry.tensor
             local = self._local.get(id(p)) if wanted else None
-            if local is not None and local is p and p.grad is not None:
+            # A tied parameter appears in several slices: its local sum joins one average only.
+            if (local is not None and local is p and p.grad is not None
+                    and not any(q is p for q in self._included[token])):
                 extra.append(p.grad)
                 self._included[token].append(p)
             else:

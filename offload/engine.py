@@ -82,11 +82,11 @@ class Engine:
         def allocate(nbytes: int) -> torch.Tensor:
             return self.copies.empty_host(nbytes, host_device)
 
-        self.slices = [
-            Slice(i, names, layers, SliceStorage(layers, allocate, compute_dtype))
-            for i, (names, layers) in enumerate(groups)
-        ]
-        _reject_sharing_across_slices(self.slices)
+        self.slices: list[Slice] = []
+        for i, (names, layers) in enumerate(groups):
+            held = _held_before(self.slices, i)
+            self.slices.append(Slice(i, names, layers, SliceStorage(layers, allocate, compute_dtype, held)))
+        _check_borrowed(self.slices)
         self.pool = HostBufferPool(allocate)
         self.milestones = Milestones()
         self.activations = ActivationOffloader(self.copies, self.pool)
@@ -128,11 +128,14 @@ class Engine:
         """
         rebuilt = False
         for s in self.slices:
-            if s.storage.moved() or s.storage.registered_tensors_changed():
+            # Earlier slices first: what a slice borrows depends on what they hold now.
+            held = _held_before(self.slices, s.index)
+            if s.storage.moved() or s.storage.registered_tensors_changed() or held != s.storage.held_elsewhere:
+                s.storage.held_elsewhere = held
                 s.storage.build()
                 rebuilt = True
         if rebuilt:
-            _reject_sharing_across_slices(self.slices)
+            _check_borrowed(self.slices)
             self._build_device_side()
 
     def to_device(self, leaves: Sequence[Any]) -> list[Any]:
@@ -201,14 +204,19 @@ class Engine:
         return self.activations.copy_on_host(self.slices[index].storage.buffer_bytes())
 
 
-def _reject_sharing_across_slices(slices: Sequence[Slice]) -> None:
-    owner: dict[int, int] = {}
+def _held_before(slices: Sequence[Slice], index: int) -> frozenset[int]:
+    """Ids of the tensors that slices before ``index`` hold (Note: [Tied parameters across slices])."""
+    return frozenset(id(e.tensor) for s in slices[:index] for e in s.storage.held)
+
+
+def _check_borrowed(slices: Sequence[Slice]) -> None:
     for s in slices:
-        for entry in s.storage.entries:
-            first = owner.setdefault(id(entry.tensor), s.index)
-            if first != s.index:
-                name = entry.sites[0].name
+        for entry in s.storage.borrowed:
+            holder = next(h for h in slices[:s.index] if h.storage.holds(entry.tensor))
+            _, dtype = holder.storage.transfer_source_of(entry.tensor)
+            if dtype != entry.device_dtype:
                 raise ValueError(
-                    f"tensor '{name}' is shared by slice {first} and slice {s.index}; tied weights must sit "
-                    "in one slice: pass the layers that share it as one element of a list, or use fewer slices"
+                    f"parameter '{entry.sites[0].name}' is shared by slice {holder.index} and slice {s.index}, which "
+                    f"compute with it in {dtype} and {entry.device_dtype} (one of them is a batch or instance norm "
+                    "under compute_dtype); put the layers that share it in one slice"
                 )

@@ -176,7 +176,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         then = None
         if storage is not None and storage.shadow is not None:
             def then() -> None:  # every parameter is final now: write the whole shadow
-                storage.write_shadow(0, len(storage.entries))
+                storage.write_shadow()
                 storage.shadow_written()
         event = collectives.broadcast([p.detach() for p, _ in stepped], [owner for _, owner in stepped],
                                       after=[updated], what=f"sharing the updated parameters of slice {step.index}",
@@ -259,11 +259,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def _plan(self) -> None:
         engine = self.model._engine
         key = (tuple(tuple(map(id, group["params"])) for group in self.param_groups),
-               tuple(tuple(id(e.tensor) for e in s.storage.params) for s in engine.slices))
+               tuple(tuple(id(e.tensor) for e in s.storage.held) for s in engine.slices))
         if key == self._plan_key:
             return
         self.synchronize()
-        place = {id(e.tensor): (s.index, k) for s in engine.slices for k, e in enumerate(s.storage.params)}
+        # A tied parameter is stepped once, with the slice that holds it (its first): later slices
+        # that borrow it load it after that slice's update (Note: [Tied parameters across slices]).
+        place = {id(e.tensor): (s.index, k) for s in engine.slices for k, e in enumerate(s.storage.held)
+                 if e.is_parameter}
         per_slice: dict[int, list[tuple[int, torch.Tensor, int]]] = {}
         rest: list[tuple[torch.Tensor, int]] = []
         for g, group in enumerate(self.param_groups):

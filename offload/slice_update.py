@@ -141,7 +141,7 @@ class SliceStep:
             self.whole.step(grads, hyper, grad_scale, found_inf)
             if shadow:
                 assert self.storage is not None
-                self.storage.write_shadow(0, len(self.storage.entries))
+                self.storage.write_shadow()
         except Exception as error:
             raise HostUpdateError(
                 f"the optimizer raised while updating slice {self.index} of the model on the host: slices "

@@ -6,6 +6,7 @@ Every job takes ``(rank, world_size, directory)``, joins a gloo group through a 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import threading
@@ -141,4 +142,30 @@ def nccl_one_gpu(rank: int, world_size: int, directory: str) -> None:
     save(directory, "nccl_one_gpu", rank, [p.detach().clone() for p in model.parameters()])
 
 
-JOBS = {f.__name__: f for f in (train, no_sync, sharded, different_models, one_rank_fails, hangs, nccl_one_gpu)}
+def tied_data(step: int, world_size: int, rows: int = 4) -> torch.Tensor:
+    return torch.randn(world_size * rows, 8, generator=torch.Generator().manual_seed(2000 + step))
+
+
+def tied_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batches) -> None:
+    """Two steps of three micro-steps each; ``batches(i)`` is micro-step i's batch."""
+    for step in range(2):
+        for micro in range(3):
+            sync = micro == 2 or not isinstance(model, OffloadModel)
+            with contextlib.nullcontext() if sync else model.no_sync():
+                (model(batches(step * 3 + micro)).pow(2).mean() / 3).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def tied(rank: int, world_size: int, directory: str) -> None:
+    """An embedding tied to the head across slices: averaged once per backward, accumulated under
+    no_sync, and stepped once by its owner in the sharded update."""
+    from .stream_scenarios import tied_mlp
+
+    model = OffloadModel(tied_mlp().eval(), device="cpu", num_slices=3, process_group=dist.group.WORLD)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
+    tied_steps(model, optimizer, lambda i: share(tied_data(i, world_size), rank, world_size))
+    save(directory, "tied", rank, [p.detach().clone() for p in model.parameters()])
+
+
+JOBS = {f.__name__: f for f in (train, no_sync, sharded, different_models, one_rank_fails, hangs, nccl_one_gpu, tied)}

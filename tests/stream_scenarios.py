@@ -330,6 +330,49 @@ def data_parallel_one_rank(build: Build) -> list[torch.Tensor]:
         dist.destroy_process_group()
 
 
+class _Lookup(nn.Module):
+    def __init__(self, table: nn.Embedding):
+        super().__init__()
+        self.table = table
+
+    def forward(self, x):
+        return self.table((x.abs() * 3).long() % 11).mean(dim=1)
+
+
+class _Unembed(nn.Module):
+    def __init__(self, table: nn.Embedding):
+        super().__init__()
+        self.table = table
+
+    def forward(self, hidden):
+        return hidden @ self.table.weight.t()
+
+
+def tied_mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    table = nn.Embedding(11, 8)
+    return nn.Sequential(_Lookup(table), nn.Linear(8, 8), nn.Tanh(), nn.Dropout(0.1), nn.Linear(8, 8), _Unembed(table))
+
+
+def tied_across_slices(build: Build) -> list[torch.Tensor]:
+    """An embedding tied to the output head: the last slice loads it from the first slice's host
+    copy, after that slice's update, and a forward without backward is followed by host writes."""
+    model = build(tied_mlp(), num_slices=3)
+    seen = train(model, steps=2)
+    seen.append(model(inputs(7)).detach().clone())
+    with torch.no_grad():
+        model.get_submodule("0").table.weight.mul_(0.5)
+    return seen + train(model, steps=1)
+
+
+def tied_across_slices_offload_optimizer(build: Build) -> list[torch.Tensor]:
+    """The same under a compute dtype with OffloadOptimizer: the borrowed copy reads the holder's
+    shadow, which the holder's update writes on the host worker."""
+    model = build(tied_mlp(), num_slices=3, compute_dtype=torch.bfloat16)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
+    return train(model, steps=3, optimizer=optimizer)
+
+
 SCENARIOS: dict[str, Callable[[Build], list[torch.Tensor]]] = {
     f.__name__: f for f in (
         dropout_mlp, batchnorm, batchnorm_microbatches, in_place_first_layer, microbatches, no_checkpointing,
@@ -337,6 +380,7 @@ SCENARIOS: dict[str, Callable[[Build], list[torch.Tensor]]] = {
         no_grad_between_steps, forward_then_host_writes, buffers_read_after_forward, faults, frozen_first_slice,
         input_gradients_only, second_model_after_compute, offload_optimizer, offload_optimizer_bfloat16,
         offload_optimizer_after_forwards_without_backward, reads_between_step_and_forward, data_parallel_one_rank,
+        tied_across_slices, tied_across_slices_offload_optimizer,
     )
 }
 

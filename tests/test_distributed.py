@@ -137,6 +137,19 @@ def test_each_rank_updates_about_its_share_of_the_model(preset, world):
     assert len({rank for mine in owners for rank in mine}) == world
 
 
+def test_a_parameter_tied_across_slices_trains_as_in_one_process(tmp_path):
+    from .dist_workers import tied_data, tied_steps
+    from .stream_scenarios import tied_mlp
+
+    results = spawn("tied", tmp_path)
+    reference = tied_mlp().eval()
+    tied_steps(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True),
+               lambda i: tied_data(i, WORLD))
+    for a, b, want in zip(results[0], results[1], reference.parameters()):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, want.detach(), **ROUNDING)
+
+
 def test_ranks_with_different_models_are_refused(tmp_path):
     errors = spawn("different_models", tmp_path)
     for error in errors:

@@ -70,11 +70,21 @@ def test_more_than_one_positional_input_is_refused():
         model(torch.randn(1, 2), torch.randn(1, 2))
 
 
-def test_tied_weights_across_slices_are_refused_with_advice():
-    first, last = nn.Embedding(10, 4), nn.Linear(4, 10, bias=False)
-    last.weight = first.weight
-    with pytest.raises(ValueError, match="shared by slice 0 and slice 1; tied weights must sit in one slice"):
-        OffloadModel(nn.Sequential(first, nn.Linear(4, 4), last), device="cpu", num_slices=2)
+def test_buffers_shared_across_slices_are_refused_with_advice():
+    first, last = nn.BatchNorm1d(4), nn.BatchNorm1d(4)
+    last.register_buffer("running_mean", first.running_mean)
+    with pytest.raises(ValueError, match="buffer 'running_mean' is registered in an earlier slice too; a buffer must sit"):
+        OffloadModel(nn.Sequential(first, nn.Linear(4, 4), last), device="cpu", num_slices=3)
+
+
+def test_a_parameter_tied_across_slices_in_two_dtypes_is_refused():
+    """Under a compute dtype a batch norm keeps float32 while other layers compute in half precision:
+    one tensor cannot be both on the device."""
+    norm, linear = nn.BatchNorm1d(4), nn.Linear(4, 4)
+    linear.bias = norm.weight
+    with pytest.raises(ValueError, match="compute with it in"):
+        OffloadModel(nn.Sequential(norm, nn.Linear(4, 4), linear), device="cpu", num_slices=3,
+                     compute_dtype=torch.bfloat16)
 
 
 def test_moving_the_model_to_another_device_is_refused():

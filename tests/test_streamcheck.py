@@ -239,6 +239,8 @@ NEEDED = [
 COVERED = [
     Dependency("mark_used", "load", "activations.py:load", "load"),
     Dependency("mark_used", "load", "device_slots.py:prefetch", "load"),
+    Dependency("mark_used", "load", "device_slots.py:_load_borrowed", "load"),
+    Dependency("wait_event", "load", "device_slots.py:_load_borrowed", "compute"),
     Dependency("mark_used", "load", "device_slots.py:restore_buffers", "load"),
     Dependency("mark_used", "offload", "device_slots.py:write_back_buffers", "offload"),
     Dependency("mark_used", "offload", "gradients.py:offload", "offload"),

@@ -48,8 +48,8 @@ Note: [Orderings the end of a walk covers]
     used, and because work that lets the host run ahead of a walk's end (an overlapped optimizer,
     say) would remove that cover. The mutation test checks that each is still covered.
 
-    - Marks of device memory as used by a side stream, for slots (loads, buffer restores and
-      write-backs), the persistent gradient summation buffers and loaded boundary activations:
+    - Marks of device memory as used by a side stream, for slots (loads, the second copy of a
+      tied parameter a slice borrows, buffer restores and write-backs), the persistent gradient summation buffers and loaded boundary activations:
       slots and summation buffers live as long as the model, and an activation loaded for a
       recompute is freed early only when an exception ends the walk, after the drain.
     - The host waiting for the last load of a pooled buffer before writing it (``copy_on_host``)
@@ -60,6 +60,12 @@ Note: [Orderings the end of a walk covers]
       forward waited for the write-back queued after it on the offload stream.
     - After an exception, compute waiting for the side streams: nothing it runs next touches
       their memory before the host has synchronised with them.
+    - A slice loading a tied parameter it borrows waiting for the holder's pending update and
+      for the last load of the holder's shadow before refreshing it (``_load_borrowed``): the
+      holder's own load came first in the same walk (forward walks up, and backward finds the
+      holder current from forward), and it waited for both already; the checker does not list
+      them as asked. Its wait for the slot to be free of compute is covered by stream order: it
+      is issued right after the slice's own load, on the same stream, which waited for it.
     - ``OffloadOptimizer.step()`` waiting for the loads before its updates write the host copies
       (``optimizer.py:step``): user code calls ``step()`` between walks, and every walk ends with
       the host waiting for its loads, so no load is in flight and the wait never reaches the

@@ -148,17 +148,39 @@ class DeviceSlots:
             self.copies.wait_host(storage.shadow_read)
             storage.refresh_shadow()
         slot.ready = self.copies.load(
-            slot.data[:storage.device_nbytes], storage.transfer_source(), after=(slot.free, slot.written_back),
+            slot.data[:storage.load_nbytes], storage.transfer_source(), after=(slot.free, slot.written_back),
             label=f"offload::load slice {index}",
         )
         if storage.shadow is not None:
             storage.shadow_read = slot.ready
+        for entry in storage.borrowed:
+            # Issued after the slice's own load on the same stream, so its event is the slot's.
+            slot.ready = self._load_borrowed(slot, index, entry)
         slot.slice_index = index
         slot.current = True
         if index not in slot.view_cache:
             slot.view_cache[index] = storage.device_views(slot.data)
         slot.views = slot.view_cache[index]
         self.loads += 1
+
+    def _load_borrowed(self, slot: _Slot, index: int, entry: Any) -> Event | None:
+        """Copy a parameter that an earlier slice holds into slice ``index``'s slot (Note: [Tied
+        parameters across slices] in ``host_storage.py``), from that slice's host copy or shadow."""
+        holder_index = next(i for i in range(index) if self.storages[i].holds(entry.tensor))
+        holder = self.storages[holder_index]
+        # Same as the holder's own load: its pending update first, then a current shadow.
+        self.updates.wait(holder_index)
+        if holder.shadow_stale():
+            self.copies.wait_host(holder.shadow_read)  # rule 4: an earlier load may still read it
+            holder.refresh_shadow()
+        source, dtype = holder.transfer_source_of(entry.tensor)
+        ready = self.copies.load(
+            slot.data[entry.device_offset:entry.device_offset + source.numel()], source,
+            after=(slot.free, slot.written_back), label=f"offload::load slice {index} (tied from {holder_index})",
+        )
+        if holder.shadow is not None:
+            holder.shadow_read = ready
+        return ready
 
     def acquire(self, index: int) -> list[torch.Tensor]:
         """Slice ``index`` on the device, ready for compute: typed views, one per entry.

@@ -13,7 +13,7 @@ and written back on its own.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +74,9 @@ class Entry:
         device_dtype: dtype of the device copy; differs from ``tensor.dtype`` only under a
             compute dtype.
         host_offset / device_offset: byte offsets into the host buffer and into a device slot.
+        borrowed: a parameter an earlier slice holds (tied weights): it has no host offset here,
+            and a load copies it into this slice's slot from that slice's host copy (Note: [Tied
+            parameters across slices]).
     """
 
     tensor: torch.Tensor
@@ -83,6 +86,7 @@ class Entry:
     device_dtype: torch.dtype
     host_offset: int = 0
     device_offset: int = 0
+    borrowed: bool = False
 
     @property
     def is_parameter(self) -> bool:
@@ -146,6 +150,17 @@ def _runs(entries: Sequence[Entry]) -> list[range]:
 class SliceStorage:
     """Host copies of one slice's parameters and buffers, in one flat (pinned) byte buffer.
 
+    Note: [Tied parameters across slices]
+        A parameter registered in several slices (an embedding tied to the output head) is held,
+        and updated, by the first slice that registers it; later slices *borrow* it. A borrowing
+        slice lays the parameter out in its device slot like its own, after everything a load
+        copies from its own host buffer, and its load copies the parameter from the holder's host
+        copy (or shadow) as a second copy into that place. Each slice binds its own device copy
+        into its own layers and produces its own gradient for it; both are inputs of the
+        autograd Function, so autograd adds them into the one ``.grad``, as for any tied weight.
+        Optimizers step the parameter once, with the slice that holds it. Buffers cannot be shared
+        across slices: each slice writes its buffers back, and two write-backs would race.
+
     Args:
         layers: the slice's layers.
         allocate: host byte allocator for buffers on ``offload_device``: pinned memory when
@@ -155,21 +170,38 @@ class SliceStorage:
             holds the slice in the device layout and dtypes, so loads move half the bytes of float32; it is
             refreshed from the host copies once per forward (see :meth:`transfer_source`).
 
+        held_elsewhere: ids of the tensors earlier slices hold; such parameters are borrowed.
+
     Raises:
-        ValueError: for sparse tensors or a tensor registered both as parameter and as buffer.
+        ValueError: for sparse tensors, a tensor registered both as parameter and as buffer, or
+            a buffer that an earlier slice holds.
     """
 
     def __init__(self, layers: Sequence[nn.Module], allocate: Callable[[int], torch.Tensor],
-                 compute_dtype: torch.dtype | None = None) -> None:
+                 compute_dtype: torch.dtype | None = None, held_elsewhere: Collection[int] = ()) -> None:
         self.layers = list(layers)
         self.allocate = allocate
         self.compute_dtype = compute_dtype
+        self.held_elsewhere = frozenset(held_elsewhere)
         self.build()
 
     def build(self) -> None:
-        """Lay the slice out and move every tensor's data into the flat buffer."""
-        self.params, self.buffers = collect_entries(self.layers)
+        """Lay the slice out and move every tensor's data (but borrowed parameters') into the flat buffer."""
+        params, self.buffers = collect_entries(self.layers)
+        for entry in self.buffers:
+            if id(entry.tensor) in self.held_elsewhere:
+                raise ValueError(
+                    f"buffer '{entry.sites[0].name}' is registered in an earlier slice too; a buffer must sit in one "
+                    "slice: pass the layers that share it as one element of a list, or use fewer slices"
+                )
+        for entry in params:
+            entry.borrowed = id(entry.tensor) in self.held_elsewhere
+        own = [e for e in params if not e.borrowed]
+        self.borrowed = [e for e in params if e.borrowed]
+        self.params = own + self.borrowed
         self.entries = self.params + self.buffers
+        #: what this slice holds: laid out in the host buffer, in the same order as in the slot
+        self.held = own + self.buffers
         self._running_stat_modules = [
             m for layer in self.layers for m in layer.modules()
             if getattr(m, "track_running_stats", False) and getattr(m, "running_mean", None) is not None
@@ -181,7 +213,7 @@ class SliceStorage:
                 if entry.dtype.is_floating_point and id(entry.tensor) not in kept:
                     entry.device_dtype = self.compute_dtype
         host_end = device_end = 0
-        for entry in self.entries:
+        for entry in self.held:
             if self.buffers and entry is self.buffers[0]:
                 host_end = _align(host_end, BUFFER_REGION_ALIGNMENT)
                 device_end = _align(device_end, BUFFER_REGION_ALIGNMENT)
@@ -191,25 +223,31 @@ class SliceStorage:
             entry.device_offset = _align(device_end, device_align)
             host_end = _align(entry.host_offset + entry.shape.numel() * _itemsize(entry.dtype), host_align)
             device_end = _align(entry.device_offset + entry.shape.numel() * _itemsize(entry.device_dtype), device_align)
-        self.cast_runs = _runs(self.entries)
+        self.cast_runs = _runs(self.held)
         first = self.buffers[0] if self.buffers else None
         self.host_buffer_region = (first.host_offset if first else host_end, host_end)
         self.buffer_region = (first.device_offset if first else device_end, device_end)
+        #: bytes a load copies from :meth:`transfer_source`; borrowed parameters follow them in the slot
+        self.load_nbytes = device_end
+        for entry in self.borrowed:
+            align = ALIGN_ELEMENTS * _itemsize(entry.device_dtype)
+            entry.host_offset = -1
+            entry.device_offset = _align(device_end, align)
+            device_end = _align(entry.device_offset + entry.shape.numel() * _itemsize(entry.device_dtype), align)
         self.device_nbytes = device_end
         self.host_nbytes = host_end
         # Gradients travel in the parameters' own dtype; this bounds a slice's gradient buffer.
         self.grad_nbytes = sum(_align(e.shape.numel() * _itemsize(e.dtype)) for e in self.params)
         self.flat = self.allocate(host_end)
-        for entry in self.entries:
+        for entry in self.held:
             view = typed_view(self.flat, entry.host_offset, entry.dtype, entry.shape)
             view.copy_(entry.tensor.detach())
             # Same object, new storage: optimizers and user references keep working.
             entry.tensor.data = view
         self._expected_ptrs = [entry.tensor.data_ptr() for entry in self.entries]
-        casts = any(entry.device_dtype != entry.dtype for entry in self.entries)
-        self.shadow = (
-            self.allocate(device_end) if casts else None
-        )
+        casts = any(entry.device_dtype != entry.dtype for entry in self.held)
+        self.shadow = self.allocate(self.load_nbytes) if casts else None
+        self._held_by_id = {id(entry.tensor): entry for entry in self.held}
         self._shadow_current = False
         self.shadow_refreshes = 0
         # Ready event of the last load that read the shadow: a refresh must wait for it.
@@ -221,19 +259,16 @@ class SliceStorage:
 
     def refresh_shadow(self) -> None:
         """Cast the host copies into the shadow (the caller ensures no load still reads it)."""
-        self.write_shadow(0, len(self.entries))
+        self.write_shadow()
         self._shadow_current = True
         self.shadow_refreshes += 1
 
-    def write_shadow(self, start: int, stop: int) -> None:
-        """Cast entries ``start`` to ``stop - 1`` into the shadow, a run of equal dtypes at a time."""
+    def write_shadow(self) -> None:
+        """Cast what the slice holds into the shadow, a run of equal dtypes at a time."""
         assert self.shadow is not None
         with torch.no_grad():
             for run in self.cast_runs:
-                first, last = max(run.start, start), min(run.stop, stop)
-                if first >= last:
-                    continue
-                begin, end = self.entries[first], self.entries[last - 1]
+                begin, end = self.held[run.start], self.held[run.stop - 1]
                 count = (end.host_offset - begin.host_offset) // _itemsize(begin.dtype) + end.shape.numel()
                 source = typed_view(self.flat, begin.host_offset, begin.dtype, torch.Size([count]))
                 typed_view(self.shadow, begin.device_offset, begin.device_dtype, torch.Size([count])).copy_(source)
@@ -246,6 +281,17 @@ class SliceStorage:
     def transfer_source(self) -> torch.Tensor:
         """The bytes a load copies to a slot: the host buffer itself, or the shadow in the device dtypes."""
         return self.flat if self.shadow is None else self.shadow
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        return id(tensor) in self._held_by_id
+
+    def transfer_source_of(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
+        """The bytes a load of a parameter this slice holds copies, from the host buffer or the
+        shadow, and their dtype (for a slice that borrows it)."""
+        entry = self._held_by_id[id(tensor)]
+        nbytes = entry.shape.numel() * _itemsize(entry.device_dtype)
+        offset = entry.host_offset if self.shadow is None else entry.device_offset
+        return self.transfer_source()[offset:offset + nbytes], entry.device_dtype
 
     def expire_shadow(self) -> None:
         """The host copies may have changed (a new forward): refresh the shadow before the next load."""
