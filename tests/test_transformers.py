@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import offload
 from offload import OffloadModel
 
 from .helpers import assert_same_grads
@@ -177,9 +178,42 @@ def test_the_hugging_face_model_holds_the_trained_weights(tmp_path):
         layers.hf_name("7.nothing.weight")
 
 
-def test_tied_embeddings_are_refused_with_advice_or_untied_on_request(tmp_path):
-    with pytest.raises(ValueError, match="untie_embeddings=True"):
-        causal_lm_sequential(build("gpt2", tied=True))
+@pytest.mark.parametrize("kind", ["gpt2", "qwen2"])
+@pytest.mark.parametrize("checkpoint_activation", [True, False])
+def test_tied_embeddings_stay_tied_and_bit_identical(kind, checkpoint_activation, tmp_path):
+    """The first slice holds the tied matrix and the last borrows it; autograd adds both gradients."""
+    hf = build(kind, tied=True)
+    reference = copy.deepcopy(hf)
+    model = OffloadModel(causal_lm_sequential(hf), device="cpu", num_slices=3,
+                         checkpoint_activation=checkpoint_activation)
+    assert hf.lm_head.weight is hf.get_input_embeddings().weight
+    optimizer = offload.OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
+    plain_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
+    inputs = batch()
+    labels = inputs["input_ids"]
+    for _ in range(3):
+        torch.manual_seed(7)
+        want_logits, want_loss = reference_loss(reference, inputs, labels)
+        want_loss.backward()
+        torch.manual_seed(7)
+        got_logits, got_loss = offloaded_loss(hf, model, inputs, labels)
+        got_loss.backward()
+        torch.testing.assert_close(got_logits, want_logits, **EXACT)
+        assert_same_grads(hf, reference, **EXACT)
+        optimizer.step()
+        plain_optimizer.step()
+        optimizer.zero_grad()
+        plain_optimizer.zero_grad()
+    optimizer.synchronize()
+    for (name, p), q in zip(hf.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, **EXACT, msg=name)
+    hf.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert loaded.lm_head.weight is loaded.get_input_embeddings().weight
+    torch.testing.assert_close(loaded.lm_head.weight, hf.lm_head.weight, **EXACT)
+
+
+def test_tied_embeddings_untied_on_request(tmp_path):
     hf = build("gpt2", tied=True, dropout=0.0).eval()
     reference = copy.deepcopy(hf)
     model = OffloadModel(causal_lm_sequential(hf, untie_embeddings=True), device="cpu", num_slices=3)
@@ -258,8 +292,10 @@ def test_finetune_script_on_local_weights_with_their_tokenizer(tmp_path):
     assert transformers.AutoTokenizer.from_pretrained(tmp_path / "tuned")("The clock")["input_ids"] != [0, 0]
 
 
-def test_finetune_script_explains_what_to_do_with_a_tied_model(tmp_path):
-    save_local_model(tmp_path / "base", transformers.GPT2Config(n_embd=32, n_layer=1, n_head=4, tie_word_embeddings=True))
-    done = finetune("--model", str(tmp_path / "base"), "--out", str(tmp_path / "tuned"), "--steps", "1")
-    assert done.returncode != 0
-    assert "--untie-embeddings" in done.stderr
+def test_finetune_script_keeps_a_tied_model_tied(tmp_path):
+    save_local_model(tmp_path / "base", transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, tie_word_embeddings=True))
+    done = finetune("--model", str(tmp_path / "base"), "--out", str(tmp_path / "tuned"), "--steps", "2",
+                    "--seq-len", "16")
+    assert done.returncode == 0, done.stderr[-3000:]
+    tuned = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tuned")
+    assert tuned.config.tie_word_embeddings and tuned.lm_head.weight is tuned.transformer.wte.weight

@@ -218,20 +218,20 @@ def causal_lm_sequential(model: nn.Module, *, untie_embeddings: bool = False) ->
     (:meth:`CausalLMSequential.hf_state_dict` renames the Sequential's keys). The slicing of
     ``OffloadModel`` balances the stages by bytes, so a slice holds whole decoder layers.
 
-    Tied input and output embeddings (GPT-2, some Qwen2 sizes) would be one tensor in the first and
-    the last slice, which ``OffloadModel`` cannot hold yet. ``untie_embeddings=True`` gives the
-    head its own copy, with equal values: the logits of the first forward are unchanged, but from
-    the first update on the two train apart, as in a model configured with
-    ``tie_word_embeddings=False`` (which the config then says, so ``save_pretrained`` writes both).
+    Tied input and output embeddings (GPT-2, some Qwen2 sizes) stay tied: the first slice holds the
+    matrix and the last borrows it (Note: [Tied parameters across slices] in
+    ``offload/streams/host_storage.py``). ``untie_embeddings=True`` gives the head a copy of its own
+    instead, with equal values: the logits of the first forward are unchanged, but from the first
+    update on the two train apart, as in a model configured with ``tie_word_embeddings=False``
+    (which the config then says, so ``save_pretrained`` writes both).
 
     Args:
         model: a ``transformers`` causal LM whose ``config.model_type`` is in :data:`SUPPORTED_MODEL_TYPES`.
         untie_embeddings: give a tied ``lm_head`` a weight of its own (see above).
 
     Raises:
-        ValueError: an unsupported architecture (the message lists the supported ones), a model
-            with tied embeddings and ``untie_embeddings=False``, or a model with a cross-attention
-            or a cache configuration these stages do not reproduce.
+        ValueError: an unsupported architecture (the message lists the supported ones), or GPT-2
+            with cross-attention.
 
     Example::
 
@@ -251,12 +251,6 @@ def causal_lm_sequential(model: nn.Module, *, untie_embeddings: bool = False) ->
     if getattr(config, "add_cross_attention", False):
         raise ValueError("GPT-2 with cross-attention (add_cross_attention=True) is not supported: its blocks need "
                          "encoder states the stages do not carry")
-    if model.get_output_embeddings().weight is model.get_input_embeddings().weight:
-        if not untie_embeddings:
-            raise ValueError(
-                f"{type(model).__name__} ties its input and output embeddings, which would sit in the first and the "
-                "last slice; OffloadModel keeps a tensor in one slice only. Pass untie_embeddings=True to give the "
-                "head its own copy (same values; they then train separately, and save_pretrained writes both)"
-            )
+    if untie_embeddings and model.get_output_embeddings().weight is model.get_input_embeddings().weight:
         _untie(model)
     return CausalLMSequential(_stages(model), model)
