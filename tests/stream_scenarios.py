@@ -339,7 +339,9 @@ class _Lookup(nn.Module):
         return self.table((x.abs() * 3).long() % 11).mean(dim=1)
 
 
-class _Unembed(nn.Module):
+class Unembed(nn.Module):
+    """The output projection by an embedding matrix itself (tied weights)."""
+
     def __init__(self, table: nn.Embedding):
         super().__init__()
         self.table = table
@@ -351,7 +353,7 @@ class _Unembed(nn.Module):
 def tied_mlp() -> nn.Sequential:
     torch.manual_seed(0)
     table = nn.Embedding(11, 8)
-    return nn.Sequential(_Lookup(table), nn.Linear(8, 8), nn.Tanh(), nn.Dropout(0.1), nn.Linear(8, 8), _Unembed(table))
+    return nn.Sequential(_Lookup(table), nn.Linear(8, 8), nn.Tanh(), nn.Dropout(0.1), nn.Linear(8, 8), Unembed(table))
 
 
 def tied_across_slices(build: Build) -> list[torch.Tensor]:

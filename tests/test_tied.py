@@ -14,6 +14,7 @@ from torch import nn
 from offload import OffloadModel, OffloadOptimizer
 
 from .helpers import assert_same_grads
+from .stream_scenarios import Unembed
 from .test_mixed_precision import converted, master_grads_of
 
 EXACT = {"rtol": 0.0, "atol": 0.0}
@@ -26,17 +27,6 @@ class Embed(nn.Module):
 
     def forward(self, ids):
         return self.table(ids)
-
-
-class Unembed(nn.Module):
-    """The output projection by the embedding matrix itself."""
-
-    def __init__(self, table: nn.Embedding):
-        super().__init__()
-        self.table = table
-
-    def forward(self, hidden):
-        return hidden @ self.table.weight.t()
 
 
 def network(dropout: float = 0.1) -> nn.Sequential:

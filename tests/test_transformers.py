@@ -67,6 +67,19 @@ def offloaded_loss(hf, model, inputs, labels):
     return logits, hf.loss_function(logits=logits, labels=labels, vocab_size=hf.config.vocab_size)
 
 
+def both_backward(hf, reference, model, inputs, labels, seed: int = 7):
+    """One forward and backward of the reference and of the offloaded model from the same random
+    state; returns (offloaded logits, reference logits)."""
+    torch.manual_seed(seed)
+    want_logits, want_loss = reference_loss(reference, inputs, labels)
+    want_loss.backward()
+    torch.manual_seed(seed)
+    got_logits, got_loss = offloaded_loss(hf, model, inputs, labels)
+    got_loss.backward()
+    torch.testing.assert_close(got_loss, want_loss, **EXACT)
+    return got_logits, want_logits
+
+
 @pytest.mark.parametrize("kind", FAMILIES)
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("checkpoint_activation", [True, False])
@@ -80,14 +93,8 @@ def test_logits_loss_and_gradients_are_bit_identical(kind, train, checkpoint_act
     inputs = batch()
     labels = inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)
     for _ in range(2):  # the second step after an update of the host copies
-        torch.manual_seed(7)
-        want_logits, want_loss = reference_loss(reference, inputs, labels)
-        want_loss.backward()
-        torch.manual_seed(7)
-        got_logits, got_loss = offloaded_loss(hf, model, inputs, labels)
-        got_loss.backward()
+        got_logits, want_logits = both_backward(hf, reference, model, inputs, labels)
         torch.testing.assert_close(got_logits, want_logits, **EXACT)
-        torch.testing.assert_close(got_loss, want_loss, **EXACT)
         assert_same_grads(hf, reference, **EXACT)
         with torch.no_grad():
             for p, q in zip(hf.parameters(), reference.parameters()):
@@ -103,13 +110,7 @@ def test_with_the_models_own_gradient_checkpointing(kind):
     reference = copy.deepcopy(hf)
     model = OffloadModel(causal_lm_sequential(hf), device="cpu", num_slices=2)
     inputs = batch()
-    labels = inputs["input_ids"]
-    torch.manual_seed(3)
-    want_logits, want_loss = reference_loss(reference, inputs, labels)
-    want_loss.backward()
-    torch.manual_seed(3)
-    got_logits, got_loss = offloaded_loss(hf, model, inputs, labels)
-    got_loss.backward()
+    got_logits, want_logits = both_backward(hf, reference, model, inputs, inputs["input_ids"])
     torch.testing.assert_close(got_logits, want_logits, **EXACT)
     assert_same_grads(hf, reference, **EXACT)
 
@@ -120,13 +121,7 @@ def test_under_a_compute_dtype(kind):
     reference = converted(hf, torch.bfloat16)  # parameters in bf16, buffers (rotary tables) as they are
     model = OffloadModel(causal_lm_sequential(hf), device="cpu", num_slices=3, compute_dtype=torch.bfloat16)
     inputs = batch()
-    labels = inputs["input_ids"]
-    torch.manual_seed(3)
-    want_logits, want_loss = reference_loss(reference, inputs, labels)
-    want_loss.backward()
-    torch.manual_seed(3)
-    got_logits, got_loss = offloaded_loss(hf, model, inputs, labels)
-    got_loss.backward()
+    got_logits, want_logits = both_backward(hf, reference, model, inputs, inputs["input_ids"])
     assert got_logits.dtype == torch.bfloat16
     torch.testing.assert_close(got_logits, want_logits, **EXACT)
     assert_same_grads(hf, master_grads_of(reference), **EXACT)
@@ -192,12 +187,7 @@ def test_tied_embeddings_stay_tied_and_bit_identical(kind, checkpoint_activation
     inputs = batch()
     labels = inputs["input_ids"]
     for _ in range(3):
-        torch.manual_seed(7)
-        want_logits, want_loss = reference_loss(reference, inputs, labels)
-        want_loss.backward()
-        torch.manual_seed(7)
-        got_logits, got_loss = offloaded_loss(hf, model, inputs, labels)
-        got_loss.backward()
+        got_logits, want_logits = both_backward(hf, reference, model, inputs, labels)
         torch.testing.assert_close(got_logits, want_logits, **EXACT)
         assert_same_grads(hf, reference, **EXACT)
         optimizer.step()
