@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -52,3 +54,46 @@ def test_no_milestones_without_autograd():
     with torch.no_grad():
         model(torch.randn(2, 4))
     assert recorder.events == []
+
+
+class _Position(nn.Module):
+    """Adds a learned tensor of the activations' own shape: autograd returns one tensor as the
+    parameter's gradient, the input's and the upstream gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(1, 5, 8))
+        self.again = nn.Parameter(torch.randn(1, 5, 8))
+
+    def forward(self, x):
+        return x + self.pos + self.again
+
+
+class _ScalesInPlace:
+    """Rewrites each slice's gradients in place when they are produced, as the device average does."""
+
+    def forward_started(self, token):
+        pass
+
+    def gradients_produced(self, token, index, grads):
+        for g in grads.device_tensors():
+            if g is not None:
+                g.mul_(10.0)
+
+    def gradients_leaving(self, token, index, pending):
+        pass
+
+    def gradients_landed(self, token, pending):
+        pass
+
+
+def test_a_subscriber_rewriting_gradients_in_place_changes_only_that_slices_parameters():
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 8), _Position(), nn.Linear(8, 8))
+    model = OffloadModel(copy.deepcopy(plain), device="cpu", num_slices=3)
+    model._engine.milestones.subscribe(_ScalesInPlace())
+    x = torch.randn(1, 5, 8)
+    plain(x).sum().backward()
+    model(x).sum().backward()
+    for (name, got), want in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(got.grad, 10.0 * want.grad, rtol=0, atol=0, msg=name)

@@ -409,7 +409,7 @@ class OffloadFunction(torch.autograd.Function):
                     del outputs, inputs, params, entry_tensors
                 grad_in[m] = in_grads
                 if slice_grads is not None:
-                    slice_grads.add(param_grads)
+                    slice_grads.add(_unshared(param_grads, [*in_grads, *grad_out[m]]))
                 if m == count - 1 and i - 1 >= lowest:
                     # After this slice's first compute is queued: see the forward walk.
                     engine.slots.prefetch(i - 1)
@@ -642,6 +642,28 @@ def _differentiate(outputs: Sequence[Any], grads: Sequence[Any], inputs: Sequenc
     for j, g in zip(param_slots, results[len(input_slots):]):
         param_grads[j] = g
     return in_grads, param_grads
+
+
+def _unshared(param_grads: Sequence[torch.Tensor | None], others: Sequence[Any]) -> list[torch.Tensor | None]:
+    """The parameter gradients, each in memory of its own.
+
+    Autograd may return one tensor as several gradients: ``x + p`` with equal shapes gives ``p``,
+    ``x`` and the upstream gradient the same tensor, and the input's gradient goes on to the previous
+    slice. A milestone subscriber may rewrite a slice's gradients in place (the device average
+    does), which must reach neither the previous slice nor a second parameter, so a gradient that
+    shares memory with another is copied; usually none does, and nothing is copied.
+    """
+    taken = {t.untyped_storage().data_ptr() for t in others if isinstance(t, torch.Tensor)}
+    unshared: list[torch.Tensor | None] = []
+    for g in param_grads:
+        if g is not None:
+            pointer = g.untyped_storage().data_ptr()
+            if pointer in taken:
+                g = g.clone()
+            else:
+                taken.add(pointer)
+        unshared.append(g)
+    return unshared
 
 
 def _input_grads(run: _Run, grad_in: list[list[torch.Tensor | None]] | None,
