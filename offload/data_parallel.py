@@ -120,6 +120,11 @@ class DataParallel:
     # -- milestones --------------------------------------------------------------------------------
 
     def forward_started(self, token: Any) -> None:
+        if self.device_collectives is not None:
+            # Every backward before this forward ended: its gradients landed, or it failed and the
+            # copy engine's drain waited for the communication stream. Either way its reductions
+            # are done, and their handles (which hold the gradients) can go.
+            self.device_collectives.landed()
         self._sync_of[token] = self.sync
         self._events[token] = []
         self._included[token] = []

@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 import torch.multiprocessing as mp
 
 from offload import OffloadModel, OffloadOptimizer
@@ -280,6 +281,30 @@ def test_device_averages_run_on_a_communication_stream_that_the_offload_waits_fo
     first_offload_after = [min(k for k in offloads if k > w) for w in waits]
     assert len(set(first_offload_after)) == 3  # one wait before each slice's gradients leave
     assert log.count(("mark_used", "communication")) == len(reductions)
+
+
+def test_device_reductions_of_a_failed_backward_are_let_go_at_the_next_forward(tmp_path, monkeypatch):
+    """After a failure in backward (device out of memory, say) the handles of the reductions it
+    issued, which hold gradient memory, do not outlive the next forward."""
+    from .stream_scenarios import Fault, Faulty
+
+    monkeypatch.setattr(data_parallel, "check_group", lambda group, device: "nccl")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        with using_backend(RecordingBackend()):
+            faulty = Faulty(6)
+            model = OffloadModel(nn.Sequential(faulty, nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3)),
+                                 device="cpu", num_slices=3, process_group=dist.group.WORLD)
+        collectives = model._data_parallel.device_collectives
+        faulty.fail_backward = True
+        with pytest.raises(Fault):
+            model(data(0, 1)).pow(2).mean().backward()
+        assert collectives._in_flight, "the later slices' reductions were issued before the failure"
+        faulty.fail_backward = False
+        model(data(1, 1))
+        assert not collectives._in_flight
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.cuda
