@@ -283,6 +283,30 @@ def test_device_averages_run_on_a_communication_stream_that_the_offload_waits_fo
     assert log.count(("mark_used", "communication")) == len(reductions)
 
 
+def test_host_averages_reduce_each_slice_in_one_collective(tmp_path, monkeypatch):
+    """A slice's gradients lie side by side in one host buffer: one all-reduce covers them."""
+    calls = []
+    all_reduce = dist.all_reduce
+
+    def counted(tensor, *args, **kwargs):
+        calls.append(tensor.numel())
+        return all_reduce(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(dist, "all_reduce", counted)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        model = OffloadModel(network(seed=0), device="cpu", num_slices=3, process_group=dist.group.WORLD)
+        model(data(0, 1)).pow(2).mean().backward()
+    finally:
+        dist.destroy_process_group()
+    assert len(calls) == model.num_slices < len(list(model.parameters()))
+    assert sum(calls) >= sum(p.numel() for p in model.parameters())
+    reference = network(seed=0)
+    reference(data(0, 1)).pow(2).mean().backward()
+    for got, want in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=0)
+
+
 def test_device_reductions_of_a_failed_backward_are_let_go_at_the_next_forward(tmp_path, monkeypatch):
     """After a failure in backward (device out of memory, say) the handles of the reductions it
     issued, which hold gradient memory, do not outlive the next forward."""

@@ -94,9 +94,11 @@ class HostCollectives:
                 for tensor, extra in zip(tensors, add_first):
                     if extra is not None:
                         tensor.add_(extra)
-                for tensor in tensors:
-                    dist.all_reduce(tensor, group=self.group)
-                    tensor.div_(self.world_size)
+                # One collective per run of memory rather than per tensor: each costs a round
+                # trip between the ranks, and a slice's gradients sit side by side in one buffer.
+                for span in _spans(tensors):
+                    dist.all_reduce(span, group=self.group)
+                    span.div_(self.world_size)
         return self.submit(what, work, after)
 
     def broadcast(self, tensors: Sequence[torch.Tensor], sources: Sequence[int], after: Sequence[Event | None],
@@ -109,6 +111,28 @@ class HostCollectives:
             if then is not None:
                 then()
         return self.submit(what, work, after)
+
+
+def _spans(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Flat tensors that cover ``tensors`` together: per storage and dtype, one tensor from the
+    first element of the first to the last element of the last (what lies between, alignment
+    padding or places of gradients not produced, is summed too, and read by no one); a tensor that
+    is not contiguous stays on its own."""
+    groups: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+    spans: list[torch.Tensor] = []
+    for tensor in tensors:
+        if not tensor.is_contiguous():
+            spans.append(tensor)
+            continue
+        groups.setdefault((tensor.untyped_storage().data_ptr(), tensor.dtype), []).append(tensor)
+    for members in groups.values():
+        start = min(t.storage_offset() for t in members)
+        stop = max(t.storage_offset() + t.numel() for t in members)
+        first = members[0]
+        span = torch.empty(0, dtype=first.dtype, device=first.device)
+        span.set_(first.untyped_storage(), start, (stop - start,))
+        spans.append(span)
+    return spans
 
 
 class DeviceCollectives:
