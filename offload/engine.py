@@ -26,6 +26,7 @@ from .streams import (
     OffloadTicket,
     SliceStorage,
     SliceUpdates,
+    holder_of,
 )
 
 
@@ -83,9 +84,11 @@ class Engine:
             return self.copies.empty_host(nbytes, host_device)
 
         self.slices: list[Slice] = []
+        held: set[int] = set()  # what earlier slices hold (Note: [Tied parameters across slices])
         for i, (names, layers) in enumerate(groups):
-            held = _held_before(self.slices, i)
-            self.slices.append(Slice(i, names, layers, SliceStorage(layers, allocate, compute_dtype, held)))
+            storage = SliceStorage(layers, allocate, compute_dtype, held)
+            self.slices.append(Slice(i, names, layers, storage))
+            held.update(id(e.tensor) for e in storage.held)
         _check_borrowed(self.slices)
         self.pool = HostBufferPool(allocate)
         self.milestones = Milestones()
@@ -126,17 +129,17 @@ class Engine:
         ``p.data = other`` or assigning a new ``nn.Parameter`` to a layer takes the tensor out of the
         slice's flat host buffer; the slice is laid out again so the next load sees the change.
         """
-        rebuilt = False
+        if not any(s.storage.moved() or s.storage.registered_tensors_changed() for s in self.slices):
+            return  # the common case, checked every forward
+        held: set[int] = set()
         for s in self.slices:
             # Earlier slices first: what a slice borrows depends on what they hold now.
-            held = _held_before(self.slices, s.index)
             if s.storage.moved() or s.storage.registered_tensors_changed() or held != s.storage.held_elsewhere:
-                s.storage.held_elsewhere = held
+                s.storage.held_elsewhere = frozenset(held)
                 s.storage.build()
-                rebuilt = True
-        if rebuilt:
-            _check_borrowed(self.slices)
-            self._build_device_side()
+            held.update(id(e.tensor) for e in s.storage.held)
+        _check_borrowed(self.slices)
+        self._build_device_side()
 
     def to_device(self, leaves: Sequence[Any]) -> list[Any]:
         """The leaves with every tensor on the compute device, ready for compute."""
@@ -204,15 +207,11 @@ class Engine:
         return self.activations.copy_on_host(self.slices[index].storage.buffer_bytes())
 
 
-def _held_before(slices: Sequence[Slice], index: int) -> frozenset[int]:
-    """Ids of the tensors that slices before ``index`` hold (Note: [Tied parameters across slices])."""
-    return frozenset(id(e.tensor) for s in slices[:index] for e in s.storage.held)
-
-
 def _check_borrowed(slices: Sequence[Slice]) -> None:
+    storages = [s.storage for s in slices]
     for s in slices:
         for entry in s.storage.borrowed:
-            holder = next(h for h in slices[:s.index] if h.storage.holds(entry.tensor))
+            holder = slices[holder_of(storages, s.index, entry.tensor)]
             _, dtype = holder.storage.transfer_source_of(entry.tensor)
             if dtype != entry.device_dtype:
                 raise ValueError(

@@ -38,7 +38,7 @@ from torch import nn
 
 from .model import OffloadModel
 from .streams.collectives import HostCollectives
-from .slice_update import Chunk, HostUpdateError, SliceStep, StateByProxy
+from .slice_update import HostUpdateError, InnerOptimizer, SliceStep, StateByProxy
 
 
 class OffloadOptimizer(torch.optim.Optimizer):
@@ -297,22 +297,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if not items:
                 self._steps.append(SliceStep(index, storage, None, writes_shadow=False))
                 continue
-            params = [p for _, p, _ in items]
-            groups = [g for _, _, g in items]
-            proxies = [nn.Parameter(p.data, requires_grad=p.requires_grad) for p in params]
-            whole = self._chunk(proxies, params, groups)
+            whole = self._inner([p for _, p, _ in items], [g for _, _, g in items])
             # Sharded, the shadow is written once every rank's part of the slice has arrived.
             self._steps.append(SliceStep(index, storage, whole, writes_shadow=not sharded))
         self._rest = []
         if rest:
-            params = [p for p, _ in rest]
-            proxies = [nn.Parameter(p.data, requires_grad=p.requires_grad) for p in params]
-            whole = self._chunk(proxies, params, [g for _, g in rest])
-            self._rest = [SliceStep(-1, None, whole)]
+            self._rest = [SliceStep(-1, None, self._inner([p for p, _ in rest], [g for _, g in rest]))]
         self._plan_key = key
 
-    def _chunk(self, proxies: list[nn.Parameter], params: list[torch.Tensor], groups: list[int]) -> Chunk:
-        """An inner optimizer over ``proxies`` of ``params``, each in its user group's settings."""
+    def _inner(self, params: list[torch.Tensor], groups: list[int]) -> InnerOptimizer:
+        """An inner optimizer over proxies of ``params``, each in its user group's settings."""
+        proxies = [nn.Parameter(p.data, requires_grad=p.requires_grad) for p in params]
         by_group: dict[int, list[nn.Parameter]] = {}
         for proxy, g in zip(proxies, groups):
             by_group.setdefault(g, []).append(proxy)
@@ -320,7 +315,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         inner = self.optimizer_class(inner_groups, **self.optimizer_kwargs)
         inner._offload_inner = True  # type: ignore[attr-defined]
         inner.state = StateByProxy(self, dict(zip(proxies, params)))  # type: ignore[assignment]
-        return Chunk(inner, proxies, params, list(by_group))
+        return InnerOptimizer(inner, proxies, params, list(by_group))
 
 
 def _owners(slices: list[list[torch.Tensor]], world_size: int) -> list[list[int]]:

@@ -63,7 +63,7 @@ class StateByProxy(MutableMapping[torch.Tensor, dict[str, Any]]):
 
 
 @dataclass
-class Chunk:
+class InnerOptimizer:
     """Parameters stepped together (a slice's, or those outside the model), by one inner
     optimizer over their proxies."""
 
@@ -105,7 +105,7 @@ class SliceStep:
 
     index: int
     storage: SliceStorage | None  # None: parameters outside the model, stepped where step() is called
-    whole: Chunk | None  # None: this rank owns none of the slice's parameters (sharded update)
+    whole: InnerOptimizer | None  # None: this rank owns none of the slice's parameters (sharded update)
     writes_shadow: bool = True  # sharded, the shadow is written after the other ranks' parts arrive
 
     def needs_bind(self) -> bool:

@@ -327,8 +327,9 @@ class OffloadFunction(torch.autograd.Function):
         call.output_tensor_positions = [p for p, leaf in enumerate(joined) if isinstance(leaf, torch.Tensor)]
         call.output_leaves = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in joined]
         outputs = tuple(joined[p] for p in call.output_tensor_positions)
-        out_requires = [any(flags[p] for _, _, flags in boundary) for p in call.output_tensor_positions]
-        non_differentiable = [o for o, wanted in zip(outputs, out_requires) if not wanted or not _is_differentiable(o)]
+        output_requires = [any(flags[p] for _, _, flags in boundary) for p in call.output_tensor_positions]
+        non_differentiable = [o for o, wanted in zip(outputs, output_requires)
+                              if not wanted or not _is_differentiable(o)]
         if non_differentiable:
             ctx.mark_non_differentiable(*non_differentiable)
 

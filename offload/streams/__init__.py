@@ -17,7 +17,7 @@ from .copies import SYNC_ENV_VAR, CopyStreams
 from .device_slots import DeviceSlots, SlotReference
 from .gradients import GradientOffloader, PendingGradients, SliceGradients
 from .host_buffers import HostBuffer, HostBufferPool
-from .host_storage import Entry, SliceStorage
+from .host_storage import Entry, SliceStorage, holder_of
 from .updates import SliceUpdates
 from .workers import HostWorker, WorkerEvent
 
@@ -41,5 +41,6 @@ __all__ = [
     "StreamBackend",
     "SlotReference",
     "WorkerEvent",
+    "holder_of",
     "using_backend",
 ]

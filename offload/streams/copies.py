@@ -49,7 +49,8 @@ Note: [Orderings the end of a walk covers]
     say) would remove that cover. The mutation test checks that each is still covered.
 
     - Marks of device memory as used by a side stream, for slots (loads, the second copy of a
-      tied parameter a slice borrows, buffer restores and write-backs), the persistent gradient summation buffers and loaded boundary activations:
+      tied parameter a slice borrows, buffer restores and write-backs), the persistent gradient
+      summation buffers and loaded boundary activations:
       slots and summation buffers live as long as the model, and an activation loaded for a
       recompute is freed early only when an exception ends the walk, after the drain.
     - The host waiting for the last load of a pooled buffer before writing it (``copy_on_host``)

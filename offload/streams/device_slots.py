@@ -33,7 +33,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from .activations import OffloadTicket
 from .backend import Event
 from .copies import CopyStreams
-from .host_storage import SliceStorage
+from .host_storage import SliceStorage, holder_of
 from .updates import SliceUpdates
 
 
@@ -166,7 +166,7 @@ class DeviceSlots:
     def _load_borrowed(self, slot: _Slot, index: int, entry: Any) -> Event | None:
         """Copy a parameter that an earlier slice holds into slice ``index``'s slot (Note: [Tied
         parameters across slices] in ``host_storage.py``), from that slice's host copy or shadow."""
-        holder_index = next(i for i in range(index) if self.storages[i].holds(entry.tensor))
+        holder_index = holder_of(self.storages, index, entry.tensor)
         holder = self.storages[holder_index]
         # Same as the holder's own load: its pending update first, then a current shadow.
         self.updates.wait(holder_index)

@@ -147,6 +147,12 @@ def _runs(entries: Sequence[Entry]) -> list[range]:
     return runs
 
 
+def holder_of(storages: Sequence[SliceStorage], index: int, tensor: torch.Tensor) -> int:
+    """The index of the slice before ``index`` that holds ``tensor``, which slice ``index`` borrows
+    (Note: [Tied parameters across slices])."""
+    return next(i for i in range(index) if storages[i].holds(tensor))
+
+
 class SliceStorage:
     """Host copies of one slice's parameters and buffers, in one flat (pinned) byte buffer.
 
