@@ -16,7 +16,7 @@ from torch import nn
 
 CUDA = pytest.mark.cuda
 
-#: Run a test on the CPU always and on CUDA behind the marker. and on CUDA behind the marker.
+#: Run a test on the CPU always and on CUDA behind the marker.
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=CUDA)]
 
 

@@ -14,6 +14,8 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from offload import OffloadModel, OffloadOptimizer
 from offload.slice_update import HostUpdateError
 
+from .helpers import DEVICES
+
 EXACT = {"rtol": 0.0, "atol": 0.0}
 
 #: The implementations the issue names: default (per-tensor on the CPU), foreach and fused.
@@ -40,11 +42,11 @@ def batch(step: int) -> torch.Tensor:
     return torch.randn(5, 6, generator=torch.Generator().manual_seed(step))
 
 
-def pair(cls, kwargs, compute_dtype=None, num_slices=3):
+def pair(cls, kwargs, compute_dtype=None, num_slices=3, device="cpu"):
     """The plain optimizer on an OffloadModel and OffloadOptimizer on a twin: the only difference
     is who steps the host parameters."""
-    plain_model = OffloadModel(network(), device="cpu", num_slices=num_slices, compute_dtype=compute_dtype)
-    model = OffloadModel(network(), device="cpu", num_slices=num_slices, compute_dtype=compute_dtype)
+    plain_model = OffloadModel(network(), device=device, num_slices=num_slices, compute_dtype=compute_dtype)
+    model = OffloadModel(network(), device=device, num_slices=num_slices, compute_dtype=compute_dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the per-tensor warning, about the reference itself
         plain = cls(plain_model.parameters(), **kwargs)
@@ -52,7 +54,8 @@ def pair(cls, kwargs, compute_dtype=None, num_slices=3):
 
 
 def loss_of(model: nn.Module, step: int) -> torch.Tensor:
-    return model(batch(step)).float().pow(2).mean()
+    device = model.device if isinstance(model, OffloadModel) else next(model.parameters()).device
+    return model(batch(step).to(device)).float().pow(2).mean()
 
 
 def assert_same(model_a, opt_a, model_b, opt_b) -> None:
@@ -68,10 +71,11 @@ def assert_same(model_a, opt_a, model_b, opt_b) -> None:
             torch.testing.assert_close(state_b["state"][k][name], state_a["state"][k][name], **EXACT)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("compute_dtype", [None, torch.bfloat16], ids=["float32", "bf16"])
 @pytest.mark.parametrize("cls, kwargs", OPTIMIZERS)
-def test_steps_equal_the_plain_optimizer(cls, kwargs, compute_dtype):
-    (plain_model, plain), (model, optimizer) = pair(cls, kwargs, compute_dtype)
+def test_steps_equal_the_plain_optimizer(cls, kwargs, compute_dtype, device):
+    (plain_model, plain), (model, optimizer) = pair(cls, kwargs, compute_dtype, device=device)
     for step in range(4):
         for m, opt in ((plain_model, plain), (model, optimizer)):
             opt.zero_grad()
@@ -80,8 +84,9 @@ def test_steps_equal_the_plain_optimizer(cls, kwargs, compute_dtype):
     assert_same(plain_model, plain, model, optimizer)
 
 
-def test_schedulers_clipping_accumulation_and_groups():
-    (plain_model, plain), (model, optimizer) = pair(torch.optim.AdamW, {"lr": 1e-2, "fused": True})
+@pytest.mark.parametrize("device", DEVICES)
+def test_schedulers_clipping_accumulation_and_groups(device):
+    (plain_model, plain), (model, optimizer) = pair(torch.optim.AdamW, {"lr": 1e-2, "fused": True}, device=device)
     for opt, m in ((plain, plain_model), (optimizer, model)):
         # A second group with its own learning rate: the last two layers.
         last = list(m.parameters())[-4:]
@@ -113,11 +118,14 @@ def test_a_learning_rate_set_by_hand_is_followed(fused):
     assert_same(plain_model, plain, model, optimizer)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("unscale_and_clip", [False, True])
 @pytest.mark.parametrize("fused", [False, True])
-def test_grad_scaler_steps_and_skips_like_the_plain_optimizer(fused, unscale_and_clip):
-    (plain_model, plain), (model, optimizer) = pair(torch.optim.AdamW, {"lr": 1e-2, "fused": fused})
-    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**8) for _ in range(2)]
+def test_grad_scaler_steps_and_skips_like_the_plain_optimizer(fused, unscale_and_clip, device):
+    (plain_model, plain), (model, optimizer) = pair(torch.optim.AdamW, {"lr": 1e-2, "fused": fused}, device=device)
+    # The scaler of the device the loss is on, as a user would make it; the gradients it unscales
+    # are on the host either way.
+    scalers = [torch.amp.GradScaler(device, init_scale=2.0**8) for _ in range(2)]
     for step in range(4):
         for m, opt, scaler in ((plain_model, plain, scalers[0]), (model, optimizer, scalers[1])):
             opt.zero_grad()
@@ -153,8 +161,9 @@ def test_state_dicts_move_both_ways():
     assert_same(plain_model, plain, model, optimizer)
 
 
-def test_a_whole_model_saves_loads_and_trains_on(tmp_path):
-    model = OffloadModel(network(), device="cpu", num_slices=3, compute_dtype=torch.bfloat16)
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_whole_model_saves_loads_and_trains_on(tmp_path, device):
+    model = OffloadModel(network(), device=device, num_slices=3, compute_dtype=torch.bfloat16)
     optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
     loss_of(model, 0).backward()
     optimizer.step()  # pending while the model is saved: saving waits for it
@@ -366,11 +375,12 @@ class FailsOn(torch.optim.SGD):
         return super().step(closure)
 
 
-def test_a_failure_before_any_change_leaves_the_whole_slice_unchanged_with_a_shadow():
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_failure_before_any_change_leaves_the_whole_slice_unchanged_with_a_shadow(device):
     # With compute_dtype the update also writes the shadow; the failing parameter is the last of
     # its slice, so anything that stepped the slice's parameters a part at a time would already
     # have changed the others (see Note: [Whole-slice update] in offload/slice_update.py).
-    model = OffloadModel(network(), device="cpu", num_slices=2, compute_dtype=torch.bfloat16)
+    model = OffloadModel(network(), device=device, num_slices=2, compute_dtype=torch.bfloat16)
     optimizer = OffloadOptimizer(model, FailsOn, lr=0.1, momentum=0.9)
     FailsOn.target = None
     for step in range(2):  # the second step finds the momentum state in place
@@ -389,9 +399,10 @@ def test_a_failure_before_any_change_leaves_the_whole_slice_unchanged_with_a_sha
             assert torch.equal(e.tensor, value), f"slice {s.index} changed"
     # The next forward loads the masters as they are, and training goes on.
     FailsOn.target = None
-    plain = OffloadModel(copy.deepcopy(network()), device="cpu", num_slices=2, compute_dtype=torch.bfloat16)
+    plain = OffloadModel(copy.deepcopy(network()), device=device, num_slices=2, compute_dtype=torch.bfloat16)
     plain.load_state_dict(model.state_dict())
-    torch.testing.assert_close(model(batch(3)), plain(batch(3)), **EXACT)
+    x = batch(3).to(device)
+    torch.testing.assert_close(model(x), plain(x), **EXACT)
     optimizer.step()
     optimizer.synchronize()
 

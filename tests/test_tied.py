@@ -13,7 +13,7 @@ from torch import nn
 
 from offload import OffloadModel, OffloadOptimizer
 
-from .helpers import assert_same_grads
+from .helpers import DEVICES, HostStepped, assert_same_grads
 from .stream_scenarios import Unembed
 from .test_mixed_precision import converted, master_grads_of
 
@@ -36,24 +36,24 @@ def network(dropout: float = 0.1) -> nn.Sequential:
                          nn.Tanh(), Unembed(table))
 
 
-def ids() -> torch.Tensor:
-    torch.manual_seed(1)
-    return torch.randint(0, 13, (4, 5))
+def ids(device: str = "cpu") -> torch.Tensor:
+    return torch.randint(0, 13, (4, 5), generator=torch.Generator().manual_seed(1)).to(device)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("checkpoint_activation", [True, False])
 @pytest.mark.parametrize("num_slices", [2, 3, 7])
-def test_outputs_and_gradients_are_bit_identical(checkpoint_activation, num_slices):
-    plain = network()
-    model = OffloadModel(copy.deepcopy(plain), device="cpu", num_slices=num_slices,
+def test_outputs_and_gradients_are_bit_identical(checkpoint_activation, num_slices, device):
+    plain = network().to(device)
+    model = OffloadModel(copy.deepcopy(plain), device=device, num_slices=num_slices,
                          checkpoint_activation=checkpoint_activation)
     assert len(list(model.parameters())) == len(list(plain.parameters()))
     for seed in range(2):  # a second backward accumulates into the same .grad
         torch.manual_seed(seed)
-        want = plain(ids())
+        want = plain(ids(device))
         want.pow(2).mean().backward()
         torch.manual_seed(seed)
-        got = model(ids())
+        got = model(ids(device))
         got.pow(2).mean().backward()
         torch.testing.assert_close(got, want, **EXACT)
         assert_same_grads(model, plain, **EXACT)
@@ -64,34 +64,38 @@ def test_outputs_and_gradients_are_bit_identical(checkpoint_activation, num_slic
     pytest.param(lambda params: torch.optim.AdamW(params, lr=0.01, fused=True), id="adamw-fused"),
 ])
 @pytest.mark.parametrize("host_optimizer", [False, True], ids=["plain", "OffloadOptimizer"])
-def test_training_steps_the_tied_parameter_once(optimizer, host_optimizer):
-    plain = network(dropout=0.0)
-    model = OffloadModel(copy.deepcopy(plain), device="cpu", num_slices=3)
-    plain_optimizer = optimizer(plain.parameters())
+@pytest.mark.parametrize("device", DEVICES)
+def test_training_steps_the_tied_parameter_once(optimizer, host_optimizer, device):
+    plain = network(dropout=0.0).to(device)
+    model = OffloadModel(copy.deepcopy(plain), device=device, num_slices=3)
+    # On a GPU the reference's optimizer steps host copies, as OffloadModel's does (see HostStepped).
+    plain_optimizer = optimizer(plain.parameters()) if device == "cpu" else HostStepped(plain, optimizer)
     if host_optimizer:
-        settings = plain_optimizer.defaults
+        inner = plain_optimizer if device == "cpu" else plain_optimizer.optimizer
+        settings = inner.defaults
         kwargs = {k: settings[k] for k in ("lr", "momentum", "fused") if k in settings and settings[k] is not None}
-        offloaded = OffloadOptimizer(model, type(plain_optimizer), **kwargs)
+        offloaded = OffloadOptimizer(model, type(inner), **kwargs)
     else:
         offloaded = optimizer(model.parameters())
     for _ in range(3):
-        plain(ids()).pow(2).mean().backward()
-        model(ids()).pow(2).mean().backward()
+        plain(ids(device)).pow(2).mean().backward()
+        model(ids(device)).pow(2).mean().backward()
         plain_optimizer.step()
         offloaded.step()
         plain_optimizer.zero_grad()
         offloaded.zero_grad()
     for (name, got), want in zip(model.state_dict().items(), plain.state_dict().values()):
-        torch.testing.assert_close(got, want, **EXACT, msg=name)
+        torch.testing.assert_close(got, want.cpu(), **EXACT, msg=name)
 
 
-def test_under_a_compute_dtype():
+@pytest.mark.parametrize("device", DEVICES)
+def test_under_a_compute_dtype(device):
     plain = network(dropout=0.0)
-    reference = converted(plain, torch.bfloat16)
-    model = OffloadModel(copy.deepcopy(plain), device="cpu", num_slices=3, compute_dtype=torch.bfloat16)
-    want = reference(ids())
+    reference = converted(plain, torch.bfloat16).to(device)
+    model = OffloadModel(copy.deepcopy(plain), device=device, num_slices=3, compute_dtype=torch.bfloat16)
+    want = reference(ids(device))
     want.float().pow(2).mean().backward()
-    got = model(ids())
+    got = model(ids(device))
     got.float().pow(2).mean().backward()
     torch.testing.assert_close(got, want, **EXACT)
     expected = master_grads_of(reference)
@@ -99,9 +103,9 @@ def test_under_a_compute_dtype():
         if name.endswith("table.weight"):
             # The plain bf16 model adds the two contributions in bf16; OffloadModel adds them in
             # float32 (each slice's gradient comes back as float32), so they differ by bf16 rounding.
-            torch.testing.assert_close(p.grad, q.grad, rtol=2 ** -7, atol=1e-6, msg=name)
+            torch.testing.assert_close(p.grad, q.grad.cpu(), rtol=2 ** -7, atol=1e-6, msg=name)
         else:
-            torch.testing.assert_close(p.grad, q.grad, **EXACT, msg=name)
+            torch.testing.assert_close(p.grad, q.grad.cpu(), **EXACT, msg=name)
 
 
 def test_the_borrowing_slice_loads_the_holders_current_values():

@@ -19,7 +19,7 @@ import torch
 import offload
 from offload import OffloadModel
 
-from .helpers import assert_same_grads
+from .helpers import DEVICES, HostStepped, assert_same_grads
 from .test_mixed_precision import converted, master_grads_of
 
 transformers = pytest.importorskip("transformers")
@@ -48,13 +48,12 @@ def build(kind: str, dropout: float = 0.1, tied: bool = False, layers: int = 3) 
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
-def batch() -> dict[str, torch.Tensor]:
-    torch.manual_seed(1)
-    ids = torch.randint(1, VOCAB, (4, 10))
+def batch(device: str = "cpu") -> dict[str, torch.Tensor]:
+    ids = torch.randint(1, VOCAB, (4, 10), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[0, 7:] = 0  # right padding
     mask[2, :3] = 0  # left padding
-    return {"input_ids": ids, "attention_mask": mask}
+    return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
 
 
 def reference_loss(hf, inputs, labels):
@@ -80,17 +79,18 @@ def both_backward(hf, reference, model, inputs, labels, seed: int = 7):
     return got_logits, want_logits
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", FAMILIES)
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("checkpoint_activation", [True, False])
-def test_logits_loss_and_gradients_are_bit_identical(kind, train, checkpoint_activation):
+def test_logits_loss_and_gradients_are_bit_identical(kind, train, checkpoint_activation, device):
     hf = build(kind)
-    reference = copy.deepcopy(hf)
+    reference = copy.deepcopy(hf).to(device)
     hf.train(train)
     reference.train(train)
-    model = OffloadModel(causal_lm_sequential(hf), device="cpu", num_slices=3,
+    model = OffloadModel(causal_lm_sequential(hf), device=device, num_slices=3,
                          checkpoint_activation=checkpoint_activation)
-    inputs = batch()
+    inputs = batch(device)
     labels = inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)
     for _ in range(2):  # the second step after an update of the host copies
         got_logits, want_logits = both_backward(hf, reference, model, inputs, labels)
@@ -115,12 +115,14 @@ def test_with_the_models_own_gradient_checkpointing(kind):
     assert_same_grads(hf, reference, **EXACT)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2"])
-def test_under_a_compute_dtype(kind):
+def test_under_a_compute_dtype(kind, device):
     hf = build(kind)
-    reference = converted(hf, torch.bfloat16)  # parameters in bf16, buffers (rotary tables) as they are
-    model = OffloadModel(causal_lm_sequential(hf), device="cpu", num_slices=3, compute_dtype=torch.bfloat16)
-    inputs = batch()
+    # Parameters in bf16, buffers (rotary tables) as they are.
+    reference = converted(hf, torch.bfloat16).to(device)
+    model = OffloadModel(causal_lm_sequential(hf), device=device, num_slices=3, compute_dtype=torch.bfloat16)
+    inputs = batch(device)
     got_logits, want_logits = both_backward(hf, reference, model, inputs, inputs["input_ids"])
     assert got_logits.dtype == torch.bfloat16
     torch.testing.assert_close(got_logits, want_logits, **EXACT)
@@ -173,18 +175,23 @@ def test_the_hugging_face_model_holds_the_trained_weights(tmp_path):
         layers.hf_name("7.nothing.weight")
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["gpt2", "qwen2"])
 @pytest.mark.parametrize("checkpoint_activation", [True, False])
-def test_tied_embeddings_stay_tied_and_bit_identical(kind, checkpoint_activation, tmp_path):
+def test_tied_embeddings_stay_tied_and_bit_identical(kind, checkpoint_activation, device, tmp_path):
     """The first slice holds the tied matrix and the last borrows it; autograd adds both gradients."""
     hf = build(kind, tied=True)
-    reference = copy.deepcopy(hf)
-    model = OffloadModel(causal_lm_sequential(hf), device="cpu", num_slices=3,
+    reference = copy.deepcopy(hf).to(device)
+    model = OffloadModel(causal_lm_sequential(hf), device=device, num_slices=3,
                          checkpoint_activation=checkpoint_activation)
     assert hf.lm_head.weight is hf.get_input_embeddings().weight
+    assert reference.lm_head.weight is reference.get_input_embeddings().weight
     optimizer = offload.OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
-    plain_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
-    inputs = batch()
+    # On a GPU the reference's optimizer steps host copies, as OffloadModel's does (see HostStepped).
+    def make_adamw(params):
+        return torch.optim.AdamW(params, lr=1e-2, fused=True)
+    plain_optimizer = make_adamw(reference.parameters()) if device == "cpu" else HostStepped(reference, make_adamw)
+    inputs = batch(device)
     labels = inputs["input_ids"]
     for _ in range(3):
         got_logits, want_logits = both_backward(hf, reference, model, inputs, labels)
@@ -196,7 +203,7 @@ def test_tied_embeddings_stay_tied_and_bit_identical(kind, checkpoint_activation
         plain_optimizer.zero_grad()
     optimizer.synchronize()
     for (name, p), q in zip(hf.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(p, q, **EXACT, msg=name)
+        torch.testing.assert_close(p, q.cpu(), **EXACT, msg=name)
     hf.save_pretrained(tmp_path)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
     assert loaded.lm_head.weight is loaded.get_input_embeddings().weight
