@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_run.sh tests 300 cast profile   # the test suite (its time limit), cast and memory scripts
 #   bash benchmarks/gpu_run.sh bench "mlp gpt-compute-bound" 0 300          # presets, RSS-trace steps, time limit
 #   bash benchmarks/gpu_run.sh bench "gpt-capped" 0 300 "--steps 5 --warmup 2"
+#   bash benchmarks/gpu_run.sh maxmodel 2 540 "--compute-dtype bf16"        # largest model under a 2 GiB cap, time limit
 #
 # A fairscale wheel under .whl/ (not a dependency) is installed for the comparison when present.
 set -uo pipefail
@@ -40,6 +41,14 @@ while [ $# -gt 0 ]; do
             presets=$1; rss=$2; limit=$3; shift 3; more=""
             if [ $# -gt 0 ] && [ "${1#--}" != "$1" ]; then more=$1; shift; fi
             timeout "$limit" python3 scripts/benchmark.py --preset $presets --rss-steps "$rss" $more --out-dir "$OUT" 2>&1 \
+                | grep -v Warning | tail -n 80 | tee -a "$OUT/run.log" ;;
+        maxmodel)  # maxmodel <cap GiB> <seconds> ["<more arguments>"]
+            # Expandable segments unless the caller set the allocator: under a cap, memory left in
+            # fragments fails a step that would fit (benchmarks/results/h100-2026-11-22, run 4).
+            cap=$1; limit=$2; shift 2; more=""
+            if [ $# -gt 0 ] && [ "${1#--}" != "$1" ]; then more=$1; shift; fi
+            PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} \
+                timeout "$limit" python3 scripts/benchmark.py --max-model --cap-gib "$cap" $more --out-dir "$OUT" 2>&1 \
                 | grep -v Warning | tail -n 80 | tee -a "$OUT/run.log" ;;
         pstep)  # pstep <case> <seconds>: torch.profiler tables of one case's offloaded step
             timeout "$2" python3 scripts/profile_step.py --case "$1" > "$OUT/profile_step_$1.txt" 2>&1

@@ -32,6 +32,16 @@ def test_benchmark_smoke_test_on_cpu(tmp_path):
     assert run_["loaded_bytes_per_step"] > 0 and run_["offloaded_bytes_per_step"] > 0
     assert 0 < run_["efficiency"] and run_["median_step_s"] > 0
     assert (tmp_path / report.name.replace(".json", ".md")).exists()
+    # Device memory is counted on a GPU only: the keys are there, empty.
+    result = data["results"][0]
+    for key in ("peak_device_bytes", "peak_device_bytes_interleaved", "device_bytes_between_steps"):
+        assert key in run_ and run_[key] is None
+    assert result["output_shape"] == [8, 4] and result["output_dtype"] == "torch.float32"
+    terms = result["memory_budget_terms"]
+    assert set(terms) == {"slots", "gradients", "boundaries", "slice_activations", "loss", "slack"}
+    assert terms["slots"] > 0 and terms["gradients"] > 0 and terms["slack"] > 0
+    assert terms["boundaries"] is terms["slice_activations"] is terms["loss"] is None
+    assert result["memory_budget_bytes"] is None
 
 
 def test_benchmark_records_forward_backward_apart_and_a_slices_override(tmp_path):
@@ -43,6 +53,36 @@ def test_benchmark_records_forward_backward_apart_and_a_slices_override(tmp_path
     assert 0 < offload["median_forward_backward_s"] < offload["median_step_s"]
     assert offload["optimizer_in_step_s"] > 0 and offload["efficiency_forward_backward"] > 0
     assert offload["median_exposed_update_s"] >= 0
+
+
+def max_model_report(tmp_path: Path, *args: str) -> dict:
+    run("scripts/benchmark.py", "--max-model", "--device", "cpu", "--out-dir", str(tmp_path), *args)
+    (report,) = tmp_path.glob("benchmark_*_maxmodel.json")
+    assert (tmp_path / report.name.replace(".json", ".md")).exists()
+    return json.loads(report.read_text())["max_model"]
+
+
+def test_benchmark_max_model_grows_the_depth_until_host_memory_runs_out(tmp_path):
+    # The CPU has no cap to find: a smoke test of the search, on tiny sizes.
+    search = max_model_report(tmp_path / "a", "--max-layers", "2")
+    assert [s["n_layers"] for s in search["sizes"]] == [1, 2] and all(s["trained"] for s in search["sizes"])
+    assert search["largest_trained"]["n_layers"] == 2 and search["stopped"] == "reached --max-layers 2"
+    assert search["device_memory_cap_bytes"] is None and search["parameter_bytes_per_cap"] is None
+    one, two = search["sizes"]
+    assert two["parameters"] - one["parameters"] == search["parameters_per_block"]
+    assert one["median_step_s"] > 0 and one["peak_device_bytes"] is None
+    assert 0 < one["host_bytes_estimate"] < two["host_bytes_estimate"]
+    # Host memory for one block but not two: it stops before building the second.
+    between = (one["host_bytes_estimate"] + two["host_bytes_estimate"]) / 2 / 2**30
+    search = max_model_report(tmp_path / "b", "--host-memory-gib", f"{between:.9f}")
+    assert [s["n_layers"] for s in search["sizes"]] == [1]
+    assert search["stopped"].startswith("host memory: n_layers=2 would need")
+
+
+def test_benchmark_max_model_options_need_the_mode():
+    done = subprocess.run([sys.executable, "scripts/benchmark.py", "--cap-gib", "2"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2 and "--cap-gib need --max-model" in done.stderr
 
 
 def test_profile_step_prints_the_busiest_operations(tmp_path):
