@@ -79,8 +79,13 @@ class DataParallel:
         self._events: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
         self._included: weakref.WeakKeyDictionary[Any, list[torch.Tensor]] = weakref.WeakKeyDictionary()
         self._local: dict[int, torch.Tensor] = {}  # parameters whose .grad holds local, unaveraged sums
-        self._check_structure(named_tensors)
-        self._take_rank_zeros(named_tensors)
+        # NCCL's object collectives stage their bytes on the *current* CUDA device, which is cuda:0
+        # unless the caller set it: every rank would then use GPU 0. Run them on this model's device.
+        on_model_device = (torch.cuda.device(engine.device) if engine.device.type == "cuda"
+                           else contextlib.nullcontext())
+        with on_model_device:
+            self._check_structure(named_tensors)
+            self._take_rank_zeros(named_tensors)
 
     # -- construction ----------------------------------------------------------------------------
 

@@ -126,8 +126,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         engine = self.model._engine
         self._plan()
         hyper = [_snapshot(group) for group in self.param_groups]
-        grad_scale = getattr(self, "grad_scale", None)
-        found_inf = getattr(self, "found_inf", None)
+        # GradScaler hands fused optimizers its scale and inf flag on the loss's device. The update
+        # reads them on a host worker, where the optimizer's own non-blocking copy to the host would
+        # be queued on that thread's stream behind the next forward's kernels, and read before it
+        # lands. Bring them to the host here, waiting for them.
+        grad_scale, found_inf = (None if t is None else t.to("cpu")
+                                 for t in (getattr(self, "grad_scale", None), getattr(self, "found_inf", None)))
         # An update must not write host copies that a load still reads (a safety net: see Note:
         # [Orderings the end of a walk covers] in offload/streams/copies.py).
         engine.copies.wait_loads_done()

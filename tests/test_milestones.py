@@ -97,3 +97,33 @@ def test_a_subscriber_rewriting_gradients_in_place_changes_only_that_slices_para
     model(x).sum().backward()
     for (name, got), want in zip(model.named_parameters(), plain.parameters()):
         torch.testing.assert_close(got.grad, 10.0 * want.grad, rtol=0, atol=0, msg=name)
+
+
+class _Shift(nn.Module):
+    """Adds the sum of a parameter: autograd gives it an expanded gradient, one element seen
+    through stride 0, which an in-place rewrite (or NCCL) cannot take."""
+
+    def __init__(self):
+        super().__init__()
+        self.shift = nn.Parameter(torch.randn(8))
+
+    def forward(self, x):
+        return x + self.shift.sum()
+
+
+class _ChecksDense(_ScalesInPlace):
+    def gradients_produced(self, token, index, grads):
+        assert all(g.is_contiguous() for g in grads.device_tensors() if g is not None)
+        super().gradients_produced(token, index, grads)
+
+
+def test_subscribers_get_dense_gradients_even_where_autograd_expands_one():
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 8), _Shift(), nn.Tanh(), nn.Linear(8, 8))
+    model = OffloadModel(copy.deepcopy(plain), device="cpu", num_slices=2)
+    model._engine.milestones.subscribe(_ChecksDense())
+    x = torch.randn(3, 8)
+    plain(x).sum().backward()
+    model(x).sum().backward()
+    for (name, got), want in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(got.grad, 10.0 * want.grad, rtol=0, atol=0, msg=name)

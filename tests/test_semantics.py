@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
+import torch.utils._python_dispatch
 from torch import nn
 
 from offload import OffloadModel
@@ -752,3 +755,44 @@ def test_frozen_model_gradient_of_the_input_only(device):
     reference(x_ref).pow(2).sum().backward()
     model(x_off).pow(2).sum().backward()
     torch.testing.assert_close(x_off.grad, x_ref.grad, **EXACT)
+
+
+class _WatchWeightCasts(torch.utils._python_dispatch.TorchDispatchMode):
+    """Keeps weak references to the bfloat16 casts autocast makes of 32 x 32 weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.casts = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if (func is torch.ops.aten._to_copy.default and out.dtype == torch.bfloat16
+                and tuple(out.shape) == (32, 32)):
+            self.casts.append(weakref.ref(out))
+        return out
+
+
+@pytest.mark.parametrize("checkpoint", [True, False])
+def test_autocast_keeps_no_half_precision_weights_of_checkpointed_slices(checkpoint):
+    # Autocast caches its cast of a weight that requires grad until the outermost autocast block
+    # ends; a checkpointed slice must not leave its weights' casts on the device that long.
+    torch.manual_seed(0)
+    model = OffloadModel(nn.Sequential(*[nn.Linear(32, 32) for _ in range(6)]), device="cpu", num_slices=6,
+                         checkpoint_activation=checkpoint)
+    watch = _WatchWeightCasts()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with watch:
+            out = model(torch.randn(4, 32))
+        gc.collect()
+        alive = sum(ref() is not None for ref in watch.casts)
+        # Without checkpointing every slice keeps its graph, and the graph its cast, as in the plain
+        # model; with it only the last slice does (it stays resident into backward).
+        assert alive == (1 if checkpoint else 6), alive
+        recomputed = len(watch.casts)
+        with watch:  # a backward inside the autocast block: the recompute casts again
+            out.float().sum().backward()
+        del out
+        gc.collect()
+        assert len(watch.casts) > recomputed or not checkpoint
+        alive = sum(ref() is not None for ref in watch.casts[recomputed:])
+        assert alive == 0, alive

@@ -81,7 +81,7 @@ from ..labels import label
 from ..microbatch import Split, join_input_grads, join_outputs, split_leaves, split_like
 from ..streams import Event, OffloadTicket, PendingGradients
 from .recompute_state import recomputing
-from .replay import AutocastState, capture_rng, replaying_rng
+from .replay import AutocastState, autocast_cache_disabled, capture_rng, replaying_rng
 
 
 @dataclass(eq=False)  # compared and hashed by identity: milestone subscribers key on it
@@ -278,7 +278,7 @@ class OffloadFunction(torch.autograd.Function):
                             # With grad enabled, as in the plain model, so that every output requires
                             # grad exactly as there and kernels that look at it choose alike; nothing
                             # is saved (Note: [Boundary gradients]).
-                            with torch.enable_grad(), _saving_nothing():
+                            with torch.enable_grad(), _saving_nothing(), autocast_cache_disabled():
                                 _, fed = _graph_inputs(in_leaves, requires)
                                 result = engine.run_slice(i, _param_leaves(views, engine, i),
                                                           tree_unflatten(fed, in_spec))
@@ -563,7 +563,7 @@ def _recompute(engine: Engine, run: _Run, saved: Sequence[torch.Tensor], loader:
         engine.slots.restore_buffers(i, saved[stash_index], ticket)
     device_rng = saved[record.device_rng] if record.device_rng is not None else None
     with replaying_rng(engine.device, saved[record.cpu_rng], device_rng), run.autocast.applied(), \
-            torch.enable_grad(), recomputing():
+            autocast_cache_disabled(), torch.enable_grad(), recomputing():
         # The leaves require grad as in forward even where this backward wants no input gradient:
         # the recompute must take the forward's kernels (Note: [Boundary gradients]).
         graph_leaves, fed = _graph_inputs(leaves, record.requires)
@@ -646,21 +646,23 @@ def _differentiate(outputs: Sequence[Any], grads: Sequence[Any], inputs: Sequenc
 
 
 def _unshared(param_grads: Sequence[torch.Tensor | None], others: Sequence[Any]) -> list[torch.Tensor | None]:
-    """The parameter gradients, each in memory of its own.
+    """The parameter gradients, each in dense memory of its own.
 
     Autograd may return one tensor as several gradients: ``x + p`` with equal shapes gives ``p``,
     ``x`` and the upstream gradient the same tensor, and the input's gradient goes on to the previous
     slice. A milestone subscriber may rewrite a slice's gradients in place (the device average
     does), which must reach neither the previous slice nor a second parameter, so a gradient that
-    shares memory with another is copied; usually none does, and nothing is copied.
+    shares memory with another is copied; usually none does, and nothing is copied. For the same
+    rewrite, and for NCCL, which refuses non-contiguous tensors, a gradient that is not contiguous
+    is made so: ``p.sum()`` gives ``p`` an expanded gradient, one element seen through stride 0.
     """
     taken = {t.untyped_storage().data_ptr() for t in others if isinstance(t, torch.Tensor)}
     unshared: list[torch.Tensor | None] = []
     for g in param_grads:
         if g is not None:
             pointer = g.untyped_storage().data_ptr()
-            if pointer in taken:
-                g = g.clone()
+            if pointer in taken or not g.is_contiguous():
+                g = g.clone(memory_format=torch.contiguous_format)
             else:
                 taken.add(pointer)
         unshared.append(g)

@@ -49,6 +49,25 @@ class AutocastState:
             yield
 
 
+@contextlib.contextmanager
+def autocast_cache_disabled() -> Iterator[None]:
+    """Run the block without autocast's cache of casted weights.
+
+    Autocast keeps the half-precision copy of every parameter it casts while the parameter
+    requires grad, until the caller's outermost ``torch.autocast`` block ends. The checkpointed
+    forward runs every slice on parameters that require grad (Note: [Boundary gradients] in
+    ``function.py``), so with the cache on, each slice's device copy of its weights in half
+    precision would stay on the device until then: half the model, resident, which is what
+    offloading avoids. Without the cache every use casts afresh, to the same values.
+    """
+    previous = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(previous)
+
+
 def device_generator_initialized(device: torch.device) -> bool:
     """Whether reading the device generator is free of side effects.
 
