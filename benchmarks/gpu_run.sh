@@ -48,7 +48,7 @@ while [ $# -gt 0 ]; do
             cap=$1; limit=$2; shift 2; more=""
             if [ $# -gt 0 ] && [ "${1#--}" != "$1" ]; then more=$1; shift; fi
             PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} \
-                timeout "$limit" python3 scripts/benchmark.py --max-model --cap-gib "$cap" $more --out-dir "$OUT" 2>&1 \
+                timeout "$limit" python3 scripts/bench_max_model.py --cap-gib "$cap" $more --out-dir "$OUT" 2>&1 \
                 | grep -v Warning | tail -n 80 | tee -a "$OUT/run.log" ;;
         pstep)  # pstep <case> <seconds>: torch.profiler tables of one case's offloaded step
             timeout "$2" python3 scripts/profile_step.py --case "$1" > "$OUT/profile_step_$1.txt" 2>&1

@@ -56,13 +56,15 @@ def test_benchmark_records_forward_backward_apart_and_a_slices_override(tmp_path
 
 
 def max_model_report(tmp_path: Path, *args: str) -> dict:
-    run("scripts/benchmark.py", "--max-model", "--device", "cpu", "--out-dir", str(tmp_path), *args)
+    run("scripts/bench_max_model.py", "--device", "cpu", "--out-dir", str(tmp_path), *args)
     (report,) = tmp_path.glob("benchmark_*_maxmodel.json")
     assert (tmp_path / report.name.replace(".json", ".md")).exists()
-    return json.loads(report.read_text())["max_model"]
+    data = json.loads(report.read_text())
+    assert data["failed"] == {} and "scripts/bench_max_model.py" in data["command"]
+    return data["max_model"]
 
 
-def test_benchmark_max_model_grows_the_depth_until_host_memory_runs_out(tmp_path):
+def test_max_model_grows_the_depth_until_host_memory_runs_out(tmp_path):
     # The CPU has no cap to find: a smoke test of the search, on tiny sizes.
     search = max_model_report(tmp_path / "a", "--max-layers", "2")
     assert [s["n_layers"] for s in search["sizes"]] == [1, 2] and all(s["trained"] for s in search["sizes"])
@@ -77,12 +79,6 @@ def test_benchmark_max_model_grows_the_depth_until_host_memory_runs_out(tmp_path
     search = max_model_report(tmp_path / "b", "--host-memory-gib", f"{between:.9f}")
     assert [s["n_layers"] for s in search["sizes"]] == [1]
     assert search["stopped"].startswith("host memory: n_layers=2 would need")
-
-
-def test_benchmark_max_model_options_need_the_mode():
-    done = subprocess.run([sys.executable, "scripts/benchmark.py", "--cap-gib", "2"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60)
-    assert done.returncode == 2 and "--cap-gib need --max-model" in done.stderr
 
 
 def test_profile_step_prints_the_busiest_operations(tmp_path):
