@@ -360,3 +360,20 @@ def test_autocast_and_grad_scaler_on_cuda_with_host_gradients(dtype):
     for p_off, p_ref in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p_off.cuda(), p_ref, **EXACT)
     assert scalers[0].get_scale() == scalers[1].get_scale()
+
+
+def test_grad_scaler_unscales_host_gradients_while_the_stream_is_busy():
+    # GradScaler copies its inverse scale to the host with non_blocking=True, and its host-side
+    # unscale reads the copy at once. With kernels still queued on the stream (the user's, or a
+    # next forward's), that copy lands late: this checks whether the host gradients OffloadModel
+    # hands over are unscaled with the right factor even then.
+    torch.manual_seed(0)
+    model = OffloadModel(nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1)), device="cuda", num_slices=2)
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler.scale(model(torch.randn(8, 64, device="cuda")).sum()).backward()
+    expected = [p.grad / 2.0**10 for p in model.parameters()]
+    torch.cuda._sleep(100_000_000)  # tens of milliseconds of work queued ahead of the scaler's copy
+    scaler.unscale_(optimizer)
+    for p, want in zip(model.parameters(), expected):
+        torch.testing.assert_close(p.grad, want, **EXACT)
