@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from offload import OffloadModel
+from offload import OffloadModel, OffloadOptimizer
 from offload.streams import CudaBackend, using_backend
 
 from .helpers import assert_same_grads
@@ -182,6 +182,29 @@ def test_delayed_kernels_with_optimizer_steps_match_the_resident_model(delay):
             opt.step()
     for p_off, p_ref in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p_off.cuda(), p_ref, **EXACT)
+
+
+@pytest.mark.parametrize("compute_dtype", [None, torch.bfloat16], ids=["float32", "bf16"])
+@pytest.mark.parametrize("delay", DELAYS)
+def test_delayed_kernels_and_copies_with_the_host_update_beside_the_forward(delay, compute_dtype, monkeypatch):
+    """OffloadOptimizer's update runs on a host worker while the next forward loads slices: each
+    load must wait for its slice's update (and, under a compute dtype, for the shadow the update
+    writes). The reference is the same model with synchronous copies and the plain optimizer."""
+    layers = sleepy_model(depth=6, cycles=cycles(delay))
+    model = build(copy.deepcopy(layers), delay, num_slices=6, compute_dtype=compute_dtype)
+    monkeypatch.setenv("OFFLOAD_SYNC_COPIES", "1")
+    reference = OffloadModel(copy.deepcopy(layers), device="cuda", num_slices=6, compute_dtype=compute_dtype)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
+    plain = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
+    for step in range(4):
+        x = torch.randn(4, 1024, device="cuda")
+        for net, opt in ((model, optimizer), (reference, plain)):
+            opt.zero_grad()
+            net(x).float().pow(2).sum().backward()
+            opt.step()
+    optimizer.synchronize()
+    for p_off, p_ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p_off, p_ref, **EXACT)
 
 
 def test_a_missing_wait_fails_the_delayed_copy_test():
