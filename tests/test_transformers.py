@@ -30,7 +30,48 @@ from offload.integrations.transformers import (  # noqa: E402  (needs transforme
 
 EXACT = {"rtol": 0.0, "atol": 0.0}
 VOCAB = 97
-FAMILIES = ["gpt2", "llama", "mistral", "qwen2", "qwen3"]
+FAMILIES = ["gpt2", "llama", "mistral", "ministral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi", "phi3",
+            "olmo", "olmo2", "olmo3", "smollm3", "granite", "cohere", "glm", "glm4", "helium", "stablelm", "gpt_neox",
+            "mixtral", "qwen2_moe", "qwen3_moe"]
+#: The families whose configs tie the input and output embeddings by default.
+TIED_BY_DEFAULT = ["gpt2", "gemma", "gemma2", "gemma3_text", "smollm3", "cohere"]
+
+
+def alternating(layers: int) -> list[str]:
+    return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+
+
+def family_options(kind: str, layers: int, dropout: float) -> dict:
+    """What each family needs beyond the shared small config so that what sets it apart is exercised:
+    sliding windows shorter than the sequence, both layer types, multipliers and caps far from 1,
+    dropout wherever the family has some."""
+    window = {"sliding_window": 4, "layer_types": alternating(layers)}
+    return {
+        "mistral": {"sliding_window": 4},
+        "ministral": {**window, "head_dim": 8},
+        "qwen2": {**window, "use_sliding_window": True},
+        "gemma": {"head_dim": 8},
+        "gemma2": {**window, "head_dim": 8, "final_logit_softcapping": 2.0, "attn_logit_softcapping": 1.0},
+        # Its two layer types also get rotary tables of their own (bases 1e4 and 1e6).
+        "gemma3_text": {**window, "head_dim": 8},
+        "phi": {"resid_pdrop": dropout, "embd_pdrop": dropout},
+        "phi3": {"sliding_window": 4, "resid_pdrop": dropout, "embd_pdrop": dropout},
+        "olmo3": {**window, "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                                "full_attention": {"rope_type": "default", "rope_theta": 1e6}}},
+        "smollm3": {**window, "no_rope_layer_interval": 2},
+        "granite": {"embedding_multiplier": 4.0, "logits_scaling": 3.0, "residual_multiplier": 0.5,
+                    "attention_multiplier": 0.25},
+        "glm": {"head_dim": 8},
+        "glm4": {"head_dim": 8},
+        "helium": {"head_dim": 8},
+        "stablelm": {"hidden_dropout": dropout},
+        "gpt_neox": {"hidden_dropout": dropout},
+        "mixtral": {"sliding_window": 4, "num_local_experts": 4, "num_experts_per_tok": 2},
+        "qwen2_moe": {**window, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                      "shared_expert_intermediate_size": 16},
+        "qwen3_moe": {"use_sliding_window": True, "sliding_window": 4, "head_dim": 8, "num_experts": 4,
+                      "num_experts_per_tok": 2, "moe_intermediate_size": 16},
+    }.get(kind, {})
 
 
 def build(kind: str, dropout: float = 0.1, tied: bool = False, layers: int = 3) -> torch.nn.Module:
@@ -40,11 +81,11 @@ def build(kind: str, dropout: float = 0.1, tied: bool = False, layers: int = 3) 
                                          resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
                                          tie_word_embeddings=tied, bos_token_id=0, eos_token_id=0)
     else:
-        extra = {"sliding_window": 4} if kind == "mistral" else {}  # shorter than the sequence: the mask matters
         config = transformers.AutoConfig.for_model(
             kind, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, attention_dropout=dropout,
-            tie_word_embeddings=tied, **extra)
+            tie_word_embeddings=tied, pad_token_id=0, bos_token_id=0, eos_token_id=0,
+            **family_options(kind, layers, dropout))
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
@@ -103,7 +144,7 @@ def test_logits_loss_and_gradients_are_bit_identical(kind, train, checkpoint_act
                 p.grad = q.grad = None
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "gemma3_text", "gpt_neox"])
 def test_with_the_models_own_gradient_checkpointing(kind):
     hf = build(kind)
     hf.gradient_checkpointing_enable()
@@ -116,7 +157,7 @@ def test_with_the_models_own_gradient_checkpointing(kind):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2"])
+@pytest.mark.parametrize("kind", FAMILIES)
 def test_under_a_compute_dtype(kind, device):
     hf = build(kind)
     # Parameters in bf16, buffers (rotary tables) as they are.
@@ -129,8 +170,9 @@ def test_under_a_compute_dtype(kind, device):
     assert_same_grads(hf, master_grads_of(reference), **EXACT)
 
 
-def test_microbatches_follow_the_model_chunk_by_chunk():
-    hf = build("llama", dropout=0.0)
+@pytest.mark.parametrize("kind", ["llama", "gemma3_text"])
+def test_microbatches_follow_the_model_chunk_by_chunk(kind):
+    hf = build(kind, dropout=0.0)
     reference = copy.deepcopy(hf)
     model = OffloadModel(causal_lm_sequential(hf), device="cpu", num_slices=3, num_microbatches=2)
     inputs = batch()
@@ -176,7 +218,7 @@ def test_the_hugging_face_model_holds_the_trained_weights(tmp_path):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kind", ["gpt2", "qwen2"])
+@pytest.mark.parametrize("kind", [*TIED_BY_DEFAULT, "qwen2"])
 @pytest.mark.parametrize("checkpoint_activation", [True, False])
 def test_tied_embeddings_stay_tied_and_bit_identical(kind, checkpoint_activation, device, tmp_path):
     """The first slice holds the tied matrix and the last borrows it; autograd adds both gradients."""
@@ -225,12 +267,21 @@ def test_tied_embeddings_untied_on_request(tmp_path):
     assert loaded.lm_head.weight is not loaded.transformer.wte.weight
 
 
-def test_unsupported_models_and_batches_get_clear_errors():
-    config = transformers.AutoConfig.for_model("gemma", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+def small(kind: str, **options) -> torch.nn.Module:
+    config = transformers.AutoConfig.for_model(kind, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                                num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                               vocab_size=VOCAB)
+                                               vocab_size=VOCAB, pad_token_id=0, **options)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def test_unsupported_models_and_batches_get_clear_errors():
+    # StarCoder2 applies dropout to the embeddings under the decoder's own training flag, outside any module.
     with pytest.raises(ValueError, match=", ".join(SUPPORTED_MODEL_TYPES)):
-        causal_lm_sequential(transformers.AutoModelForCausalLM.from_config(config))
+        causal_lm_sequential(small("starcoder2", embedding_dropout=0.1))
+    with pytest.raises(ValueError, match="load-balancing"):
+        causal_lm_sequential(small("mixtral", num_local_experts=2, num_experts_per_tok=1, output_router_logits=True))
+    with pytest.raises(ValueError, match="bidirectional"):
+        causal_lm_sequential(small("gemma3_text", use_bidirectional_attention=True))
     with pytest.raises(ValueError, match="supports the causal LMs"):
         causal_lm_sequential(torch.nn.Linear(2, 2))
     layers = causal_lm_sequential(build("llama"))

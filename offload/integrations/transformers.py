@@ -1,20 +1,24 @@
 """Hugging Face causal language models as an ``nn.Sequential`` that :class:`~offload.OffloadModel` can wrap.
 
-:func:`causal_lm_sequential` cuts a ``transformers`` ``*ForCausalLM`` (GPT-2, and the Llama
-decoder layout: Llama, Mistral, Qwen2, Qwen3) into stages built around the model's *own*
-submodules: an embedding stage, one stage per decoder layer and a head stage (final norm and
-``lm_head``). Nothing is copied, so the Hugging Face model trains along: its ``state_dict()`` and
-``save_pretrained()`` hold the trained weights. The stages reproduce the model's forward
-operation for operation, so logits are bit-identical to the model's own, in train mode with
-dropout and in eval mode, with padding and attention masks, with
-``gradient_checkpointing_enable()``, and under ``compute_dtype``.
+:func:`causal_lm_sequential` cuts a ``transformers`` ``*ForCausalLM`` (GPT-2, and the families
+built on the Llama decoder layout: Llama, Mistral, Ministral, Mixtral, Qwen2, Qwen3 and their
+mixture-of-experts variants, Gemma, Gemma 2, Gemma 3 text, Phi, Phi-3, OLMo, OLMo 2, OLMo 3,
+SmolLM3, Granite, Cohere, GLM, GLM-4, Helium, StableLM, GPT-NeoX) into stages built around the
+model's *own* submodules: an embedding stage, one stage per decoder layer and a head stage (final
+norm and ``lm_head``). Nothing is copied, so the Hugging Face model trains along: its
+``state_dict()`` and ``save_pretrained()`` hold the trained weights. The stages reproduce the
+model's forward operation for operation, so logits are bit-identical to the model's own, in train
+mode with dropout and in eval mode, with padding and attention masks, with
+``gradient_checkpointing_enable()``, and under ``compute_dtype``. Where a family's forward departs
+from Llama's (an embedding multiplier, a mask or rotary table per layer type, a scale or soft-cap
+on the logits), a :class:`_Layout` says so and the stages do the same step in the same place.
 
 What travels between stages is ``(hidden_states, attention_mask, position_ids, position_embeddings)``:
 the 2-D attention mask as the user passed it (or ``None``) rather than the 4-D mask, which each
 decoder stage rebuilds with the model's own mask function, because a ``B x 1 x T x T`` mask at every
-slice boundary would be checkpointed to the host once per slice; rotary tables (``T x head_dim``)
-are small and computed once. None of them requires grad, exactly as in the model (Note: [Boundary
-gradients] in ``offload/autograd/function.py``).
+slice boundary would be checkpointed to the host once per slice; rotary tables (``T x head_dim``,
+one pair per layer type where the family has several) are small and computed once. None of them
+requires grad, exactly as in the model (Note: [Boundary gradients] in ``offload/autograd/function.py``).
 
 This module holds the adapters only; it does not train, load weights or tokenize.
 """
@@ -22,7 +26,8 @@ This module holds the adapters only; it does not train, load weights or tokenize
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -36,10 +41,79 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "CausalLMSequential", "causal_lm_sequential"]
 
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where a family's forward departs from Llama's (``LlamaModel`` and ``LlamaForCausalLM``), as read
+    in its ``modeling_*.py``. The stages do each of these steps where the model does them, and no
+    other; whatever a family does inside its own modules (Gemma's scaled embedding, Granite's
+    residual multiplier, attention soft-capping, layers without rotary) comes along unchanged.
+    """
+
+    #: The attribute of the ``*ForCausalLM`` that holds the decoder.
+    base: str = "model"
+    #: The decoder's final norm.
+    final_norm: str = "norm"
+    #: The decoder's dropout module on the embeddings, if it has one.
+    embed_dropout: str | None = None
+    #: Which 4-D mask a layer gets: ``"causal"`` (the causal mask for every layer), ``"sliding_window"``
+    #: (one mask for every layer, sliding when ``config.sliding_window`` is set) or ``"layer_types"``
+    #: (``config.layer_types[i]`` says which of the two layer ``i`` gets).
+    mask: Literal["causal", "sliding_window", "layer_types"] = "causal"
+    #: One rotary table per layer type (``rotary_emb(x, position_ids, layer_type)``), each layer taking its own.
+    rotary_per_layer_type: bool = False
+    #: The keyword under which the decoder passes its (here absent) cache to a layer.
+    cache_argument: str = "past_key_values"
+    #: The decoder passes ``use_cache`` to its layers.
+    layers_take_use_cache: bool = True
+    #: The embeddings are multiplied by the decoder's ``embedding_multiplier`` before the first layer.
+    embedding_multiplier: bool = False
+    #: The logits are multiplied by the ``*ForCausalLM``'s ``logit_scale``.
+    logit_scale: bool = False
+    #: The logits are divided by ``config.logits_scaling``.
+    logits_scaling: bool = False
+    #: The logits are soft-capped, ``tanh(logits / cap) * cap``, when ``config.final_logit_softcapping`` is set.
+    final_logit_softcapping: bool = False
+
+
+_MASK_PER_LAYER_TYPE = _Layout(mask="layer_types")
+
+#: The families cut around the Llama decoder layout, each checked bit for bit against the model's own
+#: forward in ``tests/test_transformers.py``.
+_LAYOUTS = {
+    "llama": _Layout(),
+    "mistral": _Layout(mask="sliding_window"),
+    "ministral": _MASK_PER_LAYER_TYPE,
+    "qwen2": _MASK_PER_LAYER_TYPE,
+    "qwen3": _MASK_PER_LAYER_TYPE,
+    "gemma": _Layout(),
+    "gemma2": _Layout(mask="layer_types", layers_take_use_cache=False, final_logit_softcapping=True),
+    "gemma3_text": _Layout(mask="layer_types", rotary_per_layer_type=True, layers_take_use_cache=False,
+                           final_logit_softcapping=True),
+    "phi": _Layout(final_norm="final_layernorm", embed_dropout="embed_dropout"),
+    "phi3": _Layout(mask="sliding_window"),
+    "olmo": _Layout(),
+    "olmo2": _Layout(),
+    "olmo3": _Layout(mask="layer_types", rotary_per_layer_type=True, layers_take_use_cache=False),
+    "smollm3": _MASK_PER_LAYER_TYPE,
+    "granite": _Layout(embedding_multiplier=True, logits_scaling=True),
+    "cohere": _Layout(logit_scale=True),
+    "glm": _Layout(),
+    "glm4": _Layout(),
+    "helium": _Layout(),
+    "stablelm": _Layout(),
+    "gpt_neox": _Layout(base="gpt_neox", final_norm="final_layer_norm", embed_dropout="emb_dropout",
+                        cache_argument="layer_past"),
+    # Mixture of experts: the routing happens inside the layers; the load-balancing loss is refused below.
+    "mixtral": _Layout(mask="sliding_window"),
+    "qwen2_moe": _MASK_PER_LAYER_TYPE,
+    "qwen3_moe": _Layout(mask="sliding_window"),
+}
+
 #: ``config.model_type`` values this module can cut. Others share parts of the layout but differ in
-#: details that change results (embedding scales, residual multipliers, soft-capping), so they are
-#: refused rather than approximated.
-SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3")
+#: details that change results (embedding dropout outside a module, positions as attention biases,
+#: router losses), or have not been checked, so they are refused rather than approximated.
+SUPPORTED_MODEL_TYPES = ("gpt2", *_LAYOUTS)
 
 #: Keys a batch dict may hold. Labels are refused on purpose: the stages return logits, and a
 #: silently ignored ``labels`` would look like a loss that is never computed.
@@ -74,18 +148,36 @@ def _default_positions(hidden: torch.Tensor, position_ids: torch.Tensor | None) 
 
 
 class LlamaEmbedding(nn.Module):
-    """Token embedding and rotary tables of a Llama-layout model (its own ``embed_tokens`` and ``rotary_emb``)."""
+    """Token embedding and rotary tables of a Llama-layout model (its own ``embed_tokens`` and
+    ``rotary_emb``), with the embedding multiplier or dropout of the families that have one.
 
-    def __init__(self, embed_tokens: nn.Embedding, rotary_emb: nn.Module) -> None:
+    With ``rotary_layer_types`` the rotary tables are a dict, one entry per layer type, as the model
+    builds them; otherwise one ``(cos, sin)`` pair shared by every layer.
+    """
+
+    def __init__(self, embed_tokens: nn.Module, rotary_emb: nn.Module, *, multiplier: float | None = None,
+                 dropout: nn.Module | None = None, rotary_layer_types: tuple[str, ...] | None = None) -> None:
         super().__init__()
         self.embed_tokens = embed_tokens
         self.rotary_emb = rotary_emb
+        self.multiplier = multiplier
+        self.dropout = dropout
+        self.rotary_layer_types = rotary_layer_types
 
     def forward(self, batch: Any) -> _State:
         input_ids, attention_mask, position_ids = _unpack_batch(batch)
         hidden = self.embed_tokens(input_ids)
+        if self.multiplier is not None:
+            hidden = hidden * self.multiplier
         position_ids = _default_positions(hidden, position_ids)
-        return hidden, attention_mask, position_ids, self.rotary_emb(hidden, position_ids=position_ids)
+        if self.dropout is not None:
+            hidden = self.dropout(hidden)
+        if self.rotary_layer_types is None:
+            position_embeddings = self.rotary_emb(hidden, position_ids=position_ids)
+        else:
+            position_embeddings = {kind: self.rotary_emb(hidden, position_ids, kind)
+                                   for kind in self.rotary_layer_types}
+        return hidden, attention_mask, position_ids, position_embeddings
 
 
 class GPT2Embedding(nn.Module):
@@ -111,39 +203,68 @@ class GPT2Embedding(nn.Module):
 
 class DecoderLayer(nn.Module):
     """One of the model's decoder layers, called as the model calls it, with its attention mask
-    rebuilt from the 2-D mask by the model's mask function for that layer."""
+    rebuilt from the 2-D mask by the model's mask function for that layer.
 
-    def __init__(self, layer: nn.Module, config: Any, mask_function: Callable[..., Any], gpt2: bool) -> None:
+    The keywords are those the model's decoder passes: ``layout`` says under which name the (absent)
+    cache goes, whether ``use_cache`` goes at all, and whether the layer takes the rotary tables of
+    its own layer type (``layer_type``). ``layout=None`` calls a GPT-2 block.
+    """
+
+    def __init__(self, layer: nn.Module, config: Any, mask_function: Callable[..., Any],
+                 layout: _Layout | None, layer_type: str | None = None) -> None:
         super().__init__()
         self.layer = layer
         self.config = config
         self.mask_function = mask_function
-        self.gpt2 = gpt2
+        self.layout = layout
+        self.layer_type = layer_type
 
     def forward(self, state: _State) -> _State:
         hidden, attention_mask, position_ids, position_embeddings = state
         mask = self.mask_function(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
                                   past_key_values=None, position_ids=position_ids)
-        if self.gpt2:
+        if self.layout is None:
             # Positional as GPT2Model passes them (past_key_values, attention_mask, encoder_hidden_states).
             hidden = self.layer(hidden, None, mask, None, encoder_attention_mask=None, use_cache=False,
                                 position_ids=position_ids)
-        else:
-            hidden = self.layer(hidden, attention_mask=mask, position_ids=position_ids, past_key_values=None,
-                                use_cache=False, position_embeddings=position_embeddings)
+            return hidden, attention_mask, position_ids, position_embeddings
+        kwargs = {self.layout.cache_argument: None}
+        if self.layout.layers_take_use_cache:
+            kwargs["use_cache"] = False
+        own = position_embeddings if self.layer_type is None else position_embeddings[self.layer_type]
+        hidden = self.layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=own, **kwargs)
         return hidden, attention_mask, position_ids, position_embeddings
 
 
 class Head(nn.Module):
-    """The final norm and the output projection (the model's own ``norm``/``ln_f`` and ``lm_head``); returns logits."""
+    """The final norm and the output projection (the model's own ``norm``/``ln_f`` and ``lm_head``); returns logits.
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Module) -> None:
+    What a family does to the logits after the projection follows, operation for operation:
+    ``logit_scale`` multiplies them (Cohere), ``logits_scaling`` divides them (Granite),
+    ``softcap`` soft-caps them (Gemma 2 and 3). Each is ``None`` where the family does not.
+    """
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Module, *, logit_scale: float | None = None,
+                 logits_scaling: float | None = None, softcap: float | None = None) -> None:
         super().__init__()
         self.norm = norm
         self.lm_head = lm_head
+        self.logit_scale = logit_scale
+        self.logits_scaling = logits_scaling
+        self.softcap = softcap
 
     def forward(self, state: _State) -> torch.Tensor:
-        return self.lm_head(self.norm(state[0]))
+        logits = self.lm_head(self.norm(state[0]))
+        if self.logit_scale is not None:
+            logits = logits * self.logit_scale
+        if self.logits_scaling is not None:
+            logits = logits / self.logits_scaling
+        if self.softcap is not None:
+            # Three steps, as the models write them: a fused form rounds differently.
+            logits = logits / self.softcap
+            logits = torch.tanh(logits)
+            logits = logits * self.softcap
+        return logits
 
 
 class CausalLMSequential(nn.Sequential):
@@ -179,12 +300,13 @@ class CausalLMSequential(nn.Sequential):
         return {self.hf_name(key): value for key, value in state_dict.items()}
 
 
-def _llama_mask_function(config: Any, index: int) -> Callable[..., Any]:
-    kinds = getattr(config, "layer_types", None)
-    if kinds is not None:  # Qwen2, Qwen3: a mask per layer kind
-        sliding = kinds[index] == "sliding_attention"
-    else:  # Mistral's rule: one kind for every layer
-        sliding = getattr(config, "sliding_window", None) is not None
+def _mask_function(layout: _Layout, config: Any, index: int) -> Callable[..., Any]:
+    if layout.mask == "layer_types":
+        sliding = config.layer_types[index] == "sliding_attention"
+    elif layout.mask == "sliding_window":
+        sliding = config.sliding_window is not None
+    else:
+        sliding = False
     return create_sliding_window_causal_mask if sliding else create_causal_mask
 
 
@@ -192,12 +314,25 @@ def _stages(model: nn.Module) -> list[nn.Module]:
     config = model.config
     if config.model_type == "gpt2":
         base = model.transformer
-        blocks = [DecoderLayer(block, config, create_causal_mask, gpt2=True) for block in base.h]
+        blocks = [DecoderLayer(block, config, create_causal_mask, layout=None) for block in base.h]
         return [GPT2Embedding(base.wte, base.wpe, base.drop), *blocks, Head(base.ln_f, model.lm_head)]
-    base = model.model
-    layers = list(base.layers[:config.num_hidden_layers])
-    blocks = [DecoderLayer(layer, config, _llama_mask_function(config, i), gpt2=False) for i, layer in enumerate(layers)]
-    return [LlamaEmbedding(base.embed_tokens, base.rotary_emb), *blocks, Head(base.norm, model.lm_head)]
+    layout = _LAYOUTS[config.model_type]
+    base = getattr(model, layout.base)
+    per_type = layout.rotary_per_layer_type
+    embedding = LlamaEmbedding(
+        model.get_input_embeddings(), base.rotary_emb,
+        multiplier=base.embedding_multiplier if layout.embedding_multiplier else None,
+        dropout=getattr(base, layout.embed_dropout) if layout.embed_dropout else None,
+        # dict.fromkeys: each type once, in a fixed order (the model iterates a set; the tables do not depend on it)
+        rotary_layer_types=tuple(dict.fromkeys(config.layer_types)) if per_type else None)
+    blocks = [DecoderLayer(layer, config, _mask_function(layout, config, i), layout,
+                           layer_type=config.layer_types[i] if per_type else None)
+              for i, layer in enumerate(base.layers[:config.num_hidden_layers])]
+    head = Head(getattr(base, layout.final_norm), model.lm_head,
+                logit_scale=model.logit_scale if layout.logit_scale else None,
+                logits_scaling=config.logits_scaling if layout.logits_scaling else None,
+                softcap=config.final_logit_softcapping if layout.final_logit_softcapping else None)
+    return [embedding, *blocks, head]
 
 
 def _untie(model: nn.Module) -> None:
@@ -218,9 +353,9 @@ def causal_lm_sequential(model: nn.Module, *, untie_embeddings: bool = False) ->
     (:meth:`CausalLMSequential.hf_state_dict` renames the Sequential's keys). The slicing of
     ``OffloadModel`` balances the stages by bytes, so a slice holds whole decoder layers.
 
-    Tied input and output embeddings (GPT-2, some Qwen2 sizes) stay tied: the first slice holds the
-    matrix and the last borrows it (Note: [Tied parameters across slices] in
-    ``offload/streams/host_storage.py``). ``untie_embeddings=True`` gives the head a copy of its own
+    Tied input and output embeddings (GPT-2, Gemma, SmolLM3, Cohere, some Qwen2 sizes) stay tied:
+    the first slice holds the matrix and the last borrows it (Note: [Tied parameters across slices]
+    in ``offload/streams/host_storage.py``). ``untie_embeddings=True`` gives the head a copy of its own
     instead, with equal values: the logits of the first forward are unchanged, but from the first
     update on the two train apart, as in a model configured with ``tie_word_embeddings=False``
     (which the config then says, so ``save_pretrained`` writes both).
@@ -230,8 +365,10 @@ def causal_lm_sequential(model: nn.Module, *, untie_embeddings: bool = False) ->
         untie_embeddings: give a tied ``lm_head`` a weight of its own (see above).
 
     Raises:
-        ValueError: an unsupported architecture (the message lists the supported ones), or GPT-2
-            with cross-attention.
+        ValueError: an unsupported architecture (the message lists the supported ones), GPT-2
+            with cross-attention, Gemma 3 with bidirectional attention, or a mixture of experts
+            with ``output_router_logits=True`` (its load-balancing loss needs router logits the
+            stages do not return).
 
     Example::
 
@@ -251,6 +388,15 @@ def causal_lm_sequential(model: nn.Module, *, untie_embeddings: bool = False) ->
     if getattr(config, "add_cross_attention", False):
         raise ValueError("GPT-2 with cross-attention (add_cross_attention=True) is not supported: its blocks need "
                          "encoder states the stages do not carry")
+    if getattr(config, "output_router_logits", False):
+        raise ValueError(
+            f"{type(model).__name__} with output_router_logits=True is not supported: its loss adds a load-balancing "
+            "term computed from every layer's router logits, which the stages do not return. Set "
+            "config.output_router_logits = False to train on the language-modelling loss alone"
+        )
+    if model_type == "gemma3_text" and config.use_bidirectional_attention:
+        # The decoder then widens both masks with functions of its own, which the stages do not rebuild.
+        raise ValueError("Gemma 3 with use_bidirectional_attention=True (an encoder, not a causal LM) is not supported")
     if untie_embeddings and model.get_output_embeddings().weight is model.get_input_embeddings().weight:
         _untie(model)
     return CausalLMSequential(_stages(model), model)
