@@ -182,6 +182,37 @@ def test_microbatches_follow_the_model_chunk_by_chunk(kind):
     torch.testing.assert_close(got, want, **EXACT)
 
 
+@pytest.mark.parametrize("kind", ["llama", "gemma2"])
+def test_each_slice_builds_its_masks_once_and_sees_a_mask_changed_in_place(kind):
+    # The mask functions read mask values from the host (a device sync on a GPU): at most once per
+    # kind of mask per slice run, as the model does once per forward, not once per layer.
+    hf = build(kind, dropout=0.0, layers=6)
+    reference = copy.deepcopy(hf)
+    layers = causal_lm_sequential(hf)
+    model = OffloadModel(layers, device="cpu", num_slices=2)
+    calls, counted = [], {}
+    for stage in layers:
+        if hasattr(stage, "mask_function"):
+            def count(*args, original=stage.mask_function, **kwargs):
+                calls.append(original)
+                return original(*args, **kwargs)
+            stage.mask_function = counted.setdefault(stage.mask_function, count)
+    runs = len(counted) * sum(any(hasattr(layers[int(name)], "mask_function") for name in names)
+                              for names in model.partition)
+    inputs = batch()
+    got = model(inputs)
+    assert 0 < len(calls) <= runs < 6, (len(calls), runs)
+    got.float().pow(2).mean().backward()  # the recompute of the first slice builds its masks again
+    assert len(calls) <= 2 * runs, (len(calls), runs)
+    torch.testing.assert_close(got, reference(**inputs, use_cache=False).logits, **EXACT)
+    # The same tensors again, one changed in place: the next forward must not reuse a stale mask.
+    inputs["position_ids"] = torch.arange(10).unsqueeze(0)
+    with torch.no_grad():
+        torch.testing.assert_close(model(inputs), reference(**inputs, use_cache=False).logits, **EXACT)
+        inputs["attention_mask"][1, 6:] = 0
+        torch.testing.assert_close(model(inputs), reference(**inputs, use_cache=False).logits, **EXACT)
+
+
 def test_input_ids_alone_and_explicit_positions():
     hf = build("qwen2", dropout=0.0).eval()
     reference = copy.deepcopy(hf)

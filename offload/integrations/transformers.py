@@ -15,8 +15,9 @@ on the logits), a :class:`_Layout` says so and the stages do the same step in th
 
 What travels between stages is ``(hidden_states, attention_mask, position_ids, position_embeddings)``:
 the 2-D attention mask as the user passed it (or ``None``) rather than the 4-D mask, which each
-decoder stage rebuilds with the model's own mask function, because a ``B x 1 x T x T`` mask at every
-slice boundary would be checkpointed to the host once per slice; rotary tables (``T x head_dim``,
+slice rebuilds with the model's own mask functions (once per kind of mask: :class:`_MaskCache`),
+because a ``B x 1 x T x T`` mask at every slice boundary would be checkpointed to the host once per
+slice; rotary tables (``T x head_dim``,
 one pair per layer type where the family has several) are small and computed once. None of them
 requires grad, exactly as in the model (Note: [Boundary gradients] in ``offload/autograd/function.py``).
 
@@ -25,6 +26,7 @@ This module holds the adapters only; it does not train, load weights or tokenize
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -201,6 +203,43 @@ class GPT2Embedding(nn.Module):
         return hidden, attention_mask, position_ids, None
 
 
+class _MaskCache:
+    """The 4-D masks of the decoder stages, built once per run of a slice rather than once per layer.
+
+    The plain model builds each kind of mask once per forward and hands it to every layer. Building
+    one costs more than its arithmetic: the mask functions look at mask and position values from
+    the host (is there padding? are sequences packed?), which on a GPU waits for the device to
+    catch up, once per call. The stages of one slice receive the same ``attention_mask`` and
+    ``position_ids`` objects, so a mask built for them is reused until they are gone (a new slice,
+    microbatch or recompute gets new ones). The key includes their versions, so a mask changed in
+    place between two forwards is seen.
+    """
+
+    def __init__(self) -> None:
+        self._masks: dict[tuple[Any, ...], Any] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_masks": {}}  # masks of a run in progress are not part of the model
+
+    def build(self, function: Callable[..., Any], config: Any, hidden: torch.Tensor,
+              attention_mask: torch.Tensor | None, position_ids: torch.Tensor) -> Any:
+        def call() -> Any:
+            return function(config=config, inputs_embeds=hidden, attention_mask=attention_mask,
+                            past_key_values=None, position_ids=position_ids)
+
+        if not isinstance(position_ids, torch.Tensor):
+            return call()
+        keyed = [t for t in (position_ids, attention_mask) if t is not None]
+        key = (function, hidden.shape, hidden.dtype, hidden.device,
+               *((id(t), t._version) for t in keyed))
+        if key not in self._masks:
+            self._masks[key] = call()
+            # Forget it when either tensor is freed: its id may then be reused by another tensor.
+            for tensor in keyed:
+                weakref.finalize(tensor, self._masks.pop, key, None)
+        return self._masks[key]
+
+
 class DecoderLayer(nn.Module):
     """One of the model's decoder layers, called as the model calls it, with its attention mask
     rebuilt from the 2-D mask by the model's mask function for that layer.
@@ -211,18 +250,18 @@ class DecoderLayer(nn.Module):
     """
 
     def __init__(self, layer: nn.Module, config: Any, mask_function: Callable[..., Any],
-                 layout: _Layout | None, layer_type: str | None = None) -> None:
+                 layout: _Layout | None, layer_type: str | None = None, masks: _MaskCache | None = None) -> None:
         super().__init__()
         self.layer = layer
         self.config = config
         self.mask_function = mask_function
         self.layout = layout
         self.layer_type = layer_type
+        self.masks = masks if masks is not None else _MaskCache()
 
     def forward(self, state: _State) -> _State:
         hidden, attention_mask, position_ids, position_embeddings = state
-        mask = self.mask_function(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
-                                  past_key_values=None, position_ids=position_ids)
+        mask = self.masks.build(self.mask_function, self.config, hidden, attention_mask, position_ids)
         if self.layout is None:
             # Positional as GPT2Model passes them (past_key_values, attention_mask, encoder_hidden_states).
             hidden = self.layer(hidden, None, mask, None, encoder_attention_mask=None, use_cache=False,
@@ -314,7 +353,8 @@ def _stages(model: nn.Module) -> list[nn.Module]:
     config = model.config
     if config.model_type == "gpt2":
         base = model.transformer
-        blocks = [DecoderLayer(block, config, create_causal_mask, layout=None) for block in base.h]
+        masks = _MaskCache()
+        blocks = [DecoderLayer(block, config, create_causal_mask, layout=None, masks=masks) for block in base.h]
         return [GPT2Embedding(base.wte, base.wpe, base.drop), *blocks, Head(base.ln_f, model.lm_head)]
     layout = _LAYOUTS[config.model_type]
     base = getattr(model, layout.base)
@@ -325,8 +365,9 @@ def _stages(model: nn.Module) -> list[nn.Module]:
         dropout=getattr(base, layout.embed_dropout) if layout.embed_dropout else None,
         # dict.fromkeys: each type once, in a fixed order (the model iterates a set; the tables do not depend on it)
         rotary_layer_types=tuple(dict.fromkeys(config.layer_types)) if per_type else None)
+    masks = _MaskCache()  # shared by the decoder stages, as the model shares its masks across layers
     blocks = [DecoderLayer(layer, config, _mask_function(layout, config, i), layout,
-                           layer_type=config.layer_types[i] if per_type else None)
+                           layer_type=config.layer_types[i] if per_type else None, masks=masks)
               for i, layer in enumerate(base.layers[:config.num_hidden_layers])]
     head = Head(getattr(base, layout.final_norm), model.lm_head,
                 logit_scale=model.logit_scale if layout.logit_scale else None,
