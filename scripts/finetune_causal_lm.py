@@ -29,12 +29,16 @@ DEFAULT_TEXT = Path(__file__).resolve().parent / "data" / "sample.txt"
 #: Random-initialised configs by size: (hidden, layers, heads, key/value heads, intermediate).
 SIZES = {"tiny": (64, 4, 4, 2, 128), "small": (512, 8, 8, 4, 1408), "1b": (2048, 16, 32, 8, 5632)}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}
+try:
+    from offload.integrations.transformers import SUPPORTED_MODEL_TYPES as ARCHITECTURES
+except ImportError:  # without the extra, --help still answers; training says what to install
+    ARCHITECTURES = ("llama",)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, help="local directory with weights (and tokenizer) to fine-tune")
-    parser.add_argument("--arch", default="llama", choices=["llama", "mistral", "qwen2", "qwen3", "gpt2"],
+    parser.add_argument("--arch", default="llama", choices=ARCHITECTURES,
                         help="architecture of the random-initialised model when no --model is given")
     parser.add_argument("--size", default="tiny", choices=sorted(SIZES), help="size of the random-initialised model")
     parser.add_argument("--text", type=Path, default=DEFAULT_TEXT, help="plain-text file to train on")
@@ -71,10 +75,13 @@ def random_model(arch: str, size: str, vocab: int, seq_len: int):
                                          n_positions=max(seq_len, 64), tie_word_embeddings=False,
                                          bos_token_id=0, eos_token_id=0)
     else:
+        # Token ids 0 for padding and both ends (some families' defaults lie outside a byte
+        # vocabulary), and head_dim set where a family would otherwise take a fixed default.
         config = transformers.AutoConfig.for_model(
             arch, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
             num_key_value_heads=kv_heads, intermediate_size=intermediate, vocab_size=vocab,
-            max_position_embeddings=max(seq_len, 64), tie_word_embeddings=False)
+            max_position_embeddings=max(seq_len, 64), tie_word_embeddings=False, head_dim=hidden // heads,
+            pad_token_id=0, bos_token_id=0, eos_token_id=0)
     return transformers.AutoModelForCausalLM.from_config(config), None
 
 
