@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 import offload
 from offload import OffloadModel
 
-from .helpers import assert_same_grads
+from .helpers import DEVICES, assert_same_grads
 from .test_mixed_precision import converted, master_grads_of
 
 EXACT = {"rtol": 0.0, "atol": 0.0}
@@ -35,13 +35,15 @@ def network(reentrant: bool = False) -> nn.Sequential:
     return nn.Sequential(*[SelfCheckpointing(reentrant=reentrant) for _ in range(4)], nn.Linear(8, 2))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("checkpoint_activation", [True, False])
 @pytest.mark.parametrize("num_microbatches", [1, 2])
-def test_layers_that_checkpoint_themselves_recompute_with_the_device_copies(checkpoint_activation, num_microbatches):
-    plain = network()
-    model = OffloadModel(copy.deepcopy(plain), device="cpu", num_slices=5, num_microbatches=num_microbatches,
+def test_layers_that_checkpoint_themselves_recompute_with_the_device_copies(checkpoint_activation, num_microbatches,
+                                                                            device):
+    plain = network().to(device)
+    model = OffloadModel(copy.deepcopy(plain), device=device, num_slices=5, num_microbatches=num_microbatches,
                          checkpoint_activation=checkpoint_activation)
-    x = torch.randn(6, 8)
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(2)).to(device)
     for _ in range(2):  # the second step: after an optimizer-like change of the host copies
         plain.zero_grad()
         model.zero_grad()
