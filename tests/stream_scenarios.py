@@ -375,6 +375,38 @@ def tied_across_slices_offload_optimizer(build: Build) -> list[torch.Tensor]:
     return train(model, steps=3, optimizer=optimizer)
 
 
+def hugging_face_llama(build: Build) -> list[torch.Tensor]:
+    """A Hugging Face Llama cut into stages, with OffloadOptimizer under a compute dtype: token ids,
+    a padded 2-D mask, position ids and rotary tables cross the boundaries, and each slice builds
+    its 4-D mask from the loaded ones."""
+    import transformers
+
+    from offload.integrations.transformers import causal_lm_sequential
+
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(
+        "llama", hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=23, max_position_embeddings=16, attention_dropout=0.1,
+        pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    hf = transformers.AutoModelForCausalLM.from_config(config)
+    model = build(causal_lm_sequential(hf), num_slices=3, compute_dtype=torch.bfloat16)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
+    seen: list[torch.Tensor] = []
+    for step in range(2):
+        ids = torch.randint(1, 23, (3, 6), generator=torch.Generator().manual_seed(step))
+        mask = torch.ones_like(ids)
+        mask[0, 4:] = 0
+        torch.manual_seed(step)
+        optimizer.zero_grad()
+        logits = model({"input_ids": ids, "attention_mask": mask})
+        loss = hf.loss_function(logits=logits, labels=ids.masked_fill(mask == 0, -100), vocab_size=23)
+        loss.backward()
+        optimizer.step()
+        seen += [logits.detach().clone(), loss.detach().clone()]
+    optimizer.synchronize()
+    return seen + state(model)
+
+
 SCENARIOS: dict[str, Callable[[Build], list[torch.Tensor]]] = {
     f.__name__: f for f in (
         dropout_mlp, batchnorm, batchnorm_microbatches, in_place_first_layer, microbatches, no_checkpointing,
@@ -385,6 +417,12 @@ SCENARIOS: dict[str, Callable[[Build], list[torch.Tensor]]] = {
         tied_across_slices, tied_across_slices_offload_optimizer,
     )
 }
+try:
+    import transformers  # noqa: F401  (the extra; without it the scenario is left out)
+except ImportError:
+    pass
+else:
+    SCENARIOS["hugging_face_llama"] = hugging_face_llama
 
 
 def build_on_cpu(layers: Any, **kwargs: Any) -> OffloadModel:
