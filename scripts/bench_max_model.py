@@ -143,7 +143,9 @@ def try_size(settings: dict[str, Any], rows: int, compute_dtype: torch.dtype | N
     except Exception as error:  # noqa: BLE001 - how a size fails is the result; the caller decides
         message = str(error).strip().splitlines()
         record.update(trained=False, error=f"{type(error).__name__}: {message[0][:400] if message else ''}",
-                      out_of_memory=isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error))
+                      # Device memory only: a failed pinned host allocation also says "out of memory",
+                      # and must not be recorded as the cap's limit.
+                      out_of_memory=isinstance(error, torch.OutOfMemoryError))
     finally:
         optimizer = getattr(runner.step, "optimizer", None) if runner is not None else None
         if isinstance(optimizer, OffloadOptimizer):

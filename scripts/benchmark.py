@@ -468,7 +468,7 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device, bandwid
     # to them (runners, closures' optimizers), then measure our steps alone. A capped case's cap
     # is lifted by now: it limits what may be allocated, not what a step allocates.
     runners = [offload_runner]
-    resident = resident_model = fs_model = None
+    resident = resident_model = fs_model = runner = None  # runner: the loops' last, fairscale's when it ran
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

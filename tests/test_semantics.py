@@ -796,3 +796,32 @@ def test_autocast_keeps_no_half_precision_weights_of_checkpointed_slices(checkpo
         assert len(watch.casts) > recomputed or not checkpoint
         alive = sum(ref() is not None for ref in watch.casts[recomputed:])
         assert alive == 0, alive
+
+
+class _Twice(nn.Module):
+    """One weight used twice: under autocast the plain model casts it once (autocast's cache), and
+    the two uses' gradients add up in half precision before the cast back."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.linear(torch.tanh(self.linear(x)))
+
+
+@pytest.mark.parametrize("backward_inside", [True, False], ids=["backward-inside-autocast", "backward-after"])
+@pytest.mark.parametrize("checkpoint", [True, False])
+def test_a_weight_used_twice_under_autocast_gets_the_plain_models_gradient(checkpoint, backward_inside):
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(16, 16), _Twice(), nn.Linear(16, 16), _Twice())
+    model = OffloadModel(copy.deepcopy(plain), device="cpu", num_slices=2, checkpoint_activation=checkpoint)
+    x = torch.randn(8, 16)
+    for net in (plain, model):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = net(x).float().square().sum()
+            if backward_inside:
+                loss.backward()
+        if not backward_inside:
+            loss.backward()
+    assert_same_grads(model, plain, rtol=0, atol=0)

@@ -213,6 +213,20 @@ def test_each_slice_builds_its_masks_once_and_sees_a_mask_changed_in_place(kind)
         torch.testing.assert_close(model(inputs), reference(**inputs, use_cache=False).logits, **EXACT)
 
 
+def test_inference_mode_and_a_mask_rewritten_through_data():
+    hf = build("llama", dropout=0.0).eval()
+    reference = copy.deepcopy(hf)
+    model = OffloadModel(causal_lm_sequential(hf), device="cpu", num_slices=2)
+    inputs = batch()
+    with torch.inference_mode():  # inference tensors have no version to key a mask on
+        torch.testing.assert_close(model(inputs), reference(**inputs, use_cache=False).logits, **EXACT)
+    inputs["position_ids"] = torch.arange(10).unsqueeze(0)
+    with torch.no_grad():
+        model(inputs)
+        inputs["attention_mask"].data[3, :2] = 0  # no version bump: the next forward must still see it
+        torch.testing.assert_close(model(inputs), reference(**inputs, use_cache=False).logits, **EXACT)
+
+
 def test_input_ids_alone_and_explicit_positions():
     hf = build("qwen2", dropout=0.0).eval()
     reference = copy.deepcopy(hf)

@@ -563,15 +563,26 @@ def _recompute(engine: Engine, run: _Run, saved: Sequence[torch.Tensor], loader:
         engine.slots.restore_buffers(i, saved[stash_index], ticket)
     device_rng = saved[record.device_rng] if record.device_rng is not None else None
     with replaying_rng(engine.device, saved[record.cpu_rng], device_rng), run.autocast.applied(), \
-            autocast_cache_disabled(), torch.enable_grad(), recomputing():
+            torch.enable_grad(), recomputing():
         # The leaves require grad as in forward even where this backward wants no input gradient:
         # the recompute must take the forward's kernels (Note: [Boundary gradients]).
         graph_leaves, fed = _graph_inputs(leaves, record.requires)
         entry_tensors = _param_leaves(views, engine, i)
+        # Autocast's cache stays on here, as in the plain model: a weight used twice is cast once,
+        # and the two uses' gradients meet in half precision, as there.
         result = engine.run_slice(i, entry_tensors, tree_unflatten(fed, record.spec))
+    # Leaving the replayed autocast empties the cache unless the caller's own autocast block is
+    # still open (a backward inside it): then the cache would keep this slice's casts until that
+    # block ends. The recompute's graph holds what its backward needs.
+    if _autocast_open(engine.device):
+        torch.clear_autocast_cache()
     outputs, _ = tree_flatten(result.output)
     params = [t for t, e in zip(entry_tensors, engine.slices[i].storage.entries) if e.is_parameter]
     return outputs, graph_leaves, params, entry_tensors
+
+
+def _autocast_open(device: torch.device) -> bool:
+    return torch.is_autocast_enabled("cpu") or (device.type != "cpu" and torch.is_autocast_enabled(device.type))
 
 
 @contextlib.contextmanager

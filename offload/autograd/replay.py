@@ -58,7 +58,9 @@ def autocast_cache_disabled() -> Iterator[None]:
     forward runs every slice on parameters that require grad (Note: [Boundary gradients] in
     ``function.py``), so with the cache on, each slice's device copy of its weights in half
     precision would stay on the device until then: half the model, resident, which is what
-    offloading avoids. Without the cache every use casts afresh, to the same values.
+    offloading avoids. Without the cache every use casts afresh, to the same values; that run
+    keeps no graph, so how the casts would meet in backward does not matter there (the recompute,
+    which backward uses, keeps the cache as the plain model does).
     """
     previous = torch.is_autocast_cache_enabled()
     torch.set_autocast_cache_enabled(False)

@@ -158,15 +158,19 @@ class LlamaEmbedding(nn.Module):
     """
 
     def __init__(self, embed_tokens: nn.Module, rotary_emb: nn.Module, *, multiplier: float | None = None,
-                 dropout: nn.Module | None = None, rotary_layer_types: tuple[str, ...] | None = None) -> None:
+                 dropout: nn.Module | None = None, rotary_layer_types: tuple[str, ...] | None = None,
+                 masks: _MaskCache | None = None) -> None:
         super().__init__()
         self.embed_tokens = embed_tokens
         self.rotary_emb = rotary_emb
         self.multiplier = multiplier
         self.dropout = dropout
         self.rotary_layer_types = rotary_layer_types
+        self.masks = masks
 
     def forward(self, batch: Any) -> _State:
+        if self.masks is not None:
+            self.masks.clear()  # a new forward (or microbatch): nothing built before it applies
         input_ids, attention_mask, position_ids = _unpack_batch(batch)
         hidden = self.embed_tokens(input_ids)
         if self.multiplier is not None:
@@ -185,13 +189,16 @@ class LlamaEmbedding(nn.Module):
 class GPT2Embedding(nn.Module):
     """GPT-2's token and position embeddings and their dropout (its own ``wte``, ``wpe``, ``drop``)."""
 
-    def __init__(self, wte: nn.Embedding, wpe: nn.Embedding, drop: nn.Dropout) -> None:
+    def __init__(self, wte: nn.Embedding, wpe: nn.Embedding, drop: nn.Dropout, masks: _MaskCache | None = None) -> None:
         super().__init__()
         self.wte = wte
         self.wpe = wpe
         self.drop = drop
+        self.masks = masks
 
     def forward(self, batch: Any) -> _State:
+        if self.masks is not None:
+            self.masks.clear()  # a new forward (or microbatch): nothing built before it applies
         input_ids, attention_mask, position_ids = _unpack_batch(batch)
         batch_size = input_ids.shape[0]
         input_ids = input_ids.view(-1, input_ids.shape[-1])
@@ -210,34 +217,51 @@ class _MaskCache:
     one costs more than its arithmetic: the mask functions look at mask and position values from
     the host (is there padding? are sequences packed?), which on a GPU waits for the device to
     catch up, once per call. The stages of one slice receive the same ``attention_mask`` and
-    ``position_ids`` objects, so a mask built for them is reused until they are gone (a new slice,
-    microbatch or recompute gets new ones). The key includes their versions, so a mask changed in
-    place between two forwards is seen.
+    ``position_ids`` objects, so the mask built for them is reused while they are the ones coming
+    in; a new slice, microbatch or recompute gets new ones. One mask per kind is kept, dropped when
+    either tensor is freed; the key includes their versions (a mask changed in place is seen) and
+    the attention implementation the mask is built for. Anything else (inference tensors, which
+    have no version; a flex-attention ``BlockMask``) is not cached.
     """
 
     def __init__(self) -> None:
-        self._masks: dict[tuple[Any, ...], Any] = {}
+        self._masks: dict[Callable[..., Any], tuple[tuple[Any, ...], Any]] = {}
+        self._watched: set[tuple[Callable[..., Any], int]] = set()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"_masks": {}}  # masks of a run in progress are not part of the model
+        return {"_masks": {}, "_watched": set()}  # masks of a run in progress are not part of the model
+
+    def clear(self) -> None:
+        self._masks.clear()
 
     def build(self, function: Callable[..., Any], config: Any, hidden: torch.Tensor,
-              attention_mask: torch.Tensor | None, position_ids: torch.Tensor) -> Any:
+              attention_mask: Any, position_ids: Any) -> Any:
         def call() -> Any:
             return function(config=config, inputs_embeds=hidden, attention_mask=attention_mask,
                             past_key_values=None, position_ids=position_ids)
 
-        if not isinstance(position_ids, torch.Tensor):
-            return call()
         keyed = [t for t in (position_ids, attention_mask) if t is not None]
-        key = (function, hidden.shape, hidden.dtype, hidden.device,
+        if not keyed or not all(type(t) is torch.Tensor and not t.is_inference() for t in keyed):
+            return call()
+        key = (hidden.shape, hidden.dtype, hidden.device, getattr(config, "_attn_implementation", None),
                *((id(t), t._version) for t in keyed))
-        if key not in self._masks:
-            self._masks[key] = call()
-            # Forget it when either tensor is freed: its id may then be reused by another tensor.
-            for tensor in keyed:
-                weakref.finalize(tensor, self._masks.pop, key, None)
-        return self._masks[key]
+        entry = self._masks.get(function)
+        if entry is not None and entry[0] == key:
+            return entry[1]
+        mask = call()
+        self._masks[function] = (key, mask)
+        for tensor in keyed:
+            # Forget the mask when the tensor is freed: its id may then be reused by another tensor.
+            if (function, id(tensor)) not in self._watched:
+                self._watched.add((function, id(tensor)))
+                weakref.finalize(tensor, self._forget, function, id(tensor))
+        return mask
+
+    def _forget(self, function: Callable[..., Any], tensor_id: int) -> None:
+        self._watched.discard((function, tensor_id))
+        entry = self._masks.get(function)
+        if entry is not None and any(part[0] == tensor_id for part in entry[0][4:]):
+            del self._masks[function]
 
 
 class DecoderLayer(nn.Module):
@@ -355,17 +379,17 @@ def _stages(model: nn.Module) -> list[nn.Module]:
         base = model.transformer
         masks = _MaskCache()
         blocks = [DecoderLayer(block, config, create_causal_mask, layout=None, masks=masks) for block in base.h]
-        return [GPT2Embedding(base.wte, base.wpe, base.drop), *blocks, Head(base.ln_f, model.lm_head)]
+        return [GPT2Embedding(base.wte, base.wpe, base.drop, masks), *blocks, Head(base.ln_f, model.lm_head)]
     layout = _LAYOUTS[config.model_type]
     base = getattr(model, layout.base)
     per_type = layout.rotary_per_layer_type
+    masks = _MaskCache()  # shared by the decoder stages, as the model shares its masks across layers
     embedding = LlamaEmbedding(
         model.get_input_embeddings(), base.rotary_emb,
         multiplier=base.embedding_multiplier if layout.embedding_multiplier else None,
         dropout=getattr(base, layout.embed_dropout) if layout.embed_dropout else None,
         # dict.fromkeys: each type once, in a fixed order (the model iterates a set; the tables do not depend on it)
-        rotary_layer_types=tuple(dict.fromkeys(config.layer_types)) if per_type else None)
-    masks = _MaskCache()  # shared by the decoder stages, as the model shares its masks across layers
+        rotary_layer_types=tuple(dict.fromkeys(config.layer_types)) if per_type else None, masks=masks)
     blocks = [DecoderLayer(layer, config, _mask_function(layout, config, i), layout,
                            layer_type=config.layer_types[i] if per_type else None, masks=masks)
               for i, layer in enumerate(base.layers[:config.num_hidden_layers])]
