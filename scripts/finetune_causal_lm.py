@@ -4,7 +4,9 @@ By default the model is a small randomly initialised Llama built from a config, 
 read byte by byte (ids 0-255), so nothing is downloaded. With ``--model PATH`` it loads weights and
 tokenizer from a local directory (``save_pretrained`` output). Either way it trains on the text of
 ``--text`` (a short text shipped with the repository by default), shows loss and tokens/s in a
-progress bar, and writes the trained model with ``save_pretrained`` into ``--out``.
+progress bar, and writes the trained model with ``save_pretrained`` into ``--out``. The loss is
+computed in the head, ``--loss-chunk-tokens`` tokens at a time, so the batch's logits never sit on
+the device whole; ``--loss-chunk-tokens 0`` returns the logits and computes the loss from them.
 
 Usage::
 
@@ -50,6 +52,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-slices", type=int, default=3)
     parser.add_argument("--microbatches", type=int, default=1)
     parser.add_argument("--compute-dtype", default="bf16", choices=sorted(DTYPES))
+    # 1024 tokens: one chunk's logits are 1024 x vocab (0.5 GB in float32 for a 128k vocabulary), and each
+    # projection is still a product of 1024 rows by the whole vocabulary.
+    parser.add_argument("--loss-chunk-tokens", type=int, default=1024,
+                        help="compute the loss in the head over chunks of this many tokens (0: return logits)")
     parser.add_argument("--untie-embeddings", action="store_true",
                         help="give a tied lm_head a weight of its own (by default tied embeddings stay tied)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -59,6 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("steps", "batch_size", "seq_len", "num_slices", "microbatches"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.loss_chunk_tokens < 0:
+        parser.error("--loss-chunk-tokens must be 0 (off) or a number of tokens")
     if not args.text.is_file():
         parser.error(f"--text {args.text}: no such file")
     if args.model is not None and not args.model.is_dir():
@@ -120,7 +128,8 @@ def main(argv: list[str] | None = None) -> None:
     tokens = token_stream(args.text.read_text(encoding="utf-8"), tokenizer)
     if tokens.numel() <= args.seq_len:
         raise SystemExit(f"--text has {tokens.numel()} tokens; --seq-len {args.seq_len} needs more")
-    layers = causal_lm_sequential(hf, untie_embeddings=args.untie_embeddings)
+    layers = causal_lm_sequential(hf, untie_embeddings=args.untie_embeddings,
+                                  loss_chunk_tokens=args.loss_chunk_tokens or None)
 
     model = OffloadModel(layers, device=args.device, num_slices=args.num_slices,
                          num_microbatches=args.microbatches, compute_dtype=DTYPES[args.compute_dtype])
@@ -138,8 +147,10 @@ def main(argv: list[str] | None = None) -> None:
     for step in bar:
         starts = torch.randint(0, tokens.numel() - args.seq_len, (args.batch_size,), generator=generator)
         ids = torch.stack([tokens[s:s + args.seq_len] for s in starts.tolist()]).to(args.device)
-        logits = model({"input_ids": ids})
-        loss = hf.loss_function(logits=logits, labels=ids, vocab_size=vocab)
+        if layers.loss_chunk_tokens is not None:
+            loss = model({"input_ids": ids, "labels": ids}).sum() / layers.count_loss_tokens(ids)
+        else:
+            loss = hf.loss_function(logits=model({"input_ids": ids}), labels=ids, vocab_size=vocab)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

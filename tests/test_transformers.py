@@ -9,22 +9,26 @@ which changes the attention's memory layout and the last bits of the logits).
 from __future__ import annotations
 
 import copy
+import gc
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
+import torch.utils._python_dispatch
 
 import offload
 from offload import OffloadModel
 
-from .helpers import DEVICES, HostStepped, assert_same_grads
+from .helpers import DEVICES, HostStepped, assert_same_grads, grads_of
 from .test_mixed_precision import converted, master_grads_of
 
 transformers = pytest.importorskip("transformers")
 from offload.integrations.transformers import (  # noqa: E402  (needs transformers)
     SUPPORTED_MODEL_TYPES,
+    CausalLMSequential,
     causal_lm_sequential,
 )
 
@@ -312,6 +316,203 @@ def test_tied_embeddings_untied_on_request(tmp_path):
     assert loaded.lm_head.weight is not loaded.transformer.wte.weight
 
 
+# -- the chunked loss (loss_chunk_tokens) ---------------------------------------------------------
+
+#: The chunked loss adds float32 token losses per chunk and row, then over rows, where transformers
+#: adds them in one reduction: another summation order, measured within 1 ulp (1.04e-7 relative).
+LOSS_ROUNDING = {"rtol": 2 ** -22, "atol": 0.0}
+#: How far each gradient may move, relative to its largest element, when the chunks are smaller
+#: than the batch. A token's loss and gradient do not depend on the other tokens, but a matrix
+#: product may compute a row differently for another number of rows (the CPU's float32 kernels
+#: do for 10 tokens or fewer, not for 20), so a chunk's logits and hidden-state gradients round differently,
+#: and every gradient behind them with them; and the lm_head gradient is added chunk by chunk in
+#: the compute dtype. Measured on the CPU: float32 at most 4.9e-7 (4 ulps of the largest
+#: element); bfloat16 0 below the head and at most 8.9e-3 for lm_head (about one bfloat16 ulp).
+GRAD_ROUNDING = {None: 1e-6, torch.bfloat16: 2 ** -6}
+#: Chunk sizes against the batch's 4 rows of 10 tokens: pieces of rows that do not divide a row
+#: (3, 7), whole rows that do not divide the batch (30: three rows, then one), and more than the batch.
+CHUNKS = [3, 7, 30, 1000]
+
+
+def labelled(device: str = "cpu") -> dict[str, torch.Tensor]:
+    """The batch, with labels as a collator writes them: the input ids, -100 on padding."""
+    inputs = batch(device)
+    return {**inputs, "labels": inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)}
+
+
+def chunked_backward(reference, model, inputs, microbatches: int = 1, seed: int = 7):
+    """One forward and backward of the reference (its own loss, ``num_items_in_batch`` counted over
+    the whole batch, as the Trainer does) and of the offloaded model (the sum of its per-row sums
+    over the same count); returns (offloaded loss, reference loss). With microbatches the
+    reference runs each one on its own, as the offloaded model does."""
+    count = CausalLMSequential.count_loss_tokens(inputs["labels"])
+    torch.manual_seed(seed)
+    rows = torch.arange(len(inputs["input_ids"])).tensor_split(microbatches)
+    want = sum(reference(**{key: value[part] for key, value in inputs.items()}, use_cache=False,
+                         num_items_in_batch=count).loss for part in rows)
+    want.backward()
+    torch.manual_seed(seed)
+    sums = model(inputs)
+    assert sums.shape == (len(inputs["input_ids"]),) and sums.dtype == torch.float32
+    got = sums.sum() / count
+    got.backward()
+    return got, want
+
+
+def assert_grads_within(actual, expected, rounding: float) -> None:
+    got, want = grads_of(actual), grads_of(expected)
+    assert got.keys() == want.keys()
+    for name, expected_grad in want.items():
+        torch.testing.assert_close(got[name].to(expected_grad.device), expected_grad, rtol=0.0,
+                                   atol=rounding * expected_grad.abs().max().item(), msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "gemma2", "granite"])
+@pytest.mark.parametrize("chunk", CHUNKS)
+@pytest.mark.parametrize("compute_dtype", [None, torch.bfloat16], ids=["float32", "bf16"])
+def test_chunked_loss_matches_the_models_own_loss(kind, chunk, compute_dtype, device):
+    # Gemma 2 soft-caps the logits and Granite divides them: each chunk's logits get the same steps before the loss.
+    hf = build(kind)
+    reference = (converted(hf, compute_dtype) if compute_dtype else copy.deepcopy(hf)).to(device)
+    model = OffloadModel(causal_lm_sequential(hf, loss_chunk_tokens=chunk), device=device, num_slices=3,
+                         compute_dtype=compute_dtype)
+    got, want = chunked_backward(reference, model, labelled(device))
+    torch.testing.assert_close(got, want, **LOSS_ROUNDING)
+    expected = master_grads_of(reference) if compute_dtype else reference
+    if chunk >= 40:
+        # One chunk of the whole batch: the same products as the model's, so every gradient is its bit for bit.
+        assert_same_grads(hf, expected, **EXACT)
+    else:
+        assert_grads_within(hf, expected, GRAD_ROUNDING[compute_dtype])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["llama", "gemma2"])
+@pytest.mark.parametrize(("train", "microbatches", "checkpoint_activation"),
+                         [(False, 1, True), (True, 2, True), (True, 2, False)], ids=["eval", "microbatches",
+                                                                                     "microbatches-kept-graphs"])
+@pytest.mark.parametrize("chunk", [7, 1000])
+def test_chunked_loss_in_eval_mode_and_across_microbatches(kind, train, microbatches, checkpoint_activation, chunk,
+                                                           device):
+    hf = build(kind, dropout=0.1 if microbatches == 1 else 0.0).train(train)
+    reference = copy.deepcopy(hf).to(device)
+    model = OffloadModel(causal_lm_sequential(hf, loss_chunk_tokens=chunk), device=device, num_slices=3,
+                         num_microbatches=microbatches, checkpoint_activation=checkpoint_activation)
+    got, want = chunked_backward(reference, model, labelled(device), microbatches)
+    torch.testing.assert_close(got, want, **LOSS_ROUNDING)
+    if chunk >= 40 // microbatches:
+        assert_same_grads(hf, reference, **EXACT)
+    else:
+        assert_grads_within(hf, reference, GRAD_ROUNDING[None])
+
+
+def test_chunked_loss_takes_shift_labels_as_transformers_does():
+    hf = build("llama", dropout=0.0).eval()
+    reference = copy.deepcopy(hf)
+    layers = causal_lm_sequential(hf, loss_chunk_tokens=1000)
+    inputs = labelled()
+    shifted = torch.nn.functional.pad(inputs["labels"], (0, 1), value=-100)[:, 1:]
+    unshifted = {key: value for key, value in inputs.items() if key != "labels"}
+    with torch.no_grad():
+        # The labels shifted beforehand give the same sums as the labels.
+        torch.testing.assert_close(layers({**unshifted, "shift_labels": shifted}), layers(inputs), **EXACT)
+        # Given both, shift_labels are the targets, as ForCausalLMLoss takes them.
+        other = torch.randint(0, VOCAB, shifted.shape, generator=torch.Generator().manual_seed(3))
+        other[1, :4] = -100
+        count = layers.count_loss_tokens(inputs["labels"], shift_labels=other)
+        assert count == other.numel() - 4
+        want = reference(**inputs, shift_labels=other, use_cache=False, num_items_in_batch=count).loss
+        torch.testing.assert_close(layers({**inputs, "shift_labels": other}).sum() / count, want, **LOSS_ROUNDING)
+    assert layers.count_loss_tokens(inputs["labels"]) == (inputs["labels"][:, 1:] != -100).sum()
+
+
+class _WatchLogits(torch.utils._python_dispatch.TorchDispatchMode):
+    """Watches every tensor an operation creates (views aside) whose last dim is the vocabulary:
+    the largest, in tokens, and the most bytes alive at once, in distinct storages."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.vocab = vocab
+        self.created: list[tuple[str, int, weakref.ref]] = []
+        self.largest = 0
+        self.peak_bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.is_view:
+            return out
+        for tensor in torch.utils._pytree.tree_leaves(out):
+            if isinstance(tensor, torch.Tensor) and tensor.dim() >= 2 and tensor.shape[-1] == self.vocab:
+                self.created.append((str(func), tensor.numel() // self.vocab, weakref.ref(tensor)))
+                self.largest = max(self.largest, tensor.numel() // self.vocab)
+        alive = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                 for t in (ref() for _, _, ref in self.created) if t is not None}
+        self.peak_bytes = max(self.peak_bytes, sum(alive.values()))
+        return out
+
+    def alive(self) -> int:
+        gc.collect()
+        return sum(ref() is not None for _, _, ref in self.created)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("kind", "compute_dtype"), [("llama", None), ("gemma2", torch.bfloat16)],
+                         ids=["llama-float32", "gemma2-bf16"])
+def test_chunked_loss_never_holds_the_batchs_logits(kind, compute_dtype, device):
+    tokens, chunk = 40, 7  # 4 rows of 10 tokens: chunks of 7 and 3 tokens, two per row
+    watch = _WatchLogits(VOCAB)
+    model = OffloadModel(causal_lm_sequential(build(kind), loss_chunk_tokens=chunk), device=device, num_slices=3,
+                         compute_dtype=compute_dtype)
+    with watch:
+        sums = model(labelled(device))
+    # Each chunk's logits were freed once its sums were taken: nothing of that size waits for backward.
+    assert watch.largest == chunk and watch.alive() == 0
+    forward = len(watch.created)
+    with watch:
+        sums.sum().backward()
+    assert watch.largest == chunk
+    # Backward projects each chunk again, one after another: at most two chunks' worth of float32
+    # logits at a time (logits and their log-softmax, then that and its gradient), never the batch's.
+    assert sum(name == "aten.mm.default" for name, _, _ in watch.created[forward:]) == 8
+    assert watch.peak_bytes <= 2 * chunk * VOCAB * 4 < tokens * VOCAB * 4, watch.peak_bytes
+
+    # Without it the same watch sees the batch's logits.
+    watch = _WatchLogits(VOCAB)
+    model = OffloadModel(causal_lm_sequential(build(kind)), device=device, num_slices=3, compute_dtype=compute_dtype)
+    with watch:
+        model(batch(device))
+    assert watch.largest == tokens
+
+
+def test_chunked_loss_refuses_missing_labels_and_bad_settings():
+    hf = build("llama")
+    for bad in (0, -4, 2.5, True):
+        with pytest.raises(ValueError, match="loss_chunk_tokens must be a positive number of tokens"):
+            causal_lm_sequential(hf, loss_chunk_tokens=bad)
+    layers = causal_lm_sequential(hf, loss_chunk_tokens=8)
+    inputs = labelled()
+    with pytest.raises(TypeError, match="needs 'labels'"):
+        layers(batch())
+    with pytest.raises(TypeError, match="a dict with 'input_ids' and 'labels'"):
+        layers(inputs["input_ids"])
+    with pytest.raises(TypeError, match="got keys"):
+        layers({**inputs, "token_type_ids": inputs["input_ids"]})
+    with pytest.raises(ValueError, match="torch.long"):
+        layers({**inputs, "labels": inputs["labels"].float()})
+    with pytest.raises(ValueError, match="shaped like input_ids"):
+        layers({**inputs, "labels": inputs["labels"][:, 1:]})
+    with pytest.raises(ValueError, match="needs labels or shift_labels"):
+        layers.count_loss_tokens()
+    # Labels without the option stay refused (test_unsupported_models_and_batches_get_clear_errors), now
+    # with the option named.
+    with pytest.raises(TypeError, match="loss_chunk_tokens"):
+        causal_lm_sequential(hf)(inputs)
+    hf._loss_function = lambda *args, **kwargs: None  # a model whose loss is not ForCausalLMLoss
+    with pytest.raises(ValueError, match="this model's loss_function is '<lambda>'"):
+        causal_lm_sequential(hf, loss_chunk_tokens=8)
+
+
 def small(kind: str, **options) -> torch.nn.Module:
     config = transformers.AutoConfig.for_model(kind, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                                num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -364,12 +565,21 @@ def save_local_model(path: Path, config) -> torch.nn.Module:
     return model
 
 
+def step_losses(done: subprocess.CompletedProcess) -> list[float]:
+    return [float(line.split("loss ")[1].split()[0]) for line in done.stdout.splitlines() if line.startswith("step ")]
+
+
 def test_finetune_script_trains_a_random_model_and_saves_it(tmp_path):
     done = finetune("--out", str(tmp_path / "tuned"), "--steps", "3")
     assert done.returncode == 0, done.stderr[-3000:]
-    losses = [float(line.split("loss ")[1].split()[0]) for line in done.stdout.splitlines() if line.startswith("step ")]
+    losses = step_losses(done)
     assert len(losses) == 3 and "saved to" in done.stdout
     assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tuned").config.model_type == "llama"
+    # The loss computed in the head (the default) against the loss computed from the logits: the same
+    # training, to the printed digits.
+    from_logits = finetune("--out", str(tmp_path / "from_logits"), "--steps", "3", "--loss-chunk-tokens", "0")
+    assert from_logits.returncode == 0, from_logits.stderr[-3000:]
+    assert step_losses(from_logits) == pytest.approx(losses, rel=0, abs=1e-4)
 
 
 def test_finetune_script_on_local_weights_with_their_tokenizer(tmp_path):

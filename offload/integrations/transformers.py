@@ -13,13 +13,38 @@ mode with dropout and in eval mode, with padding and attention masks, with
 from Llama's (an embedding multiplier, a mask or rotary table per layer type, a scale or soft-cap
 on the logits), a :class:`_Layout` says so and the stages do the same step in the same place.
 
-What travels between stages is ``(hidden_states, attention_mask, position_ids, position_embeddings)``:
-the 2-D attention mask as the user passed it (or ``None``) rather than the 4-D mask, which each
-slice rebuilds with the model's own mask functions (once per kind of mask: :class:`_MaskCache`),
+What travels between stages is ``(hidden_states, attention_mask, position_ids, position_embeddings,
+loss_targets)``: the 2-D attention mask as the user passed it (or ``None``) rather than the 4-D
+mask, which each slice rebuilds with the model's own mask functions (once per kind of mask: :class:`_MaskCache`),
 because a ``B x 1 x T x T`` mask at every slice boundary would be checkpointed to the host once per
 slice; rotary tables (``T x head_dim``,
 one pair per layer type where the family has several) are small and computed once. None of them
 requires grad, exactly as in the model (Note: [Boundary gradients] in ``offload/autograd/function.py``).
+``loss_targets`` is ``None`` unless the head computes the loss (Note: [Chunked loss]); then it is the
+shifted labels, an integer tensor that the decoder stages pass along untouched.
+
+Note: [Chunked loss]
+    The logits of a batch are ``B x T x vocab``: 8 x 2048 tokens of a 128k vocabulary are 8.4 GB in
+    float32, before the loss's log-softmax and their gradient, far more than a slice of decoder
+    layers. With ``loss_chunk_tokens=N`` the head returns, instead of logits, each row's sum of
+    token cross-entropies in float32 (shape ``B``, so microbatches join along dim 0), computed
+    over at most ``N`` tokens at a time, each chunk under non-reentrant ``torch.utils.checkpoint``:
+    a chunk's logits, their float32 copy and log-softmax are freed as soon as its partial sums are
+    taken, and backward recomputes them one chunk at a time. Each chunk does what the model and
+    transformers' ``ForCausalLMLoss`` do to the whole batch, in the same order and dtypes: the
+    projection, the family's scale or soft-cap, ``.float()``, ``cross_entropy`` with
+    ``ignore_index=-100``; labels are shifted as that loss shifts them. The final norm runs once
+    on the whole batch, outside the chunks (its output is ``B x T x hidden``, small beside the logits).
+
+    A token's loss and gradient do not depend on the other tokens, so what changes is rounding.
+    The loss adds the token losses in another order (float32 rounding). The ``lm_head`` gradient
+    is a sum over tokens, now added chunk by chunk, in the compute dtype. Every other gradient
+    comes from the hidden states' per-token gradients, which are the model's bit for bit when the
+    projection computes a row the same whatever the number of rows: always for one chunk of the
+    whole batch (the same products); for smaller chunks it depends on the kernels (the CPU's
+    float32 ones did for products of 20 tokens but not of 10 or fewer; its bfloat16 ones did at
+    every size tried), and where they do not, every gradient moves by a few ulps
+    (``GRAD_ROUNDING`` in ``tests/test_transformers.py`` has the figures).
 
 This module holds the adapters only; it does not train, load weights or tokenize.
 """
@@ -33,8 +58,11 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 try:
+    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 except ImportError as error:  # pragma: no cover - exercised only without the extra installed
     raise ImportError(
@@ -117,29 +145,55 @@ _LAYOUTS = {
 #: router losses), or have not been checked, so they are refused rather than approximated.
 SUPPORTED_MODEL_TYPES = ("gpt2", *_LAYOUTS)
 
-#: Keys a batch dict may hold. Labels are refused on purpose: the stages return logits, and a
-#: silently ignored ``labels`` would look like a loss that is never computed.
+#: Keys a batch dict may hold. Labels only when the head computes the loss (``loss_chunk_tokens``):
+#: otherwise the stages return logits, and a silently ignored ``labels`` would look like a loss that
+#: is never computed.
 _BATCH_KEYS = ("input_ids", "attention_mask", "position_ids")
+_LABEL_KEYS = ("labels", "shift_labels")
+#: The label of a position the loss skips, as in transformers' ``ForCausalLMLoss``.
+IGNORE_INDEX = -100
 
-_State = tuple[torch.Tensor, "torch.Tensor | None", torch.Tensor, Any]
+_State = tuple[torch.Tensor, "torch.Tensor | None", torch.Tensor, Any, "torch.Tensor | None"]
 
 
-def _unpack_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    if isinstance(batch, torch.Tensor):
-        return batch, None, None
-    if isinstance(batch, Mapping):
-        unknown = sorted(set(batch) - set(_BATCH_KEYS))
-        if unknown or "input_ids" not in batch:
-            raise TypeError(
-                f"the batch must be input ids, or a dict with 'input_ids' and optionally 'attention_mask' and "
-                f"'position_ids'; got keys {sorted(batch)}. The model returns logits: compute the loss from them "
-                "(hf_model.loss_function(logits=logits, labels=labels, vocab_size=hf_model.config.vocab_size))"
-            )
-        return batch["input_ids"], batch.get("attention_mask"), batch.get("position_ids")
-    raise TypeError(
-        f"the batch must be a tensor of input ids or a dict of tensors, not {type(batch).__name__} (a tokenizer's "
-        "BatchEncoding: pass dict(batch))"
-    )
+def _unpack_batch(batch: Any, with_labels: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
+                                                          torch.Tensor | None]:
+    if isinstance(batch, torch.Tensor) and not with_labels:
+        return batch, None, None, None
+    if not isinstance(batch, Mapping):
+        what = "a dict with 'input_ids' and 'labels'" if with_labels else "a tensor of input ids or a dict of tensors"
+        raise TypeError(f"the batch must be {what}, not {type(batch).__name__} (a tokenizer's BatchEncoding: "
+                        "pass dict(batch))")
+    unknown = sorted(set(batch) - set(_BATCH_KEYS + (_LABEL_KEYS if with_labels else ())))
+    if with_labels and "input_ids" in batch and not unknown and not any(key in batch for key in _LABEL_KEYS):
+        raise TypeError(f"with loss_chunk_tokens the model returns the loss: the batch needs 'labels' (or "
+                        f"'shift_labels'); got keys {sorted(batch)}")
+    if unknown or "input_ids" not in batch:
+        if with_labels:
+            raise TypeError(f"the batch must be a dict with 'input_ids', 'labels' (or 'shift_labels') and optionally "
+                            f"'attention_mask' and 'position_ids'; got keys {sorted(batch)}")
+        raise TypeError(
+            f"the batch must be input ids, or a dict with 'input_ids' and optionally 'attention_mask' and "
+            f"'position_ids'; got keys {sorted(batch)}. The model returns logits: compute the loss from them "
+            "(hf_model.loss_function(logits=logits, labels=labels, vocab_size=hf_model.config.vocab_size)), or "
+            "let the head compute it chunk by chunk: causal_lm_sequential(hf_model, loss_chunk_tokens=...)"
+        )
+    input_ids = batch["input_ids"]
+    targets = _loss_targets(input_ids, batch.get("labels"), batch.get("shift_labels")) if with_labels else None
+    return input_ids, batch.get("attention_mask"), batch.get("position_ids"), targets
+
+
+def _loss_targets(input_ids: torch.Tensor, labels: torch.Tensor | None,
+                  shift_labels: torch.Tensor | None) -> torch.Tensor:
+    # As ForCausalLMLoss: shift_labels as given when there are any, else the labels shifted left by
+    # one (position t is scored against token t + 1) with IGNORE_INDEX after the last token.
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].contiguous()
+    if shift_labels.dtype != torch.long or shift_labels.shape != input_ids.shape:
+        raise ValueError(f"labels must be token ids (torch.long) shaped like input_ids {tuple(input_ids.shape)}, "
+                         f"with {IGNORE_INDEX} where no token counts; got {shift_labels.dtype} of shape "
+                         f"{tuple(shift_labels.shape)}")
+    return shift_labels
 
 
 def _default_positions(hidden: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
@@ -159,7 +213,7 @@ class LlamaEmbedding(nn.Module):
 
     def __init__(self, embed_tokens: nn.Module, rotary_emb: nn.Module, *, multiplier: float | None = None,
                  dropout: nn.Module | None = None, rotary_layer_types: tuple[str, ...] | None = None,
-                 masks: _MaskCache | None = None) -> None:
+                 masks: _MaskCache | None = None, with_labels: bool = False) -> None:
         super().__init__()
         self.embed_tokens = embed_tokens
         self.rotary_emb = rotary_emb
@@ -167,11 +221,12 @@ class LlamaEmbedding(nn.Module):
         self.dropout = dropout
         self.rotary_layer_types = rotary_layer_types
         self.masks = masks
+        self.with_labels = with_labels
 
     def forward(self, batch: Any) -> _State:
         if self.masks is not None:
             self.masks.clear()  # a new forward (or microbatch): nothing built before it applies
-        input_ids, attention_mask, position_ids = _unpack_batch(batch)
+        input_ids, attention_mask, position_ids, targets = _unpack_batch(batch, self.with_labels)
         hidden = self.embed_tokens(input_ids)
         if self.multiplier is not None:
             hidden = hidden * self.multiplier
@@ -183,23 +238,25 @@ class LlamaEmbedding(nn.Module):
         else:
             position_embeddings = {kind: self.rotary_emb(hidden, position_ids, kind)
                                    for kind in self.rotary_layer_types}
-        return hidden, attention_mask, position_ids, position_embeddings
+        return hidden, attention_mask, position_ids, position_embeddings, targets
 
 
 class GPT2Embedding(nn.Module):
     """GPT-2's token and position embeddings and their dropout (its own ``wte``, ``wpe``, ``drop``)."""
 
-    def __init__(self, wte: nn.Embedding, wpe: nn.Embedding, drop: nn.Dropout, masks: _MaskCache | None = None) -> None:
+    def __init__(self, wte: nn.Embedding, wpe: nn.Embedding, drop: nn.Dropout, masks: _MaskCache | None = None,
+                 with_labels: bool = False) -> None:
         super().__init__()
         self.wte = wte
         self.wpe = wpe
         self.drop = drop
         self.masks = masks
+        self.with_labels = with_labels
 
     def forward(self, batch: Any) -> _State:
         if self.masks is not None:
             self.masks.clear()  # a new forward (or microbatch): nothing built before it applies
-        input_ids, attention_mask, position_ids = _unpack_batch(batch)
+        input_ids, attention_mask, position_ids, targets = _unpack_batch(batch, self.with_labels)
         batch_size = input_ids.shape[0]
         input_ids = input_ids.view(-1, input_ids.shape[-1])
         hidden = self.wte(input_ids)
@@ -207,7 +264,9 @@ class GPT2Embedding(nn.Module):
         hidden = self.drop(hidden + self.wpe(position_ids))
         if attention_mask is not None and attention_mask.ndim < 4:
             attention_mask = attention_mask.view(batch_size, -1)
-        return hidden, attention_mask, position_ids, None
+        if targets is not None:
+            targets = targets.view(input_ids.shape)
+        return hidden, attention_mask, position_ids, None, targets
 
 
 class _MaskCache:
@@ -284,23 +343,24 @@ class DecoderLayer(nn.Module):
         self.masks = masks if masks is not None else _MaskCache()
 
     def forward(self, state: _State) -> _State:
-        hidden, attention_mask, position_ids, position_embeddings = state
+        hidden, attention_mask, position_ids, position_embeddings, targets = state
         mask = self.masks.build(self.mask_function, self.config, hidden, attention_mask, position_ids)
         if self.layout is None:
             # Positional as GPT2Model passes them (past_key_values, attention_mask, encoder_hidden_states).
             hidden = self.layer(hidden, None, mask, None, encoder_attention_mask=None, use_cache=False,
                                 position_ids=position_ids)
-            return hidden, attention_mask, position_ids, position_embeddings
+            return hidden, attention_mask, position_ids, position_embeddings, targets
         kwargs = {self.layout.cache_argument: None}
         if self.layout.layers_take_use_cache:
             kwargs["use_cache"] = False
         own = position_embeddings if self.layer_type is None else position_embeddings[self.layer_type]
         hidden = self.layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=own, **kwargs)
-        return hidden, attention_mask, position_ids, position_embeddings
+        return hidden, attention_mask, position_ids, position_embeddings, targets
 
 
 class Head(nn.Module):
-    """The final norm and the output projection (the model's own ``norm``/``ln_f`` and ``lm_head``); returns logits.
+    """The final norm and the output projection (the model's own ``norm``/``ln_f`` and ``lm_head``);
+    returns logits, or with ``loss_chunk_tokens`` each row's summed token losses (Note: [Chunked loss]).
 
     What a family does to the logits after the projection follows, operation for operation:
     ``logit_scale`` multiplies them (Cohere), ``logits_scaling`` divides them (Granite),
@@ -308,16 +368,52 @@ class Head(nn.Module):
     """
 
     def __init__(self, norm: nn.Module, lm_head: nn.Module, *, logit_scale: float | None = None,
-                 logits_scaling: float | None = None, softcap: float | None = None) -> None:
+                 logits_scaling: float | None = None, softcap: float | None = None,
+                 loss_chunk_tokens: int | None = None) -> None:
         super().__init__()
         self.norm = norm
         self.lm_head = lm_head
         self.logit_scale = logit_scale
         self.logits_scaling = logits_scaling
         self.softcap = softcap
+        self.loss_chunk_tokens = loss_chunk_tokens
 
     def forward(self, state: _State) -> torch.Tensor:
-        logits = self.lm_head(self.norm(state[0]))
+        hidden = self.norm(state[0])
+        if self.loss_chunk_tokens is None:
+            return self.logits(hidden)
+        return self.loss_sums(hidden, state[4])
+
+    def loss_sums(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Each row's sum of token cross-entropies (float32, shape ``B``) from the normed ``B x T``
+        hidden states, over chunks of at most ``loss_chunk_tokens`` tokens: whole rows when a row
+        fits, else pieces of one row, so that every chunk adds to the sums of its own rows only."""
+        length = targets.shape[1]
+        columns = min(self.loss_chunk_tokens, length)
+        rows = max(1, self.loss_chunk_tokens // length)
+        sums = []
+        for row_hidden, row_targets in zip(hidden.split(rows), targets.split(rows)):
+            pieces = [self._chunk(h, t) for h, t in zip(row_hidden.split(columns, 1), row_targets.split(columns, 1))]
+            sums.append(pieces[0] if len(pieces) == 1 else torch.stack(pieces).sum(0))
+        return torch.cat(sums)
+
+    def _chunk(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return self._chunk_loss(hidden, targets)
+        # The head draws no random numbers: no RNG state to save and restore for the recompute.
+        return checkpoint(self._chunk_loss, hidden, targets, use_reentrant=False, preserve_rng_state=False)
+
+    def _chunk_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # As ForCausalLMLoss: float32 logits, flattened, one loss per token. reduction="none" keeps
+        # the rows apart; each value is the addend reduction="sum" would take.
+        logits = self.logits(hidden).float()
+        losses = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX,
+                                 reduction="none")
+        return losses.view(targets.shape).sum(-1)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits of the normed hidden states: the projection and what the family does after it."""
+        logits = self.lm_head(hidden)
         if self.logit_scale is not None:
             logits = logits * self.logit_scale
         if self.logits_scaling is not None:
@@ -335,10 +431,12 @@ class CausalLMSequential(nn.Sequential):
 
     Attributes:
         hf_model: the model the stages were cut from (sharing every module with it).
+        loss_chunk_tokens: the tokens per chunk of the loss the head computes, or ``None`` when it returns logits.
     """
 
-    def __init__(self, stages: list[nn.Module], hf_model: nn.Module) -> None:
+    def __init__(self, stages: list[nn.Module], hf_model: nn.Module, loss_chunk_tokens: int | None = None) -> None:
         super().__init__(*stages)
+        self.loss_chunk_tokens = loss_chunk_tokens
         # Not a submodule: the stages already hold its modules, and registering it would list
         # every parameter twice.
         object.__setattr__(self, "hf_model", hf_model)
@@ -362,6 +460,36 @@ class CausalLMSequential(nn.Sequential):
         """``state_dict`` (of this Sequential or of an ``OffloadModel`` wrapping it) under Hugging Face names."""
         return {self.hf_name(key): value for key, value in state_dict.items()}
 
+    @staticmethod
+    def count_loss_tokens(labels: torch.Tensor | None = None, *,
+                          shift_labels: torch.Tensor | None = None) -> torch.Tensor:
+        """The number of tokens a causal LM loss counts: labels other than -100 once shifted (the
+        first position's label scores nothing), or in ``shift_labels`` as given. Transformers calls
+        it ``num_items_in_batch``; with ``loss_chunk_tokens`` the mean loss is
+        ``output.sum() / count_loss_tokens(labels)``. For gradient accumulation, add the counts of
+        every microstep's labels and divide each microstep's sum by the total, as the ``Trainer`` does.
+
+        Args:
+            labels: the labels as passed to the model (unshifted, -100 where nothing counts).
+            shift_labels: labels already shifted; counted as they are (``labels`` is then not used).
+
+        Returns:
+            A 0-dim ``torch.long`` tensor on the labels' device (no host sync).
+
+        Raises:
+            ValueError: neither ``labels`` nor ``shift_labels`` given.
+
+        Example::
+
+            sums = model({"input_ids": ids, "attention_mask": mask, "labels": labels})
+            loss = sums.sum() / layers.count_loss_tokens(labels)
+        """
+        if shift_labels is None:
+            if labels is None:
+                raise ValueError("count_loss_tokens needs labels or shift_labels")
+            shift_labels = labels[..., 1:]
+        return (shift_labels != IGNORE_INDEX).sum()
+
 
 def _mask_function(layout: _Layout, config: Any, index: int) -> Callable[..., Any]:
     if layout.mask == "layer_types":
@@ -373,13 +501,15 @@ def _mask_function(layout: _Layout, config: Any, index: int) -> Callable[..., An
     return create_sliding_window_causal_mask if sliding else create_causal_mask
 
 
-def _stages(model: nn.Module) -> list[nn.Module]:
+def _stages(model: nn.Module, loss_chunk_tokens: int | None) -> list[nn.Module]:
     config = model.config
+    with_labels = loss_chunk_tokens is not None
     if config.model_type == "gpt2":
         base = model.transformer
         masks = _MaskCache()
         blocks = [DecoderLayer(block, config, create_causal_mask, layout=None, masks=masks) for block in base.h]
-        return [GPT2Embedding(base.wte, base.wpe, base.drop, masks), *blocks, Head(base.ln_f, model.lm_head)]
+        return [GPT2Embedding(base.wte, base.wpe, base.drop, masks, with_labels=with_labels), *blocks,
+                Head(base.ln_f, model.lm_head, loss_chunk_tokens=loss_chunk_tokens)]
     layout = _LAYOUTS[config.model_type]
     base = getattr(model, layout.base)
     per_type = layout.rotary_per_layer_type
@@ -389,14 +519,16 @@ def _stages(model: nn.Module) -> list[nn.Module]:
         multiplier=base.embedding_multiplier if layout.embedding_multiplier else None,
         dropout=getattr(base, layout.embed_dropout) if layout.embed_dropout else None,
         # dict.fromkeys: each type once, in a fixed order (the model iterates a set; the tables do not depend on it)
-        rotary_layer_types=tuple(dict.fromkeys(config.layer_types)) if per_type else None, masks=masks)
+        rotary_layer_types=tuple(dict.fromkeys(config.layer_types)) if per_type else None, masks=masks,
+        with_labels=with_labels)
     blocks = [DecoderLayer(layer, config, _mask_function(layout, config, i), layout,
                            layer_type=config.layer_types[i] if per_type else None, masks=masks)
               for i, layer in enumerate(base.layers[:config.num_hidden_layers])]
     head = Head(getattr(base, layout.final_norm), model.lm_head,
                 logit_scale=model.logit_scale if layout.logit_scale else None,
                 logits_scaling=config.logits_scaling if layout.logits_scaling else None,
-                softcap=config.final_logit_softcapping if layout.final_logit_softcapping else None)
+                softcap=config.final_logit_softcapping if layout.final_logit_softcapping else None,
+                loss_chunk_tokens=loss_chunk_tokens)
     return [embedding, *blocks, head]
 
 
@@ -409,7 +541,8 @@ def _untie(model: nn.Module) -> None:
         text_config().tie_word_embeddings = False
 
 
-def causal_lm_sequential(model: nn.Module, *, untie_embeddings: bool = False) -> CausalLMSequential:
+def causal_lm_sequential(model: nn.Module, *, untie_embeddings: bool = False,
+                         loss_chunk_tokens: int | None = None) -> CausalLMSequential:
     """Cut a Hugging Face ``*ForCausalLM`` into stages for :class:`~offload.OffloadModel`.
 
     The result takes a tensor of input ids, or a dict with ``input_ids`` and optionally
@@ -425,15 +558,32 @@ def causal_lm_sequential(model: nn.Module, *, untie_embeddings: bool = False) ->
     update on the two train apart, as in a model configured with ``tie_word_embeddings=False``
     (which the config then says, so ``save_pretrained`` writes both).
 
+    ``loss_chunk_tokens=N`` makes the head compute the loss instead of the logits, ``N`` tokens at
+    a time (Note: [Chunked loss]): the batch dict must then hold ``labels`` as the model's forward
+    takes them (unshifted, -100 where a token does not count; or ``shift_labels``, already
+    shifted, which win over ``labels`` as in transformers), and the output is each row's sum of
+    token cross-entropies, float32 of shape ``B`` (a batch without labels is refused with a
+    ``TypeError``, labels that are not ``torch.long`` token ids shaped like ``input_ids`` with a
+    ``ValueError``). The model's mean loss is
+    ``output.sum() / CausalLMSequential.count_loss_tokens(labels)``. On the device only one
+    chunk's ``N x vocab`` logits exist at a time, rather than the batch's ``B x T x vocab``; the
+    price is a second projection of each chunk in backward (one more product beside the three of
+    forward and backward) and rounding: the loss is the model's to float32 rounding and gradients
+    to a few ulps (bit for bit where the chunk holds the whole batch). ``N`` is the row count of
+    each projection's matrix product, so a small ``N`` trades speed for little memory.
+
     Args:
         model: a ``transformers`` causal LM whose ``config.model_type`` is in :data:`SUPPORTED_MODEL_TYPES`.
         untie_embeddings: give a tied ``lm_head`` a weight of its own (see above).
+        loss_chunk_tokens: tokens per chunk of a loss computed in the head, or ``None`` (the
+            default) to return logits.
 
     Raises:
         ValueError: an unsupported architecture (the message lists the supported ones), GPT-2
             with cross-attention, Gemma 3 with bidirectional attention, or a mixture of experts
             with ``output_router_logits=True`` (its load-balancing loss needs router logits the
-            stages do not return).
+            stages do not return); ``loss_chunk_tokens`` not a positive int, or given for a model
+            whose ``loss_function`` is not transformers' ``ForCausalLMLoss``.
 
     Example::
 
@@ -441,6 +591,11 @@ def causal_lm_sequential(model: nn.Module, *, untie_embeddings: bool = False) ->
         model = OffloadModel(causal_lm_sequential(hf), device="cuda", num_slices=8, compute_dtype=torch.bfloat16)
         logits = model({"input_ids": ids, "attention_mask": mask})
         loss = hf.loss_function(logits=logits, labels=labels, vocab_size=hf.config.vocab_size)
+
+        layers = causal_lm_sequential(hf, loss_chunk_tokens=1024)  # no B x T x vocab logits on the device
+        model = OffloadModel(layers, device="cuda", num_slices=8, compute_dtype=torch.bfloat16)
+        sums = model({"input_ids": ids, "attention_mask": mask, "labels": labels})
+        loss = sums.sum() / layers.count_loss_tokens(labels)
     """
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
@@ -462,6 +617,17 @@ def causal_lm_sequential(model: nn.Module, *, untie_embeddings: bool = False) ->
     if model_type == "gemma3_text" and config.use_bidirectional_attention:
         # The decoder then widens both masks with functions of its own, which the stages do not rebuild.
         raise ValueError("Gemma 3 with use_bidirectional_attention=True (an encoder, not a causal LM) is not supported")
+    if loss_chunk_tokens is not None:
+        if isinstance(loss_chunk_tokens, bool) or not isinstance(loss_chunk_tokens, int) or loss_chunk_tokens < 1:
+            raise ValueError(f"loss_chunk_tokens must be a positive number of tokens or None, "
+                             f"got {loss_chunk_tokens!r}")
+        # What model.loss_function would return, read without calling the property: it logs a
+        # warning for a loss_type of None (GPT-2's) before falling back to ForCausalLMLoss.
+        loss = getattr(model, "_loss_function", None) or LOSS_MAPPING.get(getattr(model, "loss_type", None),
+                                                                          ForCausalLMLoss)
+        if loss is not ForCausalLMLoss:
+            raise ValueError(f"loss_chunk_tokens computes transformers' ForCausalLMLoss; this model's loss_function "
+                             f"is {getattr(loss, '__name__', loss)!r}. Compute that loss from the logits instead")
     if untie_embeddings and model.get_output_embeddings().weight is model.get_input_embeddings().weight:
         _untie(model)
-    return CausalLMSequential(_stages(model), model)
+    return CausalLMSequential(_stages(model, loss_chunk_tokens), model, loss_chunk_tokens)
