@@ -377,8 +377,9 @@ def tied_across_slices_offload_optimizer(build: Build) -> list[torch.Tensor]:
 
 def hugging_face_llama(build: Build) -> list[torch.Tensor]:
     """A Hugging Face Llama cut into stages, with OffloadOptimizer under a compute dtype: token ids,
-    a padded 2-D mask, position ids and rotary tables cross the boundaries, and each slice builds
-    its 4-D mask from the loaded ones."""
+    a padded 2-D mask, position ids, rotary tables and labels cross the boundaries, each slice
+    builds its 4-D mask from the loaded ones, and the head computes the loss in checkpointed
+    chunks (the second step) or from logits (the first)."""
     import transformers
 
     from offload.integrations.transformers import causal_lm_sequential
@@ -389,22 +390,27 @@ def hugging_face_llama(build: Build) -> list[torch.Tensor]:
         num_key_value_heads=1, vocab_size=23, max_position_embeddings=16, attention_dropout=0.1,
         pad_token_id=0, bos_token_id=0, eos_token_id=0)
     hf = transformers.AutoModelForCausalLM.from_config(config)
-    model = build(causal_lm_sequential(hf), num_slices=3, compute_dtype=torch.bfloat16)
-    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
     seen: list[torch.Tensor] = []
-    for step in range(2):
+    for step, chunk in enumerate((None, 5)):
+        layers = causal_lm_sequential(hf, loss_chunk_tokens=chunk)
+        model = build(layers, num_slices=3, compute_dtype=torch.bfloat16)
+        optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
         ids = torch.randint(1, 23, (3, 6), generator=torch.Generator().manual_seed(step))
         mask = torch.ones_like(ids)
         mask[0, 4:] = 0
+        labels = ids.masked_fill(mask == 0, -100)
         torch.manual_seed(step)
-        optimizer.zero_grad()
-        logits = model({"input_ids": ids, "attention_mask": mask})
-        loss = hf.loss_function(logits=logits, labels=ids.masked_fill(mask == 0, -100), vocab_size=23)
+        if chunk is None:
+            out = model({"input_ids": ids, "attention_mask": mask})
+            loss = hf.loss_function(logits=out, labels=labels, vocab_size=23)
+        else:
+            out = model({"input_ids": ids, "attention_mask": mask, "labels": labels})
+            loss = out.sum() / layers.count_loss_tokens(labels)
         loss.backward()
         optimizer.step()
-        seen += [logits.detach().clone(), loss.detach().clone()]
-    optimizer.synchronize()
-    return seen + state(model)
+        optimizer.synchronize()
+        seen += [out.detach().clone(), loss.detach().clone()] + state(model)
+    return seen
 
 
 SCENARIOS: dict[str, Callable[[Build], list[torch.Tensor]]] = {
