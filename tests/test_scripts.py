@@ -122,3 +122,11 @@ def test_cpu_overhead_benchmark(tmp_path):
 def test_cast_benchmark(tmp_path, dtype):
     run("scripts/bench_cast.py", "--mib", "1", "--repeats", "2", "--dtype", dtype, "--json", str(tmp_path / "c.json"))
     assert json.loads((tmp_path / "c.json").read_text())["host_cast_float32_gb_per_s"] > 0
+
+
+def test_chunked_loss_precision_script(tmp_path):
+    out = run("scripts/chunked_loss_precision.py", "--tokens", "256", "--hidden", "16", "--vocab", "32",
+              "--chunks", "64", "16", "--json", str(tmp_path / "p.json"))
+    assert "4 chunk(s) of    64 tokens" in out
+    rows = json.loads((tmp_path / "p.json").read_text())["rows"]
+    assert [r["chunks"] for r in rows] == [1, 4, 16] and all(r["norm"] > 0 for r in rows)

@@ -429,7 +429,10 @@ def test_chunked_loss_takes_shift_labels_as_transformers_does():
 
 class _WatchLogits(torch.utils._python_dispatch.TorchDispatchMode):
     """Watches every tensor an operation creates (views aside) whose last dim is the vocabulary:
-    the largest, in tokens, and the most bytes alive at once, in distinct storages."""
+    the largest, in tokens, and the most bytes alive at once, in distinct storages. Alive counts
+    what it created and still exists, and every such tensor an operation reads or writes at that
+    moment: autograd's saved tensors have no Python object of their own between operations, but
+    they show up as the arguments of the backward operations that use them."""
 
     def __init__(self, vocab: int) -> None:
         super().__init__()
@@ -438,16 +441,21 @@ class _WatchLogits(torch.utils._python_dispatch.TorchDispatchMode):
         self.largest = 0
         self.peak_bytes = 0
 
+    def _logits_like(self, tree):
+        # Rows of vocabulary-sized vectors, laid out as logits are (the transposed output matrix,
+        # V x H seen as H x V, has a last dim of V too, but not a unit stride).
+        return [t for t in torch.utils._pytree.tree_leaves(tree)
+                if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == self.vocab and t.stride(-1) == 1]
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func.is_view:
-            return out
-        for tensor in torch.utils._pytree.tree_leaves(out):
-            if isinstance(tensor, torch.Tensor) and tensor.dim() >= 2 and tensor.shape[-1] == self.vocab:
-                self.created.append((str(func), tensor.numel() // self.vocab, weakref.ref(tensor)))
-                self.largest = max(self.largest, tensor.numel() // self.vocab)
+        created = [] if func.is_view else self._logits_like(out)
+        for tensor in created:
+            self.created.append((str(func), tensor.numel() // self.vocab, weakref.ref(tensor)))
+            self.largest = max(self.largest, tensor.numel() // self.vocab)
+        touched = self._logits_like((args, kwargs, out))
         alive = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                 for t in (ref() for _, _, ref in self.created) if t is not None}
+                 for t in [*(ref() for _, _, ref in self.created), *touched] if t is not None}
         self.peak_bytes = max(self.peak_bytes, sum(alive.values()))
         return out
 
@@ -472,10 +480,12 @@ def test_chunked_loss_never_holds_the_batchs_logits(kind, compute_dtype, device)
     with watch:
         sums.sum().backward()
     assert watch.largest == chunk
-    # Backward projects each chunk again, one after another: at most two chunks' worth of float32
-    # logits at a time (logits and their log-softmax, then that and its gradient), never the batch's.
-    assert sum(name == "aten.mm.default" for name, _, _ in watch.created[forward:]) == 8
-    assert watch.peak_bytes <= 2 * chunk * VOCAB * 4 < tokens * VOCAB * 4, watch.peak_bytes
+    # Backward projects each chunk again, one after another (chunks of the flattened batch: 6), with
+    # at most three chunks' worth of float32 logits at a time (the log-softmax's gradient, its saved
+    # output and its input's gradient), and half a chunk more of bfloat16 ones before the soft-cap
+    # under a compute dtype: never the batch's.
+    assert sum(name == "aten.mm.default" for name, _, _ in watch.created[forward:]) == -(-tokens // chunk)
+    assert watch.peak_bytes <= 3.5 * chunk * VOCAB * 4 < tokens * VOCAB * 4, watch.peak_bytes
 
     # Without it the same watch sees the batch's logits.
     watch = _WatchLogits(VOCAB)
@@ -483,6 +493,17 @@ def test_chunked_loss_never_holds_the_batchs_logits(kind, compute_dtype, device)
     with watch:
         model(batch(device))
     assert watch.largest == tokens
+
+
+def test_hooks_on_the_output_projection_can_tell_the_chunks_recompute():
+    hf = build("llama")
+    model = OffloadModel(causal_lm_sequential(hf, loss_chunk_tokens=7), device="cpu", num_slices=3)
+    seen = []
+    hf.lm_head.register_forward_hook(lambda *_: seen.append(offload.is_recomputing()))
+    sums = model(labelled())
+    assert seen == [False] * 6  # 40 tokens in chunks of 7
+    sums.sum().backward()
+    assert seen == [False] * 6 + [True] * 6
 
 
 def test_chunked_loss_refuses_missing_labels_and_bad_settings():
@@ -494,6 +515,8 @@ def test_chunked_loss_refuses_missing_labels_and_bad_settings():
     inputs = labelled()
     with pytest.raises(TypeError, match="needs 'labels'"):
         layers(batch())
+    with pytest.raises(TypeError, match="needs 'labels'"):  # None counts as absent, as in Hugging Face
+        layers({**batch(), "labels": None})
     with pytest.raises(TypeError, match="a dict with 'input_ids' and 'labels'"):
         layers(inputs["input_ids"])
     with pytest.raises(TypeError, match="got keys"):

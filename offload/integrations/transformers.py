@@ -51,6 +51,7 @@ This module holds the adapters only; it does not train, load weights or tokenize
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -60,6 +61,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
+
+from ..autograd.recompute_state import recomputing
 
 try:
     from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
@@ -164,6 +167,7 @@ def _unpack_batch(batch: Any, with_labels: bool) -> tuple[torch.Tensor, torch.Te
         what = "a dict with 'input_ids' and 'labels'" if with_labels else "a tensor of input ids or a dict of tensors"
         raise TypeError(f"the batch must be {what}, not {type(batch).__name__} (a tokenizer's BatchEncoding: "
                         "pass dict(batch))")
+    batch = {key: value for key, value in batch.items() if value is not None}  # None: as if absent, as in HF
     unknown = sorted(set(batch) - set(_BATCH_KEYS + (_LABEL_KEYS if with_labels else ())))
     if with_labels and "input_ids" in batch and not unknown and not any(key in batch for key in _LABEL_KEYS):
         raise TypeError(f"with loss_chunk_tokens the model returns the loss: the batch needs 'labels' (or "
@@ -386,30 +390,32 @@ class Head(nn.Module):
 
     def loss_sums(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Each row's sum of token cross-entropies (float32, shape ``B``) from the normed ``B x T``
-        hidden states, over chunks of at most ``loss_chunk_tokens`` tokens: whole rows when a row
-        fits, else pieces of one row, so that every chunk adds to the sums of its own rows only."""
-        length = targets.shape[1]
-        columns = min(self.loss_chunk_tokens, length)
-        rows = max(1, self.loss_chunk_tokens // length)
-        sums = []
-        for row_hidden, row_targets in zip(hidden.split(rows), targets.split(rows)):
-            pieces = [self._chunk(h, t) for h, t in zip(row_hidden.split(columns, 1), row_targets.split(columns, 1))]
-            sums.append(pieces[0] if len(pieces) == 1 else torch.stack(pieces).sum(0))
-        return torch.cat(sums)
+        hidden states, over chunks of ``loss_chunk_tokens`` tokens of the flattened batch (the last
+        may be shorter): a chunk may end inside a row and the next go on there, so the batch takes
+        the fewest projections, each reading the whole output matrix once."""
+        batch, length = targets.shape
+        flat_hidden = hidden.reshape(batch * length, hidden.shape[-1])
+        rows = torch.arange(batch, device=targets.device).repeat_interleave(length)
+        sums = torch.zeros(batch, dtype=torch.float32, device=hidden.device)
+        size = self.loss_chunk_tokens
+        for h, t, r in zip(flat_hidden.split(size), targets.reshape(-1).split(size), rows.split(size)):
+            sums = sums.index_add(0, r, self._chunk(h, t))
+        return sums
 
     def _chunk(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():
             return self._chunk_loss(hidden, targets)
         # The head draws no random numbers: no RNG state to save and restore for the recompute.
-        return checkpoint(self._chunk_loss, hidden, targets, use_reentrant=False, preserve_rng_state=False)
+        # The recompute runs under offload's recomputing() flag, so hooks on lm_head can tell it
+        # from a forward, as for a slice's recompute (offload.is_recomputing()).
+        return checkpoint(self._chunk_loss, hidden, targets, use_reentrant=False, preserve_rng_state=False,
+                          context_fn=_recompute_contexts)
 
     def _chunk_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        # As ForCausalLMLoss: float32 logits, flattened, one loss per token. reduction="none" keeps
-        # the rows apart; each value is the addend reduction="sum" would take.
+        # As ForCausalLMLoss: float32 logits, one loss per token (reduction="none" keeps the rows
+        # apart; each value is the addend reduction="sum" would take).
         logits = self.logits(hidden).float()
-        losses = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX,
-                                 reduction="none")
-        return losses.view(targets.shape).sum(-1)
+        return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="none")
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The logits of the normed hidden states: the projection and what the family does after it."""
@@ -424,6 +430,11 @@ class Head(nn.Module):
             logits = torch.tanh(logits)
             logits = logits * self.softcap
         return logits
+
+
+def _recompute_contexts() -> tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]:
+    # torch.utils.checkpoint's context_fn: (around the forward, around the recompute).
+    return contextlib.nullcontext(), recomputing()
 
 
 class CausalLMSequential(nn.Sequential):
