@@ -28,7 +28,8 @@ Note: [Chunked loss]
     float32, before the loss's log-softmax and their gradient, far more than a slice of decoder
     layers. With ``loss_chunk_tokens=N`` the head returns, instead of logits, each row's sum of
     token cross-entropies in float32 (shape ``B``, so microbatches join along dim 0), computed
-    over at most ``N`` tokens at a time, each chunk under non-reentrant ``torch.utils.checkpoint``:
+    over ``N`` tokens of the flattened batch at a time (a chunk may end inside a row; the last may be
+    shorter), each chunk under non-reentrant ``torch.utils.checkpoint``:
     a chunk's logits, their float32 copy and log-softmax are freed as soon as its partial sums are
     taken, and backward recomputes them one chunk at a time. Each chunk does what the model and
     transformers' ``ForCausalLMLoss`` do to the whole batch, in the same order and dtypes: the
@@ -577,11 +578,15 @@ def causal_lm_sequential(model: nn.Module, *, untie_embeddings: bool = False,
     ``TypeError``, labels that are not ``torch.long`` token ids shaped like ``input_ids`` with a
     ``ValueError``). The model's mean loss is
     ``output.sum() / CausalLMSequential.count_loss_tokens(labels)``. On the device only one
-    chunk's ``N x vocab`` logits exist at a time, rather than the batch's ``B x T x vocab``; the
+    chunk's ``N x vocab`` logits exist at a time (three tensors of that size at most, in backward),
+    rather than the batch's ``B x T x vocab``; the
     price is a second projection of each chunk in backward (one more product beside the three of
     forward and backward) and rounding: the loss is the model's to float32 rounding and gradients
-    to a few ulps (bit for bit where the chunk holds the whole batch). ``N`` is the row count of
-    each projection's matrix product, so a small ``N`` trades speed for little memory.
+    to a few ulps (bit for bit where the chunk holds the whole batch), except the ``lm_head``
+    gradient under a half-precision compute dtype, which autograd adds chunk by chunk in that
+    precision (its error grows with the number of chunks). Chunks cut the flattened batch, so
+    ``N`` is the row count of each projection's matrix product but the last: a small ``N`` trades
+    speed (and that precision) for memory.
 
     Args:
         model: a ``transformers`` causal LM whose ``config.model_type`` is in :data:`SUPPORTED_MODEL_TYPES`.
