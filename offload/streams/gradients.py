@@ -37,9 +37,10 @@ class _Place:
     offset: int
     dtype: torch.dtype
     shape: torch.Size
+    stride: tuple[int, ...] | None = None  # the parameter's, where it is not row-major: .grad takes its layout
 
     def view(self, flat: torch.Tensor) -> torch.Tensor:
-        return typed_view(flat, self.offset, self.dtype, self.shape)
+        return typed_view(flat, self.offset, self.dtype, self.shape, self.stride)
 
 
 @dataclass
@@ -142,7 +143,7 @@ class GradientOffloader:
             if not want:
                 places.append(None)
                 continue
-            places.append(_Place(offset, entry.dtype, entry.shape))
+            places.append(_Place(offset, entry.dtype, entry.shape, entry.stride))
             offset = _align(offset + entry.shape.numel() * _itemsize(entry.dtype))
         return SliceGradients(places, offset, self)
 

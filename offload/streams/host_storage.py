@@ -37,13 +37,35 @@ def _align(n: int, alignment: int = ALIGNMENT) -> int:
     return (n + alignment - 1) // alignment * alignment
 
 
-def typed_view(flat: torch.Tensor, offset: int, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
-    """A ``dtype`` view of ``shape`` into the byte tensor ``flat`` starting at byte ``offset``."""
+def dense_stride(tensor: torch.Tensor) -> tuple[int, ...] | None:
+    """The strides of a tensor whose elements lie densely in another order than row-major
+    (``channels_last``, a transposed weight), or ``None`` for a row-major or not dense one.
+
+    Host copies, device copies and gradients keep such a layout: kernels choose by it (a
+    convolution with a ``channels_last`` weight runs another algorithm, with other rounding), and
+    autograd gives ``.grad`` the parameter's layout. Anything else is laid out row-major.
+    """
+    if tensor.is_contiguous():
+        return None
+    expected = 1
+    for dim in sorted(range(tensor.dim()), key=lambda d: tensor.stride(d)):
+        if tensor.shape[dim] != 1 and tensor.stride(dim) != expected:
+            return None
+        expected *= tensor.shape[dim]
+    return tuple(tensor.stride())
+
+
+def typed_view(flat: torch.Tensor, offset: int, dtype: torch.dtype, shape: torch.Size,
+               stride: tuple[int, ...] | None = None) -> torch.Tensor:
+    """A ``dtype`` view of ``shape`` into the byte tensor ``flat`` starting at byte ``offset``,
+    row-major or with the dense ``stride`` of :func:`dense_stride`."""
     nbytes = shape.numel() * _itemsize(dtype)
-    return flat[offset:offset + nbytes].view(dtype).view(shape)
+    elements = flat[offset:offset + nbytes].view(dtype)
+    return elements.view(shape) if stride is None else elements.as_strided(shape, stride)
 
 
-def alias(flat: torch.Tensor, offset: int, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+def alias(flat: torch.Tensor, offset: int, dtype: torch.dtype, shape: torch.Size,
+          stride: tuple[int, ...] | None = None) -> torch.Tensor:
     """Like :func:`typed_view`, but a tensor of its own rather than a view of ``flat``.
 
     Views share their base's version counter, so an in-place update of one buffer would look to
@@ -56,7 +78,7 @@ def alias(flat: torch.Tensor, offset: int, dtype: torch.dtype, shape: torch.Size
     with torch.inference_mode(False):
         tensor = torch.empty(0, dtype=dtype, device=flat.device)
         tensor.set_(flat.untyped_storage(), (flat.storage_offset() + offset) // itemsize, shape,
-                    torch.empty(shape, device="meta").stride())
+                    stride if stride is not None else torch.empty(shape, device="meta").stride())
     return tensor
 
 
@@ -74,6 +96,8 @@ class Entry:
         device_dtype: dtype of the device copy; differs from ``tensor.dtype`` only under a
             compute dtype.
         host_offset / device_offset: byte offsets into the host buffer and into a device slot.
+        stride: the tensor's own strides where it is dense but not row-major (see
+            :func:`dense_stride`): every copy of it (host, shadow, device) and its gradient keep them.
         borrowed: a parameter an earlier slice holds (tied weights): it has no host offset here,
             and a load copies it into this slice's slot from that slice's host copy (Note: [Tied
             parameters across slices]).
@@ -87,6 +111,7 @@ class Entry:
     host_offset: int = 0
     device_offset: int = 0
     borrowed: bool = False
+    stride: tuple[int, ...] | None = None
 
     @property
     def is_parameter(self) -> bool:
@@ -115,7 +140,7 @@ def collect_entries(layers: Sequence[nn.Module]) -> tuple[list[Entry], list[Entr
             raise ValueError("a tensor is registered both as a parameter and as a buffer; OffloadModel cannot place it")
         if tensor.is_sparse or tensor.layout != torch.strided:
             raise ValueError(f"only dense (strided) parameters and buffers are supported, got layout {tensor.layout}")
-        entry = Entry(tensor, tuple(sites), tensor.shape, tensor.dtype, tensor.dtype)
+        entry = Entry(tensor, tuple(sites), tensor.shape, tensor.dtype, tensor.dtype, stride=dense_stride(tensor))
         (params if sites[0].is_parameter else buffers).append(entry)
     return params, buffers
 
@@ -246,7 +271,7 @@ class SliceStorage:
         self.grad_nbytes = sum(_align(e.shape.numel() * _itemsize(e.dtype)) for e in self.params)
         self.flat = self.allocate(host_end)
         for entry in self.held:
-            view = typed_view(self.flat, entry.host_offset, entry.dtype, entry.shape)
+            view = typed_view(self.flat, entry.host_offset, entry.dtype, entry.shape, entry.stride)
             view.copy_(entry.tensor.detach())
             # Same object, new storage: optimizers and user references keep working.
             entry.tensor.data = view
@@ -336,7 +361,7 @@ class SliceStorage:
 
     def device_views(self, slot: torch.Tensor) -> list[torch.Tensor]:
         """Every entry's device copy in a slot that holds this slice, each with its own version counter."""
-        return [alias(slot, e.device_offset, e.device_dtype, e.shape) for e in self.entries]
+        return [alias(slot, e.device_offset, e.device_dtype, e.shape, e.stride) for e in self.entries]
 
     def has_running_stats_in_training(self) -> bool:
         """Whether a normalisation layer here updates running statistics in this forward.
