@@ -16,6 +16,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import time
 
@@ -97,6 +98,11 @@ def main() -> None:
     if rank == 0:
         total = sum(r for r in rates if r is not None)
         print(f"total: {total:.1f} samples/s on {world_size} rank(s); last loss {loss.item():.4f}", flush=True)
+    # The model's and the optimizer's host workers end before the group they communicate over, and
+    # every rank is past its last collective before any rank tears the group down.
+    del model, optimizer
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 
