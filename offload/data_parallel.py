@@ -33,6 +33,7 @@ import torch.distributed as dist
 from .engine import Engine
 from .streams import PendingGradients, SliceGradients
 from .streams.collectives import DeviceCollectives, HostCollectives
+from .streams.host_storage import flat_alias
 
 
 def check_group(group: Any, device: torch.device) -> str:
@@ -104,7 +105,11 @@ class DataParallel:
     def _take_rank_zeros(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         source = dist.get_global_rank(self.group, 0)
         with torch.no_grad():
-            for _, tensor in named_tensors:
+            for _, whole in named_tensors:
+                # Its memory as one contiguous run (collectives want that): a channels_last or
+                # transposed parameter's too.
+                flat = flat_alias(whole)
+                tensor = whole if flat is None else flat
                 if self.on_device:
                     staged = tensor.to(self.engine.device)
                     dist.broadcast(staged, src=source, group=self.group)

@@ -168,4 +168,32 @@ def tied(rank: int, world_size: int, directory: str) -> None:
     save(directory, "tied", rank, [p.detach().clone() for p in model.parameters()])
 
 
-JOBS = {f.__name__: f for f in (train, no_sync, sharded, different_models, one_rank_fails, hangs, nccl_one_gpu, tied)}
+def layouts_network(seed: int) -> nn.Sequential:
+    """A channels_last convolution and a linear weight transposed in memory (dense, not row-major)."""
+    torch.manual_seed(seed)
+    layers = nn.Sequential(nn.Conv2d(2, 4, 3), nn.Tanh(), nn.Flatten(), nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 3))
+    layers = layers.to(memory_format=torch.channels_last)
+    layers[3].weight = nn.Parameter(layers[3].weight.detach().t().contiguous().t())
+    return layers
+
+
+def layouts_data(step: int, world_size: int, rows: int = 2) -> torch.Tensor:
+    x = torch.randn(world_size * rows, 2, 4, 4, generator=torch.Generator().manual_seed(2000 + step))
+    return x.to(memory_format=torch.channels_last)
+
+
+def layouts(rank: int, world_size: int, directory: str) -> None:
+    """Ranks start from different seeds: rank 0's parameters reach every rank, gradients are
+    averaged and the sharded update shares its parameters, whatever their memory layout."""
+    model = OffloadModel(layouts_network(seed=rank), device="cpu", num_slices=3, process_group=dist.group.WORLD)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
+    for step in range(3):
+        model(share(layouts_data(step, world_size), rank, world_size)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    optimizer.synchronize()
+    save(directory, "layouts", rank, [(p.detach().clone(), p.stride()) for p in model.parameters()])
+
+
+JOBS = {f.__name__: f for f in (train, no_sync, sharded, different_models, one_rank_fails, hangs, nccl_one_gpu, tied,
+                                 layouts)}

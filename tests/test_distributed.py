@@ -151,6 +151,21 @@ def test_a_parameter_tied_across_slices_trains_as_in_one_process(tmp_path):
         torch.testing.assert_close(a, want.detach(), **ROUNDING)
 
 
+def test_parameters_in_other_memory_layouts_train_as_in_one_process(tmp_path):
+    from .dist_workers import layouts_data, layouts_network
+
+    results = spawn("layouts", tmp_path)
+    reference = layouts_network(seed=0)
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
+    for step in range(3):
+        reference(layouts_data(step, WORLD)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for (a, stride), (b, _), want in zip(results[0], results[1], reference.parameters()):
+        assert torch.equal(a, b) and stride == want.stride()
+        torch.testing.assert_close(a, want.detach(), **ROUNDING)
+
+
 def test_ranks_with_different_models_are_refused(tmp_path):
     errors = spawn("different_models", tmp_path)
     for error in errors:

@@ -51,6 +51,7 @@ import torch.distributed as dist
 
 from .backend import Event
 from .copies import CopyStreams
+from .host_storage import flat_alias
 
 
 class CollectiveError(RuntimeError):
@@ -107,7 +108,10 @@ class HostCollectives:
         ``then`` in the worker; returns the event of the end."""
         def work() -> None:
             for tensor, source in zip(tensors, sources):
-                dist.broadcast(tensor, src=dist.get_global_rank(self.group, source), group=self.group)
+                # Its memory as one contiguous run: a channels_last or transposed parameter too.
+                flat = flat_alias(tensor)
+                dist.broadcast(tensor if flat is None else flat, src=dist.get_global_rank(self.group, source),
+                               group=self.group)
             if then is not None:
                 then()
         return self.submit(what, work, after)
@@ -117,11 +121,11 @@ def _spans(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Flat tensors that cover ``tensors`` together: per storage and dtype, one tensor from the
     first element of the first to the last element of the last (what lies between, alignment
     padding or places of gradients not produced, is summed too, and read by no one); a tensor that
-    is not contiguous stays on its own."""
+    is not dense stays on its own."""
     groups: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
     spans: list[torch.Tensor] = []
     for tensor in tensors:
-        if not tensor.is_contiguous():
+        if flat_alias(tensor) is None:
             spans.append(tensor)
             continue
         groups.setdefault((tensor.untyped_storage().data_ptr(), tensor.dtype), []).append(tensor)

@@ -55,6 +55,19 @@ def dense_stride(tensor: torch.Tensor) -> tuple[int, ...] | None:
     return tuple(tensor.stride())
 
 
+def flat_alias(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The memory of a row-major or :func:`dense_stride` tensor as one 1-D tensor (collectives
+    want contiguous tensors, and an elementwise operation does not care in which order), or
+    ``None`` for a tensor that is not dense."""
+    if tensor.is_contiguous():
+        return tensor.view(-1)
+    if dense_stride(tensor) is None:
+        return None
+    flat = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    flat.set_(tensor.untyped_storage(), tensor.storage_offset(), (tensor.numel(),))
+    return flat
+
+
 def typed_view(flat: torch.Tensor, offset: int, dtype: torch.dtype, shape: torch.Size,
                stride: tuple[int, ...] | None = None) -> torch.Tensor:
     """A ``dtype`` view of ``shape`` into the byte tensor ``flat`` starting at byte ``offset``,
