@@ -80,6 +80,7 @@ from ..engine import Engine
 from ..labels import label
 from ..microbatch import Split, join_input_grads, join_outputs, split_leaves, split_like
 from ..streams import Event, OffloadTicket, PendingGradients
+from ..streams.host_storage import flat_alias
 from .recompute_state import recomputing
 from .replay import AutocastState, autocast_cache_disabled, capture_rng, replaying_rng
 
@@ -664,15 +665,16 @@ def _unshared(param_grads: Sequence[torch.Tensor | None], others: Sequence[Any])
     slice. A milestone subscriber may rewrite a slice's gradients in place (the device average
     does), which must reach neither the previous slice nor a second parameter, so a gradient that
     shares memory with another is copied; usually none does, and nothing is copied. For the same
-    rewrite, and for NCCL, which refuses non-contiguous tensors, a gradient that is not contiguous
-    is made so: ``p.sum()`` gives ``p`` an expanded gradient, one element seen through stride 0.
+    rewrite, and for collectives, which take a gradient's memory as one run, a gradient that is not
+    dense is made so: ``p.sum()`` gives ``p`` an expanded gradient, one element seen through
+    stride 0. A dense one in another layout (a ``channels_last`` weight's) stays as it is.
     """
     taken = {t.untyped_storage().data_ptr() for t in others if isinstance(t, torch.Tensor)}
     unshared: list[torch.Tensor | None] = []
     for g in param_grads:
         if g is not None:
             pointer = g.untyped_storage().data_ptr()
-            if pointer in taken or not g.is_contiguous():
+            if pointer in taken or flat_alias(g) is None:
                 g = g.clone(memory_format=torch.contiguous_format)
             else:
                 taken.add(pointer)

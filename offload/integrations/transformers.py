@@ -208,7 +208,22 @@ def _default_positions(hidden: torch.Tensor, position_ids: torch.Tensor | None) 
     return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
 
 
-class LlamaEmbedding(nn.Module):
+class _EmbeddingStage(nn.Module):
+    """What the first stage of every family does before embedding: a new run of the slices begins,
+    so the 4-D masks built for the last one go (:class:`_MaskCache`), and the batch is read, with
+    its labels when the head computes the loss."""
+
+    def __init__(self, masks: _MaskCache | None, with_labels: bool) -> None:
+        super().__init__()
+        self.masks = masks if masks is not None else _MaskCache()
+        self.with_labels = with_labels
+
+    def _begin(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        self.masks.clear()  # a new forward (or microbatch): nothing built before it applies
+        return _unpack_batch(batch, self.with_labels)
+
+
+class LlamaEmbedding(_EmbeddingStage):
     """Token embedding and rotary tables of a Llama-layout model (its own ``embed_tokens`` and
     ``rotary_emb``), with the embedding multiplier or dropout of the families that have one.
 
@@ -219,19 +234,15 @@ class LlamaEmbedding(nn.Module):
     def __init__(self, embed_tokens: nn.Module, rotary_emb: nn.Module, *, multiplier: float | None = None,
                  dropout: nn.Module | None = None, rotary_layer_types: tuple[str, ...] | None = None,
                  masks: _MaskCache | None = None, with_labels: bool = False) -> None:
-        super().__init__()
+        super().__init__(masks, with_labels)
         self.embed_tokens = embed_tokens
         self.rotary_emb = rotary_emb
         self.multiplier = multiplier
         self.dropout = dropout
         self.rotary_layer_types = rotary_layer_types
-        self.masks = masks
-        self.with_labels = with_labels
 
     def forward(self, batch: Any) -> _State:
-        if self.masks is not None:
-            self.masks.clear()  # a new forward (or microbatch): nothing built before it applies
-        input_ids, attention_mask, position_ids, targets = _unpack_batch(batch, self.with_labels)
+        input_ids, attention_mask, position_ids, targets = self._begin(batch)
         hidden = self.embed_tokens(input_ids)
         if self.multiplier is not None:
             hidden = hidden * self.multiplier
@@ -246,22 +257,18 @@ class LlamaEmbedding(nn.Module):
         return hidden, attention_mask, position_ids, position_embeddings, targets
 
 
-class GPT2Embedding(nn.Module):
+class GPT2Embedding(_EmbeddingStage):
     """GPT-2's token and position embeddings and their dropout (its own ``wte``, ``wpe``, ``drop``)."""
 
     def __init__(self, wte: nn.Embedding, wpe: nn.Embedding, drop: nn.Dropout, masks: _MaskCache | None = None,
                  with_labels: bool = False) -> None:
-        super().__init__()
+        super().__init__(masks, with_labels)
         self.wte = wte
         self.wpe = wpe
         self.drop = drop
-        self.masks = masks
-        self.with_labels = with_labels
 
     def forward(self, batch: Any) -> _State:
-        if self.masks is not None:
-            self.masks.clear()  # a new forward (or microbatch): nothing built before it applies
-        input_ids, attention_mask, position_ids, targets = _unpack_batch(batch, self.with_labels)
+        input_ids, attention_mask, position_ids, targets = self._begin(batch)
         batch_size = input_ids.shape[0]
         input_ids = input_ids.view(-1, input_ids.shape[-1])
         hidden = self.wte(input_ids)

@@ -162,19 +162,22 @@ class DeviceCollectives:
         the means are there (``None`` when they are there on return)."""
         backend, stream = self.copies.backend, self.communication_stream
         with torch.no_grad():
+            # Each gradient's memory as one run (they are dense: see _unshared in autograd/function.py),
+            # whatever its layout.
+            flats = [flat_alias(tensor) for tensor in tensors]
             if backend is None or stream is None:
-                for tensor in tensors:
-                    dist.all_reduce(tensor, group=self.group)
-                    tensor.div_(self.world_size)
+                for flat in flats:
+                    dist.all_reduce(flat, group=self.group)
+                    flat.div_(self.world_size)
                 return None
             # Ordering 1: the gradients were produced by the compute issued so far.
             backend.wait_stream(stream, backend.current_stream())
             with backend.issuing_on(stream):
-                for tensor in tensors:
-                    work = dist.all_reduce(tensor, group=self.group, async_op=True)
+                for flat in flats:
+                    work = dist.all_reduce(flat, group=self.group, async_op=True)
                     # Ordering 2: the division, and whatever waits for this stream, come after the sum.
                     work.wait()
-                    tensor.div_(self.world_size)
+                    flat.div_(self.world_size)
                     self._in_flight.append(work)
             reduced = backend.record(stream)
             for tensor in tensors:
