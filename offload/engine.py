@@ -39,6 +39,10 @@ class Slice:
     layers: list[nn.Module]
     storage: SliceStorage
 
+    def modules(self) -> list[nn.Module]:
+        """Every module of the slice's layers, submodules included."""
+        return [module for layer in self.layers for module in layer.modules()]
+
     def run(self, inputs: Any) -> Any:
         # nn.Sequential semantics: each layer gets the previous layer's output as its one argument.
         for layer in self.layers:

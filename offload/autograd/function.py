@@ -79,6 +79,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from ..engine import Engine
 from ..labels import label
 from ..microbatch import Split, join_input_grads, join_outputs, split_leaves, split_like
+from ..module_state import AttributeSnapshot, AttributeTracker
 from ..streams import Event, OffloadTicket, PendingGradients
 from ..streams.host_storage import flat_alias
 from .recompute_state import recomputing
@@ -121,6 +122,7 @@ class _Checkpoint:
     cpu_rng: int = -1
     device_rng: int | None = None
     buffers: tuple[int, OffloadTicket] | None = None  # saved tensor of the buffers before the run
+    attributes: AttributeSnapshot | None = None  # the layers' plain attributes before the run, if they changed
 
 
 @dataclass
@@ -255,9 +257,13 @@ class OffloadFunction(torch.autograd.Function):
                 acquired = i
                 buffers_changed = False
                 before_run: tuple[int, OffloadTicket] | None = None  # None: as the host copy holds them
+                # Only recomputes need the attributes a run started from (Note: [Attribute state]).
+                attributes = AttributeTracker(engine.slices[i].modules()) if checkpoint else None
                 next_boundary: list[tuple[list[Any], TreeSpec, list[bool]]] = []
                 for m in range(count):
                     in_leaves, in_spec, requires = boundary[m]
+                    if attributes is not None:
+                        attributes.before_run(m)
                     with label(f"offload::forward slice {i}"):
                         if keeps_graph(i, m):
                             with torch.enable_grad(), engine.slots.saved_tensors_hooks():
@@ -294,6 +300,8 @@ class OffloadFunction(torch.autograd.Function):
                         out_leaves = [o.detach() if isinstance(o, torch.Tensor) else o for o in out_leaves]
                         run_changed_buffers = result.buffers_changed
                         del result  # frees the graph of a checkpointed run right away
+                    if attributes is not None:
+                        attributes.after_run()
                     if run_changed_buffers:
                         buffers_changed = True
                         if m + 1 < count and not keeps_graph(i, m + 1):
@@ -307,6 +315,10 @@ class OffloadFunction(torch.autograd.Function):
                         records[i + 1][m] = _Checkpoint([_checkpoint_leaf(engine, stash, o) for o in out_leaves],
                                                         out_spec, out_requires)
                     next_boundary.append((out_leaves, out_spec, out_requires))
+                if attributes is not None and attributes.changed:
+                    for m, record in enumerate(records[i]):
+                        if isinstance(record, _Checkpoint):
+                            record.attributes = attributes.start_of(m)
                 if buffers_changed:
                     written_back.append(engine.slots.write_back_buffers(i))
                 engine.slots.release(i)
@@ -563,7 +575,7 @@ def _recompute(engine: Engine, run: _Run, saved: Sequence[torch.Tensor], loader:
         stash_index, ticket = record.buffers
         engine.slots.restore_buffers(i, saved[stash_index], ticket)
     device_rng = saved[record.device_rng] if record.device_rng is not None else None
-    with replaying_rng(engine.device, saved[record.cpu_rng], device_rng), run.autocast.applied(), \
+    with _attributes_as_forward_saw(record.attributes, engine.slices[i].modules()), replaying_rng(engine.device, saved[record.cpu_rng], device_rng), run.autocast.applied(), \
             torch.enable_grad(), recomputing():
         # The leaves require grad as in forward even where this backward wants no input gradient:
         # the recompute must take the forward's kernels (Note: [Boundary gradients]).
@@ -580,6 +592,21 @@ def _recompute(engine: Engine, run: _Run, saved: Sequence[torch.Tensor], loader:
     outputs, _ = tree_flatten(result.output)
     params = [t for t, e in zip(entry_tensors, engine.slices[i].storage.entries) if e.is_parameter]
     return outputs, graph_leaves, params, entry_tensors
+
+
+@contextlib.contextmanager
+def _attributes_as_forward_saw(start: AttributeSnapshot | None, modules: Sequence[torch.nn.Module]) -> Iterator[None]:
+    """Run the block with the layers' plain attributes as the forward's run began with them, and
+    put back afterwards what the block found (Note: [Attribute state] in ``offload/module_state.py``)."""
+    if start is None:
+        yield
+        return
+    now = AttributeSnapshot(modules)
+    start.restore()
+    try:
+        yield
+    finally:
+        now.restore()
 
 
 def _autocast_open(device: torch.device) -> bool:

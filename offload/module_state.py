@@ -1,0 +1,152 @@
+"""State a layer keeps outside its parameters and buffers, and how a recompute sees it as forward did.
+
+Note: [Attribute state]
+    A recompute reproduces a slice's forward only if the layers start from the state the forward
+    started from. Parameters and buffers are restored for it (Note: [Buffers] in
+    ``offload/autograd/function.py``); a layer may also keep state in plain Python attributes and
+    change it in forward. Hugging Face's dynamic rotary embedding does: when a sequence is longer
+    than it has seen, it grows its ``inv_freq`` buffer *and* records the new length in
+    ``max_seq_len_cached`` (with the matching ``attention_scaling``). Restoring the buffer alone
+    makes the recompute see the grown length, skip the growth and compute other rotary tables: wrong
+    gradients, silently.
+
+    So the plain attributes of a checkpointed slice's modules are part of the state a recompute
+    restores:
+
+    1. Before a slice's first run in forward, its modules' plain attributes are captured
+       (:class:`AttributeSnapshot`): the values themselves, a tensor's version counter, and a
+       shallow copy of a ``list``, ``dict`` or ``set``. Nothing is copied deeply.
+    2. After each run, the live attributes are compared with the capture: a value replaced (by
+       identity), an attribute added or deleted, a container's elements changed (by identity), or a
+       tensor changed in place. If nothing changed, the capture stands for the next microbatch too.
+    3. If any run of the slice changed an attribute, each of the slice's checkpoints keeps the capture
+       that was current before its run; backward sets those values before re-running the slice and
+       sets back the values it found afterwards, so the recompute's own changes are discarded, as
+       its buffer changes are.
+    4. What cannot be restored is refused, not guessed: a plain tensor attribute changed in place
+       (keeping a copy of every tensor attribute at every run would cost memory the layer never
+       asked for) raises with advice to make it a buffer, which is restored.
+
+    Changes deeper than one level (an attribute of an attribute, an element mutated in place) are
+    not seen; state kept that way must live in buffers to survive a recompute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+#: What ``nn.Module.__init__`` puts in every module's ``__dict__``: the module's own machinery
+#: (registration tables, hooks, the training flag), not state a layer keeps.
+_MODULE_MACHINERY = frozenset(vars(nn.Module()))
+
+_CONTAINERS = (list, dict, set)
+
+
+def _captured(value: Any) -> Any:
+    """What is kept of an attribute's value to tell later whether it changed and to restore it."""
+    if isinstance(value, torch.Tensor):
+        return value._version
+    if type(value) in _CONTAINERS:
+        return value.copy()
+    return None
+
+
+def _same_container(value: Any, saved: Any) -> bool:
+    if len(value) != len(saved):
+        return False
+    if isinstance(value, dict):
+        return value.keys() == saved.keys() and all(value[k] is saved[k] for k in value)
+    if isinstance(value, set):
+        return value == saved
+    return all(a is b for a, b in zip(value, saved))
+
+
+class AttributeSnapshot:
+    """The plain attributes of some modules at one moment (Note: [Attribute state]).
+
+    Args:
+        modules: the modules to capture; each one's own attributes only (pass every submodule).
+    """
+
+    def __init__(self, modules: Iterable[nn.Module]) -> None:
+        self._entries: list[tuple[nn.Module, dict[str, tuple[Any, Any]]]] = [
+            (module, {name: (value, _captured(value)) for name, value in vars(module).items()
+                      if name not in _MODULE_MACHINERY})
+            for module in modules
+        ]
+
+    def changed_since(self) -> bool:
+        """Whether any attribute differs now from the capture.
+
+        Raises:
+            RuntimeError: a plain tensor attribute was changed in place (rule 4).
+        """
+        changed = False
+        for module, saved in self._entries:
+            live = vars(module)
+            if len(live) - len(_MODULE_MACHINERY & live.keys()) != len(saved):
+                changed = True
+            for name, (value, extra) in saved.items():
+                if name not in live or live[name] is not value:
+                    changed = True
+                elif isinstance(value, torch.Tensor):
+                    if value._version != extra:
+                        raise RuntimeError(
+                            f"{type(module).__name__}.{name} is a tensor attribute that its forward changed in "
+                            "place; OffloadModel re-runs the layer in backward and cannot restore such a tensor. "
+                            f"Register it as a buffer (module.register_buffer({name!r}, tensor, persistent=False)), "
+                            "which is restored for the re-run, or assign a new tensor instead of changing it in place."
+                        )
+                elif extra is not None and not _same_container(value, extra):
+                    changed = True
+        return changed
+
+    def restore(self) -> None:
+        """Put every captured value back: attributes added since are deleted, containers changed in
+        place get their captured elements back (in place, so references to them stay valid)."""
+        for module, saved in self._entries:
+            live = vars(module)
+            for name in [n for n in live if n not in _MODULE_MACHINERY and n not in saved]:
+                del live[name]
+            for name, (value, extra) in saved.items():
+                live[name] = value
+                if extra is None or isinstance(value, torch.Tensor) or _same_container(value, extra):
+                    continue
+                value.clear()
+                if isinstance(value, list):
+                    value.extend(extra)
+                else:
+                    value.update(extra)
+
+
+class AttributeTracker:
+    """For one slice's runs in one forward, the attributes each run started from (Note: [Attribute state]).
+
+    Call :meth:`before_run` and :meth:`after_run` around every run of the slice, kept graphs
+    included (a later run's change must not reach an earlier checkpoint's recompute); then
+    :meth:`start_of` gives what a checkpoint restores, or ``None`` when no run changed anything.
+    """
+
+    def __init__(self, modules: Iterable[nn.Module]) -> None:
+        self._modules = list(modules)
+        self._current: AttributeSnapshot | None = None  # None: the last run changed something
+        self._starts: dict[int, AttributeSnapshot] = {}
+        self.changed = False
+
+    def before_run(self, microbatch: int) -> None:
+        if self._current is None:
+            self._current = AttributeSnapshot(self._modules)
+        self._starts[microbatch] = self._current
+
+    def after_run(self) -> None:
+        assert self._current is not None, "after_run without before_run"
+        if self._current.changed_since():
+            self.changed = True
+            self._current = None
+
+    def start_of(self, microbatch: int) -> AttributeSnapshot | None:
+        return self._starts[microbatch] if self.changed else None

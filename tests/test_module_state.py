@@ -1,0 +1,171 @@
+"""Layers that keep state in plain attributes and change it in forward (Note: [Attribute state]).
+
+The recompute must start from the attributes the forward's run started from, as it does from the
+buffers; what cannot be restored is refused with advice. References are the plain layers run the
+way OffloadModel runs them (slice by slice, microbatch by microbatch).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from offload import OffloadModel
+
+from .helpers import DEVICES, assert_same_grads, microbatched_reference
+
+EXACT = {"rtol": 0.0, "atol": 0.0}
+
+
+class Peak(nn.Module):
+    """Scales by the largest magnitude seen so far, kept in a plain float attribute (the shape of a
+    dynamic rotary embedding: state that grows with the inputs and shapes the output)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.peak = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        seen = float(x.detach().abs().max())
+        if seen > self.peak:
+            self.peak = seen
+        return self.linear(x) / self.peak
+
+
+class Counter(nn.Module):
+    """Counts its calls in a plain int and keeps their scales in a list: output depends on both."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.calls = 0
+        self.scales: list[float] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        self.scales.append(1.0 + 0.5 * self.calls)
+        return self.linear(x) * sum(self.scales)
+
+
+class Lazy(nn.Module):
+    """Creates a plain tensor attribute on first use (as the long-context rotary tables do) and
+    replaces it when the input grows."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        table = getattr(self, "table", None)
+        if table is None or table.shape[0] < x.shape[0]:
+            self.table = torch.linspace(0.5, 1.5, x.shape[0])
+        return self.linear(x) * self.table[: x.shape[0], None]
+
+
+def stack(kind: type[nn.Module], width: int = 6) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(kind(width), nn.Tanh(), kind(width), nn.Tanh(), nn.Linear(width, width), kind(width))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", [Peak, Counter, Lazy])
+@pytest.mark.parametrize("num_slices", [1, 2, 3])
+@pytest.mark.parametrize("num_microbatches", [1, 2])
+def test_recompute_sees_the_attributes_the_forward_saw(kind, num_slices, num_microbatches, device):
+    layers = stack(kind)
+    reference = copy.deepcopy(layers).to(device)
+    model = OffloadModel(layers, device=device, num_slices=num_slices, num_microbatches=num_microbatches)
+    for step, scale in enumerate([1.0, 3.0, 2.0, 5.0]):  # growing, shrinking: every branch of the layers
+        x = (torch.randn(4, 6, generator=torch.Generator().manual_seed(step)) * scale).to(device)
+        want = microbatched_reference(reference, model.partition, x, num_microbatches)
+        got = model(x)
+        torch.testing.assert_close(got, want, **EXACT)
+        (want * torch.arange(6.0, device=device)).sum().backward()
+        (got * torch.arange(6.0, device=device)).sum().backward()
+        assert_same_grads(layers, reference, **EXACT)
+        # Backward put back what forward left: the next step starts where the plain layers do.
+        for mine, theirs in zip(layers.modules(), reference.modules()):
+            for name in ("peak", "calls", "scales"):
+                assert getattr(mine, name, None) == getattr(theirs, name, None)
+        layers.zero_grad()
+        reference.zero_grad()
+
+
+def test_two_forwards_before_their_backwards():
+    layers = stack(Peak)
+    reference = copy.deepcopy(layers)
+    model = OffloadModel(layers, device="cpu", num_slices=2)
+    inputs = [torch.randn(4, 6, generator=torch.Generator().manual_seed(s)) * scale
+              for s, scale in enumerate([2.0, 4.0])]
+    got = [model(x) for x in inputs]
+    want = [reference(x) for x in inputs]
+    for g, w in zip(reversed(got), reversed(want)):
+        w.sum().backward()
+        g.sum().backward()
+    assert_same_grads(layers, reference, **EXACT)
+
+
+class InPlaceTensor(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.total = torch.zeros(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.total.add_(x.detach().sum(0))
+        return self.linear(x) + self.total
+
+
+def test_a_tensor_attribute_changed_in_place_is_refused_with_advice():
+    model = OffloadModel(nn.Sequential(InPlaceTensor(), nn.Linear(4, 4)), device="cpu", num_slices=2)
+    with pytest.raises(RuntimeError, match=r"InPlaceTensor\.total .*register_buffer\('total'"):
+        model(torch.randn(3, 4, requires_grad=True))
+
+
+def test_as_a_buffer_the_same_state_is_exact():
+    class InPlaceBuffer(InPlaceTensor):
+        def __init__(self) -> None:
+            super().__init__()
+            del self.total
+            self.register_buffer("total", torch.zeros(4), persistent=False)
+
+    torch.manual_seed(0)
+    layers = nn.Sequential(InPlaceBuffer(), nn.Linear(4, 4))
+    reference = copy.deepcopy(layers)
+    model = OffloadModel(layers, device="cpu", num_slices=2)
+    x = torch.randn(3, 4)
+    model(x).sum().backward()
+    reference(x).sum().backward()
+    assert_same_grads(layers, reference, **EXACT)
+
+
+def test_without_checkpointing_nothing_is_captured(monkeypatch):
+    import offload.module_state as module_state
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("captured attributes without a recompute to use them")
+
+    monkeypatch.setattr(module_state.AttributeSnapshot, "__init__", refuse)
+    model = OffloadModel(stack(Peak), device="cpu", num_slices=2, checkpoint_activation=False)
+    model(torch.randn(4, 6)).sum().backward()
+
+
+def test_a_change_in_the_last_microbatch_does_not_reach_an_earlier_recompute():
+    # The last slice's last microbatch keeps its graph and is never recomputed, but it changes the
+    # attribute after the earlier microbatch's checkpoint was taken.
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Linear(6, 6), Peak(6))
+    reference = copy.deepcopy(layers)
+    model = OffloadModel(layers, device="cpu", num_slices=2, num_microbatches=2)
+    x = torch.zeros(4, 6)
+    x[2:] = 100.0  # the first microbatch leaves the peak at 1, the second raises it
+    want = microbatched_reference(reference, model.partition, x, 2)
+    got = model(x)
+    assert layers[1].peak > 1.0
+    want.sum().backward()
+    got.sum().backward()
+    assert_same_grads(layers, reference, **EXACT)
