@@ -14,6 +14,7 @@ from types import TracebackType
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,15 @@ class Binding:
 
     After the call, :attr:`reassigned` lists ``(i, new_tensor)`` for buffers a module replaced
     during the call (``self.count = self.count + 1``); the caller decides what to keep of them.
+
+    Leaving always gives every site its host copy back, registered as it was (a parameter in
+    ``_parameters``, never left behind as a buffer), also when the call raised or moved a tensor
+    between the tables: the user's modules are never left changed by a failed run.
+
+    Raises:
+        RuntimeError: a layer left a parametrization registered on one of its parameters
+            (``register_parametrization`` in forward without ``remove_parametrizations``); the
+            parametrization is removed first.
     """
 
     sites: Sequence[Sequence[Site]]
@@ -52,15 +62,49 @@ class Binding:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        if exc_type is None:
-            for index, (entry_sites, tensor) in enumerate(zip(self.sites, self.tensors)):
-                current = entry_sites[0].table()[entry_sites[0].name]
-                if current is not tensor and current is not None and not entry_sites[0].is_parameter:
-                    self.reassigned.append((index, current))
-        for site, original in reversed(self._originals):
-            site.table()[site.name] = original
-        self._originals.clear()
-        _refresh_flat_weights(self.sites)
+        left_parametrized: list[Site] = []
+        try:
+            if exc_type is None:
+                for index, (entry_sites, tensor) in enumerate(zip(self.sites, self.tensors)):
+                    current = entry_sites[0].table().get(entry_sites[0].name)
+                    if current is not tensor and current is not None and not entry_sites[0].is_parameter:
+                        self.reassigned.append((index, current))
+        finally:
+            for site, original in reversed(self._originals):
+                if _restore(site, original):
+                    left_parametrized.append(site)
+            self._originals.clear()
+            _refresh_flat_weights(self.sites)
+        if left_parametrized and exc_type is None:
+            names = ", ".join(f"{type(site.module).__name__}.{site.name}" for site in left_parametrized)
+            raise RuntimeError(
+                f"a layer registered a parametrization on {names} during forward and left it there. OffloadModel "
+                "runs layers on device copies of their parameters and gives the host copies back after each run, "
+                "so a parametrization must be gone when forward returns (remove_parametrizations in the same "
+                "forward, as PEFT does), or registered before the model is wrapped in OffloadModel, where it is "
+                "offloaded like any layer."
+            )
+
+
+def _restore(site: Site, original: torch.Tensor | None) -> bool:
+    """Register ``original`` at ``site`` again, exactly as it was registered before the call.
+
+    Returns whether a parametrization the call registered there had to be removed first.
+    """
+    module = site.module
+    removed = False
+    if site.name not in site.table() and parametrize.is_parametrized(module, site.name):
+        # The device copy becomes the plain tensor again, and is then replaced by the host copy.
+        parametrize.remove_parametrizations(module, site.name, leave_parametrized=False)
+        removed = True
+    # A tensor re-registered in the other table (a parameter put back as a buffer) leaves it.
+    other = module._buffers if site.is_parameter else module._parameters
+    if site.name in other:
+        del other[site.name]
+        if site.is_parameter:
+            module._non_persistent_buffers_set.discard(site.name)
+    site.table()[site.name] = original
+    return removed
 
 
 def _refresh_flat_weights(sites: Sequence[Sequence[Site]]) -> None:

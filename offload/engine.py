@@ -157,6 +157,21 @@ class Engine:
                 moved.append(leaf)
         return moved
 
+    def entry_tensors(self, index: int, views: Sequence[torch.Tensor], as_leaves: bool = False) -> list[torch.Tensor]:
+        """What slice ``index``'s layers run with, one per storage entry: each parameter's device copy
+        as an ``nn.Parameter`` (a leaf that requires grad as the host copy does when ``as_leaves``,
+        none otherwise), each buffer's as it is.
+
+        Parameters, as in the plain model: a layer that takes its weight out of ``_parameters`` and
+        puts it back during forward (``register_parametrization`` / ``remove_parametrizations``, as
+        PEFT's LoRA on fused experts does) registers it again as a parameter, not as a buffer, and
+        code that checks ``isinstance(w, nn.Parameter)`` sees what it sees there.
+        """
+        return [
+            nn.Parameter(view, requires_grad=as_leaves and entry.tensor.requires_grad) if entry.is_parameter else view
+            for view, entry in zip(views, self.slices[index].storage.entries)
+        ]
+
     def run_slice(self, index: int, tensors: Sequence[torch.Tensor], inputs: Any) -> SliceResult:
         """Run slice ``index`` on ``inputs`` with ``tensors`` (one per storage entry) in place of the
         host copies. The slice must be acquired.

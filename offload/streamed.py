@@ -32,7 +32,7 @@ def streamed_forward(engine: Engine, leaves: list[Any], spec: TreeSpec, num_micr
             next_boundary = []
             for m, (in_leaves, in_spec) in enumerate(boundary):
                 with label(f"offload::forward slice {i}"):
-                    result = engine.run_slice(i, views, tree_unflatten(list(in_leaves), in_spec))
+                    result = engine.run_slice(i, engine.entry_tensors(i, views), tree_unflatten(list(in_leaves), in_spec))
                 changed |= result.buffers_changed
                 next_boundary.append(tree_flatten(result.output))
                 if m == 0 and i + 1 < engine.num_slices:

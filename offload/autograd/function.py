@@ -206,10 +206,7 @@ def _graph_inputs(leaves: Sequence[Any], requires: Sequence[bool]) -> tuple[list
 
 def _param_leaves(views: Sequence[torch.Tensor], engine: Engine, index: int) -> list[torch.Tensor]:
     """What a graph of slice ``index`` runs with: parameter leaves over the device copies, buffers as they are."""
-    return [
-        view.detach().requires_grad_(entry.tensor.requires_grad) if entry.is_parameter else view
-        for view, entry in zip(views, engine.slices[index].storage.entries)
-    ]
+    return engine.entry_tensors(index, views, as_leaves=True)
 
 
 class OffloadFunction(torch.autograd.Function):
