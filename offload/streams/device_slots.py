@@ -12,7 +12,7 @@ Note: [Device copies expire at the next forward]
     copy without bumping ``p._version``, so a device copy kept across steps could silently be
     stale. Within one forward/backward pair, backward itself checks the parameters' versions
     against the common mistake of an optimizer step between forward and backward (see
-    ``_check_versions``).
+    ``CallRecord.check_versions`` in ``offload/autograd/records.py``).
 
 Graphs that autograd keeps across slot reuse (the last slice's, or every slice's without
 activation checkpointing) must not hold slot memory: the slot may hold another slice when
@@ -241,7 +241,7 @@ class DeviceSlots:
 
     # -- buffers ---------------------------------------------------------------------------------
     # Buffers are the only device data that compute may change (running statistics, counters).
-    # See Note: [Buffers] in offload/autograd/function.py.
+    # See Note: [Buffers] in offload/walk.py.
 
     def buffer_region(self, index: int) -> torch.Tensor:
         """The device bytes holding the acquired slice ``index``'s buffers."""
