@@ -70,7 +70,8 @@ class OffloadFunction(torch.autograd.Function):
         joined = join_outputs([b.leaves for b in boundary], split.sizes)
         outputs = call.returning(joined, boundary[0].spec)
         output_requires = [any(b.requires[p] for b in boundary) for p in call.output_tensor_positions]
-        non_differentiable = [o for o, wanted in zip(outputs, output_requires) if not wanted or not is_differentiable(o)]
+        non_differentiable = [o for o, wanted in zip(outputs, output_requires)
+                              if not wanted or not is_differentiable(o)]
         if non_differentiable:
             ctx.mark_non_differentiable(*non_differentiable)
         ctx.run = CallRecord.of(engine, call, split, records, input_tensors)
