@@ -23,7 +23,6 @@ from .streams import (
     DeviceSlots,
     GradientOffloader,
     HostBufferPool,
-    OffloadTicket,
     SliceStorage,
     SliceUpdates,
     holder_of,
@@ -39,15 +38,66 @@ class Slice:
     layers: list[nn.Module]
     storage: SliceStorage
 
-    def modules(self) -> list[nn.Module]:
-        """Every module of the slice's layers, submodules included."""
-        return [module for layer in self.layers for module in layer.modules()]
-
     def run(self, inputs: Any) -> Any:
         # nn.Sequential semantics: each layer gets the previous layer's output as its one argument.
         for layer in self.layers:
             inputs = layer(inputs)
         return inputs
+
+    def modules(self) -> list[nn.Module]:
+        """Every module of the slice's layers, submodules included."""
+        return [module for layer in self.layers for module in layer.modules()]
+
+    def entry_tensors(self, views: Sequence[torch.Tensor], as_leaves: bool = False) -> list[torch.Tensor]:
+        """What the layers run with, one per storage entry: each parameter's device copy as an
+        ``nn.Parameter`` (a leaf that requires grad as the host copy does when ``as_leaves``, none
+        otherwise), each buffer's as it is.
+
+        Parameters, as in the plain model: a layer that takes its weight out of ``_parameters`` and
+        puts it back during forward (``register_parametrization`` / ``remove_parametrizations``, as
+        PEFT's LoRA on fused experts does) registers it again as a parameter, not as a buffer, and
+        code that checks ``isinstance(w, nn.Parameter)`` sees what it sees there.
+        """
+        return [
+            nn.Parameter(view, requires_grad=as_leaves and entry.tensor.requires_grad) if entry.is_parameter else view
+            for view, entry in zip(views, self.storage.entries)
+        ]
+
+    def bound(self, tensors: Sequence[torch.Tensor]) -> Binding:
+        """A context in which the layers see ``tensors`` (one per storage entry) in place of their
+        host copies (see Note: [Device copies while autograd runs a slice] in
+        ``offload/autograd/slice_graph.py``)."""
+        return Binding([entry.sites for entry in self.storage.entries], tensors)
+
+    def run_on_device(self, slots: DeviceSlots, tensors: Sequence[torch.Tensor], inputs: Any) -> SliceResult:
+        """Run the layers on ``inputs`` with ``tensors`` (one per storage entry, views of the
+        slice's slot or leaves over them) in place of the host copies. The slice must be acquired.
+        """
+        has_buffers = bool(self.storage.buffers)
+        written_before = slots.write_counter(self.index) if has_buffers else 0
+        sites = [entry.sites for entry in self.storage.entries]
+        with Binding(sites, tensors) as binding:
+            output = self.run(inputs)
+        # An output that aliases the slot (a layer returning a weight or a view of one) would change
+        # under the caller's feet when the slot is reused: give it memory of its own.
+        output = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) and slots.owns(t) else t, output)
+        for position, new_value in binding.reassigned:
+            target = tensors[position]
+            if new_value.shape != target.shape:
+                raise RuntimeError(
+                    f"a layer in slice {self.index} replaced buffer '{sites[position][0].name}' with a tensor of "
+                    f"shape {tuple(new_value.shape)} (was {tuple(target.shape)}); OffloadModel keeps buffers "
+                    "at a fixed size: update them in place instead"
+                )
+            with torch.no_grad():
+                target.copy_(new_value)
+        # Rule 1 of Note: [Buffers] in offload/walk.py.
+        changed = has_buffers and (
+            bool(binding.reassigned)
+            or slots.write_counter(self.index) != written_before
+            or self.storage.has_running_stats_in_training()
+        )
+        return SliceResult(output, changed)
 
 
 @dataclass
@@ -56,8 +106,8 @@ class SliceResult:
 
     Attributes:
         output: the slice's output.
-        buffers_changed: the run changed the slice's buffers on the device (see Note: [Buffers]
-            in ``offload/autograd/function.py``).
+        buffers_changed: the run changed the slice's buffers on the device (rule 1 of Note:
+            [Buffers] in ``offload/walk.py``).
     """
 
     output: Any
@@ -71,17 +121,13 @@ class Engine:
         groups: the layers of each slice, with their names.
         device: the compute device.
         host_device: where host copies live (``offload_device``).
-        synchronous_copies: force synchronous copies (see :class:`~offload.streams.CopyStreams`).
         compute_dtype: dtype of the device copies of floating-point parameters, or None.
     """
 
     def __init__(self, groups: Sequence[tuple[list[str], list[nn.Module]]], device: torch.device,
-                 host_device: torch.device, synchronous_copies: bool = False,
-                 compute_dtype: torch.dtype | None = None) -> None:
+                 host_device: torch.device, compute_dtype: torch.dtype | None = None) -> None:
         self.device = device
-        self.host_device = host_device
-        self.compute_dtype = compute_dtype
-        self.copies = CopyStreams(device, synchronous=synchronous_copies)
+        self.copies = CopyStreams(device)
         self.pin = self.copies.pins_host_memory and host_device.type == "cpu"
 
         def allocate(nbytes: int) -> torch.Tensor:
@@ -144,86 +190,6 @@ class Engine:
             held.update(id(e.tensor) for e in s.storage.held)
         _check_borrowed(self.slices)
         self._build_device_side()
-
-    def to_device(self, leaves: Sequence[Any]) -> list[Any]:
-        """The leaves with every tensor on the compute device, ready for compute."""
-        moved: list[Any] = []
-        for leaf in leaves:
-            if isinstance(leaf, torch.Tensor) and leaf.device != self.device:
-                tensor, ready = self.activations.load_host(leaf)
-                self.copies.wait_ready(ready)
-                moved.append(tensor)
-            else:
-                moved.append(leaf)
-        return moved
-
-    def entry_tensors(self, index: int, views: Sequence[torch.Tensor], as_leaves: bool = False) -> list[torch.Tensor]:
-        """What slice ``index``'s layers run with, one per storage entry: each parameter's device copy
-        as an ``nn.Parameter`` (a leaf that requires grad as the host copy does when ``as_leaves``,
-        none otherwise), each buffer's as it is.
-
-        Parameters, as in the plain model: a layer that takes its weight out of ``_parameters`` and
-        puts it back during forward (``register_parametrization`` / ``remove_parametrizations``, as
-        PEFT's LoRA on fused experts does) registers it again as a parameter, not as a buffer, and
-        code that checks ``isinstance(w, nn.Parameter)`` sees what it sees there.
-        """
-        return [
-            nn.Parameter(view, requires_grad=as_leaves and entry.tensor.requires_grad) if entry.is_parameter else view
-            for view, entry in zip(views, self.slices[index].storage.entries)
-        ]
-
-    def run_slice(self, index: int, tensors: Sequence[torch.Tensor], inputs: Any) -> SliceResult:
-        """Run slice ``index`` on ``inputs`` with ``tensors`` (one per storage entry) in place of the
-        host copies. The slice must be acquired.
-        """
-        s = self.slices[index]
-        has_buffers = bool(s.storage.buffers)
-        written_before = self.slots.write_counter(index) if has_buffers else 0
-        sites = [entry.sites for entry in s.storage.entries]
-        with Binding(sites, tensors) as binding:
-            output = s.run(inputs)
-        # An output that aliases the slot (a layer returning a weight or a view of one) would change
-        # under the caller's feet when the slot is reused: give it memory of its own.
-        output = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) and self.slots.owns(t) else t, output)
-        for position, new_value in binding.reassigned:
-            target = tensors[position]
-            if new_value.shape != target.shape:
-                raise RuntimeError(
-                    f"a layer in slice {index} replaced buffer '{sites[position][0].name}' with a tensor of "
-                    f"shape {tuple(new_value.shape)} (was {tuple(target.shape)}); OffloadModel keeps buffers "
-                    "at a fixed size: update them in place instead"
-                )
-            with torch.no_grad():
-                target.copy_(new_value)
-        changed = has_buffers and (
-            bool(binding.reassigned)
-            or self.slots.write_counter(index) != written_before
-            or s.storage.has_running_stats_in_training()
-        )
-        return SliceResult(output, changed)
-
-    def keep_buffers_of_failed_run(self, index: int) -> None:
-        """A forward failed inside slice ``index``: write its device buffers back as the run left
-        them, so the host holds what the plain model's layers leave behind after the same failure
-        (the layers before the failing one updated, the rest not). Slices before it were written
-        back already; slices after it never ran."""
-        if self.slices[index].storage.buffers:
-            # Issued only: the drain that follows every failure (rule 5 of [Copy ordering])
-            # completes it before the exception reaches the caller.
-            self.slots.write_back_buffers(index)
-
-    def bound(self, index: int, tensors: Sequence[torch.Tensor]) -> Binding:
-        """A context in which slice ``index``'s layers see ``tensors`` (one per entry) in place of
-        their host copies (see Note: [Device copies while autograd runs a slice])."""
-        return Binding([entry.sites for entry in self.slices[index].storage.entries], tensors)
-
-    def offload_buffers(self, index: int) -> tuple[torch.Tensor, OffloadTicket]:
-        """A host copy of the acquired slice's device buffers as they are now."""
-        return self.activations.offload(self.slots.buffer_region(index))
-
-    def snapshot_host_buffers(self, index: int) -> tuple[torch.Tensor, OffloadTicket]:
-        """A copy of slice ``index``'s host buffers as they are now, in a pooled buffer."""
-        return self.activations.copy_on_host(self.slices[index].storage.buffer_bytes())
 
 
 def _check_borrowed(slices: Sequence[Slice]) -> None:

@@ -1,8 +1,8 @@
 """Profiler labels that cost nothing when no profiler is running.
 
 ``torch.profiler.record_function`` enters and leaves the profiler's bookkeeping even when nobody
-records: about 15 µs per label on a CPU, and a walk labels every slice, microbatch and copy, so
-on small slices the labels alone took a noticeable share of a step. :func:`label` returns
+records, and a walk labels every slice, microbatch and copy, so on small slices the labels alone
+took a noticeable share of a step. :func:`label` returns
 PyTorch's own context manager while a profiler is active, and a no-op otherwise, so traces keep
 their ``offload::`` regions.
 """

@@ -1,9 +1,9 @@
 """Per-slice milestones of a walk, for concerns that are not autograd's.
 
-The forward and backward walks (``offload/autograd/function.py``) announce what happened to each
-slice; gradient reduction across processes, and anything else that has to act slice by slice,
-subscribes here instead of being written into the walks. A *token* identifies one forward and
-its backward (several may be in flight).
+The forward and backward walks announce what happened to each slice (``offload/autograd/function.py``
+and, for gradients, ``offload/autograd/gradients.py``); gradient reduction across processes, and
+anything else that has to act slice by slice, subscribes here instead of being written into the
+walks. A *token* identifies one forward and its backward (several may be in flight).
 
 - ``forward_started(token)``: a forward with autograd begins.
 - ``gradients_produced(token, index, grads)``: slice ``index``'s gradients are complete on the

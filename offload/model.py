@@ -12,10 +12,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import per_tensor_warning
-from .autograd import Call, OffloadFunction
+from .autograd import Call, OffloadFunction, flatten_input
 from .data_parallel import DataParallel
 from .engine import Engine
 from .slicing import layer_nbytes, partition
@@ -312,11 +311,7 @@ class OffloadModel(nn.Module):
         engine = self._engine
         engine.refresh()
         self._warn_microbatch_batchnorm()
-        leaves, spec = tree_flatten(args[0])
-        if self.compute_dtype is not None:
-            # Outside the Function, so autograd casts the input gradient back to the input's dtype.
-            leaves = [x.to(self.compute_dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-                      for x in leaves]
+        leaves, spec = flatten_input(args[0], self.compute_dtype)
         params = engine.parameters()
         needs_graph = torch.is_grad_enabled() and (
             any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves)
@@ -324,21 +319,15 @@ class OffloadModel(nn.Module):
         )
         if not needs_graph:
             return streamed_forward(engine, leaves, spec, self.num_microbatches)
-        positions = [k for k, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-        call = Call(spec, [None if isinstance(x, torch.Tensor) else x for x in leaves], positions)
+        call, input_tensors = Call.taking(leaves, spec)
         # Saved tensors are packed when apply returns: the identity hooks keep any hooks the caller
         # has active (save_on_cpu, say) away from them. They are already on the host or in pooled
         # buffers whose copies may still be in flight.
         with saved_tensors_hooks(_identity, _identity):
             outputs = OffloadFunction.apply(
-                engine, call, self.checkpoint_activation, self.num_microbatches,
-                *(leaves[k] for k in positions), *params,
+                engine, call, self.checkpoint_activation, self.num_microbatches, *input_tensors, *params,
             )
-        out_leaves = list(call.output_leaves)
-        for position, tensor in zip(call.output_tensor_positions, outputs):
-            out_leaves[position] = tensor
-        assert call.output_spec is not None
-        return tree_unflatten(out_leaves, call.output_spec)
+        return call.output_with(outputs)
 
     def _warn_microbatch_batchnorm(self) -> None:
         if self._warned_microbatch_batchnorm or self.num_microbatches == 1 or not self.training:
@@ -380,6 +369,13 @@ class OffloadModel(nn.Module):
 
 def _identity(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
+
+
+def engine_of(model: OffloadModel) -> Engine:
+    """The model's slices and copy machinery (internal: for ``OffloadOptimizer`` and the repository's
+    scripts, not part of the public API). Reading it waits for nothing, unlike the model's
+    submodules and parameters, which wait for pending host updates."""
+    return model.__dict__["_engine"]
 
 
 # -- argument checking ------------------------------------------------------------------------------

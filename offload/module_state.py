@@ -33,7 +33,8 @@ Note: [Attribute state]
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -150,3 +151,18 @@ class AttributeTracker:
 
     def start_of(self, microbatch: int) -> AttributeSnapshot | None:
         return self._starts[microbatch] if self.changed else None
+
+
+@contextlib.contextmanager
+def attributes_as_started(start: AttributeSnapshot | None, modules: Sequence[nn.Module]) -> Iterator[None]:
+    """Run the block with the layers' plain attributes as a forward run began with them (``start``;
+    ``None``: as they are), and put back afterwards what the block found (rule 3 of Note: [Attribute state])."""
+    if start is None:
+        yield
+        return
+    now = AttributeSnapshot(modules)
+    start.restore()
+    try:
+        yield
+    finally:
+        now.restore()

@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .model import OffloadModel
+from .model import OffloadModel, engine_of
+from .streams import Event
 from .streams.collectives import HostCollectives
 from .slice_update import HostUpdateError, InnerOptimizer, SliceStep, StateByProxy
 
@@ -123,7 +124,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        engine = self.model._engine
+        engine = engine_of(self.model)
         self._plan()
         hyper = [_snapshot(group) for group in self.param_groups]
         # GradScaler hands fused optimizers its scale and inf flag on the loss's device. The update
@@ -142,40 +143,41 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if self._collectives is not None:
                 self._submit_shard(step, hyper, grad_scale, found_inf)
                 continue
-            assert step.whole is not None
-            grads = [p.grad for p in step.whole.params]
-            if all(g is None for g in grads):
-                continue
-            if step.needs_bind():
-                engine.updates.wait(step.index)  # the proxies may still be in use by its last update
-                step.bind()
-            work = functools.partial(step.run, grads, hyper, grad_scale, found_inf)
-            engine.updates.submitted(step.index, engine.copies.submit(self._worker, work))
+            updated = self._submit_update(step, hyper, grad_scale, found_inf)
+            if updated is not None:
+                engine.updates.submitted(step.index, updated)
         for step in self._rest:
             step.bind()
             step.run([p.grad for p in step.whole.params], hyper, grad_scale, found_inf)
         return loss
 
+    def _submit_update(self, step: SliceStep, hyper: list[dict[str, Any]], grad_scale: torch.Tensor | None,
+                       found_inf: torch.Tensor | None) -> Event | None:
+        """Queue the update of the parameters ``step`` steps on the host worker; its event, or
+        ``None`` when none of them has a gradient."""
+        assert step.whole is not None
+        grads = [p.grad for p in step.whole.params]
+        if all(g is None for g in grads):
+            return None
+        engine = engine_of(self.model)
+        if step.needs_bind():
+            engine.updates.wait(step.index)  # the proxies may still be in use by its last update
+            step.bind()
+        work = functools.partial(step.run, grads, hyper, grad_scale, found_inf)
+        return engine.copies.submit(self._worker, work)
+
     def _submit_shard(self, step: SliceStep, hyper: list[dict[str, Any]], grad_scale: torch.Tensor | None,
                       found_inf: torch.Tensor | None) -> None:
         """Sharded: this rank updates the parameters it owns, then every rank takes each updated
         parameter from its owner; the next forward's load waits for that."""
-        engine = self.model._engine
+        engine = engine_of(self.model)
         collectives = self._collectives
         assert collectives is not None
         everyone, owners = self._shared[step.index]
         stepped = [(p, owner) for p, owner in zip(everyone, owners) if p.grad is not None]
         if not stepped:
             return
-        updated = None
-        if step.whole is not None:
-            grads = [p.grad for p in step.whole.params]
-            if any(g is not None for g in grads):
-                if step.needs_bind():
-                    engine.updates.wait(step.index)
-                    step.bind()
-                work = functools.partial(step.run, grads, hyper, grad_scale, found_inf)
-                updated = engine.copies.submit(self._worker, work)
+        updated = self._submit_update(step, hyper, grad_scale, found_inf) if step.whole is not None else None
         storage = step.storage
         then = None
         if storage is not None and storage.shadow is not None:
@@ -225,11 +227,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 "the sharded update shares parameters between the ranks' host memory, which NCCL cannot reduce: "
                 "pass process_group=torch.distributed.new_group(backend='gloo'), or shard=False to update "
                 "everything on every rank")
-        return HostCollectives(self.model._engine.copies, group)
+        return HostCollectives(engine_of(self.model).copies, group)
 
     def synchronize(self) -> None:
         """Block until every pending update is done; raise what an update raised."""
-        self.model._engine.updates.wait_all()
+        engine_of(self.model).updates.wait_all()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients, as ``torch.optim.Optimizer.zero_grad`` does.
@@ -261,7 +263,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     # -- the plan: which inner optimizer steps which parameters -----------------------------------
 
     def _plan(self) -> None:
-        engine = self.model._engine
+        engine = engine_of(self.model)
         key = (tuple(tuple(map(id, group["params"])) for group in self.param_groups),
                tuple(tuple(id(e.tensor) for e in s.storage.held) for s in engine.slices))
         if key == self._plan_key:

@@ -44,6 +44,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
 
 from offload import OffloadModel
+from offload.model import engine_of
 
 from benchmark import measure_bandwidth  # scripts/benchmark.py, next to this file
 
@@ -64,7 +65,7 @@ def minor_faults() -> int:
 def copy_seconds_per_step(offloaded: OffloadModel, step: Callable[[], None], steps: int) -> float:
     """Median time per step spent inside the copy engine's loads and offloads (the copies with
     their bookkeeping), measured by wrapping them on this model's engine only."""
-    copies = offloaded._engine.copies
+    copies = engine_of(offloaded).copies
     spent = [0.0]
 
     def timed(method: Callable) -> Callable:
@@ -125,7 +126,7 @@ def measure(args: argparse.Namespace, batch: int) -> dict:
     for _ in range(args.warmup):
         for step in variants.values():
             step()
-    traffic_before = offloaded._engine.traffic()
+    traffic_before = engine_of(offloaded).traffic()
     times: dict[str, list[float]] = {name: [] for name in variants}
     faults: dict[str, list[int]] = {name: [] for name in variants}
     names = list(variants)
@@ -137,12 +138,12 @@ def measure(args: argparse.Namespace, batch: int) -> dict:
             variants[name]()
             times[name].append(time.perf_counter() - start)
             faults[name].append(minor_faults() - faults_before)
-    copied = sum(after - before for after, before in zip(offloaded._engine.traffic(), traffic_before)) / args.steps
+    copied = sum(after - before for after, before in zip(engine_of(offloaded).traffic(), traffic_before)) / args.steps
     medians = {name: statistics.median(values) for name, values in times.items()}
     # Per-round ratios cancel slow drifts of the machine's speed that hit all variants alike.
     paired = statistics.median(o / c for o, c in zip(times["offload"], times["checkpoint"]))
     copying = copy_seconds_per_step(offloaded, variants["offload"], args.steps)
-    engine = offloaded._engine
+    engine = engine_of(offloaded)
     target = target_for(batch)
     ratio = medians["offload"] / medians["checkpoint"]
     return {

@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from offload import OffloadModel, OffloadOptimizer
+from offload.model import engine_of
 
 BYTES_PER_PARAMETER = 28  # AdamW: read p, g, m, v (16 B), write p, m, v (12 B), float32
 
@@ -203,7 +204,7 @@ def overlap(args: argparse.Namespace) -> dict[str, Any]:
     # How long the training thread is blocked by the update: in step() and in the next forward's
     # waits for each slice's update (SliceUpdates.wait).
     blocked = [0.0]
-    updates = model._engine.updates
+    updates = engine_of(model).updates
     wait = updates.wait
 
     def timed_wait(index: int) -> None:

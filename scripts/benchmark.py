@@ -62,6 +62,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import checkpoint_sequential
 
 from offload import OffloadModel, OffloadOptimizer
+from offload.model import engine_of
 from offload.presets import Preset, build_preset
 from offload.streams.host_storage import FLOAT32_LAYERS
 
@@ -211,7 +212,7 @@ def make_step(model: nn.Module, forward: Callable[[Any], Any], preset: Preset, b
     blocked = [0.0]
     if isinstance(model, OffloadModel):
         optimizer: torch.optim.Optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-5, fused=True)
-        updates = model._engine.updates
+        updates = engine_of(model).updates
         wait = updates.wait
 
         def timed_wait(index: int) -> None:
@@ -260,7 +261,7 @@ def memory_budget_terms(model: OffloadModel, boundary_bytes: int | None, slice_a
     (whole-batch logits for a language model, outside every slice); ``slack``: allocator rounding
     and library workspaces. The terms measured on the device are ``None`` elsewhere.
     """
-    engine = model._engine
+    engine = engine_of(model)
     largest_params = max(sum(e.tensor.numel() * e.tensor.element_size() for e in s.storage.params)
                          for s in engine.slices)
     return {
@@ -279,7 +280,7 @@ def slice_footprint(model: OffloadModel, batch: Any, device: torch.device) -> tu
     off a GPU, where device memory is not counted."""
     if device.type != "cuda":
         return None, None
-    engine = model._engine
+    engine = engine_of(model)
     index = max(range(engine.num_slices), key=lambda i: engine.slices[i].storage.host_nbytes)
     x = batch
     with torch.no_grad():
@@ -378,7 +379,7 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device, bandwid
         "interleaved steps, the other models' memory included); resident and fairscale: during the interleaved steps")
     runners: list[Runner] = []
     offload_runner = Runner("offload", make_step(offloaded, offloaded, preset, batch, target, device), offloaded,
-                            traffic=offloaded._engine.traffic)
+                            traffic=engine_of(offloaded).traffic)
 
     resident_model = in_compute_dtype(copy.deepcopy(preset.model), case.compute_dtype).to(device)
 
@@ -440,12 +441,13 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device, bandwid
             runner.times.clear()
             runner.model_times.clear()
             runner.peak = 0
-        traffic_before = offloaded._engine.traffic()
+        traffic_before = engine_of(offloaded).traffic()
         rss_before = psutil.Process().memory_info().rss
         for k in range(args.steps):
             for runner in runners[k % len(runners):] + runners[:k % len(runners)]:
                 timed_step(runner, device)
-        loaded, offloaded_bytes = (after - before for after, before in zip(offloaded._engine.traffic(), traffic_before))
+        traffic_after = engine_of(offloaded).traffic()
+        loaded, offloaded_bytes = (after - before for after, before in zip(traffic_after, traffic_before))
         rss_after = psutil.Process().memory_info().rss
         per_step = (loaded / args.steps, offloaded_bytes / args.steps)
         for runner in runners:

@@ -56,7 +56,7 @@ def autocast_cache_disabled() -> Iterator[None]:
     Autocast keeps the half-precision copy of every parameter it casts while the parameter
     requires grad, until the caller's outermost ``torch.autocast`` block ends. The checkpointed
     forward runs every slice on parameters that require grad (Note: [Boundary gradients] in
-    ``function.py``), so with the cache on, each slice's device copy of its weights in half
+    ``slice_graph.py``), so with the cache on, each slice's device copy of its weights in half
     precision would stay on the device until then: half the model, resident, which is what
     offloading avoids. Without the cache every use casts afresh, to the same values; that run
     keeps no graph, so how the casts would meet in backward does not matter there (the recompute,

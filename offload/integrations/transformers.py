@@ -19,7 +19,7 @@ mask, which each slice rebuilds with the model's own mask functions (once per ki
 because a ``B x 1 x T x T`` mask at every slice boundary would be checkpointed to the host once per
 slice; rotary tables (``T x head_dim``,
 one pair per layer type where the family has several) are small and computed once. None of them
-requires grad, exactly as in the model (Note: [Boundary gradients] in ``offload/autograd/function.py``).
+requires grad, exactly as in the model (Note: [Boundary gradients] in ``offload/autograd/slice_graph.py``).
 ``loss_targets`` is ``None`` unless the head computes the loss (Note: [Chunked loss]); then it is the
 shifted labels, an integer tensor that the decoder stages pass along untouched.
 

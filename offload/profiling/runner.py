@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import gc
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -52,34 +53,11 @@ def profile_modes(build: Callable[[], Preset], modes: Sequence[Mode], device: to
         ModeFailed: a mode raised an error other than out-of-memory.
     """
     device = torch.device(device)
-    if not modes:
-        raise ValueError("no modes to profile")
-    if steps < 1:
-        raise ValueError(f"steps must be at least 1, got {steps}")
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {optimizer!r}; choose from {', '.join(OPTIMIZERS)}")
-    for mode in modes:
-        empty_result(mode)  # an unknown kind fails here, before anything runs
+    _check_arguments(modes, steps, optimizer)
     cuda = device.type == "cuda"
     if cuda:
         device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
-    figures, unavailable = {}, {}
-    if cuda:
-        figures["device"] = f"torch.cuda allocator peaks on {device} ({torch.cuda.get_device_name(device)})"
-    else:
-        unavailable["device"] = f"device is {device.type}"
-        figures["device"] = f"unavailable ({unavailable['device']})"
-    nvml, figures["nvml"] = open_nvml(device)
-    if nvml is None:
-        unavailable["nvml"] = figures["nvml"]
-    figures["host_rss"] = f"psutil process RSS, sampled every {sample_interval_s * 1e3:g} ms and at phase boundaries"
-    if cuda:
-        figures["host_pinned"] = ("bytes of OffloadModel's pinned host buffers (parameters and their compute-dtype "
-                                  "copies, gradients, boundary activations)")
-    else:
-        unavailable["host_pinned"] = "host buffers are pinned only for a CUDA device"
-        figures["host_pinned"] = "not pinned (CPU device)"
-
+    nvml, figures, unavailable = _what_is_measured(device, sample_interval_s)
     report = progress or (lambda line: None)
     description: str | None = None
     runs: list[ModeResult] = []
@@ -111,6 +89,40 @@ def profile_modes(build: Callable[[], Preset], modes: Sequence[Mode], device: to
             nvml.close()
     return Profile(description or "model", str(device), batch_size or 0, steps, OPTIMIZERS[optimizer][0],
                    runs, list(sampler.samples), figures, unavailable)
+
+
+def _check_arguments(modes: Sequence[Mode], steps: int, optimizer: str) -> None:
+    if not modes:
+        raise ValueError("no modes to profile")
+    if steps < 1:
+        raise ValueError(f"steps must be at least 1, got {steps}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; choose from {', '.join(OPTIMIZERS)}")
+    for mode in modes:
+        empty_result(mode)  # an unknown kind fails here, before anything runs
+
+
+def _what_is_measured(device: torch.device, sample_interval_s: float) -> tuple[Any, dict[str, str], dict[str, str]]:
+    """The NVML reader (or ``None``), a line per figure group saying how it is measured, and a
+    line per group that cannot be measured here saying why."""
+    cuda = device.type == "cuda"
+    figures, unavailable = {}, {}
+    if cuda:
+        figures["device"] = f"torch.cuda allocator peaks on {device} ({torch.cuda.get_device_name(device)})"
+    else:
+        unavailable["device"] = f"device is {device.type}"
+        figures["device"] = f"unavailable ({unavailable['device']})"
+    nvml, figures["nvml"] = open_nvml(device)
+    if nvml is None:
+        unavailable["nvml"] = figures["nvml"]
+    figures["host_rss"] = f"psutil process RSS, sampled every {sample_interval_s * 1e3:g} ms and at phase boundaries"
+    if cuda:
+        figures["host_pinned"] = ("bytes of OffloadModel's pinned host buffers (parameters and their compute-dtype "
+                                  "copies, gradients, boundary activations)")
+    else:
+        unavailable["host_pinned"] = "host buffers are pinned only for a CUDA device"
+        figures["host_pinned"] = "not pinned (CPU device)"
+    return nvml, figures, unavailable
 
 
 def _out_of_memory(error: BaseException) -> bool:

@@ -47,7 +47,6 @@ class ActivationOffloader:
         self.copies = copies
         self.pool = pool
         self.offloaded_bytes = 0
-        self.loaded_bytes = 0
 
     def offload(self, tensor: torch.Tensor) -> tuple[torch.Tensor, OffloadTicket]:
         """Start copying ``tensor`` into a host buffer, as it is now: later compute may update it
@@ -111,5 +110,4 @@ class ActivationOffloader:
         ready = self.copies.load(device_tensor, host_tensor, after=(ticket.ready,), after_queued_compute=True,
                                  label="offload::load activation")
         ticket.buffer.read_event = ready
-        self.loaded_bytes += host_tensor.numel() * host_tensor.element_size()
         return device_tensor, ready

@@ -162,7 +162,7 @@ class DeviceCollectives:
         the means are there (``None`` when they are there on return)."""
         backend, stream = self.copies.backend, self.communication_stream
         with torch.no_grad():
-            # Each gradient's memory as one run (they are dense: see _unshared in autograd/function.py),
+            # Each gradient's memory as one run (they are dense: see _unshared in autograd/gradients.py),
             # whatever its layout.
             flats = [flat_alias(tensor) for tensor in tensors]
             if backend is None or stream is None:

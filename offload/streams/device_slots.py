@@ -12,7 +12,7 @@ Note: [Device copies expire at the next forward]
     copy without bumping ``p._version``, so a device copy kept across steps could silently be
     stale. Within one forward/backward pair, backward itself checks the parameters' versions
     against the common mistake of an optimizer step between forward and backward (see
-    ``_check_versions``).
+    ``CallRecord.check_versions`` in ``offload/autograd/records.py``).
 
 Graphs that autograd keeps across slot reuse (the last slice's, or every slice's without
 activation checkpointing) must not hold slot memory: the slot may hold another slice when
@@ -23,6 +23,7 @@ again, after the slice has been loaded back, when backward unpacks it.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,15 +38,23 @@ from .host_storage import SliceStorage, holder_of
 from .updates import SliceUpdates
 
 
+class SlotState(enum.Enum):
+    """What a slot's memory holds."""
+
+    EMPTY = enum.auto()  # nothing usable: never loaded, forgotten, or its last load raised
+    CURRENT = enum.auto()  # slice_index as loaded (once ``ready`` completes), unchanged since: no load needed
+    STALE = enum.auto()  # slice_index, but the host copy may have changed (a new forward) or the device copy did
+
+
 @dataclass
 class _Slot:
     data: torch.Tensor
-    slice_index: int | None = None
-    current: bool = False  # holds slice_index as loaded, unchanged since (see forget_contents)
+    slice_index: int | None = None  # None exactly when EMPTY
+    state: SlotState = SlotState.EMPTY
     ready: Event | None = None
     free: Event | None = None
     written_back: Event | None = None  # the write-back that reads this slot's buffers
-    in_use: bool = False
+    in_use: bool = False  # acquired: reserved for compute until released
     last_used: int = 0
     views: list[torch.Tensor] = field(default_factory=list)
     # Device copies of each slice this slot has held, made once: creating them costs more Python
@@ -130,7 +139,7 @@ class DeviceSlots:
     def prefetch(self, index: int) -> None:
         """Start loading slice ``index`` unless a slot already holds it, current."""
         slot = self._find(index)
-        if slot is not None and slot.current:
+        if slot is not None and slot.state is SlotState.CURRENT:
             return
         if slot is None:
             candidates = [s for s in self._slots if not s.in_use]
@@ -140,7 +149,7 @@ class DeviceSlots:
         elif slot.in_use:
             raise RuntimeError(f"internal error: slice {index} is stale while in use")
         storage = self.storages[index]
-        slot.slice_index = None  # if the copy below raises, the slot holds nothing usable
+        slot.slice_index, slot.state = None, SlotState.EMPTY  # if the copy below raises
         # A pending host update (an optimizer step) finishes the host copy, and maybe the shadow.
         self.updates.wait(index)
         if storage.shadow_stale():
@@ -156,8 +165,7 @@ class DeviceSlots:
         for entry in storage.borrowed:
             # Issued after the slice's own load on the same stream, so its event is the slot's.
             slot.ready = self._load_borrowed(slot, index, entry)
-        slot.slice_index = index
-        slot.current = True
+        slot.slice_index, slot.state = index, SlotState.CURRENT
         if index not in slot.view_cache:
             slot.view_cache[index] = storage.device_views(slot.data)
         slot.views = slot.view_cache[index]
@@ -208,8 +216,7 @@ class DeviceSlots:
         """Serve re-laid-out storages (that fit the slots) from now on; nothing loaded stays valid."""
         self.storages = storages
         for slot in self._slots:
-            slot.slice_index = None
-            slot.current = False
+            slot.slice_index, slot.state = None, SlotState.EMPTY
             slot.view_cache.clear()
 
     def forget_contents(self) -> None:
@@ -218,7 +225,8 @@ class DeviceSlots:
         A slice with a pending host update keeps its shadow as the update will leave it.
         """
         for slot in self._slots:
-            slot.current = False
+            if slot.state is SlotState.CURRENT:
+                slot.state = SlotState.STALE
         for index, storage in enumerate(self.storages):
             if not self.updates.is_pending(index):
                 storage.expire_shadow()
@@ -227,21 +235,20 @@ class DeviceSlots:
         """The device copy of slice ``index`` was modified (buffers restored or updated on the device)."""
         slot = self._find(index)
         if slot is not None:
-            slot.current = False
+            slot.state = SlotState.STALE
 
     def invalidate(self) -> None:
         """Forget every slot's content and reservation, after an exception interrupted a walk."""
         self.copies.drain()
         for slot in self._slots:
-            slot.slice_index = None
-            slot.current = False
+            slot.slice_index, slot.state = None, SlotState.EMPTY
             slot.in_use = False
             slot.free = self.copies.compute_done()
             slot.written_back = None
 
     # -- buffers ---------------------------------------------------------------------------------
     # Buffers are the only device data that compute may change (running statistics, counters).
-    # See Note: [Buffers] in offload/autograd/function.py.
+    # See Note: [Buffers] in offload/walk.py.
 
     def buffer_region(self, index: int) -> torch.Tensor:
         """The device bytes holding the acquired slice ``index``'s buffers."""

@@ -5,9 +5,8 @@ gradients are cast to float32 on the device, where the cast is nearly free, so t
 adopt the host views as float32 ``.grad`` as they are. Handing autograd half-precision host views
 instead makes it cast them on the CPU, into a freshly allocated float32 tensor, at the end of
 every backward. The price is twice the gradient bytes on the device-to-host direction, which
-otherwise carries less than the loads do. (On H100 machines the 0.8 GiB bfloat16 benchmark's
-forward and backward went from 176 ms to 87 ms with this change, but the two figures come from
-different machines, whose speeds differed by up to a third: see the H100 results' notes.)
+otherwise carries less than the loads do (run 3 in ``benchmarks/results/h100-2026-11-22/README.md``
+measured the change).
 
 With one microbatch, the gradients autograd produced are offloaded as they are. With several,
 they are summed into one of two persistent device gradient buffers and leave for the host in a

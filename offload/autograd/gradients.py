@@ -1,0 +1,198 @@
+"""The gradients of one backward: which ones it must produce, and each slice's gradients on their
+way from its graphs to the host, with the milestones between (``offload/milestones.py``).
+
+Note: [Gradients through autograd]
+    The host parameters are inputs of the Function and backward returns their gradients, on the
+    host. Autograd itself then runs hooks, accumulates into ``.grad`` (or hands the gradients to
+    ``torch.autograd.grad``), so every PyTorch semantic holds: accumulation across backwards,
+    ``retain_graph``, ``inputs=``, hooks firing once. Everything a backward needs is saved with
+    ``ctx.save_for_backward`` or released by backward itself, so autograd frees it with the graph
+    and a second backward without ``retain_graph`` fails exactly as in PyTorch. Double backward
+    (``create_graph=True``) is refused with an error: the recompute's graph is not differentiable
+    twice.
+
+Note: [A slice's gradients on their way]
+    For each slice the backward walk visits, in order:
+
+    1. *begin*: if this backward needs any of the slice's parameter gradients, the copy engine
+       starts collecting them (``GradientOffloader.begin``);
+    2. *add*: each microbatch's gradients, taken from its graph, are added (summed on the device
+       from the second microbatch on), each in dense memory of its own (:func:`_unshared`);
+    3. *produced*: after the slice's last microbatch, subscribers see the device sums
+       (``gradients_produced``) and may rewrite them in place (a device average);
+    4. *offload*, then *leaving*: the copy to the host starts, and subscribers see it in flight
+       (``gradients_leaving``) while backward goes on with the slices before;
+    5. *landed*: after the walk's last slice, every slice's gradients are waited for on the host
+       (``gradients_landed``), and handed to autograd as the parameters' gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..microbatch import join_input_grads, split_like
+from ..streams import PendingGradients, SliceGradients
+from ..streams.host_storage import flat_alias
+from .records import CallRecord
+
+
+def retain_graph_requested() -> bool:
+    """Whether the running backward was called with ``retain_graph=True``."""
+    getter = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if getter is None else bool(getter())
+
+
+def _needed_grads(ctx: Any, count: int) -> list[bool]:
+    """Per tensor argument of forward, whether this backward must produce its gradient.
+
+    ``ctx.needs_input_grad`` says what requires grad; the engine knows what this particular
+    backward asks for (``inputs=`` or ``torch.autograd.grad``). Where it cannot tell, assume needed.
+    """
+    requires = list(ctx.needs_input_grad[4:4 + count])
+    edges = list(ctx.next_functions)
+    will_execute = getattr(torch._C, "_will_engine_execute_node", None)
+    needed = []
+    for k, required in enumerate(requires):
+        if not required:
+            needed.append(False)
+            continue
+        node = edges[k][0] if k < len(edges) else None
+        if node is None or will_execute is None:
+            needed.append(True)
+            continue
+        try:
+            needed.append(bool(will_execute(node)))
+        except RuntimeError:
+            needed.append(True)
+    return needed
+
+
+def split_output_grads(run: CallRecord, grad_outputs: Sequence[torch.Tensor | None]) -> list[list[Any]]:
+    """The gradients of the Function's outputs, per microbatch, aligned with the last slice's output leaves."""
+    call = run.call
+    per_position: dict[int, list[torch.Tensor | None]] = {}
+    for position, grad in zip(call.output_tensor_positions, grad_outputs):
+        per_position[position] = split_like(grad, run.split.sizes)
+    num_leaves = len(call.output_leaves)
+    return [[per_position[p][m] if p in per_position else None for p in range(num_leaves)]
+            for m in range(run.split.count)]
+
+
+class BackwardGradients:
+    """Which gradients one backward produces, and the journey of each slice's to the host
+    (Note: [A slice's gradients on their way]).
+
+    Args:
+        ctx: the Function's context (what this backward asks for).
+        run: the forward's record.
+    """
+
+    def __init__(self, ctx: Any, run: CallRecord) -> None:
+        # - What this backward must produce
+        self.run = run
+        engine = run.engine
+        num_inputs = len(run.input_meta)
+        sizes = [len(s.storage.params) for s in engine.slices]
+        needed = _needed_grads(ctx, num_inputs + sum(sizes))
+        self.inputs_needed = needed[:num_inputs]
+        self.per_slice_needed: list[list[bool]] = []
+        offset = num_inputs
+        for size in sizes:
+            self.per_slice_needed.append(needed[offset:offset + size])
+            offset += size
+        #: The lowest slice backward must reach: 0 for input gradients, else the first slice with
+        #: a needed parameter gradient (the number of slices if there is none).
+        self.lowest = 0 if any(self.inputs_needed) else next(
+            (i for i, flags in enumerate(self.per_slice_needed) if any(flags)), engine.num_slices)
+        # - Gradients on their way
+        self._slice: SliceGradients | None = None  # the current slice's, while its microbatches run
+        self._pending: list[tuple[int, PendingGradients]] = []
+
+    def wants_input_grads(self, i: int) -> bool:
+        """Whether slice ``i``'s graphs must give gradients for their boundary inputs."""
+        return i > self.lowest or (i == 0 and any(self.inputs_needed))
+
+    def begin(self, i: int) -> None:
+        engine = self.run.engine
+        needed = self.per_slice_needed[i]
+        self._slice = engine.gradients.begin(engine.slices[i].storage.params, needed) if any(needed) else None
+
+    def add(self, param_grads: Sequence[torch.Tensor | None], others: Sequence[Any]) -> None:
+        """One microbatch's parameter gradients; ``others`` are the tensors they must not share memory with."""
+        if self._slice is not None:
+            self._slice.add(_unshared(param_grads, others))
+
+    def leave(self, i: int) -> None:
+        """Slice ``i``'s microbatches are done: its gradients leave for the host."""
+        if self._slice is None:
+            return
+        engine, token = self.run.engine, self.run.call
+        engine.milestones.gradients_produced(token, i, self._slice)
+        pending = engine.gradients.offload(self._slice, label=f"offload::offload gradients slice {i}")
+        self._pending.append((i, pending))
+        engine.milestones.gradients_leaving(token, i, pending)
+        self._slice = None
+
+    def land(self) -> None:
+        """Every slice's gradients on the host: the optimizer reads them next, and may overwrite
+        the host copies the loads read."""
+        engine = self.run.engine
+        engine.gradients.finish([p for _, p in self._pending])
+        engine.milestones.gradients_landed(self.run.call, dict(self._pending))
+
+    def results(self, grad_in: list[list[torch.Tensor | None]] | None) -> list[torch.Tensor | None]:
+        """The gradients backward returns for the Function's tensor arguments (inputs, then
+        parameters), given the lowest slice's boundary input gradients when it is slice 0."""
+        engine = self.run.engine
+        starts = [0]
+        for s in engine.slices:
+            starts.append(starts[-1] + len(s.storage.params))
+        param_results: list[torch.Tensor | None] = [None] * starts[-1]
+        for i, grads in self._pending:
+            for j, g in enumerate(grads.host_views):
+                param_results[starts[i] + j] = g
+        return [*self._input_grads(grad_in if self.lowest == 0 else None), *param_results]
+
+    def _input_grads(self, grad_in: list[list[torch.Tensor | None]] | None) -> list[torch.Tensor | None]:
+        """Gradients of the model's input tensors, joined over microbatches, on each input's device."""
+        run = self.run
+        results: list[torch.Tensor | None] = []
+        for k, position in enumerate(run.call.tensor_positions):
+            if grad_in is None or not self.inputs_needed[k]:
+                results.append(None)
+                continue
+            per_mb = [grad_in[m][position] if grad_in[m] else None for m in range(run.split.count)]
+            shape, dtype, device = run.input_meta[k]
+            grad = join_input_grads(per_mb, run.split.sizes, run.split.carries_batch[position], shape[1:], dtype)
+            if grad is not None and grad.device != device:
+                grad = run.engine.copies.to_host(grad, device)
+            results.append(grad)
+        return results
+
+
+def _unshared(param_grads: Sequence[torch.Tensor | None], others: Sequence[Any]) -> list[torch.Tensor | None]:
+    """The parameter gradients, each in dense memory of its own.
+
+    Autograd may return one tensor as several gradients: ``x + p`` with equal shapes gives ``p``,
+    ``x`` and the upstream gradient the same tensor, and the input's gradient goes on to the previous
+    slice. A milestone subscriber may rewrite a slice's gradients in place (the device average
+    does), which must reach neither the previous slice nor a second parameter, so a gradient that
+    shares memory with another is copied; usually none does, and nothing is copied. For the same
+    rewrite, and for collectives, which take a gradient's memory as one run, a gradient that is not
+    dense is made so: ``p.sum()`` gives ``p`` an expanded gradient, one element seen through
+    stride 0. A dense one in another layout (a ``channels_last`` weight's) stays as it is.
+    """
+    taken = {t.untyped_storage().data_ptr() for t in others if isinstance(t, torch.Tensor)}
+    unshared: list[torch.Tensor | None] = []
+    for g in param_grads:
+        if g is not None:
+            pointer = g.untyped_storage().data_ptr()
+            if pointer in taken or flat_alias(g) is None:
+                g = g.clone(memory_format=torch.contiguous_format)
+            else:
+                taken.add(pointer)
+        unshared.append(g)
+    return unshared

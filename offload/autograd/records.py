@@ -1,0 +1,291 @@
+"""What one forward leaves for its backward: per slice and microbatch, a checkpoint or a kept graph.
+
+Vocabulary as in Note: [Glossary] (``offload/__init__.py``).
+
+Note: [Checkpoints and kept graphs]
+    For every slice ``i`` and microbatch ``m``, forward leaves one of two records for backward:
+
+    - a *checkpoint*: the slice's boundary activation (offloaded to the host), the CPU and device
+      generator states just before the slice ran, and, if the run changed the slice's buffers,
+      the buffers as they were before it (rule 3 of Note: [Buffers] in ``offload/walk.py``).
+      Backward loads the boundary activation and re-runs the slice under the same generator and
+      autocast state, so dropout draws the same masks.
+    - a *kept graph*: the slice ran with grad enabled in forward and autograd's graph is kept.
+
+    With ``checkpoint_activation=True`` only the last microbatch of the last slice is a kept
+    graph: it is the first thing backward needs, so it is neither reloaded nor recomputed. With
+    ``checkpoint_activation=False`` every record is a kept graph and activations stay on the
+    device. Kept graphs save slot memory only as slot references (see
+    ``offload/streams/device_slots.py``), so slots can be reused while they wait.
+
+    Records hold indices into the tensors the call saves with ``ctx.save_for_backward``, never the
+    tensors themselves, so autograd frees them with the graph (Note: [Gradients through autograd]
+    in ``offload/autograd/gradients.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import TreeSpec
+
+from ..engine import Engine
+from ..microbatch import Split
+from ..streams import DeviceSlots, Event, OffloadTicket
+from ..module_state import AttributeSnapshot, AttributeTracker
+from .call import Call
+from .replay import AutocastState, capture_rng
+
+
+@dataclass
+class SavedLeaf:
+    """A boundary leaf in a checkpoint: a saved tensor (``stash``) with its offload ticket, or a value."""
+
+    stash: int | None = None
+    ticket: OffloadTicket | None = None
+    value: Any = None
+
+
+@dataclass
+class Checkpoint:
+    """A checkpointed run: what its recompute starts from."""
+
+    inputs: list[SavedLeaf]
+    spec: TreeSpec
+    requires: list[bool]  # per input leaf: whether it required grad in forward (Note: [Boundary gradients])
+    cpu_rng: int = -1
+    device_rng: int | None = None
+    buffers: tuple[int, OffloadTicket] | None = None  # saved tensor of the buffers before the run
+    # The layers' plain attributes before the run, where some run of the slice changed them
+    # (Note: [Attribute state] in offload/module_state.py).
+    attributes: AttributeSnapshot | None = None
+
+    def rng_states(self, saved: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The CPU and device generator states the run started from."""
+        return saved[self.cpu_rng], saved[self.device_rng] if self.device_rng is not None else None
+
+    def restore_buffers(self, slots: DeviceSlots, index: int, saved: Sequence[torch.Tensor]) -> bool:
+        """Put the buffers back on the device as the run found them; whether there was anything to restore."""
+        if self.buffers is None:
+            return False
+        stash_index, ticket = self.buffers
+        slots.restore_buffers(index, saved[stash_index], ticket)
+        return True
+
+
+@dataclass
+class KeptGraph:
+    """A run whose graph autograd keeps until backward.
+
+    The graph's outputs (with their grad_fn) and parameter leaves are held here rather than saved:
+    a saved output shares its version counter with the tensor returned to the caller, which may
+    update it in place as freely as the plain model's output; the leaves are slot tensors whose
+    values are read through slot references. Backward releases both.
+    """
+
+    outputs: list[torch.Tensor | None]
+    inputs: list[int | None]  # saved tensors: the detached boundary leaves
+    params: list[torch.Tensor]
+
+    def saved_inputs(self, saved: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+        return [saved[k] if k is not None else None for k in self.inputs]
+
+
+Record = Checkpoint | KeptGraph
+
+
+class ForwardRecords:
+    """The records of one call, per slice and microbatch, and the tensors saved for them.
+
+    Forward writes them; :meth:`saved_for_backward` then hands the saved tensors to autograd, and
+    backward reads them back through the tensors autograd returns.
+
+    Args:
+        engine: the model's slices and copy machinery.
+        count: microbatches in the call.
+        checkpoint: ``checkpoint_activation`` (Note: [Checkpoints and kept graphs]).
+    """
+
+    def __init__(self, engine: Engine, count: int, checkpoint: bool) -> None:
+        self.engine = engine
+        self.count = count
+        self.checkpoint = checkpoint
+        self.grid: list[list[Record | None]] = [[None] * count for _ in range(engine.num_slices)]
+        # Always one tensor, so that a second backward without retain_graph meets autograd's own
+        # "freed" error even when nothing else was saved.
+        self._saved: list[torch.Tensor] | None = [torch.empty(0)]
+        # The running slice's buffers as its next run finds them, or None where that is the host
+        # copy (rule 3 of Note: [Buffers]).
+        self._buffers_before_run: tuple[int, OffloadTicket] | None = None
+        # The running slice's plain attributes per run; only recomputes need them.
+        self._attributes: AttributeTracker | None = None
+
+    def keeps_graph(self, i: int, m: int) -> bool:
+        return not self.checkpoint or (i == self.engine.num_slices - 1 and m == self.count - 1)
+
+    # -- forward: writing ------------------------------------------------------------------------
+
+    def _save(self, tensor: torch.Tensor) -> int:
+        assert self._saved is not None, "records are written in forward only"
+        self._saved.append(tensor)
+        return len(self._saved) - 1
+
+    def checkpoint_boundary(self, i: int, m: int, leaves: Sequence[Any], spec: TreeSpec,
+                            requires: list[bool]) -> None:
+        """Keep what enters slice ``i`` on microbatch ``m`` if that run is checkpointed."""
+        if i < self.engine.num_slices and not self.keeps_graph(i, m):
+            self.grid[i][m] = Checkpoint([self._saved_leaf(x) for x in leaves], spec, requires)
+
+    def _saved_leaf(self, leaf: Any) -> SavedLeaf:
+        """A boundary leaf for the recompute: tensors on the compute device go to the host."""
+        if not isinstance(leaf, torch.Tensor):
+            return SavedLeaf(value=leaf)
+        if leaf.device != self.engine.device:
+            return SavedLeaf(stash=self._save(leaf))
+        host, ticket = self.engine.activations.offload(leaf)
+        return SavedLeaf(stash=self._save(host), ticket=ticket)
+
+    def keep_graph(self, i: int, m: int, outputs: Sequence[Any], graph_leaves: Sequence[Any],
+                   params: list[torch.Tensor]) -> None:
+        self.grid[i][m] = KeptGraph(
+            outputs=[o if isinstance(o, torch.Tensor) else None for o in outputs],
+            inputs=[self._save(x) if isinstance(x, torch.Tensor) else None for x in graph_leaves],
+            params=params,
+        )
+
+    def save_rng(self, i: int, m: int) -> None:
+        """Keep the generator states checkpointed run ``(i, m)`` starts from."""
+        record = self.grid[i][m]
+        assert isinstance(record, Checkpoint)
+        cpu_state, device_state = capture_rng(self.engine.device)
+        record.cpu_rng = self._save(cpu_state)
+        record.device_rng = self._save(device_state) if device_state is not None else None
+
+    def start_slice(self, i: int) -> None:
+        """A slice's first run finds its buffers as the host copy holds them."""
+        self._buffers_before_run = None
+        self._attributes = AttributeTracker(self.engine.slices[i].modules()) if self.checkpoint else None
+
+    def attributes_before_run(self, m: int) -> None:
+        if self._attributes is not None:
+            self._attributes.before_run(m)
+
+    def attributes_after_run(self, i: int, m: int) -> None:
+        """After every run, kept graphs included (a later run's change must not reach an earlier
+        checkpoint's recompute): once any run of the slice changed the layers' plain attributes,
+        every checkpoint of the slice so far keeps those it started from."""
+        tracker = self._attributes
+        if tracker is None:
+            return
+        tracker.after_run()
+        if tracker.changed:
+            for k in range(m + 1):
+                record = self.grid[i][k]
+                if isinstance(record, Checkpoint):
+                    record.attributes = tracker.start_of(k)
+
+    def buffers_changed_by(self, i: int, m: int) -> None:
+        """Checkpointed run ``(i, m)`` changed the buffers: keep them as it found them."""
+        record = self.grid[i][m]
+        assert isinstance(record, Checkpoint)
+        if self._buffers_before_run is None:
+            host, ticket = self.engine.activations.copy_on_host(self.engine.slices[i].storage.buffer_bytes())
+            self._buffers_before_run = (self._save(host), ticket)
+        record.buffers = self._buffers_before_run
+
+    def after_changing_run(self, i: int, m: int) -> None:
+        """Run ``(i, m)`` changed the buffers: if the next run is checkpointed, keep them as they are now."""
+        if m + 1 < self.count and not self.keeps_graph(i, m + 1):
+            host, ticket = self.engine.activations.offload(self.engine.slots.buffer_region(i))
+            self._buffers_before_run = (self._save(host), ticket)
+
+    def saved_for_backward(self) -> list[torch.Tensor]:
+        """The saved tensors, for ``ctx.save_for_backward``; the records no longer hold them."""
+        saved, self._saved = self._saved, None
+        assert saved is not None
+        return saved
+
+    # -- backward: reading -----------------------------------------------------------------------
+
+    def take(self, i: int, m: int, retain_graph: bool) -> Record:
+        """Run ``(i, m)``'s record; a kept graph is let go unless the graph is retained."""
+        record = self.grid[i][m]
+        if record is None:
+            raise RuntimeError("internal error: backward reached a record that was already released")
+        if isinstance(record, KeptGraph) and not retain_graph:
+            self.grid[i][m] = None
+        return record
+
+
+class BoundaryLoader:
+    """Loads checkpointed boundary activations to the device one step ahead of their recompute."""
+
+    def __init__(self, engine: Engine, records: ForwardRecords, saved: Sequence[torch.Tensor]) -> None:
+        self.engine = engine
+        self.records = records
+        self.saved = saved
+        self._loaded: dict[tuple[int, int], tuple[list[Any], list[Event | None]]] = {}
+
+    def prefetch(self, i: int, m: int) -> None:
+        record = self.records.grid[i][m]
+        if not isinstance(record, Checkpoint) or (i, m) in self._loaded:
+            return
+        leaves: list[Any] = []
+        events: list[Event | None] = []
+        for leaf in record.inputs:
+            if leaf.stash is None:
+                leaves.append(leaf.value)
+                continue
+            host = self.saved[leaf.stash]
+            if leaf.ticket is not None:
+                tensor, ready = self.engine.activations.load(leaf.ticket, host)
+            elif host.device != self.engine.device:
+                tensor, ready = self.engine.activations.load_host(host)
+            else:
+                tensor, ready = host, None
+            leaves.append(tensor)
+            events.append(ready)
+        self._loaded[(i, m)] = (leaves, events)
+
+    def take(self, i: int, m: int) -> list[Any]:
+        self.prefetch(i, m)
+        leaves, events = self._loaded.pop((i, m))
+        for event in events:
+            self.engine.copies.wait_ready(event)
+        return leaves
+
+
+@dataclass
+class CallRecord:
+    """Everything backward needs from its forward except the saved tensors (held by ``ctx``)."""
+
+    engine: Engine
+    call: Call
+    split: Split
+    records: ForwardRecords
+    param_versions: list[tuple[int, ...]]
+    autocast: AutocastState
+    input_meta: list[tuple[torch.Size, torch.dtype, torch.device]]  # per input tensor
+
+    @classmethod
+    def of(cls, engine: Engine, call: Call, split: Split, records: ForwardRecords,
+           input_tensors: Sequence[torch.Tensor]) -> CallRecord:
+        """The record of a forward that just ran."""
+        return cls(engine, call, split, records,
+                   param_versions=[s.storage.param_versions() for s in engine.slices],
+                   autocast=AutocastState.capture(engine.device),
+                   input_meta=[(t.shape, t.dtype, t.device) for t in input_tensors])
+
+    def check_versions(self) -> None:
+        """Refuse a backward after the parameters changed in place since forward."""
+        for s, recorded in zip(self.engine.slices, self.param_versions):
+            if s.storage.param_versions() != recorded:
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by an inplace "
+                    f"operation: a parameter of slice {s.index} ({', '.join(s.names)}) changed between forward "
+                    "and backward (for example optimizer.step() before backward). Run backward before updating "
+                    "parameters."
+                )

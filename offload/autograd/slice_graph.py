@@ -1,0 +1,286 @@
+"""Running one slice on one microbatch as autograd must see it: in forward (a graph kept, or a
+checkpointed run that keeps nothing) and in backward (the graph kept, or rebuilt by a recompute,
+then differentiated).
+
+The walk (``offload/walk.py``) has put the slice on the device; the records
+(``offload/autograd/records.py``) hold what forward left for backward.
+
+Note: [Boundary gradients]
+    Every tensor that crosses a slice boundary requires grad exactly when it does in the plain
+    model: an attention mask computed from token ids, or rotary tables carried beside the hidden
+    states, do not. Kernels look at the flag (``scaled_dot_product_attention`` picks its
+    implementation by it), so a different flag means different bits, and a flag set without need
+    makes every slice compute a gradient nobody uses. Forward therefore runs every slice with grad
+    enabled, as the plain model does, and learns each output's flag from autograd itself; a
+    checkpointed run saves nothing (its graph is dropped as soon as the flags are read), so its
+    activations are freed as under ``no_grad``. The flags travel with the boundary: the next
+    slice's leaves, the checkpoint's recompute (even where backward wants no gradient for an
+    input, so that it takes the forward's kernels), and the Function's outputs (one that requires
+    no grad in the plain model is marked non-differentiable).
+
+Note: [Leaves enter through a copy]
+    A slice's graph starts from leaves (the boundary activations, detached); each leaf that needs a
+    gradient enters the slice through a copy, so a first layer that works in place on its input
+    (``ReLU(inplace=True)``) behaves as in the plain model, where its input is not a leaf.
+
+Note: [Device copies while autograd runs a slice]
+    A layer may run part of its own forward again while autograd differentiates it: a
+    ``torch.utils.checkpoint`` inside the layer, or a Hugging Face model with gradient
+    checkpointing enabled, recomputes during the slice's backward. The layers must see the device
+    copies then too, not the host copies that are bound again between runs; so the slice's
+    tensors are bound (``Slice.bound``) for as long as autograd runs the slice's graph, a kept
+    graph's parameter leaves pointed at the slot that holds the slice at that time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+
+from ..engine import Engine
+from ..module_state import attributes_as_started
+from .records import BoundaryLoader, Checkpoint, ForwardRecords, KeptGraph
+from .recompute_state import recomputing
+from .replay import AutocastState, autocast_cache_disabled, replaying_rng
+
+
+@dataclass
+class Boundary:
+    """What crosses into a slice on one microbatch: flattened leaves, on the device, with what each
+    requires (Note: [Boundary gradients])."""
+
+    leaves: list[Any]
+    spec: TreeSpec
+    requires: list[bool]
+
+
+def is_differentiable(tensor: torch.Tensor) -> bool:
+    return tensor.is_floating_point() or tensor.is_complex()
+
+
+def requires_grad(leaves: Sequence[Any]) -> list[bool]:
+    return [isinstance(x, torch.Tensor) and x.requires_grad for x in leaves]
+
+
+def _discard(tensor: torch.Tensor) -> None:
+    return None
+
+
+def _never_unpacked(packed: None) -> torch.Tensor:
+    raise RuntimeError("internal error: a checkpointed forward's graph was differentiated")
+
+
+def _saving_nothing() -> torch.autograd.graph.saved_tensors_hooks:
+    """Hooks under which a graph saves nothing: a checkpointed forward builds one only to learn
+    what its outputs require, so its activations are freed as soon as they are used, as under
+    ``no_grad``. Innermost hooks win, so the caller's hooks (``save_on_cpu``) see nothing either."""
+    return torch.autograd.graph.saved_tensors_hooks(_discard, _never_unpacked)
+
+
+def _graph_inputs(leaves: Sequence[Any], requires: Sequence[bool]) -> tuple[list[Any], list[Any]]:
+    """Leaves to differentiate with respect to, and what the slice receives in their place
+    (call with grad enabled: the copies must be part of the graph; Note: [Leaves enter through a copy])."""
+    graph_leaves: list[Any] = []
+    fed: list[Any] = []
+    for leaf, wants in zip(leaves, requires):
+        if not isinstance(leaf, torch.Tensor):
+            graph_leaves.append(leaf)
+            fed.append(leaf)
+            continue
+        detached = leaf.detach().requires_grad_(wants and is_differentiable(leaf))
+        graph_leaves.append(detached)
+        fed.append(detached.clone() if detached.requires_grad else detached)
+    return graph_leaves, fed
+
+
+def _param_leaves(views: Sequence[torch.Tensor], engine: Engine, index: int) -> list[torch.Tensor]:
+    """What a graph of slice ``index`` runs with: parameter leaves over the device copies, buffers as they are."""
+    return engine.slices[index].entry_tensors(views, as_leaves=True)
+
+
+def _params_among(entry_tensors: Sequence[torch.Tensor], engine: Engine, index: int) -> list[torch.Tensor]:
+    return [t for t, e in zip(entry_tensors, engine.slices[index].storage.entries) if e.is_parameter]
+
+
+# -- forward ----------------------------------------------------------------------------------------
+
+
+def run_forward(engine: Engine, records: ForwardRecords, i: int, m: int, views: Sequence[torch.Tensor],
+                entering: Boundary) -> tuple[Boundary, bool]:
+    """Run slice ``i`` on microbatch ``m`` in forward, leaving its record.
+
+    Returns what leaves the slice (outputs detached) and whether the run changed its buffers.
+    """
+    s = engine.slices[i]
+    records.attributes_before_run(m)
+    if records.keeps_graph(i, m):
+        with torch.enable_grad(), engine.slots.saved_tensors_hooks():
+            graph_leaves, fed = _graph_inputs(entering.leaves, entering.requires)
+            entry_tensors = _param_leaves(views, engine, i)
+            result = s.run_on_device(engine.slots, entry_tensors, tree_unflatten(fed, entering.spec))
+        out_leaves, out_spec = tree_flatten(result.output)
+        records.keep_graph(i, m, out_leaves, graph_leaves, _params_among(entry_tensors, engine, i))
+    else:
+        records.save_rng(i, m)
+        # With grad enabled, as in the plain model, so that every output requires grad exactly as
+        # there and kernels that look at it choose alike; nothing is saved (Note: [Boundary gradients]).
+        with torch.enable_grad(), _saving_nothing(), autocast_cache_disabled():
+            _, fed = _graph_inputs(entering.leaves, entering.requires)
+            result = s.run_on_device(engine.slots, _param_leaves(views, engine, i),
+                                     tree_unflatten(fed, entering.spec))
+            del fed
+        if result.buffers_changed:
+            records.buffers_changed_by(i, m)
+        out_leaves, out_spec = tree_flatten(result.output)
+    records.attributes_after_run(i, m)
+    out_requires = requires_grad(out_leaves)
+    out_leaves = [o.detach() if isinstance(o, torch.Tensor) else o for o in out_leaves]
+    # The caller drops the result here, which frees a checkpointed run's graph right away.
+    return Boundary(out_leaves, out_spec, out_requires), result.buffers_changed
+
+
+# -- backward ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class SliceGraph:
+    """One slice-microbatch graph, ready to differentiate.
+
+    Attributes:
+        outputs: the graph's outputs, flattened.
+        inputs: its boundary leaves (those that need a gradient require grad).
+        params: its parameter leaves, over the slice's device copy.
+        entry_tensors: every storage entry's tensor it runs with (Note: [Device copies while
+            autograd runs a slice]).
+        retain: whether differentiating keeps the graph (a kept graph under ``retain_graph``).
+        restored_buffers: a recompute loaded the buffers forward's run found over the slice's
+            (rule 4 of Note: [Buffers] in ``offload/walk.py``).
+    """
+
+    outputs: list[Any]
+    inputs: list[Any]
+    params: list[torch.Tensor]
+    entry_tensors: list[torch.Tensor]
+    retain: bool
+    restored_buffers: bool = False
+
+
+def graph_of(engine: Engine, record: Checkpoint | KeptGraph, autocast: AutocastState,
+             saved: Sequence[torch.Tensor], loader: BoundaryLoader, i: int, m: int,
+             views: Sequence[torch.Tensor], retain_graph: bool) -> SliceGraph:
+    """The graph of slice ``i`` on microbatch ``m``: the one forward kept, or a recompute."""
+    if isinstance(record, KeptGraph):
+        return SliceGraph(record.outputs, record.saved_inputs(saved), record.params,
+                          _kept_entry_tensors(engine, i, record, views), retain_graph)
+    return _recompute(engine, record, autocast, saved, loader, i, m, views)
+
+
+def _recompute(engine: Engine, record: Checkpoint, autocast: AutocastState, saved: Sequence[torch.Tensor],
+               loader: BoundaryLoader, i: int, m: int, views: Sequence[torch.Tensor]) -> SliceGraph:
+    """Re-run slice ``i`` on microbatch ``m`` with a graph, exactly as forward ran it."""
+    leaves = loader.take(i, m)
+    restored = record.restore_buffers(engine.slots, i, saved)
+    with attributes_as_started(record.attributes, engine.slices[i].modules()), replaying_rng(engine.device, *record.rng_states(saved)), autocast.applied(), \
+            torch.enable_grad(), recomputing():
+        # The leaves require grad as in forward even where this backward wants no input gradient:
+        # the recompute must take the forward's kernels (Note: [Boundary gradients]).
+        graph_leaves, fed = _graph_inputs(leaves, record.requires)
+        entry_tensors = _param_leaves(views, engine, i)
+        # Autocast's cache stays on here, as in the plain model: a weight used twice is cast once,
+        # and the two uses' gradients meet in half precision, as there.
+        result = engine.slices[i].run_on_device(engine.slots, entry_tensors, tree_unflatten(fed, record.spec))
+    # Leaving the replayed autocast empties the cache unless the caller's own autocast block is
+    # still open (a backward inside it): then the cache would keep this slice's casts until that
+    # block ends. The recompute's graph holds what its backward needs.
+    if _autocast_open(engine.device):
+        torch.clear_autocast_cache()
+    outputs, _ = tree_flatten(result.output)
+    return SliceGraph(outputs, graph_leaves, _params_among(entry_tensors, engine, i), entry_tensors, retain=False,
+                      restored_buffers=restored)
+
+
+def _autocast_open(device: torch.device) -> bool:
+    return torch.is_autocast_enabled("cpu") or (device.type != "cpu" and torch.is_autocast_enabled(device.type))
+
+
+def _kept_entry_tensors(engine: Engine, index: int, record: KeptGraph, views: Sequence[torch.Tensor]
+                        ) -> list[torch.Tensor]:
+    """What slice ``index``'s layers must see while autograd runs a graph kept from forward: its
+    parameter leaves, pointed at the slot that holds the slice now (it may have moved), and the
+    buffers there."""
+    params = iter(record.params)
+    tensors: list[torch.Tensor] = []
+    for view, entry in zip(views, engine.slices[index].storage.entries):
+        if entry.is_parameter:
+            leaf = next(params)
+            leaf.data = view  # same leaf (the graph's), current memory
+            tensors.append(leaf)
+        else:
+            tensors.append(view)
+    return tensors
+
+
+def differentiate(engine: Engine, i: int, graph: SliceGraph, grads: Sequence[Any], params_needed: Sequence[bool],
+                  wants_input_grads: bool) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+    """Gradients of one slice-microbatch graph w.r.t. its boundary inputs and its parameters."""
+    # See Note: [Device copies while autograd runs a slice].
+    with engine.slices[i].bound(graph.entry_tensors), _naming_reentrant_checkpoints(engine, i):
+        return _gradients(graph, grads, params_needed, wants_input_grads)
+
+
+def _gradients(graph: SliceGraph, grads: Sequence[Any], params_needed: Sequence[bool], wants_input_grads: bool
+               ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+    inputs, params = graph.inputs, graph.params
+    pairs = [
+        (o, g) for o, g in zip(graph.outputs, grads)
+        if isinstance(o, torch.Tensor) and o.requires_grad and g is not None
+    ]
+    wrt: list[torch.Tensor] = []
+    input_slots: list[int] = []
+    param_slots: list[int] = []
+    if wants_input_grads:
+        for k, x in enumerate(inputs):
+            if isinstance(x, torch.Tensor) and x.requires_grad:
+                input_slots.append(k)
+                wrt.append(x)
+    for j, (p, want) in enumerate(zip(params, params_needed)):
+        if want and p.requires_grad:
+            param_slots.append(j)
+            wrt.append(p)
+    in_grads: list[torch.Tensor | None] = [None] * len(inputs)
+    param_grads: list[torch.Tensor | None] = [None] * len(params)
+    if not pairs or not wrt:
+        return in_grads, param_grads
+    # A kept graph's saved slot tensors resolve through the unpack hook registered when they were
+    # saved; the slice was acquired by the walk, so they resolve to its current device copy.
+    results = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs],
+                                  allow_unused=True, retain_graph=graph.retain)
+    for k, g in zip(input_slots, results[:len(input_slots)]):
+        in_grads[k] = g
+    for j, g in zip(param_slots, results[len(input_slots):]):
+        param_grads[j] = g
+    return in_grads, param_grads
+
+
+@contextlib.contextmanager
+def _naming_reentrant_checkpoints(engine: Engine, index: int) -> Iterator[None]:
+    """Turn the reentrant checkpoint's refusal of ``torch.autograd.grad`` into advice that names
+    the layers: the user never passed the argument PyTorch's message tells them to remove."""
+    try:
+        yield
+    except RuntimeError as error:
+        if "use_reentrant=True" not in str(error) or ".grad()" not in str(error):
+            raise
+        names = ", ".join(engine.slices[index].names)
+        raise RuntimeError(
+            f"a layer in slice {index} ({names}) uses torch.utils.checkpoint with use_reentrant=True, which "
+            "cannot run inside OffloadModel's backward (it refuses torch.autograd.grad). Use "
+            "use_reentrant=False (PyTorch's recommended form; for Hugging Face models, "
+            "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})), or leave "
+            "the checkpointing to OffloadModel, which already recomputes each slice."
+        ) from error

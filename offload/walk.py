@@ -1,0 +1,211 @@
+"""One walk of the slices through the device slots: the schedule every forward and backward shares.
+
+A :class:`SliceWalk` decides when each slice is on the device and what happens to its slot when
+the walk moves on; what runs on a slice (a graph kept, a checkpoint, a recompute, a forward
+without autograd) is its caller's. The training forward and backward
+(``offload/autograd/function.py``) and the forward without autograd (``offload/streamed.py``) all
+walk through it, so a new walk policy has one place to go.
+
+Note: [The walk]
+    A walk visits slices in one order: a forward from the first slice to the last, a backward
+    from the last down to the lowest slice whose gradients it needs. For each slice:
+
+    1. Acquire: the slice on the device, ready for compute (loaded, unless a slot still holds it
+       current).
+    2. The caller runs it on every microbatch. Once its first compute is queued, the next slice
+       in the order is prefetched, so that the CPU work of that load (waiting for a pending host
+       update, refreshing a shadow) overlaps compute already queued.
+    3. Leave: buffers a run changed are written back (Note: [Buffers]); a slot whose buffers were
+       restored from a forward's snapshot is marked stale; the slot is released to the compute
+       queued so far.
+
+    A forward starts from fresh device copies (Note: [Device copies expire at the next forward]
+    in ``offload/streams/device_slots.py``). After the last slice the walk waits for its buffer
+    write-backs (host state the caller may read as soon as the walk returns) and for every load
+    to have read its host copy (the host copies may be overwritten right after it: an optimizer
+    step on earlier gradients, ``load_state_dict``): rule 4 of [Copy ordering]. If anything
+    raises, a forward first writes back the buffers of the slice that failed, so the host holds
+    what the plain model's layers leave behind after the same failure (the layers before the
+    failing one updated, the rest not; earlier slices were written back already, later ones never
+    ran); then every copy in flight is drained and the slots forget what they hold (rule 5). A
+    backward ends the host pool's step, whether it succeeded or not.
+
+Note: [Buffers]
+    Buffers are the only device data a forward may change (running statistics, counters).
+
+    1. A run counts as changing them if it wrote to a slot tensor in place (a version counter
+       moved), reassigned a buffer, or holds a normalisation layer that tracks running statistics
+       in training mode (its kernel updates them without bumping any version counter):
+       ``Slice.run_on_device`` in ``offload/engine.py``.
+    2. After a slice's microbatches ran, changed buffers are written back to the host copies;
+       unchanged slices send nothing back (the walk, on leaving the slice).
+    3. For exact recompute, a run that changed the buffers keeps them as they were before it: for
+       the first microbatch that is still the host copy (written back only after the last one),
+       for a later one it is the device copy the previous run left, offloaded right after that
+       run when it changed anything (``offload/autograd/records.py``).
+    4. Backward restores them on the device before re-running; the recompute's own updates are
+       discarded (the walk marks the slot stale on leaving it), so running statistics are updated
+       once per forward, never by backward.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator, Sequence
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from .engine import Engine
+from .streams import Event
+
+
+class Direction(enum.Enum):
+    """Which way a walk goes, and what that adds to its start and end."""
+
+    FORWARD = enum.auto()  # first slice to last; fresh device copies; buffers written back
+    BACKWARD = enum.auto()  # last slice down to the lowest needed; ends the host pool's step
+
+
+class WalkState(enum.Enum):
+    """Where a walk is (see Note: [The walk])."""
+
+    BETWEEN_SLICES = enum.auto()  # no slice held: before the first, between two, after the last
+    ACQUIRED = enum.auto()  # the current slice is on the device; none of its compute is queued yet
+    COMPUTING = enum.auto()  # its first compute is queued and the next slice's load issued
+    FINISHED = enum.auto()  # the end-of-walk waits are done
+
+
+class DeviceCopy(enum.Enum):
+    """The current slice's device copy compared with its host copy: what leaving the slice does."""
+
+    AS_LOADED = enum.auto()  # the same: the slot may serve the slice again as it is
+    BUFFERS_UPDATED = enum.auto()  # a run changed its buffers: written back (rule 2 of Note: [Buffers])
+    BUFFERS_RESTORED = enum.auto()  # a forward's snapshot was loaded over them: the slot is stale (rule 4)
+
+
+def _internal_assert(condition: bool, what: str) -> None:
+    if not condition:
+        raise RuntimeError(f"internal error in the slice walk: {what}")
+
+
+class SliceWalk:
+    """One pass of the slices through the device slots, in :attr:`order`.
+
+    Use it as a context (its failure path runs when the block raises) and iterate over it for
+    each slice, acquired::
+
+        with SliceWalk.forward(engine) as walk:
+            for index, views in walk:   # the previous slice is left when the loop comes back
+                ...                     # run slice `index` on `views`
+                walk.compute_queued()
+            walk.finish()
+
+    Args:
+        engine: the slices, their slots and copy streams.
+        order: the slice indices to visit, in order.
+        direction: forward or backward (see :class:`Direction`).
+    """
+
+    def __init__(self, engine: Engine, order: Sequence[int], direction: Direction) -> None:
+        # - What the walk visits, and with what
+        self.engine = engine
+        self.order = tuple(order)
+        self.direction = direction
+        # - The slice held now, and the one to load next
+        self.state = WalkState.BETWEEN_SLICES
+        self.current: int | None = None
+        self.device_copy = DeviceCopy.AS_LOADED
+        self._next: int | None = None
+        # - What the end of the walk waits for: buffer write-backs the host reads next
+        self._written_back: list[Event | None] = []
+
+    @classmethod
+    def forward(cls, engine: Engine) -> SliceWalk:
+        return cls(engine, range(engine.num_slices), Direction.FORWARD)
+
+    @classmethod
+    def backward(cls, engine: Engine, lowest: int) -> SliceWalk:
+        """From the last slice down to slice ``lowest`` (none if ``lowest`` is the number of slices)."""
+        return cls(engine, range(engine.num_slices - 1, lowest - 1, -1), Direction.BACKWARD)
+
+    # -- the walk's moments ----------------------------------------------------------------------
+
+    def __enter__(self) -> SliceWalk:
+        if self.direction is Direction.FORWARD:
+            self.engine.slots.forget_contents()
+        return self
+
+    def __iter__(self) -> Iterator[tuple[int, list[torch.Tensor]]]:
+        """Each slice in order, acquired: its index and device views (one per storage entry)."""
+        for position, index in enumerate(self.order):
+            self._next = self.order[position + 1] if position + 1 < len(self.order) else None
+            views = self.engine.slots.acquire(index)
+            self.current, self.state, self.device_copy = index, WalkState.ACQUIRED, DeviceCopy.AS_LOADED
+            yield index, views
+            self._leave(index)
+
+    def load_inputs(self, leaves: Sequence[Any]) -> list[Any]:
+        """The walk's input leaves with every tensor on the compute device, ready for compute."""
+        moved: list[Any] = []
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor) and leaf.device != self.engine.device:
+                tensor, ready = self.engine.activations.load_host(leaf)
+                self.engine.copies.wait_ready(ready)
+                moved.append(tensor)
+            else:
+                moved.append(leaf)
+        return moved
+
+    def compute_queued(self) -> None:
+        """The current slice's compute so far is queued; the first call prefetches the next slice."""
+        if self.state is WalkState.ACQUIRED:
+            self.state = WalkState.COMPUTING
+            if self._next is not None:
+                self.engine.slots.prefetch(self._next)
+
+    def buffers_changed(self) -> None:
+        """A run changed the current slice's buffers: leaving it writes them back."""
+        self.device_copy = DeviceCopy.BUFFERS_UPDATED
+
+    def buffers_restored(self) -> None:
+        """A forward's buffer snapshot was loaded over the current slice's: leaving it marks the slot stale."""
+        self.device_copy = DeviceCopy.BUFFERS_RESTORED
+
+    def _leave(self, index: int) -> None:
+        slots = self.engine.slots
+        if self.device_copy is DeviceCopy.BUFFERS_UPDATED:
+            self._written_back.append(slots.write_back_buffers(index))
+        elif self.device_copy is DeviceCopy.BUFFERS_RESTORED:
+            slots.mark_stale(index)
+        slots.release(index)
+        self.current, self.state = None, WalkState.BETWEEN_SLICES
+
+    def finish(self) -> None:
+        """The end-of-walk waits (Note: [The walk]); call after the last slice was left."""
+        _internal_assert(self.state is WalkState.BETWEEN_SLICES, f"finished while {self.state.name}")
+        # Rule 4 of [Copy ordering]: the host reads the written-back buffers next, and may
+        # overwrite the host copies that loads read.
+        self.engine.copies.wait_host_all(self._written_back)
+        self.engine.copies.wait_loads_done()
+        self.state = WalkState.FINISHED
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        try:
+            if exc_type is not None:
+                self._fail()
+            else:
+                _internal_assert(self.state is WalkState.FINISHED, "left without finish()")
+        finally:
+            if self.direction is Direction.BACKWARD:
+                self.engine.pool.end_step()
+
+    def _fail(self) -> None:
+        """The failure path of Note: [The walk]; the exception goes on to the caller."""
+        held = self.current if self.state in (WalkState.ACQUIRED, WalkState.COMPUTING) else None
+        if self.direction is Direction.FORWARD and held is not None and self.engine.slices[held].storage.buffers:
+            # Issued only: the drain below (rule 5 of [Copy ordering]) completes it.
+            self.engine.slots.write_back_buffers(held)
+        self.engine.slots.invalidate()
