@@ -204,7 +204,7 @@ def main() -> None:
         result = {
             "benchmark": "cpu_overhead",
             "command": "python " + " ".join(sys.argv),
-            # glibc's heap settings change how often freed memory is faulted back in (see the README).
+            # glibc's heap settings change how often freed memory is faulted back in (see docs/performance.md).
             "environment": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
             "config": vars(args) | {"torch": torch.__version__, "threads": torch.get_num_threads()},
             "machine": {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count()},

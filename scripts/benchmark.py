@@ -250,7 +250,7 @@ def fairscale_class() -> type | None:
 
 def memory_budget_terms(model: OffloadModel, boundary_bytes: int | None, slice_activation_bytes: int | None,
                         loss_bytes: int | None) -> dict[str, int | None]:
-    """The terms of the design's bound on device memory for one step (see README, Memory), in bytes.
+    """The terms of the design's bound on device memory for one step (see docs/memory.md), in bytes.
 
     ``slots``: two slots (the slice computing, the next one loading); ``gradients``: two slices'
     gradients in float32 (one still being copied out while the next is produced); ``boundaries``:
