@@ -21,7 +21,11 @@ import argparse
 import math
 import sys
 import time
+import warnings
 from pathlib import Path
+
+# PyTorch warns at import when NumPy is not installed, though nothing here needs NumPy.
+warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
 
 import torch
 

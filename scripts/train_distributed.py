@@ -19,6 +19,10 @@ import argparse
 import gc
 import os
 import time
+import warnings
+
+# PyTorch warns at import when NumPy is not installed, though nothing here needs NumPy.
+warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
 
 import torch
 import torch.distributed as dist

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 import re
 import subprocess
 import sys
@@ -206,3 +207,63 @@ def test_the_checks_catch_what_they_are_for():
     assert unknown_flags(readme, "```bash\npython scripts/demo.py --no-such-flag\n```\n") != []
     assert unknown_flags(readme, "```bash\npython scripts/demo.py --steps 5 \\\n    --device cpu\n```\n") == []
     assert snippets_that_do_not_compile(readme, "```python\nmodel(\n```\n") != []
+
+
+def test_the_suite_lists_why_tests_skipped(tmp_path):
+    # The Quick start's test run ends with one line per skip reason (tests/conftest.py).
+    (tmp_path / "test_skips.py").write_text(
+        "import pytest\n"
+        "@pytest.mark.parametrize('i', range(3))\n"
+        "def test_needs_an_extra(i):\n"
+        "    pytest.skip('the extra is not installed')\n"
+    )
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest",
+                           str(tmp_path / "test_skips.py")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert "skipped, by reason" in done.stdout, done.stdout
+    assert "    3  the extra is not installed" in done.stdout, done.stdout
+
+
+HIDE_NUMPY = '''\
+"""Make NumPy look absent, as after a base install (PyTorch's CPU wheel does not install it)."""
+import sys
+
+
+class HideNumpy:
+    def __init__(self, finder):
+        self.finder = finder
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "numpy" or name.startswith("numpy."):
+            return None
+        find_spec = getattr(self.finder, "find_spec", None)
+        return find_spec(name, path, target) if find_spec else None
+
+    def __getattr__(self, attr):
+        return getattr(self.finder, attr)
+
+
+sys.meta_path[:] = [HideNumpy(f) for f in sys.meta_path]
+'''
+
+
+def run_without_numpy(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    (tmp_path / "sitecustomize.py").write_text(HIDE_NUMPY)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_a_base_install_runs_the_demo_without_a_numpy_warning(tmp_path):
+    # PyTorch itself warns at import when NumPy is missing; the scripts silence that one warning.
+    bare = run_without_numpy(tmp_path, "-c", "import torch")
+    assert "Failed to initialize NumPy" in bare.stderr, "NumPy was not hidden: the test would prove nothing"
+    done = run_without_numpy(tmp_path, "scripts/demo.py", "--steps", "1", "--device", "cpu")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr == ""
+
+
+def test_the_version_has_one_source():
+    import offload
+    from setuptools.config.pyprojecttoml import read_configuration
+
+    assert re.fullmatch(r"\d+\.\d+\.\d+\S*", offload.__version__)
+    assert read_configuration(ROOT / "pyproject.toml", expand=True)["project"]["version"] == offload.__version__

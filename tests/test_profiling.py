@@ -145,7 +145,7 @@ def test_script_csv_holds_the_sampled_timeline(tiny_run):
 
 def test_script_plot_is_a_png(tiny_run):
     if not HAS_MATPLOTLIB:
-        pytest.skip("matplotlib is not installed (it is the optional 'plot' extra)")
+        pytest.skip('matplotlib is not installed: pip install -e ".[plot]"')
     assert tiny_run["paths"]["plot"].read_bytes()[:8] == PNG_SIGNATURE
 
 

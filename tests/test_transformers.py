@@ -25,7 +25,7 @@ from offload import OffloadModel
 from .helpers import DEVICES, HostStepped, assert_same_grads, grads_of
 from .test_mixed_precision import converted, master_grads_of
 
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers", reason='transformers is not installed: pip install -e ".[transformers]"')
 from offload.integrations.transformers import (  # noqa: E402  (needs transformers)
     SUPPORTED_MODEL_TYPES,
     CausalLMSequential,
