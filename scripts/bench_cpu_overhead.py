@@ -169,7 +169,8 @@ def measure(args: argparse.Namespace, batch: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=8, help="Linear+GELU blocks")
     parser.add_argument("--batch", type=int, nargs="+", default=[256, 512, 1024, 2048],

@@ -624,7 +624,8 @@ def report_stem(out_dir: str, report: dict, tag: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--preset", nargs="+", choices=sorted(CASES), help="cases to run (default: all on a GPU, tiny on the CPU)")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per run (default 8)")
     parser.add_argument("--warmup", type=int, default=3, help="steps before the timed ones (default 3)")

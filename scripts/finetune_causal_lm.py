@@ -42,7 +42,8 @@ except ImportError:  # without the extra, --help still answers; training says wh
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--model", type=Path, help="local directory with weights (and tokenizer) to fine-tune")
     parser.add_argument("--arch", default="llama", choices=ARCHITECTURES,
                         help="architecture of the random-initialised model when no --model is given")
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
 
         from offload.integrations.transformers import causal_lm_sequential
     except ImportError as error:
-        raise SystemExit(f'{error}. Install the extra: pip install "offload[transformers]"') from error
+        raise SystemExit(f'{error}. Install the extra: pip install -e ".[transformers]"') from error
 
     torch.manual_seed(args.seed)
     if args.model is None:

@@ -42,7 +42,9 @@ PATH = re.compile(r"(?<![\w./$-])((?:%s)/[\w./-]*)" % "|".join(re.escape(r) for 
 MODULE = re.compile(r"(?<![\w.])offload(?:\.[a-z_]\w*)+")
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
-SCRIPT_CALL = re.compile(r"(?:python3?\s+(scripts/[\w/]+\.py)|python3?\s+-m\s+(offload(?:\.\w+)+))((?:\s+[^\s|;&#]+)*)")
+# python scripts/x.py, torchrun [its options] scripts/x.py, python -m offload.x; then the arguments.
+SCRIPT_CALL = re.compile(r"(?:(?:python3?|torchrun(?:\s+--\S+)*)\s+(scripts/[\w/]+\.py)"
+                         r"|python3?\s+-m\s+(offload(?:\.\w+)+))((?:\s+[^\s|;&#]+)*)")
 
 
 def documents() -> list[Path]:
@@ -206,6 +208,7 @@ def test_the_checks_catch_what_they_are_for():
     assert missing_paths(readme, "writes `benchmarks/results/benchmark_<device>.json`") == []
     assert unknown_flags(readme, "```bash\npython scripts/demo.py --no-such-flag\n```\n") != []
     assert unknown_flags(readme, "```bash\npython scripts/demo.py --steps 5 \\\n    --device cpu\n```\n") == []
+    assert unknown_flags(readme, "```bash\ntorchrun --nproc_per_node=2 scripts/demo.py --no-such-flag\n```\n") != []
     assert snippets_that_do_not_compile(readme, "```python\nmodel(\n```\n") != []
 
 
