@@ -27,6 +27,9 @@ Note: [Glossary]
         where copies are synchronous.
 """
 
+# The one place the version is written: pyproject.toml reads it from here.
+__version__ = "0.1.0"
+
 from .autograd.recompute_state import is_recomputing
 from .model import MemoryFootprint, OffloadModel
 from .optimizer import OffloadOptimizer

@@ -40,8 +40,14 @@ class Slice:
 
     def run(self, inputs: Any) -> Any:
         # nn.Sequential semantics: each layer gets the previous layer's output as its one argument.
-        for layer in self.layers:
-            inputs = layer(inputs)
+        for name, layer in zip(self.names, self.layers):
+            try:
+                inputs = layer(inputs)
+            except Exception as error:
+                # A note says where (PEP 678); the exception itself, type included, is the layer's.
+                if hasattr(error, "add_note"):  # Python 3.11 and later
+                    error.add_note(f"in layer {name} ({type(layer).__name__}) of OffloadModel slice {self.index}")
+                raise
         return inputs
 
     def modules(self) -> list[nn.Module]:

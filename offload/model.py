@@ -304,7 +304,9 @@ class OffloadModel(nn.Module):
         if kwargs:
             raise TypeError(
                 f"OffloadModel.forward takes one positional input, as nn.Sequential does; got keyword "
-                f"argument(s) {sorted(kwargs)}. Pack extra values into the input (e.g. a tuple) instead."
+                f"argument(s) {sorted(kwargs)}. Pass them as one dict instead: model(dict(batch)) for a "
+                f"tokenizer's output or a Hugging Face batch, model({{'input_ids': ..., 'attention_mask': ...}}) "
+                f"in general, or pack them into a tuple."
             )
         if len(args) != 1:
             raise TypeError(f"OffloadModel.forward takes exactly one input, as nn.Sequential does; got {len(args)}")
@@ -440,8 +442,15 @@ def _slice_groups(model: Any, num_slices: int) -> list[tuple[list[str], list[nn.
             if not isinstance(module, nn.Module):
                 raise TypeError(f"slice {k} is a {type(module).__name__}; every slice must be an nn.Module")
         return [([str(k)], [module]) for k, module in enumerate(modules)]
+    if hasattr(getattr(model, "config", None), "model_type"):  # a Hugging Face model, by its config
+        raise TypeError(
+            f"OffloadModel expects an nn.Sequential; got {type(model).__name__}, a Hugging Face model. For a causal "
+            f"LM, pass its stages: from offload.integrations.transformers import causal_lm_sequential; "
+            f"OffloadModel(causal_lm_sequential(model), device=...)"
+        )
     raise TypeError(
-        f"OffloadModel expects an nn.Sequential, or a list of nn.Module used as slices; got {type(model).__name__}"
+        f"OffloadModel expects an nn.Sequential, or a list of nn.Module used as slices; got {type(model).__name__}. "
+        f"Put its layers in an nn.Sequential if it runs them one after another"
     )
 
 

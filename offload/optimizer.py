@@ -42,6 +42,11 @@ from .streams.collectives import HostCollectives
 from .slice_update import HostUpdateError, InnerOptimizer, SliceStep, StateByProxy
 
 
+#: The OffloadOptimizer built last for each model: only it may step the model (an older one, still
+#: alive, refuses), so a rebuilt optimizer replaces the old one and two never step one model.
+_newest: weakref.WeakKeyDictionary[OffloadModel, weakref.ref[OffloadOptimizer]] = weakref.WeakKeyDictionary()
+
+
 class OffloadOptimizer(torch.optim.Optimizer):
     """Wrap a ``torch.optim`` optimizer class so it steps an :class:`~offload.OffloadModel`'s host
     copies on a host worker, overlapped with the next forward. See Note: [Overlapped host update].
@@ -83,7 +88,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
                  shard: bool | None = None, process_group: Any = None,
                  **optimizer_kwargs: Any) -> None:
         if not isinstance(model, OffloadModel):
-            raise TypeError(f"OffloadOptimizer steps an OffloadModel, got {type(model).__name__}")
+            raise TypeError(
+                f"OffloadOptimizer steps an OffloadModel, got {type(model).__name__}; wrap the model first: "
+                f"model = OffloadModel(model, device=...), then OffloadOptimizer(model, torch.optim.AdamW, lr=...)")
+        if isinstance(optimizer_class, torch.optim.Optimizer):
+            # Its repr would list every hyperparameter of every group.
+            raise TypeError(
+                f"optimizer_class must be a torch.optim.Optimizer subclass, got a {type(optimizer_class).__name__} "
+                f"instance; pass the class and its arguments: OffloadOptimizer(model, "
+                f"torch.optim.{type(optimizer_class).__name__}, lr=...)")
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError(
                 f"optimizer_class must be a torch.optim.Optimizer subclass such as torch.optim.AdamW, got "
@@ -111,6 +124,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._offload_outer = True  # the per-tensor warning names optimizer_class (per_tensor_warning.py)
         self._collectives = self._sharding(shard, process_group)
         self._shared: dict[int, tuple[list[torch.Tensor], list[int]]] = {}
+        _newest[model] = weakref.ref(self)
 
     # -- stepping --------------------------------------------------------------------------------
 
@@ -118,8 +132,20 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Start the update of every slice, in slice order, on the host worker, and return.
 
-        The next forward waits for each slice's update just before loading it.
+        The next forward waits for each slice's update just before loading it. Parameters without a
+        gradient (all of them before the first backward) are left as they are, as ``torch.optim``
+        leaves them.
+
+        Raises:
+            RuntimeError: a newer OffloadOptimizer was built for the same model.
         """
+        newest = _newest.get(self.model)
+        if newest is not None and newest() not in (self, None):
+            raise RuntimeError(
+                "a newer OffloadOptimizer was built for this model; two would both step its parameters, and their "
+                "updates would race over its slices. Keep one: for different settings on parts of the model, pass "
+                "parameter groups, OffloadOptimizer(model, torch.optim.AdamW, [{'params': ...}, {'params': ..., "
+                "'lr': ...}])")
         loss = None
         if closure is not None:
             with torch.enable_grad():

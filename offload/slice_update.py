@@ -19,7 +19,7 @@ Note: [Whole-slice update]
     would read the masters once instead of twice, but a failure in a later chunk would leave the
     earlier ones updated. Measured when the update was chunked (the chunk sweeps in
     ``benchmarks/results/optimizer_cpu_2026-11-22.json`` and ``optimizer_chunks_cpu_2026-11-22.json``,
-    README), the per-chunk optimizer calls cost more than the cache hits saved, at every chunk size
+    docs/optimizer.md), the per-chunk optimizer calls cost more than the cache hits saved, at every chunk size
     tried: the whole slice, then its shadow, is both the simpler guarantee and the faster update.
 """
 

@@ -37,7 +37,11 @@ import resource
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable
+
+# PyTorch warns at import when NumPy is not installed, though nothing here needs NumPy.
+warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
 
 import torch
 from torch import nn
@@ -166,7 +170,8 @@ def measure(args: argparse.Namespace, batch: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=8, help="Linear+GELU blocks")
     parser.add_argument("--batch", type=int, nargs="+", default=[256, 512, 1024, 2048],
@@ -205,7 +210,7 @@ def main() -> None:
         result = {
             "benchmark": "cpu_overhead",
             "command": "python " + " ".join(sys.argv),
-            # glibc's heap settings change how often freed memory is faulted back in (see the README).
+            # glibc's heap settings change how often freed memory is faulted back in (see docs/performance.md).
             "environment": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
             "config": vars(args) | {"torch": torch.__version__, "threads": torch.get_num_threads()},
             "machine": {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count()},

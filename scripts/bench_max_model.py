@@ -27,8 +27,12 @@ import gc
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
+
+# PyTorch warns at import when NumPy is not installed, though nothing here needs NumPy.
+warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
 
 import psutil
 import torch
@@ -319,7 +323,8 @@ def run_search(args: argparse.Namespace, device: torch.device, report: dict, ste
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--cap-gib", type=float, default=2.0, help="device memory cap in GiB (default 2; none on the CPU)")
     parser.add_argument("--compute-dtype", choices=[k for k in COMPUTE_DTYPES if k], help="OffloadModel's compute_dtype")
     parser.add_argument("--max-layers", type=int,

@@ -42,8 +42,12 @@ import platform
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
+
+# PyTorch warns at import when NumPy is not installed, though nothing here needs NumPy.
+warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
 
 import torch
 from torch import nn
@@ -281,7 +285,8 @@ def overlap(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--params", type=float, default=100e6, help="parameters for the throughput part")
     parser.add_argument("--tensors", type=int, default=2000, help="tensors they are split into")
     parser.add_argument("--slices", type=int, default=8)

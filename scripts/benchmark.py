@@ -51,9 +51,13 @@ import re
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+# PyTorch warns at import when NumPy is not installed, though nothing here needs NumPy.
+warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
 
 import psutil
 import torch
@@ -251,7 +255,7 @@ def fairscale_class() -> type | None:
 
 def memory_budget_terms(model: OffloadModel, boundary_bytes: int | None, slice_activation_bytes: int | None,
                         loss_bytes: int | None) -> dict[str, int | None]:
-    """The terms of the design's bound on device memory for one step (see README, Memory), in bytes.
+    """The terms of the design's bound on device memory for one step (see docs/memory.md), in bytes.
 
     ``slots``: two slots (the slice computing, the next one loading); ``gradients``: two slices'
     gradients in float32 (one still being copied out while the next is produced); ``boundaries``:
@@ -622,7 +626,8 @@ def report_stem(out_dir: str, report: dict, tag: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--preset", nargs="+", choices=sorted(CASES), help="cases to run (default: all on a GPU, tiny on the CPU)")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per run (default 8)")
     parser.add_argument("--warmup", type=int, default=3, help="steps before the timed ones (default 3)")

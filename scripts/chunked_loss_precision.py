@@ -16,6 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import warnings
+
+# PyTorch warns at import when NumPy is not installed, though nothing here needs NumPy.
+warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
 
 import torch
 
@@ -27,7 +31,8 @@ def relative_errors(got: torch.Tensor, reference: torch.Tensor) -> dict[str, flo
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=2048)

@@ -8,6 +8,10 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import warnings
+
+# PyTorch warns at import when NumPy is not installed, though nothing here needs NumPy.
+warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
 
 import torch
 from torch import nn
@@ -16,9 +20,11 @@ from offload import OffloadModel, OffloadOptimizer
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--steps", type=int, default=30, help="training steps")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="where the layers compute (cuda when present)")
     args = parser.parse_args()
     print(f"device: {args.device}" + ("" if args.device != "cpu" else " (no CUDA device found)"))
 

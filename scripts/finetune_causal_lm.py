@@ -1,8 +1,9 @@
 """Fine-tune a Hugging Face causal LM with OffloadModel and OffloadOptimizer, end to end.
 
 By default the model is a small randomly initialised Llama built from a config, and the text is
-read byte by byte (ids 0-255), so nothing is downloaded. With ``--model PATH`` it loads weights and
-tokenizer from a local directory (``save_pretrained`` output). Either way it trains on the text of
+read byte by byte (ids 0-255), so nothing is downloaded; a byte-level tokenizer is saved with it.
+With ``--model PATH`` it loads weights and tokenizer from a local directory (``save_pretrained``
+output, this script's included). Either way it trains on the text of
 ``--text`` (a short text shipped with the repository by default), shows loss and tokens/s in a
 progress bar, and writes the trained model with ``save_pretrained`` into ``--out``. The loss is
 computed in the head, ``--loss-chunk-tokens`` tokens at a time, so the batch's logits never sit on
@@ -21,7 +22,11 @@ import argparse
 import math
 import sys
 import time
+import warnings
 from pathlib import Path
+
+# PyTorch warns at import when NumPy is not installed, though nothing here needs NumPy.
+warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
 
 import torch
 
@@ -38,33 +43,42 @@ except ImportError:  # without the extra, --help still answers; training says wh
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--model", type=Path, help="local directory with weights (and tokenizer) to fine-tune")
     parser.add_argument("--arch", default="llama", choices=ARCHITECTURES,
                         help="architecture of the random-initialised model when no --model is given")
     parser.add_argument("--size", default="tiny", choices=sorted(SIZES), help="size of the random-initialised model")
     parser.add_argument("--text", type=Path, default=DEFAULT_TEXT, help="plain-text file to train on")
     parser.add_argument("--out", type=Path, required=True, help="directory for save_pretrained")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--num-slices", type=int, default=3)
-    parser.add_argument("--microbatches", type=int, default=1)
-    parser.add_argument("--compute-dtype", default="bf16", choices=sorted(DTYPES))
+    parser.add_argument("--steps", type=int, default=20, help="training steps")
+    parser.add_argument("--batch-size", type=int, default=4, help="sequences per step")
+    parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
+    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    parser.add_argument("--num-slices", type=int, default=3, help="num_slices of OffloadModel")
+    parser.add_argument("--microbatches", type=int, default=1, help="num_microbatches of OffloadModel")
+    parser.add_argument("--compute-dtype", default="bf16", choices=sorted(DTYPES), help="compute_dtype of OffloadModel")
     # 1024 tokens: one chunk's logits are 1024 x vocab (0.5 GB in float32 for a 128k vocabulary), and each
     # projection is still a product of 1024 rows by the whole vocabulary.
     parser.add_argument("--loss-chunk-tokens", type=int, default=1024,
                         help="compute the loss in the head over chunks of this many tokens (0: return logits)")
     parser.add_argument("--untie-embeddings", action="store_true",
                         help="give a tied lm_head a weight of its own (by default tied embeddings stay tied)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-progress", action="store_true", help="print one line per step instead of a bar")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="where the layers compute (cuda when present)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the model's initialisation and the batches")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="print one line per step instead of a bar, and no loading bars")
     args = parser.parse_args(argv)
     for name in ("steps", "batch_size", "seq_len", "num_slices", "microbatches"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"--device {args.device}: not a device; use cuda, cuda:N or cpu")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: no CUDA device is available here; use --device cpu")
     if args.loss_chunk_tokens < 0:
         parser.error("--loss-chunk-tokens must be 0 (off) or a number of tokens")
     if not args.text.is_file():
@@ -90,7 +104,27 @@ def random_model(arch: str, size: str, vocab: int, seq_len: int):
             num_key_value_heads=kv_heads, intermediate_size=intermediate, vocab_size=vocab,
             max_position_embeddings=max(seq_len, 64), tie_word_embeddings=False, head_dim=hidden // heads,
             pad_token_id=0, bos_token_id=0, eos_token_id=0)
-    return transformers.AutoModelForCausalLM.from_config(config), None
+    return transformers.AutoModelForCausalLM.from_config(config), byte_tokenizer()
+
+
+def byte_tokenizer():
+    """A tokenizer whose ids are the text's UTF-8 bytes (0-255), saved with the random model.
+
+    With it, ``AutoTokenizer.from_pretrained(out)`` and ``--model out`` work on the output as on
+    any ``save_pretrained`` directory, and ``decode`` turns generated ids back into text.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    # Byte-level pre-tokenizers stand for each byte with a printable character: bytes that are
+    # printable themselves keep theirs, the rest take code points from 256 up, in byte order.
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = (b for b in range(256) if b not in printable)
+    char = {b: chr(b) for b in printable} | {b: chr(256 + k) for k, b in enumerate(others)}
+    tokenizer = Tokenizer(models.BPE(vocab={char[b]: b for b in range(256)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
 
 
 def pretrained_model(path: Path):
@@ -105,8 +139,6 @@ def pretrained_model(path: Path):
 
 
 def token_stream(text: str, tokenizer) -> torch.Tensor:
-    if tokenizer is None:
-        return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)  # bytes as ids
     return torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)
 
 
@@ -117,7 +149,11 @@ def main(argv: list[str] | None = None) -> None:
 
         from offload.integrations.transformers import causal_lm_sequential
     except ImportError as error:
-        raise SystemExit(f'{error}. Install the extra: pip install "offload[transformers]"') from error
+        raise SystemExit(f'{error}. Install the extra: pip install -e ".[transformers]"') from error
+    if args.no_progress:
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()  # the bar of loading checkpoint shards
 
     torch.manual_seed(args.seed)
     if args.model is None:
@@ -166,8 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     optimizer.synchronize()  # the last update runs beside the loop: let it finish before saving
     args.out.mkdir(parents=True, exist_ok=True)
     hf.save_pretrained(args.out)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(args.out)
+    tokenizer.save_pretrained(args.out)
     elapsed = time.perf_counter() - start
     print(f"final loss {loss_value:.4f}; {seen / elapsed:,.0f} tokens/s over {args.steps} steps; "
           f"saved to {args.out}")

@@ -12,6 +12,10 @@ import argparse
 import copy
 import os
 import sys
+import warnings
+
+# PyTorch warns at import when NumPy is not installed, though nothing here needs NumPy.
+warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -24,7 +28,8 @@ from offload.presets import build_preset  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--case", choices=sorted(CASES), default="gpt-compute-bound-bf16")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rows", type=int, default=25, help="operations per table")

@@ -355,7 +355,7 @@ def test_a_model_larger_than_the_capped_device_trains():
     try:
         model(x).sum().backward()
         torch.cuda.synchronize()
-        # The README's budget: two slots, one slice's gradients (two while one is copied out),
+        # The budget in docs/memory.md: two slots, one slice's gradients (two while one is copied out),
         # and activations that are small here.
         assert torch.cuda.max_memory_allocated() - base <= 4 * slice_bytes + 16 * 2**20
     finally:

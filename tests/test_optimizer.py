@@ -133,7 +133,7 @@ def test_grad_scaler_steps_and_skips_like_the_plain_optimizer(fused, unscale_and
             if step == 2:
                 loss = loss * float("inf")  # an overflow: the step is skipped
             scaler.scale(loss).backward()
-            if unscale_and_clip:  # the README's recipe
+            if unscale_and_clip:  # the recipe in docs/mixed-precision.md
                 scaler.unscale_(opt)
                 torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm=0.05)
             scaler.step(opt)

@@ -133,6 +133,12 @@ def test_script_prints_a_table_and_progress(tiny_run):
     assert "[1/3] resident: step 1/2" in stderr and "[3/3] offload slices=2 mb=2 ckpt=on: step 2/2" in stderr
 
 
+def test_script_steps_a_fused_optimizer_and_says_cpu_times_are_no_guide(tiny_run):
+    # A per-tensor AdamW on offloaded parameters would trip the library's own fused=True warning.
+    assert "fused=True" not in tiny_run["result"].stderr
+    assert "step times on the CPU: nothing overlaps" in tiny_run["result"].stdout
+
+
 def test_script_csv_holds_the_sampled_timeline(tiny_run):
     lines = tiny_run["paths"]["csv"].read_text().splitlines()
     assert lines[0].split(",") == ["label", "step", "phase", "time_s", "host_rss_bytes", "nvml_used_bytes",
@@ -145,8 +151,35 @@ def test_script_csv_holds_the_sampled_timeline(tiny_run):
 
 def test_script_plot_is_a_png(tiny_run):
     if not HAS_MATPLOTLIB:
-        pytest.skip("matplotlib is not installed (it is the optional 'plot' extra)")
+        pytest.skip('matplotlib is not installed: pip install -e ".[plot]"')
     assert tiny_run["paths"]["plot"].read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_plot_tells_thirteen_modes_apart_marks_phases_and_leaves_out_teardown():
+    if not HAS_MATPLOTLIB:
+        pytest.skip('matplotlib is not installed: pip install -e ".[plot]"')
+    from matplotlib.figure import Figure
+
+    from offload.profiling.plot import PHASE_MARKERS, draw_profile
+
+    modes = [Mode.resident(), *offload_modes([1, 2, 3], [1, 2], [True, False])]
+    profile = profile_modes(lambda: build_preset("tiny"), modes, "cpu", steps=2)
+    (ax,) = draw_profile(profile, Figure).axes
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    mode_lines = [lines[run.label] for run in profile.runs]
+    assert len(mode_lines) == 13
+    assert len({(line.get_color(), line.get_linestyle()) for line in mode_lines}) == 13
+    assert ax.get_ylim()[0] == 0
+    for run, line in zip(profile.runs, mode_lines):
+        samples = [s for s in profile.samples if s.label == run.label]
+        assert "teardown" in {s.phase for s in samples}
+        # The line ends with the last step: the teardown's samples are not drawn.
+        assert list(line.get_xdata()) == [s.time_s for s in samples if s.phase != "teardown"]
+    # One marker per phase per step on every line, and a legend entry per phase.
+    markers = [line for line in ax.get_lines() if line.get_linestyle() == "None" and len(line.get_xdata())]
+    assert len(markers) == 13 * len(PHASE_MARKERS)
+    assert all(len(line.get_xdata()) == 2 for line in markers)
+    assert {f"{phase} starts" for phase in PHASE_MARKERS} <= set(lines)
 
 
 def test_script_fails_when_the_offloaded_peak_exceeds_the_budget():
@@ -186,7 +219,7 @@ def test_bad_arguments_are_one_line_errors(args, fragments, capsys):
 def test_plot_without_matplotlib_is_a_clear_error_before_anything_runs(monkeypatch, capsys):
     for name in [n for n in sys.modules if n == "matplotlib" or n.startswith("matplotlib.")] + ["matplotlib"]:
         monkeypatch.setitem(sys.modules, name, None)  # what `import` sees when it is not installed
-    with pytest.raises(PlotUnavailable, match=r"pip install 'offload\[plot\]'"):
+    with pytest.raises(PlotUnavailable, match=r'pip install -e "\.\[plot\]"'):
         check_plotting()
     script = load_script()
     with pytest.raises(SystemExit) as exit_info:

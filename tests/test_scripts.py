@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -107,8 +109,20 @@ def test_optimizer_benchmark(tmp_path):
 
 def test_distributed_training_script_runs_on_two_cpu_processes():
     out = run("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "scripts/train_distributed.py",
-              "--preset", "tiny", "--steps", "4")
+              "--preset", "tiny", "--steps", "6", "--lr", "1e-2")
     assert "rank 0:" in out and "rank 1:" in out and "total:" in out and "on 2 rank(s)" in out
+    # Progress at every step, and a loss that falls: the ranks fit their repeated batches.
+    assert [f"step {k}/6: loss" in out for k in range(1, 7)] == [True] * 6
+    first, last = (float(x) for x in re.search(r"loss (\S+) at the first step, (\S+) at the last", out).groups())
+    assert last < first
+
+
+def test_distributed_training_script_without_torchrun_says_how_to_launch_it():
+    done = subprocess.run([sys.executable, "scripts/train_distributed.py", "--preset", "tiny"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, env={k: v for k, v in os.environ.items()
+                                                                              if k not in ("RANK", "WORLD_SIZE")})
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "start it with torchrun" in done.stderr and "torchrun --nproc_per_node=2" in done.stderr
 
 
 def test_cpu_overhead_benchmark(tmp_path):

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import copy
 import gc
+import importlib.util
 import subprocess
 import sys
+import types
 import weakref
 from pathlib import Path
 
@@ -25,7 +27,7 @@ from offload import OffloadModel
 from .helpers import DEVICES, HostStepped, assert_same_grads, grads_of
 from .test_mixed_precision import converted, master_grads_of
 
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers", reason='transformers is not installed: pip install -e ".[transformers]"')
 from offload.integrations.transformers import (  # noqa: E402  (needs transformers)
     SUPPORTED_MODEL_TYPES,
     CausalLMSequential,
@@ -625,3 +627,39 @@ def test_finetune_script_keeps_a_tied_model_tied(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     tuned = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tuned")
     assert tuned.config.tie_word_embeddings and tuned.lm_head.weight is tuned.transformer.wte.weight
+
+
+def test_finetune_script_saves_a_byte_tokenizer_that_loads_decodes_and_trains_again(tmp_path):
+    done = finetune("--out", str(tmp_path / "tuned"), "--steps", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "tuned")
+    text = "The clock struck thirteen — héllo\n"
+    ids = tokenizer(text)["input_ids"]
+    assert ids == list(text.encode("utf-8")) and tokenizer.decode(ids) == text
+    # Generation decodes as docs/huggingface.md shows.
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tuned")
+    prompt = tokenizer("The clock", return_tensors="pt")
+    generated = model.generate(**prompt, max_new_tokens=5, do_sample=False)
+    assert tokenizer.decode(generated[0]).startswith("The clock") and generated.shape[1] == len("The clock") + 5
+    # The output is a model directory the script takes back, with no loading bars under --no-progress.
+    again = finetune("--model", str(tmp_path / "tuned"), "--out", str(tmp_path / "again"), "--steps", "1")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stderr == ""
+
+
+def load_finetune_script() -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location("finetune_script", ROOT / "scripts" / "finetune_causal_lm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(("device", "fragment"), [("cuda", "no CUDA device is available here; use --device cpu"),
+                                                  ("gpu0", "not a device; use cuda, cuda:N or cpu")])
+def test_finetune_script_refuses_a_device_it_cannot_use_in_one_line(device, fragment, monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_info:
+        load_finetune_script().parse_args(["--out", str(tmp_path), "--device", device])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].endswith(f"--device {device}: {fragment}")

@@ -70,7 +70,7 @@ try:
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 except ImportError as error:  # pragma: no cover - exercised only without the extra installed
     raise ImportError(
-        'offload.integrations.transformers needs Hugging Face transformers 5: pip install "offload[transformers]"'
+        'offload.integrations.transformers needs Hugging Face transformers 5: pip install -e ".[transformers]"'
     ) from error
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "CausalLMSequential", "causal_lm_sequential"]

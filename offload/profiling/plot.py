@@ -22,45 +22,79 @@ def check_plotting() -> None:
     _matplotlib()
 
 
+# Ten colours, then the same ten dashed, dotted and dash-dotted: up to 40 modes, each its own
+# line. Markers are left to the phases.
+LINESTYLES = ("-", "--", ":", "-.")
+# Where each training phase of each step starts, on every line.
+PHASE_MARKERS = {"forward": ">", "backward": "<", "optimizer": "s"}
+
+
+def line_style(k: int) -> dict[str, str]:
+    """The colour and line style of the ``k``-th mode, distinct from every other mode's."""
+    return {"color": f"C{k % 10}", "linestyle": LINESTYLES[(k // 10) % len(LINESTYLES)]}
+
+
 def plot_profile(profile: Profile, path: str) -> None:
     """Draw device and host memory over time, one line per mode, as a PNG at ``path``.
+
+    Each line runs from the mode's setup to the end of its last step (its teardown, where the
+    model is freed, is left out) and marks where each forward, backward and optimizer step
+    begins. The memory axes start at 0.
 
     Raises:
         PlotUnavailable: matplotlib is not installed.
     """
     Figure, FigureCanvasAgg = _matplotlib()
+    figure = draw_profile(profile, Figure)
+    FigureCanvasAgg(figure).print_png(path)
+
+
+def draw_profile(profile: Profile, Figure: Any) -> Any:
+    """The figure :func:`plot_profile` saves, built with matplotlib's ``Figure`` class."""
     device_panel = profile.on_cuda
     figure = Figure(figsize=(13, 7.5 if device_panel else 4.5), layout="constrained")
-    canvas = FigureCanvasAgg(figure)
     axes = figure.subplots(2 if device_panel else 1, 1, sharex=True, squeeze=False)[:, 0]
-    colours = [f"C{k % 10}" for k in range(len(profile.runs))]
+    timelines = [[s for s in profile.samples if s.label == run.label and s.phase != "teardown"]
+                 for run in profile.runs]
     if device_panel:
         ax = axes[0]
-        for run, colour in zip(profile.runs, colours):
-            samples = [s for s in profile.samples if s.label == run.label]
-            ax.plot([s.time_s for s in samples], [_gib(s.device_allocated_bytes) for s in samples],
-                    color=colour, label=f"{run.label} (allocated)")
+        for k, (run, samples) in enumerate(zip(profile.runs, timelines)):
+            _line(ax, samples, "device_allocated_bytes", line_style(k), f"{run.label} (allocated)")
             if "nvml" not in profile.unavailable:
                 ax.plot([s.time_s for s in samples], [_gib(s.nvml_used_bytes) for s in samples],
-                        color=colour, linestyle="--", linewidth=1, label=f"{run.label} (NVML used)")
+                        **line_style(k), linewidth=0.8, alpha=0.6, label=f"{run.label} (NVML used)")
         ax.set_ylabel("device memory (GiB)")
-        ax.set_title("device: allocator (solid)" + ("" if "nvml" in profile.unavailable else ", NVML used (dashed)"))
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+        ax.set_title("device: allocator" + ("" if "nvml" in profile.unavailable else ", NVML used (thin)"))
+        _finish(ax)
     ax = axes[-1]
-    for run, colour in zip(profile.runs, colours):
-        samples = [s for s in profile.samples if s.label == run.label]
-        ax.plot([s.time_s for s in samples], [_gib(s.host_rss_bytes) for s in samples], color=colour,
-                label=f"{run.label}" + ("" if run.error is None else f" ({run.error})"))
+    for k, (run, samples) in enumerate(zip(profile.runs, timelines)):
+        _line(ax, samples, "host_rss_bytes", line_style(k),
+              f"{run.label}" + ("" if run.error is None else f" ({run.error})"))
     ax.set_ylabel("host RSS (GiB)")
     ax.set_xlabel("seconds since the mode started (setup, then steps)")
     missing = "" if device_panel else f"; device figures unavailable ({profile.unavailable.get('device', '')})"
     ax.set_title(f"host: process RSS{missing}")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    _finish(ax)
     figure.suptitle(f"{profile.description}\nbatch {profile.batch_size}, {profile.steps} step(s) on {profile.device}",
                     fontsize=10)
-    canvas.print_png(path)
+    return figure
+
+
+def _line(ax: Any, samples: list[Any], figure: str, style: dict[str, str], label: str) -> None:
+    ax.plot([s.time_s for s in samples], [_gib(getattr(s, figure)) for s in samples], **style, label=label)
+    for phase, marker in PHASE_MARKERS.items():
+        starts = [s for before, s in zip([None, *samples], samples)
+                  if s.phase == phase and (before is None or (before.step, before.phase) != (s.step, phase))]
+        ax.plot([s.time_s for s in starts], [_gib(getattr(s, figure)) for s in starts], marker=marker,
+                markersize=4, linestyle="none", color=style["color"])
+
+
+def _finish(ax: Any) -> None:
+    for phase, marker in PHASE_MARKERS.items():
+        ax.plot([], [], marker=marker, linestyle="none", color="black", label=f"{phase} starts")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
 
 
 def _matplotlib() -> tuple[Any, Any]:
@@ -70,7 +104,7 @@ def _matplotlib() -> tuple[Any, Any]:
         from matplotlib.figure import Figure
     except ImportError:
         raise PlotUnavailable("plotting needs matplotlib, which is not installed: "
-                              "pip install 'offload[plot]' (or pip install matplotlib)") from None
+                              'pip install -e ".[plot]" (or pip install matplotlib)') from None
     return Figure, FigureCanvasAgg
 
 

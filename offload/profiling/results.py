@@ -20,6 +20,10 @@ from .plot import plot_profile
 from .sampler import Sample
 
 PHASES = ("forward", "backward", "optimizer")
+#: Printed under a CPU run's table: its step times are not what offloading costs on a GPU.
+CPU_TIMING_CAVEAT = ("step times on the CPU: nothing overlaps (copies are synchronous and the device is host "
+                     "memory), and steps vary from run to run; they do not predict a GPU's step times, and "
+                     "ratios below 1.00x are noise")
 
 
 @dataclass
@@ -196,6 +200,8 @@ class Profile:
         lines += grid(["mode", *PHASES], phase_rows)
         lines.append("")
         lines += [f"{group}: {text}" for group, text in self.figures.items()]
+        if not self.on_cuda:
+            lines.append(CPU_TIMING_CAVEAT)
         return "\n".join(lines)
 
     def plot(self, path: str) -> None:
