@@ -125,7 +125,7 @@ def build_from_checkpoint(
         layers.to(dtype)  # on the meta device: only the dtypes change
     plan = _Plan(layers, checkpoint, place or Placement)
     if plan.buffer_owners and init_buffers is None:
-        names = sorted(plan.non_persistent)
+        names = [f"'{name}'" for name in sorted(plan.non_persistent)]
         raise ValueError(f"the model has non-persistent buffers, which checkpoints do not store ({_listed(names)}); "
                          "pass init_buffers=fn, called with each module that registers one, to compute them")
     with filled_by_caller():
