@@ -130,9 +130,7 @@ def build_from_checkpoint(
                          "pass init_buffers=fn, called with each module that registers one, to compute them")
     with filled_by_caller():
         model = OffloadModel(layers, device, **options)
-    if init_buffers is not None:
-        for module in plan.buffer_owners:
-            init_buffers(module)
+    plan.compute_buffers(init_buffers)
     plan.read(model)
     return model
 
@@ -145,7 +143,8 @@ class _Plan:
         self.checkpoint = checkpoint
         #: state_dict key -> tensor, every name of a tied tensor included
         self.targets: dict[str, torch.Tensor] = {}
-        self.non_persistent: set[str] = set()
+        #: state_dict-style key -> non-persistent buffer (not stored: computed by init_buffers)
+        self.non_persistent: dict[str, torch.Tensor] = {}
         self.buffer_owners: list[nn.Module] = []
         for prefix, module in layers.named_modules(remove_duplicate=False):
             dot = f"{prefix}." if prefix else ""
@@ -157,7 +156,7 @@ class _Plan:
                 if buffer is None:
                     continue
                 if name in module._non_persistent_buffers_set:
-                    self.non_persistent.add(dot + name)
+                    self.non_persistent[dot + name] = buffer
                     owns = True
                 else:
                     self.targets[dot + name] = buffer
@@ -211,6 +210,21 @@ class _Plan:
             problems.append(f"filled in part: {_listed(partial)}")
         if problems:
             raise ValueError(f"the checkpoint at {checkpoint.path} does not match the model; " + "; ".join(problems))
+
+    def compute_buffers(self, init_buffers: Callable[[nn.Module], None] | None) -> None:
+        """Run ``init_buffers`` on each module with non-persistent buffers, and check that it set
+        every floating-point one (they start as NaN: fresh host memory holds whatever was there)."""
+        if init_buffers is None:
+            return
+        with torch.no_grad():
+            for buffer in self.non_persistent.values():
+                buffer.fill_(float("nan") if buffer.is_floating_point() else 0)
+            for module in self.buffer_owners:
+                init_buffers(module)
+            unset = [f"'{name}'" for name, buffer in self.non_persistent.items()
+                     if buffer.is_floating_point() and bool(buffer.isnan().any())]
+        if unset:
+            raise ValueError(f"init_buffers left non-persistent buffers unset (NaN): {_listed(unset)}")
 
     def read(self, model: OffloadModel) -> None:
         """Read every stored tensor into its host copy, slice after slice."""

@@ -139,6 +139,8 @@ def test_non_persistent_buffers_are_computed_by_init_buffers(tmp_path):
         seen.append(type(module).__name__)
         init_scaled(module)
 
+    with pytest.raises(ValueError, match=r"init_buffers left non-persistent buffers unset \(NaN\): '1\.scale'"):
+        offload.load_sequential(build_scaled, tmp_path, "cpu", init_buffers=lambda module: None)
     model = offload.load_sequential(build_scaled, tmp_path, "cpu", num_slices=2, init_buffers=init_buffers)
     assert seen == ["Scaled"]
     reference = OffloadModel(build_scaled(), "cpu", num_slices=2)

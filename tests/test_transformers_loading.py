@@ -87,6 +87,14 @@ def test_a_bfloat16_checkpoint_into_float32_masters_and_a_compute_dtype(kind, de
     assert kept.get_input_embeddings().weight.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("kind", ["gpt2", "gemma"])
+def test_a_base_models_checkpoint_without_the_prefix(kind, tmp_path):
+    # A tied model's decoder alone holds all its weights: stored names lack "model." / "transformer.".
+    build(kind, tied=True).base_model.save_pretrained(tmp_path)
+    model, hf = load_causal_lm(tmp_path, "cpu", num_slices=2)
+    assert_same_tensors(hf, from_pretrained(tmp_path))
+
+
 def test_checkpoints_that_do_not_match_name_the_key_and_the_file(tmp_path):
     from safetensors.torch import load_file, save_file
 
