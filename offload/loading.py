@@ -136,16 +136,26 @@ def build_from_checkpoint(
 
 
 class _Plan:
-    """Which stored tensors fill which of the layers' tensors, checked against the layers."""
+    """Which stored tensors fill which of the layers' tensors, checked against the layers before
+    anything is allocated."""
 
     def __init__(self, layers: nn.Module, checkpoint: SafetensorsCheckpoint,
                  place: Callable[[str], Placement | None]) -> None:
         self.checkpoint = checkpoint
-        #: state_dict key -> tensor, every name of a tied tensor included
+        #: state_dict key -> parameter or persistent buffer (every name of a tied tensor)
         self.targets: dict[str, torch.Tensor] = {}
-        #: state_dict-style key -> non-persistent buffer (not stored: computed by init_buffers)
+        #: state_dict-style key -> non-persistent buffer: not stored, computed by init_buffers
         self.non_persistent: dict[str, torch.Tensor] = {}
+        #: the modules that register non-persistent buffers, each once
         self.buffer_owners: list[nn.Module] = []
+        #: id of a target -> the stored tensors that fill it, and where
+        self.sources: dict[int, list[tuple[str, Placement]]] = {}
+        self._collect(layers)
+        problems = [*self._match(place), *self._coverage()]
+        if problems:
+            raise ValueError(f"the checkpoint at {checkpoint.path} does not match the model; " + "; ".join(problems))
+
+    def _collect(self, layers: nn.Module) -> None:
         for prefix, module in layers.named_modules(remove_duplicate=False):
             dot = f"{prefix}." if prefix else ""
             for name, param in module._parameters.items():
@@ -162,11 +172,12 @@ class _Plan:
                     self.targets[dot + name] = buffer
             if owns and all(module is not m for m in self.buffer_owners):
                 self.buffer_owners.append(module)
-        #: id of a tensor -> the stored tensors that fill it, with where
-        self.sources: dict[int, list[tuple[str, Placement]]] = {}
+
+    def _match(self, place: Callable[[str], Placement | None]) -> list[str]:
+        """Give each stored tensor its target; describe what does not fit."""
         unexpected: list[str] = []
         mismatched: list[str] = []
-        for stored_name, stored in checkpoint.tensors.items():
+        for stored_name, stored in self.checkpoint.tensors.items():
             placement = place(stored_name)
             if placement is None or placement.key in self.non_persistent:
                 continue  # computed, not read (old checkpoints store rotary frequencies)
@@ -184,32 +195,36 @@ class _Plan:
                                   f"{'outside it' if region is None else tuple(region.shape)}")
                 continue
             self.sources.setdefault(id(target), []).append((stored_name, placement))
-        missing: list[str] = []
-        partial: list[str] = []
-        seen: set[int] = set()
-        for key, tensor in self.targets.items():
-            if id(tensor) in seen:
-                continue
-            seen.add(id(tensor))
-            names = [k for k, t in self.targets.items() if t is tensor]
-            covered = sum(p.region(torch.empty(tensor.shape, device="meta")).numel()
-                          for _, p in self.sources.get(id(tensor), ()))
-            if covered == 0 and tensor.numel() > 0:
-                missing.append(" or ".join(f"'{k}'" for k in names))
-            elif covered != tensor.numel():
-                stored_names = [name for name, _ in self.sources[id(tensor)]]
-                partial.append(f"'{key}' gets {covered} of its {tensor.numel()} values from {_listed(stored_names)}")
         problems = []
-        if missing:
-            problems.append(f"missing from the checkpoint: {_listed(missing)}")
         if unexpected:
             problems.append(f"stored but not in the model: {_listed(unexpected)}")
         if mismatched:
             problems.append(f"shapes differ: {_listed(mismatched)}")
+        return problems
+
+    def _coverage(self) -> list[str]:
+        """Check that the stored tensors fill every target exactly once (a tied one under any name)."""
+        names: dict[int, list[str]] = {}
+        for key, tensor in self.targets.items():
+            names.setdefault(id(tensor), []).append(f"'{key}'")
+        missing: list[str] = []
+        partial: list[str] = []
+        for key, tensor in self.targets.items():
+            if names[id(tensor)][0] != f"'{key}'":
+                continue  # a tied tensor's other name
+            sources = self.sources.get(id(tensor), [])
+            covered = sum(p.region(torch.empty(tensor.shape, device="meta")).numel() for _, p in sources)
+            if covered == 0 and tensor.numel() > 0:
+                missing.append(" or ".join(names[id(tensor)]))
+            elif covered != tensor.numel():
+                partial.append(f"'{key}' gets {covered} of its {tensor.numel()} values, from {len(sources)} stored "
+                               f"tensors ({_listed([repr(name) for name, _ in sources])})")
+        problems = []
+        if missing:
+            problems.append(f"missing from the checkpoint: {_listed(missing)}")
         if partial:
             problems.append(f"filled in part: {_listed(partial)}")
-        if problems:
-            raise ValueError(f"the checkpoint at {checkpoint.path} does not match the model; " + "; ".join(problems))
+        return problems
 
     def compute_buffers(self, init_buffers: Callable[[nn.Module], None] | None) -> None:
         """Run ``init_buffers`` on each module with non-persistent buffers, and check that it set

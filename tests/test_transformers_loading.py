@@ -109,11 +109,33 @@ def test_checkpoints_that_do_not_match_name_the_key_and_the_file(tmp_path):
     with pytest.raises(ValueError, match=r"stored but not in the model: 'model\.layers\.9\.mlp\.up_proj\.weight' "
                                          r"\(model\.safetensors\)"):
         load_causal_lm(tmp_path, "cpu")
+    save_file({k: v for k, v in stored.items() if k != "model.layers.0.mlp.up_proj.weight"},
+              tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing from the checkpoint: '1\.layer\.mlp\.up_proj\.weight'"):
+        load_causal_lm(tmp_path, "cpu")
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "intermediate_size": 48}))
     save_file(stored, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.up_proj\.weight' in model\.safetensors has shape "
                                          r"\(64, 32\), the model's '1\.layer\.mlp\.up_proj\.weight' is \(48, 32\)"):
+        load_causal_lm(tmp_path, "cpu")
+
+
+def test_an_expert_missing_from_the_checkpoint(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    build("mixtral").save_pretrained(tmp_path)
+    stored = load_file(tmp_path / "model.safetensors")
+    save_file({k: v for k, v in stored.items() if k != "model.layers.1.block_sparse_moe.experts.2.w3.weight"},
+              tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"filled in part: '2\.layer\.mlp\.experts\.gate_up_proj' gets 14336 of its "
+                                         r"16384 values, from 7 stored tensors \('model\.layers\.1\.block_sparse_moe"):
+        load_causal_lm(tmp_path, "cpu")
+    save_file({**stored, "model.layers.1.block_sparse_moe.experts.4.w3.weight": torch.zeros(64, 32)},
+              tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"'model\.layers\.1\.block_sparse_moe\.experts\.4\.w3\.weight' in "
+                                         r"model\.safetensors has shape \(64, 32\), the model's "
+                                         r"'2\.layer\.mlp\.experts\.gate_up_proj' \(its part\) is outside it"):
         load_causal_lm(tmp_path, "cpu")
 
 
