@@ -181,3 +181,19 @@ def test_peak_memory_is_the_models_host_copies_plus_a_slice_or_two(tmp_path):
     # allocated but not touched before the first forward). Loading then wrapping needs the model
     # twice (472 MB) at least, a state dict as well three times.
     assert growth < measured["host_copies"] + 2 * measured["largest_slice"], measured
+
+
+def test_the_loading_benchmark_smoke_test(tmp_path):
+    # Writes a small checkpoint, loads it both ways in subprocesses (scripts/load_checkpoint.py).
+    ROOT = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "scripts/bench_loading.py", "--dir", str(tmp_path / "model"), "--json", str(tmp_path / "r.json"),
+         "--layers", "2", "--hidden", "256", "--intermediate", "512", "--vocab", "1000", "--repeats", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["checkpoint"]["parameters"] == sum(run["parameters"] for run in result["runs"]) // 2
+    assert {run["method"] for run in result["runs"]} == {"slices", "from_pretrained"}
+    assert all(run["seconds"] > 0 and run["peak_rss_growth_bytes"] > 0 for run in result["runs"])
+    # Both hold the same host copies afterwards.
+    assert len({run["host_copies_bytes"] for run in result["runs"]}) == 1
