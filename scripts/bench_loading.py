@@ -10,7 +10,7 @@ page cache (the figures are then about the loader, not the disk).
 Usage::
 
     python scripts/bench_loading.py --dir DIR --json benchmarks/results/loading_cpu_DATE.json
-        [--layers 14] [--hidden 1536] [--intermediate 4096] [--vocab 32000] [--repeats 2]
+        [--layers 16] [--hidden 1536] [--intermediate 4096] [--vocab 32000] [--repeats 2]
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", type=Path, required=True, help="where the checkpoint is written (kept for reuse)")
     parser.add_argument("--json", type=Path, required=True)
-    parser.add_argument("--layers", type=int, default=14)
+    parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--hidden", type=int, default=1536)
     parser.add_argument("--intermediate", type=int, default=4096)
     parser.add_argument("--vocab", type=int, default=32000)
