@@ -238,7 +238,8 @@ class SliceStorage:
 
     Raises:
         ValueError: for sparse tensors, a tensor registered both as parameter and as buffer, or
-            a buffer that an earlier slice holds.
+            a buffer that an earlier slice holds, or a tensor on the meta device outside
+            :func:`filled_by_caller`.
     """
 
     def __init__(self, layers: Sequence[nn.Module], allocate: Callable[[int], torch.Tensor],
