@@ -85,6 +85,13 @@ def test_a_bfloat16_checkpoint_into_float32_masters_and_a_compute_dtype(kind, de
     _, kept = load_causal_lm(tmp_path, "cpu", dtype="auto")
     assert_same_tensors(kept, from_pretrained(tmp_path, "auto"))
     assert kept.get_input_embeddings().weight.dtype == torch.bfloat16
+    # Without a dtype in config.json: the stored tensors'.
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["dtype"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    _, kept = load_causal_lm(tmp_path, "cpu", dtype="auto")
+    assert_same_tensors(kept, from_pretrained(tmp_path, "auto"))
+    assert kept.get_input_embeddings().weight.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "gemma"])

@@ -71,7 +71,7 @@ def load_causal_lm(
             ``model.safetensors.index.json`` and shards.
         device: the compute device, as for ``OffloadModel``.
         dtype: the dtype of the host copies (the masters): float32 by default, whatever the
-            checkpoint stores; ``"auto"`` keeps the dtype ``config.json`` names.
+            checkpoint stores; ``"auto"`` keeps the dtype ``config.json`` names, else the stored one.
         loss_chunk_tokens: as for ``causal_lm_sequential``.
         options: the other arguments of ``OffloadModel`` (``num_slices``, ``compute_dtype``, ...),
             but ``process_group``.
@@ -92,11 +92,11 @@ def load_causal_lm(
         optimizer = offload.OffloadOptimizer(model, torch.optim.AdamW, lr=1e-5)
     """
     config = AutoConfig.from_pretrained(path)
+    checkpoint = SafetensorsCheckpoint(path)
     if dtype == "auto":
-        dtype = _config_dtype(config)
+        dtype = _auto_dtype(config, checkpoint)
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype or 'auto', got {dtype!r}")
-    checkpoint = SafetensorsCheckpoint(path)
     with torch.device("meta"):
         hf_model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     hf_model.eval()
@@ -106,11 +106,15 @@ def load_causal_lm(
     return model, hf_model
 
 
-def _config_dtype(config: Any) -> torch.dtype:
-    stored = getattr(config, "dtype", None)
-    if isinstance(stored, str):
-        stored = getattr(torch, stored, None)
-    return stored if isinstance(stored, torch.dtype) else torch.float32
+def _auto_dtype(config: Any, checkpoint: SafetensorsCheckpoint) -> torch.dtype:
+    # As from_pretrained(dtype="auto"): the config's dtype, else the stored floating-point tensors'.
+    named = getattr(config, "dtype", None)
+    if isinstance(named, str):
+        named = getattr(torch, named, None)
+    if isinstance(named, torch.dtype):
+        return named
+    stored = [t.dtype for t in checkpoint.tensors.values() if t.dtype.is_floating_point]
+    return stored[0] if stored else torch.get_default_dtype()
 
 
 def _buffer_initialiser(hf_model: nn.Module) -> Callable[[nn.Module], None]:
