@@ -31,10 +31,11 @@ Note: [Glossary]
 __version__ = "0.1.0"
 
 from .autograd.recompute_state import is_recomputing
+from .loading import load_sequential
 from .model import MemoryFootprint, OffloadModel
 from .optimizer import OffloadOptimizer
 from .slice_update import HostUpdateError
 from .streams.collectives import CollectiveError
 
 __all__ = ["CollectiveError", "HostUpdateError", "MemoryFootprint", "OffloadModel", "OffloadOptimizer",
-           "is_recomputing"]
+           "is_recomputing", "load_sequential"]

@@ -32,7 +32,6 @@ ROOT = Path(__file__).resolve().parents[1]
 PENDING_DOCS = frozenset({
     "docs/checkpoints.md",  # saving and resuming training
     "docs/disk-tier.md",  # parameters beyond host memory
-    "docs/loading.md",  # loading a model slice by slice
     "docs/lora.md",  # LoRA and PEFT adapters on an offloaded base
 })
 

@@ -73,7 +73,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
         'offload.integrations.transformers needs Hugging Face transformers 5: pip install -e ".[transformers]"'
     ) from error
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "CausalLMSequential", "causal_lm_sequential"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "CausalLMSequential", "causal_lm_sequential", "load_causal_lm"]
 
 
 @dataclass(frozen=True)
@@ -654,3 +654,7 @@ def causal_lm_sequential(model: nn.Module, *, untie_embeddings: bool = False,
     if untie_embeddings and model.get_output_embeddings().weight is model.get_input_embeddings().weight:
         _untie(model)
     return CausalLMSequential(_stages(model, loss_chunk_tokens), model, loss_chunk_tokens)
+
+
+# Loading from a checkpoint slice by slice lives in a module of its own; it is part of this API.
+from .transformers_loading import load_causal_lm  # noqa: E402  (it imports this module)

@@ -13,7 +13,9 @@ and written back on its own.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+import contextlib
+import contextvars
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +33,24 @@ ALIGN_ELEMENTS = 16
 #: Where the buffers begin, on both sides: a multiple of every entry alignment, so the buffer
 #: region has the same byte layout on the host and on the device (write-backs copy it as bytes).
 BUFFER_REGION_ALIGNMENT = 256
+
+
+#: True while a loader builds slices whose tensors are on the meta device (see
+#: :func:`filled_by_caller`).
+_FILLED_BY_CALLER = contextvars.ContextVar("offload_host_copies_filled_by_caller", default=False)
+
+
+@contextlib.contextmanager
+def filled_by_caller() -> Iterator[None]:
+    """Within this block, a slice's tensors on the meta device get host copies that are laid out
+    and allocated but not written: the caller fills them (``offload/loading.py`` reads them from a
+    checkpoint). The tensors stay the same Python objects, now holding host memory, so tied
+    weights stay tied. Outside it a meta tensor is refused: it has no values to copy."""
+    token = _FILLED_BY_CALLER.set(True)
+    try:
+        yield
+    finally:
+        _FILLED_BY_CALLER.reset(token)
 
 
 def _align(n: int, alignment: int = ALIGNMENT) -> int:
@@ -218,7 +238,8 @@ class SliceStorage:
 
     Raises:
         ValueError: for sparse tensors, a tensor registered both as parameter and as buffer, or
-            a buffer that an earlier slice holds.
+            a buffer that an earlier slice holds, or a tensor on the meta device outside
+            :func:`filled_by_caller`.
     """
 
     def __init__(self, layers: Sequence[nn.Module], allocate: Callable[[int], torch.Tensor],
@@ -284,6 +305,9 @@ class SliceStorage:
         self.grad_nbytes = sum(_align(e.shape.numel() * _itemsize(e.dtype)) for e in self.params)
         self.flat = self.allocate(host_end)
         for entry in self.held:
+            if entry.tensor.is_meta:
+                self._adopt_meta(entry)
+                continue
             view = typed_view(self.flat, entry.host_offset, entry.dtype, entry.shape, entry.stride)
             view.copy_(entry.tensor.detach())
             # Same object, new storage: optimizers and user references keep working.
@@ -296,6 +320,22 @@ class SliceStorage:
         self.shadow_refreshes = 0
         # Ready event of the last load that read the shadow: a refresh must wait for it.
         self.shadow_read: Event | None = None
+
+    def _adopt_meta(self, entry: Entry) -> None:
+        # A meta tensor cannot take host memory through .data (another tensor type): swap the
+        # whole tensor instead, keeping the Python object and its attributes.
+        if not _FILLED_BY_CALLER.get():
+            raise ValueError(
+                f"'{entry.sites[0].name}' of {type(entry.sites[0].module).__name__} is on the meta device and has no "
+                "values to copy; build the model on real memory, or load it from a checkpoint with "
+                "offload.load_sequential (offload.integrations.transformers.load_causal_lm for Hugging Face models)"
+            )
+        tensor = entry.tensor
+        host = alias(self.flat, entry.host_offset, entry.dtype, entry.shape, entry.stride)
+        if isinstance(tensor, nn.Parameter):
+            host = nn.Parameter(host, requires_grad=tensor.requires_grad)
+        host.__dict__.update(tensor.__dict__)
+        torch.utils.swap_tensors(tensor, host)
 
     def shadow_stale(self) -> bool:
         """Whether the shadow must be refreshed before the next load."""

@@ -1,0 +1,181 @@
+"""Hugging Face causal LMs loaded from their safetensors checkpoint straight into an :class:`~offload.OffloadModel`.
+
+:func:`load_causal_lm` is ``from_pretrained`` followed by :func:`~offload.integrations.transformers.causal_lm_sequential`
+and ``OffloadModel``, without the model ever existing outside its host copies (Note: [Loading slice
+by slice] in ``offload/loading.py``). What ``from_pretrained`` does besides reading tensors, it does
+the same way, with transformers' own functions:
+
+- stored names go through the model's conversion mapping (``gpt_neox``'s ``embed_out`` is
+  ``lm_head``; a checkpoint of the base model lacks the ``model.`` prefix), and keys the model
+  says to ignore are skipped;
+- experts stored one by one (Mixtral, Qwen2-MoE, Qwen3-MoE) are read into their place in the
+  stacked expert tensors (the conversion's ``MergeModulelist`` and ``Concatenate``), one expert
+  at a time; other conversions, which would need the whole tensor first, are refused;
+- non-persistent buffers (rotary frequencies, Gemma's embedding scale) are computed by the model's
+  ``_init_weights``, which ``from_pretrained`` runs on them too, once their host memory exists;
+- the model is returned in eval mode, as ``from_pretrained`` returns it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..loading import Placement, build_from_checkpoint
+from ..model import OffloadModel
+from ..safetensors_files import SafetensorsCheckpoint
+from .transformers import CausalLMSequential, causal_lm_sequential
+
+try:
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import (
+        Concatenate,
+        MergeModulelist,
+        WeightConverter,
+        WeightRenaming,
+        rename_source_key,
+    )
+except ImportError as error:  # pragma: no cover - exercised only without the extra installed
+    raise ImportError(
+        'offload.integrations.transformers_loading needs Hugging Face transformers 5: pip install "offload[transformers]"'
+    ) from error
+
+__all__ = ["load_causal_lm"]
+
+
+def load_causal_lm(
+    path: str | os.PathLike[str],
+    device: torch.device | str | int,
+    *,
+    dtype: torch.dtype | str = torch.float32,
+    loss_chunk_tokens: int | None = None,
+    **options: Any,
+) -> tuple[OffloadModel, nn.Module]:
+    """Load a Hugging Face causal LM folder into an ``OffloadModel``, slice by slice.
+
+    Equal to ``from_pretrained(path, dtype=dtype)``, then ``causal_lm_sequential`` and
+    ``OffloadModel``: every parameter and buffer bit for bit, so logits, losses and gradients are
+    too. But only the host copies are ever allocated, and the checkpoint is read tensor by tensor
+    into them (Note: [Loading slice by slice] in ``offload/loading.py``): peak memory is what
+    ``memory_footprint()`` reports afterwards plus one tensor when ``dtype`` differs from the
+    checkpoint's, instead of the model twice or more.
+
+    Args:
+        path: a model folder: ``config.json`` and ``model.safetensors``, or a sharded checkpoint's
+            ``model.safetensors.index.json`` and shards.
+        device: the compute device, as for ``OffloadModel``.
+        dtype: the dtype of the host copies (the masters): float32 by default, whatever the
+            checkpoint stores; ``"auto"`` keeps the dtype ``config.json`` names, else the stored one.
+        loss_chunk_tokens: as for ``causal_lm_sequential``.
+        options: the other arguments of ``OffloadModel`` (``num_slices``, ``compute_dtype``, ...),
+            but ``process_group``.
+
+    Returns:
+        ``(model, hf_model)``: the ``OffloadModel`` and the Hugging Face model, in eval mode, whose
+        modules the stages share (``hf_model.save_pretrained`` writes the trained weights).
+
+    Raises:
+        ValueError: a checkpoint that does not match the model (missing, unexpected or misshapen
+            keys, each named with its file), stored tensors that need a conversion other than
+            stacking experts, or what ``causal_lm_sequential`` refuses.
+        FileNotFoundError: no safetensors checkpoint in ``path``.
+
+    Example::
+
+        model, hf = load_causal_lm("path/to/model", device="cuda", num_slices=8, compute_dtype=torch.bfloat16)
+        optimizer = offload.OffloadOptimizer(model, torch.optim.AdamW, lr=1e-5)
+    """
+    config = AutoConfig.from_pretrained(path)
+    checkpoint = SafetensorsCheckpoint(path)
+    if dtype == "auto":
+        dtype = _auto_dtype(config, checkpoint)
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype or 'auto', got {dtype!r}")
+    with torch.device("meta"):
+        hf_model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    hf_model.eval()
+    layers = causal_lm_sequential(hf_model, loss_chunk_tokens=loss_chunk_tokens)
+    model = build_from_checkpoint(layers, checkpoint, device, init_buffers=_buffer_initialiser(hf_model),
+                                  place=_placement(hf_model, layers), **options)
+    return model, hf_model
+
+
+def _auto_dtype(config: Any, checkpoint: SafetensorsCheckpoint) -> torch.dtype:
+    # As from_pretrained(dtype="auto"): the config's dtype, else the stored floating-point tensors'.
+    named = getattr(config, "dtype", None)
+    if isinstance(named, str):
+        named = getattr(torch, named, None)
+    if isinstance(named, torch.dtype):
+        return named
+    stored = [t.dtype for t in checkpoint.tensors.values() if t.dtype.is_floating_point]
+    return stored[0] if stored else torch.get_default_dtype()
+
+
+def _buffer_initialiser(hf_model: nn.Module) -> Callable[[nn.Module], None]:
+    def init_buffers(module: nn.Module) -> None:
+        # _init_weights sets a module's parameters too; transformers' init functions skip tensors
+        # flagged as initialised, which the parameters are about to be (from the checkpoint).
+        unflagged = [p for p in module.parameters(recurse=False) if not getattr(p, "_is_hf_initialized", False)]
+        for param in unflagged:
+            param._is_hf_initialized = True
+        try:
+            hf_model._init_weights(module)
+        finally:
+            for param in unflagged:
+                del param._is_hf_initialized
+
+    return init_buffers
+
+
+def _placement(hf_model: nn.Module, layers: CausalLMSequential) -> Callable[[str], Placement | None]:
+    """Where each stored name goes: through the model's renamings and converters to its Hugging
+    Face key, then to the stages' key."""
+    to_stage = {layers.hf_name(key): key for key, _ in (*layers.named_parameters(remove_duplicate=False),
+                                                         *layers.named_buffers(remove_duplicate=False))}
+    transforms = get_model_conversion_mapping(hf_model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    meta_state = hf_model.state_dict()
+    ignored = [re.compile(pattern) for pattern in (getattr(hf_model, "_keys_to_ignore_on_load_unexpected", None) or ())]
+
+    def place(stored_name: str) -> Placement | None:
+        name, pattern = rename_source_key(stored_name, renamings, converters, hf_model.base_model_prefix, meta_state)
+        key = to_stage.get(name)
+        if key is None:
+            # Names nothing: skipped where the model says so (as from_pretrained does, only for
+            # such keys: its patterns match real names too), otherwise reported as unexpected.
+            return None if any(p.search(name) for p in ignored) else Placement(name)
+        if pattern is None:
+            return Placement(key)
+        converter = next(c for c in converters if pattern in c.source_patterns)
+        return Placement(key, _expert_part(converter, pattern, stored_name))
+
+    return place
+
+
+def _expert_part(converter: WeightConverter, pattern: str, stored_name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The view of the stacked tensor that one expert's stored tensor fills, for the conversions
+    that stack experts (``MergeModulelist(dim=0)``) and join the parts of each (``Concatenate(dim=1)``)."""
+    ops = converter.operations
+    stacks = (isinstance(ops[0], MergeModulelist) and ops[0].dim == 0
+              and (len(ops) == 1 or (len(ops) == 2 and isinstance(ops[1], Concatenate) and ops[1].dim == 1)))
+    found = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), stored_name)
+    if not stacks or found is None:
+        raise ValueError(f"'{stored_name}' is stored in a form the model converts on loading ({converter!r}); "
+                         "load_causal_lm reads only experts stored one by one in place. Load this checkpoint with "
+                         "from_pretrained and wrap it with causal_lm_sequential instead")
+    expert = int(found.group(1))
+    parts = len(converter.source_patterns)
+    part = converter.source_patterns.index(pattern)
+
+    def region(stacked: torch.Tensor) -> torch.Tensor:
+        rows = stacked.shape[1] // parts
+        return stacked[expert].narrow(0, part * rows, rows)
+
+    return region

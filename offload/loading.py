@@ -1,0 +1,264 @@
+"""Building an :class:`~offload.OffloadModel` from a safetensors checkpoint, slice by slice.
+
+Note: [Loading slice by slice]
+    Loading a model the ordinary way and then wrapping it holds the model twice at the peak (the
+    loaded module, then its host copies), and a checkpoint read into a state dict a third time.
+    Here the model never exists anywhere but in its host copies:
+
+    1. The layers are built on the meta device: shapes and dtypes, no memory.
+    2. Every stored tensor is matched to a parameter or buffer, and the plan is checked before
+       anything is allocated: a missing or unexpected key, or a shape that differs, is an error
+       naming the key and the file. Tied weights are stored once; any of their names will do.
+    3. ``OffloadModel`` lays the slices out as usual, but each meta tensor gets its place in the
+       slice's (pinned) host buffer without a copy (``filled_by_caller`` in
+       ``offload/streams/host_storage.py``); the tensors stay the same objects, so ties hold.
+    4. Buffers that checkpoints do not store (non-persistent ones: rotary frequencies and the
+       like) are computed on real memory by the caller's ``init_buffers``, as the model's own
+       initialisation does.
+    5. Slice by slice, each stored tensor is read from its file straight into its host copy
+       (``offload/safetensors_files.py``), cast in place when the dtypes differ.
+
+    The process then holds what the model holds anyway (``memory_footprint()``) plus one tensor in
+    flight when a cast is needed: no state dict, no resident memory map of the file.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .model import OffloadModel
+from .safetensors_files import SafetensorsCheckpoint
+from .streams.host_storage import filled_by_caller
+
+#: How many keys an error message lists before it says "and N more".
+_LISTED = 8
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a stored tensor goes: the ``state_dict`` key of the layers' tensor it fills, and the
+    part of that tensor it fills (a function from the tensor to a view of it), or ``None`` for all
+    of it (checkpoints that store one tensor as several, such as experts stored one by one)."""
+
+    key: str
+    part: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def region(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if self.part is None else self.part(tensor)
+
+
+def load_sequential(
+    build: Callable[[], nn.Sequential],
+    checkpoint: str | os.PathLike[str],
+    device: torch.device | str | int,
+    *,
+    dtype: torch.dtype | None = None,
+    init_buffers: Callable[[nn.Module], None] | None = None,
+    **options: Any,
+) -> OffloadModel:
+    """Build an ``OffloadModel`` whose weights come from a safetensors checkpoint, without holding
+    the model in memory twice (Note: [Loading slice by slice]).
+
+    ``build()`` runs on the meta device, so it allocates nothing; the checkpoint must hold
+    exactly the ``state_dict()`` of what it returns (``safetensors.torch.save_file(model.state_dict(),
+    path)`` writes one; tied weights may be stored under any one of their names).
+
+    Args:
+        build: makes the ``nn.Sequential`` (or list of slices); called under
+            ``torch.device("meta")``.
+        checkpoint: a ``.safetensors`` file, or a folder with ``model.safetensors`` or a
+            sharded checkpoint's ``model.safetensors.index.json``.
+        device: the compute device, as for ``OffloadModel``.
+        dtype: the dtype of the floating-point host copies (float32 masters, say, from a bfloat16
+            checkpoint); ``None`` keeps what ``build`` makes. Values are cast as they are read.
+        init_buffers: computes the non-persistent buffers that checkpoints do not store; called
+            once for each module that registers one, after its host memory exists and before
+            anything is read. Required when there are such buffers.
+        options: the other arguments of ``OffloadModel`` (``num_slices``, ``compute_dtype``, ...),
+            but ``process_group``: ranks would exchange values before they are read.
+
+    Returns:
+        The ``OffloadModel``, its parameters filled from the checkpoint.
+
+    Raises:
+        ValueError: a parameter or persistent buffer missing from the checkpoint, a stored tensor
+            that names none, a shape that differs (each names the key and file), non-persistent
+            buffers without ``init_buffers``, or ``process_group`` among ``options``.
+        FileNotFoundError: no safetensors checkpoint at ``checkpoint``.
+
+    Example::
+
+        def build():
+            return nn.Sequential(*(nn.Linear(4096, 4096) for _ in range(32)))
+
+        model = offload.load_sequential(build, "weights.safetensors", device="cuda", num_slices=8)
+    """
+    with torch.device("meta"):
+        layers = build()
+    return build_from_checkpoint(layers, SafetensorsCheckpoint(checkpoint), device, dtype=dtype,
+                                 init_buffers=init_buffers, **options)
+
+
+def build_from_checkpoint(
+    layers: nn.Sequential,
+    checkpoint: SafetensorsCheckpoint,
+    device: torch.device | str | int,
+    *,
+    dtype: torch.dtype | None = None,
+    init_buffers: Callable[[nn.Module], None] | None = None,
+    place: Callable[[str], Placement | None] | None = None,
+    **options: Any,
+) -> OffloadModel:
+    """:func:`load_sequential` on layers already built on the meta device, with ``place`` saying
+    where each stored tensor goes (``None``: nowhere, it is skipped); by default the stored name is
+    the ``state_dict`` key."""
+    if "process_group" in options:
+        raise ValueError("load_sequential builds a single-process model: load it on every rank without a "
+                         "process_group (each reads the same checkpoint)")
+    if dtype is not None:
+        layers.to(dtype)  # on the meta device: only the dtypes change
+    plan = _Plan(layers, checkpoint, place or Placement)
+    if plan.buffer_owners and init_buffers is None:
+        names = [f"'{name}'" for name in sorted(plan.non_persistent)]
+        raise ValueError(f"the model has non-persistent buffers, which checkpoints do not store ({_listed(names)}); "
+                         "pass init_buffers=fn, called with each module that registers one, to compute them")
+    with filled_by_caller():
+        model = OffloadModel(layers, device, **options)
+    plan.compute_buffers(init_buffers)
+    plan.read(model)
+    return model
+
+
+class _Plan:
+    """Which stored tensors fill which of the layers' tensors, checked against the layers before
+    anything is allocated."""
+
+    def __init__(self, layers: nn.Module, checkpoint: SafetensorsCheckpoint,
+                 place: Callable[[str], Placement | None]) -> None:
+        self.checkpoint = checkpoint
+        #: state_dict key -> parameter or persistent buffer (every name of a tied tensor)
+        self.targets: dict[str, torch.Tensor] = {}
+        #: state_dict-style key -> non-persistent buffer: not stored, computed by init_buffers
+        self.non_persistent: dict[str, torch.Tensor] = {}
+        #: the modules that register non-persistent buffers, each once
+        self.buffer_owners: list[nn.Module] = []
+        #: id of a target -> the stored tensors that fill it, and where
+        self.sources: dict[int, list[tuple[str, Placement]]] = {}
+        self._collect(layers)
+        problems = [*self._match(place), *self._coverage()]
+        if problems:
+            raise ValueError(f"the checkpoint at {checkpoint.path} does not match the model; " + "; ".join(problems))
+
+    def _collect(self, layers: nn.Module) -> None:
+        for prefix, module in layers.named_modules(remove_duplicate=False):
+            dot = f"{prefix}." if prefix else ""
+            for name, param in module._parameters.items():
+                if param is not None:
+                    self.targets[dot + name] = param
+            owns = False
+            for name, buffer in module._buffers.items():
+                if buffer is None:
+                    continue
+                if name in module._non_persistent_buffers_set:
+                    self.non_persistent[dot + name] = buffer
+                    owns = True
+                else:
+                    self.targets[dot + name] = buffer
+            if owns and all(module is not m for m in self.buffer_owners):
+                self.buffer_owners.append(module)
+
+    def _match(self, place: Callable[[str], Placement | None]) -> list[str]:
+        """Give each stored tensor its target; describe what does not fit."""
+        unexpected: list[str] = []
+        mismatched: list[str] = []
+        for stored_name, stored in self.checkpoint.tensors.items():
+            placement = place(stored_name)
+            if placement is None or placement.key in self.non_persistent:
+                continue  # computed, not read (old checkpoints store rotary frequencies)
+            target = self.targets.get(placement.key)
+            if target is None:
+                unexpected.append(f"'{stored_name}' ({stored.file.name})")
+                continue
+            try:
+                region = placement.region(torch.empty(target.shape, device="meta"))
+            except (IndexError, RuntimeError):  # a part outside the tensor (an expert too many)
+                region = None
+            if region is None or region.shape != stored.shape:
+                mismatched.append(f"'{stored_name}' in {stored.file.name} has shape {tuple(stored.shape)}, the model's "
+                                  f"'{placement.key}'{'' if placement.part is None else ' (its part)'} is "
+                                  f"{'outside it' if region is None else tuple(region.shape)}")
+                continue
+            self.sources.setdefault(id(target), []).append((stored_name, placement))
+        problems = []
+        if unexpected:
+            problems.append(f"stored but not in the model: {_listed(unexpected)}")
+        if mismatched:
+            problems.append(f"shapes differ: {_listed(mismatched)}")
+        return problems
+
+    def _coverage(self) -> list[str]:
+        """Check that the stored tensors fill every target exactly once (a tied one under any name)."""
+        names: dict[int, list[str]] = {}
+        for key, tensor in self.targets.items():
+            names.setdefault(id(tensor), []).append(f"'{key}'")
+        missing: list[str] = []
+        partial: list[str] = []
+        for key, tensor in self.targets.items():
+            if names[id(tensor)][0] != f"'{key}'":
+                continue  # a tied tensor's other name
+            sources = self.sources.get(id(tensor), [])
+            covered = sum(p.region(torch.empty(tensor.shape, device="meta")).numel() for _, p in sources)
+            if covered == 0 and tensor.numel() > 0:
+                missing.append(" or ".join(names[id(tensor)]))
+            elif covered != tensor.numel():
+                partial.append(f"'{key}' gets {covered} of its {tensor.numel()} values, from {len(sources)} stored "
+                               f"tensors ({_listed([repr(name) for name, _ in sources])})")
+        problems = []
+        if missing:
+            problems.append(f"missing from the checkpoint: {_listed(missing)}")
+        if partial:
+            problems.append(f"filled in part: {_listed(partial)}")
+        return problems
+
+    def compute_buffers(self, init_buffers: Callable[[nn.Module], None] | None) -> None:
+        """Run ``init_buffers`` on each module with non-persistent buffers, and check that it set
+        every floating-point one (they start as NaN: fresh host memory holds whatever was there)."""
+        if init_buffers is None:
+            return
+        with torch.no_grad():
+            for buffer in self.non_persistent.values():
+                buffer.fill_(float("nan") if buffer.is_floating_point() else 0)
+            for module in self.buffer_owners:
+                init_buffers(module)
+            unset = [f"'{name}'" for name, buffer in self.non_persistent.items()
+                     if buffer.is_floating_point() and bool(buffer.isnan().any())]
+        if unset:
+            raise ValueError(f"init_buffers left non-persistent buffers unset (NaN): {_listed(unset)}")
+
+    def read(self, model: OffloadModel) -> None:
+        """Read every stored tensor into its host copy, slice after slice."""
+        done: set[int] = set()
+        with torch.no_grad():
+            for names in model.partition:
+                for name in names:
+                    for tensor in _tensors(model._modules[name]):
+                        if id(tensor) in done:
+                            continue
+                        done.add(id(tensor))
+                        for stored_name, placement in self.sources.get(id(tensor), ()):
+                            self.checkpoint.read_into(stored_name, placement.region(tensor.detach()))
+
+
+def _tensors(module: nn.Module) -> list[torch.Tensor]:
+    return [*module.parameters(), *module.buffers()]
+
+
+def _listed(items: list[str]) -> str:
+    shown = ", ".join(items[:_LISTED])
+    return shown if len(items) <= _LISTED else f"{shown} and {len(items) - _LISTED} more"

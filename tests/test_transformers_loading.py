@@ -1,0 +1,206 @@
+"""``offload.integrations.transformers.load_causal_lm`` against ``from_pretrained`` followed by
+``causal_lm_sequential`` and ``OffloadModel``: every parameter and buffer, logits, losses and
+gradients bit for bit, for every supported family, from sharded checkpoints written here with
+``save_pretrained``; and the peak memory of loading, measured in a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from offload import OffloadModel
+
+from .helpers import DEVICES, assert_same_grads
+from .test_transformers import EXACT, FAMILIES, TIED_BY_DEFAULT, batch, both_backward, build
+
+transformers = pytest.importorskip("transformers")
+from offload.integrations.transformers import causal_lm_sequential, load_causal_lm  # noqa: E402
+
+#: Shards of a few kilobytes: the small models below are cut into several files.
+SHARD = "20KB"
+
+
+def from_pretrained(path: Path, dtype: torch.dtype | str = torch.float32) -> torch.nn.Module:
+    transformers.logging.set_verbosity_error()  # the tiny shards and configs draw warnings
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+
+
+def tensors_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+
+
+def assert_same_tensors(got: torch.nn.Module, want: torch.nn.Module) -> None:
+    mine, theirs = tensors_of(got), tensors_of(want)
+    assert mine.keys() == theirs.keys()
+    for name, tensor in theirs.items():
+        assert mine[name].dtype == tensor.dtype, name
+        torch.testing.assert_close(mine[name], tensor, **EXACT, msg=name)
+
+
+CASES = [pytest.param(kind, False, id=kind) for kind in FAMILIES] + [
+    pytest.param(kind, True, id=f"{kind}-tied") for kind in TIED_BY_DEFAULT]
+
+
+@pytest.mark.parametrize("kind,tied", CASES)
+def test_every_tensor_and_the_training_step_equal_from_pretrained(kind, tied, tmp_path):
+    build(kind, tied=tied).save_pretrained(tmp_path, max_shard_size=SHARD)
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    reference = from_pretrained(tmp_path)
+    model, hf = load_causal_lm(tmp_path, "cpu", num_slices=3)
+    # Rotary tables and embedding scales (not stored) included, and the same modes.
+    assert_same_tensors(hf, reference)
+    assert hf.training == reference.training
+    tied_here = hf.get_output_embeddings().weight is hf.get_input_embeddings().weight
+    assert tied_here == tied == (reference.get_output_embeddings().weight is reference.get_input_embeddings().weight)
+    wrapped = OffloadModel(causal_lm_sequential(reference), "cpu", num_slices=3)
+    assert model.partition == wrapped.partition
+    assert model.memory_footprint() == wrapped.memory_footprint()
+    hf.train()
+    reference.train()
+    inputs = batch()
+    labels = inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)
+    got_logits, want_logits = both_backward(hf, reference, model, inputs, labels)
+    torch.testing.assert_close(got_logits, want_logits, **EXACT)
+    assert_same_grads(hf, reference, **EXACT)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["llama", "gemma3_text", "mixtral"])
+def test_a_bfloat16_checkpoint_into_float32_masters_and_a_compute_dtype(kind, device, tmp_path):
+    build(kind, dropout=0.0).to(torch.bfloat16).save_pretrained(tmp_path, max_shard_size=SHARD)
+    reference = from_pretrained(tmp_path, torch.float32)
+    model, hf = load_causal_lm(tmp_path, device, num_slices=2, compute_dtype=torch.bfloat16)
+    assert_same_tensors(hf, reference)
+    wrapped = OffloadModel(causal_lm_sequential(reference), device, num_slices=2, compute_dtype=torch.bfloat16)
+    inputs = batch(device)
+    torch.testing.assert_close(model(inputs), wrapped(inputs), **EXACT)
+    # "auto": the dtype config.json names, as from_pretrained(dtype="auto").
+    _, kept = load_causal_lm(tmp_path, "cpu", dtype="auto")
+    assert_same_tensors(kept, from_pretrained(tmp_path, "auto"))
+    assert kept.get_input_embeddings().weight.dtype == torch.bfloat16
+    # Without a dtype in config.json: the stored tensors'.
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["dtype"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    _, kept = load_causal_lm(tmp_path, "cpu", dtype="auto")
+    assert_same_tensors(kept, from_pretrained(tmp_path, "auto"))
+    assert kept.get_input_embeddings().weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "gemma"])
+def test_a_base_models_checkpoint_without_the_prefix(kind, tmp_path):
+    # A tied model's decoder alone holds all its weights: stored names lack "model." / "transformer.".
+    build(kind, tied=True).base_model.save_pretrained(tmp_path)
+    model, hf = load_causal_lm(tmp_path, "cpu", num_slices=2)
+    assert_same_tensors(hf, from_pretrained(tmp_path))
+
+
+def test_checkpoints_that_do_not_match_name_the_key_and_the_file(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    build("llama").save_pretrained(tmp_path)
+    stored = load_file(tmp_path / "model.safetensors")
+    save_file({k: v for k, v in stored.items() if k != "model.layers.1.mlp.up_proj.weight"},
+              tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing from the checkpoint: '2\.layer\.mlp\.up_proj\.weight'"):
+        load_causal_lm(tmp_path, "cpu")
+    save_file({**stored, "model.layers.9.mlp.up_proj.weight": torch.zeros(1)}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"stored but not in the model: 'model\.layers\.9\.mlp\.up_proj\.weight' "
+                                         r"\(model\.safetensors\)"):
+        load_causal_lm(tmp_path, "cpu")
+    save_file({k: v for k, v in stored.items() if k != "model.layers.0.mlp.up_proj.weight"},
+              tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing from the checkpoint: '1\.layer\.mlp\.up_proj\.weight'"):
+        load_causal_lm(tmp_path, "cpu")
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "intermediate_size": 48}))
+    save_file(stored, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.up_proj\.weight' in model\.safetensors has shape "
+                                         r"\(64, 32\), the model's '1\.layer\.mlp\.up_proj\.weight' is \(48, 32\)"):
+        load_causal_lm(tmp_path, "cpu")
+
+
+def test_an_expert_missing_from_the_checkpoint(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    build("mixtral").save_pretrained(tmp_path)
+    stored = load_file(tmp_path / "model.safetensors")
+    save_file({k: v for k, v in stored.items() if k != "model.layers.1.block_sparse_moe.experts.2.w3.weight"},
+              tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"filled in part: '2\.layer\.mlp\.experts\.gate_up_proj' gets 14336 of its "
+                                         r"16384 values, from 7 stored tensors \('model\.layers\.1\.block_sparse_moe"):
+        load_causal_lm(tmp_path, "cpu")
+    save_file({**stored, "model.layers.1.block_sparse_moe.experts.4.w3.weight": torch.zeros(64, 32)},
+              tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"'model\.layers\.1\.block_sparse_moe\.experts\.4\.w3\.weight' in "
+                                         r"model\.safetensors has shape \(64, 32\), the model's "
+                                         r"'2\.layer\.mlp\.experts\.gate_up_proj' \(its part\) is outside it"):
+        load_causal_lm(tmp_path, "cpu")
+
+
+# -- peak memory --------------------------------------------------------------------------------
+
+MEASURE = textwrap.dedent("""
+    import json, resource, sys, torch
+    from offload.integrations.transformers import load_causal_lm
+
+    def rss():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+
+    before = rss()
+    model, hf = load_causal_lm(sys.argv[1], "cpu", num_slices=8)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    footprint = model.memory_footprint()
+    print(json.dumps({"before": before, "peak": peak, "after": rss(),
+                      "host_copies": footprint.host_copies + footprint.host_shadows,
+                      "largest_slice": max(s.storage.host_nbytes for s in model._engine.slices)}))
+""")
+
+WRITE = textwrap.dedent("""
+    import sys, torch, transformers
+    config = transformers.LlamaConfig(hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                                      num_attention_heads=8, num_key_value_heads=8, vocab_size=32000)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(sys.argv[1], max_shard_size="100MB")
+""")
+
+
+def test_peak_memory_is_the_models_host_copies_plus_a_slice_or_two(tmp_path):
+    # A 59 M parameter Llama: 236 MB in float32, three shards; measured in a fresh process.
+    ROOT = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "-c", WRITE, str(tmp_path)], cwd=ROOT, check=True, timeout=300,
+                   capture_output=True)
+    done = subprocess.run([sys.executable, "-c", MEASURE, str(tmp_path)], cwd=ROOT, timeout=300,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    measured = json.loads(done.stdout.splitlines()[-1])
+    growth = measured["peak"] - measured["before"]
+    assert measured["host_copies"] > 230e6
+    # The host copies and at most two slices more (the device slots, on the CPU here, are
+    # allocated but not touched before the first forward). Loading then wrapping needs the model
+    # twice (472 MB) at least, a state dict as well three times.
+    assert growth < measured["host_copies"] + 2 * measured["largest_slice"], measured
+
+
+def test_the_loading_benchmark_smoke_test(tmp_path):
+    # Writes a small checkpoint, loads it both ways in subprocesses (scripts/load_checkpoint.py).
+    ROOT = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "scripts/bench_loading.py", "--dir", str(tmp_path / "model"), "--json", str(tmp_path / "r.json"),
+         "--layers", "2", "--hidden", "256", "--intermediate", "512", "--vocab", "1000", "--repeats", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["checkpoint"]["parameters"] == sum(run["parameters"] for run in result["runs"]) // 2
+    assert {run["method"] for run in result["runs"]} == {"slices", "from_pretrained"}
+    assert all(run["seconds"] > 0 and run["peak_rss_growth_bytes"] > 0 for run in result["runs"])
+    # Both hold the same host copies afterwards.
+    assert len({run["host_copies_bytes"] for run in result["runs"]}) == 1
