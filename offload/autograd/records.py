@@ -113,7 +113,8 @@ class ForwardRecords:
         self.engine = engine
         self.count = count
         self.checkpoint = checkpoint
-        self.grid: list[list[Record | None]] = [[None] * count for _ in range(engine.num_slices)]
+        self.num_slices = engine.num_slices
+        self.grid: list[list[Record | None]] = [[None] * count for _ in range(self.num_slices)]
         # Always one tensor, so that a second backward without retain_graph meets autograd's own
         # "freed" error even when nothing else was saved.
         self._saved: list[torch.Tensor] | None = [torch.empty(0)]
@@ -124,7 +125,7 @@ class ForwardRecords:
         self._attributes: AttributeTracker | None = None
 
     def keeps_graph(self, i: int, m: int) -> bool:
-        return not self.checkpoint or (i == self.engine.num_slices - 1 and m == self.count - 1)
+        return not self.checkpoint or (i == self.num_slices - 1 and m == self.count - 1)
 
     # -- forward: writing ------------------------------------------------------------------------
 
@@ -136,7 +137,7 @@ class ForwardRecords:
     def checkpoint_boundary(self, i: int, m: int, leaves: Sequence[Any], spec: TreeSpec,
                             requires: list[bool]) -> None:
         """Keep what enters slice ``i`` on microbatch ``m`` if that run is checkpointed."""
-        if i < self.engine.num_slices and not self.keeps_graph(i, m):
+        if i < self.num_slices and not self.keeps_graph(i, m):
             self.grid[i][m] = Checkpoint([self._saved_leaf(x) for x in leaves], spec, requires)
 
     def _saved_leaf(self, leaf: Any) -> SavedLeaf:
