@@ -45,8 +45,9 @@ class Slice:
                 inputs = layer(inputs)
             except Exception as error:
                 # A note says where (PEP 678); the exception itself, type included, is the layer's.
-                if hasattr(error, "add_note"):  # Python 3.11 and later
-                    error.add_note(f"in layer {name} ({type(layer).__name__}) of OffloadModel slice {self.index}")
+                note = f"in layer {name} ({type(layer).__name__}) of OffloadModel slice {self.index}"
+                if hasattr(error, "add_note") and note not in getattr(error, "__notes__", ()):  # Python 3.11+
+                    error.add_note(note)
                 raise
         return inputs
 

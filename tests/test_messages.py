@@ -45,10 +45,11 @@ def test_a_layers_error_keeps_its_type_and_notes_the_layer_and_slice(error):
     model = OffloadModel(nn.Sequential(nn.Linear(4, 8), nn.GELU(), Fails(error), nn.Linear(8, 2)), device="cpu",
                          num_slices=2)
     assert model.partition == (("0", "1"), ("2", "3"))
-    with pytest.raises(type(error)) as info:
-        model(torch.randn(3, 4))
-    assert info.value is error
-    assert info.value.__notes__ == ["in layer 2 (Fails) of OffloadModel slice 1"]
+    for _ in range(2):  # the layer raises the same exception again: one note, not two
+        with pytest.raises(type(error)) as info:
+            model(torch.randn(3, 4))
+        assert info.value is error
+        assert info.value.__notes__ == ["in layer 2 (Fails) of OffloadModel slice 1"]
 
 
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes (PEP 678) need Python 3.11")
