@@ -28,10 +28,11 @@ Note: [Glossary]
 """
 
 from .autograd.recompute_state import is_recomputing
+from .disk_tier import DiskTier, DiskTierError
 from .model import MemoryFootprint, OffloadModel
 from .optimizer import OffloadOptimizer
 from .slice_update import HostUpdateError
 from .streams.collectives import CollectiveError
 
-__all__ = ["CollectiveError", "HostUpdateError", "MemoryFootprint", "OffloadModel", "OffloadOptimizer",
-           "is_recomputing"]
+__all__ = ["CollectiveError", "DiskTier", "DiskTierError", "HostUpdateError", "MemoryFootprint", "OffloadModel",
+           "OffloadOptimizer", "is_recomputing"]
