@@ -174,7 +174,10 @@ def _goes_to_disk(value: Any) -> bool:
 
 
 def _size(nbytes: int) -> str:
-    return f"{nbytes / 2**20:.1f} MiB" if nbytes < 2**30 else f"{nbytes / 2**30:.2f} GiB"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} bytes"
 
 
 class StateTier:
@@ -359,8 +362,8 @@ class StateTier:
     # -- the caller's side ---------------------------------------------------------------------------
 
     def flush(self, when: str = "wait") -> None:
-        """Wait for every write; raise a write failure not raised yet, and otherwise write held
-        state again (see Note: [Disk tier failures]).
+        """Wait for every write; raise a write failure not raised yet; at the start of ``step()``,
+        write held state again first, and raise if it still fails (see Note: [Disk tier failures]).
 
         Args:
             when: ``"step"`` at the start of ``step()`` (which then updates nothing), ``"load"``
@@ -376,6 +379,8 @@ class StateTier:
         if not held:
             return
         if all(r.reported for r in held):
+            if when != "step":
+                return  # raised once already: held state stays readable (state_dict() still works)
             for record in held:
                 self._write(record)
             held = [r for r in held if r.place is Place.HELD]
@@ -384,6 +389,12 @@ class StateTier:
         for record in held:
             record.reported = True
         raise DiskTierError(self._failure_message(held, when))
+
+    def forget(self) -> None:
+        """``optimizer.state`` was replaced (loaded): what the files hold is no longer the state."""
+        for record in self.records.values():
+            record.place, record.layout, record.buffer, record.dirty = Place.RAM, None, None, False
+            record.write_error, record.reported = None, True
 
     def _failure_message(self, held: list[SliceRecord], when: str) -> str:
         first = held[0].write_error

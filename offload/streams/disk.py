@@ -23,7 +23,7 @@ Note: [Direct I/O engine]
       (DeepSpeed's AIO op, kvikio / GPUDirect Storage) are large, build native code, and are not
       dependencies of this library; the standard library is.
     - Where the filesystem refuses ``O_DIRECT`` (tmpfs, some network filesystems: ``EINVAL``),
-      files are opened for buffered I/O instead and a warning says so once per directory.
+      files are opened for buffered I/O instead and a warning says so once per filesystem.
 
     Transfers are split into chunks of :data:`CHUNK` bytes (the kernel moves at most about 2 GiB
     per call); a short transfer is continued, and any ``OSError`` is raised naming the file.
@@ -48,7 +48,7 @@ PAGE = 4096
 CHUNK = 64 << 20
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
-_warned: set[str] = set()
+_warned: set[int] = set()  # filesystems (st_dev) warned about
 _warned_lock = threading.Lock()
 
 
@@ -90,7 +90,7 @@ class DiskCounters:
 
 def direct_io_supported(directory: Path) -> bool:
     """Whether files in ``directory`` can be opened with ``O_DIRECT`` and read and written through
-    it; if not, warn once per directory that the tier falls back to buffered I/O."""
+    it; if not, warn once per filesystem that the tier falls back to buffered I/O."""
     if not _O_DIRECT:
         supported = False
     else:
@@ -115,9 +115,10 @@ def direct_io_supported(directory: Path) -> bool:
                 os.close(fd)
         probe.unlink(missing_ok=True)
     if not supported:
+        filesystem = os.stat(directory).st_dev
         with _warned_lock:
-            first = str(directory) not in _warned
-            _warned.add(str(directory))
+            first = filesystem not in _warned
+            _warned.add(filesystem)
         if first:
             warnings.warn(
                 f"the filesystem of {directory} does not take direct I/O (O_DIRECT): the disk tier uses "

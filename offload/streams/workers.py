@@ -124,6 +124,8 @@ class HostWorker:
                     work()
                 except BaseException as raised:  # noqa: BLE001 - handed to the caller's thread
                     error = raised
+            # Hold nothing of finished work while waiting for the next: it may keep its owner alive.
+            item = work = None  # type: ignore[assignment]
             with self._condition:
                 if error is not None:
                     self._error = error
