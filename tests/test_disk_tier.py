@@ -154,6 +154,22 @@ def test_ram_holds_a_window_of_three_slices(tmp_path):
     assert counters.write_bytes == 3 * 6 * per_slice
 
 
+def test_a_window_buffer_is_read_into_only_after_its_write(tmp_path, monkeypatch):
+    # Slow writes, six slices in a window of three: slice 3's read must wait for slice 0's write
+    # from the same buffer, or slice 0's file would get slice 3's state.
+    real = os.pwritev
+
+    def slow(fd, buffers, offset):
+        threading.Event().wait(0.05)
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(disk.os, "pwritev", slow)
+    runs = trio(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, tmp_path, num_slices=6)
+    train(runs[1:], 3)
+    (_, _), (ram_model, ram), (model, optimizer) = runs
+    assert_same(ram_model, ram, model, optimizer)
+
+
 class Held(torch.optim.SGD):
     """SGD whose update of one slice waits until the disk tier has read the next slice's state and
     written the previous one's: possible only if reads and writes run beside the update."""
@@ -248,7 +264,9 @@ def test_a_full_disk_is_a_clear_error_and_the_next_step_works(tmp_path, monkeypa
 
 
 def test_a_failed_write_raised_by_step_leaves_every_slice_updated(tmp_path, monkeypatch):
-    runs = trio(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, tmp_path)
+    # Five slices: slice 3 is read into the window buffer slice 0 was written from, which must
+    # not overwrite slice 0's held state.
+    runs = trio(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, tmp_path, num_slices=5)
     (_, _), (ram_model, ram), (model, optimizer) = runs
     train(runs[1:], 2)
     optimizer.synchronize()  # the writes of those steps are done
