@@ -91,8 +91,8 @@ class DiskTier:
         path: a directory on a local disk (an NVMe drive at best). Each optimizer makes a fresh
             directory inside it (``offload-state-*``), so several optimizers and processes can share
             ``path``.
-        keep: leave the files when the optimizer is closed or garbage-collected, with a
-            ``manifest.json`` describing their layout (for inspection; resume from
+        keep: leave the files when the optimizer is closed or garbage-collected; ``close()`` also
+            writes a ``manifest.json`` describing their layout (for inspection; resume from
             ``optimizer.state_dict()``). Default: removed.
         direct: use direct I/O (``O_DIRECT``) where the filesystem takes it. With ``False`` the
             page cache keeps a second copy of the state in RAM (it can be reclaimed, but it is
@@ -442,6 +442,7 @@ class StateTier:
 
     def add_to_state_dict(self, packed: dict[str, Any], index_of: dict[int, int]) -> None:
         """Put the state on disk into a packed ``state_dict()``, one slice at a time."""
+        self._check_open()
         state = packed["state"]
         for record in self.records.values():
             for param, tensors in self.state_of(record).items():
@@ -496,6 +497,11 @@ class StateTier:
             (self.directory / "manifest.json").write_text(json.dumps(self.manifest(index_of), indent=1))
         self.closed = True
         self._finalizer()
+        # Nothing left to hold: the window goes, and memory_footprint() counts no disk bytes.
+        self._window = [WindowSlot() for _ in range(WINDOW)]
+        for record in self.records.values():
+            record.buffer = None
+            record.place = Place.RAM
 
 
 def _remove(directory: Path, files: list[StateFile], keep: bool, workers: list[HostWorker]) -> None:

@@ -6,8 +6,9 @@ Four measurements, written to one JSON file:
 1. **The raw disk.** Sequential direct-I/O (``O_DIRECT``) write, then read, of one file of
    ``--raw-gib`` GiB (default 2) in ``--dir``, in chunks of 64 MiB from one page-aligned buffer,
    the file preallocated first as the tier's are: ``disk_write_gbps`` and ``disk_read_gbps``
-   (GB/s, 1 GB = 1e9 bytes; the fastest of ``--raw-rounds``). Also both at once (one thread writing one file while another reads
-   a second): ``disk_mixed_*``, what the tier's reader and writer share during a step.
+   (GB/s, 1 GB = 1e9 bytes; the fastest of ``--raw-rounds``). Also both at once (one thread
+   writing one file while another reads a second): ``disk_mixed_*``, what the tier's reader and
+   writer share during a step.
 2. **The tier during steps.** An MLP of ``--params`` float32 parameters in ``--slices`` slices,
    trained with ``OffloadOptimizer(torch.optim.AdamW, fused=True, disk_tier=DIR)`` for
    ``--steps`` steps (the first writes the state, the others read and write it). The tier's read
@@ -152,7 +153,8 @@ def train_steps(args: argparse.Namespace) -> dict[str, Any]:
     footprint = model.memory_footprint()
     state_in_ram = sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
                        if isinstance(v, torch.Tensor))
-    host = footprint.host_copies + footprint.host_shadows + footprint.host_pool + state_in_ram + footprint.host_disk_window
+    host = (footprint.host_copies + footprint.host_shadows + footprint.host_pool + state_in_ram
+            + footprint.host_disk_window)
     result: dict[str, Any] = {
         "parameters": parameters, "num_slices": args.slices, "steps": args.steps,
         "median_step_s": statistics.median(step_s[1:]) if len(step_s) > 1 else step_s[0],
@@ -250,7 +252,8 @@ def main() -> None:
     print(f"{on_disk['parameters'] / 1e6:.0f} M parameters, {args.slices} slices, fused AdamW, {args.steps} steps:")
     for name, run in (("state in RAM", in_ram), ("state on disk", on_disk)):
         print(f"  {name:14s} {run['host_bytes_per_param']:5.2f} host bytes/parameter (RSS growth: peak "
-              f"{run['rss_growth_bytes_per_param']:5.2f}, after the steps {run['rss_growth_after_steps_bytes_per_param']:5.2f}), "
+              f"{run['rss_growth_bytes_per_param']:5.2f}, after the steps "
+              f"{run['rss_growth_after_steps_bytes_per_param']:5.2f}), "
               f"{run['median_step_s']:.2f} s/step")
     fractions = {
         "tier_read_fraction": on_disk["tier_read_gbps"] / raw["disk_read_gbps"],

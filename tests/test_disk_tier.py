@@ -344,9 +344,13 @@ def test_files_are_unique_and_removed(tmp_path):
     # close() removes the files; the context manager does; so does garbage collection.
     made[0][1].close()
     assert not directories[0].exists() and directories[1].exists()
+    footprint = made[0][0].memory_footprint()
+    assert footprint.disk == footprint.host_disk_window == 0
     made[0][1].close()  # again: nothing to do
     with pytest.raises(RuntimeError, match="was closed"):
         made[0][1].step()
+    with pytest.raises(RuntimeError, match="was closed"):
+        made[0][1].state_dict()  # the state went with the files
     model, optimizer = made.pop()
     del optimizer
     gc.collect()

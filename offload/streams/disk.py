@@ -194,3 +194,4 @@ class StateFile:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+        self.allocated = 0
