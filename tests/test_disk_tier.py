@@ -21,16 +21,17 @@ from offload.disk_tier import WINDOW
 from offload.streams import disk
 from offload.streams.disk import page_aligned
 
+from .helpers import DEVICES
 from .test_optimizer import OPTIMIZERS, assert_same, batch, loss_of, network
 
 # The per-tensor warning is about the optimizers under comparison, not about the tier.
 pytestmark = pytest.mark.filterwarnings("ignore:.*per-tensor CPU implementation")
 
 
-def trio(cls, kwargs, tmp_path, compute_dtype=None, num_slices=3, **tier):
+def trio(cls, kwargs, tmp_path, compute_dtype=None, num_slices=3, device="cpu", **tier):
     """The plain optimizer, OffloadOptimizer with its state in RAM, and with a disk tier, each on a
     twin of the same model."""
-    models = [OffloadModel(network(), device="cpu", num_slices=num_slices, compute_dtype=compute_dtype)
+    models = [OffloadModel(network(), device=device, num_slices=num_slices, compute_dtype=compute_dtype)
               for _ in range(3)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the per-tensor warning, about the reference itself
@@ -53,11 +54,12 @@ def state_tensors_in_ram(optimizer):
             if isinstance(v, torch.Tensor) and v.dim() > 0]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("compute_dtype", [None, torch.bfloat16], ids=["float32", "bf16"])
 @pytest.mark.parametrize("cls, kwargs", [p for p in OPTIMIZERS if p.id in (
     "AdamW-default", "AdamW-foreach", "AdamW-fused", "Adam-amsgrad", "SGD-momentum", "SGD-nesterov")])
-def test_steps_equal_the_optimizer_with_its_state_in_ram(cls, kwargs, compute_dtype, tmp_path):
-    runs = trio(cls, kwargs, tmp_path, compute_dtype)
+def test_steps_equal_the_optimizer_with_its_state_in_ram(cls, kwargs, compute_dtype, device, tmp_path):
+    runs = trio(cls, kwargs, tmp_path, compute_dtype, device=device)
     train(runs, 4)
     (plain_model, plain), (ram_model, ram), (model, optimizer) = runs
     assert_same(ram_model, ram, model, optimizer)
