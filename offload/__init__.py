@@ -32,10 +32,11 @@ __version__ = "0.1.0"
 
 from .autograd.recompute_state import is_recomputing
 from .loading import load_sequential
+from .disk_tier import DiskTier, DiskTierError
 from .model import MemoryFootprint, OffloadModel
 from .optimizer import OffloadOptimizer
 from .slice_update import HostUpdateError
 from .streams.collectives import CollectiveError
 
-__all__ = ["CollectiveError", "HostUpdateError", "MemoryFootprint", "OffloadModel", "OffloadOptimizer",
-           "is_recomputing", "load_sequential"]
+__all__ = ["CollectiveError", "DiskTier", "DiskTierError", "HostUpdateError", "MemoryFootprint", "OffloadModel",
+           "OffloadOptimizer", "is_recomputing", "load_sequential"]

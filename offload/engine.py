@@ -7,6 +7,7 @@ may be in flight before their backwards.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -135,6 +136,8 @@ class Engine:
                  host_device: torch.device, compute_dtype: torch.dtype | None = None) -> None:
         self.device = device
         self.copies = CopyStreams(device)
+        # Optimizers' disk tiers over this model's slices: memory_footprint() counts their bytes.
+        self.disk_tiers: weakref.WeakSet[Any] = weakref.WeakSet()
         self.pin = self.copies.pins_host_memory and host_device.type == "cpu"
 
         def allocate(nbytes: int) -> torch.Tensor:

@@ -32,6 +32,9 @@ class MemoryFootprint:
             largest step seen, reused afterwards).
         device_slots: the device slots that slices take turns in.
         pinned: whether the host buffers are pinned (only with a CUDA device).
+        disk: bytes in the files of optimizers' disk tiers (:class:`~offload.DiskTier`) over this model.
+        host_disk_window: host RAM those tiers hold: their window of slices' state being read,
+            updated and written, and state held after a failed write (not pinned).
     """
 
     host_copies: int
@@ -39,6 +42,8 @@ class MemoryFootprint:
     host_pool: int
     device_slots: int
     pinned: bool
+    disk: int = 0
+    host_disk_window: int = 0
 
     @property
     def pinned_bytes(self) -> int:
@@ -280,6 +285,8 @@ class OffloadModel(nn.Module):
             host_pool=engine.pool.nbytes,
             device_slots=engine.slots.slot_nbytes * engine.slots.num_slots,
             pinned=engine.pin,
+            disk=sum(tier.disk_nbytes for tier in engine.disk_tiers),
+            host_disk_window=sum(tier.window_nbytes for tier in engine.disk_tiers),
         )
 
     def extra_repr(self) -> str:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -36,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .disk_tier import DiskTier, StateTier
 from .model import OffloadModel, engine_of
 from .streams import Event
 from .streams.collectives import HostCollectives
@@ -62,11 +64,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
             ``model.parameters()``. Parameters outside ``model`` are stepped in ``step()`` itself.
         num_threads: CPU threads for the update (``torch.set_num_threads`` in the worker); default:
             PyTorch's setting. On a machine with few cores, leave some to the input pipeline.
+        disk_tier: keep the per-element state of the model's slices (AdamW's moments) in files on a
+            local disk instead of RAM: a :class:`~offload.DiskTier`, or a directory path for its
+            defaults. The files are removed by :meth:`close` (or leaving ``with optimizer:``), or
+            when the optimizer is garbage-collected. See ``docs/disk-tier.md``.
         **optimizer_kwargs: keyword arguments of ``optimizer_class`` (``lr=1e-4, fused=True``).
 
     Raises:
         TypeError: ``model`` is not an OffloadModel or ``optimizer_class`` not an optimizer class.
         ValueError: an optimizer that needs a closure (``LBFGS``), or a bad ``num_threads``.
+        DiskTierError: the disk tier could not write state (raised by ``step()``,
+            ``synchronize()`` and ``state_dict()``; the message says which slices are updated).
 
     If the optimizer raises while it updates a slice, the error (a :class:`HostUpdateError`)
     surfaces at the next call that waits for updates; slices before that one are updated, the
@@ -86,7 +94,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def __init__(self, model: OffloadModel, optimizer_class: type[torch.optim.Optimizer],
                  params: Iterable[Any] | None = None, *, num_threads: int | None = None,
                  shard: bool | None = None, process_group: Any = None,
-                 **optimizer_kwargs: Any) -> None:
+                 disk_tier: DiskTier | str | os.PathLike[str] | None = None, **optimizer_kwargs: Any) -> None:
         if not isinstance(model, OffloadModel):
             raise TypeError(
                 f"OffloadOptimizer steps an OffloadModel, got {type(model).__name__}; wrap the model first: "
@@ -107,6 +115,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if num_threads is not None and (isinstance(num_threads, bool) or not isinstance(num_threads, int)
                                         or num_threads < 1):
             raise ValueError(f"num_threads must be a positive int or None, got {num_threads!r}")
+        if disk_tier is not None and not isinstance(disk_tier, (DiskTier, str, os.PathLike)):
+            raise TypeError(f"disk_tier must be a DiskTier or a directory path, got {type(disk_tier).__name__}")
         # The class checks its own arguments and fills in its defaults.
         template = optimizer_class(model.parameters() if params is None else params, **optimizer_kwargs)
         super().__init__(template.param_groups, template.defaults)
@@ -125,6 +135,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._collectives = self._sharding(shard, process_group)
         self._shared: dict[int, tuple[list[torch.Tensor], list[int]]] = {}
         _newest[model] = weakref.ref(self)
+        self._tier: StateTier | None = None
+        if disk_tier is not None:
+            setting = disk_tier if isinstance(disk_tier, DiskTier) else DiskTier(disk_tier)
+            rank = self._collectives.rank if self._collectives is not None else None
+            self._tier = StateTier(setting, self, engine_of(model).copies, rank)
+            engine_of(model).disk_tiers.add(self._tier)
 
     # -- stepping --------------------------------------------------------------------------------
 
@@ -152,6 +168,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 loss = closure()
         engine = engine_of(self.model)
         self._plan()
+        if self._tier is not None:
+            self._tier.flush("step")  # a write that failed last step is retried (or raised) first
         hyper = [_snapshot(group) for group in self.param_groups]
         # GradScaler hands fused optimizers its scale and inf flag on the loss's device. The update
         # reads them on a host worker, where the optimizer's own non-blocking copy to the host would
@@ -190,7 +208,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             engine.updates.wait(step.index)  # the proxies may still be in use by its last update
             step.bind()
         work = functools.partial(step.run, grads, hyper, grad_scale, found_inf)
-        return engine.copies.submit(self._worker, work)
+        return self._submit(step.index, work)
 
     def _submit_shard(self, step: SliceStep, hyper: list[dict[str, Any]], grad_scale: torch.Tensor | None,
                       found_inf: torch.Tensor | None) -> None:
@@ -214,6 +232,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
                                       after=[updated], what=f"sharing the updated parameters of slice {step.index}",
                                       then=then)
         engine.updates.submitted(step.index, event)
+
+    def _submit(self, index: int, work: Callable[[], None]) -> Any:
+        """Run slice ``index``'s update on the update worker (its state read before and written
+        after by the disk tier, if there is one); returns the update's event."""
+        if self._tier is None:
+            return engine_of(self.model).copies.submit(self._worker, work)
+        return self._tier.submit(index, self._worker, work)
 
     def consolidated_state_dict(self, to: int = 0) -> dict[str, Any] | None:
         """The whole optimizer state, gathered from the ranks that own its parts, on rank ``to``
@@ -256,8 +281,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         return HostCollectives(engine_of(self.model).copies, group)
 
     def synchronize(self) -> None:
-        """Block until every pending update is done; raise what an update raised."""
+        """Block until every pending update is done; raise what an update raised (and what the
+        disk tier could not write)."""
         engine_of(self.model).updates.wait_all()
+        if self._tier is not None:
+            self._tier.flush()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients, as ``torch.optim.Optimizer.zero_grad`` does.
@@ -271,15 +299,49 @@ class OffloadOptimizer(torch.optim.Optimizer):
         super().zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
+        """``torch.optim.Optimizer.state_dict()``, after the pending updates; with a disk tier, the
+        state on disk is read into it one slice at a time."""
         self.synchronize()
-        return super().state_dict()
+        packed = super().state_dict()
+        if self._tier is not None:
+            self._tier.add_to_state_dict(packed, self._param_indices())
+        return packed
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """``torch.optim.Optimizer.load_state_dict()``, after the pending updates; with a disk tier,
+        the loaded state moves to disk one slice at a time."""
         self.synchronize()
         super().load_state_dict(state_dict)
+        if self._tier is not None:
+            self._tier.forget()
         self._plan_key = None  # a sharded optimizer keeps only its own parameters' state
-        if self._collectives is not None:
+        if self._collectives is not None or self._tier is not None:
             self._plan()
+        if self._tier is not None:
+            self._tier.adopt()
+
+    def close(self) -> None:
+        """Wait for the pending updates and remove the disk tier's files (kept with
+        ``DiskTier(keep=True)``); the optimizer cannot step afterwards if it has a disk tier.
+        Save ``state_dict()`` first to keep the state. Leaving ``with optimizer:`` calls it."""
+        try:
+            engine_of(self.model).updates.wait_all()
+        finally:
+            if self._tier is not None:
+                self._tier.close(self._param_indices())
+
+    def __enter__(self) -> OffloadOptimizer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _param_indices(self) -> dict[int, int]:
+        """Each parameter's number in ``state_dict()``, as ``torch.optim`` numbers them."""
+        indices: dict[int, int] = {}
+        for p in (p for group in self.param_groups for p in group["params"]):
+            indices.setdefault(id(p), len(indices))
+        return indices
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "_steps", None):
@@ -332,6 +394,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             whole = self._inner([p for _, p, _ in items], [g for _, _, g in items])
             # Sharded, the shadow is written once every rank's part of the slice has arrived.
             self._steps.append(SliceStep(index, storage, whole, writes_shadow=not sharded))
+        if self._tier is not None:
+            self._tier.plan([(step.index, step.whole.params) for step in self._steps if step.whole is not None])
         self._rest = []
         if rest:
             self._rest = [SliceStep(-1, None, self._inner([p for p, _ in rest], [g for _, g in rest]))]

@@ -195,5 +195,29 @@ def layouts(rank: int, world_size: int, directory: str) -> None:
     save(directory, "layouts", rank, [(p.detach().clone(), p.stride()) for p in model.parameters()])
 
 
+def sharded_disk(rank: int, world_size: int, directory: str) -> None:
+    """The sharded update with each rank's state in a disk tier under one shared path, against the
+    sharded update with the state in RAM."""
+    results: dict[str, Any] = {}
+    for tier in (None, os.path.join(directory, "tier")):
+        model = OffloadModel(network(seed=0), device="cpu", num_slices=3, process_group=dist.group.WORLD)
+        optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True, disk_tier=tier)
+        for step in range(3):
+            model(share(data(step, world_size), rank, world_size)).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        optimizer.synchronize()
+        run_ = {"params": [p.detach().clone() for p in model.parameters()],
+                "state": optimizer.consolidated_state_dict(to=0),
+                "owned_elements": sum(p.numel() for p in optimizer.state)}
+        if tier is not None:
+            run_["directory"] = str(optimizer._tier.directory)
+            run_["files"] = sorted(os.listdir(optimizer._tier.directory))
+            run_["disk_bytes"] = model.memory_footprint().disk
+            optimizer.close()
+        results[str(tier is not None)] = run_
+    save(directory, "sharded_disk", rank, results)
+
+
 JOBS = {f.__name__: f for f in (train, no_sync, sharded, different_models, one_rank_fails, hangs, nccl_one_gpu, tied,
-                                 layouts)}
+                                 layouts, sharded_disk)}

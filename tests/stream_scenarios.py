@@ -266,6 +266,17 @@ def offload_optimizer(build: Build) -> list[torch.Tensor]:
     return train(model, steps=3, optimizer=optimizer)
 
 
+def offload_optimizer_disk_tier(build: Build) -> list[torch.Tensor]:
+    """OffloadOptimizer with its state on disk: each slice's read, update and write on three
+    workers, five slices through a window of three buffers."""
+    model = build(mlp(depth=5), num_slices=5)
+    with tempfile.TemporaryDirectory() as directory:
+        with OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True, disk_tier=directory) as optimizer:
+            seen = train(model, steps=3, optimizer=optimizer)
+            saved = optimizer.state_dict()["state"]
+    return seen + [t.clone() for k in sorted(saved) for t in saved[k].values()]
+
+
 def offload_optimizer_bfloat16(build: Build) -> list[torch.Tensor]:
     """The update writes each slice's bfloat16 shadow; the next forward loads it as it is."""
     model = build(mlp(norm=True), num_slices=3, compute_dtype=torch.bfloat16)
@@ -418,7 +429,8 @@ SCENARIOS: dict[str, Callable[[Build], list[torch.Tensor]]] = {
         dropout_mlp, batchnorm, batchnorm_microbatches, in_place_first_layer, microbatches, no_checkpointing,
         no_checkpointing_microbatches, bfloat16, adamw_steps, two_forwards_one_backward, retain_graph_twice,
         no_grad_between_steps, forward_then_host_writes, buffers_read_after_forward, faults, frozen_first_slice,
-        input_gradients_only, second_model_after_compute, offload_optimizer, offload_optimizer_bfloat16,
+        input_gradients_only, second_model_after_compute, offload_optimizer, offload_optimizer_disk_tier,
+        offload_optimizer_bfloat16,
         offload_optimizer_after_forwards_without_backward, reads_between_step_and_forward, data_parallel_one_rank,
         tied_across_slices, tied_across_slices_offload_optimizer,
     )

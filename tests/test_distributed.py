@@ -121,6 +121,25 @@ def test_sharded_offload_optimizer(tmp_path):
                     torch.testing.assert_close(full["state"][k][key], want_state[k][key], **ROUNDING)
 
 
+def test_sharded_update_keeps_each_ranks_state_on_its_disk(tmp_path):
+    results = spawn("sharded_disk", tmp_path)
+    for rank, result in enumerate(results):
+        in_ram, on_disk = result["False"], result["True"]
+        for a, b in zip(in_ram["params"], on_disk["params"]):
+            assert torch.equal(a, b)
+        assert on_disk["directory"] != results[1 - rank]["True"]["directory"]
+        assert f"offload-state-rank{rank}-" in on_disk["directory"]
+        # Its own share's moments only (two float32 tensors per parameter), in page-sized files.
+        owned = on_disk["owned_elements"]
+        assert 0 < owned < sum(p.numel() for p in network(seed=0).parameters())
+        assert 8 * owned <= on_disk["disk_bytes"] <= 8 * owned + 4096 * len(on_disk["files"])
+    state_in_ram, state_on_disk = results[0]["False"]["state"], results[0]["True"]["state"]
+    assert state_in_ram["state"].keys() == state_on_disk["state"].keys()
+    for k, values in state_in_ram["state"].items():
+        for key, value in values.items():
+            assert torch.equal(value, state_on_disk["state"][k][key]), (k, key)
+
+
 @pytest.mark.parametrize("preset, world", [("mlp", 2), ("mlp", 8), ("transformer", 2), ("transformer", 8),
                                            ("tiny", 3)])
 def test_each_rank_updates_about_its_share_of_the_model(preset, world):

@@ -31,7 +31,6 @@ ROOT = Path(__file__).resolve().parents[1]
 # them may dangle until it exists; remove each entry once its file is in docs/.
 PENDING_DOCS = frozenset({
     "docs/checkpoints.md",  # saving and resuming training
-    "docs/disk-tier.md",  # parameters beyond host memory
     "docs/lora.md",  # LoRA and PEFT adapters on an offloaded base
 })
 

@@ -145,3 +145,18 @@ def test_chunked_loss_precision_script(tmp_path):
     assert "4 chunk(s) of    64 tokens" in out
     rows = json.loads((tmp_path / "p.json").read_text())["rows"]
     assert [r["chunks"] for r in rows] == [1, 4, 16] and all(r["norm"] > 0 for r in rows)
+
+
+def test_bench_storage_smoke_test(tmp_path):
+    out = run("scripts/bench_storage.py", "--small", "--dir", str(tmp_path / "disk"), "--json",
+              str(tmp_path / "storage.json"))
+    assert "exact: True" in out
+    data = json.loads((tmp_path / "storage.json").read_text())
+    for key in ("disk_read_gbps", "disk_write_gbps", "tier_read_fraction", "tier_write_fraction"):
+        assert data[key] > 0, key
+    assert data["exact"] is True and "scripts/bench_storage.py" in data["command"]
+    # The moments moved to disk: 8 bytes per parameter fewer in RAM, less the window of 3 of 8 slices.
+    assert data["host_bytes_per_param_ram"] - data["host_bytes_per_param_disk"] == pytest.approx(8 * 5 / 8, rel=0.1)
+    assert data["state_on_disk"]["disk_bytes"] >= 8 * data["state_on_disk"]["parameters"]
+    assert data["state_on_disk"]["tier_read_bytes_per_step"] == data["state_on_disk"]["disk_bytes"]
+    assert os.listdir(tmp_path / "disk") == []  # every file removed

@@ -410,7 +410,10 @@ class SimulatedBackend(StreamBackend):
         """Under the random schedule, run a random prefix of a random stream's queue."""
         if self.schedule != "random":
             return
-        pending = [s for s in self.streams if s.queue]
+        # Inside a worker's task, another worker's task does not start: it may wait for the task
+        # in progress, which a simulation on one thread cannot let finish first.
+        in_task = self.active_task is not None
+        pending = [s for s in self.streams if s.queue and not (in_task and isinstance(s, SimWorker))]
         if pending and self.random.random() < 0.3:
             stream = self.random.choice(pending)
             self.run_until(stream, self.random.randint(stream.done + 1, stream.issued))

@@ -10,7 +10,9 @@ streams, so the ordering between host work and copies is checked too.
 PyTorch's CPU kernels release the GIL, so a worker's tensor work runs in parallel with the caller
 driving the device. An exception in submitted work is kept and raised in the caller's thread by
 the next :meth:`HostWorker.raise_pending` (waiting on the worker's events calls it); work submitted
-before that is skipped, since it may depend on what failed.
+before that is skipped, since it may depend on what failed. Work on another worker that waits on
+a failed worker's event runs after it without taking its error: the error is the caller's to see
+(a disk write after a failed update writes what the update left, as the state in memory would keep it).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 
 
 _live: weakref.WeakSet[HostWorker] = weakref.WeakSet()
+_on_worker = threading.local()  # .worker: the HostWorker whose thread this is
 
 
 @atexit.register
@@ -82,10 +85,12 @@ class HostWorker:
         return WorkerEvent(self, self.submitted)
 
     def wait_for(self, position: int) -> None:
-        """Block until the first ``position`` submissions have run; raise what failed."""
+        """Block until the first ``position`` submissions have run; raise what failed (in a
+        thread that is not a worker's: an error is raised once, in the thread that submitted)."""
         with self._condition:
             self._condition.wait_for(lambda: self.finished >= position)
-        self.raise_pending()
+        if getattr(_on_worker, "worker", None) is None:
+            self.raise_pending()
 
     def raise_pending(self) -> None:
         """Raise, in the caller's thread, the exception a submission raised (once)."""
@@ -103,6 +108,7 @@ class HostWorker:
             self._thread.join(timeout)
 
     def _run(self) -> None:
+        _on_worker.worker = self
         if self.num_threads is not None:
             torch.set_num_threads(self.num_threads)
         while True:
@@ -118,6 +124,8 @@ class HostWorker:
                     work()
                 except BaseException as raised:  # noqa: BLE001 - handed to the caller's thread
                     error = raised
+            # Hold nothing of finished work while waiting for the next: it may keep its owner alive.
+            item = work = None  # type: ignore[assignment]
             with self._condition:
                 if error is not None:
                     self._error = error

@@ -1,0 +1,531 @@
+"""The disk tier: an OffloadOptimizer's per-element state (AdamW's moments, SGD's momentum) kept in
+files on a local disk, read and written beside the update instead of held in RAM.
+
+What this file holds: :class:`DiskTier` (the setting the user passes), :class:`DiskTierError`, and
+:class:`StateTier` (the files, the window of buffers in RAM, and the reads, updates and writes
+of each slice's state, in order). What it does not: the I/O calls themselves
+(``offload/streams/disk.py``), or how host workers run and wait (``offload/streams/workers.py``,
+``copies.py``).
+
+Note: [Disk tier pipeline]
+    Each slice's state is one file, laid out as the slice's state tensors one after the other
+    (each at a 64-byte boundary, the file a whole number of pages). ``step()`` submits, per slice
+    ``k`` in slice order, three pieces of work to three host workers:
+
+    1. *read* (the disk reader): read slice ``k``'s file into a window buffer, after the write
+       that last used that buffer;
+    2. *update* (the update worker): after the read, put views of the buffer into
+       ``optimizer.state`` (attach), run the optimizer on the slice, then take the state tensors
+       out of ``optimizer.state`` again (detach), copying any tensor the optimizer replaced
+       instead of updating in place (its first step creates the state) into the buffer;
+    3. *write* (the disk writer): after the update, write the buffer back to the file.
+
+    The window has :data:`WINDOW` = 3 buffers, used in turn: while slice ``k`` is updated, slice
+    ``k + 1`` is read into the next buffer and slice ``k - 1`` written from the previous one;
+    a read waits for the write three slices back. Host RAM holds three slices' state (the largest
+    slice's, rounded up to pages) instead of every slice's. The next forward waits for each
+    slice's update only, never for a write.
+
+    The results are the RAM-resident optimizer's bit for bit: the optimizer updates the same
+    bytes, which go to disk and back unchanged (raw copies of the tensors' memory, strides kept).
+
+Note: [Disk tier failures]
+    A read that fails leaves its slice untouched: its update raises before attaching anything
+    (a :class:`~offload.HostUpdateError`, at the next call that waits for updates), and, as for
+    any failed update, later slices are left as they were.
+
+    A write that fails (an I/O error; ``ENOSPC`` when its file is first allocated, since files
+    are preallocated with ``posix_fallocate`` and a write into allocated blocks does not need
+    space) leaves its slice *updated*, parameters and state, with the state *held* in RAM in the
+    buffer it was written from; the window takes a fresh buffer, and the other slices go on.
+    The next ``synchronize()``, ``state_dict()`` or ``step()`` raises :class:`DiskTierError`
+    naming the files, the bytes they need and the slices held (``step()`` then updates nothing).
+    Once space is freed, the next ``step()`` writes the held state first, then steps as usual.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import json
+import os
+import shutil
+import tempfile
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .slice_update import HostUpdateError
+from .streams.backend import Event
+from .streams.copies import CopyStreams
+from .streams.disk import AlignedBuffer, DiskCounters, StateFile, direct_io_supported, page_aligned
+from .streams.host_storage import dense_stride
+from .streams.workers import HostWorker
+
+#: Buffers in the window: one read, one updated, one written (see Note: [Disk tier pipeline]).
+WINDOW = 3
+#: Each state tensor starts at a multiple of this many bytes in a slice's file (vector loads).
+TENSOR_ALIGNMENT = 64
+
+
+@dataclass(frozen=True)
+class DiskTier:
+    """Keep an :class:`~offload.OffloadOptimizer`'s per-element state in files on a local disk.
+
+    Every state tensor with at least one dimension (AdamW's ``exp_avg`` and ``exp_avg_sq``, SGD's
+    ``momentum_buffer``) lives in one file per slice; scalars (``step``) stay in
+    ``optimizer.state``. Host RAM holds a window of three slices' state; the update reads the
+    next slice's state and writes the previous one's while it computes (Note: [Disk tier pipeline]
+    in ``offload/disk_tier.py``). Results are bit-identical to keeping the state in RAM.
+
+    The cost: each step reads and writes the state once (8 bytes per parameter each way for
+    AdamW in float32). To stay hidden behind the device's forward, the disk must move that in
+    the time of one forward: bytes per parameter per step ÷ disk bandwidth (see
+    ``docs/disk-tier.md``).
+
+    Args:
+        path: a directory on a local disk (an NVMe drive at best). Each optimizer makes a fresh
+            directory inside it (``offload-state-*``), so several optimizers and processes can share
+            ``path``.
+        keep: leave the files when the optimizer is closed or garbage-collected; ``close()`` also
+            writes a ``manifest.json`` describing their layout (for inspection; resume from
+            ``optimizer.state_dict()``). Default: removed.
+        direct: use direct I/O (``O_DIRECT``) where the filesystem takes it. With ``False`` the
+            page cache keeps a second copy of the state in RAM (it can be reclaimed, but it is
+            counted as used memory until then) and reads may seem faster than the disk.
+
+    Example::
+
+        >>> optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-4, fused=True,
+        ...                              disk_tier=DiskTier("/nvme/offload"))
+        >>> with optimizer:               # the files are removed on leaving
+        ...     train(model, optimizer)
+    """
+
+    path: str | os.PathLike[str]
+    keep: bool = False
+    direct: bool = True
+
+
+class DiskTierError(RuntimeError):
+    """The disk tier could not write (or read) state; the message says which slices are updated
+    and where their state is (Note: [Disk tier failures] in ``offload/disk_tier.py``)."""
+
+
+class Place(enum.Enum):
+    """Where a slice's state is between updates."""
+
+    RAM = "in optimizer.state"  # no state on disk yet (before its first update, or after loading)
+    DISK = "on disk"  # in the slice's file; optimizer.state keeps only the scalars
+    HELD = "held in RAM"  # its write failed: the buffer it was written from holds it
+
+
+@dataclass(frozen=True)
+class Field:
+    """One state tensor of a slice's file."""
+
+    position: int  # the parameter's position in the slice
+    key: str  # its name in the parameter's state ("exp_avg")
+    dtype: torch.dtype
+    shape: torch.Size
+    stride: tuple[int, ...]
+    offset: int  # bytes from the start of the file
+    nbytes: int
+
+    def view(self, buffer: AlignedBuffer) -> torch.Tensor:
+        flat = buffer.tensor[self.offset:self.offset + self.nbytes].view(self.dtype)
+        return flat.as_strided(self.shape, self.stride)
+
+
+@dataclass
+class WindowSlot:
+    """One buffer of the window, and the write that last read it."""
+
+    buffer: AlignedBuffer | None = None
+    free: Event | None = None
+
+
+@dataclass
+class SliceRecord:
+    """One slice's state in the tier."""
+
+    index: int
+    params: list[torch.Tensor]
+    file: StateFile | None = None
+    layout: list[Field] | None = None
+    nbytes: int = 0  # the file's size: the layout's bytes, in whole pages
+    place: Place = Place.RAM
+    buffer: AlignedBuffer | None = None  # between its read and its write, or while held
+    slot: WindowSlot | None = None
+    dirty: bool = False  # the buffer holds state the file does not
+    read_error: OSError | None = None
+    write_error: OSError | None = None
+    reported: bool = True  # its write error was raised to the caller
+
+
+def _goes_to_disk(value: Any) -> bool:
+    return (isinstance(value, torch.Tensor) and value.dim() > 0 and value.layout == torch.strided
+            and value.device.type == "cpu" and not value.requires_grad
+            and (value.is_contiguous() or dense_stride(value) is not None))
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} bytes"
+
+
+class StateTier:
+    """The files, the window and the pipeline of one optimizer's disk tier.
+
+    Args:
+        setting: the user's :class:`DiskTier`.
+        optimizer: the optimizer whose ``state`` it manages (held weakly).
+        copies: the copy engine of the optimizer's model (workers and waits).
+        rank: this process's rank when the update is sharded (its own state only), else ``None``.
+    """
+
+    def __init__(self, setting: DiskTier, optimizer: torch.optim.Optimizer, copies: CopyStreams,
+                 rank: int | None = None) -> None:
+        root = Path(setting.path)
+        root.mkdir(parents=True, exist_ok=True)
+        prefix = "offload-state-" + (f"rank{rank}-" if rank is not None else "")
+        self.directory = Path(tempfile.mkdtemp(prefix=prefix, dir=root))  # unique, made atomically
+        self.keep = setting.keep
+        self.direct = setting.direct and direct_io_supported(self.directory)
+        self.counters = DiskCounters()
+        self.copies = copies
+        self._optimizer = weakref.ref(optimizer)
+        self.records: dict[int, SliceRecord] = {}
+        self._window = [WindowSlot() for _ in range(WINDOW)]
+        self._turn = 0
+        self._last_write: Event | None = None
+        # - Host workers: the reader and writer run beside the update worker (Note: [Disk tier pipeline]).
+        self._reader: HostWorker | None = None
+        self._writer: HostWorker | None = None
+        self._files: list[StateFile] = []
+        self.closed = False
+        self._workers_to_close: list[HostWorker] = []
+        # Files go when the optimizer does, closed or not (never named after object ids: each
+        # optimizer has its own directory).
+        self._finalizer = weakref.finalize(self, _remove, self.directory, self._files, self.keep,
+                                           self._workers_to_close)
+
+    # -- what it holds -----------------------------------------------------------------------------
+
+    @property
+    def disk_nbytes(self) -> int:
+        """Bytes allocated in the tier's files."""
+        return sum(f.allocated for f in self._files)
+
+    @property
+    def window_nbytes(self) -> int:
+        """Host RAM of the window's buffers and of held state."""
+        buffers = {id(s.buffer): s.buffer.nbytes for s in self._window if s.buffer is not None}
+        buffers.update({id(r.buffer): r.buffer.nbytes for r in self.records.values()
+                        if r.place is Place.HELD and r.buffer is not None})
+        return sum(buffers.values())
+
+    def plan(self, slices: Sequence[tuple[int, list[torch.Tensor]]]) -> None:
+        """Serve these slices (index, parameters stepped by this optimizer, in order). A slice whose
+        parameters changed gets its state back into ``optimizer.state`` first, to be laid out anew
+        at its next update. Nothing may be pending."""
+        self.flush()
+        wanted = dict(slices)
+        for index, record in list(self.records.items()):
+            if index in wanted and _same(wanted[index], record.params):
+                continue
+            self._restore(record)
+            del self.records[index]
+        for index, params in slices:
+            self.records.setdefault(index, SliceRecord(index, list(params)))
+
+    # -- the pipeline --------------------------------------------------------------------------------
+
+    def submit(self, index: int, update_worker: HostWorker, work: Callable[[], None]) -> Event:
+        """Read slice ``index``'s state, run ``work`` (its update) with the state attached, write
+        it back; returns the update's event (the next load of the slice waits for it only)."""
+        self._check_open()
+        if self._reader is None:
+            self._reader = self.copies.new_worker("disk read")
+            self._writer = self.copies.new_worker("disk write")
+            self._workers_to_close += [self._reader, self._writer]
+        assert self._writer is not None
+        record = self.records[index]
+        slot = self._window[self._turn % WINDOW]
+        self._turn += 1
+        # The buffer is free once the write of the slice that used it last has read it.
+        read = self.copies.submit(self._reader, functools.partial(self._read, record, slot), after=[slot.free])
+        # The update reads what the read wrote into the buffer.
+        update = self.copies.submit(update_worker, functools.partial(self._update, record, work), after=[read])
+        # The write reads the state the update left.
+        write = self.copies.submit(self._writer, functools.partial(self._write, record), after=[update])
+        slot.free = write
+        self._last_write = write
+        return update
+
+    def _read(self, record: SliceRecord, slot: WindowSlot) -> None:
+        record.read_error = None
+        record.slot = slot
+        if record.place is Place.HELD:
+            return  # its buffer holds it
+        if record.place is Place.RAM:
+            record.buffer = slot.buffer  # detach copies the state in (growing it if needed)
+            return
+        if slot.buffer is None or slot.buffer.nbytes < record.nbytes:
+            slot.buffer = AlignedBuffer(record.nbytes)
+        assert record.file is not None
+        try:
+            record.file.read(slot.buffer, record.nbytes)
+        except OSError as error:
+            record.read_error = error
+            return
+        record.buffer = slot.buffer
+
+    def _update(self, record: SliceRecord, work: Callable[[], None]) -> None:
+        if record.read_error is not None:
+            error = record.read_error
+            raise HostUpdateError(
+                f"could not read the optimizer state of slice {record.index} from {error.filename} "
+                f"({error.strerror}): slice {record.index} and the slices after it were left as they were; "
+                "slices before it are updated") from error
+        self._attach(record)
+        try:
+            work()
+        finally:
+            self._detach(record)
+
+    def _attach(self, record: SliceRecord) -> None:
+        """Views of the buffer into ``optimizer.state``, in the layout's order."""
+        if record.place is Place.RAM:
+            return
+        assert record.buffer is not None and record.layout is not None
+        state = self._state()
+        for f in record.layout:
+            state[record.params[f.position]][f.key] = f.view(record.buffer)
+
+    def _detach(self, record: SliceRecord) -> None:
+        """Take the slice's state tensors out of ``optimizer.state`` into the buffer."""
+        state = self._state()
+        found = [(position, key, value) for position, p in enumerate(record.params) if p in state
+                 for key, value in state[p].items() if _goes_to_disk(value)]
+        if not found:
+            return
+        layout = _layout(found)
+        nbytes = page_aligned(layout[-1].offset + layout[-1].nbytes)
+        buffer = record.buffer
+        in_place = (record.layout is not None and buffer is not None and _shape_of(layout) == _shape_of(record.layout)
+                    and all(value.data_ptr() == buffer.data_ptr() + f.offset
+                            for f, (_, _, value) in zip(layout, found)))
+        if not in_place:
+            inside = buffer is not None and any(
+                buffer.data_ptr() <= value.data_ptr() < buffer.data_ptr() + buffer.nbytes for _, _, value in found)
+            if buffer is None or buffer.nbytes < nbytes or inside:
+                fresh = AlignedBuffer(nbytes)
+                slot = record.slot
+                if slot is not None and (slot.buffer is None or slot.buffer is buffer):
+                    slot.buffer = fresh  # the window's buffer grows (it is this slice's until its write)
+                buffer = fresh
+            for f, (_, _, value) in zip(layout, found):
+                f.view(buffer).copy_(value)
+        for f in layout:
+            del state[record.params[f.position]][f.key]
+        record.layout, record.nbytes, record.buffer, record.dirty = layout, nbytes, buffer, True
+
+    def _write(self, record: SliceRecord) -> None:
+        if not record.dirty:
+            return  # its update did not run (an earlier update failed): the file is current
+        assert record.buffer is not None
+        try:
+            if record.file is None:
+                record.file = StateFile(self.directory / f"slice-{record.index:05d}.state", self.direct, self.counters)
+                self._files.append(record.file)
+            record.file.reserve(record.nbytes)
+            record.file.write(record.buffer, record.nbytes)
+        except OSError as error:
+            if record.place is not Place.HELD or record.write_error is None:
+                record.reported = False
+            record.write_error = error
+            record.place = Place.HELD
+            slot = record.slot
+            if slot is not None and slot.buffer is record.buffer:
+                slot.buffer = None  # the buffer stays with the slice; the window takes a new one
+            return
+        record.place, record.dirty, record.write_error, record.reported = Place.DISK, False, None, True
+        record.buffer = None
+
+    # -- the caller's side ---------------------------------------------------------------------------
+
+    def flush(self, when: str = "wait") -> None:
+        """Wait for every write; raise a write failure not raised yet; at the start of ``step()``,
+        write held state again first, and raise if it still fails (see Note: [Disk tier failures]).
+
+        Args:
+            when: ``"step"`` at the start of ``step()`` (which then updates nothing), ``"load"``
+                after ``load_state_dict()``, ``"wait"`` elsewhere: what the error says.
+
+        Raises:
+            DiskTierError: state could not be written.
+        """
+        # The caller reads the records and the files next: the writes must be done.
+        self.copies.wait_host(self._last_write)
+        self._last_write = None
+        held = [r for r in self.records.values() if r.place is Place.HELD]
+        if not held:
+            return
+        if all(r.reported for r in held):
+            if when != "step":
+                return  # raised once already: held state stays readable (state_dict() still works)
+            for record in held:
+                self._write(record)
+            held = [r for r in held if r.place is Place.HELD]
+            if not held:
+                return
+        for record in held:
+            record.reported = True
+        raise DiskTierError(self._failure_message(held, when))
+
+    def forget(self) -> None:
+        """``optimizer.state`` was replaced (loaded): what the files hold is no longer the state."""
+        for record in self.records.values():
+            record.place, record.layout, record.buffer, record.dirty = Place.RAM, None, None, False
+            record.write_error, record.reported = None, True
+
+    def _failure_message(self, held: list[SliceRecord], when: str) -> str:
+        first = held[0].write_error
+        assert first is not None
+        files = ", ".join(f"{self.directory / f'slice-{r.index:05d}.state'} ({_size(r.nbytes)})" for r in held)
+        total = sum(r.nbytes for r in held)
+        indices = ", ".join(str(r.index) for r in held)
+        if when == "load":
+            where = ("The state is loaded: those slices' state is held in RAM until it is written, every other "
+                     "slice's is on disk. ")
+        else:
+            where = ("Those slices are updated (parameters and state) and their state is held in RAM until it is "
+                     "written; every other slice's state is on disk. ")
+            if when == "step":
+                where += "This call to step() updated nothing. "
+        return (
+            f"the disk tier could not write the optimizer state of slice(s) {indices} to {files}: "
+            f"{first.strerror} (errno {first.errno}); {_size(total)} needed on the filesystem of "
+            f"{self.directory}. " + where
+            + "Free space (or fix the disk) and call step() again: it writes the held state first.")
+
+    def state_of(self, record: SliceRecord) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
+        """Copies of the slice's state tensors, read from its file (or its held buffer); the caller
+        must have flushed."""
+        if record.place is Place.RAM or record.layout is None:
+            return {}
+        buffer = record.buffer
+        if record.place is Place.DISK:
+            slot = self._window[0]
+            if slot.buffer is None or slot.buffer.nbytes < record.nbytes:
+                slot.buffer = AlignedBuffer(record.nbytes)
+            buffer = slot.buffer
+            assert record.file is not None
+            try:
+                record.file.read(buffer, record.nbytes)
+            except OSError as error:
+                raise DiskTierError(f"could not read the optimizer state of slice {record.index} from "
+                                    f"{error.filename}: {error.strerror}") from error
+        assert buffer is not None
+        out: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+        for f in record.layout:
+            out.setdefault(record.params[f.position], {})[f.key] = f.view(buffer).clone(
+                memory_format=torch.preserve_format)
+        return out
+
+    def add_to_state_dict(self, packed: dict[str, Any], index_of: dict[int, int]) -> None:
+        """Put the state on disk into a packed ``state_dict()``, one slice at a time."""
+        self._check_open()
+        state = packed["state"]
+        for record in self.records.values():
+            for param, tensors in self.state_of(record).items():
+                i = index_of[id(param)]
+                state[i] = {**state.get(i, {}), **tensors}
+
+    def adopt(self) -> None:
+        """``optimizer.state`` was just loaded: move each slice's state to disk, one slice at a time
+        (the previous files are overwritten)."""
+        slot = self._window[0]
+        for record in self.records.values():
+            record.slot = slot
+            record.buffer = slot.buffer
+            self._detach(record)
+            if record.dirty:
+                self._write(record)
+            record.slot = None
+        self.flush("load")
+
+    def _restore(self, record: SliceRecord) -> None:
+        """Bring a slice's state back into ``optimizer.state`` (its parameters changed)."""
+        state = self._state()
+        for param, tensors in self.state_of(record).items():
+            state[param].update(tensors)
+        record.place, record.buffer = Place.RAM, None
+
+    def _state(self) -> Any:
+        optimizer = self._optimizer()
+        assert optimizer is not None, "internal error: the disk tier outlived its optimizer"
+        return optimizer.state
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this OffloadOptimizer was closed (its disk tier's files are removed); "
+                               "make a new one and load_state_dict() a state saved before closing")
+
+    def manifest(self, index_of: dict[int, int]) -> dict[str, Any]:
+        """What each file holds: for each slice, per state tensor, its parameter (as numbered in
+        ``state_dict()``), name, dtype, shape, strides and byte offset."""
+        return {"slices": [
+            {"file": f"slice-{r.index:05d}.state", "place": r.place.value, "fields": [
+                {"param": index_of[id(r.params[f.position])], "key": f.key, "dtype": str(f.dtype),
+                 "shape": list(f.shape), "stride": list(f.stride), "offset": f.offset, "nbytes": f.nbytes}
+                for f in r.layout or ()]}
+            for r in self.records.values()]}
+
+    def close(self, index_of: dict[int, int]) -> None:
+        """Remove the files (or, with ``keep``, write the manifest beside them); idempotent."""
+        if self.closed:
+            return
+        if self.keep:
+            (self.directory / "manifest.json").write_text(json.dumps(self.manifest(index_of), indent=1))
+        self.closed = True
+        self._finalizer()
+        # Nothing left to hold: the window goes, and memory_footprint() counts no disk bytes.
+        self._window = [WindowSlot() for _ in range(WINDOW)]
+        for record in self.records.values():
+            record.buffer = None
+            record.place = Place.RAM
+
+
+def _remove(directory: Path, files: list[StateFile], keep: bool, workers: list[HostWorker]) -> None:
+    for worker in workers:
+        worker.close()
+    for file in files:
+        file.close()
+    if not keep:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _same(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
+def _shape_of(layout: Sequence[Field]) -> list[tuple[Any, ...]]:
+    return [(f.position, f.key, f.dtype, f.shape, f.stride) for f in layout]
+
+
+def _layout(found: Sequence[tuple[int, str, torch.Tensor]]) -> list[Field]:
+    fields = []
+    offset = 0
+    for position, key, value in found:
+        nbytes = value.numel() * value.element_size()
+        fields.append(Field(position, key, value.dtype, value.shape, tuple(value.stride()), offset, nbytes))
+        offset += -(-nbytes // TENSOR_ALIGNMENT) * TENSOR_ALIGNMENT
+    return fields

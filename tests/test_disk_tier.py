@@ -1,0 +1,408 @@
+"""The disk tier: OffloadOptimizer's state in files gives the RAM-resident optimizer's results bit for
+bit, overlaps its reads and writes with the update, holds a bounded window in RAM, and fails
+safely (Notes: [Disk tier pipeline], [Disk tier failures] in offload/disk_tier.py)."""
+
+from __future__ import annotations
+
+import copy
+import errno
+import gc
+import json
+import os
+import threading
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from offload import DiskTier, DiskTierError, HostUpdateError, OffloadModel, OffloadOptimizer
+from offload.disk_tier import WINDOW
+from offload.streams import disk
+from offload.streams.disk import page_aligned
+
+from .helpers import DEVICES
+from .test_optimizer import OPTIMIZERS, assert_same, batch, loss_of, network
+
+# The per-tensor warning is about the optimizers under comparison, not about the tier.
+pytestmark = pytest.mark.filterwarnings("ignore:.*per-tensor CPU implementation")
+
+
+def trio(cls, kwargs, tmp_path, compute_dtype=None, num_slices=3, device="cpu", **tier):
+    """The plain optimizer, OffloadOptimizer with its state in RAM, and with a disk tier, each on a
+    twin of the same model."""
+    models = [OffloadModel(network(), device=device, num_slices=num_slices, compute_dtype=compute_dtype)
+              for _ in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the per-tensor warning, about the reference itself
+        plain = cls(models[0].parameters(), **kwargs)
+    ram = OffloadOptimizer(models[1], cls, **kwargs)
+    on_disk = OffloadOptimizer(models[2], cls, disk_tier=DiskTier(tmp_path, **tier), **kwargs)
+    return list(zip(models, (plain, ram, on_disk)))
+
+
+def train(runs, steps, first=0):
+    for step in range(first, first + steps):
+        for m, opt in runs:
+            opt.zero_grad()
+            loss_of(m, step).backward()
+            opt.step()
+
+
+def state_tensors_in_ram(optimizer):
+    return [key for state in optimizer.state.values() for key, v in state.items()
+            if isinstance(v, torch.Tensor) and v.dim() > 0]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("compute_dtype", [None, torch.bfloat16], ids=["float32", "bf16"])
+@pytest.mark.parametrize("cls, kwargs", [p for p in OPTIMIZERS if p.id in (
+    "AdamW-default", "AdamW-foreach", "AdamW-fused", "Adam-amsgrad", "SGD-momentum", "SGD-nesterov")])
+def test_steps_equal_the_optimizer_with_its_state_in_ram(cls, kwargs, compute_dtype, device, tmp_path):
+    runs = trio(cls, kwargs, tmp_path, compute_dtype, device=device)
+    train(runs, 4)
+    (plain_model, plain), (ram_model, ram), (model, optimizer) = runs
+    assert_same(ram_model, ram, model, optimizer)
+    assert_same(plain_model, plain, model, optimizer)
+    # Between steps only scalars (AdamW's step) are in optimizer.state: the rest is on disk.
+    assert state_tensors_in_ram(optimizer) == []
+    assert state_tensors_in_ram(ram) != []
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_clipping_accumulation_groups_and_schedulers(fused, tmp_path):
+    runs = trio(torch.optim.AdamW, {"lr": 1e-2, "fused": fused}, tmp_path)
+    schedulers = []
+    for m, opt in runs:
+        last = list(m.parameters())[-4:]
+        opt.param_groups[0]["params"] = [p for p in m.parameters() if all(p is not q for q in last)]
+        opt.add_param_group({"params": last, "lr": 3e-3, "weight_decay": 0.0})
+        schedulers.append(torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[2e-2, 5e-3], total_steps=8))
+    for step in range(4):
+        for (m, opt), scheduler in zip(runs, schedulers):
+            for micro in range(3):
+                (loss_of(m, 10 * step + micro) / 3).backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm=0.05)
+            opt.step()
+            scheduler.step()
+            opt.zero_grad(set_to_none=step % 2 == 0)
+    (_, _), (ram_model, ram), (model, optimizer) = runs
+    assert_same(ram_model, ram, model, optimizer)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_grad_scaler_steps_and_skips(fused, tmp_path):
+    runs = trio(torch.optim.AdamW, {"lr": 1e-2, "fused": fused}, tmp_path, compute_dtype=torch.bfloat16)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**8) for _ in runs]
+    for step in range(4):
+        for (m, opt), scaler in zip(runs, scalers):
+            opt.zero_grad()
+            loss = loss_of(m, step)
+            if step == 2:
+                loss = loss * float("inf")  # an overflow: the step is skipped
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm=0.05)
+            scaler.step(opt)
+            scaler.update()
+    assert len({s.get_scale() for s in scalers}) == 1
+    (_, _), (ram_model, ram), (model, optimizer) = runs
+    assert_same(ram_model, ram, model, optimizer)
+
+
+def test_state_dicts_move_both_ways_slice_by_slice(tmp_path):
+    runs = trio(torch.optim.AdamW, {"lr": 1e-2, "fused": True}, tmp_path)
+    train(runs, 2)
+    (_, _), (ram_model, ram), (model, optimizer) = runs
+    from_ram, from_disk = copy.deepcopy(ram.state_dict()), copy.deepcopy(optimizer.state_dict())
+    optimizer.load_state_dict(from_ram)
+    ram.load_state_dict(from_disk)
+    # Loading moved the state to disk at once (what the user's dict holds is theirs).
+    assert state_tensors_in_ram(optimizer) == []
+    assert model.memory_footprint().disk > 0
+    train(runs, 2, first=2)
+    assert_same(ram_model, ram, model, optimizer)
+    # A fresh optimizer with a disk tier continues from a saved state as well.
+    saved = copy.deepcopy(optimizer.state_dict())
+    twin = OffloadModel(network(), device="cpu", num_slices=3)
+    twin.load_state_dict(model.state_dict())
+    resumed = OffloadOptimizer(twin, torch.optim.AdamW, lr=1e-2, fused=True, disk_tier=tmp_path / "other")
+    resumed.load_state_dict(saved)
+    train([(model, optimizer), (twin, resumed)], 2, first=4)
+    assert_same(model, optimizer, twin, resumed)
+
+
+def test_ram_holds_a_window_of_three_slices(tmp_path):
+    # Six slices of equal size: the window is half of the state.
+    torch.manual_seed(0)
+    layers = nn.Sequential(*[nn.Linear(32, 32) for _ in range(6)])
+    model = OffloadModel(layers, device="cpu", num_slices=6)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-3, fused=True, disk_tier=tmp_path)
+    assert model.memory_footprint().disk == model.memory_footprint().host_disk_window == 0
+    for step in range(3):
+        model(torch.randn(4, 32)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    optimizer.synchronize()
+    per_slice = page_aligned(2 * 4 * (32 * 32 + 64))  # exp_avg and exp_avg_sq of a weight and a bias
+    footprint = model.memory_footprint()
+    assert footprint.disk == 6 * per_slice
+    assert footprint.host_disk_window == WINDOW * per_slice == 3 * per_slice
+    files = sorted(os.listdir(optimizer._tier.directory))
+    assert files == [f"slice-{k:05d}.state" for k in range(6)]
+    assert all(os.path.getsize(optimizer._tier.directory / f) == per_slice for f in files)
+    counters = optimizer._tier.counters
+    assert counters.read_bytes == 2 * 6 * per_slice  # every step after the first reads every slice
+    assert counters.write_bytes == 3 * 6 * per_slice
+
+
+def test_a_window_buffer_is_read_into_only_after_its_write(tmp_path, monkeypatch):
+    # Slow writes, six slices in a window of three: slice 3's read must wait for slice 0's write
+    # from the same buffer, or slice 0's file would get slice 3's state.
+    real = os.pwritev
+
+    def slow(fd, buffers, offset):
+        threading.Event().wait(0.05)
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(disk.os, "pwritev", slow)
+    runs = trio(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, tmp_path, num_slices=6)
+    train(runs[1:], 3)
+    (_, _), (ram_model, ram), (model, optimizer) = runs
+    assert_same(ram_model, ram, model, optimizer)
+
+
+class Held(torch.optim.SGD):
+    """SGD whose update of one slice waits until the disk tier has read the next slice's state and
+    written the previous one's: possible only if reads and writes run beside the update."""
+
+    gate: threading.Event | None = None
+    target: int | None = None
+    timed_out = False
+
+    def step(self, closure=None):
+        if any(p.data_ptr() == Held.target for group in self.param_groups for p in group["params"]):
+            assert Held.gate is not None
+            Held.timed_out = not Held.gate.wait(timeout=10)
+        return super().step(closure)
+
+
+def test_reads_and_writes_overlap_the_update(tmp_path, monkeypatch):
+    model = OffloadModel(network(), device="cpu", num_slices=3)
+    optimizer = OffloadOptimizer(model, Held, lr=0.1, momentum=0.9, disk_tier=tmp_path)
+    Held.target, Held.gate = None, None
+    for step in range(2):  # the state is on disk after these
+        loss_of(model, step).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    optimizer.synchronize()
+    files = {optimizer._tier.records[k].file.fd: k for k in range(3)}
+    seen: list[tuple[str, int]] = []
+    gate = threading.Event()
+    real_read, real_write = os.preadv, os.pwritev
+
+    def read(fd, buffers, offset):
+        moved = real_read(fd, buffers, offset)
+        seen.append(("read", files[fd]))
+        if ("read", 2) in seen and ("write", 0) in seen:
+            gate.set()
+        return moved
+
+    def write(fd, buffers, offset):
+        moved = real_write(fd, buffers, offset)
+        seen.append(("write", files[fd]))
+        if ("read", 2) in seen and ("write", 0) in seen:
+            gate.set()
+        return moved
+
+    monkeypatch.setattr(disk.os, "preadv", read)
+    monkeypatch.setattr(disk.os, "pwritev", write)
+    Held.target, Held.gate, Held.timed_out = model._engine.slices[1].storage.params[0].tensor.data_ptr(), gate, False
+    loss_of(model, 2).backward()
+    optimizer.step()
+    optimizer.synchronize()
+    assert not Held.timed_out, f"slice 1's update waited for I/O that never ran beside it: {seen}"
+    assert seen.index(("read", 0)) < seen.index(("write", 0)) < seen.index(("write", 1))
+    assert seen.index(("read", 2)) < seen.index(("write", 1))
+
+
+def test_a_full_disk_is_a_clear_error_and_the_next_step_works(tmp_path, monkeypatch):
+    runs = trio(torch.optim.AdamW, {"lr": 1e-2, "fused": True}, tmp_path)
+    (_, _), (ram_model, ram), (model, optimizer) = runs
+    real = os.posix_fallocate
+    refusing = {"slice-00002.state"}
+
+    def fallocate(fd, offset, length):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(tuple(refusing)):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, offset, length)
+
+    monkeypatch.setattr(disk.os, "posix_fallocate", fallocate)
+    train(runs[1:], 1)  # slice 2's file cannot be allocated
+    with pytest.raises(DiskTierError) as raised:
+        optimizer.synchronize()
+    message = str(raised.value)
+    assert "slice-00002.state" in message and "slice(s) 2 " in message and "No space left" in message
+    assert "KiB needed" in message and "are updated" in message and "held in RAM" in message
+    # The parameters and the state are this step's (slice 2's state is read from where it is held).
+    assert_same(ram_model, ram, model, optimizer)
+    # Still full: step() raises again, updating nothing.
+    optimizer.zero_grad()
+    loss_of(model, 1).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(DiskTierError, match="This call to step\\(\\) updated nothing"):
+        optimizer.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    # Space freed: the next step writes the held state first and trains on, exactly.
+    refusing.clear()
+    optimizer.step()
+    ram.zero_grad()
+    loss_of(ram_model, 1).backward()
+    ram.step()
+    train(runs[1:], 1, first=2)
+    assert_same(ram_model, ram, model, optimizer)
+    assert state_tensors_in_ram(optimizer) == []
+    assert sorted(os.listdir(optimizer._tier.directory)) == [f"slice-{k:05d}.state" for k in range(3)]
+
+
+def test_a_failed_write_raised_by_step_leaves_every_slice_updated(tmp_path, monkeypatch):
+    # Five slices: slice 3 is read into the window buffer slice 0 was written from, which must
+    # not overwrite slice 0's held state.
+    runs = trio(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, tmp_path, num_slices=5)
+    (_, _), (ram_model, ram), (model, optimizer) = runs
+    train(runs[1:], 2)
+    optimizer.synchronize()  # the writes of those steps are done
+    real = os.pwritev
+    failing = [True]
+
+    def pwritev(fd, buffers, offset):
+        if failing[0] and os.readlink(f"/proc/self/fd/{fd}").endswith("slice-00000.state"):
+            failing[0] = False  # once
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(disk.os, "pwritev", pwritev)
+    train(runs[1:], 1, first=2)  # slice 0's write fails: raised at the next step()
+    optimizer.zero_grad()
+    loss_of(model, 3).backward()
+    with pytest.raises(DiskTierError, match="slice-00000.state") as raised:
+        optimizer.step()
+    assert "Input/output error" in str(raised.value) and "updated nothing" in str(raised.value)
+    optimizer.step()  # the same gradients: writes slice 0's held state, then steps
+    ram.zero_grad()
+    loss_of(ram_model, 3).backward()
+    ram.step()
+    assert_same(ram_model, ram, model, optimizer)
+
+
+def test_a_failed_read_leaves_that_slice_and_later_ones_untouched(tmp_path, monkeypatch):
+    model = OffloadModel(network(), device="cpu", num_slices=3)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True, disk_tier=tmp_path)
+    train([(model, optimizer)], 2)
+    optimizer.synchronize()
+    before_params = [[e.tensor.detach().clone() for e in s.storage.params] for s in model._engine.slices]
+    before_state = copy.deepcopy(optimizer.state_dict())
+    real = os.preadv
+
+    def preadv(fd, buffers, offset):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("slice-00001.state"):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(disk.os, "preadv", preadv)
+    optimizer.zero_grad()
+    loss_of(model, 2).backward()
+    optimizer.step()
+    with pytest.raises(HostUpdateError, match="slice-00001.state.*slice 1 and the slices after it"):
+        optimizer.synchronize()
+    monkeypatch.setattr(disk.os, "preadv", real)
+    for s, old in zip(model._engine.slices, before_params):
+        for e, value in zip(s.storage.params, old):
+            assert torch.equal(e.tensor, value) == (s.index >= 1), f"slice {s.index}"
+    after_state = optimizer.state_dict()
+    first_of_slice_1 = len(model._engine.slices[0].storage.params)
+    for i, values in after_state["state"].items():
+        for key, value in values.items():
+            assert torch.equal(value, before_state["state"][i][key]) == (i >= first_of_slice_1), (i, key)
+    optimizer.step()  # training goes on
+    optimizer.synchronize()
+
+
+def test_files_are_unique_and_removed(tmp_path):
+    made = []
+    for _ in range(2):  # two models in one process, one directory
+        model = OffloadModel(network(), device="cpu", num_slices=3)
+        made.append((model, OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, disk_tier=tmp_path)))
+    train(made, 2)
+    directories = [opt._tier.directory for _, opt in made]
+    assert directories[0] != directories[1] and all(d.parent == tmp_path for d in directories)
+    # Both trained exactly as one alone would.
+    alone = OffloadModel(network(), device="cpu", num_slices=3)
+    alone_optimizer = OffloadOptimizer(alone, torch.optim.AdamW, lr=1e-2)
+    train([(alone, alone_optimizer)], 2)
+    for pair_ in made:
+        assert_same(alone, alone_optimizer, *pair_)
+    del pair_
+    # close() removes the files; the context manager does; so does garbage collection.
+    made[0][1].close()
+    assert not directories[0].exists() and directories[1].exists()
+    footprint = made[0][0].memory_footprint()
+    assert footprint.disk == footprint.host_disk_window == 0
+    made[0][1].close()  # again: nothing to do
+    with pytest.raises(RuntimeError, match="was closed"):
+        made[0][1].step()
+    with pytest.raises(RuntimeError, match="was closed"):
+        made[0][1].state_dict()  # the state went with the files
+    model, optimizer = made.pop()
+    del optimizer
+    gc.collect()
+    assert not directories[1].exists()
+    with OffloadOptimizer(model, torch.optim.SGD, lr=0.1, momentum=0.9, disk_tier=tmp_path) as optimizer:
+        train([(model, optimizer)], 2)
+        directory = optimizer._tier.directory
+        assert len(os.listdir(directory)) == 3
+    assert not directory.exists()
+    assert os.listdir(tmp_path) == []
+
+
+def test_kept_files_and_their_manifest(tmp_path):
+    model = OffloadModel(network(), device="cpu", num_slices=3)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, disk_tier=DiskTier(tmp_path, keep=True))
+    train([(model, optimizer)], 2)
+    state = optimizer.state_dict()["state"]
+    directory = optimizer._tier.directory
+    optimizer.close()
+    manifest = json.loads((directory / "manifest.json").read_text())
+    assert len(manifest["slices"]) == 3
+    for entry in manifest["slices"]:
+        raw = (directory / entry["file"]).read_bytes()
+        for f in entry["fields"]:
+            value = torch.frombuffer(bytearray(raw[f["offset"]:f["offset"] + f["nbytes"]]), dtype=torch.float32)
+            assert torch.equal(value.view(f["shape"]), state[f["param"]][f["key"]])
+
+
+def test_buffered_io_where_direct_io_is_refused(tmp_path, monkeypatch):
+    real = os.open
+
+    def refusing(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return real(path, flags, *args)
+
+    monkeypatch.setattr(disk.os, "open", refusing)
+    monkeypatch.setattr(disk, "_warned", set())
+    with pytest.warns(UserWarning, match="does not take direct I/O") as caught:
+        runs = trio(torch.optim.AdamW, {"lr": 1e-2, "fused": True}, tmp_path)
+        model = OffloadModel(network(), device="cpu", num_slices=3)
+        OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, disk_tier=tmp_path / "x").close()
+    assert sum("direct I/O" in str(w.message) for w in caught) == 1  # once per filesystem
+    assert not runs[2][1]._tier.direct
+    train(runs[1:], 3)
+    (_, _), (ram_model, ram), (model, optimizer) = runs
+    assert_same(ram_model, ram, model, optimizer)
+
+
+def test_bad_arguments(tmp_path):
+    model = OffloadModel(network(), device="cpu", num_slices=3)
+    with pytest.raises(TypeError, match="disk_tier must be a DiskTier or a directory path"):
+        OffloadOptimizer(model, torch.optim.AdamW, disk_tier=3)
