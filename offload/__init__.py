@@ -28,10 +28,11 @@ Note: [Glossary]
 """
 
 from .autograd.recompute_state import is_recomputing
+from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from .model import MemoryFootprint, OffloadModel
 from .optimizer import OffloadOptimizer
 from .slice_update import HostUpdateError
 from .streams.collectives import CollectiveError
 
-__all__ = ["CollectiveError", "HostUpdateError", "MemoryFootprint", "OffloadModel", "OffloadOptimizer",
-           "is_recomputing"]
+__all__ = ["CheckpointError", "CollectiveError", "HostUpdateError", "MemoryFootprint", "OffloadModel",
+           "OffloadOptimizer", "is_recomputing", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
