@@ -4,27 +4,33 @@ process with gloo), launched with ``torchrun``.
 Every rank builds the same model and wraps it with ``process_group``; a ``DistributedSampler``
 gives each rank its share of a synthetic dataset; gradients are averaged across ranks during
 backward, and ``OffloadOptimizer`` updates each rank's share of the parameters. Each rank prints
-its samples/s; rank 0 prints the total and the last loss.
+its samples/s; rank 0 prints the total and the last loss. ``--save-every N`` saves a checkpoint
+every N steps under ``--out``/checkpoints/step-N (each rank writes its share of the optimizer
+state); ``--resume latest`` continues from the newest, on any number of ranks.
 
 Usage::
 
     torchrun --nproc_per_node=2 scripts/train_distributed.py --preset mlp --steps 20
     torchrun --nproc_per_node=8 scripts/train_distributed.py --preset transformer --batch-size 8 \\
         --set n_layers=24 --set d_model=2048 --compute-dtype bf16
+    torchrun --nproc_per_node=2 scripts/train_distributed.py --steps 40 --out /tmp/run --save-every 10 \\
+        --resume latest
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import os
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from offload import OffloadModel, OffloadOptimizer
+from offload import OffloadModel, OffloadOptimizer, latest_checkpoint, load_checkpoint, save_checkpoint
 from offload.presets import build_preset, preset_names
 
 
@@ -46,7 +52,9 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=1)
     parser.add_argument("--compute-dtype", choices=["none", "bf16", "fp16"], default="none")
     parser.add_argument("--lr", type=float, default=1e-4)
+    add_checkpoint_args(parser)
     args = parser.parse_args()
+    check_checkpoint_args(parser, args)
 
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -72,24 +80,28 @@ def main() -> None:
               f"on {device.type}, {batch_size} rows per rank and step", flush=True)
 
     sampler.set_epoch(0)
+    done = resume(args, model, optimizer)
     start = time.perf_counter()
-    steps = 0
+    steps = done
     loss = torch.zeros(())
-    for x, y in loader:
-        if steps == 1:
+    # The batches the stopped run trained on are drawn again and passed over: the sampler's order
+    # is fixed by its seed and epoch, so the next batch is the one the stopped run would have taken.
+    for x, y in itertools.islice(loader, done, None):
+        if steps == done + 1:
             start = time.perf_counter()  # the first step allocates and warms up
         loss = preset.loss(model(x.to(device, non_blocking=True)), y.to(device, non_blocking=True))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         steps += 1
+        save_every(args, steps, model, optimizer)
         if steps == args.steps:
             break
     optimizer.synchronize()
     if cuda:
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
-    timed = max(steps - 1, 1)
+    timed = max(steps - done - 1, 1)
     rate = timed * batch_size / seconds
     print(f"rank {rank}: {rate:.1f} samples/s over {timed} steps", flush=True)
     # Gathered as objects: a NCCL group gathers only CUDA tensors, and this is one float per rank.
@@ -97,13 +109,54 @@ def main() -> None:
     dist.all_gather_object(rates, rate)
     if rank == 0:
         total = sum(r for r in rates if r is not None)
-        print(f"total: {total:.1f} samples/s on {world_size} rank(s); last loss {loss.item():.4f}", flush=True)
+        # The loss in full (repr): a resumed run's last line equals the uninterrupted run's.
+        print(f"total: {total:.1f} samples/s on {world_size} rank(s); last loss {loss.item()!r}", flush=True)
     # The model's and the optimizer's host workers end before the group they communicate over, and
     # every rank is past its last collective before any rank tears the group down.
     del model, optimizer
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()
+
+
+# -- checkpoints: --save-every and --resume ---------------------------------------------------------
+
+
+def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, help="directory for checkpoints (OUT/checkpoints/step-N)")
+    parser.add_argument("--save-every", type=int, default=0, metavar="N",
+                        help="save a checkpoint every N steps (0: never); needs --out")
+    parser.add_argument("--resume", metavar="PATH|latest",
+                        help="continue from a checkpoint: its directory, or 'latest' for OUT/checkpoints' newest; "
+                             "with the stopped run's settings (--steps too: it sizes the synthetic dataset)")
+
+
+def check_checkpoint_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.save_every < 0:
+        parser.error("--save-every must be 0 (never) or a number of steps")
+    if args.out is None and (args.save_every or args.resume == "latest"):
+        parser.error("--save-every and --resume latest need --out")
+    if args.resume == "latest":
+        args.resume = latest_checkpoint(args.out / "checkpoints")
+        if args.resume is None:
+            parser.error(f"--resume latest: no checkpoint under {args.out / 'checkpoints'} yet")
+    elif args.resume is not None:
+        args.resume = Path(args.resume)
+
+
+def resume(args: argparse.Namespace, model: OffloadModel, optimizer: OffloadOptimizer) -> int:
+    """Load ``--resume`` on every rank (each reads the optimizer state it updates); the steps done."""
+    if args.resume is None:
+        return 0
+    extra = load_checkpoint(args.resume, model, optimizer)
+    if dist.get_rank() == 0:
+        print(f"resumed from {args.resume} after step {extra['step']}", flush=True)
+    return extra["step"]
+
+
+def save_every(args: argparse.Namespace, step: int, model: OffloadModel, optimizer: OffloadOptimizer) -> None:
+    if args.save_every and step % args.save_every == 0:
+        save_checkpoint(args.out / "checkpoints" / f"step-{step}", model, optimizer, extra={"step": step})
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +15,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(*args: str, cwd: Path = ROOT) -> str:
-    done = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+    # The scripts import this checkout's offload, not whichever one is installed.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
@@ -131,3 +135,39 @@ def test_chunked_loss_precision_script(tmp_path):
     assert "4 chunk(s) of    64 tokens" in out
     rows = json.loads((tmp_path / "p.json").read_text())["rows"]
     assert [r["chunks"] for r in rows] == [1, 4, 16] and all(r["norm"] > 0 for r in rows)
+
+
+def last_line(out: str, start: str) -> str:
+    (line,) = [line for line in out.splitlines() if line.startswith(start)][-1:]
+    return line
+
+
+def step_losses(out: str) -> list[str]:
+    return re.findall(r"^step (\d+)/\d+  loss (\S+)", out, flags=re.MULTILINE)
+
+
+def test_finetune_script_resumes_with_the_losses_of_a_run_that_never_stopped(tmp_path):
+    common = ["scripts/finetune_causal_lm.py", "--device", "cpu", "--no-progress", "--compute-dtype", "bf16",
+              "--steps", "4", "--out", str(tmp_path)]
+    whole = run(*common, "--save-every", "2")
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step-2", "step-4"]
+    resumed = run(*common, "--resume", str(tmp_path / "checkpoints" / "step-2"))  # as if stopped after step 2
+    assert "resumed from" in resumed and "step-2 after step 2" in resumed
+    assert step_losses(resumed) == step_losses(whole)[2:] and len(step_losses(whole)) == 4
+    # The final loss in full, bit for bit.
+    final = last_line(whole, "final loss").split(";")[0]
+    assert final == last_line(resumed, "final loss").split(";")[0] and len(final) > len("final loss 1.2345")
+
+
+def test_distributed_script_resumes_on_two_ranks_and_on_one(tmp_path):
+    common = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "scripts/train_distributed.py",
+              "--preset", "tiny", "--steps", "4", "--out", str(tmp_path)]
+    whole = run(*common, "--save-every", "2")
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step-2", "step-4"]
+    resumed = run(*common, "--resume", str(tmp_path / "checkpoints" / "step-2"))
+    assert "resumed from" in resumed
+    final = last_line(whole, "total:").split("last loss")[1]
+    assert final == last_line(resumed, "total:").split("last loss")[1]
+    # A checkpoint of two ranks continues on one (the batches split otherwise, so the loss differs).
+    one = run(*[arg.replace("--nproc_per_node=2", "--nproc_per_node=1") for arg in common], "--resume", "latest")
+    assert "on 1 rank(s)" in one and "resumed from" in one
