@@ -71,6 +71,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from .model import OffloadModel
 from .optimizer import OffloadOptimizer
+from .streams.host_storage import dense_stride
 
 FORMAT = 1
 INFO_FILE = "offload.json"
@@ -126,13 +127,13 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     path = Path(path)
     group, rank, world_size = _group(model, optimizer, process_group)
     names = _parameter_names(model)
-    state: dict[str, Any] = {f"model/{name}": tensor for name, tensor in _model_state(model).items()}
+    state: dict[str, Any] = {f"model/{name}": _own_storage(tensor) for name, tensor in _model_state(model).items()}
     if optimizer is not None:
         if not _steps_only(optimizer, names):
             raise ValueError(STRAY_PARAMETER)
         for param, param_state in _optimizer_state(optimizer):
             for key, value in param_state.items():
-                state[f"optim/state/{names[id(param)]}/{key}"] = value
+                state[f"optim/state/{names[id(param)]}/{key}"] = _own_storage(value)
         state["optim/param_groups"] = _named_groups(optimizer, names)
     state[f"rng/{rank}"] = _rng_state()
     state["extra"] = extra
@@ -213,9 +214,10 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
         saved = _saved_optimizer_state(metadata)
         for param in _kept_parameters(optimizer):
             name = names[id(param)]
+            held = optimizer.state.get(param, {})
             for key, entry in saved.get(name, {}).items():
                 wanted.setdefault(name, []).append(key)
-                state[f"optim/state/{name}/{key}"] = _empty_like_saved(entry)
+                state[f"optim/state/{name}/{key}"] = _destination(entry, held.get(key))
         state["optim/param_groups"] = None
     rng_key = f"rng/{rank}"
     if info["world_size"] == world_size and rng_key in metadata.state_dict_metadata:
@@ -252,6 +254,24 @@ def _model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     # OffloadModel.state_dict() waits for pending host updates; the tensors share the host copies'
     # memory, so DCP reads from them and loads into them in place.
     return dict(model.state_dict())
+
+
+def _own_storage(value: Any) -> Any:
+    """``value``, or for a tensor that shares a larger storage (a host copy is a view into its
+    slice's buffer) the same memory under a storage of its own, without a copy.
+
+    DCP writes a tensor's whole storage, so it copies such a view out first, and keeps every copy
+    until the rank's file is written: a whole model's parameters, where one tensor is enough.
+    """
+    if not isinstance(value, torch.Tensor) or value.device.type != "cpu" or value.numel() == 0:
+        return value
+    if value.untyped_storage().nbytes() == value.nbytes:
+        return value
+    if not value.is_contiguous() and dense_stride(value) is None:
+        return value  # overlapping or with gaps: DCP's copy it is
+    run = torch.as_strided(value, (value.numel(),), (1,))  # the tensor's memory, in memory order
+    own = torch.frombuffer(run.view(torch.uint8).numpy(), dtype=value.dtype)
+    return torch.as_strided(own, value.shape, value.stride())
 
 
 def _parameter_names(model: nn.Module) -> dict[int, str]:
@@ -427,9 +447,14 @@ def _saved_optimizer_state(metadata: Metadata) -> dict[str, dict[str, Any]]:
     return saved
 
 
-def _empty_like_saved(entry: Any) -> Any:
-    """Where DCP loads one saved value: a tensor of its shape and dtype, or ``None`` for an object."""
+def _destination(entry: Any, held: Any) -> Any:
+    """Where DCP loads one saved value: the state tensor the optimizer holds when it has the saved
+    shape and dtype (no second copy of the state while loading), else a new tensor, or ``None``
+    for an object."""
     if isinstance(entry, TensorStorageMetadata):
+        if (isinstance(held, torch.Tensor) and held.shape == entry.size and held.dtype == entry.properties.dtype
+                and held.device.type == "cpu"):
+            return held
         return torch.empty(entry.size, dtype=entry.properties.dtype)
     assert isinstance(entry, BytesStorageMetadata)
     return None

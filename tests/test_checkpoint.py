@@ -97,6 +97,12 @@ def test_a_checkpoint_reshards_by_name_onto_another_number_of_ranks(tmp_path, sa
     for index, state in want["state"].items():
         for key, value in state.items():
             assert torch.equal(got["state"][index][key], value), (index, key)
+    if saved_on > 1:  # each rank wrote the state it owns, nothing was gathered
+        from torch.distributed.checkpoint import FileSystemReader
+
+        storage = FileSystemReader(latest_checkpoint(tmp_path / "ckpt")).read_metadata().storage_data
+        files = {info.relative_path for index, info in storage.items() if index.fqn.startswith("optim/state/")}
+        assert files == {"__0_0.distcp", "__1_0.distcp"}
     if loaded_on > 1:  # each rank reads only the state it updates
         owned = [len(r["optimizer"]["state"]) for r in loaded]
         assert sum(owned) == len(want["state"]) and all(0 < n < len(want["state"]) for n in owned)
@@ -374,3 +380,30 @@ def test_what_a_checkpoint_holds(tmp_path):
     assert info["partition"] == [list(s) for s in model.partition] and info["optimizer"] == "AdamW"
     assert info["tensors"]["1.weight"] == {"shape": [8, 8], "dtype": "float32"}  # the masters, not the shadow
     shutil.rmtree(tmp_path / "c")
+
+
+def test_a_save_hands_dcp_the_host_copies_themselves_not_copies(tmp_path, monkeypatch):
+    """DCP copies a view out of a larger storage and holds every copy until the file is written:
+    the save hands it each host copy under a storage of its own, the same memory."""
+    from offload import checkpoint
+
+    from .dist_workers import layouts_network
+
+    model = OffloadModel(layouts_network(seed=0), device="cpu", num_slices=2, compute_dtype=torch.bfloat16)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
+    model(torch.randn(2, 2, 4, 4).to(memory_format=torch.channels_last)).float().pow(2).mean().backward()
+    optimizer.step()
+    handed = {}
+    save = checkpoint.dcp.save
+    monkeypatch.setattr(checkpoint.dcp, "save", lambda state, **kw: (handed.update(state), save(state, **kw))[1])
+    save_checkpoint(tmp_path / "c", model, optimizer)
+    for name, p in model.state_dict().items():
+        tensor = handed[f"model/{name}"]
+        assert p.untyped_storage().nbytes() > p.nbytes  # a view into its slice's buffer
+        assert tensor.untyped_storage().nbytes() == tensor.nbytes and tensor.data_ptr() == p.data_ptr(), name
+        assert tensor.stride() == p.stride() and torch.equal(tensor, p), name
+    assert any(not p.is_contiguous() for p in model.parameters())  # channels_last and transposed
+    plain = layouts_network(seed=1)
+    load_checkpoint(tmp_path / "c", plain)
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(p, q), name

@@ -171,3 +171,13 @@ def test_distributed_script_resumes_on_two_ranks_and_on_one(tmp_path):
     # A checkpoint of two ranks continues on one (the batches split otherwise, so the loss differs).
     one = run(*[arg.replace("--nproc_per_node=2", "--nproc_per_node=1") for arg in common], "--resume", "latest")
     assert "on 1 rank(s)" in one and "resumed from" in one
+
+
+def test_checkpoint_benchmark(tmp_path):
+    out = run("scripts/bench_checkpoint.py", "--preset", "tiny", "--slices", "2", "--repeats", "1", "--dir",
+              str(tmp_path), "--json", str(tmp_path / "c.json"))
+    assert "save:" in out and "load_fresh:" in out
+    data = json.loads((tmp_path / "c.json").read_text())
+    assert data["checkpoint_bytes"] > data["parameter_bytes"] + data["optimizer_state_bytes"] > 0
+    assert data["save"]["median_s"] > 0 and data["load_fresh"]["median_s"] > 0
+    assert [p.name for p in tmp_path.iterdir() if p.is_dir()] == []  # its checkpoints are removed
