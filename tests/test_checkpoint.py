@@ -407,3 +407,28 @@ def test_a_save_hands_dcp_the_host_copies_themselves_not_copies(tmp_path, monkey
     load_checkpoint(tmp_path / "c", plain)
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         assert torch.equal(p, q), name
+
+
+class SlowAdamW(torch.optim.AdamW):
+    """AdamW that takes its time: its host update is still running when step() has returned."""
+
+    def step(self, closure=None):
+        time.sleep(0.3)
+        return super().step(closure)
+
+
+def test_a_save_waits_for_the_pending_host_updates(tmp_path):
+    torch.manual_seed(0)
+    model = OffloadModel(tied_mlp(), device="cpu", num_slices=3)
+    optimizer = OffloadOptimizer(model, SlowAdamW, lr=1e-2, fused=True)
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    optimizer.step()
+    assert model._engine.updates.pending()  # the updates run beside what follows
+    save_checkpoint(tmp_path / "c", model, optimizer)
+    plain = tied_mlp()
+    plain_optimizer = SlowAdamW(plain.parameters(), lr=1e-2, fused=True)
+    load_checkpoint(tmp_path / "c", plain, plain_optimizer)
+    optimizer.synchronize()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(p, q), name
+    assert all(int(s["step"]) == 1 for s in plain_optimizer.state.values()) and len(plain_optimizer.state) == 5
