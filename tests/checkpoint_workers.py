@@ -45,26 +45,26 @@ def batch(step: int, micro: int, rank: int, world_size: int, rows: int = 4) -> t
     return whole.chunk(world_size)[rank]
 
 
-def build(world_size: int, compute_dtype: torch.dtype | None, num_slices: int = 3):
+def build(world_size: int, compute_dtype: torch.dtype | None, device: str = "cpu", num_slices: int = 3):
     """A run's model, optimizer, scheduler and scaler: an embedding tied to the head across
     slices, dropout, AdamW with a step schedule and a dynamic loss scale."""
     group = dist.group.WORLD if world_size > 1 else None
-    model = OffloadModel(tied_mlp(), device="cpu", num_slices=num_slices, compute_dtype=compute_dtype,
+    model = OffloadModel(tied_mlp(), device=device, num_slices=num_slices, compute_dtype=compute_dtype,
                          process_group=group)
     optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
     # A small growth interval, so the scale changes within the test's few steps.
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    scaler = torch.amp.GradScaler(torch.device(device).type, init_scale=2.0**10, growth_interval=2)
     return model, optimizer, scheduler, scaler
 
 
 def train(rank: int, world_size: int, directory: str, *, tag: str, steps: int, compute_dtype: str | None,
-          save_at: int | None = None, resume: bool = False, seed: int = 0) -> None:
+          save_at: int | None = None, resume: bool = False, seed: int = 0, device: str = "cpu") -> None:
     """Train ``steps`` steps (from the checkpoint in ``directory/ckpt`` when ``resume``), saving
     after step ``save_at``; save the losses, parameters and state."""
     dtype = None if compute_dtype is None else getattr(torch, compute_dtype)
     torch.manual_seed(seed + rank)  # each rank's dropout draws its own numbers
-    model, optimizer, scheduler, scaler = build(world_size, dtype)
+    model, optimizer, scheduler, scaler = build(world_size, dtype, device)
     start = 0
     if resume:
         torch.manual_seed(12345)  # a fresh process's generators: the checkpoint must restore them
@@ -77,7 +77,7 @@ def train(rank: int, world_size: int, directory: str, *, tag: str, steps: int, c
         for micro in range(MICROSTEPS):
             sync = micro == MICROSTEPS - 1
             with contextlib.nullcontext() if sync else model.no_sync():
-                loss = model(batch(step, micro, rank, world_size)).float().pow(2).mean() / MICROSTEPS
+                loss = model(batch(step, micro, rank, world_size).to(device)).float().pow(2).mean() / MICROSTEPS
                 scaler.scale(loss).backward()
             losses.append(loss.item())
         scaler.step(optimizer)
@@ -91,7 +91,8 @@ def train(rank: int, world_size: int, directory: str, *, tag: str, steps: int, c
     optimizer.synchronize()
     result = {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
               "optimizer": optimizer.state_dict(), "scale": scaler.get_scale(),
-              "lr": [g["lr"] for g in optimizer.param_groups], "rng": torch.get_rng_state()}
+              "lr": [g["lr"] for g in optimizer.param_groups], "rng": torch.get_rng_state(),
+              "device_rng": torch.cuda.get_rng_state() if device.startswith("cuda") else None}
     torch.save(result, os.path.join(directory, f"{tag}.{rank}.pt"))
 
 

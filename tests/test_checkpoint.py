@@ -20,6 +20,7 @@ from offload import (CheckpointError, OffloadModel, OffloadOptimizer, latest_che
                      save_checkpoint)
 
 from .checkpoint_workers import counting_model
+from .helpers import CUDA
 from .stream_scenarios import tied_mlp
 
 #: Seconds a job's processes get before they are killed and the test fails.
@@ -64,15 +65,20 @@ def assert_same_run(resumed: dict, whole: dict, k: int, microsteps: int = 2) -> 
             assert torch.equal(got["state"][index][key], value), (index, key)
     assert resumed["scale"] == whole["scale"] and resumed["lr"] == whole["lr"]
     assert torch.equal(resumed["rng"], whole["rng"])
+    if whole["device_rng"] is not None:
+        assert torch.equal(resumed["device_rng"], whole["device_rng"])
 
 
-@pytest.mark.parametrize("world, dtype", [(1, None), (1, "bfloat16"), (2, "bfloat16")],
-                         ids=["1rank-float32", "1rank-bf16", "2ranks-bf16"])
-def test_resume_in_a_fresh_process_is_bit_identical_to_the_uninterrupted_run(tmp_path, world, dtype):
+@pytest.mark.parametrize("world, dtype, device", [
+    (1, None, "cpu"), (1, "bfloat16", "cpu"), (2, "bfloat16", "cpu"),
+    pytest.param(1, "bfloat16", "cuda", marks=CUDA),
+], ids=["1rank-float32", "1rank-bf16", "2ranks-bf16", "1rank-bf16-cuda"])
+def test_resume_in_a_fresh_process_is_bit_identical_to_the_uninterrupted_run(tmp_path, world, dtype, device):
     k = 3
-    whole = spawn("train", tmp_path, world, tag="whole", steps=2 * k, compute_dtype=dtype)
-    first = spawn("train", tmp_path, world, tag="first", steps=k, compute_dtype=dtype, save_at=k)
-    resumed = spawn("train", tmp_path, world, tag="resumed", steps=2 * k, compute_dtype=dtype, resume=True)
+    run = {"compute_dtype": dtype, "device": device}
+    whole = spawn("train", tmp_path, world, tag="whole", steps=2 * k, **run)
+    first = spawn("train", tmp_path, world, tag="first", steps=k, save_at=k, **run)
+    resumed = spawn("train", tmp_path, world, tag="resumed", steps=2 * k, resume=True, **run)
     for rank in range(world):
         assert first[rank]["losses"] == whole[rank]["losses"][:k * 2]
         assert_same_run(resumed[rank], whole[rank], k)
