@@ -42,7 +42,9 @@ Note: [Atomic save]
        and writes its ``.metadata`` last (itself through a temporary file).
     2. Rank 0 writes ``offload.json``, syncs the directory, and renames it to ``<name>``: the
        rename is the commit. A save killed before it leaves only the hidden partial directory,
-       which the next save removes.
+       which the next save in that directory removes. A checkpoint of the same name is first
+       moved to ``.<name>.old``; if the kill falls between the two renames, the next save puts
+       it back.
     3. Rank 0 then replaces the ``latest`` file beside it (written to a temporary file, synced,
        renamed) and, with ``keep_last``, removes the oldest checkpoints beside it (each renamed
        out of sight before it is deleted).
@@ -96,8 +98,8 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     at it. Call it on every rank, between steps; pending host updates finish first.
 
     Data parallel, each rank writes the optimizer state it owns, in parallel, and the parameters
-    are written once; nothing is gathered. The host memory a save adds is about one tensor (DCP
-    copies a parameter out of its slice's buffer before writing it).
+    are written once; nothing is gathered. DCP reads the host copies and the optimizer state where
+    they are: a save adds next to no host memory (``docs/checkpoints.md`` has the figures).
 
     Args:
         path: the checkpoint directory to create (replaced if it exists); its parent is created.
@@ -141,7 +143,7 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     partial = path.parent / f".{path.name}.partial"
     if rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)  # what a killed save left
+        _clean_up(path.parent)
         partial.mkdir()
     _barrier(group)
     with _single_process_is_intended(group):
@@ -152,7 +154,7 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
                 "tensors": {name: _describe(t) for name, t in _model_state(model).items()},
                 "partition": _partition(model),
                 "optimizer": None if optimizer is None else _optimizer_class(optimizer).__name__,
-                "groups": None if optimizer is None else [group["params"] for group in _named_groups(optimizer, names)]}
+                "groups": None if optimizer is None else [g["params"] for g in _named_groups(optimizer, names)]}
         _write_synced(partial / INFO_FILE, json.dumps(info, indent=1).encode())
         _fsync_directory(partial)
         _commit(partial, path)
@@ -237,9 +239,9 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
         optimizer.load_state_dict({
             "state": {index[name]: {key: state[f"optim/state/{name}/{key}"] for key in keys}
                       for name, keys in wanted.items()},
-            "param_groups": [{**{k: v for k, v in saved.items() if k != "params"},
-                              "params": [index[name] for name in saved["params"]]}
-                             for saved in state["optim/param_groups"]],
+            "param_groups": [{**{k: v for k, v in hyper.items() if k != "params"},
+                              "params": [index[name] for name in hyper["params"]]}
+                             for hyper in state["optim/param_groups"]],
         })
     if rng_key in state:
         _set_rng_state(state[rng_key])
@@ -492,6 +494,22 @@ def _fsync_directory(directory: Path) -> None:
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
+
+
+def _clean_up(directory: Path) -> None:
+    """Remove what killed saves left in ``directory``: partial checkpoints, and checkpoints moved
+    out of sight to be replaced or removed (one whose replacement never took its name is put back)."""
+    for entry in directory.iterdir():
+        if not (entry.name.startswith(".") and entry.is_dir()):
+            continue
+        if entry.name.endswith(".partial"):
+            shutil.rmtree(entry)
+        elif entry.name.endswith(".old"):
+            original = directory / entry.name[1:-len(".old")]
+            if original.exists():
+                shutil.rmtree(entry)
+            else:
+                os.replace(entry, original)
 
 
 def _commit(partial: Path, path: Path) -> None:

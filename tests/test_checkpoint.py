@@ -182,6 +182,19 @@ def test_an_existing_checkpoint_is_replaced_whole_and_latest_follows(tmp_path):
     assert latest_checkpoint(tmp_path / "nothing") is None
 
 
+def test_a_save_clears_what_killed_saves_left(tmp_path):
+    model = OffloadModel(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), device="cpu", num_slices=2)
+    save_checkpoint(tmp_path / "step-1", model)
+    save_checkpoint(tmp_path / "step-2", model)
+    (tmp_path / ".step-3.partial").mkdir()  # killed while writing
+    os.replace(tmp_path / "step-2", tmp_path / ".step-2.old")  # killed while replacing it
+    save_checkpoint(tmp_path / "step-1", model)
+    (tmp_path / ".step-1.old").mkdir()  # killed after its replacement took its name
+    save_checkpoint(tmp_path / "step-4", model)
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step-1", "step-2", "step-4"]
+    load_checkpoint(tmp_path / "step-2", model)
+
+
 def test_keep_last_removes_the_oldest(tmp_path):
     model = OffloadModel(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), device="cpu", num_slices=2)
     (tmp_path / "unrelated").mkdir()
