@@ -43,11 +43,11 @@ Note: [Atomic save]
     2. Rank 0 writes ``offload.json``, syncs the directory, and renames it to ``<name>``: the
        rename is the commit. A save killed before it leaves only the hidden partial directory,
        which the next save in that directory removes. A checkpoint of the same name is first
-       moved to ``.<name>.old``; if the kill falls between the two renames, the next save puts
-       it back.
+       moved to ``.<name>.replaced``, and deleted once the new one took its name; if the kill
+       falls between the two renames, the next save puts it back.
     3. Rank 0 then replaces the ``latest`` file beside it (written to a temporary file, synced,
        renamed) and, with ``keep_last``, removes the oldest checkpoints beside it (each renamed
-       out of sight before it is deleted).
+       to ``.<name>.removed`` before it is deleted, so a kill never leaves half of one visible).
 """
 
 from __future__ import annotations
@@ -498,14 +498,15 @@ def _fsync_directory(directory: Path) -> None:
 
 def _clean_up(directory: Path) -> None:
     """Remove what killed saves left in ``directory``: partial checkpoints, and checkpoints moved
-    out of sight to be replaced or removed (one whose replacement never took its name is put back)."""
+    out of sight to be removed; a checkpoint moved aside for a replacement that never took its
+    name is put back (it is whole: it is deleted only after the replacement took its name)."""
     for entry in directory.iterdir():
         if not (entry.name.startswith(".") and entry.is_dir()):
             continue
-        if entry.name.endswith(".partial"):
+        if entry.name.endswith((".partial", ".removed")):
             shutil.rmtree(entry)
-        elif entry.name.endswith(".old"):
-            original = directory / entry.name[1:-len(".old")]
+        elif entry.name.endswith(".replaced"):
+            original = directory / entry.name[1:-len(".replaced")]
             if original.exists():
                 shutil.rmtree(entry)
             else:
@@ -516,8 +517,7 @@ def _commit(partial: Path, path: Path) -> None:
     """Rename the finished checkpoint into place (replacing one of the same name)."""
     if path.exists():
         # The old one moves out of sight first, so no directory named ``path`` is ever half deleted.
-        old = path.parent / f".{path.name}.old"
-        shutil.rmtree(old, ignore_errors=True)
+        old = path.parent / f".{path.name}.replaced"
         os.replace(path, old)
         os.replace(partial, path)
         _fsync_directory(path.parent)
@@ -541,7 +541,6 @@ def _prune(path: Path, keep_last: int) -> None:
     for _, old in saved[:-keep_last]:
         if old == path:
             continue
-        hidden = old.parent / f".{old.name}.old"
-        shutil.rmtree(hidden, ignore_errors=True)
+        hidden = old.parent / f".{old.name}.removed"
         os.replace(old, hidden)
         shutil.rmtree(hidden)
