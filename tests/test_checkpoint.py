@@ -454,3 +454,18 @@ def test_a_save_waits_for_the_pending_host_updates(tmp_path):
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         assert torch.equal(p, q), name
     assert all(int(s["step"]) == 1 for s in plain_optimizer.state.values()) and len(plain_optimizer.state) == 5
+
+
+def test_loading_into_a_model_that_trained_on_rewinds_it_exactly(tmp_path):
+    """Loaded in place into a model whose shadows are current and whose updates are pending, and
+    into an optimizer that holds state: the run continues as it did after the save."""
+    torch.manual_seed(0)
+    model = OffloadModel(tied_mlp(), device="cpu", num_slices=3, compute_dtype=torch.bfloat16)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
+    plain_steps(model, optimizer, 2, seed=3)
+    save_checkpoint(tmp_path / "c", model, optimizer)
+    after_save = plain_steps(model, optimizer, 2, seed=4)
+    held = [optimizer.state[p]["exp_avg"] for p in model.parameters()]
+    load_checkpoint(tmp_path / "c", model, optimizer)
+    assert all(optimizer.state[p]["exp_avg"] is h for p, h in zip(model.parameters(), held))  # loaded in place
+    assert plain_steps(model, optimizer, 2, seed=4) == after_save
