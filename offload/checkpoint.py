@@ -19,9 +19,10 @@ Note: [Checkpoint layout]
         the optimizer's state of a parameter (``exp_avg``, ``step``...), named after the
         parameter (its first name in ``named_parameters()``), offered by the rank that keeps it:
         sharded, each rank writes the state it owns, in parallel, and nothing is gathered.
-        :meth:`OffloadOptimizer.state_by_slice` hands it over one slice at a time (a tier that
-        keeps optimizer state on disk plugs in there). Loading, each rank reads the state of the
-        parameters it updates now, whatever the number of ranks that saved it.
+        :meth:`OffloadOptimizer.state_by_slice` hands it over one slice at a time, the interface
+        a tier that keeps optimizer state on disk would serve (the save still collects every
+        slice's tensors before DCP writes them: references, no copies). Loading, each rank reads
+        the state of the parameters it updates now, whatever the number of ranks that saved it.
     ``optim/param_groups``
         the groups' hyperparameters (learning rate as the scheduler left it...), each group's
         parameters by name.
@@ -31,8 +32,9 @@ Note: [Checkpoint layout]
     ``extra``
         the caller's ``extra``, the same on every rank.
 
-    ``offload.json`` names, shapes and dtypes of the model's tensors, the slicing, the optimizer
-    class and the number of ranks: what :func:`load_checkpoint` checks before it writes anything.
+    ``offload.json`` holds the names, shapes and dtypes of the model's tensors, the slicing, the
+    optimizer class, its groups' parameters by name and the number of ranks: what
+    :func:`load_checkpoint` checks before it writes anything.
 
 Note: [Atomic save]
     A save never leaves a checkpoint that looks complete but is not, and never harms the
