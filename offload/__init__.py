@@ -31,6 +31,7 @@ Note: [Glossary]
 __version__ = "0.1.0"
 
 from .autograd.recompute_state import is_recomputing
+from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from .loading import load_sequential
 from .disk_tier import DiskTier, DiskTierError
 from .model import MemoryFootprint, OffloadModel
@@ -38,5 +39,6 @@ from .optimizer import OffloadOptimizer
 from .slice_update import HostUpdateError
 from .streams.collectives import CollectiveError
 
-__all__ = ["CollectiveError", "DiskTier", "DiskTierError", "HostUpdateError", "MemoryFootprint", "OffloadModel",
-           "OffloadOptimizer", "is_recomputing", "load_sequential"]
+__all__ = ["CheckpointError", "CollectiveError", "DiskTier", "DiskTierError", "HostUpdateError", "MemoryFootprint",
+           "OffloadModel", "OffloadOptimizer", "is_recomputing", "latest_checkpoint", "load_checkpoint",
+           "load_sequential", "save_checkpoint"]

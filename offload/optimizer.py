@@ -30,7 +30,7 @@ import copy
 import functools
 import os
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -258,6 +258,23 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for part in gathered:
             merged.update(part)
         return {"state": dict(sorted(merged.items())), "param_groups": local["param_groups"]}
+
+    def state_by_slice(self) -> Iterator[tuple[int, dict[torch.Tensor, dict[str, Any]]]]:
+        """The optimizer state this rank keeps, one slice at a time, after every pending update.
+
+        Yields ``(slice index, {parameter: its state})`` in slice order, then ``(-1, ...)`` for
+        parameters outside the model; each parameter's state is the plain optimizer's (a dict of
+        tensors and numbers; empty before its first update). Sharded, only the parameters this
+        rank updates appear. Checkpoints
+        read the state through this (Note: [Checkpoint layout] in ``offload/checkpoint.py``): a
+        store that keeps state away from host memory hands over one slice's state at a time here,
+        never the whole of it.
+        """
+        self.synchronize()
+        self._plan()
+        for step in (*self._steps, *self._rest):
+            if step.whole is not None:
+                yield step.index, {p: self.state.get(p, {}) for p in step.whole.params}
 
     def _sharding(self, shard: bool | None, process_group: Any) -> HostCollectives | None:
         """The host collectives of a sharded update, or None when every rank updates everything."""

@@ -8,12 +8,17 @@ output, this script's included). Either way it trains on the text of
 progress bar, and writes the trained model with ``save_pretrained`` into ``--out``. The loss is
 computed in the head, ``--loss-chunk-tokens`` tokens at a time, so the batch's logits never sit on
 the device whole; ``--loss-chunk-tokens 0`` returns the logits and computes the loss from them.
+With ``--save-every N`` it saves a checkpoint every N steps under ``--out``/checkpoints/step-N;
+``--resume latest`` (or a checkpoint's path) continues from one, with the same batches and losses
+as a run that never stopped.
 
 Usage::
 
     python scripts/finetune_causal_lm.py --out /tmp/tuned                     # tiny random Llama, CPU or GPU
     python scripts/finetune_causal_lm.py --model ./my-llama --text book.txt --out ./tuned --steps 500 \\
         --batch-size 8 --seq-len 1024 --num-slices 16 --compute-dtype bf16
+    python scripts/finetune_causal_lm.py --out /tmp/tuned --steps 40 --save-every 10  # killed at step 27...
+    python scripts/finetune_causal_lm.py --out /tmp/tuned --steps 40 --save-every 10 --resume latest
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
 
 import torch
 
-from offload import OffloadModel, OffloadOptimizer
+from offload import OffloadModel, OffloadOptimizer, latest_checkpoint, load_checkpoint, save_checkpoint
 
 DEFAULT_TEXT = Path(__file__).resolve().parent / "data" / "sample.txt"
 #: Random-initialised configs by size: (hidden, layers, heads, key/value heads, intermediate).
@@ -69,6 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the model's initialisation and the batches")
     parser.add_argument("--no-progress", action="store_true",
                         help="print one line per step instead of a bar, and no loading bars")
+    add_checkpoint_args(parser)
     args = parser.parse_args(argv)
     for name in ("steps", "batch_size", "seq_len", "num_slices", "microbatches"):
         if getattr(args, name) < 1:
@@ -85,7 +91,51 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--text {args.text}: no such file")
     if args.model is not None and not args.model.is_dir():
         parser.error(f"--model {args.model}: not a directory (a save_pretrained output is expected)")
+    check_checkpoint_args(parser, args)
     return args
+
+
+# -- checkpoints: --save-every and --resume ---------------------------------------------------------
+
+
+def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--save-every", type=int, default=0, metavar="N",
+                        help="save a checkpoint every N steps under OUT/checkpoints/step-N (0: never)")
+    parser.add_argument("--keep-checkpoints", type=int, default=None, metavar="K",
+                        help="keep only the K newest checkpoints (default: all)")
+    parser.add_argument("--resume", metavar="PATH|latest",
+                        help="continue from a checkpoint: its directory, or 'latest' for OUT/checkpoints' newest")
+
+
+def check_checkpoint_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.save_every < 0:
+        parser.error("--save-every must be 0 (never) or a number of steps")
+    if args.keep_checkpoints is not None and args.keep_checkpoints < 1:
+        parser.error("--keep-checkpoints must be at least 1")
+    if args.resume == "latest":
+        args.resume = latest_checkpoint(args.out / "checkpoints")
+        if args.resume is None:
+            parser.error(f"--resume latest: no checkpoint under {args.out / 'checkpoints'} yet")
+    elif args.resume is not None:
+        args.resume = Path(args.resume)
+
+
+def resume(args: argparse.Namespace, model: OffloadModel, optimizer: OffloadOptimizer,
+           generator: torch.Generator) -> int:
+    """Load ``--resume`` into the model, the optimizer and the batch generator; the steps done."""
+    if args.resume is None:
+        return 0
+    extra = load_checkpoint(args.resume, model, optimizer)
+    generator.set_state(extra["generator"])  # the next batch is the one the stopped run would have drawn
+    print(f"resumed from {args.resume} after step {extra['step']}")
+    return extra["step"]
+
+
+def save_every(args: argparse.Namespace, step: int, model: OffloadModel, optimizer: OffloadOptimizer,
+               generator: torch.Generator) -> None:
+    if args.save_every and step % args.save_every == 0:
+        save_checkpoint(args.out / "checkpoints" / f"step-{step}", model, optimizer,
+                        extra={"step": step, "generator": generator.get_state()}, keep_last=args.keep_checkpoints)
 
 
 def random_model(arch: str, size: str, vocab: int, seq_len: int):
@@ -176,7 +226,9 @@ def main(argv: list[str] | None = None) -> None:
 
     vocab = hf.config.vocab_size
     generator = torch.Generator().manual_seed(args.seed)
-    bar = tqdm(range(1, args.steps + 1), desc="fine-tuning", unit="step", disable=args.no_progress, file=sys.stdout)
+    done = resume(args, model, optimizer, generator)
+    bar = tqdm(range(done + 1, args.steps + 1), desc="fine-tuning", unit="step", disable=args.no_progress,
+               file=sys.stdout, initial=done, total=args.steps)
     start = time.perf_counter()
     seen = 0
     loss_value = math.nan
@@ -197,6 +249,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"step {step}/{args.steps}  loss {loss_value:.4f}  {rate:,.0f} tokens/s")
         else:
             bar.set_postfix(loss=f"{loss_value:.4f}", tokens_per_s=f"{rate:,.0f}")
+        save_every(args, step, model, optimizer, generator)
     bar.close()
 
     optimizer.synchronize()  # the last update runs beside the loop: let it finish before saving
@@ -204,7 +257,8 @@ def main(argv: list[str] | None = None) -> None:
     hf.save_pretrained(args.out)
     tokenizer.save_pretrained(args.out)
     elapsed = time.perf_counter() - start
-    print(f"final loss {loss_value:.4f}; {seen / elapsed:,.0f} tokens/s over {args.steps} steps; "
+    # The loss in full (repr): a resumed run's last line equals the uninterrupted run's.
+    print(f"final loss {loss_value!r}; {seen / elapsed:,.0f} tokens/s over {args.steps - done} steps; "
           f"saved to {args.out}")
 
 

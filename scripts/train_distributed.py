@@ -5,13 +5,17 @@ Every rank builds the same model and wraps it with ``process_group``; a ``Distri
 gives each rank its share of a synthetic dataset; gradients are averaged across ranks during
 backward, and ``OffloadOptimizer`` updates each rank's share of the parameters. Rank 0 prints
 its loss at every step; at the end each rank prints its samples/s, and rank 0 the total and the
-first and last loss.
+first and last loss (the last in full, so runs compare exactly). ``--save-every N`` saves a
+checkpoint every N steps under ``--out``/checkpoints/step-N (each rank writes its share of the
+optimizer state); ``--resume latest`` continues from the newest, on any number of ranks.
 
 Usage::
 
     torchrun --nproc_per_node=2 scripts/train_distributed.py --preset mlp --steps 20
     torchrun --nproc_per_node=8 scripts/train_distributed.py --preset transformer --batch-size 8 \\
         --set n_layers=24 --set d_model=2048 --compute-dtype bf16
+    torchrun --nproc_per_node=2 scripts/train_distributed.py --steps 40 --out /tmp/run --save-every 10 \\
+        --resume latest
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import gc
 import os
 import time
 import warnings
+from collections.abc import Iterator
+from pathlib import Path
 
 # PyTorch warns at import when NumPy is not installed, though nothing here needs NumPy.
 warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
@@ -29,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from offload import OffloadModel, OffloadOptimizer
+from offload import OffloadModel, OffloadOptimizer, latest_checkpoint, load_checkpoint, save_checkpoint
 from offload.presets import build_preset, preset_names
 
 
@@ -59,7 +65,9 @@ def main() -> None:
     parser.add_argument("--compute-dtype", choices=["none", "bf16", "fp16"], default="none",
                         help="compute_dtype of OffloadModel")
     parser.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
+    add_checkpoint_args(parser)
     args = parser.parse_args()
+    check_checkpoint_args(parser, args)
     if "RANK" not in os.environ:
         parser.error("start it with torchrun, one process per GPU (or CPU process): "
                      "torchrun --nproc_per_node=2 scripts/train_distributed.py --preset mlp")
@@ -88,29 +96,29 @@ def main() -> None:
               f"on {device.type}, {batch_size} rows per rank and step, {DISTINCT_BATCHES} batches per rank "
               f"repeated", flush=True)
 
+    done = resume(args, model, optimizer)
     start = time.perf_counter()
-    steps = 0
+    steps = done
     losses: list[float] = []
-    while steps < args.steps:
-        sampler.set_epoch(steps)
-        for x, y in loader:
-            if steps == 1:
-                start = time.perf_counter()  # the first step allocates and warms up
-            loss = preset.loss(model(x.to(device, non_blocking=True)), y.to(device, non_blocking=True))
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            steps += 1
-            if rank == 0:
-                losses.append(loss.item())
-                print(f"step {steps}/{args.steps}: loss {losses[-1]:.4f} (rank 0's batch)", flush=True)
-            if steps == args.steps:
-                break
+    for x, y in batches_from(loader, sampler, done):
+        if steps == done + 1:
+            start = time.perf_counter()  # the first step allocates and warms up
+        loss = preset.loss(model(x.to(device, non_blocking=True)), y.to(device, non_blocking=True))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        steps += 1
+        if rank == 0:
+            losses.append(loss.item())
+            print(f"step {steps}/{args.steps}: loss {losses[-1]:.4f} (rank 0's batch)", flush=True)
+        save_every(args, steps, model, optimizer)
+        if steps >= args.steps:
+            break
     optimizer.synchronize()
     if cuda:
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
-    timed = max(steps - 1, 1)
+    timed = max(steps - done - 1, 1)
     rate = timed * batch_size / seconds
     print(f"rank {rank}: {rate:.1f} samples/s over {timed} steps", flush=True)
     # Gathered as objects: a NCCL group gathers only CUDA tensors, and this is one float per rank.
@@ -118,14 +126,70 @@ def main() -> None:
     dist.all_gather_object(rates, rate)
     if rank == 0:
         total = sum(r for r in rates if r is not None)
-        print(f"total: {total:.1f} samples/s on {world_size} rank(s); loss {losses[0]:.4f} at the first step, "
-              f"{losses[-1]:.4f} at the last", flush=True)
+        # The last loss in full (repr): a resumed run's last line equals the uninterrupted run's.
+        trained = f"; loss {losses[0]:.4f} at the first step, last loss {losses[-1]!r}" if losses else ""
+        print(f"total: {total:.1f} samples/s on {world_size} rank(s){trained}", flush=True)
     # The model's and the optimizer's host workers end before the group they communicate over, and
     # every rank is past its last collective before any rank tears the group down.
     del model, optimizer
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()
+
+
+# -- checkpoints: --save-every and --resume ---------------------------------------------------------
+
+
+def batches_from(loader: DataLoader, sampler: DistributedSampler, start: int) -> Iterator[tuple[torch.Tensor, ...]]:
+    """The batches of steps ``start``, ``start + 1``, ... as a run from step 0 draws them: each pass
+    over the data starts at a step that is a multiple of its length and shuffles with that step as
+    its epoch, so a resumed run passes over what the stopped run trained on and continues with the
+    batch it would have taken next."""
+    per_pass = len(loader)
+    step = start - start % per_pass
+    while True:
+        sampler.set_epoch(step)
+        for k, batch in enumerate(loader):
+            if step + k >= start:
+                yield batch
+        step += per_pass
+
+
+def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, help="directory for checkpoints (OUT/checkpoints/step-N)")
+    parser.add_argument("--save-every", type=int, default=0, metavar="N",
+                        help="save a checkpoint every N steps (0: never); needs --out")
+    parser.add_argument("--resume", metavar="PATH|latest",
+                        help="continue from a checkpoint: its directory, or 'latest' for OUT/checkpoints' newest; "
+                             "with the stopped run's settings (--steps too: it sizes the synthetic dataset)")
+
+
+def check_checkpoint_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.save_every < 0:
+        parser.error("--save-every must be 0 (never) or a number of steps")
+    if args.out is None and (args.save_every or args.resume == "latest"):
+        parser.error("--save-every and --resume latest need --out")
+    if args.resume == "latest":
+        args.resume = latest_checkpoint(args.out / "checkpoints")
+        if args.resume is None:
+            parser.error(f"--resume latest: no checkpoint under {args.out / 'checkpoints'} yet")
+    elif args.resume is not None:
+        args.resume = Path(args.resume)
+
+
+def resume(args: argparse.Namespace, model: OffloadModel, optimizer: OffloadOptimizer) -> int:
+    """Load ``--resume`` on every rank (each reads the optimizer state it updates); the steps done."""
+    if args.resume is None:
+        return 0
+    extra = load_checkpoint(args.resume, model, optimizer)
+    if dist.get_rank() == 0:
+        print(f"resumed from {args.resume} after step {extra['step']}", flush=True)
+    return extra["step"]
+
+
+def save_every(args: argparse.Namespace, step: int, model: OffloadModel, optimizer: OffloadOptimizer) -> None:
+    if args.save_every and step % args.save_every == 0:
+        save_checkpoint(args.out / "checkpoints" / f"step-{step}", model, optimizer, extra={"step": step})
 
 
 if __name__ == "__main__":

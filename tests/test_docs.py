@@ -30,7 +30,6 @@ ROOT = Path(__file__).resolve().parents[1]
 # Documents linked from the README that land with other work on the library. A link to one of
 # them may dangle until it exists; remove each entry once its file is in docs/.
 PENDING_DOCS = frozenset({
-    "docs/checkpoints.md",  # saving and resuming training
     "docs/lora.md",  # LoRA and PEFT adapters on an offloaded base
 })
 

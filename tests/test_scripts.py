@@ -15,7 +15,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(*args: str, cwd: Path = ROOT) -> str:
-    done = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+    # The scripts import this checkout's offload, not whichever one is installed.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
@@ -113,7 +115,7 @@ def test_distributed_training_script_runs_on_two_cpu_processes():
     assert "rank 0:" in out and "rank 1:" in out and "total:" in out and "on 2 rank(s)" in out
     # Progress at every step, and a loss that falls: the ranks fit their repeated batches.
     assert [f"step {k}/6: loss" in out for k in range(1, 7)] == [True] * 6
-    first, last = (float(x) for x in re.search(r"loss (\S+) at the first step, (\S+) at the last", out).groups())
+    first, last = (float(x) for x in re.search(r"loss (\S+) at the first step, last loss (\S+)", out).groups())
     assert last < first
 
 
@@ -160,3 +162,49 @@ def test_bench_storage_smoke_test(tmp_path):
     assert data["state_on_disk"]["disk_bytes"] >= 8 * data["state_on_disk"]["parameters"]
     assert data["state_on_disk"]["tier_read_bytes_per_step"] == data["state_on_disk"]["disk_bytes"]
     assert os.listdir(tmp_path / "disk") == []  # every file removed
+
+
+def last_line(out: str, start: str) -> str:
+    (line,) = [line for line in out.splitlines() if line.startswith(start)][-1:]
+    return line
+
+
+def step_losses(out: str) -> list[str]:
+    return re.findall(r"^step (\d+)/\d+  loss (\S+)", out, flags=re.MULTILINE)
+
+
+def test_finetune_script_resumes_with_the_losses_of_a_run_that_never_stopped(tmp_path):
+    common = ["scripts/finetune_causal_lm.py", "--device", "cpu", "--no-progress", "--compute-dtype", "bf16",
+              "--steps", "4", "--out", str(tmp_path)]
+    whole = run(*common, "--save-every", "2")
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step-2", "step-4"]
+    resumed = run(*common, "--resume", str(tmp_path / "checkpoints" / "step-2"))  # as if stopped after step 2
+    assert "resumed from" in resumed and "step-2 after step 2" in resumed
+    assert step_losses(resumed) == step_losses(whole)[2:] and len(step_losses(whole)) == 4
+    # The final loss in full, bit for bit.
+    final = last_line(whole, "final loss").split(";")[0]
+    assert final == last_line(resumed, "final loss").split(";")[0] and len(final) > len("final loss 1.2345")
+
+
+def test_distributed_script_resumes_on_two_ranks_and_on_one(tmp_path):
+    common = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "scripts/train_distributed.py",
+              "--preset", "tiny", "--steps", "4", "--out", str(tmp_path)]
+    whole = run(*common, "--save-every", "2")
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step-2", "step-4"]
+    resumed = run(*common, "--resume", str(tmp_path / "checkpoints" / "step-2"))
+    assert "resumed from" in resumed
+    final = last_line(whole, "total:").split("last loss")[1]
+    assert final == last_line(resumed, "total:").split("last loss")[1]
+    # A checkpoint of two ranks continues on one (the batches split otherwise, so the loss differs).
+    one = run(*[arg.replace("--nproc_per_node=2", "--nproc_per_node=1") for arg in common], "--resume", "latest")
+    assert "on 1 rank(s)" in one and "resumed from" in one
+
+
+def test_checkpoint_benchmark(tmp_path):
+    out = run("scripts/bench_checkpoint.py", "--preset", "tiny", "--slices", "2", "--repeats", "1", "--dir",
+              str(tmp_path), "--json", str(tmp_path / "c.json"))
+    assert "save:" in out and "load_fresh:" in out
+    data = json.loads((tmp_path / "c.json").read_text())
+    assert data["checkpoint_bytes"] > data["parameter_bytes"] + data["optimizer_state_bytes"] > 0
+    assert data["save"]["median_s"] > 0 and data["load_fresh"]["median_s"] > 0
+    assert [p.name for p in tmp_path.iterdir() if p.is_dir()] == []  # its checkpoints are removed

@@ -1,0 +1,548 @@
+"""Save a training run and resume it exactly: :func:`save_checkpoint`, :func:`load_checkpoint`,
+:func:`latest_checkpoint`.
+
+A checkpoint is a directory in the format of ``torch.distributed.checkpoint`` (DCP), the one
+torchtitan and FSDP use, plus a small ``offload.json`` that says what was saved. It holds the
+model's ``state_dict()``, the optimizer's state and hyperparameters, every rank's random number
+generators and whatever the caller passes as ``extra`` (a scheduler's, a ``GradScaler``'s, the
+data position). It does not hold gradients: save between steps. This file does not export to
+Hugging Face (``save_pretrained`` does) and does not decide when to save (the training loop does).
+
+Note: [Checkpoint layout]
+    Keys of the DCP state dict, by name, so that a checkpoint loads on any number of ranks and
+    into the plain model and optimizer:
+
+    ``model/<name>``
+        each entry of ``model.state_dict()`` (parameters and persistent buffers); every rank
+        offers them and DCP writes each once.
+    ``optim/state/<parameter name>/<key>``
+        the optimizer's state of a parameter (``exp_avg``, ``step``...), named after the
+        parameter (its first name in ``named_parameters()``), offered by the rank that keeps it:
+        sharded, each rank writes the state it owns, in parallel, and nothing is gathered.
+        :meth:`OffloadOptimizer.state_by_slice` hands it over one slice at a time, the interface
+        a tier that keeps optimizer state on disk would serve (the save still collects every
+        slice's tensors before DCP writes them: references, no copies). Loading, each rank reads
+        the state of the parameters it updates now, whatever the number of ranks that saved it.
+    ``optim/param_groups``
+        the groups' hyperparameters (learning rate as the scheduler left it...), each group's
+        parameters by name.
+    ``rng/<rank>``
+        that rank's CPU and CUDA generators and Python's ``random``: dropout draws the same
+        numbers after a resume. Restored only when the number of ranks is unchanged.
+    ``extra``
+        the caller's ``extra``, the same on every rank.
+
+    ``offload.json`` holds the names, shapes and dtypes of the model's tensors, the slicing, the
+    optimizer class, its groups' parameters by name and the number of ranks: what
+    :func:`load_checkpoint` checks before it writes anything.
+
+Note: [Atomic save]
+    A save never leaves a checkpoint that looks complete but is not, and never harms the
+    previous one:
+
+    1. Every rank writes into ``.<name>.partial`` beside the target; DCP syncs each file to disk
+       and writes its ``.metadata`` last (itself through a temporary file).
+    2. Rank 0 writes ``offload.json``, syncs the directory, and renames it to ``<name>``: the
+       rename is the commit. A save killed before it leaves only the hidden partial directory,
+       which the next save in that directory removes. A checkpoint of the same name is first
+       moved to ``.<name>.replaced``, and deleted once the new one took its name; if the kill
+       falls between the two renames, the next save puts it back.
+    3. Rank 0 then replaces the ``latest`` file beside it (written to a temporary file, synced,
+       renamed) and, with ``keep_last``, removes the oldest checkpoints beside it (each renamed
+       to ``.<name>.removed`` before it is deleted, so a kill never leaves half of one visible).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+
+from .model import OffloadModel
+from .optimizer import OffloadOptimizer
+from .streams.host_storage import dense_stride
+
+FORMAT = 1
+INFO_FILE = "offload.json"
+LATEST_FILE = "latest"
+STRAY_PARAMETER = ("the optimizer steps a parameter that is not in the model; a checkpoint names optimizer state "
+                   "after the model's parameters: save such parameters in extra and give them their own optimizer")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded into this model and optimizer: incomplete, or saved from
+    something else. Raised before anything is loaded: the model and optimizer are unchanged."""
+
+
+# -- saving ----------------------------------------------------------------------------------------
+
+
+def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                    *, extra: dict[str, Any] | None = None, keep_last: int | None = None,
+                    process_group: Any = None) -> Path:
+    """Write the model, the optimizer, the random number generators and ``extra`` into the
+    checkpoint directory ``path``, atomically (Note: [Atomic save]), and point ``latest`` beside it
+    at it. Call it on every rank, between steps; pending host updates finish first.
+
+    Data parallel, each rank writes the optimizer state it owns, in parallel, and the parameters
+    are written once; nothing is gathered. DCP reads the host copies and the optimizer state where
+    they are: a save adds next to no host memory (``docs/checkpoints.md`` has the figures).
+
+    Args:
+        path: the checkpoint directory to create (replaced if it exists); its parent is created.
+        model: an :class:`~offload.OffloadModel` or any ``nn.Module``.
+        optimizer: an :class:`~offload.OffloadOptimizer`, any ``torch.optim`` optimizer over the
+            model's parameters, or ``None``.
+        extra: picklable values to save with it (a scheduler's and a ``GradScaler``'s
+            ``state_dict()``, the step, the data position), the same on every rank;
+            :func:`load_checkpoint` returns it.
+        keep_last: keep only this many checkpoints beside ``path`` (the newest), or all (``None``).
+        process_group: the group that saves together; default: the optimizer's, else the
+            model's, else the default group when ``torch.distributed`` is initialised.
+
+    Returns:
+        ``path``.
+
+    Raises:
+        ValueError: a bad ``keep_last``, or the optimizer steps a parameter the model lacks.
+
+    Example::
+
+        >>> save_checkpoint(f"ckpt/step-{step}", model, optimizer,
+        ...                 extra={"step": step, "scheduler": scheduler.state_dict()}, keep_last=3)
+    """
+    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+        raise ValueError(f"keep_last must be a positive int or None, got {keep_last!r}")
+    path = Path(path)
+    group, rank, world_size = _group(model, optimizer, process_group)
+    names = _parameter_names(model)
+    state: dict[str, Any] = {f"model/{name}": _own_storage(tensor) for name, tensor in _model_state(model).items()}
+    if optimizer is not None:
+        if not _steps_only(optimizer, names):
+            raise ValueError(STRAY_PARAMETER)
+        for param, param_state in _optimizer_state(optimizer):
+            for key, value in param_state.items():
+                state[f"optim/state/{names[id(param)]}/{key}"] = _own_storage(value)
+        state["optim/param_groups"] = _named_groups(optimizer, names)
+    state[f"rng/{rank}"] = _rng_state()
+    state["extra"] = extra
+
+    partial = path.parent / f".{path.name}.partial"
+    if rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _clean_up(path.parent)
+        partial.mkdir()
+    _barrier(group)
+    with _single_process_is_intended(group):
+        dcp.save(state, storage_writer=FileSystemWriter(partial, sync_files=True),
+                 planner=DefaultSavePlanner(flatten_state_dict=False), process_group=group, no_dist=group is None)
+    if rank == 0:
+        info = {"format": FORMAT, "world_size": world_size, "saved_ns": time.time_ns(),
+                "tensors": {name: _describe(t) for name, t in _model_state(model).items()},
+                "partition": _partition(model),
+                "optimizer": None if optimizer is None else _optimizer_class(optimizer).__name__,
+                "groups": None if optimizer is None else [g["params"] for g in _named_groups(optimizer, names)]}
+        _write_synced(partial / INFO_FILE, json.dumps(info, indent=1).encode())
+        _fsync_directory(partial)
+        _commit(partial, path)
+        _write_synced(path.parent / LATEST_FILE, path.name.encode(), atomically=True)
+        if keep_last is not None:
+            _prune(path, keep_last)
+    _barrier(group)
+    return path
+
+
+def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
+    """The checkpoint the ``latest`` file in ``directory`` names (the last one saved there), or
+    ``None`` when nothing was saved there yet."""
+    pointer = Path(directory) / LATEST_FILE
+    try:
+        name = pointer.read_text().strip()
+    except FileNotFoundError:
+        return None
+    return Path(directory) / name
+
+
+# -- loading ---------------------------------------------------------------------------------------
+
+
+def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                    *, process_group: Any = None) -> Any:
+    """Load a checkpoint written by :func:`save_checkpoint` into ``model`` and ``optimizer``, in
+    place, restore this rank's random number generators, and return the ``extra`` it was saved
+    with. Call it on every rank.
+
+    It loads on any number of ranks (each reads the optimizer state of the parameters it updates
+    now), and into the plain model and a plain ``torch.optim`` optimizer as well as into an
+    :class:`~offload.OffloadModel` and :class:`~offload.OffloadOptimizer`. Random number
+    generators are restored only when the number of ranks is the one saved.
+
+    Args:
+        path: a checkpoint directory (see :func:`latest_checkpoint`).
+        model: the model to load into, built as the saved one was.
+        optimizer: the optimizer to load into (the saved run's class), or ``None`` to skip it.
+        process_group: as in :func:`save_checkpoint`.
+
+    Raises:
+        CheckpointError: an incomplete checkpoint (a missing or truncated file), or one of another
+            model (names, shapes, dtypes), slicing or optimizer; the message says what differs.
+            Nothing was loaded: the model and optimizer are unchanged.
+    """
+    path = Path(path)
+    info, metadata = _read(path)
+    model_state = _model_state(model)
+    _check_model(path, info, model, model_state)
+    names = _parameter_names(model)
+    if optimizer is not None:
+        groups = _check_optimizer(path, info, metadata, optimizer, names)
+    group, rank, world_size = _group(model, optimizer, process_group)
+
+    state: dict[str, Any] = {f"model/{name}": tensor for name, tensor in model_state.items()}
+    wanted: dict[str, list[str]] = {}  # parameter name -> its state's keys, for the state this rank keeps
+    if optimizer is not None:
+        saved = _saved_optimizer_state(metadata)
+        for param in _kept_parameters(optimizer):
+            name = names[id(param)]
+            held = optimizer.state.get(param, {})
+            for key, entry in saved.get(name, {}).items():
+                wanted.setdefault(name, []).append(key)
+                state[f"optim/state/{name}/{key}"] = _destination(entry, held.get(key))
+        state["optim/param_groups"] = None
+    rng_key = f"rng/{rank}"
+    if info["world_size"] == world_size and rng_key in metadata.state_dict_metadata:
+        state[rng_key] = None
+    state["extra"] = None
+    # Unflattened, objects (groups, generators, extra) are loaded into this very dict.
+    planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    with _single_process_is_intended(group):
+        dcp.load(state, storage_reader=FileSystemReader(path), planner=planner, process_group=group,
+                 no_dist=group is None)
+
+    if optimizer is not None:
+        # Through load_state_dict, so that the optimizer casts and places its state as it does
+        # when the plain torch.optim optimizer loads it.
+        params = [p for params in groups for p in params]
+        index = {names[id(p)]: k for k, p in enumerate(params)}
+        optimizer.load_state_dict({
+            "state": {index[name]: {key: state[f"optim/state/{name}/{key}"] for key in keys}
+                      for name, keys in wanted.items()},
+            "param_groups": [{**{k: v for k, v in hyper.items() if k != "params"},
+                              "params": [index[name] for name in hyper["params"]]}
+                             for hyper in state["optim/param_groups"]],
+        })
+    if rng_key in state:
+        _set_rng_state(state[rng_key])
+    _barrier(group)
+    return state["extra"]
+
+
+# -- what is saved ---------------------------------------------------------------------------------
+
+
+def _model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    # OffloadModel.state_dict() waits for pending host updates; the tensors share the host copies'
+    # memory, so DCP reads from them and loads into them in place.
+    return dict(model.state_dict())
+
+
+def _own_storage(value: Any) -> Any:
+    """``value``, or for a tensor that shares a larger storage (a host copy is a view into its
+    slice's buffer) the same memory under a storage of its own, without a copy.
+
+    DCP writes a tensor's whole storage, so it copies such a view out first, and keeps every copy
+    until the rank's file is written: a whole model's parameters, where one tensor is enough.
+    """
+    if not isinstance(value, torch.Tensor) or value.device.type != "cpu" or value.numel() == 0:
+        return value
+    if value.untyped_storage().nbytes() == value.nbytes:
+        return value
+    if not value.is_contiguous() and dense_stride(value) is None:
+        return value  # overlapping or with gaps: DCP's copy it is
+    run = torch.as_strided(value, (value.numel(),), (1,))  # the tensor's memory, in memory order
+    own = torch.frombuffer(run.view(torch.uint8).numpy(), dtype=value.dtype)
+    return torch.as_strided(own, value.shape, value.stride())
+
+
+def _parameter_names(model: nn.Module) -> dict[int, str]:
+    """Each parameter's first name (a tied parameter is stepped, and its state named, once)."""
+    return {id(p): name for name, p in model.named_parameters()}
+
+
+def _steps_only(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> bool:
+    """Whether every parameter the optimizer steps is the model's (and so has a name)."""
+    return all(id(p) in names for group in optimizer.param_groups for p in group["params"])
+
+
+def _optimizer_state(optimizer: torch.optim.Optimizer) -> Iterator[tuple[torch.Tensor, dict[str, Any]]]:
+    """(parameter, state) for each parameter whose state this rank keeps."""
+    if isinstance(optimizer, OffloadOptimizer):
+        for _, states in optimizer.state_by_slice():
+            yield from ((p, state) for p, state in states.items() if state)
+        return
+    optimizer_state = optimizer.state
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p in optimizer_state:
+                yield p, optimizer_state[p]
+
+
+def _kept_parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The parameters whose state this rank keeps (sharded: those it updates)."""
+    if isinstance(optimizer, OffloadOptimizer):
+        return [p for _, states in optimizer.state_by_slice() for p in states]
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _named_groups(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[dict[str, Any]]:
+    return [{**{k: v for k, v in group.items() if k != "params"}, "params": [names[id(p)] for p in group["params"]]}
+            for group in optimizer.param_groups]
+
+
+def _optimizer_class(optimizer: torch.optim.Optimizer) -> type:
+    return optimizer.optimizer_class if isinstance(optimizer, OffloadOptimizer) else type(optimizer)
+
+
+def _partition(model: nn.Module) -> list[list[str]] | None:
+    return [list(names) for names in model.partition] if isinstance(model, OffloadModel) else None
+
+
+def _describe(tensor: torch.Tensor) -> dict[str, Any]:
+    return {"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch.")}
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"cpu": torch.get_rng_state(), "python": random.getstate()}
+    # Don't initialise CUDA by accident: a process that never used it has no state to keep.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _group(model: nn.Module, optimizer: torch.optim.Optimizer | None, process_group: Any) -> tuple[Any, int, int]:
+    """The group that saves or loads together, this rank in it, and its size (None, 0, 1: one process)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None, 0, 1
+    group = process_group
+    if group is None and isinstance(optimizer, OffloadOptimizer) and optimizer._collectives is not None:
+        group = optimizer._collectives.group  # the host (gloo) group, when the model's is NCCL
+    if group is None and isinstance(model, OffloadModel):
+        group = model.process_group
+    if group is None:
+        group = dist.group.WORLD
+    return group, dist.get_rank(group), dist.get_world_size(group)
+
+
+@contextlib.contextmanager
+def _single_process_is_intended(group: Any) -> Iterator[None]:
+    """DCP warns when it works without a process group; here that is the plan, not an accident."""
+    with warnings.catch_warnings():
+        if group is None:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _barrier(group: Any) -> None:
+    if group is not None:
+        dist.barrier(group=group)
+
+
+# -- checks before loading -------------------------------------------------------------------------
+
+
+def _read(path: Path) -> tuple[dict[str, Any], Metadata]:
+    """The checkpoint's description and DCP metadata, once every file they name is there, whole."""
+    if not path.is_dir():
+        partial = path.parent / f".{path.name}.partial"
+        hint = f" (a save of it was interrupted: {partial} is incomplete)" if partial.exists() else ""
+        raise CheckpointError(f"no checkpoint at {path}: not a directory{hint}")
+    try:
+        info = json.loads((path / INFO_FILE).read_text())
+        metadata = FileSystemReader(path).read_metadata()
+    except FileNotFoundError as error:
+        raise CheckpointError(f"checkpoint {path} is incomplete: {Path(error.filename).name} is missing") from error
+    except (ValueError, EOFError) as error:
+        raise CheckpointError(f"checkpoint {path} is damaged: {error}") from error
+    if info.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {path} has format {info.get('format')!r}; this version reads {FORMAT}")
+    needed: dict[str, int] = {}
+    for storage in (metadata.storage_data or {}).values():
+        needed[storage.relative_path] = max(needed.get(storage.relative_path, 0), storage.offset + storage.length)
+    for relative, length in sorted(needed.items()):
+        file = path / relative
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {path} is incomplete: {relative} is missing")
+        if file.stat().st_size < length:
+            raise CheckpointError(f"checkpoint {path} is incomplete: {relative} has {file.stat().st_size} bytes, "
+                                  f"{length} expected (truncated)")
+    return info, metadata
+
+
+def _check_model(path: Path, info: dict[str, Any], model: nn.Module, model_state: dict[str, torch.Tensor]) -> None:
+    saved = info["tensors"]
+    differences = [f"{name} is not in the model" for name in saved if name not in model_state]
+    differences += [f"{name} is not in the checkpoint" for name in model_state if name not in saved]
+    for name, tensor in model_state.items():
+        if name in saved and saved[name] != _describe(tensor):
+            here = _describe(tensor)
+            differences.append(f"{name} is {saved[name]['dtype']}{saved[name]['shape']} there, "
+                               f"{here['dtype']}{here['shape']} here")
+    if differences:
+        raise CheckpointError(f"checkpoint {path} holds another model: " + _listed(differences))
+    partition = _partition(model)
+    if partition is not None and info["partition"] is not None and partition != info["partition"]:
+        first = next(k for k in range(max(len(partition), len(info["partition"])))
+                     if k >= len(partition) or k >= len(info["partition"]) or partition[k] != info["partition"][k])
+        raise CheckpointError(
+            f"checkpoint {path} was saved from a model cut into {len(info['partition'])} slices, this one has "
+            f"{len(partition)}; slice {first} differs ({_slice(info['partition'], first)} there, "
+            f"{_slice(partition, first)} here). Build the OffloadModel with the saved run's num_slices.")
+
+
+def _check_optimizer(path: Path, info: dict[str, Any], metadata: Metadata, optimizer: torch.optim.Optimizer,
+                     names: dict[int, str]) -> list[list[torch.Tensor]]:
+    """The optimizer's groups' parameters, once they match the saved ones."""
+    name = _optimizer_class(optimizer).__name__
+    if info["optimizer"] is None or "optim/param_groups" not in metadata.state_dict_metadata:
+        raise CheckpointError(f"checkpoint {path} holds no optimizer state; load it with optimizer=None")
+    if info["optimizer"] != name:
+        raise CheckpointError(f"checkpoint {path} holds the state of {info['optimizer']}, not of {name}")
+    if not _steps_only(optimizer, names):
+        raise CheckpointError(STRAY_PARAMETER)
+    groups = [list(group["params"]) for group in optimizer.param_groups]
+    here = [[names[id(p)] for p in params] for params in groups]
+    if here != info["groups"]:
+        if len(here) != len(info["groups"]):
+            raise CheckpointError(f"checkpoint {path} holds {len(info['groups'])} parameter group(s), the optimizer "
+                                  f"has {len(here)}")
+        k = next(k for k, (a, b) in enumerate(zip(info["groups"], here)) if a != b)
+        raise CheckpointError(f"parameter group {k} of checkpoint {path} holds other parameters than the "
+                              f"optimizer's: {_listed(info['groups'][k], 4, ', ')} there, {_listed(here[k], 4, ', ')} here")
+    return groups
+
+
+def _saved_optimizer_state(metadata: Metadata) -> dict[str, dict[str, Any]]:
+    saved: dict[str, dict[str, Any]] = {}
+    for key, entry in metadata.state_dict_metadata.items():
+        if key.startswith("optim/state/"):
+            name, _, state_key = key.removeprefix("optim/state/").rpartition("/")
+            saved.setdefault(name, {})[state_key] = entry
+    return saved
+
+
+def _destination(entry: Any, held: Any) -> Any:
+    """Where DCP loads one saved value: the state tensor the optimizer holds when it has the saved
+    shape and dtype (no second copy of the state while loading), else a new tensor, or ``None``
+    for an object."""
+    if isinstance(entry, TensorStorageMetadata):
+        if (isinstance(held, torch.Tensor) and held.shape == entry.size and held.dtype == entry.properties.dtype
+                and held.device.type == "cpu"):
+            return held
+        return torch.empty(entry.size, dtype=entry.properties.dtype)
+    assert isinstance(entry, BytesStorageMetadata)
+    return None
+
+
+def _listed(items: list[str], limit: int = 5, separator: str = "; ") -> str:
+    more = f" (and {len(items) - limit} more)" if len(items) > limit else ""
+    return separator.join(items[:limit]) + more
+
+
+def _slice(partition: list[list[str]], k: int) -> str:
+    if k >= len(partition):
+        return "none"
+    names = partition[k]
+    return names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
+
+
+# -- files -----------------------------------------------------------------------------------------
+
+
+def _write_synced(file: Path, data: bytes, atomically: bool = False) -> None:
+    target = file.with_name(f".{file.name}.tmp") if atomically else file
+    with open(target, "wb") as stream:
+        stream.write(data)
+        stream.flush()
+        os.fsync(stream.fileno())
+    if atomically:
+        os.replace(target, file)
+        _fsync_directory(file.parent)
+
+
+def _fsync_directory(directory: Path) -> None:
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _clean_up(directory: Path) -> None:
+    """Remove what killed saves left in ``directory``: partial checkpoints, and checkpoints moved
+    out of sight to be removed; a checkpoint moved aside for a replacement that never took its
+    name is put back (it is whole: it is deleted only after the replacement took its name)."""
+    for entry in directory.iterdir():
+        if not (entry.name.startswith(".") and entry.is_dir()):
+            continue
+        if entry.name.endswith((".partial", ".removed")):
+            shutil.rmtree(entry)
+        elif entry.name.endswith(".replaced"):
+            original = directory / entry.name[1:-len(".replaced")]
+            if original.exists():
+                shutil.rmtree(entry)
+            else:
+                os.replace(entry, original)
+
+
+def _commit(partial: Path, path: Path) -> None:
+    """Rename the finished checkpoint into place (replacing one of the same name)."""
+    if path.exists():
+        # The old one moves out of sight first, so no directory named ``path`` is ever half deleted.
+        old = path.parent / f".{path.name}.replaced"
+        os.replace(path, old)
+        os.replace(partial, path)
+        _fsync_directory(path.parent)
+        shutil.rmtree(old)
+        return
+    os.replace(partial, path)
+    _fsync_directory(path.parent)
+
+
+def _prune(path: Path, keep_last: int) -> None:
+    """Remove the oldest checkpoints beside ``path`` (by when they were saved) beyond ``keep_last``."""
+    saved: list[tuple[int, Path]] = []
+    for sibling in path.parent.iterdir():
+        if sibling.name.startswith(".") or not (sibling / INFO_FILE).is_file():
+            continue
+        try:
+            saved.append((json.loads((sibling / INFO_FILE).read_text())["saved_ns"], sibling))
+        except (ValueError, KeyError):
+            continue  # not ours to remove
+    saved.sort()
+    for _, old in saved[:-keep_last]:
+        if old == path:
+            continue
+        hidden = old.parent / f".{old.name}.removed"
+        os.replace(old, hidden)
+        shutil.rmtree(hidden)
