@@ -33,6 +33,9 @@ class MemoryFootprint:
             largest step seen, reused afterwards).
         device_slots: the device slots that slices take turns in.
         pinned: whether the host buffers are pinned (only with a CUDA device).
+        device_gradients: the two device buffers that sum a slice's gradients over microbatches
+            (allocated with more than one microbatch, as large as the most gradient bytes a slice
+            needed so far: parameters that require no gradient take no room).
     """
 
     host_copies: int
@@ -40,6 +43,7 @@ class MemoryFootprint:
     host_pool: int
     device_slots: int
     pinned: bool
+    device_gradients: int = 0
 
     @property
     def pinned_bytes(self) -> int:
@@ -281,6 +285,7 @@ class OffloadModel(nn.Module):
             host_pool=engine.pool.nbytes,
             device_slots=engine.slots.slot_nbytes * engine.slots.num_slots,
             pinned=engine.pin,
+            device_gradients=engine.gradients.device_nbytes,
         )
 
     def extra_repr(self) -> str:

@@ -158,6 +158,14 @@ def collect_entries(layers: Sequence[nn.Module]) -> tuple[list[Entry], list[Entr
     return params, buffers
 
 
+def _registrations(layers: Sequence[nn.Module]) -> list[tuple[int, str, int]]:
+    """Every registration in ``layers``, as ``(id(module), name, id(tensor))``, in traversal order."""
+    return [(id(module), name, id(tensor))
+            for layer in layers for module in layer.modules()
+            for table in (module._parameters, module._buffers) for name, tensor in table.items()
+            if tensor is not None]
+
+
 #: Layers whose parameters keep their own dtype under a compute dtype: the batch and instance
 #: norms, whose kernels take a half-precision input with float32 weight and running statistics on
 #: the CPU and on CUDA alike (cuDNN's batch norm wants exactly that). LayerNorm, GroupNorm and
@@ -232,6 +240,9 @@ class SliceStorage:
     def build(self) -> None:
         """Lay the slice out and move every tensor's data (but borrowed parameters') into the flat buffer."""
         params, self.buffers = collect_entries(self.layers)
+        # Compared at every forward; the entries keep these modules and tensors alive, so no new
+        # object can take one of their ids.
+        self._registrations = _registrations(self.layers)
         for entry in self.buffers:
             if id(entry.tensor) in self.held_elsewhere:
                 raise ValueError(
@@ -280,8 +291,6 @@ class SliceStorage:
             device_end = _align(entry.device_offset + entry.shape.numel() * _itemsize(entry.device_dtype), align)
         self.device_nbytes = device_end
         self.host_nbytes = host_end
-        # Gradients travel in the parameters' own dtype; this bounds a slice's gradient buffer.
-        self.grad_nbytes = sum(_align(e.shape.numel() * _itemsize(e.dtype)) for e in self.params)
         self.flat = self.allocate(host_end)
         for entry in self.held:
             view = typed_view(self.flat, entry.host_offset, entry.dtype, entry.shape, entry.stride)
@@ -354,13 +363,10 @@ class SliceStorage:
         return False
 
     def registered_tensors_changed(self) -> bool:
-        """Whether a registration site now holds another tensor than the one laid out
-        (``layer.weight = nn.Parameter(...)``)."""
-        for entry in self.entries:
-            for site in entry.sites:
-                if site.table().get(site.name) is not entry.tensor:
-                    return True
-        return False
+        """Whether the layers now register other tensors than the ones laid out: a site that holds
+        another tensor (``layer.weight = nn.Parameter(...)``), or modules, parameters or buffers
+        added or removed (adapters injected into the layers, ``peft.get_peft_model`` say)."""
+        return _registrations(self.layers) != self._registrations
 
     def param_versions(self) -> tuple[int, ...]:
         """In-place modification counters of the parameters (the optimizer bumps them)."""
