@@ -198,15 +198,21 @@ def nbytes(params) -> int:
 @pytest.mark.parametrize("num_microbatches", [1, 2])
 def test_a_frozen_base_sends_only_adapter_gradients_back(num_microbatches):
     peft_model = lora(build("llama", dropout=0.0, layers=4))
-    model = OffloadModel(causal_lm_sequential(peft_model), device="cpu", num_slices=3,
+    # One stage per slice: the embeddings (frozen), four decoder layers, the head.
+    model = OffloadModel(causal_lm_sequential(peft_model), device="cpu", num_slices=6,
                          num_microbatches=num_microbatches)
     engine = model._engine
     model(batch())  # forward only: nothing goes to the host but boundary activations
     loaded, offloaded = engine.traffic()
     logits = model(batch())
     after_forward = engine.traffic()
+    loads = engine.slots.loads
     logits.float().square().mean().backward()
     after_backward = engine.traffic()
+    # Backward reloads the slices from the first with a trainable parameter on, but for the last
+    # two, still in the two slots from forward: the frozen embeddings have nothing to differentiate.
+    first = next(s.index for s in engine.slices if any(p.requires_grad for layer in s.layers for p in layer.parameters()))
+    assert first == 1 and engine.slots.loads - loads == engine.num_slices - 2 - first
     # Backward sends exactly the adapters' gradients back, one copy of each; the base stays put.
     assert after_backward[1] - after_forward[1] == nbytes(trainable(peft_model))
     assert engine.gradients.offloaded_bytes == nbytes(trainable(peft_model))
@@ -382,3 +388,13 @@ def test_finetune_script_trains_and_saves_a_lora_adapter(tmp_path):
 def test_finetune_script_refuses_a_negative_rank(tmp_path):
     done = finetune("--out", str(tmp_path), "--lora-r", "-1")
     assert done.returncode == 2 and "--lora-r must be 0 (off) or a positive rank" in done.stderr
+
+
+def test_untying_a_frozen_embedding_keeps_the_heads_copy_frozen():
+    peft_model = lora(build("gpt2", tied=True, layers=1), "gpt2")
+    layers = causal_lm_sequential(peft_model, untie_embeddings=True)
+    hf = peft_model.get_base_model()
+    assert hf.lm_head.weight is not hf.transformer.wte.weight and not hf.lm_head.weight.requires_grad
+    model = OffloadModel(layers, device="cpu", num_slices=2)
+    offloaded_step(hf, model, batch(), labels_of(batch()), 0)
+    assert hf.lm_head.weight.grad is None and model._engine.gradients.offloaded_bytes == nbytes(trainable(hf))

@@ -1,15 +1,31 @@
 """PEFT models (LoRA and the other adapter methods of ``peft``) handed to :func:`~offload.integrations.transformers.causal_lm_sequential`.
 
-``peft.get_peft_model(hf, LoraConfig(...))`` returns a ``PeftModel`` around a ``LoraModel`` around
-the Hugging Face model, whose linear layers (and embeddings, norms, experts: whatever the config
-targets) are replaced in place by adapter layers that hold the frozen base layer and the trainable
-adapter weights. For these methods the ``PeftModel``'s forward only calls the Hugging Face model's
-forward: the adapters run inside the model's own modules, so stages cut from the Hugging Face model
-reproduce the ``PeftModel`` bit for bit, and train its adapters. :func:`peft_base_model` finds that
-model, and refuses the methods whose ``PeftModel.forward`` does more than call it.
-
 ``peft`` is never imported here: a ``PeftModel`` exists only once the user imported ``peft``, so
 the classes are looked up in ``sys.modules``.
+
+Note: [PEFT models]
+    1. ``peft.get_peft_model(hf, LoraConfig(...))`` returns a ``PeftModel`` around a tuner
+       (``LoraModel``) around the Hugging Face model, whose linear layers (embeddings, whatever the
+       config targets) are replaced in place by adapter layers holding the frozen base layer and
+       the trainable adapter weights. For these methods ``PeftModel.forward`` only calls the Hugging
+       Face model's forward: the adapters run inside the model's own modules, so stages cut from
+       that model reproduce the ``PeftModel`` bit for bit and train its adapters, and
+       ``peft_model.save_pretrained`` writes them. :func:`peft_base_model` finds that model.
+    2. Methods whose ``PeftModel.forward`` does more are refused: prompt learning (virtual tokens
+       or a key/value cache before the model), Poly (``task_ids``), activated LoRA (offsets
+       computed from the input ids).
+    3. Cutting the ``PeftModel`` itself cannot work by attribute: ``PeftModel.__getattr__`` forwards
+       to the tuner, whose ``model`` is the ``*ForCausalLM``, not its decoder, which is what a
+       Llama-layout family's ``model`` attribute is.
+    4. A frozen parameter (``requires_grad=False``: the base) gets no gradient from the slices'
+       backward, so it sends nothing back to the host, takes no room in the gradient buffers, and
+       an optimizer never sees a gradient for it. Backward stops at the first slice that has a
+       trainable parameter (when the input needs no gradient), so leading frozen slices (the
+       embeddings) are neither reloaded nor recomputed. Loads are unchanged: every forward loads
+       every slice, and the host copies (with their shadow under a compute dtype) stay.
+    5. Adapters injected after ``OffloadModel`` was built (``get_peft_model`` on the Hugging Face
+       model the stages were cut from) are new modules inside the slices' layers: the next forward
+       sees the changed registrations and lays the slices out again (``SliceStorage.registered_tensors_changed``).
 """
 
 from __future__ import annotations

@@ -47,6 +47,8 @@ Note: [Chunked loss]
     every size tried), and where they do not, every gradient moves by a few ulps
     (``GRAD_ROUNDING`` in ``tests/test_transformers.py`` has the figures).
 
+A ``peft`` model is cut as its base model, adapters in place (Note: [PEFT models] in ``peft.py``).
+
 This module holds the adapters only; it does not train, load weights or tokenize.
 """
 
@@ -630,14 +632,24 @@ def causal_lm_sequential(model: nn.Module, *, untie_embeddings: bool = False,
     ``N`` is the row count of each projection's matrix product but the last: a small ``N`` trades
     speed (and that precision) for memory.
 
+    A ``peft`` model (``peft.get_peft_model(model, LoraConfig(...))``, LoRA and the other methods
+    whose adapters sit inside the model's layers) is cut as its base model with the adapters in
+    place: the adapters train, the frozen base sends no gradient back, and
+    ``peft_model.save_pretrained()`` writes the trained adapters (Note: [PEFT models] in
+    ``offload/integrations/peft.py``).
+
     Args:
-        model: a ``transformers`` causal LM whose ``config.model_type`` is in :data:`SUPPORTED_MODEL_TYPES`.
+        model: a ``transformers`` causal LM whose ``config.model_type`` is in :data:`SUPPORTED_MODEL_TYPES`
+            (the family's ``*ForCausalLM``, or a subclass that keeps its ``forward``), or a ``PeftModel`` of one.
         untie_embeddings: give a tied ``lm_head`` a weight of its own (see above).
         loss_chunk_tokens: tokens per chunk of a loss computed in the head, or ``None`` (the
             default) to return logits.
 
     Raises:
-        ValueError: an unsupported architecture (the message lists the supported ones), GPT-2
+        ValueError: an unsupported architecture (the message lists the supported ones), a class other
+            than the family's causal LM (``GPT2DoubleHeadsModel``) or one overriding its or its
+            decoder's ``forward``, a PEFT method whose ``PeftModel.forward`` changes the inputs
+            (prompt learning, Poly, activated LoRA), GPT-2
             with cross-attention, Gemma 3 with bidirectional attention, or a mixture of experts
             with ``output_router_logits=True`` (its load-balancing loss needs router logits the
             stages do not return); ``loss_chunk_tokens`` not a positive int, or given for a model
