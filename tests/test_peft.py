@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -398,3 +401,21 @@ def test_untying_a_frozen_embedding_keeps_the_heads_copy_frozen():
     model = OffloadModel(layers, device="cpu", num_slices=2)
     offloaded_step(hf, model, batch(), labels_of(batch()), 0)
     assert hf.lm_head.weight.grad is None and model._engine.gradients.offloaded_bytes == nbytes(trainable(hf))
+
+
+def test_bench_lora_records_the_bytes_a_frozen_base_saves(tmp_path):
+    out = tmp_path / "lora.json"
+    done = subprocess.run([sys.executable, "scripts/bench_lora.py", "--hidden", "64", "--layers", "2", "--vocab", "300",
+                           "--seq-len", "16", "--lora-r", "2", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    full, lora_fp32, lora_bf16 = results["full"], results["lora"], results["lora_bf16_base"]
+    assert full["trainable_parameters"] == full["parameters"] > lora_fp32["trainable_parameters"] > 0
+    # Full fine-tuning, as documented: 4 B host copy, 2 B shadow, 4 B gradient, 8 B AdamW state.
+    assert full["host_bytes_per_base_parameter"] == pytest.approx(18.0, abs=0.01)
+    for lora in (lora_fp32, lora_bf16):
+        assert lora["per_step"]["offloaded_gradients"] == lora["host_gradients"]
+        assert lora["host_gradients"] == 4 * lora["trainable_parameters"]
+        assert lora["memory_footprint"]["device_gradients"] < full["memory_footprint"]["device_gradients"]
+    assert lora_bf16["memory_footprint"]["host_copies"] < lora_fp32["memory_footprint"]["host_copies"]
