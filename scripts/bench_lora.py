@@ -139,7 +139,8 @@ def main(argv: list[str] | None = None) -> None:
               f"optimizer {r['optimizer_state'] / 2**20:.1f} MiB) | pool {f['host_pool'] / 2**20:.1f} MiB | "
               f"device grad sums {f['device_gradients'] / 2**20:.1f} MiB | per step: loads "
               f"{(step['forward_loaded'] + step['backward_loaded']) / 2**20:.1f} MiB, gradients back "
-              f"{step['offloaded_gradients'] / 2**20:.2f} MiB, activations {step['offloaded_activations'] / 2**20:.1f} MiB")
+              f"{step['offloaded_gradients'] / 2**20:.2f} MiB, "
+              f"activations {step['offloaded_activations'] / 2**20:.1f} MiB")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         record = {"settings": vars(args) | {"json": str(args.json)}, "results": results,

@@ -81,7 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
-    lora = parser.add_argument_group("LoRA", "train low-rank adapters (peft) on the frozen model: pip install \"offload[peft]\"")
+    lora = parser.add_argument_group("LoRA", 'train low-rank adapters (peft) on the frozen model: '
+                                     'pip install "offload[peft]"')
     lora.add_argument("--lora-r", type=int, default=0, help="adapter rank (0, the default: train every weight)")
     lora.add_argument("--lora-alpha", type=float, help="adapter scale numerator (default: twice the rank)")
     lora.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input")

@@ -214,7 +214,8 @@ def test_a_frozen_base_sends_only_adapter_gradients_back(num_microbatches):
     after_backward = engine.traffic()
     # Backward reloads the slices from the first with a trainable parameter on, but for the last
     # two, still in the two slots from forward: the frozen embeddings have nothing to differentiate.
-    first = next(s.index for s in engine.slices if any(p.requires_grad for layer in s.layers for p in layer.parameters()))
+    first = next(s.index for s in engine.slices
+                 if any(p.requires_grad for layer in s.layers for p in layer.parameters()))
     assert first == 1 and engine.slots.loads - loads == engine.num_slices - 2 - first
     # Backward sends exactly the adapters' gradients back, one copy of each; the base stays put.
     assert after_backward[1] - after_forward[1] == nbytes(trainable(peft_model))

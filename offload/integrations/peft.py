@@ -1,4 +1,4 @@
-"""PEFT models (LoRA and the other adapter methods of ``peft``) handed to :func:`~offload.integrations.transformers.causal_lm_sequential`.
+"""PEFT models (LoRA and the other adapter methods of ``peft``) as ``causal_lm_sequential`` takes them.
 
 ``peft`` is never imported here: a ``PeftModel`` exists only once the user imported ``peft``, so
 the classes are looked up in ``sys.modules``.
