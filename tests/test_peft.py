@@ -28,19 +28,17 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 from offload.integrations.transformers import causal_lm_sequential  # noqa: E402  (needs transformers)
 
-#: Families whose experts are fused parameters: LoRA there goes on attention only (see module docstring).
+#: The mixtures of experts, whose experts are fused parameters.
 MIXTURES = ["mixtral", "qwen2_moe", "qwen3_moe"]
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
 def targets(kind: str) -> str | list[str]:
     """Attention and MLP of every family: PEFT's ``"all-linear"`` (every ``nn.Linear`` but the output
-    head). The mixtures' experts are fused ``nn.Parameter`` tensors that PEFT adapts through a
-    parametrization registered in forward (``target_parameters``), tested where that works; here
-    they get LoRA on attention (and on Qwen2-MoE's shared expert, an ordinary MLP)."""
-    if kind == "qwen2_moe":
-        return [*ATTENTION, "shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj"]
-    return ATTENTION if kind in MIXTURES else "all-linear"
+    head; on Qwen2-MoE its shared expert and that expert's gate). On Mixtral and Qwen3-MoE it also
+    takes the fused experts and the router, which PEFT adapts through a parametrization registered
+    in forward (``target_parameters``), not supported yet: those two get LoRA on attention."""
+    return ATTENTION if kind in ("mixtral", "qwen3_moe") else "all-linear"
 
 
 def lora(hf: torch.nn.Module, kind: str = "llama", **options) -> torch.nn.Module:
