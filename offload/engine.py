@@ -169,7 +169,7 @@ class Engine:
             slots.adopt(storages)
         else:
             self.slots = DeviceSlots(storages, self.copies, self.updates)
-        self.gradients = GradientOffloader(self.copies, self.pool, max(st.grad_nbytes for st in storages))
+        self.gradients = GradientOffloader(self.copies, self.pool)
 
     @property
     def num_slices(self) -> int:

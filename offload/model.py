@@ -35,6 +35,9 @@ class MemoryFootprint:
         disk: bytes in the files of optimizers' disk tiers (:class:`~offload.DiskTier`) over this model.
         host_disk_window: host RAM those tiers hold: their window of slices' state being read,
             updated and written, and state held after a failed write (not pinned).
+        device_gradients: the two device buffers that sum a slice's gradients over microbatches
+            (allocated with more than one microbatch, as large as the most gradient bytes a slice
+            needed so far: parameters that require no gradient take no room).
     """
 
     host_copies: int
@@ -44,6 +47,7 @@ class MemoryFootprint:
     pinned: bool
     disk: int = 0
     host_disk_window: int = 0
+    device_gradients: int = 0
 
     @property
     def pinned_bytes(self) -> int:
@@ -287,6 +291,7 @@ class OffloadModel(nn.Module):
             pinned=engine.pin,
             disk=sum(tier.disk_nbytes for tier in engine.disk_tiers),
             host_disk_window=sum(tier.window_nbytes for tier in engine.disk_tiers),
+            device_gradients=engine.gradients.device_nbytes,
         )
 
     def extra_repr(self) -> str:

@@ -11,6 +11,9 @@ the device whole; ``--loss-chunk-tokens 0`` returns the logits and computes the 
 With ``--save-every N`` it saves a checkpoint every N steps under ``--out``/checkpoints/step-N;
 ``--resume latest`` (or a checkpoint's path) continues from one, with the same batches and losses
 as a run that never stopped.
+With ``--lora-r R`` it trains LoRA adapters (``peft``) on the frozen model instead of every weight,
+and ``--out`` receives the adapter (``PeftModel.save_pretrained``; load it back with
+``peft.PeftModel.from_pretrained(base_model, out)``).
 
 Usage::
 
@@ -19,6 +22,7 @@ Usage::
         --batch-size 8 --seq-len 1024 --num-slices 16 --compute-dtype bf16
     python scripts/finetune_causal_lm.py --out /tmp/tuned --steps 40 --save-every 10  # killed at step 27...
     python scripts/finetune_causal_lm.py --out /tmp/tuned --steps 40 --save-every 10 --resume latest
+    python scripts/finetune_causal_lm.py --model ./my-llama --out ./adapter --lora-r 16 --lora-targets q_proj v_proj
 """
 
 from __future__ import annotations
@@ -75,7 +79,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-progress", action="store_true",
                         help="print one line per step instead of a bar, and no loading bars")
     add_checkpoint_args(parser)
+    add_lora_arguments(parser)
     args = parser.parse_args(argv)
+    check_lora_arguments(parser, args)
     for name in ("steps", "batch_size", "seq_len", "num_slices", "microbatches"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -136,6 +142,41 @@ def save_every(args: argparse.Namespace, step: int, model: OffloadModel, optimiz
     if args.save_every and step % args.save_every == 0:
         save_checkpoint(args.out / "checkpoints" / f"step-{step}", model, optimizer,
                         extra={"step": step, "generator": generator.get_state()}, keep_last=args.keep_checkpoints)
+
+
+def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
+    lora = parser.add_argument_group("LoRA", 'train low-rank adapters (peft) on the frozen model: '
+                                     'pip install "offload[peft]"')
+    lora.add_argument("--lora-r", type=int, default=0, help="adapter rank (0, the default: train every weight)")
+    lora.add_argument("--lora-alpha", type=float, help="adapter scale numerator (default: twice the rank)")
+    lora.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input")
+    lora.add_argument("--lora-targets", nargs="+", default=["all-linear"], metavar="MODULE",
+                      help="module names to adapt, or all-linear (every linear layer but the output head)")
+
+
+def check_lora_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.lora_r < 0:
+        parser.error("--lora-r must be 0 (off) or a positive rank")
+    if not 0.0 <= args.lora_dropout < 1.0:
+        parser.error("--lora-dropout must be in [0, 1)")
+
+
+def with_lora(hf, args: argparse.Namespace):
+    """``hf`` with LoRA adapters (a ``PeftModel``; its base is frozen), or ``None`` without ``--lora-r``."""
+    if args.lora_r == 0:
+        return None
+    try:
+        import peft
+    except ImportError as error:
+        raise SystemExit(f'{error}. --lora-r needs peft: pip install "offload[peft]"') from error
+    targets = args.lora_targets[0] if args.lora_targets == ["all-linear"] else args.lora_targets
+    config = peft.LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha or 2 * args.lora_r,
+                             lora_dropout=args.lora_dropout, target_modules=targets, task_type="CAUSAL_LM")
+    peft_model = peft.get_peft_model(hf, config)
+    trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    print(f"LoRA rank {args.lora_r} on {', '.join(sorted(config.target_modules))}: "
+          f"{trainable / 1e6:.2f} M trainable parameters")
+    return peft_model
 
 
 def random_model(arch: str, size: str, vocab: int, seq_len: int):
@@ -214,7 +255,8 @@ def main(argv: list[str] | None = None) -> None:
     tokens = token_stream(args.text.read_text(encoding="utf-8"), tokenizer)
     if tokens.numel() <= args.seq_len:
         raise SystemExit(f"--text has {tokens.numel()} tokens; --seq-len {args.seq_len} needs more")
-    layers = causal_lm_sequential(hf, untie_embeddings=args.untie_embeddings,
+    peft_model = with_lora(hf, args)
+    layers = causal_lm_sequential(hf if peft_model is None else peft_model, untie_embeddings=args.untie_embeddings,
                                   loss_chunk_tokens=args.loss_chunk_tokens or None)
 
     model = OffloadModel(layers, device=args.device, num_slices=args.num_slices,
@@ -254,7 +296,7 @@ def main(argv: list[str] | None = None) -> None:
 
     optimizer.synchronize()  # the last update runs beside the loop: let it finish before saving
     args.out.mkdir(parents=True, exist_ok=True)
-    hf.save_pretrained(args.out)
+    (hf if peft_model is None else peft_model).save_pretrained(args.out)  # with LoRA, the adapter only
     tokenizer.save_pretrained(args.out)
     elapsed = time.perf_counter() - start
     # The loss in full (repr): a resumed run's last line equals the uninterrupted run's.

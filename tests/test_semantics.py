@@ -278,6 +278,40 @@ def test_loading_a_new_parameter_object_or_data_is_followed(device):
     assert model._modules["5"].bias.grad is not None
 
 
+class Adapted(nn.Module):
+    """A layer with a module injected around it after wrapping, as adapter libraries do."""
+
+    def __init__(self, base: nn.Module) -> None:
+        super().__init__()
+        self.base = base
+        self.extra = nn.Linear(base.out_features, base.out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.extra(self.base(x))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_modules_added_to_a_layer_after_wrapping_are_laid_out(device):
+    reference, model = pair(device)
+    x = torch.randn(3, 6, device=device)
+    model(x)
+    storage = model._engine.slices[0].storage
+    flat = storage.flat
+    nn.Linear(2, 2)  # registrations elsewhere: looked at, nothing to lay out again
+    model(x)
+    assert storage.flat is flat
+    torch.manual_seed(1)
+    model._modules["3"].inner = Adapted(nn.Linear(10, 10))  # a new submodule of a wrapped layer
+    torch.manual_seed(1)
+    reference._modules["3"].inner = Adapted(nn.Linear(10, 10)).to(device)
+    for layers in (model, reference):
+        layers._modules["3"].register_forward_hook(lambda module, args, out: module.inner(out))
+    model(x).sum().backward()
+    reference(x).sum().backward()
+    assert_same_grads(model, reference, rtol=0, atol=0)
+    assert len(model._engine.parameters()) == len(list(reference.parameters()))
+
+
 def test_dtype_conversion_is_followed_and_device_moves_are_refused():
     torch.manual_seed(0)
     reference = small().double()

@@ -47,6 +47,8 @@ Note: [Chunked loss]
     every size tried), and where they do not, every gradient moves by a few ulps
     (``GRAD_ROUNDING`` in ``tests/test_transformers.py`` has the figures).
 
+A ``peft`` model is cut as its base model, adapters in place (Note: [PEFT models] in ``peft.py``).
+
 This module holds the adapters only; it does not train, load weights or tokenize.
 """
 
@@ -64,10 +66,13 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..autograd.recompute_state import recomputing
+from .peft import peft_base_model
 
 try:
+    import transformers
     from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
 except ImportError as error:  # pragma: no cover - exercised only without the extra installed
     raise ImportError(
         'offload.integrations.transformers needs Hugging Face transformers 5: pip install -e ".[transformers]"'
@@ -459,10 +464,12 @@ class CausalLMSequential(nn.Sequential):
         # Not a submodule: the stages already hold its modules, and registering it would list
         # every parameter twice.
         object.__setattr__(self, "hf_model", hf_model)
-        names = {id(module): name for name, module in hf_model.named_modules()}
         #: this Sequential's module name -> the Hugging Face model's, for every module of a stage
-        self._hf_names = {name: names[id(module)] for name, module in self.named_modules()
-                          if name and id(module) in names}
+        self._hf_names = self._module_names()
+
+    def _module_names(self) -> dict[str, str]:
+        names = {id(module): name for name, module in self.hf_model.named_modules()}
+        return {name: names[id(module)] for name, module in self.named_modules() if name and id(module) in names}
 
     def hf_name(self, key: str) -> str:
         """The Hugging Face name of a ``state_dict`` key of this Sequential, or of an ``OffloadModel`` wrapping it.
@@ -471,6 +478,8 @@ class CausalLMSequential(nn.Sequential):
             KeyError: ``key`` names no parameter or buffer of a stage.
         """
         module, _, leaf = key.rpartition(".")
+        if module not in self._hf_names:
+            self._hf_names = self._module_names()  # modules added since, adapters say
         if module not in self._hf_names:
             raise KeyError(f"{key!r} is not a parameter or buffer of these stages")
         return f"{self._hf_names[module]}.{leaf}" if self._hf_names[module] else leaf
@@ -551,9 +560,37 @@ def _stages(model: nn.Module, loss_chunk_tokens: int | None) -> list[nn.Module]:
     return [embedding, *blocks, head]
 
 
+def _check_classes(model: nn.Module) -> None:
+    """Refuse a model whose forward, or whose decoder's, is not the one the stages reproduce.
+
+    ``config.model_type`` names a family, not a class: ``GPT2DoubleHeadsModel`` is ``"gpt2"`` too
+    but adds a second head, and a subclass may override ``forward``. A subclass that keeps both
+    forwards (one that adds a method, say) computes what the family's causal LM computes, and is accepted.
+    """
+    model_type = model.config.model_type
+    expected = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+    expected_base = getattr(transformers, MODEL_MAPPING_NAMES[model_type])
+    base = getattr(model, "transformer" if model_type == "gpt2" else _LAYOUTS[model_type].base, None)
+    for module, want in ((model, expected), (base, expected_base)):
+        if isinstance(module, want) and type(module).forward is want.forward:
+            continue
+        if isinstance(module, want):
+            what = f"{type(module).__name__} overrides {want.__name__}.forward"
+        else:
+            what = f"{type(module).__name__} is not a {want.__name__}"
+        raise ValueError(
+            f"causal_lm_sequential reproduces the forward of {expected.__name__} (model_type {model_type!r}), "
+            f"built around {expected_base.__name__}; {what}, so the stages would not compute what the model does. "
+            f"Load the model with transformers.AutoModelForCausalLM, or write the stages for this class as an "
+            "nn.Sequential of its own modules"
+        )
+
+
 def _untie(model: nn.Module) -> None:
     head = model.get_output_embeddings()
-    head.weight = nn.Parameter(model.get_input_embeddings().weight.detach().clone())
+    tied = model.get_input_embeddings().weight
+    # A frozen matrix (a base under adapters) stays frozen in both places.
+    head.weight = nn.Parameter(tied.detach().clone(), requires_grad=tied.requires_grad)
     model.config.tie_word_embeddings = False
     text_config = getattr(model.config, "get_text_config", None)
     if text_config is not None:
@@ -595,14 +632,24 @@ def causal_lm_sequential(model: nn.Module, *, untie_embeddings: bool = False,
     ``N`` is the row count of each projection's matrix product but the last: a small ``N`` trades
     speed (and that precision) for memory.
 
+    A ``peft`` model (``peft.get_peft_model(model, LoraConfig(...))``, LoRA and the other methods
+    whose adapters sit inside the model's layers) is cut as its base model with the adapters in
+    place: the adapters train, the frozen base sends no gradient back, and
+    ``peft_model.save_pretrained()`` writes the trained adapters (Note: [PEFT models] in
+    ``offload/integrations/peft.py``).
+
     Args:
-        model: a ``transformers`` causal LM whose ``config.model_type`` is in :data:`SUPPORTED_MODEL_TYPES`.
+        model: a ``transformers`` causal LM whose ``config.model_type`` is in :data:`SUPPORTED_MODEL_TYPES`
+            (the family's ``*ForCausalLM``, or a subclass that keeps its ``forward``), or a ``PeftModel`` of one.
         untie_embeddings: give a tied ``lm_head`` a weight of its own (see above).
         loss_chunk_tokens: tokens per chunk of a loss computed in the head, or ``None`` (the
             default) to return logits.
 
     Raises:
-        ValueError: an unsupported architecture (the message lists the supported ones), GPT-2
+        ValueError: an unsupported architecture (the message lists the supported ones), a class other
+            than the family's causal LM (``GPT2DoubleHeadsModel``) or one overriding its or its
+            decoder's ``forward``, a PEFT method whose ``PeftModel.forward`` changes the inputs
+            (prompt learning, Poly, activated LoRA), GPT-2
             with cross-attention, Gemma 3 with bidirectional attention, or a mixture of experts
             with ``output_router_logits=True`` (its load-balancing loss needs router logits the
             stages do not return); ``loss_chunk_tokens`` not a positive int, or given for a model
@@ -620,6 +667,9 @@ def causal_lm_sequential(model: nn.Module, *, untie_embeddings: bool = False,
         sums = model({"input_ids": ids, "attention_mask": mask, "labels": labels})
         loss = sums.sum() / layers.count_loss_tokens(labels)
     """
+    peft_base = peft_base_model(model)
+    if peft_base is not None:
+        model = peft_base  # Note: [PEFT models]
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES or not hasattr(model, "lm_head"):
@@ -628,6 +678,7 @@ def causal_lm_sequential(model: nn.Module, *, untie_embeddings: bool = False,
             f"got {type(model).__name__} (model_type {model_type!r}). For another architecture, write the stages "
             "as an nn.Sequential of its own modules (see this module's source for the pattern)"
         )
+    _check_classes(model)
     if getattr(config, "add_cross_attention", False):
         raise ValueError("GPT-2 with cross-attention (add_cross_attention=True) is not supported: its blocks need "
                          "encoder states the stages do not carry")

@@ -99,7 +99,7 @@ class SliceGradients:
         return list(self.held)
 
     def _start_summing(self) -> None:
-        self.buffer_index, flat = self.offloader._claim_buffer()
+        self.buffer_index, flat = self.offloader._claim_buffer(self.nbytes)
         self.sums = [place.view(flat) if place is not None else None for place in self.places]
         pairs = [(s, h) for s, h in zip(self.sums, self.held) if s is not None and h is not None]
         if pairs:
@@ -124,11 +124,12 @@ class GradientOffloader:
         max_nbytes: gradient bytes of the largest slice.
     """
 
-    def __init__(self, copies: CopyStreams, pool: HostBufferPool, max_nbytes: int) -> None:
+    def __init__(self, copies: CopyStreams, pool: HostBufferPool) -> None:
         self.copies = copies
         self.pool = pool
-        self._max_nbytes = max_nbytes
-        # Allocated on first use: with one microbatch they are never needed.
+        # Allocated on first use, with one microbatch never; each as large as the most gradient
+        # bytes a slice has needed so far, so parameters that require no gradient (a frozen base
+        # under adapters) take no room in them.
         self._buffers: list[torch.Tensor | None] = [None, None]
         self._offloaded: list[Event | None] = [None, None]
         self._next = 0
@@ -146,15 +147,21 @@ class GradientOffloader:
             offset = _align(offset + entry.shape.numel() * _itemsize(entry.dtype))
         return SliceGradients(places, offset, self)
 
-    def _claim_buffer(self) -> tuple[int, torch.Tensor]:
-        """A device buffer for compute to sum into, alternating between the two."""
+    @property
+    def device_nbytes(self) -> int:
+        """Bytes of the device summation buffers allocated so far."""
+        return sum(b.numel() for b in self._buffers if b is not None)
+
+    def _claim_buffer(self, nbytes: int) -> tuple[int, torch.Tensor]:
+        """A device buffer of at least ``nbytes`` for compute to sum into, alternating between the two."""
         index = self._next
         self._next = 1 - index
-        buffer = self._buffers[index]
-        if buffer is None:
-            buffer = self._buffers[index] = torch.empty(self._max_nbytes, dtype=torch.uint8, device=self.copies.device)
         # Rule 3 of [Copy ordering]: the previous offload from this buffer must have read it.
         self.copies.wait_ready(self._offloaded[index])
+        buffer = self._buffers[index]
+        if buffer is None or buffer.numel() < nbytes:
+            # A smaller one left behind is freed safely: the offload that read it marked it as used.
+            buffer = self._buffers[index] = torch.empty(nbytes, dtype=torch.uint8, device=self.copies.device)
         return index, buffer
 
     def offload(self, grads: SliceGradients, label: str = "offload::offload gradients") -> PendingGradients:
