@@ -237,13 +237,17 @@ class StateTier:
         at its next update. Nothing may be pending."""
         self.flush()
         wanted = dict(slices)
+        files: dict[int, StateFile] = {}
         for index, record in list(self.records.items()):
             if index in wanted and _same(wanted[index], record.params):
                 continue
             self._restore(record)
+            if record.file is not None:
+                files[index] = record.file  # the slice's file, overwritten at its next write
             del self.records[index]
         for index, params in slices:
-            self.records.setdefault(index, SliceRecord(index, list(params)))
+            if index not in self.records:
+                self.records[index] = SliceRecord(index, list(params), file=files.get(index))
 
     # -- the pipeline --------------------------------------------------------------------------------
 

@@ -132,6 +132,20 @@ def test_state_dicts_move_both_ways_slice_by_slice(tmp_path):
     assert_same(model, optimizer, twin, resumed)
 
 
+def test_parameters_joining_the_optimizer_after_steps(tmp_path):
+    # The slices' parameter lists change: their state comes back from disk, and is laid out anew.
+    runs = trio(torch.optim.AdamW, {"lr": 1e-2, "fused": True}, tmp_path)
+    for m, opt in runs[1:]:
+        opt.param_groups[0]["params"] = [p for p in m.parameters() if p.dim() > 1]
+    train(runs[1:], 2)
+    for m, opt in runs[1:]:
+        opt.add_param_group({"params": [p for p in m.parameters() if p.dim() == 1], "lr": 1e-3})
+    train(runs[1:], 2, first=2)
+    (_, _), (ram_model, ram), (model, optimizer) = runs
+    assert_same(ram_model, ram, model, optimizer)
+    assert state_tensors_in_ram(optimizer) == []
+
+
 def test_ram_holds_a_window_of_three_slices(tmp_path):
     # Six slices of equal size: the window is half of the state.
     torch.manual_seed(0)
