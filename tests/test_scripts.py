@@ -208,3 +208,16 @@ def test_checkpoint_benchmark(tmp_path):
     assert data["checkpoint_bytes"] > data["parameter_bytes"] + data["optimizer_state_bytes"] > 0
     assert data["save"]["median_s"] > 0 and data["load_fresh"]["median_s"] > 0
     assert [p.name for p in tmp_path.iterdir() if p.is_dir()] == []  # its checkpoints are removed
+
+
+def test_scale_benchmark_smoke(tmp_path):
+    out = run("scripts/bench_scale.py", "--width", "64", "--layers", "4", "--slices", "2", "--steps", "2", "--batch", "2",
+              "--dir", str(tmp_path), "--json", str(tmp_path / "scale.json"))
+    assert "step 2:" in out
+    data = json.loads((tmp_path / "scale.json").read_text())
+    assert data["parameters"] == 4 * (64 * 64 + 64)
+    # AdamW's two moments live on disk, each read and written once per step after the first.
+    assert data["disk_state_bytes"] >= 8 * data["parameters"]
+    assert data["steps"][1]["tier_read_bytes"] >= 8 * data["parameters"]
+    assert data["steps"][1]["tier_write_bytes"] >= 8 * data["parameters"]
+    assert [p.name for p in tmp_path.iterdir()] == ["scale.json"]  # checkpoint and state removed

@@ -1,0 +1,198 @@
+"""Train a model whose float32 AdamW state does not fit in this machine's RAM: the reach of the disk
+tier and of loading slice by slice.
+
+Writes a safetensors checkpoint of an ``nn.Sequential`` of Linear+GELU blocks one shard at a time
+(never the whole model in memory), loads it slice by slice with :func:`offload.load_sequential`,
+and trains a few steps with ``OffloadOptimizer(torch.optim.AdamW, fused=True, disk_tier=...)``:
+masters and gradients in RAM, AdamW's moments on disk. Records the parameters, the bytes the
+float32 AdamW state would take in RAM, peak RSS (sampled, and the kernel's high-water mark), bytes
+on disk, seconds per step and where they go (forward and backward; the update's wait), and the
+disk traffic per step against the raw bandwidth measured by ``scripts/bench_storage.py``.
+
+Exactness at this size has no reference to compare with (the plain model does not fit: that is the
+point); the disk tier and the loader are bit-identical to the RAM-resident run and to
+``from_pretrained`` in the tests (``tests/test_disk_tier.py``, ``tests/test_loading.py``), and
+``scripts/bench_storage.py`` checks a few steps bit for bit.
+
+Usage::
+
+    python scripts/bench_scale.py --dir /nvme/scratch --json benchmarks/results/scale_cpu_DATE.json
+        [--width 8192] [--layers 30] [--slices 15] [--steps 3] [--batch 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import shutil
+import tempfile
+import threading
+import time
+import warnings
+from pathlib import Path
+
+# PyTorch warns at import when NumPy is not installed, though nothing here needs NumPy.
+warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
+
+import psutil
+import torch
+from torch import nn
+
+import offload
+from offload import DiskTier, OffloadOptimizer
+
+GIB = 2**30
+
+
+def build(width: int, layers: int) -> nn.Sequential:
+    blocks: list[nn.Module] = []
+    for _ in range(layers):
+        blocks += [nn.Linear(width, width), nn.GELU()]
+    return nn.Sequential(*blocks)
+
+
+def write_checkpoint(path: Path, width: int, layers: int, blocks_per_shard: int) -> dict:
+    """A sharded safetensors checkpoint (``model.safetensors.index.json`` and shards), one shard in
+    memory at a time."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(0)
+    weight_map: dict[str, str] = {}
+    shards = [range(start, min(start + blocks_per_shard, layers)) for start in range(0, layers, blocks_per_shard)]
+    total = 0
+    for number, blocks in enumerate(shards):
+        file = f"model-{number + 1:05d}-of-{len(shards):05d}.safetensors"
+        shard = {}
+        for block in blocks:
+            # The layers' index in the Sequential: Linear at even positions, GELU between.
+            name = str(2 * block)
+            shard[f"{name}.weight"] = torch.randn(width, width, generator=generator) * width**-0.5
+            shard[f"{name}.bias"] = torch.zeros(width)
+            weight_map.update({f"{name}.weight": file, f"{name}.bias": file})
+        total += sum(t.numel() * 4 for t in shard.values())
+        save_file(shard, str(path / file), metadata={"format": "pt"})
+        del shard
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    return {"bytes": total, "shards": len(shards)}
+
+
+class PeakRSS:
+    """Samples this process's resident set size on a thread."""
+
+    def __init__(self, interval: float = 0.05) -> None:
+        self.peak = 0
+        self._process = psutil.Process()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._process.memory_info().rss)
+            time.sleep(0.05)
+
+    def __enter__(self) -> PeakRSS:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def disk_bytes(path: Path) -> int:
+    return sum(f.stat().st_blocks * 512 for f in path.rglob("*") if f.is_file())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--dir", default=tempfile.gettempdir(),
+                        help="a directory on the disk to use (checkpoint and optimizer state)")
+    parser.add_argument("--width", type=int, default=8192)
+    parser.add_argument("--layers", type=int, default=30, help="Linear+GELU blocks")
+    parser.add_argument("--slices", type=int, default=15)
+    parser.add_argument("--blocks-per-shard", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=8, help="rows per step")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+
+    work = Path(tempfile.mkdtemp(prefix="offload-scale-", dir=args.dir))
+    result: dict = {"script": "scripts/bench_scale.py", "date": datetime.date.today().isoformat(),
+                    "machine": {"cpus": os.cpu_count(), "ram_bytes": psutil.virtual_memory().total,
+                                "platform": platform.platform(), "torch": torch.__version__},
+                    "args": vars(args)}
+    try:
+        with PeakRSS() as writing:
+            started = time.perf_counter()
+            result["checkpoint"] = write_checkpoint(work / "checkpoint", args.width, args.layers, args.blocks_per_shard)
+            result["checkpoint"]["write_s"] = time.perf_counter() - started
+        result["checkpoint"]["peak_rss_bytes"] = writing.peak
+
+        with PeakRSS() as training:
+            started = time.perf_counter()
+            model = offload.load_sequential(lambda: build(args.width, args.layers), work / "checkpoint",
+                                            device="cpu", num_slices=args.slices)
+            load_s = time.perf_counter() - started
+            rss_after_load = psutil.Process().memory_info().rss
+            params = sum(p.numel() for p in model.parameters())
+            optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-4, fused=True,
+                                         disk_tier=DiskTier(work / "state"))
+            steps = []
+            x = torch.randn(args.batch, args.width)
+            target = torch.randn(args.batch, args.width)
+            counters = optimizer._tier.counters  # the tier's own read and write calls
+            for _ in range(args.steps):
+                io_before = (counters.read_bytes, counters.read_seconds, counters.write_bytes, counters.write_seconds)
+                started = time.perf_counter()
+                loss = nn.functional.mse_loss(model(x), target)
+                loss.backward()
+                compute_s = time.perf_counter() - started
+                optimizer.step()
+                optimizer.zero_grad()
+                waited = time.perf_counter()
+                optimizer.synchronize()  # the update's time not hidden behind the next forward
+                read_bytes, read_s, write_bytes, write_s = (
+                    now - then for now, then in zip((counters.read_bytes, counters.read_seconds, counters.write_bytes,
+                                                     counters.write_seconds), io_before))
+                steps.append({"loss": repr(loss.item()), "forward_backward_s": compute_s,
+                              "update_wait_s": time.perf_counter() - waited,
+                              "step_s": time.perf_counter() - started,
+                              "tier_read_bytes": read_bytes, "tier_read_busy_s": read_s,
+                              "tier_write_bytes": write_bytes, "tier_write_busy_s": write_s})
+                print(f"step {len(steps)}: {steps[-1]['step_s']:.1f} s (forward and backward {compute_s:.1f} s, "
+                      f"update not hidden {steps[-1]['update_wait_s']:.1f} s); tier read {read_bytes / 1e9:.1f} GB "
+                      f"in {read_s:.1f} s, wrote {write_bytes / 1e9:.1f} GB in {write_s:.1f} s", flush=True)
+            footprint = model.memory_footprint()
+            state_on_disk = disk_bytes(work / "state")
+            optimizer.close()
+        result.update({
+            "parameters": params,
+            "adamw_fp32_state_ram_bytes": 16 * params,  # masters, gradients, two moments
+            "machine_ram_bytes": psutil.virtual_memory().total,
+            "load_s": load_s,
+            "rss_after_load_bytes": rss_after_load,
+            "peak_rss_bytes_sampled": training.peak,
+            "peak_rss_bytes_kernel": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "disk_state_bytes": state_on_disk,
+            "checkpoint_bytes": result["checkpoint"]["bytes"],
+            "steps": steps,
+            "memory_footprint": str(footprint),
+        })
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
