@@ -444,6 +444,13 @@ class StateTier:
                 memory_format=torch.preserve_format)
         return out
 
+    def slice_state(self, index: int) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
+        """Copies of slice ``index``'s state tensors kept on disk (none for a slice the tier does not
+        hold); the caller must have flushed."""
+        self._check_open()
+        record = self.records.get(index)
+        return self.state_of(record) if record is not None else {}
+
     def add_to_state_dict(self, packed: dict[str, Any], index_of: dict[int, int]) -> None:
         """Put the state on disk into a packed ``state_dict()``, one slice at a time."""
         self._check_open()

@@ -274,7 +274,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._plan()
         for step in (*self._steps, *self._rest):
             if step.whole is not None:
-                yield step.index, {p: self.state.get(p, {}) for p in step.whole.params}
+                # With a disk tier, the slice's tensors come from its file: copies, one slice at a time.
+                on_disk = self._tier.slice_state(step.index) if self._tier is not None else {}
+                yield step.index, {p: {**self.state.get(p, {}), **on_disk.get(p, {})} for p in step.whole.params}
 
     def _sharding(self, shard: bool | None, process_group: Any) -> HostCollectives | None:
         """The host collectives of a sharded update, or None when every rank updates everything."""

@@ -4,6 +4,7 @@ model and optimizer. See Note: [Checkpoint layout] and Note: [Atomic save] in of
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
@@ -469,3 +470,37 @@ def test_loading_into_a_model_that_trained_on_rewinds_it_exactly(tmp_path):
     load_checkpoint(tmp_path / "c", model, optimizer)
     assert all(optimizer.state[p]["exp_avg"] is h for p, h in zip(model.parameters(), held))  # loaded in place
     assert plain_steps(model, optimizer, 2, seed=4) == after_save
+
+
+def test_a_disk_tiers_state_is_saved_and_resumes_exactly(tmp_path):
+    # The state on disk is read into the checkpoint a slice at a time, and loads back into a tier.
+    from offload import DiskTier
+
+    torch.manual_seed(0)
+    layers = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+    x = torch.randn(8, 16)
+
+    def build(tier_dir):
+        model = OffloadModel(copy.deepcopy(layers), device="cpu", num_slices=4)
+        return model, OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True,
+                                       disk_tier=DiskTier(tmp_path / tier_dir))
+
+    def step(model, optimizer):
+        model(x).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    model, optimizer = build("a")
+    for _ in range(3):
+        step(model, optimizer)
+    save_checkpoint(tmp_path / "ck", model, optimizer)
+    for _ in range(2):
+        step(model, optimizer)
+    resumed, resumed_optimizer = build("b")
+    load_checkpoint(tmp_path / "ck", resumed, resumed_optimizer)
+    for _ in range(2):
+        step(resumed, resumed_optimizer)
+    for a, b in zip(optimizer.state_dict()["state"].values(), resumed_optimizer.state_dict()["state"].values()):
+        assert a.keys() == b.keys() == {"step", "exp_avg", "exp_avg_sq"}
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), resumed.parameters()))
