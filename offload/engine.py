@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import weakref
+
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
@@ -91,6 +93,8 @@ class Engine:
             held.update(id(e.tensor) for e in storage.held)
         _check_borrowed(self.slices)
         self.pool = HostBufferPool(allocate)
+        #: the OffloadOptimizers stepping this model, for its memory footprint
+        self.optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self.milestones = Milestones()
         self.activations = ActivationOffloader(self.copies, self.pool)
         self._build_device_side()

@@ -18,32 +18,9 @@ from . import per_tensor_warning
 from .autograd import Call, OffloadFunction
 from .data_parallel import DataParallel
 from .engine import Engine
+from .footprint import MemoryFootprint, measure as measure_footprint
 from .slicing import layer_nbytes, partition
 from .streamed import streamed_forward
-
-
-@dataclass(frozen=True)
-class MemoryFootprint:
-    """Memory OffloadModel holds besides the user's own tensors' storage, in bytes.
-
-    Attributes:
-        host_copies: host buffers holding the parameters and buffers (the host copies).
-        host_shadows: their pinned copies in ``compute_dtype`` (0 without one).
-        host_pool: pooled host buffers for gradients and boundary activations (grows to the
-            largest step seen, reused afterwards).
-        device_slots: the device slots that slices take turns in.
-        pinned: whether the host buffers are pinned (only with a CUDA device).
-    """
-
-    host_copies: int
-    host_shadows: int
-    host_pool: int
-    device_slots: int
-    pinned: bool
-
-    @property
-    def pinned_bytes(self) -> int:
-        return self.host_copies + self.host_shadows + self.host_pool if self.pinned else 0
 
 
 class OffloadModel(nn.Module):
@@ -275,13 +252,7 @@ class OffloadModel(nn.Module):
     def memory_footprint(self) -> MemoryFootprint:
         """What offloading holds in memory right now (see :class:`MemoryFootprint`)."""
         engine = self._engine
-        return MemoryFootprint(
-            host_copies=sum(s.storage.flat.numel() for s in engine.slices),
-            host_shadows=sum(s.storage.shadow.numel() for s in engine.slices if s.storage.shadow is not None),
-            host_pool=engine.pool.nbytes,
-            device_slots=engine.slots.slot_nbytes * engine.slots.num_slots,
-            pinned=engine.pin,
-        )
+        return measure_footprint(engine, engine.optimizers)
 
     def extra_repr(self) -> str:
         slices = ", ".join(

@@ -110,6 +110,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._offload_outer = True  # the per-tensor warning names optimizer_class (per_tensor_warning.py)
         self._collectives = self._sharding(shard, process_group)
         self._shared: dict[int, tuple[list[torch.Tensor], list[int]]] = {}
+        model._engine.optimizers.add(self)  # its state counts in model.memory_footprint()
 
     # -- stepping --------------------------------------------------------------------------------
 

@@ -135,6 +135,11 @@ class GradientOffloader:
         self._next = 0
         self.offloaded_bytes = 0
 
+    @property
+    def device_nbytes(self) -> int:
+        """Bytes of the device summation buffers allocated so far."""
+        return sum(buffer.numel() for buffer in self._buffers if buffer is not None)
+
     def begin(self, entries: Sequence[Entry], needed: Sequence[bool]) -> SliceGradients:
         """Start collecting one slice's gradients for the parameters in ``needed``."""
         offset = 0
