@@ -50,7 +50,9 @@ Note: [Gradients through autograd]
     ``ctx.save_for_backward`` or released by backward itself, so autograd frees it with the graph
     and a second backward without ``retain_graph`` fails exactly as in PyTorch. Double backward
     (``create_graph=True``) is refused with an error: the recompute's graph is not differentiable
-    twice.
+    twice. Where ``.grad`` holds a gradient already, backward adds each slice's gradients into it
+    itself as they land, when autograd's result is the same (Note: [Gradients added in place] in
+    ``accumulation.py``).
 
 Note: [Buffers]
     Buffers are the only device data a forward may change (running statistics, counters). A run
@@ -81,6 +83,7 @@ from ..labels import label
 from ..microbatch import Split, join_input_grads, join_outputs, split_leaves, split_like
 from ..streams import Event, OffloadTicket, PendingGradients
 from ..streams.host_storage import flat_alias
+from .accumulation import in_place_targets
 from .recompute_state import recomputing
 from .replay import AutocastState, autocast_cache_disabled, capture_rng, replaying_rng
 
@@ -377,11 +380,14 @@ class OffloadFunction(torch.autograd.Function):
         loader = _BoundaryLoader(engine, run, saved)
         steps = [(i, m) for i in reversed(range(lowest, n)) for m in reversed(range(count))]
         pending: list[tuple[int, PendingGradients]] = []
+        # Note: [Gradients added in place]: per slice, the .grad each gradient is added into.
+        into = _split_per_slice(engine, in_place_targets(ctx, engine.parameters(), num_inputs, needed[num_inputs:],
+                                                         bool(engine.milestones.subscribers)))
         try:
             for step, (i, m) in enumerate(steps):
                 if m == count - 1:
                     views = engine.slots.acquire(i)
-                    slice_grads = (engine.gradients.begin(engine.slices[i].storage.params, per_slice_needed[i])
+                    slice_grads = (engine.gradients.begin(engine.slices[i].storage.params, per_slice_needed[i], into[i])
                                    if any(per_slice_needed[i]) else None)
                     grad_in: list[list[torch.Tensor | None]] = [[] for _ in range(count)]
                     restored = False
@@ -421,6 +427,7 @@ class OffloadFunction(torch.autograd.Function):
                         pending.append((i, engine.gradients.offload(
                             slice_grads, label=f"offload::offload gradients slice {i}")))
                         engine.milestones.gradients_leaving(run.call, i, pending[-1][1])
+                        engine.gradients.accumulate([p for _, p in pending])
                     if restored:
                         engine.slots.mark_stale(i)
                     engine.slots.release(i)
@@ -447,6 +454,16 @@ class OffloadFunction(torch.autograd.Function):
 
 
 # -- forward helpers ------------------------------------------------------------------------------
+
+
+def _split_per_slice(engine: Engine, values: Sequence[Any]) -> list[list[Any]]:
+    """``values`` (one per parameter of the walk, slice after slice) as one list per slice."""
+    per_slice: list[list[Any]] = []
+    offset = 0
+    for s in engine.slices:
+        per_slice.append(list(values[offset:offset + len(s.storage.params)]))
+        offset += len(s.storage.params)
+    return per_slice
 
 
 def _checkpoint_leaf(engine: Engine, stash: _Stash, leaf: Any) -> _SavedLeaf:

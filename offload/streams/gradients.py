@@ -14,7 +14,9 @@ they are summed into one of two persistent device gradient buffers and leave for
 single copy while the previous slice computes; the two buffers alternate, and compute writes into
 one only after its previous offload has read it. The host side is a pooled buffer whose views are
 handed to autograd as the parameters' gradients: autograd adopts them as ``.grad`` when ``.grad``
-is empty and adds them otherwise, so the buffer is reused as soon as nobody holds it.
+is empty and adds them otherwise, so the buffer is reused as soon as nobody holds it. A parameter
+whose gradient is added into its ``.grad`` on the host as soon as it lands (Note: [Gradients added
+in place] in ``offload/autograd/accumulation.py``) needs its pooled buffer only until then.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ class SliceGradients:
         nbytes: bytes of all needed gradients laid out by :attr:`places`.
         reduced: an event the offload waits for: a collective still rewriting the device
             gradients (Note: [Device collectives] in ``collectives.py``), or ``None``.
+        into: per parameter, the host ``.grad`` its gradient is added into once it landed
+            (Note: [Gradients added in place]), or ``None`` where autograd receives it.
     """
 
     places: list[_Place | None]
@@ -67,6 +71,7 @@ class SliceGradients:
     sums: list[torch.Tensor | None] | None = None
     buffer_index: int | None = None
     reduced: Event | None = None
+    into: list[torch.Tensor | None] | None = None
 
     def __post_init__(self) -> None:
         self.received = [False] * len(self.places)
@@ -110,10 +115,18 @@ class SliceGradients:
 
 @dataclass
 class PendingGradients:
-    """Gradients on their way to the host: valid once ``ready`` has completed."""
+    """Gradients on their way to the host: valid once ``ready`` has completed.
+
+    Attributes:
+        host_views: per parameter, its gradient in a pooled host buffer, or ``None`` (none was
+            produced, or it was added into ``.grad`` already).
+        into: per parameter, the ``.grad`` it is to be added into (Note: [Gradients added in
+            place]), or ``None``.
+    """
 
     host_views: list[torch.Tensor | None]
     ready: Event | None
+    into: list[torch.Tensor | None] | None = None
 
 
 class GradientOffloader:
@@ -140,8 +153,10 @@ class GradientOffloader:
         """Bytes of the device summation buffers allocated so far."""
         return sum(buffer.numel() for buffer in self._buffers if buffer is not None)
 
-    def begin(self, entries: Sequence[Entry], needed: Sequence[bool]) -> SliceGradients:
-        """Start collecting one slice's gradients for the parameters in ``needed``."""
+    def begin(self, entries: Sequence[Entry], needed: Sequence[bool],
+              into: Sequence[torch.Tensor | None] | None = None) -> SliceGradients:
+        """Start collecting one slice's gradients for the parameters in ``needed``; those with a
+        tensor in ``into`` are added into it on the host once they landed (see :meth:`accumulate`)."""
         offset = 0
         places: list[_Place | None] = []
         for entry, want in zip(entries, needed):
@@ -150,7 +165,10 @@ class GradientOffloader:
                 continue
             places.append(_Place(offset, entry.dtype, entry.shape, entry.stride))
             offset = _align(offset + entry.shape.numel() * _itemsize(entry.dtype))
-        return SliceGradients(places, offset, self)
+        grads = SliceGradients(places, offset, self)
+        if into is not None and any(t is not None for t in into):
+            grads.into = list(into)
+        return grads
 
     def _claim_buffer(self) -> tuple[int, torch.Tensor]:
         """A device buffer for compute to sum into, alternating between the two."""
@@ -185,8 +203,30 @@ class GradientOffloader:
                                              after=(host.read_event, grads.reduced), label=label)
             grads.held = [None] * len(grads.places)
         self.offloaded_bytes += sum(v.numel() * v.element_size() for v in host_views if v is not None)
-        return PendingGradients(host_views, ready)
+        return PendingGradients(host_views, ready, grads.into)
+
+    def accumulate(self, pending: Sequence[PendingGradients], in_flight: int = 1) -> None:
+        """Add the landed gradients of all but the last ``in_flight`` slices of ``pending`` into
+        the ``.grad`` they go to, and let go of their pooled buffers.
+
+        Called after each slice's offload with ``in_flight=1``, it keeps two slices' host buffers
+        in use (the one landing, the one being added) and lets the device run one offload ahead of
+        the host's wait.
+        """
+        for grads in pending[:max(len(pending) - in_flight, 0)]:
+            if grads.into is None:
+                continue
+            # Rule 4 of [Copy ordering]: the CPU reads the offload's destination.
+            self.copies.wait_host(grads.ready)
+            with torch.no_grad():
+                for j, (target, view) in enumerate(zip(grads.into, grads.host_views)):
+                    if target is not None and view is not None:
+                        target.add_(view)  # what autograd's accumulation does: .grad += new
+                        grads.host_views[j] = None
+            grads.into = None
 
     def finish(self, pending: Sequence[PendingGradients]) -> None:
-        """Block until every pending gradient is on the host: the optimizer reads them next."""
+        """Block until every pending gradient is on the host, added where it goes: the optimizer
+        reads them next."""
+        self.accumulate(pending, in_flight=0)
         self.copies.wait_host_all(p.ready for p in pending)

@@ -1,0 +1,183 @@
+"""Host memory: every byte in memory_footprint(), gradients added into .grad slice by slice (Note:
+[Gradients added in place] in offload/autograd/accumulation.py) with autograd's results bit for bit."""
+
+from __future__ import annotations
+
+import copy
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+from offload import OffloadModel, OffloadOptimizer
+
+from .helpers import DEVICES
+
+EXACT = {"rtol": 0.0, "atol": 0.0}
+
+
+def network(seed: int = 0, width: int = 32, layers: int = 6) -> nn.Sequential:
+    torch.manual_seed(seed)
+    modules: list[nn.Module] = []
+    for _ in range(layers):
+        modules += [nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*modules[:-1])
+
+
+def slice_grad_bytes(model: OffloadModel) -> int:
+    return max(s.storage.grad_nbytes for s in model._engine.slices)
+
+
+@pytest.mark.parametrize("set_to_none", [False, True])
+@pytest.mark.parametrize("backwards", [1, 2], ids=["one-backward", "two-backwards"])
+@pytest.mark.parametrize("compute_dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_training_equals_the_plain_optimizer_and_keeps_one_gradient_copy(set_to_none, backwards, compute_dtype,
+                                                                          device):
+    plain = network()
+    model = OffloadModel(copy.deepcopy(plain), device=device, num_slices=3, compute_dtype=compute_dtype)
+    reference = plain.to(device)
+    ours = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
+    theirs = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
+    grads_before: list[torch.Tensor] | None = None
+    for step in range(3):
+        for k in range(backwards):
+            x = torch.randn(5, 32, generator=torch.Generator().manual_seed(10 * step + k)).to(device)
+            model(x).float().square().mean().backward()
+            with torch.autocast(device, dtype=compute_dtype or torch.float32, enabled=compute_dtype is not None):
+                reference(x).float().square().mean().backward()
+        if compute_dtype is None:
+            for p, q in zip(model.parameters(), reference.parameters()):
+                torch.testing.assert_close(p.grad, q.grad.cpu(), **EXACT)
+        if not set_to_none and grads_before is not None:
+            # zero_grad(set_to_none=False) keeps the very tensors, as the plain optimizer does
+            assert all(p.grad is g for p, g in zip(model.parameters(), grads_before))
+        ours.step()
+        theirs.step()
+        ours.zero_grad(set_to_none=set_to_none)
+        theirs.zero_grad(set_to_none=set_to_none)
+        grads_before = [p.grad for p in model.parameters()]
+    if compute_dtype is None:
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach().cpu(), **EXACT)
+    footprint = model.memory_footprint()
+    # One copy of the gradients (in .grad) and a window of at most two slices' buffers besides it.
+    held = sum(p.numel() * 4 for p in model.parameters())
+    activations = 3 * 5 * 32 * 4
+    gradients = footprint.host_gradients + footprint.host_pool_idle + footprint.host_activations
+    assert gradients <= held + 2 * slice_grad_bytes(model) + activations
+    assert footprint.host_optimizer_state == 2 * held
+
+
+def test_the_second_copy_of_the_gradients_is_gone():
+    """The measure the in-place path exists for: with .grad kept across steps, the pool holds
+    two slices' gradient buffers, not a second copy of every gradient."""
+    model = OffloadModel(network(layers=8), device="cpu", num_slices=8)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
+    for _ in range(3):
+        model(torch.randn(4, 32)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+    footprint = model.memory_footprint()
+    beside_grad = footprint.host_pool_idle + footprint.host_activations
+    activations = 8 * 4 * 32 * 4  # a boundary activation per slice, kept idle for the next step
+    assert beside_grad <= 2 * slice_grad_bytes(model) + activations
+    assert beside_grad < footprint.host_gradients / 2
+
+
+def test_hooks_see_each_new_gradient_and_fire_once():
+    plain = network()
+    model = OffloadModel(copy.deepcopy(plain), device="cpu", num_slices=3)
+    seen: dict[str, list[torch.Tensor]] = {"ours": [], "theirs": []}
+    accumulated = {"ours": 0, "theirs": 0}
+    for key, module in (("ours", model), ("theirs", plain)):
+        first = next(iter(module.parameters()))
+        first.register_hook(lambda g, key=key: seen[key].append(g.clone()))
+        last = list(module.parameters())[-1]
+        last.register_post_accumulate_grad_hook(lambda p, key=key: accumulated.__setitem__(key, accumulated[key] + 1))
+    for _ in range(2):
+        x = torch.randn(5, 32)
+        model(x).square().sum().backward()
+        plain(x).square().sum().backward()
+    assert len(seen["ours"]) == len(seen["theirs"]) == 2 and accumulated["ours"] == accumulated["theirs"] == 2
+    for got, want in zip(seen["ours"], seen["theirs"]):
+        torch.testing.assert_close(got, want, **EXACT)
+    for p, q in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **EXACT)
+
+
+def test_autograd_grad_and_backward_inputs_leave_other_grads_alone():
+    plain = network()
+    model = OffloadModel(copy.deepcopy(plain), device="cpu", num_slices=3)
+    x = torch.randn(5, 32)
+    model(x).square().sum().backward()
+    plain(x).square().sum().backward()
+    before = [p.grad.clone() for p in model.parameters()]
+    ours = torch.autograd.grad(model(x).sum(), list(model.parameters()))
+    theirs = torch.autograd.grad(plain(x).sum(), list(plain.parameters()))
+    for got, want, p, old in zip(ours, theirs, model.parameters(), before):
+        torch.testing.assert_close(got, want, **EXACT)
+        assert torch.equal(p.grad, old)  # torch.autograd.grad accumulates nothing
+    some = list(model.parameters())[:2]
+    model(x).sum().backward(inputs=some)
+    plain(x).sum().backward(inputs=list(plain.parameters())[:2])
+    for p, q in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **EXACT)
+
+
+def test_a_parameter_used_outside_the_model_sums_like_autograd_after_zero_grad():
+    plain = network()
+    model = OffloadModel(copy.deepcopy(plain), device="cpu", num_slices=3)
+    for module in (model, plain):
+        module.zero_grad()
+        for p in module.parameters():
+            p.grad = torch.zeros_like(p)
+    for _ in range(2):
+        x = torch.randn(5, 32)
+        for module in (model, plain):
+            weight = next(iter(module.parameters()))
+            (module(x).square().sum() + weight.square().sum()).backward()
+        for module in (model, plain):
+            for p in module.parameters():
+                p.grad.zero_()  # zero_grad(set_to_none=False): where the sum is exact
+    x = torch.randn(5, 32)
+    for module in (model, plain):
+        weight = next(iter(module.parameters()))
+        (module(x).square().sum() + weight.square().sum()).backward()
+    for p, q in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **EXACT)
+
+
+def test_a_user_reference_to_grad_sees_the_accumulation():
+    plain = network()
+    model = OffloadModel(copy.deepcopy(plain), device="cpu", num_slices=2)
+    x = torch.randn(5, 32)
+    model(x).sum().backward()
+    held = next(iter(model.parameters())).grad
+    model(x).sum().backward()
+    plain(x).sum().backward()
+    plain(x).sum().backward()
+    torch.testing.assert_close(held, next(iter(plain.parameters())).grad, **EXACT)
+
+
+def test_footprint_counts_every_category_per_parameter():
+    model = OffloadModel(network(), device="cpu", num_slices=3, compute_dtype=torch.bfloat16)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
+    model(torch.randn(4, 32)).float().sum().backward()
+    optimizer.step()
+    optimizer.synchronize()
+    footprint = model.memory_footprint()
+    count = sum(p.numel() for p in model.parameters())
+    assert footprint.parameters == count
+    per = footprint.per_parameter()
+    assert 4.0 <= per["host_masters"] < 4.3 and 2.0 <= per["host_shadows"] < 2.2
+    assert per["host_optimizer_state"] == 8.0 and 4.0 <= per["host_gradients"] < 4.3
+    assert footprint.host_copies == footprint.host_masters and footprint.disk == 0
+    assert footprint.host_total == sum(footprint.host_categories().values())
+    table = str(footprint)
+    for name in ("host_masters", "host_shadows", "host_gradients", "host_optimizer_state", "device_slots", "disk"):
+        assert name in table
+    del optimizer
+    gc.collect()  # its inner optimizers refer back to it
+    assert model.memory_footprint().host_optimizer_state == 0  # only living optimizers count
