@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import per_tensor_warning
 from .autograd import Call, OffloadFunction
+from .autograd.accumulation import mark_zeroed
 from .data_parallel import DataParallel
 from .engine import Engine
 from .footprint import MemoryFootprint, measure as measure_footprint
@@ -168,6 +169,11 @@ class OffloadModel(nn.Module):
         if name != "_engine":
             self._settle()  # a submodule, whose parameters the caller may read
         return super().__getattr__(name)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        if not set_to_none:  # zeros the next backward may add into as slices land
+            mark_zeroed(self.parameters())
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Any:
         self._settle()

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .autograd.accumulation import mark_zeroed
 from .model import OffloadModel
 from .streams.collectives import HostCollectives
 from .slice_update import HostUpdateError, InnerOptimizer, SliceStep, StateByProxy
@@ -242,6 +243,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if not set_to_none:
             self.synchronize()
         super().zero_grad(set_to_none=set_to_none)
+        if not set_to_none:
+            mark_zeroed(p for group in self.param_groups for p in group["params"])
 
     def state_dict(self) -> dict[str, Any]:
         self.synchronize()

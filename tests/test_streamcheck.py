@@ -205,6 +205,7 @@ NEEDED = [
     Dependency("mark_used", "offload_many", "gradients.py:offload", "offload"),
     Dependency("synchronize_event", "wait_host_all", "function.py:forward", "offload"),
     Dependency("synchronize_event", "wait_host_all", "gradients.py:finish", "offload"),
+    Dependency("synchronize_event", "wait_host", "gradients.py:accumulate", "offload"),
     Dependency("synchronize_event", "wait_host_all", "streamed.py:streamed_forward", "offload"),
     Dependency("synchronize_event", "wait_loads_done", "function.py:backward", "load"),
     Dependency("synchronize_event", "wait_loads_done", "function.py:forward", "load"),

@@ -24,18 +24,24 @@ Note: [Gradients added in place]
     4. the parameter is an input of the walk once (a weight tied across slices is not: autograd
        sums its slices' gradients first);
     5. nothing else acts on the host gradients per slice (data parallelism averages them on
-       their way: its milestones subscribe to the walk).
+       their way: its milestones subscribe to the walk);
+    6. ``.grad`` holds the zeros that ``zero_grad(set_to_none=False)`` of the OffloadModel or of an
+       OffloadOptimizer wrote (:func:`mark_zeroed`), unchanged since (its version counter says
+       so). A backward that fails part way has added some slices already, where autograd would
+       have added nothing: zeroing them again (:func:`restore_zeroed`) puts back exactly what
+       was there. It also makes a parameter used outside the model in the same graph (a penalty
+       on the weights) come out right: ``(0 + ours) + theirs`` equals ``0 + (ours + theirs)``
+       bit for bit, signed zeros included, which does not hold for any ``.grad`` but zeros.
 
-    What remains different: a parameter also used outside the model in the same graph (a
-    penalty on the weights) gets ``(.grad + ours) + theirs`` instead of ``.grad + (ours +
-    theirs)``, equal bit for bit when ``.grad`` held zeros (``zero_grad(set_to_none=False)``)
-    and within a rounding otherwise; and a backward that fails part way leaves the slices after
-    the failing one added into ``.grad`` (autograd would add nothing).
+    Gradients accumulated over several backwards without zeroing in between (and ``.grad``
+    zeroed by a plain ``torch.optim`` optimizer) go through autograd, two copies and all; summing
+    microbatches on the device (``num_microbatches``) needs neither.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -70,6 +76,8 @@ def in_place_targets(ctx: Any, params: Sequence[torch.Tensor], first_edge: int, 
             continue  # rule 2
         if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None):
             continue  # rule 3
+        if not _still_zeroed(grad):
+            continue  # rule 6
         node = edges[first_edge + k][0] if first_edge + k < len(edges) else None
         if node is None:
             continue
@@ -80,3 +88,33 @@ def in_place_targets(ctx: Any, params: Sequence[torch.Tensor], first_edge: int, 
         if accumulates:
             targets[k] = grad
     return targets
+
+
+def mark_zeroed(params: Iterable[torch.Tensor]) -> None:
+    """Remember that ``params``' ``.grad`` were just zeroed in place (rule 6)."""
+    for p in params:
+        if p.grad is not None:
+            _remember(p.grad)
+
+
+def restore_zeroed(targets: Iterable[torch.Tensor]) -> None:
+    """Zero again the ``.grad`` a failed backward added into, and remember them as zeroed (rule 6)."""
+    with torch.no_grad():
+        for grad in targets:
+            grad.zero_()
+            _remember(grad)
+
+
+#: id(.grad) -> (a weak reference to it, its version counter when it was zeroed); an entry goes
+#: with its tensor. Keyed by id: tensors compare elementwise, so they cannot be dict keys.
+_ZEROED: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+
+
+def _remember(grad: torch.Tensor) -> None:
+    key = id(grad)
+    _ZEROED[key] = (weakref.ref(grad, lambda _: _ZEROED.pop(key, None)), grad._version)
+
+
+def _still_zeroed(grad: torch.Tensor) -> bool:
+    entry = _ZEROED.get(id(grad))
+    return entry is not None and entry[0]() is grad and entry[1] == grad._version

@@ -83,7 +83,7 @@ from ..labels import label
 from ..microbatch import Split, join_input_grads, join_outputs, split_leaves, split_like
 from ..streams import Event, OffloadTicket, PendingGradients
 from ..streams.host_storage import flat_alias
-from .accumulation import in_place_targets
+from .accumulation import in_place_targets, restore_zeroed
 from .recompute_state import recomputing
 from .replay import AutocastState, autocast_cache_disabled, capture_rng, replaying_rng
 
@@ -418,6 +418,7 @@ class OffloadFunction(torch.autograd.Function):
                 grad_in[m] = in_grads
                 if slice_grads is not None:
                     slice_grads.add(_unshared(param_grads, [*in_grads, *grad_out[m]]))
+                del param_grads  # held by slice_grads until they leave, not through the next slice
                 if m == count - 1 and i - 1 >= lowest:
                     # After this slice's first compute is queued: see the forward walk.
                     engine.slots.prefetch(i - 1)
@@ -438,6 +439,7 @@ class OffloadFunction(torch.autograd.Function):
             engine.copies.wait_loads_done()
         except BaseException:
             engine.slots.invalidate()
+            restore_zeroed(g for _, p in pending for g in p.added)  # Note: [Gradients added in place], rule 6
             raise
         finally:
             engine.pool.end_step()

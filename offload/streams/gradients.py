@@ -122,11 +122,13 @@ class PendingGradients:
             produced, or it was added into ``.grad`` already).
         into: per parameter, the ``.grad`` it is to be added into (Note: [Gradients added in
             place]), or ``None``.
+        added: the ``.grad`` tensors it was added into so far.
     """
 
     host_views: list[torch.Tensor | None]
     ready: Event | None
     into: list[torch.Tensor | None] | None = None
+    added: list[torch.Tensor] = field(default_factory=list)
 
 
 class GradientOffloader:
@@ -185,7 +187,12 @@ class GradientOffloader:
         """Start copying a slice's finished gradients to a host buffer."""
         if not any(grads.received):
             return PendingGradients([None] * len(grads.places), None)
-        host = self.pool.take(grads.nbytes)
+        # Gradients added into .grad on landing need their buffer only briefly: buffers of one size
+        # (the largest slice's) serve every slice in turn, so the window stays two buffers.
+        transient = grads.into is not None and all(
+            target is not None for target, place, got in zip(grads.into, grads.places, grads.received)
+            if place is not None and got)
+        host = self.pool.take(self._max_nbytes if transient else grads.nbytes)
         host_views = [
             place.view(host.data) if place is not None and got else None
             for place, got in zip(grads.places, grads.received)
@@ -194,8 +201,8 @@ class GradientOffloader:
             assert grads.buffer_index is not None
             device = self._buffers[grads.buffer_index]
             assert device is not None
-            ready = self.copies.offload(host.data, device[:grads.nbytes], after=(host.read_event, grads.reduced),
-                                        label=label)
+            ready = self.copies.offload(host.data[:grads.nbytes], device[:grads.nbytes],
+                                        after=(host.read_event, grads.reduced), label=label)
             self._offloaded[grads.buffer_index] = ready
         else:
             pairs = [(h, g) for h, g in zip(host_views, grads.held) if h is not None and g is not None]
@@ -222,6 +229,7 @@ class GradientOffloader:
                 for j, (target, view) in enumerate(zip(grads.into, grads.host_views)):
                     if target is not None and view is not None:
                         target.add_(view)  # what autograd's accumulation does: .grad += new
+                        grads.added.append(target)
                         grads.host_views[j] = None
             grads.into = None
 
