@@ -28,10 +28,12 @@ Note: [Glossary]
 """
 
 from .autograd.recompute_state import is_recomputing
-from .model import MemoryFootprint, OffloadModel
+from .footprint import MemoryFootprint
+from .model import OffloadModel
 from .optimizer import OffloadOptimizer
+from .planner import estimate_memory
 from .slice_update import HostUpdateError
 from .streams.collectives import CollectiveError
 
 __all__ = ["CollectiveError", "HostUpdateError", "MemoryFootprint", "OffloadModel", "OffloadOptimizer",
-           "is_recomputing"]
+           "estimate_memory", "is_recomputing"]

@@ -9,10 +9,14 @@ small batch, and reports host bytes per parameter two ways:
   optimizer state, the pool of gradient and activation buffers);
 - from the process's resident set: its growth from before the model was built to after the last
   step, and its peak growth (the peak, ``VmHWM``, over the baseline taken before the model was
-  built), both divided by the number of parameters.
+  built), both divided by the number of parameters;
+- as ``offload.estimate_memory`` predicts it, before anything is built.
 
-The batch is small so that activations are a rounding error: what is left is what the layout
-costs per parameter.
+A tiny model trains one step first, so that what PyTorch sets up once per process (kernels,
+thread pools, the host worker's thread) is in the baseline and not counted per parameter. The
+batch is small so that activations are a rounding error: what is left is what the layout costs
+per parameter. The device is the CPU, so the device slots are host memory too: the RSS figures
+include them (``device_bytes``).
 
 Usage::
 
@@ -34,7 +38,7 @@ import sys
 import torch
 from torch import nn
 
-from offload import OffloadModel, OffloadOptimizer
+from offload import OffloadModel, OffloadOptimizer, estimate_memory
 
 LAYERS = 16
 BATCH = 8
@@ -61,21 +65,30 @@ def build_mlp(params: float) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def measure(params: float, slices: int, compute_dtype: torch.dtype | None, steps: int = 3) -> dict:
-    torch.manual_seed(0)
-    gc.collect()
-    baseline, _ = rss_bytes()
+def train(params: float, slices: int, compute_dtype: torch.dtype | None, steps: int) -> OffloadModel:
     plain = build_mlp(params)
-    width = plain[0].in_features
-    count = sum(p.numel() for p in plain.parameters())
     model = OffloadModel(plain, device="cpu", num_slices=slices, compute_dtype=compute_dtype)
     optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-3, fused=True)
-    x = torch.randn(BATCH, width)
+    x = torch.randn(BATCH, plain[0].in_features)
     for _ in range(steps):
         model(x).float().square().mean().backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
     optimizer.synchronize()
+    model._bench_optimizer = optimizer  # type: ignore[attr-defined]  # its state counts while the model lives
+    return model
+
+
+def measure(params: float, slices: int, compute_dtype: torch.dtype | None, steps: int = 3) -> dict:
+    torch.manual_seed(0)
+    warm = train(1e4, slices, compute_dtype, 1)  # what a process sets up once
+    del warm
+    gc.collect()
+    baseline, _ = rss_bytes()
+    estimate = estimate_memory([_layer_params(params)] * LAYERS, num_slices=slices,
+                               compute_dtype=compute_dtype, device="cpu")
+    model = train(params, slices, compute_dtype, steps)
+    count = sum(p.numel() for p in model.parameters())
     gc.collect()
     rss, peak = rss_bytes()
     footprint = model.memory_footprint()
@@ -91,8 +104,20 @@ def measure(params: float, slices: int, compute_dtype: torch.dtype | None, steps
         "rss_growth_bytes_per_param": (rss - baseline) / count,
         "rss_peak_growth_bytes_per_param": (peak - baseline) / count,
         "device_bytes": footprint.device_categories(),
+        "rss_growth_bytes": rss - baseline,
+        "rss_peak_growth_bytes": peak - baseline,
+        "estimate": {"host_bytes": estimate.host_categories(), "host_total": estimate.host_total,
+                     "device_total": estimate.device_total, "disk": estimate.disk},
+        "estimate_vs_footprint": estimate.host_total / footprint.host_total,
+        # On the CPU the slots are host memory: the process holds host and device categories.
+        "estimate_vs_rss": (estimate.host_total + estimate.device_total) / (rss - baseline),
         "footprint": str(footprint),
     }
+
+
+def _layer_params(params: float) -> int:
+    width = max(8, round(math.sqrt(params / LAYERS)))
+    return width * width + width
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name:<18} {value:6.2f} B/param")
     print(f"footprint total      {result['host_bytes_per_param_total']:6.2f} B/param")
     print(f"RSS growth           {result['rss_growth_bytes_per_param']:6.2f} B/param "
-          f"(peak {result['rss_peak_growth_bytes_per_param']:.2f})")
+          f"(peak {result['rss_peak_growth_bytes_per_param']:.2f}; host and the CPU's device slots)")
+    print(f"estimate_memory      host {result['estimate_vs_footprint']:.3f} x the footprint, "
+          f"host + device {result['estimate_vs_rss']:.3f} x the RSS growth")
     if args.json:
         record = {
             "command": "python " + " ".join(["scripts/bench_host_memory.py", *sys.argv[1:]]),

@@ -5,16 +5,22 @@ from __future__ import annotations
 
 import copy
 import gc
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from offload import OffloadModel, OffloadOptimizer, is_recomputing
+from offload import OffloadModel, OffloadOptimizer, estimate_memory, is_recomputing
 
 from .helpers import DEVICES
 
 EXACT = {"rtol": 0.0, "atol": 0.0}
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 
 def network(seed: int = 0, width: int = 32, layers: int = 6) -> nn.Sequential:
@@ -182,6 +188,79 @@ def test_footprint_counts_every_category_per_parameter():
     del optimizer
     gc.collect()  # its inner optimizers refer back to it
     assert model.memory_footprint().host_optimizer_state == 0  # only living optimizers count
+
+
+# -- the planner -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("compute_dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("optimizer_class, kwargs, name", [
+    (torch.optim.AdamW, {"lr": 1e-2, "fused": True}, "adamw"),
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "fused": True}, "sgd-momentum"),
+    (torch.optim.SGD, {"lr": 0.1, "fused": True}, "sgd"),
+], ids=["adamw", "sgd-momentum", "sgd"])
+@pytest.mark.parametrize("num_slices", [2, 5])
+def test_the_estimate_matches_the_footprint(compute_dtype, optimizer_class, kwargs, name, num_slices):
+    plain = nn.Sequential(nn.Linear(48, 64), nn.LayerNorm(64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                          nn.Linear(64, 40), nn.Linear(40, 64), nn.ReLU(), nn.Linear(64, 8))
+    plan = estimate_memory(plain, num_slices=num_slices, compute_dtype=compute_dtype, optimizer=name, device="cpu")
+    model = OffloadModel(plain, device="cpu", num_slices=num_slices, compute_dtype=compute_dtype)
+    optimizer = OffloadOptimizer(model, optimizer_class, **kwargs)
+    for _ in range(2):
+        model(torch.randn(4, 48)).float().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+    optimizer.synchronize()
+    footprint = model.memory_footprint()
+    for category in ("masters", "shadows", "gradients", "optimizer_state"):
+        assert plan.host_categories()[category] == footprint.host_categories()[category], category
+    assert plan.parameters == footprint.parameters and plan.device_slots == footprint.device_slots
+    # The pool also keeps the (small) boundary activations the planner was not told about.
+    activations = num_slices * 4 * 64 * 4  # a boundary activation per slice, at most 4 x 64 float32
+    pooled = footprint.host_pool_idle + footprint.host_activations
+    assert plan.host_pool_idle <= pooled <= plan.host_pool_idle + activations
+
+
+def test_the_estimate_predicts_the_resident_set_within_five_percent(tmp_path):
+    """The process's RSS growth while training 40 M parameters (scripts/bench_host_memory.py, in
+    its own process), against estimate_memory's host and (on the CPU, host) device bytes."""
+    out = tmp_path / "host_memory.json"
+    subprocess.run([sys.executable, str(SCRIPTS / "bench_host_memory.py"), "--params", "40e6", "--slices", "4",
+                    "--json", str(out)], check=True, timeout=300, capture_output=True, env=_env_with_package())
+    result = json.loads(out.read_text())
+    assert 0.95 <= result["estimate_vs_rss"] <= 1.05, result["footprint"]
+    assert result["estimate_vs_footprint"] == pytest.approx(1.0, abs=0.01)
+    # The lean layout: masters, one copy of the gradients, two moments and a window of two slices.
+    assert result["host_bytes_per_param_total"] <= 16.5 + 2 * 4 / 4 + 0.1
+
+
+def test_state_and_masters_on_disk_are_counted_there():
+    counts = [1_000_000] * 8
+    ram = estimate_memory(counts, num_slices=4, compute_dtype=torch.bfloat16)
+    state = estimate_memory(counts, num_slices=4, compute_dtype=torch.bfloat16, optimizer_state="disk")
+    both = estimate_memory(counts, num_slices=4, compute_dtype=torch.bfloat16, optimizer_state="disk", masters="disk")
+    n = 8_000_000
+    assert ram.disk == 0 and ram.host_optimizer_state == 8 * n and ram.pinned_bytes > 0
+    assert state.disk == 8 * n and state.host_total == ram.host_total - 8 * n
+    assert both.disk == 8 * n + ram.host_masters and both.host_masters == 0 and both.host_shadows == 2 * n
+    fp32 = estimate_memory(counts, num_slices=4, masters="disk")  # loads read a float32 copy kept in RAM
+    assert fp32.host_masters == 4 * n and fp32.disk == 4 * n
+    assert "disk" in str(both)
+
+
+def test_the_planner_refuses_what_it_cannot_count():
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        estimate_memory([10], optimizer="lion")
+    with pytest.raises(ValueError, match="optimizer_state must be 'ram' or 'disk'"):
+        estimate_memory([10], optimizer_state="nvme")
+    with pytest.raises(ValueError, match="needs layers with parameters"):
+        estimate_memory(nn.Sequential(nn.ReLU()))
+
+
+def _env_with_package() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS.parent), env.get("PYTHONPATH", "")])
+    return env
 
 
 def test_a_backward_that_fails_part_way_leaves_the_zeroed_gradients_as_they_were():
