@@ -50,7 +50,8 @@ class MemoryFootprint:
             only with more than one microbatch).
         pinned: whether the host buffers (masters, shadows, the pool) are pinned (only with a
             CUDA device; the optimizer state is never pinned).
-        pinned_bytes: host bytes pinned for them, as the allocator reserved them.
+        pinned_bytes: host bytes pinned for them, as the allocator reserved them (whole pages,
+            or the next power of two for small buffers: ``offload/streams/pinned.py``).
         disk: bytes on disk (0: everything lives in memory).
     """
 
@@ -157,8 +158,17 @@ def measure(engine: Engine, optimizers: Iterable[torch.optim.Optimizer]) -> Memo
         device_slots=engine.slots.slot_nbytes * engine.slots.num_slots,
         device_gradients=engine.gradients.device_nbytes,
         pinned=engine.pin,
-        pinned_bytes=(masters + shadows + engine.pool.nbytes) if engine.pin else 0,
+        pinned_bytes=_pinned_bytes(engine, masters + shadows + engine.pool.nbytes),
     )
+
+
+def _pinned_bytes(engine: Engine, requested: int) -> int:
+    """Pinned bytes reserved for the host buffers: as the backend's allocator counts them
+    (``offload/streams/pinned.py``), or as requested where it does not count."""
+    if not engine.pin:
+        return 0
+    allocator = getattr(engine.copies.backend, "pinned", None)
+    return allocator.reserved_bytes if allocator is not None else requested
 
 
 def _size(nbytes: float) -> str:
