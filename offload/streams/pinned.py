@@ -22,6 +22,7 @@ import ctypes
 import mmap
 import threading
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -91,8 +92,8 @@ class PinnedAllocator:
             self._count(-nbytes, -pages)
 
         mapping.on_free = free
-        tensor = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
-        return tensor
+        # The tensor's storage holds the mapping: it is unmapped once no tensor uses it.
+        return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
 
     def _count(self, requested: int, reserved: int) -> None:
         with self._lock:
@@ -112,8 +113,6 @@ class PinnedAllocator:
 def _on_storage_free(tensor: torch.Tensor, callback: Callable[[], None]) -> None:
     """Call ``callback`` once the memory of ``tensor`` is freed (its storage's Python object is
     kept as long as the storage lives)."""
-    import weakref
-
     try:
         weakref.finalize(tensor.untyped_storage(), callback)
     except TypeError:  # a storage type without weak references: count it for ever
