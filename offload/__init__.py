@@ -32,13 +32,15 @@ __version__ = "0.1.0"
 
 from .autograd.recompute_state import is_recomputing
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
-from .loading import load_sequential
 from .disk_tier import DiskTier, DiskTierError
-from .model import MemoryFootprint, OffloadModel
+from .footprint import MemoryFootprint
+from .loading import load_sequential
+from .model import OffloadModel
 from .optimizer import OffloadOptimizer
+from .planner import estimate_memory
 from .slice_update import HostUpdateError
 from .streams.collectives import CollectiveError
 
 __all__ = ["CheckpointError", "CollectiveError", "DiskTier", "DiskTierError", "HostUpdateError", "MemoryFootprint",
-           "OffloadModel", "OffloadOptimizer", "is_recomputing", "latest_checkpoint", "load_checkpoint",
-           "load_sequential", "save_checkpoint"]
+           "OffloadModel", "OffloadOptimizer", "estimate_memory", "is_recomputing", "latest_checkpoint",
+           "load_checkpoint", "load_sequential", "save_checkpoint"]

@@ -231,6 +231,13 @@ class StateTier:
                         if r.place is Place.HELD and r.buffer is not None})
         return sum(buffers.values())
 
+    def window_ranges(self) -> list[tuple[int, int]]:
+        """The address ranges of the buffers :attr:`window_nbytes` counts (state tensors viewing them
+        are not counted again as optimizer state)."""
+        buffers = [s.buffer for s in self._window if s.buffer is not None]
+        buffers += [r.buffer for r in self.records.values() if r.place is Place.HELD and r.buffer is not None]
+        return [(b.data_ptr(), b.data_ptr() + b.nbytes) for b in buffers]
+
     def plan(self, slices: Sequence[tuple[int, list[torch.Tensor]]]) -> None:
         """Serve these slices (index, parameters stepped by this optimizer, in order). A slice whose
         parameters changed gets its state back into ``optimizer.state`` first, to be laid out anew

@@ -151,6 +151,8 @@ class Engine:
             held.update(id(e.tensor) for e in storage.held)
         _check_borrowed(self.slices)
         self.pool = HostBufferPool(allocate)
+        #: the OffloadOptimizers stepping this model, for its memory footprint
+        self.optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self.milestones = Milestones()
         self.activations = ActivationOffloader(self.copies, self.pool)
         self._build_device_side()

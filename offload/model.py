@@ -15,43 +15,12 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from . import per_tensor_warning
 from .autograd import Call, OffloadFunction, flatten_input
+from .autograd.accumulation import mark_zeroed
 from .data_parallel import DataParallel
 from .engine import Engine
+from .footprint import MemoryFootprint, measure as measure_footprint
 from .slicing import layer_nbytes, partition
 from .streamed import streamed_forward
-
-
-@dataclass(frozen=True)
-class MemoryFootprint:
-    """Memory OffloadModel holds besides the user's own tensors' storage, in bytes.
-
-    Attributes:
-        host_copies: host buffers holding the parameters and buffers (the host copies).
-        host_shadows: their pinned copies in ``compute_dtype`` (0 without one).
-        host_pool: pooled host buffers for gradients and boundary activations (grows to the
-            largest step seen, reused afterwards).
-        device_slots: the device slots that slices take turns in.
-        pinned: whether the host buffers are pinned (only with a CUDA device).
-        disk: bytes in the files of optimizers' disk tiers (:class:`~offload.DiskTier`) over this model.
-        host_disk_window: host RAM those tiers hold: their window of slices' state being read,
-            updated and written, and state held after a failed write (not pinned).
-        device_gradients: the two device buffers that sum a slice's gradients over microbatches
-            (allocated with more than one microbatch, as large as the most gradient bytes a slice
-            needed so far: parameters that require no gradient take no room).
-    """
-
-    host_copies: int
-    host_shadows: int
-    host_pool: int
-    device_slots: int
-    pinned: bool
-    disk: int = 0
-    host_disk_window: int = 0
-    device_gradients: int = 0
-
-    @property
-    def pinned_bytes(self) -> int:
-        return self.host_copies + self.host_shadows + self.host_pool if self.pinned else 0
 
 
 class OffloadModel(nn.Module):
@@ -200,6 +169,11 @@ class OffloadModel(nn.Module):
             self._settle()  # a submodule, whose parameters the caller may read
         return super().__getattr__(name)
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        if not set_to_none:  # zeros the next backward may add into as slices land
+            mark_zeroed(self.parameters())
+
     def named_parameters(self, *args: Any, **kwargs: Any) -> Any:
         self._settle()
         return super().named_parameters(*args, **kwargs)
@@ -283,16 +257,7 @@ class OffloadModel(nn.Module):
     def memory_footprint(self) -> MemoryFootprint:
         """What offloading holds in memory right now (see :class:`MemoryFootprint`)."""
         engine = self._engine
-        return MemoryFootprint(
-            host_copies=sum(s.storage.flat.numel() for s in engine.slices),
-            host_shadows=sum(s.storage.shadow.numel() for s in engine.slices if s.storage.shadow is not None),
-            host_pool=engine.pool.nbytes,
-            device_slots=engine.slots.slot_nbytes * engine.slots.num_slots,
-            pinned=engine.pin,
-            disk=sum(tier.disk_nbytes for tier in engine.disk_tiers),
-            host_disk_window=sum(tier.window_nbytes for tier in engine.disk_tiers),
-            device_gradients=engine.gradients.device_nbytes,
-        )
+        return measure_footprint(engine, engine.optimizers, engine.disk_tiers)
 
     def extra_repr(self) -> str:
         slices = ", ".join(

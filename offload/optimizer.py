@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .autograd.accumulation import mark_zeroed
 from .disk_tier import DiskTier, StateTier
 from .model import OffloadModel, engine_of
 from .streams import Event
@@ -141,6 +142,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             rank = self._collectives.rank if self._collectives is not None else None
             self._tier = StateTier(setting, self, engine_of(model).copies, rank)
             engine_of(model).disk_tiers.add(self._tier)
+        engine_of(model).optimizers.add(self)  # its state counts in model.memory_footprint()
 
     # -- stepping --------------------------------------------------------------------------------
 
@@ -316,6 +318,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if not set_to_none:
             self.synchronize()
         super().zero_grad(set_to_none=set_to_none)
+        if not set_to_none:
+            mark_zeroed(p for group in self.param_groups for p in group["params"])
 
     def state_dict(self) -> dict[str, Any]:
         """``torch.optim.Optimizer.state_dict()``, after the pending updates; with a disk tier, the

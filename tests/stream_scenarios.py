@@ -303,7 +303,8 @@ def offload_optimizer_after_forwards_without_backward(build: Build) -> list[torc
 
 def reads_between_step_and_forward(build: Build) -> list[torch.Tensor]:
     """Code between step() and the next forward reads the parameters through the model and the
-    optimizer, zeroes gradients in place, and changes the learning rate."""
+    optimizer, zeroes gradients in place (the next backward adds into them as slices land), and
+    changes the learning rate."""
     model = build(mlp(dropout=0.1), num_slices=3, compute_dtype=torch.bfloat16)
     optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, foreach=True)
     seen: list[torch.Tensor] = []
@@ -315,12 +316,11 @@ def reads_between_step_and_forward(build: Build) -> list[torch.Tensor]:
             seen += [p.detach().clone() for p in model.parameters()]
         elif step == 1:
             seen += [v.clone() for v in model.state_dict().values()]
-            optimizer.zero_grad(set_to_none=False)
         else:
             saved = optimizer.state_dict()["state"]
             seen += [t.clone() for k in sorted(saved) for t in saved[k].values()]
         optimizer.param_groups[0]["lr"] *= 0.5
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=step != 1)
     return seen + state(model)
 
 

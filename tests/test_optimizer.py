@@ -121,14 +121,15 @@ def test_a_learning_rate_set_by_hand_is_followed(fused):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("unscale_and_clip", [False, True])
 @pytest.mark.parametrize("fused", [False, True])
-def test_grad_scaler_steps_and_skips_like_the_plain_optimizer(fused, unscale_and_clip, device):
+@pytest.mark.parametrize("set_to_none", [True, False])  # False: backward adds into the zeroed .grad
+def test_grad_scaler_steps_and_skips_like_the_plain_optimizer(set_to_none, fused, unscale_and_clip, device):
     (plain_model, plain), (model, optimizer) = pair(torch.optim.AdamW, {"lr": 1e-2, "fused": fused}, device=device)
     # The scaler of the device the loss is on, as a user would make it; the gradients it unscales
     # are on the host either way.
     scalers = [torch.amp.GradScaler(device, init_scale=2.0**8) for _ in range(2)]
     for step in range(4):
         for m, opt, scaler in ((plain_model, plain, scalers[0]), (model, optimizer, scalers[1])):
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=set_to_none)
             loss = loss_of(m, step)
             if step == 2:
                 loss = loss * float("inf")  # an overflow: the step is skipped

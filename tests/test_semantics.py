@@ -230,7 +230,10 @@ def test_memory_footprint_accounts_for_host_copies_slots_and_pool():
     assert before.device_slots >= 2 * layer_bytes // 2 and before.host_pool == 0 and not before.pinned
     assert before.pinned_bytes == 0
     model(torch.randn(4, 64)).float().sum().backward()
-    assert model.memory_footprint().host_pool > 0
+    after = model.memory_footprint()
+    assert after.host_pool > 0 and after.host_gradients >= 3 * layer_bytes
+    assert after.host_total == sum(after.host_categories().values())
+    assert "host_gradients" in str(after) and f"{after.parameters:,} parameters" in str(after)
 
 
 @pytest.mark.parametrize("device", DEVICES)

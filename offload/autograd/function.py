@@ -95,7 +95,7 @@ class OffloadFunction(torch.autograd.Function):
         # Gradients of the current slice's outputs, per microbatch, aligned with its output leaves.
         grad_out = split_output_grads(run, grad_outputs)
         loader = BoundaryLoader(run.engine, run.records, saved)
-        with SliceWalk.backward(run.engine, grads.lowest) as walk:
+        with SliceWalk.backward(run.engine, grads.lowest) as walk, grads:
             for i, views in walk:
                 grads.begin(i)
                 grad_in: list[list[torch.Tensor | None]] = [[] for _ in range(count)]
@@ -112,6 +112,7 @@ class OffloadFunction(torch.autograd.Function):
                                                                 grads.per_slice_needed[i], grads.wants_input_grads(i))
                         del graph, record
                     grads.add(param_grads, [*grad_in[m], *grad_out[m]])
+                    del param_grads  # held by the slice's gradients until they leave, not through the next slice
                     walk.compute_queued()
                 grads.leave(i)
                 grad_out = grad_in

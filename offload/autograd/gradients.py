@@ -36,6 +36,7 @@ import torch
 from ..microbatch import join_input_grads, split_like
 from ..streams import PendingGradients, SliceGradients
 from ..streams.host_storage import flat_alias
+from .accumulation import in_place_targets, restore_zeroed
 from .records import CallRecord
 
 
@@ -68,6 +69,15 @@ def _needed_grads(ctx: Any, count: int) -> list[bool]:
         except RuntimeError:
             needed.append(True)
     return needed
+
+
+def _starts(sizes: Sequence[int]) -> list[int]:
+    """Where each slice's parameters start among the walk's parameters."""
+    starts, offset = [], 0
+    for size in sizes:
+        starts.append(offset)
+        offset += size
+    return starts
 
 
 def split_output_grads(run: CallRecord, grad_outputs: Sequence[torch.Tensor | None]) -> list[list[Any]]:
@@ -107,6 +117,11 @@ class BackwardGradients:
         #: a needed parameter gradient (the number of slices if there is none).
         self.lowest = 0 if any(self.inputs_needed) else next(
             (i for i, flags in enumerate(self.per_slice_needed) if any(flags)), engine.num_slices)
+        # - Where each gradient goes: per slice, the .grad backward adds it into itself, or None
+        #   where autograd receives it (Note: [Gradients added in place] in accumulation.py)
+        into = in_place_targets(ctx, engine.parameters(), num_inputs, needed[num_inputs:],
+                                bool(engine.milestones.subscribers))
+        self._into = [into[start:start + size] for start, size in zip(_starts(sizes), sizes)]
         # - Gradients on their way
         self._slice: SliceGradients | None = None  # the current slice's, while its microbatches run
         self._pending: list[tuple[int, PendingGradients]] = []
@@ -118,7 +133,8 @@ class BackwardGradients:
     def begin(self, i: int) -> None:
         engine = self.run.engine
         needed = self.per_slice_needed[i]
-        self._slice = engine.gradients.begin(engine.slices[i].storage.params, needed) if any(needed) else None
+        self._slice = (engine.gradients.begin(engine.slices[i].storage.params, needed, self._into[i])
+                       if any(needed) else None)
 
     def add(self, param_grads: Sequence[torch.Tensor | None], others: Sequence[Any]) -> None:
         """One microbatch's parameter gradients; ``others`` are the tensors they must not share memory with."""
@@ -134,7 +150,16 @@ class BackwardGradients:
         pending = engine.gradients.offload(self._slice, label=f"offload::offload gradients slice {i}")
         self._pending.append((i, pending))
         engine.milestones.gradients_leaving(token, i, pending)
+        engine.gradients.accumulate([p for _, p in self._pending])
         self._slice = None
+
+    def __enter__(self) -> BackwardGradients:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is not None:
+            # A failed backward leaves .grad as autograd would: rule 6 of Note: [Gradients added in place].
+            restore_zeroed(g for _, p in self._pending for g in p.added)
 
     def land(self) -> None:
         """Every slice's gradients on the host: the optimizer reads them next, and may overwrite

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from .pinned import PinnedAllocator
 from .workers import HostWorker
 
 #: A backend's event: completes when the work recorded before it on its stream is done.
@@ -123,6 +124,8 @@ class CudaBackend(StreamBackend):
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        # Host copies and gradient buffers pinned at their own size, not the next power of two.
+        self.pinned = PinnedAllocator()
 
     def current_stream(self) -> Stream:
         return torch.cuda.current_stream(self.device)
@@ -158,7 +161,7 @@ class CudaBackend(StreamBackend):
         tensor.record_stream(stream)
 
     def empty_host(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return self.pinned.empty(nbytes)
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         return tensor.is_pinned()

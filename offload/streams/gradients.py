@@ -13,7 +13,9 @@ they are summed into one of two persistent device gradient buffers and leave for
 single copy while the previous slice computes; the two buffers alternate, and compute writes into
 one only after its previous offload has read it. The host side is a pooled buffer whose views are
 handed to autograd as the parameters' gradients: autograd adopts them as ``.grad`` when ``.grad``
-is empty and adds them otherwise, so the buffer is reused as soon as nobody holds it.
+is empty and adds them otherwise, so the buffer is reused as soon as nobody holds it. A parameter
+whose gradient is added into its ``.grad`` on the host as soon as it lands (Note: [Gradients added
+in place] in ``offload/autograd/accumulation.py``) needs its pooled buffer only until then.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ class SliceGradients:
         nbytes: bytes of all needed gradients laid out by :attr:`places`.
         reduced: an event the offload waits for: a collective still rewriting the device
             gradients (Note: [Device collectives] in ``collectives.py``), or ``None``.
+        into: per parameter, the host ``.grad`` its gradient is added into once it landed
+            (Note: [Gradients added in place]), or ``None`` where autograd receives it.
     """
 
     places: list[_Place | None]
@@ -66,6 +70,7 @@ class SliceGradients:
     sums: list[torch.Tensor | None] | None = None
     buffer_index: int | None = None
     reduced: Event | None = None
+    into: list[torch.Tensor | None] | None = None
 
     def __post_init__(self) -> None:
         self.received = [False] * len(self.places)
@@ -109,10 +114,20 @@ class SliceGradients:
 
 @dataclass
 class PendingGradients:
-    """Gradients on their way to the host: valid once ``ready`` has completed."""
+    """Gradients on their way to the host: valid once ``ready`` has completed.
+
+    Attributes:
+        host_views: per parameter, its gradient in a pooled host buffer, or ``None`` (none was
+            produced, or it was added into ``.grad`` already).
+        into: per parameter, the ``.grad`` it is to be added into (Note: [Gradients added in
+            place]), or ``None``.
+        added: the ``.grad`` tensors it was added into so far.
+    """
 
     host_views: list[torch.Tensor | None]
     ready: Event | None
+    into: list[torch.Tensor | None] | None = None
+    added: list[torch.Tensor] = field(default_factory=list)
 
 
 class GradientOffloader:
@@ -134,9 +149,19 @@ class GradientOffloader:
         self._offloaded: list[Event | None] = [None, None]
         self._next = 0
         self.offloaded_bytes = 0
+        # The most gradient bytes a slice has needed so far: the size of the host buffers that
+        # gradients added into .grad on landing pass through (see offload()).
+        self._max_nbytes = 0
 
-    def begin(self, entries: Sequence[Entry], needed: Sequence[bool]) -> SliceGradients:
-        """Start collecting one slice's gradients for the parameters in ``needed``."""
+    @property
+    def device_nbytes(self) -> int:
+        """Bytes of the device summation buffers allocated so far."""
+        return sum(buffer.numel() for buffer in self._buffers if buffer is not None)
+
+    def begin(self, entries: Sequence[Entry], needed: Sequence[bool],
+              into: Sequence[torch.Tensor | None] | None = None) -> SliceGradients:
+        """Start collecting one slice's gradients for the parameters in ``needed``; those with a
+        tensor in ``into`` are added into it on the host once they landed (see :meth:`accumulate`)."""
         offset = 0
         places: list[_Place | None] = []
         for entry, want in zip(entries, needed):
@@ -145,12 +170,11 @@ class GradientOffloader:
                 continue
             places.append(_Place(offset, entry.dtype, entry.shape, entry.stride))
             offset = _align(offset + entry.shape.numel() * _itemsize(entry.dtype))
-        return SliceGradients(places, offset, self)
-
-    @property
-    def device_nbytes(self) -> int:
-        """Bytes of the device summation buffers allocated so far."""
-        return sum(b.numel() for b in self._buffers if b is not None)
+        self._max_nbytes = max(self._max_nbytes, offset)
+        grads = SliceGradients(places, offset, self)
+        if into is not None and any(t is not None for t in into):
+            grads.into = list(into)
+        return grads
 
     def _claim_buffer(self, nbytes: int) -> tuple[int, torch.Tensor]:
         """A device buffer of at least ``nbytes`` for compute to sum into, alternating between the two."""
@@ -168,7 +192,12 @@ class GradientOffloader:
         """Start copying a slice's finished gradients to a host buffer."""
         if not any(grads.received):
             return PendingGradients([None] * len(grads.places), None)
-        host = self.pool.take(grads.nbytes)
+        # Gradients added into .grad on landing need their buffer only briefly: buffers of one size
+        # (the largest slice's) serve every slice in turn, so the window stays two buffers.
+        transient = grads.into is not None and all(
+            target is not None for target, place, got in zip(grads.into, grads.places, grads.received)
+            if place is not None and got)
+        host = self.pool.take(self._max_nbytes if transient else grads.nbytes)
         host_views = [
             place.view(host.data) if place is not None and got else None
             for place, got in zip(grads.places, grads.received)
@@ -177,8 +206,8 @@ class GradientOffloader:
             assert grads.buffer_index is not None
             device = self._buffers[grads.buffer_index]
             assert device is not None
-            ready = self.copies.offload(host.data, device[:grads.nbytes], after=(host.read_event, grads.reduced),
-                                        label=label)
+            ready = self.copies.offload(host.data[:grads.nbytes], device[:grads.nbytes],
+                                        after=(host.read_event, grads.reduced), label=label)
             self._offloaded[grads.buffer_index] = ready
         else:
             pairs = [(h, g) for h, g in zip(host_views, grads.held) if h is not None and g is not None]
@@ -186,8 +215,31 @@ class GradientOffloader:
                                              after=(host.read_event, grads.reduced), label=label)
             grads.held = [None] * len(grads.places)
         self.offloaded_bytes += sum(v.numel() * v.element_size() for v in host_views if v is not None)
-        return PendingGradients(host_views, ready)
+        return PendingGradients(host_views, ready, grads.into)
+
+    def accumulate(self, pending: Sequence[PendingGradients], in_flight: int = 1) -> None:
+        """Add the landed gradients of all but the last ``in_flight`` slices of ``pending`` into
+        the ``.grad`` they go to, and let go of their pooled buffers.
+
+        Called after each slice's offload with ``in_flight=1``, it keeps two slices' host buffers
+        in use (the one landing, the one being added) and lets the device run one offload ahead of
+        the host's wait.
+        """
+        for grads in pending[:max(len(pending) - in_flight, 0)]:
+            if grads.into is None:
+                continue
+            # Rule 4 of [Copy ordering]: the CPU reads the offload's destination.
+            self.copies.wait_host(grads.ready)
+            with torch.no_grad():
+                for j, (target, view) in enumerate(zip(grads.into, grads.host_views)):
+                    if target is not None and view is not None:
+                        target.add_(view)  # what autograd's accumulation does: .grad += new
+                        grads.added.append(target)
+                        grads.host_views[j] = None
+            grads.into = None
 
     def finish(self, pending: Sequence[PendingGradients]) -> None:
-        """Block until every pending gradient is on the host: the optimizer reads them next."""
+        """Block until every pending gradient is on the host, added where it goes: the optimizer
+        reads them next."""
+        self.accumulate(pending, in_flight=0)
         self.copies.wait_host_all(p.ready for p in pending)

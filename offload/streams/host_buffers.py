@@ -83,6 +83,10 @@ class HostBufferPool:
                 del self._buffers[nbytes]
         self._step += 1
 
+    def buffers(self) -> list[HostBuffer]:
+        """Every buffer the pool holds, idle or not."""
+        return [buffer for buffers in self._buffers.values() for buffer in buffers]
+
     @property
     def nbytes(self) -> int:
         """Bytes held by the pool, idle or not."""

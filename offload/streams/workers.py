@@ -131,3 +131,5 @@ class HostWorker:
                     self._error = error
                 self.finished += 1
                 self._condition.notify_all()
+            # Let go of the work (an update holds its slice's gradients) before waiting for more.
+            del item, work

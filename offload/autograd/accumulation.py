@@ -1,0 +1,120 @@
+"""Which parameters' gradients backward adds into ``.grad`` itself, slice by slice.
+
+Note: [Gradients added in place]
+    Backward hands autograd every parameter's gradient when it returns, after the last slice
+    (Note: [Gradients through autograd] in ``function.py``). Where ``.grad`` already holds a
+    gradient (``zero_grad(set_to_none=False)``, or accumulation over several backwards), autograd
+    then adds the returned gradients into it: until it does, every slice's new gradients sit on
+    the host beside the old ones, a second copy of all gradients (4 bytes per float32
+    parameter). So where the result is the same, backward adds each slice's gradients into
+    ``.grad`` on the host as soon as they land (``GradientOffloader.accumulate``) and returns
+    ``None`` for that parameter: a window of two slices' gradient buffers replaces the second
+    copy. The addition is autograd's own (``.grad += new``, in the parameter's dtype), so
+    ``.grad`` ends bit for bit where autograd would leave it.
+
+    Autograd could notice the difference only through what sees the new gradient before it is
+    added, or through when it is added, so a parameter takes this path only when all of these
+    hold, and otherwise goes through autograd as before:
+
+    1. this backward accumulates into ``.grad`` (``.backward()``, with the parameter among its
+       ``inputs`` if given): ``torch.autograd.grad`` returns gradients instead;
+    2. ``.grad`` is a dense host tensor of the parameter's dtype and shape;
+    3. no hook sees the gradient: the parameter has no tensor hooks (``register_hook``) and no
+       post-accumulate-grad hooks;
+    4. the parameter is an input of the walk once (a weight tied across slices is not: autograd
+       sums its slices' gradients first);
+    5. nothing else acts on the host gradients per slice (data parallelism averages them on
+       their way: its milestones subscribe to the walk);
+    6. ``.grad`` holds the zeros that ``zero_grad(set_to_none=False)`` of the OffloadModel or of an
+       OffloadOptimizer wrote (:func:`mark_zeroed`), unchanged since (its version counter says
+       so). A backward that fails part way has added some slices already, where autograd would
+       have added nothing: zeroing them again (:func:`restore_zeroed`) puts back exactly what
+       was there. It also makes a parameter used outside the model in the same graph (a penalty
+       on the weights) come out right: ``(0 + ours) + theirs`` equals ``0 + (ours + theirs)``
+       bit for bit, signed zeros included, which does not hold for any ``.grad`` but zeros.
+
+    Gradients accumulated over several backwards without zeroing in between (and ``.grad``
+    zeroed by a plain ``torch.optim`` optimizer) go through autograd, two copies and all; summing
+    microbatches on the device (``num_microbatches``) needs neither.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+
+def in_place_targets(ctx: Any, params: Sequence[torch.Tensor], first_edge: int, needed: Sequence[bool],
+                     walk_observed: bool) -> list[torch.Tensor | None]:
+    """Per parameter of the walk, the ``.grad`` its gradient is added into on the host, or
+    ``None`` where autograd receives it (see Note: [Gradients added in place]).
+
+    Args:
+        ctx: the Function's context in backward.
+        params: the walk's parameters, in the order of its inputs (a tied one more than once).
+        first_edge: the index of the first parameter among the Function's tensor inputs.
+        needed: per parameter, whether this backward produces its gradient.
+        walk_observed: something subscribes to the walk's gradients per slice (rule 5).
+    """
+    targets: list[torch.Tensor | None] = [None] * len(params)
+    will_execute = getattr(torch._C, "_will_engine_execute_node", None)
+    if walk_observed or will_execute is None:
+        return targets
+    appearances: dict[int, int] = {}
+    for p in params:
+        appearances[id(p)] = appearances.get(id(p), 0) + 1
+    edges = ctx.next_functions
+    for k, p in enumerate(params):
+        grad = p.grad
+        if not needed[k] or grad is None or appearances[id(p)] != 1:
+            continue
+        if (grad.device != p.device or grad.dtype != p.dtype or grad.shape != p.shape
+                or grad.layout != torch.strided or grad.requires_grad):
+            continue  # rule 2
+        if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None):
+            continue  # rule 3
+        if not _still_zeroed(grad):
+            continue  # rule 6
+        node = edges[first_edge + k][0] if first_edge + k < len(edges) else None
+        if node is None:
+            continue
+        try:
+            accumulates = bool(will_execute(node))
+        except RuntimeError:
+            accumulates = False  # torch.autograd.grad: it refuses to say for a leaf (rule 1)
+        if accumulates:
+            targets[k] = grad
+    return targets
+
+
+def mark_zeroed(params: Iterable[torch.Tensor]) -> None:
+    """Remember that ``params``' ``.grad`` were just zeroed in place (rule 6)."""
+    for p in params:
+        if p.grad is not None:
+            _remember(p.grad)
+
+
+def restore_zeroed(targets: Iterable[torch.Tensor]) -> None:
+    """Zero again the ``.grad`` a failed backward added into, and remember them as zeroed (rule 6)."""
+    with torch.no_grad():
+        for grad in targets:
+            grad.zero_()
+            _remember(grad)
+
+
+#: id(.grad) -> (a weak reference to it, its version counter when it was zeroed); an entry goes
+#: with its tensor. Keyed by id: tensors compare elementwise, so they cannot be dict keys.
+_ZEROED: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+
+
+def _remember(grad: torch.Tensor) -> None:
+    key = id(grad)
+    _ZEROED[key] = (weakref.ref(grad, lambda _: _ZEROED.pop(key, None)), grad._version)
+
+
+def _still_zeroed(grad: torch.Tensor) -> bool:
+    entry = _ZEROED.get(id(grad))
+    return entry is not None and entry[0]() is grad and entry[1] == grad._version

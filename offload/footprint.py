@@ -1,0 +1,190 @@
+"""``MemoryFootprint``: every byte an OffloadModel (and the OffloadOptimizers stepping it) holds,
+by category and per parameter.
+
+What it does not count: the user's own tensors (inputs, the loss), PyTorch's and Python's own
+memory, temporaries that live inside one call (an optimizer's scratch), and the state of a plain
+``torch.optim`` optimizer built on the model's parameters (only an
+:class:`~offload.OffloadOptimizer` is known to the model). Device bytes are what the model
+allocated itself, not the caching allocator's reserve. See ``docs/memory.md`` for what each
+category is and how many bytes per parameter it takes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+_HOST = ("host_masters", "host_shadows", "host_gradients", "host_optimizer_state", "host_disk_window",
+         "host_activations", "host_pool_idle")
+_DEVICE = ("device_slots", "device_gradients")
+
+
+@dataclass(frozen=True)
+class MemoryFootprint:
+    """Memory OffloadModel holds besides the user's own tensors, in bytes, by category.
+
+    The host categories are disjoint and together are every host byte the model and its
+    OffloadOptimizers hold; likewise the device ones.
+
+    Attributes:
+        parameters: elements of the parameters the model holds (for bytes per parameter).
+        host_masters: host buffers holding the parameters and buffers (the host copies).
+        host_shadows: their copies in ``compute_dtype`` (0 without one).
+        host_gradients: the parameters' ``.grad`` on the host (each storage once), pooled or not.
+        host_optimizer_state: what the model's OffloadOptimizers keep per parameter (AdamW's
+            moments, SGD's momentum), each storage once.
+        host_disk_window: host RAM the optimizers' disk tiers (:class:`~offload.DiskTier`) hold: their
+            window of slices' state being read, updated and written, and state held after a failed
+            write (not pinned; state tensors in it are counted here, not as optimizer state).
+        host_activations: pooled buffers in use that do not hold a ``.grad``: boundary
+            activations and buffer snapshots waiting for backward, gradients on their way to
+            autograd.
+        host_pool_idle: pooled buffers nothing uses, kept for the next step.
+        host_pool: every pooled buffer (gradients, activations and idle ones together: overlaps
+            the categories above).
+        device_slots: the device slots that slices take turns in.
+        device_gradients: the device buffers that sum gradients over microbatches (allocated
+            only with more than one microbatch).
+        pinned: whether the host buffers (masters, shadows, the pool) are pinned (only with a
+            CUDA device; the optimizer state is never pinned).
+        pinned_bytes: host bytes pinned for them, as the allocator reserved them (whole pages,
+            or the next power of two for small buffers: ``offload/streams/pinned.py``).
+        disk: bytes in the files of the optimizers' disk tiers (0 without one).
+    """
+
+    parameters: int
+    host_masters: int
+    host_shadows: int
+    host_gradients: int
+    host_optimizer_state: int
+    host_disk_window: int
+    host_activations: int
+    host_pool_idle: int
+    host_pool: int
+    device_slots: int
+    device_gradients: int
+    pinned: bool
+    pinned_bytes: int
+    disk: int = 0
+
+    @property
+    def host_copies(self) -> int:
+        """The host copies' bytes (:attr:`host_masters`; the name of earlier releases)."""
+        return self.host_masters
+
+    @property
+    def host_total(self) -> int:
+        """Every host byte counted here."""
+        return sum(self.host_categories().values())
+
+    @property
+    def device_total(self) -> int:
+        """Every device byte counted here."""
+        return sum(self.device_categories().values())
+
+    def host_categories(self) -> dict[str, int]:
+        """The disjoint host categories, by name without the ``host_`` prefix."""
+        return {name.removeprefix("host_"): getattr(self, name) for name in _HOST}
+
+    def device_categories(self) -> dict[str, int]:
+        """The disjoint device categories, by name without the ``device_`` prefix."""
+        return {name.removeprefix("device_"): getattr(self, name) for name in _DEVICE}
+
+    def per_parameter(self) -> dict[str, float]:
+        """Every byte count of this footprint divided by :attr:`parameters`."""
+        count = max(self.parameters, 1)
+        return {f.name: getattr(self, f.name) / count for f in fields(self)
+                if f.name not in ("parameters", "pinned")}
+
+    def __str__(self) -> str:
+        count = max(self.parameters, 1)
+        lines = [f"{'':<20}{'bytes':>14}{'B/param':>10}"]
+
+        def row(name: str, nbytes: int) -> None:
+            lines.append(f"{name:<20}{_size(nbytes):>14}{nbytes / count:>10.2f}")
+
+        for name in _HOST:
+            row(name, getattr(self, name))
+        row("host total", self.host_total)
+        for name in _DEVICE:
+            row(name, getattr(self, name))
+        row("device total", self.device_total)
+        row("disk", self.disk)
+        pinned = f"pinned: {_size(self.pinned_bytes)}" if self.pinned else "not pinned"
+        lines.append(f"{self.parameters:,} parameters; host buffers {pinned}")
+        return "\n".join(lines)
+
+
+def measure(engine: Engine, optimizers: Iterable[torch.optim.Optimizer], tiers: Iterable[Any] = ()) -> MemoryFootprint:
+    """The footprint of ``engine``'s model, of ``optimizers`` (the OffloadOptimizers stepping it)
+    and of ``tiers`` (their disk tiers) now."""
+    tiers = list(tiers)
+    windows = [window for tier in tiers for window in tier.window_ranges()]
+    storages = [s.storage for s in engine.slices]
+    params = [entry.tensor for storage in storages for entry in storage.held if entry.is_parameter]
+    grad_storages: dict[int, int] = {}
+    for p in params:
+        if p.grad is not None and p.grad.device.type == "cpu":
+            storage = p.grad.untyped_storage()
+            grad_storages[storage.data_ptr()] = storage.nbytes()
+    pool_in_use = pool_idle = 0
+    for buffer in engine.pool.buffers():
+        if buffer.data.data_ptr() in grad_storages:
+            continue  # counted as gradients
+        if buffer.is_idle():
+            pool_idle += buffer.data.numel()
+        else:
+            pool_in_use += buffer.data.numel()
+    state: dict[int, int] = {}
+    held = {id(p) for p in params}
+    for optimizer in optimizers:
+        for p, values in optimizer.state.items():
+            if id(p) not in held:
+                continue
+            for value in values.values():
+                if isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.dim() > 0:
+                    storage = value.untyped_storage()
+                    if any(start <= storage.data_ptr() < stop for start, stop in windows):
+                        continue  # a disk tier's window: counted there
+                    state[storage.data_ptr()] = storage.nbytes()
+    masters = sum(storage.flat.numel() for storage in storages)
+    shadows = sum(storage.shadow.numel() for storage in storages if storage.shadow is not None)
+    return MemoryFootprint(
+        parameters=sum(p.numel() for p in params),
+        host_masters=masters,
+        host_shadows=shadows,
+        host_gradients=sum(grad_storages.values()),
+        host_optimizer_state=sum(state.values()),
+        host_disk_window=sum(tier.window_nbytes for tier in tiers),
+        host_activations=pool_in_use,
+        host_pool_idle=pool_idle,
+        host_pool=engine.pool.nbytes,
+        device_slots=engine.slots.slot_nbytes * engine.slots.num_slots,
+        device_gradients=engine.gradients.device_nbytes,
+        pinned=engine.pin,
+        pinned_bytes=_pinned_bytes(engine, masters + shadows + engine.pool.nbytes),
+        disk=sum(tier.disk_nbytes for tier in tiers),
+    )
+
+
+def _pinned_bytes(engine: Engine, requested: int) -> int:
+    """Pinned bytes reserved for the host buffers: as the backend's allocator counts them
+    (``offload/streams/pinned.py``), or as requested where it does not count."""
+    if not engine.pin:
+        return 0
+    allocator = getattr(engine.copies.backend, "pinned", None)
+    return allocator.reserved_bytes if allocator is not None else requested
+
+
+def _size(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(nbytes) < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    raise AssertionError("unreachable")

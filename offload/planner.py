@@ -1,0 +1,164 @@
+"""``estimate_memory``: the host RAM, pinned RAM, device and disk bytes a configuration will take,
+predicted from parameter counts and dtypes before anything is allocated.
+
+It predicts what :meth:`OffloadModel.memory_footprint() <offload.OffloadModel.memory_footprint>`
+reports in the steady state of training with :class:`~offload.OffloadOptimizer` (after the first
+step, ``.grad`` kept or not), in the same categories, so the two can be compared line by line
+(``tests/test_memory.py`` checks them against each other and against the process's resident set).
+What it cannot know is left out, as the footprint leaves it out: activations unless given
+(``activation_bytes``), the caching allocators' reserve, PyTorch's own memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .footprint import MemoryFootprint
+from .slicing import partition
+from .streams.host_storage import ALIGN_ELEMENTS, ALIGNMENT
+
+#: Optimizer state per parameter, in units of the parameter's own element size.
+STATE_ELEMENTS = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0, None: 0}
+_PLACES = ("ram", "disk")
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    numel: int
+    dtype: torch.dtype
+    is_parameter: bool
+
+
+def estimate_memory(layers: nn.Module | Sequence[int], *, num_slices: int = 8,
+                    param_dtype: torch.dtype = torch.float32, compute_dtype: torch.dtype | None = None,
+                    optimizer: str | None = "adamw", optimizer_state: str = "ram", masters: str = "ram",
+                    num_microbatches: int = 1, device: str | torch.device = "cuda",
+                    activation_bytes: int = 0) -> MemoryFootprint:
+    """Predict the memory an OffloadModel trained by OffloadOptimizer holds, by category.
+
+    Args:
+        layers: an ``nn.Sequential`` (sliced as :class:`~offload.OffloadModel` slices it, each
+            tensor with its own dtype; nothing is allocated or changed), or the parameter count of
+            each layer, in ``param_dtype``.
+        num_slices: as :class:`~offload.OffloadModel` takes it.
+        param_dtype: dtype of the counted parameters (ignored for a module).
+        compute_dtype: as :class:`~offload.OffloadModel` takes it: adds a shadow in that dtype
+            on the host, and device slots in it (every floating-point parameter is counted in it).
+        optimizer: ``"adamw"``/``"adam"`` (two moments), ``"sgd-momentum"`` (one buffer),
+            ``"sgd"`` or ``None`` (no state).
+        optimizer_state: ``"ram"``, or ``"disk"`` to count the optimizer state on disk.
+        masters: ``"ram"``, or ``"disk"`` to count the masters on disk (planning only: the disk tier
+            keeps optimizer state, not yet the masters); a copy that loads read
+            stays in RAM: the shadow with ``compute_dtype``, a copy of the masters without.
+        num_microbatches: more than one adds the two device buffers that sum gradients.
+        device: the compute device; host memory is pinned only for ``"cuda"``. On ``"cpu"`` the
+            device categories are host memory too.
+        activation_bytes: boundary activations and other pooled buffers of one step, if known.
+
+    Returns:
+        A :class:`~offload.MemoryFootprint` of the predicted bytes (``device_gradients`` counts a
+        slice's gradients while they are produced too, which the measured footprint, counting only
+        persistent buffers, leaves out). Its ``host_total`` is the
+        host RAM, ``pinned_bytes`` the pinned part of it, ``device_total`` and ``disk`` the rest.
+
+    Raises:
+        ValueError: an unknown optimizer or place, or no parameters.
+
+    Example::
+
+        >>> plan = offload.estimate_memory([7_000_000] * 32, num_slices=8, compute_dtype=torch.bfloat16)
+        >>> plan.host_total / 2**30, plan.per_parameter()["host_masters"]
+    """
+    if optimizer not in STATE_ELEMENTS:
+        known = sorted(k for k in STATE_ELEMENTS if k)
+        raise ValueError(f"optimizer must be one of {known} or None, got {optimizer!r}")
+    for name, place in (("optimizer_state", optimizer_state), ("masters", masters)):
+        if place not in _PLACES:
+            raise ValueError(f"{name} must be 'ram' or 'disk', got {place!r}")
+    per_layer = _layers(layers, param_dtype)
+    if not any(t.is_parameter for layer in per_layer for t in layer):
+        raise ValueError("estimate_memory needs layers with parameters")
+    sizes = [sum(t.numel * t.dtype.itemsize for t in layer) for layer in per_layer]  # as OffloadModel slices
+    slices = [[t for k in r for t in per_layer[k]] for r in partition(sizes, num_slices)]
+
+    def device_dtype(t: _Tensor) -> torch.dtype:
+        floating = t.is_parameter and t.dtype.is_floating_point
+        return compute_dtype if compute_dtype is not None and floating else t.dtype
+
+    host = [_laid_out(s, lambda t: t.dtype) for s in slices]
+    shadow = [_laid_out([t for t in s if t.is_parameter], device_dtype) for s in slices] if compute_dtype else [0]
+    on_device = [_laid_out(s, device_dtype) for s in slices]
+    grads = [sum(_align(t.numel * t.dtype.itemsize, ALIGNMENT) for t in s if t.is_parameter) for s in slices]
+    params = [t for s in slices for t in s if t.is_parameter]
+    count = sum(t.numel for t in params)
+    state = sum(STATE_ELEMENTS[optimizer] * t.numel * t.dtype.itemsize for t in params)
+    masters_bytes = sum(host)
+    shadows = sum(shadow) if compute_dtype else 0
+    disk = 0
+    disk_window = 0
+    if optimizer_state == "disk":
+        disk += state
+        # The tier's window: three slices' state being read, updated and written (offload/disk_tier.py).
+        per_slice = [sum(STATE_ELEMENTS[optimizer] * t.numel * t.dtype.itemsize for t in s if t.is_parameter)
+                     for s in slices]
+        disk_window = min(3, len(slices)) * max(per_slice)
+        state = 0
+    if masters == "disk":
+        disk += masters_bytes
+        if compute_dtype is not None:
+            masters_bytes = 0  # the shadow is what loads read
+    gradients = sum(grads)
+    window = 2 * max(grads)  # gradients landing and being added (Note: [Gradients added in place])
+    pool = window + activation_bytes
+    pinned = torch.device(device).type == "cuda"
+    return MemoryFootprint(
+        parameters=count,
+        host_masters=masters_bytes,
+        host_shadows=shadows,
+        host_gradients=gradients,
+        host_optimizer_state=state,
+        host_disk_window=disk_window,
+        host_activations=activation_bytes,
+        host_pool_idle=window,
+        host_pool=gradients + pool,
+        device_slots=min(2, len(slices)) * max(on_device),
+        # A slice's gradients as autograd produces them, before they leave (held, or summed in two
+        # buffers over microbatches): memory.md, "Device".
+        device_gradients=(3 if num_microbatches > 1 else 1) * max(grads),
+        pinned=pinned,
+        pinned_bytes=masters_bytes + shadows + gradients + pool if pinned else 0,
+        disk=disk,
+    )
+
+
+def _layers(layers: nn.Module | Sequence[int], param_dtype: torch.dtype) -> list[list[_Tensor]]:
+    if isinstance(layers, nn.Module):
+        result = []
+        for layer in layers.children() if len(list(layers.children())) else [layers]:
+            seen: set[int] = set()
+            tensors = []
+            for is_parameter, source in ((True, layer.parameters()), (False, layer.buffers())):
+                for t in source:
+                    if id(t) not in seen:
+                        seen.add(id(t))
+                        tensors.append(_Tensor(t.numel(), t.dtype, is_parameter))
+            result.append(tensors)
+        return result
+    return [[_Tensor(int(n), param_dtype, True)] if n else [] for n in layers]
+
+
+def _laid_out(tensors: Sequence[_Tensor], dtype_of) -> int:  # type: ignore[no-untyped-def]
+    end = 0
+    for t in tensors:
+        dtype = dtype_of(t)
+        align = ALIGN_ELEMENTS * dtype.itemsize
+        end = _align(_align(end, align) + t.numel * dtype.itemsize, align)
+    return end
+
+
+def _align(n: int, alignment: int) -> int:
+    return (n + alignment - 1) // alignment * alignment

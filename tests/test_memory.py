@@ -1,0 +1,305 @@
+"""Host memory: every byte in memory_footprint(), gradients added into .grad slice by slice (Note:
+[Gradients added in place] in offload/autograd/accumulation.py) with autograd's results bit for bit."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from offload import OffloadModel, OffloadOptimizer, estimate_memory, is_recomputing
+from offload.streams.host_storage import _align
+
+from .helpers import DEVICES
+
+EXACT = {"rtol": 0.0, "atol": 0.0}
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def network(seed: int = 0, width: int = 32, layers: int = 6) -> nn.Sequential:
+    torch.manual_seed(seed)
+    modules: list[nn.Module] = []
+    for _ in range(layers):
+        modules += [nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*modules[:-1])
+
+
+def slice_grad_bytes(model: OffloadModel) -> int:
+    """The largest slice's gradient bytes, each gradient at an aligned offset as the buffers lay them out."""
+    return max(sum(_align(e.shape.numel() * e.dtype.itemsize) for e in s.storage.params)
+               for s in model._engine.slices)
+
+
+@pytest.mark.parametrize("set_to_none", [False, True])
+@pytest.mark.parametrize("backwards", [1, 2], ids=["one-backward", "two-backwards"])
+@pytest.mark.parametrize("compute_dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_training_equals_the_plain_optimizer_and_keeps_one_gradient_copy(set_to_none, backwards, compute_dtype,
+                                                                          device):
+    plain = network()
+    model = OffloadModel(copy.deepcopy(plain), device=device, num_slices=3, compute_dtype=compute_dtype)
+    reference = plain.to(device)
+    ours = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
+    theirs = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
+    grads_before: list[torch.Tensor] | None = None
+    for step in range(3):
+        for k in range(backwards):
+            x = torch.randn(5, 32, generator=torch.Generator().manual_seed(10 * step + k)).to(device)
+            model(x).float().square().mean().backward()
+            with torch.autocast(device, dtype=compute_dtype or torch.float32, enabled=compute_dtype is not None):
+                reference(x).float().square().mean().backward()
+        if compute_dtype is None:
+            for p, q in zip(model.parameters(), reference.parameters()):
+                torch.testing.assert_close(p.grad, q.grad.cpu(), **EXACT)
+        if not set_to_none and grads_before is not None:
+            # zero_grad(set_to_none=False) keeps the very tensors, as the plain optimizer does
+            assert all(p.grad is g for p, g in zip(model.parameters(), grads_before))
+        ours.step()
+        theirs.step()
+        ours.zero_grad(set_to_none=set_to_none)
+        theirs.zero_grad(set_to_none=set_to_none)
+        grads_before = [p.grad for p in model.parameters()]
+    if compute_dtype is None:
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach().cpu(), **EXACT)
+    footprint = model.memory_footprint()
+    # One copy of the gradients (in .grad) and a window of at most two slices' buffers besides it.
+    held = sum(p.numel() * 4 for p in model.parameters())
+    activations = 3 * 5 * 32 * 4
+    gradients = footprint.host_gradients + footprint.host_pool_idle + footprint.host_activations
+    if backwards == 1:  # accumulating over backwards goes through autograd (rule 6 of the note)
+        assert gradients <= held + 2 * slice_grad_bytes(model) + activations
+    assert footprint.host_optimizer_state == 2 * held
+
+
+def test_the_second_copy_of_the_gradients_is_gone():
+    """The measure the in-place path exists for: with .grad kept across steps, the pool holds
+    two slices' gradient buffers, not a second copy of every gradient."""
+    model = OffloadModel(network(layers=8), device="cpu", num_slices=8)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
+    for _ in range(3):
+        model(torch.randn(4, 32)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+    footprint = model.memory_footprint()
+    beside_grad = footprint.host_pool_idle + footprint.host_activations
+    activations = 8 * 4 * 32 * 4  # a boundary activation per slice, kept idle for the next step
+    assert beside_grad <= 2 * slice_grad_bytes(model) + activations
+    assert beside_grad < footprint.host_gradients / 2
+
+
+def test_hooks_see_each_new_gradient_and_fire_once():
+    plain = network()
+    model = OffloadModel(copy.deepcopy(plain), device="cpu", num_slices=3)
+    seen: dict[str, list[torch.Tensor]] = {"ours": [], "theirs": []}
+    accumulated = {"ours": 0, "theirs": 0}
+    for key, module in (("ours", model), ("theirs", plain)):
+        first = next(iter(module.parameters()))
+        first.register_hook(lambda g, key=key: seen[key].append(g.clone()))
+        last = list(module.parameters())[-1]
+        last.register_post_accumulate_grad_hook(lambda p, key=key: accumulated.__setitem__(key, accumulated[key] + 1))
+    for _ in range(3):
+        x = torch.randn(5, 32)
+        model(x).square().sum().backward()
+        plain(x).square().sum().backward()
+        model.zero_grad(set_to_none=False)
+        plain.zero_grad(set_to_none=False)
+    assert len(seen["ours"]) == len(seen["theirs"]) == 3 and accumulated["ours"] == accumulated["theirs"] == 3
+    for got, want in zip(seen["ours"], seen["theirs"]):
+        torch.testing.assert_close(got, want, **EXACT)
+    for p, q in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **EXACT)
+
+
+def test_autograd_grad_and_backward_inputs_leave_other_grads_alone():
+    plain = network()
+    model = OffloadModel(copy.deepcopy(plain), device="cpu", num_slices=3)
+    x = torch.randn(5, 32)
+    for module in (model, plain):
+        module(x).square().sum().backward()
+        module.zero_grad(set_to_none=False)
+        module(x).square().sum().backward()
+        module.zero_grad(set_to_none=False)  # zeros that a backward may add into in place
+    before = [p.grad.clone() for p in model.parameters()]
+    ours = torch.autograd.grad(model(x).sum(), list(model.parameters()))
+    theirs = torch.autograd.grad(plain(x).sum(), list(plain.parameters()))
+    for got, want, p, old in zip(ours, theirs, model.parameters(), before):
+        torch.testing.assert_close(got, want, **EXACT)
+        assert torch.equal(p.grad, old)  # torch.autograd.grad accumulates nothing
+    some = list(model.parameters())[:2]
+    model(x).sum().backward(inputs=some)
+    plain(x).sum().backward(inputs=list(plain.parameters())[:2])
+    for p, q in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **EXACT)
+
+
+def test_a_parameter_used_outside_the_model_sums_like_autograd_after_zero_grad():
+    plain = network()
+    model = OffloadModel(copy.deepcopy(plain), device="cpu", num_slices=3)
+    for _ in range(2):
+        x = torch.randn(5, 32)
+        for module in (model, plain):
+            weight = next(iter(module.parameters()))
+            (module(x).square().sum() + weight.square().sum()).backward()
+            module.zero_grad(set_to_none=False)  # zeros: where the sum is exact
+    x = torch.randn(5, 32)
+    for module in (model, plain):
+        weight = next(iter(module.parameters()))
+        (module(x).square().sum() + weight.square().sum()).backward()
+    for p, q in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **EXACT)
+
+
+def test_a_user_reference_to_grad_sees_the_gradient_added():
+    plain = network()
+    model = OffloadModel(copy.deepcopy(plain), device="cpu", num_slices=2)
+    x = torch.randn(5, 32)
+    for module in (model, plain):
+        module(x).sum().backward()
+        module.zero_grad(set_to_none=False)
+    held = next(iter(model.parameters())).grad
+    model(2 * x).sum().backward()
+    plain(2 * x).sum().backward()
+    torch.testing.assert_close(held, next(iter(plain.parameters())).grad, **EXACT)
+
+
+def test_footprint_counts_every_category_per_parameter():
+    model = OffloadModel(network(), device="cpu", num_slices=3, compute_dtype=torch.bfloat16)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
+    model(torch.randn(4, 32)).float().sum().backward()
+    optimizer.step()
+    optimizer.synchronize()
+    footprint = model.memory_footprint()
+    count = sum(p.numel() for p in model.parameters())
+    assert footprint.parameters == count
+    per = footprint.per_parameter()
+    assert 4.0 <= per["host_masters"] < 4.3 and 2.0 <= per["host_shadows"] < 2.2
+    assert per["host_optimizer_state"] == 8.0 and 4.0 <= per["host_gradients"] < 4.3
+    assert footprint.host_copies == footprint.host_masters and footprint.disk == 0
+    assert footprint.host_total == sum(footprint.host_categories().values())
+    table = str(footprint)
+    for name in ("host_masters", "host_shadows", "host_gradients", "host_optimizer_state", "device_slots", "disk"):
+        assert name in table
+    del optimizer
+    gc.collect()  # its inner optimizers refer back to it
+    assert model.memory_footprint().host_optimizer_state == 0  # only living optimizers count
+
+
+# -- the planner -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("compute_dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("optimizer_class, kwargs, name", [
+    (torch.optim.AdamW, {"lr": 1e-2, "fused": True}, "adamw"),
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "fused": True}, "sgd-momentum"),
+    (torch.optim.SGD, {"lr": 0.1, "fused": True}, "sgd"),
+], ids=["adamw", "sgd-momentum", "sgd"])
+@pytest.mark.parametrize("num_slices", [2, 5])
+def test_the_estimate_matches_the_footprint(compute_dtype, optimizer_class, kwargs, name, num_slices):
+    plain = nn.Sequential(nn.Linear(48, 64), nn.LayerNorm(64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                          nn.Linear(64, 40), nn.Linear(40, 64), nn.ReLU(), nn.Linear(64, 8))
+    plan = estimate_memory(plain, num_slices=num_slices, compute_dtype=compute_dtype, optimizer=name, device="cpu")
+    model = OffloadModel(plain, device="cpu", num_slices=num_slices, compute_dtype=compute_dtype)
+    optimizer = OffloadOptimizer(model, optimizer_class, **kwargs)
+    for _ in range(2):
+        model(torch.randn(4, 48)).float().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+    optimizer.synchronize()
+    footprint = model.memory_footprint()
+    for category in ("masters", "shadows", "gradients", "optimizer_state"):
+        assert plan.host_categories()[category] == footprint.host_categories()[category], category
+    assert plan.parameters == footprint.parameters and plan.device_slots == footprint.device_slots
+    # The pool also keeps the (small) boundary activations the planner was not told about.
+    activations = num_slices * 4 * 64 * 4  # a boundary activation per slice, at most 4 x 64 float32
+    pooled = footprint.host_pool_idle + footprint.host_activations
+    assert plan.host_pool_idle <= pooled <= plan.host_pool_idle + activations
+
+
+def test_the_estimate_predicts_the_resident_set_within_five_percent(tmp_path):
+    """The process's RSS growth while training 40 M parameters (scripts/bench_host_memory.py, in
+    its own process), against estimate_memory's host and (on the CPU, host) device bytes."""
+    out = tmp_path / "host_memory.json"
+    subprocess.run([sys.executable, str(SCRIPTS / "bench_host_memory.py"), "--params", "40e6", "--slices", "4",
+                    "--json", str(out)], check=True, timeout=300, capture_output=True, env=_env_with_package())
+    result = json.loads(out.read_text())
+    assert 0.95 <= result["estimate_vs_rss"] <= 1.05, result["footprint"]
+    assert result["estimate_vs_footprint"] == pytest.approx(1.0, abs=0.01)
+    # The lean layout: masters, one copy of the gradients, two moments and a window of two slices.
+    assert result["host_bytes_per_param_total"] <= 16.5 + 2 * 4 / 4 + 0.1
+
+
+def test_state_and_masters_on_disk_are_counted_there():
+    counts = [1_000_000] * 8
+    ram = estimate_memory(counts, num_slices=4, compute_dtype=torch.bfloat16)
+    state = estimate_memory(counts, num_slices=4, compute_dtype=torch.bfloat16, optimizer_state="disk")
+    both = estimate_memory(counts, num_slices=4, compute_dtype=torch.bfloat16, optimizer_state="disk", masters="disk")
+    n = 8_000_000
+    assert ram.disk == 0 and ram.host_optimizer_state == 8 * n and ram.pinned_bytes > 0
+    # RAM keeps the tier's window: three of the four slices' state.
+    assert state.host_disk_window == 3 * 8 * n // 4
+    assert state.disk == 8 * n and state.host_total == ram.host_total - 8 * n + state.host_disk_window
+    assert both.disk == 8 * n + ram.host_masters and both.host_masters == 0 and both.host_shadows == 2 * n
+    fp32 = estimate_memory(counts, num_slices=4, masters="disk")  # loads read a float32 copy kept in RAM
+    assert fp32.host_masters == 4 * n and fp32.disk == 4 * n
+    assert "disk" in str(both)
+
+
+def test_the_planner_refuses_what_it_cannot_count():
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        estimate_memory([10], optimizer="lion")
+    with pytest.raises(ValueError, match="optimizer_state must be 'ram' or 'disk'"):
+        estimate_memory([10], optimizer_state="nvme")
+    with pytest.raises(ValueError, match="needs layers with parameters"):
+        estimate_memory(nn.Sequential(nn.ReLU()))
+
+
+def _env_with_package() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS.parent), env.get("PYTHONPATH", "")])
+    return env
+
+
+def test_a_backward_that_fails_part_way_leaves_the_zeroed_gradients_as_they_were():
+    """Later slices were added into .grad when an earlier slice's recompute fails: they are zeroed
+    again (rule 6), as autograd, which adds nothing when backward raises, would leave them."""
+
+    class FailOnce(nn.Module):
+        armed = False
+
+        def forward(self, x):
+            if self.armed and torch.is_grad_enabled() and is_recomputing():
+                self.armed = False
+                raise RuntimeError("simulated failure in a recompute")
+            return x
+
+    plain = nn.Sequential(*network(layers=3)[:2], FailOnce(), *network(layers=3)[2:])
+    model = OffloadModel(copy.deepcopy(plain), device="cpu", num_slices=3)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
+    reference = torch.optim.AdamW(plain.parameters(), lr=1e-2, fused=True)
+    x = torch.randn(5, 32)
+    for module, opt in ((model, optimizer), (plain, reference)):
+        module(x).square().sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    failing = next(m for m in model.modules() if isinstance(m, FailOnce))
+    failing.armed = True
+    loss = model(x).square().sum()
+    with pytest.raises(RuntimeError, match="simulated failure"):
+        loss.backward()
+    del loss
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) and not p.grad.signbit().any() for p in model.parameters())
+    for module, opt in ((model, optimizer), (plain, reference)):
+        module(x).square().sum().backward()
+        opt.step()
+    for p, q in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **EXACT)
+        torch.testing.assert_close(p.detach(), q.detach(), **EXACT)
