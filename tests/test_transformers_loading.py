@@ -184,10 +184,11 @@ def test_peak_memory_is_the_models_host_copies_plus_a_slice_or_two(tmp_path):
     measured = json.loads(done.stdout.splitlines()[-1])
     growth = measured["peak"] - measured["before"]
     assert measured["host_copies"] > 230e6
-    # The host copies and at most two slices more (the device slots, on the CPU here, are
-    # allocated but not touched before the first forward). Loading then wrapping needs the model
-    # twice (472 MB) at least, a state dict as well three times.
-    assert growth < measured["host_copies"] + 2 * measured["largest_slice"], measured
+    # The host copies and a few slices more (the device slots, on the CPU here, are allocated but
+    # not touched before the first forward; the allocator keeps some of what reading freed: growth
+    # measured 257 to 368 MB over runs, the slices being 66 MB). Loading then wrapping needs the
+    # model twice (472 MB) at least, a state dict as well three times.
+    assert growth < measured["host_copies"] + 3 * measured["largest_slice"], measured
 
 
 def test_the_loading_benchmark_smoke_test(tmp_path):
