@@ -255,8 +255,10 @@ class OffloadModel(nn.Module):
         return self._engine.num_slices
 
     def memory_footprint(self) -> MemoryFootprint:
-        """What offloading holds in memory right now (see :class:`MemoryFootprint`)."""
+        """What offloading holds in memory right now (see :class:`MemoryFootprint`), after the
+        pending host updates: they create and move optimizer state while it is counted."""
         engine = self._engine
+        self._settle()
         return measure_footprint(engine, engine.optimizers, engine.disk_tiers)
 
     def extra_repr(self) -> str:

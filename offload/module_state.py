@@ -19,10 +19,13 @@ Note: [Attribute state]
     2. After each run, the live attributes are compared with the capture: a value replaced (by
        identity), an attribute added or deleted, a container's elements changed (by identity), or a
        tensor changed in place. If nothing changed, the capture stands for the next microbatch too.
-    3. If any run of the slice changed an attribute, each of the slice's checkpoints keeps the capture
-       that was current before its run; backward sets those values before re-running the slice and
-       sets back the values it found afterwards, so the recompute's own changes are discarded, as
-       its buffer changes are.
+    3. Each checkpoint keeps the capture that was current before its run (references: runs that
+       change nothing share one). If the attributes differ from it when backward re-runs the slice
+       (a run of this forward, or another forward since, changed them), backward sets the captured
+       values first and sets back the values it found afterwards, so the recompute's own changes
+       are discarded, as its buffer changes are. The cost: a layer that replaces a tensor
+       attribute at every run (keeping its last activation, say) has each run's tensor held
+       until backward, one per checkpointed microbatch.
     4. What cannot be restored is refused, not guessed: a plain tensor attribute changed in place
        (keeping a copy of every tensor attribute at every run would cost memory the layer never
        asked for) raises with advice to make it a buffer, which is restored.
@@ -80,11 +83,12 @@ class AttributeSnapshot:
             for module in modules
         ]
 
-    def changed_since(self) -> bool:
+    def changed_since(self, strict: bool = True) -> bool:
         """Whether any attribute differs now from the capture.
 
         Raises:
-            RuntimeError: a plain tensor attribute was changed in place (rule 4).
+            RuntimeError: with ``strict``, a plain tensor attribute was changed in place (rule 4);
+                without, such a change is not counted (nothing could restore it).
         """
         changed = False
         for module, saved in self._entries:
@@ -95,7 +99,7 @@ class AttributeSnapshot:
                 if name not in live or live[name] is not value:
                     changed = True
                 elif isinstance(value, torch.Tensor):
-                    if value._version != extra:
+                    if strict and value._version != extra:
                         raise RuntimeError(
                             f"{type(module).__name__}.{name} is a tensor attribute that its forward changed in "
                             "place; OffloadModel re-runs the layer in backward and cannot restore such a tensor. "
@@ -129,14 +133,13 @@ class AttributeTracker:
 
     Call :meth:`before_run` and :meth:`after_run` around every run of the slice, kept graphs
     included (a later run's change must not reach an earlier checkpoint's recompute); then
-    :meth:`start_of` gives what a checkpoint restores, or ``None`` when no run changed anything.
+    :meth:`start_of` gives what a checkpoint restores.
     """
 
     def __init__(self, modules: Iterable[nn.Module]) -> None:
         self._modules = list(modules)
         self._current: AttributeSnapshot | None = None  # None: the last run changed something
         self._starts: dict[int, AttributeSnapshot] = {}
-        self.changed = False
 
     def before_run(self, microbatch: int) -> None:
         if self._current is None:
@@ -146,18 +149,17 @@ class AttributeTracker:
     def after_run(self) -> None:
         assert self._current is not None, "after_run without before_run"
         if self._current.changed_since():
-            self.changed = True
             self._current = None
 
-    def start_of(self, microbatch: int) -> AttributeSnapshot | None:
-        return self._starts[microbatch] if self.changed else None
+    def start_of(self, microbatch: int) -> AttributeSnapshot:
+        return self._starts[microbatch]
 
 
 @contextlib.contextmanager
 def attributes_as_started(start: AttributeSnapshot | None, modules: Sequence[nn.Module]) -> Iterator[None]:
     """Run the block with the layers' plain attributes as a forward run began with them (``start``;
     ``None``: as they are), and put back afterwards what the block found (rule 3 of Note: [Attribute state])."""
-    if start is None:
+    if start is None or not start.changed_since(strict=False):
         yield
         return
     now = AttributeSnapshot(modules)

@@ -169,3 +169,28 @@ def test_a_change_in_the_last_microbatch_does_not_reach_an_earlier_recompute():
     want.sum().backward()
     got.sum().backward()
     assert_same_grads(layers, reference, **EXACT)
+
+
+def test_a_later_forward_changing_the_attributes_does_not_reach_an_earlier_recompute():
+    # The first forward changes nothing; the second grows the state before the first's backward.
+    class Longest(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(6, 6)
+            self.longest = 4
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.longest = max(self.longest, x.shape[0])
+            return self.linear(x) / self.longest
+
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), Longest(), nn.Tanh(), nn.Linear(6, 1))
+    reference = copy.deepcopy(layers)
+    model = OffloadModel(layers, device="cpu", num_slices=3)
+    short, long = torch.randn(4, 6), torch.randn(16, 6)
+    got, want = model(short).sum(), reference(short).sum()
+    model(long), reference(long)
+    got.backward()
+    want.backward()
+    assert_same_grads(layers, reference, **EXACT)
+    assert layers[2].longest == reference[2].longest == 16

@@ -36,6 +36,15 @@ Note: [Gradients added in place]
     Gradients accumulated over several backwards without zeroing in between (and ``.grad``
     zeroed by a plain ``torch.optim`` optimizer) go through autograd, two copies and all; summing
     microbatches on the device (``num_microbatches``) needs neither.
+
+    What the rules cannot see, because PyTorch offers no way to inspect it: a hook registered on
+    the parameter's accumulation node itself (``p.view_as(p).grad_fn.next_functions[0][0]``,
+    where gradient-bucketing libraries put theirs) receives ``None`` for such a parameter; and a
+    parameter used more than once outside the model in the same graph gets its contributions
+    added in another order than autograd's (``ours + (a + b)`` against ``(a + ours) + b``), equal
+    up to rounding, not bit for bit. Both happen only after ``zero_grad(set_to_none=False)`` of
+    the OffloadModel or an OffloadOptimizer; ``zero_grad()`` (``set_to_none=True``, PyTorch's
+    default) never takes this path.
 """
 
 from __future__ import annotations

@@ -176,17 +176,15 @@ class ForwardRecords:
 
     def attributes_after_run(self, i: int, m: int) -> None:
         """After every run, kept graphs included (a later run's change must not reach an earlier
-        checkpoint's recompute): once any run of the slice changed the layers' plain attributes,
-        every checkpoint of the slice so far keeps those it started from."""
+        checkpoint's recompute): each checkpoint keeps the plain attributes its run started from
+        (references only; runs that change nothing share one capture)."""
         tracker = self._attributes
         if tracker is None:
             return
         tracker.after_run()
-        if tracker.changed:
-            for k in range(m + 1):
-                record = self.grid[i][k]
-                if isinstance(record, Checkpoint):
-                    record.attributes = tracker.start_of(k)
+        record = self.grid[i][m]
+        if isinstance(record, Checkpoint):
+            record.attributes = tracker.start_of(m)
 
     def buffers_changed_by(self, i: int, m: int) -> None:
         """Checkpointed run ``(i, m)`` changed the buffers: keep them as it found them."""
