@@ -39,10 +39,12 @@ Note: [Buffers]
        ``Slice.run_on_device`` in ``offload/engine.py``.
     2. After a slice's microbatches ran, changed buffers are written back to the host copies;
        unchanged slices send nothing back (the walk, on leaving the slice).
-    3. For exact recompute, a run that changed the buffers keeps them as they were before it: for
-       the first microbatch that is still the host copy (written back only after the last one),
-       for a later one it is the device copy the previous run left, offloaded right after that
-       run when it changed anything (``offload/autograd/records.py``).
+    3. For exact recompute, once any run of a slice changed the buffers, every checkpointed run
+       of the slice keeps them as they were before it: up to the first change that is the host
+       copy (written back only after the last microbatch, so it is kept at the first change),
+       after it the device copy the previous changing run left, offloaded right after that run
+       (``offload/autograd/records.py``). A run that changed nothing still keeps them: a later
+       microbatch's change must not reach its recompute.
     4. Backward restores them on the device before re-running; the recompute's own updates are
        discarded (the walk marks the slot stale on leaving it), so running statistics are updated
        once per forward, never by backward.

@@ -194,3 +194,37 @@ def test_a_later_forward_changing_the_attributes_does_not_reach_an_earlier_recom
     want.backward()
     assert_same_grads(layers, reference, **EXACT)
     assert layers[2].longest == reference[2].longest == 16
+
+
+class PeakBuffer(nn.Module):
+    """:class:`Peak` with its state in a buffer, replaced when it grows."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.register_buffer("peak", torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        seen = x.detach().abs().max()
+        if seen > self.peak:
+            self.peak = seen.clone()
+        return self.linear(x) / self.peak
+
+
+@pytest.mark.parametrize("changing", [[1], [0, 2], [1, 2]], ids=["second", "first-third", "second-third"])
+def test_a_buffer_change_in_a_later_microbatch_does_not_reach_an_earlier_recompute(changing):
+    # Rule 3 of Note: [Buffers]: runs that change nothing keep the buffers they found too.
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Linear(6, 6), PeakBuffer(6), nn.Linear(6, 6))
+    reference = copy.deepcopy(layers)
+    model = OffloadModel(layers, device="cpu", num_slices=2, num_microbatches=3)
+    x = torch.zeros(6, 6)
+    for k, scale in zip(changing, (100.0, 1000.0)):
+        x[2 * k:2 * k + 2] = scale  # microbatch k raises the peak
+    want = microbatched_reference(reference, model.partition, x, 3)
+    got = model(x)
+    torch.testing.assert_close(got, want, **EXACT)
+    want.sum().backward()
+    got.sum().backward()
+    assert_same_grads(layers, reference, **EXACT)
+    assert torch.equal(layers[1].peak, reference[1].peak)

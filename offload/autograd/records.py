@@ -186,17 +186,37 @@ class ForwardRecords:
         if isinstance(record, Checkpoint):
             record.attributes = tracker.start_of(m)
 
+    def _buffers_found(self, i: int) -> tuple[int, OffloadTicket]:
+        """The buffers as the running slice's next run finds them, saved: until a run changed
+        them, a snapshot of the host copy (the write-back at the slice's end overwrites it)."""
+        if self._buffers_before_run is None:
+            host, ticket = self.engine.activations.copy_on_host(self.engine.slices[i].storage.buffer_bytes())
+            self._buffers_before_run = (self._save(host), ticket)
+        return self._buffers_before_run
+
     def buffers_changed_by(self, i: int, m: int) -> None:
         """Checkpointed run ``(i, m)`` changed the buffers: keep them as it found them."""
         record = self.grid[i][m]
         assert isinstance(record, Checkpoint)
-        if self._buffers_before_run is None:
-            host, ticket = self.engine.activations.copy_on_host(self.engine.slices[i].storage.buffer_bytes())
-            self._buffers_before_run = (self._save(host), ticket)
+        record.buffers = self._buffers_found(i)
+
+    def buffers_kept_by(self, i: int, m: int) -> None:
+        """Checkpointed run ``(i, m)`` changed no buffer: after an earlier run of the slice changed
+        them, it found them as that run left them (rule 3 of Note: [Buffers])."""
+        record = self.grid[i][m]
+        assert isinstance(record, Checkpoint)
         record.buffers = self._buffers_before_run
 
     def after_changing_run(self, i: int, m: int) -> None:
-        """Run ``(i, m)`` changed the buffers: if the next run is checkpointed, keep them as they are now."""
+        """Run ``(i, m)`` changed the buffers (a kept graph's run too). The checkpointed runs
+        before it changed none and found the host copy, which the slice's write-back overwrites:
+        the first change keeps it for them. If the next run is checkpointed, keep the buffers as
+        they are now for it."""
+        earlier = [record for record in self.grid[i][:m] if isinstance(record, Checkpoint) and record.buffers is None]
+        if earlier:
+            found = self._buffers_found(i)
+            for record in earlier:
+                record.buffers = found
         if m + 1 < self.count and not self.keeps_graph(i, m + 1):
             host, ticket = self.engine.activations.offload(self.engine.slots.buffer_region(i))
             self._buffers_before_run = (self._save(host), ticket)

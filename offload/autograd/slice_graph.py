@@ -136,6 +136,8 @@ def run_forward(engine: Engine, records: ForwardRecords, i: int, m: int, views: 
             del fed
         if result.buffers_changed:
             records.buffers_changed_by(i, m)
+        else:
+            records.buffers_kept_by(i, m)
         out_leaves, out_spec = tree_flatten(result.output)
     records.attributes_after_run(i, m)
     out_requires = requires_grad(out_leaves)
