@@ -11,6 +11,7 @@ import random
 import shutil
 import time
 import uuid
+import weakref
 
 import pytest
 import torch
@@ -472,16 +473,18 @@ def test_loading_into_a_model_that_trained_on_rewinds_it_exactly(tmp_path):
     assert plain_steps(model, optimizer, 2, seed=4) == after_save
 
 
-def test_a_disk_tiers_state_is_saved_and_resumes_exactly(tmp_path):
-    # The state on disk is read into the checkpoint a slice at a time, and loads back into a tier.
+def test_a_disk_tiers_state_is_saved_and_resumes_exactly(tmp_path, monkeypatch):
+    # The state on disk is read into the checkpoint a slice at a time, each slice once, and freed
+    # before the next is read (Note: [Slice-by-slice save]); it loads back into a tier.
     from offload import DiskTier
+    from offload.disk_tier import StateTier
 
     torch.manual_seed(0)
-    layers = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
-    x = torch.randn(8, 16)
+    layers = nn.Sequential(*[nn.Linear(32, 32) for _ in range(8)])
+    x = torch.randn(8, 32)
 
     def build(tier_dir):
-        model = OffloadModel(copy.deepcopy(layers), device="cpu", num_slices=4)
+        model = OffloadModel(copy.deepcopy(layers), device="cpu", num_slices=8)
         return model, OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True,
                                        disk_tier=DiskTier(tmp_path / tier_dir))
 
@@ -490,10 +493,32 @@ def test_a_disk_tiers_state_is_saved_and_resumes_exactly(tmp_path):
         optimizer.step()
         optimizer.zero_grad()
 
+    copies: list = []  # weak references to the storage of every state tensor read from the tier
+    reads: list[int] = []
+    live_after_read: list[int] = []  # bytes of the copies still holding memory, after each read
+
+    def live_bytes():
+        # Storages, not tensors: whoever keeps a view of a copy (DCP's writer does) keeps its memory.
+        return sum(storage.nbytes() for storage in (ref() for ref in copies) if storage is not None)
+
+    def counted_slice_state(self, index):
+        state = real_slice_state(self, index)
+        reads.append(index)
+        copies.extend(weakref.ref(t.untyped_storage()) for tensors in state.values() for t in tensors.values())
+        live_after_read.append(live_bytes())
+        return state
+
+    real_slice_state = StateTier.slice_state
     model, optimizer = build("a")
     for _ in range(3):
         step(model, optimizer)
+    slice_bytes = 2 * sum(p.nbytes for p in model.parameters()) // 8  # AdamW's two moments of a slice
+    monkeypatch.setattr(StateTier, "slice_state", counted_slice_state)
     save_checkpoint(tmp_path / "ck", model, optimizer)
+    monkeypatch.undo()
+    assert sorted(reads) == list(range(8))  # each slice read once
+    assert max(live_after_read) == slice_bytes  # the slice just read, the others freed
+    assert live_bytes() == 0
     for _ in range(2):
         step(model, optimizer)
     resumed, resumed_optimizer = build("b")
