@@ -155,11 +155,12 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
         partial.mkdir()
     _barrier(group)
     planner: DefaultSavePlanner = DefaultSavePlanner(flatten_state_dict=False)
+    writer = FileSystemWriter(partial, sync_files=True)
     if on_disk and isinstance(optimizer, OffloadOptimizer):
         planner = SliceReadingSavePlanner(optimizer._slice_state_on_disk, on_disk)
-    # One thread, nothing resolved ahead: each item's data is asked for once the previous one is
-    # written (Note: [Slice-by-slice save]).
-    writer = FileSystemWriter(partial, sync_files=True, thread_count=1, per_thread_copy_ahead=0)
+        # One thread, nothing resolved ahead: each item's data is asked for once the previous one
+        # is written (Note: [Slice-by-slice save]).
+        writer = FileSystemWriter(partial, sync_files=True, thread_count=1, per_thread_copy_ahead=0)
     try:
         with _single_process_is_intended(group):
             dcp.save(state, storage_writer=writer, planner=planner, process_group=group, no_dist=group is None)
