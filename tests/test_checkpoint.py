@@ -476,6 +476,8 @@ def test_loading_into_a_model_that_trained_on_rewinds_it_exactly(tmp_path):
 def test_a_disk_tiers_state_is_saved_and_resumes_exactly(tmp_path, monkeypatch):
     # The state on disk is read into the checkpoint a slice at a time, each slice once, and freed
     # before the next is read (Note: [Slice-by-slice save]); it loads back into a tier.
+    from torch.distributed.checkpoint import FileSystemReader
+
     from offload import DiskTier
     from offload.disk_tier import StateTier
 
@@ -486,7 +488,7 @@ def test_a_disk_tiers_state_is_saved_and_resumes_exactly(tmp_path, monkeypatch):
     def build(tier_dir):
         model = OffloadModel(copy.deepcopy(layers), device="cpu", num_slices=8)
         return model, OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True,
-                                       disk_tier=DiskTier(tmp_path / tier_dir))
+                                       disk_tier=None if tier_dir is None else DiskTier(tmp_path / tier_dir))
 
     def step(model, optimizer):
         model(x).square().sum().backward()
@@ -519,6 +521,18 @@ def test_a_disk_tiers_state_is_saved_and_resumes_exactly(tmp_path, monkeypatch):
     assert sorted(reads) == list(range(8))  # each slice read once
     assert max(live_after_read) == slice_bytes  # the slice just read, the others freed
     assert live_bytes() == 0
+    # The same keys, shapes, dtypes and files as the save of the state kept in memory.
+    in_memory, in_memory_optimizer = build(None)
+    for _ in range(3):
+        step(in_memory, in_memory_optimizer)
+    save_checkpoint(tmp_path / "ck_ram", in_memory, in_memory_optimizer)
+    saved, saved_in_memory = (FileSystemReader(tmp_path / name).read_metadata() for name in ("ck", "ck_ram"))
+    assert saved.state_dict_metadata.keys() == saved_in_memory.state_dict_metadata.keys()
+    for key, entry in saved.state_dict_metadata.items():
+        if key.startswith("optim/state/"):
+            other = saved_in_memory.state_dict_metadata[key]
+            assert (entry.size, entry.properties) == (other.size, other.properties)
+    assert sorted(os.listdir(tmp_path / "ck")) == sorted(os.listdir(tmp_path / "ck_ram"))
     for _ in range(2):
         step(model, optimizer)
     resumed, resumed_optimizer = build("b")
