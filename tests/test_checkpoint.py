@@ -116,6 +116,23 @@ def test_a_checkpoint_reshards_by_name_onto_another_number_of_ranks(tmp_path, sa
         assert sum(owned) == len(want["state"]) and all(0 < n < len(want["state"]) for n in owned)
 
 
+def test_each_rank_saves_its_disk_tiers_state_and_it_reshards_onto_one_rank(tmp_path):
+    # Sharded, each rank's tier holds the moments of the parameters it updates; each rank writes
+    # them from its own tier, slice by slice (Note: [Slice-by-slice save]), and one rank loads all.
+    tier = spawn("train", tmp_path, 2, tag="tier", steps=2, compute_dtype=None, save_at=2, disk_tier=True)
+    loaded = spawn("reshard", tmp_path, 1, tag="loaded", source="ckpt", compute_dtype=None)[0]
+    want = {index: state for rank in tier for index, state in rank["optimizer"]["state"].items()}
+    assert all(len(rank["optimizer"]["state"]) < len(want) for rank in tier)  # sharded
+    got = loaded["consolidated"]["state"]
+    assert got.keys() == want.keys() and len(want) == len(loaded["params"])
+    for index, state in want.items():
+        assert state.keys() == got[index].keys() == {"step", "exp_avg", "exp_avg_sq"}
+        for key, value in state.items():
+            assert torch.equal(got[index][key], value), (index, key)
+    for name, value in tier[0]["params"].items():
+        assert torch.equal(loaded["params"][name], value), name
+
+
 # -- atomic saves ------------------------------------------------------------------------------------
 
 
