@@ -323,7 +323,8 @@ def _optimizer_state(optimizer: torch.optim.Optimizer
 def _kept_parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The parameters whose state this rank keeps (sharded: those it updates)."""
     if isinstance(optimizer, OffloadOptimizer):
-        return [p for _, states in optimizer.state_by_slice() for p in states]
+        # Stand-ins for the state a disk tier keeps: which parameters, without reading their files.
+        return [p for _, states, _ in optimizer._state_layout_by_slice() for p in states]
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
