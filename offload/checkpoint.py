@@ -19,10 +19,11 @@ Note: [Checkpoint layout]
         the optimizer's state of a parameter (``exp_avg``, ``step``...), named after the
         parameter (its first name in ``named_parameters()``), offered by the rank that keeps it:
         sharded, each rank writes the state it owns, in parallel, and nothing is gathered.
-        :meth:`OffloadOptimizer.state_by_slice` hands it over one slice at a time, the interface
-        a tier that keeps optimizer state on disk would serve (the save still collects every
-        slice's tensors before DCP writes them: references, no copies). Loading, each rank reads
-        the state of the parameters it updates now, whatever the number of ranks that saved it.
+        The optimizer hands it over one slice at a time: the state it holds in memory as
+        references (no copies), the state a disk tier keeps as stand-ins of its shape and dtype,
+        which the save planner reads from the tier when DCP writes them, one slice at a time
+        (Note: [Slice-by-slice save] in ``offload/slice_save_planner.py``). Loading, each rank
+        reads the state of the parameters it updates now, whatever the number of ranks that saved it.
     ``optim/param_groups``
         the groups' hyperparameters (learning rate as the scheduler left it...), each group's
         parameters by name.
@@ -75,6 +76,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from .model import OffloadModel
 from .optimizer import OffloadOptimizer
+from .slice_save_planner import SliceReadingSavePlanner
 from .streams.host_storage import dense_stride
 
 FORMAT = 1
@@ -132,12 +134,16 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     group, rank, world_size = _group(model, optimizer, process_group)
     names = _parameter_names(model)
     state: dict[str, Any] = {f"model/{name}": _own_storage(tensor) for name, tensor in _model_state(model).items()}
+    on_disk: dict[str, tuple[int, torch.Tensor, str]] = {}  # key -> where the planner reads it
     if optimizer is not None:
         if not _steps_only(optimizer, names):
             raise ValueError(STRAY_PARAMETER)
-        for param, param_state in _optimizer_state(optimizer):
+        for index, param, param_state, disk_keys in _optimizer_state(optimizer):
             for key, value in param_state.items():
-                state[f"optim/state/{names[id(param)]}/{key}"] = _own_storage(value)
+                entry = f"optim/state/{names[id(param)]}/{key}"
+                state[entry] = value if key in disk_keys else _own_storage(value)
+                if key in disk_keys:
+                    on_disk[entry] = (index, param, key)
         state["optim/param_groups"] = _named_groups(optimizer, names)
     state[f"rng/{rank}"] = _rng_state()
     state["extra"] = extra
@@ -148,9 +154,19 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
         _clean_up(path.parent)
         partial.mkdir()
     _barrier(group)
-    with _single_process_is_intended(group):
-        dcp.save(state, storage_writer=FileSystemWriter(partial, sync_files=True),
-                 planner=DefaultSavePlanner(flatten_state_dict=False), process_group=group, no_dist=group is None)
+    planner: DefaultSavePlanner = DefaultSavePlanner(flatten_state_dict=False)
+    writer = FileSystemWriter(partial, sync_files=True)
+    if on_disk and isinstance(optimizer, OffloadOptimizer):
+        planner = SliceReadingSavePlanner(optimizer._slice_state_on_disk, on_disk)
+        # One thread, nothing resolved ahead: each item's data is asked for once the previous one
+        # is written (Note: [Slice-by-slice save]).
+        writer = FileSystemWriter(partial, sync_files=True, thread_count=1, per_thread_copy_ahead=0)
+    try:
+        with _single_process_is_intended(group):
+            dcp.save(state, storage_writer=writer, planner=planner, process_group=group, no_dist=group is None)
+    finally:
+        if isinstance(planner, SliceReadingSavePlanner):
+            planner.release()
     if rank == 0:
         info = {"format": FORMAT, "world_size": world_size, "saved_ns": time.time_ns(),
                 "tensors": {name: _describe(t) for name, t in _model_state(model).items()},
@@ -288,23 +304,27 @@ def _steps_only(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> bool
     return all(id(p) in names for group in optimizer.param_groups for p in group["params"])
 
 
-def _optimizer_state(optimizer: torch.optim.Optimizer) -> Iterator[tuple[torch.Tensor, dict[str, Any]]]:
-    """(parameter, state) for each parameter whose state this rank keeps."""
+def _optimizer_state(optimizer: torch.optim.Optimizer
+                     ) -> Iterator[tuple[int, torch.Tensor, dict[str, Any], dict[str, Any]]]:
+    """(slice index, parameter, state, its state on disk) for each parameter whose state this rank
+    keeps; the state a disk tier keeps is a stand-in of its shape and dtype, read when DCP writes
+    it (Note: [Slice-by-slice save] in ``offload/slice_save_planner.py``)."""
     if isinstance(optimizer, OffloadOptimizer):
-        for _, states in optimizer.state_by_slice():
-            yield from ((p, state) for p, state in states.items() if state)
+        for index, states, on_disk in optimizer._state_layout_by_slice():
+            yield from ((index, p, state, on_disk.get(p, {})) for p, state in states.items() if state)
         return
     optimizer_state = optimizer.state
     for group in optimizer.param_groups:
         for p in group["params"]:
             if p in optimizer_state:
-                yield p, optimizer_state[p]
+                yield -1, p, optimizer_state[p], {}
 
 
 def _kept_parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The parameters whose state this rank keeps (sharded: those it updates)."""
     if isinstance(optimizer, OffloadOptimizer):
-        return [p for _, states in optimizer.state_by_slice() for p in states]
+        # Stand-ins for the state a disk tier keeps: which parameters, without reading their files.
+        return [p for _, states, _ in optimizer._state_layout_by_slice() for p in states]
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 

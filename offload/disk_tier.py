@@ -458,6 +458,19 @@ class StateTier:
         record = self.records.get(index)
         return self.state_of(record) if record is not None else {}
 
+    def slice_layout(self, index: int) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
+        """Stand-ins for slice ``index``'s state tensors kept on disk, without reading its file: each
+        has the tensor's shape and dtype over a single element (zero strides). A checkpoint plans
+        from them and reads the slice with :meth:`slice_state` when it writes it."""
+        self._check_open()
+        record = self.records.get(index)
+        if record is None or record.place is Place.RAM or record.layout is None:
+            return {}
+        out: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+        for f in record.layout:
+            out.setdefault(record.params[f.position], {})[f.key] = torch.zeros((), dtype=f.dtype).expand(f.shape)
+        return out
+
     def add_to_state_dict(self, packed: dict[str, Any], index_of: dict[int, int]) -> None:
         """Put the state on disk into a packed ``state_dict()``, one slice at a time."""
         self._check_open()

@@ -280,6 +280,26 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 on_disk = self._tier.slice_state(step.index) if self._tier is not None else {}
                 yield step.index, {p: {**self.state.get(p, {}), **on_disk.get(p, {})} for p in step.whole.params}
 
+    def _state_layout_by_slice(self) -> Iterator[tuple[int, dict[torch.Tensor, dict[str, Any]],
+                                                       dict[torch.Tensor, dict[str, Any]]]]:
+        """As :meth:`state_by_slice`, without reading the disk tier: yields ``(slice index,
+        {parameter: its state}, {parameter: its state on disk})`` where each tensor the tier keeps
+        is a stand-in of its shape and dtype (:meth:`StateTier.slice_layout`), to be read with
+        :meth:`_slice_state_on_disk` when needed (Note: [Checkpoint layout] in
+        ``offload/checkpoint.py``)."""
+        self.synchronize()
+        self._plan()
+        for step in (*self._steps, *self._rest):
+            if step.whole is not None:
+                on_disk = self._tier.slice_layout(step.index) if self._tier is not None else {}
+                yield (step.index, {p: {**self.state.get(p, {}), **on_disk.get(p, {})} for p in step.whole.params},
+                       on_disk)
+
+    def _slice_state_on_disk(self, index: int) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
+        """Copies of slice ``index``'s state tensors read from the disk tier (none without one);
+        call after :meth:`_state_layout_by_slice`, which finishes pending updates and writes."""
+        return self._tier.slice_state(index) if self._tier is not None else {}
+
     def _sharding(self, shard: bool | None, process_group: Any) -> HostCollectives | None:
         """The host collectives of a sharded update, or None when every rank updates everything."""
         data_parallel = self.model.__dict__.get("_data_parallel")

@@ -9,9 +9,18 @@ from the kernel's high-water mark (``VmHWM``, reset through ``/proc/self/clear_r
 reported above the resident memory before the call; for a fresh load, above that plus the state
 it creates. Saves sync every file to disk, so the times include the disk.
 
+With ``--disk-tier DIR`` the optimizer keeps its moments in files under ``DIR``
+(``OffloadOptimizer(..., disk_tier=DIR)``): a save then reads them slice by slice, and its peak
+shows what it holds of them at a time.
+
 Usage::
 
     python scripts/bench_checkpoint.py --preset mlp --json benchmarks/results/checkpoint_cpu_mlp.json
+    MALLOC_MMAP_THRESHOLD_=1048576 python scripts/bench_checkpoint.py --preset mlp --disk-tier /tmp/tier \
+        --json benchmarks/results/checkpoint_disk_tier.json
+
+(the fixed mmap threshold returns each freed buffer to the kernel, so that a peak above the
+resident memory before a call is not hidden by memory the allocator kept from earlier ones).
 """
 
 from __future__ import annotations
@@ -69,10 +78,11 @@ def measured(call) -> tuple[float, int]:
     return seconds, peak_bytes() - before
 
 
-def build(preset_name: str, settings: dict[str, int], slices: int) -> tuple[OffloadModel, OffloadOptimizer]:
+def build(preset_name: str, settings: dict[str, int], slices: int,
+          disk_tier: Path | None = None) -> tuple[OffloadModel, OffloadOptimizer]:
     preset = build_preset(preset_name, **settings)
     model = OffloadModel(preset.model, device="cpu", num_slices=slices)
-    return model, OffloadOptimizer(model, torch.optim.AdamW, lr=1e-4, fused=True)
+    return model, OffloadOptimizer(model, torch.optim.AdamW, lr=1e-4, fused=True, disk_tier=disk_tier)
 
 
 def main() -> None:
@@ -84,10 +94,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", type=Path, help="where to write the checkpoints (default: a temporary directory)")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--disk-tier", type=Path, help="keep the optimizer's moments in files under this directory")
     args = parser.parse_args()
     settings = dict(args.set)
 
-    model, optimizer = build(args.preset, settings, args.slices)
+    model, optimizer = build(args.preset, settings, args.slices, args.disk_tier)
     preset = build_preset(args.preset, **settings)
     x, y = preset.make_batch(2, "cpu")
     preset.loss(model(x), y).backward()
@@ -96,8 +107,9 @@ def main() -> None:
     optimizer.synchronize()
     del preset
     parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    state_bytes = sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
-                      if isinstance(v, torch.Tensor))
+    # One slice at a time: with a disk tier, each slice's moments are read from its file.
+    state_bytes = sum(v.numel() * v.element_size() for _, states in optimizer.state_by_slice()
+                      for s in states.values() for v in s.values() if isinstance(v, torch.Tensor))
     largest_slice = max(s.storage.host_nbytes for s in model._engine.slices)
     largest_tensor = max(p.numel() * p.element_size() for p in model.parameters())
 
@@ -113,7 +125,7 @@ def main() -> None:
         loads_in_place = [measured(lambda: load_checkpoint(path, model, optimizer)) for _ in range(args.repeats)]
         fresh_loads = []
         for _ in range(args.repeats):
-            fresh = build(args.preset, settings, args.slices)
+            fresh = build(args.preset, settings, args.slices, args.disk_tier)
             fresh_loads.append(measured(lambda: load_checkpoint(path, *fresh)))
             del fresh
     finally:
@@ -126,10 +138,12 @@ def main() -> None:
 
     result = {
         "command": "python " + " ".join(sys.argv),
+        "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
         "date": datetime.date.today().isoformat(),
         "machine": {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
                     "torch_threads": torch.get_num_threads(), "torch": torch.__version__},
         "preset": args.preset, "settings": settings, "num_slices": args.slices, "optimizer": "AdamW",
+        "disk_tier": args.disk_tier is not None,
         "parameter_bytes": parameter_bytes, "optimizer_state_bytes": state_bytes,
         "largest_slice_bytes": largest_slice, "largest_tensor_bytes": largest_tensor,
         "checkpoint_bytes": checkpoint_bytes,

@@ -45,13 +45,15 @@ def batch(step: int, micro: int, rank: int, world_size: int, rows: int = 4) -> t
     return whole.chunk(world_size)[rank]
 
 
-def build(world_size: int, compute_dtype: torch.dtype | None, device: str = "cpu", num_slices: int = 3):
+def build(world_size: int, compute_dtype: torch.dtype | None, device: str = "cpu", num_slices: int = 3,
+          disk_tier: str | None = None):
     """A run's model, optimizer, scheduler and scaler: an embedding tied to the head across
-    slices, dropout, AdamW with a step schedule and a dynamic loss scale."""
+    slices, dropout, AdamW with a step schedule and a dynamic loss scale; the moments in files
+    under ``disk_tier`` when given."""
     group = dist.group.WORLD if world_size > 1 else None
     model = OffloadModel(tied_mlp(), device=device, num_slices=num_slices, compute_dtype=compute_dtype,
                          process_group=group)
-    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True, disk_tier=disk_tier)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
     # A small growth interval, so the scale changes within the test's few steps.
     scaler = torch.amp.GradScaler(torch.device(device).type, init_scale=2.0**10, growth_interval=2)
@@ -59,12 +61,15 @@ def build(world_size: int, compute_dtype: torch.dtype | None, device: str = "cpu
 
 
 def train(rank: int, world_size: int, directory: str, *, tag: str, steps: int, compute_dtype: str | None,
-          save_at: int | None = None, resume: bool = False, seed: int = 0, device: str = "cpu") -> None:
+          save_at: int | None = None, resume: bool = False, seed: int = 0, device: str = "cpu",
+          disk_tier: bool = False) -> None:
     """Train ``steps`` steps (from the checkpoint in ``directory/ckpt`` when ``resume``), saving
-    after step ``save_at``; save the losses, parameters and state."""
+    after step ``save_at``; save the losses, parameters and state. With ``disk_tier``, the
+    moments are kept in files under ``directory/tier``."""
     dtype = None if compute_dtype is None else getattr(torch, compute_dtype)
     torch.manual_seed(seed + rank)  # each rank's dropout draws its own numbers
-    model, optimizer, scheduler, scaler = build(world_size, dtype, device)
+    model, optimizer, scheduler, scaler = build(world_size, dtype, device,
+                                                disk_tier=os.path.join(directory, "tier") if disk_tier else None)
     start = 0
     if resume:
         torch.manual_seed(12345)  # a fresh process's generators: the checkpoint must restore them

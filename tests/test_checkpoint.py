@@ -11,6 +11,7 @@ import random
 import shutil
 import time
 import uuid
+import weakref
 
 import pytest
 import torch
@@ -113,6 +114,23 @@ def test_a_checkpoint_reshards_by_name_onto_another_number_of_ranks(tmp_path, sa
     if loaded_on > 1:  # each rank reads only the state it updates
         owned = [len(r["optimizer"]["state"]) for r in loaded]
         assert sum(owned) == len(want["state"]) and all(0 < n < len(want["state"]) for n in owned)
+
+
+def test_each_rank_saves_its_disk_tiers_state_and_it_reshards_onto_one_rank(tmp_path):
+    # Sharded, each rank's tier holds the moments of the parameters it updates; each rank writes
+    # them from its own tier, slice by slice (Note: [Slice-by-slice save]), and one rank loads all.
+    tier = spawn("train", tmp_path, 2, tag="tier", steps=2, compute_dtype=None, save_at=2, disk_tier=True)
+    loaded = spawn("reshard", tmp_path, 1, tag="loaded", source="ckpt", compute_dtype=None)[0]
+    want = {index: state for rank in tier for index, state in rank["optimizer"]["state"].items()}
+    assert all(len(rank["optimizer"]["state"]) < len(want) for rank in tier)  # sharded
+    got = loaded["consolidated"]["state"]
+    assert got.keys() == want.keys() and len(want) == len(loaded["params"])
+    for index, state in want.items():
+        assert state.keys() == got[index].keys() == {"step", "exp_avg", "exp_avg_sq"}
+        for key, value in state.items():
+            assert torch.equal(got[index][key], value), (index, key)
+    for name, value in tier[0]["params"].items():
+        assert torch.equal(loaded["params"][name], value), name
 
 
 # -- atomic saves ------------------------------------------------------------------------------------
@@ -472,28 +490,66 @@ def test_loading_into_a_model_that_trained_on_rewinds_it_exactly(tmp_path):
     assert plain_steps(model, optimizer, 2, seed=4) == after_save
 
 
-def test_a_disk_tiers_state_is_saved_and_resumes_exactly(tmp_path):
-    # The state on disk is read into the checkpoint a slice at a time, and loads back into a tier.
+def test_a_disk_tiers_state_is_saved_and_resumes_exactly(tmp_path, monkeypatch):
+    # The state on disk is read into the checkpoint a slice at a time, each slice once, and freed
+    # before the next is read (Note: [Slice-by-slice save]); it loads back into a tier.
+    from torch.distributed.checkpoint import FileSystemReader
+
     from offload import DiskTier
+    from offload.disk_tier import StateTier
 
     torch.manual_seed(0)
-    layers = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
-    x = torch.randn(8, 16)
+    layers = nn.Sequential(*[nn.Linear(32, 32) for _ in range(8)])
+    x = torch.randn(8, 32)
 
     def build(tier_dir):
-        model = OffloadModel(copy.deepcopy(layers), device="cpu", num_slices=4)
+        model = OffloadModel(copy.deepcopy(layers), device="cpu", num_slices=8)
         return model, OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True,
-                                       disk_tier=DiskTier(tmp_path / tier_dir))
+                                       disk_tier=None if tier_dir is None else DiskTier(tmp_path / tier_dir))
 
     def step(model, optimizer):
         model(x).square().sum().backward()
         optimizer.step()
         optimizer.zero_grad()
 
+    copies: list = []  # weak references to the storage of every state tensor read from the tier
+    reads: list[int] = []
+    live_after_read: list[int] = []  # bytes of the copies still holding memory, after each read
+
+    def live_bytes():
+        # Storages, not tensors: whoever keeps a view of a copy (DCP's writer does) keeps its memory.
+        return sum(storage.nbytes() for storage in (ref() for ref in copies) if storage is not None)
+
+    def counted_slice_state(self, index):
+        state = real_slice_state(self, index)
+        reads.append(index)
+        copies.extend(weakref.ref(t.untyped_storage()) for tensors in state.values() for t in tensors.values())
+        live_after_read.append(live_bytes())
+        return state
+
+    real_slice_state = StateTier.slice_state
     model, optimizer = build("a")
     for _ in range(3):
         step(model, optimizer)
+    slice_bytes = 2 * sum(p.nbytes for p in model.parameters()) // 8  # AdamW's two moments of a slice
+    monkeypatch.setattr(StateTier, "slice_state", counted_slice_state)
     save_checkpoint(tmp_path / "ck", model, optimizer)
+    monkeypatch.undo()
+    assert sorted(reads) == list(range(8))  # each slice read once
+    assert max(live_after_read) == slice_bytes  # the slice just read, the others freed
+    assert live_bytes() == 0
+    # The same keys, shapes, dtypes and files as the save of the state kept in memory.
+    in_memory, in_memory_optimizer = build(None)
+    for _ in range(3):
+        step(in_memory, in_memory_optimizer)
+    save_checkpoint(tmp_path / "ck_ram", in_memory, in_memory_optimizer)
+    saved, saved_in_memory = (FileSystemReader(tmp_path / name).read_metadata() for name in ("ck", "ck_ram"))
+    assert saved.state_dict_metadata.keys() == saved_in_memory.state_dict_metadata.keys()
+    for key, entry in saved.state_dict_metadata.items():
+        if key.startswith("optim/state/"):
+            other = saved_in_memory.state_dict_metadata[key]
+            assert (entry.size, entry.properties) == (other.size, other.properties)
+    assert sorted(os.listdir(tmp_path / "ck")) == sorted(os.listdir(tmp_path / "ck_ram"))
     for _ in range(2):
         step(model, optimizer)
     resumed, resumed_optimizer = build("b")

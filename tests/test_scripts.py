@@ -200,14 +200,19 @@ def test_distributed_script_resumes_on_two_ranks_and_on_one(tmp_path):
     assert "on 1 rank(s)" in one and "resumed from" in one
 
 
-def test_checkpoint_benchmark(tmp_path):
+@pytest.mark.parametrize("disk_tier", [False, True])
+def test_checkpoint_benchmark(tmp_path, disk_tier):
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    tier = ["--disk-tier", str(tmp_path / "tier")] if disk_tier else []
     out = run("scripts/bench_checkpoint.py", "--preset", "tiny", "--slices", "2", "--repeats", "1", "--dir",
-              str(tmp_path), "--json", str(tmp_path / "c.json"))
+              str(checkpoints), "--json", str(tmp_path / "c.json"), *tier)
     assert "save:" in out and "load_fresh:" in out
     data = json.loads((tmp_path / "c.json").read_text())
+    assert data["disk_tier"] is disk_tier
     assert data["checkpoint_bytes"] > data["parameter_bytes"] + data["optimizer_state_bytes"] > 0
     assert data["save"]["median_s"] > 0 and data["load_fresh"]["median_s"] > 0
-    assert [p.name for p in tmp_path.iterdir() if p.is_dir()] == []  # its checkpoints are removed
+    assert list(checkpoints.iterdir()) == []  # its checkpoints are removed
 
 
 def test_scale_benchmark_smoke(tmp_path):
