@@ -37,7 +37,7 @@ Note: [Attribute state]
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -156,13 +156,13 @@ class AttributeTracker:
 
 
 @contextlib.contextmanager
-def attributes_as_started(start: AttributeSnapshot | None, modules: Sequence[nn.Module]) -> Iterator[None]:
+def attributes_as_started(start: AttributeSnapshot | None) -> Iterator[None]:
     """Run the block with the layers' plain attributes as a forward run began with them (``start``;
     ``None``: as they are), and put back afterwards what the block found (rule 3 of Note: [Attribute state])."""
     if start is None or not start.changed_since(strict=False):
         yield
         return
-    now = AttributeSnapshot(modules)
+    now = AttributeSnapshot(module for module, _ in start._entries)
     start.restore()
     try:
         yield

@@ -108,11 +108,10 @@ class BackwardGradients:
         sizes = [len(s.storage.params) for s in engine.slices]
         needed = _needed_grads(ctx, num_inputs + sum(sizes))
         self.inputs_needed = needed[:num_inputs]
-        self.per_slice_needed: list[list[bool]] = []
-        offset = num_inputs
-        for size in sizes:
-            self.per_slice_needed.append(needed[offset:offset + size])
-            offset += size
+        # Where each slice's parameters start among the walk's parameters.
+        self._starts = _starts(sizes)
+        self.per_slice_needed = [needed[num_inputs + start:num_inputs + start + size]
+                                 for start, size in zip(self._starts, sizes)]
         #: The lowest slice backward must reach: 0 for input gradients, else the first slice with
         #: a needed parameter gradient (the number of slices if there is none).
         self.lowest = 0 if any(self.inputs_needed) else next(
@@ -121,7 +120,7 @@ class BackwardGradients:
         #   where autograd receives it (Note: [Gradients added in place] in accumulation.py)
         into = in_place_targets(ctx, engine.parameters(), num_inputs, needed[num_inputs:],
                                 bool(engine.milestones.subscribers))
-        self._into = [into[start:start + size] for start, size in zip(_starts(sizes), sizes)]
+        self._into = [into[start:start + size] for start, size in zip(self._starts, sizes)]
         # - Gradients on their way
         self._slice: SliceGradients | None = None  # the current slice's, while its microbatches run
         self._pending: list[tuple[int, PendingGradients]] = []
@@ -172,13 +171,10 @@ class BackwardGradients:
         """The gradients backward returns for the Function's tensor arguments (inputs, then
         parameters), given the lowest slice's boundary input gradients when it is slice 0."""
         engine = self.run.engine
-        starts = [0]
-        for s in engine.slices:
-            starts.append(starts[-1] + len(s.storage.params))
-        param_results: list[torch.Tensor | None] = [None] * starts[-1]
+        param_results: list[torch.Tensor | None] = [None] * sum(len(s.storage.params) for s in engine.slices)
         for i, grads in self._pending:
             for j, g in enumerate(grads.host_views):
-                param_results[starts[i] + j] = g
+                param_results[self._starts[i] + j] = g
         return [*self._input_grads(grad_in if self.lowest == 0 else None), *param_results]
 
     def _input_grads(self, grad_in: list[list[torch.Tensor | None]] | None) -> list[torch.Tensor | None]:

@@ -187,7 +187,7 @@ def _recompute(engine: Engine, record: Checkpoint, autocast: AutocastState, save
     """Re-run slice ``i`` on microbatch ``m`` with a graph, exactly as forward ran it."""
     leaves = loader.take(i, m)
     restored = record.restore_buffers(engine.slots, i, saved)
-    with attributes_as_started(record.attributes, engine.slices[i].modules()), replaying_rng(engine.device, *record.rng_states(saved)), autocast.applied(), \
+    with attributes_as_started(record.attributes), replaying_rng(engine.device, *record.rng_states(saved)), autocast.applied(), \
             torch.enable_grad(), recomputing():
         # The leaves require grad as in forward even where this backward wants no input gradient:
         # the recompute must take the forward's kernels (Note: [Boundary gradients]).
