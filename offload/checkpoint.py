@@ -74,7 +74,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-from .model import OffloadModel
+from .model import OffloadModel, engine_of
 from .optimizer import OffloadOptimizer
 from .slice_save_planner import SliceReadingSavePlanner
 from .streams.host_storage import dense_stride
@@ -164,6 +164,7 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     try:
         with _single_process_is_intended(group):
             dcp.save(state, storage_writer=writer, planner=planner, process_group=group, no_dist=group is None)
+        _release_masters(model)
     finally:
         if isinstance(planner, SliceReadingSavePlanner):
             planner.release()
@@ -263,8 +264,15 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
         })
     if rng_key in state:
         _set_rng_state(state[rng_key])
+    _release_masters(model)
     _barrier(group)
     return state["extra"]
+
+
+def _release_masters(model: nn.Module) -> None:
+    """Masters on disk that DCP read or wrote go back to their files (Note: [Masters on disk])."""
+    if isinstance(model, OffloadModel):
+        engine_of(model).release_masters()
 
 
 # -- what is saved ---------------------------------------------------------------------------------

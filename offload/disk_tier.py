@@ -258,9 +258,11 @@ class StateTier:
 
     # -- the pipeline --------------------------------------------------------------------------------
 
-    def submit(self, index: int, update_worker: HostWorker, work: Callable[[], None]) -> Event:
-        """Read slice ``index``'s state, run ``work`` (its update) with the state attached, write
-        it back; returns the update's event (the next load of the slice waits for it only)."""
+    def submit(self, index: int, update_worker: HostWorker, work: Callable[[], None],
+               after: Sequence[Event | None] = ()) -> Event:
+        """Read slice ``index``'s state, run ``work`` (its update) with the state attached, after
+        ``after`` too, write it back; returns the update's event (the next load of the slice waits
+        for it only)."""
         self._check_open()
         if self._reader is None:
             self._reader = self.copies.new_worker("disk read")
@@ -273,7 +275,7 @@ class StateTier:
         # The buffer is free once the write of the slice that used it last has read it.
         read = self.copies.submit(self._reader, functools.partial(self._read, record, slot), after=[slot.free])
         # The update reads what the read wrote into the buffer.
-        update = self.copies.submit(update_worker, functools.partial(self._update, record, work), after=[read])
+        update = self.copies.submit(update_worker, functools.partial(self._update, record, work), after=[read, *after])
         # The write reads the state the update left.
         write = self.copies.submit(self._writer, functools.partial(self._write, record), after=[update])
         slot.free = write

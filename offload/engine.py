@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from .binding import Binding
+from .master_files import place_masters
 from .milestones import Milestones
 from .streams import (
     ActivationOffloader,
@@ -130,12 +131,17 @@ class Engine:
         device: the compute device.
         host_device: where host copies live (``offload_device``).
         compute_dtype: dtype of the device copies of floating-point parameters, or None.
+        masters: where the float32 masters live: ``None`` (RAM), or a :class:`~offload.DiskTier`
+            or directory (Note: [Masters on disk] in ``offload/master_files.py``).
     """
 
     def __init__(self, groups: Sequence[tuple[list[str], list[nn.Module]]], device: torch.device,
-                 host_device: torch.device, compute_dtype: torch.dtype | None = None) -> None:
+                 host_device: torch.device, compute_dtype: torch.dtype | None = None, masters: Any = None) -> None:
         self.device = device
         self.copies = CopyStreams(device)
+        #: the masters' files, or None when they are in RAM
+        self.master_files = place_masters(masters, compute_dtype, self.copies)
+        allocate_masters = self.master_files.allocate if self.master_files is not None else None
         # Optimizers' disk tiers over this model's slices: memory_footprint() counts their bytes.
         self.disk_tiers: weakref.WeakSet[Any] = weakref.WeakSet()
         self.pin = self.copies.pins_host_memory and host_device.type == "cpu"
@@ -146,7 +152,7 @@ class Engine:
         self.slices: list[Slice] = []
         held: set[int] = set()  # what earlier slices hold (Note: [Tied parameters across slices])
         for i, (names, layers) in enumerate(groups):
-            storage = SliceStorage(layers, allocate, compute_dtype, held)
+            storage = SliceStorage(layers, allocate, compute_dtype, held, allocate_masters)
             self.slices.append(Slice(i, names, layers, storage))
             held.update(id(e.tensor) for e in storage.held)
         _check_borrowed(self.slices)
@@ -184,6 +190,12 @@ class Engine:
     def parameters(self) -> list[nn.Parameter]:
         """Every parameter, slice by slice, in the order the autograd Function receives them."""
         return [entry.tensor for s in self.slices for entry in s.storage.params]  # type: ignore[misc]
+
+    def release_masters(self) -> None:
+        """Write masters on disk back and take them out of RAM, every slice's (after a checkpoint
+        read or wrote them all; Note: [Masters on disk])."""
+        for s in self.slices:
+            s.storage.release_masters()
 
     def refresh(self) -> None:
         """Follow changes the user made to parameters since the last call.

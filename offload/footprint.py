@@ -34,7 +34,9 @@ class MemoryFootprint:
 
     Attributes:
         parameters: elements of the parameters the model holds (for bytes per parameter).
-        host_masters: host buffers holding the parameters and buffers (the host copies).
+        host_masters: host buffers holding the parameters and buffers (the host copies); with
+            masters on disk (``OffloadModel(..., masters=DiskTier(...))``), the pages of their
+            files in RAM now.
         host_shadows: their copies in ``compute_dtype`` (0 without one).
         host_gradients: the parameters' ``.grad`` on the host (each storage once), pooled or not.
         host_optimizer_state: what the model's OffloadOptimizers keep per parameter (AdamW's
@@ -55,7 +57,8 @@ class MemoryFootprint:
             CUDA device; the optimizer state is never pinned).
         pinned_bytes: host bytes pinned for them, as the allocator reserved them (whole pages,
             or the next power of two for small buffers: ``offload/streams/pinned.py``).
-        disk: bytes in the files of the optimizers' disk tiers (0 without one).
+        disk: bytes in the files of the optimizers' disk tiers and of masters on disk (0 without
+            either).
     """
 
     parameters: int
@@ -153,11 +156,14 @@ def measure(engine: Engine, optimizers: Iterable[torch.optim.Optimizer], tiers: 
                     if any(start <= storage.data_ptr() < stop for start, stop in windows):
                         continue  # a disk tier's window: counted there
                     state[storage.data_ptr()] = storage.nbytes()
-    masters = sum(storage.flat.numel() for storage in storages)
+    # Masters on disk count where they are: the pages in RAM now, and the files.
+    mapped = [storage.masters_file for storage in storages if storage.masters_file is not None]
+    masters = sum(storage.flat.numel() for storage in storages if storage.masters_file is None)
+    masters_in_ram = masters + sum(file.resident_bytes() for file in mapped)
     shadows = sum(storage.shadow.numel() for storage in storages if storage.shadow is not None)
     return MemoryFootprint(
         parameters=sum(p.numel() for p in params),
-        host_masters=masters,
+        host_masters=masters_in_ram,
         host_shadows=shadows,
         host_gradients=sum(grad_storages.values()),
         host_optimizer_state=sum(state.values()),
@@ -169,7 +175,7 @@ def measure(engine: Engine, optimizers: Iterable[torch.optim.Optimizer], tiers: 
         device_gradients=engine.gradients.device_nbytes,
         pinned=engine.pin,
         pinned_bytes=_pinned_bytes(engine, masters + shadows + engine.pool.nbytes),
-        disk=sum(tier.disk_nbytes for tier in tiers),
+        disk=sum(tier.disk_nbytes for tier in tiers) + sum(file.nbytes for file in mapped),
     )
 
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .model import OffloadModel
+from .model import OffloadModel, engine_of
 from .safetensors_files import SafetensorsCheckpoint
 from .streams.host_storage import filled_by_caller
 
@@ -245,7 +245,7 @@ class _Plan:
         """Read every stored tensor into its host copy, slice after slice."""
         done: set[int] = set()
         with torch.no_grad():
-            for names in model.partition:
+            for k, names in enumerate(model.partition):
                 for name in names:
                     for tensor in _tensors(model._modules[name]):
                         if id(tensor) in done:
@@ -253,6 +253,8 @@ class _Plan:
                         done.add(id(tensor))
                         for stored_name, placement in self.sources.get(id(tensor), ()):
                             self.checkpoint.read_into(stored_name, placement.region(tensor.detach()))
+                # Masters on disk go there now, a slice at a time (Note: [Masters on disk]).
+                engine_of(model).slices[k].storage.release_masters()
 
 
 def _tensors(module: nn.Module) -> list[torch.Tensor]:

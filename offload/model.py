@@ -78,6 +78,12 @@ class OffloadModel(nn.Module):
             rank builds the same model and passes the same group): rank 0's parameters and
             buffers are taken at construction, and gradients are averaged across the group slice
             by slice during backward (see ``offload/data_parallel.py``). ``None``: one process.
+        masters: where the float32 masters (the host copies) live: ``None`` in host RAM; a
+            :class:`~offload.DiskTier` (or a directory path) in files on that disk, read in around
+            each slice's update by :class:`~offload.OffloadOptimizer` and dropped after, so RAM
+            holds a few slices' masters at a time (Note: [Masters on disk] in
+            ``offload/master_files.py``, ``docs/disk-tier.md``). Needs ``compute_dtype``: loads read
+            the half-precision shadow, which stays in RAM.
 
     Raises:
         TypeError: ``model`` is neither an ``nn.Sequential`` nor a list of modules, or an
@@ -107,6 +113,7 @@ class OffloadModel(nn.Module):
         num_microbatches: int = 1,
         compute_dtype: torch.dtype | None = None,
         process_group: Any = None,
+        masters: Any = None,
     ) -> None:
         super().__init__()
         named_groups = _slice_groups(model, _positive_int("num_slices", num_slices))
@@ -119,6 +126,10 @@ class OffloadModel(nn.Module):
         self.checkpoint_activation = checkpoint_activation
         self.device = _existing_device(device, "device")
         self.offload_device = _existing_device(offload_device, "offload_device")
+        if masters is not None and self.offload_device.type != "cpu":
+            raise ValueError(f"masters on disk are host memory backed by a file; offload_device must be 'cpu', got "
+                             f"{self.offload_device}")
+        self._masters = masters
         self._adopt(named_groups)
         self._data_parallel: DataParallel | None = None
         if process_group is not None:
@@ -130,7 +141,8 @@ class OffloadModel(nn.Module):
         for names, layers in named_groups:
             for name, layer in zip(names, layers):
                 self.add_module(name, layer)
-        self._engine = Engine(named_groups, self.device, self.offload_device, compute_dtype=self.compute_dtype)
+        self._engine = Engine(named_groups, self.device, self.offload_device, compute_dtype=self.compute_dtype,
+                              masters=self.__dict__.get("_masters"))
         self._warned_microbatch_batchnorm = False
         per_tensor_warning.install()
         per_tensor_warning.register(self._engine.parameters())
@@ -214,7 +226,7 @@ class OffloadModel(nn.Module):
         nn.Module.__init__(twin)
         memo[id(self)] = twin
         for name in ("compute_dtype", "num_microbatches", "checkpoint_activation", "device", "offload_device",
-                     "training"):
+                     "training", "_masters"):
             setattr(twin, name, getattr(self, name))
         twin._adopt([(list(s.names), copy.deepcopy(s.layers, memo)) for s in self._engine.slices])
         twin._data_parallel = None  # a copy is local: building one must not need the other ranks

@@ -170,6 +170,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 loss = closure()
         engine = engine_of(self.model)
         self._plan()
+        if engine.master_files is not None:
+            engine.master_files.flush()  # masters that could not be written back are raised first
         if self._tier is not None:
             self._tier.flush("step")  # a write that failed last step is retried (or raised) first
         hyper = [_snapshot(group) for group in self.param_groups]
@@ -192,6 +194,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             updated = self._submit_update(step, hyper, grad_scale, found_inf)
             if updated is not None:
                 engine.updates.submitted(step.index, updated)
+                self._write_masters(step.index, updated)
         for step in self._rest:
             step.bind()
             step.run([p.grad for p in step.whole.params], hyper, grad_scale, found_inf)
@@ -234,13 +237,29 @@ class OffloadOptimizer(torch.optim.Optimizer):
                                       after=[updated], what=f"sharing the updated parameters of slice {step.index}",
                                       then=then)
         engine.updates.submitted(step.index, event)
+        self._write_masters(step.index, event)
 
     def _submit(self, index: int, work: Callable[[], None]) -> Any:
-        """Run slice ``index``'s update on the update worker (its state read before and written
-        after by the disk tier, if there is one); returns the update's event."""
+        """Run slice ``index``'s update on the update worker (its masters read in first when they
+        are on disk, its state read before and written after by the disk tier, if there is one);
+        returns the update's event."""
+        engine = engine_of(self.model)
+        files, mapped = engine.master_files, engine.slices[index].storage.masters_file
+        after = []
+        if files is not None and mapped is not None:
+            after.append(files.read(index, mapped))
+            work = files.guard(index, work)
         if self._tier is None:
-            return engine_of(self.model).copies.submit(self._worker, work)
-        return self._tier.submit(index, self._worker, work)
+            return engine.copies.submit(self._worker, work, after=after)
+        return self._tier.submit(index, self._worker, work, after=after)
+
+    def _write_masters(self, index: int, after: Event | None) -> None:
+        """With masters on disk, write slice ``index``'s back and drop them after ``after``, the
+        last work that writes them (Note: [Masters on disk] in ``offload/master_files.py``)."""
+        engine = engine_of(self.model)
+        files, mapped = engine.master_files, engine.slices[index].storage.masters_file
+        if files is not None and mapped is not None:
+            files.write(index, mapped, after)
 
     def consolidated_state_dict(self, to: int = 0) -> dict[str, Any] | None:
         """The whole optimizer state, gathered from the ranks that own its parts, on rank ``to``
@@ -324,7 +343,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def synchronize(self) -> None:
         """Block until every pending update is done; raise what an update raised (and what the
         disk tier could not write)."""
-        engine_of(self.model).updates.wait_all()
+        engine = engine_of(self.model)
+        engine.updates.wait_all()
+        if engine.master_files is not None:
+            engine.master_files.flush()
         if self._tier is not None:
             self._tier.flush()
 

@@ -51,9 +51,10 @@ def estimate_memory(layers: nn.Module | Sequence[int], *, num_slices: int = 8,
         optimizer: ``"adamw"``/``"adam"`` (two moments), ``"sgd-momentum"`` (one buffer),
             ``"sgd"`` or ``None`` (no state).
         optimizer_state: ``"ram"``, or ``"disk"`` to count the optimizer state on disk.
-        masters: ``"ram"``, or ``"disk"`` to count the masters on disk (planning only: the disk tier
-            keeps optimizer state, not yet the masters); a copy that loads read
-            stays in RAM: the shadow with ``compute_dtype``, a copy of the masters without.
+        masters: ``"ram"``, or ``"disk"`` to count the masters on disk, as ``OffloadModel(...,
+            masters=DiskTier(path))`` keeps them (it needs ``compute_dtype``: the shadow, which loads
+            read, stays in RAM). Their files count as ``disk``; the window counts three slices'
+            masters, in RAM while the optimizer steps (between steps none are).
         num_microbatches: more than one adds the two device buffers that sum gradients.
         device: the compute device; host memory is pinned only for ``"cuda"``. On ``"cpu"`` the
             device categories are host memory too.
@@ -108,9 +109,14 @@ def estimate_memory(layers: nn.Module | Sequence[int], *, num_slices: int = 8,
         disk_window = min(3, len(slices)) * max(per_slice)
         state = 0
     if masters == "disk":
-        disk += masters_bytes
-        if compute_dtype is not None:
-            masters_bytes = 0  # the shadow is what loads read
+        if compute_dtype is None:
+            raise ValueError("masters='disk' needs a compute_dtype, as OffloadModel(..., masters=...) does: loads "
+                             "read the shadow in that dtype, kept in RAM")
+        # One file per slice, in whole pages (offload/streams/mapped.py); three slices' masters
+        # are in RAM while the optimizer steps (Note: [Masters on disk]).
+        disk += sum(_align(h, 4096) for h in host)
+        disk_window += min(3, len(slices)) * max(host)
+        masters_bytes = 0
     gradients = sum(grads)
     window = 2 * max(grads)  # gradients landing and being added (Note: [Gradients added in place])
     pool = window + activation_bytes

@@ -4,7 +4,9 @@ tier and of loading slice by slice.
 Writes a safetensors checkpoint of an ``nn.Sequential`` of Linear+GELU blocks one shard at a time
 (never the whole model in memory), loads it slice by slice with :func:`offload.load_sequential`,
 and trains a few steps with ``OffloadOptimizer(torch.optim.AdamW, fused=True, disk_tier=...)``:
-masters and gradients in RAM, AdamW's moments on disk. Records the parameters, the bytes the
+masters and gradients in RAM, AdamW's moments on disk; with ``--compute-dtype bfloat16
+--masters-on-disk``, the float32 masters on disk too (``OffloadModel(..., masters=DiskTier(...))``),
+the bfloat16 shadow and the gradients in RAM. Records the parameters, the bytes the
 float32 AdamW state would take in RAM, peak RSS (sampled, and the kernel's high-water mark), bytes
 on disk, seconds per step and where they go (forward and backward; the update's wait), and the
 disk traffic per step against the raw bandwidth measured by ``scripts/bench_storage.py``.
@@ -18,6 +20,7 @@ Usage::
 
     python scripts/bench_scale.py --dir /nvme/scratch --json benchmarks/results/scale_cpu_DATE.json
         [--width 8192] [--layers 30] [--slices 15] [--steps 3] [--batch 8]
+        [--compute-dtype bfloat16 --masters-on-disk]
 """
 
 from __future__ import annotations
@@ -53,6 +56,12 @@ def build(width: int, layers: int) -> nn.Sequential:
     for _ in range(layers):
         blocks += [nn.Linear(width, width), nn.GELU()]
     return nn.Sequential(*blocks)
+
+
+def build_meta(width: int, layers: int) -> nn.Sequential:
+    """The model's layers on the meta device: what ``estimate_memory`` counts, allocating nothing."""
+    with torch.device("meta"):
+        return build(width, layers)
 
 
 def write_checkpoint(path: Path, width: int, layers: int, blocks_per_shard: int) -> dict:
@@ -120,8 +129,15 @@ def main() -> None:
     parser.add_argument("--blocks-per-shard", type=int, default=2)
     parser.add_argument("--batch", type=int, default=8, help="rows per step")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="dtype of the device copies (bfloat16: a shadow in RAM that loads read)")
+    parser.add_argument("--masters-on-disk", action="store_true",
+                        help="keep the float32 masters in files too (needs --compute-dtype bfloat16)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
+    if args.masters_on_disk and args.compute_dtype == "float32":
+        parser.error("--masters-on-disk needs --compute-dtype bfloat16")
+    compute_dtype = torch.bfloat16 if args.compute_dtype == "bfloat16" else None
     torch.manual_seed(0)
 
     work = Path(tempfile.mkdtemp(prefix="offload-scale-", dir=args.dir))
@@ -139,7 +155,8 @@ def main() -> None:
         with PeakRSS() as training:
             started = time.perf_counter()
             model = offload.load_sequential(lambda: build(args.width, args.layers), work / "checkpoint",
-                                            device="cpu", num_slices=args.slices)
+                                            device="cpu", num_slices=args.slices, compute_dtype=compute_dtype,
+                                            masters=DiskTier(work / "masters") if args.masters_on_disk else None)
             load_s = time.perf_counter() - started
             rss_after_load = psutil.Process().memory_info().rss
             params = sum(p.numel() for p in model.parameters())
@@ -149,29 +166,51 @@ def main() -> None:
             x = torch.randn(args.batch, args.width)
             target = torch.randn(args.batch, args.width)
             counters = optimizer._tier.counters  # the tier's own read and write calls
-            for _ in range(args.steps):
-                io_before = (counters.read_bytes, counters.read_seconds, counters.write_bytes, counters.write_seconds)
+            files = model._engine.master_files  # the masters' reads and writes, around each update
+            # A training loop as users write it: each forward waits for the previous step's update
+            # slice by slice (overlapped with it), and only the last step is waited for at its end.
+            # Counted from one step's end to the next: reads and writes run beside the loop.
+            io_before = (counters.read_bytes, counters.read_seconds, counters.write_bytes, counters.write_seconds)
+            masters_before = (0, 0.0, 0, 0.0) if files is None else (
+                files.counters.read_bytes, files.counters.read_seconds, files.counters.write_bytes,
+                files.counters.write_seconds)
+            for number in range(args.steps):
                 started = time.perf_counter()
-                loss = nn.functional.mse_loss(model(x), target)
+                loss = nn.functional.mse_loss(model(x).float(), target)
                 loss.backward()
                 compute_s = time.perf_counter() - started
                 optimizer.step()
                 optimizer.zero_grad()
                 waited = time.perf_counter()
-                optimizer.synchronize()  # the update's time not hidden behind the next forward
-                read_bytes, read_s, write_bytes, write_s = (
-                    now - then for now, then in zip((counters.read_bytes, counters.read_seconds, counters.write_bytes,
-                                                     counters.write_seconds), io_before))
+                if number == args.steps - 1:
+                    optimizer.synchronize()  # the last update, which no forward hides
+                io_now = (counters.read_bytes, counters.read_seconds, counters.write_bytes, counters.write_seconds)
+                read_bytes, read_s, write_bytes, write_s = (now - then for now, then in zip(io_now, io_before))
+                masters_now = (0, 0.0, 0, 0.0) if files is None else (
+                    files.counters.read_bytes, files.counters.read_seconds, files.counters.write_bytes,
+                    files.counters.write_seconds)
+                m_read, m_read_s, m_write, m_write_s = (now - then for now, then in zip(masters_now, masters_before))
+                io_before, masters_before = io_now, masters_now
                 steps.append({"loss": repr(loss.item()), "forward_backward_s": compute_s,
                               "update_wait_s": time.perf_counter() - waited,
                               "step_s": time.perf_counter() - started,
                               "tier_read_bytes": read_bytes, "tier_read_busy_s": read_s,
-                              "tier_write_bytes": write_bytes, "tier_write_busy_s": write_s})
-                print(f"step {len(steps)}: {steps[-1]['step_s']:.1f} s (forward and backward {compute_s:.1f} s, "
-                      f"update not hidden {steps[-1]['update_wait_s']:.1f} s); tier read {read_bytes / 1e9:.1f} GB "
-                      f"in {read_s:.1f} s, wrote {write_bytes / 1e9:.1f} GB in {write_s:.1f} s", flush=True)
+                              "tier_write_bytes": write_bytes, "tier_write_busy_s": write_s,
+                              "masters_read_bytes": m_read, "masters_read_busy_s": m_read_s,
+                              "masters_write_bytes": m_write, "masters_write_busy_s": m_write_s})
+                print(f"step {len(steps)}: {steps[-1]['step_s']:.1f} s (forward and backward, waiting for the last "
+                      f"update, {compute_s:.1f} s; after them {steps[-1]['update_wait_s']:.1f} s); tier read {read_bytes / 1e9:.1f} GB "
+                      f"in {read_s:.1f} s, wrote {write_bytes / 1e9:.1f} GB in {write_s:.1f} s; masters read "
+                      f"{m_read / 1e9:.1f} GB in {m_read_s:.1f} s, wrote {m_write / 1e9:.1f} GB in {m_write_s:.1f} s",
+                      flush=True)
             footprint = model.memory_footprint()
             state_on_disk = disk_bytes(work / "state")
+            # The masters' files are unlinked once mapped: the footprint counts them.
+            masters_on_disk = footprint.disk - optimizer._tier.disk_nbytes
+            estimate = offload.estimate_memory(build_meta(args.width, args.layers), num_slices=args.slices,
+                                               compute_dtype=compute_dtype, optimizer="adamw",
+                                               optimizer_state="disk",
+                                               masters="disk" if args.masters_on_disk else "ram", device="cpu")
             optimizer.close()
         result.update({
             "parameters": params,
@@ -182,6 +221,9 @@ def main() -> None:
             "peak_rss_bytes_sampled": training.peak,
             "peak_rss_bytes_kernel": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "disk_state_bytes": state_on_disk,
+            "disk_masters_bytes": masters_on_disk,
+            "estimate_host_and_device_bytes": estimate.host_total + estimate.device_total,
+            "estimate_disk_bytes": estimate.disk,
             "checkpoint_bytes": result["checkpoint"]["bytes"],
             "steps": steps,
             "memory_footprint": str(footprint),

@@ -247,9 +247,10 @@ def test_state_and_masters_on_disk_are_counted_there():
     # RAM keeps the tier's window: three of the four slices' state.
     assert state.host_disk_window == 3 * 8 * n // 4
     assert state.disk == 8 * n and state.host_total == ram.host_total - 8 * n + state.host_disk_window
-    assert both.disk == 8 * n + ram.host_masters and both.host_masters == 0 and both.host_shadows == 2 * n
-    fp32 = estimate_memory(counts, num_slices=4, masters="disk")  # loads read a float32 copy kept in RAM
-    assert fp32.host_masters == 4 * n and fp32.disk == 4 * n
+    assert both.host_masters == 0 and both.host_shadows == 2 * n
+    assert 0 <= both.disk - (8 * n + ram.host_masters) < 4 * 4096  # a file per slice, in whole pages
+    # The window: three slices' state and, while the optimizer steps, three slices' masters.
+    assert both.host_disk_window == state.host_disk_window + 3 * 4 * n // 4
     assert "disk" in str(both)
 
 

@@ -215,14 +215,30 @@ def test_checkpoint_benchmark(tmp_path, disk_tier):
     assert list(checkpoints.iterdir()) == []  # its checkpoints are removed
 
 
-def test_scale_benchmark_smoke(tmp_path):
+def page(nbytes):
+    return -(-nbytes // 4096) * 4096
+
+
+@pytest.mark.parametrize("masters_on_disk", [False, True], ids=["masters-in-ram", "masters-on-disk"])
+def test_scale_benchmark_smoke(masters_on_disk, tmp_path):
+    extra = ("--compute-dtype", "bfloat16", "--masters-on-disk") if masters_on_disk else ()
     out = run("scripts/bench_scale.py", "--width", "64", "--layers", "4", "--slices", "2", "--steps", "2", "--batch", "2",
-              "--dir", str(tmp_path), "--json", str(tmp_path / "scale.json"))
+              "--dir", str(tmp_path), "--json", str(tmp_path / "scale.json"), *extra)
     assert "step 2:" in out
     data = json.loads((tmp_path / "scale.json").read_text())
     assert data["parameters"] == 4 * (64 * 64 + 64)
-    # AdamW's two moments live on disk, each read and written once per step after the first.
+    def total(key):
+        return sum(step[key] for step in data["steps"])
+
+    # AdamW's two moments live on disk, each read once per step after the first, written every step.
     assert data["disk_state_bytes"] >= 8 * data["parameters"]
-    assert data["steps"][1]["tier_read_bytes"] >= 8 * data["parameters"]
-    assert data["steps"][1]["tier_write_bytes"] >= 8 * data["parameters"]
+    assert total("tier_read_bytes") >= 8 * data["parameters"]
+    assert total("tier_write_bytes") >= 2 * 8 * data["parameters"]
+    # The masters' files (4 bytes per parameter, in whole pages): read in by the first forward and
+    # around each update, and written back (synced: clean pages cost nothing) after each.
+    assert data["disk_masters_bytes"] == (2 * page(2 * (64 * 64 + 64) * 4) if masters_on_disk else 0)
+    assert total("masters_read_bytes") == 3 * data["disk_masters_bytes"]
+    assert total("masters_write_bytes") == 3 * data["disk_masters_bytes"]
+    assert abs(data["estimate_disk_bytes"] - data["disk_state_bytes"] - data["disk_masters_bytes"]) <= 0.05 * (
+        data["disk_state_bytes"] + data["disk_masters_bytes"])
     assert [p.name for p in tmp_path.iterdir()] == ["scale.json"]  # checkpoint and state removed

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ from torch import nn
 
 from ..binding import Site
 from .backend import Event
+from .mapped import MappedFile
 
 #: Byte alignment of gradient buffers' entries: keeps typed views legal and vector loads aligned.
 ALIGNMENT = 64
@@ -281,6 +283,10 @@ class SliceStorage:
             refreshed from the host copies once per forward (see :meth:`transfer_source`).
 
         held_elsewhere: ids of the tensors earlier slices hold; such parameters are borrowed.
+        allocate_masters: makes the host buffer of a slice that has a shadow as a file mapping
+            (:class:`~offload.streams.mapped.MappedFile`, Note: [Masters on disk]); ``None`` keeps
+            it in RAM from ``allocate``. A slice without a shadow keeps it in RAM either way: its
+            loads read it.
 
     Raises:
         ValueError: for sparse tensors, a tensor registered both as parameter and as buffer, or
@@ -289,9 +295,11 @@ class SliceStorage:
     """
 
     def __init__(self, layers: Sequence[nn.Module], allocate: Callable[[int], torch.Tensor],
-                 compute_dtype: torch.dtype | None = None, held_elsewhere: Collection[int] = ()) -> None:
+                 compute_dtype: torch.dtype | None = None, held_elsewhere: Collection[int] = (),
+                 allocate_masters: Callable[[int], MappedFile] | None = None) -> None:
         self.layers = list(layers)
         self.allocate = allocate
+        self.allocate_masters = allocate_masters
         self.compute_dtype = compute_dtype
         self.held_elsewhere = frozenset(held_elsewhere)
         self.build()
@@ -352,7 +360,10 @@ class SliceStorage:
             device_end = _align(entry.device_offset + entry.shape.numel() * _itemsize(entry.device_dtype), align)
         self.device_nbytes = device_end
         self.host_nbytes = host_end
-        self.flat = self.allocate(host_end)
+        casts = any(entry.device_dtype != entry.dtype for entry in self.held)
+        #: the file mapping that holds the host buffer, when the masters are on disk
+        self.masters_file = self.allocate_masters(host_end) if casts and self.allocate_masters else None
+        self.flat = self.masters_file.tensor[:host_end] if self.masters_file is not None else self.allocate(host_end)
         for entry in self.held:
             if entry.tensor.is_meta:
                 self._adopt_meta(entry)
@@ -362,7 +373,7 @@ class SliceStorage:
             # Same object, new storage: optimizers and user references keep working.
             entry.tensor.data = view
         self._expected_ptrs = [entry.tensor.data_ptr() for entry in self.entries]
-        casts = any(entry.device_dtype != entry.dtype for entry in self.held)
+        self.release_masters()  # what was copied in goes to disk
         self.shadow = self.allocate(self.load_nbytes) if casts else None
         self._held_by_id = {id(entry.tensor): entry for entry in self.held}
         self._shadow_current = False
@@ -391,10 +402,39 @@ class SliceStorage:
         return self.shadow is not None and not self._shadow_current
 
     def refresh_shadow(self) -> None:
-        """Cast the host copies into the shadow (the caller ensures no load still reads it)."""
+        """Cast the host copies into the shadow (the caller ensures no load still reads it); masters
+        on disk are read in first and dropped after (Note: [Masters on disk]).
+
+        Raises:
+            DiskTierError: masters on disk could not be read or written back.
+        """
+        if self.masters_file is not None:
+            self._masters_io(functools.partial(self.masters_file.read_in, write=False))
         self.write_shadow()
         self._shadow_current = True
         self.shadow_refreshes += 1
+        self.release_masters()
+
+    def release_masters(self) -> None:
+        """Write masters on disk back and take them out of RAM (nothing when they are in RAM).
+
+        Raises:
+            DiskTierError: they could not be written.
+        """
+        if self.masters_file is not None:
+            self._masters_io(self.masters_file.write_back)
+
+    def _masters_io(self, call: Callable[[], None]) -> None:
+        from ..disk_tier import DiskTierError  # the tier's error, raised where the user calls
+
+        try:
+            call()
+        except OSError as error:
+            raise DiskTierError(
+                f"{error.strerror} (errno {error.errno}) in {error.filename}, the file that holds a slice's float32 "
+                "masters (OffloadModel(..., masters=DiskTier(...))). A failed read changed nothing; after a failed "
+                "write the masters stay in RAM (the page cache) for now: fix the disk and save a checkpoint "
+                "elsewhere") from error
 
     def write_shadow(self) -> None:
         """Cast what the slice holds into the shadow, a run of equal dtypes at a time."""

@@ -1,0 +1,188 @@
+"""The float32 masters of a model's slices in files on a local disk (``OffloadModel(...,
+masters=DiskTier(path))``): where each slice's host buffer is allocated, and the reads and writes
+around each slice's host update.
+
+What this file holds: :class:`MasterFiles`. What it does not: the mapping and its page calls
+(``offload/streams/mapped.py``, Note: [Mapped masters]), the optimizer state's files
+(``offload/disk_tier.py``), or when updates run (``offload/optimizer.py``).
+
+Note: [Masters on disk]
+    Under a compute dtype, loads read a slice's *shadow* (its copy in that dtype, which stays in
+    RAM); the float32 masters are read only by the optimizer's update, by the cast that writes
+    the shadow, and by whoever reads the parameters. So each slice's host buffer (masters and
+    buffers) is a file mapping instead of RAM. Around the update of slice ``k``,
+    :class:`MasterFiles` runs, on two host workers of the copy engine:
+
+    1. *read* (before): read slice ``k``'s file in, after the write of the slice that took the
+       same turn :data:`~offload.disk_tier.WINDOW` slices back;
+    2. the update itself (the optimizer's worker), which also writes the shadow;
+    3. *write* (after): write the pages back and drop them.
+
+    So RAM holds about three slices' masters while the optimizer steps, and none in between;
+    the next forward waits for each slice's update only, never for a write. A forward that finds
+    a slice's shadow out of date (nothing updated the slice since the last forward: gradient
+    accumulation, evaluation, parameters changed by hand) reads its masters in, casts, and
+    drops them again, on the calling thread: 4 bytes per parameter read from the disk.
+
+    Errors: a read that fails leaves its slice untouched (a :class:`~offload.HostUpdateError`
+    naming the file, as for any failed update, at the next call that waits for updates); a
+    write that fails leaves the slice updated, with its masters still in RAM (the page cache),
+    and the next ``synchronize()`` or ``step()`` raises :class:`~offload.DiskTierError` naming the
+    file. The files are preallocated, so a full disk shows when the model is built.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from .disk_tier import WINDOW, DiskTier, DiskTierError
+from .slice_update import HostUpdateError
+from .streams.backend import Event
+from .streams.copies import CopyStreams
+from .streams.disk import DiskCounters
+from .streams.mapped import MappedFile, mapping_supported
+from .streams.workers import HostWorker
+
+
+class MasterFiles:
+    """One model's masters on disk: allocates each slice's host buffer as a :class:`MappedFile` in
+    the setting's directory, and reads it in and writes it back around each host update (Note:
+    [Masters on disk]).
+
+    Args:
+        setting: the user's :class:`~offload.DiskTier` (``keep`` is refused: the files are unlinked
+            as soon as they are mapped).
+        copies: the model's copy engine (host workers and their events).
+    """
+
+    def __init__(self, setting: DiskTier, copies: CopyStreams) -> None:
+        if setting.keep:
+            raise ValueError("DiskTier(keep=True) keeps optimizer state files; the masters' files are removed as "
+                             "soon as they are mapped. Save a checkpoint (offload.save_checkpoint) to keep the "
+                             "parameters, and pass masters=DiskTier(path) without keep")
+        if not mapping_supported():
+            raise ValueError("masters on disk need Linux 5.14 or later (madvise MADV_POPULATE_WRITE, "
+                             "posix_fadvise); keep them in RAM on this system (masters=None)")
+        self.directory = Path(setting.path)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.copies = copies
+        self.counters = DiskCounters()
+        self._reader: HostWorker | None = None
+        self._writer: HostWorker | None = None
+        self._window: list[Event | None] = [None] * WINDOW
+        self._turn = 0
+        self._turn_of: dict[int, int] = {}
+        self._read_errors: dict[int, OSError] = {}
+        self._write_errors: dict[int, OSError] = {}
+        self._last_write: Event | None = None
+
+    def allocate(self, nbytes: int) -> MappedFile:
+        """A new file mapping of ``nbytes`` for a slice's host buffer.
+
+        Raises:
+            DiskTierError: the disk has no room for it (or another error making it).
+        """
+        try:
+            return MappedFile(self.directory, nbytes, self.counters)
+        except OSError as error:
+            raise DiskTierError(
+                f"could not make a file of {nbytes / 2**20:.1f} MiB for a slice's masters in {self.directory} "
+                f"({error.filename}): {error.strerror} (errno {error.errno}). Free space there, or point "
+                "masters=DiskTier(...) at a disk with room for 4 bytes per parameter") from error
+
+    # -- around a host update ---------------------------------------------------------------------
+
+    def read(self, index: int, file: MappedFile) -> Event:
+        """Read slice ``index``'s masters in, on the reader, once the window has room; the update
+        waits for the returned event and runs under :meth:`guard`."""
+        self._start_workers()
+        turn = self._turn % WINDOW
+        self._turn += 1
+        self._turn_of[index] = turn
+        # Its turn's last write has dropped that slice's pages: RAM holds at most WINDOW slices.
+        return self.copies.submit(self._reader, functools.partial(self._read, index, file),
+                                  after=[self._window[turn]])
+
+    def _read(self, index: int, file: MappedFile) -> None:
+        self._read_errors.pop(index, None)
+        try:
+            file.read_in()
+        except OSError as error:
+            self._read_errors[index] = error
+
+    def guard(self, index: int, work: Callable[[], None]) -> Callable[[], None]:
+        """``work`` (slice ``index``'s update), refused when its read failed: the slice is left
+        as it was."""
+        return functools.partial(self._guarded, index, work)
+
+    def _guarded(self, index: int, work: Callable[[], None]) -> None:
+        error = self._read_errors.pop(index, None)
+        if error is not None:
+            raise HostUpdateError(
+                f"could not read the masters of slice {index} from {error.filename} ({error.strerror}): slice "
+                f"{index} and the slices after it were left as they were; slices before it are updated") from error
+        work()
+
+    def write(self, index: int, file: MappedFile, after: Event | None) -> None:
+        """Write slice ``index``'s masters back and drop them, on the writer, after ``after`` (the
+        last work that writes them: its update, or the exchange of a sharded update)."""
+        self._start_workers()
+        assert self._writer is not None
+        event = self.copies.submit(self._writer, functools.partial(self._write, index, file), after=[after])
+        turn = self._turn_of.pop(index, None)
+        if turn is not None:  # not read in by an update of this rank (a sharded update's exchange wrote it)
+            self._window[turn] = event
+        self._last_write = event
+
+    def _start_workers(self) -> None:
+        if self._reader is None:
+            self._reader = self.copies.new_worker("masters read")
+            self._writer = self.copies.new_worker("masters write")
+            weakref.finalize(self, self._reader.close)
+            weakref.finalize(self, self._writer.close)
+
+    def _write(self, index: int, file: MappedFile) -> None:
+        try:
+            file.write_back()
+        except OSError as error:
+            self._write_errors[index] = error
+        else:
+            self._write_errors.pop(index, None)
+
+    def flush(self) -> None:
+        """Wait for every write; raise a write that failed (once).
+
+        Raises:
+            DiskTierError: masters could not be written back; they are updated and stay in RAM.
+        """
+        self.copies.wait_host(self._last_write)
+        self._last_write = None
+        if not self._write_errors:
+            return
+        failed, self._write_errors = self._write_errors, {}
+        first = next(iter(failed.values()))
+        files = ", ".join(f"slice {index}: {error.filename}" for index, error in failed.items())
+        raise DiskTierError(
+            f"could not write the masters of {len(failed)} slice(s) back to disk ({files}): {first.strerror} "
+            f"(errno {first.errno}). Those slices are updated and their masters stay in RAM (the page cache) "
+            "until written; fix the disk, and save a checkpoint elsewhere before training on")
+
+
+def place_masters(setting: DiskTier | str | os.PathLike[str] | None, compute_dtype: torch.dtype | None,
+                  copies: CopyStreams) -> MasterFiles | None:
+    """The :class:`MasterFiles` for ``OffloadModel(..., masters=setting)``, after checking it."""
+    if setting is None:
+        return None
+    if not isinstance(setting, (DiskTier, str, os.PathLike)):
+        raise TypeError(f"masters must be None, a DiskTier or a directory path, got {type(setting).__name__}")
+    if compute_dtype is None:
+        raise ValueError("masters on disk need a compute_dtype (torch.bfloat16, say): loads then read the "
+                         "half-precision shadow, which stays in RAM, and only the update reads the float32 masters. "
+                         "Without one every load would read the disk; keep the masters in RAM (masters=None)")
+    return MasterFiles(setting if isinstance(setting, DiskTier) else DiskTier(setting), copies)

@@ -1,0 +1,146 @@
+"""Host memory backed by a file on a local disk: a shared mapping whose pages the kernel reads in
+when touched and which can be written back and dropped on request.
+
+What this file holds: :class:`MappedFile` (one preallocated, already unlinked file mapped into the
+process, seen as a tensor) and the page operations on it (read in, write back and drop, count
+what is resident). What it does not: decide which memory goes to disk or when (the model's
+master files, ``offload/master_files.py``), or order that work (host workers of the copy engine,
+``copies.py``).
+
+Note: [Mapped masters]
+    The float32 masters are what the user's ``nn.Parameter`` objects hold: the optimizer updates
+    them in place, ``model.state_dict()``, ``p.detach()`` and a checkpoint read them, at any time.
+    A window of buffers that the masters are copied into and out of (what the optimizer state's
+    disk tier does, ``offload/disk_tier.py``) cannot give them a fixed address. A shared mapping
+    of a file can: the parameters are views into it, as into a slice's RAM buffer, and every
+    access sees the current values, from RAM when the page is resident and from the disk when it
+    is not. What keeps it out of RAM is explicit:
+
+    - Before a slice's update, a reader thread asks the kernel to read the whole slice in
+      (``MADV_POPULATE_WRITE``), so the update does not stop at each page, and a read error is
+      returned as an error instead of a ``SIGBUS`` in the update.
+    - After it, a writer thread writes the pages back (``msync(MS_SYNC)``, which reports I/O
+      errors), unmaps them (``MADV_DONTNEED``) and drops them from the page cache
+      (``POSIX_FADV_DONTNEED``): RAM holds a slice's masters only between its read and its write.
+
+    Both calls go through ``ctypes``, which releases the GIL (Python's ``mmap`` methods do not),
+    so they run beside the update and the next forward. The file is unlinked as soon as it is
+    mapped: its blocks are freed with the last tensor over the mapping, and a killed process
+    leaves nothing behind. A mapping reads through the page cache, not with direct I/O: the
+    cached page *is* the memory the tensor uses, so there is no second copy, and it is dropped
+    after use, so re-reads come from the disk.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import mmap
+import os
+import tempfile
+import time
+import weakref
+from pathlib import Path
+
+import torch
+
+from .disk import PAGE, DiskCounters, page_aligned
+
+# Linux's values (include/uapi/asm-generic/mman-common.h); Python's mmap module lacks the newer ones.
+MADV_DONTNEED = 4
+MADV_POPULATE_READ = 22
+MADV_POPULATE_WRITE = 23
+MS_SYNC = 4
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.msync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+
+
+def _check(result: int, what: str, path: str) -> None:
+    if result != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"{what}: {os.strerror(code)}", path)
+
+
+class MappedFile:
+    """``nbytes`` of host memory in a shared mapping of a new file in ``directory``, as a ``uint8``
+    tensor (:attr:`tensor`). The file is preallocated (a full disk shows here, as ``OSError``
+    ``ENOSPC`` naming the file) and unlinked at once (Note: [Mapped masters]).
+
+    Args:
+        directory: where the file is made.
+        nbytes: bytes of the mapping (rounded up to pages).
+        counters: where the bytes and seconds of reads (:meth:`read_in`) and writes
+            (:meth:`write_back`) are added.
+    """
+
+    def __init__(self, directory: Path, nbytes: int, counters: DiskCounters) -> None:
+        self.nbytes = page_aligned(max(nbytes, 1))
+        self.counters = counters
+        fd, name = tempfile.mkstemp(prefix="offload-masters-", suffix=".bin", dir=directory)
+        self.path = name
+        try:
+            try:
+                os.posix_fallocate(fd, 0, self.nbytes)
+            except OSError as error:
+                raise OSError(error.errno, error.strerror, name) from None
+            self._map = mmap.mmap(fd, self.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        finally:
+            os.unlink(name)
+        self.fd = fd
+        # The descriptor goes with the mapping, which goes with the last tensor over it.
+        weakref.finalize(self._map, os.close, fd)
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)  # keeps the map alive
+        self.address = self.tensor.data_ptr()
+
+    def read_in(self, write: bool = True) -> None:
+        """Make every page resident (read from the disk where it is not), ready to be written
+        (``write``) or read. Raises ``OSError`` naming the file on a read error."""
+        start = time.perf_counter()
+        advice = MADV_POPULATE_WRITE if write else MADV_POPULATE_READ
+        try:
+            _check(_libc.madvise(self.address, self.nbytes, advice), "reading the masters in", self.path)
+        finally:
+            self.counters.read_bytes += self.nbytes
+            self.counters.read_seconds += time.perf_counter() - start
+
+    def write_back(self) -> None:
+        """Write every dirty page to the file, then take every page out of RAM (this process's
+        mapping and the page cache). Raises ``OSError`` naming the file on a write error."""
+        start = time.perf_counter()
+        try:
+            _check(_libc.msync(self.address, self.nbytes, MS_SYNC), "writing the masters back", self.path)
+        finally:
+            self.counters.write_bytes += self.nbytes
+            self.counters.write_seconds += time.perf_counter() - start
+        self.drop()
+
+    def drop(self) -> None:
+        """Take the clean pages out of RAM; dirty ones stay in the page cache until written."""
+        _check(_libc.madvise(self.address, self.nbytes, MADV_DONTNEED), "dropping the masters' pages", self.path)
+        os.posix_fadvise(self.fd, 0, self.nbytes, os.POSIX_FADV_DONTNEED)
+
+    def resident_bytes(self) -> int:
+        """Bytes of the mapping in RAM now (``mincore``)."""
+        pages = self.nbytes // PAGE
+        vector = (ctypes.c_ubyte * pages)()
+        _check(_libc.mincore(self.address, self.nbytes, vector), "counting resident pages", self.path)
+        return PAGE * sum(1 for page in bytes(vector) if page & 1)
+
+
+def mapping_supported() -> bool:
+    """Whether this system has the calls :class:`MappedFile` needs (Linux 5.14 or later)."""
+    return hasattr(os, "posix_fadvise") and hasattr(os, "posix_fallocate") and _populate_supported()
+
+
+def _populate_supported() -> bool:
+    probe = mmap.mmap(-1, PAGE)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(probe))
+    ok = _libc.madvise(address, PAGE, MADV_POPULATE_WRITE) == 0 or ctypes.get_errno() != errno.EINVAL
+    return ok

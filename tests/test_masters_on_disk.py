@@ -1,0 +1,316 @@
+"""Masters on disk: ``OffloadModel(..., masters=DiskTier(path))`` keeps the float32 masters in file
+mappings, gives the RAM-resident model's results bit for bit, holds a window of slices in RAM while
+the optimizer steps and none between steps, and fails safely (Notes: [Masters on disk] in
+offload/master_files.py, [Mapped masters] in offload/streams/mapped.py)."""
+
+from __future__ import annotations
+
+import copy
+import errno
+import os
+import pickle
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from offload import (DiskTier, DiskTierError, HostUpdateError, OffloadModel, OffloadOptimizer, estimate_memory,
+                     latest_checkpoint, load_checkpoint, load_sequential, save_checkpoint)
+from offload import master_files
+from offload.disk_tier import WINDOW
+from offload.streams import mapped
+from offload.streams.disk import page_aligned
+
+from .helpers import DEVICES
+from .test_optimizer import OPTIMIZERS, assert_same, loss_of, network
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*per-tensor CPU implementation")
+
+BF16 = torch.bfloat16
+
+
+def twins(cls, kwargs, tmp_path, device="cpu", num_slices=3, state_tier=False, layers=network):
+    """The same model and optimizer with the masters in RAM and on disk."""
+    runs = []
+    for masters in (None, DiskTier(tmp_path / "masters")):
+        model = OffloadModel(layers(), device=device, num_slices=num_slices, compute_dtype=BF16, masters=masters)
+        tier = DiskTier(tmp_path / "state") if state_tier and masters is not None else None
+        runs.append((model, OffloadOptimizer(model, cls, disk_tier=tier, **kwargs)))
+    return runs
+
+
+def train(runs, steps, first=0):
+    for step in range(first, first + steps):
+        for model, optimizer in runs:
+            optimizer.zero_grad()
+            loss_of(model, step).backward()
+            optimizer.step()
+
+
+def resident(model):
+    return sum(s.storage.masters_file.resident_bytes() for s in model._engine.slices)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("state_tier", [False, True], ids=["state-in-ram", "state-on-disk"])
+@pytest.mark.parametrize("cls, kwargs", [p for p in OPTIMIZERS if p.id in (
+    "AdamW-default", "AdamW-fused", "Adam-amsgrad", "SGD-momentum")])
+def test_steps_equal_the_masters_in_ram(cls, kwargs, state_tier, device, tmp_path):
+    (ram_model, ram), (model, optimizer) = runs = twins(cls, kwargs, tmp_path, device, state_tier=state_tier)
+    assert all(s.storage.masters_file is not None for s in model._engine.slices)
+    assert all(s.storage.masters_file is None for s in ram_model._engine.slices)
+    train(runs, 4)
+    optimizer.synchronize()
+    # Between steps no slice's masters are in RAM: only in their files.
+    assert resident(model) == 0
+    footprint = model.memory_footprint()
+    files = sum(page_aligned(s.storage.host_nbytes) for s in model._engine.slices)
+    assert footprint.host_masters == 0 and footprint.disk >= files
+    assert footprint.host_total == (ram_model.memory_footprint().host_total
+                                    - ram_model.memory_footprint().host_masters
+                                    - (ram_model.memory_footprint().host_optimizer_state if state_tier else 0)
+                                    + footprint.host_disk_window)
+    assert_same(ram_model, ram, model, optimizer)  # reading the parameters reads their pages in
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_accumulation_clipping_and_a_grad_scaler_skip(fused, tmp_path):
+    # Every backward after the first of a step finds the shadows out of date: they are cast from
+    # the masters read in from disk.
+    runs = twins(torch.optim.AdamW, {"lr": 1e-2, "fused": fused}, tmp_path, state_tier=True)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**8) for _ in runs]
+    for step in range(4):
+        for (model, optimizer), scaler in zip(runs, scalers):
+            for micro in range(3):
+                loss = loss_of(model, 10 * step + micro) / 3
+                if step == 2 and micro == 1:
+                    loss = loss * float("inf")  # an overflow: the step is skipped
+                scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.05)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=step % 2 == 0)
+    (ram_model, ram), (model, optimizer) = runs
+    optimizer.synchronize()
+    assert resident(model) == 0
+    assert_same(ram_model, ram, model, optimizer)
+
+
+def test_forwards_read_what_was_written_through_the_parameters(tmp_path):
+    (ram_model, ram), (model, optimizer) = runs = twins(torch.optim.SGD, {"lr": 0.1}, tmp_path)
+    train(runs, 2)
+    for m in (ram_model, model):
+        with torch.no_grad():
+            for p in m.parameters():
+                p.mul_(0.5)  # by hand, between steps: the next forward casts the shadow again
+    x = torch.randn(4, 6)
+    with torch.no_grad():
+        assert torch.equal(ram_model(x), model(x))
+        assert torch.equal(ram_model(x), model(x))  # evaluation: every forward reads the masters in
+    assert resident(model) == 0
+    assert model.state_dict().keys() == ram_model.state_dict().keys()
+    for (name, a), b in zip(ram_model.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_masters_are_read_in_and_written_back_around_each_update(tmp_path):
+    _, (model, optimizer) = twins(torch.optim.AdamW, {"lr": 1e-2, "fused": True}, tmp_path)
+    files = model._engine.master_files
+    train([(model, optimizer)], 3)
+    optimizer.synchronize()
+    total = sum(s.storage.masters_file.nbytes for s in model._engine.slices)
+    # Building wrote the masters out; the first forward read them in to cast the shadows and
+    # dropped them; each of the three steps read every slice in and wrote it back once.
+    assert files.counters.read_bytes == (1 + 3) * total
+    assert files.counters.write_bytes == (1 + 1 + 3) * total
+
+
+class SlowAdamW(torch.optim.AdamW):
+    def step(self, closure=None):
+        time.sleep(0.03)
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("window", [WINDOW, 100], ids=["window", "no-window"])
+def test_ram_holds_a_window_of_slices_while_the_optimizer_steps(window, tmp_path, monkeypatch):
+    # Updates slower than reads: without the window the reader would read every slice in ahead.
+    monkeypatch.setattr(master_files, "WINDOW", window)
+    layers = lambda: nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)])  # noqa: E731
+    model = OffloadModel(layers(), device="cpu", num_slices=8, compute_dtype=BF16,
+                         masters=DiskTier(tmp_path))
+    optimizer = OffloadOptimizer(model, SlowAdamW, lr=1e-3)
+    live, most, lock = set(), [0], threading.Lock()
+    real_read, real_write = mapped.MappedFile.read_in, mapped.MappedFile.write_back
+
+    def read_in(self, write=True):
+        real_read(self, write)
+        with lock:
+            live.add(id(self))
+            most[0] = max(most[0], len(live))
+
+    def write_back(self):
+        real_write(self)
+        with lock:
+            live.discard(id(self))
+
+    monkeypatch.setattr(mapped.MappedFile, "read_in", read_in)
+    monkeypatch.setattr(mapped.MappedFile, "write_back", write_back)
+    for _ in range(2):
+        model(torch.randn(4, 64)).float().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    optimizer.synchronize()
+    assert not live and resident(model) == 0
+    if window == WINDOW:
+        assert 2 <= most[0] <= WINDOW  # reads overlap updates, within the window
+    else:
+        assert most[0] > WINDOW  # the check above can fail
+
+
+def test_files_are_unlinked_counted_and_never_shared(tmp_path):
+    a = OffloadModel(network(), device="cpu", num_slices=3, compute_dtype=BF16, masters=tmp_path)
+    b = OffloadModel(network(), device="cpu", num_slices=3, compute_dtype=BF16, masters=DiskTier(tmp_path))
+    assert os.listdir(tmp_path) == []  # unlinked as soon as mapped: a killed process leaves nothing
+    pa = [s.storage.masters_file for s in a._engine.slices]
+    pb = [s.storage.masters_file for s in b._engine.slices]
+    assert len({f.path for f in pa + pb}) == 6
+    assert a.memory_footprint().disk == sum(f.nbytes for f in pa)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q) and p.data_ptr() != q.data_ptr()
+    with torch.no_grad():
+        next(a.parameters()).add_(1.0)
+    assert not torch.equal(next(a.parameters()), next(b.parameters()))
+
+
+def test_copies_and_pickles_keep_the_masters_on_disk(tmp_path):
+    model = OffloadModel(network(), device="cpu", num_slices=3, compute_dtype=BF16, masters=tmp_path)
+    x = torch.randn(3, 6)
+    for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert all(s.storage.masters_file is not None for s in twin._engine.slices)
+        assert twin.memory_footprint().disk == model.memory_footprint().disk
+        with torch.no_grad():
+            assert torch.equal(twin(x), model(x))
+
+
+def test_a_full_disk_is_a_clear_error_when_the_model_is_built(tmp_path, monkeypatch):
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(mapped.os, "posix_fallocate", full)
+    with pytest.raises(DiskTierError, match="No space left on device.*Free space there"):
+        OffloadModel(network(), device="cpu", num_slices=3, compute_dtype=BF16, masters=tmp_path)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_failed_read_leaves_that_slice_and_later_ones_untouched(tmp_path, monkeypatch):
+    _, (model, optimizer) = twins(torch.optim.AdamW, {"lr": 1e-2, "fused": True}, tmp_path)
+    train([(model, optimizer)], 2)
+    optimizer.synchronize()
+    before = [[e.tensor.detach().clone() for e in s.storage.params] for s in model._engine.slices]
+    broken = model._engine.slices[1].storage.masters_file
+    real = mapped.MappedFile.read_in
+
+    def read_in(self, write=True):
+        if self is broken:
+            raise OSError(errno.EIO, os.strerror(errno.EIO), self.path)
+        real(self, write)
+
+    optimizer.zero_grad()
+    loss_of(model, 2).backward()
+    monkeypatch.setattr(mapped.MappedFile, "read_in", read_in)
+    optimizer.step()
+    with pytest.raises(HostUpdateError, match="masters of slice 1 from .*offload-masters-.*slice 1 and the slices after"):
+        optimizer.synchronize()
+    monkeypatch.setattr(mapped.MappedFile, "read_in", real)
+    for s, old in zip(model._engine.slices, before):
+        for e, value in zip(s.storage.params, old):
+            assert torch.equal(e.tensor, value) == (s.index >= 1), f"slice {s.index}"
+    optimizer.step()  # training goes on
+    optimizer.synchronize()
+    assert resident(model) == 0
+
+
+def test_a_failed_write_is_raised_and_loses_nothing(tmp_path, monkeypatch):
+    (ram_model, ram), (model, optimizer) = runs = twins(torch.optim.AdamW, {"lr": 1e-2, "fused": True}, tmp_path)
+    train(runs, 1)
+    optimizer.synchronize()
+    real = mapped.MappedFile.write_back
+    failed = []
+
+    def write_back(self):  # the first write after an update fails
+        if not failed and threading.current_thread().name == "offload masters write":
+            failed.append(self)
+            raise OSError(errno.EIO, os.strerror(errno.EIO), self.path)
+        real(self)
+
+    monkeypatch.setattr(mapped.MappedFile, "write_back", write_back)
+    train(runs, 1, first=1)
+    with pytest.raises(DiskTierError, match=r"masters of 1 slice\(s\) back to disk \(slice 0: .*updated"):
+        optimizer.synchronize()
+    monkeypatch.setattr(mapped.MappedFile, "write_back", real)
+    optimizer.synchronize()  # raised once
+    train(runs, 2, first=2)
+    assert_same(ram_model, ram, model, optimizer)
+
+
+def test_loading_a_checkpoint_slice_by_slice_puts_the_masters_on_disk(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file(network().state_dict(), tmp_path / "model.safetensors")
+    model = load_sequential(network, tmp_path / "model.safetensors", "cpu", num_slices=3, compute_dtype=BF16,
+                            masters=DiskTier(tmp_path / "masters"))
+    assert resident(model) == 0
+    for a, b in zip(model.parameters(), network().parameters()):
+        assert torch.equal(a, b)
+
+
+def test_a_checkpoint_resumes_exactly(tmp_path):
+    def build():
+        model = OffloadModel(network(), device="cpu", num_slices=3, compute_dtype=BF16, masters=tmp_path / "m")
+        return model, OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True, disk_tier=tmp_path / "s")
+
+    whole = build()
+    train([whole], 4)
+    first = build()
+    train([first], 2)
+    save_checkpoint(tmp_path / "ckpt" / "step-2", *first)
+    assert resident(first[0]) == 0  # the save read every master: dropped again
+    resumed = build()
+    load_checkpoint(latest_checkpoint(tmp_path / "ckpt"), *resumed)
+    assert resident(resumed[0]) == 0
+    train([resumed], 2, first=2)
+    assert_same(*whole, *resumed)
+
+
+def test_the_estimate_counts_the_masters_on_disk(tmp_path):
+    layers = nn.Sequential(*[nn.Linear(128, 128) for _ in range(8)])
+    plan = estimate_memory(copy.deepcopy(layers), num_slices=4, compute_dtype=BF16, optimizer="adamw",
+                           optimizer_state="disk", masters="disk", device="cpu")
+    model = OffloadModel(layers, device="cpu", num_slices=4, compute_dtype=BF16, masters=tmp_path / "m")
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-3, fused=True, disk_tier=tmp_path / "s")
+    for _ in range(2):
+        model(torch.randn(4, 128)).float().sum().backward()
+        optimizer.step()
+    optimizer.synchronize()
+    measured = model.memory_footprint()
+    assert measured.host_masters == plan.host_masters == 0
+    assert measured.host_shadows == plan.host_shadows
+    assert abs(measured.disk - plan.disk) <= 0.05 * plan.disk
+    # The plan's window also counts the masters of three slices, in RAM while the optimizer steps.
+    per_slice_masters = 2 * 4 * (128 * 128 + 128)
+    expected = measured.host_disk_window + WINDOW * per_slice_masters  # the tier's buffers are whole pages
+    assert abs(plan.host_disk_window - expected) <= 0.01 * expected
+
+
+def test_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match="need a compute_dtype"):
+        OffloadModel(network(), device="cpu", masters=tmp_path)
+    with pytest.raises(ValueError, match="keep=True.*Save a checkpoint"):
+        OffloadModel(network(), device="cpu", compute_dtype=BF16, masters=DiskTier(tmp_path, keep=True))
+    with pytest.raises(TypeError, match="masters must be None, a DiskTier or a directory path, got int"):
+        OffloadModel(network(), device="cpu", compute_dtype=BF16, masters=3)
+    with pytest.raises(ValueError, match="masters='disk' needs a compute_dtype"):
+        estimate_memory([100] * 4, masters="disk")
