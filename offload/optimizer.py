@@ -355,10 +355,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
         With ``set_to_none=True`` (the default) it returns at once: pending updates keep the
         gradients they captured. With ``False`` it zeroes them in place, after the updates that
-        read them.
+        read them (which keep the shadows they wrote: the next forward does not cast them again,
+        nor read masters on disk in for that).
         """
         if not set_to_none:
-            self.synchronize()
+            engine_of(self.model).updates.finish_all()
         super().zero_grad(set_to_none=set_to_none)
         if not set_to_none:
             mark_zeroed(p for group in self.param_groups for p in group["params"])

@@ -116,10 +116,16 @@ def test_forwards_read_what_was_written_through_the_parameters(tmp_path):
         assert torch.equal(a, b), name
 
 
-def test_masters_are_read_in_and_written_back_around_each_update(tmp_path):
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_masters_are_read_in_and_written_back_around_each_update(set_to_none, tmp_path):
     _, (model, optimizer) = twins(torch.optim.AdamW, {"lr": 1e-2, "fused": True}, tmp_path)
     files = model._engine.master_files
-    train([(model, optimizer)], 3)
+    for step in range(3):
+        # zero_grad(set_to_none=False) waits for the updates, which keep the shadows they wrote:
+        # the next forward does not read the masters in again to cast them.
+        optimizer.zero_grad(set_to_none=set_to_none)
+        loss_of(model, step).backward()
+        optimizer.step()
     optimizer.synchronize()
     total = sum(s.storage.masters_file.nbytes for s in model._engine.slices)
     # Building wrote the masters out; the first forward read them in to cast the shadows and

@@ -50,6 +50,20 @@ class SliceUpdates:
         # A load must not read a host copy the update is still writing.
         self.copies.wait_host(event)
 
+    def finish_all(self) -> None:
+        """Block until every pending update is done, leaving them pending: each slice keeps the
+        shadow its update wrote (a forward casts it again only for a slice with none pending).
+        For callers that only need the updates to have read what they read (the gradients)."""
+        try:
+            for index in sorted(self._pending):
+                self.copies.wait_host(self._pending[index])
+        except BaseException:
+            # An update failed: which shadows it left current is unknown; cast them all again.
+            for index in list(self._pending):
+                del self._pending[index]
+                self.storages[index].expire_shadow()
+            raise
+
     def wait_all(self, shadows_stale: bool = False) -> None:
         """Block until every host copy is final, in slice order.
 
