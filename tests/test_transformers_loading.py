@@ -94,6 +94,33 @@ def test_a_bfloat16_checkpoint_into_float32_masters_and_a_compute_dtype(kind, de
     assert kept.get_input_embeddings().weight.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("kind", ["llama", "gemma3_text"])
+def test_masters_on_disk_load_and_train_as_in_ram(kind, tmp_path):
+    from offload import DiskTier, OffloadOptimizer
+
+    build(kind, dropout=0.0, tied=True).save_pretrained(tmp_path / "model", max_shard_size=SHARD)
+    runs = []
+    for masters in (None, DiskTier(tmp_path / "masters")):
+        model, hf = load_causal_lm(tmp_path / "model", "cpu", num_slices=3, compute_dtype=torch.bfloat16,
+                                   masters=masters)
+        hf.train()
+        runs.append((model, hf, OffloadOptimizer(model, torch.optim.AdamW, lr=1e-3, fused=True)))
+    on_disk = runs[1][0]
+    assert all(s.storage.masters_file is not None for s in on_disk._engine.slices)
+    assert sum(s.storage.masters_file.resident_bytes() for s in on_disk._engine.slices) == 0
+    assert_same_tensors(runs[1][1], runs[0][1])
+    inputs = batch()
+    for _ in range(3):
+        logits = [model(inputs).float() for model, _, _ in runs]
+        torch.testing.assert_close(logits[1], logits[0], **EXACT)
+        for (_, _, optimizer), out in zip(runs, logits):
+            out.pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    runs[1][2].synchronize()
+    assert_same_tensors(runs[1][1], runs[0][1])
+
+
 @pytest.mark.parametrize("kind", ["gpt2", "gemma"])
 def test_a_base_models_checkpoint_without_the_prefix(kind, tmp_path):
     # A tied model's decoder alone holds all its weights: stored names lack "model." / "transformer.".
