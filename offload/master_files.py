@@ -24,6 +24,13 @@ Note: [Masters on disk]
     accumulation, evaluation, parameters changed by hand) reads its masters in, casts, and
     drops them again, on the calling thread: 4 bytes per parameter read from the disk.
 
+    None of these orderings is needed for the values to be right: a shared mapping is coherent,
+    so a page dropped too early is read in again from the file (a dirty page dropped from the
+    mapping stays dirty in the page cache), and one read in too late faults in where the update
+    touches it. What they bound is RAM, and what they buy is speed (the update does not stop at
+    every page); ``tests/test_masters_on_disk.py`` checks the bound, and that it fails without
+    the window.
+
     Errors: a read that fails leaves its slice untouched (a :class:`~offload.HostUpdateError`
     naming the file, as for any failed update, at the next call that waits for updates); a
     write that fails leaves the slice updated, with its masters still in RAM (the page cache),

@@ -21,8 +21,12 @@ Four measurements, written to one JSON file:
    state in RAM (``host_bytes_per_param_ram``, fp32 AdamW) and on disk
    (``host_bytes_per_param_disk``: masters, the gradient pool, the scalars and the window of three
    slices' state), and each child's peak RSS over its RSS before building the model.
+   A third child puts the masters on disk too, under a bfloat16 compute dtype
+   (``host_bytes_per_param_masters_on_disk``: the shadow, the gradient pool, the scalars and the
+   windows; the masters' pages in RAM, none between steps).
 4. **Exact**: ``--exact-steps`` steps of a small model with the state in RAM and on disk give the
-   same parameters and optimizer state bit for bit (``exact``).
+   same parameters and optimizer state bit for bit (``exact``); likewise with the masters on disk
+   too, against masters in RAM (``exact_masters_on_disk``).
 
 Usage::
 
@@ -132,8 +136,11 @@ def train_steps(args: argparse.Namespace) -> dict[str, Any]:
     """One configuration: build, train ``--steps`` steps, count bytes and time (run as a child)."""
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
     before = rss_bytes()
-    model = OffloadModel(mlp(args.params, args.width), device="cpu", num_slices=args.slices)
-    tier = DiskTier(args.dir) if args.phase == "disk" else None
+    masters = args.phase == "masters"  # bfloat16 compute, the masters on disk as well
+    model = OffloadModel(mlp(args.params, args.width), device="cpu", num_slices=args.slices,
+                         compute_dtype=torch.bfloat16 if masters else None,
+                         masters=DiskTier(args.dir) if masters else None)
+    tier = DiskTier(args.dir) if args.phase in ("disk", "masters") else None
     optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-4, fused=True, disk_tier=tier)
     parameters = sum(p.numel() for p in model.parameters())
     x = torch.randn(args.batch, args.width, generator=torch.Generator().manual_seed(0))
@@ -141,7 +148,7 @@ def train_steps(args: argparse.Namespace) -> dict[str, Any]:
     counters = None
     for step in range(args.steps):
         start = time.perf_counter()
-        model(x).pow(2).mean().backward()
+        model(x).float().pow(2).mean().backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)  # waits for the update: the step's whole cost
         step_s.append(time.perf_counter() - start)
@@ -197,15 +204,19 @@ def child(args: argparse.Namespace, phase: str) -> dict[str, Any]:
 # -- 4. exact --------------------------------------------------------------------------------------------
 
 
-def exact(directory: Path, steps: int) -> bool:
+def exact(directory: Path, steps: int, masters: bool = False) -> bool:
+    """A few steps with the state on disk (and with ``masters``, the masters too, under a bfloat16
+    compute dtype) against everything in RAM, bit for bit."""
     runs = []
     for tier in (None, DiskTier(directory)):
-        model = OffloadModel(mlp(2e5, 64), device="cpu", num_slices=4)
+        model = OffloadModel(mlp(2e5, 64), device="cpu", num_slices=4,
+                             compute_dtype=torch.bfloat16 if masters else None,
+                             masters=tier if masters else None)
         runs.append((model, OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True, disk_tier=tier)))
     for step in range(steps):
         x = torch.randn(8, 64, generator=torch.Generator().manual_seed(step))
         for model, optimizer in runs:
-            model(x).pow(2).mean().backward()
+            model(x).float().pow(2).mean().backward()
             optimizer.step()
             optimizer.zero_grad()
     (ram_model, ram), (disk_model, on_disk) = runs
@@ -230,7 +241,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--exact-steps", type=int, default=3)
     parser.add_argument("--small", action="store_true", help="tiny sizes: a smoke test in seconds")
-    parser.add_argument("--phase", choices=["ram", "disk"], help=argparse.SUPPRESS)
+    parser.add_argument("--phase", choices=["ram", "disk", "masters"], help=argparse.SUPPRESS)
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     if args.phase is not None:
@@ -249,8 +260,9 @@ def main() -> None:
           f"{raw['disk_mixed_write_gbps']:.2f}, read {raw['disk_mixed_read_gbps']:.2f} GB/s", flush=True)
     in_ram = child(args, "ram")
     on_disk = child(args, "disk")
+    masters = child(args, "masters")
     print(f"{on_disk['parameters'] / 1e6:.0f} M parameters, {args.slices} slices, fused AdamW, {args.steps} steps:")
-    for name, run in (("state in RAM", in_ram), ("state on disk", on_disk)):
+    for name, run in (("state in RAM", in_ram), ("state on disk", on_disk), ("+ masters, bf16", masters)):
         print(f"  {name:14s} {run['host_bytes_per_param']:5.2f} host bytes/parameter (RSS growth: peak "
               f"{run['rss_growth_bytes_per_param']:5.2f}, after the steps "
               f"{run['rss_growth_after_steps_bytes_per_param']:5.2f}), "
@@ -266,7 +278,8 @@ def main() -> None:
           f"{on_disk['tier_write_gbps']:.2f} GB/s ({fractions['tier_write_fraction']:.2f}, "
           f"{fractions['tier_write_fraction_vs_mixed']:.2f})")
     same = exact(args.dir, args.exact_steps)
-    print(f"exact: {same}")
+    same_masters = exact(args.dir, args.exact_steps, masters=True)
+    print(f"exact: {same}; with the masters on disk too (bfloat16 compute): {same_masters}")
 
     if args.json:
         report = {
@@ -278,15 +291,18 @@ def main() -> None:
             "tier_write_fraction": fractions["tier_write_fraction"],
             "host_bytes_per_param_ram": in_ram["host_bytes_per_param"],
             "host_bytes_per_param_disk": on_disk["host_bytes_per_param"],
+            "host_bytes_per_param_masters_on_disk": masters["host_bytes_per_param"],
             "exact": same,
+            "exact_masters_on_disk": same_masters,
             "raw": raw, "fractions": fractions, "state_in_ram": in_ram, "state_on_disk": on_disk,
+            "masters_and_state_on_disk": masters,
         }
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
             f.write("\n")
         print(f"wrote {args.json}")
-    if not same:
+    if not (same and same_masters):
         sys.exit("the disk tier's results differ from the RAM-resident optimizer's")
 
 

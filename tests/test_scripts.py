@@ -152,8 +152,12 @@ def test_chunked_loss_precision_script(tmp_path):
 def test_bench_storage_smoke_test(tmp_path):
     out = run("scripts/bench_storage.py", "--small", "--dir", str(tmp_path / "disk"), "--json",
               str(tmp_path / "storage.json"))
-    assert "exact: True" in out
+    assert "exact: True; with the masters on disk too (bfloat16 compute): True" in out
     data = json.loads((tmp_path / "storage.json").read_text())
+    assert data["exact_masters_on_disk"] is True
+    # The masters (4) moved to disk as well, a bfloat16 shadow (2) came: 2 bytes per parameter fewer.
+    assert data["host_bytes_per_param_disk"] - data["host_bytes_per_param_masters_on_disk"] == pytest.approx(
+        2, rel=0.1)
     for key in ("disk_read_gbps", "disk_write_gbps", "tier_read_fraction", "tier_write_fraction"):
         assert data[key] > 0, key
     assert data["exact"] is True and "scripts/bench_storage.py" in data["command"]
