@@ -6,6 +6,8 @@
 #   bash benchmarks/gpu_run.sh bench "mlp gpt-compute-bound" 0 300          # presets, RSS-trace steps, time limit
 #   bash benchmarks/gpu_run.sh bench "gpt-capped" 0 300 "--steps 5 --warmup 2"
 #   bash benchmarks/gpu_run.sh maxmodel 2 540 "--compute-dtype bf16"        # largest model under a 2 GiB cap, time limit
+#   bash benchmarks/gpu_run.sh storage 400                                    # the disk tier against this machine's disk
+#   bash benchmarks/gpu_run.sh scale 540 "--layers 24 --compute-dtype bfloat16 --masters-on-disk"  # tiers feeding a GPU
 #
 # A fairscale wheel under .whl/ (not a dependency) is installed for the comparison when present.
 set -uo pipefail
@@ -50,6 +52,14 @@ while [ $# -gt 0 ]; do
             PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} \
                 timeout "$limit" python3 scripts/bench_max_model.py --cap-gib "$cap" $more --out-dir "$OUT" 2>&1 \
                 | grep -v Warning | tail -n 80 | tee -a "$OUT/run.log" ;;
+        storage)  # storage <seconds>: scripts/bench_storage.py in the system's temporary directory
+            timeout "$1" python3 scripts/bench_storage.py --json "$OUT/storage.json" 2>&1 | tail -n 40 \
+                | tee -a "$OUT/run.log"; shift ;;
+        scale)  # scale <seconds> ["<more arguments>"]: scripts/bench_scale.py on the GPU
+            limit=$1; shift; more=""
+            if [ $# -gt 0 ] && [ "${1#--}" != "$1" ]; then more=$1; shift; fi
+            timeout "$limit" python3 scripts/bench_scale.py --device cuda $more --json "$OUT/scale.json" 2>&1 \
+                | grep -v "^ " | tail -n 40 | tee -a "$OUT/run.log" ;;
         pstep)  # pstep <case> <seconds>: torch.profiler tables of one case's offloaded step
             timeout "$2" python3 scripts/profile_step.py --case "$1" > "$OUT/profile_step_$1.txt" 2>&1
             head -n 40 "$OUT/profile_step_$1.txt" | tee -a "$OUT/run.log"; shift 2 ;;

@@ -133,6 +133,7 @@ def main() -> None:
                         help="dtype of the device copies (bfloat16: a shadow in RAM that loads read)")
     parser.add_argument("--masters-on-disk", action="store_true",
                         help="keep the float32 masters in files too (needs --compute-dtype bfloat16)")
+    parser.add_argument("--device", default="cpu", help="the compute device (cuda: the device slots in GPU memory)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     if args.masters_on_disk and args.compute_dtype == "float32":
@@ -155,7 +156,7 @@ def main() -> None:
         with PeakRSS() as training:
             started = time.perf_counter()
             model = offload.load_sequential(lambda: build(args.width, args.layers), work / "checkpoint",
-                                            device="cpu", num_slices=args.slices, compute_dtype=compute_dtype,
+                                            device=args.device, num_slices=args.slices, compute_dtype=compute_dtype,
                                             masters=DiskTier(work / "masters") if args.masters_on_disk else None)
             load_s = time.perf_counter() - started
             rss_after_load = psutil.Process().memory_info().rss
@@ -163,8 +164,8 @@ def main() -> None:
             optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-4, fused=True,
                                          disk_tier=DiskTier(work / "state"))
             steps = []
-            x = torch.randn(args.batch, args.width)
-            target = torch.randn(args.batch, args.width)
+            x = torch.randn(args.batch, args.width, device=args.device)
+            target = torch.randn(args.batch, args.width, device=args.device)
             counters = optimizer._tier.counters  # the tier's own read and write calls
             files = model._engine.master_files  # the masters' reads and writes, around each update
             # A training loop as users write it: each forward waits for the previous step's update
@@ -210,7 +211,7 @@ def main() -> None:
             estimate = offload.estimate_memory(build_meta(args.width, args.layers), num_slices=args.slices,
                                                compute_dtype=compute_dtype, optimizer="adamw",
                                                optimizer_state="disk",
-                                               masters="disk" if args.masters_on_disk else "ram", device="cpu")
+                                               masters="disk" if args.masters_on_disk else "ram", device=args.device)
             optimizer.close()
         result.update({
             "parameters": params,
