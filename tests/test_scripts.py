@@ -190,6 +190,16 @@ def test_finetune_script_resumes_with_the_losses_of_a_run_that_never_stopped(tmp
     assert final == last_line(resumed, "final loss").split(";")[0] and len(final) > len("final loss 1.2345")
 
 
+def test_finetune_script_with_state_and_masters_on_disk_has_the_same_losses(tmp_path):
+    common = ["scripts/finetune_causal_lm.py", "--device", "cpu", "--no-progress", "--compute-dtype", "bf16",
+              "--steps", "3"]
+    in_ram = run(*common, "--out", str(tmp_path / "ram"))
+    on_disk = run(*common, "--out", str(tmp_path / "disk"), "--disk-tier", str(tmp_path / "tier"), "--masters-on-disk")
+    assert step_losses(on_disk) == step_losses(in_ram) and len(step_losses(in_ram)) == 3
+    assert last_line(on_disk, "final loss").split(";")[0] == last_line(in_ram, "final loss").split(";")[0]
+    assert os.listdir(tmp_path / "tier") == []  # the state's and the masters' files are gone
+
+
 def test_distributed_script_resumes_on_two_ranks_and_on_one(tmp_path):
     common = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "scripts/train_distributed.py",
               "--preset", "tiny", "--steps", "4", "--out", str(tmp_path)]
