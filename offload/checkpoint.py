@@ -23,7 +23,10 @@ Note: [Checkpoint layout]
         references (no copies), the state a disk tier keeps as stand-ins of its shape and dtype,
         which the save planner reads from the tier when DCP writes them, one slice at a time
         (Note: [Slice-by-slice save] in ``offload/slice_save_planner.py``). Loading, each rank
-        reads the state of the parameters it updates now, whatever the number of ranks that saved it.
+        reads the state of the parameters it updates now, whatever the number of ranks that saved
+        it; the state a disk tier keeps goes into the tier's files a slice at a time, as DCP reads
+        it (Note: [Slice-by-slice load] in ``offload/slice_load_planner.py``), and the rest
+        through the optimizer's ``load_state_dict()``.
     ``optim/param_groups``
         the groups' hyperparameters (learning rate as the scheduler left it...), each group's
         parameters by name.
@@ -74,8 +77,10 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
+from .disk_tier import DiskTierError
 from .model import OffloadModel, engine_of
 from .optimizer import OffloadOptimizer
+from .slice_load_planner import SliceWritingLoadPlanner
 from .slice_save_planner import SliceReadingSavePlanner
 from .streams.host_storage import dense_stride
 
@@ -207,7 +212,9 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     It loads on any number of ranks (each reads the optimizer state of the parameters it updates
     now), and into the plain model and a plain ``torch.optim`` optimizer as well as into an
     :class:`~offload.OffloadModel` and :class:`~offload.OffloadOptimizer`. Random number
-    generators are restored only when the number of ranks is the one saved.
+    generators are restored only when the number of ranks is the one saved. Into an
+    OffloadOptimizer with a disk tier, the state the tier keeps is written to its files a slice at
+    a time as it is read: the load holds about one slice of it in host memory.
 
     Args:
         path: a checkpoint directory (see :func:`latest_checkpoint`).
@@ -219,6 +226,9 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
         CheckpointError: an incomplete checkpoint (a missing or truncated file), or one of another
             model (names, shapes, dtypes), slicing or optimizer; the message says what differs.
             Nothing was loaded: the model and optimizer are unchanged.
+        DiskTierError: the optimizer's disk tier could not write part of the loaded state, raised
+            once the load is done: that state is held in RAM (Note: [Disk tier failures] in
+            ``offload/disk_tier.py``).
     """
     path = Path(path)
     info, metadata = _read(path)
@@ -231,41 +241,67 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
 
     state: dict[str, Any] = {f"model/{name}": tensor for name, tensor in model_state.items()}
     wanted: dict[str, list[str]] = {}  # parameter name -> its state's keys, for the state this rank keeps
+    on_disk: dict[str, tuple[int, torch.Tensor, str]] = {}  # key -> where the planner loads it
     if optimizer is not None:
         saved = _saved_optimizer_state(metadata)
-        for param in _kept_parameters(optimizer):
+        for slice_index, param in _kept_parameters(optimizer):
             name = names[id(param)]
             held = optimizer.state.get(param, {})
             for key, entry in saved.get(name, {}).items():
+                entry_key = f"optim/state/{name}/{key}"
+                if _loads_on_disk(optimizer, slice_index, param, key, entry):
+                    # A stand-in: the planner loads it into the disk tier, a slice at a time.
+                    state[entry_key] = torch.zeros((), dtype=entry.properties.dtype).expand(entry.size)
+                    on_disk[entry_key] = (slice_index, param, key)
+                    continue
                 wanted.setdefault(name, []).append(key)
-                state[f"optim/state/{name}/{key}"] = _destination(entry, held.get(key))
+                state[entry_key] = _destination(entry, held.get(key))
         state["optim/param_groups"] = None
     rng_key = f"rng/{rank}"
     if info["world_size"] == world_size and rng_key in metadata.state_dict_metadata:
         state[rng_key] = None
     state["extra"] = None
     # Unflattened, objects (groups, generators, extra) are loaded into this very dict.
-    planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
-    with _single_process_is_intended(group):
-        dcp.load(state, storage_reader=FileSystemReader(path), planner=planner, process_group=group,
-                 no_dist=group is None)
+    planner: DefaultLoadPlanner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    if on_disk and isinstance(optimizer, OffloadOptimizer):
+        planner = SliceWritingLoadPlanner(optimizer._open_slice_load, on_disk)
+    try:
+        with _single_process_is_intended(group):
+            dcp.load(state, storage_reader=FileSystemReader(path), planner=planner, process_group=group,
+                     no_dist=group is None)
+    finally:
+        if isinstance(planner, SliceWritingLoadPlanner):
+            planner.release()
 
+    failure: DiskTierError | None = None
     if optimizer is not None:
         # Through load_state_dict, so that the optimizer casts and places its state as it does
-        # when the plain torch.optim optimizer loads it.
+        # when the plain torch.optim optimizer loads it (the tensors loaded into a disk tier were
+        # cast by the same function: Note: [Slice-by-slice load] in offload/slice_load_planner.py).
         params = [p for params in groups for p in params]
         index = {names[id(p)]: k for k, p in enumerate(params)}
-        optimizer.load_state_dict({
+        loaded = {
             "state": {index[name]: {key: state[f"optim/state/{name}/{key}"] for key in keys}
                       for name, keys in wanted.items()},
             "param_groups": [{**{k: v for k, v in hyper.items() if k != "params"},
                               "params": [index[name] for name in hyper["params"]]}
                              for hyper in state["optim/param_groups"]],
-        })
+        }
+        try:
+            if isinstance(planner, SliceWritingLoadPlanner):
+                planner.check_complete()
+                assert isinstance(optimizer, OffloadOptimizer)
+                optimizer._load_state_dict_beside_tier(loaded, planner.stored)
+            else:
+                optimizer.load_state_dict(loaded)
+        except DiskTierError as error:
+            failure = error  # the state is loaded, part of it held in RAM: finish the load, then raise
     if rng_key in state:
         _set_rng_state(state[rng_key])
     _release_masters(model)
     _barrier(group)
+    if failure is not None:
+        raise failure
     return state["extra"]
 
 
@@ -328,12 +364,20 @@ def _optimizer_state(optimizer: torch.optim.Optimizer
                 yield -1, p, optimizer_state[p], {}
 
 
-def _kept_parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The parameters whose state this rank keeps (sharded: those it updates)."""
+def _kept_parameters(optimizer: torch.optim.Optimizer) -> list[tuple[int, torch.Tensor]]:
+    """(slice index, parameter) for each parameter whose state this rank keeps (sharded: those it
+    updates); the index is -1 outside an OffloadOptimizer's slices."""
     if isinstance(optimizer, OffloadOptimizer):
         # Stand-ins for the state a disk tier keeps: which parameters, without reading their files.
-        return [p for _, states, _ in optimizer._state_layout_by_slice() for p in states]
-    return [p for group in optimizer.param_groups for p in group["params"]]
+        return [(index, p) for index, states, _ in optimizer._state_layout_by_slice() for p in states]
+    return [(-1, p) for group in optimizer.param_groups for p in group["params"]]
+
+
+def _loads_on_disk(optimizer: torch.optim.Optimizer, index: int, param: torch.Tensor, key: str, entry: Any) -> bool:
+    """Whether a saved state tensor loads straight into the optimizer's disk tier, a slice at a time
+    (Note: [Slice-by-slice load] in ``offload/slice_load_planner.py``)."""
+    return (isinstance(optimizer, OffloadOptimizer) and isinstance(entry, TensorStorageMetadata) and index >= 0
+            and optimizer._loads_on_disk(index, param, key, entry.properties.dtype, entry.size))
 
 
 def _named_groups(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[dict[str, Any]]:

@@ -52,7 +52,7 @@ import os
 import shutil
 import tempfile
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -165,6 +165,19 @@ class SliceRecord:
     read_error: OSError | None = None
     write_error: OSError | None = None
     reported: bool = True  # its write error was raised to the caller
+
+
+@dataclass
+class LoadingSlice:
+    """A slice's state being loaded from a checkpoint (:meth:`StateTier.begin_load`): its file's
+    layout, and the buffer in that layout that the loader fills through ``tensors``."""
+
+    record: SliceRecord
+    layout: list[Field]
+    nbytes: int
+    buffer: AlignedBuffer
+    slot: WindowSlot  # where the buffer goes once written
+    tensors: dict[torch.Tensor, dict[str, torch.Tensor]] = field(default_factory=dict)  # views of buffer
 
 
 def _goes_to_disk(value: Any) -> bool:
@@ -403,11 +416,13 @@ class StateTier:
             record.reported = True
         raise DiskTierError(self._failure_message(held, when))
 
-    def forget(self) -> None:
-        """``optimizer.state`` was replaced (loaded): what the files hold is no longer the state."""
-        for record in self.records.values():
-            record.place, record.layout, record.buffer, record.dirty = Place.RAM, None, None, False
-            record.write_error, record.reported = None, True
+    def forget(self, keep: Collection[int] = ()) -> None:
+        """``optimizer.state`` was replaced (loaded): what the files hold is no longer the state,
+        except in the slices ``keep``, whose files were written with the loaded state
+        (:meth:`end_load`)."""
+        for index, record in self.records.items():
+            if index not in keep:
+                _reset(record)
 
     def _failure_message(self, held: list[SliceRecord], when: str) -> str:
         first = held[0].write_error
@@ -484,9 +499,12 @@ class StateTier:
 
     def adopt(self) -> None:
         """``optimizer.state`` was just loaded: move each slice's state to disk, one slice at a time
-        (the previous files are overwritten)."""
+        (the previous files are overwritten), except the slices loaded into their files already
+        (:meth:`end_load`); raise what could not be written."""
         slot = self._window[0]
         for record in self.records.values():
+            if record.place is not Place.RAM:
+                continue  # loaded by end_load (written, or held after a failed write)
             record.slot = slot
             record.buffer = slot.buffer
             self._detach(record)
@@ -494,6 +512,56 @@ class StateTier:
                 self._write(record)
             record.slot = None
         self.flush("load")
+
+    def keeps(self, index: int, param: torch.Tensor, value: torch.Tensor) -> bool:
+        """Whether ``value``, as state of ``param`` in slice ``index``, would be kept on disk."""
+        record = self.records.get(index)
+        return record is not None and any(p is param for p in record.params) and _goes_to_disk(value)
+
+    def begin_load(self, index: int, like: dict[torch.Tensor, dict[str, torch.Tensor]]) -> LoadingSlice:
+        """Where a checkpoint loads slice ``index``'s state: a buffer laid out as the slice's file
+        (as :meth:`_detach` lays it out), and a view of it for each tensor of ``like`` (tensors of
+        the dtype, shape and strides to keep, ``{parameter: {state key: tensor}}``; meta tensors
+        do). Fill the views, then :meth:`end_load` writes the buffer (Note: [Slice-by-slice load]
+        in ``offload/slice_load_planner.py``). Nothing may be pending.
+
+        A buffer of the window serves: the smallest one large enough, else (too small) the largest
+        is let go and the slice's new buffer takes its place once written. A slice loaded while
+        others hold the window's buffers gets a buffer of its own.
+        """
+        self._check_open()
+        record = self.records[index]
+        found = [(position, key, value) for position, p in enumerate(record.params) if p in like
+                 for key, value in like[p].items()]
+        assert found and len(found) == sum(map(len, like.values())), \
+            f"internal error: state to load into slice {index} is not of its parameters"
+        layout = _layout(found)
+        nbytes = page_aligned(layout[-1].offset + layout[-1].nbytes)
+        fits = [s for s in self._window if s.buffer is not None and s.buffer.nbytes >= nbytes]
+        slot = (min(fits, key=lambda s: s.buffer.nbytes) if fits  # type: ignore[union-attr]
+                else max(self._window, key=lambda s: -1 if s.buffer is None else s.buffer.nbytes))
+        buffer, slot.buffer = slot.buffer, None  # this slice's until it is written
+        if buffer is None or buffer.nbytes < nbytes:
+            buffer = AlignedBuffer(nbytes)
+        loading = LoadingSlice(record, layout, nbytes, buffer, slot)
+        for f in layout:
+            loading.tensors.setdefault(record.params[f.position], {})[f.key] = f.view(buffer)
+        return loading
+
+    def end_load(self, loading: LoadingSlice) -> None:
+        """The views of :meth:`begin_load` hold the slice's loaded state: write it to the slice's
+        file (the previous file is overwritten); the slice's state is now that. A write that
+        fails leaves it held in RAM, in the buffer, as a step's would (Note: [Disk tier
+        failures]); :meth:`adopt` raises it once the rest of the state is loaded."""
+        record = loading.record
+        _reset(record)  # whatever the slice held is replaced
+        record.layout, record.nbytes, record.buffer, record.dirty = loading.layout, loading.nbytes, loading.buffer, True
+        record.slot = None  # a failed write keeps the buffer with the slice
+        self._write(record)
+        slot = loading.slot
+        if record.place is Place.DISK and (slot.buffer is None or slot.buffer.nbytes < loading.buffer.nbytes):
+            slot.buffer = loading.buffer  # back to the window, for the next slice and the next step
+        loading.tensors = {}
 
     def _restore(self, record: SliceRecord) -> None:
         """Bring a slice's state back into ``optimizer.state`` (its parameters changed)."""
@@ -544,6 +612,12 @@ def _remove(directory: Path, files: list[StateFile], keep: bool, workers: list[H
         file.close()
     if not keep:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def _reset(record: SliceRecord) -> None:
+    """The slice holds no state in the tier (its file, if any, is overwritten at its next write)."""
+    record.place, record.layout, record.buffer, record.dirty = Place.RAM, None, None, False
+    record.write_error, record.reported = None, True
 
 
 def _same(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:

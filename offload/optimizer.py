@@ -30,7 +30,7 @@ import copy
 import functools
 import os
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -386,6 +386,51 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if self._tier is not None:
             self._tier.adopt()
 
+    # -- loading a checkpoint into the disk tier, slice by slice -----------------------------------
+
+    def _loads_on_disk(self, index: int, param: torch.Tensor, key: str, dtype: torch.dtype,
+                       shape: torch.Size) -> bool:
+        """Whether a checkpoint's state tensor ``key`` of ``param`` (in slice ``index``, saved in
+        ``dtype`` and ``shape``) loads straight into the disk tier, a slice at a time (Note:
+        [Slice-by-slice load] in ``offload/slice_load_planner.py``): the tier would keep it on disk
+        once ``load_state_dict()`` cast it. Never ``step``, whose cast depends on the saved
+        groups' ``fused`` and ``capturable``, nor a tensor without elements (there is nothing to read)."""
+        if self._tier is None or key == "step" or len(shape) == 0 or any(n == 0 for n in shape):
+            return False
+        return self._tier.keeps(index, param, self._as_loaded(param, key, torch.empty(0, dtype=dtype)))
+
+    @staticmethod
+    def _as_loaded(param: torch.Tensor, key: str, value: torch.Tensor) -> torch.Tensor:
+        """``value`` as ``torch.optim``'s ``load_state_dict()`` puts it into ``param``'s state under
+        ``key`` (any key but ``step``): the function it casts with, which casts to the parameter's
+        dtype (floating point) and device."""
+        assert key != "step", "internal error: the cast of step depends on the saved groups"
+        # The groups tell only step's cast (fused, capturable); any list naming the parameter does.
+        return torch.optim.Optimizer._process_value_according_to_param_policy(param, value, 0, [{"params": [0]}], key)
+
+    def _open_slice_load(self, index: int, saved: dict[torch.Tensor, dict[str, torch.Tensor]]) -> _TierSliceLoad:
+        """Where a checkpoint loads slice ``index``'s state tensors that the disk tier keeps, given
+        stand-ins of their saved shapes and dtypes; its ``store()`` writes them to the slice's file."""
+        return _TierSliceLoad(self, index, saved)
+
+    def _load_state_dict_beside_tier(self, state_dict: dict[str, Any], loaded: Collection[int]) -> None:
+        """``load_state_dict()`` of a checkpoint's state less the tensors already loaded into the
+        disk tier's files, slice by slice (slices ``loaded``; Note: [Slice-by-slice load] in
+        ``offload/slice_load_planner.py``): the scalars (``step``) and the groups go through
+        ``torch.optim``'s ``load_state_dict()`` as with any load; the tier's other slices hold what
+        it puts into ``optimizer.state``.
+
+        Raises:
+            DiskTierError: a slice's state could not be written; it is held in RAM, and the state
+                is loaded.
+        """
+        assert self._tier is not None
+        # Not synchronize(): a write that failed while loading is raised as a load's, by adopt().
+        engine_of(self.model).updates.wait_all()
+        super().load_state_dict(state_dict)
+        self._tier.forget(keep=loaded)
+        self._tier.adopt()
+
     def close(self) -> None:
         """Wait for the pending updates and remove the disk tier's files (kept with
         ``DiskTier(keep=True)``); the optimizer cannot step afterwards if it has a disk tier.
@@ -478,6 +523,37 @@ class OffloadOptimizer(torch.optim.Optimizer):
         inner._offload_inner = True  # type: ignore[attr-defined]
         inner.state = StateByProxy(self, dict(zip(proxies, params)))  # type: ignore[assignment]
         return InnerOptimizer(inner, proxies, params, list(by_group))
+
+
+class _TierSliceLoad:
+    """One slice's state tensors that a checkpoint loads into the disk tier (Note: [Slice-by-slice
+    load] in ``offload/slice_load_planner.py``).
+
+    ``tensors`` are views of the tier's buffer, laid out as its file, where the saved dtype is the
+    one ``load_state_dict()`` would keep; otherwise tensors of the saved dtype, which :meth:`store`
+    casts into their views as ``load_state_dict()`` casts them: the state is the same bit for bit.
+    """
+
+    def __init__(self, optimizer: OffloadOptimizer, index: int,
+                 saved: dict[torch.Tensor, dict[str, torch.Tensor]]) -> None:
+        assert optimizer._tier is not None
+        self._tier = optimizer._tier
+        kept = {p: {key: torch.empty(s.shape, dtype=optimizer._as_loaded(p, key, torch.empty(0, dtype=s.dtype)).dtype,
+                                     device="meta") for key, s in states.items()} for p, states in saved.items()}
+        self._loading = self._tier.begin_load(index, kept)
+        self.tensors = {p: {key: view if view.dtype == saved[p][key].dtype
+                            else torch.empty(saved[p][key].shape, dtype=saved[p][key].dtype)
+                            for key, view in views.items()} for p, views in self._loading.tensors.items()}
+
+    def store(self) -> None:
+        """Every tensor is loaded: cast those of another dtype into their views, and write the slice."""
+        for p, tensors in self.tensors.items():
+            for key, tensor in tensors.items():
+                view = self._loading.tensors[p][key]
+                if tensor is not view:
+                    view.copy_(OffloadOptimizer._as_loaded(p, key, tensor))
+        self.tensors = {}
+        self._tier.end_load(self._loading)
 
 
 def _owners(slices: list[list[torch.Tensor]], world_size: int) -> list[list[int]]:

@@ -101,13 +101,36 @@ def train(rank: int, world_size: int, directory: str, *, tag: str, steps: int, c
     torch.save(result, os.path.join(directory, f"{tag}.{rank}.pt"))
 
 
-def reshard(rank: int, world_size: int, directory: str, *, tag: str, source: str, compute_dtype: str | None) -> None:
-    """Load the checkpoint in ``directory/<source>`` on this many ranks; save what each rank holds."""
+def reshard(rank: int, world_size: int, directory: str, *, tag: str, source: str, compute_dtype: str | None,
+            disk_tier: bool = False) -> None:
+    """Load the checkpoint in ``directory/<source>`` on this many ranks; save what each rank holds.
+    With ``disk_tier``, into an optimizer that keeps its moments in files under
+    ``directory/load-tier``, noting how many slices were being loaded at once at most."""
     dtype = None if compute_dtype is None else getattr(torch, compute_dtype)
-    model, optimizer, _, _ = build(world_size, dtype)
+    model, optimizer, _, _ = build(world_size, dtype,
+                                   disk_tier=os.path.join(directory, "load-tier") if disk_tier else None)
+    open_slices = [0, 0]  # now, at most
+
+    def counted_open(index, saved):  # Note: [Slice-by-slice load]: opened at a slice's first item
+        opened = type(optimizer)._open_slice_load(optimizer, index, saved)
+        store = opened.store
+        open_slices[0] += 1
+        open_slices[1] = max(open_slices)
+
+        def counted_store():
+            open_slices[0] -= 1
+            store()
+
+        opened.store = counted_store
+        return opened
+
+    optimizer._open_slice_load = counted_open
     load_checkpoint(latest_checkpoint(os.path.join(directory, source)), model, optimizer)
+    on_disk = optimizer._tier is not None and all(r.place.name == "DISK" for r in optimizer._tier.records.values())
     result = {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
-              "optimizer": optimizer.state_dict(), "consolidated": optimizer.consolidated_state_dict(to=0)}
+              "optimizer": optimizer.state_dict(), "consolidated": optimizer.consolidated_state_dict(to=0),
+              "most_slices_open": open_slices[1], "all_on_disk": on_disk,
+              "state_tensors_in_ram": sum(v.dim() > 0 for s in optimizer.state.values() for v in s.values())}
     torch.save(result, os.path.join(directory, f"{tag}.{rank}.pt"))
 
 

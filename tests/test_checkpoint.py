@@ -71,13 +71,16 @@ def assert_same_run(resumed: dict, whole: dict, k: int, microsteps: int = 2) -> 
         assert torch.equal(resumed["device_rng"], whole["device_rng"])
 
 
-@pytest.mark.parametrize("world, dtype, device", [
-    (1, None, "cpu"), (1, "bfloat16", "cpu"), (2, "bfloat16", "cpu"),
-    pytest.param(1, "bfloat16", "cuda", marks=CUDA),
-], ids=["1rank-float32", "1rank-bf16", "2ranks-bf16", "1rank-bf16-cuda"])
-def test_resume_in_a_fresh_process_is_bit_identical_to_the_uninterrupted_run(tmp_path, world, dtype, device):
+@pytest.mark.parametrize("world, dtype, device, disk_tier", [
+    (1, None, "cpu", False), (1, "bfloat16", "cpu", False), (2, "bfloat16", "cpu", False),
+    (2, "bfloat16", "cpu", True), pytest.param(1, "bfloat16", "cuda", False, marks=CUDA),
+], ids=["1rank-float32", "1rank-bf16", "2ranks-bf16", "2ranks-bf16-disk-tier", "1rank-bf16-cuda"])
+def test_resume_in_a_fresh_process_is_bit_identical_to_the_uninterrupted_run(tmp_path, world, dtype, device,
+                                                                            disk_tier):
+    # With a disk tier, each rank saves and loads the moments of the parameters it updates a slice
+    # at a time (Notes: [Slice-by-slice save], [Slice-by-slice load]).
     k = 3
-    run = {"compute_dtype": dtype, "device": device}
+    run = {"compute_dtype": dtype, "device": device, "disk_tier": disk_tier}
     whole = spawn("train", tmp_path, world, tag="whole", steps=2 * k, **run)
     first = spawn("train", tmp_path, world, tag="first", steps=k, save_at=k, **run)
     resumed = spawn("train", tmp_path, world, tag="resumed", steps=2 * k, resume=True, **run)
@@ -118,19 +121,27 @@ def test_a_checkpoint_reshards_by_name_onto_another_number_of_ranks(tmp_path, sa
 
 def test_each_rank_saves_its_disk_tiers_state_and_it_reshards_onto_one_rank(tmp_path):
     # Sharded, each rank's tier holds the moments of the parameters it updates; each rank writes
-    # them from its own tier, slice by slice (Note: [Slice-by-slice save]), and one rank loads all.
+    # them from its own tier, slice by slice (Note: [Slice-by-slice save]), and one rank loads all,
+    # into an optimizer without a tier and into one with a tier. Into the tier, most slices have
+    # items in both ranks' files, which DCP reads one after the other: the slices are loaded out
+    # of order, several at once (Note: [Slice-by-slice load]), and the state is the same.
     tier = spawn("train", tmp_path, 2, tag="tier", steps=2, compute_dtype=None, save_at=2, disk_tier=True)
-    loaded = spawn("reshard", tmp_path, 1, tag="loaded", source="ckpt", compute_dtype=None)[0]
     want = {index: state for rank in tier for index, state in rank["optimizer"]["state"].items()}
     assert all(len(rank["optimizer"]["state"]) < len(want) for rank in tier)  # sharded
-    got = loaded["consolidated"]["state"]
-    assert got.keys() == want.keys() and len(want) == len(loaded["params"])
-    for index, state in want.items():
-        assert state.keys() == got[index].keys() == {"step", "exp_avg", "exp_avg_sq"}
-        for key, value in state.items():
-            assert torch.equal(got[index][key], value), (index, key)
-    for name, value in tier[0]["params"].items():
-        assert torch.equal(loaded["params"][name], value), name
+    for disk_tier in (False, True):
+        loaded = spawn("reshard", tmp_path, 1, tag="loaded", source="ckpt", compute_dtype=None,
+                       disk_tier=disk_tier)[0]
+        got = loaded["consolidated"]["state"]
+        assert got.keys() == want.keys() and len(want) == len(loaded["params"])
+        for index, state in want.items():
+            assert state.keys() == got[index].keys() == {"step", "exp_avg", "exp_avg_sq"}
+            for key, value in state.items():
+                assert torch.equal(got[index][key], value), (disk_tier, index, key)
+        for name, value in tier[0]["params"].items():
+            assert torch.equal(loaded["params"][name], value), name
+        if disk_tier:
+            assert loaded["all_on_disk"] and loaded["state_tensors_in_ram"] == 0
+            assert loaded["most_slices_open"] > 1
 
 
 # -- atomic saves ------------------------------------------------------------------------------------

@@ -1,0 +1,237 @@
+"""Loading a checkpoint into an OffloadOptimizer with a disk tier, a slice at a time: the resume is
+exact, about one slice's state is in host memory at a time, items out of order are still right,
+state saved in another dtype is cast as load_state_dict() casts it, and a write that fails is a
+DiskTierError with the state loaded. See Note: [Slice-by-slice load] in
+offload/slice_load_planner.py; the two-rank cases are in test_checkpoint.py."""
+
+from __future__ import annotations
+
+import copy
+import errno
+import os
+import random
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+from offload import DiskTier, DiskTierError, OffloadModel, OffloadOptimizer, load_checkpoint, save_checkpoint
+from offload.disk_tier import Place
+from offload.slice_load_planner import SliceWritingLoadPlanner
+from offload.streams import disk
+
+SLICES = 8
+
+
+@pytest.fixture
+def run(tmp_path):
+    """Build, step and compare twins of one model: 8 slices of Linear(32, 32), AdamW."""
+    torch.manual_seed(0)
+    layers = nn.Sequential(*[nn.Linear(32, 32) for _ in range(SLICES)])
+    x = torch.randn(8, 32)
+
+    class Run:
+        @staticmethod
+        def build(tier_dir=None):
+            model = OffloadModel(copy.deepcopy(layers), device="cpu", num_slices=SLICES)
+            tier = None if tier_dir is None else DiskTier(tmp_path / tier_dir)
+            return model, OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True, disk_tier=tier)
+
+        @staticmethod
+        def steps(model, optimizer, n):
+            losses = []
+            for _ in range(n):
+                loss = model(x).square().sum()
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                losses.append(loss.item())
+            return losses
+
+    return Run
+
+
+def assert_same_state(got, want):
+    assert got["param_groups"] == want["param_groups"]
+    assert got["state"].keys() == want["state"].keys() and want["state"]
+    for index, state in want["state"].items():
+        assert got["state"][index].keys() == state.keys(), index
+        for key, value in state.items():
+            assert got["state"][index][key].dtype == value.dtype, (index, key)
+            assert torch.equal(got["state"][index][key], value), (index, key)
+
+
+def state_tensors_in_ram(optimizer):
+    return [key for state in optimizer.state.values() for key, v in state.items()
+            if isinstance(v, torch.Tensor) and v.dim() > 0]
+
+
+class Opened:
+    """Watches the slices the planner opens: their order, and the bytes of the storages behind
+    the tensors DCP loads into that are still alive after each opening."""
+
+    def __init__(self, monkeypatch):
+        self.indices: list[int] = []
+        self.live_after_open: list[int] = []
+        self.refs: list[weakref.ref] = []
+        real = OffloadOptimizer._open_slice_load
+
+        def opening(optimizer, index, saved):
+            opened = real(optimizer, index, saved)
+            self.indices.append(index)
+            self.refs += [weakref.ref(t.untyped_storage()) for ts in opened.tensors.values() for t in ts.values()]
+            self.live_after_open.append(self.live_bytes())
+            return opened
+
+        monkeypatch.setattr(OffloadOptimizer, "_open_slice_load", opening)
+
+    def live_bytes(self):
+        # Storages, not tensors: a view of a buffer keeps the whole buffer (counted once).
+        storages = {s.data_ptr(): s.nbytes() for s in (ref() for ref in self.refs) if s is not None}
+        return sum(storages.values())
+
+
+def test_a_resume_into_a_disk_tier_is_exact_and_holds_one_slice_at_a_time(run, tmp_path, monkeypatch):
+    model, optimizer = run.build("a")
+    run.steps(model, optimizer, 3)
+    save_checkpoint(tmp_path / "ck", model, optimizer)
+    saved = copy.deepcopy(optimizer.state_dict())
+    # The uninterrupted run, and the same checkpoint loaded without a tier (through load_state_dict).
+    losses = run.steps(model, optimizer, 2)
+    in_ram, in_ram_optimizer = run.build()
+    load_checkpoint(tmp_path / "ck", in_ram, in_ram_optimizer)
+
+    opened = Opened(monkeypatch)
+    resumed, resumed_optimizer = run.build("b")
+    load_checkpoint(tmp_path / "ck", resumed, resumed_optimizer)
+    tier = resumed_optimizer._tier
+    slice_bytes = max(record.nbytes for record in tier.records.values())  # one slice's file, in pages
+    assert opened.indices == list(range(SLICES))  # each slice opened once, in order
+    assert max(opened.live_after_open) == slice_bytes  # the slice being loaded; the others written and freed
+    assert opened.live_bytes() == tier.window_nbytes == slice_bytes  # what is left is the window's buffer
+    assert all(record.place is Place.DISK for record in tier.records.values())
+    assert state_tensors_in_ram(resumed_optimizer) == []  # only the step counts
+    assert_same_state(resumed_optimizer.state_dict(), saved)
+    assert_same_state(resumed_optimizer.state_dict(), in_ram_optimizer.state_dict())
+    assert run.steps(resumed, resumed_optimizer, 2) == losses
+    assert_same_state(resumed_optimizer.state_dict(), optimizer.state_dict())
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), resumed.parameters()))
+
+    # In place, into the optimizer that trained on (its window holds three buffers): it rewinds.
+    opened.indices.clear()
+    load_checkpoint(tmp_path / "ck", model, optimizer)
+    assert opened.indices == list(range(SLICES))
+    assert_same_state(optimizer.state_dict(), saved)
+    assert run.steps(model, optimizer, 2) == losses
+    assert_same_state(optimizer.state_dict(), resumed_optimizer.state_dict())
+
+
+def test_items_out_of_order_are_still_exact(run, tmp_path, monkeypatch):
+    # DCP reads items in the order of the final plan: shuffled, slices interleave and several are
+    # open at once; each is written once its last item is in.
+    model, optimizer = run.build("a")
+    run.steps(model, optimizer, 2)
+    save_checkpoint(tmp_path / "ck", model, optimizer)
+    saved = copy.deepcopy(optimizer.state_dict())
+    real_finish_plan = SliceWritingLoadPlanner.finish_plan
+    open_at_once = []
+
+    def shuffled(self, plan):
+        plan = real_finish_plan(self, plan)
+        random.Random(0).shuffle(plan.items)
+        return plan
+
+    real_resolve = SliceWritingLoadPlanner.resolve_tensor
+
+    def resolve(self, item):
+        tensor = real_resolve(self, item)
+        open_at_once.append(len(self._open))
+        return tensor
+
+    monkeypatch.setattr(SliceWritingLoadPlanner, "finish_plan", shuffled)
+    monkeypatch.setattr(SliceWritingLoadPlanner, "resolve_tensor", resolve)
+    opened = Opened(monkeypatch)
+    resumed, resumed_optimizer = run.build("b")
+    load_checkpoint(tmp_path / "ck", resumed, resumed_optimizer)
+    assert sorted(opened.indices) == list(range(SLICES)) and max(open_at_once) > 2
+    assert state_tensors_in_ram(resumed_optimizer) == []
+    assert_same_state(resumed_optimizer.state_dict(), saved)
+    assert run.steps(resumed, resumed_optimizer, 2) == run.steps(model, optimizer, 2)
+    assert_same_state(resumed_optimizer.state_dict(), optimizer.state_dict())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64], ids=["bf16", "float64"])
+def test_state_saved_in_another_dtype_is_cast_as_load_state_dict_casts_it(run, tmp_path, dtype):
+    # Moments saved in another dtype than the parameters' (here by a plain optimizer whose state
+    # was converted): torch.optim's load_state_dict() casts them to the parameters' dtype, and the
+    # load into a disk tier gives the same bytes.
+    model, optimizer = run.build()
+    run.steps(model, optimizer, 2)
+    plain = nn.Sequential(*[nn.Linear(32, 32) for _ in range(SLICES)])
+    plain.load_state_dict(model.state_dict())
+    plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2, fused=True)
+    plain_optimizer.load_state_dict(optimizer.state_dict())
+    for state in plain_optimizer.state.values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            state[key] = (state[key] * 1.001).to(dtype)  # values a float32 -> dtype -> float32 trip changes
+    save_checkpoint(tmp_path / "ck", plain, plain_optimizer)
+    in_ram, in_ram_optimizer = run.build()
+    load_checkpoint(tmp_path / "ck", in_ram, in_ram_optimizer)
+    on_disk, on_disk_optimizer = run.build("t")
+    load_checkpoint(tmp_path / "ck", on_disk, on_disk_optimizer)
+    assert all(record.place is Place.DISK for record in on_disk_optimizer._tier.records.values())
+    got = on_disk_optimizer.state_dict()
+    assert_same_state(got, in_ram_optimizer.state_dict())
+    assert {v.dtype for s in got["state"].values() for k, v in s.items() if k != "step"} == {torch.float32}
+    assert run.steps(on_disk, on_disk_optimizer, 2) == run.steps(in_ram, in_ram_optimizer, 2)
+    assert_same_state(on_disk_optimizer.state_dict(), in_ram_optimizer.state_dict())
+
+
+def test_a_write_failing_while_loading_is_a_disk_tier_error_and_the_state_is_loaded(run, tmp_path, monkeypatch):
+    model, optimizer = run.build("a")
+    run.steps(model, optimizer, 2)
+    save_checkpoint(tmp_path / "ck", model, optimizer, extra={"step": 2})
+    saved = copy.deepcopy(optimizer.state_dict())
+    rng = torch.get_rng_state()
+    real = os.posix_fallocate
+    refusing = {"slice-00002.state"}
+
+    def fallocate(fd, offset, length):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(tuple(refusing)):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, offset, length)
+
+    monkeypatch.setattr(disk.os, "posix_fallocate", fallocate)
+    resumed, resumed_optimizer = run.build("b")
+    torch.manual_seed(12345)
+    with pytest.raises(DiskTierError) as raised:
+        load_checkpoint(tmp_path / "ck", resumed, resumed_optimizer)
+    message = str(raised.value)
+    assert "slice-00002.state" in message and "slice(s) 2 " in message and "No space left" in message
+    assert "The state is loaded" in message and "held in RAM" in message
+    assert torch.equal(torch.get_rng_state(), rng)  # the load finished before it raised
+    tier = resumed_optimizer._tier
+    assert [r.index for r in tier.records.values() if r.place is Place.HELD] == [2]
+    assert all(r.place is Place.DISK for r in tier.records.values() if r.index != 2)
+    # Nothing silently wrong: the whole state is the saved one (slice 2's from where it is held).
+    assert_same_state(resumed_optimizer.state_dict(), saved)
+    # Still full: step() raises and updates nothing. Space freed: it writes slice 2 and trains on exactly.
+    with pytest.raises(DiskTierError, match="This call to step\\(\\) updated nothing"):
+        run.steps(resumed, resumed_optimizer, 1)
+    resumed_optimizer.zero_grad()
+    refusing.clear()
+    assert run.steps(resumed, resumed_optimizer, 2) == run.steps(model, optimizer, 2)
+    assert all(r.place is Place.DISK for r in tier.records.values())
+    assert_same_state(resumed_optimizer.state_dict(), optimizer.state_dict())
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), resumed.parameters()))
+
+
+def test_without_a_disk_tier_nothing_changes(run, tmp_path, monkeypatch):
+    model, optimizer = run.build()
+    run.steps(model, optimizer, 1)
+    save_checkpoint(tmp_path / "ck", model, optimizer)
+    monkeypatch.setattr(SliceWritingLoadPlanner, "__init__", lambda *a, **k: pytest.fail("planner used"))
+    resumed, resumed_optimizer = run.build()
+    load_checkpoint(tmp_path / "ck", resumed, resumed_optimizer)
+    assert_same_state(resumed_optimizer.state_dict(), optimizer.state_dict())
