@@ -3,9 +3,10 @@
 By default the model is a small randomly initialised Llama built from a config, and the text is
 read byte by byte (ids 0-255), so nothing is downloaded; a byte-level tokenizer is saved with it.
 With ``--model PATH`` it loads weights and tokenizer from a local directory (``save_pretrained``
-output, this script's included). Either way it trains on the text of
-``--text`` (a short text shipped with the repository by default), shows loss and tokens/s in a
-progress bar, and writes the trained model with ``save_pretrained`` into ``--out``. The loss is
+output, this script's included), slice by slice into the host copies (``load_causal_lm``: never the
+whole model in RAM beside them), or with ``from_pretrained`` for LoRA and ``--untie-embeddings``.
+Either way it trains on the text of ``--text`` (a short text shipped with the repository by
+default), shows loss and tokens/s in a progress bar, and writes the trained model with ``save_pretrained`` into ``--out``. The loss is
 computed in the head, ``--loss-chunk-tokens`` tokens at a time, so the batch's logits never sit on
 the device whole; ``--loss-chunk-tokens 0`` returns the logits and computes the loss from them.
 With ``--save-every N`` it saves a checkpoint every N steps under ``--out``/checkpoints/step-N;
@@ -231,14 +232,21 @@ def byte_tokenizer():
 
 
 def pretrained_model(path: Path):
+    """``from_pretrained``: for LoRA and ``--untie-embeddings``, which change the model before it is
+    wrapped (the other runs load it slice by slice with ``load_causal_lm``)."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+    return model, pretrained_tokenizer(path)
+
+
+def pretrained_tokenizer(path: Path):
+    import transformers
+
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as error:
         raise SystemExit(f"--model {path}: no tokenizer found there ({error}); save one with the weights") from error
-    return model, tokenizer
 
 
 def token_stream(text: str, tokenizer) -> torch.Tensor:
@@ -250,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         from tqdm import tqdm
 
-        from offload.integrations.transformers import causal_lm_sequential
+        from offload.integrations.transformers import CausalLMSequential, causal_lm_sequential, load_causal_lm
     except ImportError as error:
         raise SystemExit(f'{error}. Install the extra: pip install -e ".[transformers]"') from error
     if args.no_progress:
@@ -259,22 +267,31 @@ def main(argv: list[str] | None = None) -> None:
         transformers.utils.logging.disable_progress_bar()  # the bar of loading checkpoint shards
 
     torch.manual_seed(args.seed)
-    if args.model is None:
-        hf, tokenizer = random_model(args.arch, args.size, 256, args.seq_len)
+    tier = None if args.disk_tier is None else DiskTier(args.disk_tier)
+    options = {"num_slices": args.num_slices, "num_microbatches": args.microbatches,
+               "compute_dtype": DTYPES[args.compute_dtype], "masters": tier if args.masters_on_disk else None}
+    peft_model = None
+    if args.model is not None and args.lora_r == 0 and not args.untie_embeddings:
+        # Slice by slice into the host copies (or the masters' files): the model is never whole
+        # in RAM beside them, as from_pretrained would have it.
+        model, hf = load_causal_lm(args.model, args.device, loss_chunk_tokens=args.loss_chunk_tokens or None,
+                                   **options)
+        tokenizer = pretrained_tokenizer(args.model)
+        print(f"loaded {args.model} slice by slice")
     else:
-        hf, tokenizer = pretrained_model(args.model)
+        if args.model is None:
+            hf, tokenizer = random_model(args.arch, args.size, 256, args.seq_len)
+        else:
+            hf, tokenizer = pretrained_model(args.model)
+        peft_model = with_lora(hf, args)
+        layers = causal_lm_sequential(hf if peft_model is None else peft_model,
+                                      untie_embeddings=args.untie_embeddings,
+                                      loss_chunk_tokens=args.loss_chunk_tokens or None)
+        model = OffloadModel(layers, device=args.device, **options)
     hf.config.use_cache = False  # training: no key/value cache
     tokens = token_stream(args.text.read_text(encoding="utf-8"), tokenizer)
     if tokens.numel() <= args.seq_len:
         raise SystemExit(f"--text has {tokens.numel()} tokens; --seq-len {args.seq_len} needs more")
-    peft_model = with_lora(hf, args)
-    layers = causal_lm_sequential(hf if peft_model is None else peft_model, untie_embeddings=args.untie_embeddings,
-                                  loss_chunk_tokens=args.loss_chunk_tokens or None)
-
-    tier = None if args.disk_tier is None else DiskTier(args.disk_tier)
-    model = OffloadModel(layers, device=args.device, num_slices=args.num_slices,
-                         num_microbatches=args.microbatches, compute_dtype=DTYPES[args.compute_dtype],
-                         masters=tier if args.masters_on_disk else None)
     optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=args.lr, weight_decay=0.0, fused=True, disk_tier=tier)
     params = sum(p.numel() for p in model.parameters())
     print(f"{type(hf).__name__}: {params / 1e6:.1f} M parameters in {model.num_slices} slices on {args.device}, "
@@ -291,8 +308,8 @@ def main(argv: list[str] | None = None) -> None:
     for step in bar:
         starts = torch.randint(0, tokens.numel() - args.seq_len, (args.batch_size,), generator=generator)
         ids = torch.stack([tokens[s:s + args.seq_len] for s in starts.tolist()]).to(args.device)
-        if layers.loss_chunk_tokens is not None:
-            loss = model({"input_ids": ids, "labels": ids}).sum() / layers.count_loss_tokens(ids)
+        if args.loss_chunk_tokens:
+            loss = model({"input_ids": ids, "labels": ids}).sum() / CausalLMSequential.count_loss_tokens(ids)
         else:
             loss = hf.loss_function(logits=model({"input_ids": ids}), labels=ids, vocab_size=vocab)
         loss.backward()

@@ -198,6 +198,13 @@ def test_finetune_script_with_state_and_masters_on_disk_has_the_same_losses(tmp_
     assert step_losses(on_disk) == step_losses(in_ram) and len(step_losses(in_ram)) == 3
     assert last_line(on_disk, "final loss").split(";")[0] == last_line(in_ram, "final loss").split(";")[0]
     assert os.listdir(tmp_path / "tier") == []  # the state's and the masters' files are gone
+    # Trained further from the saved model, loaded slice by slice (into the masters' files).
+    common += ["--model", str(tmp_path / "ram")]
+    in_ram = run(*common, "--out", str(tmp_path / "ram2"))
+    on_disk = run(*common, "--out", str(tmp_path / "disk2"), "--disk-tier", str(tmp_path / "tier"), "--masters-on-disk")
+    assert "slice by slice" in in_ram and "slice by slice" in on_disk
+    assert step_losses(on_disk) == step_losses(in_ram) and len(step_losses(in_ram)) == 3
+    assert last_line(on_disk, "final loss").split(";")[0] == last_line(in_ram, "final loss").split(";")[0]
 
 
 def test_distributed_script_resumes_on_two_ranks_and_on_one(tmp_path):
