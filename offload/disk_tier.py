@@ -64,6 +64,7 @@ from .streams.backend import Event
 from .streams.copies import CopyStreams
 from .streams.disk import AlignedBuffer, DiskCounters, StateFile, direct_io_supported, page_aligned
 from .streams.host_storage import dense_stride
+from .streams.trim import give_back_freed_memory
 from .streams.workers import HostWorker
 
 #: Buffers in the window: one read, one updated, one written (see Note: [Disk tier pipeline]).
@@ -218,6 +219,7 @@ class StateTier:
         self._window = [WindowSlot() for _ in range(WINDOW)]
         self._turn = 0
         self._last_write: Event | None = None
+        self._freed_state = False  # state copied in from elsewhere and freed since the last flush
         # - Host workers: the reader and writer run beside the update worker (Note: [Disk tier pipeline]).
         self._reader: HostWorker | None = None
         self._writer: HostWorker | None = None
@@ -359,6 +361,8 @@ class StateTier:
                 buffer = fresh
             for f, (_, _, value) in zip(layout, found):
                 f.view(buffer).copy_(value)
+            # The state was elsewhere (created by the optimizer, or loaded): it is freed below.
+            self._freed_state = True
         for f in layout:
             del state[record.params[f.position]][f.key]
         record.layout, record.nbytes, record.buffer, record.dirty = layout, nbytes, buffer, True
@@ -401,6 +405,11 @@ class StateTier:
         # The caller reads the records and the files next: the writes must be done.
         self.copies.wait_host(self._last_write)
         self._last_write = None
+        if self._freed_state:
+            # State the tier moved to its files (AdamW's first step creates it in RAM) is freed,
+            # but the C heap would keep it resident: bytes per parameter that nothing reuses.
+            self._freed_state = False
+            give_back_freed_memory()
         held = [r for r in self.records.values() if r.place is Place.HELD]
         if not held:
             return

@@ -420,3 +420,22 @@ def test_bad_arguments(tmp_path):
     model = OffloadModel(network(), device="cpu", num_slices=3)
     with pytest.raises(TypeError, match="disk_tier must be a DiskTier or a directory path"):
         OffloadOptimizer(model, torch.optim.AdamW, disk_tier=3)
+
+
+def test_state_moved_to_disk_is_given_back_to_the_system(tmp_path, monkeypatch):
+    # AdamW's first step creates the state in RAM; once the tier has moved it to its files, the C
+    # heap is asked to return the freed pages (they would stay resident otherwise).
+    from offload import disk_tier
+
+    calls = []
+    monkeypatch.setattr(disk_tier, "give_back_freed_memory", lambda: calls.append(1))
+    model = OffloadModel(network(), device="cpu", num_slices=3)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True, disk_tier=tmp_path)
+    train([(model, optimizer)], 1)
+    optimizer.synchronize()
+    assert calls == [1]
+    train([(model, optimizer)], 2, first=1)
+    optimizer.synchronize()
+    assert calls == [1]  # later steps update the state where it is read: nothing to give back
+    optimizer.load_state_dict(optimizer.state_dict())
+    assert calls == [1, 1]

@@ -8,7 +8,6 @@ in turn, and frees what a mode left before the next one begins. Running and meas
 
 from __future__ import annotations
 
-import ctypes
 import gc
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 import torch
 
 from ..presets import Preset
+from ..streams.trim import give_back_freed_memory
 from .formatting import error_reason
 from .measure import OPTIMIZERS, empty_result, finish_notes, run_mode
 from .modes import Mode
@@ -165,12 +165,5 @@ def _reset_memory(device: torch.device) -> None:
         if empty_host_cache is not None:
             empty_host_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    _trim_host_heap()
-
-
-def _trim_host_heap() -> None:
     # glibc keeps freed heap memory mapped, so RSS would not fall between modes without this.
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    give_back_freed_memory()
