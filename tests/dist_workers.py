@@ -219,5 +219,41 @@ def sharded_disk(rank: int, world_size: int, directory: str) -> None:
     save(directory, "sharded_disk", rank, results)
 
 
+def sharded_masters(rank: int, world_size: int, directory: str) -> None:
+    """The sharded update under bfloat16 compute with each rank's masters on disk (one shared
+    directory), against the same with the masters in RAM, and on the whole batch on every rank
+    (the average of equal gradients is exact: one process's update); what stays resident."""
+    from offload import DiskTier
+
+    def resident(model: OffloadModel) -> int:
+        return sum(s.storage.masters_file.resident_bytes() for s in model._engine.slices)
+
+    results: dict[str, Any] = {}
+    for name, masters, rows in (("ram", None, share), ("disk", DiskTier(os.path.join(directory, "masters")), share),
+                                ("disk-whole-batch", os.path.join(directory, "masters"), lambda batch, *_: batch)):
+        # Ranks start from different seeds: building takes rank 0's parameters into the files.
+        model = OffloadModel(network(seed=rank), device="cpu", num_slices=3, compute_dtype=torch.bfloat16,
+                             process_group=dist.group.WORLD, masters=masters)
+        run_: dict[str, Any] = {}
+        if masters is not None:
+            run_["resident_built"] = resident(model)
+        optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
+        assert optimizer._collectives is not None
+        for step in range(3):
+            model(rows(data(step, world_size), rank, world_size)).float().pow(2).mean().backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            optimizer.step()
+            optimizer.zero_grad()
+        optimizer.synchronize()
+        if masters is not None:
+            run_["resident_synchronized"] = resident(model)
+        run_["outputs"] = model(data(9, 1)).detach().float()
+        if masters is not None:
+            run_["resident_forward"] = resident(model)
+        run_["owned"] = len(optimizer.state)
+        run_["params"] = [p.detach().clone() for p in model.parameters()]
+        results[name] = run_
+    save(directory, "sharded_masters", rank, results)
+
 JOBS = {f.__name__: f for f in (train, no_sync, sharded, different_models, one_rank_fails, hangs, nccl_one_gpu, tied,
-                                 layouts, sharded_disk)}
+                                 layouts, sharded_disk, sharded_masters)}
