@@ -394,10 +394,11 @@ def test_sharded_update_with_the_masters_on_disk(tmp_path):
         for a, b in zip(in_ram["params"], on_disk["params"]):
             assert torch.equal(a, b)
         assert torch.equal(in_ram["outputs"], on_disk["outputs"])
-        # The broadcasts wrote parameters other ranks own into this rank's masters: written back too.
+        # Building took rank 0's parameters into the files, and each step's broadcasts wrote the
+        # parameters other ranks own into this rank's masters: all written back and dropped.
         for name in ("disk", "disk-whole-batch"):
             run_ = results[rank][name]
-            assert run_["resident_synchronized"] == run_["resident_forward"] == 0, name
+            assert run_["resident_built"] == run_["resident_synchronized"] == run_["resident_forward"] == 0, name
     # Every rank on the whole batch: the averaged gradients are one process's, and so is the update.
     model = OffloadModel(network(seed=0), device="cpu", num_slices=3, compute_dtype=torch.bfloat16)
     optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
