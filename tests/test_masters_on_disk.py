@@ -239,6 +239,45 @@ def test_a_failed_read_leaves_that_slice_and_later_ones_untouched(tmp_path, monk
     assert resident(model) == 0
 
 
+class FailsFirstSlice(torch.optim.SGD):
+    """SGD that raises, before changing anything, when it steps the tensor whose memory starts
+    at ``target``."""
+
+    target = None
+
+    def step(self, closure=None):
+        if any(p.data_ptr() == FailsFirstSlice.target for group in self.param_groups for p in group["params"]):
+            raise MemoryError("no memory for a temporary (simulated)")
+        return super().step(closure)
+
+
+def test_updates_skipped_after_a_failed_one_leave_no_masters_in_ram(tmp_path, monkeypatch):
+    # Slice 0's update fails, so the worker skips the updates after it without waiting for their
+    # reads; the write of slice 2 must still come after its read, which is slow here.
+    model = OffloadModel(network(), device="cpu", num_slices=3, compute_dtype=BF16, masters=tmp_path)
+    optimizer = OffloadOptimizer(model, FailsFirstSlice, lr=0.1, fused=True)
+    slow = model._engine.slices[2].storage.masters_file
+    real = mapped.MappedFile.read_in
+
+    def read_in(self, write=True):
+        if self is slow and threading.current_thread().name == "offload masters read":
+            time.sleep(0.3)
+        real(self, write)
+
+    monkeypatch.setattr(mapped.MappedFile, "read_in", read_in)
+    loss_of(model, 0).backward()
+    FailsFirstSlice.target = model._engine.slices[0].storage.params[0].tensor.data_ptr()
+    optimizer.step()
+    with pytest.raises(HostUpdateError, match="slice 0"):
+        optimizer.synchronize()
+    FailsFirstSlice.target = None
+    reader = model._engine.master_files._reader
+    while reader.finished < reader.submitted:
+        time.sleep(0.01)
+    optimizer.synchronize()
+    assert resident(model) == 0
+
+
 def test_a_failed_write_is_raised_and_loses_nothing(tmp_path, monkeypatch):
     (ram_model, ram), (model, optimizer) = runs = twins(torch.optim.AdamW, {"lr": 1e-2, "fused": True}, tmp_path)
     train(runs, 1)
