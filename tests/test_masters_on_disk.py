@@ -201,6 +201,36 @@ def test_copies_and_pickles_keep_the_masters_on_disk(tmp_path):
             assert torch.equal(twin(x), model(x))
 
 
+def test_counters_add_up_when_the_caller_and_the_workers_move_masters_at_once(tmp_path, monkeypatch):
+    # A forward casts a slice that no update wrote (a frozen one) on the calling thread while the
+    # reader and the writer move other slices: three threads add to one model's counters. Each
+    # call here takes one second of a fake clock, and reading the clock lets another thread run.
+    counters = mapped.DiskCounters()
+    files = [mapped.MappedFile(tmp_path, 4096, counters) for _ in range(3)]
+    clock = threading.local()
+
+    def perf_counter():
+        clock.now = getattr(clock, "now", 0.0) + 0.5
+        time.sleep(0.001)
+        return clock.now
+
+    monkeypatch.setattr(mapped.time, "perf_counter", perf_counter)
+    calls = 20
+
+    def move(file):
+        for _ in range(calls):
+            file.read_in()
+            file.write_back()
+
+    threads = [threading.Thread(target=move, args=(file,)) for file in files]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert counters.read_bytes == counters.write_bytes == 3 * calls * 4096
+    assert counters.read_seconds == counters.write_seconds == 3 * calls * 0.5
+
+
 def test_a_full_disk_is_a_clear_error_when_the_model_is_built(tmp_path, monkeypatch):
     def full(fd, offset, length):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
