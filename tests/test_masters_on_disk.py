@@ -241,6 +241,38 @@ def test_a_full_disk_is_a_clear_error_when_the_model_is_built(tmp_path, monkeypa
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("added", ["parameter", "buffer"])
+def test_a_full_disk_when_a_slice_is_laid_out_again_leaves_it_to_be_laid_out_at_the_next_forward(
+        added, tmp_path, monkeypatch):
+    models = [OffloadModel(network(), device="cpu", num_slices=3, compute_dtype=BF16, masters=masters)
+              for masters in (None, tmp_path)]
+    x = torch.randn(3, 6)
+    extra = torch.randn(3)
+    for model in models:
+        with torch.no_grad():
+            model(x)
+        layer = model.get_submodule("7")
+        if added == "parameter":
+            layer.register_parameter("extra", nn.Parameter(extra.clone()))
+        else:
+            layer.register_buffer("extra", extra.clone())
+    real = mapped.os.posix_fallocate
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(mapped.os, "posix_fallocate", full)
+    with pytest.raises(DiskTierError, match="No space left on device"):
+        with torch.no_grad():
+            models[1](x)
+    monkeypatch.setattr(mapped.os, "posix_fallocate", real)  # space was freed
+    with torch.no_grad():
+        assert torch.equal(models[0](x), models[1](x))
+    storage = models[1]._engine.slices[2].storage
+    assert storage.holds(models[1].get_submodule("7").extra)
+    assert storage.flat.numel() == storage.host_nbytes
+
+
 def test_a_failed_read_leaves_that_slice_and_later_ones_untouched(tmp_path, monkeypatch):
     _, (model, optimizer) = twins(torch.optim.AdamW, {"lr": 1e-2, "fused": True}, tmp_path)
     train([(model, optimizer)], 2)
