@@ -87,7 +87,7 @@ class MasterFiles:
         self._turn = 0
         self._turn_of: dict[int, int] = {}
         self._read_of: dict[int, Event] = {}
-        self._read_errors: dict[int, OSError] = {}
+        self._read_errors: dict[int, tuple[str, Exception]] = {}
         self._write_errors: dict[int, OSError] = {}
         self._last_write: Event | None = None
 
@@ -124,8 +124,11 @@ class MasterFiles:
         self._read_errors.pop(index, None)
         try:
             file.read_in()
-        except OSError as error:
-            self._read_errors[index] = error
+        except Exception as error:  # noqa: BLE001 - raised by the update (_guarded), in its slice's place
+            # Any error, not only an OSError: nothing waits for the reader's events on the
+            # caller's thread, so one left to the worker would never be raised, and the worker
+            # would skip every read after it.
+            self._read_errors[index] = (file.path, error)
 
     def guard(self, index: int, work: Callable[[], None]) -> Callable[[], None]:
         """``work`` (slice ``index``'s update), refused when its read failed: the slice is left
@@ -133,11 +136,14 @@ class MasterFiles:
         return functools.partial(self._guarded, index, work)
 
     def _guarded(self, index: int, work: Callable[[], None]) -> None:
-        error = self._read_errors.pop(index, None)
-        if error is not None:
+        failed = self._read_errors.pop(index, None)
+        if failed is not None:
+            path, error = failed
+            why = (error.strerror if isinstance(error, OSError) and error.strerror
+                   else f"{type(error).__name__}: {error}")
             raise HostUpdateError(
-                f"could not read the masters of slice {index} from {error.filename} ({error.strerror}): slice "
-                f"{index} and the slices after it were left as they were; slices before it are updated") from error
+                f"could not read the masters of slice {index} from {path} ({why}): slice {index} and the slices "
+                "after it were left as they were; slices before it are updated") from error
         work()
 
     def write(self, index: int, file: MappedFile, after: Event | None) -> None:

@@ -340,6 +340,40 @@ def test_updates_skipped_after_a_failed_one_leave_no_masters_in_ram(tmp_path, mo
     assert resident(model) == 0
 
 
+def test_an_unexpected_error_in_the_reader_is_raised_and_the_reads_go_on(tmp_path, monkeypatch):
+    # Not an OSError: nothing waits for the reader's events on the caller's thread, so it must
+    # reach the caller through the update, as a failed read does.
+    _, (model, optimizer) = twins(torch.optim.AdamW, {"lr": 1e-2, "fused": True}, tmp_path)
+    train([(model, optimizer)], 1)
+    optimizer.synchronize()
+    before = [[e.tensor.detach().clone() for e in s.storage.params] for s in model._engine.slices]
+    broken = model._engine.slices[1].storage.masters_file
+    real = mapped.MappedFile.read_in
+
+    def read_in(self, write=True):
+        if self is broken:
+            raise RuntimeError("unexpected (simulated)")
+        real(self, write)
+
+    optimizer.zero_grad()
+    loss_of(model, 1).backward()
+    monkeypatch.setattr(mapped.MappedFile, "read_in", read_in)
+    optimizer.step()
+    with pytest.raises(HostUpdateError, match="masters of slice 1 from .*offload-masters-.*unexpected") as raised:
+        optimizer.synchronize()
+    assert isinstance(raised.value.__cause__, RuntimeError)
+    monkeypatch.setattr(mapped.MappedFile, "read_in", real)
+    for s, old in zip(model._engine.slices, before):
+        for e, value in zip(s.storage.params, old):
+            assert torch.equal(e.tensor, value) == (s.index >= 1), f"slice {s.index}"
+    files = model._engine.master_files
+    read = files.counters.read_bytes
+    optimizer.step()  # the reader still reads
+    optimizer.synchronize()
+    assert files.counters.read_bytes - read == sum(s.storage.masters_file.nbytes for s in model._engine.slices)
+    assert resident(model) == 0
+
+
 def test_a_failed_write_is_raised_and_loses_nothing(tmp_path, monkeypatch):
     (ram_model, ram), (model, optimizer) = runs = twins(torch.optim.AdamW, {"lr": 1e-2, "fused": True}, tmp_path)
     train(runs, 1)
