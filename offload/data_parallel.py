@@ -104,8 +104,16 @@ class DataParallel:
 
     def _take_rank_zeros(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         source = dist.get_global_rank(self.group, 0)
+        # Masters on disk that a broadcast read or wrote go back to their files a slice at a time
+        # (the tensors come slice by slice, parameters then buffers; Note: [Masters on disk]).
+        holder = {id(entry.tensor): s.storage for s in self.engine.slices for entry in s.storage.held}
+        touched = None
         with torch.no_grad():
             for _, whole in named_tensors:
+                storage = holder.get(id(whole))
+                if touched is not None and storage is not touched:
+                    touched.release_masters()
+                touched = storage
                 # Its memory as one contiguous run (collectives want that): a channels_last or
                 # transposed parameter's too.
                 flat = flat_alias(whole)
@@ -116,6 +124,8 @@ class DataParallel:
                     tensor.copy_(staged.cpu())
                 else:
                     dist.broadcast(tensor, src=source, group=self.group)
+        if touched is not None:
+            touched.release_masters()
 
     # -- no_sync -----------------------------------------------------------------------------------
 

@@ -16,7 +16,8 @@ Note: [Masters on disk]
     1. *read* (before): read slice ``k``'s file in, after the write of the slice that took the
        same turn :data:`~offload.disk_tier.WINDOW` slices back;
     2. the update itself (the optimizer's worker), which also writes the shadow;
-    3. *write* (after): write the pages back and drop them.
+    3. *write* (after the update, or a sharded update's exchange, and after the read): write the
+       pages back and drop them.
 
     So RAM holds about three slices' masters while the optimizer steps, and none in between;
     the next forward waits for each slice's update only, never for a write. A forward that finds
@@ -85,7 +86,8 @@ class MasterFiles:
         self._window: list[Event | None] = [None] * WINDOW
         self._turn = 0
         self._turn_of: dict[int, int] = {}
-        self._read_errors: dict[int, OSError] = {}
+        self._read_of: dict[int, Event] = {}
+        self._read_errors: dict[int, tuple[str, Exception]] = {}
         self._write_errors: dict[int, OSError] = {}
         self._last_write: Event | None = None
 
@@ -113,15 +115,20 @@ class MasterFiles:
         self._turn += 1
         self._turn_of[index] = turn
         # Its turn's last write has dropped that slice's pages: RAM holds at most WINDOW slices.
-        return self.copies.submit(self._reader, functools.partial(self._read, index, file),
-                                  after=[self._window[turn]])
+        event = self.copies.submit(self._reader, functools.partial(self._read, index, file),
+                                   after=[self._window[turn]])
+        self._read_of[index] = event
+        return event
 
     def _read(self, index: int, file: MappedFile) -> None:
         self._read_errors.pop(index, None)
         try:
             file.read_in()
-        except OSError as error:
-            self._read_errors[index] = error
+        except Exception as error:  # noqa: BLE001 - raised by the update (_guarded), in its slice's place
+            # Any error, not only an OSError: nothing waits for the reader's events on the
+            # caller's thread, so one left to the worker would never be raised, and the worker
+            # would skip every read after it.
+            self._read_errors[index] = (file.path, error)
 
     def guard(self, index: int, work: Callable[[], None]) -> Callable[[], None]:
         """``work`` (slice ``index``'s update), refused when its read failed: the slice is left
@@ -129,19 +136,25 @@ class MasterFiles:
         return functools.partial(self._guarded, index, work)
 
     def _guarded(self, index: int, work: Callable[[], None]) -> None:
-        error = self._read_errors.pop(index, None)
-        if error is not None:
+        failed = self._read_errors.pop(index, None)
+        if failed is not None:
+            path, error = failed
+            why = (error.strerror if isinstance(error, OSError) and error.strerror
+                   else f"{type(error).__name__}: {error}")
             raise HostUpdateError(
-                f"could not read the masters of slice {index} from {error.filename} ({error.strerror}): slice "
-                f"{index} and the slices after it were left as they were; slices before it are updated") from error
+                f"could not read the masters of slice {index} from {path} ({why}): slice {index} and the slices "
+                "after it were left as they were; slices before it are updated") from error
         work()
 
     def write(self, index: int, file: MappedFile, after: Event | None) -> None:
         """Write slice ``index``'s masters back and drop them, on the writer, after ``after`` (the
-        last work that writes them: its update, or the exchange of a sharded update)."""
+        last work that writes them: its update, or the exchange of a sharded update) and after
+        their read: an update skipped because an earlier one failed does not wait for its read,
+        which would read the pages in again after they were dropped."""
         self._start_workers()
         assert self._writer is not None
-        event = self.copies.submit(self._writer, functools.partial(self._write, index, file), after=[after])
+        event = self.copies.submit(self._writer, functools.partial(self._write, index, file),
+                                   after=[after, self._read_of.pop(index, None)])
         turn = self._turn_of.pop(index, None)
         if turn is not None:  # not read in by an update of this rank (a sharded update's exchange wrote it)
             self._window[turn] = event

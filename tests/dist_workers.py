@@ -219,5 +219,57 @@ def sharded_disk(rank: int, world_size: int, directory: str) -> None:
     save(directory, "sharded_disk", rank, results)
 
 
+def one_parameter_per_slice(seed: int) -> nn.Sequential:
+    """Three slices of one parameter each: in each, one rank updates and the other only receives."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 16, bias=False), nn.Tanh(), nn.Linear(16, 16, bias=False), nn.Tanh(),
+                         nn.Linear(16, 3, bias=False))
+
+
+def sharded_masters(rank: int, world_size: int, directory: str) -> None:
+    """The sharded update under bfloat16 compute with each rank's masters on disk (one shared
+    directory), against the same with the masters in RAM, and on the whole batch on every rank
+    (the average of equal gradients is exact: one process's update); what stays resident."""
+    from offload import DiskTier
+
+    def resident(model: OffloadModel) -> int:
+        return sum(s.storage.masters_file.resident_bytes() for s in model._engine.slices
+                   if s.storage.masters_file is not None)
+
+    def whole(batch: torch.Tensor, *_: Any) -> torch.Tensor:
+        return batch
+
+    masters = DiskTier(os.path.join(directory, "masters"))
+    results: dict[str, Any] = {}
+    for name, layers, place, rows in (("ram", network, None, share), ("disk", network, masters, share),
+                                      ("disk-whole-batch", network, masters.path, whole),
+                                      ("ram-one-owner", one_parameter_per_slice, None, share),
+                                      ("disk-one-owner", one_parameter_per_slice, masters, share)):
+        # Ranks start from different seeds: building takes rank 0's parameters into the files.
+        model = OffloadModel(layers(seed=rank), device="cpu", num_slices=3, compute_dtype=torch.bfloat16,
+                             process_group=dist.group.WORLD, masters=place)
+        run_: dict[str, Any] = {}
+        if place is not None:
+            run_["resident_built"] = resident(model)
+        optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
+        assert optimizer._collectives is not None
+        for step in range(3):
+            model(rows(data(step, world_size), rank, world_size)).float().pow(2).mean().backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            optimizer.step()
+            optimizer.zero_grad()
+        optimizer.synchronize()
+        if place is not None:
+            run_["resident_synchronized"] = resident(model)
+        run_["outputs"] = model(data(9, 1)).detach().float()
+        if place is not None:
+            run_["resident_forward"] = resident(model)
+        run_["owned"] = len(optimizer.state)
+        run_["slices_only_received"] = sum(step.whole is None for step in optimizer._steps)
+        run_["params"] = [p.detach().clone() for p in model.parameters()]
+        results[name] = run_
+    save(directory, "sharded_masters", rank, results)
+
+
 JOBS = {f.__name__: f for f in (train, no_sync, sharded, different_models, one_rank_fails, hangs, nccl_one_gpu, tied,
-                                 layouts, sharded_disk)}
+                                 layouts, sharded_disk, sharded_masters)}

@@ -377,3 +377,38 @@ def test_nccl_on_one_gpu_matches_one_process(tmp_path):
             optimizer.zero_grad()
     for got, want in zip(params, model.parameters()):
         torch.testing.assert_close(got.cpu(), want.detach(), **ROUNDING)
+
+
+
+def test_sharded_update_with_the_masters_on_disk(tmp_path):
+    results = spawn("sharded_masters", tmp_path)
+    mine, theirs = results
+    for name in ("ram", "disk", "disk-whole-batch", "ram-one-owner", "disk-one-owner"):
+        for a, b in zip(mine[name]["params"], theirs[name]["params"]):
+            assert torch.equal(a, b), name
+        assert torch.equal(mine[name]["outputs"], theirs[name]["outputs"]), name
+        assert 0 < mine[name]["owned"] < len(mine[name]["params"])
+        assert mine[name]["owned"] + theirs[name]["owned"] == len(mine[name]["params"])
+    # Each slice of one parameter is updated by one rank and only received by the other.
+    assert mine["disk-one-owner"]["slices_only_received"] + theirs["disk-one-owner"]["slices_only_received"] == 3
+    for rank in range(WORLD):
+        for layout in ("", "-one-owner"):
+            in_ram, on_disk = results[rank]["ram" + layout], results[rank]["disk" + layout]
+            for a, b in zip(in_ram["params"], on_disk["params"]):
+                assert torch.equal(a, b), layout
+            assert torch.equal(in_ram["outputs"], on_disk["outputs"]), layout
+        # Building took rank 0's parameters into the files, and each step's broadcasts wrote the
+        # parameters other ranks own into this rank's masters: all written back and dropped.
+        for name in ("disk", "disk-whole-batch", "disk-one-owner"):
+            run_ = results[rank][name]
+            assert run_["resident_built"] == run_["resident_synchronized"] == run_["resident_forward"] == 0, name
+    # Every rank on the whole batch: the averaged gradients are one process's, and so is the update.
+    model = OffloadModel(network(seed=0), device="cpu", num_slices=3, compute_dtype=torch.bfloat16)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
+    for step in range(3):
+        model(data(step, WORLD)).float().pow(2).mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+    for got, want in zip(mine["disk-whole-batch"]["params"], model.parameters()):
+        assert torch.equal(got, want.detach())

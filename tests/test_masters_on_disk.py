@@ -201,6 +201,36 @@ def test_copies_and_pickles_keep_the_masters_on_disk(tmp_path):
             assert torch.equal(twin(x), model(x))
 
 
+def test_counters_add_up_when_the_caller_and_the_workers_move_masters_at_once(tmp_path, monkeypatch):
+    # A forward casts a slice that no update wrote (a frozen one) on the calling thread while the
+    # reader and the writer move other slices: three threads add to one model's counters. Each
+    # call here takes one second of a fake clock, and reading the clock lets another thread run.
+    counters = mapped.DiskCounters()
+    files = [mapped.MappedFile(tmp_path, 4096, counters) for _ in range(3)]
+    clock = threading.local()
+
+    def perf_counter():
+        clock.now = getattr(clock, "now", 0.0) + 0.5
+        time.sleep(0.001)
+        return clock.now
+
+    monkeypatch.setattr(mapped.time, "perf_counter", perf_counter)
+    calls = 20
+
+    def move(file):
+        for _ in range(calls):
+            file.read_in()
+            file.write_back()
+
+    threads = [threading.Thread(target=move, args=(file,)) for file in files]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert counters.read_bytes == counters.write_bytes == 3 * calls * 4096
+    assert counters.read_seconds == counters.write_seconds == 3 * calls * 0.5
+
+
 def test_a_full_disk_is_a_clear_error_when_the_model_is_built(tmp_path, monkeypatch):
     def full(fd, offset, length):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -209,6 +239,38 @@ def test_a_full_disk_is_a_clear_error_when_the_model_is_built(tmp_path, monkeypa
     with pytest.raises(DiskTierError, match="No space left on device.*Free space there"):
         OffloadModel(network(), device="cpu", num_slices=3, compute_dtype=BF16, masters=tmp_path)
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("added", ["parameter", "buffer"])
+def test_a_full_disk_when_a_slice_is_laid_out_again_leaves_it_to_be_laid_out_at_the_next_forward(
+        added, tmp_path, monkeypatch):
+    models = [OffloadModel(network(), device="cpu", num_slices=3, compute_dtype=BF16, masters=masters)
+              for masters in (None, tmp_path)]
+    x = torch.randn(3, 6)
+    extra = torch.randn(3)
+    for model in models:
+        with torch.no_grad():
+            model(x)
+        layer = model.get_submodule("7")
+        if added == "parameter":
+            layer.register_parameter("extra", nn.Parameter(extra.clone()))
+        else:
+            layer.register_buffer("extra", extra.clone())
+    real = mapped.os.posix_fallocate
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(mapped.os, "posix_fallocate", full)
+    with pytest.raises(DiskTierError, match="No space left on device"):
+        with torch.no_grad():
+            models[1](x)
+    monkeypatch.setattr(mapped.os, "posix_fallocate", real)  # space was freed
+    with torch.no_grad():
+        assert torch.equal(models[0](x), models[1](x))
+    storage = models[1]._engine.slices[2].storage
+    assert storage.holds(models[1].get_submodule("7").extra)
+    assert storage.flat.numel() == storage.host_nbytes
 
 
 def test_a_failed_read_leaves_that_slice_and_later_ones_untouched(tmp_path, monkeypatch):
@@ -236,6 +298,79 @@ def test_a_failed_read_leaves_that_slice_and_later_ones_untouched(tmp_path, monk
             assert torch.equal(e.tensor, value) == (s.index >= 1), f"slice {s.index}"
     optimizer.step()  # training goes on
     optimizer.synchronize()
+    assert resident(model) == 0
+
+
+class FailsFirstSlice(torch.optim.SGD):
+    """SGD that raises, before changing anything, when it steps the tensor whose memory starts
+    at ``target``."""
+
+    target = None
+
+    def step(self, closure=None):
+        if any(p.data_ptr() == FailsFirstSlice.target for group in self.param_groups for p in group["params"]):
+            raise MemoryError("no memory for a temporary (simulated)")
+        return super().step(closure)
+
+
+def test_updates_skipped_after_a_failed_one_leave_no_masters_in_ram(tmp_path, monkeypatch):
+    # Slice 0's update fails, so the worker skips the updates after it without waiting for their
+    # reads; the write of slice 2 must still come after its read, which is slow here.
+    model = OffloadModel(network(), device="cpu", num_slices=3, compute_dtype=BF16, masters=tmp_path)
+    optimizer = OffloadOptimizer(model, FailsFirstSlice, lr=0.1, fused=True)
+    slow = model._engine.slices[2].storage.masters_file
+    real = mapped.MappedFile.read_in
+
+    def read_in(self, write=True):
+        if self is slow and threading.current_thread().name == "offload masters read":
+            time.sleep(0.3)
+        real(self, write)
+
+    monkeypatch.setattr(mapped.MappedFile, "read_in", read_in)
+    loss_of(model, 0).backward()
+    FailsFirstSlice.target = model._engine.slices[0].storage.params[0].tensor.data_ptr()
+    optimizer.step()
+    with pytest.raises(HostUpdateError, match="slice 0"):
+        optimizer.synchronize()
+    FailsFirstSlice.target = None
+    reader = model._engine.master_files._reader
+    while reader.finished < reader.submitted:
+        time.sleep(0.01)
+    optimizer.synchronize()
+    assert resident(model) == 0
+
+
+def test_an_unexpected_error_in_the_reader_is_raised_and_the_reads_go_on(tmp_path, monkeypatch):
+    # Not an OSError: nothing waits for the reader's events on the caller's thread, so it must
+    # reach the caller through the update, as a failed read does.
+    _, (model, optimizer) = twins(torch.optim.AdamW, {"lr": 1e-2, "fused": True}, tmp_path)
+    train([(model, optimizer)], 1)
+    optimizer.synchronize()
+    before = [[e.tensor.detach().clone() for e in s.storage.params] for s in model._engine.slices]
+    broken = model._engine.slices[1].storage.masters_file
+    real = mapped.MappedFile.read_in
+
+    def read_in(self, write=True):
+        if self is broken:
+            raise RuntimeError("unexpected (simulated)")
+        real(self, write)
+
+    optimizer.zero_grad()
+    loss_of(model, 1).backward()
+    monkeypatch.setattr(mapped.MappedFile, "read_in", read_in)
+    optimizer.step()
+    with pytest.raises(HostUpdateError, match="masters of slice 1 from .*offload-masters-.*unexpected") as raised:
+        optimizer.synchronize()
+    assert isinstance(raised.value.__cause__, RuntimeError)
+    monkeypatch.setattr(mapped.MappedFile, "read_in", real)
+    for s, old in zip(model._engine.slices, before):
+        for e, value in zip(s.storage.params, old):
+            assert torch.equal(e.tensor, value) == (s.index >= 1), f"slice {s.index}"
+    files = model._engine.master_files
+    read = files.counters.read_bytes
+    optimizer.step()  # the reader still reads
+    optimizer.synchronize()
+    assert files.counters.read_bytes - read == sum(s.storage.masters_file.nbytes for s in model._engine.slices)
     assert resident(model) == 0
 
 

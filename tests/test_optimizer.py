@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 import warnings
 
 import pytest
@@ -404,6 +405,61 @@ def test_a_failure_before_any_change_leaves_the_whole_slice_unchanged_with_a_sha
     plain.load_state_dict(model.state_dict())
     x = batch(3).to(device)
     torch.testing.assert_close(model(x), plain(x), **EXACT)
+    optimizer.step()
+    optimizer.synchronize()
+
+
+class ChangesThenFails(torch.optim.SGD):
+    """SGD that raises *after* changing the parameters, when it steps the tensor whose memory
+    starts at ``target``."""
+
+    target: int | None = None
+
+    def step(self, closure=None):
+        result = super().step(closure)
+        if any(p.data_ptr() == ChangesThenFails.target for group in self.param_groups for p in group["params"]):
+            raise MemoryError("no memory for a temporary (simulated)")
+        return result
+
+
+@pytest.mark.parametrize("masters", ["ram", "disk"])
+@pytest.mark.parametrize("surfaces", ["forward", "synchronize", "zero_grad"])
+def test_a_slice_changed_by_a_failed_update_is_cast_again_wherever_the_error_surfaces(surfaces, masters, tmp_path):
+    # The update of slice 1 changes its masters, then raises before writing the shadow. Its error
+    # is raised by the first wait on the worker, which may be the wait for slice 0 (here always:
+    # the worker has run every update when the caller first waits); the next forward must cast
+    # slice 1 again all the same.
+    from offload import DiskTier
+
+    model = OffloadModel(network(), device="cpu", num_slices=3, compute_dtype=torch.bfloat16,
+                         masters=DiskTier(tmp_path) if masters == "disk" else None)
+    optimizer = OffloadOptimizer(model, ChangesThenFails, lr=0.1, fused=True)
+    ChangesThenFails.target = None
+    loss_of(model, 0).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    loss_of(model, 1).backward()
+    ChangesThenFails.target = model._engine.slices[1].storage.params[-1].tensor.data_ptr()
+    optimizer.step()
+    worker = optimizer._worker
+    while worker.finished < worker.submitted:
+        time.sleep(0.001)
+    with pytest.raises(HostUpdateError, match="slice 1"):
+        if surfaces == "forward":
+            model(batch(2))
+        elif surfaces == "synchronize":
+            optimizer.synchronize()
+        else:
+            optimizer.zero_grad(set_to_none=False)
+    ChangesThenFails.target = None
+    x = batch(3)
+    with torch.no_grad():
+        got = model(x)
+    # The same masters in a new model: every shadow cast from them.
+    plain = OffloadModel(network(), device="cpu", num_slices=3, compute_dtype=torch.bfloat16)
+    plain.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(got, plain(x), **EXACT)
     optimizer.step()
     optimizer.synchronize()
 

@@ -79,8 +79,10 @@ class AlignedBuffer:
 
 @dataclass
 class DiskCounters:
-    """Bytes moved and seconds spent in read and write calls (each side is counted by one thread
-    at a time: the reader's, the writer's, or the caller's while neither runs)."""
+    """Bytes moved and seconds spent in read and write calls (a state tier's side is counted by
+    one thread at a time: the reader's, the writer's, or the caller's while neither runs; masters'
+    files, whose caller may cast a slice while the workers move others, add under a lock in
+    ``mapped.py``)."""
 
     read_bytes: int = 0
     read_seconds: float = 0.0

@@ -305,7 +305,12 @@ class SliceStorage:
         self.build()
 
     def build(self) -> None:
-        """Lay the slice out and move every tensor's data (but borrowed parameters') into the flat buffer."""
+        """Lay the slice out and move every tensor's data (but borrowed parameters') into the flat buffer.
+
+        One that raises (no room for masters on disk) leaves the slice half laid out: :meth:`moved`
+        then says so, and the next refresh lays it out again.
+        """
+        self._built = False
         params, self.buffers = collect_entries(self.layers)
         # Compared when something was registered since; the entries keep these modules and
         # tensors alive, so no new object can take one of their ids.
@@ -380,6 +385,7 @@ class SliceStorage:
         self.shadow_refreshes = 0
         # Ready event of the last load that read the shadow: a refresh must wait for it.
         self.shadow_read: Event | None = None
+        self._built = True
 
     def _adopt_meta(self, entry: Entry) -> None:
         # A meta tensor cannot take host memory through .data (another tensor type): swap the
@@ -474,8 +480,11 @@ class SliceStorage:
         """Whether a tensor's ``.data`` was replaced since :meth:`build` (``p.data = other``).
 
         Replacing ``.data`` takes the tensor out of the flat buffer, so the next load would miss the
-        new values; the caller rebuilds the storage when this is true.
+        new values; the caller rebuilds the storage when this is true. Also true after a
+        :meth:`build` that raised.
         """
+        if not self._built:
+            return True
         for entry, ptr in zip(self.entries, self._expected_ptrs):
             tensor = entry.tensor
             if tensor.data_ptr() != ptr or tensor.dtype != entry.dtype or tensor.shape != entry.shape:

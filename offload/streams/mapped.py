@@ -39,6 +39,7 @@ import errno
 import mmap
 import os
 import tempfile
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -57,6 +58,11 @@ _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.msync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+
+
+#: Held while a read or a write is added to the counters: the reader, the writer and the caller
+#: (a forward casting a slice no update wrote) move one model's masters at once.
+_counting = threading.Lock()
 
 
 def _check(result: int, what: str, path: str) -> None:
@@ -107,8 +113,10 @@ class MappedFile:
         try:
             _check(_libc.madvise(self.address, self.nbytes, advice), "reading the masters in", self.path)
         finally:
-            self.counters.read_bytes += self.nbytes
-            self.counters.read_seconds += time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            with _counting:
+                self.counters.read_bytes += self.nbytes
+                self.counters.read_seconds += seconds
 
     def write_back(self) -> None:
         """Write every dirty page to the file, then take every page out of RAM (this process's
@@ -117,8 +125,10 @@ class MappedFile:
         try:
             _check(_libc.msync(self.address, self.nbytes, MS_SYNC), "writing the masters back", self.path)
         finally:
-            self.counters.write_bytes += self.nbytes
-            self.counters.write_seconds += time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            with _counting:
+                self.counters.write_bytes += self.nbytes
+                self.counters.write_seconds += seconds
         self.drop()
 
     def drop(self) -> None:

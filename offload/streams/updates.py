@@ -47,8 +47,13 @@ class SliceUpdates:
     def wait(self, index: int) -> None:
         """Block until slice ``index``'s host copy is final: before a load reads it."""
         event = self._pending.pop(index, None)
-        # A load must not read a host copy the update is still writing.
-        self.copies.wait_host(event)
+        try:
+            # A load must not read a host copy the update is still writing.
+            self.copies.wait_host(event)
+        except BaseException:
+            self.storages[index].expire_shadow()
+            self._failed()
+            raise
 
     def finish_all(self) -> None:
         """Block until every pending update is done, leaving them pending: each slice keeps the
@@ -58,11 +63,16 @@ class SliceUpdates:
             for index in sorted(self._pending):
                 self.copies.wait_host(self._pending[index])
         except BaseException:
-            # An update failed: which shadows it left current is unknown; cast them all again.
-            for index in list(self._pending):
-                del self._pending[index]
-                self.storages[index].expire_shadow()
+            self._failed()
             raise
+
+    def _failed(self) -> None:
+        """An update failed. A worker raises its error at the first wait on it, which may be the
+        wait for another slice's update, so which shadows are current is unknown: every pending
+        slice's is cast again after its wait. The slices stay pending: work after the failed
+        update on other workers (a sharded update's exchange) still writes their host copies."""
+        for index in self._pending:
+            self.storages[index].expire_shadow()
 
     def wait_all(self, shadows_stale: bool = False) -> None:
         """Block until every host copy is final, in slice order.
