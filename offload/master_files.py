@@ -34,9 +34,13 @@ Note: [Masters on disk]
 
     Errors: a read that fails leaves its slice untouched (a :class:`~offload.HostUpdateError`
     naming the file, as for any failed update, at the next call that waits for updates); a
-    write that fails leaves the slice updated, with its masters still in RAM (the page cache),
-    and the next ``synchronize()`` or ``step()`` raises :class:`~offload.DiskTierError` naming the
-    file. The files are preallocated, so a full disk shows when the model is built.
+    write that fails leaves the slice updated in RAM for now, and the next ``synchronize()`` or
+    ``step()`` raises :class:`~offload.DiskTierError` naming the file. After a failed write the
+    kernel may count the pages as written and drop them later, so the slice's masters may then
+    be read back from what the file held before: the error says to reload a checkpoint. The
+    files are preallocated, so a full disk shows when the model is built. A slice that a rank of
+    a sharded update only receives is not read in ahead: the exchange reads its pages in where it
+    writes them (a read error there is a ``SIGBUS``, as for your own reads of a parameter).
 """
 
 from __future__ import annotations
@@ -88,7 +92,7 @@ class MasterFiles:
         self._turn_of: dict[int, int] = {}
         self._read_of: dict[int, Event] = {}
         self._read_errors: dict[int, tuple[str, Exception]] = {}
-        self._write_errors: dict[int, OSError] = {}
+        self._write_errors: dict[int, tuple[str, BaseException]] = {}
         self._last_write: Event | None = None
 
     def allocate(self, nbytes: int) -> MappedFile:
@@ -170,8 +174,9 @@ class MasterFiles:
     def _write(self, index: int, file: MappedFile) -> None:
         try:
             file.write_back()
-        except OSError as error:
-            self._write_errors[index] = error
+        except Exception as error:  # noqa: BLE001 - raised by flush(), naming the slice and the file
+            # Any error: one left to the worker would skip every write after it.
+            self._write_errors[index] = (file.path, error)
         else:
             self._write_errors.pop(index, None)
 
@@ -179,19 +184,22 @@ class MasterFiles:
         """Wait for every write; raise a write that failed (once).
 
         Raises:
-            DiskTierError: masters could not be written back; they are updated and stay in RAM.
+            DiskTierError: masters could not be written back (updated in RAM for now, maybe not for long).
         """
         self.copies.wait_host(self._last_write)
         self._last_write = None
         if not self._write_errors:
             return
         failed, self._write_errors = self._write_errors, {}
-        first = next(iter(failed.values()))
-        files = ", ".join(f"slice {index}: {error.filename}" for index, error in failed.items())
+        _, first = next(iter(failed.values()))
+        why = (f"{first.strerror} (errno {first.errno})" if isinstance(first, OSError) and first.strerror
+               else f"{type(first).__name__}: {first}")
+        files = ", ".join(f"slice {index}: {path}" for index, (path, _) in failed.items())
         raise DiskTierError(
-            f"could not write the masters of {len(failed)} slice(s) back to disk ({files}): {first.strerror} "
-            f"(errno {first.errno}). Those slices are updated and their masters stay in RAM (the page cache) "
-            "until written; fix the disk, and save a checkpoint elsewhere before training on")
+            f"could not write the masters of {len(failed)} slice(s) back to disk ({files}): {why}. Those slices "
+            "are updated in RAM for now, but after a failed write the kernel may drop their pages and read "
+            "back what the file held before: fix the disk, then reload the last checkpoint (or save one "
+            "elsewhere right away and check it) before training on")
 
 
 def place_masters(setting: DiskTier | str | os.PathLike[str] | None, compute_dtype: torch.dtype | None,

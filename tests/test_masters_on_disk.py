@@ -455,3 +455,29 @@ def test_bad_arguments(tmp_path):
         OffloadModel(network(), device="cpu", compute_dtype=BF16, masters=3)
     with pytest.raises(ValueError, match="masters='disk' needs a compute_dtype"):
         estimate_memory([100] * 4, masters="disk")
+
+
+def test_an_unexpected_error_in_the_writer_is_raised_and_the_writes_go_on(tmp_path, monkeypatch):
+    _, (model, optimizer) = twins(torch.optim.AdamW, {"lr": 1e-2, "fused": True}, tmp_path)
+    train([(model, optimizer)], 1)
+    optimizer.synchronize()
+    real = mapped.MappedFile.write_back
+    failed = []
+
+    def write_back(self):
+        if not failed and threading.current_thread().name == "offload masters write":
+            failed.append(self)
+            raise RuntimeError("not an OSError")
+        real(self)
+
+    monkeypatch.setattr(mapped.MappedFile, "write_back", write_back)
+    train([(model, optimizer)], 1, first=1)
+    with pytest.raises(DiskTierError, match=r"slice 0: .*RuntimeError: not an OSError.*reload the last checkpoint"):
+        optimizer.synchronize()
+    # The writes after it were not skipped: only the failed slice's pages are still in RAM.
+    files = [s.storage.masters_file for s in model._engine.slices]
+    assert files[0] is failed[0] and all(f.resident_bytes() == 0 for f in files[1:])
+    monkeypatch.setattr(mapped.MappedFile, "write_back", real)
+    train([(model, optimizer)], 1, first=2)
+    optimizer.synchronize()
+    assert resident(model) == 0

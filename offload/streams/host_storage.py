@@ -439,8 +439,8 @@ class SliceStorage:
             raise DiskTierError(
                 f"{error.strerror} (errno {error.errno}) in {error.filename}, the file that holds a slice's float32 "
                 "masters (OffloadModel(..., masters=DiskTier(...))). A failed read changed nothing; after a failed "
-                "write the masters stay in RAM (the page cache) for now: fix the disk and save a checkpoint "
-                "elsewhere") from error
+                "write the kernel may drop the pages and read back what the file held before: fix the disk, then "
+                "reload the last checkpoint") from error
 
     def write_shadow(self) -> None:
         """Cast what the slice holds into the shadow, a run of equal dtypes at a time."""
