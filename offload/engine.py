@@ -205,6 +205,9 @@ class Engine:
         """
         if not any(s.storage.moved() or s.storage.registered_tensors_changed() for s in self.slices):
             return  # the common case, checked every forward
+        # A change made through a reference taken before step(): the pending updates still write
+        # the host copies being laid out again, which copies what they hold.
+        self.updates.wait_all(shadows_stale=True)
         held: set[int] = set()
         for s in self.slices:
             # Earlier slices first: what a slice borrows depends on what they hold now.

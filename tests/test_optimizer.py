@@ -536,3 +536,21 @@ def test_an_optimizer_without_fused_on_offloaded_parameters_warns_once(monkeypat
         warnings.simplefilter("always")
         torch.optim.RMSprop(model.parameters(), lr=1e-3).step()
     assert not [w for w in caught if "slower than fused=True" in str(w.message)]
+
+
+def test_a_parameter_replaced_through_a_reference_taken_before_step_is_laid_out_after_the_update():
+    # The reference skips the wait that attribute access through the model does: the forward that
+    # lays the slice out again waits for the update still writing its host copies.
+    def run(wrap):
+        torch.manual_seed(0)
+        layers = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
+        model = OffloadModel(layers, device="cpu", num_slices=3) if wrap else layers
+        first = layers[0]
+        optimizer = (OffloadOptimizer(model, torch.optim.SGD, lr=0.1, fused=True) if wrap
+                     else torch.optim.SGD(model.parameters(), lr=0.1, fused=True))
+        model(batch(0)[:, :4]).sum().backward()
+        optimizer.step()
+        first.weight = nn.Parameter(torch.ones(4, 4))
+        return model(batch(1)[:, :4])
+
+    torch.testing.assert_close(run(True), run(False), **EXACT)
