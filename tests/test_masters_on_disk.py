@@ -273,34 +273,6 @@ def test_a_full_disk_when_a_slice_is_laid_out_again_leaves_it_to_be_laid_out_at_
     assert storage.flat.numel() == storage.host_nbytes
 
 
-def test_a_failed_read_leaves_that_slice_and_later_ones_untouched(tmp_path, monkeypatch):
-    _, (model, optimizer) = twins(torch.optim.AdamW, {"lr": 1e-2, "fused": True}, tmp_path)
-    train([(model, optimizer)], 2)
-    optimizer.synchronize()
-    before = [[e.tensor.detach().clone() for e in s.storage.params] for s in model._engine.slices]
-    broken = model._engine.slices[1].storage.masters_file
-    real = mapped.MappedFile.read_in
-
-    def read_in(self, write=True):
-        if self is broken:
-            raise OSError(errno.EIO, os.strerror(errno.EIO), self.path)
-        real(self, write)
-
-    optimizer.zero_grad()
-    loss_of(model, 2).backward()
-    monkeypatch.setattr(mapped.MappedFile, "read_in", read_in)
-    optimizer.step()
-    with pytest.raises(HostUpdateError, match="masters of slice 1 from .*offload-masters-.*slice 1 and the slices after"):
-        optimizer.synchronize()
-    monkeypatch.setattr(mapped.MappedFile, "read_in", real)
-    for s, old in zip(model._engine.slices, before):
-        for e, value in zip(s.storage.params, old):
-            assert torch.equal(e.tensor, value) == (s.index >= 1), f"slice {s.index}"
-    optimizer.step()  # training goes on
-    optimizer.synchronize()
-    assert resident(model) == 0
-
-
 class FailsFirstSlice(torch.optim.SGD):
     """SGD that raises, before changing anything, when it steps the tensor whose memory starts
     at ``target``."""
@@ -340,9 +312,11 @@ def test_updates_skipped_after_a_failed_one_leave_no_masters_in_ram(tmp_path, mo
     assert resident(model) == 0
 
 
-def test_an_unexpected_error_in_the_reader_is_raised_and_the_reads_go_on(tmp_path, monkeypatch):
-    # Not an OSError: nothing waits for the reader's events on the caller's thread, so it must
-    # reach the caller through the update, as a failed read does.
+@pytest.mark.parametrize("error", [OSError(errno.EIO, os.strerror(errno.EIO)), RuntimeError("unexpected (simulated)")],
+                         ids=["io-error", "unexpected"])
+def test_a_failed_read_leaves_that_slice_and_later_ones_untouched(error, tmp_path, monkeypatch):
+    # Any error, not only an OSError: nothing waits for the reader's events on the caller's
+    # thread, so it must reach the caller through the update, and the reads after it go on.
     _, (model, optimizer) = twins(torch.optim.AdamW, {"lr": 1e-2, "fused": True}, tmp_path)
     train([(model, optimizer)], 1)
     optimizer.synchronize()
@@ -352,23 +326,25 @@ def test_an_unexpected_error_in_the_reader_is_raised_and_the_reads_go_on(tmp_pat
 
     def read_in(self, write=True):
         if self is broken:
-            raise RuntimeError("unexpected (simulated)")
+            raise error
         real(self, write)
 
     optimizer.zero_grad()
     loss_of(model, 1).backward()
     monkeypatch.setattr(mapped.MappedFile, "read_in", read_in)
     optimizer.step()
-    with pytest.raises(HostUpdateError, match="masters of slice 1 from .*offload-masters-.*unexpected") as raised:
+    why = "Input/output error" if isinstance(error, OSError) else "unexpected"
+    with pytest.raises(HostUpdateError, match=f"masters of slice 1 from .*offload-masters-.*{why}.*slice 1 and the "
+                                              "slices after") as raised:
         optimizer.synchronize()
-    assert isinstance(raised.value.__cause__, RuntimeError)
+    assert raised.value.__cause__ is error
     monkeypatch.setattr(mapped.MappedFile, "read_in", real)
     for s, old in zip(model._engine.slices, before):
         for e, value in zip(s.storage.params, old):
             assert torch.equal(e.tensor, value) == (s.index >= 1), f"slice {s.index}"
     files = model._engine.master_files
     read = files.counters.read_bytes
-    optimizer.step()  # the reader still reads
+    optimizer.step()  # training goes on, and the reader still reads
     optimizer.synchronize()
     assert files.counters.read_bytes - read == sum(s.storage.masters_file.nbytes for s in model._engine.slices)
     assert resident(model) == 0
