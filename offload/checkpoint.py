@@ -143,6 +143,8 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     if optimizer is not None:
         if not _steps_only(optimizer, names):
             raise ValueError(STRAY_PARAMETER)
+        if isinstance(optimizer, OffloadOptimizer):
+            optimizer._check_loaded("save_checkpoint()")
         for index, param, param_state, disk_keys in _optimizer_state(optimizer):
             for key, value in param_state.items():
                 entry = f"optim/state/{names[id(param)]}/{key}"
@@ -229,6 +231,11 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
         DiskTierError: the optimizer's disk tier could not write part of the loaded state, raised
             once the load is done: that state is held in RAM (Note: [Disk tier failures] in
             ``offload/disk_tier.py``).
+        torch.distributed.checkpoint.api.CheckpointException: (a ``BaseException``) a file of the
+            right length could not be read (damaged): the model and optimizer may be partly
+            loaded. An OffloadOptimizer with a disk tier whose slices were partly written refuses
+            to step or be saved until a load succeeds (Note: [Slice-by-slice load] in
+            ``offload/slice_load_planner.py``).
     """
     path = Path(path)
     info, metadata = _read(path)
@@ -269,6 +276,17 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
         with _single_process_is_intended(group):
             dcp.load(state, storage_reader=FileSystemReader(path), planner=planner, process_group=group,
                      no_dist=group is None)
+        if isinstance(planner, SliceWritingLoadPlanner):
+            planner.check_complete()
+    except BaseException as error:  # DCP's CheckpointException is a BaseException
+        if isinstance(planner, SliceWritingLoadPlanner) and planner.stored:
+            # Slices already written hold the checkpoint's state, the others their own: say so, and
+            # have the optimizer refuse to step or save that mix until a load succeeds.
+            assert isinstance(optimizer, OffloadOptimizer) and optimizer._tier is not None
+            mix = optimizer._tier.load_failed(planner.stored, f"load_checkpoint({str(path)!r})")
+            error.add_note(f"offload: the optimizer's state is partly loaded: {mix}. It refuses to step or be "
+                           "saved until a load succeeds: load a checkpoint again.")
+        raise
     finally:
         if isinstance(planner, SliceWritingLoadPlanner):
             planner.release()
@@ -289,7 +307,6 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
         }
         try:
             if isinstance(planner, SliceWritingLoadPlanner):
-                planner.check_complete()
                 assert isinstance(optimizer, OffloadOptimizer)
                 optimizer._load_state_dict_beside_tier(loaded, planner.stored)
             else:

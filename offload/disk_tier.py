@@ -220,6 +220,8 @@ class StateTier:
         self._turn = 0
         self._last_write: Event | None = None
         self._freed_state = False  # state copied in from elsewhere and freed since the last flush
+        #: Set when a load failed after writing slices (Note: [Slice-by-slice load]): what the mix is.
+        self.partly_loaded: str | None = None
         # - Host workers: the reader and writer run beside the update worker (Note: [Disk tier pipeline]).
         self._reader: HostWorker | None = None
         self._writer: HostWorker | None = None
@@ -428,10 +430,30 @@ class StateTier:
     def forget(self, keep: Collection[int] = ()) -> None:
         """``optimizer.state`` was replaced (loaded): what the files hold is no longer the state,
         except in the slices ``keep``, whose files were written with the loaded state
-        (:meth:`end_load`)."""
+        (:meth:`end_load`). A mix left by a failed load is gone."""
         for index, record in self.records.items():
             if index not in keep:
                 _reset(record)
+        self.partly_loaded = None
+
+    def load_failed(self, written: Sequence[int], source: str) -> str:
+        """A load (``source``, as the user called it) raised after :meth:`end_load` wrote slices
+        ``written``: their files hold what it loaded, the other slices their own state, and the
+        scalars in ``optimizer.state`` may be either. Until a load succeeds (:meth:`forget`),
+        :meth:`check_loaded` refuses; returns what it says of the state."""
+        indices = ", ".join(str(index) for index in sorted(written))
+        self.partly_loaded = (
+            f"{source} failed after writing slice(s) {indices} of its disk tier: those slices hold the "
+            "checkpoint's state tensors, the other slices their own, and each parameter's scalars (step) may be "
+            "either")
+        return self.partly_loaded
+
+    def check_loaded(self, doing: str) -> None:
+        """Raise if a load failed part way (:meth:`load_failed`): ``doing`` would use the mix."""
+        if self.partly_loaded is not None:
+            raise RuntimeError(
+                f"this OffloadOptimizer's state is partly loaded: {self.partly_loaded}. {doing} would use that mix; "
+                "load a checkpoint first (load_checkpoint(), or load_state_dict()).")
 
     def _failure_message(self, held: list[SliceRecord], when: str) -> str:
         first = held[0].write_error

@@ -164,6 +164,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 "updates would race over its slices. Keep one: for different settings on parts of the model, pass "
                 "parameter groups, OffloadOptimizer(model, torch.optim.AdamW, [{'params': ...}, {'params': ..., "
                 "'lr': ...}])")
+        self._check_loaded("step()")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -291,6 +292,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         store that keeps state away from host memory hands over one slice's state at a time here,
         never the whole of it.
         """
+        self._check_loaded("Reading the state")
         self.synchronize()
         self._plan()
         for step in (*self._steps, *self._rest):
@@ -367,6 +369,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """``torch.optim.Optimizer.state_dict()``, after the pending updates; with a disk tier, the
         state on disk is read into it one slice at a time."""
+        self._check_loaded("state_dict()")
         self.synchronize()
         packed = super().state_dict()
         if self._tier is not None:
@@ -387,6 +390,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._tier.adopt()
 
     # -- loading a checkpoint into the disk tier, slice by slice -----------------------------------
+
+    def _check_loaded(self, doing: str) -> None:
+        """Raise if a load into the disk tier failed part way (Note: [Slice-by-slice load] in
+        ``offload/slice_load_planner.py``): ``doing`` would step or save a mix of two states."""
+        if self._tier is not None:
+            self._tier.check_loaded(doing)
 
     def _loads_on_disk(self, index: int, param: torch.Tensor, key: str, dtype: torch.dtype,
                        shape: torch.Size) -> bool:

@@ -43,8 +43,13 @@ Note: [Slice-by-slice load]
     A write that fails leaves its slice's state held in RAM, in its buffer (Note: [Disk tier
     failures] in ``offload/disk_tier.py``); the load goes on, and raises ``DiskTierError`` once
     the rest of the state is loaded. A read that fails (a damaged file) raises from DCP: the
-    slices written until then hold the checkpoint's state, the others their own, and the
-    optimizer's scalars are not loaded yet: load the checkpoint again.
+    slices written until then hold the checkpoint's state tensors, the others their own, and the
+    scalars, read before the slices (into the optimizer's own ``step`` tensors where it has
+    them), may be either; a fresh optimizer has no ``step`` for the slices written, and its next
+    update would fail on it. Stepping or saving would use that mix, so ``load_checkpoint`` has
+    the tier note the failure (``StateTier.load_failed``, also on the error) and the optimizer
+    refuses ``step()``, ``state_dict()`` and ``save_checkpoint`` until a load succeeds: load the
+    checkpoint again.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Loading a checkpoint into an OffloadOptimizer with a disk tier, a slice at a time: the resume is
 exact, about one slice's state is in host memory at a time, items out of order are still right,
-state saved in another dtype is cast as load_state_dict() casts it, and a write that fails is a
-DiskTierError with the state loaded. See Note: [Slice-by-slice load] in
+state saved in another dtype is cast as load_state_dict() casts it, a write that fails is a
+DiskTierError with the state loaded, and a read that fails part way leaves an optimizer that
+refuses to step or save until a load succeeds. See Note: [Slice-by-slice load] in
 offload/slice_load_planner.py; the two-rank cases are in test_checkpoint.py."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import copy
 import errno
 import os
 import random
+import shutil
 import weakref
 
 import pytest
@@ -234,4 +236,53 @@ def test_without_a_disk_tier_nothing_changes(run, tmp_path, monkeypatch):
     monkeypatch.setattr(SliceWritingLoadPlanner, "__init__", lambda *a, **k: pytest.fail("planner used"))
     resumed, resumed_optimizer = run.build()
     load_checkpoint(tmp_path / "ck", resumed, resumed_optimizer)
+    assert_same_state(resumed_optimizer.state_dict(), optimizer.state_dict())
+
+
+def damage(checkpoint, key):
+    """Overwrite the bytes of the saved item ``key`` in place: the files keep their lengths, so only
+    reading the item fails (DCP keeps no checksums)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    for index, info in FileSystemReader(checkpoint).read_metadata().storage_data.items():
+        if index.fqn == key:
+            with open(checkpoint / info.relative_path, "r+b") as file:
+                file.seek(info.offset)
+                file.write(b"\x07" * info.length)
+            return
+    raise AssertionError(f"{key} is not in {checkpoint}")
+
+
+@pytest.mark.parametrize("into", ["fresh", "trained"])
+def test_a_read_failing_mid_load_leaves_an_optimizer_that_refuses_to_step_or_save_until_a_load_succeeds(
+        run, tmp_path, into):
+    # DCP reads the steps first, then the slices in order: slices 0 to 2 are written into the
+    # tier with the checkpoint's moments before slice 3's fails to read. Stepping on would mix
+    # (a fresh optimizer has no step for them: its update raised a KeyError), and a save would
+    # write that mix: both refuse, saying why, until a load succeeds.
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    model, optimizer = run.build("a")
+    run.steps(model, optimizer, 2)
+    save_checkpoint(tmp_path / "ck", model, optimizer)
+    saved = copy.deepcopy(optimizer.state_dict())
+    losses = run.steps(model, optimizer, 2)
+    shutil.copytree(tmp_path / "ck", tmp_path / "damaged")
+    damage(tmp_path / "damaged", "optim/state/3.weight/exp_avg_sq")
+
+    resumed, resumed_optimizer = run.build("b")
+    if into == "trained":
+        run.steps(resumed, resumed_optimizer, 3)
+    with pytest.raises(CheckpointException) as raised:
+        load_checkpoint(tmp_path / "damaged", resumed, resumed_optimizer)
+    assert "slice(s) 0, 1, 2" in "\n".join(getattr(raised.value, "__notes__", []))
+    for call in (lambda: run.steps(resumed, resumed_optimizer, 1), resumed_optimizer.state_dict,
+                 lambda: save_checkpoint(tmp_path / "mix", resumed, resumed_optimizer)):
+        with pytest.raises(RuntimeError, match="partly loaded.*damaged.*slice\\(s\\) 0, 1, 2"):
+            call()
+    resumed_optimizer.zero_grad()
+    assert not (tmp_path / "mix").exists()
+    load_checkpoint(tmp_path / "ck", resumed, resumed_optimizer)  # the retry, from a good copy
+    assert_same_state(resumed_optimizer.state_dict(), saved)
+    assert run.steps(resumed, resumed_optimizer, 2) == losses
     assert_same_state(resumed_optimizer.state_dict(), optimizer.state_dict())
