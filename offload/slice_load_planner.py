@@ -40,6 +40,12 @@ Note: [Slice-by-slice load]
     every such slice opens while the first file is read and closes while the second is, so the
     load holds nearly the whole state, as loading through ``load_state_dict()`` does.
 
+    Opening, counting and writing a slice take a lock, which ``FileSystemReader`` does not need
+    (one thread): a storage reader that fills items on several threads would otherwise open a
+    slice once per thread that resolves one of its first items at the same time, and write only
+    the buffer opened last, the other items lost without an error. With the lock it is exact,
+    only holding more slices at once.
+
     A write that fails leaves its slice's state held in RAM, in its buffer (Note: [Disk tier
     failures] in ``offload/disk_tier.py``); the load goes on, and raises ``DiskTierError`` once
     the rest of the state is loaded. A read that fails (a damaged file) raises from DCP: the
@@ -55,6 +61,7 @@ Note: [Slice-by-slice load]
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable
 from typing import Protocol
 
@@ -96,6 +103,8 @@ class SliceWritingLoadPlanner(DefaultLoadPlanner):
             self._keys.setdefault(index, []).append(fqn)
         self._open: dict[int, OpenSlice] = {}
         self._items_left: dict[int, int] = {}  # per slice, its items not committed yet
+        # Opening, counting and storing a slice: one thread at a time (a reader may fill items on several).
+        self._lock = threading.Lock()
         #: The slices loaded and stored, in the order they were stored.
         self.stored: list[int] = []
 
@@ -117,14 +126,16 @@ class SliceWritingLoadPlanner(DefaultLoadPlanner):
         if where is None:
             return super().resolve_tensor(read_item)
         index, param, key = where
-        opened = self._open.get(index)
-        if opened is None:
-            stand_ins: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
-            for fqn in self._keys[index]:
-                _, p, name = self._on_disk[fqn]
-                stand_ins.setdefault(p, {})[name] = self.state_dict[fqn]
-            opened = self._open[index] = self._open_slice(index, stand_ins)
-        return self.transform_tensor(read_item, opened.tensors[param][key])
+        with self._lock:
+            opened = self._open.get(index)
+            if opened is None:
+                stand_ins: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+                for fqn in self._keys[index]:
+                    _, p, name = self._on_disk[fqn]
+                    stand_ins.setdefault(p, {})[name] = self.state_dict[fqn]
+                opened = self._open[index] = self._open_slice(index, stand_ins)
+            destination = opened.tensors[param][key]
+        return self.transform_tensor(read_item, destination)
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         where = self._on_disk.get(read_item.dest_index.fqn)
@@ -132,10 +143,11 @@ class SliceWritingLoadPlanner(DefaultLoadPlanner):
             super().commit_tensor(read_item, tensor)
             return
         index = where[0]
-        self._items_left[index] -= 1
-        if self._items_left[index] == 0:
-            self._open.pop(index).store()
-            self.stored.append(index)
+        with self._lock:
+            self._items_left[index] -= 1
+            if self._items_left[index] == 0:
+                self._open.pop(index).store()  # every item of the slice is committed, so filled
+                self.stored.append(index)
 
     def check_complete(self) -> None:
         """Raise unless every slice of ``on_disk`` was loaded and stored (after ``dcp.load``)."""

@@ -286,3 +286,64 @@ def test_a_read_failing_mid_load_leaves_an_optimizer_that_refuses_to_step_or_sav
     assert_same_state(resumed_optimizer.state_dict(), saved)
     assert run.steps(resumed, resumed_optimizer, 2) == losses
     assert_same_state(resumed_optimizer.state_dict(), optimizer.state_dict())
+
+
+def test_a_reader_loading_items_on_several_threads_is_still_exact(run, tmp_path, monkeypatch):
+    # DCP's FileSystemReader resolves, fills and commits one item at a time on one thread; other
+    # storage readers fill items on a pool of threads. The planner opens, counts and writes the
+    # slices under a lock: two threads resolving a slice's first items at once open it once.
+    import io
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from torch.distributed._shard._utils import narrow_tensor_by_index
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.planner import LoadItemType
+    from torch.futures import Future
+
+    import offload.checkpoint
+
+    threads = set()
+
+    class ThreadedReader(FileSystemReader):
+        def read_data(self, plan, planner):
+            def read(item):
+                threads.add(threading.get_ident())
+                info = self.storage_data[item.storage_index]
+                with open(os.path.join(self.path, info.relative_path), "rb") as file:
+                    file.seek(info.offset)
+                    data = io.BytesIO(file.read(info.length))
+                if item.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(item, data)
+                    return
+                tensor = torch.load(data, map_location="cpu", weights_only=True)
+                tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
+                target = planner.resolve_tensor(item).detach()
+                target.copy_(tensor)
+                planner.commit_tensor(item, target)
+
+            with ThreadPoolExecutor(4) as pool:
+                list(pool.map(read, plan.items))
+            done: Future = Future()
+            done.set_result(None)
+            return done
+
+    real_open = OffloadOptimizer._open_slice_load
+
+    def slow_open(optimizer, index, saved):
+        time.sleep(0.05)  # the other threads resolve the slice's other items meanwhile
+        return real_open(optimizer, index, saved)
+
+    model, optimizer = run.build("a")
+    run.steps(model, optimizer, 2)
+    save_checkpoint(tmp_path / "ck", model, optimizer)
+    saved = copy.deepcopy(optimizer.state_dict())
+    monkeypatch.setattr(offload.checkpoint, "FileSystemReader", ThreadedReader)
+    monkeypatch.setattr(OffloadOptimizer, "_open_slice_load", slow_open)
+    resumed, resumed_optimizer = run.build("b")
+    load_checkpoint(tmp_path / "ck", resumed, resumed_optimizer)
+    assert len(threads) > 1
+    assert all(record.place is Place.DISK for record in resumed_optimizer._tier.records.values())
+    assert_same_state(resumed_optimizer.state_dict(), saved)
+    assert run.steps(resumed, resumed_optimizer, 2) == run.steps(model, optimizer, 2)
