@@ -346,8 +346,7 @@ class StateTier:
                  for key, value in state[p].items() if _goes_to_disk(value)]
         if not found:
             return
-        layout = _layout(found)
-        nbytes = page_aligned(layout[-1].offset + layout[-1].nbytes)
+        layout, nbytes = _layout(found)
         buffer = record.buffer
         in_place = (record.layout is not None and buffer is not None and _shape_of(layout) == _shape_of(record.layout)
                     and all(value.data_ptr() == buffer.data_ptr() + f.offset
@@ -566,8 +565,7 @@ class StateTier:
                  for key, value in like[p].items()]
         assert found and len(found) == sum(map(len, like.values())), \
             f"internal error: state to load into slice {index} is not of its parameters"
-        layout = _layout(found)
-        nbytes = page_aligned(layout[-1].offset + layout[-1].nbytes)
+        layout, nbytes = _layout(found)
         fits = [s for s in self._window if s.buffer is not None and s.buffer.nbytes >= nbytes]
         slot = (min(fits, key=lambda s: s.buffer.nbytes) if fits  # type: ignore[union-attr]
                 else max(self._window, key=lambda s: -1 if s.buffer is None else s.buffer.nbytes))
@@ -659,11 +657,15 @@ def _shape_of(layout: Sequence[Field]) -> list[tuple[Any, ...]]:
     return [(f.position, f.key, f.dtype, f.shape, f.stride) for f in layout]
 
 
-def _layout(found: Sequence[tuple[int, str, torch.Tensor]]) -> list[Field]:
+def _layout(found: Sequence[tuple[int, str, torch.Tensor]]) -> tuple[list[Field], int]:
+    """A slice's file for its state tensors ``found`` ((position, key, tensor), in that order):
+    each tensor's place, and the file's size in whole pages. One function for a step's
+    (:meth:`StateTier._detach`) and a load's (:meth:`StateTier.begin_load`): the file a step
+    reads back is laid out as the one it wrote."""
     fields = []
     offset = 0
     for position, key, value in found:
         nbytes = value.numel() * value.element_size()
         fields.append(Field(position, key, value.dtype, value.shape, tuple(value.stride()), offset, nbytes))
         offset += -(-nbytes // TENSOR_ALIGNMENT) * TENSOR_ALIGNMENT
-    return fields
+    return fields, page_aligned(fields[-1].offset + fields[-1].nbytes)
