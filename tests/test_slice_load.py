@@ -1,8 +1,9 @@
 """Loading a checkpoint into an OffloadOptimizer with a disk tier, a slice at a time: the resume is
-exact, about one slice's state is in host memory at a time, items out of order are still right,
-state saved in another dtype is cast as load_state_dict() casts it, a write that fails is a
-DiskTierError with the state loaded, and a read that fails part way leaves an optimizer that
-refuses to step or save until a load succeeds. See Note: [Slice-by-slice load] in
+exact (also with Adam's amsgrad, SGD's momentum, groups, a parameter without state, masters on
+disk, tied parameters), about one slice's state is in host memory at a time, items out of order
+(or filled on several threads) are still right, state saved in another dtype is cast as
+load_state_dict() casts it, a write that fails is a DiskTierError with the state loaded, and a
+read that fails part way leaves an optimizer that refuses to step or save until a load succeeds. See Note: [Slice-by-slice load] in
 offload/slice_load_planner.py; the two-rank cases are in test_checkpoint.py."""
 
 from __future__ import annotations
@@ -347,3 +348,70 @@ def test_a_reader_loading_items_on_several_threads_is_still_exact(run, tmp_path,
     assert all(record.place is Place.DISK for record in resumed_optimizer._tier.records.values())
     assert_same_state(resumed_optimizer.state_dict(), saved)
     assert run.steps(resumed, resumed_optimizer, 2) == run.steps(model, optimizer, 2)
+
+
+def _edge_case(name, tmp_path):
+    """(build(tier_dir), inputs) for one of the optimizers and models the edge-case test resumes."""
+    from .stream_scenarios import tied_mlp
+
+    torch.manual_seed(0)
+    if name == "tied":
+        layers, x, slices = tied_mlp(), torch.randint(0, 11, (4, 3)), 3
+    else:
+        layers, x, slices = nn.Sequential(*[nn.Linear(16, 16) for _ in range(6)]), torch.randn(4, 16), 6
+    if name == "groups-frozen":
+        layers[2].requires_grad_(False)  # in the optimizer, never stepped: no state
+
+    def build(tier_dir):
+        tier = DiskTier(tmp_path / tier_dir)
+        kwargs = {"compute_dtype": torch.bfloat16, "masters": DiskTier(tmp_path / "masters")} if name in (
+            "masters-bf16", "tied") else {}
+        model = OffloadModel(copy.deepcopy(layers), device="cpu", num_slices=slices, **kwargs)
+        params = list(model.parameters())
+        if name == "amsgrad":
+            return model, OffloadOptimizer(model, torch.optim.Adam, lr=1e-2, amsgrad=True, disk_tier=tier)
+        if name == "sgd-momentum":
+            return model, OffloadOptimizer(model, torch.optim.SGD, lr=1e-2, momentum=0.9, disk_tier=tier)
+        if name == "groups-frozen":
+            groups = [{"params": params[:4], "lr": 1e-3, "weight_decay": 0.1},
+                      {"params": params[4:], "betas": (0.8, 0.9)}]
+            return model, OffloadOptimizer(model, torch.optim.AdamW, groups, lr=1e-2, fused=True, disk_tier=tier)
+        return model, OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True, disk_tier=tier)
+
+    return build, x
+
+
+@pytest.mark.filterwarnings("ignore:Adam is stepping")  # per-tensor Adam: its step is loaded uncast
+@pytest.mark.parametrize("name", ["amsgrad", "sgd-momentum", "groups-frozen", "masters-bf16", "tied"])
+def test_a_resume_into_a_disk_tier_is_exact_with_other_optimizers_groups_and_models(tmp_path, name):
+    # max_exp_avg_sq, SGD's momentum_buffer (no scalar in the state at all), groups with their
+    # own hyperparameters and a parameter without state, the masters on disk under a bfloat16
+    # compute dtype, an embedding tied across slices: into a fresh optimizer and into one that
+    # trained (its files laid out by its own steps), the state and the run go on exactly.
+    build, x = _edge_case(name, tmp_path)
+
+    def steps(model, optimizer, n):
+        losses = []
+        for _ in range(n):
+            loss = model(x).float().square().sum()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    model, optimizer = build("a")
+    steps(model, optimizer, 2)
+    save_checkpoint(tmp_path / "ck", model, optimizer)
+    saved = copy.deepcopy(optimizer.state_dict())
+    losses = steps(model, optimizer, 2)
+    for into in ("fresh", "trained"):
+        resumed, resumed_optimizer = build(f"b-{into}")
+        if into == "trained":
+            steps(resumed, resumed_optimizer, 3)
+        load_checkpoint(tmp_path / "ck", resumed, resumed_optimizer)
+        assert state_tensors_in_ram(resumed_optimizer) == []
+        assert_same_state(resumed_optimizer.state_dict(), saved)
+        assert steps(resumed, resumed_optimizer, 2) == losses, into
+        assert_same_state(resumed_optimizer.state_dict(), optimizer.state_dict())
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), resumed.parameters()))
