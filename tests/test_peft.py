@@ -196,6 +196,31 @@ def test_offload_optimizer_steps_the_adapters_only():
             assert torch.equal(p, frozen[name])
 
 
+@pytest.mark.parametrize("kind", ["llama", "gemma3_text"])
+def test_lora_with_the_masters_on_disk_trains_as_with_them_in_ram(kind, tmp_path):
+    from offload import DiskTier
+
+    runs = []
+    for masters in (None, DiskTier(tmp_path)):
+        peft_model = lora(build(kind, layers=2, dropout=0.0), kind)
+        model = OffloadModel(causal_lm_sequential(peft_model), device="cpu", num_slices=3,
+                             compute_dtype=torch.bfloat16, masters=masters)
+        runs.append((peft_model, model, OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)))
+    inputs = batch()
+    labels = labels_of(inputs)
+    for step in range(3):
+        losses = [offloaded_step(peft_model.get_base_model(), model, inputs, labels, step)[1]
+                  for peft_model, model, _ in runs]
+        torch.testing.assert_close(losses[1], losses[0], **EXACT)
+        for _, _, optimizer in runs:
+            optimizer.step()
+            optimizer.zero_grad()
+    for _, _, optimizer in runs:
+        optimizer.synchronize()  # the parameters are read through the PeftModel, not the OffloadModel
+    assert sum(s.storage.masters_file.resident_bytes() for s in runs[1][1]._engine.slices) == 0
+    torch.testing.assert_close(list(runs[1][0].parameters()), list(runs[0][0].parameters()), **EXACT)
+
+
 def nbytes(params) -> int:
     return sum(p.numel() * p.element_size() for p in params)
 
