@@ -180,6 +180,11 @@ class MasterFiles:
         else:
             self._write_errors.pop(index, None)
 
+    def wait(self) -> None:
+        """Wait for every write submitted so far; a failure stays for :meth:`flush` to raise (a
+        write keeps its error instead of raising it on the writer)."""
+        self.copies.wait_host(self._last_write)
+
     def flush(self) -> None:
         """Wait for every write; raise a write that failed (once).
 

@@ -268,9 +268,12 @@ class OffloadModel(nn.Module):
 
     def memory_footprint(self) -> MemoryFootprint:
         """What offloading holds in memory right now (see :class:`MemoryFootprint`), after the
-        pending host updates: they create and move optimizer state while it is counted."""
+        pending host updates (they create and move optimizer state while it is counted) and, with
+        masters on disk, after their pending write-backs."""
         engine = self._engine
         self._settle()
+        if engine.master_files is not None:
+            engine.master_files.wait()  # pages are in RAM until their write-back drops them
         return measure_footprint(engine, engine.optimizers, engine.disk_tiers)
 
     def extra_repr(self) -> str:
@@ -278,10 +281,12 @@ class OffloadModel(nn.Module):
             f"[{_span(s.names)}: {_size(s.storage.host_nbytes)}]" for s in self._engine.slices
         )
         precision = f"compute_dtype={self.compute_dtype}, " if self.compute_dtype is not None else ""
+        files = self._engine.master_files
+        masters = f"masters on disk in {files.directory}, " if files is not None else ""
         return (
             f"device={self.device}, offload_device={self.offload_device}, "
             f"checkpoint_activation={self.checkpoint_activation}, num_microbatches={self.num_microbatches}, "
-            f"{precision}slices={slices}"
+            f"{precision}{masters}slices={slices}"
         )
 
     # -- forward -----------------------------------------------------------------------------

@@ -457,3 +457,18 @@ def test_an_unexpected_error_in_the_writer_is_raised_and_the_writes_go_on(tmp_pa
     train([(model, optimizer)], 1, first=2)
     optimizer.synchronize()
     assert resident(model) == 0
+
+
+def test_the_footprint_waits_for_the_write_backs_and_the_repr_names_the_directory(tmp_path, monkeypatch):
+    _, (model, optimizer) = twins(torch.optim.AdamW, {"lr": 1e-2, "fused": True}, tmp_path)
+    real = mapped.MappedFile.write_back
+
+    def slow_write_back(self):
+        time.sleep(0.1)
+        real(self)
+
+    monkeypatch.setattr(mapped.MappedFile, "write_back", slow_write_back)
+    train([(model, optimizer)], 2)
+    # No synchronize(): the footprint waits for the updates and then for their write-backs.
+    assert model.memory_footprint().host_masters == 0
+    assert f"masters on disk in {tmp_path / 'masters'}" in repr(model)
