@@ -279,9 +279,12 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
         if isinstance(planner, SliceWritingLoadPlanner):
             planner.check_complete()
     except BaseException as error:  # DCP's CheckpointException is a BaseException
-        if isinstance(planner, SliceWritingLoadPlanner) and planner.stored:
-            # Slices already written hold the checkpoint's state, the others their own: say so, and
-            # have the optimizer refuse to step or save that mix until a load succeeds.
+        if isinstance(planner, SliceWritingLoadPlanner):
+            # Slices already written hold the checkpoint's state, the others their own, and the
+            # scalars (read first, in place) may be either: say so, and have the optimizer refuse
+            # to step or save that mix until a load succeeds. Every rank refuses, whether or not
+            # it wrote a slice yet: a rank that went on would wait for the others in its next
+            # collective forever.
             assert isinstance(optimizer, OffloadOptimizer) and optimizer._tier is not None
             mix = optimizer._tier.load_failed(planner.stored, f"load_checkpoint({str(path)!r})")
             error.add_note(f"offload: the optimizer's state is partly loaded: {mix}. It refuses to step or be "

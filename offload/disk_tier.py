@@ -441,10 +441,10 @@ class StateTier:
         scalars in ``optimizer.state`` may be either. Until a load succeeds (:meth:`forget`),
         :meth:`check_loaded` refuses; returns what it says of the state."""
         indices = ", ".join(str(index) for index in sorted(written))
-        self.partly_loaded = (
-            f"{source} failed after writing slice(s) {indices} of its disk tier: those slices hold the "
-            "checkpoint's state tensors, the other slices their own, and each parameter's scalars (step) may be "
-            "either")
+        wrote = (f"after writing slice(s) {indices} of its disk tier: those slices hold the checkpoint's state "
+                 "tensors, the other slices their own" if written else
+                 "before writing any slice of its disk tier: the state tensors are the optimizer's own")
+        self.partly_loaded = f"{source} failed {wrote}, and each parameter's scalars (step) may be either"
         return self.partly_loaded
 
     def check_loaded(self, doing: str) -> None:

@@ -289,6 +289,22 @@ def test_a_read_failing_mid_load_leaves_an_optimizer_that_refuses_to_step_or_sav
     assert_same_state(resumed_optimizer.state_dict(), optimizer.state_dict())
 
 
+def test_a_read_failing_before_any_slice_is_written_refuses_too(run, tmp_path):
+    # The steps were read in place already, and on several ranks a rank that went on would wait
+    # for the others at its next collective: every failed load refuses, written slices or not.
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    model, optimizer = run.build("a")
+    run.steps(model, optimizer, 2)
+    save_checkpoint(tmp_path / "ck", model, optimizer)
+    damage(tmp_path / "ck", "optim/state/0.weight/exp_avg")
+    resumed, resumed_optimizer = run.build("b")
+    with pytest.raises(CheckpointException):
+        load_checkpoint(tmp_path / "ck", resumed, resumed_optimizer)
+    with pytest.raises(RuntimeError, match="partly loaded.*before writing any slice.*step"):
+        resumed_optimizer.state_dict()
+
+
 def test_a_reader_loading_items_on_several_threads_is_still_exact(run, tmp_path, monkeypatch):
     # DCP's FileSystemReader resolves, fills and commits one item at a time on one thread; other
     # storage readers fill items on a pool of threads. The planner opens, counts and writes the
