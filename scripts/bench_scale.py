@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import platform
@@ -114,6 +115,46 @@ class PeakRSS:
         self._thread.join()
 
 
+def io_counts(counters) -> tuple[int, float, int, float]:  # type: ignore[no-untyped-def]
+    """Bytes and seconds read and written so far (zeros without counters)."""
+    if not counters:
+        return (0, 0.0, 0, 0.0)
+    return (counters.read_bytes, counters.read_seconds, counters.write_bytes, counters.write_seconds)
+
+
+def checksum(model: nn.Module) -> list[int]:
+    """Each parameter's bits summed as integers: equal lists mean equal parameters, bit for bit
+    (up to collisions no training run produces)."""
+    with torch.no_grad():
+        return [int(p.detach().view(torch.int32).sum(dtype=torch.int64)) for p in model.parameters()]
+
+
+def save_for_resume(path: Path, model: nn.Module, optimizer: OffloadOptimizer) -> dict:
+    """``save_checkpoint`` between two steps, timed, with the peak RSS while it runs."""
+    with PeakRSS() as saving:
+        started = time.perf_counter()
+        offload.save_checkpoint(path, model, optimizer)
+        save_s = time.perf_counter() - started
+    return {"save_s": save_s, "save_peak_rss_bytes": saving.peak, "checkpoint_bytes": disk_bytes(path)}
+
+
+def check_resume(path: Path, load, x: torch.Tensor, target: torch.Tensor) -> dict:  # type: ignore[no-untyped-def]
+    """Build the model again, ``load_checkpoint`` the saved step, and run the last step again."""
+    model, optimizer = load()
+    with PeakRSS() as loading:
+        started = time.perf_counter()
+        offload.load_checkpoint(path, model, optimizer)
+        load_s = time.perf_counter() - started
+    loss = nn.functional.mse_loss(model(x).float(), target)
+    loss.backward()
+    optimizer.step()
+    optimizer.synchronize()
+    result = {"load_s": load_s, "load_peak_rss_bytes": loading.peak, "resumed_loss": repr(loss.item()),
+              "resumed_checksum": checksum(model)}
+    optimizer.close()
+    return result
+
+
 def disk_bytes(path: Path) -> int:
     return sum(f.stat().st_blocks * 512 for f in path.rglob("*") if f.is_file())
 
@@ -133,9 +174,14 @@ def main() -> None:
                         help="dtype of the device copies (bfloat16: a shadow in RAM that loads read)")
     parser.add_argument("--masters-on-disk", action="store_true",
                         help="keep the float32 masters in files too (needs --compute-dtype bfloat16)")
+    parser.add_argument("--resume-check", action="store_true",
+                        help="save a checkpoint before the last step, then build the model again, load it, run the "
+                             "last step again and compare its loss and the parameters after it, bit for bit")
     parser.add_argument("--device", default="cpu", help="the compute device (cuda: the device slots in GPU memory)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
+    if args.resume_check and args.steps < 2:
+        parser.error("--resume-check needs --steps 2 or more: it saves before the last step")
     if args.masters_on_disk and args.compute_dtype == "float32":
         parser.error("--masters-on-disk needs --compute-dtype bfloat16")
     compute_dtype = torch.bfloat16 if args.compute_dtype == "bfloat16" else None
@@ -153,17 +199,21 @@ def main() -> None:
             result["checkpoint"]["write_s"] = time.perf_counter() - started
         result["checkpoint"]["peak_rss_bytes"] = writing.peak
 
-        with PeakRSS() as training:
-            started = time.perf_counter()
+        def load() -> tuple[offload.OffloadModel, OffloadOptimizer]:
             model = offload.load_sequential(lambda: build(args.width, args.layers), work / "checkpoint",
                                             device=args.device, num_slices=args.slices, compute_dtype=compute_dtype,
                                             masters=DiskTier(work / "masters") if args.masters_on_disk else None)
+            return model, OffloadOptimizer(model, torch.optim.AdamW, lr=1e-4, fused=True,
+                                           disk_tier=DiskTier(work / "state"))
+
+        with PeakRSS() as training:
+            started = time.perf_counter()
+            model, optimizer = load()
             load_s = time.perf_counter() - started
             rss_after_load = psutil.Process().memory_info().rss
             params = sum(p.numel() for p in model.parameters())
-            optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-4, fused=True,
-                                         disk_tier=DiskTier(work / "state"))
             steps = []
+            resume: dict = {}
             x = torch.randn(args.batch, args.width, device=args.device)
             target = torch.randn(args.batch, args.width, device=args.device)
             counters = optimizer._tier.counters  # the tier's own read and write calls
@@ -171,10 +221,7 @@ def main() -> None:
             # A training loop as users write it: each forward waits for the previous step's update
             # slice by slice (overlapped with it), and only the last step is waited for at its end.
             # Counted from one step's end to the next: reads and writes run beside the loop.
-            io_before = (counters.read_bytes, counters.read_seconds, counters.write_bytes, counters.write_seconds)
-            masters_before = (0, 0.0, 0, 0.0) if files is None else (
-                files.counters.read_bytes, files.counters.read_seconds, files.counters.write_bytes,
-                files.counters.write_seconds)
+            io_before, masters_before = io_counts(counters), io_counts(files and files.counters)
             for number in range(args.steps):
                 started = time.perf_counter()
                 loss = nn.functional.mse_loss(model(x).float(), target)
@@ -185,11 +232,8 @@ def main() -> None:
                 waited = time.perf_counter()
                 if number == args.steps - 1:
                     optimizer.synchronize()  # the last update, which no forward hides
-                io_now = (counters.read_bytes, counters.read_seconds, counters.write_bytes, counters.write_seconds)
+                io_now, masters_now = io_counts(counters), io_counts(files and files.counters)
                 read_bytes, read_s, write_bytes, write_s = (now - then for now, then in zip(io_now, io_before))
-                masters_now = (0, 0.0, 0, 0.0) if files is None else (
-                    files.counters.read_bytes, files.counters.read_seconds, files.counters.write_bytes,
-                    files.counters.write_seconds)
                 m_read, m_read_s, m_write, m_write_s = (now - then for now, then in zip(masters_now, masters_before))
                 io_before, masters_before = io_now, masters_now
                 steps.append({"loss": repr(loss.item()), "forward_backward_s": compute_s,
@@ -204,6 +248,10 @@ def main() -> None:
                       f"in {read_s:.1f} s, wrote {write_bytes / 1e9:.1f} GB in {write_s:.1f} s; masters read "
                       f"{m_read / 1e9:.1f} GB in {m_read_s:.1f} s, wrote {m_write / 1e9:.1f} GB in {m_write_s:.1f} s",
                       flush=True)
+                if args.resume_check and number == args.steps - 2:
+                    # Not counted in any step: the next step's counters start after it.
+                    resume = save_for_resume(work / "resume", model, optimizer)
+                    io_before, masters_before = io_counts(counters), io_counts(files and files.counters)
             footprint = model.memory_footprint()
             state_on_disk = disk_bytes(work / "state")
             # The masters' files are unlinked once mapped: the footprint counts them.
@@ -212,7 +260,20 @@ def main() -> None:
                                                compute_dtype=compute_dtype, optimizer="adamw",
                                                optimizer_state="disk",
                                                masters="disk" if args.masters_on_disk else "ram", device=args.device)
-            optimizer.close()
+            if args.resume_check:
+                resume.update(loss=steps[-1]["loss"], checksum=checksum(model))
+                del model, optimizer, files, counters
+                gc.collect()  # the first run's masters and state files go before the second's come
+                resume.update(check_resume(work / "resume", load, x, target))
+                resume["loss_equal"] = resume["resumed_loss"] == resume["loss"]
+                resume["parameters_equal"] = resume.pop("resumed_checksum") == resume.pop("checksum")
+                print(f"resumed from the checkpoint of step {args.steps - 1}: step {args.steps}'s loss "
+                      f"{'equal' if resume['loss_equal'] else 'DIFFERENT'}, parameters after it "
+                      f"{'equal' if resume['parameters_equal'] else 'DIFFERENT'} bit for bit; save {resume['save_s']:.1f} s "
+                      f"(peak RSS {resume['save_peak_rss_bytes'] / GIB:.2f} GiB), load {resume['load_s']:.1f} s "
+                      f"(peak RSS {resume['load_peak_rss_bytes'] / GIB:.2f} GiB)", flush=True)
+            else:
+                optimizer.close()
         result.update({
             "parameters": params,
             "adamw_fp32_state_ram_bytes": 16 * params,  # masters, gradients, two moments
@@ -228,6 +289,7 @@ def main() -> None:
             "checkpoint_bytes": result["checkpoint"]["bytes"],
             "steps": steps,
             "memory_footprint": str(footprint),
+            "resume": resume,
         })
     finally:
         shutil.rmtree(work, ignore_errors=True)

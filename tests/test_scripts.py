@@ -263,3 +263,15 @@ def test_scale_benchmark_smoke(masters_on_disk, tmp_path):
     assert abs(data["estimate_disk_bytes"] - data["disk_state_bytes"] - data["disk_masters_bytes"]) <= 0.05 * (
         data["disk_state_bytes"] + data["disk_masters_bytes"])
     assert [p.name for p in tmp_path.iterdir()] == ["scale.json"]  # checkpoint and state removed
+
+
+def test_scale_benchmark_resumes_bit_for_bit(tmp_path):
+    out = run("scripts/bench_scale.py", "--width", "64", "--layers", "4", "--slices", "2", "--steps", "3", "--batch", "2",
+              "--dir", str(tmp_path), "--json", str(tmp_path / "scale.json"), "--compute-dtype", "bfloat16",
+              "--masters-on-disk", "--resume-check")
+    data = json.loads((tmp_path / "scale.json").read_text())
+    # Saved before step 3, loaded into a model built again from the safetensors checkpoint.
+    assert data["resume"]["loss_equal"] is True and data["resume"]["parameters_equal"] is True
+    assert data["resume"]["resumed_loss"] == data["steps"][2]["loss"]
+    assert "step 3's loss equal, parameters after it equal bit for bit" in out
+    assert [p.name for p in tmp_path.iterdir()] == ["scale.json"]
