@@ -163,8 +163,11 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     _barrier(group)
     planner: DefaultSavePlanner = DefaultSavePlanner(flatten_state_dict=False)
     writer = FileSystemWriter(partial, sync_files=True)
-    if on_disk and isinstance(optimizer, OffloadOptimizer):
-        planner = SliceReadingSavePlanner(optimizer._slice_state_on_disk, on_disk)
+    masters = _masters_on_disk(model, state)
+    if (on_disk and isinstance(optimizer, OffloadOptimizer)) or masters:
+        read_slice = optimizer._slice_state_on_disk if on_disk and isinstance(optimizer, OffloadOptimizer) else None
+        planner = SliceReadingSavePlanner(read_slice, on_disk, masters,
+                                          lambda k: engine_of(model).slices[k].storage.release_masters())
         # One thread, nothing resolved ahead: each item's data is asked for once the previous one
         # is written (Note: [Slice-by-slice save]).
         writer = FileSystemWriter(partial, sync_files=True, thread_count=1, per_thread_copy_ahead=0)
@@ -323,6 +326,22 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     if failure is not None:
         raise failure
     return state["extra"]
+
+
+def _masters_on_disk(model: nn.Module, state: dict[str, Any]) -> dict[str, int]:
+    """``model/<name>`` -> slice index, for the keys of ``state`` that hold tensors of the model
+    whose masters are on disk (the model's children are its slices' layers, by name)."""
+    if not isinstance(model, OffloadModel) or engine_of(model).master_files is None:
+        return {}
+    slice_of = {name: s.index for s in engine_of(model).slices if s.storage.masters_file is not None
+                for name in s.names}
+    found = {}
+    for key in state:
+        if key.startswith("model/"):
+            layer = key.removeprefix("model/").split(".", 1)[0]
+            if layer in slice_of:
+                found[key] = slice_of[layer]
+    return found
 
 
 def _release_masters(model: nn.Module) -> None:

@@ -1,4 +1,5 @@
-"""A DCP save planner that reads optimizer state kept on disk one slice at a time, as DCP writes it.
+"""A DCP save planner that reads optimizer state kept on disk one slice at a time, as DCP writes it
+(and drops masters kept on disk once written).
 
 It holds :class:`SliceReadingSavePlanner` and nothing else; :func:`offload.save_checkpoint` uses it
 (Note: [Checkpoint layout] in ``offload/checkpoint.py``). It does not decide what is saved or
@@ -25,6 +26,11 @@ Note: [Slice-by-slice save]
       slice's tensors by emptying their storages: the references that remain cost nothing.
 
     An item of a slice that comes out of order is still right: its slice is read again.
+
+    Masters on disk (``OffloadModel(..., masters=DiskTier(...))``) are read the same way: DCP reads
+    each model tensor through its slice's file mapping, and once it asks for a tensor of the next
+    slice, the planner writes the previous slice's pages back and drops them, so a save holds
+    about one slice's masters in RAM instead of all of them. The writer is serial for them too.
 """
 
 from __future__ import annotations
@@ -49,17 +55,31 @@ class SliceReadingSavePlanner(DefaultSavePlanner):
         on_disk: state dict key -> (slice index, parameter, state key) for each stand-in.
     """
 
-    def __init__(self, read_slice: SliceReader, on_disk: dict[str, tuple[int, torch.Tensor, str]]) -> None:
+    def __init__(self, read_slice: SliceReader | None, on_disk: dict[str, tuple[int, torch.Tensor, str]],
+                 masters: dict[str, int] | None = None, release_masters: Callable[[int], None] | None = None) -> None:
         super().__init__(flatten_state_dict=False)
         self._read_slice = read_slice
         self._on_disk = on_disk
         self._index: int | None = None  # the slice whose state is held
         self._held: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+        self._masters = masters or {}
+        self._release_masters = release_masters
+        self._masters_index: int | None = None  # the slice whose masters DCP reads now
 
     def resolve_data(self, write_item: WriteItem) -> Any:
-        where = self._on_disk.get(write_item.index.fqn)
+        fqn = write_item.index.fqn
+        if fqn in self._masters:
+            # A model tensor whose masters are on disk: DCP reads it through the mapping. The
+            # previous slice's items are written: its pages go (Note: [Slice-by-slice save]).
+            index = self._masters[fqn]
+            if index != self._masters_index and self._masters_index is not None:
+                assert self._release_masters is not None
+                self._release_masters(self._masters_index)
+            self._masters_index = index
+        where = self._on_disk.get(fqn)
         if where is None:
             return super().resolve_data(write_item)
+        assert self._read_slice is not None
         index, param, key = where
         if index != self._index:
             self.release()

@@ -262,8 +262,10 @@ def main() -> None:
                                                masters="disk" if args.masters_on_disk else "ram", device=args.device)
             if args.resume_check:
                 resume.update(loss=steps[-1]["loss"], checksum=checksum(model))
-                del model, optimizer, files, counters
-                gc.collect()  # the first run's masters and state files go before the second's come
+                # The last loss holds its graph, which holds the model (as in PyTorch: leaves stay
+                # alive through their accumulation nodes): the first run goes before the second comes.
+                del model, optimizer, files, counters, loss
+                gc.collect()
                 resume.update(check_resume(work / "resume", load, x, target))
                 resume["loss_equal"] = resume["resumed_loss"] == resume["loss"]
                 resume["parameters_equal"] = resume.pop("resumed_checksum") == resume.pop("checksum")

@@ -472,3 +472,30 @@ def test_the_footprint_waits_for_the_write_backs_and_the_repr_names_the_director
     # No synchronize(): the footprint waits for the updates and then for their write-backs.
     assert model.memory_footprint().host_masters == 0
     assert f"masters on disk in {tmp_path / 'masters'}" in repr(model)
+
+
+@pytest.mark.parametrize("state_tier", [False, True], ids=["state-in-ram", "state-on-disk"])
+def test_a_save_holds_about_one_slice_of_masters_in_ram(state_tier, tmp_path, monkeypatch):
+    # DCP reads each model tensor through its slice's mapping; the planner drops a slice's pages
+    # once DCP asks for the next slice's first tensor.
+    from offload.slice_save_planner import SliceReadingSavePlanner
+
+    layers = nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)])
+    model = OffloadModel(layers, device="cpu", num_slices=8, compute_dtype=BF16, masters=tmp_path / "m")
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-3, fused=True,
+                                 disk_tier=tmp_path / "s" if state_tier else None)
+    model(torch.randn(2, 64)).float().sum().backward()
+    optimizer.step()
+    optimizer.synchronize()
+    most = [0]
+    real = SliceReadingSavePlanner.resolve_data
+
+    def resolve_data(self, item):
+        most[0] = max(most[0], resident(model))
+        return real(self, item)
+
+    monkeypatch.setattr(SliceReadingSavePlanner, "resolve_data", resolve_data)
+    save_checkpoint(tmp_path / "ckpt", model, optimizer)
+    per_slice = model._engine.slices[0].storage.masters_file.nbytes
+    assert 0 < most[0] <= per_slice  # the slice being written; 8 slices' without the planner
+    assert resident(model) == 0
