@@ -48,6 +48,7 @@ from torch import nn
 
 import offload
 from offload import DiskTier, OffloadOptimizer
+from offload.model import engine_of
 
 GIB = 2**30
 
@@ -122,11 +123,16 @@ def io_counts(counters) -> tuple[int, float, int, float]:  # type: ignore[no-unt
     return (counters.read_bytes, counters.read_seconds, counters.write_bytes, counters.write_seconds)
 
 
-def checksum(model: nn.Module) -> list[int]:
+def checksum(model: offload.OffloadModel) -> list[int]:
     """Each parameter's bits summed as integers: equal lists mean equal parameters, bit for bit
-    (up to collisions no training run produces)."""
+    (up to collisions no training run produces). A slice at a time: masters on disk are read in
+    for it and dropped again, as an update would, instead of all staying in RAM."""
+    sums = []
     with torch.no_grad():
-        return [int(p.detach().view(torch.int32).sum(dtype=torch.int64)) for p in model.parameters()]
+        for piece in engine_of(model).slices:
+            sums += [int(e.tensor.detach().view(torch.int32).sum(dtype=torch.int64)) for e in piece.storage.params]
+            piece.storage.release_masters()
+    return sums
 
 
 def save_for_resume(path: Path, model: nn.Module, optimizer: OffloadOptimizer) -> dict:
