@@ -273,8 +273,12 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     state["extra"] = None
     # Unflattened, objects (groups, generators, extra) are loaded into this very dict.
     planner: DefaultLoadPlanner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
-    if on_disk and isinstance(optimizer, OffloadOptimizer):
-        planner = SliceWritingLoadPlanner(optimizer._open_slice_load, on_disk)
+    tiered = bool(on_disk) and isinstance(optimizer, OffloadOptimizer)
+    masters = _masters_on_disk(model, state)
+    if tiered or masters:
+        planner = SliceWritingLoadPlanner(optimizer._open_slice_load if tiered else None,  # type: ignore[union-attr]
+                                          on_disk if tiered else {}, masters,
+                                          lambda k: engine_of(model).slices[k].storage.release_masters())
     try:
         with _single_process_is_intended(group):
             dcp.load(state, storage_reader=FileSystemReader(path), planner=planner, process_group=group,
@@ -282,7 +286,7 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
         if isinstance(planner, SliceWritingLoadPlanner):
             planner.check_complete()
     except BaseException as error:  # DCP's CheckpointException is a BaseException
-        if isinstance(planner, SliceWritingLoadPlanner):
+        if tiered:
             # Slices already written hold the checkpoint's state, the others their own, and the
             # scalars (read first, in place) may be either: say so, and have the optimizer refuse
             # to step or save that mix until a load succeeds. Every rank refuses, whether or not
@@ -312,8 +316,8 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
                              for hyper in state["optim/param_groups"]],
         }
         try:
-            if isinstance(planner, SliceWritingLoadPlanner):
-                assert isinstance(optimizer, OffloadOptimizer)
+            if tiered:
+                assert isinstance(optimizer, OffloadOptimizer) and isinstance(planner, SliceWritingLoadPlanner)
                 optimizer._load_state_dict_beside_tier(loaded, planner.stored)
             else:
                 optimizer.load_state_dict(loaded)

@@ -89,15 +89,26 @@ class SliceWritingLoadPlanner(DefaultLoadPlanner):
     loaded a slice at a time into what ``open_slice`` returns, stored once each slice is complete
     (Note: [Slice-by-slice load]).
 
+    It also drops masters on disk as they are loaded: once every model tensor of a slice whose
+    masters are on disk is committed, ``release_masters`` writes that slice's pages back and
+    drops them, so a load dirties about one slice's masters at a time, not all of them.
+
     Args:
-        open_slice: opens a slice, given the stand-ins of its state tensors.
+        open_slice: opens a slice, given the stand-ins of its state tensors (``None``: no state
+            goes to a disk tier).
         on_disk: state dict key -> (slice index, parameter, state key) for each stand-in.
+        masters: state dict key -> slice index, for the model tensors whose masters are on disk.
+        release_masters: writes a slice's masters back and drops them.
     """
 
-    def __init__(self, open_slice: SliceOpener, on_disk: dict[str, tuple[int, torch.Tensor, str]]) -> None:
+    def __init__(self, open_slice: SliceOpener | None, on_disk: dict[str, tuple[int, torch.Tensor, str]],
+                 masters: dict[str, int] | None = None, release_masters: Callable[[int], None] | None = None) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self._open_slice = open_slice
         self._on_disk = on_disk
+        self._masters = masters or {}
+        self._release_masters = release_masters
+        self._masters_left: dict[int, int] = {}  # per slice, its model items not committed yet
         self._keys: dict[int, list[str]] = {}  # per slice, its keys in on_disk
         for fqn, (index, _, _) in on_disk.items():
             self._keys.setdefault(index, []).append(fqn)
@@ -115,10 +126,14 @@ class SliceWritingLoadPlanner(DefaultLoadPlanner):
 
         items = sorted(new_plan.items, key=order)  # stable: each slice's items in the plan's order
         self._items_left = {}
+        self._masters_left = {}
         for item in items:
             where = self._on_disk.get(item.dest_index.fqn)
             if where is not None:
                 self._items_left[where[0]] = self._items_left.get(where[0], 0) + 1
+            index = self._masters.get(item.dest_index.fqn)
+            if index is not None:
+                self._masters_left[index] = self._masters_left.get(index, 0) + 1
         return dataclasses.replace(super().finish_plan(new_plan), items=items)
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
@@ -129,6 +144,7 @@ class SliceWritingLoadPlanner(DefaultLoadPlanner):
         with self._lock:
             opened = self._open.get(index)
             if opened is None:
+                assert self._open_slice is not None
                 stand_ins: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
                 for fqn in self._keys[index]:
                     _, p, name = self._on_disk[fqn]
@@ -138,9 +154,18 @@ class SliceWritingLoadPlanner(DefaultLoadPlanner):
         return self.transform_tensor(read_item, destination)
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        where = self._on_disk.get(read_item.dest_index.fqn)
+        fqn = read_item.dest_index.fqn
+        where = self._on_disk.get(fqn)
         if where is None:
             super().commit_tensor(read_item, tensor)
+            index = self._masters.get(fqn)
+            if index is not None:
+                with self._lock:
+                    self._masters_left[index] -= 1
+                    done = self._masters_left[index] == 0
+                if done:  # the slice's masters are loaded: to their file, out of RAM
+                    assert self._release_masters is not None
+                    self._release_masters(index)
             return
         index = where[0]
         with self._lock:

@@ -499,3 +499,36 @@ def test_a_save_holds_about_one_slice_of_masters_in_ram(state_tier, tmp_path, mo
     per_slice = model._engine.slices[0].storage.masters_file.nbytes
     assert 0 < most[0] <= per_slice  # the slice being written; 8 slices' without the planner
     assert resident(model) == 0
+
+
+@pytest.mark.parametrize("state_tier", [False, True], ids=["state-in-ram", "state-on-disk"])
+def test_a_load_holds_about_one_slice_of_masters_in_ram(state_tier, tmp_path, monkeypatch):
+    # DCP loads each model tensor into its slice's mapping; once a slice's last one is in, the
+    # planner writes its pages back and drops them.
+    from offload.slice_load_planner import SliceWritingLoadPlanner
+
+    def build():
+        layers = nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)])
+        model = OffloadModel(layers, device="cpu", num_slices=8, compute_dtype=BF16, masters=tmp_path / "m")
+        return model, OffloadOptimizer(model, torch.optim.AdamW, lr=1e-3, fused=True,
+                                       disk_tier=tmp_path / "s" if state_tier else None)
+
+    model, optimizer = build()
+    model(torch.randn(2, 64)).float().sum().backward()
+    optimizer.step()
+    save_checkpoint(tmp_path / "ckpt", model, optimizer)
+    twin, twin_optimizer = build()
+    most = [0]
+    real = SliceWritingLoadPlanner.commit_tensor
+
+    def commit_tensor(self, item, tensor):
+        most[0] = max(most[0], resident(twin))
+        return real(self, item, tensor)
+
+    monkeypatch.setattr(SliceWritingLoadPlanner, "commit_tensor", commit_tensor)
+    load_checkpoint(tmp_path / "ckpt", twin, twin_optimizer)
+    per_slice = twin._engine.slices[0].storage.masters_file.nbytes
+    assert 0 < most[0] <= per_slice  # the slice being loaded; 8 slices' without the planner
+    assert resident(twin) == 0
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
