@@ -264,6 +264,19 @@ LOUD = [
 ]
 
 
+#: Orderings of masters on disk that bound host memory, not values: a shared file mapping is
+#: coherent, so an access in any order sees the current bytes (Note: [Masters on disk] in
+#: offload/master_files.py). Leaving one out changes no result; what each bounds is tested in
+#: tests/test_masters_on_disk.py (the window, a write after its read, step() after the writes).
+MEMORY_ONLY = [
+    Dependency("synchronize_event", "submit", "disk_tier.py:submit", "masters read"),  # update after its read-in
+    Dependency("synchronize_event", "submit", "master_files.py:read", "masters write"),  # the window
+    Dependency("synchronize_event", "submit", "master_files.py:write", "host update"),  # write-back after the update
+    Dependency("synchronize_event", "submit", "master_files.py:write", "masters read"),  # ...and after its read
+    Dependency("synchronize_event", "wait_host", "master_files.py:flush", "masters write"),
+]
+
+
 def exposing_scenario(dependency: Dependency, raising_counts: bool) -> str | None:
     """The first scenario in which leaving ``dependency`` out shows: a race report or wrong
     results, or also a run that raises when ``raising_counts``. A needed ordering must be shown by
@@ -289,7 +302,7 @@ def test_the_lists_name_every_ordering_the_copy_engine_asks_for():
         with StreamChecker() as checker:
             run_quietly(name)
         asked |= checker.dependencies
-    listed = set(NEEDED) | set(COVERED) | set(LOUD)
+    listed = set(NEEDED) | set(COVERED) | set(LOUD) | set(MEMORY_ONLY)
     assert asked == listed, f"new: {sorted(map(str, asked - listed))}; gone: {sorted(map(str, listed - asked))}"
 
 
@@ -302,6 +315,15 @@ def test_leaving_out_a_needed_ordering_is_caught(dependency):
 def test_leaving_out_a_disk_tier_ordering_fails_the_run(dependency):
     assert exposing_scenario(dependency, raising_counts=False) is None, "the checker sees it now: move it to NEEDED"
     assert exposing_scenario(dependency, raising_counts=True) is not None, f"nothing notices {dependency} missing"
+
+
+@pytest.mark.parametrize("dependency", MEMORY_ONLY, ids=str)
+def test_masters_on_disk_give_the_same_values_without_an_ordering(dependency):
+    name = "offload_optimizer_masters_on_disk"
+    expected = reference(name)
+    with StreamChecker(leave_out=lambda d: d == dependency) as checker:
+        got = run_quietly(name)
+    assert not checker.races and same(expected, got)
 
 
 @pytest.mark.parametrize("dependency", COVERED, ids=str)
