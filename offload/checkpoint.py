@@ -167,7 +167,7 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     if (on_disk and isinstance(optimizer, OffloadOptimizer)) or masters:
         read_slice = optimizer._slice_state_on_disk if on_disk and isinstance(optimizer, OffloadOptimizer) else None
         planner = SliceReadingSavePlanner(read_slice, on_disk, masters,
-                                          lambda k: engine_of(model).slices[k].storage.release_masters())
+                                          _masters_releaser(model))
         # One thread, nothing resolved ahead: each item's data is asked for once the previous one
         # is written (Note: [Slice-by-slice save]).
         writer = FileSystemWriter(partial, sync_files=True, thread_count=1, per_thread_copy_ahead=0)
@@ -278,7 +278,7 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     if tiered or masters:
         planner = SliceWritingLoadPlanner(optimizer._open_slice_load if tiered else None,  # type: ignore[union-attr]
                                           on_disk if tiered else {}, masters,
-                                          lambda k: engine_of(model).slices[k].storage.release_masters())
+                                          _masters_releaser(model))
     try:
         with _single_process_is_intended(group):
             dcp.load(state, storage_reader=FileSystemReader(path), planner=planner, process_group=group,
@@ -346,6 +346,11 @@ def _masters_on_disk(model: nn.Module, state: dict[str, Any]) -> dict[str, int]:
             if layer in slice_of:
                 found[key] = slice_of[layer]
     return found
+
+
+def _masters_releaser(model: nn.Module) -> Any:
+    """What a planner calls with a slice index once DCP is done with that slice's masters."""
+    return engine_of(model).release_masters if isinstance(model, OffloadModel) else None
 
 
 def _release_masters(model: nn.Module) -> None:

@@ -191,10 +191,10 @@ class Engine:
         """Every parameter, slice by slice, in the order the autograd Function receives them."""
         return [entry.tensor for s in self.slices for entry in s.storage.params]  # type: ignore[misc]
 
-    def release_masters(self) -> None:
-        """Write masters on disk back and take them out of RAM, every slice's (after a checkpoint
-        read or wrote them all; Note: [Masters on disk])."""
-        for s in self.slices:
+    def release_masters(self, index: int | None = None) -> None:
+        """Write masters on disk back and take them out of RAM: slice ``index``'s, or every slice's
+        (a checkpoint reads or writes them; Note: [Masters on disk])."""
+        for s in self.slices if index is None else [self.slices[index]]:
             s.storage.release_masters()
 
     def refresh(self) -> None:

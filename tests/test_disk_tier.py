@@ -21,6 +21,7 @@ from offload.disk_tier import WINDOW
 from offload.streams import disk
 from offload.streams.disk import page_aligned
 
+from .disk_full import refuse_allocating
 from .helpers import DEVICES
 from .test_optimizer import OPTIMIZERS, assert_same, batch, loss_of, network
 
@@ -243,15 +244,7 @@ def test_reads_and_writes_overlap_the_update(tmp_path, monkeypatch):
 def test_a_full_disk_is_a_clear_error_and_the_next_step_works(tmp_path, monkeypatch):
     runs = trio(torch.optim.AdamW, {"lr": 1e-2, "fused": True}, tmp_path)
     (_, _), (ram_model, ram), (model, optimizer) = runs
-    real = os.posix_fallocate
-    refusing = {"slice-00002.state"}
-
-    def fallocate(fd, offset, length):
-        if os.readlink(f"/proc/self/fd/{fd}").endswith(tuple(refusing)):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real(fd, offset, length)
-
-    monkeypatch.setattr(disk.os, "posix_fallocate", fallocate)
+    refusing = refuse_allocating(monkeypatch, "slice-00002.state")
     train(runs[1:], 1)  # slice 2's file cannot be allocated
     with pytest.raises(DiskTierError) as raised:
         optimizer.synchronize()

@@ -9,7 +9,6 @@ offload/slice_load_planner.py; the two-rank cases are in test_checkpoint.py."""
 from __future__ import annotations
 
 import copy
-import errno
 import os
 import random
 import shutil
@@ -22,7 +21,8 @@ from torch import nn
 from offload import DiskTier, DiskTierError, OffloadModel, OffloadOptimizer, load_checkpoint, save_checkpoint
 from offload.disk_tier import Place
 from offload.slice_load_planner import SliceWritingLoadPlanner
-from offload.streams import disk
+
+from .disk_full import refuse_allocating
 
 SLICES = 8
 
@@ -197,15 +197,7 @@ def test_a_write_failing_while_loading_is_a_disk_tier_error_and_the_state_is_loa
     save_checkpoint(tmp_path / "ck", model, optimizer, extra={"step": 2})
     saved = copy.deepcopy(optimizer.state_dict())
     rng = torch.get_rng_state()
-    real = os.posix_fallocate
-    refusing = {"slice-00002.state"}
-
-    def fallocate(fd, offset, length):
-        if os.readlink(f"/proc/self/fd/{fd}").endswith(tuple(refusing)):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real(fd, offset, length)
-
-    monkeypatch.setattr(disk.os, "posix_fallocate", fallocate)
+    refusing = refuse_allocating(monkeypatch, "slice-00002.state")
     resumed, resumed_optimizer = run.build("b")
     torch.manual_seed(12345)
     with pytest.raises(DiskTierError) as raised:

@@ -33,6 +33,7 @@ Note: [Mapped masters]
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -42,6 +43,7 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -108,28 +110,32 @@ class MappedFile:
     def read_in(self, write: bool = True) -> None:
         """Make every page resident (read from the disk where it is not), ready to be written
         (``write``) or read. Raises ``OSError`` naming the file on a read error."""
-        start = time.perf_counter()
         advice = MADV_POPULATE_WRITE if write else MADV_POPULATE_READ
-        try:
+        with self._counted(reading=True):
             _check(_libc.madvise(self.address, self.nbytes, advice), "reading the masters in", self.path)
-        finally:
-            seconds = time.perf_counter() - start
-            with _counting:
-                self.counters.read_bytes += self.nbytes
-                self.counters.read_seconds += seconds
 
     def write_back(self) -> None:
         """Write every dirty page to the file, then take every page out of RAM (this process's
         mapping and the page cache). Raises ``OSError`` naming the file on a write error."""
+        with self._counted(reading=False):
+            _check(_libc.msync(self.address, self.nbytes, MS_SYNC), "writing the masters back", self.path)
+        self.drop()
+
+    @contextlib.contextmanager
+    def _counted(self, reading: bool) -> Iterator[None]:
+        """Add the mapping's bytes and the seconds the block took to the read or write counters."""
         start = time.perf_counter()
         try:
-            _check(_libc.msync(self.address, self.nbytes, MS_SYNC), "writing the masters back", self.path)
+            yield
         finally:
-            seconds = time.perf_counter() - start
+            seconds = time.perf_counter() - start  # read outside the lock: no thread waits for the clock
             with _counting:
-                self.counters.write_bytes += self.nbytes
-                self.counters.write_seconds += seconds
-        self.drop()
+                if reading:
+                    self.counters.read_bytes += self.nbytes
+                    self.counters.read_seconds += seconds
+                else:
+                    self.counters.write_bytes += self.nbytes
+                    self.counters.write_seconds += seconds
 
     def drop(self) -> None:
         """Take the clean pages out of RAM; dirty ones stay in the page cache until written."""
