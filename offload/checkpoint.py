@@ -58,7 +58,6 @@ Note: [Atomic save]
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
@@ -83,6 +82,13 @@ from .optimizer import OffloadOptimizer
 from .slice_load_planner import SliceWritingLoadPlanner
 from .slice_save_planner import SliceReadingSavePlanner
 from .streams.host_storage import dense_stride
+
+# DCP warns when it works without a process group; for a single process that is the plan, not an
+# accident. One filter, added once at import, for the words DCP uses: a ``warnings.catch_warnings()``
+# around each save would, on leaving, reset every module's once-registry, so every warning a user
+# had already seen (a deprecation, say) would print again after each checkpoint.
+warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized, "
+                        r"assuming the intent is to (save|load) in a single process")
 
 FORMAT = 1
 INFO_FILE = "offload.json"
@@ -172,8 +178,7 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
         # is written (Note: [Slice-by-slice save]).
         writer = FileSystemWriter(partial, sync_files=True, thread_count=1, per_thread_copy_ahead=0)
     try:
-        with _single_process_is_intended(group):
-            dcp.save(state, storage_writer=writer, planner=planner, process_group=group, no_dist=group is None)
+        dcp.save(state, storage_writer=writer, planner=planner, process_group=group, no_dist=group is None)
         _release_masters(model)
     finally:
         if isinstance(planner, SliceReadingSavePlanner):
@@ -280,9 +285,8 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
                                           on_disk if tiered else {}, masters,
                                           _masters_releaser(model))
     try:
-        with _single_process_is_intended(group):
-            dcp.load(state, storage_reader=FileSystemReader(path), planner=planner, process_group=group,
-                     no_dist=group is None)
+        dcp.load(state, storage_reader=FileSystemReader(path), planner=planner, process_group=group,
+                 no_dist=group is None)
         if isinstance(planner, SliceWritingLoadPlanner):
             planner.check_complete()
     except BaseException as error:  # DCP's CheckpointException is a BaseException
@@ -472,15 +476,6 @@ def _group(model: nn.Module, optimizer: torch.optim.Optimizer | None, process_gr
     if group is None:
         group = dist.group.WORLD
     return group, dist.get_rank(group), dist.get_world_size(group)
-
-
-@contextlib.contextmanager
-def _single_process_is_intended(group: Any) -> Iterator[None]:
-    """DCP warns when it works without a process group; here that is the plan, not an accident."""
-    with warnings.catch_warnings():
-        if group is None:
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
 
 
 def _barrier(group: Any) -> None:

@@ -212,6 +212,32 @@ def test_an_existing_checkpoint_is_replaced_whole_and_latest_follows(tmp_path):
     assert latest_checkpoint(tmp_path / "nothing") is None
 
 
+def test_a_save_and_a_load_neither_repeat_a_warning_already_shown_nor_show_dcps_single_process_one(tmp_path):
+    # A fresh interpreter: pytest runs each test under warning filters of its own.
+    import subprocess
+    import sys
+
+    script = f"""
+import warnings
+from torch import nn
+from offload import OffloadModel, load_checkpoint, save_checkpoint
+
+def seen_once():
+    warnings.warn("a warning a user has seen once", FutureWarning)
+
+model = OffloadModel(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), device="cpu", num_slices=2)
+seen_once()
+save_checkpoint({str(tmp_path / "a")!r}, model)
+load_checkpoint({str(tmp_path / "a")!r}, model)
+seen_once()
+"""
+    done = subprocess.run([sys.executable, "-W", "default", "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("a warning a user has seen once") == 1, done.stderr
+    assert "torch.distributed is disabled" not in done.stderr
+
+
 def test_a_save_clears_what_killed_saves_left(tmp_path):
     model = OffloadModel(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), device="cpu", num_slices=2)
     save_checkpoint(tmp_path / "step-1", model)

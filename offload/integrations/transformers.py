@@ -101,8 +101,6 @@ class _Layout:
     mask: Literal["causal", "sliding_window", "layer_types"] = "causal"
     #: One rotary table per layer type (``rotary_emb(x, position_ids, layer_type)``), each layer taking its own.
     rotary_per_layer_type: bool = False
-    #: The keyword under which the decoder passes its (here absent) cache to a layer.
-    cache_argument: str = "past_key_values"
     #: The decoder passes ``use_cache`` to its layers.
     layers_take_use_cache: bool = True
     #: The embeddings are multiplied by the decoder's ``embedding_multiplier`` before the first layer.
@@ -141,8 +139,7 @@ _LAYOUTS = {
     "glm4": _Layout(),
     "helium": _Layout(),
     "stablelm": _Layout(),
-    "gpt_neox": _Layout(base="gpt_neox", final_norm="final_layer_norm", embed_dropout="emb_dropout",
-                        cache_argument="layer_past"),
+    "gpt_neox": _Layout(base="gpt_neox", final_norm="final_layer_norm", embed_dropout="emb_dropout"),
     # Mixture of experts: the routing happens inside the layers; the load-balancing loss is refused below.
     "mixtral": _Layout(mask="sliding_window"),
     "qwen2_moe": _MASK_PER_LAYER_TYPE,
@@ -313,8 +310,9 @@ class _MaskCache:
     def build(self, function: Callable[..., Any], config: Any, hidden: torch.Tensor,
               attention_mask: Any, position_ids: Any) -> Any:
         def call() -> Any:
-            return function(config=config, inputs_embeds=hidden, attention_mask=attention_mask,
-                            past_key_values=None, position_ids=position_ids)
+            # The (absent) cache goes by position: transformers 5.24 renamed the keyword from
+            # ``past_key_values`` to ``cache`` and warns on the old name, 5.20 knows only the old one.
+            return function(config, hidden, attention_mask, None, position_ids=position_ids)
 
         keyed = [t for t in (position_ids, attention_mask) if t is not None]
         if not keyed or not all(type(t) is torch.Tensor and not t.is_inference() for t in keyed):
@@ -344,9 +342,9 @@ class DecoderLayer(nn.Module):
     """One of the model's decoder layers, called as the model calls it, with its attention mask
     rebuilt from the 2-D mask by the model's mask function for that layer.
 
-    The keywords are those the model's decoder passes: ``layout`` says under which name the (absent)
-    cache goes, whether ``use_cache`` goes at all, and whether the layer takes the rotary tables of
-    its own layer type (``layer_type``). ``layout=None`` calls a GPT-2 block.
+    The keywords are those the model's decoder passes, less the (absent) cache: ``layout`` says
+    whether ``use_cache`` goes at all, and whether the layer takes the rotary tables of its own layer
+    type (``layer_type``). ``layout=None`` calls a GPT-2 block.
     """
 
     def __init__(self, layer: nn.Module, config: Any, mask_function: Callable[..., Any],
@@ -363,13 +361,13 @@ class DecoderLayer(nn.Module):
         hidden, attention_mask, position_ids, position_embeddings, targets = state
         mask = self.masks.build(self.mask_function, self.config, hidden, attention_mask, position_ids)
         if self.layout is None:
-            # Positional as GPT2Model passes them (past_key_values, attention_mask, encoder_hidden_states).
+            # Positional as GPT2Model passes them (cache, attention_mask, encoder_hidden_states).
             hidden = self.layer(hidden, None, mask, None, encoder_attention_mask=None, use_cache=False,
                                 position_ids=position_ids)
             return hidden, attention_mask, position_ids, position_embeddings, targets
-        kwargs = {self.layout.cache_argument: None}
-        if self.layout.layers_take_use_cache:
-            kwargs["use_cache"] = False
+        # No cache keyword: every layer's cache defaults to None, and its name changed across
+        # transformers 5 releases (``past_key_values``, ``layer_past``, ``cache``), the old ones warned of.
+        kwargs = {"use_cache": False} if self.layout.layers_take_use_cache else {}
         own = position_embeddings if self.layer_type is None else position_embeddings[self.layer_type]
         hidden = self.layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=own, **kwargs)
         return hidden, attention_mask, position_ids, position_embeddings, targets
