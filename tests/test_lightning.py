@@ -73,10 +73,9 @@ class Task(L.LightningModule):
 
 
 def trainer(root: Path, epochs: int, **options: Any) -> L.Trainer:
-    options.setdefault("enable_checkpointing", False)
-    return L.Trainer(accelerator="cpu", devices=1, precision="32-true", max_epochs=epochs, logger=False,
-                     enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=2,
-                     gradient_clip_val=1.0, default_root_dir=root, **options)
+    options = {"enable_checkpointing": False, "precision": "32-true", "gradient_clip_val": 1.0, **options}
+    return L.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, logger=False, enable_progress_bar=False,
+                     enable_model_summary=False, accumulate_grad_batches=2, default_root_dir=root, **options)
 
 
 def loader(*tensors: torch.Tensor, batch_size: int = 4) -> DataLoader:
@@ -205,6 +204,16 @@ def test_fit_validate_predict_equal_the_plain_model(tmp_path: Path, model: str, 
     assert run.validate(actual, data, verbose=False) == reference.validate(expected, data, verbose=False)
     for got, want in zip(run.predict(actual, data), reference.predict(expected, data), strict=True):
         torch.testing.assert_close(got, want, **EXACT)
+
+
+def test_bf16_mixed_autocasts_around_the_offloaded_model_as_around_the_plain_one(tmp_path: Path) -> None:
+    # Without clipping: Lightning's mixed-precision plugins refuse gradient_clip_val with a fused
+    # optimizer (it unscales inside step()), plain or offloaded alike.
+    expected, expected_weights, data = built("mlp", offloaded=False)
+    fit(expected, tmp_path / "plain", 1, data, precision="bf16-mixed", gradient_clip_val=None)
+    actual, actual_weights, data = built("mlp", offloaded=True, optimizer="offload")
+    fit(actual, tmp_path / "offloaded", 1, data, precision="bf16-mixed", gradient_clip_val=None)
+    assert_same_run(actual, expected, actual_weights, expected_weights)
 
 
 def test_resume_from_a_model_checkpoint_equals_the_uninterrupted_run(tmp_path: Path) -> None:
