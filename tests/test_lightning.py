@@ -25,7 +25,9 @@ from offload import OffloadModel, OffloadOptimizer
 L = pytest.importorskip("lightning", reason='lightning is not installed: pip install -e ".[lightning]"')
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402  (needs lightning)
 
-from offload.integrations.lightning import RandomState  # noqa: E402  (needs lightning)
+from lightning.pytorch.strategies import SingleDeviceStrategy  # noqa: E402  (needs lightning)
+
+from offload.integrations.lightning import OffloadStrategy, RandomState  # noqa: E402  (needs lightning)
 
 EXACT = {"rtol": 0.0, "atol": 0.0}
 WARMUP = 3  # optimizer steps of linear learning-rate warm-up
@@ -39,11 +41,12 @@ class Task(L.LightningModule):
         loss_of: ``(net output, batch) -> loss``.
         optimizer: ``"offload"`` for an OffloadOptimizer, ``"adamw"`` for ``torch.optim.AdamW``
             over the net's parameters (what the reference always uses).
+        disk_tier: the OffloadOptimizer's disk tier directory, if any.
     """
 
-    def __init__(self, net: nn.Module, loss_of: Any, optimizer: str = "adamw") -> None:
+    def __init__(self, net: nn.Module, loss_of: Any, optimizer: str = "adamw", disk_tier: Path | None = None) -> None:
         super().__init__()
-        self.net, self.loss_of, self.optimizer_kind = net, loss_of, optimizer
+        self.net, self.loss_of, self.optimizer_kind, self.disk_tier = net, loss_of, optimizer, disk_tier
         self.losses: list[torch.Tensor] = []
         self.grad_norms: list[torch.Tensor] = []  # before clipping, per optimizer step
 
@@ -65,7 +68,7 @@ class Task(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         if self.optimizer_kind == "offload":
-            optimizer = OffloadOptimizer(self.net, torch.optim.AdamW, lr=1e-2, fused=True)
+            optimizer = OffloadOptimizer(self.net, torch.optim.AdamW, lr=1e-2, fused=True, disk_tier=self.disk_tier)
         else:
             optimizer = torch.optim.AdamW(self.net.parameters(), lr=1e-2, fused=True)
         warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / WARMUP))
@@ -235,6 +238,58 @@ def test_resume_from_a_model_checkpoint_equals_the_uninterrupted_run(tmp_path: P
     assert run.global_step == 12
     resumed.losses = first.losses + resumed.losses
     assert_same_run(resumed, uninterrupted, resumed_weights, uninterrupted_weights)
+
+
+def test_a_disk_tier_is_checkpointed_beside_the_file_slice_by_slice(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    def gathered(self: OffloadOptimizer) -> Any:
+        raise AssertionError("state_dict() gathers the disk tier's whole state in host memory")
+
+    monkeypatch.setattr(OffloadOptimizer, "state_dict", gathered)
+
+    def on_disk(name: str) -> tuple[Task, nn.Module, DataLoader]:
+        layers = mlp()
+        task = Task(OffloadModel(layers, device="cpu", num_slices=3), mse, "offload", disk_tier=tmp_path / name)
+        return task, layers, mlp_data()
+
+    uninterrupted, uninterrupted_weights, data = on_disk("tier-uninterrupted")
+    fit(uninterrupted, tmp_path / "uninterrupted", 2, data, strategy=OffloadStrategy("cpu"))
+
+    first, _, data = on_disk("tier-first")
+    every = ModelCheckpoint(dirpath=tmp_path / "every", save_top_k=-1, every_n_epochs=1)
+    newest = ModelCheckpoint(dirpath=tmp_path / "newest", save_top_k=1, monitor="epoch", mode="max")
+    fit(first, tmp_path / "first", 2, data, enable_checkpointing=True, callbacks=[every, newest],
+        strategy=OffloadStrategy("cpu"))
+    checkpoint = tmp_path / "every" / "epoch=0-step=4.ckpt"
+    saved = torch.load(checkpoint, weights_only=False)
+    assert saved["optimizer_states"] == [{OffloadStrategy.marker: True}]
+    assert (tmp_path / "every" / "epoch=0-step=4.ckpt.offload" / "offload.json").exists()
+    # ModelCheckpoint removes the directory with the file it replaces.
+    assert sorted(p.name for p in (tmp_path / "newest").glob("epoch*")) == ["epoch=1-step=8.ckpt",
+                                                                            "epoch=1-step=8.ckpt.offload"]
+
+    # Dropout draws what the uninterrupted run drew: load_checkpoint restores the generators.
+    resumed, resumed_weights, data = on_disk("tier-resumed")
+    torch.manual_seed(123)
+    run = trainer(tmp_path / "resumed", 2, strategy=OffloadStrategy("cpu"))
+    run.fit(resumed, data, ckpt_path=checkpoint)
+    assert len(resumed.losses) == len(first.losses) // 2
+    resumed.losses = first.losses[:len(resumed.losses)] + resumed.losses
+    assert_same_run(resumed, uninterrupted, resumed_weights, uninterrupted_weights)
+
+
+def test_a_loaded_optimizer_state_stays_beside_its_parameters() -> None:
+    # Lightning moves a loaded state to the accelerator: "meta" stands for one here.
+    model = OffloadModel(mlp(), device="cpu", num_slices=3)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
+    model(torch.randn(4, 8)).sum().backward()
+    optimizer.step()
+    saved = optimizer.state_dict()
+    for strategy, device in ((SingleDeviceStrategy(torch.device("meta")), "meta"),
+                             (OffloadStrategy(torch.device("meta")), "cpu")):
+        strategy.optimizers = [optimizer]
+        strategy.load_optimizer_state_dict({"optimizer_states": [saved]})
+        assert {t.device.type for s in optimizer.state.values() for k, t in s.items() if k != "step"} == {device}
 
 
 class SlowAdamW(torch.optim.AdamW):
