@@ -268,6 +268,12 @@ def test_a_disk_tier_is_checkpointed_beside_the_file_slice_by_slice(tmp_path: Pa
     assert sorted(p.name for p in (tmp_path / "newest").glob("epoch*")) == ["epoch=1-step=8.ckpt",
                                                                             "epoch=1-step=8.ckpt.offload"]
 
+    alone = tmp_path / "alone.ckpt"
+    alone.write_bytes(checkpoint.read_bytes())  # without its directory
+    with pytest.raises(ValueError, match=r"no directory .*alone\.ckpt\.offload; copy or move the file together"):
+        trainer(tmp_path / "alone", 2, strategy=OffloadStrategy("cpu")).fit(on_disk("tier-alone")[0], data,
+                                                                             ckpt_path=alone)
+
     # Dropout draws what the uninterrupted run drew: load_checkpoint restores the generators.
     resumed, resumed_weights, data = on_disk("tier-resumed")
     torch.manual_seed(123)

@@ -74,9 +74,10 @@ class OffloadStrategy(SingleDeviceStrategy):
        ``state_dict()``; the state goes, a slice at a time, into an :func:`offload.save_checkpoint`
        directory beside the file (``epoch=3-step=400.ckpt.offload``, plus the ``latest`` file
        ``save_checkpoint`` writes), and ``fit(ckpt_path=...)`` loads it back with
-       :func:`offload.load_checkpoint`. The cost: that directory holds the model's parameters too
-       (``save_checkpoint`` names the state by them), a second copy beside the file's, and it
-       restores the generators as saved (what :class:`RandomState` does).
+       :func:`offload.load_checkpoint`, which also restores the generators as saved (what
+       :class:`RandomState` does). The cost: that directory holds the model's parameters too
+       (``save_checkpoint`` names the state by them), a second copy beside the file's. Copy or
+       move the two together; ``ModelCheckpoint(save_last="link")`` links the file only.
     2. **A loaded state stays beside its parameters.** ``torch.optim``'s ``load_state_dict()``
        puts each state tensor on its parameter's device; Lightning then moves all of it to the
        accelerator, where an optimizer over host copies cannot step with it (and where it may not
@@ -123,8 +124,8 @@ class OffloadStrategy(SingleDeviceStrategy):
         leave it where ``load_state_dict()`` put it, beside its parameters.
 
         Raises:
-            ValueError: a streamed state and no file it was loaded from, or a streamed state for an
-                optimizer that is not an OffloadOptimizer with a disk tier (built differently).
+            ValueError: a streamed state without the directory beside its file, or for an
+                optimizer that is not an OffloadOptimizer (the run is built differently).
         """
         for optimizer, state in zip(map(_unwrapped, self.optimizers), checkpoint["optimizer_states"]):
             if self.marker not in state:
@@ -133,9 +134,11 @@ class OffloadStrategy(SingleDeviceStrategy):
             if not isinstance(optimizer, OffloadOptimizer):
                 raise ValueError(f"the checkpoint streamed this optimizer's state beside its file, but the optimizer "
                                  f"is a {type(optimizer).__name__}; build the OffloadOptimizer the run saved")
-            if self._loading_from is None:
-                raise ValueError("a streamed optimizer state is loaded from the directory beside the checkpoint file; "
-                                 "resume with trainer.fit(..., ckpt_path=...)")
+            if self._loading_from is None or not _beside(self._loading_from).is_dir():
+                where = "no file" if self._loading_from is None else f"no directory {_beside(self._loading_from)}"
+                raise ValueError(f"this checkpoint keeps the optimizer's state in a directory beside its file, and "
+                                 f"there is {where}; copy or move the file together with its .offload directory, "
+                                 f"and resume with trainer.fit(..., ckpt_path=...)")
             load_checkpoint(_beside(self._loading_from), optimizer.model, optimizer)
 
 
