@@ -59,7 +59,7 @@ from typing import Any
 
 import torch
 
-from .slice_update import HostUpdateError
+from .slice_update import HostUpdateError, held_state
 from .streams.backend import Event
 from .streams.copies import CopyStreams
 from .streams.disk import AlignedBuffer, DiskCounters, StateFile, direct_io_supported, page_aligned
@@ -602,7 +602,7 @@ class StateTier:
     def _state(self) -> Any:
         optimizer = self._optimizer()
         assert optimizer is not None, "internal error: the disk tier outlived its optimizer"
-        return optimizer.state
+        return held_state(optimizer)  # on the worker too, inside the update that OffloadOptimizer.state waits for
 
     def _check_open(self) -> None:
         if self.closed:

@@ -18,7 +18,7 @@ Note: [Overlapped host update]
 
     What reads the parameters through the model (``parameters()``, ``named_parameters()``,
     ``modules()``, ``children()``, ``state_dict()``, ``load_state_dict()``, ``zero_grad()``,
-    submodules by attribute, pickling) or through this optimizer (``state_dict()``,
+    submodules by attribute, pickling) or through this optimizer (``state``, ``state_dict()``,
     ``synchronize()``) first waits for every pending update. The one thing that does not: a
     reference to a parameter (or to the model's submodule) taken before ``step()``; call
     ``synchronize()`` before reading through it.
@@ -42,7 +42,7 @@ from .disk_tier import DiskTier, StateTier
 from .model import OffloadModel, engine_of
 from .streams import Event
 from .streams.collectives import HostCollectives
-from .slice_update import HostUpdateError, InnerOptimizer, SliceStep, StateByProxy
+from .slice_update import HostUpdateError, InnerOptimizer, SliceStep, StateByProxy, held_state
 
 
 #: The OffloadOptimizer built last for each model: only it may step the model (an older one, still
@@ -143,6 +143,30 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._tier = StateTier(setting, self, engine_of(model).copies, rank)
             engine_of(model).disk_tiers.add(self._tier)
         engine_of(model).optimizers.add(self)  # its state counts in model.memory_footprint()
+
+    # -- the state --------------------------------------------------------------------------------
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:
+        """The per-parameter state, as ``torch.optim``'s, after the pending updates: the worker
+        creates and rewrites it while a slice is updated. Code that walks it between steps
+        (Lightning moves every state tensor at teardown) sees a finished update, not a dict that
+        changes size while it iterates.
+
+        It waits as ``zero_grad(set_to_none=False)`` does: the updates stay pending for the next
+        forward, so the shadows they wrote are kept (no cast again).
+
+        Raises:
+            HostUpdateError: an update raised.
+        """
+        model = self.__dict__.get("model")  # None while torch.optim's __init__ sets the state up
+        if model is not None and engine_of(model).updates.pending():
+            engine_of(model).updates.finish_all()
+        return held_state(self)
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.__dict__["state"] = value  # where torch.optim's load_state_dict() puts it too
 
     # -- stepping --------------------------------------------------------------------------------
 

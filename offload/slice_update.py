@@ -35,28 +35,38 @@ from torch import nn
 from .streams.host_storage import SliceStorage
 
 
+def held_state(optimizer: torch.optim.Optimizer) -> Any:
+    """``optimizer.state`` as it is held now, without waiting for pending updates: for the host
+    worker that runs those updates and for the code that waits for them. An OffloadOptimizer's
+    ``state`` waits for them first (Note: [Overlapped host update] in ``offload/optimizer.py``),
+    which on the worker would wait for itself."""
+    return optimizer.__dict__["state"]
+
+
 class StateByProxy(MutableMapping[torch.Tensor, dict[str, Any]]):
     """An inner optimizer's ``state``: what it keeps for a proxy is kept for the user's parameter,
-    in the outer optimizer's own ``state`` (which ``load_state_dict`` may replace)."""
+    in the outer optimizer's own ``state`` (which ``load_state_dict`` may replace). It runs on the
+    host worker, so it reads that ``state`` through :func:`held_state`."""
 
     def __init__(self, outer: torch.optim.Optimizer, owner: dict[torch.Tensor, torch.Tensor]) -> None:
         self.outer = outer
         self.owner = owner  # proxy -> the user's parameter
 
     def __getitem__(self, proxy: torch.Tensor) -> dict[str, Any]:
-        return self.outer.state[self.owner[proxy]]  # a defaultdict: made on first use, as in torch.optim
+        return held_state(self.outer)[self.owner[proxy]]  # a defaultdict: made on first use, as in torch.optim
 
     def __setitem__(self, proxy: torch.Tensor, value: dict[str, Any]) -> None:
-        self.outer.state[self.owner[proxy]] = value
+        held_state(self.outer)[self.owner[proxy]] = value
 
     def __delitem__(self, proxy: torch.Tensor) -> None:
-        del self.outer.state[self.owner[proxy]]
+        del held_state(self.outer)[self.owner[proxy]]
 
     def __contains__(self, proxy: object) -> bool:
-        return proxy in self.owner and self.owner[proxy] in self.outer.state  # type: ignore[index]
+        return proxy in self.owner and self.owner[proxy] in held_state(self.outer)  # type: ignore[index]
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        return (proxy for proxy, param in self.owner.items() if param in self.outer.state)
+        state = held_state(self.outer)
+        return (proxy for proxy, param in self.owner.items() if param in state)
 
     def __len__(self) -> int:
         return sum(1 for _ in self)

@@ -332,6 +332,33 @@ def test_reads_through_the_model_and_the_optimizer_wait_for_the_update():
         torch.testing.assert_close(a, b, **EXACT)
 
 
+class Sleepy(torch.optim.SGD):
+    """SGD that starts late: right after ``step()`` its state is not made yet."""
+
+    def step(self, closure=None):
+        time.sleep(0.2)
+        return super().step(closure)
+
+
+def test_reading_the_state_waits_for_the_update_and_leaves_it_pending():
+    # Lightning walks optimizer.state at teardown, right after the last step().
+    model = OffloadModel(network(), device="cpu", num_slices=4)
+    optimizer = OffloadOptimizer(model, Sleepy, lr=0.1, momentum=0.9, fused=True)
+    expected = network()
+    plain = torch.optim.SGD(expected.parameters(), lr=0.1, momentum=0.9, fused=True)
+    model(batch(0)).sum().backward()
+    expected(batch(0)).sum().backward()
+    optimizer.step()
+    plain.step()
+    state = {p: dict(s) for p, s in optimizer.state.items()}
+    # Left pending, as after zero_grad(set_to_none=False): under a compute_dtype the next forward
+    # keeps the shadows the update wrote.
+    assert model._engine.updates.pending()
+    assert len(state) == len(plain.state) == len(list(expected.parameters()))
+    for p, q in zip(model.parameters(), expected.parameters(), strict=True):
+        torch.testing.assert_close(state[p]["momentum_buffer"], plain.state[q]["momentum_buffer"], **EXACT)
+
+
 def test_train_and_eval_do_not_wait_for_the_update():
     model = recorded_model()
     optimizer = OffloadOptimizer(model, Recorded, lr=0.1)
