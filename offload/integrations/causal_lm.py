@@ -44,6 +44,7 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from ..model import OffloadModel, engine_of
+from ..optimizer import OffloadOptimizer
 from .peft import peft_base_model
 from .transformers import LAST_HIDDEN_STATE, CausalLMSequential, causal_lm_sequential
 
@@ -72,9 +73,8 @@ class OffloadedCausalLM(PreTrainedModel):
     trains ``hf_model``, with the same losses and weights bit for bit on the CPU (``docs/trainer.md``):
     the trainer moves it with ``.to(device)`` (the compute device; the parameters stay on the host),
     saves Hugging Face folders that ``from_pretrained`` loads, and resumes from them. Build the
-    optimizer as an :class:`~offload.OffloadOptimizer` and hand it over with
-    ``optimizers=(optimizer, scheduler)``: the trainer's own AdamW works too, but steps the host
-    copies with PyTorch's per-tensor CPU kernels.
+    optimizer with :meth:`offload_optimizer` and hand it over with ``optimizers=(optimizer, None)``:
+    the trainer's own AdamW works too, but steps the host copies in ``step()``, on the critical path.
 
     The loss is computed from the logits as the model computes it (``loss_function`` with
     ``num_items_in_batch``). With ``loss_chunk_tokens`` the head computes it instead, a chunk of
@@ -97,9 +97,7 @@ class OffloadedCausalLM(PreTrainedModel):
 
         hf = AutoModelForCausalLM.from_pretrained(path)
         model = OffloadedCausalLM(hf, device="cuda", num_slices=8, compute_dtype=torch.bfloat16)
-        optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=2e-5, fused=True)
-        scheduler = transformers.get_linear_schedule_with_warmup(optimizer, 10, 1000)
-        Trainer(model=model, args=args, train_dataset=data, optimizers=(optimizer, scheduler)).train()
+        Trainer(model=model, args=args, train_dataset=data, optimizers=(model.offload_optimizer(args), None)).train()
     """
 
     main_input_name = "input_ids"
@@ -190,6 +188,38 @@ class OffloadedCausalLM(PreTrainedModel):
 
     def tie_weights(self, *args: Any, **kwargs: Any) -> None:
         """Tied embeddings stay tied by construction (``causal_lm_sequential``); nothing to do."""
+
+    def offload_optimizer(self, args: Any, **options: Any) -> OffloadOptimizer:
+        """The optimizer ``transformers.Trainer`` would build from ``args`` (a ``TrainingArguments``,
+        ``SFTConfig`` included), as an :class:`~offload.OffloadOptimizer` that steps the host copies
+        beside the next forward: the same class and hyperparameters (``optim``, ``learning_rate``,
+        the Adam betas and epsilon, ``fused`` for ``adamw_torch_fused``, the default) and the same
+        two groups, ``weight_decay`` for the parameters the Trainer decays and none for biases and
+        norms. Hand it to the trainer with ``optimizers=(optimizer, None)``: the trainer then builds
+        its learning-rate schedule (warm-up included) over it.
+
+        Args:
+            args: the trainer's arguments.
+            options: :class:`~offload.OffloadOptimizer`'s own (``num_threads``, ``disk_tier``).
+
+        Raises:
+            ValueError: an ``optim`` the Trainer builds from the model itself (GaLore, LOMO, ...), which
+                cannot step slice by slice.
+        """
+        from transformers import Trainer
+
+        optimizer_class, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, self)
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)) or {
+                "params", "model", "optimizer_dict"} & set(kwargs):
+            raise ValueError(f"optim={args.optim!r} builds its optimizer from the whole model; OffloadOptimizer "
+                             "steps one slice at a time. Use an optimizer such as adamw_torch_fused (the default)")
+        # Trainer.get_decay_parameter_names reads nothing of the trainer: the rule is the Trainer's own.
+        decayed = set(Trainer.get_decay_parameter_names(None, self))  # type: ignore[arg-type]
+        named = [(name, p) for name, p in self.named_parameters() if p.requires_grad]
+        groups = [{"params": [p for name, p in named if name in decayed], "weight_decay": args.weight_decay},
+                  {"params": [p for name, p in named if name not in decayed], "weight_decay": 0.0}]
+        return OffloadOptimizer(self.offloaded, optimizer_class, [g for g in groups if g["params"]], **options,
+                                **kwargs)
 
     # -- forward -------------------------------------------------------------------------------
 
