@@ -246,3 +246,34 @@ def test_sft_trainer_matches_the_plain_model_bit_for_bit(data, packing, tmp_path
     (plain_losses, plain), (losses, offloaded) = runs
     assert losses == plain_losses and len(losses) == 6
     assert_same_weights(offloaded, plain)
+
+
+def test_sft_trainer_trains_the_same_lora_adapters_and_refuses_a_peft_config(tmp_path):
+    peft = pytest.importorskip("peft")
+    from safetensors.torch import load_file
+
+    tokenizer = byte_tokenizer()
+    config = dict(use_cpu=True, report_to=[], per_device_train_batch_size=4, max_steps=2, logging_steps=1,
+                  save_strategy="no", seed=0, disable_tqdm=True, learning_rate=1e-2, max_length=64)
+    runs = []
+    for kind in ("plain", "offloaded"):
+        hf = llama(len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        torch.manual_seed(5)  # the adapters' initial values
+        lora = peft.get_peft_model(hf, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+        model = lora if kind == "plain" else OffloadedCausalLM(lora, device="cpu", num_slices=2)
+        trainer = trl.SFTTrainer(model=model, args=trl.SFTConfig(output_dir=str(tmp_path / kind), **config),
+                                 train_dataset=datasets.Dataset.from_dict(CHAT), processing_class=tokenizer)
+        trainer.train()
+        trainer.save_model(str(tmp_path / kind / "adapter"))  # PeftModel.save_pretrained: the adapters alone
+        runs.append((logged(trainer), load_file(tmp_path / kind / "adapter" / "adapter_model.safetensors")))
+    (plain_losses, plain), (losses, offloaded) = runs
+    assert losses == plain_losses
+    assert plain.keys() == offloaded.keys() and any("lora_A" in key for key in plain)
+    for key, tensor in plain.items():
+        torch.testing.assert_close(offloaded[key], tensor, **EXACT, msg=lambda m: f"{key}: {m}")
+    # TRL's peft_config would wrap the offloaded model in PEFT, which names adapters by the stages: refused.
+    model = OffloadedCausalLM(llama(len(tokenizer), pad_token_id=tokenizer.pad_token_id), device="cpu", num_slices=2)
+    with pytest.raises(ValueError, match="wrap the PeftModel"):
+        trl.SFTTrainer(model=model, args=trl.SFTConfig(output_dir=str(tmp_path / "refused"), **config),
+                       train_dataset=datasets.Dataset.from_dict(CHAT), processing_class=tokenizer,
+                       peft_config=peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))

@@ -29,7 +29,11 @@ Note: [What the trainers read from the model]
        of a frozen embedding's output) and is accepted.
     6. ``base_model`` returns the normed last hidden states of the offloaded stages
        (``batch["last_hidden_state"] = True``): TRL's fused head projects them through
-       ``get_output_embeddings().weight``, the host copy of ``lm_head``, itself, on the host.
+       ``get_output_embeddings().weight``, the host copy of ``lm_head``, itself: on the host, in
+       the weight's dtype, where the compute device is another. Correct, and bit for bit the plain
+       model's on the CPU, but on a GPU that projection (``B x T x hidden`` by ``vocab x hidden``)
+       runs on the CPU: for a large vocabulary, ``transformers.Trainer`` with ``loss_chunk_tokens``
+       computes the loss on the device instead.
 """
 
 from __future__ import annotations
@@ -221,6 +225,23 @@ class OffloadedCausalLM(PreTrainedModel):
         return OffloadOptimizer(self.offloaded, optimizer_class, [g for g in groups if g["params"]], **options,
                                 **kwargs)
 
+    @property
+    def peft_config(self) -> Any:
+        if self.peft_model is None:
+            raise AttributeError("peft_config")
+        return self.peft_model.peft_config
+
+    @peft_config.setter
+    def peft_config(self, value: Any) -> None:
+        # PEFT's tuners set it on the model they wrap: get_peft_model(OffloadedCausalLM(...)), or TRL's
+        # SFTTrainer(peft_config=...). Their adapters would be named by the stages, not by the model.
+        raise ValueError(
+            "PEFT cannot wrap an OffloadedCausalLM: the adapters it saves would be named by the offloaded stages "
+            "(offloaded.1.layer...) and would not load into the Hugging Face model. Add the adapters first and "
+            "wrap the PeftModel: OffloadedCausalLM(peft.get_peft_model(hf_model, LoraConfig(...)), device=...), "
+            "and give TRL's SFTTrainer that model without peft_config"
+        )
+
     # -- forward -------------------------------------------------------------------------------
 
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
@@ -273,10 +294,17 @@ class OffloadedCausalLM(PreTrainedModel):
 
     # -- saving and loading --------------------------------------------------------------------
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
-        """The Hugging Face model's ``state_dict``, names and all, read from the host copies."""
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",  # type: ignore[override]
+                   keep_vars: bool = False) -> dict[str, torch.Tensor]:
+        """The Hugging Face model's ``state_dict``, names and all, read from the host copies (under
+        ``prefix`` when a wrapper, a ``PeftModel`` say, asks for it as its submodule's)."""
+        if args:  # nn.Module's positional form: (destination, prefix, keep_vars)
+            destination, prefix, keep_vars = (*args, prefix, keep_vars)[:3] if len(args) < 3 else args[:3]
         names = _hf_names(self)
-        return {names[key]: value for key, value in self.offloaded.state_dict(*args, **kwargs).items()}
+        destination = {} if destination is None else destination
+        for key, value in self.offloaded.state_dict(keep_vars=keep_vars).items():
+            destination[prefix + names[key]] = value
+        return destination
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,  # type: ignore[override]
                         assign: bool = False) -> _IncompatibleKeys:
@@ -353,7 +381,14 @@ class _HiddenStates:
     def __call__(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                  position_ids: torch.Tensor | None = None, **kwargs: Any) -> BaseModelOutputWithPast:
         batch = self.model._batch(input_ids, attention_mask, position_ids, kwargs)
-        return BaseModelOutputWithPast(last_hidden_state=self.model.offloaded({**batch, LAST_HIDDEN_STATE: True}))
+        hidden = self.model.offloaded({**batch, LAST_HIDDEN_STATE: True})
+        weight = self.model.get_output_embeddings().weight
+        if hidden.device != weight.device:
+            # The caller projects them through the host copy of lm_head, outside the device's autocast:
+            # they go to the host in the weight's dtype (a half-precision hidden state would not multiply
+            # a float32 weight there).
+            hidden = hidden.to(weight.device, weight.dtype)
+        return BaseModelOutputWithPast(last_hidden_state=hidden)
 
 
 def _stages_of(offloaded: OffloadModel, hf_model: nn.Module) -> CausalLMSequential:
