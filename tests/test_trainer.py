@@ -18,6 +18,8 @@ datasets = pytest.importorskip("datasets")
 from offload import OffloadModel  # noqa: E402
 from offload.integrations.causal_lm import OffloadedCausalLM  # noqa: E402
 
+from .helpers import CUDA  # noqa: E402
+
 EXACT = dict(rtol=0, atol=0)
 VOCAB = 64
 STEPS = 4
@@ -98,6 +100,25 @@ def test_trainer_matches_the_plain_model_bit_for_bit(plain_run, optimizer, tmp_p
     assert logged(trainer) == losses  # every training loss, gradient norm and eval loss, bit for bit
     assert sum(key == "eval_loss" for key, _, _ in losses) == 2 and sum(key == "loss" for key, _, _ in losses) == STEPS
     assert_same_weights(hf, plain)
+
+
+@CUDA
+def test_trainer_moves_the_compute_to_the_gpu_and_keeps_the_parameters_on_the_host(tmp_path):
+    # Trainer calls model.to("cuda:0"); float32 on the GPU: the plain run's losses to rounding.
+    runs = []
+    for kind in ("plain", "offloaded"):
+        hf = llama()
+        model = hf if kind == "plain" else OffloadedCausalLM(hf, device="cpu", num_slices=2)
+        trainer = transformers.Trainer(model=model, args=arguments(tmp_path / kind, use_cpu=False),
+                                       train_dataset=TRAIN, eval_dataset=EVAL)
+        trainer.train()
+        runs.append(logged(trainer))
+        if kind == "offloaded":
+            assert model.device.type == "cuda"
+            assert all(p.device.type == "cpu" and p.is_pinned() for p in hf.parameters())
+    (plain, offloaded) = runs
+    assert [entry[:2] for entry in offloaded] == [entry[:2] for entry in plain]
+    torch.testing.assert_close([entry[2] for entry in offloaded], [entry[2] for entry in plain], rtol=1e-4, atol=0)
 
 
 def test_checkpoints_resume_exactly_and_saved_models_load_with_from_pretrained(plain_run, tmp_path):
