@@ -385,6 +385,14 @@ class OffloadModel(nn.Module):
         and pinned when ``target`` is CUDA) and the device slots, copy streams and buffers are built
         anew for ``target``."""
         engine = self._engine
+        if len(engine.optimizers) and target == self.offload_device:
+            # A training loop's teardown (Lightning's .cpu()) frees the accelerator this way: the
+            # parameters are on the host already, and the optimizer is tied to this engine.
+            warnings.warn(
+                f"OffloadModel keeps computing on {self.device}: an OffloadOptimizer is stepping it, and its "
+                f"parameters are on {self.offload_device} already. To compute there, build the model with "
+                f"device={str(target)!r}", stacklevel=4)
+            return
         reasons = []
         if len(engine.optimizers):
             reasons.append("an OffloadOptimizer is stepping it (build the optimizer after moving the model)")
@@ -418,7 +426,9 @@ def _float_dtype_of(fn: Callable[[torch.Tensor], torch.Tensor], host: torch.devi
 #     3. A move builds the engine anew for the new device (slots, streams, pinned host buffers): the
 #        parameters stay the same objects, their values are copied into the new host storage.
 #        An OffloadOptimizer already stepping the model, a process group or masters on disk are
-#        tied to the old engine, so such a move is refused (build the model on that device).
+#        tied to the old engine, so such a move is refused (build the model on that device);
+#        under an optimizer, a move to the host (a training loop's teardown, Lightning's .cpu())
+#        warns and leaves the compute where it is: the parameters are there already.
 #     4. A dtype change converts the host copies, as before; ``.to(device, dtype)`` converts
 #        floating-point host copies to ``dtype`` and moves the compute device.
 

@@ -78,10 +78,21 @@ def test_a_device_that_does_not_exist_is_named():
 
 
 def test_a_move_under_an_offload_optimizer_is_refused():
-    model = OffloadModel(small(), device="meta", num_slices=2)
+    model = OffloadModel(small(), device="cpu", num_slices=2)
     optimizer = OffloadOptimizer(model, torch.optim.SGD, lr=0.1)
     with pytest.raises(RuntimeError, match="build the optimizer after moving the model"):
-        model.to("cpu")
+        model.to("meta")
+    assert model.device == torch.device("cpu")
+    del optimizer
+
+
+def test_a_move_to_the_host_under_an_offload_optimizer_warns_and_keeps_the_compute_device():
+    # What Lightning's teardown does (.cpu()): the parameters are on the host already.
+    model = OffloadModel(small(), device="meta", num_slices=2)
+    optimizer = OffloadOptimizer(model, torch.optim.SGD, lr=0.1)
+    with pytest.warns(UserWarning, match="keeps computing on meta"):
+        model.cpu()
+    assert model.device == torch.device("meta")
     del optimizer
 
 
