@@ -67,7 +67,7 @@ __all__ = ["OffloadedCausalLM"]
 #: collators' sequence boundaries (``cu_seq_lens_*``, ``max_length_*``, ``seq_idx``) serve the
 #: flash-attention kernels; the mask functions find the same boundaries in ``position_ids``.
 _IGNORED = {"use_cache", "return_dict", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx",
-            "output_attentions", "output_hidden_states", "logits_to_keep", "cache_position", "past_key_values"}
+            "output_attentions", "output_hidden_states", "logits_to_keep"}
 
 
 class OffloadedCausalLM(PreTrainedModel):
