@@ -410,7 +410,8 @@ class OffloadModel(nn.Module):
 
 
 def _float_dtype_of(fn: Callable[[torch.Tensor], torch.Tensor], host: torch.device) -> torch.dtype | None:
-    """The dtype ``fn`` gives floating-point tensors, or ``None`` when it keeps theirs (``.cuda()``, ``.to(device)``)."""
+    """The dtype ``fn`` gives floating-point tensors, or ``None`` when it keeps theirs
+    (``.cuda()``, ``.to(device)``)."""
     single = fn(torch.empty(0, device=host)).dtype
     double = fn(torch.empty(0, dtype=torch.float64, device=host)).dtype
     return None if (single, double) == (torch.float32, torch.float64) else single
