@@ -299,7 +299,7 @@ class OffloadedCausalLM(PreTrainedModel):
         """The Hugging Face model's ``state_dict``, names and all, read from the host copies (under
         ``prefix`` when a wrapper, a ``PeftModel`` say, asks for it as its submodule's)."""
         if args:  # nn.Module's positional form: (destination, prefix, keep_vars)
-            destination, prefix, keep_vars = (*args, prefix, keep_vars)[:3] if len(args) < 3 else args[:3]
+            destination, prefix, keep_vars = (*args, *(destination, prefix, keep_vars)[len(args):])
         names = _hf_names(self)
         destination = {} if destination is None else destination
         for key, value in self.offloaded.state_dict(keep_vars=keep_vars).items():
