@@ -81,7 +81,8 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
         'offload.integrations.transformers needs Hugging Face transformers 5: pip install -e ".[transformers]"'
     ) from error
 
-__all__ = ["LAST_HIDDEN_STATE", "SUPPORTED_MODEL_TYPES", "CausalLMSequential", "causal_lm_sequential", "load_causal_lm"]
+__all__ = ["LAST_HIDDEN_STATE", "SUPPORTED_MODEL_TYPES", "CausalLMSequential", "OffloadedCausalLM", "causal_lm_sequential",
+           "load_causal_lm"]
 
 
 @dataclass(frozen=True)
@@ -719,5 +720,15 @@ def causal_lm_sequential(model: nn.Module, *, untie_embeddings: bool = False,
     return CausalLMSequential(_stages(model, loss_chunk_tokens), model, loss_chunk_tokens)
 
 
-# Loading from a checkpoint slice by slice lives in a module of its own; it is part of this API.
+# Loading from a checkpoint slice by slice, and the model the Hugging Face trainers train, live in
+# modules of their own; they are part of this API.
 from .transformers_loading import load_causal_lm  # noqa: E402  (it imports this module)
+
+
+def __getattr__(name: str) -> Any:
+    # OffloadedCausalLM on first use: its module imports this one, and may be the one imported first.
+    if name == "OffloadedCausalLM":
+        from .causal_lm import OffloadedCausalLM
+
+        return OffloadedCausalLM
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
