@@ -102,6 +102,20 @@ def test_trainer_matches_the_plain_model_bit_for_bit(plain_run, optimizer, tmp_p
     assert_same_weights(hf, plain)
 
 
+def test_trainer_with_the_loss_in_the_head_matches_to_float32_rounding(plain_run, tmp_path):
+    # loss_chunk_tokens: the loss is summed chunk by chunk (Note: [Chunked loss]); evaluation works
+    # without logits.
+    losses, plain = plain_run
+    model = OffloadedCausalLM(llama(), device="cpu", num_slices=2, loss_chunk_tokens=8)
+    args = arguments(tmp_path)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=TRAIN, eval_dataset=EVAL,
+                                   optimizers=(model.offload_optimizer(args), None))
+    trainer.train()
+    chunked = logged(trainer)
+    assert [entry[:2] for entry in chunked] == [entry[:2] for entry in losses]
+    torch.testing.assert_close([entry[2] for entry in chunked], [entry[2] for entry in losses], rtol=1e-5, atol=0)
+
+
 @CUDA
 def test_trainer_moves_the_compute_to_the_gpu_and_keeps_the_parameters_on_the_host(tmp_path):
     # Trainer calls model.to("cuda:0"); float32 on the GPU: the plain run's losses to rounding.
