@@ -425,7 +425,8 @@ def _float_dtype_of(fn: Callable[[torch.Tensor], torch.Tensor], host: torch.devi
 #     2. The compute device after the call is where ``fn`` sends a tensor that is on the compute
 #        device now; equal to it (``.to(dtype)``, ``.to("cpu")`` on a CPU model), nothing moves.
 #     3. A move builds the engine anew for the new device (slots, streams, pinned host buffers): the
-#        parameters stay the same objects, their values are copied into the new host storage.
+#        parameters stay the same objects, their values are copied into the new host storage, so
+#        for a moment the host holds them twice. Build a large model on its device instead.
 #        An OffloadOptimizer already stepping the model, a process group or masters on disk are
 #        tied to the old engine, so such a move is refused (build the model on that device);
 #        under an optimizer, a move to the host (a training loop's teardown, Lightning's .cpu())
