@@ -344,25 +344,95 @@ class OffloadModel(nn.Module):
     # -- placement ---------------------------------------------------------------------------
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> OffloadModel:
+        """Follow ``.to()``, ``.cuda()``, ``.cpu()``, ``.double()``, ``.half()``: see Note: [Moving an OffloadModel]."""
         self._settle()
-        # .to(dtype), .half(), .double() change the host copies and are followed; moving the host
-        # copies to another device would defeat offloading (and may not fit), so it is refused.
+        target = self._target_device(fn)
+        if target != self.device:
+            self._move_compute(target)
         try:
-            probe = fn(torch.empty(0, device=self.offload_device))
+            keeps_host = fn(torch.empty(0, device=self.offload_device)).device == self.offload_device
         except (RuntimeError, AssertionError) as error:
-            raise RuntimeError(self._placement_message()) from error
-        if probe.device != self.offload_device:
-            raise RuntimeError(self._placement_message())
-        super()._apply(fn, recurse)
+            raise RuntimeError(f"OffloadModel could not apply this conversion to its host copies: {error}") from error
+        if keeps_host:  # .to(dtype), .double(), .to(memory_format=...): applied as they are
+            super()._apply(fn, recurse)
+        else:  # a move that also converts: the conversion alone, the host copies stay where they are
+            cast = _float_dtype_of(fn, self.offload_device)
+            if cast is None:
+                return self
+            super()._apply(lambda t: t.to(dtype=cast) if t.is_floating_point() else t, recurse)
         self._engine.refresh()
         return self
 
-    def _placement_message(self) -> str:
-        return (
-            f"OffloadModel keeps its parameters on offload_device={self.offload_device} and moves slices "
-            f"to device={self.device} itself; don't move it with .to(device)/.cuda()/.cpu(). To compute "
-            "elsewhere, wrap the layers in a new OffloadModel with that device."
-        )
+    def _target_device(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.device:
+        # Where fn sends a tensor that is on the compute device: the compute device after the call.
+        try:
+            try:
+                moved = fn(torch.empty(0, device=self.device))
+            except NotImplementedError:
+                if self.device.type != "meta":
+                    raise
+                # A meta tensor has no data to copy out: fn leaves meta, to where it sends a host tensor.
+                moved = fn(torch.empty(0, device=self.offload_device))
+        except (RuntimeError, AssertionError, NotImplementedError) as error:
+            raise RuntimeError(
+                f"OffloadModel could not move its compute device from {self.device}: {error}. "
+                "Pass a device that exists on this machine (see torch.cuda.device_count())"
+            ) from error
+        return _existing_device(moved.device, "device")
+
+    def _move_compute(self, target: torch.device) -> None:
+        """Compute on ``target`` from now on: the host copies stay on ``offload_device`` (re-laid out,
+        and pinned when ``target`` is CUDA) and the device slots, copy streams and buffers are built
+        anew for ``target``."""
+        engine = self._engine
+        if len(engine.optimizers) and target == self.offload_device:
+            # A training loop's teardown (Lightning's .cpu()) frees the accelerator this way: the
+            # parameters are on the host already, and the optimizer is tied to this engine.
+            warnings.warn(
+                f"OffloadModel keeps computing on {self.device}: an OffloadOptimizer is stepping it, and its "
+                f"parameters are on {self.offload_device} already. To compute there, build the model with "
+                f"device={str(target)!r}", stacklevel=4)
+            return
+        reasons = []
+        if len(engine.optimizers):
+            reasons.append("an OffloadOptimizer is stepping it (build the optimizer after moving the model)")
+        if self.__dict__.get("_data_parallel") is not None:
+            reasons.append("it trains data-parallel over a process group (each rank's device is fixed)")
+        if engine.master_files is not None:
+            reasons.append("its masters are on disk (their files belong to this engine)")
+        if reasons:
+            raise RuntimeError(
+                f"OffloadModel cannot move its compute from {self.device} to {target}: {'; '.join(reasons)}. "
+                f"Build the OffloadModel with device={str(target)!r} instead"
+            )
+        self.device = target
+        self._adopt([(list(s.names), list(s.layers)) for s in engine.slices])
+
+
+def _float_dtype_of(fn: Callable[[torch.Tensor], torch.Tensor], host: torch.device) -> torch.dtype | None:
+    """The dtype ``fn`` gives floating-point tensors, or ``None`` when it keeps theirs
+    (``.cuda()``, ``.to(device)``)."""
+    single = fn(torch.empty(0, device=host)).dtype
+    double = fn(torch.empty(0, dtype=torch.float64, device=host)).dtype
+    return None if (single, double) == (torch.float32, torch.float64) else single
+
+
+# Note: [Moving an OffloadModel]
+#     1. ``.to(device)``, ``.cuda()``, ``.cpu()`` move the *compute* device, what ``device=`` names;
+#        the host copies stay on ``offload_device``. Trainers call ``model.to(device)`` on whatever
+#        they are given (``transformers.Trainer``, Accelerate's ``prepare``, Lightning), so this is
+#        what they must find: "the model computes there".
+#     2. The compute device after the call is where ``fn`` sends a tensor that is on the compute
+#        device now; equal to it (``.to(dtype)``, ``.to("cpu")`` on a CPU model), nothing moves.
+#     3. A move builds the engine anew for the new device (slots, streams, pinned host buffers): the
+#        parameters stay the same objects, their values are copied into the new host storage, so
+#        for a moment the host holds them twice. Build a large model on its device instead.
+#        An OffloadOptimizer already stepping the model, a process group or masters on disk are
+#        tied to the old engine, so such a move is refused (build the model on that device);
+#        under an optimizer, a move to the host (a training loop's teardown, Lightning's .cpu())
+#        warns and leaves the compute where it is: the parameters are there already.
+#     4. A dtype change converts the host copies, as before; ``.to(device, dtype)`` converts
+#        floating-point host copies to ``dtype`` and moves the compute device.
 
 
 def _identity(tensor: torch.Tensor) -> torch.Tensor:

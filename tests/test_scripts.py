@@ -275,3 +275,11 @@ def test_scale_benchmark_resumes_bit_for_bit(tmp_path):
     assert data["resume"]["resumed_loss"] == data["steps"][2]["loss"]
     assert "step 3's loss equal, parameters after it equal bit for bit" in out
     assert [p.name for p in tmp_path.iterdir()] == ["scale.json"]
+
+
+def test_trainer_benchmark_one_run():
+    out = run("scripts/bench_trainer.py", "--only", "trainer-offload", "--hidden", "32", "--layers", "1", "--vocab", "64",
+              "--seq-len", "16", "--batch-size", "2", "--grad-accum", "1", "--steps", "2")
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["run"] == "trainer-offload" and result["steps_timed"] == 1 and len(result["losses"]) == 2
+    assert result["tokens_per_s"] > 0 and result["peak_rss_mib"] > 0

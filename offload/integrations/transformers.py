@@ -21,7 +21,10 @@ slice; rotary tables (``T x head_dim``,
 one pair per layer type where the family has several) are small and computed once. None of them
 requires grad, exactly as in the model (Note: [Boundary gradients] in ``offload/autograd/slice_graph.py``).
 ``loss_targets`` is ``None`` unless the head computes the loss (Note: [Chunked loss]); then it is the
-shifted labels, an integer tensor that the decoder stages pass along untouched.
+shifted labels, an integer tensor that the decoder stages pass along untouched. A batch with
+``"last_hidden_state": True`` makes it the string :data:`LAST_HIDDEN_STATE` instead, and the head then
+returns the normed hidden states (what the model's decoder returns as ``last_hidden_state``), for
+callers that project them themselves (TRL's fused LM head).
 
 Note: [Chunked loss]
     The logits of a batch are ``B x T x vocab``: 8 x 2048 tokens of a 128k vocabulary are 8.4 GB in
@@ -78,7 +81,8 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
         'offload.integrations.transformers needs Hugging Face transformers 5: pip install -e ".[transformers]"'
     ) from error
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "CausalLMSequential", "causal_lm_sequential", "load_causal_lm"]
+__all__ = ["LAST_HIDDEN_STATE", "SUPPORTED_MODEL_TYPES", "CausalLMSequential", "OffloadedCausalLM", "causal_lm_sequential",
+           "load_causal_lm"]
 
 
 @dataclass(frozen=True)
@@ -155,6 +159,8 @@ SUPPORTED_MODEL_TYPES = ("gpt2", *_LAYOUTS)
 #: otherwise the stages return logits, and a silently ignored ``labels`` would look like a loss that
 #: is never computed.
 _BATCH_KEYS = ("input_ids", "attention_mask", "position_ids")
+#: ``loss_targets`` when the head returns the normed hidden states rather than logits or the loss.
+LAST_HIDDEN_STATE = "last_hidden_state"
 _LABEL_KEYS = ("labels", "shift_labels")
 #: The label of a position the loss skips, as in transformers' ``ForCausalLMLoss``.
 IGNORE_INDEX = -100
@@ -171,6 +177,11 @@ def _unpack_batch(batch: Any, with_labels: bool) -> tuple[torch.Tensor, torch.Te
         raise TypeError(f"the batch must be {what}, not {type(batch).__name__} (a tokenizer's BatchEncoding: "
                         "pass dict(batch))")
     batch = {key: value for key, value in batch.items() if value is not None}  # None: as if absent, as in HF
+    if batch.pop(LAST_HIDDEN_STATE, False) is True:
+        with_labels = False  # no loss: the caller projects the hidden states itself
+        hidden_only = True
+    else:
+        hidden_only = False
     unknown = sorted(set(batch) - set(_BATCH_KEYS + (_LABEL_KEYS if with_labels else ())))
     if with_labels and "input_ids" in batch and not unknown and not any(key in batch for key in _LABEL_KEYS):
         raise TypeError(f"with loss_chunk_tokens the model returns the loss: the batch needs 'labels' (or "
@@ -187,6 +198,8 @@ def _unpack_batch(batch: Any, with_labels: bool) -> tuple[torch.Tensor, torch.Te
         )
     input_ids = batch["input_ids"]
     targets = _loss_targets(input_ids, batch.get("labels"), batch.get("shift_labels")) if with_labels else None
+    if hidden_only:
+        targets = LAST_HIDDEN_STATE
     return input_ids, batch.get("attention_mask"), batch.get("position_ids"), targets
 
 
@@ -278,7 +291,7 @@ class GPT2Embedding(_EmbeddingStage):
         hidden = self.drop(hidden + self.wpe(position_ids))
         if attention_mask is not None and attention_mask.ndim < 4:
             attention_mask = attention_mask.view(batch_size, -1)
-        if targets is not None:
+        if isinstance(targets, torch.Tensor):
             targets = targets.view(input_ids.shape)
         return hidden, attention_mask, position_ids, None, targets
 
@@ -395,6 +408,8 @@ class Head(nn.Module):
 
     def forward(self, state: _State) -> torch.Tensor:
         hidden = self.norm(state[0])
+        if isinstance(state[4], str):  # LAST_HIDDEN_STATE: the caller projects them
+            return hidden
         if self.loss_chunk_tokens is None:
             return self.logits(hidden)
         return self.loss_sums(hidden, state[4])
@@ -705,5 +720,15 @@ def causal_lm_sequential(model: nn.Module, *, untie_embeddings: bool = False,
     return CausalLMSequential(_stages(model, loss_chunk_tokens), model, loss_chunk_tokens)
 
 
-# Loading from a checkpoint slice by slice lives in a module of its own; it is part of this API.
+# Loading from a checkpoint slice by slice, and the model the Hugging Face trainers train, live in
+# modules of their own; they are part of this API.
 from .transformers_loading import load_causal_lm  # noqa: E402  (it imports this module)
+
+
+def __getattr__(name: str) -> Any:
+    # OffloadedCausalLM on first use: its module imports this one, and may be the one imported first.
+    if name == "OffloadedCausalLM":
+        from .causal_lm import OffloadedCausalLM
+
+        return OffloadedCausalLM
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

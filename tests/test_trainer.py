@@ -1,0 +1,323 @@
+"""``transformers.Trainer`` and TRL's ``SFTTrainer`` train an :class:`OffloadedCausalLM` as they train the
+plain model: the same loss at every logged step and the same weights, bit for bit, on the CPU, with
+gradient accumulation, clipping, warm-up and evaluation; checkpoints resume exactly and saved
+models load with ``from_pretrained``.
+
+Each run is a tiny Llama for a few steps: the plain runs are shared by the tests that compare
+against them (module-scoped fixtures).
+"""
+
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+datasets = pytest.importorskip("datasets")
+
+from offload import OffloadModel  # noqa: E402
+from offload.integrations.causal_lm import OffloadedCausalLM  # noqa: E402
+
+from .helpers import CUDA  # noqa: E402
+
+EXACT = dict(rtol=0, atol=0)
+VOCAB = 64
+STEPS = 4
+
+
+@pytest.fixture(autouse=True)
+def quiet():
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    yield
+    transformers.logging.set_verbosity(verbosity)
+
+
+def llama(vocab: int = VOCAB, tied: bool = False, **special) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=vocab, max_position_embeddings=128, tie_word_embeddings=tied,
+        **(special or {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}))
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def rows(n: int, seed: int, length: int = 12) -> "datasets.Dataset":
+    """Rows of one length with right padding of varying size (labels -100 there), and a text
+    column the model does not take (the Trainer drops it: remove_unused_columns)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (n, length), generator=g)
+    lengths = torch.randint(6, length + 1, (n,), generator=g)
+    mask = (torch.arange(length)[None] < lengths[:, None]).long()
+    labels = ids.masked_fill(mask == 0, -100)
+    return datasets.Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": mask.tolist(),
+                                       "labels": labels.tolist(), "text": [f"row {k}" for k in range(n)]})
+
+
+TRAIN, EVAL = rows(16, seed=3), rows(8, seed=4)
+
+
+def arguments(out, **changes) -> "transformers.TrainingArguments":
+    settings = dict(output_dir=str(out), use_cpu=True, report_to=[], per_device_train_batch_size=2,
+                    per_device_eval_batch_size=4, gradient_accumulation_steps=2, max_grad_norm=1.0, warmup_steps=2,
+                    learning_rate=1e-2, max_steps=STEPS, logging_steps=1, eval_strategy="steps", eval_steps=2,
+                    save_strategy="no", seed=0, disable_tqdm=True)
+    settings.update(changes)
+    return transformers.TrainingArguments(**settings)
+
+
+def logged(trainer) -> list[tuple[str, int, float]]:
+    return [(key, entry["step"], entry[key]) for entry in trainer.state.log_history
+            for key in ("loss", "eval_loss", "grad_norm") if key in entry]
+
+
+def assert_same_weights(actual: torch.nn.Module, expected: torch.nn.Module) -> None:
+    named = dict(actual.named_parameters())
+    assert named.keys() == dict(expected.named_parameters()).keys()
+    for name, p in expected.named_parameters():
+        torch.testing.assert_close(named[name], p, **EXACT, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory):
+    hf = llama()
+    trainer = transformers.Trainer(model=hf, args=arguments(tmp_path_factory.mktemp("plain")), train_dataset=TRAIN,
+                                   eval_dataset=EVAL)
+    trainer.train()
+    return logged(trainer), hf
+
+
+@pytest.mark.parametrize("optimizer", ["trainer's AdamW", "offload_optimizer"])
+def test_trainer_matches_the_plain_model_bit_for_bit(plain_run, optimizer, tmp_path):
+    losses, plain = plain_run
+    hf = llama()
+    model = OffloadedCausalLM(hf, device="cpu", num_slices=2)
+    args = arguments(tmp_path)
+    optimizers = (model.offload_optimizer(args), None) if optimizer == "offload_optimizer" else (None, None)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=TRAIN, eval_dataset=EVAL,
+                                   optimizers=optimizers)
+    trainer.train()
+    assert logged(trainer) == losses  # every training loss, gradient norm and eval loss, bit for bit
+    assert sum(key == "eval_loss" for key, _, _ in losses) == 2 and sum(key == "loss" for key, _, _ in losses) == STEPS
+    assert_same_weights(hf, plain)
+
+
+def test_trainer_with_the_loss_in_the_head_matches_to_float32_rounding(plain_run, tmp_path):
+    # loss_chunk_tokens: the loss is summed chunk by chunk (Note: [Chunked loss]); evaluation works
+    # without logits.
+    losses, plain = plain_run
+    model = OffloadedCausalLM(llama(), device="cpu", num_slices=2, loss_chunk_tokens=8)
+    args = arguments(tmp_path)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=TRAIN, eval_dataset=EVAL,
+                                   optimizers=(model.offload_optimizer(args), None))
+    trainer.train()
+    chunked = logged(trainer)
+    assert [entry[:2] for entry in chunked] == [entry[:2] for entry in losses]
+    torch.testing.assert_close([entry[2] for entry in chunked], [entry[2] for entry in losses], rtol=1e-5, atol=0)
+
+
+@CUDA
+def test_trainer_moves_the_compute_to_the_gpu_and_keeps_the_parameters_on_the_host(tmp_path):
+    # Trainer calls model.to("cuda:0"); float32 on the GPU: the plain run's losses to rounding.
+    runs = []
+    for kind in ("plain", "offloaded"):
+        hf = llama()
+        model = hf if kind == "plain" else OffloadedCausalLM(hf, device="cpu", num_slices=2)
+        trainer = transformers.Trainer(model=model, args=arguments(tmp_path / kind, use_cpu=False),
+                                       train_dataset=TRAIN, eval_dataset=EVAL)
+        trainer.train()
+        runs.append(logged(trainer))
+        if kind == "offloaded":
+            assert model.device.type == "cuda"
+            assert all(p.device.type == "cpu" and p.is_pinned() for p in hf.parameters())
+    (plain, offloaded) = runs
+    assert [entry[:2] for entry in offloaded] == [entry[:2] for entry in plain]
+    torch.testing.assert_close([entry[2] for entry in offloaded], [entry[2] for entry in plain], rtol=1e-4, atol=0)
+
+
+def test_checkpoints_resume_exactly_and_saved_models_load_with_from_pretrained(plain_run, tmp_path):
+    losses, plain = plain_run
+    # An interrupted run: checkpoints every 2 steps, stopped after 2 (max_steps=2 with the same schedule length
+    # would change the schedule, so a callback stops it).
+    model = OffloadedCausalLM(llama(), device="cpu", num_slices=3)
+    args = arguments(tmp_path, save_strategy="steps", save_steps=2)
+
+    class StopAfterTwo(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == 2
+
+    transformers.Trainer(model=model, args=args, train_dataset=TRAIN, eval_dataset=EVAL,
+                         optimizers=(model.offload_optimizer(args), None), callbacks=[StopAfterTwo()]).train()
+    checkpoint = tmp_path / "checkpoint-2"
+    # A checkpoint is a Hugging Face folder, one shard per slice.
+    assert (checkpoint / "model.safetensors.index.json").exists() and (checkpoint / "config.json").exists()
+    # A new process would build the model afresh: here, new weights (another seed) that the resume overwrites.
+    torch.manual_seed(1)
+    resumed_hf = llama()
+    for p in resumed_hf.parameters():
+        torch.nn.init.normal_(p)
+    resumed = OffloadedCausalLM(resumed_hf, device="cpu", num_slices=3)
+    trainer = transformers.Trainer(model=resumed, args=args, train_dataset=TRAIN, eval_dataset=EVAL,
+                                   optimizers=(resumed.offload_optimizer(args), None))
+    trainer.train(resume_from_checkpoint=str(checkpoint))
+    assert [entry for entry in logged(trainer) if entry[1] > 2] == [entry for entry in losses if entry[1] > 2]
+    assert_same_weights(resumed_hf, plain)
+    # save_model writes a folder from_pretrained loads, with the trained weights.
+    trainer.save_model(str(tmp_path / "final"))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "final")
+    assert_same_weights(loaded, plain)
+
+
+def test_a_tied_model_saves_once_and_loads_tied(tmp_path):
+    hf = llama(tied=True)
+    model = OffloadedCausalLM(hf, device="cpu", num_slices=2)
+    with torch.no_grad():
+        hf.model.embed_tokens.weight.add_(1.0)  # the head's weight is the same tensor: it changes too
+    model.save_pretrained(tmp_path)
+    assert os.listdir(tmp_path).count("model.safetensors.index.json") == 1
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    assert_same_weights(loaded, hf)
+    # state_dict and load_state_dict in Hugging Face names, as Trainer's resume uses them.
+    assert set(model.state_dict()) == set(hf.state_dict())
+    other = OffloadedCausalLM(llama(tied=True), device="cpu", num_slices=2)
+    result = other.load_state_dict(loaded.state_dict(), strict=False)
+    assert result.unexpected_keys == []
+    assert_same_weights(other.hf_model, hf)
+
+
+def test_from_pretrained_loads_a_folder_slice_by_slice(tmp_path):
+    hf = llama()
+    hf.save_pretrained(tmp_path)
+    model = OffloadedCausalLM.from_pretrained(tmp_path, device="cpu", num_slices=2)
+    assert_same_weights(model.hf_model, hf)
+    ids = torch.randint(3, VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(model(input_ids=ids).logits, hf.eval()(input_ids=ids).logits, **EXACT)
+
+
+def test_the_model_looks_like_a_hugging_face_causal_lm():
+    hf = llama()
+    model = OffloadedCausalLM(hf, device="cpu", num_slices=2)
+    assert model.loss_type == "ForCausalLM" and model.config is hf.config and model.main_input_name == "input_ids"
+    assert model.get_input_embeddings() is hf.model.embed_tokens and model.get_output_embeddings() is hf.lm_head
+    assert model.num_parameters() == hf.num_parameters()
+    assert model.num_parameters(exclude_embeddings=True) == hf.num_parameters(exclude_embeddings=True)
+    assert model.device == torch.device("cpu")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.enable_input_require_grads()
+    assert model.is_gradient_checkpointing
+    ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[0, :3] = -100
+    expected = hf(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(11))
+    output = model(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(11), use_cache=False)
+    torch.testing.assert_close(output.loss, expected.loss, **EXACT)
+    torch.testing.assert_close(output.logits, expected.logits, **EXACT)
+    hidden = model.base_model(input_ids=ids, use_cache=False).last_hidden_state
+    torch.testing.assert_close(hidden, hf.model(input_ids=ids).last_hidden_state, **EXACT)
+    with pytest.raises(TypeError, match="cannot honour inputs_embeds"):
+        model(input_ids=ids, inputs_embeds=torch.zeros(2, 9, 32))
+
+
+def test_a_chunked_loss_is_the_models_to_float32_rounding():
+    hf = llama()
+    model = OffloadedCausalLM(hf, device="cpu", num_slices=2, loss_chunk_tokens=5)
+    ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
+    output = model(input_ids=ids, labels=ids)
+    assert output.logits is None
+    torch.testing.assert_close(output.loss, hf(input_ids=ids, labels=ids).loss, rtol=1e-6, atol=0)
+
+
+def test_offload_optimizer_groups_and_hyperparameters_are_the_trainers(tmp_path, monkeypatch):
+    model = OffloadedCausalLM(llama(), device="cpu", num_slices=2)
+    args = arguments(tmp_path, weight_decay=0.1, adam_beta2=0.98, learning_rate=3e-4)
+    optimizer = model.offload_optimizer(args)
+    decayed, plain = optimizer.param_groups
+    names = {p: name for name, p in model.named_parameters()}
+    assert decayed["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
+    assert all("norm" in names[p] for p in plain["params"]) and not any("norm" in names[p] for p in decayed["params"])
+    assert len(decayed["params"]) + len(plain["params"]) == len(names)
+    assert decayed["betas"] == (0.9, 0.98) and decayed["lr"] == 3e-4 and decayed["fused"] is True
+    # An optimizer the Trainer builds from the whole model (GaLore, LOMO, ...) cannot step slice by slice.
+    monkeypatch.setattr(transformers.Trainer, "get_optimizer_cls_and_kwargs",
+                        staticmethod(lambda args, model: (torch.optim.AdamW, {"lr": 1e-3, "model": model})))
+    with pytest.raises(ValueError, match="builds its optimizer from the whole model"):
+        model.offload_optimizer(args)
+
+
+# -- TRL's SFTTrainer -------------------------------------------------------------------------------
+
+trl = pytest.importorskip("trl")
+
+
+def byte_tokenizer():
+    """UTF-8 bytes as ids, and two special tokens: nothing to download."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = (b for b in range(256) if b not in printable)
+    char = {b: chr(b) for b in printable} | {b: chr(256 + k) for k, b in enumerate(others)}
+    inner = Tokenizer(models.BPE(vocab={char[b]: b for b in range(256)}, merges=[]))
+    inner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    inner.decoder = decoders.ByteLevel()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=inner)
+    tokenizer.add_special_tokens({"eos_token": "<eos>", "pad_token": "<pad>"})
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{{ eos_token }}"
+    return tokenizer
+
+
+CHAT = {"messages": [[{"role": "user", "content": f"what is {i} + {i}?"},
+                      {"role": "assistant", "content": f"{2 * i}"}] for i in range(16)]}
+TEXT = {"text": [f"the number {i} is {'even' if i % 2 == 0 else 'odd'}." for i in range(16)]}
+
+
+@pytest.mark.parametrize(("data", "packing"), [(CHAT, False), (TEXT, True)], ids=["chat-template", "packing"])
+def test_sft_trainer_matches_the_plain_model_bit_for_bit(data, packing, tmp_path):
+    # SFTConfig's defaults otherwise (bf16, gradient checkpointing, TRL's fused LM head).
+    tokenizer = byte_tokenizer()
+    runs = []
+    for kind in ("plain", "offloaded"):
+        hf = llama(len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        model = hf if kind == "plain" else OffloadedCausalLM(hf, device="cpu", num_slices=2)
+        config = trl.SFTConfig(output_dir=str(tmp_path / kind), use_cpu=True, report_to=[],
+                               per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=2,
+                               logging_steps=1, save_strategy="no", seed=0, disable_tqdm=True, learning_rate=1e-2,
+                               warmup_steps=1, max_length=64, packing=packing)
+        trainer = trl.SFTTrainer(model=model, args=config, train_dataset=datasets.Dataset.from_dict(data),
+                                 processing_class=tokenizer)
+        trainer.train()
+        runs.append((logged(trainer), hf))
+    (plain_losses, plain), (losses, offloaded) = runs
+    assert losses == plain_losses and len(losses) == 4  # a loss and a gradient norm per step
+    assert_same_weights(offloaded, plain)
+
+
+def test_sft_trainer_trains_the_same_lora_adapters_and_refuses_a_peft_config(tmp_path):
+    peft = pytest.importorskip("peft")
+    from safetensors.torch import load_file
+
+    tokenizer = byte_tokenizer()
+    config = dict(use_cpu=True, report_to=[], per_device_train_batch_size=4, max_steps=2, logging_steps=1,
+                  save_strategy="no", seed=0, disable_tqdm=True, learning_rate=1e-2, max_length=64)
+    runs = []
+    for kind in ("plain", "offloaded"):
+        hf = llama(len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        torch.manual_seed(5)  # the adapters' initial values
+        lora = peft.get_peft_model(hf, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+        model = lora if kind == "plain" else OffloadedCausalLM(lora, device="cpu", num_slices=2)
+        trainer = trl.SFTTrainer(model=model, args=trl.SFTConfig(output_dir=str(tmp_path / kind), **config),
+                                 train_dataset=datasets.Dataset.from_dict(CHAT), processing_class=tokenizer)
+        trainer.train()
+        trainer.save_model(str(tmp_path / kind / "adapter"))  # PeftModel.save_pretrained: the adapters alone
+        runs.append((logged(trainer), load_file(tmp_path / kind / "adapter" / "adapter_model.safetensors")))
+    (plain_losses, plain), (losses, offloaded) = runs
+    assert losses == plain_losses
+    assert plain.keys() == offloaded.keys() and any("lora_A" in key for key in plain)
+    for key, tensor in plain.items():
+        torch.testing.assert_close(offloaded[key], tensor, **EXACT, msg=lambda m: f"{key}: {m}")
+    # TRL's peft_config would wrap the offloaded model in PEFT, which names adapters by the stages: refused.
+    model = OffloadedCausalLM(llama(len(tokenizer), pad_token_id=tokenizer.pad_token_id), device="cpu", num_slices=2)
+    with pytest.raises(ValueError, match="wrap the PeftModel"):
+        trl.SFTTrainer(model=model, args=trl.SFTConfig(output_dir=str(tmp_path / "refused"), **config),
+                       train_dataset=datasets.Dataset.from_dict(CHAT), processing_class=tokenizer,
+                       peft_config=peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
