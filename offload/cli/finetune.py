@@ -109,8 +109,13 @@ def main(argv: list[str] | None = None) -> None:
           f"compute dtype {args.compute_dtype}; data {args.data}")
 
     done = resume(args, model, optimizer, scheduler)
+    try:
+        # The first batch read now: data that cannot be read stops the run before its first step.
+        stream = batches.train(skip=done)
+        train_batches = itertools.chain([next(stream)], stream)
+    except DataFormatError as error:
+        raise SystemExit(f"error: {error}") from None
     record = RunRecord(argv, step=done, checkpoint=args.resume)
-    train_batches = batches.train(skip=done)
     try:
         loss_value, seen, elapsed = train(args, model, hf, optimizer, scheduler, trainable, train_batches, evaluation,
                                           record, done, tqdm)
@@ -182,11 +187,12 @@ class Batches:
         self.args = args
         self.tokenizer = tokenizer
 
-    def _blocks(self, path: Path, split: str) -> Iterator[torch.Tensor]:
+    def _blocks(self, path: Path, split: str | None) -> Iterator[torch.Tensor]:
+        """``path``'s blocks, or its ``split`` share under ``--eval-fraction``."""
         from ..integrations.data import split_blocks, token_blocks
 
         blocks = token_blocks(path, self.tokenizer, self.args.seq_len, text_field=self.args.text_field)
-        return split_blocks(blocks, self.args.eval_fraction if path == self.args.data else 0.0, split)
+        return blocks if split is None else split_blocks(blocks, self.args.eval_fraction, split)
 
     def _epochs(self) -> Iterator[torch.Tensor]:
         for epoch in itertools.count():
@@ -215,8 +221,8 @@ class Batches:
         args = self.args
         if args.eval_file is None and not args.eval_fraction:
             return []
-        path = args.eval_file or args.data
-        blocks = list(itertools.islice(self._blocks(path, "eval"), args.eval_batches * args.batch_size))
+        held_out = self._blocks(args.eval_file, None) if args.eval_file else self._blocks(args.data, "eval")
+        blocks = list(itertools.islice(held_out, args.eval_batches * args.batch_size))
         if not blocks:
             flag = "--eval-file" if args.eval_file else "--eval-fraction"
             raise SystemExit(f"error: {flag}: the eval split holds no block of --seq-len {args.seq_len} tokens; "
