@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -274,12 +275,15 @@ def test_ctrl_c_ends_with_the_last_checkpoint_and_the_command_that_resumes(tmp_p
     assert process.returncode == 130, err[-3000:]
     assert "Traceback" not in err
     (last,) = err.strip().splitlines()[-1:]
-    step = int(last.split("after step ")[1].split(";")[0])
-    checkpoint = tmp_path / "checkpoints" / f"step-{step}"
-    assert step >= 2 and checkpoint.is_dir()
-    assert last.startswith(f"interrupted after step {step}; last checkpoint: {checkpoint}; resume with: "
-                           f"python scripts/finetune_causal_lm.py --device cpu --no-progress --out {tmp_path} ")
-    assert last.endswith(f"--resume {checkpoint}")
+    # Stopped after step 2 or later; the checkpoint is that step's, or the one before when the
+    # signal came while it was being written (an unfinished checkpoint is never "latest").
+    match = re.fullmatch(r"interrupted after step (\d+); last checkpoint: (\S+); resume with: (.*)", last)
+    assert match, last
+    step, checkpoint, command = int(match[1]), Path(match[2]), match[3]
+    assert step >= 2 and checkpoint.parent == tmp_path / "checkpoints" and checkpoint.is_dir()
+    assert checkpoint.name in (f"step-{step}", f"step-{step - 1}")
+    assert command == (f"python scripts/finetune_causal_lm.py --device cpu --no-progress --out {tmp_path} "
+                       f"--steps 100000 --save-every 1 --keep-checkpoints 2 --resume {checkpoint}")
 
 
 def test_lora_adapter_records_the_base_as_an_absolute_path(tmp_path):
@@ -335,6 +339,8 @@ def test_export_with_masters_on_disk_peaks_no_higher_than_the_steps(tmp_path):
     peaks = json.loads(done.stdout.split("PEAKS ")[1])
     masters = 4 * sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
     # Reading every master into RAM (and cloning it) would add the masters' 26 MB, or twice that.
-    assert peaks["export"] <= peaks["steps"] + masters // 8, (peaks, masters)
+    # Measured: steps 556 MB, export 536 MB; with hf.save_pretrained, which clones every master
+    # (views of one buffer share its storage) after reading it in, the export peaked at 580 MB.
+    assert peaks["export"] <= peaks["steps"], (peaks, masters)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert sum(p.numel() for p in loaded.parameters()) * 4 == masters
