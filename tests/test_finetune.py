@@ -255,8 +255,35 @@ def test_an_error_after_training_started_says_what_was_saved(tmp_path, capsys, m
     with pytest.raises(OSError, match="No space left"):
         cli.main(["--device", "cpu", "--no-progress", "--out", str(tmp_path), "--steps", "2", "--save-every", "1"])
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last.startswith(f"stopped by OSError while saving to {tmp_path}, after every step after step 2; "
+    assert last.startswith(f"saving to {tmp_path} failed (OSError) after step 2; "
                            f"last checkpoint: {tmp_path / 'checkpoints' / 'step-2'}; resume with: ")
+
+
+def test_an_error_during_the_steps_names_the_last_checkpoint(tmp_path, capsys, monkeypatch):
+    save = cli.save_checkpoint
+
+    def second_save_fails(path, *args, **kwargs):
+        if path.name == "step-2":
+            raise OSError(5, "Input/output error")
+        save(path, *args, **kwargs)
+
+    monkeypatch.setattr(cli, "save_checkpoint", second_save_fails)
+    with pytest.raises(OSError, match="Input/output error"):
+        cli.main(["--device", "cpu", "--no-progress", "--out", str(tmp_path), "--steps", "3", "--save-every", "1"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"stopped by OSError after step 2; last checkpoint: {tmp_path / 'checkpoints' / 'step-1'}; "
+                           "resume with: ")
+
+
+def test_ctrl_c_before_the_first_step_says_nothing_was_trained(tmp_path, capsys, monkeypatch):
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "random_model", interrupted)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--device", "cpu", "--no-progress", "--out", str(tmp_path)])
+    assert exit_info.value.code == 130
+    assert capsys.readouterr().err.strip() == "interrupted before the first step; nothing was trained"
 
 
 def test_ctrl_c_ends_with_the_last_checkpoint_and_the_command_that_resumes(tmp_path):

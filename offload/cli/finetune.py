@@ -51,6 +51,17 @@ __all__ = ["main", "parse_args"]
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
+    record = RunRecord(argv)
+    try:
+        run(argv, record)
+    except KeyboardInterrupt:
+        # Note: [Never lose a run], rule 2: one line, no traceback.
+        print(f"\n{record.stopped('interrupted')}", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
+
+
+def run(argv: list[str], record: RunRecord) -> None:
+    """The whole run; ``record`` follows its steps and checkpoints for the line that ends it early."""
     args = parse_args(argv)
     try:
         from tqdm import tqdm
@@ -115,22 +126,18 @@ def main(argv: list[str] | None = None) -> None:
         train_batches = itertools.chain([next(stream)], stream)
     except DataFormatError as error:
         raise SystemExit(f"error: {error}") from None
-    record = RunRecord(argv, step=done, checkpoint=args.resume)
+    record.step, record.checkpoint = done, args.resume
     try:
         loss_value, seen, elapsed = train(args, model, hf, optimizer, scheduler, trainable, train_batches, evaluation,
                                           record, done, tqdm)
+    except Exception as error:
+        print(record.stopped(f"stopped by {type(error).__name__}"), file=sys.stderr, flush=True)
+        raise
+    try:
         optimizer.synchronize()  # the last update runs beside the loop: let it finish before saving
         save_output(args, model, hf, peft_model, tokenizer)
-    except KeyboardInterrupt:
-        # Note: [Never lose a run], rule 2: one line, no traceback.
-        print(f"\n{record.stopped('interrupted')}", file=sys.stderr, flush=True)
-        raise SystemExit(130) from None
-    except BaseException as error:
-        if isinstance(error, SystemExit) and not error.code:
-            raise
-        why = f"stopped by {type(error).__name__}" + ("" if record.step < args.steps else
-                                                      f" while saving to {args.out}, after every step")
-        print(record.stopped(why), file=sys.stderr, flush=True)
+    except Exception as error:
+        print(record.stopped(f"saving to {args.out} failed ({type(error).__name__})"), file=sys.stderr, flush=True)
         raise
     optimizer.close()  # a disk tier's files go
     # The loss in full (repr): a resumed run's last line equals the uninterrupted run's.

@@ -16,7 +16,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["OutputError", "RunRecord", "Write", "check_room", "check_writable", "resume_command"]
@@ -106,11 +106,12 @@ class RunRecord:
 
     argv: list[str]
     step: int = 0  # the last step done
-    checkpoint: Path | None = None  # the last checkpoint saved
-    saved: list[str] = field(default_factory=list)
+    checkpoint: Path | None = None  # the last checkpoint saved, or the one the run resumed from
 
     def stopped(self, why: str) -> str:
         """One line: how far the run got, where its last checkpoint is and how to continue."""
+        if self.step == 0 and self.checkpoint is None:
+            return f"{why} before the first step; nothing was trained"
         if self.checkpoint is None:
             where = "no checkpoint was saved (--save-every N saves one every N steps)"
             return f"{why} after step {self.step}; {where}"
