@@ -247,6 +247,14 @@ def test_eval_split_is_evaluated_every_n_steps_and_at_the_end(tmp_path, capsys):
     assert code != 0 and "has no field 'body'; its keys are ['text']" in err and "step 1" not in out
 
 
+def test_data_too_short_for_one_block_is_refused_before_the_first_step(tmp_path, capsys):
+    (tmp_path / "short.txt").write_text("too short")
+    code, out, err = run_cli("--out", str(tmp_path / "out"), "--data", str(tmp_path / "short.txt"),
+                             tmp_path=tmp_path, capsys=capsys)
+    assert code != 0 and "step 1" not in out
+    assert f"--data {tmp_path / 'short.txt'} holds fewer than --seq-len 64 tokens" in err
+
+
 def test_an_error_after_training_started_says_what_was_saved(tmp_path, capsys, monkeypatch):
     def full_disk(*args):
         raise OSError(28, "No space left on device")
