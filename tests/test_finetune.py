@@ -42,10 +42,12 @@ def ids_of(blocks) -> list[int]:
 
 
 def packed(texts: list[str], tokenizer, block: int, eos: bool = True) -> list[int]:
-    """What packing promises (Note: [Packing]): each document's ids, an EOS after each, cut into blocks."""
+    """What packing promises (Note: [Packing]): each document's ids, an EOS after each (unless they
+    end with one), cut into blocks."""
     stream = []
     for text in texts:
-        stream += tokenizer(text)["input_ids"] + ([tokenizer.eos_token_id] if eos else [])
+        ids = tokenizer(text)["input_ids"]
+        stream += ids + ([tokenizer.eos_token_id] if eos and ids[-1] != tokenizer.eos_token_id else [])
     return stream[:len(stream) - len(stream) % block]
 
 

@@ -13,7 +13,8 @@ calls :func:`token_blocks` again.
 
 Note: [Packing]
     Documents (a JSON lines record, a parquet row, a dataset row) are tokenised one by one, each
-    followed by the tokenizer's end-of-sequence token when it has one, and joined into one stream
+    followed by the tokenizer's end-of-sequence token when it has one (once: not after ids that
+    already end with it), and joined into one stream
     that is cut into blocks of ``block_size`` ids: a block may hold the end of one document and the
     start of the next, and no token is padding. The last, shorter remainder is dropped. Plain text
     is one document read about ``TEXT_CHUNK_BYTES`` at a time, cut after a line, so a token never
@@ -72,8 +73,9 @@ def token_blocks(source: str | os.PathLike[str], tokenizer: Any, block_size: int
     eos = getattr(tokenizer, "eos_token_id", None)
     pending: list[int] = []
     for text, is_document, special in read_documents(source, tokenizer, text_field=text_field):
-        pending.extend(tokenizer(text, add_special_tokens=special)["input_ids"])
-        if is_document and eos is not None:
+        ids = tokenizer(text, add_special_tokens=special)["input_ids"]
+        pending.extend(ids)
+        if is_document and eos is not None and (not ids or ids[-1] != eos):  # some tokenizers end with it
             pending.append(eos)
         full = len(pending) - len(pending) % block_size
         for start in range(0, full, block_size):
