@@ -381,3 +381,29 @@ def test_export_with_masters_on_disk_peaks_no_higher_than_the_steps(tmp_path):
     assert peaks["export"] <= peaks["steps"], (peaks, masters)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert sum(p.numel() for p in loaded.parameters()) * 4 == masters
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "mixtral"])
+def test_save_causal_lm_writes_what_save_pretrained_writes_a_slice_at_a_time(kind, tmp_path):
+    from offload import OffloadModel
+    from offload.integrations.transformers import causal_lm_sequential
+    from offload.integrations.transformers_loading import load_causal_lm
+    from offload.integrations.transformers_saving import save_causal_lm
+
+    small = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "vocab_size": 96}
+    config = (transformers.GPT2Config(n_embd=32, n_layer=3, n_head=4, vocab_size=96, tie_word_embeddings=True)
+              if kind == "gpt2" else transformers.AutoConfig.for_model(kind, **small, num_local_experts=3)
+              if kind == "mixtral" else transformers.AutoConfig.for_model(kind, **small))
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config)
+    hf.save_pretrained(tmp_path / "reference")
+    model = OffloadModel(causal_lm_sequential(hf), device="cpu", num_slices=3)
+    files = save_causal_lm(model, hf, tmp_path / "sliced")
+    assert [f.name for f in files] == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "reference")
+    sliced = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "sliced")
+    torch.testing.assert_close(sliced.state_dict(), reference.state_dict(), **EXACT)
+    assert sliced.config.tie_word_embeddings == (kind == "gpt2")
+    _, loaded = load_causal_lm(tmp_path / "sliced", "cpu", num_slices=2)
+    torch.testing.assert_close(loaded.state_dict(), reference.state_dict(), **EXACT)

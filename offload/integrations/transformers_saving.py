@@ -64,9 +64,11 @@ def save_causal_lm(model: OffloadModel, hf_model: nn.Module, path: str | os.Path
     out.mkdir(parents=True, exist_ok=True)
     engine = engine_of(model)
     state = _without_aliases(hf_model.state_dict(), hf_model)
-    state = revert_weight_conversion(hf_model, state)
-    # Each stored tensor goes with the slice whose host buffer holds it; anything not held by a
-    # slice (none in the supported families) is written after the last one.
+    # Each tensor goes with the slice whose host buffer holds it; anything not held by a slice
+    # (none in the supported families) is written after the last one. The stored names and
+    # layouts are restored per slice: a conversion (stacked experts written one by one) makes
+    # new tensors, which should exist for one slice at a time; its inputs are one layer's, and a
+    # slice holds whole layers.
     owner = {entry.tensor.untyped_storage().data_ptr(): s.index
              for s in engine.slices for entry in s.storage.held}
     groups: dict[int, dict[str, torch.Tensor]] = {}
@@ -80,7 +82,8 @@ def save_causal_lm(model: OffloadModel, hf_model: nn.Module, path: str | os.Path
     weight_map: dict[str, str] = {}
     total = 0
     for index, name in zip(order, names):
-        shard = {key: tensor.contiguous() for key, tensor in groups.pop(index).items()}
+        stored = revert_weight_conversion(hf_model, groups.pop(index))
+        shard = {key: tensor.contiguous() for key, tensor in stored.items()}
         save_file(shard, out / name, metadata={"format": "pt"})
         total += sum(t.numel() * t.element_size() for t in shard.values())
         weight_map.update(dict.fromkeys(shard, name))
