@@ -32,6 +32,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 # PyTorch warns at import when NumPy is not installed, though nothing here needs NumPy.
 warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
@@ -285,8 +286,13 @@ def evaluate(args: argparse.Namespace, model: OffloadModel, hf, batches: list[to
         model.train()
 
 
-def train(args, model, hf, optimizer, scheduler, trainable, batches, evaluation, record, done, tqdm):
-    """The steps after ``done``: each accumulates ``--grad-accum`` batches, clips, steps and saves."""
+def train(args: argparse.Namespace, model: OffloadModel, hf: Any, optimizer: OffloadOptimizer,
+          scheduler: torch.optim.lr_scheduler.LRScheduler, trainable: list[torch.Tensor],
+          batches: Iterator[torch.Tensor], evaluation: list[torch.Tensor], record: RunRecord, done: int,
+          tqdm: Any) -> tuple[float, int, float]:
+    """The steps after ``done``: each accumulates ``--grad-accum`` batches, clips, steps and saves.
+
+    Returns the last step's loss, the tokens trained on and the seconds taken."""
     from ..integrations.transformers import CausalLMSequential
 
     model.train()
@@ -298,11 +304,11 @@ def train(args, model, hf, optimizer, scheduler, trainable, batches, evaluation,
     for step in bar:
         micro = [next(batches) for _ in range(args.grad_accum)]
         tokens = sum(CausalLMSequential.count_loss_tokens(ids) for ids in micro)
-        step_loss = torch.zeros((), dtype=torch.float32)
+        step_loss = None  # on the device: read once per step, below
         for ids in micro:
             loss = batch_loss(args, model, hf, ids.to(args.device), tokens)
             loss.backward()
-            step_loss += loss.detach().float().cpu()
+            step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
         if args.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(trainable, args.max_grad_norm)
         optimizer.step()
@@ -323,7 +329,10 @@ def train(args, model, hf, optimizer, scheduler, trainable, batches, evaluation,
         if evaluation and (step == args.steps or (args.eval_every and step % args.eval_every == 0)):
             eval_loss = evaluate(args, model, hf, evaluation)
             line = f"eval step {step}/{args.steps}  loss {eval_loss:.4f}  perplexity {math.exp(min(eval_loss, 50)):.2f}"
-            bar.write(line, file=sys.stdout) if not args.no_progress else print(line, flush=True)
+            if args.no_progress:
+                print(line, flush=True)
+            else:
+                bar.write(line, file=sys.stdout)
     bar.close()
     return loss_value, seen, time.perf_counter() - start
 
