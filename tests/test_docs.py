@@ -39,8 +39,10 @@ MODULE = re.compile(r"(?<![\w.])offload(?:\.[a-z_]\w*)+")
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 # python scripts/x.py, torchrun [its options] scripts/x.py, python -m offload.x; then the arguments.
+# The installed commands ([project.scripts]) count as ``python -m`` their module.
 SCRIPT_CALL = re.compile(r"(?:(?:python3?|torchrun(?:\s+--\S+)*)\s+(scripts/[\w/]+\.py)"
-                         r"|python3?\s+-m\s+(offload(?:\.\w+)+))((?:\s+[^\s|;&#]+)*)")
+                         r"|python3?\s+-m\s+(offload(?:\.\w+)+)|(?<![\w/-])(offload-finetune))((?:\s+[^\s|;&#]+)*)")
+CONSOLE_SCRIPTS = {"offload-finetune": "offload.cli.finetune"}
 
 
 def documents() -> list[Path]:
@@ -145,11 +147,11 @@ def unknown_flags(path: Path, text: str) -> list[Problem]:
     problems = []
     for line in commands(text):
         for m in SCRIPT_CALL.finditer(line):
-            target = m.group(1) or m.group(2)
+            target = m.group(1) or m.group(2) or CONSOLE_SCRIPTS[m.group(3)]
             if target.endswith(".py") and not (ROOT / target).exists():
                 continue  # reported by missing_paths
             help_ = help_text(target)
-            for flag in re.findall(r"(?<![\w-])--[\w-]+", m.group(3)):
+            for flag in re.findall(r"(?<![\w-])--[\w-]+", m.group(4)):
                 if not re.search(re.escape(flag) + r"(?![\w-])", help_):
                     problems.append(Problem(doc_id(path), f"{target} has no {flag} in its --help"))
     return problems
@@ -207,6 +209,8 @@ def test_the_checks_catch_what_they_are_for():
     assert unknown_flags(readme, "```bash\npython scripts/demo.py --no-such-flag\n```\n") != []
     assert unknown_flags(readme, "```bash\npython scripts/demo.py --steps 5 \\\n    --device cpu\n```\n") == []
     assert unknown_flags(readme, "```bash\ntorchrun --nproc_per_node=2 scripts/demo.py --no-such-flag\n```\n") != []
+    assert unknown_flags(readme, "```bash\noffload-finetune --no-such-flag\n```\n") != []
+    assert unknown_flags(readme, "```bash\noffload-finetune --out x --data y.jsonl --grad-accum 2\n```\n") == []
     assert snippets_that_do_not_compile(readme, "```python\nmodel(\n```\n") != []
 
 

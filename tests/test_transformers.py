@@ -577,7 +577,7 @@ def save_local_model(path: Path, config) -> torch.nn.Module:
     """A model and a word-level tokenizer of the shipped text, saved as a user's local checkpoint would be."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    words = sorted(set((ROOT / "scripts" / "data" / "sample.txt").read_text().split()))
+    words = sorted(set((ROOT / "offload" / "cli" / "sample.txt").read_text().split()))
     vocab = {"[UNK]": 0, **{word: i + 1 for i, word in enumerate(words)}}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

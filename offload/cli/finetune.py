@@ -1,0 +1,341 @@
+"""``offload-finetune``: fine-tune a Hugging Face causal LM with OffloadModel and OffloadOptimizer, end to end.
+
+The model is a small random-initialised one built from a config (bytes as tokens, nothing
+downloaded) or a local ``save_pretrained`` directory (``--model``), loaded slice by slice into the
+host copies (``load_causal_lm``), or with ``from_pretrained`` for LoRA and ``--untie-embeddings``.
+The data (``--data``) is read and tokenised lazily and packed into ``--seq-len`` blocks
+(:mod:`offload.integrations.data`); an eval split, a learning-rate schedule with warm-up,
+gradient accumulation and clipping are options. The trained model is written a slice at a time
+(:func:`~offload.integrations.transformers_saving.save_causal_lm`), or the adapter with LoRA.
+
+Note: [Never lose a run]
+    1. Every directory the run writes (``--out``, its checkpoints, ``--disk-tier``) is made and
+       written to before the model is built, and each disk is checked for the room the run's
+       writes need once the model's size is known: both before the first step.
+    2. After the first step, a run that stops says how far it got, where its last checkpoint is
+       and the command that resumes from it: one line for Ctrl-C (exit status 130), that line
+       and the error's traceback for an error.
+    3. Batches are a function of ``--seed`` and the step alone (the block stream replayed), so a
+       resumed run draws the batches the stopped one would have.
+
+The options and ``--help`` are in ``offload/cli/finetune_args.py``; the models in
+``offload/cli/models.py``; the output checks in ``offload/cli/outputs.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import sys
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+# PyTorch warns at import when NumPy is not installed, though nothing here needs NumPy.
+warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
+
+import torch
+
+from ..checkpoint import load_checkpoint, save_checkpoint
+from ..disk_tier import DiskTier
+from ..model import OffloadModel
+from ..optimizer import OffloadOptimizer
+from .finetune_args import DTYPES, SCHEDULES, parse_args
+from .models import pretrained_model, pretrained_tokenizer, random_model, with_lora
+from .outputs import OutputError, RunRecord, Write, check_room, check_writable
+
+__all__ = ["main", "parse_args"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    record = RunRecord(argv)
+    try:
+        run(argv, record)
+    except KeyboardInterrupt:
+        # Note: [Never lose a run], rule 2: one line, no traceback.
+        print(f"\n{record.stopped('interrupted')}", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
+
+
+def run(argv: list[str], record: RunRecord) -> None:
+    """The whole run; ``record`` follows its steps and checkpoints for the line that ends it early."""
+    args = parse_args(argv)
+    try:
+        from tqdm import tqdm
+
+        from ..integrations.data import DataFormatError
+        from ..integrations.transformers import causal_lm_sequential
+        from ..integrations.transformers_loading import load_causal_lm
+    except ImportError as error:
+        raise SystemExit(f'{error}. Install the extra: pip install -e ".[transformers]"') from error
+    if args.no_progress:
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()  # the bar of loading checkpoint shards
+    try:
+        check_outputs_writable(args)  # Note: [Never lose a run], rule 1
+    except OutputError as error:
+        raise SystemExit(f"error: {error}") from None
+
+    torch.manual_seed(args.seed)
+    tier = None if args.disk_tier is None else DiskTier(args.disk_tier)
+    options = {"num_slices": args.num_slices, "num_microbatches": args.microbatches,
+               "compute_dtype": DTYPES[args.compute_dtype], "masters": tier if args.masters_on_disk else None}
+    peft_model = None
+    if args.model is not None and args.lora_r == 0 and not args.untie_embeddings:
+        # Slice by slice into the host copies (or the masters' files): the model is never whole
+        # in RAM beside them, as from_pretrained would have it.
+        model, hf = load_causal_lm(args.model, args.device, loss_chunk_tokens=args.loss_chunk_tokens or None,
+                                   **options)
+        tokenizer = pretrained_tokenizer(args.model)
+        print(f"loaded {args.model} slice by slice")
+    else:
+        if args.model is None:
+            hf, tokenizer = random_model(args.arch, args.size, 256, args.seq_len)
+        else:
+            hf, tokenizer = pretrained_model(args.model)
+        peft_model = with_lora(hf, args)
+        layers = causal_lm_sequential(hf if peft_model is None else peft_model,
+                                      untie_embeddings=args.untie_embeddings,
+                                      loss_chunk_tokens=args.loss_chunk_tokens or None)
+        model = OffloadModel(layers, device=args.device, **options)
+    hf.config.use_cache = False  # training: no key/value cache
+    trained = hf if peft_model is None else peft_model
+    trainable = [p for p in trained.parameters() if p.requires_grad]
+    try:
+        check_room(planned_writes(args, model, trainable))  # Note: [Never lose a run], rule 1
+        batches = Batches(args, tokenizer)
+        evaluation = batches.evaluation()
+    except OutputError as error:
+        raise SystemExit(f"error: {error}") from None
+    except DataFormatError as error:
+        raise SystemExit(f"error: {error}") from None
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=args.lr, weight_decay=0.0, fused=True, disk_tier=tier)
+    scheduler = lr_scheduler(args, optimizer)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"{type(hf).__name__}: {params / 1e6:.1f} M parameters in {model.num_slices} slices on {args.device}, "
+          f"compute dtype {args.compute_dtype}; data {args.data}")
+
+    done = resume(args, model, optimizer, scheduler)
+    try:
+        # The first batch read now: data that cannot be read stops the run before its first step.
+        stream = batches.train(skip=done)
+        train_batches = itertools.chain([next(stream)], stream)
+    except DataFormatError as error:
+        raise SystemExit(f"error: {error}") from None
+    record.step, record.checkpoint = done, args.resume
+    try:
+        loss_value, seen, elapsed = train(args, model, hf, optimizer, scheduler, trainable, train_batches, evaluation,
+                                          record, done, tqdm)
+    except Exception as error:
+        print(record.stopped(f"stopped by {type(error).__name__}"), file=sys.stderr, flush=True)
+        raise
+    try:
+        optimizer.synchronize()  # the last update runs beside the loop: let it finish before saving
+        save_output(args, model, hf, peft_model, tokenizer)
+    except Exception as error:
+        print(record.stopped(f"saving to {args.out} failed ({type(error).__name__})"), file=sys.stderr, flush=True)
+        raise
+    optimizer.close()  # a disk tier's files go
+    # The loss in full (repr): a resumed run's last line equals the uninterrupted run's.
+    print(f"final loss {loss_value!r}; {seen / elapsed:,.0f} tokens/s over {args.steps - done} steps; "
+          f"saved to {args.out}")
+
+
+# -- outputs: Note [Never lose a run] ---------------------------------------------------------------
+
+
+def check_outputs_writable(args: argparse.Namespace) -> None:
+    check_writable(args.out, "--out")
+    if args.save_every:
+        check_writable(args.out / "checkpoints", "--save-every: the checkpoints' directory")
+    if args.disk_tier is not None:
+        check_writable(args.disk_tier, "--disk-tier")
+
+
+def planned_writes(args: argparse.Namespace, model: OffloadModel, trainable: list[torch.Tensor]) -> list[Write]:
+    """What the run will write where, from the model's size (a lower bound: file headers aside)."""
+    every = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    learned = sum(p.numel() for p in trainable)
+    state = 8 * learned  # AdamW's two float32 moments
+    writes = [Write(args.out, every if args.lora_r == 0 else 4 * learned, "the trained model")]
+    if args.save_every:
+        saves = args.steps // args.save_every
+        # keep_last removes the oldest once the newest is written: one more than kept at a time.
+        kept = saves if args.keep_checkpoints is None else min(saves, args.keep_checkpoints + 1)
+        writes.append(Write(args.out / "checkpoints", kept * (every + state), f"{kept} checkpoint(s)"))
+    if args.disk_tier is not None:
+        masters = 4 * sum(p.numel() for p in model.parameters()) if args.masters_on_disk else 0
+        writes.append(Write(args.disk_tier, state + masters, "the disk tier's files"))
+    return writes
+
+
+def save_output(args: argparse.Namespace, model: OffloadModel, hf, peft_model, tokenizer) -> None:
+    from ..integrations.transformers_saving import save_causal_lm
+
+    if peft_model is not None:
+        peft_model.save_pretrained(args.out)  # the adapter only
+    else:
+        save_causal_lm(model, hf, args.out)  # a slice at a time: with masters on disk, never all in RAM
+    tokenizer.save_pretrained(args.out)
+
+
+# -- data -----------------------------------------------------------------------------------------------
+
+
+class Batches:
+    """The run's batches: ``--batch-size`` blocks of the training stream at a time, and the fixed
+    evaluation batches (Note: [Never lose a run], rule 3)."""
+
+    def __init__(self, args: argparse.Namespace, tokenizer) -> None:
+        self.args = args
+        self.tokenizer = tokenizer
+
+    def _blocks(self, path: Path, split: str | None) -> Iterator[torch.Tensor]:
+        """``path``'s blocks, or its ``split`` share under ``--eval-fraction``."""
+        from ..integrations.data import split_blocks, token_blocks
+
+        blocks = token_blocks(path, self.tokenizer, self.args.seq_len, text_field=self.args.text_field)
+        return blocks if split is None else split_blocks(blocks, self.args.eval_fraction, split)
+
+    def _epochs(self) -> Iterator[torch.Tensor]:
+        for epoch in itertools.count():
+            count = 0
+            for block in self._blocks(self.args.data, "train"):
+                count += 1
+                yield block
+            if count == 0:
+                raise SystemExit(f"error: --data {self.args.data} holds fewer than --seq-len {self.args.seq_len} "
+                                 "tokens for training; give more text or a shorter --seq-len")
+
+    def train(self, skip: int = 0) -> Iterator[torch.Tensor]:
+        """Batches of ``--batch-size`` blocks, epoch after epoch, after the first ``skip`` steps'."""
+        from ..integrations.data import shuffled
+
+        generator = torch.Generator().manual_seed(self.args.seed)
+        blocks = shuffled(self._epochs(), self.args.shuffle_buffer, generator)
+        per_step = self.args.batch_size * self.args.grad_accum
+        for _ in itertools.islice(blocks, skip * per_step):
+            pass  # replayed to where the stopped run was: the same shuffle, the same batches
+        while True:
+            yield torch.stack([next(blocks) for _ in range(self.args.batch_size)])
+
+    def evaluation(self) -> list[torch.Tensor]:
+        """The eval split's first ``--eval-batches`` batches (fewer when it is shorter), or none."""
+        args = self.args
+        if args.eval_file is None and not args.eval_fraction:
+            return []
+        held_out = self._blocks(args.eval_file, None) if args.eval_file else self._blocks(args.data, "eval")
+        blocks = list(itertools.islice(held_out, args.eval_batches * args.batch_size))
+        if not blocks:
+            flag = "--eval-file" if args.eval_file else "--eval-fraction"
+            raise SystemExit(f"error: {flag}: the eval split holds no block of --seq-len {args.seq_len} tokens; "
+                             "give more evaluation text or a larger fraction")
+        return [torch.stack(blocks[i:i + args.batch_size]) for i in range(0, len(blocks), args.batch_size)]
+
+
+# -- training -------------------------------------------------------------------------------------------
+
+
+def lr_scheduler(args: argparse.Namespace, optimizer: OffloadOptimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    """transformers' schedule with linear warm-up (``get_scheduler``); built before a resume loads
+    the optimizer, so its base learning rate is ``--lr``."""
+    import transformers
+
+    return transformers.get_scheduler(SCHEDULES[args.lr_schedule], optimizer, num_warmup_steps=args.warmup_steps,
+                                      num_training_steps=args.steps)
+
+
+def resume(args: argparse.Namespace, model: OffloadModel, optimizer: OffloadOptimizer,
+           scheduler: torch.optim.lr_scheduler.LRScheduler) -> int:
+    """Load ``--resume`` into the model and the optimizer and bring the schedule to its step; the steps done."""
+    if args.resume is None:
+        return 0
+    extra = load_checkpoint(args.resume, model, optimizer)
+    with warnings.catch_warnings():
+        # The schedule is a function of the step: stepping it without optimizer steps replays it.
+        warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()`", UserWarning)
+        for _ in range(extra["step"]):
+            scheduler.step()
+    print(f"resumed from {args.resume} after step {extra['step']}")
+    return extra["step"]
+
+
+def batch_loss(args: argparse.Namespace, model: OffloadModel, hf, ids: torch.Tensor, tokens: int) -> torch.Tensor:
+    """The batch's share of a mean over ``tokens`` loss tokens (``num_items_in_batch``)."""
+    if args.loss_chunk_tokens:
+        return model({"input_ids": ids, "labels": ids}).sum() / tokens
+    return hf.loss_function(logits=model({"input_ids": ids}), labels=ids, vocab_size=hf.config.vocab_size,
+                            num_items_in_batch=tokens)
+
+
+def evaluate(args: argparse.Namespace, model: OffloadModel, hf, batches: list[torch.Tensor]) -> float:
+    """The mean loss over every token of the evaluation batches, in eval mode and without gradients."""
+    from ..integrations.transformers import CausalLMSequential
+
+    tokens = sum(CausalLMSequential.count_loss_tokens(ids) for ids in batches)
+    model.eval()
+    try:
+        with torch.no_grad():
+            return sum(batch_loss(args, model, hf, ids.to(args.device), tokens).item() for ids in batches)
+    finally:
+        model.train()
+
+
+def train(args: argparse.Namespace, model: OffloadModel, hf: Any, optimizer: OffloadOptimizer,
+          scheduler: torch.optim.lr_scheduler.LRScheduler, trainable: list[torch.Tensor],
+          batches: Iterator[torch.Tensor], evaluation: list[torch.Tensor], record: RunRecord, done: int,
+          tqdm: Any) -> tuple[float, int, float]:
+    """The steps after ``done``: each accumulates ``--grad-accum`` batches, clips, steps and saves.
+
+    Returns the last step's loss, the tokens trained on and the seconds taken."""
+    from ..integrations.transformers import CausalLMSequential
+
+    model.train()
+    bar = tqdm(range(done + 1, args.steps + 1), desc="fine-tuning", unit="step", disable=args.no_progress,
+               file=sys.stdout, initial=done, total=args.steps)
+    start = time.perf_counter()
+    seen = 0
+    loss_value = math.nan
+    for step in bar:
+        micro = [next(batches) for _ in range(args.grad_accum)]
+        tokens = sum(CausalLMSequential.count_loss_tokens(ids) for ids in micro)
+        step_loss = None  # on the device: read once per step, below
+        for ids in micro:
+            loss = batch_loss(args, model, hf, ids.to(args.device), tokens)
+            loss.backward()
+            step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
+        if args.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(trainable, args.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        record.step = step
+        loss_value = step_loss.item()
+        seen += sum(ids.numel() for ids in micro)
+        rate = seen / (time.perf_counter() - start)
+        if args.no_progress:
+            print(f"step {step}/{args.steps}  loss {loss_value:.4f}  {rate:,.0f} tokens/s", flush=True)
+        else:
+            bar.set_postfix(loss=f"{loss_value:.4f}", tokens_per_s=f"{rate:,.0f}")
+        if args.save_every and step % args.save_every == 0:
+            path = args.out / "checkpoints" / f"step-{step}"
+            save_checkpoint(path, model, optimizer, extra={"step": step}, keep_last=args.keep_checkpoints)
+            record.checkpoint = path
+        if evaluation and (step == args.steps or (args.eval_every and step % args.eval_every == 0)):
+            eval_loss = evaluate(args, model, hf, evaluation)
+            line = f"eval step {step}/{args.steps}  loss {eval_loss:.4f}  perplexity {math.exp(min(eval_loss, 50)):.2f}"
+            if args.no_progress:
+                print(line, flush=True)
+            else:
+                bar.write(line, file=sys.stdout)
+    bar.close()
+    return loss_value, seen, time.perf_counter() - start
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""The command line of ``offload-finetune``: its options, their checks, and ``--help``.
+
+Only parsing and checking what can be checked without a model lives here; the run itself is in
+``offload/cli/finetune.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import latest_checkpoint
+from .models import SIZES
+
+DEFAULT_TEXT = Path(__file__).resolve().parent / "sample.txt"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}
+#: ``--lr-schedule`` -> the name of transformers' schedule with warm-up (``get_scheduler``).
+SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
+try:
+    from ..integrations.transformers import SUPPORTED_MODEL_TYPES as ARCHITECTURES
+except ImportError:  # without the extra, --help still answers; training says what to install
+    ARCHITECTURES = ("llama",)
+
+DESCRIPTION = """\
+Fine-tune a Hugging Face causal LM larger than accelerator memory with OffloadModel and
+OffloadOptimizer, end to end: a small random-initialised model (bytes as tokens, nothing
+downloaded) or a local save_pretrained directory (--model), trained on plain text, JSON lines,
+parquet or a datasets directory (--data, read and tokenised lazily), saved with its tokenizer
+into --out. Every output directory is checked for writing and room before the first step; a run
+that stops (an error, Ctrl-C) says where its last checkpoint is and how to resume."""
+
+EPILOG = """\
+examples:
+  offload-finetune --out /tmp/tuned                          # tiny random Llama, seconds, CPU or GPU
+  offload-finetune --model ./llama-1b --data book.txt --out ./tuned --steps 500 \\
+      --batch-size 8 --seq-len 1024 --num-slices 16 --lr-schedule cosine --warmup-steps 50
+  offload-finetune --model ./llama-1b --data chats.jsonl --out ./tuned --eval-fraction 0.01 --eval-every 100
+  offload-finetune --model ./llama-1b --data notes.jsonl --text-field body --grad-accum 4 --max-grad-norm 1.0 --out ./tuned
+  offload-finetune --out /tmp/tuned --steps 40 --save-every 10                  # stopped at step 27...
+  offload-finetune --out /tmp/tuned --steps 40 --save-every 10 --resume latest  # ...continues from step 20
+  offload-finetune --model ./llama-1b --out ./adapter --lora-r 16 --lora-targets q_proj v_proj
+  offload-finetune --model ./llama-1b --out ./tuned --disk-tier /nvme/offload --masters-on-disk
+
+python scripts/finetune_causal_lm.py takes the same options."""
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown where there is one to show: not for required options, options without a
+    default, flags, or help that states its default itself."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help_text = action.help or ""
+        if action.required or action.default is None or action.default is False or "(default" in help_text:
+            return help_text
+        return super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="offload-finetune", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--model", type=Path, help="local directory with weights (and tokenizer) to fine-tune")
+    parser.add_argument("--arch", default="llama", choices=ARCHITECTURES,
+                        help="architecture of the random-initialised model when no --model is given")
+    parser.add_argument("--size", default="tiny", choices=sorted(SIZES), help="size of the random-initialised model")
+    parser.add_argument("--out", type=Path, required=True,
+                        help="directory for the trained model (or adapter) and its tokenizer")
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps")
+    parser.add_argument("--batch-size", type=int, default=4, help="sequences per forward")
+    parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (the block size of packing)")
+    parser.add_argument("--num-slices", type=int, default=3, help="num_slices of OffloadModel")
+    parser.add_argument("--microbatches", type=int, default=1, help="num_microbatches of OffloadModel")
+    parser.add_argument("--compute-dtype", default="bf16", choices=sorted(DTYPES), help="compute_dtype of OffloadModel")
+    # 1024 tokens: one chunk's logits are 1024 x vocab (0.5 GB in float32 for a 128k vocabulary), and each
+    # projection is still a product of 1024 rows by the whole vocabulary.
+    parser.add_argument("--loss-chunk-tokens", type=int, default=1024,
+                        help="compute the loss in the head over chunks of this many tokens (0: return logits)")
+    parser.add_argument("--untie-embeddings", action="store_true",
+                        help="give a tied lm_head a weight of its own (by default tied embeddings stay tied)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="where the layers compute (cuda when present)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the model's initialisation and the data order")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="print one line per step instead of a bar, and no loading bars")
+    parser.add_argument("--disk-tier", type=Path, metavar="DIR",
+                        help="keep AdamW's moments in files in DIR, a local disk (OffloadOptimizer(disk_tier=...))")
+    parser.add_argument("--masters-on-disk", action="store_true",
+                        help="keep the float32 masters in files in --disk-tier's DIR too (OffloadModel(masters=...))")
+    add_data_arguments(parser)
+    add_optimization_arguments(parser)
+    add_checkpoint_arguments(parser)
+    add_lora_arguments(parser)
+    return parser
+
+
+def add_data_arguments(parser: argparse.ArgumentParser) -> None:
+    data = parser.add_argument_group(
+        "data", "read and tokenised lazily, packed into --seq-len blocks (offload.integrations.data);\n"
+        'parquet, .csv and datasets directories need pip install "offload[data]"')
+    data.add_argument("--data", "--text", dest="data", type=Path, default=DEFAULT_TEXT, metavar="PATH",
+                      help="training data: plain text (.txt, .md), JSON lines (.jsonl), .parquet, .csv, or a "
+                           "datasets directory (save_to_disk) (default: a short text shipped with the package)")
+    data.add_argument("--text-field", metavar="NAME",
+                      help="the records' field holding the text (default: 'text', else chat 'messages' "
+                           "rendered with the tokenizer's chat template)")
+    data.add_argument("--shuffle-buffer", type=int, default=256, metavar="BLOCKS",
+                      help="draw blocks at random from a buffer of this many (1: in file order)")
+    data.add_argument("--eval-file", type=Path, metavar="PATH", help="evaluation data, in any --data format")
+    data.add_argument("--eval-fraction", type=float, default=0.0, metavar="F",
+                      help="hold out this fraction of --data's blocks for evaluation instead")
+    data.add_argument("--eval-every", type=int, default=0, metavar="N",
+                      help="evaluate every N steps (0: once, after the last step, when there is an eval split)")
+    data.add_argument("--eval-batches", type=int, default=8, metavar="N",
+                      help="batches in the evaluation (the first of the eval split, the same each time)")
+
+
+def add_optimization_arguments(parser: argparse.ArgumentParser) -> None:
+    opt = parser.add_argument_group("optimization", "AdamW (fused) on the host copies, without weight decay")
+    opt.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    opt.add_argument("--lr-schedule", default="constant", choices=sorted(SCHEDULES),
+                     help="learning rate after warm-up: constant, or decaying to 0 at --steps (transformers' schedules)")
+    opt.add_argument("--warmup-steps", type=int, default=0, metavar="N",
+                     help="raise the learning rate linearly from 0 over the first N steps")
+    opt.add_argument("--grad-accum", type=int, default=1, metavar="K",
+                     help="accumulate gradients over K batches per step (the loss is the mean over all their tokens)")
+    opt.add_argument("--max-grad-norm", type=float, metavar="NORM",
+                     help="clip the gradients' total norm to NORM before each step (default: no clipping)")
+
+
+def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
+    ckpt = parser.add_argument_group("checkpoints")
+    ckpt.add_argument("--save-every", type=int, default=0, metavar="N",
+                      help="save a checkpoint every N steps under OUT/checkpoints/step-N (0: never)")
+    ckpt.add_argument("--keep-checkpoints", type=int, default=None, metavar="K",
+                      help="keep only the K newest checkpoints (default: all)")
+    ckpt.add_argument("--resume", metavar="PATH|latest",
+                      help="continue from a checkpoint: its directory, or 'latest' for OUT/checkpoints' newest")
+
+
+def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
+    lora = parser.add_argument_group("LoRA", 'train low-rank adapters (peft) on the frozen model: '
+                                     'pip install "offload[peft]"')
+    lora.add_argument("--lora-r", type=int, default=0, help="adapter rank (0, the default: train every weight)")
+    lora.add_argument("--lora-alpha", type=float, help="adapter scale numerator (default: twice the rank)")
+    lora.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input")
+    lora.add_argument("--lora-targets", nargs="+", default=["all-linear"], metavar="MODULE",
+                      help="module names to adapt, or all-linear (every linear layer but the output head)")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.masters_on_disk and args.disk_tier is None:
+        parser.error("--masters-on-disk needs --disk-tier DIR: the directory for their files")
+    if args.masters_on_disk and args.compute_dtype == "none":
+        parser.error("--masters-on-disk needs --compute-dtype bf16 or fp16: loads read the half-precision shadow")
+    if args.lora_r < 0:
+        parser.error("--lora-r must be 0 (off) or a positive rank")
+    if not 0.0 <= args.lora_dropout < 1.0:
+        parser.error("--lora-dropout must be in [0, 1)")
+    for name in ("steps", "batch_size", "seq_len", "num_slices", "microbatches", "grad_accum", "eval_batches",
+                 "shuffle_buffer"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    for name in ("warmup_steps", "eval_every"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be 0 or more")
+    if args.max_grad_norm is not None and not args.max_grad_norm > 0:
+        parser.error("--max-grad-norm must be positive (leave it out for no clipping)")
+    if not 0.0 <= args.eval_fraction < 1.0:
+        parser.error("--eval-fraction must be in [0, 1)")
+    if args.eval_file is not None and args.eval_fraction:
+        parser.error("--eval-file and --eval-fraction both name an eval split; give one")
+    if args.eval_every and args.eval_file is None and not args.eval_fraction:
+        parser.error("--eval-every needs an eval split: --eval-file PATH or --eval-fraction F")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"--device {args.device}: not a device; use cuda, cuda:N or cpu")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: no CUDA device is available here; use --device cpu")
+    if args.loss_chunk_tokens < 0:
+        parser.error("--loss-chunk-tokens must be 0 (off) or a number of tokens")
+    for flag, path in (("--data", args.data), ("--eval-file", args.eval_file)):
+        if path is not None and not path.exists():
+            parser.error(f"{flag} {path}: no such file or directory")
+    if args.model is not None and not args.model.is_dir():
+        parser.error(f"--model {args.model}: not a directory (a save_pretrained output is expected)")
+    if args.save_every < 0:
+        parser.error("--save-every must be 0 (never) or a number of steps")
+    if args.keep_checkpoints is not None and args.keep_checkpoints < 1:
+        parser.error("--keep-checkpoints must be at least 1")
+    if args.resume == "latest":
+        args.resume = latest_checkpoint(args.out / "checkpoints")
+        if args.resume is None:
+            parser.error(f"--resume latest: no checkpoint under {args.out / 'checkpoints'} yet")
+    elif args.resume is not None:
+        args.resume = Path(args.resume)
+        if not args.resume.is_dir():
+            parser.error(f"--resume {args.resume}: no such checkpoint directory")
+    return args

@@ -1,0 +1,95 @@
+"""The models ``offload-finetune`` trains: a random-initialised one built from a config (with a
+byte-level tokenizer, so nothing is downloaded), a local ``save_pretrained`` directory, and LoRA
+adapters on either. It does not wrap them in ``OffloadModel``: ``offload/cli/finetune.py`` does.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+#: Random-initialised configs by size: (hidden, layers, heads, key/value heads, intermediate).
+SIZES = {"tiny": (64, 4, 4, 2, 128), "small": (512, 8, 8, 4, 1408), "1b": (2048, 16, 32, 8, 5632)}
+
+
+def with_lora(hf, args: argparse.Namespace):
+    """``hf`` with LoRA adapters (a ``PeftModel``; its base is frozen), or ``None`` without ``--lora-r``.
+
+    The adapter's ``base_model_name_or_path`` is ``--model`` made absolute: PEFT would record the
+    path as typed, which names another directory (or none) once the adapter is read from elsewhere.
+    """
+    if args.lora_r == 0:
+        return None
+    try:
+        import peft
+    except ImportError as error:
+        raise SystemExit(f'{error}. --lora-r needs peft: pip install "offload[peft]"') from error
+    targets = args.lora_targets[0] if args.lora_targets == ["all-linear"] else args.lora_targets
+    config = peft.LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha or 2 * args.lora_r,
+                             lora_dropout=args.lora_dropout, target_modules=targets, task_type="CAUSAL_LM")
+    peft_model = peft.get_peft_model(hf, config)
+    if args.model is not None:
+        peft_model.peft_config["default"].base_model_name_or_path = str(Path(args.model).resolve())
+    trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    print(f"LoRA rank {args.lora_r} on {', '.join(sorted(config.target_modules))}: "
+          f"{trainable / 1e6:.2f} M trainable parameters")
+    return peft_model
+
+
+def random_model(arch: str, size: str, vocab: int, seq_len: int):
+    import transformers
+
+    hidden, layers, heads, kv_heads, intermediate = SIZES[size]
+    if arch == "gpt2":
+        config = transformers.GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, vocab_size=vocab,
+                                         n_positions=max(seq_len, 64), tie_word_embeddings=False,
+                                         bos_token_id=0, eos_token_id=0)
+    else:
+        # Token ids 0 for padding and both ends (some families' defaults lie outside a byte
+        # vocabulary), and head_dim set where a family would otherwise take a fixed default.
+        config = transformers.AutoConfig.for_model(
+            arch, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+            num_key_value_heads=kv_heads, intermediate_size=intermediate, vocab_size=vocab,
+            max_position_embeddings=max(seq_len, 64), tie_word_embeddings=False, head_dim=hidden // heads,
+            pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    return transformers.AutoModelForCausalLM.from_config(config), byte_tokenizer()
+
+
+def byte_tokenizer():
+    """A tokenizer whose ids are the text's UTF-8 bytes (0-255), saved with the random model.
+
+    With it, ``AutoTokenizer.from_pretrained(out)`` and ``--model out`` work on the output as on
+    any ``save_pretrained`` directory, and ``decode`` turns generated ids back into text.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    # Byte-level pre-tokenizers stand for each byte with a printable character: bytes that are
+    # printable themselves keep theirs, the rest take code points from 256 up, in byte order.
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = (b for b in range(256) if b not in printable)
+    char = {b: chr(b) for b in printable} | {b: chr(256 + k) for k, b in enumerate(others)}
+    tokenizer = Tokenizer(models.BPE(vocab={char[b]: b for b in range(256)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+
+
+def pretrained_model(path: Path):
+    """``from_pretrained``: for LoRA and ``--untie-embeddings``, which change the model before it is
+    wrapped (the other runs load it slice by slice with ``load_causal_lm``)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+    return model, pretrained_tokenizer(path)
+
+
+def pretrained_tokenizer(path: Path):
+    import transformers
+
+    try:
+        return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"--model {path}: no tokenizer found there ({error}); save one with the weights") from error

@@ -1,0 +1,119 @@
+"""Where a fine-tuning run writes, checked before its first step, and what it had saved when it stopped.
+
+A run that trains for hours and then cannot write its result has lost those hours. So every
+directory a run writes (the output, the checkpoints, the disk tier) is made and probed with a
+small file before anything trains, and each file system is asked for the room the run's writes
+need (:func:`check_room`). Once training has started, :class:`RunRecord` knows the last
+checkpoint saved, so a run that stops, by an error or Ctrl-C, says where it is and the command
+that continues from it. It does not save anything itself.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["OutputError", "RunRecord", "Write", "check_room", "check_writable", "resume_command"]
+
+
+class OutputError(RuntimeError):
+    """A directory the run writes is not writable or lacks room; raised before the first step."""
+
+
+@dataclass(frozen=True)
+class Write:
+    """``nbytes`` the run will write under ``path``, for ``what`` (named in the error)."""
+
+    path: Path
+    nbytes: int
+    what: str
+
+
+def check_writable(path: Path, flag: str) -> None:
+    """Make ``path`` (and its parents) and write and remove a probe file in it.
+
+    Raises:
+        OutputError: it cannot be made or written, naming ``flag`` and the reason.
+    """
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".offload-probe-"):
+            pass
+    except OSError as error:
+        reason = error.strerror or str(error)
+        raise OutputError(f"{flag} {path}: cannot write there ({reason}); choose a directory you can write, "
+                          "before anything trains") from error
+
+
+def _device_of(path: Path) -> tuple[int, Path]:
+    """The file system holding ``path`` (its nearest existing ancestor's)."""
+    existing = path.resolve()
+    while not existing.exists():
+        existing = existing.parent
+    return os.stat(existing).st_dev, existing
+
+
+def check_room(writes: Sequence[Write]) -> None:
+    """Check that each file system has room for the writes that land on it, added up.
+
+    Raises:
+        OutputError: a file system's free bytes fall short, listing the writes that need them.
+    """
+    by_device: dict[int, tuple[Path, list[Write]]] = {}
+    for write in writes:
+        device, existing = _device_of(write.path)
+        by_device.setdefault(device, (existing, []))[1].append(write)
+    for existing, group in by_device.values():
+        free = shutil.disk_usage(existing).free
+        needed = sum(w.nbytes for w in group)
+        if needed > free:
+            items = "; ".join(f"{w.what} in {w.path}: {_gib(w.nbytes)}" for w in group)
+            raise OutputError(f"not enough room on the disk holding {existing}: {_gib(free)} free, the run writes "
+                              f"{_gib(needed)} there ({items}). Free some space or choose other directories, "
+                              "before anything trains")
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB"
+
+
+def resume_command(argv: Sequence[str], checkpoint: Path, program: str | None = None) -> str:
+    """The command line that continues from ``checkpoint``: the run's own, ``--resume`` replaced."""
+    args: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--resume":
+            skip = True
+        elif not arg.startswith("--resume="):
+            args.append(arg)
+    if program is None:
+        program = sys.argv[0]
+        program = f"python {program}" if program.endswith(".py") else Path(program).name
+    return " ".join([program, *map(shlex.quote, [*args, "--resume", str(checkpoint)])])
+
+
+@dataclass
+class RunRecord:
+    """What a run has saved so far, for the line it prints when it stops early."""
+
+    argv: list[str]
+    step: int = 0  # the last step done
+    checkpoint: Path | None = None  # the last checkpoint saved, or the one the run resumed from
+
+    def stopped(self, why: str) -> str:
+        """One line: how far the run got, where its last checkpoint is and how to continue."""
+        if self.step == 0 and self.checkpoint is None:
+            return f"{why} before the first step; nothing was trained"
+        if self.checkpoint is None:
+            where = "no checkpoint was saved (--save-every N saves one every N steps)"
+            return f"{why} after step {self.step}; {where}"
+        return (f"{why} after step {self.step}; last checkpoint: {self.checkpoint}; "
+                f"resume with: {resume_command(self.argv, self.checkpoint)}")

@@ -1,0 +1,230 @@
+"""Training text read and tokenised lazily, packed into fixed-length blocks of token ids.
+
+:func:`token_blocks` turns a file or a ``datasets`` directory into an iterator of ``block_size``
+token ids, reading and tokenising a document (or, for plain text, a run of lines) at a time, so
+memory stays flat in the corpus size: a 100 MB corpus costs what a 10 MB one does
+(``scripts/bench_data.py``). :func:`split_blocks` holds out a fraction of the blocks for evaluation
+and :func:`shuffled` mixes a stream through a bounded buffer. ``offload-finetune`` trains on them;
+a ``transformers.Trainer`` or a plain loop can too (``torch.stack`` a few blocks into a batch, the
+labels are the ids).
+
+It does not pad, truncate or batch, and it does not read anything twice: a new pass over the data
+calls :func:`token_blocks` again.
+
+Note: [Packing]
+    Documents (a JSON lines record, a parquet row, a dataset row) are tokenised one by one, each
+    followed by the tokenizer's end-of-sequence token when it has one (once: not after ids that
+    already end with it), and joined into one stream
+    that is cut into blocks of ``block_size`` ids: a block may hold the end of one document and the
+    start of the next, and no token is padding. The last, shorter remainder is dropped. Plain text
+    is one document read about ``TEXT_CHUNK_BYTES`` at a time, cut after a line, so a token never
+    spans two reads unless a single line is longer than that.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["DataFormatError", "TEXT_SUFFIXES", "read_documents", "shuffled", "split_blocks", "token_blocks"]
+
+#: Suffixes read as plain text; ``.jsonl``/``.json``, ``.parquet``, ``.csv`` and directories are
+#: the other formats. Anything else is refused rather than guessed.
+TEXT_SUFFIXES = (".txt", ".text", ".md")
+#: How much plain text is read and tokenised at once (Note: [Packing]).
+#: A read costs about 20 times its size while its ids are Python lists: 5 MB here.
+TEXT_CHUNK_BYTES = 1 << 18
+
+
+class DataFormatError(ValueError):
+    """A data source that cannot be read as training text; the message says what to change."""
+
+
+def token_blocks(source: str | os.PathLike[str], tokenizer: Any, block_size: int, *,
+                 text_field: str | None = None) -> Iterator[torch.Tensor]:
+    """Yield ``block_size`` token ids at a time (int64, 1-D) from ``source``, packed (Note: [Packing]).
+
+    Args:
+        source: a plain-text file (``.txt``, ``.text``, ``.md``), a JSON lines file (``.jsonl``, or
+            ``.json`` holding one object a line), a ``.parquet`` or ``.csv`` file, or a directory
+            written by ``datasets``' ``save_to_disk`` (its ``train`` split when it holds several).
+        tokenizer: a Hugging Face tokenizer (``__call__`` returning ``input_ids``); with chat
+            records, one with a chat template.
+        block_size: ids per block (the sequence length).
+        text_field: the field holding each record's text; by default ``text``, else a chat
+            ``messages`` list rendered with ``tokenizer.apply_chat_template``.
+
+    Raises:
+        DataFormatError: an unknown format, or a record without the field (naming the keys found).
+        FileNotFoundError: ``source`` does not exist.
+
+    Example::
+
+        >>> blocks = token_blocks("corpus.jsonl", tokenizer, 1024)
+        >>> batch = torch.stack([next(blocks) for _ in range(8)])   # 8 x 1024, labels = batch
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be at least 1, got {block_size}")
+    eos = getattr(tokenizer, "eos_token_id", None)
+    pending: list[int] = []
+    for text, is_document, special in read_documents(source, tokenizer, text_field=text_field):
+        ids = tokenizer(text, add_special_tokens=special)["input_ids"]
+        pending.extend(ids)
+        if is_document and eos is not None and (not ids or ids[-1] != eos):  # some tokenizers end with it
+            pending.append(eos)
+        full = len(pending) - len(pending) % block_size
+        for start in range(0, full, block_size):
+            yield torch.tensor(pending[start:start + block_size], dtype=torch.long)
+        del pending[:full]
+
+
+def read_documents(source: str | os.PathLike[str], tokenizer: Any = None, *,
+                   text_field: str | None = None) -> Iterator[tuple[str, bool, bool]]:
+    """The texts of ``source`` one at a time, as ``(text, ends_a_document, add_special_tokens)``.
+
+    Plain text comes in pieces of about ``TEXT_CHUNK_BYTES`` ending after a line (one document:
+    only the last piece ends it); a record's text is a whole document; a chat record is rendered by
+    the tokenizer's template, which writes its own special tokens. See :func:`token_blocks`.
+    """
+    path = Path(source)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such file or directory")
+    if path.is_dir():
+        yield from _records(_dataset_rows(path), path, tokenizer, text_field)
+        return
+    suffix = path.suffix.lower()
+    if suffix in TEXT_SUFFIXES:
+        yield from _text_pieces(path)
+    elif suffix in (".jsonl", ".json"):
+        yield from _records(_json_lines(path), path, tokenizer, text_field)
+    elif suffix in (".parquet", ".csv"):
+        yield from _records(_streamed_rows(path, suffix[1:]), path, tokenizer, text_field)
+    else:
+        raise DataFormatError(
+            f"{path}: unknown data format {suffix or '(no suffix)'!r}; give plain text ({', '.join(TEXT_SUFFIXES)}), "
+            f"JSON lines (.jsonl), .parquet, .csv or a datasets directory (save_to_disk)")
+
+
+def _text_pieces(path: Path) -> Iterator[tuple[str, bool, bool]]:
+    # Only the first piece gets the tokenizer's special tokens (a BOS), as the whole text would.
+    first = True
+    with path.open(encoding="utf-8") as file:
+        piece: list[str] = []
+        size = 0
+        for line in file:
+            piece.append(line)
+            size += len(line)
+            if size >= TEXT_CHUNK_BYTES:
+                yield "".join(piece), False, first
+                piece, size, first = [], 0, False
+        if piece:
+            yield "".join(piece), False, first
+
+
+def _json_lines(path: Path) -> Iterator[tuple[int, Any]]:
+    with path.open(encoding="utf-8") as file:
+        for number, line in enumerate(file, 1):
+            if not line.strip():
+                continue
+            try:
+                yield number, json.loads(line)
+            except json.JSONDecodeError as error:
+                raise DataFormatError(
+                    f"{path}, line {number}: not a JSON object ({error.msg}); JSON lines hold one object a line"
+                ) from error
+
+
+def _streamed_rows(path: Path, builder: str) -> Iterator[tuple[int, Any]]:
+    datasets = _datasets(path)
+    rows = datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True)
+    yield from enumerate(rows, 1)
+
+
+def _dataset_rows(path: Path) -> Iterator[tuple[int, Any]]:
+    datasets = _datasets(path)
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except FileNotFoundError as error:
+        raise DataFormatError(f"{path}: a directory, but not one written by datasets' save_to_disk ({error})") from error
+    if isinstance(loaded, datasets.DatasetDict):
+        if "train" not in loaded and len(loaded) != 1:
+            raise DataFormatError(f"{path}: a DatasetDict with splits {sorted(loaded)} and no 'train'; "
+                                  "save the split to train on alone")
+        loaded = loaded["train"] if "train" in loaded else next(iter(loaded.values()))
+    # An Arrow table mapped from disk: rows are read as they are reached, not loaded whole.
+    yield from enumerate(loaded, 1)
+
+
+def _datasets(path: Path) -> Any:
+    try:
+        import datasets
+    except ImportError as error:
+        raise DataFormatError(f'{path}: reading it needs the datasets package: pip install "offload[data]"') from error
+    return datasets
+
+
+def _records(rows: Iterable[tuple[int, Any]], path: Path, tokenizer: Any,
+             text_field: str | None) -> Iterator[tuple[str, bool, bool]]:
+    for number, record in rows:
+        if not isinstance(record, dict):
+            raise DataFormatError(f"{path}, record {number}: a {type(record).__name__}, not an object with a text field")
+        field = text_field or ("text" if "text" in record else "messages" if "messages" in record else None)
+        if field is None or field not in record:
+            wanted = f"field {text_field!r}" if text_field else "'text' field nor chat 'messages'"
+            raise DataFormatError(
+                f"{path}, record {number}: has no {wanted}; its keys are {sorted(record)}. "
+                f"Name the field that holds the text with --text-field (text_field=...)")
+        value = record[field]
+        if isinstance(value, str):
+            yield value, True, True
+        elif isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value):
+            yield _chat(value, tokenizer, path, number), True, False
+        else:
+            raise DataFormatError(f"{path}, record {number}: field {field!r} holds a {type(value).__name__}, "
+                                  "not text or a list of chat messages ({'role': ..., 'content': ...})")
+
+
+def _chat(messages: list[dict[str, Any]], tokenizer: Any, path: Path, number: int) -> str:
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise DataFormatError(f"{path}, record {number}: chat messages, but the tokenizer has no chat template; "
+                              "use a model whose tokenizer has one, or give the text in a field of its own")
+    return tokenizer.apply_chat_template(messages, tokenize=False)
+
+
+def split_blocks(blocks: Iterable[torch.Tensor], fraction: float, split: str) -> Iterator[torch.Tensor]:
+    """The ``"train"`` or ``"eval"`` share of ``blocks``: block ``i`` is held out for evaluation
+    when ``floor((i + 1) * fraction) > floor(i * fraction)``, so held-out blocks are spread evenly
+    through the corpus and the two splits never share a block, without reading ahead."""
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"fraction must be in [0, 1), got {fraction}")
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    for i, block in enumerate(blocks):
+        held_out = int((i + 1) * fraction) > int(i * fraction)
+        if held_out == (split == "eval"):
+            yield block
+
+
+def shuffled(blocks: Iterable[torch.Tensor], buffer: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
+    """``blocks`` in a random order drawn through a buffer of ``buffer`` blocks (memory: that many
+    blocks): each block out is a random one of the buffer, replaced by the next block in. The
+    order depends only on the blocks and the generator's state, so a run replayed from the same
+    seed draws the same blocks. ``buffer`` 0 or 1 keeps the order."""
+    if buffer <= 1:
+        yield from blocks
+        return
+    held: list[torch.Tensor] = []
+    for block in blocks:
+        if len(held) < buffer:
+            held.append(block)
+            continue
+        pick = int(torch.randint(buffer, (1,), generator=generator))
+        yield held[pick]
+        held[pick] = block
+    while held:
+        yield held.pop(int(torch.randint(len(held), (1,), generator=generator)))
