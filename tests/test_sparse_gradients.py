@@ -101,3 +101,16 @@ def test_sparse_optimizers_train_exactly(optimizer_class, kwargs, offload_optimi
         optimizer.synchronize()
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         torch.testing.assert_close(p, q, **EXACT, msg=name)
+
+
+def test_data_parallelism_refuses_sparse_gradients_with_advice(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        model = OffloadModel(lookup_model(), device="cpu", num_slices=2, process_group=dist.group.WORLD)
+        with pytest.raises(RuntimeError, match=r"Embedding\.weight in slice 0 received a sparse one: build the "
+                                               r"layer with sparse=False"):
+            model(ids(0)).sum().backward()
+    finally:
+        dist.destroy_process_group()
