@@ -136,28 +136,30 @@ def layout_sensitive() -> nn.Sequential:
 
 def assert_runs_alike(plain: nn.Module, model: OffloadModel, x: torch.Tensor,
                       prepare, grad_seed: int = 2) -> None:
-    """Outputs, input and parameter gradients and buffers of one step, bit for bit."""
+    """Outputs, input and parameter gradients and buffers of one step, bit for bit (the plain
+    module on ``x``'s device; OffloadModel's parameters, gradients and buffers on the host)."""
     x_plain, x_model = x.clone().requires_grad_(), x.clone().requires_grad_()
     y_plain, y_model = plain(prepare(x_plain)), model(prepare(x_model))
     torch.testing.assert_close(y_model, y_plain, **EXACT)
     grad = torch.randn(y_plain.shape, dtype=y_plain.dtype, generator=torch.Generator().manual_seed(grad_seed))
-    y_plain.backward(grad)
-    y_model.backward(grad)
+    y_plain.backward(grad.to(x.device))
+    y_model.backward(grad.to(x.device))
     torch.testing.assert_close(x_model.grad, x_plain.grad, **EXACT)
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, **EXACT, msg=name)
+        torch.testing.assert_close(p.grad, q.grad.cpu(), **EXACT, msg=name)
     for (name, b), c in zip(model.named_buffers(), plain.buffers()):
-        torch.testing.assert_close(b, c, **EXACT, msg=name)
+        torch.testing.assert_close(b, c.cpu(), **EXACT, msg=name)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("prepare", [strided, channels_last], ids=["strided", "channels_last"])
 @pytest.mark.parametrize("checkpoint_activation", [True, False])
 @pytest.mark.parametrize("num_slices", [1, 2, 4])
-def test_inputs_and_boundary_activations_keep_their_layout(prepare, num_slices, checkpoint_activation):
-    plain = layout_sensitive()
-    model = OffloadModel(copy.deepcopy(plain), device="cpu", num_slices=num_slices,
+def test_inputs_and_boundary_activations_keep_their_layout(prepare, num_slices, checkpoint_activation, device):
+    plain = layout_sensitive().to(device)
+    model = OffloadModel(copy.deepcopy(plain), device=device, num_slices=num_slices,
                          checkpoint_activation=checkpoint_activation)
-    x = torch.randn(4, 6, 7, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(4, 6, 7, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).to(device)
     assert_runs_alike(plain, model, x, prepare)
 
 
