@@ -165,8 +165,11 @@ class DataParallel:
         return extra
 
     def _refuse_sparse(self, index: int, gradients: list[torch.Tensor | None]) -> None:
+        """Averaging takes each slice's gradients as dense memory; a sparse one (indices and values)
+        would be averaged as something it is not."""
+        entries = self.engine.slices[index].storage.params
         sparse = [f"{type(entry.sites[0].module).__name__}.{entry.sites[0].name}"
-                  for entry, g in zip(self.engine.slices[index].storage.params, gradients) if g is not None and g.is_sparse]
+                  for entry, g in zip(entries, gradients) if g is not None and g.is_sparse]
         if sparse:
             raise RuntimeError(
                 f"data parallelism averages dense gradients, and {', '.join(sparse)} in slice {index} received a "

@@ -41,7 +41,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from offload import OffloadModel, OffloadOptimizer
 
@@ -111,16 +111,10 @@ def _floating(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
 
 
-def _leaves(args: tuple[Any, ...]) -> tuple[list[Any], Any]:
-    from torch.utils._pytree import tree_flatten as flatten
-    return flatten(args)
-
-
 def _fresh_inputs(args: tuple[Any, ...], layout: Callable[[torch.Tensor], torch.Tensor] | None
                   ) -> tuple[tuple[Any, ...], list[torch.Tensor]]:
     """The forward arguments with every floating tensor a new leaf (its grad compared), then laid
     out by ``layout``."""
-    from torch.utils._pytree import tree_unflatten
     leaves, spec = tree_flatten(args)
     grad_leaves: list[torch.Tensor] = []
     fed = []
@@ -161,7 +155,6 @@ def _run_in_chunks(plain: nn.Module, args: tuple[Any, ...], chunks: int
                    ) -> tuple[list[Any], list[torch.Tensor | None]] | None:
     """What OffloadModel computes with microbatches, on the plain module: each chunk in turn; or
     ``None`` where the chunks' outputs cannot be joined (see :func:`joinable`)."""
-    from torch.utils._pytree import tree_unflatten
     fed, grad_leaves = _fresh_inputs(args, None)
     leaves, spec = tree_flatten(fed)
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
