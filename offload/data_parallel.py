@@ -164,10 +164,23 @@ class DataParallel:
                 extra.append(None)
         return extra
 
+    def _refuse_sparse(self, index: int, gradients: list[torch.Tensor | None]) -> None:
+        """Averaging takes each slice's gradients as dense memory; a sparse one (indices and values)
+        would be averaged as something it is not."""
+        entries = self.engine.slices[index].storage.params
+        sparse = [f"{type(entry.sites[0].module).__name__}.{entry.sites[0].name}"
+                  for entry, g in zip(entries, gradients) if g is not None and g.is_sparse]
+        if sparse:
+            raise RuntimeError(
+                f"data parallelism averages dense gradients, and {', '.join(sparse)} in slice {index} received a "
+                "sparse one: build the layer with sparse=False (nn.Embedding(..., sparse=False)) to train it with "
+                "process_group, or train without process_group")
+
     def gradients_produced(self, token: Any, index: int, grads: SliceGradients) -> None:
         if not self.on_device or not self._sync_of.get(token, True):
             return
         tensors = grads.device_tensors()
+        self._refuse_sparse(index, tensors)
         extra = self._local_grads(token, index, [t is not None for t in tensors])
         present = [t for t in tensors if t is not None]
         for tensor, local in zip(tensors, extra):
@@ -183,6 +196,7 @@ class DataParallel:
             return
         assert self.host is not None
         views = pending.host_views
+        self._refuse_sparse(index, views)
         extra = self._local_grads(token, index, [v is not None for v in views])
         present = [(v, e) for v, e in zip(views, extra) if v is not None]
         event = self.host.average([v for v, _ in present], [e for _, e in present], after=[pending.ready],

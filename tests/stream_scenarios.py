@@ -436,6 +436,31 @@ def hugging_face_llama(build: Build) -> list[torch.Tensor]:
     return seen
 
 
+class _EveryOther(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[..., ::2]
+
+
+def sparse_gradients_and_strided_boundaries(build: Build) -> list[torch.Tensor]:
+    """A sparse embedding's gradients summed over microbatches and offloaded as indices and
+    values, and a strided view crossing a checkpointed boundary (offloaded and loaded with its
+    gaps)."""
+    torch.manual_seed(0)
+    slices = [nn.Sequential(nn.Embedding(20, 8, sparse=True), _EveryOther()), nn.Sequential(nn.GELU(), nn.Linear(4, 8)),
+              nn.Linear(8, 3)]
+    model = build(slices, num_microbatches=2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen: list[torch.Tensor] = []
+    for step in range(2):
+        optimizer.zero_grad()
+        ids = torch.randint(0, 20, (4, 5), generator=torch.Generator().manual_seed(step))
+        out = model(ids)
+        out.pow(2).mean().backward()
+        seen += [out.detach().clone()] + [p.grad.to_dense() for p in model.parameters()]
+        optimizer.step()
+    return seen + [p.detach().clone() for p in model.parameters()]
+
+
 SCENARIOS: dict[str, Callable[[Build], list[torch.Tensor]]] = {
     f.__name__: f for f in (
         dropout_mlp, batchnorm, batchnorm_microbatches, in_place_first_layer, microbatches, no_checkpointing,
@@ -444,7 +469,7 @@ SCENARIOS: dict[str, Callable[[Build], list[torch.Tensor]]] = {
         input_gradients_only, second_model_after_compute, offload_optimizer, offload_optimizer_disk_tier,
         offload_optimizer_masters_on_disk, offload_optimizer_bfloat16,
         offload_optimizer_after_forwards_without_backward, reads_between_step_and_forward, data_parallel_one_rank,
-        tied_across_slices, tied_across_slices_offload_optimizer,
+        tied_across_slices, tied_across_slices_offload_optimizer, sparse_gradients_and_strided_boundaries,
     )
 }
 try:

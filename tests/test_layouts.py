@@ -112,3 +112,105 @@ def test_training_steps_match_the_plain_model(device):
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         assert p.stride() == q.stride(), name
         torch.testing.assert_close(p, q.detach().cpu(), **EXACT, msg=name)
+
+
+# -- inputs and boundary activations (Note: [Layouts] in offload/streams/layouts.py) ---------------
+
+
+def strided(x: torch.Tensor) -> torch.Tensor:
+    """PyTorch's own recipe for a non-dense input (``TestModule``): every other element of a copy."""
+    return x.repeat_interleave(2, -1)[..., ::2]
+
+
+def channels_last(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous(memory_format=torch.channels_last)
+
+
+def layout_sensitive() -> nn.Sequential:
+    """Layers whose kernels round differently on another layout, in slices of any size."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.BatchNorm2d(6), nn.GELU(), nn.Conv2d(6, 6, 3, padding=1), nn.SiLU(), nn.GroupNorm(2, 6),
+                         nn.PReLU(6), nn.ConvTranspose2d(6, 4, 3), nn.ELU(), nn.BatchNorm2d(4), nn.Sigmoid(),
+                         nn.AdaptiveAvgPool2d(3)).double()
+
+
+def assert_runs_alike(plain: nn.Module, model: OffloadModel, x: torch.Tensor,
+                      prepare, grad_seed: int = 2) -> None:
+    """Outputs, input and parameter gradients and buffers of one step, bit for bit (the plain
+    module on ``x``'s device; OffloadModel's parameters, gradients and buffers on the host)."""
+    x_plain, x_model = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y_plain, y_model = plain(prepare(x_plain)), model(prepare(x_model))
+    torch.testing.assert_close(y_model, y_plain, **EXACT)
+    grad = torch.randn(y_plain.shape, dtype=y_plain.dtype, generator=torch.Generator().manual_seed(grad_seed))
+    y_plain.backward(grad.to(x.device))
+    y_model.backward(grad.to(x.device))
+    torch.testing.assert_close(x_model.grad, x_plain.grad, **EXACT)
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad.cpu(), **EXACT, msg=name)
+    for (name, b), c in zip(model.named_buffers(), plain.buffers()):
+        torch.testing.assert_close(b, c.cpu(), **EXACT, msg=name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("prepare", [strided, channels_last], ids=["strided", "channels_last"])
+@pytest.mark.parametrize("checkpoint_activation", [True, False])
+@pytest.mark.parametrize("num_slices", [1, 2, 4])
+def test_inputs_and_boundary_activations_keep_their_layout(prepare, num_slices, checkpoint_activation, device):
+    plain = layout_sensitive().to(device)
+    model = OffloadModel(copy.deepcopy(plain), device=device, num_slices=num_slices,
+                         checkpoint_activation=checkpoint_activation)
+    x = torch.randn(4, 6, 7, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).to(device)
+    assert_runs_alike(plain, model, x, prepare)
+
+
+class Every(nn.Module):
+    """Hands the next layer a view of its input: every ``step``-th column, or the input expanded."""
+
+    def __init__(self, step: int = 2, expand: bool = False) -> None:
+        super().__init__()
+        self.step, self.expand = step, expand
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.expand:
+            return x[:, :1].expand(-1, 3, -1)
+        return x[..., 1::self.step]
+
+
+@pytest.mark.parametrize("expand", [False, True], ids=["gaps", "overlapping"])
+@pytest.mark.parametrize("checkpoint_activation", [True, False])
+def test_views_crossing_a_boundary_keep_their_strides(expand, checkpoint_activation):
+    torch.manual_seed(0)
+    # Slices as given: the first ends with the view, so the second starts from it.
+    plain = nn.Sequential(nn.Sequential(nn.Linear(8, 8), Every(expand=expand)),
+                          nn.Sequential(nn.GELU(), nn.LayerNorm(4 if not expand else 8)), nn.Sigmoid()).double()
+    model = OffloadModel(list(copy.deepcopy(plain)), device="cpu", checkpoint_activation=checkpoint_activation)
+    x = torch.randn(5, 3, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    assert_runs_alike(plain, model, x, lambda t: t)
+
+
+def test_an_in_place_first_layer_works_on_a_strided_input():
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.ReLU(inplace=True), nn.GELU(), nn.Linear(5, 5)).double()
+    model = OffloadModel(copy.deepcopy(plain), device="cpu", num_slices=2)
+    x = torch.randn(4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    assert_runs_alike(plain, model, x, strided)
+
+
+def test_offloaded_activations_keep_layout_and_alignment():
+    from offload.streams import ActivationOffloader, CopyStreams, HostBufferPool
+    from offload.streams.layouts import ALIGNMENT, Layout
+
+    copies = CopyStreams(torch.device("cpu"))
+    activations = ActivationOffloader(copies, HostBufferPool(lambda n: torch.empty(n, dtype=torch.uint8)))
+    base = torch.randn(2, 3, 5, 5)
+    for tensor, nbytes in ((channels_last(base), base.numel() * 4),  # dense: its elements only
+                           (base[..., 1::2], (base.numel() - 2) * 4),  # gaps: first to last element
+                           (base[:, :1].expand(-1, 3, -1, -1), 2 * 75 * 4 - 3 * 25 * 4 + 25 * 4)):  # stride 0
+        before = activations.offloaded_bytes
+        host, ticket = activations.offload(tensor)
+        assert activations.offloaded_bytes - before == Layout.of(tensor).span * 4 == nbytes
+        assert host.stride() == tensor.stride()
+        loaded, _ = activations.load(ticket, host)
+        assert loaded.stride() == tensor.stride()
+        assert loaded.data_ptr() % ALIGNMENT == tensor.data_ptr() % ALIGNMENT  # the kernels' alignment too
+        assert torch.equal(loaded, tensor)

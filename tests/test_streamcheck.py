@@ -232,6 +232,7 @@ NEEDED = [
     Dependency("wait_stream", "offload", "device_slots.py:write_back_buffers", "compute"),
     Dependency("wait_stream", "offload", "gradients.py:offload", "compute"),
     Dependency("wait_stream", "offload_many", "gradients.py:offload", "compute"),
+    Dependency("wait_stream", "offload_many", "gradients.py:_offload_sparse", "compute"),
 ]
 
 #: Safety nets that no scenario can expose today, each for the reason given in
@@ -252,6 +253,16 @@ COVERED = [
     Dependency("wait_stream", "drain", "device_slots.py:invalidate", "load"),
     Dependency("wait_stream", "drain", "device_slots.py:invalidate", "offload"),
     Dependency("synchronize_event", "submit", "disk_tier.py:submit", "host update"),
+]
+
+
+#: Orderings the checker cannot exercise yet. A sparse gradient summed over microbatches is freed
+#: right after its offload is issued, so on CUDA its indices and values must be marked as used by the
+#: offload stream, as every offload source is (rule 3 of [Copy ordering]); the checker follows a
+#: sparse tensor's reads and writes through its indices and values but not its release, so leaving
+#: the mark out goes unnoticed in the scenario that offloads one.
+UNSEEN = [
+    Dependency("mark_used", "offload_many", "gradients.py:_offload_sparse", "offload"),
 ]
 
 
@@ -302,7 +313,7 @@ def test_the_lists_name_every_ordering_the_copy_engine_asks_for():
         with StreamChecker() as checker:
             run_quietly(name)
         asked |= checker.dependencies
-    listed = set(NEEDED) | set(COVERED) | set(LOUD) | set(MEMORY_ONLY)
+    listed = set(NEEDED) | set(COVERED) | set(LOUD) | set(MEMORY_ONLY) | set(UNSEEN)
     assert asked == listed, f"new: {sorted(map(str, asked - listed))}; gone: {sorted(map(str, listed - asked))}"
 
 

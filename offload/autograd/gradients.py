@@ -204,12 +204,15 @@ def _unshared(param_grads: Sequence[torch.Tensor | None], others: Sequence[Any])
     shares memory with another is copied; usually none does, and nothing is copied. For the same
     rewrite, and for collectives, which take a gradient's memory as one run, a gradient that is not
     dense is made so: ``p.sum()`` gives ``p`` an expanded gradient, one element seen through
-    stride 0. A dense one in another layout (a ``channels_last`` weight's) stays as it is.
+    stride 0. A dense one in another layout (a ``channels_last`` weight's) stays as it is. A
+    sparse gradient is never rewritten in place (microbatches are summed out of place, and it
+    leaves for the host by copies of its indices and values), so it stays as it is too.
     """
-    taken = {t.untyped_storage().data_ptr() for t in others if isinstance(t, torch.Tensor)}
+    taken = {t.untyped_storage().data_ptr() for t in others
+             if isinstance(t, torch.Tensor) and t.layout == torch.strided}
     unshared: list[torch.Tensor | None] = []
     for g in param_grads:
-        if g is not None:
+        if g is not None and g.layout == torch.strided:
             pointer = g.untyped_storage().data_ptr()
             if pointer in taken or flat_alias(g) is None:
                 g = g.clone(memory_format=torch.contiguous_format)

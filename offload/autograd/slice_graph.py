@@ -21,7 +21,10 @@ Note: [Boundary gradients]
 Note: [Leaves enter through a copy]
     A slice's graph starts from leaves (the boundary activations, detached); each leaf that needs a
     gradient enters the slice through a copy, so a first layer that works in place on its input
-    (``ReLU(inplace=True)``) behaves as in the plain model, where its input is not a leaf.
+    (``ReLU(inplace=True)``) behaves as in the plain model, where its input is not a leaf. The
+    copy keeps the leaf's layout, a strided view's gaps included (Note: [Layouts] in
+    ``offload/streams/layouts.py``); a leaf whose elements overlap (an ``expand``) cannot be
+    copied into its own layout and enters as a view of itself (rule 3 there).
 
 Note: [Device copies while autograd runs a slice]
     A layer may run part of its own forward again while autograd differentiates it: a
@@ -44,6 +47,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from ..engine import Engine
 from ..module_state import attributes_as_started
+from ..streams.layouts import copy_keeping_layout, overlaps
 from .records import BoundaryLoader, Checkpoint, ForwardRecords, KeptGraph
 from .recompute_state import recomputing
 from .replay import AutocastState, autocast_cache_disabled, replaying_rng
@@ -94,8 +98,13 @@ def _graph_inputs(leaves: Sequence[Any], requires: Sequence[bool]) -> tuple[list
             continue
         detached = leaf.detach().requires_grad_(wants and is_differentiable(leaf))
         graph_leaves.append(detached)
-        fed.append(detached.clone() if detached.requires_grad else detached)
+        fed.append(_entering(detached) if detached.requires_grad else detached)
     return graph_leaves, fed
+
+
+def _entering(leaf: torch.Tensor) -> torch.Tensor:
+    """What a leaf that needs a gradient enters its slice as (Note: [Leaves enter through a copy])."""
+    return leaf.view_as(leaf) if overlaps(leaf) else copy_keeping_layout(leaf)
 
 
 def _param_leaves(views: Sequence[torch.Tensor], engine: Engine, index: int) -> list[torch.Tensor]:

@@ -52,7 +52,13 @@ def _tensors(tree: Any) -> Iterator[torch.Tensor]:
     leaves, _ = tree_flatten(tree)
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
-            yield leaf
+            if leaf.layout == torch.sparse_coo:
+                # A sparse tensor has no storage of its own: what an operation reads or writes of it
+                # is its indices and values.
+                yield leaf._indices()
+                yield leaf._values()
+            else:
+                yield leaf
 
 
 def _is_view(func: Any) -> bool:

@@ -3,7 +3,8 @@
 A tensor is offloaded into a pooled host buffer as soon as compute has produced it, and loaded
 back to the device one step before backward needs it. The host copy travels with its ready event;
 the pooled buffer remembers the event of the load that last read it, so its next offload cannot
-overwrite it early.
+overwrite it early. Host and device copies keep the tensor's layout (Note: [Layouts] in
+``layouts.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from .backend import Event
 from .copies import CopyStreams
 from .host_buffers import HostBuffer, HostBufferPool
 from .host_storage import typed_view
+from .layouts import Layout
 
 
 @dataclass
@@ -29,10 +31,13 @@ class OffloadTicket:
     Attributes:
         ready: completes when the offload has written the host tensor.
         buffer: the pooled buffer behind the host tensor.
+        layout: the offloaded tensor's, which the load gives the device copy (alignment included);
+            ``None`` for a copy made on the host.
     """
 
     ready: Event | None
     buffer: HostBuffer
+    layout: Layout | None = None
 
 
 class ActivationOffloader:
@@ -55,14 +60,15 @@ class ActivationOffloader:
         Returns:
             The host tensor (valid once the ticket's ``ready`` completes) and the ticket.
         """
-        source = tensor if tensor.is_contiguous() else tensor.contiguous()
-        nbytes = source.numel() * source.element_size()
+        layout = Layout.of(tensor)
+        source = layout.addressed(tensor)
+        nbytes = layout.span * tensor.element_size()
         buffer = self.pool.take(nbytes)
-        host = typed_view(buffer.data, 0, source.dtype, source.shape)
-        ready = self.copies.offload(host, source, after=(buffer.read_event,), src_may_change=source is tensor,
+        memory = typed_view(buffer.data, 0, tensor.dtype, source.shape)
+        ready = self.copies.offload(memory, source, after=(buffer.read_event,), src_may_change=True,
                                     label="offload::offload activation")
         self.offloaded_bytes += nbytes
-        return host, OffloadTicket(ready, buffer)
+        return layout.on(memory), OffloadTicket(ready, buffer, layout)
 
     def copy_on_host(self, host_tensor: torch.Tensor) -> tuple[torch.Tensor, OffloadTicket]:
         """A copy of a host tensor in a pooled buffer, made now on the CPU: a snapshot that later
@@ -89,11 +95,21 @@ class ActivationOffloader:
         Returns:
             The new device tensor and its ready event.
         """
+        if host_tensor.device == self.copies.device:
+            return host_tensor, None
+        layout = Layout.of(host_tensor)
+        source = layout.addressed(host_tensor)
         if host_tensor.device.type != "cpu" or self.copies.is_pinned(host_tensor):
-            return self.copies.to_device(host_tensor)
-        staged, ticket = self.copy_on_host(host_tensor.contiguous())
-        device_tensor, ready = self.copies.to_device(staged)
+            return self._load_host_memory(layout, source)
+        staged, ticket = self.copy_on_host(source)
+        device_tensor, ready = self._load_host_memory(layout, staged)
         ticket.buffer.read_event = ready
+        return device_tensor, ready
+
+    def _load_host_memory(self, layout: Layout, memory: torch.Tensor) -> tuple[torch.Tensor, Event | None]:
+        """A new device tensor of ``layout``, loaded from the host ``memory`` it addresses."""
+        device_tensor = layout.empty(memory.dtype, self.copies.device)
+        ready = self.copies.load(layout.addressed(device_tensor), memory, after_queued_compute=True)
         return device_tensor, ready
 
     def load(self, ticket: OffloadTicket, host_tensor: torch.Tensor) -> tuple[torch.Tensor, Event | None]:
@@ -106,8 +122,10 @@ class ActivationOffloader:
         Returns:
             The new device tensor and its ready event (compute must wait on it).
         """
-        device_tensor = torch.empty_like(host_tensor, device=self.copies.device)
-        ready = self.copies.load(device_tensor, host_tensor, after=(ticket.ready,), after_queued_compute=True,
-                                 label="offload::load activation")
+        assert ticket.layout is not None, "an offloaded tensor's ticket has its layout"
+        layout = ticket.layout
+        device_tensor = layout.empty(host_tensor.dtype, self.copies.device)
+        ready = self.copies.load(layout.addressed(device_tensor), layout.addressed(host_tensor), after=(ticket.ready,),
+                                 after_queued_compute=True, label="offload::load activation")
         ticket.buffer.read_event = ready
         return device_tensor, ready

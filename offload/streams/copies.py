@@ -34,7 +34,9 @@ Note: [Copy ordering]
 
     Every wait, synchronisation and mark above is needed: the stream-ordering checker's mutation
     test (``tests/test_streamcheck.py``) leaves each one out in turn and a training scenario
-    notices, except for the safety nets in Note: [Orderings the end of a walk covers].
+    notices, except for the safety nets in Note: [Orderings the end of a walk covers] and the
+    mark on a sparse gradient's indices and values (rule 3), whose release the checker does not
+    follow (``UNSEEN`` in that test).
 
     On the CPU, and when asynchronous copies are switched off, copies are synchronous and every
     event is ``None``; the same calls run, so tests on the CPU go through the same code. The

@@ -16,6 +16,11 @@ handed to autograd as the parameters' gradients: autograd adopts them as ``.grad
 is empty and adds them otherwise, so the buffer is reused as soon as nobody holds it. A parameter
 whose gradient is added into its ``.grad`` on the host as soon as it lands (Note: [Gradients added
 in place] in ``offload/autograd/accumulation.py``) needs its pooled buffer only until then.
+
+A sparse gradient (``nn.Embedding(sparse=True)``) stays sparse: microbatches are summed as autograd
+sums them (``a + b`` of sparse tensors concatenates their entries), and its indices and values
+leave for the host in a pooled buffer of their own, so that autograd receives the sparse tensor
+it would have received from the plain model.
 """
 
 from __future__ import annotations
@@ -54,6 +59,8 @@ class SliceGradients:
         received: per parameter, whether any microbatch produced a gradient.
         held: the first microbatch's gradients, in the parameters' dtypes, until a second
             microbatch needs a device buffer to sum into.
+        sparse: per parameter, its sparse gradient summed over microbatches so far, or ``None``;
+            such a parameter is not :attr:`received` (that is the dense gradients').
         sums: once summing started, per parameter its view into the device buffer.
         nbytes: bytes of all needed gradients laid out by :attr:`places`.
         reduced: an event the offload waits for: a collective still rewriting the device
@@ -67,6 +74,7 @@ class SliceGradients:
     offloader: GradientOffloader
     received: list[bool] = field(init=False)
     held: list[torch.Tensor | None] = field(init=False)
+    sparse: list[torch.Tensor | None] = field(init=False)
     sums: list[torch.Tensor | None] | None = None
     buffer_index: int | None = None
     reduced: Event | None = None
@@ -75,10 +83,22 @@ class SliceGradients:
     def __post_init__(self) -> None:
         self.received = [False] * len(self.places)
         self.held = [None] * len(self.places)
+        self.sparse = [None] * len(self.places)
 
     def add(self, grads: Sequence[torch.Tensor | None]) -> None:
         """Add one microbatch's gradients (aligned with :attr:`places`)."""
         incoming = [(j, g) for j, g in enumerate(grads) if g is not None and self.places[j] is not None]
+        for j, g in incoming:
+            if g.is_sparse != (self.sparse[j] is not None) and (self.received[j] or self.sparse[j] is not None):
+                raise RuntimeError(
+                    f"a parameter received a sparse gradient from one microbatch and a dense one from another "
+                    f"(parameter {j} of its slice); OffloadModel sums a parameter's microbatch gradients in one "
+                    "layout. Use num_microbatches=1, or the same sparse setting for every use of the parameter.")
+            if g.is_sparse:
+                g = g.to(self.places[j].dtype)  # type: ignore[union-attr]
+                # Autograd's own sum of sparse gradients (AccumulateGrad's `grad += new`).
+                self.sparse[j] = g if self.sparse[j] is None else self.sparse[j] + g
+        incoming = [(j, g) for j, g in incoming if not g.is_sparse]
         if self.sums is None and not any(self.received):
             for j, g in incoming:
                 self.held[j] = g.to(self.places[j].dtype)  # type: ignore[union-attr]
@@ -100,8 +120,10 @@ class SliceGradients:
     def device_tensors(self) -> list[torch.Tensor | None]:
         """Per parameter, its gradient on the device (summed over microbatches), or ``None``."""
         if self.sums is not None:
-            return [s if got else None for s, got in zip(self.sums, self.received)]
-        return list(self.held)
+            dense = [s if got else None for s, got in zip(self.sums, self.received)]
+        else:
+            dense = list(self.held)
+        return [g if g is not None else d for g, d in zip(self.sparse, dense)]
 
     def _start_summing(self) -> None:
         self.buffer_index, flat = self.offloader._claim_buffer(self.nbytes)
@@ -128,6 +150,12 @@ class PendingGradients:
     ready: Event | None
     into: list[torch.Tensor | None] | None = None
     added: list[torch.Tensor] = field(default_factory=list)
+
+
+def _nbytes(grad: torch.Tensor) -> int:
+    if grad.is_sparse:
+        return _nbytes(grad._indices()) + _nbytes(grad._values())
+    return grad.numel() * grad.element_size()
 
 
 class GradientOffloader:
@@ -190,32 +218,57 @@ class GradientOffloader:
 
     def offload(self, grads: SliceGradients, label: str = "offload::offload gradients") -> PendingGradients:
         """Start copying a slice's finished gradients to a host buffer."""
-        if not any(grads.received):
+        if not any(grads.received) and all(g is None for g in grads.sparse):
             return PendingGradients([None] * len(grads.places), None)
-        # Gradients added into .grad on landing need their buffer only briefly: buffers of one size
-        # (the largest slice's) serve every slice in turn, so the window stays two buffers.
-        transient = grads.into is not None and all(
-            target is not None for target, place, got in zip(grads.into, grads.places, grads.received)
-            if place is not None and got)
-        host = self.pool.take(self._max_nbytes if transient else grads.nbytes)
-        host_views = [
-            place.view(host.data) if place is not None and got else None
-            for place, got in zip(grads.places, grads.received)
-        ]
-        if grads.sums is not None:
-            assert grads.buffer_index is not None
-            device = self._buffers[grads.buffer_index]
-            assert device is not None
-            ready = self.copies.offload(host.data[:grads.nbytes], device[:grads.nbytes],
-                                        after=(host.read_event, grads.reduced), label=label)
-            self._offloaded[grads.buffer_index] = ready
-        else:
-            pairs = [(h, g) for h, g in zip(host_views, grads.held) if h is not None and g is not None]
-            ready = self.copies.offload_many([h for h, _ in pairs], [g for _, g in pairs],
-                                             after=(host.read_event, grads.reduced), label=label)
-            grads.held = [None] * len(grads.places)
-        self.offloaded_bytes += sum(v.numel() * v.element_size() for v in host_views if v is not None)
+        host_views: list[torch.Tensor | None] = [None] * len(grads.places)
+        ready: Event | None = None
+        # Each copy below runs on the offload stream after the one before: the last one's ready
+        # event says that all of them have landed.
+        for j, g in enumerate(grads.sparse):
+            if g is not None:
+                host_views[j], ready = self._offload_sparse(g, grads.reduced, label)
+        grads.sparse = [None] * len(grads.places)
+        if any(grads.received):
+            # Gradients added into .grad on landing need their buffer only briefly: buffers of one size
+            # (the largest slice's) serve every slice in turn, so the window stays two buffers.
+            transient = grads.into is not None and all(
+                target is not None for target, place, got in zip(grads.into, grads.places, grads.received)
+                if place is not None and got)
+            host = self.pool.take(self._max_nbytes if transient else grads.nbytes)
+            for j, (place, got) in enumerate(zip(grads.places, grads.received)):
+                if place is not None and got:
+                    host_views[j] = place.view(host.data)
+            if grads.sums is not None:
+                assert grads.buffer_index is not None
+                device = self._buffers[grads.buffer_index]
+                assert device is not None
+                ready = self.copies.offload(host.data[:grads.nbytes], device[:grads.nbytes],
+                                            after=(host.read_event, grads.reduced), label=label)
+                self._offloaded[grads.buffer_index] = ready
+            else:
+                pairs = [(h, g) for h, g in zip(host_views, grads.held) if h is not None and g is not None]
+                ready = self.copies.offload_many([h for h, _ in pairs], [g for _, g in pairs],
+                                                 after=(host.read_event, grads.reduced), label=label)
+                grads.held = [None] * len(grads.places)
+        self.offloaded_bytes += sum(_nbytes(v) for v in host_views if v is not None)
         return PendingGradients(host_views, ready, grads.into)
+
+    def _offload_sparse(self, grad: torch.Tensor, reduced: Event | None, label: str
+                        ) -> tuple[torch.Tensor, Event | None]:
+        """Start copying a sparse gradient's indices and values into one pooled host buffer;
+        returns the host sparse tensor over them (valid once the event completes)."""
+        indices, values = grad._indices(), grad._values()
+        values_offset = _align(indices.numel() * indices.element_size())
+        host = self.pool.take(values_offset + values.numel() * values.element_size())
+        host_indices = typed_view(host.data, 0, indices.dtype, indices.shape)
+        host_values = typed_view(host.data, values_offset, values.dtype, values.shape)
+        # Built over the memory before the copy writes it (it reads nothing there: no invariant
+        # checks), so that nothing touches the host memory before the copy has landed.
+        sparse = torch.sparse_coo_tensor(host_indices, host_values, grad.shape, check_invariants=False,
+                                         is_coalesced=grad.is_coalesced())
+        ready = self.copies.offload_many([sparse._indices(), sparse._values()], [indices, values],
+                                         after=(host.read_event, reduced), label=label)
+        return sparse, ready
 
     def accumulate(self, pending: Sequence[PendingGradients], in_flight: int = 1) -> None:
         """Add the landed gradients of all but the last ``in_flight`` slices of ``pending`` into
