@@ -11,11 +11,13 @@ Note: [Checkpoint checksums]
     DCP keeps no checksums: bytes flipped inside a ``.distcp`` file of the right length load
     silently. Each data file's CRC-32 is computed as it is saved and checked before it is loaded:
 
-    - Saving, the sum is taken of the very buffers DCP hands to ``write``, in order (no second
-      read of the file): a buffer of :data:`SUM_ASIDE` bytes or more (a tensor) is summed on a
-      helper thread while the calling thread writes it, both outside the GIL, and the write
-      returns once both are done (the caller may reuse the buffer next). Rank 0 records every
-      rank's sums in ``offload.json`` (``"crc32": {file: value}``).
+    - Saving, once DCP has written a data file and asks for its descriptor to ``fsync`` it, a
+      thread reads the file back (from the page cache: the bytes the file holds) and sums it
+      while the caller sleeps in the sync, so the sum competes with nothing of the save and
+      costs no time where it is faster than the disk. (Summing the buffers as they are written,
+      on a helper thread, measured slower: it competes with the writes for the cores.) Without
+      a sync, the file is summed when it is closed. Rank 0 records every rank's sums in
+      ``offload.json`` (``"crc32": {file: value}``).
     - Loading, each rank reads each file it will load from once more, in :data:`VERIFY_CHUNK`
       pieces, and compares before anything is loaded: a load pays one more read of its files
       (from the page cache when they were just read or written). A checkpoint saved before
@@ -33,13 +35,14 @@ import io
 import mmap
 import os
 import shutil
+import threading
 import zlib
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 
@@ -47,8 +50,6 @@ from .disk_tier import size_text
 
 #: Bytes read at a time to verify a file (one buffer, reused).
 VERIFY_CHUNK = 1 << 20
-#: Buffers written at least this large are summed on a helper thread while they are written.
-SUM_ASIDE = 1 << 20
 #: The suffix of DCP's data files.
 DATA_SUFFIX = ".distcp"
 
@@ -60,34 +61,49 @@ class CheckpointError(ValueError):
 
 
 class _SummingStream:
-    """A data file DCP writes into, summing (CRC-32) what goes through ``write``: a large buffer
-    on a helper thread while this one writes it (both release the GIL), so the sum takes no
-    time of its own where a core is free; the rest is the file's own."""
+    """A data file DCP writes into. Once DCP asks for its descriptor to sync it, every byte is
+    written: a thread reads the file back and sums it (CRC-32) while the sync waits for the disk.
+    The rest is the file's own."""
 
-    def __init__(self, raw: Any, helper: ThreadPoolExecutor) -> None:
+    def __init__(self, raw: Any, path: Path) -> None:
         self.raw = raw
-        self.crc = 0
+        self.path = path
         self.error: OSError | None = None  # the write that failed (torch's archive writer hides it)
-        self._helper = helper
+        self._summing: threading.Thread | None = None
+        self._crc: list[int] = []
+        self._written_after = False  # written to after the sum started: it is taken again
 
     def write(self, data: Any) -> int:
-        view = memoryview(data)
-        # Summed before write() returns: the caller may reuse the buffer next (a disk tier's slice).
-        summing = self._helper.submit(zlib.crc32, view, self.crc) if view.nbytes >= SUM_ASIDE else None
+        if self._summing is not None:
+            self._written_after = True
         try:
-            written = self.raw.write(data)
+            return self.raw.write(data)
         except OSError as error:
             self.error = error
             raise
-        finally:
-            if summing is not None:
-                self.crc = summing.result()
-        if summing is None:
-            self.crc = zlib.crc32(view, self.crc)
-        return written
+
+    def fileno(self) -> int:
+        # DCP asks for the descriptor to fsync the file once it is written: the sum reads it back
+        # from the page cache meanwhile, on a thread that competes with nothing of this save
+        # (the caller sleeps in the sync).
+        self.raw.flush()
+        if self._summing is None:
+            self._summing = threading.Thread(target=lambda: self._crc.append(file_checksum(self.path)),
+                                             name="offload checkpoint crc32", daemon=True)
+            self._summing.start()
+        return self.raw.fileno()
+
+    def checksum(self) -> int:
+        """The file's CRC-32, once it is written whole (summed now if no sync started it)."""
+        if self._summing is not None:
+            self._summing.join()
+        if self._summing is None or self._written_after or not self._crc:
+            self.raw.flush()
+            return file_checksum(self.path)
+        return self._crc[0]
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.raw, name)  # tell, flush, fileno, close
+        return getattr(self.raw, name)  # tell, flush, close
 
 
 class ChecksummingFileSystem(FileSystem):
@@ -105,17 +121,16 @@ class ChecksummingFileSystem(FileSystem):
             if mode != "wb" or not str(path).endswith(DATA_SUFFIX):
                 yield stream
                 return
-            # A thread to sum large buffers beside the write (one per file: DCP may write files
-            # from several threads).
-            with ThreadPoolExecutor(1, thread_name_prefix="offload checkpoint crc32") as helper:
-                summing = _SummingStream(stream, helper)
-                try:
-                    yield summing
-                except BaseException:
-                    if summing.error is not None:
-                        self.write_errors.append(summing.error)
-                    raise
-            self.checksums[Path(path).name] = summing.crc
+            summing = _SummingStream(stream, Path(path))
+            try:
+                yield summing
+            except BaseException:
+                if summing.error is not None:
+                    self.write_errors.append(summing.error)
+                if summing._summing is not None:
+                    summing._summing.join()
+                raise
+            self.checksums[Path(path).name] = summing.checksum()
 
 
 def file_checksum(file: Path) -> int:
@@ -201,8 +216,6 @@ def failure_text(error: BaseException) -> str:
 
 def pickled_size(value: Any) -> int:
     """Bytes of ``value`` as DCP writes it (``torch.save``); raises what pickling raises."""
-    import torch
-
     sink = _CountingSink()
     torch.save(value, sink)
     return sink.nbytes
