@@ -46,7 +46,6 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from .disk_tier import size_text
 
 #: Bytes read at a time to verify a file (one buffer, reused).
 VERIFY_CHUNK = 1 << 20

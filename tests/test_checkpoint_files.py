@@ -10,7 +10,6 @@ import contextlib
 import errno
 import json
 import os
-import shutil
 import zlib
 
 import pytest
@@ -19,6 +18,7 @@ from torch.distributed.checkpoint import filesystem
 
 from offload import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 
+from .disk_full import report_free
 from .test_checkpoint import assert_untouched, snapshot, trained
 
 
@@ -91,11 +91,6 @@ def test_a_damaged_metadata_file_is_a_checkpoint_error(tmp_path, damage):
 
 
 # -- a full disk -----------------------------------------------------------------------------------
-
-
-def report_free(monkeypatch, nbytes):
-    real = shutil.disk_usage
-    monkeypatch.setattr(shutil, "disk_usage", lambda path: real(path)._replace(free=nbytes))
 
 
 def writes_fail_after(monkeypatch, budget):

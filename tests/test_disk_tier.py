@@ -21,7 +21,7 @@ from offload.disk_tier import WINDOW
 from offload.streams import disk
 from offload.streams.disk import page_aligned
 
-from .disk_full import refuse_allocating
+from .disk_full import refuse_allocating, report_free
 from .helpers import DEVICES
 from .test_optimizer import OPTIMIZERS, assert_same, batch, loss_of, network
 
@@ -496,14 +496,6 @@ def test_kept_files_hold_the_last_steps_state_when_closed_straight_after_it(tmp_
             value = torch.frombuffer(bytearray(raw[f["offset"]:f["offset"] + f["nbytes"]]), dtype=torch.float32)
             torch.testing.assert_close(value.view(f["shape"]), want[f["param"]][f["key"]], rtol=0, atol=0)
     assert open_files_in(directory) == []
-
-
-def report_free(monkeypatch, nbytes):
-    """The filesystem reports ``nbytes`` free (``shutil.disk_usage``)."""
-    import shutil
-
-    real = shutil.disk_usage
-    monkeypatch.setattr(shutil, "disk_usage", lambda path: real(path)._replace(free=nbytes))
 
 
 def test_a_disk_without_room_for_the_state_is_refused_before_any_step(tmp_path, monkeypatch):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 import re
 import subprocess
 import sys
