@@ -45,6 +45,7 @@ Note: [Disk tier failures]
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import json
@@ -190,6 +191,38 @@ class LoadingSlice:
     tensors: dict[torch.Tensor, dict[str, torch.Tensor]] = field(default_factory=dict)  # views of buffer
 
 
+def _make_tier_directory(root: Path, setting: DiskTier, optimizer: torch.optim.Optimizer, rank: int | None,
+                         ranks: int) -> tuple[Path, bool]:
+    """The tier's own directory in ``root`` and whether it takes direct I/O, once the filesystem has
+    room for the state and a test page written there came back; raises :class:`DiskTierError`
+    (leaving nothing behind) otherwise."""
+    # Before any long work: a tier that cannot hold the state would fail at the first step.
+    needed = expected_state_bytes(optimizer) // ranks + PAGE
+    free = shutil.disk_usage(root).free
+    if free < needed:
+        raise DiskTierError(
+            f"the disk tier needs about {size_text(needed)} in {root} for the optimizer's state "
+            f"({getattr(optimizer, 'optimizer_class', type(optimizer)).__name__} over "
+            f"{sum(p.numel() for g in optimizer.param_groups for p in g['params']):,} parameters"
+            f"{f', one rank of {ranks}' if ranks > 1 else ''}), and its filesystem has "
+            f"{size_text(free)} free. Free space there, or point DiskTier at a disk with room.")
+    prefix = "offload-state-" + (f"rank{rank}-" if rank is not None else "")
+    try:
+        directory = Path(tempfile.mkdtemp(prefix=prefix, dir=root))  # unique, made atomically
+    except OSError as error:
+        raise DiskTierError(f"could not make the disk tier's directory in {root}: {error.strerror} "
+                            f"(errno {error.errno}); {size_text(free)} free there") from error
+    try:
+        return directory, setting.direct and direct_io_supported(directory)
+    except OSError as error:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise DiskTierError(
+            f"the disk tier could not write a test page in {directory} ({error.filename}): {error.strerror} "
+            f"(errno {error.errno}); the filesystem of {root} has {size_text(shutil.disk_usage(root).free)} "
+            f"free and the state needs about {size_text(needed)}. Free space there, or point DiskTier at "
+            "another disk.") from error
+
+
 def expected_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of per-element state ``optimizer`` will keep on disk, for the optimizers whose state is
     known (Adam and AdamW: two tensors like each parameter, three with ``amsgrad``; SGD: one with
@@ -233,32 +266,14 @@ class StateTier:
     def __init__(self, setting: DiskTier, optimizer: torch.optim.Optimizer, copies: CopyStreams,
                  rank: int | None = None, ranks: int = 1) -> None:
         root = Path(setting.path)
-        make_directory(root, "DiskTier path")
-        # Before any long work: a tier that cannot hold the state would fail at the first step.
-        needed = expected_state_bytes(optimizer) // ranks + PAGE
-        free = shutil.disk_usage(root).free
-        if free < needed:
-            raise DiskTierError(
-                f"the disk tier needs about {size_text(needed)} in {root} for the optimizer's state "
-                f"({getattr(optimizer, 'optimizer_class', type(optimizer)).__name__} over "
-                f"{sum(p.numel() for g in optimizer.param_groups for p in g['params']):,} parameters"
-                f"{f', one rank of {ranks}' if ranks > 1 else ''}), and its filesystem has "
-                f"{size_text(free)} free. Free space there, or point DiskTier at a disk with room.")
-        prefix = "offload-state-" + (f"rank{rank}-" if rank is not None else "")
+        made = make_directory(root, "DiskTier path")
         try:
-            self.directory = Path(tempfile.mkdtemp(prefix=prefix, dir=root))  # unique, made atomically
-        except OSError as error:
-            raise DiskTierError(f"could not make the disk tier's directory in {root}: {error.strerror} "
-                                f"(errno {error.errno}); {size_text(free)} free there") from error
-        try:
-            self.direct = setting.direct and direct_io_supported(self.directory)
-        except OSError as error:
-            shutil.rmtree(self.directory, ignore_errors=True)  # nothing of the tier is left behind
-            raise DiskTierError(
-                f"the disk tier could not write a test page in {self.directory} ({error.filename}): {error.strerror} "
-                f"(errno {error.errno}); the filesystem of {root} has {size_text(shutil.disk_usage(root).free)} "
-                f"free and the state needs about {size_text(needed)}. Free space there, or point DiskTier at "
-                "another disk.") from error
+            self.directory, self.direct = _make_tier_directory(root, setting, optimizer, rank, ranks)
+        except BaseException:
+            if made:
+                with contextlib.suppress(OSError):  # another process may have put files there since
+                    root.rmdir()  # nothing of the tier is left behind, not even the directory it made
+            raise
         self.keep = setting.keep
         self.counters = DiskCounters()
         self.copies = copies

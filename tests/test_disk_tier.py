@@ -506,6 +506,9 @@ def test_a_disk_without_room_for_the_state_is_refused_before_any_step(tmp_path, 
                                             rf"{n:,} parameters\), and its filesystem has .* free"):
         OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, disk_tier=tmp_path)
     assert os.listdir(tmp_path) == []
+    with pytest.raises(DiskTierError, match="needs about"):
+        OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, disk_tier=tmp_path / "new")
+    assert os.listdir(tmp_path) == []  # not even the directory it would have made
     report_free(monkeypatch, 8 * n + 2 * 4096)
     OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, disk_tier=tmp_path).close()
     # SGD without momentum keeps nothing per element: only the test page is needed.
@@ -521,11 +524,11 @@ def test_a_full_disk_at_construction_names_the_directory_and_leaves_nothing(tmp_
 
     monkeypatch.setattr(disk.os, "pwritev", full)
     model = OffloadModel(network(), device="cpu", num_slices=3)
-    with pytest.raises(DiskTierError, match=rf"could not write a test page in {tmp_path}/offload-state-\w+ "
+    with pytest.raises(DiskTierError, match=rf"could not write a test page in {tmp_path}/new/offload-state-\w+ "
                                             r"\(.*\.direct-io-probe\): No space left on device \(errno 28\); "
                                             r"the filesystem of .* free and the state needs about"):
-        OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, disk_tier=tmp_path)
-    assert os.listdir(tmp_path) == []  # neither the probe nor the tier's directory
+        OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, disk_tier=tmp_path / "new")
+    assert os.listdir(tmp_path) == []  # neither the probe nor the tier's directories
     monkeypatch.setattr(disk.os, "pwritev", real)
 
 

@@ -91,10 +91,10 @@ class DiskCounters:
     write_seconds: float = 0.0
 
 
-def make_directory(path: Path, what: str) -> None:
+def make_directory(path: Path, what: str) -> bool:
     """Make directory ``path`` for ``what`` (``"DiskTier path"``) if it does not exist; its parent
     must. A mistyped path (``/nvme0/run`` for ``/nvme/run``) would otherwise create a tree on
-    whatever disk holds the root, and fill it.
+    whatever disk holds the root, and fill it. Returns whether it made it.
 
     Raises:
         ValueError: ``path`` is a file, its parent does not exist, or it cannot be written to.
@@ -109,9 +109,11 @@ def make_directory(path: Path, what: str) -> None:
         if not os.access(parent, os.W_OK | os.X_OK):
             raise ValueError(f"{what} {path}: cannot create it, {parent} is not writable by this process; choose a "
                              "directory you can write to")
-        path.mkdir(exist_ok=True)
+        path.mkdir()
+        return True
     if not os.access(path, os.W_OK | os.X_OK):
         raise ValueError(f"{what} {path} is not writable by this process; choose a directory you can write to")
+    return False
 
 
 def direct_io_supported(directory: Path) -> bool:
