@@ -1,11 +1,11 @@
-"""What a checkpoint's files need and hold beyond DCP's format: whether a failed save ran out of
-room, and a checksum of every data file, recorded as DCP writes it and checked before
-a load reads anything.
+"""What a checkpoint's files need and hold beyond DCP's format: a checksum of every data file,
+summed when DCP syncs it and checked before a load reads anything, and what a failed save ran into.
 
 What this file holds: :class:`CheckpointError`, :class:`ChecksummingFileSystem` (DCP's local
-filesystem, summing each data file as it is written), :func:`verify_checksums`,
-:func:`free_bytes` and :func:`disk_full` (whether a failed save ran out of space). What it does
-not: what is saved or loaded, or the order of the commit (``offload/checkpoint.py``).
+filesystem, summing each data file once it is written), :func:`verify_checksums`, and the
+helpers a save's checks and error messages use (:func:`free_bytes`, :func:`disk_full`,
+:func:`failure_text`, :func:`pickled_size`). What it does not: what is saved or loaded, or the
+order of the commit (``offload/checkpoint.py``).
 
 Note: [Checkpoint checksums]
     DCP keeps no checksums: bytes flipped inside a ``.distcp`` file of the right length load
