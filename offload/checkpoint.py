@@ -54,6 +54,14 @@ Note: [Atomic save]
     3. Rank 0 then replaces the ``latest`` file beside it (written to a temporary file, synced,
        renamed) and, with ``keep_last``, removes the oldest checkpoints beside it (each renamed
        to ``.<name>.removed`` before it is deleted, so a kill never leaves half of one visible).
+
+    Before step 1, nothing is touched until the arguments are checked (``extra`` pickles), the
+    target is a checkpoint, an empty directory or absent, and the filesystem has room for the
+    tensors and their headers (a lower bound; every rank decides from the same gathered figures).
+    A save that fails after that (a disk that fills up, any error DCP gathers) removes the partial
+    directory and raises :class:`CheckpointError`, on every rank: the previous checkpoint was
+    never touched. Step 3 failing leaves the new checkpoint committed and ``latest`` naming the
+    previous one, which the error says.
 """
 
 from __future__ import annotations
@@ -73,10 +81,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-from .disk_tier import DiskTierError
+from .checkpoint_files import (CheckpointError, ChecksummingFileSystem, disk_full,
+                               failure_text, free_bytes, pickled_size, verify_checksums)
+from .disk_tier import DiskTierError, size_text
 from .model import OffloadModel, engine_of
 from .optimizer import OffloadOptimizer
 from .slice_load_planner import SliceWritingLoadPlanner
@@ -93,13 +104,11 @@ warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unav
 FORMAT = 1
 INFO_FILE = "offload.json"
 LATEST_FILE = "latest"
+#: Bytes a save counts for each item's header in its data file, at least (a lower bound: a save
+#: is refused only when it cannot fit).
+ITEM_HEADER = 1024
 STRAY_PARAMETER = ("the optimizer steps a parameter that is not in the model; a checkpoint names optimizer state "
                    "after the model's parameters: save such parameters in extra and give them their own optimizer")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded into this model and optimizer: incomplete, or saved from
-    something else. Raised before anything is loaded: the model and optimizer are unchanged."""
 
 
 # -- saving ----------------------------------------------------------------------------------------
@@ -117,7 +126,9 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     they are: a save adds next to no host memory (``docs/checkpoints.md`` has the figures).
 
     Args:
-        path: the checkpoint directory to create (replaced if it exists); its parent is created.
+        path: the checkpoint directory to create; an earlier checkpoint there is replaced, and
+            anything else there (a file, a directory of other files) is refused. Its parent is
+            created.
         model: an :class:`~offload.OffloadModel` or any ``nn.Module``.
         optimizer: an :class:`~offload.OffloadOptimizer`, any ``torch.optim`` optimizer over the
             model's parameters, or ``None``.
@@ -132,7 +143,14 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
         ``path``.
 
     Raises:
+        TypeError: ``model`` is not an ``nn.Module``, ``optimizer`` not an optimizer, or ``extra``
+            cannot be pickled (checked before anything is written).
         ValueError: a bad ``keep_last``, or the optimizer steps a parameter the model lacks.
+        FileExistsError: ``path`` is a file, or a directory of files that is not a checkpoint.
+        CheckpointError: the filesystem has less room than the save needs (checked before
+            anything is written), or the save failed while writing (a full disk says so): what it
+            wrote is removed and the previous checkpoint is intact. Or the checkpoint was saved
+            but ``latest`` could not be made to name it (the message says so).
 
     Example::
 
@@ -141,7 +159,14 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     """
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
         raise ValueError(f"keep_last must be a positive int or None, got {keep_last!r}")
+    _check_arguments("save_checkpoint", model, optimizer)
+    try:
+        extra_nbytes = pickled_size(extra)  # before anything is written: DCP would fail half way
+    except Exception as error:
+        raise TypeError(f"save_checkpoint(): extra must be picklable (DCP writes it with torch.save): {error}. "
+                        "Pass state_dict()s and plain values, not the objects themselves.") from error
     path = Path(path)
+    _check_target(path)
     group, rank, world_size = _group(model, optimizer, process_group)
     names = _parameter_names(model)
     state: dict[str, Any] = {f"model/{name}": _own_storage(tensor) for name, tensor in _model_state(model).items()}
@@ -161,12 +186,15 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     state[f"rng/{rank}"] = _rng_state()
     state["extra"] = extra
 
+    needed = _check_room(group, rank, path, state, extra_nbytes, optimizer)
     partial = path.parent / f".{path.name}.partial"
-    if rank == 0:
+
+    def prepare() -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         _clean_up(path.parent)
         partial.mkdir()
-    _barrier(group)
+
+    _on_rank_0(group, rank, prepare, lambda error: _save_failure(path, error, [], needed))
     planner: DefaultSavePlanner = DefaultSavePlanner(flatten_state_dict=False)
     writer = FileSystemWriter(partial, sync_files=True)
     masters = _masters_on_disk(model, state)
@@ -177,26 +205,160 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
         # One thread, nothing resolved ahead: each item's data is asked for once the previous one
         # is written (Note: [Slice-by-slice save]).
         writer = FileSystemWriter(partial, sync_files=True, thread_count=1, per_thread_copy_ahead=0)
+    # Each data file is summed as it is written (Note: [Checkpoint checksums]).
+    files = writer.fs = ChecksummingFileSystem()
     try:
         dcp.save(state, storage_writer=writer, planner=planner, process_group=group, no_dist=group is None)
         _release_masters(model)
+    except BaseException as error:  # DCP's CheckpointException is a BaseException
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)  # every rank is past its writes: DCP gathered them
+        if not isinstance(error, (Exception, CheckpointException)):
+            raise  # KeyboardInterrupt, SystemExit
+        raise CheckpointError(_save_failure(path, error, files.write_errors, needed)) from error
     finally:
         if isinstance(planner, SliceReadingSavePlanner):
             planner.release()
-    if rank == 0:
+    checksums = _gathered(group, files.checksums)
+    committed = False
+
+    def commit() -> None:
+        nonlocal committed
         info = {"format": FORMAT, "world_size": world_size, "saved_ns": time.time_ns(),
                 "tensors": {name: _describe(t) for name, t in _model_state(model).items()},
                 "partition": _partition(model),
                 "optimizer": None if optimizer is None else _optimizer_class(optimizer).__name__,
-                "groups": None if optimizer is None else [g["params"] for g in _named_groups(optimizer, names)]}
-        _write_synced(partial / INFO_FILE, json.dumps(info, indent=1).encode())
-        _fsync_directory(partial)
+                "groups": None if optimizer is None else [g["params"] for g in _named_groups(optimizer, names)],
+                "crc32": checksums}
+        try:
+            _write_synced(partial / INFO_FILE, json.dumps(info, indent=1).encode())
+            _fsync_directory(partial)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
         _commit(partial, path)
+        committed = True
         _write_synced(path.parent / LATEST_FILE, path.name.encode(), atomically=True)
         if keep_last is not None:
             _prune(path, keep_last)
-    _barrier(group)
+
+    def failure(error: BaseException) -> str:
+        if not committed:
+            return _save_failure(path, error, [], needed)
+        previous = latest_checkpoint(path.parent)
+        return (f"checkpoint {path} is saved, but {path.parent / LATEST_FILE} could not be made to name it "
+                f"({failure_text(error)}): it still names {previous.name if previous else 'nothing'}, so "
+                f"latest_checkpoint() does not return the new one. Free space and save again, or load {path} by "
+                "its path.")
+
+    _on_rank_0(group, rank, commit, failure)
     return path
+
+
+def _on_rank_0(group: Any, rank: int, work: Any, failure: Any) -> None:
+    """Run ``work`` on rank 0; on every rank, raise :class:`CheckpointError` with ``failure(error)``
+    when it raised an ``Exception`` (so that no rank waits for one that gave up). A barrier too."""
+    message, raised = None, None
+    if rank == 0:
+        try:
+            work()
+        except Exception as error:
+            message, raised = failure(error), error
+    if group is not None:
+        message = _gathered_list(group, message)[0]
+    if message is not None:
+        raise CheckpointError(message) from raised
+
+
+def _check_arguments(function: str, model: Any, optimizer: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{function}() takes the model (an nn.Module: the OffloadModel) after the path, got "
+                        f"{type(model).__name__} {model!r:.60}; call {function}(path, model, optimizer)")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"{function}(): optimizer must be a torch.optim.Optimizer (an OffloadOptimizer) or None, got "
+                        f"{type(optimizer).__name__} {optimizer!r:.60}")
+
+
+def _check_target(path: Path) -> None:
+    """Refuse, before anything is written, a ``path`` that holds something other than a checkpoint:
+    a save replaces what is there."""
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        raise FileExistsError(f"cannot save a checkpoint at {path}: it is a file, not a checkpoint directory. Choose "
+                              "another path, or remove the file first.")
+    if path.is_dir() and not (path / INFO_FILE).is_file() and any(path.iterdir()):
+        raise FileExistsError(
+            f"cannot save a checkpoint at {path}: it is a directory that holds files but no {INFO_FILE}, so it is "
+            "not a checkpoint, and a save would replace it with everything in it. Choose another path (a new or "
+            "empty directory, or an earlier checkpoint to replace), or move those files away first.")
+
+
+def _check_room(group: Any, rank: int, path: Path, state: dict[str, Any], extra_nbytes: int,
+                optimizer: torch.optim.Optimizer | None) -> int:
+    """Raise :class:`CheckpointError` before anything is written when the filesystem has less room
+    than the save needs; returns the bytes needed. Every rank decides from the same figures
+    (rank 0's free space, every rank's share), so that none refuses while another writes."""
+    # Each item also takes a header in its file (torch.save's archive: over a kilobyte each).
+    model_nbytes = _tensor_bytes({k: v for k, v in state.items() if not k.startswith("optim/")})
+    optim_nbytes = _tensor_bytes({k: v for k, v in state.items() if k.startswith("optim/")})
+    directory = _existing_ancestor(path.parent)
+    free = free_bytes(directory) if rank == 0 else None
+    shares = _gathered_list(group, (model_nbytes + extra_nbytes, optim_nbytes, free))
+    # Parameters are offered by every rank and written once; sharded, each rank writes its own
+    # optimizer state, unsharded the same state once. A lower bound: the files add their headers.
+    sharded = isinstance(optimizer, OffloadOptimizer) and optimizer._collectives is not None
+    needed = max(s[0] for s in shares) + (sum if sharded else max)(s[1] for s in shares)
+    free = shares[0][2]
+    if free < needed:
+        raise CheckpointError(
+            f"not enough room to save checkpoint {path}: it needs at least {size_text(needed)}, the filesystem of "
+            f"{directory} has {size_text(free)} free. Nothing was written; the previous checkpoint is intact. Free "
+            "space (or save elsewhere) and save again.")
+    return needed
+
+
+def _tensor_bytes(state: dict[str, Any]) -> int:
+    return sum(ITEM_HEADER + (v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0)
+               for v in state.values())
+
+
+def _existing_ancestor(directory: Path) -> Path:
+    directory = directory.absolute()
+    while not directory.exists() and directory != directory.parent:
+        directory = directory.parent
+    return directory
+
+
+def _gathered_list(group: Any, value: Any) -> list[Any]:
+    """``value`` of every rank of ``group``, in rank order (``[value]`` for one process)."""
+    if group is None:
+        return [value]
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, value, group=group)
+    return everyone
+
+
+def _gathered(group: Any, checksums: dict[str, int]) -> dict[str, int]:
+    """Every rank's data files' checksums (each rank writes files of its own names)."""
+    merged: dict[str, int] = {}
+    for part in _gathered_list(group, checksums):
+        merged.update(part)
+    return merged
+
+
+def _save_failure(path: Path, error: BaseException, write_errors: list[OSError], needed: int) -> str:
+    previous = latest_checkpoint(path.parent)
+    if path.is_dir():
+        intact = f"checkpoint {path} is intact (it was not replaced)"
+    elif previous is not None and previous.is_dir():
+        intact = f"the previous checkpoint, {previous}, is intact"
+    else:
+        intact = "no earlier checkpoint was touched"
+    if disk_full(error, write_errors):
+        return (f"could not save checkpoint {path}: the disk filled up while writing it (the filesystem of "
+                f"{path.parent} has {size_text(free_bytes(path.parent))} free once the partial save was removed; the "
+                f"save needs more than that: at least {size_text(needed)} for its tensors and their headers alone). "
+                f"Nothing of it was kept and {intact}. Free space (or save elsewhere) and save again.")
+    return (f"could not save checkpoint {path}: {failure_text(error)}. Nothing of it was kept and {intact}.")
 
 
 def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
@@ -233,18 +395,22 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
         process_group: as in :func:`save_checkpoint`.
 
     Raises:
-        CheckpointError: an incomplete checkpoint (a missing or truncated file), or one of another
-            model (names, shapes, dtypes), slicing or optimizer; the message says what differs.
-            Nothing was loaded: the model and optimizer are unchanged.
+        TypeError: ``model`` is not an ``nn.Module`` or ``optimizer`` not an optimizer.
+        CheckpointError: an incomplete checkpoint (a missing or truncated file), a damaged one (an
+            unreadable ``.metadata`` or ``offload.json``, a data file whose CRC-32 differs from the
+            one recorded at save: Note: [Checkpoint checksums] in ``offload/checkpoint_files.py``),
+            or one of another model (names, shapes, dtypes), slicing or optimizer; the message
+            says what differs. Nothing was loaded: the model and optimizer are unchanged.
         DiskTierError: the optimizer's disk tier could not write part of the loaded state, raised
             once the load is done: that state is held in RAM (Note: [Disk tier failures] in
             ``offload/disk_tier.py``).
-        torch.distributed.checkpoint.api.CheckpointException: (a ``BaseException``) a file of the
-            right length could not be read (damaged): the model and optimizer may be partly
-            loaded. An OffloadOptimizer with a disk tier whose slices were partly written refuses
+        torch.distributed.checkpoint.api.CheckpointException: (a ``BaseException``) a file could
+            not be read although its checksum matched (a read error), or a checkpoint saved
+            without checksums is damaged: the model and optimizer may be partly loaded. An OffloadOptimizer with a disk tier whose slices were partly written refuses
             to step or be saved until a load succeeds (Note: [Slice-by-slice load] in
             ``offload/slice_load_planner.py``).
     """
+    _check_arguments("load_checkpoint", model, optimizer)
     path = Path(path)
     info, metadata = _read(path)
     model_state = _model_state(model)
@@ -276,6 +442,9 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     if info["world_size"] == world_size and rng_key in metadata.state_dict_metadata:
         state[rng_key] = None
     state["extra"] = None
+    # The files this rank reads, checked whole before anything is loaded (Note: [Checkpoint checksums]).
+    verify_checksums(path, info.get("crc32"), {storage.relative_path for index, storage in
+                                               (metadata.storage_data or {}).items() if index.fqn in state})
     # Unflattened, objects (groups, generators, extra) are loaded into this very dict.
     planner: DefaultLoadPlanner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     tiered = bool(on_disk) and isinstance(optimizer, OffloadOptimizer)
@@ -494,11 +663,22 @@ def _read(path: Path) -> tuple[dict[str, Any], Metadata]:
         raise CheckpointError(f"no checkpoint at {path}: not a directory{hint}")
     try:
         info = json.loads((path / INFO_FILE).read_text())
+    except FileNotFoundError as error:
+        raise CheckpointError(f"checkpoint {path} is incomplete: {INFO_FILE} is missing") from error
+    except (ValueError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"checkpoint {path} is damaged: {INFO_FILE} is not valid JSON ({error})") from error
+    if not isinstance(info, dict):
+        raise CheckpointError(f"checkpoint {path} is damaged: {INFO_FILE} holds no description of a checkpoint")
+    try:
         metadata = FileSystemReader(path).read_metadata()
     except FileNotFoundError as error:
         raise CheckpointError(f"checkpoint {path} is incomplete: {Path(error.filename).name} is missing") from error
-    except (ValueError, EOFError) as error:
-        raise CheckpointError(f"checkpoint {path} is damaged: {error}") from error
+    except Exception as error:  # a damaged pickle raises whatever the bytes lead the unpickler to
+        raise CheckpointError(f"checkpoint {path} is damaged: its .metadata cannot be read ({type(error).__name__}: "
+                              f"{error}). Nothing was loaded: load an earlier checkpoint.") from error
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"checkpoint {path} is damaged: its .metadata holds a {type(metadata).__name__}, not "
+                              "DCP's metadata. Nothing was loaded: load an earlier checkpoint.")
     if info.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {path} has format {info.get('format')!r}; this version reads {FORMAT}")
     needed: dict[str, int] = {}
@@ -596,10 +776,14 @@ def _slice(partition: list[list[str]], k: int) -> str:
 
 def _write_synced(file: Path, data: bytes, atomically: bool = False) -> None:
     target = file.with_name(f".{file.name}.tmp") if atomically else file
-    with open(target, "wb") as stream:
-        stream.write(data)
-        stream.flush()
-        os.fsync(stream.fileno())
+    try:
+        with open(target, "wb") as stream:
+            stream.write(data)
+            stream.flush()
+            os.fsync(stream.fileno())
+    except BaseException:
+        target.unlink(missing_ok=True)  # a full disk leaves no half-written file behind
+        raise
     if atomically:
         os.replace(target, file)
         _fsync_directory(file.parent)

@@ -45,6 +45,7 @@ Note: [Disk tier failures]
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import json
@@ -62,7 +63,7 @@ import torch
 from .slice_update import HostUpdateError, held_state
 from .streams.backend import Event
 from .streams.copies import CopyStreams
-from .streams.disk import AlignedBuffer, DiskCounters, StateFile, direct_io_supported, page_aligned
+from .streams.disk import PAGE, AlignedBuffer, DiskCounters, StateFile, direct_io_supported, make_directory, page_aligned
 from .streams.host_storage import dense_stride
 from .streams.trim import give_back_freed_memory
 from .streams.workers import HostWorker
@@ -110,6 +111,15 @@ class DiskTier:
     path: str | os.PathLike[str]
     keep: bool = False
     direct: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, (str, os.PathLike)) or not str(self.path):
+            raise TypeError(f"DiskTier path must be a directory path (a str or os.PathLike), got {self.path!r}")
+        for name in ("keep", "direct"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                # keep="no" would be truthy and keep the files.
+                raise TypeError(f"DiskTier {name} must be True or False, got {value!r}")
 
 
 class DiskTierError(RuntimeError):
@@ -181,13 +191,62 @@ class LoadingSlice:
     tensors: dict[torch.Tensor, dict[str, torch.Tensor]] = field(default_factory=dict)  # views of buffer
 
 
+def _make_tier_directory(root: Path, setting: DiskTier, optimizer: torch.optim.Optimizer, rank: int | None,
+                         ranks: int) -> tuple[Path, bool]:
+    """The tier's own directory in ``root`` and whether it takes direct I/O, once the filesystem has
+    room for the state and a test page written there came back; raises :class:`DiskTierError`
+    (leaving nothing behind) otherwise."""
+    # Before any long work: a tier that cannot hold the state would fail at the first step.
+    needed = expected_state_bytes(optimizer) // ranks + PAGE
+    free = shutil.disk_usage(root).free
+    if free < needed:
+        raise DiskTierError(
+            f"the disk tier needs about {size_text(needed)} in {root} for the optimizer's state "
+            f"({getattr(optimizer, 'optimizer_class', type(optimizer)).__name__} over "
+            f"{sum(p.numel() for g in optimizer.param_groups for p in g['params']):,} parameters"
+            f"{f', one rank of {ranks}' if ranks > 1 else ''}), and its filesystem has "
+            f"{size_text(free)} free. Free space there, or point DiskTier at a disk with room.")
+    prefix = "offload-state-" + (f"rank{rank}-" if rank is not None else "")
+    try:
+        directory = Path(tempfile.mkdtemp(prefix=prefix, dir=root))  # unique, made atomically
+    except OSError as error:
+        raise DiskTierError(f"could not make the disk tier's directory in {root}: {error.strerror} "
+                            f"(errno {error.errno}); {size_text(free)} free there") from error
+    try:
+        return directory, setting.direct and direct_io_supported(directory)
+    except OSError as error:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise DiskTierError(
+            f"the disk tier could not write a test page in {directory} ({error.filename}): {error.strerror} "
+            f"(errno {error.errno}); the filesystem of {root} has {size_text(shutil.disk_usage(root).free)} "
+            f"free and the state needs about {size_text(needed)}. Free space there, or point DiskTier at "
+            "another disk.") from error
+
+
+def expected_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of per-element state ``optimizer`` will keep on disk, for the optimizers whose state is
+    known (Adam and AdamW: two tensors like each parameter, three with ``amsgrad``; SGD: one with
+    momentum); 0 for others, whose state is not guessed."""
+    kind = getattr(optimizer, "optimizer_class", type(optimizer))  # an OffloadOptimizer's torch.optim class
+    total = 0
+    for group in optimizer.param_groups:
+        if issubclass(kind, (torch.optim.Adam, torch.optim.AdamW)):
+            per_element = 3 if group.get("amsgrad") else 2
+        elif issubclass(kind, torch.optim.SGD):
+            per_element = 1 if group.get("momentum") else 0
+        else:
+            return 0
+        total += per_element * sum(p.numel() * p.element_size() for p in group["params"])
+    return total
+
+
 def _goes_to_disk(value: Any) -> bool:
     return (isinstance(value, torch.Tensor) and value.dim() > 0 and value.layout == torch.strided
             and value.device.type == "cpu" and not value.requires_grad
             and (value.is_contiguous() or dense_stride(value) is not None))
 
 
-def _size(nbytes: int) -> str:
+def size_text(nbytes: int) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if nbytes >= scale:
             return f"{nbytes / scale:.1f} {unit}"
@@ -205,13 +264,17 @@ class StateTier:
     """
 
     def __init__(self, setting: DiskTier, optimizer: torch.optim.Optimizer, copies: CopyStreams,
-                 rank: int | None = None) -> None:
+                 rank: int | None = None, ranks: int = 1) -> None:
         root = Path(setting.path)
-        root.mkdir(parents=True, exist_ok=True)
-        prefix = "offload-state-" + (f"rank{rank}-" if rank is not None else "")
-        self.directory = Path(tempfile.mkdtemp(prefix=prefix, dir=root))  # unique, made atomically
+        made = make_directory(root, "DiskTier path")
+        try:
+            self.directory, self.direct = _make_tier_directory(root, setting, optimizer, rank, ranks)
+        except BaseException:
+            if made:
+                with contextlib.suppress(OSError):  # another process may have put files there since
+                    root.rmdir()  # nothing of the tier is left behind, not even the directory it made
+            raise
         self.keep = setting.keep
-        self.direct = setting.direct and direct_io_supported(self.directory)
         self.counters = DiskCounters()
         self.copies = copies
         self._optimizer = weakref.ref(optimizer)
@@ -457,7 +520,7 @@ class StateTier:
     def _failure_message(self, held: list[SliceRecord], when: str) -> str:
         first = held[0].write_error
         assert first is not None
-        files = ", ".join(f"{self.directory / f'slice-{r.index:05d}.state'} ({_size(r.nbytes)})" for r in held)
+        files = ", ".join(f"{self.directory / f'slice-{r.index:05d}.state'} ({size_text(r.nbytes)})" for r in held)
         total = sum(r.nbytes for r in held)
         indices = ", ".join(str(r.index) for r in held)
         if when == "load":
@@ -470,7 +533,7 @@ class StateTier:
                 where += "This call to step() updated nothing. "
         return (
             f"the disk tier could not write the optimizer state of slice(s) {indices} to {files}: "
-            f"{first.strerror} (errno {first.errno}); {_size(total)} needed on the filesystem of "
+            f"{first.strerror} (errno {first.errno}); {size_text(total)} needed on the filesystem of "
             f"{self.directory}. " + where
             + "Free space (or fix the disk) and call step() again: it writes the held state first.")
 
@@ -620,13 +683,20 @@ class StateTier:
             for r in self.records.values()]}
 
     def close(self, index_of: dict[int, int]) -> None:
-        """Remove the files (or, with ``keep``, write the manifest beside them); idempotent."""
+        """Wait for every queued write, then remove the files (or, with ``keep``, write the manifest
+        beside them); idempotent."""
         if self.closed:
             return
-        if self.keep:
-            (self.directory / "manifest.json").write_text(json.dumps(self.manifest(index_of), indent=1))
         self.closed = True
-        self._finalizer()
+        try:
+            # The writer may still be writing the last step's slices (the update does not wait for
+            # them): a file closed or removed under it would leak, or keep the step before's state.
+            self.copies.wait_host(self._last_write)
+            self._last_write = None
+            if self.keep:
+                (self.directory / "manifest.json").write_text(json.dumps(self.manifest(index_of), indent=1))
+        finally:
+            self._finalizer()
         # Nothing left to hold: the window goes, and memory_footprint() counts no disk bytes.
         self._window = [WindowSlot() for _ in range(WINDOW)]
         for record in self.records.values():

@@ -57,7 +57,7 @@ from .disk_tier import WINDOW, DiskTier, DiskTierError
 from .slice_update import HostUpdateError
 from .streams.backend import Event
 from .streams.copies import CopyStreams
-from .streams.disk import DiskCounters
+from .streams.disk import DiskCounters, make_directory
 from .streams.mapped import MappedFile, mapping_supported
 from .streams.workers import HostWorker
 
@@ -82,7 +82,7 @@ class MasterFiles:
             raise ValueError("masters on disk need Linux 5.14 or later (madvise MADV_POPULATE_WRITE, "
                              "posix_fadvise); keep them in RAM on this system (masters=None)")
         self.directory = Path(setting.path)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        make_directory(self.directory, "masters directory")
         self.copies = copies
         self.counters = DiskCounters()
         self._reader: HostWorker | None = None

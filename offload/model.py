@@ -126,6 +126,9 @@ class OffloadModel(nn.Module):
         self.checkpoint_activation = checkpoint_activation
         self.device = _existing_device(device, "device")
         self.offload_device = _existing_device(offload_device, "offload_device")
+        if self.offload_device.type == "meta":
+            raise ValueError("offload_device='meta' holds no data, and the parameters live there between uses; pass "
+                             "offload_device='cpu'. To size a model without building it, use offload.estimate_memory")
         if masters is not None and self.offload_device.type != "cpu":
             raise ValueError(f"masters on disk are host memory backed by a file; offload_device must be 'cpu', got "
                              f"{self.offload_device}")
@@ -486,6 +489,9 @@ def _backend_available(device_type: str) -> bool:
 
 
 def _slice_groups(model: Any, num_slices: int) -> list[tuple[list[str], list[nn.Module]]]:
+    if isinstance(model, OffloadModel):
+        raise TypeError("this model is already an OffloadModel; train it as it is. To change its settings (slices, "
+                        "devices, dtype), wrap the original nn.Sequential again instead")
     if isinstance(model, nn.Sequential):
         if type(model).forward is not nn.Sequential.forward:
             raise TypeError(

@@ -140,7 +140,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if disk_tier is not None:
             setting = disk_tier if isinstance(disk_tier, DiskTier) else DiskTier(disk_tier)
             rank = self._collectives.rank if self._collectives is not None else None
-            self._tier = StateTier(setting, self, engine_of(model).copies, rank)
+            ranks = self._collectives.world_size if self._collectives is not None else 1
+            self._tier = StateTier(setting, self, engine_of(model).copies, rank, ranks)
             engine_of(model).disk_tiers.add(self._tier)
         engine_of(model).optimizers.add(self)  # its state counts in model.memory_footprint()
 

@@ -42,8 +42,9 @@ def estimate_memory(layers: nn.Module | Sequence[int], *, num_slices: int = 8,
 
     Args:
         layers: an ``nn.Sequential`` (sliced as :class:`~offload.OffloadModel` slices it, each
-            tensor with its own dtype; nothing is allocated or changed), or the parameter count of
-            each layer, in ``param_dtype``.
+            tensor with its own dtype; nothing is allocated or changed), the parameter count of
+            each layer, in ``param_dtype``, or the model's parameter count (an ``int``: counted as
+            ``num_slices`` slices of equal size).
         num_slices: as :class:`~offload.OffloadModel` takes it.
         param_dtype: dtype of the counted parameters (ignored for a module).
         compute_dtype: as :class:`~offload.OffloadModel` takes it: adds a shadow in that dtype
@@ -67,7 +68,8 @@ def estimate_memory(layers: nn.Module | Sequence[int], *, num_slices: int = 8,
         host RAM, ``pinned_bytes`` the pinned part of it, ``device_total`` and ``disk`` the rest.
 
     Raises:
-        ValueError: an unknown optimizer or place, or no parameters.
+        TypeError: ``layers`` is none of the three.
+        ValueError: an unknown optimizer or place, no parameters, or a negative count.
 
     Example::
 
@@ -80,6 +82,11 @@ def estimate_memory(layers: nn.Module | Sequence[int], *, num_slices: int = 8,
     for name, place in (("optimizer_state", optimizer_state), ("masters", masters)):
         if place not in _PLACES:
             raise ValueError(f"{name} must be 'ram' or 'disk', got {place!r}")
+    if isinstance(layers, int) and not isinstance(layers, bool):
+        if layers < 1:
+            raise ValueError(f"estimate_memory needs a positive parameter count, got {layers}")
+        # A count alone: the model cut into num_slices equal slices.
+        layers = [layers // num_slices + (k < layers % num_slices) for k in range(num_slices)]
     per_layer = _layers(layers, param_dtype)
     if not any(t.is_parameter for layer in per_layer for t in layer):
         raise ValueError("estimate_memory needs layers with parameters")
@@ -154,7 +161,13 @@ def _layers(layers: nn.Module | Sequence[int], param_dtype: torch.dtype) -> list
                         tensors.append(_Tensor(t.numel(), t.dtype, is_parameter))
             result.append(tensors)
         return result
-    return [[_Tensor(int(n), param_dtype, True)] if n else [] for n in layers]
+    if not isinstance(layers, Sequence) or isinstance(layers, str):
+        raise TypeError(f"estimate_memory takes an nn.Sequential, a list of each layer's parameter count, or the "
+                        f"model's parameter count (an int), got {type(layers).__name__}")
+    for k, n in enumerate(layers):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"estimate_memory: layer {k} has {n!r} parameters; each count must be an int >= 0")
+    return [[_Tensor(n, param_dtype, True)] if n else [] for n in layers]
 
 
 def _laid_out(tensors: Sequence[_Tensor], dtype_of) -> int:  # type: ignore[no-untyped-def]

@@ -24,11 +24,7 @@ import os
 import platform
 import sys
 import time
-import warnings
 from collections.abc import Callable
-
-# PyTorch warns at import when NumPy is not installed, though nothing here needs NumPy.
-warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
 
 import torch
 

@@ -37,11 +37,7 @@ import resource
 import statistics
 import sys
 import time
-import warnings
 from collections.abc import Callable
-
-# PyTorch warns at import when NumPy is not installed, though nothing here needs NumPy.
-warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
 
 import torch
 from torch import nn

@@ -27,12 +27,8 @@ import gc
 import statistics
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
-
-# PyTorch warns at import when NumPy is not installed, though nothing here needs NumPy.
-warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
 
 import psutil
 import torch

@@ -42,12 +42,8 @@ import platform
 import statistics
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
-
-# PyTorch warns at import when NumPy is not installed, though nothing here needs NumPy.
-warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
 
 import torch
 from torch import nn

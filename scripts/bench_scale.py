@@ -36,11 +36,7 @@ import shutil
 import tempfile
 import threading
 import time
-import warnings
 from pathlib import Path
-
-# PyTorch warns at import when NumPy is not installed, though nothing here needs NumPy.
-warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
 
 import psutil
 import torch

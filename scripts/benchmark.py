@@ -51,13 +51,9 @@ import re
 import statistics
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-
-# PyTorch warns at import when NumPy is not installed, though nothing here needs NumPy.
-warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
 
 import psutil
 import torch

@@ -16,10 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import warnings
-
-# PyTorch warns at import when NumPy is not installed, though nothing here needs NumPy.
-warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
 
 import torch
 

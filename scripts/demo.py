@@ -8,10 +8,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import warnings
-
-# PyTorch warns at import when NumPy is not installed, though nothing here needs NumPy.
-warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
 
 import torch
 from torch import nn

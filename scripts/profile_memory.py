@@ -25,11 +25,7 @@ import json
 import os
 import platform
 import sys
-import warnings
 from collections.abc import Callable
-
-# PyTorch warns at import when NumPy is not installed, though nothing here needs NumPy.
-warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
 
 import torch
 

@@ -12,10 +12,6 @@ import argparse
 import copy
 import os
 import sys
-import warnings
-
-# PyTorch warns at import when NumPy is not installed, though nothing here needs NumPy.
-warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
 
 import torch
 from torch.profiler import ProfilerActivity, profile

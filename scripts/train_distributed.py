@@ -24,12 +24,8 @@ import argparse
 import gc
 import os
 import time
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
-
-# PyTorch warns at import when NumPy is not installed, though nothing here needs NumPy.
-warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
 
 import torch
 import torch.distributed as dist

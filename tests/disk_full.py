@@ -1,9 +1,11 @@
-"""A full disk, for the disk tier's files of the given names: ``posix_fallocate`` refuses them."""
+"""A full disk: for the disk tier's files of the given names (``posix_fallocate`` refuses them), or
+as the free space a filesystem reports (``shutil.disk_usage``)."""
 
 from __future__ import annotations
 
 import errno
 import os
+import shutil
 
 from offload.streams import disk
 
@@ -21,3 +23,9 @@ def refuse_allocating(monkeypatch, *names: str) -> set[str]:
 
     monkeypatch.setattr(disk.os, "posix_fallocate", fallocate)
     return refusing
+
+
+def report_free(monkeypatch, nbytes: int) -> None:
+    """Every filesystem reports ``nbytes`` free (``shutil.disk_usage``, what room checks read)."""
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: real(path)._replace(free=nbytes))

@@ -21,7 +21,7 @@ from offload.disk_tier import WINDOW
 from offload.streams import disk
 from offload.streams.disk import page_aligned
 
-from .disk_full import refuse_allocating
+from .disk_full import refuse_allocating, report_free
 from .helpers import DEVICES
 from .test_optimizer import OPTIMIZERS, assert_same, batch, loss_of, network
 
@@ -432,3 +432,134 @@ def test_state_moved_to_disk_is_given_back_to_the_system(tmp_path, monkeypatch):
     assert calls == [1]  # later steps update the state where it is read: nothing to give back
     optimizer.load_state_dict(optimizer.state_dict())
     assert calls == [1, 1]
+
+
+def slow_writes(monkeypatch, seconds=0.05):
+    """Each state file write takes ``seconds`` longer, so that writes are still queued when the
+    caller goes on; returns the list of the files whose write completed, in order."""
+    import time
+
+    real = disk.StateFile.write
+    done = []
+
+    def write(self, buffer, nbytes):
+        time.sleep(seconds)
+        real(self, buffer, nbytes)
+        done.append(self.path.name)
+
+    monkeypatch.setattr(disk.StateFile, "write", write)
+    return done
+
+
+def open_files_in(directory):
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(directory)):
+            found.append(target)
+    return found
+
+
+def test_close_waits_for_the_queued_writes_and_leaves_no_file_or_descriptor(tmp_path, monkeypatch):
+    written = slow_writes(monkeypatch)
+    model = OffloadModel(network(), device="cpu", num_slices=3)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, disk_tier=tmp_path)
+    directory = optimizer._tier.directory
+    with optimizer:
+        train([(model, optimizer)], 1)  # the first step's writes make the files, slowly
+    # Every write queued was done before the files were closed and removed, none after.
+    assert written == ["slice-00000.state", "slice-00001.state", "slice-00002.state"]
+    assert not directory.exists()
+    assert os.listdir(tmp_path) == []
+    assert open_files_in(directory) == []
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_kept_files_hold_the_last_steps_state_when_closed_straight_after_it(tmp_path, monkeypatch, steps):
+    slow_writes(monkeypatch)
+    runs = trio(torch.optim.AdamW, {"lr": 1e-2}, tmp_path, keep=True)[1:]
+    train(runs, steps)
+    (_, ram), (_, optimizer) = runs
+    directory = optimizer._tier.directory
+    optimizer.close()  # no synchronize() or state_dict() before: the writes are still queued
+    ram.synchronize()
+    want = ram.state_dict()["state"]
+    manifest = json.loads((directory / "manifest.json").read_text())
+    assert len(manifest["slices"]) == 3
+    for entry in manifest["slices"]:
+        assert entry["place"] == "on disk"
+        raw = (directory / entry["file"]).read_bytes()
+        for f in entry["fields"]:
+            value = torch.frombuffer(bytearray(raw[f["offset"]:f["offset"] + f["nbytes"]]), dtype=torch.float32)
+            torch.testing.assert_close(value.view(f["shape"]), want[f["param"]][f["key"]], rtol=0, atol=0)
+    assert open_files_in(directory) == []
+
+
+def test_a_disk_without_room_for_the_state_is_refused_before_any_step(tmp_path, monkeypatch):
+    model = OffloadModel(network(), device="cpu", num_slices=3)
+    n = sum(p.numel() for p in model.parameters())
+    report_free(monkeypatch, 8 * n - 1)  # AdamW keeps 8 bytes per float32 parameter
+    with pytest.raises(DiskTierError, match=rf"needs about .* in {tmp_path} for the optimizer's state \(AdamW over "
+                                            rf"{n:,} parameters\), and its filesystem has .* free"):
+        OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, disk_tier=tmp_path)
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(DiskTierError, match="needs about"):
+        OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, disk_tier=tmp_path / "new")
+    assert os.listdir(tmp_path) == []  # not even the directory it would have made
+    report_free(monkeypatch, 8 * n + 2 * 4096)
+    OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, disk_tier=tmp_path).close()
+    # SGD without momentum keeps nothing per element: only the test page is needed.
+    report_free(monkeypatch, 4096)
+    OffloadOptimizer(model, torch.optim.SGD, lr=1e-2, disk_tier=tmp_path).close()
+
+
+def test_a_full_disk_at_construction_names_the_directory_and_leaves_nothing(tmp_path, monkeypatch):
+    real = os.pwritev
+
+    def full(fd, buffers, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(disk.os, "pwritev", full)
+    model = OffloadModel(network(), device="cpu", num_slices=3)
+    with pytest.raises(DiskTierError, match=rf"could not write a test page in {tmp_path}/new/offload-state-\w+ "
+                                            r"\(.*\.direct-io-probe\): No space left on device \(errno 28\); "
+                                            r"the filesystem of .* free and the state needs about"):
+        OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, disk_tier=tmp_path / "new")
+    assert os.listdir(tmp_path) == []  # neither the probe nor the tier's directories
+    monkeypatch.setattr(disk.os, "pwritev", real)
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"path": 3}, TypeError, "DiskTier path must be a directory path"),
+    ({"path": ""}, TypeError, "DiskTier path must be a directory path"),
+    ({"keep": "no"}, TypeError, "DiskTier keep must be True or False, got 'no'"),
+    ({"direct": 1}, TypeError, "DiskTier direct must be True or False, got 1"),
+], ids=["path-int", "path-empty", "keep-str", "direct-int"])
+def test_disk_tier_fields_are_checked(tmp_path, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        DiskTier(**{"path": tmp_path, **kwargs})
+
+
+def test_a_tier_directory_is_made_only_under_an_existing_writable_parent(tmp_path, monkeypatch):
+    model = OffloadModel(network(), device="cpu", num_slices=3)
+    missing = tmp_path / "no" / "such" / "dir"
+    with pytest.raises(ValueError, match=rf"DiskTier path {missing}: its parent directory {missing.parent} does not "
+                                         "exist; create it first"):
+        OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, disk_tier=missing)
+    assert os.listdir(tmp_path) == []
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="is a file, not a directory"):
+        OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, disk_tier=tmp_path / "file")
+    # One level is made where the parent exists.
+    OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, disk_tier=tmp_path / "new").close()
+    assert (tmp_path / "new").is_dir()
+    # Permissions, as an unprivileged user sees them (tests may run as root, who may write anywhere).
+    monkeypatch.setattr(disk.os, "access", lambda path, mode: str(path) != str(tmp_path / "locked"))
+    (tmp_path / "locked").mkdir()
+    with pytest.raises(ValueError, match=rf"DiskTier path {tmp_path / 'locked'} is not writable by this process"):
+        OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, disk_tier=tmp_path / "locked")
+    with pytest.raises(ValueError, match=rf"cannot create it, {tmp_path / 'locked'} is not writable"):
+        OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, disk_tier=tmp_path / "locked" / "x")

@@ -103,3 +103,32 @@ def test_optimizer_step_between_forward_and_backward_is_detected():
     opt.step()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+def test_offload_device_meta_is_refused_with_what_to_pass():
+    with pytest.raises(ValueError, match="offload_device='meta' holds no data.*pass offload_device='cpu'"):
+        OffloadModel(nn.Sequential(nn.Linear(2, 2)), device="cpu", offload_device="meta")
+
+
+def test_wrapping_an_offload_model_again_says_it_is_already_wrapped():
+    model = OffloadModel(nn.Sequential(nn.Linear(2, 2)), device="cpu")
+    with pytest.raises(TypeError, match="already an OffloadModel; train it as it is"):
+        OffloadModel(model, device="cpu")
+
+
+def test_estimate_memory_takes_a_parameter_count_and_refuses_bad_counts():
+    from offload import estimate_memory
+
+    # A count is the model cut into num_slices equal slices.
+    assert estimate_memory(8_000, num_slices=4, device="cpu") == estimate_memory([2_000] * 4, num_slices=4, device="cpu")
+    assert estimate_memory(10, num_slices=4, device="cpu") == estimate_memory([3, 3, 2, 2], num_slices=4, device="cpu")
+    for bad in (0, -5):
+        with pytest.raises(ValueError, match=f"needs a positive parameter count, got {bad}"):
+            estimate_memory(bad)
+    with pytest.raises(ValueError, match="layer 0 has -5 parameters; each count must be an int >= 0"):
+        estimate_memory([-5, 10])
+    with pytest.raises(ValueError, match=r"layer 1 has 2\.5 parameters"):
+        estimate_memory([10, 2.5])
+    with pytest.raises(TypeError, match="takes an nn.Sequential, a list of each layer's parameter count, or the "
+                                        "model's parameter count"):
+        estimate_memory("7b")

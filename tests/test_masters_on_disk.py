@@ -431,6 +431,12 @@ def test_bad_arguments(tmp_path):
         OffloadModel(network(), device="cpu", compute_dtype=BF16, masters=3)
     with pytest.raises(ValueError, match="masters='disk' needs a compute_dtype"):
         estimate_memory([100] * 4, masters="disk")
+    # A mistyped directory is not created (with its parents) wherever it points.
+    missing = tmp_path / "no" / "such"
+    with pytest.raises(ValueError, match=rf"masters directory {missing}: its parent directory {missing.parent} does "
+                                         "not exist; create it first"):
+        OffloadModel(network(), device="cpu", compute_dtype=BF16, masters=missing)
+    assert not missing.parent.exists()
 
 
 def test_an_unexpected_error_in_the_writer_is_raised_and_the_writes_go_on(tmp_path, monkeypatch):

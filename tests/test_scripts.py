@@ -236,6 +236,15 @@ def test_checkpoint_benchmark(tmp_path, disk_tier):
     assert list(checkpoints.iterdir()) == []  # its checkpoints are removed
 
 
+def test_bench_checksums_smoke_test(tmp_path):
+    out = run("scripts/bench_checksums.py", "--preset", "tiny", "--slices", "2", "--rounds", "1", "--dir",
+              str(tmp_path), "--json", str(tmp_path / "c.json"))
+    assert "save_with:" in out and "load_without:" in out
+    data = json.loads((tmp_path / "c.json").read_text())
+    assert data["checkpoint_bytes"] > 0 and data["crc32_save"]["runs_s"][0] > 0 and data["crc32_load"]["runs_s"][0] > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.json"]  # its checkpoints are removed
+
+
 def page(nbytes):
     return -(-nbytes // 4096) * 4096
 

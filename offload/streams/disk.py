@@ -2,7 +2,8 @@
 
 What this file holds: :class:`AlignedBuffer` (anonymous, page-aligned host memory seen as a
 tensor), :class:`StateFile` (one preallocated file, read and written whole from such a buffer),
-:func:`direct_io_supported` (whether a directory's filesystem takes ``O_DIRECT``) and
+:func:`direct_io_supported` (whether a directory's filesystem takes ``O_DIRECT``),
+:func:`make_directory` (a tier's directory, refused where a mistyped path would put it) and
 :class:`DiskCounters` (bytes moved and seconds spent, for benchmarks). What it does not: decide
 what goes to disk or when (``offload/disk_tier.py``), or order reads and writes against other work
 (the tier submits them to host workers through the copy engine, ``copies.py``).
@@ -90,32 +91,48 @@ class DiskCounters:
     write_seconds: float = 0.0
 
 
+def make_directory(path: Path, what: str) -> bool:
+    """Make directory ``path`` for ``what`` (``"DiskTier path"``) if it does not exist; its parent
+    must. A mistyped path (``/nvme0/run`` for ``/nvme/run``) would otherwise create a tree on
+    whatever disk holds the root, and fill it. Returns whether it made it.
+
+    Raises:
+        ValueError: ``path`` is a file, its parent does not exist, or it cannot be written to.
+    """
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{what} {path} is a file, not a directory; point it at a directory on a local disk")
+    if not path.exists():
+        parent = path.absolute().parent
+        if not parent.is_dir():
+            raise ValueError(f"{what} {path}: its parent directory {parent} does not exist; create it first (only the "
+                             "last level is created, so that a mistyped path does not put the files on another disk)")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise ValueError(f"{what} {path}: cannot create it, {parent} is not writable by this process; choose a "
+                             "directory you can write to")
+        path.mkdir()
+        return True
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"{what} {path} is not writable by this process; choose a directory you can write to")
+    return False
+
+
 def direct_io_supported(directory: Path) -> bool:
     """Whether files in ``directory`` can be opened with ``O_DIRECT`` and read and written through
-    it; if not, warn once per filesystem that the tier falls back to buffered I/O."""
+    it; if not, warn once per filesystem that the tier falls back to buffered I/O. The probe file
+    is removed whatever happens.
+
+    Raises:
+        OSError: the probe could not be written for another reason than ``O_DIRECT`` (``ENOSPC``:
+            the disk is full).
+    """
     if not _O_DIRECT:
         supported = False
     else:
         probe = directory / ".direct-io-probe"
-        supported = True
         try:
-            fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC | _O_DIRECT, 0o600)
-        except OSError as error:
-            if error.errno != errno.EINVAL:
-                raise
-            supported = False
-        else:
-            try:
-                page = AlignedBuffer(PAGE)
-                os.pwritev(fd, [page.view(0, PAGE)], 0)
-                os.preadv(fd, [page.view(0, PAGE)], 0)
-            except OSError as error:
-                if error.errno != errno.EINVAL:
-                    raise
-                supported = False
-            finally:
-                os.close(fd)
-        probe.unlink(missing_ok=True)
+            supported = _probe_direct_io(probe)
+        finally:
+            probe.unlink(missing_ok=True)  # on every way out: a full disk must not keep it
     if not supported:
         filesystem = os.stat(directory).st_dev
         with _warned_lock:
@@ -128,6 +145,27 @@ def direct_io_supported(directory: Path) -> bool:
                 "seem faster than the disk. Point the tier at a local disk (ext4, xfs) to avoid both.",
                 stacklevel=3)
     return supported
+
+
+def _probe_direct_io(probe: Path) -> bool:
+    """Whether ``probe`` can be created, written and read with ``O_DIRECT`` (``EINVAL``: no)."""
+    try:
+        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC | _O_DIRECT, 0o600)
+    except OSError as error:
+        if error.errno == errno.EINVAL:
+            return False
+        raise OSError(error.errno, error.strerror, str(probe)) from None
+    try:
+        page = AlignedBuffer(PAGE)
+        os.pwritev(fd, [page.view(0, PAGE)], 0)
+        os.preadv(fd, [page.view(0, PAGE)], 0)
+    except OSError as error:
+        if error.errno == errno.EINVAL:
+            return False
+        raise OSError(error.errno, error.strerror, str(probe)) from None
+    finally:
+        os.close(fd)
+    return True
 
 
 class StateFile:

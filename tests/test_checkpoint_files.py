@@ -1,0 +1,226 @@
+"""A checkpoint's files at the edges: checksums that catch flipped bytes before anything loads
+(Note: [Checkpoint checksums] in offload/checkpoint_files.py), a damaged .metadata, a full disk
+before and during a save, targets that are not checkpoints, and bad arguments; each a
+CheckpointError (or TypeError) that says what to do, leaving the previous checkpoint and the
+model untouched."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import zlib
+
+import pytest
+import torch
+from torch.distributed.checkpoint import filesystem
+
+from offload import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+
+from .disk_full import report_free
+from .test_checkpoint import assert_untouched, snapshot, trained
+
+
+def changed(model, optimizer):
+    """The model and optimizer after one more step: what a load must restore, or leave alone."""
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return model, optimizer
+
+
+def hidden(directory):
+    return sorted(e.name for e in directory.iterdir() if e.name.startswith("."))
+
+
+# -- checksums -------------------------------------------------------------------------------------
+
+
+def test_every_data_file_has_its_checksum_recorded(tmp_path):
+    save_checkpoint(tmp_path / "c", *trained())
+    info = json.loads((tmp_path / "c" / "offload.json").read_text())
+    files = sorted(p.name for p in (tmp_path / "c").glob("*.distcp"))
+    assert sorted(info["crc32"]) == files == ["__0_0.distcp"]
+    for name in files:
+        assert info["crc32"][name] == zlib.crc32((tmp_path / "c" / name).read_bytes())
+
+
+@pytest.mark.parametrize("where", [0.1, 0.5, 0.99], ids=["start", "middle", "end"])
+def test_a_flipped_byte_is_refused_naming_the_file_before_anything_loads(tmp_path, where):
+    save_checkpoint(tmp_path / "c", *trained())
+    data = tmp_path / "c" / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[int(len(raw) * where)] ^= 0x10
+    data.write_bytes(raw)  # the same length: DCP's own checks see nothing
+    model, optimizer = changed(*trained())
+    before = snapshot(model, optimizer)
+    with pytest.raises(CheckpointError, match=rf"checkpoint .* is damaged: {data} has CRC-32 [0-9a-f]{{8}}, "
+                                              r"[0-9a-f]{8} was recorded when it was saved.*Nothing was loaded"):
+        load_checkpoint(tmp_path / "c", model, optimizer)
+    assert_untouched(before, model, optimizer)
+
+
+def test_a_checkpoint_saved_without_checksums_still_loads(tmp_path):
+    saved = trained()
+    save_checkpoint(tmp_path / "c", *saved, extra={"step": 2})
+    info_file = tmp_path / "c" / "offload.json"
+    info = json.loads(info_file.read_text())
+    del info["crc32"]  # as saved before checksums were recorded
+    info_file.write_text(json.dumps(info))
+    model, optimizer = changed(*trained())
+    assert load_checkpoint(tmp_path / "c", model, optimizer) == {"step": 2}
+    assert_untouched(snapshot(*saved), model, optimizer)
+
+
+# -- a damaged .metadata ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "empty", "not-metadata"])
+def test_a_damaged_metadata_file_is_a_checkpoint_error(tmp_path, damage):
+    save_checkpoint(tmp_path / "c", *trained())
+    metadata = tmp_path / "c" / ".metadata"
+    raw = metadata.read_bytes()
+    metadata.write_bytes({"garbage": b"\x80\x05not a pickle at all", "truncated": raw[:len(raw) // 2], "empty": b"",
+                          "not-metadata": __import__("pickle").dumps({"a": 1})}[damage])
+    model, optimizer = changed(*trained())
+    before = snapshot(model, optimizer)
+    with pytest.raises(CheckpointError, match=r"checkpoint .* is damaged: its \.metadata (cannot be read|holds a dict)"):
+        load_checkpoint(tmp_path / "c", model, optimizer)
+    assert_untouched(before, model, optimizer)
+
+
+# -- a full disk -----------------------------------------------------------------------------------
+
+
+def writes_fail_after(monkeypatch, budget):
+    """Data files take ``budget`` bytes, then the disk is full (``ENOSPC``), as on a real full
+    disk; torch's archive writer reports that as ``unexpected pos``."""
+    real = filesystem.FileSystem.create_stream
+    left = [budget]
+
+    class Full:
+        def __init__(self, raw):
+            self.raw = raw
+
+        def write(self, data):
+            n = memoryview(data).nbytes
+            if n > left[0]:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            left[0] -= n
+            return self.raw.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.raw, name)
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        with real(self, path, mode) as stream:
+            yield Full(stream) if mode == "wb" and str(path).endswith(".distcp") else stream
+
+    monkeypatch.setattr(filesystem.FileSystem, "create_stream", create_stream)
+
+
+def test_a_disk_that_fills_up_during_a_save_says_so_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    model, optimizer = trained()
+    save_checkpoint(tmp_path / "a", model, optimizer, extra={"step": 2})
+    before = snapshot(model, optimizer)
+    changed(model, optimizer)
+    writes_fail_after(monkeypatch, 4000)
+    with pytest.raises(CheckpointError, match=r"could not save checkpoint .*b: the disk filled up while writing it \(the "
+                                              r"filesystem of .* has .* free once the partial save was removed; the save "
+                                              r"needs more than that: at least .*\)\. Nothing of it was kept and the "
+                                              r"previous checkpoint, .*a, is intact"):
+        save_checkpoint(tmp_path / "b", model, optimizer)
+    assert sorted(os.listdir(tmp_path)) == ["a", "latest"]  # no partial directory
+    assert latest_checkpoint(tmp_path) == tmp_path / "a"
+    # Replacing a checkpoint of the same name: it stays as it was.
+    with pytest.raises(CheckpointError, match=r"the disk filled up .* checkpoint .*a is intact \(it was not replaced\)"):
+        save_checkpoint(tmp_path / "a", model, optimizer)
+    assert sorted(os.listdir(tmp_path)) == ["a", "latest"]
+    fresh, fresh_optimizer = changed(*trained())
+    assert load_checkpoint(tmp_path / "a", fresh, fresh_optimizer) == {"step": 2}
+    assert_untouched(before, fresh, fresh_optimizer)
+
+
+def test_a_disk_without_room_for_a_save_is_refused_before_writing(tmp_path, monkeypatch):
+    model, optimizer = trained()
+    save_checkpoint(tmp_path / "a", model, optimizer)
+    state_bytes = sum(p.numel() * 4 * 3 for p in model.parameters())  # the parameters and AdamW's two moments
+    report_free(monkeypatch, state_bytes)  # the tensors fit, not with their headers
+    with pytest.raises(CheckpointError, match=r"not enough room to save checkpoint .*b: it needs at least .*, the "
+                                              rf"filesystem of {tmp_path} has .* free\. Nothing was written; the "
+                                              "previous checkpoint is intact"):
+        save_checkpoint(tmp_path / "b", model, optimizer)
+    assert sorted(os.listdir(tmp_path)) == ["a", "latest"]
+    report_free(monkeypatch, 10 * 2**20)
+    save_checkpoint(tmp_path / "b", model, optimizer)
+
+
+def test_a_full_disk_when_latest_is_written_says_the_checkpoint_is_saved(tmp_path, monkeypatch):
+    from offload import checkpoint
+
+    model, optimizer = trained()
+    save_checkpoint(tmp_path / "a", model, optimizer)
+    real = checkpoint._write_synced
+
+    def write_synced(file, data, atomically=False):
+        if file.name == "latest":
+            (file.parent / ".latest.tmp").write_bytes(b"")  # what a full disk leaves, removed below
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(file, data, atomically)
+
+    monkeypatch.setattr(checkpoint, "_write_synced", write_synced)
+    with pytest.raises(CheckpointError, match=r"checkpoint .*b is saved, but .*latest could not be made to name it "
+                                              r"\(OSError: .*No space left on device\): it still names a"):
+        save_checkpoint(tmp_path / "b", model, optimizer)
+    monkeypatch.setattr(checkpoint, "_write_synced", real)
+    load_checkpoint(tmp_path / "b", model, optimizer)
+
+
+# -- what is at the path ---------------------------------------------------------------------------
+
+
+def test_a_save_onto_a_file_is_refused_before_anything_is_touched(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match=r"cannot save a checkpoint at .*notes\.txt: it is a file"):
+        save_checkpoint(tmp_path / "notes.txt", *trained())
+    assert sorted(os.listdir(tmp_path)) == ["notes.txt"]
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_a_save_onto_a_directory_that_is_not_a_checkpoint_is_refused(tmp_path):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text("{}")
+    with pytest.raises(FileExistsError, match=r"cannot save a checkpoint at .*data: it is a directory that holds files "
+                                              r"but no offload\.json"):
+        save_checkpoint(tmp_path / "data", *trained())
+    assert sorted(os.listdir(tmp_path)) == ["data"] and os.listdir(tmp_path / "data") == ["train.jsonl"]
+    (tmp_path / "empty").mkdir()
+    save_checkpoint(tmp_path / "empty", *trained())  # an empty directory holds nothing to lose
+    assert latest_checkpoint(tmp_path) == tmp_path / "empty"
+
+
+# -- arguments -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("function", [save_checkpoint, load_checkpoint], ids=["save", "load"])
+def test_a_model_or_optimizer_of_the_wrong_type_is_a_type_error(tmp_path, function):
+    model, optimizer = trained()
+    save_checkpoint(tmp_path / "c", model, optimizer)
+    name = function.__name__
+    for bad in (None, "model"):
+        with pytest.raises(TypeError, match=rf"{name}\(\) takes the model \(an nn.Module: the OffloadModel\) after the "
+                                            rf"path, got {type(bad).__name__}"):
+            function(tmp_path / "c", bad, optimizer)
+    with pytest.raises(TypeError, match=rf"{name}\(\): optimizer must be a torch.optim.Optimizer .* or None, got str"):
+        function(tmp_path / "c", model, "adamw")
+
+
+def test_an_unpicklable_extra_is_refused_before_anything_is_written(tmp_path):
+    import threading
+
+    with pytest.raises(TypeError, match=r"extra must be picklable .*cannot pickle '_thread.lock' object\. Pass "
+                                        r"state_dict\(\)s"):
+        save_checkpoint(tmp_path / "c", *trained(), extra={"lock": threading.Lock()})
+    assert os.listdir(tmp_path) == []
