@@ -19,7 +19,7 @@ from torch import nn
 
 from .footprint import MemoryFootprint
 from .slicing import partition
-from .streams.host_storage import ALIGN_ELEMENTS, ALIGNMENT
+from .streams.host_storage import ALIGN_ELEMENTS, ALIGNMENT, BUFFER_REGION_ALIGNMENT
 
 #: Optimizer state per parameter, in units of the parameter's own element size.
 STATE_ELEMENTS = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0, None: 0}
@@ -31,6 +31,9 @@ class _Tensor:
     numel: int
     dtype: torch.dtype
     is_parameter: bool
+    #: A parameter that requires grad: only these have a ``.grad``, gradient buffers and optimizer
+    #: state (a LoRA model's frozen base has none of the three).
+    trainable: bool = True
 
 
 def estimate_memory(layers: nn.Module | Sequence[int], *, num_slices: int = 8,
@@ -42,7 +45,8 @@ def estimate_memory(layers: nn.Module | Sequence[int], *, num_slices: int = 8,
 
     Args:
         layers: an ``nn.Sequential`` (sliced as :class:`~offload.OffloadModel` slices it, each
-            tensor with its own dtype; nothing is allocated or changed), the parameter count of
+            tensor with its own dtype; parameters that do not require grad, a LoRA model's frozen
+            base, get no gradient or optimizer state; nothing is allocated or changed), the parameter count of
             each layer, in ``param_dtype``, or the model's parameter count (an ``int``: counted as
             ``num_slices`` slices of equal size).
         num_slices: as :class:`~offload.OffloadModel` takes it.
@@ -98,12 +102,14 @@ def estimate_memory(layers: nn.Module | Sequence[int], *, num_slices: int = 8,
         return compute_dtype if compute_dtype is not None and floating else t.dtype
 
     host = [_laid_out(s, lambda t: t.dtype) for s in slices]
-    shadow = [_laid_out([t for t in s if t.is_parameter], device_dtype) for s in slices] if compute_dtype else [0]
     on_device = [_laid_out(s, device_dtype) for s in slices]
-    grads = [sum(_align(t.numel * t.dtype.itemsize, ALIGNMENT) for t in s if t.is_parameter) for s in slices]
+    # The shadow holds what a load copies: the slice in its device layout, buffers included.
+    shadow = on_device if compute_dtype else [0]
+    grads = [sum(_align(t.numel * t.dtype.itemsize, ALIGNMENT) for t in s if t.is_parameter and t.trainable)
+             for s in slices]
     params = [t for s in slices for t in s if t.is_parameter]
     count = sum(t.numel for t in params)
-    state = sum(STATE_ELEMENTS[optimizer] * t.numel * t.dtype.itemsize for t in params)
+    state = sum(STATE_ELEMENTS[optimizer] * t.numel * t.dtype.itemsize for t in params if t.trainable)
     masters_bytes = sum(host)
     shadows = sum(shadow) if compute_dtype else 0
     disk = 0
@@ -111,8 +117,8 @@ def estimate_memory(layers: nn.Module | Sequence[int], *, num_slices: int = 8,
     if optimizer_state == "disk":
         disk += state
         # The tier's window: three slices' state being read, updated and written (offload/disk_tier.py).
-        per_slice = [sum(STATE_ELEMENTS[optimizer] * t.numel * t.dtype.itemsize for t in s if t.is_parameter)
-                     for s in slices]
+        per_slice = [sum(STATE_ELEMENTS[optimizer] * t.numel * t.dtype.itemsize for t in s
+                         if t.is_parameter and t.trainable) for s in slices]
         disk_window = min(3, len(slices)) * max(per_slice)
         state = 0
     if masters == "disk":
@@ -125,7 +131,9 @@ def estimate_memory(layers: nn.Module | Sequence[int], *, num_slices: int = 8,
         disk_window += min(3, len(slices)) * max(host)
         masters_bytes = 0
     gradients = sum(grads)
-    window = 2 * max(grads)  # gradients landing and being added (Note: [Gradients added in place])
+    # Gradients landing and being added (Note: [Gradients added in place]): two buffers of the
+    # largest slice's size, one when a single slice has gradients (a frozen base around it).
+    window = min(2, sum(1 for g in grads if g)) * max(grads)
     pool = window + activation_bytes
     pinned = torch.device(device).type == "cuda"
     return MemoryFootprint(
@@ -158,7 +166,8 @@ def _layers(layers: nn.Module | Sequence[int], param_dtype: torch.dtype) -> list
                 for t in source:
                     if id(t) not in seen:
                         seen.add(id(t))
-                        tensors.append(_Tensor(t.numel(), t.dtype, is_parameter))
+                        tensors.append(_Tensor(t.numel(), t.dtype, is_parameter,
+                                               trainable=is_parameter and t.requires_grad))
             result.append(tensors)
         return result
     if not isinstance(layers, Sequence) or isinstance(layers, str):
@@ -171,8 +180,13 @@ def _layers(layers: nn.Module | Sequence[int], param_dtype: torch.dtype) -> list
 
 
 def _laid_out(tensors: Sequence[_Tensor], dtype_of) -> int:  # type: ignore[no-untyped-def]
+    # As SliceStorage lays a slice out: its parameters, then its buffers from a region boundary.
     end = 0
-    for t in tensors:
+    params = [t for t in tensors if t.is_parameter]
+    buffers = [t for t in tensors if not t.is_parameter]
+    for t in params + buffers:
+        if buffers and t is buffers[0]:
+            end = _align(end, BUFFER_REGION_ALIGNMENT)
         dtype = dtype_of(t)
         align = ALIGN_ELEMENTS * dtype.itemsize
         end = _align(_align(end, align) + t.numel * dtype.itemsize, align)

@@ -203,9 +203,13 @@ def test_footprint_counts_every_category_per_parameter():
     (torch.optim.SGD, {"lr": 0.1, "fused": True}, "sgd"),
 ], ids=["adamw", "sgd-momentum", "sgd"])
 @pytest.mark.parametrize("num_slices", [2, 5])
-def test_the_estimate_matches_the_footprint(compute_dtype, optimizer_class, kwargs, name, num_slices):
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen-base"])
+def test_the_estimate_matches_the_footprint(compute_dtype, optimizer_class, kwargs, name, num_slices, frozen):
     plain = nn.Sequential(nn.Linear(48, 64), nn.LayerNorm(64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
                           nn.Linear(64, 40), nn.Linear(40, 64), nn.ReLU(), nn.Linear(64, 8))
+    if frozen:  # as under LoRA: most of the model frozen, gradients and state for the rest only
+        for k in (0, 1, 3, 5):
+            plain[k].requires_grad_(False)
     plan = estimate_memory(plain, num_slices=num_slices, compute_dtype=compute_dtype, optimizer=name, device="cpu")
     model = OffloadModel(plain, device="cpu", num_slices=num_slices, compute_dtype=compute_dtype)
     optimizer = OffloadOptimizer(model, optimizer_class, **kwargs)

@@ -474,3 +474,26 @@ def test_lora_on_fused_experts(kind, config):
     torch.testing.assert_close(list(peft_model.parameters()), list(reference.parameters()), **EXACT)
     if config == "target_parameters" or kind != "qwen2_moe":  # all-linear adapts Qwen2-MoE's shared expert only
         assert any(".experts." in n and p.requires_grad for n, p in peft_model.named_parameters())
+
+
+@pytest.mark.parametrize("compute_dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_estimate_memory_counts_gradients_and_state_for_the_adapters_only(compute_dtype):
+    # A LoRA model's frozen base has no .grad, no gradient buffers and no optimizer state: the
+    # estimate made from the cut model, before wrapping, matches what training then holds.
+    from offload import estimate_memory
+
+    sequential = causal_lm_sequential(lora(build("llama", layers=3)))
+    plan = estimate_memory(sequential, num_slices=3, optimizer="adamw", device="cpu", compute_dtype=compute_dtype)
+    model = OffloadModel(sequential, device="cpu", num_slices=3, compute_dtype=compute_dtype)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    for _ in range(2):
+        logits = model(batch())
+        logits.float().logsumexp(-1).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+    optimizer.synchronize()
+    footprint = model.memory_footprint()
+    for category in ("masters", "shadows", "gradients", "optimizer_state"):
+        assert plan.host_categories()[category] == footprint.host_categories()[category], category
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert footprint.host_optimizer_state == 8 * adapters
