@@ -106,3 +106,20 @@ def test_save_model_does_not_copy_the_model():
     assert measured["model_bytes"] > 100e6
     # A copy of the model would add its 100 MB; measured: 0.3 MB.
     assert measured["growth_bytes"] < 0.05 * measured["model_bytes"], measured
+
+
+def test_mixed_precision_runs_the_forward_under_autocast_as_the_plain_model():
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    acc = accelerate.Accelerator(cpu=True, mixed_precision="bf16")
+    plain = layers()
+    model = acc.prepare(OffloadModel(layers(), device="cpu", num_slices=3))
+    x, y = BATCHES[0]
+    acc.backward(nn.functional.mse_loss(model(x), y))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = plain(x)
+    nn.functional.mse_loss(want.float(), y).backward()
+    assert_same_state({n: p.grad for n, p in model.named_parameters()}, {n: p.grad for n, p in plain.named_parameters()})
+    assert_same_state(model.state_dict(), plain.state_dict())  # BatchNorm's running statistics too
