@@ -26,7 +26,7 @@ import pytest
 import torch
 from torch import nn
 
-from offload import DiskTier, OffloadModel
+from offload import DiskTier, OffloadModel, load_sequential
 from offload.streams.mapped import mapping_supported
 
 from .helpers import CUDA
@@ -92,6 +92,16 @@ def test_every_host_copy_has_a_storage_of_its_own_in_its_slices_buffer(setting, 
     assert model.memory_footprint().host_masters <= sum(s.storage.host_nbytes for s in model._engine.slices)
     if setting != "masters_on_disk":  # their pages in RAM, none between steps
         assert model.memory_footprint().host_masters == sum(s.storage.host_nbytes for s in model._engine.slices)
+
+
+def test_a_model_loaded_from_the_meta_device_has_storages_of_its_own(tmp_path):
+    plain = layers()
+    safetensors_torch.save_file(plain.state_dict(), tmp_path / "weights.safetensors")
+    model = load_sequential(layers, tmp_path / "weights.safetensors", "cpu", num_slices=3)
+    for tensor in model.state_dict().values():
+        assert stored(tensor) == (tensor.data_ptr(), tensor.nbytes)
+    safetensors_torch.save_file(model.state_dict(), tmp_path / "again.safetensors")
+    assert_same_state(safetensors_torch.load_file(tmp_path / "again.safetensors"), plain.state_dict())
 
 
 def test_tensors_share_a_storage_where_the_plain_models_do():

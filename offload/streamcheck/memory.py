@@ -53,7 +53,7 @@ def _use_count(storage: torch.UntypedStorage) -> int:
 
 @dataclass
 class _Range:
-    """What happened to bytes [start, end) of a storage."""
+    """What happened to bytes [start, end) of an allocation."""
 
     start: int
     end: int
