@@ -20,7 +20,10 @@ from torch import nn
 
 from offload import OffloadModel
 from offload.streamcheck import SCHEDULES, Dependency, StreamChecker, StreamOrderingError
+from offload.streamcheck.clocks import COMPUTE, Epoch, VectorClock
+from offload.streamcheck.memory import MemoryTracker, Race
 from offload.streams import CopyStreams
+from offload.streams.host_storage import flat_exporter, own_storage_view
 
 from .stream_scenarios import SCENARIOS, build_on_cpu
 
@@ -190,6 +193,43 @@ def test_fail_fast_raises_at_the_offending_operation():
             device = torch.zeros(4)
             copies.load(device, host)
             device + 0  # the device side of a load is device memory
+
+
+def test_writing_a_host_copy_through_its_own_storage_before_the_load_of_the_flat_buffer_ran_is_reported():
+    # A host copy has a storage of its own over the flat buffer's memory (Note: [A storage per host
+    # copy]); the load reads the flat buffer: the checker must see that they are the same bytes.
+    with StreamChecker() as checker:
+        copies = streams()
+        flat = pinned(copies, torch.arange(4.0))
+        parameter = own_storage_view(flat_exporter(flat.view(torch.uint8)), 4, torch.float32, torch.Size([2]))
+        assert parameter.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
+        device = torch.zeros(4)
+        ready = copies.load(device, flat)
+        parameter.fill_(-1.0)  # an optimizer step before the load has read the slice
+        copies.wait_ready(ready)
+        seen = (device + 0).clone()
+    assert torch.equal(seen, torch.tensor([0.0, -1.0, -1.0, 3.0]))
+    assert any(race.kind == "read then write not ordered" for race in checker.races), checker.summary()
+
+
+@pytest.mark.parametrize("alias_first", [False, True], ids=["buffer_first", "alias_first"])
+def test_storages_over_the_same_memory_share_its_history_whichever_is_seen_first(alias_first):
+    races: list[Race] = []
+    tracker = MemoryTracker(races.append)
+    flat = torch.zeros(64, dtype=torch.uint8)
+    alias = own_storage_view(flat_exporter(flat), 16, torch.float32, torch.Size([4]))
+    unrelated = torch.zeros(4)
+    writer, reader = VectorClock(), VectorClock()
+    if alias_first:
+        tracker.access(unrelated, True, Epoch(COMPUTE + 1, writer.tick(COMPUTE + 1), "earlier write"), writer)
+    first, second = (alias, flat[16:32]) if alias_first else (flat[16:32], alias)
+    tracker.access(first, True, Epoch(COMPUTE + 1, writer.tick(COMPUTE + 1), "side write"), writer)
+    tracker.access(flat[:16], False, Epoch(COMPUTE, reader.tick(COMPUTE), "read of other bytes"), reader)
+    assert not races
+    tracker.access(second, False, Epoch(COMPUTE, reader.tick(COMPUTE), "unordered read"), reader)
+    assert [(race.first, race.second) for race in races] == [("side write", "unordered read")]
+    assert len({id(tracker.tracked(t).memory) for t in (flat, alias)}) == 1
+    assert tracker.tracked(unrelated).memory is not tracker.tracked(flat).memory
 
 
 def test_unknown_schedule_is_refused():

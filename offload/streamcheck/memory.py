@@ -1,9 +1,17 @@
 """Who touched which bytes, and when: the happens-before race check over memory.
 
-Memory is tracked per storage (the allocation behind a tensor and all its views), byte range by
-byte range. For every range the tracker keeps the last write and, per agent, the last read since.
-A new access is checked against them: a write must come after earlier reads and writes by other
-agents, a read after the earlier write, where "after" means *happens after* (see ``clocks.py``).
+Memory is tracked per allocation, byte range by byte range. For every range the tracker keeps the
+last write and, per agent, the last read since. A new access is checked against them: a write must
+come after earlier reads and writes by other agents, a read after the earlier write, where "after"
+means *happens after* (see ``clocks.py``).
+
+An allocation is usually one storage (the memory behind a tensor and all its views), but storages
+may alias: a slice's host copies each have a storage of their own over the memory of the slice's
+flat buffer (Note: [A storage per host copy] in ``offload/streams/host_storage.py``), and an
+optimizer writing a parameter must be ordered against a load reading the flat buffer. So storages
+are matched by address: a storage whose bytes lie in an allocation already seen joins it (at its
+offset there), and one that covers allocations seen before takes them in. The tracker holds every
+storage it has seen, so an address it knows is never handed out again meanwhile.
 
 Storages also carry where they live, as the simulation sees it (all of them are CPU memory):
 
@@ -17,9 +25,10 @@ Storages also carry where they live, as the simulation sees it (all of them are 
 
 A storage is held (its memory cannot be reused) while the tracker has history for it, so that
 addresses never alias across allocations. The tracker notices that the program freed a storage
-when its own references are the last ones (:meth:`MemoryTracker.collect`), and then models the
-caching allocator: device memory freed while a side stream may still use it, and not marked as
-used by that stream, could be handed to compute too early.
+when its own references are the last ones (:meth:`MemoryTracker.collect`), and then, once every
+storage over an allocation is freed, models the caching allocator: device memory freed while a
+side stream may still use it, and not marked as used by that stream, could be handed to compute
+too early.
 """
 
 from __future__ import annotations
@@ -44,7 +53,7 @@ def _use_count(storage: torch.UntypedStorage) -> int:
 
 @dataclass
 class _Range:
-    """What happened to bytes [start, end) of a storage."""
+    """What happened to bytes [start, end) of an allocation."""
 
     start: int
     end: int
@@ -52,30 +61,62 @@ class _Range:
     reads: dict[int, Epoch] = field(default_factory=dict)
 
 
-@dataclass
-class Tracked:
-    """A storage the tracker holds.
+@dataclass(eq=False)
+class Allocation:
+    """Memory one or more storages cover (addresses ``start`` to ``end``), and what happened to it.
 
     Attributes:
-        storage: the tracker's own reference (keeps the memory from being reused).
         where: ``PINNED``, ``HOST``, ``DEVICE`` or ``UNKNOWN``.
         born_after_compute: operations of the compute stream queued when it was allocated: a
             freshly allocated device block may still be in use by them (the caching allocator
             reuses blocks in stream order), so another stream must wait for them before writing.
         side_written: whether a side stream has written it yet (the check above applies once).
         marked: agents that marked it as used (``record_stream``).
+        ranges: the access history, in bytes from ``start``.
+        storages: the records of the storages over it.
+    """
+
+    start: int
+    end: int
+    where: str
+    born_after_compute: int
+    side_written: bool = False
+    marked: set[int] = field(default_factory=set)
+    ranges: list[_Range] = field(default_factory=list)
+    storages: list[Tracked] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class Tracked:
+    """A storage the tracker holds.
+
+    Attributes:
+        storage: the tracker's own reference (keeps the memory from being reused).
+        memory: the allocation it covers part or all of.
+        offset: where the storage starts in ``memory``, in bytes.
         held: references the simulation itself holds through tensors of pending copies.
         freed: the program has let go of it (pending copies may still hold it).
     """
 
     storage: torch.UntypedStorage
-    where: str
-    born_after_compute: int
-    side_written: bool = False
-    marked: set[int] = field(default_factory=set)
+    memory: Allocation
+    offset: int = 0
     held: int = 0
     freed: bool = False
-    ranges: list[_Range] = field(default_factory=list)
+
+    # What concerns the memory is the allocation's, whichever storage it is seen through.
+
+    @property
+    def where(self) -> str:
+        return self.memory.where
+
+    @where.setter
+    def where(self, where: str) -> None:
+        self.memory.where = where
+
+    @property
+    def marked(self) -> set[int]:
+        return self.memory.marked
 
 
 @dataclass(frozen=True)
@@ -113,6 +154,9 @@ class MemoryTracker:
     def __init__(self, report: Callable[[Race], None]) -> None:
         self.report = report
         self.storages: dict[int, Tracked] = {}
+        # The allocations of non-empty storages by start address (they do not overlap).
+        self._starts: list[int] = []
+        self._allocations: list[Allocation] = []
 
     # -- storages ------------------------------------------------------------------------------
 
@@ -127,8 +171,55 @@ class MemoryTracker:
         key = storage._cdata
         record = self.storages.get(key)
         if record is None:
-            record = self.storages[key] = Tracked(storage, where, compute_count)
+            record = self.storages[key] = self._place(storage, where, compute_count)
         return record
+
+    def _place(self, storage: torch.UntypedStorage, where: str, compute_count: int) -> Tracked:
+        """A record for a storage not seen before, in the allocation its bytes lie in: one seen
+        before, a new one, or a new one that takes in those it covers."""
+        start, nbytes = storage.data_ptr(), storage.nbytes()
+        if nbytes == 0:  # no bytes to share: an allocation of its own, found by no address
+            memory = Allocation(start, start, where, compute_count)
+            record = Tracked(storage, memory)
+            memory.storages.append(record)
+            return record
+        end = start + nbytes
+        first = bisect.bisect_right(self._starts, start) - 1
+        if first >= 0 and self._allocations[first].end > start:
+            container = self._allocations[first]
+            if container.end >= end:  # usual case for an alias: inside an allocation seen before
+                record = Tracked(storage, container, start - container.start)
+                container.storages.append(record)
+                return record
+        else:
+            first += 1
+        last = bisect.bisect_left(self._starts, end)
+        overlapped = self._allocations[first:last]
+        memory = Allocation(min([start] + [m.start for m in overlapped]), max([end] + [m.end for m in overlapped]),
+                            next((m.where for m in overlapped if m.where != UNKNOWN), where),
+                            max([compute_count] + [m.born_after_compute for m in overlapped]))
+        for old in overlapped:
+            shift = old.start - memory.start
+            memory.ranges += [_Range(r.start + shift, r.end + shift, r.write, r.reads) for r in old.ranges]
+            memory.side_written |= old.side_written
+            memory.marked |= old.marked
+            for other in old.storages:
+                other.memory, other.offset = memory, other.offset + shift
+                memory.storages.append(other)
+        record = Tracked(storage, memory, start - memory.start)
+        memory.storages.append(record)
+        self._starts[first:last] = [memory.start]
+        self._allocations[first:last] = [memory]
+        return record
+
+    def _forget(self, key: int, record: Tracked) -> None:
+        del self.storages[key]
+        memory = record.memory
+        memory.storages.remove(record)
+        if not memory.storages and memory.end > memory.start:
+            index = bisect.bisect_left(self._starts, memory.start)
+            assert self._allocations[index] is memory
+            del self._starts[index], self._allocations[index]
 
     def where(self, tensor: torch.Tensor) -> str:
         record = self.tracked(tensor)
@@ -145,25 +236,26 @@ class MemoryTracker:
         for key, record in candidates:
             if record.freed:
                 if record.held == 0:
-                    del self.storages[key]
+                    self._forget(key, record)
                 continue
             if _use_count(record.storage) > 1 + record.held + dying:
                 continue
             record.freed = True
-            if record.where == DEVICE:
-                for epoch in self._accesses(record):
-                    if (side_agents(epoch.agent) and epoch.agent not in record.marked
+            memory = record.memory
+            if memory.where == DEVICE and all(other.freed for other in memory.storages):
+                for epoch in self._accesses(memory):
+                    if (side_agents(epoch.agent) and epoch.agent not in memory.marked
                             and not epoch.happens_before(compute_clock)):
                         self.report(Race(
                             "device memory freed while a side stream may still use it, without marking it used",
                             epoch.what, "free", f"{describe(epoch.agent)} never marked it (record_stream)"))
                         break
             if record.held == 0:
-                del self.storages[key]
+                self._forget(key, record)
 
     @staticmethod
-    def _accesses(record: Tracked) -> Iterator[Epoch]:
-        for r in record.ranges:
+    def _accesses(memory: Allocation) -> Iterator[Epoch]:
+        for r in memory.ranges:
             if r.write is not None:
                 yield r.write
             yield from r.reads.values()
@@ -176,7 +268,7 @@ class MemoryTracker:
         span = byte_span(tensor)
         if record is None or span is None:
             return
-        for r in self._cover(record, *span):
+        for r in self._cover(record.memory, record.offset + span[0], record.offset + span[1]):
             if r.write is not None and r.write.agent != epoch.agent and not r.write.happens_before(clock):
                 self.report(Race("write then " + ("write" if write else "read") + " not ordered",
                                  r.write.what, epoch.what))
@@ -195,8 +287,8 @@ class MemoryTracker:
         span = byte_span(tensor)
         if record is None or span is None:
             return False
-        start, end = span
-        for r in record.ranges:
+        start, end = record.offset + span[0], record.offset + span[1]
+        for r in record.memory.ranges:
             if r.end > start and r.start < end and (
                     (r.write is not None and r.write.agent == agent) or agent in r.reads):
                 return True
@@ -206,20 +298,21 @@ class MemoryTracker:
         """A side stream writes ``tensor``: if its block is freshly allocated device memory, the
         stream must have waited for the compute queued when it was allocated."""
         record = self.tracked(tensor)
-        if record is None or record.side_written:
+        if record is None or record.memory.side_written:
             return
-        record.side_written = True
-        if record.where in (PINNED, HOST):
+        memory = record.memory
+        memory.side_written = True
+        if memory.where in (PINNED, HOST):
             return
-        if clock.get(COMPUTE, 0) < record.born_after_compute:
+        if clock.get(COMPUTE, 0) < memory.born_after_compute:
             self.report(Race(
                 "write to freshly allocated device memory before the compute queued at its allocation",
-                f"allocation after compute operation {record.born_after_compute}", epoch.what,
+                f"allocation after compute operation {memory.born_after_compute}", epoch.what,
                 "the caching allocator may hand out a block that queued compute still uses: wait for compute first"))
 
-    def _cover(self, record: Tracked, start: int, end: int) -> list[_Range]:
+    def _cover(self, memory: Allocation, start: int, end: int) -> list[_Range]:
         """The ranges exactly covering [start, end), split and created as needed."""
-        ranges = record.ranges
+        ranges = memory.ranges
         starts = [r.start for r in ranges]
         k = bisect.bisect_right(starts, start) - 1
         if k >= 0 and ranges[k].end > start:

@@ -1,9 +1,10 @@
-"""The host copies of one slice: every parameter and buffer as a view into one flat byte buffer.
+"""The host copies of one slice: every parameter and buffer in the memory of one flat byte buffer.
 
 The user's ``nn.Parameter`` objects stay the same Python objects; only their ``.data`` is pointed
 into the slice's buffer, so an optimizer built on them keeps working and its in-place updates land
 where the next load reads them. One flat buffer per slice means a load is one copy, and the buffer
-is pinned once for the life of the model.
+is pinned once for the life of the model. Each tensor still has a storage of its own over its part
+of that memory (Note: [A storage per host copy]).
 
 Layout: parameters first, then buffers, each entry aligned to :data:`ALIGNMENT` bytes. The device
 slot uses the same layout in the *device dtype* of each entry, so a slice without dtype changes
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import ctypes
 import functools
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
@@ -115,6 +117,37 @@ def alias(flat: torch.Tensor, offset: int, dtype: torch.dtype, shape: torch.Size
         tensor.set_(flat.untyped_storage(), (flat.storage_offset() + offset) // itemsize, shape,
                     stride if stride is not None else torch.empty(shape, device="meta").stride())
     return tensor
+
+
+def flat_exporter(flat: torch.Tensor) -> ctypes.Array[ctypes.c_ubyte] | None:
+    """A Python buffer over the bytes of the CPU tensor ``flat`` that keeps ``flat`` alive, for
+    :func:`own_storage_view`; ``None`` for an empty one (Note: [A storage per host copy])."""
+    if flat.numel() == 0:
+        return None
+    exporter = (ctypes.c_ubyte * flat.numel()).from_address(flat.data_ptr())
+    # from_address holds no reference to the memory's owner: this one does, for as long as a
+    # storage made over the exporter lives.
+    exporter.flat = flat  # type: ignore[attr-defined]
+    return exporter
+
+
+def own_storage_view(exporter: ctypes.Array[ctypes.c_ubyte] | None, offset: int, dtype: torch.dtype,
+                     shape: torch.Size, stride: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Like :func:`typed_view` into the buffer ``exporter`` covers, but under a storage of its own:
+    the storage starts at the tensor's first byte and holds exactly its bytes, aliasing the
+    buffer's memory (no copy), and keeps the buffer alive (Note: [A storage per host copy]).
+
+    An empty tensor gets an empty storage of its own.
+    """
+    nbytes = shape.numel() * _itemsize(dtype)
+    # Tensors made under inference_mode could not be updated in place by training code later;
+    # these outlive the call that makes them.
+    with torch.inference_mode(False):
+        if nbytes == 0:
+            return torch.empty_strided(shape, stride or torch.empty(shape, device="meta").stride(), dtype=dtype)
+        assert exporter is not None
+        elements = torch.frombuffer(exporter, dtype=torch.uint8, count=nbytes, offset=offset).view(dtype)
+        return elements.view(shape) if stride is None else elements.as_strided(shape, stride)
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -273,6 +306,22 @@ class SliceStorage:
         Optimizers step the parameter once, with the slice that holds it. Buffers cannot be shared
         across slices: each slice writes its buffers back, and two write-backs would race.
 
+    Note: [A storage per host copy]
+        Every parameter and buffer a slice holds lies in the slice's flat buffer, but not as a view
+        of it: each has a storage of its own (``torch.frombuffer`` over the buffer's memory, see
+        :func:`own_storage_view`) that starts at the tensor's first byte and holds exactly its
+        bytes. Libraries that save a state dict take tensors that share a storage for tied ones:
+        safetensors refuses them, Accelerate's ``save_model`` and ``save_state`` keep one tensor
+        per storage and drop the others with a warning, and a resume with ``strict=False`` does
+        not notice the missing keys. With a storage per tensor, an offloaded model's state dict
+        shares storages exactly where the plain model's does (tied parameters). Nothing is
+        allocated or copied twice: loads still copy the flat buffer at once, the memory is the
+        same (``is_pinned()`` holds where the buffer is pinned; with masters on disk the mapped
+        file's pages are the parameters'), and the footprint counts the flat buffer. Each storage
+        keeps the flat buffer alive, so a parameter kept after its model is dropped keeps its
+        values. Code that follows memory by storage must compare addresses instead: the
+        stream-ordering checker does (``offload/streamcheck/memory.py``).
+
     Args:
         layers: the slice's layers.
         allocate: host byte allocator for buffers on ``offload_device``: pinned memory when
@@ -369,14 +418,15 @@ class SliceStorage:
         #: the file mapping that holds the host buffer, when the masters are on disk
         self.masters_file = self.allocate_masters(host_end) if casts and self.allocate_masters else None
         self.flat = self.masters_file.tensor[:host_end] if self.masters_file is not None else self.allocate(host_end)
+        exporter = flat_exporter(self.flat)
         for entry in self.held:
+            host = own_storage_view(exporter, entry.host_offset, entry.dtype, entry.shape, entry.stride)
             if entry.tensor.is_meta:
-                self._adopt_meta(entry)
+                self._adopt_meta(entry, host)
                 continue
-            view = typed_view(self.flat, entry.host_offset, entry.dtype, entry.shape, entry.stride)
-            view.copy_(entry.tensor.detach())
+            host.copy_(entry.tensor.detach())
             # Same object, new storage: optimizers and user references keep working.
-            entry.tensor.data = view
+            entry.tensor.data = host
         self._expected_ptrs = [entry.tensor.data_ptr() for entry in self.entries]
         self.release_masters()  # what was copied in goes to disk
         self.shadow = self.allocate(self.load_nbytes) if casts else None
@@ -387,7 +437,7 @@ class SliceStorage:
         self.shadow_read: Event | None = None
         self._built = True
 
-    def _adopt_meta(self, entry: Entry) -> None:
+    def _adopt_meta(self, entry: Entry, host: torch.Tensor) -> None:
         # A meta tensor cannot take host memory through .data (another tensor type): swap the
         # whole tensor instead, keeping the Python object and its attributes.
         if not _FILLED_BY_CALLER.get():
@@ -397,7 +447,6 @@ class SliceStorage:
                 "offload.load_sequential (offload.integrations.transformers.load_causal_lm for Hugging Face models)"
             )
         tensor = entry.tensor
-        host = alias(self.flat, entry.host_offset, entry.dtype, entry.shape, entry.stride)
         if isinstance(tensor, nn.Parameter):
             host = nn.Parameter(host, requires_grad=tensor.requires_grad)
         host.__dict__.update(tensor.__dict__)
