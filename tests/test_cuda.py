@@ -279,6 +279,20 @@ def test_a_cpu_input_reaches_the_device_through_pinned_memory(checkpoint):
     assert all(pinned for _, _, pinned in backend.host_sides), backend.host_sides
 
 
+def test_an_input_staged_into_a_buffer_a_detached_forward_still_offloads_into():
+    """``model(x).detach()`` drops the boundary activations while their (delayed) offloads still
+    write their pooled buffers; the next CPU input is staged on the CPU into a buffer of the same
+    size, which must wait for that offload first (``HostBuffer.write_event``)."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)]).cuda()
+    model = build(copy.deepcopy(reference), "copies", num_slices=4)
+    for step in range(3):
+        model(torch.randn(8, 64, device="cuda")).detach()
+        x = torch.randn(8, 64)  # pageable, as large as a boundary activation
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), reference(x.cuda()), **EXACT)
+
+
 def _warm_up_cublas(width: int) -> None:
     # cuBLAS allocates its workspace on first use; do that before measuring.
     a = torch.randn(8, width, device="cuda", requires_grad=True)

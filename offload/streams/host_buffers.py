@@ -34,10 +34,14 @@ class HostBuffer:
         data: the bytes (``torch.uint8``), pinned when copies are asynchronous.
         read_event: ready event of the last load that read this buffer; an offload into it must
             wait for it. ``None`` on the CPU.
+        write_event: ready event of the last offload that wrote this buffer; the CPU must wait
+            for it before writing the buffer (the buffer may be idle while that copy is still
+            running: its tensor was dropped, ``model(x).detach()``). ``None`` on the CPU.
     """
 
     data: torch.Tensor
     read_event: Event | None = None
+    write_event: Event | None = None
     _idle_use_count: int | None = None
     _last_taken: int = 0
 
