@@ -249,3 +249,23 @@ def test_offloaded_training_pins_about_what_it_asks_for_on_cuda():
     assert footprint.pinned and asked <= footprint.pinned_bytes <= 1.02 * asked + 2**20
     allocator = model._engine.copies.backend.pinned
     assert allocator.reserved_bytes < 1.02 * allocator.requested_bytes + 2**20
+
+
+def test_pooled_pinned_buffers_come_in_size_classes_that_nearby_sizes_share():
+    from offload.streams.host_buffers import HostBufferPool
+    from offload.streams.pinned import size_class
+
+    assert size_class(1000) == 1000  # the caching allocator's own business
+    for nbytes in (2**20, 2**20 + 1, 3 * 2**20 + 5, 5 * 2**20, 2**30 + 7):
+        rounded = size_class(nbytes)
+        assert nbytes <= rounded <= 1.25 * nbytes and rounded % mmap.PAGESIZE == 0
+        assert size_class(rounded) == rounded
+    driver = FakeDriver()
+    pool = HostBufferPool(driver.allocator().empty, size_class)
+    first = pool.take(3 * 2**20 + 5)  # one batch's activation
+    assert first.data.numel() == size_class(3 * 2**20 + 5)
+    seen = first.data.data_ptr()
+    del first
+    gc.collect()
+    second = pool.take(3 * 2**20 + 4096)  # the next batch's, a little longer: the same buffer
+    assert second.data.data_ptr() == seen and len(driver.requests) == 1

@@ -187,6 +187,18 @@ class PinnedAllocator:
                       f"cudaHostRegister needs nothing", RuntimeWarning, stacklevel=3)
 
 
+def size_class(nbytes: int) -> int:
+    """The size a pooled pinned buffer for ``nbytes`` gets: below ``SMALL_NBYTES`` the request
+    itself (the caching allocator rounds and reuses those); above, the next of four classes per
+    power of two (``2**k`` times 1, 1.25, 1.5 or 1.75), whole pages. At most a quarter more memory,
+    and requests that vary by less than that reuse one registered buffer."""
+    if nbytes < SMALL_NBYTES:
+        return nbytes
+    step = 1 << (nbytes.bit_length() - 3)  # a quarter of the power of two at or below nbytes
+    rounded = -(-nbytes // step) * step
+    return -(-rounded // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
 def _on_storage_free(tensor: torch.Tensor, callback: Callable[[], None]) -> None:
     """Call ``callback`` once the memory of ``tensor`` is freed (its storage's Python object is
     kept as long as the storage lives)."""
