@@ -72,3 +72,18 @@ def test_training_on_the_last_gpu_leaves_gpu_0_alone():
         optimizer.zero_grad()
     optimizer.synchronize()
     assert torch.cuda.memory_allocated(0) == before
+
+
+def test_events_the_host_may_wait_for_are_blocking(monkeypatch):
+    made = []
+
+    class FakeEvent:
+        def __init__(self, **kwargs):
+            made.append(kwargs)
+
+        def record(self, stream):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    CudaBackend(torch.device("cuda", 0)).record(object())
+    assert made == [{"blocking": True}]

@@ -269,3 +269,22 @@ def test_pooled_pinned_buffers_come_in_size_classes_that_nearby_sizes_share():
     gc.collect()
     second = pool.take(3 * 2**20 + 4096)  # the next batch's, a little longer: the same buffer
     assert second.data.data_ptr() == seen and len(driver.requests) == 1
+
+
+def test_buffers_alive_at_interpreter_exit_print_no_ignored_exception(tmp_path):
+    """A registered buffer still alive when the interpreter exits is not unregistered then (the
+    runtime may be gone, and the exit releases it): no "Exception ignored" on stderr."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit.py"
+    script.write_text(
+        "import sys, torch\n"
+        "from offload.streams.pinned import PinnedAllocator\n"
+        "def unregister(address):\n"
+        "    if sys.is_finalizing():\n"
+        "        raise RuntimeError('the CUDA runtime is gone')\n"
+        "allocator = PinnedAllocator(lambda address, nbytes: True, unregister, clear_error=lambda: None)\n"
+        "kept = allocator.empty(2**21)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "Exception ignored" not in done.stderr, done.stderr

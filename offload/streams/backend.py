@@ -140,7 +140,9 @@ class CudaBackend(StreamBackend):
         return torch.cuda.Stream(self.device)
 
     def record(self, stream: Stream) -> Event:
-        event = torch.cuda.Event()
+        # Blocking: a host that waits for it (wait_host, a host worker, freeing pinned memory) sleeps
+        # instead of spinning a core that the host update and the input pipeline need.
+        event = torch.cuda.Event(blocking=True)
         event.record(stream)
         return event
 

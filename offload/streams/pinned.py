@@ -37,6 +37,7 @@ import bisect
 import contextlib
 import ctypes
 import mmap
+import sys
 import threading
 import warnings
 import weakref
@@ -62,7 +63,9 @@ class _Mapping(mmap.mmap):
     last_use: Any = None
 
     def __del__(self) -> None:
-        if self.on_free is not None:
+        # At interpreter teardown the runtime and the modules it needs may be gone; the process's
+        # exit releases the registration and the pages anyway.
+        if self.on_free is not None and not sys.is_finalizing():
             self.on_free(self)
 
 
