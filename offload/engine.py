@@ -178,7 +178,7 @@ class Engine:
             # references through it.
             slots.adopt(storages)
         else:
-            self.slots = DeviceSlots(storages, self.copies, self.updates)
+            self.slots = DeviceSlots(storages, self.copies, self.updates, pool=self.pool)
         self.gradients = GradientOffloader(self.copies, self.pool)
 
     @property

@@ -279,9 +279,10 @@ def offload_optimizer_disk_tier(build: Build) -> list[torch.Tensor]:
 
 def offload_optimizer_masters_on_disk(build: Build) -> list[torch.Tensor]:
     """The masters in file mappings and the state on disk: each slice's masters read in and
-    written back on two more workers around its update, five slices through a window of three."""
+    written back on two more workers around its update, five slices through a window of three;
+    BatchNorm's running statistics, in the mappings too, written back through pinned memory."""
     with tempfile.TemporaryDirectory() as directory:
-        model = build(mlp(depth=5), num_slices=5, compute_dtype=torch.bfloat16, masters=directory)
+        model = build(mlp(depth=5, norm=True), num_slices=5, compute_dtype=torch.bfloat16, masters=directory)
         with OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True, disk_tier=directory) as optimizer:
             seen = train(model, steps=3, optimizer=optimizer)
             optimizer.synchronize()
