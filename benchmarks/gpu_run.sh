@@ -2,7 +2,8 @@
 # Everything that needs a GPU, in stages, each bounded in time, logs and JSON under $OUT
 # (or ./gpu_out when $OUT is unset). Uses the machine's own torch; does not reinstall it.
 #
-#   bash benchmarks/gpu_run.sh tests 300 cast profile   # the test suite (its time limit), cast and memory scripts
+#   bash benchmarks/gpu_run.sh tests 300 cast profile   # the newest GPU tests, the suite (its time limit), cast and memory scripts
+#   bash benchmarks/gpu_run.sh cuda 240                  # only the GPU tests of the newest CUDA-path fixes
 #   bash benchmarks/gpu_run.sh bench "mlp gpt-compute-bound" 0 300          # presets, RSS-trace steps, time limit
 #   bash benchmarks/gpu_run.sh bench "gpt-capped" 0 300 "--steps 5 --warmup 2"
 #   bash benchmarks/gpu_run.sh maxmodel 2 540 "--compute-dtype bf16"        # largest model under a 2 GiB cap, time limit
@@ -19,6 +20,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
         && export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# GPU tests of the CUDA-path fixes no GPU has run yet: first, so a short run still reports them.
+NEW_CUDA_TESTS="tests/test_grad_scaler.py tests/test_cuda.py tests/test_pinned.py tests/test_cuda_devices.py
+    tests/test_memory.py tests/test_parametrize.py tests/test_parity.py tests/test_masters_on_disk.py"
 {
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,power.limit --format=csv
     python3 -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"
@@ -29,7 +33,12 @@ while [ $# -gt 0 ]; do
     stage=$1; shift
     echo "=== $stage $(date +%T)" | tee -a "$OUT/run.log"
     case $stage in
-        tests)  # tests <seconds>
+        cuda)  # cuda <seconds>: the cuda-marked tests of NEW_CUDA_TESTS only
+            timeout "$1" python3 -m pytest -q -rfE -p no:cacheprovider -m cuda $NEW_CUDA_TESTS > "$OUT/pytest_cuda.log" 2>&1
+            grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_cuda.log" | tail -n 60 | tee -a "$OUT/run.log"; shift ;;
+        tests)  # tests <seconds>: the cuda-marked tests of NEW_CUDA_TESTS first (at most 240 s), then the suite
+            timeout 240 python3 -m pytest -q -rfE -p no:cacheprovider -m cuda $NEW_CUDA_TESTS > "$OUT/pytest_cuda.log" 2>&1
+            grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_cuda.log" | tail -n 60 | tee -a "$OUT/run.log"
             timeout "$1" python3 -m pytest -q -rfE -p no:cacheprovider > "$OUT/pytest.log" 2>&1; shift
             grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.log" | tail -n 60 | tee -a "$OUT/run.log" ;;
         only)  # only "<pytest args>"

@@ -34,6 +34,7 @@ from .autograd.recompute_state import is_recomputing
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from .disk_tier import DiskTier, DiskTierError
 from .footprint import MemoryFootprint
+from .grad_scaler import GradScaler
 from .loading import load_sequential
 from .model import OffloadModel
 from .optimizer import OffloadOptimizer
@@ -41,6 +42,6 @@ from .planner import estimate_memory
 from .slice_update import HostUpdateError
 from .streams.collectives import CollectiveError
 
-__all__ = ["CheckpointError", "CollectiveError", "DiskTier", "DiskTierError", "HostUpdateError", "MemoryFootprint",
+__all__ = ["CheckpointError", "CollectiveError", "DiskTier", "DiskTierError", "GradScaler", "HostUpdateError", "MemoryFootprint",
            "OffloadModel", "OffloadOptimizer", "estimate_memory", "is_recomputing", "latest_checkpoint",
            "load_checkpoint", "load_sequential", "save_checkpoint"]

@@ -29,6 +29,7 @@ from .streams import (
     SliceUpdates,
     holder_of,
 )
+from .streams.pinned import size_class
 
 
 @dataclass
@@ -156,7 +157,8 @@ class Engine:
             self.slices.append(Slice(i, names, layers, storage))
             held.update(id(e.tensor) for e in storage.held)
         _check_borrowed(self.slices)
-        self.pool = HostBufferPool(allocate)
+        # Pinned buffers come in size classes: registering one costs driver and system calls.
+        self.pool = HostBufferPool(allocate, size_class if self.pin else None)
         #: the OffloadOptimizers stepping this model, for its memory footprint
         self.optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self.milestones = Milestones()
@@ -176,7 +178,7 @@ class Engine:
             # references through it.
             slots.adopt(storages)
         else:
-            self.slots = DeviceSlots(storages, self.copies, self.updates)
+            self.slots = DeviceSlots(storages, self.copies, self.updates, pool=self.pool)
         self.gradients = GradientOffloader(self.copies, self.pool)
 
     @property

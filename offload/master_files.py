@@ -79,8 +79,8 @@ class MasterFiles:
                              "soon as they are mapped. Save a checkpoint (offload.save_checkpoint) to keep the "
                              "parameters, and pass masters=DiskTier(path) without keep")
         if not mapping_supported():
-            raise ValueError("masters on disk need Linux 5.14 or later (madvise MADV_POPULATE_WRITE, "
-                             "posix_fadvise); keep them in RAM on this system (masters=None)")
+            raise ValueError("masters on disk need Linux (shared file mappings, posix_fadvise, posix_fallocate, "
+                             "preadv); keep them in RAM on this system (masters=None)")
         self.directory = Path(setting.path)
         make_directory(self.directory, "masters directory")
         self.copies = copies

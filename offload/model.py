@@ -18,6 +18,7 @@ from .autograd import Call, OffloadFunction, flatten_input
 from .autograd.accumulation import mark_zeroed
 from .data_parallel import DataParallel
 from .engine import Engine
+from .grad_scaler import warn_about_plain_grad_scalers
 from .footprint import MemoryFootprint, measure as measure_footprint
 from .slicing import layer_nbytes, partition
 from .streamed import streamed_forward
@@ -133,6 +134,10 @@ class OffloadModel(nn.Module):
             raise ValueError(f"masters on disk are host memory backed by a file; offload_device must be 'cpu', got "
                              f"{self.offload_device}")
         self._masters = masters
+        if self.device.type == "cuda" and self.offload_device.type == "cpu":
+            # Host gradients on CUDA: a plain torch.amp.GradScaler races over them (Note: [Loss scaling
+            # with host gradients] in grad_scaler.py).
+            warn_about_plain_grad_scalers()
         self._adopt(named_groups)
         self._data_parallel: DataParallel | None = None
         if process_group is not None:

@@ -190,6 +190,7 @@ class SliceWalk:
         # Rule 4 of [Copy ordering]: the host reads the written-back buffers next, and may
         # overwrite the host copies that loads read.
         self.engine.copies.wait_host_all(self._written_back)
+        self.engine.slots.land_write_backs()
         self.engine.copies.wait_loads_done()
         self.state = WalkState.FINISHED
 

@@ -82,9 +82,12 @@ class HostStepped:
         self.masters = [nn.Parameter(p.detach().cpu().clone()) for p in self.params]
         self.optimizer = make_optimizer(self.masters)
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
-            p.grad = None
+            if set_to_none or p.grad is None:
+                p.grad = None
+            else:
+                p.grad.zero_()
 
     @torch.no_grad()
     def step(self) -> None:

@@ -279,9 +279,10 @@ def offload_optimizer_disk_tier(build: Build) -> list[torch.Tensor]:
 
 def offload_optimizer_masters_on_disk(build: Build) -> list[torch.Tensor]:
     """The masters in file mappings and the state on disk: each slice's masters read in and
-    written back on two more workers around its update, five slices through a window of three."""
+    written back on two more workers around its update, five slices through a window of three;
+    BatchNorm's running statistics, in the mappings too, written back through pinned memory."""
     with tempfile.TemporaryDirectory() as directory:
-        model = build(mlp(depth=5), num_slices=5, compute_dtype=torch.bfloat16, masters=directory)
+        model = build(mlp(depth=5, norm=True), num_slices=5, compute_dtype=torch.bfloat16, masters=directory)
         with OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True, disk_tier=directory) as optimizer:
             seen = train(model, steps=3, optimizer=optimizer)
             optimizer.synchronize()
@@ -311,6 +312,20 @@ def offload_optimizer_after_forwards_without_backward(build: Build) -> list[torc
         optimizer.step()
         optimizer.zero_grad()
     return seen + train(model, steps=1, optimizer=optimizer)
+
+
+def detached_forward_then_buffer_snapshots(build: Build) -> list[torch.Tensor]:
+    """``model(x).detach()``: the boundary activations' offloads are still running when their
+    pooled buffers fall idle, and the next forward (in training mode, so it snapshots the
+    BatchNorm buffers on the host into pooled buffers of the same size) writes one on the CPU.
+    Width 2 and 32 rows a microbatch make a boundary activation as large as a slice's buffers."""
+    model = build(mlp(width=2, norm=True), num_slices=3, num_microbatches=2)
+    seen: list[torch.Tensor] = []
+    for step in range(3):
+        torch.manual_seed(step)
+        model.train(step % 2 == 1)  # eval mode changes no buffer: the first forward takes no snapshot
+        seen.append(model(inputs(step, rows=64, width=2)).detach().clone())
+    return seen + state(model)
 
 
 def reads_between_step_and_forward(build: Build) -> list[torch.Tensor]:
@@ -468,7 +483,8 @@ SCENARIOS: dict[str, Callable[[Build], list[torch.Tensor]]] = {
         no_grad_between_steps, forward_then_host_writes, buffers_read_after_forward, faults, frozen_first_slice,
         input_gradients_only, second_model_after_compute, offload_optimizer, offload_optimizer_disk_tier,
         offload_optimizer_masters_on_disk, offload_optimizer_bfloat16,
-        offload_optimizer_after_forwards_without_backward, reads_between_step_and_forward, data_parallel_one_rank,
+        offload_optimizer_after_forwards_without_backward, detached_forward_then_buffer_snapshots,
+        reads_between_step_and_forward, data_parallel_one_rank,
         tied_across_slices, tied_across_slices_offload_optimizer, sparse_gradients_and_strided_boundaries,
     )
 }

@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+import offload
 from offload import OffloadModel, OffloadOptimizer
 from offload.streams import CudaBackend, using_backend
 
@@ -278,6 +279,20 @@ def test_a_cpu_input_reaches_the_device_through_pinned_memory(checkpoint):
     assert all(pinned for _, _, pinned in backend.host_sides), backend.host_sides
 
 
+def test_an_input_staged_into_a_buffer_a_detached_forward_still_offloads_into():
+    """``model(x).detach()`` drops the boundary activations while their (delayed) offloads still
+    write their pooled buffers; the next CPU input is staged on the CPU into a buffer of the same
+    size, which must wait for that offload first (``HostBuffer.write_event``)."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)]).cuda()
+    model = build(copy.deepcopy(reference), "copies", num_slices=4)
+    for step in range(3):
+        model(torch.randn(8, 64, device="cuda")).detach()
+        x = torch.randn(8, 64)  # pageable, as large as a boundary activation
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), reference(x.cuda()), **EXACT)
+
+
 def _warm_up_cublas(width: int) -> None:
     # cuBLAS allocates its workspace on first use; do that before measuring.
     a = torch.randn(8, width, device="cuda", requires_grad=True)
@@ -369,7 +384,9 @@ def test_autocast_and_grad_scaler_on_cuda_with_host_gradients(dtype):
     torch.manual_seed(0)
     reference = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4)).cuda()
     model = OffloadModel(copy.deepcopy(reference), device="cuda", num_slices=3)
-    scalers = [torch.amp.GradScaler("cuda", init_scale=2.0**12) for _ in range(2)]
+    # The plain scaler for the resident model, offload's for the host gradients (Note: [Loss scaling
+    # with host gradients] in offload/grad_scaler.py).
+    scalers = [torch.amp.GradScaler("cuda", init_scale=2.0**12), offload.GradScaler("cuda", init_scale=2.0**12)]
     optims = [torch.optim.SGD(net.parameters(), lr=1e-2) for net in (reference, model)]
     for _ in range(3):
         x = torch.randn(8, 32, device="cuda")
@@ -386,13 +403,13 @@ def test_autocast_and_grad_scaler_on_cuda_with_host_gradients(dtype):
 
 
 def test_grad_scaler_unscales_host_gradients_while_the_stream_is_busy():
-    # GradScaler copies its inverse scale to the host with non_blocking=True, and its host-side
-    # unscale reads the copy at once. With kernels still queued on the stream (the user's, or a
-    # next forward's), that copy lands late: this checks whether the host gradients OffloadModel
-    # hands over are unscaled with the right factor even then.
+    # torch.amp.GradScaler copies its inverse scale to the host with non_blocking=True, and its
+    # host-side unscale reads the copy at once. With kernels still queued on the stream (the user's,
+    # or a next forward's), that copy lands late; offload.GradScaler copies it blocking. This checks
+    # that the host gradients OffloadModel hands over are unscaled with the right factor even then.
     torch.manual_seed(0)
     model = OffloadModel(nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1)), device="cuda", num_slices=2)
-    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10)
+    scaler = offload.GradScaler("cuda", init_scale=2.0**10)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler.scale(model(torch.randn(8, 64, device="cuda")).sum()).backward()
     expected = [p.grad / 2.0**10 for p in model.parameters()]

@@ -412,3 +412,30 @@ def test_sharded_update_with_the_masters_on_disk(tmp_path):
         optimizer.zero_grad()
     for got, want in zip(mine["disk-whole-batch"]["params"], model.parameters()):
         assert torch.equal(got, want.detach())
+
+
+def test_device_averages_reduce_a_summation_buffer_in_one_collective(tmp_path, monkeypatch):
+    """Gradients side by side in one device buffer (the sums of several microbatches) are reduced by
+    one NCCL call, as the host path does (a gloo group of one process stands in for NCCL)."""
+    from offload.streams import CopyStreams
+    from offload.streams.collectives import DeviceCollectives
+
+    calls = []
+    all_reduce = dist.all_reduce
+
+    def counted(tensor, *args, **kwargs):
+        calls.append(tensor.numel())
+        return all_reduce(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(dist, "all_reduce", counted)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        collectives = DeviceCollectives(CopyStreams(torch.device("cpu")), dist.group.WORLD)
+        buffer = torch.arange(20.0)
+        side_by_side = [buffer[0:6].view(2, 3), buffer[8:20].view(3, 4).t()]  # a gap, a transposed layout
+        alone = torch.arange(5.0)
+        assert collectives.average([*side_by_side, alone]) is None
+    finally:
+        dist.destroy_process_group()
+    assert sorted(calls) == [5, 20]
+    assert torch.equal(buffer, torch.arange(20.0)) and torch.equal(alone, torch.arange(5.0))

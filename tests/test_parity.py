@@ -154,7 +154,8 @@ def test_optimizer_built_on_the_original_parameters_trains_the_model(device):
     reference = clone_model(plain)
     optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)  # built before wrapping
     model = OffloadModel(plain, device=device, num_slices=2)
-    opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1)
+    # On a GPU the reference's optimizer steps host copies, as OffloadModel's does.
+    opt_ref = HostStepped(reference, lambda params: torch.optim.SGD(params, lr=0.1))
     x = torch.randn(6, 12, device=device)
     for net, opt in ((model, optimizer), (reference, opt_ref)):
         for _ in range(2):

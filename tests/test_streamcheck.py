@@ -247,6 +247,7 @@ NEEDED = [
     Dependency("synchronize_event", "wait_host_all", "walk.py:finish", "offload"),
     Dependency("synchronize_event", "wait_loads_done", "walk.py:finish", "load"),
     Dependency("synchronize_event", "wait_host", "gradients.py:accumulate", "offload"),
+    Dependency("synchronize_event", "wait_host", "activations.py:copy_on_host", "offload"),
     Dependency("synchronize_event", "wait_host", "device_slots.py:prefetch", "host update"),
     Dependency("synchronize_event", "wait_host", "model.py:_settle", "host update"),
     Dependency("synchronize_event", "wait_host", "optimizer.py:synchronize", "host update"),

@@ -67,6 +67,7 @@ class ActivationOffloader:
         memory = typed_view(buffer.data, 0, tensor.dtype, source.shape)
         ready = self.copies.offload(memory, source, after=(buffer.read_event,), src_may_change=True,
                                     label="offload::offload activation")
+        buffer.write_event = ready
         self.offloaded_bytes += nbytes
         return layout.on(memory), OffloadTicket(ready, buffer, layout)
 
@@ -79,8 +80,10 @@ class ActivationOffloader:
         """
         nbytes = host_tensor.numel() * host_tensor.element_size()
         buffer = self.pool.take(nbytes)
-        # Rule 4 of [Copy ordering]: a load may still be reading what this buffer held before.
+        # Rule 4 of [Copy ordering]: a load may still be reading what this buffer held before,
+        # and an offload may still be writing it (its tensor dropped before the copy landed).
         self.copies.wait_host(buffer.read_event)
+        self.copies.wait_host(buffer.write_event)
         copy = typed_view(buffer.data, 0, host_tensor.dtype, host_tensor.shape)
         copy.copy_(host_tensor)
         return copy, OffloadTicket(None, buffer)

@@ -86,6 +86,11 @@ class StreamBackend(abc.ABC):
         """Device memory of ``tensor`` is used by ``stream``: if it is freed, the allocator must not
         hand it out again before the work queued on ``stream`` so far is done."""
 
+    def mark_host_used(self, tensor: torch.Tensor, event: Event) -> None:
+        """Host memory of ``tensor`` is read or written by the copy that ``event`` ends: if it is
+        freed, it must not be unmapped before then. Default: nothing (memory that tracks its own
+        copies, or none that is unmapped on free)."""
+
     @abc.abstractmethod
     def empty_host(self, nbytes: int) -> torch.Tensor:
         """``nbytes`` of host memory (``torch.uint8``) that copies can use asynchronously."""
@@ -104,9 +109,10 @@ class StreamBackend(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot queue device work on a side stream")
 
     def new_worker(self, role: str, num_threads: int | None = None) -> HostWorker:
-        """A host worker (see ``workers.py``): submitted work runs in order, off the calling thread;
-        its ``record()`` events can be passed to :meth:`synchronize_event`."""
-        return HostWorker(f"offload {role}", num_threads)
+        """A host worker (see ``workers.py``): submitted work runs in order, off the calling thread,
+        with this backend's device as its current device; its ``record()`` events can be passed to
+        :meth:`synchronize_event`."""
+        return HostWorker(f"offload {role}", num_threads, device=self.device)
 
     def submit(self, worker: HostWorker, work: Callable[[], None], after: list[Event]) -> Event:
         """Queue ``work`` on ``worker``; the worker first waits for ``after``. Returns its event."""
@@ -125,7 +131,7 @@ class CudaBackend(StreamBackend):
     def __init__(self, device: torch.device) -> None:
         self.device = device
         # Host copies and gradient buffers pinned at their own size, not the next power of two.
-        self.pinned = PinnedAllocator()
+        self.pinned = PinnedAllocator(device=device)
 
     def current_stream(self) -> Stream:
         return torch.cuda.current_stream(self.device)
@@ -134,7 +140,9 @@ class CudaBackend(StreamBackend):
         return torch.cuda.Stream(self.device)
 
     def record(self, stream: Stream) -> Event:
-        event = torch.cuda.Event()
+        # Blocking: a host that waits for it (wait_host, a host worker, freeing pinned memory) sleeps
+        # instead of spinning a core that the host update and the input pipeline need.
+        event = torch.cuda.Event(blocking=True)
         event.record(stream)
         return event
 
@@ -159,6 +167,9 @@ class CudaBackend(StreamBackend):
 
     def mark_used(self, tensor: torch.Tensor, stream: Stream) -> None:
         tensor.record_stream(stream)
+
+    def mark_host_used(self, tensor: torch.Tensor, event: Event) -> None:
+        self.pinned.used_until(tensor, event)
 
     def empty_host(self, nbytes: int) -> torch.Tensor:
         return self.pinned.empty(nbytes)

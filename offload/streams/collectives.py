@@ -162,9 +162,11 @@ class DeviceCollectives:
         the means are there (``None`` when they are there on return)."""
         backend, stream = self.copies.backend, self.communication_stream
         with torch.no_grad():
-            # Each gradient's memory as one run (they are dense: see _unshared in autograd/gradients.py),
-            # whatever its layout.
-            flats = [flat_alias(tensor) for tensor in tensors]
+            # One collective per run of memory, as on the host: the sums of several microbatches
+            # lie side by side in one summation buffer, and each NCCL call costs a launch and a
+            # round trip between the ranks. Each gradient's memory is one run (they are dense:
+            # see _unshared in autograd/gradients.py), whatever its layout.
+            flats = _spans(tensors)
             if backend is None or stream is None:
                 for flat in flats:
                     dist.all_reduce(flat, group=self.group)

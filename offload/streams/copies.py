@@ -31,6 +31,12 @@ Note: [Copy ordering]
        pooled pinned buffers first: an asynchronous copy from pageable memory may block.
     5. After an exception the streams are drained (:meth:`CopyStreams.drain`): whatever was in
        flight finishes before compute or the CPU touch that memory again.
+    6. Host memory a copy reads or writes is not unmapped before the copy is done: each copy's
+       ready event is handed to the backend with the host side (``mark_host_used``), and the
+       pinned allocator waits for the last one before it unregisters and unmaps a freed buffer
+       (Note: [Registered memory and copies in flight] in ``pinned.py``). The stream-ordering
+       checker does not model unmapping, so the mutation test does not cover this one; the CPU
+       tests of ``pinned.py`` do.
 
     Every wait, synchronisation and mark above is needed: the stream-ordering checker's mutation
     test (``tests/test_streamcheck.py``) leaves each one out in turn and a training scenario
@@ -169,6 +175,8 @@ class CopyStreams:
                     backend.wait_event(self.load_stream, event)
             backend.copy(dst, src, self.load_stream, to_device=True)
             ready = backend.record(self.load_stream)
+            # Rule 6: src's pages must not be unmapped before the copy has read them.
+            backend.mark_host_used(src, ready)
             # Rule 2: if dst is freed before compute used it, the copy may still be writing it.
             backend.mark_used(dst, self.load_stream)
             self._last_load = ready
@@ -222,6 +230,9 @@ class CopyStreams:
             for dst, src in zip(dsts, srcs):
                 backend.copy(dst, src, self.offload_stream, to_device=False)
             ready = backend.record(self.offload_stream)
+            for dst in dsts:
+                # Rule 6: dst's pages must not be unmapped before the copy has written them.
+                backend.mark_host_used(dst, ready)
             for src in srcs:
                 # Rule 3: keep the allocator from recycling each source before the copy has read it.
                 backend.mark_used(src, self.offload_stream)

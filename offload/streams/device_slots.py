@@ -34,6 +34,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from .activations import OffloadTicket
 from .backend import Event
 from .copies import CopyStreams
+from .host_buffers import HostBufferPool
 from .host_storage import SliceStorage, holder_of
 from .updates import SliceUpdates
 
@@ -108,10 +109,14 @@ class DeviceSlots:
     """
 
     def __init__(self, storages: Sequence[SliceStorage], copies: CopyStreams, updates: SliceUpdates,
-                 num_slots: int = 2) -> None:
+                 num_slots: int = 2, pool: HostBufferPool | None = None) -> None:
         self.storages = storages
         self.copies = copies
         self.updates = updates
+        # Pinned buffers that write-backs into a file mapping go through (write_back_buffers).
+        self.pool = pool
+        #: write-backs staged in pinned memory, to land in their host copies: (host, staged)
+        self._staged: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._tick = 0
         nbytes = max(storage.device_nbytes for storage in storages)
         self._slots = [
@@ -240,6 +245,7 @@ class DeviceSlots:
     def invalidate(self) -> None:
         """Forget every slot's content and reservation, after an exception interrupted a walk."""
         self.copies.drain()
+        self.land_write_backs()  # the drain completed them
         for slot in self._slots:
             slot.slice_index, slot.state = None, SlotState.EMPTY
             slot.in_use = False
@@ -271,9 +277,29 @@ class DeviceSlots:
         storage = self.storages[index]
         slot = self._find(index)
         assert slot is not None
-        slot.written_back = self.copies.offload(storage.buffer_bytes(), self.buffer_region(index),
-                                                label=f"offload::write back buffers of slice {index}")
+        host = storage.buffer_bytes()
+        label = f"offload::write back buffers of slice {index}"
+        if storage.masters_file is None or self.pool is None or not self.copies.is_async:
+            slot.written_back = self.copies.offload(host, self.buffer_region(index), label=label)
+            return slot.written_back
+        # Masters on disk: the host copies are a pageable file mapping, which an asynchronous copy
+        # cannot write without blocking this thread until the compute before it is done. Stage
+        # through a pooled pinned buffer; land_write_backs copies it over once the copy is done.
+        buffer = self.pool.take(host.numel())
+        staged = buffer.data[:host.numel()]
+        slot.written_back = self.copies.offload(staged, self.buffer_region(index), after=(buffer.read_event,),
+                                                label=label)
+        buffer.write_event = slot.written_back
+        self._staged.append((host, staged))
         return slot.written_back
+
+    def land_write_backs(self) -> None:
+        """Copy the write-backs staged in pinned memory into their host copies, on the CPU. Call
+        once the host has waited for the write-backs (the end of a walk, or after a drain)."""
+        staged, self._staged = self._staged, []
+        with torch.no_grad():
+            for host, pinned in staged:
+                host.copy_(pinned)
 
     def restore_buffers(self, index: int, host_snapshot: torch.Tensor, ticket: OffloadTicket) -> None:
         """Load a buffer snapshot (a pooled host buffer, see ``ActivationOffloader``) into the

@@ -34,10 +34,14 @@ class HostBuffer:
         data: the bytes (``torch.uint8``), pinned when copies are asynchronous.
         read_event: ready event of the last load that read this buffer; an offload into it must
             wait for it. ``None`` on the CPU.
+        write_event: ready event of the last offload that wrote this buffer; the CPU must wait
+            for it before writing the buffer (the buffer may be idle while that copy is still
+            running: its tensor was dropped, ``model(x).detach()``). ``None`` on the CPU.
     """
 
     data: torch.Tensor
     read_event: Event | None = None
+    write_event: Event | None = None
     _idle_use_count: int | None = None
     _last_taken: int = 0
 
@@ -53,15 +57,24 @@ class HostBufferPool:
     Args:
         allocate: host byte allocator: pinned memory when copies are asynchronous (see
             ``CopyStreams.empty_host``).
+        size_class: the bytes a buffer for a request of ``nbytes`` has (at least ``nbytes``), so
+            that requests of nearby sizes share buffers; default: exactly ``nbytes``. For pinned
+            memory, ``pinned.size_class``: a buffer registered for one batch's activations then
+            serves the next batch's, a little longer or shorter, instead of registering anew.
     """
 
-    def __init__(self, allocate: Callable[[int], torch.Tensor]) -> None:
+    def __init__(self, allocate: Callable[[int], torch.Tensor],
+                 size_class: Callable[[int], int] | None = None) -> None:
         self.allocate = allocate
+        self.size_class = size_class
         self._buffers: dict[int, list[HostBuffer]] = {}
         self._step = 0
 
     def take(self, nbytes: int) -> HostBuffer:
-        """An idle buffer of exactly ``nbytes``, allocated if none is idle."""
+        """An idle buffer of ``nbytes`` (or of its size class: callers use the first ``nbytes``),
+        allocated if none is idle."""
+        if self.size_class is not None:
+            nbytes = self.size_class(nbytes)
         for buffer in self._buffers.get(nbytes, ()):
             if buffer.is_idle():
                 buffer._last_taken = self._step

@@ -18,7 +18,10 @@ Note: [Mapped masters]
 
     - Before a slice's update, a reader thread asks the kernel to read the whole slice in
       (``MADV_POPULATE_WRITE``), so the update does not stop at each page, and a read error is
-      returned as an error instead of a ``SIGBUS`` in the update.
+      returned as an error instead of a ``SIGBUS`` in the update. A kernel older than 5.14
+      refuses that advice (``EINVAL``); there the reader reads the file's range with ``pread``
+      instead, which fills the same page cache the mapping uses (the update then takes only
+      minor faults) and returns a read error as an error too.
     - After it, a writer thread writes the pages back (``msync(MS_SYNC)``, which reports I/O
       errors), unmaps them (``MADV_DONTNEED``) and drops them from the page cache
       (``POSIX_FADV_DONTNEED``): RAM holds a slice's masters only between its read and its write.
@@ -61,6 +64,12 @@ _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.msync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
 
+
+#: Bytes a read-through (:func:`_read_through`) reads at a time.
+READ_THROUGH_CHUNK = 4 << 20
+
+#: Whether the kernel takes MADV_POPULATE_* (Linux 5.14); None until a read finds out.
+_populate_works: bool | None = None
 
 #: Held while a read or a write is added to the counters: the reader, the writer and the caller
 #: (a forward casting a slice no update wrote) move one model's masters at once.
@@ -110,9 +119,18 @@ class MappedFile:
     def read_in(self, write: bool = True) -> None:
         """Make every page resident (read from the disk where it is not), ready to be written
         (``write``) or read. Raises ``OSError`` naming the file on a read error."""
+        global _populate_works
         advice = MADV_POPULATE_WRITE if write else MADV_POPULATE_READ
         with self._counted(reading=True):
-            _check(_libc.madvise(self.address, self.nbytes, advice), "reading the masters in", self.path)
+            if _populate_works is not False:
+                if _libc.madvise(self.address, self.nbytes, advice) == 0:
+                    _populate_works = True
+                    return
+                code = ctypes.get_errno()
+                if code != errno.EINVAL or _populate_works:
+                    raise OSError(code, f"reading the masters in: {os.strerror(code)}", self.path)
+                _populate_works = False  # Linux before 5.14: read through the file (Note: [Mapped masters])
+            _read_through(self.fd, self.nbytes, self.path)
 
     def write_back(self) -> None:
         """Write every dirty page to the file, then take every page out of RAM (this process's
@@ -150,13 +168,23 @@ class MappedFile:
         return PAGE * sum(1 for page in bytes(vector) if page & 1)
 
 
+def _read_through(fd: int, nbytes: int, path: str) -> None:
+    """Read ``nbytes`` of the file into the page cache with ``pread`` (the fallback for
+    ``MADV_POPULATE_*``); raises ``OSError`` naming the file on a read error."""
+    scratch = bytearray(min(READ_THROUGH_CHUNK, nbytes))
+    offset = 0
+    while offset < nbytes:
+        view = memoryview(scratch)[:min(len(scratch), nbytes - offset)]
+        try:
+            read = os.preadv(fd, [view], offset)
+        except OSError as error:
+            raise OSError(error.errno, f"reading the masters in: {error.strerror}", path) from None
+        if read == 0:  # the file is preallocated to nbytes: a short file is a bug, not the end
+            raise OSError(errno.EIO, "reading the masters in: the file ended early", path)
+        offset += read
+
+
 def mapping_supported() -> bool:
-    """Whether this system has the calls :class:`MappedFile` needs (Linux 5.14 or later)."""
-    return hasattr(os, "posix_fadvise") and hasattr(os, "posix_fallocate") and _populate_supported()
-
-
-def _populate_supported() -> bool:
-    probe = mmap.mmap(-1, PAGE)
-    address = ctypes.addressof(ctypes.c_char.from_buffer(probe))
-    ok = _libc.madvise(address, PAGE, MADV_POPULATE_WRITE) == 0 or ctypes.get_errno() != errno.EINVAL
-    return ok
+    """Whether this system has the calls :class:`MappedFile` needs (``posix_fadvise``,
+    ``posix_fallocate``, ``preadv``; Linux)."""
+    return all(hasattr(os, name) for name in ("posix_fadvise", "posix_fallocate", "preadv"))

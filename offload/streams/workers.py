@@ -60,11 +60,15 @@ class HostWorker:
         name: the thread's name (it shows in debuggers and profiles).
         num_threads: CPU threads its PyTorch kernels may use (``torch.set_num_threads`` in the
             worker thread); ``None`` leaves PyTorch's setting.
+        device: the model's device, made the thread's current CUDA device: a new thread starts on
+            GPU 0, and anything CUDA its work touches (a fused optimizer's scalars, freeing pinned
+            memory, an event) would run there. ``None`` or a CPU device changes nothing.
     """
 
-    def __init__(self, name: str, num_threads: int | None = None) -> None:
+    def __init__(self, name: str, num_threads: int | None = None, device: torch.device | None = None) -> None:
         self.name = name
         self.num_threads = num_threads
+        self.device = device
         self.submitted = 0
         self.finished = 0
         self._error: BaseException | None = None
@@ -109,6 +113,8 @@ class HostWorker:
 
     def _run(self) -> None:
         _on_worker.worker = self
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         if self.num_threads is not None:
             torch.set_num_threads(self.num_threads)
         while True:
