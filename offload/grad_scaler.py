@@ -142,15 +142,26 @@ def _scale_on_a_device(scaler: torch.amp.GradScaler) -> bool:
     return scale is not None and scale.device.type != "cpu"
 
 
+#: The code of the plain scaler's methods that call ``optimizer.step``.
+_SCALER_STEP_CODE = frozenset(
+    getattr(torch.amp.GradScaler, name).__code__ for name in ("step", "_maybe_opt_step")
+    if hasattr(torch.amp.GradScaler, name))
+
+
 def _calling_scaler(depth: int = 8) -> torch.amp.GradScaler | None:
-    """The ``torch.amp.GradScaler`` whose ``step`` called the optimizer, if one did."""
+    """The ``torch.amp.GradScaler`` whose ``step`` called the optimizer, if one did.
+
+    Only a scaler method's own frame has its locals read: reading ``f_locals`` of any other frame
+    (the user's training loop) would leave a snapshot of its variables on that frame, keeping
+    alive whatever the loop deletes afterwards (``del optimizer``) until the function returns.
+    """
     frame = sys._getframe(2)
     for _ in range(depth):
         if frame is None:
             return None
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, torch.amp.GradScaler):
-            return owner
+        if frame.f_code in _SCALER_STEP_CODE:
+            owner = frame.f_locals.get("self")
+            return owner if isinstance(owner, torch.amp.GradScaler) else None
         frame = frame.f_back
     return None
 

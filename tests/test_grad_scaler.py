@@ -195,3 +195,20 @@ def test_a_plain_scaler_with_an_offload_model_on_cuda_warns():
     scaler.scale(model(torch.randn(4, 12, device="cuda")).sum()).backward()
     with pytest.warns(RuntimeWarning, match="offload.GradScaler"):
         scaler.step(optimizer)
+
+
+def test_the_warning_hook_keeps_nothing_of_the_callers_frame_alive():
+    # The hook looks for a calling scaler up the stack: reading the training loop's locals would
+    # leave them on its frame, so an optimizer (or a tensor) deleted there would stay alive.
+    import gc
+    import weakref
+
+    grad_scaler_module.warn_about_plain_grad_scalers()
+    layer = nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    layer(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    alive = weakref.ref(optimizer)
+    del optimizer
+    gc.collect()
+    assert alive() is None

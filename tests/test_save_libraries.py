@@ -60,6 +60,7 @@ SETTINGS = ["ram", "compute_dtype", pytest.param("masters_on_disk", marks=pytest
 def offloaded(plain: nn.Module, setting: str, tmp_path: Path, device: str = "cpu") -> OffloadModel:
     options = {"ram": {}, "compute_dtype": {"compute_dtype": BF16},
                "masters_on_disk": {"compute_dtype": BF16, "masters": DiskTier(tmp_path / "masters")}}[setting]
+    tmp_path.mkdir(parents=True, exist_ok=True)  # DiskTier makes the last level of its directory only
     return OffloadModel(copy.deepcopy(plain), device=device, num_slices=3, **options)
 
 

@@ -9,6 +9,7 @@ offload/slice_load_planner.py; the two-rank cases are in test_checkpoint.py."""
 from __future__ import annotations
 
 import copy
+import json
 import os
 import random
 import shutil
@@ -234,14 +235,20 @@ def test_without_a_disk_tier_nothing_changes(run, tmp_path, monkeypatch):
 
 def damage(checkpoint, key):
     """Overwrite the bytes of the saved item ``key`` in place: the files keep their lengths, so only
-    reading the item fails (DCP keeps no checksums)."""
+    reading the item fails. The checkpoint's checksums are dropped, as in one saved before they
+    were recorded: with them the load refuses before reading anything (tests/test_checkpoint_files.py),
+    and these tests are about a read that fails part way."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    for index, info in FileSystemReader(checkpoint).read_metadata().storage_data.items():
+    info_file = checkpoint / "offload.json"
+    info = json.loads(info_file.read_text())
+    info.pop("crc32", None)
+    info_file.write_text(json.dumps(info))
+    for index, item in FileSystemReader(checkpoint).read_metadata().storage_data.items():
         if index.fqn == key:
-            with open(checkpoint / info.relative_path, "r+b") as file:
-                file.seek(info.offset)
-                file.write(b"\x07" * info.length)
+            with open(checkpoint / item.relative_path, "r+b") as file:
+                file.seek(item.offset)
+                file.write(b"\x07" * item.length)
             return
     raise AssertionError(f"{key} is not in {checkpoint}")
 
