@@ -311,19 +311,21 @@ def command_run(args: argparse.Namespace) -> dict:
                    "--compute-dtype", "none", "--loss-chunk-tokens", "0", "--lr", str(LEARNING_RATE),
                    "--lr-schedule", "linear", "--warmup-steps", str(WARMUP_STEPS),
                    "--max-grad-norm", str(MAX_GRAD_NORM), "--shuffle-buffer", "1", "--seed", "0", "--no-progress"]
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        times: list[float] = []
-        losses: list[float] = []
-        lines = []
-        for line in process.stdout:
-            lines.append(line)
-            if line.startswith("step "):  # "step 3/5  loss 9.0612  1,234 tokens/s", printed after the step
-                times.append(time.perf_counter())
-                losses.append(float(line.split()[3]))
-        errors = process.stderr.read()
-        _, status, usage = os.wait4(process.pid, 0)
-        if status != 0:
-            raise SystemExit(f"{' '.join(command)} failed:\n{''.join(lines)[-2000:]}{errors[-3000:]}")
+        # Its warnings to a file: a full stderr pipe would stop it while its stdout is read here.
+        with open(folder / "stderr.txt", "w+") as errors:
+            process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors, text=True)
+            times: list[float] = []
+            losses: list[float] = []
+            lines = []
+            for line in process.stdout:
+                lines.append(line)
+                if line.startswith("step "):  # "step 3/5  loss 9.0612  1,234 tokens/s", printed after the step
+                    times.append(time.perf_counter())
+                    losses.append(float(line.split()[3]))
+            _, status, usage = os.wait4(process.pid, 0)
+            if status != 0:
+                errors.seek(0)
+                raise SystemExit(f"{' '.join(command)} failed:\n{''.join(lines)[-2000:]}{errors.read()[-3000:]}")
     final = next(line for line in lines if line.startswith("final loss "))
     # The command prints each step's loss to 4 decimals and the last one in full.
     return result(args, times, losses, usage.ru_maxrss, final_loss=float(final.split()[2].rstrip(";")),
