@@ -286,9 +286,19 @@ def test_scale_benchmark_resumes_bit_for_bit(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["scale.json"]
 
 
-def test_trainer_benchmark_one_run():
-    out = run("scripts/bench_trainer.py", "--only", "trainer-offload", "--hidden", "32", "--layers", "1", "--vocab", "64",
-              "--seq-len", "16", "--batch-size", "2", "--grad-accum", "1", "--steps", "2")
-    result = json.loads(out.strip().splitlines()[-1])
-    assert result["run"] == "trainer-offload" and result["steps_timed"] == 1 and len(result["losses"]) == 2
-    assert result["tokens_per_s"] > 0 and result["peak_rss_mib"] > 0
+def test_tools_benchmark_runs_each_tool(tmp_path):
+    # One run per tool, tiny: the command's losses are compared with trainer-plain's.
+    runs = ["command-offload", "trainer-plain", "sft-offload", "accelerate-offload", "lightning-offload"]
+    out = run("scripts/bench_trainer.py", "--runs", *runs, "--hidden", "32", "--layers", "1", "--vocab", "64",
+              "--seq-len", "16", "--batch-size", "2", "--grad-accum", "2", "--steps", "2",
+              "--json", str(tmp_path / "tools.json"))
+    data = json.loads((tmp_path / "tools.json").read_text())
+    assert [r["run"] for r in data["results"]] == runs and len(data["machine"]["load_average_before"]) == 3
+    for result in data["results"]:
+        assert result["steps_timed"] == 1 and len(result["losses"]) == 2, result
+        assert result["tokens_per_s"] > 0 and result["peak_rss_mib"] > 0
+    command = data["results"][0]
+    # The same model, rows, order, schedule and optimizer as the Trainer's: the same losses.
+    assert command["losses_equal_plain"] is True and command["plain_run"] == "trainer-plain"
+    assert command["final_loss"] == data["results"][1]["losses"][-1]
+    assert "losses = trainer-plain's" in out
