@@ -63,7 +63,7 @@ import torch
 from .slice_update import HostUpdateError, held_state
 from .streams.backend import Event
 from .streams.copies import CopyStreams
-from .streams.disk import PAGE, AlignedBuffer, DiskCounters, StateFile, direct_io_supported, make_directory, page_aligned
+from .streams.disk import PAGE, AlignedBuffer, DiskCounters, DiskTierError, StateFile, direct_io_supported, make_directory, page_aligned
 from .streams.host_storage import dense_stride
 from .streams.trim import give_back_freed_memory
 from .streams.workers import HostWorker
@@ -120,11 +120,6 @@ class DiskTier:
             if not isinstance(value, bool):
                 # keep="no" would be truthy and keep the files.
                 raise TypeError(f"DiskTier {name} must be True or False, got {value!r}")
-
-
-class DiskTierError(RuntimeError):
-    """The disk tier could not write (or read) state; the message says which slices are updated
-    and where their state is (Note: [Disk tier failures] in ``offload/disk_tier.py``)."""
 
 
 class Place(enum.Enum):

@@ -13,7 +13,7 @@ from typing import Any
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from .engine import Engine
-from .labels import label
+from .streams.labels import label
 from .microbatch import join_outputs, split_leaves
 from .walk import SliceWalk
 

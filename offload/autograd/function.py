@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..engine import Engine
-from ..labels import label
+from ..streams.labels import label
 from ..microbatch import join_outputs, split_leaves
 from ..walk import SliceWalk
 from .call import Call

@@ -29,7 +29,7 @@ from torch import nn
 from ..loading import Placement, build_from_checkpoint
 from ..model import OffloadModel
 from ..safetensors_files import SafetensorsCheckpoint
-from .transformers import CausalLMSequential, causal_lm_sequential
+from .transformers_stages import CausalLMSequential, causal_lm_sequential
 
 try:
     from transformers import AutoConfig, AutoModelForCausalLM

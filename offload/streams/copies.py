@@ -95,7 +95,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from ..labels import label as region
+from .labels import label as region
 from .backend import Event, Stream, StreamBackend, backend_for
 from .workers import HostWorker
 

@@ -53,6 +53,14 @@ _warned: set[int] = set()  # filesystems (st_dev) warned about
 _warned_lock = threading.Lock()
 
 
+class DiskTierError(RuntimeError):
+    """The disk tier could not write (or read) state; the message says which slices are updated
+    and where their state is (Note: [Disk tier failures] in ``offload/disk_tier.py``).
+
+    Defined here, in the lowest layer that raises it (host storage raises it for masters in files);
+    ``offload.DiskTierError`` re-exports it."""
+
+
 def page_aligned(nbytes: int) -> int:
     """``nbytes`` rounded up to a whole number of pages."""
     return -(-nbytes // PAGE) * PAGE

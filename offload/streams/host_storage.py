@@ -24,9 +24,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..binding import Site
 from .backend import Event
+from .disk import DiskTierError
 from .mapped import MappedFile
+from .sites import Site
 
 #: Byte alignment of gradient buffers' entries: keeps typed views legal and vector loads aligned.
 ALIGNMENT = 64
@@ -480,8 +481,6 @@ class SliceStorage:
             self._masters_io(self.masters_file.write_back)
 
     def _masters_io(self, call: Callable[[], None]) -> None:
-        from ..disk_tier import DiskTierError  # the tier's error, raised where the user calls
-
         try:
             call()
         except OSError as error:
