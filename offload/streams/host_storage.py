@@ -48,7 +48,7 @@ _FILLED_BY_CALLER = contextvars.ContextVar("offload_host_copies_filled_by_caller
 @contextlib.contextmanager
 def filled_by_caller() -> Iterator[None]:
     """Within this block, a slice's tensors on the meta device get host copies that are laid out
-    and allocated but not written: the caller fills them (``offload/loading.py`` reads them from a
+    and allocated but not written: the caller fills them (``offload/loading/sequential.py`` reads them from a
     checkpoint). The tensors stay the same Python objects, now holding host memory, so tied
     weights stay tied. Outside it a meta tensor is refused: it has no values to copy."""
     token = _FILLED_BY_CALLER.set(True)

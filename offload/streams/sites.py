@@ -1,7 +1,7 @@
 """Where a parameter or buffer is registered: :class:`Site`.
 
 Host storage (``host_storage.py``) keeps each host copy's sites so that loading and tying can put
-tensors back where the user's modules look for them; binding (``offload/binding.py``) swaps device
+tensors back where the user's modules look for them; binding (``offload/walk/binding.py``) swaps device
 copies into the same sites for a run. The type sits here, in the lowest layer that uses it.
 """
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from .streams.sites import Site
+from ..streams.sites import Site
 
 
 @dataclass
