@@ -25,21 +25,34 @@ Note: [Glossary]
     ready event
         The event a copy records when it completes; compute waits on it. ``None`` on the CPU,
         where copies are synchronous.
+
+Where each part lives (one concept a folder; ``docs/architecture.md`` has the layers and a concept
+table):
+
+- ``streams/``: host copies, device slots, every copy between host and device and its ordering;
+- ``tiers/``: a slice's host update, and optimizer state and float32 masters kept in files;
+- ``walk/``: slices, the engine that serves them, and one walk of the slices through the slots;
+- ``autograd/``: what runs on each slice when autograd differentiates a walk;
+- ``planning/``: memory by category and its prediction; the benchmarks' models;
+- ``model.py``, ``optimizer.py``, ``data_parallel.py``, ``grad_scaler.py``: what users build;
+- ``checkpoint/``: checkpoints written and read; ``loading/``: models loaded from safetensors;
+- ``integrations/``, ``profiling/``, ``cli/``: other libraries, memory profiles, the commands;
+- ``streamcheck/``: the stream-ordering checker that runs the CUDA paths on the CPU.
 """
 
 # The one place the version is written: pyproject.toml reads it from here.
 __version__ = "0.1.0"
 
 from .autograd.recompute_state import is_recomputing
-from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
-from .disk_tier import DiskTier, DiskTierError
-from .footprint import MemoryFootprint
+from .checkpoint.save_load import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from .tiers.disk_tier import DiskTier, DiskTierError
+from .planning.footprint import MemoryFootprint
 from .grad_scaler import GradScaler
-from .loading import load_sequential
+from .loading.sequential import load_sequential
 from .model import OffloadModel
 from .optimizer import OffloadOptimizer
-from .planner import estimate_memory
-from .slice_update import HostUpdateError
+from .planning.planner import estimate_memory
+from .tiers.slice_update import HostUpdateError
 from .streams.collectives import CollectiveError
 
 __all__ = ["CheckpointError", "CollectiveError", "DiskTier", "DiskTierError", "GradScaler", "HostUpdateError", "MemoryFootprint",

@@ -5,7 +5,7 @@ Note: [Gradient averaging]
     At construction every rank checks that its model has rank 0's structure, then takes rank 0's
     parameters and buffers. In backward, each slice's gradients are averaged across the group as
     soon as they exist, while backward goes on with the slices before it (a milestone subscriber,
-    ``offload/milestones.py``): with a gloo group on the host copies of the gradients, in a host
+    ``offload/walk/milestones.py``): with a gloo group on the host copies of the gradients, in a host
     worker once they have landed; with NCCL on the device, on a communication stream, before they
     leave (Note: [Device collectives] in ``offload/streams/collectives.py``). When backward
     returns they are averaged and final on the host, and autograd accumulates them into
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .engine import Engine
+from .walk.engine import Engine
 from .streams import PendingGradients, SliceGradients
 from .streams.collectives import DeviceCollectives, HostCollectives
 from .streams.host_storage import flat_alias

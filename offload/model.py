@@ -17,11 +17,11 @@ from . import per_tensor_warning
 from .autograd import Call, OffloadFunction, flatten_input
 from .autograd.accumulation import mark_zeroed
 from .data_parallel import DataParallel
-from .engine import Engine
+from .walk.engine import Engine
 from .grad_scaler import warn_about_plain_grad_scalers
-from .footprint import MemoryFootprint, measure as measure_footprint
-from .slicing import layer_nbytes, partition
-from .streamed import streamed_forward
+from .planning.footprint import MemoryFootprint, measure as measure_footprint
+from .walk.slicing import layer_nbytes, partition
+from .walk.streamed import streamed_forward
 
 
 class OffloadModel(nn.Module):
@@ -83,7 +83,7 @@ class OffloadModel(nn.Module):
             :class:`~offload.DiskTier` (or a directory path) in files on that disk, read in around
             each slice's update by :class:`~offload.OffloadOptimizer` and dropped after, so RAM
             holds a few slices' masters at a time (Note: [Masters on disk] in
-            ``offload/master_files.py``, ``docs/disk-tier.md``). Needs ``compute_dtype``: loads read
+            ``offload/tiers/master_files.py``, ``docs/disk-tier.md``). Needs ``compute_dtype``: loads read
             the half-precision shadow, which stays in RAM.
 
     Raises:

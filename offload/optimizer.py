@@ -12,7 +12,7 @@ Note: [Overlapped host update]
 
     The results are the plain optimizer's, bit for bit: the same class steps the same values
     with the same hyperparameters, and ``torch.optim`` updates treat every parameter on its own,
-    so stepping a slice at a time changes nothing (see ``slice_update.py``). Gradients and
+    so stepping a slice at a time changes nothing (see ``offload/tiers/slice_update.py``). Gradients and
     hyperparameters are captured when ``step()`` is called, so ``zero_grad()``, a learning-rate
     scheduler or a ``GradScaler.update()`` right after it cannot change the update.
 
@@ -38,11 +38,11 @@ import torch.distributed as dist
 from torch import nn
 
 from .autograd.accumulation import mark_zeroed
-from .disk_tier import DiskTier, StateTier
+from .tiers.disk_tier import DiskTier, StateTier
 from .model import OffloadModel, engine_of
 from .streams import Event
 from .streams.collectives import HostCollectives
-from .slice_update import HostUpdateError, InnerOptimizer, SliceStep, StateByProxy, held_state
+from .tiers.slice_update import HostUpdateError, InnerOptimizer, SliceStep, StateByProxy, held_state
 
 
 #: The OffloadOptimizer built last for each model: only it may step the model (an older one, still
@@ -281,7 +281,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def _write_masters(self, index: int, after: Event | None) -> None:
         """With masters on disk, write slice ``index``'s back and drop them after ``after``, the
-        last work that writes them (Note: [Masters on disk] in ``offload/master_files.py``)."""
+        last work that writes them (Note: [Masters on disk] in ``offload/tiers/master_files.py``)."""
         engine = engine_of(self.model)
         files, mapped = engine.master_files, engine.slices[index].storage.masters_file
         if files is not None and mapped is not None:
@@ -313,7 +313,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         parameters outside the model; each parameter's state is the plain optimizer's (a dict of
         tensors and numbers; empty before its first update). Sharded, only the parameters this
         rank updates appear. Checkpoints
-        read the state through this (Note: [Checkpoint layout] in ``offload/checkpoint.py``): a
+        read the state through this (Note: [Checkpoint layout] in ``offload/checkpoint/save_load.py``): a
         store that keeps state away from host memory hands over one slice's state at a time here,
         never the whole of it.
         """
@@ -332,7 +332,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         {parameter: its state}, {parameter: its state on disk})`` where each tensor the tier keeps
         is a stand-in of its shape and dtype (:meth:`StateTier.slice_layout`), to be read with
         :meth:`_slice_state_on_disk` when needed (Note: [Checkpoint layout] in
-        ``offload/checkpoint.py``)."""
+        ``offload/checkpoint/save_load.py``)."""
         self.synchronize()
         self._plan()
         for step in (*self._steps, *self._rest):
@@ -418,7 +418,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def _check_loaded(self, doing: str) -> None:
         """Raise if a load into the disk tier failed part way (Note: [Slice-by-slice load] in
-        ``offload/slice_load_planner.py``): ``doing`` would step or save a mix of two states."""
+        ``offload/checkpoint/slice_load_planner.py``): ``doing`` would step or save a mix of two states."""
         if self._tier is not None:
             self._tier.check_loaded(doing)
 
@@ -426,7 +426,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                        shape: torch.Size) -> bool:
         """Whether a checkpoint's state tensor ``key`` of ``param`` (in slice ``index``, saved in
         ``dtype`` and ``shape``) loads straight into the disk tier, a slice at a time (Note:
-        [Slice-by-slice load] in ``offload/slice_load_planner.py``): the tier would keep it on disk
+        [Slice-by-slice load] in ``offload/checkpoint/slice_load_planner.py``): the tier would keep it on disk
         once ``load_state_dict()`` cast it. Never ``step``, whose cast depends on the saved
         groups' ``fused`` and ``capturable``, nor a tensor without elements (there is nothing to read)."""
         if self._tier is None or key == "step" or len(shape) == 0 or any(n == 0 for n in shape):
@@ -450,7 +450,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def _load_state_dict_beside_tier(self, state_dict: dict[str, Any], loaded: Collection[int]) -> None:
         """``load_state_dict()`` of a checkpoint's state less the tensors already loaded into the
         disk tier's files, slice by slice (slices ``loaded``; Note: [Slice-by-slice load] in
-        ``offload/slice_load_planner.py``): the scalars (``step``) and the groups go through
+        ``offload/checkpoint/slice_load_planner.py``): the scalars (``step``) and the groups go through
         ``torch.optim``'s ``load_state_dict()`` as with any load; the tier's other slices hold what
         it puts into ``optimizer.state``.
 
@@ -561,7 +561,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
 class _TierSliceLoad:
     """One slice's state tensors that a checkpoint loads into the disk tier (Note: [Slice-by-slice
-    load] in ``offload/slice_load_planner.py``).
+    load] in ``offload/checkpoint/slice_load_planner.py``).
 
     ``tensors`` are views of the tier's buffer, laid out as its file, where the saved dtype is the
     one ``load_state_dict()`` would keep; otherwise tensors of the saved dtype, which :meth:`store`

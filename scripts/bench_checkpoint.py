@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from offload import OffloadModel, OffloadOptimizer, load_checkpoint, save_checkpoint
-from offload.presets import build_preset, preset_names
+from offload.planning.presets import build_preset, preset_names
 
 
 def setting(text: str) -> tuple[str, int]:

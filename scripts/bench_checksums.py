@@ -1,6 +1,6 @@
 """What checkpoint checksums cost: saves and loads of a preset with AdamW, with checksums and
 without, alternating, so that both see the same machine (Note: [Checkpoint checksums] in
-``offload/checkpoint_files.py``).
+``offload/checkpoint/checkpoint_files.py``).
 
 "Without" swaps DCP's plain filesystem back in for the saves and skips the check of the loads,
 in this process only; the library itself has no switch. Each round saves and loads once each
@@ -32,8 +32,10 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from offload import checkpoint, checkpoint_files, load_checkpoint, save_checkpoint
-from offload.presets import build_preset, preset_names
+from offload import load_checkpoint, save_checkpoint
+from offload.checkpoint import checkpoint_files
+from offload.checkpoint import save_load as checkpoint
+from offload.planning.presets import build_preset, preset_names
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_checkpoint import build  # noqa: E402 - the same model and optimizer as that benchmark

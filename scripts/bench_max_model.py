@@ -34,7 +34,7 @@ import psutil
 import torch
 
 from offload import OffloadModel, OffloadOptimizer
-from offload.presets import build_preset
+from offload.planning.presets import build_preset
 
 from benchmark import (  # scripts/benchmark.py, next to this file
     Runner, make_step, report_stem, resolve_device, start_report, timed_step, write_report)

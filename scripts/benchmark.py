@@ -63,7 +63,7 @@ from torch.utils.checkpoint import checkpoint_sequential
 
 from offload import OffloadModel, OffloadOptimizer
 from offload.model import engine_of
-from offload.presets import Preset, build_preset
+from offload.planning.presets import Preset, build_preset
 from offload.streams.host_storage import FLOAT32_LAYERS
 
 

@@ -3,7 +3,7 @@ how much memory it needed.
 
 ``--method slices`` (the default) uses ``load_causal_lm``: the model is built on the meta device
 and the checkpoint is read tensor by tensor into the host copies (Note: [Loading slice by slice]
-in ``offload/loading.py``). ``--method from_pretrained`` is the ordinary way, for comparison:
+in ``offload/loading/sequential.py``). ``--method from_pretrained`` is the ordinary way, for comparison:
 ``from_pretrained``, then ``causal_lm_sequential`` and ``OffloadModel``.
 
 Peak memory is the process's peak resident set (``ru_maxrss``) minus its resident set just before

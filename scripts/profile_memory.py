@@ -14,7 +14,7 @@ Usage::
     python scripts/profile_memory.py --preset mlp --no-resident --expect-peak-below 2GiB   # a memory budget for CI
 
 Exit status: 0, or 1 when ``--expect-peak-below`` is exceeded or a mode fails, 2 for bad arguments.
-The measuring code is ``offload/profiling/``; the models are ``offload/presets.py``.
+The measuring code is ``offload/profiling/``; the models are ``offload/planning/presets.py``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from offload.presets import Preset, build_preset, preset_from_factory, preset_names
+from offload.planning.presets import Preset, build_preset, preset_from_factory, preset_names
 from offload.profiling import (
     Mode,
     ModeFailed,

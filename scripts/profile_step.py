@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark import CASES, make_step, synchronize  # noqa: E402
 
 from offload import OffloadModel  # noqa: E402
-from offload.presets import build_preset  # noqa: E402
+from offload.planning.presets import build_preset  # noqa: E402
 
 
 def main() -> None:

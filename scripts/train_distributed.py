@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from offload import OffloadModel, OffloadOptimizer, latest_checkpoint, load_checkpoint, save_checkpoint
-from offload.presets import build_preset, preset_names
+from offload.planning.presets import build_preset, preset_names
 
 
 # The presets' labels are random: on a stream of fresh batches there is nothing to learn and the

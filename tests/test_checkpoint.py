@@ -1,6 +1,6 @@
 """Checkpoints: exact resume in a fresh process on one rank and two, resharding 2 -> 1 and 1 -> 2,
 atomic saves under SIGKILL, clear errors before anything is loaded, and interchange with the plain
-model and optimizer. See Note: [Checkpoint layout] and Note: [Atomic save] in offload/checkpoint.py."""
+model and optimizer. See Note: [Checkpoint layout] and Note: [Atomic save] in offload/checkpoint/save_load.py."""
 
 from __future__ import annotations
 
@@ -463,7 +463,7 @@ def test_what_a_checkpoint_holds(tmp_path):
 def test_a_save_hands_dcp_the_host_copies_themselves_not_copies(tmp_path, monkeypatch):
     """DCP copies a view out of a larger storage and holds every copy until the file is written:
     the save hands it each host copy under a storage of its own, the same memory."""
-    from offload import checkpoint
+    from offload.checkpoint import save_load as checkpoint
 
     from .dist_workers import layouts_network
 
@@ -533,7 +533,7 @@ def test_a_disk_tiers_state_is_saved_and_resumes_exactly(tmp_path, monkeypatch):
     from torch.distributed.checkpoint import FileSystemReader
 
     from offload import DiskTier
-    from offload.disk_tier import StateTier
+    from offload.tiers.disk_tier import StateTier
 
     torch.manual_seed(0)
     layers = nn.Sequential(*[nn.Linear(32, 32) for _ in range(8)])

@@ -1,5 +1,5 @@
 """A checkpoint's files at the edges: checksums that catch flipped bytes before anything loads
-(Note: [Checkpoint checksums] in offload/checkpoint_files.py), a damaged .metadata, a full disk
+(Note: [Checkpoint checksums] in offload/checkpoint/checkpoint_files.py), a damaged .metadata, a full disk
 before and during a save, targets that are not checkpoints, and bad arguments; each a
 CheckpointError (or TypeError) that says what to do, leaving the previous checkpoint and the
 model untouched."""
@@ -158,7 +158,7 @@ def test_a_disk_without_room_for_a_save_is_refused_before_writing(tmp_path, monk
 
 
 def test_a_full_disk_when_latest_is_written_says_the_checkpoint_is_saved(tmp_path, monkeypatch):
-    from offload import checkpoint
+    from offload.checkpoint import save_load as checkpoint
 
     model, optimizer = trained()
     save_checkpoint(tmp_path / "a", model, optimizer)

@@ -1,6 +1,6 @@
 """The disk tier: OffloadOptimizer's state in files gives the RAM-resident optimizer's results bit for
 bit, overlaps its reads and writes with the update, holds a bounded window in RAM, and fails
-safely (Notes: [Disk tier pipeline], [Disk tier failures] in offload/disk_tier.py)."""
+safely (Notes: [Disk tier pipeline], [Disk tier failures] in offload/tiers/disk_tier.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from offload import DiskTier, DiskTierError, HostUpdateError, OffloadModel, OffloadOptimizer
-from offload.disk_tier import WINDOW
+from offload.tiers.disk_tier import WINDOW
 from offload.streams import disk
 from offload.streams.disk import page_aligned
 
@@ -418,7 +418,7 @@ def test_bad_arguments(tmp_path):
 def test_state_moved_to_disk_is_given_back_to_the_system(tmp_path, monkeypatch):
     # AdamW's first step creates the state in RAM; once the tier has moved it to its files, the C
     # heap is asked to return the freed pages (they would stay resident otherwise).
-    from offload import disk_tier
+    from offload.tiers import disk_tier
 
     calls = []
     monkeypatch.setattr(disk_tier, "give_back_freed_memory", lambda: calls.append(1))

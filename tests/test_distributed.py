@@ -16,7 +16,7 @@ from offload import OffloadModel, OffloadOptimizer
 from offload import data_parallel
 from offload.data_parallel import check_group
 from offload.optimizer import _owners
-from offload.presets import build_preset
+from offload.planning.presets import build_preset
 from offload.streams import StreamBackend, using_backend
 
 from .dist_workers import data, network

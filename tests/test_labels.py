@@ -7,7 +7,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from offload import OffloadModel
-from offload.labels import label
+from offload.streams.labels import label
 
 
 def test_traces_show_the_walk_regions():

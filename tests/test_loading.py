@@ -1,5 +1,5 @@
 """``offload.load_sequential``: an ``OffloadModel`` built on the meta device and filled from a
-safetensors checkpoint (Note: [Loading slice by slice] in ``offload/loading.py``), against the same
+safetensors checkpoint (Note: [Loading slice by slice] in ``offload/loading/sequential.py``), against the same
 layers built on real memory and wrapped the ordinary way.
 """
 

@@ -1,7 +1,7 @@
 """Masters on disk: ``OffloadModel(..., masters=DiskTier(path))`` keeps the float32 masters in file
 mappings, gives the RAM-resident model's results bit for bit, holds a window of slices in RAM while
 the optimizer steps and none between steps, and fails safely (Notes: [Masters on disk] in
-offload/master_files.py, [Mapped masters] in offload/streams/mapped.py)."""
+offload/tiers/master_files.py, [Mapped masters] in offload/streams/mapped.py)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from torch import nn
 
 from offload import (DiskTier, DiskTierError, HostUpdateError, OffloadModel, OffloadOptimizer, estimate_memory,
                      latest_checkpoint, load_checkpoint, load_sequential, save_checkpoint)
-from offload import master_files
-from offload.disk_tier import WINDOW
+from offload.tiers import master_files
+from offload.tiers.disk_tier import WINDOW
 from offload.streams import mapped
 from offload.streams.disk import page_aligned
 
@@ -488,7 +488,7 @@ def test_the_footprint_waits_for_the_write_backs_and_the_repr_names_the_director
 def test_a_save_holds_about_one_slice_of_masters_in_ram(state_tier, tmp_path, monkeypatch):
     # DCP reads each model tensor through its slice's mapping; the planner drops a slice's pages
     # once DCP asks for the next slice's first tensor.
-    from offload.slice_save_planner import SliceReadingSavePlanner
+    from offload.checkpoint.slice_save_planner import SliceReadingSavePlanner
 
     layers = nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)])
     model = OffloadModel(layers, device="cpu", num_slices=8, compute_dtype=BF16, masters=tmp_path / "m")
@@ -515,7 +515,7 @@ def test_a_save_holds_about_one_slice_of_masters_in_ram(state_tier, tmp_path, mo
 def test_a_load_holds_about_one_slice_of_masters_in_ram(state_tier, tmp_path, monkeypatch):
     # DCP loads each model tensor into its slice's mapping; once a slice's last one is in, the
     # planner writes its pages back and drops them.
-    from offload.slice_load_planner import SliceWritingLoadPlanner
+    from offload.checkpoint.slice_load_planner import SliceWritingLoadPlanner
 
     def build():
         layers = nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload.microbatch import join_input_grads, join_outputs, split_leaves, split_like
+from offload.walk.microbatch import join_input_grads, join_outputs, split_leaves, split_like
 
 
 def test_split_cuts_batch_carrying_leaves_and_shares_the_rest():

@@ -144,7 +144,7 @@ def test_as_a_buffer_the_same_state_is_exact():
 
 
 def test_without_checkpointing_nothing_is_captured(monkeypatch):
-    import offload.module_state as module_state
+    import offload.walk.module_state as module_state
 
     def refuse(*args, **kwargs):
         raise AssertionError("captured attributes without a recompute to use them")

@@ -13,7 +13,7 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from offload import OffloadModel, OffloadOptimizer
-from offload.slice_update import HostUpdateError
+from offload.tiers.slice_update import HostUpdateError
 
 from .helpers import DEVICES
 
@@ -408,7 +408,7 @@ class FailsOn(torch.optim.SGD):
 def test_a_failure_before_any_change_leaves_the_whole_slice_unchanged_with_a_shadow(device):
     # With compute_dtype the update also writes the shadow; the failing parameter is the last of
     # its slice, so anything that stepped the slice's parameters a part at a time would already
-    # have changed the others (see Note: [Whole-slice update] in offload/slice_update.py).
+    # have changed the others (see Note: [Whole-slice update] in offload/tiers/slice_update.py).
     model = OffloadModel(network(), device=device, num_slices=2, compute_dtype=torch.bfloat16)
     optimizer = OffloadOptimizer(model, FailsOn, lr=0.1, momentum=0.9)
     FailsOn.target = None

@@ -1,7 +1,7 @@
 """Layers that register a parametrization on their own parameters during forward, and remove it.
 
 PEFT's LoRA on fused mixture-of-experts weights and routers (``lora.ParamWrapper``) does this on
-every call. OffloadModel runs layers on device copies of their parameters (``offload/binding.py``);
+every call. OffloadModel runs layers on device copies of their parameters (``offload/walk/binding.py``);
 the round trip must register the device copy back as a parameter, the results must be the plain
 model's bit for bit, and no failure may leave the user's modules changed.
 """

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from offload import OffloadModel
-from offload.presets import Preset, build_preset, preset_from_factory, preset_names, preset_settings
+from offload.planning.presets import Preset, build_preset, preset_from_factory, preset_names, preset_settings
 from offload.profiling import (
     Mode,
     ModeFailed,

@@ -4,7 +4,7 @@ disk, tied parameters), about one slice's state is in host memory at a time, ite
 (or filled on several threads) are still right, state saved in another dtype is cast as
 load_state_dict() casts it, a write that fails is a DiskTierError with the state loaded, and a
 read that fails part way leaves an optimizer that refuses to step or save until a load succeeds. See Note: [Slice-by-slice load] in
-offload/slice_load_planner.py; the two-rank cases are in test_checkpoint.py."""
+offload/checkpoint/slice_load_planner.py; the two-rank cases are in test_checkpoint.py."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from offload import DiskTier, DiskTierError, OffloadModel, OffloadOptimizer, load_checkpoint, save_checkpoint
-from offload.disk_tier import Place
-from offload.slice_load_planner import SliceWritingLoadPlanner
+from offload.tiers.disk_tier import Place
+from offload.checkpoint.slice_load_planner import SliceWritingLoadPlanner
 
 from .disk_full import refuse_allocating
 
@@ -318,7 +318,7 @@ def test_a_reader_loading_items_on_several_threads_is_still_exact(run, tmp_path,
     from torch.distributed.checkpoint.planner import LoadItemType
     from torch.futures import Future
 
-    import offload.checkpoint
+    import offload.checkpoint.save_load
 
     threads = set()
 
@@ -355,7 +355,7 @@ def test_a_reader_loading_items_on_several_threads_is_still_exact(run, tmp_path,
     run.steps(model, optimizer, 2)
     save_checkpoint(tmp_path / "ck", model, optimizer)
     saved = copy.deepcopy(optimizer.state_dict())
-    monkeypatch.setattr(offload.checkpoint, "FileSystemReader", ThreadedReader)
+    monkeypatch.setattr(offload.checkpoint.save_load, "FileSystemReader", ThreadedReader)
     monkeypatch.setattr(OffloadOptimizer, "_open_slice_load", slow_open)
     resumed, resumed_optimizer = run.build("b")
     load_checkpoint(tmp_path / "ck", resumed, resumed_optimizer)

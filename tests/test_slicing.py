@@ -9,7 +9,7 @@ import pytest
 from torch import nn
 
 from offload import OffloadModel
-from offload.slicing import layer_nbytes, partition
+from offload.walk.slicing import layer_nbytes, partition
 
 
 def brute_force_best(sizes: list[int], k: int) -> int:

@@ -244,8 +244,8 @@ NEEDED = [
     Dependency("mark_used", "offload", "activations.py:offload", "offload"),
     Dependency("mark_used", "offload_many", "gradients.py:offload", "offload"),
     Dependency("synchronize_event", "wait_host_all", "gradients.py:finish", "offload"),
-    Dependency("synchronize_event", "wait_host_all", "walk.py:finish", "offload"),
-    Dependency("synchronize_event", "wait_loads_done", "walk.py:finish", "load"),
+    Dependency("synchronize_event", "wait_host_all", "slice_walk.py:finish", "offload"),
+    Dependency("synchronize_event", "wait_loads_done", "slice_walk.py:finish", "load"),
     Dependency("synchronize_event", "wait_host", "gradients.py:accumulate", "offload"),
     Dependency("synchronize_event", "wait_host", "activations.py:copy_on_host", "offload"),
     Dependency("synchronize_event", "wait_host", "device_slots.py:prefetch", "host update"),
@@ -310,7 +310,7 @@ UNSEEN = [
 #: Orderings of the disk tier whose absence makes a run fail loudly (an update finds no state to
 #: attach: an internal assertion) instead of racing: the checker does not see the direct I/O into the tier's
 #: buffers (``os.preadv`` is no PyTorch operation), only what follows from it. See Note: [Disk tier
-#: pipeline] in offload/disk_tier.py.
+#: pipeline] in offload/tiers/disk_tier.py.
 LOUD = [
     Dependency("synchronize_event", "submit", "disk_tier.py:submit", "disk read"),  # update after its read
 ]
@@ -318,7 +318,7 @@ LOUD = [
 
 #: Orderings of masters on disk that bound host memory, not values: a shared file mapping is
 #: coherent, so an access in any order sees the current bytes (Note: [Masters on disk] in
-#: offload/master_files.py). Leaving one out changes no result; what each bounds is tested in
+#: offload/tiers/master_files.py). Leaving one out changes no result; what each bounds is tested in
 #: tests/test_masters_on_disk.py (the window, a write after its read, step() after the writes).
 MEMORY_ONLY = [
     Dependency("synchronize_event", "submit", "disk_tier.py:submit", "masters read"),  # update after its read-in

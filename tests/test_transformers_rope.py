@@ -2,7 +2,7 @@
 maximum, bit for bit against the model's own forward and backward.
 
 The dynamic types change their state in forward (Note: [Attribute state] in
-``offload/module_state.py``): the sequence lengths below take each branch in turn (growth past the
+``offload/walk/module_state.py``): the sequence lengths below take each branch in turn (growth past the
 maximum, staying grown, and the reset to the original tables on a short input).
 """
 

@@ -1,6 +1,6 @@
 """The slice walk on its own: order, prefetch, leaving a slice, the end and the failure path.
 
-See Note: [The walk] in ``offload/walk.py``. The walks' effect on results (buffers written back,
+See Note: [The walk] in ``offload/walk/slice_walk.py``. The walks' effect on results (buffers written back,
 recomputes exact, failures leaving the plain model's state) is tested through the model in
 ``test_semantics.py``, ``test_faults.py`` and ``test_streamcheck.py``.
 """
@@ -12,7 +12,7 @@ from torch import nn
 from offload import OffloadModel
 from offload.model import engine_of
 from offload.streams.device_slots import SlotState
-from offload.walk import SliceWalk
+from offload.walk.slice_walk import SliceWalk
 
 
 def _engine(num_slices):

@@ -2,7 +2,7 @@
 
 Only the autograd protocol lives here; the rest is cut along its notes:
 
-- ``offload/walk.py``: when each slice is on the device (Note: [The walk], Note: [Buffers]);
+- ``offload/walk/slice_walk.py``: when each slice is on the device (Note: [The walk], Note: [Buffers]);
 - ``records.py``: what forward leaves for backward (Note: [Checkpoints and kept graphs]);
 - ``slice_graph.py``: one slice on one microbatch as autograd sees it (Note: [Boundary
   gradients], Note: [Device copies while autograd runs a slice]);
@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from ..engine import Engine
-from ..labels import label
-from ..microbatch import join_outputs, split_leaves
-from ..walk import SliceWalk
+from ..walk.engine import Engine
+from ..streams.labels import label
+from ..walk.microbatch import join_outputs, split_leaves
+from ..walk.slice_walk import SliceWalk
 from .call import Call
 from .gradients import BackwardGradients, retain_graph_requested, split_output_grads
 from .records import BoundaryLoader, CallRecord, ForwardRecords

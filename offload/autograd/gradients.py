@@ -1,5 +1,5 @@
 """The gradients of one backward: which ones it must produce, and each slice's gradients on their
-way from its graphs to the host, with the milestones between (``offload/milestones.py``).
+way from its graphs to the host, with the milestones between (``offload/walk/milestones.py``).
 
 Note: [Gradients through autograd]
     The host parameters are inputs of the Function and backward returns their gradients, on the
@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ..microbatch import join_input_grads, split_like
+from ..walk.microbatch import join_input_grads, split_like
 from ..streams import PendingGradients, SliceGradients
 from ..streams.host_storage import flat_alias
 from .accumulation import in_place_targets, restore_zeroed

@@ -7,7 +7,7 @@ Note: [Checkpoints and kept graphs]
 
     - a *checkpoint*: the slice's boundary activation (offloaded to the host), the CPU and device
       generator states just before the slice ran, and, if the run changed the slice's buffers,
-      the buffers as they were before it (rule 3 of Note: [Buffers] in ``offload/walk.py``).
+      the buffers as they were before it (rule 3 of Note: [Buffers] in ``offload/walk/slice_walk.py``).
       Backward loads the boundary activation and re-runs the slice under the same generator and
       autocast state, so dropout draws the same masks.
     - a *kept graph*: the slice ran with grad enabled in forward and autograd's graph is kept.
@@ -32,10 +32,10 @@ from typing import Any
 import torch
 from torch.utils._pytree import TreeSpec
 
-from ..engine import Engine
-from ..microbatch import Split
+from ..walk.engine import Engine
+from ..walk.microbatch import Split
 from ..streams import DeviceSlots, Event, OffloadTicket
-from ..module_state import AttributeSnapshot, AttributeTracker
+from ..walk.module_state import AttributeSnapshot, AttributeTracker
 from .call import Call
 from .replay import AutocastState, capture_rng
 
@@ -60,7 +60,7 @@ class Checkpoint:
     device_rng: int | None = None
     buffers: tuple[int, OffloadTicket] | None = None  # saved tensor of the buffers before the run
     # The layers' plain attributes before the run, where some run of the slice changed them
-    # (Note: [Attribute state] in offload/module_state.py).
+    # (Note: [Attribute state] in offload/walk/module_state.py).
     attributes: AttributeSnapshot | None = None
 
     def rng_states(self, saved: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -2,7 +2,7 @@
 checkpointed run that keeps nothing) and in backward (the graph kept, or rebuilt by a recompute,
 then differentiated).
 
-The walk (``offload/walk.py``) has put the slice on the device; the records
+The walk (``offload/walk/slice_walk.py``) has put the slice on the device; the records
 (``offload/autograd/records.py``) hold what forward left for backward.
 
 Note: [Boundary gradients]
@@ -45,8 +45,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from ..engine import Engine
-from ..module_state import attributes_as_started
+from ..walk.engine import Engine
+from ..walk.module_state import attributes_as_started
 from ..streams.layouts import copy_keeping_layout, overlaps
 from .records import BoundaryLoader, Checkpoint, ForwardRecords, KeptGraph
 from .recompute_state import recomputing
@@ -170,7 +170,7 @@ class SliceGraph:
             autograd runs a slice]).
         retain: whether differentiating keeps the graph (a kept graph under ``retain_graph``).
         restored_buffers: a recompute loaded the buffers forward's run found over the slice's
-            (rule 4 of Note: [Buffers] in ``offload/walk.py``).
+            (rule 4 of Note: [Buffers] in ``offload/walk/slice_walk.py``).
     """
 
     outputs: list[Any]

@@ -39,8 +39,8 @@ warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
 
 import torch
 
-from ..checkpoint import load_checkpoint, save_checkpoint
-from ..disk_tier import DiskTier
+from ..checkpoint.save_load import load_checkpoint, save_checkpoint
+from ..tiers.disk_tier import DiskTier
 from ..model import OffloadModel
 from ..optimizer import OffloadOptimizer
 from .finetune_args import DTYPES, SCHEDULES, parse_args

@@ -50,7 +50,8 @@ from torch.nn.modules.module import _IncompatibleKeys
 from ..model import OffloadModel, engine_of
 from ..optimizer import OffloadOptimizer
 from .peft import peft_base_model
-from .transformers import LAST_HIDDEN_STATE, CausalLMSequential, causal_lm_sequential
+from .transformers_loading import load_causal_lm
+from .transformers_stages import LAST_HIDDEN_STATE, CausalLMSequential, causal_lm_sequential
 
 try:
     from safetensors.torch import save_file
@@ -83,7 +84,7 @@ class OffloadedCausalLM(PreTrainedModel):
     The loss is computed from the logits as the model computes it (``loss_function`` with
     ``num_items_in_batch``). With ``loss_chunk_tokens`` the head computes it instead, a chunk of
     tokens at a time, without the batch's logits on the device (Note: [Chunked loss] in
-    ``offload/integrations/transformers.py``); the output then has no logits, and the loss equals
+    ``offload/integrations/transformers_stages.py``); the output then has no logits, and the loss equals
     the model's to float32 rounding.
 
     Args:
@@ -120,8 +121,6 @@ class OffloadedCausalLM(PreTrainedModel):
         """Load a Hugging Face model folder slice by slice into the host copies
         (:func:`~offload.integrations.transformers.load_causal_lm`, whose arguments it takes), never
         the whole model in RAM beside them."""
-        from .transformers_loading import load_causal_lm
-
         offloaded, hf_model = load_causal_lm(path, device, **options)
         model = cls.__new__(cls)
         model._adopt(offloaded, hf_model)

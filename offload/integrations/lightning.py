@@ -29,7 +29,7 @@ import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import SingleDeviceStrategy
 
-from ..checkpoint import _rng_state, _set_rng_state, load_checkpoint, save_checkpoint
+from ..checkpoint.save_load import _rng_state, _set_rng_state, load_checkpoint, save_checkpoint
 from ..optimizer import OffloadOptimizer
 
 __all__ = ["OffloadStrategy", "RandomState"]

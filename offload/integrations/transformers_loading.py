@@ -2,7 +2,7 @@
 
 :func:`load_causal_lm` is ``from_pretrained`` followed by :func:`~offload.integrations.transformers.causal_lm_sequential`
 and ``OffloadModel``, without the model ever existing outside its host copies (Note: [Loading slice
-by slice] in ``offload/loading.py``). What ``from_pretrained`` does besides reading tensors, it does
+by slice] in ``offload/loading/sequential.py``). What ``from_pretrained`` does besides reading tensors, it does
 the same way, with transformers' own functions:
 
 - stored names go through the model's conversion mapping (``gpt_neox``'s ``embed_out`` is
@@ -26,10 +26,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..loading import Placement, build_from_checkpoint
+from ..loading.sequential import Placement, build_from_checkpoint
 from ..model import OffloadModel
-from ..safetensors_files import SafetensorsCheckpoint
-from .transformers import CausalLMSequential, causal_lm_sequential
+from ..loading.safetensors_files import SafetensorsCheckpoint
+from .transformers_stages import CausalLMSequential, causal_lm_sequential
 
 try:
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -62,7 +62,7 @@ def load_causal_lm(
     Equal to ``from_pretrained(path, dtype=dtype)``, then ``causal_lm_sequential`` and
     ``OffloadModel``: every parameter and buffer bit for bit, so logits, losses and gradients are
     too. But only the host copies are ever allocated, and the checkpoint is read tensor by tensor
-    into them (Note: [Loading slice by slice] in ``offload/loading.py``): peak memory is what
+    into them (Note: [Loading slice by slice] in ``offload/loading/sequential.py``): peak memory is what
     ``memory_footprint()`` reports afterwards plus one tensor when ``dtype`` differs from the
     checkpoint's, instead of the model twice or more.
 

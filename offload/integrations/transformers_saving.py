@@ -3,7 +3,7 @@
 :func:`save_causal_lm` writes one safetensors shard per slice and, with masters on disk
 (``OffloadModel(..., masters=DiskTier(...))``), takes each slice's masters out of RAM once its
 shard is written: ``hf.save_pretrained`` reads every master into RAM before it is done, which
-peaks higher than training does (Note: [Masters on disk] in ``offload/master_files.py``). The
+peaks higher than training does (Note: [Masters on disk] in ``offload/tiers/master_files.py``). The
 folder loads with ``from_pretrained`` and ``load_causal_lm`` as ``save_pretrained``'s does. It
 does not save adapters (``PeftModel.save_pretrained`` writes only those, which are small) or a
 tokenizer.

@@ -16,7 +16,7 @@ boundary); allocator peaks are exact. A figure that cannot be measured here (no 
 NVML library) is ``None`` with the reason in :attr:`Profile.unavailable`; nothing raises for it.
 
 This package measures and reports (table, JSON, CSV, plot); models and inputs come from
-:mod:`offload.presets`, and the command line is ``scripts/profile_memory.py``. Its files:
+:mod:`offload.planning.presets`, and the command line is ``scripts/profile_memory.py``. Its files:
 
 - ``modes``: what runs (:class:`Mode`, :func:`offload_modes`);
 - ``runner``: every mode in turn, isolated from the others (:func:`profile_modes`, :class:`ModeFailed`);
@@ -31,7 +31,7 @@ The names below are the public surface; everything else is reached through its m
 
 Example::
 
-    >>> from offload.presets import build_preset
+    >>> from offload.planning.presets import build_preset
     >>> from offload.profiling import Mode, profile_modes
     >>> profile = profile_modes(lambda: build_preset("mlp"), [Mode.resident(), Mode.offload(4)], device="cuda")
     >>> print(profile.table())

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..model import OffloadModel
-from ..presets import Preset
+from ..planning.presets import Preset
 from .formatting import format_size
 from .modes import Mode
 from .results import PHASES, ModeResult, PhaseFigures

@@ -7,10 +7,24 @@ only when a plot is drawn or checked for, so nothing else in the package needs i
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from .results import Profile
+
+class Plotted(Protocol):
+    """What a plot reads of a :class:`~offload.profiling.results.Profile`. Named here rather than
+    imported, so that this module stays below ``results.py``, whose ``Profile.plot`` calls it."""
+
+    description: str
+    device: str
+    batch_size: int
+    steps: int
+    runs: Sequence[Any]
+    samples: Sequence[Any]
+    unavailable: Mapping[str, str]
+
+    @property
+    def on_cuda(self) -> bool: ...
 
 
 class PlotUnavailable(RuntimeError):
@@ -34,7 +48,7 @@ def line_style(k: int) -> dict[str, str]:
     return {"color": f"C{k % 10}", "linestyle": LINESTYLES[(k // 10) % len(LINESTYLES)]}
 
 
-def plot_profile(profile: Profile, path: str) -> None:
+def plot_profile(profile: Plotted, path: str) -> None:
     """Draw device and host memory over time, one line per mode, as a PNG at ``path``.
 
     Each line runs from the mode's setup to the end of its last step (its teardown, where the
@@ -49,7 +63,7 @@ def plot_profile(profile: Profile, path: str) -> None:
     FigureCanvasAgg(figure).print_png(path)
 
 
-def draw_profile(profile: Profile, Figure: Any) -> Any:
+def draw_profile(profile: Plotted, Figure: Any) -> Any:
     """The figure :func:`plot_profile` saves, built with matplotlib's ``Figure`` class."""
     device_panel = profile.on_cuda
     figure = Figure(figsize=(13, 7.5 if device_panel else 4.5), layout="constrained")

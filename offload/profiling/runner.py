@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..presets import Preset
+from ..planning.presets import Preset
 from ..streams.trim import give_back_freed_memory
 from .formatting import error_reason
 from .measure import OPTIMIZERS, empty_result, finish_notes, run_mode
@@ -39,7 +39,7 @@ def profile_modes(build: Callable[[], Preset], modes: Sequence[Mode], device: to
     of device memory is reported as such and the next one runs.
 
     Args:
-        build: returns a :class:`~offload.presets.Preset`, e.g. ``lambda: build_preset("mlp")``.
+        build: returns a :class:`~offload.planning.presets.Preset`, e.g. ``lambda: build_preset("mlp")``.
         modes: what to run, in order.
         device: compute device.
         steps: training steps per mode.

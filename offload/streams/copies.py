@@ -82,7 +82,7 @@ Note: [Orderings the end of a walk covers]
       changes). A forward without backward followed by ``step()`` on earlier gradients is ordered
       by the forward's own wait, which the mutation test shows is needed. Only ``step()`` called
       inside a walk (from a layer's forward hook) would rely on this one.
-    - The disk tier's write of a slice's state waiting for that slice's update (``disk_tier.py:submit``):
+    - The disk tier's write of a slice's state waiting for that slice's update (``offload/tiers/disk_tier.py:submit``):
       under the checker, a write runs only when something waits for it, the read of the next slice
       that takes its buffer or the next ``step()``, and both come after the forward that waited for
       the update. On threads the writer would run at once: the wait is what orders it.
@@ -95,7 +95,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from ..labels import label as region
+from .labels import label as region
 from .backend import Event, Stream, StreamBackend, backend_for
 from .workers import HostWorker
 

@@ -254,7 +254,7 @@ class DeviceSlots:
 
     # -- buffers ---------------------------------------------------------------------------------
     # Buffers are the only device data that compute may change (running statistics, counters).
-    # See Note: [Buffers] in offload/walk.py.
+    # See Note: [Buffers] in offload/walk/slice_walk.py.
 
     def buffer_region(self, index: int) -> torch.Tensor:
         """The device bytes holding the acquired slice ``index``'s buffers."""

@@ -5,7 +5,7 @@ tensor), :class:`StateFile` (one preallocated file, read and written whole from 
 :func:`direct_io_supported` (whether a directory's filesystem takes ``O_DIRECT``),
 :func:`make_directory` (a tier's directory, refused where a mistyped path would put it) and
 :class:`DiskCounters` (bytes moved and seconds spent, for benchmarks). What it does not: decide
-what goes to disk or when (``offload/disk_tier.py``), or order reads and writes against other work
+what goes to disk or when (``offload/tiers/disk_tier.py``), or order reads and writes against other work
 (the tier submits them to host workers through the copy engine, ``copies.py``).
 
 Note: [Direct I/O engine]
@@ -51,6 +51,14 @@ CHUNK = 64 << 20
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _warned: set[int] = set()  # filesystems (st_dev) warned about
 _warned_lock = threading.Lock()
+
+
+class DiskTierError(RuntimeError):
+    """The disk tier could not write (or read) state; the message says which slices are updated
+    and where their state is (Note: [Disk tier failures] in ``offload/tiers/disk_tier.py``).
+
+    Defined here, in the lowest layer that raises it (host storage raises it for masters in files);
+    ``offload.DiskTierError`` re-exports it."""
 
 
 def page_aligned(nbytes: int) -> int:

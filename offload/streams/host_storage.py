@@ -24,9 +24,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..binding import Site
 from .backend import Event
+from .disk import DiskTierError
 from .mapped import MappedFile
+from .sites import Site
 
 #: Byte alignment of gradient buffers' entries: keeps typed views legal and vector loads aligned.
 ALIGNMENT = 64
@@ -47,7 +48,7 @@ _FILLED_BY_CALLER = contextvars.ContextVar("offload_host_copies_filled_by_caller
 @contextlib.contextmanager
 def filled_by_caller() -> Iterator[None]:
     """Within this block, a slice's tensors on the meta device get host copies that are laid out
-    and allocated but not written: the caller fills them (``offload/loading.py`` reads them from a
+    and allocated but not written: the caller fills them (``offload/loading/sequential.py`` reads them from a
     checkpoint). The tensors stay the same Python objects, now holding host memory, so tied
     weights stay tied. Outside it a meta tensor is refused: it has no values to copy."""
     token = _FILLED_BY_CALLER.set(True)
@@ -480,8 +481,6 @@ class SliceStorage:
             self._masters_io(self.masters_file.write_back)
 
     def _masters_io(self, call: Callable[[], None]) -> None:
-        from ..disk_tier import DiskTierError  # the tier's error, raised where the user calls
-
         try:
             call()
         except OSError as error:

@@ -4,14 +4,14 @@ when touched and which can be written back and dropped on request.
 What this file holds: :class:`MappedFile` (one preallocated, already unlinked file mapped into the
 process, seen as a tensor) and the page operations on it (read in, write back and drop, count
 what is resident). What it does not: decide which memory goes to disk or when (the model's
-master files, ``offload/master_files.py``), or order that work (host workers of the copy engine,
+master files, ``offload/tiers/master_files.py``), or order that work (host workers of the copy engine,
 ``copies.py``).
 
 Note: [Mapped masters]
     The float32 masters are what the user's ``nn.Parameter`` objects hold: the optimizer updates
     them in place, ``model.state_dict()``, ``p.detach()`` and a checkpoint read them, at any time.
     A window of buffers that the masters are copied into and out of (what the optimizer state's
-    disk tier does, ``offload/disk_tier.py``) cannot give them a fixed address. A shared mapping
+    disk tier does, ``offload/tiers/disk_tier.py``) cannot give them a fixed address. A shared mapping
     of a file can: the parameters are views into it, as into a slice's RAM buffer, and every
     access sees the current values, from RAM when the page is resident and from the disk when it
     is not. What keeps it out of RAM is explicit:

@@ -16,7 +16,7 @@ Note: [Loading slice by slice]
        like) are computed on real memory by the caller's ``init_buffers``, as the model's own
        initialisation does.
     5. Slice by slice, each stored tensor is read from its file straight into its host copy
-       (``offload/safetensors_files.py``), cast in place when the dtypes differ.
+       (``offload/loading/safetensors_files.py``), cast in place when the dtypes differ.
 
     The process then holds what the model holds anyway (``memory_footprint()``) plus one tensor in
     flight when a cast is needed: no state dict, no resident memory map of the file.
@@ -32,9 +32,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .model import OffloadModel, engine_of
+from ..model import OffloadModel, engine_of
 from .safetensors_files import SafetensorsCheckpoint
-from .streams.host_storage import filled_by_caller
+from ..streams.host_storage import filled_by_caller
 
 #: How many keys an error message lists before it says "and N more".
 _LISTED = 8

@@ -16,17 +16,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-
-@dataclass(frozen=True)
-class Site:
-    """One place a tensor is registered: ``module._parameters[name]`` or ``module._buffers[name]``."""
-
-    module: nn.Module
-    name: str
-    is_parameter: bool
-
-    def table(self) -> dict[str, torch.Tensor | None]:
-        return self.module._parameters if self.is_parameter else self.module._buffers  # type: ignore[return-value]
+from ..streams.sites import Site
 
 
 @dataclass

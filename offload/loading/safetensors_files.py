@@ -9,7 +9,7 @@ model exists in the process: not a state dict, not a memory map whose pages stay
 when the destination's dtype differs from the file's (bfloat16 weights into float32 masters) does
 a tensor pass through a temporary of its own size, which is then cast into place.
 
-This module reads; deciding where each tensor goes belongs to ``offload/loading.py``.
+This module reads; deciding where each tensor goes belongs to ``offload/loading/sequential.py``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 nothing requires grad.
 
 Slices stream through the device slots exactly as in a training forward (the same
-:class:`~offload.walk.SliceWalk`), but nothing is kept for backward: no boundary activations, no
+:class:`~offload.walk.slice_walk.SliceWalk`), but nothing is kept for backward: no boundary activations, no
 generator states, no graphs.
 """
 
@@ -13,9 +13,9 @@ from typing import Any
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from .engine import Engine
-from .labels import label
+from ..streams.labels import label
 from .microbatch import join_outputs, split_leaves
-from .walk import SliceWalk
+from .slice_walk import SliceWalk
 
 
 def streamed_forward(engine: Engine, leaves: list[Any], spec: TreeSpec, num_microbatches: int) -> Any:

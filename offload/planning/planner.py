@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from .footprint import MemoryFootprint
-from .slicing import partition
-from .streams.host_storage import ALIGN_ELEMENTS, ALIGNMENT, BUFFER_REGION_ALIGNMENT
+from ..walk.slicing import partition
+from ..streams.host_storage import ALIGN_ELEMENTS, ALIGNMENT, BUFFER_REGION_ALIGNMENT
 
 #: Optimizer state per parameter, in units of the parameter's own element size.
 STATE_ELEMENTS = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0, None: 0}
@@ -116,7 +116,7 @@ def estimate_memory(layers: nn.Module | Sequence[int], *, num_slices: int = 8,
     disk_window = 0
     if optimizer_state == "disk":
         disk += state
-        # The tier's window: three slices' state being read, updated and written (offload/disk_tier.py).
+        # The tier's window: three slices' state being read, updated and written (offload/tiers/disk_tier.py).
         per_slice = [sum(STATE_ELEMENTS[optimizer] * t.numel * t.dtype.itemsize for t in s
                          if t.is_parameter and t.trainable) for s in slices]
         disk_window = min(3, len(slices)) * max(per_slice)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .streams.host_storage import SliceStorage
+from ..streams.host_storage import SliceStorage
 
 
 def held_state(optimizer: torch.optim.Optimizer) -> Any:

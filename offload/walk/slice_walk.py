@@ -3,7 +3,7 @@
 A :class:`SliceWalk` decides when each slice is on the device and what happens to its slot when
 the walk moves on; what runs on a slice (a graph kept, a checkpoint, a recompute, a forward
 without autograd) is its caller's. The training forward and backward
-(``offload/autograd/function.py``) and the forward without autograd (``offload/streamed.py``) all
+(``offload/autograd/function.py``) and the forward without autograd (``offload/walk/streamed.py``) all
 walk through it, so a new walk policy has one place to go.
 
 Note: [The walk]
@@ -36,7 +36,7 @@ Note: [Buffers]
     1. A run counts as changing them if it wrote to a slot tensor in place (a version counter
        moved), reassigned a buffer, or holds a normalisation layer that tracks running statistics
        in training mode (its kernel updates them without bumping any version counter):
-       ``Slice.run_on_device`` in ``offload/engine.py``.
+       ``Slice.run_on_device`` in ``offload/walk/engine.py``.
     2. After a slice's microbatches ran, changed buffers are written back to the host copies;
        unchanged slices send nothing back (the walk, on leaving the slice).
     3. For exact recompute, once any run of a slice changed the buffers, every checkpointed run
@@ -60,7 +60,7 @@ from typing import Any
 import torch
 
 from .engine import Engine
-from .streams import Event
+from ..streams import Event
 
 
 class Direction(enum.Enum):

@@ -22,10 +22,10 @@ Note: [Checkpoint layout]
         The optimizer hands it over one slice at a time: the state it holds in memory as
         references (no copies), the state a disk tier keeps as stand-ins of its shape and dtype,
         which the save planner reads from the tier when DCP writes them, one slice at a time
-        (Note: [Slice-by-slice save] in ``offload/slice_save_planner.py``). Loading, each rank
+        (Note: [Slice-by-slice save] in ``offload/checkpoint/slice_save_planner.py``). Loading, each rank
         reads the state of the parameters it updates now, whatever the number of ranks that saved
         it; the state a disk tier keeps goes into the tier's files a slice at a time, as DCP reads
-        it (Note: [Slice-by-slice load] in ``offload/slice_load_planner.py``), and the rest
+        it (Note: [Slice-by-slice load] in ``offload/checkpoint/slice_load_planner.py``), and the rest
         through the optimizer's ``load_state_dict()``.
     ``optim/param_groups``
         the groups' hyperparameters (learning rate as the scheduler left it...), each group's
@@ -87,12 +87,12 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from .checkpoint_files import (CheckpointError, ChecksummingFileSystem, disk_full,
                                failure_text, free_bytes, pickled_size, verify_checksums)
-from .disk_tier import DiskTierError, size_text
-from .model import OffloadModel, engine_of
-from .optimizer import OffloadOptimizer
+from ..tiers.disk_tier import DiskTierError, size_text
+from ..model import OffloadModel, engine_of
+from ..optimizer import OffloadOptimizer
 from .slice_load_planner import SliceWritingLoadPlanner
 from .slice_save_planner import SliceReadingSavePlanner
-from .streams.host_storage import dense_stride
+from ..streams.host_storage import dense_stride
 
 # DCP warns when it works without a process group; for a single process that is the plan, not an
 # accident. One filter, added once at import, for the words DCP uses: a ``warnings.catch_warnings()``
@@ -398,17 +398,17 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
         TypeError: ``model`` is not an ``nn.Module`` or ``optimizer`` not an optimizer.
         CheckpointError: an incomplete checkpoint (a missing or truncated file), a damaged one (an
             unreadable ``.metadata`` or ``offload.json``, a data file whose CRC-32 differs from the
-            one recorded at save: Note: [Checkpoint checksums] in ``offload/checkpoint_files.py``),
+            one recorded at save: Note: [Checkpoint checksums] in ``offload/checkpoint/checkpoint_files.py``),
             or one of another model (names, shapes, dtypes), slicing or optimizer; the message
             says what differs. Nothing was loaded: the model and optimizer are unchanged.
         DiskTierError: the optimizer's disk tier could not write part of the loaded state, raised
             once the load is done: that state is held in RAM (Note: [Disk tier failures] in
-            ``offload/disk_tier.py``).
+            ``offload/tiers/disk_tier.py``).
         torch.distributed.checkpoint.api.CheckpointException: (a ``BaseException``) a file could
             not be read although its checksum matched (a read error), or a checkpoint saved
             without checksums is damaged: the model and optimizer may be partly loaded. An OffloadOptimizer with a disk tier whose slices were partly written refuses
             to step or be saved until a load succeeds (Note: [Slice-by-slice load] in
-            ``offload/slice_load_planner.py``).
+            ``offload/checkpoint/slice_load_planner.py``).
     """
     _check_arguments("load_checkpoint", model, optimizer)
     path = Path(path)
@@ -478,7 +478,7 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     if optimizer is not None:
         # Through load_state_dict, so that the optimizer casts and places its state as it does
         # when the plain torch.optim optimizer loads it (the tensors loaded into a disk tier were
-        # cast by the same function: Note: [Slice-by-slice load] in offload/slice_load_planner.py).
+        # cast by the same function: Note: [Slice-by-slice load] in offload/checkpoint/slice_load_planner.py).
         params = [p for params in groups for p in params]
         index = {names[id(p)]: k for k, p in enumerate(params)}
         loaded = {
@@ -573,7 +573,7 @@ def _optimizer_state(optimizer: torch.optim.Optimizer
                      ) -> Iterator[tuple[int, torch.Tensor, dict[str, Any], dict[str, Any]]]:
     """(slice index, parameter, state, its state on disk) for each parameter whose state this rank
     keeps; the state a disk tier keeps is a stand-in of its shape and dtype, read when DCP writes
-    it (Note: [Slice-by-slice save] in ``offload/slice_save_planner.py``)."""
+    it (Note: [Slice-by-slice save] in ``offload/checkpoint/slice_save_planner.py``)."""
     if isinstance(optimizer, OffloadOptimizer):
         for index, states, on_disk in optimizer._state_layout_by_slice():
             yield from ((index, p, state, on_disk.get(p, {})) for p, state in states.items() if state)
@@ -596,7 +596,7 @@ def _kept_parameters(optimizer: torch.optim.Optimizer) -> list[tuple[int, torch.
 
 def _loads_on_disk(optimizer: torch.optim.Optimizer, index: int, param: torch.Tensor, key: str, entry: Any) -> bool:
     """Whether a saved state tensor loads straight into the optimizer's disk tier, a slice at a time
-    (Note: [Slice-by-slice load] in ``offload/slice_load_planner.py``)."""
+    (Note: [Slice-by-slice load] in ``offload/checkpoint/slice_load_planner.py``)."""
     return (isinstance(optimizer, OffloadOptimizer) and isinstance(entry, TensorStorageMetadata) and index >= 0
             and optimizer._loads_on_disk(index, param, key, entry.properties.dtype, entry.size))
 

@@ -4,7 +4,7 @@ around each slice's host update.
 
 What this file holds: :class:`MasterFiles`. What it does not: the mapping and its page calls
 (``offload/streams/mapped.py``, Note: [Mapped masters]), the optimizer state's files
-(``offload/disk_tier.py``), or when updates run (``offload/optimizer.py``).
+(``offload/tiers/disk_tier.py``), or when updates run (``offload/optimizer.py``).
 
 Note: [Masters on disk]
     Under a compute dtype, loads read a slice's *shadow* (its copy in that dtype, which stays in
@@ -14,7 +14,7 @@ Note: [Masters on disk]
     :class:`MasterFiles` runs, on two host workers of the copy engine:
 
     1. *read* (before): read slice ``k``'s file in, after the write of the slice that took the
-       same turn :data:`~offload.disk_tier.WINDOW` slices back;
+       same turn :data:`~offload.tiers.disk_tier.WINDOW` slices back;
     2. the update itself (the optimizer's worker), which also writes the shadow;
     3. *write* (after the update, or a sharded update's exchange, and after the read): write the
        pages back and drop them.
@@ -55,11 +55,11 @@ import torch
 
 from .disk_tier import WINDOW, DiskTier, DiskTierError
 from .slice_update import HostUpdateError
-from .streams.backend import Event
-from .streams.copies import CopyStreams
-from .streams.disk import DiskCounters, make_directory
-from .streams.mapped import MappedFile, mapping_supported
-from .streams.workers import HostWorker
+from ..streams.backend import Event
+from ..streams.copies import CopyStreams
+from ..streams.disk import DiskCounters, make_directory
+from ..streams.mapped import MappedFile, mapping_supported
+from ..streams.workers import HostWorker
 
 
 class MasterFiles:

@@ -61,12 +61,12 @@ from typing import Any
 import torch
 
 from .slice_update import HostUpdateError, held_state
-from .streams.backend import Event
-from .streams.copies import CopyStreams
-from .streams.disk import PAGE, AlignedBuffer, DiskCounters, StateFile, direct_io_supported, make_directory, page_aligned
-from .streams.host_storage import dense_stride
-from .streams.trim import give_back_freed_memory
-from .streams.workers import HostWorker
+from ..streams.backend import Event
+from ..streams.copies import CopyStreams
+from ..streams.disk import PAGE, AlignedBuffer, DiskCounters, DiskTierError, StateFile, direct_io_supported, make_directory, page_aligned
+from ..streams.host_storage import dense_stride
+from ..streams.trim import give_back_freed_memory
+from ..streams.workers import HostWorker
 
 #: Buffers in the window: one read, one updated, one written (see Note: [Disk tier pipeline]).
 WINDOW = 3
@@ -82,7 +82,7 @@ class DiskTier:
     ``momentum_buffer``) lives in one file per slice; scalars (``step``) stay in
     ``optimizer.state``. Host RAM holds a window of three slices' state; the update reads the
     next slice's state and writes the previous one's while it computes (Note: [Disk tier pipeline]
-    in ``offload/disk_tier.py``). Results are bit-identical to keeping the state in RAM.
+    in ``offload/tiers/disk_tier.py``). Results are bit-identical to keeping the state in RAM.
 
     The cost: each step reads and writes the state once (8 bytes per parameter each way for
     AdamW in float32). To stay hidden behind the device's forward, the disk must move that in
@@ -120,11 +120,6 @@ class DiskTier:
             if not isinstance(value, bool):
                 # keep="no" would be truthy and keep the files.
                 raise TypeError(f"DiskTier {name} must be True or False, got {value!r}")
-
-
-class DiskTierError(RuntimeError):
-    """The disk tier could not write (or read) state; the message says which slices are updated
-    and where their state is (Note: [Disk tier failures] in ``offload/disk_tier.py``)."""
 
 
 class Place(enum.Enum):
@@ -616,7 +611,7 @@ class StateTier:
         (as :meth:`_detach` lays it out), and a view of it for each tensor of ``like`` (tensors of
         the dtype, shape and strides to keep, ``{parameter: {state key: tensor}}``; meta tensors
         do). Fill the views, then :meth:`end_load` writes the buffer (Note: [Slice-by-slice load]
-        in ``offload/slice_load_planner.py``). Nothing may be pending.
+        in ``offload/checkpoint/slice_load_planner.py``). Nothing may be pending.
 
         A buffer of the window serves: the smallest one large enough, else (too small) the largest
         is let go and the slice's new buffer takes its place once written. A slice loaded while

@@ -1,9 +1,9 @@
 """A DCP load planner that hands optimizer state to a disk tier one slice at a time, as DCP reads it.
 
 It holds :class:`SliceWritingLoadPlanner` and nothing else; :func:`offload.load_checkpoint` uses
-it (Note: [Checkpoint layout] in ``offload/checkpoint.py``). It does not decide what is loaded or
+it (Note: [Checkpoint layout] in ``offload/checkpoint/save_load.py``). It does not decide what is loaded or
 where the tier keeps it: the state dict and the tier do (``StateTier.begin_load`` and
-``end_load`` in ``offload/disk_tier.py``).
+``end_load`` in ``offload/tiers/disk_tier.py``).
 
 Note: [Slice-by-slice load]
     Without it, every saved state tensor the tier keeps needs a destination before DCP reads
@@ -47,7 +47,7 @@ Note: [Slice-by-slice load]
     only holding more slices at once.
 
     A write that fails leaves its slice's state held in RAM, in its buffer (Note: [Disk tier
-    failures] in ``offload/disk_tier.py``); the load goes on, and raises ``DiskTierError`` once
+    failures] in ``offload/tiers/disk_tier.py``); the load goes on, and raises ``DiskTierError`` once
     the rest of the state is loaded. A read that fails (a damaged file) raises from DCP: the
     slices written until then hold the checkpoint's state tensors, the others their own, and the
     scalars, read before the slices (into the optimizer's own ``step`` tensors where it has

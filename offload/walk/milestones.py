@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from .streams import PendingGradients, SliceGradients
+from ..streams import PendingGradients, SliceGradients
 
 
 class Subscriber(Protocol):

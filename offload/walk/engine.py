@@ -17,9 +17,9 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from .binding import Binding
-from .master_files import place_masters
+from ..tiers.master_files import place_masters
 from .milestones import Milestones
-from .streams import (
+from ..streams import (
     ActivationOffloader,
     CopyStreams,
     DeviceSlots,
@@ -29,7 +29,7 @@ from .streams import (
     SliceUpdates,
     holder_of,
 )
-from .streams.pinned import size_class
+from ..streams.pinned import size_class
 
 
 @dataclass
@@ -101,7 +101,7 @@ class Slice:
                 )
             with torch.no_grad():
                 target.copy_(new_value)
-        # Rule 1 of Note: [Buffers] in offload/walk.py.
+        # Rule 1 of Note: [Buffers] in offload/walk/slice_walk.py.
         changed = has_buffers and (
             bool(binding.reassigned)
             or slots.write_counter(self.index) != written_before
@@ -117,7 +117,7 @@ class SliceResult:
     Attributes:
         output: the slice's output.
         buffers_changed: the run changed the slice's buffers on the device (rule 1 of Note:
-            [Buffers] in ``offload/walk.py``).
+            [Buffers] in ``offload/walk/slice_walk.py``).
     """
 
     output: Any
@@ -133,7 +133,7 @@ class Engine:
         host_device: where host copies live (``offload_device``).
         compute_dtype: dtype of the device copies of floating-point parameters, or None.
         masters: where the float32 masters live: ``None`` (RAM), or a :class:`~offload.DiskTier`
-            or directory (Note: [Masters on disk] in ``offload/master_files.py``).
+            or directory (Note: [Masters on disk] in ``offload/tiers/master_files.py``).
     """
 
     def __init__(self, groups: Sequence[tuple[list[str], list[nn.Module]]], device: torch.device,

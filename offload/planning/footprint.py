@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from ..walk.engine import Engine
 
 _HOST = ("host_masters", "host_shadows", "host_gradients", "host_optimizer_state", "host_disk_window",
          "host_activations", "host_pool_idle")

@@ -1,0 +1,15 @@
+"""One model's slices and their walk through the device slots.
+
+- ``slicing.py``: cutting layers into slices;
+- ``engine.py``: a model's slices (``Slice``) and the machinery that serves them (copy engine,
+  device slots, host buffers, offloaders, pending host updates); no per-call state;
+- ``binding.py``: the user's layers run on device copies; ``module_state.py``: what a run changed
+  in a module's buffers and attributes;
+- ``slice_walk.py``: one walk of the slices through the slots (Note: [The walk], [Buffers]);
+- ``microbatch.py``: a batch split into microbatches and joined again;
+- ``milestones.py``: what a walk announces (a slice's gradients ready on the host, ...);
+- ``streamed.py``: the forward that keeps no graph.
+
+What runs on each slice for autograd lives in ``offload/autograd/``; moving tensors and ordering
+the moves, in ``offload/streams/``.
+"""

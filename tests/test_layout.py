@@ -1,0 +1,200 @@
+"""The package's import graph: no cycles, and imports only run down the layers of
+``docs/architecture.md`` ("Layers"), whose list :data:`LAYERS` mirrors.
+
+Every ``import`` and ``from ... import`` in ``offload/`` counts, at module level, inside functions
+and under ``if TYPE_CHECKING:`` alike: a function-level import that dodges a circle at import time
+still ties the two modules together. The checker is tested on small fake graphs first, so a
+broken checker cannot pass the real package silently.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "offload"
+
+#: Layer number to the modules and packages in it, lowest first (a package stands for every module
+#: under it). A module may import from its own layer and the layers below. Mirrored, in words, by
+#: the "Layers" list of docs/architecture.md (``test_doc_mirrors_layers`` keeps the two together).
+LAYERS: dict[int, list[str]] = {
+    1: ["offload.streams"],
+    2: ["offload.streamcheck"],
+    3: ["offload.tiers"],
+    4: ["offload.walk"],
+    5: ["offload.autograd"],
+    6: ["offload.planning"],
+    7: ["offload.model", "offload.optimizer", "offload.data_parallel", "offload.grad_scaler",
+        "offload.per_tensor_warning"],
+    8: ["offload.checkpoint", "offload.loading"],
+    9: ["offload.integrations", "offload.profiling"],
+    10: ["offload.cli", "offload"],
+}
+
+
+def module_files(package: Path) -> dict[str, tuple[Path, bool]]:
+    """Dotted module name to (file, whether it is a package's ``__init__``)."""
+    modules = {}
+    for path in sorted(package.rglob("*.py")):
+        parts = list(path.relative_to(package.parent).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        if is_package:
+            parts.pop()
+        modules[".".join(parts)] = (path, is_package)
+    return modules
+
+
+def _targets(name: str, is_package: bool, node: ast.Import | ast.ImportFrom, known: set[str]) -> list[str]:
+    """The modules an import statement in module ``name`` names (absolute, maybe not in ``known``)."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if node.level:
+        base = name.split(".") if is_package else name.split(".")[:-1]
+        base = base[: len(base) - (node.level - 1)]
+        source = ".".join(base + ([node.module] if node.module else []))
+    else:
+        source = node.module or ""
+    submodules = [f"{source}.{alias.name}" for alias in node.names if f"{source}.{alias.name}" in known]
+    # `from . import a` imports the submodule a; the package itself only as its parent, which every
+    # submodule import runs anyway, so it is no edge of its own.
+    return submodules if len(submodules) == len(node.names) else [source, *submodules]
+
+
+def import_graph(package: Path) -> dict[str, set[str]]:
+    """Module to the package modules it imports anywhere in its body."""
+    modules = module_files(package)
+    known = set(modules)
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, (path, is_package) in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            for target in _targets(name, is_package, node, known):
+                while target not in known and "." in target:  # `import a.b.Name` names module a.b
+                    target = target.rsplit(".", 1)[0]
+                if target in known and target != name:
+                    graph[name].add(target)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in sorted(graph.get(node, ())):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def layer_of(module: str, layers: dict[int, list[str]]) -> int | None:
+    """The layer of the longest entry that is ``module`` or a package above it."""
+    best: tuple[int, int] | None = None
+    for layer, entries in layers.items():
+        for entry in entries:
+            if (module == entry or module.startswith(entry + ".")) and (best is None or len(entry) > best[0]):
+                best = (len(entry), layer)
+    return None if best is None else best[1]
+
+
+def upward_imports(graph: dict[str, set[str]], layers: dict[int, list[str]]) -> list[str]:
+    """Each import from a module to one in a higher layer, and each module in no layer."""
+    problems = [f"{module} is in no layer" for module in sorted(graph) if layer_of(module, layers) is None]
+    for module in sorted(graph):
+        low = layer_of(module, layers)
+        for target in sorted(graph[module]):
+            high = layer_of(target, layers)
+            if low is not None and high is not None and high > low:
+                problems.append(f"{module} (layer {low}) imports {target} (layer {high})")
+    return problems
+
+
+# The checker itself, on graphs small enough to see the answer.
+
+def test_checker_finds_cycles_on_a_fake_graph() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"f"}, "f": {"e"}}
+    assert cycles(graph) == [["a", "b", "c"], ["e", "f"]]
+    assert cycles({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []
+
+
+def test_checker_finds_upward_imports_on_a_fake_graph() -> None:
+    layers = {1: ["p.low"], 2: ["p.high", "p"]}
+    graph = {"p.low.x": {"p.high"}, "p.high": {"p.low.x"}, "p": {"p.high"}, "q": set()}
+    assert upward_imports(graph, layers) == ["q is in no layer", "p.low.x (layer 1) imports p.high (layer 2)"]
+
+
+def test_import_graph_reads_every_kind_of_import(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("from .a import A\n")
+    (package / "a.py").write_text("from . import b\nA = 1\n")
+    (package / "b.py").write_text("import typing\nif typing.TYPE_CHECKING:\n    from .sub.c import C\n")
+    (package / "sub" / "__init__.py").write_text("")
+    (package / "sub" / "c.py").write_text("def f():\n    from ..a import A\n    import pkg.b\n    return A\n")
+    assert import_graph(package) == {"pkg": {"pkg.a"}, "pkg.a": {"pkg.b"}, "pkg.b": {"pkg.sub.c"},
+                                     "pkg.sub": set(), "pkg.sub.c": {"pkg.a", "pkg.b"}}
+    assert cycles(import_graph(package)) == [["pkg.a", "pkg.b", "pkg.sub.c"]]
+
+
+# The package.
+
+def test_package_has_no_import_cycles() -> None:
+    assert cycles(import_graph(PACKAGE)) == []
+
+
+def test_imports_run_down_the_layers() -> None:
+    assert upward_imports(import_graph(PACKAGE), LAYERS) == []
+
+
+def test_doc_mirrors_layers() -> None:
+    """Each numbered item of the doc's layer list names exactly the entries of that layer."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text.split("## Layers", 1)[1].split("\n## ", 1)[0]
+    items = re.split(r"^(\d+)\. ", section, flags=re.M)[1:]
+    documented = {int(number): body for number, body in zip(items[::2], items[1::2])}
+    assert sorted(documented) == sorted(LAYERS)
+    for layer, entries in LAYERS.items():
+        named = set(re.findall(r"`(offload[\w.]*)`", documented[layer].split(": ", 1)[0]))
+        assert named == set(entries), f"layer {layer}"
+
+
+@pytest.mark.parametrize("first", ["offload.integrations.transformers_loading", "offload.integrations.causal_lm",
+                                   "offload.profiling.results", "offload.streams.host_storage"])
+def test_any_module_imports_first(first: str) -> None:
+    """Each module of a former circle imports on its own, in a fresh interpreter."""
+    if "integrations" in first:
+        pytest.importorskip("transformers")
+    done = subprocess.run([sys.executable, "-c", f"import {first}"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
