@@ -563,3 +563,23 @@ def test_a_tier_directory_is_made_only_under_an_existing_writable_parent(tmp_pat
         OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, disk_tier=tmp_path / "locked")
     with pytest.raises(ValueError, match=rf"cannot create it, {tmp_path / 'locked'} is not writable"):
         OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, disk_tier=tmp_path / "locked" / "x")
+
+
+def test_a_directory_another_rank_makes_meanwhile_is_taken_as_it_is(tmp_path, monkeypatch):
+    # The ranks of one job name the same directory: one may create it between another's look and
+    # its own mkdir. That is not an error, and the directory is not the second rank's to remove.
+    from pathlib import Path
+
+    from offload.streams.disk import make_directory
+
+    target = tmp_path / "tier"
+    original = Path.mkdir
+
+    def another_rank_first(self, *args, **kwargs):
+        if self == target:
+            os.mkdir(self)  # the other rank's mkdir lands first
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", another_rank_first)
+    assert make_directory(target, "DiskTier path") is False
+    assert target.is_dir()

@@ -117,8 +117,14 @@ def make_directory(path: Path, what: str) -> bool:
         if not os.access(parent, os.W_OK | os.X_OK):
             raise ValueError(f"{what} {path}: cannot create it, {parent} is not writable by this process; choose a "
                              "directory you can write to")
-        path.mkdir()
-        return True
+        try:
+            path.mkdir()
+            return True
+        except FileExistsError:
+            if not path.is_dir():
+                raise ValueError(f"{what} {path} is a file, not a directory; point it at a directory on a local "
+                                 "disk") from None
+            # Another process made it meanwhile: the ranks of one job name the same directory.
     if not os.access(path, os.W_OK | os.X_OK):
         raise ValueError(f"{what} {path} is not writable by this process; choose a directory you can write to")
     return False
