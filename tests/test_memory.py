@@ -309,3 +309,14 @@ def test_a_backward_that_fails_part_way_leaves_the_zeroed_gradients_as_they_were
     for p, q in zip(model.parameters(), plain.parameters()):
         torch.testing.assert_close(p.grad, q.grad, **EXACT)
         torch.testing.assert_close(p.detach(), q.detach(), **EXACT)
+
+
+def test_the_estimate_rounds_pinned_gradient_buffers_to_their_size_class():
+    # On CUDA the pool's pinned buffers of 1 MiB and more come in size classes (streams/pinned.py).
+    from offload.streams.pinned import size_class
+
+    counts = [3_000_000] * 4  # 12 MB of float32 gradients per slice: between two classes
+    host = estimate_memory(counts, num_slices=4, device="cpu")
+    pinned = estimate_memory(counts, num_slices=4, device="cuda")
+    assert host.host_pool_idle == 2 * 12_000_000
+    assert pinned.host_pool_idle == 2 * size_class(12_000_000) > host.host_pool_idle

@@ -19,6 +19,7 @@ from torch import nn
 
 from .footprint import MemoryFootprint
 from ..walk.slicing import partition
+from ..streams.pinned import size_class
 from ..streams.host_storage import ALIGN_ELEMENTS, ALIGNMENT, BUFFER_REGION_ALIGNMENT
 
 #: Optimizer state per parameter, in units of the parameter's own element size.
@@ -131,11 +132,12 @@ def estimate_memory(layers: nn.Module | Sequence[int], *, num_slices: int = 8,
         disk_window += min(3, len(slices)) * max(host)
         masters_bytes = 0
     gradients = sum(grads)
-    # Gradients landing and being added (Note: [Gradients added in place]): two buffers of the
-    # largest slice's size, one when a single slice has gradients (a frozen base around it).
-    window = min(2, sum(1 for g in grads if g)) * max(grads)
-    pool = window + activation_bytes
     pinned = torch.device(device).type == "cuda"
+    # Gradients landing and being added (Note: [Gradients added in place]): two buffers of the
+    # largest slice's size, one when a single slice has gradients (a frozen base around it);
+    # pinned ones are rounded up to their size class, as the pool allocates them.
+    window = min(2, sum(1 for g in grads if g)) * (size_class(max(grads)) if pinned else max(grads))
+    pool = window + activation_bytes
     return MemoryFootprint(
         parameters=count,
         host_masters=masters_bytes,
