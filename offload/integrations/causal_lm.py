@@ -323,9 +323,8 @@ class OffloadedCausalLM(PreTrainedModel):
                         is_main_process: bool = True, state_dict: Mapping[str, torch.Tensor] | None = None,
                         **kwargs: Any) -> None:
         """Write a folder that ``AutoModelForCausalLM.from_pretrained`` loads: the config, the
-        generation config and the weights, one safetensors shard per slice (each slice's tensors
-        copied out of the host storage while that shard is written, so the save holds one slice's
-        copies at a time). A PEFT model writes its adapters instead (``PeftModel.save_pretrained``).
+        generation config and the weights, one safetensors shard per slice, written from the host
+        copies themselves (no copy of the model is made). A PEFT model writes its adapters instead (``PeftModel.save_pretrained``).
         A tied output embedding is written once, as ``from_pretrained`` expects."""
         if not is_main_process:
             return
@@ -357,8 +356,8 @@ class OffloadedCausalLM(PreTrainedModel):
         weight_map = {}
         total = 0
         for file, shard in zip(files, shards):
-            # A copy of each tensor with storage of its own: the host copies share one buffer per slice.
-            save_file({key: t.detach().clone() for key, t in shard.items()}, os.path.join(save_directory, file),
+            # The host copies themselves: each has a storage of its own (Note: [A storage per host copy]).
+            save_file({key: t.detach() for key, t in shard.items()}, os.path.join(save_directory, file),
                       metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(shard, file))
             total += sum(t.numel() * t.element_size() for t in shard.values())
