@@ -1,0 +1,451 @@
+"""One training step of a Llama-shaped model, offloaded by this library and by its peers.
+
+The same Hugging Face ``LlamaForCausalLM`` (random weights, bf16 compute, AdamW) and the same batch
+run one way after another, each in this one process, the device memory freed between them:
+
+- ``resident``: the whole model on the device with its parameters in bfloat16, the model's own
+  gradient checkpointing and fused AdamW there: the compute time offloading cannot beat.
+- ``offload``: ``OffloadModel(causal_lm_sequential(model), compute_dtype=torch.bfloat16)`` stepped
+  by ``OffloadOptimizer`` (fused AdamW on the host, overlapped with the next forward).
+- ``fsdp2``: PyTorch's ``fully_shard`` at world size 1 with ``CPUOffloadPolicy`` and bf16
+  ``MixedPrecisionPolicy`` (parameters, gradients and the AdamW step on the host).
+- ``torchao``: torchao's ``CPUOffloadOptimizer`` (parameters on the device, AdamW state and step on
+  the host) under ``torch.autocast(bfloat16)``; only where torchao imports (not a dependency).
+- ``fairscale``: fairscale's ``OffloadModel`` on the same stages, float32 (it has no compute
+  dtype); only where fairscale imports (not a dependency).
+
+Per run: the median step time, its forward and backward, what of the update the step still waited
+for (``offload``), peak device memory, tokens/s, host RSS per step. Beside them, measured in the same
+process: pinned copy bandwidth each way, and the host update alone (fused AdamW over float32
+tensors of the model's sizes). ``offload``'s efficiency is ``max(resident step, its link bytes ÷
+link bandwidth, host update alone) / its step``. Its gradients after the first backward are compared
+with the resident model's, bit for bit (the resident model's second backward of the same batch
+gives the spread its own kernels allow).
+
+``--cap-gib N --only offload --disk-tier DIR`` trains the offloaded model with device memory capped
+(``torch.cuda.set_per_process_memory_fraction``) and AdamW's state in files.
+
+Usage::
+
+    python scripts/bench_peers.py --json peers.json                      # a GPU, the default sizes
+    python scripts/bench_peers.py --cpu-dry-run --json /tmp/peers.json   # every code path, toy sizes, CPU
+    python scripts/bench_peers.py --only offload --cap-gib 4 --disk-tier /tmp/tier --json capped.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import psutil
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmark import device_name, measure_bandwidth, synchronize  # noqa: E402
+
+from offload import DiskTier, OffloadModel, OffloadOptimizer  # noqa: E402
+from offload.model import engine_of  # noqa: E402
+
+PEERS = ("resident", "offload", "fsdp2", "torchao", "fairscale")
+GPU_SIZES = {"hidden": 2048, "layers": 16, "intermediate": 5632, "heads": 16, "kv_heads": 8, "vocab": 32000,
+             "seq": 1024, "batch": 8}
+DRY_SIZES = {"hidden": 64, "layers": 2, "intermediate": 128, "heads": 4, "kv_heads": 2, "vocab": 256,
+             "seq": 16, "batch": 2}
+
+
+def build_llama(sizes: dict[str, int], seed: int = 0) -> nn.Module:
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=sizes["vocab"], hidden_size=sizes["hidden"], intermediate_size=sizes["intermediate"],
+        num_hidden_layers=sizes["layers"], num_attention_heads=sizes["heads"],
+        num_key_value_heads=sizes["kv_heads"], max_position_embeddings=sizes["seq"], use_cache=False,
+        tie_word_embeddings=False, attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(config).train()
+
+
+def enable_checkpointing(model: nn.Module) -> None:
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def loss_of(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+def rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+class Run:
+    """One way of training: ``step()`` runs forward, backward and the optimizer, and returns the
+    seconds of its forward and backward alone (what it waited for the optimizer left out)."""
+
+    def __init__(self, step: Callable[[], float], free: Callable[[], None] = lambda: None) -> None:
+        self.step, self.free = step, free
+        self.times: list[float] = []
+        self.model_times: list[float] = []
+        self.exposed: list[float] = []
+        self.rss: list[int] = []
+
+    def timed(self, device: torch.device) -> None:
+        synchronize(device)
+        start = time.perf_counter()
+        self.model_times.append(self.step())
+        synchronize(device)
+        self.times.append(time.perf_counter() - start)
+        self.rss.append(rss())
+        print(f"  step {len(self.times)}: {self.times[-1] * 1e3:.1f} ms", flush=True)
+
+
+def timed_forward_backward(device: torch.device, forward_backward: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    forward_backward()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def resident_run(base: nn.Module, batch: torch.Tensor, device: torch.device, grads: dict) -> Run:
+    # Parameters in bfloat16 as compute_dtype makes them; buffers (the rotary inverse frequencies)
+    # stay float32, as they do in OffloadModel.
+    model = copy.deepcopy(base).to(device)
+    for param in model.parameters():
+        param.data = param.data.to(torch.bfloat16)
+    enable_checkpointing(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+
+    def forward_backward() -> None:
+        loss_of(model(batch).logits, batch).backward()
+
+    def step() -> float:
+        optimizer.zero_grad(set_to_none=True)
+        seconds = timed_forward_backward(device, forward_backward)
+        if "resident" not in grads:
+            grads["resident"] = {n: p.grad.float().cpu() for n, p in model.named_parameters()}
+            optimizer.zero_grad(set_to_none=True)
+            forward_backward()  # the same batch again: the spread of the device's own kernels
+            grads["resident_again"] = {n: p.grad.float().cpu() for n, p in model.named_parameters()}
+        optimizer.step()
+        return seconds
+
+    return Run(step)
+
+
+def offload_run(base: nn.Module, batch: torch.Tensor, device: torch.device, grads: dict, args) -> Run:
+    from offload.integrations.transformers import causal_lm_sequential
+
+    hf = copy.deepcopy(base)
+    tier = DiskTier(args.disk_tier) if args.disk_tier else None
+    model = OffloadModel(causal_lm_sequential(hf), device=device, num_slices=args.num_slices,
+                         compute_dtype=torch.bfloat16, masters=tier if args.masters_on_disk else None)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-5, fused=True, disk_tier=tier)
+    updates = engine_of(model).updates
+    wait, blocked = updates.wait, [0.0]
+
+    def timed_wait(index: int) -> None:
+        start = time.perf_counter()
+        wait(index)
+        blocked[0] += time.perf_counter() - start
+
+    updates.wait = timed_wait  # type: ignore[method-assign]
+    run: Run
+
+    def step() -> float:
+        optimizer.zero_grad(set_to_none=True)
+        seconds = timed_forward_backward(device, lambda: loss_of(model(batch), batch).backward()) - blocked[0]
+        if "offload" not in grads:
+            grads["offload"] = {n: p.grad.clone() for n, p in hf.named_parameters()}
+        start = time.perf_counter()
+        optimizer.step()
+        run.exposed.append(blocked[0] + time.perf_counter() - start)
+        blocked[0] = 0.0
+        return seconds
+
+    def free() -> None:
+        optimizer.close()
+
+    run = Run(step, free)
+    run.traffic = engine_of(model).traffic  # type: ignore[attr-defined]
+    return run
+
+
+def fsdp2_run(base: nn.Module, batch: torch.Tensor, device: torch.device) -> Run:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    if not dist.is_initialized():
+        store = tempfile.mktemp(prefix="offload-bench-peers-")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{store}",
+                                rank=0, world_size=1)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    model = copy.deepcopy(base)
+    enable_checkpointing(model)
+    mesh = dist.device_mesh.init_device_mesh(device.type, (1,))
+    policy = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+    if device.type == "cuda":
+        policy["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
+    for layer in model.model.layers:
+        fully_shard(layer, **policy)
+    fully_shard(model, **policy)
+    # Fused: PyTorch's fastest AdamW for the host's DTensors (its default for CPU tensors is the
+    # per-tensor loop).
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+
+    def step() -> float:
+        optimizer.zero_grad(set_to_none=True)
+        seconds = timed_forward_backward(device, lambda: loss_of(model(batch).logits, batch).backward())
+        optimizer.step()
+        return seconds
+
+    return Run(step, lambda: dist.destroy_process_group())
+
+
+def torchao_run(base: nn.Module, batch: torch.Tensor, device: torch.device) -> Run:
+    from torchao.optim import CPUOffloadOptimizer
+
+    model = copy.deepcopy(base).to(device)
+    enable_checkpointing(model)
+    optimizer = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-5, fused=True)
+
+    def forward_backward() -> None:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            logits = model(batch).logits
+        loss_of(logits, batch).backward()
+
+    def step() -> float:
+        optimizer.zero_grad()
+        seconds = timed_forward_backward(device, forward_backward)
+        optimizer.step()
+        return seconds
+
+    return Run(step)
+
+
+def fairscale_run(base: nn.Module, batch: torch.Tensor, device: torch.device, args) -> Run:
+    from fairscale.experimental.nn.offload import OffloadModel as FairscaleOffloadModel
+
+    from offload.integrations.transformers import causal_lm_sequential
+
+    model = FairscaleOffloadModel(model=causal_lm_sequential(copy.deepcopy(base)), device=device,
+                                  offload_device=torch.device("cpu"), num_slices=args.num_slices,
+                                  checkpoint_activation=True, num_microbatches=1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+
+    def step() -> float:
+        optimizer.zero_grad(set_to_none=True)
+        seconds = timed_forward_backward(device, lambda: loss_of(model(batch), batch).backward())
+        optimizer.step()
+        return seconds
+
+    return Run(step)
+
+
+def host_update_alone(base: nn.Module, repeats: int) -> float:
+    """Seconds of one fused AdamW step over float32 host tensors of the model's sizes."""
+    params = [torch.full_like(p, 0.5, device="cpu", dtype=torch.float32).requires_grad_() for p in base.parameters()]
+    for p in params:
+        p.grad = torch.full_like(p, 1e-3)
+    optimizer = torch.optim.AdamW(params, lr=1e-5, fused=True)
+    optimizer.step()  # the state's first touch
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        optimizer.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def compare_gradients(grads: dict) -> dict:
+    def worst(a: dict, b: dict) -> tuple[float, int]:
+        diff, differing = 0.0, 0
+        for name, ref in a.items():
+            delta = (b[name].float() - ref).abs().max().item()
+            scale = ref.abs().max().item() or 1.0
+            diff = max(diff, delta / scale)
+            differing += int(not torch.equal(b[name].float(), ref))
+        return diff, differing
+
+    out: dict[str, Any] = {"tensors": len(grads.get("resident", {}))}
+    if "resident" in grads and "offload" in grads:
+        out["offload_vs_resident_max_relative"], out["offload_vs_resident_tensors_differing"] = worst(
+            grads["resident"], grads["offload"])
+        out["bit_identical"] = out["offload_vs_resident_tensors_differing"] == 0
+    if "resident_again" in grads:
+        out["resident_vs_itself_max_relative"], out["resident_vs_itself_tensors_differing"] = worst(
+            grads["resident"], grads["resident_again"])
+    return out
+
+
+def summarise(run: Run, tokens: int, device: torch.device, steps: int) -> dict:
+    median = statistics.median(run.times[-steps:])
+    out = {"median_step_s": median, "median_forward_backward_s": statistics.median(run.model_times[-steps:]),
+           "tokens_per_s": tokens / median, "step_s": run.times, "host_rss_bytes_per_step": run.rss,
+           "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
+    if run.exposed:
+        out["median_exposed_update_s"] = statistics.median(run.exposed[-steps:])
+    return out
+
+
+def measure(name: str, make: Callable[[], Run], args, device: torch.device, tokens: int, report: dict) -> None:
+    print(f"[{name}] ...", flush=True)
+    run = None
+    try:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        run = make()
+        for _ in range(args.warmup):
+            run.timed(device)
+        traffic_before = run.traffic() if hasattr(run, "traffic") else None
+        for _ in range(args.steps):
+            run.timed(device)
+        result = summarise(run, tokens, device, args.steps)
+        if traffic_before is not None:
+            after = run.traffic()
+            result["loaded_bytes_per_step"] = (after[0] - traffic_before[0]) / args.steps
+            result["offloaded_bytes_per_step"] = (after[1] - traffic_before[1]) / args.steps
+        report["runs"][name] = result
+        print(f"[{name}] step {result['median_step_s'] * 1e3:.1f} ms, fwd+bwd "
+              f"{result['median_forward_backward_s'] * 1e3:.1f} ms", flush=True)
+    except Exception as error:  # noqa: BLE001 - a failing peer must not hide the others
+        report["failed"][name] = f"{type(error).__name__}: {error}"[:2000]
+        print(f"[{name}] failed: {report['failed'][name][:300]}", flush=True)
+        traceback.print_exc()
+    finally:
+        if run is not None:
+            with contextlib.suppress(Exception):
+                run.free()
+        del run
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        write(report, args.json)
+
+
+def efficiency(report: dict) -> None:
+    runs, ours = report["runs"], report["runs"].get("offload")
+    if ours is None or "resident" not in runs:
+        return
+    bandwidth = report["bandwidth_bytes_per_s"]
+    link = max(ours.get("loaded_bytes_per_step", 0) / bandwidth["host_to_device"],
+               ours.get("offloaded_bytes_per_step", 0) / bandwidth["device_to_host"])
+    terms = {"link_s": link, "host_update_alone_s": report.get("host_update_alone_s")}
+    if "resident" in runs:
+        terms["resident_step_s"] = runs["resident"]["median_step_s"]
+    known = [v for v in terms.values() if v is not None]
+    ours["ideal_terms"] = terms
+    ours["ideal_s"] = max(known)
+    ours["efficiency"] = ours["ideal_s"] / ours["median_step_s"]
+    for name, run in runs.items():
+        if name not in ("offload", "resident"):
+            ours[f"speedup_vs_{name}"] = run["median_step_s"] / ours["median_step_s"]
+
+
+def write(report: dict, path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+def table(report: dict) -> str:
+    lines = ["| run | step ms | fwd+bwd ms | exposed update ms | tokens/s | peak device MiB | RSS growth MiB |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, run in report["runs"].items():
+        peak = run.get("peak_device_bytes")
+        exposed = run.get("median_exposed_update_s")
+        growth = (run["host_rss_bytes_per_step"][-1] - run["host_rss_bytes_per_step"][0]) / 2**20
+        lines.append(f"| {name} | {run['median_step_s'] * 1e3:.1f} | {run['median_forward_backward_s'] * 1e3:.1f} "
+                     f"| {'' if exposed is None else f'{exposed * 1e3:.1f}'} | {run['tokens_per_s']:.0f} "
+                     f"| {'' if peak is None else f'{peak / 2**20:.0f}'} | {growth:.0f} |")
+    for name, why in report["failed"].items():
+        lines.append(f"| {name} | failed: {why[:120]} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cpu-dry-run", action="store_true", help="toy sizes on the CPU: every code path, no timing")
+    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    for key, value in GPU_SIZES.items():
+        parser.add_argument(f"--{key.replace('_', '-')}", type=int, default=None, help=f"GPU default {value}")
+    parser.add_argument("--num-slices", type=int, default=None, help="default: one per decoder layer plus two")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--only", default=",".join(PEERS), help=f"comma-separated subset of {','.join(PEERS)}")
+    parser.add_argument("--cap-gib", type=float, default=None, help="cap device memory (CUDA) for the runs")
+    parser.add_argument("--disk-tier", default=None, help="offload: AdamW's state in files in this directory")
+    parser.add_argument("--masters-on-disk", action="store_true", help="offload: float32 masters in the disk tier too")
+    parser.add_argument("--json", default=None, help="write the report here (after every run)")
+    args = parser.parse_args(argv)
+    defaults = DRY_SIZES if args.cpu_dry_run else GPU_SIZES
+    args.sizes = {key: getattr(args, key) or value for key, value in defaults.items()}
+    args.num_slices = args.num_slices or args.sizes["layers"] + 2
+    args.peers = [p.strip() for p in args.only.split(",") if p.strip()]
+    unknown = set(args.peers) - set(PEERS)
+    if unknown:
+        parser.error(f"--only: unknown {', '.join(sorted(unknown))}; choose from {', '.join(PEERS)}")
+    if args.cpu_dry_run:
+        args.device, args.steps, args.warmup = "cpu", 1, 1
+    args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.device.type == "cuda" and args.device.index is None:
+        args.device = torch.device("cuda", torch.cuda.current_device())
+    if args.masters_on_disk and not args.disk_tier:
+        parser.error("--masters-on-disk needs --disk-tier DIR")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    device, sizes = args.device, args.sizes
+    base = build_llama(sizes)
+    tokens = sizes["batch"] * sizes["seq"]
+    torch.manual_seed(1)
+    batch = torch.randint(0, sizes["vocab"], (sizes["batch"], sizes["seq"]), device=device)
+    report: dict[str, Any] = {
+        "command": "python " + " ".join(sys.argv), "device_name": device_name(device), "torch": torch.__version__,
+        "sizes": sizes, "num_slices": args.num_slices, "parameters": sum(p.numel() for p in base.parameters()),
+        "tokens_per_step": tokens, "steps": args.steps, "warmup": args.warmup,
+        "bandwidth_bytes_per_s": measure_bandwidth(device), "runs": {}, "failed": {},
+        "cap_gib": args.cap_gib, "disk_tier": bool(args.disk_tier), "masters_on_disk": args.masters_on_disk}
+    print(f"{device_name(device)}; Llama-shaped, {report['parameters'] / 1e9:.3f} B parameters, "
+          f"{tokens} tokens/step, {args.num_slices} slices", flush=True)
+    if "offload" in args.peers and not args.disk_tier:
+        report["host_update_alone_s"] = host_update_alone(base, 1 if args.cpu_dry_run else 3)
+    if args.cap_gib and device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total), device)
+    grads: dict[str, dict] = {}
+    makers = {
+        "resident": lambda: resident_run(base, batch, device, grads),
+        "offload": lambda: offload_run(base, batch, device, grads, args),
+        "fsdp2": lambda: fsdp2_run(base, batch, device),
+        "torchao": lambda: torchao_run(base, batch, device),
+        "fairscale": lambda: fairscale_run(base, batch, device, args),
+    }
+    for name in args.peers:
+        measure(name, makers[name], args, device, tokens, report)
+    report["gradients_after_first_backward"] = compare_gradients(grads)
+    efficiency(report)
+    write(report, args.json)
+    print(table(report))
+    print(json.dumps({k: report["runs"].get("offload", {}).get(k) for k in ("efficiency", "ideal_terms")}
+                     | {"gradients": report["gradients_after_first_backward"]}, default=str))
+    return report
+
+
+if __name__ == "__main__":
+    # torchao and fairscale are optional and CUDA-only; the others must run wherever this does.
+    sys.exit(1 if {"resident", "offload", "fsdp2"} & set(main()["failed"]) else 0)
