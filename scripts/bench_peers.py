@@ -59,6 +59,11 @@ from offload import DiskTier, OffloadModel, OffloadOptimizer  # noqa: E402
 from offload.model import engine_of  # noqa: E402
 
 PEERS = ("resident", "offload", "fsdp2", "torchao", "fairscale")
+#: Ways of running OffloadModel that take a step apart (``--only offload,offload-sync,...``):
+#: ``sync`` waits for the update after each step (nothing overlaps it), ``threads8`` gives the
+#: update 8 threads, ``no-step`` runs forward and backward alone, ``profile`` prints torch.profiler's
+#: table of the host's operations over the timed steps.
+OFFLOAD_VARIANTS = ("offload-sync", "offload-threads8", "offload-no-step", "offload-profile")
 GPU_SIZES = {"hidden": 2048, "layers": 16, "intermediate": 5632, "heads": 16, "kv_heads": 8, "vocab": 32000,
              "seq": 1024, "batch": 8}
 DRY_SIZES = {"hidden": 64, "layers": 2, "intermediate": 128, "heads": 4, "kv_heads": 2, "vocab": 256,
@@ -143,14 +148,16 @@ def resident_run(base: nn.Module, batch: torch.Tensor, device: torch.device, gra
     return Run(step)
 
 
-def offload_run(base: nn.Module, batch: torch.Tensor, device: torch.device, grads: dict, args) -> Run:
+def offload_run(base: nn.Module, batch: torch.Tensor, device: torch.device, grads: dict, args,
+                variant: str = "offload") -> Run:
     from offload.integrations.transformers import causal_lm_sequential
 
     hf = copy.deepcopy(base)
     tier = DiskTier(args.disk_tier) if args.disk_tier else None
     model = OffloadModel(causal_lm_sequential(hf), device=device, num_slices=args.num_slices,
                          compute_dtype=torch.bfloat16, masters=tier if args.masters_on_disk else None)
-    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-5, fused=True, disk_tier=tier)
+    threads = 8 if variant == "offload-threads8" else None
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-5, fused=True, disk_tier=tier, num_threads=threads)
     updates = engine_of(model).updates
     wait, blocked = updates.wait, [0.0]
 
@@ -168,7 +175,10 @@ def offload_run(base: nn.Module, batch: torch.Tensor, device: torch.device, grad
         if "offload" not in grads:
             grads["offload"] = {n: p.grad.clone() for n, p in hf.named_parameters()}
         start = time.perf_counter()
-        optimizer.step()
+        if variant != "offload-no-step":
+            optimizer.step()
+        if variant == "offload-sync":
+            optimizer.synchronize()
         run.exposed.append(blocked[0] + time.perf_counter() - start)
         blocked[0] = 0.0
         return seconds
@@ -309,8 +319,9 @@ def measure(name: str, make: Callable[[], Run], args, device: torch.device, toke
         for _ in range(args.warmup):
             run.timed(device)
         traffic_before = run.traffic() if hasattr(run, "traffic") else None
-        for _ in range(args.steps):
-            run.timed(device)
+        with profiled(name == "offload-profile", device):
+            for _ in range(args.steps):
+                run.timed(device)
         result = summarise(run, tokens, device, args.steps)
         if traffic_before is not None:
             after = run.traffic()
@@ -332,6 +343,22 @@ def measure(name: str, make: Callable[[], Run], args, device: torch.device, toke
         if device.type == "cuda":
             torch.cuda.empty_cache()
         write(report, args.json)
+
+
+@contextlib.contextmanager
+def profiled(enabled: bool, device: torch.device):
+    if not enabled:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        yield
+    table = prof.key_averages()
+    print(table.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=50))
+    if device.type == "cuda":
+        print(table.table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=50))
 
 
 def efficiency(report: dict) -> None:
@@ -360,12 +387,13 @@ def write(report: dict, path: str | None) -> None:
 
 
 def table(report: dict) -> str:
-    lines = ["| run | step ms | fwd+bwd ms | exposed update ms | tokens/s | peak device MiB | RSS growth MiB |",
+    lines = ["| run | step ms | fwd+bwd ms | exposed update ms | tokens/s | peak device MiB | RSS growth over timed steps MiB |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for name, run in report["runs"].items():
         peak = run.get("peak_device_bytes")
         exposed = run.get("median_exposed_update_s")
-        growth = (run["host_rss_bytes_per_step"][-1] - run["host_rss_bytes_per_step"][0]) / 2**20
+        timed = run["host_rss_bytes_per_step"][-len(run["step_s"]) + report["warmup"]:] or run["host_rss_bytes_per_step"]
+        growth = (timed[-1] - timed[0]) / 2**20
         lines.append(f"| {name} | {run['median_step_s'] * 1e3:.1f} | {run['median_forward_backward_s'] * 1e3:.1f} "
                      f"| {'' if exposed is None else f'{exposed * 1e3:.1f}'} | {run['tokens_per_s']:.0f} "
                      f"| {'' if peak is None else f'{peak / 2**20:.0f}'} | {growth:.0f} |")
@@ -394,9 +422,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.sizes = {key: getattr(args, key) or value for key, value in defaults.items()}
     args.num_slices = args.num_slices or args.sizes["layers"] + 2
     args.peers = [p.strip() for p in args.only.split(",") if p.strip()]
-    unknown = set(args.peers) - set(PEERS)
+    unknown = set(args.peers) - set(PEERS) - set(OFFLOAD_VARIANTS)
     if unknown:
-        parser.error(f"--only: unknown {', '.join(sorted(unknown))}; choose from {', '.join(PEERS)}")
+        parser.error(f"--only: unknown {', '.join(sorted(unknown - set(OFFLOAD_VARIANTS)))}; choose from "
+                     f"{', '.join(PEERS + OFFLOAD_VARIANTS)}")
     if args.cpu_dry_run:
         args.device, args.steps, args.warmup = "cpu", 1, 1
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -422,7 +451,7 @@ def main(argv: list[str] | None = None) -> dict:
         "cap_gib": args.cap_gib, "disk_tier": bool(args.disk_tier), "masters_on_disk": args.masters_on_disk}
     print(f"{device_name(device)}; Llama-shaped, {report['parameters'] / 1e9:.3f} B parameters, "
           f"{tokens} tokens/step, {args.num_slices} slices", flush=True)
-    if "offload" in args.peers and not args.disk_tier:
+    if "resident" in args.peers and not args.disk_tier:
         report["host_update_alone_s"] = host_update_alone(base, 1 if args.cpu_dry_run else 3)
     if args.cap_gib and device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
@@ -435,6 +464,8 @@ def main(argv: list[str] | None = None) -> dict:
         "torchao": lambda: torchao_run(base, batch, device),
         "fairscale": lambda: fairscale_run(base, batch, device, args),
     }
+    for variant in OFFLOAD_VARIANTS:
+        makers[variant] = lambda variant=variant: offload_run(base, batch, device, grads, args, variant)
     for name in args.peers:
         measure(name, makers[name], args, device, tokens, report)
     report["gradients_after_first_backward"] = compare_gradients(grads)

@@ -17,6 +17,7 @@ from torch import nn
 import offload
 from offload import OffloadModel, OffloadOptimizer
 from offload.streams import CudaBackend, using_backend
+from offload.streams.layouts import Layout
 
 from .helpers import assert_same_grads
 
@@ -263,8 +264,9 @@ def test_a_cpu_input_reaches_the_device_through_pinned_memory(checkpoint):
     x = torch.randn(7, 64)
     with torch.no_grad():
         model(x)
-    # Without a graph the only loads are the slices and the input.
-    assert (True, tuple(x.shape), True) in backend.host_sides, "the input did not travel by an asynchronous copy"
+    # Without a graph the only loads are the slices and the input, which travels as the memory it
+    # addresses (Note: [Layouts]): here its elements, flat.
+    assert (True, (Layout.of(x).span,), True) in backend.host_sides, "the input did not travel by an asynchronous copy"
     for _ in range(2):
         x = torch.randn(7, 64)  # pageable host memory
         assert not x.is_pinned()

@@ -62,7 +62,7 @@ class Lazy(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         table = getattr(self, "table", None)
         if table is None or table.shape[0] < x.shape[0]:
-            self.table = torch.linspace(0.5, 1.5, x.shape[0])
+            self.table = torch.linspace(0.5, 1.5, x.shape[0], device=x.device)
         return self.linear(x) * self.table[: x.shape[0], None]
 
 
