@@ -62,8 +62,9 @@ PEERS = ("resident", "offload", "fsdp2", "torchao", "fairscale")
 #: Ways of running OffloadModel that take a step apart (``--only offload,offload-sync,...``):
 #: ``sync`` waits for the update after each step (nothing overlaps it), ``threads8`` gives the
 #: update 8 threads, ``no-step`` runs forward and backward alone, ``profile`` prints torch.profiler's
-#: table of the host's operations over the timed steps.
-OFFLOAD_VARIANTS = ("offload-sync", "offload-threads8", "offload-no-step", "offload-profile")
+#: table of the host's operations over the timed steps, ``cprofile`` the Python calls of the training
+#: thread (where it waits), written beside ``--json`` as ``<name>.prof`` too.
+OFFLOAD_VARIANTS = ("offload-sync", "offload-threads8", "offload-no-step", "offload-profile", "offload-cprofile")
 GPU_SIZES = {"hidden": 2048, "layers": 16, "intermediate": 5632, "heads": 16, "kv_heads": 8, "vocab": 32000,
              "seq": 1024, "batch": 8}
 DRY_SIZES = {"hidden": 64, "layers": 2, "intermediate": 128, "heads": 4, "kv_heads": 2, "vocab": 256,
@@ -319,7 +320,7 @@ def measure(name: str, make: Callable[[], Run], args, device: torch.device, toke
         for _ in range(args.warmup):
             run.timed(device)
         traffic_before = run.traffic() if hasattr(run, "traffic") else None
-        with profiled(name == "offload-profile", device):
+        with profiled(name, device, args.json):
             for _ in range(args.steps):
                 run.timed(device)
         result = summarise(run, tokens, device, args.steps)
@@ -346,8 +347,24 @@ def measure(name: str, make: Callable[[], Run], args, device: torch.device, toke
 
 
 @contextlib.contextmanager
-def profiled(enabled: bool, device: torch.device):
-    if not enabled:
+def profiled(name: str, device: torch.device, json_path: str | None):
+    if name == "offload-cprofile":
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        try:
+            yield
+        finally:
+            profiler.disable()
+        if json_path:
+            profiler.dump_stats(os.path.join(os.path.dirname(os.path.abspath(json_path)), f"{name}.prof"))
+        stats = pstats.Stats(profiler).sort_stats("tottime")
+        stats.print_stats(30)
+        stats.sort_stats("cumulative").print_stats(40)
+        return
+    if name != "offload-profile":
         yield
         return
     from torch.profiler import ProfilerActivity, profile

@@ -43,7 +43,10 @@ def differs(a, b) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(parser.parse_args().device)
+    parser.add_argument("--deterministic", action="store_true", help="cuDNN's deterministic algorithms only")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    torch.backends.cudnn.deterministic = args.deterministic
     layers = layout_sensitive()
     x0 = torch.randn(4, 6, 7, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).to(device)
     for prepare in (strided, channels_last):

@@ -160,7 +160,11 @@ def test_inputs_and_boundary_activations_keep_their_layout(prepare, num_slices, 
     model = OffloadModel(copy.deepcopy(plain), device=device, num_slices=num_slices,
                          checkpoint_activation=checkpoint_activation)
     x = torch.randn(4, 6, 7, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).to(device)
-    assert_runs_alike(plain, model, x, prepare)
+    # cuDNN's default float64 ConvTranspose2d differs from run to run by 4e-16 in the plain model
+    # itself (benchmarks/results/h100-2026-11-26, rerun_diagnose_layouts.log): compare under its
+    # deterministic algorithms, as a user asking for reproducible bits would run.
+    with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True):
+        assert_runs_alike(plain, model, x, prepare)
 
 
 class Every(nn.Module):
