@@ -219,6 +219,34 @@ def test_each_slice_builds_its_masks_once_and_sees_a_mask_changed_in_place(kind)
         torch.testing.assert_close(model(inputs), reference(**inputs, use_cache=False).logits, **EXACT)
 
 
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_without_position_ids_no_slice_looks_for_packed_sequences(kind, monkeypatch):
+    # The look reads a value on the host: on a GPU a wait for the device in every slice's forward
+    # and recompute (Note: [Default positions]). Positions a user passes are looked at, as the
+    # model does.
+    import transformers.masking_utils as masking
+
+    looks = []
+    original = masking.find_packed_sequence_indices
+    monkeypatch.setattr(masking, "find_packed_sequence_indices", lambda *a, **k: looks.append(1) or original(*a, **k))
+    hf = build(kind, dropout=0.0)
+    reference = copy.deepcopy(hf)
+    model = OffloadModel(causal_lm_sequential(hf), device="cpu", num_slices=3)
+    ids = batch()["input_ids"]
+    got = model({"input_ids": ids})
+    got.float().pow(2).mean().backward()
+    assert looks == []
+    want = reference(input_ids=ids, use_cache=False).logits
+    want.float().pow(2).mean().backward()
+    torch.testing.assert_close(got, want, **EXACT)
+    assert_same_grads(hf, reference, **EXACT)
+    packed = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4]] * ids.shape[0])
+    with torch.no_grad():
+        torch.testing.assert_close(model({"input_ids": ids, "position_ids": packed}),
+                                   reference(input_ids=ids, position_ids=packed, use_cache=False).logits, **EXACT)
+    assert looks
+
+
 def test_inference_mode_and_a_mask_rewritten_through_data():
     hf = build("llama", dropout=0.0).eval()
     reference = copy.deepcopy(hf)

@@ -217,7 +217,19 @@ def _loss_targets(input_ids: torch.Tensor, labels: torch.Tensor | None,
 
 
 def _default_positions(hidden: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
-    # As the models do without a cache: positions 0..T-1, one row shared by the batch.
+    """As the models do without a cache: positions 0..T-1, one row shared by the batch.
+
+    Note: [Default positions]
+        Made where a module takes them (the embeddings, the rotary tables, each decoder layer), not
+        carried between stages: the mask functions look for packed sequences in any
+        ``position_ids`` they are given (``find_packed_sequence_indices``), reading a value on the
+        host, which on a GPU waits for the device to finish its queued work, in every slice's
+        forward and recompute. Measured on an H100 (benchmarks/results/h100-2026-11-26), 32 such
+        waits took a 0.9 B Llama's step from 0.16 s of compute to 0.33 s. Positions 0..T-1 are
+        never packed, so the masks built without them are the same; the model itself looks once
+        per forward. Position ids a user passes travel with the batch and are looked at as the
+        model would.
+    """
     if position_ids is not None:
         return position_ids
     return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
@@ -261,14 +273,15 @@ class LlamaEmbedding(_EmbeddingStage):
         hidden = self.embed_tokens(input_ids)
         if self.multiplier is not None:
             hidden = hidden * self.multiplier
-        position_ids = _default_positions(hidden, position_ids)
+        positions = _default_positions(hidden, position_ids)
         if self.dropout is not None:
             hidden = self.dropout(hidden)
         if self.rotary_layer_types is None:
-            position_embeddings = self.rotary_emb(hidden, position_ids=position_ids)
+            position_embeddings = self.rotary_emb(hidden, position_ids=positions)
         else:
-            position_embeddings = {kind: self.rotary_emb(hidden, position_ids, kind)
+            position_embeddings = {kind: self.rotary_emb(hidden, positions, kind)
                                    for kind in self.rotary_layer_types}
+        # The user's position ids travel on, absent ones stay absent (Note: [Default positions]).
         return hidden, attention_mask, position_ids, position_embeddings, targets
 
 
@@ -287,8 +300,7 @@ class GPT2Embedding(_EmbeddingStage):
         batch_size = input_ids.shape[0]
         input_ids = input_ids.view(-1, input_ids.shape[-1])
         hidden = self.wte(input_ids)
-        position_ids = _default_positions(hidden, position_ids)
-        hidden = self.drop(hidden + self.wpe(position_ids))
+        hidden = self.drop(hidden + self.wpe(_default_positions(hidden, position_ids)))
         if attention_mask is not None and attention_mask.ndim < 4:
             attention_mask = attention_mask.view(batch_size, -1)
         if isinstance(targets, torch.Tensor):
@@ -373,16 +385,17 @@ class DecoderLayer(nn.Module):
     def forward(self, state: _State) -> _State:
         hidden, attention_mask, position_ids, position_embeddings, targets = state
         mask = self.masks.build(self.mask_function, self.config, hidden, attention_mask, position_ids)
+        positions = _default_positions(hidden, position_ids)  # Note: [Default positions]
         if self.layout is None:
             # Positional as GPT2Model passes them (cache, attention_mask, encoder_hidden_states).
             hidden = self.layer(hidden, None, mask, None, encoder_attention_mask=None, use_cache=False,
-                                position_ids=position_ids)
+                                position_ids=positions)
             return hidden, attention_mask, position_ids, position_embeddings, targets
         # No cache keyword: every layer's cache defaults to None, and its name changed across
         # transformers 5 releases (``past_key_values``, ``layer_past``, ``cache``), the old ones warned of.
         kwargs = {"use_cache": False} if self.layout.layers_take_use_cache else {}
         own = position_embeddings if self.layer_type is None else position_embeddings[self.layer_type]
-        hidden = self.layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=own, **kwargs)
+        hidden = self.layer(hidden, attention_mask=mask, position_ids=positions, position_embeddings=own, **kwargs)
         return hidden, attention_mask, position_ids, position_embeddings, targets
 
 
