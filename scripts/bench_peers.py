@@ -84,7 +84,11 @@ def build_llama(sizes: dict[str, int], seed: int = 0) -> nn.Module:
 
 
 def enable_checkpointing(model: nn.Module) -> None:
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # transformers 5.24 renamed the method and warns on the old name, which older releases alone know.
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def loss_of(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -292,6 +292,8 @@ def _naming_reentrant_checkpoints(engine: Engine, index: int) -> Iterator[None]:
             f"a layer in slice {index} ({names}) uses torch.utils.checkpoint with use_reentrant=True, which "
             "cannot run inside OffloadModel's backward (it refuses torch.autograd.grad). Use "
             "use_reentrant=False (PyTorch's recommended form; for Hugging Face models, "
-            "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})), or leave "
+            "activation_checkpointing_enable(activation_checkpointing_kwargs={'use_reentrant': False}), or "
+            "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}) before "
+            "transformers 5.24), or leave "
             "the checkpointing to OffloadModel, which already recomputes each slice."
         ) from error
