@@ -109,6 +109,7 @@ class Run:
         self.model_times: list[float] = []
         self.exposed: list[float] = []
         self.rss: list[int] = []
+        self.parts: dict[str, list[float]] = {}  # named parts of the steps, seconds each
 
     def timed(self, device: torch.device) -> None:
         synchronize(device)
@@ -183,7 +184,11 @@ def offload_run(base: nn.Module, batch: torch.Tensor, device: torch.device, grad
         if variant != "offload-no-step":
             optimizer.step()
         if variant == "offload-sync":
+            # The update alone, apart from the step() call that submits it.
+            submitted = time.perf_counter()
             optimizer.synchronize()
+            run.parts.setdefault("step_call_s", []).append(submitted - start)
+            run.parts.setdefault("synchronize_s", []).append(time.perf_counter() - submitted)
         run.exposed.append(blocked[0] + time.perf_counter() - start)
         blocked[0] = 0.0
         return seconds
@@ -311,6 +316,8 @@ def summarise(run: Run, tokens: int, device: torch.device, steps: int) -> dict:
            "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
     if run.exposed:
         out["median_exposed_update_s"] = statistics.median(run.exposed[-steps:])
+    for name, values in run.parts.items():
+        out[f"median_{name}"] = statistics.median(values[-steps:])
     return out
 
 
