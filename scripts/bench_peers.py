@@ -11,8 +11,9 @@ run one way after another, each in this one process, the device memory freed bet
   ``MixedPrecisionPolicy`` (parameters, gradients and the AdamW step on the host).
 - ``torchao``: torchao's ``CPUOffloadOptimizer`` (parameters on the device, AdamW state and step on
   the host) under ``torch.autocast(bfloat16)``; only where torchao imports (not a dependency).
-- ``fairscale``: fairscale's ``OffloadModel`` on the same stages, float32 (it has no compute
-  dtype); only where fairscale imports (not a dependency).
+- ``fairscale``: fairscale's ``OffloadModel`` on the model as a Sequential of one-tensor stages
+  (:func:`tensor_sequential`), bf16 through autocast (it has no compute dtype); only where
+  fairscale imports (not a dependency).
 
 Per run: the median step time, its forward and backward, what of the update the step still waited
 for (``offload``), peak device memory, tokens/s, host RSS per step. Beside them, measured in the same
@@ -254,19 +255,55 @@ def torchao_run(base: nn.Module, batch: torch.Tensor, device: torch.device) -> R
     return Run(step)
 
 
+class _TensorStage(nn.Module):
+    """A stage of :func:`tensor_sequential`: one tensor in, one out."""
+
+    def __init__(self, kind: str, module: nn.Module, rotary: nn.Module | None = None) -> None:
+        super().__init__()
+        self.kind, self.module = kind, module
+        # Not a submodule: fairscale moves each slice's modules, and every layer shares the table.
+        self.__dict__["rotary"] = rotary
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind != "layer":
+            return self.module(x)
+        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        self.rotary.to(x.device)
+        # No mask: the attention is causal by itself (sdpa's is_causal), as in the model without padding.
+        out = self.module(x, attention_mask=None, position_ids=positions,
+                          position_embeddings=self.rotary(x, position_ids=positions))
+        return out[0] if isinstance(out, tuple) else out
+
+
+def tensor_sequential(hf: nn.Module) -> nn.Sequential:
+    """The Llama model as an ``nn.Sequential`` passing one tensor between stages, for fairscale,
+    whose ``OffloadModel`` passes nothing else: embedding, each decoder layer with the rotary
+    tables computed in it, final norm and head. Same parameters and logits as the model without
+    padding."""
+    body = hf.model
+    stages = [_TensorStage("embed", body.embed_tokens)]
+    stages += [_TensorStage("layer", layer, body.rotary_emb) for layer in body.layers]
+    stages += [_TensorStage("norm", body.norm), _TensorStage("head", hf.lm_head)]
+    return nn.Sequential(*stages)
+
+
 def fairscale_run(base: nn.Module, batch: torch.Tensor, device: torch.device, args) -> Run:
     from fairscale.experimental.nn.offload import OffloadModel as FairscaleOffloadModel
 
-    from offload.integrations.transformers import causal_lm_sequential
-
-    model = FairscaleOffloadModel(model=causal_lm_sequential(copy.deepcopy(base)), device=device,
+    model = FairscaleOffloadModel(model=tensor_sequential(copy.deepcopy(base)), device=device,
                                   offload_device=torch.device("cpu"), num_slices=args.num_slices,
                                   checkpoint_activation=True, num_microbatches=1)
+    # Its parameters stay float32 on the host; bf16 compute through autocast, as torchao's run.
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+
+    def forward_backward() -> None:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            logits = model(batch)
+        loss_of(logits, batch).backward()
 
     def step() -> float:
         optimizer.zero_grad(set_to_none=True)
-        seconds = timed_forward_backward(device, lambda: loss_of(model(batch), batch).backward())
+        seconds = timed_forward_backward(device, forward_backward)
         optimizer.step()
         return seconds
 

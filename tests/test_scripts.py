@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -302,3 +303,27 @@ def test_tools_benchmark_runs_each_tool(tmp_path):
     assert command["losses_equal_plain"] is True and command["plain_run"] == "trainer-plain"
     assert command["final_loss"] == data["results"][1]["losses"][-1]
     assert "losses = trainer-plain's" in out
+
+
+def test_peers_benchmark_dry_run_matches_the_resident_model_bit_for_bit(tmp_path):
+    # The GPU check's second stage at toy sizes (benchmarks/gpu_check.sh --cpu-dry-run runs it too).
+    run("scripts/bench_peers.py", "--cpu-dry-run", "--only", "resident,offload,offload-sync,fsdp2",
+        "--json", str(tmp_path / "peers.json"))
+    report = json.loads((tmp_path / "peers.json").read_text())
+    assert set(report["runs"]) == {"resident", "offload", "offload-sync", "fsdp2"}, report["failed"]
+    assert report["gradients_after_first_backward"]["bit_identical"]
+    assert report["runs"]["offload"]["loaded_bytes_per_step"] > 0
+    assert report["runs"]["offload-sync"]["median_synchronize_s"] >= 0
+
+
+def test_peers_benchmark_tensor_sequential_is_the_model():
+    # fairscale's stages take one tensor each: the same logits as the model's own forward.
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import bench_peers
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    pytest.importorskip("transformers")
+    base = bench_peers.build_llama(bench_peers.DRY_SIZES)
+    ids = torch.randint(0, bench_peers.DRY_SIZES["vocab"], (2, 16), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(bench_peers.tensor_sequential(base)(ids), base(ids).logits, rtol=0, atol=0)
