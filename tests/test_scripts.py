@@ -327,3 +327,11 @@ def test_peers_benchmark_tensor_sequential_is_the_model():
     base = bench_peers.build_llama(bench_peers.DRY_SIZES)
     ids = torch.randint(0, bench_peers.DRY_SIZES["vocab"], (2, 16), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(bench_peers.tensor_sequential(base)(ids), base(ids).logits, rtol=0, atol=0)
+
+
+def test_lowbit_benchmark(tmp_path):
+    pytest.importorskip("torchao.optim", reason="the lowbit extra (torchao) is not installed")
+    run("scripts/bench_lowbit.py", "--width", "256", "--layers", "2", "--warmup", "1", "--steps", "1",
+        "--json", str(tmp_path / "lowbit.json"))
+    results = json.loads((tmp_path / "lowbit.json").read_text())["results"]
+    assert results["torchao AdamW8bit"]["state_bytes_per_param"] < results["AdamW fused float32"]["state_bytes_per_param"] / 3

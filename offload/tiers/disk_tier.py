@@ -52,6 +52,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 import weakref
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
@@ -236,9 +237,37 @@ def expected_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 def _goes_to_disk(value: Any) -> bool:
-    return (isinstance(value, torch.Tensor) and value.dim() > 0 and value.layout == torch.strided
+    # Plain tensors only: a subclass (torchao's 8- and 4-bit moments, codes and scales behind one
+    # tensor) would be written as the float values it stands for and come back as another kind of
+    # state. Such state stays in optimizer.state, in RAM (Note: [Low-bit state stays in RAM]).
+    return (type(value) is torch.Tensor and value.dim() > 0 and value.layout == torch.strided
             and value.device.type == "cpu" and not value.requires_grad
             and (value.is_contiguous() or dense_stride(value) is not None))
+
+
+def _note_state_kept_in_ram(state: Any, params: Sequence[torch.Tensor]) -> None:
+    """Warn (once per kind) of per-element state the tier leaves in RAM.
+
+    Note: [Low-bit state stays in RAM]
+        torchao's low-bit optimizers keep each moment as a tensor subclass (8- or 4-bit codes
+        and a scale per block) whose bytes are not its values: copying it into a file buffer would
+        store the float values it stands for, and the update would read back another kind of
+        state. The tier leaves such state in ``optimizer.state``; it is already a quarter (8-bit)
+        or an eighth (4-bit) of float32 AdamW's. ``tests/test_lowbit_optimizers.py`` checks the
+        results stay bit-identical with the tier configured.
+    """
+    for p in params:
+        for value in state.get(p, {}).values():
+            kind = type(value)
+            if isinstance(value, torch.Tensor) and kind is not torch.Tensor and value.dim() > 0 \
+                    and kind not in _KEPT_IN_RAM_NOTED:
+                _KEPT_IN_RAM_NOTED.add(kind)
+                warnings.warn(f"the disk tier keeps plain tensors only: optimizer state of type {kind.__name__} "
+                              "stays in RAM (for torchao's low-bit optimizers, already a quarter or less of "
+                              "float32 AdamW's state)", stacklevel=2)
+
+
+_KEPT_IN_RAM_NOTED: set[type] = set()
 
 
 def size_text(nbytes: int) -> str:
@@ -402,6 +431,7 @@ class StateTier:
         state = self._state()
         found = [(position, key, value) for position, p in enumerate(record.params) if p in state
                  for key, value in state[p].items() if _goes_to_disk(value)]
+        _note_state_kept_in_ram(state, record.params)
         if not found:
             return
         layout, nbytes = _layout(found)

@@ -1,0 +1,113 @@
+"""Low-bit optimizer classes through OffloadOptimizer: torchao's AdamW8bit and AdamW4bit keep each
+moment in 8 or 4 bits with a scale per block, so the host update moves about a quarter (8-bit) or
+an eighth (4-bit) of float32 AdamW's state bytes. OffloadOptimizer runs the class unchanged, on
+its host worker, one slice at a time: parameters and state equal the same class run on the plain
+model, bit for bit (docs/optimizer.md, "Low-bit optimizers")."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+from torch import nn
+
+from offload import OffloadModel, OffloadOptimizer
+
+torchao_optim = pytest.importorskip("torchao.optim", reason="the lowbit extra (torchao) is not installed")
+
+EXACT = {"rtol": 0, "atol": 0}
+# One block size for every class and test: each new shape compiles the class's step once (about
+# ten seconds a shape here), and these layers have three.
+BLOCK = 256
+
+
+def layers() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 64))
+
+
+def train(plain: nn.Module, model: OffloadModel, reference: torch.optim.Optimizer, optimizer: OffloadOptimizer,
+          steps: int, seed: int = 0) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(16, 64, generator=generator)
+        for net, opt in ((plain, reference), (model, optimizer)):
+            opt.zero_grad()
+            net(x).square().mean().backward()
+            opt.step()
+    optimizer.synchronize()
+
+
+def dequantized(value: object) -> object:
+    # torchao keeps a moment as a tensor subclass (codes and scales); its float value is the state.
+    return value.dequantize() if hasattr(value, "dequantize") else value
+
+
+def assert_same_state(optimizer: torch.optim.Optimizer, reference: torch.optim.Optimizer,
+                      model: nn.Module, plain: nn.Module) -> None:
+    for p, q in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(p, q.detach(), **EXACT)
+        mine, theirs = optimizer.state[p], reference.state[q]
+        assert set(mine) == set(theirs)
+        for key in theirs:
+            torch.testing.assert_close(dequantized(mine[key]), dequantized(theirs[key]), **EXACT, msg=key)
+
+
+@pytest.mark.parametrize("name", ["AdamW8bit", "AdamW4bit"])
+def test_low_bit_adamw_through_offload_optimizer_is_the_class_run_plainly(name):
+    cls = getattr(torchao_optim, name)
+    plain = layers()
+    model = OffloadModel(copy.deepcopy(plain), device="cpu", num_slices=2)
+    reference = cls(plain.parameters(), lr=1e-2, block_size=BLOCK)
+    optimizer = OffloadOptimizer(model, cls, lr=1e-2, block_size=BLOCK)
+    train(plain, model, reference, optimizer, steps=3)
+    assert_same_state(optimizer, reference, model, plain)
+    # The moments really are low-bit: not float32 tensors under another name.
+    state = optimizer.state[next(model.parameters())]
+    assert type(state["exp_avg"]) is not torch.Tensor
+
+
+def test_low_bit_state_resumes_through_state_dict():
+    cls = torchao_optim.AdamW8bit
+    plain = layers()
+    model = OffloadModel(copy.deepcopy(plain), device="cpu", num_slices=2)
+    reference = cls(plain.parameters(), lr=1e-2, block_size=BLOCK)
+    optimizer = OffloadOptimizer(model, cls, lr=1e-2, block_size=BLOCK)
+    train(plain, model, reference, optimizer, steps=2)
+    buffer = io.BytesIO()  # as a user saves it (torchao's state cannot be deep-copied)
+    torch.save(optimizer.state_dict(), buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=False)
+    resumed_model = OffloadModel(layers(), device="cpu", num_slices=2)
+    resumed_model.load_state_dict(model.state_dict())
+    resumed = OffloadOptimizer(resumed_model, cls, lr=1e-2, block_size=BLOCK)
+    resumed.load_state_dict(saved)
+    train(plain, resumed_model, reference, resumed, steps=2, seed=1)
+    assert_same_state(resumed, reference, resumed_model, plain)
+
+
+def test_low_bit_state_in_the_disk_tier(tmp_path, monkeypatch):
+    from offload.tiers import disk_tier
+
+    monkeypatch.setattr(disk_tier, "_KEPT_IN_RAM_NOTED", set())
+    cls = torchao_optim.AdamW8bit
+    plain = layers()
+    model = OffloadModel(copy.deepcopy(plain), device="cpu", num_slices=2)
+    reference = cls(plain.parameters(), lr=1e-2, block_size=BLOCK)
+    optimizer = OffloadOptimizer(model, cls, lr=1e-2, block_size=BLOCK, disk_tier=tmp_path)
+    # The moments stay in RAM (Note: [Low-bit state stays in RAM]), said once per kind of state.
+    with pytest.warns(UserWarning, match="OptimState8bit stays in RAM"):
+        train(plain, model, reference, optimizer, steps=3)
+    for p, q in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(p, q.detach(), **EXACT)
+    # Plain-tensor state (torchao keeps small tensors' moments in float32) is on disk; all of it
+    # comes back through state_dict().
+    mine, theirs = optimizer.state_dict()["state"], reference.state_dict()["state"]
+    assert mine.keys() == theirs.keys()
+    for index in theirs:
+        assert mine[index].keys() == theirs[index].keys()
+        for key in theirs[index]:
+            torch.testing.assert_close(dequantized(mine[index][key]), dequantized(theirs[index][key]), **EXACT)
+    optimizer.close()
