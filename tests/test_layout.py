@@ -30,7 +30,7 @@ LAYERS: dict[int, list[str]] = {
     4: ["offload.walk"],
     5: ["offload.autograd"],
     6: ["offload.planning"],
-    7: ["offload.model", "offload.optimizer", "offload.data_parallel", "offload.grad_scaler",
+    7: ["offload.model", "offload.modeling", "offload.optimizer", "offload.data_parallel", "offload.grad_scaler",
         "offload.per_tensor_warning"],
     8: ["offload.checkpoint", "offload.loading"],
     9: ["offload.integrations", "offload.profiling"],
