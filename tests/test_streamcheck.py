@@ -252,7 +252,7 @@ NEEDED = [
     Dependency("synchronize_event", "wait_host", "settled.py:_settle", "host update"),
     Dependency("synchronize_event", "wait_host", "optimizer.py:synchronize", "host update"),
     Dependency("synchronize_event", "submit", "data_parallel.py:gradients_leaving", "offload"),
-    Dependency("synchronize_event", "submit", "optimizer.py:_submit_shard", "host update"),
+    Dependency("synchronize_event", "submit", "sharding.py:submit", "host update"),
     Dependency("synchronize_event", "submit", "disk_tier.py:submit", "disk write"),
     Dependency("synchronize_event", "wait_host", "disk_tier.py:flush", "disk write"),
     Dependency("synchronize_event", "wait_host", "data_parallel.py:gradients_landed", "collectives"),

@@ -199,7 +199,7 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     writer = FileSystemWriter(partial, sync_files=True)
     masters = _masters_on_disk(model, state)
     if (on_disk and isinstance(optimizer, OffloadOptimizer)) or masters:
-        read_slice = optimizer._slice_state_on_disk if on_disk and isinstance(optimizer, OffloadOptimizer) else None
+        read_slice = optimizer._disk.slice_state if on_disk and isinstance(optimizer, OffloadOptimizer) else None
         planner = SliceReadingSavePlanner(read_slice, on_disk, masters,
                                           _masters_releaser(model))
         # One thread, nothing resolved ahead: each item's data is asked for once the previous one
@@ -598,7 +598,7 @@ def _loads_on_disk(optimizer: torch.optim.Optimizer, index: int, param: torch.Te
     """Whether a saved state tensor loads straight into the optimizer's disk tier, a slice at a time
     (Note: [Slice-by-slice load] in ``offload/checkpoint/slice_load_planner.py``)."""
     return (isinstance(optimizer, OffloadOptimizer) and isinstance(entry, TensorStorageMetadata) and index >= 0
-            and optimizer._loads_on_disk(index, param, key, entry.properties.dtype, entry.size))
+            and optimizer._disk.loads_on_disk(index, param, key, entry.properties.dtype, entry.size))
 
 
 def _named_groups(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[dict[str, Any]]:
