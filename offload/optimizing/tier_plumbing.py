@@ -19,10 +19,8 @@ from ..streams import Event
 from ..streams.copies import CopyStreams
 from ..streams.workers import HostWorker
 from ..tiers.disk_tier import DiskTier, StateTier
+from ..tiers.state_slice import SliceState
 from ..walk.engine import Engine
-
-#: Per parameter, its state tensors by key.
-SliceState = dict[torch.Tensor, dict[str, torch.Tensor]]
 
 
 class TierPlumbing:
