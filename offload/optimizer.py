@@ -355,6 +355,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
 
 def _check_newest(model: OffloadModel, optimizer: torch.optim.Optimizer) -> None:
+    """Raise if an OffloadOptimizer newer than ``optimizer`` was built for ``model``."""
     newest = _newest.get(model)
     if newest is not None and newest() not in (optimizer, None):
         raise RuntimeError(
