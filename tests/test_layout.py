@@ -256,6 +256,12 @@ def test_no_class_or_function_body_is_too_long() -> None:
     assert [entry for entry in found if entry not in allowed] == []
 
 
+def test_every_module_says_what_it_holds() -> None:
+    """Each file opens with a docstring saying its one job (and, where it helps, what it does not hold)."""
+    assert [name for name, (path, _) in module_files(PACKAGE).items()
+            if not ast.get_docstring(ast.parse(path.read_text(), str(path)))] == []
+
+
 def test_doc_mirrors_layers() -> None:
     """Each numbered item of the doc's layer list names exactly the entries of that layer."""
     text = (ROOT / "docs" / "architecture.md").read_text()
