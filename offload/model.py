@@ -1,4 +1,7 @@
-"""``OffloadModel``: the user-facing wrapper around an ``nn.Sequential``."""
+"""``OffloadModel``: the user-facing wrapper around an ``nn.Sequential``: its settings checked, its
+layers adopted into an engine, and its forward. What it hands off: where it computes and how
+``.to()`` moves that (``offload/modeling/placement.py``), reads that wait for pending host updates
+(``offload/modeling/settled.py``), the walk itself (``offload/walk/``, ``offload/autograd/``)."""
 
 from __future__ import annotations
 
@@ -6,7 +9,6 @@ import contextlib
 import copy
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,9 +24,11 @@ from .grad_scaler import warn_about_plain_grad_scalers
 from .planning.footprint import MemoryFootprint, measure as measure_footprint
 from .walk.slicing import layer_nbytes, partition
 from .walk.streamed import streamed_forward
+from .modeling.placement import compute_target, existing_device, host_conversion, may_move_compute
+from .modeling.settled import SettledModule
 
 
-class OffloadModel(nn.Module):
+class OffloadModel(SettledModule):
     """Train an ``nn.Sequential`` whose parameters live in host memory.
 
     The layers are cut into slices. Forward loads each slice to ``device`` just before it runs
@@ -125,8 +129,8 @@ class OffloadModel(nn.Module):
         if not isinstance(checkpoint_activation, bool):
             raise TypeError(f"checkpoint_activation must be a bool, got {type(checkpoint_activation).__name__}")
         self.checkpoint_activation = checkpoint_activation
-        self.device = _existing_device(device, "device")
-        self.offload_device = _existing_device(offload_device, "offload_device")
+        self.device = existing_device(device, "device")
+        self.offload_device = existing_device(offload_device, "offload_device")
         if self.offload_device.type == "meta":
             raise ValueError("offload_device='meta' holds no data, and the parameters live there between uses; pass "
                              "offload_device='cpu'. To size a model without building it, use offload.estimate_memory")
@@ -177,54 +181,12 @@ class OffloadModel(nn.Module):
 
     # -- pending host updates ------------------------------------------------------------------
     # See Note: [Overlapped host update] in offload/optimizer.py: whatever hands out the host
-    # copies waits for OffloadOptimizer's pending updates first.
-
-    def _settle(self) -> None:
-        engine = self.__dict__.get("_engine")
-        if engine is not None and engine.updates.pending():
-            engine.updates.wait_all(shadows_stale=True)
-
-    def __getattr__(self, name: str) -> Any:
-        if name != "_engine":
-            self._settle()  # a submodule, whose parameters the caller may read
-        return super().__getattr__(name)
+    # copies waits for OffloadOptimizer's pending updates first (SettledModule's reads, and these).
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
         if not set_to_none:  # zeros the next backward may add into as slices land
             mark_zeroed(self.parameters())
-
-    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:
-        self._settle()
-        return super().named_parameters(*args, **kwargs)
-
-    def named_modules(self, *args: Any, **kwargs: Any) -> Any:
-        # modules(), buffers() and apply() come through here: the submodules hold the parameters.
-        self._settle()
-        return super().named_modules(*args, **kwargs)
-
-    def named_children(self) -> Any:
-        self._settle()  # children() comes through here
-        return super().named_children()
-
-    def train(self, mode: bool = True) -> OffloadModel:
-        """Set training mode, as ``nn.Module.train``, without waiting for pending updates: it sets
-        flags and reads no parameter (``nn.Module.train`` would ask ``children()``, which waits)."""
-        if not isinstance(mode, bool):
-            raise ValueError("training mode is expected to be boolean")
-        self.training = mode
-        for layer in self._modules.values():
-            if layer is not None:
-                layer.train(mode)
-        return self
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        self._settle()
-        return super().state_dict(*args, **kwargs)
-
-    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        self._settle()
-        return super().load_state_dict(*args, **kwargs)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> OffloadModel:
         # The engine holds streams, events and pinned buffers that must not be copied field by
@@ -285,9 +247,7 @@ class OffloadModel(nn.Module):
         return measure_footprint(engine, engine.optimizers, engine.disk_tiers)
 
     def extra_repr(self) -> str:
-        slices = ", ".join(
-            f"[{_span(s.names)}: {_size(s.storage.host_nbytes)}]" for s in self._engine.slices
-        )
+        slices = ", ".join(f"[{_span(s.names)}: {_size(s.storage.host_nbytes)}]" for s in self._engine.slices)
         precision = f"compute_dtype={self.compute_dtype}, " if self.compute_dtype is not None else ""
         files = self._engine.master_files
         masters = f"masters on disk in {files.directory}, " if files is not None else ""
@@ -305,15 +265,7 @@ class OffloadModel(nn.Module):
         Raises:
             TypeError: keyword arguments, or not exactly one positional argument.
         """
-        if kwargs:
-            raise TypeError(
-                f"OffloadModel.forward takes one positional input, as nn.Sequential does; got keyword "
-                f"argument(s) {sorted(kwargs)}. Pass them as one dict instead: model(dict(batch)) for a "
-                f"tokenizer's output or a Hugging Face batch, model({{'input_ids': ..., 'attention_mask': ...}}) "
-                f"in general, or pack them into a tuple."
-            )
-        if len(args) != 1:
-            raise TypeError(f"OffloadModel.forward takes exactly one input, as nn.Sequential does; got {len(args)}")
+        _check_one_input(args, kwargs)
         engine = self._engine
         engine.refresh()
         self._warn_microbatch_batchnorm()
@@ -352,95 +304,23 @@ class OffloadModel(nn.Module):
     # -- placement ---------------------------------------------------------------------------
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> OffloadModel:
-        """Follow ``.to()``, ``.cuda()``, ``.cpu()``, ``.double()``, ``.half()``: see Note: [Moving an OffloadModel]."""
+        """Follow ``.to()``, ``.cuda()``, ``.cpu()``, ``.double()``, ``.half()``: see Note: [Moving an
+        OffloadModel] in ``offload/modeling/placement.py``."""
         self._settle()
-        target = self._target_device(fn)
-        if target != self.device:
-            self._move_compute(target)
-        try:
-            keeps_host = fn(torch.empty(0, device=self.offload_device)).device == self.offload_device
-        except (RuntimeError, AssertionError) as error:
-            raise RuntimeError(f"OffloadModel could not apply this conversion to its host copies: {error}") from error
-        if keeps_host:  # .to(dtype), .double(), .to(memory_format=...): applied as they are
-            super()._apply(fn, recurse)
-        else:  # a move that also converts: the conversion alone, the host copies stay where they are
-            cast = _float_dtype_of(fn, self.offload_device)
-            if cast is None:
-                return self
-            super()._apply(lambda t: t.to(dtype=cast) if t.is_floating_point() else t, recurse)
+        engine = self._engine
+        target = compute_target(fn, self.device, self.offload_device)
+        if target != self.device and may_move_compute(engine, self.device, self.offload_device, target,
+                                                      self.__dict__.get("_data_parallel") is not None):
+            # The host copies stay on offload_device (re-laid out, and pinned when target is CUDA);
+            # the device slots, copy streams and buffers are built anew for target.
+            self.device = target
+            self._adopt([(list(s.names), list(s.layers)) for s in engine.slices])
+        convert = host_conversion(fn, self.offload_device)
+        if convert is None:  # a move alone: the host copies stay as they are
+            return self
+        super()._apply(convert, recurse)
         self._engine.refresh()
         return self
-
-    def _target_device(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.device:
-        # Where fn sends a tensor that is on the compute device: the compute device after the call.
-        try:
-            try:
-                moved = fn(torch.empty(0, device=self.device))
-            except NotImplementedError:
-                if self.device.type != "meta":
-                    raise
-                # A meta tensor has no data to copy out: fn leaves meta, to where it sends a host tensor.
-                moved = fn(torch.empty(0, device=self.offload_device))
-        except (RuntimeError, AssertionError, NotImplementedError) as error:
-            raise RuntimeError(
-                f"OffloadModel could not move its compute device from {self.device}: {error}. "
-                "Pass a device that exists on this machine (see torch.cuda.device_count())"
-            ) from error
-        return _existing_device(moved.device, "device")
-
-    def _move_compute(self, target: torch.device) -> None:
-        """Compute on ``target`` from now on: the host copies stay on ``offload_device`` (re-laid out,
-        and pinned when ``target`` is CUDA) and the device slots, copy streams and buffers are built
-        anew for ``target``."""
-        engine = self._engine
-        if len(engine.optimizers) and target == self.offload_device:
-            # A training loop's teardown (Lightning's .cpu()) frees the accelerator this way: the
-            # parameters are on the host already, and the optimizer is tied to this engine.
-            warnings.warn(
-                f"OffloadModel keeps computing on {self.device}: an OffloadOptimizer is stepping it, and its "
-                f"parameters are on {self.offload_device} already. To compute there, build the model with "
-                f"device={str(target)!r}", stacklevel=4)
-            return
-        reasons = []
-        if len(engine.optimizers):
-            reasons.append("an OffloadOptimizer is stepping it (build the optimizer after moving the model)")
-        if self.__dict__.get("_data_parallel") is not None:
-            reasons.append("it trains data-parallel over a process group (each rank's device is fixed)")
-        if engine.master_files is not None:
-            reasons.append("its masters are on disk (their files belong to this engine)")
-        if reasons:
-            raise RuntimeError(
-                f"OffloadModel cannot move its compute from {self.device} to {target}: {'; '.join(reasons)}. "
-                f"Build the OffloadModel with device={str(target)!r} instead"
-            )
-        self.device = target
-        self._adopt([(list(s.names), list(s.layers)) for s in engine.slices])
-
-
-def _float_dtype_of(fn: Callable[[torch.Tensor], torch.Tensor], host: torch.device) -> torch.dtype | None:
-    """The dtype ``fn`` gives floating-point tensors, or ``None`` when it keeps theirs
-    (``.cuda()``, ``.to(device)``)."""
-    single = fn(torch.empty(0, device=host)).dtype
-    double = fn(torch.empty(0, dtype=torch.float64, device=host)).dtype
-    return None if (single, double) == (torch.float32, torch.float64) else single
-
-
-# Note: [Moving an OffloadModel]
-#     1. ``.to(device)``, ``.cuda()``, ``.cpu()`` move the *compute* device, what ``device=`` names;
-#        the host copies stay on ``offload_device``. Trainers call ``model.to(device)`` on whatever
-#        they are given (``transformers.Trainer``, Accelerate's ``prepare``, Lightning), so this is
-#        what they must find: "the model computes there".
-#     2. The compute device after the call is where ``fn`` sends a tensor that is on the compute
-#        device now; equal to it (``.to(dtype)``, ``.to("cpu")`` on a CPU model), nothing moves.
-#     3. A move builds the engine anew for the new device (slots, streams, pinned host buffers): the
-#        parameters stay the same objects, their values are copied into the new host storage, so
-#        for a moment the host holds them twice. Build a large model on its device instead.
-#        An OffloadOptimizer already stepping the model, a process group or masters on disk are
-#        tied to the old engine, so such a move is refused (build the model on that device);
-#        under an optimizer, a move to the host (a training loop's teardown, Lightning's .cpu())
-#        warns and leaves the compute where it is: the parameters are there already.
-#     4. A dtype change converts the host copies, as before; ``.to(device, dtype)`` converts
-#        floating-point host copies to ``dtype`` and moves the compute device.
 
 
 def _identity(tensor: torch.Tensor) -> torch.Tensor:
@@ -463,34 +343,6 @@ def _positive_int(name: str, value: Any) -> int:
     if value < 1:
         raise ValueError(f"{name} must be at least 1, got {value}")
     return value
-
-
-def _existing_device(value: Any, name: str) -> torch.device:
-    try:
-        device = torch.device(value)
-    except (RuntimeError, TypeError) as error:
-        raise TypeError(f"{name} must be a torch.device, a string like 'cuda:0', or an int, got {value!r}") from error
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(
-                f"{name}={str(device)!r} was requested, but CUDA is not available on this machine; "
-                f"pass {name}='cpu' to run on the CPU"
-            )
-        index = torch.cuda.current_device() if device.index is None else device.index
-        if index >= torch.cuda.device_count():
-            raise ValueError(
-                f"{name}={str(device)!r} was requested, but this machine has {torch.cuda.device_count()} CUDA device(s)"
-            )
-        return torch.device("cuda", index)
-    if device.type not in ("cpu", "meta") and not _backend_available(device.type):
-        raise ValueError(f"{name}={str(device)!r} was requested, but that backend is not available on this machine")
-    return device
-
-
-def _backend_available(device_type: str) -> bool:
-    module = getattr(torch, device_type, None)
-    is_available = getattr(module, "is_available", None)
-    return bool(is_available()) if callable(is_available) else False
 
 
 def _slice_groups(model: Any, num_slices: int) -> list[tuple[list[str], list[nn.Module]]]:
@@ -529,6 +381,18 @@ def _slice_groups(model: Any, num_slices: int) -> list[tuple[list[str], list[nn.
         f"OffloadModel expects an nn.Sequential, or a list of nn.Module used as slices; got {type(model).__name__}. "
         f"Put its layers in an nn.Sequential if it runs them one after another"
     )
+
+
+def _check_one_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    if kwargs:
+        raise TypeError(
+            f"OffloadModel.forward takes one positional input, as nn.Sequential does; got keyword "
+            f"argument(s) {sorted(kwargs)}. Pass them as one dict instead: model(dict(batch)) for a "
+            f"tokenizer's output or a Hugging Face batch, model({{'input_ids': ..., 'attention_mask': ...}}) "
+            f"in general, or pack them into a tuple."
+        )
+    if len(args) != 1:
+        raise TypeError(f"OffloadModel.forward takes exactly one input, as nn.Sequential does; got {len(args)}")
 
 
 def _span(names: Sequence[str]) -> str:

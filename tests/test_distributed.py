@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 from offload import OffloadModel, OffloadOptimizer
 from offload import data_parallel
 from offload.data_parallel import check_group
-from offload.optimizer import _owners
+from offload.optimizing.sharding import owners as _owners
 from offload.planning.presets import build_preset
 from offload.streams import StreamBackend, using_backend
 

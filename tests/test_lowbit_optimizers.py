@@ -89,9 +89,9 @@ def test_low_bit_state_resumes_through_state_dict():
 
 
 def test_low_bit_state_in_the_disk_tier(tmp_path, monkeypatch):
-    from offload.tiers import disk_tier
+    from offload.tiers import state_slice
 
-    monkeypatch.setattr(disk_tier, "_KEPT_IN_RAM_NOTED", set())
+    monkeypatch.setattr(state_slice, "KEPT_IN_RAM_NOTED", set())
     cls = torchao_optim.AdamW8bit
     plain = layers()
     model = OffloadModel(copy.deepcopy(plain), device="cpu", num_slices=2)

@@ -468,7 +468,7 @@ def test_a_slice_changed_by_a_failed_update_is_cast_again_wherever_the_error_sur
     loss_of(model, 1).backward()
     ChangesThenFails.target = model._engine.slices[1].storage.params[-1].tensor.data_ptr()
     optimizer.step()
-    worker = optimizer._worker
+    worker = optimizer._updates.worker
     while worker.finished < worker.submitted:
         time.sleep(0.001)
     with pytest.raises(HostUpdateError, match="slice 1"):

@@ -1,5 +1,5 @@
 """``.to(device)`` / ``.cuda()`` / ``.cpu()`` on an OffloadModel move its compute device; the host
-copies stay on ``offload_device`` (Note: [Moving an OffloadModel] in ``offload/model.py``)."""
+copies stay on ``offload_device`` (Note: [Moving an OffloadModel] in ``offload/modeling/placement.py``)."""
 
 import copy
 

@@ -66,13 +66,14 @@ Note: [Atomic save]
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
 import shutil
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -157,18 +158,58 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
         >>> save_checkpoint(f"ckpt/step-{step}", model, optimizer,
         ...                 extra={"step": step, "scheduler": scheduler.state_dict()}, keep_last=3)
     """
-    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
-        raise ValueError(f"keep_last must be a positive int or None, got {keep_last!r}")
-    _check_arguments("save_checkpoint", model, optimizer)
-    try:
-        extra_nbytes = pickled_size(extra)  # before anything is written: DCP would fail half way
-    except Exception as error:
-        raise TypeError(f"save_checkpoint(): extra must be picklable (DCP writes it with torch.save): {error}. "
-                        "Pass state_dict()s and plain values, not the objects themselves.") from error
+    extra_nbytes = _check_save_arguments(model, optimizer, extra, keep_last)
     path = Path(path)
     _check_target(path)
     group, rank, world_size = _group(model, optimizer, process_group)
     names = _parameter_names(model)
+    state, on_disk = _state_to_save(model, optimizer, names, rank, extra)
+    needed = _check_room(group, rank, path, state, extra_nbytes, optimizer)
+    partial = path.parent / f".{path.name}.partial"
+
+    def prepare() -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _clean_up(path.parent)
+        partial.mkdir()
+
+    _on_rank_0(group, rank, prepare, lambda error: _save_failure(path, error, [], needed))
+    checksums = _gathered(group, _write_data(path, partial, model, optimizer, state, on_disk, group, rank, needed))
+    info = functools.partial(_info, model, optimizer, names, world_size, checksums)
+    _commit_saved(path, partial, info, keep_last, group, rank, needed)
+    return path
+
+
+def _info(model: nn.Module, optimizer: torch.optim.Optimizer | None, names: dict[int, str], world_size: int,
+          checksums: dict[str, int]) -> dict[str, Any]:
+    """What ``offload.json`` says of a checkpoint (Note: [Checkpoint layout])."""
+    return {"format": FORMAT, "world_size": world_size, "saved_ns": time.time_ns(),
+            "tensors": {name: _describe(t) for name, t in _model_state(model).items()},
+            "partition": _partition(model),
+            "optimizer": None if optimizer is None else _optimizer_class(optimizer).__name__,
+            "groups": None if optimizer is None else [g["params"] for g in _named_groups(optimizer, names)],
+            "crc32": checksums}
+
+
+def _check_save_arguments(model: Any, optimizer: Any, extra: Any, keep_last: Any) -> int:
+    """Raise what :func:`save_checkpoint` says of its arguments; the pickled size of ``extra``."""
+    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+        raise ValueError(f"keep_last must be a positive int or None, got {keep_last!r}")
+    _check_arguments("save_checkpoint", model, optimizer)
+    try:
+        return pickled_size(extra)  # before anything is written: DCP would fail half way
+    except Exception as error:
+        raise TypeError(f"save_checkpoint(): extra must be picklable (DCP writes it with torch.save): {error}. "
+                        "Pass state_dict()s and plain values, not the objects themselves.") from error
+
+
+def _state_to_save(model: nn.Module, optimizer: torch.optim.Optimizer | None, names: dict[int, str], rank: int,
+                   extra: Any) -> tuple[dict[str, Any], dict[str, tuple[int, torch.Tensor, str]]]:
+    """What DCP saves (Note: [Checkpoint layout]), and, by key, the optimizer state a disk tier
+    keeps: where the planner reads it (slice index, parameter, state key).
+
+    Raises:
+        ValueError: the optimizer steps a parameter the model lacks.
+    """
     state: dict[str, Any] = {f"model/{name}": _own_storage(tensor) for name, tensor in _model_state(model).items()}
     on_disk: dict[str, tuple[int, torch.Tensor, str]] = {}  # key -> where the planner reads it
     if optimizer is not None:
@@ -185,21 +226,23 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
         state["optim/param_groups"] = _named_groups(optimizer, names)
     state[f"rng/{rank}"] = _rng_state()
     state["extra"] = extra
+    return state, on_disk
 
-    needed = _check_room(group, rank, path, state, extra_nbytes, optimizer)
-    partial = path.parent / f".{path.name}.partial"
 
-    def prepare() -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _clean_up(path.parent)
-        partial.mkdir()
+def _write_data(path: Path, partial: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                state: dict[str, Any], on_disk: dict[str, tuple[int, torch.Tensor, str]], group: Any, rank: int,
+                needed: int) -> dict[str, int]:
+    """Write ``state`` into ``partial`` through DCP, slice by slice where a disk tier or masters on
+    disk keep part of it (Note: [Slice-by-slice save]); this rank's data files' checksums.
 
-    _on_rank_0(group, rank, prepare, lambda error: _save_failure(path, error, [], needed))
+    Raises:
+        CheckpointError: the write failed; ``partial`` is removed.
+    """
     planner: DefaultSavePlanner = DefaultSavePlanner(flatten_state_dict=False)
     writer = FileSystemWriter(partial, sync_files=True)
     masters = _masters_on_disk(model, state)
     if (on_disk and isinstance(optimizer, OffloadOptimizer)) or masters:
-        read_slice = optimizer._slice_state_on_disk if on_disk and isinstance(optimizer, OffloadOptimizer) else None
+        read_slice = optimizer._disk.slice_state if on_disk and isinstance(optimizer, OffloadOptimizer) else None
         planner = SliceReadingSavePlanner(read_slice, on_disk, masters,
                                           _masters_releaser(model))
         # One thread, nothing resolved ahead: each item's data is asked for once the previous one
@@ -219,19 +262,23 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     finally:
         if isinstance(planner, SliceReadingSavePlanner):
             planner.release()
-    checksums = _gathered(group, files.checksums)
+    return files.checksums
+
+
+def _commit_saved(path: Path, partial: Path, info: Callable[[], dict[str, Any]], keep_last: int | None, group: Any,
+                  rank: int, needed: int) -> None:
+    """On rank 0, write ``info()`` beside the data, rename ``partial`` to ``path`` and point ``latest``
+    at it (Note: [Atomic save]), then prune to ``keep_last``.
+
+    Raises:
+        CheckpointError: on every rank, when rank 0 failed; the message says whether ``path`` is saved.
+    """
     committed = False
 
     def commit() -> None:
         nonlocal committed
-        info = {"format": FORMAT, "world_size": world_size, "saved_ns": time.time_ns(),
-                "tensors": {name: _describe(t) for name, t in _model_state(model).items()},
-                "partition": _partition(model),
-                "optimizer": None if optimizer is None else _optimizer_class(optimizer).__name__,
-                "groups": None if optimizer is None else [g["params"] for g in _named_groups(optimizer, names)],
-                "crc32": checksums}
         try:
-            _write_synced(partial / INFO_FILE, json.dumps(info, indent=1).encode())
+            _write_synced(partial / INFO_FILE, json.dumps(info(), indent=1).encode())
             _fsync_directory(partial)
         except BaseException:
             shutil.rmtree(partial, ignore_errors=True)
@@ -252,7 +299,6 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
                 "its path.")
 
     _on_rank_0(group, rank, commit, failure)
-    return path
 
 
 def _on_rank_0(group: Any, rank: int, work: Any, failure: Any) -> None:
@@ -420,6 +466,37 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
         groups = _check_optimizer(path, info, metadata, optimizer, names)
     group, rank, world_size = _group(model, optimizer, process_group)
 
+    state, wanted, on_disk = _state_to_load(model_state, optimizer, names, metadata)
+    rng_key = f"rng/{rank}"
+    if info["world_size"] == world_size and rng_key in metadata.state_dict_metadata:
+        state[rng_key] = None
+    state["extra"] = None
+    # The files this rank reads, checked whole before anything is loaded (Note: [Checkpoint checksums]).
+    verify_checksums(path, info.get("crc32"), {storage.relative_path for index, storage in
+                                               (metadata.storage_data or {}).items() if index.fqn in state})
+    stored = _read_data(path, model, optimizer, state, on_disk, group)
+    failure: DiskTierError | None = None
+    if optimizer is not None:
+        try:
+            _load_optimizer(optimizer, groups, names, state, wanted, stored)
+        except DiskTierError as error:
+            failure = error  # the state is loaded, part of it held in RAM: finish the load, then raise
+    if rng_key in state:
+        _set_rng_state(state[rng_key])
+    _release_masters(model)
+    _barrier(group)
+    if failure is not None:
+        raise failure
+    return state["extra"]
+
+
+def _state_to_load(model_state: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer | None,
+                   names: dict[int, str], metadata: Metadata
+                   ) -> tuple[dict[str, Any], dict[str, list[str]], dict[str, tuple[int, torch.Tensor, str]]]:
+    """What DCP loads into (the model's tensors themselves, and where the optimizer state this
+    rank keeps goes); per parameter name, the keys of its state loaded through
+    ``load_state_dict()``; and, by key, the state a disk tier keeps: where the planner loads it
+    (slice index, parameter, state key)."""
     state: dict[str, Any] = {f"model/{name}": tensor for name, tensor in model_state.items()}
     wanted: dict[str, list[str]] = {}  # parameter name -> its state's keys, for the state this rank keeps
     on_disk: dict[str, tuple[int, torch.Tensor, str]] = {}  # key -> where the planner loads it
@@ -438,13 +515,19 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
                 wanted.setdefault(name, []).append(key)
                 state[entry_key] = _destination(entry, held.get(key))
         state["optim/param_groups"] = None
-    rng_key = f"rng/{rank}"
-    if info["world_size"] == world_size and rng_key in metadata.state_dict_metadata:
-        state[rng_key] = None
-    state["extra"] = None
-    # The files this rank reads, checked whole before anything is loaded (Note: [Checkpoint checksums]).
-    verify_checksums(path, info.get("crc32"), {storage.relative_path for index, storage in
-                                               (metadata.storage_data or {}).items() if index.fqn in state})
+    return state, wanted, on_disk
+
+
+def _read_data(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any],
+               on_disk: dict[str, tuple[int, torch.Tensor, str]], group: Any) -> Collection[int] | None:
+    """Load ``state`` from ``path`` through DCP, slice by slice where a disk tier or masters on disk
+    keep part of it (Note: [Slice-by-slice load]); the slices loaded into the disk tier's files,
+    or ``None`` when nothing was loaded into a tier.
+
+    Raises:
+        CheckpointException: as :func:`load_checkpoint` says; a disk tier partly loaded refuses to
+            step or be saved until a load succeeds.
+    """
     # Unflattened, objects (groups, generators, extra) are loaded into this very dict.
     planner: DefaultLoadPlanner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     tiered = bool(on_disk) and isinstance(optimizer, OffloadOptimizer)
@@ -473,36 +556,37 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     finally:
         if isinstance(planner, SliceWritingLoadPlanner):
             planner.release()
+    if not tiered:
+        return None
+    assert isinstance(planner, SliceWritingLoadPlanner)
+    return planner.stored
 
-    failure: DiskTierError | None = None
-    if optimizer is not None:
-        # Through load_state_dict, so that the optimizer casts and places its state as it does
-        # when the plain torch.optim optimizer loads it (the tensors loaded into a disk tier were
-        # cast by the same function: Note: [Slice-by-slice load] in offload/checkpoint/slice_load_planner.py).
-        params = [p for params in groups for p in params]
-        index = {names[id(p)]: k for k, p in enumerate(params)}
-        loaded = {
-            "state": {index[name]: {key: state[f"optim/state/{name}/{key}"] for key in keys}
-                      for name, keys in wanted.items()},
-            "param_groups": [{**{k: v for k, v in hyper.items() if k != "params"},
-                              "params": [index[name] for name in hyper["params"]]}
-                             for hyper in state["optim/param_groups"]],
-        }
-        try:
-            if tiered:
-                assert isinstance(optimizer, OffloadOptimizer) and isinstance(planner, SliceWritingLoadPlanner)
-                optimizer._load_state_dict_beside_tier(loaded, planner.stored)
-            else:
-                optimizer.load_state_dict(loaded)
-        except DiskTierError as error:
-            failure = error  # the state is loaded, part of it held in RAM: finish the load, then raise
-    if rng_key in state:
-        _set_rng_state(state[rng_key])
-    _release_masters(model)
-    _barrier(group)
-    if failure is not None:
-        raise failure
-    return state["extra"]
+
+def _load_optimizer(optimizer: torch.optim.Optimizer, groups: list[list[torch.Tensor]], names: dict[int, str],
+                    state: dict[str, Any], wanted: dict[str, list[str]], stored: Collection[int] | None) -> None:
+    """Load the optimizer state DCP read into ``state`` through ``load_state_dict()``, beside the
+    slices ``stored`` in the disk tier's files already (``None``: no tier took part).
+
+    Raises:
+        DiskTierError: the state is loaded, part of it held in RAM.
+    """
+    # Through load_state_dict, so that the optimizer casts and places its state as it does
+    # when the plain torch.optim optimizer loads it (the tensors loaded into a disk tier were
+    # cast by the same function: Note: [Slice-by-slice load] in offload/checkpoint/slice_load_planner.py).
+    params = [p for params in groups for p in params]
+    index = {names[id(p)]: k for k, p in enumerate(params)}
+    loaded = {
+        "state": {index[name]: {key: state[f"optim/state/{name}/{key}"] for key in keys}
+                  for name, keys in wanted.items()},
+        "param_groups": [{**{k: v for k, v in hyper.items() if k != "params"},
+                          "params": [index[name] for name in hyper["params"]]}
+                         for hyper in state["optim/param_groups"]],
+    }
+    if stored is not None:
+        assert isinstance(optimizer, OffloadOptimizer)
+        optimizer._load_state_dict_beside_tier(loaded, stored)
+    else:
+        optimizer.load_state_dict(loaded)
 
 
 def _masters_on_disk(model: nn.Module, state: dict[str, Any]) -> dict[str, int]:
@@ -598,7 +682,7 @@ def _loads_on_disk(optimizer: torch.optim.Optimizer, index: int, param: torch.Te
     """Whether a saved state tensor loads straight into the optimizer's disk tier, a slice at a time
     (Note: [Slice-by-slice load] in ``offload/checkpoint/slice_load_planner.py``)."""
     return (isinstance(optimizer, OffloadOptimizer) and isinstance(entry, TensorStorageMetadata) and index >= 0
-            and optimizer._loads_on_disk(index, param, key, entry.properties.dtype, entry.size))
+            and optimizer._disk.loads_on_disk(index, param, key, entry.properties.dtype, entry.size))
 
 
 def _named_groups(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[dict[str, Any]]:

@@ -64,45 +64,12 @@ def main(argv: list[str] | None = None) -> None:
 def run(argv: list[str], record: RunRecord) -> None:
     """The whole run; ``record`` follows its steps and checkpoints for the line that ends it early."""
     args = parse_args(argv)
-    try:
-        from tqdm import tqdm
-
-        from ..integrations.data import DataFormatError
-        from ..integrations.transformers import causal_lm_sequential
-        from ..integrations.transformers_loading import load_causal_lm
-    except ImportError as error:
-        raise SystemExit(f'{error}. Install the extra: pip install -e ".[transformers]"') from error
-    if args.no_progress:
-        import transformers
-
-        transformers.utils.logging.disable_progress_bar()  # the bar of loading checkpoint shards
-    try:
-        check_outputs_writable(args)  # Note: [Never lose a run], rule 1
-    except OutputError as error:
-        raise SystemExit(f"error: {error}") from None
-
+    tqdm, DataFormatError, causal_lm_sequential, load_causal_lm = _start(args)
     torch.manual_seed(args.seed)
     tier = None if args.disk_tier is None else DiskTier(args.disk_tier)
     options = {"num_slices": args.num_slices, "num_microbatches": args.microbatches,
                "compute_dtype": DTYPES[args.compute_dtype], "masters": tier if args.masters_on_disk else None}
-    peft_model = None
-    if args.model is not None and args.lora_r == 0 and not args.untie_embeddings:
-        # Slice by slice into the host copies (or the masters' files): the model is never whole
-        # in RAM beside them, as from_pretrained would have it.
-        model, hf = load_causal_lm(args.model, args.device, loss_chunk_tokens=args.loss_chunk_tokens or None,
-                                   **options)
-        tokenizer = pretrained_tokenizer(args.model)
-        print(f"loaded {args.model} slice by slice")
-    else:
-        if args.model is None:
-            hf, tokenizer = random_model(args.arch, args.size, 256, args.seq_len)
-        else:
-            hf, tokenizer = pretrained_model(args.model)
-        peft_model = with_lora(hf, args)
-        layers = causal_lm_sequential(hf if peft_model is None else peft_model,
-                                      untie_embeddings=args.untie_embeddings,
-                                      loss_chunk_tokens=args.loss_chunk_tokens or None)
-        model = OffloadModel(layers, device=args.device, **options)
+    model, hf, tokenizer, peft_model = _build_model(args, options, causal_lm_sequential, load_causal_lm)
     hf.config.use_cache = False  # training: no key/value cache
     trained = hf if peft_model is None else peft_model
     trainable = [p for p in trained.parameters() if p.requires_grad]
@@ -144,6 +111,53 @@ def run(argv: list[str], record: RunRecord) -> None:
     # The loss in full (repr): a resumed run's last line equals the uninterrupted run's.
     print(f"final loss {loss_value!r}; {seen / elapsed:,.0f} tokens/s over {args.steps - done} steps; "
           f"saved to {args.out}")
+
+
+def _start(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
+    """The extra's imports the run needs (tqdm, DataFormatError, causal_lm_sequential,
+    load_causal_lm), once the outputs are found writable; exits saying what is missing."""
+    try:
+        from tqdm import tqdm
+
+        from ..integrations.data import DataFormatError
+        from ..integrations.transformers import causal_lm_sequential
+        from ..integrations.transformers_loading import load_causal_lm
+    except ImportError as error:
+        raise SystemExit(f'{error}. Install the extra: pip install -e ".[transformers]"') from error
+    if args.no_progress:
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()  # the bar of loading checkpoint shards
+    try:
+        check_outputs_writable(args)  # Note: [Never lose a run], rule 1
+    except OutputError as error:
+        raise SystemExit(f"error: {error}") from None
+    return tqdm, DataFormatError, causal_lm_sequential, load_causal_lm
+
+
+def _build_model(args: argparse.Namespace, options: dict[str, Any], causal_lm_sequential: Any,
+                 load_causal_lm: Any) -> tuple[OffloadModel, Any, Any, Any]:
+    """The OffloadModel the run trains, the Hugging Face model behind it, its tokenizer, and the
+    PEFT model around it (``None`` without LoRA)."""
+    peft_model = None
+    if args.model is not None and args.lora_r == 0 and not args.untie_embeddings:
+        # Slice by slice into the host copies (or the masters' files): the model is never whole
+        # in RAM beside them, as from_pretrained would have it.
+        model, hf = load_causal_lm(args.model, args.device, loss_chunk_tokens=args.loss_chunk_tokens or None,
+                                   **options)
+        tokenizer = pretrained_tokenizer(args.model)
+        print(f"loaded {args.model} slice by slice")
+    else:
+        if args.model is None:
+            hf, tokenizer = random_model(args.arch, args.size, 256, args.seq_len)
+        else:
+            hf, tokenizer = pretrained_model(args.model)
+        peft_model = with_lora(hf, args)
+        layers = causal_lm_sequential(hf if peft_model is None else peft_model,
+                                      untie_embeddings=args.untie_embeddings,
+                                      loss_chunk_tokens=args.loss_chunk_tokens or None)
+        model = OffloadModel(layers, device=args.device, **options)
+    return model, hf, tokenizer, peft_model
 
 
 # -- outputs: Note [Never lose a run] ---------------------------------------------------------------

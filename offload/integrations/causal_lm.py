@@ -22,7 +22,7 @@ Note: [What the trainers read from the model]
        ``named_parameters`` keeps the stages' names (``offloaded.3.layer.mlp.up_proj.weight``): the
        trainers only group and order the parameters by them, in the model's own order.
     4. ``.to(device)`` reaches ``OffloadModel._apply``: the compute device moves, the parameters
-       stay on the host (Note: [Moving an OffloadModel] in ``offload/model.py``).
+       stay on the host (Note: [Moving an OffloadModel] in ``offload/modeling/placement.py``).
     5. Activation checkpointing (``gradient_checkpointing=True``, ``SFTConfig``'s default) is
        accepted and does nothing more: every slice but the last is recomputed in backward already.
        ``enable_input_require_grads`` is not needed either (it exists for reentrant checkpointing

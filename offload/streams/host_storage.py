@@ -361,6 +361,14 @@ class SliceStorage:
         then says so, and the next refresh lays it out again.
         """
         self._built = False
+        self._collect()
+        self._lay_out()
+        self._move_in()
+        self._built = True
+
+    def _collect(self) -> None:
+        """The slice's entries: its parameters (its own, then those borrowed from an earlier
+        slice) and buffers, and the dtype of each one's device copy."""
         params, self.buffers = collect_entries(self.layers)
         # Compared when something was registered since; the entries keep these modules and
         # tensors alive, so no new object can take one of their ids.
@@ -391,6 +399,10 @@ class SliceStorage:
             for entry in self.params:
                 if entry.dtype.is_floating_point and id(entry.tensor) not in kept:
                     entry.device_dtype = self.compute_dtype
+
+    def _lay_out(self) -> None:
+        """Each held entry's offset in the host buffer and in the device slot (borrowed parameters
+        after the loaded bytes in the slot), and the sizes and regions that follow."""
         host_end = device_end = 0
         for entry in self.held:
             if self.buffers and entry is self.buffers[0]:
@@ -415,10 +427,14 @@ class SliceStorage:
             device_end = _align(entry.device_offset + entry.shape.numel() * _itemsize(entry.device_dtype), align)
         self.device_nbytes = device_end
         self.host_nbytes = host_end
+
+    def _move_in(self) -> None:
+        """Allocate the host buffer (or map the masters' file) and move every held tensor's data
+        into it, each under a storage of its own; allocate the shadow when a load casts."""
         casts = any(entry.device_dtype != entry.dtype for entry in self.held)
         #: the file mapping that holds the host buffer, when the masters are on disk
-        self.masters_file = self.allocate_masters(host_end) if casts and self.allocate_masters else None
-        self.flat = self.masters_file.tensor[:host_end] if self.masters_file is not None else self.allocate(host_end)
+        self.masters_file = self.allocate_masters(self.host_nbytes) if casts and self.allocate_masters else None
+        self.flat = self.masters_file.tensor[:self.host_nbytes] if self.masters_file is not None else self.allocate(self.host_nbytes)
         exporter = flat_exporter(self.flat)
         for entry in self.held:
             host = own_storage_view(exporter, entry.host_offset, entry.dtype, entry.shape, entry.stride)
@@ -436,7 +452,6 @@ class SliceStorage:
         self.shadow_refreshes = 0
         # Ready event of the last load that read the shadow: a refresh must wait for it.
         self.shadow_read: Event | None = None
-        self._built = True
 
     def _adopt_meta(self, entry: Entry, host: torch.Tensor) -> None:
         # A meta tensor cannot take host memory through .data (another tensor type): swap the

@@ -1,0 +1,85 @@
+"""The plan of an ``OffloadOptimizer``: which inner optimizer steps which parameters, one per slice
+in slice order and one for the parameters outside the model. What it does not hold: running a
+slice's update (``offload/tiers/slice_update.py``) or who owns what across ranks (``sharding.py``,
+which the plan asks)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..tiers.slice_update import InnerOptimizer, SliceStep, StateByProxy
+from ..walk.engine import Engine
+from .sharding import Item, Sharding
+
+#: Builds an inner optimizer over parameters, each in the settings of its user group.
+MakeInner = Callable[[list[torch.Tensor], list[int]], InnerOptimizer]
+
+
+def plan_key(param_groups: list[dict[str, Any]], engine: Engine) -> tuple[Any, ...]:
+    """What a plan depends on: the groups' parameters and every slice's host copies, by identity."""
+    return (tuple(tuple(map(id, group["params"])) for group in param_groups),
+            tuple(tuple(id(e.tensor) for e in s.storage.held) for s in engine.slices))
+
+
+def slice_steps(param_groups: list[dict[str, Any]], engine: Engine, sharding: Sharding | None, inner: MakeInner,
+                state: dict[Any, Any]) -> tuple[list[SliceStep], list[SliceStep]]:
+    """The steps of the model's slices, in slice order, and the step of the parameters outside the
+    model (none or one). Sharded, each slice's step updates this rank's parameters only, and
+    ``state`` loses the other ranks' (:meth:`Sharding.assign`)."""
+    ordered, rest = _by_slice(param_groups, engine)
+    if sharding is not None:
+        ordered = sharding.assign(ordered, state)
+    steps = []
+    for index, items in ordered.items():
+        storage = engine.slices[index].storage
+        if not items:
+            steps.append(SliceStep(index, storage, None, writes_shadow=False))
+            continue
+        whole = inner([p for _, p, _ in items], [g for _, _, g in items])
+        # Sharded, the shadow is written once every rank's part of the slice has arrived.
+        steps.append(SliceStep(index, storage, whole, writes_shadow=sharding is None))
+    outside = [SliceStep(-1, None, inner([p for p, _ in rest], [g for _, g in rest]))] if rest else []
+    return steps, outside
+
+
+def inner_optimizer(optimizer: Any, params: list[torch.Tensor], groups: list[int]) -> InnerOptimizer:
+    """An inner optimizer of ``optimizer`` (an ``OffloadOptimizer``) over proxies of ``params``, each
+    in its user group's settings (``groups``: each parameter's group number)."""
+    proxies = [nn.Parameter(p.data, requires_grad=p.requires_grad) for p in params]
+    by_group: dict[int, list[nn.Parameter]] = {}
+    for proxy, g in zip(proxies, groups):
+        by_group.setdefault(g, []).append(proxy)
+    inner_groups = [{**snapshot(optimizer.param_groups[g]), "params": members} for g, members in by_group.items()]
+    inner = optimizer.optimizer_class(inner_groups, **optimizer.optimizer_kwargs)
+    inner._offload_inner = True
+    inner.state = StateByProxy(optimizer, dict(zip(proxies, params)))
+    return InnerOptimizer(inner, proxies, params, list(by_group))
+
+
+def snapshot(group: dict[str, Any]) -> dict[str, Any]:
+    """A group's hyperparameters as they are now (tensors copied: schedulers may change them in place)."""
+    return {k: (v.clone() if isinstance(v, torch.Tensor) else copy.copy(v)) for k, v in group.items() if k != "params"}
+
+
+def _by_slice(param_groups: list[dict[str, Any]],
+              engine: Engine) -> tuple[dict[int, list[Item]], list[tuple[torch.Tensor, int]]]:
+    """Each slice's parameters in memory order, slices in order; and the parameters outside the model."""
+    # A tied parameter is stepped once, with the slice that holds it (its first): later slices
+    # that borrow it load it after that slice's update (Note: [Tied parameters across slices]).
+    place = {id(e.tensor): (s.index, k) for s in engine.slices for k, e in enumerate(s.storage.held)
+             if e.is_parameter}
+    per_slice: dict[int, list[Item]] = {}
+    rest: list[tuple[torch.Tensor, int]] = []
+    for g, group in enumerate(param_groups):
+        for p in group["params"]:
+            if id(p) in place:
+                index, k = place[id(p)]
+                per_slice.setdefault(index, []).append((k, p, g))
+            else:
+                rest.append((p, g))
+    return {index: sorted(per_slice[index], key=lambda item: item[0]) for index in sorted(per_slice)}, rest

@@ -1,0 +1,134 @@
+"""``Sharding``: a sharded update's exchange across ranks. Each rank updates the parameters it owns
+and every rank then takes each updated parameter from its owner. What it does not hold: the
+collectives themselves (``offload/streams/collectives.py``) or the update of a slice
+(``offload/tiers/slice_update.py``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..model import OffloadModel, engine_of
+from ..streams import Event
+from ..streams.collectives import HostCollectives
+from ..tiers.slice_update import SliceStep
+
+#: A slice's parameters as the plan lists them: (position in the slice, parameter, user group).
+Item = tuple[int, torch.Tensor, int]
+
+
+class Sharding:
+    """Who owns each parameter of a sharded update, and the exchange of the updated parameters.
+
+    Args:
+        collectives: the host collectives over the ranks that share the update.
+    """
+
+    def __init__(self, collectives: HostCollectives) -> None:
+        self.collectives = collectives
+        #: Per slice: every rank's parameters of it, in memory order, and the rank that owns each.
+        self.shared: dict[int, tuple[list[torch.Tensor], list[int]]] = {}
+
+    @classmethod
+    def of(cls, model: OffloadModel, shard: bool | None, process_group: Any) -> Sharding | None:
+        """The sharding of an optimizer over ``model`` (``shard`` and ``process_group`` as
+        ``OffloadOptimizer`` takes them), or ``None`` when every rank updates everything.
+
+        Raises:
+            ValueError: ``shard=True`` without a process group, or over NCCL.
+        """
+        data_parallel = model.__dict__.get("_data_parallel")
+        group = process_group if process_group is not None else (
+            data_parallel.group if data_parallel is not None else None)
+        if shard is None:
+            shard = group is not None and dist.get_world_size(group) > 1
+        if not shard:
+            return None
+        if group is None:
+            raise ValueError("shard=True needs a process group: the model's (OffloadModel(..., process_group=...)) "
+                             "or process_group= here")
+        if process_group is None and data_parallel is not None and data_parallel.host is not None:
+            return cls(data_parallel.host)  # one worker issues all of the group's host collectives
+        if "nccl" in str(dist.get_backend(group)).lower():
+            raise ValueError(
+                "the sharded update shares parameters between the ranks' host memory, which NCCL cannot reduce: "
+                "pass process_group=torch.distributed.new_group(backend='gloo'), or shard=False to update "
+                "everything on every rank")
+        return cls(HostCollectives(engine_of(model).copies, group))
+
+    def assign(self, ordered: dict[int, list[Item]], state: dict[Any, Any]) -> dict[int, list[Item]]:
+        """Give each parameter of each slice (``ordered``: per slice, in memory order) an owner, and
+        drop from ``state`` what other ranks own (its owner keeps it); per slice, the items this
+        rank updates."""
+        self.shared = {}
+        owners_of = dict(zip(ordered, owners([[p for _, p, _ in items] for items in ordered.values()],
+                                             self.collectives.world_size)))
+        mine = {}
+        for index, items in ordered.items():
+            slice_owners = owners_of[index]
+            self.shared[index] = ([p for _, p, _ in items], slice_owners)
+            for (_, p, _), owner in zip(items, slice_owners):
+                if owner != self.collectives.rank:
+                    state.pop(p, None)
+            mine[index] = [item for item, owner in zip(items, slice_owners) if owner == self.collectives.rank]
+        return mine
+
+    def submit(self, step: SliceStep, update: Callable[[], Event | None]) -> Event | None:
+        """This rank updates the parameters of ``step`` it owns (``update`` queues that), then every
+        rank takes each updated parameter from its owner; the event of that exchange, which the next
+        forward's load waits for, or ``None`` when no parameter of the slice has a gradient."""
+        everyone, slice_owners = self.shared[step.index]
+        stepped = [(p, owner) for p, owner in zip(everyone, slice_owners) if p.grad is not None]
+        if not stepped:
+            return None
+        updated = update() if step.whole is not None else None
+        storage = step.storage
+        then = None
+        if storage is not None and storage.shadow is not None:
+            def then() -> None:  # every parameter is final now: write the whole shadow
+                storage.write_shadow()
+                storage.shadow_written()
+        return self.collectives.broadcast([p.detach() for p, _ in stepped], [owner for _, owner in stepped],
+                                          after=[updated], what=f"sharing the updated parameters of slice {step.index}",
+                                          then=then)
+
+    def gather_state(self, local: dict[str, Any], to: int) -> dict[str, Any] | None:
+        """The whole state, merged from each rank's ``local`` ``state_dict()``, on rank ``to`` of the
+        group; ``None`` on the others. Every rank calls it."""
+        group = self.collectives.group
+        gathered: list[Any] | None = [None] * self.collectives.world_size if self.collectives.rank == to else None
+        dist.gather_object(local["state"], gathered, dst=dist.get_global_rank(group, to), group=group)
+        if gathered is None:
+            return None
+        merged: dict[int, Any] = {}
+        for part in gathered:
+            merged.update(part)
+        return {"state": dict(sorted(merged.items())), "param_groups": local["param_groups"]}
+
+
+def owners(slices: list[list[torch.Tensor]], world_size: int) -> list[list[int]]:
+    """Which rank updates each parameter of each slice (the same answer on every rank).
+
+    Slice by slice, each slice's parameters largest first, every parameter goes to the rank with
+    the fewest elements so far, counted over the whole model: a rank takes a parameter only while
+    no other has less, so no rank ends with more than ``1 / world_size`` of the elements plus the
+    largest parameter. Counting per slice instead would hand rank 0 the largest parameter of every
+    slice (nearly all of a model whose slices are one big weight each). Parameters are not split
+    across ranks: an optimizer may treat a parameter as a whole (a norm over it, a factored
+    second moment), and each rank's state stays a plain optimizer's, per whole parameter.
+
+    Args:
+        slices: per slice, its parameters that the optimizer steps.
+        world_size: the number of ranks.
+    """
+    load = [0] * world_size
+    chosen = [[0] * len(params) for params in slices]
+    for params, mine in zip(slices, chosen):
+        for k in sorted(range(len(params)), key=lambda k: (-params[k].numel(), k)):
+            rank = min(range(world_size), key=lambda r: (load[r], r))
+            mine[k] = rank
+            load[rank] += params[k].numel()
+    return chosen

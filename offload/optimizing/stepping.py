@@ -1,0 +1,94 @@
+"""``SliceUpdates``: the updates of one ``step()``, each slice's handed to the host update worker
+in slice order with the tiers around it (masters on disk read in before and written back after,
+the disk tier's state read and written), sharded or not; and the parameters outside the model,
+stepped at once. What it does not hold: what one update does (``offload/tiers/slice_update.py``),
+or how a load waits for it (``offload/streams/updates.py``)."""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..streams import Event
+from ..streams.workers import HostWorker
+from ..tiers.slice_update import SliceStep
+from ..walk.engine import Engine
+from .sharding import Sharding
+from .tier_plumbing import TierPlumbing
+
+
+class SliceUpdates:
+    """Hands the updates of a step to the host update worker (Note: [Overlapped host update] in
+    ``offload/optimizer.py``).
+
+    Args:
+        engine: the engine of the optimizer's model.
+        disk: the optimizer's disk tier plumbing.
+        sharding: the exchange of a sharded update, or ``None``.
+        num_threads: CPU threads of the update worker (``None``: PyTorch's setting).
+    """
+
+    def __init__(self, engine: Engine, disk: TierPlumbing, sharding: Sharding | None,
+                 num_threads: int | None) -> None:
+        self.engine = engine
+        self.disk = disk
+        self.sharding = sharding
+        self.num_threads = num_threads
+        self.worker: HostWorker | None = None  # started by the first step
+
+    def submit(self, steps: Sequence[SliceStep], rest: Sequence[SliceStep], hyper: list[dict[str, Any]],
+               grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
+        """Queue each slice's update in slice order, and step the parameters outside the model now,
+        with the gradients and hyperparameters ``hyper`` captured now."""
+        if self.worker is None:
+            self.worker = self.engine.copies.new_worker("host update", self.num_threads)
+            weakref.finalize(self, self.worker.close)
+        for step in steps:
+            if self.sharding is not None:  # the event of the exchange that follows this rank's part
+                update = functools.partial(self._submit_update, step, hyper, grad_scale, found_inf)
+                updated = self.sharding.submit(step, update)
+            else:
+                updated = self._submit_update(step, hyper, grad_scale, found_inf)
+            if updated is not None:
+                self.engine.updates.submitted(step.index, updated)
+                self._write_masters(step.index, updated)
+        for step in rest:
+            step.bind()
+            step.run([p.grad for p in step.whole.params], hyper, grad_scale, found_inf)  # type: ignore[union-attr]
+
+    def _submit_update(self, step: SliceStep, hyper: list[dict[str, Any]], grad_scale: torch.Tensor | None,
+                       found_inf: torch.Tensor | None) -> Event | None:
+        """Queue the update of the parameters ``step`` steps on the host worker; its event, or
+        ``None`` when none of them has a gradient."""
+        assert step.whole is not None
+        grads = [p.grad for p in step.whole.params]
+        if all(g is None for g in grads):
+            return None
+        if step.needs_bind():
+            self.engine.updates.wait(step.index)  # the proxies may still be in use by its last update
+            step.bind()
+        work = functools.partial(step.run, grads, hyper, grad_scale, found_inf)
+        return self._submit(step.index, work)
+
+    def _submit(self, index: int, work: Callable[[], None]) -> Event:
+        """Run slice ``index``'s update on the update worker (its masters read in first when they
+        are on disk, its state read before and written after by the disk tier, if there is one);
+        returns the update's event."""
+        assert self.worker is not None
+        files, mapped = self.engine.master_files, self.engine.slices[index].storage.masters_file
+        after = []
+        if files is not None and mapped is not None:
+            after.append(files.read(index, mapped))
+            work = files.guard(index, work)
+        return self.disk.submit(index, self.worker, work, after)
+
+    def _write_masters(self, index: int, after: Event | None) -> None:
+        """With masters on disk, write slice ``index``'s back and drop them after ``after``, the
+        last work that writes them (Note: [Masters on disk] in ``offload/tiers/master_files.py``)."""
+        files, mapped = self.engine.master_files, self.engine.slices[index].storage.masters_file
+        if files is not None and mapped is not None:
+            files.write(index, mapped, after)

@@ -1,0 +1,144 @@
+"""The disk tier's files: its own directory (made once the filesystem has room for the state and
+takes a test page), one file per slice, and their removal when the optimizer goes. What it does not
+hold: the I/O calls (``offload/streams/disk.py``), what a file holds (``state_slice.py``) or when it
+is read and written (``disk_tier.py``)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import tempfile
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..streams.disk import PAGE, DiskCounters, DiskTierError, StateFile, direct_io_supported, make_directory
+from ..streams.workers import HostWorker
+
+
+class StateFiles:
+    """One optimizer's directory of state files, removed (unless ``keep``) when the tier that owns
+    this object goes, closed or not.
+
+    Args:
+        path: the user's directory (``DiskTier.path``), made if it does not exist.
+        keep: leave the files when closed or garbage-collected.
+        direct: use direct I/O where the filesystem takes it.
+        optimizer: the optimizer whose state the files hold (sized before anything is made).
+        rank: this process's rank when the update is sharded, else ``None``; ``ranks`` of them.
+
+    Raises:
+        DiskTierError: no room for the state, or no directory or test page could be made; nothing
+            is left behind.
+    """
+
+    def __init__(self, path: Any, keep: bool, direct: bool, optimizer: torch.optim.Optimizer,
+                 rank: int | None, ranks: int) -> None:
+        root = Path(path)
+        made = make_directory(root, "DiskTier path")
+        try:
+            self.directory, self.direct = _make_tier_directory(root, direct, optimizer, rank, ranks)
+        except BaseException:
+            if made:
+                with contextlib.suppress(OSError):  # another process may have put files there since
+                    root.rmdir()  # nothing of the tier is left behind, not even the directory it made
+            raise
+        self.keep = keep
+        self.counters = DiskCounters()
+        self._files: list[StateFile] = []
+        #: Workers that use the files (the tier's reader and writer): closed before the files are.
+        self.workers: list[HostWorker] = []
+        # Files go when the optimizer does, closed or not (never named after object ids: each
+        # optimizer has its own directory).
+        self._finalizer = weakref.finalize(self, _remove, self.directory, self._files, self.keep, self.workers)
+
+    @property
+    def disk_nbytes(self) -> int:
+        """Bytes allocated in the files."""
+        return sum(f.allocated for f in self._files)
+
+    def path_of(self, index: int) -> Path:
+        """The file of slice ``index``."""
+        return self.directory / f"slice-{index:05d}.state"
+
+    def open(self, index: int) -> StateFile:
+        """Open (create) the file of slice ``index``."""
+        file = StateFile(self.path_of(index), self.direct, self.counters)
+        self._files.append(file)
+        return file
+
+    def write_manifest(self, manifest: dict[str, Any]) -> None:
+        """Write ``manifest`` (what each file holds) beside the files, for a tier that keeps them."""
+        (self.directory / "manifest.json").write_text(json.dumps(manifest, indent=1))
+
+    def remove(self) -> None:
+        """Close the workers and the files, and remove them unless ``keep``; idempotent."""
+        self._finalizer()
+
+
+def _make_tier_directory(root: Path, direct: bool, optimizer: torch.optim.Optimizer, rank: int | None,
+                         ranks: int) -> tuple[Path, bool]:
+    """The tier's own directory in ``root`` and whether it takes direct I/O, once the filesystem has
+    room for the state and a test page written there came back; raises :class:`DiskTierError`
+    (leaving nothing behind) otherwise."""
+    # Before any long work: a tier that cannot hold the state would fail at the first step.
+    needed = expected_state_bytes(optimizer) // ranks + PAGE
+    free = shutil.disk_usage(root).free
+    if free < needed:
+        raise DiskTierError(
+            f"the disk tier needs about {size_text(needed)} in {root} for the optimizer's state "
+            f"({getattr(optimizer, 'optimizer_class', type(optimizer)).__name__} over "
+            f"{sum(p.numel() for g in optimizer.param_groups for p in g['params']):,} parameters"
+            f"{f', one rank of {ranks}' if ranks > 1 else ''}), and its filesystem has "
+            f"{size_text(free)} free. Free space there, or point DiskTier at a disk with room.")
+    prefix = "offload-state-" + (f"rank{rank}-" if rank is not None else "")
+    try:
+        directory = Path(tempfile.mkdtemp(prefix=prefix, dir=root))  # unique, made atomically
+    except OSError as error:
+        raise DiskTierError(f"could not make the disk tier's directory in {root}: {error.strerror} "
+                            f"(errno {error.errno}); {size_text(free)} free there") from error
+    try:
+        return directory, direct and direct_io_supported(directory)
+    except OSError as error:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise DiskTierError(
+            f"the disk tier could not write a test page in {directory} ({error.filename}): {error.strerror} "
+            f"(errno {error.errno}); the filesystem of {root} has {size_text(shutil.disk_usage(root).free)} "
+            f"free and the state needs about {size_text(needed)}. Free space there, or point DiskTier at "
+            "another disk.") from error
+
+
+def expected_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of per-element state ``optimizer`` will keep on disk, for the optimizers whose state is
+    known (Adam and AdamW: two tensors like each parameter, three with ``amsgrad``; SGD: one with
+    momentum); 0 for others, whose state is not guessed."""
+    kind = getattr(optimizer, "optimizer_class", type(optimizer))  # an OffloadOptimizer's torch.optim class
+    total = 0
+    for group in optimizer.param_groups:
+        if issubclass(kind, (torch.optim.Adam, torch.optim.AdamW)):
+            per_element = 3 if group.get("amsgrad") else 2
+        elif issubclass(kind, torch.optim.SGD):
+            per_element = 1 if group.get("momentum") else 0
+        else:
+            return 0
+        total += per_element * sum(p.numel() * p.element_size() for p in group["params"])
+    return total
+
+
+def size_text(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} bytes"
+
+
+def _remove(directory: Path, files: list[StateFile], keep: bool, workers: list[HostWorker]) -> None:
+    for worker in workers:
+        worker.close()
+    for file in files:
+        file.close()
+    if not keep:
+        shutil.rmtree(directory, ignore_errors=True)

@@ -1,0 +1,251 @@
+"""One slice's state in the disk tier: where it is (``optimizer.state``, its file, or held in RAM),
+its file's layout, and the moves between ``optimizer.state``, a window buffer and the file
+(Note: [Disk tier pipeline] in ``offload/tiers/disk_tier.py``). What it does not hold: when the
+moves run (``disk_tier.py``), the window's buffers (``state_window.py``) or the directory
+(``state_files.py``)."""
+
+from __future__ import annotations
+
+import enum
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..streams.disk import AlignedBuffer, DiskTierError, StateFile, page_aligned
+from ..streams.host_storage import dense_stride
+from .state_files import StateFiles
+from .state_window import Window, WindowSlot
+
+#: Each state tensor starts at a multiple of this many bytes in a slice's file (vector loads).
+TENSOR_ALIGNMENT = 64
+
+#: Per parameter, its state tensors by key.
+SliceState = dict[torch.Tensor, dict[str, torch.Tensor]]
+
+
+class Place(enum.Enum):
+    """Where a slice's state is between updates."""
+
+    RAM = "in optimizer.state"  # no state on disk yet (before its first update, or after loading)
+    DISK = "on disk"  # in the slice's file; optimizer.state keeps only the scalars
+    HELD = "held in RAM"  # its write failed: the buffer it was written from holds it
+
+
+@dataclass(frozen=True)
+class Field:
+    """One state tensor of a slice's file."""
+
+    position: int  # the parameter's position in the slice
+    key: str  # its name in the parameter's state ("exp_avg")
+    dtype: torch.dtype
+    shape: torch.Size
+    stride: tuple[int, ...]
+    offset: int  # bytes from the start of the file
+    nbytes: int
+
+    def view(self, buffer: AlignedBuffer) -> torch.Tensor:
+        flat = buffer.tensor[self.offset:self.offset + self.nbytes].view(self.dtype)
+        return flat.as_strided(self.shape, self.stride)
+
+
+@dataclass
+class SliceRecord:
+    """One slice's state in the tier, and the moves of it between ``optimizer.state`` (``state``
+    below), its buffer and its file."""
+
+    index: int
+    params: list[torch.Tensor]
+    file: StateFile | None = None
+    layout: list[Field] | None = None
+    nbytes: int = 0  # the file's size: the layout's bytes, in whole pages
+    place: Place = Place.RAM
+    buffer: AlignedBuffer | None = None  # between its read and its write, or while held
+    slot: WindowSlot | None = None
+    dirty: bool = False  # the buffer holds state the file does not
+    read_error: OSError | None = None
+    write_error: OSError | None = None
+    reported: bool = True  # its write error was raised to the caller
+
+    def read(self, slot: WindowSlot) -> None:
+        """Read the file into ``slot``'s buffer (grown if needed); a failure is kept in ``read_error``
+        for the update to raise."""
+        self.read_error = None
+        self.slot = slot
+        if self.place is Place.HELD:
+            return  # its buffer holds it
+        if self.place is Place.RAM:
+            self.buffer = slot.buffer  # detach copies the state in (growing it if needed)
+            return
+        if slot.buffer is None or slot.buffer.nbytes < self.nbytes:
+            slot.buffer = AlignedBuffer(self.nbytes)
+        assert self.file is not None
+        try:
+            self.file.read(slot.buffer, self.nbytes)
+        except OSError as error:
+            self.read_error = error
+            return
+        self.buffer = slot.buffer
+
+    def attach(self, state: Any) -> None:
+        """Views of the buffer into ``state``, in the layout's order."""
+        if self.place is Place.RAM:
+            return
+        assert self.buffer is not None and self.layout is not None
+        for f in self.layout:
+            state[self.params[f.position]][f.key] = f.view(self.buffer)
+
+    def detach(self, state: Any) -> bool:
+        """Take the slice's state tensors out of ``state`` into the buffer; whether state from
+        elsewhere was copied in (created by the optimizer, or loaded: it is freed now)."""
+        found = [(position, key, value) for position, p in enumerate(self.params) if p in state
+                 for key, value in state[p].items() if goes_to_disk(value)]
+        note_state_kept_in_ram(state, self.params)
+        if not found:
+            return False
+        layout, nbytes = layout_of(found)
+        buffer = self.buffer
+        in_place = (self.layout is not None and buffer is not None and _shape_of(layout) == _shape_of(self.layout)
+                    and all(value.data_ptr() == buffer.data_ptr() + f.offset
+                            for f, (_, _, value) in zip(layout, found)))
+        if not in_place:
+            inside = buffer is not None and any(
+                buffer.data_ptr() <= value.data_ptr() < buffer.data_ptr() + buffer.nbytes for _, _, value in found)
+            if buffer is None or buffer.nbytes < nbytes or inside:
+                fresh = AlignedBuffer(nbytes)
+                slot = self.slot
+                if slot is not None and (slot.buffer is None or slot.buffer is buffer):
+                    slot.buffer = fresh  # the window's buffer grows (it is this slice's until its write)
+                buffer = fresh
+            for f, (_, _, value) in zip(layout, found):
+                f.view(buffer).copy_(value)
+        for f in layout:
+            del state[self.params[f.position]][f.key]
+        self.layout, self.nbytes, self.buffer, self.dirty = layout, nbytes, buffer, True
+        return not in_place
+
+    def write(self, files: StateFiles) -> None:
+        """Write the buffer to the file (opened in ``files`` the first time); a failure leaves the
+        state held in the buffer (Note: [Disk tier failures] in ``offload/tiers/disk_tier.py``)."""
+        if not self.dirty:
+            return  # its update did not run (an earlier update failed): the file is current
+        assert self.buffer is not None
+        try:
+            if self.file is None:
+                self.file = files.open(self.index)
+            self.file.reserve(self.nbytes)
+            self.file.write(self.buffer, self.nbytes)
+        except OSError as error:
+            if self.place is not Place.HELD or self.write_error is None:
+                self.reported = False
+            self.write_error = error
+            self.place = Place.HELD
+            slot = self.slot
+            if slot is not None and slot.buffer is self.buffer:
+                slot.buffer = None  # the buffer stays with the slice; the window takes a new one
+            return
+        self.place, self.dirty, self.write_error, self.reported = Place.DISK, False, None, True
+        self.buffer = None
+
+    def copies(self, window: Window) -> SliceState:
+        """Copies of the slice's state tensors, read from its file into ``window``'s scratch buffer
+        (or from its held buffer); every write must be done."""
+        if self.place is Place.RAM or self.layout is None:
+            return {}
+        buffer = self.buffer
+        if self.place is Place.DISK:
+            buffer = window.scratch(self.nbytes)
+            assert self.file is not None
+            try:
+                self.file.read(buffer, self.nbytes)
+            except OSError as error:
+                raise DiskTierError(f"could not read the optimizer state of slice {self.index} from "
+                                    f"{error.filename}: {error.strerror}") from error
+        assert buffer is not None
+        out: SliceState = {}
+        for f in self.layout:
+            out.setdefault(self.params[f.position], {})[f.key] = f.view(buffer).clone(
+                memory_format=torch.preserve_format)
+        return out
+
+    def stand_ins(self) -> SliceState:
+        """Stand-ins of the state tensors on disk, the file unread: each has the tensor's shape and
+        dtype over a single element (zero strides)."""
+        if self.place is Place.RAM or self.layout is None:
+            return {}
+        out: SliceState = {}
+        for f in self.layout:
+            out.setdefault(self.params[f.position], {})[f.key] = torch.zeros((), dtype=f.dtype).expand(f.shape)
+        return out
+
+    def reset(self) -> None:
+        """The slice holds no state in the tier (its file, if any, is overwritten at its next write)."""
+        self.place, self.layout, self.buffer, self.dirty = Place.RAM, None, None, False
+        self.write_error, self.reported = None, True
+
+
+@dataclass
+class LoadingSlice:
+    """A slice's state being loaded from a checkpoint (:meth:`StateTier.begin_load`): its file's
+    layout, and the buffer in that layout that the loader fills through ``tensors``."""
+
+    record: SliceRecord
+    layout: list[Field]
+    nbytes: int
+    buffer: AlignedBuffer
+    slot: WindowSlot  # where the buffer goes once written
+    tensors: SliceState = field(default_factory=dict)  # views of buffer
+
+
+def goes_to_disk(value: Any) -> bool:
+    """Whether a state value is one the tier keeps in a file: a dense CPU tensor with a dimension,
+    and a plain one (Note: [Low-bit state stays in RAM])."""
+    return (type(value) is torch.Tensor and value.dim() > 0 and value.layout == torch.strided
+            and value.device.type == "cpu" and not value.requires_grad
+            and (value.is_contiguous() or dense_stride(value) is not None))
+
+
+def note_state_kept_in_ram(state: Any, params: Sequence[torch.Tensor]) -> None:
+    """Warn (once per kind) of per-element state the tier leaves in RAM.
+
+    Note: [Low-bit state stays in RAM]
+        torchao's low-bit optimizers keep each moment as a tensor subclass (8- or 4-bit codes
+        and a scale per block) whose bytes are not its values: copying it into a file buffer would
+        store the float values it stands for, and the update would read back another kind of
+        state. The tier leaves such state in ``optimizer.state``; it is already a quarter (8-bit)
+        or an eighth (4-bit) of float32 AdamW's. ``tests/test_lowbit_optimizers.py`` checks the
+        results stay bit-identical with the tier configured.
+    """
+    for p in params:
+        for value in state.get(p, {}).values():
+            kind = type(value)
+            if (isinstance(value, torch.Tensor) and kind is not torch.Tensor and value.dim() > 0
+                    and kind not in KEPT_IN_RAM_NOTED):
+                KEPT_IN_RAM_NOTED.add(kind)
+                warnings.warn(f"the disk tier keeps plain tensors only: optimizer state of type {kind.__name__} "
+                              "stays in RAM (for torchao's low-bit optimizers, already a quarter or less of "
+                              "float32 AdamW's state)", stacklevel=2)
+
+
+#: Kinds of state :func:`note_state_kept_in_ram` has warned of.
+KEPT_IN_RAM_NOTED: set[type] = set()
+
+
+def layout_of(found: Sequence[tuple[int, str, torch.Tensor]]) -> tuple[list[Field], int]:
+    """A slice's file for its state tensors ``found`` ((position, key, tensor), in that order):
+    each tensor's place, and the file's size in whole pages. One function for a step's
+    (:meth:`SliceRecord.detach`) and a load's (:meth:`StateTier.begin_load`): the file a step
+    reads back is laid out as the one it wrote."""
+    fields = []
+    offset = 0
+    for position, key, value in found:
+        nbytes = value.numel() * value.element_size()
+        fields.append(Field(position, key, value.dtype, value.shape, tuple(value.stride()), offset, nbytes))
+        offset += -(-nbytes // TENSOR_ALIGNMENT) * TENSOR_ALIGNMENT
+    return fields, page_aligned(fields[-1].offset + fields[-1].nbytes)
+
+
+def _shape_of(layout: Sequence[Field]) -> list[tuple[Any, ...]]:
+    return [(f.position, f.key, f.dtype, f.shape, f.stride) for f in layout]
