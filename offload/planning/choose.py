@@ -5,7 +5,7 @@ where the state lives (RAM; the optimizer's disk tier; the tier and the masters 
 each one's memory (:func:`~offload.estimate_memory`) and step time
 (:func:`~offload.planning.timing.estimate_step_time`), keeps those that fit the device, the host
 and the disk, and returns the fastest. Among configurations within 1 % of the fastest it takes
-the simplest: fewer tiers on disk, fewer microbatches, fewer slices. When none fits it says what
+the simplest: fewer tiers on disk, then fewer microbatches, then the fastest. When none fits it says what
 is missing, with and without the disk tier.
 
 Memory fits a limit with a margin (:data:`DEVICE_MARGIN`, :data:`HOST_MARGIN`): the caching
@@ -112,7 +112,7 @@ def choose(layers: nn.Module | Sequence[int], profile_for: Callable[[torch.dtype
     best = min(c.time.step for c in fitting)
     near = [c for c in fitting if c.time.step <= 1.01 * best]
     chosen = min(near, key=lambda c: (PLACES.index((c.config.optimizer_state, c.config.masters)),
-                                      c.config.num_microbatches, c.config.num_slices, c.time.step))
+                                      c.config.num_microbatches, c.time.step))
     return Plan(chosen=chosen, candidates=candidates)
 
 

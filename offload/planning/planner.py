@@ -219,8 +219,8 @@ def _activations(layout: SliceLayout, profile: ModelProfile | None, num_microbat
                  activation_bytes: int) -> tuple[int, int]:
     """Host bytes of one step's boundary activations, and the device's activation peak.
 
-    Host: the input of every slice but the first (the first one's is the caller's), whole batch,
-    as ``offload/autograd/records.py`` checkpoints them. Device: the largest over slices of its
+    Host: the input of every slice, whole batch, but the last slice's last microbatch (its graph is
+    kept), as ``offload/autograd/records.py`` checkpoints them. Device: the largest over slices of its
     whole-batch input and output (the forward keeps every microbatch's output until the next
     slice runs) and one microbatch's recompute (what the slice's graph saves, and its output's
     gradient). A model whose output is large (logits) needs its loss's memory on top.
@@ -230,7 +230,7 @@ def _activations(layout: SliceLayout, profile: ModelProfile | None, num_microbat
     inputs = profile.slice_input_bytes(layout.ranges)
     outputs = profile.slice_output_bytes(layout.ranges)
     saved = profile.slice_saved_bytes(layout.ranges)
-    host = activation_bytes + sum(inputs[1:])
+    host = activation_bytes + profile.checkpointed_bytes(layout.ranges, num_microbatches)
     per_slice = [i + o + -(-(s + o) // num_microbatches) for i, o, s in zip(inputs, outputs, saved)]
     return host, max(per_slice)
 

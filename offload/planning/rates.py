@@ -118,10 +118,12 @@ def load_rates(path: str | os.PathLike[str]) -> MachineRates:
 
 _H100_README = "benchmarks/results/h100-2026-11-22/README.md"
 _CPU_RESULTS = "benchmarks/results/optimizer_cpu_2026-11-22d.json"
+_DISK_RESULTS = "benchmarks/results/storage_cpu_2026-11-24_quiet.json: disk_mixed_read_gbps, disk_mixed_write_gbps"
 
 #: Host rates when nothing was calibrated: this repository's 2-core CPU runner (fused AdamW 22.5
 #: GB/s; a copy 34.8 GB/s read plus written, 17.4 GB/s copied: ``optimizer_cpu_2026-11-22d.json``);
-#: the disk unknown. Slow beside a server: calibrate.
+#: its disk read and written at once, as the tier does (1.29 and 1.33 GB/s:
+#: ``storage_cpu_2026-11-24_quiet.json``). Slow beside a server: calibrate.
 HOST_DEFAULT = MachineRates(
     name="default host",
     device_flops={},
@@ -129,8 +131,11 @@ HOST_DEFAULT = MachineRates(
     device_to_host=17.4 * GB,
     host_copy=17.4 * GB,
     host_update=22.5 * GB,
+    disk_read=1.29 * GB,
+    disk_write=1.33 * GB,
     slice_overhead_s=2e-4,
-    sources={"host_copy": _CPU_RESULTS, "host_update": _CPU_RESULTS,
+    sources={"host_copy": _CPU_RESULTS, "host_update": _CPU_RESULTS, "disk_read": _DISK_RESULTS,
+             "disk_write": _DISK_RESULTS,
              "slice_overhead_s": "an assumed 0.2 ms per slice run: calibrate to measure it"},
 )
 

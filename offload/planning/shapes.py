@@ -22,12 +22,14 @@ the operations cost in time ``timing.py``'s.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -77,6 +79,18 @@ class ModelProfile:
         outputs = [self.input_bytes] + [layer.output_bytes for layer in self.layers]
         return [outputs[r.start] for r in ranges]
 
+    def checkpointed_bytes(self, ranges: Sequence[range], num_microbatches: int) -> int:
+        """Bytes of the boundary activations a step offloads and loads back: every slice's input
+        but the last microbatch's into the last slice, whose graph is kept instead (backward
+        starts there; ``ForwardRecords.keeps_graph`` in ``offload/autograd/records.py``)."""
+        inputs = self.slice_input_bytes(ranges)
+        return sum(inputs[:-1]) + inputs[-1] * (num_microbatches - 1) // num_microbatches
+
+    def recomputed_flops(self, ranges: Sequence[range], num_microbatches: int) -> int:
+        """Operations the backward's recompute repeats: every slice's forward but the kept graph's."""
+        last = sum(self.layers[k].forward_flops for k in ranges[-1])
+        return self.forward_flops - last // num_microbatches
+
     def slice_output_bytes(self, ranges: Sequence[range]) -> list[int]:
         return [self.layers[r.stop - 1].output_bytes for r in ranges]
 
@@ -114,10 +128,12 @@ def profile_layers(layers: nn.Sequential, make_input: Callable[[], Any], *,
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     children = list(layers.children()) or [layers]
-    with FakeTensorMode(allow_non_fake_inputs=True), torch.device("cpu"):
+    # The stand-ins stay in place through the backward too: a layer that checkpoints inside
+    # (a chunked loss) recomputes with them there.
+    with FakeTensorMode(allow_non_fake_inputs=True), torch.device("cpu"), contextlib.ExitStack() as stand_ins:
         x = _cast_inputs(make_input(), compute_dtype)
         input_bytes, batch = _nbytes(x), _batch_size(x)
-        forward, saved, outputs, last = _forward(children, x, compute_dtype)
+        forward, saved, outputs, last = _forward(children, x, compute_dtype, stand_ins)
         backward = _backward_flops(last)
     total = sum(forward) or 1
     layer_profiles = [LayerProfile(f, round(backward * f / total), s, o)
@@ -125,13 +141,15 @@ def profile_layers(layers: nn.Sequential, make_input: Callable[[], Any], *,
     return ModelProfile(layers=layer_profiles, input_bytes=input_bytes, batch_size=batch)
 
 
-def _forward(children: list[nn.Module], x: Any, compute_dtype: torch.dtype | None
+def _forward(children: list[nn.Module], x: Any, compute_dtype: torch.dtype | None, stand_ins: contextlib.ExitStack
              ) -> tuple[list[int], list[dict[int, int]], list[int], Any]:
     forward: list[int] = []
     saved: list[dict[int, int]] = []
     outputs: list[int] = []
     for index, layer in enumerate(children):
         replacements = _fake_state(layer, compute_dtype)
+        # What torch.func.functional_call does, kept open until the backward has run.
+        stand_ins.enter_context(_reparametrize_module(layer, replacements, tie_weights=True))
         held = {_storage_id(t) for t in replacements.values()}
         layer_saved: dict[int, int] = {}
 
@@ -143,7 +161,7 @@ def _forward(children: list[nn.Module], x: Any, compute_dtype: torch.dtype | Non
         try:
             with FlopCounterMode(display=False) as counter, \
                     torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                x = torch.func.functional_call(layer, replacements, (x,), tie_weights=True)
+                x = layer(x)
         except Exception as error:
             raise RuntimeError(f"profiling layer {index} ({type(layer).__name__}) on fake tensors failed: "
                                f"{error}") from error

@@ -117,10 +117,9 @@ def traffic(layout: SliceLayout, profile: ModelProfile | None, config: StepConfi
             optimizer: str | None = "adamw") -> _Traffic:
     """Bytes a step moves, as ``offload/streams/copies.py`` counts them (``loaded_bytes``,
     ``offloaded_bytes``): the backward reloads every slice but the two left in the slots, and the
-    boundary activations of every slice but the first travel out in the forward and back in the
-    backward."""
+    checkpointed boundary activations travel out in the forward and back in the backward."""
     n = layout.num_slices
-    boundaries = sum(profile.slice_input_bytes(layout.ranges)[1:]) if profile is not None else 0
+    boundaries = profile.checkpointed_bytes(layout.ranges, config.num_microbatches) if profile is not None else 0
     trainable_bytes = sum(layout.gradient_bytes)
     state_bytes = sum(layout.state_bytes) if config.optimizer_state == "disk" else 0
     master_bytes = sum(layout.host_bytes) if config.masters == "disk" else 0
@@ -169,13 +168,15 @@ def estimate_step_time(layout: SliceLayout, profile: ModelProfile | None, config
     runs = layout.num_slices * config.num_microbatches * rates.slice_overhead_s
     if device_seconds is not None:
         forward_device, backward_device = device_seconds
+        # The recompute repeats the forward (all of it, to within the last slice's kept graph).
+        compute = backward_device
     else:
         assert profile is not None
         rate = rates.flops_for(str(config.compute_dtype or param_dtype).removeprefix("torch."))
         forward_device = profile.forward_flops / rate
-        backward_device = (profile.forward_flops + profile.backward_flops) / rate
-    # The recompute repeats the forward: what a resident model computes is as long as the backward.
-    compute = backward_device
+        recompute = profile.recomputed_flops(layout.ranges, config.num_microbatches)
+        backward_device = (recompute + profile.backward_flops) / rate
+        compute = (profile.forward_flops + profile.backward_flops) / rate
     forward_compute, backward_compute = forward_device + runs, backward_device + 2 * runs
     forward, backward, load, offload = _phases(moved, forward_compute, backward_compute, rates,
                                                torch.device(device).type == "cuda")
