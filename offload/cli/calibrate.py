@@ -178,3 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     if rates.disk_read is not None and rates.disk_write is not None:
         print(f"  disk: read {rates.disk_read / gb:.2f} GB/s, write {rates.disk_write / gb:.2f} GB/s")
     print(f"written to {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -340,3 +340,7 @@ def _gib(nbytes: float | None) -> str:
 
 def _seconds(s: float) -> str:
     return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
+
+
+if __name__ == "__main__":
+    main()

@@ -48,11 +48,10 @@ def estimate_memory(layers: nn.Module | Sequence[int], *, num_slices: int = 8,
     """Predict the memory an OffloadModel trained by OffloadOptimizer holds, by category.
 
     Args:
-        layers: an ``nn.Sequential`` (sliced as :class:`~offload.OffloadModel` slices it, each
-            tensor with its own dtype; parameters that do not require grad, a LoRA model's frozen
-            base, get no gradient or optimizer state; nothing is allocated or changed), the parameter count of
-            each layer, in ``param_dtype``, or the model's parameter count (an ``int``: counted as
-            ``num_slices`` slices of equal size).
+        layers: an ``nn.Sequential`` (sliced as :class:`~offload.OffloadModel` slices it, each tensor
+            in its own dtype; parameters that do not require grad, a LoRA model's frozen base, get no
+            gradient or optimizer state; nothing is allocated or changed), the parameter count of each
+            layer, in ``param_dtype``, or the model's (an ``int``: ``num_slices`` equal slices).
         num_slices: as :class:`~offload.OffloadModel` takes it.
         param_dtype: dtype of the counted parameters (ignored for a module).
         compute_dtype: as :class:`~offload.OffloadModel` takes it: adds a shadow in that dtype
@@ -75,8 +74,8 @@ def estimate_memory(layers: nn.Module | Sequence[int], *, num_slices: int = 8,
     Returns:
         A :class:`~offload.MemoryFootprint` of the predicted bytes (``device_gradients`` counts a
         slice's gradients while they are produced too, which the measured footprint, counting only
-        persistent buffers, leaves out). Its ``host_total`` is the
-        host RAM, ``pinned_bytes`` the pinned part of it, ``device_total`` and ``disk`` the rest.
+        persistent buffers, leaves out). ``host_total`` is the host RAM, ``pinned_bytes`` the
+        pinned part of it, ``device_total`` and ``disk`` the rest.
 
     Raises:
         TypeError: ``layers`` is none of the three.
@@ -87,20 +86,23 @@ def estimate_memory(layers: nn.Module | Sequence[int], *, num_slices: int = 8,
         >>> plan = offload.estimate_memory([7_000_000] * 32, num_slices=8, compute_dtype=torch.bfloat16)
         >>> plan.host_total / 2**30, plan.per_parameter()["host_masters"]
     """
-    _check_places(optimizer, optimizer_state, masters)
-    if masters == "disk" and compute_dtype is None:
-        raise ValueError("masters='disk' needs a compute_dtype, as OffloadModel(..., masters=...) does: loads "
-                         "read the shadow in that dtype, kept in RAM")
+    _check_places(optimizer, optimizer_state, masters, compute_dtype)
     layout = slice_layout(layers, num_slices=num_slices, param_dtype=param_dtype, compute_dtype=compute_dtype,
                           optimizer=optimizer)
-    pinned = torch.device(device).type == "cuda"
-    host_activations, device_activations = _activations(layout, profile, num_microbatches, activation_bytes)
+    activations = _activations(layout, profile, num_microbatches, activation_bytes)
+    return _footprint(layout, _placed(layout, optimizer_state, masters), activations, compute_dtype=compute_dtype,
+                      num_microbatches=num_microbatches, pinned=torch.device(device).type == "cuda")
+
+
+def _footprint(layout: SliceLayout, placed: tuple[int, int, int, int], activations: tuple[int, int], *,
+               compute_dtype: torch.dtype | None, num_microbatches: int, pinned: bool) -> MemoryFootprint:
+    host_activations, device_activations = activations
+    masters_bytes, state, disk, disk_window = placed
     # Gradients landing and being added (Note: [Gradients added in place]): two buffers of the
     # largest slice's size, one when a single slice has gradients (a frozen base around it);
     # pinned ones are rounded up to their size class, as the pool allocates them.
     grads = layout.gradient_bytes
     window = min(2, sum(1 for g in grads if g)) * (size_class(max(grads)) if pinned else max(grads))
-    masters_bytes, state, disk, disk_window = _placed(layout, optimizer_state, masters)
     shadows = sum(layout.device_bytes) if compute_dtype else 0
     gradients = sum(grads)
     pool = window + host_activations
@@ -189,13 +191,16 @@ def slice_layout(layers: nn.Module | Sequence[int] | int, *, num_slices: int = 8
     )
 
 
-def _check_places(optimizer: str | None, optimizer_state: str, masters: str) -> None:
+def _check_places(optimizer: str | None, optimizer_state: str, masters: str, compute_dtype: torch.dtype | None) -> None:
     if optimizer not in STATE_ELEMENTS:
         known = sorted(k for k in STATE_ELEMENTS if k)
         raise ValueError(f"optimizer must be one of {known} or None, got {optimizer!r}")
     for name, place in (("optimizer_state", optimizer_state), ("masters", masters)):
         if place not in _PLACES:
             raise ValueError(f"{name} must be 'ram' or 'disk', got {place!r}")
+    if masters == "disk" and compute_dtype is None:
+        raise ValueError("masters='disk' needs a compute_dtype, as OffloadModel(..., masters=...) does: loads "
+                         "read the shadow in that dtype, kept in RAM")
 
 
 def _placed(layout: SliceLayout, optimizer_state: str, masters: str) -> tuple[int, int, int, int]:
