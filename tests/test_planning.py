@@ -112,19 +112,16 @@ def test_the_estimate_with_activations_matches_the_footprint_mid_step(name, sett
     assert plan.device_activations > 0 and plan.device_total > plan.device_slots
 
 
+_MLP = {"preset": "mlp", "settings": {"in_features": 512, "width": 1024, "depth": 8, "classes": 1000},
+        "warm": {"width": 16, "depth": 2}, "slices": 4, "batch": 64}
 RSS_SPECS = {
-    "mlp": {"preset": "mlp", "settings": {"in_features": 512, "width": 1536, "depth": 8, "classes": 1000},
-            "warm": {"width": 16, "depth": 2}, "slices": 4, "batch": 64},
-    "transformer-bf16-mb2": {"preset": "transformer", "settings": {"n_layers": 4, "d_model": 512, "n_heads": 8,
-                                                                   "seq_len": 256, "vocab": 8192},
-                             "warm": {"d_model": 64, "n_layers": 1, "vocab": 64}, "slices": 3, "batch": 8,
+    "mlp": _MLP,
+    "transformer-bf16-mb2": {"preset": "transformer", "settings": {"n_layers": 3, "d_model": 384, "n_heads": 6,
+                                                                   "seq_len": 128, "vocab": 4096},
+                             "warm": {"d_model": 48, "n_layers": 1, "vocab": 64}, "slices": 3, "batch": 8,
                              "compute_dtype": "bfloat16", "microbatches": 2},
-    "mlp-disk-tier-masters-on-disk": {"preset": "mlp", "settings": {"in_features": 512, "width": 1536, "depth": 8,
-                                                                    "classes": 1000},
-                                      "warm": {"width": 16, "depth": 2}, "slices": 4, "batch": 64, "state": "disk",
-                                      "masters": "disk", "compute_dtype": "bfloat16"},
-    "mlp-lora": {"preset": "mlp", "settings": {"in_features": 512, "width": 1536, "depth": 8, "classes": 1000},
-                 "warm": {"width": 16, "depth": 2}, "slices": 4, "batch": 64, "lora": True},
+    "mlp-disk-tier-masters-on-disk": _MLP | {"state": "disk", "masters": "disk", "compute_dtype": "bfloat16"},
+    "mlp-lora": _MLP | {"lora": True},
 }
 
 

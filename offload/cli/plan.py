@@ -96,13 +96,15 @@ class Workload:
 def workload(args: argparse.Namespace) -> Workload:
     if args.hf_config:
         return hf_workload(args)
-    if args.preset:
-        overrides = dict(_setting(item) for item in args.set)
-        preset = build_preset(args.preset, **overrides)
-        build = f"build_preset({args.preset!r}{''.join(f', {k}={v!r}' for k, v in overrides.items())}).model"
-    else:
-        preset = preset_from_factory(args.model, args.input_shape, args.vocab, batch_size=args.batch_size)
-        build = f"{args.model.replace(':', '.')}()"
+    # Built on the meta device: the planner needs shapes and dtypes, not weights.
+    with torch.device("meta"):
+        if args.preset:
+            overrides = dict(_setting(item) for item in args.set)
+            preset = build_preset(args.preset, **overrides)
+            build = f"build_preset({args.preset!r}{''.join(f', {k}={v!r}' for k, v in overrides.items())}).model"
+        else:
+            preset = preset_from_factory(args.model, args.input_shape, args.vocab, batch_size=args.batch_size)
+            build = f"{args.model.replace(':', '.')}()"
     rows = args.batch_size
 
     def make_input() -> Any:
