@@ -55,6 +55,8 @@ class Candidate:
     config: StepConfig
     memory: MemoryFootprint
     time: StepTime
+    #: Host bytes it needs (on a CPU "device", the device's bytes too: they are host memory).
+    host_need: int = 0
     over: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -155,33 +157,29 @@ def _candidate(layers: nn.Module | Sequence[int], layout: SliceLayout, profile: 
         over["host"] = host_need
     if memory.disk and limits.disk is not None and memory.disk > limits.disk:
         over["disk"] = memory.disk
-    return Candidate(config=config, memory=memory, time=time, over=over)
+    return Candidate(config=config, memory=memory, time=time, host_need=host_need, over=over)
 
 
 def missing(candidates: Sequence[Candidate], limits: Limits) -> str:
-    """What the machine lacks, in words: the least each kind of memory needs among the
-    configurations that fit the rest, in RAM and with the disk tier."""
-    parts = []
+    """What the machine lacks, in words: the least host memory (and disk) a configuration that
+    fits the device needs, in RAM and with the disk tier; or the least device memory."""
     device_ok = [c for c in candidates if "device" not in c.over]
     if not device_ok:
         least = min(candidates, key=lambda c: c.memory.device_total)
         return (f"needs {_gib(least.memory.device_total / DEVICE_MARGIN)} of device memory at the least "
                 f"({least.config.num_slices} slices, {least.config.num_microbatches} microbatches); "
                 f"has {_gib(limits.device_memory or 0)}")
-    for places, words in (({("ram", "ram")}, ""), ({("disk", "ram"), ("disk", "disk")}, "with the disk tier")):
-        group = [c for c in device_ok if (c.config.optimizer_state, c.config.masters) in places]
+    parts = []
+    for tiered in (False, True):
+        group = [c for c in device_ok if (c.config.optimizer_state == "disk") == tiered]
         if not group:
             continue
-        least = min(group, key=lambda c: c.over.get("host", c.memory.host_total))
-        host = least.over.get("host", least.memory.host_total)
-        text = f"{_gib(host / HOST_MARGIN)} of host memory"
-        if least.memory.disk:
-            text += f" and {_gib(least.memory.disk)} of disk"
-            if limits.disk_dir:
-                text = text.replace("with the disk tier", f"with the disk tier on {limits.disk_dir}")
-        parts.append(f"{words + ' it needs ' if words else 'needs '}{text}")
-    if limits.disk_dir:
-        parts = [p.replace("with the disk tier it", f"with the disk tier on {limits.disk_dir} it") for p in parts]
+        least = min(group, key=lambda c: c.host_need)
+        text = f"{_gib(least.host_need / HOST_MARGIN)} of host memory"
+        if tiered:
+            where = f" on {limits.disk_dir}" if limits.disk_dir else ""
+            text = f"with the disk tier{where} it needs {text} and {_gib(least.memory.disk)} of disk"
+        parts.append(text if tiered else f"needs {text}")
     have = f" (has {_gib(limits.host_memory)})" if limits.host_memory is not None else ""
     return "; ".join(parts) + have
 
