@@ -350,3 +350,21 @@ def test_choose_takes_the_fastest_that_fits():
     assert plan.chosen is not None and plan.chosen.time.step <= 1.01 * min(c.time.step for c in fitting)
     with pytest.raises(ValueError, match="cannot fix"):
         choose(preset.model, lambda dtype: None, rates, Limits(None, None), fixed={"slices": 2})
+
+
+def test_with_the_disk_tier_it_raises_the_slices_the_tier_needs(tmp_path):
+    """The tier's window holds three slices' state (and masters): at 3 slices it saves almost
+    nothing, so where RAM is short the choice puts the state on disk and cuts more slices."""
+    with torch.device("meta"):
+        preset = build_preset("mlp", width=1024, depth=8)
+    layout = slice_layout(preset.model, num_slices=3, compute_dtype=torch.bfloat16)
+    in_ram = estimate_memory(preset.model, num_slices=3, compute_dtype=torch.bfloat16, device="cpu")
+    limits = Limits(device_memory=2**30, host_memory=int(0.75 * in_ram.host_total), disk=2**40,
+                    disk_dir=str(tmp_path))
+    plan = choose(preset.model, lambda dtype: profile_layers(preset.model, lambda: preset.make_batch(8, "cpu")[0],
+                                                             compute_dtype=dtype),
+                  GPU_DEFAULTS["a100"], limits, batch_size=8, fixed={"compute_dtype": torch.bfloat16})
+    assert plan.chosen is not None and plan.chosen.config.optimizer_state == "disk"
+    assert plan.chosen.config.num_slices > 3 and layout.num_slices == 3
+    at_three = [c for c in plan.candidates if c.config.num_slices == 3 and c.config.optimizer_state == "disk"]
+    assert at_three and not any(c.fits for c in at_three)
