@@ -6,6 +6,7 @@ engine's counters, its step time against a step whose device work is a known sle
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import io
 import json
 import os
@@ -19,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from offload import OffloadModel, OffloadOptimizer, estimate_memory
 from offload.model import engine_of
@@ -368,3 +370,55 @@ def test_with_the_disk_tier_it_raises_the_slices_the_tier_needs(tmp_path):
     assert plan.chosen.config.num_slices > 3 and layout.num_slices == 3
     at_three = [c for c in plan.candidates if c.config.num_slices == 3 and c.config.optimizer_state == "disk"]
     assert at_three and not any(c.fits for c in at_three)
+
+
+class _MallInfo(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+class _PeakAllocated(TorchDispatchMode):
+    """The peak of the bytes malloc has handed out, read after every operation (glibc's
+    ``mallinfo2``: in use in the heap plus mapped chunks). On a CPU "device" this is the device's
+    working set: the host buffers of the steady state are allocated already."""
+
+    def __init__(self, mallinfo: Any) -> None:
+        super().__init__()
+        self.mallinfo = mallinfo
+        self.peak = self.allocated()
+
+    def allocated(self) -> int:
+        info = self.mallinfo()
+        return info.uordblks + info.hblkhd
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.peak = max(self.peak, self.allocated())
+        return out
+
+
+@pytest.mark.parametrize("slices, microbatches", [(2, 1), (3, 2), (6, 1), (6, 4)])
+def test_the_device_activations_are_the_working_set_of_a_step(slices, microbatches):
+    """The device's peak over a step beyond what it holds between steps, measured on a CPU
+    "device" by malloc's own count, against the estimate's activations and one slice's gradients
+    as autograd produces them (the buffers that sum microbatches are there between steps too)."""
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, "mallinfo2"):
+        pytest.skip("needs glibc's mallinfo2 (glibc 2.33 or later) to read the bytes malloc handed out")
+    libc.mallinfo2.restype = _MallInfo
+    preset = build_preset("transformer", n_layers=6, d_model=128, n_heads=4, seq_len=256, vocab=64)
+    rows = 8
+    profile = profile_layers(preset.model, lambda: preset.make_batch(rows, "cpu")[0])
+    plan = estimate_memory(preset.model, num_slices=slices, num_microbatches=microbatches, device="cpu",
+                           profile=profile)
+    model = OffloadModel(preset.model, device="cpu", num_slices=slices, num_microbatches=microbatches)
+    optimizer = OffloadOptimizer(model, torch.optim.SGD, lr=1e-4, fused=True)
+    x, y = preset.make_batch(rows, "cpu")
+    for _ in range(3):
+        _step(model, optimizer, preset, rows)
+        optimizer.synchronize()
+    with _PeakAllocated(libc.mallinfo2) as mode:
+        start = mode.peak
+        preset.loss(model(x), y).backward()
+    slice_gradients = plan.device_gradients // (3 if microbatches > 1 else 1)
+    assert plan.device_activations + slice_gradients == pytest.approx(mode.peak - start, rel=0.10)

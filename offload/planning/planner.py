@@ -227,8 +227,9 @@ def _activations(layout: SliceLayout, profile: ModelProfile | None, num_microbat
     Host: the input of every slice, whole batch, but the last slice's last microbatch (its graph is
     kept), as ``offload/autograd/records.py`` checkpoints them. Device: the largest over slices of its
     whole-batch input and output (the forward keeps every microbatch's output until the next
-    slice runs) and one microbatch's recompute (what the slice's graph saves, and its output's
-    gradient). A model whose output is large (logits) needs its loss's memory on top.
+    slice runs) and one microbatch's recompute and backward (what the slice's graph saves, its
+    output's gradient, and a gradient the size of its largest saved tensor being produced). A
+    model whose output is large (logits) needs its loss's memory on top.
     """
     if profile is None:
         return activation_bytes, 0
@@ -236,7 +237,8 @@ def _activations(layout: SliceLayout, profile: ModelProfile | None, num_microbat
     outputs = profile.slice_output_bytes(layout.ranges)
     saved = profile.slice_saved_bytes(layout.ranges)
     host = activation_bytes + profile.checkpointed_bytes(layout.ranges, num_microbatches)
-    per_slice = [i + o + -(-(s + o) // num_microbatches) for i, o, s in zip(inputs, outputs, saved)]
+    largest = profile.slice_largest_saved(layout.ranges)
+    per_slice = [i + o + -(-(s + o + g) // num_microbatches) for i, o, s, g in zip(inputs, outputs, saved, largest)]
     return host, max(per_slice)
 
 

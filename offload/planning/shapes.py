@@ -91,6 +91,10 @@ class ModelProfile:
         last = sum(self.layers[k].forward_flops for k in ranges[-1])
         return self.forward_flops - last // num_microbatches
 
+    def slice_largest_saved(self, ranges: Sequence[range]) -> list[int]:
+        """Each slice's largest saved tensor: about what its backward produces at once beside them."""
+        return [max((max(self.layers[k].saved.values(), default=0) for k in r), default=0) for r in ranges]
+
     def slice_output_bytes(self, ranges: Sequence[range]) -> list[int]:
         return [self.layers[r.stop - 1].output_bytes for r in ranges]
 
