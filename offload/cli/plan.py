@@ -166,7 +166,8 @@ def hf_workload(args: argparse.Namespace) -> Workload:
         ids = torch.zeros(rows, tokens, dtype=torch.long)
         return {"input_ids": ids, "labels": ids} if chunk else ids
 
-    build = (f"causal_lm_sequential(AutoModelForCausalLM.from_config(config){', loss_chunk_tokens=' + str(chunk) if chunk else ''})")
+    hf_model = "get_peft_model(hf_model, LoraConfig(...))" if args.lora_r else "hf_model"
+    build = f"causal_lm_sequential({hf_model}{', loss_chunk_tokens=' + str(chunk) if chunk else ''})"
     flags = ["--batch-size", str(rows), "--seq-len", str(tokens), "--loss-chunk-tokens", str(args.loss_chunk_tokens)]
     if args.lora_r:
         flags += ["--lora-r", str(args.lora_r)]
@@ -304,7 +305,7 @@ def report(plan: Plan, work: Workload, rates: MachineRates, limits: Limits, args
     lines += ["", code(plan.chosen, work, args)]
     flags = finetune_flags(plan.chosen, work, args)
     if flags:
-        lines += ["", flags]
+        lines += ["", flags + "  # and --model DIR (the weights), --out DIR, --data PATH"]
     return "\n".join(lines)
 
 
