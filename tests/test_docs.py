@@ -40,8 +40,11 @@ FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 # python scripts/x.py, torchrun [its options] scripts/x.py, python -m offload.x; then the arguments.
 # The installed commands ([project.scripts]) count as ``python -m`` their module.
 SCRIPT_CALL = re.compile(r"(?:(?:python3?|torchrun(?:\s+--\S+)*)\s+(scripts/[\w/]+\.py)"
-                         r"|python3?\s+-m\s+(offload(?:\.\w+)+)|(?<![\w/-])(offload-finetune))((?:\s+[^\s|;&#]+)*)")
-CONSOLE_SCRIPTS = {"offload-finetune": "offload.cli.finetune"}
+                         r"|python3?\s+-m\s+(offload(?:\.\w+)+)"
+                         r"|(?<![\w/-])(offload-finetune|(?:python3?\s+-m\s+)?offload\s+(?:plan|calibrate)(?![\w-])))"
+                         r"((?:\s+[^\s|;&#]+)*)")
+CONSOLE_SCRIPTS = {"offload-finetune": "offload.cli.finetune", "offload plan": "offload.cli.plan",
+                   "offload calibrate": "offload.cli.calibrate"}
 
 
 def documents() -> list[Path]:
@@ -146,7 +149,8 @@ def unknown_flags(path: Path, text: str) -> list[Problem]:
     problems = []
     for line in commands(text):
         for m in SCRIPT_CALL.finditer(line):
-            target = m.group(1) or m.group(2) or CONSOLE_SCRIPTS[m.group(3)]
+            target = m.group(1) or m.group(2) or CONSOLE_SCRIPTS[" ".join(m.group(3).split()[-2:])
+                                                                 if " " in m.group(3) else m.group(3)]
             if target.endswith(".py") and not (ROOT / target).exists():
                 continue  # reported by missing_paths
             help_ = help_text(target)
@@ -210,6 +214,8 @@ def test_the_checks_catch_what_they_are_for():
     assert unknown_flags(readme, "```bash\ntorchrun --nproc_per_node=2 scripts/demo.py --no-such-flag\n```\n") != []
     assert unknown_flags(readme, "```bash\noffload-finetune --no-such-flag\n```\n") != []
     assert unknown_flags(readme, "```bash\noffload-finetune --out x --data y.jsonl --grad-accum 2\n```\n") == []
+    assert unknown_flags(readme, "```bash\npython -m offload plan --preset tiny --no-such-flag\n```\n") != []
+    assert unknown_flags(readme, "```bash\noffload calibrate --dir /nvme\n```\n") == []
     assert snippets_that_do_not_compile(readme, "```python\nmodel(\n```\n") != []
 
 

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 _HOST = ("host_masters", "host_shadows", "host_gradients", "host_optimizer_state", "host_disk_window",
          "host_activations", "host_pool_idle")
-_DEVICE = ("device_slots", "device_gradients")
+_DEVICE = ("device_slots", "device_gradients", "device_activations")
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,9 @@ class MemoryFootprint:
             or the next power of two for small buffers: ``offload/streams/pinned.py``).
         disk: bytes in the files of the optimizers' disk tiers and of masters on disk (0 without
             either).
+        device_activations: the peak of one step's activations on the device; only
+            :func:`~offload.estimate_memory` given the model's shapes predicts it (a measured
+            footprint counts what the model holds between steps, and holds none: 0).
     """
 
     parameters: int
@@ -75,6 +78,7 @@ class MemoryFootprint:
     pinned: bool
     pinned_bytes: int
     disk: int = 0
+    device_activations: int = 0
 
     @property
     def host_copies(self) -> int:

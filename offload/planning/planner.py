@@ -5,8 +5,10 @@ It predicts what :meth:`OffloadModel.memory_footprint() <offload.OffloadModel.me
 reports in the steady state of training with :class:`~offload.OffloadOptimizer` (after the first
 step, ``.grad`` kept or not), in the same categories, so the two can be compared line by line
 (``tests/test_memory.py`` checks them against each other and against the process's resident set).
-What it cannot know is left out, as the footprint leaves it out: activations unless given
-(``activation_bytes``), the caching allocators' reserve, PyTorch's own memory.
+What it cannot know is left out, as the footprint leaves it out: activations unless given (a
+``profile`` of the model's shapes, or ``activation_bytes``), the caching allocators' reserve,
+PyTorch's own memory. :func:`slice_layout`, the model cut into slices in bytes, is what the step
+time's estimate (``timing.py``) counts too.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from torch import nn
 
 from .footprint import MemoryFootprint
+from .shapes import ModelProfile
 from ..walk.slicing import partition
 from ..streams.pinned import size_class
 from ..streams.host_storage import ALIGN_ELEMENTS, ALIGNMENT, BUFFER_REGION_ALIGNMENT
@@ -41,15 +44,14 @@ def estimate_memory(layers: nn.Module | Sequence[int], *, num_slices: int = 8,
                     param_dtype: torch.dtype = torch.float32, compute_dtype: torch.dtype | None = None,
                     optimizer: str | None = "adamw", optimizer_state: str = "ram", masters: str = "ram",
                     num_microbatches: int = 1, device: str | torch.device = "cuda",
-                    activation_bytes: int = 0) -> MemoryFootprint:
+                    activation_bytes: int = 0, profile: ModelProfile | None = None) -> MemoryFootprint:
     """Predict the memory an OffloadModel trained by OffloadOptimizer holds, by category.
 
     Args:
-        layers: an ``nn.Sequential`` (sliced as :class:`~offload.OffloadModel` slices it, each
-            tensor with its own dtype; parameters that do not require grad, a LoRA model's frozen
-            base, get no gradient or optimizer state; nothing is allocated or changed), the parameter count of
-            each layer, in ``param_dtype``, or the model's parameter count (an ``int``: counted as
-            ``num_slices`` slices of equal size).
+        layers: an ``nn.Sequential`` (sliced as :class:`~offload.OffloadModel` slices it, each tensor
+            in its own dtype; parameters that do not require grad, a LoRA model's frozen base, get no
+            gradient or optimizer state; nothing is allocated or changed), the parameter count of each
+            layer, in ``param_dtype``, or the model's (an ``int``: ``num_slices`` equal slices).
         num_slices: as :class:`~offload.OffloadModel` takes it.
         param_dtype: dtype of the counted parameters (ignored for a module).
         compute_dtype: as :class:`~offload.OffloadModel` takes it: adds a shadow in that dtype
@@ -64,13 +66,16 @@ def estimate_memory(layers: nn.Module | Sequence[int], *, num_slices: int = 8,
         num_microbatches: more than one adds the two device buffers that sum gradients.
         device: the compute device; host memory is pinned only for ``"cuda"``. On ``"cpu"`` the
             device categories are host memory too.
-        activation_bytes: boundary activations and other pooled buffers of one step, if known.
+        activation_bytes: pooled buffers of one step besides those ``profile`` counts.
+        profile: the model's :class:`~offload.planning.shapes.ModelProfile` for the batch
+            (:func:`~offload.planning.shapes.profile_layers`): counts the boundary activations
+            on the host and the activations' peak on the device (``device_activations``).
 
     Returns:
         A :class:`~offload.MemoryFootprint` of the predicted bytes (``device_gradients`` counts a
         slice's gradients while they are produced too, which the measured footprint, counting only
-        persistent buffers, leaves out). Its ``host_total`` is the
-        host RAM, ``pinned_bytes`` the pinned part of it, ``device_total`` and ``disk`` the rest.
+        persistent buffers, leaves out). ``host_total`` is the host RAM, ``pinned_bytes`` the
+        pinned part of it, ``device_total`` and ``disk`` the rest.
 
     Raises:
         TypeError: ``layers`` is none of the three.
@@ -81,12 +86,82 @@ def estimate_memory(layers: nn.Module | Sequence[int], *, num_slices: int = 8,
         >>> plan = offload.estimate_memory([7_000_000] * 32, num_slices=8, compute_dtype=torch.bfloat16)
         >>> plan.host_total / 2**30, plan.per_parameter()["host_masters"]
     """
+    _check_places(optimizer, optimizer_state, masters, compute_dtype)
+    layout = slice_layout(layers, num_slices=num_slices, param_dtype=param_dtype, compute_dtype=compute_dtype,
+                          optimizer=optimizer)
+    activations = _activations(layout, profile, num_microbatches, activation_bytes)
+    return _footprint(layout, _placed(layout, optimizer_state, masters), activations, compute_dtype=compute_dtype,
+                      num_microbatches=num_microbatches, pinned=torch.device(device).type == "cuda")
+
+
+def _footprint(layout: SliceLayout, placed: tuple[int, int, int, int], activations: tuple[int, int], *,
+               compute_dtype: torch.dtype | None, num_microbatches: int, pinned: bool) -> MemoryFootprint:
+    host_activations, device_activations = activations
+    masters_bytes, state, disk, disk_window = placed
+    # Gradients landing and being added (Note: [Gradients added in place]): two buffers of the
+    # largest slice's size, one when a single slice has gradients (a frozen base around it);
+    # pinned ones are rounded up to their size class, as the pool allocates them.
+    grads = layout.gradient_bytes
+    window = min(2, sum(1 for g in grads if g)) * (size_class(max(grads)) if pinned else max(grads))
+    shadows = sum(layout.device_bytes) if compute_dtype else 0
+    gradients = sum(grads)
+    pool = window + host_activations
+    return MemoryFootprint(
+        parameters=layout.parameters,
+        host_masters=masters_bytes,
+        host_shadows=shadows,
+        host_gradients=gradients,
+        host_optimizer_state=state,
+        host_disk_window=disk_window,
+        host_activations=host_activations,
+        host_pool_idle=window,
+        host_pool=gradients + pool,
+        device_slots=min(2, layout.num_slices) * max(layout.device_bytes),
+        # A slice's gradients as autograd produces them, before they leave (held, or summed in two
+        # buffers over microbatches): memory.md, "Device".
+        device_gradients=(3 if num_microbatches > 1 else 1) * max(grads),
+        device_activations=device_activations,
+        pinned=pinned,
+        pinned_bytes=masters_bytes + shadows + gradients + pool if pinned else 0,
+        disk=disk,
+    )
+
+
+@dataclass(frozen=True)
+class SliceLayout:
+    """A model cut into slices as :class:`~offload.OffloadModel` cuts it, in bytes per slice.
+
+    Attributes:
+        ranges: each slice's layers.
+        host_bytes: each slice's host copy (masters and buffers, laid out as ``SliceStorage`` does).
+        device_bytes: its device copy (floating-point parameters in ``compute_dtype``): a slot,
+            a load, a shadow.
+        gradient_bytes: its trainable parameters' gradients, in their own dtype, aligned as the
+            pool lays them out: what a backward offloads and the host adds.
+        state_bytes: its optimizer state.
+        parameters: elements of all parameters; trainable: of those that require grad.
+    """
+
+    ranges: list[range]
+    host_bytes: list[int]
+    device_bytes: list[int]
+    gradient_bytes: list[int]
+    state_bytes: list[int]
+    parameters: int
+    trainable: int
+
+    @property
+    def num_slices(self) -> int:
+        return len(self.ranges)
+
+
+def slice_layout(layers: nn.Module | Sequence[int] | int, *, num_slices: int = 8,
+                 param_dtype: torch.dtype = torch.float32, compute_dtype: torch.dtype | None = None,
+                 optimizer: str | None = "adamw") -> SliceLayout:
+    """Cut ``layers`` (as :func:`estimate_memory` takes them) into slices and count each slice's bytes."""
     if optimizer not in STATE_ELEMENTS:
         known = sorted(k for k in STATE_ELEMENTS if k)
         raise ValueError(f"optimizer must be one of {known} or None, got {optimizer!r}")
-    for name, place in (("optimizer_state", optimizer_state), ("masters", masters)):
-        if place not in _PLACES:
-            raise ValueError(f"{name} must be 'ram' or 'disk', got {place!r}")
     if isinstance(layers, int) and not isinstance(layers, bool):
         if layers < 1:
             raise ValueError(f"estimate_memory needs a positive parameter count, got {layers}")
@@ -96,66 +171,75 @@ def estimate_memory(layers: nn.Module | Sequence[int], *, num_slices: int = 8,
     if not any(t.is_parameter for layer in per_layer for t in layer):
         raise ValueError("estimate_memory needs layers with parameters")
     sizes = [sum(t.numel * t.dtype.itemsize for t in layer) for layer in per_layer]  # as OffloadModel slices
-    slices = [[t for k in r for t in per_layer[k]] for r in partition(sizes, num_slices)]
+    ranges = partition(sizes, num_slices)
+    slices = [[t for k in r for t in per_layer[k]] for r in ranges]
 
     def device_dtype(t: _Tensor) -> torch.dtype:
         floating = t.is_parameter and t.dtype.is_floating_point
         return compute_dtype if compute_dtype is not None and floating else t.dtype
 
-    host = [_laid_out(s, lambda t: t.dtype) for s in slices]
-    on_device = [_laid_out(s, device_dtype) for s in slices]
-    # The shadow holds what a load copies: the slice in its device layout, buffers included.
-    shadow = on_device if compute_dtype else [0]
-    grads = [sum(_align(t.numel * t.dtype.itemsize, ALIGNMENT) for t in s if t.is_parameter and t.trainable)
-             for s in slices]
-    params = [t for s in slices for t in s if t.is_parameter]
-    count = sum(t.numel for t in params)
-    state = sum(STATE_ELEMENTS[optimizer] * t.numel * t.dtype.itemsize for t in params if t.trainable)
-    masters_bytes = sum(host)
-    shadows = sum(shadow) if compute_dtype else 0
-    disk = 0
-    disk_window = 0
+    trained = [[t for t in s if t.is_parameter and t.trainable] for s in slices]
+    return SliceLayout(
+        ranges=ranges,
+        host_bytes=[_laid_out(s, lambda t: t.dtype) for s in slices],
+        # The shadow holds what a load copies: the slice in its device layout, buffers included.
+        device_bytes=[_laid_out(s, device_dtype) for s in slices],
+        gradient_bytes=[sum(_align(t.numel * t.dtype.itemsize, ALIGNMENT) for t in s) for s in trained],
+        state_bytes=[sum(STATE_ELEMENTS[optimizer] * t.numel * t.dtype.itemsize for t in s) for s in trained],
+        parameters=sum(t.numel for s in slices for t in s if t.is_parameter),
+        trainable=sum(t.numel for s in trained for t in s),
+    )
+
+
+def _check_places(optimizer: str | None, optimizer_state: str, masters: str, compute_dtype: torch.dtype | None) -> None:
+    if optimizer not in STATE_ELEMENTS:
+        known = sorted(k for k in STATE_ELEMENTS if k)
+        raise ValueError(f"optimizer must be one of {known} or None, got {optimizer!r}")
+    for name, place in (("optimizer_state", optimizer_state), ("masters", masters)):
+        if place not in _PLACES:
+            raise ValueError(f"{name} must be 'ram' or 'disk', got {place!r}")
+    if masters == "disk" and compute_dtype is None:
+        raise ValueError("masters='disk' needs a compute_dtype, as OffloadModel(..., masters=...) does: loads "
+                         "read the shadow in that dtype, kept in RAM")
+
+
+def _placed(layout: SliceLayout, optimizer_state: str, masters: str) -> tuple[int, int, int, int]:
+    """Masters and state in RAM, bytes on disk, and the disk tiers' window in RAM."""
+    masters_bytes, state = sum(layout.host_bytes), sum(layout.state_bytes)
+    disk = disk_window = 0
+    window_slices = min(3, layout.num_slices)
     if optimizer_state == "disk":
-        disk += state
         # The tier's window: three slices' state being read, updated and written (offload/tiers/disk_tier.py).
-        per_slice = [sum(STATE_ELEMENTS[optimizer] * t.numel * t.dtype.itemsize for t in s
-                         if t.is_parameter and t.trainable) for s in slices]
-        disk_window = min(3, len(slices)) * max(per_slice)
-        state = 0
+        disk, disk_window, state = state, window_slices * max(layout.state_bytes), 0
     if masters == "disk":
-        if compute_dtype is None:
-            raise ValueError("masters='disk' needs a compute_dtype, as OffloadModel(..., masters=...) does: loads "
-                             "read the shadow in that dtype, kept in RAM")
         # One file per slice, in whole pages (offload/streams/mapped.py); three slices' masters
         # are in RAM while the optimizer steps (Note: [Masters on disk]).
-        disk += sum(_align(h, 4096) for h in host)
-        disk_window += min(3, len(slices)) * max(host)
+        disk += sum(_align(h, 4096) for h in layout.host_bytes)
+        disk_window += window_slices * max(layout.host_bytes)
         masters_bytes = 0
-    gradients = sum(grads)
-    pinned = torch.device(device).type == "cuda"
-    # Gradients landing and being added (Note: [Gradients added in place]): two buffers of the
-    # largest slice's size, one when a single slice has gradients (a frozen base around it);
-    # pinned ones are rounded up to their size class, as the pool allocates them.
-    window = min(2, sum(1 for g in grads if g)) * (size_class(max(grads)) if pinned else max(grads))
-    pool = window + activation_bytes
-    return MemoryFootprint(
-        parameters=count,
-        host_masters=masters_bytes,
-        host_shadows=shadows,
-        host_gradients=gradients,
-        host_optimizer_state=state,
-        host_disk_window=disk_window,
-        host_activations=activation_bytes,
-        host_pool_idle=window,
-        host_pool=gradients + pool,
-        device_slots=min(2, len(slices)) * max(on_device),
-        # A slice's gradients as autograd produces them, before they leave (held, or summed in two
-        # buffers over microbatches): memory.md, "Device".
-        device_gradients=(3 if num_microbatches > 1 else 1) * max(grads),
-        pinned=pinned,
-        pinned_bytes=masters_bytes + shadows + gradients + pool if pinned else 0,
-        disk=disk,
-    )
+    return masters_bytes, state, disk, disk_window
+
+
+def _activations(layout: SliceLayout, profile: ModelProfile | None, num_microbatches: int,
+                 activation_bytes: int) -> tuple[int, int]:
+    """Host bytes of one step's boundary activations, and the device's activation peak.
+
+    Host: the input of every slice, whole batch, but the last slice's last microbatch (its graph is
+    kept), as ``offload/autograd/records.py`` checkpoints them. Device: the largest over slices of its
+    whole-batch input and output (the forward keeps every microbatch's output until the next
+    slice runs) and one microbatch's recompute and backward (what the slice's graph saves, its
+    output's gradient, and a gradient the size of its largest saved tensor being produced). A
+    model whose output is large (logits) needs its loss's memory on top.
+    """
+    if profile is None:
+        return activation_bytes, 0
+    inputs = profile.slice_input_bytes(layout.ranges)
+    outputs = profile.slice_output_bytes(layout.ranges)
+    saved = profile.slice_saved_bytes(layout.ranges)
+    host = activation_bytes + profile.checkpointed_bytes(layout.ranges, num_microbatches)
+    largest = profile.slice_largest_saved(layout.ranges)
+    per_slice = [i + o + -(-(s + o + g) // num_microbatches) for i, o, s, g in zip(inputs, outputs, saved, largest)]
+    return host, max(per_slice)
 
 
 def _layers(layers: nn.Module | Sequence[int], param_dtype: torch.dtype) -> list[list[_Tensor]]:

@@ -1,0 +1,188 @@
+"""The configuration to train with: the fastest predicted one that fits the machine.
+
+:func:`choose` tries every combination of ``num_slices``, microbatches, ``compute_dtype`` and
+where the state lives (RAM; the optimizer's disk tier; the tier and the masters on disk), predicts
+each one's memory (:func:`~offload.estimate_memory`) and step time
+(:func:`~offload.planning.timing.estimate_step_time`), keeps those that fit the device, the host
+and the disk, and returns the fastest. Among configurations within 1 % of the fastest it takes
+the simplest: fewer tiers on disk, then fewer microbatches, then the fastest. When none fits it says what
+is missing, with and without the disk tier.
+
+Memory fits a limit with a margin (:data:`DEVICE_MARGIN`, :data:`HOST_MARGIN`): the caching
+allocator's fragments, the CUDA context, the loss's own tensors and the process's other memory
+are not in the estimate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from .footprint import MemoryFootprint
+from .planner import SliceLayout, estimate_memory, slice_layout
+from .rates import MachineRates
+from .shapes import ModelProfile
+from .timing import StepConfig, StepTime, estimate_step_time
+
+#: Share of the device's memory a plan may fill.
+DEVICE_MARGIN = 0.9
+#: Share of the host RAM a plan may fill.
+HOST_MARGIN = 0.9
+SLICE_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+MICROBATCH_COUNTS = (1, 2, 4, 8, 16)
+#: (optimizer state, masters): where the state lives, simplest first.
+PLACES = (("ram", "ram"), ("disk", "ram"), ("disk", "disk"))
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The machine: bytes of device memory, host RAM and free disk (``None``: no limit)."""
+
+    device_memory: int | None
+    host_memory: int | None
+    disk: int | None = None
+    disk_dir: str | None = None
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration, its predicted memory and time, and what of the limits it exceeds."""
+
+    config: StepConfig
+    memory: MemoryFootprint
+    time: StepTime
+    #: Host bytes it needs (on a CPU "device", the device's bytes too: they are host memory).
+    host_need: int = 0
+    over: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def fits(self) -> bool:
+        return not self.over
+
+
+@dataclass(frozen=True)
+class Plan:
+    """:func:`choose`'s answer: the chosen candidate (``None`` when nothing fits), every candidate
+    tried, and what is missing when nothing fits."""
+
+    chosen: Candidate | None
+    candidates: list[Candidate]
+    missing: str = ""
+
+
+def choose(layers: nn.Module | Sequence[int], profile_for: Callable[[torch.dtype | None], ModelProfile | None],
+           rates: MachineRates, limits: Limits, *, device: str = "cuda", optimizer: str | None = "adamw",
+           param_dtype: torch.dtype = torch.float32, batch_size: int = 1, fixed: dict[str, Any] | None = None) -> Plan:
+    """The fastest predicted configuration that fits ``limits``.
+
+    Args:
+        layers: as :func:`~offload.estimate_memory` takes them.
+        profile_for: the model's shapes for the batch under a compute dtype
+            (:func:`~offload.planning.shapes.profile_layers`), called once per dtype tried.
+        rates: the machine's (:mod:`offload.planning.rates`).
+        limits: its memory and disk.
+        batch_size: rows per step (microbatch counts that do not divide it are skipped).
+        fixed: :class:`~offload.planning.timing.StepConfig` fields to keep as given
+            (``{"compute_dtype": None}``, ``{"num_slices": 8}``).
+
+    Raises:
+        ValueError: an unknown field in ``fixed``.
+    """
+    fixed = dict(fixed or {})
+    unknown = sorted(set(fixed) - set(StepConfig.__dataclass_fields__))
+    if unknown:
+        raise ValueError(f"cannot fix {unknown}; StepConfig has {sorted(StepConfig.__dataclass_fields__)}")
+    profiles: dict[Any, ModelProfile | None] = {}
+    layouts: dict[tuple[int, Any], SliceLayout] = {}
+    candidates = []
+    for config in _configs(layers, batch_size, limits, fixed):
+        if config.compute_dtype not in profiles:
+            profiles[config.compute_dtype] = profile_for(config.compute_dtype)
+        key = (config.num_slices, config.compute_dtype)
+        if key not in layouts:
+            layouts[key] = slice_layout(layers, num_slices=config.num_slices, param_dtype=param_dtype,
+                                        compute_dtype=config.compute_dtype, optimizer=optimizer)
+        candidates.append(_candidate(layers, layouts[key], profiles[config.compute_dtype], config, rates, limits,
+                                     device=device, optimizer=optimizer, param_dtype=param_dtype))
+    fitting = [c for c in candidates if c.fits]
+    if not fitting:
+        return Plan(chosen=None, candidates=candidates, missing=missing(candidates, limits))
+    best = min(c.time.step for c in fitting)
+    near = [c for c in fitting if c.time.step <= 1.01 * best]
+    chosen = min(near, key=lambda c: (PLACES.index((c.config.optimizer_state, c.config.masters)),
+                                      c.config.num_microbatches, c.time.step))
+    return Plan(chosen=chosen, candidates=candidates)
+
+
+def _configs(layers: nn.Module | Sequence[int], batch_size: int, limits: Limits, fixed: dict[str, Any]) -> list[StepConfig]:
+    count = len(list(layers.children())) if isinstance(layers, nn.Module) else len(layers)
+    slices = sorted({min(n, count) for n in SLICE_COUNTS})
+    microbatches = [m for m in MICROBATCH_COUNTS if batch_size % m == 0]
+    dtypes: list[torch.dtype | None] = [None, torch.bfloat16]
+    places = PLACES if limits.disk_dir is not None else PLACES[:1]
+    configs = []
+    for n in ([fixed["num_slices"]] if "num_slices" in fixed else slices):
+        for m in ([fixed["num_microbatches"]] if "num_microbatches" in fixed else microbatches):
+            for dtype in ([fixed["compute_dtype"]] if "compute_dtype" in fixed else dtypes):
+                for state, masters in places:
+                    if masters == "disk" and dtype is None:
+                        continue  # masters on disk need a compute dtype: loads read the shadow
+                    config = StepConfig(num_slices=n, num_microbatches=m, compute_dtype=dtype,
+                                        optimizer_state=state, masters=masters)
+                    configs.append(replace(config, **{k: v for k, v in fixed.items()
+                                                      if k in ("optimizer_state", "masters", "schedule")}))
+    return list(dict.fromkeys(configs))
+
+
+def _candidate(layers: nn.Module | Sequence[int], layout: SliceLayout, profile: ModelProfile | None,
+               config: StepConfig, rates: MachineRates, limits: Limits, **common: Any) -> Candidate:
+    device, optimizer, param_dtype = common["device"], common["optimizer"], common["param_dtype"]
+    memory = estimate_memory(layers, num_slices=config.num_slices, param_dtype=param_dtype,
+                             compute_dtype=config.compute_dtype, optimizer=optimizer,
+                             optimizer_state=config.optimizer_state, masters=config.masters,
+                             num_microbatches=config.num_microbatches, device=device, profile=profile)
+    time = estimate_step_time(layout, profile, config, rates, device=device, optimizer=optimizer,
+                              param_dtype=param_dtype)
+    over = {}
+    on_device = torch.device(device).type != "cpu"
+    # On a CPU "device" the device's bytes are host memory too.
+    host_need = memory.host_total + (0 if on_device else memory.device_total)
+    if on_device and limits.device_memory is not None and memory.device_total > DEVICE_MARGIN * limits.device_memory:
+        over["device"] = memory.device_total
+    if limits.host_memory is not None and host_need > HOST_MARGIN * limits.host_memory:
+        over["host"] = host_need
+    if memory.disk and limits.disk is not None and memory.disk > limits.disk:
+        over["disk"] = memory.disk
+    return Candidate(config=config, memory=memory, time=time, host_need=host_need, over=over)
+
+
+def missing(candidates: Sequence[Candidate], limits: Limits) -> str:
+    """What the machine lacks, in words: the least host memory (and disk) a configuration that
+    fits the device needs, in RAM and with the disk tier; or the least device memory."""
+    device_ok = [c for c in candidates if "device" not in c.over]
+    if not device_ok:
+        least = min(candidates, key=lambda c: c.memory.device_total)
+        return (f"needs {_gib(least.memory.device_total / DEVICE_MARGIN)} of device memory at the least "
+                f"({least.config.num_slices} slices, {least.config.num_microbatches} microbatches); "
+                f"has {_gib(limits.device_memory or 0)}")
+    parts = []
+    for tiered in (False, True):
+        group = [c for c in device_ok if (c.config.optimizer_state == "disk") == tiered]
+        if not group:
+            continue
+        least = min(group, key=lambda c: c.host_need)
+        text = f"{_gib(least.host_need / HOST_MARGIN)} of host memory"
+        if tiered:
+            where = f" on {limits.disk_dir}" if limits.disk_dir else ""
+            text = f"with the disk tier{where} it needs {text} and {_gib(least.memory.disk)} of disk"
+        parts.append(text if tiered else f"needs {text}")
+    have = f" (has {_gib(limits.host_memory)})" if limits.host_memory is not None else ""
+    return "; ".join(parts) + have
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.1f} GiB"

@@ -1,0 +1,177 @@
+"""The rates a step's time is predicted from: how fast this machine computes, copies and writes.
+
+:class:`MachineRates` holds them; ``python -m offload calibrate`` measures them on the machine at
+hand and stores them as a small JSON file (:func:`default_rates_path`); :data:`GPU_DEFAULTS` are
+figures for common GPUs, each with its source, for planning a machine one does not have.
+
+A GPU default says nothing about the host it sits in, so its host rates (copy bandwidth, the
+fused AdamW update, disk) are those of :data:`HOST_DEFAULT`, which the user's calibration
+replaces (``offload plan --rates FILE --gpu h100-sxm`` takes the host's from the file and the
+device's from the default).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: Bytes AdamW moves per float32 parameter: reads the parameter, gradient and two moments, writes
+#: the parameter and both moments. Host update rates are given in these bytes per second.
+ADAMW_BYTES_PER_PARAMETER = 28
+#: The same for SGD with momentum (read p, g, m; write p, m) and plain SGD (read p, g; write p).
+UPDATE_BYTES_PER_PARAMETER = {"adamw": 28, "adam": 28, "sgd-momentum": 20, "sgd": 12, None: 0}
+
+GB = 1e9
+TFLOP = 1e12
+
+
+@dataclass(frozen=True)
+class MachineRates:
+    """Rates of one machine, in bytes or operations per second.
+
+    Attributes:
+        name: what was measured (``"calibrated on <host>"``, ``"h100-sxm"``).
+        device_flops: dense matrix-multiply operations per second by compute dtype name
+            (``"float32"``, ``"bfloat16"``, ``"float16"``).
+        host_to_device, device_to_host: pinned copies over the link (on a CPU "device", the host
+            copy bandwidth: a load is a copy in RAM).
+        host_copy: bytes per second copied by a large copy in RAM (each byte read and written once).
+        host_update: the fused AdamW update on the host, in :data:`ADAMW_BYTES_PER_PARAMETER`
+            bytes per parameter per second.
+        disk_read, disk_write: sequential file bandwidth where the disk tier would live
+            (``None``: not measured).
+        slice_overhead_s: fixed host time per slice run (a slice's forward, recompute or
+            backward on one microbatch): Python, events, launches.
+        device_memory: bytes of device memory (``None``: unknown).
+        sources: where each figure came from, by attribute name.
+    """
+
+    name: str
+    device_flops: dict[str, float]
+    host_to_device: float
+    device_to_host: float
+    host_copy: float
+    host_update: float
+    disk_read: float | None = None
+    disk_write: float | None = None
+    slice_overhead_s: float = 0.0
+    device_memory: int | None = None
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def flops_for(self, dtype_name: str) -> float:
+        """The device's rate for ``dtype_name``; float32 where that dtype was not measured."""
+        rate = self.device_flops.get(dtype_name) or self.device_flops.get("float32")
+        if not rate:
+            raise ValueError(f"{self.name}: no device rate for {dtype_name} or float32; run `python -m offload "
+                             f"calibrate` on a machine with the device, or pass --gpu")
+        return rate
+
+    def with_host(self, host: MachineRates) -> MachineRates:
+        """These device and link rates with ``host``'s host rates (copy, update, disk, overhead)."""
+        names = ("host_copy", "host_update", "disk_read", "disk_write", "slice_overhead_s")
+        sources = dict(self.sources) | {n: host.sources.get(n, host.name) for n in names}
+        return dataclasses.replace(self, name=f"{self.name} + host {host.name}", sources=sources,
+                                   **{n: getattr(host, n) for n in names})
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> MachineRates:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"rates file has unknown fields {unknown}; it was written by another version: "
+                             f"run `python -m offload calibrate` again")
+        return cls(**data)
+
+
+def default_rates_path() -> Path:
+    """Where ``calibrate`` writes and ``plan`` reads the rates: ``$XDG_CACHE_HOME/offload/rates.json``
+    (``~/.cache/offload/rates.json`` without it)."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "offload" / "rates.json"
+
+
+def save_rates(rates: MachineRates, path: str | os.PathLike[str]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rates.to_json(), indent=2) + "\n")
+    return path
+
+
+def load_rates(path: str | os.PathLike[str]) -> MachineRates:
+    """The rates in ``path``.
+
+    Raises:
+        FileNotFoundError: no such file, with what to run to make it.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no rates at {path}: run `python -m offload calibrate` (a minute) or pass --gpu NAME")
+    return MachineRates.from_json(json.loads(path.read_text()))
+
+
+_H100_README = "benchmarks/results/h100-2026-11-22/README.md"
+_CPU_RESULTS = "benchmarks/results/optimizer_cpu_2026-11-22d.json"
+_DISK_RESULTS = "benchmarks/results/storage_cpu_2026-11-24_quiet.json: disk_mixed_read_gbps, disk_mixed_write_gbps"
+
+#: Host rates when nothing was calibrated: this repository's 2-core CPU runner (fused AdamW 22.5
+#: GB/s; a copy 34.8 GB/s read plus written, 17.4 GB/s copied: ``optimizer_cpu_2026-11-22d.json``);
+#: its disk read and written at once, as the tier does (1.29 and 1.33 GB/s:
+#: ``storage_cpu_2026-11-24_quiet.json``). Slow beside a server: calibrate.
+HOST_DEFAULT = MachineRates(
+    name="default host",
+    device_flops={},
+    host_to_device=17.4 * GB,
+    device_to_host=17.4 * GB,
+    host_copy=17.4 * GB,
+    host_update=22.5 * GB,
+    disk_read=1.29 * GB,
+    disk_write=1.33 * GB,
+    slice_overhead_s=2e-4,
+    sources={"host_copy": _CPU_RESULTS, "host_update": _CPU_RESULTS, "disk_read": _DISK_RESULTS,
+             "disk_write": _DISK_RESULTS,
+             "slice_overhead_s": "an assumed 0.2 ms per slice run: calibrate to measure it"},
+)
+
+
+def _gpu(name: str, flops: dict[str, float], link: float, memory_gib: int, sources: dict[str, str]) -> MachineRates:
+    return dataclasses.replace(HOST_DEFAULT, name=name, device_flops=flops, host_to_device=link, device_to_host=link,
+                               device_memory=memory_gib * 2**30, sources=HOST_DEFAULT.sources | sources)
+
+
+_NVIDIA_H100 = "NVIDIA H100 datasheet (nvidia.com/en-us/data-center/h100): dense, without sparsity"
+_NVIDIA_A100 = "NVIDIA A100 datasheet (nvidia.com/en-us/data-center/a100): dense, without sparsity"
+_ADA = "NVIDIA Ada GPU architecture whitepaper v2.1, RTX 4090: tensor FP16/BF16 with FP32 accumulate, dense"
+_PCIE4 = "PCIe 4.0 x16: 32 GB/s raw; 25 GB/s assumed for pinned copies (about 80 %, as the H100 reached of PCIe 5.0)"
+#: Datasheet peaks are not reached by real matmuls; the H100 SXM's measured 790 of 989 TFLOP/s
+#: (0.8) scales the other datasheet figures, marked so in their sources.
+_ACHIEVED = 0.8
+
+#: Device and link rates of common GPUs, by the names ``offload plan --gpu`` takes.
+GPU_DEFAULTS: dict[str, MachineRates] = {
+    "h100-sxm": _gpu("h100-sxm", {"bfloat16": 790 * TFLOP, "float16": 790 * TFLOP, "float32": 67 * _ACHIEVED * TFLOP},
+                     54.5 * GB, 80, {
+                         "device_flops": "bfloat16: ~790 TFLOP/s dense matmul measured on an H100 SXM; float32: "
+                                         f"67 TFLOP/s ({_NVIDIA_H100}) x {_ACHIEVED}",
+                         "host_to_device": f"{_H100_README}: pinned copies 54-55 GB/s each way",
+                         "device_to_host": f"{_H100_README}: pinned copies 54-55 GB/s each way"}),
+    "h100-pcie": _gpu("h100-pcie", {"bfloat16": 756 * _ACHIEVED * TFLOP, "float16": 756 * _ACHIEVED * TFLOP,
+                                    "float32": 51 * _ACHIEVED * TFLOP}, 54.5 * GB, 80, {
+                          "device_flops": f"756 (bf16) and 51 (fp32) TFLOP/s, {_NVIDIA_H100}, x {_ACHIEVED}",
+                          "host_to_device": f"PCIe 5.0 x16 as the SXM's host link: {_H100_README}",
+                          "device_to_host": f"PCIe 5.0 x16 as the SXM's host link: {_H100_README}"}),
+    "a100": _gpu("a100", {"bfloat16": 312 * _ACHIEVED * TFLOP, "float16": 312 * _ACHIEVED * TFLOP,
+                          "float32": 19.5 * _ACHIEVED * TFLOP}, 25 * GB, 80, {
+                     "device_flops": f"312 (bf16) and 19.5 (fp32) TFLOP/s, {_NVIDIA_A100}, x {_ACHIEVED}",
+                     "host_to_device": _PCIE4, "device_to_host": _PCIE4}),
+    "rtx-4090": _gpu("rtx-4090", {"bfloat16": 165.2 * _ACHIEVED * TFLOP, "float16": 165.2 * _ACHIEVED * TFLOP,
+                                  "float32": 82.6 * _ACHIEVED * TFLOP}, 25 * GB, 24, {
+                         "device_flops": f"165.2 (bf16) and 82.6 (fp32 non-tensor) TFLOP/s, {_ADA}, x {_ACHIEVED}",
+                         "host_to_device": _PCIE4, "device_to_host": _PCIE4}),
+}

@@ -1,0 +1,219 @@
+"""What each layer of a model computes and keeps for one batch, found without computing it.
+
+:func:`profile_layers` runs the model's forward and backward on fake tensors (``FakeTensorMode``
+on the CPU: shapes and dtypes, no data, nothing allocated), layer by layer, and counts
+for each layer its floating-point operations (``torch.utils.flop_counter``), the bytes autograd
+saves for its backward and the bytes of its output (the next layer's input: a boundary
+activation where a slice ends). The model itself is not touched: its parameters and buffers are
+replaced, for the run, by fake tensors of the same shapes (in ``compute_dtype`` where the device
+copies would be), so a model built on the meta device, or a real one with its weights, profiles
+alike.
+
+Fake tensors rather than plain meta ones because Hugging Face models look at values on the way
+(a mask's ``.all()``, packed-sequence checks) and skip those looks for fake tensors, as they do
+under ``torch.compile``; and fake *CPU* tensors because operators pick their kernels by device:
+on the meta device ``scaled_dot_product_attention`` takes its math path and saves the whole
+attention matrix, where a real device's fused kernel saves the output and its log-sum-exp
+(``tests/test_planning.py`` checks the saved bytes against a real run's).
+
+This file measures shapes only; what the bytes mean for memory is ``planner.py``'s business, what
+the operations cost in time ``timing.py``'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.flop_counter import FlopCounterMode
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """One layer's work and memory for the whole batch.
+
+    Attributes:
+        forward_flops: floating-point operations of its forward.
+        backward_flops: of its backward (the model's backward shared out by forward operations:
+            autograd runs one backward for all layers).
+        saved: what autograd saves for its backward, as ``{storage id: bytes}``, parameters left
+            out (they are in the device slot already); a tensor saved by two layers of a slice is
+            one storage, counted once when a slice's layers are joined.
+        output_bytes: the tensors it returns (each storage once).
+    """
+
+    forward_flops: int
+    backward_flops: int
+    saved: dict[int, int]
+    output_bytes: int
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(self.saved.values())
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """Every layer's :class:`LayerProfile` for one batch, and the input's bytes."""
+
+    layers: list[LayerProfile]
+    input_bytes: int
+    batch_size: int
+
+    @property
+    def forward_flops(self) -> int:
+        return sum(layer.forward_flops for layer in self.layers)
+
+    @property
+    def backward_flops(self) -> int:
+        return sum(layer.backward_flops for layer in self.layers)
+
+    def slice_input_bytes(self, ranges: Sequence[range]) -> list[int]:
+        """Bytes entering each slice (its boundary activation), whole batch."""
+        outputs = [self.input_bytes] + [layer.output_bytes for layer in self.layers]
+        return [outputs[r.start] for r in ranges]
+
+    def checkpointed_bytes(self, ranges: Sequence[range], num_microbatches: int) -> int:
+        """Bytes of the boundary activations a step offloads and loads back: every slice's input
+        but the last microbatch's into the last slice, whose graph is kept instead (backward
+        starts there; ``ForwardRecords.keeps_graph`` in ``offload/autograd/records.py``)."""
+        inputs = self.slice_input_bytes(ranges)
+        return sum(inputs[:-1]) + inputs[-1] * (num_microbatches - 1) // num_microbatches
+
+    def recomputed_flops(self, ranges: Sequence[range], num_microbatches: int) -> int:
+        """Operations the backward's recompute repeats: every slice's forward but the kept graph's."""
+        last = sum(self.layers[k].forward_flops for k in ranges[-1])
+        return self.forward_flops - last // num_microbatches
+
+    def slice_largest_saved(self, ranges: Sequence[range]) -> list[int]:
+        """Each slice's largest saved tensor: about what its backward produces at once beside them."""
+        return [max((max(self.layers[k].saved.values(), default=0) for k in r), default=0) for r in ranges]
+
+    def slice_output_bytes(self, ranges: Sequence[range]) -> list[int]:
+        return [self.layers[r.stop - 1].output_bytes for r in ranges]
+
+    def slice_saved_bytes(self, ranges: Sequence[range]) -> list[int]:
+        """Bytes a slice's graph saves for backward, whole batch, each storage once."""
+        result = []
+        for r in ranges:
+            saved: dict[int, int] = {}
+            for k in r:
+                saved.update(self.layers[k].saved)
+            result.append(sum(saved.values()))
+        return result
+
+
+def profile_layers(layers: nn.Sequential, make_input: Callable[[], Any], *,
+                   compute_dtype: torch.dtype | None = None) -> ModelProfile:
+    """Profile ``layers`` on the batch ``make_input()`` builds, on fake tensors.
+
+    Args:
+        layers: the ``nn.Sequential`` (each child is a layer; nothing in it changes).
+        make_input: returns the model's input; it is called under ``FakeTensorMode`` with the
+            CPU as default device, so ``torch.zeros(8, 512, dtype=torch.long)`` in it is free.
+        compute_dtype: as :class:`~offload.OffloadModel` takes it: floating-point parameters and
+            inputs are in it, as the device copies are.
+
+    Raises:
+        RuntimeError: the forward failed on fake tensors (an operation that reads values); the
+            message names the layer.
+
+    Example::
+
+        >>> profile = profile_layers(model, lambda: torch.zeros(8, 1024, dtype=torch.long))
+        >>> profile.forward_flops, profile.slice_saved_bytes([range(0, len(model))])
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    children = list(layers.children()) or [layers]
+    # The stand-ins stay in place through the backward too: a layer that checkpoints inside
+    # (a chunked loss) recomputes with them there.
+    with FakeTensorMode(allow_non_fake_inputs=True), torch.device("cpu"), contextlib.ExitStack() as stand_ins:
+        x = _cast_inputs(make_input(), compute_dtype)
+        input_bytes, batch = _nbytes(x), _batch_size(x)
+        forward, saved, outputs, last = _forward(children, x, compute_dtype, stand_ins)
+        backward = _backward_flops(last)
+    total = sum(forward) or 1
+    layer_profiles = [LayerProfile(f, round(backward * f / total), s, o)
+                      for f, s, o in zip(forward, saved, outputs)]
+    return ModelProfile(layers=layer_profiles, input_bytes=input_bytes, batch_size=batch)
+
+
+def _forward(children: list[nn.Module], x: Any, compute_dtype: torch.dtype | None, stand_ins: contextlib.ExitStack
+             ) -> tuple[list[int], list[dict[int, int]], list[int], Any]:
+    forward: list[int] = []
+    saved: list[dict[int, int]] = []
+    outputs: list[int] = []
+    for index, layer in enumerate(children):
+        replacements = _fake_state(layer, compute_dtype)
+        # What torch.func.functional_call does, kept open until the backward has run.
+        stand_ins.enter_context(_reparametrize_module(layer, replacements, tie_weights=True))
+        held = {_storage_id(t) for t in replacements.values()}
+        layer_saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if isinstance(t, torch.Tensor) and _storage_id(t) not in held:
+                layer_saved[_storage_id(t)] = t.untyped_storage().nbytes()
+            return t
+
+        try:
+            with FlopCounterMode(display=False) as counter, \
+                    torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                x = layer(x)
+        except Exception as error:
+            raise RuntimeError(f"profiling layer {index} ({type(layer).__name__}) on fake tensors failed: "
+                               f"{error}") from error
+        forward.append(counter.get_total_flops())
+        saved.append(layer_saved)
+        outputs.append(_nbytes(x))
+    return forward, saved, outputs, x
+
+
+def _backward_flops(output: Any) -> int:
+    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not tensors:
+        return 0
+    with FlopCounterMode(display=False) as counter:
+        torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
+    return counter.get_total_flops()
+
+
+def _fake_state(layer: nn.Module, compute_dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """Fake stand-ins for the layer's parameters and buffers, by name (tied ones once)."""
+    state: dict[str, torch.Tensor] = {}
+    for name, p in layer.named_parameters():
+        dtype = compute_dtype if compute_dtype is not None and p.dtype.is_floating_point else p.dtype
+        state[name] = torch.empty(p.shape, dtype=dtype).requires_grad_(p.requires_grad)
+    for name, b in layer.named_buffers():
+        state[name] = torch.empty(b.shape, dtype=b.dtype)
+    return state
+
+
+def _cast_inputs(x: Any, compute_dtype: torch.dtype | None) -> Any:
+    if compute_dtype is None:
+        return x
+    leaves, spec = tree_flatten(x)
+    cast = [t.to(compute_dtype) if isinstance(t, torch.Tensor) and t.dtype.is_floating_point else t for t in leaves]
+    return tree_unflatten(cast, spec)
+
+
+def _storage_id(t: torch.Tensor) -> int:
+    # The storage object's address: views of one tensor share it, fake or not.
+    return t.untyped_storage()._cdata
+
+
+def _nbytes(x: Any) -> int:
+    storages = {_storage_id(t): t.untyped_storage().nbytes() for t in tree_flatten(x)[0]
+                if isinstance(t, torch.Tensor)}
+    return sum(storages.values())
+
+
+def _batch_size(x: Any) -> int:
+    tensors = [t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
+    return tensors[0].shape[0] if tensors else 1

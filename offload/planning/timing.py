@@ -1,0 +1,222 @@
+"""How long one training step takes: a cost model of the walk, from a model's shapes and a
+machine's rates.
+
+One step is a forward (each slice loaded, run on every microbatch, its boundary activations
+offloaded), a backward (each slice loaded again but the two still in the slots, recomputed and
+differentiated microbatch by microbatch, its gradients offloaded) and the host update (every
+trainable parameter read and written once by the optimizer, the bfloat16 shadow written beside
+it, the disk tier's files read and written). The terms:
+
+- device compute: the forward's operations, then the recompute's and the backward's, over the
+  device's rate for the compute dtype (``MachineRates.device_flops``), plus a fixed host cost
+  per slice run;
+- the link: bytes loaded and offloaded over each direction's bandwidth. On a GPU copies run on
+  their own streams beside compute, so a phase takes the longest of its compute, its loads and
+  its offloads, plus the first load (forward) or the last offload (backward) that nothing hides;
+  on a CPU "device" copies are synchronous and add up;
+- the host update: bytes over the fused update's bandwidth; with the disk tier, the longest of
+  it and the files' reads and writes (the tier reads, updates and writes different slices at once);
+- the schedule. ``"overlapped"`` (``OffloadOptimizer`` today): the update runs on the host while
+  the next forward runs, slice by slice; slice *k*'s forward waits for slice *k*'s update, so the
+  forward takes the longer of itself and the update plus one slice's forward. ``"serial"``: the
+  update after the backward, all of it exposed (a plain optimizer, or ``synchronize()`` each step).
+
+It predicts; it does not measure (``offload/cli/calibrate.py`` measures the rates). Checked in
+``tests/test_planning.py`` on the CPU against a step whose device work is a known sleep, and
+against the H100 results in ``benchmarks/results/planner_vs_h100_2026-11-26.md``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .planner import SliceLayout
+from .rates import UPDATE_BYTES_PER_PARAMETER, MachineRates
+from .shapes import ModelProfile
+
+SCHEDULES = ("overlapped", "serial")
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """The choices a step's time and memory depend on, as ``OffloadModel``/``OffloadOptimizer`` take them.
+
+    Attributes:
+        num_slices, num_microbatches, compute_dtype: as :class:`~offload.OffloadModel` takes them.
+        optimizer_state: ``"ram"`` or ``"disk"`` (the optimizer's :class:`~offload.DiskTier`).
+        masters: ``"ram"`` or ``"disk"`` (``OffloadModel(..., masters=DiskTier(...))``).
+        schedule: one of :data:`SCHEDULES`.
+    """
+
+    num_slices: int = 8
+    num_microbatches: int = 1
+    compute_dtype: torch.dtype | None = None
+    optimizer_state: str = "ram"
+    masters: str = "ram"
+    schedule: str = "overlapped"
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One step's predicted time and what it is made of, in seconds.
+
+    Attributes:
+        compute: the device's forward and backward operations without the recompute (what a
+            resident model would compute): the numerator of :attr:`efficiency`.
+        forward_compute, backward_compute: device time per phase (the backward's includes the
+            recompute), with the slice runs' fixed cost.
+        load, offload: time on the link each way, whole step.
+        update: the host update (and the disk tier's traffic, where it is longer).
+        disk_read, disk_write: the disk tier's files.
+        forward, backward: each phase's length, overlap counted.
+        exposed_update: what the step waits for the update.
+        step: the step.
+    """
+
+    compute: float
+    forward_compute: float
+    backward_compute: float
+    load: float
+    offload: float
+    update: float
+    disk_read: float
+    disk_write: float
+    forward: float
+    backward: float
+    exposed_update: float
+    step: float
+
+    @property
+    def efficiency(self) -> float:
+        """``compute / step``: the share of the step the device does useful work."""
+        return self.compute / self.step if self.step else 0.0
+
+    def to_json(self) -> dict[str, float]:
+        return asdict(self) | {"efficiency": self.efficiency}
+
+
+@dataclass(frozen=True)
+class _Traffic:
+    """Bytes of one step, per phase and direction, and the host update's."""
+
+    forward_loads: int
+    forward_offloads: int
+    backward_loads: int
+    backward_offloads: int
+    first_load: int
+    last_offload: int
+    update: int
+    shadow: int
+    disk_read: int
+    disk_write: int
+
+
+def traffic(layout: SliceLayout, profile: ModelProfile | None, config: StepConfig,
+            optimizer: str | None = "adamw") -> _Traffic:
+    """Bytes a step moves, as ``offload/streams/copies.py`` counts them (``loaded_bytes``,
+    ``offloaded_bytes``): the backward reloads every slice but the two left in the slots, and the
+    checkpointed boundary activations travel out in the forward and back in the backward."""
+    n = layout.num_slices
+    boundaries = profile.checkpointed_bytes(layout.ranges, config.num_microbatches) if profile is not None else 0
+    trainable_bytes = sum(layout.gradient_bytes)
+    state_bytes = sum(layout.state_bytes) if config.optimizer_state == "disk" else 0
+    master_bytes = sum(layout.host_bytes) if config.masters == "disk" else 0
+    # The update's bytes per parameter are given for float32; other dtypes scale with their size.
+    per_byte = UPDATE_BYTES_PER_PARAMETER[optimizer] / 4
+    return _Traffic(
+        forward_loads=sum(layout.device_bytes),
+        forward_offloads=boundaries,
+        backward_loads=sum(layout.device_bytes[:max(n - 2, 0)]) + boundaries,
+        backward_offloads=trainable_bytes,
+        first_load=layout.device_bytes[0],
+        last_offload=layout.gradient_bytes[0],
+        update=round(per_byte * trainable_bytes),
+        # The update writes each trained parameter's shadow beside it.
+        shadow=layout.trainable * config.compute_dtype.itemsize if config.compute_dtype is not None else 0,
+        disk_read=state_bytes + master_bytes,
+        disk_write=state_bytes + master_bytes,
+    )
+
+
+def estimate_step_time(layout: SliceLayout, profile: ModelProfile | None, config: StepConfig, rates: MachineRates, *,
+                       device: str | torch.device = "cuda", optimizer: str | None = "adamw",
+                       param_dtype: torch.dtype = torch.float32,
+                       device_seconds: tuple[float, float] | None = None) -> StepTime:
+    """Predict one training step's time.
+
+    Args:
+        layout: the model in slices (:func:`~offload.planning.planner.slice_layout`, with the
+            config's ``num_slices`` and ``compute_dtype``).
+        profile: the model's shapes for the batch (:func:`~offload.planning.shapes.profile_layers`):
+            operations and boundary activations. ``None`` with ``device_seconds``.
+        config: the choices; ``rates``: the machine's.
+        device: ``"cuda"`` (copies overlap compute) or ``"cpu"`` (they do not).
+        optimizer: as :func:`~offload.estimate_memory` takes it.
+        device_seconds: the device's forward and backward time per step where it is known
+            (the backward's including the recompute), instead of operations over a rate.
+
+    Raises:
+        ValueError: an unknown schedule, or neither ``profile`` nor ``device_seconds``.
+    """
+    if config.schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {config.schedule!r}")
+    if profile is None and device_seconds is None:
+        raise ValueError("estimate_step_time needs the model's profile or the device's seconds")
+    moved = traffic(layout, profile, config, optimizer)
+    runs = layout.num_slices * config.num_microbatches * rates.slice_overhead_s
+    if device_seconds is not None:
+        forward_device, backward_device = device_seconds
+        # The recompute repeats the forward (all of it, to within the last slice's kept graph).
+        compute = backward_device
+    else:
+        assert profile is not None
+        rate = rates.flops_for(str(config.compute_dtype or param_dtype).removeprefix("torch."))
+        forward_device = profile.forward_flops / rate
+        recompute = profile.recomputed_flops(layout.ranges, config.num_microbatches)
+        backward_device = (recompute + profile.backward_flops) / rate
+        compute = (profile.forward_flops + profile.backward_flops) / rate
+    forward_compute, backward_compute = forward_device + runs, backward_device + 2 * runs
+    forward, backward, load, offload = _phases(moved, forward_compute, backward_compute, rates,
+                                               torch.device(device).type == "cuda")
+    update, disk_read, disk_write = _update(moved, rates)
+    if config.schedule == "overlapped":
+        # Slice k's forward waits for slice k's update: the update plus one slice's forward.
+        exposed = max(0.0, update + forward / layout.num_slices - forward)
+    else:
+        exposed = update
+    return StepTime(compute=compute, forward_compute=forward_compute, backward_compute=backward_compute,
+                    load=load, offload=offload, update=update, disk_read=disk_read, disk_write=disk_write,
+                    forward=forward, backward=backward, exposed_update=exposed,
+                    step=forward + backward + exposed)
+
+
+def _phases(moved: _Traffic, forward_compute: float, backward_compute: float, rates: MachineRates,
+            overlaps: bool) -> tuple[float, float, float, float]:
+    """Forward and backward lengths, and the link's time each way."""
+    h2d, d2h = rates.host_to_device, rates.device_to_host
+    if not overlaps:
+        # A CPU "device": every copy is a copy in RAM, in the calling thread.
+        h2d = d2h = rates.host_copy
+    loads = (moved.forward_loads / h2d, moved.backward_loads / h2d)
+    offloads = (moved.forward_offloads / d2h, moved.backward_offloads / d2h)
+    if overlaps:
+        forward = max(forward_compute, loads[0], offloads[0]) + moved.first_load / h2d
+        backward = max(backward_compute, loads[1], offloads[1]) + moved.last_offload / d2h
+    else:
+        forward = forward_compute + loads[0] + offloads[0]
+        backward = backward_compute + loads[1] + offloads[1]
+    return forward, backward, sum(loads), sum(offloads)
+
+
+def _update(moved: _Traffic, rates: MachineRates) -> tuple[float, float, float]:
+    """The host update's length (disk included), and the disk's reads and writes."""
+    update = moved.update / rates.host_update + moved.shadow / rates.host_copy
+    if not (moved.disk_read or moved.disk_write):
+        return update, 0.0, 0.0
+    if rates.disk_read is None or rates.disk_write is None:
+        raise ValueError(f"{rates.name}: no disk rates to time the disk tier with; run `python -m offload calibrate "
+                         f"--dir DIR` with DIR where the tier would live")
+    read, write = moved.disk_read / rates.disk_read, moved.disk_write / rates.disk_write
+    return max(update, read, write), read, write

@@ -1,0 +1,424 @@
+"""The planner against measurement: the shapes it profiles on fake tensors against a real run's,
+its memory against ``memory_footprint()`` and the resident set, its link bytes against the copy
+engine's counters, its step time against a step whose device work is a known sleep, and the
+``offload plan`` / ``offload calibrate`` commands end to end."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from offload import OffloadModel, OffloadOptimizer, estimate_memory
+from offload.model import engine_of
+from offload.planning.choose import Limits, choose
+from offload.planning.planner import slice_layout
+from offload.planning.presets import build_preset
+from offload.planning.rates import GPU_DEFAULTS, HOST_DEFAULT, MachineRates, load_rates, save_rates
+from offload.planning.shapes import profile_layers
+from offload.planning.timing import StepConfig, estimate_step_time, traffic
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL_TRANSFORMER = {"n_layers": 3, "d_model": 64, "n_heads": 4, "seq_len": 32, "vocab": 256}
+
+
+def _real_saved(layers: nn.Sequential, x: Any) -> tuple[list[int], list[int]]:
+    """Per layer: the bytes autograd saves (parameters left out) and the output's, on real tensors."""
+    params = {p.untyped_storage().data_ptr() for p in layers.parameters()}
+    saved_per_layer, outputs = [], []
+    for layer in layers:
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.untyped_storage().data_ptr() not in params:
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            x = layer(x)
+        saved_per_layer.append(sum(saved.values()))
+        outputs.append(x.untyped_storage().nbytes())
+    return saved_per_layer, outputs
+
+
+@pytest.mark.parametrize("preset, settings", [("transformer", SMALL_TRANSFORMER), ("tiny", {})])
+def test_the_fake_profile_counts_what_a_real_run_saves(preset, settings):
+    model = build_preset(preset, **settings)
+    x, _ = model.make_batch(4, "cpu")
+    profile = profile_layers(model.model, lambda: model.make_batch(4, "cpu")[0])
+    saved, outputs = _real_saved(model.model, x)
+    assert [layer.saved_bytes for layer in profile.layers] == saved
+    assert [layer.output_bytes for layer in profile.layers] == outputs
+    assert profile.input_bytes == x.untyped_storage().nbytes() and profile.batch_size == 4
+    # Operations: a Linear's forward is 2 x rows x in x out, its backward twice that.
+    linear = model.model[0] if preset == "tiny" else model.model[-1]
+    rows = 4 if preset == "tiny" else 4 * settings["seq_len"]
+    layer = profile.layers[0] if preset == "tiny" else profile.layers[-1]
+    assert layer.forward_flops == 2 * rows * linear.in_features * linear.out_features
+
+
+def _step(model: OffloadModel, optimizer: OffloadOptimizer, preset: Any, rows: int) -> None:
+    x, y = preset.make_batch(rows, "cpu")
+    preset.loss(model(x), y).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=False)
+
+
+@pytest.mark.parametrize("name, settings, slices, microbatches, dtype, lora", [
+    ("transformer", SMALL_TRANSFORMER, 3, 1, None, False),
+    ("transformer", SMALL_TRANSFORMER, 2, 2, torch.bfloat16, False),
+    ("mlp", {"in_features": 64, "width": 128, "depth": 4, "classes": 10}, 4, 1, None, False),
+    ("mlp", {"in_features": 64, "width": 128, "depth": 4, "classes": 10}, 3, 2, torch.bfloat16, True),
+], ids=["transformer", "transformer-bf16-mb2", "mlp", "mlp-lora-bf16-mb2"])
+def test_the_estimate_with_activations_matches_the_footprint_mid_step(name, settings, slices, microbatches, dtype, lora):
+    """Host memory with the boundary activations in use (after a forward, before its backward)."""
+    preset = build_preset(name, **settings)
+    if lora:  # a frozen base, trainable adapters beside it
+        import peft
+
+        targets = [n for n, m in preset.model.named_modules() if isinstance(m, nn.Linear)]
+        peft.inject_adapter_in_model(peft.LoraConfig(r=4, target_modules=targets), preset.model)
+    rows = 8
+    profile = profile_layers(preset.model, lambda: preset.make_batch(rows, "cpu")[0], compute_dtype=dtype)
+    plan = estimate_memory(preset.model, num_slices=slices, compute_dtype=dtype, num_microbatches=microbatches,
+                           device="cpu", profile=profile)
+    model = OffloadModel(preset.model, device="cpu", num_slices=slices, compute_dtype=dtype,
+                         num_microbatches=microbatches)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-4, fused=True)
+    for _ in range(2):  # the steady state: the gradient window allocated
+        _step(model, optimizer, preset, rows)
+    optimizer.synchronize()
+    x, y = preset.make_batch(rows, "cpu")
+    loss = preset.loss(model(x), y)
+    mid = model.memory_footprint()
+    loss.backward()
+    optimizer.step()
+    optimizer.synchronize()
+    after = model.memory_footprint()  # the activations' buffers idle in the pool, for the next step
+    assert mid.host_activations == pytest.approx(plan.host_activations, rel=0.05)
+    assert mid.host_total == pytest.approx(plan.host_total, rel=0.05)
+    assert after.host_total == pytest.approx(plan.host_total, rel=0.05)
+    assert plan.device_activations > 0 and plan.device_total > plan.device_slots
+
+
+_MLP = {"preset": "mlp", "settings": {"in_features": 512, "width": 1024, "depth": 8, "classes": 1000},
+        "warm": {"width": 16, "depth": 2}, "slices": 4, "batch": 64}
+RSS_SPECS = {
+    "mlp": _MLP,
+    "transformer-bf16-mb2": {"preset": "transformer", "settings": {"n_layers": 3, "d_model": 384, "n_heads": 6,
+                                                                   "seq_len": 128, "vocab": 4096},
+                             "warm": {"d_model": 48, "n_layers": 1, "vocab": 64}, "slices": 3, "batch": 8,
+                             "compute_dtype": "bfloat16", "microbatches": 2},
+    "mlp-disk-tier-masters-on-disk": _MLP | {"state": "disk", "masters": "disk", "compute_dtype": "bfloat16"},
+    "mlp-lora": _MLP | {"lora": True},
+}
+
+
+@pytest.mark.parametrize("spec", RSS_SPECS.values(), ids=RSS_SPECS.keys())
+def test_the_estimate_predicts_the_resident_set_within_five_percent(spec):
+    """The process's RSS growth over three steps (tests/planning_rss_worker.py, in its own process)
+    against what estimate_memory holds between steps. glibc's mmap threshold is fixed: by default
+    it rises after the first large free, and freed temporaries of the step then stay resident."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               MALLOC_MMAP_THRESHOLD_="65536")
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "planning_rss_worker.py"), json.dumps(spec)],
+                          check=True, timeout=300, capture_output=True, text=True, env=env)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    predicted = result["estimate_host"] + result["estimate_device"]
+    assert predicted == pytest.approx(result["rss_growth"], rel=0.05), result
+    assert result["estimate_host"] == pytest.approx(result["footprint_host"], rel=0.05), result
+
+
+@pytest.mark.parametrize("slices, microbatches, dtype", [(2, 1, None), (4, 1, None), (5, 2, None), (4, 1, torch.bfloat16)])
+def test_the_link_bytes_are_the_copy_engines(slices, microbatches, dtype):
+    """What the time model puts on the link, against the engine's counters over one step."""
+    preset = build_preset("transformer", **SMALL_TRANSFORMER)
+    rows = 8
+    profile = profile_layers(preset.model, lambda: preset.make_batch(rows, "cpu")[0], compute_dtype=dtype)
+    layout = slice_layout(preset.model, num_slices=slices, compute_dtype=dtype)
+    moved = traffic(layout, profile, StepConfig(num_slices=slices, num_microbatches=microbatches, compute_dtype=dtype))
+    model = OffloadModel(preset.model, device="cpu", num_slices=slices, compute_dtype=dtype,
+                         num_microbatches=microbatches)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-4, fused=True)
+    _step(model, optimizer, preset, rows)
+    before = engine_of(model).traffic()
+    _step(model, optimizer, preset, rows)
+    loaded, offloaded = (a - b for a, b in zip(engine_of(model).traffic(), before))
+    assert loaded == pytest.approx(moved.forward_loads + moved.backward_loads, rel=0.01)
+    assert offloaded == pytest.approx(moved.forward_offloads + moved.backward_offloads, rel=0.01)
+
+
+class _Sleep(torch.autograd.Function):
+    """The device's work as a sleep: no CPU used, the GIL released, as a GPU's kernels would. The
+    weight's gradient is a buffer made once, so that producing it costs nothing either (on a GPU
+    that write is negligible; on the CPU it would be work the sleep does not account for)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor, seconds: float) -> torch.Tensor:
+        ctx.seconds, ctx.grad = seconds, grad
+        time.sleep(seconds)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
+        time.sleep(2 * ctx.seconds)  # a backward does about twice a forward's work
+        return grad, ctx.grad, None, None
+
+
+class _Sleepy(nn.Module):
+    def __init__(self, size: int, seconds: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(size) * 0.01)
+        self.grad = torch.zeros(size)  # not a buffer: the device's own scratch
+        self.seconds = seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Sleep.apply(x, self.weight, self.grad, self.seconds)
+
+
+@pytest.mark.parametrize("schedule", ["overlapped", "serial"])
+def test_the_step_time_is_predicted_within_fifteen_percent_on_a_sleeping_device(schedule):
+    """A CPU "device" whose layers sleep a known time: loads, offloads and the host update run for
+    real. The rates are measured as calibrate measures them, in the same rounds as the steps (the
+    machine is shared: its speed moves from one minute to the next), the update's from the
+    update alone. The update is about as long as the forward, so the schedule decides how much of
+    it shows."""
+    from offload.cli.calibrate import host_copy_rate, slice_overhead
+
+    slices, size, seconds = 4, 8_000_000, 0.01
+    torch.manual_seed(0)
+    plain = nn.Sequential(*[_Sleepy(size, seconds) for _ in range(slices)])
+    layout = slice_layout(plain, num_slices=slices)
+    model = OffloadModel(plain, device="cpu", num_slices=slices)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-4, fused=True)
+    x = torch.randn(4, 16)
+
+    def step() -> None:
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+        if schedule == "serial":
+            optimizer.synchronize()
+        optimizer.zero_grad()
+
+    def update_alone() -> None:
+        optimizer.step()
+        optimizer.synchronize()
+
+    for _ in range(3):
+        step()
+    optimizer.synchronize()
+    steps, updates, copies = [], [], []
+    for _ in range(7):
+        steps.append(_timed(step))
+        optimizer.synchronize()
+        model(x).pow(2).mean().backward()
+        updates.append(_timed(update_alone))
+        optimizer.zero_grad()
+        copies.append(host_copy_rate(64 * 2**20, repeats=1))
+    update_bytes = traffic(layout, None, StepConfig(num_slices=slices)).update
+    rates = MachineRates(name="this test's host", device_flops={}, host_to_device=0.0, device_to_host=0.0,
+                         host_copy=statistics.median(copies), host_update=update_bytes / statistics.median(updates),
+                         slice_overhead_s=slice_overhead(repeats=3))
+    predicted = estimate_step_time(layout, None, StepConfig(num_slices=slices, schedule=schedule), rates,
+                                   device="cpu", device_seconds=(slices * seconds, slices * 3 * seconds))
+    assert predicted.step == pytest.approx(statistics.median(steps), rel=0.15), (predicted, steps)
+
+
+def _timed(fn: Any) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def test_the_rates_have_sources_and_survive_a_file(tmp_path):
+    for name, rates in GPU_DEFAULTS.items():
+        assert {"device_flops", "host_to_device", "device_to_host"} <= set(rates.sources), name
+        assert rates.flops_for("bfloat16") > rates.flops_for("float32") > 0 and rates.device_memory
+    assert GPU_DEFAULTS["h100-sxm"].flops_for("bfloat16") == 790e12
+    path = save_rates(GPU_DEFAULTS["a100"].with_host(HOST_DEFAULT), tmp_path / "rates.json")
+    assert load_rates(path) == GPU_DEFAULTS["a100"].with_host(HOST_DEFAULT)
+    with pytest.raises(FileNotFoundError, match="offload calibrate"):
+        load_rates(tmp_path / "none.json")
+
+
+def _offload(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """``offload ARGS`` in this process (``offload/cli/main.py``), its output captured."""
+    from offload.cli.main import main
+
+    out = io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(out):
+        try:
+            main(list(args))
+        except SystemExit as exit:
+            code = exit.code if isinstance(exit.code, int) else 1
+    if check and code:
+        raise AssertionError(f"offload {' '.join(args)} exited with {code}:\n{out.getvalue()}")
+    return subprocess.CompletedProcess(args, code, out.getvalue(), "")
+
+
+def test_calibrate_writes_rates_that_plan_reads(tmp_path):
+    """``python -m offload calibrate`` as a user runs it, then ``plan`` reading its file."""
+    out = tmp_path / "rates.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    subprocess.run([sys.executable, "-m", "offload", "calibrate", "--out", str(out), "--dir", str(tmp_path / "disk"),
+                    "--device", "cpu"], check=True, capture_output=True, timeout=300, env=env)
+    rates = load_rates(out)
+    assert rates.host_copy > 0 and rates.host_update > 0 and rates.disk_read and rates.disk_write
+    assert rates.device_flops["float32"] > 0
+    done = _offload("plan", "--preset", "tiny", "--device", "cpu", "--rates", str(out), "--host-memory", "4", "--json")
+    plan = json.loads(done.stdout)
+    assert plan["chosen"]["fits"] and plan["rates"]["name"] == rates.name
+
+
+TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 128,
+              "tie_word_embeddings": False}
+
+
+def test_plan_answers_for_a_hf_config_and_its_choice_builds_and_trains(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from offload.integrations.transformers import causal_lm_sequential
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY_LLAMA))
+    done = _offload("plan", "--hf-config", str(config), "--batch-size", "4", "--seq-len", "32", "--gpu", "a100",
+                    "--host-memory", "8", "--device-memory", "0.05", "--json")
+    plan = json.loads(done.stdout)
+    chosen = plan["chosen"]
+    assert chosen["fits"] and chosen["device_bytes"] <= 0.9 * 0.05 * 2**30
+    assert "OffloadModel(" in chosen["code"] and f"--num-slices {chosen['num_slices']}" in chosen["finetune"]
+    # The configuration it printed builds and trains, on the CPU here.
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**TINY_LLAMA))
+    layers = causal_lm_sequential(hf, loss_chunk_tokens=1024)
+    dtype = getattr(torch, chosen["compute_dtype"]) if chosen["compute_dtype"] else None
+    model = OffloadModel(layers, device="cpu", num_slices=chosen["num_slices"], compute_dtype=dtype,
+                         num_microbatches=chosen["num_microbatches"])
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-3, fused=True)
+    ids = torch.randint(0, 256, (4, 32))
+    losses = []
+    for _ in range(3):
+        loss = model({"input_ids": ids, "labels": ids}).sum() / (4 * 31)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+
+
+def test_plan_says_what_is_missing(tmp_path):
+    args = ("plan", "--preset", "mlp", "--set", "width=1024", "depth=8", "--gpu", "h100-sxm", "--batch-size", "8")
+    done = _offload(*args, "--host-memory", "0.05", check=False)
+    assert done.returncode == 1
+    assert "nothing fits: needs" in done.stdout and "GiB of host memory" in done.stdout
+    done = _offload(*args, "--host-memory", "0.15", "--disk-dir", str(tmp_path), "--disk", "10", check=False)
+    assert f"with the disk tier on {tmp_path} it needs" in done.stdout or "chosen:" in done.stdout
+    done = _offload(*args, "--host-memory", "8", "--device-memory", "0.001", check=False)
+    assert "of device memory at the least" in done.stdout
+
+
+def test_plan_for_an_nn_sequential_prints_the_calls_and_a_table():
+    done = _offload("plan", "--model", "tests.test_planning:small_mlp", "--input-shape", "64", "--gpu", "rtx-4090",
+                    "--host-memory", "8", "--batch-size", "16")
+    assert "chosen:" in done.stdout and "model = OffloadModel(tests.test_planning.small_mlp()" in done.stdout
+    assert "optimizer = OffloadOptimizer(model, torch.optim.AdamW" in done.stdout and "offload-finetune" not in done.stdout
+
+
+def small_mlp() -> nn.Sequential:
+    return nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+
+
+def test_choose_takes_the_fastest_that_fits():
+    preset = build_preset("transformer", **SMALL_TRANSFORMER)
+    rates = GPU_DEFAULTS["h100-sxm"]
+    plan = choose(preset.model, lambda dtype: profile_layers(preset.model, lambda: preset.make_batch(8, "cpu")[0],
+                                                             compute_dtype=dtype),
+                  rates, Limits(device_memory=2**30, host_memory=2**30), batch_size=8)
+    fitting = [c for c in plan.candidates if c.fits]
+    assert plan.chosen is not None and plan.chosen.time.step <= 1.01 * min(c.time.step for c in fitting)
+    with pytest.raises(ValueError, match="cannot fix"):
+        choose(preset.model, lambda dtype: None, rates, Limits(None, None), fixed={"slices": 2})
+
+
+def test_with_the_disk_tier_it_raises_the_slices_the_tier_needs(tmp_path):
+    """The tier's window holds three slices' state (and masters): at 3 slices it saves almost
+    nothing, so where RAM is short the choice puts the state on disk and cuts more slices."""
+    with torch.device("meta"):
+        preset = build_preset("mlp", width=1024, depth=8)
+    layout = slice_layout(preset.model, num_slices=3, compute_dtype=torch.bfloat16)
+    in_ram = estimate_memory(preset.model, num_slices=3, compute_dtype=torch.bfloat16, device="cpu")
+    limits = Limits(device_memory=2**30, host_memory=int(0.75 * in_ram.host_total), disk=2**40,
+                    disk_dir=str(tmp_path))
+    plan = choose(preset.model, lambda dtype: profile_layers(preset.model, lambda: preset.make_batch(8, "cpu")[0],
+                                                             compute_dtype=dtype),
+                  GPU_DEFAULTS["a100"], limits, batch_size=8, fixed={"compute_dtype": torch.bfloat16})
+    assert plan.chosen is not None and plan.chosen.config.optimizer_state == "disk"
+    assert plan.chosen.config.num_slices > 3 and layout.num_slices == 3
+    at_three = [c for c in plan.candidates if c.config.num_slices == 3 and c.config.optimizer_state == "disk"]
+    assert at_three and not any(c.fits for c in at_three)
+
+
+class _MallInfo(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+class _PeakAllocated(TorchDispatchMode):
+    """The peak of the bytes malloc has handed out, read after every operation (glibc's
+    ``mallinfo2``: in use in the heap plus mapped chunks). On a CPU "device" this is the device's
+    working set: the host buffers of the steady state are allocated already."""
+
+    def __init__(self, mallinfo: Any) -> None:
+        super().__init__()
+        self.mallinfo = mallinfo
+        self.peak = self.allocated()
+
+    def allocated(self) -> int:
+        info = self.mallinfo()
+        return info.uordblks + info.hblkhd
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.peak = max(self.peak, self.allocated())
+        return out
+
+
+@pytest.mark.parametrize("slices, microbatches", [(2, 1), (3, 2), (6, 1), (6, 4)])
+def test_the_device_activations_are_the_working_set_of_a_step(slices, microbatches):
+    """The device's peak over a step beyond what it holds between steps, measured on a CPU
+    "device" by malloc's own count, against the estimate's activations and one slice's gradients
+    as autograd produces them (the buffers that sum microbatches are there between steps too)."""
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, "mallinfo2"):
+        pytest.skip("needs glibc's mallinfo2 (glibc 2.33 or later) to read the bytes malloc handed out")
+    libc.mallinfo2.restype = _MallInfo
+    preset = build_preset("transformer", n_layers=6, d_model=128, n_heads=4, seq_len=256, vocab=64)
+    rows = 8
+    profile = profile_layers(preset.model, lambda: preset.make_batch(rows, "cpu")[0])
+    plan = estimate_memory(preset.model, num_slices=slices, num_microbatches=microbatches, device="cpu",
+                           profile=profile)
+    model = OffloadModel(preset.model, device="cpu", num_slices=slices, num_microbatches=microbatches)
+    optimizer = OffloadOptimizer(model, torch.optim.SGD, lr=1e-4, fused=True)
+    x, y = preset.make_batch(rows, "cpu")
+    for _ in range(3):
+        _step(model, optimizer, preset, rows)
+        optimizer.synchronize()
+    with _PeakAllocated(libc.mallinfo2) as mode:
+        start = mode.peak
+        preset.loss(model(x), y).backward()
+    slice_gradients = plan.device_gradients // (3 if microbatches > 1 else 1)
+    assert plan.device_activations + slice_gradients == pytest.approx(mode.peak - start, rel=0.10)
