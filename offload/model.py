@@ -17,6 +17,7 @@ from . import per_tensor_warning
 from .autograd import Call, OffloadFunction, flatten_input
 from .autograd.accumulation import mark_zeroed
 from .data_parallel import DataParallel
+from .walk.activation_policy import ActivationPlan, OffloadActivations
 from .walk.engine import Engine
 from .grad_scaler import warn_about_plain_grad_scalers
 from .planning.footprint import MemoryFootprint, measure as measure_footprint
@@ -85,6 +86,10 @@ class OffloadModel(nn.Module):
             holds a few slices' masters at a time (Note: [Masters on disk] in
             ``offload/tiers/master_files.py``, ``docs/disk-tier.md``). Needs ``compute_dtype``: loads read
             the half-precision shadow, which stays in RAM.
+        offload_activations: an :class:`~offload.OffloadActivations` naming slices whose saved
+            activations go to host memory during forward and come back before their backward,
+            instead of being recomputed (or kept on ``device``); ``None``: none. Saves the
+            recompute at the cost of link traffic and host memory (``docs/memory.md``).
 
     Raises:
         TypeError: ``model`` is neither an ``nn.Sequential`` nor a list of modules, or an
@@ -115,6 +120,7 @@ class OffloadModel(nn.Module):
         compute_dtype: torch.dtype | None = None,
         process_group: Any = None,
         masters: Any = None,
+        offload_activations: OffloadActivations | None = None,
     ) -> None:
         super().__init__()
         named_groups = _slice_groups(model, _positive_int("num_slices", num_slices))
@@ -125,6 +131,12 @@ class OffloadModel(nn.Module):
         if not isinstance(checkpoint_activation, bool):
             raise TypeError(f"checkpoint_activation must be a bool, got {type(checkpoint_activation).__name__}")
         self.checkpoint_activation = checkpoint_activation
+        if offload_activations is not None and not isinstance(offload_activations, OffloadActivations):
+            raise TypeError(f"offload_activations must be an offload.OffloadActivations or None, got "
+                            f"{type(offload_activations).__name__}")
+        if offload_activations is not None:
+            offload_activations.chosen(len(named_groups))  # an index out of range fails here, not in forward
+        self.offload_activations = offload_activations
         self.device = _existing_device(device, "device")
         self.offload_device = _existing_device(offload_device, "offload_device")
         if self.offload_device.type == "meta":
@@ -233,7 +245,8 @@ class OffloadModel(nn.Module):
         twin = type(self).__new__(type(self))
         nn.Module.__init__(twin)
         memo[id(self)] = twin
-        for name in ("compute_dtype", "num_microbatches", "checkpoint_activation", "device", "offload_device",
+        for name in ("compute_dtype", "num_microbatches", "checkpoint_activation", "offload_activations",
+                     "device", "offload_device",
                      "training", "_masters"):
             setattr(twin, name, getattr(self, name))
         twin._adopt([(list(s.names), copy.deepcopy(s.layers, memo)) for s in self._engine.slices])
@@ -291,9 +304,11 @@ class OffloadModel(nn.Module):
         precision = f"compute_dtype={self.compute_dtype}, " if self.compute_dtype is not None else ""
         files = self._engine.master_files
         masters = f"masters on disk in {files.directory}, " if files is not None else ""
+        offloaded = getattr(self, "offload_activations", None)
+        activations = f"offload_activations={offloaded}, " if offloaded is not None else ""
         return (
             f"device={self.device}, offload_device={self.offload_device}, "
-            f"checkpoint_activation={self.checkpoint_activation}, num_microbatches={self.num_microbatches}, "
+            f"checkpoint_activation={self.checkpoint_activation}, {activations}num_microbatches={self.num_microbatches}, "
             f"{precision}{masters}slices={slices}"
         )
 
@@ -331,9 +346,14 @@ class OffloadModel(nn.Module):
         # buffers whose copies may still be in flight.
         with saved_tensors_hooks(_identity, _identity):
             outputs = OffloadFunction.apply(
-                engine, call, self.checkpoint_activation, self.num_microbatches, *input_tensors, *params,
+                engine, call, self._activation_plan(), self.num_microbatches, *input_tensors, *params,
             )
         return call.output_with(outputs)
+
+    def _activation_plan(self) -> ActivationPlan:
+        # getattr: a model pickled before the setting existed has no such attribute.
+        return ActivationPlan.of(self.checkpoint_activation, getattr(self, "offload_activations", None),
+                                 self._engine.num_slices)
 
     def _warn_microbatch_batchnorm(self) -> None:
         if self._warned_microbatch_batchnorm or self.num_microbatches == 1 or not self.training:
