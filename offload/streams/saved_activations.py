@@ -18,7 +18,8 @@ Note: [Offloaded saved tensors]
     (one step ahead, while the run before it is differentiated), :meth:`SavedActivations.wait` makes
     compute wait for them (rule 1 of [Copy ordering]), and unpacking returns the device copy, in
     the saved tensor's layout. :meth:`SavedActivations.release` drops the device copies after the
-    run's backward; a second backward (``retain_graph=True``) loads them again.
+    run's backward; a second backward (``retain_graph=True``) loads them again. Nothing else
+    unpacks them: only the backward walk differentiates the graph.
 
     Versions: autograd refuses a backward through a saved tensor changed in place since it was
     saved. An offloaded save keeps the version it had and a weak reference to the tensor it was
@@ -137,10 +138,8 @@ class SavedActivations:
             return packed.tensor
         _check_version(packed.saved() if packed.saved is not None else None, packed.version)
         if packed.device is None:
-            # Not loaded ahead: a second backward through a retained graph.
-            self._load(packed)
-            self.copies.wait_ready(packed.ready)  # rule 1: the device copy is read next
-        assert packed.device is not None
+            raise RuntimeError("internal error: an offloaded saved tensor was unpacked before its run's backward "
+                               "loaded it")
         return packed.device
 
     def _load(self, save: OffloadedSave) -> None:
