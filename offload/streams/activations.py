@@ -52,6 +52,8 @@ class ActivationOffloader:
         self.copies = copies
         self.pool = pool
         self.offloaded_bytes = 0
+        #: of which saved tensors of offloaded slices (Note: [Offloaded saved tensors])
+        self.saved_bytes = 0
 
     def offload(self, tensor: torch.Tensor) -> tuple[torch.Tensor, OffloadTicket]:
         """Start copying ``tensor`` into a host buffer, as it is now: later compute may update it
@@ -89,6 +91,7 @@ class ActivationOffloader:
                                     label="offload::offload saved activation")
         buffer.write_event = ready
         self.offloaded_bytes += nbytes
+        self.saved_bytes += nbytes
         return layout.on(memory), OffloadTicket(ready, buffer, layout)
 
     def load_saved(self, ticket: OffloadTicket, host_tensor: torch.Tensor) -> tuple[torch.Tensor, Event | None]:
