@@ -136,6 +136,7 @@ def run_forward(engine: Engine, records: ForwardRecords, i: int, m: int, views: 
             entry_tensors = _param_leaves(views, engine, i)
             result = s.run_on_device(engine.slots, entry_tensors, tree_unflatten(fed, entering.spec))
             del fed
+        saves.seal()
         out_leaves, out_spec = tree_flatten(result.output)
         records.offload_graph(i, m, out_leaves, graph_leaves, _params_among(entry_tensors, engine, i), saves)
     elif mode is ActivationMode.KEEP:

@@ -23,10 +23,11 @@ Note: [Offloaded saved tensors]
 
     Versions: autograd refuses a backward through a saved tensor changed in place since it was
     saved. An offloaded save keeps the version it had and a weak reference to the tensor it was
-    given; unpacking raises autograd's error if that tensor is still alive and has moved on. A
-    tensor that was changed and then dropped before backward goes unnoticed (as under
-    ``torch.autograd.graph.save_on_cpu``); that is a program the plain model refuses, never one it
-    accepts.
+    given. At the end of the run (:meth:`SavedActivations.seal`) every tensor still alive is
+    looked at (the run's outputs, which a layer may have changed after saving them), and at
+    unpacking again if it is still alive then; either raises autograd's error. A tensor that was
+    changed and dropped after its run, before backward, goes unnoticed (as under
+    ``torch.autograd.graph.save_on_cpu``): a program the plain model refuses, never one it accepts.
 
     The host copies are held only by the graph (through the packed saves), so their pooled buffers
     return to the pool when autograd frees the graph; each buffer remembers its last load, which
@@ -67,6 +68,7 @@ class OffloadedSave:
     saved: weakref.ref[torch.Tensor] | None
     device: torch.Tensor | None = None
     ready: Event | None = None
+    changed: torch.Tensor | None = None  # the tensor, if it was changed in place by the end of its run
 
 
 @dataclass(eq=False)
@@ -136,11 +138,20 @@ class SavedActivations:
         if isinstance(packed, _KeptSave):
             _check_version(packed.tensor, packed.version)
             return packed.tensor
+        _check_version(packed.changed, packed.version)
         _check_version(packed.saved() if packed.saved is not None else None, packed.version)
         if packed.device is None:
             raise RuntimeError("internal error: an offloaded saved tensor was unpacked before its run's backward "
                                "loaded it")
         return packed.device
+
+    def seal(self) -> None:
+        """The run is over: note the saved tensors it changed in place after saving them."""
+        for save in self.offloaded:
+            tensor = save.saved() if save.saved is not None else None
+            if tensor is not None and tensor._version != save.version:
+                # Kept only for the error message (shape, type, version): the run failed anyway.
+                save.changed = tensor.detach()
 
     def _load(self, save: OffloadedSave) -> None:
         save.device, save.ready = self.offloader.load_saved(save.ticket, save.host)
