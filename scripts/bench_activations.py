@@ -28,7 +28,7 @@ slice from which it does, using the device rate it measured (``--device-tflops``
 Usage::
 
     python scripts/bench_activations.py [--layers 4] [--d-model 256] [--seq-len 256] [--batch 8]
-        [--steps 3] [--json PATH]
+        [--steps 3] [--device-tflops R] [--link NAME=GBPS ...] [--json PATH]
 """
 
 from __future__ import annotations
@@ -182,6 +182,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--device-tflops", type=float, default=None,
                         help="device rate for the crossover (default: measured on the plain model)")
+    parser.add_argument("--link", action="append", default=[], metavar="NAME=GBPS",
+                        help="another link bandwidth (GB/s each way) to find the crossover for")
     parser.add_argument("--json")
     args = parser.parse_args()
     args.slices = args.slices or args.layers + 2
@@ -206,6 +208,9 @@ def main() -> None:
     # (the sum of the phases in the docstring with the parameters' loads hidden): the link floor.
     floor = saved_per_token * rate / (forward_flops * min(2.0, 1.0 + backward_flops / (2 * forward_flops))) / 1e9
     links = dict(LINKS)
+    for given in args.link:
+        name, _, gbps = given.partition("=")
+        links[name] = float(gbps)
     if device.type == "cuda":
         host = torch.empty(64 << 20, dtype=torch.uint8, pin_memory=True)
         target = torch.empty_like(host, device=device)
@@ -237,6 +242,7 @@ def main() -> None:
                                 "backward_flops": backward_flops},
         "parameter_bytes_per_slice_load": params_per_slice,
         "device_flops_per_s": rate,
+        "device_rate": "given (--device-tflops)" if args.device_tflops else "measured on the plain model",
         "link_floor_gb_per_s": floor,
         "link_gb_per_s": links,
         "crossover_tokens_per_slice": crossovers,

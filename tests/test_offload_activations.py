@@ -204,6 +204,32 @@ def test_microbatches_of_an_offloaded_slice_are_differentiated_from_their_own_sa
 # -- layouts and versions ---------------------------------------------------------------------------
 
 
+class Gated(nn.Module):
+    """Multiplies two halves of one projection: the product saves two views of one storage, each
+    addressing nearly all of it (as attention's query, key and value do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, 2 * WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.linear(x).chunk(2, dim=-1)
+        return a * b
+
+
+def test_views_of_one_storage_share_one_host_copy():
+    torch.manual_seed(0)
+    reference = nn.Sequential(Gated(), Gated(), nn.Linear(WIDTH, 1))
+    model = OffloadModel(clone_model(reference), device="cpu", num_slices=3, checkpoint_activation=False,
+                         offload_activations=OffloadActivations(slices=[0, 1], min_bytes=0))
+    x = torch.randn(ROWS, WIDTH)
+    reference(x).sum().backward()
+    model(x).sum().backward()
+    # Per slice: the Linear's input, and the projection once (not each half's addressed memory).
+    assert engine_of(model).activations.saved_bytes == 2 * (ROWS * WIDTH + ROWS * 2 * WIDTH) * 4
+    assert_same_grads(model, reference, **EXACT)
+
+
 class SavesStrided(torch.autograd.Function):
     """Saves its input as given and checks backward gets it back in the same layout."""
 

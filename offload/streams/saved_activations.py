@@ -12,7 +12,12 @@ Note: [Offloaded saved tensors]
        strided tensor: it stays where it is, as in a kept graph;
     3. an *offloaded save*: its addressed memory (Note: [Layouts]) copied into a pooled host buffer
        on the offload stream, with no private snapshot first (``ActivationOffloader.offload_saved``);
-       the device tensor is freed as soon as forward drops it.
+       the device tensor is freed as soon as forward drops it. A tensor that addresses more than
+       half of its storage has the whole storage copied instead, once for every view of it the run
+       saves at the same version: attention saves its query, key and value, three views of one
+       projection that each address nearly all of it, and copying each view's addressed memory
+       would move the projection three times. Views of one storage then share one device copy in
+       backward, as they share memory in the plain model, each at its own offset and strides.
 
     Before the run's backward, :meth:`SavedActivations.load` issues a load for every offloaded save
     (one step ahead, while the run before it is differentiated), :meth:`SavedActivations.wait` makes
@@ -47,28 +52,64 @@ from .activations import ActivationOffloader, OffloadTicket
 from .backend import Event
 from .copies import CopyStreams
 from .device_slots import DeviceSlots, SlotReference
+from .layouts import Layout
 
 
 @dataclass(eq=False)
-class OffloadedSave:
-    """One saved tensor on the host (rule 3 of Note: [Offloaded saved tensors]).
+class HostCopy:
+    """Device memory that saved tensors view, copied to a pooled host buffer (rule 3 of Note:
+    [Offloaded saved tensors]); loaded back once for all of them.
 
     Attributes:
-        host: the host copy, valid once ``ticket.ready`` completes.
+        host: the host copy, valid once ``ticket.ready`` completes: a saved tensor's addressed
+            memory in its layout, or a whole storage's bytes.
         ticket: what loading it back needs.
-        version: the saved tensor's version when it was saved.
-        saved: a weak reference to the tensor autograd saved, for the version check.
         device: the device copy while loaded, else ``None``.
-        ready: the device copy's ready event.
+        ready: the device copy's ready event, until compute has waited for it.
     """
 
     host: torch.Tensor
     ticket: OffloadTicket
-    version: int
-    saved: weakref.ref[torch.Tensor] | None
     device: torch.Tensor | None = None
     ready: Event | None = None
-    changed: torch.Tensor | None = None  # the tensor, if it was changed in place by the end of its run
+
+    @property
+    def nbytes(self) -> int:
+        return self.host.numel() * self.host.element_size()
+
+
+@dataclass(eq=False)
+class OffloadedSave:
+    """One saved tensor on the host.
+
+    Attributes:
+        copy: the memory it views.
+        view: ``(dtype, size, stride, storage offset)`` of the tensor in a whole storage's bytes,
+            or ``None`` where ``copy`` is the tensor itself.
+        version: the saved tensor's version when it was saved.
+        saved: a weak reference to the tensor autograd saved, for the version check.
+        changed: the tensor, if its run changed it in place after saving it.
+    """
+
+    copy: HostCopy
+    view: tuple[torch.dtype, torch.Size, tuple[int, ...], int] | None
+    version: int
+    saved: weakref.ref[torch.Tensor] | None
+    changed: torch.Tensor | None = None
+
+    def device_tensor(self) -> torch.Tensor:
+        """The saved tensor over the device copy (loaded)."""
+        device = self.copy.device
+        if device is None:
+            raise RuntimeError("internal error: an offloaded saved tensor was unpacked before its run's backward "
+                               "loaded it")
+        if self.view is None:
+            return device
+        dtype, size, stride, offset = self.view
+        # The storage's bytes keep their alignment at the device copy's storage offset (Note: [Layouts]).
+        start = device.storage_offset() // dtype.itemsize
+        return torch.empty(0, dtype=dtype, device=device.device).set_(device.untyped_storage(), start + offset,
+                                                                     size, stride)
 
 
 @dataclass(eq=False)
@@ -102,15 +143,24 @@ class SavedActivations:
     slots: DeviceSlots
     min_bytes: int
     offloaded: list[OffloadedSave] = field(default_factory=list)
+    # Whole storages copied in this run, by (address, bytes, version), with the tensor whose save
+    # copied it: the other views of one storage saved at the same version share its copy, while
+    # that tensor is alive (else its memory may hold another tensor now, at the same address).
+    _storages: dict[tuple[int, int, int], tuple[HostCopy, weakref.ref[torch.Tensor]]] = field(default_factory=dict)
 
     @property
     def copies(self) -> CopyStreams:
         return self.offloader.copies
 
     @property
+    def host_copies(self) -> list[HostCopy]:
+        """Each host copy once (views of one storage share theirs)."""
+        return list({id(save.copy): save.copy for save in self.offloaded}.values())
+
+    @property
     def nbytes(self) -> int:
         """Host bytes the offloaded saves hold."""
-        return sum(save.host.numel() * save.host.element_size() for save in self.offloaded)
+        return sum(copy.nbytes for copy in self.host_copies)
 
     def hooks(self) -> saved_tensors_hooks:
         """Hooks under which the run's saved tensors are packed by rule (Note: [Offloaded saved tensors])."""
@@ -123,14 +173,35 @@ class SavedActivations:
         if (tensor.device != self.copies.device or tensor.layout != torch.strided
                 or tensor.numel() * tensor.element_size() < max(self.min_bytes, 1)):
             return _KeptSave(tensor.detach(), tensor._version)
-        host, ticket = self.offloader.offload_saved(tensor)
+        copy, view = self._copy_of(tensor)
         try:
             saved: weakref.ref[torch.Tensor] | None = weakref.ref(tensor)
         except TypeError:
             saved = None
-        save = OffloadedSave(host, ticket, tensor._version, saved)
+        save = OffloadedSave(copy, view, tensor._version, saved)
         self.offloaded.append(save)
         return save
+
+    def _copy_of(self, tensor: torch.Tensor) -> tuple[HostCopy, tuple[torch.dtype, torch.Size, tuple[int, ...], int] | None]:
+        """The host copy a saved tensor views: its storage's, if the tensor addresses most of it
+        (attention's query, key and value: three views of one projection, each addressing nearly
+        all of it), shared with the other views of it; else its own addressed memory."""
+        storage = tensor.untyped_storage()
+        span = Layout.of(tensor).span * tensor.element_size()
+        if storage.nbytes() > 2 * span:
+            return HostCopy(*self.offloader.offload_saved(tensor)), None
+        view = (tensor.dtype, tensor.size(), tuple(tensor.stride()), tensor.storage_offset())
+        key = (storage.data_ptr(), storage.nbytes(), tensor._version)
+        known = self._storages.get(key)
+        if known is not None and known[1]() is not None:
+            return known[0], view
+        whole = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
+        copy = HostCopy(*self.offloader.offload_saved(whole))
+        try:
+            self._storages[key] = (copy, weakref.ref(tensor))
+        except TypeError:
+            pass  # not shared: each view copies the storage
+        return copy, view
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, SlotReference):
@@ -140,40 +211,35 @@ class SavedActivations:
             return packed.tensor
         _check_version(packed.changed, packed.version)
         _check_version(packed.saved() if packed.saved is not None else None, packed.version)
-        if packed.device is None:
-            raise RuntimeError("internal error: an offloaded saved tensor was unpacked before its run's backward "
-                               "loaded it")
-        return packed.device
+        return packed.device_tensor()
 
     def seal(self) -> None:
-        """The run is over: note the saved tensors it changed in place after saving them."""
+        """The run is over: note the saved tensors it changed in place after saving them, and
+        forget the storages copied (their memory may be reused for other tensors)."""
+        self._storages.clear()
         for save in self.offloaded:
             tensor = save.saved() if save.saved is not None else None
             if tensor is not None and tensor._version != save.version:
                 # Kept only for the error message (shape, type, version): the run failed anyway.
                 save.changed = tensor.detach()
 
-    def _load(self, save: OffloadedSave) -> None:
-        save.device, save.ready = self.offloader.load_saved(save.ticket, save.host)
-
     def load(self) -> None:
-        """Start loading every offloaded save not on the device yet (ahead of the run's backward)."""
-        for save in self.offloaded:
-            if save.device is None:
-                self._load(save)
+        """Start loading every host copy not on the device yet (ahead of the run's backward)."""
+        for copy in self.host_copies:
+            if copy.device is None:
+                copy.device, copy.ready = self.offloader.load_saved(copy.ticket, copy.host)
 
     def wait(self) -> None:
         """Make compute wait for the loads :meth:`load` issued: the run's backward reads them next."""
-        for save in self.offloaded:
-            if save.device is None:
-                self._load(save)
+        self.load()
+        for copy in self.host_copies:
             # Rule 1 of [Copy ordering]: backward reads the device copy.
-            self.copies.wait_ready(save.ready)
-            save.ready = None
+            self.copies.wait_ready(copy.ready)
+            copy.ready = None
 
     def release(self) -> None:
         """Drop the device copies once the run's backward has been queued (the allocator keeps
         their memory from other streams until that compute is done: it was allocated on compute)."""
-        for save in self.offloaded:
-            save.device = None
-            save.ready = None
+        for copy in self.host_copies:
+            copy.device = None
+            copy.ready = None
