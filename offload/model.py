@@ -308,7 +308,8 @@ class OffloadModel(nn.Module):
         activations = f"offload_activations={offloaded}, " if offloaded is not None else ""
         return (
             f"device={self.device}, offload_device={self.offload_device}, "
-            f"checkpoint_activation={self.checkpoint_activation}, {activations}num_microbatches={self.num_microbatches}, "
+            f"checkpoint_activation={self.checkpoint_activation}, {activations}"
+            f"num_microbatches={self.num_microbatches}, "
             f"{precision}{masters}slices={slices}"
         )
 

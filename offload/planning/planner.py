@@ -64,7 +64,9 @@ def estimate_memory(layers: nn.Module | Sequence[int], *, num_slices: int = 8,
         num_microbatches: more than one adds the two device buffers that sum gradients.
         device: the compute device; host memory is pinned only for ``"cuda"``. On ``"cpu"`` the
             device categories are host memory too.
-        activation_bytes: boundary activations and other pooled buffers of one step, if known.
+        activation_bytes: boundary activations and other pooled buffers of one step, if known;
+            with ``offload_activations``, add the saved tensors of the offloaded slices (what
+            ``scripts/bench_activations.py`` reports as ``host_activation_bytes_after_forward``).
 
     Returns:
         A :class:`~offload.MemoryFootprint` of the predicted bytes (``device_gradients`` counts a

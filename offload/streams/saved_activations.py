@@ -55,6 +55,10 @@ from .device_slots import DeviceSlots, SlotReference
 from .layouts import Layout
 
 
+#: A tensor in a storage's bytes: dtype, size, stride and storage offset (in elements of dtype).
+StorageView = tuple[torch.dtype, torch.Size, tuple[int, ...], int]
+
+
 @dataclass(eq=False)
 class HostCopy:
     """Device memory that saved tensors view, copied to a pooled host buffer (rule 3 of Note:
@@ -73,10 +77,6 @@ class HostCopy:
     device: torch.Tensor | None = None
     ready: Event | None = None
 
-    @property
-    def nbytes(self) -> int:
-        return self.host.numel() * self.host.element_size()
-
 
 @dataclass(eq=False)
 class OffloadedSave:
@@ -92,7 +92,7 @@ class OffloadedSave:
     """
 
     copy: HostCopy
-    view: tuple[torch.dtype, torch.Size, tuple[int, ...], int] | None
+    view: StorageView | None
     version: int
     saved: weakref.ref[torch.Tensor] | None
     changed: torch.Tensor | None = None
@@ -157,11 +157,6 @@ class SavedActivations:
         """Each host copy once (views of one storage share theirs)."""
         return list({id(save.copy): save.copy for save in self.offloaded}.values())
 
-    @property
-    def nbytes(self) -> int:
-        """Host bytes the offloaded saves hold."""
-        return sum(copy.nbytes for copy in self.host_copies)
-
     def hooks(self) -> saved_tensors_hooks:
         """Hooks under which the run's saved tensors are packed by rule (Note: [Offloaded saved tensors])."""
         return saved_tensors_hooks(self._pack, self._unpack)
@@ -182,7 +177,7 @@ class SavedActivations:
         self.offloaded.append(save)
         return save
 
-    def _copy_of(self, tensor: torch.Tensor) -> tuple[HostCopy, tuple[torch.dtype, torch.Size, tuple[int, ...], int] | None]:
+    def _copy_of(self, tensor: torch.Tensor) -> tuple[HostCopy, StorageView | None]:
         """The host copy a saved tensor views: its storage's, if the tensor addresses most of it
         (attention's query, key and value: three views of one projection, each addressing nearly
         all of it), shared with the other views of it; else its own addressed memory."""
