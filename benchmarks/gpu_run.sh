@@ -23,7 +23,8 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # GPU tests of the CUDA-path fixes no GPU has run yet: first, so a short run still reports them.
 NEW_CUDA_TESTS="tests/test_grad_scaler.py tests/test_cuda.py tests/test_pinned.py tests/test_cuda_devices.py
-    tests/test_memory.py tests/test_parametrize.py tests/test_parity.py tests/test_masters_on_disk.py"
+    tests/test_memory.py tests/test_parametrize.py tests/test_parity.py tests/test_masters_on_disk.py
+    tests/test_offload_activations.py"
 {
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,power.limit --format=csv
     python3 -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"

@@ -209,13 +209,13 @@ class Counter(nn.Module):
         return x * self.scale
 
 
-def faults(build: Build) -> list[torch.Tensor]:
+def faults(build: Build, **kwargs: Any) -> list[torch.Tensor]:
     """A failure in forward and one in backward; after each the user reloads a checkpoint (host
     writes to the parameters) and trains on."""
     torch.manual_seed(0)
     layers = [Counter(8), nn.Linear(8, 8), nn.Tanh(), Faulty(8), nn.Tanh(), Counter(8), nn.Linear(8, 8), nn.Tanh(),
               nn.Linear(8, 3)]
-    model = build(nn.Sequential(*layers), num_slices=5)
+    model = build(nn.Sequential(*layers), num_slices=5, **kwargs)
     faulty = model.get_submodule("3")
     seen = train(model, steps=1)
     for arm in ("fail_forward", "fail_backward"):
@@ -496,6 +496,12 @@ def offloaded_activations_retained(build: Build) -> list[torch.Tensor]:
     return [out.detach()] + first + train(model, steps=2)
 
 
+def faults_offloaded(build: Build) -> list[torch.Tensor]:
+    """The failures of :func:`faults` with every slice's saved tensors offloaded: copies in flight
+    when a forward or backward fails are drained, and the next steps reuse the pooled buffers."""
+    return faults(build, offload_activations=OffloadActivations(last=5, min_bytes=0))
+
+
 SCENARIOS: dict[str, Callable[[Build], list[torch.Tensor]]] = {
     f.__name__: f for f in (
         dropout_mlp, batchnorm, batchnorm_microbatches, in_place_first_layer, microbatches, no_checkpointing,
@@ -506,7 +512,7 @@ SCENARIOS: dict[str, Callable[[Build], list[torch.Tensor]]] = {
         offload_optimizer_after_forwards_without_backward, detached_forward_then_buffer_snapshots,
         reads_between_step_and_forward, data_parallel_one_rank,
         tied_across_slices, tied_across_slices_offload_optimizer, sparse_gradients_and_strided_boundaries,
-        offloaded_activations, offloaded_activations_retained,
+        offloaded_activations, offloaded_activations_retained, faults_offloaded,
     )
 }
 try:
