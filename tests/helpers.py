@@ -35,10 +35,6 @@ ACTIVATIONS: dict[str, dict[str, Any]] = {
                     "offload_activations": OffloadActivations(last=1_000, min_bytes=0)},
 }
 
-#: Only the two policies the existing tests did not cover, for tests parametrised over
-#: ``checkpoint_activation`` already.
-OFFLOADED = ["offload_last", "offload_all"]
-
 
 def clone_model(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model)

@@ -25,7 +25,7 @@ import offload
 from offload import OffloadModel
 from offload.model import engine_of
 
-from .helpers import ACTIVATIONS, DEVICES, OFFLOADED, HostStepped, assert_same_grads, grads_of
+from .helpers import ACTIVATIONS, DEVICES, HostStepped, assert_same_grads, grads_of
 from .test_mixed_precision import converted, master_grads_of
 
 transformers = pytest.importorskip("transformers", reason='transformers is not installed: pip install -e ".[transformers]"')
@@ -151,15 +151,21 @@ def test_logits_loss_and_gradients_are_bit_identical(kind, train, checkpoint_act
                 p.grad = q.grad = None
 
 
-#: Families whose layers differ in what they save: learned and rotary positions, sliding windows,
-#: parallel attention, experts.
-OFFLOADED_FAMILIES = ["gpt2", "llama", "gemma3_text", "gpt_neox", "qwen3_moe"]
+#: Families whose layers differ in what they save (learned and rotary positions, sliding windows,
+#: parallel attention, experts), each with one policy and dtype, so that every policy and dtype
+#: meets more than one family.
+OFFLOADED_CASES = [
+    ("gpt2", "offload_last", None),
+    ("llama", "offload_all", torch.bfloat16),
+    ("gemma3_text", "offload_last", torch.bfloat16),
+    ("gpt_neox", "offload_all", None),
+    ("qwen3_moe", "offload_last", None),
+]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kind", OFFLOADED_FAMILIES)
-@pytest.mark.parametrize("activations", OFFLOADED)
-@pytest.mark.parametrize("compute_dtype", [None, torch.bfloat16], ids=["float32", "bf16"])
+@pytest.mark.parametrize(("kind", "activations", "compute_dtype"), OFFLOADED_CASES,
+                         ids=[f"{k}-{a}-{'bf16' if d else 'float32'}" for k, a, d in OFFLOADED_CASES])
 def test_offloaded_activations_are_bit_identical(kind, activations, compute_dtype, device):
     hf = build(kind)
     reference = (copy.deepcopy(hf) if compute_dtype is None else converted(hf, compute_dtype)).to(device)
@@ -173,8 +179,10 @@ def test_offloaded_activations_are_bit_identical(kind, activations, compute_dtyp
     assert engine_of(model).activations.saved_bytes > 0
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "gemma3_text", "gpt_neox"])
-@pytest.mark.parametrize("activations", ["recompute", "offload_all"])
+@pytest.mark.parametrize(("kind", "activations"), [
+    ("gpt2", "recompute"), ("llama", "recompute"), ("gemma3_text", "recompute"), ("gpt_neox", "recompute"),
+    ("llama", "offload_all"), ("gemma3_text", "offload_all"),
+])
 def test_with_the_models_own_gradient_checkpointing(kind, activations):
     hf = build(kind)
     hf.gradient_checkpointing_enable()
