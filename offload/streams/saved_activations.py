@@ -34,9 +34,10 @@ Note: [Offloaded saved tensors]
     changed and dropped after its run, before backward, goes unnoticed (as under
     ``torch.autograd.graph.save_on_cpu``): a program the plain model refuses, never one it accepts.
 
-    The host copies are held only by the graph (through the packed saves), so their pooled buffers
-    return to the pool when autograd frees the graph; each buffer remembers its last load, which
-    the next offload into it waits for.
+    The host copies are held only by the graph (through the packed saves) and by the call's
+    record of the run, which backward lets go with the graph (unless it is retained), so their
+    pooled buffers return to the pool when autograd frees the graph; each buffer remembers its
+    last load, which the next offload into it waits for.
 """
 
 from __future__ import annotations
