@@ -266,6 +266,7 @@ class OffloadModel(nn.Module):
     def __setstate__(self, state: dict[str, Any]) -> None:
         state = dict(state)
         names = state.pop("_slice_names")
+        state.setdefault("offload_activations", None)  # pickled before the setting existed
         super().__setstate__(state)
         self._adopt([(list(group), [self._modules[name] for name in group]) for group in names])
 
@@ -304,7 +305,7 @@ class OffloadModel(nn.Module):
         precision = f"compute_dtype={self.compute_dtype}, " if self.compute_dtype is not None else ""
         files = self._engine.master_files
         masters = f"masters on disk in {files.directory}, " if files is not None else ""
-        offloaded = getattr(self, "offload_activations", None)
+        offloaded = self.offload_activations
         activations = f"offload_activations={offloaded}, " if offloaded is not None else ""
         return (
             f"device={self.device}, offload_device={self.offload_device}, "
@@ -352,9 +353,7 @@ class OffloadModel(nn.Module):
         return call.output_with(outputs)
 
     def _activation_plan(self) -> ActivationPlan:
-        # getattr: a model pickled before the setting existed has no such attribute.
-        return ActivationPlan.of(self.checkpoint_activation, getattr(self, "offload_activations", None),
-                                 self._engine.num_slices)
+        return ActivationPlan.of(self.checkpoint_activation, self.offload_activations, self._engine.num_slices)
 
     def _warn_microbatch_batchnorm(self) -> None:
         if self._warned_microbatch_batchnorm or self.num_microbatches == 1 or not self.training:

@@ -76,6 +76,16 @@ def test_copies_and_pickles_keep_the_policy():
         assert engine_of(twin).activations.saved_bytes > 0
 
 
+def test_a_model_pickled_before_the_setting_existed_loads_without_it():
+    model = OffloadModel(linear_tanh(), device="cpu", num_slices=3)
+    state = model.__getstate__()
+    del state["offload_activations"]
+    twin = OffloadModel.__new__(OffloadModel)
+    twin.__setstate__(state)
+    assert twin.offload_activations is None
+    twin(torch.randn(ROWS, WIDTH)).sum().backward()
+
+
 # -- what runs, what moves ---------------------------------------------------------------------------
 
 
