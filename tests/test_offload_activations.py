@@ -123,6 +123,26 @@ def test_an_offloaded_slice_runs_once_and_a_recomputed_one_twice(num_microbatche
     assert runs.counts == [2 * num_microbatches, num_microbatches, num_microbatches, 2 * num_microbatches - 1]
 
 
+@pytest.mark.parametrize("num_microbatches", [1, 3])
+def test_saved_tensors_are_loaded_one_step_ahead_of_their_backward(monkeypatch, num_microbatches):
+    from offload.streams.saved_activations import SavedActivations
+
+    found: list[bool] = []  # per offloaded run, in backward order: were its copies loaded already?
+    wait = SavedActivations.wait
+
+    def watching(self: SavedActivations) -> None:
+        found.append(all(copy.device is not None for copy in self.host_copies))
+        wait(self)
+
+    monkeypatch.setattr(SavedActivations, "wait", watching)
+    model = OffloadModel(linear_tanh(4), device="cpu", num_slices=4, num_microbatches=num_microbatches,
+                         offload_activations=OffloadActivations(last=4, min_bytes=0))
+    model(torch.randn(ROWS, WIDTH)).sum().backward()
+    # Every run but the last slice's last microbatch (a kept graph) is offloaded; each was loaded
+    # while the run before it in backward was differentiated.
+    assert found == [True] * (4 * num_microbatches - 1)
+
+
 def test_exactly_the_saved_activations_cross_the_link_and_never_a_weight():
     # Slice 0 alone is offloaded, the rest keep their graphs: its Linear saves its input and its
     # Tanh its output, each ROWS x WIDTH float32; its weight is read from the slot again.

@@ -199,7 +199,8 @@ def graph_of(engine: Engine, record: Checkpoint | KeptGraph | OffloadedGraph, au
     """The graph of slice ``i`` on microbatch ``m``: the one forward kept (its saved tensors loaded
     back if they were offloaded), or a recompute."""
     if isinstance(record, OffloadedGraph):
-        loader.prefetch(i, m)
+        # Loaded one step ahead (BoundaryLoader.prefetch); the first run backward reaches, or a
+        # second backward through a retained graph, loads here.
         record.saves.wait()
         return SliceGraph(record.outputs, record.inputs, record.params,
                           _kept_entry_tensors(engine, i, record, views), retain_graph)

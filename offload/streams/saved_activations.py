@@ -226,7 +226,8 @@ class SavedActivations:
                 copy.device, copy.ready = self.offloader.load_saved(copy.ticket, copy.host)
 
     def wait(self) -> None:
-        """Make compute wait for the loads :meth:`load` issued: the run's backward reads them next."""
+        """Make compute wait for the loads :meth:`load` issued (issuing those it did not): the
+        run's backward reads them next."""
         self.load()
         for copy in self.host_copies:
             # Rule 1 of [Copy ordering]: backward reads the device copy.
