@@ -9,6 +9,7 @@
 #   bash benchmarks/gpu_run.sh maxmodel 2 540 "--compute-dtype bf16"        # largest model under a 2 GiB cap, time limit
 #   bash benchmarks/gpu_run.sh storage 400                                    # the disk tier against this machine's disk
 #   bash benchmarks/gpu_run.sh scale 540 "--layers 24 --compute-dtype bfloat16 --masters-on-disk"  # tiers feeding a GPU
+#   bash benchmarks/gpu_run.sh activations 240 "--d-model 1024 --seq-len 2048"  # recompute / offload / kept graph
 #
 # A fairscale wheel under .whl/ (not a dependency) is installed for the comparison when present.
 set -uo pipefail
@@ -22,7 +23,8 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # GPU tests of the CUDA-path fixes no GPU has run yet: first, so a short run still reports them.
 NEW_CUDA_TESTS="tests/test_grad_scaler.py tests/test_cuda.py tests/test_pinned.py tests/test_cuda_devices.py
-    tests/test_memory.py tests/test_parametrize.py tests/test_parity.py tests/test_masters_on_disk.py"
+    tests/test_memory.py tests/test_parametrize.py tests/test_parity.py tests/test_masters_on_disk.py
+    tests/test_offload_activations.py"
 {
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,power.limit --format=csv
     python3 -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"
@@ -69,6 +71,11 @@ while [ $# -gt 0 ]; do
             if [ $# -gt 0 ] && [ "${1#--}" != "$1" ]; then more=$1; shift; fi
             timeout "$limit" python3 scripts/bench_scale.py --device cuda $more --json "$OUT/scale.json" 2>&1 \
                 | grep -v "^ " | tail -n 40 | tee -a "$OUT/run.log" ;;
+        activations)  # activations <seconds> ["<more arguments>"]: scripts/bench_activations.py on the GPU
+            limit=$1; shift; more=""
+            if [ $# -gt 0 ] && [ "${1#--}" != "$1" ]; then more=$1; shift; fi
+            timeout "$limit" python3 scripts/bench_activations.py --device cuda $more \
+                --json "$OUT/activations.json" 2>&1 | grep -v Warning | tail -n 40 | tee -a "$OUT/run.log" ;;
         pstep)  # pstep <case> <seconds>: torch.profiler tables of one case's offloaded step
             timeout "$2" python3 scripts/profile_step.py --case "$1" > "$OUT/profile_step_$1.txt" 2>&1
             head -n 40 "$OUT/profile_step_$1.txt" | tee -a "$OUT/run.log"; shift 2 ;;

@@ -50,11 +50,12 @@ from .planning.footprint import MemoryFootprint
 from .grad_scaler import GradScaler
 from .loading.sequential import load_sequential
 from .model import OffloadModel
+from .walk.activation_policy import OffloadActivations
 from .optimizer import OffloadOptimizer
 from .planning.planner import estimate_memory
 from .tiers.slice_update import HostUpdateError
 from .streams.collectives import CollectiveError
 
 __all__ = ["CheckpointError", "CollectiveError", "DiskTier", "DiskTierError", "GradScaler", "HostUpdateError", "MemoryFootprint",
-           "OffloadModel", "OffloadOptimizer", "estimate_memory", "is_recomputing", "latest_checkpoint",
+           "OffloadActivations", "OffloadModel", "OffloadOptimizer", "estimate_memory", "is_recomputing", "latest_checkpoint",
            "load_checkpoint", "load_sequential", "save_checkpoint"]

@@ -19,6 +19,7 @@ from . import per_tensor_warning
 from .autograd import Call, OffloadFunction, flatten_input
 from .autograd.accumulation import mark_zeroed
 from .data_parallel import DataParallel
+from .walk.activation_policy import ActivationPlan, OffloadActivations
 from .walk.engine import Engine
 from .grad_scaler import warn_about_plain_grad_scalers
 from .planning.footprint import MemoryFootprint, measure as measure_footprint
@@ -89,6 +90,10 @@ class OffloadModel(SettledModule):
             holds a few slices' masters at a time (Note: [Masters on disk] in
             ``offload/tiers/master_files.py``, ``docs/disk-tier.md``). Needs ``compute_dtype``: loads read
             the half-precision shadow, which stays in RAM.
+        offload_activations: an :class:`~offload.OffloadActivations` naming slices whose saved
+            activations go to host memory during forward and come back before their backward,
+            instead of being recomputed (or kept on ``device``); ``None``: none. Saves the
+            recompute at the cost of link traffic and host memory (``docs/memory.md``).
 
     Raises:
         TypeError: ``model`` is neither an ``nn.Sequential`` nor a list of modules, or an
@@ -119,6 +124,7 @@ class OffloadModel(SettledModule):
         compute_dtype: torch.dtype | None = None,
         process_group: Any = None,
         masters: Any = None,
+        offload_activations: OffloadActivations | None = None,
     ) -> None:
         super().__init__()
         named_groups = _slice_groups(model, _positive_int("num_slices", num_slices))
@@ -129,6 +135,12 @@ class OffloadModel(SettledModule):
         if not isinstance(checkpoint_activation, bool):
             raise TypeError(f"checkpoint_activation must be a bool, got {type(checkpoint_activation).__name__}")
         self.checkpoint_activation = checkpoint_activation
+        if offload_activations is not None and not isinstance(offload_activations, OffloadActivations):
+            raise TypeError(f"offload_activations must be an offload.OffloadActivations or None, got "
+                            f"{type(offload_activations).__name__}")
+        if offload_activations is not None:
+            offload_activations.chosen(len(named_groups))  # an index out of range fails here, not in forward
+        self.offload_activations = offload_activations
         self.device = existing_device(device, "device")
         self.offload_device = existing_device(offload_device, "offload_device")
         if self.offload_device.type == "meta":
@@ -195,7 +207,8 @@ class OffloadModel(SettledModule):
         twin = type(self).__new__(type(self))
         nn.Module.__init__(twin)
         memo[id(self)] = twin
-        for name in ("compute_dtype", "num_microbatches", "checkpoint_activation", "device", "offload_device",
+        for name in ("compute_dtype", "num_microbatches", "checkpoint_activation", "offload_activations",
+                     "device", "offload_device",
                      "training", "_masters"):
             setattr(twin, name, getattr(self, name))
         twin._adopt([(list(s.names), copy.deepcopy(s.layers, memo)) for s in self._engine.slices])
@@ -215,6 +228,7 @@ class OffloadModel(SettledModule):
     def __setstate__(self, state: dict[str, Any]) -> None:
         state = dict(state)
         names = state.pop("_slice_names")
+        state.setdefault("offload_activations", None)  # pickled before the setting existed
         super().__setstate__(state)
         self._adopt([(list(group), [self._modules[name] for name in group]) for group in names])
 
@@ -251,9 +265,12 @@ class OffloadModel(SettledModule):
         precision = f"compute_dtype={self.compute_dtype}, " if self.compute_dtype is not None else ""
         files = self._engine.master_files
         masters = f"masters on disk in {files.directory}, " if files is not None else ""
+        offloaded = self.offload_activations
+        activations = f"offload_activations={offloaded}, " if offloaded is not None else ""
         return (
             f"device={self.device}, offload_device={self.offload_device}, "
-            f"checkpoint_activation={self.checkpoint_activation}, num_microbatches={self.num_microbatches}, "
+            f"checkpoint_activation={self.checkpoint_activation}, {activations}"
+            f"num_microbatches={self.num_microbatches}, "
             f"{precision}{masters}slices={slices}"
         )
 
@@ -268,7 +285,7 @@ class OffloadModel(SettledModule):
         _check_one_input(args, kwargs)
         engine = self._engine
         engine.refresh()
-        self._warn_microbatch_batchnorm()
+        _warn_microbatch_batchnorm(self)
         leaves, spec = flatten_input(args[0], self.compute_dtype)
         params = engine.parameters()
         needs_graph = torch.is_grad_enabled() and (
@@ -283,23 +300,12 @@ class OffloadModel(SettledModule):
         # buffers whose copies may still be in flight.
         with saved_tensors_hooks(_identity, _identity):
             outputs = OffloadFunction.apply(
-                engine, call, self.checkpoint_activation, self.num_microbatches, *input_tensors, *params,
+                engine, call, self._activation_plan(), self.num_microbatches, *input_tensors, *params,
             )
         return call.output_with(outputs)
 
-    def _warn_microbatch_batchnorm(self) -> None:
-        if self._warned_microbatch_batchnorm or self.num_microbatches == 1 or not self.training:
-            return
-        # The engine's layers, not self.modules(): that would wait for pending updates.
-        layers = (m for s in self._engine.slices for layer in s.layers for m in layer.modules())
-        if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in layers):
-            self._warned_microbatch_batchnorm = True
-            warnings.warn(
-                "OffloadModel with num_microbatches > 1 runs BatchNorm layers on each microbatch, so "
-                "their batch statistics differ from the full batch's; use num_microbatches=1 for exact "
-                "full-batch normalisation",
-                stacklevel=3,
-            )
+    def _activation_plan(self) -> ActivationPlan:
+        return ActivationPlan.of(self.checkpoint_activation, self.offload_activations, self._engine.num_slices)
 
     # -- placement ---------------------------------------------------------------------------
 
@@ -404,3 +410,19 @@ def _size(nbytes: int) -> str:
         if nbytes >= scale:
             return f"{nbytes / scale:.1f} {unit}"
     return f"{nbytes} B"
+
+
+def _warn_microbatch_batchnorm(model: OffloadModel) -> None:
+    """Once per model: BatchNorm under microbatches normalises each microbatch, not the batch."""
+    if model._warned_microbatch_batchnorm or model.num_microbatches == 1 or not model.training:
+        return
+    # The engine's layers, not model.modules(): that would wait for pending updates.
+    layers = (m for s in model._engine.slices for layer in s.layers for m in layer.modules())
+    if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in layers):
+        model._warned_microbatch_batchnorm = True
+        warnings.warn(
+            "OffloadModel with num_microbatches > 1 runs BatchNorm layers on each microbatch, so "
+            "their batch statistics differ from the full batch's; use num_microbatches=1 for exact "
+            "full-batch normalisation",
+            stacklevel=3,
+        )

@@ -14,10 +14,26 @@ import pytest
 import torch
 from torch import nn
 
+from offload import OffloadActivations
+
 CUDA = pytest.mark.cuda
 
 #: Run a test on the CPU always and on CUDA behind the marker.
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=CUDA)]
+
+#: The ways a slice keeps its activations for backward, as OffloadModel keyword arguments (Note:
+#: [Three ways to keep a slice's activations] in offload/walk/activation_policy.py). The offloaded
+#: ones copy every saved tensor (``min_bytes=0``), so that the tests' small models take the path.
+ACTIVATIONS: dict[str, dict[str, Any]] = {
+    "recompute": {"checkpoint_activation": True},
+    "kept": {"checkpoint_activation": False},
+    # The last two slices offloaded, the ones before recomputed.
+    "offload_last": {"checkpoint_activation": True,
+                     "offload_activations": OffloadActivations(last=2, min_bytes=0)},
+    # Every slice offloaded (``last`` is clamped to the number of slices).
+    "offload_all": {"checkpoint_activation": False,
+                    "offload_activations": OffloadActivations(last=1_000, min_bytes=0)},
+}
 
 
 def clone_model(model: nn.Module) -> nn.Module:

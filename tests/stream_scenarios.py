@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from offload import OffloadModel, OffloadOptimizer
+from offload import OffloadActivations, OffloadModel, OffloadOptimizer
 
 Build = Callable[..., OffloadModel]
 
@@ -209,13 +209,13 @@ class Counter(nn.Module):
         return x * self.scale
 
 
-def faults(build: Build) -> list[torch.Tensor]:
+def faults(build: Build, **kwargs: Any) -> list[torch.Tensor]:
     """A failure in forward and one in backward; after each the user reloads a checkpoint (host
     writes to the parameters) and trains on."""
     torch.manual_seed(0)
     layers = [Counter(8), nn.Linear(8, 8), nn.Tanh(), Faulty(8), nn.Tanh(), Counter(8), nn.Linear(8, 8), nn.Tanh(),
               nn.Linear(8, 3)]
-    model = build(nn.Sequential(*layers), num_slices=5)
+    model = build(nn.Sequential(*layers), num_slices=5, **kwargs)
     faulty = model.get_submodule("3")
     seen = train(model, steps=1)
     for arm in ("fail_forward", "fail_backward"):
@@ -476,6 +476,32 @@ def sparse_gradients_and_strided_boundaries(build: Build) -> list[torch.Tensor]:
     return seen + [p.detach().clone() for p in model.parameters()]
 
 
+def offloaded_activations(build: Build) -> list[torch.Tensor]:
+    """Saved activations of the last slices to the host and back, beside recomputed slices, with
+    microbatches and buffers that change (running statistics)."""
+    model = build(mlp(norm=True, dropout=0.1), num_slices=4, num_microbatches=2,
+                  offload_activations=OffloadActivations(last=3, min_bytes=0))
+    return train(model, steps=3, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2))
+
+
+def offloaded_activations_retained(build: Build) -> list[torch.Tensor]:
+    """Every slice offloaded, a graph differentiated twice (the second backward loads the saved
+    tensors again), and a second forward whose offloads reuse the first one's pooled buffers."""
+    model = build(mlp(dropout=0.1), num_slices=3, checkpoint_activation=False,
+                  offload_activations=OffloadActivations(slices=[0, 1, 2], min_bytes=0))
+    out = model(inputs(0))
+    out.pow(2).sum().backward(retain_graph=True)
+    first = [p.grad.clone() for p in model.parameters()]
+    out.pow(2).sum().backward()
+    return [out.detach()] + first + train(model, steps=2)
+
+
+def faults_offloaded(build: Build) -> list[torch.Tensor]:
+    """The failures of :func:`faults` with every slice's saved tensors offloaded: copies in flight
+    when a forward or backward fails are drained, and the next steps reuse the pooled buffers."""
+    return faults(build, offload_activations=OffloadActivations(last=5, min_bytes=0))
+
+
 SCENARIOS: dict[str, Callable[[Build], list[torch.Tensor]]] = {
     f.__name__: f for f in (
         dropout_mlp, batchnorm, batchnorm_microbatches, in_place_first_layer, microbatches, no_checkpointing,
@@ -486,6 +512,7 @@ SCENARIOS: dict[str, Callable[[Build], list[torch.Tensor]]] = {
         offload_optimizer_after_forwards_without_backward, detached_forward_then_buffer_snapshots,
         reads_between_step_and_forward, data_parallel_one_rank,
         tied_across_slices, tied_across_slices_offload_optimizer, sparse_gradients_and_strided_boundaries,
+        offloaded_activations, offloaded_activations_retained, faults_offloaded,
     )
 }
 try:

@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import offload
-from offload import OffloadModel
+from offload import OffloadActivations, OffloadModel
 
 from .helpers import DEVICES, assert_same_grads
 from .test_mixed_precision import converted, master_grads_of
@@ -101,14 +101,20 @@ def test_reentrant_checkpointing_inside_a_layer_gets_advice_naming_it():
 
 
 @pytest.mark.parametrize("checkpoint_activation", [True, False])
-def test_forward_hooks_fire_again_in_recompute_and_can_tell(checkpoint_activation):
-    model = OffloadModel([nn.Linear(4, 4) for _ in range(3)], device="cpu", checkpoint_activation=checkpoint_activation)
+@pytest.mark.parametrize("offloaded", [None, [1]], ids=["", "slice_1_offloaded"])
+def test_forward_hooks_fire_again_in_recompute_and_can_tell(checkpoint_activation, offloaded):
+    policy = None if offloaded is None else OffloadActivations(slices=offloaded, min_bytes=0)
+    model = OffloadModel([nn.Linear(4, 4) for _ in range(3)], device="cpu", checkpoint_activation=checkpoint_activation,
+                         offload_activations=policy)
     calls: dict[int, list[bool]] = {k: [] for k in range(3)}
     for k in range(3):
         model.get_submodule(str(k)).register_forward_hook(lambda m, i, o, k=k: calls[k].append(offload.is_recomputing()))
     assert not offload.is_recomputing()
     model(torch.randn(2, 4)).sum().backward()
-    if checkpoint_activation:
+    if checkpoint_activation and offloaded:
+        # Slice 0 is recomputed; slice 1's saved tensors come back from the host, nothing reruns.
+        assert calls == {0: [False, True], 1: [False], 2: [False]}
+    elif checkpoint_activation:
         # Slices 0 and 1 are recomputed; the last slice's graph is kept from forward.
         assert calls == {0: [False, True], 1: [False, True], 2: [False]}
     else:

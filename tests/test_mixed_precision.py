@@ -11,7 +11,7 @@ from torch import nn
 from offload import OffloadModel
 from offload.streams.host_storage import FLOAT32_LAYERS
 
-from .helpers import DEVICES, assert_same_grads, microbatched_reference, seeded
+from .helpers import ACTIVATIONS, DEVICES, assert_same_grads, microbatched_reference, seeded
 
 EXACT = {"rtol": 0.0, "atol": 0.0}
 HALF = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
@@ -51,14 +51,14 @@ def master_grads_of(reference: nn.Module) -> nn.Module:
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("num_slices", [1, 3])
 @pytest.mark.parametrize("num_microbatches", [1, 2])
-@pytest.mark.parametrize("checkpoint", [True, False])
+@pytest.mark.parametrize("activations", ACTIVATIONS)
 @pytest.mark.parametrize("dropout", [0.0, 0.2])
-def test_parity_with_the_converted_model(device, dtype, num_slices, num_microbatches, checkpoint, dropout):
+def test_parity_with_the_converted_model(device, dtype, num_slices, num_microbatches, activations, dropout):
     torch.manual_seed(0)
     plain = network(dropout)
     reference = converted(plain, dtype).to(device)
     model = OffloadModel(copy.deepcopy(plain), device=device, num_slices=num_slices, num_microbatches=num_microbatches,
-                         checkpoint_activation=checkpoint, compute_dtype=dtype)
+                         compute_dtype=dtype, **ACTIVATIONS[activations])
     x = torch.randn(8, 12, device=device)
     x_ref = x.clone().requires_grad_()
     x_off = x.clone().requires_grad_()

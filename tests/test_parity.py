@@ -16,7 +16,7 @@ from torch import nn
 
 from offload import OffloadModel
 
-from .helpers import DEVICES, HostStepped, assert_same_grads, clone_model, microbatched_reference, seeded
+from .helpers import ACTIVATIONS, DEVICES, HostStepped, assert_same_grads, clone_model, microbatched_reference, seeded
 
 EXACT = {"rtol": 0.0, "atol": 0.0}
 
@@ -49,13 +49,12 @@ def run_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor, autocast: 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("num_slices", [1, 2, 3, 5])
 @pytest.mark.parametrize("dropout", [0.0, 0.25])
-@pytest.mark.parametrize("checkpoint", [True, False])
+@pytest.mark.parametrize("activations", ACTIVATIONS)
 @pytest.mark.parametrize("autocast", ["none", "bf16"])
-def test_single_microbatch_is_bit_identical(device, num_slices, dropout, checkpoint, autocast):
+def test_single_microbatch_is_bit_identical(device, num_slices, dropout, activations, autocast):
     torch.manual_seed(0)
     reference = mlp(dropout=dropout).to(device)
-    model = OffloadModel(clone_model(reference), device=device, num_slices=num_slices,
-                         checkpoint_activation=checkpoint)
+    model = OffloadModel(clone_model(reference), device=device, num_slices=num_slices, **ACTIVATIONS[activations])
     x = torch.randn(9, 12, device=device)
     target = torch.randn(9, 5, device=device)
     x_ref = x.clone().requires_grad_()
@@ -82,13 +81,13 @@ def _consume(reference, x, device):
 @pytest.mark.parametrize("num_slices", [1, 3])
 @pytest.mark.parametrize("num_microbatches", [2, 3, 4])
 @pytest.mark.parametrize("dropout", [0.0, 0.25])
-@pytest.mark.parametrize("checkpoint", [True, False])
+@pytest.mark.parametrize("activations", ACTIVATIONS)
 @pytest.mark.parametrize("autocast", ["none", "bf16"])
-def test_microbatches_match_the_sliced_reference(device, num_slices, num_microbatches, dropout, checkpoint, autocast):
+def test_microbatches_match_the_sliced_reference(device, num_slices, num_microbatches, dropout, activations, autocast):
     torch.manual_seed(0)
     reference = mlp(dropout=dropout).to(device)
     model = OffloadModel(clone_model(reference), device=device, num_slices=num_slices,
-                         checkpoint_activation=checkpoint, num_microbatches=num_microbatches)
+                         num_microbatches=num_microbatches, **ACTIVATIONS[activations])
     x = torch.randn(10, 12, device=device)
     target = torch.randn(10, 5, device=device)
     x_ref = x.clone().requires_grad_()

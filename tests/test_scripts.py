@@ -142,6 +142,21 @@ def test_cast_benchmark(tmp_path, dtype):
     assert json.loads((tmp_path / "c.json").read_text())["host_cast_float32_gb_per_s"] > 0
 
 
+def test_bench_activations_compares_the_three_ways_and_finds_them_identical(tmp_path):
+    out = run("scripts/bench_activations.py", "--device", "cpu", "--layers", "2", "--d-model", "32", "--heads", "2",
+              "--seq-len", "16", "--vocab", "64", "--batch", "2", "--steps", "1", "--json", str(tmp_path / "a.json"))
+    assert "identical loss and gradients: True" in out
+    data = json.loads((tmp_path / "a.json").read_text())
+    modes = data["modes"]
+    # Only the offloaded slices move their saved tensors; the recompute is a second forward.
+    assert modes["offload"]["saved_activation_bytes_per_step"] > 0
+    assert modes["recompute"]["saved_activation_bytes_per_step"] == modes["kept"]["saved_activation_bytes_per_step"] == 0
+    assert modes["recompute"]["flops_per_step"] > modes["offload"]["flops_per_step"] == modes["kept"]["flops_per_step"]
+    assert modes["offload"]["host_activation_bytes_after_forward"] > modes["kept"]["host_activation_bytes_after_forward"]
+    assert set(data["crossover_tokens_per_slice"]) == {"pcie4", "pcie5", "nvlink-c2c"}
+    assert "scripts/bench_activations.py" in data["command"]
+
+
 def test_chunked_loss_precision_script(tmp_path):
     out = run("scripts/chunked_loss_precision.py", "--tokens", "256", "--hidden", "16", "--vocab", "32",
               "--chunks", "64", "16", "--json", str(tmp_path / "p.json"))

@@ -13,7 +13,7 @@ from torch import nn
 
 from offload import OffloadModel
 
-from .helpers import DEVICES, assert_same_grads, clone_model, microbatched_reference, seeded
+from .helpers import ACTIVATIONS, DEVICES, assert_same_grads, clone_model, microbatched_reference, seeded
 
 EXACT = {"rtol": 0.0, "atol": 0.0}
 
@@ -45,9 +45,9 @@ def test_gradients_accumulate_across_backward_calls(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("checkpoint", [True, False])
-def test_several_forwards_before_one_backward(device, checkpoint):
-    reference, model = pair(device, dropout=0.2, checkpoint_activation=checkpoint)
+@pytest.mark.parametrize("activations", ACTIVATIONS)
+def test_several_forwards_before_one_backward(device, activations):
+    reference, model = pair(device, dropout=0.2, **ACTIVATIONS[activations])
     xs = [torch.randn(4, 6, device=device) for _ in range(3)]
 
     def losses(net):
@@ -65,9 +65,9 @@ def test_several_forwards_before_one_backward(device, checkpoint):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("checkpoint", [True, False])
-def test_retain_graph_twice_doubles_and_third_backward_raises(device, checkpoint):
-    reference, model = pair(device, checkpoint_activation=checkpoint)
+@pytest.mark.parametrize("activations", ACTIVATIONS)
+def test_retain_graph_twice_doubles_and_third_backward_raises(device, activations):
+    reference, model = pair(device, **ACTIVATIONS[activations])
     x = torch.randn(4, 6, device=device)
     loss_ref, loss_off = reference(x).sum(), model(x).sum()
     loss_ref.backward(retain_graph=True)
@@ -82,8 +82,9 @@ def test_retain_graph_twice_doubles_and_third_backward_raises(device, checkpoint
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_autograd_grad_wrt_input_leaves_dot_grad_untouched(device):
-    reference, model = pair(device)
+@pytest.mark.parametrize("activations", ACTIVATIONS)
+def test_autograd_grad_wrt_input_leaves_dot_grad_untouched(device, activations):
+    reference, model = pair(device, **ACTIVATIONS[activations])
     x_ref = torch.randn(4, 6, device=device, requires_grad=True)
     x_off = x_ref.detach().clone().requires_grad_()
     (g_ref,) = torch.autograd.grad(reference(x_ref).pow(2).sum(), x_ref)
@@ -94,8 +95,9 @@ def test_autograd_grad_wrt_input_leaves_dot_grad_untouched(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_autograd_grad_wrt_parameters_and_input(device):
-    reference, model = pair(device)
+@pytest.mark.parametrize("activations", ACTIVATIONS)
+def test_autograd_grad_wrt_parameters_and_input(device, activations):
+    reference, model = pair(device, **ACTIVATIONS[activations])
     x_ref = torch.randn(4, 6, device=device, requires_grad=True)
     x_off = x_ref.detach().clone().requires_grad_()
     ref_params, off_params = list(reference.parameters()), list(model.parameters())
@@ -109,8 +111,9 @@ def test_autograd_grad_wrt_parameters_and_input(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_backward_with_inputs_fills_only_those_grads(device):
-    reference, model = pair(device)
+@pytest.mark.parametrize("activations", ACTIVATIONS)
+def test_backward_with_inputs_fills_only_those_grads(device, activations):
+    reference, model = pair(device, **ACTIVATIONS[activations])
     x = torch.randn(4, 6, device=device)
     last_ref, last_off = list(reference.parameters())[-1], list(model.parameters())[-1]
     reference(x).sum().backward(inputs=[last_ref])
@@ -130,8 +133,9 @@ def test_grad_tensors_for_non_scalar_output(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_parameter_hooks_fire_once_per_backward(device):
-    _, model = pair(device)
+@pytest.mark.parametrize("activations", ACTIVATIONS)
+def test_parameter_hooks_fire_once_per_backward(device, activations):
+    _, model = pair(device, **ACTIVATIONS[activations])
     calls: dict[str, int] = {}
     for name, p in model.named_parameters():
         p.register_hook(lambda g, name=name: calls.__setitem__(name, calls.get(name, 0) + 1))
@@ -491,13 +495,13 @@ def test_no_parameter_requires_grad_runs_without_graph(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("checkpoint", [True, False])
-def test_batchnorm_running_stats_update_once_per_forward(device, checkpoint):
+@pytest.mark.parametrize("activations", ACTIVATIONS)
+def test_batchnorm_running_stats_update_once_per_forward(device, activations):
     torch.manual_seed(0)
     reference = nn.Sequential(
         nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 2)
     ).to(device)
-    model = OffloadModel(clone_model(reference), device=device, num_slices=3, checkpoint_activation=checkpoint)
+    model = OffloadModel(clone_model(reference), device=device, num_slices=3, **ACTIVATIONS[activations])
     for _ in range(3):
         x = torch.randn(6, 4, device=device)
         reference(x).pow(2).sum().backward()
@@ -673,9 +677,9 @@ def test_double_backward_is_refused_with_a_clear_error():
         torch.autograd.grad(out.sum(), x, create_graph=True)
 
 
-@pytest.mark.parametrize("checkpoint", [True, False])
-def test_callers_saved_tensor_hooks_do_not_see_internal_state(checkpoint):
-    reference, model = pair("cpu", checkpoint_activation=checkpoint)
+@pytest.mark.parametrize("activations", ACTIVATIONS)
+def test_callers_saved_tensor_hooks_do_not_see_internal_state(activations):
+    reference, model = pair("cpu", **ACTIVATIONS[activations])
     x = torch.randn(4, 6)
     packed = []
 
@@ -711,12 +715,12 @@ class KeepsWeakref(nn.Module):
         return y
 
 
-@pytest.mark.parametrize("checkpoint", [True, False])
-def test_kept_graphs_without_backward_are_freed(checkpoint):
+@pytest.mark.parametrize("activations", ACTIVATIONS)
+def test_kept_graphs_without_backward_are_freed(activations):
     import gc
 
     model = OffloadModel(nn.Sequential(nn.Linear(6, 6), KeepsWeakref(), KeepsWeakref()), device="cpu",
-                         num_slices=3, checkpoint_activation=checkpoint)
+                         num_slices=3, **ACTIVATIONS[activations])
     out = model(torch.randn(2, 6))  # e.g. a validation pass with grad enabled
     del out
     gc.collect()
@@ -734,8 +738,8 @@ class ScalesInPlace(nn.Module):
         return x.mul_(2)
 
 
-@pytest.mark.parametrize("checkpoint", [True, False])
-def test_in_place_change_of_a_saved_tensor_raises_as_in_pytorch(checkpoint):
+@pytest.mark.parametrize("activations", ACTIVATIONS)
+def test_in_place_change_of_a_saved_tensor_raises_as_in_pytorch(activations):
     def build():
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Sigmoid(), ScalesInPlace())
@@ -743,14 +747,14 @@ def test_in_place_change_of_a_saved_tensor_raises_as_in_pytorch(checkpoint):
     plain = build()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         plain(torch.randn(2, 4)).sum().backward()
-    model = OffloadModel(build(), device="cpu", num_slices=2, checkpoint_activation=checkpoint)
+    model = OffloadModel(build(), device="cpu", num_slices=2, **ACTIVATIONS[activations])
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         model(torch.randn(2, 4)).sum().backward()
 
 
-@pytest.mark.parametrize("checkpoint", [True, False])
-def test_in_place_on_the_output_behaves_as_in_pytorch(checkpoint):
-    reference, model = pair("cpu", checkpoint_activation=checkpoint)  # last layer: Linear
+@pytest.mark.parametrize("activations", ACTIVATIONS)
+def test_in_place_on_the_output_behaves_as_in_pytorch(activations):
+    reference, model = pair("cpu", **ACTIVATIONS[activations])  # last layer: Linear
     x = torch.randn(4, 6)
     for net in (reference, model):
         y = net(x)
@@ -758,7 +762,7 @@ def test_in_place_on_the_output_behaves_as_in_pytorch(checkpoint):
         y.sum().backward()
     assert_same_grads(model, reference, **EXACT)
     sigmoid_last = OffloadModel(nn.Sequential(nn.Linear(6, 6), nn.Sigmoid()), device="cpu", num_slices=2,
-                                checkpoint_activation=checkpoint)
+                                **ACTIVATIONS[activations])
     y = sigmoid_last(x)
     y.mul_(2)  # sigmoid saved its output: PyTorch refuses this backward, and so do we
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
@@ -766,16 +770,16 @@ def test_in_place_on_the_output_behaves_as_in_pytorch(checkpoint):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("checkpoint", [True, False])
+@pytest.mark.parametrize("activations", ACTIVATIONS)
 @pytest.mark.parametrize("num_microbatches", [1, 2])
-def test_slice_starting_with_an_in_place_layer(device, checkpoint, num_microbatches):
+def test_slice_starting_with_an_in_place_layer(device, activations, num_microbatches):
     torch.manual_seed(0)
     first = nn.Sequential(nn.Linear(5, 5), nn.Linear(5, 5))
     second = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(5, 5))
     third = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(5, 1))
     reference = nn.Sequential(first, second, third).to(device)
     model = OffloadModel([clone_model(first), clone_model(second), clone_model(third)], device=device,
-                         checkpoint_activation=checkpoint, num_microbatches=num_microbatches)
+                         **ACTIVATIONS[activations], num_microbatches=num_microbatches)
     model.to(torch.float32)  # no-op conversion; the layers are on the offload device now
     x = torch.randn(6, 5, device=device)
     reference(x).pow(2).sum().backward()
@@ -849,11 +853,11 @@ class _Twice(nn.Module):
 
 
 @pytest.mark.parametrize("backward_inside", [True, False], ids=["backward-inside-autocast", "backward-after"])
-@pytest.mark.parametrize("checkpoint", [True, False])
-def test_a_weight_used_twice_under_autocast_gets_the_plain_models_gradient(checkpoint, backward_inside):
+@pytest.mark.parametrize("activations", ACTIVATIONS)
+def test_a_weight_used_twice_under_autocast_gets_the_plain_models_gradient(activations, backward_inside):
     torch.manual_seed(0)
     plain = nn.Sequential(nn.Linear(16, 16), _Twice(), nn.Linear(16, 16), _Twice())
-    model = OffloadModel(copy.deepcopy(plain), device="cpu", num_slices=2, checkpoint_activation=checkpoint)
+    model = OffloadModel(copy.deepcopy(plain), device="cpu", num_slices=2, **ACTIVATIONS[activations])
     x = torch.randn(8, 16)
     for net in (plain, model):
         with torch.autocast("cpu", dtype=torch.bfloat16):

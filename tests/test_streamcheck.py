@@ -274,12 +274,19 @@ NEEDED = [
     Dependency("wait_stream", "offload", "gradients.py:offload", "compute"),
     Dependency("wait_stream", "offload_many", "gradients.py:offload", "compute"),
     Dependency("wait_stream", "offload_many", "gradients.py:_offload_sparse", "compute"),
+    # Saved activations of offloaded slices (Note: [Offloaded saved tensors]).
+    Dependency("mark_used", "offload", "activations.py:offload_saved", "offload"),
+    Dependency("wait_stream", "offload", "activations.py:offload_saved", "compute"),
+    Dependency("wait_stream", "load", "activations.py:load_saved", "compute"),
+    Dependency("wait_event", "load", "activations.py:load_saved", "offload"),
+    Dependency("wait_event", "wait_ready", "saved_activations.py:wait", "load"),
 ]
 
 #: Safety nets that no scenario can expose today, each for the reason given in
 #: Note: [Orderings the end of a walk covers] in offload/streams/copies.py.
 COVERED = [
     Dependency("mark_used", "load", "activations.py:load", "load"),
+    Dependency("mark_used", "load", "activations.py:load_saved", "load"),
     Dependency("mark_used", "load", "device_slots.py:prefetch", "load"),
     Dependency("mark_used", "load", "device_slots.py:_load_borrowed", "load"),
     Dependency("wait_event", "load", "device_slots.py:_load_borrowed", "compute"),
@@ -290,6 +297,7 @@ COVERED = [
     Dependency("synchronize_event", "wait_host", "device_slots.py:prefetch", "load"),
     Dependency("wait_event", "load", "device_slots.py:restore_buffers", "offload"),
     Dependency("wait_event", "offload", "activations.py:offload", "load"),
+    Dependency("wait_event", "offload", "activations.py:offload_saved", "load"),
     Dependency("wait_event", "offload_many", "gradients.py:offload", "load"),
     Dependency("wait_stream", "drain", "device_slots.py:invalidate", "load"),
     Dependency("wait_stream", "drain", "device_slots.py:invalidate", "offload"),

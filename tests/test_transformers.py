@@ -23,8 +23,9 @@ import torch.utils._python_dispatch
 
 import offload
 from offload import OffloadModel
+from offload.model import engine_of
 
-from .helpers import DEVICES, HostStepped, assert_same_grads, grads_of
+from .helpers import ACTIVATIONS, DEVICES, HostStepped, assert_same_grads, grads_of
 from .test_mixed_precision import converted, master_grads_of
 
 transformers = pytest.importorskip("transformers", reason='transformers is not installed: pip install -e ".[transformers]"')
@@ -150,12 +151,43 @@ def test_logits_loss_and_gradients_are_bit_identical(kind, train, checkpoint_act
                 p.grad = q.grad = None
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "gemma3_text", "gpt_neox"])
-def test_with_the_models_own_gradient_checkpointing(kind):
+#: Families whose layers differ in what they save (learned and rotary positions, sliding windows,
+#: parallel attention, experts), each with one policy and dtype, so that every policy and dtype
+#: meets more than one family.
+OFFLOADED_CASES = [
+    ("gpt2", "offload_last", None),
+    ("llama", "offload_all", torch.bfloat16),
+    ("gemma3_text", "offload_last", torch.bfloat16),
+    ("gpt_neox", "offload_all", None),
+    ("qwen3_moe", "offload_last", None),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("kind", "activations", "compute_dtype"), OFFLOADED_CASES,
+                         ids=[f"{k}-{a}-{'bf16' if d else 'float32'}" for k, a, d in OFFLOADED_CASES])
+def test_offloaded_activations_are_bit_identical(kind, activations, compute_dtype, device):
+    hf = build(kind)
+    reference = (copy.deepcopy(hf) if compute_dtype is None else converted(hf, compute_dtype)).to(device)
+    model = OffloadModel(causal_lm_sequential(hf), device=device, num_slices=3, compute_dtype=compute_dtype,
+                         **ACTIVATIONS[activations])
+    inputs = batch(device)
+    labels = inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)
+    got_logits, want_logits = both_backward(hf, reference, model, inputs, labels)
+    torch.testing.assert_close(got_logits, want_logits, **EXACT)
+    assert_same_grads(hf, reference if compute_dtype is None else master_grads_of(reference), **EXACT)
+    assert engine_of(model).activations.saved_bytes > 0
+
+
+@pytest.mark.parametrize(("kind", "activations"), [
+    ("gpt2", "recompute"), ("llama", "recompute"), ("gemma3_text", "recompute"), ("gpt_neox", "recompute"),
+    ("llama", "offload_all"), ("gemma3_text", "offload_all"),
+])
+def test_with_the_models_own_gradient_checkpointing(kind, activations):
     hf = build(kind)
     hf.gradient_checkpointing_enable()
     reference = copy.deepcopy(hf)
-    model = OffloadModel(causal_lm_sequential(hf), device="cpu", num_slices=2)
+    model = OffloadModel(causal_lm_sequential(hf), device="cpu", num_slices=2, **ACTIVATIONS[activations])
     inputs = batch()
     got_logits, want_logits = both_backward(hf, reference, model, inputs, inputs["input_ids"])
     torch.testing.assert_close(got_logits, want_logits, **EXACT)

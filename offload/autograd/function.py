@@ -20,30 +20,32 @@ from typing import Any
 
 import torch
 
+from ..walk.activation_policy import ActivationPlan
 from ..walk.engine import Engine
 from ..streams.labels import label
 from ..walk.microbatch import join_outputs, split_leaves
 from ..walk.slice_walk import SliceWalk
 from .call import Call
 from .gradients import BackwardGradients, retain_graph_requested, split_output_grads
-from .records import BoundaryLoader, CallRecord, ForwardRecords
+from .records import BoundaryLoader, CallRecord, ForwardRecords, OffloadedGraph
 from .slice_graph import Boundary, differentiate, graph_of, is_differentiable, requires_grad, run_forward
 
 
 class OffloadFunction(torch.autograd.Function):
     """Forward over all slices without a graph (checkpointing) and a backward that walks them in reverse.
 
-    Called as ``OffloadFunction.apply(engine, call, checkpoint, num_microbatches, *input_tensors, *params)``.
+    Called as ``OffloadFunction.apply(engine, call, plan, num_microbatches, *input_tensors, *params)``, where
+    ``plan`` is the model's :class:`~offload.walk.activation_policy.ActivationPlan`.
     """
 
     @staticmethod
-    def forward(ctx: Any, engine: Engine, call: Call, checkpoint: bool, num_microbatches: int,
+    def forward(ctx: Any, engine: Engine, call: Call, plan: ActivationPlan, num_microbatches: int,
                 *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.set_materialize_grads(False)
         input_tensors = tensors[:call.num_input_tensors]
         leaves = call.input_with(input_tensors)
         microbatches, split = split_leaves(leaves, num_microbatches)
-        records = ForwardRecords(engine, split.count, checkpoint)
+        records = ForwardRecords(engine, split.count, plan)
         # Chunks and device copies are made under no_grad, so remember what the caller's inputs required.
         input_requires_grad = requires_grad(leaves)
         engine.milestones.forward_started(call)
@@ -110,6 +112,8 @@ class OffloadFunction(torch.autograd.Function):
                             walk.buffers_restored()
                         grad_in[m], param_grads = differentiate(run.engine, i, graph, grad_out[m],
                                                                 grads.per_slice_needed[i], grads.wants_input_grads(i))
+                        if isinstance(record, OffloadedGraph):
+                            record.saves.release()
                         del graph, record
                     grads.add(param_grads, [*grad_in[m], *grad_out[m]])
                     del param_grads  # held by the slice's gradients until they leave, not through the next slice

@@ -12,11 +12,18 @@ Note: [Checkpoints and kept graphs]
       autocast state, so dropout draws the same masks.
     - a *kept graph*: the slice ran with grad enabled in forward and autograd's graph is kept.
 
-    With ``checkpoint_activation=True`` only the last microbatch of the last slice is a kept
-    graph: it is the first thing backward needs, so it is neither reloaded nor recomputed. With
-    ``checkpoint_activation=False`` every record is a kept graph and activations stay on the
-    device. Kept graphs save slot memory only as slot references (see
-    ``offload/streams/device_slots.py``), so slots can be reused while they wait.
+    - an *offloaded graph*: the slice ran with grad enabled and autograd's graph is kept, but
+      every tensor the graph saved went to the host as it was produced (Note: [Offloaded saved
+      tensors] in ``offload/streams/saved_activations.py``). The record holds the graph's
+      outputs and boundary leaves as gradient edges and data-less leaves, so that no activation
+      of the slice stays on the device; backward loads the saved tensors one step ahead.
+
+    Which one each slice leaves is the model's activation plan (Note: [Three ways to keep a
+    slice's activations] in ``offload/walk/activation_policy.py``): recomputed slices leave
+    checkpoints, kept slices kept graphs, offloaded slices offloaded graphs. The last microbatch
+    of the last slice is always a kept graph: it is the first thing backward needs, so it is
+    neither reloaded nor recomputed. Kept and offloaded graphs save slot memory only as slot
+    references (see ``offload/streams/device_slots.py``), so slots can be reused while they wait.
 
     Records hold indices into the tensors the call saves with ``ctx.save_for_backward``, never the
     tensors themselves, so autograd frees them with the graph (Note: [Gradients through autograd]
@@ -35,6 +42,8 @@ from torch.utils._pytree import TreeSpec
 from ..walk.engine import Engine
 from ..walk.microbatch import Split
 from ..streams import DeviceSlots, Event, OffloadTicket
+from ..streams.saved_activations import SavedActivations
+from ..walk.activation_policy import ActivationMode, ActivationPlan
 from ..walk.module_state import AttributeSnapshot, AttributeTracker
 from .call import Call
 from .replay import AutocastState, capture_rng
@@ -94,7 +103,33 @@ class KeptGraph:
         return [saved[k] if k is not None else None for k in self.inputs]
 
 
-Record = Checkpoint | KeptGraph
+@dataclass
+class OffloadedGraph:
+    """A run whose graph autograd keeps until backward, with its saved tensors on the host.
+
+    Attributes:
+        outputs: gradient edges of the graph's outputs that require grad (``None`` elsewhere):
+            the edges, not the tensors, so that the outputs' memory is freed with the boundary.
+        inputs: the boundary leaves that require grad, their data dropped after the run (autograd
+            needs only the leaf to differentiate with respect to it); ``None`` elsewhere.
+        params: parameter leaves, over slot memory read through slot references.
+        saves: the saved tensors, offloaded.
+    """
+
+    outputs: list[Any]
+    inputs: list[torch.Tensor | None]
+    params: list[torch.Tensor]
+    saves: SavedActivations
+
+
+Record = Checkpoint | KeptGraph | OffloadedGraph
+
+
+def _without_data(leaf: torch.Tensor) -> torch.Tensor:
+    """``leaf`` with its data dropped: a leaf's gradient takes its shape from the graph's metadata,
+    so a graph differentiates with respect to it without its values."""
+    leaf.data = leaf.data.new_empty(0)
+    return leaf
 
 
 class ForwardRecords:
@@ -106,13 +141,13 @@ class ForwardRecords:
     Args:
         engine: the model's slices and copy machinery.
         count: microbatches in the call.
-        checkpoint: ``checkpoint_activation`` (Note: [Checkpoints and kept graphs]).
+        plan: what each slice leaves (Note: [Checkpoints and kept graphs]).
     """
 
-    def __init__(self, engine: Engine, count: int, checkpoint: bool) -> None:
+    def __init__(self, engine: Engine, count: int, plan: ActivationPlan) -> None:
         self.engine = engine
         self.count = count
-        self.checkpoint = checkpoint
+        self.plan = plan
         self.num_slices = engine.num_slices
         self.grid: list[list[Record | None]] = [[None] * count for _ in range(self.num_slices)]
         # Always one tensor, so that a second backward without retain_graph meets autograd's own
@@ -124,8 +159,18 @@ class ForwardRecords:
         # The running slice's plain attributes per run; only recomputes need them.
         self._attributes: AttributeTracker | None = None
 
+    def mode(self, i: int, m: int) -> ActivationMode:
+        """What run ``(i, m)`` leaves for backward."""
+        if i == self.num_slices - 1 and m == self.count - 1:
+            return ActivationMode.KEEP
+        return self.plan.modes[i]
+
     def keeps_graph(self, i: int, m: int) -> bool:
-        return not self.checkpoint or (i == self.num_slices - 1 and m == self.count - 1)
+        return self.mode(i, m) is not ActivationMode.RECOMPUTE
+
+    def new_saves(self) -> SavedActivations:
+        """Where an offloaded run packs its saved tensors."""
+        return SavedActivations(self.engine.activations, self.engine.slots, self.plan.min_bytes)
 
     # -- forward: writing ------------------------------------------------------------------------
 
@@ -157,6 +202,18 @@ class ForwardRecords:
             params=params,
         )
 
+    def offload_graph(self, i: int, m: int, outputs: Sequence[Any], graph_leaves: Sequence[Any],
+                      params: list[torch.Tensor], saves: SavedActivations) -> None:
+        """Keep offloaded run ``(i, m)``'s graph by its edges, its leaves without their data."""
+        self.grid[i][m] = OffloadedGraph(
+            outputs=[torch.autograd.graph.get_gradient_edge(o) if isinstance(o, torch.Tensor) and o.requires_grad
+                     else None for o in outputs],
+            inputs=[_without_data(x) if isinstance(x, torch.Tensor) and x.requires_grad else None
+                    for x in graph_leaves],
+            params=params,
+            saves=saves,
+        )
+
     def save_rng(self, i: int, m: int) -> None:
         """Keep the generator states checkpointed run ``(i, m)`` starts from."""
         record = self.grid[i][m]
@@ -168,7 +225,8 @@ class ForwardRecords:
     def start_slice(self, i: int) -> None:
         """A slice's first run finds its buffers as the host copy holds them."""
         self._buffers_before_run = None
-        self._attributes = AttributeTracker(self.engine.slices[i].modules()) if self.checkpoint else None
+        recomputes = any(self.mode(i, m) is ActivationMode.RECOMPUTE for m in range(self.count))
+        self._attributes = AttributeTracker(self.engine.slices[i].modules()) if recomputes else None
 
     def attributes_before_run(self, m: int) -> None:
         if self._attributes is not None:
@@ -234,13 +292,14 @@ class ForwardRecords:
         record = self.grid[i][m]
         if record is None:
             raise RuntimeError("internal error: backward reached a record that was already released")
-        if isinstance(record, KeptGraph) and not retain_graph:
+        if isinstance(record, (KeptGraph, OffloadedGraph)) and not retain_graph:
             self.grid[i][m] = None
         return record
 
 
 class BoundaryLoader:
-    """Loads checkpointed boundary activations to the device one step ahead of their recompute."""
+    """Loads checkpointed boundary activations to the device one step ahead of their recompute, and
+    an offloaded graph's saved tensors one step ahead of its backward."""
 
     def __init__(self, engine: Engine, records: ForwardRecords, saved: Sequence[torch.Tensor]) -> None:
         self.engine = engine
@@ -250,6 +309,9 @@ class BoundaryLoader:
 
     def prefetch(self, i: int, m: int) -> None:
         record = self.records.grid[i][m]
+        if isinstance(record, OffloadedGraph):
+            record.saves.load()
+            return
         if not isinstance(record, Checkpoint) or (i, m) in self._loaded:
             return
         leaves: list[Any] = []

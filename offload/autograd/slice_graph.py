@@ -48,7 +48,8 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from ..walk.engine import Engine
 from ..walk.module_state import attributes_as_started
 from ..streams.layouts import copy_keeping_layout, overlaps
-from .records import BoundaryLoader, Checkpoint, ForwardRecords, KeptGraph
+from ..walk.activation_policy import ActivationMode
+from .records import BoundaryLoader, Checkpoint, ForwardRecords, KeptGraph, OffloadedGraph
 from .recompute_state import recomputing
 from .replay import AutocastState, autocast_cache_disabled, replaying_rng
 
@@ -127,7 +128,18 @@ def run_forward(engine: Engine, records: ForwardRecords, i: int, m: int, views: 
     """
     s = engine.slices[i]
     records.attributes_before_run(m)
-    if records.keeps_graph(i, m):
+    mode = records.mode(i, m)
+    if mode is ActivationMode.OFFLOAD:
+        saves = records.new_saves()
+        with torch.enable_grad(), saves.hooks():
+            graph_leaves, fed = _graph_inputs(entering.leaves, entering.requires)
+            entry_tensors = _param_leaves(views, engine, i)
+            result = s.run_on_device(engine.slots, entry_tensors, tree_unflatten(fed, entering.spec))
+            del fed
+        saves.seal()
+        out_leaves, out_spec = tree_flatten(result.output)
+        records.offload_graph(i, m, out_leaves, graph_leaves, _params_among(entry_tensors, engine, i), saves)
+    elif mode is ActivationMode.KEEP:
         with torch.enable_grad(), engine.slots.saved_tensors_hooks():
             graph_leaves, fed = _graph_inputs(entering.leaves, entering.requires)
             entry_tensors = _param_leaves(views, engine, i)
@@ -181,10 +193,17 @@ class SliceGraph:
     restored_buffers: bool = False
 
 
-def graph_of(engine: Engine, record: Checkpoint | KeptGraph, autocast: AutocastState,
+def graph_of(engine: Engine, record: Checkpoint | KeptGraph | OffloadedGraph, autocast: AutocastState,
              saved: Sequence[torch.Tensor], loader: BoundaryLoader, i: int, m: int,
              views: Sequence[torch.Tensor], retain_graph: bool) -> SliceGraph:
-    """The graph of slice ``i`` on microbatch ``m``: the one forward kept, or a recompute."""
+    """The graph of slice ``i`` on microbatch ``m``: the one forward kept (its saved tensors loaded
+    back if they were offloaded), or a recompute."""
+    if isinstance(record, OffloadedGraph):
+        # Loaded one step ahead (BoundaryLoader.prefetch); the first run backward reaches, or a
+        # second backward through a retained graph, loads here.
+        record.saves.wait()
+        return SliceGraph(record.outputs, record.inputs, record.params,
+                          _kept_entry_tensors(engine, i, record, views), retain_graph)
     if isinstance(record, KeptGraph):
         return SliceGraph(record.outputs, record.saved_inputs(saved), record.params,
                           _kept_entry_tensors(engine, i, record, views), retain_graph)
@@ -219,7 +238,7 @@ def _autocast_open(device: torch.device) -> bool:
     return torch.is_autocast_enabled("cpu") or (device.type != "cpu" and torch.is_autocast_enabled(device.type))
 
 
-def _kept_entry_tensors(engine: Engine, index: int, record: KeptGraph, views: Sequence[torch.Tensor]
+def _kept_entry_tensors(engine: Engine, index: int, record: KeptGraph | OffloadedGraph, views: Sequence[torch.Tensor]
                         ) -> list[torch.Tensor]:
     """What slice ``index``'s layers must see while autograd runs a graph kept from forward: its
     parameter leaves, pointed at the slot that holds the slice now (it may have moved), and the
@@ -247,9 +266,11 @@ def differentiate(engine: Engine, i: int, graph: SliceGraph, grads: Sequence[Any
 def _gradients(graph: SliceGraph, grads: Sequence[Any], params_needed: Sequence[bool], wants_input_grads: bool
                ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
     inputs, params = graph.inputs, graph.params
+    # An offloaded graph's outputs are gradient edges, present only where they require grad.
     pairs = [
         (o, g) for o, g in zip(graph.outputs, grads)
-        if isinstance(o, torch.Tensor) and o.requires_grad and g is not None
+        if g is not None and (isinstance(o, torch.autograd.graph.GradientEdge)
+                              or isinstance(o, torch.Tensor) and o.requires_grad)
     ]
     wrt: list[torch.Tensor] = []
     input_slots: list[int] = []

@@ -6,6 +6,7 @@
 - ``host_buffers``: pooled host buffers for gradients and activations.
 - ``device_slots``: the two device slots that slices take turns in.
 - ``activations``: boundary activations offloaded and loaded back.
+- ``saved_activations``: the tensors autograd saves in an offloaded slice, to the host and back.
 - ``layouts``: the strides and alignment every copy of an input or activation keeps.
 - ``gradients``: slice gradients accumulated on the device and offloaded.
 - ``workers``: host threads that run host-side work (an optimizer's update) in order, with events.

@@ -52,6 +52,8 @@ class ActivationOffloader:
         self.copies = copies
         self.pool = pool
         self.offloaded_bytes = 0
+        #: of which saved tensors of offloaded slices (Note: [Offloaded saved tensors])
+        self.saved_bytes = 0
 
     def offload(self, tensor: torch.Tensor) -> tuple[torch.Tensor, OffloadTicket]:
         """Start copying ``tensor`` into a host buffer, as it is now: later compute may update it
@@ -70,6 +72,43 @@ class ActivationOffloader:
         buffer.write_event = ready
         self.offloaded_bytes += nbytes
         return layout.on(memory), OffloadTicket(ready, buffer, layout)
+
+    def offload_saved(self, tensor: torch.Tensor) -> tuple[torch.Tensor, OffloadTicket]:
+        """Start copying a tensor autograd saved into a host buffer, without a private snapshot
+        first: autograd forbids changing a saved tensor in place before backward (it checks the
+        version when unpacking), so the copy may read the tensor itself, and the device memory is
+        freed as soon as compute drops it (rule 3 of [Copy ordering] keeps the allocator from
+        reusing it before the copy has read it).
+
+        Returns:
+            The host tensor (valid once the ticket's ``ready`` completes) and the ticket.
+        """
+        layout = Layout.of(tensor)
+        nbytes = layout.span * tensor.element_size()
+        buffer = self.pool.take(nbytes)
+        memory = typed_view(buffer.data, 0, tensor.dtype, torch.Size((layout.span,)))
+        ready = self.copies.offload(memory, layout.addressed(tensor), after=(buffer.read_event,),
+                                    label="offload::offload saved activation")
+        buffer.write_event = ready
+        self.offloaded_bytes += nbytes
+        self.saved_bytes += nbytes
+        return layout.on(memory), OffloadTicket(ready, buffer, layout)
+
+    def load_saved(self, ticket: OffloadTicket, host_tensor: torch.Tensor) -> tuple[torch.Tensor, Event | None]:
+        """Start copying a saved tensor that :meth:`offload_saved` offloaded back to the device, in
+        its layout.
+
+        Returns:
+            The new device tensor and its ready event (compute must wait on it).
+        """
+        assert ticket.layout is not None, "an offloaded tensor's ticket has its layout"
+        layout = ticket.layout
+        device_tensor = layout.empty(host_tensor.dtype, self.copies.device)
+        ready = self.copies.load(layout.addressed(device_tensor), layout.addressed(host_tensor), after=(ticket.ready,),
+                                 after_queued_compute=True, label="offload::load saved activation")
+        # Rule 4: the pooled buffer is not written again before this load has read it.
+        ticket.buffer.read_event = ready
+        return device_tensor, ready
 
     def copy_on_host(self, host_tensor: torch.Tensor) -> tuple[torch.Tensor, OffloadTicket]:
         """A copy of a host tensor in a pooled buffer, made now on the CPU: a snapshot that later

@@ -60,11 +60,12 @@ Note: [Orderings the end of a walk covers]
       tied parameter a slice borrows, buffer restores and write-backs), the persistent gradient
       summation buffers and loaded boundary activations:
       slots and summation buffers live as long as the model, and an activation loaded for a
-      recompute is freed early only when an exception ends the walk, after the drain.
+      recompute (or a saved tensor loaded for an offloaded slice's backward) is freed early only
+      when an exception ends the walk, after the drain.
     - The host waiting for the last load of a pooled buffer before writing it (``copy_on_host``)
-      or before refreshing a slice's shadow, and offloads into a pooled buffer waiting for the
-      load that read it last: a buffer is reused, and a shadow refreshed, only in a later walk,
-      after the end of the walk that loaded it.
+      or before refreshing a slice's shadow, and offloads into a pooled buffer (boundary
+      activations and saved tensors alike) waiting for the load that read it last: a buffer is
+      reused, and a shadow refreshed, only in a later walk, after the end of the walk that loaded it.
     - A buffer restore waiting for the offload of a later microbatch's buffer snapshot: the same
       forward waited for the write-back queued after it on the offload stream.
     - After an exception, compute waiting for the side streams: nothing it runs next touches

@@ -329,21 +329,31 @@ class DeviceSlots:
         return saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, tensor: torch.Tensor) -> Any:
-        try:
-            ptr = tensor.untyped_storage().data_ptr()
-        except (RuntimeError, NotImplementedError):
-            ptr = None
-        for slot in self._slots:
-            if ptr is not None and slot.slice_index is not None and slot.data.untyped_storage().data_ptr() == ptr:
-                return SlotReference(slot.slice_index, tensor.dtype, tensor.size(), tuple(tensor.stride()),
-                                     tensor.storage_offset() * tensor.element_size(), tensor.detach(),
-                                     tensor._version)
-        return _SavedTensor(tensor.detach(), tensor._version)
+        reference = self.reference(tensor)
+        return reference if reference is not None else _SavedTensor(tensor.detach(), tensor._version)
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, _SavedTensor):
             _check_version(packed.tensor, packed.version)
             return packed.tensor
+        return self.resolve(packed)
+
+    def reference(self, tensor: torch.Tensor) -> SlotReference | None:
+        """A slot reference to ``tensor`` if it lives in a slot (a parameter's or buffer's device
+        copy, or a view of one), else ``None``."""
+        try:
+            ptr = tensor.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):
+            return None
+        for slot in self._slots:
+            if slot.slice_index is not None and slot.data.untyped_storage().data_ptr() == ptr:
+                return SlotReference(slot.slice_index, tensor.dtype, tensor.size(), tuple(tensor.stride()),
+                                     tensor.storage_offset() * tensor.element_size(), tensor.detach(),
+                                     tensor._version)
+        return None
+
+    def resolve(self, packed: SlotReference) -> torch.Tensor:
+        """The tensor a slot reference names, in the slot that holds its slice now (acquired)."""
         _check_version(packed.version_of, packed.version)
         slot = self._find(packed.slice_index)
         if slot is None or not slot.in_use:

@@ -5,6 +5,7 @@
   device slots, host buffers, offloaders, pending host updates); no per-call state;
 - ``binding.py``: the user's layers run on device copies; ``module_state.py``: what a run changed
   in a module's buffers and attributes;
+- ``activation_policy.py``: what each slice keeps for backward (recompute, kept graph, offload);
 - ``slice_walk.py``: one walk of the slices through the slots (Note: [The walk], [Buffers]);
 - ``microbatch.py``: a batch split into microbatches and joined again;
 - ``milestones.py``: what a walk announces (a slice's gradients ready on the host, ...);
