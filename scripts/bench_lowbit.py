@@ -28,17 +28,13 @@ import torch
 from torch import nn
 
 from offload import OffloadModel, OffloadOptimizer
+from offload.planning.footprint import state_storages
 
 
 def state_bytes(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> int:
-    total = 0
-    for p in params:
-        for value in optimizer.state[p].values():
-            if not isinstance(value, torch.Tensor) or value.dim() == 0:
-                continue
-            inner = [getattr(value, name) for name in getattr(value, "__tensor_flatten__", lambda: ([], None))()[0]]
-            total += sum(t.numel() * t.element_size() for t in inner) if inner else value.numel() * value.element_size()
-    return total
+    storages = {storage.data_ptr(): storage.nbytes() for p in params for value in optimizer.state[p].values()
+                if isinstance(value, torch.Tensor) and value.dim() > 0 for storage in state_storages(value)}
+    return sum(storages.values())
 
 
 def measure(cls: type, kwargs: dict, width: int, layers: int, warmup: int, steps: int) -> dict:

@@ -67,6 +67,10 @@ def test_low_bit_adamw_through_offload_optimizer_is_the_class_run_plainly(name):
     # The moments really are low-bit: not float32 tensors under another name.
     state = optimizer.state[next(model.parameters())]
     assert type(state["exp_avg"]) is not torch.Tensor
+    # memory_footprint() counts their codes and scales, not the float32 values they stand for.
+    float32_state = 2 * 4 * sum(p.numel() for p in model.parameters())
+    counted = model.memory_footprint().host_optimizer_state
+    assert counted < float32_state / (3 if name == "AdamW8bit" else 5), (counted, float32_state)
 
 
 def test_low_bit_state_resumes_through_state_dict():

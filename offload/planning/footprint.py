@@ -156,10 +156,10 @@ def measure(engine: Engine, optimizers: Iterable[torch.optim.Optimizer], tiers: 
                 continue
             for value in values.values():
                 if isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.dim() > 0:
-                    storage = value.untyped_storage()
-                    if any(start <= storage.data_ptr() < stop for start, stop in windows):
-                        continue  # a disk tier's window: counted there
-                    state[storage.data_ptr()] = storage.nbytes()
+                    for storage in state_storages(value):
+                        if any(start <= storage.data_ptr() < stop for start, stop in windows):
+                            continue  # a disk tier's window: counted there
+                        state[storage.data_ptr()] = storage.nbytes()
     # Masters on disk count where they are: the pages in RAM now, and the files.
     mapped = [storage.masters_file for storage in storages if storage.masters_file is not None]
     masters = sum(storage.flat.numel() for storage in storages if storage.masters_file is None)
@@ -198,3 +198,13 @@ def _size(nbytes: float) -> str:
             return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
         nbytes /= 1024
     raise AssertionError("unreachable")
+
+
+def state_storages(value: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The storages an optimizer state tensor holds: its own, or a tensor subclass's inner tensors
+    (torchao's low-bit moments: 8- or 4-bit codes and a scale per block), whose storage the
+    subclass itself reports at the size of the float values it stands for."""
+    if type(value) is not torch.Tensor and hasattr(value, "__tensor_flatten__"):
+        names, _ = value.__tensor_flatten__()
+        return [storage for name in names for storage in state_storages(getattr(value, name))]
+    return [value.untyped_storage()]
