@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from .walk.engine import Engine
+from .walk.milestones import Subscriber
 from .streams import PendingGradients, SliceGradients
 from .streams.collectives import DeviceCollectives, HostCollectives
 from .streams.host_storage import flat_alias
@@ -56,7 +57,7 @@ def check_group(group: Any, device: torch.device) -> str:
     return backend
 
 
-class DataParallel:
+class DataParallel(Subscriber):
     """The gradient-averaging subscriber of one model; see Note: [Gradient averaging].
 
     Args:
@@ -65,6 +66,8 @@ class DataParallel:
         named_tensors: the model's parameters and buffers by name (for the structure check and the
             broadcast from rank 0).
     """
+
+    rewrites_gradients = True  # it averages them on their way
 
     def __init__(self, engine: Engine, group: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         backend = check_group(group, engine.device)

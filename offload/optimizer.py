@@ -38,6 +38,7 @@ import torch
 
 from .autograd.accumulation import mark_zeroed
 from .model import OffloadModel, engine_of
+from .optimizing.in_backward import BackwardUpdates, check_in_backward
 from .optimizing.plan import inner_optimizer, plan_key, slice_steps, snapshot
 from .optimizing.sharding import Sharding
 from .optimizing.stepping import SliceUpdates
@@ -71,6 +72,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
             local disk instead of RAM: a :class:`~offload.DiskTier`, or a directory path for its
             defaults. The files are removed by :meth:`close` (or leaving ``with optimizer:``), or
             when the optimizer is garbage-collected. See ``docs/disk-tier.md``.
+        update_in_backward: start each slice's update in backward, once its gradients are on the
+            host (Note: [Update in backward]; ``docs/optimizer.md``); exact, and nothing may change
+            the gradients before ``step()`` (no clipping, no ``GradScaler``).
+        accumulation_steps: with ``update_in_backward``, backwards per ``step()``.
         **optimizer_kwargs: keyword arguments of ``optimizer_class`` (``lr=1e-4, fused=True``).
 
     Raises:
@@ -97,8 +102,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def __init__(self, model: OffloadModel, optimizer_class: type[torch.optim.Optimizer],
                  params: Iterable[Any] | None = None, *, num_threads: int | None = None,
                  shard: bool | None = None, process_group: Any = None,
-                 disk_tier: DiskTier | str | os.PathLike[str] | None = None, **optimizer_kwargs: Any) -> None:
+                 disk_tier: DiskTier | str | os.PathLike[str] | None = None, update_in_backward: bool = False,
+                 accumulation_steps: int = 1, **optimizer_kwargs: Any) -> None:
         _check_arguments(model, optimizer_class, num_threads, disk_tier)
+        check_in_backward(model, update_in_backward, accumulation_steps, shard)
         # The class checks its own arguments and fills in its defaults.
         template = optimizer_class(model.parameters() if params is None else params, **optimizer_kwargs)
         super().__init__(template.param_groups, template.defaults)
@@ -123,6 +130,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
                                      collectives.world_size if collectives else 1)
         self._updates = SliceUpdates(engine_of(model), self._disk, self._sharding, num_threads)
         engine_of(model).optimizers.add(self)  # its state counts in model.memory_footprint()
+        self._in_backward = BackwardUpdates.attach(self, engine_of(model), accumulation_steps, self._updates.submit_one,
+                                                   functools.partial(_before_update, self), update_in_backward)
 
     # -- the state --------------------------------------------------------------------------------
 
@@ -162,16 +171,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
             RuntimeError: a newer OffloadOptimizer was built for the same model.
         """
         _check_newest(self.model, self)
-        self._check_loaded("step()")
+        self._disk.check_loaded("step()")
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         engine = engine_of(self.model)
-        self._plan()
-        if engine.master_files is not None:
-            engine.master_files.flush()  # masters that could not be written back are raised first
-        self._disk.flush("step")  # a write that failed last step is retried (or raised) first
+        started = (self._in_backward.before_step(getattr(self, "grad_scale", None))
+                   if self._in_backward is not None else set())
+        _before_update(self)
         hyper = [snapshot(group) for group in self.param_groups]
         # GradScaler hands fused optimizers its scale and inf flag on the loss's device. The update
         # reads them on a host worker, where the optimizer's own non-blocking copy to the host would
@@ -182,7 +190,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         # An update must not write host copies that a load still reads (a safety net: see Note:
         # [Orderings the end of a walk covers] in offload/streams/copies.py).
         engine.copies.wait_loads_done()
-        self._updates.submit(self._steps, self._rest, hyper, grad_scale, found_inf)
+        self._updates.submit([s for s in self._steps if s.index not in started], self._rest, hyper, grad_scale,
+                             found_inf)
         return loss
 
     def consolidated_state_dict(self, to: int = 0) -> dict[str, Any] | None:
@@ -205,7 +214,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         store that keeps state away from host memory hands over one slice's state at a time here,
         never the whole of it.
         """
-        self._check_loaded("Reading the state")
+        self._disk.check_loaded("Reading the state")
         # With a disk tier, the slice's tensors come from its file: copies, one slice at a time.
         for index, states, _ in self._by_slice(self._disk.slice_state):
             yield index, states
@@ -254,10 +263,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """``torch.optim.Optimizer.state_dict()``, after the pending updates; with a disk tier, the
         state on disk is read into it one slice at a time."""
-        self._check_loaded("state_dict()")
+        self._disk.check_loaded("state_dict()")
         self.synchronize()
         packed = super().state_dict()
-        self._disk.add_to_state_dict(packed, self._param_indices())
+        self._disk.add_to_state_dict(packed, _param_indices(self))
         return packed
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -272,10 +281,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._disk.adopt()
 
     # -- loading a checkpoint into the disk tier, slice by slice -----------------------------------
-
-    def _check_loaded(self, doing: str) -> None:
-        """Raise if a load into the disk tier failed part way: ``doing`` would use a mix of two states."""
-        self._disk.check_loaded(doing)
 
     def _open_slice_load(self, index: int, saved: SliceState) -> TierSliceLoad:
         """:meth:`TierPlumbing.open_slice_load`, for checkpoints."""
@@ -306,20 +311,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
         try:
             engine_of(self.model).updates.wait_all()
         finally:
-            self._disk.close(self._param_indices())
+            self._disk.close(_param_indices(self))
 
     def __enter__(self) -> OffloadOptimizer:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-    def _param_indices(self) -> dict[int, int]:
-        """Each parameter's number in ``state_dict()``, as ``torch.optim`` numbers them."""
-        indices: dict[int, int] = {}
-        for p in (p for group in self.param_groups for p in group["params"]):
-            indices.setdefault(id(p), len(indices))
-        return indices
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "_steps", None):
@@ -352,6 +350,24 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def _tier(self) -> StateTier | None:
         """The disk tier, or ``None``."""
         return None if self.__dict__.get("_disk") is None else self._disk.tier
+
+
+def _before_update(optimizer: OffloadOptimizer) -> None:
+    """Before updates start (in ``step()``, or in the backward that starts them): the plan, and
+    what the last step could not write, raised first."""
+    engine = engine_of(optimizer.model)
+    optimizer._plan()
+    if engine.master_files is not None:
+        engine.master_files.flush()  # masters that could not be written back are raised first
+    optimizer._disk.flush("step")  # a write that failed last step is retried (or raised) first
+
+
+def _param_indices(optimizer: torch.optim.Optimizer) -> dict[int, int]:
+    """Each parameter's number in ``state_dict()``, as ``torch.optim`` numbers them."""
+    indices: dict[int, int] = {}
+    for p in (p for group in optimizer.param_groups for p in group["params"]):
+        indices.setdefault(id(p), len(indices))
+    return indices
 
 
 def _check_newest(model: OffloadModel, optimizer: torch.optim.Optimizer) -> None:

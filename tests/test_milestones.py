@@ -8,9 +8,10 @@ import torch
 from torch import nn
 
 from offload import OffloadModel
+from offload.walk.milestones import Subscriber
 
 
-class Recorder:
+class Recorder(Subscriber):
     def __init__(self):
         self.events = []
 
@@ -69,8 +70,10 @@ class _Position(nn.Module):
         return x + self.pos + self.again
 
 
-class _ScalesInPlace:
+class _ScalesInPlace(Subscriber):
     """Rewrites each slice's gradients in place when they are produced, as the device average does."""
+
+    rewrites_gradients = True
 
     def forward_started(self, token):
         pass

@@ -35,7 +35,12 @@ Note: [Gradients added in place]
 
     Gradients accumulated over several backwards without zeroing in between (and ``.grad``
     zeroed by a plain ``torch.optim`` optimizer) go through autograd, two copies and all; summing
-    microbatches on the device (``num_microbatches``) needs neither.
+    microbatches on the device (``num_microbatches``) needs neither. The exception: the backward
+    that starts the optimizer's update (Note: [Update in backward] in
+    ``offload/optimizing/in_backward.py``) takes any ``.grad`` that rule 2 allows. That backward
+    checks that no gradient of a parameter arrives from outside the model, which is what rule 6
+    guards against; what it gives up is rule 6's undo: if it fails part way, the slices already
+    added cannot be taken out again, and its error says so.
 
     What the rules cannot see, because PyTorch offers no way to inspect it: a hook registered on
     the parameter's accumulation node itself (``p.view_as(p).grad_fn.next_functions[0][0]``,
@@ -57,7 +62,7 @@ import torch
 
 
 def in_place_targets(ctx: Any, params: Sequence[torch.Tensor], first_edge: int, needed: Sequence[bool],
-                     walk_observed: bool) -> list[torch.Tensor | None]:
+                     walk_observed: bool, any_grad: bool = False) -> list[torch.Tensor | None]:
     """Per parameter of the walk, the ``.grad`` its gradient is added into on the host, or
     ``None`` where autograd receives it (see Note: [Gradients added in place]).
 
@@ -66,7 +71,8 @@ def in_place_targets(ctx: Any, params: Sequence[torch.Tensor], first_edge: int, 
         params: the walk's parameters, in the order of its inputs (a tied one more than once).
         first_edge: the index of the first parameter among the Function's tensor inputs.
         needed: per parameter, whether this backward produces its gradient.
-        walk_observed: something subscribes to the walk's gradients per slice (rule 5).
+        walk_observed: something rewrites the walk's gradients per slice (rule 5).
+        any_grad: rule 6 is waived (the backward that starts the update).
     """
     targets: list[torch.Tensor | None] = [None] * len(params)
     will_execute = getattr(torch._C, "_will_engine_execute_node", None)
@@ -85,7 +91,7 @@ def in_place_targets(ctx: Any, params: Sequence[torch.Tensor], first_edge: int, 
             continue  # rule 2
         if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None):
             continue  # rule 3
-        if not _still_zeroed(grad):
+        if not any_grad and not still_zeroed(grad):
             continue  # rule 6
         node = edges[first_edge + k][0] if first_edge + k < len(edges) else None
         if node is None:
@@ -124,6 +130,7 @@ def _remember(grad: torch.Tensor) -> None:
     _ZEROED[key] = (weakref.ref(grad, lambda _: _ZEROED.pop(key, None)), grad._version)
 
 
-def _still_zeroed(grad: torch.Tensor) -> bool:
+def still_zeroed(grad: torch.Tensor) -> bool:
+    """Whether ``grad`` holds the zeros :func:`mark_zeroed` remembered, unchanged since."""
     entry = _ZEROED.get(id(grad))
     return entry is not None and entry[0]() is grad and entry[1] == grad._version

@@ -36,7 +36,7 @@ import torch
 from ..walk.microbatch import join_input_grads, split_like
 from ..streams import PendingGradients, SliceGradients
 from ..streams.host_storage import flat_alias
-from .accumulation import in_place_targets, restore_zeroed
+from .accumulation import in_place_targets, restore_zeroed, still_zeroed
 from .records import CallRecord
 
 
@@ -69,6 +69,23 @@ def _needed_grads(ctx: Any, count: int) -> list[bool]:
         except RuntimeError:
             needed.append(True)
     return needed
+
+
+def _accumulates(ctx: Any, first_edge: int, needed: Sequence[bool]) -> bool:
+    """Whether this backward adds the model's parameter gradients into ``.grad`` (``.backward()``)
+    rather than returning them (``torch.autograd.grad``, which refuses to say for a leaf)."""
+    will_execute = getattr(torch._C, "_will_engine_execute_node", None)
+    if will_execute is None or not any(needed):
+        return False
+    edges = ctx.next_functions
+    k = next(k for k, wanted in enumerate(needed) if wanted)
+    node = edges[first_edge + k][0] if first_edge + k < len(edges) else None
+    if node is None:
+        return False
+    try:
+        return bool(will_execute(node))
+    except RuntimeError:
+        return False
 
 
 def _starts(sizes: Sequence[int]) -> list[int]:
@@ -116,14 +133,24 @@ class BackwardGradients:
         #: a needed parameter gradient (the number of slices if there is none).
         self.lowest = 0 if any(self.inputs_needed) else next(
             (i for i, flags in enumerate(self.per_slice_needed) if any(flags)), engine.num_slices)
+        # - Who hears of each slice's final gradients (Note: [Update in backward])
+        milestones = engine.milestones
+        milestones.backward_started(run.call, _accumulates(ctx, num_inputs, needed[num_inputs:]))
+        self.final_wanted = milestones.wants_final_gradients(run.call)
         # - Where each gradient goes: per slice, the .grad backward adds it into itself, or None
         #   where autograd receives it (Note: [Gradients added in place] in accumulation.py)
         into = in_place_targets(ctx, engine.parameters(), num_inputs, needed[num_inputs:],
-                                bool(engine.milestones.subscribers))
+                                milestones.rewrite_gradients, any_grad=self.final_wanted)
         self._into = [into[start:start + size] for start, size in zip(self._starts, sizes)]
+        # What a failed backward can zero again: .grad that held zeros (rule 6); the others were
+        # taken only by the backward that starts the update.
+        self._undoable = {id(t) for t in into if t is not None and still_zeroed(t)}
         # - Gradients on their way
         self._slice: SliceGradients | None = None  # the current slice's, while its microbatches run
         self._pending: list[tuple[int, PendingGradients]] = []
+        # Slices whose final gradients are not announced yet: (index, pending, per parameter its
+        # gradient as .grad will hold it) - announced once their in-place additions are done.
+        self._unannounced: list[tuple[int, PendingGradients, list[torch.Tensor | None]]] = []
 
     def wants_input_grads(self, i: int) -> bool:
         """Whether slice ``i``'s graphs must give gradients for their boundary inputs."""
@@ -149,8 +176,26 @@ class BackwardGradients:
         pending = engine.gradients.offload(self._slice, label=f"offload::offload gradients slice {i}")
         self._pending.append((i, pending))
         engine.milestones.gradients_leaving(token, i, pending)
+        if self.final_wanted:
+            self._unannounced.append((i, pending, self._final(i, pending)))
         engine.gradients.accumulate([p for _, p in self._pending])
+        self._announce()
         self._slice = None
+
+    def _final(self, i: int, pending: PendingGradients) -> list[torch.Tensor | None]:
+        """Per parameter of slice ``i``, its gradient as ``.grad`` will hold it after this
+        backward: the ``.grad`` it is added into, or the host view autograd adopts, or ``None``
+        where this backward produced none."""
+        return [target if target is not None and view is not None else view
+                for target, view in zip(self._into[i], pending.host_views)]
+
+    def _announce(self) -> None:
+        """Tell the subscribers of every slice whose gradients are final on the host (added into
+        ``.grad`` where they go there), in the order the slices left."""
+        engine, token = self.run.engine, self.run.call
+        while self._unannounced and self._unannounced[0][1].into is None:
+            i, pending, final = self._unannounced.pop(0)
+            engine.milestones.gradients_final(token, i, final, pending.ready)
 
     def __enter__(self) -> BackwardGradients:
         return self
@@ -158,13 +203,20 @@ class BackwardGradients:
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         if exc_type is not None:
             # A failed backward leaves .grad as autograd would: rule 6 of Note: [Gradients added in place].
-            restore_zeroed(g for _, p in self._pending for g in p.added)
+            added = [g for _, p in self._pending for g in p.added]
+            restore_zeroed(g for g in added if id(g) in self._undoable)
+            if any(id(g) not in self._undoable for g in added) and isinstance(exc[0], BaseException):
+                exc[0].add_note(
+                    "OffloadModel: this backward was to start the optimizer's update (update_in_backward): the "
+                    ".grad of the slices whose gradients had landed already holds this backward's gradients too, "
+                    "and their update may have run. Reload the last checkpoint before training on.")
 
     def land(self) -> None:
         """Every slice's gradients on the host: the optimizer reads them next, and may overwrite
         the host copies the loads read."""
         engine = self.run.engine
         engine.gradients.finish([p for _, p in self._pending])
+        self._announce()
         engine.milestones.gradients_landed(self.run.call, dict(self._pending))
 
     def results(self, grad_in: list[list[torch.Tensor | None]] | None) -> list[torch.Tensor | None]:

@@ -216,7 +216,7 @@ def _state_to_save(model: nn.Module, optimizer: torch.optim.Optimizer | None, na
         if not _steps_only(optimizer, names):
             raise ValueError(STRAY_PARAMETER)
         if isinstance(optimizer, OffloadOptimizer):
-            optimizer._check_loaded("save_checkpoint()")
+            optimizer._disk.check_loaded("save_checkpoint()")
         for index, param, param_state, disk_keys in _optimizer_state(optimizer):
             for key, value in param_state.items():
                 entry = f"optim/state/{names[id(param)]}/{key}"

@@ -44,9 +44,7 @@ class SliceUpdates:
                grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
         """Queue each slice's update in slice order, and step the parameters outside the model now,
         with the gradients and hyperparameters ``hyper`` captured now."""
-        if self.worker is None:
-            self.worker = self.engine.copies.new_worker("host update", self.num_threads)
-            weakref.finalize(self, self.worker.close)
+        self._start_worker()
         for step in steps:
             if self.sharding is not None:  # the event of the exchange that follows this rank's part
                 update = functools.partial(self._submit_update, step, hyper, grad_scale, found_inf)
@@ -60,27 +58,46 @@ class SliceUpdates:
             step.bind()
             step.run([p.grad for p in step.whole.params], hyper, grad_scale, found_inf)  # type: ignore[union-attr]
 
+    def submit_one(self, step: SliceStep, grads: list[torch.Tensor | None], hyper: list[dict[str, Any]],
+                   after: Sequence[Event | None]) -> None:
+        """Queue one slice's update with the gradients ``grads`` (aligned with its parameters), after
+        the events ``after`` (the copy that brings them to the host): what backward starts (Note:
+        [Update in backward] in ``in_backward.py``)."""
+        self._start_worker()
+        updated = self._submit_update(step, hyper, None, None, grads, after)
+        if updated is not None:
+            self.engine.updates.submitted(step.index, updated)
+            self._write_masters(step.index, updated)
+
+    def _start_worker(self) -> None:
+        if self.worker is None:
+            self.worker = self.engine.copies.new_worker("host update", self.num_threads)
+            weakref.finalize(self, self.worker.close)
+
     def _submit_update(self, step: SliceStep, hyper: list[dict[str, Any]], grad_scale: torch.Tensor | None,
-                       found_inf: torch.Tensor | None) -> Event | None:
-        """Queue the update of the parameters ``step`` steps on the host worker; its event, or
-        ``None`` when none of them has a gradient."""
+                       found_inf: torch.Tensor | None, grads: list[torch.Tensor | None] | None = None,
+                       after: Sequence[Event | None] = ()) -> Event | None:
+        """Queue the update of the parameters ``step`` steps on the host worker, with ``grads``
+        (default: their ``.grad``) after the events ``after``; its event, or ``None`` when none of
+        them has a gradient."""
         assert step.whole is not None
-        grads = [p.grad for p in step.whole.params]
+        if grads is None:
+            grads = [p.grad for p in step.whole.params]
         if all(g is None for g in grads):
             return None
         if step.needs_bind():
             self.engine.updates.wait(step.index)  # the proxies may still be in use by its last update
             step.bind()
         work = functools.partial(step.run, grads, hyper, grad_scale, found_inf)
-        return self._submit(step.index, work)
+        return self._submit(step.index, work, after)
 
-    def _submit(self, index: int, work: Callable[[], None]) -> Event:
-        """Run slice ``index``'s update on the update worker (its masters read in first when they
-        are on disk, its state read before and written after by the disk tier, if there is one);
-        returns the update's event."""
+    def _submit(self, index: int, work: Callable[[], None], waits: Sequence[Event | None] = ()) -> Event:
+        """Run slice ``index``'s update on the update worker after the events ``waits`` (its masters
+        read in first when they are on disk, its state read before and written after by the disk
+        tier, if there is one); returns the update's event."""
         assert self.worker is not None
         files, mapped = self.engine.master_files, self.engine.slices[index].storage.masters_file
-        after = []
+        after = list(waits)
         if files is not None and mapped is not None:
             after.append(files.read(index, mapped))
             work = files.guard(index, work)

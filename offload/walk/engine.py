@@ -193,6 +193,23 @@ class Engine:
         """Every parameter, slice by slice, in the order the autograd Function receives them."""
         return [entry.tensor for s in self.slices for entry in s.storage.params]  # type: ignore[misc]
 
+    def tied_parameter_ids(self) -> set[int]:
+        """The parameters that more than one slice computes with (a weight tied across slices), by id."""
+        seen: set[int] = set()
+        tied: set[int] = set()
+        for p in self.parameters():
+            (tied if id(p) in seen else seen).add(id(p))
+        return tied
+
+    def parameter_names(self) -> dict[int, str]:
+        """Each parameter's name for messages ("'weight' of a Linear in slice 3"), by id."""
+        names: dict[int, str] = {}
+        for s in self.slices:
+            for entry in s.storage.params:
+                site = entry.sites[0]
+                names.setdefault(id(entry.tensor), f"'{site.name}' of a {type(site.module).__name__} in slice {s.index}")
+        return names
+
     def release_masters(self, index: int | None = None) -> None:
         """Write masters on disk back and take them out of RAM: slice ``index``'s, or every slice's
         (a checkpoint reads or writes them; Note: [Masters on disk])."""

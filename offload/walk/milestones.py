@@ -13,25 +13,58 @@ walks. A *token* identifies one forward and its backward (several may be in flig
   before it.
 - ``gradients_landed(token, pending)``: every slice's gradients are on the host, per slice
   index; backward returns them to autograd right after the subscribers return.
+- ``backward_started(token, accumulates)``: a backward of ``token``'s forward begins;
+  ``accumulates``: it adds the model's gradients into ``.grad`` (``.backward()``, not
+  ``torch.autograd.grad``).
+- ``wants_final_gradients(token)``: whether a subscriber reads each slice's gradients as ``.grad``
+  will hold them at the end of this backward (``gradients_final``); asked once, after
+  ``backward_started``. Backward then adds into ``.grad`` on landing wherever it may
+  (Note: [Gradients added in place], widened by Note: [Update in backward]).
+- ``gradients_final(token, index, grads, ready)``: slice ``index``'s gradients, per parameter,
+  as ``.grad`` will hold them when backward returns (``None``: this backward leaves ``.grad`` as
+  it is), valid on the host once ``ready`` has completed.
+
+A subscriber that rewrites the host gradients on their way (data parallelism's average) says so
+with ``rewrites_gradients``: backward then leaves every gradient to autograd (rule 5 of Note:
+[Gradients added in place]).
 
 Loading a slice waits for its pending host update in ``offload/streams/updates.py``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
-from ..streams import PendingGradients, SliceGradients
+import torch
+
+from ..streams import Event, PendingGradients, SliceGradients
 
 
-class Subscriber(Protocol):
-    def forward_started(self, token: Any) -> None: ...
+class Subscriber:
+    """What a subscriber hears; each milestone does nothing unless overridden."""
 
-    def gradients_produced(self, token: Any, index: int, grads: SliceGradients) -> None: ...
+    rewrites_gradients = False
 
-    def gradients_leaving(self, token: Any, index: int, pending: PendingGradients) -> None: ...
+    def forward_started(self, token: Any) -> None:
+        pass
 
-    def gradients_landed(self, token: Any, pending: dict[int, PendingGradients]) -> None: ...
+    def backward_started(self, token: Any, accumulates: bool) -> None:
+        pass
+
+    def wants_final_gradients(self, token: Any) -> bool:
+        return False
+
+    def gradients_produced(self, token: Any, index: int, grads: SliceGradients) -> None:
+        pass
+
+    def gradients_leaving(self, token: Any, index: int, pending: PendingGradients) -> None:
+        pass
+
+    def gradients_final(self, token: Any, index: int, grads: list[torch.Tensor | None], ready: Event | None) -> None:
+        pass
+
+    def gradients_landed(self, token: Any, pending: dict[int, PendingGradients]) -> None:
+        pass
 
 
 class Milestones:
@@ -42,6 +75,25 @@ class Milestones:
 
     def subscribe(self, subscriber: Subscriber) -> None:
         self.subscribers.append(subscriber)
+
+    def unsubscribe(self, subscriber: Subscriber) -> None:
+        self.subscribers = [s for s in self.subscribers if s is not subscriber]
+
+    @property
+    def rewrite_gradients(self) -> bool:
+        """Whether a subscriber rewrites the host gradients on their way."""
+        return any(s.rewrites_gradients for s in self.subscribers)
+
+    def backward_started(self, token: Any, accumulates: bool) -> None:
+        for subscriber in self.subscribers:
+            subscriber.backward_started(token, accumulates)
+
+    def wants_final_gradients(self, token: Any) -> bool:
+        return any(s.wants_final_gradients(token) for s in self.subscribers)
+
+    def gradients_final(self, token: Any, index: int, grads: list[torch.Tensor | None], ready: Event | None) -> None:
+        for subscriber in self.subscribers:
+            subscriber.gradients_final(token, index, grads, ready)
 
     def forward_started(self, token: Any) -> None:
         for subscriber in self.subscribers:

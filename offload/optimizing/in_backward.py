@@ -1,0 +1,278 @@
+"""Updates that backward starts: each slice's update handed to the host worker as soon as its
+gradients are final on the host, in the backward that ends an accumulation
+(``OffloadOptimizer(..., update_in_backward=True)``).
+
+Note: [Update in backward]
+    Without it, a step's update can only hide behind the next forward (Note: [Overlapped host
+    update] in ``offload/optimizer.py``): about a third of the device's work with recompute, so
+    an update longer than that shows in every step while the host idles through backward. With
+    it, the backward that ends an accumulation (the ``accumulation_steps``-th since the last
+    ``step()``, counting the backwards that add into ``.grad``) hands slice ``k``'s update to
+    the worker as soon as slice ``k``'s gradients have landed, while the device goes on with the
+    slices before it; ``step()`` then starts only what backward could not (the parameters outside
+    the model, and the slices listed below) and returns.
+
+    It is the plain optimizer's result, bit for bit, because the update reads what ``step()``
+    would read: each gradient as ``.grad`` will hold it when backward returns (backward adds into
+    ``.grad`` itself on landing wherever ``.grad`` exists: Note: [Gradients added in place],
+    whose rule 6 this backward waives), and the hyperparameters as they are during backward. That
+    holds only if nothing changes ``.grad`` between that backward and ``step()``, and so it is
+    checked, not assumed:
+
+    - a gradient that reaches a parameter from outside the model (a penalty on the weights in
+      the same loss) is seen by a pre-hook on the parameter's accumulation node, which receives
+      something other than what backward returned for it: the backward raises;
+    - ``clip_grad_norm_``, ``GradScaler.unscale_``, or anything else that rewrites or replaces a
+      ``.grad`` between backward and ``step()`` changes its version counter or its identity:
+      ``step()`` raises; a ``GradScaler`` handing a fused optimizer its scale: ``step()`` raises;
+    - ``step()`` after another number of backwards than declared: ``step()`` raises.
+
+    The first backward and ``step()`` of an optimizer start nothing early and only check, so
+    these mistakes, made from the start, cost nothing: the error comes before any update ran.
+    After that the checks still run, but a mistake that appears later (clipping turned on
+    mid-training) is found after the update it spoiled: the error says which slices were updated
+    with which gradients, and to reload the last checkpoint.
+
+    A slice's update waits for ``step()`` (exact, only not early) when one of its parameters has
+    a gradient hook (``register_hook``: autograd applies it after backward returns), is tied to
+    another slice (autograd sums its slices' gradients after backward returns), or has a ``.grad``
+    backward cannot add into (another dtype, sparse). ``deferred`` says which, and why.
+
+    Orderings: the update of slice ``k`` runs on the worker after the copy of its gradients to the
+    host (``ready``), and after the main thread added them into ``.grad``; it writes slice
+    ``k``'s host copies, which nothing reads again before the next forward's load of slice ``k``,
+    which waits for the update (``engine.updates``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..streams import Event
+from ..walk.engine import Engine
+from ..walk.milestones import Subscriber
+from .plan import snapshot
+
+
+class BackwardUpdates(Subscriber):
+    """Starts each slice's update from backward (Note: [Update in backward]).
+
+    Args:
+        optimizer: the ``OffloadOptimizer`` (held weakly: the model's walk holds this).
+        engine: the engine of its model.
+        accumulation_steps: backwards per ``step()``.
+        submit: ``submit(step, grads, hyper, after)`` queues a slice's update with those gradients
+            after the events ``after``; the optimizer's hand-off (``SliceUpdates.submit_one``).
+        before_update: what ``step()`` does before updates start (the plan; errors of the last writes).
+    """
+
+    def __init__(self, optimizer: Any, engine: Engine, accumulation_steps: int,
+                 submit: Callable[[Any, list[torch.Tensor | None], list[dict[str, Any]], list[Event | None]], None],
+                 before_update: Callable[[], None]) -> None:
+        self._optimizer = weakref.ref(optimizer)
+        self._engine = engine
+        self.accumulation_steps = accumulation_steps
+        self._submit = submit
+        self._before_update = before_update
+        #: Backwards that added into .grad since the last step().
+        self.backwards = 0
+        #: Whether a backward and step() passed the checks: later backwards start updates.
+        self.checked = False
+        #: Slices whose update backward started since the last step(), and before the last step().
+        self.started: set[int] = set()
+        self.last_started: set[int] = set()
+        #: Slice -> why its update waits for step() (Note: [Update in backward]), from the last backward.
+        self.deferred: dict[int, str] = {}
+        self._token: Any = None  # the forward whose backward ends the accumulation, while it runs
+        self._task_open = False  # a backward is running (counted, its end's callback queued)
+        self._names: dict[int, str] = {}
+        self._hooks: list[Any] = []
+        self._mismatched: list[str] = []
+        self._seen: list[tuple[torch.Tensor, torch.Tensor | None, int]] = []  # (param, .grad, its version)
+
+    @classmethod
+    def attach(cls, optimizer: Any, engine: Engine, accumulation_steps: int, submit: Callable[..., None],
+               before_update: Callable[[], None], enabled: bool) -> BackwardUpdates | None:
+        """Subscribe a new one to the walks of the optimizer's model (``engine``), in place of an
+        older optimizer's (only the newest optimizer of a model steps it); ``None`` when not
+        ``enabled``."""
+        milestones = engine.milestones
+        for old in [s for s in milestones.subscribers if isinstance(s, cls)]:
+            milestones.unsubscribe(old)
+        if not enabled:
+            return None
+        updates = cls(optimizer, engine, accumulation_steps, submit, before_update)
+        milestones.subscribe(updates)
+        return updates
+
+    # -- milestones ---------------------------------------------------------------------------------
+
+    def forward_started(self, token: Any) -> None:
+        # A backward that failed never reached its end (_backward_done): let go of what it left.
+        self._end_task()
+
+    def backward_started(self, token: Any, accumulates: bool) -> None:
+        # One backward is one run of autograd's engine, whatever number of calls of the model it
+        # goes through: the first call's backward counts it, and the end of the run closes it.
+        if not accumulates or self._task_open:
+            return
+        self._task_open = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+        self.backwards += 1
+        optimizer = self._optimizer()
+        if optimizer is None or self.backwards != self.accumulation_steps:
+            return
+        self._token = token
+        self.deferred = {}
+        self._names = self._engine.parameter_names()
+        if self.checked:
+            self._before_update()  # the plan, and what the last step could not write, raised first
+
+    def wants_final_gradients(self, token: Any) -> bool:
+        return token is not None and token is self._token
+
+    def gradients_final(self, token: Any, index: int, grads: list[torch.Tensor | None], ready: Event | None) -> None:
+        optimizer = self._optimizer()
+        if token is not self._token or optimizer is None:
+            return
+        engine = self._engine
+        entries = engine.slices[index].storage.params
+        tied = engine.tied_parameter_ids()
+        final: dict[int, torch.Tensor | None] = {}
+        for entry, grad in zip(entries, grads):
+            p = entry.tensor
+            if id(p) in tied or not p.requires_grad:
+                continue
+            self._watch(p, grad)
+            final[id(p)] = grad if grad is not None else p.grad
+        if not self.checked:
+            return
+        step = next((s for s in optimizer._steps if s.index == index), None)
+        if step is None or step.whole is None:
+            return
+        why = self._why_deferred(step.whole.params, tied, final)
+        if why is not None:
+            self.deferred[index] = why
+            return
+        hyper = [snapshot(group) for group in optimizer.param_groups]
+        self._submit(step, [final[id(p)] for p in step.whole.params], hyper, [ready])
+        self.started.add(index)
+
+    # -- the checks -------------------------------------------------------------------------------
+
+    def _watch(self, param: torch.Tensor, returned: torch.Tensor | None) -> None:
+        """Check at its accumulation node that ``param`` receives only what backward returns for
+        it (``returned``, or nothing where backward adds into ``.grad`` itself)."""
+        expected = returned if returned is not None and returned is not param.grad else None
+        node = torch.autograd.graph.get_gradient_edge(param).node
+
+        def check(grad_inputs: tuple[torch.Tensor | None, ...]) -> None:
+            received = grad_inputs[0] if grad_inputs else None
+            if received is not expected:
+                self._mismatched.append(self._name(param))
+
+        self._hooks.append(node.register_prehook(check))
+
+    def _end_task(self) -> bool:
+        """Close the running backward; whether it was the one that ends the accumulation."""
+        for hook in self._hooks:
+            hook.remove()
+        ending = self._token is not None
+        self._hooks, self._token, self._task_open = [], None, False
+        return ending
+
+    def _backward_done(self) -> None:
+        """The end of a backward; for the one that ends the accumulation: raise what a pre-hook
+        saw, and remember each ``.grad`` and its version for ``step()`` to compare."""
+        mismatched, self._mismatched = self._mismatched, []
+        optimizer = self._optimizer()
+        if not self._end_task() or optimizer is None:
+            return
+        self._seen = [(p, p.grad, p.grad._version if p.grad is not None else 0)
+                      for group in optimizer.param_groups for p in group["params"]]
+        if mismatched:
+            self.backwards = 0
+            raise RuntimeError(
+                f"update_in_backward: the gradient of {_listing(mismatched)} also comes from outside this call of the "
+                f"model (the loss uses the parameter itself, e.g. a penalty on the weights, or calls the model twice), "
+                f"so backward cannot know it before it returns. {self._what_ran()} Build OffloadOptimizer without "
+                f"update_in_backward for this loss.")
+
+    def before_step(self, grad_scale: torch.Tensor | None) -> set[int]:
+        """In ``step()``: raise if the update backward started (or would have) did not read what
+        ``step()`` reads; otherwise return the slices whose update backward started, and get ready
+        for the next accumulation."""
+        backwards, self.backwards = self.backwards, 0
+        started, self.started = self.started, set()
+        self.last_started = started
+        if backwards == 0:
+            return started  # no backward since the last step: step() steps what .grad holds, as before
+        if backwards != self.accumulation_steps:
+            raise RuntimeError(
+                f"update_in_backward: step() after {backwards} backward(s), but the optimizer was built with "
+                f"accumulation_steps={self.accumulation_steps}. {self._what_ran(started)} Pass the number of "
+                "backwards per step as accumulation_steps.")
+        if grad_scale is not None:
+            raise RuntimeError(
+                "update_in_backward: a GradScaler steps this optimizer; it may skip a step or unscale the gradients "
+                f"after backward started the update. {self._what_ran(started)} Build OffloadOptimizer without "
+                "update_in_backward to train with a GradScaler (bfloat16 needs none).")
+        changed = [self._name(p) for p, grad, version in self._seen
+                   if p.grad is not grad or (grad is not None and grad._version != version)]
+        self._seen = []
+        if changed:
+            raise RuntimeError(
+                f"update_in_backward: the gradient of {_listing(changed)} changed between backward and step() "
+                f"(clip_grad_norm_, GradScaler.unscale_, a hook, zero_grad). {self._what_ran(started)} Build "
+                "OffloadOptimizer without update_in_backward to change gradients before the update.")
+        self.checked = True
+        return started
+
+    def _what_ran(self, started: set[int] | None = None) -> str:
+        started = self.started if started is None else started
+        if not started:
+            return "No update ran: parameters and optimizer state are as they were."
+        return (f"The update of slices {sorted(started)} already ran with the gradients backward produced: reload "
+                f"the last checkpoint before training on.")
+
+
+    def _why_deferred(self, params: list[torch.Tensor], tied: set[int],
+                      final: dict[int, torch.Tensor | None]) -> str | None:
+        """Why a slice's update cannot start in backward, or ``None`` if it can."""
+        for p in params:
+            if id(p) in tied:
+                return f"{self._name(p)} is tied to another slice"
+            if p._backward_hooks:
+                return f"{self._name(p)} has a gradient hook"
+            grad = final.get(id(p))
+            if grad is not None and grad is not p.grad and p.grad is not None:
+                return (f"backward cannot add {self._name(p)}'s gradient into its .grad ({p.grad.dtype}, "
+                        f"{p.grad.layout})")
+        return None
+
+    def _name(self, p: torch.Tensor) -> str:
+        return self._names.get(id(p), f"a parameter of shape {tuple(p.shape)}")
+
+
+def _listing(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{names[0]} (and {len(names) - 1} more)"
+
+
+def check_in_backward(model: Any, enabled: Any, accumulation_steps: Any, shard: Any) -> None:
+    """Raise what ``OffloadOptimizer`` says it raises for ``update_in_backward`` and ``accumulation_steps``."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"update_in_backward must be True or False, got {enabled!r}")
+    if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+        raise ValueError(f"accumulation_steps must be a positive int, got {accumulation_steps!r}")
+    if accumulation_steps != 1 and not enabled:
+        raise ValueError(
+            "accumulation_steps tells update_in_backward which backward starts the update; without "
+            "update_in_backward=True the update starts at step(), after any number of backwards: leave it out")
+    if enabled and (shard or getattr(model, "_data_parallel", None) is not None):
+        raise ValueError(
+            "update_in_backward is not supported with data parallelism (process_group) or a sharded optimizer: the "
+            "gradients are averaged across processes on their way to the host. Leave update_in_backward out.")
