@@ -5,15 +5,17 @@
 #
 #   1. the cuda-marked tests (all of them; 200 s);
 #   2. one training step of a Llama-shaped model against its peers: resident, OffloadModel +
-#      OffloadOptimizer, FSDP2 with CPUOffloadPolicy, torchao's CPUOffloadOptimizer, fairscale's
-#      OffloadModel (scripts/bench_peers.py; 170 s);
-#   3. the same model over a 4 GiB device cap with AdamW's state in the disk tier (90 s).
+#      OffloadOptimizer (the update at step(), in backward, and waited for), FSDP2 with
+#      CPUOffloadPolicy, torchao's CPUOffloadOptimizer, fairscale's OffloadModel
+#      (scripts/bench_peers.py; 240 s; the runs: GPU_CHECK_PEERS);
+#   3. the same model over a 4 GiB device cap with AdamW's state in the disk tier, the update at
+#      step() and in backward (120 s).
 #
 #   bash benchmarks/gpu_check.sh                 # on the GPU machine, from the repository root
 #   bash benchmarks/gpu_check.sh --cpu-dry-run   # the same stages at toy sizes on the CPU (CI runs it)
 #
 # Wheels under .whl/ (transformers, peft, torchao, fairscale: the GPU machine has no network) are
-# installed to /tmp/site first when present. The stages' limits: GPU_CHECK_LIMITS="200 170 90".
+# installed to /tmp/site first when present. The stages' limits: GPU_CHECK_LIMITS="140 240 120".
 set -uo pipefail
 dry=0
 [ "${1:-}" = "--cpu-dry-run" ] && dry=1
@@ -27,7 +29,8 @@ if [ $dry = 0 ] && ls .whl/*.whl >/dev/null 2>&1; then
         && export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-read -r limit_tests limit_peers limit_capped <<< "${GPU_CHECK_LIMITS:-200 170 90}"
+read -r limit_tests limit_peers limit_capped <<< "${GPU_CHECK_LIMITS:-140 240 120}"
+peers=${GPU_CHECK_PEERS:-resident,offload,offload-in-backward,offload-sync,fsdp2,torchao,fairscale}
 status=0
 log() { echo "$*" | tee -a "$OUT/run.log"; }
 
@@ -53,13 +56,14 @@ grep -E "^(FAILED|ERROR)|passed|failed|collected|error" "$OUT/pytest_cuda.log" |
 log "=== 2 peers $(date +%T)"
 dry_flag=""
 [ $dry = 1 ] && dry_flag="--cpu-dry-run"
-timeout "$limit_peers" $PY scripts/bench_peers.py $dry_flag --json "$OUT/peers.json" > "$OUT/peers.log" 2>&1 || status=1
+timeout "$limit_peers" $PY scripts/bench_peers.py $dry_flag --only "$peers" --json "$OUT/peers.json" > "$OUT/peers.log" 2>&1 \
+    || status=1
 grep -vE "Warning|warn\(|^\s" "$OUT/peers.log" | tail -n 30 | tee -a "$OUT/run.log"
 
 log "=== 3 over a 4 GiB cap, state in the disk tier $(date +%T)"
 tier=$(mktemp -d -p "$PWD" .gpu-check-tier-XXXX)  # on the disk: /tmp may be memory
 PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} timeout "$limit_capped" \
-    $PY scripts/bench_peers.py $dry_flag --only offload --layers 8 --cap-gib 4 --disk-tier "$tier" --steps 2 --warmup 1 \
+    $PY scripts/bench_peers.py $dry_flag --only offload,offload-in-backward --layers 8 --cap-gib 4 --disk-tier "$tier" --steps 2 --warmup 1 \
     --json "$OUT/capped.json" > "$OUT/capped.log" 2>&1 || status=1
 rm -rf "$tier"
 grep -vE "Warning|warn\(|^\s" "$OUT/capped.log" | tail -n 12 | tee -a "$OUT/run.log"
@@ -81,6 +85,8 @@ for name in ("peers", "capped"):
               f"host update alone {report.get('host_update_alone_s')}; efficiency {ours.get('efficiency')}; "
               f"gradients {report.get('gradients_after_first_backward')}")
         print(table(report))
+        digests = {n: r["parameters_sha256_16"] for n, r in report["runs"].items() if "parameters_sha256_16" in r}
+        print(f"parameters after the run, per offloaded variant: {digests}; all equal: {len(set(digests.values())) <= 1}")
     else:
         print(f"\n{name}: no report (the stage did not finish)")
 SUMMARY

@@ -39,6 +39,7 @@ import argparse
 import contextlib
 import copy
 import gc
+import hashlib
 import json
 import os
 import statistics
@@ -64,8 +65,10 @@ PEERS = ("resident", "offload", "fsdp2", "torchao", "fairscale")
 #: ``sync`` waits for the update after each step (nothing overlaps it), ``threads8`` gives the
 #: update 8 threads, ``no-step`` runs forward and backward alone, ``profile`` prints torch.profiler's
 #: table of the host's operations over the timed steps, ``cprofile`` the Python calls of the training
-#: thread (where it waits), written beside ``--json`` as ``<name>.prof`` too.
-OFFLOAD_VARIANTS = ("offload-sync", "offload-threads8", "offload-no-step", "offload-profile", "offload-cprofile")
+#: thread (where it waits), written beside ``--json`` as ``<name>.prof`` too; ``in-backward`` starts
+#: each slice's update in backward (``OffloadOptimizer(..., update_in_backward=True)``).
+OFFLOAD_VARIANTS = ("offload-in-backward", "offload-sync", "offload-threads8", "offload-no-step", "offload-profile",
+                    "offload-cprofile")
 GPU_SIZES = {"hidden": 2048, "layers": 16, "intermediate": 5632, "heads": 16, "kv_heads": 8, "vocab": 32000,
              "seq": 1024, "batch": 8}
 DRY_SIZES = {"hidden": 64, "layers": 2, "intermediate": 128, "heads": 4, "kv_heads": 2, "vocab": 256,
@@ -164,7 +167,8 @@ def offload_run(base: nn.Module, batch: torch.Tensor, device: torch.device, grad
     model = OffloadModel(causal_lm_sequential(hf), device=device, num_slices=args.num_slices,
                          compute_dtype=torch.bfloat16, masters=tier if args.masters_on_disk else None)
     threads = 8 if variant == "offload-threads8" else None
-    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-5, fused=True, disk_tier=tier, num_threads=threads)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-5, fused=True, disk_tier=tier, num_threads=threads,
+                                 update_in_backward=variant == "offload-in-backward")
     updates = engine_of(model).updates
     wait, blocked = updates.wait, [0.0]
 
@@ -181,6 +185,9 @@ def offload_run(base: nn.Module, batch: torch.Tensor, device: torch.device, grad
         seconds = timed_forward_backward(device, lambda: loss_of(model(batch), batch).backward()) - blocked[0]
         if "offload" not in grads:
             grads["offload"] = {n: p.grad.clone() for n, p in hf.named_parameters()}
+        # What this step's forward waited for the last update; synchronize() below waits through the
+        # same function, which must not count twice.
+        forward_blocked = blocked[0]
         start = time.perf_counter()
         if variant != "offload-no-step":
             optimizer.step()
@@ -190,14 +197,25 @@ def offload_run(base: nn.Module, batch: torch.Tensor, device: torch.device, grad
             optimizer.synchronize()
             run.parts.setdefault("step_call_s", []).append(submitted - start)
             run.parts.setdefault("synchronize_s", []).append(time.perf_counter() - submitted)
-        run.exposed.append(blocked[0] + time.perf_counter() - start)
+        run.exposed.append(forward_blocked + time.perf_counter() - start)
         blocked[0] = 0.0
         return seconds
 
     def free() -> None:
         optimizer.close()
 
+    def fingerprint() -> str:
+        """A digest of every parameter's bits after the run: the offloaded variants train the same
+        model on the same batch for the same steps, so their digests agree where the update is exact
+        and the device's kernels repeat themselves."""
+        optimizer.synchronize()
+        digest = hashlib.sha256()
+        for _, p in sorted(hf.named_parameters()):
+            digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()[:16]
+
     run = Run(step, free)
+    run.fingerprint = fingerprint  # type: ignore[attr-defined]
     run.traffic = engine_of(model).traffic  # type: ignore[attr-defined]
     return run
 
@@ -376,6 +394,8 @@ def measure(name: str, make: Callable[[], Run], args, device: torch.device, toke
             after = run.traffic()
             result["loaded_bytes_per_step"] = (after[0] - traffic_before[0]) / args.steps
             result["offloaded_bytes_per_step"] = (after[1] - traffic_before[1]) / args.steps
+        if hasattr(run, "fingerprint") and name != "offload-no-step":
+            result["parameters_sha256_16"] = run.fingerprint()
         report["runs"][name] = result
         print(f"[{name}] step {result['median_step_s'] * 1e3:.1f} ms, fwd+bwd "
               f"{result['median_forward_backward_s'] * 1e3:.1f} ms", flush=True)
@@ -427,8 +447,14 @@ def profiled(name: str, device: torch.device, json_path: str | None):
 
 
 def efficiency(report: dict) -> None:
-    runs, ours = report["runs"], report["runs"].get("offload")
-    if ours is None or "resident" not in runs:
+    for name in ("offload", "offload-in-backward"):
+        if name in report["runs"]:
+            efficiency_of(report, name)
+
+
+def efficiency_of(report: dict, name: str) -> None:
+    runs, ours = report["runs"], report["runs"][name]
+    if "resident" not in runs:
         return
     bandwidth = report["bandwidth_bytes_per_s"]
     link = max(ours.get("loaded_bytes_per_step", 0) / bandwidth["host_to_device"],
@@ -440,9 +466,9 @@ def efficiency(report: dict) -> None:
     ours["ideal_terms"] = terms
     ours["ideal_s"] = max(known)
     ours["efficiency"] = ours["ideal_s"] / ours["median_step_s"]
-    for name, run in runs.items():
-        if name not in ("offload", "resident"):
-            ours[f"speedup_vs_{name}"] = run["median_step_s"] / ours["median_step_s"]
+    for other, run in runs.items():
+        if other not in (name, "resident"):
+            ours[f"speedup_vs_{other}"] = run["median_step_s"] / ours["median_step_s"]
 
 
 def write(report: dict, path: str | None) -> None:
