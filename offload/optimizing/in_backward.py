@@ -148,7 +148,9 @@ class BackwardUpdates(Subscriber):
             if id(p) in tied or not p.requires_grad:
                 continue
             self._watch(p, grad)
-            final[id(p)] = grad if grad is not None else p.grad
+            # The update gets its own tensor over a gradient autograd receives: were it to hold
+            # autograd's, autograd could not adopt it as .grad and would copy every gradient.
+            final[id(p)] = p.grad if grad is None else grad if grad is p.grad else grad.detach()
         if not self.checked:
             return
         step = next((s for s in optimizer._steps if s.index == index), None)
@@ -167,12 +169,12 @@ class BackwardUpdates(Subscriber):
     def _watch(self, param: torch.Tensor, returned: torch.Tensor | None) -> None:
         """Check at its accumulation node that ``param`` receives only what backward returns for
         it (``returned``, or nothing where backward adds into ``.grad`` itself)."""
-        expected = returned if returned is not None and returned is not param.grad else None
+        # By its memory, not a reference: holding the tensor would make autograd copy it.
+        expected = _identity(returned if returned is not None and returned is not param.grad else None)
         node = torch.autograd.graph.get_gradient_edge(param).node
 
         def check(grad_inputs: tuple[torch.Tensor | None, ...]) -> None:
-            received = grad_inputs[0] if grad_inputs else None
-            if received is not expected:
+            if _identity(grad_inputs[0] if grad_inputs else None) != expected:
                 self._mismatched.append(self._name(param))
 
         self._hooks.append(node.register_prehook(check))
@@ -256,6 +258,15 @@ class BackwardUpdates(Subscriber):
 
     def _name(self, p: torch.Tensor) -> str:
         return self._names.get(id(p), f"a parameter of shape {tuple(p.shape)}")
+
+
+def _identity(t: torch.Tensor | None) -> tuple[Any, ...] | None:
+    """What tells a gradient apart from any other alive at the same time: its memory and shape (a
+    sum of two contributions is a new tensor)."""
+    if t is None:
+        return None
+    memory = t._values() if t.is_sparse else t
+    return (memory.data_ptr(), memory.storage_offset(), tuple(t.shape), t.layout)
 
 
 def _listing(names: list[str]) -> str:
