@@ -508,7 +508,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--disk-tier", default=None, help="offload: AdamW's state in files in this directory")
     parser.add_argument("--masters-on-disk", action="store_true", help="offload: float32 masters in the disk tier too")
     parser.add_argument("--json", default=None, help="write the report here (after every run)")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="deterministic kernels only (math attention, torch.use_deterministic_algorithms): the "
+                             "offloaded variants' parameters must then agree bit for bit (parameters_sha256_16)")
     args = parser.parse_args(argv)
+    if args.deterministic:
+        # Before the first cuBLAS call; attention's fused backward kernels add in no fixed order.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        for backend in ("flash", "mem_efficient", "cudnn"):
+            getattr(torch.backends.cuda, f"enable_{backend}_sdp", lambda _: None)(False)
     defaults = DRY_SIZES if args.cpu_dry_run else GPU_SIZES
     args.sizes = {key: getattr(args, key) or value for key, value in defaults.items()}
     args.num_slices = args.num_slices or args.sizes["layers"] + 2
@@ -539,7 +548,8 @@ def main(argv: list[str] | None = None) -> dict:
         "sizes": sizes, "num_slices": args.num_slices, "parameters": sum(p.numel() for p in base.parameters()),
         "tokens_per_step": tokens, "steps": args.steps, "warmup": args.warmup,
         "bandwidth_bytes_per_s": measure_bandwidth(device), "runs": {}, "failed": {},
-        "cap_gib": args.cap_gib, "disk_tier": bool(args.disk_tier), "masters_on_disk": args.masters_on_disk}
+        "cap_gib": args.cap_gib, "disk_tier": bool(args.disk_tier), "masters_on_disk": args.masters_on_disk,
+        "deterministic": args.deterministic}
     print(f"{device_name(device)}; Llama-shaped, {report['parameters'] / 1e9:.3f} B parameters, "
           f"{tokens} tokens/step, {args.num_slices} slices", flush=True)
     if "resident" in args.peers and not args.disk_tier:
