@@ -66,8 +66,9 @@ PEERS = ("resident", "offload", "fsdp2", "torchao", "fairscale")
 #: update 8 threads, ``no-step`` runs forward and backward alone, ``profile`` prints torch.profiler's
 #: table of the host's operations over the timed steps, ``cprofile`` the Python calls of the training
 #: thread (where it waits), written beside ``--json`` as ``<name>.prof`` too; ``in-backward`` starts
-#: each slice's update in backward (``OffloadOptimizer(..., update_in_backward=True)``).
-OFFLOAD_VARIANTS = ("offload-in-backward", "offload-sync", "offload-threads8", "offload-no-step", "offload-profile",
+#: each slice's update in backward (``OffloadOptimizer(..., update_in_backward=True)``), ``-cut`` only
+#: while the update worker keeps up (``max_backlog = 1``), the rest at step(), in slice order.
+OFFLOAD_VARIANTS = ("offload-in-backward", "offload-in-backward-cut", "offload-sync", "offload-threads8", "offload-no-step", "offload-profile",
                     "offload-cprofile")
 GPU_SIZES = {"hidden": 2048, "layers": 16, "intermediate": 5632, "heads": 16, "kv_heads": 8, "vocab": 32000,
              "seq": 1024, "batch": 8}
@@ -168,7 +169,9 @@ def offload_run(base: nn.Module, batch: torch.Tensor, device: torch.device, grad
                          compute_dtype=torch.bfloat16, masters=tier if args.masters_on_disk else None)
     threads = 8 if variant == "offload-threads8" else None
     optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-5, fused=True, disk_tier=tier, num_threads=threads,
-                                 update_in_backward=variant == "offload-in-backward")
+                                 update_in_backward=variant.startswith("offload-in-backward"))
+    if variant == "offload-in-backward-cut":
+        optimizer._in_backward.max_backlog = 1
     updates = engine_of(model).updates
     wait, blocked = updates.wait, [0.0]
 
@@ -447,7 +450,7 @@ def profiled(name: str, device: torch.device, json_path: str | None):
 
 
 def efficiency(report: dict) -> None:
-    for name in ("offload", "offload-in-backward"):
+    for name in ("offload", "offload-in-backward", "offload-in-backward-cut"):
         if name in report["runs"]:
             efficiency_of(report, name)
 

@@ -38,6 +38,13 @@ Note: [Update in backward]
     another slice (autograd sums its slices' gradients after backward returns), or has a ``.grad``
     backward cannot add into (another dtype, sparse). ``deferred`` says which, and why.
 
+    Behind: slice 0's gradients land last, and the next forward loads it first. When the whole
+    update outlasts backward, the worker (first in, first out) still holds the updates of the
+    last slices to land, slice 0's last of all, when the next forward starts, and that forward
+    waits for all of them before its first slice. With ``max_backlog``, once the worker is that
+    many updates behind, the slices still to land wait for ``step()``, which starts them in slice
+    order: the forward then loads each as soon as its own update is done.
+
     Orderings: the update of slice ``k`` runs on the worker after the copy of its gradients to the
     host (``ready``), and after the main thread added them into ``.grad``; it writes slice
     ``k``'s host copies, which nothing reads again before the next forward's load of slice ``k``,
@@ -56,6 +63,7 @@ from ..streams import Event
 from ..walk.engine import Engine
 from ..walk.milestones import Subscriber
 from .plan import snapshot
+from .stepping import SliceUpdates
 
 
 class BackwardUpdates(Subscriber):
@@ -65,18 +73,20 @@ class BackwardUpdates(Subscriber):
         optimizer: the ``OffloadOptimizer`` (held weakly: the model's walk holds this).
         engine: the engine of its model.
         accumulation_steps: backwards per ``step()``.
-        submit: ``submit(step, grads, hyper, after)`` queues a slice's update with those gradients
-            after the events ``after``; the optimizer's hand-off (``SliceUpdates.submit_one``).
+        updates: the optimizer's hand-off of each slice's update to the worker.
         before_update: what ``step()`` does before updates start (the plan; errors of the last writes).
     """
 
     def __init__(self, optimizer: Any, engine: Engine, accumulation_steps: int,
-                 submit: Callable[[Any, list[torch.Tensor | None], list[dict[str, Any]], list[Event | None]], None],
-                 before_update: Callable[[], None]) -> None:
+                 updates: SliceUpdates, before_update: Callable[[], None]) -> None:
         self._optimizer = weakref.ref(optimizer)
         self._engine = engine
         self.accumulation_steps = accumulation_steps
-        self._submit = submit
+        self._updates = updates
+        #: With a number, a slice's update waits for step() once the worker is that many updates
+        #: behind, and so do the slices after it (Note: [Update in backward], "behind"); None: never.
+        self.max_backlog: int | None = None
+        self._behind = False
         self._before_update = before_update
         #: Backwards that added into .grad since the last step().
         self.backwards = 0
@@ -95,7 +105,7 @@ class BackwardUpdates(Subscriber):
         self._seen: list[tuple[torch.Tensor, torch.Tensor | None, int]] = []  # (param, .grad, its version)
 
     @classmethod
-    def attach(cls, optimizer: Any, engine: Engine, accumulation_steps: int, submit: Callable[..., None],
+    def attach(cls, optimizer: Any, engine: Engine, accumulation_steps: int, updates: SliceUpdates,
                before_update: Callable[[], None], enabled: bool) -> BackwardUpdates | None:
         """Subscribe a new one to the walks of the optimizer's model (``engine``), in place of an
         older optimizer's (only the newest optimizer of a model steps it); ``None`` when not
@@ -105,9 +115,9 @@ class BackwardUpdates(Subscriber):
             milestones.unsubscribe(old)
         if not enabled:
             return None
-        updates = cls(optimizer, engine, accumulation_steps, submit, before_update)
-        milestones.subscribe(updates)
-        return updates
+        subscriber = cls(optimizer, engine, accumulation_steps, updates, before_update)
+        milestones.subscribe(subscriber)
+        return subscriber
 
     # -- milestones ---------------------------------------------------------------------------------
 
@@ -128,6 +138,7 @@ class BackwardUpdates(Subscriber):
             return
         self._token = token
         self.deferred = {}
+        self._behind = False
         self._names = self._engine.parameter_names()
         if self.checked:
             self._before_update()  # the plan, and what the last step could not write, raised first
@@ -157,11 +168,14 @@ class BackwardUpdates(Subscriber):
         if step is None or step.whole is None:
             return
         why = self._why_deferred(step.whole.params, tied, final)
+        if why is None and self.max_backlog is not None and (self._behind or self._updates.backlog() > self.max_backlog):
+            self._behind = True
+            why = "the update worker is behind: this slice's update starts at step(), in the order the next forward loads"
         if why is not None:
             self.deferred[index] = why
             return
         hyper = [snapshot(group) for group in optimizer.param_groups]
-        self._submit(step, [final[id(p)] for p in step.whole.params], hyper, [ready])
+        self._updates.submit_one(step, [final[id(p)] for p in step.whole.params], hyper, [ready])
         self.started.add(index)
 
     # -- the checks -------------------------------------------------------------------------------

@@ -69,6 +69,10 @@ class SliceUpdates:
             self.engine.updates.submitted(step.index, updated)
             self._write_masters(step.index, updated)
 
+    def backlog(self) -> int:
+        """Updates handed to the worker and not finished yet."""
+        return 0 if self.worker is None else self.worker.submitted - self.worker.finished
+
     def _start_worker(self) -> None:
         if self.worker is None:
             self.worker = self.engine.copies.new_worker("host update", self.num_threads)
