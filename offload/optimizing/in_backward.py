@@ -22,9 +22,12 @@ Note: [Update in backward]
     - a gradient that reaches a parameter from outside the model (a penalty on the weights in
       the same loss) is seen by a pre-hook on the parameter's accumulation node, which receives
       something other than what backward returned for it: the backward raises;
-    - ``clip_grad_norm_``, ``GradScaler.unscale_``, or anything else that rewrites or replaces a
-      ``.grad`` between backward and ``step()`` changes its version counter or its identity:
-      ``step()`` raises; a ``GradScaler`` handing a fused optimizer its scale: ``step()`` raises;
+    - ``clip_grad_norm_``, ``zero_grad``, or anything else that rewrites or replaces a ``.grad``
+      between backward and ``step()`` through PyTorch's in-place operations changes its version
+      counter or its identity: ``step()`` raises (a write through ``.grad.data`` is not seen);
+    - a ``GradScaler`` stepping the optimizer: ``step()`` raises. It is found by its call (the
+      kernel of ``GradScaler.unscale_`` leaves the version counters as they were), and by the
+      scale it hands a fused optimizer;
     - ``step()`` after another number of backwards than declared: ``step()`` raises.
 
     The first backward and ``step()`` of an optimizer start nothing early and only check, so
@@ -34,9 +37,11 @@ Note: [Update in backward]
     with which gradients, and to reload the last checkpoint.
 
     A slice's update waits for ``step()`` (exact, only not early) when one of its parameters has
-    a gradient hook (``register_hook``: autograd applies it after backward returns), is tied to
-    another slice (autograd sums its slices' gradients after backward returns), or has a ``.grad``
-    backward cannot add into (another dtype, sparse). ``deferred`` says which, and why.
+    a gradient hook (``register_hook`` or ``register_post_accumulate_grad_hook``: autograd applies
+    it after backward returns; its accumulation node is not watched either, since the hook changes
+    what the node receives), is tied to another slice (autograd sums its slices' gradients after
+    backward returns), or has a ``.grad`` backward cannot add into (another dtype, sparse).
+    ``deferred`` says which, and why.
 
     Orderings: the update of slice ``k`` runs on the worker after the copy of its gradients to the
     host (``ready``), and after the main thread added them into ``.grad``; it writes slice
@@ -52,6 +57,7 @@ from typing import Any
 
 import torch
 
+from ..grad_scaler import _calling_scaler
 from ..streams import Event
 from ..walk.engine import Engine
 from ..walk.milestones import Subscriber
@@ -145,8 +151,8 @@ class BackwardUpdates(Subscriber):
         final: dict[int, torch.Tensor | None] = {}
         for entry, grad in zip(entries, grads):
             p = entry.tensor
-            if id(p) in tied or not p.requires_grad:
-                continue
+            if id(p) in tied or not p.requires_grad or _hooked(p):
+                continue  # the slice's update waits for step() (a hook changes what its node receives)
             self._watch(p, grad)
             final[id(p)] = grad if grad is not None else p.grad
         if not self.checked:
@@ -159,7 +165,12 @@ class BackwardUpdates(Subscriber):
             self.deferred[index] = why
             return
         hyper = [snapshot(group) for group in optimizer.param_groups]
-        self._submit(step, [final[id(p)] for p in step.whole.params], hyper, [ready])
+        # A parameter this backward gives no gradient to (frozen, or unused) is stepped with the
+        # .grad it has, as step() would. The update holds aliases, not the tensors backward returns:
+        # autograd adopts a returned gradient as .grad only if nothing else holds it, and copies
+        # it otherwise (a copy of every gradient, read while the update runs).
+        grads = [final.get(id(p), p.grad) for p in step.whole.params]
+        self._submit(step, [None if g is None else g.detach() for g in grads], hyper, [ready])
         self.started.add(index)
 
     # -- the checks -------------------------------------------------------------------------------
@@ -168,11 +179,13 @@ class BackwardUpdates(Subscriber):
         """Check at its accumulation node that ``param`` receives only what backward returns for
         it (``returned``, or nothing where backward adds into ``.grad`` itself)."""
         expected = returned if returned is not None and returned is not param.grad else None
+        # Held weakly: autograd adopts the returned gradient as .grad only if nothing else holds it.
+        expected_ref = None if expected is None else weakref.ref(expected)
         node = torch.autograd.graph.get_gradient_edge(param).node
 
         def check(grad_inputs: tuple[torch.Tensor | None, ...]) -> None:
             received = grad_inputs[0] if grad_inputs else None
-            if received is not expected:
+            if received is not (None if expected_ref is None else expected_ref()):
                 self._mismatched.append(self._name(param))
 
         self._hooks.append(node.register_prehook(check))
@@ -216,7 +229,10 @@ class BackwardUpdates(Subscriber):
                 f"update_in_backward: step() after {backwards} backward(s), but the optimizer was built with "
                 f"accumulation_steps={self.accumulation_steps}. {self._what_ran(started)} Pass the number of "
                 "backwards per step as accumulation_steps.")
-        if grad_scale is not None:
+        # A fused optimizer gets the scale itself; another finds its gradients unscaled in place by a
+        # kernel that leaves their version counters as they were, so the scaler is looked for.
+        scaler = _calling_scaler()
+        if grad_scale is not None or (scaler is not None and scaler.is_enabled()):
             raise RuntimeError(
                 "update_in_backward: a GradScaler steps this optimizer; it may skip a step or unscale the gradients "
                 f"after backward started the update. {self._what_ran(started)} Build OffloadOptimizer without "
@@ -227,7 +243,7 @@ class BackwardUpdates(Subscriber):
         if changed:
             raise RuntimeError(
                 f"update_in_backward: the gradient of {_listing(changed)} changed between backward and step() "
-                f"(clip_grad_norm_, GradScaler.unscale_, a hook, zero_grad). {self._what_ran(started)} Build "
+                f"(clip_grad_norm_, a hook, zero_grad). {self._what_ran(started)} Build "
                 "OffloadOptimizer without update_in_backward to change gradients before the update.")
         self.checked = True
         return started
@@ -246,7 +262,7 @@ class BackwardUpdates(Subscriber):
         for p in params:
             if id(p) in tied:
                 return f"{self._name(p)} is tied to another slice"
-            if p._backward_hooks:
+            if _hooked(p):
                 return f"{self._name(p)} has a gradient hook"
             grad = final.get(id(p))
             if grad is not None and grad is not p.grad and p.grad is not None:
@@ -256,6 +272,12 @@ class BackwardUpdates(Subscriber):
 
     def _name(self, p: torch.Tensor) -> str:
         return self._names.get(id(p), f"a parameter of shape {tuple(p.shape)}")
+
+
+def _hooked(p: torch.Tensor) -> bool:
+    """Whether autograd runs hooks of ``p``'s own once backward has produced its gradient
+    (``register_hook``, ``register_post_accumulate_grad_hook``): they may change ``.grad``."""
+    return bool(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None))
 
 
 def _listing(names: list[str]) -> str:
