@@ -320,6 +320,13 @@ def clipped(model: OffloadModel, optimizer: OffloadOptimizer, step: int) -> None
     optimizer.step()
 
 
+def warmed_up(model: OffloadModel, optimizer: OffloadOptimizer, step: int) -> None:
+    offload_loss(model, batch(step), 1).backward()
+    for group in optimizer.param_groups:  # a schedule set by hand, between backward and step()
+        group["lr"] = 1e-3 * (step + 1)
+    optimizer.step()
+
+
 def scaled(scaler_class: type[torch.amp.GradScaler], unscale: bool) -> Callable[..., None]:
     def mistake(model: OffloadModel, optimizer: OffloadOptimizer, step: int) -> None:
         scaler = scaler_class("cpu", init_scale=2.0**8)
@@ -335,6 +342,8 @@ MISTAKES: list[Any] = [
                  "the gradient of .* \\(and 9 more\\) also comes from outside this call of the model",
                  id="penalty-on-the-weights"),
     pytest.param(clipped, True, "changed between backward and step\\(\\)", id="clip_grad_norm_"),
+    pytest.param(warmed_up, True, "update_in_backward: 'lr' of group 0 changed between backward and step\\(\\); the "
+                 "update reads the hyperparameters backward saw", id="lr-set-between-backward-and-step"),
     # A fused optimizer takes the scale itself, unless unscale_ came first; another has its
     # gradients unscaled in place, by a kernel that leaves their version counters as they were.
     *[pytest.param(scaled(scaler_class, unscale), fused, "a GradScaler steps this optimizer",
@@ -351,7 +360,7 @@ def test_a_mistake_in_the_first_step_is_refused_before_any_update(mistake, fused
     with pytest.raises(RuntimeError, match=message) as raised:
         mistake(model, optimizer, 0)
     assert "No update ran: parameters and optimizer state are as they were." in str(raised.value)
-    assert "Build OffloadOptimizer without update_in_backward" in str(raised.value)
+    assert "OffloadOptimizer without update_in_backward" in str(raised.value)
     assert_unchanged(model, optimizer, before)
     assert not optimizer._in_backward.checked
 
@@ -369,7 +378,7 @@ def test_another_number_of_backwards_than_declared_is_refused(backwards):
 
 
 @pytest.mark.parametrize("mistake, fused, message", [m for m in MISTAKES if m.id in (
-    "penalty-on-the-weights", "clip_grad_norm_", "torch.GradScaler-per-tensor")])
+    "penalty-on-the-weights", "clip_grad_norm_", "lr-set-between-backward-and-step", "torch.GradScaler-per-tensor")])
 def test_a_mistake_after_the_checked_step_says_which_slices_ran(mistake, fused, message):
     model, optimizer = fresh(fused=fused)
     for step in range(2):

@@ -15,9 +15,9 @@ Note: [Update in backward]
     It is the plain optimizer's result, bit for bit, because the update reads what ``step()``
     would read: each gradient as ``.grad`` will hold it when backward returns (backward adds into
     ``.grad`` itself on landing wherever ``.grad`` exists: Note: [Gradients added in place],
-    whose rule 6 this backward waives), and the hyperparameters as they are during backward. That
-    holds only if nothing changes ``.grad`` between that backward and ``step()``, and so it is
-    checked, not assumed:
+    whose rule 6 this backward waives), and the hyperparameters as they are when that backward
+    starts. That holds only if nothing changes ``.grad`` or the hyperparameters between that
+    backward and ``step()``, and so it is checked, not assumed:
 
     - a gradient that reaches a parameter from outside the model (a penalty on the weights in
       the same loss) is seen by a pre-hook on the parameter's accumulation node, which receives
@@ -28,6 +28,8 @@ Note: [Update in backward]
     - a ``GradScaler`` stepping the optimizer: ``step()`` raises. It is found by its call (the
       kernel of ``GradScaler.unscale_`` leaves the version counters as they were), and by the
       scale it hands a fused optimizer;
+    - a hyperparameter set between that backward and ``step()`` (a warm-up set by hand, a
+      scheduler stepped before the optimizer): ``step()`` raises;
     - ``step()`` after another number of backwards than declared: ``step()`` raises.
 
     The first backward and ``step()`` of an optimizer start nothing early and only check, so
@@ -94,6 +96,9 @@ class BackwardUpdates(Subscriber):
         #: Slice -> why its update waits for step() (Note: [Update in backward]), from the last backward.
         self.deferred: dict[int, str] = {}
         self._token: Any = None  # the forward whose backward ends the accumulation, while it runs
+        # The hyperparameters the updates that backward starts read: taken when it starts,
+        # compared with what step() would read.
+        self._hyper: list[dict[str, Any]] | None = None
         self._task_open = False  # a backward is running (counted, its end's callback queued)
         self._names: dict[int, str] = {}
         self._hooks: list[Any] = []
@@ -134,6 +139,7 @@ class BackwardUpdates(Subscriber):
             return
         self._token = token
         self.deferred = {}
+        self._hyper = [snapshot(group) for group in optimizer.param_groups]
         self._names = self._engine.parameter_names()
         if self.checked:
             self._before_update()  # the plan, and what the last step could not write, raised first
@@ -164,7 +170,8 @@ class BackwardUpdates(Subscriber):
         if why is not None:
             self.deferred[index] = why
             return
-        hyper = [snapshot(group) for group in optimizer.param_groups]
+        hyper = self._hyper
+        assert hyper is not None
         # A parameter this backward gives no gradient to (frozen, or unused) is stepped with the
         # .grad it has, as step() would. The update holds aliases, not the tensors backward returns:
         # autograd adopts a returned gradient as .grad only if nothing else holds it, and copies
@@ -240,11 +247,19 @@ class BackwardUpdates(Subscriber):
         changed = [self._name(p) for p, grad, version in self._seen
                    if p.grad is not grad or (grad is not None and grad._version != version)]
         self._seen = []
+        hyper, self._hyper = self._hyper, None
+        moved = _moved(hyper, self._optimizer()) if hyper is not None else []
         if changed:
             raise RuntimeError(
                 f"update_in_backward: the gradient of {_listing(changed)} changed between backward and step() "
                 f"(clip_grad_norm_, a hook, zero_grad). {self._what_ran(started)} Build "
                 "OffloadOptimizer without update_in_backward to change gradients before the update.")
+        if moved:
+            raise RuntimeError(
+                f"update_in_backward: {_listing(moved)} changed between backward and step(); the update reads the "
+                f"hyperparameters backward saw. {self._what_ran(started)} Change them before backward or after "
+                "step() (a scheduler steps after optimizer.step()), or build OffloadOptimizer without "
+                "update_in_backward.")
         self.checked = True
         return started
 
@@ -278,6 +293,26 @@ def _hooked(p: torch.Tensor) -> bool:
     """Whether autograd runs hooks of ``p``'s own once backward has produced its gradient
     (``register_hook``, ``register_post_accumulate_grad_hook``): they may change ``.grad``."""
     return bool(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None))
+
+
+def _moved(before: list[dict[str, Any]], optimizer: Any) -> list[str]:
+    """The hyperparameters whose values differ from ``before`` (``snapshot`` of each group), by name."""
+    if optimizer is None:
+        return []
+    groups = optimizer.param_groups
+    if len(groups) != len(before):
+        return ["the parameter groups"]
+    moved = []
+    for g, (old, group) in enumerate(zip(before, groups)):
+        for key in old.keys() | (group.keys() - {"params"}):
+            a, b = old.get(key), group.get(key)
+            if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+                same = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+            else:
+                same = a == b
+            if not same:
+                moved.append(f"'{key}' of group {g}")
+    return sorted(moved)
 
 
 def _listing(names: list[str]) -> str:
