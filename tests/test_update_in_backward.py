@@ -21,6 +21,7 @@ from offload.optimizing.in_backward import BackwardUpdates
 from offload.streamcheck import StreamChecker
 from offload.walk.milestones import Subscriber
 
+from .helpers import DEVICES
 from .stream_scenarios import SCENARIOS, build_on_cpu
 from .test_mixed_precision import converted
 from .test_optimizer import assert_same, batch, network
@@ -44,7 +45,7 @@ OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
 
 
 class Plain:
-    """The plain model and the plain optimizer: float32 parameters stepped by ``torch.optim``.
+    """The plain model, its float32 parameters stepped by a plain ``torch.optim`` optimizer.
     Under a compute dtype each backward runs on a copy of the model converted to it (as
     tests/test_mixed_precision.py compares a half-precision OffloadModel), and its gradients, cast to
     float32, are added into the float32 parameters' ``.grad``: what OffloadModel computes."""
@@ -67,17 +68,19 @@ class Plain:
 
 class Twin:
     """An OffloadModel with the same settings, stepped by the plain optimizer: the reference where
-    no plain model computes the same bits (microbatch gradients are summed in another order)."""
+    no plain model computes the same bits (microbatch gradients are summed in another order; a
+    GPU's kernels round otherwise than the CPU's)."""
 
     def __init__(self, model: OffloadModel) -> None:
         self.model = model
 
     def backward(self, x: torch.Tensor, divide: int) -> None:
-        (self.model(x).float().pow(2).mean() / divide).backward()
+        offload_loss(self.model, x, divide).backward()
 
 
-def offload_loss(model: OffloadModel, x: torch.Tensor, divide: int) -> torch.Tensor:
-    return model(x).float().pow(2).mean() / divide
+def offload_loss(model: nn.Module, x: torch.Tensor, divide: int) -> torch.Tensor:
+    device = model.device if isinstance(model, OffloadModel) else torch.device("cpu")
+    return model(x.to(device)).float().pow(2).mean() / divide
 
 
 def two_groups(params: list[nn.Parameter], lr: float) -> list[dict[str, Any]]:
@@ -106,18 +109,20 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name, compute_dtype, num_microbatches, accumulation_steps, set_to_none, schedule, groups",
                          CASES)
 def test_updates_started_in_backward_equal_the_plain_optimizer(name, compute_dtype, num_microbatches,
-                                                                accumulation_steps, set_to_none, schedule, groups):
+                                                                accumulation_steps, set_to_none, schedule, groups,
+                                                                device):
     cls, kwargs = OPTIMIZERS[name]
-    model = OffloadModel(network(), device="cpu", num_slices=NUM_SLICES, compute_dtype=compute_dtype,
-                         num_microbatches=num_microbatches)
-    if num_microbatches == 1:
+    settings = {"device": device, "num_slices": NUM_SLICES, "compute_dtype": compute_dtype,
+                "num_microbatches": num_microbatches}
+    model = OffloadModel(network(), **settings)
+    if num_microbatches == 1 and device == "cpu":
         reference: Plain | Twin = Plain(network(), compute_dtype)
     else:
-        reference = Twin(OffloadModel(network(), device="cpu", num_slices=NUM_SLICES, compute_dtype=compute_dtype,
-                                      num_microbatches=num_microbatches))
+        reference = Twin(OffloadModel(network(), **settings))
 
     def params_of(m: nn.Module) -> Any:
         return two_groups(list(m.parameters()), kwargs["lr"]) if groups else m.parameters()
@@ -146,6 +151,23 @@ def test_updates_started_in_backward_equal_the_plain_optimizer(name, compute_dty
         assert optimizer._in_backward.last_started == (ALL_SLICES if step > 0 else set()), step
         assert optimizer._in_backward.deferred == {}
     assert_same(reference.model, plain, model, optimizer)
+
+
+def test_parameters_outside_the_model_are_stepped_by_step():
+    plain, model = network(), OffloadModel(network(), device="cpu", num_slices=NUM_SLICES)
+    scales = [nn.Parameter(torch.ones(3)) for _ in range(2)]
+    kwargs = {"lr": 0.1, "momentum": 0.9}
+    plain_opt = plain_optimizer(torch.optim.SGD, [{"params": plain.parameters()}, {"params": [scales[0]]}], kwargs)
+    optimizer = OffloadOptimizer(model, torch.optim.SGD, [{"params": model.parameters()}, {"params": [scales[1]]}],
+                                 update_in_backward=True, **kwargs)
+    for step in range(4):
+        for m, scale, opt in ((plain, scales[0], plain_opt), (model, scales[1], optimizer)):
+            (m(batch(step)) * scale).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=step % 2 == 0)
+        assert optimizer._in_backward.last_started == (ALL_SLICES if step > 0 else set())
+    assert_same(plain, plain_opt, model, optimizer)
+    torch.testing.assert_close(scales[1], scales[0], **EXACT)
 
 
 def test_autograd_adopts_the_landed_gradients_without_a_copy():
