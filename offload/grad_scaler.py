@@ -142,14 +142,16 @@ def _scale_on_a_device(scaler: torch.amp.GradScaler) -> bool:
     return scale is not None and scale.device.type != "cpu"
 
 
-#: The code of the plain scaler's methods that call ``optimizer.step``.
+#: The code of the scalers' methods that call ``optimizer.step`` (this module's ``step`` calls it
+#: itself for a fused optimizer over host parameters).
 _SCALER_STEP_CODE = frozenset(
-    getattr(torch.amp.GradScaler, name).__code__ for name in ("step", "_maybe_opt_step")
-    if hasattr(torch.amp.GradScaler, name))
+    [getattr(torch.amp.GradScaler, name).__code__ for name in ("step", "_maybe_opt_step")
+     if hasattr(torch.amp.GradScaler, name)] + [GradScaler.step.__code__])
 
 
 def _calling_scaler(depth: int = 8) -> torch.amp.GradScaler | None:
-    """The ``torch.amp.GradScaler`` whose ``step`` called the optimizer, if one did.
+    """The ``torch.amp.GradScaler`` whose ``step`` called the optimizer, if one did (called from
+    the optimizer's ``step`` or from a hook of it, which is two frames up).
 
     Only a scaler method's own frame has its locals read: reading ``f_locals`` of any other frame
     (the user's training loop) would leave a snapshot of its variables on that frame, keeping

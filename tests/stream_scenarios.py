@@ -502,6 +502,26 @@ def faults_offloaded(build: Build) -> list[torch.Tensor]:
     return faults(build, offload_activations=OffloadActivations(last=5, min_bytes=0))
 
 
+def update_in_backward(build: Build) -> list[torch.Tensor]:
+    """OffloadOptimizer(update_in_backward=True) under a compute dtype: from the second step on,
+    backward hands each slice's update to the host worker once its gradients are final on the
+    host, and the next forward's loads wait for those updates. The second step's backward finds
+    no ``.grad`` (autograd adopts the landed host copy: the update waits for its copy), the
+    third's finds ``.grad`` zeroed in place (backward adds into it: the update waits for the
+    addition)."""
+    model = build(mlp(dropout=0.1), num_slices=4, compute_dtype=torch.bfloat16)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True, update_in_backward=True)
+    seen: list[torch.Tensor] = []
+    for step in range(3):
+        torch.manual_seed(step)
+        out = model(inputs(step))
+        loss = out.float().pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=step != 1)
+        seen += [out.detach().clone(), loss.detach().clone()]
+    return seen + state(model)
+
 SCENARIOS: dict[str, Callable[[Build], list[torch.Tensor]]] = {
     f.__name__: f for f in (
         dropout_mlp, batchnorm, batchnorm_microbatches, in_place_first_layer, microbatches, no_checkpointing,
@@ -512,7 +532,7 @@ SCENARIOS: dict[str, Callable[[Build], list[torch.Tensor]]] = {
         offload_optimizer_after_forwards_without_backward, detached_forward_then_buffer_snapshots,
         reads_between_step_and_forward, data_parallel_one_rank,
         tied_across_slices, tied_across_slices_offload_optimizer, sparse_gradients_and_strided_boundaries,
-        offloaded_activations, offloaded_activations_retained, faults_offloaded,
+        offloaded_activations, offloaded_activations_retained, faults_offloaded, update_in_backward,
     )
 }
 try:

@@ -252,6 +252,10 @@ NEEDED = [
     Dependency("synchronize_event", "wait_host", "device_slots.py:prefetch", "host update"),
     Dependency("synchronize_event", "wait_host", "settled.py:_settle", "host update"),
     Dependency("synchronize_event", "wait_host", "optimizer.py:synchronize", "host update"),
+    # Update in backward (Note: [Update in backward]): a slice's update after its gradients' offload,
+    # and zeroing .grad in place after the updates that read it.
+    Dependency("synchronize_event", "submit", "tier_plumbing.py:submit", "offload"),
+    Dependency("synchronize_event", "wait_host", "optimizer.py:zero_grad", "host update"),
     Dependency("synchronize_event", "submit", "data_parallel.py:gradients_leaving", "offload"),
     Dependency("synchronize_event", "submit", "sharding.py:submit", "host update"),
     Dependency("synchronize_event", "submit", "disk_tier.py:submit", "disk write"),

@@ -15,16 +15,21 @@ Note: [Update in backward]
     It is the plain optimizer's result, bit for bit, because the update reads what ``step()``
     would read: each gradient as ``.grad`` will hold it when backward returns (backward adds into
     ``.grad`` itself on landing wherever ``.grad`` exists: Note: [Gradients added in place],
-    whose rule 6 this backward waives), and the hyperparameters as they are during backward. That
-    holds only if nothing changes ``.grad`` between that backward and ``step()``, and so it is
-    checked, not assumed:
+    whose rule 6 this backward waives), and the hyperparameters as they are when that backward
+    starts. That holds only if nothing changes ``.grad`` or the hyperparameters between that
+    backward and ``step()``, and so it is checked, not assumed:
 
     - a gradient that reaches a parameter from outside the model (a penalty on the weights in
       the same loss) is seen by a pre-hook on the parameter's accumulation node, which receives
       something other than what backward returned for it: the backward raises;
-    - ``clip_grad_norm_``, ``GradScaler.unscale_``, or anything else that rewrites or replaces a
-      ``.grad`` between backward and ``step()`` changes its version counter or its identity:
-      ``step()`` raises; a ``GradScaler`` handing a fused optimizer its scale: ``step()`` raises;
+    - ``clip_grad_norm_``, ``zero_grad``, or anything else that rewrites or replaces a ``.grad``
+      between backward and ``step()`` through PyTorch's in-place operations changes its version
+      counter or its identity: ``step()`` raises (a write through ``.grad.data`` is not seen);
+    - a ``GradScaler`` stepping the optimizer: ``step()`` raises. It is found by its call (the
+      kernel of ``GradScaler.unscale_`` leaves the version counters as they were), and by the
+      scale it hands a fused optimizer;
+    - a hyperparameter set between that backward and ``step()`` (a warm-up set by hand, a
+      scheduler stepped before the optimizer): ``step()`` raises;
     - ``step()`` after another number of backwards than declared: ``step()`` raises.
 
     The first backward and ``step()`` of an optimizer start nothing early and only check, so
@@ -34,9 +39,11 @@ Note: [Update in backward]
     with which gradients, and to reload the last checkpoint.
 
     A slice's update waits for ``step()`` (exact, only not early) when one of its parameters has
-    a gradient hook (``register_hook``: autograd applies it after backward returns), is tied to
-    another slice (autograd sums its slices' gradients after backward returns), or has a ``.grad``
-    backward cannot add into (another dtype, sparse). ``deferred`` says which, and why.
+    a gradient hook (``register_hook`` or ``register_post_accumulate_grad_hook``: autograd applies
+    it after backward returns; its accumulation node is not watched either, since the hook changes
+    what the node receives), is tied to another slice (autograd sums its slices' gradients after
+    backward returns), or has a ``.grad`` backward cannot add into (another dtype, sparse).
+    ``deferred`` says which, and why.
 
     Behind: slice 0's gradients land last, and the next forward loads it first. When the whole
     update outlasts backward, the worker (first in, first out) still holds the updates of the
@@ -59,6 +66,7 @@ from typing import Any
 
 import torch
 
+from ..grad_scaler import _calling_scaler
 from ..streams import Event
 from ..walk.engine import Engine
 from ..walk.milestones import Subscriber
@@ -98,6 +106,9 @@ class BackwardUpdates(Subscriber):
         #: Slice -> why its update waits for step() (Note: [Update in backward]), from the last backward.
         self.deferred: dict[int, str] = {}
         self._token: Any = None  # the forward whose backward ends the accumulation, while it runs
+        # The hyperparameters the updates that backward starts read: taken when it starts,
+        # compared with what step() would read.
+        self._hyper: list[dict[str, Any]] | None = None
         self._task_open = False  # a backward is running (counted, its end's callback queued)
         self._names: dict[int, str] = {}
         self._hooks: list[Any] = []
@@ -139,6 +150,7 @@ class BackwardUpdates(Subscriber):
         self._token = token
         self.deferred = {}
         self._behind = False
+        self._hyper = [snapshot(group) for group in optimizer.param_groups]
         self._names = self._engine.parameter_names()
         if self.checked:
             self._before_update()  # the plan, and what the last step could not write, raised first
@@ -156,8 +168,8 @@ class BackwardUpdates(Subscriber):
         final: dict[int, torch.Tensor | None] = {}
         for entry, grad in zip(entries, grads):
             p = entry.tensor
-            if id(p) in tied or not p.requires_grad:
-                continue
+            if id(p) in tied or not p.requires_grad or _hooked(p):
+                continue  # the slice's update waits for step() (a hook changes what its node receives)
             self._watch(p, grad)
             # The update gets its own tensor over a gradient autograd receives: were it to hold
             # autograd's, autograd could not adopt it as .grad and would copy every gradient.
@@ -174,8 +186,14 @@ class BackwardUpdates(Subscriber):
         if why is not None:
             self.deferred[index] = why
             return
-        hyper = [snapshot(group) for group in optimizer.param_groups]
-        self._updates.submit_one(step, [final[id(p)] for p in step.whole.params], hyper, [ready])
+        hyper = self._hyper
+        assert hyper is not None
+        # A parameter this backward gives no gradient to (frozen, or unused) is stepped with the
+        # .grad it has, as step() would. The update holds aliases, not the tensors backward returns:
+        # autograd adopts a returned gradient as .grad only if nothing else holds it, and copies
+        # it otherwise (a copy of every gradient, read while the update runs).
+        grads = [final.get(id(p), p.grad) for p in step.whole.params]
+        self._updates.submit_one(step, [None if g is None else g.detach() for g in grads], hyper, [ready])
         self.started.add(index)
 
     # -- the checks -------------------------------------------------------------------------------
@@ -232,7 +250,10 @@ class BackwardUpdates(Subscriber):
                 f"update_in_backward: step() after {backwards} backward(s), but the optimizer was built with "
                 f"accumulation_steps={self.accumulation_steps}. {self._what_ran(started)} Pass the number of "
                 "backwards per step as accumulation_steps.")
-        if grad_scale is not None:
+        # A fused optimizer gets the scale itself; another finds its gradients unscaled in place by a
+        # kernel that leaves their version counters as they were, so the scaler is looked for.
+        scaler = _calling_scaler()
+        if grad_scale is not None or (scaler is not None and scaler.is_enabled()):
             raise RuntimeError(
                 "update_in_backward: a GradScaler steps this optimizer; it may skip a step or unscale the gradients "
                 f"after backward started the update. {self._what_ran(started)} Build OffloadOptimizer without "
@@ -240,11 +261,19 @@ class BackwardUpdates(Subscriber):
         changed = [self._name(p) for p, grad, version in self._seen
                    if p.grad is not grad or (grad is not None and grad._version != version)]
         self._seen = []
+        hyper, self._hyper = self._hyper, None
+        moved = _moved(hyper, self._optimizer()) if hyper is not None else []
         if changed:
             raise RuntimeError(
                 f"update_in_backward: the gradient of {_listing(changed)} changed between backward and step() "
-                f"(clip_grad_norm_, GradScaler.unscale_, a hook, zero_grad). {self._what_ran(started)} Build "
+                f"(clip_grad_norm_, a hook, zero_grad). {self._what_ran(started)} Build "
                 "OffloadOptimizer without update_in_backward to change gradients before the update.")
+        if moved:
+            raise RuntimeError(
+                f"update_in_backward: {_listing(moved)} changed between backward and step(); the update reads the "
+                f"hyperparameters backward saw. {self._what_ran(started)} Change them before backward or after "
+                "step() (a scheduler steps after optimizer.step()), or build OffloadOptimizer without "
+                "update_in_backward.")
         self.checked = True
         return started
 
@@ -262,7 +291,7 @@ class BackwardUpdates(Subscriber):
         for p in params:
             if id(p) in tied:
                 return f"{self._name(p)} is tied to another slice"
-            if p._backward_hooks:
+            if _hooked(p):
                 return f"{self._name(p)} has a gradient hook"
             grad = final.get(id(p))
             if grad is not None and grad is not p.grad and p.grad is not None:
@@ -281,6 +310,32 @@ def _identity(t: torch.Tensor | None) -> tuple[Any, ...] | None:
         return None
     memory = t._values() if t.is_sparse else t
     return (memory.data_ptr(), memory.storage_offset(), tuple(t.shape), t.layout)
+
+
+def _hooked(p: torch.Tensor) -> bool:
+    """Whether autograd runs hooks of ``p``'s own once backward has produced its gradient
+    (``register_hook``, ``register_post_accumulate_grad_hook``): they may change ``.grad``."""
+    return bool(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None))
+
+
+def _moved(before: list[dict[str, Any]], optimizer: Any) -> list[str]:
+    """The hyperparameters whose values differ from ``before`` (``snapshot`` of each group), by name."""
+    if optimizer is None:
+        return []
+    groups = optimizer.param_groups
+    if len(groups) != len(before):
+        return ["the parameter groups"]
+    moved = []
+    for g, (old, group) in enumerate(zip(before, groups)):
+        for key in old.keys() | (group.keys() - {"params"}):
+            a, b = old.get(key), group.get(key)
+            if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+                same = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+            else:
+                same = a == b
+            if not same:
+                moved.append(f"'{key}' of group {g}")
+    return sorted(moved)
 
 
 def _listing(names: list[str]) -> str:
