@@ -281,7 +281,20 @@ def run_round(args: argparse.Namespace, round_: int, seconds: float, inputs: lis
     return runs
 
 
-def measure_ratio(args: argparse.Namespace, ratio: float, timer: UpdateTimer, walk_forward_s: float,
+def sleep_for(args: argparse.Namespace, forward_s: float) -> tuple[float, list[dict[str, float]]]:
+    """On the CPU: the sleep per slice forward that makes the forward take ``forward_s``, the walk's
+    own work included: from the walk alone, then corrected twice by what the forward took (the
+    machine's load moves the walk's share)."""
+    seconds, probes = 0.0, []
+    for _ in range(3):
+        forwards = run_schedule(args, None, seconds, make_inputs(args, args.rows, args.warmup + 4))["forwards_s"]
+        # The fastest forward: the walk's work is the same every step, the machine's load only adds.
+        probes.append({"sleep_per_slice_forward_s": seconds, "forward_s": min(forwards)})
+        seconds = max(0.0, seconds + (forward_s - min(forwards)) / args.slices)
+    return seconds, probes
+
+
+def measure_ratio(args: argparse.Namespace, ratio: float, timer: UpdateTimer,
                   expected: list[torch.Tensor]) -> dict[str, Any]:
     """The schedules where the update takes ``ratio`` times the forward's device time."""
     update_samples = timer.measure(args.update_repeats)
@@ -291,7 +304,7 @@ def measure_ratio(args: argparse.Namespace, ratio: float, timer: UpdateTimer, wa
         # The forward's device time is the walk's own work on the CPU (loads, matmuls) plus the
         # sleeps: they make up the rest, where the walk alone is shorter than the target.
         rows = args.rows
-        seconds = max(0.0, update_s / ratio - walk_forward_s) / args.slices
+        seconds, result["sleep_probes"] = sleep_for(args, update_s / ratio)
         result["sleep_per_slice_forward_s"] = seconds
     else:
         seconds = 0.0
@@ -371,16 +384,11 @@ def main() -> None:
     timer = UpdateTimer(args)
     count = args.warmup + args.steps + 1
     expected = reference(args, make_inputs(args, args.rows, count))
-    walk_forward_s = 0.0
-    if args.device == "cpu":
-        # The fastest forward: the walk's work is the same every step, the machine's load only adds.
-        walk_forward_s = min(run_schedule(args, None, 0.0, make_inputs(args, args.rows, count))["forwards_s"])
-        print(f"the walk's own forward (no sleeps): {walk_forward_s * 1e3:.1f} ms")
     results = []
     print(f"{'ratio':>5s} {'update ms':>9s} {'fwd ms':>7s} {'device ms':>9s}  "
           + "  ".join(f"{s + ' ms (/bound)':>25s}" for s in SCHEDULES) + "  exact")
     for ratio in args.ratios:
-        result = measure_ratio(args, ratio, timer, walk_forward_s, expected)
+        result = measure_ratio(args, ratio, timer, expected)
         results.append(result)
         schedules = result["schedules"]
         print(f"{ratio:5g} {result['update_s'] * 1e3:9.1f} {result['forward_s'] * 1e3:7.1f} "
@@ -402,7 +410,6 @@ def main() -> None:
                   "device": args.device, "optimizer": args.optimizer, "update_sleep_ns": args.update_sleep_ns,
                   "sizes": {"dim": args.dim, "slices": args.slices, "parameters": parameters, "rows": args.rows,
                             "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds},
-                  "walk_forward_s": walk_forward_s if args.device == "cpu" else None,
                   "target_step_over_bound": TARGET_STEP_OVER_BOUND, "ratios": results}
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
