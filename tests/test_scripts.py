@@ -350,3 +350,21 @@ def test_lowbit_benchmark(tmp_path):
         "--json", str(tmp_path / "lowbit.json"))
     results = json.loads((tmp_path / "lowbit.json").read_text())["results"]
     assert results["torchao AdamW8bit"]["state_bytes_per_param"] < results["AdamW fused float32"]["state_bytes_per_param"] / 3
+
+
+def test_schedule_benchmark_times_each_schedule_and_finds_it_exact(tmp_path):
+    run("scripts/bench_schedule.py", "--quick", "--threads", "1", "--update-sleep-ns", "20",
+        "--json", str(tmp_path / "schedule.json"))
+    data = json.loads((tmp_path / "schedule.json").read_text())
+    assert "scripts/bench_schedule.py --quick" in data["command"]
+    assert data["host_threads"] == torch.get_num_threads() and data["update_threads"] == 1
+    assert set(data["sizes"]) >= {"dim", "slices", "parameters", "rows"}
+    assert [r["ratio"] for r in data["ratios"]] == [1, 2, 4]
+    for ratio in data["ratios"]:
+        assert ratio["update_s"] > 0 and ratio["device_s"] > 0 and ratio["slept_s"] >= 0
+        assert set(ratio["schedules"]) == {"next-forward", "backward", "serial"}
+        for schedule in ratio["schedules"].values():
+            assert set(schedule) >= {"step_s", "bound_s", "step_over_bound", "update_s", "device_s", "exact"}
+            assert schedule["bound_s"] == max(schedule["device_s"], schedule["update_s"])
+            assert schedule["step_over_bound"] == schedule["step_s"] / schedule["bound_s"]
+            assert schedule["exact"] is True
