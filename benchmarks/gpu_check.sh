@@ -9,13 +9,15 @@
 #      CPUOffloadPolicy, torchao's CPUOffloadOptimizer, fairscale's OffloadModel
 #      (scripts/bench_peers.py; 240 s; the runs: GPU_CHECK_PEERS);
 #   3. the same model over a 4 GiB device cap with AdamW's state in the disk tier, the update at
-#      step() and in backward (120 s).
+#      step() and in backward (120 s);
+#   4. exactness under deterministic kernels: 2 layers, resident and offloaded (gradients after the
+#      first backward, parameters after the last step; 60 s).
 #
 #   bash benchmarks/gpu_check.sh                 # on the GPU machine, from the repository root
 #   bash benchmarks/gpu_check.sh --cpu-dry-run   # the same stages at toy sizes on the CPU (CI runs it)
 #
 # Wheels under .whl/ (transformers, peft, torchao, fairscale: the GPU machine has no network) are
-# installed to /tmp/site first when present. The stages' limits: GPU_CHECK_LIMITS="140 240 120".
+# installed to /tmp/site first when present. The stages' limits: GPU_CHECK_LIMITS="140 240 120 60".
 set -uo pipefail
 dry=0
 [ "${1:-}" = "--cpu-dry-run" ] && dry=1
@@ -29,7 +31,7 @@ if [ $dry = 0 ] && ls .whl/*.whl >/dev/null 2>&1; then
         && export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-read -r limit_tests limit_peers limit_capped <<< "${GPU_CHECK_LIMITS:-140 240 120}"
+read -r limit_tests limit_peers limit_capped limit_exact <<< "${GPU_CHECK_LIMITS:-140 240 120 60}"
 peers=${GPU_CHECK_PEERS:-resident,offload,offload-in-backward,offload-sync,fsdp2,torchao,fairscale}
 status=0
 log() { echo "$*" | tee -a "$OUT/run.log"; }
@@ -68,13 +70,18 @@ PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} tim
 rm -rf "$tier"
 grep -vE "Warning|warn\(|^\s" "$OUT/capped.log" | tail -n 12 | tee -a "$OUT/run.log"
 
+log "=== 4 exactness under deterministic kernels $(date +%T)"
+timeout "$limit_exact" $PY scripts/bench_peers.py $dry_flag --deterministic --layers 2 --only resident,offload,offload-in-backward \
+    --steps 2 --warmup 2 --json "$OUT/exact.json" > "$OUT/exact.log" 2>&1 || status=1
+grep -vE "Warning|warn\(|^\s" "$OUT/exact.log" | tail -n 8 | tee -a "$OUT/run.log"
+
 log "=== summary $(date +%T)"
 grep -E "passed|failed|collected" "$OUT/pytest_cuda.log" | tail -n 1 | tee -a "$OUT/run.log"
 $PY - "$OUT" <<'SUMMARY' 2>&1 | tee -a "$OUT/run.log"
 import json, os, sys
 sys.path.insert(0, "scripts")
 from bench_peers import table
-for name in ("peers", "capped"):
+for name in ("peers", "capped", "exact"):
     path = os.path.join(sys.argv[1], name + ".json")
     if os.path.exists(path):
         report = json.load(open(path))

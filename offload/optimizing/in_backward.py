@@ -50,7 +50,10 @@ Note: [Update in backward]
     last slices to land, slice 0's last of all, when the next forward starts, and that forward
     waits for all of them before its first slice. With ``max_backlog``, once the worker is that
     many updates behind, the slices still to land wait for ``step()``, which starts them in slice
-    order: the forward then loads each as soon as its own update is done.
+    order: the forward then loads each as soon as its own update is done. Off by default: on one
+    H100 (``benchmarks/results/h100-2026-11-26b/peers2.json``) ``max_backlog = 1`` stopped too early
+    and made the step 440 ms against 373 ms without it; when to stop would have to come from the
+    measured update, backward and forward times of each slice.
 
     Orderings: the update of slice ``k`` runs on the worker after the copy of its gradients to the
     host (``ready``), and after the main thread added them into ``.grad``; it writes slice
