@@ -69,6 +69,9 @@ class Task(L.LightningModule):
     def configure_optimizers(self) -> Any:
         if self.optimizer_kind == "offload":
             optimizer = OffloadOptimizer(self.net, torch.optim.AdamW, lr=1e-2, fused=True, disk_tier=self.disk_tier)
+        elif self.optimizer_kind == "offload-in-backward":  # the trainer's accumulate_grad_batches=2
+            optimizer = OffloadOptimizer(self.net, torch.optim.AdamW, lr=1e-2, fused=True, update_in_backward=True,
+                                         accumulation_steps=2)
         else:
             optimizer = torch.optim.AdamW(self.net.parameters(), lr=1e-2, fused=True)
         warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / WARMUP))
@@ -207,6 +210,20 @@ def test_fit_validate_predict_equal_the_plain_model(tmp_path: Path, model: str, 
     assert run.validate(actual, data, verbose=False) == reference.validate(expected, data, verbose=False)
     for got, want in zip(run.predict(actual, data), reference.predict(expected, data), strict=True):
         torch.testing.assert_close(got, want, **EXACT)
+
+
+@pytest.mark.parametrize("model", ["mlp", "llama"])
+def test_update_in_backward_under_lightning_equals_the_plain_model(tmp_path: Path, model: str) -> None:
+    """Lightning runs backward inside optimizer.step(closure); without clipping the update starts
+    in the backward of each accumulation's last batch."""
+    expected, expected_weights, data = built(model, offloaded=False)
+    reference = fit(expected, tmp_path / "plain", 2, data, gradient_clip_val=None)
+    actual, actual_weights, data = built(model, offloaded=True, optimizer="offload-in-backward")
+    run = fit(actual, tmp_path / "offloaded", 2, data, gradient_clip_val=None)
+    assert run.global_step == reference.global_step
+    assert_same_run(actual, expected, actual_weights, expected_weights)
+    in_backward = run.optimizers[0]._in_backward
+    assert in_backward.checked and in_backward.last_started
 
 
 def test_bf16_mixed_autocasts_around_the_offloaded_model_as_around_the_plain_one(tmp_path: Path) -> None:

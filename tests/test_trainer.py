@@ -321,3 +321,14 @@ def test_sft_trainer_trains_the_same_lora_adapters_and_refuses_a_peft_config(tmp
         trl.SFTTrainer(model=model, args=trl.SFTConfig(output_dir=str(tmp_path / "refused"), **config),
                        train_dataset=datasets.Dataset.from_dict(CHAT), processing_class=tokenizer,
                        peft_config=peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+
+
+def test_update_in_backward_under_the_trainer_is_refused_up_front(tmp_path):
+    """The Trainer rewrites every gradient in place between backward and step() (clipping, or a
+    clip at an infinite norm to log the norm even with max_grad_norm=0): refused when the
+    optimizer is built, not at the first step()."""
+    model = OffloadedCausalLM(llama(), device="cpu", num_slices=2)
+    for max_grad_norm in (1.0, 0.0):
+        with pytest.raises(ValueError, match="update_in_backward cannot be used under transformers.Trainer.*infinite "
+                                             "norm"):
+            model.offload_optimizer(arguments(tmp_path, max_grad_norm=max_grad_norm), update_in_backward=True)

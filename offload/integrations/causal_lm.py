@@ -207,9 +207,20 @@ class OffloadedCausalLM(PreTrainedModel):
 
         Raises:
             ValueError: an ``optim`` the Trainer builds from the model itself (GaLore, LOMO, ...), which
-                cannot step slice by slice.
+                cannot step slice by slice; ``update_in_backward``, which the Trainer's loop cannot keep.
         """
         from transformers import Trainer
+
+        if options.get("update_in_backward"):
+            # Between backward and step() the Trainer rewrites every gradient in place: it clips them
+            # (max_grad_norm), or, to log their norm, clips them at an infinite norm, a multiplication
+            # by one that OffloadOptimizer's check cannot tell from a real change.
+            raise ValueError(
+                "update_in_backward cannot be used under transformers.Trainer: between backward and "
+                "optimizer.step() the Trainer rewrites every gradient in place (clip_grad_norm_; transformers 5.24 does "
+                "so at an infinite norm when max_grad_norm=0, to log the norm), after the update has read them. Leave "
+                "update_in_backward out here; use it in a loop of your own or with Accelerate or Lightning, without "
+                "clipping")
 
         optimizer_class, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, self)
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)) or {

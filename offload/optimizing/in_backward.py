@@ -30,7 +30,8 @@ Note: [Update in backward]
       scale it hands a fused optimizer;
     - a hyperparameter set between that backward and ``step()`` (a warm-up set by hand, a
       scheduler stepped before the optimizer): ``step()`` raises;
-    - ``step()`` after another number of backwards than declared: ``step()`` raises.
+    - ``step()`` after more backwards than declared: ``step()`` raises (after fewer, none started
+      anything, and ``step()`` steps as without the option).
 
     The first backward and ``step()`` of an optimizer start nothing early and only check, so
     these mistakes, made from the start, cost nothing: the error comes before any update ran.
@@ -246,13 +247,18 @@ class BackwardUpdates(Subscriber):
         backwards, self.backwards = self.backwards, 0
         started, self.started = self.started, set()
         self.last_started = started
-        if backwards == 0:
-            return started  # no backward since the last step: step() steps what .grad holds, as before
-        if backwards != self.accumulation_steps:
+        if backwards < self.accumulation_steps:
+            # No backward since the last step, or fewer than declared (an epoch's last step when its
+            # batches do not divide by the accumulation, as the Hugging Face Trainer takes it): none
+            # ended the accumulation, nothing started, and step() steps what .grad holds, as before.
+            self._seen, self._hyper = [], None
+            return started
+        if backwards > self.accumulation_steps:
             raise RuntimeError(
                 f"update_in_backward: step() after {backwards} backward(s), but the optimizer was built with "
-                f"accumulation_steps={self.accumulation_steps}. {self._what_ran(started)} Pass the number of "
-                "backwards per step as accumulation_steps.")
+                f"accumulation_steps={self.accumulation_steps}: the updates started in backward "
+                f"{self.accumulation_steps} did not see the gradients added later. {self._what_ran(started)} Pass the "
+                "number of backwards per step as accumulation_steps.")
         # A fused optimizer gets the scale itself; another finds its gradients unscaled in place by a
         # kernel that leaves their version counters as they were, so the scaler is looked for.
         scaler = _calling_scaler()
