@@ -597,3 +597,24 @@ def test_a_disk_tiers_state_is_saved_and_resumes_exactly(tmp_path, monkeypatch):
         assert a.keys() == b.keys() == {"step", "exp_avg", "exp_avg_sq"}
         assert all(torch.equal(a[k], b[k]) for k in a)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), resumed.parameters()))
+
+
+def test_update_in_backward_saves_and_resumes_bit_for_bit(tmp_path):
+    """A checkpoint taken while the updates backward started are pending, loaded into a fresh model
+    and optimizer (which check their first step again), continues the run exactly."""
+    def built():
+        model = OffloadModel(tied_mlp(), device="cpu", num_slices=3, compute_dtype=torch.bfloat16)
+        return model, OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True, update_in_backward=True)
+
+    model, optimizer = built()
+    plain_steps(model, optimizer, 3, seed=3)
+    assert optimizer._in_backward.last_started  # the steps after the first started updates in backward
+    save_checkpoint(tmp_path / "c", model, optimizer)
+    after_save = plain_steps(model, optimizer, 3, seed=4)
+    resumed, resumed_optimizer = built()
+    load_checkpoint(tmp_path / "c", resumed, resumed_optimizer)
+    assert plain_steps(resumed, resumed_optimizer, 3, seed=4) == after_save
+    optimizer.synchronize()
+    resumed_optimizer.synchronize()
+    for (name, p), q in zip(model.named_parameters(), resumed.parameters()):
+        assert torch.equal(p, q), name
