@@ -207,20 +207,11 @@ class OffloadedCausalLM(PreTrainedModel):
 
         Raises:
             ValueError: an ``optim`` the Trainer builds from the model itself (GaLore, LOMO, ...), which
-                cannot step slice by slice; ``update_in_backward``, which the Trainer's loop cannot keep.
+                cannot step slice by slice; ``update_in_backward`` (:func:`_refuse_update_in_backward`).
         """
         from transformers import Trainer
 
-        if options.get("update_in_backward"):
-            # Between backward and step() the Trainer rewrites every gradient in place: it clips them
-            # (max_grad_norm), or, to log their norm, clips them at an infinite norm, a multiplication
-            # by one that OffloadOptimizer's check cannot tell from a real change.
-            raise ValueError(
-                "update_in_backward cannot be used under transformers.Trainer: between backward and "
-                "optimizer.step() the Trainer rewrites every gradient in place (clip_grad_norm_; transformers 5.24 does "
-                "so at an infinite norm when max_grad_norm=0, to log the norm), after the update has read them. Leave "
-                "update_in_backward out here; use it in a loop of your own or with Accelerate or Lightning, without "
-                "clipping")
+        _refuse_update_in_backward(options)
 
         optimizer_class, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, self)
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)) or {
@@ -418,3 +409,15 @@ def _hf_names(model: OffloadedCausalLM) -> dict[str, str]:
     keys = [key for s in engine.slices for name, layer in zip(s.names, s.layers)
             for key in layer.state_dict(prefix=f"{name}.", keep_vars=True)]
     return {key: model.stages.hf_name(key) for key in keys}
+
+
+def _refuse_update_in_backward(options: dict[str, Any]) -> None:
+    """Raise for ``update_in_backward``: between backward and ``step()`` the Trainer rewrites every
+    gradient in place (it clips them, or, to log their norm, clips them at an infinite norm: a
+    multiplication by one that OffloadOptimizer's check cannot tell from a real change)."""
+    if options.get("update_in_backward"):
+        raise ValueError(
+            "update_in_backward cannot be used under transformers.Trainer: between backward and optimizer.step() "
+            "the Trainer rewrites every gradient in place (clip_grad_norm_; transformers 5.24 does so at an infinite "
+            "norm when max_grad_norm=0, to log the norm), after the update has read them. Leave update_in_backward "
+            "out here; use it in a loop of your own or with Accelerate or Lightning, without clipping")
