@@ -234,6 +234,49 @@ def test_schedule_accumulation_and_clipping_are_exact_with_the_plain_model(tmp_p
     torch.testing.assert_close(tuned.state_dict(), reference.state_dict(), **EXACT)
 
 
+def test_update_in_backward_trains_the_same_weights_with_accumulation_and_a_schedule(tmp_path, capsys, monkeypatch):
+    """``--update-in-backward`` against the same run without it: the same weights, bit for bit,
+    with the updates of steps 2 to 4 started in the backward that ends each accumulation."""
+    built = []
+
+    class Recorded(cli.OffloadOptimizer):
+        def __init__(self, *args, **kwargs):
+            self.started_in_backward = []  # per step(): the slices whose update backward started
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+        def step(self, *args, **kwargs):
+            result = super().step(*args, **kwargs)
+            if self._in_backward is not None:
+                self.started_in_backward.append(sorted(self._in_backward.last_started))
+            return result
+
+    monkeypatch.setattr(cli, "OffloadOptimizer", Recorded)
+    args = ["--steps", "4", "--batch-size", "2", "--seq-len", "16", "--compute-dtype", "none", "--num-slices", "3",
+            "--loss-chunk-tokens", "0", "--lr", "3e-3", "--lr-schedule", "cosine", "--warmup-steps", "2",
+            "--grad-accum", "2"]
+    for name, flags in (("default", []), ("in-backward", ["--update-in-backward"])):
+        code, out, err = run_cli("--out", str(tmp_path / name), *args, *flags, tmp_path=tmp_path, capsys=capsys)
+        assert code == 0, err
+    default, in_backward = built
+    assert default._in_backward is None and in_backward._in_backward.accumulation_steps == 2
+    # The first step only checks; each later one started some slice's update in backward.
+    started = in_backward.started_in_backward
+    assert started[0] == [] and all(started[1:]), started
+    weights = [transformers.AutoModelForCausalLM.from_pretrained(tmp_path / name).state_dict()
+               for name in ("default", "in-backward")]
+    torch.testing.assert_close(weights[1], weights[0], **EXACT)
+
+
+def test_update_in_backward_with_clipping_is_a_parser_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--out", "o", "--device", "cpu", "--update-in-backward", "--max-grad-norm", "1.0"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--update-in-backward cannot clip" in err and "before the gradients' total norm is known" in err
+    assert "Leave out --max-grad-norm, or --update-in-backward" in err
+
+
 def test_eval_split_is_evaluated_every_n_steps_and_at_the_end(tmp_path, capsys):
     code, out, err = run_cli("--out", str(tmp_path / "out"), "--steps", "3", "--eval-fraction", "0.2",
                              "--eval-every", "2", "--eval-batches", "2", tmp_path=tmp_path, capsys=capsys)

@@ -189,21 +189,41 @@ class _Sleepy(nn.Module):
         return _Sleep.apply(x, self.weight, self.grad, self.seconds)
 
 
-@pytest.mark.parametrize("schedule", ["overlapped", "serial"])
-def test_the_step_time_is_predicted_within_fifteen_percent_on_a_sleeping_device(schedule):
+class _SlowHostAdamW(torch.optim.AdamW):
+    """AdamW whose ``step()`` then sleeps ``ns_per_parameter`` ns per parameter it stepped: a
+    slower host's update that takes no CPU from the training thread (on two shared cores a slower
+    update for real would, and the step's time would follow the machine's load)."""
+
+    ns_per_parameter = 0.0
+
+    def step(self, closure: Any = None) -> Any:
+        loss = super().step(closure)
+        stepped = sum(p.numel() for group in self.param_groups for p in group["params"] if p.grad is not None)
+        time.sleep(self.ns_per_parameter * stepped * 1e-9)
+        return loss
+
+
+@pytest.mark.parametrize("schedule, seconds, ns_per_parameter", [
+    ("overlapped", 0.01, 2), ("serial", 0.01, 2), ("overlapped", 0.005, 5), ("in-backward", 0.005, 5)])
+def test_the_step_time_is_predicted_within_fifteen_percent_on_a_sleeping_device(schedule, seconds, ns_per_parameter):
     """A CPU "device" whose layers sleep a known time: loads, offloads and the host update run for
-    real. The rates are measured as calibrate measures them, in the same rounds as the steps (the
-    machine is shared: its speed moves from one minute to the next), the update's from the
-    update alone. The update is about as long as the forward, so the schedule decides how much of
-    it shows."""
+    real, the update slowed by a sleep. The rates are measured as calibrate measures them, in the
+    same rounds as the steps (the machine is shared: its speed moves from one minute to the next),
+    the update's from the update alone. At 10 ms a slice and 2 ns a parameter the update is about
+    as long as the forward, so the schedule decides how much of it shows. At 5 ms and 5 ns it is
+    about four times the forward and longer than the backward: the default schedule exposes most
+    of it, the update during backward (each slice's update started as its gradients land) what
+    outlasts the backward after the first slice's gradients landed."""
     from offload.cli.calibrate import host_copy_rate, slice_overhead
 
-    slices, size, seconds = 4, 8_000_000, 0.01
+    slices, size = 4, 4_000_000
+    optimizer_class = type("SlowHostAdamW", (_SlowHostAdamW,), {"ns_per_parameter": ns_per_parameter})
     torch.manual_seed(0)
     plain = nn.Sequential(*[_Sleepy(size, seconds) for _ in range(slices)])
     layout = slice_layout(plain, num_slices=slices)
     model = OffloadModel(plain, device="cpu", num_slices=slices)
-    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-4, fused=True)
+    optimizer = OffloadOptimizer(model, optimizer_class, lr=1e-4, fused=True,
+                                 update_in_backward=schedule == "in-backward")
     x = torch.randn(4, 16)
 
     def step() -> None:
@@ -220,14 +240,22 @@ def test_the_step_time_is_predicted_within_fifteen_percent_on_a_sleeping_device(
     for _ in range(3):
         step()
     optimizer.synchronize()
-    steps, updates, copies = [], [], []
-    for _ in range(7):
-        steps.append(_timed(step))
+    steps, updates, copies, started = [], [], [], []
+    for _ in range(5):
+        # Steps one after the other, each waiting for what it waits for of the last one's update; the
+        # first of a round waits for none (the update alone ran to its end before it): left out.
+        steps += [_timed(step) for _ in range(3)][1:]
+        if optimizer._in_backward is not None:
+            started.append(optimizer._in_backward.last_started)
+            # The next backward starts nothing, as an optimizer's first does: step() runs the whole update.
+            optimizer._in_backward.checked = False
         optimizer.synchronize()
         model(x).pow(2).mean().backward()
         updates.append(_timed(update_alone))
         optimizer.zero_grad()
         copies.append(host_copy_rate(64 * 2**20, repeats=1))
+    if schedule == "in-backward":
+        assert all(s == set(range(slices)) for s in started), started  # every update started in backward
     update_bytes = traffic(layout, None, StepConfig(num_slices=slices)).update
     rates = MachineRates(name="this test's host", device_flops={}, host_to_device=0.0, device_to_host=0.0,
                          host_copy=statistics.median(copies), host_update=update_bytes / statistics.median(updates),
@@ -235,6 +263,11 @@ def test_the_step_time_is_predicted_within_fifteen_percent_on_a_sleeping_device(
     predicted = estimate_step_time(layout, None, StepConfig(num_slices=slices, schedule=schedule), rates,
                                    device="cpu", device_seconds=(slices * seconds, slices * 3 * seconds))
     assert predicted.step == pytest.approx(statistics.median(steps), rel=0.15), (predicted, steps)
+    if seconds == 0.005:  # where the two schedules' predictions are well apart
+        other = "overlapped" if schedule == "in-backward" else "in-backward"
+        apart = estimate_step_time(layout, None, StepConfig(num_slices=slices, schedule=other), rates, device="cpu",
+                                   device_seconds=(slices * seconds, slices * 3 * seconds))
+        assert abs(apart.step - predicted.step) > 0.15 * predicted.step, (predicted, apart)
 
 
 def _timed(fn: Any) -> float:
@@ -422,3 +455,108 @@ def test_the_device_activations_are_the_working_set_of_a_step(slices, microbatch
         preset.loss(model(x), y).backward()
     slice_gradients = plan.device_gradients // (3 if microbatches > 1 else 1)
     assert plan.device_activations + slice_gradients == pytest.approx(mode.peak - start, rel=0.10)
+
+
+def test_the_schedules_exposed_update_in_their_limits():
+    """The per-slice simulations against what they come to in closed form, four equal slices."""
+    from offload.planning.timing import exposed_in_backward, exposed_overlapped
+
+    grads = [100] * 4
+    # Behind the next forward: the update plus one slice's forward, or one slice's update, less the forward.
+    assert exposed_overlapped(grads, forward=0.4, update=0.8) == pytest.approx(0.8 + 0.1 - 0.4)
+    assert exposed_overlapped(grads, forward=0.4, update=0.2) == pytest.approx(0.05)
+    # Started in backward, on a CPU "device" (slices land every backward / 4): a worker that keeps
+    # up leaves the last slice's update; one that falls behind, the update less the backward after
+    # the first slice landed.
+    assert exposed_in_backward(grads, backward=1.2, update=0.4, device_to_host=None) == pytest.approx(0.1)
+    assert exposed_in_backward(grads, backward=1.2, update=2.0, device_to_host=None) == pytest.approx(2.0 - 0.9)
+    # On a GPU each slice's gradients land after their offload; slice 0's as the backward ends.
+    assert exposed_in_backward(grads, backward=1.2, update=0.4, device_to_host=1000.0) == pytest.approx(0.1)
+    assert exposed_in_backward([0] * 4, backward=1.0, update=1.0, device_to_host=None) == 0.0
+
+
+def _mlp_plan(*flags: str) -> dict[str, Any]:
+    """``offload plan --json`` for an MLP whose host update (the 2-core runner's rate) is about
+    twice the H100's forward at this batch: long enough for the schedule to matter."""
+    args = ("plan", "--preset", "mlp", "--set", "width=2048", "depth=8", "--gpu", "h100-sxm", "--host-memory", "8",
+            "--batch-size", "4096", "--compute-dtype", "none", "--microbatches", "1", "--num-slices", "8", "--json")
+    return json.loads(_offload(*args, *flags).stdout)
+
+
+def test_plan_chooses_the_update_in_backward_where_it_is_faster_and_prints_it():
+    plan = _mlp_plan()
+    chosen = plan["chosen"]
+    by_schedule = {c["schedule"]: c["step_s"] for c in plan["candidates"]}
+    assert set(by_schedule) == {"overlapped", "in-backward"}  # serial is never faster: not tried
+    assert by_schedule["in-backward"] < 0.9 * by_schedule["overlapped"]
+    assert chosen["schedule"] == "in-backward" and chosen["step_s"] == by_schedule["in-backward"]
+    assert "update_in_backward=True" in chosen["code"] and plan["clips_gradients"] is False
+    text = _offload("plan", "--preset", "mlp", "--set", "width=2048", "depth=8", "--gpu", "h100-sxm", "--host-memory",
+                    "8", "--batch-size", "4096", "--compute-dtype", "none", "--microbatches", "1").stdout
+    assert "in-backward" in text.split("chosen:")[1] and "update_in_backward=True)" in text
+    assert "no clip_grad_norm_, no GradScaler" in text
+
+
+def test_plan_never_chooses_the_update_in_backward_for_clipped_gradients():
+    plan = _mlp_plan("--max-grad-norm", "1.0")
+    assert plan["clips_gradients"] and plan["chosen"]["schedule"] == "overlapped"
+    assert {c["schedule"] for c in plan["candidates"]} == {"overlapped"}
+    assert "update_in_backward" not in plan["chosen"]["code"]
+    # No --hf-config, no fine-tune command; the flag travels into it where there is one (below).
+    assert plan["chosen"]["finetune"] is None
+    done = _offload("plan", "--preset", "mlp", "--gpu", "h100-sxm", "--schedule", "in-backward", "--max-grad-norm",
+                    "1.0", check=False)
+    assert done.returncode == 2
+
+
+def test_a_fixed_schedule_is_kept_and_in_backward_with_clipping_refused():
+    plan = _mlp_plan("--schedule", "serial")
+    assert {c["schedule"] for c in plan["candidates"]} == {"serial"} and plan["chosen"]["schedule"] == "serial"
+    preset = build_preset("transformer", **SMALL_TRANSFORMER)
+    with pytest.raises(ValueError, match="'in-backward' schedule cannot clip the gradients"):
+        choose(preset.model, lambda dtype: None, GPU_DEFAULTS["h100-sxm"], Limits(None, None),
+               fixed={"schedule": "in-backward"}, clips_gradients=True)
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        choose(preset.model, lambda dtype: None, GPU_DEFAULTS["h100-sxm"], Limits(None, None),
+               fixed={"schedule": "later"})
+
+
+def test_among_equal_steps_the_choice_keeps_the_update_behind_the_next_forward():
+    """One slice: the update during backward starts as the backward ends, as step() would; the two
+    schedules tie and the choice takes the one that allows clipping."""
+    plan = _mlp_plan("--num-slices", "1")
+    steps = {c["schedule"]: c["step_s"] for c in plan["candidates"]}
+    assert steps["in-backward"] == pytest.approx(steps["overlapped"]) and plan["chosen"]["schedule"] == "overlapped"
+
+
+def test_plan_for_a_hf_config_prints_the_fine_tune_flags_of_the_schedule(tmp_path):
+    pytest.importorskip("transformers")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY_LLAMA))
+    common = ("plan", "--hf-config", str(config), "--batch-size", "4", "--seq-len", "32", "--gpu", "h100-sxm",
+              "--host-memory", "8", "--compute-dtype", "none", "--microbatches", "1", "--num-slices", "4", "--json")
+    for flags, schedule in ((("--schedule", "in-backward"), "in-backward"), (("--max-grad-norm", "0.5"), "overlapped")):
+        chosen = json.loads(_offload(*common, *flags).stdout)["chosen"]
+        assert chosen["schedule"] == schedule
+        assert ("--update-in-backward" in chosen["finetune"]) == (schedule == "in-backward")
+        assert ("--max-grad-norm 0.5" in chosen["finetune"]) == (schedule == "overlapped")
+
+
+def test_the_h100_schedule_comparison_is_what_the_script_computes_now():
+    """``benchmarks/results/planner_schedules_h100_2026-11-26.json`` (docs/planning.md's table)
+    against the planner as it stands: a change to the time model shows here."""
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import planner_schedules_h100
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    recorded = json.loads((ROOT / "benchmarks" / "results" / "planner_schedules_h100_2026-11-26.json").read_text())
+    now = planner_schedules_h100.predictions()
+    for schedule, ways in recorded["schedules"].items():
+        for way, figures in ways.items():
+            for key, value in figures.items():  # None: serial was not measured
+                got = now["schedules"][schedule][way][key]
+                assert got == (None if value is None else pytest.approx(value, rel=1e-9)), (schedule, way, key)
+    steps = {s: now["schedules"][s]["from_parts"]["step"] for s in ("overlapped", "in-backward", "serial")}
+    assert steps["in-backward"] < steps["overlapped"] < steps["serial"]

@@ -5,7 +5,7 @@ downloaded) or a local ``save_pretrained`` directory (``--model``), loaded slice
 host copies (``load_causal_lm``), or with ``from_pretrained`` for LoRA and ``--untie-embeddings``.
 The data (``--data``) is read and tokenised lazily and packed into ``--seq-len`` blocks
 (:mod:`offload.integrations.data`); an eval split, a learning-rate schedule with warm-up,
-gradient accumulation and clipping are options. The trained model is written a slice at a time
+gradient accumulation and clipping, or the update during backward, are options. The trained model is written a slice at a time
 (:func:`~offload.integrations.transformers_saving.save_causal_lm`), or the adapter with LoRA.
 
 Note: [Never lose a run]
@@ -81,7 +81,10 @@ def run(argv: list[str], record: RunRecord) -> None:
         raise SystemExit(f"error: {error}") from None
     except DataFormatError as error:
         raise SystemExit(f"error: {error}") from None
-    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=args.lr, weight_decay=0.0, fused=True, disk_tier=tier)
+    # accumulation_steps says which backward starts the update; without update_in_backward it must stay 1.
+    schedule = {"update_in_backward": True, "accumulation_steps": args.grad_accum} if args.update_in_backward else {}
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=args.lr, weight_decay=0.0, fused=True, disk_tier=tier,
+                                 **schedule)
     scheduler = lr_scheduler(args, optimizer)
     params = sum(p.numel() for p in model.parameters())
     print(f"{type(hf).__name__}: {params / 1e6:.1f} M parameters in {model.num_slices} slices on {args.device}, "

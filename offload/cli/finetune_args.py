@@ -38,6 +38,7 @@ examples:
       --batch-size 8 --seq-len 1024 --num-slices 16 --lr-schedule cosine --warmup-steps 50
   offload-finetune --model ./llama-1b --data chats.jsonl --out ./tuned --eval-fraction 0.01 --eval-every 100
   offload-finetune --model ./llama-1b --data notes.jsonl --text-field body --grad-accum 4 --max-grad-norm 1.0 --out ./tuned
+  offload-finetune --model ./llama-1b --out ./tuned --grad-accum 4 --update-in-backward   # no clipping then
   offload-finetune --out /tmp/tuned --steps 40 --save-every 10                  # stopped at step 27...
   offload-finetune --out /tmp/tuned --steps 40 --save-every 10 --resume latest  # ...continues from step 20
   offload-finetune --model ./llama-1b --out ./adapter --lora-r 16 --lora-targets q_proj v_proj
@@ -126,6 +127,10 @@ def add_optimization_arguments(parser: argparse.ArgumentParser) -> None:
                      help="accumulate gradients over K batches per step (the loss is the mean over all their tokens)")
     opt.add_argument("--max-grad-norm", type=float, metavar="NORM",
                      help="clip the gradients' total norm to NORM before each step (default: no clipping)")
+    opt.add_argument("--update-in-backward", action="store_true",
+                     help="start each slice's update in the backward that ends a step, as soon as its gradients "
+                          "are on the host (OffloadOptimizer(update_in_backward=True, accumulation_steps=--grad-accum)): "
+                          "for a host update longer than the next forward; exact; not with --max-grad-norm")
 
 
 def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
@@ -168,6 +173,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be 0 or more")
     if args.max_grad_norm is not None and not args.max_grad_norm > 0:
         parser.error("--max-grad-norm must be positive (leave it out for no clipping)")
+    if args.update_in_backward and args.max_grad_norm is not None:
+        # Note: [Update in backward]: a slice's update starts before the last gradient, and so the total
+        # norm, exists.
+        parser.error("--update-in-backward cannot clip: each slice's update starts in backward, before the "
+                     "gradients' total norm is known. Leave out --max-grad-norm, or --update-in-backward (the "
+                     "update then runs behind the next forward, after the clipping)")
     if not 0.0 <= args.eval_fraction < 1.0:
         parser.error("--eval-fraction must be in [0, 1)")
     if args.eval_file is not None and args.eval_fraction:

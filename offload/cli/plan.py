@@ -28,6 +28,7 @@ from ..planning.choose import Candidate, Limits, Plan, choose
 from ..planning.presets import build_preset, preset_from_factory, preset_names
 from ..planning.rates import GPU_DEFAULTS, HOST_DEFAULT, MachineRates, default_rates_path, load_rates
 from ..planning.shapes import ModelProfile, profile_layers
+from ..planning.timing import SCHEDULES
 
 DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 GIB = 2**30
@@ -49,6 +50,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     work.add_argument("--batch-size", type=int, default=8, help="rows per step")
     work.add_argument("--seq-len", type=int, default=2048, help="tokens per row (--hf-config)")
     work.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd-momentum", "sgd"])
+    work.add_argument("--max-grad-norm", type=float, metavar="NORM",
+                      help="the training clips the gradients' total norm (as offload-finetune's flag): the update "
+                           "cannot then start in backward, so the in-backward schedule is not chosen")
     machine = parser.add_argument_group("the machine")
     machine.add_argument("--gpu", choices=sorted(GPU_DEFAULTS), help="device and link rates of a common GPU")
     machine.add_argument("--rates", type=Path, help=f"rates from `offload calibrate` (default: {default_rates_path()})")
@@ -61,8 +65,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     fixed.add_argument("--num-slices", type=int)
     fixed.add_argument("--microbatches", type=int)
     fixed.add_argument("--compute-dtype", choices=["auto", *DTYPES], default="auto")
-    fixed.add_argument("--schedule", choices=["overlapped", "serial"], default="overlapped",
-                       help="overlapped: OffloadOptimizer's update behind the next forward; serial: after the step")
+    fixed.add_argument("--schedule", choices=["auto", *SCHEDULES], default="auto",
+                       help="when the host update runs. overlapped: behind the next forward (OffloadOptimizer's "
+                            "default); in-backward: started in backward (update_in_backward=True; no clipping); "
+                            "serial: after the step; auto: the faster of the first two")
     parser.add_argument("--top", type=int, default=8, help="rows of the table (the fastest that fit)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = parser.parse_args(argv)
@@ -71,6 +77,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("give the model as one of --hf-config, --preset or --model")
     if args.model and not args.input_shape:
         parser.error("--model needs --input-shape")
+    if args.schedule == "in-backward" and args.max_grad_norm is not None:
+        parser.error("--schedule in-backward cannot clip: each slice's update starts in backward, before the "
+                     "gradients' total norm is known. Leave out --max-grad-norm, or use another --schedule")
     return args
 
 
@@ -213,7 +222,7 @@ def run_plan(args: argparse.Namespace) -> tuple[Plan, Workload, MachineRates, Li
     work = workload(args)
     rates = machine_rates(args)
     limits = machine_limits(args, rates)
-    fixed: dict[str, Any] = {"schedule": args.schedule}
+    fixed: dict[str, Any] = {} if args.schedule == "auto" else {"schedule": args.schedule}
     if args.num_slices:
         fixed["num_slices"] = args.num_slices
     if args.microbatches:
@@ -221,7 +230,7 @@ def run_plan(args: argparse.Namespace) -> tuple[Plan, Workload, MachineRates, Li
     if args.compute_dtype != "auto":
         fixed["compute_dtype"] = DTYPES[args.compute_dtype]
     plan = choose(work.layers, work.profile, rates, limits, device=args.device, optimizer=args.optimizer,
-                  batch_size=work.batch_size, fixed=fixed)
+                  batch_size=work.batch_size, fixed=fixed, clips_gradients=args.max_grad_norm is not None)
     return plan, work, rates, limits
 
 
@@ -241,6 +250,9 @@ def code(candidate: Candidate, work: Workload, args: argparse.Namespace) -> str:
                  "sgd": "torch.optim.SGD, lr=1e-2, fused=True"}[args.optimizer]
     if config.optimizer_state == "disk":
         optimizer += f", disk_tier={tier}"
+    if config.schedule == "in-backward":
+        # accumulation_steps is 1: num_microbatches splits the batch within one backward.
+        optimizer += ",\n                             update_in_backward=True"
     return (f"model = OffloadModel({work.build}, {', '.join(model_args)})\n"
             f"optimizer = OffloadOptimizer(model, {optimizer})")
 
@@ -256,6 +268,10 @@ def finetune_flags(candidate: Candidate, work: Workload, args: argparse.Namespac
         flags += ["--disk-tier", str(args.disk_dir)]
     if config.masters == "disk":
         flags.append("--masters-on-disk")
+    if config.schedule == "in-backward":
+        flags.append("--update-in-backward")
+    if args.max_grad_norm is not None:
+        flags += ["--max-grad-norm", f"{args.max_grad_norm:g}"]
     return "offload-finetune " + " ".join(flags)
 
 
@@ -272,13 +288,13 @@ def _row(c: Candidate) -> dict[str, Any]:
 
 
 def table(candidates: list[Candidate]) -> str:
-    header = (f"{'slices':>6} {'mb':>3} {'dtype':>8} {'state':>5} {'masters':>7} {'device':>9} {'host':>9} "
-              f"{'disk':>9} {'step':>9} {'eff':>5}")
+    header = (f"{'slices':>6} {'mb':>3} {'dtype':>8} {'state':>5} {'masters':>7} {'schedule':>11} {'device':>9} "
+              f"{'host':>9} {'disk':>9} {'step':>9} {'eff':>5}")
     lines = [header]
     for c in candidates:
         r = _row(c)
         lines.append(f"{r['num_slices']:>6} {r['num_microbatches']:>3} {r['compute_dtype'] or 'float32':>8} "
-                     f"{r['optimizer_state']:>5} {r['masters']:>7} {_gib(r['device_bytes']):>9} "
+                     f"{r['optimizer_state']:>5} {r['masters']:>7} {r['schedule']:>11} {_gib(r['device_bytes']):>9} "
                      f"{_gib(r['host_bytes']):>9} {_gib(r['disk_bytes']):>9} {_seconds(r['step_s']):>9} "
                      f"{r['efficiency']:>5.2f}")
     return "\n".join(lines)
@@ -302,6 +318,9 @@ def report(plan: Plan, work: Workload, rates: MachineRates, limits: Limits, args
                  f"{_seconds(t.forward_compute + t.backward_compute)}, link {_seconds(t.load)} in + "
                  f"{_seconds(t.offload)} out, disk {_seconds(t.disk_read)} read + {_seconds(t.disk_write)} "
                  f"write; efficiency {t.efficiency:.2f}")
+    if plan.chosen.config.schedule == "in-backward":
+        lines.append("update_in_backward: nothing may change the gradients between backward and step() (no "
+                     "clip_grad_norm_, no GradScaler); if the training clips them, plan with --max-grad-norm")
     lines += ["", code(plan.chosen, work, args)]
     flags = finetune_flags(plan.chosen, work, args)
     if flags:
@@ -321,6 +340,7 @@ def as_json(plan: Plan, work: Workload, rates: MachineRates, limits: Limits, arg
                 f"device_{k}": v for k, v in chosen.memory.device_categories().items()},
             "code": code(chosen, work, args), "finetune": finetune_flags(chosen, work, args)},
         "missing": plan.missing,
+        "clips_gradients": args.max_grad_norm is not None,
         "candidates": [_row(c) for c in plan.candidates],
     }
 

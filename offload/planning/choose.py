@@ -1,12 +1,14 @@
 """The configuration to train with: the fastest predicted one that fits the machine.
 
 :func:`choose` tries every combination of ``num_slices``, microbatches, ``compute_dtype`` and
-where the state lives (RAM; the optimizer's disk tier; the tier and the masters on disk), predicts
-each one's memory (:func:`~offload.estimate_memory`) and step time
-(:func:`~offload.planning.timing.estimate_step_time`), keeps those that fit the device, the host
-and the disk, and returns the fastest. Among configurations within 1 % of the fastest it takes
-the simplest: fewer tiers on disk, then fewer microbatches, then the fastest. When none fits it says what
-is missing, with and without the disk tier.
+where the state lives (RAM; the optimizer's disk tier; the tier and the masters on disk) and
+when the host update runs (behind the next forward, or started in backward unless the gradients
+are clipped: :data:`CHOSEN_SCHEDULES`), predicts each one's memory
+(:func:`~offload.estimate_memory`) and step time (:func:`~offload.planning.timing.estimate_step_time`),
+keeps those that fit the device, the host and the disk, and returns the fastest. Among
+configurations within 1 % of the fastest it takes the simplest: fewer tiers on disk, then fewer
+microbatches, then the update behind the next forward (it allows clipping), then the fastest.
+When none fits it says what is missing, with and without the disk tier.
 
 Memory fits a limit with a margin (:data:`DEVICE_MARGIN`, :data:`HOST_MARGIN`): the caching
 allocator's fragments, the CUDA context, the loss's own tensors and the process's other memory
@@ -26,7 +28,7 @@ from .footprint import MemoryFootprint
 from .planner import SliceLayout, estimate_memory, slice_layout
 from .rates import MachineRates
 from .shapes import ModelProfile
-from .timing import StepConfig, StepTime, estimate_step_time
+from .timing import SCHEDULES, StepConfig, StepTime, estimate_step_time
 
 #: Share of the device's memory a plan may fill.
 DEVICE_MARGIN = 0.9
@@ -36,6 +38,9 @@ SLICE_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 MICROBATCH_COUNTS = (1, 2, 4, 8, 16)
 #: (optimizer state, masters): where the state lives, simplest first.
 PLACES = (("ram", "ram"), ("disk", "ram"), ("disk", "disk"))
+#: The schedules tried, simplest first; ``"serial"`` is never faster, so only a fixed choice gets it.
+#: ``"in-backward"`` is left out when the gradients are clipped (``update_in_backward`` refuses it).
+CHOSEN_SCHEDULES = ("overlapped", "in-backward")
 
 
 @dataclass(frozen=True)
@@ -76,7 +81,8 @@ class Plan:
 
 def choose(layers: nn.Module | Sequence[int], profile_for: Callable[[torch.dtype | None], ModelProfile | None],
            rates: MachineRates, limits: Limits, *, device: str = "cuda", optimizer: str | None = "adamw",
-           param_dtype: torch.dtype = torch.float32, batch_size: int = 1, fixed: dict[str, Any] | None = None) -> Plan:
+           param_dtype: torch.dtype = torch.float32, batch_size: int = 1, fixed: dict[str, Any] | None = None,
+           clips_gradients: bool = False) -> Plan:
     """The fastest predicted configuration that fits ``limits``.
 
     Args:
@@ -87,19 +93,30 @@ def choose(layers: nn.Module | Sequence[int], profile_for: Callable[[torch.dtype
         limits: its memory and disk.
         batch_size: rows per step (microbatch counts that do not divide it are skipped).
         fixed: :class:`~offload.planning.timing.StepConfig` fields to keep as given
-            (``{"compute_dtype": None}``, ``{"num_slices": 8}``).
+            (``{"compute_dtype": None}``, ``{"num_slices": 8}``, ``{"schedule": "serial"}``).
+        clips_gradients: the training changes the gradients between backward and ``step()``
+            (``clip_grad_norm_``, a ``GradScaler``): the update cannot start in backward, so
+            ``"in-backward"`` is not tried.
 
     Raises:
-        ValueError: an unknown field in ``fixed``.
+        ValueError: an unknown field in ``fixed``, an unknown schedule, or ``"in-backward"`` fixed
+            with ``clips_gradients``.
     """
     fixed = dict(fixed or {})
     unknown = sorted(set(fixed) - set(StepConfig.__dataclass_fields__))
     if unknown:
         raise ValueError(f"cannot fix {unknown}; StepConfig has {sorted(StepConfig.__dataclass_fields__)}")
+    if "schedule" in fixed and fixed["schedule"] not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {fixed['schedule']!r}")
+    if clips_gradients and fixed.get("schedule") == "in-backward":
+        raise ValueError("the 'in-backward' schedule cannot clip the gradients: each slice's update starts in "
+                         "backward, before their total norm is known. Fix another schedule, or do not clip")
+    schedules = [s for s in CHOSEN_SCHEDULES if not (clips_gradients and s == "in-backward")]
     profiles: dict[Any, ModelProfile | None] = {}
     layouts: dict[tuple[int, Any], SliceLayout] = {}
+    memories: dict[StepConfig, MemoryFootprint] = {}  # the schedule changes the time, not the memory
     candidates = []
-    for config in _configs(layers, batch_size, limits, fixed):
+    for config in _configs(layers, batch_size, limits, fixed, schedules):
         if config.compute_dtype not in profiles:
             profiles[config.compute_dtype] = profile_for(config.compute_dtype)
         key = (config.num_slices, config.compute_dtype)
@@ -107,18 +124,19 @@ def choose(layers: nn.Module | Sequence[int], profile_for: Callable[[torch.dtype
             layouts[key] = slice_layout(layers, num_slices=config.num_slices, param_dtype=param_dtype,
                                         compute_dtype=config.compute_dtype, optimizer=optimizer)
         candidates.append(_candidate(layers, layouts[key], profiles[config.compute_dtype], config, rates, limits,
-                                     device=device, optimizer=optimizer, param_dtype=param_dtype))
+                                     memories, device=device, optimizer=optimizer, param_dtype=param_dtype))
     fitting = [c for c in candidates if c.fits]
     if not fitting:
         return Plan(chosen=None, candidates=candidates, missing=missing(candidates, limits))
     best = min(c.time.step for c in fitting)
     near = [c for c in fitting if c.time.step <= 1.01 * best]
     chosen = min(near, key=lambda c: (PLACES.index((c.config.optimizer_state, c.config.masters)),
-                                      c.config.num_microbatches, c.time.step))
+                                      c.config.num_microbatches, SCHEDULES.index(c.config.schedule), c.time.step))
     return Plan(chosen=chosen, candidates=candidates)
 
 
-def _configs(layers: nn.Module | Sequence[int], batch_size: int, limits: Limits, fixed: dict[str, Any]) -> list[StepConfig]:
+def _configs(layers: nn.Module | Sequence[int], batch_size: int, limits: Limits, fixed: dict[str, Any],
+             schedules: Sequence[str]) -> list[StepConfig]:
     count = len(list(layers.children())) if isinstance(layers, nn.Module) else len(layers)
     slices = sorted({min(n, count) for n in SLICE_COUNTS})
     microbatches = [m for m in MICROBATCH_COUNTS if batch_size % m == 0]
@@ -131,20 +149,25 @@ def _configs(layers: nn.Module | Sequence[int], batch_size: int, limits: Limits,
                 for state, masters in places:
                     if masters == "disk" and dtype is None:
                         continue  # masters on disk need a compute dtype: loads read the shadow
-                    config = StepConfig(num_slices=n, num_microbatches=m, compute_dtype=dtype,
-                                        optimizer_state=state, masters=masters)
-                    configs.append(replace(config, **{k: v for k, v in fixed.items()
-                                                      if k in ("optimizer_state", "masters", "schedule")}))
+                    for schedule in ([fixed["schedule"]] if "schedule" in fixed else schedules):
+                        config = StepConfig(num_slices=n, num_microbatches=m, compute_dtype=dtype,
+                                            optimizer_state=state, masters=masters, schedule=schedule)
+                        configs.append(replace(config, **{k: v for k, v in fixed.items()
+                                                          if k in ("optimizer_state", "masters")}))
     return list(dict.fromkeys(configs))
 
 
 def _candidate(layers: nn.Module | Sequence[int], layout: SliceLayout, profile: ModelProfile | None,
-               config: StepConfig, rates: MachineRates, limits: Limits, **common: Any) -> Candidate:
+               config: StepConfig, rates: MachineRates, limits: Limits, memories: dict[StepConfig, MemoryFootprint],
+               **common: Any) -> Candidate:
     device, optimizer, param_dtype = common["device"], common["optimizer"], common["param_dtype"]
-    memory = estimate_memory(layers, num_slices=config.num_slices, param_dtype=param_dtype,
-                             compute_dtype=config.compute_dtype, optimizer=optimizer,
-                             optimizer_state=config.optimizer_state, masters=config.masters,
-                             num_microbatches=config.num_microbatches, device=device, profile=profile)
+    key = replace(config, schedule=SCHEDULES[0])
+    if key not in memories:
+        memories[key] = estimate_memory(layers, num_slices=config.num_slices, param_dtype=param_dtype,
+                                        compute_dtype=config.compute_dtype, optimizer=optimizer,
+                                        optimizer_state=config.optimizer_state, masters=config.masters,
+                                        num_microbatches=config.num_microbatches, device=device, profile=profile)
+    memory = memories[key]
     time = estimate_step_time(layout, profile, config, rates, device=device, optimizer=optimizer,
                               param_dtype=param_dtype)
     over = {}

@@ -16,10 +16,14 @@ it, the disk tier's files read and written). The terms:
   on a CPU "device" copies are synchronous and add up;
 - the host update: bytes over the fused update's bandwidth; with the disk tier, the longest of
   it and the files' reads and writes (the tier reads, updates and writes different slices at once);
-- the schedule. ``"overlapped"`` (``OffloadOptimizer`` today): the update runs on the host while
-  the next forward runs, slice by slice; slice *k*'s forward waits for slice *k*'s update, so the
-  forward takes the longer of itself and the update plus one slice's forward. ``"serial"``: the
-  update after the backward, all of it exposed (a plain optimizer, or ``synchronize()`` each step).
+- the schedule. ``"overlapped"`` (``OffloadOptimizer``'s default): the update runs on the host
+  while the next forward runs, slice by slice; slice *k*'s forward waits for slice *k*'s update
+  (:func:`exposed_overlapped`, a per-slice simulation: for equal slices the forward takes the
+  longer of itself plus one slice's update and the update plus one slice's forward).
+  ``"in-backward"`` (``OffloadOptimizer(..., update_in_backward=True)``): each slice's update
+  starts when its gradients land in backward, and the next forward waits for all of them
+  (:func:`exposed_in_backward`, a per-slice simulation). ``"serial"``: the update after the
+  backward, all of it exposed (a plain optimizer, or ``synchronize()`` each step).
 
 It predicts; it does not measure (``offload/cli/calibrate.py`` measures the rates). Checked in
 ``tests/test_planning.py`` on the CPU against a step whose device work is a known sleep, and
@@ -28,6 +32,7 @@ against the H100 results in ``benchmarks/results/planner_vs_h100_2026-11-26.md``
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -36,7 +41,9 @@ from .planner import SliceLayout
 from .rates import UPDATE_BYTES_PER_PARAMETER, MachineRates
 from .shapes import ModelProfile
 
-SCHEDULES = ("overlapped", "serial")
+#: How the host update meets the device's work: behind the next forward (the default), started in
+#: backward (``update_in_backward=True``), or after the step.
+SCHEDULES = ("overlapped", "in-backward", "serial")
 
 
 @dataclass(frozen=True)
@@ -181,15 +188,72 @@ def estimate_step_time(layout: SliceLayout, profile: ModelProfile | None, config
     forward, backward, load, offload = _phases(moved, forward_compute, backward_compute, rates,
                                                torch.device(device).type == "cuda")
     update, disk_read, disk_write = _update(moved, rates)
-    if config.schedule == "overlapped":
-        # Slice k's forward waits for slice k's update: the update plus one slice's forward.
-        exposed = max(0.0, update + forward / layout.num_slices - forward)
-    else:
-        exposed = update
+    d2h = rates.device_to_host if torch.device(device).type == "cuda" else None
+    exposed = exposed_update(config.schedule, forward, backward, update, layout.gradient_bytes, d2h)
     return StepTime(compute=compute, forward_compute=forward_compute, backward_compute=backward_compute,
                     load=load, offload=offload, update=update, disk_read=disk_read, disk_write=disk_write,
                     forward=forward, backward=backward, exposed_update=exposed,
                     step=forward + backward + exposed)
+
+
+def exposed_update(schedule: str, forward: float, backward: float, update: float, gradient_bytes: Sequence[int],
+                   device_to_host: float | None) -> float:
+    """What of the host update (``update`` seconds) a step waits for under ``schedule``, given its
+    forward's and backward's lengths and each slice's gradient bytes (``device_to_host``: the
+    link's rate, ``None`` on a CPU "device")."""
+    if schedule == "overlapped":
+        return exposed_overlapped(gradient_bytes, forward, update)
+    if schedule == "in-backward":
+        return exposed_in_backward(gradient_bytes, backward, update, device_to_host)
+    return update
+
+
+def exposed_overlapped(gradient_bytes: Sequence[int], forward: float, update: float) -> float:
+    """What a step waits for the update started at ``step()`` (``"overlapped"``, the default): a
+    per-slice simulation. The worker updates the slices in order, each ``update`` shared by
+    gradient bytes; the next forward runs slice *k* (an equal share of ``forward``) once slice
+    *k - 1* has run and slice *k*'s update is done. For equal slices that is the longer of one
+    slice's update (slice 0 waits for its own) and the update plus one slice's forward, less the
+    forward."""
+    total = sum(gradient_bytes)
+    if not total or not update:
+        return 0.0
+    share = forward / len(gradient_bytes)
+    updated = ran = 0.0
+    for grad_bytes in gradient_bytes:
+        updated += update * grad_bytes / total
+        ran = max(ran, updated) + share
+    return max(0.0, ran - forward)
+
+
+def exposed_in_backward(gradient_bytes: Sequence[int], backward: float, update: float,
+                        device_to_host: float | None) -> float:
+    """What a step waits for the update when backward starts each slice's (``"in-backward"``;
+    Note: [Update in backward] in ``offload/optimizing/in_backward.py``): a per-slice simulation.
+
+    Backward runs the slices last to first, each an equal share of the backward's time before its
+    gradients (``gradient_bytes[k]``) cross the link (``device_to_host`` bytes/s; ``None`` on a CPU
+    "device", whose offloads are in that share already), so slice 0's land as the backward ends.
+    The worker takes the updates first in, first out, each ``update`` shared by gradient bytes,
+    starting one when its gradients have landed and the one before it is done. The next forward
+    loads slice 0 first and waits for its update, queued last: the step waits from the end of
+    backward until the worker is through. That is about one slice's update when the worker keeps
+    up with backward, and the update less the backward after the first slice landed when it does not.
+
+    Not modelled: slices whose update waits for ``step()`` (a weight tied across slices, a gradient
+    hook: ``deferred``), ``max_backlog``, and the update's and backward's copies sharing the host's memory.
+    """
+    total = sum(gradient_bytes)
+    n = len(gradient_bytes)
+    if not total or not update:
+        return 0.0
+    tail = gradient_bytes[0] / device_to_host if device_to_host else 0.0
+    share = (backward - tail) / n  # one slice's backward, its offload left out
+    worker_free = 0.0
+    for j, k in enumerate(reversed(range(n))):  # slice n-1 lands first, slice 0 last
+        landed = (j + 1) * share + (gradient_bytes[k] / device_to_host if device_to_host else 0.0)
+        worker_free = max(worker_free, landed) + update * gradient_bytes[k] / total
+    return max(0.0, worker_free - backward)
 
 
 def _phases(moved: _Traffic, forward_compute: float, backward_compute: float, rates: MachineRates,
