@@ -131,7 +131,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._updates = SliceUpdates(engine_of(model), self._disk, self._sharding, num_threads)
         engine_of(model).optimizers.add(self)  # its state counts in model.memory_footprint()
         self._in_backward = BackwardUpdates.attach(self, engine_of(model), accumulation_steps, self._updates,
-                                                   functools.partial(_before_update, self), update_in_backward)
+                                                   _before_update, update_in_backward)
 
     # -- the state --------------------------------------------------------------------------------
 

@@ -86,12 +86,16 @@ class BackwardUpdates(Subscriber):
         engine: the engine of its model.
         accumulation_steps: backwards per ``step()``.
         updates: the optimizer's hand-off of each slice's update to the worker.
-        before_update: what ``step()`` does before updates start (the plan; errors of the last writes).
+        before_update: what ``step()`` does before updates start (the plan; errors of the last writes),
+            called with the optimizer: holding a closure over it would keep the optimizer, and its
+            state, alive as long as the model.
     """
 
     def __init__(self, optimizer: Any, engine: Engine, accumulation_steps: int,
-                 updates: SliceUpdates, before_update: Callable[[], None]) -> None:
-        self._optimizer = weakref.ref(optimizer)
+                 updates: SliceUpdates, before_update: Callable[[Any], None]) -> None:
+        # Weakly, and unsubscribed with it: the model's walk holds this subscriber, and with it the
+        # update worker, which must go with the optimizer.
+        self._optimizer = weakref.ref(optimizer, _unsubscriber(engine, self))
         self._engine = engine
         self.accumulation_steps = accumulation_steps
         self._updates = updates
@@ -121,7 +125,7 @@ class BackwardUpdates(Subscriber):
 
     @classmethod
     def attach(cls, optimizer: Any, engine: Engine, accumulation_steps: int, updates: SliceUpdates,
-               before_update: Callable[[], None], enabled: bool) -> BackwardUpdates | None:
+               before_update: Callable[[Any], None], enabled: bool) -> BackwardUpdates | None:
         """Subscribe a new one to the walks of the optimizer's model (``engine``), in place of an
         older optimizer's (only the newest optimizer of a model steps it); ``None`` when not
         ``enabled``."""
@@ -157,7 +161,7 @@ class BackwardUpdates(Subscriber):
         self._hyper = [snapshot(group) for group in optimizer.param_groups]
         self._names = self._engine.parameter_names()
         if self.checked:
-            self._before_update()  # the plan, and what the last step could not write, raised first
+            self._before_update(optimizer)  # the plan, and what the last step could not write, raised first
 
     def wants_final_gradients(self, token: Any) -> bool:
         return token is not None and token is self._token
@@ -310,6 +314,18 @@ class BackwardUpdates(Subscriber):
 
     def _name(self, p: torch.Tensor) -> str:
         return self._names.get(id(p), f"a parameter of shape {tuple(p.shape)}")
+
+
+def _unsubscriber(engine: Engine, subscriber: BackwardUpdates) -> Callable[[Any], None]:
+    """A callback that unsubscribes ``subscriber`` from ``engine``'s walks, holding neither strongly."""
+    milestones, held = weakref.ref(engine.milestones), weakref.ref(subscriber)
+
+    def unsubscribe(_: Any) -> None:
+        m, s = milestones(), held()
+        if m is not None and s is not None:
+            m.unsubscribe(s)
+
+    return unsubscribe
 
 
 def _identity(t: torch.Tensor | None) -> tuple[Any, ...] | None:
