@@ -141,7 +141,11 @@ class BackwardUpdates(Subscriber):
     # -- milestones ---------------------------------------------------------------------------------
 
     def forward_started(self, token: Any) -> None:
-        # A backward that failed never reached its end (_backward_done): let go of what it left.
+        # A backward that failed never reached its end (_backward_done): let go of what it left, and
+        # do not count it: it returned nothing to autograd, and the user who caught its error trains
+        # on as after any failed backward (what it added into .grad on landing, its error says).
+        if self._task_open:
+            self.backwards -= 1
         self._end_task()
 
     def backward_started(self, token: Any, accumulates: bool) -> None:
