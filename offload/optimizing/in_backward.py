@@ -238,8 +238,11 @@ class BackwardUpdates(Subscriber):
         optimizer = self._optimizer()
         if not self._end_task() or optimizer is None:
             return
+        # The model's parameters only: step() steps the others with the .grad they hold then, so
+        # changing theirs (clipping a head outside the model) is as without the option.
+        inside = {id(p) for p in self._engine.parameters()}
         self._seen = [(p, p.grad, p.grad._version if p.grad is not None else 0)
-                      for group in optimizer.param_groups for p in group["params"]]
+                      for group in optimizer.param_groups for p in group["params"] if id(p) in inside]
         if mismatched:
             self.backwards = 0
             raise RuntimeError(
@@ -279,7 +282,8 @@ class BackwardUpdates(Subscriber):
                    if p.grad is not grad or (grad is not None and grad._version != version)]
         self._seen = []
         hyper, self._hyper = self._hyper, None
-        moved = _moved(hyper, self._optimizer()) if hyper is not None else []
+        inside = {id(p) for p in self._engine.parameters()}
+        moved = _moved(hyper, self._optimizer(), inside) if hyper is not None else []
         if changed:
             raise RuntimeError(
                 f"update_in_backward: the gradient of {_listing(changed)} changed between backward and step() "
@@ -347,8 +351,10 @@ def _hooked(p: torch.Tensor) -> bool:
     return bool(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None))
 
 
-def _moved(before: list[dict[str, Any]], optimizer: Any) -> list[str]:
-    """The hyperparameters whose values differ from ``before`` (``snapshot`` of each group), by name."""
+def _moved(before: list[dict[str, Any]], optimizer: Any, inside: set[int]) -> list[str]:
+    """The hyperparameters whose values differ from ``before`` (``snapshot`` of each group), by
+    name, in the groups holding a parameter of the model (ids ``inside``): step() steps the others
+    with what they hold then."""
     if optimizer is None:
         return []
     groups = optimizer.param_groups
@@ -356,6 +362,8 @@ def _moved(before: list[dict[str, Any]], optimizer: Any) -> list[str]:
         return ["the parameter groups"]
     moved = []
     for g, (old, group) in enumerate(zip(before, groups)):
+        if not any(id(p) in inside for p in group["params"]):
+            continue
         for key in old.keys() | (group.keys() - {"params"}):
             a, b = old.get(key), group.get(key)
             if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
