@@ -154,3 +154,32 @@ def test_a_forward_between_backward_and_step_sees_the_parameters_before_the_upda
             opt.step()
             opt.zero_grad()
         torch.testing.assert_close(seen[1], seen[0], rtol=0, atol=0, msg=lambda m: f"step {step}: {m}")
+
+
+def test_a_backward_that_failed_after_starting_updates_makes_step_raise():
+    """A backward that failed after some slices' updates started (their gradients landed first) has
+    changed those slices' parameters with gradients the plain optimizer never steps: its error says
+    so, and the next ``step()`` still refuses, naming the slices, instead of training on silently."""
+    layers = list(network())
+    model = OffloadModel(torch.nn.Sequential(*layers[:5], FlakyLayer(), *layers[5:]), device="cpu",
+                         num_slices=NUM_SLICES)
+    optimizer = OffloadOptimizer(model, torch.optim.SGD, lr=0.1, update_in_backward=True)
+    assert any("5" in names for names in model.partition[1:])  # the flaky layer lies past slice 0
+    try:
+        for step in range(3):
+            if step == 2:
+                FlakyLayer.failing = True
+                with pytest.raises(ValueError, match="a failing backward") as failure:
+                    model(batch(100)).pow(2).mean().backward()
+                FlakyLayer.failing = False
+                assert any("Reload the last checkpoint" in note for note in getattr(failure.value, "__notes__", []))
+                optimizer.zero_grad()
+            model(batch(step)).pow(2).mean().backward()
+            if step == 2:
+                with pytest.raises(RuntimeError, match=r"The update of slices \[.*\] already ran"):
+                    optimizer.step()
+            else:
+                optimizer.step()
+            optimizer.zero_grad()
+    finally:
+        FlakyLayer.failing = False

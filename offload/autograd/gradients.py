@@ -151,6 +151,7 @@ class BackwardGradients:
         # Slices whose final gradients are not announced yet: (index, pending, per parameter its
         # gradient as .grad will hold it) - announced once their in-place additions are done.
         self._unannounced: list[tuple[int, PendingGradients, list[torch.Tensor | None]]] = []
+        self._announced = False  # whether a slice's final gradients were announced (its update may run)
 
     def wants_input_grads(self, i: int) -> bool:
         """Whether slice ``i``'s graphs must give gradients for their boundary inputs."""
@@ -195,6 +196,7 @@ class BackwardGradients:
         engine, token = self.run.engine, self.run.call
         while self._unannounced and self._unannounced[0][1].into is None:
             i, pending, final = self._unannounced.pop(0)
+            self._announced = True
             engine.milestones.gradients_final(token, i, final, pending.ready)
 
     def __enter__(self) -> BackwardGradients:
@@ -205,11 +207,14 @@ class BackwardGradients:
             # A failed backward leaves .grad as autograd would: rule 6 of Note: [Gradients added in place].
             added = [g for _, p in self._pending for g in p.added]
             restore_zeroed(g for g in added if id(g) in self._undoable)
-            if any(id(g) not in self._undoable for g in added) and isinstance(exc[0], BaseException):
+            # A slice announced may have had its update started, whether its gradients went into .grad
+            # or (with .grad None) were to be handed to autograd.
+            if ((self._announced or any(id(g) not in self._undoable for g in added))
+                    and isinstance(exc[0], BaseException)):
                 exc[0].add_note(
                     "OffloadModel: this backward was to start the optimizer's update (update_in_backward): the "
-                    ".grad of the slices whose gradients had landed already holds this backward's gradients too, "
-                    "and their update may have run. Reload the last checkpoint before training on.")
+                    "update of the slices whose gradients had landed may have run with this backward's gradients, "
+                    "and their .grad may hold them. Reload the last checkpoint before training on.")
 
     def land(self) -> None:
         """Every slice's gradients on the host: the optimizer reads them next, and may overwrite

@@ -141,10 +141,11 @@ class BackwardUpdates(Subscriber):
     # -- milestones ---------------------------------------------------------------------------------
 
     def forward_started(self, token: Any) -> None:
-        # A backward that failed never reached its end (_backward_done): let go of what it left, and
-        # do not count it: it returned nothing to autograd, and the user who caught its error trains
-        # on as after any failed backward (what it added into .grad on landing, its error says).
-        if self._task_open:
+        # A backward that failed never reached its end (_backward_done): let go of what it left. It
+        # returned nothing to autograd, and the user who caught its error trains on as after any
+        # failed backward, so it is not counted; unless it started updates (with gradients the
+        # plain optimizer never steps): counted, it makes step() raise, saying which slices ran.
+        if self._task_open and not self.started:
             self.backwards -= 1
         self._end_task()
 
