@@ -4,6 +4,7 @@ tests/test_update_in_backward.py where the option once differed from training wi
 
 from __future__ import annotations
 
+import copy
 import gc
 import time
 import weakref
@@ -183,3 +184,42 @@ def test_a_backward_that_failed_after_starting_updates_makes_step_raise():
             optimizer.zero_grad()
     finally:
         FlakyLayer.failing = False
+
+
+@pytest.mark.parametrize("when", ["before-the-checked-step", "after-it"])
+def test_load_state_dict_between_backward_and_step_is_refused(when):
+    """``load_state_dict()`` between the backward that started the updates and ``step()`` replaces
+    the state those updates stepped: the plain optimizer steps the loaded state with these
+    gradients; the updates that ran cannot. ``step()`` refuses, as it does for any change between
+    them, rather than leave the loaded state one step behind the parameters, silently."""
+    model = OffloadModel(network(), device="cpu", num_slices=NUM_SLICES)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, update_in_backward=True)
+    failing_step = 0 if when == "before-the-checked-step" else 2
+    for step in range(failing_step + 1):
+        saved = copy.deepcopy(optimizer.state_dict())
+        model(batch(step)).pow(2).mean().backward()
+        if step < failing_step:
+            optimizer.step()
+            optimizer.zero_grad()
+    optimizer.load_state_dict(saved)
+    what_ran = "No update ran" if failing_step == 0 else r"The update of slices \[0, 1, 2\] already ran"
+    with pytest.raises(RuntimeError, match=rf"load_state_dict\(\) between backward and step\(\).*{what_ran}"):
+        optimizer.step()
+
+
+def test_load_state_dict_between_steps_is_as_without_the_option():
+    plain, model = network(), OffloadModel(network(), device="cpu", num_slices=NUM_SLICES)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, update_in_backward=True)
+    saved = {}
+    for step in range(5):
+        for m, opt in ((plain, plain_opt), (model, optimizer)):
+            if step == 1:
+                saved[id(opt)] = copy.deepcopy(opt.state_dict())
+            if step == 3:
+                opt.load_state_dict(saved[id(opt)])
+            m(batch(step)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert optimizer._in_backward.last_started == set(range(NUM_SLICES))
+    assert_same(plain, plain_opt, model, optimizer)

@@ -117,6 +117,9 @@ class BackwardUpdates(Subscriber):
         # The hyperparameters the updates that backward starts read: taken when it starts,
         # compared with what step() would read.
         self._hyper: list[dict[str, Any]] | None = None
+        # The optimizer's state dict when that backward starts: load_state_dict() replaces it, and
+        # the updates already started stepped the state it replaced.
+        self._state: Any = None
         self._task_open = False  # a backward is running (counted, its end's callback queued)
         self._names: dict[int, str] = {}
         self._hooks: list[Any] = []
@@ -164,6 +167,7 @@ class BackwardUpdates(Subscriber):
         self.deferred = {}
         self._behind = False
         self._hyper = [snapshot(group) for group in optimizer.param_groups]
+        self._state = optimizer.__dict__.get("state")
         self._names = self._engine.parameter_names()
         if self.checked:
             self._before_update(optimizer)  # the plan, and what the last step could not write, raised first
@@ -263,7 +267,7 @@ class BackwardUpdates(Subscriber):
             # No backward since the last step, or fewer than declared (an epoch's last step when its
             # batches do not divide by the accumulation, as the Hugging Face Trainer takes it): none
             # ended the accumulation, nothing started, and step() steps what .grad holds, as before.
-            self._seen, self._hyper = [], None
+            self._seen, self._hyper, self._state = [], None, None
             return started
         if backwards > self.accumulation_steps:
             raise RuntimeError(
@@ -283,6 +287,13 @@ class BackwardUpdates(Subscriber):
                    if p.grad is not grad or (grad is not None and grad._version != version)]
         self._seen = []
         hyper, self._hyper = self._hyper, None
+        state, self._state = self._state, None
+        optimizer = self._optimizer()
+        if state is not None and optimizer is not None and optimizer.__dict__.get("state") is not state:
+            raise RuntimeError(
+                "update_in_backward: load_state_dict() between backward and step(); the updates backward started "
+                f"stepped the state it replaced. {self._what_ran(started)} Load the optimizer's state before "
+                "backward or after step(), or build OffloadOptimizer without update_in_backward.")
         inside = {id(p) for p in self._engine.parameters()}
         moved = _moved(hyper, self._optimizer(), inside) if hyper is not None else []
         if changed:
