@@ -30,8 +30,14 @@ Note: [Update in backward]
       scale it hands a fused optimizer;
     - a hyperparameter set between that backward and ``step()`` (a warm-up set by hand, a
       scheduler stepped before the optimizer): ``step()`` raises;
+    - ``load_state_dict()`` of the optimizer between that backward and ``step()`` (the updates that
+      ran stepped the state it replaced): ``step()`` raises;
     - ``step()`` after more backwards than declared: ``step()`` raises (after fewer, none started
-      anything, and ``step()`` steps as without the option).
+      anything, and ``step()`` steps as without the option). A backward that raised is not counted
+      unless it had started updates.
+
+    Only the model's parameters and the groups holding them are compared: ``step()`` steps the
+    others with what they hold then, as without the option.
 
     The first backward and ``step()`` of an optimizer start nothing early and only check, so
     these mistakes, made from the start, cost nothing: the error comes before any update ran.
