@@ -12,7 +12,7 @@ import weakref
 import pytest
 import torch
 
-from offload import OffloadModel, OffloadOptimizer
+from offload import OffloadActivations, OffloadModel, OffloadOptimizer
 from offload.optimizing.in_backward import BackwardUpdates
 
 from .test_optimizer import assert_same, batch, network
@@ -257,4 +257,81 @@ def test_an_optimizer_built_between_backward_and_step_steps_once():
         for opt in (plain_opt, optimizer):
             opt.step()
             opt.zero_grad()
+    assert_same(plain, plain_opt, model, optimizer)
+
+
+# -- what the review found exact: kept as regressions ------------------------------------------------
+
+
+def _sparse_network() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Embedding(20, 6, sparse=True), torch.nn.Linear(6, 8), torch.nn.Tanh(),
+                               torch.nn.Linear(8, 3))
+
+
+def _tokens(step: int) -> torch.Tensor:
+    return torch.randint(0, 20, (5,), generator=torch.Generator().manual_seed(step))
+
+
+def _loss(m, x, divide=1):
+    return m(x).pow(2).mean() / divide
+
+
+def _train(plain, model, plain_opt, optimizer, one_step, steps=4):
+    for step in range(steps):
+        for m, opt in ((plain, plain_opt), (model, optimizer)):
+            one_step(m, opt, step)
+            opt.step()
+            opt.zero_grad(set_to_none=step % 2 == 1)
+
+
+def _accumulate(divide):
+    def one_step(m, opt, step):
+        for micro in range(divide):
+            _loss(m, batch(10 * step + micro), divide).backward()
+    return one_step
+
+
+def _twice_two_backwards(m, opt, step):
+    first, second = _loss(m, batch(step), 2), _loss(m, batch(step + 50), 2)
+    second.backward()
+    first.backward()
+
+
+def _retained(m, opt, step):
+    loss = _loss(m, batch(step))
+    loss.backward(retain_graph=True)
+    (loss / 2).backward()
+
+
+def _groups_added(m, opt, step):
+    if step == 2:
+        opt.add_param_group({"params": list(m.parameters())[4:], "lr": 0.05})
+    _loss(m, batch(step)).backward()
+
+
+SCENARIOS = {
+    # name: (network, model settings, accumulation_steps, first group's parameters, one step)
+    "sparse-embedding": (_sparse_network, {"num_slices": 2}, 1, None,
+                         lambda m, opt, step: _loss(m, _tokens(step)).backward()),
+    "offloaded-activations-accumulated": (network, {"offload_activations": "last2"}, 2, None, _accumulate(2)),
+    "model-called-twice-two-backwards": (network, {}, 2, None, _twice_two_backwards),
+    "retain-graph-second-backward": (network, {}, 2, None, _retained),
+    "param-group-added-mid-training": (network, {}, 1, 4, _groups_added),
+}
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_the_review_scenarios_equal_the_plain_optimizer(scenario):
+    build, settings, accumulation_steps, first, one_step = SCENARIOS[scenario]
+    settings = {"num_slices": NUM_SLICES, **settings}
+    if settings.get("offload_activations") == "last2":
+        settings["offload_activations"] = OffloadActivations(last=2)
+    plain, model = build(), OffloadModel(build(), device="cpu", **settings)
+    pick = (lambda m: list(m.parameters())[:first]) if first else (lambda m: m.parameters())
+    plain_opt = torch.optim.SGD(pick(plain), lr=0.1)
+    optimizer = OffloadOptimizer(model, torch.optim.SGD, pick(model), lr=0.1, update_in_backward=True,
+                                 accumulation_steps=accumulation_steps)
+    _train(plain, model, plain_opt, optimizer, one_step)
+    assert optimizer._in_backward.last_started
     assert_same(plain, plain_opt, model, optimizer)
