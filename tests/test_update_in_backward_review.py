@@ -335,3 +335,29 @@ def test_the_review_scenarios_equal_the_plain_optimizer(scenario):
     _train(plain, model, plain_opt, optimizer, one_step)
     assert optimizer._in_backward.last_started
     assert_same(plain, plain_opt, model, optimizer)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_gradient_from_outside_into_a_parameter_the_optimizer_does_not_step_is_as_without_the_option(set_to_none):
+    """A penalty on a weight of the model that this optimizer does not step (another optimizer, or
+    none, takes it) changes no update backward starts: it is not refused, and that weight's
+    ``.grad`` is autograd's bit for bit (backward does not add into it early: rule 6 of Note:
+    [Gradients added in place] holds for it)."""
+    plain, model = network(), OffloadModel(network(), device="cpu", num_slices=NUM_SLICES)
+    plain_opt = torch.optim.SGD(list(plain.parameters())[:4], lr=0.1, momentum=0.9)
+    optimizer = OffloadOptimizer(model, torch.optim.SGD, list(model.parameters())[:4], lr=0.1, momentum=0.9,
+                                 update_in_backward=True)
+    for step in range(4):
+        for m, opt in ((plain, plain_opt), (model, optimizer)):
+            penalised = list(m.parameters())[-2]
+            (m(batch(step)).pow(2).mean() + penalised.pow(2).sum() * 1e-3).backward()
+        for (name, a), b in zip(plain.named_parameters(), model.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+        for opt in (plain_opt, optimizer):
+            opt.step()
+        for m in (plain, model):  # the weights no optimizer steps keep accumulating
+            m.zero_grad(set_to_none=set_to_none) if step % 2 else None
+        plain_opt.zero_grad(set_to_none=set_to_none)
+        optimizer.zero_grad(set_to_none=set_to_none)
+    assert optimizer._in_backward.last_started == {0, 1}
+    assert_same(plain, plain_opt, model, optimizer)

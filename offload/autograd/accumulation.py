@@ -55,14 +55,14 @@ Note: [Gradients added in place]
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from typing import Any
 
 import torch
 
 
 def in_place_targets(ctx: Any, params: Sequence[torch.Tensor], first_edge: int, needed: Sequence[bool],
-                     walk_observed: bool, any_grad: bool = False) -> list[torch.Tensor | None]:
+                     walk_observed: bool, any_grad: Container[int] = ()) -> list[torch.Tensor | None]:
     """Per parameter of the walk, the ``.grad`` its gradient is added into on the host, or
     ``None`` where autograd receives it (see Note: [Gradients added in place]).
 
@@ -72,7 +72,8 @@ def in_place_targets(ctx: Any, params: Sequence[torch.Tensor], first_edge: int, 
         first_edge: the index of the first parameter among the Function's tensor inputs.
         needed: per parameter, whether this backward produces its gradient.
         walk_observed: something rewrites the walk's gradients per slice (rule 5).
-        any_grad: rule 6 is waived (the backward that starts the update).
+        any_grad: ids of the parameters whose rule 6 is waived (those whose update the backward
+            starts: the others keep rule 6, and a gradient from outside the model stays exact).
     """
     targets: list[torch.Tensor | None] = [None] * len(params)
     will_execute = getattr(torch._C, "_will_engine_execute_node", None)
@@ -91,7 +92,7 @@ def in_place_targets(ctx: Any, params: Sequence[torch.Tensor], first_edge: int, 
             continue  # rule 2
         if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None):
             continue  # rule 3
-        if not any_grad and not still_zeroed(grad):
+        if id(p) not in any_grad and not still_zeroed(grad):
             continue  # rule 6
         node = edges[first_edge + k][0] if first_edge + k < len(edges) else None
         if node is None:

@@ -140,7 +140,8 @@ class BackwardGradients:
         # - Where each gradient goes: per slice, the .grad backward adds it into itself, or None
         #   where autograd receives it (Note: [Gradients added in place] in accumulation.py)
         into = in_place_targets(ctx, engine.parameters(), num_inputs, needed[num_inputs:],
-                                milestones.rewrite_gradients, any_grad=self.final_wanted)
+                                milestones.rewrite_gradients,
+                                any_grad=milestones.final_parameters(run.call) if self.final_wanted else ())
         self._into = [into[start:start + size] for start, size in zip(self._starts, sizes)]
         # What a failed backward can zero again: .grad that held zeros (rule 6); the others were
         # taken only by the backward that starts the update.

@@ -19,9 +19,9 @@ Note: [Update in backward]
     starts. That holds only if nothing changes ``.grad`` or the hyperparameters between that
     backward and ``step()``, and so it is checked, not assumed:
 
-    - a gradient that reaches a parameter from outside the model (a penalty on the weights in
-      the same loss) is seen by a pre-hook on the parameter's accumulation node, which receives
-      something other than what backward returned for it: the backward raises;
+    - a gradient that reaches a parameter the optimizer steps from outside the model (a penalty on
+      the weights in the same loss) is seen by a pre-hook on the parameter's accumulation node,
+      which receives something other than what backward returned for it: the backward raises;
     - ``clip_grad_norm_``, ``zero_grad``, or anything else that rewrites or replaces a ``.grad``
       between backward and ``step()`` through PyTorch's in-place operations changes its version
       counter or its identity: ``step()`` raises (a write through ``.grad.data`` is not seen);
@@ -128,6 +128,7 @@ class BackwardUpdates(Subscriber):
         self._state: Any = None
         self._task_open = False  # a backward is running (counted, its end's callback queued)
         self._names: dict[int, str] = {}
+        self._stepped: set[int] = set()  # ids of the parameters the optimizer steps, from that backward's start
         self._hooks: list[Any] = []
         self._mismatched: list[str] = []
         self._seen: list[tuple[torch.Tensor, torch.Tensor | None, int]] = []  # (param, .grad, its version)
@@ -173,6 +174,7 @@ class BackwardUpdates(Subscriber):
         self.deferred = {}
         self._behind = False
         self._hyper = [snapshot(group) for group in optimizer.param_groups]
+        self._stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
         self._state = optimizer.__dict__.get("state")
         self._names = self._engine.parameter_names()
         if self.checked:
@@ -181,6 +183,11 @@ class BackwardUpdates(Subscriber):
     def wants_final_gradients(self, token: Any) -> bool:
         return token is not None and token is self._token
 
+    def final_parameters(self, token: Any) -> set[int]:
+        # The parameters this optimizer steps: a gradient from outside the model into another one
+        # (a penalty on a weight some other code steps) changes no update, and is not refused.
+        return self._stepped if self.wants_final_gradients(token) else set()
+
     def gradients_final(self, token: Any, index: int, grads: list[torch.Tensor | None], ready: Event | None) -> None:
         optimizer = self._optimizer()
         if token is not self._token or optimizer is None:
@@ -188,10 +195,11 @@ class BackwardUpdates(Subscriber):
         engine = self._engine
         entries = engine.slices[index].storage.params
         tied = engine.tied_parameter_ids()
+        stepped = self.final_parameters(token)
         final: dict[int, torch.Tensor | None] = {}
         for entry, grad in zip(entries, grads):
             p = entry.tensor
-            if id(p) in tied or not p.requires_grad or _hooked(p):
+            if id(p) in tied or not p.requires_grad or _hooked(p) or id(p) not in stepped:
                 continue  # the slice's update waits for step() (a hook changes what its node receives)
             self._watch(p, grad)
             # The update gets its own tensor over a gradient autograd receives: were it to hold

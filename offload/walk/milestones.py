@@ -20,6 +20,8 @@ walks. A *token* identifies one forward and its backward (several may be in flig
   will hold them at the end of this backward (``gradients_final``); asked once, after
   ``backward_started``. Backward then adds into ``.grad`` on landing wherever it may
   (Note: [Gradients added in place], widened by Note: [Update in backward]).
+- ``final_parameters(token)``: the ids of the parameters whose final gradients a subscriber reads
+  (the others keep rule 6 of Note: [Gradients added in place]); asked with ``wants_final_gradients``.
 - ``gradients_final(token, index, grads, ready)``: slice ``index``'s gradients, per parameter,
   as ``.grad`` will hold them when backward returns (``None``: this backward leaves ``.grad`` as
   it is), valid on the host once ``ready`` has completed.
@@ -53,6 +55,9 @@ class Subscriber:
 
     def wants_final_gradients(self, token: Any) -> bool:
         return False
+
+    def final_parameters(self, token: Any) -> set[int]:
+        return set()
 
     def gradients_produced(self, token: Any, index: int, grads: SliceGradients) -> None:
         pass
@@ -90,6 +95,9 @@ class Milestones:
 
     def wants_final_gradients(self, token: Any) -> bool:
         return any(s.wants_final_gradients(token) for s in self.subscribers)
+
+    def final_parameters(self, token: Any) -> set[int]:
+        return set().union(*(s.final_parameters(token) for s in self.subscribers))
 
     def gradients_final(self, token: Any, index: int, grads: list[torch.Tensor | None], ready: Event | None) -> None:
         for subscriber in self.subscribers:
