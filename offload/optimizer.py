@@ -105,7 +105,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                  disk_tier: DiskTier | str | os.PathLike[str] | None = None, update_in_backward: bool = False,
                  accumulation_steps: int = 1, **optimizer_kwargs: Any) -> None:
         _check_arguments(model, optimizer_class, num_threads, disk_tier)
-        check_in_backward(model, update_in_backward, accumulation_steps, shard)
+        check_in_backward(model, engine_of(model), update_in_backward, accumulation_steps, shard)
         # The class checks its own arguments and fills in its defaults.
         template = optimizer_class(model.parameters() if params is None else params, **optimizer_kwargs)
         super().__init__(template.param_groups, template.defaults)

@@ -405,8 +405,17 @@ def _listing(names: list[str]) -> str:
     return names[0] if len(names) == 1 else f"{names[0]} (and {len(names) - 1} more)"
 
 
-def check_in_backward(model: Any, enabled: Any, accumulation_steps: Any, shard: Any) -> None:
-    """Raise what ``OffloadOptimizer`` says it raises for ``update_in_backward`` and ``accumulation_steps``."""
+def check_in_backward(model: Any, engine: Engine, enabled: Any, accumulation_steps: Any, shard: Any) -> None:
+    """Raise what ``OffloadOptimizer`` says it raises for ``update_in_backward`` and ``accumulation_steps``,
+    and for a new optimizer of a model (``engine``) whose last backward started updates that no
+    ``step()`` has ended: the new optimizer's step would update those slices again."""
+    for old in engine.milestones.subscribers:
+        if isinstance(old, BackwardUpdates) and old.started:
+            raise RuntimeError(
+                f"the model's OffloadOptimizer (update_in_backward=True) started the update of slices "
+                f"{sorted(old.started)} in the last backward, and its step() has not come: a new optimizer's step() "
+                "would update them again. Call that optimizer's step() first (after a failed backward it raises, "
+                "and the new optimizer can then be built: reload the last checkpoint into the model and it)")
     if not isinstance(enabled, bool):
         raise TypeError(f"update_in_backward must be True or False, got {enabled!r}")
     if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
