@@ -128,6 +128,8 @@ class BackwardUpdates(Subscriber):
         self._state: Any = None
         self._task_open = False  # a backward is running (counted, its end's callback queued)
         self._names: dict[int, str] = {}
+        self._tied: set[int] = set()  # the weights tied across slices, as of the backward that ends the accumulation
+        self._step_of: dict[int, Any] = {}  # slice index -> its SliceStep, while that backward runs
         self._stepped: set[int] = set()  # ids of the parameters the optimizer steps, from that backward's start
         self._hooks: list[Any] = []
         self._mismatched: list[str] = []
@@ -177,8 +179,11 @@ class BackwardUpdates(Subscriber):
         self._stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
         self._state = optimizer.__dict__.get("state")
         self._names = self._engine.parameter_names()
+        self._tied = self._engine.tied_parameter_ids()
         if self.checked:
             self._before_update(optimizer)  # the plan, and what the last step could not write, raised first
+        # Looked up once per backward, not once per slice: the plan is final from here to step().
+        self._step_of = {s.index: s for s in optimizer._steps}
 
     def wants_final_gradients(self, token: Any) -> bool:
         return token is not None and token is self._token
@@ -194,7 +199,7 @@ class BackwardUpdates(Subscriber):
             return
         engine = self._engine
         entries = engine.slices[index].storage.params
-        tied = engine.tied_parameter_ids()
+        tied = self._tied
         stepped = self.final_parameters(token)
         final: dict[int, torch.Tensor | None] = {}
         for entry, grad in zip(entries, grads):
@@ -202,12 +207,10 @@ class BackwardUpdates(Subscriber):
             if id(p) in tied or not p.requires_grad or _hooked(p) or id(p) not in stepped:
                 continue  # the slice's update waits for step() (a hook changes what its node receives)
             self._watch(p, grad)
-            # The update gets its own tensor over a gradient autograd receives: were it to hold
-            # autograd's, autograd could not adopt it as .grad and would copy every gradient.
-            final[id(p)] = p.grad if grad is None else grad if grad is p.grad else grad.detach()
+            final[id(p)] = p.grad if grad is None else grad
         if not self.checked:
             return
-        step = next((s for s in optimizer._steps if s.index == index), None)
+        step = self._step_of.get(index)
         if step is None or step.whole is None:
             return
         why = self._why_deferred(step.whole.params, tied, final)
@@ -248,6 +251,7 @@ class BackwardUpdates(Subscriber):
             hook.remove()
         ending = self._token is not None
         self._hooks, self._token, self._task_open = [], None, False
+        self._step_of = {}  # its steps hold the optimizer: not past the backward that needs them
         return ending
 
     def _backward_done(self) -> None:
