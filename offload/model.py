@@ -94,11 +94,16 @@ class OffloadModel(SettledModule):
             activations go to host memory during forward and come back before their backward,
             instead of being recomputed (or kept on ``device``); ``None``: none. Saves the
             recompute at the cost of link traffic and host memory (``docs/memory.md``).
+        resident_slices: how many of the first slices stay on ``device``, with their gradients and
+            optimizer state, updated there in ``step()`` by the same optimizer class: no link
+            traffic, no host update; about 16 bytes of device memory per parameter under AdamW
+            (Note: [Resident slices] in ``offload/streams/resident_storage.py``, ``docs/optimizer.md``).
 
     Raises:
         TypeError: ``model`` is neither an ``nn.Sequential`` nor a list of modules, or an
             argument has the wrong type.
-        ValueError: ``num_slices < 1``, ``num_microbatches < 1``, an empty model, a device that
+        ValueError: ``num_slices < 1``, ``num_microbatches < 1``, ``resident_slices`` below 0 or above
+            the number of slices (or with a ``process_group``), an empty model, a device that
             does not exist on this machine, a tensor shared between two slices, a process group
             whose backend cannot reduce on ``device``, or ranks whose models differ.
         RuntimeError: ``process_group`` without an initialised ``torch.distributed``.
@@ -125,9 +130,11 @@ class OffloadModel(SettledModule):
         process_group: Any = None,
         masters: Any = None,
         offload_activations: OffloadActivations | None = None,
+        resident_slices: int = 0,
     ) -> None:
         super().__init__()
         named_groups = _slice_groups(model, _positive_int("num_slices", num_slices))
+        self._resident_slices = _resident_count(resident_slices, len(named_groups), process_group)
         if compute_dtype not in (None, torch.bfloat16, torch.float16):
             raise ValueError(f"compute_dtype must be None, torch.bfloat16 or torch.float16, got {compute_dtype!r}")
         self.compute_dtype = compute_dtype
@@ -166,7 +173,8 @@ class OffloadModel(SettledModule):
             for name, layer in zip(names, layers):
                 self.add_module(name, layer)
         self._engine = Engine(named_groups, self.device, self.offload_device, compute_dtype=self.compute_dtype,
-                              masters=self.__dict__.get("_masters"))
+                              masters=self.__dict__.get("_masters"),
+                              resident_slices=self.__dict__.get("_resident_slices", 0))
         self._warned_microbatch_batchnorm = False
         per_tensor_warning.install()
         per_tensor_warning.register(self._engine.parameters())
@@ -209,7 +217,7 @@ class OffloadModel(SettledModule):
         memo[id(self)] = twin
         for name in ("compute_dtype", "num_microbatches", "checkpoint_activation", "offload_activations",
                      "device", "offload_device",
-                     "training", "_masters"):
+                     "training", "_masters", "_resident_slices"):
             setattr(twin, name, getattr(self, name))
         twin._adopt([(list(s.names), copy.deepcopy(s.layers, memo)) for s in self._engine.slices])
         twin._data_parallel = None  # a copy is local: building one must not need the other ranks
@@ -229,6 +237,7 @@ class OffloadModel(SettledModule):
         state = dict(state)
         names = state.pop("_slice_names")
         state.setdefault("offload_activations", None)  # pickled before the setting existed
+        state.setdefault("_resident_slices", 0)
         super().__setstate__(state)
         self._adopt([(list(group), [self._modules[name] for name in group]) for group in names])
 
@@ -250,6 +259,10 @@ class OffloadModel(SettledModule):
     def num_slices(self) -> int:
         return self._engine.num_slices
 
+    @property
+    def resident_slices(self) -> int:  # Note: [Resident slices]
+        return self._engine.num_resident
+
     def memory_footprint(self) -> MemoryFootprint:
         """What offloading holds in memory right now (see :class:`MemoryFootprint`), after the
         pending host updates (they create and move optimizer state while it is counted) and, with
@@ -261,18 +274,7 @@ class OffloadModel(SettledModule):
         return measure_footprint(engine, engine.optimizers, engine.disk_tiers)
 
     def extra_repr(self) -> str:
-        slices = ", ".join(f"[{_span(s.names)}: {_size(s.storage.host_nbytes)}]" for s in self._engine.slices)
-        precision = f"compute_dtype={self.compute_dtype}, " if self.compute_dtype is not None else ""
-        files = self._engine.master_files
-        masters = f"masters on disk in {files.directory}, " if files is not None else ""
-        offloaded = self.offload_activations
-        activations = f"offload_activations={offloaded}, " if offloaded is not None else ""
-        return (
-            f"device={self.device}, offload_device={self.offload_device}, "
-            f"checkpoint_activation={self.checkpoint_activation}, {activations}"
-            f"num_microbatches={self.num_microbatches}, "
-            f"{precision}{masters}slices={slices}"
-        )
+        return _settings(self)
 
     # -- forward -----------------------------------------------------------------------------
 
@@ -348,6 +350,35 @@ def _positive_int(name: str, value: Any) -> int:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < 1:
         raise ValueError(f"{name} must be at least 1, got {value}")
+    return value
+
+
+def _settings(model: OffloadModel) -> str:
+    """``extra_repr``: the settings, and each slice's layers and bytes."""
+    slices = ", ".join(f"[{_span(s.names)}: {_size(s.storage.host_nbytes)}]" if not s.storage.resident
+                       else f"[{_span(s.names)}: {_size(s.storage.nbytes)} resident]" for s in model._engine.slices)
+    precision = f"compute_dtype={model.compute_dtype}, " if model.compute_dtype is not None else ""
+    files = model._engine.master_files
+    masters = f"masters on disk in {files.directory}, " if files is not None else ""
+    offloaded = model.offload_activations
+    activations = f"offload_activations={offloaded}, " if offloaded is not None else ""
+    return (
+        f"device={model.device}, offload_device={model.offload_device}, "
+        f"checkpoint_activation={model.checkpoint_activation}, {activations}"
+        f"num_microbatches={model.num_microbatches}, "
+        f"{precision}{masters}slices={slices}"
+    )
+
+
+def _resident_count(value: Any, num_slices: int, process_group: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"resident_slices must be an int, got {type(value).__name__}")
+    if not 0 <= value <= num_slices:
+        raise ValueError(f"resident_slices must be between 0 and the number of slices ({num_slices}), got {value}")
+    if value and process_group is not None:
+        raise ValueError(
+            "resident_slices with a process_group is not supported: data-parallel training averages gradients on "
+            "their way to the host, and a resident slice's never go there. Pass resident_slices=0")
     return value
 
 

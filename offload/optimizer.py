@@ -161,7 +161,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Start the update of every slice, in slice order, on the host worker, and return.
+        """Start each slice's update, in slice order, on the host worker (resident slices': here, on the device).
 
         The next forward waits for each slice's update just before loading it. Parameters without a
         gradient (all of them before the first backward) are left as they are, as ``torch.optim``
@@ -185,13 +185,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
         # reads them on a host worker, where the optimizer's own non-blocking copy to the host would
         # be queued on that thread's stream behind the next forward's kernels, and read before it
         # lands. Bring them to the host here, waiting for them.
-        grad_scale, found_inf = (None if t is None else t.to("cpu")
-                                 for t in (getattr(self, "grad_scale", None), getattr(self, "found_inf", None)))
+        scaling = (getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
+        grad_scale, found_inf = (None if t is None else t.to("cpu") for t in scaling)
         # An update must not write host copies that a load still reads (a safety net: see Note:
         # [Orderings the end of a walk covers] in offload/streams/copies.py).
         engine.copies.wait_loads_done()
-        self._updates.submit([s for s in self._steps if s.index not in started], self._rest, hyper, grad_scale,
-                             found_inf)
+        todo = [s for s in self._steps if s.index not in started]
+        self._updates.submit([s for s in todo if not _resident(s)], self._rest, hyper, grad_scale, found_inf)
+        self._updates.run_now([s for s in todo if _resident(s)], hyper, *scaling)
         return loss
 
     def consolidated_state_dict(self, to: int = 0) -> dict[str, Any] | None:
@@ -336,7 +337,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.synchronize()
         inner = functools.partial(inner_optimizer, self)
         self._steps, self._rest = slice_steps(self.param_groups, engine, self._sharding, inner, self.state)
-        self._disk.plan([(step.index, step.whole.params) for step in self._steps if step.whole is not None])
+        # A resident slice's state stays on the device, beside its parameters (Note: [Resident slices]).
+        self._disk.plan([(step.index, step.whole.params) for step in self._steps
+                         if step.whole is not None and not _resident(step)])
         self._plan_key = key
 
     # -- the collaborators, as tests, scripts and checkpoints name them ---------------------------------
@@ -350,6 +353,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def _tier(self) -> StateTier | None:
         """The disk tier, or ``None``."""
         return None if self.__dict__.get("_disk") is None else self._disk.tier
+
+
+def _resident(step: SliceStep) -> bool:
+    """Whether ``step`` updates a resident slice (Note: [Resident slices]), on the device in ``step()``."""
+    return step.storage is not None and step.storage.resident
 
 
 def _before_update(optimizer: OffloadOptimizer) -> None:

@@ -522,6 +522,29 @@ def update_in_backward(build: Build) -> list[torch.Tensor]:
         seen += [out.detach().clone(), loss.detach().clone()]
     return seen + state(model)
 
+def resident_slices(build: Build) -> list[torch.Tensor]:
+    """The first two of four slices resident on the device (Note: [Resident slices]), with
+    BatchNorm over two microbatches under a compute dtype, stepped by OffloadOptimizer: their loads,
+    buffer write-backs and snapshots, gradients and updates run on the compute stream, beside the
+    other slices' copies and host updates; the caller writes a resident weight between steps."""
+    model = build(mlp(norm=True, dropout=0.1), num_slices=4, num_microbatches=2, compute_dtype=torch.bfloat16,
+                  resident_slices=2)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
+    seen = train(model, steps=2, optimizer=optimizer)
+    with torch.no_grad():
+        model.get_submodule("0").weight.mul_(0.5)
+    return seen + train(model, steps=2, optimizer=optimizer)
+
+
+def resident_tied_update_in_backward(build: Build) -> list[torch.Tensor]:
+    """An embedding tied to the output head, held by a resident first slice: the last slice
+    casts it from the device copy on the compute stream; under update_in_backward the streamed
+    slices' updates start in backward while the resident one waits for step()."""
+    model = build(tied_mlp(), num_slices=3, compute_dtype=torch.bfloat16, resident_slices=1)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True, update_in_backward=True)
+    return train(model, steps=3, optimizer=optimizer)
+
+
 SCENARIOS: dict[str, Callable[[Build], list[torch.Tensor]]] = {
     f.__name__: f for f in (
         dropout_mlp, batchnorm, batchnorm_microbatches, in_place_first_layer, microbatches, no_checkpointing,
@@ -533,6 +556,7 @@ SCENARIOS: dict[str, Callable[[Build], list[torch.Tensor]]] = {
         reads_between_step_and_forward, data_parallel_one_rank,
         tied_across_slices, tied_across_slices_offload_optimizer, sparse_gradients_and_strided_boundaries,
         offloaded_activations, offloaded_activations_retained, faults_offloaded, update_in_backward,
+        resident_slices, resident_tied_update_in_backward,
     )
 }
 try:

@@ -307,6 +307,7 @@ COVERED = [
     Dependency("wait_stream", "drain", "device_slots.py:invalidate", "load"),
     Dependency("wait_stream", "drain", "device_slots.py:invalidate", "offload"),
     Dependency("synchronize_event", "submit", "disk_tier.py:submit", "host update"),
+    Dependency("wait_event", "on_device", "device_slots.py:prefetch", "offload"),
 ]
 
 

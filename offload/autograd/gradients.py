@@ -161,7 +161,8 @@ class BackwardGradients:
     def begin(self, i: int) -> None:
         engine = self.run.engine
         needed = self.per_slice_needed[i]
-        self._slice = (engine.gradients.begin(engine.slices[i].storage.params, needed, self._into[i])
+        params = engine.slices[i].storage.params
+        self._slice = (engine.gradients.begin(params, needed, self._into[i], engine.stays_on_device(params))
                        if any(needed) else None)
 
     def add(self, param_grads: Sequence[torch.Tensor | None], others: Sequence[Any]) -> None:

@@ -248,7 +248,11 @@ class ForwardRecords:
         """The buffers as the running slice's next run finds them, saved: until a run changed
         them, a snapshot of the host copy (the write-back at the slice's end overwrites it)."""
         if self._buffers_before_run is None:
-            host, ticket = self.engine.activations.copy_on_host(self.engine.slices[i].storage.buffer_bytes())
+            storage = self.engine.slices[i].storage
+            if storage.resident:  # device memory (Note: [Resident slices]): copied off like a slot's
+                host, ticket = self.engine.activations.offload(storage.buffer_bytes())
+            else:
+                host, ticket = self.engine.activations.copy_on_host(storage.buffer_bytes())
             self._buffers_before_run = (self._save(host), ticket)
         return self._buffers_before_run
 

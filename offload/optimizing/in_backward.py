@@ -213,7 +213,8 @@ class BackwardUpdates(Subscriber):
         step = self._step_of.get(index)
         if step is None or step.whole is None:
             return
-        why = self._why_deferred(step.whole.params, tied, final)
+        why = (self._why_deferred(step.whole.params, tied, final) if not (step.storage and step.storage.resident)
+               else "the slice is resident: step() updates it on the device")
         if why is None and self.max_backlog is not None and (self._behind or self._updates.backlog() > self.max_backlog):
             self._behind = True
             why = "the update worker is behind: this slice's update starts at step(), in the order the next forward loads"

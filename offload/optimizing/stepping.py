@@ -58,6 +58,21 @@ class SliceUpdates:
             step.bind()
             step.run([p.grad for p in step.whole.params], hyper, grad_scale, found_inf)  # type: ignore[union-attr]
 
+    def run_now(self, steps: Sequence[SliceStep], hyper: list[dict[str, Any]], grad_scale: torch.Tensor | None,
+                found_inf: torch.Tensor | None) -> None:
+        """Step resident slices here and now, on the device, in this thread's stream (Note:
+        [Resident slices] in ``offload/streams/resident_storage.py``): queued after the backward
+        that produced their gradients and before the next forward's loads of them, with no wait on
+        the host. ``grad_scale`` and ``found_inf`` are GradScaler's, on the device."""
+        for step in steps:
+            if step.whole is None:
+                continue
+            grads = [p.grad for p in step.whole.params]
+            if all(g is None for g in grads):
+                continue
+            step.bind()
+            step.run(grads, hyper, grad_scale, found_inf)
+
     def submit_one(self, step: SliceStep, grads: list[torch.Tensor | None], hyper: list[dict[str, Any]],
                    after: Sequence[Event | None]) -> None:
         """Queue one slice's update with the gradients ``grads`` (aligned with its parameters), after

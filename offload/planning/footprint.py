@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 
 _HOST = ("host_masters", "host_shadows", "host_gradients", "host_optimizer_state", "host_disk_window",
          "host_activations", "host_pool_idle")
-_DEVICE = ("device_slots", "device_gradients", "device_activations")
+_DEVICE = ("device_slots", "device_gradients", "device_activations", "device_resident", "device_resident_gradients",
+           "device_resident_optimizer_state")
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,10 @@ class MemoryFootprint:
         device_activations: the peak of one step's activations on the device; only
             :func:`~offload.estimate_memory` given the model's shapes predicts it (a measured
             footprint counts what the model holds between steps, and holds none: 0).
+        device_resident: the parameters and buffers of the resident slices
+            (``OffloadModel(..., resident_slices=k)``, Note: [Resident slices]), on the device.
+        device_resident_gradients: their ``.grad`` (each storage once).
+        device_resident_optimizer_state: what the OffloadOptimizers keep for them, on the device.
     """
 
     parameters: int
@@ -79,6 +84,9 @@ class MemoryFootprint:
     pinned_bytes: int
     disk: int = 0
     device_activations: int = 0
+    device_resident: int = 0
+    device_resident_gradients: int = 0
+    device_resident_optimizer_state: int = 0
 
     @property
     def host_copies(self) -> int:
@@ -111,10 +119,10 @@ class MemoryFootprint:
 
     def __str__(self) -> str:
         count = max(self.parameters, 1)
-        lines = [f"{'':<20}{'bytes':>14}{'B/param':>10}"]
+        lines = [f"{'':<32}{'bytes':>14}{'B/param':>10}"]
 
         def row(name: str, nbytes: int) -> None:
-            lines.append(f"{name:<20}{_size(nbytes):>14}{nbytes / count:>10.2f}")
+            lines.append(f"{name:<32}{_size(nbytes):>14}{nbytes / count:>10.2f}")
 
         for name in _HOST:
             row(name, getattr(self, name))
@@ -133,13 +141,12 @@ def measure(engine: Engine, optimizers: Iterable[torch.optim.Optimizer], tiers: 
     and of ``tiers`` (their disk tiers) now."""
     tiers = list(tiers)
     windows = [window for tier in tiers for window in tier.window_ranges()]
-    storages = [s.storage for s in engine.slices]
+    resident = [s.storage for s in engine.slices if s.storage.resident]
+    storages = [s.storage for s in engine.slices if not s.storage.resident]
     params = [entry.tensor for storage in storages for entry in storage.held if entry.is_parameter]
-    grad_storages: dict[int, int] = {}
-    for p in params:
-        if p.grad is not None and p.grad.device.type == "cpu":
-            storage = p.grad.untyped_storage()
-            grad_storages[storage.data_ptr()] = storage.nbytes()
+    on_device = [entry.tensor for storage in resident for entry in storage.held if entry.is_parameter]
+    grad_storages = _grad_storages(params)
+    device_grads = _grad_storages(on_device)
     pool_in_use = pool_idle = 0
     for buffer in engine.pool.buffers():
         if buffer.data.data_ptr() in grad_storages:
@@ -148,25 +155,16 @@ def measure(engine: Engine, optimizers: Iterable[torch.optim.Optimizer], tiers: 
             pool_idle += buffer.data.numel()
         else:
             pool_in_use += buffer.data.numel()
-    state: dict[int, int] = {}
-    held = {id(p) for p in params}
-    for optimizer in optimizers:
-        for p, values in optimizer.state.items():
-            if id(p) not in held:
-                continue
-            for value in values.values():
-                if isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.dim() > 0:
-                    for storage in state_storages(value):
-                        if any(start <= storage.data_ptr() < stop for start, stop in windows):
-                            continue  # a disk tier's window: counted there
-                        state[storage.data_ptr()] = storage.nbytes()
+    optimizers = list(optimizers)
+    state = _state_storages(optimizers, params, windows)
+    device_state = _state_storages(optimizers, on_device, [])
     # Masters on disk count where they are: the pages in RAM now, and the files.
     mapped = [storage.masters_file for storage in storages if storage.masters_file is not None]
     masters = sum(storage.flat.numel() for storage in storages if storage.masters_file is None)
     masters_in_ram = masters + sum(file.resident_bytes() for file in mapped)
     shadows = sum(storage.shadow.numel() for storage in storages if storage.shadow is not None)
     return MemoryFootprint(
-        parameters=sum(p.numel() for p in params),
+        parameters=sum(p.numel() for p in params + on_device),
         host_masters=masters_in_ram,
         host_shadows=shadows,
         host_gradients=sum(grad_storages.values()),
@@ -180,7 +178,39 @@ def measure(engine: Engine, optimizers: Iterable[torch.optim.Optimizer], tiers: 
         pinned=engine.pin,
         pinned_bytes=_pinned_bytes(engine, masters + shadows + engine.pool.nbytes),
         disk=sum(tier.disk_nbytes for tier in tiers) + sum(file.nbytes for file in mapped),
+        device_resident=sum(storage.nbytes for storage in resident),
+        device_resident_gradients=sum(device_grads.values()),
+        device_resident_optimizer_state=sum(device_state.values()),
     )
+
+
+def _grad_storages(params: Iterable[torch.Tensor]) -> dict[int, int]:
+    """The bytes of the parameters' ``.grad``, by storage address (each storage once)."""
+    found: dict[int, int] = {}
+    for p in params:
+        if p.grad is not None:
+            storage = p.grad.untyped_storage()
+            found[storage.data_ptr()] = storage.nbytes()
+    return found
+
+
+def _state_storages(optimizers: Iterable[torch.optim.Optimizer], params: Iterable[torch.Tensor],
+                    windows: list[tuple[int, int]]) -> dict[int, int]:
+    """The bytes of the optimizers' per-parameter state of ``params``, by storage address (each
+    storage once), leaving out what lies in a disk tier's window (``windows``: counted there)."""
+    held = {id(p) for p in params}
+    found: dict[int, int] = {}
+    for optimizer in optimizers:
+        for p, values in optimizer.state.items():
+            if id(p) not in held:
+                continue
+            for value in values.values():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    for storage in state_storages(value):
+                        if any(start <= storage.data_ptr() < stop for start, stop in windows):
+                            continue
+                        found[storage.data_ptr()] = storage.nbytes()
+    return found
 
 
 def _pinned_bytes(engine: Engine, requested: int) -> int:

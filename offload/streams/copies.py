@@ -83,6 +83,10 @@ Note: [Orderings the end of a walk covers]
       changes). A forward without backward followed by ``step()`` on earlier gradients is ordered
       by the forward's own wait, which the mutation test shows is needed. Only ``step()`` called
       inside a walk (from a layer's forward hook) would rely on this one.
+    - A resident slice's load waiting for the buffer write-back of the slot's last occupant
+      (``device_slots.py:prefetch``, Note: [Resident slices] in ``resident_storage.py``):
+      write-backs happen in forward only, where the resident slices come first, so the last
+      write-back from the slot belongs to an earlier walk, which waited for it at its end.
     - The disk tier's write of a slice's state waiting for that slice's update (``offload/tiers/disk_tier.py:submit``):
       under the checker, a write runs only when something waits for it, the read of the next slice
       that takes its buffer or the next ``step()``, and both come after the forward that waited for
@@ -182,6 +186,25 @@ class CopyStreams:
             backend.mark_used(dst, self.load_stream)
             self._last_load = ready
             return ready
+
+    def on_device(self, work: Callable[[], None], after: Iterable[Event | None] = (),
+                  label: str = "offload::device copy") -> None:
+        """Run ``work``, copies between device tensors (a resident slice's, Note: [Resident slices]
+        in ``resident_storage.py``), on the compute stream now, after the events ``after``.
+
+        On the compute stream they follow whatever wrote their sources before (an optimizer step,
+        the caller's code between steps, the compute of this walk) without the host waiting, and
+        what reads their destinations next is compute too. Nothing crosses the link, so the
+        byte counters do not move.
+        """
+        with region(label):
+            backend = self.backend
+            if backend is not None:
+                for event in after:
+                    if event is not None:
+                        # Rule 2: earlier readers (or writers) of the destination on a side stream first.
+                        backend.wait_event(self._compute_stream(), event)
+            work()
 
     def to_device(self, src: torch.Tensor, after: Iterable[Event | None] = ()) -> tuple[torch.Tensor, Event | None]:
         """A new device tensor holding ``src`` (host memory from :meth:`empty_host`); returns it

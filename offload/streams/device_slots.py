@@ -24,6 +24,7 @@ again, after the slice has been loaded back, when backward unpacks it.
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -157,14 +158,21 @@ class DeviceSlots:
         slot.slice_index, slot.state = None, SlotState.EMPTY  # if the copy below raises
         # A pending host update (an optimizer step) finishes the host copy, and maybe the shadow.
         self.updates.wait(index)
-        if storage.shadow_stale():
-            # Rule 4 of [Copy ordering]: an earlier load may still read the shadow.
-            self.copies.wait_host(storage.shadow_read)
-            storage.refresh_shadow()
-        slot.ready = self.copies.load(
-            slot.data[:storage.load_nbytes], storage.transfer_source(), after=(slot.free, slot.written_back),
-            label=f"offload::load slice {index}",
-        )
+        if storage.resident:
+            # Note: [Resident slices]: a copy from device memory, on the compute stream.
+            # Compute that read the slot before (slot.free) precedes it by stream order.
+            self.copies.on_device(functools.partial(storage.load_into, slot.data), after=(slot.written_back,),
+                                  label=f"offload::load resident slice {index}")
+            slot.ready = None
+        else:
+            if storage.shadow_stale():
+                # Rule 4 of [Copy ordering]: an earlier load may still read the shadow.
+                self.copies.wait_host(storage.shadow_read)
+                storage.refresh_shadow()
+            slot.ready = self.copies.load(
+                slot.data[:storage.load_nbytes], storage.transfer_source(), after=(slot.free, slot.written_back),
+                label=f"offload::load slice {index}",
+            )
         if storage.shadow is not None:
             storage.shadow_read = slot.ready
         for entry in storage.borrowed:
@@ -181,6 +189,12 @@ class DeviceSlots:
         parameters across slices] in ``host_storage.py``), from that slice's host copy or shadow."""
         holder_index = holder_of(self.storages, index, entry.tensor)
         holder = self.storages[holder_index]
+        if holder.resident:
+            # Note: [Resident slices]: cast from the holder's device copy, on the compute stream.
+            # After the slice's own load, which waited for the slot's write-back.
+            self.copies.on_device(functools.partial(holder.load_borrowed_into, slot.data, entry),
+                                  label=f"offload::load slice {index} (tied from resident {holder_index})")
+            return slot.ready
         # Same as the holder's own load: its pending update first, then a current shadow.
         self.updates.wait(holder_index)
         if holder.shadow_stale():
@@ -277,8 +291,13 @@ class DeviceSlots:
         storage = self.storages[index]
         slot = self._find(index)
         assert slot is not None
-        host = storage.buffer_bytes()
         label = f"offload::write back buffers of slice {index}"
+        if storage.resident:
+            # Note: [Resident slices]: into device memory, on the compute stream.
+            self.copies.on_device(functools.partial(storage.write_back_buffers, self.buffer_region(index)), label=label)
+            slot.written_back = None
+            return None
+        host = storage.buffer_bytes()
         if storage.masters_file is None or self.pool is None or not self.copies.is_async:
             slot.written_back = self.copies.offload(host, self.buffer_region(index), label=label)
             return slot.written_back

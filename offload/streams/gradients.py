@@ -67,6 +67,9 @@ class SliceGradients:
             gradients (Note: [Device collectives] in ``collectives.py``), or ``None``.
         into: per parameter, the host ``.grad`` its gradient is added into once it landed
             (Note: [Gradients added in place]), or ``None`` where autograd receives it.
+        keep: per parameter, whether its gradient stays on the device: a resident slice's
+            parameter's, or one tied to it (Note: [Resident slices] in ``resident_storage.py``);
+            ``None``: none does.
     """
 
     places: list[_Place | None]
@@ -79,6 +82,7 @@ class SliceGradients:
     buffer_index: int | None = None
     reduced: Event | None = None
     into: list[torch.Tensor | None] | None = None
+    keep: list[bool] | None = None  # per parameter, whether its gradient stays on the device
 
     def __post_init__(self) -> None:
         self.received = [False] * len(self.places)
@@ -187,9 +191,11 @@ class GradientOffloader:
         return sum(buffer.numel() for buffer in self._buffers if buffer is not None)
 
     def begin(self, entries: Sequence[Entry], needed: Sequence[bool],
-              into: Sequence[torch.Tensor | None] | None = None) -> SliceGradients:
+              into: Sequence[torch.Tensor | None] | None = None,
+              keep: Sequence[bool] | None = None) -> SliceGradients:
         """Start collecting one slice's gradients for the parameters in ``needed``; those with a
-        tensor in ``into`` are added into it on the host once they landed (see :meth:`accumulate`)."""
+        tensor in ``into`` are added into it on the host once they landed (see :meth:`accumulate`);
+        those ``keep`` marks stay on the device (:meth:`offload` keeps them there)."""
         offset = 0
         places: list[_Place | None] = []
         for entry, want in zip(entries, needed):
@@ -199,7 +205,7 @@ class GradientOffloader:
             places.append(_Place(offset, entry.dtype, entry.shape, entry.stride))
             offset = _align(offset + entry.shape.numel() * _itemsize(entry.dtype))
         self._max_nbytes = max(self._max_nbytes, offset)
-        grads = SliceGradients(places, offset, self)
+        grads = SliceGradients(places, offset, self, keep=list(keep) if keep is not None and any(keep) else None)
         if into is not None and any(t is not None for t in into):
             grads.into = list(into)
         return grads
@@ -217,9 +223,11 @@ class GradientOffloader:
         return index, buffer
 
     def offload(self, grads: SliceGradients, label: str = "offload::offload gradients") -> PendingGradients:
-        """Start copying a slice's finished gradients to a host buffer."""
+        """Start copying a slice's finished gradients to a host buffer (a resident slice's stay
+        on the device: :meth:`_keep`)."""
+        kept = self._keep(grads) if grads.keep is not None else {}
         if not any(grads.received) and all(g is None for g in grads.sparse):
-            return PendingGradients([None] * len(grads.places), None)
+            return PendingGradients([kept.get(j) for j in range(len(grads.places))], None, grads.into)
         host_views: list[torch.Tensor | None] = [None] * len(grads.places)
         ready: Event | None = None
         # Each copy below runs on the offload stream after the one before: the last one's ready
@@ -251,7 +259,32 @@ class GradientOffloader:
                                                  after=(host.read_event, grads.reduced), label=label)
                 grads.held = [None] * len(grads.places)
         self.offloaded_bytes += sum(_nbytes(v) for v in host_views if v is not None)
+        for j, view in kept.items():
+            host_views[j] = view
         return PendingGradients(host_views, ready, grads.into)
+
+    def _keep(self, grads: SliceGradients) -> dict[int, torch.Tensor]:
+        """The gradients ``grads.keep`` marks, in device memory of their own, laid out as on the
+        host (each in its parameter's layout), copied on the compute stream (Note: [Resident
+        slices]); taken out of ``grads``, so that the offload sends only the others."""
+        assert grads.keep is not None
+        kept: dict[int, torch.Tensor] = {}
+        dense = grads.device_tensors()
+        pairs = [(j, place) for j, (place, got, keep) in enumerate(zip(grads.places, grads.received, grads.keep))
+                 if place is not None and got and keep]
+        if pairs:
+            memory = torch.empty(grads.nbytes, dtype=torch.uint8, device=self.copies.device)
+            for j, place in pairs:
+                kept[j] = place.view(memory)
+            with torch.no_grad():
+                torch._foreach_copy_([kept[j] for j, _ in pairs], [dense[j] for j, _ in pairs])
+        for j, keep in enumerate(grads.keep):
+            if not keep:
+                continue
+            if grads.sparse[j] is not None:
+                kept[j] = grads.sparse[j]  # type: ignore[assignment]  # summed out of place: its own memory
+            grads.received[j], grads.held[j], grads.sparse[j] = False, None, None
+        return kept
 
     def _offload_sparse(self, grad: torch.Tensor, reduced: Event | None, label: str
                         ) -> tuple[torch.Tensor, Event | None]:

@@ -344,6 +344,8 @@ class SliceStorage:
             :func:`filled_by_caller`.
     """
 
+    resident = False  #: whether the slice stays on the device (``resident_storage.py``)
+
     def __init__(self, layers: Sequence[nn.Module], allocate: Callable[[int], torch.Tensor],
                  compute_dtype: torch.dtype | None = None, held_elsewhere: Collection[int] = (),
                  allocate_masters: Callable[[int], MappedFile] | None = None) -> None:

@@ -21,6 +21,7 @@ from ..tiers.master_files import place_masters
 from .milestones import Milestones
 from ..streams import (
     ActivationOffloader,
+    Entry,
     CopyStreams,
     DeviceSlots,
     GradientOffloader,
@@ -30,6 +31,7 @@ from ..streams import (
     holder_of,
 )
 from ..streams.pinned import size_class
+from ..streams.resident_storage import ResidentStorage
 
 
 @dataclass
@@ -134,11 +136,15 @@ class Engine:
         compute_dtype: dtype of the device copies of floating-point parameters, or None.
         masters: where the float32 masters live: ``None`` (RAM), or a :class:`~offload.DiskTier`
             or directory (Note: [Masters on disk] in ``offload/tiers/master_files.py``).
+        resident_slices: how many of the first slices stay on the device (Note: [Resident slices]
+            in ``offload/streams/resident_storage.py``).
     """
 
     def __init__(self, groups: Sequence[tuple[list[str], list[nn.Module]]], device: torch.device,
-                 host_device: torch.device, compute_dtype: torch.dtype | None = None, masters: Any = None) -> None:
+                 host_device: torch.device, compute_dtype: torch.dtype | None = None, masters: Any = None,
+                 resident_slices: int = 0) -> None:
         self.device = device
+        self.num_resident = resident_slices
         self.copies = CopyStreams(device)
         #: the masters' files, or None when they are in RAM
         self.master_files = place_masters(masters, compute_dtype, self.copies)
@@ -153,7 +159,8 @@ class Engine:
         self.slices: list[Slice] = []
         held: set[int] = set()  # what earlier slices hold (Note: [Tied parameters across slices])
         for i, (names, layers) in enumerate(groups):
-            storage = SliceStorage(layers, allocate, compute_dtype, held, allocate_masters)
+            storage = (ResidentStorage(layers, device, compute_dtype, held) if i < resident_slices
+                       else SliceStorage(layers, allocate, compute_dtype, held, allocate_masters))
             self.slices.append(Slice(i, names, layers, storage))
             held.update(id(e.tensor) for e in storage.held)
         _check_borrowed(self.slices)
@@ -192,6 +199,14 @@ class Engine:
     def parameters(self) -> list[nn.Parameter]:
         """Every parameter, slice by slice, in the order the autograd Function receives them."""
         return [entry.tensor for s in self.slices for entry in s.storage.params]  # type: ignore[misc]
+
+    def stays_on_device(self, entries: Sequence[Entry]) -> list[bool]:
+        """Per entry, whether its tensor lives on the device: a resident slice holds it (Note:
+        [Resident slices]), so its gradient stays there too."""
+        if not self.num_resident:
+            return [False] * len(entries)
+        on_device = {id(e.tensor) for s in self.slices[:self.num_resident] for e in s.storage.held}
+        return [id(entry.tensor) in on_device for entry in entries]
 
     def tied_parameter_ids(self) -> set[int]:
         """The parameters that more than one slice computes with (a weight tied across slices), by id."""
