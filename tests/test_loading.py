@@ -189,3 +189,22 @@ def test_a_process_group_is_refused(tmp_path):
     save(build(), tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match="without a process_group"):
         offload.load_sequential(build, tmp_path, "cpu", process_group=object())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("build_model", [build, build_tied, build_scaled], ids=["plain", "tied", "scaled"])
+def test_resident_slices_load_from_the_checkpoint(tmp_path, device, build_model):
+    """The first slices' tensors on the device (``resident_slices``, Note: [Resident slices]) are
+    filled from the checkpoint as the host copies are: through a host temporary on a GPU."""
+    save(build_model(), tmp_path / "model.safetensors", drop=("4.weight",) if build_model is build_tied else ())
+    init = {"init_buffers": init_scaled} if build_model is build_scaled else {}
+    reference = OffloadModel(build_model(), device, num_slices=3, resident_slices=2)
+    model = offload.load_sequential(build_model, tmp_path, device, num_slices=3, resident_slices=2, **init)
+    assert model.resident_slices == 2
+    for (name, got), (_, want) in zip(model.state_dict(keep_vars=True).items(),
+                                      reference.state_dict(keep_vars=True).items()):
+        assert got.device == want.device, name
+        torch.testing.assert_close(got, want, **EXACT, msg=name)
+    x = (torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(1)) if build_model is build_tied
+         else torch.randn(6, 8, generator=torch.Generator().manual_seed(1))).to(device)
+    backward_both(model, reference, x)

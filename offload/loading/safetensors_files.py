@@ -105,9 +105,10 @@ class SafetensorsCheckpoint:
         return self.tensors[name]
 
     def read_into(self, name: str, destination: torch.Tensor) -> None:
-        """Read tensor ``name`` into ``destination`` (a CPU tensor of the same shape), casting to
-        its dtype. Bytes go straight into ``destination`` when the dtypes agree and it is contiguous;
-        otherwise through one temporary of the stored tensor's size.
+        """Read tensor ``name`` into ``destination`` (a tensor of the same shape), casting to its
+        dtype. Bytes go straight into ``destination`` when it is in host memory, contiguous and of
+        the stored dtype; otherwise (a resident slice's tensor is on the device) through one
+        temporary of the stored tensor's size.
 
         Raises:
             ValueError: ``destination`` has another shape (the message names the tensor and file).
@@ -117,7 +118,7 @@ class SafetensorsCheckpoint:
         if destination.shape != stored.shape:
             raise ValueError(f"tensor '{name}' in {stored.file} has shape {tuple(stored.shape)}, but the model's "
                              f"is {tuple(destination.shape)}")
-        direct = destination.dtype == stored.dtype and destination.is_contiguous()
+        direct = destination.device.type == "cpu" and destination.dtype == stored.dtype and destination.is_contiguous()
         target = destination if direct else torch.empty(stored.shape, dtype=stored.dtype)
         _read_bytes(stored, name, target)
         if not direct:
