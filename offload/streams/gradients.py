@@ -264,18 +264,20 @@ class GradientOffloader:
         return PendingGradients(host_views, ready, grads.into)
 
     def _keep(self, grads: SliceGradients) -> dict[int, torch.Tensor]:
-        """The gradients ``grads.keep`` marks, in device memory of their own, laid out as on the
-        host (each in its parameter's layout), copied on the compute stream (Note: [Resident
-        slices]); taken out of ``grads``, so that the offload sends only the others."""
+        """The gradients ``grads.keep`` marks, each in device memory of its own and in its
+        parameter's layout, as autograd would leave them, copied on the compute stream (Note:
+        [Resident slices]); taken out of ``grads``, so that the offload sends only the others (a
+        summed slice still sends its whole buffer in one copy: only a weight tied to a resident
+        slice, in a streamed one, travels for nothing then)."""
         assert grads.keep is not None
         kept: dict[int, torch.Tensor] = {}
         dense = grads.device_tensors()
         pairs = [(j, place) for j, (place, got, keep) in enumerate(zip(grads.places, grads.received, grads.keep))
                  if place is not None and got and keep]
+        for j, place in pairs:
+            stride = place.stride if place.stride is not None else torch.empty(place.shape, device="meta").stride()
+            kept[j] = torch.empty_strided(place.shape, stride, dtype=place.dtype, device=self.copies.device)
         if pairs:
-            memory = torch.empty(grads.nbytes, dtype=torch.uint8, device=self.copies.device)
-            for j, place in pairs:
-                kept[j] = place.view(memory)
             with torch.no_grad():
                 torch._foreach_copy_([kept[j] for j, _ in pairs], [dense[j] for j, _ in pairs])
         for j, keep in enumerate(grads.keep):
