@@ -191,8 +191,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         # [Orderings the end of a walk covers] in offload/streams/copies.py).
         engine.copies.wait_loads_done()
         todo = [s for s in self._steps if s.index not in started]
+        # Slice order: the resident (first) slices' updates, queued on the device, then the others'.
+        self._updates.run_now([s for s in todo if _resident(s)], hyper, *scaling, started)
         self._updates.submit([s for s in todo if not _resident(s)], self._rest, hyper, grad_scale, found_inf)
-        self._updates.run_now([s for s in todo if _resident(s)], hyper, *scaling)
         return loss
 
     def consolidated_state_dict(self, to: int = 0) -> dict[str, Any] | None:

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
 
 from ..streams import Event
 from ..streams.workers import HostWorker
-from ..tiers.slice_update import SliceStep
+from ..tiers.slice_update import HostUpdateError, SliceStep
 from ..walk.engine import Engine
 from .sharding import Sharding
 from .tier_plumbing import TierPlumbing
@@ -59,11 +59,12 @@ class SliceUpdates:
             step.run([p.grad for p in step.whole.params], hyper, grad_scale, found_inf)  # type: ignore[union-attr]
 
     def run_now(self, steps: Sequence[SliceStep], hyper: list[dict[str, Any]], grad_scale: torch.Tensor | None,
-                found_inf: torch.Tensor | None) -> None:
+                found_inf: torch.Tensor | None, started: Collection[int] = ()) -> None:
         """Step resident slices here and now, on the device, in this thread's stream (Note:
         [Resident slices] in ``offload/streams/resident_storage.py``): queued after the backward
         that produced their gradients and before the next forward's loads of them, with no wait on
-        the host. ``grad_scale`` and ``found_inf`` are GradScaler's, on the device."""
+        the host. ``grad_scale`` and ``found_inf`` are GradScaler's, on the device; ``started``:
+        the later slices whose update backward started already (their error note says so)."""
         for step in steps:
             if step.whole is None:
                 continue
@@ -71,7 +72,12 @@ class SliceUpdates:
             if all(g is None for g in grads):
                 continue
             step.bind()
-            step.run(grads, hyper, grad_scale, found_inf)
+            try:
+                step.run(grads, hyper, grad_scale, found_inf)
+            except HostUpdateError as error:
+                if started:
+                    error.add_note(f"The update of slices {sorted(started)} ran in backward already (update_in_backward).")
+                raise
 
     def submit_one(self, step: SliceStep, grads: list[torch.Tensor | None], hyper: list[dict[str, Any]],
                    after: Sequence[Event | None]) -> None:

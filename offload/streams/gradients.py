@@ -204,7 +204,9 @@ class GradientOffloader:
                 continue
             places.append(_Place(offset, entry.dtype, entry.shape, entry.stride))
             offset = _align(offset + entry.shape.numel() * _itemsize(entry.dtype))
-        self._max_nbytes = max(self._max_nbytes, offset)
+        if keep is None or not all(k for k, want in zip(keep, needed) if want):
+            # What passes through the host sizes the host buffers; a resident slice's never does.
+            self._max_nbytes = max(self._max_nbytes, offset)
         grads = SliceGradients(places, offset, self, keep=list(keep) if keep is not None and any(keep) else None)
         if into is not None and any(t is not None for t in into):
             grads.into = list(into)

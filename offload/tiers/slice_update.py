@@ -153,8 +153,9 @@ class SliceStep:
                 assert self.storage is not None
                 self.storage.write_shadow()
         except Exception as error:
+            where = "on the device" if self.storage is not None and self.storage.resident else "on the host"
             raise HostUpdateError(
-                f"the optimizer raised while updating slice {self.index} of the model on the host: slices "
+                f"the optimizer raised while updating slice {self.index} of the model {where}: slices "
                 f"before it are updated and slices after it were left as they were; slice {self.index} is "
                 "unchanged if the optimizer raised before changing it (checking its arguments, allocating its "
                 "state) and may be partly updated otherwise. Reload a checkpoint before training on."
