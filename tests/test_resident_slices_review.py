@@ -440,6 +440,27 @@ def test_sparse_embedding_gradients_in_a_resident_slice(num_microbatches):
         torch.testing.assert_close(b, a, **EXACT)
 
 
+@pytest.mark.parametrize("resident", [0, 1])
+def test_the_footprint_counts_sparse_gradients(resident):
+    """``memory_footprint()`` with a sparse embedding gradient (its indices and values) on the
+    host or, resident, on the device: counted where it is, not a crash."""
+    model = OffloadModel(sparse_network(), device="cpu", num_slices=3, resident_slices=resident)
+    ids = torch.randint(0, 20, (4, 5), generator=torch.Generator().manual_seed(0))
+    model(ids).pow(2).mean().backward()
+    grad = model.get_submodule("0").weight.grad
+    assert grad.is_sparse
+    footprint = model.memory_footprint()
+    sparse_bytes = grad._indices().untyped_storage().nbytes() + grad._values().untyped_storage().nbytes()
+    dense = [p.grad for p in model.parameters() if not p.grad.is_sparse]
+    dense_bytes = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes() for g in dense}
+    if resident:
+        assert footprint.device_resident_gradients == sparse_bytes
+        assert footprint.host_gradients == sum(dense_bytes.values())
+    else:
+        assert footprint.device_resident_gradients == 0
+        assert footprint.host_gradients >= sum(dense_bytes.values()) + grad._values().nbytes
+
+
 # -- 9. the stream scenarios with resident slices: faults, and under the checker ---------------------
 
 
