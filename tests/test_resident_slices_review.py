@@ -20,7 +20,7 @@ from offload import DiskTier, OffloadActivations, OffloadModel, OffloadOptimizer
 from offload.streamcheck import StreamChecker
 
 from . import stream_scenarios
-from .helpers import ACTIVATIONS
+from .helpers import ACTIVATIONS, CUDA
 from .test_optimizer import assert_same, batch, network
 from .test_update_in_backward import plain_optimizer
 
@@ -302,6 +302,35 @@ def test_load_causal_lm_fills_resident_slices(tmp_path):
     torch.testing.assert_close(model(lm_batch()), streamed(lm_batch()), **EXACT)
 
 
+def test_a_trained_causal_lm_with_resident_slices_saves_and_loads_back(tmp_path):
+    """``save_pretrained`` of an OffloadedCausalLM whose embedding (tied to the head) and first
+    layer are resident, loaded back by ``from_pretrained`` with other resident counts and by
+    ``transformers`` itself: the same logits."""
+    transformers = pytest.importorskip("transformers")
+    from offload.integrations.transformers import OffloadedCausalLM
+
+    from .test_transformers import batch as lm_batch
+    from .test_transformers import build
+    from .test_peft import labels_of
+
+    model = OffloadedCausalLM(build("llama", dropout=0.0, tied=True), device="cpu", num_slices=3, resident_slices=2)
+    optimizer = OffloadOptimizer(model.offloaded, torch.optim.AdamW, lr=1e-2)
+    inputs = lm_batch()
+    model(**inputs, labels=labels_of(inputs)).loss.backward()
+    optimizer.step()
+    optimizer.synchronize()
+    model.eval()
+    model.save_pretrained(tmp_path)
+    with torch.no_grad():
+        want = model(**inputs).logits
+        plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+        torch.testing.assert_close(plain(**inputs, use_cache=False).logits, want, **EXACT)
+        for resident in (0, 3):
+            loaded = OffloadedCausalLM.from_pretrained(tmp_path, "cpu", num_slices=3, resident_slices=resident).eval()
+            assert loaded.offloaded.resident_slices == resident
+            torch.testing.assert_close(loaded(**inputs).logits, want, **EXACT)
+
+
 # -- 6. moves, state dicts, loading -----------------------------------------------------------------
 
 
@@ -379,6 +408,21 @@ def test_a_move_to_the_same_device_keeps_the_resident_slices():
     optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2)
     train_both(plain, plain_opt, model, optimizer)
     assert_same(plain, plain_opt, model, optimizer)
+
+
+@CUDA
+@pytest.mark.xfail(strict=True, reason=(
+    "SafetensorsCheckpoint.read_into reads bytes through destination.numpy(), which a resident slice's CUDA "
+    "tensor does not have"))
+def test_load_sequential_fills_resident_slices_on_a_gpu(tmp_path):
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    plain = network()
+    safetensors_torch.save_file(plain.state_dict(), tmp_path / "model.safetensors")
+    model = offload.load_sequential(network, tmp_path / "model.safetensors", "cuda", num_slices=NUM_SLICES,
+                                    resident_slices=2)
+    assert next(model.parameters()).device.type == "cuda"
+    for (name, p), q in zip(plain.named_parameters(), model.parameters()):
+        torch.testing.assert_close(q.cpu(), p, **EXACT, msg=lambda m: f"{name}: {m}")
 
 
 # -- 7. masters and optimizer state on disk ---------------------------------------------------------
