@@ -611,18 +611,29 @@ def test_scenarios_with_resident_slices_are_exact(name):
 #: On the CPU the simulated device and the host are one torch device, so one ``_foreach_`` call of
 #: ``torch.optim.Optimizer.zero_grad(set_to_none=False)`` takes resident (device) gradients and host
 #: ones together, and the checker reports compute touching pinned memory; on a GPU torch groups
-#: the lists by device and no kernel sees host memory. A false report of the checker.
-MIXED_FOREACH = pytest.mark.xfail(strict=True, reason=(
-    "the checker attributes a _foreach_ call over device and host gradients (one torch device on the CPU) to "
-    "compute and reports pinned memory; torch splits such lists by device on a GPU"))
+#: the lists by device and no kernel sees host memory: a false report of the checker.
+ZEROED_IN_PLACE = ("reads_between_step_and_forward", "update_in_backward")
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(name, marks=MIXED_FOREACH) if name in ("reads_between_step_and_forward", "update_in_backward")
-    else name for name in sorted(RESIDENT_SCENARIOS)])
+def mixed_foreach_zero(race: Any) -> bool:
+    return (race.kind == "compute touches pinned host memory" and "in zero_grad" in race.first
+            and race.second == "_foreach_zero_.default")
+
+
+@pytest.mark.parametrize("name", sorted(RESIDENT_SCENARIOS))
 def test_scenarios_with_resident_slices_are_race_free(name):
     expected = run_scenario(name, 0)
     with StreamChecker(schedule="late", seed=7) as checker:
         checked = run_scenario(name, RESIDENT_SCENARIOS[name])
-    assert not checker.races, checker.summary()
+    races = [r for r in checker.races if not (name in ZEROED_IN_PLACE and mixed_foreach_zero(r))]
+    assert not races, checker.summary()
     assert same(expected, checked), "deferred copies changed the results"
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "the checker attributes one _foreach_zero_ over device and host gradients (one torch device on the CPU) to "
+    "compute and reports pinned memory; torch splits such lists by device on a GPU"))
+def test_zeroing_resident_and_host_gradients_in_place_is_not_reported():
+    with StreamChecker(schedule="late", seed=7) as checker:
+        run_scenario("reads_between_step_and_forward", 1)
+    assert not checker.races, checker.summary()
