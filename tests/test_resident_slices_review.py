@@ -501,7 +501,8 @@ def test_sparse_embedding_gradients_in_a_resident_slice(num_microbatches):
     for step in range(3):
         ids = torch.randint(0, 20, (4, 5), generator=torch.Generator().manual_seed(step))
         for m, opt in zip((plain, *models), optimizers):
-            m(ids).pow(2).mean().backward()
+            for _ in range(2):  # accumulated: the second adds into the first's sparse .grad
+                m(ids).pow(2).mean().backward()
         grads = [m.get_submodule("0").weight.grad for m in (plain, *models)]
         assert all(g.is_sparse for g in grads)
         torch.testing.assert_close(grads[2].to_dense(), grads[1].to_dense(), **EXACT)
@@ -509,7 +510,7 @@ def test_sparse_embedding_gradients_in_a_resident_slice(num_microbatches):
             torch.testing.assert_close(grads[2].to_dense(), grads[0].to_dense(), **EXACT)
         for opt in optimizers:
             opt.step()
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=step % 2 == 1)  # zeroed in place: the next backward adds into it
     for a, b in zip(models[0].parameters(), models[1].parameters()):
         torch.testing.assert_close(b, a, **EXACT)
 
@@ -559,6 +560,49 @@ RESIDENT_SCENARIOS = {
     "retain_graph_twice": 1,
     "update_in_backward": 1,
 }
+
+
+def failures_in_the_first_slice(build: Any, set_to_none: bool, num_microbatches: int) -> list[torch.Tensor]:
+    """A failure in forward and one in backward in the first slice, after the later slices (resident
+    ones among them) added their gradients into ``.grad`` zeroed in place or left to autograd;
+    then training on. What ``.grad`` holds after each failure is part of the result."""
+    torch.manual_seed(0)
+    counter, faulty = stream_scenarios.Counter(8), stream_scenarios.Faulty(8)
+    slices = [nn.Sequential(counter, faulty, nn.Tanh()), nn.Sequential(nn.Linear(8, 8), nn.Tanh()),
+              nn.Sequential(stream_scenarios.Counter(8), nn.Linear(8, 8)), nn.Sequential(nn.Tanh(), nn.Linear(8, 3))]
+    model = build(slices, num_microbatches=num_microbatches)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    seen: list[torch.Tensor] = []
+    for step in range(4):
+        optimizer.zero_grad(set_to_none=set_to_none)
+        if step in (1, 2):
+            arm = "fail_forward" if step == 1 else "fail_backward"
+            setattr(faulty, arm, True)
+            with pytest.raises(stream_scenarios.Fault):
+                model(stream_scenarios.inputs(step)).pow(2).sum().backward()
+            setattr(faulty, arm, False)
+            seen += [p.grad.clone() if p.grad is not None else torch.full((1,), -1.0) for p in model.parameters()]
+        model(stream_scenarios.inputs(step)).pow(2).sum().backward()
+        seen += [p.grad.clone() for p in model.parameters()]
+        optimizer.step()
+    return seen + stream_scenarios.state(model)
+
+
+@pytest.mark.parametrize("num_microbatches", [1, 2])
+@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize("resident", [1, 3])
+def test_failures_in_a_resident_slice_then_training_on(resident, set_to_none, num_microbatches):
+    expected = failures_in_the_first_slice(functools.partial(build_resident, resident=0), set_to_none,
+                                           num_microbatches)
+    got = failures_in_the_first_slice(functools.partial(build_resident, resident=resident), set_to_none,
+                                      num_microbatches)
+    assert same(expected, got)
+    with StreamChecker(schedule="late", seed=7) as checker:
+        checked = failures_in_the_first_slice(functools.partial(build_resident, resident=resident), set_to_none,
+                                              num_microbatches)
+    races = [r for r in checker.races if not mixed_foreach_zero(r)]
+    assert not races, checker.summary()
+    assert same(expected, checked)
 
 
 def tied_after_buffers(build: Any, compute_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
