@@ -346,6 +346,25 @@ def test_state_dict_keys_storage_and_safetensors(tmp_path):
         torch.testing.assert_close(loaded[name], value, **EXACT)
 
 
+@pytest.mark.parametrize("resident", [1, 3])
+def test_state_dict_tensors_share_storage_where_the_plain_models_do(resident):
+    """A tied embedding held by a resident slice: its two keys share one storage, as on the plain
+    model, and no other two tensors do."""
+    from .test_tied import network as tied_network
+
+    def sharing(state: dict[str, torch.Tensor]) -> list[list[str]]:
+        groups: dict[int, list[str]] = {}
+        for name, value in state.items():
+            groups.setdefault(value.untyped_storage().data_ptr(), []).append(name)
+        return sorted(groups.values())
+
+    plain = tied_network(dropout=0.0)
+    model = OffloadModel(tied_network(dropout=0.0), device="cpu", num_slices=3, resident_slices=resident)
+    assert list(model.state_dict()) == list(plain.state_dict())
+    assert sharing(model.state_dict()) == sharing(plain.state_dict())
+    assert any(len(group) == 2 for group in sharing(plain.state_dict()))
+
+
 def test_load_state_dict_into_a_resident_model_then_train():
     plain, model = network(), resident_model(network(seed=5), 2)
     model.load_state_dict(plain.state_dict())
