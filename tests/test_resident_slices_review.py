@@ -285,6 +285,34 @@ def test_a_hugging_face_causal_lm_with_resident_slices_trains_like_the_model():
         torch.testing.assert_close(q, p, **EXACT, msg=lambda m: f"{name}: {m}")
 
 
+def test_the_trainer_trains_a_causal_lm_with_resident_slices_like_the_plain_model(tmp_path):
+    """``transformers.Trainer`` (accumulation, clipping, warm-up, evaluation) with the optimizer of
+    ``offload_optimizer``: every logged loss and gradient norm and every weight, bit for bit."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("datasets")
+    from offload.integrations.transformers import OffloadedCausalLM
+
+    from .test_trainer import EVAL, TRAIN, arguments, assert_same_weights, llama, logged
+
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        plain = llama()
+        trainer = transformers.Trainer(model=plain, args=arguments(tmp_path / "plain"), train_dataset=TRAIN,
+                                       eval_dataset=EVAL)
+        trainer.train()
+        hf = llama()
+        model = OffloadedCausalLM(hf, device="cpu", num_slices=3, resident_slices=1)
+        args = arguments(tmp_path / "offloaded")
+        offloaded = transformers.Trainer(model=model, args=args, train_dataset=TRAIN, eval_dataset=EVAL,
+                                         optimizers=(model.offload_optimizer(args), None))
+        offloaded.train()
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    assert logged(offloaded) == logged(trainer)
+    assert_same_weights(hf, plain)
+
+
 def test_load_causal_lm_fills_resident_slices(tmp_path):
     transformers = pytest.importorskip("transformers")  # noqa: F841
     from offload.integrations.transformers import causal_lm_sequential, load_causal_lm
