@@ -16,8 +16,7 @@ Note: [Resident slices]
     3. Their gradients are copied from the summation buffers into device memory of their own, on
        the compute stream, and handed to autograd as the parameters' gradients.
     4. ``OffloadOptimizer`` steps them in ``step()`` with the same optimizer class, on the device,
-       right after it hands the other slices to the host worker, so that the worker starts at once
-       (``SliceUpdates.run_now`` in ``offload/optimizing/stepping.py``).
+       before it hands the other slices to the host worker (``offload/optimizing/stepping.py``).
 
     Why the first slices: a backward finishes with them and the next forward starts with them, so
     theirs are the host updates that the next forward would wait for, and under
