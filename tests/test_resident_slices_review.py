@@ -261,7 +261,7 @@ def test_lora_on_resident_slices_trains_like_the_peft_model():
     optimizer = OffloadOptimizer(model, torch.optim.AdamW, [p for p in model.parameters() if p.requires_grad],
                                  lr=1e-2)
     inputs = lm_batch()
-    for step in range(3):
+    for step in range(2):  # the second after an update of the resident adapters
         assert_same_step(peft_model, reference, model, inputs, seed=step)
         for opt in (plain_opt, optimizer):
             opt.step()
@@ -330,6 +330,40 @@ def test_the_trainer_trains_a_causal_lm_with_resident_slices_like_the_plain_mode
         transformers.logging.set_verbosity(verbosity)
     assert logged(offloaded) == logged(trainer)
     assert_same_weights(hf, plain)
+
+
+def test_accelerate_trains_saves_and_resumes_a_resident_model_like_the_plain_model(tmp_path):
+    """Accelerate's ``prepare``, ``accumulate``, ``backward``, ``clip_grad_norm_``, ``save_state`` (by
+    a model with one resident slice), ``load_state`` (into one with two) and ``save_model``."""
+    pytest.importorskip("accelerate")
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    from .test_accelerate import BATCHES, accelerator, train
+    from .test_save_libraries import _scramble, assert_same_state, layers
+
+    acc = accelerator()
+    plain = layers()
+    plain, plain_opt = acc.prepare(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2))
+    train(acc, plain, plain_opt, BATCHES)
+    want = {name: value.clone() for name, value in plain.state_dict().items()}
+
+    def prepared(resident: int, perturb: bool) -> tuple[Any, OffloadModel, Any]:
+        layers_ = layers()
+        if perturb:  # what the resume must overwrite
+            layers_.apply(_scramble)
+        model = OffloadModel(layers_, device="cpu", num_slices=3, resident_slices=resident)
+        optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2)
+        acc = accelerator()
+        return (acc, *acc.prepare(model, optimizer))
+
+    acc, model, optimizer = prepared(1, perturb=False)
+    train(acc, model, optimizer, BATCHES[:4])
+    acc.save_state(tmp_path / "state")
+    acc, model, optimizer = prepared(2, perturb=True)
+    acc.load_state(tmp_path / "state")
+    train(acc, model, optimizer, BATCHES[4:])
+    assert_same_state(model.state_dict(), want)
+    acc.save_model(model, tmp_path / "model")
+    assert_same_state(safetensors_torch.load_file(tmp_path / "model" / "model.safetensors"), want)
 
 
 def test_load_causal_lm_fills_resident_slices(tmp_path):
