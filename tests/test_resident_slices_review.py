@@ -256,7 +256,9 @@ def test_lora_on_resident_slices_trains_like_the_peft_model():
 
     peft_model = lora(build("llama", dropout=0.1, layers=2), "llama")
     reference = copy.deepcopy(peft_model)
-    model = OffloadModel(causal_lm_sequential(peft_model), device="cpu", num_slices=3, resident_slices=2)
+    model = OffloadModel(causal_lm_sequential(peft_model), device="cpu", num_slices=3, resident_slices=1)
+    adapters = [[e.tensor for e in s.storage.held if e.tensor.requires_grad] for s in model._engine.slices]
+    assert adapters[0] and adapters[1], "adapters in the resident first slice and in a streamed one"
     plain_opt = torch.optim.AdamW(trainable(reference), lr=1e-2)
     optimizer = OffloadOptimizer(model, torch.optim.AdamW, [p for p in model.parameters() if p.requires_grad],
                                  lr=1e-2)
