@@ -192,17 +192,16 @@ def test_optimizer_state_dict_round_trip_with_the_plain_optimizer():
     ours = copy.deepcopy(optimizer.state_dict())
     optimizer.load_state_dict(theirs)
     plain_opt.load_state_dict(ours)
-    for p in (p for s in model._engine.slices[:2] for p in s.layers[0].parameters()):
-        for value in optimizer.state[p].values():
-            if value.dim():
-                assert value.device == p.device
+    for p in (entry.tensor for s in model._engine.slices[:2] for entry in s.storage.params):
+        # torch.optim puts loaded state on its parameter's device: beside a resident parameter.
+        assert all(value.device == p.device for value in optimizer.state[p].values() if value.dim())
     train_both(plain, plain_opt, model, optimizer, steps=2)
     assert_same(plain, plain_opt, model, optimizer)
 
 
 def test_a_second_offload_optimizer_takes_over():
-    """The first OffloadOptimizer deleted, a new one built with the plain optimizer's state: the
-    resident slices' state moves to the new one."""
+    """The first OffloadOptimizer deleted and a new one loaded with its state dict: the resident
+    slices' state goes to the new one, which steps them on the device from then on."""
     plain, model = network(), resident_model(network(), 1)
     plain_opt = plain_optimizer(torch.optim.SGD, plain.parameters(), {"lr": 0.1, "momentum": 0.9})
     optimizer = OffloadOptimizer(model, torch.optim.SGD, lr=0.1, momentum=0.9)
@@ -238,6 +237,8 @@ def test_a_failing_update_of_a_resident_slice_leaves_the_later_slices_as_the_err
 
 
 def test_frozen_parameters_in_a_resident_slice_and_freezing_between_steps():
+    """A bias frozen from the start in the resident first slice; a resident weight and a streamed
+    one frozen between steps, the resident one trained again later: as the plain optimizer."""
     plain, model = network(), resident_model(network(), 2)
     for m in (plain, model):
         m.get_submodule("0").bias.requires_grad_(False)  # frozen from the start, in the resident first slice
@@ -260,6 +261,9 @@ def test_frozen_parameters_in_a_resident_slice_and_freezing_between_steps():
 
 
 def test_lora_on_resident_slices_trains_like_the_peft_model():
+    """PEFT LoRA on a Llama whose first slice (embedding, first layer and its adapters) is
+    resident, the frozen base beside trained adapters: logits, loss and adapter gradients as the
+    PeftModel's own, and its weights after two steps of AdamW."""
     pytest.importorskip("peft")
     transformers = pytest.importorskip("transformers")  # noqa: F841
     from offload.integrations.transformers import causal_lm_sequential
@@ -291,6 +295,8 @@ def test_lora_on_resident_slices_trains_like_the_peft_model():
 
 
 def test_a_hugging_face_causal_lm_with_resident_slices_trains_like_the_model():
+    """``OffloadedCausalLM(hf, resident_slices=1)``: the keyword reaches OffloadModel; the tied
+    embedding is resident and the head borrows it; losses and weights as the model's own."""
     transformers = pytest.importorskip("transformers")  # noqa: F841
     from offload.integrations.transformers import OffloadedCausalLM
 
