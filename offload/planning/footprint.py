@@ -188,8 +188,13 @@ def _grad_storages(params: Iterable[torch.Tensor]) -> dict[int, int]:
     """The bytes of the parameters' ``.grad``, by storage address (each storage once)."""
     found: dict[int, int] = {}
     for p in params:
-        if p.grad is not None:
-            storage = p.grad.untyped_storage()
+        if p.grad is None:
+            continue
+        # A sparse gradient (nn.Embedding(sparse=True)) has no storage of its own: its indices
+        # and values have.
+        parts = (p.grad._indices(), p.grad._values()) if p.grad.layout == torch.sparse_coo else (p.grad,)
+        for part in parts:
+            storage = part.untyped_storage()
             found[storage.data_ptr()] = storage.nbytes()
     return found
 
