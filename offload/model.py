@@ -25,7 +25,7 @@ from .grad_scaler import warn_about_plain_grad_scalers
 from .planning.footprint import MemoryFootprint, measure as measure_footprint
 from .walk.slicing import layer_nbytes, partition
 from .walk.streamed import streamed_forward
-from .modeling.placement import compute_target, existing_device, host_conversion, may_move_compute
+from .modeling.placement import compute_target, existing_device, host_conversion, may_move_compute, stays_on_compute
 from .modeling.settled import SettledModule
 
 
@@ -326,7 +326,8 @@ class OffloadModel(SettledModule):
         convert = host_conversion(fn, self.offload_device)
         if convert is None:  # a move alone: the host copies stay as they are
             return self
-        super()._apply(convert, recurse)
+        super()._apply(stays_on_compute(convert, self.offload_device) if self._engine.num_resident else convert,
+                       recurse)
         self._engine.refresh()
         return self
 

@@ -545,6 +545,20 @@ def resident_tied_update_in_backward(build: Build) -> list[torch.Tensor]:
     return train(model, steps=3, optimizer=optimizer)
 
 
+def resident_tied_after_buffers(build: Build) -> list[torch.Tensor]:
+    """An embedding held by the resident first slice and borrowed by the last, which takes the
+    slot the second slice (BatchNorm: buffers written back from the slot) used: the borrowed copy,
+    cast on the compute stream, lands on the bytes that write-back still reads."""
+    torch.manual_seed(0)
+    table = nn.Embedding(11, 8)
+    slices = [nn.Sequential(_Lookup(table), nn.Linear(8, 8)),
+              nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Tanh()), nn.Sequential(nn.Linear(8, 8), nn.Tanh()),
+              nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), Unembed(table))]
+    model = build(slices, resident_slices=1)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    return train(model, steps=3, optimizer=optimizer)
+
+
 SCENARIOS: dict[str, Callable[[Build], list[torch.Tensor]]] = {
     f.__name__: f for f in (
         dropout_mlp, batchnorm, batchnorm_microbatches, in_place_first_layer, microbatches, no_checkpointing,
@@ -556,7 +570,7 @@ SCENARIOS: dict[str, Callable[[Build], list[torch.Tensor]]] = {
         reads_between_step_and_forward, data_parallel_one_rank,
         tied_across_slices, tied_across_slices_offload_optimizer, sparse_gradients_and_strided_boundaries,
         offloaded_activations, offloaded_activations_retained, faults_offloaded, update_in_backward,
-        resident_slices, resident_tied_update_in_backward,
+        resident_slices, resident_tied_update_in_backward, resident_tied_after_buffers,
     )
 }
 try:

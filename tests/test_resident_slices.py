@@ -326,3 +326,21 @@ def test_a_resident_load_off_the_compute_stream_is_a_race_the_checker_reports(mo
             optimizer.zero_grad()
     assert any(race.kind == "write then read not ordered" and "_fused_adamw_" in race.first
                for race in checker.races), checker.summary()
+
+
+@CUDA
+def test_a_cpu_call_under_an_optimizer_leaves_resident_tensors_on_the_gpu():
+    """``.cpu()`` under an OffloadOptimizer (a training loop's teardown) warns and keeps computing
+    on the GPU: the resident slices' parameters and gradients stay there too."""
+    model = OffloadModel(network(), device="cuda", num_slices=NUM_SLICES, resident_slices=1)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    offload_loss(model, batch(0), 1).backward()
+    optimizer.step()
+    with pytest.warns(UserWarning, match="keeps computing"):
+        model.cpu()
+    for p in held_tensors(model, 0):
+        assert p.device.type == "cuda"
+        if isinstance(p, nn.Parameter):
+            assert p.grad.device.type == "cuda"
+    offload_loss(model, batch(1), 1).backward()
+    optimizer.step()

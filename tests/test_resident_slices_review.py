@@ -214,10 +214,6 @@ def test_a_second_offload_optimizer_takes_over():
     assert_same(plain, plain_opt, model, optimizer)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "OffloadOptimizer.step() submits the streamed slices to the host worker before it steps the resident ones "
-    "(Note: [Resident slices] rule 4 says before): a resident slice's failing update leaves the later slices "
-    "updated, while HostUpdateError says that slices after it were left as they were"))
 def test_a_failing_update_of_a_resident_slice_leaves_the_later_slices_as_the_error_says():
     """AdamW refuses the sparse gradient of the resident first slice: as with every slice streamed,
     the slices after it must be left as they were, as the error says."""
@@ -533,9 +529,6 @@ def test_a_move_to_the_same_device_keeps_the_resident_slices():
 
 
 @CUDA
-@pytest.mark.xfail(strict=True, reason=(
-    "SafetensorsCheckpoint.read_into reads bytes through destination.numpy(), which a resident slice's CUDA "
-    "tensor does not have"))
 def test_load_sequential_fills_resident_slices_on_a_gpu(tmp_path):
     safetensors_torch = pytest.importorskip("safetensors.torch")
     plain = network()
@@ -722,8 +715,7 @@ def test_failures_in_a_resident_slice_then_training_on(resident, set_to_none, nu
     with StreamChecker(schedule="late", seed=7) as checker:
         checked = failures_in_the_first_slice(functools.partial(build_resident, resident=resident), set_to_none,
                                               num_microbatches)
-    races = [r for r in checker.races if not mixed_foreach_zero(r)]
-    assert not races, checker.summary()
+    assert not checker.races, checker.summary()
     assert same(expected, checked)
 
 
@@ -747,14 +739,14 @@ def test_a_weight_borrowed_from_a_resident_slice_after_buffers_is_exact(compute_
     assert same(expected, tied_after_buffers(functools.partial(build_resident, resident=1), compute_dtype))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "DeviceSlots._load_borrowed copies a weight borrowed from a resident slice into the slot on the compute "
-    "stream without waiting for slot.written_back: the previous occupant's buffer write-back (offload stream) "
-    "may still read those bytes"))
 def test_a_weight_borrowed_from_a_resident_slice_waits_for_the_slots_write_back():
     with StreamChecker(schedule="late", seed=7) as checker:
-        tied_after_buffers(functools.partial(build_resident, resident=1))
+        stream_scenarios.resident_tied_after_buffers(build_resident_on_cpu)
     assert not checker.races, checker.summary()
+
+
+def build_resident_on_cpu(layers: Any, **kwargs: Any) -> OffloadModel:
+    return OffloadModel(layers, device="cpu", **kwargs)
 
 
 def run_scenario(name: str, resident: int) -> list[torch.Tensor]:
@@ -774,31 +766,15 @@ def test_scenarios_with_resident_slices_are_exact(name):
         "resident slices changed the results"
 
 
-#: On the CPU the simulated device and the host are one torch device, so one ``_foreach_`` call of
-#: ``torch.optim.Optimizer.zero_grad(set_to_none=False)`` takes resident (device) gradients and host
-#: ones together, and the checker reports compute touching pinned memory; on a GPU torch groups
-#: the lists by device and no kernel sees host memory: a false report of the checker.
-ZEROED_IN_PLACE = ("reads_between_step_and_forward", "update_in_backward")
-
-
-def mixed_foreach_zero(race: Any) -> bool:
-    return (race.kind == "compute touches pinned host memory" and "in zero_grad" in race.first
-            and race.second == "_foreach_zero_.default")
-
-
 @pytest.mark.parametrize("name", sorted(RESIDENT_SCENARIOS))
 def test_scenarios_with_resident_slices_are_race_free(name):
     expected = run_scenario(name, 0)
     with StreamChecker(schedule="late", seed=7) as checker:
         checked = run_scenario(name, RESIDENT_SCENARIOS[name])
-    races = [r for r in checker.races if not (name in ZEROED_IN_PLACE and mixed_foreach_zero(r))]
-    assert not races, checker.summary()
+    assert not checker.races, checker.summary()
     assert same(expected, checked), "deferred copies changed the results"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the checker attributes one _foreach_zero_ over device and host gradients (one torch device on the CPU) to "
-    "compute and reports pinned memory; torch splits such lists by device on a GPU"))
 def test_zeroing_resident_and_host_gradients_in_place_is_not_reported():
     with StreamChecker(schedule="late", seed=7) as checker:
         run_scenario("reads_between_step_and_forward", 1)

@@ -285,6 +285,8 @@ NEEDED = [
     Dependency("wait_stream", "load", "activations.py:load_saved", "compute"),
     Dependency("wait_event", "load", "activations.py:load_saved", "offload"),
     Dependency("wait_event", "wait_ready", "saved_activations.py:wait", "load"),
+    # A weight borrowed from a resident slice, cast into the slot on the compute stream (Note: [Resident slices]).
+    Dependency("wait_event", "on_device", "device_slots.py:_load_borrowed", "offload"),
 ]
 
 #: Safety nets that no scenario can expose today, each for the reason given in

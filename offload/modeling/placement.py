@@ -102,6 +102,18 @@ def host_conversion(fn: Convert, offload_device: torch.device) -> Convert | None
     return lambda t: t.to(dtype=single) if t.is_floating_point() else t
 
 
+def stays_on_compute(convert: Convert, offload_device: torch.device) -> Convert:
+    """``convert`` (from :func:`host_conversion`) for a model with resident slices: their tensors
+    and gradients, on the compute device, take its dtype change and stay there (a ``.cpu()`` that
+    leaves the compute where it is, rule 3 of Note: [Moving an OffloadModel], must not move them)."""
+    def apply(tensor: torch.Tensor) -> torch.Tensor:
+        converted = convert(tensor)
+        if tensor.device == offload_device or converted.device == tensor.device:
+            return converted
+        return converted.to(tensor.device)
+    return apply
+
+
 def existing_device(value: Any, name: str) -> torch.device:
     """``value`` as a device of this machine (``cuda`` with its index).
 

@@ -97,6 +97,8 @@ class AccessRecorder(TorchDispatchMode):
         inputs = list(_tensors((args, kwargs)))
         places = {self.tracker.where(t) for t in inputs}
         on_compute = DEVICE in places
+        if on_compute and places & {PINNED, HOST} and func._schema.name.startswith("aten::_foreach_"):
+            return self._per_side(func, types, args, kwargs)
         if func in _ALLOCATE:
             # New memory: remember how much compute was queued when it was handed out.
             result = func(*args, **kwargs)
@@ -134,3 +136,27 @@ class AccessRecorder(TorchDispatchMode):
             backend.host_learns_compute()
         backend.after_operation()
         return result
+
+    def _per_side(self, func: Any, types: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A ``_foreach_`` operation over device and host tensors at once, run once per side.
+
+        On a GPU such lists hold tensors of two devices, and PyTorch runs the operation once per
+        device: a kernel over the device tensors, host code over the host ones (``zero_grad`` of a
+        model with resident slices, ``clip_grad_norm_``). Here both are one torch device, so the
+        call is split the same way, by where each position's tensors live."""
+        count = len(next(a for a in args if isinstance(a, (list, tuple))))
+        lists = [k for k, a in enumerate(args) if isinstance(a, (list, tuple)) and len(a) == count]
+        on_device = [any(isinstance(args[k][i], torch.Tensor) and self.tracker.where(args[k][i]) == DEVICE
+                         for k in lists) for i in range(count)]
+        results: list[Any] = [None] * count
+        returned = None
+        for side in (True, False):
+            positions = [i for i in range(count) if on_device[i] == side]
+            if not positions:
+                continue
+            part = tuple([a[i] for i in positions] if k in lists else a for k, a in enumerate(args))
+            returned = self.__torch_dispatch__(func, types, part, kwargs)
+            if isinstance(returned, (list, tuple)):
+                for i, value in zip(positions, returned):
+                    results[i] = value
+        return results if isinstance(returned, (list, tuple)) else returned

@@ -190,10 +190,10 @@ class DeviceSlots:
         holder_index = holder_of(self.storages, index, entry.tensor)
         holder = self.storages[holder_index]
         if holder.resident:
-            # Note: [Resident slices]: cast from the holder's device copy, on the compute stream.
-            # After the slice's own load, which waited for the slot's write-back.
+            # Note: [Resident slices]: cast from the holder's device copy, on the compute stream,
+            # which the slice's own load (on the load stream) did not order after the write-back.
             self.copies.on_device(functools.partial(holder.load_borrowed_into, slot.data, entry),
-                                  label=f"offload::load slice {index} (tied from resident {holder_index})")
+                                  after=(slot.written_back,), label=f"offload::load slice {index} (tied from resident {holder_index})")
             return slot.ready
         # Same as the holder's own load: its pending update first, then a current shadow.
         self.updates.wait(holder_index)
