@@ -268,6 +268,42 @@ def test_update_in_backward_trains_the_same_weights_with_accumulation_and_a_sche
     torch.testing.assert_close(weights[1], weights[0], **EXACT)
 
 
+@pytest.mark.parametrize("source", ["random", "pretrained"])
+def test_resident_slices_train_the_same_weights(source, tmp_path, capsys):
+    """``--resident-slices 1`` against the same run without it: the same weights, bit for bit (on
+    the CPU the resident slice's update on the "device" is the same fused AdamW kernel). From a
+    folder the model is loaded slice by slice (``load_causal_lm``), which takes the option too."""
+    args = ["--steps", "3", "--batch-size", "2", "--seq-len", "16", "--compute-dtype", "none", "--num-slices", "3",
+            "--loss-chunk-tokens", "0", "--lr", "3e-3", "--grad-accum", "2", "--max-grad-norm", "0.5"]
+    if source == "pretrained":
+        torch.manual_seed(0)
+        hf, tokenizer = random_model("llama", "tiny", 256, 16)
+        hf.save_pretrained(tmp_path / "base")
+        tokenizer.save_pretrained(tmp_path / "base")
+        args += ["--model", str(tmp_path / "base")]
+    outputs = {}
+    for name, flags in (("streamed", []), ("resident", ["--resident-slices", "1"])):
+        code, out, err = run_cli("--out", str(tmp_path / name), *args, *flags, tmp_path=tmp_path, capsys=capsys)
+        assert code == 0, err
+        outputs[name] = out
+    assert "3 slices (1 resident) on cpu" in outputs["resident"] and "3 slices on cpu" in outputs["streamed"]
+    if source == "pretrained":
+        assert "slice by slice" in outputs["resident"]
+    weights = [transformers.AutoModelForCausalLM.from_pretrained(tmp_path / name).state_dict()
+               for name in ("streamed", "resident")]
+    torch.testing.assert_close(weights[1], weights[0], **EXACT)
+    assert any(not torch.equal(w, v) for w, v in zip(weights[0].values(),
+                                                  random_model("llama", "tiny", 256, 16)[0].state_dict().values()))
+
+
+@pytest.mark.parametrize("count", ["-1", "4"])
+def test_resident_slices_beyond_the_slices_are_a_parser_error(count, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--out", "o", "--device", "cpu", "--num-slices", "3", "--resident-slices", count])
+    assert exit_info.value.code == 2
+    assert f"--resident-slices must be between 0 and --num-slices (3), got {count}" in capsys.readouterr().err
+
+
 def test_update_in_backward_with_clipping_is_a_parser_error(capsys):
     with pytest.raises(SystemExit) as exit_info:
         parse_args(["--out", "o", "--device", "cpu", "--update-in-backward", "--max-grad-norm", "1.0"])

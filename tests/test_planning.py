@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import io
 import json
 import os
@@ -14,6 +15,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +25,13 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from offload import OffloadModel, OffloadOptimizer, estimate_memory
+from offload.cli.plan import code, finetune_flags, parse_args, report, run_plan
 from offload.model import engine_of
-from offload.planning.choose import Limits, choose
-from offload.planning.planner import slice_layout
+from offload.planning.choose import DEVICE_MARGIN, Limits, choose
+from offload.planning.planner import footprints_by_resident, slice_layout
 from offload.planning.presets import build_preset
-from offload.planning.rates import GPU_DEFAULTS, HOST_DEFAULT, MachineRates, load_rates, save_rates
+from offload.planning.rates import (DEVICE_MEMORY_BANDWIDTH_DEFAULT, GPU_DEFAULTS, HOST_DEFAULT, MachineRates,
+                                    load_rates, save_rates)
 from offload.planning.shapes import profile_layers
 from offload.planning.timing import StepConfig, estimate_step_time, traffic
 
@@ -142,16 +146,20 @@ def test_the_estimate_predicts_the_resident_set_within_five_percent(spec):
     assert result["estimate_host"] == pytest.approx(result["footprint_host"], rel=0.05), result
 
 
-@pytest.mark.parametrize("slices, microbatches, dtype", [(2, 1, None), (4, 1, None), (5, 2, None), (4, 1, torch.bfloat16)])
-def test_the_link_bytes_are_the_copy_engines(slices, microbatches, dtype):
-    """What the time model puts on the link, against the engine's counters over one step."""
+@pytest.mark.parametrize("slices, microbatches, dtype, resident", [
+    (2, 1, None, 0), (4, 1, None, 0), (5, 2, None, 0), (4, 1, torch.bfloat16, 0), (4, 1, None, 2),
+    (5, 2, torch.bfloat16, 3), (3, 1, None, 3)])
+def test_the_link_bytes_are_the_copy_engines(slices, microbatches, dtype, resident):
+    """What the time model puts on the link, against the engine's counters over one step (a
+    resident slice's device copies do not cross it)."""
     preset = build_preset("transformer", **SMALL_TRANSFORMER)
     rows = 8
     profile = profile_layers(preset.model, lambda: preset.make_batch(rows, "cpu")[0], compute_dtype=dtype)
     layout = slice_layout(preset.model, num_slices=slices, compute_dtype=dtype)
-    moved = traffic(layout, profile, StepConfig(num_slices=slices, num_microbatches=microbatches, compute_dtype=dtype))
+    moved = traffic(layout, profile, StepConfig(num_slices=slices, num_microbatches=microbatches, compute_dtype=dtype,
+                                                resident_slices=resident))
     model = OffloadModel(preset.model, device="cpu", num_slices=slices, compute_dtype=dtype,
-                         num_microbatches=microbatches)
+                         num_microbatches=microbatches, resident_slices=resident)
     optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-4, fused=True)
     _step(model, optimizer, preset, rows)
     before = engine_of(model).traffic()
@@ -359,7 +367,7 @@ def test_plan_answers_for_a_hf_config_and_its_choice_builds_and_trains(tmp_path)
     layers = causal_lm_sequential(hf, loss_chunk_tokens=1024)
     dtype = getattr(torch, chosen["compute_dtype"]) if chosen["compute_dtype"] else None
     model = OffloadModel(layers, device="cpu", num_slices=chosen["num_slices"], compute_dtype=dtype,
-                         num_microbatches=chosen["num_microbatches"])
+                         num_microbatches=chosen["num_microbatches"], resident_slices=chosen["resident_slices"])
     optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-3, fused=True)
     ids = torch.randint(0, 256, (4, 32))
     losses = []
@@ -373,7 +381,9 @@ def test_plan_answers_for_a_hf_config_and_its_choice_builds_and_trains(tmp_path)
 
 
 def test_plan_says_what_is_missing(tmp_path):
-    args = ("plan", "--preset", "mlp", "--set", "width=1024", "depth=8", "--gpu", "h100-sxm", "--batch-size", "8")
+    # Without resident slices: with them, this model fits the device whole and needs little host memory.
+    args = ("plan", "--preset", "mlp", "--set", "width=1024", "depth=8", "--gpu", "h100-sxm", "--batch-size", "8",
+            "--resident-slices", "0")
     done = _offload(*args, "--host-memory", "0.05", check=False)
     assert done.returncode == 1
     assert "nothing fits: needs" in done.stdout and "GiB of host memory" in done.stdout
@@ -417,7 +427,8 @@ def test_with_the_disk_tier_it_raises_the_slices_the_tier_needs(tmp_path):
                     disk_dir=str(tmp_path))
     plan = choose(preset.model, lambda dtype: profile_layers(preset.model, lambda: preset.make_batch(8, "cpu")[0],
                                                              compute_dtype=dtype),
-                  GPU_DEFAULTS["a100"], limits, batch_size=8, fixed={"compute_dtype": torch.bfloat16})
+                  GPU_DEFAULTS["a100"], limits, batch_size=8,
+                  fixed={"compute_dtype": torch.bfloat16, "resident_slices": 0})  # resident, the model would fit
     assert plan.chosen is not None and plan.chosen.config.optimizer_state == "disk"
     assert plan.chosen.config.num_slices > 3 and layout.num_slices == 3
     at_three = [c for c in plan.candidates if c.config.num_slices == 3 and c.config.optimizer_state == "disk"]
@@ -492,13 +503,24 @@ def test_the_schedules_exposed_update_in_their_limits():
     # On a GPU each slice's gradients land after their offload; slice 0's as the backward ends.
     assert exposed_in_backward(grads, backward=1.2, update=0.4, device_to_host=1000.0) == pytest.approx(0.1)
     assert exposed_in_backward([0] * 4, backward=1.0, update=1.0, device_to_host=None) == 0.0
+    # Resident slices (no host update): the next forward runs them first, after their update on
+    # the device (start), before it waits for the first streamed slice's host update.
+    assert exposed_overlapped([0, 0, 1, 1], forward=0.4, update=0.2, start=0.1) == 0.0
+    assert exposed_overlapped([0, 0, 1, 1], forward=0.4, update=1.0, start=0.1) == pytest.approx(1.1 - 0.1 - 0.4)
+    # In backward: the worker is through at 0.3 + 1.0 + 1.0 (it starts when slice 3's land, 0.3);
+    # the forward needs slice 2 after the device update (0.1) and two slices' forward (0.2).
+    assert exposed_in_backward([0, 0, 1, 1], backward=1.2, update=2.0, device_to_host=None, forward=0.4,
+                               start=0.1) == pytest.approx(2.3 - 1.2 - 0.1 - 0.2)
+    assert exposed_in_backward([0, 0, 1, 1], backward=1.2, update=1.0, device_to_host=None, forward=0.4,
+                               start=0.1) == 0.0  # through at 1.3, before the forward needs slice 2 (1.5)
 
 
 def _mlp_plan(*flags: str) -> dict[str, Any]:
     """``offload plan --json`` for an MLP whose host update (the 2-core runner's rate) is about
     twice the H100's forward at this batch: long enough for the schedule to matter."""
     args = ("plan", "--preset", "mlp", "--set", "width=2048", "depth=8", "--gpu", "h100-sxm", "--host-memory", "8",
-            "--batch-size", "4096", "--compute-dtype", "none", "--microbatches", "1", "--num-slices", "8", "--json")
+            "--batch-size", "4096", "--compute-dtype", "none", "--microbatches", "1", "--num-slices", "8",
+            "--resident-slices", "0", "--json")  # the whole model would fit the device: every slice streamed
     return json.loads(_offload(*args, *flags).stdout)
 
 
@@ -511,7 +533,8 @@ def test_plan_chooses_the_update_in_backward_where_it_is_faster_and_prints_it():
     assert chosen["schedule"] == "in-backward" and chosen["step_s"] == by_schedule["in-backward"]
     assert "update_in_backward=True" in chosen["code"] and plan["clips_gradients"] is False
     text = _offload("plan", "--preset", "mlp", "--set", "width=2048", "depth=8", "--gpu", "h100-sxm", "--host-memory",
-                    "8", "--batch-size", "4096", "--compute-dtype", "none", "--microbatches", "1").stdout
+                    "8", "--batch-size", "4096", "--compute-dtype", "none", "--microbatches", "1",
+                    "--resident-slices", "0").stdout
     assert "in-backward" in text.split("chosen:")[1] and "update_in_backward=True)" in text
     assert "no clip_grad_norm_, no GradScaler" in text
 
@@ -579,3 +602,100 @@ def test_the_h100_schedule_comparison_is_what_the_script_computes_now():
                 assert got == (None if value is None else pytest.approx(value, rel=1e-9)), (schedule, way, key)
     steps = {s: now["schedules"][s]["from_parts"]["step"] for s in ("overlapped", "in-backward", "serial")}
     assert steps["in-backward"] < steps["overlapped"] < steps["serial"]
+
+
+# -- resident slices ------------------------------------------------------------------------------
+
+
+def _small_transformer_plan(limits: Limits, rates: MachineRates = GPU_DEFAULTS["h100-sxm"], **fixed: Any):
+    preset = build_preset("transformer", **SMALL_TRANSFORMER)
+    return choose(preset.model, lambda dtype: profile_layers(preset.model, lambda: preset.make_batch(8, "cpu")[0],
+                                                             compute_dtype=dtype),
+                  rates, limits, batch_size=8, fixed=fixed), preset
+
+
+def test_resident_slices_take_their_bytes_off_the_link_and_the_host_update():
+    preset = build_preset("transformer", **SMALL_TRANSFORMER)
+    layout = slice_layout(preset.model, num_slices=4, compute_dtype=torch.bfloat16)
+    config = StepConfig(num_slices=4, compute_dtype=torch.bfloat16)
+    streamed, resident = traffic(layout, None, config), traffic(layout, None, replace(config, resident_slices=2))
+    assert resident.forward_loads == sum(layout.device_bytes[2:]) < streamed.forward_loads
+    assert resident.backward_loads == 0  # slices 2 and 3 stay in the slots, 0 and 1 are resident
+    assert resident.backward_offloads == sum(layout.gradient_bytes[2:])
+    assert resident.first_load == resident.last_offload == 0
+    assert resident.update == 7 * sum(layout.gradient_bytes[2:])  # AdamW: 28 bytes per float32 parameter
+    assert resident.device_update == 7 * sum(layout.gradient_bytes[:2])
+    assert resident.shadow == 2 * sum(layout.trainable_counts[2:])
+    # All resident, timed on an H100: no host update, and the update on the device at its memory
+    # bandwidth (28 bytes per parameter); the forward and backward are the device's alone.
+    rates = GPU_DEFAULTS["h100-sxm"]
+    every = estimate_step_time(layout, None, replace(config, resident_slices=4), rates, device_seconds=(0.01, 0.02))
+    assert every.update == every.exposed_update == every.load == every.offload == 0
+    assert every.device_update == pytest.approx(28 * layout.trainable / rates.device_memory_bandwidth)
+    assert every.step == pytest.approx(every.forward_compute + every.backward_compute + every.device_update)
+    none = estimate_step_time(layout, None, config, rates, device_seconds=(0.01, 0.02))
+    assert none.device_update == 0 and every.step < none.step
+    # A rates file without the bandwidth (a CPU calibration) times the device update with the default.
+    unknown = dataclasses.replace(rates, device_memory_bandwidth=None)
+    assert estimate_step_time(layout, None, replace(config, resident_slices=4), unknown,
+                              device_seconds=(0.01, 0.02)).device_update == pytest.approx(
+        28 * layout.trainable / DEVICE_MEMORY_BANDWIDTH_DEFAULT)
+    with pytest.raises(ValueError, match="between 0 and the number of slices"):
+        estimate_step_time(layout, None, replace(config, resident_slices=5), rates, device_seconds=(0.01, 0.02))
+
+
+def test_with_a_small_model_and_a_big_device_every_slice_is_resident():
+    plan, _ = _small_transformer_plan(Limits(device_memory=80 * 2**30, host_memory=8 * 2**30))
+    chosen = plan.chosen
+    assert chosen is not None and all(c.config.resident_slices == c.config.num_slices for c in plan.candidates)
+    t = chosen.time
+    # Nothing crosses the link but the boundary activations, hidden behind compute; no host update.
+    assert t.update == t.exposed_update == 0 and chosen.memory.host_masters == 0
+    assert t.step == pytest.approx(t.forward_compute + t.backward_compute + t.device_update)
+    assert chosen.memory.device_resident > 0
+
+
+def test_auto_keeps_the_most_resident_slices_that_fit_the_device():
+    preset = build_preset("transformer", **SMALL_TRANSFORMER)
+    layout = slice_layout(preset.model, num_slices=4)
+    profile = profile_layers(preset.model, lambda: preset.make_batch(8, "cpu")[0])
+    by_resident = footprints_by_resident(layout, profile)
+    totals = [m.device_total for m in by_resident]
+    assert totals == sorted(totals) and totals[0] < totals[-1]
+    # Room for two resident slices and not three, within the margin.
+    limit = int((totals[2] + totals[3]) / 2 / DEVICE_MARGIN)
+    fixed = {"num_slices": 4, "num_microbatches": 1, "compute_dtype": None, "schedule": "overlapped"}
+    plan, _ = _small_transformer_plan(Limits(device_memory=limit, host_memory=8 * 2**30), **fixed)
+    assert plan.chosen is not None and plan.chosen.config.resident_slices == 2
+    assert plan.chosen.memory.device_total == totals[2]
+    assert plan.chosen.memory == estimate_memory(preset.model, num_slices=4, profile=profile, resident_slices=2)
+    # Fixed, it is kept (and configurations with fewer slices are not tried).
+    plan, _ = _small_transformer_plan(Limits(device_memory=80 * 2**30, host_memory=8 * 2**30),
+                                      resident_slices=1, compute_dtype=None, num_microbatches=1)
+    assert {c.config.resident_slices for c in plan.candidates} == {1}
+    plan, _ = _small_transformer_plan(Limits(None, None), resident_slices=2, compute_dtype=None, num_microbatches=1)
+    assert min(c.config.num_slices for c in plan.candidates) == 2
+    with pytest.raises(ValueError, match="between 0 and the number of slices"):
+        _small_transformer_plan(Limits(None, None), resident_slices=3, num_slices=2)
+
+
+def test_plan_prints_the_resident_slices_in_the_calls_and_the_flags():
+    args = parse_args(["--model", "tests.test_planning:small_mlp", "--input-shape", "64", "--gpu", "rtx-4090",
+                       "--host-memory", "8", "--batch-size", "16", "--num-slices", "3", "--compute-dtype", "none",
+                       "--microbatches", "1"])
+    plan, work, rates, limits = run_plan(args)
+    assert plan.chosen is not None and plan.chosen.config.resident_slices == 3
+    text = report(plan, work, rates, limits, args)
+    assert 'OffloadModel(tests.test_planning.small_mlp(), device="cuda", num_slices=3, resident_slices=3)' in text
+    assert "resident slices' update on the device" in text
+    work.finetune = []  # as a --hf-config workload: the fine-tune command carries the flag
+    assert "--resident-slices 3" in finetune_flags(plan.chosen, work, args)
+    args = parse_args(["--model", "tests.test_planning:small_mlp", "--input-shape", "64", "--gpu", "rtx-4090",
+                       "--host-memory", "8", "--num-slices", "3", "--resident-slices", "0"])
+    plan, work, _, _ = run_plan(args)
+    assert {c.config.resident_slices for c in plan.candidates} == {0} and "resident_slices" not in code(
+        plan.chosen, work, args)
+    for bad in (["--resident-slices", "-1"], ["--resident-slices", "some"], ["--num-slices", "2", "--resident-slices",
+                                                                              "3"]):
+        with pytest.raises(SystemExit):
+            parse_args(["--preset", "mlp", "--gpu", "h100-sxm", *bad])

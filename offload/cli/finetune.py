@@ -68,7 +68,8 @@ def run(argv: list[str], record: RunRecord) -> None:
     torch.manual_seed(args.seed)
     tier = None if args.disk_tier is None else DiskTier(args.disk_tier)
     options = {"num_slices": args.num_slices, "num_microbatches": args.microbatches,
-               "compute_dtype": DTYPES[args.compute_dtype], "masters": tier if args.masters_on_disk else None}
+               "compute_dtype": DTYPES[args.compute_dtype], "masters": tier if args.masters_on_disk else None,
+               "resident_slices": args.resident_slices}
     model, hf, tokenizer, peft_model = _build_model(args, options, causal_lm_sequential, load_causal_lm)
     hf.config.use_cache = False  # training: no key/value cache
     trained = hf if peft_model is None else peft_model
@@ -87,8 +88,9 @@ def run(argv: list[str], record: RunRecord) -> None:
                                  **schedule)
     scheduler = lr_scheduler(args, optimizer)
     params = sum(p.numel() for p in model.parameters())
-    print(f"{type(hf).__name__}: {params / 1e6:.1f} M parameters in {model.num_slices} slices on {args.device}, "
-          f"compute dtype {args.compute_dtype}; data {args.data}")
+    resident = f" ({model.resident_slices} resident)" if model.resident_slices else ""
+    print(f"{type(hf).__name__}: {params / 1e6:.1f} M parameters in {model.num_slices} slices{resident} on "
+          f"{args.device}, compute dtype {args.compute_dtype}; data {args.data}")
 
     done = resume(args, model, optimizer, scheduler)
     try:

@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (the block size of packing)")
     parser.add_argument("--num-slices", type=int, default=3, help="num_slices of OffloadModel")
     parser.add_argument("--microbatches", type=int, default=1, help="num_microbatches of OffloadModel")
+    parser.add_argument("--resident-slices", type=int, default=0, metavar="N",
+                        help="resident_slices of OffloadModel: the first N slices stay on the device with their "
+                             "gradients and optimizer state, updated there (no link traffic, no host update for them)")
     parser.add_argument("--compute-dtype", default="bf16", choices=sorted(DTYPES), help="compute_dtype of OffloadModel")
     # 1024 tokens: one chunk's logits are 1024 x vocab (0.5 GB in float32 for a 128k vocabulary), and each
     # projection is still a product of 1024 rows by the whole vocabulary.
@@ -160,6 +163,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--masters-on-disk needs --disk-tier DIR: the directory for their files")
     if args.masters_on_disk and args.compute_dtype == "none":
         parser.error("--masters-on-disk needs --compute-dtype bf16 or fp16: loads read the half-precision shadow")
+    if not 0 <= args.resident_slices <= args.num_slices:
+        parser.error(f"--resident-slices must be between 0 and --num-slices ({args.num_slices}), "
+                     f"got {args.resident_slices}")
     if args.lora_r < 0:
         parser.error("--lora-r must be 0 (off) or a positive rank")
     if not 0.0 <= args.lora_dropout < 1.0:

@@ -69,6 +69,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                        help="when the host update runs. overlapped: behind the next forward (OffloadOptimizer's "
                             "default); in-backward: started in backward (update_in_backward=True; no clipping); "
                             "serial: after the step; auto: the faster of the first two")
+    fixed.add_argument("--resident-slices", type=_resident_slices, default="auto", metavar="N|auto",
+                       help="how many of the first slices stay on the device with their gradients and optimizer "
+                            "state (OffloadModel(..., resident_slices=N)): no link traffic or host update for "
+                            "them, an update on the device instead; auto: the most that fit the device memory "
+                            "left after the slots, gradient buffers and activations, with the margin")
     parser.add_argument("--top", type=int, default=8, help="rows of the table (the fastest that fit)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = parser.parse_args(argv)
@@ -77,10 +82,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("give the model as one of --hf-config, --preset or --model")
     if args.model and not args.input_shape:
         parser.error("--model needs --input-shape")
+    if args.resident_slices != "auto" and args.num_slices is not None and args.resident_slices > args.num_slices:
+        parser.error(f"--resident-slices {args.resident_slices} is more than --num-slices {args.num_slices}")
     if args.schedule == "in-backward" and args.max_grad_norm is not None:
         parser.error("--schedule in-backward cannot clip: each slice's update starts in backward, before the "
                      "gradients' total norm is known. Leave out --max-grad-norm, or use another --schedule")
     return args
+
+
+def _resident_slices(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a count of slices or 'auto', got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a count of slices >= 0 or 'auto', got {value}")
+    return value
 
 
 class Workload:
@@ -229,6 +248,8 @@ def run_plan(args: argparse.Namespace) -> tuple[Plan, Workload, MachineRates, Li
         fixed["num_microbatches"] = args.microbatches
     if args.compute_dtype != "auto":
         fixed["compute_dtype"] = DTYPES[args.compute_dtype]
+    if args.resident_slices != "auto":
+        fixed["resident_slices"] = args.resident_slices
     plan = choose(work.layers, work.profile, rates, limits, device=args.device, optimizer=args.optimizer,
                   batch_size=work.batch_size, fixed=fixed, clips_gradients=args.max_grad_norm is not None)
     return plan, work, rates, limits
@@ -245,6 +266,8 @@ def code(candidate: Candidate, work: Workload, args: argparse.Namespace) -> str:
     tier = f'DiskTier("{args.disk_dir}")'
     if config.masters == "disk":
         model_args.append(f"masters={tier}")
+    if config.resident_slices:
+        model_args.append(f"resident_slices={config.resident_slices}")
     optimizer = {"adamw": "torch.optim.AdamW, lr=1e-4, fused=True",
                  "sgd-momentum": "torch.optim.SGD, lr=1e-2, momentum=0.9, fused=True",
                  "sgd": "torch.optim.SGD, lr=1e-2, fused=True"}[args.optimizer]
@@ -270,6 +293,8 @@ def finetune_flags(candidate: Candidate, work: Workload, args: argparse.Namespac
         flags.append("--masters-on-disk")
     if config.schedule == "in-backward":
         flags.append("--update-in-backward")
+    if config.resident_slices:
+        flags += ["--resident-slices", str(config.resident_slices)]
     if args.max_grad_norm is not None:
         flags += ["--max-grad-norm", f"{args.max_grad_norm:g}"]
     return "offload-finetune " + " ".join(flags)
@@ -281,6 +306,7 @@ def _row(c: Candidate) -> dict[str, Any]:
         "num_slices": config.num_slices, "num_microbatches": config.num_microbatches,
         "compute_dtype": None if config.compute_dtype is None else str(config.compute_dtype).removeprefix("torch."),
         "optimizer_state": config.optimizer_state, "masters": config.masters, "schedule": config.schedule,
+        "resident_slices": config.resident_slices,
         "device_bytes": c.memory.device_total, "host_bytes": c.memory.host_total, "pinned_bytes": c.memory.pinned_bytes,
         "disk_bytes": c.memory.disk, "step_s": c.time.step, "efficiency": c.time.efficiency, "fits": c.fits,
         "over": c.over,
@@ -288,13 +314,14 @@ def _row(c: Candidate) -> dict[str, Any]:
 
 
 def table(candidates: list[Candidate]) -> str:
-    header = (f"{'slices':>6} {'mb':>3} {'dtype':>8} {'state':>5} {'masters':>7} {'schedule':>11} {'device':>9} "
-              f"{'host':>9} {'disk':>9} {'step':>9} {'eff':>5}")
+    header = (f"{'slices':>6} {'res':>3} {'mb':>3} {'dtype':>8} {'state':>5} {'masters':>7} {'schedule':>11} "
+              f"{'device':>9} {'host':>9} {'disk':>9} {'step':>9} {'eff':>5}")
     lines = [header]
     for c in candidates:
         r = _row(c)
-        lines.append(f"{r['num_slices']:>6} {r['num_microbatches']:>3} {r['compute_dtype'] or 'float32':>8} "
-                     f"{r['optimizer_state']:>5} {r['masters']:>7} {r['schedule']:>11} {_gib(r['device_bytes']):>9} "
+        lines.append(f"{r['num_slices']:>6} {r['resident_slices']:>3} {r['num_microbatches']:>3} "
+                     f"{r['compute_dtype'] or 'float32':>8} {r['optimizer_state']:>5} {r['masters']:>7} "
+                     f"{r['schedule']:>11} {_gib(r['device_bytes']):>9} "
                      f"{_gib(r['host_bytes']):>9} {_gib(r['disk_bytes']):>9} {_seconds(r['step_s']):>9} "
                      f"{r['efficiency']:>5.2f}")
     return "\n".join(lines)
@@ -317,7 +344,8 @@ def report(plan: Plan, work: Workload, rates: MachineRates, limits: Limits, args
                  f"update {_seconds(t.update)} of which exposed {_seconds(t.exposed_update)}; device compute "
                  f"{_seconds(t.forward_compute + t.backward_compute)}, link {_seconds(t.load)} in + "
                  f"{_seconds(t.offload)} out, disk {_seconds(t.disk_read)} read + {_seconds(t.disk_write)} "
-                 f"write; efficiency {t.efficiency:.2f}")
+                 f"write; resident slices' update on the device {_seconds(t.device_update)}; efficiency "
+                 f"{t.efficiency:.2f}")
     if plan.chosen.config.schedule == "in-backward":
         lines.append("update_in_backward: nothing may change the gradients between backward and step() (no "
                      "clip_grad_norm_, no GradScaler); if the training clips them, plan with --max-grad-norm")

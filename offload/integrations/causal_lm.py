@@ -93,7 +93,8 @@ class OffloadedCausalLM(PreTrainedModel):
         device: the compute device (``.to(device)`` moves it later).
         loss_chunk_tokens: compute the loss in the head, this many tokens at a time (see above).
         untie_embeddings: as for ``causal_lm_sequential``.
-        options: the other arguments of :class:`~offload.OffloadModel` (``num_slices``, ``compute_dtype``, ...).
+        options: the other arguments of :class:`~offload.OffloadModel` (``num_slices``, ``compute_dtype``,
+            ``resident_slices``, ...).
 
     Raises:
         ValueError: what ``causal_lm_sequential`` or ``OffloadModel`` refuse.

@@ -73,7 +73,8 @@ def load_causal_lm(
         dtype: the dtype of the host copies (the masters): float32 by default, whatever the
             checkpoint stores; ``"auto"`` keeps the dtype ``config.json`` names, else the stored one.
         loss_chunk_tokens: as for ``causal_lm_sequential``.
-        options: the other arguments of ``OffloadModel`` (``num_slices``, ``compute_dtype``, ...),
+        options: the other arguments of ``OffloadModel`` (``num_slices``, ``compute_dtype``,
+            ``resident_slices``, ...),
             but ``process_group``.
 
     Returns:

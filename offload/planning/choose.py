@@ -3,7 +3,9 @@
 :func:`choose` tries every combination of ``num_slices``, microbatches, ``compute_dtype`` and
 where the state lives (RAM; the optimizer's disk tier; the tier and the masters on disk) and
 when the host update runs (behind the next forward, or started in backward unless the gradients
-are clipped: :data:`CHOSEN_SCHEDULES`), predicts each one's memory
+are clipped: :data:`CHOSEN_SCHEDULES`), keeps as many of the first slices resident on the device
+as fit beside the rest (unless a count is fixed: Note: [Resident slices] in
+``offload/streams/resident_storage.py``), predicts each one's memory
 (:func:`~offload.estimate_memory`) and step time (:func:`~offload.planning.timing.estimate_step_time`),
 keeps those that fit the device, the host and the disk, and returns the fastest. Among
 configurations within 1 % of the fastest it takes the simplest: fewer tiers on disk, then fewer
@@ -25,7 +27,7 @@ import torch
 from torch import nn
 
 from .footprint import MemoryFootprint
-from .planner import SliceLayout, estimate_memory, slice_layout
+from .planner import SliceLayout, check_resident_slices, footprints_by_resident, slice_layout
 from .rates import MachineRates
 from .shapes import ModelProfile
 from .timing import SCHEDULES, StepConfig, StepTime, estimate_step_time
@@ -93,14 +95,16 @@ def choose(layers: nn.Module | Sequence[int], profile_for: Callable[[torch.dtype
         limits: its memory and disk.
         batch_size: rows per step (microbatch counts that do not divide it are skipped).
         fixed: :class:`~offload.planning.timing.StepConfig` fields to keep as given
-            (``{"compute_dtype": None}``, ``{"num_slices": 8}``, ``{"schedule": "serial"}``).
+            (``{"compute_dtype": None}``, ``{"num_slices": 8}``, ``{"schedule": "serial"}``,
+            ``{"resident_slices": 0}``). Without ``resident_slices`` each configuration keeps the
+            most of its first slices resident that fit the limits (its step is faster with each).
         clips_gradients: the training changes the gradients between backward and ``step()``
             (``clip_grad_norm_``, a ``GradScaler``): the update cannot start in backward, so
             ``"in-backward"`` is not tried.
 
     Raises:
-        ValueError: an unknown field in ``fixed``, an unknown schedule, or ``"in-backward"`` fixed
-            with ``clips_gradients``.
+        ValueError: an unknown field in ``fixed``, an unknown schedule, ``"in-backward"`` fixed
+            with ``clips_gradients``, or ``resident_slices`` fixed below 0 or above a fixed ``num_slices``.
     """
     fixed = dict(fixed or {})
     unknown = sorted(set(fixed) - set(StepConfig.__dataclass_fields__))
@@ -111,10 +115,13 @@ def choose(layers: nn.Module | Sequence[int], profile_for: Callable[[torch.dtype
     if clips_gradients and fixed.get("schedule") == "in-backward":
         raise ValueError("the 'in-backward' schedule cannot clip the gradients: each slice's update starts in "
                          "backward, before their total norm is known. Fix another schedule, or do not clip")
+    if "resident_slices" in fixed:
+        check_resident_slices(fixed["resident_slices"], fixed.get("num_slices", fixed["resident_slices"]))
     schedules = [s for s in CHOSEN_SCHEDULES if not (clips_gradients and s == "in-backward")]
     profiles: dict[Any, ModelProfile | None] = {}
     layouts: dict[tuple[int, Any], SliceLayout] = {}
-    memories: dict[StepConfig, MemoryFootprint] = {}  # the schedule changes the time, not the memory
+    # The schedule changes the time, not the memory: one list per rest of the config, by resident count.
+    memories: dict[StepConfig, list[MemoryFootprint]] = {}
     candidates = []
     for config in _configs(layers, batch_size, limits, fixed, schedules):
         if config.compute_dtype not in profiles:
@@ -123,8 +130,8 @@ def choose(layers: nn.Module | Sequence[int], profile_for: Callable[[torch.dtype
         if key not in layouts:
             layouts[key] = slice_layout(layers, num_slices=config.num_slices, param_dtype=param_dtype,
                                         compute_dtype=config.compute_dtype, optimizer=optimizer)
-        candidates.append(_candidate(layers, layouts[key], profiles[config.compute_dtype], config, rates, limits,
-                                     memories, device=device, optimizer=optimizer, param_dtype=param_dtype))
+        candidates.append(_candidate(layouts[key], profiles[config.compute_dtype], config, rates, limits,
+                                     memories, fixed, device=device, optimizer=optimizer, param_dtype=param_dtype))
     fitting = [c for c in candidates if c.fits]
     if not fitting:
         return Plan(chosen=None, candidates=candidates, missing=missing(candidates, limits))
@@ -143,7 +150,8 @@ def _configs(layers: nn.Module | Sequence[int], batch_size: int, limits: Limits,
     dtypes: list[torch.dtype | None] = [None, torch.bfloat16]
     places = PLACES if limits.disk_dir is not None else PLACES[:1]
     configs = []
-    for n in ([fixed["num_slices"]] if "num_slices" in fixed else slices):
+    resident = fixed.get("resident_slices", 0)
+    for n in ([fixed["num_slices"]] if "num_slices" in fixed else [n for n in slices if n >= resident]):
         for m in ([fixed["num_microbatches"]] if "num_microbatches" in fixed else microbatches):
             for dtype in ([fixed["compute_dtype"]] if "compute_dtype" in fixed else dtypes):
                 for state, masters in places:
@@ -153,34 +161,49 @@ def _configs(layers: nn.Module | Sequence[int], batch_size: int, limits: Limits,
                         config = StepConfig(num_slices=n, num_microbatches=m, compute_dtype=dtype,
                                             optimizer_state=state, masters=masters, schedule=schedule)
                         configs.append(replace(config, **{k: v for k, v in fixed.items()
-                                                          if k in ("optimizer_state", "masters")}))
+                                                          if k in ("optimizer_state", "masters", "resident_slices")}))
     return list(dict.fromkeys(configs))
 
 
-def _candidate(layers: nn.Module | Sequence[int], layout: SliceLayout, profile: ModelProfile | None,
-               config: StepConfig, rates: MachineRates, limits: Limits, memories: dict[StepConfig, MemoryFootprint],
-               **common: Any) -> Candidate:
+def _candidate(layout: SliceLayout, profile: ModelProfile | None,
+               config: StepConfig, rates: MachineRates, limits: Limits,
+               memories: dict[StepConfig, list[MemoryFootprint]], fixed: dict[str, Any], **common: Any) -> Candidate:
     device, optimizer, param_dtype = common["device"], common["optimizer"], common["param_dtype"]
-    key = replace(config, schedule=SCHEDULES[0])
+    key = replace(config, schedule=SCHEDULES[0], resident_slices=0)
     if key not in memories:
-        memories[key] = estimate_memory(layers, num_slices=config.num_slices, param_dtype=param_dtype,
-                                        compute_dtype=config.compute_dtype, optimizer=optimizer,
-                                        optimizer_state=config.optimizer_state, masters=config.masters,
-                                        num_microbatches=config.num_microbatches, device=device, profile=profile)
-    memory = memories[key]
+        memories[key] = footprints_by_resident(layout, profile, compute_dtype=config.compute_dtype,
+                                               optimizer_state=config.optimizer_state, masters=config.masters,
+                                               num_microbatches=config.num_microbatches, device=device)
+    by_resident = memories[key]
+    if "resident_slices" not in fixed:
+        # The most resident slices that fit: each one moves its bytes from the host to the device
+        # and takes its loads, offloads and host update off the step.
+        fitting = [k for k, memory in enumerate(by_resident) if not _over(memory, limits, device)]
+        config = replace(config, resident_slices=max(fitting, default=0))
+    memory = by_resident[config.resident_slices]
     time = estimate_step_time(layout, profile, config, rates, device=device, optimizer=optimizer,
                               param_dtype=param_dtype)
+    return Candidate(config=config, memory=memory, time=time, host_need=_host_need(memory, device),
+                     over=_over(memory, limits, device))
+
+
+def _host_need(memory: MemoryFootprint, device: str) -> int:
+    # On a CPU "device" the device's bytes are host memory too.
+    return memory.host_total + (memory.device_total if torch.device(device).type == "cpu" else 0)
+
+
+def _over(memory: MemoryFootprint, limits: Limits, device: str) -> dict[str, int]:
+    """What of ``limits`` (with their margins) ``memory`` exceeds, by name."""
     over = {}
     on_device = torch.device(device).type != "cpu"
-    # On a CPU "device" the device's bytes are host memory too.
-    host_need = memory.host_total + (0 if on_device else memory.device_total)
+    host_need = _host_need(memory, device)
     if on_device and limits.device_memory is not None and memory.device_total > DEVICE_MARGIN * limits.device_memory:
         over["device"] = memory.device_total
     if limits.host_memory is not None and host_need > HOST_MARGIN * limits.host_memory:
         over["host"] = host_need
     if memory.disk and limits.disk is not None and memory.disk > limits.disk:
         over["disk"] = memory.disk
-    return Candidate(config=config, memory=memory, time=time, host_need=host_need, over=over)
+    return over
 
 
 def missing(candidates: Sequence[Candidate], limits: Limits) -> str:

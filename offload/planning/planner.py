@@ -44,7 +44,8 @@ def estimate_memory(layers: nn.Module | Sequence[int], *, num_slices: int = 8,
                     param_dtype: torch.dtype = torch.float32, compute_dtype: torch.dtype | None = None,
                     optimizer: str | None = "adamw", optimizer_state: str = "ram", masters: str = "ram",
                     num_microbatches: int = 1, device: str | torch.device = "cuda",
-                    activation_bytes: int = 0, profile: ModelProfile | None = None) -> MemoryFootprint:
+                    activation_bytes: int = 0, profile: ModelProfile | None = None,
+                    resident_slices: int = 0) -> MemoryFootprint:
     """Predict the memory an OffloadModel trained by OffloadOptimizer holds, by category.
 
     Args:
@@ -72,6 +73,11 @@ def estimate_memory(layers: nn.Module | Sequence[int], *, num_slices: int = 8,
         profile: the model's :class:`~offload.planning.shapes.ModelProfile` for the batch
             (:func:`~offload.planning.shapes.profile_layers`): counts the boundary activations
             on the host and the activations' peak on the device (``device_activations``).
+        resident_slices: as :class:`~offload.OffloadModel` takes it: the first slices' parameters and
+            buffers (in their own dtype), gradients and optimizer state count on the device
+            (``device_resident``, ``device_resident_gradients``, ``device_resident_optimizer_state``),
+            not as host masters, shadows, gradients, optimizer state or disk (Note: [Resident slices]
+            in ``offload/streams/resident_storage.py``).
 
     Returns:
         A :class:`~offload.MemoryFootprint` of the predicted bytes (``device_gradients`` counts a
@@ -80,8 +86,9 @@ def estimate_memory(layers: nn.Module | Sequence[int], *, num_slices: int = 8,
         pinned part of it, ``device_total`` and ``disk`` the rest.
 
     Raises:
-        TypeError: ``layers`` is none of the three.
-        ValueError: an unknown optimizer or place, no parameters, or a negative count.
+        TypeError: ``layers`` is none of the three, or ``resident_slices`` is not an int.
+        ValueError: an unknown optimizer or place, no parameters, a negative count, or
+            ``resident_slices`` below 0 or above the number of slices.
 
     Example::
 
@@ -91,21 +98,64 @@ def estimate_memory(layers: nn.Module | Sequence[int], *, num_slices: int = 8,
     _check_places(optimizer, optimizer_state, masters, compute_dtype)
     layout = slice_layout(layers, num_slices=num_slices, param_dtype=param_dtype, compute_dtype=compute_dtype,
                           optimizer=optimizer)
+    return footprint_of(layout, profile, compute_dtype=compute_dtype, optimizer_state=optimizer_state,
+                        masters=masters, num_microbatches=num_microbatches, device=device,
+                        activation_bytes=activation_bytes, resident_slices=resident_slices)
+
+
+def footprint_of(layout: SliceLayout, profile: ModelProfile | None = None, *, compute_dtype: torch.dtype | None = None,
+                 optimizer_state: str = "ram", masters: str = "ram", num_microbatches: int = 1,
+                 device: str | torch.device = "cuda", activation_bytes: int = 0,
+                 resident_slices: int = 0) -> MemoryFootprint:
+    """:func:`estimate_memory` of a model already cut into slices (``layout``, with the same
+    ``compute_dtype`` and optimizer): what the planner calls for each configuration it tries."""
+    resident = check_resident_slices(resident_slices, layout.num_slices)
     activations = _activations(layout, profile, num_microbatches, activation_bytes)
-    return _footprint(layout, _placed(layout, optimizer_state, masters), activations, compute_dtype=compute_dtype,
-                      num_microbatches=num_microbatches, pinned=torch.device(device).type == "cuda")
+    return _footprint(layout, _placed(layout, optimizer_state, masters, resident), activations,
+                      compute_dtype=compute_dtype, num_microbatches=num_microbatches,
+                      pinned=torch.device(device).type == "cuda", resident=resident)
+
+
+def footprints_by_resident(layout: SliceLayout, profile: ModelProfile | None = None, *,
+                           compute_dtype: torch.dtype | None = None, optimizer_state: str = "ram", masters: str = "ram",
+                           num_microbatches: int = 1, device: str | torch.device = "cuda",
+                           activation_bytes: int = 0) -> list[MemoryFootprint]:
+    """:func:`footprint_of` for each count of resident slices, 0 to all of them (index: the count)."""
+    activations = _activations(layout, profile, num_microbatches, activation_bytes)
+    pinned = torch.device(device).type == "cuda"
+    return [_footprint(layout, _placed(layout, optimizer_state, masters, k), activations, compute_dtype=compute_dtype,
+                       num_microbatches=num_microbatches, pinned=pinned, resident=k)
+            for k in range(layout.num_slices + 1)]
+
+
+def check_resident_slices(value: object, num_slices: int) -> int:
+    """``value`` as a count of resident slices of ``num_slices``, refused as OffloadModel refuses it."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"resident_slices must be an int, got {type(value).__name__}")
+    if not 0 <= value <= num_slices:
+        raise ValueError(f"resident_slices must be between 0 and the number of slices ({num_slices}), got {value}")
+    return value
+
+
+def resident_device_bytes(layout: SliceLayout) -> list[int]:
+    """Per slice, the device bytes that keeping it resident adds: its parameters and buffers, its
+    gradients and its optimizer state (what it then no longer holds on the host)."""
+    return [t + g + s for t, g, s in zip(layout.tensor_bytes, layout.gradient_bytes, layout.state_bytes)]
 
 
 def _footprint(layout: SliceLayout, placed: tuple[int, int, int, int], activations: tuple[int, int], *,
-               compute_dtype: torch.dtype | None, num_microbatches: int, pinned: bool) -> MemoryFootprint:
+               compute_dtype: torch.dtype | None, num_microbatches: int, pinned: bool,
+               resident: int = 0) -> MemoryFootprint:
     host_activations, device_activations = activations
     masters_bytes, state, disk, disk_window = placed
     # Gradients landing and being added (Note: [Gradients added in place]): two buffers of the
-    # largest slice's size, one when a single slice has gradients (a frozen base around it);
-    # pinned ones are rounded up to their size class, as the pool allocates them.
-    grads = layout.gradient_bytes
+    # largest streamed slice's size, one when a single slice has gradients (a frozen base around
+    # it); pinned ones are rounded up to their size class, as the pool allocates them. A resident
+    # slice's gradients stay on the device: they take no host buffer.
+    all_grads = layout.gradient_bytes
+    grads = all_grads[resident:] or [0]
     window = min(2, sum(1 for g in grads if g)) * (size_class(max(grads)) if pinned else max(grads))
-    shadows = sum(layout.device_bytes) if compute_dtype else 0
+    shadows = sum(layout.device_bytes[resident:]) if compute_dtype else 0
     gradients = sum(grads)
     pool = window + host_activations
     return MemoryFootprint(
@@ -120,12 +170,17 @@ def _footprint(layout: SliceLayout, placed: tuple[int, int, int, int], activatio
         host_pool=gradients + pool,
         device_slots=min(2, layout.num_slices) * max(layout.device_bytes),
         # A slice's gradients as autograd produces them, before they leave (held, or summed in two
-        # buffers over microbatches): memory.md, "Device".
-        device_gradients=(3 if num_microbatches > 1 else 1) * max(grads),
+        # buffers over microbatches): memory.md, "Device". Resident slices' pass through them too.
+        device_gradients=(3 if num_microbatches > 1 else 1) * max(all_grads),
         device_activations=device_activations,
         pinned=pinned,
         pinned_bytes=masters_bytes + shadows + gradients + pool if pinned else 0,
         disk=disk,
+        # Note: [Resident slices]: each tensor its own allocation in its own dtype; the gradients
+        # one buffer per slice laid out as the host's; the state as on the host.
+        device_resident=sum(layout.tensor_bytes[:resident]),
+        device_resident_gradients=sum(all_grads[:resident]),
+        device_resident_optimizer_state=sum(layout.state_bytes[:resident]),
     )
 
 
@@ -141,6 +196,9 @@ class SliceLayout:
         gradient_bytes: its trainable parameters' gradients, in their own dtype, aligned as the
             pool lays them out: what a backward offloads and the host adds.
         state_bytes: its optimizer state.
+        tensor_bytes: its parameters and buffers in their own dtype, each on its own (as a
+            resident slice holds them on the device).
+        trainable_counts: elements of its parameters that require grad.
         parameters: elements of all parameters; trainable: of those that require grad.
     """
 
@@ -149,6 +207,8 @@ class SliceLayout:
     device_bytes: list[int]
     gradient_bytes: list[int]
     state_bytes: list[int]
+    tensor_bytes: list[int]
+    trainable_counts: list[int]
     parameters: int
     trainable: int
 
@@ -188,6 +248,8 @@ def slice_layout(layers: nn.Module | Sequence[int] | int, *, num_slices: int = 8
         device_bytes=[_laid_out(s, device_dtype) for s in slices],
         gradient_bytes=[sum(_align(t.numel * t.dtype.itemsize, ALIGNMENT) for t in s) for s in trained],
         state_bytes=[sum(STATE_ELEMENTS[optimizer] * t.numel * t.dtype.itemsize for t in s) for s in trained],
+        tensor_bytes=[sum(t.numel * t.dtype.itemsize for t in s) for s in slices],
+        trainable_counts=[sum(t.numel for t in s) for s in trained],
         parameters=sum(t.numel for s in slices for t in s if t.is_parameter),
         trainable=sum(t.numel for s in trained for t in s),
     )
@@ -205,19 +267,21 @@ def _check_places(optimizer: str | None, optimizer_state: str, masters: str, com
                          "read the shadow in that dtype, kept in RAM")
 
 
-def _placed(layout: SliceLayout, optimizer_state: str, masters: str) -> tuple[int, int, int, int]:
-    """Masters and state in RAM, bytes on disk, and the disk tiers' window in RAM."""
-    masters_bytes, state = sum(layout.host_bytes), sum(layout.state_bytes)
+def _placed(layout: SliceLayout, optimizer_state: str, masters: str, resident: int = 0) -> tuple[int, int, int, int]:
+    """Masters and state in RAM, bytes on disk, and the disk tiers' window in RAM, of the slices
+    after the first ``resident`` (those hold theirs on the device)."""
+    host_bytes, state_bytes = layout.host_bytes[resident:] or [0], layout.state_bytes[resident:] or [0]
+    masters_bytes, state = sum(host_bytes), sum(state_bytes)
     disk = disk_window = 0
-    window_slices = min(3, layout.num_slices)
+    window_slices = min(3, layout.num_slices - resident)
     if optimizer_state == "disk":
         # The tier's window: three slices' state being read, updated and written (offload/tiers/disk_tier.py).
-        disk, disk_window, state = state, window_slices * max(layout.state_bytes), 0
+        disk, disk_window, state = state, window_slices * max(state_bytes), 0
     if masters == "disk":
         # One file per slice, in whole pages (offload/streams/mapped.py); three slices' masters
         # are in RAM while the optimizer steps (Note: [Masters on disk]).
-        disk += sum(_align(h, 4096) for h in layout.host_bytes)
-        disk_window += window_slices * max(layout.host_bytes)
+        disk += sum(_align(h, 4096) for h in host_bytes)
+        disk_window += window_slices * max(host_bytes)
         masters_bytes = 0
     return masters_bytes, state, disk, disk_window
 

@@ -26,6 +26,7 @@ ADAMW_BYTES_PER_PARAMETER = 28
 UPDATE_BYTES_PER_PARAMETER = {"adamw": 28, "adam": 28, "sgd-momentum": 20, "sgd": 12, None: 0}
 
 GB = 1e9
+TB = 1e12
 TFLOP = 1e12
 
 
@@ -47,6 +48,9 @@ class MachineRates:
         slice_overhead_s: fixed host time per slice run (a slice's forward, recompute or
             backward on one microbatch): Python, events, launches.
         device_memory: bytes of device memory (``None``: unknown).
+        device_memory_bandwidth: bytes per second the device's memory reads plus writes, as an
+            elementwise kernel achieves it: the resident slices' update on the device (``None``:
+            unknown; the planner then takes :data:`DEVICE_MEMORY_BANDWIDTH_DEFAULT`).
         sources: where each figure came from, by attribute name.
     """
 
@@ -60,6 +64,7 @@ class MachineRates:
     disk_write: float | None = None
     slice_overhead_s: float = 0.0
     device_memory: int | None = None
+    device_memory_bandwidth: float | None = None
     sources: dict[str, str] = field(default_factory=dict)
 
     def flops_for(self, dtype_name: str) -> float:
@@ -140,9 +145,11 @@ HOST_DEFAULT = MachineRates(
 )
 
 
-def _gpu(name: str, flops: dict[str, float], link: float, memory_gib: int, sources: dict[str, str]) -> MachineRates:
+def _gpu(name: str, flops: dict[str, float], link: float, memory_gib: int, bandwidth: float,
+         sources: dict[str, str]) -> MachineRates:
     return dataclasses.replace(HOST_DEFAULT, name=name, device_flops=flops, host_to_device=link, device_to_host=link,
-                               device_memory=memory_gib * 2**30, sources=HOST_DEFAULT.sources | sources)
+                               device_memory=memory_gib * 2**30, device_memory_bandwidth=bandwidth,
+                               sources=HOST_DEFAULT.sources | sources)
 
 
 _NVIDIA_H100 = "NVIDIA H100 datasheet (nvidia.com/en-us/data-center/h100): dense, without sparsity"
@@ -152,26 +159,39 @@ _PCIE4 = "PCIe 4.0 x16: 32 GB/s raw; 25 GB/s assumed for pinned copies (about 80
 #: Datasheet peaks are not reached by real matmuls; the H100 SXM's measured 790 of 989 TFLOP/s
 #: (0.8) scales the other datasheet figures, marked so in their sources.
 _ACHIEVED = 0.8
+#: Share of a datasheet's memory bandwidth an elementwise kernel (a fused optimizer step)
+#: achieves: an assumption, not measured here (STREAM-like kernels reach 80-90 % on these GPUs).
+_BANDWIDTH_ACHIEVED = 0.8
+
+#: The device's memory bandwidth where the rates do not give one (a calibration on a machine
+#: without a GPU, a rates file from before the field): the H100 SXM's 3.35 TB/s (its datasheet)
+#: x :data:`_BANDWIDTH_ACHIEVED`. The resident slices' update on the device is timed with it.
+DEVICE_MEMORY_BANDWIDTH_DEFAULT = 3.35 * _BANDWIDTH_ACHIEVED * TB
 
 #: Device and link rates of common GPUs, by the names ``offload plan --gpu`` takes.
 GPU_DEFAULTS: dict[str, MachineRates] = {
     "h100-sxm": _gpu("h100-sxm", {"bfloat16": 790 * TFLOP, "float16": 790 * TFLOP, "float32": 67 * _ACHIEVED * TFLOP},
-                     54.5 * GB, 80, {
+                     54.5 * GB, 80, 3.35 * _BANDWIDTH_ACHIEVED * TB, {
+                         "device_memory_bandwidth": f"3.35 TB/s HBM3 ({_NVIDIA_H100}) x {_BANDWIDTH_ACHIEVED}",
                          "device_flops": "bfloat16: ~790 TFLOP/s dense matmul measured on an H100 SXM; float32: "
                                          f"67 TFLOP/s ({_NVIDIA_H100}) x {_ACHIEVED}",
                          "host_to_device": f"{_H100_README}: pinned copies 54-55 GB/s each way",
                          "device_to_host": f"{_H100_README}: pinned copies 54-55 GB/s each way"}),
     "h100-pcie": _gpu("h100-pcie", {"bfloat16": 756 * _ACHIEVED * TFLOP, "float16": 756 * _ACHIEVED * TFLOP,
-                                    "float32": 51 * _ACHIEVED * TFLOP}, 54.5 * GB, 80, {
+                                    "float32": 51 * _ACHIEVED * TFLOP}, 54.5 * GB, 80,
+                      2.0 * _BANDWIDTH_ACHIEVED * TB, {
+                          "device_memory_bandwidth": f"2.0 TB/s HBM2e ({_NVIDIA_H100}) x {_BANDWIDTH_ACHIEVED}",
                           "device_flops": f"756 (bf16) and 51 (fp32) TFLOP/s, {_NVIDIA_H100}, x {_ACHIEVED}",
                           "host_to_device": f"PCIe 5.0 x16 as the SXM's host link: {_H100_README}",
                           "device_to_host": f"PCIe 5.0 x16 as the SXM's host link: {_H100_README}"}),
     "a100": _gpu("a100", {"bfloat16": 312 * _ACHIEVED * TFLOP, "float16": 312 * _ACHIEVED * TFLOP,
-                          "float32": 19.5 * _ACHIEVED * TFLOP}, 25 * GB, 80, {
+                          "float32": 19.5 * _ACHIEVED * TFLOP}, 25 * GB, 80, 1.935 * _BANDWIDTH_ACHIEVED * TB, {
+                     "device_memory_bandwidth": f"1,935 GB/s, A100 80GB PCIe ({_NVIDIA_A100}) x {_BANDWIDTH_ACHIEVED}",
                      "device_flops": f"312 (bf16) and 19.5 (fp32) TFLOP/s, {_NVIDIA_A100}, x {_ACHIEVED}",
                      "host_to_device": _PCIE4, "device_to_host": _PCIE4}),
     "rtx-4090": _gpu("rtx-4090", {"bfloat16": 165.2 * _ACHIEVED * TFLOP, "float16": 165.2 * _ACHIEVED * TFLOP,
-                                  "float32": 82.6 * _ACHIEVED * TFLOP}, 25 * GB, 24, {
+                                  "float32": 82.6 * _ACHIEVED * TFLOP}, 25 * GB, 24, 1.008 * _BANDWIDTH_ACHIEVED * TB, {
+                         "device_memory_bandwidth": f"1,008 GB/s GDDR6X ({_ADA}) x {_BANDWIDTH_ACHIEVED}",
                          "device_flops": f"165.2 (bf16) and 82.6 (fp32 non-tensor) TFLOP/s, {_ADA}, x {_ACHIEVED}",
                          "host_to_device": _PCIE4, "device_to_host": _PCIE4}),
 }

@@ -24,6 +24,14 @@ it, the disk tier's files read and written). The terms:
   starts when its gradients land in backward, and the next forward waits for all of them
   (:func:`exposed_in_backward`, a per-slice simulation). ``"serial"``: the update after the
   backward, all of it exposed (a plain optimizer, or ``synchronize()`` each step).
+- resident slices (``OffloadModel(..., resident_slices=k)``, Note: [Resident slices] in
+  ``offload/streams/resident_storage.py``): their loads and gradients do not cross the link and
+  they have no host update. Their update runs on the device in ``step()``, before the next
+  forward, in :data:`~offload.planning.rates.UPDATE_BYTES_PER_PARAMETER` bytes per parameter
+  over the device's memory bandwidth (``MachineRates.device_memory_bandwidth``); it adds to the
+  step. Their slot copies (a device-to-device copy, a cast under a compute dtype) run on the
+  compute stream: their bytes, read and written, over that bandwidth add to the device's time.
+  The next forward runs them before it waits for any host update.
 
 It predicts; it does not measure (``offload/cli/calibrate.py`` measures the rates). Checked in
 ``tests/test_planning.py`` on the CPU against a step whose device work is a known sleep, and
@@ -37,8 +45,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .planner import SliceLayout
-from .rates import UPDATE_BYTES_PER_PARAMETER, MachineRates
+from .planner import SliceLayout, check_resident_slices
+from .rates import DEVICE_MEMORY_BANDWIDTH_DEFAULT, UPDATE_BYTES_PER_PARAMETER, MachineRates
 from .shapes import ModelProfile
 
 #: How the host update meets the device's work: behind the next forward (the default), started in
@@ -55,6 +63,7 @@ class StepConfig:
         optimizer_state: ``"ram"`` or ``"disk"`` (the optimizer's :class:`~offload.DiskTier`).
         masters: ``"ram"`` or ``"disk"`` (``OffloadModel(..., masters=DiskTier(...))``).
         schedule: one of :data:`SCHEDULES`.
+        resident_slices: as :class:`~offload.OffloadModel` takes it.
     """
 
     num_slices: int = 8
@@ -63,6 +72,7 @@ class StepConfig:
     optimizer_state: str = "ram"
     masters: str = "ram"
     schedule: str = "overlapped"
+    resident_slices: int = 0
 
 
 @dataclass(frozen=True)
@@ -78,8 +88,9 @@ class StepTime:
         update: the host update (and the disk tier's traffic, where it is longer).
         disk_read, disk_write: the disk tier's files.
         forward, backward: each phase's length, overlap counted.
-        exposed_update: what the step waits for the update.
+        exposed_update: what the step waits for the host update.
         step: the step.
+        device_update: the resident slices' update on the device (all of it in the step).
     """
 
     compute: float
@@ -94,6 +105,7 @@ class StepTime:
     backward: float
     exposed_update: float
     step: float
+    device_update: float = 0.0
 
     @property
     def efficiency(self) -> float:
@@ -106,7 +118,8 @@ class StepTime:
 
 @dataclass(frozen=True)
 class _Traffic:
-    """Bytes of one step, per phase and direction, and the host update's."""
+    """Bytes of one step, per phase and direction, the host update's, and the resident slices'
+    (their slot copies and their update, on the device)."""
 
     forward_loads: int
     forward_offloads: int
@@ -118,32 +131,47 @@ class _Traffic:
     shadow: int
     disk_read: int
     disk_write: int
+    device_copies: int = 0
+    device_update: int = 0
 
 
 def traffic(layout: SliceLayout, profile: ModelProfile | None, config: StepConfig,
             optimizer: str | None = "adamw") -> _Traffic:
     """Bytes a step moves, as ``offload/streams/copies.py`` counts them (``loaded_bytes``,
     ``offloaded_bytes``): the backward reloads every slice but the two left in the slots, and the
-    checkpointed boundary activations travel out in the forward and back in the backward."""
-    n = layout.num_slices
+    checkpointed boundary activations travel out in the forward and back in the backward. The
+    first ``config.resident_slices`` slices load by a device copy and keep their gradients on the
+    device (``device_copies``: those copies' bytes read and written) and are updated there
+    (``device_update``)."""
+    n, k = layout.num_slices, config.resident_slices
     boundaries = profile.checkpointed_bytes(layout.ranges, config.num_microbatches) if profile is not None else 0
-    trainable_bytes = sum(layout.gradient_bytes)
-    state_bytes = sum(layout.state_bytes) if config.optimizer_state == "disk" else 0
-    master_bytes = sum(layout.host_bytes) if config.masters == "disk" else 0
+    streamed_grads = layout.gradient_bytes[k:]
+    state_bytes = sum(layout.state_bytes[k:]) if config.optimizer_state == "disk" else 0
+    master_bytes = sum(layout.host_bytes[k:]) if config.masters == "disk" else 0
     # The update's bytes per parameter are given for float32; other dtypes scale with their size.
     per_byte = UPDATE_BYTES_PER_PARAMETER[optimizer] / 4
+    reloaded = range(max(n - 2, 0))  # the backward's loads: all but the two slices left in the slots
+    # A resident slot copy reads the parameters (their own dtype) and writes the slot; a resident
+    # slice's gradients are copied once from the summing buffers into memory of their own.
+    resident_loads = sum(layout.tensor_bytes[j] + layout.device_bytes[j] for j in range(k))
+    resident_reloads = sum(layout.tensor_bytes[j] + layout.device_bytes[j] for j in reloaded if j < k)
     return _Traffic(
-        forward_loads=sum(layout.device_bytes),
+        forward_loads=sum(layout.device_bytes[k:]),
         forward_offloads=boundaries,
-        backward_loads=sum(layout.device_bytes[:max(n - 2, 0)]) + boundaries,
-        backward_offloads=trainable_bytes,
-        first_load=layout.device_bytes[0],
-        last_offload=layout.gradient_bytes[0],
-        update=round(per_byte * trainable_bytes),
+        backward_loads=sum(layout.device_bytes[j] for j in reloaded if j >= k) + boundaries,
+        backward_offloads=sum(streamed_grads),
+        first_load=layout.device_bytes[0] if k == 0 else 0,
+        # Slice 0's gradients leave last; a resident one's do not leave, and the streamed slices'
+        # cross while the resident ones' backward runs.
+        last_offload=layout.gradient_bytes[0] if k == 0 else 0,
+        update=round(per_byte * sum(streamed_grads)),
         # The update writes each trained parameter's shadow beside it.
-        shadow=layout.trainable * config.compute_dtype.itemsize if config.compute_dtype is not None else 0,
+        shadow=(sum(layout.trainable_counts[k:]) * config.compute_dtype.itemsize
+                if config.compute_dtype is not None else 0),
         disk_read=state_bytes + master_bytes,
         disk_write=state_bytes + master_bytes,
+        device_copies=resident_loads + resident_reloads + 2 * sum(layout.gradient_bytes[:k]),
+        device_update=round(per_byte * sum(layout.gradient_bytes[:k])),
     )
 
 
@@ -165,8 +193,10 @@ def estimate_step_time(layout: SliceLayout, profile: ModelProfile | None, config
             (the backward's including the recompute), instead of operations over a rate.
 
     Raises:
-        ValueError: an unknown schedule, or neither ``profile`` nor ``device_seconds``.
+        ValueError: an unknown schedule, neither ``profile`` nor ``device_seconds``, or
+            ``resident_slices`` below 0 or above the number of slices.
     """
+    check_resident_slices(config.resident_slices, layout.num_slices)
     if config.schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {config.schedule!r}")
     if profile is None and device_seconds is None:
@@ -184,50 +214,66 @@ def estimate_step_time(layout: SliceLayout, profile: ModelProfile | None, config
         recompute = profile.recomputed_flops(layout.ranges, config.num_microbatches)
         backward_device = (recompute + profile.backward_flops) / rate
         compute = (profile.forward_flops + profile.backward_flops) / rate
-    forward_compute, backward_compute = forward_device + runs, backward_device + 2 * runs
-    forward, backward, load, offload = _phases(moved, forward_compute, backward_compute, rates,
-                                               torch.device(device).type == "cuda")
+    on_gpu = torch.device(device).type == "cuda"
+    # On a CPU "device" the resident slices' copies and update are the host's, at its rates.
+    device_copy = (rates.device_memory_bandwidth or DEVICE_MEMORY_BANDWIDTH_DEFAULT) if on_gpu else rates.host_copy
+    device_update = moved.device_update / (device_copy if on_gpu else rates.host_update)
+    # The resident slices' slot copies and gradient copies run on the compute stream, in the phase
+    # they belong to (the gradients' in backward); the forward loads each slice once.
+    k = config.resident_slices
+    forward_copies = sum(layout.tensor_bytes[j] + layout.device_bytes[j] for j in range(k))
+    backward_copies = moved.device_copies - forward_copies
+    forward_compute = forward_device + runs + forward_copies / device_copy
+    backward_compute = backward_device + 2 * runs + backward_copies / device_copy
+    forward, backward, load, offload = _phases(moved, forward_compute, backward_compute, rates, on_gpu)
     update, disk_read, disk_write = _update(moved, rates)
-    d2h = rates.device_to_host if torch.device(device).type == "cuda" else None
-    exposed = exposed_update(config.schedule, forward, backward, update, layout.gradient_bytes, d2h)
+    d2h = rates.device_to_host if on_gpu else None
+    streamed = [0] * k + list(layout.gradient_bytes[k:])  # a resident slice has no host update
+    exposed = exposed_update(config.schedule, forward, backward, update, streamed, d2h,
+                             device_update=device_update, update_waits=not on_gpu)
     return StepTime(compute=compute, forward_compute=forward_compute, backward_compute=backward_compute,
                     load=load, offload=offload, update=update, disk_read=disk_read, disk_write=disk_write,
                     forward=forward, backward=backward, exposed_update=exposed,
-                    step=forward + backward + exposed)
+                    step=forward + backward + device_update + exposed, device_update=device_update)
 
 
 def exposed_update(schedule: str, forward: float, backward: float, update: float, gradient_bytes: Sequence[int],
-                   device_to_host: float | None) -> float:
+                   device_to_host: float | None, *, device_update: float = 0.0, update_waits: bool = False) -> float:
     """What of the host update (``update`` seconds) a step waits for under ``schedule``, given its
-    forward's and backward's lengths and each slice's gradient bytes (``device_to_host``: the
-    link's rate, ``None`` on a CPU "device")."""
+    forward's and backward's lengths and each slice's gradient bytes on their way to the host update
+    (0 for a resident or frozen slice; ``device_to_host``: the link's rate, ``None`` on a CPU
+    "device"). ``device_update``: the resident slices' update, which the device runs in ``step()``
+    before the next forward; ``update_waits``: the host update starts only after it (a CPU
+    "device", where both run in the calling thread)."""
     if schedule == "overlapped":
-        return exposed_overlapped(gradient_bytes, forward, update)
+        return exposed_overlapped(gradient_bytes, forward, update, start=0.0 if update_waits else device_update)
     if schedule == "in-backward":
-        return exposed_in_backward(gradient_bytes, backward, update, device_to_host)
+        return exposed_in_backward(gradient_bytes, backward, update, device_to_host, forward=forward,
+                                   start=device_update)
     return update
 
 
-def exposed_overlapped(gradient_bytes: Sequence[int], forward: float, update: float) -> float:
+def exposed_overlapped(gradient_bytes: Sequence[int], forward: float, update: float, start: float = 0.0) -> float:
     """What a step waits for the update started at ``step()`` (``"overlapped"``, the default): a
     per-slice simulation. The worker updates the slices in order, each ``update`` shared by
-    gradient bytes; the next forward runs slice *k* (an equal share of ``forward``) once slice
-    *k - 1* has run and slice *k*'s update is done. For equal slices that is the longer of one
-    slice's update (slice 0 waits for its own) and the update plus one slice's forward, less the
-    forward."""
+    gradient bytes; the next forward, starting ``start`` seconds after the update (the device's
+    own update of resident slices before it), runs slice *k* (an equal share of ``forward``) once
+    slice *k - 1* has run and slice *k*'s update is done (at once for a slice without gradients).
+    For equal slices that is the longer of one slice's update (slice 0 waits for its own) and the
+    update plus one slice's forward, less the forward."""
     total = sum(gradient_bytes)
     if not total or not update:
         return 0.0
     share = forward / len(gradient_bytes)
-    updated = ran = 0.0
+    updated, ran = 0.0, start
     for grad_bytes in gradient_bytes:
         updated += update * grad_bytes / total
         ran = max(ran, updated) + share
-    return max(0.0, ran - forward)
+    return max(0.0, ran - start - forward)
 
 
 def exposed_in_backward(gradient_bytes: Sequence[int], backward: float, update: float,
-                        device_to_host: float | None) -> float:
+                        device_to_host: float | None, *, forward: float = 0.0, start: float = 0.0) -> float:
     """What a step waits for the update when backward starts each slice's (``"in-backward"``;
     Note: [Update in backward] in ``offload/optimizing/in_backward.py``): a per-slice simulation.
 
@@ -235,10 +281,13 @@ def exposed_in_backward(gradient_bytes: Sequence[int], backward: float, update: 
     gradients (``gradient_bytes[k]``) cross the link (``device_to_host`` bytes/s; ``None`` on a CPU
     "device", whose offloads are in that share already), so slice 0's land as the backward ends.
     The worker takes the updates first in, first out, each ``update`` shared by gradient bytes,
-    starting one when its gradients have landed and the one before it is done. The next forward
-    loads slice 0 first and waits for its update, queued last: the step waits from the end of
-    backward until the worker is through. That is about one slice's update when the worker keeps
-    up with backward, and the update less the backward after the first slice landed when it does not.
+    starting one when its gradients have landed and the one before it is done; a slice without
+    gradients (resident, or frozen) gives it nothing. The next forward starts ``start`` seconds
+    after the backward (the resident slices' update on the device), runs the leading slices
+    without gradients (an equal share of ``forward`` each) and then waits for the first slice's
+    update, queued last: the step waits until the worker is through. That is about one slice's
+    update when the worker keeps up with backward, and the update less the backward after the
+    first slice landed when it does not.
 
     Not modelled: slices whose update waits for ``step()`` (a weight tied across slices, a gradient
     hook: ``deferred``), ``max_backlog``, and the update's and backward's copies sharing the host's memory.
@@ -247,13 +296,17 @@ def exposed_in_backward(gradient_bytes: Sequence[int], backward: float, update: 
     n = len(gradient_bytes)
     if not total or not update:
         return 0.0
+    first = next(k for k, g in enumerate(gradient_bytes) if g)
+    # The backward's last offload, slice 0's, which nothing hides (none when it has no gradients).
     tail = gradient_bytes[0] / device_to_host if device_to_host else 0.0
     share = (backward - tail) / n  # one slice's backward, its offload left out
     worker_free = 0.0
     for j, k in enumerate(reversed(range(n))):  # slice n-1 lands first, slice 0 last
+        if not gradient_bytes[k]:
+            continue
         landed = (j + 1) * share + (gradient_bytes[k] / device_to_host if device_to_host else 0.0)
         worker_free = max(worker_free, landed) + update * gradient_bytes[k] / total
-    return max(0.0, worker_free - backward)
+    return max(0.0, worker_free - backward - start - forward * first / n)
 
 
 def _phases(moved: _Traffic, forward_compute: float, backward_compute: float, rates: MachineRates,
