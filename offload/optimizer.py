@@ -42,7 +42,7 @@ from .optimizing.in_backward import BackwardUpdates, check_in_backward
 from .optimizing.plan import inner_optimizer, plan_key, slice_steps, snapshot
 from .optimizing.sharding import Sharding
 from .optimizing.stepping import SliceUpdates
-from .optimizing.tier_plumbing import SliceState, TierPlumbing, TierSliceLoad
+from .optimizing.tier_plumbing import SliceState, TierPlumbing, TierSliceLoad, casts_as_torch_optim
 from .streams.collectives import HostCollectives
 from .tiers.disk_tier import DiskTier, StateTier
 from .tiers.slice_update import SliceStep, held_state
@@ -127,7 +127,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         collectives = self._collectives
         _newest[model] = weakref.ref(self)
         self._disk = TierPlumbing.of(disk_tier, self, engine_of(model), collectives.rank if collectives else None,
-                                     collectives.world_size if collectives else 1)
+                                     collectives.world_size if collectives else 1, optimizer_class)
         self._updates = SliceUpdates(engine_of(model), self._disk, self._sharding, num_threads)
         engine_of(model).optimizers.add(self)  # its state counts in model.memory_footprint()
         self._in_backward = BackwardUpdates.attach(self, engine_of(model), accumulation_steps, self._updates,
@@ -316,7 +316,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         instance of the class over the same parameters loads the state, so these rules hold here;
         this optimizer's load hooks run around it as ``torch.optim``'s would run them.
         """
-        if self.optimizer_class.load_state_dict is torch.optim.Optimizer.load_state_dict:
+        if casts_as_torch_optim(self.optimizer_class):
             super().load_state_dict(state_dict)
             return
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
