@@ -1,10 +1,11 @@
 """bitsandbytes' 8-bit optimizers through OffloadOptimizer: ``AdamW8bit``, ``Adam8bit``,
-``SGD8bit`` and ``Lion8bit`` keep each moment as uint8 codes (``state1``, ``state2``) with a
-float32 scale per 256-element block (``absmax1``, ``absmax2``) and a 256-entry quantization map
-(``qmap1``, ``qmap2``); tensors under ``min_8bit_size`` elements keep float32 moments. bitsandbytes
-runs them on CPU tensors, so OffloadOptimizer runs the class unchanged on its host worker, slice by
-slice: parameters and state equal the same class run plainly, bit for bit (docs/optimizer.md,
-"Low-bit optimizers"). The state is plain tensors, so a disk tier keeps all of it in its files.
+``SGD8bit``, ``Lion8bit`` and the other 8-bit classes (RMSprop, Adagrad, LAMB, LARS, AdEMAMix)
+keep each moment as uint8 codes (``state1``, ``state2``) with a float32 scale per 256-element block
+(``absmax1``, ``absmax2``) and a 256-entry quantization map (``qmap1``, ``qmap2``); tensors under
+``min_8bit_size`` elements keep float32 moments. bitsandbytes runs them on CPU tensors, so
+OffloadOptimizer runs the class unchanged on its host worker, slice by slice: parameters and state
+equal the same class run plainly, bit for bit (docs/optimizer.md, "Low-bit optimizers"). The state
+is plain tensors, so a disk tier keeps all of it in its files.
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ CLASSES = [
     pytest.param("Adam8bit", {"lr": 1e-2}, id="Adam8bit"),
     pytest.param("SGD8bit", {"lr": 1e-2, "momentum": 0.9}, id="SGD8bit"),
     pytest.param("Lion8bit", {"lr": 1e-3}, id="Lion8bit"),
+    pytest.param("RMSprop8bit", {"lr": 1e-3}, id="RMSprop8bit"),
+    pytest.param("Adagrad8bit", {"lr": 1e-2}, id="Adagrad8bit"),
+    pytest.param("LAMB8bit", {"lr": 1e-2}, id="LAMB8bit"),
+    pytest.param("LARS8bit", {"lr": 1e-2, "momentum": 0.9}, id="LARS8bit"),
+    pytest.param("AdEMAMix8bit", {"lr": 1e-2}, id="AdEMAMix8bit"),
 ]
 
 
