@@ -271,8 +271,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         return packed
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """``torch.optim.Optimizer.load_state_dict()``, after the pending updates; with a disk tier,
-        the loaded state moves to disk one slice at a time."""
+        """``torch.optim.Optimizer.load_state_dict()`` (``optimizer_class``'s own where it has one:
+        bitsandbytes' keeps its uint8 codes), after the pending updates; with a disk tier, the loaded
+        state moves to disk one slice at a time."""
         self.synchronize()
         self._load_as_class(state_dict)
         self._disk.forget()
