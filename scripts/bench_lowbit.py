@@ -1,16 +1,21 @@
-"""Low-bit AdamW on the host: update time and state bytes per parameter against fused float32 AdamW.
+"""Low-bit optimizers on the host: update time and state bytes per parameter against fused float32 AdamW.
 
 One ``OffloadModel`` of identical linear layers is stepped by ``OffloadOptimizer`` with each class
-in turn (``torch.optim.AdamW(fused=True)``, torchao's ``AdamW8bit`` and ``AdamW4bit``); each update
-is timed from ``step()`` to ``synchronize()`` (the whole host update, nothing overlapped), the
-median of ``--steps`` after ``--warmup`` (the low-bit classes compile their step on first use).
-State bytes count what the optimizer keeps per parameter (codes and scales for the low-bit
-classes). The update moves, per parameter, the parameter (read and write), its gradient (read) and
-the state (read and write).
+in turn (``torch.optim.AdamW(fused=True)``; torchao's ``AdamW8bit`` and ``AdamW4bit``;
+bitsandbytes' ``AdamW8bit``, ``Lion8bit`` and ``SGD8bit``); each update is timed from ``step()`` to
+``synchronize()`` (the whole host update, nothing overlapped), the median of ``--steps`` after
+``--warmup`` (torchao's classes compile their step on first use). State bytes count what the
+optimizer keeps per parameter (codes, scales and quantization maps for the low-bit classes). The
+update moves, per parameter, the parameter (read and write), its gradient (read) and the state (read
+and write).
+
+``--libraries`` picks the low-bit libraries measured beside fused AdamW: ``torchao`` (the lowbit
+extra) and ``bnb`` (the bnb extra, bitsandbytes).
 
 Usage::
 
     python scripts/bench_lowbit.py --json benchmarks/results/lowbit_cpu.json
+    python scripts/bench_lowbit.py --libraries bnb --json benchmarks/results/lowbit_bnb_cpu.json
 """
 
 from __future__ import annotations
@@ -66,15 +71,26 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--libraries", nargs="+", choices=["torchao", "bnb"], default=["torchao"],
+                        help="low-bit libraries to measure beside fused float32 AdamW (default: torchao)")
     parser.add_argument("--json")
     args = parser.parse_args()
-    from torchao.optim import AdamW4bit, AdamW8bit  # the lowbit extra
+    classes = {"AdamW fused float32": (torch.optim.AdamW, {"fused": True})}
+    if "torchao" in args.libraries:
+        from torchao.optim import AdamW4bit, AdamW8bit  # the lowbit extra
 
-    classes = {"AdamW fused float32": (torch.optim.AdamW, {"fused": True}),
-               "torchao AdamW8bit": (AdamW8bit, {}), "torchao AdamW4bit": (AdamW4bit, {})}
+        classes.update({"torchao AdamW8bit": (AdamW8bit, {}), "torchao AdamW4bit": (AdamW4bit, {})})
+    if "bnb" in args.libraries:
+        import bitsandbytes as bnb  # the bnb extra
+
+        # SGD8bit needs momentum (it refuses to run without); the others at their defaults.
+        classes.update({"bitsandbytes AdamW8bit": (bnb.optim.AdamW8bit, {}),
+                        "bitsandbytes Lion8bit": (bnb.optim.Lion8bit, {}),
+                        "bitsandbytes SGD8bit": (bnb.optim.SGD8bit, {"momentum": 0.9})})
     report = {"command": "python " + " ".join(sys.argv), "date": datetime.date.today().isoformat(),
               "host": f"{platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads",
-              "torch": torch.__version__, "results": {}}
+              "torch": torch.__version__, "libraries": {name: _version(name) for name in args.libraries},
+              "results": {}}
     for name, (cls, kwargs) in classes.items():
         report["results"][name] = measure(cls, kwargs, args.width, args.layers, args.warmup, args.steps)
     base = report["results"]["AdamW fused float32"]
@@ -88,6 +104,12 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
+
+
+def _version(library: str) -> str:
+    from importlib.metadata import version
+
+    return version({"torchao": "torchao", "bnb": "bitsandbytes"}[library])
 
 
 if __name__ == "__main__":

@@ -32,22 +32,23 @@ class TierPlumbing:
         copies: the copy engine of the optimizer's model (its workers and waits).
     """
 
-    def __init__(self, tier: StateTier | None, copies: CopyStreams) -> None:
+    def __init__(self, tier: StateTier | None, copies: CopyStreams, casts_as_torch_optim: bool = True) -> None:
         self.tier = tier
         self.copies = copies
+        self.casts_as_torch_optim = casts_as_torch_optim  # see loads_on_disk()
 
     @classmethod
     def of(cls, disk_tier: DiskTier | str | os.PathLike[str] | None, optimizer: torch.optim.Optimizer,
-           engine: Engine, rank: int | None, ranks: int) -> TierPlumbing:
+           engine: Engine, rank: int | None, ranks: int, optimizer_class: type[torch.optim.Optimizer]) -> TierPlumbing:
         """The plumbing of ``optimizer``'s ``disk_tier`` setting (``None``: no tier), the tier opened
         for this rank (``rank`` of ``ranks`` when the update is sharded, else ``None``) and counted in
-        the model's memory footprint."""
+        the model's memory footprint; ``optimizer_class`` is the class that steps the slices."""
         if disk_tier is None:
             return cls(None, engine.copies)
         setting = disk_tier if isinstance(disk_tier, DiskTier) else DiskTier(disk_tier)
         tier = StateTier(setting, optimizer, engine.copies, rank, ranks)
         engine.disk_tiers.add(tier)
-        return cls(tier, engine.copies)
+        return cls(tier, engine.copies, casts_as_torch_optim(optimizer_class))
 
     # -- stepping -------------------------------------------------------------------------------------
 
@@ -113,8 +114,10 @@ class TierPlumbing:
         ``dtype`` and ``shape``) loads straight into the tier, a slice at a time: the tier would keep
         it on disk once ``load_state_dict()`` cast it. Never ``step``, whose cast depends on the
         saved groups' ``fused`` and ``capturable``, nor a tensor without elements (there is nothing
-        to read)."""
-        if self.tier is None or key == "step" or len(shape) == 0 or any(n == 0 for n in shape):
+        to read), nor any state of a class that loads with rules of its own (:func:`casts_as_torch_optim`):
+        its ``load_state_dict()`` places that state, and the tier takes it from there."""
+        if (self.tier is None or not self.casts_as_torch_optim or key == "step" or len(shape) == 0
+                or any(n == 0 for n in shape)):
             return False
         return self.tier.keeps(index, param, as_loaded(param, key, torch.empty(0, dtype=dtype)))
 
@@ -161,3 +164,11 @@ def as_loaded(param: torch.Tensor, key: str, value: torch.Tensor) -> torch.Tenso
     assert key != "step", "internal error: the cast of step depends on the saved groups"
     # The groups tell only step's cast (fused, capturable); any list naming the parameter does.
     return torch.optim.Optimizer._process_value_according_to_param_policy(param, value, 0, [{"params": [0]}], key)
+
+
+def casts_as_torch_optim(optimizer_class: type[torch.optim.Optimizer]) -> bool:
+    """Whether ``optimizer_class`` loads its state with ``torch.optim``'s ``load_state_dict()``,
+    which casts every state tensor but ``step`` to its parameter's dtype (:func:`as_loaded`), not with
+    a ``load_state_dict()`` of its own: bitsandbytes' 8-bit optimizers keep their uint8 codes and
+    float32 quantization maps as saved."""
+    return optimizer_class.load_state_dict is torch.optim.Optimizer.load_state_dict
