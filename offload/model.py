@@ -326,8 +326,7 @@ class OffloadModel(SettledModule):
         convert = host_conversion(fn, self.offload_device)
         if convert is None:  # a move alone: the host copies stay as they are
             return self
-        super()._apply(stays_on_compute(convert, self.offload_device) if self._engine.num_resident else convert,
-                       recurse)
+        super()._apply(stays_on_compute(convert, self.offload_device, self._engine.num_resident), recurse)
         self._engine.refresh()
         return self
 

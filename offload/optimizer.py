@@ -272,11 +272,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         return packed
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """``torch.optim.Optimizer.load_state_dict()`` (``optimizer_class``'s own where it has one:
-        bitsandbytes' keeps its uint8 codes), after the pending updates; with a disk tier, the loaded
-        state moves to disk one slice at a time."""
+        """``optimizer_class``'s ``load_state_dict()``, after the pending updates (a disk tier's: slice by slice)."""
         self.synchronize()
-        self._load_as_class(state_dict)
+        _load_as_class(self, state_dict)
         self._disk.forget()
         self._plan_key = None  # a sharded optimizer keeps only its own parameters' state
         if self._sharding is not None or self._tier is not None:
@@ -303,33 +301,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         assert self._tier is not None
         # Not synchronize(): a write that failed while loading is raised as a load's, by adopt().
         engine_of(self.model).updates.wait_all()
-        self._load_as_class(state_dict)
+        _load_as_class(self, state_dict)
         self._disk.forget(keep=loaded)
         self._disk.adopt()
-
-    def _load_as_class(self, state_dict: dict[str, Any]) -> None:
-        """``torch.optim``'s ``load_state_dict()``, or ``optimizer_class``'s own where it has one.
-
-        ``torch.optim`` casts every saved state tensor to its parameter's dtype. A class that keeps
-        state of other dtypes loads it with rules of its own: bitsandbytes' 8-bit optimizers keep
-        their codes as uint8 and their quantization maps and block scales in float32 (cast to the
-        parameter's float dtype, the next update would read the codes as 32-bit moments), and
-        unwrap the quantization state their ``state_dict()`` nests under a key of its own. An
-        instance of the class over the same parameters loads the state, so these rules hold here;
-        this optimizer's load hooks run around it as ``torch.optim``'s would run them.
-        """
-        if casts_as_torch_optim(self.optimizer_class):
-            super().load_state_dict(state_dict)
-            return
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            state_dict = pre_hook(self, state_dict) or state_dict
-        loader = self.optimizer_class([dict(group) for group in self.param_groups], **self.optimizer_kwargs)
-        loader.load_state_dict(state_dict)
-        # Keyed by this optimizer's parameters (the loader's), its groups the saved hyperparameters.
-        torch.optim.Optimizer.__setstate__(self, {"state": loader.__dict__["state"],
-                                                  "param_groups": loader.param_groups})
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
 
     def close(self) -> None:
         """Wait for the pending updates and remove the disk tier's files (kept with
@@ -379,6 +353,31 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def _tier(self) -> StateTier | None:
         """The disk tier, or ``None``."""
         return None if self.__dict__.get("_disk") is None else self._disk.tier
+
+
+def _load_as_class(optimizer: OffloadOptimizer, state_dict: dict[str, Any]) -> None:
+    """``torch.optim``'s ``load_state_dict()``, or ``optimizer_class``'s own where it has one.
+
+    ``torch.optim`` casts every saved state tensor to its parameter's dtype. A class that keeps
+    state of other dtypes loads it with rules of its own: bitsandbytes' 8-bit optimizers keep
+    their codes as uint8 and their quantization maps and block scales in float32 (cast to the
+    parameter's float dtype, the next update would read the codes as 32-bit moments), and
+    unwrap the quantization state their ``state_dict()`` nests under a key of its own. An
+    instance of the class over the same parameters loads the state, so these rules hold here;
+    the optimizer's load hooks run around it as ``torch.optim``'s would run them.
+    """
+    if casts_as_torch_optim(optimizer.optimizer_class):
+        torch.optim.Optimizer.load_state_dict(optimizer, state_dict)
+        return
+    for pre_hook in optimizer._optimizer_load_state_dict_pre_hooks.values():
+        state_dict = pre_hook(optimizer, state_dict) or state_dict
+    loader = optimizer.optimizer_class([dict(group) for group in optimizer.param_groups], **optimizer.optimizer_kwargs)
+    loader.load_state_dict(state_dict)
+    # Keyed by the optimizer's parameters (the loader's), its groups the saved hyperparameters.
+    torch.optim.Optimizer.__setstate__(optimizer, {"state": loader.__dict__["state"],
+                                                   "param_groups": loader.param_groups})
+    for post_hook in optimizer._optimizer_load_state_dict_post_hooks.values():
+        post_hook(optimizer)
 
 
 def _resident(step: SliceStep) -> bool:

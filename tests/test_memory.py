@@ -233,14 +233,9 @@ def test_the_estimate_matches_the_footprint(compute_dtype, optimizer_class, kwar
     # The pool also keeps the (small) boundary activations the planner was not told about.
     activations = num_slices * 4 * 64 * 4  # a boundary activation per slice, at most 4 x 64 float32
     pooled = footprint.host_pool_idle + footprint.host_activations
-    if resident and not frozen:
-        return  # the gradient window is sized by resident slices too: see the xfail test below
     assert plan.host_pool_idle <= pooled <= plan.host_pool_idle + activations
 
 
-@pytest.mark.xfail(strict=True, reason="streams/gradients.py GradientOffloader.begin() counts a resident slice's "
-                                       "gradients (kept on the device) in _max_nbytes, the size of every transient "
-                                       "host buffer: the host window is sized by the largest slice, resident or not")
 def test_the_host_gradient_window_is_sized_by_the_streamed_slices():
     """A resident slice's gradients stay on the device; the host buffers that the streamed slices'
     gradients land in need only the largest streamed slice's size. Here slice 0 (resident) is the

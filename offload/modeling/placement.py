@@ -102,10 +102,13 @@ def host_conversion(fn: Convert, offload_device: torch.device) -> Convert | None
     return lambda t: t.to(dtype=single) if t.is_floating_point() else t
 
 
-def stays_on_compute(convert: Convert, offload_device: torch.device) -> Convert:
-    """``convert`` (from :func:`host_conversion`) for a model with resident slices: their tensors
-    and gradients, on the compute device, take its dtype change and stay there (a ``.cpu()`` that
-    leaves the compute where it is, rule 3 of Note: [Moving an OffloadModel], must not move them)."""
+def stays_on_compute(convert: Convert, offload_device: torch.device, resident_slices: int) -> Convert:
+    """``convert`` (from :func:`host_conversion`), for a model with ``resident_slices``: their
+    tensors and gradients, on the compute device, take its dtype change and stay there (a ``.cpu()``
+    that leaves the compute where it is, rule 3 of Note: [Moving an OffloadModel], must not move them)."""
+    if not resident_slices:
+        return convert
+
     def apply(tensor: torch.Tensor) -> torch.Tensor:
         converted = convert(tensor)
         if tensor.device == offload_device or converted.device == tensor.device:

@@ -140,7 +140,7 @@ def check_resident_slices(value: object, num_slices: int) -> int:
 def resident_device_bytes(layout: SliceLayout) -> list[int]:
     """Per slice, the device bytes that keeping it resident adds: its parameters and buffers, its
     gradients and its optimizer state (what it then no longer holds on the host)."""
-    return [t + g + s for t, g, s in zip(layout.tensor_bytes, layout.gradient_bytes, layout.state_bytes)]
+    return [t + g + s for t, g, s in zip(layout.tensor_bytes, layout.trainable_bytes, layout.state_bytes)]
 
 
 def _footprint(layout: SliceLayout, placed: tuple[int, int, int, int], activations: tuple[int, int], *,
@@ -176,10 +176,10 @@ def _footprint(layout: SliceLayout, placed: tuple[int, int, int, int], activatio
         pinned=pinned,
         pinned_bytes=masters_bytes + shadows + gradients + pool if pinned else 0,
         disk=disk,
-        # Note: [Resident slices]: each tensor its own allocation in its own dtype; the gradients
-        # one buffer per slice laid out as the host's; the state as on the host.
+        # Note: [Resident slices]: each tensor, and each gradient, an allocation of its own in its
+        # own dtype; the state as on the host.
         device_resident=sum(layout.tensor_bytes[:resident]),
-        device_resident_gradients=sum(all_grads[:resident]),
+        device_resident_gradients=sum(layout.trainable_bytes[:resident]),
         device_resident_optimizer_state=sum(layout.state_bytes[:resident]),
     )
 
@@ -198,6 +198,8 @@ class SliceLayout:
         state_bytes: its optimizer state.
         tensor_bytes: its parameters and buffers in their own dtype, each on its own (as a
             resident slice holds them on the device).
+        trainable_bytes: its trainable parameters' gradients, each on its own (as a resident
+            slice's stay on the device).
         trainable_counts: elements of its parameters that require grad.
         parameters: elements of all parameters; trainable: of those that require grad.
     """
@@ -208,6 +210,7 @@ class SliceLayout:
     gradient_bytes: list[int]
     state_bytes: list[int]
     tensor_bytes: list[int]
+    trainable_bytes: list[int]
     trainable_counts: list[int]
     parameters: int
     trainable: int
@@ -249,6 +252,7 @@ def slice_layout(layers: nn.Module | Sequence[int] | int, *, num_slices: int = 8
         gradient_bytes=[sum(_align(t.numel * t.dtype.itemsize, ALIGNMENT) for t in s) for s in trained],
         state_bytes=[sum(STATE_ELEMENTS[optimizer] * t.numel * t.dtype.itemsize for t in s) for s in trained],
         tensor_bytes=[sum(t.numel * t.dtype.itemsize for t in s) for s in slices],
+        trainable_bytes=[sum(t.numel * t.dtype.itemsize for t in s) for s in trained],
         trainable_counts=[sum(t.numel for t in s) for s in trained],
         parameters=sum(t.numel for s in slices for t in s if t.is_parameter),
         trainable=sum(t.numel for s in trained for t in s),
