@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -360,11 +363,49 @@ def test_schedule_benchmark_times_each_schedule_and_finds_it_exact(tmp_path):
     assert data["host_threads"] == torch.get_num_threads() and data["update_threads"] == 1
     assert set(data["sizes"]) >= {"dim", "slices", "parameters", "rows"}
     assert [r["ratio"] for r in data["ratios"]] == [1, 2, 4]
+    # --quick has 4 slices: a quarter of them is the one resident slice.
+    assert data["resident_slices"] == [1] and "training thread" in data["resident_stand_in"]
+    names = ["next-forward", "backward", "serial", "next-forward+resident1", "backward+resident1"]
+    assert data["schedules"] == names
     for ratio in data["ratios"]:
         assert ratio["update_s"] > 0 and ratio["device_s"] > 0 and ratio["slept_s"] >= 0
-        assert set(ratio["schedules"]) == {"next-forward", "backward", "serial"}
-        for schedule in ratio["schedules"].values():
+        assert list(ratio["schedules"]) == names
+        for name, schedule in ratio["schedules"].items():
             assert set(schedule) >= {"step_s", "bound_s", "step_over_bound", "update_s", "device_s", "exact"}
             assert schedule["bound_s"] == max(schedule["device_s"], schedule["update_s"])
             assert schedule["step_over_bound"] == schedule["step_s"] / schedule["bound_s"]
-            assert schedule["exact"] is True
+            assert schedule["exact"] is True, name
+            assert schedule["resident_slices"] == (1 if "resident" in name else 0)
+        # With a resident slice, the device's work includes its update and the host's leaves it out.
+        terms = ratio["resident"]["1"]
+        assert terms["resident_update_s"] > 0 and terms["device_without_update_s"] > 0
+        assert terms["device_s"] == terms["device_without_update_s"] + terms["resident_update_s"]
+        resident = ratio["schedules"]["backward+resident1"]
+        assert resident["device_s"] == terms["device_s"] and resident["update_s"] == terms["update_s"]
+        assert resident["resident_update_s"] == terms["resident_update_s"]
+
+
+def test_schedule_benchmark_slow_host_sleeps_on_the_host_worker_only():
+    # The resident slices' update runs on the training thread, the stand-in's device: it must not
+    # take the slow host's sleep, which the host worker's updates take.
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import bench_schedule
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    cls = bench_schedule.optimizer_class(argparse.Namespace(update_sleep_ns=2e6))  # 2 ms per parameter
+
+    def seconds_of_a_step() -> float:
+        p = torch.nn.Parameter(torch.zeros(50))
+        p.grad = torch.ones(50)
+        optimizer = cls([p], lr=1e-3)
+        start = time.perf_counter()
+        optimizer.step()
+        return time.perf_counter() - start
+
+    assert seconds_of_a_step() < 0.05
+    elsewhere: list[float] = []
+    worker = threading.Thread(target=lambda: elsewhere.append(seconds_of_a_step()))
+    worker.start()
+    worker.join()
+    assert elsewhere[0] >= 0.1
