@@ -535,6 +535,24 @@ def print_ratio(result: dict[str, Any]) -> None:
                  else "") + f")  exact: {s['exact']}", flush=True)
 
 
+def write_report(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
+    report = {"command": "python " + " ".join(sys.argv), "date": datetime.date.today().isoformat(),
+              "machine": {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+                          "torch": torch.__version__,
+                          "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None},
+              "host_threads": torch.get_num_threads(), "update_threads": args.threads,
+              "device": args.device, "optimizer": args.optimizer, "update_sleep_ns": args.update_sleep_ns,
+              "sizes": {"dim": args.dim, "slices": args.slices, "parameters": args.dim * args.dim * args.slices,
+                        "rows": args.rows, "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds},
+              "resident_slices": args.resident, "schedules": [s.name for s in args.schedules],
+              "resident_stand_in": RESIDENT_STAND_IN[torch.device(args.device).type],
+              "target_step_over_bound": TARGET_STEP_OVER_BOUND, "ratios": results}
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(report, f, indent=2)
+        f.write("\n")
+
+
 def main() -> None:
     args = parse_args()
     parameters = args.dim * args.dim * args.slices
@@ -552,27 +570,13 @@ def main() -> None:
         result = measure_ratio(args, ratio, timers, expected)
         results.append(result)
         print_ratio(result)
+        if args.json:  # after each ratio: a run stopped by a time limit keeps the ratios it finished
+            write_report(args, results)
     met = [r["schedules"]["backward"]["step_over_bound"] <= TARGET_STEP_OVER_BOUND
            for r in results if r["update_fits_in_forward_backward"]]
     print(f"update during backward within {TARGET_STEP_OVER_BOUND} of the bound where the update fits in forward + "
           f"backward: {sum(met)} of {len(met)} ratios")
-
     if args.json:
-        report = {"command": "python " + " ".join(sys.argv), "date": datetime.date.today().isoformat(),
-                  "machine": {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-                              "torch": torch.__version__,
-                              "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None},
-                  "host_threads": torch.get_num_threads(), "update_threads": args.threads,
-                  "device": args.device, "optimizer": args.optimizer, "update_sleep_ns": args.update_sleep_ns,
-                  "sizes": {"dim": args.dim, "slices": args.slices, "parameters": parameters, "rows": args.rows,
-                            "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds},
-                  "resident_slices": args.resident, "schedules": [s.name for s in args.schedules],
-                  "resident_stand_in": RESIDENT_STAND_IN[torch.device(args.device).type],
-                  "target_step_over_bound": TARGET_STEP_OVER_BOUND, "ratios": results}
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-            f.write("\n")
         print(f"wrote {args.json}")
 
 

@@ -334,6 +334,27 @@ def test_peers_benchmark_dry_run_matches_the_resident_model_bit_for_bit(tmp_path
     assert report["runs"]["offload-sync"]["median_synchronize_s"] >= 0
 
 
+def test_peers_benchmark_dry_run_with_resident_slices(tmp_path):
+    # The GPU check's resident variants at toy sizes (4 slices: a quarter is one resident slice).
+    # The first offloaded run's gradients are compared with the resident model's: the resident variant's.
+    runs = ["resident", "offload-resident", "offload-in-backward-resident", "offload"]
+    run("scripts/bench_peers.py", "--cpu-dry-run", "--only", ",".join(runs), "--json", str(tmp_path / "peers.json"))
+    report = json.loads((tmp_path / "peers.json").read_text())
+    assert list(report["runs"]) == runs, report["failed"]
+    assert report["resident_slices"] == 1 and report["gradients_after_first_backward"]["bit_identical"]
+    offload = report["runs"]["offload"]
+    for name in runs[1:3]:
+        ours = report["runs"][name]
+        assert ours["resident_slices"] == 1 and ours["host_update_streamed_alone_s"] > 0
+        assert ours["ideal_terms"]["host_update_streamed_alone_s"] == ours["host_update_streamed_alone_s"]
+        assert "host_update_alone_s" not in ours["ideal_terms"] and ours["efficiency"] > 0
+        # The resident slice's loads and gradients never cross the link.
+        assert 0 < ours["loaded_bytes_per_step"] < offload["loaded_bytes_per_step"]
+        assert 0 < ours["offloaded_bytes_per_step"] < offload["offloaded_bytes_per_step"]
+        # On the CPU the resident slice's AdamW is the host's: the same parameters after the run.
+        assert ours["parameters_sha256_16"] == offload["parameters_sha256_16"]
+
+
 def test_peers_benchmark_tensor_sequential_is_the_model():
     # fairscale's stages take one tensor each: the same logits as the model's own forward.
     sys.path.insert(0, str(ROOT / "scripts"))
