@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import math
 import os
@@ -313,12 +314,19 @@ def run_schedule(args: argparse.Namespace, schedule: Schedule, seconds: float,
         slept.append(clock.seconds)
     if optimizer is not None:
         optimizer.synchronize()
+    parameters = [p.detach().to("cpu", copy=True) for p in model.parameters()]
+    if optimizer is not None:
+        optimizer.close()
+    # The model and optimizer hold reference cycles: freed now, not at the next collection, so
+    # that runs do not pile their host copies and optimizer state up.
+    del model, optimizer
+    gc.collect()
     timed = slice(args.warmup, len(inputs) - 1)
     steps = [b - a for a, b in zip(starts, starts[1:])][timed]
     return {"step_s": statistics.median(steps), "forward_s": statistics.median(forwards[timed]),
             "forwards_s": forwards[timed],
             "slept_s": statistics.median(slept[timed]), "in_step_s": statistics.median(in_step[timed]),
-            "samples_s": steps, "parameters": [p.detach().to("cpu", copy=True) for p in model.parameters()]}
+            "samples_s": steps, "parameters": parameters}
 
 
 def reference(args: argparse.Namespace, inputs: list[torch.Tensor], resident: int = 0) -> list[torch.Tensor]:
