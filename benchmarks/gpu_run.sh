@@ -10,7 +10,9 @@
 #   bash benchmarks/gpu_run.sh storage 400                                    # the disk tier against this machine's disk
 #   bash benchmarks/gpu_run.sh scale 540 "--layers 24 --compute-dtype bfloat16 --masters-on-disk"  # tiers feeding a GPU
 #   bash benchmarks/gpu_run.sh activations 240 "--d-model 1024 --seq-len 2048"  # recompute / offload / kept graph
-#   bash benchmarks/gpu_run.sh schedule 420 "--threads 4"                      # update in backward / next forward / serial
+#   bash benchmarks/gpu_run.sh schedule 420 "--threads 4"                      # update in backward / next forward / serial,
+#                                    # and the first two with 1 and 2 resident slices (10 runs a ratio and round
+#                                    # instead of 4: about 2.5 times the stage's time; "--resident" alone leaves them out)
 #
 # A fairscale wheel under .whl/ (not a dependency) is installed for the comparison when present.
 set -uo pipefail
@@ -77,7 +79,8 @@ while [ $# -gt 0 ]; do
             if [ $# -gt 0 ] && [ "${1#--}" != "$1" ]; then more=$1; shift; fi
             timeout "$limit" python3 scripts/bench_activations.py --device cuda $more \
                 --json "$OUT/activations.json" 2>&1 | grep -v Warning | tail -n 40 | tee -a "$OUT/run.log" ;;
-        schedule)  # schedule <seconds> ["<more arguments>"]: scripts/bench_schedule.py on the GPU (real matmuls)
+        schedule)  # schedule <seconds> ["<more arguments>"]: scripts/bench_schedule.py on the GPU (real matmuls),
+                   # resident slices 1 and 2 of the 8 by default (--resident)
             limit=$1; shift; more=""
             if [ $# -gt 0 ] && [ "${1#--}" != "$1" ]; then more=$1; shift; fi
             timeout "$limit" python3 scripts/bench_schedule.py --device cuda --dim 4096 --rows 512 --rounds 2 $more \

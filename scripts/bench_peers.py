@@ -7,6 +7,13 @@ run one way after another, each in this one process, the device memory freed bet
   gradient checkpointing and fused AdamW there: the compute time offloading cannot beat.
 - ``offload``: ``OffloadModel(causal_lm_sequential(model), compute_dtype=torch.bfloat16)`` stepped
   by ``OffloadOptimizer`` (fused AdamW on the host, overlapped with the next forward).
+- ``offload-resident``, ``offload-in-backward-resident``: the same with the first
+  ``--resident-slices`` slices kept on the device (``OffloadModel(..., resident_slices=k)``; default
+  a quarter of the slices), updated there by ``step()``, the host updating the others; the update
+  at the next forward and during backward. Their efficiency's host term is the host update alone
+  of the streamed slices' parameters (``host_update_streamed_alone_s``, measured as the whole
+  model's); their parameters are not expected to match the other variants' bit for bit (the
+  resident slices' AdamW runs on the device, the others' on the host).
 - ``fsdp2``: PyTorch's ``fully_shard`` at world size 1 with ``CPUOffloadPolicy`` and bf16
   ``MixedPrecisionPolicy`` (parameters, gradients and the AdamW step on the host).
 - ``torchao``: torchao's ``CPUOffloadOptimizer`` (parameters on the device, AdamW state and step on
@@ -30,6 +37,7 @@ Usage::
 
     python scripts/bench_peers.py --json peers.json                      # a GPU, the default sizes
     python scripts/bench_peers.py --cpu-dry-run --json /tmp/peers.json   # every code path, toy sizes, CPU
+    python scripts/bench_peers.py --only resident,offload,offload-resident,offload-in-backward-resident --resident-slices 4
     python scripts/bench_peers.py --only offload --cap-gib 4 --disk-tier /tmp/tier --json capped.json
 """
 
@@ -67,9 +75,10 @@ PEERS = ("resident", "offload", "fsdp2", "torchao", "fairscale")
 #: table of the host's operations over the timed steps, ``cprofile`` the Python calls of the training
 #: thread (where it waits), written beside ``--json`` as ``<name>.prof`` too; ``in-backward`` starts
 #: each slice's update in backward (``OffloadOptimizer(..., update_in_backward=True)``), ``-cut`` only
-#: while the update worker keeps up (``max_backlog = 1``), the rest at step(), in slice order.
+#: while the update worker keeps up (``max_backlog = 1``), the rest at step(), in slice order;
+#: ``-resident`` keeps the first ``--resident-slices`` slices on the device (Note: [Resident slices]).
 OFFLOAD_VARIANTS = ("offload-in-backward", "offload-in-backward-cut", "offload-sync", "offload-threads8", "offload-no-step", "offload-profile",
-                    "offload-cprofile")
+                    "offload-cprofile", "offload-resident", "offload-in-backward-resident")
 GPU_SIZES = {"hidden": 2048, "layers": 16, "intermediate": 5632, "heads": 16, "kv_heads": 8, "vocab": 32000,
              "seq": 1024, "batch": 8}
 DRY_SIZES = {"hidden": 64, "layers": 2, "intermediate": 128, "heads": 4, "kv_heads": 2, "vocab": 256,
@@ -165,8 +174,10 @@ def offload_run(base: nn.Module, batch: torch.Tensor, device: torch.device, grad
 
     hf = copy.deepcopy(base)
     tier = DiskTier(args.disk_tier) if args.disk_tier else None
+    resident = args.resident_slices if variant.endswith("-resident") else 0
     model = OffloadModel(causal_lm_sequential(hf), device=device, num_slices=args.num_slices,
-                         compute_dtype=torch.bfloat16, masters=tier if args.masters_on_disk else None)
+                         compute_dtype=torch.bfloat16, masters=tier if args.masters_on_disk else None,
+                         resident_slices=resident)
     threads = 8 if variant == "offload-threads8" else None
     optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-5, fused=True, disk_tier=tier, num_threads=threads,
                                  update_in_backward=variant.startswith("offload-in-backward"))
@@ -187,7 +198,8 @@ def offload_run(base: nn.Module, batch: torch.Tensor, device: torch.device, grad
         optimizer.zero_grad(set_to_none=True)
         seconds = timed_forward_backward(device, lambda: loss_of(model(batch), batch).backward()) - blocked[0]
         if "offload" not in grads:
-            grads["offload"] = {n: p.grad.clone() for n, p in hf.named_parameters()}
+            # On the host, as the resident model's: a resident slice's gradients are on the device.
+            grads["offload"] = {n: p.grad.to("cpu", copy=True) for n, p in hf.named_parameters()}
         # What this step's forward waited for the last update; synchronize() below waits through the
         # same function, which must not count twice.
         forward_blocked = blocked[0]
@@ -218,6 +230,12 @@ def offload_run(base: nn.Module, batch: torch.Tensor, device: torch.device, grad
         return digest.hexdigest()[:16]
 
     run = Run(step, free)
+    if resident and not args.disk_tier:
+        # The host's share of the update: the slices that stream (float32 host copies, as the
+        # whole model's host_update_alone_s), timed before the steps.
+        streamed = [e.tensor.shape for s in engine_of(model).slices if not s.storage.resident
+                    for e in s.storage.held if e.is_parameter]
+        run.host_update_streamed_alone_s = host_update_alone(streamed, 1 if args.cpu_dry_run else 3)  # type: ignore[attr-defined]
     run.fingerprint = fingerprint  # type: ignore[attr-defined]
     run.traffic = engine_of(model).traffic  # type: ignore[attr-defined]
     return run
@@ -331,9 +349,9 @@ def fairscale_run(base: nn.Module, batch: torch.Tensor, device: torch.device, ar
     return Run(step)
 
 
-def host_update_alone(base: nn.Module, repeats: int) -> float:
-    """Seconds of one fused AdamW step over float32 host tensors of the model's sizes."""
-    params = [torch.full_like(p, 0.5, device="cpu", dtype=torch.float32).requires_grad_() for p in base.parameters()]
+def host_update_alone(shapes: list[torch.Size], repeats: int) -> float:
+    """Seconds of one fused AdamW step over float32 host tensors of the sizes ``shapes``."""
+    params = [torch.full(shape, 0.5, dtype=torch.float32).requires_grad_() for shape in shapes]
     for p in params:
         p.grad = torch.full_like(p, 1e-3)
     optimizer = torch.optim.AdamW(params, lr=1e-5, fused=True)
@@ -397,6 +415,9 @@ def measure(name: str, make: Callable[[], Run], args, device: torch.device, toke
             after = run.traffic()
             result["loaded_bytes_per_step"] = (after[0] - traffic_before[0]) / args.steps
             result["offloaded_bytes_per_step"] = (after[1] - traffic_before[1]) / args.steps
+        if hasattr(run, "host_update_streamed_alone_s"):
+            result["host_update_streamed_alone_s"] = run.host_update_streamed_alone_s
+            result["resident_slices"] = args.resident_slices
         if hasattr(run, "fingerprint") and name != "offload-no-step":
             result["parameters_sha256_16"] = run.fingerprint()
         report["runs"][name] = result
@@ -450,7 +471,8 @@ def profiled(name: str, device: torch.device, json_path: str | None):
 
 
 def efficiency(report: dict) -> None:
-    for name in ("offload", "offload-in-backward", "offload-in-backward-cut"):
+    for name in ("offload", "offload-in-backward", "offload-in-backward-cut", "offload-resident",
+                 "offload-in-backward-resident"):
         if name in report["runs"]:
             efficiency_of(report, name)
 
@@ -462,7 +484,11 @@ def efficiency_of(report: dict, name: str) -> None:
     bandwidth = report["bandwidth_bytes_per_s"]
     link = max(ours.get("loaded_bytes_per_step", 0) / bandwidth["host_to_device"],
                ours.get("offloaded_bytes_per_step", 0) / bandwidth["device_to_host"])
-    terms = {"link_s": link, "host_update_alone_s": report.get("host_update_alone_s")}
+    terms = {"link_s": link}
+    if "host_update_streamed_alone_s" in ours:  # with resident slices the host updates the others only
+        terms["host_update_streamed_alone_s"] = ours["host_update_streamed_alone_s"]
+    else:
+        terms["host_update_alone_s"] = report.get("host_update_alone_s")
     if "resident" in runs:
         terms["resident_step_s"] = runs["resident"]["median_step_s"]
     known = [v for v in terms.values() if v is not None]
@@ -504,6 +530,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for key, value in GPU_SIZES.items():
         parser.add_argument(f"--{key.replace('_', '-')}", type=int, default=None, help=f"GPU default {value}")
     parser.add_argument("--num-slices", type=int, default=None, help="default: one per decoder layer plus two")
+    parser.add_argument("--resident-slices", type=int, default=None,
+                        help="the -resident variants' resident slices (default: a quarter of the slices, at least 1)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--only", default=",".join(PEERS), help=f"comma-separated subset of {','.join(PEERS)}")
@@ -524,6 +552,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     defaults = DRY_SIZES if args.cpu_dry_run else GPU_SIZES
     args.sizes = {key: getattr(args, key) or value for key, value in defaults.items()}
     args.num_slices = args.num_slices or args.sizes["layers"] + 2
+    if args.resident_slices is None:
+        args.resident_slices = max(1, args.num_slices // 4)
+    if not 0 <= args.resident_slices <= args.num_slices:
+        parser.error(f"--resident-slices must be between 0 and the number of slices ({args.num_slices}), "
+                     f"got {args.resident_slices}")
     args.peers = [p.strip() for p in args.only.split(",") if p.strip()]
     unknown = set(args.peers) - set(PEERS) - set(OFFLOAD_VARIANTS)
     if unknown:
@@ -552,11 +585,13 @@ def main(argv: list[str] | None = None) -> dict:
         "tokens_per_step": tokens, "steps": args.steps, "warmup": args.warmup,
         "bandwidth_bytes_per_s": measure_bandwidth(device), "runs": {}, "failed": {},
         "cap_gib": args.cap_gib, "disk_tier": bool(args.disk_tier), "masters_on_disk": args.masters_on_disk,
+        "resident_slices": args.resident_slices,
         "deterministic": args.deterministic}
     print(f"{device_name(device)}; Llama-shaped, {report['parameters'] / 1e9:.3f} B parameters, "
           f"{tokens} tokens/step, {args.num_slices} slices", flush=True)
     if "resident" in args.peers and not args.disk_tier:
-        report["host_update_alone_s"] = host_update_alone(base, 1 if args.cpu_dry_run else 3)
+        report["host_update_alone_s"] = host_update_alone([p.shape for p in base.parameters()],
+                                                          1 if args.cpu_dry_run else 3)
     if args.cap_gib and device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total), device)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -331,6 +334,27 @@ def test_peers_benchmark_dry_run_matches_the_resident_model_bit_for_bit(tmp_path
     assert report["runs"]["offload-sync"]["median_synchronize_s"] >= 0
 
 
+def test_peers_benchmark_dry_run_with_resident_slices(tmp_path):
+    # The GPU check's resident variants at toy sizes (4 slices: a quarter is one resident slice).
+    # The first offloaded run's gradients are compared with the resident model's: the resident variant's.
+    runs = ["resident", "offload-resident", "offload-in-backward-resident", "offload"]
+    run("scripts/bench_peers.py", "--cpu-dry-run", "--only", ",".join(runs), "--json", str(tmp_path / "peers.json"))
+    report = json.loads((tmp_path / "peers.json").read_text())
+    assert list(report["runs"]) == runs, report["failed"]
+    assert report["resident_slices"] == 1 and report["gradients_after_first_backward"]["bit_identical"]
+    offload = report["runs"]["offload"]
+    for name in runs[1:3]:
+        ours = report["runs"][name]
+        assert ours["resident_slices"] == 1 and ours["host_update_streamed_alone_s"] > 0
+        assert ours["ideal_terms"]["host_update_streamed_alone_s"] == ours["host_update_streamed_alone_s"]
+        assert "host_update_alone_s" not in ours["ideal_terms"] and ours["efficiency"] > 0
+        # The resident slice's loads and gradients never cross the link.
+        assert 0 < ours["loaded_bytes_per_step"] < offload["loaded_bytes_per_step"]
+        assert 0 < ours["offloaded_bytes_per_step"] < offload["offloaded_bytes_per_step"]
+        # On the CPU the resident slice's AdamW is the host's: the same parameters after the run.
+        assert ours["parameters_sha256_16"] == offload["parameters_sha256_16"]
+
+
 def test_peers_benchmark_tensor_sequential_is_the_model():
     # fairscale's stages take one tensor each: the same logits as the model's own forward.
     sys.path.insert(0, str(ROOT / "scripts"))
@@ -360,11 +384,49 @@ def test_schedule_benchmark_times_each_schedule_and_finds_it_exact(tmp_path):
     assert data["host_threads"] == torch.get_num_threads() and data["update_threads"] == 1
     assert set(data["sizes"]) >= {"dim", "slices", "parameters", "rows"}
     assert [r["ratio"] for r in data["ratios"]] == [1, 2, 4]
+    # --quick has 4 slices: a quarter of them is the one resident slice.
+    assert data["resident_slices"] == [1] and "training thread" in data["resident_stand_in"]
+    names = ["next-forward", "backward", "serial", "next-forward+resident1", "backward+resident1"]
+    assert data["schedules"] == names
     for ratio in data["ratios"]:
         assert ratio["update_s"] > 0 and ratio["device_s"] > 0 and ratio["slept_s"] >= 0
-        assert set(ratio["schedules"]) == {"next-forward", "backward", "serial"}
-        for schedule in ratio["schedules"].values():
+        assert list(ratio["schedules"]) == names
+        for name, schedule in ratio["schedules"].items():
             assert set(schedule) >= {"step_s", "bound_s", "step_over_bound", "update_s", "device_s", "exact"}
             assert schedule["bound_s"] == max(schedule["device_s"], schedule["update_s"])
             assert schedule["step_over_bound"] == schedule["step_s"] / schedule["bound_s"]
-            assert schedule["exact"] is True
+            assert schedule["exact"] is True, name
+            assert schedule["resident_slices"] == (1 if "resident" in name else 0)
+        # With a resident slice, the device's work includes its update and the host's leaves it out.
+        terms = ratio["resident"]["1"]
+        assert terms["resident_update_s"] > 0 and terms["device_without_update_s"] > 0
+        assert terms["device_s"] == terms["device_without_update_s"] + terms["resident_update_s"]
+        resident = ratio["schedules"]["backward+resident1"]
+        assert resident["device_s"] == terms["device_s"] and resident["update_s"] == terms["update_s"]
+        assert resident["resident_update_s"] == terms["resident_update_s"]
+
+
+def test_schedule_benchmark_slow_host_sleeps_on_the_host_worker_only():
+    # The resident slices' update runs on the training thread, the stand-in's device: it must not
+    # take the slow host's sleep, which the host worker's updates take.
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import bench_schedule
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    cls = bench_schedule.optimizer_class(argparse.Namespace(update_sleep_ns=2e6))  # 2 ms per parameter
+
+    def seconds_of_a_step() -> float:
+        p = torch.nn.Parameter(torch.zeros(50))
+        p.grad = torch.ones(50)
+        optimizer = cls([p], lr=1e-3)
+        start = time.perf_counter()
+        optimizer.step()
+        return time.perf_counter() - start
+
+    assert seconds_of_a_step() < 0.05
+    elsewhere: list[float] = []
+    worker = threading.Thread(target=lambda: elsewhere.append(seconds_of_a_step()))
+    worker.start()
+    worker.join()
+    assert elsewhere[0] >= 0.1
