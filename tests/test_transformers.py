@@ -726,9 +726,11 @@ def test_finetune_script_refuses_a_device_it_cannot_use_in_one_line(device, frag
 
 
 def _without_torchao_import_noise(stderr: str) -> str:
-    """``stderr`` less what importing torchao (the lowbit extra; transformers and peft import it
-    when installed) prints: its C extensions built for another torch, and torch's notes on its
-    enums. Those lines are torchao's; anything else the script prints stays."""
+    """``stderr`` less what importing torchao and bitsandbytes (the lowbit and bnb extras;
+    transformers and peft import them when installed) prints: torchao's C extensions built for
+    another torch and torch's notes on its enums, bitsandbytes' optional CPU kernels it cannot find.
+    Those lines are theirs; anything else the script prints stays."""
     noise = ("Failed to load", "is an Enum subclass and is now natively supported by torch.compile")
     return "".join(line for line in stderr.splitlines(keepends=True)
-                   if not (("torchao" in line or "_pytree.py" in line) and any(n in line for n in noise)))
+                   if not (("torchao" in line or "_pytree.py" in line or "kernels-community" in line)
+                           and any(n in line for n in noise)))
