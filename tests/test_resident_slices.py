@@ -302,28 +302,28 @@ def test_a_resident_load_off_the_compute_stream_is_a_race_the_checker_reports(mo
     from offload.streams.host_storage import typed_view
 
     def on_the_load_stream(self: ResidentStorage, slot: torch.Tensor) -> None:
-        copies = model._engine.copies
+        copies = self_copies[0]
         for entry in self.held:
             view = typed_view(slot, entry.device_offset, entry.device_dtype, entry.shape, entry.stride)
             copies.backend.copy(view, entry.tensor.detach(), copies.load_stream, to_device=True)
         copies.wait_ready(copies.backend.record(copies.load_stream))
 
-    with StreamChecker(schedule="late") as checker:
-        model = OffloadModel(network(), device="cpu", num_slices=NUM_SLICES, resident_slices=1)
-        optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
-        for step in range(2):
-            model(batch(step)).pow(2).mean().backward()
-            optimizer.step()
-            optimizer.zero_grad()
+    def trained_under_the_checker() -> StreamChecker:
+        with StreamChecker(schedule="late") as checker:
+            model = OffloadModel(network(), device="cpu", num_slices=NUM_SLICES, resident_slices=1)
+            self_copies[:] = [model._engine.copies]
+            optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
+            for step in range(2):
+                model(batch(step)).pow(2).mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        return checker
+
+    self_copies: list[Any] = []
+    checker = trained_under_the_checker()
     assert not checker.races, checker.summary()
     monkeypatch.setattr(ResidentStorage, "load_into", on_the_load_stream)
-    with StreamChecker(schedule="late") as checker:
-        model = OffloadModel(network(), device="cpu", num_slices=NUM_SLICES, resident_slices=1)
-        optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
-        for step in range(2):
-            model(batch(step)).pow(2).mean().backward()
-            optimizer.step()
-            optimizer.zero_grad()
+    checker = trained_under_the_checker()
     assert any(race.kind == "write then read not ordered" and "_fused_adamw_" in race.first
                for race in checker.races), checker.summary()
 
