@@ -16,9 +16,15 @@ The planner predicts each schedule three ways, to tell its schedule model from i
   update as long as ``OffloadOptimizer``'s update measured alone after backward (``offload-sync``'s
   ``synchronize()`` in ``peers.json``, an earlier call of the same session: the shadow included).
 
+With ``--resident K ...`` it predicts instead, "from resident" as above, each schedule with the
+first ``K`` slices resident (``OffloadModel(..., resident_slices=K)``: no loads, gradient offloads or
+host update for them, their update at the device's memory bandwidth), and the device memory they
+add (``estimate_memory``): predictions for the next GPU run to be set beside, not measurements.
+
 Usage::
 
     python scripts/planner_schedules_h100.py --out benchmarks/results/planner_schedules_h100_2026-11-26.md
+    python scripts/planner_schedules_h100.py --resident 0 2 4 6 9 --out benchmarks/results/planner_resident_h100_2026-11-27.md
 """
 
 from __future__ import annotations
@@ -43,6 +49,58 @@ LLAMA = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 2048, "inter
          "max_position_embeddings": 1024, "tie_word_embeddings": False}
 #: The planner's schedule -> the run's variant of it.
 MEASURED = {"overlapped": "offload", "in-backward": "offload-in-backward"}
+
+
+def _model() -> tuple[dict[str, Any], Any, Any, Any]:
+    """The run, its rates (the host update at the run's AdamW rate), the model's layers (on the
+    meta device) and their profile for the run's batch."""
+    import transformers
+
+    from offload.integrations.transformers import causal_lm_sequential
+    from offload.planning.shapes import profile_layers
+
+    run = json.loads((RUN / "peers2.json").read_text())
+    rates = dataclasses.replace(load_rates(RATES), name="h100 host, AdamW rate of peers2.json",
+                                host_update=28 * run["parameters"] / run["host_update_alone_s"])
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**LLAMA),
+                                                           dtype=torch.float32)
+    layers = causal_lm_sequential(hf)  # logits, as bench_peers computes its loss
+    rows, tokens = run["sizes"]["batch"], run["sizes"]["seq"]
+    profile = profile_layers(layers, lambda: torch.zeros(rows, tokens, dtype=torch.long), compute_dtype=torch.bfloat16)
+    return run, rates, layers, profile
+
+
+def resident_predictions(counts: list[int]) -> dict[str, Any]:
+    """Per resident count and schedule, the predicted step (device time from the run's resident
+    forward and backward) and the device bytes the resident slices add."""
+    from offload import estimate_memory
+
+    run, rates, layers, profile = _model()
+    slices, dtype = run["num_slices"], torch.bfloat16
+    layout = slice_layout(layers, num_slices=slices, compute_dtype=dtype)
+    resident = run["runs"]["resident"]["median_forward_backward_s"]
+    table: dict[str, Any] = {}
+    for count in counts:
+        memory = estimate_memory(layers, num_slices=slices, compute_dtype=dtype, resident_slices=count)
+        row: dict[str, Any] = {"device_resident_bytes": memory.device_resident + memory.device_resident_gradients
+                               + memory.device_resident_optimizer_state}
+        for schedule in ("overlapped", "in-backward"):
+            config = StepConfig(num_slices=slices, compute_dtype=dtype, schedule=schedule, resident_slices=count)
+            step = estimate_step_time(layout, profile, config, rates, device_seconds=(resident / 3, resident))
+            row[schedule] = {"step": step.step, "update": step.update, "exposed": step.exposed_update}
+        table[str(count)] = row
+    return {"rates": rates.to_json(), "run": str((RUN / "peers2.json").relative_to(ROOT)),
+            "measured_resident_step_s": run["runs"]["resident"]["median_step_s"], "resident_slices": table}
+
+
+def resident_markdown(result: dict[str, Any]) -> str:
+    lines = ["| resident slices | device GiB added | overlapped step (exposed) | in-backward step (exposed) |",
+             "| ---: | ---: | ---: | ---: |"]
+    for count, row in result["resident_slices"].items():
+        cells = [f"{row[s]['step'] * 1e3:.0f} ({row[s]['exposed'] * 1e3:.0f})" for s in ("overlapped", "in-backward")]
+        lines.append(f"| {count} | {row['device_resident_bytes'] / 2**30:.2f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def predictions() -> dict[str, Any]:
@@ -111,7 +169,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True,
                         help="the Markdown table; a .json beside it holds every figure")
+    parser.add_argument("--resident", type=int, nargs="+", metavar="K",
+                        help="predict the schedules with these numbers of resident slices instead")
     args = parser.parse_args()
+    if args.resident:
+        resident = resident_predictions(args.resident)
+        table = resident_markdown(resident)
+        print(table)
+        args.out.write_text(
+            "# The planner's prediction with resident slices, for the H100 run's model (not measured)\n\n"
+            f"Written by `python scripts/planner_schedules_h100.py --resident {' '.join(map(str, args.resident))} "
+            f"--out {args.out}` from `{resident['run']}`: step and (in brackets) exposed update in ms, device time "
+            "from the run's resident forward and backward, the host update at the run's AdamW rate, the resident "
+            "slices' update at the device's memory bandwidth (datasheet x 0.8). The resident model's measured step: "
+            f"{resident['measured_resident_step_s'] * 1e3:.0f} ms.\n\n" + table + "\n")
+        args.out.with_suffix(".json").write_text(json.dumps(resident, indent=2) + "\n")
+        return
     result = predictions()
     text = markdown(result)
     print(text)
