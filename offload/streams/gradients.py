@@ -33,7 +33,7 @@ import torch
 from .backend import Event
 from .copies import CopyStreams
 from .host_buffers import HostBufferPool
-from .host_storage import Entry, _align, _itemsize, typed_view
+from .host_storage import Entry, _align, _itemsize, empty_in_layout, typed_view
 
 
 @dataclass(frozen=True)
@@ -277,8 +277,7 @@ class GradientOffloader:
         pairs = [(j, place) for j, (place, got, keep) in enumerate(zip(grads.places, grads.received, grads.keep))
                  if place is not None and got and keep]
         for j, place in pairs:
-            stride = place.stride if place.stride is not None else torch.empty(place.shape, device="meta").stride()
-            kept[j] = torch.empty_strided(place.shape, stride, dtype=place.dtype, device=self.copies.device)
+            kept[j] = empty_in_layout(place.shape, place.stride, place.dtype, self.copies.device)
         if pairs:
             with torch.no_grad():
                 torch._foreach_copy_([kept[j] for j, _ in pairs], [dense[j] for j, _ in pairs])

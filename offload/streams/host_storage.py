@@ -120,6 +120,12 @@ def alias(flat: torch.Tensor, offset: int, dtype: torch.dtype, shape: torch.Size
     return tensor
 
 
+def empty_in_layout(shape: torch.Size, stride: tuple[int, ...] | None, dtype: torch.dtype,
+                    device: torch.device | str = "cpu") -> torch.Tensor:
+    """New memory for a tensor of ``shape``, row-major or with the dense ``stride`` of :func:`dense_stride`."""
+    return torch.empty_strided(shape, stride or torch.empty(shape, device="meta").stride(), dtype=dtype, device=device)
+
+
 def flat_exporter(flat: torch.Tensor) -> ctypes.Array[ctypes.c_ubyte] | None:
     """A Python buffer over the bytes of the CPU tensor ``flat`` that keeps ``flat`` alive, for
     :func:`own_storage_view`; ``None`` for an empty one (Note: [A storage per host copy])."""
@@ -145,7 +151,7 @@ def own_storage_view(exporter: ctypes.Array[ctypes.c_ubyte] | None, offset: int,
     # these outlive the call that makes them.
     with torch.inference_mode(False):
         if nbytes == 0:
-            return torch.empty_strided(shape, stride or torch.empty(shape, device="meta").stride(), dtype=dtype)
+            return empty_in_layout(shape, stride, dtype)
         assert exporter is not None
         elements = torch.frombuffer(exporter, dtype=torch.uint8, count=nbytes, offset=offset).view(dtype)
         return elements.view(shape) if stride is None else elements.as_strided(shape, stride)

@@ -35,7 +35,7 @@ from collections.abc import Collection, Sequence
 import torch
 from torch import nn
 
-from .host_storage import Entry, SliceStorage, _itemsize, typed_view
+from .host_storage import Entry, SliceStorage, _itemsize, empty_in_layout, typed_view
 
 
 class ResidentStorage(SliceStorage):
@@ -66,7 +66,8 @@ class ResidentStorage(SliceStorage):
         self.shadow = None
         self.host_nbytes = 0
         for entry in self.held:
-            device = _empty_like_entry(entry, self.device)
+            with torch.inference_mode(False):  # updated in place by training code later
+                device = empty_in_layout(entry.shape, entry.stride, entry.dtype, self.device)
             if entry.tensor.is_meta:
                 self._adopt_meta(entry, device)
                 continue
@@ -123,19 +124,6 @@ class ResidentStorage(SliceStorage):
     def transfer_source_of(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
         entry = self._held_by_id[id(tensor)]
         return entry.tensor, entry.device_dtype
-
-    def write_shadow(self) -> None:
-        """Nothing to write: a resident slice has no shadow (its load casts)."""
-
-    def refresh_shadow(self) -> None:
-        """Nothing to refresh: a resident slice has no shadow."""
-
-
-def _empty_like_entry(entry: Entry, device: torch.device) -> torch.Tensor:
-    with torch.inference_mode(False):
-        if entry.stride is None:
-            return torch.empty(entry.shape, dtype=entry.dtype, device=device)
-        return torch.empty_strided(entry.shape, entry.stride, dtype=entry.dtype, device=device)
 
 
 def _slot_view(slot: torch.Tensor, entry: Entry) -> torch.Tensor:

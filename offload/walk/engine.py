@@ -174,6 +174,8 @@ class Engine:
 
     def _build_device_side(self) -> None:
         storages = [s.storage for s in self.slices]
+        # What the resident slices hold, by id, for stays_on_device (each backward asks, per slice).
+        self._on_device = {id(e.tensor) for st in storages if st.resident for e in st.held}
         needed = max(st.device_nbytes for st in storages)
         slots = getattr(self, "slots", None)
         if slots is not None:
@@ -203,10 +205,7 @@ class Engine:
     def stays_on_device(self, entries: Sequence[Entry]) -> list[bool]:
         """Per entry, whether its tensor lives on the device: a resident slice holds it (Note:
         [Resident slices]), so its gradient stays there too."""
-        if not self.num_resident:
-            return [False] * len(entries)
-        on_device = {id(e.tensor) for s in self.slices[:self.num_resident] for e in s.storage.held}
-        return [id(entry.tensor) in on_device for entry in entries]
+        return [id(entry.tensor) in self._on_device for entry in entries]
 
     def tied_parameter_ids(self) -> set[int]:
         """The parameters that more than one slice computes with (a weight tied across slices), by id."""
