@@ -6,9 +6,10 @@ A snippet in README.md or docs/*.md is written for a reader: it trains ``layers`
 provides those names and files, at tiny sizes and on the CPU, in the snippet's own working
 directory. Each setup is a function here that writes the files and returns the names.
 
-Run as ``python -m tests.doc_snippets JOBS.json``: each job is a snippet's code, its setup and its
-working directory; each runs in a fresh namespace, one after the other in this process (the
-imports are paid once). A failure prints ``FAILED <name>`` and its traceback, and the exit status is 1.
+Run as ``python -m tests.doc_snippets JOBS.json OUTCOMES.json``: each job is a snippet's code, its
+setup and its working directory; each runs in a fresh namespace, one after the other in this
+process (the imports are paid once). OUTCOMES.json maps each job to ``None`` or its traceback, and
+the exit status is 1 when one failed.
 """
 
 from __future__ import annotations
@@ -224,8 +225,18 @@ def sequential_lm() -> dict[str, Any]:
     return {"model": causal_lm_sequential(hf_model)}
 
 
-def run(jobs: list[dict[str, Any]]) -> int:
-    failed = 0
+def _leave_as_found() -> None:
+    # The next snippet starts from a fresh process's state: no process group (torchrun's setup).
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def run(jobs: list[dict[str, Any]], outcomes_path: Path) -> int:
+    """Run each job; write ``{job id: None, or the traceback}`` to ``outcomes_path`` after each one
+    (what a crash or a timeout leaves tells how far it got)."""
+    outcomes = {}
     for job in jobs:
         os.chdir(job["directory"])
         namespace = {"__name__": "__main__"}
@@ -233,13 +244,15 @@ def run(jobs: list[dict[str, Any]]) -> int:
             if job["setup"]:
                 namespace.update(globals()[job["setup"]]())
             exec(compile(job["code"], job["name"], "exec"), namespace)
+            outcomes[job["id"]] = None
         except BaseException:  # SystemExit too: a command's refusal is a failure of the snippet
-            failed += 1
-            print(f"FAILED {job['name']} (setup {job['setup']})\n{traceback.format_exc()}", flush=True)
-        else:
-            print(f"ran {job['name']}", flush=True)
-    return 1 if failed else 0
+            outcomes[job["id"]] = traceback.format_exc()
+        finally:
+            _leave_as_found()
+        print(f"{'FAILED' if outcomes[job['id']] else 'ran'} {job['id']}", flush=True)
+        outcomes_path.write_text(json.dumps(outcomes))
+    return 1 if any(outcomes.values()) else 0
 
 
 if __name__ == "__main__":
-    sys.exit(run(json.loads(Path(sys.argv[1]).read_text())))
+    sys.exit(run(json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])))

@@ -12,8 +12,8 @@ The rules, for whoever writes a snippet:
   ``<!-- fragment: why -->`` on the line before the fence; it still has to compile.
 
 An unmarked snippet that fails, a fragment without a reason, an unknown setup, and a setup no
-snippet uses are all failures. The snippets of one document run in one process, one after the
-other (imports paid once), under :data:`TIMEOUT_S`.
+snippet uses are all failures. All the snippets run in one process, one after the other (the
+imports are paid once), under :data:`TIMEOUT_S`.
 
 Shell blocks are not run here: each command they give a script of the project has its ``--help``
 run and its flags checked by ``tests/test_docs.py``; the rest install packages, run the test suite,
@@ -41,7 +41,7 @@ BEING_REWRITTEN = frozenset({
     "docs/accelerate.md",
 })
 
-TIMEOUT_S = 300
+TIMEOUT_S = 900
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 MARKER = re.compile(r"<!--\s*(snippet-setup|fragment):\s*(.*?)\s*-->\s*\Z")
 
@@ -137,25 +137,66 @@ def jobs(found: list[Snippet], workdir: Path) -> list[dict]:
             code = snippet.code
             for old, new in (*ON_THE_CPU, *variant.replace):
                 code = code.replace(old, new)
-            directory = workdir / f"snippet-{snippet.index}-{number}"
+            directory = workdir / f"{snippet.document.replace('/', '-')}-{snippet.index}-{number}"
             directory.mkdir()
-            listed.append({"name": snippet.name, "code": code, "setup": variant.function, "directory": str(directory)})
+            listed.append({"id": f"{snippet.name} [setup {variant.function or 'none'}]", "name": snippet.name,
+                           "code": code, "setup": variant.function, "directory": str(directory)})
     return listed
 
 
-def run_snippets(found: list[Snippet], workdir: Path) -> subprocess.CompletedProcess:
-    (workdir / "jobs.json").write_text(json.dumps(jobs(found, workdir)))
+@dataclass(frozen=True)
+class Run:
+    """The snippets' process: its job ids, what it said about each, and its output."""
+
+    ids: list[str]
+    outcomes: dict[str, str | None]
+    done: subprocess.CompletedProcess | None   # None: it ran past TIMEOUT_S
+
+    def problems(self, document: str) -> list[str]:
+        problems = []
+        for id_ in (i for i in self.ids if i.startswith(f"{document}:")):
+            if id_ not in self.outcomes:
+                problems.append(f"{id_}: not run (the process stopped: {self.stopped()})")
+            elif self.outcomes[id_] is not None:
+                problems.append(f"{id_} failed:\n{self.outcomes[id_][-4000:]}")
+        return problems
+
+    def stopped(self) -> str:
+        if self.done is None:
+            return f"past {TIMEOUT_S} s"
+        return f"exit status {self.done.returncode}\n{self.done.stderr[-3000:]}"
+
+
+def run_snippets(found: list[Snippet], workdir: Path) -> Run:
+    listed = jobs(found, workdir)
+    (workdir / "jobs.json").write_text(json.dumps(listed))
+    outcomes_path = workdir / "outcomes.json"
     # No accelerator, even where there is one: the snippets are read for the CPU. Nothing downloaded.
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "HF_DATASETS_CACHE": str(workdir / "datasets-cache"), "WANDB_DISABLED": "true"}
-    return subprocess.run([sys.executable, "-m", "tests.doc_snippets", str(workdir / "jobs.json")], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    try:
+        done = subprocess.run([sys.executable, "-m", "tests.doc_snippets", str(workdir / "jobs.json"),
+                               str(outcomes_path)], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        done = None
+    outcomes = json.loads(outcomes_path.read_text()) if outcomes_path.exists() else {}
+    return Run([job["id"] for job in listed], outcomes, done)
 
 
-def failures(done: subprocess.CompletedProcess) -> str:
-    reported = done.stdout[done.stdout.find("FAILED"):] if "FAILED" in done.stdout else done.stdout
-    return f"{reported[-6000:]}\n--- stderr ---\n{done.stderr[-3000:]}"
+def runnable_documents() -> list[Path]:
+    return [d for d in documents() if doc_id(d) not in BEING_REWRITTEN
+            and any(s.fragment is None for s in snippets(doc_id(d), d.read_text()))]
+
+
+@pytest.fixture(scope="module")
+def snippets_run(request, tmp_path_factory):
+    # One process for every document this session tests: the imports (torch, transformers) are paid once.
+    selected = {item.callspec.params["document"] for item in request.session.items
+                if getattr(item, "originalname", None) == "test_snippets_run"}
+    found = [s for d in runnable_documents() if d in selected for s in snippets(doc_id(d), d.read_text())]
+    return run_snippets(found, tmp_path_factory.mktemp("snippets"))
 
 
 @pytest.mark.parametrize("document", documents(), ids=doc_id)
@@ -164,15 +205,10 @@ def test_snippets_are_marked(document):
     assert not problems, "\n".join(problems)
 
 
-def runnable_documents() -> list[Path]:
-    return [d for d in documents() if doc_id(d) not in BEING_REWRITTEN
-            and any(s.fragment is None for s in snippets(doc_id(d), d.read_text()))]
-
-
 @pytest.mark.parametrize("document", runnable_documents(), ids=doc_id)
-def test_snippets_run(document, tmp_path):
-    done = run_snippets(snippets(doc_id(document), document.read_text()), tmp_path)
-    assert done.returncode == 0, failures(done)
+def test_snippets_run(document, snippets_run):
+    problems = snippets_run.problems(doc_id(document))
+    assert not problems, "\n".join(problems)
 
 
 def test_every_setup_is_used():
@@ -191,7 +227,9 @@ def test_the_checks_catch_what_they_are_for(tmp_path):
                                                        ("no-such", None), ("model", None)]
     problems = marker_problems(found)
     assert len(problems) == 3 and "says why" in problems[0] and "compile" in problems[1] and "no-such" in problems[2]
-    done = run_snippets([found[0], found[1], found[4]], tmp_path)
-    assert done.returncode == 1
-    assert "FAILED planted.md:1 (python snippet 0)" in done.stdout and "NameError" in done.stdout
-    assert "ran planted.md:18 (python snippet 4)" in done.stdout, failures(done)   # on the CPU, with its setup
+    ran = run_snippets([found[0], found[1], found[4]], tmp_path)
+    assert ran.ids == ["planted.md:1 (python snippet 0) [setup none]", "planted.md:18 (python snippet 4) [setup model]"]
+    assert ran.done.returncode == 1
+    assert "NameError: name 'loader' is not defined" in ran.outcomes[ran.ids[0]]
+    assert ran.outcomes[ran.ids[1]] is None, ran.outcomes[ran.ids[1]]   # on the CPU, with its setup
+    assert len(ran.problems("planted.md")) == 1 and ran.problems("other.md") == []
