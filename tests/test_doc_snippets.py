@@ -52,15 +52,18 @@ ON_THE_CPU = (('"cuda"', '"cpu"'), (".cuda()", ""))
 @dataclass(frozen=True)
 class Variant:
     """One way to run the snippets of a setup: the function of ``tests/doc_snippets.py`` that
-    prepares their names and files, and the text replacements that make them small."""
+    prepares their names and files (``""``: none), and the text replacements that make them small."""
 
     function: str
     replace: tuple[tuple[str, str], ...] = ()
 
 
+TRAINER_SIZES = (("max_steps=2000", "max_steps=2"), ("gradient_accumulation_steps=8", "gradient_accumulation_steps=2"))
+
 #: Setup name (as the Markdown names it) -> the variants its snippets run under.
 SETUPS: dict[str, tuple[Variant, ...]] = {
     "layers": (Variant("layers"),),
+    "disk": (Variant("disk", (('"/nvme/offload"', '"nvme/offload"'),)),),
     "model": (Variant("model"),),
     "classifier": (Variant("classifier", (("1024", "64"), ("4096", "64"))),),
     "torchrun": (Variant("torchrun", (('"nccl"', '"gloo"'), ('f"cuda:{local_rank}"', '"cpu"'))),),
@@ -68,18 +71,16 @@ SETUPS: dict[str, tuple[Variant, ...]] = {
     "hf": (Variant("hf"),),
     # The tokenizer offload-finetune writes has no special tokens; a pretrained one usually has
     # an end-of-sequence token and no padding token.
-    "trainer": tuple(Variant(function, (("max_steps=2000", "max_steps=2"), ("gradient_accumulation_steps=8",
-                                                                             "gradient_accumulation_steps=2")))
-                     for function in ("trainer_byte_tokenizer", "trainer_eos_tokenizer")),
+    "trainer": (Variant("trainer_byte_tokenizer", TRAINER_SIZES), Variant("trainer_eos_tokenizer", TRAINER_SIZES)),
     # On a machine without a GPU, bfloat16 (SFTConfig's default) needs use_cpu.
-    "sft": (Variant("sft", (("max_steps=1000", "max_steps=2"), ("report_to=[])", "report_to=[], use_cpu=True)"), ("gradient_accumulation_steps=4",
-                                                                "gradient_accumulation_steps=1"),
-                            ("max_length=2048", "max_length=64"))),),
+    "sft": (Variant("sft", (("max_steps=1000", "max_steps=2"), ("max_length=2048", "max_length=64"),
+                            ("gradient_accumulation_steps=4", "gradient_accumulation_steps=1"),
+                            ("report_to=[])", "report_to=[], use_cpu=True)"))),),
     "tuned": (Variant("tuned", (('"/tmp/tuned"', '"tuned"'),)),),
     "sequential-lm": (Variant("sequential_lm"),),
-    "profile": (Variant("", (("n_layers=12, d_model=1024", "n_layers=2, d_model=32, vocab=256, seq_len=32, batch_size=2"),
+    "profile": (Variant("", (("n_layers=12, d_model=1024",
+                              "n_layers=2, d_model=32, vocab=256, seq_len=32, batch_size=2"),
                              ("slices=[4, 8], microbatches=[1, 4]", "slices=[2], microbatches=[1]"))),),
-    "disk": (Variant("disk", (('"/nvme/offload"', '"nvme/offload"'),)),),
 }
 
 
@@ -211,10 +212,14 @@ def test_snippets_run(document, snippets_run):
     assert not problems, "\n".join(problems)
 
 
-def test_every_setup_is_used():
-    # A setup no snippet names is left over from an edit of the docs: remove it.
-    used = {s.setup for d in documents() for s in snippets(doc_id(d), d.read_text())}
-    assert sorted(set(SETUPS) - used) == []
+def test_every_setup_and_replacement_is_used():
+    # A setup no snippet names, or a replacement that no longer matches (a snippet would then run
+    # at full size), is left over from an edit of the docs.
+    found = [s for d in documents() for s in snippets(doc_id(d), d.read_text())]
+    assert sorted(set(SETUPS) - {s.setup for s in found}) == []
+    unmatched = [(name, old) for name, variants in SETUPS.items() for variant in variants for old, _ in variant.replace
+                 if not any(s.setup == name and old in s.code for s in found)]
+    assert unmatched == []
 
 
 def test_the_checks_catch_what_they_are_for(tmp_path):
