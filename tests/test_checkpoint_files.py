@@ -243,6 +243,24 @@ def test_a_rename_of_the_commit_that_fails_is_undone(tmp_path, monkeypatch):
     assert_untouched(before, fresh, fresh_optimizer)
 
 
+def test_a_commit_that_cannot_be_undone_says_what_is_where(tmp_path, monkeypatch):
+    model, optimizer = trained()
+    save_checkpoint(tmp_path / "a", model, optimizer)
+    real = os.replace
+
+    def replace(source, target):
+        if os.path.basename(target) in ("latest", ".a.partial"):  # latest's rename, and the first undo
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(source, target)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(CheckpointError, match=r"could not save checkpoint .*a: its commit failed \(OSError: .*Input/"
+                                              r"output error\) and undoing its renames failed too \(.*\): .*a is at "
+                                              r".*\.a\.replaced; .*\.a\.partial is at .*a\. latest still names the "
+                                              "previous checkpoint"):
+        save_checkpoint(tmp_path / "a", model, optimizer)
+
+
 # -- what is at the path ---------------------------------------------------------------------------
 
 

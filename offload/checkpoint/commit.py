@@ -39,6 +39,7 @@ Note: [Atomic save]
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -133,9 +134,11 @@ def _undo(path: Path, renamed: list[tuple[Path, Path]], error: BaseException) ->
 
 
 def _discard(partial: Path, pending: Path) -> None:
-    """Delete what a save that did not commit wrote (every rank is past its writes)."""
+    """Delete what a save that did not commit wrote (every rank is past its writes). Quietly: the
+    error that stopped the save is the one to report; the next save deletes what is left."""
     shutil.rmtree(partial, ignore_errors=True)
-    pending.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        pending.unlink(missing_ok=True)
 
 
 def tidy(path: Path, keep_last: int | None) -> list[str]:
