@@ -257,7 +257,8 @@ def _commit_saved(path: Path, info: Callable[[], dict[str, Any]], keep_last: int
     could not do, one sentence each (none on the other ranks).
 
     Raises:
-        CheckpointError: on every rank, when the commit failed on rank 0: nothing new is visible.
+        CheckpointError: on every rank, when the commit failed on rank 0: nothing new is visible
+            (or, should undoing its renames fail too, the message says what is where).
     """
     problems: list[str] = []
 
