@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import signal
 from typing import Any
 
 import torch
@@ -145,6 +146,35 @@ def counting_model() -> tuple[OffloadModel, OffloadOptimizer]:
     return model, optimizer
 
 
+def fill(model: OffloadModel, optimizer: OffloadOptimizer, counter: int) -> None:
+    """Every parameter and momentum of a :func:`counting_model` set to ``counter``."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(counter)
+            optimizer.state[p]["momentum_buffer"].fill_(counter)
+
+
+def killed_in_commit(rank: int, world_size: int, directory: str, *, renames: int) -> None:
+    """Save step-1 and step-2 in ``directory/ckpt`` (``keep_last=1``), then step-3, killed
+    (SIGKILL: nothing runs after it) once its commit has made ``renames`` renames."""
+    model, optimizer = counting_model()
+    real = os.replace
+    made = [0]
+
+    def replace(source: Any, target: Any) -> None:
+        if made[0] == renames:
+            os.kill(os.getpid(), signal.SIGKILL)
+        made[0] += 1
+        real(source, target)
+
+    for counter in (1, 2, 3):
+        if counter == 3:
+            os.replace = replace  # this process's last save
+        fill(model, optimizer, counter)
+        save_checkpoint(os.path.join(directory, "ckpt", f"step-{counter}"), model, optimizer,
+                        extra={"counter": counter}, keep_last=1)
+
+
 def keep_saving(rank: int, world_size: int, directory: str) -> None:
     """Save checkpoints step-n, step-n+1, ... (n: one past the latest) until killed, each with
     every parameter and momentum filled with its number; ``directory/saving`` appears once the
@@ -155,10 +185,7 @@ def keep_saving(rank: int, world_size: int, directory: str) -> None:
     counter = 0 if latest is None else load_checkpoint(latest, model, optimizer)["counter"]
     while True:
         counter += 1
-        with torch.no_grad():
-            for p in model.parameters():
-                p.fill_(counter)
-                optimizer.state[p]["momentum_buffer"].fill_(counter)
+        fill(model, optimizer, counter)
         save_checkpoint(os.path.join(directory, "ckpt", f"step-{counter}"), model, optimizer,
                         extra={"counter": counter}, keep_last=3)
         if not os.path.exists(os.path.join(directory, "saving")):
@@ -166,4 +193,4 @@ def keep_saving(rank: int, world_size: int, directory: str) -> None:
                 pass
 
 
-JOBS = {f.__name__: f for f in (train, reshard, keep_saving)}
+JOBS = {f.__name__: f for f in (train, reshard, keep_saving, killed_in_commit)}

@@ -1,6 +1,7 @@
 """Checkpoints: exact resume in a fresh process on one rank and two, resharding 2 -> 1 and 1 -> 2,
 atomic saves under SIGKILL, clear errors before anything is loaded, and interchange with the plain
-model and optimizer. See Note: [Checkpoint layout] and Note: [Atomic save] in offload/checkpoint/save_load.py."""
+model and optimizer. See Note: [Checkpoint layout] in offload/checkpoint/save_load.py and Note: [Atomic save] in
+offload/checkpoint/commit.py."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import time
 import uuid
 import weakref
@@ -196,6 +198,36 @@ def test_a_save_killed_at_any_moment_leaves_the_last_checkpoint_whole(tmp_path):
         assert len([e for e in directory.iterdir() if not e.name.startswith(".") and e.is_dir()]) <= 4
     assert last >= 30, "each process completes a save before it is killed"
     assert interrupted >= 5, "too few kills landed inside a save"
+
+
+@pytest.mark.parametrize("renames", [0, 1], ids=["before-its-renames", "between-its-renames"])
+def test_a_save_killed_in_its_commit_leaves_hidden_files_the_next_save_clears(tmp_path, renames):
+    """Killed before the commit's first rename, nothing new is visible; between the checkpoint's
+    rename and latest's, the new checkpoint is whole and latest names the previous one. What the
+    killed save left is hidden, read by nothing, and gone after the next save."""
+    from . import checkpoint_workers
+
+    child = mp.get_context("forkserver").Process(target=checkpoint_workers.run, args=(
+        0, 1, str(tmp_path), "killed_in_commit", {"renames": renames}))
+    child.start()
+    child.join(DEADLINE_S)
+    if child.is_alive():
+        child.kill()
+        child.join()
+    assert child.exitcode == -signal.SIGKILL
+    directory = tmp_path / "ckpt"
+    visible = sorted(e.name for e in directory.iterdir() if not e.name.startswith("."))
+    assert visible == ["latest", "step-2"] + (["step-3"] if renames else [])
+    assert any(e.name.startswith(".") for e in directory.iterdir())  # what the killed save left
+    assert latest_checkpoint(directory) == directory / "step-2"
+    for name in visible[1:]:
+        assert check_counting_checkpoint(directory / name) == int(name.removeprefix("step-"))
+    if not renames:
+        with pytest.raises(CheckpointError, match=r"no checkpoint at .*step-3: not a directory \(a save of it was "
+                                                  r"interrupted: .*\.step-3\.partial is incomplete\)"):
+            load_checkpoint(directory / "step-3", *counting_model())
+    save_checkpoint(directory / "step-4", *counting_model(), extra={"counter": 4}, keep_last=1)
+    assert sorted(os.listdir(directory)) == ["latest", "step-4"]
 
 
 def test_an_existing_checkpoint_is_replaced_whole_and_latest_follows(tmp_path):

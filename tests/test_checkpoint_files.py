@@ -10,6 +10,8 @@ import contextlib
 import errno
 import json
 import os
+import re
+import shutil
 import zlib
 
 import pytest
@@ -18,7 +20,7 @@ from torch.distributed.checkpoint import filesystem
 
 from offload import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 
-from .disk_full import report_free
+from .disk_full import PageBudget, report_free
 from .test_checkpoint import assert_untouched, snapshot, trained
 
 
@@ -157,25 +159,106 @@ def test_a_disk_without_room_for_a_save_is_refused_before_writing(tmp_path, monk
     save_checkpoint(tmp_path / "b", model, optimizer)
 
 
-def test_a_full_disk_when_latest_is_written_says_the_checkpoint_is_saved(tmp_path, monkeypatch):
-    from offload.checkpoint import save_load as checkpoint
+@pytest.mark.parametrize("target", ["step-3", "step-2"], ids=["new", "replacing"])
+def test_a_save_a_page_short_or_more_leaves_nothing_new_and_latest_as_it_was(tmp_path, monkeypatch, target):
+    """The last page a save takes is the last thing it writes: it fails there as it fails at the
+    first, with nothing new visible (Note: [Atomic save] in offload/checkpoint/commit.py)."""
+    model, optimizer = trained()
+    probe, directory = tmp_path / "probe", tmp_path / "ckpt"
+    for where in (probe, directory):
+        for step in (1, 2):
+            save_checkpoint(where / f"step-{step}", model, optimizer, extra={"step": step}, keep_last=1)
+    before = snapshot(model, optimizer)
+    changed(model, optimizer)
+    measured = PageBudget(monkeypatch, probe)
+    save_checkpoint(probe / target, model, optimizer, extra={"step": 3}, keep_last=1)
+    for pages in range(measured.used):  # from no room at all to one page short
+        PageBudget(monkeypatch, directory, pages)
+        with pytest.raises(CheckpointError) as refused:
+            save_checkpoint(directory / target, model, optimizer, extra={"step": 3}, keep_last=1)
+        assert sorted(os.listdir(directory)) == ["latest", "step-2"], f"{pages} pages: {refused.value}"
+        assert latest_checkpoint(directory) == directory / "step-2"
+    assert re.search(r"could not save checkpoint .*: the disk filled up while writing it .* Nothing of it was kept and "
+                     r"(the previous checkpoint, .*step-2, is intact|checkpoint .*step-2 is intact \(it was not "
+                     r"replaced\))", str(refused.value)), refused.value
+    fresh, fresh_optimizer = changed(*trained())
+    assert load_checkpoint(directory / "step-2", fresh, fresh_optimizer) == {"step": 2}
+    assert_untouched(before, fresh, fresh_optimizer)
+    PageBudget(monkeypatch, directory, measured.used)  # room enough: the same save succeeds
+    save_checkpoint(directory / target, model, optimizer, extra={"step": 3}, keep_last=1)
+    assert sorted(os.listdir(directory)) == ["latest", target]
+    assert latest_checkpoint(directory) == directory / target
+    assert load_checkpoint(directory / target, fresh, fresh_optimizer) == {"step": 3}
 
+
+def test_a_checkpoint_keep_last_cannot_remove_leaves_the_save_done_and_warns(tmp_path, monkeypatch):
+    model, optimizer = trained()
+    for step in (1, 2):
+        save_checkpoint(tmp_path / f"step-{step}", model, optimizer)
+    real = shutil.rmtree
+
+    def rmtree(path, *args, **kwargs):
+        if os.path.basename(path) == ".step-1.removed":
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    with pytest.warns(UserWarning, match=r"checkpoint .*step-3 is saved and .*latest names it, but keep_last=1 could "
+                                         r"not remove .*step-1 \(.*Permission denied.*\); the next save there tries "
+                                         "again") as warned:
+        assert save_checkpoint(tmp_path / "step-3", model, optimizer, keep_last=1) == tmp_path / "step-3"
+    ours = [w for w in warned if "is saved" in str(w.message)]
+    assert len(ours) == 1 and ours[0].filename == __file__  # at the caller's line
+    assert sorted(os.listdir(tmp_path)) == [".step-1.removed", "latest", "step-3"]  # step-2 is removed
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-3"
+    load_checkpoint(tmp_path / "step-3", model, optimizer)
+    monkeypatch.setattr(shutil, "rmtree", real)
+    save_checkpoint(tmp_path / "step-4", model, optimizer, keep_last=1)
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step-4"]
+
+
+def test_a_rename_of_the_commit_that_fails_is_undone(tmp_path, monkeypatch):
+    """A rename cannot run out of room, but it can fail (an I/O error): those made before it are
+    undone, so that the save fails with nothing new visible and the replaced checkpoint back."""
+    model, optimizer = trained()
+    save_checkpoint(tmp_path / "a", model, optimizer, extra={"step": 1})
+    before = snapshot(model, optimizer)
+    changed(model, optimizer)
+    real = os.replace
+
+    def replace(source, target):
+        if os.path.basename(target) == "latest":
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(source, target)
+
+    monkeypatch.setattr(os, "replace", replace)
+    for name in ("b", "a"):  # a new checkpoint, and one that replaces another
+        with pytest.raises(CheckpointError, match=rf"could not save checkpoint .*{name}: OSError: .*Input/output error\. "
+                                                  "Nothing of it was kept"):
+            save_checkpoint(tmp_path / name, model, optimizer, extra={"step": 2})
+        assert sorted(os.listdir(tmp_path)) == ["a", "latest"]
+        assert latest_checkpoint(tmp_path) == tmp_path / "a"
+    fresh, fresh_optimizer = changed(*trained())
+    assert load_checkpoint(tmp_path / "a", fresh, fresh_optimizer) == {"step": 1}
+    assert_untouched(before, fresh, fresh_optimizer)
+
+
+def test_a_commit_that_cannot_be_undone_says_what_is_where(tmp_path, monkeypatch):
     model, optimizer = trained()
     save_checkpoint(tmp_path / "a", model, optimizer)
-    real = checkpoint._write_synced
+    real = os.replace
 
-    def write_synced(file, data, atomically=False):
-        if file.name == "latest":
-            (file.parent / ".latest.tmp").write_bytes(b"")  # what a full disk leaves, removed below
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        real(file, data, atomically)
+    def replace(source, target):
+        if os.path.basename(target) in ("latest", ".a.partial"):  # latest's rename, and the first undo
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(source, target)
 
-    monkeypatch.setattr(checkpoint, "_write_synced", write_synced)
-    with pytest.raises(CheckpointError, match=r"checkpoint .*b is saved, but .*latest could not be made to name it "
-                                              r"\(OSError: .*No space left on device\): it still names a"):
-        save_checkpoint(tmp_path / "b", model, optimizer)
-    monkeypatch.setattr(checkpoint, "_write_synced", real)
-    load_checkpoint(tmp_path / "b", model, optimizer)
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(CheckpointError, match=r"could not save checkpoint .*a: its commit failed \(OSError: .*Input/"
+                                              r"output error\) and undoing its renames failed too \(.*\): .*a is at "
+                                              r".*\.a\.replaced; .*\.a\.partial is at .*a\. latest still names the "
+                                              "previous checkpoint"):
+        save_checkpoint(tmp_path / "a", model, optimizer)
 
 
 # -- what is at the path ---------------------------------------------------------------------------

@@ -55,8 +55,9 @@ DATA_SUFFIX = ".distcp"
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be saved here, or cannot be loaded into this model and optimizer
-    (incomplete, damaged, or saved from something else). A failed save leaves the previous
-    checkpoint intact; a refused load leaves the model and optimizer unchanged."""
+    (incomplete, damaged, or saved from something else). A failed save leaves nothing new
+    visible, ``latest`` unchanged and the previous checkpoint intact; a refused load leaves the
+    model and optimizer unchanged."""
 
 
 class _SummingStream:

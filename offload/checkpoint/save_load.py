@@ -40,28 +40,13 @@ Note: [Checkpoint layout]
     optimizer class, its groups' parameters by name and the number of ranks: what
     :func:`load_checkpoint` checks before it writes anything.
 
-Note: [Atomic save]
-    A save never leaves a checkpoint that looks complete but is not, and never harms the
-    previous one:
-
-    1. Every rank writes into ``.<name>.partial`` beside the target; DCP syncs each file to disk
-       and writes its ``.metadata`` last (itself through a temporary file).
-    2. Rank 0 writes ``offload.json``, syncs the directory, and renames it to ``<name>``: the
-       rename is the commit. A save killed before it leaves only the hidden partial directory,
-       which the next save in that directory removes. A checkpoint of the same name is first
-       moved to ``.<name>.replaced``, and deleted once the new one took its name; if the kill
-       falls between the two renames, the next save puts it back.
-    3. Rank 0 then replaces the ``latest`` file beside it (written to a temporary file, synced,
-       renamed) and, with ``keep_last``, removes the oldest checkpoints beside it (each renamed
-       to ``.<name>.removed`` before it is deleted, so a kill never leaves half of one visible).
-
-    Before step 1, nothing is touched until the arguments are checked (``extra`` pickles), the
-    target is a checkpoint, an empty directory or absent, and the filesystem has room for the
-    tensors and their headers (a lower bound; every rank decides from the same gathered figures).
-    A save that fails after that (a disk that fills up, any error DCP gathers) removes the partial
-    directory and raises :class:`CheckpointError`, on every rank: the previous checkpoint was
-    never touched. Step 3 failing leaves the new checkpoint committed and ``latest`` naming the
-    previous one, which the error says.
+A save is atomic: it either returns, the checkpoint whole under its name and ``latest`` naming
+it, or raises with nothing new visible (Note: [Atomic save] in ``offload/checkpoint/commit.py``).
+Before anything is written, the arguments are checked (``extra`` pickles), the target must be a
+checkpoint, an empty directory or absent, and the filesystem must have room for the tensors and
+their headers (a lower bound; every rank decides from the same gathered figures). A save that fails
+after that (a disk that fills up, any error DCP gathers) deletes what it wrote and raises
+:class:`CheckpointError` on every rank.
 """
 
 from __future__ import annotations
@@ -88,6 +73,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from .checkpoint_files import (CheckpointError, ChecksummingFileSystem, disk_full,
                                failure_text, free_bytes, pickled_size, verify_checksums)
+from .commit import INFO_FILE, LATEST_FILE, HalfCommitted, commit, partial_directory, prepare, tidy
 from ..tiers.disk_tier import DiskTierError, size_text
 from ..model import OffloadModel, engine_of
 from ..optimizer import OffloadOptimizer
@@ -103,8 +89,6 @@ warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unav
                         r"assuming the intent is to (save|load) in a single process")
 
 FORMAT = 1
-INFO_FILE = "offload.json"
-LATEST_FILE = "latest"
 #: Bytes a save counts for each item's header in its data file, at least (a lower bound: a save
 #: is refused only when it cannot fit).
 ITEM_HEADER = 1024
@@ -119,8 +103,10 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
                     *, extra: dict[str, Any] | None = None, keep_last: int | None = None,
                     process_group: Any = None) -> Path:
     """Write the model, the optimizer, the random number generators and ``extra`` into the
-    checkpoint directory ``path``, atomically (Note: [Atomic save]), and point ``latest`` beside it
-    at it. Call it on every rank, between steps; pending host updates finish first.
+    checkpoint directory ``path`` and point ``latest`` beside it at it, as one event: when it
+    returns, both are done; when it raises, nothing new is visible and the previous checkpoint is
+    intact (Note: [Atomic save] in ``offload/checkpoint/commit.py``). Call it on every rank,
+    between steps; pending host updates finish first.
 
     Data parallel, each rank writes the optimizer state it owns, in parallel, and the parameters
     are written once; nothing is gathered. DCP reads the host copies and the optimizer state where
@@ -149,9 +135,13 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
         ValueError: a bad ``keep_last``, or the optimizer steps a parameter the model lacks.
         FileExistsError: ``path`` is a file, or a directory of files that is not a checkpoint.
         CheckpointError: the filesystem has less room than the save needs (checked before
-            anything is written), or the save failed while writing (a full disk says so): what it
-            wrote is removed and the previous checkpoint is intact. Or the checkpoint was saved
-            but ``latest`` could not be made to name it (the message says so).
+            anything is written), or the save failed (a full disk says so): what it wrote is
+            removed, ``latest`` is unchanged and the previous checkpoint is intact.
+
+    Warns:
+        UserWarning: on rank 0, the checkpoint is saved and ``latest`` names it, but what follows
+            failed: deleting the checkpoint it replaced, removing the oldest for ``keep_last``
+            (the next save tries again), or syncing the directory. The message says which.
 
     Example::
 
@@ -165,17 +155,12 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     names = _parameter_names(model)
     state, on_disk = _state_to_save(model, optimizer, names, rank, extra)
     needed = _check_room(group, rank, path, state, extra_nbytes, optimizer)
-    partial = path.parent / f".{path.name}.partial"
-
-    def prepare() -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _clean_up(path.parent)
-        partial.mkdir()
-
-    _on_rank_0(group, rank, prepare, lambda error: _save_failure(path, error, [], needed))
+    partial = partial_directory(path)
+    _on_rank_0(group, rank, functools.partial(prepare, path), lambda error: _save_failure(path, error, [], needed))
     checksums = _gathered(group, _write_data(path, partial, model, optimizer, state, on_disk, group, rank, needed))
     info = functools.partial(_info, model, optimizer, names, world_size, checksums)
-    _commit_saved(path, partial, info, keep_last, group, rank, needed)
+    for problem in _commit_saved(path, info, keep_last, group, rank, needed):
+        warnings.warn(problem, stacklevel=2)
     return path
 
 
@@ -265,40 +250,27 @@ def _write_data(path: Path, partial: Path, model: nn.Module, optimizer: torch.op
     return files.checksums
 
 
-def _commit_saved(path: Path, partial: Path, info: Callable[[], dict[str, Any]], keep_last: int | None, group: Any,
-                  rank: int, needed: int) -> None:
-    """On rank 0, write ``info()`` beside the data, rename ``partial`` to ``path`` and point ``latest``
-    at it (Note: [Atomic save]), then prune to ``keep_last``.
+def _commit_saved(path: Path, info: Callable[[], dict[str, Any]], keep_last: int | None, group: Any, rank: int,
+                  needed: int) -> list[str]:
+    """On rank 0, commit the checkpoint written for ``path``, ``info()`` as its ``offload.json``,
+    and tidy after it (Note: [Atomic save] in ``offload/checkpoint/commit.py``); what tidying
+    could not do, one sentence each (none on the other ranks).
 
     Raises:
-        CheckpointError: on every rank, when rank 0 failed; the message says whether ``path`` is saved.
+        CheckpointError: on every rank, when the commit failed on rank 0: nothing new is visible
+            (or, should undoing its renames fail too, the message says what is where).
     """
-    committed = False
+    problems: list[str] = []
 
-    def commit() -> None:
-        nonlocal committed
-        try:
-            _write_synced(partial / INFO_FILE, json.dumps(info(), indent=1).encode())
-            _fsync_directory(partial)
-        except BaseException:
-            shutil.rmtree(partial, ignore_errors=True)
-            raise
-        _commit(partial, path)
-        committed = True
-        _write_synced(path.parent / LATEST_FILE, path.name.encode(), atomically=True)
-        if keep_last is not None:
-            _prune(path, keep_last)
+    def work() -> None:
+        commit(path, lambda: json.dumps(info(), indent=1).encode())
+        problems.extend(tidy(path, keep_last))
 
     def failure(error: BaseException) -> str:
-        if not committed:
-            return _save_failure(path, error, [], needed)
-        previous = latest_checkpoint(path.parent)
-        return (f"checkpoint {path} is saved, but {path.parent / LATEST_FILE} could not be made to name it "
-                f"({failure_text(error)}): it still names {previous.name if previous else 'nothing'}, so "
-                f"latest_checkpoint() does not return the new one. Free space and save again, or load {path} by "
-                "its path.")
+        return str(error) if isinstance(error, HalfCommitted) else _save_failure(path, error, [], needed)
 
-    _on_rank_0(group, rank, commit, failure)
+    _on_rank_0(group, rank, work, failure)
+    return problems
 
 
 def _on_rank_0(group: Any, rank: int, work: Any, failure: Any) -> None:
@@ -742,7 +714,7 @@ def _barrier(group: Any) -> None:
 def _read(path: Path) -> tuple[dict[str, Any], Metadata]:
     """The checkpoint's description and DCP metadata, once every file they name is there, whole."""
     if not path.is_dir():
-        partial = path.parent / f".{path.name}.partial"
+        partial = partial_directory(path)
         hint = f" (a save of it was interrupted: {partial} is incomplete)" if partial.exists() else ""
         raise CheckpointError(f"no checkpoint at {path}: not a directory{hint}")
     try:
@@ -853,79 +825,3 @@ def _slice(partition: list[list[str]], k: int) -> str:
         return "none"
     names = partition[k]
     return names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
-
-
-# -- files -----------------------------------------------------------------------------------------
-
-
-def _write_synced(file: Path, data: bytes, atomically: bool = False) -> None:
-    target = file.with_name(f".{file.name}.tmp") if atomically else file
-    try:
-        with open(target, "wb") as stream:
-            stream.write(data)
-            stream.flush()
-            os.fsync(stream.fileno())
-    except BaseException:
-        target.unlink(missing_ok=True)  # a full disk leaves no half-written file behind
-        raise
-    if atomically:
-        os.replace(target, file)
-        _fsync_directory(file.parent)
-
-
-def _fsync_directory(directory: Path) -> None:
-    descriptor = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
-def _clean_up(directory: Path) -> None:
-    """Remove what killed saves left in ``directory``: partial checkpoints, and checkpoints moved
-    out of sight to be removed; a checkpoint moved aside for a replacement that never took its
-    name is put back (it is whole: it is deleted only after the replacement took its name)."""
-    for entry in directory.iterdir():
-        if not (entry.name.startswith(".") and entry.is_dir()):
-            continue
-        if entry.name.endswith((".partial", ".removed")):
-            shutil.rmtree(entry)
-        elif entry.name.endswith(".replaced"):
-            original = directory / entry.name[1:-len(".replaced")]
-            if original.exists():
-                shutil.rmtree(entry)
-            else:
-                os.replace(entry, original)
-
-
-def _commit(partial: Path, path: Path) -> None:
-    """Rename the finished checkpoint into place (replacing one of the same name)."""
-    if path.exists():
-        # The old one moves out of sight first, so no directory named ``path`` is ever half deleted.
-        old = path.parent / f".{path.name}.replaced"
-        os.replace(path, old)
-        os.replace(partial, path)
-        _fsync_directory(path.parent)
-        shutil.rmtree(old)
-        return
-    os.replace(partial, path)
-    _fsync_directory(path.parent)
-
-
-def _prune(path: Path, keep_last: int) -> None:
-    """Remove the oldest checkpoints beside ``path`` (by when they were saved) beyond ``keep_last``."""
-    saved: list[tuple[int, Path]] = []
-    for sibling in path.parent.iterdir():
-        if sibling.name.startswith(".") or not (sibling / INFO_FILE).is_file():
-            continue
-        try:
-            saved.append((json.loads((sibling / INFO_FILE).read_text())["saved_ns"], sibling))
-        except (ValueError, KeyError):
-            continue  # not ours to remove
-    saved.sort()
-    for _, old in saved[:-keep_last]:
-        if old == path:
-            continue
-        hidden = old.parent / f".{old.name}.removed"
-        os.replace(old, hidden)
-        shutil.rmtree(hidden)
