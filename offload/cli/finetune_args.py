@@ -280,7 +280,7 @@ def _without_weights(folder: Path) -> str:
         "chat_template.jinja, for chat 'messages' data): nothing is downloaded, so copy them from a local copy of "
         "the model, e.g. the Hugging Face cache's snapshots/ folder")
     write = (f"python -c \"import transformers as t; t.AutoModelForCausalLM.from_config("
-             f"t.AutoConfig.from_pretrained('{folder}')).save_pretrained('{folder}')\"")
+             f"t.AutoConfig.from_pretrained({str(folder)!r})).save_pretrained({str(folder)!r})\"")
     return (f"--model {folder}: a config.json but no weights (model.safetensors); to fine-tune random weights of "
             f"this config, write them there first: {write}{fetch}. Without --model, --arch and --size train a small "
             "random model with a byte tokenizer")
