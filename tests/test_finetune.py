@@ -10,6 +10,7 @@ the steps; a LoRA adapter records where its base is.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
@@ -202,6 +203,165 @@ def test_resume_command_replaces_resume():
     argv = ["--out", "o b", "--resume", "old", "--steps", "4"]
     assert resume_command(argv, Path("o b/checkpoints/step-2"), program="offload-finetune") == \
         "offload-finetune --out 'o b' --steps 4 --resume 'o b/checkpoints/step-2'"
+
+
+TINY_RUN = ["--batch-size", "2", "--seq-len", "16", "--num-slices", "3"]
+
+
+def files_of(directory: Path) -> dict[str, bytes]:
+    """The bytes of the files directly in ``directory``, by name."""
+    return {f.name: f.read_bytes() for f in sorted(directory.iterdir()) if f.is_file()}
+
+
+def test_a_resume_with_no_steps_left_is_refused_and_the_trained_model_kept(tmp_path, capsys):
+    """Resuming from step 2 of 3 with --steps 2 (the default elsewhere is 20) would train nothing and
+    export step 2's weights over the finished model: refused, by the checkpoint's name before the
+    model is built, and by the step saved in it whatever its name."""
+    out = tmp_path / "out"
+    code, _, err = run_cli("--out", str(out), "--steps", "3", "--save-every", "1", *TINY_RUN, tmp_path=tmp_path,
+                           capsys=capsys)
+    assert code == 0, err
+    finished = files_of(out)
+    assert any(name.endswith(".safetensors") for name in finished)
+    renamed = tmp_path / "kept"
+    (out / "checkpoints" / "step-2").rename(renamed)
+
+    def refusal(step: int, steps: int) -> str:
+        return (f"offload-finetune: error: --resume: the checkpoint is at step {step} and --steps is {steps}, so "
+                f"nothing would train: pass --steps N > {step}, or --out a new directory without --resume to start "
+                "over")
+
+    # By its name: a parser error, before the model is built.
+    first = out / "checkpoints" / "step-1"
+    code, out_text, err = run_cli("--out", str(out), "--steps", "1", "--resume", str(first), *TINY_RUN,
+                                  tmp_path=tmp_path, capsys=capsys)
+    assert code == 2 and err.strip().splitlines()[-1] == refusal(1, 1) and out_text == "", err
+    assert files_of(out) == finished
+    # By the step saved in it: once it is loaded, before anything trains.
+    code, out_text, err = run_cli("--out", str(out), "--steps", "2", "--resume", str(renamed), *TINY_RUN,
+                                  tmp_path=tmp_path, capsys=capsys)
+    assert code == 1 and err.strip() == refusal(2, 2) and "step 3/" not in out_text, err
+    assert files_of(out) == finished
+
+
+def test_a_resume_replays_the_schedule_without_warnings(tmp_path, capsys, recwarn):
+    out = tmp_path / "out"
+    args = ["--out", str(out), "--steps", "3", "--save-every", "2", "--lr-schedule", "cosine", *TINY_RUN]
+    code, _, err = run_cli(*args, tmp_path=tmp_path, capsys=capsys)
+    assert code == 0, err
+    recwarn.clear()
+    code, out_text, err = run_cli(*args, "--resume", "latest", tmp_path=tmp_path, capsys=capsys)
+    assert code == 0 and "after step 2" in out_text and "step 3/3" in out_text, err
+    messages = [str(w.message) for w in recwarn]
+    assert not any("lr_scheduler.step()" in m for m in messages), messages
+
+
+def test_a_checkpoint_that_does_not_load_is_one_line_in_the_commands_flags(tmp_path, capsys):
+    out = tmp_path / "out"
+    code, _, err = run_cli("--out", str(out), "--steps", "2", "--save-every", "1", *TINY_RUN, tmp_path=tmp_path,
+                           capsys=capsys)
+    assert code == 0, err
+    checkpoint = out / "checkpoints" / "step-1"
+    code, _, err = run_cli("--out", str(out), "--steps", "3", "--resume", str(checkpoint), "--batch-size", "2",
+                           "--seq-len", "16", "--num-slices", "2", tmp_path=tmp_path, capsys=capsys)
+    (line,) = err.strip().splitlines()
+    assert code == 1 and line.startswith(f"offload-finetune: error: --resume: checkpoint {checkpoint} was saved from "
+                                         "a model cut into 3 slices, this one has 2; slice 0 differs"), line
+    assert line.endswith("; pass --num-slices 3, as the run that saved it did") and "OffloadModel" not in line
+    (checkpoint / "offload.json").write_text("{not json")
+    code, _, err = run_cli("--out", str(out), "--steps", "3", "--resume", str(checkpoint), *TINY_RUN,
+                           tmp_path=tmp_path, capsys=capsys)
+    (line,) = err.strip().splitlines()
+    assert code == 1 and line.startswith(f"offload-finetune: error: --resume: checkpoint {checkpoint} is damaged: "
+                                         "offload.json is not valid JSON"), line
+    assert line.endswith(f"; pass --resume an earlier checkpoint (under {out / 'checkpoints'}), or leave out --resume")
+
+
+@pytest.mark.parametrize(("device", "capability", "flags", "expected"), [
+    ("cpu", None, [], "none"),  # a CPU computes bfloat16 several times slower than float32
+    ("cuda", (9, 0), [], "bf16"),
+    ("cuda", (8, 0), [], "bf16"),
+    ("cuda", (7, 0), [], "none"),  # no bfloat16 tensor cores
+    ("cpu", None, ["--disk-tier", "tier", "--masters-on-disk"], "bf16"),  # loads read the bf16 shadow
+    ("cpu", None, ["--compute-dtype", "bf16"], "bf16"),
+    ("cuda", (9, 0), ["--compute-dtype", "none"], "none"),
+])
+def test_the_default_compute_dtype_is_the_planners_choice_for_the_device(device, capability, flags, expected,
+                                                                         monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: device == "cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    args = parse_args(["--out", "o", "--device", device, *flags])
+    assert args.compute_dtype == expected
+
+
+def test_a_model_folder_without_weights_says_how_to_write_them_from_its_config(tmp_path, capsys):
+    folder = tmp_path / "config-only"
+    transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=256).save_pretrained(folder)
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--out", str(tmp_path / "out"), "--device", "cpu", "--model", str(folder)])
+    assert exit_info.value.code == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith(f"offload-finetune: error: --model {folder}: a config.json but no weights")
+    assert "it needs the model's tokenizer too" in line and "chat_template.jinja" in line, line
+    # The command the line gives writes weights that the run then loads.
+    code = re.search(r'python -c "(.*?)"', line)[1]
+    exec(code, {})
+    byte_tokenizer().save_pretrained(folder)
+    assert parse_args(["--out", str(tmp_path / "out"), "--device", "cpu", "--model", str(folder)]).model == folder
+    (folder / "model.safetensors").unlink()
+    (folder / "config.json").unlink()
+    with pytest.raises(SystemExit):
+        parse_args(["--out", str(tmp_path / "out"), "--device", "cpu", "--model", str(folder)])
+    assert "neither weights nor config.json there" in capsys.readouterr().err
+
+
+#: What importing torchao and bitsandbytes logs (transformers imports them when they are installed).
+IMPORT_NOISE = ("torchao", "_pytree.py", "kernels-community")
+
+
+@pytest.mark.parametrize("command", [
+    ["finetune", "--help"],
+    ["plan", "--hf-config", json.dumps({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                                        "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 256}),
+     "--gpu", "a100"],
+    ["calibrate", "--help"],
+])
+def test_the_commands_print_no_import_notes_of_other_libraries(command):
+    done = subprocess.run([sys.executable, "-m", "offload", *command], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert not [line for line in done.stderr.splitlines() if any(noise in line for noise in IMPORT_NOISE)], done.stderr
+
+
+def test_import_notes_are_dropped_by_logger_and_message_and_only_while_importing():
+    from offload.cli.quiet_imports import without_import_notes
+
+    class Kept(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.messages: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.messages.append(record.getMessage())
+
+    kept = Kept()
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree", "transformers")]
+    torchao_log, pytree_log, other_log = loggers
+    for logger in loggers:
+        logger.addHandler(kept)
+    try:
+        with without_import_notes():
+            torchao_log.warning("Failed to load /x/_C_mxfp8.so: Could not load this library")
+            pytree_log.warning("%s is an Enum subclass and is now natively supported by torch.compile as an opaque "
+                               "value type.", "<enum 'KernelPreference'>")
+            torchao_log.warning("quantize_ is deprecated")  # another message: kept
+            other_log.warning("Failed to load a thing")  # another logger: kept
+        torchao_log.warning("Failed to load /x/_C_mxfp8.so later")  # after the import: kept
+    finally:
+        for logger in loggers:
+            logger.removeHandler(kept)
+    assert kept.messages == ["quantize_ is deprecated", "Failed to load a thing", "Failed to load /x/_C_mxfp8.so later"]
 
 
 def test_schedule_accumulation_and_clipping_are_exact_with_the_plain_model(tmp_path, capsys):

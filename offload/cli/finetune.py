@@ -17,6 +17,9 @@ Note: [Never lose a run]
        and the error's traceback for an error.
     3. Batches are a function of ``--seed`` and the step alone (the block stream replayed), so a
        resumed run draws the batches the stopped one would have.
+    4. Nothing is exported into ``--out`` without a step trained: a resume whose ``--steps`` is not
+       past the checkpoint's step is refused before anything trains (it would write the
+       checkpoint's weights over the finished model there).
 
 The options and ``--help`` are in ``offload/cli/finetune_args.py``; the models in
 ``offload/cli/models.py``; the output checks in ``offload/cli/outputs.py``.
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import re
 import sys
 import time
 import warnings
@@ -39,15 +43,23 @@ warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
 
 import torch
 
+from ..checkpoint.checkpoint_files import CheckpointError
 from ..checkpoint.save_load import load_checkpoint, save_checkpoint
 from ..tiers.disk_tier import DiskTier
 from ..model import OffloadModel
 from ..optimizer import OffloadOptimizer
-from .finetune_args import DTYPES, SCHEDULES, parse_args
+from .finetune_args import DTYPES, SCHEDULES, no_steps_left, parse_args
 from .models import pretrained_model, pretrained_tokenizer, random_model, with_lora
 from .outputs import OutputError, RunRecord, Write, check_room, check_writable
 
 __all__ = ["main", "parse_args"]
+
+PROG = "offload-finetune"
+
+
+def fail(message: str) -> SystemExit:
+    """The exit for bad input once the options are parsed: one line, as the parser's errors read."""
+    return SystemExit(f"{PROG}: error: {message}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -79,9 +91,9 @@ def run(argv: list[str], record: RunRecord) -> None:
         batches = Batches(args, tokenizer)
         evaluation = batches.evaluation()
     except OutputError as error:
-        raise SystemExit(f"error: {error}") from None
+        raise fail(str(error)) from None
     except DataFormatError as error:
-        raise SystemExit(f"error: {error}") from None
+        raise fail(str(error)) from None
     # accumulation_steps says which backward starts the update; without update_in_backward it must stay 1.
     schedule = {"update_in_backward": True, "accumulation_steps": args.grad_accum} if args.update_in_backward else {}
     optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=args.lr, weight_decay=0.0, fused=True, disk_tier=tier,
@@ -98,7 +110,7 @@ def run(argv: list[str], record: RunRecord) -> None:
         stream = batches.train(skip=done)
         train_batches = itertools.chain([next(stream)], stream)
     except DataFormatError as error:
-        raise SystemExit(f"error: {error}") from None
+        raise fail(str(error)) from None
     record.step, record.checkpoint = done, args.resume
     try:
         loss_value, seen, elapsed = train(args, model, hf, optimizer, scheduler, trainable, train_batches, evaluation,
@@ -124,19 +136,21 @@ def _start(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     try:
         from tqdm import tqdm
 
+        from .quiet_imports import import_transformers
+
+        # Before the modules below: transformers' models import torchao, which logs notes as it loads.
+        transformers = import_transformers()
         from ..integrations.data import DataFormatError
         from ..integrations.transformers import causal_lm_sequential
         from ..integrations.transformers_loading import load_causal_lm
     except ImportError as error:
         raise SystemExit(f'{error}. Install the extra: pip install -e ".[transformers]"') from error
     if args.no_progress:
-        import transformers
-
         transformers.utils.logging.disable_progress_bar()  # the bar of loading checkpoint shards
     try:
         check_outputs_writable(args)  # Note: [Never lose a run], rule 1
     except OutputError as error:
-        raise SystemExit(f"error: {error}") from None
+        raise fail(str(error)) from None
     return tqdm, DataFormatError, causal_lm_sequential, load_causal_lm
 
 
@@ -148,8 +162,11 @@ def _build_model(args: argparse.Namespace, options: dict[str, Any], causal_lm_se
     if args.model is not None and args.lora_r == 0 and not args.untie_embeddings:
         # Slice by slice into the host copies (or the masters' files): the model is never whole
         # in RAM beside them, as from_pretrained would have it.
-        model, hf = load_causal_lm(args.model, args.device, loss_chunk_tokens=args.loss_chunk_tokens or None,
-                                   **options)
+        try:
+            model, hf = load_causal_lm(args.model, args.device, loss_chunk_tokens=args.loss_chunk_tokens or None,
+                                       **options)
+        except FileNotFoundError as error:  # weights it does not read (pytorch_model.bin): it says which
+            raise fail(f"--model {error}") from None
         tokenizer = pretrained_tokenizer(args.model)
         print(f"loaded {args.model} slice by slice")
     else:
@@ -228,8 +245,8 @@ class Batches:
                 count += 1
                 yield block
             if count == 0:
-                raise SystemExit(f"error: --data {self.args.data} holds fewer than --seq-len {self.args.seq_len} "
-                                 "tokens for training; give more text or a shorter --seq-len")
+                raise fail(f"--data {self.args.data} holds fewer than --seq-len {self.args.seq_len} "
+                           "tokens for training; give more text or a shorter --seq-len")
 
     def train(self, skip: int = 0) -> Iterator[torch.Tensor]:
         """Batches of ``--batch-size`` blocks, epoch after epoch, after the first ``skip`` steps'."""
@@ -252,8 +269,8 @@ class Batches:
         blocks = list(itertools.islice(held_out, args.eval_batches * args.batch_size))
         if not blocks:
             flag = "--eval-file" if args.eval_file else "--eval-fraction"
-            raise SystemExit(f"error: {flag}: the eval split holds no block of --seq-len {args.seq_len} tokens; "
-                             "give more evaluation text or a larger fraction")
+            raise fail(f"{flag}: the eval split holds no block of --seq-len {args.seq_len} tokens; "
+                       "give more evaluation text or a larger fraction")
         return [torch.stack(blocks[i:i + args.batch_size]) for i in range(0, len(blocks), args.batch_size)]
 
 
@@ -274,14 +291,39 @@ def resume(args: argparse.Namespace, model: OffloadModel, optimizer: OffloadOpti
     """Load ``--resume`` into the model and the optimizer and bring the schedule to its step; the steps done."""
     if args.resume is None:
         return 0
-    extra = load_checkpoint(args.resume, model, optimizer)
+    try:
+        extra = load_checkpoint(args.resume, model, optimizer)
+    except CheckpointError as error:
+        raise fail(resume_failure(args, error)) from None
+    if extra["step"] >= args.steps:
+        # Note: [Never lose a run], rule 4.
+        raise fail(no_steps_left(extra["step"], args.steps))
     with warnings.catch_warnings():
         # The schedule is a function of the step: stepping it without optimizer steps replays it.
-        warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()`", UserWarning)
+        # The filter's message is a regular expression matched at the start of the warning's.
+        warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()`"), UserWarning)
         for _ in range(extra["step"]):
             scheduler.step()
     print(f"resumed from {args.resume} after step {extra['step']}")
     return extra["step"]
+
+
+def resume_failure(args: argparse.Namespace, error: CheckpointError) -> str:
+    """The line for a checkpoint ``--resume`` cannot load: what the library found, with advice in
+    the command's flags where the library's is in terms of its API."""
+    finding = str(error)
+    for api_advice in (" Build the OffloadModel", " Nothing was loaded"):
+        finding = finding.split(api_advice)[0]
+    finding = finding.rstrip(". ")
+    slices = re.search(r"saved from a model cut into (\d+) slices", finding)
+    if slices is not None:
+        advice = f"pass --num-slices {slices[1]}, as the run that saved it did"
+    elif "damaged" in finding or "incomplete" in finding or finding.startswith("no checkpoint"):
+        advice = f"pass --resume an earlier checkpoint (under {args.out / 'checkpoints'}), or leave out --resume"
+    else:
+        advice = ("pass the options of the run that saved it (--model, or --arch and --size; --lora-r, "
+                  "--lora-targets, --untie-embeddings), or leave out --resume to start over")
+    return f"--resume: {finding}; {advice}"
 
 
 def batch_loss(args: argparse.Namespace, model: OffloadModel, hf, ids: torch.Tensor, tokens: int) -> torch.Tensor:

@@ -7,6 +7,7 @@ Only parsing and checking what can be checked without a model lives here; the ru
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 import torch
@@ -16,10 +17,14 @@ from .models import SIZES
 
 DEFAULT_TEXT = Path(__file__).resolve().parent / "sample.txt"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}
+#: ``--compute-dtype``'s default, resolved per device by :func:`default_compute_dtype`.
+AUTO = "auto"
 #: ``--lr-schedule`` -> the name of transformers' schedule with warm-up (``get_scheduler``).
 SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
 try:
-    from ..integrations.transformers import SUPPORTED_MODEL_TYPES as ARCHITECTURES
+    # From the stages' module: the public face imports transformers' models, and they torchao and
+    # its notes (offload/cli/quiet_imports.py), which --help has no use for.
+    from ..integrations.transformers_stages import SUPPORTED_MODEL_TYPES as ARCHITECTURES
 except ImportError:  # without the extra, --help still answers; training says what to install
     ARCHITECTURES = ("llama",)
 
@@ -75,7 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--resident-slices", type=int, default=0, metavar="N",
                         help="resident_slices of OffloadModel: the first N slices stay on the device with their "
                              "gradients and optimizer state, updated there (no link traffic, no host update for them)")
-    parser.add_argument("--compute-dtype", default="bf16", choices=sorted(DTYPES), help="compute_dtype of OffloadModel")
+    parser.add_argument("--compute-dtype", default=AUTO, choices=[AUTO, *sorted(DTYPES)],
+                        help="compute_dtype of OffloadModel (none: float32). auto: what offload plan picks, bf16 "
+                             "on a CUDA device with bfloat16 tensor cores (compute capability 8.0 and up) or with "
+                             "--masters-on-disk, none otherwise (on a CPU, bfloat16 matmuls are far slower)")
     # 1024 tokens: one chunk's logits are 1024 x vocab (0.5 GB in float32 for a 128k vocabulary), and each
     # projection is still a product of 1024 rows by the whole vocabulary.
     parser.add_argument("--loss-chunk-tokens", type=int, default=1024,
@@ -197,17 +205,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--device {args.device}: not a device; use cuda, cuda:N or cpu")
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: no CUDA device is available here; use --device cpu")
+    if args.compute_dtype == AUTO:
+        args.compute_dtype = default_compute_dtype(device, args.masters_on_disk)
     if args.loss_chunk_tokens < 0:
         parser.error("--loss-chunk-tokens must be 0 (off) or a number of tokens")
+    if args.save_every < 0:
+        parser.error("--save-every must be 0 (never) or a number of steps")
+    if args.keep_checkpoints is not None and args.keep_checkpoints < 1:
+        parser.error("--keep-checkpoints must be at least 1")
+    check_paths(parser, args)
+    return args
+
+
+def check_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The input paths exist and are what they should be; ``--resume latest`` becomes a path."""
     for flag, path in (("--data", args.data), ("--eval-file", args.eval_file)):
         if path is not None and not path.exists():
             parser.error(f"{flag} {path}: no such file or directory")
     if args.model is not None and not args.model.is_dir():
         parser.error(f"--model {args.model}: not a directory (a save_pretrained output is expected)")
-    if args.save_every < 0:
-        parser.error("--save-every must be 0 (never) or a number of steps")
-    if args.keep_checkpoints is not None and args.keep_checkpoints < 1:
-        parser.error("--keep-checkpoints must be at least 1")
+    if args.model is not None and not _weight_files(args.model):
+        parser.error(_without_weights(args.model))
     if args.resume == "latest":
         args.resume = latest_checkpoint(args.out / "checkpoints")
         if args.resume is None:
@@ -216,4 +234,53 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.resume = Path(args.resume)
         if not args.resume.is_dir():
             parser.error(f"--resume {args.resume}: no such checkpoint directory")
-    return args
+    # Note: [Never lose a run], rule 4, from the name the run gave the checkpoint, before a model is
+    # built for nothing; resume() checks the step saved in it, whatever its name.
+    named = None if args.resume is None else re.fullmatch(r"step-(\d+)", args.resume.name)
+    if named is not None and int(named[1]) >= args.steps:
+        parser.error(no_steps_left(int(named[1]), args.steps))
+
+
+def no_steps_left(step: int, steps: int) -> str:
+    """The refusal of a resume from ``step`` with ``--steps`` at or below it: it would train nothing
+    and export the checkpoint's weights over the finished model in ``--out``."""
+    return (f"--resume: the checkpoint is at step {step} and --steps is {steps}, so nothing would train: pass "
+            f"--steps N > {step}, or --out a new directory without --resume to start over")
+
+
+def default_compute_dtype(device: torch.device, masters_on_disk: bool) -> str:
+    """``--compute-dtype auto``: the dtype ``offload plan`` picks for ``device``, without measuring.
+
+    The planner weighs float32 against bfloat16 by the device's rates: bfloat16 wins on tensor
+    cores (CUDA compute capability 8.0 and up, where ``torch.cuda.is_bf16_supported`` is true
+    without emulation), float32 on a CPU, whose bfloat16 matmuls ``offload calibrate`` measures at
+    a fraction of its float32 ones. Masters on disk need a half-precision shadow (loads read it),
+    so they take bf16 everywhere.
+    """
+    if masters_on_disk:
+        return "bf16"
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8:
+        return "bf16"
+    return "none"
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    """The weights in a model folder: safetensors (files or a sharded index), or PyTorch's pickles."""
+    return [*folder.glob("*.safetensors"), *folder.glob("*.safetensors.index.json"), *folder.glob("pytorch_model*.bin")]
+
+
+def _without_weights(folder: Path) -> str:
+    """What to do with a ``--model`` folder that holds no weights (a config alone, say)."""
+    if not (folder / "config.json").is_file():
+        return f"--model {folder}: neither weights nor config.json there: give a save_pretrained output"
+    tokenizer = any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json",
+                                                           "tokenizer.model"))
+    fetch = "" if tokenizer else (
+        "; it needs the model's tokenizer too (tokenizer.json, tokenizer_config.json, and its chat template, "
+        "chat_template.jinja, for chat 'messages' data): nothing is downloaded, so copy them from a local copy of "
+        "the model, e.g. the Hugging Face cache's snapshots/ folder")
+    write = (f"python -c \"import transformers as t; t.AutoModelForCausalLM.from_config("
+             f"t.AutoConfig.from_pretrained({str(folder)!r})).save_pretrained({str(folder)!r})\"")
+    return (f"--model {folder}: a config.json but no weights (model.safetensors); to fine-tune random weights of "
+            f"this config, write them there first: {write}{fetch}. Without --model, --arch and --size train a small "
+            "random model with a byte tokenizer")

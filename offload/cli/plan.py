@@ -29,6 +29,7 @@ from ..planning.presets import build_preset, preset_from_factory, preset_names
 from ..planning.rates import GPU_DEFAULTS, HOST_DEFAULT, MachineRates, default_rates_path, load_rates
 from ..planning.shapes import ModelProfile, profile_layers
 from ..planning.timing import SCHEDULES
+from .quiet_imports import import_transformers
 
 DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 GIB = 2**30
@@ -173,7 +174,7 @@ def hf_config(spec: str) -> Any:
 def hf_workload(args: argparse.Namespace) -> Workload:
     """The config's causal LM built on the meta device, cut into stages as OffloadModel gets it."""
     try:
-        import transformers
+        transformers = import_transformers()  # without torchao's import notes (offload/cli/quiet_imports.py)
     except ImportError as error:
         raise SystemExit(f'{error}. --hf-config needs transformers: pip install "offload[transformers]"') from error
     from ..integrations.transformers import causal_lm_sequential
