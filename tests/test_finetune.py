@@ -524,6 +524,30 @@ def test_an_error_during_the_steps_names_the_last_checkpoint(tmp_path, capsys, m
                            "resume with: ")
 
 
+def test_a_checkpoint_save_that_fails_mid_run_is_two_lines_without_a_traceback(tmp_path, capsys, monkeypatch):
+    """A save the library refused (here: a full disk at step 2) ends the run with the stop line and
+    the library's message, whose advice is the command's (resume), not a traceback."""
+    from offload.checkpoint.checkpoint_files import CheckpointError
+
+    save = cli.save_checkpoint
+
+    def second_save_fails(path, *args, **kwargs):
+        if path.name == "step-2":
+            raise CheckpointError(f"could not save checkpoint {path}: the disk filled up while writing it. "
+                                  "Nothing of it was kept. Free space (or save elsewhere) and save again.")
+        save(path, *args, **kwargs)
+
+    monkeypatch.setattr(cli, "save_checkpoint", second_save_fails)
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["--device", "cpu", "--no-progress", "--out", str(tmp_path), "--steps", "3", "--save-every", "1"])
+    message = str(stop.value.code)
+    assert message.startswith("offload-finetune: error: could not save checkpoint ")
+    assert message.endswith("Free space (or save elsewhere) and resume with the command above.")
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("stopped: a checkpoint could not be saved after step 2; "
+                           f"last checkpoint: {tmp_path / 'checkpoints' / 'step-1'}; resume with: ")
+
+
 def test_ctrl_c_before_the_first_step_says_nothing_was_trained(tmp_path, capsys, monkeypatch):
     def interrupted(*args):
         raise KeyboardInterrupt

@@ -14,7 +14,8 @@ Note: [Never lose a run]
        writes need once the model's size is known: both before the first step.
     2. After the first step, a run that stops says how far it got, where its last checkpoint is
        and the command that resumes from it: one line for Ctrl-C (exit status 130), that line
-       and the error's traceback for an error.
+       and the error's message for a checkpoint that could not be saved, that line and the
+       error's traceback for any other error.
     3. Batches are a function of ``--seed`` and the step alone (the block stream replayed), so a
        resumed run draws the batches the stopped one would have.
     4. Nothing is exported into ``--out`` without a step trained: a resume whose ``--steps`` is not
@@ -115,6 +116,11 @@ def run(argv: list[str], record: RunRecord) -> None:
     try:
         loss_value, seen, elapsed = train(args, model, hf, optimizer, scheduler, trainable, train_batches, evaluation,
                                           record, done, tqdm)
+    except CheckpointError as error:
+        # A save the library refused or undid (a full disk, say) explains itself: its message and
+        # the stop line, no traceback (Note: [Never lose a run], rule 2).
+        print(record.stopped("stopped: a checkpoint could not be saved"), file=sys.stderr, flush=True)
+        raise fail(str(error).replace(" and save again.", " and resume with the command above.")) from None
     except Exception as error:
         print(record.stopped(f"stopped by {type(error).__name__}"), file=sys.stderr, flush=True)
         raise
