@@ -58,10 +58,9 @@ class OffloadModel(SettledModule):
             ``nn.Sequential`` that override ``forward`` are rejected: slicing would bypass it.
         device: where the layers compute, e.g. ``"cuda"`` or ``"cpu"``.
         offload_device: where parameters and boundary activations live between uses.
-        num_slices: how many slices to cut an ``nn.Sequential`` into; ``None`` (the default):
-            3, or one a layer where there are fewer. A number above the layers' count is cut to
-            it, with a warning. Slices are balanced by parameter and buffer bytes. More slices:
-            less device memory, more, smaller copies.
+        num_slices: how many slices to cut an ``nn.Sequential`` into (default 3, or one a layer
+            where there are fewer; more than the layers warns). Slices are balanced by parameter
+            and buffer bytes. More slices: less device memory, more, smaller copies.
         checkpoint_activation: keep only slice inputs (on ``offload_device``) and recompute in
             backward; the default, because it is what saves memory. With ``False`` every slice's
             activations stay on ``device`` until backward, as in the plain model (parameters are
