@@ -28,6 +28,8 @@ from .walk.streamed import streamed_forward
 from .modeling.placement import compute_target, existing_device, host_conversion, may_move_compute, stays_on_compute
 from .modeling.settled import SettledModule
 
+#: Slices of an ``nn.Sequential`` when ``num_slices`` is not given (fewer where it has fewer layers).
+DEFAULT_NUM_SLICES = 3
 
 class OffloadModel(SettledModule):
     """Train an ``nn.Sequential`` whose parameters live in host memory.
@@ -56,9 +58,9 @@ class OffloadModel(SettledModule):
             ``nn.Sequential`` that override ``forward`` are rejected: slicing would bypass it.
         device: where the layers compute, e.g. ``"cuda"`` or ``"cpu"``.
         offload_device: where parameters and boundary activations live between uses.
-        num_slices: how many slices to cut an ``nn.Sequential`` into; clamped to the number of
-            layers. Slices are balanced by parameter and buffer bytes. More slices: less device
-            memory, more, smaller copies.
+        num_slices: how many slices to cut an ``nn.Sequential`` into (default 3, or one a layer
+            where there are fewer; more than the layers warns). Slices are balanced by parameter
+            and buffer bytes. More slices: less device memory, more, smaller copies.
         checkpoint_activation: keep only slice inputs (on ``offload_device``) and recompute in
             backward; the default, because it is what saves memory. With ``False`` every slice's
             activations stay on ``device`` until backward, as in the plain model (parameters are
@@ -123,7 +125,7 @@ class OffloadModel(SettledModule):
         model: nn.Sequential | Sequence[nn.Module],
         device: torch.device | str | int,
         offload_device: torch.device | str | int = "cpu",
-        num_slices: int = 3,
+        num_slices: int | None = None,
         checkpoint_activation: bool = True,
         num_microbatches: int = 1,
         compute_dtype: torch.dtype | None = None,
@@ -133,7 +135,7 @@ class OffloadModel(SettledModule):
         resident_slices: int = 0,
     ) -> None:
         super().__init__()
-        named_groups = _slice_groups(model, _positive_int("num_slices", num_slices))
+        named_groups = _slice_groups(model, None if num_slices is None else _positive_int("num_slices", num_slices))
         self._resident_slices = _resident_count(resident_slices, len(named_groups), process_group)
         if compute_dtype not in (None, torch.bfloat16, torch.float16):
             raise ValueError(f"compute_dtype must be None, torch.bfloat16 or torch.float16, got {compute_dtype!r}")
@@ -382,7 +384,7 @@ def _resident_count(value: Any, num_slices: int, process_group: Any) -> int:
     return value
 
 
-def _slice_groups(model: Any, num_slices: int) -> list[tuple[list[str], list[nn.Module]]]:
+def _slice_groups(model: Any, num_slices: int | None) -> list[tuple[list[str], list[nn.Module]]]:
     if isinstance(model, OffloadModel):
         raise TypeError("this model is already an OffloadModel; train it as it is. To change its settings (slices, "
                         "devices, dtype), wrap the original nn.Sequential again instead")
@@ -398,7 +400,12 @@ def _slice_groups(model: Any, num_slices: int) -> list[tuple[list[str], list[nn.
             raise ValueError("the nn.Sequential has no layers")
         if any(layer is None for layer in layers):
             raise ValueError("the nn.Sequential holds a None layer")
-        ranges = partition([layer_nbytes(layer) for layer in layers], num_slices)  # type: ignore[arg-type]
+        if num_slices is not None and num_slices > len(layers):
+            # Asked for, not the default: more slices than layers would mean empty ones.
+            warnings.warn(f"num_slices={num_slices} is more than the model's {len(layers)} layers; using "
+                          f"{len(layers)} slices, one a layer", stacklevel=3)
+        ranges = partition([layer_nbytes(layer) for layer in layers],  # type: ignore[arg-type]
+                           DEFAULT_NUM_SLICES if num_slices is None else num_slices)
         return [([names[k] for k in r], [layers[k] for k in r]) for r in ranges]  # type: ignore[misc]
     if isinstance(model, (list, tuple, nn.ModuleList)):
         modules = list(model)

@@ -190,6 +190,17 @@ def test_room_is_checked_per_disk_against_the_writes_added_up(tmp_path, monkeypa
         check_room([Write(tmp_path / "a", free // 2 + 1, "the model"), Write(tmp_path / "b", free // 2 + 1, "checkpoints")])
 
 
+def test_room_errors_give_small_sizes_in_a_unit_that_shows_them(tmp_path, monkeypatch):
+    import shutil
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=3 * 2**20))
+    with pytest.raises(OutputError) as refused:
+        check_room([Write(tmp_path / "a", 5 * 2**20, "the model"), Write(tmp_path / "b", 512, "checkpoints")])
+    assert f"{tmp_path}: 3.0 MiB free, the run writes 5.0 MiB there (the model in {tmp_path / 'a'}: 5.0 MiB; " \
+           f"checkpoints in {tmp_path / 'b'}: 512 bytes)" in str(refused.value)
+
+
 def test_a_run_with_too_little_room_stops_before_the_first_step(tmp_path, capsys, monkeypatch):
     import shutil
 

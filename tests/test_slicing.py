@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import warnings
 
 import pytest
 from torch import nn
@@ -50,9 +51,20 @@ def test_layer_nbytes_counts_tied_tensors_once():
     assert layer_nbytes(block) == 4 * 4 * 4
 
 
-def test_model_with_more_slices_than_layers():
-    model = OffloadModel(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), device="cpu", num_slices=8)
-    assert model.num_slices == 2
+def test_model_with_more_slices_than_layers_says_it_uses_fewer_once():
+    layers = [nn.Linear(2, 2) for _ in range(4)]
+    with pytest.warns(UserWarning) as caught:
+        model = OffloadModel(nn.Sequential(*layers), device="cpu", num_slices=1000)
+    assert model.num_slices == 4
+    assert [str(w.message) for w in caught] == [
+        "num_slices=1000 is more than the model's 4 layers; using 4 slices, one a layer"]
+    assert caught[0].filename == __file__  # it points at the caller's line
+    # The default (3, or one a layer where there are fewer) and a count the layers allow: nothing said.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert OffloadModel(nn.Sequential(*layers[:2]), device="cpu").num_slices == 2
+        assert OffloadModel(nn.Sequential(*layers), device="cpu").num_slices == 3
+        assert OffloadModel(nn.Sequential(*layers), device="cpu", num_slices=4).num_slices == 4
 
 
 def test_list_of_modules_is_used_as_given():

@@ -19,6 +19,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+# A small disk's figures in the unit that shows them (MiB, not "0.00 GiB"), as a checkpoint's and
+# the disk tier's room checks word theirs.
+from ..tiers.disk_tier import size_text
+
 __all__ = ["OutputError", "RunRecord", "Write", "check_room", "check_writable", "resume_command"]
 
 
@@ -73,14 +77,10 @@ def check_room(writes: Sequence[Write]) -> None:
         free = shutil.disk_usage(existing).free
         needed = sum(w.nbytes for w in group)
         if needed > free:
-            items = "; ".join(f"{w.what} in {w.path}: {_gib(w.nbytes)}" for w in group)
-            raise OutputError(f"not enough room on the disk holding {existing}: {_gib(free)} free, the run writes "
-                              f"{_gib(needed)} there ({items}). Free some space or choose other directories, "
-                              "before anything trains")
-
-
-def _gib(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.2f} GiB"
+            items = "; ".join(f"{w.what} in {w.path}: {size_text(w.nbytes)}" for w in group)
+            raise OutputError(f"not enough room on the disk holding {existing}: {size_text(free)} free, the run "
+                              f"writes {size_text(needed)} there ({items}). Free some space or choose other "
+                              "directories, before anything trains")
 
 
 def resume_command(argv: Sequence[str], checkpoint: Path, program: str | None = None) -> str:
