@@ -7,10 +7,15 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from offload.cli.main import main
+from offload.cli.plan import parse_args, run_plan
+from offload.planning.choose import gib, least_needs
+
+GIB = 2**30
 
 TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 128,
@@ -133,3 +138,69 @@ def test_plan_imports_the_model_factory_from_the_working_directory(inputs, monke
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(inputs))])
     main(["plan", "--model", "plan_cli_factory:build", "--input-shape", "8", "--gpu", "a100", "--host-memory", "8"])
     assert "model = OffloadModel(plan_cli_factory.build()" in capsys.readouterr().out
+
+
+# -- nothing fits: what would ----------------------------------------------------------------------
+
+
+def _needs(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[Any, Any]:
+    """The plan for ``offload plan ARGS`` and its least needs, from the planner directly."""
+    plan, _, _, limits = run_plan(parse_args(list(args)))
+    return plan, least_needs(plan.candidates, limits)
+
+
+def _plan_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", *args, "--json"])
+    assert exit_info.value.code == 1  # nothing fits
+    return json.loads(capsys.readouterr().out)
+
+
+MLP = ("--preset", "mlp", "--set", "width=1024", "depth=8", "--gpu", "h100-sxm", "--batch-size", "8")
+
+
+def test_nothing_fits_names_the_options_that_would_with_the_planners_figures(capsys):
+    args = (*MLP, "--resident-slices", "0", "--host-memory", "0.05")
+    plan, needs = _needs(capsys, *args)
+    assert plan.chosen is None
+    found = {a["flags"]: a for a in _plan_json(capsys, *args)["alternatives"]}
+    # More host memory: the least the planner found, rounded up to the figure printed, and it fits.
+    host = [flags for flags in found if flags.startswith("--host-memory ")]
+    assert len(host) == 1 and found[host[0]]["fits"]
+    assert needs.host_memory <= float(host[0].split()[1]) * GIB < needs.host_memory + 0.01 * GIB
+    # The planner's own resident count fits; the disk tier's figures are a plan with the tier.
+    assert found["--resident-slices auto"]["fits"]
+    _, tiered = _needs(capsys, *args, "--disk-dir", "DIR")
+    assert (found["--disk-dir DIR"]["tiered_host_memory"], found["--disk-dir DIR"]["tiered_disk"]) == (
+        tiered.tiered_host_memory, tiered.tiered_disk)
+    # The text says the same, with the margin.
+    with pytest.raises(SystemExit):
+        main(["plan", *args])
+    out = capsys.readouterr().out
+    assert "the figures include the planner's margin: 10% of the host's" in out
+    said = {line.split("  needs ")[0].strip(): "needs " + line.split("  needs ")[1]
+            for line in out.splitlines() if "  needs " in line}
+    assert said[host[0]] == f"needs {gib(needs.host_memory)} of host memory: fits"
+    assert said["--disk-dir DIR"].startswith(f"needs {gib(tiered.tiered_host_memory)} of host memory and "
+                                             f"{gib(tiered.tiered_disk)} of disk")
+
+
+def test_for_a_hf_config_it_tries_lora_and_a_shorter_sequence(inputs, capsys):
+    # Big enough that the adapters and a shorter sequence change the figures printed (0.01 GiB).
+    (inputs / "small.json").write_text(json.dumps(TINY_LLAMA | {"hidden_size": 256, "intermediate_size": 1024,
+                                                                "vocab_size": 4096}))
+    args = ("--hf-config", "small.json", "--gpu", "a100", "--host-memory", "0.01", "--resident-slices", "0",
+            "--seq-len", "1024")
+    found = {a["flags"]: a for a in _plan_json(capsys, *args)["alternatives"]}
+    for flags in ("--lora-r 16", "--seq-len 64"):
+        plan, needs = _needs(capsys, *args, *flags.split())
+        assert (found[flags]["fits"], found[flags]["host_memory"]) == (plan.chosen is not None, needs.host_memory)
+
+
+def test_when_nothing_fits_the_device_it_says_how_much_would(capsys):
+    args = (*MLP, "--host-memory", "8", "--device-memory", "0.001")
+    _, needs = _needs(capsys, *args)
+    found = {a["flags"]: a for a in _plan_json(capsys, *args)["alternatives"]}
+    device = [flags for flags in found if flags.startswith("--device-memory ")]
+    assert len(device) == 1 and found[device[0]]["fits"]
+    assert needs.device_memory <= float(device[0].split()[1]) * GIB < needs.device_memory + 0.01 * GIB

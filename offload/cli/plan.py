@@ -18,18 +18,19 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..planning.choose import Candidate, Limits, Plan, choose
+from ..planning.choose import DEVICE_MARGIN, HOST_MARGIN, Candidate, Limits, Plan, choose
 from ..planning.presets import build_preset, preset_from_factory, preset_names
 from ..planning.rates import GPU_DEFAULTS, MachineRates, default_rates_path, load_rates
 from ..planning.shapes import ModelProfile, profile_layers
 from ..planning.timing import SCHEDULES
+from .plan_alternatives import Alternative, alternatives
 
 DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 GIB = 2**30
@@ -361,26 +362,51 @@ def _existing(path: Path) -> Path:
     return path
 
 
+class Planner:
+    """Plans for the arguments on one machine, keeping each model built for a batch: a re-plan
+    with other limits or fixed choices (:mod:`offload.cli.plan_alternatives`) reuses its profiles."""
+
+    def __init__(self, rates: MachineRates) -> None:
+        self.rates = rates
+        self._workloads: dict[tuple[int, int, int], Workload] = {}
+
+    def workload(self, args: argparse.Namespace) -> Workload:
+        key = (args.batch_size, args.seq_len, args.lora_r)
+        if key not in self._workloads:
+            self._workloads[key] = workload(args)
+        return self._workloads[key]
+
+    def plan(self, args: argparse.Namespace, limits: Limits) -> Plan:
+        work = self.workload(args)
+        stages = len(work.layers)
+        for flag, count in (("--num-slices", args.num_slices), ("--resident-slices", args.resident_slices)):
+            if isinstance(count, int) and count > stages:
+                raise PlanInputError(f"{flag} {count} is more than the model's {stages} stages (a slice holds at "
+                                     f"least one)")
+        fixed: dict[str, Any] = {} if args.schedule == "auto" else {"schedule": args.schedule}
+        if args.num_slices:
+            fixed["num_slices"] = args.num_slices
+        if args.microbatches:
+            fixed["num_microbatches"] = args.microbatches
+        if args.compute_dtype != "auto":
+            fixed["compute_dtype"] = DTYPES[args.compute_dtype]
+        if args.resident_slices != "auto":
+            fixed["resident_slices"] = args.resident_slices
+        return choose(work.layers, work.profile, self.rates, limits, device=args.device, optimizer=args.optimizer,
+                      batch_size=work.batch_size, fixed=fixed, clips_gradients=args.max_grad_norm is not None)
+
+
 def run_plan(args: argparse.Namespace) -> tuple[Plan, Workload, MachineRates, Limits]:
-    rates = machine_rates(args)
-    work = workload(args)
-    limits = machine_limits(args, rates)
-    stages = len(work.layers)
-    for flag, count in (("--num-slices", args.num_slices), ("--resident-slices", args.resident_slices)):
-        if isinstance(count, int) and count > stages:
-            raise PlanInputError(f"{flag} {count} is more than the model's {stages} stages (a slice holds at least one)")
-    fixed: dict[str, Any] = {} if args.schedule == "auto" else {"schedule": args.schedule}
-    if args.num_slices:
-        fixed["num_slices"] = args.num_slices
-    if args.microbatches:
-        fixed["num_microbatches"] = args.microbatches
-    if args.compute_dtype != "auto":
-        fixed["compute_dtype"] = DTYPES[args.compute_dtype]
-    if args.resident_slices != "auto":
-        fixed["resident_slices"] = args.resident_slices
-    plan = choose(work.layers, work.profile, rates, limits, device=args.device, optimizer=args.optimizer,
-                  batch_size=work.batch_size, fixed=fixed, clips_gradients=args.max_grad_norm is not None)
-    return plan, work, rates, limits
+    plan, planner, limits = _planned(args)
+    return plan, planner.workload(args), planner.rates, limits
+
+
+def _planned(args: argparse.Namespace) -> tuple[Plan, Planner, Limits]:
+    # The rates first: a missing calibration is answered before the model is built.
+    planner = Planner(machine_rates(args))
+    planner.workload(args)
+    limits = machine_limits(args, planner.rates)
+    return planner.plan(args, limits), planner, limits
 
 
 def code(candidate: Candidate, work: Workload, args: argparse.Namespace) -> str:
@@ -455,7 +481,8 @@ def table(candidates: list[Candidate]) -> str:
     return "\n".join(lines)
 
 
-def report(plan: Plan, work: Workload, rates: MachineRates, limits: Limits, args: argparse.Namespace) -> str:
+def report(plan: Plan, work: Workload, rates: MachineRates, limits: Limits, args: argparse.Namespace,
+           alternatives: Sequence[Alternative] = ()) -> str:
     params = sum(p.numel() for p in work.layers.parameters())
     limit = ", ".join(f"{name} {_gib(value) if value is not None else 'no limit'}" for name, value in
                       (("device", limits.device_memory), ("host", limits.host_memory), ("disk", limits.disk)))
@@ -463,7 +490,13 @@ def report(plan: Plan, work: Workload, rates: MachineRates, limits: Limits, args
              f"rates: {rates.name}", f"limits: {limit}", ""]
     fitting = sorted((c for c in plan.candidates if c.fits), key=lambda c: c.time.step)[:args.top]
     if plan.chosen is None:
-        lines += ["nothing fits: " + plan.missing]
+        lines += ["nothing fits: " + plan.missing,
+                  f"(the figures include the planner's margin: {1 - HOST_MARGIN:.0%} of the host's and "
+                  f"{1 - DEVICE_MARGIN:.0%} of the device's memory stay free)"]
+        if alternatives:
+            width = max(len(a.flags) for a in alternatives)
+            lines += ["", "what would change the answer (planned again with that one change):",
+                      *(f"  {a.flags:<{width}}  {a.describe()}" for a in alternatives)]
         return "\n".join(lines)
     lines += [f"the fastest that fit ({sum(c.fits for c in plan.candidates)} of {len(plan.candidates)}):",
               table(fitting), "", "chosen:", table([plan.chosen]), ""]
@@ -484,7 +517,8 @@ def report(plan: Plan, work: Workload, rates: MachineRates, limits: Limits, args
     return "\n".join(lines)
 
 
-def as_json(plan: Plan, work: Workload, rates: MachineRates, limits: Limits, args: argparse.Namespace) -> dict[str, Any]:
+def as_json(plan: Plan, work: Workload, rates: MachineRates, limits: Limits, args: argparse.Namespace,
+            alternatives: Sequence[Alternative] = ()) -> dict[str, Any]:
     chosen = plan.chosen
     return {
         "parameters": sum(p.numel() for p in work.layers.parameters()),
@@ -496,6 +530,7 @@ def as_json(plan: Plan, work: Workload, rates: MachineRates, limits: Limits, arg
                 f"device_{k}": v for k, v in chosen.memory.device_categories().items()},
             "code": code(chosen, work, args), "finetune": finetune_flags(chosen, work, args)},
         "missing": plan.missing,
+        "alternatives": [a.to_json() for a in alternatives],
         "clips_gradients": args.max_grad_norm is not None,
         "candidates": [_row(c) for c in plan.candidates],
     }
@@ -504,15 +539,17 @@ def as_json(plan: Plan, work: Workload, rates: MachineRates, limits: Limits, arg
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
-        plan, work, rates, limits = run_plan(args)
+        plan, planner, limits = _planned(args)
+        found = [] if plan.chosen is not None else alternatives(args, plan, limits, planner)
     except PlanInputError as error:
         sys.stderr.write(f"{PROG}: error: {error}\n")
         raise SystemExit(2) from None
+    work, rates = planner.workload(args), planner.rates
     if args.json:
-        json.dump(as_json(plan, work, rates, limits, args), sys.stdout, indent=2)
+        json.dump(as_json(plan, work, rates, limits, args, found), sys.stdout, indent=2)
         print()
     else:
-        print(report(plan, work, rates, limits, args))
+        print(report(plan, work, rates, limits, args, found))
     if plan.chosen is None:
         raise SystemExit(1)
 
