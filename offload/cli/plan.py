@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -317,7 +318,10 @@ def _with_lora(hf: nn.Module, rank: int) -> nn.Module:
         import peft
     except ImportError as error:
         raise PlanInputError(f'{error}. --lora-r needs peft: pip install "offload[peft]"') from error
-    return peft.get_peft_model(hf, peft.LoraConfig(r=rank, target_modules="all-linear", task_type="CAUSAL_LM"))
+    with warnings.catch_warnings():
+        # peft asks the meta model a deprecated transformers question; the note is theirs, not the user's.
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return peft.get_peft_model(hf, peft.LoraConfig(r=rank, target_modules="all-linear", task_type="CAUSAL_LM"))
 
 
 def machine_rates(args: argparse.Namespace) -> MachineRates:

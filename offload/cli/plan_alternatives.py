@@ -16,12 +16,9 @@ import argparse
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ..planning.choose import Limits, Needs, Plan, gib, least_needs
-
-if TYPE_CHECKING:
-    from .plan import Planner
 
 GIB = 2**30
 #: The adapters' rank tried for ``--lora-r`` (a common one; the base's bytes dominate, not theirs).
@@ -32,6 +29,12 @@ MIN_SEQ_LEN = 64
 FREED = {"--resident-slices": ("resident_slices", "auto"), "--num-slices": ("num_slices", None),
          "--microbatches": ("microbatches", None), "--compute-dtype": ("compute_dtype", "auto"),
          "--schedule": ("schedule", "auto")}
+
+
+class Planner(Protocol):
+    """What plans for the arguments: ``offload/cli/plan.py``'s ``Planner``."""
+
+    def plan(self, args: argparse.Namespace, limits: Limits) -> Plan: ...
 
 
 @dataclass(frozen=True)
