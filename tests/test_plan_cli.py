@@ -204,3 +204,16 @@ def test_when_nothing_fits_the_device_it_says_how_much_would(capsys):
     device = [flags for flags in found if flags.startswith("--device-memory ")]
     assert len(device) == 1 and found[device[0]]["fits"]
     assert needs.device_memory <= float(device[0].split()[1]) * GIB < needs.device_memory + 0.01 * GIB
+
+
+def test_the_host_figure_counts_the_resident_slices_that_fit_the_device(capsys):
+    # Some slices fit the device resident, none fits the host: the figure is that of the resident
+    # count that needs the least host memory, so that it typed back as --host-memory fits as printed.
+    args = (*MLP, "--host-memory", "0.05", "--device-memory", "0.1")
+    _, needs = _needs(capsys, *args)
+    host = f"{gib(needs.host_memory).removesuffix(' GiB')}"
+    again, needs_again = _needs(capsys, *MLP, "--host-memory", host, "--device-memory", "0.1")
+    assert again.chosen is not None and again.chosen.config.resident_slices > 0
+    assert gib(needs_again.host_memory) == gib(needs.host_memory)
+    found = {a["flags"]: a for a in _plan_json(capsys, *args)["alternatives"]}
+    assert found[f"--host-memory {host}"]["host_memory"] == needs.host_memory
