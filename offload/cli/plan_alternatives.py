@@ -13,6 +13,7 @@ estimates. The planning itself is ``offload/cli/plan.py``'s.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -87,7 +88,7 @@ def _tried(args: argparse.Namespace, plan: Plan, limits: Limits, planner: Planne
     if limits.disk_dir is None:
         # A disk with no limit: the plan then says how much of it the tier takes.
         yield _replan(planner, args, replace(limits, disk_dir="DIR", disk=None), "--disk-dir DIR")
-    if args.hf_config and not args.lora_r:
+    if args.hf_config and not args.lora_r and importlib.util.find_spec("peft") is not None:
         yield _replan(planner, _with(args, lora_r=LORA_RANK), limits, f"--lora-r {LORA_RANK}")
     yield _smaller(planner, args, limits, "batch_size", lowest=args.microbatches or 1)
     if args.hf_config:
