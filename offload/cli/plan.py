@@ -15,28 +15,44 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..planning.choose import Candidate, Limits, Plan, choose
+from ..planning.choose import DEVICE_MARGIN, HOST_MARGIN, Candidate, Limits, Plan, choose
 from ..planning.presets import build_preset, preset_from_factory, preset_names
-from ..planning.rates import GPU_DEFAULTS, HOST_DEFAULT, MachineRates, default_rates_path, load_rates
+from ..planning.rates import GPU_DEFAULTS, MachineRates, default_rates_path, load_rates
 from ..planning.shapes import ModelProfile, profile_layers
 from ..planning.timing import SCHEDULES
+from .plan_alternatives import Alternative, alternatives
 from .quiet_imports import import_transformers
 
 DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 GIB = 2**30
+PROG = "offload plan"
+
+
+class PlanInputError(ValueError):
+    """A bad input found after parsing (a config, a factory, a rates file, the model's size):
+    :func:`main` answers it as the parser answers a bad flag, in one line."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Argument errors as one line, ``offload plan: error: ...``, without the usage block."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="offload plan", description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
     model = parser.add_argument_group("the model (one of)")
     model.add_argument("--hf-config", metavar="PATH|JSON", help="a Hugging Face config.json, its directory, or the JSON")
     model.add_argument("--preset", choices=preset_names(), help="a benchmark preset")
@@ -78,17 +94,73 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--top", type=int, default=8, help="rows of the table (the fastest that fit)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = parser.parse_args(argv)
+    check_model_args(parser, args)
+    check_step_args(parser, args)
+    check_machine_args(parser, args)
+    return args
+
+
+def check_model_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The model's flags: one source, and the flags that go with it."""
     sources = [name for name in ("hf_config", "preset", "model") if getattr(args, name)]
     if len(sources) != 1:
         parser.error("give the model as one of --hf-config, --preset or --model")
     if args.model and not args.input_shape:
-        parser.error("--model needs --input-shape")
+        parser.error("--model needs --input-shape (one sample's shape, e.g. 1024 or 3 224 224)")
+    if not args.model and (args.input_shape or args.vocab is not None):
+        parser.error("--input-shape and --vocab describe --model's input; presets and --hf-config make their own")
+    if args.input_shape and min(args.input_shape) < 1:
+        parser.error(f"--input-shape must be sizes of at least 1, got {' '.join(map(str, args.input_shape))}")
+    if args.vocab is not None and args.vocab < 1:
+        parser.error("--vocab must be at least 1")
+    if args.set and not args.preset:
+        parser.error("--set sets a --preset's settings; give --preset NAME")
+    if args.lora_r and not args.hf_config:
+        parser.error("--lora-r adapts a Hugging Face model: give it with --hf-config")
+    if args.lora_r < 0:
+        parser.error("--lora-r must be 0 (off) or a positive rank")
+    if args.loss_chunk_tokens < 0:
+        parser.error("--loss-chunk-tokens must be 0 (logits) or a number of tokens")
+    spec = args.hf_config
+    if spec and not spec.lstrip().startswith("{") and not Path(spec).exists():
+        parser.error(f"--hf-config {spec}: no such file or directory, and not JSON")
+    if spec and Path(spec).is_dir() and not (Path(spec) / "config.json").is_file():
+        parser.error(f"--hf-config {spec}: the directory holds no config.json")
+
+
+def check_step_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The step's flags and the choices kept fixed."""
+    for name in ("batch_size", "seq_len", "top"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    for name in ("num_slices", "microbatches"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1 (leave it out to let the planner choose)")
+    if args.microbatches and args.batch_size % args.microbatches:
+        parser.error(f"--microbatches {args.microbatches} does not divide --batch-size {args.batch_size}")
+    if args.max_grad_norm is not None and not args.max_grad_norm > 0:
+        parser.error("--max-grad-norm must be positive (leave it out for no clipping)")
     if args.resident_slices != "auto" and args.num_slices is not None and args.resident_slices > args.num_slices:
         parser.error(f"--resident-slices {args.resident_slices} is more than --num-slices {args.num_slices}")
     if args.schedule == "in-backward" and args.max_grad_norm is not None:
         parser.error("--schedule in-backward cannot clip: each slice's update starts in backward, before the "
                      "gradients' total norm is known. Leave out --max-grad-norm, or use another --schedule")
-    return args
+
+
+def check_machine_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The machine's flags: sizes above 0, and paths that are what they name."""
+    for name in ("device_memory", "host_memory", "disk"):
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            parser.error(f"--{name.replace('_', '-')} must be a positive number of GiB, got {value:g}")
+    if args.disk is not None and args.disk_dir is None:
+        parser.error("--disk is the space under --disk-dir: give --disk-dir DIR too")
+    if args.disk_dir is not None and Path(args.disk_dir).exists() and not Path(args.disk_dir).is_dir():
+        parser.error(f"--disk-dir {args.disk_dir}: not a directory")
+    if args.rates is not None and not args.rates.is_file():
+        what = "a directory, not a rates file" if args.rates.is_dir() else "no such file"
+        parser.error(f"--rates {args.rates}: {what}; run `python -m offload calibrate --out {args.rates}` "
+                     f"or pass --gpu NAME")
 
 
 def _resident_slices(text: str) -> int | str:
@@ -108,44 +180,67 @@ class Workload:
     how to build it (for the printed code)."""
 
     def __init__(self, layers: nn.Sequential, make_input: Callable[[], Any], batch_size: int, build: str,
-                 finetune: list[str] | None = None) -> None:
+                 finetune: list[str] | None = None, input_flags: str | None = None) -> None:
         self.layers = layers
         self.make_input = make_input
         self.batch_size = batch_size
         self.build = build
         self.finetune = finetune
+        #: The flags that describe a user's input (``--input-shape ...``): a forward that fails on
+        #: it is their input's error, not the planner's.
+        self.input_flags = input_flags
         self._profiles: dict[Any, ModelProfile] = {}
 
     def profile(self, compute_dtype: torch.dtype | None) -> ModelProfile:
         if compute_dtype not in self._profiles:
-            self._profiles[compute_dtype] = profile_layers(self.layers, self.make_input, compute_dtype=compute_dtype)
+            try:
+                profile = profile_layers(self.layers, self.make_input, compute_dtype=compute_dtype)
+            except RuntimeError as error:
+                if self.input_flags is None:
+                    raise
+                raise PlanInputError(f"{self.input_flags}: {_one_line(error)}") from error
+            self._profiles[compute_dtype] = profile
         return self._profiles[compute_dtype]
 
 
 def workload(args: argparse.Namespace) -> Workload:
     if args.hf_config:
         return hf_workload(args)
+    input_flags = None
+    if args.model:
+        input_flags = " ".join(["--input-shape", *map(str, args.input_shape)]
+                               + ([] if args.vocab is None else ["--vocab", str(args.vocab)]))
+        input_flags += f" for --model {args.model}"
+        # A console script's sys.path starts with the script's own directory, not the one the
+        # user is in (`python -m offload` starts with that one): put it first for the factory's
+        # module, as uvicorn and gunicorn do for their APP argument.
+        if "" not in sys.path and os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
     # Built on the meta device: the planner needs shapes and dtypes, not weights.
     with torch.device("meta"):
-        if args.preset:
-            overrides = dict(_setting(item) for item in args.set)
-            preset = build_preset(args.preset, **overrides)
-            build = f"build_preset({args.preset!r}{''.join(f', {k}={v!r}' for k, v in overrides.items())}).model"
-        else:
-            preset = preset_from_factory(args.model, args.input_shape, args.vocab, batch_size=args.batch_size)
-            build = f"{args.model.replace(':', '.')}()"
+        try:
+            if args.preset:
+                overrides = dict(_setting(item) for item in args.set)
+                preset = build_preset(args.preset, **overrides)
+                build = f"build_preset({args.preset!r}{''.join(f', {k}={v!r}' for k, v in overrides.items())}).model"
+            else:
+                preset = preset_from_factory(args.model, args.input_shape, args.vocab, batch_size=args.batch_size)
+                build = f"{args.model.replace(':', '.')}()"
+        except (TypeError, ValueError) as error:
+            # The preset's checks and the factory's import, name and return value.
+            raise PlanInputError(_one_line(error)) from error
     rows = args.batch_size
 
     def make_input() -> Any:
         return preset.make_batch(rows, "cpu")[0]
 
-    return Workload(preset.model, make_input, rows, build)
+    return Workload(preset.model, make_input, rows, build, input_flags=input_flags)
 
 
 def _setting(item: str) -> tuple[str, Any]:
     key, sep, value = item.partition("=")
     if not sep:
-        raise SystemExit(f"--set takes KEY=VALUE, got {item!r}")
+        raise PlanInputError(f"--set takes KEY=VALUE, got {item!r}")
     try:
         return key, json.loads(value)
     except json.JSONDecodeError:
@@ -157,18 +252,32 @@ def hf_config(spec: str) -> Any:
     import transformers
 
     path = Path(spec)
-    if spec.lstrip().startswith("{"):
-        data = json.loads(spec)
-    elif path.is_dir():
-        return transformers.AutoConfig.from_pretrained(path, local_files_only=True)
-    elif path.is_file():
-        data = json.loads(path.read_text())
-    else:
-        raise SystemExit(f"--hf-config {spec}: no such file or directory, and not JSON")
-    model_type = data.pop("model_type", None)
-    if model_type is None:
-        raise SystemExit(f"--hf-config {spec}: the config has no model_type")
-    return transformers.AutoConfig.for_model(model_type, **data)
+    try:
+        if path.is_dir() and not spec.lstrip().startswith("{"):
+            return transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+        text = spec if spec.lstrip().startswith("{") else path.read_text()
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise PlanInputError(f"--hf-config {spec}: not valid JSON: {error}") from error
+    except (OSError, ValueError) as error:  # unreadable, or a config transformers refuses
+        raise PlanInputError(f"--hf-config {spec}: {_one_line(error)}") from error
+    if not isinstance(data, dict) or data.get("model_type") is None:
+        raise PlanInputError(f"--hf-config {spec}: the config has no model_type (a config.json names its family, "
+                             f'e.g. "model_type": "llama")')
+    model_type = data.pop("model_type")
+    _check_family(spec, model_type)  # before transformers lists every family it knows
+    try:
+        return transformers.AutoConfig.for_model(model_type, **data)
+    except Exception as error:  # noqa: BLE001 (a config's checks raise huggingface_hub's own classes too)
+        raise PlanInputError(f"--hf-config {spec}: {_one_line(error)}") from error
+
+
+def _check_family(spec: str, model_type: str) -> None:
+    from ..integrations.transformers import SUPPORTED_MODEL_TYPES
+
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise PlanInputError(f"--hf-config {spec}: model_type {model_type!r} is not a causal LM that offload cuts "
+                             f"into stages; it plans {', '.join(SUPPORTED_MODEL_TYPES)}")
 
 
 def hf_workload(args: argparse.Namespace) -> Workload:
@@ -176,19 +285,21 @@ def hf_workload(args: argparse.Namespace) -> Workload:
     try:
         transformers = import_transformers()  # without torchao's import notes (offload/cli/quiet_imports.py)
     except ImportError as error:
-        raise SystemExit(f'{error}. --hf-config needs transformers: pip install "offload[transformers]"') from error
+        raise PlanInputError(f'{error}. --hf-config needs transformers: pip install "offload[transformers]"') from error
     from ..integrations.transformers import causal_lm_sequential
 
     config = hf_config(args.hf_config)
-    with torch.device("meta"):
-        hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        if args.lora_r:
-            import peft
-
-            hf = peft.get_peft_model(hf, peft.LoraConfig(r=args.lora_r, target_modules="all-linear",
-                                                         task_type="CAUSAL_LM"))
+    _check_family(args.hf_config, config.model_type)
     chunk = args.loss_chunk_tokens or None
-    layers = causal_lm_sequential(hf, loss_chunk_tokens=chunk)
+    try:
+        with torch.device("meta"):
+            # Sizes the model refuses (a negative one fails making its tensor: RuntimeError).
+            hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            if args.lora_r:
+                hf = _with_lora(hf, args.lora_r)
+            layers = causal_lm_sequential(hf, loss_chunk_tokens=chunk)
+    except (ValueError, TypeError, AttributeError, RuntimeError) as error:
+        raise PlanInputError(f"--hf-config {args.hf_config}: {_one_line(error)}") from error
     rows, tokens = args.batch_size, args.seq_len
 
     def make_input() -> Any:
@@ -203,21 +314,39 @@ def hf_workload(args: argparse.Namespace) -> Workload:
     return Workload(layers, make_input, rows, build, finetune=flags)
 
 
+def _with_lora(hf: nn.Module, rank: int) -> nn.Module:
+    try:
+        import peft
+    except ImportError as error:
+        raise PlanInputError(f'{error}. --lora-r needs peft: pip install "offload[peft]"') from error
+    with warnings.catch_warnings():
+        # peft asks the meta model a deprecated transformers question; the note is theirs, not the user's.
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return peft.get_peft_model(hf, peft.LoraConfig(r=rank, target_modules="all-linear", task_type="CAUSAL_LM"))
+
+
 def machine_rates(args: argparse.Namespace) -> MachineRates:
     """The GPU's defaults with the calibrated host where there is a calibration, or the calibration."""
     path = args.rates or default_rates_path()
-    calibrated = load_rates(path) if path.exists() else None
-    if args.rates is not None and calibrated is None:
-        load_rates(args.rates)  # raises, saying how to make it
+    try:
+        calibrated = load_rates(path) if path.is_file() else None
+    except (TypeError, ValueError) as error:  # not JSON, or fields of another version
+        flag = "--rates" if args.rates is not None else "the rates file"
+        reason = _one_line(error)
+        if "calibrate" not in reason:
+            reason += "; run `python -m offload calibrate` again, or pass --gpu NAME"
+        raise PlanInputError(f"{flag} {path}: {reason}") from error
     if args.gpu:
         gpu = GPU_DEFAULTS[args.gpu]
         return gpu.with_host(calibrated) if calibrated is not None else gpu
     if calibrated is not None:
         return calibrated
     if args.device == "cpu":
-        return HOST_DEFAULT
-    raise SystemExit(f"no rates: run `python -m offload calibrate` on the machine (writes {path}), or pass "
-                     f"--gpu {{{','.join(sorted(GPU_DEFAULTS))}}}")
+        # The host's defaults have no compute rate: a CPU's own must be measured.
+        raise PlanInputError(f"--device cpu needs this CPU's compute rates: run `python -m offload calibrate "
+                             f"--device cpu` (writes {path}), or pass --rates FILE")
+    raise PlanInputError(f"no rates: run `python -m offload calibrate` on the machine (writes {path}), or pass "
+                         f"--gpu {{{','.join(sorted(GPU_DEFAULTS))}}}")
 
 
 def machine_limits(args: argparse.Namespace, rates: MachineRates) -> Limits:
@@ -238,22 +367,51 @@ def _existing(path: Path) -> Path:
     return path
 
 
+class Planner:
+    """Plans for the arguments on one machine, keeping each model built for a batch: a re-plan
+    with other limits or fixed choices (:mod:`offload.cli.plan_alternatives`) reuses its profiles."""
+
+    def __init__(self, rates: MachineRates) -> None:
+        self.rates = rates
+        self._workloads: dict[tuple[int, int, int], Workload] = {}
+
+    def workload(self, args: argparse.Namespace) -> Workload:
+        key = (args.batch_size, args.seq_len, args.lora_r)
+        if key not in self._workloads:
+            self._workloads[key] = workload(args)
+        return self._workloads[key]
+
+    def plan(self, args: argparse.Namespace, limits: Limits) -> Plan:
+        work = self.workload(args)
+        stages = len(work.layers)
+        for flag, count in (("--num-slices", args.num_slices), ("--resident-slices", args.resident_slices)):
+            if isinstance(count, int) and count > stages:
+                raise PlanInputError(f"{flag} {count} is more than the model's {stages} stages (a slice holds at "
+                                     f"least one)")
+        fixed: dict[str, Any] = {} if args.schedule == "auto" else {"schedule": args.schedule}
+        if args.num_slices:
+            fixed["num_slices"] = args.num_slices
+        if args.microbatches:
+            fixed["num_microbatches"] = args.microbatches
+        if args.compute_dtype != "auto":
+            fixed["compute_dtype"] = DTYPES[args.compute_dtype]
+        if args.resident_slices != "auto":
+            fixed["resident_slices"] = args.resident_slices
+        return choose(work.layers, work.profile, self.rates, limits, device=args.device, optimizer=args.optimizer,
+                      batch_size=work.batch_size, fixed=fixed, clips_gradients=args.max_grad_norm is not None)
+
+
 def run_plan(args: argparse.Namespace) -> tuple[Plan, Workload, MachineRates, Limits]:
-    work = workload(args)
-    rates = machine_rates(args)
-    limits = machine_limits(args, rates)
-    fixed: dict[str, Any] = {} if args.schedule == "auto" else {"schedule": args.schedule}
-    if args.num_slices:
-        fixed["num_slices"] = args.num_slices
-    if args.microbatches:
-        fixed["num_microbatches"] = args.microbatches
-    if args.compute_dtype != "auto":
-        fixed["compute_dtype"] = DTYPES[args.compute_dtype]
-    if args.resident_slices != "auto":
-        fixed["resident_slices"] = args.resident_slices
-    plan = choose(work.layers, work.profile, rates, limits, device=args.device, optimizer=args.optimizer,
-                  batch_size=work.batch_size, fixed=fixed, clips_gradients=args.max_grad_norm is not None)
-    return plan, work, rates, limits
+    plan, planner, limits = _planned(args)
+    return plan, planner.workload(args), planner.rates, limits
+
+
+def _planned(args: argparse.Namespace) -> tuple[Plan, Planner, Limits]:
+    # The rates first: a missing calibration is answered before the model is built.
+    planner = Planner(machine_rates(args))
+    planner.workload(args)
+    limits = machine_limits(args, planner.rates)
+    return planner.plan(args, limits), planner, limits
 
 
 def code(candidate: Candidate, work: Workload, args: argparse.Namespace) -> str:
@@ -328,7 +486,8 @@ def table(candidates: list[Candidate]) -> str:
     return "\n".join(lines)
 
 
-def report(plan: Plan, work: Workload, rates: MachineRates, limits: Limits, args: argparse.Namespace) -> str:
+def report(plan: Plan, work: Workload, rates: MachineRates, limits: Limits, args: argparse.Namespace,
+           alternatives: Sequence[Alternative] = ()) -> str:
     params = sum(p.numel() for p in work.layers.parameters())
     limit = ", ".join(f"{name} {_gib(value) if value is not None else 'no limit'}" for name, value in
                       (("device", limits.device_memory), ("host", limits.host_memory), ("disk", limits.disk)))
@@ -336,7 +495,13 @@ def report(plan: Plan, work: Workload, rates: MachineRates, limits: Limits, args
              f"rates: {rates.name}", f"limits: {limit}", ""]
     fitting = sorted((c for c in plan.candidates if c.fits), key=lambda c: c.time.step)[:args.top]
     if plan.chosen is None:
-        lines += ["nothing fits: " + plan.missing]
+        lines += ["nothing fits: " + plan.missing,
+                  f"(the figures include the planner's margin: {1 - HOST_MARGIN:.0%} of the host's and "
+                  f"{1 - DEVICE_MARGIN:.0%} of the device's memory stay free)"]
+        if alternatives:
+            width = max(len(a.flags) for a in alternatives)
+            lines += ["", "what would change the answer (planned again with that one change):",
+                      *(f"  {a.flags:<{width}}  {a.describe()}" for a in alternatives)]
         return "\n".join(lines)
     lines += [f"the fastest that fit ({sum(c.fits for c in plan.candidates)} of {len(plan.candidates)}):",
               table(fitting), "", "chosen:", table([plan.chosen]), ""]
@@ -357,7 +522,8 @@ def report(plan: Plan, work: Workload, rates: MachineRates, limits: Limits, args
     return "\n".join(lines)
 
 
-def as_json(plan: Plan, work: Workload, rates: MachineRates, limits: Limits, args: argparse.Namespace) -> dict[str, Any]:
+def as_json(plan: Plan, work: Workload, rates: MachineRates, limits: Limits, args: argparse.Namespace,
+            alternatives: Sequence[Alternative] = ()) -> dict[str, Any]:
     chosen = plan.chosen
     return {
         "parameters": sum(p.numel() for p in work.layers.parameters()),
@@ -369,6 +535,7 @@ def as_json(plan: Plan, work: Workload, rates: MachineRates, limits: Limits, arg
                 f"device_{k}": v for k, v in chosen.memory.device_categories().items()},
             "code": code(chosen, work, args), "finetune": finetune_flags(chosen, work, args)},
         "missing": plan.missing,
+        "alternatives": [a.to_json() for a in alternatives],
         "clips_gradients": args.max_grad_norm is not None,
         "candidates": [_row(c) for c in plan.candidates],
     }
@@ -376,14 +543,25 @@ def as_json(plan: Plan, work: Workload, rates: MachineRates, limits: Limits, arg
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    plan, work, rates, limits = run_plan(args)
+    try:
+        plan, planner, limits = _planned(args)
+        found = [] if plan.chosen is not None else alternatives(args, plan, limits, planner)
+    except PlanInputError as error:
+        sys.stderr.write(f"{PROG}: error: {error}\n")
+        raise SystemExit(2) from None
+    work, rates = planner.workload(args), planner.rates
     if args.json:
-        json.dump(as_json(plan, work, rates, limits, args), sys.stdout, indent=2)
+        json.dump(as_json(plan, work, rates, limits, args, found), sys.stdout, indent=2)
         print()
     else:
-        print(report(plan, work, rates, limits, args))
+        print(report(plan, work, rates, limits, args, found))
     if plan.chosen is None:
         raise SystemExit(1)
+
+
+def _one_line(error: BaseException) -> str:
+    """``error``'s message on one line (transformers' and huggingface_hub's span several)."""
+    return " ".join(line.strip() for line in str(error).splitlines() if line.strip()) or type(error).__name__
 
 
 def _gib(nbytes: float | None) -> str:

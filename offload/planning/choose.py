@@ -19,6 +19,7 @@ are not in the estimate.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -179,7 +180,13 @@ def _candidate(layout: SliceLayout, profile: ModelProfile | None,
         # The most resident slices that fit: each one moves its bytes from the host to the device
         # and takes its loads, offloads and host update off the step.
         fitting = [k for k, memory in enumerate(by_resident) if not _over(memory, limits, device)]
-        config = replace(config, resident_slices=max(fitting, default=0))
+        if not fitting:
+            # None fits: the count that needs the least host memory of those that fit the device
+            # (and disk), so that what is missing is the least (choose's "nothing fits").
+            device_ok = [k for k, memory in enumerate(by_resident)
+                         if not set(_over(memory, limits, device)) - {"host"}] or [0]
+            fitting = [min(device_ok, key=lambda k: (_host_need(by_resident[k], device), -k))]
+        config = replace(config, resident_slices=max(fitting))
     memory = by_resident[config.resident_slices]
     time = estimate_step_time(layout, profile, config, rates, device=device, optimizer=optimizer,
                               param_dtype=param_dtype)
@@ -206,29 +213,67 @@ def _over(memory: MemoryFootprint, limits: Limits, device: str) -> dict[str, int
     return over
 
 
+@dataclass(frozen=True)
+class Needs:
+    """The least of each limit under which some candidate fits, margins included (bytes): what
+    ``--device-memory``, ``--host-memory`` and ``--disk`` would have to be.
+
+    ``device_memory`` is the least over every candidate; the host figures are over those that fit
+    the device (``None`` when none does), with the state in RAM and with the optimizer's disk
+    tier (``None`` when no candidate has it: no ``disk_dir``)."""
+
+    device_memory: int
+    host_memory: int | None = None
+    tiered_host_memory: int | None = None
+    tiered_disk: int | None = None
+    #: The candidate that needs the least device memory, for its configuration.
+    least_device: Candidate | None = None
+
+
+def least_needs(candidates: Sequence[Candidate], limits: Limits) -> Needs:
+    """What each limit must be for one of ``candidates`` to fit (with :data:`DEVICE_MARGIN` and
+    :data:`HOST_MARGIN`): the host's among those that fit ``limits``'s device."""
+    least = min(candidates, key=lambda c: c.memory.device_total)
+    needs = Needs(device_memory=_ceil(least.memory.device_total / DEVICE_MARGIN), least_device=least)
+    device_ok = [c for c in candidates if "device" not in c.over]
+    in_ram = [c for c in device_ok if c.config.optimizer_state != "disk"]
+    tiered = [c for c in device_ok if c.config.optimizer_state == "disk"]
+    if in_ram:
+        needs = replace(needs, host_memory=_ceil(min(c.host_need for c in in_ram) / HOST_MARGIN))
+    if tiered:
+        best = min(tiered, key=lambda c: c.host_need)
+        needs = replace(needs, tiered_host_memory=_ceil(best.host_need / HOST_MARGIN), tiered_disk=best.memory.disk)
+    return needs
+
+
 def missing(candidates: Sequence[Candidate], limits: Limits) -> str:
     """What the machine lacks, in words: the least host memory (and disk) a configuration that
-    fits the device needs, in RAM and with the disk tier; or the least device memory."""
-    device_ok = [c for c in candidates if "device" not in c.over]
-    if not device_ok:
-        least = min(candidates, key=lambda c: c.memory.device_total)
-        return (f"needs {_gib(least.memory.device_total / DEVICE_MARGIN)} of device memory at the least "
-                f"({least.config.num_slices} slices, {least.config.num_microbatches} microbatches); "
-                f"has {_gib(limits.device_memory or 0)}")
+    fits the device needs, in RAM and with the disk tier; or the least device memory. The
+    figures include the margins (:data:`DEVICE_MARGIN`, :data:`HOST_MARGIN`)."""
+    needs = least_needs(candidates, limits)
+    if needs.host_memory is None and needs.tiered_host_memory is None:
+        config = needs.least_device.config
+        return (f"needs {gib(needs.device_memory)} of device memory at the least "
+                f"({config.num_slices} slices, {config.num_microbatches} microbatches); "
+                f"has {gib(limits.device_memory or 0, up=False)}")
     parts = []
-    for tiered in (False, True):
-        group = [c for c in device_ok if (c.config.optimizer_state == "disk") == tiered]
-        if not group:
-            continue
-        least = min(group, key=lambda c: c.host_need)
-        text = f"{_gib(least.host_need / HOST_MARGIN)} of host memory"
-        if tiered:
-            where = f" on {limits.disk_dir}" if limits.disk_dir else ""
-            text = f"with the disk tier{where} it needs {text} and {_gib(least.memory.disk)} of disk"
-        parts.append(text if tiered else f"needs {text}")
-    have = f" (has {_gib(limits.host_memory)})" if limits.host_memory is not None else ""
+    if needs.host_memory is not None:
+        parts.append(f"needs {gib(needs.host_memory)} of host memory")
+    if needs.tiered_host_memory is not None:
+        where = f" on {limits.disk_dir}" if limits.disk_dir else ""
+        parts.append(f"with the disk tier{where} it needs {gib(needs.tiered_host_memory)} of host memory and "
+                     f"{gib(needs.tiered_disk)} of disk")
+    have = f" (has {gib(limits.host_memory, up=False)})" if limits.host_memory is not None else ""
     return "; ".join(parts) + have
 
 
-def _gib(nbytes: float) -> str:
-    return f"{nbytes / 2**30:.1f} GiB"
+def _ceil(nbytes: float) -> int:
+    return int(-(-nbytes // 1))
+
+
+def gib(nbytes: float, up: bool = True) -> str:
+    """``nbytes`` in GiB as the planner's messages print it: to 0.1 GiB, 0.01 below 10 GiB;
+    rounded ``up`` for a need (the figure printed is enough), to the nearest for what a machine has."""
+    step = 10 if nbytes >= 10 * 2**30 else 100
+    value = (math.ceil(nbytes * step / 2**30 - 1e-9) if up else round(nbytes * step / 2**30)) / step
+    return f"{value:.1f} GiB" if step == 10 else f"{value:.2f} GiB"

@@ -23,6 +23,7 @@ the operations cost in time ``timing.py``'s.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -163,7 +164,7 @@ def _forward(children: list[nn.Module], x: Any, compute_dtype: torch.dtype | Non
             return t
 
         try:
-            with FlopCounterMode(display=False) as counter, \
+            with FlopCounterMode(display=False) as counter, _without_fake_kernel_log(), \
                     torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 x = layer(x)
         except Exception as error:
@@ -173,6 +174,20 @@ def _forward(children: list[nn.Module], x: Any, compute_dtype: torch.dtype | Non
         saved.append(layer_saved)
         outputs.append(_nbytes(x))
     return forward, saved, outputs, x
+
+
+@contextlib.contextmanager
+def _without_fake_kernel_log() -> Any:
+    """``FakeTensorMode`` logs a failing kernel's traceback before it raises; the RuntimeError
+    :func:`_forward` raises names the layer and the reason, so that log is a second, longer copy
+    (on a command's stderr: ``offload plan --input-shape`` of the wrong size)."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    disabled = logger.disabled
+    logger.disabled = True
+    try:
+        yield
+    finally:
+        logger.disabled = disabled
 
 
 def _backward_flops(output: Any) -> int:

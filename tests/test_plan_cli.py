@@ -1,0 +1,219 @@
+"""``offload plan``'s answers to bad input (one line on stderr, exit status 2, no traceback), its
+import of ``--model``'s factory from the directory the user is in, and what it says would fit when
+nothing does (each figure from a plan re-run with one option changed)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from offload.cli.main import main
+from offload.cli.plan import parse_args, run_plan
+from offload.planning.choose import gib, least_needs
+
+GIB = 2**30
+
+TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 128,
+              "tie_word_embeddings": False}
+FACTORY = "from torch import nn\n\n\ndef build():\n    return nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))\n"
+
+
+def _without_import_noise(stderr: str) -> str:
+    """``stderr`` less what importing torchao and bitsandbytes prints (transformers and peft import
+    them when installed): torchao's C extensions built for another torch, torch's notes on its enums."""
+    noise = ("Failed to load", "is an Enum subclass and is now natively supported by torch.compile")
+    return "".join(line for line in stderr.splitlines(keepends=True)
+                   if not (("torchao" in line or "_pytree.py" in line) and any(n in line for n in noise)))
+
+
+def plan_error(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    """``offload plan ARGS``'s error line, checked to be the only line, with exit status 2."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", *args])
+    err = _without_import_noise(capsys.readouterr().err)
+    assert exit_info.value.code == 2, err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("offload plan: error: "), lines[0]
+    return lines[0]
+
+
+@pytest.fixture
+def inputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A directory of good and bad inputs, the working directory, with no calibration in the cache."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny.json").write_text(json.dumps(TINY_LLAMA))
+    (tmp_path / "truncated.json").write_text(json.dumps(TINY_LLAMA)[:-20])
+    (tmp_path / "bert.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 64, "num_hidden_layers": 2,
+                                                    "num_attention_heads": 2, "intermediate_size": 128}))
+    (tmp_path / "no_type.json").write_text(json.dumps({"hidden_size": 64}))
+    (tmp_path / "a list.json").write_text("[1, 2]")
+    (tmp_path / "odd_heads.json").write_text(json.dumps(TINY_LLAMA | {"hidden_size": 65}))
+    (tmp_path / "negative.json").write_text(json.dumps(TINY_LLAMA | {"intermediate_size": -3}))
+    (tmp_path / "no_config").mkdir()
+    (tmp_path / "a_file").write_text("")
+    (tmp_path / "rates_not_json.json").write_text("not json")
+    (tmp_path / "rates_other_version.json").write_text(json.dumps({"device_tflops": 1}))
+    (tmp_path / "plan_cli_factory.py").write_text(FACTORY)
+    yield tmp_path
+    sys.modules.pop("plan_cli_factory", None)
+
+
+TINY = ("--hf-config", "tiny.json", "--gpu", "a100", "--host-memory", "8")
+
+BAD_INPUTS = {
+    # The step.
+    "negative batch": ([*TINY, "--batch-size", "-4"], "--batch-size must be at least 1"),
+    "zero batch": ([*TINY, "--batch-size", "0"], "--batch-size must be at least 1"),
+    "zero seq-len": ([*TINY, "--seq-len", "0"], "--seq-len must be at least 1"),
+    "not a number": ([*TINY, "--batch-size", "eight"], "invalid int value"),
+    "zero slices": ([*TINY, "--num-slices", "0"], "--num-slices must be at least 1"),
+    "more slices than stages": ([*TINY, "--num-slices", "1000"], "--num-slices 1000 is more than the model's 6 stages"),
+    "more resident than stages": ([*TINY, "--resident-slices", "100"], "--resident-slices 100 is more than"),
+    "microbatches not dividing": ([*TINY, "--microbatches", "3"], "--microbatches 3 does not divide --batch-size 8"),
+    "negative rank": ([*TINY, "--lora-r", "-1"], "--lora-r must be 0"),
+    "negative chunk": ([*TINY, "--loss-chunk-tokens", "-1"], "--loss-chunk-tokens must be 0"),
+    "zero clipping": ([*TINY, "--max-grad-norm", "0"], "--max-grad-norm must be positive"),
+    "no rows": ([*TINY, "--top", "0"], "--top must be at least 1"),
+    # The machine.
+    "negative host": ([*TINY[:4], "--host-memory", "-5"], "--host-memory must be a positive number of GiB, got -5"),
+    "zero device": ([*TINY, "--device-memory", "0"], "--device-memory must be a positive number of GiB"),
+    "zero disk": ([*TINY, "--disk-dir", ".", "--disk", "0"], "--disk must be a positive number of GiB, got 0"),
+    "negative disk": ([*TINY, "--disk-dir", ".", "--disk", "-3"], "--disk must be a positive number of GiB"),
+    "disk without a dir": ([*TINY, "--disk", "10"], "--disk is the space under --disk-dir"),
+    "disk dir a file": ([*TINY, "--disk-dir", "a_file"], "--disk-dir a_file: not a directory"),
+    "unknown gpu": ([*TINY, "--gpu", "rtx-9090"], "argument --gpu: invalid choice: 'rtx-9090'"),
+    "cpu uncalibrated": ([*TINY[:2], "--device", "cpu", "--host-memory", "8"], "--device cpu needs this CPU's"),
+    "no rates": (list(TINY[:2]), "no rates: run `python -m offload calibrate`"),
+    "rates missing": ([*TINY, "--rates", "none.json"], "--rates none.json: no such file"),
+    "rates a directory": ([*TINY, "--rates", "no_config"], "--rates no_config: a directory, not a rates file"),
+    "rates not json": ([*TINY, "--rates", "rates_not_json.json"], "--rates rates_not_json.json: Expecting value"),
+    "rates of another version": ([*TINY, "--rates", "rates_other_version.json"], "unknown fields ['device_tflops']"),
+    # --hf-config.
+    "config missing": (["--hf-config", "none.json", "--gpu", "a100"], "--hf-config none.json: no such file"),
+    "config dir without one": (["--hf-config", "no_config", "--gpu", "a100"], "the directory holds no config.json"),
+    "config not json": (["--hf-config", "truncated.json", "--gpu", "a100"], "--hf-config truncated.json: not valid JSON"),
+    "config not a causal LM": (["--hf-config", "bert.json", "--gpu", "a100"], "model_type 'bert' is not a causal LM"),
+    "config without a type": (["--hf-config", "no_type.json", "--gpu", "a100"], "the config has no model_type"),
+    "config a list": (["--hf-config", "a list.json", "--gpu", "a100"], "the config has no model_type"),
+    "config of an unknown type": (["--hf-config", '{"model_type": "llama9"}', "--gpu", "a100"], "'llama9' is not"),
+    "config sizes refused": (["--hf-config", "odd_heads.json", "--gpu", "a100"], "not a multiple of the number"),
+    "config size negative": (["--hf-config", "negative.json", "--gpu", "a100"], "negative dimension -3"),
+    "lora without hf": (["--preset", "tiny", "--gpu", "a100", "--lora-r", "4"], "--lora-r adapts a Hugging Face"),
+    # --preset and --model.
+    "two models": ([*TINY, "--preset", "tiny"], "give the model as one of"),
+    "set not key=value": (["--preset", "mlp", "--set", "width", "--gpu", "a100"], "--set takes KEY=VALUE"),
+    "set unknown": (["--preset", "mlp", "--set", "span=3", "--gpu", "a100"], "preset 'mlp' has no setting 'span'"),
+    "set out of range": (["--preset", "mlp", "--set", "width=-1", "--gpu", "a100"], "width must be an int of at least"),
+    "set without preset": ([*TINY, "--set", "width=3"], "--set sets a --preset's settings"),
+    "model without shape": (["--model", "plan_cli_factory:build", "--gpu", "a100"], "--model needs --input-shape"),
+    "shape without model": ([*TINY, "--input-shape", "8"], "--input-shape and --vocab describe --model's input"),
+    "shape of zero": (["--model", "plan_cli_factory:build", "--input-shape", "0", "--gpu", "a100"], "--input-shape must"),
+    "wrong shape": (["--model", "plan_cli_factory:build", "--input-shape", "3", "5", "--gpu", "a100"],
+                    "--input-shape 3 5 for --model plan_cli_factory:build: profiling layer 0 (Linear)"),
+    "model not a spec": (["--model", "plan_cli_factory", "--input-shape", "8", "--gpu", "a100"], "must look like"),
+    "model not importable": (["--model", "no_such_module:build", "--input-shape", "8", "--gpu", "a100"],
+                             "cannot import 'no_such_module'"),
+    "model without factory": (["--model", "plan_cli_factory:make", "--input-shape", "8", "--gpu", "a100"],
+                              "has no callable 'make'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_a_bad_input_is_one_line_with_exit_status_2(case, inputs, capsys):
+    args, fragment = BAD_INPUTS[case]
+    assert fragment in plan_error(capsys, *args)
+
+
+def test_plan_imports_the_model_factory_from_the_working_directory(inputs, monkeypatch, capsys):
+    # As the `offload` console script starts: its own directory first on the path, not the one the
+    # user is in (`python -m offload` would put that one there).
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(inputs))])
+    main(["plan", "--model", "plan_cli_factory:build", "--input-shape", "8", "--gpu", "a100", "--host-memory", "8"])
+    assert "model = OffloadModel(plan_cli_factory.build()" in capsys.readouterr().out
+
+
+# -- nothing fits: what would ----------------------------------------------------------------------
+
+
+def _needs(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[Any, Any]:
+    """The plan for ``offload plan ARGS`` and its least needs, from the planner directly."""
+    plan, _, _, limits = run_plan(parse_args(list(args)))
+    return plan, least_needs(plan.candidates, limits)
+
+
+def _plan_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", *args, "--json"])
+    assert exit_info.value.code == 1  # nothing fits
+    return json.loads(capsys.readouterr().out)
+
+
+MLP = ("--preset", "mlp", "--set", "width=1024", "depth=8", "--gpu", "h100-sxm", "--batch-size", "8")
+
+
+def test_nothing_fits_names_the_options_that_would_with_the_planners_figures(capsys):
+    args = (*MLP, "--resident-slices", "0", "--host-memory", "0.05")
+    plan, needs = _needs(capsys, *args)
+    assert plan.chosen is None
+    found = {a["flags"]: a for a in _plan_json(capsys, *args)["alternatives"]}
+    # More host memory: the least the planner found, rounded up to the figure printed, and it fits.
+    host = [flags for flags in found if flags.startswith("--host-memory ")]
+    assert len(host) == 1 and found[host[0]]["fits"]
+    assert needs.host_memory <= float(host[0].split()[1]) * GIB < needs.host_memory + 0.01 * GIB
+    # The planner's own resident count fits; the disk tier's figures are a plan with the tier.
+    assert found["--resident-slices auto"]["fits"]
+    _, tiered = _needs(capsys, *args, "--disk-dir", "DIR")
+    assert (found["--disk-dir DIR"]["tiered_host_memory"], found["--disk-dir DIR"]["tiered_disk"]) == (
+        tiered.tiered_host_memory, tiered.tiered_disk)
+    # The text says the same, with the margin.
+    with pytest.raises(SystemExit):
+        main(["plan", *args])
+    out = capsys.readouterr().out
+    assert "the figures include the planner's margin: 10% of the host's" in out
+    said = {line.split("  needs ")[0].strip(): "needs " + line.split("  needs ")[1]
+            for line in out.splitlines() if "  needs " in line}
+    assert said[host[0]] == f"needs {gib(needs.host_memory)} of host memory: fits"
+    assert said["--disk-dir DIR"].startswith(f"needs {gib(tiered.tiered_host_memory)} of host memory and "
+                                             f"{gib(tiered.tiered_disk)} of disk")
+
+
+def test_for_a_hf_config_it_tries_lora_and_a_shorter_sequence(inputs, capsys):
+    # Big enough that the adapters and a shorter sequence change the figures printed (0.01 GiB).
+    (inputs / "small.json").write_text(json.dumps(TINY_LLAMA | {"hidden_size": 256, "intermediate_size": 1024,
+                                                                "vocab_size": 4096}))
+    args = ("--hf-config", "small.json", "--gpu", "a100", "--host-memory", "0.01", "--resident-slices", "0",
+            "--seq-len", "1024")
+    found = {a["flags"]: a for a in _plan_json(capsys, *args)["alternatives"]}
+    for flags in ("--lora-r 16", "--seq-len 64"):
+        plan, needs = _needs(capsys, *args, *flags.split())
+        assert (found[flags]["fits"], found[flags]["host_memory"]) == (plan.chosen is not None, needs.host_memory)
+
+
+def test_when_nothing_fits_the_device_it_says_how_much_would(capsys):
+    args = (*MLP, "--host-memory", "8", "--device-memory", "0.001")
+    _, needs = _needs(capsys, *args)
+    found = {a["flags"]: a for a in _plan_json(capsys, *args)["alternatives"]}
+    device = [flags for flags in found if flags.startswith("--device-memory ")]
+    assert len(device) == 1 and found[device[0]]["fits"]
+    assert needs.device_memory <= float(device[0].split()[1]) * GIB < needs.device_memory + 0.01 * GIB
+
+
+def test_the_host_figure_counts_the_resident_slices_that_fit_the_device(capsys):
+    # Some slices fit the device resident, none fits the host: the figure is that of the resident
+    # count that needs the least host memory, so that it typed back as --host-memory fits as printed.
+    args = (*MLP, "--host-memory", "0.05", "--device-memory", "0.1")
+    _, needs = _needs(capsys, *args)
+    host = f"{gib(needs.host_memory).removesuffix(' GiB')}"
+    again, needs_again = _needs(capsys, *MLP, "--host-memory", host, "--device-memory", "0.1")
+    assert again.chosen is not None and again.chosen.config.resident_slices > 0
+    assert gib(needs_again.host_memory) == gib(needs.host_memory)
+    found = {a["flags"]: a for a in _plan_json(capsys, *args)["alternatives"]}
+    assert found[f"--host-memory {host}"]["host_memory"] == needs.host_memory
