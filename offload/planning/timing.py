@@ -34,7 +34,8 @@ it, the disk tier's files read and written). The terms:
   The next forward runs them before it waits for any host update. On a CPU "device" there is no
   link to save: a resident slice's copies cost what a streamed slice's loads and offloads cost
   (both are copies in RAM), and its update, the host's fused update at ``host_update``, runs in
-  ``step()`` instead of beside the next forward; so resident slices never make a CPU step faster.
+  ``step()`` instead of beside the next forward; so in float32 resident slices never make a CPU
+  step faster.
 
 It predicts; it does not measure (``offload/cli/calibrate.py`` measures the rates). Checked in
 ``tests/test_planning.py`` on the CPU against a step whose device work is a known sleep, and
