@@ -4,7 +4,8 @@ slice streamed and with every slice resident, and what makes the resident run sl
 Each variant trains the same model as ``offload-finetune --compute-dtype none`` (the tiny
 random-initialised Llama, bytes as tokens, batch 4 x 64 tokens, 3 slices, fused AdamW) in a
 process of its own, for ``--steps`` steps after ``--warmup``; the variants run interleaved,
-``--rounds`` times, and each reports the median step (forward, backward, ``step()``).
+``--rounds`` times, and each reports the median step (forward, backward, ``step()``) and its last
+loss (the same in every variant: resident and streamed slices train bit for bit alike on the CPU).
 
 - ``streamed``: ``resident_slices=0``: the host worker updates the slices beside the next forward.
 - ``resident``: ``resident_slices=3``: ``step()`` updates them on the calling thread.
@@ -77,11 +78,11 @@ def run_variant(name: str, steps: int, warmup: int) -> dict:
         backward = time.perf_counter()
         optimizer.step()
         optimizer.zero_grad()
-        loss.item()
+        last_loss = loss.item()
         phases.append((forward - start, backward - forward, time.perf_counter() - backward))
     optimizer.synchronize()
     timed = phases[warmup:]
-    return {"step_s": statistics.median(sum(p) for p in timed),
+    return {"last_loss": last_loss, "step_s": statistics.median(sum(p) for p in timed),
             **{f"{what}_s": statistics.median(p[i] for p in timed) for i, what in
                enumerate(("forward", "backward", "optimizer_step"))}}
 
