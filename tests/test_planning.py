@@ -600,6 +600,36 @@ def test_auto_keeps_the_most_resident_slices_that_fit_the_device():
         _small_transformer_plan(Limits(None, None), resident_slices=3, num_slices=2)
 
 
+def test_on_a_cpu_device_resident_slices_are_no_faster_and_not_chosen():
+    """On a CPU "device" a resident slice's copies are the copies in RAM a streamed slice makes,
+    and its update runs in step() instead of beside the next forward: predicted no faster, so auto
+    keeps none resident (``offload-finetune --resident-slices 3`` on the tiny Llama ran slower)."""
+    preset = build_preset("transformer", **SMALL_TRANSFORMER)
+    layout = slice_layout(preset.model, num_slices=4)
+    profile = profile_layers(preset.model, lambda: preset.make_batch(8, "cpu")[0])
+    rates = dataclasses.replace(HOST_DEFAULT, device_flops={"float32": 50e9})
+    config = StepConfig(num_slices=4, compute_dtype=None)
+    for optimizer in (None, "adamw"):
+        times = [estimate_step_time(layout, profile, replace(config, resident_slices=k), rates, device="cpu",
+                                    optimizer=optimizer) for k in range(5)]
+        # A resident slice's load copies its bytes once, as a streamed slice's load does.
+        assert [t.forward for t in times] == pytest.approx([times[0].forward] * 5, rel=1e-12)
+        if optimizer is None:  # no update: the same copies, the same step
+            assert [t.step for t in times] == pytest.approx([times[0].step] * 5, rel=1e-12)
+        else:  # their update no longer hides behind the next forward (slice 0's never hid)
+            assert all(later.step >= earlier.step for earlier, later in zip(times, times[1:]))
+            assert times[4].step > times[0].step
+    plan = choose(preset.model, lambda dtype: profile_layers(preset.model, lambda: preset.make_batch(8, "cpu")[0],
+                                                             compute_dtype=dtype),
+                  rates, Limits(device_memory=None, host_memory=8 * 2**30), device="cpu", batch_size=8,
+                  fixed={"compute_dtype": None})
+    assert plan.chosen is not None and {c.config.resident_slices for c in plan.candidates} == {0}
+    # Fixed, a count is kept.
+    plan = choose(preset.model, lambda dtype: profile, rates, Limits(None, 8 * 2**30), device="cpu", batch_size=8,
+                  fixed={"num_slices": 4, "compute_dtype": None, "resident_slices": 2})
+    assert {c.config.resident_slices for c in plan.candidates} == {2}
+
+
 def test_plan_prints_the_resident_slices_in_the_calls_and_the_flags():
     args = parse_args(["--model", "tests.test_planning:small_mlp", "--input-shape", "64", "--gpu", "rtx-4090",
                        "--host-memory", "8", "--batch-size", "16", "--num-slices", "3", "--compute-dtype", "none",

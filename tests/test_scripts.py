@@ -138,6 +138,16 @@ def test_cpu_overhead_benchmark(tmp_path):
     assert [r["batch"] for r in data["runs"]] == [8, 16]
 
 
+def test_resident_cpu_benchmark_runs_each_variant_with_the_same_losses(tmp_path):
+    run("scripts/bench_resident_cpu.py", "--variants", "streamed", "resident-passive", "--rounds", "1", "--steps",
+        "2", "--warmup", "0", "--json", str(tmp_path / "r.json"))
+    variants = json.loads((tmp_path / "r.json").read_text())["variants"]
+    assert variants["resident-passive"]["resident_slices"] == 3
+    assert variants["resident-passive"]["environment"] == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert variants["streamed"]["median_step_s"] > 0
+    assert variants["streamed"]["runs"][0]["last_loss"] == variants["resident-passive"]["runs"][0]["last_loss"]
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_cast_benchmark(tmp_path, dtype):
     run("scripts/bench_cast.py", "--mib", "1", "--repeats", "2", "--dtype", dtype, "--json", str(tmp_path / "c.json"))

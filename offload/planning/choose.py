@@ -4,8 +4,8 @@
 where the state lives (RAM; the optimizer's disk tier; the tier and the masters on disk) and
 when the host update runs (behind the next forward, or started in backward unless the gradients
 are clipped: :data:`CHOSEN_SCHEDULES`), keeps as many of the first slices resident on the device
-as fit beside the rest (unless a count is fixed: Note: [Resident slices] in
-``offload/streams/resident_storage.py``), predicts each one's memory
+as fit beside the rest, or none where that is predicted no slower (a CPU "device"), unless a count
+is fixed (Note: [Resident slices] in ``offload/streams/resident_storage.py``), predicts each one's memory
 (:func:`~offload.estimate_memory`) and step time (:func:`~offload.planning.timing.estimate_step_time`),
 keeps those that fit the device, the host and the disk, and returns the fastest. Among
 configurations within 1 % of the fastest it takes the simplest: fewer tiers on disk, then fewer
@@ -98,7 +98,8 @@ def choose(layers: nn.Module | Sequence[int], profile_for: Callable[[torch.dtype
         fixed: :class:`~offload.planning.timing.StepConfig` fields to keep as given
             (``{"compute_dtype": None}``, ``{"num_slices": 8}``, ``{"schedule": "serial"}``,
             ``{"resident_slices": 0}``). Without ``resident_slices`` each configuration keeps the
-            most of its first slices resident that fit the limits (its step is faster with each).
+            most of its first slices resident that fit the limits (on a GPU its step is faster
+            with each), or none where that is predicted no slower (on a CPU "device").
         clips_gradients: the training changes the gradients between backward and ``step()``
             (``clip_grad_norm_``, a ``GradScaler``): the update cannot start in backward, so
             ``"in-backward"`` is not tried.
@@ -187,9 +188,17 @@ def _candidate(layout: SliceLayout, profile: ModelProfile | None,
                          if not set(_over(memory, limits, device)) - {"host"}] or [0]
             fitting = [min(device_ok, key=lambda k: (_host_need(by_resident[k], device), -k))]
         config = replace(config, resident_slices=max(fitting))
-    memory = by_resident[config.resident_slices]
     time = estimate_step_time(layout, profile, config, rates, device=device, optimizer=optimizer,
                               param_dtype=param_dtype)
+    if ("resident_slices" not in fixed and config.resident_slices
+            and not _over(by_resident[0], limits, device)):
+        # On a CPU "device" they save no link, and their update leaves the worker for step()
+        # (offload/planning/timing.py): none resident where that is predicted no slower.
+        streamed = estimate_step_time(layout, profile, replace(config, resident_slices=0), rates, device=device,
+                                      optimizer=optimizer, param_dtype=param_dtype)
+        if streamed.step <= time.step:
+            config, time = replace(config, resident_slices=0), streamed
+    memory = by_resident[config.resident_slices]
     return Candidate(config=config, memory=memory, time=time, host_need=_host_need(memory, device),
                      over=_over(memory, limits, device))
 

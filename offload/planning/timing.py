@@ -31,7 +31,11 @@ it, the disk tier's files read and written). The terms:
   over the device's memory bandwidth (``MachineRates.device_memory_bandwidth``); it adds to the
   step. Their slot copies (a device-to-device copy, a cast under a compute dtype) run on the
   compute stream: their bytes, read and written, over that bandwidth add to the device's time.
-  The next forward runs them before it waits for any host update.
+  The next forward runs them before it waits for any host update. On a CPU "device" there is no
+  link to save: a resident slice's copies cost what a streamed slice's loads and offloads cost
+  (both are copies in RAM), and its update, the host's fused update at ``host_update``, runs in
+  ``step()`` instead of beside the next forward; so in float32 resident slices never make a CPU
+  step faster.
 
 It predicts; it does not measure (``offload/cli/calibrate.py`` measures the rates). Checked in
 ``tests/test_planning.py`` on the CPU against a step whose device work is a known sleep, and
@@ -215,8 +219,11 @@ def estimate_step_time(layout: SliceLayout, profile: ModelProfile | None, config
         backward_device = (recompute + profile.backward_flops) / rate
         compute = (profile.forward_flops + profile.backward_flops) / rate
     on_gpu = torch.device(device).type == "cuda"
-    # On a CPU "device" the resident slices' copies and update are the host's, at its rates.
-    device_copy = (rates.device_memory_bandwidth or DEVICE_MEMORY_BANDWIDTH_DEFAULT) if on_gpu else rates.host_copy
+    # On a CPU "device" the resident slices' copies and update are the host's, at its rates. Their
+    # copies' bytes are counted read plus written, as a device's memory bandwidth counts them;
+    # ``host_copy`` counts each copied byte once (read and written), so twice it is that bandwidth:
+    # a resident slice's load then costs what a streamed slice's load of the same bytes costs.
+    device_copy = (rates.device_memory_bandwidth or DEVICE_MEMORY_BANDWIDTH_DEFAULT) if on_gpu else 2 * rates.host_copy
     device_update = moved.device_update / (device_copy if on_gpu else rates.host_update)
     # The resident slices' slot copies and gradient copies run on the compute stream, in the phase
     # they belong to (the gradients' in backward); the forward loads each slice once.

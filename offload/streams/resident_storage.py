@@ -26,6 +26,25 @@ Note: [Resident slices]
     so a state dict's tensors share storage exactly where the plain model's do, as on the host
     (Note: [A storage per host copy] in ``host_storage.py``). A slice that borrows a parameter
     from a resident slice (a tied embedding) loads it with a cast on the compute stream too.
+
+Note: [Resident slices on a CPU]
+    On a CPU "device" device memory is host memory: a resident slice saves no link, its slot copy
+    is the copy in RAM a streamed slice's load is, and its update is the same fused kernel, run in
+    ``step()`` on the calling thread instead of beside the next forward on the host worker. So it
+    is no faster in float32, and ``offload plan`` keeps no slice resident there unless it predicts
+    a gain (``offload/planning/timing.py``).
+
+    It can be far slower on cores that other processes share, for a reason outside this package.
+    PyTorch's OpenMP runtime (GNU libgomp) lets a team's threads spin for a while after each
+    parallel region, and throttles that spinning only when the process has more OpenMP threads
+    than cores. A streamed run has a second team, the host worker's (its update runs parallel
+    kernels); a run whose every slice is resident never uses the worker, so its one team spins,
+    and with the cores oversubscribed each parallel kernel can wait a scheduler time slice for its
+    partner thread. Measured on 2 shared cores at a load of 7-9 (``scripts/bench_resident_cpu.py``,
+    ``benchmarks/results/resident_cpu_2026-11-28.json``; ``offload-finetune``'s tiny Llama): 2.1 s
+    a step resident against 106.5 ms streamed; 55.0 against 62.5 ms with ``OMP_WAIT_POLICY=PASSIVE``;
+    77.2 ms resident with one more thread that once ran a parallel kernel. Nothing in the resident
+    walk itself costs more: its update is fused AdamW, one call per slice, as the host worker's.
 """
 
 from __future__ import annotations
