@@ -5,7 +5,9 @@ OffloadModel of the same layers (same seed, same data order), and fits both with
 does to a model and an optimizer: ``.to()`` of the module, ``optimizer.step(closure)`` with
 forward, backward and ``clip_gradients`` inside the closure, gradient accumulation, a learning-rate
 scheduler stepped every step, ``optimizer.state`` moved at teardown, ``ModelCheckpoint`` and
-``fit(ckpt_path=...)``. On the CPU, ``accelerator="cpu"``; nothing is downloaded.
+``fit(ckpt_path=...)``. The resume test also runs a module holding an ``OffloadedCausalLM`` (the
+README's way), whose checkpoint holds the Hugging Face names. On the CPU, ``accelerator="cpu"``;
+nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -168,8 +170,29 @@ class TokenTask(Task):
         return self.net({"input_ids": batch[0], "attention_mask": batch[1]})
 
 
+class CausalLMTask(Task):
+    """The README's way: the module holds an ``OffloadedCausalLM``, whose forward computes the model's loss."""
+
+    def step_loss(self, batch: Any) -> torch.Tensor:
+        labels = batch[0].masked_fill(batch[1] == 0, -100)
+        return self.net(input_ids=batch[0], attention_mask=batch[1], labels=labels).loss
+
+    def training_step(self, batch: Any, index: int) -> torch.Tensor:
+        loss = self.step_loss(batch)
+        self.losses.append(loss.detach().clone())
+        return loss
+
+    def validation_step(self, batch: Any, index: int) -> None:
+        self.log("val_loss", self.step_loss(batch))
+
+
 def built(model: str, offloaded: bool, optimizer: str = "adamw") -> tuple[Task, nn.Module, DataLoader]:
     """The task, the module whose ``state_dict()`` holds the trained weights, and the data."""
+    if model == "causal-lm":  # offloaded only: an OffloadedCausalLM around the Hugging Face model
+        from offload.integrations.causal_lm import OffloadedCausalLM
+
+        hf = llama()
+        return CausalLMTask(OffloadedCausalLM(hf, device="cpu", num_slices=3), None, optimizer), hf, token_data()
     if model == "mlp":
         layers = mlp()
         net = OffloadModel(layers, device="cpu", num_slices=3) if offloaded else layers
@@ -236,23 +259,25 @@ def test_bf16_mixed_autocasts_around_the_offloaded_model_as_around_the_plain_one
     assert_same_run(actual, expected, actual_weights, expected_weights)
 
 
-def test_resume_from_a_model_checkpoint_equals_the_uninterrupted_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("model", ["mlp", "causal-lm"])
+def test_resume_from_a_model_checkpoint_equals_the_uninterrupted_run(tmp_path: Path, model: str) -> None:
     # Dropout draws from the global generator, which Lightning does not save: RandomState does.
-    uninterrupted, uninterrupted_weights, data = built("mlp", offloaded=True, optimizer="offload")
+    uninterrupted, uninterrupted_weights, data = built(model, offloaded=True, optimizer="offload")
     fit(uninterrupted, tmp_path / "uninterrupted", 3, data, callbacks=[RandomState()])
 
-    first, _, data = built("mlp", offloaded=True, optimizer="offload")
+    first, _, data = built(model, offloaded=True, optimizer="offload")
     saving = ModelCheckpoint(dirpath=tmp_path / "checkpoints", save_top_k=-1, every_n_epochs=1)
-    fit(first, tmp_path / "first", 1, data, enable_checkpointing=True, callbacks=[saving, RandomState()])
-    checkpoint = tmp_path / "checkpoints" / "epoch=0-step=4.ckpt"
+    first_run = fit(first, tmp_path / "first", 1, data, enable_checkpointing=True, callbacks=[saving, RandomState()])
+    steps = first_run.global_step
+    checkpoint = tmp_path / "checkpoints" / f"epoch=0-step={steps}.ckpt"
     assert checkpoint.exists()
 
-    resumed, resumed_weights, data = built("mlp", offloaded=True, optimizer="offload")
+    resumed, resumed_weights, data = built(model, offloaded=True, optimizer="offload")
     torch.manual_seed(123)  # whatever the generator held: the checkpoint's state replaces it
     run = trainer(tmp_path / "resumed", 3, callbacks=[RandomState()])
     run.fit(resumed, data, ckpt_path=checkpoint)
 
-    assert run.global_step == 12
+    assert run.global_step == 3 * steps
     resumed.losses = first.losses + resumed.losses
     assert_same_run(resumed, uninterrupted, resumed_weights, uninterrupted_weights)
 
