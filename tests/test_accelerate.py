@@ -135,10 +135,11 @@ def token_batches() -> list[torch.Tensor]:
 
 
 def causal_lm_run(tied: bool, seed: int, batches: list[torch.Tensor], save: str | None = None,
-                  load: str | None = None) -> tuple[dict[str, torch.Tensor], nn.Module]:
+                  load: str | None = None, offload: bool = True) -> tuple[dict[str, torch.Tensor], nn.Module]:
     """A Hugging Face Llama wrapped in an OffloadedCausalLM and stepped by an OffloadOptimizer over
-    ``batches`` through a fresh Accelerator: the wrapper's state dict (in Hugging Face names, read
-    after the last update) and the Hugging Face model."""
+    ``batches`` through a fresh Accelerator (or, without ``offload``, the model itself and torch's
+    AdamW): the trained state dict (in Hugging Face names, read after the last update) and the
+    Hugging Face model."""
     transformers = pytest.importorskip("transformers", reason='transformers is not installed: pip install -e ".[transformers]"')
     from offload.integrations.causal_lm import OffloadedCausalLM
 
@@ -147,8 +148,11 @@ def causal_lm_run(tied: bool, seed: int, batches: list[torch.Tensor], save: str 
                                       num_key_value_heads=2, vocab_size=64, tie_word_embeddings=tied)
     hf = transformers.AutoModelForCausalLM.from_config(config)
     acc = accelerator()
-    model = OffloadedCausalLM(hf, device=acc.device, num_slices=2)
-    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
+    if offload:
+        model = OffloadedCausalLM(hf, device=acc.device, num_slices=2)
+        optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
+    else:
+        model, optimizer = hf, torch.optim.AdamW(hf.parameters(), lr=1e-2, fused=True)
     model, optimizer = acc.prepare(model, optimizer)
     if load is not None:
         acc.load_state(load)
@@ -163,9 +167,10 @@ def causal_lm_run(tied: bool, seed: int, batches: list[torch.Tensor], save: str 
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_an_offloaded_causal_lm_resumes_from_save_state_bit_for_bit(tied, tmp_path):
+def test_an_offloaded_causal_lm_trains_and_resumes_from_save_state_bit_for_bit(tied, tmp_path):
     batches = token_batches()
     uninterrupted, _ = causal_lm_run(tied, 0, batches)
+    assert_same_state(uninterrupted, causal_lm_run(tied, 0, batches, offload=False)[0])  # the plain model's
     causal_lm_run(tied, 0, batches[:4], save=str(tmp_path / "state"))
     # Other weights, which the load replaces.
     resumed, hf = causal_lm_run(tied, 1, batches[4:], load=str(tmp_path / "state"))
