@@ -62,9 +62,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     ``optimizer_class`` and back.
 
     Args:
-        model: the :class:`~offload.OffloadModel` whose parameters it steps, or an
-            ``OffloadedCausalLM`` (``offload.integrations.causal_lm``): it steps the OffloadModel
-            that holds the wrapper's parameters, ``model.offloaded``, which is then ``self.model``.
+        model: the :class:`~offload.OffloadModel` it steps, or an ``OffloadedCausalLM`` (it steps ``model.offloaded``).
         optimizer_class: a ``torch.optim.Optimizer`` subclass (``torch.optim.AdamW``, ...).
         params: parameters or parameter groups, as ``optimizer_class`` takes them; default
             ``model.parameters()``. Parameters outside ``model`` are stepped in ``step()`` itself.
@@ -81,8 +79,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         **optimizer_kwargs: keyword arguments of ``optimizer_class`` (``lr=1e-4, fused=True``).
 
     Raises:
-        TypeError: ``model`` is neither an OffloadModel nor an OffloadedCausalLM, or
-            ``optimizer_class`` not an optimizer class.
+        TypeError: ``model`` is no OffloadModel or OffloadedCausalLM, or ``optimizer_class`` no optimizer class.
         ValueError: an optimizer that needs a closure (``LBFGS``), or a bad ``num_threads``.
         DiskTierError: the disk tier could not write state (raised by ``step()``,
             ``synchronize()`` and ``state_dict()``; the message says which slices are updated).
@@ -107,8 +104,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                  shard: bool | None = None, process_group: Any = None,
                  disk_tier: DiskTier | str | os.PathLike[str] | None = None, update_in_backward: bool = False,
                  accumulation_steps: int = 1, **optimizer_kwargs: Any) -> None:
-        model = _offload_model_of(model)
-        _check_arguments(model, optimizer_class, num_threads, disk_tier)
+        model = _check_arguments(model, optimizer_class, num_threads, disk_tier)
         check_in_backward(model, engine_of(model), update_in_backward, accumulation_steps, shard)
         # The class checks its own arguments and fills in its defaults.
         template = optimizer_class(model.parameters() if params is None else params, **optimizer_kwargs)
@@ -430,8 +426,9 @@ def _offload_model_of(model: Any) -> Any:
     return model
 
 
-def _check_arguments(model: Any, optimizer_class: Any, num_threads: Any, disk_tier: Any) -> None:
-    """Raise what ``OffloadOptimizer`` says it raises for its own arguments."""
+def _check_arguments(model: Any, optimizer_class: Any, num_threads: Any, disk_tier: Any) -> OffloadModel:
+    """Raise what ``OffloadOptimizer`` says it raises for its own arguments; return the OffloadModel it steps."""
+    model = _offload_model_of(model)
     if not isinstance(model, OffloadModel):
         raise TypeError(
             f"OffloadOptimizer steps an OffloadModel or an OffloadedCausalLM, got {type(model).__name__}; wrap the "
@@ -455,3 +452,4 @@ def _check_arguments(model: Any, optimizer_class: Any, num_threads: Any, disk_ti
         raise ValueError(f"num_threads must be a positive int or None, got {num_threads!r}")
     if disk_tier is not None and not isinstance(disk_tier, (DiskTier, str, os.PathLike)):
         raise TypeError(f"disk_tier must be a DiskTier or a directory path, got {type(disk_tier).__name__}")
+    return model

@@ -140,7 +140,8 @@ def causal_lm_run(tied: bool, seed: int, batches: list[torch.Tensor], save: str 
     ``batches`` through a fresh Accelerator (or, without ``offload``, the model itself and torch's
     AdamW): the trained state dict (in Hugging Face names, read after the last update) and the
     Hugging Face model."""
-    transformers = pytest.importorskip("transformers", reason='transformers is not installed: pip install -e ".[transformers]"')
+    transformers = pytest.importorskip("transformers",
+                                       reason='transformers is not installed: pip install -e ".[transformers]"')
     from offload.integrations.causal_lm import OffloadedCausalLM
 
     torch.manual_seed(seed)

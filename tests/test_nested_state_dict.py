@@ -18,7 +18,8 @@ from torch import nn
 
 from offload import OffloadModel, OffloadOptimizer
 
-transformers = pytest.importorskip("transformers", reason='transformers is not installed: pip install -e ".[transformers]"')
+transformers = pytest.importorskip("transformers",
+                                   reason='transformers is not installed: pip install -e ".[transformers]"')
 
 from offload.integrations.causal_lm import OffloadedCausalLM  # noqa: E402  (needs transformers)
 
@@ -158,5 +159,5 @@ def test_offload_optimizer_refuses_a_module_with_parameters_outside_its_offload_
     holder = nn.Module()
     holder.offloaded = OffloadModel(layers(), device="cpu", num_slices=2)
     holder.extra = nn.Linear(2, 2)
-    with pytest.raises(TypeError, match=r"steps an OffloadModel or an OffloadedCausalLM, got Module; wrap the model first"):
+    with pytest.raises(TypeError, match=r"an OffloadModel or an OffloadedCausalLM, got Module; wrap the model first"):
         OffloadOptimizer(holder, torch.optim.AdamW)
