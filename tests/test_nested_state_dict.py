@@ -88,6 +88,11 @@ def test_missing_and_unexpected_keys_are_named_as_the_parent_saved_them() -> Non
     assert sorted(result.unexpected_keys) == [prefix + "model.layers.7.mlp.up_proj.weight",
                                               prefix + "offloaded.0.embed_tokens.weight"]
 
+    saved = parent.state_dict()
+    saved[prefix + "lm_head.weight"] = torch.zeros(3, 3)
+    with pytest.raises(RuntimeError, match=rf"size mismatch for {prefix}lm_head\.weight: copying a param with shape"):
+        parent.load_state_dict(saved, strict=False)
+
 
 def test_keep_vars_and_assign_reach_the_host_copies() -> None:
     hf = llama(0)

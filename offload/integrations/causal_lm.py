@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -143,7 +144,7 @@ class OffloadedCausalLM(PreTrainedModel):
         self.activation_checkpointing_requested = False
         object.__setattr__(self, "stages", _stages_of(offloaded, hf_model))
         # Note: [Hugging Face names at any depth]
-        self._loading_under: list[str] = []
+        self._loading_under: list[tuple[str, list[str]]] = []  # (prefix, the load's error messages)
         self.register_state_dict_post_hook(_save_in_hf_names)
         # The public register_load_state_dict_pre_hook (newer torch) registers exactly this.
         self._register_load_state_dict_pre_hook(_load_in_hf_names, with_module=True)
@@ -404,9 +405,10 @@ def _hf_names(model: OffloadedCausalLM) -> dict[str, str]:
 #     2. The load pre-hook renames them back before the walk reaches the stages, and takes keys in
 #        the stages' names out as unexpected: ``state_dict()`` never writes them, and a state dict
 #        holding both names would load one of them silently.
-#     3. The load post-hook names the keys the stages found missing by their Hugging Face names. It
-#        is given no prefix: the pre-hook leaves it on the model (``_loading_under``), a stack, since
-#        a module that two parents share is loaded twice, once under each, one after the other.
+#     3. The load post-hook names the keys the stages found missing, and those the stages' errors
+#        name (a size mismatch), by their Hugging Face names. It is given neither the prefix nor the
+#        errors: the pre-hook leaves both on the model (``_loading_under``), a stack, since a module
+#        that two parents share is loaded twice, once under each, one after the other.
 #     ``keep_vars`` and ``assign`` reach the stages as for any module; ``strict`` is applied by
 #     ``load_state_dict()`` once the walk is done, to the names the hooks report.
 
@@ -431,14 +433,17 @@ def _load_in_hf_names(model: OffloadedCausalLM, state_dict: dict[str, Any], pref
     for stage_key, hf_name in _hf_names(model).items():
         if prefix + hf_name in state_dict:
             state_dict[stages + stage_key] = state_dict.pop(prefix + hf_name)
-    model._loading_under.append(prefix)
+    model._loading_under.append((prefix, error_msgs))
 
 
 def _report_in_hf_names(model: OffloadedCausalLM, incompatible_keys: _IncompatibleKeys) -> None:
     """Rule 3 of Note: [Hugging Face names at any depth]."""
-    prefix = model._loading_under.pop()
+    prefix, error_msgs = model._loading_under.pop()
     renamed = {f"{prefix}offloaded.{stage_key}": prefix + hf_name for stage_key, hf_name in _hf_names(model).items()}
     incompatible_keys.missing_keys[:] = [renamed.get(key, key) for key in incompatible_keys.missing_keys]
+    stage_name = re.compile(rf"{re.escape(prefix)}offloaded\.[\w.]*\w")
+    error_msgs[:] = [stage_name.sub(lambda found: renamed.get(found.group(0), found.group(0)), message)
+                     for message in error_msgs]
 
 
 def _refuse_update_in_backward(options: dict[str, Any]) -> None:
