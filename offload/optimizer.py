@@ -62,7 +62,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     ``optimizer_class`` and back.
 
     Args:
-        model: the :class:`~offload.OffloadModel` whose parameters it steps.
+        model: the :class:`~offload.OffloadModel` it steps, or an ``OffloadedCausalLM`` (it steps ``model.offloaded``).
         optimizer_class: a ``torch.optim.Optimizer`` subclass (``torch.optim.AdamW``, ...).
         params: parameters or parameter groups, as ``optimizer_class`` takes them; default
             ``model.parameters()``. Parameters outside ``model`` are stepped in ``step()`` itself.
@@ -79,7 +79,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         **optimizer_kwargs: keyword arguments of ``optimizer_class`` (``lr=1e-4, fused=True``).
 
     Raises:
-        TypeError: ``model`` is not an OffloadModel or ``optimizer_class`` not an optimizer class.
+        TypeError: ``model`` is no OffloadModel or OffloadedCausalLM, or ``optimizer_class`` no optimizer class.
         ValueError: an optimizer that needs a closure (``LBFGS``), or a bad ``num_threads``.
         DiskTierError: the disk tier could not write state (raised by ``step()``,
             ``synchronize()`` and ``state_dict()``; the message says which slices are updated).
@@ -99,12 +99,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         ...     optimizer.zero_grad()
     """
 
-    def __init__(self, model: OffloadModel, optimizer_class: type[torch.optim.Optimizer],
+    def __init__(self, model: OffloadModel | torch.nn.Module, optimizer_class: type[torch.optim.Optimizer],
                  params: Iterable[Any] | None = None, *, num_threads: int | None = None,
                  shard: bool | None = None, process_group: Any = None,
                  disk_tier: DiskTier | str | os.PathLike[str] | None = None, update_in_backward: bool = False,
                  accumulation_steps: int = 1, **optimizer_kwargs: Any) -> None:
-        _check_arguments(model, optimizer_class, num_threads, disk_tier)
+        model = _check_arguments(model, optimizer_class, num_threads, disk_tier)
         check_in_backward(model, engine_of(model), update_in_backward, accumulation_steps, shard)
         # The class checks its own arguments and fills in its defaults.
         template = optimizer_class(model.parameters() if params is None else params, **optimizer_kwargs)
@@ -414,12 +414,26 @@ def _check_newest(model: OffloadModel, optimizer: torch.optim.Optimizer) -> None
             "'lr': ...}])")
 
 
-def _check_arguments(model: Any, optimizer_class: Any, num_threads: Any, disk_tier: Any) -> None:
-    """Raise what ``OffloadOptimizer`` says it raises for its own arguments."""
+def _offload_model_of(model: Any) -> Any:
+    """The OffloadModel that ``OffloadOptimizer(model, ...)`` steps: ``model`` itself, or the one a
+    wrapper holds as ``model.offloaded`` when the wrapper's parameters are exactly that model's
+    (``OffloadedCausalLM``; recognised by that, so that ``import offload`` needs no transformers).
+    Anything else is returned as it is, for :func:`_check_arguments` to refuse."""
+    inner = None if isinstance(model, OffloadModel) else getattr(model, "offloaded", None)
+    if isinstance(inner, OffloadModel) and isinstance(model, torch.nn.Module) and (
+            {id(p) for p in model.parameters()} == {id(p) for p in inner.parameters()}):
+        return inner
+    return model
+
+
+def _check_arguments(model: Any, optimizer_class: Any, num_threads: Any, disk_tier: Any) -> OffloadModel:
+    """Raise what ``OffloadOptimizer`` says it raises for its own arguments; return the OffloadModel it steps."""
+    model = _offload_model_of(model)
     if not isinstance(model, OffloadModel):
         raise TypeError(
-            f"OffloadOptimizer steps an OffloadModel, got {type(model).__name__}; wrap the model first: "
-            f"model = OffloadModel(model, device=...), then OffloadOptimizer(model, torch.optim.AdamW, lr=...)")
+            f"OffloadOptimizer steps an OffloadModel or an OffloadedCausalLM, got {type(model).__name__}; wrap the "
+            f"model first: model = OffloadModel(model, device=...) (a Hugging Face causal LM: model = "
+            f"OffloadedCausalLM(model, device=...)), then OffloadOptimizer(model, torch.optim.AdamW, lr=...)")
     if isinstance(optimizer_class, torch.optim.Optimizer):
         # Its repr would list every hyperparameter of every group.
         raise TypeError(
@@ -438,3 +452,4 @@ def _check_arguments(model: Any, optimizer_class: Any, num_threads: Any, disk_ti
         raise ValueError(f"num_threads must be a positive int or None, got {num_threads!r}")
     if disk_tier is not None and not isinstance(disk_tier, (DiskTier, str, os.PathLike)):
         raise TypeError(f"disk_tier must be a DiskTier or a directory path, got {type(disk_tier).__name__}")
+    return model

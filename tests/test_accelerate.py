@@ -4,7 +4,8 @@ OffloadOptimizer, each run compared bit for bit with the plain model trained the
 
 ``save_model`` and ``save_state`` keep one tensor per storage; every host copy has one of its own
 (Note: [A storage per host copy] in ``offload/streams/host_storage.py``), so all of them are saved.
-See ``docs/accelerate.md``.
+A Hugging Face causal LM goes in as an ``OffloadedCausalLM`` stepped by an OffloadOptimizer, and
+resumes from ``save_state`` bit for bit, tied embeddings included. See ``docs/accelerate.md``.
 """
 
 from __future__ import annotations
@@ -123,3 +124,58 @@ def test_mixed_precision_runs_the_forward_under_autocast_as_the_plain_model():
     nn.functional.mse_loss(want.float(), y).backward()
     assert_same_state({n: p.grad for n, p in model.named_parameters()}, {n: p.grad for n, p in plain.named_parameters()})
     assert_same_state(model.state_dict(), plain.state_dict())  # BatchNorm's running statistics too
+
+
+# -- an OffloadedCausalLM, as docs/accelerate.md shows it ----------------------------------------------
+
+
+def token_batches() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(5)
+    return [torch.randint(0, 64, (2, 9), generator=generator) for _ in range(8)]
+
+
+def causal_lm_run(tied: bool, seed: int, batches: list[torch.Tensor], save: str | None = None,
+                  load: str | None = None, offload: bool = True) -> tuple[dict[str, torch.Tensor], nn.Module]:
+    """A Hugging Face Llama wrapped in an OffloadedCausalLM and stepped by an OffloadOptimizer over
+    ``batches`` through a fresh Accelerator (or, without ``offload``, the model itself and torch's
+    AdamW): the trained state dict (in Hugging Face names, read after the last update) and the
+    Hugging Face model."""
+    transformers = pytest.importorskip("transformers",
+                                       reason='transformers is not installed: pip install -e ".[transformers]"')
+    from offload.integrations.causal_lm import OffloadedCausalLM
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=64, tie_word_embeddings=tied)
+    hf = transformers.AutoModelForCausalLM.from_config(config)
+    acc = accelerator()
+    if offload:
+        model = OffloadedCausalLM(hf, device=acc.device, num_slices=2)
+        optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
+    else:
+        model, optimizer = hf, torch.optim.AdamW(hf.parameters(), lr=1e-2, fused=True)
+    model, optimizer = acc.prepare(model, optimizer)
+    if load is not None:
+        acc.load_state(load)
+    for ids in batches:
+        with acc.accumulate(model):
+            acc.backward(model(input_ids=ids, labels=ids).loss)
+            optimizer.step()
+            optimizer.zero_grad()
+    if save is not None:
+        acc.save_state(save)
+    return model.state_dict(), hf
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_an_offloaded_causal_lm_trains_and_resumes_from_save_state_bit_for_bit(tied, tmp_path):
+    batches = token_batches()
+    uninterrupted, _ = causal_lm_run(tied, 0, batches)
+    assert_same_state(uninterrupted, causal_lm_run(tied, 0, batches, offload=False)[0])  # the plain model's
+    causal_lm_run(tied, 0, batches[:4], save=str(tmp_path / "state"))
+    # Other weights, which the load replaces.
+    resumed, hf = causal_lm_run(tied, 1, batches[4:], load=str(tmp_path / "state"))
+    assert list(resumed) == list(hf.state_dict())
+    assert_same_state(resumed, uninterrupted)
+    if tied:
+        assert hf.lm_head.weight is hf.model.embed_tokens.weight

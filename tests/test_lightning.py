@@ -5,12 +5,18 @@ OffloadModel of the same layers (same seed, same data order), and fits both with
 does to a model and an optimizer: ``.to()`` of the module, ``optimizer.step(closure)`` with
 forward, backward and ``clip_gradients`` inside the closure, gradient accumulation, a learning-rate
 scheduler stepped every step, ``optimizer.state`` moved at teardown, ``ModelCheckpoint`` and
-``fit(ckpt_path=...)``. On the CPU, ``accelerator="cpu"``; nothing is downloaded.
+``fit(ckpt_path=...)``. The resume test also runs a module holding an ``OffloadedCausalLM`` (the
+README's way), whose checkpoint holds the Hugging Face names. On the CPU, ``accelerator="cpu"``;
+nothing is downloaded.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +35,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy  # noqa: E402  (ne
 
 from offload.integrations.lightning import OffloadStrategy, RandomState  # noqa: E402  (needs lightning)
 
+ROOT = Path(__file__).resolve().parents[1]
 EXACT = {"rtol": 0.0, "atol": 0.0}
 WARMUP = 3  # optimizer steps of linear learning-rate warm-up
 
@@ -168,8 +175,32 @@ class TokenTask(Task):
         return self.net({"input_ids": batch[0], "attention_mask": batch[1]})
 
 
+class CausalLMTask(Task):
+    """The README's way: the module holds an ``OffloadedCausalLM``, whose forward computes the model's loss."""
+
+    def step_loss(self, batch: Any) -> torch.Tensor:
+        labels = batch[0].masked_fill(batch[1] == 0, -100)
+        return self.net(input_ids=batch[0], attention_mask=batch[1], labels=labels).loss
+
+    def training_step(self, batch: Any, index: int) -> torch.Tensor:
+        loss = self.step_loss(batch)
+        self.losses.append(loss.detach().clone())
+        return loss
+
+    def validation_step(self, batch: Any, index: int) -> None:
+        self.log("val_loss", self.step_loss(batch))
+
+    def predict_step(self, batch: Any, index: int) -> torch.Tensor:
+        return self.net(input_ids=batch[0], attention_mask=batch[1]).logits
+
+
 def built(model: str, offloaded: bool, optimizer: str = "adamw") -> tuple[Task, nn.Module, DataLoader]:
     """The task, the module whose ``state_dict()`` holds the trained weights, and the data."""
+    if model == "causal-lm" and offloaded:  # an OffloadedCausalLM; the plain run is "llama"'s
+        from offload.integrations.causal_lm import OffloadedCausalLM
+
+        hf = llama()
+        return CausalLMTask(OffloadedCausalLM(hf, device="cpu", num_slices=3), None, optimizer), hf, token_data()
     if model == "mlp":
         layers = mlp()
         net = OffloadModel(layers, device="cpu", num_slices=3) if offloaded else layers
@@ -194,7 +225,7 @@ def assert_same_run(actual: Task, expected: Task, actual_weights: nn.Module, exp
 # -- the tests ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("model", ["mlp", "llama"])
+@pytest.mark.parametrize("model", ["mlp", "llama", "causal-lm"])
 @pytest.mark.parametrize("optimizer", ["offload", "adamw"])
 def test_fit_validate_predict_equal_the_plain_model(tmp_path: Path, model: str, optimizer: str) -> None:
     expected, expected_weights, data = built(model, offloaded=False)
@@ -236,25 +267,64 @@ def test_bf16_mixed_autocasts_around_the_offloaded_model_as_around_the_plain_one
     assert_same_run(actual, expected, actual_weights, expected_weights)
 
 
-def test_resume_from_a_model_checkpoint_equals_the_uninterrupted_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("model", ["mlp", "causal-lm"])
+def test_resume_from_a_model_checkpoint_equals_the_uninterrupted_run(tmp_path: Path, model: str) -> None:
     # Dropout draws from the global generator, which Lightning does not save: RandomState does.
-    uninterrupted, uninterrupted_weights, data = built("mlp", offloaded=True, optimizer="offload")
+    uninterrupted, uninterrupted_weights, data = built(model, offloaded=True, optimizer="offload")
     fit(uninterrupted, tmp_path / "uninterrupted", 3, data, callbacks=[RandomState()])
 
-    first, _, data = built("mlp", offloaded=True, optimizer="offload")
+    first, _, data = built(model, offloaded=True, optimizer="offload")
     saving = ModelCheckpoint(dirpath=tmp_path / "checkpoints", save_top_k=-1, every_n_epochs=1)
-    fit(first, tmp_path / "first", 1, data, enable_checkpointing=True, callbacks=[saving, RandomState()])
-    checkpoint = tmp_path / "checkpoints" / "epoch=0-step=4.ckpt"
+    first_run = fit(first, tmp_path / "first", 1, data, enable_checkpointing=True, callbacks=[saving, RandomState()])
+    steps = first_run.global_step
+    checkpoint = tmp_path / "checkpoints" / f"epoch=0-step={steps}.ckpt"
     assert checkpoint.exists()
 
-    resumed, resumed_weights, data = built("mlp", offloaded=True, optimizer="offload")
+    resumed, resumed_weights, data = built(model, offloaded=True, optimizer="offload")
     torch.manual_seed(123)  # whatever the generator held: the checkpoint's state replaces it
     run = trainer(tmp_path / "resumed", 3, callbacks=[RandomState()])
     run.fit(resumed, data, ckpt_path=checkpoint)
 
-    assert run.global_step == 12
+    assert run.global_step == 3 * steps
     resumed.losses = first.losses + resumed.losses
     assert_same_run(resumed, uninterrupted, resumed_weights, uninterrupted_weights)
+
+
+def test_the_docs_example_resumes_in_a_new_process_bit_for_bit(tmp_path: Path) -> None:
+    """docs/lightning.md's example, run as its reader runs it: once through, and again in a new
+    process with the ``ckpt_path`` its last comment gives, from the first run's checkpoint. The
+    resumed run ends with the uninterrupted run's weights and optimizer state, bit for bit."""
+    pytest.importorskip("transformers", reason='transformers is not installed: pip install -e ".[transformers]"')
+    example = re.search(r"```python\n(.*?)```", (ROOT / "docs" / "lightning.md").read_text(), re.S)
+    assert example is not None
+    code = example.group(1)
+    resume = re.search(r"^# (trainer\.fit\((.+?), loader, loader, ckpt_path=\"(.+?)\"\))$", code, re.M)
+    assert resume is not None, "the example ends with the resume line, commented out"
+    fit_line = f"trainer.fit({resume.group(2)}, loader, loader)\n"
+    assert code.count(fit_line) == 1
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    for run, script in (("uninterrupted", code), ("resumed", code.replace(fit_line, resume.group(1) + "\n"))):
+        (tmp_path / run).mkdir()
+        if run == "resumed":  # the first run's checkpoint, where the second process looks for it
+            (tmp_path / run / resume.group(3)).parent.mkdir(parents=True)
+            (tmp_path / run / resume.group(3)).write_bytes((tmp_path / "uninterrupted" / resume.group(3)).read_bytes())
+        (tmp_path / run / "example.py").write_text(script)
+        done = subprocess.run([sys.executable, "example.py"], cwd=tmp_path / run, capture_output=True, text=True,
+                              timeout=600, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+
+    last = sorted((tmp_path / "uninterrupted").glob(f"{Path(resume.group(3)).parent}/*.ckpt"),
+                  key=lambda path: int(re.search(r"step=(\d+)", path.name).group(1)))[-1]
+    assert last.name != Path(resume.group(3)).name
+    want = torch.load(last, weights_only=False)
+    got = torch.load(tmp_path / "resumed" / last.relative_to(tmp_path / "uninterrupted"), weights_only=False)
+    assert list(got["state_dict"]) == list(want["state_dict"])
+    for name, value in want["state_dict"].items():
+        torch.testing.assert_close(got["state_dict"][name], value, **EXACT, msg=lambda m: f"{name}: {m}")
+    for index, state in want["optimizer_states"][0]["state"].items():
+        for key, value in state.items():
+            torch.testing.assert_close(got["optimizer_states"][0]["state"][index][key], value, **EXACT)
 
 
 def test_a_disk_tier_is_checkpointed_beside_the_file_slice_by_slice(tmp_path: Path,

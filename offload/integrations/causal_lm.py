@@ -18,7 +18,8 @@ Note: [What the trainers read from the model]
        ``"ForCausalLM"``: ``Trainer`` then passes ``num_items_in_batch``, counts the *shifted* labels
        and does not divide the loss by the accumulation steps, exactly as for the plain model.
     3. ``state_dict`` / ``load_state_dict`` use the Hugging Face names, so a checkpoint's weights
-       are a ``from_pretrained`` folder's and ``resume_from_checkpoint`` loads them back.
+       are a ``from_pretrained`` folder's and ``resume_from_checkpoint`` loads them back; so do a
+       parent module's (a LightningModule's), under its prefix (Note: [Hugging Face names at any depth]).
        ``named_parameters`` keeps the stages' names (``offloaded.3.layer.mlp.up_proj.weight``): the
        trainers only group and order the parameters by them, in the model's own order.
     4. ``.to(device)`` reaches ``OffloadModel._apply``: the compute device moves, the parameters
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -141,6 +143,12 @@ class OffloadedCausalLM(PreTrainedModel):
         self.model_tags = None
         self.activation_checkpointing_requested = False
         object.__setattr__(self, "stages", _stages_of(offloaded, hf_model))
+        # Note: [Hugging Face names at any depth]
+        self._loading_under: list[tuple[str, list[str]]] = []  # (prefix, the load's error messages)
+        self.register_state_dict_post_hook(_save_in_hf_names)
+        # The public register_load_state_dict_pre_hook (newer torch) registers exactly this.
+        self._register_load_state_dict_pre_hook(_load_in_hf_names, with_module=True)
+        self.register_load_state_dict_post_hook(_report_in_hf_names)
 
     # -- what the trainers call ----------------------------------------------------------------
 
@@ -296,32 +304,6 @@ class OffloadedCausalLM(PreTrainedModel):
 
     # -- saving and loading --------------------------------------------------------------------
 
-    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",  # type: ignore[override]
-                   keep_vars: bool = False) -> dict[str, torch.Tensor]:
-        """The Hugging Face model's ``state_dict``, names and all, read from the host copies (under
-        ``prefix`` when a wrapper, a ``PeftModel`` say, asks for it as its submodule's)."""
-        if args:  # nn.Module's positional form: (destination, prefix, keep_vars)
-            destination, prefix, keep_vars = (*args, *(destination, prefix, keep_vars)[len(args):])
-        names = _hf_names(self)
-        destination = {} if destination is None else destination
-        for key, value in self.offloaded.state_dict(keep_vars=keep_vars).items():
-            destination[prefix + names[key]] = value
-        return destination
-
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,  # type: ignore[override]
-                        assign: bool = False) -> _IncompatibleKeys:
-        """Load a state dict in Hugging Face names (what :meth:`state_dict` and :meth:`save_pretrained` write)."""
-        names = _hf_names(self)
-        stage_of = {hf: stage for stage, hf in names.items()}
-        unexpected = [key for key in state_dict if key not in stage_of]
-        renamed = {stage_of[key]: value for key, value in state_dict.items() if key in stage_of}
-        result = self.offloaded.load_state_dict(renamed, strict=False, assign=assign)
-        missing = [names[key] for key in result.missing_keys]
-        if strict and (missing or unexpected):
-            raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}: missing keys {missing}, "
-                               f"unexpected keys {unexpected}")
-        return _IncompatibleKeys(missing, unexpected)
-
     def save_pretrained(self, save_directory: str | os.PathLike[str], *args: Any,  # type: ignore[override]
                         is_main_process: bool = True, state_dict: Mapping[str, torch.Tensor] | None = None,
                         **kwargs: Any) -> None:
@@ -410,6 +392,58 @@ def _hf_names(model: OffloadedCausalLM) -> dict[str, str]:
     keys = [key for s in engine.slices for name, layer in zip(s.names, s.layers)
             for key in layer.state_dict(prefix=f"{name}.", keep_vars=True)]
     return {key: model.stages.hf_name(key) for key in keys}
+
+
+# -- Hugging Face names in state dicts ---------------------------------------------------------------
+# Note: [Hugging Face names at any depth]
+#     ``state_dict()`` on a parent (a LightningModule) calls each child's ``state_dict()``, but
+#     ``load_state_dict()`` on a parent never calls a child's ``load_state_dict()``: it walks the
+#     modules itself, running each one's load pre-hooks, ``_load_from_state_dict`` and load
+#     post-hooks under the prefix of its keys. So the names change in hooks, which run at any depth:
+#     1. The state-dict post-hook renames the model's keys, ``prefix + "offloaded." + stage key``,
+#        to ``prefix`` + the Hugging Face name, in place and in order.
+#     2. The load pre-hook renames them back before the walk reaches the stages, and takes keys in
+#        the stages' names out as unexpected: ``state_dict()`` never writes them, and a state dict
+#        holding both names would load one of them silently.
+#     3. The load post-hook names the keys the stages found missing, and those the stages' errors
+#        name (a size mismatch), by their Hugging Face names. It is given neither the prefix nor the
+#        errors: the pre-hook leaves both on the model (``_loading_under``), a stack, since a module
+#        that two parents share is loaded twice, once under each, one after the other.
+#     ``keep_vars`` and ``assign`` reach the stages as for any module; ``strict`` is applied by
+#     ``load_state_dict()`` once the walk is done, to the names the hooks report.
+
+
+def _save_in_hf_names(model: OffloadedCausalLM, state_dict: dict[str, Any], prefix: str,
+                      local_metadata: dict[str, Any]) -> None:
+    """Rule 1 of Note: [Hugging Face names at any depth]."""
+    for stage_key, hf_name in _hf_names(model).items():
+        key = f"{prefix}offloaded.{stage_key}"
+        if key in state_dict:  # a hook of the stages' own may have left it out
+            state_dict[prefix + hf_name] = state_dict.pop(key)
+
+
+def _load_in_hf_names(model: OffloadedCausalLM, state_dict: dict[str, Any], prefix: str,
+                      local_metadata: dict[str, Any], strict: bool, missing_keys: list[str],
+                      unexpected_keys: list[str], error_msgs: list[str]) -> None:
+    """Rule 2 of Note: [Hugging Face names at any depth]. ``state_dict`` is the walk's own copy."""
+    stages = f"{prefix}offloaded."
+    for key in [key for key in state_dict if key.startswith(stages)]:
+        unexpected_keys.append(key)
+        del state_dict[key]
+    for stage_key, hf_name in _hf_names(model).items():
+        if prefix + hf_name in state_dict:
+            state_dict[stages + stage_key] = state_dict.pop(prefix + hf_name)
+    model._loading_under.append((prefix, error_msgs))
+
+
+def _report_in_hf_names(model: OffloadedCausalLM, incompatible_keys: _IncompatibleKeys) -> None:
+    """Rule 3 of Note: [Hugging Face names at any depth]."""
+    prefix, error_msgs = model._loading_under.pop()
+    renamed = {f"{prefix}offloaded.{stage_key}": prefix + hf_name for stage_key, hf_name in _hf_names(model).items()}
+    incompatible_keys.missing_keys[:] = [renamed.get(key, key) for key in incompatible_keys.missing_keys]
+    stage_name = re.compile(rf"{re.escape(prefix)}offloaded\.[\w.]*\w")
+    error_msgs[:] = [stage_name.sub(lambda found: renamed.get(found.group(0), found.group(0)), message)
+                     for message in error_msgs]
 
 
 def _refuse_update_in_backward(options: dict[str, Any]) -> None:

@@ -14,7 +14,8 @@ class SettledModule(nn.Module):
     """The base of ``OffloadModel``: whatever hands out the host copies (``parameters()``,
     ``named_parameters()``, ``modules()``, ``children()``, ``buffers()``, ``apply()``,
     ``state_dict()``, ``load_state_dict()``, submodules by attribute) waits for the pending
-    updates of its engine (kept in ``_engine``) first. ``train()`` sets flags only and does not
+    updates of its engine (kept in ``_engine``) first, also when a parent module's
+    ``state_dict()`` or ``load_state_dict()`` reaches it. ``train()`` sets flags only and does not
     wait."""
 
     def _settle(self) -> None:
@@ -55,6 +56,8 @@ class SettledModule(nn.Module):
         self._settle()
         return super().state_dict(*args, **kwargs)
 
-    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        # Here rather than in load_state_dict(): a parent's load_state_dict() walks its submodules
+        # through this method, and reaches it before the layers whose parameters it copies into.
         self._settle()
-        return super().load_state_dict(*args, **kwargs)
+        super()._load_from_state_dict(*args, **kwargs)
