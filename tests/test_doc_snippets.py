@@ -34,12 +34,6 @@ import pytest
 
 from tests.test_docs import ROOT, doc_id, documents
 
-# Documents being rewritten on another branch: their snippets are extracted and checked for
-# markers like every other's, but not run until that work lands. Remove each entry then.
-BEING_REWRITTEN = frozenset({
-    "docs/lightning.md",
-    "docs/accelerate.md",
-})
 
 TIMEOUT_S = 900
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
@@ -187,8 +181,7 @@ def run_snippets(found: list[Snippet], workdir: Path) -> Run:
 
 
 def runnable_documents() -> list[Path]:
-    return [d for d in documents() if doc_id(d) not in BEING_REWRITTEN
-            and any(s.fragment is None for s in snippets(doc_id(d), d.read_text()))]
+    return [d for d in documents() if any(s.fragment is None for s in snippets(doc_id(d), d.read_text()))]
 
 
 @pytest.fixture(scope="module")
