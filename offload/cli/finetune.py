@@ -39,7 +39,7 @@ warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
 
 import torch
 
-from ..checkpoint.save_load import load_checkpoint, save_checkpoint
+from ..checkpoint import load_checkpoint, save_checkpoint
 from ..tiers.disk_tier import DiskTier
 from ..model import OffloadModel
 from ..optimizer import OffloadOptimizer

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint.save_load import latest_checkpoint
+from ..checkpoint import latest_checkpoint
 from .models import SIZES
 
 DEFAULT_TEXT = Path(__file__).resolve().parent / "sample.txt"
