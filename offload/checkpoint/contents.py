@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..model import OffloadModel, engine_of
 from ..optimizer import OffloadOptimizer
-from ..streams.host_storage import dense_stride
+from ..streams.flat_views import dense_stride
 
 FORMAT = 1
 STRAY_PARAMETER = ("the optimizer steps a parameter that is not in the model; a checkpoint names optimizer state "
