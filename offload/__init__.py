@@ -44,7 +44,7 @@ table):
 __version__ = "0.1.0"
 
 from .autograd.recompute_state import is_recomputing
-from .checkpoint.save_load import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from .tiers.disk_tier import DiskTier, DiskTierError
 from .planning.footprint import MemoryFootprint
 from .grad_scaler import GradScaler

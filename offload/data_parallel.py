@@ -34,7 +34,7 @@ from .walk.engine import Engine
 from .walk.milestones import Subscriber
 from .streams import PendingGradients, SliceGradients
 from .streams.collectives import DeviceCollectives, HostCollectives
-from .streams.host_storage import flat_alias
+from .streams.flat_views import flat_alias
 
 
 def check_group(group: Any, device: torch.device) -> str:

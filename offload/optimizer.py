@@ -212,7 +212,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         parameters outside the model; each parameter's state is the plain optimizer's (a dict of
         tensors and numbers; empty before its first update). Sharded, only the parameters this
         rank updates appear. Checkpoints
-        read the state through this (Note: [Checkpoint layout] in ``offload/checkpoint/save_load.py``): a
+        read the state through this (Note: [Checkpoint layout] in ``offload/checkpoint/contents.py``): a
         store that keeps state away from host memory hands over one slice's state at a time here,
         never the whole of it.
         """
@@ -226,7 +226,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         {parameter: its state}, {parameter: its state on disk})`` where each tensor the tier keeps
         is a stand-in of its shape and dtype (:meth:`StateTier.slice_layout`), to be read with
         ``_disk.slice_state`` when needed (Note: [Checkpoint layout] in
-        ``offload/checkpoint/save_load.py``)."""
+        ``offload/checkpoint/contents.py``)."""
         return self._by_slice(self._disk.slice_layout)
 
     def _by_slice(self, on_disk: Callable[[int], SliceState]) -> Iterator[tuple[int, SliceState, SliceState]]:

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 from offload import load_checkpoint, save_checkpoint
 from offload.checkpoint import checkpoint_files
-from offload.checkpoint import save_load as checkpoint
+from offload.checkpoint import loader as checkpoint
 from offload.planning.presets import build_preset, preset_names
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

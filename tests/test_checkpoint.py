@@ -1,6 +1,6 @@
 """Checkpoints: exact resume in a fresh process on one rank and two, resharding 2 -> 1 and 1 -> 2,
 atomic saves under SIGKILL, clear errors before anything is loaded, and interchange with the plain
-model and optimizer. See Note: [Checkpoint layout] in offload/checkpoint/save_load.py and Note: [Atomic save] in
+model and optimizer. See Note: [Checkpoint layout] in offload/checkpoint/contents.py and Note: [Atomic save] in
 offload/checkpoint/commit.py."""
 
 from __future__ import annotations
@@ -495,7 +495,7 @@ def test_what_a_checkpoint_holds(tmp_path):
 def test_a_save_hands_dcp_the_host_copies_themselves_not_copies(tmp_path, monkeypatch):
     """DCP copies a view out of a larger storage and holds every copy until the file is written:
     the save hands it each host copy under a storage of its own, the same memory."""
-    from offload.checkpoint import save_load as checkpoint
+    from offload.checkpoint import saver as checkpoint
 
     from .dist_workers import layouts_network
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from offload import OffloadModel, OffloadOptimizer
-from offload.streams.host_storage import dense_stride
+from offload.streams.flat_views import dense_stride
 
 from .helpers import DEVICES, HostStepped
 from .test_mixed_precision import converted, master_grads_of

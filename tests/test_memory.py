@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from offload import OffloadModel, OffloadOptimizer, estimate_memory, is_recomputing
-from offload.streams.host_storage import _align
+from offload.streams.flat_views import _align
 
 from .helpers import DEVICES, HostStepped
 

@@ -299,7 +299,7 @@ def test_a_resident_load_off_the_compute_stream_is_a_race_the_checker_reports(mo
     running on the compute stream. Moved to the load stream without a wait, as a host slice's load
     would go, the checker reports the race with the update that wrote the parameters."""
     from offload.streamcheck import StreamChecker
-    from offload.streams.host_storage import typed_view
+    from offload.streams.flat_views import typed_view
 
     def on_the_load_stream(self: ResidentStorage, slot: torch.Tensor) -> None:
         copies = self_copies[0]

@@ -318,7 +318,7 @@ def test_a_reader_loading_items_on_several_threads_is_still_exact(run, tmp_path,
     from torch.distributed.checkpoint.planner import LoadItemType
     from torch.futures import Future
 
-    import offload.checkpoint.save_load
+    import offload.checkpoint.loader
 
     threads = set()
 
@@ -355,7 +355,7 @@ def test_a_reader_loading_items_on_several_threads_is_still_exact(run, tmp_path,
     run.steps(model, optimizer, 2)
     save_checkpoint(tmp_path / "ck", model, optimizer)
     saved = copy.deepcopy(optimizer.state_dict())
-    monkeypatch.setattr(offload.checkpoint.save_load, "FileSystemReader", ThreadedReader)
+    monkeypatch.setattr(offload.checkpoint.loader, "FileSystemReader", ThreadedReader)
     monkeypatch.setattr(OffloadOptimizer, "_open_slice_load", slow_open)
     resumed, resumed_optimizer = run.build("b")
     load_checkpoint(tmp_path / "ck", resumed, resumed_optimizer)

@@ -24,7 +24,7 @@ from offload.streamcheck import SCHEDULES, Dependency, StreamChecker, StreamOrde
 from offload.streamcheck.clocks import COMPUTE, Epoch, VectorClock
 from offload.streamcheck.memory import MemoryTracker, Race
 from offload.streams import CopyStreams
-from offload.streams.host_storage import flat_exporter, own_storage_view
+from offload.streams.flat_views import flat_exporter, own_storage_view
 
 from .stream_scenarios import SCENARIOS, build_on_cpu
 

@@ -35,7 +35,7 @@ import torch
 
 from ..walk.microbatch import join_input_grads, split_like
 from ..streams import PendingGradients, SliceGradients
-from ..streams.host_storage import flat_alias
+from ..streams.flat_views import flat_alias
 from .accumulation import in_place_targets, restore_zeroed, still_zeroed
 from .records import CallRecord
 

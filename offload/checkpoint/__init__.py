@@ -1,11 +1,26 @@
 """Checkpoints: a training run's state written to a directory and read back.
 
-- ``save_load.py``: :func:`save_checkpoint`, :func:`load_checkpoint`, :func:`latest_checkpoint` and
-  :class:`CheckpointError` (Note: [Checkpoint layout]), re-exported by ``offload``;
-- ``commit.py``: how a save becomes visible, whole or not at all, and what is tidied after it
-  (Note: [Atomic save]);
+The public face is :func:`save_checkpoint`, :func:`load_checkpoint`, :func:`latest_checkpoint` and
+:class:`CheckpointError`, re-exported by ``offload``. Each file holds one part, as in
+``torch.distributed.checkpoint``:
+
+- ``saver.py``: :func:`save_checkpoint`, the steps of a save;
+- ``loader.py``: :func:`load_checkpoint`, the steps of a load;
+- ``contents.py``: what a checkpoint holds and how each part is taken from the model, the optimizer
+  and the random number generators and put back (Note: [Checkpoint layout]);
+- ``checks.py``: what is checked before a save writes or a load loads anything;
+- ``ranks.py``: which processes save or load together, and how they agree;
+- ``commit.py``: how a save becomes visible, whole or not at all, what is tidied after it, and
+  :func:`latest_checkpoint` (Note: [Atomic save]);
 - ``checkpoint_files.py``: the data files, their checksums, and room and failures of a save
   (Note: [Checkpoint checksums]);
 - ``slice_save_planner.py`` / ``slice_load_planner.py``: a disk tier's state saved and loaded
   slice by slice (Note: [Slice-by-slice save], [Slice-by-slice load]).
 """
+
+from .checkpoint_files import CheckpointError
+from .commit import latest_checkpoint
+from .loader import load_checkpoint
+from .saver import save_checkpoint
+
+__all__ = ["CheckpointError", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]

@@ -5,7 +5,7 @@ What this file holds: :class:`CheckpointError`, :class:`ChecksummingFileSystem` 
 filesystem, summing each data file once it is written), :func:`verify_checksums`, and the
 helpers a save's checks and error messages use (:func:`free_bytes`, :func:`disk_full`,
 :func:`failure_text`, :func:`pickled_size`). What it does not: what is saved or loaded, or the
-order of the commit (``offload/checkpoint/save_load.py``).
+order of the commit (``offload/checkpoint/saver.py``, ``loader.py``, ``commit.py``).
 
 Note: [Checkpoint checksums]
     DCP keeps no checksums: bytes flipped inside a ``.distcp`` file of the right length load

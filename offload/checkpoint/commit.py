@@ -3,9 +3,10 @@ what is tidied after it (Note: [Atomic save]).
 
 What this file holds: the names beside a checkpoint (``latest``, the hidden partial directory and
 the pending ``latest``), :func:`prepare` (clears what killed saves left, makes the partial
-directory), :func:`commit` (writes what is left to write, then renames, undone on failure) and
-:func:`tidy` (after the commit: the replaced checkpoint, ``keep_last``). What it does not: what a
-checkpoint holds, or writing its data (``offload/checkpoint/save_load.py``).
+directory), :func:`commit` (writes what is left to write, then renames, undone on failure),
+:func:`tidy` (after the commit: the replaced checkpoint, ``keep_last``) and
+:func:`latest_checkpoint` (the checkpoint ``latest`` names). What it does not: what a checkpoint
+holds (``offload/checkpoint/contents.py``), or writing its data (``offload/checkpoint/saver.py``).
 
 Note: [Atomic save]
     A save is one event: when :func:`~offload.save_checkpoint` returns, the checkpoint is whole
@@ -230,3 +231,14 @@ def fsync_directory(directory: Path) -> None:
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
+
+
+def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
+    """The checkpoint the ``latest`` file in ``directory`` names (the last one saved there), or
+    ``None`` when nothing was saved there yet."""
+    pointer = Path(directory) / LATEST_FILE
+    try:
+        name = pointer.read_text().strip()
+    except FileNotFoundError:
+        return None
+    return Path(directory) / name

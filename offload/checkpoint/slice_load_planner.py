@@ -1,7 +1,7 @@
 """A DCP load planner that hands optimizer state to a disk tier one slice at a time, as DCP reads it.
 
 It holds :class:`SliceWritingLoadPlanner` and nothing else; :func:`offload.load_checkpoint` uses
-it (Note: [Checkpoint layout] in ``offload/checkpoint/save_load.py``). It does not decide what is loaded or
+it (Note: [Checkpoint layout] in ``offload/checkpoint/contents.py``). It does not decide what is loaded or
 where the tier keeps it: the state dict and the tier do (``StateTier.begin_load`` and
 ``end_load`` in ``offload/tiers/disk_tier.py``).
 

@@ -2,7 +2,7 @@
 (and drops masters kept on disk once written).
 
 It holds :class:`SliceReadingSavePlanner` and nothing else; :func:`offload.save_checkpoint` uses it
-(Note: [Checkpoint layout] in ``offload/checkpoint/save_load.py``). It does not decide what is saved or
+(Note: [Checkpoint layout] in ``offload/checkpoint/contents.py``). It does not decide what is saved or
 where: the state dict and the file system writer do.
 
 Note: [Slice-by-slice save]

@@ -44,8 +44,8 @@ warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
 
 import torch
 
+from ..checkpoint import load_checkpoint, save_checkpoint
 from ..checkpoint.checkpoint_files import CheckpointError
-from ..checkpoint.save_load import load_checkpoint, save_checkpoint
 from ..tiers.disk_tier import DiskTier
 from ..model import OffloadModel
 from ..optimizer import OffloadOptimizer

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint.save_load import latest_checkpoint
+from ..checkpoint import latest_checkpoint
 from .models import SIZES
 
 DEFAULT_TEXT = Path(__file__).resolve().parent / "sample.txt"
@@ -21,12 +21,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}
 AUTO = "auto"
 #: ``--lr-schedule`` -> the name of transformers' schedule with warm-up (``get_scheduler``).
 SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
-try:
-    # From the stages' module: the public face imports transformers' models, and they torchao and
-    # its notes (offload/cli/quiet_imports.py), which --help has no use for.
-    from ..integrations.transformers_stages import SUPPORTED_MODEL_TYPES as ARCHITECTURES
-except ImportError:  # without the extra, --help still answers; training says what to install
-    ARCHITECTURES = ("llama",)
+# From the families' table, which imports nothing of transformers: its models import torchao and
+# its notes (offload/cli/quiet_imports.py), which --help has no use for.
+from ..integrations.transformers_families import SUPPORTED_MODEL_TYPES as ARCHITECTURES
 
 DESCRIPTION = """\
 Fine-tune a Hugging Face causal LM larger than accelerator memory with OffloadModel and

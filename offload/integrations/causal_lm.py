@@ -53,7 +53,8 @@ from ..model import OffloadModel, engine_of
 from ..optimizer import OffloadOptimizer
 from .peft import peft_base_model
 from .transformers_loading import load_causal_lm
-from .transformers_stages import LAST_HIDDEN_STATE, CausalLMSequential, causal_lm_sequential
+from .transformers_batch import LAST_HIDDEN_STATE
+from .transformers_stages import CausalLMSequential, causal_lm_sequential
 
 try:
     from safetensors.torch import save_file

@@ -29,7 +29,8 @@ import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import SingleDeviceStrategy
 
-from ..checkpoint.save_load import _rng_state, _set_rng_state, load_checkpoint, save_checkpoint
+from ..checkpoint import load_checkpoint, save_checkpoint
+from ..checkpoint.contents import _rng_state, _set_rng_state
 from ..optimizer import OffloadOptimizer
 
 __all__ = ["OffloadStrategy", "RandomState"]

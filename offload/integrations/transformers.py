@@ -2,7 +2,9 @@
 
 - :func:`causal_lm_sequential`, :class:`CausalLMSequential`, :data:`SUPPORTED_MODEL_TYPES`,
   :data:`LAST_HIDDEN_STATE`: a ``*ForCausalLM`` cut into stages around its own submodules
-  (``transformers_stages.py``, Note: [Chunked loss] there);
+  (``transformers_stages.py``, Note: [Chunked loss] there; the stages in ``transformers_layers.py``,
+  what each family departs from Llama in ``transformers_families.py``, the batch and what travels
+  between stages in ``transformers_batch.py``, the masks in ``transformers_masks.py``);
 - :func:`load_causal_lm`: a model folder loaded slice by slice (``transformers_loading.py``);
 - :class:`OffloadedCausalLM`: the model the Hugging Face trainers train (``causal_lm.py``).
 
@@ -14,7 +16,9 @@ from __future__ import annotations
 
 from .causal_lm import OffloadedCausalLM
 from .transformers_loading import load_causal_lm
-from .transformers_stages import LAST_HIDDEN_STATE, SUPPORTED_MODEL_TYPES, CausalLMSequential, causal_lm_sequential
+from .transformers_batch import LAST_HIDDEN_STATE
+from .transformers_families import SUPPORTED_MODEL_TYPES
+from .transformers_stages import CausalLMSequential, causal_lm_sequential
 
 __all__ = ["LAST_HIDDEN_STATE", "SUPPORTED_MODEL_TYPES", "CausalLMSequential", "OffloadedCausalLM", "causal_lm_sequential",
            "load_causal_lm"]

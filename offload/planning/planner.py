@@ -23,7 +23,7 @@ from .footprint import MemoryFootprint
 from .shapes import ModelProfile
 from ..walk.slicing import partition
 from ..streams.pinned import size_class
-from ..streams.host_storage import ALIGN_ELEMENTS, ALIGNMENT, BUFFER_REGION_ALIGNMENT
+from ..streams.flat_views import ALIGN_ELEMENTS, ALIGNMENT, BUFFER_REGION_ALIGNMENT
 
 #: Optimizer state per parameter, in units of the parameter's own element size.
 STATE_ELEMENTS = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0, None: 0}

@@ -3,6 +3,8 @@
 - ``copies``: the copy engine; the only place that decides how copies are ordered.
 - ``backend``: streams, events and asynchronous copies of a device (CUDA, or a checker's simulation).
 - ``host_storage``: a slice's host copies, as views into one flat (pinned) buffer.
+- ``slice_entries``: what a slice holds (its parameters and buffers, each once, and where registered).
+- ``flat_views``: alignment, dense strides and tensors over a flat byte buffer.
 - ``host_buffers``: pooled host buffers for gradients and activations.
 - ``device_slots``: the two device slots that slices take turns in.
 - ``activations``: boundary activations offloaded and loaded back.
@@ -19,7 +21,8 @@ from .copies import SYNC_ENV_VAR, CopyStreams
 from .device_slots import DeviceSlots, SlotReference
 from .gradients import GradientOffloader, PendingGradients, SliceGradients
 from .host_buffers import HostBuffer, HostBufferPool
-from .host_storage import Entry, SliceStorage, holder_of
+from .host_storage import SliceStorage, holder_of
+from .slice_entries import Entry
 from .updates import SliceUpdates
 from .workers import HostWorker, WorkerEvent
 

@@ -16,7 +16,7 @@ import torch
 from .backend import Event
 from .copies import CopyStreams
 from .host_buffers import HostBuffer, HostBufferPool
-from .host_storage import typed_view
+from .flat_views import typed_view
 from .layouts import Layout
 
 

@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from .backend import Event
 from .copies import CopyStreams
-from .host_storage import flat_alias
+from .flat_views import flat_alias
 
 
 class CollectiveError(RuntimeError):

@@ -32,8 +32,9 @@ import torch
 
 from .backend import Event
 from .copies import CopyStreams
+from .flat_views import _align, _itemsize, empty_in_layout, typed_view
 from .host_buffers import HostBufferPool
-from .host_storage import Entry, _align, _itemsize, empty_in_layout, typed_view
+from .slice_entries import Entry
 
 
 @dataclass(frozen=True)

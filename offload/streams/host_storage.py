@@ -6,39 +6,34 @@ where the next load reads them. One flat buffer per slice means a load is one co
 is pinned once for the life of the model. Each tensor still has a storage of its own over its part
 of that memory (Note: [A storage per host copy]).
 
-Layout: parameters first, then buffers, each entry aligned to :data:`ALIGNMENT` bytes. The device
+Layout: parameters first, then buffers, each entry aligned to
+:data:`~offload.streams.flat_views.ALIGN_ELEMENTS` elements. The device
 slot uses the same layout in the *device dtype* of each entry, so a slice without dtype changes
 loads with a single byte copy, and the buffers form one contiguous region that can be snapshotted
 and written back on its own.
+
+This file holds :class:`SliceStorage`, the tying of a parameter across slices
+(:func:`holder_of`) and the host copies a loader fills (:func:`filled_by_caller`). What a slice
+holds is collected in ``slice_entries.py``; the views into the buffer are made in
+``flat_views.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import ctypes
 import functools
 from collections.abc import Callable, Collection, Iterator, Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from .backend import Event
 from .disk import DiskTierError
+from .flat_views import (ALIGN_ELEMENTS, BUFFER_REGION_ALIGNMENT, _align, _itemsize, alias, flat_exporter,
+                         own_storage_view, typed_view)
 from .mapped import MappedFile
-from .sites import Site
-
-#: Byte alignment of gradient buffers' entries: keeps typed views legal and vector loads aligned.
-ALIGNMENT = 64
-#: Entries of a slice start, and end, at multiples of this many *elements* of their own dtype, on
-#: the host and on the device alike: consecutive entries of one dtype pair then sit at the same
-#: element offsets in the host buffer and in the shadow, so one cast covers a whole run of them.
-ALIGN_ELEMENTS = 16
-#: Where the buffers begin, on both sides: a multiple of every entry alignment, so the buffer
-#: region has the same byte layout on the host and on the device (write-backs copy it as bytes).
-BUFFER_REGION_ALIGNMENT = 256
-
+from .slice_entries import Entry, _RegistrationCounter, _registrations, _runs, collect_entries
 
 #: True while a loader builds slices whose tensors are on the meta device (see
 #: :func:`filled_by_caller`).
@@ -58,214 +53,6 @@ def filled_by_caller() -> Iterator[None]:
         _FILLED_BY_CALLER.reset(token)
 
 
-def _align(n: int, alignment: int = ALIGNMENT) -> int:
-    return (n + alignment - 1) // alignment * alignment
-
-
-def dense_stride(tensor: torch.Tensor) -> tuple[int, ...] | None:
-    """The strides of a tensor whose elements lie densely in another order than row-major
-    (``channels_last``, a transposed weight), or ``None`` for a row-major or not dense one.
-
-    Host copies, device copies and gradients keep such a layout: kernels choose by it (a
-    convolution with a ``channels_last`` weight runs another algorithm, with other rounding), and
-    autograd gives ``.grad`` the parameter's layout. Anything else is laid out row-major.
-    """
-    if tensor.is_contiguous():
-        return None
-    expected = 1
-    for dim in sorted(range(tensor.dim()), key=lambda d: tensor.stride(d)):
-        if tensor.shape[dim] != 1 and tensor.stride(dim) != expected:
-            return None
-        expected *= tensor.shape[dim]
-    return tuple(tensor.stride())
-
-
-def flat_alias(tensor: torch.Tensor) -> torch.Tensor | None:
-    """The memory of a row-major or :func:`dense_stride` tensor as one 1-D tensor (collectives
-    want contiguous tensors, and an elementwise operation does not care in which order), or
-    ``None`` for a tensor that is not dense."""
-    if tensor.is_contiguous():
-        return tensor.view(-1)
-    if dense_stride(tensor) is None:
-        return None
-    flat = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
-    flat.set_(tensor.untyped_storage(), tensor.storage_offset(), (tensor.numel(),))
-    return flat
-
-
-def typed_view(flat: torch.Tensor, offset: int, dtype: torch.dtype, shape: torch.Size,
-               stride: tuple[int, ...] | None = None) -> torch.Tensor:
-    """A ``dtype`` view of ``shape`` into the byte tensor ``flat`` starting at byte ``offset``,
-    row-major or with the dense ``stride`` of :func:`dense_stride`."""
-    nbytes = shape.numel() * _itemsize(dtype)
-    elements = flat[offset:offset + nbytes].view(dtype)
-    return elements.view(shape) if stride is None else elements.as_strided(shape, stride)
-
-
-def alias(flat: torch.Tensor, offset: int, dtype: torch.dtype, shape: torch.Size,
-          stride: tuple[int, ...] | None = None) -> torch.Tensor:
-    """Like :func:`typed_view`, but a tensor of its own rather than a view of ``flat``.
-
-    Views share their base's version counter, so an in-place update of one buffer would look to
-    autograd like a change of every tensor in the slot. An alias made with ``set_`` shares only
-    the memory and counts its own in-place writes, like a separately allocated tensor would.
-    """
-    itemsize = _itemsize(dtype)
-    # A tensor created inside inference_mode would be an inference tensor, which training code
-    # may not update in place later; these aliases outlive the call that creates them.
-    with torch.inference_mode(False):
-        tensor = torch.empty(0, dtype=dtype, device=flat.device)
-        tensor.set_(flat.untyped_storage(), (flat.storage_offset() + offset) // itemsize, shape,
-                    stride if stride is not None else torch.empty(shape, device="meta").stride())
-    return tensor
-
-
-def empty_in_layout(shape: torch.Size, stride: tuple[int, ...] | None, dtype: torch.dtype,
-                    device: torch.device | str = "cpu") -> torch.Tensor:
-    """New memory for a tensor of ``shape``, row-major or with the dense ``stride`` of :func:`dense_stride`."""
-    return torch.empty_strided(shape, stride or torch.empty(shape, device="meta").stride(), dtype=dtype, device=device)
-
-
-def flat_exporter(flat: torch.Tensor) -> ctypes.Array[ctypes.c_ubyte] | None:
-    """A Python buffer over the bytes of the CPU tensor ``flat`` that keeps ``flat`` alive, for
-    :func:`own_storage_view`; ``None`` for an empty one (Note: [A storage per host copy])."""
-    if flat.numel() == 0:
-        return None
-    exporter = (ctypes.c_ubyte * flat.numel()).from_address(flat.data_ptr())
-    # from_address holds no reference to the memory's owner: this one does, for as long as a
-    # storage made over the exporter lives.
-    exporter.flat = flat  # type: ignore[attr-defined]
-    return exporter
-
-
-def own_storage_view(exporter: ctypes.Array[ctypes.c_ubyte] | None, offset: int, dtype: torch.dtype,
-                     shape: torch.Size, stride: tuple[int, ...] | None = None) -> torch.Tensor:
-    """Like :func:`typed_view` into the buffer ``exporter`` covers, but under a storage of its own:
-    the storage starts at the tensor's first byte and holds exactly its bytes, aliasing the
-    buffer's memory (no copy), and keeps the buffer alive (Note: [A storage per host copy]).
-
-    An empty tensor gets an empty storage of its own.
-    """
-    nbytes = shape.numel() * _itemsize(dtype)
-    # Tensors made under inference_mode could not be updated in place by training code later;
-    # these outlive the call that makes them.
-    with torch.inference_mode(False):
-        if nbytes == 0:
-            return empty_in_layout(shape, stride, dtype)
-        assert exporter is not None
-        elements = torch.frombuffer(exporter, dtype=torch.uint8, count=nbytes, offset=offset).view(dtype)
-        return elements.view(shape) if stride is None else elements.as_strided(shape, stride)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return dtype.itemsize
-
-
-@dataclass
-class Entry:
-    """One parameter or buffer of a slice.
-
-    Attributes:
-        tensor: the host copy: the user's own ``nn.Parameter`` or buffer object.
-        sites: every place it is registered (more than one for tied weights).
-        device_dtype: dtype of the device copy; differs from ``tensor.dtype`` only under a
-            compute dtype.
-        host_offset / device_offset: byte offsets into the host buffer and into a device slot.
-        stride: the tensor's own strides where it is dense but not row-major (see
-            :func:`dense_stride`): every copy of it (host, shadow, device) and its gradient keep them.
-        borrowed: a parameter an earlier slice holds (tied weights): it has no host offset here,
-            and a load copies it into this slice's slot from that slice's host copy (Note: [Tied
-            parameters across slices]).
-    """
-
-    tensor: torch.Tensor
-    sites: tuple[Site, ...]
-    shape: torch.Size
-    dtype: torch.dtype
-    device_dtype: torch.dtype
-    host_offset: int = 0
-    device_offset: int = 0
-    borrowed: bool = False
-    stride: tuple[int, ...] | None = None
-
-    @property
-    def is_parameter(self) -> bool:
-        return self.sites[0].is_parameter
-
-
-def collect_entries(layers: Sequence[nn.Module]) -> tuple[list[Entry], list[Entry]]:
-    """The parameters and buffers registered anywhere in ``layers``, each tensor once."""
-    by_id: dict[int, tuple[torch.Tensor, list[Site]]] = {}
-    order: list[int] = []
-    for layer in layers:
-        for module in layer.modules():
-            for is_parameter, table in ((True, module._parameters), (False, module._buffers)):
-                for name, tensor in table.items():
-                    if tensor is None:
-                        continue
-                    if id(tensor) not in by_id:
-                        by_id[id(tensor)] = (tensor, [])
-                        order.append(id(tensor))
-                    by_id[id(tensor)][1].append(Site(module, name, is_parameter))
-    params: list[Entry] = []
-    buffers: list[Entry] = []
-    for key in order:
-        tensor, sites = by_id[key]
-        if len({site.is_parameter for site in sites}) > 1:
-            raise ValueError("a tensor is registered both as a parameter and as a buffer; OffloadModel cannot place it")
-        if tensor.is_sparse or tensor.layout != torch.strided:
-            raise ValueError(f"only dense (strided) parameters and buffers are supported, got layout {tensor.layout}")
-        entry = Entry(tensor, tuple(sites), tensor.shape, tensor.dtype, tensor.dtype, stride=dense_stride(tensor))
-        (params if sites[0].is_parameter else buffers).append(entry)
-    return params, buffers
-
-
-class _RegistrationCounter:
-    """How many modules, parameters and buffers were registered in this process (``setattr`` on a
-    module, ``register_*``), counted by PyTorch's global registration hooks, installed once.
-
-    Walking every module of a model at every forward to find ones added since it was laid out
-    costs about half a millisecond for 32 decoder layers; this count tells in constant time that
-    nothing was registered anywhere, which is the usual case. Writing into ``module._parameters``
-    or ``module._modules`` directly is not counted (binding device copies does that, and must not
-    count).
-    """
-
-    count = 0
-    _installed = False
-
-    @classmethod
-    def install(cls) -> None:
-        if cls._installed:
-            return
-        cls._installed = True
-        hooks = nn.modules.module
-        for register in (hooks.register_module_module_registration_hook,
-                         hooks.register_module_parameter_registration_hook,
-                         hooks.register_module_buffer_registration_hook):
-            register(cls._registered)
-
-    @classmethod
-    def _registered(cls, module: nn.Module, name: str, value: object) -> None:
-        cls.count += 1
-
-
-def _registrations(layers: Sequence[nn.Module]) -> list[int | str]:
-    """Every module of ``layers`` and the tensors it registers, as ``id(module)`` followed by
-    ``name, id(tensor)`` pairs, depth first."""
-    found: list[int | str] = []
-    todo = list(reversed(layers))
-    while todo:
-        module = todo.pop()
-        found.append(id(module))
-        for table in (module._parameters, module._buffers):
-            for name, tensor in table.items():
-                if tensor is not None:
-                    found += (name, id(tensor))
-        todo.extend(child for child in reversed(module._modules.values()) if child is not None)
-    return found
-
-
 #: Layers whose parameters keep their own dtype under a compute dtype: the batch and instance
 #: norms, whose kernels take a half-precision input with float32 weight and running statistics on
 #: the CPU and on CUDA alike (cuDNN's batch norm wants exactly that). LayerNorm, GroupNorm and
@@ -273,24 +60,6 @@ def _registrations(layers: Sequence[nn.Module]) -> list[int | str]:
 #: ("expected scalar type BFloat16 but found Float"), so they take the compute dtype, as under
 #: ``model.to(dtype)``.
 FLOAT32_LAYERS: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._NormBase,)
-
-
-def _runs(entries: Sequence[Entry]) -> list[range]:
-    """Maximal runs of consecutive entries whose element offsets agree on the host and on the
-    device: the same host and device dtypes, no realignment in between (see ALIGN_ELEMENTS)."""
-
-    def continues(a: Entry, b: Entry) -> bool:
-        return ((a.dtype, a.device_dtype) == (b.dtype, b.device_dtype)
-                and (b.host_offset - a.host_offset) // _itemsize(a.dtype)
-                == (b.device_offset - a.device_offset) // _itemsize(a.device_dtype))
-
-    runs: list[range] = []
-    start = 0
-    for k in range(1, len(entries) + 1):
-        if k == len(entries) or not continues(entries[start], entries[k]):
-            runs.append(range(start, k))
-            start = k
-    return runs
 
 
 def holder_of(storages: Sequence[SliceStorage], index: int, tensor: torch.Tensor) -> int:

@@ -24,7 +24,7 @@ Note: [Layouts]
        an in-place first layer fails on it, as it does in the plain model (with autograd's leaf
        message rather than the overlap one).
 
-    Parameters keep theirs through ``dense_stride`` in ``host_storage.py``; gradients take
+    Parameters keep theirs through ``dense_stride`` in ``flat_views.py``; gradients take
     their parameter's.
 """
 

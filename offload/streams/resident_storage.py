@@ -54,7 +54,9 @@ from collections.abc import Collection, Sequence
 import torch
 from torch import nn
 
-from .host_storage import Entry, SliceStorage, _itemsize, empty_in_layout, typed_view
+from .flat_views import _itemsize, empty_in_layout, typed_view
+from .host_storage import SliceStorage
+from .slice_entries import Entry
 
 
 class ResidentStorage(SliceStorage):

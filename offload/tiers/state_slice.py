@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..streams.disk import AlignedBuffer, DiskTierError, StateFile, page_aligned
-from ..streams.host_storage import dense_stride
+from ..streams.flat_views import dense_stride
 from .state_files import StateFiles
 from .state_window import Window, WindowSlot
 

@@ -1,0 +1,194 @@
+"""What is checked before a save writes anything or a load touches the model: the arguments, the
+save's target and the room it needs, and that a checkpoint is whole (every file there, long enough)
+and of this model, slicing and optimizer. Each check raises one message that says what differs and
+what to do.
+
+What it does not hold: the checksums of the data files, checked as a load starts
+(``checkpoint_files.py``), or what a checkpoint holds (``contents.py``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata
+
+from .checkpoint_files import CheckpointError, free_bytes, pickled_size
+from .commit import INFO_FILE, partial_directory
+from .contents import FORMAT, STRAY_PARAMETER, _describe, _optimizer_class, _partition, _steps_only
+from .ranks import _gathered_list
+from ..tiers.disk_tier import size_text
+from ..optimizer import OffloadOptimizer
+
+#: Bytes a save counts for each item's header in its data file, at least (a lower bound: a save
+#: is refused only when it cannot fit).
+ITEM_HEADER = 1024
+
+
+def _check_arguments(function: str, model: Any, optimizer: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{function}() takes the model (an nn.Module: the OffloadModel) after the path, got "
+                        f"{type(model).__name__} {model!r:.60}; call {function}(path, model, optimizer)")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"{function}(): optimizer must be a torch.optim.Optimizer (an OffloadOptimizer) or None, got "
+                        f"{type(optimizer).__name__} {optimizer!r:.60}")
+
+
+def _check_save_arguments(model: Any, optimizer: Any, extra: Any, keep_last: Any) -> int:
+    """Raise what :func:`save_checkpoint` says of its arguments; the pickled size of ``extra``."""
+    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+        raise ValueError(f"keep_last must be a positive int or None, got {keep_last!r}")
+    _check_arguments("save_checkpoint", model, optimizer)
+    try:
+        return pickled_size(extra)  # before anything is written: DCP would fail half way
+    except Exception as error:
+        raise TypeError(f"save_checkpoint(): extra must be picklable (DCP writes it with torch.save): {error}. "
+                        "Pass state_dict()s and plain values, not the objects themselves.") from error
+
+
+def _check_target(path: Path) -> None:
+    """Refuse, before anything is written, a ``path`` that holds something other than a checkpoint:
+    a save replaces what is there."""
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        raise FileExistsError(f"cannot save a checkpoint at {path}: it is a file, not a checkpoint directory. Choose "
+                              "another path, or remove the file first.")
+    if path.is_dir() and not (path / INFO_FILE).is_file() and any(path.iterdir()):
+        raise FileExistsError(
+            f"cannot save a checkpoint at {path}: it is a directory that holds files but no {INFO_FILE}, so it is "
+            "not a checkpoint, and a save would replace it with everything in it. Choose another path (a new or "
+            "empty directory, or an earlier checkpoint to replace), or move those files away first.")
+
+
+def _check_room(group: Any, rank: int, path: Path, state: dict[str, Any], extra_nbytes: int,
+                optimizer: torch.optim.Optimizer | None) -> int:
+    """Raise :class:`CheckpointError` before anything is written when the filesystem has less room
+    than the save needs; returns the bytes needed. Every rank decides from the same figures
+    (rank 0's free space, every rank's share), so that none refuses while another writes."""
+    # Each item also takes a header in its file (torch.save's archive: over a kilobyte each).
+    model_nbytes = _tensor_bytes({k: v for k, v in state.items() if not k.startswith("optim/")})
+    optim_nbytes = _tensor_bytes({k: v for k, v in state.items() if k.startswith("optim/")})
+    directory = _existing_ancestor(path.parent)
+    free = free_bytes(directory) if rank == 0 else None
+    shares = _gathered_list(group, (model_nbytes + extra_nbytes, optim_nbytes, free))
+    # Parameters are offered by every rank and written once; sharded, each rank writes its own
+    # optimizer state, unsharded the same state once. A lower bound: the files add their headers.
+    sharded = isinstance(optimizer, OffloadOptimizer) and optimizer._collectives is not None
+    needed = max(s[0] for s in shares) + (sum if sharded else max)(s[1] for s in shares)
+    free = shares[0][2]
+    if free < needed:
+        raise CheckpointError(
+            f"not enough room to save checkpoint {path}: it needs at least {size_text(needed)}, the filesystem of "
+            f"{directory} has {size_text(free)} free. Nothing was written; the previous checkpoint is intact. Free "
+            "space (or save elsewhere) and save again.")
+    return needed
+
+
+def _tensor_bytes(state: dict[str, Any]) -> int:
+    return sum(ITEM_HEADER + (v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0)
+               for v in state.values())
+
+
+def _existing_ancestor(directory: Path) -> Path:
+    directory = directory.absolute()
+    while not directory.exists() and directory != directory.parent:
+        directory = directory.parent
+    return directory
+
+
+def _read(path: Path) -> tuple[dict[str, Any], Metadata]:
+    """The checkpoint's description and DCP metadata, once every file they name is there, whole."""
+    if not path.is_dir():
+        partial = partial_directory(path)
+        hint = f" (a save of it was interrupted: {partial} is incomplete)" if partial.exists() else ""
+        raise CheckpointError(f"no checkpoint at {path}: not a directory{hint}")
+    try:
+        info = json.loads((path / INFO_FILE).read_text())
+    except FileNotFoundError as error:
+        raise CheckpointError(f"checkpoint {path} is incomplete: {INFO_FILE} is missing") from error
+    except (ValueError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"checkpoint {path} is damaged: {INFO_FILE} is not valid JSON ({error})") from error
+    if not isinstance(info, dict):
+        raise CheckpointError(f"checkpoint {path} is damaged: {INFO_FILE} holds no description of a checkpoint")
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except FileNotFoundError as error:
+        raise CheckpointError(f"checkpoint {path} is incomplete: {Path(error.filename).name} is missing") from error
+    except Exception as error:  # a damaged pickle raises whatever the bytes lead the unpickler to
+        raise CheckpointError(f"checkpoint {path} is damaged: its .metadata cannot be read ({type(error).__name__}: "
+                              f"{error}). Nothing was loaded: load an earlier checkpoint.") from error
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"checkpoint {path} is damaged: its .metadata holds a {type(metadata).__name__}, not "
+                              "DCP's metadata. Nothing was loaded: load an earlier checkpoint.")
+    if info.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {path} has format {info.get('format')!r}; this version reads {FORMAT}")
+    needed: dict[str, int] = {}
+    for storage in (metadata.storage_data or {}).values():
+        needed[storage.relative_path] = max(needed.get(storage.relative_path, 0), storage.offset + storage.length)
+    for relative, length in sorted(needed.items()):
+        file = path / relative
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {path} is incomplete: {relative} is missing")
+        if file.stat().st_size < length:
+            raise CheckpointError(f"checkpoint {path} is incomplete: {relative} has {file.stat().st_size} bytes, "
+                                  f"{length} expected (truncated)")
+    return info, metadata
+
+
+def _check_model(path: Path, info: dict[str, Any], model: nn.Module, model_state: dict[str, torch.Tensor]) -> None:
+    saved = info["tensors"]
+    differences = [f"{name} is not in the model" for name in saved if name not in model_state]
+    differences += [f"{name} is not in the checkpoint" for name in model_state if name not in saved]
+    for name, tensor in model_state.items():
+        if name in saved and saved[name] != _describe(tensor):
+            here = _describe(tensor)
+            differences.append(f"{name} is {saved[name]['dtype']}{saved[name]['shape']} there, "
+                               f"{here['dtype']}{here['shape']} here")
+    if differences:
+        raise CheckpointError(f"checkpoint {path} holds another model: " + _listed(differences))
+    partition = _partition(model)
+    if partition is not None and info["partition"] is not None and partition != info["partition"]:
+        first = next(k for k in range(max(len(partition), len(info["partition"])))
+                     if k >= len(partition) or k >= len(info["partition"]) or partition[k] != info["partition"][k])
+        raise CheckpointError(
+            f"checkpoint {path} was saved from a model cut into {len(info['partition'])} slices, this one has "
+            f"{len(partition)}; slice {first} differs ({_slice(info['partition'], first)} there, "
+            f"{_slice(partition, first)} here). Build the OffloadModel with the saved run's num_slices.")
+
+
+def _check_optimizer(path: Path, info: dict[str, Any], metadata: Metadata, optimizer: torch.optim.Optimizer,
+                     names: dict[int, str]) -> list[list[torch.Tensor]]:
+    """The optimizer's groups' parameters, once they match the saved ones."""
+    name = _optimizer_class(optimizer).__name__
+    if info["optimizer"] is None or "optim/param_groups" not in metadata.state_dict_metadata:
+        raise CheckpointError(f"checkpoint {path} holds no optimizer state; load it with optimizer=None")
+    if info["optimizer"] != name:
+        raise CheckpointError(f"checkpoint {path} holds the state of {info['optimizer']}, not of {name}")
+    if not _steps_only(optimizer, names):
+        raise CheckpointError(STRAY_PARAMETER)
+    groups = [list(group["params"]) for group in optimizer.param_groups]
+    here = [[names[id(p)] for p in params] for params in groups]
+    if here != info["groups"]:
+        if len(here) != len(info["groups"]):
+            raise CheckpointError(f"checkpoint {path} holds {len(info['groups'])} parameter group(s), the optimizer "
+                                  f"has {len(here)}")
+        k = next(k for k, (a, b) in enumerate(zip(info["groups"], here)) if a != b)
+        raise CheckpointError(f"parameter group {k} of checkpoint {path} holds other parameters than the "
+                              f"optimizer's: {_listed(info['groups'][k], 4, ', ')} there, {_listed(here[k], 4, ', ')} here")
+    return groups
+
+
+def _listed(items: list[str], limit: int = 5, separator: str = "; ") -> str:
+    more = f" (and {len(items) - limit} more)" if len(items) > limit else ""
+    return separator.join(items[:limit]) + more
+
+
+def _slice(partition: list[list[str]], k: int) -> str:
+    if k >= len(partition):
+        return "none"
+    names = partition[k]
+    return names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"

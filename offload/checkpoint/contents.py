@@ -1,0 +1,197 @@
+"""What a checkpoint holds (Note: [Checkpoint layout]), and how each part is taken from the model,
+the optimizer and the random number generators and put back.
+
+What this file holds: the format of ``offload.json`` and what it says (:func:`_info`), the model's
+tensors as DCP reads them (each under a storage of its own), the optimizer's state and groups named
+after the model's parameters, the generators' states, and the masters on disk a save or a load
+reads or writes. What it does not: the steps of a save (``saver.py``) or of a load
+(``loader.py``), what is checked before either (``checks.py``), or which ranks take part
+(``ranks.py``).
+
+Note: [Checkpoint layout]
+    Keys of the DCP state dict, by name, so that a checkpoint loads on any number of ranks and
+    into the plain model and optimizer:
+
+    ``model/<name>``
+        each entry of ``model.state_dict()`` (parameters and persistent buffers); every rank
+        offers them and DCP writes each once.
+    ``optim/state/<parameter name>/<key>``
+        the optimizer's state of a parameter (``exp_avg``, ``step``...), named after the
+        parameter (its first name in ``named_parameters()``), offered by the rank that keeps it:
+        sharded, each rank writes the state it owns, in parallel, and nothing is gathered.
+        The optimizer hands it over one slice at a time: the state it holds in memory as
+        references (no copies), the state a disk tier keeps as stand-ins of its shape and dtype,
+        which the save planner reads from the tier when DCP writes them, one slice at a time
+        (Note: [Slice-by-slice save] in ``offload/checkpoint/slice_save_planner.py``). Loading, each rank
+        reads the state of the parameters it updates now, whatever the number of ranks that saved
+        it; the state a disk tier keeps goes into the tier's files a slice at a time, as DCP reads
+        it (Note: [Slice-by-slice load] in ``offload/checkpoint/slice_load_planner.py``), and the rest
+        through the optimizer's ``load_state_dict()``.
+    ``optim/param_groups``
+        the groups' hyperparameters (learning rate as the scheduler left it...), each group's
+        parameters by name.
+    ``rng/<rank>``
+        that rank's CPU and CUDA generators and Python's ``random``: dropout draws the same
+        numbers after a resume. Restored only when the number of ranks is unchanged.
+    ``extra``
+        the caller's ``extra``, the same on every rank.
+
+    ``offload.json`` holds the names, shapes and dtypes of the model's tensors, the slicing, the
+    optimizer class, its groups' parameters by name and the number of ranks: what
+    :func:`load_checkpoint` checks before it writes anything.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from ..model import OffloadModel, engine_of
+from ..optimizer import OffloadOptimizer
+from ..streams.flat_views import dense_stride
+
+FORMAT = 1
+STRAY_PARAMETER = ("the optimizer steps a parameter that is not in the model; a checkpoint names optimizer state "
+                   "after the model's parameters: save such parameters in extra and give them their own optimizer")
+
+
+def _info(model: nn.Module, optimizer: torch.optim.Optimizer | None, names: dict[int, str], world_size: int,
+          checksums: dict[str, int]) -> dict[str, Any]:
+    """What ``offload.json`` says of a checkpoint (Note: [Checkpoint layout])."""
+    return {"format": FORMAT, "world_size": world_size, "saved_ns": time.time_ns(),
+            "tensors": {name: _describe(t) for name, t in _model_state(model).items()},
+            "partition": _partition(model),
+            "optimizer": None if optimizer is None else _optimizer_class(optimizer).__name__,
+            "groups": None if optimizer is None else [g["params"] for g in _named_groups(optimizer, names)],
+            "crc32": checksums}
+
+
+def _model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    # OffloadModel.state_dict() waits for pending host updates; the tensors share the host copies'
+    # memory, so DCP reads from them and loads into them in place.
+    return dict(model.state_dict())
+
+
+def _own_storage(value: Any) -> Any:
+    """``value``, or for a tensor that shares a larger storage (a host copy is a view into its
+    slice's buffer) the same memory under a storage of its own, without a copy.
+
+    DCP writes a tensor's whole storage, so it copies such a view out first, and keeps every copy
+    until the rank's file is written: a whole model's parameters, where one tensor is enough.
+    """
+    if not isinstance(value, torch.Tensor) or value.device.type != "cpu" or value.numel() == 0:
+        return value
+    if value.untyped_storage().nbytes() == value.nbytes:
+        return value
+    if not value.is_contiguous() and dense_stride(value) is None:
+        return value  # overlapping or with gaps: DCP's copy it is
+    run = torch.as_strided(value, (value.numel(),), (1,))  # the tensor's memory, in memory order
+    own = torch.frombuffer(run.view(torch.uint8).numpy(), dtype=value.dtype)
+    return torch.as_strided(own, value.shape, value.stride())
+
+
+def _parameter_names(model: nn.Module) -> dict[int, str]:
+    """Each parameter's first name (a tied parameter is stepped, and its state named, once)."""
+    return {id(p): name for name, p in model.named_parameters()}
+
+
+def _steps_only(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> bool:
+    """Whether every parameter the optimizer steps is the model's (and so has a name)."""
+    return all(id(p) in names for group in optimizer.param_groups for p in group["params"])
+
+
+def _optimizer_state(optimizer: torch.optim.Optimizer
+                     ) -> Iterator[tuple[int, torch.Tensor, dict[str, Any], dict[str, Any]]]:
+    """(slice index, parameter, state, its state on disk) for each parameter whose state this rank
+    keeps; the state a disk tier keeps is a stand-in of its shape and dtype, read when DCP writes
+    it (Note: [Slice-by-slice save] in ``offload/checkpoint/slice_save_planner.py``)."""
+    if isinstance(optimizer, OffloadOptimizer):
+        for index, states, on_disk in optimizer._state_layout_by_slice():
+            yield from ((index, p, state, on_disk.get(p, {})) for p, state in states.items() if state)
+        return
+    optimizer_state = optimizer.state
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p in optimizer_state:
+                yield -1, p, optimizer_state[p], {}
+
+
+def _kept_parameters(optimizer: torch.optim.Optimizer) -> list[tuple[int, torch.Tensor]]:
+    """(slice index, parameter) for each parameter whose state this rank keeps (sharded: those it
+    updates); the index is -1 outside an OffloadOptimizer's slices."""
+    if isinstance(optimizer, OffloadOptimizer):
+        # Stand-ins for the state a disk tier keeps: which parameters, without reading their files.
+        return [(index, p) for index, states, _ in optimizer._state_layout_by_slice() for p in states]
+    return [(-1, p) for group in optimizer.param_groups for p in group["params"]]
+
+
+def _loads_on_disk(optimizer: torch.optim.Optimizer, index: int, param: torch.Tensor, key: str, entry: Any) -> bool:
+    """Whether a saved state tensor loads straight into the optimizer's disk tier, a slice at a time
+    (Note: [Slice-by-slice load] in ``offload/checkpoint/slice_load_planner.py``)."""
+    return (isinstance(optimizer, OffloadOptimizer) and isinstance(entry, TensorStorageMetadata) and index >= 0
+            and optimizer._disk.loads_on_disk(index, param, key, entry.properties.dtype, entry.size))
+
+
+def _named_groups(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[dict[str, Any]]:
+    return [{**{k: v for k, v in group.items() if k != "params"}, "params": [names[id(p)] for p in group["params"]]}
+            for group in optimizer.param_groups]
+
+
+def _optimizer_class(optimizer: torch.optim.Optimizer) -> type:
+    return optimizer.optimizer_class if isinstance(optimizer, OffloadOptimizer) else type(optimizer)
+
+
+def _partition(model: nn.Module) -> list[list[str]] | None:
+    return [list(names) for names in model.partition] if isinstance(model, OffloadModel) else None
+
+
+def _describe(tensor: torch.Tensor) -> dict[str, Any]:
+    return {"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch.")}
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"cpu": torch.get_rng_state(), "python": random.getstate()}
+    # Don't initialise CUDA by accident: a process that never used it has no state to keep.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _masters_on_disk(model: nn.Module, state: dict[str, Any]) -> dict[str, int]:
+    """``model/<name>`` -> slice index, for the keys of ``state`` that hold tensors of the model
+    whose masters are on disk (the model's children are its slices' layers, by name)."""
+    if not isinstance(model, OffloadModel) or engine_of(model).master_files is None:
+        return {}
+    slice_of = {name: s.index for s in engine_of(model).slices if s.storage.masters_file is not None
+                for name in s.names}
+    found = {}
+    for key in state:
+        if key.startswith("model/"):
+            layer = key.removeprefix("model/").split(".", 1)[0]
+            if layer in slice_of:
+                found[key] = slice_of[layer]
+    return found
+
+
+def _masters_releaser(model: nn.Module) -> Any:
+    """What a planner calls with a slice index once DCP is done with that slice's masters."""
+    return engine_of(model).release_masters if isinstance(model, OffloadModel) else None
+
+
+def _release_masters(model: nn.Module) -> None:
+    """Masters on disk that DCP read or wrote go back to their files (Note: [Masters on disk])."""
+    if isinstance(model, OffloadModel):
+        engine_of(model).release_masters()

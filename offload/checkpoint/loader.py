@@ -1,0 +1,221 @@
+"""Resume a training run from a checkpoint: :func:`load_checkpoint`.
+
+It reads what :func:`~offload.save_checkpoint` wrote (Note: [Checkpoint layout] in
+``contents.py``) into the model and the optimizer in place, on any number of ranks, once
+``checks.py`` found the checkpoint whole and of this model and optimizer and
+``checkpoint_files.py`` its data files' checksums right: nothing is loaded before. What it does not
+hold: saving (``saver.py``), or which ranks take part (``ranks.py``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Collection
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+
+from .checkpoint_files import verify_checksums
+from .checks import _check_arguments, _check_model, _check_optimizer, _read
+from .contents import (_kept_parameters, _loads_on_disk, _masters_on_disk, _masters_releaser, _model_state,
+                       _parameter_names, _release_masters, _set_rng_state)
+from .ranks import _barrier, _group
+from ..tiers.disk_tier import DiskTierError
+from ..optimizer import OffloadOptimizer
+from .slice_load_planner import SliceWritingLoadPlanner
+
+
+def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                    *, process_group: Any = None) -> Any:
+    """Load a checkpoint written by :func:`save_checkpoint` into ``model`` and ``optimizer``, in
+    place, restore this rank's random number generators, and return the ``extra`` it was saved
+    with. Call it on every rank.
+
+    It loads on any number of ranks (each reads the optimizer state of the parameters it updates
+    now), and into the plain model and a plain ``torch.optim`` optimizer as well as into an
+    :class:`~offload.OffloadModel` and :class:`~offload.OffloadOptimizer`. Random number
+    generators are restored only when the number of ranks is the one saved. Into an
+    OffloadOptimizer with a disk tier, the state the tier keeps is written to its files a slice at
+    a time as it is read: the load holds about one slice of it in host memory.
+
+    Args:
+        path: a checkpoint directory (see :func:`latest_checkpoint`).
+        model: the model to load into, built as the saved one was.
+        optimizer: the optimizer to load into (the saved run's class), or ``None`` to skip it.
+        process_group: as in :func:`save_checkpoint`.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module`` or ``optimizer`` not an optimizer.
+        CheckpointError: an incomplete checkpoint (a missing or truncated file), a damaged one (an
+            unreadable ``.metadata`` or ``offload.json``, a data file whose CRC-32 differs from the
+            one recorded at save: Note: [Checkpoint checksums] in ``offload/checkpoint/checkpoint_files.py``),
+            or one of another model (names, shapes, dtypes), slicing or optimizer; the message
+            says what differs. Nothing was loaded: the model and optimizer are unchanged.
+        DiskTierError: the optimizer's disk tier could not write part of the loaded state, raised
+            once the load is done: that state is held in RAM (Note: [Disk tier failures] in
+            ``offload/tiers/disk_tier.py``).
+        torch.distributed.checkpoint.api.CheckpointException: (a ``BaseException``) a file could
+            not be read although its checksum matched (a read error), or a checkpoint saved
+            without checksums is damaged: the model and optimizer may be partly loaded. An OffloadOptimizer with a disk tier whose slices were partly written refuses
+            to step or be saved until a load succeeds (Note: [Slice-by-slice load] in
+            ``offload/checkpoint/slice_load_planner.py``).
+    """
+    _check_arguments("load_checkpoint", model, optimizer)
+    path = Path(path)
+    info, metadata = _read(path)
+    model_state = _model_state(model)
+    _check_model(path, info, model, model_state)
+    names = _parameter_names(model)
+    if optimizer is not None:
+        groups = _check_optimizer(path, info, metadata, optimizer, names)
+    group, rank, world_size = _group(model, optimizer, process_group)
+
+    state, wanted, on_disk = _state_to_load(model_state, optimizer, names, metadata)
+    rng_key = f"rng/{rank}"
+    if info["world_size"] == world_size and rng_key in metadata.state_dict_metadata:
+        state[rng_key] = None
+    state["extra"] = None
+    # The files this rank reads, checked whole before anything is loaded (Note: [Checkpoint checksums]).
+    verify_checksums(path, info.get("crc32"), {storage.relative_path for index, storage in
+                                               (metadata.storage_data or {}).items() if index.fqn in state})
+    stored = _read_data(path, model, optimizer, state, on_disk, group)
+    failure: DiskTierError | None = None
+    if optimizer is not None:
+        try:
+            _load_optimizer(optimizer, groups, names, state, wanted, stored)
+        except DiskTierError as error:
+            failure = error  # the state is loaded, part of it held in RAM: finish the load, then raise
+    if rng_key in state:
+        _set_rng_state(state[rng_key])
+    _release_masters(model)
+    _barrier(group)
+    if failure is not None:
+        raise failure
+    return state["extra"]
+
+
+def _state_to_load(model_state: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer | None,
+                   names: dict[int, str], metadata: Metadata
+                   ) -> tuple[dict[str, Any], dict[str, list[str]], dict[str, tuple[int, torch.Tensor, str]]]:
+    """What DCP loads into (the model's tensors themselves, and where the optimizer state this
+    rank keeps goes); per parameter name, the keys of its state loaded through
+    ``load_state_dict()``; and, by key, the state a disk tier keeps: where the planner loads it
+    (slice index, parameter, state key)."""
+    state: dict[str, Any] = {f"model/{name}": tensor for name, tensor in model_state.items()}
+    wanted: dict[str, list[str]] = {}  # parameter name -> its state's keys, for the state this rank keeps
+    on_disk: dict[str, tuple[int, torch.Tensor, str]] = {}  # key -> where the planner loads it
+    if optimizer is not None:
+        saved = _saved_optimizer_state(metadata)
+        for slice_index, param in _kept_parameters(optimizer):
+            name = names[id(param)]
+            held = optimizer.state.get(param, {})
+            for key, entry in saved.get(name, {}).items():
+                entry_key = f"optim/state/{name}/{key}"
+                if _loads_on_disk(optimizer, slice_index, param, key, entry):
+                    # A stand-in: the planner loads it into the disk tier, a slice at a time.
+                    state[entry_key] = torch.zeros((), dtype=entry.properties.dtype).expand(entry.size)
+                    on_disk[entry_key] = (slice_index, param, key)
+                    continue
+                wanted.setdefault(name, []).append(key)
+                state[entry_key] = _destination(entry, held.get(key))
+        state["optim/param_groups"] = None
+    return state, wanted, on_disk
+
+
+def _saved_optimizer_state(metadata: Metadata) -> dict[str, dict[str, Any]]:
+    saved: dict[str, dict[str, Any]] = {}
+    for key, entry in metadata.state_dict_metadata.items():
+        if key.startswith("optim/state/"):
+            name, _, state_key = key.removeprefix("optim/state/").rpartition("/")
+            saved.setdefault(name, {})[state_key] = entry
+    return saved
+
+
+def _destination(entry: Any, held: Any) -> Any:
+    """Where DCP loads one saved value: the state tensor the optimizer holds when it has the saved
+    shape and dtype (no second copy of the state while loading), else a new tensor, or ``None``
+    for an object."""
+    if isinstance(entry, TensorStorageMetadata):
+        if (isinstance(held, torch.Tensor) and held.shape == entry.size and held.dtype == entry.properties.dtype
+                and held.device.type == "cpu"):
+            return held
+        return torch.empty(entry.size, dtype=entry.properties.dtype)
+    assert isinstance(entry, BytesStorageMetadata)
+    return None
+
+
+def _read_data(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any],
+               on_disk: dict[str, tuple[int, torch.Tensor, str]], group: Any) -> Collection[int] | None:
+    """Load ``state`` from ``path`` through DCP, slice by slice where a disk tier or masters on disk
+    keep part of it (Note: [Slice-by-slice load]); the slices loaded into the disk tier's files,
+    or ``None`` when nothing was loaded into a tier.
+
+    Raises:
+        CheckpointException: as :func:`load_checkpoint` says; a disk tier partly loaded refuses to
+            step or be saved until a load succeeds.
+    """
+    # Unflattened, objects (groups, generators, extra) are loaded into this very dict.
+    planner: DefaultLoadPlanner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    tiered = bool(on_disk) and isinstance(optimizer, OffloadOptimizer)
+    masters = _masters_on_disk(model, state)
+    if tiered or masters:
+        planner = SliceWritingLoadPlanner(optimizer._open_slice_load if tiered else None,  # type: ignore[union-attr]
+                                          on_disk if tiered else {}, masters,
+                                          _masters_releaser(model))
+    try:
+        dcp.load(state, storage_reader=FileSystemReader(path), planner=planner, process_group=group,
+                 no_dist=group is None)
+        if isinstance(planner, SliceWritingLoadPlanner):
+            planner.check_complete()
+    except BaseException as error:  # DCP's CheckpointException is a BaseException
+        if tiered:
+            # Slices already written hold the checkpoint's state, the others their own, and the
+            # scalars (read first, in place) may be either: say so, and have the optimizer refuse
+            # to step or save that mix until a load succeeds. Every rank refuses, whether or not
+            # it wrote a slice yet: a rank that went on would wait for the others in its next
+            # collective forever.
+            assert isinstance(optimizer, OffloadOptimizer) and optimizer._tier is not None
+            mix = optimizer._tier.load_failed(planner.stored, f"load_checkpoint({str(path)!r})")
+            error.add_note(f"offload: the optimizer's state is partly loaded: {mix}. It refuses to step or be "
+                           "saved until a load succeeds: load a checkpoint again.")
+        raise
+    finally:
+        if isinstance(planner, SliceWritingLoadPlanner):
+            planner.release()
+    if not tiered:
+        return None
+    assert isinstance(planner, SliceWritingLoadPlanner)
+    return planner.stored
+
+
+def _load_optimizer(optimizer: torch.optim.Optimizer, groups: list[list[torch.Tensor]], names: dict[int, str],
+                    state: dict[str, Any], wanted: dict[str, list[str]], stored: Collection[int] | None) -> None:
+    """Load the optimizer state DCP read into ``state`` through ``load_state_dict()``, beside the
+    slices ``stored`` in the disk tier's files already (``None``: no tier took part).
+
+    Raises:
+        DiskTierError: the state is loaded, part of it held in RAM.
+    """
+    # Through load_state_dict, so that the optimizer casts and places its state as it does
+    # when the plain torch.optim optimizer loads it (the tensors loaded into a disk tier were
+    # cast by the same function: Note: [Slice-by-slice load] in offload/checkpoint/slice_load_planner.py).
+    params = [p for params in groups for p in params]
+    index = {names[id(p)]: k for k, p in enumerate(params)}
+    loaded = {
+        "state": {index[name]: {key: state[f"optim/state/{name}/{key}"] for key in keys}
+                  for name, keys in wanted.items()},
+        "param_groups": [{**{k: v for k, v in hyper.items() if k != "params"},
+                          "params": [index[name] for name in hyper["params"]]}
+                         for hyper in state["optim/param_groups"]],
+    }
+    if stored is not None:
+        assert isinstance(optimizer, OffloadOptimizer)
+        optimizer._load_state_dict_beside_tier(loaded, stored)
+    else:
+        optimizer.load_state_dict(loaded)

@@ -1,0 +1,77 @@
+"""Which processes save or load a checkpoint together, and how they agree: the process group and
+this rank in it, values gathered from every rank, a barrier, and work done on rank 0 whose failure
+every rank raises.
+
+What it does not hold: what a save writes (``saver.py``) or a load reads (``loader.py``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .checkpoint_files import CheckpointError
+from ..model import OffloadModel
+from ..optimizer import OffloadOptimizer
+
+# DCP warns when it works without a process group; for a single process that is the plan, not an
+# accident. One filter, added once at import, for the words DCP uses: a ``warnings.catch_warnings()``
+# around each save would, on leaving, reset every module's once-registry, so every warning a user
+# had already seen (a deprecation, say) would print again after each checkpoint.
+warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized, "
+                        r"assuming the intent is to (save|load) in a single process")
+
+
+def _group(model: nn.Module, optimizer: torch.optim.Optimizer | None, process_group: Any) -> tuple[Any, int, int]:
+    """The group that saves or loads together, this rank in it, and its size (None, 0, 1: one process)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None, 0, 1
+    group = process_group
+    if group is None and isinstance(optimizer, OffloadOptimizer) and optimizer._collectives is not None:
+        group = optimizer._collectives.group  # the host (gloo) group, when the model's is NCCL
+    if group is None and isinstance(model, OffloadModel):
+        group = model.process_group
+    if group is None:
+        group = dist.group.WORLD
+    return group, dist.get_rank(group), dist.get_world_size(group)
+
+
+def _barrier(group: Any) -> None:
+    if group is not None:
+        dist.barrier(group=group)
+
+
+def _gathered_list(group: Any, value: Any) -> list[Any]:
+    """``value`` of every rank of ``group``, in rank order (``[value]`` for one process)."""
+    if group is None:
+        return [value]
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, value, group=group)
+    return everyone
+
+
+def _gathered(group: Any, checksums: dict[str, int]) -> dict[str, int]:
+    """Every rank's data files' checksums (each rank writes files of its own names)."""
+    merged: dict[str, int] = {}
+    for part in _gathered_list(group, checksums):
+        merged.update(part)
+    return merged
+
+
+def _on_rank_0(group: Any, rank: int, work: Any, failure: Any) -> None:
+    """Run ``work`` on rank 0; on every rank, raise :class:`CheckpointError` with ``failure(error)``
+    when it raised an ``Exception`` (so that no rank waits for one that gave up). A barrier too."""
+    message, raised = None, None
+    if rank == 0:
+        try:
+            work()
+        except Exception as error:
+            message, raised = failure(error), error
+    if group is not None:
+        message = _gathered_list(group, message)[0]
+    if message is not None:
+        raise CheckpointError(message) from raised

@@ -1,0 +1,214 @@
+"""Save a training run so that it resumes exactly: :func:`save_checkpoint`.
+
+A checkpoint is a directory in the format of ``torch.distributed.checkpoint`` (DCP), the one
+torchtitan and FSDP use, plus a small ``offload.json`` that says what was saved. It holds the
+model's ``state_dict()``, the optimizer's state and hyperparameters, every rank's random number
+generators and whatever the caller passes as ``extra`` (a scheduler's, a ``GradScaler``'s, the
+data position). It does not hold gradients: save between steps. This file holds the steps of a
+save; what a checkpoint holds is in ``contents.py`` (Note: [Checkpoint layout]), the checks before
+it writes in ``checks.py``, loading in ``loader.py``. It does not export to Hugging Face
+(``save_pretrained`` does) and does not decide when to save (the training loop does).
+
+A save is atomic: it either returns, the checkpoint whole under its name and ``latest`` naming
+it, or raises with nothing new visible (Note: [Atomic save] in ``offload/checkpoint/commit.py``).
+Before anything is written, the arguments are checked (``extra`` pickles), the target must be a
+checkpoint, an empty directory or absent, and the filesystem must have room for the tensors and
+their headers (a lower bound; every rank decides from the same gathered figures). A save that fails
+after that (a disk that fills up, any error DCP gathers) deletes what it wrote and raises
+:class:`CheckpointError` on every rank.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+from .checkpoint_files import CheckpointError, ChecksummingFileSystem, disk_full, failure_text, free_bytes
+from .checks import _check_room, _check_save_arguments, _check_target
+from .commit import HalfCommitted, commit, latest_checkpoint, partial_directory, prepare, tidy
+from .contents import (STRAY_PARAMETER, _info, _masters_on_disk, _masters_releaser, _model_state, _named_groups,
+                       _optimizer_state, _own_storage, _parameter_names, _release_masters, _rng_state, _steps_only)
+from .ranks import _gathered, _group, _on_rank_0
+from ..tiers.disk_tier import size_text
+from ..optimizer import OffloadOptimizer
+from .slice_save_planner import SliceReadingSavePlanner
+
+
+def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                    *, extra: dict[str, Any] | None = None, keep_last: int | None = None,
+                    process_group: Any = None) -> Path:
+    """Write the model, the optimizer, the random number generators and ``extra`` into the
+    checkpoint directory ``path`` and point ``latest`` beside it at it, as one event: when it
+    returns, both are done; when it raises, nothing new is visible and the previous checkpoint is
+    intact (Note: [Atomic save] in ``offload/checkpoint/commit.py``). Call it on every rank,
+    between steps; pending host updates finish first.
+
+    Data parallel, each rank writes the optimizer state it owns, in parallel, and the parameters
+    are written once; nothing is gathered. DCP reads the host copies and the optimizer state where
+    they are: a save adds next to no host memory (``docs/checkpoints.md`` has the figures).
+
+    Args:
+        path: the checkpoint directory to create; an earlier checkpoint there is replaced, and
+            anything else there (a file, a directory of other files) is refused. Its parent is
+            created.
+        model: an :class:`~offload.OffloadModel` or any ``nn.Module``.
+        optimizer: an :class:`~offload.OffloadOptimizer`, any ``torch.optim`` optimizer over the
+            model's parameters, or ``None``.
+        extra: picklable values to save with it (a scheduler's and a ``GradScaler``'s
+            ``state_dict()``, the step, the data position), the same on every rank;
+            :func:`load_checkpoint` returns it.
+        keep_last: keep only this many checkpoints beside ``path`` (the newest), or all (``None``).
+        process_group: the group that saves together; default: the optimizer's, else the
+            model's, else the default group when ``torch.distributed`` is initialised.
+
+    Returns:
+        ``path``.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``, ``optimizer`` not an optimizer, or ``extra``
+            cannot be pickled (checked before anything is written).
+        ValueError: a bad ``keep_last``, or the optimizer steps a parameter the model lacks.
+        FileExistsError: ``path`` is a file, or a directory of files that is not a checkpoint.
+        CheckpointError: the filesystem has less room than the save needs (checked before
+            anything is written), or the save failed (a full disk says so): what it wrote is
+            removed, ``latest`` is unchanged and the previous checkpoint is intact.
+
+    Warns:
+        UserWarning: on rank 0, the checkpoint is saved and ``latest`` names it, but what follows
+            failed: deleting the checkpoint it replaced, removing the oldest for ``keep_last``
+            (the next save tries again), or syncing the directory. The message says which.
+
+    Example::
+
+        >>> save_checkpoint(f"ckpt/step-{step}", model, optimizer,
+        ...                 extra={"step": step, "scheduler": scheduler.state_dict()}, keep_last=3)
+    """
+    extra_nbytes = _check_save_arguments(model, optimizer, extra, keep_last)
+    path = Path(path)
+    _check_target(path)
+    group, rank, world_size = _group(model, optimizer, process_group)
+    names = _parameter_names(model)
+    state, on_disk = _state_to_save(model, optimizer, names, rank, extra)
+    needed = _check_room(group, rank, path, state, extra_nbytes, optimizer)
+    partial = partial_directory(path)
+    _on_rank_0(group, rank, functools.partial(prepare, path), lambda error: _save_failure(path, error, [], needed))
+    checksums = _gathered(group, _write_data(path, partial, model, optimizer, state, on_disk, group, rank, needed))
+    info = functools.partial(_info, model, optimizer, names, world_size, checksums)
+    for problem in _commit_saved(path, info, keep_last, group, rank, needed):
+        warnings.warn(problem, stacklevel=2)
+    return path
+
+
+def _state_to_save(model: nn.Module, optimizer: torch.optim.Optimizer | None, names: dict[int, str], rank: int,
+                   extra: Any) -> tuple[dict[str, Any], dict[str, tuple[int, torch.Tensor, str]]]:
+    """What DCP saves (Note: [Checkpoint layout]), and, by key, the optimizer state a disk tier
+    keeps: where the planner reads it (slice index, parameter, state key).
+
+    Raises:
+        ValueError: the optimizer steps a parameter the model lacks.
+    """
+    state: dict[str, Any] = {f"model/{name}": _own_storage(tensor) for name, tensor in _model_state(model).items()}
+    on_disk: dict[str, tuple[int, torch.Tensor, str]] = {}  # key -> where the planner reads it
+    if optimizer is not None:
+        if not _steps_only(optimizer, names):
+            raise ValueError(STRAY_PARAMETER)
+        if isinstance(optimizer, OffloadOptimizer):
+            optimizer._disk.check_loaded("save_checkpoint()")
+        for index, param, param_state, disk_keys in _optimizer_state(optimizer):
+            for key, value in param_state.items():
+                entry = f"optim/state/{names[id(param)]}/{key}"
+                state[entry] = value if key in disk_keys else _own_storage(value)
+                if key in disk_keys:
+                    on_disk[entry] = (index, param, key)
+        state["optim/param_groups"] = _named_groups(optimizer, names)
+    state[f"rng/{rank}"] = _rng_state()
+    state["extra"] = extra
+    return state, on_disk
+
+
+def _write_data(path: Path, partial: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                state: dict[str, Any], on_disk: dict[str, tuple[int, torch.Tensor, str]], group: Any, rank: int,
+                needed: int) -> dict[str, int]:
+    """Write ``state`` into ``partial`` through DCP, slice by slice where a disk tier or masters on
+    disk keep part of it (Note: [Slice-by-slice save]); this rank's data files' checksums.
+
+    Raises:
+        CheckpointError: the write failed; ``partial`` is removed.
+    """
+    planner: DefaultSavePlanner = DefaultSavePlanner(flatten_state_dict=False)
+    writer = FileSystemWriter(partial, sync_files=True)
+    masters = _masters_on_disk(model, state)
+    if (on_disk and isinstance(optimizer, OffloadOptimizer)) or masters:
+        read_slice = optimizer._disk.slice_state if on_disk and isinstance(optimizer, OffloadOptimizer) else None
+        planner = SliceReadingSavePlanner(read_slice, on_disk, masters,
+                                          _masters_releaser(model))
+        # One thread, nothing resolved ahead: each item's data is asked for once the previous one
+        # is written (Note: [Slice-by-slice save]).
+        writer = FileSystemWriter(partial, sync_files=True, thread_count=1, per_thread_copy_ahead=0)
+    # Each data file is summed as it is written (Note: [Checkpoint checksums]).
+    files = writer.fs = ChecksummingFileSystem()
+    try:
+        dcp.save(state, storage_writer=writer, planner=planner, process_group=group, no_dist=group is None)
+        _release_masters(model)
+    except BaseException as error:  # DCP's CheckpointException is a BaseException
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)  # every rank is past its writes: DCP gathered them
+        if not isinstance(error, (Exception, CheckpointException)):
+            raise  # KeyboardInterrupt, SystemExit
+        raise CheckpointError(_save_failure(path, error, files.write_errors, needed)) from error
+    finally:
+        if isinstance(planner, SliceReadingSavePlanner):
+            planner.release()
+    return files.checksums
+
+
+def _commit_saved(path: Path, info: Callable[[], dict[str, Any]], keep_last: int | None, group: Any, rank: int,
+                  needed: int) -> list[str]:
+    """On rank 0, commit the checkpoint written for ``path``, ``info()`` as its ``offload.json``,
+    and tidy after it (Note: [Atomic save] in ``offload/checkpoint/commit.py``); what tidying
+    could not do, one sentence each (none on the other ranks).
+
+    Raises:
+        CheckpointError: on every rank, when the commit failed on rank 0: nothing new is visible
+            (or, should undoing its renames fail too, the message says what is where).
+    """
+    problems: list[str] = []
+
+    def work() -> None:
+        commit(path, lambda: json.dumps(info(), indent=1).encode())
+        problems.extend(tidy(path, keep_last))
+
+    def failure(error: BaseException) -> str:
+        return str(error) if isinstance(error, HalfCommitted) else _save_failure(path, error, [], needed)
+
+    _on_rank_0(group, rank, work, failure)
+    return problems
+
+
+def _save_failure(path: Path, error: BaseException, write_errors: list[OSError], needed: int) -> str:
+    previous = latest_checkpoint(path.parent)
+    if path.is_dir():
+        intact = f"checkpoint {path} is intact (it was not replaced)"
+    elif previous is not None and previous.is_dir():
+        intact = f"the previous checkpoint, {previous}, is intact"
+    else:
+        intact = "no earlier checkpoint was touched"
+    if disk_full(error, write_errors):
+        return (f"could not save checkpoint {path}: the disk filled up while writing it (the filesystem of "
+                f"{path.parent} has {size_text(free_bytes(path.parent))} free once the partial save was removed; the "
+                f"save needs more than that: at least {size_text(needed)} for its tensors and their headers alone). "
+                f"Nothing of it was kept and {intact}. Free space (or save elsewhere) and save again.")
+    return (f"could not save checkpoint {path}: {failure_text(error)}. Nothing of it was kept and {intact}.")

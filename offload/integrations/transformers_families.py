@@ -1,0 +1,82 @@
+"""Where each Hugging Face causal LM family's forward departs from Llama's: the families
+:func:`~offload.integrations.transformers.causal_lm_sequential` cuts, and for each a :class:`_Layout`
+(an embedding multiplier, a mask or rotary table per layer type, a scale or soft-cap on the
+logits...).
+
+It holds data only: the stages that follow a layout are in ``transformers_layers.py``, the cut that
+picks one in ``transformers_stages.py``. It needs no ``transformers``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where a family's forward departs from Llama's (``LlamaModel`` and ``LlamaForCausalLM``), as read
+    in its ``modeling_*.py``. The stages do each of these steps where the model does them, and no
+    other; whatever a family does inside its own modules (Gemma's scaled embedding, Granite's
+    residual multiplier, attention soft-capping, layers without rotary) comes along unchanged.
+    """
+
+    #: The attribute of the ``*ForCausalLM`` that holds the decoder.
+    base: str = "model"
+    #: The decoder's final norm.
+    final_norm: str = "norm"
+    #: The decoder's dropout module on the embeddings, if it has one.
+    embed_dropout: str | None = None
+    #: Which 4-D mask a layer gets: ``"causal"`` (the causal mask for every layer), ``"sliding_window"``
+    #: (one mask for every layer, sliding when ``config.sliding_window`` is set) or ``"layer_types"``
+    #: (``config.layer_types[i]`` says which of the two layer ``i`` gets).
+    mask: Literal["causal", "sliding_window", "layer_types"] = "causal"
+    #: One rotary table per layer type (``rotary_emb(x, position_ids, layer_type)``), each layer taking its own.
+    rotary_per_layer_type: bool = False
+    #: The decoder passes ``use_cache`` to its layers.
+    layers_take_use_cache: bool = True
+    #: The embeddings are multiplied by the decoder's ``embedding_multiplier`` before the first layer.
+    embedding_multiplier: bool = False
+    #: The logits are multiplied by the ``*ForCausalLM``'s ``logit_scale``.
+    logit_scale: bool = False
+    #: The logits are divided by ``config.logits_scaling``.
+    logits_scaling: bool = False
+    #: The logits are soft-capped, ``tanh(logits / cap) * cap``, when ``config.final_logit_softcapping`` is set.
+    final_logit_softcapping: bool = False
+
+
+_MASK_PER_LAYER_TYPE = _Layout(mask="layer_types")
+#: The families cut around the Llama decoder layout, each checked bit for bit against the model's own
+#: forward in ``tests/test_transformers.py``.
+_LAYOUTS = {
+    "llama": _Layout(),
+    "mistral": _Layout(mask="sliding_window"),
+    "ministral": _MASK_PER_LAYER_TYPE,
+    "qwen2": _MASK_PER_LAYER_TYPE,
+    "qwen3": _MASK_PER_LAYER_TYPE,
+    "gemma": _Layout(),
+    "gemma2": _Layout(mask="layer_types", layers_take_use_cache=False, final_logit_softcapping=True),
+    "gemma3_text": _Layout(mask="layer_types", rotary_per_layer_type=True, layers_take_use_cache=False,
+                           final_logit_softcapping=True),
+    "phi": _Layout(final_norm="final_layernorm", embed_dropout="embed_dropout"),
+    "phi3": _Layout(mask="sliding_window"),
+    "olmo": _Layout(),
+    "olmo2": _Layout(),
+    "olmo3": _Layout(mask="layer_types", rotary_per_layer_type=True, layers_take_use_cache=False),
+    "smollm3": _MASK_PER_LAYER_TYPE,
+    "granite": _Layout(embedding_multiplier=True, logits_scaling=True),
+    "cohere": _Layout(logit_scale=True),
+    "glm": _Layout(),
+    "glm4": _Layout(),
+    "helium": _Layout(),
+    "stablelm": _Layout(),
+    "gpt_neox": _Layout(base="gpt_neox", final_norm="final_layer_norm", embed_dropout="emb_dropout"),
+    # Mixture of experts: the routing happens inside the layers; the load-balancing loss is refused below.
+    "mixtral": _Layout(mask="sliding_window"),
+    "qwen2_moe": _MASK_PER_LAYER_TYPE,
+    "qwen3_moe": _Layout(mask="sliding_window"),
+}
+#: ``config.model_type`` values this module can cut. Others share parts of the layout but differ in
+#: details that change results (embedding dropout outside a module, positions as attention biases,
+#: router losses), or have not been checked, so they are refused rather than approximated.
+SUPPORTED_MODEL_TYPES = ("gpt2", *_LAYOUTS)

@@ -1,0 +1,127 @@
+"""Tensors that lie in a flat byte buffer: the alignment of their entries, the dense strides a copy
+keeps, and the three kinds of tensor over a buffer's bytes: a typed view, an alias that counts its
+own in-place writes, and a view under a storage of its own (Note: [A storage per host copy] in
+``host_storage.py``).
+
+It holds no buffer and lays out nothing: a slice's host copies are laid out in ``host_storage.py``,
+its gradients in ``gradients.py``, its resident copies in ``resident_storage.py``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+#: Byte alignment of gradient buffers' entries: keeps typed views legal and vector loads aligned.
+ALIGNMENT = 64
+#: Entries of a slice start, and end, at multiples of this many *elements* of their own dtype, on
+#: the host and on the device alike: consecutive entries of one dtype pair then sit at the same
+#: element offsets in the host buffer and in the shadow, so one cast covers a whole run of them.
+ALIGN_ELEMENTS = 16
+#: Where the buffers begin, on both sides: a multiple of every entry alignment, so the buffer
+#: region has the same byte layout on the host and on the device (write-backs copy it as bytes).
+BUFFER_REGION_ALIGNMENT = 256
+
+
+def _align(n: int, alignment: int = ALIGNMENT) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return dtype.itemsize
+
+
+def dense_stride(tensor: torch.Tensor) -> tuple[int, ...] | None:
+    """The strides of a tensor whose elements lie densely in another order than row-major
+    (``channels_last``, a transposed weight), or ``None`` for a row-major or not dense one.
+
+    Host copies, device copies and gradients keep such a layout: kernels choose by it (a
+    convolution with a ``channels_last`` weight runs another algorithm, with other rounding), and
+    autograd gives ``.grad`` the parameter's layout. Anything else is laid out row-major.
+    """
+    if tensor.is_contiguous():
+        return None
+    expected = 1
+    for dim in sorted(range(tensor.dim()), key=lambda d: tensor.stride(d)):
+        if tensor.shape[dim] != 1 and tensor.stride(dim) != expected:
+            return None
+        expected *= tensor.shape[dim]
+    return tuple(tensor.stride())
+
+
+def flat_alias(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The memory of a row-major or :func:`dense_stride` tensor as one 1-D tensor (collectives
+    want contiguous tensors, and an elementwise operation does not care in which order), or
+    ``None`` for a tensor that is not dense."""
+    if tensor.is_contiguous():
+        return tensor.view(-1)
+    if dense_stride(tensor) is None:
+        return None
+    flat = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    flat.set_(tensor.untyped_storage(), tensor.storage_offset(), (tensor.numel(),))
+    return flat
+
+
+def typed_view(flat: torch.Tensor, offset: int, dtype: torch.dtype, shape: torch.Size,
+               stride: tuple[int, ...] | None = None) -> torch.Tensor:
+    """A ``dtype`` view of ``shape`` into the byte tensor ``flat`` starting at byte ``offset``,
+    row-major or with the dense ``stride`` of :func:`dense_stride`."""
+    nbytes = shape.numel() * _itemsize(dtype)
+    elements = flat[offset:offset + nbytes].view(dtype)
+    return elements.view(shape) if stride is None else elements.as_strided(shape, stride)
+
+
+def alias(flat: torch.Tensor, offset: int, dtype: torch.dtype, shape: torch.Size,
+          stride: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Like :func:`typed_view`, but a tensor of its own rather than a view of ``flat``.
+
+    Views share their base's version counter, so an in-place update of one buffer would look to
+    autograd like a change of every tensor in the slot. An alias made with ``set_`` shares only
+    the memory and counts its own in-place writes, like a separately allocated tensor would.
+    """
+    itemsize = _itemsize(dtype)
+    # A tensor created inside inference_mode would be an inference tensor, which training code
+    # may not update in place later; these aliases outlive the call that creates them.
+    with torch.inference_mode(False):
+        tensor = torch.empty(0, dtype=dtype, device=flat.device)
+        tensor.set_(flat.untyped_storage(), (flat.storage_offset() + offset) // itemsize, shape,
+                    stride if stride is not None else torch.empty(shape, device="meta").stride())
+    return tensor
+
+
+def empty_in_layout(shape: torch.Size, stride: tuple[int, ...] | None, dtype: torch.dtype,
+                    device: torch.device | str = "cpu") -> torch.Tensor:
+    """New memory for a tensor of ``shape``, row-major or with the dense ``stride`` of :func:`dense_stride`."""
+    return torch.empty_strided(shape, stride or torch.empty(shape, device="meta").stride(), dtype=dtype, device=device)
+
+
+def flat_exporter(flat: torch.Tensor) -> ctypes.Array[ctypes.c_ubyte] | None:
+    """A Python buffer over the bytes of the CPU tensor ``flat`` that keeps ``flat`` alive, for
+    :func:`own_storage_view`; ``None`` for an empty one (Note: [A storage per host copy])."""
+    if flat.numel() == 0:
+        return None
+    exporter = (ctypes.c_ubyte * flat.numel()).from_address(flat.data_ptr())
+    # from_address holds no reference to the memory's owner: this one does, for as long as a
+    # storage made over the exporter lives.
+    exporter.flat = flat  # type: ignore[attr-defined]
+    return exporter
+
+
+def own_storage_view(exporter: ctypes.Array[ctypes.c_ubyte] | None, offset: int, dtype: torch.dtype,
+                     shape: torch.Size, stride: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Like :func:`typed_view` into the buffer ``exporter`` covers, but under a storage of its own:
+    the storage starts at the tensor's first byte and holds exactly its bytes, aliasing the
+    buffer's memory (no copy), and keeps the buffer alive (Note: [A storage per host copy]).
+
+    An empty tensor gets an empty storage of its own.
+    """
+    nbytes = shape.numel() * _itemsize(dtype)
+    # Tensors made under inference_mode could not be updated in place by training code later;
+    # these outlive the call that makes them.
+    with torch.inference_mode(False):
+        if nbytes == 0:
+            return empty_in_layout(shape, stride, dtype)
+        assert exporter is not None
+        elements = torch.frombuffer(exporter, dtype=torch.uint8, count=nbytes, offset=offset).view(dtype)
+        return elements.view(shape) if stride is None else elements.as_strided(shape, stride)

@@ -1,0 +1,139 @@
+"""What a slice holds: its parameters and buffers, each tensor once with every place it is
+registered (:class:`Entry`, :func:`collect_entries`), the runs of entries one cast covers, and a
+cheap test that nothing was registered in its layers since they were laid out.
+
+It does not place the entries in memory or copy them (``host_storage.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .flat_views import _itemsize, dense_stride
+from .sites import Site
+
+@dataclass
+class Entry:
+    """One parameter or buffer of a slice.
+
+    Attributes:
+        tensor: the host copy: the user's own ``nn.Parameter`` or buffer object.
+        sites: every place it is registered (more than one for tied weights).
+        device_dtype: dtype of the device copy; differs from ``tensor.dtype`` only under a
+            compute dtype.
+        host_offset / device_offset: byte offsets into the host buffer and into a device slot.
+        stride: the tensor's own strides where it is dense but not row-major (see
+            :func:`dense_stride`): every copy of it (host, shadow, device) and its gradient keep them.
+        borrowed: a parameter an earlier slice holds (tied weights): it has no host offset here,
+            and a load copies it into this slice's slot from that slice's host copy (Note: [Tied
+            parameters across slices]).
+    """
+
+    tensor: torch.Tensor
+    sites: tuple[Site, ...]
+    shape: torch.Size
+    dtype: torch.dtype
+    device_dtype: torch.dtype
+    host_offset: int = 0
+    device_offset: int = 0
+    borrowed: bool = False
+    stride: tuple[int, ...] | None = None
+
+    @property
+    def is_parameter(self) -> bool:
+        return self.sites[0].is_parameter
+
+
+def collect_entries(layers: Sequence[nn.Module]) -> tuple[list[Entry], list[Entry]]:
+    """The parameters and buffers registered anywhere in ``layers``, each tensor once."""
+    by_id: dict[int, tuple[torch.Tensor, list[Site]]] = {}
+    order: list[int] = []
+    for layer in layers:
+        for module in layer.modules():
+            for is_parameter, table in ((True, module._parameters), (False, module._buffers)):
+                for name, tensor in table.items():
+                    if tensor is None:
+                        continue
+                    if id(tensor) not in by_id:
+                        by_id[id(tensor)] = (tensor, [])
+                        order.append(id(tensor))
+                    by_id[id(tensor)][1].append(Site(module, name, is_parameter))
+    params: list[Entry] = []
+    buffers: list[Entry] = []
+    for key in order:
+        tensor, sites = by_id[key]
+        if len({site.is_parameter for site in sites}) > 1:
+            raise ValueError("a tensor is registered both as a parameter and as a buffer; OffloadModel cannot place it")
+        if tensor.is_sparse or tensor.layout != torch.strided:
+            raise ValueError(f"only dense (strided) parameters and buffers are supported, got layout {tensor.layout}")
+        entry = Entry(tensor, tuple(sites), tensor.shape, tensor.dtype, tensor.dtype, stride=dense_stride(tensor))
+        (params if sites[0].is_parameter else buffers).append(entry)
+    return params, buffers
+
+
+class _RegistrationCounter:
+    """How many modules, parameters and buffers were registered in this process (``setattr`` on a
+    module, ``register_*``), counted by PyTorch's global registration hooks, installed once.
+
+    Walking every module of a model at every forward to find ones added since it was laid out
+    costs about half a millisecond for 32 decoder layers; this count tells in constant time that
+    nothing was registered anywhere, which is the usual case. Writing into ``module._parameters``
+    or ``module._modules`` directly is not counted (binding device copies does that, and must not
+    count).
+    """
+
+    count = 0
+    _installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        if cls._installed:
+            return
+        cls._installed = True
+        hooks = nn.modules.module
+        for register in (hooks.register_module_module_registration_hook,
+                         hooks.register_module_parameter_registration_hook,
+                         hooks.register_module_buffer_registration_hook):
+            register(cls._registered)
+
+    @classmethod
+    def _registered(cls, module: nn.Module, name: str, value: object) -> None:
+        cls.count += 1
+
+
+def _registrations(layers: Sequence[nn.Module]) -> list[int | str]:
+    """Every module of ``layers`` and the tensors it registers, as ``id(module)`` followed by
+    ``name, id(tensor)`` pairs, depth first."""
+    found: list[int | str] = []
+    todo = list(reversed(layers))
+    while todo:
+        module = todo.pop()
+        found.append(id(module))
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                if tensor is not None:
+                    found += (name, id(tensor))
+        todo.extend(child for child in reversed(module._modules.values()) if child is not None)
+    return found
+
+
+def _runs(entries: Sequence[Entry]) -> list[range]:
+    """Maximal runs of consecutive entries whose element offsets agree on the host and on the
+    device: the same host and device dtypes, no realignment in between (see ALIGN_ELEMENTS)."""
+
+    def continues(a: Entry, b: Entry) -> bool:
+        return ((a.dtype, a.device_dtype) == (b.dtype, b.device_dtype)
+                and (b.host_offset - a.host_offset) // _itemsize(a.dtype)
+                == (b.device_offset - a.device_offset) // _itemsize(a.device_dtype))
+
+    runs: list[range] = []
+    start = 0
+    for k in range(1, len(entries) + 1):
+        if k == len(entries) or not continues(entries[start], entries[k]):
+            runs.append(range(start, k))
+            start = k
+    return runs
