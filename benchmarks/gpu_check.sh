@@ -49,7 +49,8 @@
 #   echo /.whl/ >> .git/info/exclude; python3 -m pip download --no-deps --only-binary=:all: \
 #       --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
 #       --platform manylinux2014_x86_64 -d .whl transformers==5.24.0 datasets dill multiprocess
-# then one call: run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=420).
+# then one call: run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=480): the stages' limits
+# add up to 365 s and the rest stage stops at the 300 s budget; about 250-300 s are expected.
 # The stages' limits: GPU_CHECK_LIMITS="20 60 90 90 45 60" (host tests slices batch exact trace).
 set -uo pipefail
 shopt -s nullglob
