@@ -15,10 +15,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_peers import table  # noqa: E402
-from stream_idle import markdown  # noqa: E402
-
 GB = 1e9
 
 
@@ -37,6 +33,8 @@ def host(facts: dict[str, Any]) -> str:
 
 
 def runs(name: str, report: dict[str, Any]) -> str:
+    from bench_peers import table  # imports torch: only for show, not for every stage's merge
+
     link = report["bandwidth_bytes_per_s"]
     lines = [f"{name}: {report['device_name']}, {report['parameters'] / 1e9:.3f} B parameters, "
              f"{report['tokens_per_step']} tokens/step ({report['sizes']['batch']} x {report['sizes']['seq']}), "
@@ -70,6 +68,8 @@ def exact(report: dict[str, Any]) -> str:
 
 
 def trace(report: dict[str, Any]) -> str:
+    from stream_idle import markdown
+
     tables = {n: r["streams"] for n, r in report["runs"].items() if "streams" in r}
     lines = ["trace: per lane busy and idle time over one step's forward and backward", markdown(tables)]
     if "resident" in tables and len(tables) > 1:
@@ -108,5 +108,6 @@ def show(path: str) -> None:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     command, *paths = sys.argv[1:]
     merge(*paths) if command == "merge" else show(*paths)
