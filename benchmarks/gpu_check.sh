@@ -12,19 +12,19 @@
 #   slices  the 0.886 B Llama of scripts/bench_peers.py at 8 x 1024 tokens: resident; offload in
 #           backward; the same with 6 and with 9 of its 18 slices resident; the update behind the
 #           next forward with clipping (as Hugging Face's Trainer runs it); each beside the
-#           planner's prediction for this machine (--predict; 90 s; ~55 s expected from the H100's
-#           2026-11-26 timings: 5 runs of ~5 s set-up and 4 steps of 0.2-0.45 s, plus the model);
+#           planner's prediction for this machine (--predict; 120 s; ~80 s expected from the H100's
+#           2026-11-26 timings: 118 s for 7 runs of 5 steps, fairscale's 1.6 s steps among them);
 #   batch   the same runs at 32 x 1024 tokens (16 x 1024 when the resident model does not fit),
-#           2 timed steps after 1 warm-up (90 s);
+#           2 timed steps after 1 warm-up (120 s);
 #   exact   deterministic kernels, 2 layers: resident, offload, offload in backward, both with a
 #           resident slice; every variant's gradients after the first backward against the resident
 #           model's, and each slice's parameters after 4 steps, digest against every variant that
-#           updated it on the same side (host or device) (45 s);
+#           updated it on the same side (host or device) (50 s);
 #   trace   one profiled step each of the resident model and of offload in backward: Chrome traces
 #           $OUT/trace-resident.json.gz, $OUT/trace-offload-in-backward.json.gz, and per CUDA stream
 #           the busy and idle time of forward and backward (scripts/stream_idle.py), to account for
 #           the offloaded forward and backward's excess over the resident one (206 vs 154 ms on the
-#           H100, benchmarks/results/h100-2026-11-26b) (60 s);
+#           H100, benchmarks/results/h100-2026-11-26b) (70 s);
 #   rest    the other cuda-marked tests, only while GPU_CHECK_BUDGET (300 s) has 30 s left.
 #
 # Opt-in (GPU_CHECK_STAGES, or --full for the default stages and these): peers (the settled
@@ -48,10 +48,14 @@
 # 0.4.13. Fetch them here (device README, "nvidia-h200"):
 #   echo /.whl/ >> .git/info/exclude; python3 -m pip download --no-deps --only-binary=:all: \
 #       --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
-#       --platform manylinux2014_x86_64 -d .whl transformers==5.24.0 datasets dill multiprocess
+#       --platform manylinux2014_x86_64 -d .whl transformers==5.24.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
+# (pure-Python wheels, about 15 MiB; their other needs, tokenizers 0.23, huggingface-hub, pyarrow, fsspec,
+# are on the machine: run.log's first lines list the versions it used).
 # then one call: run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=480): the stages' limits
-# add up to 365 s and the rest stage stops at the 300 s budget; about 250-300 s are expected.
-# The stages' limits: GPU_CHECK_LIMITS="20 60 90 90 45 60" (host tests slices batch exact trace).
+# add up to 440 s, the rest stage runs only while the 300 s budget has 30 s left; about 250-300 s are
+# expected. That leaves a lent machine's 15 minutes (2-4 of them its start) room for one short rerun
+# of a stage that failed: GPU_CHECK_STAGES="<stage>".
+# The stages' limits: GPU_CHECK_LIMITS="20 60 120 120 50 70" (host tests slices batch exact trace).
 set -uo pipefail
 shopt -s nullglob
 dry=0 full=0
@@ -73,7 +77,7 @@ if [ $dry = 0 ] && ls .whl/*.whl >/dev/null 2>&1; then
         && export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-read -r limit_host limit_tests limit_slices limit_batch limit_exact limit_trace <<< "${GPU_CHECK_LIMITS:-20 60 90 90 45 60}"
+read -r limit_host limit_tests limit_slices limit_batch limit_exact limit_trace <<< "${GPU_CHECK_LIMITS:-20 60 120 120 50 70}"
 budget=${GPU_CHECK_BUDGET:-300}
 stages=${GPU_CHECK_STAGES:-host tests slices batch exact trace rest}
 [ $full = 1 ] && stages="$stages peers capped suite"
@@ -119,6 +123,7 @@ pytest_cuda() {  # pytest_cuda <limit> <paths...>: the cuda-marked tests of path
     $PY -c "import sys, torch, transformers; print(sys.version.split()[0], 'torch', torch.__version__, torch.version.cuda,
         'transformers', transformers.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
     git log -1 --format='commit %h %s' 2>/dev/null
+    $PY -m pip list 2>/dev/null | grep -iE '^(transformers|datasets|tokenizers|huggingface.hub|pyarrow|fsspec|accelerate|lightning|peft|torchao|fairscale) ' 
 } 2>&1 | tee -a "$OUT/run.log"
 log "stages: $stages"
 
