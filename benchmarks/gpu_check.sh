@@ -185,6 +185,7 @@ for name in $stages; do
             rm -rf "$tier"
             headline "$work/capped.log" 6 ;;
         suite)
+            log "=== suite $(date +%T): every cuda-marked test (limit 200 s)"
             echo "=== suite" >> "$OUT/pytest.log"
             pytest_cuda 200 tests ;;
         *) log "unknown stage $name (host tests slices batch exact trace rest peers capped suite)"; status=1 ;;
