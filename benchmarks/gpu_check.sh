@@ -1,31 +1,75 @@
 #!/usr/bin/env bash
-# Everything a short GPU lease should check, in one call of at most about 8 minutes, each stage
-# under its own time limit, logs and JSON written under $OUT as each stage finishes (so a killed
-# run still leaves what it finished), a summary table printed last:
+# What a short GPU lease should answer, in one call of about 5 minutes of command time, each stage
+# under its own time limit, its results merged into $OUT/summary.json as it ends (a killed run
+# still leaves what it finished), a summary printed last. The default stages, in order:
 #
-#   1. the cuda-marked tests (all of them; 200 s);
-#   2. one training step of a Llama-shaped model against its peers: resident, OffloadModel +
-#      OffloadOptimizer (the update at step(), in backward, and waited for; at step() and in
-#      backward with a quarter of the slices resident on the device), FSDP2 with
-#      CPUOffloadPolicy, torchao's CPUOffloadOptimizer, fairscale's OffloadModel
-#      (scripts/bench_peers.py; 240 s; the runs: GPU_CHECK_PEERS; on the H100 the first seven took
-#      about 120 s, the two resident runs add about 40 s);
-#   3. the same model over a 4 GiB device cap with AdamW's state in the disk tier, the update at
-#      step() and in backward (120 s);
-#   4. exactness under deterministic kernels: 2 layers, resident and offloaded (gradients after the
-#      first backward, parameters after the last step; 60 s).
+#   host    host facts: CPU model, cores, NUMA, transparent huge pages, host copy bandwidth at the
+#           update's thread count, the pinned link each way (scripts/host_facts.py; ~10 s);
+#   tests   the cuda-marked tests of what never ran on a GPU: resident slices, the trainers
+#           (Trainer, Accelerate, Lightning moving an OffloadedCausalLM with .to("cuda"):
+#           tests/test_trainer.py, tests/test_trainers_cuda.py), the
+#           update in backward, and any QLoRA or fused-host-pass test files present (60 s);
+#   slices  the 0.886 B Llama of scripts/bench_peers.py at 8 x 1024 tokens: resident; offload in
+#           backward; the same with 6 and with 9 of its 18 slices resident; the update behind the
+#           next forward with clipping (as Hugging Face's Trainer runs it); each beside the
+#           planner's prediction for this machine (--predict; 120 s; ~80 s expected from the H100's
+#           2026-11-26 timings: 118 s for 7 runs of 5 steps, fairscale's 1.6 s steps among them);
+#   batch   the same runs at 32 x 1024 tokens (16 x 1024 when the resident model does not fit),
+#           2 timed steps after 1 warm-up (120 s);
+#   exact   deterministic kernels, 2 layers: resident, offload, offload in backward, both with a
+#           resident slice; every variant's gradients after the first backward against the resident
+#           model's, and each slice's parameters after 4 steps, digest against every variant that
+#           updated it on the same side (host or device) (50 s);
+#   trace   one profiled step each of the resident model and of offload in backward: Chrome traces
+#           $OUT/trace-resident.json.gz, $OUT/trace-offload-in-backward.json.gz, and per CUDA stream
+#           the busy and idle time of forward and backward (scripts/stream_idle.py), to account for
+#           the offloaded forward and backward's excess over the resident one (206 vs 154 ms on the
+#           H100, benchmarks/results/h100-2026-11-26b) (70 s);
+#   rest    the other cuda-marked tests, only while GPU_CHECK_BUDGET (300 s) has 30 s left.
 #
-#   bash benchmarks/gpu_check.sh                 # on the GPU machine, from the repository root
-#   bash benchmarks/gpu_check.sh --cpu-dry-run   # the same stages at toy sizes on the CPU (CI runs it)
+# Opt-in (GPU_CHECK_STAGES, or --full for the default stages and these): peers (the settled
+# comparison: offload, offload-sync, the resident variants, FSDP2, torchao, fairscale; 240 s),
+# capped (a 4 GiB cap with AdamW's state in the disk tier; 120 s), suite (every cuda-marked test; 200 s).
 #
-# Wheels under .whl/ (transformers, peft, torchao, fairscale: the GPU machine has no network) are
-# installed to /tmp/site first when present. The stages' limits: GPU_CHECK_LIMITS="140 240 120 60".
+#   bash benchmarks/gpu_check.sh                          # on the GPU machine, from the repository root
+#   GPU_CHECK_STAGES="slices trace" bash benchmarks/gpu_check.sh    # some stages only
+#   bash benchmarks/gpu_check.sh --full                   # the default stages, then peers, capped, suite
+#   bash benchmarks/gpu_check.sh --cpu-dry-run            # every stage at toy sizes on the CPU (CI runs it)
+#
+# What comes back (the device tool returns at most 8 files, 16 MiB each, 2 folders deep): $OUT/run.log
+# (the headlines and the summary), $OUT/stages.log (every stage's full output), $OUT/pytest.log,
+# $OUT/summary.json (every stage's JSON, one key per stage), and the two traces: 6 files. Stage JSONs
+# are written to a scratch folder first and merged.
+#
+# The GPU machine (nvidia-h200: Python 3.12, torch 2.11, transformers 5.17, accelerate, lightning,
+# peft, pytest-timeout; no network) lacks what must travel as wheels under .whl/, installed to
+# /tmp/site when present: transformers 5.24.0 (pyproject.toml needs >= 5.20) and datasets (the Trainer
+# tests; with its own missing needs: dill, multiprocess); for the opt-in peers, torchao and fairscale
+# 0.4.13. Fetch them here (device README, "nvidia-h200"):
+#   echo /.whl/ >> .git/info/exclude; python3 -m pip download --no-deps --only-binary=:all: \
+#       --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
+#       --platform manylinux2014_x86_64 -d .whl transformers==5.24.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
+# (pure-Python wheels, about 15 MiB; their other needs, tokenizers 0.23, huggingface-hub, pyarrow, fsspec,
+# are on the machine: run.log's first lines list the versions it used).
+# then one call: run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=480): the stages' limits
+# add up to 440 s, the rest stage runs only while the 300 s budget has 30 s left; about 250-300 s are
+# expected. That leaves a lent machine's 15 minutes (2-4 of them its start) room for one short rerun
+# of a stage that failed: GPU_CHECK_STAGES="<stage>".
+# The stages' limits: GPU_CHECK_LIMITS="20 60 120 120 50 70" (host tests slices batch exact trace).
 set -uo pipefail
-dry=0
-[ "${1:-}" = "--cpu-dry-run" ] && dry=1
+shopt -s nullglob
+dry=0 full=0
+for arg in "$@"; do
+    case $arg in
+        --cpu-dry-run) dry=1 ;;
+        --full) full=1 ;;
+        *) echo "gpu_check.sh: unknown argument $arg (--cpu-dry-run, --full)"; exit 2 ;;
+    esac
+done
 OUT=${OUT:-gpu_out}
 [ $dry = 1 ] && OUT=${OUT_DRY:-$(mktemp -d)}
 mkdir -p "$OUT"
+work=$(mktemp -d)  # the stages' own JSON files, merged into $OUT/summary.json
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 if [ $dry = 0 ] && ls .whl/*.whl >/dev/null 2>&1; then
@@ -33,77 +77,126 @@ if [ $dry = 0 ] && ls .whl/*.whl >/dev/null 2>&1; then
         && export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-read -r limit_tests limit_peers limit_capped limit_exact <<< "${GPU_CHECK_LIMITS:-140 240 120 60}"
-peers=${GPU_CHECK_PEERS:-resident,offload,offload-in-backward,offload-sync,offload-resident,offload-in-backward-resident,fsdp2,torchao,fairscale}
-status=0
+read -r limit_host limit_tests limit_slices limit_batch limit_exact limit_trace <<< "${GPU_CHECK_LIMITS:-20 60 120 120 50 70}"
+budget=${GPU_CHECK_BUDGET:-300}
+stages=${GPU_CHECK_STAGES:-host tests slices batch exact trace rest}
+[ $full = 1 ] && stages="$stages peers capped suite"
+FIRST_TESTS=(tests/test_resident_slices*.py tests/test_trainer.py tests/test_trainers_cuda.py tests/test_accelerate.py tests/test_lightning.py
+             tests/test_update_in_backward*.py tests/test_*qlora*.py tests/test_*fused*.py)
+peers=${GPU_CHECK_PEERS:-resident,offload,offload-sync,offload-resident,offload-in-backward-resident,fsdp2,torchao,fairscale}
+dry_flag="" big=32 counts="6 9"
+[ $dry = 1 ] && { dry_flag="--cpu-dry-run"; big=4; counts="1 2"; }
+read -r few many <<< "$counts"
+slices_runs="resident,offload-in-backward,offload-in-backward-resident$few,offload-in-backward-resident$many,offload-clip"
+status=0 started=$SECONDS
 log() { echo "$*" | tee -a "$OUT/run.log"; }
+headline() { grep -vE "Warning|warn\(|^\s|USDT|^\[W|^W[0-9]" "$1" | tail -n "$2" | tee -a "$OUT/run.log"; }
+# stage <name> <limit> <command...>: runs it under its limit, its output appended to stages.log.
+stage() {
+    local name=$1 limit=$2; shift 2
+    log "=== $name $(date +%T) (limit ${limit} s, ${SECONDS}s into the run)"
+    echo "=== $name $(date +%T)" >> "$OUT/stages.log"
+    timeout "$limit" "$@" > "$work/$name.log" 2>&1
+    local rc=$?
+    cat "$work/$name.log" >> "$OUT/stages.log"
+    [ $rc = 0 ] || { log "--- $name exited $rc"; status=1; }
+    merge
+}
+merge() { $PY scripts/gpu_check_summary.py merge "$work" "$OUT/summary.json" >> "$OUT/stages.log" 2>&1; }
+pytest_cuda() {  # pytest_cuda <limit> <paths...>: the cuda-marked tests of paths (collected only in a dry run)
+    local limit=$1; shift
+    if [ $dry = 1 ]; then
+        # Without a GPU they skip: collect them, so a selection or import error shows here, not there.
+        $PY -m pytest --co -q -p no:cacheprovider -m cuda "$@" >> "$OUT/pytest.log" 2>&1 || status=1
+    else
+        local per_test=""
+        $PY -c "import pytest_timeout" 2>/dev/null && per_test="--timeout 60"
+        timeout "$limit" $PY -m pytest -q -rfE -p no:cacheprovider --continue-on-collection-errors $per_test \
+            -m cuda "$@" >> "$OUT/pytest.log" 2>&1
+    fi
+    grep -E "^(FAILED|ERROR)|passed|failed|collected|tests? (ran|collected)|error" "$OUT/pytest.log" | tail -n 30 \
+        | tee -a "$OUT/run.log"
+}
 
 {
     [ $dry = 0 ] && nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,power.limit --format=csv
     $PY -c "import sys, torch, transformers; print(sys.version.split()[0], 'torch', torch.__version__, torch.version.cuda,
         'transformers', transformers.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
-    nproc; free -g | head -2; df -h /tmp | tail -1
+    git log -1 --format='commit %h %s' 2>/dev/null
+    $PY -m pip list 2>/dev/null | grep -iE '^(transformers|datasets|tokenizers|huggingface.hub|pyarrow|fsspec|accelerate|lightning|peft|torchao|fairscale) ' 
 } 2>&1 | tee -a "$OUT/run.log"
+log "stages: $stages"
 
-log "=== 1 cuda-marked tests $(date +%T)"
-if [ $dry = 1 ]; then
-    # Without a GPU they skip: collect them, so a selection or import error shows here, not there.
-    $PY -m pytest --co -q -p no:cacheprovider -m cuda tests > "$OUT/pytest_cuda.log" 2>&1 || status=1
-else
-    per_test=""
-    $PY -c "import pytest_timeout" 2>/dev/null && per_test="--timeout 90"
-    timeout "$limit_tests" $PY -m pytest -q -rfE -p no:cacheprovider --continue-on-collection-errors $per_test \
-        -m cuda tests > "$OUT/pytest_cuda.log" 2>&1
-fi
-grep -E "^(FAILED|ERROR)|passed|failed|collected|error" "$OUT/pytest_cuda.log" | tail -n 60 | tee -a "$OUT/run.log"
+for name in $stages; do
+    case $name in
+        host)
+            stage host "$limit_host" $PY scripts/host_facts.py $dry_flag --json "$work/host.json"
+            headline "$work/host.log" 0 ;;
+        tests)
+            log "=== tests $(date +%T): cuda-marked tests of ${FIRST_TESTS[*]}"
+            echo "=== tests: ${FIRST_TESTS[*]}" >> "$OUT/pytest.log"
+            pytest_cuda "$limit_tests" "${FIRST_TESTS[@]}" ;;
+        slices)
+            stage slices "$limit_slices" $PY scripts/bench_peers.py $dry_flag --predict --only "$slices_runs" \
+                --steps 3 --warmup 1 --json "$work/slices.json"
+            headline "$work/slices.log" 9 ;;
+        batch)
+            batch_runs=$slices_runs
+            [ $dry = 1 ] && batch_runs="resident,offload-in-backward-resident$few"
+            for rows in $big $((big / 2)); do
+                stage batch "$limit_batch" $PY scripts/bench_peers.py $dry_flag --predict --batch "$rows" \
+                    --only "$batch_runs" --steps 2 --warmup 1 --json "$work/batch.json"
+                headline "$work/batch.log" 8
+                # Smaller only when the resident baseline itself ran out of device memory.
+                grep -q '"resident": "OutOfMemoryError' "$work/batch.json" 2>/dev/null || break
+            done ;;
+        exact)
+            stage exact "$limit_exact" $PY scripts/bench_peers.py $dry_flag --deterministic --layers 2 \
+                --only resident,offload,offload-in-backward,offload-resident,offload-in-backward-resident \
+                --steps 2 --warmup 2 --json "$work/exact.json"
+            headline "$work/exact.log" 8 ;;
+        trace)
+            trace_flags="--steps 1 --warmup 2"
+            stage trace "$limit_trace" $PY scripts/bench_peers.py $dry_flag --only resident,offload-in-backward \
+                $trace_flags --trace "$OUT" --trace-runs resident,offload-in-backward --json "$work/trace.json"
+            headline "$work/trace.log" 4 ;;
+        rest)
+            left=$((budget - (SECONDS - started)))
+            if [ $dry = 1 ] || [ $left -ge 30 ]; then
+                ignore=()
+                for f in "${FIRST_TESTS[@]}"; do ignore+=("--ignore=$f"); done
+                log "=== rest $(date +%T): the other cuda-marked tests (limit ${left} s)"
+                echo "=== rest" >> "$OUT/pytest.log"
+                # A dry run collects the cuda test files only: CI's own run of the suite collects the rest.
+                rest=(tests)
+                [ $dry = 1 ] && rest=(tests/test_cuda*.py)
+                pytest_cuda "$left" "${ignore[@]}" "${rest[@]}"
+            else
+                log "=== rest: skipped, ${left} s of the ${budget} s budget left"
+            fi ;;
+        peers)
+            stage peers 240 $PY scripts/bench_peers.py $dry_flag --predict --only "$peers" --json "$work/peers.json"
+            headline "$work/peers.log" 14 ;;
+        capped)
+            tier=$(mktemp -d -p "$PWD" .gpu-check-tier-XXXX)  # on the disk: /tmp may be memory
+            PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} stage capped 120 \
+                $PY scripts/bench_peers.py $dry_flag --only offload,offload-in-backward --layers 8 --cap-gib 4 \
+                --disk-tier "$tier" --steps 2 --warmup 1 --json "$work/capped.json"
+            rm -rf "$tier"
+            headline "$work/capped.log" 6 ;;
+        suite)
+            log "=== suite $(date +%T): every cuda-marked test (limit 200 s)"
+            echo "=== suite" >> "$OUT/pytest.log"
+            pytest_cuda 200 tests ;;
+        *) log "unknown stage $name (host tests slices batch exact trace rest peers capped suite)"; status=1 ;;
+    esac
+done
 
-log "=== 2 peers $(date +%T)"
-dry_flag=""
-[ $dry = 1 ] && dry_flag="--cpu-dry-run"
-timeout "$limit_peers" $PY scripts/bench_peers.py $dry_flag --only "$peers" --json "$OUT/peers.json" > "$OUT/peers.log" 2>&1 \
-    || status=1
-grep -vE "Warning|warn\(|^\s" "$OUT/peers.log" | tail -n 30 | tee -a "$OUT/run.log"
-
-log "=== 3 over a 4 GiB cap, state in the disk tier $(date +%T)"
-tier=$(mktemp -d -p "$PWD" .gpu-check-tier-XXXX)  # on the disk: /tmp may be memory
-PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} timeout "$limit_capped" \
-    $PY scripts/bench_peers.py $dry_flag --only offload,offload-in-backward --layers 8 --cap-gib 4 --disk-tier "$tier" --steps 2 --warmup 1 \
-    --json "$OUT/capped.json" > "$OUT/capped.log" 2>&1 || status=1
-rm -rf "$tier"
-grep -vE "Warning|warn\(|^\s" "$OUT/capped.log" | tail -n 12 | tee -a "$OUT/run.log"
-
-log "=== 4 exactness under deterministic kernels $(date +%T)"
-timeout "$limit_exact" $PY scripts/bench_peers.py $dry_flag --deterministic --layers 2 --only resident,offload,offload-in-backward \
-    --steps 2 --warmup 2 --json "$OUT/exact.json" > "$OUT/exact.log" 2>&1 || status=1
-grep -vE "Warning|warn\(|^\s" "$OUT/exact.log" | tail -n 8 | tee -a "$OUT/run.log"
-
-log "=== summary $(date +%T)"
-grep -E "passed|failed|collected" "$OUT/pytest_cuda.log" | tail -n 1 | tee -a "$OUT/run.log"
-$PY - "$OUT" <<'SUMMARY' 2>&1 | tee -a "$OUT/run.log"
-import json, os, sys
-sys.path.insert(0, "scripts")
-from bench_peers import table
-for name in ("peers", "capped", "exact"):
-    path = os.path.join(sys.argv[1], name + ".json")
-    if os.path.exists(path):
-        report = json.load(open(path))
-        ours = report["runs"].get("offload", {})
-        print(f"\n{name}: {report['device_name']}, {report['parameters'] / 1e9:.2f} B parameters, "
-              f"{report['tokens_per_step']} tokens/step; link GB/s "
-              f"{report['bandwidth_bytes_per_s']['host_to_device'] / 1e9:.1f} / {report['bandwidth_bytes_per_s']['device_to_host'] / 1e9:.1f}; "
-              f"host update alone {report.get('host_update_alone_s')}; efficiency {ours.get('efficiency')}; "
-              f"gradients {report.get('gradients_after_first_backward')}")
-        print(table(report))
-        # Resident slices are stepped by the device's AdamW, the others by the host's: compared apart.
-        for kind, resident in (("streamed", False), ("with resident slices", True)):
-            digests = {n: r["parameters_sha256_16"] for n, r in report["runs"].items()
-                       if "parameters_sha256_16" in r and n.endswith("-resident") == resident}
-            if digests:
-                print(f"parameters after the run, per offloaded variant ({kind}): {digests}; "
-                      f"all equal: {len(set(digests.values())) <= 1}")
-    else:
-        print(f"\n{name}: no report (the stage did not finish)")
-SUMMARY
+log "=== summary $(date +%T), ${SECONDS}s"
+merge
+$PY scripts/gpu_check_summary.py show "$OUT/summary.json" 2>&1 | tee -a "$OUT/run.log"
+[ ${PIPESTATUS[0]} = 0 ] || status=1
+rm -rf "$work"
 log "=== done $(date +%T), exit $status"
 # A dry run fails on any stage's failure: CI runs it so that the GPU run never fails on a script bug.
 [ $dry = 1 ] && exit $status

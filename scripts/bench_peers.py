@@ -30,6 +30,13 @@ link bandwidth, host update alone) / its step``. Its gradients after the first b
 with the resident model's, bit for bit (the resident model's second backward of the same batch
 gives the spread its own kernels allow).
 
+``--predict`` sets the planner's prediction for the same machine beside each offloaded run
+(``scripts/step_prediction.py``). ``--trace DIR`` profiles one more step of the ``--trace-runs``
+(default ``resident,offload-in-backward``) into ``DIR/trace-<run>.json.gz`` with each CUDA stream's
+busy and idle time over forward and backward (``scripts/stream_idle.py``). Every offloaded run
+records each slice's parameter digest and where its update ran (``slice_parameters_sha256_16``);
+``parameters_per_slice`` says whether the variants that updated a slice on the same side agree.
+
 ``--cap-gib N --only offload --disk-tier DIR`` trains the offloaded model with device memory capped
 (``torch.cuda.set_per_process_memory_fraction``) and AdamW's state in files.
 
@@ -50,6 +57,7 @@ import gc
 import hashlib
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -77,12 +85,22 @@ PEERS = ("resident", "offload", "fsdp2", "torchao", "fairscale")
 #: each slice's update in backward (``OffloadOptimizer(..., update_in_backward=True)``), ``-cut`` only
 #: while the update worker keeps up (``max_backlog = 1``), the rest at step(), in slice order;
 #: ``-resident`` keeps the first ``--resident-slices`` slices on the device (Note: [Resident slices]).
+#: ``clip`` clips the gradients' total norm to 1 before ``step()`` (the update behind the next forward, as
+#: Hugging Face's Trainer runs it). A ``-resident`` name may end in a count: ``offload-in-backward-resident6``
+#: keeps 6 slices resident whatever ``--resident-slices`` says (:func:`split_variant`).
 OFFLOAD_VARIANTS = ("offload-in-backward", "offload-in-backward-cut", "offload-sync", "offload-threads8", "offload-no-step", "offload-profile",
-                    "offload-cprofile", "offload-resident", "offload-in-backward-resident")
+                    "offload-cprofile", "offload-resident", "offload-in-backward-resident", "offload-clip",
+                    "offload-clip-resident")
 GPU_SIZES = {"hidden": 2048, "layers": 16, "intermediate": 5632, "heads": 16, "kv_heads": 8, "vocab": 32000,
              "seq": 1024, "batch": 8}
 DRY_SIZES = {"hidden": 64, "layers": 2, "intermediate": 128, "heads": 4, "kv_heads": 2, "vocab": 256,
              "seq": 16, "batch": 2}
+
+
+def split_variant(name: str) -> tuple[str, int | None]:
+    """``offload-in-backward-resident6`` -> ``("offload-in-backward-resident", 6)``; other names -> ``(name, None)``."""
+    match = re.fullmatch(r"(offload.*-resident)(\d+)", name)
+    return (match[1], int(match[2])) if match else (name, None)
 
 
 def build_llama(sizes: dict[str, int], seed: int = 0) -> nn.Module:
@@ -137,8 +155,10 @@ class Run:
 
 def timed_forward_backward(device: torch.device, forward_backward: Callable[[], None]) -> float:
     start = time.perf_counter()
-    forward_backward()
-    synchronize(device)
+    # The range a trace's per-stream table reads (scripts/stream_idle.py); nothing while no profiler records.
+    with torch.profiler.record_function("forward+backward"):
+        forward_backward()
+        synchronize(device)
     return time.perf_counter() - start
 
 
@@ -174,14 +194,15 @@ def offload_run(base: nn.Module, batch: torch.Tensor, device: torch.device, grad
 
     hf = copy.deepcopy(base)
     tier = DiskTier(args.disk_tier) if args.disk_tier else None
-    resident = args.resident_slices if variant.endswith("-resident") else 0
+    kind, count = split_variant(variant)
+    resident = (args.resident_slices if count is None else count) if kind.endswith("-resident") else 0
     model = OffloadModel(causal_lm_sequential(hf), device=device, num_slices=args.num_slices,
                          compute_dtype=torch.bfloat16, masters=tier if args.masters_on_disk else None,
                          resident_slices=resident)
-    threads = 8 if variant == "offload-threads8" else None
+    threads = 8 if kind == "offload-threads8" else None
     optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-5, fused=True, disk_tier=tier, num_threads=threads,
-                                 update_in_backward=variant.startswith("offload-in-backward"))
-    if variant == "offload-in-backward-cut":
+                                 update_in_backward=kind.startswith("offload-in-backward"))
+    if kind == "offload-in-backward-cut":
         optimizer._in_backward.max_backlog = 1
     updates = engine_of(model).updates
     wait, blocked = updates.wait, [0.0]
@@ -197,16 +218,24 @@ def offload_run(base: nn.Module, batch: torch.Tensor, device: torch.device, grad
     def step() -> float:
         optimizer.zero_grad(set_to_none=True)
         seconds = timed_forward_backward(device, lambda: loss_of(model(batch), batch).backward()) - blocked[0]
-        if "offload" not in grads:
+        if "offload" not in grads or (args.deterministic and variant not in grads.get("variants", {})):
             # On the host, as the resident model's: a resident slice's gradients are on the device.
-            grads["offload"] = {n: p.grad.to("cpu", copy=True) for n, p in hf.named_parameters()}
+            # Every variant's under --deterministic (small models): each is compared with the resident's.
+            first = {n: p.grad.to("cpu", copy=True) for n, p in hf.named_parameters()}
+            grads.setdefault("offload", first)
+            if args.deterministic:
+                grads.setdefault("variants", {})[variant] = first
+        if kind.startswith("offload-clip"):
+            start = time.perf_counter()
+            torch.nn.utils.clip_grad_norm_([p for p in hf.parameters() if p.grad is not None], 1.0)
+            run.parts.setdefault("clip_s", []).append(time.perf_counter() - start)
         # What this step's forward waited for the last update; synchronize() below waits through the
         # same function, which must not count twice.
         forward_blocked = blocked[0]
         start = time.perf_counter()
-        if variant != "offload-no-step":
+        if kind != "offload-no-step":
             optimizer.step()
-        if variant == "offload-sync":
+        if kind == "offload-sync":
             # The update alone, apart from the step() call that submits it.
             submitted = time.perf_counter()
             optimizer.synchronize()
@@ -229,6 +258,19 @@ def offload_run(base: nn.Module, batch: torch.Tensor, device: torch.device, grad
             digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         return digest.hexdigest()[:16]
 
+    def slice_digests() -> list[list[str]]:
+        """Per slice, where its update ran (``device``: a resident slice's; ``host``) and the digest
+        of its parameters' bits: slices updated on the same side must agree across variants."""
+        optimizer.synchronize()
+        out = []
+        for s in engine_of(model).slices:
+            digest = hashlib.sha256()
+            for e in s.storage.held:
+                if e.is_parameter:
+                    digest.update(e.tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            out.append(["device" if s.storage.resident else "host", digest.hexdigest()[:16]])
+        return out
+
     run = Run(step, free)
     if resident and not args.disk_tier:
         # The host's share of the update: the slices that stream (float32 host copies, as the
@@ -237,6 +279,7 @@ def offload_run(base: nn.Module, batch: torch.Tensor, device: torch.device, grad
                     for e in s.storage.held if e.is_parameter]
         run.host_update_streamed_alone_s = host_update_alone(streamed, 1 if args.cpu_dry_run else 3)  # type: ignore[attr-defined]
     run.fingerprint = fingerprint  # type: ignore[attr-defined]
+    run.slice_digests = slice_digests  # type: ignore[attr-defined]
     run.traffic = engine_of(model).traffic  # type: ignore[attr-defined]
     return run
 
@@ -364,6 +407,44 @@ def host_update_alone(shapes: list[torch.Size], repeats: int) -> float:
     return statistics.median(times)
 
 
+def traced_step(run: Run, name: str, device: torch.device, directory: str) -> dict:
+    """One more step under ``torch.profiler``, its Chrome trace written gzipped to
+    ``directory/trace-<name>.json.gz``; returns the per-stream table of its forward and backward
+    (:func:`stream_idle.lanes`)."""
+    import gzip
+    import shutil
+
+    from stream_idle import lanes, load
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        run.timed(device)
+    raw = os.path.join(directory, f".trace-{name}.json")
+    prof.export_chrome_trace(raw)
+    path = os.path.join(directory, f"trace-{name}.json.gz")
+    with open(raw, "rb") as src, gzip.open(path, "wb", compresslevel=6) as dst:
+        shutil.copyfileobj(src, dst)
+    os.remove(raw)
+    return {"trace": os.path.basename(path)} | lanes(load(path))
+
+
+def exactness(report: dict) -> dict:
+    """Per slice, the digests of the variants that updated it on the same side (the host's AdamW,
+    or the device's for a resident slice): under deterministic kernels they must all be equal. A
+    clipped run trains differently, and a traced run one step longer: both are left out."""
+    groups: dict[str, dict[str, str]] = {}
+    for name, run in report["runs"].items():
+        if "streams" in run or split_variant(name)[0].startswith("offload-clip"):
+            continue
+        for index, (where, digest) in enumerate(run.get("slice_parameters_sha256_16", [])):
+            groups.setdefault(f"slice {index} on the {where}", {})[name] = digest
+    compared = {key: runs for key, runs in groups.items() if len(runs) > 1}
+    differing = {key: runs for key, runs in compared.items() if len(set(runs.values())) > 1}
+    return {"groups_compared": len(compared), "groups_differing": len(differing), "all_equal": not differing,
+            "differing": differing}
+
+
 def compare_gradients(grads: dict) -> dict:
     def worst(a: dict, b: dict) -> tuple[float, int]:
         diff, differing = 0.0, 0
@@ -382,6 +463,12 @@ def compare_gradients(grads: dict) -> dict:
     if "resident_again" in grads:
         out["resident_vs_itself_max_relative"], out["resident_vs_itself_tensors_differing"] = worst(
             grads["resident"], grads["resident_again"])
+    if "resident" in grads and grads.get("variants"):
+        out["per_variant"] = {}
+        for name, ours in grads["variants"].items():
+            relative, differing = worst(grads["resident"], ours)
+            out["per_variant"][name] = {"max_relative": relative, "tensors_differing": differing,
+                                        "bit_identical": differing == 0}
     return out
 
 
@@ -417,9 +504,12 @@ def measure(name: str, make: Callable[[], Run], args, device: torch.device, toke
             result["offloaded_bytes_per_step"] = (after[1] - traffic_before[1]) / args.steps
         if hasattr(run, "host_update_streamed_alone_s"):
             result["host_update_streamed_alone_s"] = run.host_update_streamed_alone_s
-            result["resident_slices"] = args.resident_slices
+            result["resident_slices"] = split_variant(name)[1] or args.resident_slices
+        if name in args.trace_runs:
+            result["streams"] = traced_step(run, name, device, args.trace)
         if hasattr(run, "fingerprint") and name != "offload-no-step":
             result["parameters_sha256_16"] = run.fingerprint()
+            result["slice_parameters_sha256_16"] = run.slice_digests()
         report["runs"][name] = result
         print(f"[{name}] step {result['median_step_s'] * 1e3:.1f} ms, fwd+bwd "
               f"{result['median_forward_backward_s'] * 1e3:.1f} ms", flush=True)
@@ -471,9 +561,9 @@ def profiled(name: str, device: torch.device, json_path: str | None):
 
 
 def efficiency(report: dict) -> None:
-    for name in ("offload", "offload-in-backward", "offload-in-backward-cut", "offload-resident",
-                 "offload-in-backward-resident"):
-        if name in report["runs"]:
+    for name in list(report["runs"]):
+        if split_variant(name)[0] in ("offload", "offload-in-backward", "offload-in-backward-cut", "offload-resident",
+                                      "offload-in-backward-resident", "offload-clip", "offload-clip-resident"):
             efficiency_of(report, name)
 
 
@@ -507,16 +597,20 @@ def write(report: dict, path: str | None) -> None:
 
 
 def table(report: dict) -> str:
-    lines = ["| run | step ms | fwd+bwd ms | exposed update ms | tokens/s | peak device MiB | RSS growth over timed steps MiB |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| run | step ms | fwd+bwd ms | exposed update ms | tokens/s | peak device MiB | RSS growth over timed steps MiB "
+             "| planner step ms, from resident / from ops (exposed) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, run in report["runs"].items():
         peak = run.get("peak_device_bytes")
         exposed = run.get("median_exposed_update_s")
         timed = run["host_rss_bytes_per_step"][-len(run["step_s"]) + report["warmup"]:] or run["host_rss_bytes_per_step"]
         growth = (timed[-1] - timed[0]) / 2**20
+        planner = run.get("planner", {})
+        predicted = " / ".join(f"{planner[w]['step'] * 1e3:.1f} ({planner[w]['exposed'] * 1e3:.1f})"
+                               for w in ("from_resident", "from_ops") if w in planner)
         lines.append(f"| {name} | {run['median_step_s'] * 1e3:.1f} | {run['median_forward_backward_s'] * 1e3:.1f} "
                      f"| {'' if exposed is None else f'{exposed * 1e3:.1f}'} | {run['tokens_per_s']:.0f} "
-                     f"| {'' if peak is None else f'{peak / 2**20:.0f}'} | {growth:.0f} |")
+                     f"| {'' if peak is None else f'{peak / 2**20:.0f}'} | {growth:.0f} | {predicted} |")
     for name, why in report["failed"].items():
         lines.append(f"| {name} | failed: {why[:120]} |")
     return "\n".join(lines)
@@ -539,6 +633,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--disk-tier", default=None, help="offload: AdamW's state in files in this directory")
     parser.add_argument("--masters-on-disk", action="store_true", help="offload: float32 masters in the disk tier too")
     parser.add_argument("--json", default=None, help="write the report here (after every run)")
+    parser.add_argument("--predict", action="store_true",
+                        help="the planner's prediction beside each offloaded run (scripts/step_prediction.py)")
+    parser.add_argument("--trace", default=None, metavar="DIR",
+                        help="one more step of each --trace-runs run under torch.profiler: DIR/trace-<run>.json.gz "
+                             "and a per-stream table (scripts/stream_idle.py)")
+    parser.add_argument("--trace-runs", default="resident,offload-in-backward", help="the runs --trace profiles")
     parser.add_argument("--deterministic", action="store_true",
                         help="deterministic kernels only (math attention, torch.use_deterministic_algorithms): the "
                              "offloaded variants' parameters must then agree bit for bit (parameters_sha256_16)")
@@ -558,7 +658,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--resident-slices must be between 0 and the number of slices ({args.num_slices}), "
                      f"got {args.resident_slices}")
     args.peers = [p.strip() for p in args.only.split(",") if p.strip()]
-    unknown = set(args.peers) - set(PEERS) - set(OFFLOAD_VARIANTS)
+    unknown = {split_variant(p)[0] for p in args.peers} - set(PEERS) - set(OFFLOAD_VARIANTS)
     if unknown:
         parser.error(f"--only: unknown {', '.join(sorted(unknown - set(OFFLOAD_VARIANTS)))}; choose from "
                      f"{', '.join(PEERS + OFFLOAD_VARIANTS)}")
@@ -569,6 +669,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.device = torch.device("cuda", torch.cuda.current_device())
     if args.masters_on_disk and not args.disk_tier:
         parser.error("--masters-on-disk needs --disk-tier DIR")
+    args.trace_runs = [r.strip() for r in args.trace_runs.split(",")] if args.trace else []
+    for name in args.peers:
+        count = split_variant(name)[1]
+        if count is not None and count > args.num_slices:
+            parser.error(f"--only {name}: {count} resident slices of {args.num_slices}")
     return args
 
 
@@ -606,9 +711,15 @@ def main(argv: list[str] | None = None) -> dict:
     for variant in OFFLOAD_VARIANTS:
         makers[variant] = lambda variant=variant: offload_run(base, batch, device, grads, args, variant)
     for name in args.peers:
-        measure(name, makers[name], args, device, tokens, report)
+        make = makers.get(name) or (lambda name=name: offload_run(base, batch, device, grads, args, name))
+        measure(name, make, args, device, tokens, report)
     report["gradients_after_first_backward"] = compare_gradients(grads)
+    report["parameters_per_slice"] = exactness(report)
     efficiency(report)
+    if args.predict:
+        from step_prediction import predict
+
+        predict(report)
     write(report, args.json)
     print(table(report))
     print(json.dumps({k: report["runs"].get("offload", {}).get(k) for k in ("efficiency", "ideal_terms")}
