@@ -1,4 +1,4 @@
-"""The planner's prediction beside each run of ``scripts/bench_peers.py``, for the machine it ran on.
+"""The planner's prediction beside each run of ``benchmarks/bench_peers.py``, for the machine it ran on.
 
 For every offloaded run of a report (``offload``, ``offload-in-backward``, ``offload-clip``, each
 with or without resident slices) the planner predicts the same model, batch, slices, schedule and

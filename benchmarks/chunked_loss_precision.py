@@ -9,7 +9,7 @@ and for chunks of several sizes, on random bfloat16 data shaped like a head's gr
 
 Usage::
 
-    python scripts/chunked_loss_precision.py --json benchmarks/results/chunked_loss_precision_cpu.json
+    python benchmarks/chunked_loss_precision.py --json benchmarks/results/chunked_loss_precision_cpu.json
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def main() -> None:
               f"max {row['max']:.2e}, norm {row['norm']:.2%}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"command": "python scripts/chunked_loss_precision.py " + " ".join(
+            json.dump({"command": "python benchmarks/chunked_loss_precision.py " + " ".join(
                 f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
                 for k, v in vars(args).items() if k != "json"), "torch": torch.__version__, "rows": rows}, f, indent=2)
             f.write("\n")

@@ -10,7 +10,7 @@ place (the trained model and optimizer) and read files the save just wrote (the 
 
 Usage::
 
-    python scripts/bench_checksums.py --preset mlp --rounds 10 --dir /tmp/benchck \\
+    python benchmarks/bench_checksums.py --preset mlp --rounds 10 --dir /tmp/benchck \\
         --json benchmarks/results/checksums_cpu_mlp.json
 """
 

@@ -1,6 +1,6 @@
 """Per-stream busy and idle time of one profiled step, read from a ``torch.profiler`` Chrome trace.
 
-The window is the step's ``forward+backward`` range (``scripts/bench_peers.py`` labels it with
+The window is the step's ``forward+backward`` range (``benchmarks/bench_peers.py`` labels it with
 ``record_function``; it ends after a device synchronize, so the device's work of the range lies in
 it). Per lane (a CUDA stream; on a CPU-only trace, a host thread): the time some kernel, copy or
 memset ran (the union of their intervals, clipped to the window), the idle rest, the count of
@@ -11,7 +11,7 @@ spends the time by which it exceeds the resident one: more kernel time on the co
 
 Usage::
 
-    python scripts/stream_idle.py trace-resident.json.gz trace-offload-in-backward.json.gz
+    python benchmarks/stream_idle.py trace-resident.json.gz trace-offload-in-backward.json.gz
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def lanes(events: list[dict[str, Any]]) -> dict[str, Any]:
     """The table for one trace: window length and, per lane, busy, idle, gaps and top kernels (ms)."""
     windows = [e for e in events if e.get("name") == WINDOW and e.get("cat") == "user_annotation"]
     if not windows:
-        raise ValueError(f"no {WINDOW!r} range in the trace: profile a step of scripts/bench_peers.py")
+        raise ValueError(f"no {WINDOW!r} range in the trace: profile a step of benchmarks/bench_peers.py")
     start = windows[-1]["ts"]
     stop = start + windows[-1]["dur"]
     timed = [e for e in events if e.get("ph") == "X" and "dur" in e and e["ts"] < stop and e["ts"] + e["dur"] > start]

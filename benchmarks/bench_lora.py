@@ -11,8 +11,8 @@ figures as a GPU would (where the host buffers are pinned); no time is measured.
 
 Usage::
 
-    python scripts/bench_lora.py --json benchmarks/results/lora_bytes.json
-    python scripts/bench_lora.py --hidden 1024 --layers 16 --lora-r 16 --compute-dtype none
+    python benchmarks/bench_lora.py --json benchmarks/results/lora_bytes.json
+    python benchmarks/bench_lora.py --hidden 1024 --layers 16 --lora-r 16 --compute-dtype none
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The planner's update schedules beside one H100's: the default (the update behind the next
-forward) and the update during backward, for the Llama-shaped model of ``scripts/bench_peers.py``.
+forward) and the update during backward, for the Llama-shaped model of ``benchmarks/bench_peers.py``.
 
 The run (``benchmarks/results/h100-2026-11-26b/peers2.json``, one call) timed the same model, batch
 and configuration (0.886 B parameters, bf16 compute, 18 slices, batch 8 x 1024, fused AdamW) as
@@ -23,8 +23,8 @@ add (``estimate_memory``): predictions for the next GPU run to be set beside, no
 
 Usage::
 
-    python scripts/planner_schedules_h100.py --out benchmarks/results/planner_schedules_h100_2026-11-26.md
-    python scripts/planner_schedules_h100.py --resident 0 2 4 6 9 --out benchmarks/results/planner_resident_h100_2026-11-27.md
+    python benchmarks/planner_schedules_h100.py --out benchmarks/results/planner_schedules_h100_2026-11-26.md
+    python benchmarks/planner_schedules_h100.py --resident 0 2 4 6 9 --out benchmarks/results/planner_resident_h100_2026-11-27.md
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ def main() -> None:
         print(table)
         args.out.write_text(
             "# The planner's prediction with resident slices, for the H100 run's model (not measured)\n\n"
-            f"Written by `python scripts/planner_schedules_h100.py --resident {' '.join(map(str, args.resident))} "
+            f"Written by `python benchmarks/planner_schedules_h100.py --resident {' '.join(map(str, args.resident))} "
             f"--out {args.out}` from `{resident['run']}`: step and (in brackets) exposed update in ms, device time "
             "from the run's resident forward and backward, the host update at the run's AdamW rate, the resident "
             "slices' update at the device's memory bandwidth (datasheet x 0.8). The resident model's measured step: "
@@ -189,7 +189,7 @@ def main() -> None:
     text = markdown(result)
     print(text)
     header = (f"# The planner's schedules beside the H100 run (2026-11-26)\n\n"
-              f"Written by `python scripts/planner_schedules_h100.py --out {args.out}` from `{result['run']}`; "
+              f"Written by `python benchmarks/planner_schedules_h100.py --out {args.out}` from `{result['run']}`; "
               "step and (in brackets) exposed update in ms. See the script's docstring for the columns. "
               f"The update alone after backward took {result['update_alone_s'] * 1e3:.0f} ms (peers.json, "
               "offload-sync).\n\n")

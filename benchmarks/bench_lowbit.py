@@ -14,8 +14,8 @@ extra) and ``bnb`` (the bnb extra, bitsandbytes).
 
 Usage::
 
-    python scripts/bench_lowbit.py --json benchmarks/results/lowbit_cpu.json
-    python scripts/bench_lowbit.py --libraries bnb --json benchmarks/results/lowbit_bnb_cpu.json
+    python benchmarks/bench_lowbit.py --json benchmarks/results/lowbit_cpu.json
+    python benchmarks/bench_lowbit.py --libraries bnb --json benchmarks/results/lowbit_bnb_cpu.json
 """
 
 from __future__ import annotations

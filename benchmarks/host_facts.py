@@ -3,12 +3,12 @@
 CPU model, cores, NUMA nodes, transparent huge pages, the host memory bandwidth of a large copy
 at the update's thread count (``OffloadOptimizer``'s worker takes PyTorch's setting unless told
 otherwise, ``torch.get_num_threads()``) and at one thread, and the pinned link each way
-(``scripts/benchmark.py``'s ``measure_bandwidth``; on the CPU, a host copy).
+(``benchmarks/benchmark.py``'s ``measure_bandwidth``; on the CPU, a host copy).
 
 Usage::
 
-    python scripts/host_facts.py --json host.json
-    python scripts/host_facts.py --cpu-dry-run --json /tmp/host.json   # small sizes
+    python benchmarks/host_facts.py --json host.json
+    python benchmarks/host_facts.py --cpu-dry-run --json /tmp/host.json   # small sizes
 """
 
 from __future__ import annotations

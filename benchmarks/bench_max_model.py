@@ -7,7 +7,7 @@ step time and parameter bytes per byte of the cap. The report is written after e
 run cut short keeps what it measured.
 
 It does not time the presets against the resident model and fairscale: that is
-``scripts/benchmark.py``, whose step, timing and report writing this script reuses, so both
+``benchmarks/benchmark.py``, whose step, timing and report writing this script reuses, so both
 reports share their header (command, machine, bandwidth) and JSON layout.
 
 Without a GPU it is a smoke test of the search: a few tiny sizes, with no cap.
@@ -15,8 +15,8 @@ Without a GPU it is a smoke test of the search: a few tiny sizes, with no cap.
 Usage::
 
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
-        python scripts/bench_max_model.py --cap-gib 2 --compute-dtype bf16
-    python scripts/bench_max_model.py --device cpu --max-layers 2   # the smoke test
+        python benchmarks/bench_max_model.py --cap-gib 2 --compute-dtype bf16
+    python benchmarks/bench_max_model.py --device cpu --max-layers 2   # the smoke test
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch
 from offload import OffloadModel, OffloadOptimizer
 from offload.planning.presets import build_preset
 
-from benchmark import (  # scripts/benchmark.py, next to this file
+from benchmark import (  # benchmarks/benchmark.py, next to this file
     Runner, make_step, report_stem, resolve_device, start_report, timed_step, write_report)
 
 #: The issue's goal: parameter bytes at least this many times the device memory they train in.

@@ -19,8 +19,8 @@ resident run's slowness is OpenMP's spinning wait on cores other processes share
 
 Usage::
 
-    python scripts/bench_resident_cpu.py --json benchmarks/results/resident_cpu_2026-11-28.json
-    python scripts/bench_resident_cpu.py --rounds 1 --steps 5     # a quick look
+    python benchmarks/bench_resident_cpu.py --json benchmarks/results/resident_cpu_2026-11-28.json
+    python benchmarks/bench_resident_cpu.py --rounds 1 --steps 5     # a quick look
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ Saves measured:
 
 Usage::
 
-    MALLOC_MMAP_THRESHOLD_=1048576 python scripts/bench_save_libraries.py --json /tmp/save_libraries.json
+    MALLOC_MMAP_THRESHOLD_=1048576 python benchmarks/bench_save_libraries.py --json /tmp/save_libraries.json
 
 (the fixed mmap threshold returns each freed buffer to the kernel, so that the high-water mark
 shows what a save held, not what the allocator kept).

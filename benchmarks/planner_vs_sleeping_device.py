@@ -25,7 +25,7 @@ is checked against these measurements without timing the machine the tests run o
 
 Usage::
 
-    python scripts/planner_vs_sleeping_device.py --json benchmarks/results/planner_vs_sleeping_device_cpu_2026-11-28.json
+    python benchmarks/planner_vs_sleeping_device.py --json benchmarks/results/planner_vs_sleeping_device_cpu_2026-11-28.json
 """
 
 from __future__ import annotations
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
               f"{case['predicted_step_s'] * 1e3:.0f} ms, measured {case['median_step_s'] * 1e3:.0f} ms "
               f"(x{case['predicted_over_measured']:.2f}, try {case['attempt']})", flush=True)
     if args.json:
-        report = {"command": "python scripts/planner_vs_sleeping_device.py " + " ".join(argv or sys.argv[1:]),
+        report = {"command": "python benchmarks/planner_vs_sleeping_device.py " + " ".join(argv or sys.argv[1:]),
                   "date": datetime.date.today().isoformat(), "tolerance": TOLERANCE,
                   "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                               "torch": torch.__version__, "load_average_after": os.getloadavg()},

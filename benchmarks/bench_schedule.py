@@ -25,7 +25,7 @@ device's work includes their update, and the host's covers the other slices only
 slices)``, each term measured on its own (``resident_update_s``: ``step()`` with only the resident
 slices' gradients present; ``update_s``: ``step()`` then ``synchronize()`` with only the others').
 
-On ``--device cpu`` the device is simulated as in ``scripts/bench_optimizer.py``: each layer
+On ``--device cpu`` the device is simulated as in ``benchmarks/bench_optimizer.py``: each layer
 computes ``y = x @ W`` (a real function of its parameter, so the results can be compared bit for
 bit) and then *sleeps* ``s`` seconds (``2 s`` in backward), which uses no CPU and releases the GIL
 as a GPU's work would. The training thread still does the walk's own work on the CPU (loading
@@ -61,10 +61,10 @@ The machine this was written on has 2 shared cores: ``--threads 1`` gives the up
 
 Usage::
 
-    python scripts/bench_schedule.py --update-sleep-ns 5 --threads 1 --json benchmarks/results/schedule_cpu.json
-    python scripts/bench_schedule.py --quick --json /tmp/schedule.json     # toy sizes, seconds
-    python scripts/bench_schedule.py --resident 2 --ratios 2 --json /tmp/r2.json  # one resident count, one ratio
-    python scripts/bench_schedule.py --device cuda --dim 4096 --rows 512 --threads 8 --json schedule_cuda.json
+    python benchmarks/bench_schedule.py --update-sleep-ns 5 --threads 1 --json benchmarks/results/schedule_cpu.json
+    python benchmarks/bench_schedule.py --quick --json /tmp/schedule.json     # toy sizes, seconds
+    python benchmarks/bench_schedule.py --resident 2 --ratios 2 --json /tmp/r2.json  # one resident count, one ratio
+    python benchmarks/bench_schedule.py --device cuda --dim 4096 --rows 512 --threads 8 --json schedule_cuda.json
 """
 
 from __future__ import annotations

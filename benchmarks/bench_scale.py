@@ -9,16 +9,16 @@ masters and gradients in RAM, AdamW's moments on disk; with ``--compute-dtype bf
 the bfloat16 shadow and the gradients in RAM. Records the parameters, the bytes the
 float32 AdamW state would take in RAM, peak RSS (sampled, and the kernel's high-water mark), bytes
 on disk, seconds per step and where they go (forward and backward; the update's wait), and the
-disk traffic per step against the raw bandwidth measured by ``scripts/bench_storage.py``.
+disk traffic per step against the raw bandwidth measured by ``benchmarks/bench_storage.py``.
 
 Exactness at this size has no reference to compare with (the plain model does not fit: that is the
 point); the disk tier and the loader are bit-identical to the RAM-resident run and to
 ``from_pretrained`` in the tests (``tests/test_disk_tier.py``, ``tests/test_loading.py``), and
-``scripts/bench_storage.py`` checks a few steps bit for bit.
+``benchmarks/bench_storage.py`` checks a few steps bit for bit.
 
 Usage::
 
-    python scripts/bench_scale.py --dir /nvme/scratch --json benchmarks/results/scale_cpu_DATE.json
+    python benchmarks/bench_scale.py --dir /nvme/scratch --json benchmarks/results/scale_cpu_DATE.json
         [--width 8192] [--layers 30] [--slices 15] [--steps 3] [--batch 8]
         [--compute-dtype bfloat16 --masters-on-disk]
 """
@@ -190,7 +190,7 @@ def main() -> None:
     torch.manual_seed(0)
 
     work = Path(tempfile.mkdtemp(prefix="offload-scale-", dir=args.dir))
-    result: dict = {"script": "scripts/bench_scale.py", "date": datetime.date.today().isoformat(),
+    result: dict = {"script": "benchmarks/bench_scale.py", "date": datetime.date.today().isoformat(),
                     "machine": {"cpus": os.cpu_count(), "ram_bytes": psutil.virtual_memory().total,
                                 "platform": platform.platform(), "torch": torch.__version__},
                     "args": vars(args)}

@@ -27,7 +27,7 @@ slice from which it does, using the device rate it measured (``--device-tflops``
 
 Usage::
 
-    python scripts/bench_activations.py [--layers 4] [--d-model 256] [--seq-len 256] [--batch 8]
+    python benchmarks/bench_activations.py [--layers 4] [--d-model 256] [--seq-len 256] [--batch 8]
         [--steps 3] [--device-tflops R] [--link NAME=GBPS ...] [--json PATH]
 """
 

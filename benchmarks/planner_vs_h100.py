@@ -18,7 +18,7 @@ exposed part, as the planner's ``"overlapped"`` schedule does.
 
 Usage::
 
-    python scripts/planner_vs_h100.py --out benchmarks/results/planner_vs_h100_2026-11-26.md
+    python benchmarks/planner_vs_h100.py --out benchmarks/results/planner_vs_h100_2026-11-26.md
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def main() -> None:
     text = markdown(table)
     print(text)
     header = (f"# The planner beside the H100 runs ({datetime.date.today()})\n\n"
-              f"Written by `python scripts/planner_vs_h100.py --out {args.out}` from "
+              f"Written by `python benchmarks/planner_vs_h100.py --out {args.out}` from "
               f"`benchmarks/results/h100-2026-11-22/run*_benchmark_*.json`; times in ms. Rates: {RATES.name}. "
               "See the script's docstring for what each column is.\n\n"
               "- *from ops*: device time from the model's operations over the default rate; *from resident*: from "

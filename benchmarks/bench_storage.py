@@ -30,9 +30,9 @@ Four measurements, written to one JSON file:
 
 Usage::
 
-    python scripts/bench_storage.py --json benchmarks/results/storage_cpu.json
-    python scripts/bench_storage.py --dir /nvme/scratch --params 200e6 --json storage.json
-    python scripts/bench_storage.py --small --json /tmp/storage.json       # seconds: a smoke test
+    python benchmarks/bench_storage.py --json benchmarks/results/storage_cpu.json
+    python benchmarks/bench_storage.py --dir /nvme/scratch --params 200e6 --json storage.json
+    python benchmarks/bench_storage.py --small --json /tmp/storage.json       # seconds: a smoke test
 """
 
 from __future__ import annotations

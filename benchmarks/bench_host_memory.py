@@ -20,9 +20,9 @@ include them (``device_bytes``).
 
 Usage::
 
-    python scripts/bench_host_memory.py                                   # 10 M parameters (CI)
-    python scripts/bench_host_memory.py --params 100e6 --json benchmarks/results/host_memory_fp32.json
-    python scripts/bench_host_memory.py --params 100e6 --compute-dtype bfloat16 --json out.json
+    python benchmarks/bench_host_memory.py                                   # 10 M parameters (CI)
+    python benchmarks/bench_host_memory.py --params 100e6 --json benchmarks/results/host_memory_fp32.json
+    python benchmarks/bench_host_memory.py --params 100e6 --compute-dtype bfloat16 --json out.json
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
           f"host + device {result['estimate_vs_rss']:.3f} x the RSS growth")
     if args.json:
         record = {
-            "command": "python " + " ".join(["scripts/bench_host_memory.py", *sys.argv[1:]]),
+            "command": "python " + " ".join(["benchmarks/bench_host_memory.py", *sys.argv[1:]]),
             "date": datetime.date.today().isoformat(),
             "machine": {"platform": platform.platform(), "python": platform.python_version(),
                         "torch": torch.__version__, "threads": torch.get_num_threads()},

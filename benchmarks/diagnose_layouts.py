@@ -4,7 +4,7 @@ device's own determinism) and against ``OffloadModel`` of that layer, forward an
 
 Usage::
 
-    python scripts/diagnose_layouts.py [--device cuda]
+    python benchmarks/diagnose_layouts.py [--device cuda]
 """
 
 from __future__ import annotations

@@ -28,13 +28,13 @@ stands in for a small one: its resident run is then measured before the cap is s
 compute reference, and only the offloaded runs run under the cap.
 
 Without a GPU it runs the ``tiny`` preset on the CPU as a smoke test. The largest model that
-trains under a device-memory cap is found by ``scripts/bench_max_model.py``, not here.
+trains under a device-memory cap is found by ``benchmarks/bench_max_model.py``, not here.
 
 Usage::
 
-    python scripts/benchmark.py                              # every preset (GPU) or the smoke test (CPU)
-    python scripts/benchmark.py --preset gpt-capped --steps 10
-    python scripts/benchmark.py --out-dir benchmarks/results  # where JSON and Markdown go
+    python benchmarks/benchmark.py                              # every preset (GPU) or the smoke test (CPU)
+    python benchmarks/benchmark.py --preset gpt-capped --steps 10
+    python benchmarks/benchmark.py --out-dir benchmarks/results  # where JSON and Markdown go
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ writes them slice by slice, and their peaks show what they hold of them at a tim
 
 Usage::
 
-    python scripts/bench_checkpoint.py --preset mlp --json benchmarks/results/checkpoint_cpu_mlp.json
-    MALLOC_MMAP_THRESHOLD_=1048576 python scripts/bench_checkpoint.py --preset mlp --disk-tier /tmp/tier \
+    python benchmarks/bench_checkpoint.py --preset mlp --json benchmarks/results/checkpoint_cpu_mlp.json
+    MALLOC_MMAP_THRESHOLD_=1048576 python benchmarks/bench_checkpoint.py --preset mlp --disk-tier /tmp/tier \
         --json benchmarks/results/checkpoint_disk_tier.json
 
 (the fixed mmap threshold returns each freed buffer to the kernel, so that a peak above the

@@ -12,7 +12,7 @@ the device cast rate, then prints the per-step time of both strategies for one s
 
 Usage::
 
-    python scripts/bench_cast.py [--mib 256] [--json PATH]
+    python benchmarks/bench_cast.py [--mib 256] [--json PATH]
 """
 
 from __future__ import annotations

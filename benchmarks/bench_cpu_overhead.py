@@ -21,8 +21,8 @@ after the timed steps runs as many offload steps again with the copy engine's ``
 
 Usage::
 
-    python scripts/bench_cpu_overhead.py                  # sweep of batch sizes, prints a table
-    python scripts/bench_cpu_overhead.py --batch 512 --json out.json
+    python benchmarks/bench_cpu_overhead.py                  # sweep of batch sizes, prints a table
+    python benchmarks/bench_cpu_overhead.py --batch 512 --json out.json
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from torch.utils.checkpoint import checkpoint_sequential
 from offload import OffloadModel
 from offload.model import engine_of
 
-from benchmark import measure_bandwidth  # scripts/benchmark.py, next to this file
+from benchmark import measure_bandwidth  # benchmarks/benchmark.py, next to this file
 
 #: (rows per step from which a target applies, the largest offload / checkpoint ratio allowed).
 TARGETS = ((256, 1.10), (512, 1.05))

@@ -27,8 +27,8 @@ Two measurements, written to one JSON file:
 
 Usage::
 
-    python scripts/bench_optimizer.py --json benchmarks/results/optimizer_cpu.json
-    python scripts/bench_optimizer.py --params 20e6 --overlap-params 16e6 --rounds 3   # smaller, quicker
+    python benchmarks/bench_optimizer.py --json benchmarks/results/optimizer_cpu.json
+    python benchmarks/bench_optimizer.py --params 20e6 --overlap-params 16e6 --rounds 3   # smaller, quicker
 """
 
 from __future__ import annotations

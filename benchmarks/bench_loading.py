@@ -9,7 +9,7 @@ page cache (the figures are then about the loader, not the disk).
 
 Usage::
 
-    python scripts/bench_loading.py --dir DIR --json benchmarks/results/loading_cpu_DATE.json
+    python benchmarks/bench_loading.py --dir DIR --json benchmarks/results/loading_cpu_DATE.json
         [--layers 16] [--hidden 1536] [--intermediate 4096] [--vocab 32000] [--repeats 2]
 """
 

@@ -3,8 +3,8 @@ tables printed last.
 
 Usage::
 
-    python scripts/gpu_check_summary.py merge STAGE_DIR summary.json   # every STAGE_DIR/<stage>.json under its stage's key
-    python scripts/gpu_check_summary.py show summary.json              # the tables (pytest.log beside it for the tests)
+    python benchmarks/gpu_check_summary.py merge STAGE_DIR summary.json   # every STAGE_DIR/<stage>.json under its stage's key
+    python benchmarks/gpu_check_summary.py show summary.json              # the tables (pytest.log beside it for the tests)
 """
 
 from __future__ import annotations

@@ -31,9 +31,9 @@ with the resident model's, bit for bit (the resident model's second backward of 
 gives the spread its own kernels allow).
 
 ``--predict`` sets the planner's prediction for the same machine beside each offloaded run
-(``scripts/step_prediction.py``). ``--trace DIR`` profiles one more step of the ``--trace-runs``
+(``benchmarks/step_prediction.py``). ``--trace DIR`` profiles one more step of the ``--trace-runs``
 (default ``resident,offload-in-backward``) into ``DIR/trace-<run>.json.gz`` with each CUDA stream's
-busy and idle time over forward and backward (``scripts/stream_idle.py``). Every offloaded run
+busy and idle time over forward and backward (``benchmarks/stream_idle.py``). Every offloaded run
 records each slice's parameter digest and where its update ran (``slice_parameters_sha256_16``);
 ``parameters_per_slice`` says whether the variants that updated a slice on the same side agree.
 
@@ -42,10 +42,10 @@ records each slice's parameter digest and where its update ran (``slice_paramete
 
 Usage::
 
-    python scripts/bench_peers.py --json peers.json                      # a GPU, the default sizes
-    python scripts/bench_peers.py --cpu-dry-run --json /tmp/peers.json   # every code path, toy sizes, CPU
-    python scripts/bench_peers.py --only resident,offload,offload-resident,offload-in-backward-resident --resident-slices 4
-    python scripts/bench_peers.py --only offload --cap-gib 4 --disk-tier /tmp/tier --json capped.json
+    python benchmarks/bench_peers.py --json peers.json                      # a GPU, the default sizes
+    python benchmarks/bench_peers.py --cpu-dry-run --json /tmp/peers.json   # every code path, toy sizes, CPU
+    python benchmarks/bench_peers.py --only resident,offload,offload-resident,offload-in-backward-resident --resident-slices 4
+    python benchmarks/bench_peers.py --only offload --cap-gib 4 --disk-tier /tmp/tier --json capped.json
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ class Run:
 
 def timed_forward_backward(device: torch.device, forward_backward: Callable[[], None]) -> float:
     start = time.perf_counter()
-    # The range a trace's per-stream table reads (scripts/stream_idle.py); nothing while no profiler records.
+    # The range a trace's per-stream table reads (benchmarks/stream_idle.py); nothing while no profiler records.
     with torch.profiler.record_function("forward+backward"):
         forward_backward()
         synchronize(device)
@@ -634,10 +634,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--masters-on-disk", action="store_true", help="offload: float32 masters in the disk tier too")
     parser.add_argument("--json", default=None, help="write the report here (after every run)")
     parser.add_argument("--predict", action="store_true",
-                        help="the planner's prediction beside each offloaded run (scripts/step_prediction.py)")
+                        help="the planner's prediction beside each offloaded run (benchmarks/step_prediction.py)")
     parser.add_argument("--trace", default=None, metavar="DIR",
                         help="one more step of each --trace-runs run under torch.profiler: DIR/trace-<run>.json.gz "
-                             "and a per-stream table (scripts/stream_idle.py)")
+                             "and a per-stream table (benchmarks/stream_idle.py)")
     parser.add_argument("--trace-runs", default="resident,offload-in-backward", help="the runs --trace profiles")
     parser.add_argument("--deterministic", action="store_true",
                         help="deterministic kernels only (math attention, torch.use_deterministic_algorithms): the "

@@ -16,7 +16,7 @@ Before the data path was lazy, the command read the whole file and tokenised it 
 
 Usage::
 
-    python scripts/bench_data.py --sizes-mb 10 100 --json benchmarks/results/data_path_cpu_2026-11-26.json
+    python benchmarks/bench_data.py --sizes-mb 10 100 --json benchmarks/results/data_path_cpu_2026-11-26.json
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
             text.unlink()
             jsonl.unlink()
     if args.json is not None:
-        record = {"benchmark": "data_path", "command": " ".join(["python", "scripts/bench_data.py", *(argv or sys.argv[1:])]),
+        record = {"benchmark": "data_path", "command": " ".join(["python", "benchmarks/bench_data.py", *(argv or sys.argv[1:])]),
                   "platform": platform.platform(), "python": platform.python_version(), "steps": args.steps,
                   "results": results}
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,7 @@ benchmark case, as tables of the operations with the most host time and the most
 
 Usage::
 
-    python scripts/profile_step.py --case gpt-compute-bound-bf16 [--steps 3] [--trace trace.json]
+    python benchmarks/profile_step.py --case gpt-compute-bound-bf16 [--steps 3] [--trace trace.json]
 """
 
 from __future__ import annotations

@@ -28,9 +28,9 @@ with it.
 
 Usage::
 
-    python scripts/bench_trainer.py --json benchmarks/results/tools_cpu.json
-    python scripts/bench_trainer.py --runs command-offload trainer-plain --steps 3
-    python scripts/bench_trainer.py --hidden 512 --layers 8 --steps 6 --device cuda --only trainer-offload
+    python benchmarks/bench_trainer.py --json benchmarks/results/tools_cpu.json
+    python benchmarks/bench_trainer.py --runs command-offload trainer-plain --steps 3
+    python benchmarks/bench_trainer.py --hidden 512 --layers 8 --steps 6 --device cuda --only trainer-offload
 """
 
 from __future__ import annotations
@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> None:
         equal = {None: "", True: f"losses = {PLAIN[run]}'s", False: f"losses differ from {PLAIN[run]}'s"}
         print(f"{run:19s} {result['tokens_per_s']:8.0f} tokens/s  peak RSS {result['peak_rss_mib']:6.0f} MiB  "
               f"{equal[result['losses_equal_plain']]}")
-    report = {"command": "python scripts/bench_trainer.py " + " ".join(argv),
+    report = {"command": "python benchmarks/bench_trainer.py " + " ".join(argv),
               "settings": {k: v for k, v in vars(args).items() if k not in ("json", "only")},
               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                           "load_average_before": load_before, "load_average_after": os.getloadavg()},
