@@ -4,12 +4,12 @@
 # still leaves what it finished), a summary printed last. The default stages, in order:
 #
 #   host    host facts: CPU model, cores, NUMA, transparent huge pages, host copy bandwidth at the
-#           update's thread count, the pinned link each way (scripts/host_facts.py; ~10 s);
+#           update's thread count, the pinned link each way (benchmarks/host_facts.py; ~10 s);
 #   tests   the cuda-marked tests of what never ran on a GPU: resident slices, the trainers
 #           (Trainer, Accelerate, Lightning moving an OffloadedCausalLM with .to("cuda"):
 #           tests/test_trainer.py, tests/test_trainers_cuda.py), the
 #           update in backward, and any QLoRA or fused-host-pass test files present (60 s);
-#   slices  the 0.886 B Llama of scripts/bench_peers.py at 8 x 1024 tokens: resident; offload in
+#   slices  the 0.886 B Llama of benchmarks/bench_peers.py at 8 x 1024 tokens: resident; offload in
 #           backward; the same with 6 and with 9 of its 18 slices resident; the update behind the
 #           next forward with clipping (as Hugging Face's Trainer runs it); each beside the
 #           planner's prediction for this machine (--predict; 120 s; ~80 s expected from the H100's
@@ -22,7 +22,7 @@
 #           updated it on the same side (host or device) (50 s);
 #   trace   one profiled step each of the resident model and of offload in backward: Chrome traces
 #           $OUT/trace-resident.json.gz, $OUT/trace-offload-in-backward.json.gz, and per CUDA stream
-#           the busy and idle time of forward and backward (scripts/stream_idle.py), to account for
+#           the busy and idle time of forward and backward (benchmarks/stream_idle.py), to account for
 #           the offloaded forward and backward's excess over the resident one (206 vs 154 ms on the
 #           H100, benchmarks/results/h100-2026-11-26b) (70 s);
 #   rest    the other cuda-marked tests, only while GPU_CHECK_BUDGET (300 s) has 30 s left.
@@ -102,7 +102,7 @@ stage() {
     [ $rc = 0 ] || { log "--- $name exited $rc"; status=1; }
     merge
 }
-merge() { $PY scripts/gpu_check_summary.py merge "$work" "$OUT/summary.json" >> "$OUT/stages.log" 2>&1; }
+merge() { $PY benchmarks/gpu_check_summary.py merge "$work" "$OUT/summary.json" >> "$OUT/stages.log" 2>&1; }
 pytest_cuda() {  # pytest_cuda <limit> <paths...>: the cuda-marked tests of paths (collected only in a dry run)
     local limit=$1; shift
     if [ $dry = 1 ]; then
@@ -130,34 +130,34 @@ log "stages: $stages"
 for name in $stages; do
     case $name in
         host)
-            stage host "$limit_host" $PY scripts/host_facts.py $dry_flag --json "$work/host.json"
+            stage host "$limit_host" $PY benchmarks/host_facts.py $dry_flag --json "$work/host.json"
             headline "$work/host.log" 0 ;;
         tests)
             log "=== tests $(date +%T): cuda-marked tests of ${FIRST_TESTS[*]}"
             echo "=== tests: ${FIRST_TESTS[*]}" >> "$OUT/pytest.log"
             pytest_cuda "$limit_tests" "${FIRST_TESTS[@]}" ;;
         slices)
-            stage slices "$limit_slices" $PY scripts/bench_peers.py $dry_flag --predict --only "$slices_runs" \
+            stage slices "$limit_slices" $PY benchmarks/bench_peers.py $dry_flag --predict --only "$slices_runs" \
                 --steps 3 --warmup 1 --json "$work/slices.json"
             headline "$work/slices.log" 9 ;;
         batch)
             batch_runs=$slices_runs
             [ $dry = 1 ] && batch_runs="resident,offload-in-backward-resident$few"
             for rows in $big $((big / 2)); do
-                stage batch "$limit_batch" $PY scripts/bench_peers.py $dry_flag --predict --batch "$rows" \
+                stage batch "$limit_batch" $PY benchmarks/bench_peers.py $dry_flag --predict --batch "$rows" \
                     --only "$batch_runs" --steps 2 --warmup 1 --json "$work/batch.json"
                 headline "$work/batch.log" 8
                 # Smaller only when the resident baseline itself ran out of device memory.
                 grep -q '"resident": "OutOfMemoryError' "$work/batch.json" 2>/dev/null || break
             done ;;
         exact)
-            stage exact "$limit_exact" $PY scripts/bench_peers.py $dry_flag --deterministic --layers 2 \
+            stage exact "$limit_exact" $PY benchmarks/bench_peers.py $dry_flag --deterministic --layers 2 \
                 --only resident,offload,offload-in-backward,offload-resident,offload-in-backward-resident \
                 --steps 2 --warmup 2 --json "$work/exact.json"
             headline "$work/exact.log" 8 ;;
         trace)
             trace_flags="--steps 1 --warmup 2"
-            stage trace "$limit_trace" $PY scripts/bench_peers.py $dry_flag --only resident,offload-in-backward \
+            stage trace "$limit_trace" $PY benchmarks/bench_peers.py $dry_flag --only resident,offload-in-backward \
                 $trace_flags --trace "$OUT" --trace-runs resident,offload-in-backward --json "$work/trace.json"
             headline "$work/trace.log" 4 ;;
         rest)
@@ -175,12 +175,12 @@ for name in $stages; do
                 log "=== rest: skipped, ${left} s of the ${budget} s budget left"
             fi ;;
         peers)
-            stage peers 240 $PY scripts/bench_peers.py $dry_flag --predict --only "$peers" --json "$work/peers.json"
+            stage peers 240 $PY benchmarks/bench_peers.py $dry_flag --predict --only "$peers" --json "$work/peers.json"
             headline "$work/peers.log" 14 ;;
         capped)
             tier=$(mktemp -d -p "$PWD" .gpu-check-tier-XXXX)  # on the disk: /tmp may be memory
             PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} stage capped 120 \
-                $PY scripts/bench_peers.py $dry_flag --only offload,offload-in-backward --layers 8 --cap-gib 4 \
+                $PY benchmarks/bench_peers.py $dry_flag --only offload,offload-in-backward --layers 8 --cap-gib 4 \
                 --disk-tier "$tier" --steps 2 --warmup 1 --json "$work/capped.json"
             rm -rf "$tier"
             headline "$work/capped.log" 6 ;;
@@ -194,7 +194,7 @@ done
 
 log "=== summary $(date +%T), ${SECONDS}s"
 merge
-$PY scripts/gpu_check_summary.py show "$OUT/summary.json" 2>&1 | tee -a "$OUT/run.log"
+$PY benchmarks/gpu_check_summary.py show "$OUT/summary.json" 2>&1 | tee -a "$OUT/run.log"
 [ ${PIPESTATUS[0]} = 0 ] || status=1
 rm -rf "$work"
 log "=== done $(date +%T), exit $status"

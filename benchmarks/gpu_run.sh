@@ -49,14 +49,14 @@ while [ $# -gt 0 ]; do
         only)  # only "<pytest args>"
             timeout 300 python3 -m pytest -q -rfE -p no:cacheprovider $1 2>&1 | tail -n 200 | tee -a "$OUT/run.log"; shift ;;
         cast)
-            timeout 120 python3 scripts/bench_cast.py --json "$OUT/cast.json" 2>&1 | tee -a "$OUT/run.log" ;;
+            timeout 120 python3 benchmarks/bench_cast.py --json "$OUT/cast.json" 2>&1 | tee -a "$OUT/run.log" ;;
         profile)
             timeout 240 python3 scripts/profile_memory.py --preset transformer --slices 2 4 --microbatches 1 2 \
                 --checkpoint on --json "$OUT/profile.json" --plot "$OUT/profile.png" 2>&1 | tail -n 60 | tee -a "$OUT/run.log" ;;
         bench)  # bench "<presets>" <rss steps> <seconds> ["<more arguments>"]
             presets=$1; rss=$2; limit=$3; shift 3; more=""
             if [ $# -gt 0 ] && [ "${1#--}" != "$1" ]; then more=$1; shift; fi
-            timeout "$limit" python3 scripts/benchmark.py --preset $presets --rss-steps "$rss" $more --out-dir "$OUT" 2>&1 \
+            timeout "$limit" python3 benchmarks/benchmark.py --preset $presets --rss-steps "$rss" $more --out-dir "$OUT" 2>&1 \
                 | grep -v Warning | tail -n 80 | tee -a "$OUT/run.log" ;;
         maxmodel)  # maxmodel <cap GiB> <seconds> ["<more arguments>"]
             # Expandable segments unless the caller set the allocator: under a cap, memory left in
@@ -64,29 +64,29 @@ while [ $# -gt 0 ]; do
             cap=$1; limit=$2; shift 2; more=""
             if [ $# -gt 0 ] && [ "${1#--}" != "$1" ]; then more=$1; shift; fi
             PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} \
-                timeout "$limit" python3 scripts/bench_max_model.py --cap-gib "$cap" $more --out-dir "$OUT" 2>&1 \
+                timeout "$limit" python3 benchmarks/bench_max_model.py --cap-gib "$cap" $more --out-dir "$OUT" 2>&1 \
                 | grep -v Warning | tail -n 80 | tee -a "$OUT/run.log" ;;
-        storage)  # storage <seconds>: scripts/bench_storage.py in the system's temporary directory
-            timeout "$1" python3 scripts/bench_storage.py --json "$OUT/storage.json" 2>&1 | tail -n 40 \
+        storage)  # storage <seconds>: benchmarks/bench_storage.py in the system's temporary directory
+            timeout "$1" python3 benchmarks/bench_storage.py --json "$OUT/storage.json" 2>&1 | tail -n 40 \
                 | tee -a "$OUT/run.log"; shift ;;
-        scale)  # scale <seconds> ["<more arguments>"]: scripts/bench_scale.py on the GPU
+        scale)  # scale <seconds> ["<more arguments>"]: benchmarks/bench_scale.py on the GPU
             limit=$1; shift; more=""
             if [ $# -gt 0 ] && [ "${1#--}" != "$1" ]; then more=$1; shift; fi
-            timeout "$limit" python3 scripts/bench_scale.py --device cuda $more --json "$OUT/scale.json" 2>&1 \
+            timeout "$limit" python3 benchmarks/bench_scale.py --device cuda $more --json "$OUT/scale.json" 2>&1 \
                 | grep -v "^ " | tail -n 40 | tee -a "$OUT/run.log" ;;
-        activations)  # activations <seconds> ["<more arguments>"]: scripts/bench_activations.py on the GPU
+        activations)  # activations <seconds> ["<more arguments>"]: benchmarks/bench_activations.py on the GPU
             limit=$1; shift; more=""
             if [ $# -gt 0 ] && [ "${1#--}" != "$1" ]; then more=$1; shift; fi
-            timeout "$limit" python3 scripts/bench_activations.py --device cuda $more \
+            timeout "$limit" python3 benchmarks/bench_activations.py --device cuda $more \
                 --json "$OUT/activations.json" 2>&1 | grep -v Warning | tail -n 40 | tee -a "$OUT/run.log" ;;
-        schedule)  # schedule <seconds> ["<more arguments>"]: scripts/bench_schedule.py on the GPU (real matmuls),
+        schedule)  # schedule <seconds> ["<more arguments>"]: benchmarks/bench_schedule.py on the GPU (real matmuls),
                    # resident slices 1 and 2 of the 8 by default (--resident)
             limit=$1; shift; more=""
             if [ $# -gt 0 ] && [ "${1#--}" != "$1" ]; then more=$1; shift; fi
-            timeout "$limit" python3 scripts/bench_schedule.py --device cuda --dim 4096 --rows 512 --rounds 2 $more \
+            timeout "$limit" python3 benchmarks/bench_schedule.py --device cuda --dim 4096 --rows 512 --rounds 2 $more \
                 --json "$OUT/schedule.json" 2>&1 | grep -v Warning | tail -n 40 | tee -a "$OUT/run.log" ;;
         pstep)  # pstep <case> <seconds>: torch.profiler tables of one case's offloaded step
-            timeout "$2" python3 scripts/profile_step.py --case "$1" > "$OUT/profile_step_$1.txt" 2>&1
+            timeout "$2" python3 benchmarks/profile_step.py --case "$1" > "$OUT/profile_step_$1.txt" 2>&1
             head -n 40 "$OUT/profile_step_$1.txt" | tee -a "$OUT/run.log"; shift 2 ;;
         *) echo "unknown stage $stage" | tee -a "$OUT/run.log" ;;
     esac

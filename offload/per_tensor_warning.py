@@ -2,7 +2,7 @@
 
 For CPU tensors PyTorch's optimizers default to their per-tensor implementation; on the host
 parameters of an offloaded model that is 4-7x slower than ``fused=True``, and ``foreach=True`` is
-slower still (AdamW, ``scripts/bench_optimizer.py``: 4.3x and 6.6x, the table in
+slower still (AdamW, ``benchmarks/bench_optimizer.py``: 4.3x and 6.6x, the table in
 ``docs/optimizer.md``), and the host update is then the longest part of a training step. A global optimizer step
 pre-hook notices it, for plain optimizers and for ``OffloadOptimizer`` alike (which overlaps the
 update, but still waits for about one slice's update of it); only optimizers that have a fused
@@ -60,7 +60,7 @@ def _hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
                    "the update with the next forward, or pass fused=True.")
             warnings.warn(
                 f"{name} is stepping OffloadModel's host parameters {how}, 4-7x slower than fused=True on the host "
-                f"(AdamW, measured by scripts/bench_optimizer.py: see docs/optimizer.md). {fix}",
+                f"(AdamW, measured by benchmarks/bench_optimizer.py: see docs/optimizer.md). {fix}",
                 stacklevel=3,
             )
             return

@@ -4,8 +4,8 @@ Checked for README.md and every docs/*.md:
 
 - every path they name under ``scripts/``, ``benchmarks/``, ``docs/``, ``offload/``, ``tests/`` or
   ``.ci/`` exists, and every ``offload.<module>`` they name is a module of the package;
-- every ``--flag`` a command gives a script in ``scripts/`` (or a ``python -m offload.<tool>``)
-  appears in that script's ``--help``;
+- every ``--flag`` a command gives a script in ``scripts/`` or ``benchmarks/`` (or a
+  ``python -m offload.<tool>``) appears in that script's ``--help``;
 - every fenced Python snippet compiles;
 - every relative link resolves to a file, and its ``#anchor`` to a heading of that file.
 
@@ -37,9 +37,10 @@ DATA_FILE_SUFFIXES = (".json",)
 MODULE = re.compile(r"(?<![\w.])offload(?:\.[a-z_]\w*)+")
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
-# python scripts/x.py, torchrun [its options] scripts/x.py, python -m offload.x; then the arguments.
+# python scripts/x.py (or benchmarks/x.py), torchrun [its options] scripts/x.py, python -m offload.x; then
+# the arguments.
 # The installed commands ([project.scripts]) count as ``python -m`` their module.
-SCRIPT_CALL = re.compile(r"(?:(?:python3?|torchrun(?:\s+--\S+)*)\s+(scripts/[\w/]+\.py)"
+SCRIPT_CALL = re.compile(r"(?:(?:python3?|torchrun(?:\s+--\S+)*)\s+((?:scripts|benchmarks)/[\w/]+\.py)"
                          r"|python3?\s+-m\s+(offload(?:\.\w+)+)"
                          r"|(?<![\w/-])(offload-finetune|(?:python3?\s+-m\s+)?offload\s+(?:plan|calibrate)(?![\w-])))"
                          r"((?:\s+[^\s|;&#]+)*)")
@@ -212,6 +213,8 @@ def test_the_checks_catch_what_they_are_for():
     assert unknown_flags(readme, "```bash\npython scripts/demo.py --no-such-flag\n```\n") != []
     assert unknown_flags(readme, "```bash\npython scripts/demo.py --steps 5 \\\n    --device cpu\n```\n") == []
     assert unknown_flags(readme, "```bash\ntorchrun --nproc_per_node=2 scripts/demo.py --no-such-flag\n```\n") != []
+    assert unknown_flags(readme, "`python benchmarks/bench_cast.py --no-such-flag`") != []
+    assert unknown_flags(readme, "`python benchmarks/bench_cast.py --mib 1`") == []
     assert unknown_flags(readme, "```bash\noffload-finetune --no-such-flag\n```\n") != []
     assert unknown_flags(readme, "```bash\noffload-finetune --out x --data y.jsonl --grad-accum 2\n```\n") == []
     assert unknown_flags(readme, "```bash\npython -m offload plan --preset tiny --no-such-flag\n```\n") != []

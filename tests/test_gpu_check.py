@@ -1,5 +1,5 @@
 """The GPU check's parts at toy sizes on the CPU (``benchmarks/gpu_check.sh --cpu-dry-run`` runs
-them all; CI runs that): ``scripts/bench_peers.py``'s resident-slice counts, clipped run, planner
+them all; CI runs that): ``benchmarks/bench_peers.py``'s resident-slice counts, clipped run, planner
 predictions, traced step and per-slice exactness, and the per-stream table of a trace."""
 
 from __future__ import annotations
@@ -13,18 +13,18 @@ import pytest
 
 from .test_scripts import ROOT, run
 
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 try:
     import bench_peers
     import stream_idle
 finally:
-    sys.path.remove(str(ROOT / "scripts"))
+    sys.path.remove(str(ROOT / "benchmarks"))
 
 
 def test_peers_benchmark_runs_counts_clipping_predictions_a_trace_and_compares_every_slice(tmp_path):
     pytest.importorskip("transformers")
     runs = ["resident", "offload", "offload-in-backward-resident2", "offload-clip"]
-    run("scripts/bench_peers.py", "--cpu-dry-run", "--deterministic", "--predict", "--trace", str(tmp_path),
+    run("benchmarks/bench_peers.py", "--cpu-dry-run", "--deterministic", "--predict", "--trace", str(tmp_path),
         "--trace-runs", "offload-clip", "--only", ",".join(runs), "--json", str(tmp_path / "peers.json"))
     report = json.loads((tmp_path / "peers.json").read_text())
     assert list(report["runs"]) == runs, report["failed"]

@@ -7,6 +7,10 @@ Every ``import`` and ``from ... import`` in ``offload/`` counts, at module level
 and under ``if TYPE_CHECKING:`` alike: a function-level import that dodges a circle at import time
 still ties the two modules together. The checker is tested on small fake graphs first, so a
 broken checker cannot pass the real package silently.
+
+And the repository's folders (docs/architecture.md, "The repository"): ``scripts/`` holds only the
+tools a user runs (:data:`USER_TOOLS`, each answering ``--help``), ``benchmarks/`` the scripts that
+measure or diagnose the library, which neither the package nor a tool imports.
 """
 
 from __future__ import annotations
@@ -323,3 +327,85 @@ def test_any_module_imports_first(first: str) -> None:
     done = subprocess.run([sys.executable, "-c", f"import {first}"], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+# -- the repository: tools, library and measurements apart ---------------------------------------------------
+
+#: The tools a user runs from a clone, the only files in ``scripts/`` (docs/architecture.md, "The
+#: repository"). A script that measures or diagnoses the library goes in ``benchmarks/`` instead.
+USER_TOOLS = ("demo.py", "finetune_causal_lm.py", "load_checkpoint.py", "profile_memory.py", "train_distributed.py")
+
+
+def _imported_top_names(path: Path) -> set[str]:
+    """The first component of every absolute import in one file (``import a.b``, ``from a import b``)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def misplaced_scripts(root: Path, tools: tuple[str, ...] = USER_TOOLS) -> list[str]:
+    """What breaks the split between ``scripts/`` (the tools), ``offload/`` (the library) and
+    ``benchmarks/`` (the measurements): a file in ``scripts/`` that is not a listed tool, a listed
+    tool missing or under ``benchmarks/``, and a measurement that the library or a tool imports
+    (then it is no measurement: it belongs in the package)."""
+    problems = [f"scripts/{path.name}: not a user tool; a measurement goes in benchmarks/, a tool in USER_TOOLS"
+                for path in sorted((root / "scripts").iterdir()) if path.name not in (*tools, "__pycache__")]
+    problems += [f"scripts/{name}: listed in USER_TOOLS but missing" for name in tools
+                 if not (root / "scripts" / name).is_file()]
+    measurements = {path.stem for path in (root / "benchmarks").glob("*.py")}
+    problems += [f"benchmarks/{name}: a user tool, which belongs in scripts/" for name in tools
+                 if name[:-3] in measurements]
+    users = [*sorted((root / "offload").rglob("*.py")), *sorted((root / "scripts").glob("*.py"))]
+    for path in users:
+        for name in sorted(_imported_top_names(path) & measurements):
+            problems.append(f"{path.relative_to(root).as_posix()} imports benchmarks/{name}.py")
+    return problems
+
+
+def test_split_checker_finds_misplaced_scripts_on_a_fake_tree(tmp_path: Path) -> None:
+    for folder in ("scripts", "benchmarks", "offload"):
+        (tmp_path / folder).mkdir()
+    (tmp_path / "scripts" / "demo.py").write_text("import offload\n")
+    (tmp_path / "scripts" / "__pycache__").mkdir()  # what importing a tool leaves
+    (tmp_path / "benchmarks" / "bench_x.py").write_text("import offload\n")
+    (tmp_path / "offload" / "model.py").write_text("from . import bench_x\n")  # relative: the package's own
+    assert misplaced_scripts(tmp_path, ("demo.py",)) == []
+
+    (tmp_path / "scripts" / "bench_y.py").write_text("")
+    (tmp_path / "offload" / "planner.py").write_text("def f():\n    from bench_x import build\n")
+    (tmp_path / "scripts" / "demo.py").write_text("import bench_x.sub\n")
+    (tmp_path / "benchmarks" / "tool.py").write_text("")
+    assert misplaced_scripts(tmp_path, ("demo.py", "tool.py")) == [
+        "scripts/bench_y.py: not a user tool; a measurement goes in benchmarks/, a tool in USER_TOOLS",
+        "scripts/tool.py: listed in USER_TOOLS but missing",
+        "benchmarks/tool.py: a user tool, which belongs in scripts/",
+        "offload/planner.py imports benchmarks/bench_x.py",
+        "scripts/demo.py imports benchmarks/bench_x.py",
+    ]
+
+
+def test_scripts_hold_the_user_tools_and_benchmarks_the_measurements() -> None:
+    """``scripts/`` is "the thing I run", ``benchmarks/`` is "how it was measured", ``offload/``
+    depends on neither."""
+    assert misplaced_scripts(ROOT) == []
+
+
+@pytest.mark.parametrize("tool", USER_TOOLS)
+def test_each_user_tool_answers_help(tool: str) -> None:
+    from .test_docs import help_text  # cached: the docs check asks the same tools
+
+    assert help_text(f"scripts/{tool}").startswith("usage:")
+
+
+def test_doc_tree_names_every_top_level_folder() -> None:
+    """docs/architecture.md's tree ("The repository") lists each folder the repository tracks, and no other."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    tree = text.split("## The repository", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
+    shown = {line.split()[0].split("/")[0] for line in tree.splitlines() if line[:1] not in (" ", "")}
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    folders = {line.split("/")[0] for line in tracked.splitlines() if "/" in line}
+    assert shown == folders

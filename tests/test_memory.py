@@ -21,7 +21,7 @@ from offload.streams.flat_views import _align
 from .helpers import DEVICES, HostStepped
 
 EXACT = {"rtol": 0.0, "atol": 0.0}
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 def network(seed: int = 0, width: int = 32, layers: int = 6) -> nn.Sequential:
@@ -264,10 +264,10 @@ def test_resident_slices_are_refused_by_the_estimate_as_by_the_model():
 
 
 def test_the_estimate_predicts_the_resident_set_within_five_percent(tmp_path):
-    """The process's RSS growth while training 40 M parameters (scripts/bench_host_memory.py, in
+    """The process's RSS growth while training 40 M parameters (benchmarks/bench_host_memory.py, in
     its own process), against estimate_memory's host and (on the CPU, host) device bytes."""
     out = tmp_path / "host_memory.json"
-    subprocess.run([sys.executable, str(SCRIPTS / "bench_host_memory.py"), "--params", "40e6", "--slices", "4",
+    subprocess.run([sys.executable, str(BENCHMARKS / "bench_host_memory.py"), "--params", "40e6", "--slices", "4",
                     "--json", str(out)], check=True, timeout=300, capture_output=True, env=_env_with_package())
     result = json.loads(out.read_text())
     assert 0.95 <= result["estimate_vs_rss"] <= 1.05, result["footprint"]
@@ -304,7 +304,7 @@ def test_the_planner_refuses_what_it_cannot_count():
 
 def _env_with_package() -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS.parent), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(BENCHMARKS.parent), env.get("PYTHONPATH", "")])
     return env
 
 

@@ -433,7 +433,7 @@ def test_untying_a_frozen_embedding_keeps_the_heads_copy_frozen():
 
 def test_bench_lora_records_the_bytes_a_frozen_base_saves(tmp_path):
     out = tmp_path / "lora.json"
-    done = subprocess.run([sys.executable, "scripts/bench_lora.py", "--hidden", "64", "--layers", "2", "--vocab", "300",
+    done = subprocess.run([sys.executable, "benchmarks/bench_lora.py", "--hidden", "64", "--layers", "2", "--vocab", "300",
                            "--seq-len", "16", "--lora-r", "2", "--json", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -172,11 +172,11 @@ SLEEPING_DEVICE = ROOT / "benchmarks" / "results" / "planner_vs_sleeping_device_
 
 
 def _sleeping_device_script() -> Any:
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import planner_vs_sleeping_device
     finally:
-        sys.path.remove(str(ROOT / "scripts"))
+        sys.path.remove(str(ROOT / "benchmarks"))
     return planner_vs_sleeping_device
 
 
@@ -184,7 +184,7 @@ def _sleeping_device_script() -> Any:
                                                   "in-backward-0.005-50"])
 def test_the_step_time_is_predicted_within_fifteen_percent_on_a_sleeping_device(index):
     """The time model against steps measured on a CPU "device" whose layers sleep a known time
-    (``scripts/planner_vs_sleeping_device.py``, its docstring says what runs for real and what
+    (``benchmarks/planner_vs_sleeping_device.py``, its docstring says what runs for real and what
     sleeps): each case predicted again, with the time model as it stands, from the rates measured
     in that case's rounds, against the median of the steps measured then; and nearer it than the
     other schedule measured at the same sleeps. The steps are recorded, not timed here: a test
@@ -216,7 +216,7 @@ def test_the_sleeping_device_script_records_what_the_time_model_reads(tmp_path):
     out = tmp_path / "sleeping.json"
     script.main(["--quick", "--json", str(out)])
     recorded = json.loads(out.read_text())
-    assert recorded["command"] == f"python scripts/planner_vs_sleeping_device.py --quick --json {out}"
+    assert recorded["command"] == f"python benchmarks/planner_vs_sleeping_device.py --quick --json {out}"
     assert [(c["schedule"], c["ns_per_parameter"]) for c in recorded["cases"]] == [c[::2] for c in script.CASES]
     for case in recorded["cases"]:
         assert case["median_step_s"] == statistics.median(case["steps_s"]) > 0
@@ -509,11 +509,11 @@ def test_the_h100_schedule_comparison_is_what_the_script_computes_now():
     """``benchmarks/results/planner_schedules_h100_2026-11-26.json`` (docs/planning.md's table)
     against the planner as it stands: a change to the time model shows here."""
     pytest.importorskip("transformers")
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import planner_schedules_h100
     finally:
-        sys.path.remove(str(ROOT / "scripts"))
+        sys.path.remove(str(ROOT / "benchmarks"))
     recorded = json.loads((ROOT / "benchmarks" / "results" / "planner_schedules_h100_2026-11-26.json").read_text())
     now = planner_schedules_h100.predictions()
     for schedule, ways in recorded["schedules"].items():

@@ -216,11 +216,11 @@ def test_safetensors_keeps_every_tensor_and_reloads_bit_for_bit(setting, tmp_pat
 # -- host memory of a save ------------------------------------------------------------------------------
 
 def save_peak(save: str) -> dict[str, float]:
-    """``scripts/bench_save_libraries.py``'s measurement of one save of an offloaded ~100 MB model,
+    """``benchmarks/bench_save_libraries.py``'s measurement of one save of an offloaded ~100 MB model,
     in a child process: the model's bytes and the save's peak host memory above what was resident."""
     # A fixed mmap threshold: freed buffers go back to the system, so the peak is what was live.
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "1048576"}
-    done = subprocess.run([sys.executable, "scripts/bench_save_libraries.py", "--child", save, "offload", "--mib", "96"],
+    done = subprocess.run([sys.executable, "benchmarks/bench_save_libraries.py", "--child", save, "offload", "--mib", "96"],
                           cwd=ROOT, timeout=300, capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.splitlines()[-1])

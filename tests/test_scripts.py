@@ -1,4 +1,5 @@
-"""The scripts in scripts/ run end to end (small settings): what the README quotes keeps working."""
+"""The tools in scripts/ and the measurements in benchmarks/ run end to end (small settings): what the
+README and the docs quote keeps working."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def test_demo_trains_and_names_its_device():
 
 
 def test_benchmark_smoke_test_on_cpu(tmp_path):
-    out = run("scripts/benchmark.py", "--device", "cpu", "--out-dir", str(tmp_path))
+    out = run("benchmarks/benchmark.py", "--device", "cpu", "--out-dir", str(tmp_path))
     assert "| tiny | offload |" in out
     (report,) = tmp_path.glob("benchmark_*.json")
     data = json.loads(report.read_text())
@@ -52,7 +53,7 @@ def test_benchmark_smoke_test_on_cpu(tmp_path):
 
 
 def test_benchmark_records_forward_backward_apart_and_a_slices_override(tmp_path):
-    run("scripts/benchmark.py", "--device", "cpu", "--preset", "tiny", "--slices", "3", "--out-dir", str(tmp_path))
+    run("benchmarks/benchmark.py", "--device", "cpu", "--preset", "tiny", "--slices", "3", "--out-dir", str(tmp_path))
     (report,) = tmp_path.glob("benchmark_*_tiny_3slices.json")
     result = json.loads(report.read_text())["results"][0]
     assert result["num_slices"] == 3
@@ -63,11 +64,11 @@ def test_benchmark_records_forward_backward_apart_and_a_slices_override(tmp_path
 
 
 def max_model_report(tmp_path: Path, *args: str) -> dict:
-    run("scripts/bench_max_model.py", "--device", "cpu", "--out-dir", str(tmp_path), *args)
+    run("benchmarks/bench_max_model.py", "--device", "cpu", "--out-dir", str(tmp_path), *args)
     (report,) = tmp_path.glob("benchmark_*_maxmodel.json")
     assert (tmp_path / report.name.replace(".json", ".md")).exists()
     data = json.loads(report.read_text())
-    assert data["failed"] == {} and "scripts/bench_max_model.py" in data["command"]
+    assert data["failed"] == {} and "benchmarks/bench_max_model.py" in data["command"]
     return data["max_model"]
 
 
@@ -90,14 +91,14 @@ def test_max_model_grows_the_depth_until_host_memory_runs_out(tmp_path):
 
 def test_profile_step_prints_the_busiest_operations(tmp_path):
     # Every operation listed (--rows 100): which ones make the top few depends on timing.
-    out = run("scripts/profile_step.py", "--case", "tiny", "--steps", "1", "--rows", "100",
+    out = run("benchmarks/profile_step.py", "--case", "tiny", "--steps", "1", "--rows", "100",
               "--device", "cpu", "--trace", str(tmp_path / "trace.json"))
     assert "host time by operation" in out and "OffloadFunction" in out
     assert json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
 
 
 def test_optimizer_benchmark(tmp_path):
-    run("scripts/bench_optimizer.py", "--params", "4e5", "--tensors", "40", "--slices", "4", "--rounds", "1",
+    run("benchmarks/bench_optimizer.py", "--params", "4e5", "--tensors", "40", "--slices", "4", "--rounds", "1",
         "--overlap-params", "4e5", "--sleep", "0.001", "--json", str(tmp_path / "o.json"))
     data = json.loads((tmp_path / "o.json").read_text())
     assert data["update"]["update_bandwidth_fraction"] > 0
@@ -131,7 +132,7 @@ def test_distributed_training_script_without_torchrun_says_how_to_launch_it():
 
 
 def test_cpu_overhead_benchmark(tmp_path):
-    out = run("scripts/bench_cpu_overhead.py", "--width", "32", "--depth", "2", "--batch", "8", "16",
+    out = run("benchmarks/bench_cpu_overhead.py", "--width", "32", "--depth", "2", "--batch", "8", "16",
               "--steps", "2", "--warmup", "1", "--json", str(tmp_path / "overhead.json"))
     assert "offload/ckpt" in out
     data = json.loads((tmp_path / "overhead.json").read_text())
@@ -139,7 +140,7 @@ def test_cpu_overhead_benchmark(tmp_path):
 
 
 def test_resident_cpu_benchmark_runs_each_variant_with_the_same_losses(tmp_path):
-    run("scripts/bench_resident_cpu.py", "--variants", "streamed", "resident-passive", "--rounds", "1", "--steps",
+    run("benchmarks/bench_resident_cpu.py", "--variants", "streamed", "resident-passive", "--rounds", "1", "--steps",
         "2", "--warmup", "0", "--json", str(tmp_path / "r.json"))
     variants = json.loads((tmp_path / "r.json").read_text())["variants"]
     assert variants["resident-passive"]["resident_slices"] == 3
@@ -150,12 +151,12 @@ def test_resident_cpu_benchmark_runs_each_variant_with_the_same_losses(tmp_path)
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_cast_benchmark(tmp_path, dtype):
-    run("scripts/bench_cast.py", "--mib", "1", "--repeats", "2", "--dtype", dtype, "--json", str(tmp_path / "c.json"))
+    run("benchmarks/bench_cast.py", "--mib", "1", "--repeats", "2", "--dtype", dtype, "--json", str(tmp_path / "c.json"))
     assert json.loads((tmp_path / "c.json").read_text())["host_cast_float32_gb_per_s"] > 0
 
 
 def test_bench_activations_compares_the_three_ways_and_finds_them_identical(tmp_path):
-    out = run("scripts/bench_activations.py", "--device", "cpu", "--layers", "2", "--d-model", "32", "--heads", "2",
+    out = run("benchmarks/bench_activations.py", "--device", "cpu", "--layers", "2", "--d-model", "32", "--heads", "2",
               "--seq-len", "16", "--vocab", "64", "--batch", "2", "--steps", "1", "--json", str(tmp_path / "a.json"))
     assert "identical loss and gradients: True" in out
     data = json.loads((tmp_path / "a.json").read_text())
@@ -166,11 +167,11 @@ def test_bench_activations_compares_the_three_ways_and_finds_them_identical(tmp_
     assert modes["recompute"]["flops_per_step"] > modes["offload"]["flops_per_step"] == modes["kept"]["flops_per_step"]
     assert modes["offload"]["host_activation_bytes_after_forward"] > modes["kept"]["host_activation_bytes_after_forward"]
     assert set(data["crossover_tokens_per_slice"]) == {"pcie4", "pcie5", "nvlink-c2c"}
-    assert "scripts/bench_activations.py" in data["command"]
+    assert "benchmarks/bench_activations.py" in data["command"]
 
 
 def test_chunked_loss_precision_script(tmp_path):
-    out = run("scripts/chunked_loss_precision.py", "--tokens", "256", "--hidden", "16", "--vocab", "32",
+    out = run("benchmarks/chunked_loss_precision.py", "--tokens", "256", "--hidden", "16", "--vocab", "32",
               "--chunks", "64", "16", "--json", str(tmp_path / "p.json"))
     assert "4 chunk(s) of    64 tokens" in out
     rows = json.loads((tmp_path / "p.json").read_text())["rows"]
@@ -178,7 +179,7 @@ def test_chunked_loss_precision_script(tmp_path):
 
 
 def test_bench_storage_smoke_test(tmp_path):
-    out = run("scripts/bench_storage.py", "--small", "--dir", str(tmp_path / "disk"), "--json",
+    out = run("benchmarks/bench_storage.py", "--small", "--dir", str(tmp_path / "disk"), "--json",
               str(tmp_path / "storage.json"))
     assert "exact: True; with the masters on disk too (bfloat16 compute): True" in out
     data = json.loads((tmp_path / "storage.json").read_text())
@@ -188,7 +189,7 @@ def test_bench_storage_smoke_test(tmp_path):
         2, rel=0.1)
     for key in ("disk_read_gbps", "disk_write_gbps", "tier_read_fraction", "tier_write_fraction"):
         assert data[key] > 0, key
-    assert data["exact"] is True and "scripts/bench_storage.py" in data["command"]
+    assert data["exact"] is True and "benchmarks/bench_storage.py" in data["command"]
     # The moments moved to disk: 8 bytes per parameter fewer in RAM, less the window of 3 of 8 slices.
     assert data["host_bytes_per_param_ram"] - data["host_bytes_per_param_disk"] == pytest.approx(8 * 5 / 8, rel=0.1)
     assert data["state_on_disk"]["disk_bytes"] >= 8 * data["state_on_disk"]["parameters"]
@@ -254,7 +255,7 @@ def test_checkpoint_benchmark(tmp_path, disk_tier):
     checkpoints = tmp_path / "checkpoints"
     checkpoints.mkdir()
     tier = ["--disk-tier", str(tmp_path / "tier")] if disk_tier else []
-    out = run("scripts/bench_checkpoint.py", "--preset", "tiny", "--slices", "2", "--repeats", "1", "--dir",
+    out = run("benchmarks/bench_checkpoint.py", "--preset", "tiny", "--slices", "2", "--repeats", "1", "--dir",
               str(checkpoints), "--json", str(tmp_path / "c.json"), *tier)
     assert "save:" in out and "load_fresh:" in out
     data = json.loads((tmp_path / "c.json").read_text())
@@ -265,7 +266,7 @@ def test_checkpoint_benchmark(tmp_path, disk_tier):
 
 
 def test_bench_checksums_smoke_test(tmp_path):
-    out = run("scripts/bench_checksums.py", "--preset", "tiny", "--slices", "2", "--rounds", "1", "--dir",
+    out = run("benchmarks/bench_checksums.py", "--preset", "tiny", "--slices", "2", "--rounds", "1", "--dir",
               str(tmp_path), "--json", str(tmp_path / "c.json"))
     assert "save_with:" in out and "load_without:" in out
     data = json.loads((tmp_path / "c.json").read_text())
@@ -280,7 +281,7 @@ def page(nbytes):
 @pytest.mark.parametrize("masters_on_disk", [False, True], ids=["masters-in-ram", "masters-on-disk"])
 def test_scale_benchmark_smoke(masters_on_disk, tmp_path):
     extra = ("--compute-dtype", "bfloat16", "--masters-on-disk") if masters_on_disk else ()
-    out = run("scripts/bench_scale.py", "--width", "64", "--layers", "4", "--slices", "2", "--steps", "2", "--batch", "2",
+    out = run("benchmarks/bench_scale.py", "--width", "64", "--layers", "4", "--slices", "2", "--steps", "2", "--batch", "2",
               "--dir", str(tmp_path), "--json", str(tmp_path / "scale.json"), *extra)
     assert "step 2:" in out
     data = json.loads((tmp_path / "scale.json").read_text())
@@ -303,7 +304,7 @@ def test_scale_benchmark_smoke(masters_on_disk, tmp_path):
 
 
 def test_scale_benchmark_resumes_bit_for_bit(tmp_path):
-    out = run("scripts/bench_scale.py", "--width", "64", "--layers", "4", "--slices", "2", "--steps", "3", "--batch", "2",
+    out = run("benchmarks/bench_scale.py", "--width", "64", "--layers", "4", "--slices", "2", "--steps", "3", "--batch", "2",
               "--dir", str(tmp_path), "--json", str(tmp_path / "scale.json"), "--compute-dtype", "bfloat16",
               "--masters-on-disk", "--resume-check")
     data = json.loads((tmp_path / "scale.json").read_text())
@@ -317,7 +318,7 @@ def test_scale_benchmark_resumes_bit_for_bit(tmp_path):
 def test_tools_benchmark_runs_each_tool(tmp_path):
     # One run per tool, tiny: the command's losses are compared with trainer-plain's.
     runs = ["command-offload", "trainer-plain", "sft-offload", "accelerate-offload", "lightning-offload"]
-    out = run("scripts/bench_trainer.py", "--runs", *runs, "--hidden", "32", "--layers", "1", "--vocab", "64",
+    out = run("benchmarks/bench_trainer.py", "--runs", *runs, "--hidden", "32", "--layers", "1", "--vocab", "64",
               "--seq-len", "16", "--batch-size", "2", "--grad-accum", "2", "--steps", "2",
               "--json", str(tmp_path / "tools.json"))
     data = json.loads((tmp_path / "tools.json").read_text())
@@ -334,7 +335,7 @@ def test_tools_benchmark_runs_each_tool(tmp_path):
 
 def test_peers_benchmark_dry_run_matches_the_resident_model_bit_for_bit(tmp_path):
     # The GPU check's second stage at toy sizes (benchmarks/gpu_check.sh --cpu-dry-run runs it too).
-    run("scripts/bench_peers.py", "--cpu-dry-run", "--only", "resident,offload,offload-sync,fsdp2",
+    run("benchmarks/bench_peers.py", "--cpu-dry-run", "--only", "resident,offload,offload-sync,fsdp2",
         "--json", str(tmp_path / "peers.json"))
     report = json.loads((tmp_path / "peers.json").read_text())
     assert set(report["runs"]) == {"resident", "offload", "offload-sync", "fsdp2"}, report["failed"]
@@ -347,7 +348,7 @@ def test_peers_benchmark_dry_run_with_resident_slices(tmp_path):
     # The GPU check's resident variants at toy sizes (4 slices: a quarter is one resident slice).
     # The first offloaded run's gradients are compared with the resident model's: the resident variant's.
     runs = ["resident", "offload-resident", "offload-in-backward-resident", "offload"]
-    run("scripts/bench_peers.py", "--cpu-dry-run", "--only", ",".join(runs), "--json", str(tmp_path / "peers.json"))
+    run("benchmarks/bench_peers.py", "--cpu-dry-run", "--only", ",".join(runs), "--json", str(tmp_path / "peers.json"))
     report = json.loads((tmp_path / "peers.json").read_text())
     assert list(report["runs"]) == runs, report["failed"]
     assert report["resident_slices"] == 1 and report["gradients_after_first_backward"]["bit_identical"]
@@ -366,11 +367,11 @@ def test_peers_benchmark_dry_run_with_resident_slices(tmp_path):
 
 def test_peers_benchmark_tensor_sequential_is_the_model():
     # fairscale's stages take one tensor each: the same logits as the model's own forward.
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import bench_peers
     finally:
-        sys.path.remove(str(ROOT / "scripts"))
+        sys.path.remove(str(ROOT / "benchmarks"))
     pytest.importorskip("transformers")
     base = bench_peers.build_llama(bench_peers.DRY_SIZES)
     ids = torch.randint(0, bench_peers.DRY_SIZES["vocab"], (2, 16), generator=torch.Generator().manual_seed(0))
@@ -379,17 +380,17 @@ def test_peers_benchmark_tensor_sequential_is_the_model():
 
 def test_lowbit_benchmark(tmp_path):
     pytest.importorskip("torchao.optim", reason="the lowbit extra (torchao) is not installed")
-    run("scripts/bench_lowbit.py", "--width", "256", "--layers", "2", "--warmup", "1", "--steps", "1",
+    run("benchmarks/bench_lowbit.py", "--width", "256", "--layers", "2", "--warmup", "1", "--steps", "1",
         "--json", str(tmp_path / "lowbit.json"))
     results = json.loads((tmp_path / "lowbit.json").read_text())["results"]
     assert results["torchao AdamW8bit"]["state_bytes_per_param"] < results["AdamW fused float32"]["state_bytes_per_param"] / 3
 
 
 def test_schedule_benchmark_times_each_schedule_and_finds_it_exact(tmp_path):
-    run("scripts/bench_schedule.py", "--quick", "--threads", "1", "--update-sleep-ns", "20",
+    run("benchmarks/bench_schedule.py", "--quick", "--threads", "1", "--update-sleep-ns", "20",
         "--json", str(tmp_path / "schedule.json"))
     data = json.loads((tmp_path / "schedule.json").read_text())
-    assert "scripts/bench_schedule.py --quick" in data["command"]
+    assert "benchmarks/bench_schedule.py --quick" in data["command"]
     assert data["host_threads"] == torch.get_num_threads() and data["update_threads"] == 1
     assert set(data["sizes"]) >= {"dim", "slices", "parameters", "rows"}
     assert [r["ratio"] for r in data["ratios"]] == [1, 2, 4]
@@ -419,11 +420,11 @@ def test_schedule_benchmark_slow_host_sleeps_on_the_host_worker_only(monkeypatch
     # The resident slices' update runs on the training thread, the stand-in's device: it must not
     # take the slow host's sleep, which the host worker's updates take. The sleeps are recorded,
     # not timed (a loaded machine makes any step slow).
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import bench_schedule
     finally:
-        sys.path.remove(str(ROOT / "scripts"))
+        sys.path.remove(str(ROOT / "benchmarks"))
     cls = bench_schedule.optimizer_class(argparse.Namespace(update_sleep_ns=2e6))  # 2 ms per parameter
     slept: list[tuple[int, float]] = []
     monkeypatch.setattr(bench_schedule.time, "sleep", lambda s: slept.append((threading.get_ident(), s)))

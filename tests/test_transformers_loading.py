@@ -240,7 +240,7 @@ def test_the_loading_benchmark_smoke_test(tmp_path):
     # Writes a small checkpoint, loads it both ways in subprocesses (scripts/load_checkpoint.py).
     ROOT = Path(__file__).resolve().parents[1]
     done = subprocess.run(
-        [sys.executable, "scripts/bench_loading.py", "--dir", str(tmp_path / "model"), "--json", str(tmp_path / "r.json"),
+        [sys.executable, "benchmarks/bench_loading.py", "--dir", str(tmp_path / "model"), "--json", str(tmp_path / "r.json"),
          "--layers", "2", "--hidden", "256", "--intermediate", "512", "--vocab", "1000", "--repeats", "1"],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -3,7 +3,7 @@
 :func:`token_blocks` turns a file or a ``datasets`` directory into an iterator of ``block_size``
 token ids, reading and tokenising a document (or, for plain text, a run of lines) at a time, so
 memory stays flat in the corpus size: a 100 MB corpus costs what a 10 MB one does
-(``scripts/bench_data.py``). :func:`split_blocks` holds out a fraction of the blocks for evaluation
+(``benchmarks/bench_data.py``). :func:`split_blocks` holds out a fraction of the blocks for evaluation
 and :func:`shuffled` mixes a stream through a bounded buffer. ``offload-finetune`` trains on them;
 a ``transformers.Trainer`` or a plain loop can too (``torch.stack`` a few blocks into a batch, the
 labels are the ids).

@@ -69,7 +69,7 @@ def estimate_memory(layers: nn.Module | Sequence[int], *, num_slices: int = 8,
             device categories are host memory too.
         activation_bytes: pooled buffers of one step besides those ``profile`` counts; with
             ``offload_activations``, add the saved tensors of the offloaded slices (what
-            ``scripts/bench_activations.py`` reports as ``host_activation_bytes_after_forward``).
+            ``benchmarks/bench_activations.py`` reports as ``host_activation_bytes_after_forward``).
         profile: the model's :class:`~offload.planning.shapes.ModelProfile` for the batch
             (:func:`~offload.planning.shapes.profile_layers`): counts the boundary activations
             on the host and the activations' peak on the device (``device_activations``).

@@ -40,7 +40,7 @@ Note: [Resident slices on a CPU]
     than cores. A streamed run has a second team, the host worker's (its update runs parallel
     kernels); a run whose every slice is resident never uses the worker, so its one team spins,
     and with the cores oversubscribed each parallel kernel can wait a scheduler time slice for its
-    partner thread. Measured on 2 shared cores at a load of 7-9 (``scripts/bench_resident_cpu.py``,
+    partner thread. Measured on 2 shared cores at a load of 7-9 (``benchmarks/bench_resident_cpu.py``,
     ``benchmarks/results/resident_cpu_2026-11-28.json``; ``offload-finetune``'s tiny Llama): 2.1 s
     a step resident against 106.5 ms streamed; 55.0 against 62.5 ms with ``OMP_WAIT_POLICY=PASSIVE``;
     77.2 ms resident with one more thread that once ran a parallel kernel. Nothing in the resident

@@ -1,0 +1,113 @@
+"""The summary of ``benchmarks/gpu_check.sh``: its stages' JSON files merged into one, and the
+tables printed last.
+
+Usage::
+
+    python benchmarks/gpu_check_summary.py merge STAGE_DIR summary.json   # every STAGE_DIR/<stage>.json under its stage's key
+    python benchmarks/gpu_check_summary.py show summary.json              # the tables (pytest.log beside it for the tests)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+GB = 1e9
+
+
+def merge(stage_dir: str, out: str) -> None:
+    summary = {path.stem: json.loads(path.read_text()) for path in sorted(Path(stage_dir).glob("*.json"))}
+    Path(out).write_text(json.dumps(summary, indent=1))
+
+
+def host(facts: dict[str, Any]) -> str:
+    link = facts["link_bytes_per_s"]
+    return (f"host: {facts['cpu_model']}, {facts['logical_cores']} logical / {facts['physical_cores']} physical cores, "
+            f"NUMA {facts['numa_nodes']}, THP {facts['transparent_hugepage']}, "
+            f"{facts['host_memory_bytes'] / 2**30:.0f} GiB; copy {facts['copy_bytes_per_s_at_torch_threads'] / GB:.1f} GB/s "
+            f"at {facts['torch_threads']} threads, {facts['copy_bytes_per_s_at_one_thread'] / GB:.1f} at 1; "
+            f"link {link['host_to_device'] / GB:.1f} / {link['device_to_host'] / GB:.1f} GB/s ({link.get('kind')})")
+
+
+def runs(name: str, report: dict[str, Any]) -> str:
+    from bench_peers import table  # imports torch: only for show, not for every stage's merge
+
+    link = report["bandwidth_bytes_per_s"]
+    lines = [f"{name}: {report['device_name']}, {report['parameters'] / 1e9:.3f} B parameters, "
+             f"{report['tokens_per_step']} tokens/step ({report['sizes']['batch']} x {report['sizes']['seq']}), "
+             f"{report['num_slices']} slices; link {link['host_to_device'] / GB:.1f} / {link['device_to_host'] / GB:.1f} GB/s; "
+             f"host update alone {report.get('host_update_alone_s')}", table(report)]
+    resident = report["runs"].get("resident", {}).get("median_step_s")
+    if resident:
+        lines.append("step / resident step: " + ", ".join(
+            f"{n} {r['median_step_s'] / resident:.2f}" for n, r in report["runs"].items() if n != "resident"))
+    for n, r in report["runs"].items():
+        if "efficiency" in r:
+            lines.append(f"  {n}: efficiency {r['efficiency']:.2f} against {r['ideal_terms']}")
+    return "\n".join(lines)
+
+
+def exact(report: dict[str, Any]) -> str:
+    grads = report.get("gradients_after_first_backward", {})
+    per_slice = report.get("parameters_per_slice", {})
+    lines = [f"exact (deterministic {report.get('deterministic')}): gradients after the first backward, first offloaded "
+             f"run against the resident model: bit identical {grads.get('bit_identical')} "
+             f"({grads.get('offload_vs_resident_tensors_differing')} of {grads.get('tensors')} tensors differ)"]
+    for name, verdict in grads.get("per_variant", {}).items():
+        lines.append(f"  {name}: bit identical {verdict['bit_identical']} ({verdict['tensors_differing']} differ, "
+                     f"largest relative {verdict['max_relative']:.3g})")
+    lines.append(f"parameters after the run, per slice across the variants that updated it on the same side: all equal "
+                 f"{per_slice.get('all_equal')} ({per_slice.get('groups_compared')} groups, "
+                 f"{per_slice.get('groups_differing')} differing: {per_slice.get('differing')})")
+    lines.append("whole-model digests: " + ", ".join(f"{n} {r['parameters_sha256_16']}" for n, r in report["runs"].items()
+                                                     if "parameters_sha256_16" in r))
+    return "\n".join(lines)
+
+
+def trace(report: dict[str, Any]) -> str:
+    from stream_idle import markdown
+
+    tables = {n: r["streams"] for n, r in report["runs"].items() if "streams" in r}
+    lines = ["trace: per lane busy and idle time over one step's forward and backward", markdown(tables)]
+    if "resident" in tables and len(tables) > 1:
+        other = next(n for n in tables if n != "resident")
+        busiest = {n: max(t["per_lane"].values(), key=lambda row: row["busy_ms"]) for n, t in tables.items()}
+        extra = {k: v - busiest["resident"]["top"].get(k, 0.0) for k, v in busiest[other]["top"].items()}
+        lines.append(f"{other} - resident: window {tables[other]['window_ms'] - tables['resident']['window_ms']:+.1f} ms, "
+                     f"busiest lane busy {busiest[other]['busy_ms'] - busiest['resident']['busy_ms']:+.1f} ms, idle "
+                     f"{busiest[other]['idle_ms'] - busiest['resident']['idle_ms']:+.1f} ms; its top operations against "
+                     "the resident's (ms): " + ", ".join(f"{k} {v:+.1f}" for k, v in extra.items()))
+    return "\n".join(lines)
+
+
+def tests(pytest_log: Path) -> str:
+    if not pytest_log.exists():
+        return "tests: no pytest.log"
+    keep = [line for line in pytest_log.read_text().splitlines()
+            if line.startswith("===") or " passed" in line or " failed" in line or "collected" in line
+            or line.startswith(("FAILED", "ERROR"))]
+    return "tests:\n" + "\n".join(keep[-40:])
+
+
+def show(path: str) -> None:
+    summary = json.loads(Path(path).read_text())
+    parts = [tests(Path(path).parent / "pytest.log")]
+    for name, report in summary.items():
+        if name == "host":
+            parts.append(host(report))
+        elif name == "exact":
+            parts.append(exact(report))
+        elif name == "trace":
+            parts.append(trace(report))
+        else:
+            parts.append(runs(name, report))
+    print("\n\n".join(parts))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    command, *paths = sys.argv[1:]
+    merge(*paths) if command == "merge" else show(*paths)
