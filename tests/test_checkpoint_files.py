@@ -307,3 +307,26 @@ def test_an_unpicklable_extra_is_refused_before_anything_is_written(tmp_path):
                                         r"state_dict\(\)s"):
         save_checkpoint(tmp_path / "c", *trained(), extra={"lock": threading.Lock()})
     assert os.listdir(tmp_path) == []
+
+
+def test_an_interrupt_while_extra_is_measured_stays_an_interrupt(tmp_path, monkeypatch):
+    """Ctrl-C while save_checkpoint measures ``extra`` (torch.save into a counting sink): torch.save's
+    zip writer replaces the interrupt by a RuntimeError as it closes, which the save used to report
+    as "extra must be picklable". It stays a KeyboardInterrupt, and nothing is written."""
+    from offload.checkpoint import checkpoint_files
+
+    model, _ = trained()
+    write = checkpoint_files._CountingSink.write
+    calls = []
+
+    def interrupted_write(self, data):
+        calls.append(1)
+        if len(calls) == 2:  # inside the zip file, after its first record began
+            raise KeyboardInterrupt
+        return write(self, data)
+
+    monkeypatch.setattr(checkpoint_files._CountingSink, "write", interrupted_write)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path / "step-1", model, extra={"step": 1})
+    assert len(calls) == 2
+    assert not (tmp_path / "step-1").exists()

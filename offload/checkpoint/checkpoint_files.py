@@ -217,8 +217,33 @@ def failure_text(error: BaseException) -> str:
 def pickled_size(value: Any) -> int:
     """Bytes of ``value`` as DCP writes it (``torch.save``); raises what pickling raises."""
     sink = _CountingSink()
-    torch.save(value, sink)
+    try:
+        torch.save(value, sink)
+    except Exception as error:
+        # An interrupt (Ctrl-C) inside torch.save's zip writer is replaced by the RuntimeError its
+        # closing raises: give the interrupt back, so a caller never reports it as a pickling error.
+        interrupt = interrupt_behind(error)
+        if interrupt is not None:
+            raise interrupt from None
+        raise
     return sink.nbytes
+
+
+def interrupt_behind(error: BaseException) -> BaseException | None:
+    """The KeyboardInterrupt (or SystemExit) in ``error``'s context chain, or among the failures
+    DCP gathered into it, if any."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, (KeyboardInterrupt, SystemExit)):
+            return error
+        seen.add(id(error))
+        if isinstance(error, CheckpointException):
+            for failure in error.failures.values():
+                found = interrupt_behind(failure[0] if isinstance(failure, tuple) else failure)
+                if found is not None:
+                    return found
+        error = error.__context__
+    return None
 
 
 class _CountingSink(io.RawIOBase):

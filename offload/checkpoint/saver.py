@@ -36,7 +36,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from .checkpoint_files import CheckpointError, ChecksummingFileSystem, disk_full, failure_text, free_bytes
+from .checkpoint_files import (CheckpointError, ChecksummingFileSystem, disk_full, failure_text, free_bytes,
+                               interrupt_behind)
 from .checks import _check_room, _check_save_arguments, _check_target
 from .commit import HalfCommitted, commit, latest_checkpoint, partial_directory, prepare, tidy
 from .contents import (STRAY_PARAMETER, _info, _masters_on_disk, _masters_releaser, _model_state, _named_groups,
@@ -168,6 +169,9 @@ def _write_data(path: Path, partial: Path, model: nn.Module, optimizer: torch.op
             shutil.rmtree(partial, ignore_errors=True)  # every rank is past its writes: DCP gathered them
         if not isinstance(error, (Exception, CheckpointException)):
             raise  # KeyboardInterrupt, SystemExit
+        interrupt = interrupt_behind(error)  # one that a writer's closing error replaced
+        if interrupt is not None:
+            raise interrupt from None
         raise CheckpointError(_save_failure(path, error, files.write_errors, needed)) from error
     finally:
         if isinstance(planner, SliceReadingSavePlanner):
