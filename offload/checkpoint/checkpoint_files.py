@@ -230,20 +230,8 @@ def pickled_size(value: Any) -> int:
 
 
 def interrupt_behind(error: BaseException) -> BaseException | None:
-    """The KeyboardInterrupt (or SystemExit) in ``error``'s context chain, or among the failures
-    DCP gathered into it, if any."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        if isinstance(error, (KeyboardInterrupt, SystemExit)):
-            return error
-        seen.add(id(error))
-        if isinstance(error, CheckpointException):
-            for failure in error.failures.values():
-                found = interrupt_behind(failure[0] if isinstance(failure, tuple) else failure)
-                if found is not None:
-                    return found
-        error = error.__context__
-    return None
+    """The KeyboardInterrupt (or SystemExit) behind ``error`` (:func:`_errors_in`), if any."""
+    return next((e for e in _errors_in(error) if isinstance(e, (KeyboardInterrupt, SystemExit))), None)
 
 
 class _CountingSink(io.RawIOBase):
