@@ -26,16 +26,10 @@ struct Hyper {
   bool lerp_small;
 };
 
-template <typename Shadow>
-inline void store_shadow(const Vec& value, Shadow* out) {
-  // Both halves of the low-precision vector hold the same values; store the first.
-  at::vec::convert_from_float<Shadow>(value, value).store(out, Vec::size());
-}
-
-// One vector of elements at `d`: the update, then the shadow from the stored parameter.
-template <bool AMSGRAD, bool MAXIMIZE, int DECAY, bool SCALE, typename Shadow>
-inline void adam_vector(float* param, float* grad, float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq,
-                        Shadow* shadow, int64_t d, const Hyper& h) {
+// One vector of elements at `d`: the update; returns the parameters as stored.
+template <bool AMSGRAD, bool MAXIMIZE, int DECAY, bool SCALE>
+inline Vec adam_vector(float* param, float* grad, float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq,
+                       int64_t d, const Hyper& h) {
   Vec p = Vec::loadu(param + d);
   Vec g = Vec::loadu(grad + d);
   if constexpr (SCALE) {
@@ -64,20 +58,35 @@ inline void adam_vector(float* param, float* grad, float* exp_avg, float* exp_av
   const Vec denom = (second.sqrt() / h.bc2_sqrt) + h.eps;
   p = p + h.minus_step_size * m / denom;
   p.store(param + d);
-  if constexpr (!std::is_same_v<Shadow, float>) store_shadow(p, shadow + d);
+  return p;
 }
 
 template <bool AMSGRAD, bool MAXIMIZE, int DECAY, bool SCALE, typename Shadow>
 void adam_tensor(float* param, float* grad, float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq, void* shadow,
                  int64_t vectors, const Hyper& h) {
-  // Work in runs of whole vectors; an element's result does not depend on the run it falls in.
-  constexpr int64_t kGrain = 2048;
-  at::parallel_for(0, vectors, kGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t k = begin; k < end; ++k) {
-      adam_vector<AMSGRAD, MAXIMIZE, DECAY, SCALE, Shadow>(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq,
-                                                           static_cast<Shadow*>(shadow), k * Vec::size(), h);
+  auto* out = static_cast<Shadow*>(shadow);
+  auto one = [&](int64_t k) {
+    return adam_vector<AMSGRAD, MAXIMIZE, DECAY, SCALE>(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq,
+                                                        k * Vec::size(), h);
+  };
+  // Pairs of vectors: a pair's shadow is one whole low-precision vector, stored at once. Work goes
+  // to the threads in runs of pairs; an element's result does not depend on the run it falls in.
+  constexpr int64_t kGrain = 1024;
+  at::parallel_for(0, vectors / 2, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const Vec first = one(2 * pair);
+      const Vec second = one(2 * pair + 1);
+      if constexpr (!std::is_same_v<Shadow, float>) {
+        at::vec::convert_from_float<Shadow>(first, second).store(out + 2 * pair * Vec::size());
+      }
     }
   });
+  if (vectors % 2) {  // the odd vector: half a low-precision vector
+    const Vec last = one(vectors - 1);
+    if constexpr (!std::is_same_v<Shadow, float>) {
+      at::vec::convert_from_float<Shadow>(last, last).store(out + (vectors - 1) * Vec::size(), Vec::size());
+    }
+  }
 }
 
 using TensorFn = void (*)(float*, float*, float*, float*, float*, void*, int64_t, const Hyper&);
