@@ -165,7 +165,7 @@ def one_pass_variants(args: argparse.Namespace, size: int) -> dict[str, Callable
     """PyTorch's fused AdamW kernel and then a cast of its parameters into a bfloat16 shadow, and
     the one-pass kernel that does both (Note: [One-pass update]), over flat buffers as a slice's."""
     from offload.kernels import host_kernel
-    from offload.kernels.one_pass import adam_one_pass
+    from offload.kernels.one_pass import one_pass
 
     kernel = host_kernel(wait=True)
     if kernel is None:
@@ -184,7 +184,7 @@ def one_pass_variants(args: argparse.Namespace, size: int) -> dict[str, Callable
                 shadow.copy_(flat)
         else:
             def step(lists: list[list[torch.Tensor]] = lists, shadow: torch.Tensor = shadow) -> None:
-                adam_one_pass(kernel, lists, list(shadow.split(size)), True, options)
+                one_pass(kernel, torch.ops.aten._fused_adamw_.default, lists, list(shadow.split(size)), options)
         variants[name] = step
     return variants
 

@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from offload import OffloadModel, OffloadOptimizer
-from offload.kernels import build, one_pass
-from offload.kernels.check import check_against_torch
-from offload.kernels.one_pass import OnePassUpdate, adam_one_pass
+from offload.kernels import build
+from offload.kernels.check import check_against_torch, same_bits
+from offload.kernels.one_pass import SERVED, OnePassUpdate, one_pass
 
 from .test_optimizer import assert_same, loss_of
 
@@ -26,50 +26,58 @@ def kernel() -> types.ModuleType:
     return module
 
 
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal element for element, signs of zeros included; NaN where the other has NaN."""
-    nan = torch.isnan(a)
-    return bool(torch.equal(nan, torch.isnan(b)) and torch.equal(a[~nan], b[~nan])
-                and torch.equal(torch.signbit(a[~nan]), torch.signbit(b[~nan])))
-
+_aten = torch.ops.aten
+ADAMW, ADAM, SGD = _aten._fused_adamw_.default, _aten._fused_adam_.default, _aten._fused_sgd_.default
+ADAM_DEFAULTS = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "weight_decay": 0.0, "eps": 1e-8, "amsgrad": False,
+                 "maximize": False, "grad_scale": None}
+SGD_DEFAULTS = {"weight_decay": 0.0, "momentum": 0.9, "lr": 0.05, "dampening": 0.0, "nesterov": False,
+                "maximize": False, "is_first_step": False, "grad_scale": None}
 
 OPTIONS = [
-    pytest.param(True, {}, id="AdamW"),
-    pytest.param(True, {"weight_decay": 0.1}, id="AdamW-decay"),
-    pytest.param(False, {"weight_decay": 0.1}, id="Adam-L2"),
-    pytest.param(True, {"amsgrad": True}, id="AdamW-amsgrad"),
-    pytest.param(False, {"maximize": True, "amsgrad": True}, id="Adam-maximize-amsgrad"),
-    pytest.param(True, {"beta1": 0.2, "beta2": 0.9}, id="AdamW-small-beta1"),
-    pytest.param(True, {"grad_scale": torch.tensor(1024.0)}, id="AdamW-grad-scale"),
-    pytest.param(False, {"lr": 0.5, "eps": 1e-3, "weight_decay": 0.3}, id="Adam-large-lr"),
+    pytest.param(ADAMW, {}, id="AdamW"),
+    pytest.param(ADAMW, {"weight_decay": 0.1}, id="AdamW-decay"),
+    pytest.param(ADAM, {"weight_decay": 0.1}, id="Adam-L2"),
+    pytest.param(ADAMW, {"amsgrad": True}, id="AdamW-amsgrad"),
+    pytest.param(ADAM, {"maximize": True, "amsgrad": True}, id="Adam-maximize-amsgrad"),
+    pytest.param(ADAMW, {"beta1": 0.2, "beta2": 0.9}, id="AdamW-small-beta1"),
+    pytest.param(ADAMW, {"grad_scale": torch.tensor(1024.0)}, id="AdamW-grad-scale"),
+    pytest.param(ADAM, {"lr": 0.5, "eps": 1e-3, "weight_decay": 0.3}, id="Adam-large-lr"),
+    pytest.param(SGD, {}, id="SGD-momentum"),
+    pytest.param(SGD, {"is_first_step": True, "nesterov": True}, id="SGD-nesterov-first-step"),
+    pytest.param(SGD, {"nesterov": True, "weight_decay": 0.01, "maximize": True}, id="SGD-nesterov-decay-maximize"),
+    pytest.param(SGD, {"momentum": 0.0, "grad_scale": torch.tensor(8.0)}, id="SGD-plain-grad-scale"),
+    pytest.param(SGD, {"dampening": 0.3, "lr": 2.0}, id="SGD-dampening"),
 ]
 
 
-@pytest.mark.parametrize("adamw,changes", OPTIONS)
+@pytest.mark.parametrize("op,changes", OPTIONS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_one_pass_equals_the_fused_kernel_then_a_cast(kernel, adamw, changes, dtype):
+def test_one_pass_equals_the_fused_kernel_then_a_cast(kernel, op, changes, dtype):
     width = kernel.vector_size()
     sizes = [1, width - 1, width, 3 * width + 5, 2053]
     generator = torch.Generator().manual_seed(len(changes))
     make = lambda spread: [torch.randn(n, generator=generator) * spread for n in sizes]  # noqa: E731
-    params, grads, exp_avgs = make(2.0), make(1.0), make(0.1)
-    exp_avg_sqs = [t.abs() for t in make(0.01)]
-    options = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "weight_decay": 0.0, "eps": 1e-8, "amsgrad": False,
-               "maximize": False, "grad_scale": None, **changes}
-    maxes = [t * 2 for t in exp_avg_sqs] if options["amsgrad"] else []
+    params, grads = make(2.0), make(1.0)
     # Non-finite values in the vectors and in the tails; a parameter beyond the shadow's range.
     grads[-1][::101] = float("nan")
     grads[-1][3::67] = float("-inf")
     params[-2][::5] = float("inf")
     params[-1][1::13] = 3.0e38 if dtype == torch.bfloat16 else 7.0e4
-    steps = [torch.tensor(3.0) for _ in sizes]
-    expected = [[t.clone() for t in group] for group in (params, grads, exp_avgs, exp_avg_sqs, maxes)]
-    (torch._fused_adamw_ if adamw else torch._fused_adam_)(*expected, steps, **options)
+    if op == SGD:
+        options = {**SGD_DEFAULTS, **changes}
+        given = [params, grads, make(0.1) if options["momentum"] else []]
+    else:
+        options = {**ADAM_DEFAULTS, **changes}
+        exp_avg_sqs = [t.abs() for t in make(0.01)]
+        given = [params, grads, make(0.1), exp_avg_sqs, [t * 2 for t in exp_avg_sqs] if options["amsgrad"] else [],
+                 [torch.tensor(3.0) for _ in sizes]]
+    expected = [[t.clone() for t in group] for group in given]
+    op(*expected, **options)
     shadows = [torch.full((n,), 7.0, dtype=dtype) for n in sizes]
 
-    adam_one_pass(kernel, [params, grads, exp_avgs, exp_avg_sqs, maxes, steps], shadows, adamw, options)
+    one_pass(kernel, op, given, shadows, options)
 
-    for mine, theirs in zip((params, grads, exp_avgs, exp_avg_sqs, maxes), expected):
+    for mine, theirs in zip(given, expected):
         for a, b in zip(mine, theirs):
             assert same_bits(a, b)
     for shadow, param in zip(shadows, expected[0]):
@@ -89,6 +97,7 @@ def network() -> nn.Sequential:
     pytest.param(torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}, id="AdamW"),
     pytest.param(torch.optim.AdamW, {"lr": 1e-2, "amsgrad": True, "maximize": True}, id="AdamW-amsgrad-maximize"),
     pytest.param(torch.optim.Adam, {"lr": 1e-2, "weight_decay": 0.05}, id="Adam-L2"),
+    pytest.param(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}, id="SGD-nesterov"),
 ])
 def test_offload_optimizer_steps_and_shadows_equal_the_fused_optimizer_and_a_cast(kernel, monkeypatch, cls, kwargs):
     served = []
@@ -126,27 +135,38 @@ def test_offload_optimizer_steps_and_shadows_equal_the_fused_optimizer_and_a_cas
 
 
 class Perturbed:
-    """The real kernel, with one element of its result moved by one unit in the last place."""
+    """The real kernels, with one element of one kernel's result moved by a unit in the last place."""
 
-    def __init__(self, real: types.ModuleType, what: str) -> None:
-        self.real, self.what = real, what
+    def __init__(self, real: types.ModuleType, kernel: str, what: str) -> None:
+        self.real, self.kernel, self.what = real, kernel, what
         self.vector_size = real.vector_size
 
-    def adam_step(self, params, grads, exp_avgs, exp_avg_sqs, maxes, steps, shadows, *rest):
-        self.real.adam_step(params, grads, exp_avgs, exp_avg_sqs, maxes, steps, shadows, *rest)
+    def adam_step(self, *args):
+        self.real.adam_step(*args)
+        if self.kernel == "adam":
+            self._perturb(args[0], args[6])
+
+    def sgd_step(self, *args):
+        self.real.sgd_step(*args)
+        if self.kernel == "sgd":
+            self._perturb(args[0], args[3])
+
+    def _perturb(self, params, shadows):
         # The third tensor: a whole vector of finite values in the check.
         target = params[2] if self.what == "parameter" else shadows[2]
         value = target[0:1].float()
-        target[0:1] = torch.nextafter(value, torch.full_like(value, float("inf"))).to(target.dtype)
-        if self.what == "shadow":  # one unit in the shadow's last place
+        if self.what == "parameter":
+            target[0:1] = torch.nextafter(value, torch.full_like(value, float("inf")))
+        else:  # a unit in the shadow's last place, or more
             target[0:1] = (value + value.abs() * 0.01 + 1e-3).to(target.dtype)
 
 
 @pytest.mark.parametrize("what", ["parameter", "shadow"])
-def test_the_check_refuses_a_kernel_that_differs_in_one_element(kernel, what):
+@pytest.mark.parametrize("which", ["adam", "sgd"])
+def test_the_check_refuses_a_kernel_that_differs_in_one_element(kernel, which, what):
     assert check_against_torch(kernel) is None
-    mismatch = check_against_torch(Perturbed(kernel, what))
-    assert mismatch is not None and what in mismatch
+    mismatch = check_against_torch(Perturbed(kernel, which, what))
+    assert mismatch is not None and what in mismatch and which in mismatch
 
 
 def test_without_a_build_training_runs_pytorchs_kernels_and_says_why_once(monkeypatch):
@@ -184,4 +204,4 @@ def test_the_environment_turns_the_kernel_off(monkeypatch):
 
 
 def test_only_the_fused_kernels_are_served():
-    assert set(one_pass.FUSED_ADAM) == {torch.ops.aten._fused_adamw_.default, torch.ops.aten._fused_adam_.default}
+    assert set(SERVED) == {ADAMW, ADAM, SGD}

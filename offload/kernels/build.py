@@ -1,4 +1,4 @@
-"""Compiles ``adam_shadow.cpp`` for this machine, once, in the background, and checks it against
+"""Compiles ``one_pass.cpp`` for this machine, once, in the background, and checks it against
 PyTorch's fused kernel before anything uses it.
 
 The build takes tens of seconds (PyTorch's headers are large), so it runs on a thread of its own
@@ -21,7 +21,7 @@ from types import ModuleType
 
 import torch
 
-SOURCE = Path(__file__).with_name("adam_shadow.cpp")
+SOURCE = Path(__file__).with_name("one_pass.cpp")
 
 #: The flags PyTorch builds each CPU capability's kernels with: the compiler then makes the same
 #: choices (which multiply-adds it fuses) for the same expressions.
@@ -92,7 +92,7 @@ def _compile() -> ModuleType:
     flags = ["-O3", f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}", *CAPABILITY_FLAGS[capability]]
     source = SOURCE.read_bytes()
     digest = hashlib.sha256(source + " ".join(flags).encode() + torch.__version__.encode()).hexdigest()[:12]
-    name = f"offload_adam_shadow_{digest}"
+    name = f"offload_one_pass_{digest}"
     _clear_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)))
     return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags, verbose=False)
 

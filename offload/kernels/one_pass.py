@@ -1,31 +1,32 @@
-"""The one-pass host update: while a slice's optimizer steps, PyTorch's fused Adam/AdamW kernel is
-replaced, for the parameters that have a shadow, by one that also writes the shadow.
+"""The one-pass host update: while a slice's optimizer steps, PyTorch's fused Adam, AdamW and SGD
+kernels are replaced, for the parameters that have a shadow, by ones that also write the shadow.
 
 Note: [One-pass update]
     Under a compute dtype, a slice's host update used to be two passes over its float32 masters:
     the optimizer's (AdamW reads and writes the masters and both moments and reads the gradient:
     28 bytes a parameter) and then a cast of every master into the bfloat16 shadow that the next
     load copies (4 bytes read again, 2 written: 6 more, about a fifth of the update). The one-pass
-    kernel (``adam_shadow.cpp``) stores the shadow from the value it has just computed, while it
-    is still in a register: 30 bytes instead of 34.
+    kernels (``one_pass.cpp``) store the shadow from the value they have just computed, while it
+    is still in a register: 30 bytes instead of 34 for AdamW, 18 instead of 22 for SGD with momentum.
 
     Nothing else changes. The user's optimizer class still runs, with its own arguments, state and
-    step counting; only its call of ``torch._fused_adam_``/``torch._fused_adamw_`` is served
-    differently, by :class:`OnePassUpdate`, a dispatch mode active on the update worker's thread
-    for that slice's step. The kernel repeats PyTorch's arithmetic operation for operation, over
-    PyTorch's own vector type and with the flags of its CPU capability, on each tensor's whole
-    vectors; the elements after a tensor's last whole vector, and any tensor the kernel does not
-    take (no shadow, not contiguous), go to PyTorch's kernel in the same call's place, and their
-    shadow is cast after. So the masters, the moments and the shadow are bit for bit what
-    ``fused=True`` and a cast give (``check.py`` proves it on this machine before first use;
-    tests/test_one_pass.py across the options). Only the fused path is served: the per-tensor and
-    ``foreach`` implementations, other optimizers, ``lr`` as a tensor and a GradScaler step that
+    step counting; only its call of ``torch._fused_adam_``, ``torch._fused_adamw_`` or
+    ``torch._fused_sgd_`` is served differently, by :class:`OnePassUpdate`, a dispatch mode active
+    on the update worker's thread for that slice's step. The kernels repeat PyTorch's arithmetic
+    operation for operation, over PyTorch's own vector type and with the flags of its CPU
+    capability, on each tensor's whole vectors; the elements after a tensor's last whole vector,
+    and any tensor they do not take (no shadow, not contiguous), go to PyTorch's kernel in the same
+    call's place, and their shadow is cast after. So parameters, state and shadow are bit for bit
+    what ``fused=True`` and a cast give (``check.py`` proves it on this machine before first use;
+    tests/test_one_pass.py across the options). Only the fused implementations are served: the
+    per-tensor and ``foreach`` ones, other optimizers, ``lr`` as a tensor and a GradScaler step that
     found an inf keep the two passes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -33,42 +34,63 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _aten = torch.ops.aten
-#: The fused kernels served, and whether each decouples the weight decay (AdamW).
-FUSED_ADAM = {_aten._fused_adamw_.default: True, _aten._fused_adam_.default: False}
 
 
-def adam_one_pass(kernel: ModuleType, lists: Sequence[list[torch.Tensor]], shadows: list[torch.Tensor],
-                  adamw: bool, options: dict[str, Any]) -> None:
-    """Step ``lists`` (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, as
-    PyTorch's fused kernel takes them; every tensor float32, contiguous, on the CPU) as
-    ``torch._fused_adamw_`` (``adamw``) or ``torch._fused_adam_`` with ``options`` would, and cast
-    each parameter into ``shadows`` (same sizes, bfloat16 or float16) after."""
-    params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = lists
-    amsgrad = options["amsgrad"]
-    kernel.adam_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, shadows, options["lr"],
-                     options["beta1"], options["beta2"], options["weight_decay"], options["eps"], amsgrad,
-                     options["maximize"], adamw, options.get("grad_scale"))
+@dataclass(frozen=True)
+class Served:
+    """How one of PyTorch's fused kernels takes its arguments, and the one-pass kernel's call."""
+
+    lists: int  # positional lists it takes
+    per_element: tuple[int, ...]  # those with a tensor of the parameter's size (or empty, when unused)
+    run: Callable[[ModuleType, list[list[torch.Tensor]], list[torch.Tensor], dict[str, Any]], None]
+
+
+def _adam(adamw: bool) -> Callable[..., None]:
+    def run(kernel: ModuleType, lists: list[list[torch.Tensor]], shadows: list[torch.Tensor], o: dict[str, Any]) -> None:
+        kernel.adam_step(*lists, shadows, o["lr"], o["beta1"], o["beta2"], o["weight_decay"], o["eps"], o["amsgrad"],
+                         o["maximize"], adamw, o.get("grad_scale"))
+    return run
+
+
+def _sgd(kernel: ModuleType, lists: list[list[torch.Tensor]], shadows: list[torch.Tensor], o: dict[str, Any]) -> None:
+    kernel.sgd_step(*lists, shadows, o["weight_decay"], o["momentum"], o["lr"], o["dampening"], o["nesterov"],
+                    o["maximize"], o["is_first_step"], o.get("grad_scale"))
+
+
+#: The fused kernels served: params, grads, state lists (and Adam's steps, one per parameter).
+SERVED = {
+    _aten._fused_adamw_.default: Served(6, (0, 1, 2, 3, 4), _adam(True)),
+    _aten._fused_adam_.default: Served(6, (0, 1, 2, 3, 4), _adam(False)),
+    _aten._fused_sgd_.default: Served(3, (0, 1, 2), _sgd),
+}
+
+
+def one_pass(kernel: ModuleType, op: Any, lists: Sequence[list[torch.Tensor]], shadows: list[torch.Tensor],
+             options: dict[str, Any]) -> None:
+    """Step ``lists`` as PyTorch's fused kernel ``op`` would with ``options`` (every tensor float32,
+    contiguous, on the CPU), and cast each parameter into ``shadows`` (same sizes, bfloat16 or
+    float16) from its new value."""
+    served = SERVED[op]
+    lists = [list(group) for group in lists]
+    served.run(kernel, lists, shadows, options)
     # What is left after each tensor's last whole vector: PyTorch's own scalar loop.
     width = kernel.vector_size()
+    params = lists[0]
     tails = [k for k, p in enumerate(params) if p.numel() % width]
     if not tails:
         return
     start = {k: params[k].numel() - params[k].numel() % width for k in tails}
-
-    def cut(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [tensors[k].view(-1)[start[k]:] for k in tails]
-
-    fused = torch._fused_adamw_ if adamw else torch._fused_adam_
-    fused(cut(params), cut(grads), cut(exp_avgs), cut(exp_avg_sqs), cut(max_exp_avg_sqs) if amsgrad else [],
-          [steps[k] for k in tails], **options)
+    cut = [[group[k].view(-1)[start[k]:] if i in served.per_element else group[k] for k in tails] if group else []
+           for i, group in enumerate(lists)]
+    op(*cut, **options)
     for k in tails:
         shadows[k].view(-1)[start[k]:].copy_(params[k].view(-1)[start[k]:])
 
 
 class OnePassUpdate(TorchDispatchMode):
-    """Serves the fused Adam/AdamW kernel for the parameters in ``shadow_of`` (a host copy's
-    address to its shadow view) with :func:`adam_one_pass`; ``written`` collects the addresses
-    whose shadow it wrote. Active on one thread, for one slice's optimizer step."""
+    """Serves PyTorch's fused optimizer kernels for the parameters in ``shadow_of`` (a host copy's
+    address to its shadow view) with :func:`one_pass`; ``written`` collects the addresses whose
+    shadow it wrote. Active on one thread, for one slice's optimizer step."""
 
     def __init__(self, kernel: ModuleType, shadow_of: dict[int, torch.Tensor]) -> None:
         super().__init__()
@@ -78,42 +100,40 @@ class OnePassUpdate(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        if func not in FUSED_ADAM or not self._serve(func, args, kwargs):
+        if func not in SERVED or not self._serve(func, args, kwargs):
             return func(*args, **kwargs)
         return None
 
     def _serve(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Run ``func``'s call with the one-pass kernel where it can; ``False`` to run it as it is."""
-        lists = [list(a) for a in args]
-        while len(lists) < 6:
-            lists.append([])
+        served = SERVED[func]
+        lists = [list(a) for a in args] + [[] for _ in range(served.lists - len(args))]
         options = dict(kwargs)
         found_inf = options.pop("found_inf", None)
-        if found_inf is not None:
-            if found_inf.item() != 0:
-                return False  # PyTorch's kernel skips the step: nothing to write
+        if found_inf is not None and found_inf.item() != 0:
+            return False  # PyTorch's kernel skips the step: nothing to write
         grad_scale = options.get("grad_scale")
         if grad_scale is not None and (grad_scale.device.type != "cpu" or grad_scale.dtype != torch.float32):
             return False
-        mine = [k for k, p in enumerate(lists[0]) if self._takes(k, lists, options["amsgrad"])]
+        mine = [k for k in range(len(lists[0])) if self._takes(k, lists, served)]
         if not mine:
             return False
-        pick = lambda tensors, ks: [tensors[k] for k in ks]  # noqa: E731
-        amsgrad = options["amsgrad"]
-        chosen = [pick(t, mine) if (i != 4 or amsgrad) else [] for i, t in enumerate(lists)]
-        adam_one_pass(self.kernel, chosen, [self.shadow_of[lists[0][k].data_ptr()] for k in mine],
-                      FUSED_ADAM[func], options)
+
+        def pick(ks: list[int]) -> list[list[torch.Tensor]]:
+            return [[group[k] for k in ks] if group else [] for group in lists]
+
+        one_pass(self.kernel, func, pick(mine), [self.shadow_of[lists[0][k].data_ptr()] for k in mine], options)
         self.written.update(lists[0][k].data_ptr() for k in mine)
-        rest = [k for k in range(len(lists[0])) if k not in set(mine)]
+        rest = sorted(set(range(len(lists[0]))) - set(mine))
         if rest:
-            func(*[pick(t, rest) if (i != 4 or amsgrad) else [] for i, t in enumerate(lists)], **kwargs)
+            func(*pick(rest), **kwargs)
         return True
 
-    def _takes(self, k: int, lists: list[list[torch.Tensor]], amsgrad: bool) -> bool:
+    def _takes(self, k: int, lists: list[list[torch.Tensor]], served: Served) -> bool:
         param = lists[0][k]
         shadow = self.shadow_of.get(param.data_ptr())
         if shadow is None or shadow.numel() != param.numel():
             return False
-        tensors = [lists[i][k] for i in (0, 1, 2, 3)] + ([lists[4][k]] if amsgrad else [])
+        tensors = [lists[i][k] for i in served.per_element if lists[i]]
         return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
                    and t.numel() == param.numel() for t in tensors)

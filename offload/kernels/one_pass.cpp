@@ -1,4 +1,4 @@
-// Adam or AdamW over float32 host tensors that writes each parameter's compute-dtype shadow
+// Adam, AdamW or SGD over float32 host tensors that writes each parameter's compute-dtype shadow
 // (bfloat16 or float16) from the value it has just stored, in the same pass: the masters are read
 // once a step instead of twice (Note: [One-pass update] in offload/kernels/one_pass.py).
 //
@@ -61,32 +61,64 @@ inline Vec adam_vector(float* param, float* grad, float* exp_avg, float* exp_avg
   return p;
 }
 
-template <bool AMSGRAD, bool MAXIMIZE, int DECAY, bool SCALE, typename Shadow>
-void adam_tensor(float* param, float* grad, float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq, void* shadow,
-                 int64_t vectors, const Hyper& h) {
-  auto* out = static_cast<Shadow*>(shadow);
-  auto one = [&](int64_t k) {
-    return adam_vector<AMSGRAD, MAXIMIZE, DECAY, SCALE>(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq,
-                                                        k * Vec::size(), h);
-  };
-  // Pairs of vectors: a pair's shadow is one whole low-precision vector, stored at once. Work goes
-  // to the threads in runs of pairs; an element's result does not depend on the run it falls in.
+// Stores a whole low-precision vector past the caches when it is aligned: the shadow is read
+// next by the copy to the device, so reading its lines in first (as a plain store does) only
+// doubles its traffic.
+template <typename Low>
+inline void store_streaming(const at::vec::Vectorized<Low>& value, Low* out) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if ((reinterpret_cast<uintptr_t>(out) & 63) == 0) {
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(out), static_cast<__m512i>(value));
+    return;
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  if ((reinterpret_cast<uintptr_t>(out) & 31) == 0) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(out), static_cast<__m256i>(value));
+    return;
+  }
+#endif
+  value.store(out);
+}
+
+// Streaming stores are weakly ordered: each thread fences its own before the threads join.
+inline void fence_streaming() {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  _mm_sfence();
+#endif
+}
+
+// Runs `one(k)` (the update of vector k, returning the parameters as stored) over `vectors`
+// vectors, a pair at a time so that a pair's shadow is one whole low-precision vector, stored at
+// once. Work goes to the threads in runs of pairs: an element's result does not depend on its run.
+template <typename Shadow, typename One>
+void pairs_with_shadow(int64_t vectors, Shadow* out, const One& one) {
   constexpr int64_t kGrain = 1024;
   at::parallel_for(0, vectors / 2, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t pair = begin; pair < end; ++pair) {
       const Vec first = one(2 * pair);
       const Vec second = one(2 * pair + 1);
       if constexpr (!std::is_same_v<Shadow, float>) {
-        at::vec::convert_from_float<Shadow>(first, second).store(out + 2 * pair * Vec::size());
+        store_streaming(at::vec::convert_from_float<Shadow>(first, second), out + 2 * pair * Vec::size());
       }
     }
+    fence_streaming();
   });
-  if (vectors % 2) {  // the odd vector: half a low-precision vector
+  if (vectors % 2) {
     const Vec last = one(vectors - 1);
     if constexpr (!std::is_same_v<Shadow, float>) {
       at::vec::convert_from_float<Shadow>(last, last).store(out + (vectors - 1) * Vec::size(), Vec::size());
     }
   }
+}
+
+template <bool AMSGRAD, bool MAXIMIZE, int DECAY, bool SCALE, typename Shadow>
+void adam_tensor(float* param, float* grad, float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq, void* shadow,
+                 int64_t vectors, const Hyper& h) {
+  auto one = [&](int64_t k) {
+    return adam_vector<AMSGRAD, MAXIMIZE, DECAY, SCALE>(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq,
+                                                        k * Vec::size(), h);
+  };
+  pairs_with_shadow(vectors, static_cast<Shadow*>(shadow), one);
 }
 
 using TensorFn = void (*)(float*, float*, float*, float*, float*, void*, int64_t, const Hyper&);
@@ -183,7 +215,128 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
   }
 }
 
+namespace {
+
+struct SgdHyper {
+  Vec decay, momentum, dampened, minus_lr, scale;
+};
+
+// One vector of SGD at `d`, as torch.optim's fused SGD computes it; returns the parameters as stored.
+template <bool SCALE, bool MAXIMIZE, bool DECAY, int MOMENTUM, bool NESTEROV>
+inline Vec sgd_vector(float* param, float* grad, float* momentum_buffer, int64_t d, const SgdHyper& h) {
+  Vec p = Vec::loadu(param + d);
+  Vec g = Vec::loadu(grad + d);
+  if constexpr (SCALE) {
+    g = g / h.scale;
+    g.store(grad + d);
+  }
+  if constexpr (MAXIMIZE) g = g * Vec(-1.0f);
+  if constexpr (DECAY) g += p * h.decay;
+  if constexpr (MOMENTUM != 0) {  // 1: the first step takes the gradient; 2: a later one
+    Vec buffer;
+    if constexpr (MOMENTUM == 1) {
+      buffer = g;
+    } else {
+      buffer = Vec::loadu(momentum_buffer + d) * h.momentum + g * h.dampened;
+    }
+    buffer.store(momentum_buffer + d);
+    if constexpr (NESTEROV) {
+      g += buffer * h.momentum;
+    } else {
+      g = buffer;
+    }
+  }
+  p += g * h.minus_lr;
+  p.store(param + d);
+  return p;
+}
+
+template <bool SCALE, bool MAXIMIZE, bool DECAY, int MOMENTUM, bool NESTEROV>
+void sgd_tensor(float* param, float* grad, float* momentum_buffer, void* shadow, at::ScalarType kind,
+                int64_t vectors, const SgdHyper& h) {
+  auto one = [&](int64_t k) {
+    return sgd_vector<SCALE, MAXIMIZE, DECAY, MOMENTUM, NESTEROV>(param, grad, momentum_buffer, k * Vec::size(), h);
+  };
+  if (kind == at::kBFloat16) {
+    pairs_with_shadow(vectors, static_cast<c10::BFloat16*>(shadow), one);
+  } else if (kind == at::kHalf) {
+    pairs_with_shadow(vectors, static_cast<c10::Half*>(shadow), one);
+  } else {
+    pairs_with_shadow(vectors, static_cast<float*>(nullptr), one);
+  }
+}
+
+using SgdFn = void (*)(float*, float*, float*, void*, at::ScalarType, int64_t, const SgdHyper&);
+
+template <bool SCALE, bool MAXIMIZE, bool DECAY>
+SgdFn sgd_pick_momentum(int momentum, bool nesterov) {
+  if (momentum == 0) return &sgd_tensor<SCALE, MAXIMIZE, DECAY, 0, false>;
+  if (momentum == 1) {
+    return nesterov ? &sgd_tensor<SCALE, MAXIMIZE, DECAY, 1, true> : &sgd_tensor<SCALE, MAXIMIZE, DECAY, 1, false>;
+  }
+  return nesterov ? &sgd_tensor<SCALE, MAXIMIZE, DECAY, 2, true> : &sgd_tensor<SCALE, MAXIMIZE, DECAY, 2, false>;
+}
+
+template <bool SCALE, bool MAXIMIZE>
+SgdFn sgd_pick_decay(bool decay, int momentum, bool nesterov) {
+  return decay ? sgd_pick_momentum<SCALE, MAXIMIZE, true>(momentum, nesterov)
+               : sgd_pick_momentum<SCALE, MAXIMIZE, false>(momentum, nesterov);
+}
+
+SgdFn sgd_pick(bool scale, bool maximize, bool decay, int momentum, bool nesterov) {
+  if (scale) {
+    return maximize ? sgd_pick_decay<true, true>(decay, momentum, nesterov)
+                    : sgd_pick_decay<true, false>(decay, momentum, nesterov);
+  }
+  return maximize ? sgd_pick_decay<false, true>(decay, momentum, nesterov)
+                  : sgd_pick_decay<false, false>(decay, momentum, nesterov);
+}
+
+at::ScalarType shadow_kind(const at::Tensor& shadow, int64_t numel) {
+  if (shadow.numel() == 0) return at::kFloat;
+  const at::ScalarType kind = shadow.scalar_type();
+  TORCH_CHECK((kind == at::kBFloat16 || kind == at::kHalf) && shadow.numel() == numel && shadow.is_contiguous(),
+              "a shadow is a contiguous bfloat16 or float16 tensor of its parameter's size");
+  return kind;
+}
+
+}  // namespace
+
+// SGD over the whole vectors of each tensor, writing shadows[k] as adam_step does; the arguments
+// are torch._fused_sgd_'s (momentum_buffers empty without momentum).
+void sgd_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+              const std::vector<at::Tensor>& momentum_buffers, const std::vector<at::Tensor>& shadows,
+              double weight_decay, double momentum, double lr, double dampening, bool nesterov, bool maximize,
+              bool is_first_step, const c10::optional<at::Tensor>& grad_scale) {
+  const size_t n = params.size();
+  const bool has_momentum = momentum != 0.0;
+  TORCH_CHECK(grads.size() == n && shadows.size() == n && (!has_momentum || momentum_buffers.size() == n),
+              "sgd_step: lists of different lengths");
+  SgdHyper h;
+  h.scale = Vec(grad_scale.has_value() ? grad_scale->item<float>() : 1.0f);
+  h.decay = Vec(float(weight_decay));
+  h.momentum = Vec(float(momentum));
+  h.dampened = Vec(float(1 - dampening));
+  h.minus_lr = Vec(float(-lr));
+  const SgdFn fn = sgd_pick(grad_scale.has_value(), maximize, weight_decay != 0.0,
+                            has_momentum ? (is_first_step ? 1 : 2) : 0, nesterov);
+  for (size_t k = 0; k < n; ++k) {
+    const int64_t numel = params[k].numel();
+    check_state(params[k], numel, "parameters");
+    check_state(grads[k], numel, "gradients");
+    float* buffer = nullptr;
+    if (has_momentum) {
+      check_state(momentum_buffers[k], numel, "momentum_buffer");
+      buffer = momentum_buffers[k].data_ptr<float>();
+    }
+    const at::ScalarType kind = shadow_kind(shadows[k], numel);
+    fn(params[k].data_ptr<float>(), grads[k].data_ptr<float>(), buffer,
+       kind == at::kFloat ? nullptr : shadows[k].data_ptr(), kind, numel / Vec::size(), h);
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("vector_size", &vector_size);
   m.def("adam_step", &adam_step);
+  m.def("sgd_step", &sgd_step);
 }
