@@ -3,7 +3,7 @@ a slice's compute-dtype shadow as it updates the masters (Note: [One-pass update
 ``one_pass.py``). ``build.py`` compiles and checks them; without a compiler, or where a check
 fails, the host update runs PyTorch's own kernels as before, with the same results."""
 
-from .build import host_kernel
+from .build import HostKernelUnavailable, host_kernel
 from .one_pass import OnePassUpdate
 
-__all__ = ["OnePassUpdate", "host_kernel"]
+__all__ = ["HostKernelUnavailable", "OnePassUpdate", "host_kernel"]
