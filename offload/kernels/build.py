@@ -11,6 +11,7 @@ source, the flags and the PyTorch version. ``OFFLOAD_HOST_KERNELS=0`` turns it o
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
 import threading
@@ -35,7 +36,10 @@ CAPABILITY_FLAGS = {
 STALE_LOCK_SECONDS = 600
 
 _lock = threading.Lock()
-_state: dict[str, object] = {"module": None, "thread": None, "note": None}
+_state: dict[str, object] = {"module": None, "thread": None, "note": None, "checking": False}
+#: How long the interpreter's exit waits for a check that is running: a daemon thread stopped
+#: inside PyTorch's C++ code at exit aborts the process.
+EXIT_WAIT_SECONDS = 60
 
 
 class HostKernelUnavailable(RuntimeWarning):
@@ -56,6 +60,7 @@ def host_kernel(wait: bool = False) -> ModuleType | None:
         if thread is None:
             thread = threading.Thread(target=_build, name="offload host kernel build", daemon=True)
             _state["thread"] = thread
+            atexit.register(_finish_check_at_exit, thread)
             thread.start()
     if wait:
         thread.join()  # type: ignore[attr-defined]
@@ -71,6 +76,7 @@ def _build() -> None:
     try:
         module = _compile()
         from .check import check_against_torch
+        _state["checking"] = True
         mismatch = check_against_torch(module)
         if mismatch is not None:
             raise RuntimeError(f"it differs from PyTorch's fused kernel on this machine ({mismatch})")
@@ -81,6 +87,13 @@ def _build() -> None:
                       "fused kernel and a separate cast, with the same results", HostKernelUnavailable, stacklevel=1)
         return
     _state["module"] = module
+
+
+def _finish_check_at_exit(thread: threading.Thread) -> None:
+    """At exit, let a running check end: the compiler runs in a process of its own and may be
+    left, but a thread stopped inside the check's kernels aborts the interpreter."""
+    if thread.is_alive() and _state["checking"]:
+        thread.join(EXIT_WAIT_SECONDS)
 
 
 def _compile() -> ModuleType:
