@@ -98,8 +98,10 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
     masters, shadow = torch.randn(total), torch.empty(total, dtype=torch.bfloat16)
     shadow.copy_(masters)
     variants["bf16 cast pass"] = functools.partial(shadow.copy_, masters)
+    variants.update(one_pass_variants(args, size))
     models = {}
-    for name, dtype in (("OffloadOptimizer", None), ("OffloadOptimizer+bf16 shadow", torch.bfloat16)):
+    for name, dtype in (("OffloadOptimizer", None), ("OffloadOptimizer+bf16 shadow", torch.bfloat16),
+                        ("OffloadOptimizer+bf16 shadow, two passes", torch.bfloat16)):
         model = OffloadModel(nn.Sequential(*[Stack(args.tensors // args.slices, size) for _ in range(args.slices)]),
                              device="cpu", num_slices=args.slices, compute_dtype=dtype)
         with_grads(list(model.parameters()), name)
@@ -107,9 +109,11 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
         if dtype is not None:
             model(torch.zeros(1))  # lay the shadows out: later steps write them
 
-        def step(optimizer: OffloadOptimizer = optimizer) -> None:
+        def step(optimizer: OffloadOptimizer = optimizer, one_pass: bool = "two passes" not in name) -> None:
+            os.environ["OFFLOAD_HOST_KERNELS"] = "1" if one_pass else "0"  # read at each slice's update
             optimizer.step()
             optimizer.synchronize()
+            os.environ.pop("OFFLOAD_HOST_KERNELS")
         variants[name] = step
         models[name] = model
     del layers
@@ -146,7 +150,43 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
             "separate cast pass": cast / offload,
         },
         "backup_cost_vs_update": (results["fused with a backup"]["median_s"] - fused) / fused,
+        # Note: [One-pass update]: the update and its shadow over the fused update alone (target <= 1.05).
+        "one_pass": {
+            "kernel_update_and_shadow_vs_fused": results["one-pass kernel: update + bf16 shadow"]["vs_fused"],
+            "two_passes_update_and_shadow_vs_fused": results["fused, then a bf16 cast"]["vs_fused"],
+            "offload_optimizer_one_pass_vs_fused": results["OffloadOptimizer+bf16 shadow"]["vs_fused"],
+            "offload_optimizer_two_passes_vs_fused": results["OffloadOptimizer+bf16 shadow, two passes"]["vs_fused"],
+            "host_bytes_per_parameter": {"one pass": BYTES_PER_PARAMETER + 2, "two passes": BYTES_PER_PARAMETER + 6},
+        },
     }
+
+
+def one_pass_variants(args: argparse.Namespace, size: int) -> dict[str, Callable[[], None]]:
+    """PyTorch's fused AdamW kernel and then a cast of its parameters into a bfloat16 shadow, and
+    the one-pass kernel that does both (Note: [One-pass update]), over flat buffers as a slice's."""
+    from offload.kernels import host_kernel
+    from offload.kernels.one_pass import one_pass
+
+    kernel = host_kernel(wait=True)
+    if kernel is None:
+        raise SystemExit("the one-pass kernel did not build here; see the warning above")
+    variants: dict[str, Callable[[], None]] = {}
+    options = {"lr": 1e-4, "beta1": 0.9, "beta2": 0.999, "weight_decay": 0.01, "eps": 1e-8, "amsgrad": False,
+               "maximize": False}
+    for name in ("fused, then a bf16 cast", "one-pass kernel: update + bf16 shadow"):
+        flat, shadow = torch.randn(size * args.tensors) * 0.01, torch.empty(size * args.tensors, dtype=torch.bfloat16)
+        lists = [list(flat.split(size)), [torch.randn(size) * 0.01 for _ in range(args.tensors)],
+                 [torch.zeros(size) for _ in range(args.tensors)], [torch.zeros(size) for _ in range(args.tensors)],
+                 [], [torch.tensor(1.0) for _ in range(args.tensors)]]
+        if name.startswith("fused"):
+            def step(lists: list[list[torch.Tensor]] = lists, flat: torch.Tensor = flat, shadow: torch.Tensor = shadow) -> None:
+                torch._fused_adamw_(*lists, **options)
+                shadow.copy_(flat)
+        else:
+            def step(lists: list[list[torch.Tensor]] = lists, shadow: torch.Tensor = shadow) -> None:
+                one_pass(kernel, torch.ops.aten._fused_adamw_.default, lists, list(shadow.split(size)), options)
+        variants[name] = step
+    return variants
 
 
 def backed_up(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
@@ -303,6 +343,11 @@ def main() -> None:
               f"{row['gb_per_s']:7.1f} {row['vs_fused']:9.2f}")
     print(f"update_bandwidth_fraction: {update['update_bandwidth_fraction']:.2f} (target >= 0.7); with a bf16 "
           f"shadow: {update['update_bandwidth_fraction_bf16_shadow']:.2f}")
+    one_pass = update["one_pass"]
+    print(f"update + bf16 shadow over the fused update alone: one pass {one_pass['kernel_update_and_shadow_vs_fused']:.3f} "
+          f"(target <= 1.05), two passes {one_pass['two_passes_update_and_shadow_vs_fused']:.3f}; through "
+          f"OffloadOptimizer {one_pass['offload_optimizer_one_pass_vs_fused']:.3f} and "
+          f"{one_pass['offload_optimizer_two_passes_vs_fused']:.3f}")
     costs = update["shadow_cost_vs_update"]
     print(f"over OffloadOptimizer's update: the bf16 shadow written by it {costs['written by the update']:.2f}, "
           f"a separate cast pass {costs['separate cast pass']:.2f}; a backup before the fused update "

@@ -3,6 +3,9 @@
 # under its own time limit, its results merged into $OUT/summary.json as it ends (a killed run
 # still leaves what it finished), a summary printed last. The default stages, in order:
 #
+#   (beside host and tests: the one-pass host update's kernel built for this machine and timed against
+#           PyTorch's fused AdamW alone and followed by a cast, benchmarks/host_kernels.py; ready
+#           before slices, 150 s at most)
 #   host    host facts: CPU model, cores, NUMA, transparent huge pages, host copy bandwidth at the
 #           update's thread count, the pinned link each way (benchmarks/host_facts.py; ~10 s);
 #   tests   the cuda-marked tests of what never ran on a GPU: resident slices, the trainers
@@ -66,6 +69,7 @@ for arg in "$@"; do
         *) echo "gpu_check.sh: unknown argument $arg (--cpu-dry-run, --full)"; exit 2 ;;
     esac
 done
+kernels_ready  # when no timed stage ran
 OUT=${OUT:-gpu_out}
 [ $dry = 1 ] && OUT=${OUT_DRY:-$(mktemp -d)}
 mkdir -p "$OUT"
@@ -82,7 +86,7 @@ budget=${GPU_CHECK_BUDGET:-300}
 stages=${GPU_CHECK_STAGES:-host tests slices batch exact trace rest}
 [ $full = 1 ] && stages="$stages peers capped suite"
 FIRST_TESTS=(tests/test_resident_slices*.py tests/test_trainer.py tests/test_trainers_cuda.py tests/test_accelerate.py tests/test_lightning.py
-             tests/test_update_in_backward*.py tests/test_*qlora*.py tests/test_*fused*.py)
+             tests/test_update_in_backward*.py tests/test_*qlora*.py tests/test_one_pass.py)
 peers=${GPU_CHECK_PEERS:-resident,offload,offload-sync,offload-resident,offload-in-backward-resident,fsdp2,torchao,fairscale}
 dry_flag="" big=32 counts="6 9"
 [ $dry = 1 ] && { dry_flag="--cpu-dry-run"; big=4; counts="1 2"; }
@@ -126,6 +130,21 @@ pytest_cuda() {  # pytest_cuda <limit> <paths...>: the cuda-marked tests of path
     $PY -m pip list 2>/dev/null | grep -iE '^(transformers|datasets|tokenizers|huggingface.hub|pyarrow|fsspec|accelerate|lightning|peft|torchao|fairscale) ' 
 } 2>&1 | tee -a "$OUT/run.log"
 log "stages: $stages"
+# The one-pass host update's kernel builds for this machine (tens of seconds of one core) beside the
+# first stages, and is ready before the timed ones: benchmarks/host_kernels.py, its JSON "kernels".
+$PY benchmarks/host_kernels.py $dry_flag --json "$work/kernels.json" > "$work/kernels.log" 2>&1 &
+kernels_pid=$!
+kernels_ready() {
+    [ -n "$kernels_pid" ] || return 0
+    local waited=0
+    while kill -0 "$kernels_pid" 2>/dev/null && [ $waited -lt 150 ]; do sleep 1; waited=$((waited + 1)); done
+    kill "$kernels_pid" 2>/dev/null
+    wait "$kernels_pid" 2>/dev/null || log "--- kernels: benchmarks/host_kernels.py failed or ran past 150 s"
+    kernels_pid=""
+    echo "=== kernels" >> "$OUT/stages.log"; cat "$work/kernels.log" >> "$OUT/stages.log"
+    headline "$work/kernels.log" 7
+    merge
+}
 
 for name in $stages; do
     case $name in
@@ -137,6 +156,7 @@ for name in $stages; do
             echo "=== tests: ${FIRST_TESTS[*]}" >> "$OUT/pytest.log"
             pytest_cuda "$limit_tests" "${FIRST_TESTS[@]}" ;;
         slices)
+            kernels_ready
             stage slices "$limit_slices" $PY benchmarks/bench_peers.py $dry_flag --predict --only "$slices_runs" \
                 --steps 3 --warmup 1 --json "$work/slices.json"
             headline "$work/slices.log" 9 ;;

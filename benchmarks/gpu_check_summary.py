@@ -83,6 +83,16 @@ def trace(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def kernels(report: dict[str, Any]) -> str:
+    if not report.get("one_pass_available"):
+        return f"one-pass host update: off ({report.get('unavailable_reason')})"
+    lines = [f"one-pass host update: ready after {report['build_and_check_s']:.0f} s ({report['machine']['capability']}); "
+             "update over PyTorch's fused AdamW alone:"]
+    for threads, rows in report["by_threads"].items():
+        lines.append(f"  {threads} threads: " + ", ".join(f"{name} {row['vs_fused_alone']:.3f}" for name, row in rows.items()))
+    return "\n".join(lines)
+
+
 def tests(pytest_log: Path) -> str:
     if not pytest_log.exists():
         return "tests: no pytest.log"
@@ -102,6 +112,8 @@ def show(path: str) -> None:
             parts.append(exact(report))
         elif name == "trace":
             parts.append(trace(report))
+        elif name == "kernels":
+            parts.append(kernels(report))
         else:
             parts.append(runs(name, report))
     print("\n\n".join(parts))

@@ -282,15 +282,11 @@ class SliceStorage:
                 "write the kernel may drop the pages and read back what the file held before: fix the disk, then "
                 "reload the last checkpoint") from error
 
-    def write_shadow(self) -> None:
-        """Cast what the slice holds into the shadow, a run of equal dtypes at a time."""
+    def write_shadow(self, written: Collection[int] = ()) -> None:
+        """Cast what the slice holds into the shadow, but for the host copies at the addresses
+        ``written`` (whose shadow the one-pass update wrote)."""
         assert self.shadow is not None
-        with torch.no_grad():
-            for run in self.cast_runs:
-                begin, end = self.held[run.start], self.held[run.stop - 1]
-                count = (end.host_offset - begin.host_offset) // _itemsize(begin.dtype) + end.shape.numel()
-                source = typed_view(self.flat, begin.host_offset, begin.dtype, torch.Size([count]))
-                typed_view(self.shadow, begin.device_offset, begin.device_dtype, torch.Size([count])).copy_(source)
+        _cast_into(self.shadow, self.flat, self.held, self.cast_runs, written)
 
     def shadow_written(self) -> None:
         """The shadow was written from the current host copies (by a host update)."""
@@ -368,3 +364,44 @@ class SliceStorage:
         counters, so a version check alone would not see the change.
         """
         return any(module.training for module in self._running_stat_modules)
+
+
+def shadow_views(storage: SliceStorage) -> dict[int, torch.Tensor]:
+    """The shadow of each host copy of ``storage`` that is cast (a float32 one, row-major), by the
+    host copy's address: where the one-pass update writes it (Note: [One-pass update] in
+    ``offload/kernels/one_pass.py``)."""
+    assert storage.shadow is not None
+    base = storage.flat.data_ptr()
+    return {base + entry.host_offset: typed_view(storage.shadow, entry.device_offset, entry.device_dtype,
+                                                 torch.Size([entry.shape.numel()]))
+            for entry in storage.held
+            if entry.dtype == torch.float32 and entry.device_dtype in (torch.bfloat16, torch.float16)
+            and entry.stride is None}
+
+
+def _cast_into(shadow: torch.Tensor, flat: torch.Tensor, held: Sequence[Entry], runs: Sequence[range],
+               written: Collection[int]) -> None:
+    """Cast the host copies ``held`` (in ``flat``) into ``shadow``, a run of equal dtypes at a time,
+    but for those at the addresses ``written``."""
+    with torch.no_grad():
+        for run in runs:
+            for start, stop in _unwritten(held, run, flat.data_ptr(), written):
+                begin, end = held[start], held[stop - 1]
+                count = (end.host_offset - begin.host_offset) // _itemsize(begin.dtype) + end.shape.numel()
+                source = typed_view(flat, begin.host_offset, begin.dtype, torch.Size([count]))
+                typed_view(shadow, begin.device_offset, begin.device_dtype, torch.Size([count])).copy_(source)
+
+
+def _unwritten(held: Sequence[Entry], run: range, base: int, written: Collection[int]) -> Iterator[tuple[int, int]]:
+    """The stretches ``(start, stop)`` of ``run`` whose host copies (at ``base`` + their offset) are
+    not among the addresses ``written``."""
+    start = None
+    for k in run:
+        if base + held[k].host_offset in written:
+            if start is not None:
+                yield start, k
+            start = None
+        elif start is None:
+            start = k
+    if start is not None:
+        yield start, run.stop

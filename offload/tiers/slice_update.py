@@ -25,14 +25,15 @@ Note: [Whole-slice update]
 
 from __future__ import annotations
 
-from collections.abc import Iterator, MutableMapping, Sequence
+from collections.abc import Collection, Iterator, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..streams.host_storage import SliceStorage
+from ..kernels import OnePassUpdate, host_kernel
+from ..streams.host_storage import SliceStorage, shadow_views
 
 
 def held_state(optimizer: torch.optim.Optimizer) -> Any:
@@ -148,10 +149,10 @@ class SliceStep:
         shadow = self.writes_shadow and self.storage is not None and self.storage.shadow is not None
         assert self.whole is not None
         try:
-            self.whole.step(grads, hyper, grad_scale, found_inf)
+            written = self._step(grads, hyper, grad_scale, found_inf, shadow)
             if shadow:
                 assert self.storage is not None
-                self.storage.write_shadow()
+                self.storage.write_shadow(written)
         except Exception as error:
             where = "on the device" if self.storage is not None and self.storage.resident else "on the host"
             raise HostUpdateError(
@@ -163,3 +164,19 @@ class SliceStep:
         if shadow:
             assert self.storage is not None
             self.storage.shadow_written()
+
+    def _step(self, grads: Sequence[torch.Tensor | None], hyper: Sequence[dict[str, Any]],
+              grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None, shadow: bool) -> Collection[int]:
+        """One optimizer call over the whole slice; with a shadow, its fused Adam/AdamW kernel writes
+        the shadow as it goes where it can (Note: [One-pass update] in ``offload/kernels/one_pass.py``).
+        Returns the addresses of the host copies whose shadow is written."""
+        assert self.whole is not None
+        kernel = host_kernel() if shadow else None
+        if kernel is None:
+            self.whole.step(grads, hyper, grad_scale, found_inf)
+            return ()
+        assert self.storage is not None
+        one_pass = OnePassUpdate(kernel, shadow_views(self.storage))
+        with one_pass:
+            self.whole.step(grads, hyper, grad_scale, found_inf)
+        return one_pass.written

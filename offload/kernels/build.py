@@ -1,0 +1,119 @@
+"""Compiles ``one_pass.cpp`` for this machine, once, in the background, and checks it against
+PyTorch's fused kernel before anything uses it.
+
+The build takes tens of seconds (PyTorch's headers are large), so it runs on a thread of its own
+from the first update that could use it; until it is ready, and for good when it cannot be built
+or its check fails, :func:`host_kernel` returns ``None`` and the update runs PyTorch's kernel and
+a separate cast, which gives the same bits. The compiled module is cached across processes in
+PyTorch's extension directory (``TORCH_EXTENSIONS_DIR``), under a name that changes with the
+source, the flags and the PyTorch version. ``OFFLOAD_HOST_KERNELS=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import os
+import threading
+import time
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+SOURCE = Path(__file__).with_name("one_pass.cpp")
+
+#: The flags PyTorch builds each CPU capability's kernels with: the compiler then makes the same
+#: choices (which multiply-adds it fuses) for the same expressions.
+CAPABILITY_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
+}
+
+#: A lock file older than this is a build that died (a killed process leaves it behind, and
+#: PyTorch's loader would wait on it for ever).
+STALE_LOCK_SECONDS = 600
+
+_lock = threading.Lock()
+_state: dict[str, object] = {"module": None, "thread": None, "note": None, "checking": False}
+#: How long the interpreter's exit waits for a check that is running: a daemon thread stopped
+#: inside PyTorch's C++ code at exit aborts the process.
+EXIT_WAIT_SECONDS = 60
+
+
+class HostKernelUnavailable(RuntimeWarning):
+    """The one-pass host update cannot run here; the update runs PyTorch's kernels instead."""
+
+
+def host_kernel(wait: bool = False) -> ModuleType | None:
+    """The compiled, checked kernel module, or ``None`` while it builds (``wait``: until it is
+    built) and when it cannot be used on this machine (a one-line :class:`HostKernelUnavailable`
+    warning says why, once)."""
+    if os.environ.get("OFFLOAD_HOST_KERNELS", "1") == "0":
+        return None
+    with _lock:
+        module = _state["module"]
+        if module is not None or _state["note"] is not None:
+            return module  # type: ignore[return-value]
+        thread = _state["thread"]
+        if thread is None:
+            thread = threading.Thread(target=_build, name="offload host kernel build", daemon=True)
+            _state["thread"] = thread
+            atexit.register(_finish_check_at_exit, thread)
+            thread.start()
+    if wait:
+        thread.join()  # type: ignore[attr-defined]
+    return _state["module"]  # type: ignore[return-value]
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernel is not used here (``None`` while it builds, or when it is ready)."""
+    return _state["note"]  # type: ignore[return-value]
+
+
+def _build() -> None:
+    try:
+        module = _compile()
+        from .check import check_against_torch
+        _state["checking"] = True
+        mismatch = check_against_torch(module)
+        if mismatch is not None:
+            raise RuntimeError(f"it differs from PyTorch's fused kernel on this machine ({mismatch})")
+    except Exception as error:  # no compiler, no headers, a failed check: PyTorch's kernels, same results
+        note = f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
+        _state["note"] = note
+        warnings.warn(f"offload: the one-pass host update is off on this machine ({note}); updates run PyTorch's "
+                      "fused kernel and a separate cast, with the same results", HostKernelUnavailable, stacklevel=1)
+        return
+    _state["module"] = module
+
+
+def _finish_check_at_exit(thread: threading.Thread) -> None:
+    """At exit, let a running check end: the compiler runs in a process of its own and may be
+    left, but a thread stopped inside the check's kernels aborts the interpreter."""
+    if thread.is_alive() and _state["checking"]:
+        thread.join(EXIT_WAIT_SECONDS)
+
+
+def _compile() -> ModuleType:
+    from torch.utils import cpp_extension
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in CAPABILITY_FLAGS:
+        raise RuntimeError(f"no build for CPU capability {capability}")
+    flags = ["-O3", f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}", *CAPABILITY_FLAGS[capability]]
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + " ".join(flags).encode() + torch.__version__.encode()).hexdigest()[:12]
+    name = f"offload_one_pass_{digest}"
+    _clear_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)))
+    return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags, verbose=False)
+
+
+def _clear_stale_lock(build_dir: Path) -> None:
+    lock = build_dir / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
+            lock.unlink()
+    except FileNotFoundError:
+        pass

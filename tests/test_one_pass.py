@@ -1,0 +1,207 @@
+"""The one-pass host update (Note: [One-pass update] in offload/kernels/one_pass.py): PyTorch's fused
+Adam/AdamW followed by a cast, bit for bit, in one pass over the masters."""
+
+from __future__ import annotations
+
+import types
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from offload import OffloadModel, OffloadOptimizer
+from offload.kernels import build
+from offload.kernels.check import check_against_torch, same_bits
+from offload.kernels.one_pass import SERVED, OnePassUpdate, one_pass
+
+from .test_optimizer import assert_same, loss_of
+
+
+@pytest.fixture(scope="module")
+def kernel() -> types.ModuleType:
+    module = build.host_kernel(wait=True)
+    if module is None:
+        pytest.fail(f"the one-pass kernel did not build here: {build.unavailable_reason()}")
+    return module
+
+
+_aten = torch.ops.aten
+ADAMW, ADAM, SGD = _aten._fused_adamw_.default, _aten._fused_adam_.default, _aten._fused_sgd_.default
+ADAM_DEFAULTS = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "weight_decay": 0.0, "eps": 1e-8, "amsgrad": False,
+                 "maximize": False, "grad_scale": None}
+SGD_DEFAULTS = {"weight_decay": 0.0, "momentum": 0.9, "lr": 0.05, "dampening": 0.0, "nesterov": False,
+                "maximize": False, "is_first_step": False, "grad_scale": None}
+
+OPTIONS = [
+    pytest.param(ADAMW, {}, id="AdamW"),
+    pytest.param(ADAMW, {"weight_decay": 0.1}, id="AdamW-decay"),
+    pytest.param(ADAM, {"weight_decay": 0.1}, id="Adam-L2"),
+    pytest.param(ADAMW, {"amsgrad": True}, id="AdamW-amsgrad"),
+    pytest.param(ADAM, {"maximize": True, "amsgrad": True}, id="Adam-maximize-amsgrad"),
+    pytest.param(ADAMW, {"beta1": 0.2, "beta2": 0.9}, id="AdamW-small-beta1"),
+    pytest.param(ADAMW, {"grad_scale": torch.tensor(1024.0)}, id="AdamW-grad-scale"),
+    pytest.param(ADAM, {"lr": 0.5, "eps": 1e-3, "weight_decay": 0.3}, id="Adam-large-lr"),
+    pytest.param(SGD, {}, id="SGD-momentum"),
+    pytest.param(SGD, {"is_first_step": True, "nesterov": True}, id="SGD-nesterov-first-step"),
+    pytest.param(SGD, {"nesterov": True, "weight_decay": 0.01, "maximize": True}, id="SGD-nesterov-decay-maximize"),
+    pytest.param(SGD, {"momentum": 0.0, "grad_scale": torch.tensor(8.0)}, id="SGD-plain-grad-scale"),
+    pytest.param(SGD, {"dampening": 0.3, "lr": 2.0}, id="SGD-dampening"),
+]
+
+
+@pytest.mark.parametrize("op,changes", OPTIONS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_one_pass_equals_the_fused_kernel_then_a_cast(kernel, op, changes, dtype):
+    width = kernel.vector_size()
+    sizes = [1, width - 1, width, 3 * width + 5, 2053]
+    generator = torch.Generator().manual_seed(len(changes))
+    make = lambda spread: [torch.randn(n, generator=generator) * spread for n in sizes]  # noqa: E731
+    params, grads = make(2.0), make(1.0)
+    # Non-finite values in the vectors and in the tails; a parameter beyond the shadow's range.
+    grads[-1][::101] = float("nan")
+    grads[-1][3::67] = float("-inf")
+    params[-2][::5] = float("inf")
+    params[-1][1::13] = 3.0e38 if dtype == torch.bfloat16 else 7.0e4
+    if op == SGD:
+        options = {**SGD_DEFAULTS, **changes}
+        given = [params, grads, make(0.1) if options["momentum"] else []]
+    else:
+        options = {**ADAM_DEFAULTS, **changes}
+        exp_avg_sqs = [t.abs() for t in make(0.01)]
+        given = [params, grads, make(0.1), exp_avg_sqs, [t * 2 for t in exp_avg_sqs] if options["amsgrad"] else [],
+                 [torch.tensor(3.0) for _ in sizes]]
+    expected = [[t.clone() for t in group] for group in given]
+    op(*expected, **options)
+    shadows = [torch.full((n,), 7.0, dtype=dtype) for n in sizes]
+
+    one_pass(kernel, op, given, shadows, options)
+
+    for mine, theirs in zip(given, expected):
+        for a, b in zip(mine, theirs):
+            assert same_bits(a, b)
+    for shadow, param in zip(shadows, expected[0]):
+        assert same_bits(shadow.float(), param.to(dtype).float())
+
+
+def network() -> nn.Sequential:
+    torch.manual_seed(0)
+    frozen = nn.Linear(16, 16)
+    frozen.requires_grad_(False)  # its shadow is the cast's, beside the updated ones
+    # Sizes off the vector width, so that every tensor has a tail.
+    return nn.Sequential(nn.Linear(6, 37), nn.Tanh(), nn.Linear(37, 16), nn.LayerNorm(16), frozen, nn.Tanh(),
+                         nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+@pytest.mark.parametrize("cls,kwargs", [
+    pytest.param(torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}, id="AdamW"),
+    pytest.param(torch.optim.AdamW, {"lr": 1e-2, "amsgrad": True, "maximize": True}, id="AdamW-amsgrad-maximize"),
+    pytest.param(torch.optim.Adam, {"lr": 1e-2, "weight_decay": 0.05}, id="Adam-L2"),
+    pytest.param(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}, id="SGD-nesterov"),
+])
+def test_offload_optimizer_steps_and_shadows_equal_the_fused_optimizer_and_a_cast(kernel, monkeypatch, cls, kwargs):
+    served = []
+    original = OnePassUpdate._serve
+
+    def counting(self, func, args, kw):
+        done = original(self, func, args, kw)
+        served.append(done)
+        return done
+
+    monkeypatch.setattr(OnePassUpdate, "_serve", counting)
+    plain_model = OffloadModel(network(), device="cpu", num_slices=3, compute_dtype=torch.bfloat16)
+    model = OffloadModel(network(), device="cpu", num_slices=3, compute_dtype=torch.bfloat16)
+    plain = cls(plain_model.parameters(), fused=True, **kwargs)
+    optimizer = OffloadOptimizer(model, cls, fused=True, **kwargs)
+    schedules = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (plain, optimizer)]
+    for step in range(3):
+        for m, o, schedule in zip((plain_model, model), (plain, optimizer), schedules):
+            loss_of(m, step).backward()
+            o.step()
+            schedule.step()  # right after step(): the pending update keeps its learning rate
+            o.zero_grad()
+    assert served and all(served)
+    assert_same(plain_model, plain, model, optimizer)
+    # Each shadow is its slice's masters cast, the frozen layer's included; the plain model's
+    # next forward casts its own, and the outputs agree.
+    for s in model._engine.slices:
+        storage = s.storage
+        assert not storage.shadow_stale()
+        for entry in storage.held:
+            shadow = storage.transfer_source_of(entry.tensor)[0].view(entry.device_dtype)
+            assert same_bits(shadow.float(), entry.tensor.detach().to(entry.device_dtype).float().view(-1))
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(9))
+    torch.testing.assert_close(model(x), plain_model(x), rtol=0, atol=0)
+
+
+class Perturbed:
+    """The real kernels, with one element of one kernel's result moved by a unit in the last place."""
+
+    def __init__(self, real: types.ModuleType, kernel: str, what: str) -> None:
+        self.real, self.kernel, self.what = real, kernel, what
+        self.vector_size = real.vector_size
+
+    def adam_step(self, *args):
+        self.real.adam_step(*args)
+        if self.kernel == "adam":
+            self._perturb(args[0], args[6])
+
+    def sgd_step(self, *args):
+        self.real.sgd_step(*args)
+        if self.kernel == "sgd":
+            self._perturb(args[0], args[3])
+
+    def _perturb(self, params, shadows):
+        # The third tensor: a whole vector of finite values in the check.
+        target = params[2] if self.what == "parameter" else shadows[2]
+        value = target[0:1].float()
+        if self.what == "parameter":
+            target[0:1] = torch.nextafter(value, torch.full_like(value, float("inf")))
+        else:  # a unit in the shadow's last place, or more
+            target[0:1] = (value + value.abs() * 0.01 + 1e-3).to(target.dtype)
+
+
+@pytest.mark.parametrize("what", ["parameter", "shadow"])
+@pytest.mark.parametrize("which", ["adam", "sgd"])
+def test_the_check_refuses_a_kernel_that_differs_in_one_element(kernel, which, what):
+    assert check_against_torch(kernel) is None
+    mismatch = check_against_torch(Perturbed(kernel, which, what))
+    assert mismatch is not None and what in mismatch and which in mismatch
+
+
+def test_without_a_build_training_runs_pytorchs_kernels_and_says_why_once(monkeypatch):
+    monkeypatch.setattr(build, "_state", {"module": None, "thread": None, "note": None, "checking": False})
+
+    def no_compiler():
+        raise RuntimeError("Error building extension: g++: not found")
+
+    monkeypatch.setattr(build, "_compile", no_compiler)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert build.host_kernel(wait=True) is None
+        assert build.host_kernel(wait=True) is None
+    notes = [w for w in caught if issubclass(w.category, build.HostKernelUnavailable)]
+    assert len(notes) == 1 and "g++: not found" in str(notes[0].message) and "same results" in str(notes[0].message)
+    assert build.unavailable_reason() is not None
+    served = []
+    monkeypatch.setattr(OnePassUpdate, "_serve", lambda *args: served.append(1) or False)
+    plain_model = OffloadModel(network(), device="cpu", num_slices=2, compute_dtype=torch.bfloat16)
+    model = OffloadModel(network(), device="cpu", num_slices=2, compute_dtype=torch.bfloat16)
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2, fused=True)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
+    for step in range(2):
+        for m, o in ((plain_model, plain), (model, optimizer)):
+            loss_of(m, step).backward()
+            o.step()
+            o.zero_grad()
+    assert_same(plain_model, plain, model, optimizer)
+    assert served == []
+
+
+def test_the_environment_turns_the_kernel_off(monkeypatch):
+    monkeypatch.setenv("OFFLOAD_HOST_KERNELS", "0")
+    assert build.host_kernel(wait=True) is None
+
+
+def test_only_the_fused_kernels_are_served():
+    assert set(SERVED) == {ADAMW, ADAM, SGD}
