@@ -546,7 +546,8 @@ def test_resident_slices_take_their_bytes_off_the_link_and_the_host_update():
     assert resident.first_load == resident.last_offload == 0
     assert resident.update == 7 * sum(layout.gradient_bytes[2:])  # AdamW: 28 bytes per float32 parameter
     assert resident.device_update == 7 * sum(layout.gradient_bytes[:2])
-    assert resident.shadow == 2 * sum(layout.trainable_counts[2:])
+    # The shadow's own pass: each float32 master read (4 bytes), its bfloat16 shadow written (2).
+    assert resident.shadow == (4 + 2) * sum(layout.trainable_counts[2:])
     # All resident, timed on an H100: no host update, and the update on the device at its memory
     # bandwidth (28 bytes per parameter); the forward and backward are the device's alone.
     rates = GPU_DEFAULTS["h100-sxm"]
