@@ -77,7 +77,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", required=True)
     parser.add_argument("--keep", required=True, help="directory for each run's own JSON")
-    parser.add_argument("passed", nargs="*", help="bench_schedule.py's arguments, after --")
+    parser.add_argument("passed", nargs="*",
+                        help="bench_schedule.py's arguments, after -- (its sizes and schedule: --dim, --slices, "
+                             "--ratios, --resident, --steps, --warmup, --rounds, --update-sleep-ns, --optimizer; "
+                             "not --threads or --json, which this script sets)")
     args = parser.parse_args(argv)
     keep = Path(args.keep)
     keep.mkdir(parents=True, exist_ok=True)

@@ -457,3 +457,29 @@ def test_schedule_benchmark_slow_host_sleeps_on_the_host_worker_only(monkeypatch
     worker.start()
     worker.join()
     assert len(slept) == 1 and slept[0][0] != threading.get_ident() and slept[0][1] == pytest.approx(0.1)
+
+
+def test_threads_benchmark_times_one_fewer_thread_under_each_wait_policy(monkeypatch):
+    # benchmarks/bench_threads.py's configurations and its medians over repeats, without the runs.
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_threads
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    monkeypatch.setattr(bench_threads.torch, "get_num_threads", lambda: 4)
+    names = [bench_threads.name_of(c) for c in bench_threads.configurations()]
+    assert names == ["default-unset", "threads3-unset", "default-passive", "threads3-passive", "default-active",
+                     "threads3-active"]
+    monkeypatch.setattr(bench_threads.torch, "get_num_threads", lambda: 1)
+    assert [c["threads"] for c in bench_threads.configurations()] == [None] * 3
+
+    def report(step: float) -> dict:
+        schedule = {"step_s": step, "step_over_bound": step / 2, "step_over_host_counted_bound": step / 3,
+                    "exact": True}
+        return {"ratios": [{"ratio": 1.0, "update_s": step, "schedules": {"backward": schedule}}]}
+
+    summary = bench_threads.summary([report(1.0), report(5.0), report(2.0)])
+    assert summary["1.0"]["update_s"] == 2.0
+    assert summary["1.0"]["schedules"]["backward"] == {"step_s": 2.0, "step_over_bound": 1.0,
+                                                       "step_over_host_counted_bound": 2 / 3,
+                                                       "steps_s": [1.0, 5.0, 2.0], "exact": True}
