@@ -12,7 +12,7 @@ import torch
 from offload.cli.calibrate import host_memory_bandwidth
 from offload.planning.host_bytes import HostBytes, host_bytes_per_step
 from offload.planning.planner import slice_layout
-from offload.planning.rates import HOST_DEFAULT, UPDATE_BYTES_PER_PARAMETER
+from offload.planning.rates import GPU_DEFAULTS, HOST_DEFAULT, UPDATE_BYTES_PER_PARAMETER
 from offload.planning.timing import StepConfig, estimate_step_time
 
 N = 1_000_000
@@ -92,7 +92,10 @@ def test_the_planner_times_the_shadow_pass_from_the_count_over_host_memory():
     for rates in (HOST_DEFAULT, dataclasses.replace(HOST_DEFAULT, host_memory_bandwidth=100e9)):
         shadow = update(rates, shadowed, torch.bfloat16) - update(rates, plain, None)
         assert shadow == pytest.approx(6 * parameters / rates.host_memory)
-    assert dataclasses.replace(HOST_DEFAULT, host_memory_bandwidth=100e9).host_memory == 100e9
+    measured = dataclasses.replace(HOST_DEFAULT, host_memory_bandwidth=100e9)
+    assert measured.host_memory == 100e9
+    # A GPU's defaults planned with this host's calibration take its memory bandwidth too.
+    assert GPU_DEFAULTS["a100"].with_host(measured).host_memory_bandwidth == 100e9
 
 
 def test_the_host_memory_probe_counts_a_copy_read_and_written():

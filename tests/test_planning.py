@@ -259,6 +259,7 @@ def test_calibrate_writes_rates_that_plan_reads(tmp_path):
                     "--device", "cpu"], check=True, capture_output=True, timeout=300, env=env)
     rates = load_rates(out)
     assert rates.host_copy > 0 and rates.host_update > 0 and rates.disk_read and rates.disk_write
+    assert rates.host_memory_bandwidth > 0 and "host_memory_bandwidth" in rates.sources
     assert rates.device_flops["float32"] > 0
     done = _offload("plan", "--preset", "tiny", "--device", "cpu", "--rates", str(out), "--host-memory", "4", "--json")
     plan = json.loads(done.stdout)
