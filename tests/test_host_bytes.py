@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from offload.cli.calibrate import host_memory_bandwidth
+from offload.planning import host_bytes
 from offload.planning.host_bytes import HostBytes, host_bytes_per_step
 from offload.planning.planner import slice_layout
 from offload.planning.rates import GPU_DEFAULTS, HOST_DEFAULT, UPDATE_BYTES_PER_PARAMETER
@@ -104,3 +105,21 @@ def test_the_host_memory_probe_counts_a_copy_read_and_written():
     assert 1e8 < rate < 1e13 and torch.get_num_threads() == before
     with pytest.raises(ValueError, match="positive"):
         host_memory_bandwidth(16 * 2**20, num_threads=0)
+
+
+def test_the_library_paths_flags_set_the_defaults(monkeypatch):
+    """What the library's update does (one pass or two, the gradients' dtype) is the count's default,
+    and so the planner's: a fused pass reading bf16 gradients is the issue's 28 bytes, no shadow pass."""
+    layout = slice_layout([1 << 20] * 4, num_slices=4, compute_dtype=torch.bfloat16)
+    config = StepConfig(num_slices=4, compute_dtype=torch.bfloat16)
+
+    def planned() -> float:
+        return estimate_step_time(layout, None, config, HOST_DEFAULT, device="cpu", device_seconds=(0.01, 0.02)).update
+
+    two_passes = planned()
+    monkeypatch.setattr(host_bytes, "SHADOW_IN_UPDATE", True)
+    monkeypatch.setattr(host_bytes, "GRADIENTS_IN_COMPUTE_DTYPE", True)
+    assert per_parameter(compute_dtype=torch.bfloat16) == {"update": 28.0, "shadow": 0.0, "gradients": 2.0,
+                                                           "loads": 4.0, "total": 34.0}
+    one_pass = planned()
+    assert one_pass == pytest.approx(28 * (4 << 20) / HOST_DEFAULT.host_update) and one_pass < two_passes

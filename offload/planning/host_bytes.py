@@ -39,9 +39,9 @@ STATE_TENSORS = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0, None: 0}
 #: after the optimizer's step, a second pass over every master.
 SHADOW_IN_UPDATE = False
 
-#: The dtype of the gradients the host update reads: ``None``, each parameter's own (the device
-#: casts a compute-dtype gradient up before offloading it).
-HOST_GRADIENT_DTYPE: torch.dtype | None = None
+#: Whether the device offloads a parameter's gradient in the compute dtype, which the host update
+#: then reads. Today it does not: it casts the gradient up to the parameter's own dtype first.
+GRADIENTS_IN_COMPUTE_DTYPE = False
 
 
 @dataclass(frozen=True)
@@ -87,8 +87,8 @@ class HostBytes:
 
 def host_bytes_per_step(parameters: int | Mapping[torch.dtype, int], *, param_dtype: torch.dtype = torch.float32,
                         compute_dtype: torch.dtype | None = None, optimizer: str | None = "adamw",
-                        gradient_dtype: torch.dtype | None = HOST_GRADIENT_DTYPE,
-                        shadow_in_update: bool = SHADOW_IN_UPDATE, amsgrad: bool = False,
+                        gradient_dtype: torch.dtype | None = None,
+                        shadow_in_update: bool | None = None, amsgrad: bool = False,
                         loads_per_step: float = 2.0) -> HostBytes:
     """Count the host memory bytes one optimizer step touches over the streamed trainable parameters.
 
@@ -98,8 +98,10 @@ def host_bytes_per_step(parameters: int | Mapping[torch.dtype, int], *, param_dt
         compute_dtype: as :class:`~offload.OffloadModel` takes it: a shadow in that dtype, which the
             loads read (``None``: no shadow; the loads read the masters).
         optimizer: ``"adamw"``, ``"adam"``, ``"sgd-momentum"``, ``"sgd"`` or ``None`` (no update).
-        gradient_dtype: the gradients' dtype on the host (``None``: each parameter's own).
-        shadow_in_update: the update writes the shadow in its own pass (no separate shadow pass).
+        gradient_dtype: the gradients' dtype on the host (``None``: as the library offloads them,
+            :data:`GRADIENTS_IN_COMPUTE_DTYPE`).
+        shadow_in_update: the update writes the shadow in its own pass (no separate shadow pass;
+            ``None``: as the library's update does, :data:`SHADOW_IN_UPDATE`).
         amsgrad: Adam's or AdamW's third state tensor (the maximum of the second moments).
         loads_per_step: loads of each parameter a step (the forward's one and the backward's
             reload; a little less where the backward finds slices still in the slots).
@@ -117,6 +119,8 @@ def host_bytes_per_step(parameters: int | Mapping[torch.dtype, int], *, param_dt
     counts = {param_dtype: parameters} if isinstance(parameters, int) else dict(parameters)
     if any(n < 0 for n in counts.values()):
         raise ValueError(f"parameter counts must be >= 0, got {counts}")
+    if shadow_in_update is None:
+        shadow_in_update = SHADOW_IN_UPDATE
     total = HostBytes()
     for dtype, n in counts.items():
         total = _add(total, _per_element(dtype, compute_dtype, optimizer, gradient_dtype, shadow_in_update,
@@ -131,7 +135,8 @@ def _per_element(dtype: torch.dtype, compute_dtype: torch.dtype | None, optimize
     master = dtype.itemsize
     # Only floating-point parameters get a shadow (as OffloadModel casts them); the loads read it.
     shadow = compute_dtype.itemsize if compute_dtype is not None and dtype.is_floating_point else 0
-    gradient = (gradient_dtype or dtype).itemsize
+    offloaded = compute_dtype if GRADIENTS_IN_COMPUTE_DTYPE and shadow else dtype
+    gradient = (gradient_dtype or offloaded).itemsize
     states = STATE_TENSORS[optimizer] + amsgrad
     if optimizer is None:  # gradients still land, for the user's own use of them
         return 0.0, 0.0, gradient, loads_per_step * (shadow or master)
