@@ -25,8 +25,11 @@ run one way after another, each in this one process, the device memory freed bet
 Per run: the median step time, its forward and backward, what of the update the step still waited
 for (``offload``), peak device memory, tokens/s, host RSS per step. Beside them, measured in the same
 process: pinned copy bandwidth each way, and the host update alone (fused AdamW over float32
-tensors of the model's sizes). ``offload``'s efficiency is ``max(resident step, its link bytes ÷
-link bandwidth, host update alone) / its step``. Its gradients after the first backward are compared
+tensors of the model's sizes, the median of 7), and the host's memory bandwidth (a copy of 2 GiB).
+``offload``'s efficiency is ``max(resident step, its link bytes ÷ link bandwidth, host update
+alone) / its step``; its ``bound`` (``host_bound.py``) puts the host bytes a step touches, counted
+by the library with the copy engine's bytes, over that bandwidth in place of the update alone, with
+both efficiencies (``efficiency``, ``old_efficiency``). Its gradients after the first backward are compared
 with the resident model's, bit for bit (the resident model's second backward of the same batch
 gives the spread its own kernels allow).
 
@@ -72,6 +75,9 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark import device_name, measure_bandwidth, synchronize  # noqa: E402
+from host_bound import bound, fused_adamw_alone, host_bandwidth  # noqa: E402
+
+from offload.planning.host_bytes import host_bytes_per_step  # noqa: E402
 
 from offload import DiskTier, OffloadModel, OffloadOptimizer  # noqa: E402
 from offload.model import engine_of  # noqa: E402
@@ -272,12 +278,20 @@ def offload_run(base: nn.Module, batch: torch.Tensor, device: torch.device, grad
         return out
 
     run = Run(step, free)
+    # The host's bytes a step: the streamed slices' parameters, as the host update steps them.
+    streamed_counts: dict[str, int] = {}
+    for s in engine_of(model).slices:
+        for e in s.storage.held:
+            if e.is_parameter and e.tensor.requires_grad and not s.storage.resident:
+                key = str(e.tensor.dtype).removeprefix("torch.")
+                streamed_counts[key] = streamed_counts.get(key, 0) + e.tensor.numel()
+    run.streamed_parameters = streamed_counts  # type: ignore[attr-defined]
     if resident and not args.disk_tier:
         # The host's share of the update: the slices that stream (float32 host copies, as the
         # whole model's host_update_alone_s), timed before the steps.
         streamed = [e.tensor.shape for s in engine_of(model).slices if not s.storage.resident
                     for e in s.storage.held if e.is_parameter]
-        run.host_update_streamed_alone_s = host_update_alone(streamed, 1 if args.cpu_dry_run else 3)  # type: ignore[attr-defined]
+        run.host_update_streamed_alone_s = host_update_alone(streamed)  # type: ignore[attr-defined]
     run.fingerprint = fingerprint  # type: ignore[attr-defined]
     run.slice_digests = slice_digests  # type: ignore[attr-defined]
     run.traffic = engine_of(model).traffic  # type: ignore[attr-defined]
@@ -392,19 +406,10 @@ def fairscale_run(base: nn.Module, batch: torch.Tensor, device: torch.device, ar
     return Run(step)
 
 
-def host_update_alone(shapes: list[torch.Size], repeats: int) -> float:
-    """Seconds of one fused AdamW step over float32 host tensors of the sizes ``shapes``."""
-    params = [torch.full(shape, 0.5, dtype=torch.float32).requires_grad_() for shape in shapes]
-    for p in params:
-        p.grad = torch.full_like(p, 1e-3)
-    optimizer = torch.optim.AdamW(params, lr=1e-5, fused=True)
-    optimizer.step()  # the state's first touch
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        optimizer.step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def host_update_alone(shapes: list[torch.Size]) -> float:
+    """Seconds of one fused AdamW step over float32 host tensors of the sizes ``shapes``: the
+    median of 7 (``host_bound.fused_adamw_alone``)."""
+    return fused_adamw_alone(shapes)["median_s"]
 
 
 def traced_step(run: Run, name: str, device: torch.device, directory: str) -> dict:
@@ -502,6 +507,8 @@ def measure(name: str, make: Callable[[], Run], args, device: torch.device, toke
             after = run.traffic()
             result["loaded_bytes_per_step"] = (after[0] - traffic_before[0]) / args.steps
             result["offloaded_bytes_per_step"] = (after[1] - traffic_before[1]) / args.steps
+        if hasattr(run, "streamed_parameters"):
+            result["streamed_parameters"] = run.streamed_parameters
         if hasattr(run, "host_update_streamed_alone_s"):
             result["host_update_streamed_alone_s"] = run.host_update_streamed_alone_s
             result["resident_slices"] = split_variant(name)[1] or args.resident_slices
@@ -585,6 +592,14 @@ def efficiency_of(report: dict, name: str) -> None:
     ours["ideal_terms"] = terms
     ours["ideal_s"] = max(known)
     ours["efficiency"] = ours["ideal_s"] / ours["median_step_s"]
+    if "streamed_parameters" in ours and "host_bandwidth" in report:
+        # The bound with the host's bytes counted (host_bound.py); ``efficiency`` above is the old one.
+        counts = {getattr(torch, dtype): n for dtype, n in ours["streamed_parameters"].items()}
+        host = host_bytes_per_step(counts, compute_dtype=torch.bfloat16, optimizer="adamw").with_copies(
+            ours.get("loaded_bytes_per_step", 0), ours.get("offloaded_bytes_per_step", 0))
+        alone = terms.get("host_update_streamed_alone_s", terms.get("host_update_alone_s"))
+        ours["bound"] = bound(ours["median_step_s"], terms["resident_step_s"], link, host,
+                              report["host_bandwidth"]["bytes_per_s"], alone)
     for other, run in runs.items():
         if other not in (name, "resident"):
             ours[f"speedup_vs_{other}"] = run["median_step_s"] / ours["median_step_s"]
@@ -694,9 +709,10 @@ def main(argv: list[str] | None = None) -> dict:
         "deterministic": args.deterministic}
     print(f"{device_name(device)}; Llama-shaped, {report['parameters'] / 1e9:.3f} B parameters, "
           f"{tokens} tokens/step, {args.num_slices} slices", flush=True)
+    # The host's memory bandwidth, with the update worker's threads (PyTorch's setting).
+    report["host_bandwidth"] = host_bandwidth(64 << 20 if args.cpu_dry_run else 2 << 30)
     if "resident" in args.peers and not args.disk_tier:
-        report["host_update_alone_s"] = host_update_alone([p.shape for p in base.parameters()],
-                                                          1 if args.cpu_dry_run else 3)
+        report["host_update_alone_s"] = host_update_alone([p.shape for p in base.parameters()])
     if args.cap_gib and device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total), device)

@@ -88,6 +88,10 @@ from torch import nn
 
 from offload import OffloadModel, OffloadOptimizer
 from offload.model import engine_of
+from offload.planning.host_bytes import host_bytes_per_step
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from host_bound import bound as host_counted_bound, fused_adamw_alone, host_bandwidth  # noqa: E402
 
 TARGET_STEP_OVER_BOUND = 1.15  # for the update during backward, where the update fits in forward + backward
 LR = 1e-3
@@ -293,7 +297,9 @@ def run_schedule(args: argparse.Namespace, schedule: Schedule, seconds: float,
     model = build_model(args, seconds, clock, schedule.resident)
     optimizer = new_optimizer(args, model, schedule) if schedule.stepped else None
     starts, forwards, slept, in_step = [], [], [], []
+    traffic = []  # the copy engine's loaded and offloaded bytes before each step
     for x in inputs:
+        traffic.append(engine_of(model).traffic())
         sync(args.device)
         start = time.perf_counter()
         clock.reset()
@@ -323,7 +329,9 @@ def run_schedule(args: argparse.Namespace, schedule: Schedule, seconds: float,
     gc.collect()
     timed = slice(args.warmup, len(inputs) - 1)
     steps = [b - a for a, b in zip(starts, starts[1:])][timed]
-    return {"step_s": statistics.median(steps), "forward_s": statistics.median(forwards[timed]),
+    count = len(inputs) - 1 - args.warmup
+    loaded, offloaded = ((b - a) / count for a, b in zip(traffic[args.warmup], traffic[-1]))
+    return {"step_s": statistics.median(steps), "loaded_bytes_per_step": loaded, "offloaded_bytes_per_step": offloaded, "forward_s": statistics.median(forwards[timed]),
             "forwards_s": forwards[timed],
             "slept_s": statistics.median(slept[timed]), "in_step_s": statistics.median(in_step[timed]),
             "samples_s": steps, "parameters": parameters}
@@ -479,12 +487,38 @@ def measure_ratio(args: argparse.Namespace, ratio: float, timers: dict[int, Upda
         step_s = statistics.median(samples)
         term = terms[schedule.resident]
         bound = max(term["device_s"], term["update_s"])
+        counted = host_bound_of(args, runs, schedule, step_s, term["device_s"])
         result["schedules"][schedule.name] = {
             "step_s": step_s, "bound_s": bound, "step_over_bound": step_s / bound, **term,
+            "host_counted": counted, "step_over_host_counted_bound": step_s / counted["bound_s"],
             "resident_slices": schedule.resident, "update_in_backward": schedule.in_backward,
             "exact": all(run["exact"] for run in runs),
             "in_step_s": statistics.median(run["in_step_s"] for run in runs), "samples_s": samples}
     return result
+
+
+def host_bound_of(args: argparse.Namespace, runs: list[dict[str, Any]], schedule: Schedule, step_s: float,
+                  device_s: float) -> dict[str, Any]:
+    """The bound with the host counted (``host_bound.py``): the device's work, or the host bytes of a
+    step over the host's measured memory bandwidth plus the slow host's sleep, whichever is longer.
+
+    The host bytes are the library's count for the streamed slices (float32 AdamW, no shadow) with
+    the copy engine's bytes: on a CPU "device" a load or an offload is a copy in RAM, each byte read
+    and written (twice the engine's count); on a GPU the link's DMA touches host memory once. The
+    ``--update-sleep-ns`` sleep stands for host work a slower host would do: it adds to the host's term."""
+    streamed = args.dim * args.dim * (args.slices - schedule.resident)
+    copies = 2 if args.device == "cpu" else 1
+    host = host_bytes_per_step(streamed, optimizer="adamw").with_copies(
+        copies * statistics.median(r["loaded_bytes_per_step"] for r in runs),
+        copies * statistics.median(r["offloaded_bytes_per_step"] for r in runs))
+    sleep_s = args.update_sleep_ns * 1e-9 * streamed
+    alone = args.fused_adamw_alone["median_s"] * (args.slices - schedule.resident) / args.slices
+    counted = host_counted_bound(step_s, device_s, 0.0, host, args.host_bandwidth["bytes_per_s"], alone + sleep_s)
+    counted["bound_terms"]["host_bytes_s"] += sleep_s
+    counted["bound_terms"]["update_sleep_s"] = sleep_s
+    counted["bound_s"] = max(counted["bound_terms"][k] for k in ("resident_step_s", "link_s", "host_bytes_s"))
+    counted["efficiency"] = counted["bound_s"] / step_s
+    return counted
 
 
 def parse_args() -> argparse.Namespace:
@@ -510,6 +544,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--update-repeats", type=int, default=3, help="updates timed alone, per ratio and round")
     parser.add_argument("--threads", type=int, default=None,
                         help="the update's CPU threads (OffloadOptimizer num_threads); default: PyTorch's")
+    parser.add_argument("--host-copy-mib", type=int, default=1024,
+                        help="the host memory bandwidth probe's copy, per buffer (--quick: 64)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="toy sizes, a few seconds: a smoke test")
     parser.add_argument("--json", help="write the results here")
@@ -517,6 +553,7 @@ def parse_args() -> argparse.Namespace:
     if args.quick:
         args.dim, args.slices, args.rows, args.steps, args.warmup, args.rounds, args.update_repeats = \
             128, 4, 8, 2, 2, 1, 2
+        args.host_copy_mib = 64
     if args.warmup < 2:
         parser.error("--warmup must be at least 2: the first backward and step() of update_in_backward only check")
     if args.steps < 1 or args.rounds < 1 or args.update_repeats < 1:
@@ -538,7 +575,8 @@ def print_ratio(result: dict[str, Any]) -> None:
           f"ms, forward {result['forward_s'] * 1e3:.1f} ms, device {result['device_s'] * 1e3:.1f} ms")
     for name, s in result["schedules"].items():
         print(f"  {name:24s} {s['step_s'] * 1e3:8.1f} ms / bound {s['bound_s'] * 1e3:8.1f} ms = "
-              f"{s['step_over_bound']:5.2f}   (device {s['device_s'] * 1e3:7.1f}, host update {s['update_s'] * 1e3:7.1f}"
+              f"{s['step_over_bound']:5.2f}, host counted {s['host_counted']['bound_s'] * 1e3:8.1f} ms = "
+              f"{s['step_over_host_counted_bound']:5.2f}   (device {s['device_s'] * 1e3:7.1f}, host update {s['update_s'] * 1e3:7.1f}"
               + (f", of which resident update {s['resident_update_s'] * 1e3:.1f} on the device" if s["resident_slices"]
                  else "") + f")  exact: {s['exact']}", flush=True)
 
@@ -554,6 +592,8 @@ def write_report(args: argparse.Namespace, results: list[dict[str, Any]]) -> Non
                         "rows": args.rows, "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds},
               "resident_slices": args.resident, "schedules": [s.name for s in args.schedules],
               "resident_stand_in": RESIDENT_STAND_IN[torch.device(args.device).type],
+              "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+              "host_bandwidth": args.host_bandwidth, "fused_adamw_alone": args.fused_adamw_alone,
               "target_step_over_bound": TARGET_STEP_OVER_BOUND, "ratios": results}
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
@@ -570,6 +610,11 @@ def main() -> None:
           f"AdamW {args.optimizer}" + (f", update +{args.update_sleep_ns:g} ns/parameter of sleep"
                                        if args.update_sleep_ns else "")
           + f"; resident slices {args.resident}", flush=True)
+    # The host's side of the bound, measured with the update worker's threads before the steps.
+    args.host_bandwidth = host_bandwidth(args.host_copy_mib << 20, num_threads=args.threads)
+    args.fused_adamw_alone = fused_adamw_alone([torch.Size([args.dim, args.dim])] * args.slices)
+    print(f"host memory {args.host_bandwidth['bytes_per_s'] / 1e9:.1f} GB/s read plus written; fused AdamW alone "
+          f"{args.fused_adamw_alone['median_s'] * 1e3:.1f} ms", flush=True)
     timers = {k: UpdateTimer(args, k) for k in [0, *args.resident]}
     count = args.warmup + args.steps + 1
     expected = references(args, make_inputs(args, args.rows, count))

@@ -16,7 +16,9 @@ samples/s, bytes moved per step (each direction), the
 ideal time ``max(resident step, loaded bytes / host-to-device bandwidth, offloaded bytes /
 device-to-host bandwidth)`` with bandwidths measured on this machine, ``efficiency = ideal /
 measured``, ``speedup_vs_fairscale``, peak device memory and the memory budget of the design,
-term by term (``memory_budget_terms``).
+term by term (``memory_budget_terms``). ``bound`` counts the host too (``host_bound.py``): ``max(resident
+step, link, host bytes per step / host memory bandwidth)``, both measured in this process, with its
+``efficiency`` and the earlier ``max(resident step, link, fused AdamW alone)`` as ``old_efficiency``.
 
 The offloaded run's ``peak_device_bytes`` is measured alone: after the timed steps and the
 parameter comparison the other models are freed and a few more offloaded steps run. The peak
@@ -63,8 +65,16 @@ from torch.utils.checkpoint import checkpoint_sequential
 
 from offload import OffloadModel, OffloadOptimizer
 from offload.model import engine_of
+from offload.planning.host_bytes import host_bytes_per_step
 from offload.planning.presets import Preset, build_preset
 from offload.streams.host_storage import FLOAT32_LAYERS
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from host_bound import bound, fused_adamw_alone, host_bandwidth  # noqa: E402
+
+
+#: The host bandwidth probe's copy: a few GB on a GPU's host, less for the CPU smoke test.
+HOST_COPY_BYTES = {"cuda": 2 << 30, "cpu": 256 << 20}
 
 
 @dataclass(frozen=True)
@@ -377,6 +387,9 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device, bandwid
     result["peak_device_bytes_measured"] = (
         "offload: alone, after the other models were freed (peak_device_bytes_interleaved: during the "
         "interleaved steps, the other models' memory included); resident and fairscale: during the interleaved steps")
+    # The host's side of the bound, measured in this process before the steps.
+    result["host_bandwidth"] = host_bandwidth(HOST_COPY_BYTES[device.type])
+    result["fused_adamw_alone"] = fused_adamw_alone([p.shape for p in preset.model.parameters() if p.requires_grad])
     runners: list[Runner] = []
     offload_runner = Runner("offload", make_step(offloaded, offloaded, preset, batch, target, device), offloaded,
                             traffic=engine_of(offloaded).traffic)
@@ -487,6 +500,10 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device, bandwid
     # OffloadOptimizer's overlapped update the step still waited for.
     run["optimizer_in_step_s"] = run["median_step_s"] - run["median_forward_backward_s"]
     run["limited_by"] = "compute" if resident_run["median_forward_backward_s"] >= transfer else "host-device link"
+    # The bound with the host counted (host_bound.py); ``efficiency`` above leaves the host out.
+    run["bound"] = bound(run["median_step_s"], resident_run["median_step_s"], transfer,
+                         host_bytes_of(preset.model, case).with_copies(*per_step),
+                         result["host_bandwidth"]["bytes_per_s"], result["fused_adamw_alone"]["median_s"])
     if "fairscale" in result["runs"]:
         run["speedup_vs_fairscale"] = result["runs"]["fairscale"]["median_step_s"] / run["median_step_s"]
         run["speedup_vs_fairscale_forward_backward"] = (
@@ -498,6 +515,15 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device, bandwid
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return result
+
+
+def host_bytes_of(model: nn.Module, case: Case):  # type: ignore[no-untyped-def]
+    """The host bytes one step of ``model`` touches, as OffloadOptimizer's fused AdamW updates it."""
+    counts: dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        if p.requires_grad:
+            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+    return host_bytes_per_step(counts, compute_dtype=case.compute_dtype, optimizer="adamw")
 
 
 def max_difference(model: nn.Module, reference: nn.Module) -> float:

@@ -47,6 +47,10 @@ def runs(name: str, report: dict[str, Any]) -> str:
     for n, r in report["runs"].items():
         if "efficiency" in r:
             lines.append(f"  {n}: efficiency {r['efficiency']:.2f} against {r['ideal_terms']}")
+        if "bound" in r:  # the bound with the host's bytes (benchmarks/host_bound.py)
+            b = r["bound"]
+            lines.append(f"  {n}: efficiency {b['efficiency']:.2f} against the bound with the host counted "
+                         f"{b['bound_terms']} (host {b['host_bytes']['total'] / GB:.2f} GB a step)")
     return "\n".join(lines)
 
 

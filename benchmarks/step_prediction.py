@@ -11,7 +11,8 @@ resident slices two ways:
   (an H200 has the H100's matrix rate).
 
 Both take the link from the report's pinned copies (each way), the host's update from its fused
-AdamW alone over the model's float32 tensors (``host_update_alone_s``), the rest from the
+AdamW alone over the model's float32 tensors (``host_update_alone_s``), the host's memory
+bandwidth (the shadow's pass) from its copy of a few GB (``host_bandwidth``), the rest from the
 ``h100-sxm`` defaults. A clipped run is the ``overlapped`` schedule (clipping cannot start the
 update in backward); the planner has no term for the clipping itself.
 """
@@ -40,12 +41,14 @@ def schedule_and_resident(name: str, default_resident: int) -> tuple[str, int] |
 
 
 def rates_of(report: dict[str, Any]):
-    """The ``h100-sxm`` defaults with the report's own link and host update."""
+    """The ``h100-sxm`` defaults with the report's own link, host update and host memory bandwidth."""
     from offload.planning.rates import ADAMW_BYTES_PER_PARAMETER, GPU_DEFAULTS
 
     link = report["bandwidth_bytes_per_s"]
     changes: dict[str, Any] = {"name": f"h100-sxm defaults; link and host update of {report['device_name']}",
                                "host_to_device": link["host_to_device"], "device_to_host": link["device_to_host"]}
+    if report.get("host_bandwidth"):
+        changes["host_memory_bandwidth"] = report["host_bandwidth"]["bytes_per_s"]
     if report.get("host_update_alone_s"):
         changes["host_update"] = ADAMW_BYTES_PER_PARAMETER * report["parameters"] / report["host_update_alone_s"]
     return dataclasses.replace(GPU_DEFAULTS["h100-sxm"], **changes)

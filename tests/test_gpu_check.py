@@ -41,6 +41,11 @@ def test_peers_benchmark_runs_counts_clipping_predictions_a_trace_and_compares_e
         assert (planner["schedule"], planner["resident_slices"]) == (schedule, count)
         assert planner["from_resident"]["step"] > 0 and planner["from_ops"]["step"] > 0
     assert report["planner_rates"]["host_to_device"] == report["bandwidth_bytes_per_s"]["host_to_device"]
+    assert report["planner_rates"]["host_memory_bandwidth"] == report["host_bandwidth"]["bytes_per_s"]
+    # Each offloaded run's bound counts the host's bytes (benchmarks/host_bound.py) beside the old one.
+    for run_report in (offload, ours, clipped):
+        assert run_report["bound"]["old_efficiency"] == run_report["efficiency"]
+        assert run_report["bound"]["host_bytes"]["shadow"] > 0  # bf16 compute: the shadow's own pass
     # Every variant's gradients after the first backward are the resident model's, bit for bit.
     per_variant = report["gradients_after_first_backward"]["per_variant"]
     assert set(per_variant) == set(runs[1:]) and all(v["bit_identical"] for v in per_variant.values())

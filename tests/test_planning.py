@@ -259,6 +259,7 @@ def test_calibrate_writes_rates_that_plan_reads(tmp_path):
                     "--device", "cpu"], check=True, capture_output=True, timeout=300, env=env)
     rates = load_rates(out)
     assert rates.host_copy > 0 and rates.host_update > 0 and rates.disk_read and rates.disk_write
+    assert rates.host_memory_bandwidth > 0 and "host_memory_bandwidth" in rates.sources
     assert rates.device_flops["float32"] > 0
     done = _offload("plan", "--preset", "tiny", "--device", "cpu", "--rates", str(out), "--host-memory", "4", "--json")
     plan = json.loads(done.stdout)
@@ -546,7 +547,8 @@ def test_resident_slices_take_their_bytes_off_the_link_and_the_host_update():
     assert resident.first_load == resident.last_offload == 0
     assert resident.update == 7 * sum(layout.gradient_bytes[2:])  # AdamW: 28 bytes per float32 parameter
     assert resident.device_update == 7 * sum(layout.gradient_bytes[:2])
-    assert resident.shadow == 2 * sum(layout.trainable_counts[2:])
+    # The shadow's own pass: each float32 master read (4 bytes), its bfloat16 shadow written (2).
+    assert resident.shadow == (4 + 2) * sum(layout.trainable_counts[2:])
     # All resident, timed on an H100: no host update, and the update on the device at its memory
     # bandwidth (28 bytes per parameter); the forward and backward are the device's alone.
     rates = GPU_DEFAULTS["h100-sxm"]

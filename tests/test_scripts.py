@@ -39,6 +39,12 @@ def test_benchmark_smoke_test_on_cpu(tmp_path):
     run_ = data["results"][0]["runs"]["offload"]
     assert run_["loaded_bytes_per_step"] > 0 and run_["offloaded_bytes_per_step"] > 0
     assert 0 < run_["efficiency"] and run_["median_step_s"] > 0
+    # The bound with the host counted, measured in the same process, and the old one beside it.
+    bound, result = run_["bound"], data["results"][0]
+    assert len(result["fused_adamw_alone"]["samples_s"]) == 7 and result["host_bandwidth"]["bytes_per_s"] > 0
+    assert bound["bound_s"] == max(bound["bound_terms"].values()) and bound["efficiency"] > 0
+    assert bound["old_bound_terms"]["update_alone_s"] == result["fused_adamw_alone"]["median_s"]
+    assert bound["host_bytes"]["loads"] == run_["loaded_bytes_per_step"]
     assert (tmp_path / report.name.replace(".json", ".md")).exists()
     # Device memory is counted on a GPU only: the keys are there, empty.
     result = data["results"][0]
@@ -358,6 +364,9 @@ def test_peers_benchmark_dry_run_with_resident_slices(tmp_path):
         assert ours["resident_slices"] == 1 and ours["host_update_streamed_alone_s"] > 0
         assert ours["ideal_terms"]["host_update_streamed_alone_s"] == ours["host_update_streamed_alone_s"]
         assert "host_update_alone_s" not in ours["ideal_terms"] and ours["efficiency"] > 0
+        # The bound with the host counted: the streamed slices' parameters only.
+        assert ours["bound"]["old_efficiency"] == ours["efficiency"]
+        assert 0 < ours["bound"]["host_bytes"]["update"] < offload["bound"]["host_bytes"]["update"]
         # The resident slice's loads and gradients never cross the link.
         assert 0 < ours["loaded_bytes_per_step"] < offload["loaded_bytes_per_step"]
         assert 0 < ours["offloaded_bytes_per_step"] < offload["offloaded_bytes_per_step"]
@@ -392,6 +401,7 @@ def test_schedule_benchmark_times_each_schedule_and_finds_it_exact(tmp_path):
     data = json.loads((tmp_path / "schedule.json").read_text())
     assert "benchmarks/bench_schedule.py --quick" in data["command"]
     assert data["host_threads"] == torch.get_num_threads() and data["update_threads"] == 1
+    assert data["host_bandwidth"]["num_threads"] == 1 and len(data["fused_adamw_alone"]["samples_s"]) == 7
     assert set(data["sizes"]) >= {"dim", "slices", "parameters", "rows"}
     assert [r["ratio"] for r in data["ratios"]] == [1, 2, 4]
     # --quick has 4 slices: a quarter of them is the one resident slice.
@@ -405,6 +415,13 @@ def test_schedule_benchmark_times_each_schedule_and_finds_it_exact(tmp_path):
             assert set(schedule) >= {"step_s", "bound_s", "step_over_bound", "update_s", "device_s", "exact"}
             assert schedule["bound_s"] == max(schedule["device_s"], schedule["update_s"])
             assert schedule["step_over_bound"] == schedule["step_s"] / schedule["bound_s"]
+            # The bound with the host counted: AdamW's 28 bytes a streamed float32 parameter, the
+            # copies in RAM read and written, the slow host's sleep in the host's term.
+            counted, streamed = schedule["host_counted"], data["sizes"]["dim"] ** 2 * (4 - schedule["resident_slices"])
+            assert counted["host_bytes"]["update"] == 28 * streamed and counted["host_bytes"]["shadow"] == 0
+            assert counted["bound_terms"]["update_sleep_s"] == pytest.approx(20e-9 * streamed)
+            assert counted["bound_s"] == max(counted["bound_terms"][k] for k in ("resident_step_s", "host_bytes_s"))
+            assert schedule["step_over_host_counted_bound"] == schedule["step_s"] / counted["bound_s"]
             assert schedule["exact"] is True, name
             assert schedule["resident_slices"] == (1 if "resident" in name else 0)
         # With a resident slice, the device's work includes its update and the host's leaves it out.
@@ -440,3 +457,29 @@ def test_schedule_benchmark_slow_host_sleeps_on_the_host_worker_only(monkeypatch
     worker.start()
     worker.join()
     assert len(slept) == 1 and slept[0][0] != threading.get_ident() and slept[0][1] == pytest.approx(0.1)
+
+
+def test_threads_benchmark_times_one_fewer_thread_under_each_wait_policy(monkeypatch):
+    # benchmarks/bench_threads.py's configurations and its medians over repeats, without the runs.
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_threads
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    monkeypatch.setattr(bench_threads.torch, "get_num_threads", lambda: 4)
+    names = [bench_threads.name_of(c) for c in bench_threads.configurations()]
+    assert names == ["default-unset", "threads3-unset", "default-passive", "threads3-passive", "default-active",
+                     "threads3-active"]
+    monkeypatch.setattr(bench_threads.torch, "get_num_threads", lambda: 1)
+    assert [c["threads"] for c in bench_threads.configurations()] == [None] * 3
+
+    def report(step: float) -> dict:
+        schedule = {"step_s": step, "step_over_bound": step / 2, "step_over_host_counted_bound": step / 3,
+                    "exact": True}
+        return {"ratios": [{"ratio": 1.0, "update_s": step, "schedules": {"backward": schedule}}]}
+
+    summary = bench_threads.summary([report(1.0), report(5.0), report(2.0)])
+    assert summary["1.0"]["update_s"] == 2.0
+    assert summary["1.0"]["schedules"]["backward"] == {"step_s": 2.0, "step_over_bound": 1.0,
+                                                       "step_over_host_counted_bound": 2 / 3,
+                                                       "steps_s": [1.0, 5.0, 2.0], "exact": True}

@@ -2,7 +2,8 @@
 
 What it measures (each the median of a few repeats, after one to warm up):
 
-- the host's copy bandwidth (a large ``copy_`` in RAM);
+- the host's copy bandwidth (a large ``copy_`` in RAM), and its memory bandwidth (a copy of a
+  few GB between two buffers, as STREAM's copy: :func:`host_memory_bandwidth`);
 - the fused AdamW update on the host, as ``OffloadOptimizer`` runs it;
 - with CUDA: pinned copies over the link each way, and the device's matmul rate in float32 and
   bfloat16; without it, the CPU's own matmul rate (the CPU is then the "device");
@@ -54,6 +55,30 @@ def host_copy_rate(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
         dst.copy_(src)
 
     return nbytes / _median_seconds(copy, repeats)
+
+
+def host_memory_bandwidth(nbytes: int = 1 << 30, repeats: int = 7, num_threads: int | None = None) -> float:
+    """Bytes per second the host's memory reads plus writes: the median of ``repeats`` copies of
+    ``nbytes`` between two buffers (each larger than any cache), counted as STREAM's copy counts
+    them (``2 * nbytes`` a copy).
+
+    Args:
+        num_threads: CPU threads the copy may use, as the update worker's (``OffloadOptimizer``'s
+            ``num_threads``); ``None``: PyTorch's setting.
+    """
+    if nbytes < 1 or repeats < 1 or (num_threads is not None and num_threads < 1):
+        raise ValueError(f"host_memory_bandwidth needs positive nbytes, repeats and num_threads, got "
+                         f"{nbytes}, {repeats}, {num_threads}")
+    src = torch.ones(nbytes // 4)
+    dst = torch.zeros_like(src)  # touched: the first copy does not time the pages' first faults
+    before = torch.get_num_threads()
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    try:
+        seconds = _median_seconds(lambda: dst.copy_(src), repeats)
+    finally:
+        torch.set_num_threads(before)
+    return 2 * src.numel() * src.element_size() / seconds
 
 
 def host_update_rate(parameters: int = 8_000_000, repeats: int = 5) -> float:
@@ -135,7 +160,9 @@ def calibrate(directory: Path | None = None, device: torch.device | None = None)
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     host = f"{platform.node() or 'this host'} ({os.cpu_count()} cores)"
     copy = host_copy_rate()
+    host_memory = host_memory_bandwidth()
     sources = {"host_copy": "calibrate: copy_ of 256 MiB", "host_update": "calibrate: fused AdamW, 8 M parameters",
+               "host_memory_bandwidth": "calibrate: copy_ of 1 GiB, median of 7, read plus written",
                "slice_overhead_s": "calibrate: 16 tiny slices against one"}
     if device.type == "cuda":
         name = f"{torch.cuda.get_device_name(device)} on {host}"
@@ -156,7 +183,8 @@ def calibrate(directory: Path | None = None, device: torch.device | None = None)
         sources |= {"disk_read": f"calibrate: 256 MiB in {directory}", "disk_write": f"calibrate: 256 MiB in {directory}"}
     return MachineRates(name=f"calibrated: {name}", device_flops=flops, host_to_device=h2d, device_to_host=d2h,
                         host_copy=copy, host_update=host_update_rate(), disk_read=read, disk_write=write,
-                        slice_overhead_s=slice_overhead(), device_memory=memory, sources=sources)
+                        slice_overhead_s=slice_overhead(), device_memory=memory, host_memory_bandwidth=host_memory,
+                        sources=sources)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -172,7 +200,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{rates.name}")
     print(f"  device matmul: " + ", ".join(f"{k} {v / 1e12:.2f} TFLOP/s" for k, v in rates.device_flops.items()))
     print(f"  link: {rates.host_to_device / gb:.1f} GB/s to the device, {rates.device_to_host / gb:.1f} GB/s back")
-    print(f"  host: copy {rates.host_copy / gb:.1f} GB/s, fused AdamW {rates.host_update / gb:.1f} GB/s "
+    print(f"  host: copy {rates.host_copy / gb:.1f} GB/s, memory {rates.host_memory / gb:.1f} GB/s read plus "
+          f"written, fused AdamW {rates.host_update / gb:.1f} GB/s "
           f"({rates.host_update / ADAMW_BYTES_PER_PARAMETER / 1e6:.0f} M parameters/s); "
           f"{rates.slice_overhead_s * 1e3:.2f} ms per slice run")
     if rates.disk_read is not None and rates.disk_write is not None:

@@ -43,6 +43,10 @@ class MachineRates:
         host_copy: bytes per second copied by a large copy in RAM (each byte read and written once).
         host_update: the fused AdamW update on the host, in :data:`ADAMW_BYTES_PER_PARAMETER`
             bytes per parameter per second.
+        host_memory_bandwidth: bytes per second the host's memory reads plus writes, as a copy
+            of a few GB between two buffers achieves it (STREAM's copy, counted as STREAM counts
+            it): what the host's passes over memory other than the optimizer's are timed with
+            (``None``: not measured; the planner then takes twice :attr:`host_copy`).
         disk_read, disk_write: sequential file bandwidth where the disk tier would live
             (``None``: not measured).
         slice_overhead_s: fixed host time per slice run (a slice's forward, recompute or
@@ -65,6 +69,7 @@ class MachineRates:
     slice_overhead_s: float = 0.0
     device_memory: int | None = None
     device_memory_bandwidth: float | None = None
+    host_memory_bandwidth: float | None = None
     sources: dict[str, str] = field(default_factory=dict)
 
     def flops_for(self, dtype_name: str) -> float:
@@ -77,10 +82,16 @@ class MachineRates:
 
     def with_host(self, host: MachineRates) -> MachineRates:
         """These device and link rates with ``host``'s host rates (copy, update, disk, overhead)."""
-        names = ("host_copy", "host_update", "disk_read", "disk_write", "slice_overhead_s")
+        names = ("host_copy", "host_update", "host_memory_bandwidth", "disk_read", "disk_write", "slice_overhead_s")
         sources = dict(self.sources) | {n: host.sources.get(n, host.name) for n in names}
         return dataclasses.replace(self, name=f"{self.name} + host {host.name}", sources=sources,
                                    **{n: getattr(host, n) for n in names})
+
+    @property
+    def host_memory(self) -> float:
+        """The host's memory bandwidth, read plus written: measured, or twice the copy rate (a
+        copied byte is read once and written once)."""
+        return self.host_memory_bandwidth or 2 * self.host_copy
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

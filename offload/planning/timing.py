@@ -14,8 +14,12 @@ it, the disk tier's files read and written). The terms:
   their own streams beside compute, so a phase takes the longest of its compute, its loads and
   its offloads, plus the first load (forward) or the last offload (backward) that nothing hides;
   on a CPU "device" copies are synchronous and add up;
-- the host update: bytes over the fused update's bandwidth; with the disk tier, the longest of
-  it and the files' reads and writes (the tier reads, updates and writes different slices at once);
+- the host update: the host memory bytes it touches, as ``host_bytes.py`` counts them (the
+  optimizer's pass; the shadow's pass, which re-reads every master), the optimizer's pass over
+  the fused update's measured rate (``MachineRates.host_update``, the same count's bytes per
+  second) and the shadow's over the host's memory bandwidth (``MachineRates.host_memory``); with
+  the disk tier, the longest of it and the files' reads and writes (the tier reads, updates and
+  writes different slices at once);
 - the schedule. ``"overlapped"`` (``OffloadOptimizer``'s default): the update runs on the host
   while the next forward runs, slice by slice; slice *k*'s forward waits for slice *k*'s update
   (:func:`exposed_overlapped`, a per-slice simulation: for equal slices the forward takes the
@@ -49,8 +53,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .host_bytes import host_bytes_per_step
 from .planner import SliceLayout, check_resident_slices
-from .rates import DEVICE_MEMORY_BANDWIDTH_DEFAULT, UPDATE_BYTES_PER_PARAMETER, MachineRates
+from .rates import DEVICE_MEMORY_BANDWIDTH_DEFAULT, MachineRates
 from .shapes import ModelProfile
 
 #: How the host update meets the device's work: behind the next forward (the default), started in
@@ -122,7 +127,8 @@ class StepTime:
 
 @dataclass(frozen=True)
 class _Traffic:
-    """Bytes of one step, per phase and direction, the host update's, and the resident slices'
+    """Bytes of one step, per phase and direction, the host update's (``update``: the optimizer's
+    pass; ``shadow``: the shadow's pass, as ``host_bytes.py`` counts them), and the resident slices'
     (their slot copies and their update, on the device)."""
 
     forward_loads: int
@@ -152,8 +158,10 @@ def traffic(layout: SliceLayout, profile: ModelProfile | None, config: StepConfi
     streamed_grads = layout.gradient_bytes[k:]
     state_bytes = sum(layout.state_bytes[k:]) if config.optimizer_state == "disk" else 0
     master_bytes = sum(layout.host_bytes[k:]) if config.masters == "disk" else 0
-    # The update's bytes per parameter are given for float32; other dtypes scale with their size.
-    per_byte = UPDATE_BYTES_PER_PARAMETER[optimizer] / 4
+    # The host bytes per float32 parameter (host_bytes.py); other dtypes scale with their size. A
+    # resident slice's update on the device writes no shadow.
+    host = host_bytes_per_step(1, compute_dtype=config.compute_dtype, optimizer=optimizer)
+    per_byte = host_bytes_per_step(1, optimizer=optimizer).update / 4
     reloaded = range(max(n - 2, 0))  # the backward's loads: all but the two slices left in the slots
     # A resident slot copy reads the parameters (their own dtype) and writes the slot; a resident
     # slice's gradients are copied once from the summing buffers into memory of their own.
@@ -168,10 +176,9 @@ def traffic(layout: SliceLayout, profile: ModelProfile | None, config: StepConfi
         # Slice 0's gradients leave last; a resident one's do not leave, and the streamed slices'
         # cross while the resident ones' backward runs.
         last_offload=layout.gradient_bytes[0] if k == 0 else 0,
-        update=round(per_byte * sum(streamed_grads)),
-        # The update writes each trained parameter's shadow beside it.
-        shadow=(sum(layout.trainable_counts[k:]) * config.compute_dtype.itemsize
-                if config.compute_dtype is not None else 0),
+        update=round(host.update / 4 * sum(streamed_grads)),
+        # Each trained parameter's shadow is written from its master: a pass of its own, or the update's.
+        shadow=round(host.shadow / 4 * sum(layout.trainable_bytes[k:])),
         disk_read=state_bytes + master_bytes,
         disk_write=state_bytes + master_bytes,
         device_copies=resident_loads + resident_reloads + 2 * sum(layout.gradient_bytes[:k]),
@@ -336,7 +343,7 @@ def _phases(moved: _Traffic, forward_compute: float, backward_compute: float, ra
 
 def _update(moved: _Traffic, rates: MachineRates) -> tuple[float, float, float]:
     """The host update's length (disk included), and the disk's reads and writes."""
-    update = moved.update / rates.host_update + moved.shadow / rates.host_copy
+    update = moved.update / rates.host_update + moved.shadow / rates.host_memory
     if not (moved.disk_read or moved.disk_write):
         return update, 0.0, 0.0
     if rates.disk_read is None or rates.disk_write is None:
