@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from offload.planning.host_bytes import shadow_pass
 from offload.planning.planner import slice_layout
 from offload.planning.rates import load_rates
 from offload.planning.timing import StepConfig, estimate_step_time, exposed_update
@@ -104,6 +105,13 @@ def resident_markdown(result: dict[str, Any]) -> str:
 
 
 def predictions() -> dict[str, Any]:
+    """The planner's predictions of the measured run's schedules; that run wrote each shadow in a
+    pass of its own (before the one-pass update), and is predicted so."""
+    with shadow_pass(in_update=False):
+        return _predictions()
+
+
+def _predictions() -> dict[str, Any]:
     import transformers
 
     from offload.integrations.transformers import causal_lm_sequential

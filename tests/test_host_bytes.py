@@ -30,13 +30,21 @@ def test_adamw_in_one_pass_with_bf16_gradients_touches_28_bytes_a_parameter():
     assert count == {"update": 28.0, "shadow": 0.0, "gradients": 2.0, "loads": 4.0, "total": 34.0}
 
 
-def test_todays_path_counts_the_shadow_pass_and_float32_gradients():
-    """The update reads float32 gradients (28 bytes with master and moments), then a pass of its own
-    re-reads every master (4) to write the shadow (2); the device writes float32 gradients (4) and
-    two loads a step read the bf16 shadow (2 each)."""
-    count = per_parameter(compute_dtype=torch.bfloat16)
+def test_two_passes_count_the_shadow_pass():
+    """Without the one-pass kernel the update reads float32 gradients (28 bytes with master and
+    moments), then a pass of its own re-reads every master (4) to write the shadow (2); the device
+    writes float32 gradients (4) and two loads a step read the bf16 shadow (2 each)."""
+    count = per_parameter(compute_dtype=torch.bfloat16, shadow_in_update=False)
     assert count == {"update": 28.0, "shadow": 6.0, "gradients": 4.0, "loads": 4.0, "total": 42.0}
-    assert host_bytes_per_step(N, compute_dtype=torch.bfloat16).host_update == 34 * N
+    assert host_bytes_per_step(N, compute_dtype=torch.bfloat16, shadow_in_update=False).host_update == 34 * N
+
+
+def test_todays_path_writes_the_shadow_in_the_update_and_reads_float32_gradients():
+    """The library's update (Note: [One-pass update]): float32 gradients (4), master (8), moments
+    (16), the shadow written in the same pass (2); no shadow pass."""
+    count = per_parameter(compute_dtype=torch.bfloat16)
+    assert count == {"update": 30.0, "shadow": 0.0, "gradients": 4.0, "loads": 4.0, "total": 38.0}
+    assert host_bytes_per_step(N, compute_dtype=torch.bfloat16).host_update == 30 * N
 
 
 @pytest.mark.parametrize("optimizer, amsgrad, update", [("adamw", False, 28), ("adam", False, 28), ("adamw", True, 36),
@@ -53,7 +61,8 @@ def test_each_optimizer_reads_and_writes_its_state(optimizer, amsgrad, update):
 
 def test_parameters_count_in_their_own_dtype():
     """A bf16 parameter's master, gradient and moments are 2 bytes each; an integer one gets no shadow."""
-    count = host_bytes_per_step({torch.bfloat16: 10, torch.float32: 5}, compute_dtype=torch.float16)
+    count = host_bytes_per_step({torch.bfloat16: 10, torch.float32: 5}, compute_dtype=torch.float16,
+                                shadow_in_update=False)
     assert count == HostBytes(update=10 * 14 + 5 * 28, shadow=10 * 4 + 5 * 6, gradients=10 * 2 + 5 * 4,
                               loads=2 * (10 * 2 + 5 * 2))
     assert host_bytes_per_step({torch.int64: 3}, compute_dtype=torch.bfloat16, optimizer=None).loads == 2 * 3 * 8
@@ -61,8 +70,8 @@ def test_parameters_count_in_their_own_dtype():
 
 def test_measured_copies_replace_the_counted_ones():
     count = host_bytes_per_step(N, compute_dtype=torch.bfloat16).with_copies(loaded=7, offloaded=11)
-    assert (count.loads, count.gradients, count.update, count.shadow) == (7, 11, 28 * N, 6 * N)
-    assert count.to_json()["total"] == 34 * N + 18
+    assert (count.loads, count.gradients, count.update, count.shadow) == (7, 11, 30 * N, 0)
+    assert count.to_json()["total"] == 30 * N + 18
 
 
 def test_what_it_cannot_count_it_says():
@@ -74,10 +83,12 @@ def test_what_it_cannot_count_it_says():
         host_bytes_per_step(-1)
 
 
-def test_the_planner_times_the_shadow_pass_from_the_count_over_host_memory():
-    """The host update with a bf16 shadow takes the update alone plus the shadow's pass, 6 bytes per
-    parameter over the host's memory bandwidth: measured where the rates have it, otherwise twice
-    the copy rate (a copied byte is read and written)."""
+def test_the_planner_times_the_shadow_pass_from_the_count_over_host_memory(monkeypatch):
+    """Two passes: the host update with a bf16 shadow takes the update alone plus the shadow's pass,
+    6 bytes per parameter over the host's memory bandwidth: measured where the rates have it,
+    otherwise twice the copy rate (a copied byte is read and written). One pass: the update's own
+    rate over its 2 more bytes."""
+    monkeypatch.setattr(host_bytes, "SHADOW_IN_UPDATE", False)
     layers = [1 << 20] * 4
     config = StepConfig(num_slices=4)
     plain = slice_layout(layers, num_slices=4)
@@ -93,6 +104,9 @@ def test_the_planner_times_the_shadow_pass_from_the_count_over_host_memory():
     for rates in (HOST_DEFAULT, dataclasses.replace(HOST_DEFAULT, host_memory_bandwidth=100e9)):
         shadow = update(rates, shadowed, torch.bfloat16) - update(rates, plain, None)
         assert shadow == pytest.approx(6 * parameters / rates.host_memory)
+    monkeypatch.setattr(host_bytes, "SHADOW_IN_UPDATE", True)
+    shadow = update(HOST_DEFAULT, shadowed, torch.bfloat16) - update(HOST_DEFAULT, plain, None)
+    assert shadow == pytest.approx(2 * parameters / HOST_DEFAULT.host_update)
     measured = dataclasses.replace(HOST_DEFAULT, host_memory_bandwidth=100e9)
     assert measured.host_memory == 100e9
     # A GPU's defaults planned with this host's calibration take its memory bandwidth too.
@@ -116,6 +130,7 @@ def test_the_library_paths_flags_set_the_defaults(monkeypatch):
     def planned() -> float:
         return estimate_step_time(layout, None, config, HOST_DEFAULT, device="cpu", device_seconds=(0.01, 0.02)).update
 
+    monkeypatch.setattr(host_bytes, "SHADOW_IN_UPDATE", False)
     two_passes = planned()
     monkeypatch.setattr(host_bytes, "SHADOW_IN_UPDATE", True)
     monkeypatch.setattr(host_bytes, "GRADIENTS_IN_COMPUTE_DTYPE", True)

@@ -24,8 +24,9 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -34,14 +35,28 @@ import torch
 #: :func:`~offload.estimate_memory` takes (AdamW's two moments, SGD's momentum buffer).
 STATE_TENSORS = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0, None: 0}
 
-#: Whether the library's host update writes the shadow in the pass that updates the masters.
-#: Today it does not: ``offload/tiers/slice_update.py`` casts the updated masters into the shadow
-#: after the optimizer's step, a second pass over every master.
-SHADOW_IN_UPDATE = False
+#: Whether the library's host update writes the shadow in the pass that updates the masters. It
+#: does for fused Adam, AdamW and SGD where the one-pass kernel builds (Note: [One-pass update] in
+#: ``offload/kernels/one_pass.py``); other optimizers, or a machine where it does not build, cast the
+#: updated masters into the shadow after the optimizer's step, a second pass over every master.
+SHADOW_IN_UPDATE = True
 
 #: Whether the device offloads a parameter's gradient in the compute dtype, which the host update
 #: then reads. Today it does not: it casts the gradient up to the parameter's own dtype first.
 GRADIENTS_IN_COMPUTE_DTYPE = False
+
+
+@contextlib.contextmanager
+def shadow_pass(in_update: bool) -> Iterator[None]:
+    """Count (and so plan) the shadow as written by the update (``in_update``) or by a pass of its
+    own, whatever this library's update does: to predict a run measured before the one-pass
+    update, or one without it."""
+    global SHADOW_IN_UPDATE
+    saved, SHADOW_IN_UPDATE = SHADOW_IN_UPDATE, in_update
+    try:
+        yield
+    finally:
+        SHADOW_IN_UPDATE = saved
 
 
 @dataclass(frozen=True)
