@@ -19,14 +19,14 @@ import pytest
 import torch
 from torch import nn
 
-from offload import OffloadModel
+from offload import OffloadModel, OffloadOptimizer
 from offload.streamcheck import SCHEDULES, Dependency, StreamChecker, StreamOrderingError
 from offload.streamcheck.clocks import COMPUTE, Epoch, VectorClock
 from offload.streamcheck.memory import MemoryTracker, Race
 from offload.streams import CopyStreams
 from offload.streams.flat_views import flat_exporter, own_storage_view
 
-from .stream_scenarios import SCENARIOS, build_on_cpu
+from .stream_scenarios import SCENARIOS, build_on_cpu, inputs, mlp
 
 _reference_cache: dict[str, list[torch.Tensor]] = {}
 
@@ -211,6 +211,24 @@ def test_writing_a_host_copy_through_its_own_storage_before_the_load_of_the_flat
         seen = (device + 0).clone()
     assert torch.equal(seen, torch.tensor([0.0, -1.0, -1.0, 3.0]))
     assert any(race.kind == "read then write not ordered" for race in checker.races), checker.summary()
+
+
+def test_a_load_that_waits_for_an_earlier_slices_update_but_not_its_own_is_caught(monkeypatch):
+    # Note: [Updates in the next forward's order]: the update worker promises no order between slices,
+    # so slice 0's update being done says nothing of slice 1's, though backward queued slice 1's first.
+    with StreamChecker() as checker:
+        model = build_on_cpu(mlp(), num_slices=4)
+        optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True, update_in_backward=True)
+        updates = model._engine.updates
+        wait = updates.wait
+        for step in range(3):
+            if step == 2:  # backward started every update (the first step only checks)
+                assert optimizer._in_backward.last_started == {0, 1, 2, 3}
+                monkeypatch.setattr(updates, "wait", lambda index: None if index == 1 else wait(index))
+            model(inputs(step)).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert any("host update" in str(race) for race in checker.races), checker.summary()
 
 
 @pytest.mark.parametrize("alias_first", [False, True], ids=["buffer_first", "alias_first"])

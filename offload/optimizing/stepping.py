@@ -96,7 +96,8 @@ class SliceUpdates:
 
     def _start_worker(self) -> None:
         if self.worker is None:
-            self.worker = self.engine.copies.new_worker("host update", self.num_threads)
+            # By key, the slice's index: Note: [Updates in the next forward's order].
+            self.worker = self.engine.copies.new_worker("host update", self.num_threads, by_key=True)
             weakref.finalize(self, self.worker.close)
 
     def _submit_update(self, step: SliceStep, hyper: list[dict[str, Any]], grad_scale: torch.Tensor | None,

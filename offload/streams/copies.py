@@ -299,16 +299,19 @@ class CopyStreams:
 
     # -- host work ---------------------------------------------------------------------------
 
-    def new_worker(self, role: str, num_threads: int | None = None) -> HostWorker:
-        """A host worker for work that runs beside the caller (an optimizer's update)."""
+    def new_worker(self, role: str, num_threads: int | None = None, by_key: bool = False) -> HostWorker:
+        """A host worker for work that runs beside the caller (an optimizer's update); ``by_key``:
+        one that runs the ready work with the lowest key first (``workers.py``)."""
         if self.backend is None:
-            return HostWorker(f"offload {role}", num_threads)
-        return self.backend.new_worker(role, num_threads)
+            return HostWorker(f"offload {role}", num_threads, by_key=by_key)
+        return self.backend.new_worker(role, num_threads, by_key)
 
-    def submit(self, worker: HostWorker, work: Callable[[], None], after: Iterable[Event | None] = ()) -> Event:
-        """Run ``work`` on ``worker`` after everything submitted to it before, after what the
-        calling thread did so far, and after the events ``after`` (copies it reads, other work);
-        returns the event that completes when it has run."""
+    def submit(self, worker: HostWorker, work: Callable[[], None], after: Iterable[Event | None] = (),
+               key: float | None = None) -> Event:
+        """Run ``work`` on ``worker`` after everything submitted to it before (on a worker
+        ``by_key``: after nothing else there, in the order of ``key`` among what is ready), after
+        what the calling thread did so far, and after the events ``after`` (copies it reads, other
+        work); returns the event that completes when it has run."""
         events = [event for event in after if event is not None]
         if self.backend is None:
             if events:
@@ -316,11 +319,9 @@ class CopyStreams:
                     for event in events:
                         event.synchronize()
                     work()
-                worker.submit(waiting)
-            else:
-                worker.submit(work)
-            return worker.record()
-        return self.backend.submit(worker, work, events)
+                return worker.submit(waiting, key, lambda: all(event.query() for event in events))
+            return worker.submit(work, key)
+        return self.backend.submit(worker, work, events, key)
 
     def wait_host_all(self, events: Iterable[Event | None]) -> None:
         for event in events:

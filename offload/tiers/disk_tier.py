@@ -204,7 +204,8 @@ class StateTier:
         # The buffer is free once the write of the slice that used it last has read it.
         read = self.copies.submit(self._reader, functools.partial(record.read, slot), after=[slot.free])
         # The update reads what the read wrote into the buffer.
-        update = self.copies.submit(update_worker, functools.partial(self._update, record, work), after=[read, *after])
+        update = self.copies.submit(update_worker, functools.partial(self._update, record, work), after=[read, *after],
+                                    key=index)
         # The write reads the state the update left.
         write = self.copies.submit(self._writer, functools.partial(record.write, self.files), after=[update])
         slot.free = write
