@@ -172,6 +172,10 @@ class SimEvent:
     position: int  # the stream's operations up to here
     clock: VectorClock
 
+    def query(self) -> bool:
+        """Whether the stream has run up to here; like CUDA's, it orders nothing (no clock is joined)."""
+        return self.stream.done >= self.position
+
 
 @dataclass
 class _Copy:

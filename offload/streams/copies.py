@@ -297,6 +297,11 @@ class CopyStreams:
         else:
             self.backend.synchronize_event(event)
 
+    def has_completed(self, event: Event | None) -> bool:
+        """Whether ``event`` has completed, without waiting: a hint for what to do first. It orders
+        nothing; memory the event guards is still waited for with :meth:`wait_host`."""
+        return event is None or event.query()
+
     # -- host work ---------------------------------------------------------------------------
 
     def new_worker(self, role: str, num_threads: int | None = None, by_key: bool = False) -> HostWorker:
