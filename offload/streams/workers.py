@@ -5,9 +5,10 @@ A worker is to the host what a stream is to the device: work submitted to it run
 order, concurrently with the caller, and :meth:`HostWorker.record` gives an event that completes
 once everything submitted so far has run. A worker built ``by_key`` instead runs, of the work whose
 waits are over, the one with the lowest key first (Note: [Updates in the next forward's order] in
-``offload/optimizing/stepping.py``); each submission's event then says that it alone has run. The copy engine waits on those events like on any other
-(``CopyStreams.wait_host``), and the stream-ordering checker simulates workers the way it simulates
-streams, so the ordering between host work and copies is checked too.
+``offload/optimizing/stepping.py``); each submission's event then says that it alone has run. The
+copy engine waits on those events like on any other (``CopyStreams.wait_host``), and the
+stream-ordering checker simulates workers the way it simulates streams, so the ordering between
+host work and copies is checked too.
 
 PyTorch's CPU kernels release the GIL, so a worker's tensor work runs in parallel with the caller
 driving the device. An exception in submitted work is kept and raised in the caller's thread by
