@@ -277,6 +277,10 @@ NEEDED = [
     Dependency("synchronize_event", "submit", "data_parallel.py:gradients_leaving", "offload"),
     Dependency("synchronize_event", "submit", "sharding.py:submit", "host update"),
     Dependency("synchronize_event", "submit", "disk_tier.py:submit", "disk write"),
+    # A state buffer's write after the update that used it: the next update through that buffer
+    # follows it only through the write and the read, not the worker (Note: [Updates in the next
+    # forward's order]).
+    Dependency("synchronize_event", "submit", "disk_tier.py:submit", "host update"),
     Dependency("synchronize_event", "wait_host", "disk_tier.py:flush", "disk write"),
     Dependency("synchronize_event", "wait_host", "data_parallel.py:gradients_landed", "collectives"),
     Dependency("synchronize_event", "wait_host", "device_slots.py:prefetch", "collectives"),
@@ -326,7 +330,6 @@ COVERED = [
     Dependency("wait_event", "offload_many", "gradients.py:offload", "load"),
     Dependency("wait_stream", "drain", "device_slots.py:invalidate", "load"),
     Dependency("wait_stream", "drain", "device_slots.py:invalidate", "offload"),
-    Dependency("synchronize_event", "submit", "disk_tier.py:submit", "host update"),
     Dependency("wait_event", "on_device", "device_slots.py:prefetch", "offload"),
 ]
 

@@ -87,10 +87,6 @@ Note: [Orderings the end of a walk covers]
       (``device_slots.py:prefetch``, Note: [Resident slices] in ``resident_storage.py``):
       write-backs happen in forward only, where the resident slices come first, so the last
       write-back from the slot belongs to an earlier walk, which waited for it at its end.
-    - The disk tier's write of a slice's state waiting for that slice's update (``offload/tiers/disk_tier.py:submit``):
-      under the checker, a write runs only when something waits for it, the read of the next slice
-      that takes its buffer or the next ``step()``, and both come after the forward that waited for
-      the update. On threads the writer would run at once: the wait is what orders it.
 """
 
 from __future__ import annotations

@@ -26,7 +26,10 @@ Note: [Disk tier pipeline]
     ``k + 1`` is read into the next buffer and slice ``k - 1`` written from the previous one;
     a read waits for the write three slices back. Host RAM holds three slices' state (the largest
     slice's, rounded up to pages) instead of every slice's. The next forward waits for each
-    slice's update only, never for a write.
+    slice's update only, never for a write. The update worker promises no order between slices
+    (Note: [Updates in the next forward's order] in ``offload/optimizing/stepping.py``): what keeps
+    slice ``k + 3``'s update off the buffer until slice ``k``'s is done with it is that chain, the
+    write after the update and the read after the write.
 
     The results are the RAM-resident optimizer's bit for bit: the optimizer updates the same
     bytes, which go to disk and back unchanged (raw copies of the tensors' memory, strides kept).
