@@ -6,7 +6,8 @@ exchange, the disk tier's plumbing) lives in ``offload/optimizing/``.
 Note: [Overlapped host update]
     ``step()`` captures each parameter's gradient and each group's hyperparameters, then hands
     one task per slice, in slice order, to a host worker (``offload/streams/workers.py``) and
-    returns. The next forward loads slice ``k`` only once slice ``k``'s update is done (the device
+    returns; the worker runs what it holds in the order the next forward loads it (Note: [Updates
+    in the next forward's order] in ``offload/optimizing/stepping.py``). The next forward loads slice ``k`` only once slice ``k``'s update is done (the device
     slots wait for it, ``offload/streams/updates.py``), so while the device computes slice ``k``,
     the host updates slice ``k + 1``: what is left on the critical path is about one slice's
     update. No update starts while a load still reads the host copies (``step()`` waits for the

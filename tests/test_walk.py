@@ -22,7 +22,7 @@ def _engine(num_slices):
     return engine_of(model)
 
 
-def test_a_forward_walk_visits_every_slice_and_loads_the_next_once_the_first_compute_is_queued(monkeypatch):
+def test_a_forward_walk_visits_every_slice_and_loads_the_next_on_acquiring_when_it_is_only_a_copy(monkeypatch):
     engine = _engine(4)
     prefetched = []
     prefetch = engine.slots.prefetch
@@ -32,13 +32,53 @@ def test_a_forward_walk_visits_every_slice_and_loads_the_next_once_the_first_com
         for index, views in walk:
             seen.append(index)
             assert len(views) == len(engine.slices[index].storage.entries)
-            loads = engine.slots.loads
+            assert engine.slots.loads == min(index + 2, 4)  # the next slice's load issued before this one's compute
             walk.compute_queued()
             walk.compute_queued()  # a second microbatch: nothing more to prefetch
-            assert engine.slots.loads == loads + (index < 3)
+            assert engine.slots.loads == min(index + 2, 4)
         walk.finish()
     assert seen == [0, 1, 2, 3]
-    assert prefetched == [0, 1, 1, 2, 2, 3, 3]  # each acquire, and the next slice after the first compute
+    assert prefetched == [0, 1, 1, 1, 2, 2, 2, 3, 3, 3]  # each acquire, the next slice, the first compute's no-op
+
+
+class _PendingUpdate:
+    """An update's event, not done until the walk waits for it."""
+
+    def __init__(self) -> None:
+        self.waited = False
+
+    def query(self) -> bool:
+        return self.waited
+
+    def synchronize(self) -> None:
+        self.waited = True
+
+
+def test_a_forward_walk_loads_a_slice_whose_update_is_not_done_once_the_first_compute_is_queued():
+    # Note: [The walk], step 2: waiting for the update then overlaps compute already queued.
+    engine = _engine(4)
+    update = _PendingUpdate()
+    engine.updates.submitted(2, update)
+    with SliceWalk.forward(engine) as walk:
+        for index, _ in walk:
+            if index == 1:
+                assert engine.slots.loads == 2 and not update.waited
+            walk.compute_queued()
+            if index == 1:
+                assert engine.slots.loads == 3 and update.waited
+        walk.finish()
+    assert not engine.updates.pending()
+
+
+def test_a_backward_walk_loads_the_next_slice_once_the_first_compute_is_queued():
+    # Its boundary activations' loads would queue behind the next slice's on the load stream.
+    engine = _engine(4)
+    with SliceWalk.backward(engine, lowest=0) as walk:
+        for index, _ in walk:
+            loads = engine.slots.loads
+            walk.compute_queued()
+            assert engine.slots.loads == loads + (index > 0)
+        walk.finish()
 
 
 def test_a_backward_walk_goes_from_the_last_slice_down_to_the_lowest():

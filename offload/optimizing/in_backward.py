@@ -53,11 +53,12 @@ Note: [Update in backward]
     ``deferred`` says which, and why.
 
     Behind: slice 0's gradients land last, and the next forward loads it first. When the whole
-    update outlasts backward, the worker (first in, first out) still holds the updates of the
-    last slices to land, slice 0's last of all, when the next forward starts, and that forward
-    waits for all of them before its first slice. With ``max_backlog``, once the worker is that
-    many updates behind, the slices still to land wait for ``step()``, which starts them in slice
-    order: the forward then loads each as soon as its own update is done. Off by default: on one
+    update outlasts backward, the worker still holds the updates of the last slices to land when
+    the next forward starts; it runs them lowest slice first (Note: [Updates in the next forward's
+    order] in ``stepping.py``), so that forward loads each as soon as its own update is done
+    instead of waiting for all of them before its first slice. With ``max_backlog``, once the
+    worker is that many updates behind, the slices still to land wait for ``step()``, which
+    starts them in slice order. Off by default: on one
     H100 (``benchmarks/results/h100-2026-11-26b/peers2.json``) ``max_backlog = 1`` stopped too early
     and made the step 440 ms against 373 ms without it; when to stop would have to come from the
     measured update, backward and forward times of each slice.

@@ -2,7 +2,30 @@
 in slice order with the tiers around it (masters on disk read in before and written back after,
 the disk tier's state read and written), sharded or not; and the parameters outside the model,
 stepped at once. What it does not hold: what one update does (``offload/tiers/slice_update.py``),
-or how a load waits for it (``offload/streams/updates.py``)."""
+or how a load waits for it (``offload/streams/updates.py``).
+
+Note: [Updates in the next forward's order]
+    The next forward loads slice 0 first, then 1, 2, ..., each only once its update is done. So
+    the update worker (``HostWorker(by_key=True)`` in ``offload/streams/workers.py``) runs, of the
+    updates handed to it and not started, the one of the lowest slice index whose waits are over
+    (its gradients' copy to the host, its masters or state read in from disk), not the oldest:
+
+    1. ``step()`` hands them over in slice order; they run in that order.
+    2. Backward (Note: [Update in backward] in ``in_backward.py``) hands them over as their
+       gradients land, the last slice first. While the worker keeps up, each runs as it lands;
+       once it is behind, it takes the lowest slice waiting, so the slices the next forward
+       loads first are updated first, and the updates ``step()`` starts after backward (the
+       slices it deferred) go before those backward left of higher slices.
+    3. When none is ready, it takes the oldest and waits for it: that is what lands first
+       (copies complete in issue order), and it cannot wait for an update handed over after it.
+
+    Exact either way: each slice's update reads its own gradients and state and writes its own
+    host copies, so their order changes no value; nothing orders one slice's update after
+    another's, and each update's event says only that it ran. Every wait for an update (a load,
+    ``synchronize()``, ``zero_grad(set_to_none=False)``) names its slice's event, never an earlier
+    slice's as a stand-in; the stream-ordering checker runs each update on a lane of its own,
+    in any order its waits allow, so a wait that relied on the worker's order is reported.
+"""
 
 from __future__ import annotations
 
@@ -96,7 +119,8 @@ class SliceUpdates:
 
     def _start_worker(self) -> None:
         if self.worker is None:
-            self.worker = self.engine.copies.new_worker("host update", self.num_threads)
+            # By key, the slice's index: Note: [Updates in the next forward's order].
+            self.worker = self.engine.copies.new_worker("host update", self.num_threads, by_key=True)
             weakref.finalize(self, self.worker.close)
 
     def _submit_update(self, step: SliceStep, hyper: list[dict[str, Any]], grad_scale: torch.Tensor | None,

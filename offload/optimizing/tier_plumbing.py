@@ -55,9 +55,10 @@ class TierPlumbing:
     def submit(self, index: int, worker: HostWorker, work: Callable[[], None],
                after: Sequence[Event | None]) -> Event:
         """Run slice ``index``'s update ``work`` on ``worker`` after ``after``, its state read before
-        and written after by the tier; returns the update's event."""
+        and written after by the tier; returns the update's event. The update worker runs it in
+        slice order among the ready (Note: [Updates in the next forward's order] in ``stepping.py``)."""
         if self.tier is None:
-            return self.copies.submit(worker, work, after=after)
+            return self.copies.submit(worker, work, after=after, key=index)
         return self.tier.submit(index, worker, work, after=after)
 
     def flush(self, when: str = "wait") -> None:

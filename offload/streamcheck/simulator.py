@@ -123,19 +123,31 @@ class SimStream:
 @dataclass
 class SimWorker(SimStream):
     """A host worker (``offload/streams/workers.py``) whose work runs when forced, like a copy:
-    its operations on memory count as its own agent's, not the host's."""
+    its operations on memory count as its own agent's, not the host's.
+
+    A worker ``by_key`` promises no order between its submissions, so each one runs on a *lane* of
+    its own: a worker of one task, with an agent and a clock of its own, which knows nothing of the
+    worker's other tasks. Waiting for one task's event orders nothing else, and the schedules run
+    the tasks in any order their waits allow."""
 
     backend: Any = None
     error: BaseException | None = None
     skip_through: int = 0
+    by_key: bool = False
+    owner: SimWorker | None = None  # the worker ``by_key`` whose one task this lane runs
+    sequence: int = 0  # a lane's: its task's number among its owner's submissions
 
-    def submit(self, work: Callable[[], None]) -> None:
-        self.backend.submit_work(self, work)
+    def submit(self, work: Callable[[], None], key: float | None = None, ready: Any = None) -> SimEvent:
+        return self.backend.submit(self, work, [])
 
     def record(self) -> SimEvent:
+        assert not self.by_key, "internal error: a worker by_key has no event for everything submitted"
         return self.backend.record(self)
 
     def raise_pending(self) -> None:
+        if self.owner is not None:
+            self.owner.raise_pending()
+            return
         error, self.error = self.error, None
         if error is not None:
             self.skip_through = self.issued
@@ -159,6 +171,10 @@ class SimEvent:
     stream: SimStream
     position: int  # the stream's operations up to here
     clock: VectorClock
+
+    def query(self) -> bool:
+        """Whether the stream has run up to here; like CUDA's, it orders nothing (no clock is joined)."""
+        return self.stream.done >= self.position
 
 
 @dataclass
@@ -268,13 +284,18 @@ class SimulatedBackend(StreamBackend):
         if isinstance(event.stream, SimWorker):
             event.stream.raise_pending()
 
-    def new_worker(self, role: str, num_threads: int | None = None) -> SimWorker:
-        worker = SimWorker(len(self.streams) + 1, role, backend=self)
+    def new_worker(self, role: str, num_threads: int | None = None, by_key: bool = False) -> SimWorker:
+        worker = SimWorker(len(self.streams) + 1, role, backend=self, by_key=by_key)
         self.streams.append(worker)
         return worker
 
-    def submit(self, worker: SimWorker, work: Callable[[], None], after: list[SimEvent]) -> SimEvent:
+    def submit(self, worker: SimWorker, work: Callable[[], None], after: list[SimEvent],
+               key: float | None = None) -> SimEvent:
         waits = [event for event in after if not self._skipped("synchronize_event", event.stream)]
+        if worker.by_key:
+            worker.issued += 1
+            worker = SimWorker(len(self.streams) + 1, worker.role, backend=self, owner=worker, sequence=worker.issued)
+            self.streams.append(worker)
         self.submit_work(worker, work, waits)
         return self.record(worker)
 
@@ -390,7 +411,8 @@ class SimulatedBackend(StreamBackend):
             stream.done = stream.issued
 
     def _run_task(self, worker: SimWorker, task: _Task) -> None:
-        if worker.error is not None or task.position <= worker.skip_through:
+        owner, number = (worker, task.position) if worker.owner is None else (worker.owner, worker.sequence)
+        if owner.error is not None or number <= owner.skip_through:
             return
         for event in task.after:
             self.run_until(event.stream, event.position)
@@ -398,7 +420,7 @@ class SimulatedBackend(StreamBackend):
         try:
             task.work()
         except BaseException as error:  # noqa: BLE001 - raised in the host thread when it waits
-            worker.error = error
+            owner.error = error
         finally:
             self.active_task = previous
 

@@ -108,21 +108,22 @@ class StreamBackend(abc.ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} cannot queue device work on a side stream")
 
-    def new_worker(self, role: str, num_threads: int | None = None) -> HostWorker:
-        """A host worker (see ``workers.py``): submitted work runs in order, off the calling thread,
-        with this backend's device as its current device; its ``record()`` events can be passed to
-        :meth:`synchronize_event`."""
-        return HostWorker(f"offload {role}", num_threads, device=self.device)
+    def new_worker(self, role: str, num_threads: int | None = None, by_key: bool = False) -> HostWorker:
+        """A host worker (see ``workers.py``): submitted work runs in order (``by_key``: in key
+        order among the ready), off the calling thread, with this backend's device as its current
+        device; its events can be passed to :meth:`synchronize_event`."""
+        return HostWorker(f"offload {role}", num_threads, device=self.device, by_key=by_key)
 
-    def submit(self, worker: HostWorker, work: Callable[[], None], after: list[Event]) -> Event:
-        """Queue ``work`` on ``worker``; the worker first waits for ``after``. Returns its event."""
+    def submit(self, worker: HostWorker, work: Callable[[], None], after: list[Event],
+               key: float | None = None) -> Event:
+        """Queue ``work`` on ``worker`` (with ``key``, for a worker ``by_key``); the worker first
+        waits for ``after``. Returns its event."""
         def waiting() -> None:
             for event in after:
                 # The work reads what these copies or other work wrote.
                 self.synchronize_event(event)
             work()
-        worker.submit(waiting)
-        return worker.record()
+        return worker.submit(waiting, key, _all_done(after) if after else None)
 
 
 class CudaBackend(StreamBackend):
@@ -206,3 +207,8 @@ def backend_for(device: torch.device) -> StreamBackend | None:
     if device.type == "cuda":
         return CudaBackend(device)
     return None
+
+
+def _all_done(events: list[Event]) -> Callable[[], bool]:
+    """Whether every one of ``events`` (a device event or a host worker's) has completed, without waiting."""
+    return lambda: all(event.query() for event in events)

@@ -87,10 +87,6 @@ Note: [Orderings the end of a walk covers]
       (``device_slots.py:prefetch``, Note: [Resident slices] in ``resident_storage.py``):
       write-backs happen in forward only, where the resident slices come first, so the last
       write-back from the slot belongs to an earlier walk, which waited for it at its end.
-    - The disk tier's write of a slice's state waiting for that slice's update (``offload/tiers/disk_tier.py:submit``):
-      under the checker, a write runs only when something waits for it, the read of the next slice
-      that takes its buffer or the next ``step()``, and both come after the forward that waited for
-      the update. On threads the writer would run at once: the wait is what orders it.
 """
 
 from __future__ import annotations
@@ -297,18 +293,26 @@ class CopyStreams:
         else:
             self.backend.synchronize_event(event)
 
+    def has_completed(self, event: Event | None) -> bool:
+        """Whether ``event`` has completed, without waiting: a hint for what to do first. It orders
+        nothing; memory the event guards is still waited for with :meth:`wait_host`."""
+        return event is None or event.query()
+
     # -- host work ---------------------------------------------------------------------------
 
-    def new_worker(self, role: str, num_threads: int | None = None) -> HostWorker:
-        """A host worker for work that runs beside the caller (an optimizer's update)."""
+    def new_worker(self, role: str, num_threads: int | None = None, by_key: bool = False) -> HostWorker:
+        """A host worker for work that runs beside the caller (an optimizer's update); ``by_key``:
+        one that runs the ready work with the lowest key first (``workers.py``)."""
         if self.backend is None:
-            return HostWorker(f"offload {role}", num_threads)
-        return self.backend.new_worker(role, num_threads)
+            return HostWorker(f"offload {role}", num_threads, by_key=by_key)
+        return self.backend.new_worker(role, num_threads, by_key)
 
-    def submit(self, worker: HostWorker, work: Callable[[], None], after: Iterable[Event | None] = ()) -> Event:
-        """Run ``work`` on ``worker`` after everything submitted to it before, after what the
-        calling thread did so far, and after the events ``after`` (copies it reads, other work);
-        returns the event that completes when it has run."""
+    def submit(self, worker: HostWorker, work: Callable[[], None], after: Iterable[Event | None] = (),
+               key: float | None = None) -> Event:
+        """Run ``work`` on ``worker`` after everything submitted to it before (on a worker
+        ``by_key``: after nothing else there, in the order of ``key`` among what is ready), after
+        what the calling thread did so far, and after the events ``after`` (copies it reads, other
+        work); returns the event that completes when it has run."""
         events = [event for event in after if event is not None]
         if self.backend is None:
             if events:
@@ -316,11 +320,9 @@ class CopyStreams:
                     for event in events:
                         event.synchronize()
                     work()
-                worker.submit(waiting)
-            else:
-                worker.submit(work)
-            return worker.record()
-        return self.backend.submit(worker, work, events)
+                return worker.submit(waiting, key, lambda: all(event.query() for event in events))
+            return worker.submit(work, key)
+        return self.backend.submit(worker, work, events, key)
 
     def wait_host_all(self, events: Iterable[Event | None]) -> None:
         for event in events:

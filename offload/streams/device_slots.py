@@ -184,6 +184,17 @@ class DeviceSlots:
         slot.views = slot.view_cache[index]
         self.loads += 1
 
+    def can_load_now(self, index: int) -> bool:
+        """Whether :meth:`prefetch` of slice ``index`` would only issue a copy: a slot is free for
+        it, its update is done and its shadow current (no wait and no cast on the CPU), and it is
+        neither resident nor borrowing (no copy on the compute stream, no other slice's update)."""
+        slot = self._find(index)
+        if slot is not None and slot.state is SlotState.CURRENT:
+            return False  # nothing to load
+        storage = self.storages[index]
+        return (any(not s.in_use for s in self._slots) and not storage.resident and not storage.borrowed
+                and self.updates.done(index) and not storage.shadow_stale())
+
     def _load_borrowed(self, slot: _Slot, index: int, entry: Any) -> Event | None:
         """Copy a parameter that an earlier slice holds into slice ``index``'s slot (Note: [Tied
         parameters across slices] in ``host_storage.py``), from that slice's host copy or shadow."""

@@ -44,6 +44,11 @@ class SliceUpdates:
         """Whether any update is pending."""
         return bool(self._pending)
 
+    def done(self, index: int) -> bool:
+        """Whether slice ``index`` has no update pending or its update has run, without waiting: a
+        hint (a load of it still calls :meth:`wait`)."""
+        return self.copies.has_completed(self._pending.get(index))
+
     def wait(self, index: int) -> None:
         """Block until slice ``index``'s host copy is final: before a load reads it."""
         event = self._pending.pop(index, None)

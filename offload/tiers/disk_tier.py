@@ -26,7 +26,10 @@ Note: [Disk tier pipeline]
     ``k + 1`` is read into the next buffer and slice ``k - 1`` written from the previous one;
     a read waits for the write three slices back. Host RAM holds three slices' state (the largest
     slice's, rounded up to pages) instead of every slice's. The next forward waits for each
-    slice's update only, never for a write.
+    slice's update only, never for a write. The update worker promises no order between slices
+    (Note: [Updates in the next forward's order] in ``offload/optimizing/stepping.py``): what keeps
+    slice ``k + 3``'s update off the buffer until slice ``k``'s is done with it is that chain, the
+    write after the update and the read after the write.
 
     The results are the RAM-resident optimizer's bit for bit: the optimizer updates the same
     bytes, which go to disk and back unchanged (raw copies of the tensors' memory, strides kept).
@@ -204,7 +207,8 @@ class StateTier:
         # The buffer is free once the write of the slice that used it last has read it.
         read = self.copies.submit(self._reader, functools.partial(record.read, slot), after=[slot.free])
         # The update reads what the read wrote into the buffer.
-        update = self.copies.submit(update_worker, functools.partial(self._update, record, work), after=[read, *after])
+        update = self.copies.submit(update_worker, functools.partial(self._update, record, work), after=[read, *after],
+                                    key=index)
         # The write reads the state the update left.
         write = self.copies.submit(self._writer, functools.partial(record.write, self.files), after=[update])
         slot.free = write

@@ -14,7 +14,12 @@ Note: [The walk]
        current).
     2. The caller runs it on every microbatch. Once its first compute is queued, the next slice
        in the order is prefetched, so that the CPU work of that load (waiting for a pending host
-       update, refreshing a shadow) overlaps compute already queued.
+       update, refreshing a shadow) overlaps compute already queued. A forward prefetches it
+       already on acquiring the slice when that load is only a copy to issue (a slot free, its
+       update done, its shadow current: ``DeviceSlots.can_load_now``): the copy then starts as
+       soon as the free slot's last compute is done, not once the CPU has launched this slice's
+       kernels. Backward does not: its boundary activations' loads, which this slice's compute
+       needs, would queue behind it on the load stream.
     3. Leave: buffers a run changed are written back (Note: [Buffers]); a slot whose buffers were
        restored from a forward's snapshot is marked stale; the slot is released to the compute
        queued so far.
@@ -145,6 +150,9 @@ class SliceWalk:
             self._next = self.order[position + 1] if position + 1 < len(self.order) else None
             views = self.engine.slots.acquire(index)
             self.current, self.state, self.device_copy = index, WalkState.ACQUIRED, DeviceCopy.AS_LOADED
+            ahead = self._next if self.direction is Direction.FORWARD else None
+            if ahead is not None and self.engine.slots.can_load_now(ahead):
+                self.engine.slots.prefetch(ahead)  # step 2 of Note: [The walk]: only a copy to issue
             yield index, views
             self._leave(index)
 
