@@ -1,12 +1,11 @@
 """``OffloadModel``: the user-facing wrapper around an ``nn.Sequential``: its settings checked, its
 layers adopted into an engine, and its forward. What it hands off: where it computes and how
 ``.to()`` moves that (``offload/modeling/placement.py``), reads that wait for pending host updates
-(``offload/modeling/settled.py``), the walk itself (``offload/walk/``, ``offload/autograd/``)."""
+(``offload/modeling/settled.py``), copies and pickles (``offload/modeling/copying.py``), the walk itself (``offload/walk/``, ``offload/autograd/``)."""
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -26,12 +25,12 @@ from .planning.footprint import MemoryFootprint, measure as measure_footprint
 from .walk.slicing import layer_nbytes, partition
 from .walk.streamed import streamed_forward
 from .modeling.placement import compute_target, existing_device, host_conversion, may_move_compute, stays_on_compute
-from .modeling.settled import SettledModule
+from .modeling.copying import CopiedByLayers
 
 #: Slices of an ``nn.Sequential`` when ``num_slices`` is not given (fewer where it has fewer layers).
 DEFAULT_NUM_SLICES = 3
 
-class OffloadModel(SettledModule):
+class OffloadModel(CopiedByLayers):
     """Train an ``nn.Sequential`` whose parameters live in host memory.
 
     The layers are cut into slices. Forward loads each slice to ``device`` just before it runs
@@ -120,6 +119,11 @@ class OffloadModel(SettledModule):
         >>> optimizer.step()
     """
 
+    #: What a deep copy takes over as it is (CopiedByLayers builds the engine anew around the layers).
+    _copied_settings = ("compute_dtype", "num_microbatches", "checkpoint_activation", "offload_activations",
+                        "device", "offload_device", "training", "_masters", "_resident_slices")
+    _pickled_before = {"offload_activations": None, "_resident_slices": 0}  # settings added later
+
     def __init__(
         self,
         model: nn.Sequential | Sequence[nn.Module],
@@ -141,34 +145,16 @@ class OffloadModel(SettledModule):
             raise ValueError(f"compute_dtype must be None, torch.bfloat16 or torch.float16, got {compute_dtype!r}")
         self.compute_dtype = compute_dtype
         self.num_microbatches = _positive_int("num_microbatches", num_microbatches)
-        if not isinstance(checkpoint_activation, bool):
-            raise TypeError(f"checkpoint_activation must be a bool, got {type(checkpoint_activation).__name__}")
-        self.checkpoint_activation = checkpoint_activation
-        if offload_activations is not None and not isinstance(offload_activations, OffloadActivations):
-            raise TypeError(f"offload_activations must be an offload.OffloadActivations or None, got "
-                            f"{type(offload_activations).__name__}")
-        if offload_activations is not None:
-            offload_activations.chosen(len(named_groups))  # an index out of range fails here, not in forward
-        self.offload_activations = offload_activations
-        self.device = existing_device(device, "device")
-        self.offload_device = existing_device(offload_device, "offload_device")
-        if self.offload_device.type == "meta":
-            raise ValueError("offload_device='meta' holds no data, and the parameters live there between uses; pass "
-                             "offload_device='cpu'. To size a model without building it, use offload.estimate_memory")
-        if masters is not None and self.offload_device.type != "cpu":
-            raise ValueError(f"masters on disk are host memory backed by a file; offload_device must be 'cpu', got "
-                             f"{self.offload_device}")
+        self.checkpoint_activation, self.offload_activations = _activation_settings(
+            checkpoint_activation, offload_activations, len(named_groups))
+        self.device, self.offload_device = _places(device, offload_device, masters)
         self._masters = masters
         if self.device.type == "cuda" and self.offload_device.type == "cpu":
             # Host gradients on CUDA: a plain torch.amp.GradScaler races over them (Note: [Loss scaling
             # with host gradients] in grad_scaler.py).
             warn_about_plain_grad_scalers()
         self._adopt(named_groups)
-        self._data_parallel: DataParallel | None = None
-        if process_group is not None:
-            named = list(nn.Module.named_parameters(self)) + list(nn.Module.named_buffers(self))
-            self._data_parallel = DataParallel(self._engine, process_group, named)
-            self._engine.milestones.subscribe(self._data_parallel)
+        self._data_parallel = None if process_group is None else _data_parallel(self, process_group)
 
     def _adopt(self, named_groups: list[tuple[list[str], list[nn.Module]]]) -> None:
         for names, layers in named_groups:
@@ -203,52 +189,13 @@ class OffloadModel(SettledModule):
 
     # -- pending host updates ------------------------------------------------------------------
     # See Note: [Overlapped host update] in offload/optimizer.py: whatever hands out the host
-    # copies waits for OffloadOptimizer's pending updates first (SettledModule's reads, and these).
+    # copies waits for OffloadOptimizer's pending updates first (SettledModule's reads, this, and
+    # CopiedByLayers's copies).
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
         if not set_to_none:  # zeros the next backward may add into as slices land
             mark_zeroed(self.parameters())
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> OffloadModel:
-        # The engine holds streams, events and pinned buffers that must not be copied field by
-        # field: build a new model around deep copies of the layers, cut the same way.
-        self._settle()
-        twin = type(self).__new__(type(self))
-        nn.Module.__init__(twin)
-        memo[id(self)] = twin
-        for name in ("compute_dtype", "num_microbatches", "checkpoint_activation", "offload_activations",
-                     "device", "offload_device",
-                     "training", "_masters", "_resident_slices"):
-            setattr(twin, name, getattr(self, name))
-        twin._adopt([(list(s.names), copy.deepcopy(s.layers, memo)) for s in self._engine.slices])
-        twin._data_parallel = None  # a copy is local: building one must not need the other ranks
-        return twin
-
-    def __getstate__(self) -> dict[str, Any]:
-        # Pickling (torch.save(model)): the engine's streams, events, worker threads and pinned
-        # buffers don't pickle, and need not: keep the layers, the settings and how the layers
-        # were cut, and build a new engine when loading (__setstate__).
-        self._settle()
-        state = self.__dict__.copy()
-        state["_slice_names"] = [list(s.names) for s in state.pop("_engine").slices]
-        state["_data_parallel"] = None  # a loaded model is local, as a deep copy is
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        state = dict(state)
-        names = state.pop("_slice_names")
-        state.setdefault("offload_activations", None)  # pickled before the setting existed
-        state.setdefault("_resident_slices", 0)
-        super().__setstate__(state)
-        self._adopt([(list(group), [self._modules[name] for name in group]) for group in names])
-
-    def __copy__(self) -> OffloadModel:
-        # A shallow copy shares the engine, as nn.Module's default copy shares everything; going
-        # through __getstate__ would build a second engine over the same parameters.
-        twin = type(self).__new__(type(self))
-        twin.__dict__.update(self.__dict__)
-        return twin
 
     # -- inspection --------------------------------------------------------------------------
 
@@ -353,6 +300,41 @@ def _positive_int(name: str, value: Any) -> int:
     if value < 1:
         raise ValueError(f"{name} must be at least 1, got {value}")
     return value
+
+
+def _data_parallel(model: OffloadModel, process_group: Any) -> DataParallel:
+    """The averaging of the model's gradients over ``process_group``, told of each slice's backward
+    by the walk's milestones; it takes rank 0's parameters and buffers now."""
+    named = list(nn.Module.named_parameters(model)) + list(nn.Module.named_buffers(model))
+    data_parallel = DataParallel(model._engine, process_group, named)
+    model._engine.milestones.subscribe(data_parallel)
+    return data_parallel
+
+
+def _activation_settings(checkpoint_activation: Any, offload_activations: Any,
+                         num_slices: int) -> tuple[bool, OffloadActivations | None]:
+    """``checkpoint_activation`` and ``offload_activations``, checked against the model's slices."""
+    if not isinstance(checkpoint_activation, bool):
+        raise TypeError(f"checkpoint_activation must be a bool, got {type(checkpoint_activation).__name__}")
+    if offload_activations is not None and not isinstance(offload_activations, OffloadActivations):
+        raise TypeError(f"offload_activations must be an offload.OffloadActivations or None, got "
+                        f"{type(offload_activations).__name__}")
+    if offload_activations is not None:
+        offload_activations.chosen(num_slices)  # an index out of range fails here, not in forward
+    return checkpoint_activation, offload_activations
+
+
+def _places(device: Any, offload_device: Any, masters: Any) -> tuple[torch.device, torch.device]:
+    """``device`` and ``offload_device`` as devices of this machine, where parameters (and ``masters``
+    on disk, backed by host memory) can live between uses."""
+    device, offload_device = existing_device(device, "device"), existing_device(offload_device, "offload_device")
+    if offload_device.type == "meta":
+        raise ValueError("offload_device='meta' holds no data, and the parameters live there between uses; pass "
+                         "offload_device='cpu'. To size a model without building it, use offload.estimate_memory")
+    if masters is not None and offload_device.type != "cpu":
+        raise ValueError(f"masters on disk are host memory backed by a file; offload_device must be 'cpu', got "
+                         f"{offload_device}")
+    return device, offload_device
 
 
 def _settings(model: OffloadModel) -> str:

@@ -182,12 +182,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
                    if self._in_backward is not None else set())
         _before_update(self)
         hyper = [snapshot(group) for group in self.param_groups]
-        # GradScaler hands fused optimizers its scale and inf flag on the loss's device. The update
-        # reads them on a host worker, where the optimizer's own non-blocking copy to the host would
-        # be queued on that thread's stream behind the next forward's kernels, and read before it
-        # lands. Bring them to the host here, waiting for them.
         scaling = (getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
-        grad_scale, found_inf = (None if t is None else t.to("cpu") for t in scaling)
+        grad_scale, found_inf = _on_host(scaling)
         # An update must not write host copies that a load still reads (a safety net: see Note:
         # [Orderings the end of a walk covers] in offload/streams/copies.py).
         engine.copies.wait_loads_done()
@@ -219,26 +215,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """
         self._disk.check_loaded("Reading the state")
         # With a disk tier, the slice's tensors come from its file: copies, one slice at a time.
-        for index, states, _ in self._by_slice(self._disk.slice_state):
+        for index, states, _ in _states_by_slice(self, self._disk.slice_state):
             yield index, states
-
-    def _state_layout_by_slice(self) -> Iterator[tuple[int, SliceState, SliceState]]:
-        """As :meth:`state_by_slice`, without reading the disk tier: yields ``(slice index,
-        {parameter: its state}, {parameter: its state on disk})`` where each tensor the tier keeps
-        is a stand-in of its shape and dtype (:meth:`StateTier.slice_layout`), to be read with
-        ``_disk.slice_state`` when needed (Note: [Checkpoint layout] in
-        ``offload/checkpoint/contents.py``)."""
-        return self._by_slice(self._disk.slice_layout)
-
-    def _by_slice(self, on_disk: Callable[[int], SliceState]) -> Iterator[tuple[int, SliceState, SliceState]]:
-        """Per slice with parameters this rank steps, after every pending update: its index, each
-        parameter's state (with what ``on_disk`` gives for it), and what ``on_disk`` gave."""
-        self.synchronize()
-        self._plan()
-        for step in (*self._steps, *self._rest):
-            if step.whole is not None:
-                disk = on_disk(step.index)
-                yield step.index, {p: {**self.state.get(p, {}), **disk.get(p, {})} for p in step.whole.params}, disk
 
     def synchronize(self) -> None:
         """Block until every pending update is done; raise what an update raised (and what the
@@ -279,32 +257,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._disk.forget()
         self._plan_key = None  # a sharded optimizer keeps only its own parameters' state
         if self._sharding is not None or self._tier is not None:
-            self._plan()
+            _plan(self)
         self._disk.adopt()
 
-    # -- loading a checkpoint into the disk tier, slice by slice -----------------------------------
+    # -- loading a checkpoint into the disk tier, slice by slice (and load_beside_tier below) -------
 
     def _open_slice_load(self, index: int, saved: SliceState) -> TierSliceLoad:
         """:meth:`TierPlumbing.open_slice_load`, for checkpoints."""
         return self._disk.open_slice_load(index, saved)
-
-    def _load_state_dict_beside_tier(self, state_dict: dict[str, Any], loaded: Collection[int]) -> None:
-        """``load_state_dict()`` of a checkpoint's state less the tensors already loaded into the
-        disk tier's files, slice by slice (slices ``loaded``; Note: [Slice-by-slice load] in
-        ``offload/checkpoint/slice_load_planner.py``): the scalars (``step``) and the groups go through
-        ``torch.optim``'s ``load_state_dict()`` as with any load; the tier's other slices hold what
-        it puts into ``optimizer.state``.
-
-        Raises:
-            DiskTierError: a slice's state could not be written; it is held in RAM, and the state
-                is loaded.
-        """
-        assert self._tier is not None
-        # Not synchronize(): a write that failed while loading is raised as a load's, by adopt().
-        engine_of(self.model).updates.wait_all()
-        _load_as_class(self, state_dict)
-        self._disk.forget(keep=loaded)
-        self._disk.adopt()
 
     def close(self) -> None:
         """Wait for the pending updates and remove the disk tier's files (kept with
@@ -326,23 +286,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self.synchronize()
         super().add_param_group(param_group)
 
-    # -- the plan: which inner optimizer steps which parameters -----------------------------------
-
-    def _plan(self) -> None:
-        """Which inner optimizer steps which parameters (``offload/optimizing/plan.py``), anew when
-        the groups or the slices' host copies changed."""
-        engine = engine_of(self.model)
-        key = plan_key(self.param_groups, engine)
-        if key == self._plan_key:
-            return
-        self.synchronize()
-        inner = functools.partial(inner_optimizer, self)
-        self._steps, self._rest = slice_steps(self.param_groups, engine, self._sharding, inner, self.state)
-        # A resident slice's state stays on the device, beside its parameters (Note: [Resident slices]).
-        self._disk.plan([(step.index, step.whole.params) for step in self._steps
-                         if step.whole is not None and not _resident(step)])
-        self._plan_key = key
-
     # -- the collaborators, as tests, scripts and checkpoints name them ---------------------------------
 
     @property
@@ -354,6 +297,48 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def _tier(self) -> StateTier | None:
         """The disk tier, or ``None``."""
         return None if self.__dict__.get("_disk") is None else self._disk.tier
+
+
+# -- the optimizer's state, as checkpoints read and load it -------------------------------------------
+
+
+def state_layout_by_slice(optimizer: OffloadOptimizer) -> Iterator[tuple[int, SliceState, SliceState]]:
+    """As :meth:`OffloadOptimizer.state_by_slice`, without reading the disk tier: yields ``(slice
+    index, {parameter: its state}, {parameter: its state on disk})`` where each tensor the tier keeps
+    is a stand-in of its shape and dtype (:meth:`StateTier.slice_layout`), to be read with
+    ``_disk.slice_state`` when needed (Note: [Checkpoint layout] in ``offload/checkpoint/contents.py``)."""
+    return _states_by_slice(optimizer, optimizer._disk.slice_layout)
+
+
+def _states_by_slice(optimizer: OffloadOptimizer, on_disk: Callable[[int], SliceState]
+                     ) -> Iterator[tuple[int, SliceState, SliceState]]:
+    """Per slice with parameters this rank steps, after every pending update: its index, each
+    parameter's state (with what ``on_disk`` gives for it), and what ``on_disk`` gave."""
+    optimizer.synchronize()
+    _plan(optimizer)
+    for step in (*optimizer._steps, *optimizer._rest):
+        if step.whole is not None:
+            disk = on_disk(step.index)
+            yield step.index, {p: {**optimizer.state.get(p, {}), **disk.get(p, {})} for p in step.whole.params}, disk
+
+
+def load_beside_tier(optimizer: OffloadOptimizer, state_dict: dict[str, Any], loaded: Collection[int]) -> None:
+    """``load_state_dict()`` of a checkpoint's state less the tensors already loaded into the
+    disk tier's files, slice by slice (slices ``loaded``; Note: [Slice-by-slice load] in
+    ``offload/checkpoint/slice_load_planner.py``): the scalars (``step``) and the groups go through
+    ``torch.optim``'s ``load_state_dict()`` as with any load; the tier's other slices hold what
+    it puts into ``optimizer.state``.
+
+    Raises:
+        DiskTierError: a slice's state could not be written; it is held in RAM, and the state
+            is loaded.
+    """
+    assert optimizer._tier is not None
+    # Not synchronize(): a write that failed while loading is raised as a load's, by adopt().
+    engine_of(optimizer.model).updates.wait_all()
+    _load_as_class(optimizer, state_dict)
+    optimizer._disk.forget(keep=loaded)
+    optimizer._disk.adopt()
 
 
 def _load_as_class(optimizer: OffloadOptimizer, state_dict: dict[str, Any]) -> None:
@@ -381,6 +366,32 @@ def _load_as_class(optimizer: OffloadOptimizer, state_dict: dict[str, Any]) -> N
         post_hook(optimizer)
 
 
+def _on_host(scaling: tuple[torch.Tensor | None, ...]) -> Iterator[torch.Tensor | None]:
+    """GradScaler's scale and inf flag, which it hands fused optimizers on the loss's device, copied
+    to the host, waiting for them. The update reads them on a host worker, where the optimizer's own
+    non-blocking copy to the host would be queued on that thread's stream behind the next
+    forward's kernels, and read before it lands."""
+    return (None if t is None else t.to("cpu") for t in scaling)
+
+
+def _plan(optimizer: OffloadOptimizer) -> None:
+    """Which inner optimizer steps which parameters (``offload/optimizing/plan.py``), anew when
+    the groups or the slices' host copies changed: before updates start, and before the state is
+    read or loaded by slice."""
+    engine = engine_of(optimizer.model)
+    key = plan_key(optimizer.param_groups, engine)
+    if key == optimizer._plan_key:
+        return
+    optimizer.synchronize()
+    inner = functools.partial(inner_optimizer, optimizer)
+    optimizer._steps, optimizer._rest = slice_steps(optimizer.param_groups, engine, optimizer._sharding, inner,
+                                                    optimizer.state)
+    # A resident slice's state stays on the device, beside its parameters (Note: [Resident slices]).
+    optimizer._disk.plan([(step.index, step.whole.params) for step in optimizer._steps
+                          if step.whole is not None and not _resident(step)])
+    optimizer._plan_key = key
+
+
 def _resident(step: SliceStep) -> bool:
     """Whether ``step`` updates a resident slice (Note: [Resident slices]), on the device in ``step()``."""
     return step.storage is not None and step.storage.resident
@@ -390,7 +401,7 @@ def _before_update(optimizer: OffloadOptimizer) -> None:
     """Before updates start (in ``step()``, or in the backward that starts them): the plan, and
     what the last step could not write, raised first."""
     engine = engine_of(optimizer.model)
-    optimizer._plan()
+    _plan(optimizer)
     if engine.master_files is not None:
         engine.master_files.flush()  # masters that could not be written back are raised first
     optimizer._disk.flush("step")  # a write that failed last step is retried (or raised) first

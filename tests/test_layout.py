@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -146,12 +147,23 @@ def upward_imports(graph: dict[str, set[str]], layers: dict[int, list[str]]) -> 
     return problems
 
 
-#: A class's lines, from its ``class`` line to its last, docstring and methods included.
-MAX_CLASS_LINES = 300
-#: A function's body lines, from its first statement after the docstring to its last line.
-MAX_BODY_LINES = 60
-#: Functions allowed a longer body for now, by ``module.qualified_name``, each with why.
-LONG_FUNCTIONS_FOR_NOW: set[str] = set()
+#: A class's lines, from its ``class`` line to its last, docstring and methods included. Set a
+#: little above the package's largest class: a floor for taste, not a target. A class that grows
+#: past it holds another job, which wants a name (a collaborator it owns, a helper for its step).
+MAX_CLASS_LINES = 260
+#: A function's body lines, from its first statement after the docstring to its last line; set a
+#: little above the package's longest body, as the class limit is.
+MAX_BODY_LINES = 52
+#: Classes and functions allowed more lines for now, by ``module.qualified_name``: the most lines
+#: each may have (a class's lines, a function's body lines), and why it is not split yet.
+LONG_FOR_NOW: dict[str, tuple[int, str]] = {
+    "offload.streams.device_slots.DeviceSlots": (
+        300, "the device slots' loads, their buffers' write-backs and snapshots, and the saved tensors of kept "
+             "graphs in one class; under the former limit until those jobs are named"),
+    "offload.optimizing.in_backward.BackwardUpdates": (
+        300, "the milestones that start updates in backward and the checks that keep them exact in one class; "
+             "under the former limit until those jobs are named"),
+}
 
 
 def _body_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
@@ -163,11 +175,12 @@ def _body_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
     return node.end_lineno - body[0].lineno + 1
 
 
-def oversized(package: Path) -> list[str]:
+def oversized(package: Path, allowed: dict[str, tuple[int, str]] | None = None) -> list[str]:
     """Each class longer than :data:`MAX_CLASS_LINES` and each function (methods and nested
-    functions too) whose body is longer than :data:`MAX_BODY_LINES`, as ``module.qualified_name``
-    with its count."""
+    functions too) whose body is longer than :data:`MAX_BODY_LINES` (one in ``allowed``: than its
+    ceiling there), as ``module.qualified_name`` with its count."""
     found = []
+    ceilings = allowed or {}
     for name, (path, _) in module_files(package).items():
 
         def visit(node: ast.AST, prefix: str) -> None:
@@ -175,12 +188,12 @@ def oversized(package: Path) -> list[str]:
                 if isinstance(child, ast.ClassDef):
                     assert child.end_lineno is not None
                     lines = child.end_lineno - child.lineno + 1
-                    if lines > MAX_CLASS_LINES:
+                    if lines > ceilings.get(f"{prefix}{child.name}", (MAX_CLASS_LINES, ""))[0]:
                         found.append(f"{prefix}{child.name}: class of {lines} lines")
                     visit(child, f"{prefix}{child.name}.")
                 elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
                     lines = _body_lines(child)
-                    if lines > MAX_BODY_LINES:
+                    if lines > ceilings.get(f"{prefix}{child.name}", (MAX_BODY_LINES, ""))[0]:
                         found.append(f"{prefix}{child.name}: body of {lines} lines")
                     visit(child, f"{prefix}{child.name}.")
                 else:
@@ -247,6 +260,54 @@ def test_size_checker_finds_long_classes_and_bodies_on_a_fake_package(tmp_path: 
         f"pkg.long.Over.method: body of {MAX_BODY_LINES + 2} lines",
         f"pkg.long.Over.method.inner: body of {MAX_BODY_LINES + 1} lines",
     ]
+    # One listed for now passes up to its ceiling, and fails past it; the others keep the limits.
+    ceilings = {"pkg.long.Over": (MAX_CLASS_LINES + 1, "why"), "pkg.long.over": (MAX_BODY_LINES, "why"),
+                "pkg.long.Over.method": (MAX_BODY_LINES + 2, "why")}
+    assert oversized(package, ceilings) == [f"pkg.long.over: body of {MAX_BODY_LINES + 1} lines",
+                                            f"pkg.long.Over.method.inner: body of {MAX_BODY_LINES + 1} lines"]
+
+
+def _measured(package: Path) -> list[tuple[str, Path, ast.AST, int]]:
+    """Every class (with its lines) and every module-level function (with its body lines) of the
+    package, as ``(module.qualified_name, file, node, count)``."""
+    found = []
+    for name, (path, _) in module_files(package).items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef):
+                assert node.end_lineno is not None
+                found.append((f"{name}.{node.name}", path, node, node.end_lineno - node.lineno + 1))
+        for node in ast.parse(path.read_text(), str(path)).body:
+            if isinstance(node, ast.FunctionDef):
+                found.append((f"{name}.{node.name}", path, node, _body_lines(node)))
+    return found
+
+
+def _insert(path: Path, before_line: int, indent: int, count: int) -> None:
+    """``count`` statements at ``indent`` columns, before line ``before_line`` (1-based) of ``path``."""
+    lines = path.read_text().splitlines(keepends=True)
+    lines[before_line - 1:before_line - 1] = [f"{' ' * indent}_padding{k} = {k}\n" for k in range(count)]
+    path.write_text("".join(lines))
+
+
+def test_the_package_fails_the_size_check_once_its_largest_class_or_body_grows(tmp_path: Path) -> None:
+    """The limits bite on the package itself: its largest class (of those not listed for now) padded
+    to one line over :data:`MAX_CLASS_LINES`, and its longest module-level function to one body line
+    over :data:`MAX_BODY_LINES`, each in a copy of the package, are found, and nothing else is."""
+    measured = [entry for entry in _measured(PACKAGE) if entry[0] not in LONG_FOR_NOW]
+    name, path, node, lines = max((e for e in measured if isinstance(e[2], ast.ClassDef)), key=lambda e: e[3])
+    copy = tmp_path / "classes" / "offload"
+    shutil.copytree(PACKAGE, copy)
+    assert isinstance(node, ast.ClassDef) and node.end_lineno is not None
+    _insert(copy / path.relative_to(PACKAGE), node.end_lineno + 1, node.col_offset + 4, MAX_CLASS_LINES + 1 - lines)
+    assert oversized(copy, LONG_FOR_NOW) == [f"{name}: class of {MAX_CLASS_LINES + 1} lines"]
+
+    name, path, node, lines = max((e for e in measured if isinstance(e[2], ast.FunctionDef)), key=lambda e: e[3])
+    copy = tmp_path / "functions" / "offload"
+    shutil.copytree(PACKAGE, copy)
+    assert isinstance(node, ast.FunctionDef)
+    first = node.body[1] if ast.get_docstring(node) is not None and len(node.body) > 1 else node.body[0]
+    _insert(copy / path.relative_to(PACKAGE), first.lineno, first.col_offset, MAX_BODY_LINES + 1 - lines)
+    assert oversized(copy, LONG_FOR_NOW) == [f"{name}: body of {MAX_BODY_LINES + 1} lines"]
 
 
 # The import checker itself, on graphs small enough to see the answer.
@@ -289,9 +350,13 @@ def test_imports_run_down_the_layers() -> None:
 def test_no_class_or_function_body_is_too_long() -> None:
     """Classes with one job, functions that read at a glance: split what grows past the limits
     along its jobs (collaborators it owns, helpers named for their step)."""
-    found = oversized(PACKAGE)
-    allowed = [entry for entry in found if entry.split(":")[0] in LONG_FUNCTIONS_FOR_NOW]
-    assert [entry for entry in found if entry not in allowed] == []
+    assert oversized(PACKAGE, LONG_FOR_NOW) == []
+
+
+def test_each_class_or_function_listed_for_now_exists_and_needs_it() -> None:
+    """An entry of :data:`LONG_FOR_NOW` names a class or function of the package that is over the
+    limit today: one split since (or renamed) leaves the list."""
+    assert sorted(entry.split(":")[0] for entry in oversized(PACKAGE)) == sorted(LONG_FOR_NOW)
 
 
 def test_no_module_is_too_long() -> None:

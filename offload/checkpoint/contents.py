@@ -53,7 +53,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..model import OffloadModel, engine_of
-from ..optimizer import OffloadOptimizer
+from ..optimizer import OffloadOptimizer, state_layout_by_slice
 from ..streams.flat_views import dense_stride
 
 FORMAT = 1
@@ -112,7 +112,7 @@ def _optimizer_state(optimizer: torch.optim.Optimizer
     keeps; the state a disk tier keeps is a stand-in of its shape and dtype, read when DCP writes
     it (Note: [Slice-by-slice save] in ``offload/checkpoint/slice_save_planner.py``)."""
     if isinstance(optimizer, OffloadOptimizer):
-        for index, states, on_disk in optimizer._state_layout_by_slice():
+        for index, states, on_disk in state_layout_by_slice(optimizer):
             yield from ((index, p, state, on_disk.get(p, {})) for p, state in states.items() if state)
         return
     optimizer_state = optimizer.state
@@ -127,7 +127,7 @@ def _kept_parameters(optimizer: torch.optim.Optimizer) -> list[tuple[int, torch.
     updates); the index is -1 outside an OffloadOptimizer's slices."""
     if isinstance(optimizer, OffloadOptimizer):
         # Stand-ins for the state a disk tier keeps: which parameters, without reading their files.
-        return [(index, p) for index, states, _ in optimizer._state_layout_by_slice() for p in states]
+        return [(index, p) for index, states, _ in state_layout_by_slice(optimizer) for p in states]
     return [(-1, p) for group in optimizer.param_groups for p in group["params"]]
 
 

@@ -27,7 +27,7 @@ from .contents import (_kept_parameters, _loads_on_disk, _masters_on_disk, _mast
                        _parameter_names, _release_masters, _set_rng_state)
 from .ranks import _barrier, _group
 from ..tiers.disk_tier import DiskTierError
-from ..optimizer import OffloadOptimizer
+from ..optimizer import OffloadOptimizer, load_beside_tier
 from .slice_load_planner import SliceWritingLoadPlanner
 
 
@@ -216,6 +216,6 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, groups: list[list[torch.Te
     }
     if stored is not None:
         assert isinstance(optimizer, OffloadOptimizer)
-        optimizer._load_state_dict_beside_tier(loaded, stored)
+        load_beside_tier(optimizer, loaded, stored)
     else:
         optimizer.load_state_dict(loaded)

@@ -100,10 +100,7 @@ def run(argv: list[str], record: RunRecord) -> None:
     optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=args.lr, weight_decay=0.0, fused=True, disk_tier=tier,
                                  **schedule)
     scheduler = lr_scheduler(args, optimizer)
-    params = sum(p.numel() for p in model.parameters())
-    resident = f" ({model.resident_slices} resident)" if model.resident_slices else ""
-    print(f"{type(hf).__name__}: {params / 1e6:.1f} M parameters in {model.num_slices} slices{resident} on "
-          f"{args.device}, compute dtype {args.compute_dtype}; data {args.data}")
+    print(_summary(args, model, hf))
 
     done = resume(args, model, optimizer, scheduler)
     try:
@@ -124,6 +121,24 @@ def run(argv: list[str], record: RunRecord) -> None:
     except Exception as error:
         print(record.stopped(f"stopped by {type(error).__name__}"), file=sys.stderr, flush=True)
         raise
+    _save(args, model, hf, peft_model, tokenizer, optimizer, record)
+    # The loss in full (repr): a resumed run's last line equals the uninterrupted run's.
+    print(f"final loss {loss_value!r}; {seen / elapsed:,.0f} tokens/s over {args.steps - done} steps; "
+          f"saved to {args.out}")
+
+
+def _summary(args: argparse.Namespace, model: OffloadModel, hf: Any) -> str:
+    """The line a run opens with: the model, how it is cut and where it computes, the data."""
+    params = sum(p.numel() for p in model.parameters())
+    resident = f" ({model.resident_slices} resident)" if model.resident_slices else ""
+    return (f"{type(hf).__name__}: {params / 1e6:.1f} M parameters in {model.num_slices} slices{resident} on "
+            f"{args.device}, compute dtype {args.compute_dtype}; data {args.data}")
+
+
+def _save(args: argparse.Namespace, model: OffloadModel, hf: Any, peft_model: Any, tokenizer: Any,
+          optimizer: OffloadOptimizer, record: RunRecord) -> None:
+    """After the last step: the model saved to ``--out`` once the last update is done (a failed
+    save prints the line that ends the run early, then raises), and the disk tier's files removed."""
     try:
         optimizer.synchronize()  # the last update runs beside the loop: let it finish before saving
         save_output(args, model, hf, peft_model, tokenizer)
@@ -131,9 +146,6 @@ def run(argv: list[str], record: RunRecord) -> None:
         print(record.stopped(f"saving to {args.out} failed ({type(error).__name__})"), file=sys.stderr, flush=True)
         raise
     optimizer.close()  # a disk tier's files go
-    # The loss in full (repr): a resumed run's last line equals the uninterrupted run's.
-    print(f"final loss {loss_value!r}; {seen / elapsed:,.0f} tokens/s over {args.steps - done} steps; "
-          f"saved to {args.out}")
 
 
 def _start(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:

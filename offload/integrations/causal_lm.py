@@ -228,12 +228,7 @@ class OffloadedCausalLM(PreTrainedModel):
                 "params", "model", "optimizer_dict"} & set(kwargs):
             raise ValueError(f"optim={args.optim!r} builds its optimizer from the whole model; OffloadOptimizer "
                              "steps one slice at a time. Use an optimizer such as adamw_torch_fused (the default)")
-        # Trainer.get_decay_parameter_names reads nothing of the trainer: the rule is the Trainer's own.
-        decayed = set(Trainer.get_decay_parameter_names(None, self))  # type: ignore[arg-type]
-        named = [(name, p) for name, p in self.named_parameters() if p.requires_grad]
-        groups = [{"params": [p for name, p in named if name in decayed], "weight_decay": args.weight_decay},
-                  {"params": [p for name, p in named if name not in decayed], "weight_decay": 0.0}]
-        return OffloadOptimizer(self.offloaded, optimizer_class, [g for g in groups if g["params"]], **options,
+        return OffloadOptimizer(self.offloaded, optimizer_class, _decay_groups(self, args.weight_decay), **options,
                                 **kwargs)
 
     @property
@@ -323,37 +318,8 @@ class OffloadedCausalLM(PreTrainedModel):
         if self.generation_config is not None:
             self.generation_config.save_pretrained(save_directory)
         names = _hf_names(self)
-        engine = engine_of(self.offloaded)
         self.offloaded._settle()
-        seen: set[tuple[int, tuple[int, ...]]] = set()
-        shards: list[dict[str, torch.Tensor]] = []
-        for s in engine.slices:
-            shard: dict[str, torch.Tensor] = {}
-            for name, layer in zip(s.names, s.layers):
-                for key, tensor in layer.state_dict(prefix=f"{name}.").items():
-                    place = (tensor.data_ptr(), tuple(tensor.shape))
-                    if place not in seen:  # a tied tensor: once, under its first (the embedding's) name
-                        seen.add(place)
-                        shard[names[key]] = tensor
-            shards.append(shard)
-        shards = [shard for shard in shards if shard]
-        files = (["model.safetensors"] if len(shards) == 1 else
-                 [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
-        weight_map = {}
-        total = 0
-        for file, shard in zip(files, shards):
-            # The host copies themselves: each has a storage of its own (Note: [A storage per host copy]).
-            save_file({key: t.detach() for key, t in shard.items()}, os.path.join(save_directory, file),
-                      metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(shard, file))
-            total += sum(t.numel() * t.element_size() for t in shard.values())
-        if len(files) > 1:
-            with open(os.path.join(save_directory, "model.safetensors.index.json"), "w") as index:
-                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, index, indent=2)
-        else:  # a single file replaces an older sharded save in the same folder
-            stale = os.path.join(save_directory, "model.safetensors.index.json")
-            if os.path.exists(stale):
-                os.remove(stale)
+        _write_shards(save_directory, _shards(self.offloaded, names))
 
 
 class _HiddenStates:
@@ -373,6 +339,46 @@ class _HiddenStates:
             # a float32 weight there).
             hidden = hidden.to(weight.device, weight.dtype)
         return BaseModelOutputWithPast(last_hidden_state=hidden)
+
+
+def _shards(offloaded: OffloadModel, names: dict[str, str]) -> list[dict[str, torch.Tensor]]:
+    """The weights ``save_pretrained`` writes, one shard a slice (slices with none left out): each
+    host copy under its Hugging Face name (``names``), a tied one once, under its first (the
+    embedding's) name, as ``from_pretrained`` expects."""
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    shards: list[dict[str, torch.Tensor]] = []
+    for s in engine_of(offloaded).slices:
+        shard: dict[str, torch.Tensor] = {}
+        for name, layer in zip(s.names, s.layers):
+            for key, tensor in layer.state_dict(prefix=f"{name}.").items():
+                place = (tensor.data_ptr(), tuple(tensor.shape))
+                if place not in seen:
+                    seen.add(place)
+                    shard[names[key]] = tensor
+        shards.append(shard)
+    return [shard for shard in shards if shard]
+
+
+def _write_shards(save_directory: str | os.PathLike[str], shards: list[dict[str, torch.Tensor]]) -> None:
+    """Write ``shards`` as safetensors files into ``save_directory`` with their index, as
+    ``save_pretrained`` names them (``model.safetensors`` alone, or ``model-0000i-of-0000n``)."""
+    files = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
+    weight_map = {}
+    total = 0
+    for file, shard in zip(files, shards):
+        # The host copies themselves: each has a storage of its own (Note: [A storage per host copy]).
+        save_file({key: t.detach() for key, t in shard.items()}, os.path.join(save_directory, file),
+                  metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+        total += sum(t.numel() * t.element_size() for t in shard.values())
+    if len(files) > 1:
+        with open(os.path.join(save_directory, "model.safetensors.index.json"), "w") as index:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, index, indent=2)
+    else:  # a single file replaces an older sharded save in the same folder
+        stale = os.path.join(save_directory, "model.safetensors.index.json")
+        if os.path.exists(stale):
+            os.remove(stale)
 
 
 def _stages_of(offloaded: OffloadModel, hf_model: nn.Module) -> CausalLMSequential:
@@ -445,6 +451,19 @@ def _report_in_hf_names(model: OffloadedCausalLM, incompatible_keys: _Incompatib
     stage_name = re.compile(rf"{re.escape(prefix)}offloaded\.[\w.]*\w")
     error_msgs[:] = [stage_name.sub(lambda found: renamed.get(found.group(0), found.group(0)), message)
                      for message in error_msgs]
+
+
+def _decay_groups(model: OffloadedCausalLM, weight_decay: float) -> list[dict[str, Any]]:
+    """The trainable parameters in the Trainer's two groups: ``weight_decay`` for those it decays, none
+    for biases and norms (an empty group left out)."""
+    from transformers import Trainer
+
+    # Trainer.get_decay_parameter_names reads nothing of the trainer: the rule is the Trainer's own.
+    decayed = set(Trainer.get_decay_parameter_names(None, model))  # type: ignore[arg-type]
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    groups = [{"params": [p for name, p in named if name in decayed], "weight_decay": weight_decay},
+              {"params": [p for name, p in named if name not in decayed], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
 
 
 def _refuse_update_in_backward(options: dict[str, Any]) -> None:

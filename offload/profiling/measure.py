@@ -89,6 +89,16 @@ def run_mode(build: Callable[[], Preset], mode: Mode, result: ModeResult, device
         result.step_times_s.append(step_time)
         progress(_progress_line(step, steps, step_time, figures.values()))
 
+    _summarise(result, figures, times, mode, cuda)
+    sampler.mark(steps, "teardown")
+    return f"{preset.name}: {preset.description}", rows
+
+
+def _summarise(result: ModeResult, figures: dict[str, PhaseFigures], times: dict[str, list[float]], mode: Mode,
+               cuda: bool) -> None:
+    """Fill in ``result``'s figures for the whole mode once its steps ran: each phase's typical time
+    (the first step, which warms up, left out), each peak the highest of its phases', and what the
+    caching host allocator holds pinned."""
     for phase in PHASES:
         figures[phase].time_s = _typical(times[phase])
     result.phases = figures
@@ -102,8 +112,6 @@ def run_mode(build: Callable[[], Preset], mode: Mode, result: ModeResult, device
     host_memory_stats = getattr(torch.cuda, "host_memory_stats", None)  # PyTorch 2.5 and later
     if cuda and host_memory_stats is not None:
         result.host_pinned_allocator_bytes = host_memory_stats().get("allocated_bytes.current")
-    sampler.mark(steps, "teardown")
-    return f"{preset.name}: {preset.description}", rows
 
 
 def finish_notes(result: ModeResult, cuda: bool, nvml: bool) -> None:

@@ -225,6 +225,12 @@ class MemoryTracker:
         record = self.tracked(tensor)
         return record.where if record is not None else UNKNOWN
 
+    def copied_on_device(self, tensor: torch.Tensor) -> None:
+        """``tensor`` is the device side of a copy: its memory is device memory, unless it is pinned."""
+        record = self.tracked(tensor)
+        if record is not None and record.where != PINNED:
+            record.where = DEVICE
+
     def collect(self, compute_clock: VectorClock, side_agents: Callable[[int], bool],
                 describe: Callable[[int], str], only: int | None = None) -> None:
         """Forget storages the program has freed (all, or the one with key ``only``, called while

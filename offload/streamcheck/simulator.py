@@ -36,7 +36,7 @@ import torch
 
 from ..streams.backend import StreamBackend
 from .clocks import COMPUTE, HOST, Epoch, VectorClock
-from .memory import DEVICE, PINNED, MemoryTracker, Race
+from .memory import PINNED, MemoryTracker, Race
 
 SCHEDULES = ("late", "issue", "random")
 
@@ -179,10 +179,37 @@ class SimEvent:
 
 @dataclass
 class _Copy:
+    """A deferred copy, holding tensors of its own on its source's and destination's memory."""
+
     dst: torch.Tensor
     src: torch.Tensor
     position: int
     count: int  # the stream's clock for this copy
+
+    @classmethod
+    def holding(cls, dst: torch.Tensor, src: torch.Tensor, position: int, count: int, tracker: MemoryTracker,
+                released: Callable[[int], None]) -> _Copy:
+        """The copy of ``src`` into ``dst``, queued at ``position``. It holds tensors of its own on
+        the same memory, so that the program's tensors can die: when they do, ``released`` lets the
+        tracker check whether the memory was freed while the stream may still use it (the caching
+        allocator would hand it out again)."""
+        with _untracked():
+            held = (dst.detach(), src.detach())
+        for tensor in (dst, src):
+            record = tracker.tracked(tensor)
+            if record is not None:
+                record.held += 1
+                weakref.finalize(tensor, released, record.storage._cdata)
+        return cls(*held, position, count)
+
+    def run(self, tracker: MemoryTracker) -> None:
+        """Copy now, unrecorded (its accesses were checked when it was queued), and let go of the memory."""
+        with torch.no_grad(), _untracked():
+            self.dst.copy_(self.src)
+        for tensor in (self.dst, self.src):
+            record = tracker.tracked(tensor)
+            if record is not None:
+                record.held -= 1
 
 
 @dataclass
@@ -322,9 +349,7 @@ class SimulatedBackend(StreamBackend):
         if self.tracker.where(host) != PINNED:
             self.report(Race("asynchronous copy from or to pageable host memory", caller_site(),
                              f"{stream.name} ({library_site()})", "use memory from the copy engine's empty_host"))
-        device_record = self.tracker.tracked(device)
-        if device_record is not None and device_record.where != PINNED:
-            device_record.where = DEVICE
+        self.tracker.copied_on_device(device)
         stream.clock.join(self.host_clock)
         stream.issued += 1
         count = stream.clock.tick(stream.agent)
@@ -342,17 +367,7 @@ class SimulatedBackend(StreamBackend):
         self.tracker.check_fresh_write(dst, epoch, stream.clock)
         self.tracker.access(dst, True, epoch, stream.clock)
         _poison(dst)
-        # The pending copy holds tensors of its own on the same memory, so that the program's
-        # tensors can die: when they do, the tracker checks whether the memory was freed while
-        # this stream may still use it (the caching allocator would hand it out again).
-        with _untracked():
-            held = (dst.detach(), src.detach())
-        for tensor in (dst, src):
-            record = self.tracker.tracked(tensor)
-            if record is not None:
-                record.held += 1
-                weakref.finalize(tensor, self._released, record.storage._cdata)
-        stream.queue.append(_Copy(*held, stream.issued, count))
+        stream.queue.append(_Copy.holding(dst, src, stream.issued, count, self.tracker, self._released))
         if self.schedule == "issue":
             self.run_until(stream, stream.issued)
         elif self.schedule == "random":
@@ -400,12 +415,7 @@ class SimulatedBackend(StreamBackend):
                 self._run_task(stream, operation)
                 stream.done = operation.position
                 continue
-            with torch.no_grad(), _untracked():
-                operation.dst.copy_(operation.src)
-            for tensor in (operation.dst, operation.src):
-                record = self.tracker.tracked(tensor)
-                if record is not None:
-                    record.held -= 1
+            operation.run(self.tracker)
             stream.done = operation.position
         if not stream.queue:
             stream.done = stream.issued

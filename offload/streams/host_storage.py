@@ -13,9 +13,9 @@ loads with a single byte copy, and the buffers form one contiguous region that c
 and written back on its own.
 
 This file holds :class:`SliceStorage`, the tying of a parameter across slices
-(:func:`holder_of`) and the host copies a loader fills (:func:`filled_by_caller`). What a slice
-holds is collected in ``slice_entries.py``; the views into the buffer are made in
-``flat_views.py``.
+(:func:`holder_of`) and the host copies a loader fills (:func:`filled_by_caller`, :func:`adopt_meta`).
+What a slice holds is collected in ``slice_entries.py``, where each entry lies is computed in
+``slice_layout.py``; the views into the buffer are made in ``flat_views.py``.
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from torch import nn
 
 from .backend import Event
 from .disk import DiskTierError
-from .flat_views import (ALIGN_ELEMENTS, BUFFER_REGION_ALIGNMENT, _align, _itemsize, alias, flat_exporter,
-                         own_storage_view, typed_view)
+from .flat_views import _itemsize, alias, flat_exporter, own_storage_view, typed_view
 from .mapped import MappedFile
-from .slice_entries import Entry, _RegistrationCounter, _registrations, _runs, collect_entries
+from .slice_entries import Entry, RegisteredTensors, _runs, collect_entries
+from .slice_layout import lay_out
 
 #: True while a loader builds slices whose tensors are on the meta device (see
 #: :func:`filled_by_caller`).
@@ -53,6 +53,26 @@ def filled_by_caller() -> Iterator[None]:
         _FILLED_BY_CALLER.reset(token)
 
 
+def adopt_meta(entry: Entry, host: torch.Tensor) -> None:
+    """Give ``entry``'s tensor, on the meta device, the memory of ``host`` (laid out, not written:
+    the caller of :func:`filled_by_caller` fills it); outside that block, refuse it.
+
+    A meta tensor cannot take host memory through ``.data`` (another tensor type): the whole tensor
+    is swapped instead, keeping the Python object and its attributes, so tied weights stay tied.
+    """
+    if not _FILLED_BY_CALLER.get():
+        raise ValueError(
+            f"'{entry.sites[0].name}' of {type(entry.sites[0].module).__name__} is on the meta device and has no "
+            "values to copy; build the model on real memory, or load it from a checkpoint with "
+            "offload.load_sequential (offload.integrations.transformers.load_causal_lm for Hugging Face models)"
+        )
+    tensor = entry.tensor
+    if isinstance(tensor, nn.Parameter):
+        host = nn.Parameter(host, requires_grad=tensor.requires_grad)
+    host.__dict__.update(tensor.__dict__)
+    torch.utils.swap_tensors(tensor, host)
+
+
 #: Layers whose parameters keep their own dtype under a compute dtype: the batch and instance
 #: norms, whose kernels take a half-precision input with float32 weight and running statistics on
 #: the CPU and on CUDA alike (cuDNN's batch norm wants exactly that). LayerNorm, GroupNorm and
@@ -60,6 +80,31 @@ def filled_by_caller() -> Iterator[None]:
 #: ("expected scalar type BFloat16 but found Float"), so they take the compute dtype, as under
 #: ``model.to(dtype)``.
 FLOAT32_LAYERS: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._NormBase,)
+
+
+def _keeping_their_dtype(layers: Sequence[nn.Module]) -> set[int]:
+    """Ids of the parameters of :data:`FLOAT32_LAYERS` in ``layers``: their device copies keep their
+    dtype under a compute dtype."""
+    return {id(p) for layer in layers for m in layer.modules()
+            if isinstance(m, FLOAT32_LAYERS) for p in m.parameters(recurse=False)}
+
+
+def _running_stat_modules(layers: Sequence[nn.Module]) -> list[nn.Module]:
+    """The normalisation layers in ``layers`` that keep running statistics (see
+    :meth:`SliceStorage.has_running_stats_in_training`)."""
+    return [m for layer in layers for m in layer.modules()
+            if getattr(m, "track_running_stats", False) and getattr(m, "running_mean", None) is not None]
+
+
+def _check_buffers_held_once(buffers: Sequence[Entry], held_elsewhere: Collection[int]) -> None:
+    """Refuse a buffer that an earlier slice holds too: each slice writes its buffers back, and two
+    write-backs would race (Note: [Tied parameters across slices])."""
+    for entry in buffers:
+        if id(entry.tensor) in held_elsewhere:
+            raise ValueError(
+                f"buffer '{entry.sites[0].name}' is registered in an earlier slice too; a buffer must sit in one "
+                "slice: pass the layers that share it as one element of a list, or use fewer slices"
+            )
 
 
 def holder_of(storages: Sequence[SliceStorage], index: int, tensor: torch.Tensor) -> int:
@@ -147,17 +192,8 @@ class SliceStorage:
         """The slice's entries: its parameters (its own, then those borrowed from an earlier
         slice) and buffers, and the dtype of each one's device copy."""
         params, self.buffers = collect_entries(self.layers)
-        # Compared when something was registered since; the entries keep these modules and
-        # tensors alive, so no new object can take one of their ids.
-        _RegistrationCounter.install()
-        self._registrations = _registrations(self.layers)
-        self._registrations_counted = _RegistrationCounter.count
-        for entry in self.buffers:
-            if id(entry.tensor) in self.held_elsewhere:
-                raise ValueError(
-                    f"buffer '{entry.sites[0].name}' is registered in an earlier slice too; a buffer must sit in one "
-                    "slice: pass the layers that share it as one element of a list, or use fewer slices"
-                )
+        self._registered = RegisteredTensors(self.layers)
+        _check_buffers_held_once(self.buffers, self.held_elsewhere)
         for entry in params:
             entry.borrowed = id(entry.tensor) in self.held_elsewhere
         own = [e for e in params if not e.borrowed]
@@ -166,44 +202,22 @@ class SliceStorage:
         self.entries = self.params + self.buffers
         #: what this slice holds: laid out in the host buffer, in the same order as in the slot
         self.held = own + self.buffers
-        self._running_stat_modules = [
-            m for layer in self.layers for m in layer.modules()
-            if getattr(m, "track_running_stats", False) and getattr(m, "running_mean", None) is not None
-        ]
+        self._running_stat_modules = _running_stat_modules(self.layers)
         if self.compute_dtype is not None:
-            kept = {id(p) for layer in self.layers for m in layer.modules()
-                    if isinstance(m, FLOAT32_LAYERS) for p in m.parameters(recurse=False)}
+            kept = _keeping_their_dtype(self.layers)
             for entry in self.params:
                 if entry.dtype.is_floating_point and id(entry.tensor) not in kept:
                     entry.device_dtype = self.compute_dtype
 
     def _lay_out(self) -> None:
         """Each held entry's offset in the host buffer and in the device slot (borrowed parameters
-        after the loaded bytes in the slot), and the sizes and regions that follow."""
-        host_end = device_end = 0
-        for entry in self.held:
-            if self.buffers and entry is self.buffers[0]:
-                host_end = _align(host_end, BUFFER_REGION_ALIGNMENT)
-                device_end = _align(device_end, BUFFER_REGION_ALIGNMENT)
-            host_align = ALIGN_ELEMENTS * _itemsize(entry.dtype)
-            device_align = ALIGN_ELEMENTS * _itemsize(entry.device_dtype)
-            entry.host_offset = _align(host_end, host_align)
-            entry.device_offset = _align(device_end, device_align)
-            host_end = _align(entry.host_offset + entry.shape.numel() * _itemsize(entry.dtype), host_align)
-            device_end = _align(entry.device_offset + entry.shape.numel() * _itemsize(entry.device_dtype), device_align)
+        after the loaded bytes in the slot: :func:`lay_out`), and the sizes and regions that follow."""
+        layout = lay_out(self.held, self.buffers, self.borrowed)
         self.cast_runs = _runs(self.held)
-        first = self.buffers[0] if self.buffers else None
-        self.host_buffer_region = (first.host_offset if first else host_end, host_end)
-        self.buffer_region = (first.device_offset if first else device_end, device_end)
+        self.host_buffer_region, self.buffer_region = layout.host_buffer_region, layout.buffer_region
         #: bytes a load copies from :meth:`transfer_source`; borrowed parameters follow them in the slot
-        self.load_nbytes = device_end
-        for entry in self.borrowed:
-            align = ALIGN_ELEMENTS * _itemsize(entry.device_dtype)
-            entry.host_offset = -1
-            entry.device_offset = _align(device_end, align)
-            device_end = _align(entry.device_offset + entry.shape.numel() * _itemsize(entry.device_dtype), align)
-        self.device_nbytes = device_end
-        self.host_nbytes = host_end
+        self.load_nbytes = layout.load_nbytes
+        self.device_nbytes, self.host_nbytes = layout.device_nbytes, layout.host_nbytes
 
     def _move_in(self) -> None:
         """Allocate the host buffer (or map the masters' file) and move every held tensor's data
@@ -216,7 +230,7 @@ class SliceStorage:
         for entry in self.held:
             host = own_storage_view(exporter, entry.host_offset, entry.dtype, entry.shape, entry.stride)
             if entry.tensor.is_meta:
-                self._adopt_meta(entry, host)
+                adopt_meta(entry, host)
                 continue
             host.copy_(entry.tensor.detach())
             # Same object, new storage: optimizers and user references keep working.
@@ -229,21 +243,6 @@ class SliceStorage:
         self.shadow_refreshes = 0
         # Ready event of the last load that read the shadow: a refresh must wait for it.
         self.shadow_read: Event | None = None
-
-    def _adopt_meta(self, entry: Entry, host: torch.Tensor) -> None:
-        # A meta tensor cannot take host memory through .data (another tensor type): swap the
-        # whole tensor instead, keeping the Python object and its attributes.
-        if not _FILLED_BY_CALLER.get():
-            raise ValueError(
-                f"'{entry.sites[0].name}' of {type(entry.sites[0].module).__name__} is on the meta device and has no "
-                "values to copy; build the model on real memory, or load it from a checkpoint with "
-                "offload.load_sequential (offload.integrations.transformers.load_causal_lm for Hugging Face models)"
-            )
-        tensor = entry.tensor
-        if isinstance(tensor, nn.Parameter):
-            host = nn.Parameter(host, requires_grad=tensor.requires_grad)
-        host.__dict__.update(tensor.__dict__)
-        torch.utils.swap_tensors(tensor, host)
 
     def shadow_stale(self) -> bool:
         """Whether the shadow must be refreshed before the next load."""
@@ -332,16 +331,7 @@ class SliceStorage:
         another tensor (``layer.weight = nn.Parameter(...)``), or modules, parameters or buffers
         added or removed through ``setattr`` or ``register_*`` (adapters injected into the
         layers, ``peft.get_peft_model`` say)."""
-        for entry in self.entries:
-            for site in entry.sites:
-                if site.table().get(site.name) is not entry.tensor:
-                    return True
-        if _RegistrationCounter.count == self._registrations_counted:
-            return False  # nothing registered anywhere since the last look
-        if _registrations(self.layers) != self._registrations:
-            return True
-        self._registrations_counted = _RegistrationCounter.count  # registered elsewhere
-        return False
+        return self._registered.changed(self.entries)
 
     def param_versions(self) -> tuple[int, ...]:
         """In-place modification counters of the parameters (the optimizer bumps them)."""

@@ -55,7 +55,7 @@ import torch
 from torch import nn
 
 from .flat_views import _itemsize, empty_in_layout, typed_view
-from .host_storage import SliceStorage
+from .host_storage import SliceStorage, adopt_meta
 from .slice_entries import Entry
 
 
@@ -90,7 +90,7 @@ class ResidentStorage(SliceStorage):
             with torch.inference_mode(False):  # updated in place by training code later
                 device = empty_in_layout(entry.shape, entry.stride, entry.dtype, self.device)
             if entry.tensor.is_meta:
-                self._adopt_meta(entry, device)
+                adopt_meta(entry, device)
                 continue
             with torch.no_grad():
                 device.copy_(entry.tensor.detach())

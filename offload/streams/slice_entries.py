@@ -1,8 +1,9 @@
 """What a slice holds: its parameters and buffers, each tensor once with every place it is
 registered (:class:`Entry`, :func:`collect_entries`), the runs of entries one cast covers, and a
-cheap test that nothing was registered in its layers since they were laid out.
+cheap test that nothing was registered in its layers since they were laid out
+(:class:`RegisteredTensors`).
 
-It does not place the entries in memory or copy them (``host_storage.py``).
+It does not place the entries in memory (``slice_layout.py``) or copy them (``host_storage.py``).
 """
 
 from __future__ import annotations
@@ -119,6 +120,35 @@ def _registrations(layers: Sequence[nn.Module]) -> list[int | str]:
                     found += (name, id(tensor))
         todo.extend(child for child in reversed(module._modules.values()) if child is not None)
     return found
+
+
+class RegisteredTensors:
+    """What a slice's layers register as they are laid out, and a cheap test that this changed.
+
+    The full comparison runs only when something was registered anywhere since the last look
+    (:class:`_RegistrationCounter`); the entries keep these modules and tensors alive, so no new
+    object can take one of their ids.
+    """
+
+    def __init__(self, layers: Sequence[nn.Module]) -> None:
+        _RegistrationCounter.install()
+        self.layers = layers
+        self.registrations = _registrations(layers)
+        self.counted = _RegistrationCounter.count
+
+    def changed(self, entries: Sequence[Entry]) -> bool:
+        """Whether the layers now register other tensors than ``entries``, the ones laid out (see
+        ``SliceStorage.registered_tensors_changed``)."""
+        for entry in entries:
+            for site in entry.sites:
+                if site.table().get(site.name) is not entry.tensor:
+                    return True
+        if _RegistrationCounter.count == self.counted:
+            return False  # nothing registered anywhere since the last look
+        if _registrations(self.layers) != self.registrations:
+            return True
+        self.counted = _RegistrationCounter.count  # registered elsewhere
+        return False
 
 
 def _runs(entries: Sequence[Entry]) -> list[range]:

@@ -61,7 +61,7 @@ import torch
 
 from .slice_update import HostUpdateError, held_state
 from .state_files import StateFiles, expected_state_bytes, size_text
-from .state_slice import LoadingSlice, Place, SliceRecord, SliceState, goes_to_disk, layout_of
+from .state_slice import LoadingSlice, Place, SliceRecord, SliceState, goes_to_disk
 from .state_window import WINDOW, Window
 from ..streams.backend import Event
 from ..streams.copies import CopyStreams
@@ -181,7 +181,7 @@ class StateTier:
         for index, record in list(self.records.items()):
             if index in wanted and _same(wanted[index], record.params):
                 continue
-            self._restore(record)
+            record.restore(self._state(), self._window)
             if record.file is not None:
                 files[index] = record.file  # the slice's file, overwritten at its next write
             del self.records[index]
@@ -217,11 +217,7 @@ class StateTier:
 
     def _update(self, record: SliceRecord, work: Callable[[], None]) -> None:
         if record.read_error is not None:
-            error = record.read_error
-            raise HostUpdateError(
-                f"could not read the optimizer state of slice {record.index} from {error.filename} "
-                f"({error.strerror}): slice {record.index} and the slices after it were left as they were; "
-                "slices before it are updated") from error
+            raise _read_failure(record.index, record.read_error) from record.read_error
         record.attach(self._state())
         try:
             work()
@@ -253,20 +249,9 @@ class StateTier:
             # but the C heap would keep it resident: bytes per parameter that nothing reuses.
             self._freed_state = False
             give_back_freed_memory()
-        held = [r for r in self.records.values() if r.place is Place.HELD]
-        if not held:
-            return
-        if all(r.reported for r in held):
-            if when != "step":
-                return  # raised once already: held state stays readable (state_dict() still works)
-            for record in held:
-                record.write(self.files)
-            held = [r for r in held if r.place is Place.HELD]
-            if not held:
-                return
-        for record in held:
-            record.reported = True
-        raise DiskTierError(_failure_message(self.files, held, when))
+        held = _to_report([r for r in self.records.values() if r.place is Place.HELD], self.files, when)
+        if held:
+            raise DiskTierError(_failure_message(self.files, held, when))
 
     def forget(self, keep: Collection[int] = ()) -> None:
         """``optimizer.state`` was replaced (loaded): what the files hold is no longer the state,
@@ -282,11 +267,7 @@ class StateTier:
         ``written``: their files hold what it loaded, the other slices their own state, and the
         scalars in ``optimizer.state`` may be either. Until a load succeeds (:meth:`forget`),
         :meth:`check_loaded` refuses; returns what it says of the state."""
-        indices = ", ".join(str(index) for index in sorted(written))
-        wrote = (f"after writing slice(s) {indices} of its disk tier: those slices hold the checkpoint's state "
-                 "tensors, the other slices their own" if written else
-                 "before writing any slice of its disk tier: the state tensors are the optimizer's own")
-        self.partly_loaded = f"{source} failed {wrote}, and each parameter's scalars (step) may be either"
+        self.partly_loaded = _mix_message(written, source)
         return self.partly_loaded
 
     def check_loaded(self, doing: str) -> None:
@@ -350,39 +331,14 @@ class StateTier:
         ``offload/checkpoint/slice_load_planner.py``). Nothing may be pending.
         """
         self._check_open()
-        record = self.records[index]
-        found = [(position, key, value) for position, p in enumerate(record.params) if p in like
-                 for key, value in like[p].items()]
-        assert found and len(found) == sum(map(len, like.values())), \
-            f"internal error: state to load into slice {index} is not of its parameters"
-        layout, nbytes = layout_of(found)
-        slot, buffer = self._window.for_load(nbytes)
-        loading = LoadingSlice(record, layout, nbytes, buffer, slot)
-        for f in layout:
-            loading.tensors.setdefault(record.params[f.position], {})[f.key] = f.view(buffer)
-        return loading
+        return LoadingSlice.of(self.records[index], like, self._window)
 
     def end_load(self, loading: LoadingSlice) -> None:
         """The views of :meth:`begin_load` hold the slice's loaded state: write it to the slice's
         file (the previous file is overwritten); the slice's state is now that. A write that
         fails leaves it held in RAM, in the buffer, as a step's would (Note: [Disk tier
         failures]); :meth:`adopt` raises it once the rest of the state is loaded."""
-        record = loading.record
-        record.reset()  # whatever the slice held is replaced
-        record.layout, record.nbytes, record.buffer, record.dirty = loading.layout, loading.nbytes, loading.buffer, True
-        record.slot = None  # a failed write keeps the buffer with the slice
-        record.write(self.files)
-        slot = loading.slot
-        if record.place is Place.DISK and (slot.buffer is None or slot.buffer.nbytes < loading.buffer.nbytes):
-            slot.buffer = loading.buffer  # back to the window, for the next slice and the next step
-        loading.tensors = {}
-
-    def _restore(self, record: SliceRecord) -> None:
-        """Bring a slice's state back into ``optimizer.state`` (its parameters changed)."""
-        state = self._state()
-        for param, tensors in record.copies(self._window).items():
-            state[param].update(tensors)
-        record.place, record.buffer = Place.RAM, None
+        loading.store(self.files)
 
     def _state(self) -> Any:
         optimizer = self._optimizer()
@@ -416,6 +372,29 @@ class StateTier:
             record.place = Place.RAM
 
 
+def _read_failure(index: int, error: OSError) -> HostUpdateError:
+    """What the update of slice ``index`` raises when its state could not be read (Note: [Disk tier
+    failures]): nothing was attached, so the slice is as it was."""
+    return HostUpdateError(
+        f"could not read the optimizer state of slice {index} from {error.filename} ({error.strerror}): slice "
+        f"{index} and the slices after it were left as they were; slices before it are updated")
+
+
+def _to_report(held: list[SliceRecord], files: StateFiles, when: str) -> list[SliceRecord]:
+    """Of the slices whose state is ``held`` in RAM after a failed write, those ``flush(when)``
+    raises for, now marked reported. Once all were reported, only ``step()`` writes them again
+    (and reports those still held); elsewhere held state stays readable (``state_dict()`` works)."""
+    if held and all(r.reported for r in held):
+        if when != "step":
+            return []  # raised once already
+        for record in held:
+            record.write(files)
+        held = [r for r in held if r.place is Place.HELD]
+    for record in held:
+        record.reported = True
+    return held
+
+
 def _failure_message(files: StateFiles, held: list[SliceRecord], when: str) -> str:
     """What :class:`DiskTierError` says of the ``held`` slices' failed writes, as ``flush(when)``."""
     first = held[0].write_error
@@ -436,6 +415,15 @@ def _failure_message(files: StateFiles, held: list[SliceRecord], when: str) -> s
         f"{first.strerror} (errno {first.errno}); {size_text(total)} needed on the filesystem of "
         f"{files.directory}. " + where
         + "Free space (or fix the disk) and call step() again: it writes the held state first.")
+
+
+def _mix_message(written: Sequence[int], source: str) -> str:
+    """What the state is after a load (``source``) that raised once slices ``written`` were written."""
+    indices = ", ".join(str(index) for index in sorted(written))
+    wrote = (f"after writing slice(s) {indices} of its disk tier: those slices hold the checkpoint's state "
+             "tensors, the other slices their own" if written else
+             "before writing any slice of its disk tier: the state tensors are the optimizer's own")
+    return f"{source} failed {wrote}, and each parameter's scalars (step) may be either"
 
 
 def _manifest(records: Iterable[SliceRecord], index_of: dict[int, int]) -> dict[str, Any]:

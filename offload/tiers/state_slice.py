@@ -170,6 +170,13 @@ class SliceRecord:
                 memory_format=torch.preserve_format)
         return out
 
+    def restore(self, state: Any, window: Window) -> None:
+        """Bring the slice's state back into ``state`` (``optimizer.state``), read through
+        ``window``: the tier keeps nothing of it any more (its parameters changed)."""
+        for param, tensors in self.copies(window).items():
+            state[param].update(tensors)
+        self.place, self.buffer = Place.RAM, None
+
     def stand_ins(self) -> SliceState:
         """Stand-ins of the state tensors on disk, the file unread: each has the tensor's shape and
         dtype over a single element (zero strides)."""
@@ -197,6 +204,34 @@ class LoadingSlice:
     buffer: AlignedBuffer
     slot: WindowSlot  # where the buffer goes once written
     tensors: SliceState = field(default_factory=dict)  # views of buffer
+
+    @classmethod
+    def of(cls, record: SliceRecord, like: SliceState, window: Window) -> LoadingSlice:
+        """The load of ``record``'s slice: a buffer from ``window`` laid out as the slice's file would
+        be for the tensors of ``like`` (as :meth:`SliceRecord.detach` lays it out), and a view of it
+        for each of them in ``tensors``."""
+        found = [(position, key, value) for position, p in enumerate(record.params) if p in like
+                 for key, value in like[p].items()]
+        assert found and len(found) == sum(map(len, like.values())), \
+            f"internal error: state to load into slice {record.index} is not of its parameters"
+        layout, nbytes = layout_of(found)
+        slot, buffer = window.for_load(nbytes)
+        loading = cls(record, layout, nbytes, buffer, slot)
+        for f in layout:
+            loading.tensors.setdefault(record.params[f.position], {})[f.key] = f.view(buffer)
+        return loading
+
+    def store(self, files: StateFiles) -> None:
+        """Make the filled buffer the slice's state and write it to the slice's file; the buffer goes
+        back to the window once written, and stays with the slice (held) when the write fails."""
+        record = self.record
+        record.reset()  # whatever the slice held is replaced
+        record.layout, record.nbytes, record.buffer, record.dirty = self.layout, self.nbytes, self.buffer, True
+        record.slot = None  # a failed write keeps the buffer with the slice
+        record.write(files)
+        if record.place is Place.DISK and (self.slot.buffer is None or self.slot.buffer.nbytes < self.buffer.nbytes):
+            self.slot.buffer = self.buffer  # back to the window, for the next slice and the next step
+        self.tensors = {}
 
 
 def goes_to_disk(value: Any) -> bool:
