@@ -33,7 +33,8 @@ from .disk import DiskTierError
 from .flat_views import (ALIGN_ELEMENTS, BUFFER_REGION_ALIGNMENT, _align, _itemsize, alias, flat_exporter,
                          own_storage_view, typed_view)
 from .mapped import MappedFile
-from .slice_entries import Entry, _RegistrationCounter, _registrations, _runs, collect_entries
+from .slice_entries import (Entry, _RegistrationCounter, _registrations, _runs, collect_entries, companions_of,
+                            states_replaced)
 
 #: True while a loader builds slices whose tensors are on the meta device (see
 #: :func:`filled_by_caller`).
@@ -162,10 +163,11 @@ class SliceStorage:
             entry.borrowed = id(entry.tensor) in self.held_elsewhere
         own = [e for e in params if not e.borrowed]
         self.borrowed = [e for e in params if e.borrowed]
+        self.companions = companions_of(own, self.borrowed, self.held_elsewhere)  # Note: [Quantized weights]
         self.params = own + self.borrowed
-        self.entries = self.params + self.buffers
+        self.entries = self.params + self.companions + self.buffers
         #: what this slice holds: laid out in the host buffer, in the same order as in the slot
-        self.held = own + self.buffers
+        self.held = own + self.companions + self.buffers
         self._running_stat_modules = [
             m for layer in self.layers for m in layer.modules()
             if getattr(m, "track_running_stats", False) and getattr(m, "running_mean", None) is not None
@@ -335,11 +337,10 @@ class SliceStorage:
         """Whether the layers now register other tensors than the ones laid out: a site that holds
         another tensor (``layer.weight = nn.Parameter(...)``), or modules, parameters or buffers
         added or removed through ``setattr`` or ``register_*`` (adapters injected into the
-        layers, ``peft.get_peft_model`` say)."""
-        for entry in self.entries:
-            for site in entry.sites:
-                if site.table().get(site.name) is not entry.tensor:
-                    return True
+        layers, ``peft.get_peft_model`` say), or a 4-bit weight's quantisation state replaced."""
+        if (any(site.table().get(site.name) is not entry.tensor for entry in self.entries for site in entry.sites)
+                or states_replaced(self.params)):
+            return True
         if _RegistrationCounter.count == self._registrations_counted:
             return False  # nothing registered anywhere since the last look
         if _registrations(self.layers) != self._registrations:
