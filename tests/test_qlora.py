@@ -264,6 +264,28 @@ def test_the_state_travels_with_the_weights_and_is_counted():
     assert sum(s.storage.load_nbytes for s in engine.slices) >= codes + state + others
 
 
+@pytest.mark.parametrize("compute_dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_estimate_memory_counts_the_4bit_bytes_and_their_state(compute_dtype):
+    # Made from the cut model before wrapping, the estimate matches what training then holds.
+    from offload import estimate_memory
+
+    sequential = causal_lm_sequential(lora(quantized(build("llama", layers=3), "nf4", True)))
+    plan = estimate_memory(sequential, num_slices=3, optimizer="adamw", device="cpu", compute_dtype=compute_dtype)
+    model = OffloadModel(sequential, device="cpu", num_slices=3, compute_dtype=compute_dtype)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    for _ in range(2):
+        model(batch()).float().logsumexp(-1).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+    optimizer.synchronize()
+    footprint = model.memory_footprint()
+    for category in ("masters", "shadows", "gradients", "optimizer_state"):
+        assert plan.host_categories()[category] == footprint.host_categories()[category], category
+    assert plan.device_slots == footprint.device_slots
+    weights = [layer.weight for layer in four_bit_layers(sequential)]
+    assert footprint.host_masters >= sum(w.numel() + sum(t.nbytes for t in state_tensors(w)) for w in weights)
+
+
 # -- what is refused ------------------------------------------------------------------------------
 
 
