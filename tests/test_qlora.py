@@ -4,14 +4,18 @@ trained unwrapped.
 The base is built the two ways users build it: ``Linear4bit`` modules put in place of the
 ``nn.Linear`` layers (NF4 and FP4, with and without double quantisation), and
 ``from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True))`` followed by
-``prepare_model_for_kbit_training``; and through ``transformers.Trainer``. Logits, loss, every adapter gradient and the adapters after
-three AdamW steps must be bit-identical, and each run must read the 4-bit weights and their
-quantisation state from the device slot. Note: [Quantized weights] in ``offload/streams/quantized.py``.
+``prepare_model_for_kbit_training``; and trained through ``transformers.Trainer``. Logits, loss,
+every adapter gradient and the adapters after three AdamW steps must be bit-identical, and each
+run must read the 4-bit weights and their quantisation state from the device slot. Note:
+[Quantized weights] in ``offload/streams/quantized.py``.
 """
 
 from __future__ import annotations
 
 import copy
+import json
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -22,7 +26,7 @@ from offload.model import engine_of
 
 from .helpers import DEVICES
 from .test_peft import assert_same_step, labels_of, lora, offloaded_step, reference_step, trainable
-from .test_transformers import EXACT, batch, build
+from .test_transformers import EXACT, ROOT, batch, build
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -347,3 +351,18 @@ def test_a_second_forward_before_backward_with_4bit_weights_in_the_last_slice_ra
     model(batch())
     with pytest.raises(RuntimeError, match="holds a 4-bit weight and its graph was kept from forward"):
         first.sum().backward()
+
+
+def test_bench_qlora_records_the_bytes_of_a_4bit_base(tmp_path):
+    out = tmp_path / "qlora.json"
+    done = subprocess.run([sys.executable, "benchmarks/bench_qlora.py", "--hidden", "128", "--layers", "2",
+                           "--vocab", "300", "--seq-len", "16", "--lora-r", "2", "--steps", "1", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    plain, bf16 = results["no_compute_dtype"], results["compute_dtype_bf16"]
+    # NF4 with double quantisation: half a byte a parameter, and a little for the state.
+    assert 0.5 < plain["four_bit_bytes_per_parameter"] < 0.6
+    assert plain["four_bit_bytes"] == bf16["four_bit_bytes"]
+    assert plain["memory_footprint"]["host_shadows"] == 0 < bf16["memory_footprint"]["host_shadows"]
+    assert plain["memory_footprint"]["host_copies"] > plain["four_bit_bytes"]
