@@ -24,7 +24,8 @@ import torch
 from offload import OffloadActivations, OffloadModel, OffloadOptimizer
 from offload.model import engine_of
 
-from .helpers import DEVICES
+from .helpers import DEVICES, assert_same_grads
+from .test_mixed_precision import master_grads_of
 from .test_peft import assert_same_step, labels_of, lora, offloaded_step, reference_step, trainable
 from .test_transformers import EXACT, ROOT, batch, build
 
@@ -130,6 +131,29 @@ def test_qlora_with_microbatches_and_on_the_device(num_microbatches, device):
     for name, p in peft_model.named_parameters():
         if p.requires_grad:
             torch.testing.assert_close(p.grad.to(device), grads[name], **EXACT, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("placement", ["compute_dtype", "resident_slices"])
+def test_qlora_under_a_compute_dtype_and_in_resident_slices(placement):
+    peft_model = lora(quantized(build("llama", dropout=0.0, layers=2), "nf4", True), lora_dropout=0.0)
+    reference = copy.deepcopy(peft_model)
+    if placement == "compute_dtype":  # as OffloadModel computes: the floating-point parameters in bfloat16
+        for p in reference.parameters():
+            if p.is_floating_point():
+                p.data = p.data.to(torch.bfloat16)
+        settings = {"compute_dtype": torch.bfloat16}
+    else:  # the first two slices (embeddings, first decoder layer) stay on the device with their state
+        settings = {"resident_slices": 2}
+    model = OffloadModel(causal_lm_sequential(peft_model), device="cpu", num_slices=3, **settings)
+    runs = reading_from_the_slots(model, peft_model)
+    inputs = batch()
+    labels = labels_of(inputs)
+    want_logits, want_loss = reference_step(reference, inputs, labels, 0)
+    got_logits, got_loss = offloaded_step(peft_model.get_base_model(), model, inputs, labels, 0)
+    torch.testing.assert_close(got_logits, want_logits, **EXACT)
+    torch.testing.assert_close(got_loss, want_loss, **EXACT)
+    assert_same_grads(peft_model, master_grads_of(reference), **EXACT)
+    assert len(runs) == 7 * 2 * 2
 
 
 def llama_64() -> torch.nn.Module:

@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-#: Where a ``QuantState`` keeps tensors a kernel reads, nested states included.
+#: The attributes of a ``QuantState`` that hold tensors its kernels read, at each level of nesting.
 STATE_TENSORS = ("absmax", "code", "offset")
 
 
@@ -86,8 +86,8 @@ def state_tensors(tensor: torch.Tensor, where: str) -> list[tuple[str, torch.Ten
     if tensor.requires_grad:
         raise ValueError(
             f"{where} is a 4-bit weight that requires grad; 4-bit codes have no gradient, so OffloadModel trains "
-            "adapters over a frozen 4-bit base: call requires_grad_(False) on it (peft.get_peft_model and "
-            "prepare_model_for_kbit_training do), or load the layer unquantized to train it in full")
+            "adapters over a frozen 4-bit base: call requires_grad_(False) on it (peft.get_peft_model does), "
+            "or load the layer unquantized to train it in full")
     found: list[tuple[str, torch.Tensor]] = []
     prefix = ""
     while state is not None:
