@@ -240,6 +240,32 @@ def test_a_model_loaded_with_bits_and_bytes_config(kind, checkpoints):
     assert stepped == {id(p) for p in trainable(peft_model)}
 
 
+def test_the_adapters_save_as_peft_saves_them_and_load_on_the_unwrapped_4bit_model(checkpoints, tmp_path):
+    peft_model = lora(load_4bit(checkpoints["llama"]), init_lora_weights=True)
+    model = OffloadModel(causal_lm_sequential(peft_model), device="cpu", num_slices=3)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
+    for step in range(2):
+        offloaded_step(peft_model.get_base_model(), model, batch(), labels_of(batch()), step)
+        optimizer.step()
+        optimizer.zero_grad()
+    optimizer.synchronize()
+    peft_model.save_pretrained(tmp_path)
+    loaded = peft.PeftModel.from_pretrained(load_4bit(checkpoints["llama"]), tmp_path)
+    trained = {n: p for n, p in peft_model.named_parameters() if "lora_" in n}
+    assert trained and all(p.abs().sum() > 0 for n, p in trained.items() if "lora_B" in n)
+    got = dict(loaded.named_parameters())
+    for name, p in trained.items():
+        torch.testing.assert_close(got[name], p, **EXACT)
+    # In training mode (in eval, bitsandbytes may repack the weights for its CPU kernel, which these
+    # widths do not allow), from one generator state: the same dropout masks.
+    loaded.train()
+    with torch.no_grad():
+        torch.manual_seed(3)
+        want = loaded(**batch(), use_cache=False).logits
+        torch.manual_seed(3)
+        torch.testing.assert_close(model(batch()), want, **EXACT)
+
+
 def test_trainer_trains_the_same_adapters(checkpoints, tmp_path):
     datasets = pytest.importorskip("datasets")
     ids = torch.randint(1, 97, (8, 10), generator=torch.Generator().manual_seed(3))
