@@ -266,6 +266,30 @@ def test_the_adapters_save_as_peft_saves_them_and_load_on_the_unwrapped_4bit_mod
         torch.testing.assert_close(model(batch()), want, **EXACT)
 
 
+def test_a_checkpoint_of_a_4bit_base_resumes_exactly(tmp_path):
+    from offload import load_checkpoint, save_checkpoint
+
+    runs = []
+    for _ in range(2):
+        peft_model = lora(quantized(build("llama", dropout=0.0, layers=2), "nf4", True), lora_dropout=0.0)
+        model = OffloadModel(causal_lm_sequential(peft_model), device="cpu", num_slices=3)
+        runs.append((peft_model, model, OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)))
+
+    def step(run, seed):
+        peft_model, model, optimizer = run
+        offloaded_step(peft_model.get_base_model(), model, batch(), labels_of(batch()), seed)
+        optimizer.step()
+        optimizer.zero_grad()
+        optimizer.synchronize()
+
+    step(runs[0], 0)
+    save_checkpoint(tmp_path / "step1", runs[0][1], runs[0][2])
+    load_checkpoint(tmp_path / "step1", runs[1][1], runs[1][2])
+    for run in runs:
+        step(run, 1)
+    torch.testing.assert_close(list(runs[1][0].parameters()), list(runs[0][0].parameters()), **EXACT)
+
+
 def test_trainer_trains_the_same_adapters(checkpoints, tmp_path):
     datasets = pytest.importorskip("datasets")
     ids = torch.randint(1, 97, (8, 10), generator=torch.Generator().manual_seed(3))
