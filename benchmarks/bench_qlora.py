@@ -98,6 +98,8 @@ def measure(args: argparse.Namespace, compute_dtype: torch.dtype | None) -> dict
 
     from offload.integrations.transformers import causal_lm_sequential
 
+    import bitsandbytes  # noqa: F401  (its import is not the model's memory)
+    rss_before = _rss()
     hf = peft.get_peft_model(build(args), peft.LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r,
                                                           target_modules="all-linear"))
     four_bit_parameters, four_bit_stored = four_bit_bytes(hf)
@@ -134,7 +136,17 @@ def measure(args: argparse.Namespace, compute_dtype: torch.dtype | None) -> dict
         "loaded_per_step": step_loaded,
         # The peak: building the model in bfloat16 before quantizing it dominates.
         "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        # Now, after training: the libraries' own memory and what the allocator kept are in it too.
+        "rss_bytes": _rss(),
+        "rss_before_bytes": rss_before,
     }
+
+
+def _rss() -> int | None:
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize()
+    except OSError:  # not Linux
+        return None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -150,7 +162,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{f['host_shadows'] / 2**20:.1f} MiB ({r['host_copies_and_shadows_per_base_parameter']:.3f} B/param, "
               f"adapters included) | adapters {r['trainable_parameters'] / 1e6:.2f} M, AdamW "
               f"{f['host_optimizer_state'] / 2**20:.1f} MiB | loads {r['loaded_per_step'] / 2**20:.1f} MiB "
-              f"a step | max RSS {r['max_rss_bytes'] / 2**30:.2f} GiB")
+              f"a step | RSS {(r['rss_bytes'] - r['rss_before_bytes']) / 2**20:.1f} MiB more than before building "
+              f"the model, at most {r['max_rss_bytes'] / 2**30:.2f} GiB")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         record = {"settings": vars(args) | {"json": str(args.json)}, "results": results,
