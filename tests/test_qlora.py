@@ -133,6 +133,32 @@ def test_qlora_with_microbatches_and_on_the_device(num_microbatches, device):
             torch.testing.assert_close(p.grad.to(device), grads[name], **EXACT, msg=lambda m: f"{name}: {m}")
 
 
+def test_qlora_under_the_stream_ordering_checker():
+    # Copies deferred until something waits for them (the slot holds poison until then), as on a
+    # GPU's side stream: every run must read the codes and their state after their load landed.
+    from offload.streamcheck import StreamChecker
+
+    peft_model = lora(quantized(build("llama", dropout=0.0, layers=2), "nf4", True), lora_dropout=0.0)
+    reference = copy.deepcopy(peft_model)
+    with StreamChecker(schedule="late") as checker:
+        model = OffloadModel(causal_lm_sequential(peft_model), device="cpu", num_slices=3)
+        runs = reading_from_the_slots(model, peft_model)
+        optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
+        for step in range(2):
+            offloaded_step(peft_model.get_base_model(), model, batch(), labels_of(batch()), step)
+            optimizer.step()
+            optimizer.zero_grad()
+        optimizer.synchronize()
+    assert not checker.races, checker.summary()
+    assert len(runs) == 2 * 7 * 2 * 2
+    plain = torch.optim.AdamW(trainable(reference), lr=1e-2, fused=True)
+    for step in range(2):
+        reference_step(reference, batch(), labels_of(batch()), step)
+        plain.step()
+        plain.zero_grad()
+    torch.testing.assert_close(list(peft_model.parameters()), list(reference.parameters()), **EXACT)
+
+
 @pytest.mark.parametrize("placement", ["compute_dtype", "resident_slices"])
 def test_qlora_under_a_compute_dtype_and_in_resident_slices(placement):
     peft_model = lora(quantized(build("llama", dropout=0.0, layers=2), "nf4", True), lora_dropout=0.0)
