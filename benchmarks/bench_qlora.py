@@ -78,19 +78,25 @@ def build(args: argparse.Namespace) -> torch.nn.Module:
     return model
 
 
-def four_bit_bytes(model: torch.nn.Module) -> tuple[int, int]:
-    """The parameters the 4-bit weights stand for, and the bytes of their codes and state."""
+def four_bit_tensors(model: torch.nn.Module) -> tuple[int, list[torch.Tensor]]:
+    """The parameters the 4-bit weights stand for, and their codes and state tensors."""
     import bitsandbytes as bnb
 
-    parameters = stored = 0
+    parameters, tensors = 0, []
     for module in model.modules():
         if isinstance(module, bnb.nn.Linear4bit):
             state = module.weight.quant_state
             parameters += state.shape.numel()
-            stored += module.weight.nbytes + state.absmax.nbytes + state.code.nbytes
+            tensors += [module.weight, state.absmax, state.code]
             if state.nested:
-                stored += state.offset.nbytes + state.state2.absmax.nbytes + state.state2.code.nbytes
-    return parameters, stored
+                tensors += [state.offset, state.state2.absmax, state.state2.code]
+    return parameters, tensors
+
+
+def in_host_buffers(model: OffloadModel, tensors: list[torch.Tensor]) -> int:
+    """The bytes of ``tensors`` that lie in the slices' host buffers."""
+    flats = [(s.storage.flat.data_ptr(), s.storage.flat.numel()) for s in model._engine.slices]
+    return sum(t.nbytes for t in tensors if any(start <= t.data_ptr() < start + size for start, size in flats))
 
 
 def measure(args: argparse.Namespace, compute_dtype: torch.dtype | None) -> dict:
@@ -102,7 +108,8 @@ def measure(args: argparse.Namespace, compute_dtype: torch.dtype | None) -> dict
     rss_before = _rss()
     hf = peft.get_peft_model(build(args), peft.LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r,
                                                           target_modules="all-linear"))
-    four_bit_parameters, four_bit_stored = four_bit_bytes(hf)
+    four_bit_parameters, four_bit = four_bit_tensors(hf)
+    four_bit_stored = sum(t.nbytes for t in four_bit)
     layers = causal_lm_sequential(hf)
     model = OffloadModel(layers, device="cpu", num_slices=args.num_slices, compute_dtype=compute_dtype)
     optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-4, fused=True)
@@ -129,6 +136,7 @@ def measure(args: argparse.Namespace, compute_dtype: torch.dtype | None) -> dict
         "trainable_parameters": sum(p.numel() for p in trainable),
         "four_bit_bytes": four_bit_stored,
         "four_bit_bytes_per_parameter": four_bit_stored / four_bit_parameters,
+        "four_bit_bytes_in_host_buffers": in_host_buffers(model, four_bit),
         "memory_footprint": {key: getattr(footprint, key) for key in
                              ("host_copies", "host_shadows", "host_optimizer_state", "host_pool", "device_slots")},
         # Adapters (float32) included: what the slices' host buffers and shadows hold, per base parameter.
