@@ -45,6 +45,7 @@ class OffloadFunction(torch.autograd.Function):
         input_tensors = tensors[:call.num_input_tensors]
         leaves = call.input_with(input_tensors)
         microbatches, split = split_leaves(leaves, num_microbatches)
+        plan.check_recomputed([bool(s.storage.companions) for s in engine.slices])
         records = ForwardRecords(engine, split.count, plan)
         # Chunks and device copies are made under no_grad, so remember what the caller's inputs required.
         input_requires_grad = requires_grad(leaves)

@@ -24,6 +24,7 @@ from .shapes import ModelProfile
 from ..walk.slicing import partition
 from ..streams.pinned import size_class
 from ..streams.flat_views import ALIGN_ELEMENTS, ALIGNMENT, BUFFER_REGION_ALIGNMENT
+from ..streams.quantized import state_tensors
 
 #: Optimizer state per parameter, in units of the parameter's own element size.
 STATE_ELEMENTS = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0, None: 0}
@@ -38,6 +39,9 @@ class _Tensor:
     #: A parameter that requires grad: only these have a ``.grad``, gradient buffers and optimizer
     #: state (a LoRA model's frozen base has none of the three).
     trainable: bool = True
+    #: A tensor of a 4-bit weight's quantisation state, laid out after the parameters and before the
+    #: buffers, in its own dtype (Note: [Quantized weights] in ``offload/streams/quantized.py``).
+    companion: bool = False
 
 
 def estimate_memory(layers: nn.Module | Sequence[int], *, num_slices: int = 8,
@@ -235,7 +239,8 @@ def slice_layout(layers: nn.Module | Sequence[int] | int, *, num_slices: int = 8
     per_layer = _layers(layers, param_dtype)
     if not any(t.is_parameter for layer in per_layer for t in layer):
         raise ValueError("estimate_memory needs layers with parameters")
-    sizes = [sum(t.numel * t.dtype.itemsize for t in layer) for layer in per_layer]  # as OffloadModel slices
+    # As OffloadModel slices: by the bytes of the parameters and buffers a layer registers.
+    sizes = [sum(t.numel * t.dtype.itemsize for t in layer if not t.companion) for layer in per_layer]
     ranges = partition(sizes, num_slices)
     slices = [[t for k in r for t in per_layer[k]] for r in ranges]
 
@@ -324,6 +329,8 @@ def _layers(layers: nn.Module | Sequence[int], param_dtype: torch.dtype) -> list
                         seen.add(id(t))
                         tensors.append(_Tensor(t.numel(), t.dtype, is_parameter,
                                                trainable=is_parameter and t.requires_grad))
+                        tensors += [_Tensor(c.numel(), c.dtype, False, trainable=False, companion=True)
+                                    for _, c in state_tensors(t, f"a parameter of {type(layer).__name__}")]
             result.append(tensors)
         return result
     if not isinstance(layers, Sequence) or isinstance(layers, str):
@@ -336,11 +343,13 @@ def _layers(layers: nn.Module | Sequence[int], param_dtype: torch.dtype) -> list
 
 
 def _laid_out(tensors: Sequence[_Tensor], dtype_of) -> int:  # type: ignore[no-untyped-def]
-    # As SliceStorage lays a slice out: its parameters, then its buffers from a region boundary.
+    # As SliceStorage lays a slice out: its parameters, the quantisation states of its 4-bit weights,
+    # then its buffers from a region boundary.
     end = 0
     params = [t for t in tensors if t.is_parameter]
-    buffers = [t for t in tensors if not t.is_parameter]
-    for t in params + buffers:
+    companions = [t for t in tensors if t.companion]
+    buffers = [t for t in tensors if not t.is_parameter and not t.companion]
+    for t in params + companions + buffers:
         if buffers and t is buffers[0]:
             end = _align(end, BUFFER_REGION_ALIGNMENT)
         dtype = dtype_of(t)

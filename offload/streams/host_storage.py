@@ -32,7 +32,7 @@ from .backend import Event
 from .disk import DiskTierError
 from .flat_views import _itemsize, alias, flat_exporter, own_storage_view, typed_view
 from .mapped import MappedFile
-from .slice_entries import Entry, RegisteredTensors, _runs, collect_entries
+from .slice_entries import Entry, RegisteredTensors, _runs, collect_entries, companions_of, states_replaced
 from .slice_layout import lay_out
 
 #: True while a loader builds slices whose tensors are on the meta device (see
@@ -198,10 +198,11 @@ class SliceStorage:
             entry.borrowed = id(entry.tensor) in self.held_elsewhere
         own = [e for e in params if not e.borrowed]
         self.borrowed = [e for e in params if e.borrowed]
+        self.companions = companions_of(own, self.borrowed, self.held_elsewhere)  # Note: [Quantized weights]
         self.params = own + self.borrowed
-        self.entries = self.params + self.buffers
+        self.entries = self.params + self.companions + self.buffers
         #: what this slice holds: laid out in the host buffer, in the same order as in the slot
-        self.held = own + self.buffers
+        self.held = own + self.companions + self.buffers
         self._running_stat_modules = _running_stat_modules(self.layers)
         if self.compute_dtype is not None:
             kept = _keeping_their_dtype(self.layers)
@@ -330,8 +331,8 @@ class SliceStorage:
         """Whether the layers now register other tensors than the ones laid out: a site that holds
         another tensor (``layer.weight = nn.Parameter(...)``), or modules, parameters or buffers
         added or removed through ``setattr`` or ``register_*`` (adapters injected into the
-        layers, ``peft.get_peft_model`` say)."""
-        return self._registered.changed(self.entries)
+        layers, ``peft.get_peft_model`` say), or a 4-bit weight's quantisation state replaced."""
+        return self._registered.changed(self.entries) or states_replaced(self.params)
 
     def param_versions(self) -> tuple[int, ...]:
         """In-place modification counters of the parameters (the optimizer bumps them)."""

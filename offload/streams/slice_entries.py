@@ -1,20 +1,21 @@
 """What a slice holds: its parameters and buffers, each tensor once with every place it is
-registered (:class:`Entry`, :func:`collect_entries`), the runs of entries one cast covers, and a
-cheap test that nothing was registered in its layers since they were laid out
-(:class:`RegisteredTensors`).
+registered (:class:`Entry`, :func:`collect_entries`), the quantisation state that travels with a
+4-bit weight (its *companions*), the runs of entries one cast covers, and a cheap test that nothing
+was registered in its layers since they were laid out (:class:`RegisteredTensors`).
 
 It does not place the entries in memory (``slice_layout.py``) or copy them (``host_storage.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from .flat_views import _itemsize, dense_stride
+from .quantized import device_weight, state_at, state_tensors
 from .sites import Site
 
 @dataclass
@@ -43,10 +44,12 @@ class Entry:
     device_offset: int = 0
     borrowed: bool = False
     stride: tuple[int, ...] | None = None
+    companions: list[Entry] = field(default_factory=list)
+    state_path: str = ""
 
     @property
     def is_parameter(self) -> bool:
-        return self.sites[0].is_parameter
+        return bool(self.sites) and self.sites[0].is_parameter
 
 
 def collect_entries(layers: Sequence[nn.Module]) -> tuple[list[Entry], list[Entry]]:
@@ -72,8 +75,64 @@ def collect_entries(layers: Sequence[nn.Module]) -> tuple[list[Entry], list[Entr
         if tensor.is_sparse or tensor.layout != torch.strided:
             raise ValueError(f"only dense (strided) parameters and buffers are supported, got layout {tensor.layout}")
         entry = Entry(tensor, tuple(sites), tensor.shape, tensor.dtype, tensor.dtype, stride=dense_stride(tensor))
+        entry.companions = _companions(entry)
         (params if sites[0].is_parameter else buffers).append(entry)
     return params, buffers
+
+
+def _companions(entry: Entry) -> list[Entry]:
+    """The companion entries of a quantized weight, ``[]`` for any other tensor (Note: [Quantized
+    weights] in ``quantized.py``)."""
+    site = entry.sites[0]
+    found = state_tensors(entry.tensor, f"'{site.name}' of {type(site.module).__name__}")
+    for path, tensor in found:
+        if tensor.layout != torch.strided or not tensor.is_contiguous():
+            raise ValueError(f"'{site.name}' of {type(site.module).__name__}: its quantisation state's {path} is not "
+                             "a dense row-major tensor; OffloadModel cannot place it")
+    return [Entry(tensor, (), tensor.shape, tensor.dtype, tensor.dtype, state_path=path) for path, tensor in found]
+
+
+def companions_of(own: Sequence[Entry], borrowed: Sequence[Entry], held_elsewhere: Collection[int]) -> list[Entry]:
+    """The companions a slice holds: those of its own 4-bit weights, in order.
+
+    Raises:
+        ValueError: a 4-bit weight tied across slices, or a state tensor that two weights share
+            or that an earlier slice holds (Note: [Quantized weights] in ``quantized.py``, rule 4).
+    """
+    for entry in borrowed:
+        if entry.companions:
+            raise ValueError(
+                f"the 4-bit weight '{entry.sites[0].name}' of {type(entry.sites[0].module).__name__} is shared by two "
+                "slices; put the layers that share it in one slice")
+    companions = [c for entry in own for c in entry.companions]
+    seen: set[int] = set()
+    for companion in companions:
+        if id(companion.tensor) in seen or id(companion.tensor) in held_elsewhere:
+            raise ValueError(
+                f"two 4-bit weights share the tensor at '{companion.state_path}' of their quantisation state; "
+                "OffloadModel moves each state with its weight, so give each weight a state of its own "
+                "(copy.deepcopy the QuantState) before wrapping")
+        seen.add(id(companion.tensor))
+    return companions
+
+
+def states_replaced(params: Sequence[Entry]) -> bool:
+    """Whether a 4-bit weight among ``params`` holds another quantisation state than its
+    companions (a weight quantized again): the slice must be laid out again."""
+    return any(state_at(entry.tensor, c.state_path) is not c.tensor for entry in params for c in entry.companions)
+
+
+def bind_device_weights(tensors: list[torch.Tensor], views: Sequence[torch.Tensor], params: Sequence[Entry]) -> None:
+    """Replace in ``tensors`` (one per entry of a slice: its parameters, then its companions in
+    the order of their weights, then its buffers) each 4-bit weight's device copy by
+    :func:`device_weight` over the same bytes."""
+    k = len(params)
+    for i, entry in enumerate(params):
+        if entry.companions:
+            count = len(entry.companions)
+            tensors[i] = device_weight(entry.tensor, views[i], [c.state_path for c in entry.companions],
+                                       views[k:k + count])
+            k += count
 
 
 class _RegistrationCounter:

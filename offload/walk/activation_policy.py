@@ -139,3 +139,20 @@ class ActivationPlan:
     def recomputes(self) -> bool:
         """Whether any slice is recomputed (only recomputes need the layers' plain attributes)."""
         return ActivationMode.RECOMPUTE in self.modes
+
+    def check_recomputed(self, four_bit: Sequence[bool]) -> None:
+        """Refuse a kept or offloaded graph for the slices marked in ``four_bit`` (those holding a
+        4-bit weight): rule 5 of Note: [Quantized weights] in ``offload/streams/quantized.py``.
+
+        Raises:
+            ValueError: such a slice is not recomputed.
+        """
+        for index, (mode, quantized) in enumerate(zip(self.modes, four_bit)):
+            if quantized and mode is not ActivationMode.RECOMPUTE:
+                how = "keep its graph (checkpoint_activation=False)" if mode is ActivationMode.KEEP else \
+                    "offload its saved activations (OffloadActivations)"
+                raise ValueError(
+                    f"slice {index} holds 4-bit weights (bitsandbytes Linear4bit) and would {how}; bitsandbytes keeps "
+                    "a 4-bit weight on its autograd context, where a later slot is never seen, so such slices are "
+                    "recomputed: use checkpoint_activation=True (the default), and OffloadActivations only for "
+                    "slices without 4-bit weights")

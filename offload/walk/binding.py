@@ -56,6 +56,8 @@ class Binding:
         try:
             if exc_type is None:
                 for index, (entry_sites, tensor) in enumerate(zip(self.sites, self.tensors)):
+                    if not entry_sites:
+                        continue  # a quantisation state's tensor, registered nowhere
                     current = entry_sites[0].table().get(entry_sites[0].name)
                     if current is not tensor and current is not None and not entry_sites[0].is_parameter:
                         self.reassigned.append((index, current))

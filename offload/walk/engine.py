@@ -31,6 +31,7 @@ from ..streams import (
     holder_of,
 )
 from ..streams.pinned import size_class
+from ..streams.slice_entries import bind_device_weights
 from ..streams.resident_storage import ResidentStorage
 
 
@@ -70,10 +71,13 @@ class Slice:
         PEFT's LoRA on fused experts does) registers it again as a parameter, not as a buffer, and
         code that checks ``isinstance(w, nn.Parameter)`` sees what it sees there.
         """
-        return [
+        tensors = [
             nn.Parameter(view, requires_grad=as_leaves and entry.tensor.requires_grad) if entry.is_parameter else view
             for view, entry in zip(views, self.storage.entries)
         ]
+        if self.storage.companions:  # Note: [Quantized weights] in offload/streams/quantized.py
+            bind_device_weights(tensors, views, self.storage.params)
+        return tensors
 
     def bound(self, tensors: Sequence[torch.Tensor]) -> Binding:
         """A context in which the layers see ``tensors`` (one per storage entry) in place of their

@@ -1,0 +1,143 @@
+"""Quantized frozen weights in a slice: a bitsandbytes 4-bit weight and the tensors of its
+quantisation state, which travel with it (QLoRA's base).
+
+``bitsandbytes`` is never imported here: a 4-bit weight exists only once the user imported it, so
+its classes are looked up in ``sys.modules`` (as ``offload/integrations/peft.py`` does for PEFT).
+
+Note: [Quantized weights]
+    1. A ``bitsandbytes.nn.Params4bit`` (the weight of a ``Linear4bit``, NF4 or FP4) is a uint8
+       parameter holding two 4-bit codes a byte; its values mean nothing without its
+       ``quant_state``: a ``QuantState`` holding the scale of each block (``absmax``), the code
+       table, and under double quantisation (``compress_statistics``) the ``absmax`` quantized
+       again to 8 bits with an ``offset`` and a nested state of its own (``state2.absmax``,
+       ``state2.code``). Those tensors are not registered in any module, so a slice that laid out
+       the weight alone would load bytes a kernel cannot read.
+    2. A slice lays the state's tensors out as *companions* of the weight: entries without a
+       registration site, after the slice's own parameters and before its buffers (``Entry.companions``).
+       Like every host copy they move into the slice's host buffer through ``.data``, so the
+       ``QuantState`` object the user's layer holds keeps working (the model still runs and saves
+       unwrapped), each load copies them with the weight in the same single copy, and the footprint
+       counts them once. They keep their dtype under a compute dtype: bitsandbytes dequantizes with
+       the ``absmax`` it was given.
+    3. A run binds at the weight's site a ``Params4bit`` over the slot's bytes whose
+       ``quant_state`` is a shallow copy of the host state with every tensor replaced by its
+       companion's device copy (:func:`device_weight`): ``Linear4bit.forward`` and PEFT's LoRA
+       layer read both from the weight, and a copy per run means a layer that changes the state it
+       is given (bitsandbytes repacks it for its CPU kernel in inference) changes nothing the next
+       run sees.
+    4. The weight must be frozen (``requires_grad=False``, as PEFT and ``prepare_model_for_kbit_training``
+       leave it): its codes have no gradient. A trainable one, one not quantized yet (a
+       ``Linear4bit`` never moved to a device keeps float values), a state tensor shared by two
+       weights, a 4-bit weight tied across slices, bitsandbytes' 8-bit ``Int8Params`` and torchao's
+       ``NF4Tensor`` are refused where the slice is laid out, each with what to do instead.
+    5. bitsandbytes' ``MatMul4Bit`` keeps the weight and its state on the autograd context instead
+       of saving them for backward, so saved-tensor hooks never see them: a graph kept from forward
+       would read whatever its old slot holds by backward. Slices holding a 4-bit weight are
+       therefore recomputed in backward (``checkpoint_activation=True``, the default); the one graph
+       every walk keeps (the last microbatch of the last slice) is used while the slice is still in
+       the slot it ran in, and a backward that finds it elsewhere (a second forward ran before it)
+       raises rather than reading another slice's bytes.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+#: The attributes of a ``QuantState`` that hold tensors its kernels read, at each level of nesting.
+STATE_TENSORS = ("absmax", "code", "offset")
+
+
+def _bnb_class(name: str) -> type | None:
+    bnb = sys.modules.get("bitsandbytes")
+    return getattr(getattr(bnb, "nn", None), name, None)
+
+
+def is_4bit_weight(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a bitsandbytes 4-bit weight (``Params4bit``)."""
+    params4bit = _bnb_class("Params4bit")
+    return params4bit is not None and isinstance(tensor, params4bit)
+
+
+def state_tensors(tensor: torch.Tensor, where: str) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of a 4-bit weight's quantisation state, each with its path in the state
+    (``"absmax"``, ``"state2.code"``), in a fixed order; ``[]`` for any other tensor.
+
+    Args:
+        tensor: a parameter or buffer of a slice.
+        where: how a message names it ("'weight' of Linear4bit").
+
+    Raises:
+        ValueError: a quantized tensor that cannot be offloaded (Note: [Quantized weights], rule 4).
+    """
+    _refuse_other_quantized(tensor, where)
+    if not is_4bit_weight(tensor):
+        return []
+    state = getattr(tensor, "quant_state", None)
+    if not getattr(tensor, "bnb_quantized", False) or state is None:
+        raise ValueError(
+            f"{where} is a bitsandbytes Params4bit that is not quantized yet (it still holds float values); "
+            "quantize it before wrapping: move the Linear4bit to a device (layer.to('cuda') or layer.to('cpu')), "
+            "or load the model with from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True))")
+    if tensor.requires_grad:
+        raise ValueError(
+            f"{where} is a 4-bit weight that requires grad; 4-bit codes have no gradient, so OffloadModel trains "
+            "adapters over a frozen 4-bit base: call requires_grad_(False) on it (peft.get_peft_model does), "
+            "or load the layer unquantized to train it in full")
+    found: list[tuple[str, torch.Tensor]] = []
+    prefix = ""
+    while state is not None:
+        found += [(prefix + name, value) for name in STATE_TENSORS
+                  if isinstance(value := getattr(state, name, None), torch.Tensor)]
+        state, prefix = getattr(state, "state2", None), prefix + "state2."
+    return found
+
+
+def _refuse_other_quantized(tensor: torch.Tensor, where: str) -> None:
+    int8 = _bnb_class("Int8Params")
+    if int8 is not None and isinstance(tensor, int8):
+        raise ValueError(
+            f"{where} is a bitsandbytes 8-bit weight (Linear8bitLt, load_in_8bit), which OffloadModel does not "
+            "offload; load the base in 4 bits instead (BitsAndBytesConfig(load_in_4bit=True, "
+            "bnb_4bit_quant_type='nf4')), or unquantized")
+    # By name: torchao moved the class between releases (torchao.dtypes.nf4tensor, then
+    # torchao.quantization.quantize_.workflows.nf4).
+    if any(c.__name__ == "NF4Tensor" and c.__module__.startswith("torchao.") for c in type(tensor).__mro__):
+        raise ValueError(
+            f"{where} is a torchao NF4Tensor, which OffloadModel does not offload; build the base with "
+            "bitsandbytes' Linear4bit (quant_type='nf4'), or load it with "
+            "BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4')")
+
+
+def state_at(weight: torch.Tensor, path: str) -> torch.Tensor | None:
+    """The tensor at ``path`` ("state2.absmax") of ``weight``'s quantisation state now."""
+    owner: Any = getattr(weight, "quant_state", None)
+    *nested, name = path.split(".")
+    for step in nested:
+        owner = getattr(owner, step, None)
+    return getattr(owner, name, None)
+
+
+def device_weight(host: torch.Tensor, view: torch.Tensor, paths: Sequence[str],
+                  state_views: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The device copy a run binds for the 4-bit weight ``host``: a tensor of its class over
+    ``view`` (the slot's bytes) with a copy of its quantisation state whose tensor at each of
+    ``paths`` is the matching one of ``state_views`` (Note: [Quantized weights], rule 3)."""
+    state = copy.copy(host.quant_state)  # type: ignore[attr-defined]
+    if getattr(state, "state2", None) is not None:
+        state.state2 = copy.copy(state.state2)
+    for path, tensor in zip(paths, state_views):
+        *nested, name = path.split(".")
+        owner = state
+        for step in nested:
+            owner = getattr(owner, step)
+        setattr(owner, name, tensor)
+    weight = torch.Tensor._make_subclass(type(host), view, False)
+    weight.__dict__.update(host.__dict__)  # blocksize, quant_type, module, ...: what bitsandbytes reads
+    weight.quant_state = state
+    return weight
+
