@@ -102,12 +102,16 @@ def _compile() -> ModuleType:
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in CAPABILITY_FLAGS:
         raise RuntimeError(f"no build for CPU capability {capability}")
-    flags = ["-O3", f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}", *CAPABILITY_FLAGS[capability]]
+    # OpenMP as PyTorch's own kernels use it: without it at::parallel_for runs on one thread. The
+    # runtime is the one PyTorch loaded (the same soname), so torch.set_num_threads sets its threads.
+    flags = ["-O3", "-fopenmp", f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}",
+             *CAPABILITY_FLAGS[capability]]
     source = SOURCE.read_bytes()
     digest = hashlib.sha256(source + " ".join(flags).encode() + torch.__version__.encode()).hexdigest()[:12]
     name = f"offload_one_pass_{digest}"
     _clear_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)))
-    return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags, verbose=False)
+    return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                              verbose=False)
 
 
 def _clear_stale_lock(build_dir: Path) -> None:

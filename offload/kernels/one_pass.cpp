@@ -114,9 +114,10 @@ void pairs_with_shadow(int64_t vectors, Shadow* out, const One& one) {
 template <bool AMSGRAD, bool MAXIMIZE, int DECAY, bool SCALE, typename Shadow>
 void adam_tensor(float* param, float* grad, float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq, void* shadow,
                  int64_t vectors, const Hyper& h) {
-  auto one = [&](int64_t k) {
+  const Hyper local = h;  // a copy the loop keeps in registers
+  auto one = [=](int64_t k) {
     return adam_vector<AMSGRAD, MAXIMIZE, DECAY, SCALE>(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq,
-                                                        k * Vec::size(), h);
+                                                        k * Vec::size(), local);
   };
   pairs_with_shadow(vectors, static_cast<Shadow*>(shadow), one);
 }
@@ -254,8 +255,9 @@ inline Vec sgd_vector(float* param, float* grad, float* momentum_buffer, int64_t
 template <bool SCALE, bool MAXIMIZE, bool DECAY, int MOMENTUM, bool NESTEROV>
 void sgd_tensor(float* param, float* grad, float* momentum_buffer, void* shadow, at::ScalarType kind,
                 int64_t vectors, const SgdHyper& h) {
-  auto one = [&](int64_t k) {
-    return sgd_vector<SCALE, MAXIMIZE, DECAY, MOMENTUM, NESTEROV>(param, grad, momentum_buffer, k * Vec::size(), h);
+  const SgdHyper local = h;  // a copy the loop keeps in registers
+  auto one = [=](int64_t k) {
+    return sgd_vector<SCALE, MAXIMIZE, DECAY, MOMENTUM, NESTEROV>(param, grad, momentum_buffer, k * Vec::size(), local);
   };
   if (kind == at::kBFloat16) {
     pairs_with_shadow(vectors, static_cast<c10::BFloat16*>(shadow), one);
