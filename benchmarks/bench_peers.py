@@ -77,6 +77,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark import device_name, measure_bandwidth, synchronize  # noqa: E402
 from host_bound import bound, fused_adamw_alone, host_bandwidth  # noqa: E402
 
+from offload.kernels import host_kernel  # noqa: E402
 from offload.planning.host_bytes import host_bytes_per_step  # noqa: E402
 
 from offload import DiskTier, OffloadModel, OffloadOptimizer  # noqa: E402
@@ -595,7 +596,9 @@ def efficiency_of(report: dict, name: str) -> None:
     if "streamed_parameters" in ours and "host_bandwidth" in report:
         # The bound with the host's bytes counted (host_bound.py); ``efficiency`` above is the old one.
         counts = {getattr(torch, dtype): n for dtype, n in ours["streamed_parameters"].items()}
-        host = host_bytes_per_step(counts, compute_dtype=torch.bfloat16, optimizer="adamw").with_copies(
+        # The shadow in the update's pass where the one-pass kernel ran (Note: [One-pass update]).
+        host = host_bytes_per_step(counts, compute_dtype=torch.bfloat16, optimizer="adamw",
+                                   shadow_in_update=host_kernel() is not None).with_copies(
             ours.get("loaded_bytes_per_step", 0), ours.get("offloaded_bytes_per_step", 0))
         alone = terms.get("host_update_streamed_alone_s", terms.get("host_update_alone_s"))
         ours["bound"] = bound(ours["median_step_s"], terms["resident_step_s"], link, host,

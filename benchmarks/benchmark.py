@@ -65,6 +65,7 @@ from torch.utils.checkpoint import checkpoint_sequential
 
 from offload import OffloadModel, OffloadOptimizer
 from offload.model import engine_of
+from offload.kernels import host_kernel
 from offload.planning.host_bytes import host_bytes_per_step
 from offload.planning.presets import Preset, build_preset
 from offload.streams.host_storage import FLOAT32_LAYERS
@@ -523,7 +524,9 @@ def host_bytes_of(model: nn.Module, case: Case):  # type: ignore[no-untyped-def]
     for p in model.parameters():
         if p.requires_grad:
             counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
-    return host_bytes_per_step(counts, compute_dtype=case.compute_dtype, optimizer="adamw")
+    # The shadow in the update's pass where the one-pass kernel ran (Note: [One-pass update]).
+    return host_bytes_per_step(counts, compute_dtype=case.compute_dtype, optimizer="adamw",
+                               shadow_in_update=host_kernel() is not None)
 
 
 def max_difference(model: nn.Module, reference: nn.Module) -> float:

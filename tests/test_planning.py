@@ -27,6 +27,7 @@ from offload import OffloadModel, OffloadOptimizer, estimate_memory
 from offload.cli.plan import code, finetune_flags, parse_args, report, run_plan
 from offload.model import engine_of
 from offload.planning.choose import DEVICE_MARGIN, Limits, choose
+from offload.planning.host_bytes import shadow_pass
 from offload.planning.planner import footprints_by_resident, slice_layout
 from offload.planning.presets import build_preset
 from offload.planning.rates import (DEVICE_MEMORY_BANDWIDTH_DEFAULT, GPU_DEFAULTS, HOST_DEFAULT, MachineRates,
@@ -545,10 +546,16 @@ def test_resident_slices_take_their_bytes_off_the_link_and_the_host_update():
     assert resident.backward_loads == 0  # slices 2 and 3 stay in the slots, 0 and 1 are resident
     assert resident.backward_offloads == sum(layout.gradient_bytes[2:])
     assert resident.first_load == resident.last_offload == 0
-    assert resident.update == 7 * sum(layout.gradient_bytes[2:])  # AdamW: 28 bytes per float32 parameter
+    # AdamW: 28 bytes per float32 parameter, and the bfloat16 shadow written in the same pass (2;
+    # Note: [One-pass update]); on the device, no shadow.
+    assert resident.update == 30 * sum(layout.gradient_bytes[2:]) // 4
     assert resident.device_update == 7 * sum(layout.gradient_bytes[:2])
-    # The shadow's own pass: each float32 master read (4 bytes), its bfloat16 shadow written (2).
-    assert resident.shadow == (4 + 2) * sum(layout.trainable_counts[2:])
+    assert resident.shadow == 0
+    with shadow_pass(in_update=False):  # without the one pass, the shadow's own pass:
+        two_passes = traffic(layout, None, replace(config, resident_slices=2))
+    assert two_passes.update == 7 * sum(layout.gradient_bytes[2:])
+    # each float32 master read (4 bytes), its bfloat16 shadow written (2).
+    assert two_passes.shadow == (4 + 2) * sum(layout.trainable_counts[2:])
     # All resident, timed on an H100: no host update, and the update on the device at its memory
     # bandwidth (28 bytes per parameter); the forward and backward are the device's alone.
     rates = GPU_DEFAULTS["h100-sxm"]

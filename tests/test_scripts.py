@@ -109,7 +109,13 @@ def test_optimizer_benchmark(tmp_path):
     data = json.loads((tmp_path / "o.json").read_text())
     assert data["update"]["update_bandwidth_fraction"] > 0
     assert set(data["update"]["variants"]) == {"default", "foreach", "fused", "fused with a backup",
-                                               "OffloadOptimizer", "OffloadOptimizer+bf16 shadow"}
+                                               "OffloadOptimizer", "OffloadOptimizer+bf16 shadow",
+                                               "OffloadOptimizer+bf16 shadow, two passes", "fused, then a bf16 cast",
+                                               "one-pass kernel: update + bf16 shadow"}
+    # Note: [One-pass update]: both ways beside the fused update alone, and the bytes each touches.
+    one_pass = data["update"]["one_pass"]
+    assert one_pass["kernel_update_and_shadow_vs_fused"] > 0 and one_pass["two_passes_update_and_shadow_vs_fused"] > 0
+    assert one_pass["host_bytes_per_parameter"] == {"one pass": 30, "two passes": 34}
     assert data["overlap"]["num_slices"] == 4 and "exposed_fraction" in data["overlap"]
     # The figures sit at the top level too.
     assert data["num_slices"] == 4
