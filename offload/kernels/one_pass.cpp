@@ -157,6 +157,14 @@ void check_state(const at::Tensor& t, int64_t numel, const char* what) {
               what, ": contiguous float32 CPU tensors of the parameter's size expected");
 }
 
+at::ScalarType shadow_kind(const at::Tensor& shadow, int64_t numel) {
+  if (shadow.numel() == 0) return at::kFloat;
+  const at::ScalarType kind = shadow.scalar_type();
+  TORCH_CHECK((kind == at::kBFloat16 || kind == at::kHalf) && shadow.numel() == numel && shadow.is_contiguous(),
+              "a shadow is a contiguous bfloat16 or float16 tensor of its parameter's size");
+  return kind;
+}
+
 }  // namespace
 
 // The number of float32 elements one vector holds: the kernel covers each tensor's first
@@ -195,15 +203,8 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
       check_state(max_exp_avg_sqs[k], numel, "max_exp_avg_sq");
       max_sq = max_exp_avg_sqs[k].data_ptr<float>();
     }
-    at::ScalarType kind = at::kFloat;
-    void* shadow = nullptr;
-    if (shadows[k].numel() != 0) {
-      kind = shadows[k].scalar_type();
-      TORCH_CHECK((kind == at::kBFloat16 || kind == at::kHalf) && shadows[k].numel() == numel &&
-                      shadows[k].is_contiguous(),
-                  "adam_step: a shadow is a contiguous bfloat16 or float16 tensor of its parameter's size");
-      shadow = shadows[k].data_ptr();
-    }
+    const at::ScalarType kind = shadow_kind(shadows[k], numel);
+    void* shadow = kind == at::kFloat ? nullptr : shadows[k].data_ptr();
     // As the reference: the step read as float, the bias corrections in double.
     const double step = steps[k].item<float>();
     const double bias_correction1 = 1 - std::pow(beta1, step);
@@ -292,14 +293,6 @@ SgdFn sgd_pick(bool scale, bool maximize, bool decay, int momentum, bool nestero
   }
   return maximize ? sgd_pick_decay<false, true>(decay, momentum, nesterov)
                   : sgd_pick_decay<false, false>(decay, momentum, nesterov);
-}
-
-at::ScalarType shadow_kind(const at::Tensor& shadow, int64_t numel) {
-  if (shadow.numel() == 0) return at::kFloat;
-  const at::ScalarType kind = shadow.scalar_type();
-  TORCH_CHECK((kind == at::kBFloat16 || kind == at::kHalf) && shadow.numel() == numel && shadow.is_contiguous(),
-              "a shadow is a contiguous bfloat16 or float16 tensor of its parameter's size");
-  return kind;
 }
 
 }  // namespace
