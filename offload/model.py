@@ -17,6 +17,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from . import per_tensor_warning
 from .autograd import Call, OffloadFunction, flatten_input
 from .autograd.accumulation import mark_zeroed
+from .streams.gradient_files import zeroed_in_files
 from .data_parallel import DataParallel
 from .walk.activation_policy import ActivationPlan, OffloadActivations
 from .walk.engine import Engine
@@ -193,9 +194,12 @@ class OffloadModel(CopiedByLayers):
     # CopiedByLayers's copies).
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none=set_to_none)
-        if not set_to_none:  # zeros the next backward may add into as slices land
-            mark_zeroed(self.parameters())
+        if set_to_none:
+            super().zero_grad(set_to_none=True)
+            return
+        with zeroed_in_files([s.storage for s in self._engine.slices], self.parameters()):
+            super().zero_grad(set_to_none=False)
+        mark_zeroed(self.parameters())  # zeros the next backward may add into as slices land
 
     # -- inspection --------------------------------------------------------------------------
 

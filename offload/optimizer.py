@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from .autograd.accumulation import mark_zeroed
+from .streams.gradient_files import zeroed_in_files
 from .model import OffloadModel, engine_of
 from .optimizing.in_backward import BackwardUpdates, check_in_backward
 from .optimizing.plan import inner_optimizer, plan_key, slice_steps, snapshot
@@ -235,11 +236,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
         read them (which keep the shadows they wrote: the next forward does not cast them again,
         nor read masters on disk in for that).
         """
-        if not set_to_none:
-            engine_of(self.model).updates.finish_all()
-        super().zero_grad(set_to_none=set_to_none)
-        if not set_to_none:
-            mark_zeroed(p for group in self.param_groups for p in group["params"])
+        if set_to_none:
+            super().zero_grad(set_to_none=True)
+            return
+        engine = engine_of(self.model)
+        engine.updates.finish_all()
+        params = [p for group in self.param_groups for p in group["params"]]
+        with zeroed_in_files([s.storage for s in engine.slices], params):  # Note: [Gradients on disk]
+            super().zero_grad(set_to_none=False)
+        mark_zeroed(params)
 
     def state_dict(self) -> dict[str, Any]:
         """``torch.optim.Optimizer.state_dict()``, after the pending updates; with a disk tier, the

@@ -68,10 +68,16 @@ def test_steps_equal_the_masters_in_ram(cls, kwargs, state_tier, device, tmp_pat
     footprint = model.memory_footprint()
     files = sum(page_aligned(s.storage.host_nbytes) for s in model._engine.slices)
     assert footprint.host_masters == 0 and footprint.disk >= files
+    # Nor their gradients (Note: [Gradients on disk]): .grad is in the slices' gradient files.
+    assert footprint.host_gradients == 0 and all(
+        s.storage.gradient_home.holds(j, e.tensor.grad) for s in model._engine.slices for j, e in enumerate(s.storage.params))
     assert footprint.host_total == (ram_model.memory_footprint().host_total
                                     - ram_model.memory_footprint().host_masters
+                                    - ram_model.memory_footprint().host_gradients
                                     - (ram_model.memory_footprint().host_optimizer_state if state_tier else 0)
-                                    + footprint.host_disk_window)
+                                    + footprint.host_disk_window
+                                    # the window gradients land in before they go to their files
+                                    + footprint.host_pool_idle - ram_model.memory_footprint().host_pool_idle)
     assert_same(ram_model, ram, model, optimizer)  # reading the parameters reads their pages in
 
 
@@ -128,10 +134,12 @@ def test_masters_are_read_in_and_written_back_around_each_update(set_to_none, tm
         optimizer.step()
     optimizer.synchronize()
     total = sum(s.storage.masters_file.nbytes for s in model._engine.slices)
+    grads = sum(s.storage.gradient_home.file.nbytes for s in model._engine.slices)
     # Building wrote the masters out; the first forward read them in to cast the shadows and
-    # dropped them; each of the three steps read every slice in and wrote it back once.
-    assert files.counters.read_bytes == (1 + 3) * total
-    assert files.counters.write_bytes == (1 + 1 + 3) * total
+    # dropped them; each of the three steps read every slice in and wrote it back once, with its
+    # gradients, which each backward also wrote once as they landed (Note: [Gradients on disk]).
+    assert files.counters.read_bytes == (1 + 3) * total + 3 * grads
+    assert files.counters.write_bytes == (1 + 1 + 3) * total + 3 * 2 * grads
 
 
 class SlowAdamW(torch.optim.AdamW):
@@ -154,7 +162,8 @@ def test_ram_holds_a_window_of_slices_while_the_optimizer_steps(window, tmp_path
     def read_in(self, write=True):
         real_read(self, write)
         with lock:
-            live.add(id(self))
+            if self.what == "masters":  # the gradients' files go with them: test_gradients_on_disk.py
+                live.add(id(self))
             most[0] = max(most[0], len(live))
 
     def write_back(self):
@@ -183,7 +192,8 @@ def test_files_are_unlinked_counted_and_never_shared(tmp_path):
     pa = [s.storage.masters_file for s in a._engine.slices]
     pb = [s.storage.masters_file for s in b._engine.slices]
     assert len({f.path for f in pa + pb}) == 6
-    assert a.memory_footprint().disk == sum(f.nbytes for f in pa)
+    homes = [s.storage.gradient_home.file for s in a._engine.slices]
+    assert a.memory_footprint().disk == sum(f.nbytes for f in pa + homes)
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.equal(p, q) and p.data_ptr() != q.data_ptr()
     with torch.no_grad():
@@ -334,7 +344,7 @@ def test_a_failed_read_leaves_that_slice_and_later_ones_untouched(error, tmp_pat
     monkeypatch.setattr(mapped.MappedFile, "read_in", read_in)
     optimizer.step()
     why = "Input/output error" if isinstance(error, OSError) else "unexpected"
-    with pytest.raises(HostUpdateError, match=f"masters of slice 1 from .*offload-masters-.*{why}.*slice 1 and the "
+    with pytest.raises(HostUpdateError, match=f"masters or gradients of slice 1 from .*offload-masters-.*{why}.*slice 1 and the "
                                               "slices after") as raised:
         optimizer.synchronize()
     assert raised.value.__cause__ is error
@@ -350,7 +360,8 @@ def test_a_failed_read_leaves_that_slice_and_later_ones_untouched(error, tmp_pat
     read = files.counters.read_bytes
     optimizer.step()  # training goes on, and the reader still reads
     optimizer.synchronize()
-    assert files.counters.read_bytes - read == sum(s.storage.masters_file.nbytes for s in model._engine.slices)
+    assert files.counters.read_bytes - read == sum(s.storage.masters_file.nbytes + s.storage.gradient_home.file.nbytes
+                                                   for s in model._engine.slices)
     assert resident(model) == 0
 
 
@@ -362,14 +373,14 @@ def test_a_failed_write_is_raised_and_loses_nothing(tmp_path, monkeypatch):
     failed = []
 
     def write_back(self):  # the first write after an update fails
-        if not failed and threading.current_thread().name == "offload masters write":
+        if not failed and threading.current_thread().name == "offload masters write" and self.what == "masters":
             failed.append(self)
             raise OSError(errno.EIO, os.strerror(errno.EIO), self.path)
         real(self)
 
     monkeypatch.setattr(mapped.MappedFile, "write_back", write_back)
     train(runs, 1, first=1)
-    with pytest.raises(DiskTierError, match=r"masters of 1 slice\(s\) back to disk \(slice 0: .*updated"):
+    with pytest.raises(DiskTierError, match=r"masters or gradients of 1 slice\(s\) back to disk \(slice 0: .*offload-masters-.*in RAM for now"):
         optimizer.synchronize()
     monkeypatch.setattr(mapped.MappedFile, "write_back", real)
     optimizer.synchronize()  # raised once
@@ -420,9 +431,11 @@ def test_the_estimate_counts_the_masters_on_disk(tmp_path):
     assert measured.host_masters == plan.host_masters == 0
     assert measured.host_shadows == plan.host_shadows
     assert abs(measured.disk - plan.disk) <= 0.05 * plan.disk
-    # The plan's window also counts the masters of three slices, in RAM while the optimizer steps.
+    assert measured.host_gradients == plan.host_gradients == 0  # Note: [Gradients on disk]
+    # The plan's window also counts the masters and gradients of three slices, in RAM while the
+    # optimizer steps.
     per_slice_masters = 2 * 4 * (128 * 128 + 128)
-    expected = measured.host_disk_window + WINDOW * per_slice_masters  # the tier's buffers are whole pages
+    expected = measured.host_disk_window + WINDOW * 2 * per_slice_masters  # the tier's buffers are whole pages
     assert abs(plan.host_disk_window - expected) <= 0.01 * expected
 
 
@@ -451,7 +464,7 @@ def test_an_unexpected_error_in_the_writer_is_raised_and_the_writes_go_on(tmp_pa
     failed = []
 
     def write_back(self):
-        if not failed and threading.current_thread().name == "offload masters write":
+        if not failed and threading.current_thread().name == "offload masters write" and self.what == "masters":
             failed.append(self)
             raise RuntimeError("not an OSError")
         real(self)

@@ -360,6 +360,9 @@ LOUD = [
 MEMORY_ONLY = [
     Dependency("synchronize_event", "submit", "disk_tier.py:submit", "masters read"),  # update after its read-in
     Dependency("synchronize_event", "submit", "master_files.py:read", "masters write"),  # the window
+    # A slice's gradients land after the write of those that landed WINDOW slices before (Note: [Gradients on
+    # disk]): the bound is tested in tests/test_gradients_on_disk.py.
+    Dependency("synchronize_event", "wait_host", "master_files.py:before_landing", "masters write"),
     Dependency("synchronize_event", "submit", "master_files.py:write", "host update"),  # write-back after the update
     Dependency("synchronize_event", "submit", "master_files.py:write", "masters read"),  # ...and after its read
     Dependency("synchronize_event", "wait_host", "master_files.py:flush", "masters write"),

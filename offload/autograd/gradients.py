@@ -161,8 +161,10 @@ class BackwardGradients:
     def begin(self, i: int) -> None:
         engine = self.run.engine
         needed = self.per_slice_needed[i]
-        params = engine.slices[i].storage.params
-        self._slice = (engine.gradients.begin(params, needed, self._into[i], engine.stays_on_device(params))
+        storage = engine.slices[i].storage
+        params = storage.params
+        self._slice = (engine.gradients.begin(params, needed, self._into[i], engine.stays_on_device(params),
+                                              home=getattr(storage, "gradient_home", None))
                        if any(needed) else None)
 
     def add(self, param_grads: Sequence[torch.Tensor | None], others: Sequence[Any]) -> None:
@@ -196,7 +198,7 @@ class BackwardGradients:
         """Tell the subscribers of every slice whose gradients are final on the host (added into
         ``.grad`` where they go there), in the order the slices left."""
         engine, token = self.run.engine, self.run.call
-        while self._unannounced and self._unannounced[0][1].into is None:
+        while self._unannounced and self._unannounced[0][1].settled:
             i, pending, final = self._unannounced.pop(0)
             self._announced = True
             engine.milestones.gradients_final(token, i, final, pending.ready)

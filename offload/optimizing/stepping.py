@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from ..streams import Event
+from ..streams.mapped import MappedFile
 from ..streams.workers import HostWorker
 from ..tiers.slice_update import HostUpdateError, SliceStep
 from ..walk.engine import Engine
@@ -148,7 +149,7 @@ class SliceUpdates:
         files, mapped = self.engine.master_files, self.engine.slices[index].storage.masters_file
         after = list(waits)
         if files is not None and mapped is not None:
-            after.append(files.read(index, mapped))
+            after.append(files.read(index, mapped, self._gradients_file(index)))
             work = files.guard(index, work)
         return self.disk.submit(index, self.worker, work, after)
 
@@ -157,4 +158,11 @@ class SliceUpdates:
         last work that writes them (Note: [Masters on disk] in ``offload/tiers/master_files.py``)."""
         files, mapped = self.engine.master_files, self.engine.slices[index].storage.masters_file
         if files is not None and mapped is not None:
-            files.write(index, mapped, after)
+            files.write(index, mapped, after, self._gradients_file(index))
+
+    def _gradients_file(self, index: int) -> MappedFile | None:
+        """Slice ``index``'s gradients' file when ``.grad`` is there (anything refers to it: Note:
+        [Gradients on disk] in ``offload/streams/gradient_files.py``), to be read in and written
+        back with its masters; ``None`` otherwise."""
+        home = getattr(self.engine.slices[index].storage, "gradient_home", None)
+        return home.file if home is not None and not home.is_idle() else None

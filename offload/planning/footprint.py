@@ -145,7 +145,10 @@ def measure(engine: Engine, optimizers: Iterable[torch.optim.Optimizer], tiers: 
     storages = [s.storage for s in engine.slices if not s.storage.resident]
     params = [entry.tensor for storage in storages for entry in storage.held if entry.is_parameter]
     on_device = [entry.tensor for storage in resident for entry in storage.held if entry.is_parameter]
+    homes = [storage.gradient_home for storage in storages if getattr(storage, "gradient_home", None) is not None]
     grad_storages = _grad_storages(params)
+    for home in homes:  # Note: [Gradients on disk]: counted by the pages in RAM now, and the file
+        grad_storages.pop(home.file.tensor.untyped_storage().data_ptr(), None)
     device_grads = _grad_storages(on_device)
     pool_in_use = pool_idle = 0
     for buffer in engine.pool.buffers():
@@ -167,7 +170,7 @@ def measure(engine: Engine, optimizers: Iterable[torch.optim.Optimizer], tiers: 
         parameters=sum(p.numel() for p in params + on_device),
         host_masters=masters_in_ram,
         host_shadows=shadows,
-        host_gradients=sum(grad_storages.values()),
+        host_gradients=sum(grad_storages.values()) + sum(home.file.resident_bytes() for home in homes),
         host_optimizer_state=sum(state.values()),
         host_disk_window=sum(tier.window_nbytes for tier in tiers),
         host_activations=pool_in_use,
@@ -177,7 +180,8 @@ def measure(engine: Engine, optimizers: Iterable[torch.optim.Optimizer], tiers: 
         device_gradients=engine.gradients.device_nbytes,
         pinned=engine.pin,
         pinned_bytes=_pinned_bytes(engine, masters + shadows + engine.pool.nbytes),
-        disk=sum(tier.disk_nbytes for tier in tiers) + sum(file.nbytes for file in mapped),
+        disk=(sum(tier.disk_nbytes for tier in tiers) + sum(file.nbytes for file in mapped)
+              + sum(home.file.nbytes for home in homes)),
         device_resident=sum(storage.nbytes for storage in resident),
         device_resident_gradients=sum(device_grads.values()),
         device_resident_optimizer_state=sum(device_state.values()),

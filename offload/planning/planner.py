@@ -66,8 +66,9 @@ def estimate_memory(layers: nn.Module | Sequence[int], *, num_slices: int = 8,
         optimizer_state: ``"ram"``, or ``"disk"`` to count the optimizer state on disk.
         masters: ``"ram"``, or ``"disk"`` to count the masters on disk, as ``OffloadModel(...,
             masters=DiskTier(path))`` keeps them (it needs ``compute_dtype``: the shadow, which loads
-            read, stays in RAM). Their files count as ``disk``; the window counts three slices'
-            masters, in RAM while the optimizer steps (between steps none are).
+            read, stays in RAM), with the gradients in files beside them. Their files count as
+            ``disk``; the window counts three slices' masters and gradients, in RAM while the
+            optimizer steps (between steps none are).
         num_microbatches: more than one adds the two device buffers that sum gradients.
         device: the compute device; host memory is pinned only for ``"cuda"``. On ``"cpu"`` the
             device categories are host memory too.
@@ -147,11 +148,11 @@ def resident_device_bytes(layout: SliceLayout) -> list[int]:
     return [t + g + s for t, g, s in zip(layout.tensor_bytes, layout.trainable_bytes, layout.state_bytes)]
 
 
-def _footprint(layout: SliceLayout, placed: tuple[int, int, int, int], activations: tuple[int, int], *,
+def _footprint(layout: SliceLayout, placed: tuple[int, int, int, int, bool], activations: tuple[int, int], *,
                compute_dtype: torch.dtype | None, num_microbatches: int, pinned: bool,
                resident: int = 0) -> MemoryFootprint:
     host_activations, device_activations = activations
-    masters_bytes, state, disk, disk_window = placed
+    masters_bytes, state, disk, disk_window, gradients_on_disk = placed
     # Gradients landing and being added (Note: [Gradients added in place]): two buffers of the
     # largest streamed slice's size, one when a single slice has gradients (a frozen base around
     # it); pinned ones are rounded up to their size class, as the pool allocates them. A resident
@@ -160,7 +161,7 @@ def _footprint(layout: SliceLayout, placed: tuple[int, int, int, int], activatio
     grads = all_grads[resident:] or [0]
     window = min(2, sum(1 for g in grads if g)) * (size_class(max(grads)) if pinned else max(grads))
     shadows = sum(layout.device_bytes[resident:]) if compute_dtype else 0
-    gradients = sum(grads)
+    gradients = 0 if gradients_on_disk else sum(grads)
     pool = window + host_activations
     return MemoryFootprint(
         parameters=layout.parameters,
@@ -276,9 +277,11 @@ def _check_places(optimizer: str | None, optimizer_state: str, masters: str, com
                          "read the shadow in that dtype, kept in RAM")
 
 
-def _placed(layout: SliceLayout, optimizer_state: str, masters: str, resident: int = 0) -> tuple[int, int, int, int]:
+def _placed(layout: SliceLayout, optimizer_state: str, masters: str, resident: int = 0
+            ) -> tuple[int, int, int, int, bool]:
     """Masters and state in RAM, bytes on disk, and the disk tiers' window in RAM, of the slices
-    after the first ``resident`` (those hold theirs on the device)."""
+    after the first ``resident`` (those hold theirs on the device); and whether the gradients are
+    on disk."""
     host_bytes, state_bytes = layout.host_bytes[resident:] or [0], layout.state_bytes[resident:] or [0]
     masters_bytes, state = sum(host_bytes), sum(state_bytes)
     disk = disk_window = 0
@@ -288,11 +291,13 @@ def _placed(layout: SliceLayout, optimizer_state: str, masters: str, resident: i
         disk, disk_window, state = state, window_slices * max(state_bytes), 0
     if masters == "disk":
         # One file per slice, in whole pages (offload/streams/mapped.py); three slices' masters
-        # are in RAM while the optimizer steps (Note: [Masters on disk]).
-        disk += sum(_align(h, 4096) for h in host_bytes)
-        disk_window += window_slices * max(host_bytes)
+        # are in RAM while the optimizer steps (Note: [Masters on disk]). Their gradients go to
+        # files of their own, read in and written back with them (Note: [Gradients on disk]).
+        grads = layout.gradient_bytes[resident:] or [0]
+        disk += sum(_align(h, 4096) for h in host_bytes) + sum(_align(g, 4096) for g in grads if g)
+        disk_window += window_slices * (max(host_bytes) + max(grads))
         masters_bytes = 0
-    return masters_bytes, state, disk, disk_window
+    return masters_bytes, state, disk, disk_window, masters == "disk"
 
 
 def _activations(layout: SliceLayout, profile: ModelProfile | None, num_microbatches: int,

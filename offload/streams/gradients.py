@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,6 +36,9 @@ from .copies import CopyStreams
 from .flat_views import _align, _itemsize, empty_in_layout, typed_view
 from .host_buffers import HostBufferPool
 from .slice_entries import Entry
+
+if TYPE_CHECKING:
+    from .gradient_files import GradientHome
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,20 @@ class _Place:
 
     def view(self, flat: torch.Tensor) -> torch.Tensor:
         return typed_view(flat, self.offset, self.dtype, self.shape, self.stride)
+
+
+def lay_out_gradients(entries: Sequence[Entry], needed: Sequence[bool]) -> tuple[list[_Place | None], int]:
+    """Where each needed parameter's gradient goes in a slice's gradient buffer (``None`` where
+    none is needed), one after the other, aligned; and the bytes they take."""
+    offset = 0
+    places: list[_Place | None] = []
+    for entry, want in zip(entries, needed):
+        if not want:
+            places.append(None)
+            continue
+        places.append(_Place(offset, entry.dtype, entry.shape, entry.stride))
+        offset = _align(offset + entry.shape.numel() * _itemsize(entry.dtype))
+    return places, offset
 
 
 @dataclass
@@ -71,6 +89,8 @@ class SliceGradients:
         keep: per parameter, whether its gradient stays on the device: a resident slice's
             parameter's, or one tied to it (Note: [Resident slices] in ``resident_storage.py``);
             ``None``: none does.
+        home: the slice's gradients' file, with the masters on disk (Note: [Gradients on
+            disk] in ``gradient_files.py``), or ``None``.
     """
 
     places: list[_Place | None]
@@ -84,6 +104,7 @@ class SliceGradients:
     reduced: Event | None = None
     into: list[torch.Tensor | None] | None = None
     keep: list[bool] | None = None  # per parameter, whether its gradient stays on the device
+    home: GradientHome | None = None
 
     def __post_init__(self) -> None:
         self.received = [False] * len(self.places)
@@ -149,12 +170,24 @@ class PendingGradients:
         into: per parameter, the ``.grad`` it is to be added into (Note: [Gradients added in
             place]), or ``None``.
         added: the ``.grad`` tensors it was added into so far.
+        home: the gradients' file they are copied into once landed (``host_views`` are its views
+            then), or ``None``: Note: [Gradients on disk].
+        landing: with a home, per parameter, the pooled host view its gradient lands in.
+        discard: whether the home's file is discarded before the copy (nothing refers to it).
     """
 
     host_views: list[torch.Tensor | None]
     ready: Event | None
     into: list[torch.Tensor | None] | None = None
     added: list[torch.Tensor] = field(default_factory=list)
+    home: GradientHome | None = None
+    landing: list[torch.Tensor | None] | None = None
+    discard: bool = False
+
+    @property
+    def settled(self) -> bool:
+        """Whether the gradients are where ``.grad`` will hold them (added, or copied home)."""
+        return self.into is None and self.home is None
 
 
 def _nbytes(grad: torch.Tensor) -> int:
@@ -193,22 +226,17 @@ class GradientOffloader:
 
     def begin(self, entries: Sequence[Entry], needed: Sequence[bool],
               into: Sequence[torch.Tensor | None] | None = None,
-              keep: Sequence[bool] | None = None) -> SliceGradients:
+              keep: Sequence[bool] | None = None, home: GradientHome | None = None) -> SliceGradients:
         """Start collecting one slice's gradients for the parameters in ``needed``; those with a
         tensor in ``into`` are added into it on the host once they landed (see :meth:`accumulate`);
-        those ``keep`` marks stay on the device (:meth:`offload` keeps them there)."""
-        offset = 0
-        places: list[_Place | None] = []
-        for entry, want in zip(entries, needed):
-            if not want:
-                places.append(None)
-                continue
-            places.append(_Place(offset, entry.dtype, entry.shape, entry.stride))
-            offset = _align(offset + entry.shape.numel() * _itemsize(entry.dtype))
+        those ``keep`` marks stay on the device (:meth:`offload` keeps them there); the others go
+        to ``home`` where it can take them (Note: [Gradients on disk])."""
+        places, offset = lay_out_gradients(entries, needed)
         if keep is None or not all(k for k, want in zip(keep, needed) if want):
             # What passes through the host sizes the host buffers; a resident slice's never does.
             self._max_nbytes = max(self._max_nbytes, offset)
-        grads = SliceGradients(places, offset, self, keep=list(keep) if keep is not None and any(keep) else None)
+        grads = SliceGradients(places, offset, self, keep=list(keep) if keep is not None and any(keep) else None,
+                               home=home)
         if into is not None and any(t is not None for t in into):
             grads.into = list(into)
         return grads
@@ -239,10 +267,13 @@ class GradientOffloader:
             if g is not None:
                 host_views[j], ready = self._offload_sparse(g, grads.reduced, label)
         grads.sparse = [None] * len(grads.places)
+        home, discard = _taking_home(grads)
+        landing: list[torch.Tensor | None] | None = None
         if any(grads.received):
-            # Gradients added into .grad on landing need their buffer only briefly: buffers of one size
-            # (the largest slice's) serve every slice in turn, so the window stays two buffers.
-            transient = grads.into is not None and all(
+            # Gradients added into .grad, or copied home, on landing need their buffer only briefly:
+            # buffers of one size (the largest slice's) serve every slice in turn, so the window
+            # stays two buffers.
+            transient = home is not None or grads.into is not None and all(
                 target is not None for target, place, got in zip(grads.into, grads.places, grads.received)
                 if place is not None and got)
             host = self.pool.take(self._max_nbytes if transient else grads.nbytes)
@@ -261,10 +292,15 @@ class GradientOffloader:
                 ready = self.copies.offload_many([h for h, _ in pairs], [g for _, g in pairs],
                                                  after=(host.read_event, grads.reduced), label=label)
                 grads.held = [None] * len(grads.places)
-        self.offloaded_bytes += sum(_nbytes(v) for v in host_views if v is not None)
+            if home is not None:
+                landing, host_views = host_views, [
+                    home.view(j) if got and (grads.into is None or grads.into[j] is None) else view
+                    for j, (view, got) in enumerate(zip(host_views, grads.received))]
+        self.offloaded_bytes += sum(_nbytes(v) for v in (landing or host_views) if v is not None)
         for j, view in kept.items():
             host_views[j] = view
-        return PendingGradients(host_views, ready, grads.into)
+        return PendingGradients(host_views, ready, grads.into, home=home if landing is not None else None,
+                                landing=landing, discard=discard)
 
     def _keep(self, grads: SliceGradients) -> dict[int, torch.Tensor]:
         """The gradients ``grads.keep`` marks, each in device memory of its own and in its
@@ -316,20 +352,47 @@ class GradientOffloader:
         the host's wait.
         """
         for grads in pending[:max(len(pending) - in_flight, 0)]:
-            if grads.into is None:
+            if grads.settled:
                 continue
             # Rule 4 of [Copy ordering]: the CPU reads the offload's destination.
             self.copies.wait_host(grads.ready)
+            if grads.home is not None:
+                grads.home.paging.before_landing(grads.home)
+                if grads.discard:
+                    grads.home.file.discard()
+            landed = grads.landing if grads.landing is not None else grads.host_views
             with torch.no_grad():
-                for j, (target, view) in enumerate(zip(grads.into, grads.host_views)):
+                if grads.landing is not None:  # Note: [Gradients on disk]
+                    pairs = [(home, new) for home, new, target in zip(
+                        grads.host_views, grads.landing, grads.into or [None] * len(landed))
+                        if new is not None and target is None]
+                    if pairs:
+                        torch._foreach_copy_([home for home, _ in pairs], [new for _, new in pairs])
+                for j, (target, view) in enumerate(zip(grads.into or (), landed)):
                     if target is not None and view is not None:
                         target.add_(view)  # what autograd's accumulation does: .grad += new
                         grads.added.append(target)
                         grads.host_views[j] = None
-            grads.into = None
+            if grads.home is not None:
+                grads.home.paging.landed(grads.home)
+            grads.into = grads.home = grads.landing = None
 
     def finish(self, pending: Sequence[PendingGradients]) -> None:
         """Block until every pending gradient is on the host, added where it goes: the optimizer
         reads them next."""
         self.accumulate(pending, in_flight=0)
         self.copies.wait_host_all(p.ready for p in pending)
+
+
+def _taking_home(grads: SliceGradients) -> tuple[GradientHome | None, bool]:
+    """The home that takes a slice's dense gradients (Note: [Gradients on disk]), or ``None``;
+    and whether its file may be discarded first (nothing refers to it)."""
+    home = grads.home
+    if home is None or not any(grads.received) or not home.covers(grads.places, grads.received):
+        return None, False
+    if home.is_idle():
+        return home, True
+    received = [j for j, (place, got) in enumerate(zip(grads.places, grads.received)) if place is not None and got]
+    if grads.into is not None and all(home.holds(j, grads.into[j]) for j in received):
+        return home, False  # each adds into its own .grad there
+    return None, False

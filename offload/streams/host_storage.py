@@ -31,6 +31,7 @@ from torch import nn
 from .backend import Event
 from .disk import DiskTierError
 from .flat_views import _itemsize, alias, flat_exporter, own_storage_view, typed_view
+from .gradient_files import GradientHome
 from .mapped import MappedFile
 from .slice_entries import Entry, RegisteredTensors, _runs, collect_entries, companions_of, states_replaced
 from .slice_layout import lay_out
@@ -157,6 +158,8 @@ class SliceStorage:
             (:class:`~offload.streams.mapped.MappedFile`, Note: [Masters on disk]); ``None`` keeps
             it in RAM from ``allocate``. A slice without a shadow keeps it in RAM either way: its
             loads read it.
+        gradient_home: makes the file that holds the slice's gradients beside masters on disk
+            (Note: [Gradients on disk] in ``gradient_files.py``), given its parameters.
 
     Raises:
         ValueError: for sparse tensors, a tensor registered both as parameter and as buffer, or
@@ -168,10 +171,12 @@ class SliceStorage:
 
     def __init__(self, layers: Sequence[nn.Module], allocate: Callable[[int], torch.Tensor],
                  compute_dtype: torch.dtype | None = None, held_elsewhere: Collection[int] = (),
-                 allocate_masters: Callable[[int], MappedFile] | None = None) -> None:
+                 allocate_masters: Callable[[int], MappedFile] | None = None,
+                 gradient_home: Callable[[list[Entry]], GradientHome | None] | None = None) -> None:
         self.layers = list(layers)
         self.allocate = allocate
         self.allocate_masters = allocate_masters
+        self.make_gradient_home = gradient_home
         self.compute_dtype = compute_dtype
         self.held_elsewhere = frozenset(held_elsewhere)
         self.build()
@@ -238,6 +243,9 @@ class SliceStorage:
             entry.tensor.data = host
         self._expected_ptrs = [entry.tensor.data_ptr() for entry in self.entries]
         self.release_masters()  # what was copied in goes to disk
+        #: the file that holds the slice's gradients, with its masters on disk
+        self.gradient_home = (self.make_gradient_home(self.params) if self.masters_file is not None
+                              and self.make_gradient_home is not None else None)
         self.shadow = self.allocate(self.load_nbytes) if casts else None
         self._held_by_id = {id(entry.tensor): entry for entry in self.held}
         self._shadow_current = False

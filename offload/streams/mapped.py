@@ -63,6 +63,9 @@ _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.msync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+FALLOC_FL_KEEP_SIZE = 0x01
+FALLOC_FL_ZERO_RANGE = 0x10
 
 
 #: Bytes a read-through (:func:`_read_through`) reads at a time.
@@ -92,12 +95,14 @@ class MappedFile:
         nbytes: bytes of the mapping (rounded up to pages).
         counters: where the bytes and seconds of reads (:meth:`read_in`) and writes
             (:meth:`write_back`) are added.
+        what: what the file holds, for its name and for error messages (``"masters"``, ``"gradients"``).
     """
 
-    def __init__(self, directory: Path, nbytes: int, counters: DiskCounters) -> None:
+    def __init__(self, directory: Path, nbytes: int, counters: DiskCounters, what: str = "masters") -> None:
         self.nbytes = page_aligned(max(nbytes, 1))
         self.counters = counters
-        fd, name = tempfile.mkstemp(prefix="offload-masters-", suffix=".bin", dir=directory)
+        self.what = what
+        fd, name = tempfile.mkstemp(prefix=f"offload-{what}-", suffix=".bin", dir=directory)
         self.path = name
         try:
             try:
@@ -128,15 +133,15 @@ class MappedFile:
                     return
                 code = ctypes.get_errno()
                 if code != errno.EINVAL or _populate_works:
-                    raise OSError(code, f"reading the masters in: {os.strerror(code)}", self.path)
+                    raise OSError(code, f"reading the {self.what} in: {os.strerror(code)}", self.path)
                 _populate_works = False  # Linux before 5.14: read through the file (Note: [Mapped masters])
-            _read_through(self.fd, self.nbytes, self.path)
+            _read_through(self.fd, self.nbytes, self.path, self.what)
 
     def write_back(self) -> None:
         """Write every dirty page to the file, then take every page out of RAM (this process's
         mapping and the page cache). Raises ``OSError`` naming the file on a write error."""
         with self._counted(reading=False):
-            _check(_libc.msync(self.address, self.nbytes, MS_SYNC), "writing the masters back", self.path)
+            _check(_libc.msync(self.address, self.nbytes, MS_SYNC), f"writing the {self.what} back", self.path)
         self.drop()
 
     @contextlib.contextmanager
@@ -157,8 +162,22 @@ class MappedFile:
 
     def drop(self) -> None:
         """Take the clean pages out of RAM; dirty ones stay in the page cache until written."""
-        _check(_libc.madvise(self.address, self.nbytes, MADV_DONTNEED), "dropping the masters' pages", self.path)
+        _check(_libc.madvise(self.address, self.nbytes, MADV_DONTNEED), f"dropping the {self.what}' pages", self.path)
         os.posix_fadvise(self.fd, 0, self.nbytes, os.POSIX_FADV_DONTNEED)
+
+    def discard(self) -> bool:
+        """Make the whole file read as zeros, its blocks kept allocated, without writing them and
+        without holding RAM (``fallocate(FALLOC_FL_ZERO_RANGE)``: the kernel marks the blocks
+        unwritten and drops the pages, mapped ones included). What is written over next then
+        faults in zero pages instead of reading the disk. Returns ``False`` where the filesystem
+        does not offer it (tmpfs, some network filesystems): nothing changed then."""
+        result = _libc.fallocate(self.fd, FALLOC_FL_ZERO_RANGE | FALLOC_FL_KEEP_SIZE, 0, self.nbytes)
+        if result == 0:
+            return True
+        code = ctypes.get_errno()
+        if code in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            return False
+        raise OSError(code, f"discarding the {self.what}: {os.strerror(code)}", self.path)
 
     def resident_bytes(self) -> int:
         """Bytes of the mapping in RAM now (``mincore``)."""
@@ -168,7 +187,7 @@ class MappedFile:
         return PAGE * sum(1 for page in bytes(vector) if page & 1)
 
 
-def _read_through(fd: int, nbytes: int, path: str) -> None:
+def _read_through(fd: int, nbytes: int, path: str, what: str = "masters") -> None:
     """Read ``nbytes`` of the file into the page cache with ``pread`` (the fallback for
     ``MADV_POPULATE_*``); raises ``OSError`` naming the file on a read error."""
     scratch = bytearray(min(READ_THROUGH_CHUNK, nbytes))
@@ -178,9 +197,9 @@ def _read_through(fd: int, nbytes: int, path: str) -> None:
         try:
             read = os.preadv(fd, [view], offset)
         except OSError as error:
-            raise OSError(error.errno, f"reading the masters in: {error.strerror}", path) from None
+            raise OSError(error.errno, f"reading the {what} in: {error.strerror}", path) from None
         if read == 0:  # the file is preallocated to nbytes: a short file is a bug, not the end
-            raise OSError(errno.EIO, "reading the masters in: the file ended early", path)
+            raise OSError(errno.EIO, f"reading the {what} in: the file ended early", path)
         offset += read
 
 

@@ -19,6 +19,10 @@ Note: [Masters on disk]
     3. *write* (after the update, or a sharded update's exchange, and after the read): write the
        pages back and drop them.
 
+    The slice's gradients live in a file of their own beside the masters (Note: [Gradients on
+    disk] in ``offload/streams/gradient_files.py``): the read and the write take them too, and
+    the writer also writes them back after each landing in backward.
+
     So RAM holds about three slices' masters while the optimizer steps, and none in between;
     the next forward waits for each slice's update only, never for a write. A forward that finds
     a slice's shadow out of date (nothing updated the slice since the last forward: gradient
@@ -58,7 +62,9 @@ from .slice_update import HostUpdateError
 from ..streams.backend import Event
 from ..streams.copies import CopyStreams
 from ..streams.disk import DiskCounters, make_directory
+from ..streams.gradient_files import GradientHome
 from ..streams.mapped import MappedFile, mapping_supported
+from ..streams.slice_entries import Entry
 from ..streams.workers import HostWorker
 
 
@@ -94,40 +100,69 @@ class MasterFiles:
         self._read_errors: dict[int, tuple[str, Exception]] = {}
         self._write_errors: dict[int, tuple[str, BaseException]] = {}
         self._last_write: Event | None = None
+        # The writes of the gradients landed last, by turn: a landing waits for its turn's last write.
+        self._landed: list[Event | None] = [None] * WINDOW
+        self._landing_turn = 0
 
-    def allocate(self, nbytes: int) -> MappedFile:
-        """A new file mapping of ``nbytes`` for a slice's host buffer.
+    def allocate(self, nbytes: int, what: str = "masters") -> MappedFile:
+        """A new file mapping of ``nbytes`` for a slice's host buffer (or, ``what="gradients"``,
+        its gradients).
 
         Raises:
             DiskTierError: the disk has no room for it (or another error making it).
         """
         try:
-            return MappedFile(self.directory, nbytes, self.counters)
+            return MappedFile(self.directory, nbytes, self.counters, what)
         except OSError as error:
             raise DiskTierError(
-                f"could not make a file of {nbytes / 2**20:.1f} MiB for a slice's masters in {self.directory} "
+                f"could not make a file of {nbytes / 2**20:.1f} MiB for a slice's {what} in {self.directory} "
                 f"({error.filename}): {error.strerror} (errno {error.errno}). Free space there, or point "
-                "masters=DiskTier(...) at a disk with room for 4 bytes per parameter") from error
+                "masters=DiskTier(...) at a disk with room for 8 bytes per trainable parameter (masters and "
+                "gradients)") from error
+
+    def gradient_home(self, index: int, entries: list[Entry]) -> GradientHome | None:
+        """The file for slice ``index``'s gradients (Note: [Gradients on disk]), or ``None`` when
+        none of ``entries`` (its parameters) needs one."""
+        return GradientHome.for_entries(index, entries, functools.partial(self.allocate, what="gradients"), self)
+
+    # -- around a landing in backward (GradientPaging) --------------------------------------------
+
+    def before_landing(self, home: GradientHome) -> None:
+        """Block until the gradients landed :data:`WINDOW` landings ago are written back and
+        dropped: RAM holds at most that many slices' landed gradients."""
+        self.copies.wait_host(self._landed[self._landing_turn % WINDOW])
+
+    def landed(self, home: GradientHome) -> None:
+        """Write ``home``'s pages back and drop them, on the writer."""
+        self._start_workers()
+        assert self._writer is not None
+        event = self.copies.submit(self._writer, functools.partial(self._write, home.index, home.file))
+        self._landed[self._landing_turn % WINDOW] = event
+        self._landing_turn += 1
+        self._last_write = event
 
     # -- around a host update ---------------------------------------------------------------------
 
-    def read(self, index: int, file: MappedFile) -> Event:
-        """Read slice ``index``'s masters in, on the reader, once the window has room; the update
-        waits for the returned event and runs under :meth:`guard`."""
+    def read(self, index: int, file: MappedFile, gradients: MappedFile | None = None) -> Event:
+        """Read slice ``index``'s masters (and its ``gradients``' file, when ``.grad`` is there) in,
+        on the reader, once the window has room; the update waits for the returned event and runs
+        under :meth:`guard`."""
         self._start_workers()
         turn = self._turn % WINDOW
         self._turn += 1
         self._turn_of[index] = turn
         # Its turn's last write has dropped that slice's pages: RAM holds at most WINDOW slices.
-        event = self.copies.submit(self._reader, functools.partial(self._read, index, file),
+        event = self.copies.submit(self._reader, functools.partial(self._read, index, file, gradients),
                                    after=[self._window[turn]])
         self._read_of[index] = event
         return event
 
-    def _read(self, index: int, file: MappedFile) -> None:
+    def _read(self, index: int, file: MappedFile, gradients: MappedFile | None = None) -> None:
         self._read_errors.pop(index, None)
         try:
             file.read_in()
+            if gradients is not None:
+                gradients.read_in()  # for writing: clipping or unscaling before the update may scale them
         except Exception as error:  # noqa: BLE001 - raised by the update (_guarded), in its slice's place
             # Any error, not only an OSError: nothing waits for the reader's events on the
             # caller's thread, so one left to the worker would never be raised, and the worker
@@ -146,18 +181,18 @@ class MasterFiles:
             why = (error.strerror if isinstance(error, OSError) and error.strerror
                    else f"{type(error).__name__}: {error}")
             raise HostUpdateError(
-                f"could not read the masters of slice {index} from {path} ({why}): slice {index} and the slices "
+                f"could not read the masters or gradients of slice {index} from {path} ({why}): slice {index} and the slices "
                 "after it were left as they were; slices before it are updated") from error
         work()
 
-    def write(self, index: int, file: MappedFile, after: Event | None) -> None:
+    def write(self, index: int, file: MappedFile, after: Event | None, gradients: MappedFile | None = None) -> None:
         """Write slice ``index``'s masters back and drop them, on the writer, after ``after`` (the
         last work that writes them: its update, or the exchange of a sharded update) and after
         their read: an update skipped because an earlier one failed does not wait for its read,
         which would read the pages in again after they were dropped."""
         self._start_workers()
         assert self._writer is not None
-        event = self.copies.submit(self._writer, functools.partial(self._write, index, file),
+        event = self.copies.submit(self._writer, functools.partial(self._write, index, file, gradients),
                                    after=[after, self._read_of.pop(index, None)])
         turn = self._turn_of.pop(index, None)
         if turn is not None:  # not read in by an update of this rank (a sharded update's exchange wrote it)
@@ -171,9 +206,11 @@ class MasterFiles:
             weakref.finalize(self, self._reader.close)
             weakref.finalize(self, self._writer.close)
 
-    def _write(self, index: int, file: MappedFile) -> None:
+    def _write(self, index: int, file: MappedFile, gradients: MappedFile | None = None) -> None:
         try:
             file.write_back()
+            if gradients is not None:
+                gradients.write_back()
         except Exception as error:  # noqa: BLE001 - raised by flush(), naming the slice and the file
             # Any error: one left to the worker would skip every write after it.
             self._write_errors[index] = (file.path, error)
@@ -201,8 +238,8 @@ class MasterFiles:
                else f"{type(first).__name__}: {first}")
         files = ", ".join(f"slice {index}: {path}" for index, (path, _) in failed.items())
         raise DiskTierError(
-            f"could not write the masters of {len(failed)} slice(s) back to disk ({files}): {why}. Those slices "
-            "are updated in RAM for now, but after a failed write the kernel may drop their pages and read "
+            f"could not write the masters or gradients of {len(failed)} slice(s) back to disk ({files}): {why}. "
+            "Their values are in RAM for now, but after a failed write the kernel may drop their pages and read "
             "back what the file held before: fix the disk, then reload the last checkpoint (or save one "
             "elsewhere right away and check it) before training on")
 

@@ -7,6 +7,8 @@ may be in flight before their backwards.
 
 from __future__ import annotations
 
+import functools
+
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -163,8 +165,10 @@ class Engine:
         self.slices: list[Slice] = []
         held: set[int] = set()  # what earlier slices hold (Note: [Tied parameters across slices])
         for i, (names, layers) in enumerate(groups):
+            homes = (functools.partial(self.master_files.gradient_home, i) if self.master_files is not None
+                     else None)  # Note: [Gradients on disk]
             storage = (ResidentStorage(layers, device, compute_dtype, held) if i < resident_slices
-                       else SliceStorage(layers, allocate, compute_dtype, held, allocate_masters))
+                       else SliceStorage(layers, allocate, compute_dtype, held, allocate_masters, homes))
             self.slices.append(Slice(i, names, layers, storage))
             held.update(id(e.tensor) for e in storage.held)
         _check_borrowed(self.slices)

@@ -1,0 +1,155 @@
+"""A slice's parameter gradients in a file on a local disk: their home between backward and the
+slice's update, when the model's masters are on disk (``OffloadModel(..., masters=DiskTier(path))``).
+
+What this file holds: :class:`GradientHome` (where each gradient of one slice lies in its file,
+and whether the file can take the next backward's gradients). What it does not: the mapping and
+its page calls (``mapped.py``), when pages are written back and read in (``offload/tiers/master_files.py``),
+or the landing of gradients (``gradients.py``).
+
+Note: [Gradients on disk]
+    With the masters on disk, RAM held the model's float32 gradients from backward to the next
+    ``zero_grad()``: 4 bytes per parameter, the largest category left in RAM. Their home is now a
+    file per slice, mapped as the masters are (Note: [Mapped masters] in ``mapped.py``), and
+    ``.grad`` is a view of that mapping, so ``p.grad``, ``clip_grad_norm_``, ``GradScaler``'s
+    checks and accumulation over backwards see ordinary tensors with the same values:
+
+    1. landing: a slice's gradients land in the pooled window of host buffers, as they do in
+       RAM, and are then copied (or, onto the zeros of ``zero_grad(set_to_none=False)`` or
+       onto an earlier backward's gradients, added: Note: [Gradients added in place]) into the
+       home; autograd adopts the home's views as ``.grad``;
+    2. the masters' writer writes the home's pages back and drops them; a slice's landing first
+       waits for the write of the slice that landed :data:`~offload.tiers.disk_tier.WINDOW`
+       slices before, so RAM holds a few slices' gradients, not the model's;
+    3. the slice's update reads the home in with its masters, and writes both back and drops
+       them after.
+
+    Before the gradients are copied into an idle home, its file is discarded
+    (``fallocate(FALLOC_FL_ZERO_RANGE)``): the copy then faults in zero pages instead of reading
+    the previous step's gradients from the disk. ``zero_grad(set_to_none=False)`` of the model or
+    of an ``OffloadOptimizer`` zeroes a home the same way, without touching its pages
+    (:func:`zeroed_in_files`).
+
+    A home takes a backward's gradients only when that cannot change a tensor someone holds:
+    when nothing refers to its memory (``.grad`` set to ``None``, no view kept), or when every
+    gradient that lands in it is added into its own ``.grad`` there. Otherwise (a ``.grad``
+    replaced by hand, a view kept across ``zero_grad()``, a tied parameter, a sparse gradient)
+    the slice's gradients go to pooled RAM as without a home, with the same values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Protocol
+
+import torch
+
+from .gradients import _Place, lay_out_gradients
+from .host_buffers import _storage_use_count
+from .mapped import MappedFile
+from .slice_entries import Entry
+
+
+class GradientPaging(Protocol):
+    """What moves a home's pages: the masters' reader and writer (``tiers/master_files.py``)."""
+
+    def before_landing(self, home: GradientHome) -> None:
+        """Block until RAM has room for another slice's gradients."""
+
+    def landed(self, home: GradientHome) -> None:
+        """The home holds a backward's gradients: write them back and drop them."""
+
+
+class GradientHome:
+    """One slice's gradients in a file mapping, each at a fixed place (Note: [Gradients on disk]).
+
+    Args:
+        index: the slice's index.
+        file: the mapping, at least as large as the places need.
+        places: per parameter of the slice (indexed as its ``params``), its gradient's place, or
+            ``None`` for a parameter that has no home (frozen when the model was built, or borrowed).
+        paging: what writes the home back after a landing.
+    """
+
+    def __init__(self, index: int, file: MappedFile, places: Sequence[_Place | None], paging: GradientPaging) -> None:
+        self.index = index
+        self.file = file
+        self.places = list(places)
+        self.paging = paging
+        self._idle_use_count = _storage_use_count(file.tensor)
+
+    @classmethod
+    def for_entries(cls, index: int, entries: Sequence[Entry], allocate: Callable[[int], MappedFile], paging: GradientPaging
+                    ) -> GradientHome | None:
+        """A home for the gradients of ``entries`` (a slice's parameters) that require one now:
+        own floating-point parameters with ``requires_grad``; ``None`` when none does.
+        ``allocate(nbytes)`` makes the file (and raises when the disk has no room)."""
+        wanted = [not e.borrowed and e.dtype.is_floating_point and e.tensor.requires_grad for e in entries]
+        places, nbytes = lay_out_gradients(entries, wanted)
+        if nbytes == 0:
+            return None
+        return cls(index, allocate(nbytes), places, paging)
+
+    def is_idle(self) -> bool:
+        """Whether nothing outside this home refers to its memory (no ``.grad``, no kept view)."""
+        count = _storage_use_count(self.file.tensor)
+        return count is not None and self._idle_use_count is not None and count <= self._idle_use_count
+
+    def view(self, j: int) -> torch.Tensor:
+        """Parameter ``j``'s gradient in the home."""
+        place = self.places[j]
+        assert place is not None
+        return place.view(self.file.tensor)
+
+    def holds(self, j: int, grad: torch.Tensor | None) -> bool:
+        """Whether ``grad`` is parameter ``j``'s gradient in this home."""
+        place = self.places[j]
+        return (place is not None and grad is not None and grad.layout == torch.strided
+                and grad.data_ptr() == self.file.address + place.offset and grad.dtype == place.dtype
+                and grad.shape == place.shape)
+
+    def covers(self, places: Sequence[_Place | None], received: Sequence[bool]) -> bool:
+        """Whether every gradient a backward produced (``received``, laid out as ``places``) has a
+        place here of the same dtype and shape."""
+        for mine, theirs, got in zip(self.places, places, received):
+            if theirs is None or not got:
+                continue
+            if mine is None or mine.dtype != theirs.dtype or mine.shape != theirs.shape or mine.stride != theirs.stride:
+                return False
+        return True
+
+    def zero(self) -> None:
+        """Make every gradient here zero without holding its pages (the file discarded), or, where
+        the filesystem cannot discard, zero it in RAM and write it back."""
+        if not self.file.discard():
+            self.file.tensor.zero_()
+            self.file.write_back()
+
+
+@contextlib.contextmanager
+def zeroed_in_files(storages: Iterable[object], params: Iterable[torch.Tensor]) -> Iterator[None]:
+    """Around a ``zero_grad(set_to_none=False)`` of ``params``: the gradients that fill a home by
+    themselves (nothing else refers to its memory) are zeroed by discarding its file instead of
+    writing zeros into its pages, which would bring them all into RAM (Note: [Gradients on disk]);
+    they are hidden from the body (``.grad`` set to ``None`` while it runs) and put back after."""
+    wanted = {id(p) for p in params}
+    hidden: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for storage in storages:
+        home: GradientHome | None = getattr(storage, "gradient_home", None)
+        if home is None:
+            continue
+        grads = [(e.tensor, e.tensor.grad) for j, e in enumerate(storage.params)  # type: ignore[attr-defined]
+                 if home.holds(j, e.tensor.grad)]
+        count = _storage_use_count(home.file.tensor)
+        if (not grads or any(id(p) not in wanted for p, _ in grads) or count is None
+                or home._idle_use_count is None or count != home._idle_use_count + len(grads)):
+            continue  # something else refers to it (or a gradient not zeroed here): zero in place
+        home.zero()
+        for p, grad in grads:
+            p.grad = None
+            hidden.append((p, grad))
+    try:
+        yield
+    finally:
+        for p, grad in hidden:
+            p.grad = grad
