@@ -5,8 +5,8 @@ Writes a safetensors checkpoint of an ``nn.Sequential`` of Linear+GELU blocks on
 (never the whole model in memory), loads it slice by slice with :func:`offload.load_sequential`,
 and trains a few steps with ``OffloadOptimizer(torch.optim.AdamW, fused=True, disk_tier=...)``:
 masters and gradients in RAM, AdamW's moments on disk; with ``--compute-dtype bfloat16
---masters-on-disk``, the float32 masters on disk too (``OffloadModel(..., masters=DiskTier(...))``),
-the bfloat16 shadow and the gradients in RAM. Records the parameters, the bytes the
+--masters-on-disk``, the float32 masters and the gradients on disk too (``OffloadModel(...,
+masters=DiskTier(...))``), the bfloat16 shadow in RAM. Records the parameters, the bytes the
 float32 AdamW state would take in RAM, peak RSS (sampled, and the kernel's high-water mark), bytes
 on disk, seconds per step and where they go (forward and backward; the update's wait), and the
 disk traffic per step against the raw bandwidth measured by ``benchmarks/bench_storage.py``.
@@ -20,7 +20,7 @@ Usage::
 
     python benchmarks/bench_scale.py --dir /nvme/scratch --json benchmarks/results/scale_cpu_DATE.json
         [--width 8192] [--layers 30] [--slices 15] [--steps 3] [--batch 8]
-        [--compute-dtype bfloat16 --masters-on-disk]
+        [--compute-dtype bfloat16 --masters-on-disk] [--resume-check | --drop-checkpoint]
 """
 
 from __future__ import annotations
@@ -179,11 +179,16 @@ def main() -> None:
     parser.add_argument("--resume-check", action="store_true",
                         help="save a checkpoint before the last step, then build the model again, load it, run the "
                              "last step again and compare its loss and the parameters after it, bit for bit")
+    parser.add_argument("--drop-checkpoint", action="store_true",
+                        help="delete the safetensors checkpoint once it is loaded, so that a model whose checkpoint "
+                             "and training files together do not fit the disk still trains")
     parser.add_argument("--device", default="cpu", help="the compute device (cuda: the device slots in GPU memory)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     if args.resume_check and args.steps < 2:
         parser.error("--resume-check needs --steps 2 or more: it saves before the last step")
+    if args.resume_check and args.drop_checkpoint:
+        parser.error("--resume-check builds the model again from the checkpoint: it cannot go with --drop-checkpoint")
     if args.masters_on_disk and args.compute_dtype == "float32":
         parser.error("--masters-on-disk needs --compute-dtype bfloat16")
     compute_dtype = torch.bfloat16 if args.compute_dtype == "bfloat16" else None
@@ -201,16 +206,18 @@ def main() -> None:
             result["checkpoint"]["write_s"] = time.perf_counter() - started
         result["checkpoint"]["peak_rss_bytes"] = writing.peak
 
-        def load() -> tuple[offload.OffloadModel, OffloadOptimizer]:
+        def load(drop: bool = False) -> tuple[offload.OffloadModel, OffloadOptimizer]:
             model = offload.load_sequential(lambda: build(args.width, args.layers), work / "checkpoint",
                                             device=args.device, num_slices=args.slices, compute_dtype=compute_dtype,
                                             masters=DiskTier(work / "masters") if args.masters_on_disk else None)
+            if drop:  # before the optimizer's tier checks its room
+                shutil.rmtree(work / "checkpoint")
             return model, OffloadOptimizer(model, torch.optim.AdamW, lr=1e-4, fused=True,
                                            disk_tier=DiskTier(work / "state"))
 
         with PeakRSS() as training:
             started = time.perf_counter()
-            model, optimizer = load()
+            model, optimizer = load(drop=args.drop_checkpoint)
             load_s = time.perf_counter() - started
             rss_after_load = psutil.Process().memory_info().rss
             params = sum(p.numel() for p in model.parameters())
@@ -256,8 +263,11 @@ def main() -> None:
                     io_before, masters_before = io_counts(counters), io_counts(files and files.counters)
             footprint = model.memory_footprint()
             state_on_disk = disk_bytes(work / "state")
-            # The masters' files are unlinked once mapped: the footprint counts them.
-            masters_on_disk = footprint.disk - optimizer._tier.disk_nbytes
+            # The masters' and gradients' files are unlinked once mapped: the footprint counts them.
+            homes = [piece.storage.gradient_home for piece in model._engine.slices
+                     if getattr(piece.storage, "gradient_home", None) is not None]
+            gradients_on_disk = sum(home.file.nbytes for home in homes)
+            masters_on_disk = footprint.disk - optimizer._tier.disk_nbytes - gradients_on_disk
             estimate = offload.estimate_memory(build_meta(args.width, args.layers), num_slices=args.slices,
                                                compute_dtype=compute_dtype, optimizer="adamw",
                                                optimizer_state="disk",
@@ -288,6 +298,9 @@ def main() -> None:
             "peak_rss_bytes_kernel": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "disk_state_bytes": state_on_disk,
             "disk_masters_bytes": masters_on_disk,
+            "disk_gradients_bytes": gradients_on_disk,
+            "footprint_host_bytes_per_parameter": footprint.host_total / params,
+            "footprint_per_parameter": footprint.per_parameter(),
             "estimate_host_and_device_bytes": estimate.host_total + estimate.device_total,
             "estimate_disk_bytes": estimate.disk,
             "checkpoint_bytes": result["checkpoint"]["bytes"],

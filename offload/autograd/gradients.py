@@ -143,6 +143,9 @@ class BackwardGradients:
                                 milestones.rewrite_gradients,
                                 any_grad=milestones.final_parameters(run.call) if self.final_wanted else ())
         self._into = [into[start:start + size] for start, size in zip(self._starts, sizes)]
+        # Gradients go to their slice's file once landed (Note: [Gradients on disk]) unless
+        # something rewrites them on their way (host averaging reads the landed views).
+        self._homes = not milestones.rewrite_gradients
         # What a failed backward can zero again: .grad that held zeros (rule 6); the others were
         # taken only by the backward that starts the update.
         self._undoable = {id(t) for t in into if t is not None and still_zeroed(t)}
@@ -164,7 +167,7 @@ class BackwardGradients:
         storage = engine.slices[i].storage
         params = storage.params
         self._slice = (engine.gradients.begin(params, needed, self._into[i], engine.stays_on_device(params),
-                                              home=getattr(storage, "gradient_home", None))
+                                              home=getattr(storage, "gradient_home", None) if self._homes else None)
                        if any(needed) else None)
 
     def add(self, param_grads: Sequence[torch.Tensor | None], others: Sequence[Any]) -> None:

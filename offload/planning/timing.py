@@ -158,6 +158,9 @@ def traffic(layout: SliceLayout, profile: ModelProfile | None, config: StepConfi
     streamed_grads = layout.gradient_bytes[k:]
     state_bytes = sum(layout.state_bytes[k:]) if config.optimizer_state == "disk" else 0
     master_bytes = sum(layout.host_bytes[k:]) if config.masters == "disk" else 0
+    # With the masters on disk their gradients are too: written as they land, read by the update
+    # (Note: [Gradients on disk] in offload/streams/gradient_files.py).
+    gradient_file_bytes = sum(streamed_grads) if config.masters == "disk" else 0
     # The host bytes per float32 parameter (host_bytes.py); other dtypes scale with their size. A
     # resident slice's update on the device writes no shadow.
     host = host_bytes_per_step(1, compute_dtype=config.compute_dtype, optimizer=optimizer)
@@ -179,8 +182,8 @@ def traffic(layout: SliceLayout, profile: ModelProfile | None, config: StepConfi
         update=round(host.update / 4 * sum(streamed_grads)),
         # Each trained parameter's shadow is written from its master: a pass of its own, or the update's.
         shadow=round(host.shadow / 4 * sum(layout.trainable_bytes[k:])),
-        disk_read=state_bytes + master_bytes,
-        disk_write=state_bytes + master_bytes,
+        disk_read=state_bytes + master_bytes + gradient_file_bytes,
+        disk_write=state_bytes + master_bytes + gradient_file_bytes,
         device_copies=resident_loads + resident_reloads + 2 * sum(layout.gradient_bytes[:k]),
         device_update=round(per_byte * sum(layout.gradient_bytes[:k])),
     )

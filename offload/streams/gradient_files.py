@@ -33,7 +33,9 @@ Note: [Gradients on disk]
     when nothing refers to its memory (``.grad`` set to ``None``, no view kept), or when every
     gradient that lands in it is added into its own ``.grad`` there. Otherwise (a ``.grad``
     replaced by hand, a view kept across ``zero_grad()``, a tied parameter, a sparse gradient)
-    the slice's gradients go to pooled RAM as without a home, with the same values.
+    the slice's gradients go to pooled RAM as without a home, with the same values; so do they
+    under data parallelism that averages them on the host (it reads the landed buffers, after
+    their copy's event, on its own worker).
 """
 
 from __future__ import annotations

@@ -162,7 +162,7 @@ class MasterFiles:
         try:
             file.read_in()
             if gradients is not None:
-                gradients.read_in()  # for writing: clipping or unscaling before the update may scale them
+                gradients.read_in(write=False)  # the update only reads them: they stay clean, nothing to write back
         except Exception as error:  # noqa: BLE001 - raised by the update (_guarded), in its slice's place
             # Any error, not only an OSError: nothing waits for the reader's events on the
             # caller's thread, so one left to the worker would never be raised, and the worker
