@@ -17,7 +17,7 @@ import torch
 
 from offload import DiskTier, OffloadModel, OffloadOptimizer, estimate_memory
 from offload.kernels import host_kernel
-from offload.planning.planner import slice_layout
+from offload.planning.planner import _most_at_once, slice_layout
 from offload.planning.presets import build_preset
 from offload.planning.shapes import profile_layers
 
@@ -77,10 +77,11 @@ def main() -> None:
         footprint = model.memory_footprint()
         host = estimate.host_total
         if spec.get("masters") == "disk":
-            # Between steps no masters are in RAM; estimate_memory's window counts three slices'
-            # masters, in RAM while the optimizer steps.
+            # Between steps no masters or gradients are in RAM; estimate_memory's window counts
+            # three slices' of each, in RAM while the optimizer steps.
             layout = slice_layout(preset.model, num_slices=spec["slices"], compute_dtype=dtype)
-            host -= min(3, layout.num_slices) * max(layout.host_bytes)
+            window = min(3, layout.num_slices)
+            host -= _most_at_once(layout.host_bytes, window) + _most_at_once(layout.gradient_bytes, window)
         print(json.dumps({
             "rss_growth": grown,
             "footprint_host": footprint.host_total,

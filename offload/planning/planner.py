@@ -290,14 +290,23 @@ def _placed(layout: SliceLayout, optimizer_state: str, masters: str, resident: i
         # The tier's window: three slices' state being read, updated and written (offload/tiers/disk_tier.py).
         disk, disk_window, state = state, window_slices * max(state_bytes), 0
     if masters == "disk":
-        # One file per slice, in whole pages (offload/streams/mapped.py); three slices' masters
+        # One file per slice, in whole pages (offload/streams/mapped.py); three consecutive slices' masters
         # are in RAM while the optimizer steps (Note: [Masters on disk]). Their gradients go to
         # files of their own, read in and written back with them (Note: [Gradients on disk]).
         grads = layout.gradient_bytes[resident:] or [0]
         disk += sum(_align(h, 4096) for h in host_bytes) + sum(_align(g, 4096) for g in grads if g)
-        disk_window += window_slices * (max(host_bytes) + max(grads))
+        disk_window += _most_at_once(host_bytes, window_slices) + _most_at_once(grads, window_slices)
         masters_bytes = 0
     return masters_bytes, state, disk, disk_window, masters == "disk"
+
+
+def _most_at_once(per_slice: list[int], window: int) -> int:
+    """The most bytes ``window`` consecutive slices take: what the masters' and gradients' windows
+    hold at once, since each read waits for the write of the slice ``window`` reads before it, and
+    slices are read in slice order (either way)."""
+    if window <= 0:
+        return 0
+    return max(sum(per_slice[i:i + window]) for i in range(max(len(per_slice) - window + 1, 1)))
 
 
 def _activations(layout: SliceLayout, profile: ModelProfile | None, num_microbatches: int,
