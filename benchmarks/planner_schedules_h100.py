@@ -40,7 +40,7 @@ import torch
 from offload.planning.host_bytes import shadow_pass
 from offload.planning.planner import slice_layout
 from offload.planning.rates import load_rates
-from offload.planning.timing import StepConfig, estimate_step_time, exposed_update
+from offload.planning.timing import StepConfig, estimate_step_time, exposed_update, landed_gradients
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = ROOT / "benchmarks" / "results" / "h100-2026-11-26b"
@@ -106,8 +106,9 @@ def resident_markdown(result: dict[str, Any]) -> str:
 
 def predictions() -> dict[str, Any]:
     """The planner's predictions of the measured run's schedules; that run wrote each shadow in a
-    pass of its own (before the one-pass update), and is predicted so."""
-    with shadow_pass(in_update=False):
+    pass of its own (before the one-pass update) and sent every gradient in float32 (before the
+    gradients added on the host left in the compute dtype), and is predicted so."""
+    with shadow_pass(in_update=False), landed_gradients(in_compute_dtype=False):
         return _predictions()
 
 

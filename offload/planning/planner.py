@@ -14,7 +14,7 @@ time's estimate (``timing.py``) counts too.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -207,6 +207,9 @@ class SliceLayout:
             slice's stay on the device).
         trainable_counts: elements of its parameters that require grad.
         parameters: elements of all parameters; trainable: of those that require grad.
+        computed_gradient_bytes: its trainable parameters' gradients as autograd produces them
+            on the device (in the compute dtype, under one): what leaves for the host where the
+            host adds them into ``.grad`` itself (Note: [Gradients in the compute dtype]).
     """
 
     ranges: list[range]
@@ -219,6 +222,7 @@ class SliceLayout:
     trainable_counts: list[int]
     parameters: int
     trainable: int
+    computed_gradient_bytes: list[int] = field(default_factory=list)
 
     @property
     def num_slices(self) -> int:
@@ -262,6 +266,7 @@ def slice_layout(layers: nn.Module | Sequence[int] | int, *, num_slices: int = 8
         trainable_counts=[sum(t.numel for t in s) for s in trained],
         parameters=sum(t.numel for s in slices for t in s if t.is_parameter),
         trainable=sum(t.numel for s in trained for t in s),
+        computed_gradient_bytes=[sum(t.numel * device_dtype(t).itemsize for t in s) for s in trained],
     )
 
 

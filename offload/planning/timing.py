@@ -48,7 +48,8 @@ against the H100 results in ``benchmarks/results/planner_vs_h100_2026-11-26.md``
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -145,6 +146,25 @@ class _Traffic:
     device_update: int = 0
 
 
+#: Whether gradients the host adds into ``.grad`` itself leave the device in the compute dtype
+#: (Note: [Gradients in the compute dtype] in ``offload/streams/gradients.py``). Runs measured
+#: before they did are predicted under :func:`landed_gradients` ``(in_compute_dtype=False)``.
+LANDED_IN_COMPUTE_DTYPE = True
+
+
+@contextlib.contextmanager
+def landed_gradients(in_compute_dtype: bool) -> Iterator[None]:
+    """Count (and so plan) the gradients the host adds into ``.grad`` as leaving in the compute
+    dtype or in their parameters' dtype, whatever this library does: to predict a run measured
+    before they left in the compute dtype."""
+    global LANDED_IN_COMPUTE_DTYPE
+    saved, LANDED_IN_COMPUTE_DTYPE = LANDED_IN_COMPUTE_DTYPE, in_compute_dtype
+    try:
+        yield
+    finally:
+        LANDED_IN_COMPUTE_DTYPE = saved
+
+
 def traffic(layout: SliceLayout, profile: ModelProfile | None, config: StepConfig,
             optimizer: str | None = "adamw") -> _Traffic:
     """Bytes a step moves, as ``offload/streams/copies.py`` counts them (``loaded_bytes``,
@@ -156,6 +176,11 @@ def traffic(layout: SliceLayout, profile: ModelProfile | None, config: StepConfi
     n, k = layout.num_slices, config.resident_slices
     boundaries = profile.checkpointed_bytes(layout.ranges, config.num_microbatches) if profile is not None else 0
     streamed_grads = layout.gradient_bytes[k:]
+    # With one microbatch, gradients the host adds into .grad itself (zero_grad(set_to_none=False),
+    # as estimate_memory assumes; or their files, with masters on disk) leave in the compute dtype
+    # (Note: [Gradients in the compute dtype]); sums over microbatches leave in float32.
+    leaving = (layout.computed_gradient_bytes if LANDED_IN_COMPUTE_DTYPE and config.num_microbatches == 1
+               and layout.computed_gradient_bytes else layout.gradient_bytes)
     state_bytes = sum(layout.state_bytes[k:]) if config.optimizer_state == "disk" else 0
     master_bytes = sum(layout.host_bytes[k:]) if config.masters == "disk" else 0
     # With the masters on disk their gradients are too: written as they land, read by the update
@@ -174,11 +199,11 @@ def traffic(layout: SliceLayout, profile: ModelProfile | None, config: StepConfi
         forward_loads=sum(layout.device_bytes[k:]),
         forward_offloads=boundaries,
         backward_loads=sum(layout.device_bytes[j] for j in reloaded if j >= k) + boundaries,
-        backward_offloads=sum(streamed_grads),
+        backward_offloads=sum(leaving[k:]),
         first_load=layout.device_bytes[0] if k == 0 else 0,
         # Slice 0's gradients leave last; a resident one's do not leave, and the streamed slices'
         # cross while the resident ones' backward runs.
-        last_offload=layout.gradient_bytes[0] if k == 0 else 0,
+        last_offload=leaving[0] if k == 0 else 0,
         update=round(host.update / 4 * sum(streamed_grads)),
         # Each trained parameter's shadow is written from its master: a pass of its own, or the update's.
         shadow=round(host.shadow / 4 * sum(layout.trainable_bytes[k:])),

@@ -1,12 +1,19 @@
 """Parameter gradients: summed on the device over microbatches, then offloaded to the host.
 
-Gradients leave the device in their parameter's dtype: under a compute dtype the half-precision
-gradients are cast to float32 on the device, where the cast is nearly free, so that autograd can
-adopt the host views as float32 ``.grad`` as they are. Handing autograd half-precision host views
-instead makes it cast them on the CPU, into a freshly allocated float32 tensor, at the end of
-every backward. The price is twice the gradient bytes on the device-to-host direction, which
-otherwise carries less than the loads do (run 3 in ``benchmarks/results/h100-2026-11-22/README.md``
-measured the change).
+Note: [Gradients in the compute dtype]
+    Under a compute dtype, a slice's gradients come out of autograd in that dtype. Where autograd
+    adopts the host views as ``.grad`` (``.grad`` was ``None``), they leave the device in their
+    parameter's dtype: cast to float32 on the device, where the cast is nearly free, so that
+    autograd takes the host views as they are. Handing autograd half-precision host views instead
+    makes it cast them on the CPU, into a freshly allocated float32 tensor, at the end of every
+    backward (run 3 in ``benchmarks/results/h100-2026-11-22/README.md`` measured that).
+
+    Where the host itself puts them into ``.grad`` as they land (added in place: Note:
+    [Gradients added in place]; or copied into their file: Note: [Gradients on disk]), they leave
+    as autograd produced them, half the bytes on the device-to-host direction, and the host's
+    addition or copy casts them: a half-precision value's float32 cast is exact, and
+    ``grad.add_(half)`` adds its float32 cast, so ``.grad`` ends as it would have, bit for bit.
+    Microbatches summed on the device are summed in float32 and leave so.
 
 With one microbatch, the gradients autograd produced are offloaded as they are. With several,
 they are summed into one of two persistent device gradient buffers and leave for the host in a
@@ -76,8 +83,9 @@ class SliceGradients:
         places: per parameter of the slice, where its gradient goes, or ``None`` where no
             gradient is needed.
         received: per parameter, whether any microbatch produced a gradient.
-        held: the first microbatch's gradients, in the parameters' dtypes, until a second
-            microbatch needs a device buffer to sum into.
+        held: the first microbatch's gradients, as autograd produced them (in the compute dtype,
+            under one), until a second microbatch needs a device buffer to sum into; cast to the
+            parameters' dtypes where they are read as such (:meth:`device_tensors`).
         sparse: per parameter, its sparse gradient summed over microbatches so far, or ``None``;
             such a parameter is not :attr:`received` (that is the dense gradients').
         sums: once summing started, per parameter its view into the device buffer.
@@ -127,7 +135,7 @@ class SliceGradients:
         incoming = [(j, g) for j, g in incoming if not g.is_sparse]
         if self.sums is None and not any(self.received):
             for j, g in incoming:
-                self.held[j] = g.to(self.places[j].dtype)  # type: ignore[union-attr]
+                self.held[j] = g  # cast where it is read in the parameter's dtype (Note: [Gradients in the compute dtype])
                 self.received[j] = True
             return
         if self.sums is None:
@@ -148,8 +156,15 @@ class SliceGradients:
         if self.sums is not None:
             dense = [s if got else None for s, got in zip(self.sums, self.received)]
         else:
-            dense = list(self.held)
+            dense = self.held_as_placed()
         return [g if g is not None else d for g, d in zip(self.sparse, dense)]
+
+    def held_as_placed(self) -> list[torch.Tensor | None]:
+        """The held gradients in their parameters' dtypes, cast on the device (and kept so)."""
+        for j, (held, place) in enumerate(zip(self.held, self.places)):
+            if held is not None and place is not None and held.dtype != place.dtype:
+                self.held[j] = held.to(place.dtype)
+        return list(self.held)
 
     def _start_summing(self) -> None:
         self.buffer_index, flat = self.offloader._claim_buffer(self.nbytes)
@@ -277,9 +292,13 @@ class GradientOffloader:
                 target is not None for target, place, got in zip(grads.into, grads.places, grads.received)
                 if place is not None and got)
             host = self.pool.take(self._max_nbytes if transient else grads.nbytes)
+            # Note: [Gradients in the compute dtype]: what the host adds or copies into .grad itself
+            # leaves as autograd produced it; what autograd adopts leaves in the parameter's dtype.
+            held = grads.held if transient and grads.sums is None else grads.held_as_placed()
             for j, (place, got) in enumerate(zip(grads.places, grads.received)):
                 if place is not None and got:
-                    host_views[j] = place.view(host.data)
+                    dtype = held[j].dtype if grads.sums is None and held[j] is not None else place.dtype
+                    host_views[j] = typed_view(host.data, place.offset, dtype, place.shape, place.stride)
             if grads.sums is not None:
                 assert grads.buffer_index is not None
                 device = self._buffers[grads.buffer_index]
@@ -288,7 +307,7 @@ class GradientOffloader:
                                             after=(host.read_event, grads.reduced), label=label)
                 self._offloaded[grads.buffer_index] = ready
             else:
-                pairs = [(h, g) for h, g in zip(host_views, grads.held) if h is not None and g is not None]
+                pairs = [(h, g) for h, g in zip(host_views, held) if h is not None and g is not None]
                 ready = self.copies.offload_many([h for h, _ in pairs], [g for _, g in pairs],
                                                  after=(host.read_event, grads.reduced), label=label)
                 grads.held = [None] * len(grads.places)
