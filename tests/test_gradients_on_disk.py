@@ -207,3 +207,23 @@ def test_a_failed_write_of_landed_gradients_is_raised(tmp_path, monkeypatch):
     for _, o in runs:
         o.step()
     assert_same(ram_model, ram, model, optimizer)
+
+
+def test_a_sparse_gradient_stays_in_ram_beside_dense_ones_in_the_file(tmp_path):
+    def layers():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Embedding(50, 16, sparse=True), nn.Linear(16, 16), nn.Linear(16, 4))
+
+    ram, disk = (OffloadModel(layers(), device="cpu", num_slices=1, compute_dtype=BF16, masters=masters)
+                 for masters in (None, DiskTier(tmp_path)))
+    tokens = torch.randint(0, 50, (3, 5))
+    storage = disk._engine.slices[0].storage
+    for step in range(2):
+        for model in (ram, disk):
+            model.zero_grad()
+            model(tokens + step).float().pow(2).sum().backward()
+        embedding, *dense = list(zip(ram.parameters(), disk.parameters()))
+        assert embedding[1].grad.is_sparse and torch.equal(embedding[1].grad.to_dense(), embedding[0].grad.to_dense())
+        assert all(torch.equal(p.grad, q.grad) for p, q in dense)
+        assert all(storage.gradient_home.holds(j, e.tensor.grad) for j, e in enumerate(storage.params)
+                   if not e.tensor.grad.is_sparse)

@@ -384,7 +384,7 @@ class GradientOffloader:
                 if grads.landing is not None:  # Note: [Gradients on disk]
                     pairs = [(home, new) for home, new, target in zip(
                         grads.host_views, grads.landing, grads.into or [None] * len(landed))
-                        if new is not None and target is None]
+                        if new is not None and target is None and home is not new]  # a sparse one stays
                     if pairs:
                         torch._foreach_copy_([home for home, _ in pairs], [new for _, new in pairs])
                 for j, (target, view) in enumerate(zip(grads.into or (), landed)):
