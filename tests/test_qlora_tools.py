@@ -134,3 +134,105 @@ def test_plan_without_bitsandbytes_says_what_to_install(monkeypatch, capsys):
     line = plan_error(capsys, "--hf-config", json.dumps(TINY_LLAMA), "--gpu", "a100", "--lora-r", "4",
                       "--quantize", "nf4")
     assert line.endswith('--quantize nf4 needs bitsandbytes: pip install "offload[bnb]"'), line
+
+
+# -- offload-finetune --load-in-4bit ------------------------------------------------------------------
+
+
+def adapters(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach() for n, p in model.named_parameters() if "lora_" in n}
+
+
+def test_finetune_trains_the_adapters_of_a_4bit_base_as_the_unwrapped_model_does(tmp_path, capsys):
+    from offload.cli import finetune as cli
+    from offload.cli.finetune_args import parse_args as finetune_args
+    from offload.cli.models import four_bit_settings, quantized_random_model, random_model
+
+    from .test_finetune import EXACT, run_cli
+
+    args = ["--out", str(tmp_path / "adapter"), "--steps", "2", "--batch-size", "2", "--seq-len", "16",
+            "--compute-dtype", "none", "--loss-chunk-tokens", "0", "--lora-r", "2", "--load-in-4bit"]
+    code, out, err = run_cli(*args, tmp_path=tmp_path, capsys=capsys)
+    assert code == 0, err
+    assert "nf4 4-bit base" in out and len([line for line in out.splitlines() if line.startswith("step ")]) == 2
+    assert (tmp_path / "adapter" / "adapter_config.json").is_file()
+    assert not (tmp_path / "adapter" / "model.safetensors").exists()  # the adapter only, not the base
+
+    def base():
+        torch.manual_seed(0)
+        hf, tokenizer = random_model("llama", "tiny", 256, 16)
+        return quantized_random_model(hf, four_bit_settings(namespace)), tokenizer
+
+    # The same QLoRA model trained unwrapped on the same batches, with PyTorch, peft and transformers alone.
+    namespace = finetune_args([*args, "--device", "cpu"])
+    hf, tokenizer = base()
+    reference = peft.get_peft_model(hf, peft.LoraConfig(r=2, lora_alpha=4, target_modules="all-linear",
+                                                        task_type="CAUSAL_LM"))
+    hf.config.use_cache = False
+    optimizer = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.0,
+                                  fused=True)
+    batches = cli.Batches(namespace, tokenizer).train()
+    for _ in range(2):
+        ids = next(batches)
+        logits = reference(input_ids=ids).logits
+        hf.loss_function(logits=logits, labels=ids, vocab_size=256, num_items_in_batch=ids[:, 1:].numel()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    # Saved as PEFT saves an adapter, loaded back on the unwrapped 4-bit base: the same adapters, bit for bit.
+    loaded = peft.PeftModel.from_pretrained(base()[0], tmp_path / "adapter")
+    assert sum(isinstance(m, bnb.nn.Linear4bit) for m in loaded.modules()) == 7 * 4
+    got, want = adapters(loaded), adapters(reference)
+    assert len(got) == 2 * 7 * 4 and all(want[n].abs().sum() > 0 for n in want if "lora_B" in n)
+    torch.testing.assert_close(got, want, **EXACT)
+
+
+def test_finetune_loads_a_checkpoint_in_4bits_and_its_adapters_load_back(tmp_path, capsys):
+    from offload.cli.models import random_model
+    from offload.cli.quantize import bnb_config
+
+    from .test_finetune import run_cli
+
+    torch.manual_seed(0)
+    hf, tokenizer = random_model("llama", "tiny", 256, 16)
+    hf.save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    code, out, err = run_cli("--model", str(tmp_path / "base"), "--out", str(tmp_path / "adapter"), "--steps", "2",
+                             "--batch-size", "2", "--seq-len", "16", "--lora-r", "2", "--load-in-4bit",
+                             "--bnb-4bit-quant-type", "fp4", "--compute-dtype", "bf16", tmp_path=tmp_path, capsys=capsys)
+    assert code == 0, err
+    assert "compute dtype bf16, fp4 4-bit base" in out
+    four_bit = bnb_config(quant_type="fp4", double_quant=True, compute_dtype=torch.bfloat16)
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", quantization_config=four_bit,
+                                                             dtype=torch.bfloat16, device_map="cpu")
+    loaded = peft.PeftModel.from_pretrained(base, tmp_path / "adapter")
+    weights = [m.weight for m in loaded.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(weights) == 7 * 4 and all(w.quant_state.quant_type == "fp4" for w in weights)
+    assert loaded.get_base_model().model.embed_tokens.weight.dtype == torch.bfloat16
+    trained = adapters(loaded)
+    assert trained and all(p.abs().sum() > 0 for n, p in trained.items() if "lora_B" in n)
+    assert loaded.peft_config["default"].base_model_name_or_path == str((tmp_path / "base").resolve())
+
+
+@pytest.mark.parametrize(("flags", "fragment"), [
+    (["--load-in-4bit"], "--load-in-4bit freezes the base in 4 bits, which has no gradient: train LoRA adapters "
+                         "over it with --lora-r R"),
+    (["--load-in-4bit", "--lora-r", "2", "--bnb-4bit-quant-type", "int3"],
+     "argument --bnb-4bit-quant-type: invalid choice: 'int3'"),
+    (["--load-in-4bit", "--lora-r", "2", "--disk-tier", "TIER", "--masters-on-disk"],
+     "--masters-on-disk needs a half-precision shadow to load from, and a 4-bit base has none"),
+], ids=["without lora", "unknown kind", "masters on disk"])
+def test_finetune_refuses_a_4bit_base_it_cannot_train(flags, fragment, tmp_path, capsys):
+    from .test_finetune import run_cli
+
+    code, out, err = run_cli("--out", str(tmp_path / "out"), *flags, tmp_path=tmp_path, capsys=capsys)
+    assert code == 2 and fragment in err, err
+    assert not (tmp_path / "out").exists()  # refused before anything was made
+
+
+def test_finetune_without_bitsandbytes_says_what_to_install(tmp_path, capsys, monkeypatch):
+    from .test_finetune import run_cli
+
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as if not installed: importing it fails
+    code, out, err = run_cli("--out", str(tmp_path / "out"), "--lora-r", "2", "--load-in-4bit", tmp_path=tmp_path,
+                             capsys=capsys)
+    assert code == 2 and '--load-in-4bit needs bitsandbytes: pip install "offload[bnb]"' in err, err
