@@ -161,7 +161,7 @@ def test_finetune_trains_the_adapters_of_a_4bit_base_as_the_unwrapped_model_does
     def base():
         torch.manual_seed(0)
         hf, tokenizer = random_model("llama", "tiny", 256, 16)
-        return quantized_random_model(hf, four_bit_settings(namespace)), tokenizer
+        return quantized_random_model(hf, four_bit_settings(namespace, None)), tokenizer
 
     # The same QLoRA model trained unwrapped on the same batches, with PyTorch, peft and transformers alone.
     namespace = finetune_args([*args, "--device", "cpu"])

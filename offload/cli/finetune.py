@@ -194,7 +194,7 @@ def _build_model(args: argparse.Namespace, options: dict[str, Any], causal_lm_se
         tokenizer = pretrained_tokenizer(args.model)
         print(f"loaded {args.model} slice by slice")
     else:
-        four_bit = four_bit_settings(args)
+        four_bit = four_bit_settings(args, DTYPES[args.compute_dtype])
         if args.model is None:
             hf, tokenizer = random_model(args.arch, args.size, 256, args.seq_len)
             if four_bit is not None:

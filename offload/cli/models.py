@@ -78,16 +78,14 @@ def byte_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
 
 
-def four_bit_settings(args: argparse.Namespace) -> dict | None:
+def four_bit_settings(args: argparse.Namespace, compute_dtype: torch.dtype | None) -> dict | None:
     """``--load-in-4bit``'s quantisation (:func:`~offload.cli.quantize.quantize_linears`' keywords
-    but the device), or ``None`` without it. The base's other parameters are in ``compute_dtype``:
-    ``--compute-dtype``'s, float32 for ``none``."""
+    but the device), or ``None`` without it. The base's other parameters are in ``compute_dtype``
+    (``--compute-dtype``'s), float32 for ``None``."""
     if not args.load_in_4bit:
         return None
-    from .finetune_args import DTYPES
-
     return {"quant_type": args.bnb_4bit_quant_type, "double_quant": args.bnb_4bit_use_double_quant,
-            "compute_dtype": DTYPES[args.compute_dtype] or torch.float32}
+            "compute_dtype": compute_dtype or torch.float32}
 
 
 def pretrained_model(path: Path, four_bit: dict | None = None):

@@ -52,13 +52,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     model.add_argument("--input-shape", type=int, nargs="+", help="one sample's shape, for --model")
     model.add_argument("--vocab", type=int, help="--model takes token ids below this")
     model.add_argument("--lora-r", type=int, default=0, help="LoRA adapters of this rank (peft), on a frozen base")
-    model.add_argument("--quantize", choices=QUANT_TYPES,
-                       help="the base's linear layers but the head in 4 bits (bitsandbytes, QLoRA), under --lora-r's "
-                            "adapters: their codes and quantisation state are counted; the rest of the base in "
-                            "--compute-dtype's dtype (auto: bf16, or float32 with --device cpu), with no "
-                            "OffloadModel compute_dtype (a shadow would copy the codes)")
-    model.add_argument("--bnb-4bit-use-double-quant", action=argparse.BooleanOptionalAction, default=True,
-                       help="with --quantize: the blocks' scales quantised again (QLoRA's double quantisation)")
+    add_four_bit_arguments(model)
     model.add_argument("--loss-chunk-tokens", type=int, default=1024,
                        help="as offload-finetune: the head computes the loss this many tokens at a time (0: logits)")
     work = parser.add_argument_group("the step")
@@ -97,6 +91,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     check_step_args(parser, args)
     check_machine_args(parser, args)
     return args
+
+
+def add_four_bit_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--quantize", choices=QUANT_TYPES,
+                       help="the base's linear layers but the head in 4 bits (bitsandbytes, QLoRA), under --lora-r's "
+                            "adapters: their codes and quantisation state are counted; the rest of the base in "
+                            "--compute-dtype's dtype (auto: bf16, or float32 with --device cpu), with no "
+                            "OffloadModel compute_dtype (a shadow would copy the codes)")
+    group.add_argument("--bnb-4bit-use-double-quant", action=argparse.BooleanOptionalAction, default=True,
+                       help="with --quantize: the blocks' scales quantised again (QLoRA's double quantisation)")
 
 
 def check_model_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
