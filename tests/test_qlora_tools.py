@@ -120,6 +120,22 @@ def test_the_4bit_plan_holds_fewer_bytes_and_prints_its_calls_and_fine_tune_comm
             and "--compute-dtype bf16" in command)
 
 
+def test_when_nothing_fits_it_tries_a_4bit_base_under_the_adapters(capsys):
+    from offload.planning.choose import least_needs
+
+    from .test_plan_cli import _plan_json
+
+    bigger = json.dumps(SMALL_LLAMA | {"hidden_size": 256, "intermediate_size": 1024, "vocab_size": 1024})
+    args = ("--hf-config", bigger, "--gpu", "a100", "--resident-slices", "0", "--seq-len", "64", "--batch-size", "2",
+            "--lora-r", "4", "--host-memory", "0.001")
+    found = {a["flags"]: a for a in _plan_json(capsys, *args)["alternatives"]}
+    plan, _, _, limits = run_plan(parse_args([*args, "--quantize", "nf4"]))
+    needs = least_needs(plan.candidates, limits)
+    assert (found["--quantize nf4"]["fits"], found["--quantize nf4"]["host_memory"]) == (False, needs.host_memory)
+    without = next(a for flags, a in found.items() if flags.startswith("--host-memory "))
+    assert needs.host_memory < 0.8 * without["host_memory"]
+
+
 @pytest.mark.parametrize(("flags", "fragment"), [
     (["--quantize", "int3", "--lora-r", "4"], "argument --quantize: invalid choice: 'int3'"),
     (["--quantize", "nf4"], "--quantize nf4 freezes the base in 4 bits, which has no gradient: train LoRA "
