@@ -7,6 +7,7 @@ not wrap them in ``OffloadModel``: ``offload/cli/finetune.py`` does.
 from __future__ import annotations
 
 import argparse
+import warnings
 from pathlib import Path
 
 import torch
@@ -30,7 +31,10 @@ def with_lora(hf, args: argparse.Namespace):
     targets = args.lora_targets[0] if args.lora_targets == ["all-linear"] else args.lora_targets
     config = peft.LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha or 2 * args.lora_r,
                              lora_dropout=args.lora_dropout, target_modules=targets, task_type="CAUSAL_LM")
-    peft_model = peft.get_peft_model(hf, config)
+    with warnings.catch_warnings():
+        # peft asks the model a deprecated transformers question; the note is theirs, not the user's.
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        peft_model = peft.get_peft_model(hf, config)
     if args.model is not None:
         peft_model.peft_config["default"].base_model_name_or_path = str(Path(args.model).resolve())
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
