@@ -145,6 +145,21 @@ def test_plan_refuses_a_bad_quantisation_in_one_line(flags, fragment, capsys):
     assert fragment in plan_error(capsys, "--hf-config", json.dumps(TINY_LLAMA), "--gpu", "a100", *flags)
 
 
+GPT2 = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 256, "bos_token_id": 0,
+        "eos_token_id": 0}
+NO_LINEAR = "GPT2LMHeadModel has no nn.Linear layer but its head to quantise in 4 bits (GPT-2's are Conv1D)"
+
+
+def test_a_family_without_linear_layers_is_refused_rather_than_left_unquantised(tmp_path, capsys):
+    from .test_finetune import run_cli
+
+    assert NO_LINEAR in plan_error(capsys, "--hf-config", json.dumps(GPT2), "--gpu", "a100", "--lora-r", "4",
+                                   "--quantize", "nf4")
+    code, out, err = run_cli("--out", str(tmp_path / "out"), "--arch", "gpt2", "--lora-r", "2", "--load-in-4bit",
+                             tmp_path=tmp_path, capsys=capsys)
+    assert code == 1 and f"offload-finetune: error: --load-in-4bit: {NO_LINEAR}" in err, err
+
+
 def test_plan_without_bitsandbytes_says_what_to_install(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as if not installed: importing it fails
     line = plan_error(capsys, "--hf-config", json.dumps(TINY_LLAMA), "--gpu", "a100", "--lora-r", "4",

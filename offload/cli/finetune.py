@@ -198,7 +198,10 @@ def _build_model(args: argparse.Namespace, options: dict[str, Any], causal_lm_se
         if args.model is None:
             hf, tokenizer = random_model(args.arch, args.size, 256, args.seq_len)
             if four_bit is not None:
-                hf = quantized_random_model(hf, four_bit)
+                try:
+                    hf = quantized_random_model(hf, four_bit)
+                except ValueError as error:  # a family without nn.Linear layers
+                    raise fail(f"--load-in-4bit: {error}") from None
         else:
             hf, tokenizer = pretrained_model(args.model, four_bit)
         peft_model = with_lora(hf, args)

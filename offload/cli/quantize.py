@@ -54,7 +54,7 @@ def quantize_linears(hf: nn.Module, *, quant_type: str, double_quant: bool, comp
         ``hf``.
 
     Raises:
-        ValueError: an unknown ``quant_type``.
+        ValueError: an unknown ``quant_type``, or no ``nn.Linear`` to quantise (GPT-2's are ``Conv1D``).
         ImportError: bitsandbytes is not installed.
     """
     if quant_type not in QUANT_TYPES:
@@ -62,6 +62,7 @@ def quantize_linears(hf: nn.Module, *, quant_type: str, double_quant: bool, comp
     bnb = import_bitsandbytes("a 4-bit base")
     device = torch.device(device)
     head = hf.get_output_embeddings()
+    found = 0
     for module in list(hf.modules()):
         for name, child in list(module.named_children()):
             if type(child) is not nn.Linear or child is head:
@@ -82,6 +83,11 @@ def quantize_linears(hf: nn.Module, *, quant_type: str, double_quant: bool, comp
             else:
                 layer = layer.to(device)
             setattr(module, name, layer)
+            found += 1
+    if not found:
+        raise ValueError(f"{type(hf).__name__} has no nn.Linear layer but its head to quantise in 4 bits (GPT-2's "
+                         "are Conv1D); load a checkpoint of it with from_pretrained(..., "
+                         "quantization_config=BitsAndBytesConfig(load_in_4bit=True)), or use another family")
     return hf
 
 
