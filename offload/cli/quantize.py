@@ -12,6 +12,8 @@ real quantisation makes, bytes and companions alike, without a weight read or co
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import ModuleType
 
 import torch
@@ -76,9 +78,8 @@ def quantize_linears(hf: nn.Module, *, quant_type: str, double_quant: bool, comp
                 layer.bias = child.bias
             if device.type == "meta":
                 # Params4bit.to leaves a meta weight unquantised; its quantisation runs on meta
-                # tensors all the same and gives the codes' and the state's shapes and dtypes. Under
-                # the CPU as default device: bitsandbytes builds its code tables from Python lists.
-                with torch.device("cpu"):
+                # tensors all the same and gives the codes' and the state's shapes and dtypes.
+                with _code_tables_kept(bnb):
                     layer.weight._quantize(device)
             else:
                 layer = layer.to(device)
@@ -89,6 +90,27 @@ def quantize_linears(hf: nn.Module, *, quant_type: str, double_quant: bool, comp
                          "are Conv1D); load a checkpoint of it with from_pretrained(..., "
                          "quantization_config=BitsAndBytesConfig(load_in_4bit=True)), or use another family")
     return hf
+
+
+@contextmanager
+def _code_tables_kept(bnb: ModuleType) -> Iterator[None]:
+    """A meta quantisation that leaves bitsandbytes' code tables as it found them.
+
+    bitsandbytes caches the 8-bit table of double quantisation on the device of the first tensor
+    it quantises (``functional.name2qmap``), and copies it from there to each later one's: a
+    table cached on the meta device would make every later real quantisation in the process fail
+    ("Cannot copy out of meta tensor"). The CPU is the default device inside: the table is built
+    from Python lists, which a meta default device cannot read back.
+    """
+    tables = getattr(bnb.functional, "name2qmap", None)
+    kept = None if tables is None else dict(tables)
+    try:
+        with torch.device("cpu"):
+            yield
+    finally:
+        if tables is not None:
+            tables.clear()
+            tables.update(kept)
 
 
 def bnb_config(*, quant_type: str, double_quant: bool, compute_dtype: torch.dtype):
