@@ -50,7 +50,8 @@ from ..tiers.disk_tier import DiskTier
 from ..model import OffloadModel
 from ..optimizer import OffloadOptimizer
 from .finetune_args import DTYPES, SCHEDULES, no_steps_left, parse_args
-from .models import pretrained_model, pretrained_tokenizer, random_model, with_lora
+from .models import (four_bit_settings, pretrained_model, pretrained_tokenizer, quantized_random_model, random_model,
+                     with_lora)
 from .outputs import OutputError, RunRecord, Write, check_room, check_writable
 
 __all__ = ["main", "parse_args"]
@@ -80,8 +81,10 @@ def run(argv: list[str], record: RunRecord) -> None:
     tqdm, DataFormatError, causal_lm_sequential, load_causal_lm = _start(args)
     torch.manual_seed(args.seed)
     tier = None if args.disk_tier is None else DiskTier(args.disk_tier)
+    # A 4-bit base is loaded in the compute dtype and computes in it: no shadow (models.four_bit_settings).
     options = {"num_slices": args.num_slices, "num_microbatches": args.microbatches,
-               "compute_dtype": DTYPES[args.compute_dtype], "masters": tier if args.masters_on_disk else None,
+               "compute_dtype": None if args.load_in_4bit else DTYPES[args.compute_dtype],
+               "masters": tier if args.masters_on_disk else None,
                "resident_slices": args.resident_slices}
     model, hf, tokenizer, peft_model = _build_model(args, options, causal_lm_sequential, load_causal_lm)
     hf.config.use_cache = False  # training: no key/value cache
@@ -129,10 +132,13 @@ def run(argv: list[str], record: RunRecord) -> None:
 
 def _summary(args: argparse.Namespace, model: OffloadModel, hf: Any) -> str:
     """The line a run opens with: the model, how it is cut and where it computes, the data."""
-    params = sum(p.numel() for p in model.parameters())
+    from ..streams.quantized import is_4bit_weight
+
+    params = sum(p.quant_state.shape.numel() if is_4bit_weight(p) else p.numel() for p in model.parameters())
     resident = f" ({model.resident_slices} resident)" if model.resident_slices else ""
+    base = f", {args.bnb_4bit_quant_type} 4-bit base" if args.load_in_4bit else ""
     return (f"{type(hf).__name__}: {params / 1e6:.1f} M parameters in {model.num_slices} slices{resident} on "
-            f"{args.device}, compute dtype {args.compute_dtype}; data {args.data}")
+            f"{args.device}, compute dtype {args.compute_dtype}{base}; data {args.data}")
 
 
 def _save(args: argparse.Namespace, model: OffloadModel, hf: Any, peft_model: Any, tokenizer: Any,
@@ -188,10 +194,16 @@ def _build_model(args: argparse.Namespace, options: dict[str, Any], causal_lm_se
         tokenizer = pretrained_tokenizer(args.model)
         print(f"loaded {args.model} slice by slice")
     else:
+        four_bit = four_bit_settings(args, DTYPES[args.compute_dtype])
         if args.model is None:
             hf, tokenizer = random_model(args.arch, args.size, 256, args.seq_len)
+            if four_bit is not None:
+                try:
+                    hf = quantized_random_model(hf, four_bit)
+                except ValueError as error:  # a family without nn.Linear layers
+                    raise fail(f"--load-in-4bit: {error}") from None
         else:
-            hf, tokenizer = pretrained_model(args.model)
+            hf, tokenizer = pretrained_model(args.model, four_bit)
         peft_model = with_lora(hf, args)
         layers = causal_lm_sequential(hf if peft_model is None else peft_model,
                                       untie_embeddings=args.untie_embeddings,

@@ -14,6 +14,7 @@ import torch
 
 from ..checkpoint import latest_checkpoint
 from .models import SIZES
+from .quantize import QUANT_TYPES, import_bitsandbytes
 
 DEFAULT_TEXT = Path(__file__).resolve().parent / "sample.txt"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}
@@ -44,6 +45,7 @@ examples:
   offload-finetune --out /tmp/tuned --steps 40 --save-every 10                  # stopped at step 27...
   offload-finetune --out /tmp/tuned --steps 40 --save-every 10 --resume latest  # ...continues from step 20
   offload-finetune --model ./llama-1b --out ./adapter --lora-r 16 --lora-targets q_proj v_proj
+  offload-finetune --model ./llama-70b --out ./adapter --lora-r 16 --load-in-4bit --compute-dtype bf16   # QLoRA
   offload-finetune --model ./llama-1b --out ./tuned --disk-tier /nvme/offload --masters-on-disk
 
 python scripts/finetune_causal_lm.py takes the same options."""
@@ -100,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_optimization_arguments(parser)
     add_checkpoint_arguments(parser)
     add_lora_arguments(parser)
+    add_four_bit_arguments(parser)
     return parser
 
 
@@ -161,6 +164,36 @@ def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
                       help="module names to adapt, or all-linear (every linear layer but the output head)")
 
 
+def add_four_bit_arguments(parser: argparse.ArgumentParser) -> None:
+    four_bit = parser.add_argument_group("4-bit base (QLoRA)", "the frozen base's linear layers in 4 bits (bitsandbytes), "
+                                         'under --lora-r\'s adapters: pip install "offload[bnb]"')
+    four_bit.add_argument("--load-in-4bit", action="store_true",
+                          help="quantise every linear layer but the head to 4 bits, on the CPU as the model loads "
+                               "(from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True))); "
+                               "the rest of the base in --compute-dtype's dtype (none: float32), which the layers "
+                               "compute in, with no OffloadModel compute_dtype (a shadow would copy the codes); "
+                               "needs --lora-r")
+    four_bit.add_argument("--bnb-4bit-quant-type", default="nf4", choices=QUANT_TYPES, help="the 4-bit format")
+    four_bit.add_argument("--bnb-4bit-use-double-quant", action=argparse.BooleanOptionalAction, default=True,
+                          help="quantise the blocks' scales again (QLoRA's double quantisation)")
+
+
+def check_four_bit_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--load-in-4bit``: adapters to train, no shadow to need, and bitsandbytes to quantise with."""
+    if not args.load_in_4bit:
+        return
+    if args.lora_r == 0:
+        parser.error("--load-in-4bit freezes the base in 4 bits, which has no gradient: train LoRA adapters over it "
+                     "with --lora-r R (16 is common)")
+    if args.masters_on_disk:
+        parser.error("--masters-on-disk needs a half-precision shadow to load from, and a 4-bit base has none (it "
+                     "computes in its own dtype): leave out --masters-on-disk, or --load-in-4bit")
+    try:
+        import_bitsandbytes("--load-in-4bit")
+    except ImportError as error:
+        parser.error(str(error))
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -175,6 +208,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--lora-r must be 0 (off) or a positive rank")
     if not 0.0 <= args.lora_dropout < 1.0:
         parser.error("--lora-dropout must be in [0, 1)")
+    check_four_bit_args(parser, args)
     for name in ("steps", "batch_size", "seq_len", "num_slices", "microbatches", "grad_accum", "eval_batches",
                  "shuffle_buffer"):
         if getattr(args, name) < 1:

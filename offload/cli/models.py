@@ -1,11 +1,13 @@
 """The models ``offload-finetune`` trains: a random-initialised one built from a config (with a
-byte-level tokenizer, so nothing is downloaded), a local ``save_pretrained`` directory, and LoRA
-adapters on either. It does not wrap them in ``OffloadModel``: ``offload/cli/finetune.py`` does.
+byte-level tokenizer, so nothing is downloaded), a local ``save_pretrained`` directory, either
+with its linear layers in 4 bits (``--load-in-4bit``), and LoRA adapters on any of them. It does
+not wrap them in ``OffloadModel``: ``offload/cli/finetune.py`` does.
 """
 
 from __future__ import annotations
 
 import argparse
+import warnings
 from pathlib import Path
 
 import torch
@@ -29,7 +31,10 @@ def with_lora(hf, args: argparse.Namespace):
     targets = args.lora_targets[0] if args.lora_targets == ["all-linear"] else args.lora_targets
     config = peft.LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha or 2 * args.lora_r,
                              lora_dropout=args.lora_dropout, target_modules=targets, task_type="CAUSAL_LM")
-    peft_model = peft.get_peft_model(hf, config)
+    with warnings.catch_warnings():
+        # peft asks the model a deprecated transformers question; the note is theirs, not the user's.
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        peft_model = peft.get_peft_model(hf, config)
     if args.model is not None:
         peft_model.peft_config["default"].base_model_name_or_path = str(Path(args.model).resolve())
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
@@ -77,13 +82,39 @@ def byte_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
 
 
-def pretrained_model(path: Path):
+def four_bit_settings(args: argparse.Namespace, compute_dtype: torch.dtype | None) -> dict | None:
+    """``--load-in-4bit``'s quantisation (:func:`~offload.cli.quantize.quantize_linears`' keywords
+    but the device), or ``None`` without it. The base's other parameters are in ``compute_dtype``
+    (``--compute-dtype``'s), float32 for ``None``."""
+    if not args.load_in_4bit:
+        return None
+    return {"quant_type": args.bnb_4bit_quant_type, "double_quant": args.bnb_4bit_use_double_quant,
+            "compute_dtype": compute_dtype or torch.float32}
+
+
+def pretrained_model(path: Path, four_bit: dict | None = None):
     """``from_pretrained``: for LoRA and ``--untie-embeddings``, which change the model before it is
-    wrapped (the other runs load it slice by slice with ``load_causal_lm``)."""
+    wrapped (the other runs load it slice by slice with ``load_causal_lm``); with ``four_bit``
+    (:func:`four_bit_settings`), each linear layer but the head quantised on the CPU as it loads."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+    if four_bit is None:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+    else:
+        from .quantize import bnb_config
+
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path, local_files_only=True, dtype=four_bit["compute_dtype"], quantization_config=bnb_config(**four_bit),
+            device_map="cpu")  # the host copies: OffloadModel moves slices to the device
     return model, pretrained_tokenizer(path)
+
+
+def quantized_random_model(hf, four_bit: dict):
+    """The random-initialised ``hf`` in ``four_bit``'s dtype, its linear layers but the head
+    quantised on the CPU (as :func:`pretrained_model` loads a checkpoint)."""
+    from .quantize import quantize_linears
+
+    return quantize_linears(hf.to(four_bit["compute_dtype"]), device="cpu", **four_bit)
 
 
 def pretrained_tokenizer(path: Path):

@@ -15,33 +15,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
-import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from ..planning.choose import DEVICE_MARGIN, HOST_MARGIN, Candidate, Limits, Plan, choose
-from ..planning.presets import build_preset, preset_from_factory, preset_names
+from ..planning.presets import preset_names
 from ..planning.rates import GPU_DEFAULTS, MachineRates, default_rates_path, load_rates
-from ..planning.shapes import ModelProfile, profile_layers
 from ..planning.timing import SCHEDULES
 from .plan_alternatives import Alternative, alternatives
-from .quiet_imports import import_transformers
+from .plan_models import DTYPES, PlanInputError, Workload, _one_line, workload
+from .quantize import QUANT_TYPES
 
-DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 GIB = 2**30
 PROG = "offload plan"
-
-
-class PlanInputError(ValueError):
-    """A bad input found after parsing (a config, a factory, a rates file, the model's size):
-    :func:`main` answers it as the parser answers a bad flag, in one line."""
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -61,6 +52,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     model.add_argument("--input-shape", type=int, nargs="+", help="one sample's shape, for --model")
     model.add_argument("--vocab", type=int, help="--model takes token ids below this")
     model.add_argument("--lora-r", type=int, default=0, help="LoRA adapters of this rank (peft), on a frozen base")
+    add_four_bit_arguments(model)
     model.add_argument("--loss-chunk-tokens", type=int, default=1024,
                        help="as offload-finetune: the head computes the loss this many tokens at a time (0: logits)")
     work = parser.add_argument_group("the step")
@@ -101,6 +93,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def add_four_bit_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--quantize", choices=QUANT_TYPES,
+                       help="the base's linear layers but the head in 4 bits (bitsandbytes, QLoRA), under --lora-r's "
+                            "adapters: their codes and quantisation state are counted; the rest of the base in "
+                            "--compute-dtype's dtype (auto: bf16, or float32 with --device cpu), with no "
+                            "OffloadModel compute_dtype (a shadow would copy the codes)")
+    group.add_argument("--bnb-4bit-use-double-quant", action=argparse.BooleanOptionalAction, default=True,
+                       help="with --quantize: the blocks' scales quantised again (QLoRA's double quantisation)")
+
+
 def check_model_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """The model's flags: one source, and the flags that go with it."""
     sources = [name for name in ("hf_config", "preset", "model") if getattr(args, name)]
@@ -120,6 +122,9 @@ def check_model_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         parser.error("--lora-r adapts a Hugging Face model: give it with --hf-config")
     if args.lora_r < 0:
         parser.error("--lora-r must be 0 (off) or a positive rank")
+    if args.quantize and not args.lora_r:
+        parser.error(f"--quantize {args.quantize} freezes the base in 4 bits, which has no gradient: train LoRA "
+                     "adapters over it with --lora-r R (and --hf-config)")
     if args.loss_chunk_tokens < 0:
         parser.error("--loss-chunk-tokens must be 0 (logits) or a number of tokens")
     spec = args.hf_config
@@ -176,156 +181,6 @@ def _resident_slices(text: str) -> int | str:
     return value
 
 
-class Workload:
-    """The model as the planner sees it: its layers, a profile per compute dtype, the batch, and
-    how to build it (for the printed code)."""
-
-    def __init__(self, layers: nn.Sequential, make_input: Callable[[], Any], batch_size: int, build: str,
-                 finetune: list[str] | None = None, input_flags: str | None = None) -> None:
-        self.layers = layers
-        self.make_input = make_input
-        self.batch_size = batch_size
-        self.build = build
-        self.finetune = finetune
-        #: The flags that describe a user's input (``--input-shape ...``): a forward that fails on
-        #: it is their input's error, not the planner's.
-        self.input_flags = input_flags
-        self._profiles: dict[Any, ModelProfile] = {}
-
-    def profile(self, compute_dtype: torch.dtype | None) -> ModelProfile:
-        if compute_dtype not in self._profiles:
-            try:
-                profile = profile_layers(self.layers, self.make_input, compute_dtype=compute_dtype)
-            except RuntimeError as error:
-                if self.input_flags is None:
-                    raise
-                raise PlanInputError(f"{self.input_flags}: {_one_line(error)}") from error
-            self._profiles[compute_dtype] = profile
-        return self._profiles[compute_dtype]
-
-
-def workload(args: argparse.Namespace) -> Workload:
-    if args.hf_config:
-        return hf_workload(args)
-    input_flags = None
-    if args.model:
-        input_flags = " ".join(["--input-shape", *map(str, args.input_shape)]
-                               + ([] if args.vocab is None else ["--vocab", str(args.vocab)]))
-        input_flags += f" for --model {args.model}"
-        # A console script's sys.path starts with the script's own directory, not the one the
-        # user is in (`python -m offload` starts with that one): put it first for the factory's
-        # module, as uvicorn and gunicorn do for their APP argument.
-        if "" not in sys.path and os.getcwd() not in sys.path:
-            sys.path.insert(0, os.getcwd())
-    # Built on the meta device: the planner needs shapes and dtypes, not weights.
-    with torch.device("meta"):
-        try:
-            if args.preset:
-                overrides = dict(_setting(item) for item in args.set)
-                preset = build_preset(args.preset, **overrides)
-                build = f"build_preset({args.preset!r}{''.join(f', {k}={v!r}' for k, v in overrides.items())}).model"
-            else:
-                preset = preset_from_factory(args.model, args.input_shape, args.vocab, batch_size=args.batch_size)
-                build = f"{args.model.replace(':', '.')}()"
-        except (TypeError, ValueError) as error:
-            # The preset's checks and the factory's import, name and return value.
-            raise PlanInputError(_one_line(error)) from error
-    rows = args.batch_size
-
-    def make_input() -> Any:
-        return preset.make_batch(rows, "cpu")[0]
-
-    return Workload(preset.model, make_input, rows, build, input_flags=input_flags)
-
-
-def _setting(item: str) -> tuple[str, Any]:
-    key, sep, value = item.partition("=")
-    if not sep:
-        raise PlanInputError(f"--set takes KEY=VALUE, got {item!r}")
-    try:
-        return key, json.loads(value)
-    except json.JSONDecodeError:
-        return key, value
-
-
-def hf_config(spec: str) -> Any:
-    """A transformers config from a ``config.json``, its directory, or the JSON text."""
-    import transformers
-
-    path = Path(spec)
-    try:
-        if path.is_dir() and not spec.lstrip().startswith("{"):
-            return transformers.AutoConfig.from_pretrained(path, local_files_only=True)
-        text = spec if spec.lstrip().startswith("{") else path.read_text()
-        data = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise PlanInputError(f"--hf-config {spec}: not valid JSON: {error}") from error
-    except (OSError, ValueError) as error:  # unreadable, or a config transformers refuses
-        raise PlanInputError(f"--hf-config {spec}: {_one_line(error)}") from error
-    if not isinstance(data, dict) or data.get("model_type") is None:
-        raise PlanInputError(f"--hf-config {spec}: the config has no model_type (a config.json names its family, "
-                             f'e.g. "model_type": "llama")')
-    model_type = data.pop("model_type")
-    _check_family(spec, model_type)  # before transformers lists every family it knows
-    try:
-        return transformers.AutoConfig.for_model(model_type, **data)
-    except Exception as error:  # noqa: BLE001 (a config's checks raise huggingface_hub's own classes too)
-        raise PlanInputError(f"--hf-config {spec}: {_one_line(error)}") from error
-
-
-def _check_family(spec: str, model_type: str) -> None:
-    from ..integrations.transformers import SUPPORTED_MODEL_TYPES
-
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise PlanInputError(f"--hf-config {spec}: model_type {model_type!r} is not a causal LM that offload cuts "
-                             f"into stages; it plans {', '.join(SUPPORTED_MODEL_TYPES)}")
-
-
-def hf_workload(args: argparse.Namespace) -> Workload:
-    """The config's causal LM built on the meta device, cut into stages as OffloadModel gets it."""
-    try:
-        transformers = import_transformers()  # without torchao's import notes (offload/cli/quiet_imports.py)
-    except ImportError as error:
-        raise PlanInputError(f'{error}. --hf-config needs transformers: pip install "offload[transformers]"') from error
-    from ..integrations.transformers import causal_lm_sequential
-
-    config = hf_config(args.hf_config)
-    _check_family(args.hf_config, config.model_type)
-    chunk = args.loss_chunk_tokens or None
-    try:
-        with torch.device("meta"):
-            # Sizes the model refuses (a negative one fails making its tensor: RuntimeError).
-            hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-            if args.lora_r:
-                hf = _with_lora(hf, args.lora_r)
-            layers = causal_lm_sequential(hf, loss_chunk_tokens=chunk)
-    except (ValueError, TypeError, AttributeError, RuntimeError) as error:
-        raise PlanInputError(f"--hf-config {args.hf_config}: {_one_line(error)}") from error
-    rows, tokens = args.batch_size, args.seq_len
-
-    def make_input() -> Any:
-        ids = torch.zeros(rows, tokens, dtype=torch.long)
-        return {"input_ids": ids, "labels": ids} if chunk else ids
-
-    hf_model = "get_peft_model(hf_model, LoraConfig(...))" if args.lora_r else "hf_model"
-    build = f"causal_lm_sequential({hf_model}{', loss_chunk_tokens=' + str(chunk) if chunk else ''})"
-    flags = ["--batch-size", str(rows), "--seq-len", str(tokens), "--loss-chunk-tokens", str(args.loss_chunk_tokens)]
-    if args.lora_r:
-        flags += ["--lora-r", str(args.lora_r)]
-    return Workload(layers, make_input, rows, build, finetune=flags)
-
-
-def _with_lora(hf: nn.Module, rank: int) -> nn.Module:
-    try:
-        import peft
-    except ImportError as error:
-        raise PlanInputError(f'{error}. --lora-r needs peft: pip install "offload[peft]"') from error
-    with warnings.catch_warnings():
-        # peft asks the meta model a deprecated transformers question; the note is theirs, not the user's.
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        return peft.get_peft_model(hf, peft.LoraConfig(r=rank, target_modules="all-linear", task_type="CAUSAL_LM"))
-
-
 def machine_rates(args: argparse.Namespace) -> MachineRates:
     """The GPU's defaults with the calibrated host where there is a calibration, or the calibration."""
     path = args.rates or default_rates_path()
@@ -374,10 +229,12 @@ class Planner:
 
     def __init__(self, rates: MachineRates) -> None:
         self.rates = rates
-        self._workloads: dict[tuple[int, int, int], Workload] = {}
+        self._workloads: dict[tuple[Any, ...], Workload] = {}
 
     def workload(self, args: argparse.Namespace) -> Workload:
-        key = (args.batch_size, args.seq_len, args.lora_r)
+        # A 4-bit base is built in --compute-dtype's dtype (plan_models.four_bit_dtype).
+        base = (args.quantize, args.bnb_4bit_use_double_quant, args.compute_dtype) if args.quantize else None
+        key = (args.batch_size, args.seq_len, args.lora_r, base)
         if key not in self._workloads:
             self._workloads[key] = workload(args)
         return self._workloads[key]
@@ -396,10 +253,16 @@ class Planner:
             fixed["num_microbatches"] = args.microbatches
         if args.compute_dtype != "auto":
             fixed["compute_dtype"] = DTYPES[args.compute_dtype]
+        param_dtype = torch.float32
+        if work.four_bit is not None:
+            # The base computes in its own dtype: a compute_dtype would give every slice with an
+            # adapter a shadow, the 4-bit codes copied in it (docs/lora.md, QLoRA's bytes).
+            fixed["compute_dtype"], param_dtype = None, work.four_bit.dtype
         if args.resident_slices != "auto":
             fixed["resident_slices"] = args.resident_slices
         return choose(work.layers, work.profile, self.rates, limits, device=args.device, optimizer=args.optimizer,
-                      batch_size=work.batch_size, fixed=fixed, clips_gradients=args.max_grad_norm is not None)
+                      param_dtype=param_dtype, batch_size=work.batch_size, fixed=fixed,
+                      clips_gradients=args.max_grad_norm is not None)
 
 
 def run_plan(args: argparse.Namespace) -> tuple[Plan, Workload, MachineRates, Limits]:
@@ -436,7 +299,8 @@ def code(candidate: Candidate, work: Workload, args: argparse.Namespace) -> str:
     if config.schedule == "in-backward":
         # accumulation_steps is 1: num_microbatches splits the batch within one backward.
         optimizer += ",\n                             update_in_backward=True"
-    return (f"model = OffloadModel({work.build}, {', '.join(model_args)})\n"
+    setup = "" if work.four_bit is None else work.four_bit.code()
+    return (f"{setup}model = OffloadModel({work.build}, {', '.join(model_args)})\n"
             f"optimizer = OffloadOptimizer(model, {optimizer})")
 
 
@@ -444,7 +308,9 @@ def finetune_flags(candidate: Candidate, work: Workload, args: argparse.Namespac
     if work.finetune is None or args.optimizer != "adamw":
         return None
     config = candidate.config
-    dtype = {None: "none", torch.bfloat16: "bf16", torch.float16: "fp16"}[config.compute_dtype]
+    # A 4-bit base's dtype is the fine-tune's --compute-dtype (it loads the base in it).
+    computes = config.compute_dtype if work.four_bit is None else work.four_bit.dtype
+    dtype = {None: "none", torch.float32: "none", torch.bfloat16: "bf16", torch.float16: "fp16"}[computes]
     flags = [*work.finetune, "--num-slices", str(config.num_slices), "--microbatches", str(config.num_microbatches),
              "--compute-dtype", dtype]
     if config.optimizer_state == "disk":
@@ -473,14 +339,15 @@ def _row(c: Candidate) -> dict[str, Any]:
     }
 
 
-def table(candidates: list[Candidate]) -> str:
+def table(candidates: list[Candidate], own: str = "float32") -> str:
+    """The candidates' rows; ``own``: the dtype shown where there is no compute dtype (the model's own)."""
     header = (f"{'slices':>6} {'res':>3} {'mb':>3} {'dtype':>8} {'state':>5} {'masters':>7} {'schedule':>11} "
               f"{'device':>9} {'host':>9} {'disk':>9} {'step':>9} {'eff':>5}")
     lines = [header]
     for c in candidates:
         r = _row(c)
         lines.append(f"{r['num_slices']:>6} {r['resident_slices']:>3} {r['num_microbatches']:>3} "
-                     f"{r['compute_dtype'] or 'float32':>8} {r['optimizer_state']:>5} {r['masters']:>7} "
+                     f"{r['compute_dtype'] or own:>8} {r['optimizer_state']:>5} {r['masters']:>7} "
                      f"{r['schedule']:>11} {_gib(r['device_bytes']):>9} "
                      f"{_gib(r['host_bytes']):>9} {_gib(r['disk_bytes']):>9} {_seconds(r['step_s']):>9} "
                      f"{r['efficiency']:>5.2f}")
@@ -489,11 +356,14 @@ def table(candidates: list[Candidate]) -> str:
 
 def report(plan: Plan, work: Workload, rates: MachineRates, limits: Limits, args: argparse.Namespace,
            alternatives: Sequence[Alternative] = ()) -> str:
-    params = sum(p.numel() for p in work.layers.parameters())
     limit = ", ".join(f"{name} {_gib(value) if value is not None else 'no limit'}" for name, value in
                       (("device", limits.device_memory), ("host", limits.host_memory), ("disk", limits.disk)))
-    lines = [f"model: {params / 1e9:.3f} B parameters, {len(work.layers)} layers, batch {work.batch_size}",
-             f"rates: {rates.name}", f"limits: {limit}", ""]
+    lines = [f"model: {work.parameters / 1e9:.3f} B parameters, {len(work.layers)} layers, batch {work.batch_size}"]
+    own = "float32"
+    if work.four_bit is not None:
+        lines.append(work.four_bit.describe(sum(p.numel() for p in work.layers.parameters() if p.requires_grad)))
+        own = str(work.four_bit.dtype).removeprefix("torch.")
+    lines += [f"rates: {rates.name}", f"limits: {limit}", ""]
     fitting = sorted((c for c in plan.candidates if c.fits), key=lambda c: c.time.step)[:args.top]
     if plan.chosen is None:
         lines += ["nothing fits: " + plan.missing,
@@ -505,7 +375,7 @@ def report(plan: Plan, work: Workload, rates: MachineRates, limits: Limits, args
                       *(f"  {a.flags:<{width}}  {a.describe()}" for a in alternatives)]
         return "\n".join(lines)
     lines += [f"the fastest that fit ({sum(c.fits for c in plan.candidates)} of {len(plan.candidates)}):",
-              table(fitting), "", "chosen:", table([plan.chosen]), ""]
+              table(fitting, own), "", "chosen:", table([plan.chosen], own), ""]
     t = plan.chosen.time
     lines.append(f"step {_seconds(t.step)}: forward {_seconds(t.forward)}, backward {_seconds(t.backward)}, "
                  f"update {_seconds(t.update)} of which exposed {_seconds(t.exposed_update)}; device compute "
@@ -527,7 +397,8 @@ def as_json(plan: Plan, work: Workload, rates: MachineRates, limits: Limits, arg
             alternatives: Sequence[Alternative] = ()) -> dict[str, Any]:
     chosen = plan.chosen
     return {
-        "parameters": sum(p.numel() for p in work.layers.parameters()),
+        "parameters": work.parameters,
+        "four_bit": None if work.four_bit is None else work.four_bit.to_json(),
         "rates": rates.to_json(),
         "limits": {"device_memory": limits.device_memory, "host_memory": limits.host_memory, "disk": limits.disk,
                    "disk_dir": limits.disk_dir},
@@ -558,11 +429,6 @@ def main(argv: list[str] | None = None) -> None:
         print(report(plan, work, rates, limits, args, found))
     if plan.chosen is None:
         raise SystemExit(1)
-
-
-def _one_line(error: BaseException) -> str:
-    """``error``'s message on one line (transformers' and huggingface_hub's span several)."""
-    return " ".join(line.strip() for line in str(error).splitlines() if line.strip()) or type(error).__name__
 
 
 def _gib(nbytes: float | None) -> str:

@@ -2,9 +2,9 @@
 time and says what each change needs, and whether the machine then has it.
 
 The options: the disk tier (``--disk-dir``, when there is none), LoRA adapters (``--lora-r``, for
-``--hf-config`` without them), a smaller batch (``--batch-size``) or sequence (``--seq-len``),
-the planner's own choice instead of a fixed one (``--resident-slices auto``, no ``--num-slices``
-...), and the memory itself (``--host-memory``, ``--device-memory``, ``--disk``: the least under
+``--hf-config`` without them), a 4-bit base under them (``--quantize nf4``, without one), a smaller
+batch (``--batch-size``) or sequence (``--seq-len``), the planner's own choice instead of a fixed
+one (``--resident-slices auto``, no ``--num-slices`` ...), and the memory itself (``--host-memory``, ``--device-memory``, ``--disk``: the least under
 which something fits, planned again to check). Every figure is a plan's
 (:func:`~offload.planning.choose.least_needs`), with the planner's margins; nothing here
 estimates. The planning itself is ``offload/cli/plan.py``'s.
@@ -88,8 +88,11 @@ def _tried(args: argparse.Namespace, plan: Plan, limits: Limits, planner: Planne
     if limits.disk_dir is None:
         # A disk with no limit: the plan then says how much of it the tier takes.
         yield _replan(planner, args, replace(limits, disk_dir="DIR", disk=None), "--disk-dir DIR")
-    if args.hf_config and not args.lora_r and importlib.util.find_spec("peft") is not None:
+    if args.hf_config and not args.lora_r and _installed("peft"):
         yield _replan(planner, _with(args, lora_r=LORA_RANK), limits, f"--lora-r {LORA_RANK}")
+    if args.hf_config and not args.quantize and _installed("peft") and _installed("bitsandbytes"):
+        flags = "--quantize nf4" if args.lora_r else f"--lora-r {LORA_RANK} --quantize nf4"
+        yield _replan(planner, _with(args, lora_r=args.lora_r or LORA_RANK, quantize="nf4"), limits, flags)
     yield _smaller(planner, args, limits, "batch_size", lowest=args.microbatches or 1)
     if args.hf_config:
         yield _smaller(planner, args, limits, "seq_len", lowest=MIN_SEQ_LEN)
@@ -131,6 +134,10 @@ def _smaller(planner: Planner, args: argparse.Namespace, limits: Limits, name: s
         if alternative.fits:
             return alternative
     return smallest
+
+
+def _installed(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
 
 
 def _replan(planner: Planner, args: argparse.Namespace, limits: Limits, flags: str) -> Alternative:
