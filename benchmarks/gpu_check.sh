@@ -86,7 +86,8 @@ budget=${GPU_CHECK_BUDGET:-300}
 stages=${GPU_CHECK_STAGES:-host tests slices batch exact trace rest}
 [ $full = 1 ] && stages="$stages peers capped suite"
 FIRST_TESTS=(tests/test_resident_slices*.py tests/test_trainer.py tests/test_trainers_cuda.py tests/test_accelerate.py tests/test_lightning.py
-             tests/test_update_in_backward*.py tests/test_*qlora*.py tests/test_one_pass.py)
+             tests/test_update_in_backward*.py tests/test_*qlora*.py tests/test_one_pass.py tests/test_gradients_on_disk.py
+             tests/test_mixed_precision.py::test_loads_move_half_the_bytes_and_gradients_arrive_in_float32)
 peers=${GPU_CHECK_PEERS:-resident,offload,offload-sync,offload-resident,offload-in-backward-resident,fsdp2,torchao,fairscale}
 dry_flag="" big=32 counts="6 9"
 [ $dry = 1 ] && { dry_flag="--cpu-dry-run"; big=4; counts="1 2"; }

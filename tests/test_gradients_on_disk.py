@@ -19,6 +19,7 @@ from offload.streams import mapped
 from offload.tiers import master_files
 from offload.tiers.disk_tier import WINDOW
 
+from .helpers import DEVICES
 from .test_optimizer import assert_same, loss_of, network
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*per-tensor CPU implementation")
@@ -26,11 +27,11 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*per-tensor CPU implementation"
 BF16 = torch.bfloat16
 
 
-def twins(tmp_path, layers=network, num_slices=3, **kwargs):
+def twins(tmp_path, layers=network, num_slices=3, device="cpu", **kwargs):
     """The same model and fused AdamW with the masters (and so the gradients) in RAM and on disk."""
     runs = []
     for masters in (None, DiskTier(tmp_path / "masters")):
-        model = OffloadModel(layers(), device="cpu", num_slices=num_slices, compute_dtype=BF16, masters=masters)
+        model = OffloadModel(layers(), device=device, num_slices=num_slices, compute_dtype=BF16, masters=masters)
         runs.append((model, OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True, **kwargs)))
     return runs
 
@@ -55,9 +56,10 @@ def same_grads(a, b):
         assert torch.equal(p.grad, q.grad), name
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("set_to_none", [True, False])
-def test_grad_lives_in_its_file_and_leaves_ram_after_each_backward(set_to_none, tmp_path):
-    (ram_model, ram), (model, optimizer) = runs = twins(tmp_path)
+def test_grad_lives_in_its_file_and_leaves_ram_after_each_backward(set_to_none, device, tmp_path):
+    (ram_model, ram), (model, optimizer) = runs = twins(tmp_path, device=device)
     assert all(home is not None for home in homes(model))
     for step in range(3):
         for m, o in runs:
