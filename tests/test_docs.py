@@ -244,8 +244,9 @@ def test_a_base_install_imports_and_runs_the_demo_without_a_numpy_warning():
 
     dependencies = read_configuration(ROOT / "pyproject.toml", expand=True)["project"]["dependencies"]
     assert "numpy" in {Requirement(d).name for d in dependencies}
-    done = subprocess.run([sys.executable, "-W", "default", "scripts/demo.py", "--steps", "1", "--device", "cpu"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    from .test_scripts import demo_run
+
+    done = demo_run()  # -W default: every warning shown
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stderr == ""
 
