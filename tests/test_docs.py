@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import json
 import re
 import subprocess
 import sys
@@ -138,8 +139,61 @@ def commands(text: str) -> list[str]:
     return lines
 
 
+def script_calls(text: str) -> list[tuple[str, str]]:
+    """Each script or module the document runs, with the arguments it gives it."""
+    calls = []
+    for line in commands(text):
+        for m in SCRIPT_CALL.finditer(line):
+            target = m.group(1) or m.group(2) or CONSOLE_SCRIPTS[" ".join(m.group(3).split()[-2:])
+                                                                 if " " in m.group(3) else m.group(3)]
+            calls.append((target, m.group(4)))
+    return calls
+
+
+#: Prints ``{target: [exit status, --help's output]}`` for each target given (a script's path or
+#: a module), each run as ``python TARGET --help`` would run it.
+EVERY_HELP = """
+import contextlib, io, json, os, runpy, sys
+texts = {}
+for target in sys.argv[1:]:
+    sys.argv, out, code = [target, "--help"], io.StringIO(), 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+            if target.endswith(".py"):
+                sys.path.insert(0, os.path.dirname(os.path.abspath(target)))  # as python TARGET does
+                try:
+                    runpy.run_path(target, run_name="__main__")
+                finally:
+                    sys.path.pop(0)
+            else:
+                runpy.run_module(target, run_name="__main__", alter_sys=True)
+    except SystemExit as exit_info:
+        code = exit_info.code
+    except BaseException:
+        code = 1
+    texts[target] = [code, out.getvalue()]
+print(json.dumps(texts))
+"""
+
+
+@functools.cache
+def every_help_text() -> dict[str, str]:
+    """The ``--help`` of every script and module the documents run, from one interpreter: a fresh
+    one each costs seconds of imports. A target that fails there is left out (run alone by
+    :func:`help_text`, which reports its failure)."""
+    targets = sorted({target for document in documents() for target, _ in script_calls(document.read_text())
+                      if not target.endswith(".py") or (ROOT / target).exists()})
+    done = subprocess.run([sys.executable, "-c", EVERY_HELP, *targets], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    if done.returncode != 0:
+        return {}
+    return {target: text for target, (code, text) in json.loads(done.stdout.splitlines()[-1]).items() if code == 0}
+
+
 @functools.cache
 def help_text(target: str) -> str:
+    if target in every_help_text():
+        return every_help_text()[target]
     args = [target] if target.endswith(".py") else ["-m", target]
     done = subprocess.run([sys.executable, *args, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"{target} --help failed:\n{done.stderr[-2000:]}"
@@ -148,16 +202,13 @@ def help_text(target: str) -> str:
 
 def unknown_flags(path: Path, text: str) -> list[Problem]:
     problems = []
-    for line in commands(text):
-        for m in SCRIPT_CALL.finditer(line):
-            target = m.group(1) or m.group(2) or CONSOLE_SCRIPTS[" ".join(m.group(3).split()[-2:])
-                                                                 if " " in m.group(3) else m.group(3)]
-            if target.endswith(".py") and not (ROOT / target).exists():
-                continue  # reported by missing_paths
-            help_ = help_text(target)
-            for flag in re.findall(r"(?<![\w-])--[\w-]+", m.group(4)):
-                if not re.search(re.escape(flag) + r"(?![\w-])", help_):
-                    problems.append(Problem(doc_id(path), f"{target} has no {flag} in its --help"))
+    for target, arguments in script_calls(text):
+        if target.endswith(".py") and not (ROOT / target).exists():
+            continue  # reported by missing_paths
+        help_ = help_text(target)
+        for flag in re.findall(r"(?<![\w-])--[\w-]+", arguments):
+            if not re.search(re.escape(flag) + r"(?![\w-])", help_):
+                problems.append(Problem(doc_id(path), f"{target} has no {flag} in its --help"))
     return problems
 
 
@@ -244,8 +295,9 @@ def test_a_base_install_imports_and_runs_the_demo_without_a_numpy_warning():
 
     dependencies = read_configuration(ROOT / "pyproject.toml", expand=True)["project"]["dependencies"]
     assert "numpy" in {Requirement(d).name for d in dependencies}
-    done = subprocess.run([sys.executable, "-W", "default", "scripts/demo.py", "--steps", "1", "--device", "cpu"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    from .test_scripts import demo_run
+
+    done = demo_run()  # -W default: every warning shown
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stderr == ""
 

@@ -597,17 +597,17 @@ def test_ctrl_c_ends_with_the_last_checkpoint_and_the_command_that_resumes(tmp_p
                        f"--steps 100000 --save-every 1 --keep-checkpoints 2 --resume {checkpoint}")
 
 
-def test_lora_adapter_records_the_base_as_an_absolute_path(tmp_path):
+def test_lora_adapter_records_the_base_as_an_absolute_path(tmp_path, capsys, monkeypatch):
     peft = pytest.importorskip("peft")
     torch.manual_seed(0)
     base, tokenizer = random_model("llama", "tiny", 256, 16)
     base.save_pretrained(tmp_path / "base")
     tokenizer.save_pretrained(tmp_path / "base")
+    monkeypatch.chdir(ROOT)  # the base named relative to the working directory
     relative = os.path.relpath(tmp_path / "base", ROOT)
-    done = subprocess.run([sys.executable, "scripts/finetune_causal_lm.py", "--device", "cpu", "--no-progress",
-                           "--model", relative, "--out", str(tmp_path / "adapter"), "--steps", "1", "--seq-len", "16",
-                           "--lora-r", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    code, _, err = run_cli("--model", relative, "--out", str(tmp_path / "adapter"), "--steps", "1",
+                           "--seq-len", "16", "--lora-r", "2", tmp_path=tmp_path, capsys=capsys)
+    assert code == 0, err[-3000:]
     config = peft.PeftConfig.from_pretrained(tmp_path / "adapter")
     assert config.base_model_name_or_path == str((tmp_path / "base").resolve())
 

@@ -4,6 +4,9 @@ README and the docs quote keeps working."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
+import io
 import json
 import os
 import re
@@ -18,17 +21,29 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(*args: str, cwd: Path = ROOT) -> str:
+def process(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     # The scripts import this checkout's offload, not whichever one is installed.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=300, env=env)
+    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=300, env=env)
+
+
+def run(*args: str, cwd: Path = ROOT) -> str:
+    done = process(*args, cwd=cwd)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
 
+@functools.cache
+def demo_run() -> subprocess.CompletedProcess:
+    """``scripts/demo.py`` on the CPU with every warning shown, run once for the tests that read it
+    (here, and tests/test_docs.py's check that a base install warns of nothing)."""
+    return process("-W", "default", "scripts/demo.py", "--steps", "3", "--device", "cpu")
+
+
 def test_demo_trains_and_names_its_device():
-    out = run("scripts/demo.py", "--steps", "3", "--device", "cpu")
-    assert "device: cpu" in out and "step   3" in out
+    done = demo_run()
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "device: cpu" in done.stdout and "step   3" in done.stdout
 
 
 def test_benchmark_smoke_test_on_cpu(tmp_path):
@@ -209,6 +224,17 @@ def test_bench_storage_smoke_test(tmp_path):
     assert os.listdir(tmp_path / "disk") == []  # every file removed
 
 
+def finetune_here(*args: str) -> str:
+    """``scripts/finetune_causal_lm.py ARGS`` in this process (its ``main``), its output: for runs
+    compared with each other, which need no fresh interpreter each (seconds of imports)."""
+    from offload.cli.finetune import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        main(list(args))
+    return out.getvalue()
+
+
 def last_line(out: str, start: str) -> str:
     (line,) = [line for line in out.splitlines() if line.startswith(start)][-1:]
     return line
@@ -232,17 +258,18 @@ def test_finetune_script_resumes_with_the_losses_of_a_run_that_never_stopped(tmp
 
 
 def test_finetune_script_with_state_and_masters_on_disk_has_the_same_losses(tmp_path):
-    common = ["scripts/finetune_causal_lm.py", "--device", "cpu", "--no-progress", "--compute-dtype", "bf16",
-              "--steps", "3"]
-    in_ram = run(*common, "--out", str(tmp_path / "ram"))
-    on_disk = run(*common, "--out", str(tmp_path / "disk"), "--disk-tier", str(tmp_path / "tier"), "--masters-on-disk")
+    common = ["--device", "cpu", "--no-progress", "--compute-dtype", "bf16", "--steps", "3"]
+    in_ram = finetune_here(*common, "--out", str(tmp_path / "ram"))
+    on_disk = finetune_here(*common, "--out", str(tmp_path / "disk"), "--disk-tier", str(tmp_path / "tier"),
+                            "--masters-on-disk")
     assert step_losses(on_disk) == step_losses(in_ram) and len(step_losses(in_ram)) == 3
     assert last_line(on_disk, "final loss").split(";")[0] == last_line(in_ram, "final loss").split(";")[0]
     assert os.listdir(tmp_path / "tier") == []  # the state's and the masters' files are gone
     # Trained further from the saved model, loaded slice by slice (into the masters' files).
     common += ["--model", str(tmp_path / "ram")]
-    in_ram = run(*common, "--out", str(tmp_path / "ram2"))
-    on_disk = run(*common, "--out", str(tmp_path / "disk2"), "--disk-tier", str(tmp_path / "tier"), "--masters-on-disk")
+    in_ram = finetune_here(*common, "--out", str(tmp_path / "ram2"))
+    on_disk = finetune_here(*common, "--out", str(tmp_path / "disk2"), "--disk-tier", str(tmp_path / "tier"),
+                            "--masters-on-disk")
     assert "slice by slice" in in_ram and "slice by slice" in on_disk
     assert step_losses(on_disk) == step_losses(in_ram) and len(step_losses(in_ram)) == 3
     assert last_line(on_disk, "final loss").split(";")[0] == last_line(in_ram, "final loss").split(";")[0]
