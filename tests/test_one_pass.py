@@ -205,3 +205,31 @@ def test_the_environment_turns_the_kernel_off(monkeypatch):
 
 def test_only_the_fused_kernels_are_served():
     assert set(SERVED) == {ADAMW, ADAM, SGD}
+
+
+def test_a_lock_left_by_a_dead_build_is_cleared_under_the_builders_lock(tmp_path):
+    # PyTorch's loader waits for ever on a `lock` file a killed build left behind; a fresh one,
+    # with no live builder holding ours, is cleared; one a live builder may own is not.
+    import subprocess
+    import sys
+
+    from offload.kernels import build
+
+    left = tmp_path / "lock"
+    left.write_text("")
+    build._clear_left_lock(tmp_path, exclusive=False)
+    assert left.exists()  # fresh, and without our lock: maybe a live build's
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+        "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)"),
+        str(tmp_path / "offload.lock")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        holder.kill()  # a build killed while it held the lock: the kernel releases it
+        holder.wait(timeout=10)
+        with build._builders_lock(tmp_path) as exclusive:
+            assert exclusive
+            build._clear_left_lock(tmp_path, exclusive)
+        assert not left.exists()
+    finally:
+        holder.kill()

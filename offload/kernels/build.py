@@ -12,15 +12,22 @@ source, the flags and the PyTorch version. ``OFFLOAD_HOST_KERNELS=0`` turns it o
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import os
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import torch
+
+try:
+    import fcntl
+except ImportError:  # not on Windows: stale locks are then judged by their age alone
+    fcntl = None  # type: ignore[assignment]
 
 SOURCE = Path(__file__).with_name("one_pass.cpp")
 
@@ -109,15 +116,38 @@ def _compile() -> ModuleType:
     source = SOURCE.read_bytes()
     digest = hashlib.sha256(source + " ".join(flags).encode() + torch.__version__.encode()).hexdigest()[:12]
     name = f"offload_one_pass_{digest}"
-    _clear_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)))
-    return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                              verbose=False)
+    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+    with _builders_lock(build_dir) as exclusive:
+        _clear_left_lock(build_dir, exclusive)
+        return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                                  verbose=False)
 
 
-def _clear_stale_lock(build_dir: Path) -> None:
+@contextlib.contextmanager
+def _builders_lock(build_dir: Path) -> Iterator[bool]:
+    """Held by one process at a time while it builds or loads the kernel: an advisory
+    ``fcntl.flock`` of a file of our own, which the kernel releases when its holder dies. Yields
+    whether it is held (``False`` where ``fcntl`` is missing)."""
+    if fcntl is None:
+        yield False
+        return
+    build_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(build_dir / "offload.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield True
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _clear_left_lock(build_dir: Path, exclusive: bool) -> None:
+    """Remove the ``lock`` file PyTorch's extension loader leaves behind when its process dies
+    mid-build; a later load would otherwise wait on it forever. Holding :func:`_builders_lock`, no
+    other process is building, so any such file was left behind; without it, only one older than
+    :data:`STALE_LOCK_SECONDS` is taken as left behind."""
     lock = build_dir / "lock"
     try:
-        if time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
+        if exclusive or time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
             lock.unlink()
     except FileNotFoundError:
         pass
