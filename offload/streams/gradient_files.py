@@ -46,7 +46,7 @@ from typing import Protocol
 
 import torch
 
-from .gradients import _Place, lay_out_gradients
+from .gradient_places import GradientPlace, lay_out_gradients
 from .host_buffers import _storage_use_count
 from .mapped import MappedFile
 from .slice_entries import Entry
@@ -73,7 +73,7 @@ class GradientHome:
         paging: what writes the home back after a landing.
     """
 
-    def __init__(self, index: int, file: MappedFile, places: Sequence[_Place | None], paging: GradientPaging) -> None:
+    def __init__(self, index: int, file: MappedFile, places: Sequence[GradientPlace | None], paging: GradientPaging) -> None:
         self.index = index
         self.file = file
         self.places = list(places)
@@ -110,7 +110,7 @@ class GradientHome:
                 and grad.data_ptr() == self.file.address + place.offset and grad.dtype == place.dtype
                 and grad.shape == place.shape)
 
-    def covers(self, places: Sequence[_Place | None], received: Sequence[bool]) -> bool:
+    def covers(self, places: Sequence[GradientPlace | None], received: Sequence[bool]) -> bool:
         """Whether every gradient a backward produced (``received``, laid out as ``places``) has a
         place here of the same dtype and shape."""
         for mine, theirs, got in zip(self.places, places, received):

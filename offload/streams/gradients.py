@@ -40,39 +40,13 @@ import torch
 
 from .backend import Event
 from .copies import CopyStreams
-from .flat_views import _align, _itemsize, empty_in_layout, typed_view
+from .flat_views import _align, empty_in_layout, typed_view
+from .gradient_places import GradientPlace, lay_out_gradients
 from .host_buffers import HostBufferPool
 from .slice_entries import Entry
 
 if TYPE_CHECKING:
     from .gradient_files import GradientHome
-
-
-@dataclass(frozen=True)
-class _Place:
-    """Where one parameter's gradient sits in a slice's gradient buffer (device and host alike)."""
-
-    offset: int
-    dtype: torch.dtype
-    shape: torch.Size
-    stride: tuple[int, ...] | None = None  # the parameter's, where it is not row-major: .grad takes its layout
-
-    def view(self, flat: torch.Tensor) -> torch.Tensor:
-        return typed_view(flat, self.offset, self.dtype, self.shape, self.stride)
-
-
-def lay_out_gradients(entries: Sequence[Entry], needed: Sequence[bool]) -> tuple[list[_Place | None], int]:
-    """Where each needed parameter's gradient goes in a slice's gradient buffer (``None`` where
-    none is needed), one after the other, aligned; and the bytes they take."""
-    offset = 0
-    places: list[_Place | None] = []
-    for entry, want in zip(entries, needed):
-        if not want:
-            places.append(None)
-            continue
-        places.append(_Place(offset, entry.dtype, entry.shape, entry.stride))
-        offset = _align(offset + entry.shape.numel() * _itemsize(entry.dtype))
-    return places, offset
 
 
 @dataclass
@@ -101,7 +75,7 @@ class SliceGradients:
             disk] in ``gradient_files.py``), or ``None``.
     """
 
-    places: list[_Place | None]
+    places: list[GradientPlace | None]
     nbytes: int
     offloader: GradientOffloader
     received: list[bool] = field(init=False)
