@@ -17,6 +17,8 @@ Note: [Loading slice by slice]
        initialisation does.
     5. Slice by slice, each stored tensor is read from its file straight into its host copy
        (``offload/loading/safetensors_files.py``), cast in place when the dtypes differ.
+       A bitsandbytes 4-bit weight is read into a temporary and quantised into its codes and
+       quantisation state (Note: [Quantizing while loading] in ``offload/loading/four_bit.py``).
 
     The process then holds what the model holds anyway (``memory_footprint()``) plus one tensor in
     flight when a cast is needed: no state dict, no resident memory map of the file.
