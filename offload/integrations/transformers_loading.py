@@ -26,13 +26,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..loading.four_bit import quantize_linears
 from ..loading.sequential import Placement, build_from_checkpoint
 from ..model import OffloadModel
 from ..loading.safetensors_files import SafetensorsCheckpoint
 from .transformers_stages import CausalLMSequential, causal_lm_sequential
 
 try:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import (
         Concatenate,
@@ -55,6 +56,7 @@ def load_causal_lm(
     *,
     dtype: torch.dtype | str = torch.float32,
     loss_chunk_tokens: int | None = None,
+    quantization_config: Any = None,
     **options: Any,
 ) -> tuple[OffloadModel, nn.Module]:
     """Load a Hugging Face causal LM folder into an ``OffloadModel``, slice by slice.
@@ -73,6 +75,11 @@ def load_causal_lm(
         dtype: the dtype of the host copies (the masters): float32 by default, whatever the
             checkpoint stores; ``"auto"`` keeps the dtype ``config.json`` names, else the stored one.
         loss_chunk_tokens: as for ``causal_lm_sequential``.
+        quantization_config: a ``transformers.BitsAndBytesConfig(load_in_4bit=True, ...)``: every
+            linear layer but the head becomes a frozen bitsandbytes ``Linear4bit``, each weight
+            quantised on the CPU as it is read, as ``from_pretrained(..., quantization_config=...,
+            device_map="cpu")`` quantises it, bit for bit (Note: [Quantizing while loading] in
+            ``offload/loading/four_bit.py``): the model is never in RAM unquantised.
         options: the other arguments of ``OffloadModel`` (``num_slices``, ``compute_dtype``,
             ``resident_slices``, ...),
             but ``process_group``.
@@ -84,7 +91,8 @@ def load_causal_lm(
     Raises:
         ValueError: a checkpoint that does not match the model (missing, unexpected or misshapen
             keys, each named with its file), stored tensors that need a conversion other than
-            stacking experts, or what ``causal_lm_sequential`` refuses.
+            stacking experts, a ``quantization_config`` other than bitsandbytes' 4 bits on the
+            default skip list and storage, or what ``causal_lm_sequential`` refuses.
         FileNotFoundError: no safetensors checkpoint in ``path``.
 
     Example::
@@ -100,11 +108,34 @@ def load_causal_lm(
         raise TypeError(f"dtype must be a torch.dtype or 'auto', got {dtype!r}")
     with torch.device("meta"):
         hf_model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    # The stored names' targets, before a 4-bit layer's state_dict would read its meta state.
+    meta_state = hf_model.state_dict()
+    if quantization_config is not None:
+        _quantize_on_meta(hf_model, quantization_config)
     hf_model.eval()
     layers = causal_lm_sequential(hf_model, loss_chunk_tokens=loss_chunk_tokens)
     model = build_from_checkpoint(layers, checkpoint, device, init_buffers=_buffer_initialiser(hf_model),
-                                  place=_placement(hf_model, layers), **options)
+                                  place=_placement(hf_model, layers, meta_state), **options)
     return model, hf_model
+
+
+def _quantize_on_meta(hf_model: nn.Module, quantization_config: Any) -> None:
+    """Make the meta model's linear layers 4-bit ones of the shapes a real quantisation gives, and
+    mark the model as ``from_pretrained`` marks a 4-bit one (PEFT reads the marks)."""
+    if not isinstance(quantization_config, BitsAndBytesConfig) or not quantization_config.load_in_4bit:
+        raise ValueError(f"quantization_config must be a BitsAndBytesConfig(load_in_4bit=True, ...), got "
+                         f"{quantization_config!r}; load other quantisations with from_pretrained and wrap the model")
+    if quantization_config.llm_int8_skip_modules is not None or quantization_config.bnb_4bit_quant_storage != torch.uint8:
+        raise ValueError("load_causal_lm quantises every linear layer but the head, into uint8 storage: leave "
+                         "llm_int8_skip_modules and bnb_4bit_quant_storage unset, or load with from_pretrained")
+    import bitsandbytes
+
+    quantize_linears(hf_model, bitsandbytes, quant_type=quantization_config.bnb_4bit_quant_type,
+                     double_quant=quantization_config.bnb_4bit_use_double_quant,
+                     compute_dtype=quantization_config.bnb_4bit_compute_dtype or torch.float32, device="meta")
+    hf_model.config.quantization_config = quantization_config
+    hf_model.is_loaded_in_4bit = True
+    hf_model.quantization_method = "bitsandbytes"
 
 
 def _auto_dtype(config: Any, checkpoint: SafetensorsCheckpoint) -> torch.dtype:
@@ -134,7 +165,8 @@ def _buffer_initialiser(hf_model: nn.Module) -> Callable[[nn.Module], None]:
     return init_buffers
 
 
-def _placement(hf_model: nn.Module, layers: CausalLMSequential) -> Callable[[str], Placement | None]:
+def _placement(hf_model: nn.Module, layers: CausalLMSequential,
+               meta_state: dict[str, torch.Tensor]) -> Callable[[str], Placement | None]:
     """Where each stored name goes: through the model's renamings and converters to its Hugging
     Face key, then to the stages' key."""
     to_stage = {layers.hf_name(key): key for key, _ in (*layers.named_parameters(remove_duplicate=False),
@@ -142,7 +174,6 @@ def _placement(hf_model: nn.Module, layers: CausalLMSequential) -> Callable[[str
     transforms = get_model_conversion_mapping(hf_model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    meta_state = hf_model.state_dict()
     ignored = [re.compile(pattern) for pattern in (getattr(hf_model, "_keys_to_ignore_on_load_unexpected", None) or ())]
 
     def place(stored_name: str) -> Placement | None:

@@ -17,6 +17,8 @@ Note: [Loading slice by slice]
        initialisation does.
     5. Slice by slice, each stored tensor is read from its file straight into its host copy
        (``offload/loading/safetensors_files.py``), cast in place when the dtypes differ.
+       A bitsandbytes 4-bit weight is read into a temporary and quantised into its codes and
+       quantisation state (Note: [Quantizing while loading] in ``offload/loading/four_bit.py``).
 
     The process then holds what the model holds anyway (``memory_footprint()``) plus one tensor in
     flight when a cast is needed: no state dict, no resident memory map of the file.
@@ -33,8 +35,10 @@ import torch
 from torch import nn
 
 from ..model import OffloadModel, engine_of
-from .safetensors_files import SafetensorsCheckpoint
 from ..streams.host_storage import filled_by_caller
+from ..streams.quantized import is_4bit_weight
+from .four_bit import read_quantized, unquantized_shape
+from .safetensors_files import SafetensorsCheckpoint
 
 #: How many keys an error message lists before it says "and N more".
 _LISTED = 8
@@ -186,7 +190,7 @@ class _Plan:
                 unexpected.append(f"'{stored_name}' ({stored.file.name})")
                 continue
             try:
-                region = placement.region(torch.empty(target.shape, device="meta"))
+                region = placement.region(_shaped_like(target))
             except (IndexError, RuntimeError):  # a part outside the tensor (an expert too many)
                 region = None
             if region is None or region.shape != stored.shape:
@@ -213,11 +217,12 @@ class _Plan:
             if names[id(tensor)][0] != f"'{key}'":
                 continue  # a tied tensor's other name
             sources = self.sources.get(id(tensor), [])
-            covered = sum(p.region(torch.empty(tensor.shape, device="meta")).numel() for _, p in sources)
-            if covered == 0 and tensor.numel() > 0:
+            values = _shaped_like(tensor).numel()
+            covered = sum(p.region(_shaped_like(tensor)).numel() for _, p in sources)
+            if covered == 0 and values > 0:
                 missing.append(" or ".join(names[id(tensor)]))
-            elif covered != tensor.numel():
-                partial.append(f"'{key}' gets {covered} of its {tensor.numel()} values, from {len(sources)} stored "
+            elif covered != values:
+                partial.append(f"'{key}' gets {covered} of its {values} values, from {len(sources)} stored "
                                f"tensors ({_listed([repr(name) for name, _ in sources])})")
         problems = []
         if missing:
@@ -252,9 +257,17 @@ class _Plan:
                             continue
                         done.add(id(tensor))
                         for stored_name, placement in self.sources.get(id(tensor), ()):
-                            self.checkpoint.read_into(stored_name, placement.region(tensor.detach()))
+                            if is_4bit_weight(tensor):  # Note: [Quantizing while loading]
+                                read_quantized(self.checkpoint, stored_name, tensor)
+                            else:
+                                self.checkpoint.read_into(stored_name, placement.region(tensor.detach()))
                 # Masters on disk go there now, a slice at a time (Note: [Masters on disk]).
                 engine_of(model).slices[k].storage.release_masters()
+
+
+def _shaped_like(tensor: torch.Tensor) -> torch.Tensor:
+    """A meta tensor of the shape ``tensor`` is stored in (a 4-bit weight's before quantisation)."""
+    return torch.empty(unquantized_shape(tensor), device="meta")
 
 
 def _tensors(module: nn.Module) -> list[torch.Tensor]:

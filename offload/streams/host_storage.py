@@ -69,7 +69,8 @@ def adopt_meta(entry: Entry, host: torch.Tensor) -> None:
         )
     tensor = entry.tensor
     if isinstance(tensor, nn.Parameter):
-        host = nn.Parameter(host, requires_grad=tensor.requires_grad)
+        # Of the parameter's own class: a bitsandbytes Params4bit stays one (Note: [Quantized weights]).
+        host = torch.Tensor._make_subclass(type(tensor), host, tensor.requires_grad)
     host.__dict__.update(tensor.__dict__)
     torch.utils.swap_tensors(tensor, host)
 
