@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import tempfile
 
 import pytest
 import torch
@@ -137,23 +139,30 @@ def test_loads_move_half_the_bytes_and_gradients_arrive_in_float32(device):
     assert half._engine.activations.offloaded_bytes == full._engine.activations.offloaded_bytes // 2
     param_bytes = sum(p.numel() * p.element_size() for p in plain.parameters())
     assert half._engine.gradients.offloaded_bytes == full._engine.gradients.offloaded_bytes == param_bytes
-    # Where the host adds them into .grad itself (zeroed by the model: Note: [Gradients added in
-    # place]), they leave in the compute dtype, half the bytes, and .grad ends the same, bit for bit
-    # (Note: [Gradients in the compute dtype]). Summed over microbatches they leave in float32.
-    for microbatches, expected in ((1, param_bytes // 2), (2, param_bytes)):
+    # Where the host copies them into their files (masters on disk: Note: [Gradients on disk]) they
+    # leave in the compute dtype, half the bytes, and .grad ends the same, bit for bit (Note:
+    # [Gradients in the compute dtype]); added into .grad on the host, or summed over microbatches,
+    # they leave in float32.
+    for microbatches, masters, set_to_none, expected in ((1, True, True, param_bytes // 2),
+                                                         (1, True, False, param_bytes),
+                                                         (1, False, False, param_bytes),
+                                                         (2, True, True, param_bytes)):
         reference = OffloadModel(copy.deepcopy(plain), device=device, num_slices=4, compute_dtype=torch.bfloat16,
                                  num_microbatches=microbatches)
-        added = OffloadModel(copy.deepcopy(plain), device=device, num_slices=4, compute_dtype=torch.bfloat16,
-                             num_microbatches=microbatches)
-        for step in range(2):
-            reference.zero_grad()
-            added.zero_grad(set_to_none=False)
-            before = added._engine.gradients.offloaded_bytes
-            for model in (reference, added):
-                model(x + step).float().sum().backward()
-        assert added._engine.gradients.offloaded_bytes - before == expected
-        for p, q in zip(reference.parameters(), added.parameters()):
-            assert q.grad.dtype == torch.float32 and torch.equal(p.grad, q.grad)
+        files = tempfile.TemporaryDirectory() if masters else contextlib.nullcontext()
+        with files as directory:
+            landed = OffloadModel(copy.deepcopy(plain), device=device, num_slices=4, compute_dtype=torch.bfloat16,
+                                  num_microbatches=microbatches, masters=directory)
+            for step in range(2):
+                reference.zero_grad()
+                landed.zero_grad(set_to_none=set_to_none)
+                before = landed._engine.gradients.offloaded_bytes
+                for model in (reference, landed):
+                    model(x + step).float().sum().backward()
+            assert landed._engine.gradients.offloaded_bytes - before == expected, (microbatches, masters, set_to_none)
+            for p, q in zip(reference.parameters(), landed.parameters()):
+                assert q.grad.dtype == torch.float32 and torch.equal(p.grad, q.grad)
+            del landed
 
 
 def test_bf16_training_tracks_float32():

@@ -544,11 +544,14 @@ def test_resident_slices_take_their_bytes_off_the_link_and_the_host_update():
     streamed, resident = traffic(layout, None, config), traffic(layout, None, replace(config, resident_slices=2))
     assert resident.forward_loads == sum(layout.device_bytes[2:]) < streamed.forward_loads
     assert resident.backward_loads == 0  # slices 2 and 3 stay in the slots, 0 and 1 are resident
-    # One microbatch, .grad added on the host: they leave in the compute dtype (Note: [Gradients in the compute dtype])
-    assert resident.backward_offloads == sum(layout.computed_gradient_bytes[2:]) < sum(layout.gradient_bytes[2:])
+    assert resident.backward_offloads == sum(layout.gradient_bytes[2:])
+    # Copied into their files as they land (masters on disk), one microbatch's gradients leave in
+    # the compute dtype (Note: [Gradients in the compute dtype]); before, in float32.
+    on_disk = replace(config, resident_slices=2, masters="disk")
+    assert traffic(layout, None, on_disk).backward_offloads == sum(layout.computed_gradient_bytes[2:]) < sum(
+        layout.gradient_bytes[2:])
     with landed_gradients(in_compute_dtype=False):
-        assert traffic(layout, None, replace(config, resident_slices=2)).backward_offloads == sum(
-            layout.gradient_bytes[2:])
+        assert traffic(layout, None, on_disk).backward_offloads == sum(layout.gradient_bytes[2:])
     assert resident.first_load == resident.last_offload == 0
     # AdamW: 28 bytes per float32 parameter, and the bfloat16 shadow written in the same pass (2;
     # Note: [One-pass update]); on the device, no shadow.

@@ -146,17 +146,17 @@ class _Traffic:
     device_update: int = 0
 
 
-#: Whether gradients the host adds into ``.grad`` itself leave the device in the compute dtype
-#: (Note: [Gradients in the compute dtype] in ``offload/streams/gradients.py``). Runs measured
-#: before they did are predicted under :func:`landed_gradients` ``(in_compute_dtype=False)``.
+#: Whether gradients the host copies into their files (masters on disk) leave the device in the
+#: compute dtype (Note: [Gradients in the compute dtype] in ``offload/streams/gradients.py``).
+#: Runs measured before they did are predicted under :func:`landed_gradients` ``(in_compute_dtype=False)``.
 LANDED_IN_COMPUTE_DTYPE = True
 
 
 @contextlib.contextmanager
 def landed_gradients(in_compute_dtype: bool) -> Iterator[None]:
-    """Count (and so plan) the gradients the host adds into ``.grad`` as leaving in the compute
-    dtype or in their parameters' dtype, whatever this library does: to predict a run measured
-    before they left in the compute dtype."""
+    """Count (and so plan) the gradients the host copies into their files as leaving in the
+    compute dtype or in their parameters' dtype, whatever this library does: to predict a run
+    measured before they left in the compute dtype."""
     global LANDED_IN_COMPUTE_DTYPE
     saved, LANDED_IN_COMPUTE_DTYPE = LANDED_IN_COMPUTE_DTYPE, in_compute_dtype
     try:
@@ -176,11 +176,11 @@ def traffic(layout: SliceLayout, profile: ModelProfile | None, config: StepConfi
     n, k = layout.num_slices, config.resident_slices
     boundaries = profile.checkpointed_bytes(layout.ranges, config.num_microbatches) if profile is not None else 0
     streamed_grads = layout.gradient_bytes[k:]
-    # With one microbatch, gradients the host adds into .grad itself (zero_grad(set_to_none=False),
-    # as estimate_memory assumes; or their files, with masters on disk) leave in the compute dtype
-    # (Note: [Gradients in the compute dtype]); sums over microbatches leave in float32.
+    # With one microbatch, gradients the host copies into their files (masters on disk) leave in
+    # the compute dtype (Note: [Gradients in the compute dtype]); the others, and sums over
+    # microbatches, in float32.
     leaving = (layout.computed_gradient_bytes if LANDED_IN_COMPUTE_DTYPE and config.num_microbatches == 1
-               and layout.computed_gradient_bytes else layout.gradient_bytes)
+               and config.masters == "disk" and layout.computed_gradient_bytes else layout.gradient_bytes)
     state_bytes = sum(layout.state_bytes[k:]) if config.optimizer_state == "disk" else 0
     master_bytes = sum(layout.host_bytes[k:]) if config.masters == "disk" else 0
     # With the masters on disk their gradients are too: written as they land, read by the update

@@ -8,12 +8,15 @@ Note: [Gradients in the compute dtype]
     makes it cast them on the CPU, into a freshly allocated float32 tensor, at the end of every
     backward (run 3 in ``benchmarks/results/h100-2026-11-22/README.md`` measured that).
 
-    Where the host itself puts them into ``.grad`` as they land (added in place: Note:
-    [Gradients added in place]; or copied into their file: Note: [Gradients on disk]), they leave
-    as autograd produced them, half the bytes on the device-to-host direction, and the host's
-    addition or copy casts them: a half-precision value's float32 cast is exact, and
-    ``grad.add_(half)`` adds its float32 cast, so ``.grad`` ends as it would have, bit for bit.
-    Microbatches summed on the device are summed in float32 and leave so.
+    Where the host copies them into their file as they land (Note: [Gradients on disk]), they
+    leave as autograd produced them, half the bytes on the device-to-host direction, and the
+    host's copy casts them: a half-precision value's float32 cast is exact, and a casting copy
+    reads less than a float32 one (16 M elements on this CPU: 6.3 ms against 7.2). Where the host
+    adds them into ``.grad`` (Note: [Gradients added in place]) they still leave in float32:
+    PyTorch adds a bfloat16 tensor into a float32 one 5x slower than two float32 ones (42 ms
+    against 8 for 16 M elements), and a cast first through a scratch buffer still costs 14 ms,
+    more host memory traffic than the link saves. Microbatches summed on the device are summed
+    in float32 and leave so.
 
 With one microbatch, the gradients autograd produced are offloaded as they are. With several,
 they are summed into one of two persistent device gradient buffers and leave for the host in a
@@ -133,10 +136,13 @@ class SliceGradients:
             dense = self.held_as_placed()
         return [g if g is not None else d for g, d in zip(self.sparse, dense)]
 
-    def held_as_placed(self) -> list[torch.Tensor | None]:
-        """The held gradients in their parameters' dtypes, cast on the device (and kept so)."""
+    def held_as_placed(self, copied_home: Sequence[bool] = ()) -> list[torch.Tensor | None]:
+        """The held gradients in their parameters' dtypes, cast on the device (and kept so), but
+        those ``copied_home`` marks, which stay as autograd produced them (Note: [Gradients in
+        the compute dtype])."""
         for j, (held, place) in enumerate(zip(self.held, self.places)):
-            if held is not None and place is not None and held.dtype != place.dtype:
+            if (held is not None and place is not None and held.dtype != place.dtype
+                    and not (j < len(copied_home) and copied_home[j])):
                 self.held[j] = held.to(place.dtype)
         return list(self.held)
 
@@ -266,12 +272,14 @@ class GradientOffloader:
                 target is not None for target, place, got in zip(grads.into, grads.places, grads.received)
                 if place is not None and got)
             host = self.pool.take(self._max_nbytes if transient else grads.nbytes)
-            # Note: [Gradients in the compute dtype]: what the host adds or copies into .grad itself
-            # leaves as autograd produced it; what autograd adopts leaves in the parameter's dtype.
-            held = grads.held if transient and grads.sums is None else grads.held_as_placed()
+            # Note: [Gradients in the compute dtype]: what the host copies into a gradient file
+            # leaves as autograd produced it; the rest in the parameter's dtype.
+            held = grads.held_as_placed(copied_home=[
+                home is not None and got and (grads.into is None or grads.into[j] is None)
+                for j, got in enumerate(grads.received)]) if grads.sums is None else []
             for j, (place, got) in enumerate(zip(grads.places, grads.received)):
                 if place is not None and got:
-                    dtype = held[j].dtype if grads.sums is None and held[j] is not None else place.dtype
+                    dtype = held[j].dtype if held and held[j] is not None else place.dtype
                     host_views[j] = typed_view(host.data, place.offset, dtype, place.shape, place.stride)
             if grads.sums is not None:
                 assert grads.buffer_index is not None
