@@ -287,9 +287,11 @@ def test_state_and_masters_on_disk_are_counted_there():
     assert state.host_disk_window == 3 * 8 * n // 4
     assert state.disk == 8 * n and state.host_total == ram.host_total - 8 * n + state.host_disk_window
     assert both.host_masters == 0 and both.host_shadows == 2 * n
-    assert 0 <= both.disk - (8 * n + ram.host_masters) < 4 * 4096  # a file per slice, in whole pages
-    # The window: three slices' state and, while the optimizer steps, three slices' masters.
-    assert both.host_disk_window == state.host_disk_window + 3 * 4 * n // 4
+    # The gradients go to files beside the masters (Note: [Gradients on disk]).
+    assert both.host_gradients == 0 and ram.host_gradients == 4 * n
+    assert 0 <= both.disk - (8 * n + ram.host_masters + ram.host_gradients) < 2 * 4 * 4096  # files per slice, in pages
+    # The window: three slices' state and, while the optimizer steps, three slices' masters and gradients.
+    assert both.host_disk_window == state.host_disk_window + 3 * 4 * n // 4 + 3 * 4 * n // 4
     assert "disk" in str(both)
 
 

@@ -211,9 +211,10 @@ def test_bench_storage_smoke_test(tmp_path):
     assert "exact: True; with the masters on disk too (bfloat16 compute): True" in out
     data = json.loads((tmp_path / "storage.json").read_text())
     assert data["exact_masters_on_disk"] is True
-    # The masters (4) moved to disk as well, a bfloat16 shadow (2) came: 2 bytes per parameter fewer.
+    # The masters (4) and their gradients (4) moved to disk as well, a bfloat16 shadow (2) came: 6
+    # bytes per parameter fewer.
     assert data["host_bytes_per_param_disk"] - data["host_bytes_per_param_masters_on_disk"] == pytest.approx(
-        2, rel=0.1)
+        6, rel=0.1)
     for key in ("disk_read_gbps", "disk_write_gbps", "tier_read_fraction", "tier_write_fraction"):
         assert data[key] > 0, key
     assert data["exact"] is True and "benchmarks/bench_storage.py" in data["command"]
@@ -333,12 +334,15 @@ def test_scale_benchmark_smoke(masters_on_disk, tmp_path):
     assert total("tier_read_bytes") >= 8 * data["parameters"]
     assert total("tier_write_bytes") >= 2 * 8 * data["parameters"]
     # The masters' files (4 bytes per parameter, in whole pages): read in by the first forward and
-    # around each update, and written back (synced: clean pages cost nothing) after each.
-    assert data["disk_masters_bytes"] == (2 * page(2 * (64 * 64 + 64) * 4) if masters_on_disk else 0)
-    assert total("masters_read_bytes") == 3 * data["disk_masters_bytes"]
-    assert total("masters_write_bytes") == 3 * data["disk_masters_bytes"]
-    assert abs(data["estimate_disk_bytes"] - data["disk_state_bytes"] - data["disk_masters_bytes"]) <= 0.05 * (
-        data["disk_state_bytes"] + data["disk_masters_bytes"])
+    # around each update, and written back (synced: clean pages cost nothing) after each. Their
+    # gradients' files, as large: written as each backward lands them, read in and dropped around
+    # each update (Note: [Gradients on disk]).
+    masters = 2 * page(2 * (64 * 64 + 64) * 4) if masters_on_disk else 0
+    assert data["disk_masters_bytes"] == data["disk_gradients_bytes"] == masters
+    assert total("masters_read_bytes") == 3 * masters + 2 * masters
+    assert total("masters_write_bytes") == 3 * masters + 2 * 2 * masters
+    on_disk = data["disk_state_bytes"] + data["disk_masters_bytes"] + data["disk_gradients_bytes"]
+    assert abs(data["estimate_disk_bytes"] - on_disk) <= 0.05 * on_disk
     assert [p.name for p in tmp_path.iterdir()] == ["scale.json"]  # checkpoint and state removed
 
 
