@@ -265,7 +265,7 @@ def main() -> None:
             state_on_disk = disk_bytes(work / "state")
             # The masters' and gradients' files are unlinked once mapped: the footprint counts them.
             homes = [piece.storage.gradient_home for piece in model._engine.slices
-                     if getattr(piece.storage, "gradient_home", None) is not None]
+                     if piece.storage.gradient_home is not None]
             gradients_on_disk = sum(home.file.nbytes for home in homes)
             masters_on_disk = footprint.disk - optimizer._tier.disk_nbytes - gradients_on_disk
             estimate = offload.estimate_memory(build_meta(args.width, args.layers), num_slices=args.slices,

@@ -167,7 +167,7 @@ class BackwardGradients:
         storage = engine.slices[i].storage
         params = storage.params
         self._slice = (engine.gradients.begin(params, needed, self._into[i], engine.stays_on_device(params),
-                                              home=getattr(storage, "gradient_home", None) if self._homes else None)
+                                              home=storage.gradient_home if self._homes else None)
                        if any(needed) else None)
 
     def add(self, param_grads: Sequence[torch.Tensor | None], others: Sequence[Any]) -> None:

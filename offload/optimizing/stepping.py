@@ -164,5 +164,5 @@ class SliceUpdates:
         """Slice ``index``'s gradients' file when ``.grad`` is there (anything refers to it: Note:
         [Gradients on disk] in ``offload/streams/gradient_files.py``), to be read in and written
         back with its masters; ``None`` otherwise."""
-        home = getattr(self.engine.slices[index].storage, "gradient_home", None)
+        home = self.engine.slices[index].storage.gradient_home
         return home.file if home is not None and not home.is_idle() else None

@@ -145,7 +145,7 @@ def measure(engine: Engine, optimizers: Iterable[torch.optim.Optimizer], tiers: 
     storages = [s.storage for s in engine.slices if not s.storage.resident]
     params = [entry.tensor for storage in storages for entry in storage.held if entry.is_parameter]
     on_device = [entry.tensor for storage in resident for entry in storage.held if entry.is_parameter]
-    homes = [storage.gradient_home for storage in storages if getattr(storage, "gradient_home", None) is not None]
+    homes = [storage.gradient_home for storage in storages if storage.gradient_home is not None]
     grad_storages = _grad_storages(params)
     for home in homes:  # Note: [Gradients on disk]: counted by the pages in RAM now, and the file
         grad_storages.pop(home.file.tensor.untyped_storage().data_ptr(), None)

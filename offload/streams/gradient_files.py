@@ -94,8 +94,13 @@ class GradientHome:
 
     def is_idle(self) -> bool:
         """Whether nothing outside this home refers to its memory (no ``.grad``, no kept view)."""
+        return self.referred_to_by(0)
+
+    def referred_to_by(self, tensors: int) -> bool:
+        """Whether exactly ``tensors`` tensors outside this home refer to its memory (``False``
+        where references cannot be counted)."""
         count = _storage_use_count(self.file.tensor)
-        return count is not None and self._idle_use_count is not None and count <= self._idle_use_count
+        return count is not None and self._idle_use_count is not None and count == self._idle_use_count + tensors
 
     def view(self, j: int) -> torch.Tensor:
         """Parameter ``j``'s gradient in the home."""
@@ -137,14 +142,12 @@ def zeroed_in_files(storages: Iterable[object], params: Iterable[torch.Tensor]) 
     wanted = {id(p) for p in params}
     hidden: list[tuple[torch.Tensor, torch.Tensor]] = []
     for storage in storages:
-        home: GradientHome | None = getattr(storage, "gradient_home", None)
+        home: GradientHome | None = storage.gradient_home  # type: ignore[attr-defined]
         if home is None:
             continue
         grads = [(e.tensor, e.tensor.grad) for j, e in enumerate(storage.params)  # type: ignore[attr-defined]
                  if home.holds(j, e.tensor.grad)]
-        count = _storage_use_count(home.file.tensor)
-        if (not grads or any(id(p) not in wanted for p, _ in grads) or count is None
-                or home._idle_use_count is None or count != home._idle_use_count + len(grads)):
+        if not grads or any(id(p) not in wanted for p, _ in grads) or not home.referred_to_by(len(grads)):
             continue  # something else refers to it (or a gradient not zeroed here): zero in place
         home.zero()
         for p, grad in grads:

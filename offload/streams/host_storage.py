@@ -169,6 +169,8 @@ class SliceStorage:
     """
 
     resident = False  #: whether the slice stays on the device (``resident_storage.py``)
+    #: the file that holds the slice's gradients, with its masters on disk (set by :meth:`build`)
+    gradient_home: GradientHome | None = None
 
     def __init__(self, layers: Sequence[nn.Module], allocate: Callable[[int], torch.Tensor],
                  compute_dtype: torch.dtype | None = None, held_elsewhere: Collection[int] = (),
@@ -244,7 +246,6 @@ class SliceStorage:
             entry.tensor.data = host
         self._expected_ptrs = [entry.tensor.data_ptr() for entry in self.entries]
         self.release_masters()  # what was copied in goes to disk
-        #: the file that holds the slice's gradients, with its masters on disk
         self.gradient_home = (self.make_gradient_home(self.params) if self.masters_file is not None
                               and self.make_gradient_home is not None else None)
         self.shadow = self.allocate(self.load_nbytes) if casts else None
