@@ -53,7 +53,9 @@
 #       --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
 #       --platform manylinux2014_x86_64 -d .whl transformers==5.24.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
 # (pure-Python wheels, about 15 MiB; their other needs, tokenizers 0.23, huggingface-hub, pyarrow, fsspec,
-# are on the machine: run.log's first lines list the versions it used).
+# are on the machine: run.log's first lines list the versions it used). For the QLoRA tests, bitsandbytes
+# 0.50.2 (--platform manylinux_2_24_x86_64; 43 MB, most of it CUDA 11.8-12.8 and ROCm libraries the
+# machine's CUDA 13 does not load: unpacked, those and their RECORD lines removed, zipped again it is 7 MB).
 # then one call: run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=480): the stages' limits
 # add up to 440 s, the rest stage runs only while the 300 s budget has 30 s left; about 250-300 s are
 # expected. That leaves a lent machine's 15 minutes (2-4 of them its start) room for one short rerun
@@ -69,7 +71,6 @@ for arg in "$@"; do
         *) echo "gpu_check.sh: unknown argument $arg (--cpu-dry-run, --full)"; exit 2 ;;
     esac
 done
-kernels_ready  # when no timed stage ran
 OUT=${OUT:-gpu_out}
 [ $dry = 1 ] && OUT=${OUT_DRY:-$(mktemp -d)}
 mkdir -p "$OUT"
@@ -213,6 +214,7 @@ for name in $stages; do
     esac
 done
 
+kernels_ready  # when no timed stage waited for it
 log "=== summary $(date +%T), ${SECONDS}s"
 merge
 $PY benchmarks/gpu_check_summary.py show "$OUT/summary.json" 2>&1 | tee -a "$OUT/run.log"
