@@ -36,6 +36,8 @@
 #
 #   bash benchmarks/gpu_check.sh                          # on the GPU machine, from the repository root
 #   GPU_CHECK_STAGES="slices trace" bash benchmarks/gpu_check.sh    # some stages only
+#   GPU_CHECK_STAGES="tests slices" GPU_CHECK_TESTS="tests/test_trainers_cuda.py" \
+#       GPU_CHECK_RUNS="resident,offload-clip" bash benchmarks/gpu_check.sh   # a rerun of some tests and runs
 #   bash benchmarks/gpu_check.sh --full                   # the default stages, then peers, capped, suite
 #   bash benchmarks/gpu_check.sh --cpu-dry-run            # every stage at toy sizes on the CPU (CI runs it)
 #
@@ -89,11 +91,14 @@ stages=${GPU_CHECK_STAGES:-host tests slices batch exact trace rest}
 FIRST_TESTS=(tests/test_resident_slices*.py tests/test_trainer.py tests/test_trainers_cuda.py tests/test_accelerate.py tests/test_lightning.py
              tests/test_update_in_backward*.py tests/test_*qlora*.py tests/test_one_pass.py tests/test_gradients_on_disk.py
              tests/test_mixed_precision.py::test_loads_move_half_the_bytes_and_gradients_arrive_in_float32)
+# A rerun's narrower choice: GPU_CHECK_TESTS (test paths for the tests stage), GPU_CHECK_RUNS (the
+# bench_peers runs of the slices and batch stages).
+[ -n "${GPU_CHECK_TESTS:-}" ] && read -ra FIRST_TESTS <<< "$GPU_CHECK_TESTS"
 peers=${GPU_CHECK_PEERS:-resident,offload,offload-sync,offload-resident,offload-in-backward-resident,fsdp2,torchao,fairscale}
 dry_flag="" big=32 counts="6 9"
 [ $dry = 1 ] && { dry_flag="--cpu-dry-run"; big=4; counts="1 2"; }
 read -r few many <<< "$counts"
-slices_runs="resident,offload-in-backward,offload-in-backward-resident$few,offload-in-backward-resident$many,offload-clip"
+slices_runs=${GPU_CHECK_RUNS:-"resident,offload-in-backward,offload-in-backward-resident$few,offload-in-backward-resident$many,offload-clip"}
 status=0 started=$SECONDS
 log() { echo "$*" | tee -a "$OUT/run.log"; }
 headline() { grep -vE "Warning|warn\(|^\s|USDT|^\[W|^W[0-9]" "$1" | tail -n "$2" | tee -a "$OUT/run.log"; }
@@ -160,14 +165,14 @@ for name in $stages; do
         slices)
             kernels_ready
             stage slices "$limit_slices" $PY benchmarks/bench_peers.py $dry_flag --predict --only "$slices_runs" \
-                --steps 3 --warmup 1 --json "$work/slices.json"
+                --steps 3 --warmup 2 --json "$work/slices.json"
             headline "$work/slices.log" 9 ;;
         batch)
             batch_runs=$slices_runs
-            [ $dry = 1 ] && batch_runs="resident,offload-in-backward-resident$few"
+            [ $dry = 1 ] && [ -z "${GPU_CHECK_RUNS:-}" ] && batch_runs="resident,offload-in-backward-resident$few"
             for rows in $big $((big / 2)); do
                 stage batch "$limit_batch" $PY benchmarks/bench_peers.py $dry_flag --predict --batch "$rows" \
-                    --only "$batch_runs" --steps 2 --warmup 1 --json "$work/batch.json"
+                    --only "$batch_runs" --steps 2 --warmup 2 --json "$work/batch.json"
                 headline "$work/batch.log" 8
                 # Smaller only when the resident baseline itself ran out of device memory.
                 grep -q '"resident": "OutOfMemoryError' "$work/batch.json" 2>/dev/null || break

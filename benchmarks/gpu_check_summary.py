@@ -63,7 +63,7 @@ def exact(report: dict[str, Any]) -> str:
     for name, verdict in grads.get("per_variant", {}).items():
         lines.append(f"  {name}: bit identical {verdict['bit_identical']} ({verdict['tensors_differing']} differ, "
                      f"largest relative {verdict['max_relative']:.3g})")
-    lines.append(f"parameters after the run, per slice across the variants that updated it on the same side: all equal "
+    lines.append(f"parameters after the run, per slice across the variants that placed every update alike: all equal "
                  f"{per_slice.get('all_equal')} ({per_slice.get('groups_compared')} groups, "
                  f"{per_slice.get('groups_differing')} differing: {per_slice.get('differing')})")
     lines.append("whole-model digests: " + ", ".join(f"{n} {r['parameters_sha256_16']}" for n, r in report["runs"].items()
