@@ -276,6 +276,10 @@ class OffloadModel(CopiedByLayers):
             # the device slots, copy streams and buffers are built anew for target.
             self.device = target
             self._adopt([(list(s.names), list(s.layers)) for s in engine.slices])
+            for optimizer in list(engine.optimizers):  # they step the new engine from now on
+                optimizer._follow(self._engine)
+            if self.device.type == "cuda" and self.offload_device.type == "cpu":
+                warn_about_plain_grad_scalers()  # as a model built there: Note: [Loss scaling with host gradients]
         convert = host_conversion(fn, self.offload_device)
         if convert is None:  # a move alone: the host copies stay as they are
             return self

@@ -23,10 +23,15 @@ from ..walk.engine import Engine
 #     3. A move builds the engine anew for the new device (slots, streams, pinned host buffers): the
 #        parameters stay the same objects, their values are copied into the new host storage, so
 #        for a moment the host holds them twice. Build a large model on its device instead.
-#        An OffloadOptimizer already stepping the model, a process group or masters on disk are
-#        tied to the old engine, so such a move is refused (build the model on that device);
-#        under an optimizer, a move to the host (a training loop's teardown, Lightning's .cpu())
-#        warns and leaves the compute where it is: the parameters are there already.
+#        An OffloadOptimizer follows the move: it steps the new engine from then on (its update
+#        worker, plan and backward hooks built anew; its state, keyed by the same parameters, kept
+#        as it is: on the host, or moved beside a resident slice's parameters), so one built before
+#        Accelerate's prepare() trains as the plain optimizer does. A process group, masters on
+#        disk, or an optimizer's disk tier or sharded update are tied to the old engine, so such a
+#        move is refused (build the model, or the optimizer, on that device). Once an optimizer
+#        has stepped the model, a move to the host (a training loop's teardown, Lightning's .cpu())
+#        warns and leaves the compute where it is: the parameters are there already, and the
+#        rebuild would hold them twice for nothing.
 #     4. A dtype change converts the host copies, as before; ``.to(device, dtype)`` converts
 #        floating-point host copies to ``dtype`` and moves the compute device.
 
@@ -55,23 +60,22 @@ def compute_target(fn: Convert, device: torch.device, offload_device: torch.devi
 def may_move_compute(engine: Engine, device: torch.device, offload_device: torch.device, target: torch.device,
                      data_parallel: bool) -> bool:
     """Whether the model computing on ``device`` may compute on ``target`` from now on (rule 3 of
-    Note: [Moving an OffloadModel]): ``False``, with a warning, for a move to the host under an
-    optimizer.
+    Note: [Moving an OffloadModel]): ``False``, with a warning, for a move to the host once an
+    optimizer has stepped it.
 
     Raises:
         RuntimeError: something tied to ``engine`` forbids the move; the message says what.
     """
-    if len(engine.optimizers) and target == offload_device:
+    optimizers = list(engine.optimizers)
+    if target == offload_device and any(optimizer._stepped_engine for optimizer in optimizers):
         # A training loop's teardown (Lightning's .cpu()) frees the accelerator this way: the
-        # parameters are on the host already, and the optimizer is tied to this engine.
+        # parameters are on the host already.
         warnings.warn(
             f"OffloadModel keeps computing on {device}: an OffloadOptimizer is stepping it, and its "
             f"parameters are on {offload_device} already. To compute there, build the model with "
             f"device={str(target)!r}", stacklevel=4)
         return False
-    reasons = []
-    if len(engine.optimizers):
-        reasons.append("an OffloadOptimizer is stepping it (build the optimizer after moving the model)")
+    reasons = [reason for optimizer in optimizers for reason in optimizer._tied_to_engine()]
     if data_parallel:
         reasons.append("it trains data-parallel over a process group (each rank's device is fixed)")
     if engine.master_files is not None:

@@ -151,6 +151,17 @@ class BackwardUpdates(Subscriber):
         milestones.subscribe(subscriber)
         return subscriber
 
+    def follow(self, engine: Engine, updates: SliceUpdates) -> None:
+        """Watch the walks of ``engine``, the model's engine built anew for another compute device
+        (rule 3 of Note: [Moving an OffloadModel] in ``offload/modeling/placement.py``), and hand
+        updates to ``updates``; the backwards counted and the checks passed so far still hold."""
+        subscribed = any(s is self for s in self._engine.milestones.subscribers)  # only the newest optimizer's is
+        self._engine.milestones.unsubscribe(self)
+        self._optimizer = weakref.ref(self._optimizer(), _unsubscriber(engine, self))
+        self._engine, self._updates = engine, updates
+        if subscribed:
+            engine.milestones.subscribe(self)
+
     # -- milestones ---------------------------------------------------------------------------------
 
     def forward_started(self, token: Any) -> None:

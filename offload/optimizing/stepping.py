@@ -118,6 +118,13 @@ class SliceUpdates:
         """Updates handed to the worker and not finished yet."""
         return 0 if self.worker is None else self.worker.submitted - self.worker.finished
 
+    def close(self) -> None:
+        """Let the update worker, idle once every update is waited for, end (the optimizer follows
+        its model to another engine: Note: [Moving an OffloadModel] in ``offload/modeling/placement.py``)."""
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
+
     def _start_worker(self) -> None:
         if self.worker is None:
             # By key, the slice's index: Note: [Updates in the next forward's order].
