@@ -617,7 +617,7 @@ def efficiency_of(report: dict, name: str) -> None:
             ours.get("loaded_bytes_per_step", 0), ours.get("offloaded_bytes_per_step", 0))
         alone = terms.get("host_update_streamed_alone_s", terms.get("host_update_alone_s"))
         ours["bound"] = bound(ours["median_step_s"], terms["resident_step_s"], link, host,
-                              report["host_bandwidth"]["bytes_per_s"], alone)
+                              report["host_bandwidth"]["bytes_per_s"], alone, sum(counts.values()))
     for other, run in runs.items():
         if other not in (name, "resident"):
             ours[f"speedup_vs_{other}"] = run["median_step_s"] / ours["median_step_s"]

@@ -25,12 +25,12 @@ finally:
 
 def test_peers_benchmark_runs_counts_clipping_predictions_a_trace_and_compares_every_slice(tmp_path):
     pytest.importorskip("transformers")
-    runs = ["resident", "offload", "offload-in-backward-resident2", "offload-clip"]
+    runs = ["resident", "offload", "offload-in-backward-resident2", "offload-clip", "offload-in-backward"]
     run("benchmarks/bench_peers.py", "--cpu-dry-run", "--deterministic", "--predict", "--trace", str(tmp_path),
         "--trace-runs", "offload-clip", "--only", ",".join(runs), "--json", str(tmp_path / "peers.json"))
     report = json.loads((tmp_path / "peers.json").read_text())
     assert list(report["runs"]) == runs, report["failed"]
-    offload, ours, clipped = (report["runs"][n] for n in runs[1:])
+    offload, ours, clipped = (report["runs"][n] for n in runs[1:4])
     # Two of the 4 slices resident whatever --resident-slices says: less crosses the link.
     assert ours["resident_slices"] == 2 and report["resident_slices"] == 1
     assert 0 < ours["loaded_bytes_per_step"] < offload["loaded_bytes_per_step"]
@@ -47,15 +47,21 @@ def test_peers_benchmark_runs_counts_clipping_predictions_a_trace_and_compares_e
     # Each offloaded run's bound counts the host's bytes (benchmarks/host_bound.py) beside the old one.
     for run_report in (offload, ours, clipped):
         assert run_report["bound"]["old_efficiency"] == run_report["efficiency"]
+        # The host's rate: the larger of the copy's and the fused AdamW alone's, both measured here.
+        rates = run_report["bound"]["host_bytes_per_s"]
+        assert rates["copy"] == report["host_bandwidth"]["bytes_per_s"] and rates["fused_adamw"] > 0
+        assert run_report["bound"]["bound_terms"]["host_bytes_s"] == pytest.approx(
+            run_report["bound"]["host_bytes"]["total"] / max(rates.values()))
         # bf16 compute: the shadow written by the one-pass update where its kernel ran, else its own pass.
         one_pass = host_kernel(wait=True) is not None
         assert (run_report["bound"]["host_bytes"]["shadow"] == 0) == one_pass
     # Every variant's gradients after the first backward are the resident model's, bit for bit.
     per_variant = report["gradients_after_first_backward"]["per_variant"]
     assert set(per_variant) == set(runs[1:]) and all(v["bit_identical"] for v in per_variant.values())
-    # The traced run (one step longer) and the clipped one are left out of the per-slice comparison:
-    # offload and the resident variant share the two host-updated slices.
-    assert report["parameters_per_slice"] == {"groups_compared": 2, "groups_differing": 0, "all_equal": True,
+    # The traced run (one step longer) and the clipped one are left out of the per-slice comparison,
+    # and the resident variant places two slices' updates on the device: offload and
+    # offload-in-backward, every update on the host, are compared slice by slice.
+    assert report["parameters_per_slice"] == {"groups_compared": 4, "groups_differing": 0, "all_equal": True,
                                               "differing": {}}
     streams = clipped["streams"]
     assert streams["trace"] == "trace-offload-clip.json.gz" and streams["window_ms"] > 0
@@ -69,13 +75,15 @@ def test_per_slice_exactness_reports_a_slice_whose_digests_differ():
     report = {"runs": {
         "offload": {"slice_parameters_sha256_16": [["host", "a"], ["host", "b"]]},
         "offload-resident": {"slice_parameters_sha256_16": [["device", "c"], ["host", "x"]]},
-        "offload-in-backward": {"slice_parameters_sha256_16": [["host", "a"], ["host", "b"]]},
+        "offload-in-backward": {"slice_parameters_sha256_16": [["host", "a"], ["host", "y"]]},
+        "offload-in-backward-resident": {"slice_parameters_sha256_16": [["device", "c"], ["host", "x"]]},
         "offload-clip": {"slice_parameters_sha256_16": [["host", "z"], ["host", "z"]]},  # trains differently
     }}
     verdict = bench_peers.exactness(report)
-    assert verdict["groups_compared"] == 2 and not verdict["all_equal"]
-    assert verdict["differing"] == {"slice 1 on the host": {"offload": "b", "offload-resident": "x",
-                                                            "offload-in-backward": "b"}}
+    # Compared within a placement: slice 0's update on the device changes what slice 1 sees later.
+    assert verdict["groups_compared"] == 4 and not verdict["all_equal"]
+    assert verdict["differing"] == {"slice 1 on the host (every update on the host)": {"offload": "b",
+                                                                                         "offload-in-backward": "y"}}
 
 
 def test_resident_counts_in_run_names_are_parsed_and_checked():
