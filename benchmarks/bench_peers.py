@@ -77,6 +77,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark import device_name, measure_bandwidth, synchronize  # noqa: E402
 from host_bound import bound, fused_adamw_alone, host_bandwidth  # noqa: E402
 
+from offload.cli.calibrate import host_norm_rate  # noqa: E402
 from offload.kernels import host_kernel  # noqa: E402
 from offload.planning.host_bytes import host_bytes_per_step  # noqa: E402
 
@@ -729,6 +730,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"{tokens} tokens/step, {args.num_slices} slices", flush=True)
     # The host's memory bandwidth, with the update worker's threads (PyTorch's setting).
     report["host_bandwidth"] = host_bandwidth(64 << 20 if args.cpu_dry_run else 2 << 30)
+    report["host_norm_bytes_per_s"] = host_norm_rate(16 << 20 if args.cpu_dry_run else 256 << 20)
     if "resident" in args.peers and not args.disk_tier:
         report["host_update_alone_s"] = host_update_alone([p.shape for p in base.parameters()])
     if args.cap_gib and device.type == "cuda":

@@ -17,7 +17,8 @@ Both take the link from the report's pinned copies (each way), the host's update
 AdamW alone over the model's float32 tensors (``host_update_alone_s``), the host's memory
 bandwidth (the shadow's pass) from its copy of a few GB (``host_bandwidth``), the rest from the
 ``h100-sxm`` defaults. A clipped run is the ``overlapped`` schedule (clipping cannot start the
-update in backward); the planner has no term for the clipping itself.
+update in backward) with the clipping's own term: the norm read on one thread at the report's
+``host_norm_bytes_per_s``, the scaling at its host memory bandwidth.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def rates_of(report: dict[str, Any]):
                                "host_to_device": link["host_to_device"], "device_to_host": link["device_to_host"]}
     if report.get("host_bandwidth"):
         changes["host_memory_bandwidth"] = report["host_bandwidth"]["bytes_per_s"]
+    if report.get("host_norm_bytes_per_s"):
+        changes["host_norm"] = report["host_norm_bytes_per_s"]
     if report.get("host_update_alone_s"):
         changes["host_update"] = ADAMW_BYTES_PER_PARAMETER * report["parameters"] / report["host_update_alone_s"]
     return dataclasses.replace(GPU_DEFAULTS["h100-sxm"], **changes)
@@ -84,12 +87,13 @@ def predict(report: dict[str, Any]) -> None:
     layout = slice_layout(layers, num_slices=slices, compute_dtype=dtype)
     resident = runs.get("resident", {}).get("median_forward_backward_s")
     for name, (schedule, count) in wanted.items():
-        step_config = StepConfig(num_slices=slices, compute_dtype=dtype, schedule=schedule, resident_slices=count)
+        step_config = StepConfig(num_slices=slices, compute_dtype=dtype, schedule=schedule, resident_slices=count,
+                                 clips_gradients=name.startswith("offload-clip"))
         ways = {"from_ops": estimate_step_time(layout, profile, step_config, rates)}
         if resident:
             ways["from_resident"] = estimate_step_time(layout, profile, step_config, rates,
                                                        device_seconds=(resident / 4, resident * 3 / 4))
         runs[name]["planner"] = {"schedule": schedule, "resident_slices": count} | {
             way: {"step": t.step, "forward_backward": t.forward + t.backward, "update": t.update,
-                  "exposed": t.exposed_update} for way, t in ways.items()}
+                  "exposed": t.exposed_update, "clip": t.clip} for way, t in ways.items()}
     report["planner_rates"] = rates.to_json()

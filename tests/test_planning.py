@@ -30,8 +30,8 @@ from offload.planning.choose import DEVICE_MARGIN, Limits, choose
 from offload.planning.host_bytes import shadow_pass
 from offload.planning.planner import footprints_by_resident, slice_layout
 from offload.planning.presets import build_preset
-from offload.planning.rates import (DEVICE_MEMORY_BANDWIDTH_DEFAULT, GPU_DEFAULTS, HOST_DEFAULT, MachineRates,
-                                    load_rates, save_rates)
+from offload.planning.rates import (DEVICE_MEMORY_BANDWIDTH_DEFAULT, GPU_DEFAULTS, HOST_DEFAULT, HOST_NORM_DEFAULT,
+                                    MachineRates, load_rates, save_rates)
 from offload.planning.shapes import profile_layers
 from offload.planning.timing import StepConfig, estimate_step_time, landed_gradients, traffic
 
@@ -261,6 +261,7 @@ def test_calibrate_writes_rates_that_plan_reads(tmp_path):
     rates = load_rates(out)
     assert rates.host_copy > 0 and rates.host_update > 0 and rates.disk_read and rates.disk_write
     assert rates.host_memory_bandwidth > 0 and "host_memory_bandwidth" in rates.sources
+    assert rates.host_norm > 0 and "host_norm" in rates.sources
     assert rates.device_flops["float32"] > 0
     done = _offload("plan", "--preset", "tiny", "--device", "cpu", "--rates", str(out), "--host-memory", "4", "--json")
     plan = json.loads(done.stdout)
@@ -484,6 +485,33 @@ def test_a_fixed_schedule_is_kept_and_in_backward_with_clipping_refused():
     with pytest.raises(ValueError, match="schedule must be one of"):
         choose(preset.model, lambda dtype: None, GPU_DEFAULTS["h100-sxm"], Limits(None, None),
                fixed={"schedule": "later"})
+
+
+def test_clipping_costs_the_hosts_gradients_read_on_one_thread_then_scaled():
+    """Hugging Face's Trainer clips at max_grad_norm=1.0 unless told otherwise: the norm of every
+    host gradient on one thread, then a pass that scales them, while the device waits."""
+    preset = build_preset("transformer", **SMALL_TRANSFORMER)
+    layout = slice_layout(preset.model, num_slices=4, compute_dtype=torch.bfloat16)
+    rates = dataclasses.replace(GPU_DEFAULTS["h100-sxm"], host_norm=5e9, host_memory_bandwidth=50e9)
+    for resident in (0, 2):
+        config = StepConfig(num_slices=4, compute_dtype=torch.bfloat16, resident_slices=resident)
+        plain = estimate_step_time(layout, None, config, rates, device_seconds=(0.01, 0.03))
+        clipped = estimate_step_time(layout, None, replace(config, clips_gradients=True), rates,
+                                     device_seconds=(0.01, 0.03))
+        host = sum(layout.gradient_bytes[resident:])  # a resident slice's gradients are clipped on the device
+        assert plain.clip == 0 and clipped.clip == pytest.approx(host / 5e9 + 2 * host / 50e9)
+        assert clipped.step == pytest.approx(plain.step + clipped.clip)
+    # Unmeasured, a gradient's norm reads at the default one-thread rate.
+    assert dataclasses.replace(rates, host_norm=None).host_norm_rate == HOST_NORM_DEFAULT
+    with pytest.raises(ValueError, match="'in-backward' schedule cannot clip"):
+        estimate_step_time(layout, None, StepConfig(num_slices=4, schedule="in-backward", clips_gradients=True),
+                           rates, device_seconds=(0.01, 0.03))
+    # The plan counts it, and says so.
+    assert _mlp_plan("--max-grad-norm", "1.0")["chosen"]["step_s"] > _mlp_plan("--schedule", "overlapped")[
+        "chosen"]["step_s"]
+    text = _offload("plan", "--preset", "mlp", "--set", "width=2048", "depth=8", "--gpu", "h100-sxm", "--host-memory",
+                    "8", "--resident-slices", "0", "--max-grad-norm", "1.0").stdout
+    assert "clipping the gradients on the host" in text
 
 
 def test_among_equal_steps_the_choice_keeps_the_update_behind_the_next_forward():

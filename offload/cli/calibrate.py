@@ -81,6 +81,13 @@ def host_memory_bandwidth(nbytes: int = 1 << 30, repeats: int = 7, num_threads: 
     return 2 * src.numel() * src.element_size() / seconds
 
 
+def host_norm_rate(nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Bytes per second a float32 tensor's 2-norm reads on the host, as ``clip_grad_norm_``
+    computes each gradient's (``torch.linalg.vector_norm``: one thread for a CPU tensor)."""
+    values = torch.randn(nbytes // 4)
+    return nbytes / _median_seconds(lambda: torch.linalg.vector_norm(values, 2.0), repeats)
+
+
 def host_update_rate(parameters: int = 8_000_000, repeats: int = 5) -> float:
     """Fused AdamW on the host, in :data:`ADAMW_BYTES_PER_PARAMETER` bytes per parameter per second."""
     params = [nn.Parameter(torch.randn(parameters // 8)) for _ in range(8)]
@@ -163,7 +170,8 @@ def calibrate(directory: Path | None = None, device: torch.device | None = None)
     host_memory = host_memory_bandwidth()
     sources = {"host_copy": "calibrate: copy_ of 256 MiB", "host_update": "calibrate: fused AdamW, 8 M parameters",
                "host_memory_bandwidth": "calibrate: copy_ of 1 GiB, median of 7, read plus written",
-               "slice_overhead_s": "calibrate: 16 tiny slices against one"}
+               "slice_overhead_s": "calibrate: 16 tiny slices against one",
+               "host_norm": "calibrate: vector_norm of 256 MiB of float32, median of 5"}
     if device.type == "cuda":
         name = f"{torch.cuda.get_device_name(device)} on {host}"
         flops = {"float32": matmul_rate(device, torch.float32, 8192), "bfloat16": matmul_rate(device, torch.bfloat16, 8192)}
@@ -184,7 +192,7 @@ def calibrate(directory: Path | None = None, device: torch.device | None = None)
     return MachineRates(name=f"calibrated: {name}", device_flops=flops, host_to_device=h2d, device_to_host=d2h,
                         host_copy=copy, host_update=host_update_rate(), disk_read=read, disk_write=write,
                         slice_overhead_s=slice_overhead(), device_memory=memory, host_memory_bandwidth=host_memory,
-                        sources=sources)
+                        host_norm=host_norm_rate(), sources=sources)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -203,7 +211,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"  host: copy {rates.host_copy / gb:.1f} GB/s, memory {rates.host_memory / gb:.1f} GB/s read plus "
           f"written, fused AdamW {rates.host_update / gb:.1f} GB/s "
           f"({rates.host_update / ADAMW_BYTES_PER_PARAMETER / 1e6:.0f} M parameters/s); "
-          f"{rates.slice_overhead_s * 1e3:.2f} ms per slice run")
+          f"{rates.slice_overhead_s * 1e3:.2f} ms per slice run; a gradient's norm {rates.host_norm_rate / gb:.1f} "
+          f"GB/s")
     if rates.disk_read is not None and rates.disk_write is not None:
         print(f"  disk: read {rates.disk_read / gb:.2f} GB/s, write {rates.disk_write / gb:.2f} GB/s")
     print(f"written to {path}")

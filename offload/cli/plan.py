@@ -381,8 +381,9 @@ def report(plan: Plan, work: Workload, rates: MachineRates, limits: Limits, args
                  f"update {_seconds(t.update)} of which exposed {_seconds(t.exposed_update)}; device compute "
                  f"{_seconds(t.forward_compute + t.backward_compute)}, link {_seconds(t.load)} in + "
                  f"{_seconds(t.offload)} out, disk {_seconds(t.disk_read)} read + {_seconds(t.disk_write)} "
-                 f"write; resident slices' update on the device {_seconds(t.device_update)}; efficiency "
-                 f"{t.efficiency:.2f}")
+                 f"write; resident slices' update on the device {_seconds(t.device_update)}"
+                 + (f"; clipping the gradients on the host {_seconds(t.clip)}" if t.clip else "")
+                 + f"; efficiency {t.efficiency:.2f}")
     if plan.chosen.config.schedule == "in-backward":
         lines.append("update_in_backward: nothing may change the gradients between backward and step() (no "
                      "clip_grad_norm_, no GradScaler); if the training clips them, plan with --max-grad-norm")

@@ -28,6 +28,10 @@ UPDATE_BYTES_PER_PARAMETER = {"adamw": 28, "adam": 28, "sgd-momentum": 20, "sgd"
 GB = 1e9
 TB = 1e12
 TFLOP = 1e12
+#: A host gradient's 2-norm where none was measured: ``clip_grad_norm_``'s norm over 3.54 GB of
+#: float32 gradients took 345 and 446 ms on an H200's 16-core host (10.3 and 7.9 GB/s, one thread:
+#: ``benchmarks/results/h200-2026-11-28``, ``clip_norm_s``); the lower figure.
+HOST_NORM_DEFAULT = 7.9 * GB
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,10 @@ class MachineRates:
             of a few GB between two buffers achieves it (STREAM's copy, counted as STREAM counts
             it): what the host's passes over memory other than the optimizer's are timed with
             (``None``: not measured; the planner then takes twice :attr:`host_copy`).
+        host_norm: bytes per second a float32 gradient's 2-norm reads on the host: PyTorch
+            computes a CPU tensor's norm on one thread, so ``clip_grad_norm_`` over host
+            gradients reads them at about one core's rate (``None``: not measured; the planner
+            then takes :data:`HOST_NORM_DEFAULT`).
         disk_read, disk_write: sequential file bandwidth where the disk tier would live
             (``None``: not measured).
         slice_overhead_s: fixed host time per slice run (a slice's forward, recompute or
@@ -70,6 +78,7 @@ class MachineRates:
     device_memory: int | None = None
     device_memory_bandwidth: float | None = None
     host_memory_bandwidth: float | None = None
+    host_norm: float | None = None
     sources: dict[str, str] = field(default_factory=dict)
 
     def flops_for(self, dtype_name: str) -> float:
@@ -82,7 +91,8 @@ class MachineRates:
 
     def with_host(self, host: MachineRates) -> MachineRates:
         """These device and link rates with ``host``'s host rates (copy, update, disk, overhead)."""
-        names = ("host_copy", "host_update", "host_memory_bandwidth", "disk_read", "disk_write", "slice_overhead_s")
+        names = ("host_copy", "host_update", "host_memory_bandwidth", "host_norm", "disk_read", "disk_write",
+                 "slice_overhead_s")
         sources = dict(self.sources) | {n: host.sources.get(n, host.name) for n in names}
         return dataclasses.replace(self, name=f"{self.name} + host {host.name}", sources=sources,
                                    **{n: getattr(host, n) for n in names})
@@ -92,6 +102,11 @@ class MachineRates:
         """The host's memory bandwidth, read plus written: measured, or twice the copy rate (a
         copied byte is read once and written once)."""
         return self.host_memory_bandwidth or 2 * self.host_copy
+
+    @property
+    def host_norm_rate(self) -> float:
+        """Bytes per second the host reads a gradient for its norm: measured, or :data:`HOST_NORM_DEFAULT`."""
+        return self.host_norm or HOST_NORM_DEFAULT
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -74,6 +74,11 @@ class StepConfig:
         masters: ``"ram"`` or ``"disk"`` (``OffloadModel(..., masters=DiskTier(...))``).
         schedule: one of :data:`SCHEDULES`.
         resident_slices: as :class:`~offload.OffloadModel` takes it.
+        clips_gradients: the training clips the gradients' total norm between backward and
+            ``step()`` (``clip_grad_norm_``; Hugging Face's ``Trainer`` does at its default
+            ``max_grad_norm=1.0``): the host reads every streamed slice's float32 gradients for
+            the norm, on one thread as PyTorch computes a CPU tensor's norm, then scales them
+            (read and written), while the device waits. Not with the ``"in-backward"`` schedule.
     """
 
     num_slices: int = 8
@@ -83,6 +88,7 @@ class StepConfig:
     masters: str = "ram"
     schedule: str = "overlapped"
     resident_slices: int = 0
+    clips_gradients: bool = False
 
 
 @dataclass(frozen=True)
@@ -101,6 +107,8 @@ class StepTime:
         exposed_update: what the step waits for the host update.
         step: the step.
         device_update: the resident slices' update on the device (all of it in the step).
+        clip: the host's clipping of the streamed slices' gradients (all of it in the step;
+            :attr:`StepConfig.clips_gradients`).
     """
 
     compute: float
@@ -116,6 +124,7 @@ class StepTime:
     exposed_update: float
     step: float
     device_update: float = 0.0
+    clip: float = 0.0
 
     @property
     def efficiency(self) -> float:
@@ -238,6 +247,9 @@ def estimate_step_time(layout: SliceLayout, profile: ModelProfile | None, config
     check_resident_slices(config.resident_slices, layout.num_slices)
     if config.schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {config.schedule!r}")
+    if config.clips_gradients and config.schedule == "in-backward":
+        raise ValueError("the 'in-backward' schedule cannot clip the gradients: each slice's update starts in "
+                         "backward, before their total norm is known")
     if profile is None and device_seconds is None:
         raise ValueError("estimate_step_time needs the model's profile or the device's seconds")
     moved = traffic(layout, profile, config, optimizer)
@@ -273,10 +285,16 @@ def estimate_step_time(layout: SliceLayout, profile: ModelProfile | None, config
     streamed = [0] * k + list(layout.gradient_bytes[k:])  # a resident slice has no host update
     exposed = exposed_update(config.schedule, forward, backward, update, streamed, d2h,
                              device_update=device_update, update_waits=not on_gpu)
+    clip = 0.0
+    if config.clips_gradients:
+        # The norm reads the host's gradients on one thread; the scaling reads and writes them.
+        # A resident slice's gradients are on the device, where both are quick.
+        host_gradients = sum(layout.gradient_bytes[k:])
+        clip = host_gradients / rates.host_norm_rate + 2 * host_gradients / rates.host_memory
     return StepTime(compute=compute, forward_compute=forward_compute, backward_compute=backward_compute,
                     load=load, offload=offload, update=update, disk_read=disk_read, disk_write=disk_write,
                     forward=forward, backward=backward, exposed_update=exposed,
-                    step=forward + backward + device_update + exposed, device_update=device_update)
+                    step=forward + backward + device_update + exposed + clip, device_update=device_update, clip=clip)
 
 
 def exposed_update(schedule: str, forward: float, backward: float, update: float, gradient_bytes: Sequence[int],
