@@ -207,7 +207,7 @@ def offload_run(base: nn.Module, batch: torch.Tensor, device: torch.device, grad
     model = OffloadModel(causal_lm_sequential(hf), device=device, num_slices=args.num_slices,
                          compute_dtype=torch.bfloat16, masters=tier if args.masters_on_disk else None,
                          resident_slices=resident)
-    threads = 8 if kind == "offload-threads8" else None
+    threads = 8 if kind == "offload-threads8" else args.update_threads
     optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-5, fused=True, disk_tier=tier, num_threads=threads,
                                  update_in_backward=kind.startswith("offload-in-backward"))
     if kind == "offload-in-backward-cut":
@@ -660,6 +660,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-slices", type=int, default=None, help="default: one per decoder layer plus two")
     parser.add_argument("--resident-slices", type=int, default=None,
                         help="the -resident variants' resident slices (default: a quarter of the slices, at least 1)")
+    parser.add_argument("--update-threads", type=int, default=None,
+                        help="OffloadOptimizer(num_threads=...) of every offloaded run (default: PyTorch's)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--only", default=",".join(PEERS), help=f"comma-separated subset of {','.join(PEERS)}")

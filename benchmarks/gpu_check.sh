@@ -13,25 +13,27 @@
 #           tests/test_trainer.py, tests/test_trainers_cuda.py), the
 #           update in backward, and any QLoRA or fused-host-pass test files present (60 s);
 #   slices  the 0.886 B Llama of benchmarks/bench_peers.py at 8 x 1024 tokens: resident; offload in
-#           backward; the same with 6 and with 9 of its 18 slices resident; the update behind the
-#           next forward with clipping (as Hugging Face's Trainer runs it); each beside the
-#           planner's prediction for this machine (--predict; 120 s; ~80 s expected from the H100's
-#           2026-11-26 timings: 118 s for 7 runs of 5 steps, fairscale's 1.6 s steps among them);
-#   batch   the same runs at 32 x 1024 tokens (16 x 1024 when the resident model does not fit),
-#           2 timed steps after 1 warm-up (120 s);
+#           backward; the same with 9 of its 18 slices resident; the update behind the next forward
+#           with clipping (as Hugging Face's Trainer runs it); each beside the planner's prediction
+#           for this machine (--predict), 3 timed steps after 2 warm-ups (150 s; the H200's
+#           2026-11-28 second call took 84 s for 3 of these runs);
+#   threads offload in backward with 9 resident slices at 8 x 1024 tokens, the update worker at 14
+#           and at 12 threads, then PyTorch's with OMP_WAIT_POLICY=PASSIVE, each run in a process
+#           of its own: on the H200 (16 cores) each slice's backward took ~20 ms of the driving
+#           thread's time for ~5 ms of the device's while the update took every core (100 s);
+#   batch   resident and offload in backward with 9 resident slices at 32 x 1024 tokens (16 x 1024
+#           when the resident model does not fit), 2 timed steps after 2 warm-ups (90 s);
 #   exact   deterministic kernels, 2 layers: resident, offload, offload in backward, both with a
 #           resident slice; every variant's gradients after the first backward against the resident
 #           model's, and each slice's parameters after 4 steps, digest against every variant that
 #           updated it on the same side (host or device) (50 s);
-#   trace   one profiled step each of the resident model and of offload in backward: Chrome traces
-#           $OUT/trace-resident.json.gz, $OUT/trace-offload-in-backward.json.gz, and per CUDA stream
-#           the busy and idle time of forward and backward (benchmarks/stream_idle.py), to account for
-#           the offloaded forward and backward's excess over the resident one (206 vs 154 ms on the
-#           H100, benchmarks/results/h100-2026-11-26b) (70 s);
-#   rest    the other cuda-marked tests, only while GPU_CHECK_BUDGET (300 s) has 30 s left.
+#   rest    the other cuda-marked tests, only while GPU_CHECK_BUDGET (360 s) has 30 s left.
 #
-# Opt-in (GPU_CHECK_STAGES, or --full for the default stages and these): peers (the settled
-# comparison: offload, offload-sync, the resident variants, FSDP2, torchao, fairscale; 240 s),
+# Opt-in (GPU_CHECK_STAGES, or --full for the default stages and these): trace (one profiled step
+# each of the resident model and of offload in backward: Chrome traces $OUT/trace-resident.json.gz,
+# $OUT/trace-offload-in-backward.json.gz, and per CUDA stream the busy and idle time of forward and
+# backward, benchmarks/stream_idle.py; 70 s; the H200's of 2026-11-28 are committed), peers (the
+# settled comparison: offload, offload-sync, the resident variants, FSDP2, torchao, fairscale; 240 s),
 # capped (a 4 GiB cap with AdamW's state in the disk tier; 120 s), suite (every cuda-marked test; 200 s).
 #
 #   bash benchmarks/gpu_check.sh                          # on the GPU machine, from the repository root
@@ -58,11 +60,12 @@
 # are on the machine: run.log's first lines list the versions it used). For the QLoRA tests, bitsandbytes
 # 0.50.2 (--platform manylinux_2_24_x86_64; 43 MB, most of it CUDA 11.8-12.8 and ROCm libraries the
 # machine's CUDA 13 does not load: unpacked, those and their RECORD lines removed, zipped again it is 7 MB).
-# then one call: run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=480): the stages' limits
-# add up to 440 s, the rest stage runs only while the 300 s budget has 30 s left; about 250-300 s are
-# expected. That leaves a lent machine's 15 minutes (2-4 of them its start) room for one short rerun
-# of a stage that failed: GPU_CHECK_STAGES="<stage>".
-# The stages' limits: GPU_CHECK_LIMITS="20 60 120 120 50 70" (host tests slices batch exact trace).
+# then one call: run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=480): the default
+# stages' limits add up to 570 s (threads thrice), the rest stage runs only while the 360 s budget has
+# 30 s left; about 330-360 s are expected (the H200 machine started in about 35 s on 2026-11-28). That
+# leaves a lent machine's 15 minutes room for one short rerun: GPU_CHECK_STAGES, GPU_CHECK_TESTS and
+# GPU_CHECK_RUNS narrow it.
+# The stages' limits: GPU_CHECK_LIMITS="20 60 150 90 50 70 100" (host tests slices batch exact trace threads).
 set -uo pipefail
 shopt -s nullglob
 dry=0 full=0
@@ -84,10 +87,11 @@ if [ $dry = 0 ] && ls .whl/*.whl >/dev/null 2>&1; then
         && export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-read -r limit_host limit_tests limit_slices limit_batch limit_exact limit_trace <<< "${GPU_CHECK_LIMITS:-20 60 120 120 50 70}"
-budget=${GPU_CHECK_BUDGET:-300}
-stages=${GPU_CHECK_STAGES:-host tests slices batch exact trace rest}
-[ $full = 1 ] && stages="$stages peers capped suite"
+read -r limit_host limit_tests limit_slices limit_batch limit_exact limit_trace limit_threads \
+    <<< "${GPU_CHECK_LIMITS:-20 60 150 90 50 70 100}"
+budget=${GPU_CHECK_BUDGET:-360}
+stages=${GPU_CHECK_STAGES:-host tests slices threads batch exact rest}
+[ $full = 1 ] && stages="$stages trace peers capped suite"
 FIRST_TESTS=(tests/test_resident_slices*.py tests/test_trainer.py tests/test_trainers_cuda.py tests/test_accelerate.py tests/test_lightning.py
              tests/test_update_in_backward*.py tests/test_*qlora*.py tests/test_one_pass.py tests/test_gradients_on_disk.py
              tests/test_mixed_precision.py::test_loads_move_half_the_bytes_and_gradients_arrive_in_float32)
@@ -95,10 +99,10 @@ FIRST_TESTS=(tests/test_resident_slices*.py tests/test_trainer.py tests/test_tra
 # bench_peers runs of the slices and batch stages).
 [ -n "${GPU_CHECK_TESTS:-}" ] && read -ra FIRST_TESTS <<< "$GPU_CHECK_TESTS"
 peers=${GPU_CHECK_PEERS:-resident,offload,offload-sync,offload-resident,offload-in-backward-resident,fsdp2,torchao,fairscale}
-dry_flag="" big=32 counts="6 9"
-[ $dry = 1 ] && { dry_flag="--cpu-dry-run"; big=4; counts="1 2"; }
-read -r few many <<< "$counts"
-slices_runs=${GPU_CHECK_RUNS:-"resident,offload-in-backward,offload-in-backward-resident$few,offload-in-backward-resident$many,offload-clip"}
+dry_flag="" big=32 many=9  # resident slices of the -resident runs: half the 18
+[ $dry = 1 ] && { dry_flag="--cpu-dry-run"; big=4; many=2; }
+slices_runs=${GPU_CHECK_RUNS:-"resident,offload-in-backward,offload-in-backward-resident$many,offload-clip"}
+batch_runs=${GPU_CHECK_RUNS:-"resident,offload-in-backward-resident$many"}
 status=0 started=$SECONDS
 log() { echo "$*" | tee -a "$OUT/run.log"; }
 headline() { grep -vE "Warning|warn\(|^\s|USDT|^\[W|^W[0-9]" "$1" | tail -n "$2" | tee -a "$OUT/run.log"; }
@@ -168,8 +172,6 @@ for name in $stages; do
                 --steps 3 --warmup 2 --json "$work/slices.json"
             headline "$work/slices.log" 9 ;;
         batch)
-            batch_runs=$slices_runs
-            [ $dry = 1 ] && [ -z "${GPU_CHECK_RUNS:-}" ] && batch_runs="resident,offload-in-backward-resident$few"
             for rows in $big $((big / 2)); do
                 stage batch "$limit_batch" $PY benchmarks/bench_peers.py $dry_flag --predict --batch "$rows" \
                     --only "$batch_runs" --steps 2 --warmup 2 --json "$work/batch.json"
@@ -177,6 +179,20 @@ for name in $stages; do
                 # Smaller only when the resident baseline itself ran out of device memory.
                 grep -q '"resident": "OutOfMemoryError' "$work/batch.json" 2>/dev/null || break
             done ;;
+        threads)
+            kernels_ready
+            # Fewer update threads, then a passive OpenMP wait, each in a process of its own (the
+            # policy is read when the OpenMP runtime starts).
+            for threads in 14 12; do
+                [ $dry = 1 ] && threads=1
+                stage "threads$threads" "$limit_threads" $PY benchmarks/bench_peers.py $dry_flag --update-threads "$threads" \
+                    --only "offload-in-backward-resident$many" --steps 3 --warmup 2 --json "$work/threads$threads.json"
+                headline "$work/threads$threads.log" 4
+                [ $dry = 1 ] && break
+            done
+            OMP_WAIT_POLICY=PASSIVE stage threads-passive "$limit_threads" $PY benchmarks/bench_peers.py $dry_flag \
+                --only "offload-in-backward-resident$many" --steps 3 --warmup 2 --json "$work/threads-passive.json"
+            headline "$work/threads-passive.log" 4 ;;
         exact)
             stage exact "$limit_exact" $PY benchmarks/bench_peers.py $dry_flag --deterministic --layers 2 \
                 --only resident,offload,offload-in-backward,offload-resident,offload-in-backward-resident \
@@ -215,7 +231,7 @@ for name in $stages; do
             log "=== suite $(date +%T): every cuda-marked test (limit 200 s)"
             echo "=== suite" >> "$OUT/pytest.log"
             pytest_cuda 200 tests ;;
-        *) log "unknown stage $name (host tests slices batch exact trace rest peers capped suite)"; status=1 ;;
+        *) log "unknown stage $name (host tests slices threads batch exact rest trace peers capped suite)"; status=1 ;;
     esac
 done
 
