@@ -97,6 +97,14 @@ def kernels(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def hugepages(report: dict) -> str:
+    steps = ", ".join(f"{name} {seconds * 1e3:.1f} ms" for name, seconds in report["median_step_s"].items())
+    got = [b >> 20 for b in report["huge_page_bytes_per_round"]]
+    return (f"hugepages: fused AdamW over {report['parameters'] / 1e6:.0f} M parameters at {report['threads']} threads: "
+            f"{steps}; THP {report['thp'].get('enabled')}, huge pages got {got} MiB of "
+            f"{report['mapped_bytes_per_round'] >> 20}")
+
+
 def tests(pytest_log: Path) -> str:
     if not pytest_log.exists():
         return "tests: no pytest.log"
@@ -118,6 +126,8 @@ def show(path: str) -> None:
             parts.append(trace(report))
         elif name == "kernels":
             parts.append(kernels(report))
+        elif name == "hugepages":
+            parts.append(hugepages(report))
         else:
             parts.append(runs(name, report))
     print("\n\n".join(parts))

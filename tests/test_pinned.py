@@ -230,6 +230,26 @@ def test_registered_pages_are_not_shared_with_a_forked_child():
     assert " dc" in flags, flags  # "do not copy" on fork
 
 
+def vm_flags(tensor: torch.Tensor) -> str:
+    """The kernel's flags of the mapping that holds ``tensor`` (``/proc/self/smaps``)."""
+    start = f"{tensor.data_ptr():x}-"
+    with open("/proc/self/smaps") as smaps:
+        lines = smaps.read().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith(start))
+    return next(line for line in lines[at + 1:] if line.startswith("VmFlags:"))
+
+
+def test_large_buffers_are_advised_for_huge_pages_unless_turned_off(monkeypatch):
+    # "hg": MADV_HUGEPAGE given. Advice, not a promise: whether the pages come huge is the kernel's.
+    big, small = 2 * pinned.HUGE_PAGE_NBYTES, pinned.HUGE_PAGE_NBYTES - mmap.PAGESIZE
+    allocator = FakeDriver().allocator(small_nbytes=1)
+    advised, below = allocator.empty(big), allocator.empty(small)
+    assert " hg" in vm_flags(advised) and " hg" not in vm_flags(below)
+    monkeypatch.setenv("OFFLOAD_HUGEPAGES", "0")
+    assert " hg" not in vm_flags(FakeDriver().allocator().empty(big))
+    assert " hg" in vm_flags(FakeDriver().allocator(hugepages=True).empty(big))
+
+
 @CUDA
 def test_offloaded_training_pins_about_what_it_asks_for_on_cuda():
     torch.manual_seed(0)

@@ -8,6 +8,13 @@ driver (``cudaHostRegister``), which pins them as ``cudaHostAlloc`` would: copie
 are asynchronous, and ``Tensor.is_pinned()`` is true. The registration is undone, and the pages
 unmapped, when the last tensor that uses them is freed.
 
+Where the kernel offers transparent huge pages on request (``/sys/kernel/mm/transparent_hugepage/
+enabled`` set to ``madvise``, as on most distributions), each mapping of 2 MiB or more is advised
+for them (``MADV_HUGEPAGE``) before its pages are first touched: the host update streams through
+masters, shadows and gradients, and fused AdamW over huge-page mappings took 4-16 % less time than
+over 4 KiB pages in each round of ``benchmarks/bench_hugepages.py`` on the 2-core runner
+(``benchmarks/results/hugepages_cpu_2026-11-28.json``). ``OFFLOAD_HUGEPAGES=0`` leaves them out.
+
 Small requests (boundary activations of a small batch, below ``small_nbytes``) still go to the
 caching allocator: registering costs a driver call and a system call each time, where the caching
 allocator reuses its blocks, and rounding a small block wastes little.
@@ -37,6 +44,7 @@ import bisect
 import contextlib
 import ctypes
 import mmap
+import os
 import sys
 import threading
 import warnings
@@ -48,6 +56,8 @@ import torch
 
 #: Below this many bytes a request goes to PyTorch's caching host allocator.
 SMALL_NBYTES = 1 << 20
+#: A transparent huge page: mappings of at least this many bytes are advised for them.
+HUGE_PAGE_NBYTES = 2 << 20
 
 #: Pins ``(address, nbytes)``; returns True, or False or the driver's error text when refused.
 Register = Callable[[int, int], "bool | str"]
@@ -82,17 +92,23 @@ class PinnedAllocator:
             calling thread's current device).
         clear_error: clears the runtime's last error after a refused registration. Default: the
             CUDA runtime's ``cudaGetLastError``.
+        hugepages: advise mappings of 2 MiB or more for transparent huge pages (``None``: unless
+            the environment sets ``OFFLOAD_HUGEPAGES=0``).
     """
 
     def __init__(self, register: Register | None = None, unregister: Unregister | None = None,
                  small: Callable[[int], torch.Tensor] | None = None, small_nbytes: int = SMALL_NBYTES,
-                 device: torch.device | None = None, clear_error: Callable[[], None] | None = None) -> None:
+                 device: torch.device | None = None, clear_error: Callable[[], None] | None = None,
+                 hugepages: bool | None = None) -> None:
         self._register = register if register is not None else _cuda_register
         self._unregister = unregister if unregister is not None else _cuda_unregister
         self._small = small if small is not None else _caching_pinned
         self._clear_error = clear_error if clear_error is not None else _cuda_clear_last_error
         self.small_nbytes = small_nbytes
         self.device = device
+        #: Whether mappings of HUGE_PAGE_NBYTES or more are advised for transparent huge pages
+        #: (default: unless ``OFFLOAD_HUGEPAGES=0``).
+        self.hugepages = os.environ.get("OFFLOAD_HUGEPAGES", "1") != "0" if hugepages is None else hugepages
         # Reentrant: a mapping's finalizer takes it, and garbage collection may run that finalizer
         # in a thread that holds it already.
         self._lock = threading.RLock()
@@ -118,6 +134,10 @@ class PinnedAllocator:
         if hasattr(mmap, "MADV_DONTFORK"):
             # Note: [Registered memory and copies in flight]: a fork must not share pinned pages.
             mapping.madvise(mmap.MADV_DONTFORK)
+        if self.hugepages and pages >= HUGE_PAGE_NBYTES and hasattr(mmap, "MADV_HUGEPAGE"):
+            # Before the registration faults the pages in: advice given after finds them placed.
+            with contextlib.suppress(OSError):  # a kernel without THP refuses the advice: 4 KiB pages
+                mapping.madvise(mmap.MADV_HUGEPAGE)
         view = ctypes.c_char.from_buffer(mapping)
         address = ctypes.addressof(view)
         del view  # a live export would keep the mapping from closing
