@@ -18,9 +18,11 @@
 #           for this machine (--predict), 3 timed steps after 2 warm-ups (150 s; the H200's
 #           2026-11-28 second call took 84 s for 3 of these runs);
 #   threads offload in backward with 9 resident slices at 8 x 1024 tokens, the update worker at 14
-#           and at 12 threads, then PyTorch's with OMP_WAIT_POLICY=PASSIVE, each run in a process
-#           of its own: on the H200 (16 cores) each slice's backward took ~20 ms of the driving
-#           thread's time for ~5 ms of the device's while the update took every core (100 s);
+#           and at 12 threads, then PyTorch's with OMP_WAIT_POLICY=PASSIVE, then with the pinned
+#           mappings on 4 KiB pages (OFFLOAD_HUGEPAGES=0), each run in a process of its own: on the
+#           H200 (16 cores) each slice's backward took ~20 ms of the driving thread's time for ~5 ms
+#           of the device's while the update took every core (100 s each); and fused AdamW over
+#           huge-page and 4 KiB mappings (benchmarks/bench_hugepages.py, 60 s);
 #   batch   resident and offload in backward with 9 resident slices at 32 x 1024 tokens (16 x 1024
 #           when the resident model does not fit), 2 timed steps after 2 warm-ups (90 s);
 #   exact   deterministic kernels, 2 layers: resident, offload, offload in backward, both with a
@@ -61,8 +63,8 @@
 # 0.50.2 (--platform manylinux_2_24_x86_64; 43 MB, most of it CUDA 11.8-12.8 and ROCm libraries the
 # machine's CUDA 13 does not load: unpacked, those and their RECORD lines removed, zipped again it is 7 MB).
 # then one call: run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=480): the default
-# stages' limits add up to 570 s (threads thrice), the rest stage runs only while the 360 s budget has
-# 30 s left; about 330-360 s are expected (the H200 machine started in about 35 s on 2026-11-28). That
+# stages' limits add up to 730 s (threads four times), the rest stage runs only while the 360 s budget
+# has 30 s left; about 380-420 s are expected (the H200 machine started in about 35 s on 2026-11-28). That
 # leaves a lent machine's 15 minutes room for one short rerun: GPU_CHECK_STAGES, GPU_CHECK_TESTS and
 # GPU_CHECK_RUNS narrow it.
 # The stages' limits: GPU_CHECK_LIMITS="20 60 150 90 50 70 100" (host tests slices batch exact trace threads).
@@ -190,9 +192,19 @@ for name in $stages; do
                 headline "$work/threads$threads.log" 4
                 [ $dry = 1 ] && break
             done
+            # A dry run checks the commands once (the runs below differ only in their environment).
+            [ $dry = 1 ] && { stage hugepages 60 $PY benchmarks/bench_hugepages.py --params 4e6 --rounds 1 --steps 2 \
+                --json "$work/hugepages.json"; headline "$work/hugepages.log" 3; continue; }
             OMP_WAIT_POLICY=PASSIVE stage threads-passive "$limit_threads" $PY benchmarks/bench_peers.py $dry_flag \
                 --only "offload-in-backward-resident$many" --steps 3 --warmup 2 --json "$work/threads-passive.json"
-            headline "$work/threads-passive.log" 4 ;;
+            headline "$work/threads-passive.log" 4
+            # The pinned mappings without transparent huge pages (the slices stage had them), and
+            # the fused AdamW over huge-page mappings and 4 KiB ones.
+            OFFLOAD_HUGEPAGES=0 stage hugepages-off "$limit_threads" $PY benchmarks/bench_peers.py $dry_flag \
+                --only "offload-in-backward-resident$many" --steps 3 --warmup 2 --json "$work/hugepages-off.json"
+            headline "$work/hugepages-off.log" 4
+            stage hugepages 60 $PY benchmarks/bench_hugepages.py --params 256e6 --rounds 3 --json "$work/hugepages.json"
+            headline "$work/hugepages.log" 3 ;;
         exact)
             stage exact "$limit_exact" $PY benchmarks/bench_peers.py $dry_flag --deterministic --layers 2 \
                 --only resident,offload,offload-in-backward,offload-resident,offload-in-backward-resident \
