@@ -53,8 +53,8 @@ def test_peers_benchmark_runs_counts_clipping_predictions_a_trace_and_compares_e
         assert run_report["bound"]["bound_terms"]["host_bytes_s"] == pytest.approx(
             run_report["bound"]["host_bytes"]["total"] / max(rates.values()))
         # bf16 compute: the shadow written by the one-pass update where its kernel ran, else its own pass.
-        one_pass = host_kernel(wait=True) is not None
-        assert (run_report["bound"]["host_bytes"]["shadow"] == 0) == one_pass
+        assert report["one_pass"] == (host_kernel(wait=True) is not None)
+        assert (run_report["bound"]["host_bytes"]["shadow"] == 0) == report["one_pass"]
     # Every variant's gradients after the first backward are the resident model's, bit for bit.
     per_variant = report["gradients_after_first_backward"]["per_variant"]
     assert set(per_variant) == set(runs[1:]) and all(v["bit_identical"] for v in per_variant.values())
