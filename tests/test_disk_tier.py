@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from offload import DiskTier, DiskTierError, HostUpdateError, OffloadModel, OffloadOptimizer
+from offload import DiskTier, DiskTierError, HostUpdateError, OffloadModel, OffloadOptimizer, estimate_memory
 from offload.tiers.disk_tier import WINDOW
 from offload.streams import disk
 from offload.streams.disk import page_aligned
@@ -169,6 +169,42 @@ def test_ram_holds_a_window_of_three_slices(tmp_path):
     counters = optimizer._tier.counters
     assert counters.read_bytes == 2 * 6 * per_slice  # every step after the first reads every slice
     assert counters.write_bytes == 3 * 6 * per_slice
+
+
+def test_the_window_holds_three_consecutive_slices_not_three_of_the_largest(tmp_path, monkeypatch):
+    # A language model's shape: small slices, then a large last one (the head). Seven slices a step
+    # turn the head through all three turns of the window; one buffer per turn grew to three heads.
+    # Slow writes: every turn is handed out before the reads that wait for them run.
+    real = os.pwritev
+
+    def slow(fd, buffers, offset):
+        threading.Event().wait(0.02)
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(disk.os, "pwritev", slow)
+
+    def layers():
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Linear(32, 32) for _ in range(6)], nn.Linear(32, 4096))
+
+    plan = estimate_memory(layers(), num_slices=7, optimizer="adamw", optimizer_state="disk", device="cpu")
+    models = [OffloadModel(layers(), device="cpu", num_slices=7) for _ in range(2)]
+    ram = OffloadOptimizer(models[0], torch.optim.AdamW, lr=1e-3, fused=True)
+    on_disk = OffloadOptimizer(models[1], torch.optim.AdamW, lr=1e-3, fused=True, disk_tier=tmp_path)
+    for step in range(4):
+        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(step))
+        for model, optimizer in zip(models, (ram, on_disk)):
+            model(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert_same(models[0], ram, models[1], on_disk)
+    assert state_tensors_in_ram(on_disk) == []
+    small = page_aligned(2 * 4 * (32 * 32 + 32))  # exp_avg and exp_avg_sq of a weight and a bias
+    head = page_aligned(2 * 4 * (32 * 4096 + 4096))
+    footprint = models[1].memory_footprint()
+    assert footprint.disk == 6 * small + head
+    assert footprint.host_disk_window == head + 2 * small < 3 * head / 2
+    assert plan.host_disk_window == footprint.host_disk_window
 
 
 def test_a_window_buffer_is_read_into_only_after_its_write(tmp_path, monkeypatch):

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from offload import OffloadModel, OffloadOptimizer, estimate_memory, is_recomputing
+from offload.streams.disk import page_aligned
 from offload.streams.flat_views import _align
 
 from .helpers import DEVICES, HostStepped
@@ -283,8 +284,8 @@ def test_state_and_masters_on_disk_are_counted_there():
     both = estimate_memory(counts, num_slices=4, compute_dtype=torch.bfloat16, optimizer_state="disk", masters="disk")
     n = 8_000_000
     assert ram.disk == 0 and ram.host_optimizer_state == 8 * n and ram.pinned_bytes > 0
-    # RAM keeps the tier's window: three of the four slices' state.
-    assert state.host_disk_window == 3 * 8 * n // 4
+    # RAM keeps the tier's window: three of the four slices' state, each slice's file in whole pages.
+    assert state.host_disk_window == 3 * page_aligned(8 * n // 4)
     assert state.disk == 8 * n and state.host_total == ram.host_total - 8 * n + state.host_disk_window
     assert both.host_masters == 0 and both.host_shadows == 2 * n
     # The gradients go to files beside the masters (Note: [Gradients on disk]).

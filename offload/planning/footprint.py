@@ -43,7 +43,8 @@ class MemoryFootprint:
         host_optimizer_state: what the model's OffloadOptimizers keep per parameter (AdamW's
             moments, SGD's momentum), each storage once.
         host_disk_window: host RAM the optimizers' disk tiers (:class:`~offload.DiskTier`) hold: their
-            window of slices' state being read, updated and written, and state held after a failed
+            window of three consecutive slices' state being read, updated and written (one arena:
+            Note: [The window's arena] in ``offload/tiers/state_window.py``), and state held after a failed
             write (not pinned; state tensors in it are counted here, not as optimizer state).
         host_activations: pooled buffers in use that do not hold a ``.grad``: boundary
             activations and buffer snapshots waiting for backward, gradients on their way to

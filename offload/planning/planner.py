@@ -25,6 +25,9 @@ from ..walk.slicing import partition
 from ..streams.pinned import size_class
 from ..streams.flat_views import ALIGN_ELEMENTS, ALIGNMENT, BUFFER_REGION_ALIGNMENT
 from ..streams.quantized import state_tensors
+from ..streams.disk import PAGE
+from ..tiers.state_slice import TENSOR_ALIGNMENT
+from ..tiers.state_window import place
 
 #: Optimizer state per parameter, in units of the parameter's own element size.
 STATE_ELEMENTS = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0, None: 0}
@@ -210,6 +213,8 @@ class SliceLayout:
         computed_gradient_bytes: its trainable parameters' gradients as autograd produces them
             on the device (in the compute dtype, under one): what leaves for the host where the
             host adds them into ``.grad`` itself (Note: [Gradients in the compute dtype]).
+        state_file_bytes: its optimizer state as the disk tier lays out a slice's file (each
+            tensor at 64 bytes, the file in whole pages).
     """
 
     ranges: list[range]
@@ -223,6 +228,7 @@ class SliceLayout:
     parameters: int
     trainable: int
     computed_gradient_bytes: list[int] = field(default_factory=list)
+    state_file_bytes: list[int] = field(default_factory=list)
 
     @property
     def num_slices(self) -> int:
@@ -267,6 +273,8 @@ def slice_layout(layers: nn.Module | Sequence[int] | int, *, num_slices: int = 8
         parameters=sum(t.numel for s in slices for t in s if t.is_parameter),
         trainable=sum(t.numel for s in trained for t in s),
         computed_gradient_bytes=[sum(t.numel * device_dtype(t).itemsize for t in s) for s in trained],
+        state_file_bytes=[_align(sum(STATE_ELEMENTS[optimizer] * _align(t.numel * t.dtype.itemsize, TENSOR_ALIGNMENT)
+                                     for t in s), PAGE) if s else 0 for s in trained],
     )
 
 
@@ -292,8 +300,9 @@ def _placed(layout: SliceLayout, optimizer_state: str, masters: str, resident: i
     disk = disk_window = 0
     window_slices = min(3, layout.num_slices - resident)
     if optimizer_state == "disk":
-        # The tier's window: three slices' state being read, updated and written (offload/tiers/disk_tier.py).
-        disk, disk_window, state = state, window_slices * max(state_bytes), 0
+        # The tier's window: three consecutive slices' state being read, updated and written, one
+        # arena with a place per slice (Note: [The window's arena]).
+        disk, disk_window, state = state, place(layout.state_file_bytes[resident:])[1], 0
     if masters == "disk":
         # One file per slice, in whole pages (offload/streams/mapped.py); three consecutive slices' masters
         # are in RAM while the optimizer steps (Note: [Masters on disk]). Their gradients go to

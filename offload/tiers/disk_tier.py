@@ -22,11 +22,12 @@ Note: [Disk tier pipeline]
        instead of updating in place (its first step creates the state) into the buffer;
     3. *write* (the disk writer): after the update, write the buffer back to the file.
 
-    The window has :data:`WINDOW` = 3 buffers, used in turn: while slice ``k`` is updated, slice
-    ``k + 1`` is read into the next buffer and slice ``k - 1`` written from the previous one;
-    a read waits for the write three slices back. Host RAM holds three slices' state (the largest
-    slice's, rounded up to pages) instead of every slice's. The next forward waits for each
-    slice's update only, never for a write. The update worker promises no order between slices
+    The window holds :data:`WINDOW` = 3 slices' state, served in turn: while slice ``k`` is
+    updated, slice ``k + 1`` is read into its place and slice ``k - 1`` written from its own; a
+    read waits for the write three slices back. Host RAM holds the most three consecutive slices'
+    state takes (in whole pages), one arena with a place per slice (Note: [The window's arena] in
+    ``state_window.py``), instead of every slice's. The next forward waits for each slice's
+    update only, never for a write. The update worker promises no order between slices
     (Note: [Updates in the next forward's order] in ``offload/optimizing/stepping.py``): what keeps
     slice ``k + 3``'s update off the buffer until slice ``k``'s is done with it is that chain, the
     write after the update and the read after the write.
@@ -78,9 +79,10 @@ class DiskTier:
 
     Every state tensor with at least one dimension (AdamW's ``exp_avg`` and ``exp_avg_sq``, SGD's
     ``momentum_buffer``) lives in one file per slice; scalars (``step``) stay in
-    ``optimizer.state``. Host RAM holds a window of three slices' state; the update reads the
-    next slice's state and writes the previous one's while it computes (Note: [Disk tier pipeline]
-    in ``offload/tiers/disk_tier.py``). Results are bit-identical to keeping the state in RAM.
+    ``optimizer.state``. Host RAM holds a window of three consecutive slices' state; the update
+    reads the next slice's state and writes the previous one's while it computes (Note: [Disk tier
+    pipeline] in ``offload/tiers/disk_tier.py``). Results are bit-identical to keeping the state in
+    RAM.
 
     The cost: each step reads and writes the state once (8 bytes per parameter each way for
     AdamW in float32). To stay hidden behind the device's forward, the disk must move that in
@@ -163,7 +165,7 @@ class StateTier:
 
     @property
     def window_nbytes(self) -> int:
-        """Host RAM of the window's buffers and of held state."""
+        """Host RAM of the window (its arena and the slots' own buffers) and of held state."""
         return sum(b.nbytes for b in self._buffers())
 
     def window_ranges(self) -> list[tuple[int, int]]:
@@ -203,9 +205,10 @@ class StateTier:
             self.files.workers += [self._reader, self._writer]
         assert self._writer is not None
         record = self.records[index]
-        slot = self._window.next()
+        slot = self._window.next(index, record.nbytes)
         # The buffer is free once the write of the slice that used it last has read it.
-        read = self.copies.submit(self._reader, functools.partial(record.read, slot), after=[slot.free])
+        read = self.copies.submit(self._reader, functools.partial(record.read, slot, slot.region),
+                                  after=[slot.free])
         # The update reads what the read wrote into the buffer.
         update = self.copies.submit(update_worker, functools.partial(self._update, record, work), after=[read, *after],
                                     key=index)
@@ -244,6 +247,8 @@ class StateTier:
         # The caller reads the records and the files next: the writes must be done.
         self.copies.wait_host(self._last_write)
         self._last_write = None
+        # Nothing is pending: the next step's turns start afresh (Note: [The window's arena], rule 4).
+        self._window.restart([(i, r.nbytes) for i, r in sorted(self.records.items()) if r.layout is not None])
         if self._freed_state:
             # State the tier moved to its files (AdamW's first step creates it in RAM) is freed,
             # but the C heap would keep it resident: bytes per parameter that nothing reuses.

@@ -17,7 +17,7 @@ import torch
 from ..streams.disk import AlignedBuffer, DiskTierError, StateFile, page_aligned
 from ..streams.flat_views import dense_stride
 from .state_files import StateFiles
-from .state_window import Window, WindowSlot
+from .state_window import Buffer, Region, Window, WindowSlot
 
 #: Each state tensor starts at a multiple of this many bytes in a slice's file (vector loads).
 TENSOR_ALIGNMENT = 64
@@ -46,7 +46,7 @@ class Field:
     offset: int  # bytes from the start of the file
     nbytes: int
 
-    def view(self, buffer: AlignedBuffer) -> torch.Tensor:
+    def view(self, buffer: Buffer) -> torch.Tensor:
         flat = buffer.tensor[self.offset:self.offset + self.nbytes].view(self.dtype)
         return flat.as_strided(self.shape, self.stride)
 
@@ -62,18 +62,19 @@ class SliceRecord:
     layout: list[Field] | None = None
     nbytes: int = 0  # the file's size: the layout's bytes, in whole pages
     place: Place = Place.RAM
-    buffer: AlignedBuffer | None = None  # between its read and its write, or while held
+    buffer: Buffer | None = None  # between its read and its write, or while held
     slot: WindowSlot | None = None
     dirty: bool = False  # the buffer holds state the file does not
     read_error: OSError | None = None
     write_error: OSError | None = None
     reported: bool = True  # its write error was raised to the caller
 
-    def read(self, slot: WindowSlot) -> None:
-        """Read the file into ``slot``'s buffer (grown if needed); a failure is kept in ``read_error``
-        for the update to raise."""
+    def read(self, slot: WindowSlot, region: Region | None) -> None:
+        """Read the file into ``slot``'s buffer (``region``, the slice's place in the arena, else the
+        slot's own, grown if needed); a failure is kept in ``read_error`` for the update to raise."""
         self.read_error = None
         self.slot = slot
+        slot.take(region)
         if self.place is Place.HELD:
             return  # its buffer holds it
         if self.place is Place.RAM:
@@ -142,6 +143,9 @@ class SliceRecord:
                 self.reported = False
             self.write_error = error
             self.place = Place.HELD
+            if isinstance(self.buffer, Region):
+                # Its place in the arena goes to the slices three on (Note: [The window's arena], rule 5).
+                self.buffer = self.buffer.copy()
             slot = self.slot
             if slot is not None and slot.buffer is self.buffer:
                 slot.buffer = None  # the buffer stays with the slice; the window takes a new one
@@ -201,8 +205,8 @@ class LoadingSlice:
     record: SliceRecord
     layout: list[Field]
     nbytes: int
-    buffer: AlignedBuffer
-    slot: WindowSlot  # where the buffer goes once written
+    buffer: Buffer
+    window: Window  # where the buffer goes back once written
     tensors: SliceState = field(default_factory=dict)  # views of buffer
 
     @classmethod
@@ -215,22 +219,22 @@ class LoadingSlice:
         assert found and len(found) == sum(map(len, like.values())), \
             f"internal error: state to load into slice {record.index} is not of its parameters"
         layout, nbytes = layout_of(found)
-        slot, buffer = window.for_load(nbytes)
-        loading = cls(record, layout, nbytes, buffer, slot)
+        buffer = window.for_load(nbytes)
+        loading = cls(record, layout, nbytes, buffer, window)
         for f in layout:
             loading.tensors.setdefault(record.params[f.position], {})[f.key] = f.view(buffer)
         return loading
 
     def store(self, files: StateFiles) -> None:
         """Make the filled buffer the slice's state and write it to the slice's file; the buffer goes
-        back to the window once written, and stays with the slice (held) when the write fails."""
+        back to the window once written (the slice keeps a copy, held, when the write fails)."""
         record = self.record
         record.reset()  # whatever the slice held is replaced
         record.layout, record.nbytes, record.buffer, record.dirty = self.layout, self.nbytes, self.buffer, True
         record.slot = None  # a failed write keeps the buffer with the slice
         record.write(files)
-        if record.place is Place.DISK and (self.slot.buffer is None or self.slot.buffer.nbytes < self.buffer.nbytes):
-            self.slot.buffer = self.buffer  # back to the window, for the next slice and the next step
+        if record.buffer is not self.buffer:  # written, or held in a copy
+            self.window.returned(self.buffer)
         self.tensors = {}
 
 
