@@ -17,7 +17,8 @@ import torch
 
 from offload import DiskTier, OffloadModel, OffloadOptimizer, estimate_memory
 from offload.kernels import host_kernel
-from offload.planning.planner import _most_at_once, slice_layout
+from offload.planning.planner import slice_layout
+from offload.tiers.state_window import most_at_once
 from offload.planning.presets import build_preset
 from offload.planning.shapes import profile_layers
 
@@ -81,7 +82,7 @@ def main() -> None:
             # three slices' of each, in RAM while the optimizer steps.
             layout = slice_layout(preset.model, num_slices=spec["slices"], compute_dtype=dtype)
             window = min(3, layout.num_slices)
-            host -= _most_at_once(layout.host_bytes, window) + _most_at_once(layout.gradient_bytes, window)
+            host -= most_at_once(layout.host_bytes, window) + most_at_once(layout.gradient_bytes, window)
         print(json.dumps({
             "rss_growth": grown,
             "footprint_host": footprint.host_total,

@@ -281,7 +281,6 @@ NEEDED = [
     # follows it only through the write and the read, not the worker (Note: [Updates in the next
     # forward's order]).
     Dependency("synchronize_event", "submit", "disk_tier.py:submit", "host update"),
-    Dependency("synchronize_event", "wait_host", "disk_tier.py:flush", "disk write"),
     Dependency("synchronize_event", "wait_host", "data_parallel.py:gradients_landed", "collectives"),
     Dependency("synchronize_event", "wait_host", "device_slots.py:prefetch", "collectives"),
     Dependency("synchronize_event", "wait_host", "settled.py:_settle", "collectives"),
@@ -350,6 +349,9 @@ UNSEEN = [
 #: pipeline] in offload/tiers/disk_tier.py.
 LOUD = [
     Dependency("synchronize_event", "submit", "disk_tier.py:submit", "disk read"),  # update after its read
+    # The writes done before a step's turns start afresh (Note: [The window's arena], rule 4): without
+    # it the next step finds a slice's state still held by its pending write, and its update raises.
+    Dependency("synchronize_event", "wait_host", "disk_tier.py:flush", "disk write"),
 ]
 
 

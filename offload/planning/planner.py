@@ -27,7 +27,7 @@ from ..streams.flat_views import ALIGN_ELEMENTS, ALIGNMENT, BUFFER_REGION_ALIGNM
 from ..streams.quantized import state_tensors
 from ..streams.disk import PAGE
 from ..tiers.state_slice import TENSOR_ALIGNMENT
-from ..tiers.state_window import place
+from ..tiers.state_window import most_at_once, place
 
 #: Optimizer state per parameter, in units of the parameter's own element size.
 STATE_ELEMENTS = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0, None: 0}
@@ -309,18 +309,11 @@ def _placed(layout: SliceLayout, optimizer_state: str, masters: str, resident: i
         # files of their own, read in and written back with them (Note: [Gradients on disk]).
         grads = layout.gradient_bytes[resident:] or [0]
         disk += sum(_align(h, 4096) for h in host_bytes) + sum(_align(g, 4096) for g in grads if g)
-        disk_window += _most_at_once(host_bytes, window_slices) + _most_at_once(grads, window_slices)
+        # Each read waits for the write of the slice ``window_slices`` reads before it, in slice
+        # order either way: the window holds the most that many consecutive slices take.
+        disk_window += most_at_once(host_bytes, window_slices) + most_at_once(grads, window_slices)
         masters_bytes = 0
     return masters_bytes, state, disk, disk_window, masters == "disk"
-
-
-def _most_at_once(per_slice: list[int], window: int) -> int:
-    """The most bytes ``window`` consecutive slices take: what the masters' and gradients' windows
-    hold at once, since each read waits for the write of the slice ``window`` reads before it, and
-    slices are read in slice order (either way)."""
-    if window <= 0:
-        return 0
-    return max(sum(per_slice[i:i + window]) for i in range(max(len(per_slice) - window + 1, 1)))
 
 
 def _activations(layout: SliceLayout, profile: ModelProfile | None, num_microbatches: int,

@@ -194,7 +194,9 @@ class Window:
 
 
 def most_at_once(sizes: Sequence[int], window: int = WINDOW) -> int:
-    """The most bytes ``window`` consecutive slices take."""
+    """The most bytes ``window`` consecutive slices take (0 for no slices or no window)."""
+    if window <= 0:
+        return 0
     return max((sum(sizes[i:i + window]) for i in range(max(len(sizes) - window + 1, 1))), default=0)
 
 
