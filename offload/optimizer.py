@@ -44,11 +44,11 @@ from .optimizing.in_backward import BackwardUpdates, check_in_backward
 from .optimizing.plan import inner_optimizer, plan_key, slice_steps, snapshot
 from .optimizing.sharding import Sharding
 from .optimizing.stepping import SliceUpdates
+from .optimizing.following import follow, tied_to_engine
 from .optimizing.tier_plumbing import SliceState, TierPlumbing, TierSliceLoad, casts_as_torch_optim
 from .streams.collectives import HostCollectives
 from .tiers.disk_tier import DiskTier, StateTier
 from .tiers.slice_update import SliceStep, held_state
-from .walk.engine import Engine
 
 
 #: The OffloadOptimizer built last for each model: only it may step the model (an older one, still
@@ -296,34 +296,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self.synchronize()
         super().add_param_group(param_group)
 
-    # -- following the model to another compute device (rule 3 of Note: [Moving an OffloadModel]) --
+    # -- following the model to another compute device (offload/optimizing/following.py) ---------------
 
-    def _tied_to_engine(self) -> list[str]:
-        """Why this optimizer cannot follow its model to another compute device; none when it can."""
-        reasons = []
-        if self._tier is not None:
-            reasons.append("an OffloadOptimizer keeps its state on disk (disk_tier: files and workers of this "
-                           "engine); build the OffloadOptimizer after moving the model")
-        if self._sharding is not None:
-            reasons.append("an OffloadOptimizer shards its update over a process group; build the OffloadOptimizer "
-                           "after moving the model")
-        return reasons
-
-    def _follow(self, engine: Engine) -> None:
-        """Step ``engine`` from now on: the model's engine, built anew for another compute device
-        after every pending update (:meth:`_tied_to_engine` said none holds this back). The state
-        stays as it is, keyed by the same parameters (the host's is exact as it was); a resident
-        slice's moves beside its parameters. The plan and the update worker are built anew at the
-        next step: the old ones point at the old host copies and copy streams."""
-        self._updates.close()
-        self._disk = TierPlumbing(None, engine.copies)
-        self._updates = SliceUpdates(engine, self._disk, None, self.num_threads)
-        engine.optimizers.add(self)
-        if self._in_backward is not None:
-            self._in_backward.follow(engine, self._updates)
-        _state_beside_resident_parameters(self, engine)
-        self._plan_key, self._steps, self._rest = None, [], []
-        self._stepped_engine = False
+    _tied_to_engine = tied_to_engine
+    _follow = follow
 
     # -- the collaborators, as tests, scripts and checkpoints name them ---------------------------------
 
@@ -403,21 +379,6 @@ def _load_as_class(optimizer: OffloadOptimizer, state_dict: dict[str, Any]) -> N
                                                    "param_groups": loader.param_groups})
     for post_hook in optimizer._optimizer_load_state_dict_post_hooks.values():
         post_hook(optimizer)
-
-
-def _state_beside_resident_parameters(optimizer: OffloadOptimizer, engine: Engine) -> None:
-    """Move the state of the resident slices' parameters (Note: [Resident slices]), which went
-    with the compute device, beside them, as ``torch.optim``'s ``load_state_dict()`` places state:
-    each tensor on its parameter's device, ``step`` only under ``fused`` or ``capturable`` (on the
-    CPU otherwise). Values and dtypes are kept: the copy is exact."""
-    resident = {id(e.tensor) for s in engine.slices if s.storage.resident for e in s.storage.params}
-    state = held_state(optimizer)
-    for group in optimizer.param_groups:
-        steps_beside = group.get("fused") or group.get("capturable")
-        for p in group["params"]:
-            for key, value in (state.get(p, {}) if id(p) in resident else {}).items():
-                if isinstance(value, torch.Tensor) and value.device != p.device and (key != "step" or steps_beside):
-                    state[p][key] = value.to(p.device)
 
 
 def _on_host(scaling: tuple[torch.Tensor | None, ...]) -> Iterator[torch.Tensor | None]:
