@@ -246,6 +246,58 @@ def test_finetune_loads_a_checkpoint_in_4bits_and_its_adapters_load_back(tmp_pat
     assert loaded.peft_config["default"].base_model_name_or_path == str((tmp_path / "base").resolve())
 
 
+@pytest.mark.parametrize("flags", [["--load-in-4bit", "--compute-dtype", "none"], ["--compute-dtype", "bf16"],
+                                   ["--compute-dtype", "bf16", "--disk-tier", "TIER", "--masters-on-disk"]],
+                         ids=["4-bit base", "bf16 shadow", "masters on disk"])
+def test_finetune_loads_the_base_of_lora_slice_by_slice_and_trains_as_from_pretrained_does(flags, tmp_path, capsys,
+                                                                                            monkeypatch):
+    # The base is read into its host copies a weight at a time (quantised as it is read under
+    # --load-in-4bit), never whole in RAM as from_pretrained holds it, and the adapters are injected
+    # there: the same losses and trained adapters, bit for bit, as the run that loads with
+    # from_pretrained and injects them before wrapping.
+    from safetensors.torch import load_file
+
+    from offload.cli import finetune as cli
+    from offload.cli.finetune_args import DTYPES
+    from offload.cli.models import four_bit_settings, pretrained_model, random_model, with_lora
+
+    from .test_finetune import EXACT, run_cli
+
+    torch.manual_seed(0)
+    hf, tokenizer = random_model("llama", "tiny", 256, 16)
+    hf.save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    args = ["--model", str(tmp_path / "base"), "--steps", "2", "--batch-size", "2", "--seq-len", "16",
+            "--lora-r", "4", "--seed", "3", *(str(tmp_path / f) if f == "TIER" else f for f in flags)]
+
+    def whole(*args, **kwargs):
+        raise AssertionError("from_pretrained holds the whole model in RAM")
+
+    def from_pretrained_then_wrapped(args, options, causal_lm_sequential, load_causal_lm):
+        hf, tokenizer = pretrained_model(args.model, four_bit_settings(args, DTYPES[args.compute_dtype]))
+        peft_model = with_lora(hf, args)
+        layers = causal_lm_sequential(peft_model, loss_chunk_tokens=args.loss_chunk_tokens or None)
+        return OffloadModel(layers, device=args.device, **options), hf, tokenizer, peft_model
+
+    def run(name: str) -> tuple[str, list[str], dict[str, torch.Tensor]]:
+        code, out, err = run_cli(*args, "--out", str(tmp_path / name), tmp_path=tmp_path, capsys=capsys)
+        assert code == 0, err
+        losses = [line.split(" tokens/s")[0].rsplit(" ", 1)[0] for line in out.splitlines()
+                  if line.startswith(("step ", "final loss "))]
+        return out, losses, load_file(tmp_path / name / "adapter_model.safetensors")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(transformers.AutoModelForCausalLM, "from_pretrained", whole)
+        out, losses, trained = run("sliced")
+    assert f"loaded {tmp_path / 'base'} slice by slice" in out
+    assert ("nf4 4-bit base" in out) == ("--load-in-4bit" in flags)
+    monkeypatch.setattr(cli, "_build_model", from_pretrained_then_wrapped)
+    _, want_losses, want = run("whole")
+    assert len(losses) == 3 and losses == want_losses
+    assert len(want) == 2 * 7 * 4 and all(want[n].abs().sum() > 0 for n in want if "lora_B" in n)
+    torch.testing.assert_close(trained, want, **EXACT)
+
+
 @pytest.mark.parametrize(("flags", "fragment"), [
     (["--load-in-4bit"], "--load-in-4bit freezes the base in 4 bits, which has no gradient: train LoRA adapters "
                          "over it with --lora-r R"),

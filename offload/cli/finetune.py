@@ -2,7 +2,8 @@
 
 The model is a small random-initialised one built from a config (bytes as tokens, nothing
 downloaded) or a local ``save_pretrained`` directory (``--model``), loaded slice by slice into the
-host copies (``load_causal_lm``), or with ``from_pretrained`` for LoRA and ``--untie-embeddings``.
+host copies (``load_causal_lm``; LoRA's adapters are injected there), or with ``from_pretrained``
+for ``--untie-embeddings``.
 The data (``--data``) is read and tokenised lazily and packed into ``--seq-len`` blocks
 (:mod:`offload.integrations.data`); an eval split, a learning-rate schedule with warm-up,
 gradient accumulation and clipping, or the update during backward, are options. The trained model is written a slice at a time
@@ -53,6 +54,7 @@ from .finetune_args import DTYPES, SCHEDULES, no_steps_left, parse_args
 from .models import (four_bit_settings, pretrained_model, pretrained_tokenizer, quantized_random_model, random_model,
                      with_lora)
 from .outputs import OutputError, RunRecord, Write, check_room, check_writable
+from .quantize import bnb_config
 
 __all__ = ["main", "parse_args"]
 
@@ -183,18 +185,25 @@ def _build_model(args: argparse.Namespace, options: dict[str, Any], causal_lm_se
     """The OffloadModel the run trains, the Hugging Face model behind it, its tokenizer, and the
     PEFT model around it (``None`` without LoRA)."""
     peft_model = None
-    if args.model is not None and args.lora_r == 0 and not args.untie_embeddings:
-        # Slice by slice into the host copies (or the masters' files): the model is never whole
-        # in RAM beside them, as from_pretrained would have it.
+    four_bit = four_bit_settings(args, DTYPES[args.compute_dtype])
+    if args.model is not None and not args.untie_embeddings:
+        # Slice by slice into the host copies (or the masters' files), each linear weight quantised
+        # as it is read under --load-in-4bit: the model is never whole in RAM beside them, as
+        # from_pretrained would have it.
+        loading = {} if four_bit is None else {"dtype": four_bit["compute_dtype"],
+                                               "quantization_config": bnb_config(**four_bit)}
         try:
             model, hf = load_causal_lm(args.model, args.device, loss_chunk_tokens=args.loss_chunk_tokens or None,
-                                       **options)
+                                       **loading, **options)
         except FileNotFoundError as error:  # weights it does not read (pytorch_model.bin): it says which
             raise fail(f"--model {error}") from None
         tokenizer = pretrained_tokenizer(args.model)
         print(f"loaded {args.model} slice by slice")
+        # The adapters go into the loaded host modules, as into from_pretrained's model: the same
+        # random draws in the same order give the same initial values. The slices are laid out
+        # again with them before the first forward (Note: [PEFT models], rule 5).
+        peft_model = with_lora(hf, args)
     else:
-        four_bit = four_bit_settings(args, DTYPES[args.compute_dtype])
         if args.model is None:
             hf, tokenizer = random_model(args.arch, args.size, 256, args.seq_len)
             if four_bit is not None:

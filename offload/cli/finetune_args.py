@@ -169,7 +169,8 @@ def add_four_bit_arguments(parser: argparse.ArgumentParser) -> None:
                                          'under --lora-r\'s adapters: pip install "offload[bnb]"')
     four_bit.add_argument("--load-in-4bit", action="store_true",
                           help="quantise every linear layer but the head to 4 bits, on the CPU as the model loads "
-                               "(from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True))); "
+                               "(as from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True)) "
+                               "does, but slice by slice); "
                                "the rest of the base in --compute-dtype's dtype (none: float32), which the layers "
                                "compute in, with no OffloadModel compute_dtype (a shadow would copy the codes); "
                                "needs --lora-r")

@@ -93,8 +93,8 @@ def four_bit_settings(args: argparse.Namespace, compute_dtype: torch.dtype | Non
 
 
 def pretrained_model(path: Path, four_bit: dict | None = None):
-    """``from_pretrained``: for LoRA and ``--untie-embeddings``, which change the model before it is
-    wrapped (the other runs load it slice by slice with ``load_causal_lm``); with ``four_bit``
+    """``from_pretrained``: for ``--untie-embeddings``, which changes the model before it is wrapped
+    (the other runs load it slice by slice with ``load_causal_lm``); with ``four_bit``
     (:func:`four_bit_settings`), each linear layer but the head quantised on the CPU as it loads."""
     import transformers
 
