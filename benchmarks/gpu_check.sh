@@ -57,9 +57,11 @@
 # 0.4.13. Fetch them here (device README, "nvidia-h200"):
 #   echo /.whl/ >> .git/info/exclude; python3 -m pip download --no-deps --only-binary=:all: \
 #       --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
-#       --platform manylinux2014_x86_64 -d .whl transformers==5.24.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
-# (pure-Python wheels, about 15 MiB; their other needs, tokenizers 0.23, huggingface-hub, pyarrow, fsspec,
-# are on the machine: run.log's first lines list the versions it used). For the QLoRA tests, bitsandbytes
+#       --platform manylinux2014_x86_64 -d .whl transformers==5.24.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 \
+#       trl==1.16.0
+# (pure-Python wheels, about 16 MiB; their other needs, tokenizers 0.23, huggingface-hub, pyarrow, fsspec,
+# pandas, jinja2, are on the machine: run.log's first lines list the versions it used; without trl the
+# SFTTrainer test skips, as it did on 2026-11-28). For the QLoRA tests, bitsandbytes
 # 0.50.2 (--platform manylinux_2_24_x86_64; 43 MB, most of it CUDA 11.8-12.8 and ROCm libraries the
 # machine's CUDA 13 does not load: unpacked, those and their RECORD lines removed, zipped again it is 7 MB).
 # then one call: run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=480): the default
@@ -140,7 +142,7 @@ pytest_cuda() {  # pytest_cuda <limit> <paths...>: the cuda-marked tests of path
     $PY -c "import sys, torch, transformers; print(sys.version.split()[0], 'torch', torch.__version__, torch.version.cuda,
         'transformers', transformers.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
     git log -1 --format='commit %h %s' 2>/dev/null
-    $PY -m pip list 2>/dev/null | grep -iE '^(transformers|datasets|tokenizers|huggingface.hub|pyarrow|fsspec|accelerate|lightning|peft|torchao|fairscale) ' 
+    $PY -m pip list 2>/dev/null | grep -iE '^(transformers|datasets|tokenizers|huggingface.hub|pyarrow|fsspec|accelerate|lightning|peft|trl|bitsandbytes|torchao|fairscale) ' 
 } 2>&1 | tee -a "$OUT/run.log"
 log "stages: $stages"
 # The one-pass host update's kernel builds for this machine (tens of seconds of one core) beside the
