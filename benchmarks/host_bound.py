@@ -29,6 +29,7 @@ import torch
 
 from offload.cli.calibrate import host_memory_bandwidth
 from offload.planning.host_bytes import HostBytes
+from offload.planning.rates import ADAMW_BYTES_PER_PARAMETER
 
 #: Repeats of the fused AdamW alone and of the host bandwidth copy; their median is reported.
 REPEATS = 7
@@ -57,10 +58,6 @@ def host_bandwidth(nbytes: int = 1 << 30, num_threads: int | None = None) -> dic
     return {"bytes_per_s": rate, "copy_bytes": nbytes, "repeats": REPEATS, "num_threads": num_threads}
 
 
-#: Bytes a parameter fused AdamW reads and writes: the parameter, gradient and two moments read, three written.
-ADAMW_BYTES = 28
-
-
 def bound(step_s: float, resident_step_s: float, link_s: float, host: HostBytes, host_bytes_per_s: float,
           update_alone_s: float | None, update_parameters: int | None = None) -> dict[str, Any]:
     """The new bound and the old one over ``step_s``, with their terms.
@@ -75,7 +72,7 @@ def bound(step_s: float, resident_step_s: float, link_s: float, host: HostBytes,
     """
     rates = {"copy": host_bytes_per_s}
     if update_alone_s and update_parameters:
-        rates["fused_adamw"] = ADAMW_BYTES * update_parameters / update_alone_s
+        rates["fused_adamw"] = ADAMW_BYTES_PER_PARAMETER * update_parameters / update_alone_s
     rate = max(rates.values())
     terms = {"resident_step_s": resident_step_s, "link_s": link_s, "host_bytes_s": host.total / rate}
     old_terms = {"resident_step_s": resident_step_s, "link_s": link_s, "update_alone_s": update_alone_s}

@@ -171,17 +171,22 @@ def test_ram_holds_a_window_of_three_slices(tmp_path):
     assert counters.write_bytes == 3 * 6 * per_slice
 
 
+def slow_writes(monkeypatch, seconds: float) -> None:
+    """Every write of the tier's files waits ``seconds`` first."""
+    real = os.pwritev
+
+    def slow(fd, buffers, offset):
+        threading.Event().wait(seconds)
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(disk.os, "pwritev", slow)
+
+
 def test_the_window_holds_three_consecutive_slices_not_three_of_the_largest(tmp_path, monkeypatch):
     # A language model's shape: small slices, then a large last one (the head). Seven slices a step
     # turn the head through all three turns of the window; one buffer per turn grew to three heads.
     # Slow writes: every turn is handed out before the reads that wait for them run.
-    real = os.pwritev
-
-    def slow(fd, buffers, offset):
-        threading.Event().wait(0.02)
-        return real(fd, buffers, offset)
-
-    monkeypatch.setattr(disk.os, "pwritev", slow)
+    slow_writes(monkeypatch, 0.02)
 
     def layers():
         torch.manual_seed(0)
@@ -210,13 +215,7 @@ def test_the_window_holds_three_consecutive_slices_not_three_of_the_largest(tmp_
 def test_a_window_buffer_is_read_into_only_after_its_write(tmp_path, monkeypatch):
     # Slow writes, six slices in a window of three: slice 3's read must wait for slice 0's write
     # from the same buffer, or slice 0's file would get slice 3's state.
-    real = os.pwritev
-
-    def slow(fd, buffers, offset):
-        threading.Event().wait(0.05)
-        return real(fd, buffers, offset)
-
-    monkeypatch.setattr(disk.os, "pwritev", slow)
+    slow_writes(monkeypatch, 0.05)
     runs = trio(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, tmp_path, num_slices=6)
     train(runs[1:], 3)
     (_, _), (ram_model, ram), (model, optimizer) = runs

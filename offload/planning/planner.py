@@ -25,8 +25,7 @@ from ..walk.slicing import partition
 from ..streams.pinned import size_class
 from ..streams.flat_views import ALIGN_ELEMENTS, ALIGNMENT, BUFFER_REGION_ALIGNMENT
 from ..streams.quantized import state_tensors
-from ..streams.disk import PAGE
-from ..tiers.state_slice import TENSOR_ALIGNMENT
+from ..tiers.state_slice import file_nbytes
 from ..tiers.state_window import most_at_once, place
 
 #: Optimizer state per parameter, in units of the parameter's own element size.
@@ -273,8 +272,8 @@ def slice_layout(layers: nn.Module | Sequence[int] | int, *, num_slices: int = 8
         parameters=sum(t.numel for s in slices for t in s if t.is_parameter),
         trainable=sum(t.numel for s in trained for t in s),
         computed_gradient_bytes=[sum(t.numel * device_dtype(t).itemsize for t in s) for s in trained],
-        state_file_bytes=[_align(sum(STATE_ELEMENTS[optimizer] * _align(t.numel * t.dtype.itemsize, TENSOR_ALIGNMENT)
-                                     for t in s), PAGE) if s else 0 for s in trained],
+        state_file_bytes=[file_nbytes([t.numel * t.dtype.itemsize for t in s for _ in range(STATE_ELEMENTS[optimizer])])
+                          for s in trained],
     )
 
 

@@ -282,8 +282,19 @@ def layout_of(found: Sequence[tuple[int, str, torch.Tensor]]) -> tuple[list[Fiel
     for position, key, value in found:
         nbytes = value.numel() * value.element_size()
         fields.append(Field(position, key, value.dtype, value.shape, tuple(value.stride()), offset, nbytes))
-        offset += -(-nbytes // TENSOR_ALIGNMENT) * TENSOR_ALIGNMENT
-    return fields, page_aligned(fields[-1].offset + fields[-1].nbytes)
+        offset += _aligned(nbytes)
+    return fields, file_nbytes([f.nbytes for f in fields])
+
+
+def file_nbytes(tensor_nbytes: Sequence[int]) -> int:
+    """The size of a slice's file holding tensors of ``tensor_nbytes`` bytes, laid out as
+    :func:`layout_of` lays them (each at a multiple of :data:`TENSOR_ALIGNMENT`, the file in whole
+    pages): what the planner counts for the tier's window before the state exists."""
+    return page_aligned(sum(_aligned(n) for n in tensor_nbytes[:-1]) + tensor_nbytes[-1]) if tensor_nbytes else 0
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // TENSOR_ALIGNMENT) * TENSOR_ALIGNMENT
 
 
 def _shape_of(layout: Sequence[Field]) -> list[tuple[Any, ...]]:
