@@ -78,6 +78,7 @@ from benchmark import device_name, measure_bandwidth, synchronize  # noqa: E402
 from host_bound import bound, fused_adamw_alone, host_bandwidth  # noqa: E402
 
 from offload.cli.calibrate import host_norm_rate  # noqa: E402
+from offload.clipping import total_grad_norm  # noqa: E402
 from offload.kernels import host_kernel  # noqa: E402
 from offload.planning.host_bytes import host_bytes_per_step  # noqa: E402
 
@@ -93,7 +94,7 @@ PEERS = ("resident", "offload", "fsdp2", "torchao", "fairscale")
 #: each slice's update in backward (``OffloadOptimizer(..., update_in_backward=True)``), ``-cut`` only
 #: while the update worker keeps up (``max_backlog = 1``), the rest at step(), in slice order;
 #: ``-resident`` keeps the first ``--resident-slices`` slices on the device (Note: [Resident slices]).
-#: ``clip`` clips the gradients' total norm to 1 before ``step()`` (the update behind the next forward, as
+#: ``clip`` clips the gradients' total norm to 1 with ``offload.clip_grad_norm_`` before ``step()`` (the update behind the next forward, as
 #: Hugging Face's Trainer runs it). A ``-resident`` name may end in a count: ``offload-in-backward-resident6``
 #: keeps 6 slices resident whatever ``--resident-slices`` says (:func:`split_variant`).
 OFFLOAD_VARIANTS = ("offload-in-backward", "offload-in-backward-cut", "offload-sync", "offload-threads8", "offload-no-step", "offload-profile",
@@ -234,11 +235,19 @@ def offload_run(base: nn.Module, batch: torch.Tensor, device: torch.device, grad
             if args.deterministic:
                 grads.setdefault("variants", {})[variant] = first
         if kind.startswith("offload-clip"):
-            # clip_grad_norm_ in its two halves, timed apart: the norm reads every gradient, the
-            # scaling reads and writes them (on the host, where the streamed slices' gradients are).
+            # offload.clip_grad_norm_ in its two halves, timed apart: the norm reads every gradient
+            # (on several threads), the scaling reads and writes them (on the host, where the
+            # streamed slices' gradients are).
             grads_now = [p.grad for p in hf.parameters() if p.grad is not None]
+            if "clip_norm_torch_s" not in run.parts:
+                # Once, in the first warm-up step: PyTorch's own norm (one thread a tensor), its
+                # time and whether offload's is the same bits.
+                start = time.perf_counter()
+                theirs = torch.nn.utils.get_total_norm(grads_now, 2.0)
+                run.parts["clip_norm_torch_s"] = [time.perf_counter() - start]
+                run.parts["clip_norm_equal"] = [bool(torch.equal(theirs, total_grad_norm(grads_now, 2.0)))]
             start = time.perf_counter()
-            total = torch.nn.utils.get_total_norm(grads_now, 2.0)
+            total = total_grad_norm(grads_now, 2.0)
             normed = time.perf_counter()
             torch.nn.utils.clip_grads_with_norm_([p for p in hf.parameters() if p.grad is not None], 1.0, total)
             end = time.perf_counter()

@@ -7,7 +7,9 @@
 #           PyTorch's fused AdamW alone and followed by a cast, benchmarks/host_kernels.py; ready
 #           before slices, 150 s at most)
 #   host    host facts: CPU model, cores, NUMA, transparent huge pages, host copy bandwidth at the
-#           update's thread count, the pinned link each way (benchmarks/host_facts.py; ~10 s);
+#           update's thread count, the pinned link each way (benchmarks/host_facts.py; ~10 s); then
+#           the clip's norm over 3.54 GB of float32 gradients, offload's on several threads against
+#           PyTorch's (benchmarks/bench_clipping.py; ~15 s, 40 s at most);
 #   tests   the cuda-marked tests of what never ran on a GPU: resident slices, the trainers
 #           (Trainer, Accelerate, Lightning moving an OffloadedCausalLM with .to("cuda"):
 #           tests/test_trainer.py, tests/test_trainers_cuda.py), the
@@ -165,7 +167,12 @@ for name in $stages; do
     case $name in
         host)
             stage host "$limit_host" $PY benchmarks/host_facts.py $dry_flag --json "$work/host.json"
-            headline "$work/host.log" 0 ;;
+            headline "$work/host.log" 0
+            # The clip's norm on several threads against PyTorch's one (3.54 GB of gradients).
+            clip_sizes=""
+            [ $dry = 1 ] && clip_sizes="--hidden 64 --layers 2 --intermediate 128 --vocab 256 --repeats 1"
+            stage clipping 40 $PY benchmarks/bench_clipping.py $clip_sizes --json "$work/clipping.json"
+            headline "$work/clipping.log" 1 ;;
         tests)
             log "=== tests $(date +%T): cuda-marked tests of ${FIRST_TESTS[*]}"
             echo "=== tests: ${FIRST_TESTS[*]}" >> "$OUT/pytest.log"

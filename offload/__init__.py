@@ -44,6 +44,7 @@ table):
 __version__ = "0.1.0"
 
 from .autograd.recompute_state import is_recomputing
+from .clipping import clip_grad_norm_
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from .tiers.disk_tier import DiskTier, DiskTierError
 from .planning.footprint import MemoryFootprint
@@ -57,5 +58,5 @@ from .tiers.slice_update import HostUpdateError
 from .streams.collectives import CollectiveError
 
 __all__ = ["CheckpointError", "CollectiveError", "DiskTier", "DiskTierError", "GradScaler", "HostUpdateError", "MemoryFootprint",
-           "OffloadActivations", "OffloadModel", "OffloadOptimizer", "estimate_memory", "is_recomputing", "latest_checkpoint",
+           "OffloadActivations", "OffloadModel", "OffloadOptimizer", "clip_grad_norm_", "estimate_memory", "is_recomputing", "latest_checkpoint",
            "load_checkpoint", "load_sequential", "save_checkpoint"]

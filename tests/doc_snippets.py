@@ -86,6 +86,14 @@ def model() -> dict[str, Any]:
     return {**names, "model": names["OffloadModel"](names["layers"], device="cpu", num_slices=4)}
 
 
+def optimizer() -> dict[str, Any]:
+    """As :func:`model`, and ``optimizer``: an ``OffloadOptimizer`` (AdamW) stepping it."""
+    import torch
+
+    names = model()
+    return {**names, "optimizer": names["OffloadOptimizer"](names["model"], torch.optim.AdamW, lr=1e-3)}
+
+
 def classifier() -> dict[str, Any]:
     """A ``loader`` of ``(x, y)`` for the README's classifier, made 64 features wide: 10 classes."""
     import torch

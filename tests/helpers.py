@@ -113,3 +113,13 @@ class HostStepped:
         self.optimizer.step()
         for master, p in zip(self.masters, self.params):
             p.copy_(master)
+
+
+def count_parallel_norms(monkeypatch: Any) -> list[int]:
+    """A list that grows by one at each total norm ``offload.clip_grad_norm_`` computes."""
+    import offload.clipping
+
+    calls: list[int] = []
+    norm = offload.clipping.total_grad_norm
+    monkeypatch.setattr(offload.clipping, "total_grad_norm", lambda *a, **k: calls.append(1) or norm(*a, **k))
+    return calls

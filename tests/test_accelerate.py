@@ -16,6 +16,7 @@ from torch import nn
 
 from offload import OffloadModel, OffloadOptimizer
 
+from .helpers import count_parallel_norms
 from .test_save_libraries import EXACT, _scramble, assert_same_state, layers, save_peak
 
 accelerate = pytest.importorskip("accelerate", reason='accelerate is not installed: pip install -e ".[accelerate]"')
@@ -80,6 +81,21 @@ def test_accelerate_trains_as_the_plain_model_and_save_model_keeps_every_tensor(
     assert_same_state(model.state_dict(), plain_run)
     acc.save_model(model, tmp_path)
     assert_same_state(safetensors_torch.load_file(tmp_path / "model.safetensors"), plain_run)
+
+
+def test_parallel_clipping_of_an_accelerator_trains_as_the_plain_model(plain_run, monkeypatch):
+    """``parallel_clipping(accelerator)``: ``accelerator.clip_grad_norm_`` clips with
+    ``offload.clip_grad_norm_``, the same weights bit for bit."""
+    from offload.integrations.accelerate_clipping import parallel_clipping
+
+    calls = count_parallel_norms(monkeypatch)
+    acc, model, optimizer = prepared("offload_optimizer", offload=True)
+    assert parallel_clipping(acc) is acc
+    wrapped = acc.clip_grad_norm_
+    assert parallel_clipping(acc) is acc and acc.clip_grad_norm_ is wrapped  # twice: wrapped once
+    train(acc, model, optimizer, BATCHES)
+    assert len(calls) == len(BATCHES) // 2
+    assert_same_state(model.state_dict(), plain_run)
 
 
 @pytest.mark.parametrize("optimizer_kind", OPTIMIZERS)

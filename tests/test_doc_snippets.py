@@ -59,6 +59,7 @@ SETUPS: dict[str, tuple[Variant, ...]] = {
     "layers": (Variant("layers"),),
     "disk": (Variant("disk", (('"/nvme/offload"', '"nvme/offload"'),)),),
     "model": (Variant("model"),),
+    "optimizer": (Variant("optimizer"),),
     "classifier": (Variant("classifier", (("1024", "64"), ("4096", "64"))),),
     "torchrun": (Variant("torchrun", (('"nccl"', '"gloo"'), ('f"cuda:{local_rank}"', '"cpu"'))),),
     "weights": (Variant("weights", (("8192", "64"),)),),

@@ -38,7 +38,7 @@ LAYERS: dict[int, list[str]] = {
     5: ["offload.autograd"],
     6: ["offload.planning"],
     7: ["offload.model", "offload.modeling", "offload.optimizer", "offload.optimizing", "offload.data_parallel",
-        "offload.grad_scaler", "offload.per_tensor_warning"],
+        "offload.grad_scaler", "offload.clipping", "offload.per_tensor_warning"],
     8: ["offload.checkpoint", "offload.loading"],
     9: ["offload.integrations", "offload.profiling"],
     10: ["offload.cli", "offload"],

@@ -28,6 +28,8 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from offload import OffloadModel, OffloadOptimizer
 
+from .helpers import count_parallel_norms
+
 L = pytest.importorskip("lightning", reason='lightning is not installed: pip install -e ".[lightning]"')
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402  (needs lightning)
 
@@ -241,6 +243,19 @@ def test_fit_validate_predict_equal_the_plain_model(tmp_path: Path, model: str, 
     assert run.validate(actual, data, verbose=False) == reference.validate(expected, data, verbose=False)
     for got, want in zip(run.predict(actual, data), reference.predict(expected, data), strict=True):
         torch.testing.assert_close(got, want, **EXACT)
+
+
+def test_the_strategy_clips_through_offloads_clip_grad_norm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under OffloadStrategy, ``gradient_clip_val`` computes the norms with ``offload.clip_grad_norm_``
+    (the host gradients' norms on several threads), and the run is still the plain model's."""
+    calls = count_parallel_norms(monkeypatch)
+    expected, expected_weights, data = built("mlp", offloaded=False)
+    reference = fit(expected, tmp_path / "plain", 2, data)
+    actual, actual_weights, data = built("mlp", offloaded=True, optimizer="offload")
+    run = fit(actual, tmp_path / "offloaded", 2, data, strategy=OffloadStrategy("cpu"))
+    assert len(calls) == run.global_step == reference.global_step
+    assert max(expected.grad_norms) > 1.0  # clip_gradients clipped some steps
+    assert_same_run(actual, expected, actual_weights, expected_weights)
 
 
 @pytest.mark.parametrize("model", ["mlp", "llama"])

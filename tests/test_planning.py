@@ -487,9 +487,11 @@ def test_a_fixed_schedule_is_kept_and_in_backward_with_clipping_refused():
                fixed={"schedule": "later"})
 
 
-def test_clipping_costs_the_hosts_gradients_read_on_one_thread_then_scaled():
+def test_clipping_costs_the_hosts_gradients_read_on_several_threads_then_scaled():
     """Hugging Face's Trainer clips at max_grad_norm=1.0 unless told otherwise: the norm of every
-    host gradient on one thread, then a pass that scales them, while the device waits."""
+    host gradient (``offload.clip_grad_norm_``: on several threads, bounded by the memory's
+    bandwidth and by the largest tensor read on one), then a pass that scales them, while the
+    device waits."""
     preset = build_preset("transformer", **SMALL_TRANSFORMER)
     layout = slice_layout(preset.model, num_slices=4, compute_dtype=torch.bfloat16)
     rates = dataclasses.replace(GPU_DEFAULTS["h100-sxm"], host_norm=5e9, host_memory_bandwidth=50e9)
@@ -499,8 +501,20 @@ def test_clipping_costs_the_hosts_gradients_read_on_one_thread_then_scaled():
         clipped = estimate_step_time(layout, None, replace(config, clips_gradients=True), rates,
                                      device_seconds=(0.01, 0.03))
         host = sum(layout.gradient_bytes[resident:])  # a resident slice's gradients are clipped on the device
-        assert plain.clip == 0 and clipped.clip == pytest.approx(host / 5e9 + 2 * host / 50e9)
+        largest = max(layout.largest_gradient_bytes[resident:])
+        norm = max(largest / 5e9, host / 50e9)
+        assert plain.clip == 0 and clipped.clip == pytest.approx(norm + 2 * host / 50e9)
         assert clipped.step == pytest.approx(plain.step + clipped.clip)
+    # One thread a tensor: a single large tensor's norm is bounded by the one-thread rate.
+    one = slice_layout([50_000_000], num_slices=1)
+    assert one.largest_gradient_bytes == [200_000_000]
+    config = StepConfig(num_slices=1, clips_gradients=True)
+    alone = estimate_step_time(one, None, config, rates, device_seconds=(0.01, 0.03))
+    assert alone.clip == pytest.approx(200e6 / 5e9 + 2 * 200e6 / 50e9)
+    # Many tensors of that size: the memory's bandwidth.
+    many = slice_layout([5_000_000] * 40, num_slices=4)
+    alone = estimate_step_time(many, None, replace(config, num_slices=4), rates, device_seconds=(0.01, 0.03))
+    assert alone.clip == pytest.approx(3 * 800e6 / 50e9)
     # Unmeasured, a gradient's norm reads at the default one-thread rate.
     assert dataclasses.replace(rates, host_norm=None).host_norm_rate == HOST_NORM_DEFAULT
     with pytest.raises(ValueError, match="'in-backward' schedule cannot clip"):

@@ -17,8 +17,9 @@ datasets = pytest.importorskip("datasets")
 
 from offload import OffloadModel  # noqa: E402
 from offload.integrations.causal_lm import OffloadedCausalLM  # noqa: E402
+from offload.integrations.transformers import parallel_clipping  # noqa: E402
 
-from .helpers import CUDA  # noqa: E402
+from .helpers import CUDA, count_parallel_norms  # noqa: E402
 
 EXACT = dict(rtol=0, atol=0)
 VOCAB = 64
@@ -87,19 +88,50 @@ def plain_run(tmp_path_factory):
     return logged(trainer), hf
 
 
-@pytest.mark.parametrize("optimizer", ["trainer's AdamW", "offload_optimizer"])
-def test_trainer_matches_the_plain_model_bit_for_bit(plain_run, optimizer, tmp_path):
+@pytest.mark.parametrize("optimizer", ["trainer's AdamW", "offload_optimizer", "offload_optimizer, parallel_clipping"])
+def test_trainer_matches_the_plain_model_bit_for_bit(plain_run, optimizer, tmp_path, monkeypatch):
     losses, plain = plain_run
     hf = llama()
     model = OffloadedCausalLM(hf, device="cpu", num_slices=2)
     args = arguments(tmp_path)
-    optimizers = (model.offload_optimizer(args), None) if optimizer == "offload_optimizer" else (None, None)
+    optimizers = (model.offload_optimizer(args), None) if optimizer.startswith("offload_optimizer") else (None, None)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=TRAIN, eval_dataset=EVAL,
                                    optimizers=optimizers)
+    norms = count_parallel_norms(monkeypatch)
+    if optimizer.endswith("parallel_clipping"):
+        assert parallel_clipping(trainer) is trainer
     trainer.train()
+    assert len(norms) == (STEPS if optimizer.endswith("parallel_clipping") else 0)
     assert logged(trainer) == losses  # every training loss, gradient norm and eval loss, bit for bit
     assert sum(key == "eval_loss" for key, _, _ in losses) == 2 and sum(key == "loss" for key, _, _ in losses) == STEPS
     assert_same_weights(hf, plain)
+
+
+def test_parallel_clipping_logs_the_norm_without_clipping_as_the_plain_trainer(tmp_path, monkeypatch):
+    """At ``max_grad_norm=0`` the Trainer still computes the norm to log it (clipping at an infinite
+    norm): through ``parallel_clipping`` the logged norms and the weights are the plain model's, and
+    the gradients are not rewritten (a coefficient of one)."""
+    runs = []
+    for kind in ("plain", "offloaded"):
+        hf = llama()
+        args = arguments(tmp_path / kind, max_grad_norm=0.0, eval_strategy="no")
+        model = hf if kind == "plain" else OffloadedCausalLM(hf, device="cpu", num_slices=2)
+        optimizers = (None, None) if kind == "plain" else (model.offload_optimizer(args), None)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=TRAIN, optimizers=optimizers)
+        if kind == "offloaded":
+            norms = count_parallel_norms(monkeypatch)
+            parallel_clipping(trainer)
+        trainer.train()
+        runs.append((logged(trainer), hf))
+    (plain_logged, plain), (offloaded_logged, offloaded) = runs
+    assert offloaded_logged == plain_logged and sum(key == "grad_norm" for key, _, _ in plain_logged) == STEPS
+    assert len(norms) == STEPS
+    assert_same_weights(offloaded, plain)
+
+
+def test_parallel_clipping_refuses_what_has_no_accelerator():
+    with pytest.raises(TypeError, match="transformers.Trainer or an accelerate.Accelerator"):
+        parallel_clipping(object())
 
 
 def test_trainer_with_the_loss_in_the_head_matches_to_float32_rounding(plain_run, tmp_path):
@@ -285,6 +317,8 @@ def test_sft_trainer_matches_the_plain_model_bit_for_bit(data, packing, tmp_path
                                warmup_steps=1, max_length=64, packing=packing)
         trainer = trl.SFTTrainer(model=model, args=config, train_dataset=datasets.Dataset.from_dict(data),
                                  processing_class=tokenizer)
+        if kind == "offloaded":
+            parallel_clipping(trainer)  # TRL's trainers clip as the Trainer does
         trainer.train()
         runs.append((logged(trainer), hf))
     (plain_losses, plain), (losses, offloaded) = runs

@@ -47,6 +47,7 @@ import torch
 
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..checkpoint.checkpoint_files import CheckpointError
+from ..clipping import clip_grad_norm_
 from ..tiers.disk_tier import DiskTier
 from ..model import OffloadModel
 from ..optimizer import OffloadOptimizer
@@ -410,7 +411,7 @@ def train(args: argparse.Namespace, model: OffloadModel, hf: Any, optimizer: Off
             loss.backward()
             step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
         if args.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(trainable, args.max_grad_norm)
+            clip_grad_norm_(trainable, args.max_grad_norm)  # torch's, the norms on several threads
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)

@@ -300,8 +300,12 @@ def code(candidate: Candidate, work: Workload, args: argparse.Namespace) -> str:
         # accumulation_steps is 1: num_microbatches splits the batch within one backward.
         optimizer += ",\n                             update_in_backward=True"
     setup = "" if work.four_bit is None else work.four_bit.code()
+    # The planned clip is offload's (the norms on several threads), not torch.nn.utils' (on one).
+    clip = (f"\n# before each optimizer.step(): offload.clip_grad_norm_(model.parameters(), {args.max_grad_norm:g})"
+            f"\n# (a transformers or TRL trainer: parallel_clipping(trainer), from offload.integrations.transformers)"
+            if config.clips_gradients else "")
     return (f"{setup}model = OffloadModel({work.build}, {', '.join(model_args)})\n"
-            f"optimizer = OffloadOptimizer(model, {optimizer})")
+            f"optimizer = OffloadOptimizer(model, {optimizer}){clip}")
 
 
 def finetune_flags(candidate: Candidate, work: Workload, args: argparse.Namespace) -> str | None:

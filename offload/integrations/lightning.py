@@ -7,11 +7,12 @@ This module holds what Lightning lacks:
 
 - :class:`RandomState`, a callback: Lightning's checkpoints do not keep the random number
   generators, which dropout draws from, so without it a resumed run draws other masks.
-- :class:`OffloadStrategy`, Lightning's single-device strategy with two changes: an
+- :class:`OffloadStrategy`, Lightning's single-device strategy with three changes: an
   OffloadOptimizer with a disk tier is checkpointed slice by slice through
   :func:`offload.save_checkpoint` instead of through ``state_dict()``, which would gather the
-  tier's whole state in host memory; and a loaded optimizer state stays beside its parameters (on
-  the host) instead of moving to the accelerator.
+  tier's whole state in host memory; a loaded optimizer state stays beside its parameters (on
+  the host) instead of moving to the accelerator; and ``gradient_clip_val`` clips by norm with
+  :func:`offload.clip_grad_norm_` (the same result, the host gradients' norms on several threads).
 
 ``lightning`` is imported with this module only: ``import offload`` never needs it.
 """
@@ -29,7 +30,10 @@ import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import SingleDeviceStrategy
 
+from lightning.pytorch.plugins.precision import Precision
+
 from ..checkpoint import load_checkpoint, save_checkpoint
+from ..clipping import clip_grad_norm_
 from ..checkpoint.contents import _rng_state, _set_rng_state
 from ..optimizer import OffloadOptimizer
 
@@ -83,6 +87,11 @@ class OffloadStrategy(SingleDeviceStrategy):
        puts each state tensor on its parameter's device; Lightning then moves all of it to the
        accelerator, where an optimizer over host copies cannot step with it (and where it may not
        fit). This strategy leaves it there.
+    3. **Clipping by norm is PyTorch's, on several threads.** Lightning clips with
+       ``torch.nn.utils.clip_grad_norm_``, which computes each host gradient's norm on one thread;
+       under this strategy a precision plugin that does not clip in its own way calls
+       :func:`offload.clip_grad_norm_` instead, with the same result bit for bit (Note: [Norms on
+       several threads] in ``offload/clipping.py``).
 
     Other optimizers, and an OffloadOptimizer without a disk tier, are saved in Lightning's file
     as usual.
@@ -98,6 +107,16 @@ class OffloadStrategy(SingleDeviceStrategy):
     def __init__(self, device: Any = "cpu", **kwargs: Any) -> None:
         super().__init__(device, **kwargs)
         self._loading_from: Path | None = None
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        precision = self.precision_plugin
+        if type(precision).clip_grad_by_norm is Precision.clip_grad_by_norm:  # a plugin's own way stays
+
+            def clip_grad_by_norm(optimizer: torch.optim.Optimizer, clip_val: int | float) -> None:
+                clip_grad_norm_(precision.main_params(optimizer), clip_val)
+
+            precision.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         if _streamed(optimizer):

@@ -214,6 +214,9 @@ class SliceLayout:
             host adds them into ``.grad`` itself (Note: [Gradients in the compute dtype]).
         state_file_bytes: its optimizer state as the disk tier lays out a slice's file (each
             tensor at 64 bytes, the file in whole pages).
+        largest_gradient_bytes: its largest trainable parameter's gradient, in its own dtype: one
+            thread reads it for its norm when the gradients are clipped (Note: [Norms on several
+            threads] in ``offload/clipping.py``).
     """
 
     ranges: list[range]
@@ -228,6 +231,7 @@ class SliceLayout:
     trainable: int
     computed_gradient_bytes: list[int] = field(default_factory=list)
     state_file_bytes: list[int] = field(default_factory=list)
+    largest_gradient_bytes: list[int] = field(default_factory=list)
 
     @property
     def num_slices(self) -> int:
@@ -274,6 +278,7 @@ def slice_layout(layers: nn.Module | Sequence[int] | int, *, num_slices: int = 8
         computed_gradient_bytes=[sum(t.numel * device_dtype(t).itemsize for t in s) for s in trained],
         state_file_bytes=[file_nbytes([t.numel * t.dtype.itemsize for t in s for _ in range(STATE_ELEMENTS[optimizer])])
                           for s in trained],
+        largest_gradient_bytes=[max((t.numel * t.dtype.itemsize for t in s), default=0) for s in trained],
     )
 
 

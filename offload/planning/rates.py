@@ -52,9 +52,11 @@ class MachineRates:
             it): what the host's passes over memory other than the optimizer's are timed with
             (``None``: not measured; the planner then takes twice :attr:`host_copy`).
         host_norm: bytes per second a float32 gradient's 2-norm reads on the host: PyTorch
-            computes a CPU tensor's norm on one thread, so ``clip_grad_norm_`` over host
-            gradients reads them at about one core's rate (``None``: not measured; the planner
-            then takes :data:`HOST_NORM_DEFAULT`).
+            computes a CPU tensor's norm on one thread, so ``torch.nn.utils.clip_grad_norm_``
+            over host gradients reads them at about one core's rate, and
+            :func:`offload.clip_grad_norm_`, which spreads the tensors over threads, reads its
+            largest tensor at that rate (``None``: not measured; the planner then takes
+            :data:`HOST_NORM_DEFAULT`).
         disk_read, disk_write: sequential file bandwidth where the disk tier would live
             (``None``: not measured).
         slice_overhead_s: fixed host time per slice run (a slice's forward, recompute or

@@ -75,10 +75,11 @@ class StepConfig:
         schedule: one of :data:`SCHEDULES`.
         resident_slices: as :class:`~offload.OffloadModel` takes it.
         clips_gradients: the training clips the gradients' total norm between backward and
-            ``step()`` (``clip_grad_norm_``; Hugging Face's ``Trainer`` does at its default
-            ``max_grad_norm=1.0``): the host reads every streamed slice's float32 gradients for
-            the norm, on one thread as PyTorch computes a CPU tensor's norm, then scales them
-            (read and written), while the device waits. Not with the ``"in-backward"`` schedule.
+            ``step()`` with :func:`offload.clip_grad_norm_` (Hugging Face's ``Trainer`` clips at
+            its default ``max_grad_norm=1.0``, through it after ``parallel_clipping(trainer)``):
+            the host reads every streamed slice's float32 gradients for the norm, on several
+            threads, each tensor on one, then scales them (read and written), while the device
+            waits. Not with the ``"in-backward"`` schedule.
     """
 
     num_slices: int = 8
@@ -285,16 +286,22 @@ def estimate_step_time(layout: SliceLayout, profile: ModelProfile | None, config
     streamed = [0] * k + list(layout.gradient_bytes[k:])  # a resident slice has no host update
     exposed = exposed_update(config.schedule, forward, backward, update, streamed, d2h,
                              device_update=device_update, update_waits=not on_gpu)
-    clip = 0.0
-    if config.clips_gradients:
-        # The norm reads the host's gradients on one thread; the scaling reads and writes them.
-        # A resident slice's gradients are on the device, where both are quick.
-        host_gradients = sum(layout.gradient_bytes[k:])
-        clip = host_gradients / rates.host_norm_rate + 2 * host_gradients / rates.host_memory
+    clip = _clip_seconds(layout, k, rates) if config.clips_gradients else 0.0
     return StepTime(compute=compute, forward_compute=forward_compute, backward_compute=backward_compute,
                     load=load, offload=offload, update=update, disk_read=disk_read, disk_write=disk_write,
                     forward=forward, backward=backward, exposed_update=exposed,
                     step=forward + backward + device_update + exposed + clip, device_update=device_update, clip=clip)
+
+
+def _clip_seconds(layout: SliceLayout, resident: int, rates: MachineRates) -> float:
+    """``offload.clip_grad_norm_`` over the streamed slices' host gradients: their norms on several
+    threads, a tensor on one (the largest bounds it: Note: [Norms on several threads]), then the
+    scaling, which reads and writes them. A resident slice's gradients are on the device, where
+    both are quick."""
+    host_gradients = sum(layout.gradient_bytes[resident:])
+    largest = max(layout.largest_gradient_bytes[resident:], default=0)
+    norm = max(largest / rates.host_norm_rate, host_gradients / rates.host_memory)
+    return norm + 2 * host_gradients / rates.host_memory
 
 
 def exposed_update(schedule: str, forward: float, backward: float, update: float, gradient_bytes: Sequence[int],

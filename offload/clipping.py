@@ -1,0 +1,176 @@
+"""``clip_grad_norm_``: ``torch.nn.utils.clip_grad_norm_``'s result, bit for bit, with the host
+gradients' norms computed on several threads.
+
+Note: [Norms on several threads]
+    PyTorch computes a CPU tensor's 2-norm on one thread (its vectorised path reduces the last
+    dimension into one output, and one output is one thread's work), so ``clip_grad_norm_`` over an
+    offloaded model's float32 host gradients reads them at one core's bandwidth: 345-446 ms for
+    3.54 GB on the H200's host (``benchmarks/results/h200-2026-11-28``), most of a clipped step.
+
+    Here each tensor's norm is the same PyTorch call, made on a pool of threads, the largest
+    tensors first and the small ones in bundles. Each call runs under the caller's intra-op thread
+    count (``torch.set_num_threads`` in the pool's thread), so a norm PyTorch does split over
+    threads splits as it would on the caller's thread: the per-tensor norms are the caller's, bit
+    for bit. They are then combined as PyTorch combines them (grouped by device and dtype in its
+    own order, stacked, one more norm), and the scaling is PyTorch's ``clip_grads_with_norm_``.
+    Only 2-norms of float32, float64 and bfloat16 CPU tensors go to the pool (the vectorised
+    one-thread path: the pool's threads add bandwidth, not oversubscription); every other norm is
+    PyTorch's, on the caller's thread.
+
+    A tensor's own norm cannot be split without changing its rounding (each vector lane sums its
+    elements in order), so the largest tensor bounds the time: a 525 M-element embedding's
+    gradient still takes one thread's 2.1 GB.
+
+    Multiplying by a clip coefficient of exactly one is left out when every gradient is on the CPU
+    (where reading the coefficient costs nothing): the product is each value itself, so the
+    gradients are the same bits (a signalling NaN stays signalling instead of becoming quiet). That
+    is every step whose norm is below ``max_norm``, and every step of a ``max_norm`` of infinity,
+    which Hugging Face's ``Trainer`` clips with only to log the norm.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from torch.nn.utils import clip_grads_with_norm_
+
+try:  # PyTorch's own grouping and foreach rules, so the norms are combined in its order.
+    from torch.nn.utils.clip_grad import (_device_has_foreach_support, _group_tensors_by_device_and_dtype,
+                                          _has_foreach_support)
+except ImportError:  # pragma: no cover - a PyTorch without them clips with its own function
+    _group_tensors_by_device_and_dtype = None
+
+#: The dtypes whose 2-norm PyTorch computes on one thread (see Note: [Norms on several threads]).
+_POOLED_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+
+#: Tensors below this many bytes share a task: a task's fixed cost (tens of microseconds) would
+#: otherwise outweigh reading a layer norm's weight.
+_BUNDLE_BYTES = 8 << 20
+
+_pools: dict[int, ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False, foreach: bool | None = None, *,
+                    num_threads: int | None = None) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_``, with the same result bit for bit, computing the norms of
+    CPU gradients on ``num_threads`` threads (default ``torch.get_num_threads()``). See Note:
+    [Norms on several threads].
+
+    Use it wherever the training clips an offloaded model's gradients (``OffloadOptimizer``'s
+    gradients are on the host): ``offload.clip_grad_norm_(model.parameters(), 1.0)``.
+
+    Raises:
+        ValueError: ``num_threads`` is not a positive int.
+        RuntimeError: as ``torch.nn.utils.clip_grad_norm_`` (a non-finite norm with
+            ``error_if_nonfinite=True``, ``foreach=True`` on a device without foreach kernels).
+    """
+    if num_threads is not None and (isinstance(num_threads, bool) or not isinstance(num_threads, int)
+                                    or num_threads < 1):
+        raise ValueError(f"num_threads must be a positive int or None, got {num_threads!r}")
+    if _group_tensors_by_device_and_dtype is None:  # pragma: no cover
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    else:
+        parameters = list(parameters)
+    grads = [p.grad for p in parameters if p.grad is not None]
+    total_norm = total_grad_norm(grads, norm_type, error_if_nonfinite, foreach, num_threads=num_threads)
+    if grads and not _coefficient_is_one(grads, max_norm, total_norm):
+        clip_grads_with_norm_(parameters, max_norm, total_norm, foreach)
+    return total_norm
+
+
+@torch.no_grad()
+def total_grad_norm(tensors: Sequence[torch.Tensor], norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                    foreach: bool | None = None, *, num_threads: int | None = None) -> torch.Tensor:
+    """``torch.nn.utils.get_total_norm`` of ``tensors``, bit for bit, with the CPU tensors' norms on
+    several threads."""
+    tensors = list(tensors)
+    norm_type = float(norm_type)
+    if not tensors:
+        return torch.tensor(0.0)
+    first_device = tensors[0].device
+    norms: list[torch.Tensor] = []
+    for (device, dtype), ([device_tensors], _) in _group_tensors_by_device_and_dtype([tensors]).items():
+        if device.type == "cpu" and norm_type == 2.0 and dtype in _POOLED_DTYPES:
+            # PyTorch's foreach norm on the CPU is this same call, one tensor at a time.
+            norms.extend(_pooled_norms(device_tensors, norm_type, num_threads))
+        elif (foreach is None and _has_foreach_support(device_tensors, device)) or (
+                foreach and _device_has_foreach_support(device)):
+            norms.extend(torch._foreach_norm(device_tensors, norm_type))
+        elif foreach:
+            raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
+        else:
+            norms.extend(torch.linalg.vector_norm(g, norm_type) for g in device_tensors)
+    total_norm = torch.linalg.vector_norm(torch.stack([norm.to(first_device) for norm in norms]), norm_type)
+    if error_if_nonfinite and torch.logical_or(total_norm.isnan(), total_norm.isinf()):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
+            "clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
+            "`error_if_nonfinite=False`")
+    return total_norm
+
+
+def _pooled_norms(tensors: list[torch.Tensor], norm_type: float, num_threads: int | None) -> list[torch.Tensor]:
+    """Each tensor's ``vector_norm``, computed on the pool, in the order of ``tensors``."""
+    intra_op = torch.get_num_threads()
+    workers = num_threads or intra_op
+    if workers == 1 or len(tensors) == 1 or sum(t.numel() * t.element_size() for t in tensors) < _BUNDLE_BYTES:
+        return [torch.linalg.vector_norm(t, norm_type) for t in tensors]
+    results: list[torch.Tensor | None] = [None] * len(tensors)
+
+    def run(indices: list[int]) -> None:
+        torch.set_num_threads(intra_op)
+        with torch.no_grad():  # grad mode is per thread: the caller's no_grad does not reach here
+            for i in indices:
+                results[i] = torch.linalg.vector_norm(tensors[i], norm_type)
+
+    futures = [_pool(workers).submit(run, task) for task in _tasks(tensors)]
+    for future in futures:
+        future.result()
+    return results  # type: ignore[return-value]
+
+
+def _tasks(tensors: list[torch.Tensor]) -> list[list[int]]:
+    """The tensors' indices in tasks, largest first (the pool takes them in order, so the long ones
+    start first); tensors under :data:`_BUNDLE_BYTES` share tasks of about that size."""
+    order = sorted(range(len(tensors)), key=lambda i: -tensors[i].numel() * tensors[i].element_size())
+    tasks: list[list[int]] = []
+    bundle: list[int] = []
+    bundle_bytes = 0
+    for i in order:
+        nbytes = tensors[i].numel() * tensors[i].element_size()
+        if nbytes >= _BUNDLE_BYTES:
+            tasks.append([i])
+            continue
+        bundle.append(i)
+        bundle_bytes += nbytes
+        if bundle_bytes >= _BUNDLE_BYTES:
+            tasks.append(bundle)
+            bundle, bundle_bytes = [], 0
+    if bundle:
+        tasks.append(bundle)
+    return tasks
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    with _pools_lock:
+        pool = _pools.get(workers)
+        if pool is None:
+            pool = _pools[workers] = ThreadPoolExecutor(workers, thread_name_prefix="offload-norm")
+        return pool
+
+
+def _coefficient_is_one(grads: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> bool:
+    """Whether ``clip_grads_with_norm_`` would multiply every gradient by exactly one, read only
+    where that costs no device synchronisation (every gradient on the CPU)."""
+    if any(g.device.type != "cpu" for g in grads) or total_norm.device.type != "cpu":
+        return False
+    clip_coef = max_norm / (total_norm + 1e-6)
+    return bool(torch.clamp(clip_coef, max=1.0) == 1.0)
