@@ -91,7 +91,9 @@ class OffloadModel(CopiedByLayers):
             each slice's update by :class:`~offload.OffloadOptimizer` and dropped after, so RAM
             holds a few slices' masters at a time (Note: [Masters on disk] in
             ``offload/tiers/master_files.py``, ``docs/disk-tier.md``). Needs ``compute_dtype``: loads read
-            the half-precision shadow, which stays in RAM.
+            the half-precision shadow, which stays in RAM unless ``shadows="disk"``.
+        shadows: ``"disk"`` (with ``masters``) keeps no shadow in RAM: each load casts its slice's masters, read
+            from the disk, into two pinned buffers (Note: [Shadows on disk] in ``offload/streams/shadow_staging.py``).
         offload_activations: an :class:`~offload.OffloadActivations` naming slices whose saved
             activations go to host memory during forward and come back before their backward,
             instead of being recomputed (or kept on ``device``); ``None``: none. Saves the
@@ -122,8 +124,8 @@ class OffloadModel(CopiedByLayers):
 
     #: What a deep copy takes over as it is (CopiedByLayers builds the engine anew around the layers).
     _copied_settings = ("compute_dtype", "num_microbatches", "checkpoint_activation", "offload_activations",
-                        "device", "offload_device", "training", "_masters", "_resident_slices")
-    _pickled_before = {"offload_activations": None, "_resident_slices": 0}  # settings added later
+                        "device", "offload_device", "training", "_masters", "_resident_slices", "_shadows")
+    _pickled_before = {"offload_activations": None, "_resident_slices": 0, "_shadows": "ram"}  # settings added later
 
     def __init__(
         self,
@@ -138,6 +140,7 @@ class OffloadModel(CopiedByLayers):
         masters: Any = None,
         offload_activations: OffloadActivations | None = None,
         resident_slices: int = 0,
+        shadows: str = "ram",
     ) -> None:
         super().__init__()
         named_groups = _slice_groups(model, None if num_slices is None else _positive_int("num_slices", num_slices))
@@ -150,6 +153,7 @@ class OffloadModel(CopiedByLayers):
             checkpoint_activation, offload_activations, len(named_groups))
         self.device, self.offload_device = _places(device, offload_device, masters)
         self._masters = masters
+        self._shadows = _shadows_place(shadows, masters)
         if self.device.type == "cuda" and self.offload_device.type == "cpu":
             # Host gradients on CUDA: a plain torch.amp.GradScaler races over them (Note: [Loss scaling
             # with host gradients] in grad_scaler.py).
@@ -163,7 +167,8 @@ class OffloadModel(CopiedByLayers):
                 self.add_module(name, layer)
         self._engine = Engine(named_groups, self.device, self.offload_device, compute_dtype=self.compute_dtype,
                               masters=self.__dict__.get("_masters"),
-                              resident_slices=self.__dict__.get("_resident_slices", 0))
+                              resident_slices=self.__dict__.get("_resident_slices", 0),
+                              shadows=self.__dict__.get("_shadows", "ram"))
         self._warned_microbatch_batchnorm = False
         per_tensor_warning.install()
         per_tensor_warning.register(self._engine.parameters())
@@ -345,6 +350,16 @@ def _places(device: Any, offload_device: Any, masters: Any) -> tuple[torch.devic
     return device, offload_device
 
 
+def _shadows_place(shadows: Any, masters: Any) -> str:
+    """``shadows`` checked: ``"disk"`` only with ``masters`` on disk, which it is cast from."""
+    if shadows not in ("ram", "disk"):
+        raise ValueError(f"shadows must be 'ram' or 'disk', got {shadows!r}")
+    if shadows == "disk" and masters is None:
+        raise ValueError("shadows='disk' casts each load from the masters on disk; pass masters=DiskTier(path) "
+                         "too, or keep shadows='ram'")
+    return shadows
+
+
 def _settings(model: OffloadModel) -> str:
     """``extra_repr``: the settings, and each slice's layers and bytes."""
     slices = ", ".join(f"[{_span(s.names)}: {_size(s.storage.host_nbytes)}]" if not s.storage.resident
@@ -352,6 +367,8 @@ def _settings(model: OffloadModel) -> str:
     precision = f"compute_dtype={model.compute_dtype}, " if model.compute_dtype is not None else ""
     files = model._engine.master_files
     masters = f"masters on disk in {files.directory}, " if files is not None else ""
+    if model.__dict__.get("_shadows", "ram") == "disk":
+        masters += "shadows staged from disk, "
     offloaded = model.offload_activations
     activations = f"offload_activations={offloaded}, " if offloaded is not None else ""
     return (

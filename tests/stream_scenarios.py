@@ -290,6 +290,19 @@ def offload_optimizer_masters_on_disk(build: Build) -> list[torch.Tensor]:
     return seen
 
 
+def offload_optimizer_shadows_on_disk(build: Build) -> list[torch.Tensor]:
+    """Masters on disk and no shadow kept (Note: [Shadows on disk]): each load casts its slice's
+    masters into the next of two pinned staging buffers, which the load two before it read; the
+    head borrows the tied embedding, cast into a staging buffer of its own."""
+    with tempfile.TemporaryDirectory() as directory:
+        model = build(tied_mlp(), num_slices=3, compute_dtype=torch.bfloat16, masters=directory, shadows="disk")
+        with OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True, disk_tier=directory) as optimizer:
+            seen = train(model, steps=3, optimizer=optimizer)
+            optimizer.synchronize()
+            seen += [t.detach().clone() for t in model.parameters()]
+    return seen
+
+
 def offload_optimizer_bfloat16(build: Build) -> list[torch.Tensor]:
     """The update writes each slice's bfloat16 shadow; the next forward loads it as it is."""
     model = build(mlp(norm=True), num_slices=3, compute_dtype=torch.bfloat16)
@@ -565,7 +578,7 @@ SCENARIOS: dict[str, Callable[[Build], list[torch.Tensor]]] = {
         no_checkpointing_microbatches, bfloat16, adamw_steps, two_forwards_one_backward, retain_graph_twice,
         no_grad_between_steps, forward_then_host_writes, buffers_read_after_forward, faults, frozen_first_slice,
         input_gradients_only, second_model_after_compute, offload_optimizer, offload_optimizer_disk_tier,
-        offload_optimizer_masters_on_disk, offload_optimizer_bfloat16,
+        offload_optimizer_masters_on_disk, offload_optimizer_shadows_on_disk, offload_optimizer_bfloat16,
         offload_optimizer_after_forwards_without_backward, detached_forward_then_buffer_snapshots,
         reads_between_step_and_forward, data_parallel_one_rank,
         tied_across_slices, tied_across_slices_offload_optimizer, sparse_gradients_and_strided_boundaries,

@@ -283,6 +283,8 @@ NEEDED = [
     Dependency("synchronize_event", "submit", "disk_tier.py:submit", "host update"),
     Dependency("synchronize_event", "wait_host", "data_parallel.py:gradients_landed", "collectives"),
     Dependency("synchronize_event", "wait_host", "device_slots.py:prefetch", "collectives"),
+    # A staging buffer is cast into only after the load that read it last (Note: [Shadows on disk]).
+    Dependency("synchronize_event", "wait_host", "shadow_staging.py:stage", "load"),
     Dependency("synchronize_event", "wait_host", "settled.py:_settle", "collectives"),
     Dependency("synchronize_stream", "drain", "device_slots.py:invalidate", "load"),
     Dependency("synchronize_stream", "drain", "device_slots.py:invalidate", "offload"),

@@ -88,6 +88,7 @@ def run(argv: list[str], record: RunRecord) -> None:
     options = {"num_slices": args.num_slices, "num_microbatches": args.microbatches,
                "compute_dtype": None if args.load_in_4bit else DTYPES[args.compute_dtype],
                "masters": tier if args.masters_on_disk else None,
+               "shadows": "disk" if args.shadows_on_disk else "ram",
                "resident_slices": args.resident_slices}
     model, hf, tokenizer, peft_model = _build_model(args, options, causal_lm_sequential, load_causal_lm)
     hf.config.use_cache = False  # training: no key/value cache

@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="keep AdamW's moments in files in DIR, a local disk (OffloadOptimizer(disk_tier=...))")
     parser.add_argument("--masters-on-disk", action="store_true",
                         help="keep the float32 masters in files in --disk-tier's DIR too (OffloadModel(masters=...))")
+    parser.add_argument("--shadows-on-disk", action="store_true",
+                        help="with --masters-on-disk, keep no half-precision shadow in RAM: each load casts its "
+                             "slice's masters read from the disk (OffloadModel(shadows=\"disk\"))")
     add_data_arguments(parser)
     add_optimization_arguments(parser)
     add_checkpoint_arguments(parser)
@@ -195,13 +198,20 @@ def check_four_bit_args(parser: argparse.ArgumentParser, args: argparse.Namespac
         parser.error(str(error))
 
 
+def check_disk_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--masters-on-disk`` and ``--shadows-on-disk``: what each needs."""
+    if args.masters_on_disk and args.disk_tier is None:
+        parser.error("--masters-on-disk needs --disk-tier DIR: the directory for their files")
+    if args.shadows_on_disk and not args.masters_on_disk:
+        parser.error("--shadows-on-disk casts each load from the masters on disk: it needs --masters-on-disk")
+    if args.masters_on_disk and args.compute_dtype == "none":
+        parser.error("--masters-on-disk needs --compute-dtype bf16 or fp16: loads read the half-precision shadow")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.masters_on_disk and args.disk_tier is None:
-        parser.error("--masters-on-disk needs --disk-tier DIR: the directory for their files")
-    if args.masters_on_disk and args.compute_dtype == "none":
-        parser.error("--masters-on-disk needs --compute-dtype bf16 or fp16: loads read the half-precision shadow")
+    check_disk_args(parser, args)
     if not 0 <= args.resident_slices <= args.num_slices:
         parser.error(f"--resident-slices must be between 0 and --num-slices ({args.num_slices}), "
                      f"got {args.resident_slices}")

@@ -289,6 +289,8 @@ def code(candidate: Candidate, work: Workload, args: argparse.Namespace) -> str:
     tier = f'DiskTier("{args.disk_dir}")'
     if config.masters == "disk":
         model_args.append(f"masters={tier}")
+    if config.shadows == "disk":
+        model_args.append('shadows="disk"')
     if config.resident_slices:
         model_args.append(f"resident_slices={config.resident_slices}")
     optimizer = {"adamw": "torch.optim.AdamW, lr=1e-4, fused=True",
@@ -321,6 +323,8 @@ def finetune_flags(candidate: Candidate, work: Workload, args: argparse.Namespac
         flags += ["--disk-tier", str(args.disk_dir)]
     if config.masters == "disk":
         flags.append("--masters-on-disk")
+    if config.shadows == "disk":
+        flags.append("--shadows-on-disk")
     if config.schedule == "in-backward":
         flags.append("--update-in-backward")
     if config.resident_slices:
@@ -335,7 +339,8 @@ def _row(c: Candidate) -> dict[str, Any]:
     return {
         "num_slices": config.num_slices, "num_microbatches": config.num_microbatches,
         "compute_dtype": None if config.compute_dtype is None else str(config.compute_dtype).removeprefix("torch."),
-        "optimizer_state": config.optimizer_state, "masters": config.masters, "schedule": config.schedule,
+        "optimizer_state": config.optimizer_state, "masters": config.masters, "shadows": config.shadows,
+        "schedule": config.schedule,
         "resident_slices": config.resident_slices,
         "device_bytes": c.memory.device_total, "host_bytes": c.memory.host_total, "pinned_bytes": c.memory.pinned_bytes,
         "disk_bytes": c.memory.disk, "step_s": c.time.step, "efficiency": c.time.efficiency, "fits": c.fits,
@@ -345,13 +350,14 @@ def _row(c: Candidate) -> dict[str, Any]:
 
 def table(candidates: list[Candidate], own: str = "float32") -> str:
     """The candidates' rows; ``own``: the dtype shown where there is no compute dtype (the model's own)."""
-    header = (f"{'slices':>6} {'res':>3} {'mb':>3} {'dtype':>8} {'state':>5} {'masters':>7} {'schedule':>11} "
+    header = (f"{'slices':>6} {'res':>3} {'mb':>3} {'dtype':>8} {'state':>5} {'masters':>7} {'shadows':>7} "
+              f"{'schedule':>11} "
               f"{'device':>9} {'host':>9} {'disk':>9} {'step':>9} {'eff':>5}")
     lines = [header]
     for c in candidates:
         r = _row(c)
         lines.append(f"{r['num_slices']:>6} {r['resident_slices']:>3} {r['num_microbatches']:>3} "
-                     f"{r['compute_dtype'] or own:>8} {r['optimizer_state']:>5} {r['masters']:>7} "
+                     f"{r['compute_dtype'] or own:>8} {r['optimizer_state']:>5} {r['masters']:>7} {r['shadows']:>7} "
                      f"{r['schedule']:>11} {_gib(r['device_bytes']):>9} "
                      f"{_gib(r['host_bytes']):>9} {_gib(r['disk_bytes']):>9} {_seconds(r['step_s']):>9} "
                      f"{r['efficiency']:>5.2f}")
@@ -385,7 +391,9 @@ def report(plan: Plan, work: Workload, rates: MachineRates, limits: Limits, args
                  f"update {_seconds(t.update)} of which exposed {_seconds(t.exposed_update)}; device compute "
                  f"{_seconds(t.forward_compute + t.backward_compute)}, link {_seconds(t.load)} in + "
                  f"{_seconds(t.offload)} out, disk {_seconds(t.disk_read)} read + {_seconds(t.disk_write)} "
-                 f"write; resident slices' update on the device {_seconds(t.device_update)}"
+                 f"write"
+                 + (f" (and the loads' reads of the masters {_seconds(t.staging)})" if t.staging else "")
+                 + f"; resident slices' update on the device {_seconds(t.device_update)}"
                  + (f"; clipping the gradients on the host {_seconds(t.clip)}" if t.clip else "")
                  + f"; efficiency {t.efficiency:.2f}")
     if plan.chosen.config.schedule == "in-backward":

@@ -1,7 +1,8 @@
 """The configuration to train with: the fastest predicted one that fits the machine.
 
 :func:`choose` tries every combination of ``num_slices``, microbatches, ``compute_dtype`` and
-where the state lives (RAM; the optimizer's disk tier; the tier and the masters on disk) and
+where the state lives (RAM; the optimizer's disk tier; the tier and the masters on disk; and the
+shadows cast from them at each load, Note: [Shadows on disk]) and
 when the host update runs (behind the next forward, or started in backward unless the gradients
 are clipped: :data:`CHOSEN_SCHEDULES`), keeps as many of the first slices resident on the device
 as fit beside the rest, or none where that is predicted no slower (a CPU "device"), unless a count
@@ -39,8 +40,8 @@ DEVICE_MARGIN = 0.9
 HOST_MARGIN = 0.9
 SLICE_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 MICROBATCH_COUNTS = (1, 2, 4, 8, 16)
-#: (optimizer state, masters): where the state lives, simplest first.
-PLACES = (("ram", "ram"), ("disk", "ram"), ("disk", "disk"))
+#: (optimizer state, masters, shadows): where the state lives, simplest first.
+PLACES = (("ram", "ram", "ram"), ("disk", "ram", "ram"), ("disk", "disk", "ram"), ("disk", "disk", "disk"))
 #: The schedules tried, simplest first; ``"serial"`` is never faster, so only a fixed choice gets it.
 #: ``"in-backward"`` is left out when the gradients are clipped (``update_in_backward`` refuses it).
 CHOSEN_SCHEDULES = ("overlapped", "in-backward")
@@ -140,7 +141,7 @@ def choose(layers: nn.Module | Sequence[int], profile_for: Callable[[torch.dtype
         return Plan(chosen=None, candidates=candidates, missing=missing(candidates, limits))
     best = min(c.time.step for c in fitting)
     near = [c for c in fitting if c.time.step <= 1.01 * best]
-    chosen = min(near, key=lambda c: (PLACES.index((c.config.optimizer_state, c.config.masters)),
+    chosen = min(near, key=lambda c: (PLACES.index((c.config.optimizer_state, c.config.masters, c.config.shadows)),
                                       c.config.num_microbatches, SCHEDULES.index(c.config.schedule), c.time.step))
     return Plan(chosen=chosen, candidates=candidates)
 
@@ -157,14 +158,16 @@ def _configs(layers: nn.Module | Sequence[int], batch_size: int, limits: Limits,
     for n in ([fixed["num_slices"]] if "num_slices" in fixed else [n for n in slices if n >= resident]):
         for m in ([fixed["num_microbatches"]] if "num_microbatches" in fixed else microbatches):
             for dtype in ([fixed["compute_dtype"]] if "compute_dtype" in fixed else dtypes):
-                for state, masters in places:
+                for state, masters, shadows in places:
                     if masters == "disk" and dtype is None:
                         continue  # masters on disk need a compute dtype: loads read the shadow
                     for schedule in ([fixed["schedule"]] if "schedule" in fixed else schedules):
                         config = StepConfig(num_slices=n, num_microbatches=m, compute_dtype=dtype,
-                                            optimizer_state=state, masters=masters, schedule=schedule)
+                                            optimizer_state=state, masters=masters, shadows=shadows,
+                                            schedule=schedule)
                         configs.append(replace(config, **{k: v for k, v in fixed.items()
-                                                          if k in ("optimizer_state", "masters", "resident_slices")}))
+                                                          if k in ("optimizer_state", "masters", "shadows",
+                                                                   "resident_slices")}))
     return list(dict.fromkeys(configs))
 
 
@@ -176,6 +179,7 @@ def _candidate(layout: SliceLayout, profile: ModelProfile | None,
     if key not in memories:
         memories[key] = footprints_by_resident(layout, profile, compute_dtype=config.compute_dtype,
                                                optimizer_state=config.optimizer_state, masters=config.masters,
+                                               shadows=config.shadows,
                                                num_microbatches=config.num_microbatches, device=device)
     by_resident = memories[key]
     if "resident_slices" not in fixed:

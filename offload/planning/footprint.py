@@ -38,7 +38,9 @@ class MemoryFootprint:
         host_masters: host buffers holding the parameters and buffers (the host copies); with
             masters on disk (``OffloadModel(..., masters=DiskTier(...))``), the pages of their
             files in RAM now.
-        host_shadows: their copies in ``compute_dtype`` (0 without one).
+        host_shadows: their copies in ``compute_dtype`` (0 without one); with ``shadows="disk"``,
+            the staging window loads read instead (Note: [Shadows on disk] in
+            ``offload/streams/shadow_staging.py``).
         host_gradients: the parameters' ``.grad`` on the host (each storage once), pooled or not.
         host_optimizer_state: what the model's OffloadOptimizers keep per parameter (AdamW's
             moments, SGD's momentum), each storage once.
@@ -167,6 +169,7 @@ def measure(engine: Engine, optimizers: Iterable[torch.optim.Optimizer], tiers: 
     masters = sum(storage.flat.numel() for storage in storages if storage.masters_file is None)
     masters_in_ram = masters + sum(file.resident_bytes() for file in mapped)
     shadows = sum(storage.shadow.numel() for storage in storages if storage.shadow is not None)
+    shadows += engine.staging.nbytes if engine.staging is not None else 0
     return MemoryFootprint(
         parameters=sum(p.numel() for p in params + on_device),
         host_masters=masters_in_ram,

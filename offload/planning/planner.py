@@ -25,6 +25,7 @@ from ..walk.slicing import partition
 from ..streams.pinned import size_class
 from ..streams.flat_views import ALIGN_ELEMENTS, ALIGNMENT, BUFFER_REGION_ALIGNMENT
 from ..streams.quantized import state_tensors
+from ..streams.shadow_staging import STAGING_BUFFERS
 from ..tiers.state_slice import file_nbytes
 from ..tiers.state_window import most_at_once, place
 
@@ -51,7 +52,7 @@ def estimate_memory(layers: nn.Module | Sequence[int], *, num_slices: int = 8,
                     optimizer: str | None = "adamw", optimizer_state: str = "ram", masters: str = "ram",
                     num_microbatches: int = 1, device: str | torch.device = "cuda",
                     activation_bytes: int = 0, profile: ModelProfile | None = None,
-                    resident_slices: int = 0) -> MemoryFootprint:
+                    resident_slices: int = 0, shadows: str = "ram") -> MemoryFootprint:
     """Predict the memory an OffloadModel trained by OffloadOptimizer holds, by category.
 
     Args:
@@ -71,6 +72,10 @@ def estimate_memory(layers: nn.Module | Sequence[int], *, num_slices: int = 8,
             read, stays in RAM), with the gradients in files beside them. Their files count as
             ``disk``; the window counts three slices' masters and gradients, in RAM while the
             optimizer steps (between steps none are).
+        shadows: ``"ram"``, or ``"disk"`` (with ``masters="disk"``), as ``OffloadModel(...,
+            shadows="disk")`` keeps them: no shadow per slice, a staging window of two buffers of
+            the largest streamed slice's shadow instead (counted as ``host_shadows``; Note:
+            [Shadows on disk] in ``offload/streams/shadow_staging.py``).
         num_microbatches: more than one adds the two device buffers that sum gradients.
         device: the compute device; host memory is pinned only for ``"cuda"``. On ``"cpu"`` the
             device categories are host memory too.
@@ -102,36 +107,36 @@ def estimate_memory(layers: nn.Module | Sequence[int], *, num_slices: int = 8,
         >>> plan = offload.estimate_memory([7_000_000] * 32, num_slices=8, compute_dtype=torch.bfloat16)
         >>> plan.host_total / 2**30, plan.per_parameter()["host_masters"]
     """
-    _check_places(optimizer, optimizer_state, masters, compute_dtype)
+    _check_places(optimizer, optimizer_state, masters, compute_dtype, shadows)
     layout = slice_layout(layers, num_slices=num_slices, param_dtype=param_dtype, compute_dtype=compute_dtype,
                           optimizer=optimizer)
     return footprint_of(layout, profile, compute_dtype=compute_dtype, optimizer_state=optimizer_state,
                         masters=masters, num_microbatches=num_microbatches, device=device,
-                        activation_bytes=activation_bytes, resident_slices=resident_slices)
+                        activation_bytes=activation_bytes, resident_slices=resident_slices, shadows=shadows)
 
 
 def footprint_of(layout: SliceLayout, profile: ModelProfile | None = None, *, compute_dtype: torch.dtype | None = None,
                  optimizer_state: str = "ram", masters: str = "ram", num_microbatches: int = 1,
                  device: str | torch.device = "cuda", activation_bytes: int = 0,
-                 resident_slices: int = 0) -> MemoryFootprint:
+                 resident_slices: int = 0, shadows: str = "ram") -> MemoryFootprint:
     """:func:`estimate_memory` of a model already cut into slices (``layout``, with the same
     ``compute_dtype`` and optimizer): what the planner calls for each configuration it tries."""
     resident = check_resident_slices(resident_slices, layout.num_slices)
     activations = _activations(layout, profile, num_microbatches, activation_bytes)
     return _footprint(layout, _placed(layout, optimizer_state, masters, resident), activations,
                       compute_dtype=compute_dtype, num_microbatches=num_microbatches,
-                      pinned=torch.device(device).type == "cuda", resident=resident)
+                      pinned=torch.device(device).type == "cuda", resident=resident, shadows=shadows)
 
 
 def footprints_by_resident(layout: SliceLayout, profile: ModelProfile | None = None, *,
                            compute_dtype: torch.dtype | None = None, optimizer_state: str = "ram", masters: str = "ram",
                            num_microbatches: int = 1, device: str | torch.device = "cuda",
-                           activation_bytes: int = 0) -> list[MemoryFootprint]:
+                           activation_bytes: int = 0, shadows: str = "ram") -> list[MemoryFootprint]:
     """:func:`footprint_of` for each count of resident slices, 0 to all of them (index: the count)."""
     activations = _activations(layout, profile, num_microbatches, activation_bytes)
     pinned = torch.device(device).type == "cuda"
     return [_footprint(layout, _placed(layout, optimizer_state, masters, k), activations, compute_dtype=compute_dtype,
-                       num_microbatches=num_microbatches, pinned=pinned, resident=k)
+                       num_microbatches=num_microbatches, pinned=pinned, resident=k, shadows=shadows)
             for k in range(layout.num_slices + 1)]
 
 
@@ -152,7 +157,7 @@ def resident_device_bytes(layout: SliceLayout) -> list[int]:
 
 def _footprint(layout: SliceLayout, placed: tuple[int, int, int, int, bool], activations: tuple[int, int], *,
                compute_dtype: torch.dtype | None, num_microbatches: int, pinned: bool,
-               resident: int = 0) -> MemoryFootprint:
+               resident: int = 0, shadows: str = "ram") -> MemoryFootprint:
     host_activations, device_activations = activations
     masters_bytes, state, disk, disk_window, gradients_on_disk = placed
     # Gradients landing and being added (Note: [Gradients added in place]): two buffers of the
@@ -162,13 +167,16 @@ def _footprint(layout: SliceLayout, placed: tuple[int, int, int, int, bool], act
     all_grads = layout.gradient_bytes
     grads = all_grads[resident:] or [0]
     window = min(2, sum(1 for g in grads if g)) * (size_class(max(grads)) if pinned else max(grads))
-    shadows = sum(layout.device_bytes[resident:]) if compute_dtype else 0
+    streamed = layout.device_bytes[resident:] or [0]
+    # Note: [Shadows on disk]: a staging window in place of a shadow per streamed slice.
+    staged = STAGING_BUFFERS * max(streamed) if resident < layout.num_slices else 0
+    shadow_bytes = (staged if shadows == "disk" else sum(streamed)) if compute_dtype else 0
     gradients = 0 if gradients_on_disk else sum(grads)
     pool = window + host_activations
     return MemoryFootprint(
         parameters=layout.parameters,
         host_masters=masters_bytes,
-        host_shadows=shadows,
+        host_shadows=shadow_bytes,
         host_gradients=gradients,
         host_optimizer_state=state,
         host_disk_window=disk_window,
@@ -181,7 +189,7 @@ def _footprint(layout: SliceLayout, placed: tuple[int, int, int, int, bool], act
         device_gradients=(3 if num_microbatches > 1 else 1) * max(all_grads),
         device_activations=device_activations,
         pinned=pinned,
-        pinned_bytes=masters_bytes + shadows + gradients + pool if pinned else 0,
+        pinned_bytes=masters_bytes + shadow_bytes + gradients + pool if pinned else 0,
         disk=disk,
         # Note: [Resident slices]: each tensor, and each gradient, an allocation of its own in its
         # own dtype; the state as on the host.
@@ -282,16 +290,20 @@ def slice_layout(layers: nn.Module | Sequence[int] | int, *, num_slices: int = 8
     )
 
 
-def _check_places(optimizer: str | None, optimizer_state: str, masters: str, compute_dtype: torch.dtype | None) -> None:
+def _check_places(optimizer: str | None, optimizer_state: str, masters: str, compute_dtype: torch.dtype | None,
+                  shadows: str = "ram") -> None:
     if optimizer not in STATE_ELEMENTS:
         known = sorted(k for k in STATE_ELEMENTS if k)
         raise ValueError(f"optimizer must be one of {known} or None, got {optimizer!r}")
-    for name, place in (("optimizer_state", optimizer_state), ("masters", masters)):
+    for name, place in (("optimizer_state", optimizer_state), ("masters", masters), ("shadows", shadows)):
         if place not in _PLACES:
             raise ValueError(f"{name} must be 'ram' or 'disk', got {place!r}")
     if masters == "disk" and compute_dtype is None:
         raise ValueError("masters='disk' needs a compute_dtype, as OffloadModel(..., masters=...) does: loads "
                          "read the shadow in that dtype, kept in RAM")
+    if shadows == "disk" and masters != "disk":
+        raise ValueError("shadows='disk' casts each load from the masters on disk, as OffloadModel(..., "
+                         "shadows='disk') does: it needs masters='disk'")
 
 
 def _placed(layout: SliceLayout, optimizer_state: str, masters: str, resident: int = 0

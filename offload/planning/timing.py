@@ -72,6 +72,8 @@ class StepConfig:
         num_slices, num_microbatches, compute_dtype: as :class:`~offload.OffloadModel` takes them.
         optimizer_state: ``"ram"`` or ``"disk"`` (the optimizer's :class:`~offload.DiskTier`).
         masters: ``"ram"`` or ``"disk"`` (``OffloadModel(..., masters=DiskTier(...))``).
+        shadows: ``"ram"`` or ``"disk"`` (``OffloadModel(..., shadows="disk")``: each load reads
+            its masters from the disk and casts them, Note: [Shadows on disk]).
         schedule: one of :data:`SCHEDULES`.
         resident_slices: as :class:`~offload.OffloadModel` takes it.
         clips_gradients: the training clips the gradients' total norm between backward and
@@ -87,6 +89,7 @@ class StepConfig:
     compute_dtype: torch.dtype | None = None
     optimizer_state: str = "ram"
     masters: str = "ram"
+    shadows: str = "ram"
     schedule: str = "overlapped"
     resident_slices: int = 0
     clips_gradients: bool = False
@@ -110,6 +113,8 @@ class StepTime:
         device_update: the resident slices' update on the device (all of it in the step).
         clip: the host's clipping of the streamed slices' gradients (all of it in the step;
             :attr:`StepConfig.clips_gradients`).
+        staging: the loads' reads of their masters from the disk and their casts, forward and
+            backward together (``shadows="disk"``; in the phases' lengths, beside their compute).
     """
 
     compute: float
@@ -126,6 +131,7 @@ class StepTime:
     step: float
     device_update: float = 0.0
     clip: float = 0.0
+    staging: float = 0.0
 
     @property
     def efficiency(self) -> float:
@@ -154,6 +160,9 @@ class _Traffic:
     disk_write: int
     device_copies: int = 0
     device_update: int = 0
+    #: masters the loads read from the disk, per phase (``shadows="disk"``, Note: [Shadows on disk])
+    forward_staged: int = 0
+    backward_staged: int = 0
 
 
 #: Whether gradients the host copies into their files (masters on disk) leave the device in the
@@ -205,6 +214,7 @@ def traffic(layout: SliceLayout, profile: ModelProfile | None, config: StepConfi
     # slice's gradients are copied once from the summing buffers into memory of their own.
     resident_loads = sum(layout.tensor_bytes[j] + layout.device_bytes[j] for j in range(k))
     resident_reloads = sum(layout.tensor_bytes[j] + layout.device_bytes[j] for j in reloaded if j < k)
+    staged = config.shadows == "disk"
     return _Traffic(
         forward_loads=sum(layout.device_bytes[k:]),
         forward_offloads=boundaries,
@@ -221,6 +231,8 @@ def traffic(layout: SliceLayout, profile: ModelProfile | None, config: StepConfi
         disk_write=state_bytes + master_bytes + gradient_file_bytes,
         device_copies=resident_loads + resident_reloads + 2 * sum(layout.gradient_bytes[:k]),
         device_update=round(per_byte * sum(layout.gradient_bytes[:k])),
+        forward_staged=sum(layout.host_bytes[k:]) if staged else 0,
+        backward_staged=sum(layout.host_bytes[j] for j in reloaded if j >= k) if staged else 0,
     )
 
 
@@ -280,7 +292,8 @@ def estimate_step_time(layout: SliceLayout, profile: ModelProfile | None, config
     backward_copies = moved.device_copies - forward_copies
     forward_compute = forward_device + runs + forward_copies / device_copy
     backward_compute = backward_device + 2 * runs + backward_copies / device_copy
-    forward, backward, load, offload = _phases(moved, forward_compute, backward_compute, rates, on_gpu)
+    staging = _staging(moved, layout, rates)
+    forward, backward, load, offload = _phases(moved, forward_compute, backward_compute, rates, on_gpu, staging)
     update, disk_read, disk_write = _update(moved, rates)
     d2h = rates.device_to_host if on_gpu else None
     streamed = [0] * k + list(layout.gradient_bytes[k:])  # a resident slice has no host update
@@ -289,7 +302,7 @@ def estimate_step_time(layout: SliceLayout, profile: ModelProfile | None, config
     clip = _clip_seconds(layout, k, rates) if config.clips_gradients else 0.0
     return StepTime(compute=compute, forward_compute=forward_compute, backward_compute=backward_compute,
                     load=load, offload=offload, update=update, disk_read=disk_read, disk_write=disk_write,
-                    forward=forward, backward=backward, exposed_update=exposed,
+                    forward=forward, backward=backward, exposed_update=exposed, staging=sum(staging),
                     step=forward + backward + device_update + exposed + clip, device_update=device_update, clip=clip)
 
 
@@ -376,9 +389,28 @@ def exposed_in_backward(gradient_bytes: Sequence[int], backward: float, update: 
     return max(0.0, worker_free - backward - start - forward * first / n)
 
 
+def _staging(moved: _Traffic, layout: SliceLayout, rates: MachineRates) -> tuple[float, float]:
+    """Per phase, the seconds its loads take to read their masters from the disk and cast them
+    (``shadows="disk"``): on the thread that issues the loads, while the device computes the slice
+    before. Not modelled: the host update's own disk traffic, which overlaps the next forward,
+    sharing the disk."""
+    if not (moved.forward_staged or moved.backward_staged):
+        return 0.0, 0.0
+    if rates.disk_read is None:
+        raise ValueError(f"{rates.name}: no disk rates to time the loads' reads of the masters with; run "
+                         "`python -m offload calibrate --dir DIR` with DIR where the masters would live")
+    # The cast reads the masters in RAM and writes the shadow: the shadow's bytes over the host's
+    # memory bandwidth, on top of the masters' read from the disk.
+    ratio = sum(layout.device_bytes) / max(sum(layout.host_bytes), 1)
+    return tuple(b / rates.disk_read + (1 + ratio) * b / rates.host_memory  # type: ignore[return-value]
+                 for b in (moved.forward_staged, moved.backward_staged))
+
+
 def _phases(moved: _Traffic, forward_compute: float, backward_compute: float, rates: MachineRates,
-            overlaps: bool) -> tuple[float, float, float, float]:
-    """Forward and backward lengths, and the link's time each way."""
+            overlaps: bool, staging: tuple[float, float] = (0.0, 0.0)) -> tuple[float, float, float, float]:
+    """Forward and backward lengths, and the link's time each way; ``staging``: each phase's
+    loads' reads from the disk and casts, a slice ahead: they overlap the device's compute and
+    the copy of the slice cast before."""
     h2d, d2h = rates.host_to_device, rates.device_to_host
     if not overlaps:
         # A CPU "device": every copy is a copy in RAM, in the calling thread.
@@ -386,11 +418,11 @@ def _phases(moved: _Traffic, forward_compute: float, backward_compute: float, ra
     loads = (moved.forward_loads / h2d, moved.backward_loads / h2d)
     offloads = (moved.forward_offloads / d2h, moved.backward_offloads / d2h)
     if overlaps:
-        forward = max(forward_compute, loads[0], offloads[0]) + moved.first_load / h2d
-        backward = max(backward_compute, loads[1], offloads[1]) + moved.last_offload / d2h
+        forward = max(forward_compute, loads[0], staging[0], offloads[0]) + moved.first_load / h2d
+        backward = max(backward_compute, loads[1], staging[1], offloads[1]) + moved.last_offload / d2h
     else:
-        forward = forward_compute + loads[0] + offloads[0]
-        backward = backward_compute + loads[1] + offloads[1]
+        forward = forward_compute + loads[0] + offloads[0] + staging[0]
+        backward = backward_compute + loads[1] + offloads[1] + staging[1]
     return forward, backward, sum(loads), sum(offloads)
 
 

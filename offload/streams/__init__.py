@@ -7,6 +7,7 @@
 - ``flat_views``: alignment, dense strides and tensors over a flat byte buffer.
 - ``host_buffers``: pooled host buffers for gradients and activations.
 - ``device_slots``: the two device slots that slices take turns in.
+- ``shadow_staging``: the staging buffers loads cast into when the shadows are not kept (``shadows="disk"``).
 - ``activations``: boundary activations offloaded and loaded back.
 - ``saved_activations``: the tensors autograd saves in an offloaded slice, to the host and back.
 - ``layouts``: the strides and alignment every copy of an input or activation keeps.

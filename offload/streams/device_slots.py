@@ -37,6 +37,7 @@ from .backend import Event
 from .copies import CopyStreams
 from .host_buffers import HostBufferPool
 from .host_storage import SliceStorage, holder_of
+from .shadow_staging import ShadowStaging
 from .updates import SliceUpdates
 
 
@@ -110,8 +111,11 @@ class DeviceSlots:
     """
 
     def __init__(self, storages: Sequence[SliceStorage], copies: CopyStreams, updates: SliceUpdates,
-                 num_slots: int = 2, pool: HostBufferPool | None = None) -> None:
+                 num_slots: int = 2, pool: HostBufferPool | None = None,
+                 staging: ShadowStaging | None = None) -> None:
         self.storages = storages
+        # The buffers staged loads read (Note: [Shadows on disk] in shadow_staging.py).
+        self.staging = staging if staging is not None else ShadowStaging(copies.empty_host, 0)
         self.copies = copies
         self.updates = updates
         # Pinned buffers that write-backs into a file mapping go through (write_back_buffers).
@@ -165,7 +169,8 @@ class DeviceSlots:
                                   label=f"offload::load resident slice {index}")
             slot.ready = None
         else:
-            if storage.shadow_stale():
+            turn = self.staging.stage(storage, self.copies)
+            if storage.shadow_stale() and not storage.staged:
                 # Rule 4 of [Copy ordering]: an earlier load may still read the shadow.
                 self.copies.wait_host(storage.shadow_read)
                 storage.refresh_shadow()
@@ -173,6 +178,7 @@ class DeviceSlots:
                 slot.data[:storage.load_nbytes], storage.transfer_source(), after=(slot.free, slot.written_back),
                 label=f"offload::load slice {index}",
             )
+            self.staging.read_by(turn, slot.ready)
         if storage.shadow is not None:
             storage.shadow_read = slot.ready
         for entry in storage.borrowed:
@@ -208,7 +214,8 @@ class DeviceSlots:
             return slot.ready
         # Same as the holder's own load: its pending update first, then a current shadow.
         self.updates.wait(holder_index)
-        if holder.shadow_stale():
+        turn = self.staging.stage(holder, self.copies)
+        if holder.shadow_stale() and not holder.staged:
             self.copies.wait_host(holder.shadow_read)  # rule 4: an earlier load may still read it
             holder.refresh_shadow()
         source, dtype = holder.transfer_source_of(entry.tensor)
@@ -216,6 +223,7 @@ class DeviceSlots:
             slot.data[entry.device_offset:entry.device_offset + source.numel()], source,
             after=(slot.free, slot.written_back), label=f"offload::load slice {index} (tied from {holder_index})",
         )
+        self.staging.read_by(turn, ready)
         if holder.shadow is not None:
             holder.shadow_read = ready
         return ready

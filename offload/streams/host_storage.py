@@ -161,6 +161,8 @@ class SliceStorage:
             loads read it.
         gradient_home: makes the file that holds the slice's gradients beside masters on disk
             (Note: [Gradients on disk] in ``gradient_files.py``), given its parameters.
+        staged: with masters on disk, keep no shadow: each load casts the masters into a staging
+            buffer (Note: [Shadows on disk] in ``shadow_staging.py``).
 
     Raises:
         ValueError: for sparse tensors, a tensor registered both as parameter and as buffer, or
@@ -175,8 +177,10 @@ class SliceStorage:
     def __init__(self, layers: Sequence[nn.Module], allocate: Callable[[int], torch.Tensor],
                  compute_dtype: torch.dtype | None = None, held_elsewhere: Collection[int] = (),
                  allocate_masters: Callable[[int], MappedFile] | None = None,
-                 gradient_home: Callable[[list[Entry]], GradientHome | None] | None = None) -> None:
+                 gradient_home: Callable[[list[Entry]], GradientHome | None] | None = None,
+                 staged: bool = False) -> None:
         self.layers = list(layers)
+        self.stages_shadow = staged
         self.allocate = allocate
         self.allocate_masters = allocate_masters
         self.make_gradient_home = gradient_home
@@ -248,7 +252,10 @@ class SliceStorage:
         self.release_masters()  # what was copied in goes to disk
         self.gradient_home = (self.make_gradient_home(self.params) if self.masters_file is not None
                               and self.make_gradient_home is not None else None)
-        self.shadow = self.allocate(self.load_nbytes) if casts else None
+        #: whether loads cast the masters on disk into a staging buffer (Note: [Shadows on disk])
+        self.staged = casts and self.masters_file is not None and self.stages_shadow
+        self.shadow = self.allocate(self.load_nbytes) if casts and not self.staged else None
+        self._staged_source: torch.Tensor | None = None
         self._held_by_id = {id(entry.tensor): entry for entry in self.held}
         self._shadow_current = False
         self.shadow_refreshes = 0
@@ -256,20 +263,21 @@ class SliceStorage:
         self.shadow_read: Event | None = None
 
     def shadow_stale(self) -> bool:
-        """Whether the shadow must be refreshed before the next load."""
-        return self.shadow is not None and not self._shadow_current
+        """Whether the shadow must be refreshed (or, :attr:`staged`, staged) before the next load."""
+        return self.staged or (self.shadow is not None and not self._shadow_current)
 
-    def refresh_shadow(self) -> None:
-        """Cast the host copies into the shadow (the caller ensures no load still reads it); masters
-        on disk are read in first and dropped after (Note: [Masters on disk]).
+    def refresh_shadow(self, staging: torch.Tensor | None = None) -> None:
+        """Cast the host copies into the shadow, or (:attr:`staged`) the buffer ``staging`` the next load
+        copies, which no load still reads; masters on disk are read in first and dropped after.
 
         Raises:
             DiskTierError: masters on disk could not be read or written back.
         """
         if self.masters_file is not None:
             self._masters_io(functools.partial(self.masters_file.read_in, write=False))
-        self.write_shadow()
-        self._shadow_current = True
+        self._staged_source = None if staging is None else staging[:self.load_nbytes]
+        self.write_shadow(into=self._staged_source)
+        self._shadow_current = staging is None
         self.shadow_refreshes += 1
         self.release_masters()
 
@@ -292,11 +300,10 @@ class SliceStorage:
                 "write the kernel may drop the pages and read back what the file held before: fix the disk, then "
                 "reload the last checkpoint") from error
 
-    def write_shadow(self, written: Collection[int] = ()) -> None:
-        """Cast what the slice holds into the shadow, but for the host copies at the addresses
-        ``written`` (whose shadow the one-pass update wrote)."""
-        assert self.shadow is not None
-        _cast_into(self.shadow, self.flat, self.held, self.cast_runs, written)
+    def write_shadow(self, written: Collection[int] = (), into: torch.Tensor | None = None) -> None:
+        """Cast what the slice holds into the shadow (or ``into``), but for the host copies at the
+        addresses ``written`` (whose shadow the one-pass update wrote)."""
+        _cast_into(self.shadow if into is None else into, self.flat, self.held, self.cast_runs, written)
 
     def shadow_written(self) -> None:
         """The shadow was written from the current host copies (by a host update)."""
@@ -304,7 +311,9 @@ class SliceStorage:
         self.shadow_refreshes += 1
 
     def transfer_source(self) -> torch.Tensor:
-        """The bytes a load copies to a slot: the host buffer itself, or the shadow in the device dtypes."""
+        """The bytes a load copies to a slot: the host buffer, the shadow, or the staging buffer written last."""
+        if self.staged:
+            return self._staged_source if self._staged_source is not None else self.flat[:0]
         return self.flat if self.shadow is None else self.shadow
 
     def holds(self, tensor: torch.Tensor) -> bool:
@@ -315,7 +324,7 @@ class SliceStorage:
         shadow, and their dtype (for a slice that borrows it)."""
         entry = self._held_by_id[id(tensor)]
         nbytes = entry.shape.numel() * _itemsize(entry.device_dtype)
-        offset = entry.host_offset if self.shadow is None else entry.device_offset
+        offset = entry.host_offset if self.shadow is None and not self.staged else entry.device_offset
         return self.transfer_source()[offset:offset + nbytes], entry.device_dtype
 
     def expire_shadow(self) -> None:

@@ -8,7 +8,7 @@ What this file holds: :class:`MasterFiles`. What it does not: the mapping and it
 
 Note: [Masters on disk]
     Under a compute dtype, loads read a slice's *shadow* (its copy in that dtype, which stays in
-    RAM); the float32 masters are read only by the optimizer's update, by the cast that writes
+    RAM, unless ``shadows="disk"``: Note: [Shadows on disk] in ``offload/streams/shadow_staging.py``); the float32 masters are read only by the optimizer's update, by the cast that writes
     the shadow, and by whoever reads the parameters. So each slice's host buffer (masters and
     buffers) is a file mapping instead of RAM. Around the update of slice ``k``,
     :class:`MasterFiles` runs, on two host workers of the copy engine:

@@ -35,6 +35,7 @@ from ..streams import (
 from ..streams.pinned import size_class
 from ..streams.slice_entries import bind_device_weights
 from ..streams.resident_storage import ResidentStorage
+from ..streams.shadow_staging import ShadowStaging
 
 
 @dataclass
@@ -144,11 +145,13 @@ class Engine:
             or directory (Note: [Masters on disk] in ``offload/tiers/master_files.py``).
         resident_slices: how many of the first slices stay on the device (Note: [Resident slices]
             in ``offload/streams/resident_storage.py``).
+        shadows: ``"ram"``, or ``"disk"`` to keep no shadow per slice with the masters on disk
+            (Note: [Shadows on disk] in ``offload/streams/shadow_staging.py``).
     """
 
     def __init__(self, groups: Sequence[tuple[list[str], list[nn.Module]]], device: torch.device,
                  host_device: torch.device, compute_dtype: torch.dtype | None = None, masters: Any = None,
-                 resident_slices: int = 0) -> None:
+                 resident_slices: int = 0, shadows: str = "ram") -> None:
         self.device = device
         self.num_resident = resident_slices
         self.copies = CopyStreams(device)
@@ -168,12 +171,15 @@ class Engine:
             homes = (functools.partial(self.master_files.gradient_home, i) if self.master_files is not None
                      else None)  # Note: [Gradients on disk]
             storage = (ResidentStorage(layers, device, compute_dtype, held) if i < resident_slices
-                       else SliceStorage(layers, allocate, compute_dtype, held, allocate_masters, homes))
+                       else SliceStorage(layers, allocate, compute_dtype, held, allocate_masters, homes,
+                                         staged=shadows == "disk"))
             self.slices.append(Slice(i, names, layers, storage))
             held.update(id(e.tensor) for e in storage.held)
         _check_borrowed(self.slices)
         # Pinned buffers come in size classes: registering one costs driver and system calls.
         self.pool = HostBufferPool(allocate, size_class if self.pin else None)
+        self._allocate = allocate
+        self.staging: ShadowStaging | None = None  # set by _build_device_side
         #: the OffloadOptimizers stepping this model, for its memory footprint
         self.optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self.milestones = Milestones()
@@ -190,13 +196,23 @@ class Engine:
             self.updates.adopt(storages)
         else:
             self.updates = SliceUpdates(self.copies, storages)
+        self._size_staging(storages)
         if slots is not None and slots.slot_nbytes >= needed:
             # Keep the slots object: graphs still waiting for backward resolve their slot
             # references through it.
             slots.adopt(storages)
+            slots.staging = self.staging
         else:
-            self.slots = DeviceSlots(storages, self.copies, self.updates, pool=self.pool)
+            self.slots = DeviceSlots(storages, self.copies, self.updates, pool=self.pool, staging=self.staging)
         self.gradients = GradientOffloader(self.copies, self.pool)
+
+    def _size_staging(self, storages: Sequence[Any]) -> None:
+        """The staging window for the slices that stage their loads, as large as the largest one's
+        (Note: [Shadows on disk]); none when no slice stages."""
+        needed = max((st.load_nbytes for st in storages if getattr(st, "staged", False)), default=0)
+        if self.staging is None or self.staging.buffer_nbytes < needed or not needed:
+            # Between walks (refresh runs before a forward): no load reads the old buffers.
+            self.staging = ShadowStaging(self._allocate, needed)
 
     @property
     def num_slices(self) -> int:
