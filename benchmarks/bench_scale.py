@@ -176,6 +176,9 @@ def main() -> None:
                         help="dtype of the device copies (bfloat16: a shadow in RAM that loads read)")
     parser.add_argument("--masters-on-disk", action="store_true",
                         help="keep the float32 masters in files too (needs --compute-dtype bfloat16)")
+    parser.add_argument("--shadows-on-disk", action="store_true",
+                        help="keep no bfloat16 shadow in RAM: each load casts the masters on disk into a staging "
+                             "buffer (needs --masters-on-disk)")
     parser.add_argument("--resume-check", action="store_true",
                         help="save a checkpoint before the last step, then build the model again, load it, run the "
                              "last step again and compare its loss and the parameters after it, bit for bit")
@@ -191,6 +194,8 @@ def main() -> None:
         parser.error("--resume-check builds the model again from the checkpoint: it cannot go with --drop-checkpoint")
     if args.masters_on_disk and args.compute_dtype == "float32":
         parser.error("--masters-on-disk needs --compute-dtype bfloat16")
+    if args.shadows_on_disk and not args.masters_on_disk:
+        parser.error("--shadows-on-disk needs --masters-on-disk")
     compute_dtype = torch.bfloat16 if args.compute_dtype == "bfloat16" else None
     torch.manual_seed(0)
 
@@ -209,7 +214,8 @@ def main() -> None:
         def load(drop: bool = False) -> tuple[offload.OffloadModel, OffloadOptimizer]:
             model = offload.load_sequential(lambda: build(args.width, args.layers), work / "checkpoint",
                                             device=args.device, num_slices=args.slices, compute_dtype=compute_dtype,
-                                            masters=DiskTier(work / "masters") if args.masters_on_disk else None)
+                                            masters=DiskTier(work / "masters") if args.masters_on_disk else None,
+                                            shadows="disk" if args.shadows_on_disk else "ram")
             if drop:  # before the optimizer's tier checks its room
                 shutil.rmtree(work / "checkpoint")
             return model, OffloadOptimizer(model, torch.optim.AdamW, lr=1e-4, fused=True,
@@ -271,7 +277,8 @@ def main() -> None:
             estimate = offload.estimate_memory(build_meta(args.width, args.layers), num_slices=args.slices,
                                                compute_dtype=compute_dtype, optimizer="adamw",
                                                optimizer_state="disk",
-                                               masters="disk" if args.masters_on_disk else "ram", device=args.device)
+                                               masters="disk" if args.masters_on_disk else "ram",
+                                               shadows="disk" if args.shadows_on_disk else "ram", device=args.device)
             if args.resume_check:
                 resume.update(loss=steps[-1]["loss"], checksum=checksum(model))
                 # The last loss holds its graph, which holds the model (as in PyTorch: leaves stay
