@@ -597,6 +597,40 @@ def test_ctrl_c_ends_with_the_last_checkpoint_and_the_command_that_resumes(tmp_p
                        f"--steps 100000 --save-every 1 --keep-checkpoints 2 --resume {checkpoint}")
 
 
+def test_a_kill_mid_step_with_everything_on_disk_resumes_bit_for_bit(tmp_path, capsys):
+    """SIGKILL in the middle of training with the optimizer state, the masters, their gradients and
+    the shadows off RAM: the last checkpoint is whole, and resuming from it ends with the weights of
+    the run that was never killed, bit for bit."""
+    flags = [*TINY_RUN, "--steps", "4", "--save-every", "1", "--compute-dtype", "bf16", "--masters-on-disk",
+             "--shadows-on-disk"]
+    code, _, err = run_cli("--out", str(tmp_path / "whole"), "--disk-tier", str(tmp_path / "tier-whole"), *flags,
+                           tmp_path=tmp_path, capsys=capsys)
+    assert code == 0, err[-3000:]
+    killed = ["--out", str(tmp_path / "killed"), "--disk-tier", str(tmp_path / "tier-killed"), *flags]
+    process = subprocess.Popen([sys.executable, "scripts/finetune_causal_lm.py", "--device", "cpu", "--no-progress",
+                                *killed], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        for line in process.stdout:
+            if line.startswith("step 2/"):  # step 3 is under way: its update, the next loads
+                break
+        process.send_signal(signal.SIGKILL)
+        process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == -signal.SIGKILL
+    assert not (tmp_path / "killed" / "model.safetensors.index.json").exists()  # it never finished
+    code, out, err = run_cli(*killed, "--resume", "latest", tmp_path=tmp_path, capsys=capsys)
+    assert code == 0 and "step 4/4" in out, err[-3000:]
+    from safetensors.torch import load_file
+
+    whole, resumed = ({name: tensor for shard in sorted((tmp_path / run).glob("model-*.safetensors"))
+                       for name, tensor in load_file(shard).items()} for run in ("whole", "killed"))
+    assert whole.keys() == resumed.keys() and len(whole) > 3
+    for name, tensor in whole.items():
+        assert torch.equal(tensor, resumed[name]), name
+
+
 def test_lora_adapter_records_the_base_as_an_absolute_path(tmp_path, capsys, monkeypatch):
     peft = pytest.importorskip("peft")
     torch.manual_seed(0)
