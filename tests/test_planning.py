@@ -708,3 +708,25 @@ def test_plan_prints_the_resident_slices_in_the_calls_and_the_flags():
                                                                               "3"]):
         with pytest.raises(SystemExit):
             parse_args(["--preset", "mlp", "--gpu", "h100-sxm", *bad])
+
+
+def test_a_pinned_memory_limit_rules_out_what_pins_more():
+    """``--pinned-memory``: a configuration that pins more host memory than the platform allows does
+    not fit, and when only that is short the answer says how much it needs; the chosen one's pinned
+    bytes are printed."""
+    free = _mlp_plan()
+    pinned = free["chosen"]["pinned_bytes"]
+    assert pinned > 0 and free["limits"]["pinned_memory"] is None
+    enough = _mlp_plan("--pinned-memory", f"{pinned / 2**30 * 1.01:.4f}")
+    assert enough["chosen"] is not None and enough["chosen"]["pinned_bytes"] <= enough["limits"]["pinned_memory"]
+    least = min(c["pinned_bytes"] for c in free["candidates"] if c["fits"])
+    args = ("plan", "--preset", "mlp", "--set", "width=2048", "depth=8", "--gpu", "h100-sxm", "--host-memory", "8",
+            "--batch-size", "4096", "--compute-dtype", "none", "--microbatches", "1", "--num-slices", "8",
+            "--resident-slices", "0", "--pinned-memory", f"{least / 2**30 * 0.9:.4f}")
+    done = _offload(*args, "--json", check=False)
+    short = json.loads(done.stdout)
+    assert done.returncode == 1 and short["chosen"] is None
+    assert all("pinned" in c["over"] for c in short["candidates"])
+    assert "of pinned host memory at the least; the platform pins" in _offload(*args, check=False).stdout
+    assert "pinned host memory: " in _offload(*args[:-2]).stdout
+    assert _offload("plan", "--preset", "mlp", "--gpu", "h100-sxm", "--pinned-memory", "0", check=False).returncode == 2

@@ -68,6 +68,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     machine.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="the compute device")
     machine.add_argument("--device-memory", type=float, metavar="GiB", help="device memory (default: from the rates)")
     machine.add_argument("--host-memory", type=float, metavar="GiB", help="host RAM to use (default: available now)")
+    machine.add_argument("--pinned-memory", type=float, metavar="GiB",
+                         help="the most host memory the platform lets the GPU driver pin, where it is below the RAM "
+                              "(WSL2, some containers); ulimit -l does not limit it (default: no limit of its own)")
     machine.add_argument("--disk-dir", metavar="DIR", help="where a disk tier may live (default: no disk tier)")
     machine.add_argument("--disk", type=float, metavar="GiB", help="disk space there (default: free space now)")
     fixed = parser.add_argument_group("keep fixed (default: the planner chooses)")
@@ -155,7 +158,7 @@ def check_step_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 
 def check_machine_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """The machine's flags: sizes above 0, and paths that are what they name."""
-    for name in ("device_memory", "host_memory", "disk"):
+    for name in ("device_memory", "host_memory", "disk", "pinned_memory"):
         value = getattr(args, name)
         if value is not None and not value > 0:
             parser.error(f"--{name.replace('_', '-')} must be a positive number of GiB, got {value:g}")
@@ -213,8 +216,9 @@ def machine_limits(args: argparse.Namespace, rates: MachineRates) -> Limits:
     disk = None
     if args.disk_dir is not None:
         disk = args.disk * GIB if args.disk is not None else shutil.disk_usage(_existing(Path(args.disk_dir))).free
+    pinned = None if args.pinned_memory is None else int(args.pinned_memory * GIB)
     return Limits(device_memory=None if device is None else int(device), host_memory=int(host),
-                  disk=None if disk is None else int(disk), disk_dir=args.disk_dir)
+                  disk=None if disk is None else int(disk), disk_dir=args.disk_dir, pinned_memory=pinned)
 
 
 def _existing(path: Path) -> Path:
@@ -367,7 +371,8 @@ def table(candidates: list[Candidate], own: str = "float32") -> str:
 def report(plan: Plan, work: Workload, rates: MachineRates, limits: Limits, args: argparse.Namespace,
            alternatives: Sequence[Alternative] = ()) -> str:
     limit = ", ".join(f"{name} {_gib(value) if value is not None else 'no limit'}" for name, value in
-                      (("device", limits.device_memory), ("host", limits.host_memory), ("disk", limits.disk)))
+                      (("device", limits.device_memory), ("host", limits.host_memory), ("disk", limits.disk))
+                      + ((("pinned", limits.pinned_memory),) if limits.pinned_memory is not None else ()))
     lines = [f"model: {work.parameters / 1e9:.3f} B parameters, {len(work.layers)} layers, batch {work.batch_size}"]
     own = "float32"
     if work.four_bit is not None:
@@ -396,6 +401,10 @@ def report(plan: Plan, work: Workload, rates: MachineRates, limits: Limits, args
                  + f"; resident slices' update on the device {_seconds(t.device_update)}"
                  + (f"; clipping the gradients on the host {_seconds(t.clip)}" if t.clip else "")
                  + f"; efficiency {t.efficiency:.2f}")
+    if plan.chosen.memory.pinned_bytes:
+        lines.append(f"pinned host memory: {_gib(plan.chosen.memory.pinned_bytes)} of the host's "
+                     f"{_gib(plan.chosen.host_need)} (WSL2 and some containers pin less than their RAM: "
+                     f"--pinned-memory)")
     if plan.chosen.config.schedule == "in-backward":
         lines.append("update_in_backward: nothing may change the gradients between backward and step() (no "
                      "clip_grad_norm_, no GradScaler); if the training clips them, plan with --max-grad-norm")
@@ -414,7 +423,7 @@ def as_json(plan: Plan, work: Workload, rates: MachineRates, limits: Limits, arg
         "four_bit": None if work.four_bit is None else work.four_bit.to_json(),
         "rates": rates.to_json(),
         "limits": {"device_memory": limits.device_memory, "host_memory": limits.host_memory, "disk": limits.disk,
-                   "disk_dir": limits.disk_dir},
+                   "disk_dir": limits.disk_dir, "pinned_memory": limits.pinned_memory},
         "chosen": None if chosen is None else _row(chosen) | {
             "time": chosen.time.to_json(), "memory": chosen.memory.host_categories() | {
                 f"device_{k}": v for k, v in chosen.memory.device_categories().items()},

@@ -49,12 +49,15 @@ CHOSEN_SCHEDULES = ("overlapped", "in-backward")
 
 @dataclass(frozen=True)
 class Limits:
-    """The machine: bytes of device memory, host RAM and free disk (``None``: no limit)."""
+    """The machine: bytes of device memory, host RAM and free disk, and the most host memory the
+    platform lets the driver pin (WSL2 and some containers cap it below the RAM); ``None``: no
+    limit."""
 
     device_memory: int | None
     host_memory: int | None
     disk: int | None = None
     disk_dir: str | None = None
+    pinned_memory: int | None = None
 
 
 @dataclass(frozen=True)
@@ -224,6 +227,8 @@ def _over(memory: MemoryFootprint, limits: Limits, device: str) -> dict[str, int
         over["host"] = host_need
     if memory.disk and limits.disk is not None and memory.disk > limits.disk:
         over["disk"] = memory.disk
+    if limits.pinned_memory is not None and memory.pinned_bytes > limits.pinned_memory:
+        over["pinned"] = memory.pinned_bytes
     return over
 
 
@@ -265,6 +270,11 @@ def missing(candidates: Sequence[Candidate], limits: Limits) -> str:
     fits the device needs, in RAM and with the disk tier; or the least device memory. The
     figures include the margins (:data:`DEVICE_MARGIN`, :data:`HOST_MARGIN`)."""
     needs = least_needs(candidates, limits)
+    unpinned = [c for c in candidates if set(c.over) == {"pinned"}]
+    if unpinned:  # everything else fits: the pinned memory alone is short
+        least = min(unpinned, key=lambda c: c.memory.pinned_bytes)
+        return (f"needs {gib(least.memory.pinned_bytes)} of pinned host memory at the least; the platform pins "
+                f"{gib(limits.pinned_memory or 0, up=False)} (--pinned-memory)")
     if needs.host_memory is None and needs.tiered_host_memory is None:
         config = needs.least_device.config
         return (f"needs {gib(needs.device_memory)} of device memory at the least "
