@@ -16,7 +16,9 @@ With ``--lora-r R`` each method goes on as ``offload-finetune --load-in-4bit --l
 LoRA adapters of rank R on every linear layer (``peft.get_peft_model``), an ``OffloadModel``
 (``load_causal_lm``'s own, laid out again with the adapters; ``from_pretrained``'s built around the
 PEFT model), and one forward and backward of a 2 x 16-token batch, so the peak counts the
-adapters, the second layout and a step's activations.
+adapters, the second layout and a step's activations. ``--forward-only`` runs a forward without
+gradients instead, with or without ``--lora-r`` (without it, ``from_pretrained``'s model is
+wrapped as it is): the two side by side give what the adapters and the second layout add.
 
 The target (issue 42): the peak within 1.2 x the quantised model's bytes (its host copies: codes,
 state and the bfloat16 rest) + one slice in bfloat16.
@@ -25,6 +27,7 @@ Usage::
 
     python benchmarks/bench_qlora_loading.py --dir /tmp/qlora_load --json benchmarks/results/qlora_loading_cpu_DATE.json
         [--layers 8] [--hidden 2048] [--intermediate 5632] [--vocab 32000] [--num-slices 8]
+        [--lora-r R] [--forward-only]
 """
 
 from __future__ import annotations
@@ -104,7 +107,7 @@ def with_lora(hf, rank: int):
     return peft.get_peft_model(hf, config)
 
 
-def child(method: str, path: Path, num_slices: int, lora_r: int = 0) -> dict:
+def child(method: str, path: Path, num_slices: int, lora_r: int = 0, forward_only: bool = False) -> dict:
     """Load in this process; the peak resident growth and what the loaded model holds."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -126,15 +129,19 @@ def child(method: str, path: Path, num_slices: int, lora_r: int = 0) -> dict:
     else:
         hf = transformers.AutoModelForCausalLM.from_pretrained(path, quantization_config=config,
                                                                dtype=torch.bfloat16, device_map="cpu")
-    if lora_r:
+    if lora_r or forward_only:
         from offload import OffloadModel
         from offload.integrations.transformers import causal_lm_sequential
 
-        peft_model = with_lora(hf, lora_r)
+        trained = with_lora(hf, lora_r) if lora_r else hf
         if method != "load_causal_lm":
-            model = OffloadModel(causal_lm_sequential(peft_model), device="cpu", num_slices=num_slices)
+            model = OffloadModel(causal_lm_sequential(trained), device="cpu", num_slices=num_slices)
         batch = torch.randint(0, hf.config.vocab_size, (2, 16))
-        model({"input_ids": batch}).float().sum().backward()
+        if forward_only:
+            with torch.no_grad():
+                model({"input_ids": batch})
+        else:
+            model({"input_ids": batch}).float().sum().backward()
     seconds = time.perf_counter() - start
     peak, after = _status_kib("VmHWM"), _status_kib("VmRSS")
 
@@ -149,8 +156,8 @@ def child(method: str, path: Path, num_slices: int, lora_r: int = 0) -> dict:
     if lora_r:
         result["trainable_parameters"] = sum(p.numel() for p in hf.parameters() if p.requires_grad)
     if method == "load_causal_lm":
-        slices = [sum(unquantized_shape(p).numel() * 2 for p in model._modules[name].parameters()
-                      if not p.requires_grad)  # the base's, not the adapters'
+        slices = [sum(unquantized_shape(p).numel() * 2 for n, p in model._modules[name].named_parameters()
+                      if "lora_" not in n)  # the base's, not the adapters'
                   for names in model.partition for name in names]
         result["largest_slice_bf16_bytes"] = max(slices)
         result["memory_footprint_host_copies"] = model.memory_footprint().host_copies
@@ -159,7 +166,8 @@ def child(method: str, path: Path, num_slices: int, lora_r: int = 0) -> dict:
 
 def run_child(method: str, args: argparse.Namespace) -> dict:
     done = subprocess.run([sys.executable, __file__, "--child", method, "--dir", str(args.dir),
-                           "--num-slices", str(args.num_slices), "--lora-r", str(args.lora_r)],
+                           "--num-slices", str(args.num_slices), "--lora-r", str(args.lora_r),
+                           *(["--forward-only"] if args.forward_only else [])],
                           cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     if done.returncode != 0:
         raise SystemExit(f"{method} failed:\n{done.stderr[-3000:]}")
@@ -177,10 +185,12 @@ def main() -> None:
     parser.add_argument("--num-slices", type=int, default=8)
     parser.add_argument("--skip-from-pretrained", action="store_true")
     parser.add_argument("--lora-r", type=int, default=0, help="go on as offload-finetune --lora-r R does")
+    parser.add_argument("--forward-only", action="store_true",
+                        help="after loading (and --lora-r's adapters), a forward without gradients, not a step")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.dir, args.num_slices, args.lora_r)))
+        print(json.dumps(child(args.child, args.dir, args.num_slices, args.lora_r, args.forward_only)))
         return
     checkpoint = write_checkpoint(args.dir, args)
     results = {}
@@ -194,7 +204,8 @@ def main() -> None:
     record = {"benchmark": "bench_qlora_loading", "date": datetime.date.today().isoformat(),
               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
               "command": " ".join([Path(sys.executable).name, *sys.argv]), "checkpoint": checkpoint,
-              "num_slices": args.num_slices, "lora_r": args.lora_r, "results": results}
+              "num_slices": args.num_slices, "lora_r": args.lora_r, "forward_only": args.forward_only,
+              "results": results}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(record, indent=2) + "\n")

@@ -71,6 +71,11 @@ def adopt_meta(entry: Entry, host: torch.Tensor) -> None:
     if isinstance(tensor, nn.Parameter):
         # Of the parameter's own class: a bitsandbytes Params4bit stays one (Note: [Quantized weights]).
         host = torch.Tensor._make_subclass(type(tensor), host, tensor.requires_grad)
+    else:
+        # Not a view: the swap would make the tensor one, and a later layout's ``.data`` keeps a
+        # view's base, which holds this host buffer alive beside the new one (the quantisation
+        # state's tensors and the buffers of every slice laid out again).
+        host = host.detach().requires_grad_(tensor.requires_grad)
     host.__dict__.update(tensor.__dict__)
     torch.utils.swap_tensors(tensor, host)
 
