@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -275,3 +276,17 @@ def test_the_planner_keeps_the_shadows_off_ram_only_where_they_do_not_fit(tmp_pa
     assert 'shadows="disk"' in chosen["32"]["code"] and "--shadows-on-disk" in chosen["32"]["finetune"]
     # Their cost is in the step: the loads' reads of the masters from the disk.
     assert chosen["32"]["time"]["staging"] > 0 and chosen["32"]["step_s"] > chosen["40"]["step_s"]
+
+
+def test_the_planned_update_writes_no_shadow():
+    """With the shadows on disk the host update writes only the masters: the planner's update bytes
+    leave the shadow out (2 bytes a parameter under bfloat16), and no separate shadow pass."""
+    from offload.planning.planner import slice_layout
+    from offload.planning.timing import StepConfig, traffic
+
+    layout = slice_layout([1_000_000] * 8, num_slices=4, compute_dtype=torch.bfloat16)
+    config = StepConfig(num_slices=4, compute_dtype=torch.bfloat16, optimizer_state="disk", masters="disk")
+    in_ram, on_disk = (traffic(layout, None, replace(config, shadows=place)) for place in ("ram", "disk"))
+    streamed = sum(layout.trainable_counts)
+    assert on_disk.shadow == 0
+    assert in_ram.update + in_ram.shadow - on_disk.update == 2 * streamed

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -207,14 +207,18 @@ def traffic(layout: SliceLayout, profile: ModelProfile | None, config: StepConfi
     gradient_file_bytes = sum(streamed_grads) if config.masters == "disk" else 0
     # The host bytes per float32 parameter (host_bytes.py); other dtypes scale with their size. A
     # resident slice's update on the device writes no shadow.
-    host = host_bytes_per_step(1, compute_dtype=config.compute_dtype, optimizer=optimizer)
+    staged = config.shadows == "disk"
+    # With the shadows on disk no update writes one: the loads cast the masters (Note: [Shadows on disk]).
+    host = host_bytes_per_step(1, compute_dtype=config.compute_dtype, optimizer=optimizer,
+                               shadow_in_update=False if staged else None)
+    if staged:
+        host = replace(host, shadow=0)
     per_byte = host_bytes_per_step(1, optimizer=optimizer).update / 4
     reloaded = range(max(n - 2, 0))  # the backward's loads: all but the two slices left in the slots
     # A resident slot copy reads the parameters (their own dtype) and writes the slot; a resident
     # slice's gradients are copied once from the summing buffers into memory of their own.
     resident_loads = sum(layout.tensor_bytes[j] + layout.device_bytes[j] for j in range(k))
     resident_reloads = sum(layout.tensor_bytes[j] + layout.device_bytes[j] for j in reloaded if j < k)
-    staged = config.shadows == "disk"
     return _Traffic(
         forward_loads=sum(layout.device_bytes[k:]),
         forward_offloads=boundaries,
