@@ -20,7 +20,8 @@ import torch
 from offload import OffloadModel, OffloadOptimizer
 from offload.model import engine_of
 
-from .helpers import DEVICES
+from .helpers import DEVICES, assert_same_grads
+from .test_mixed_precision import master_grads_of
 from .test_peft import assert_same_step, labels_of, lora, offloaded_step, reference_step, trainable
 from .test_transformers import EXACT, ROOT, batch, build
 
@@ -127,6 +128,29 @@ def test_lora_over_8bit_with_microbatches_and_on_the_device(num_microbatches, de
     for name, p in peft_model.named_parameters():
         if p.requires_grad:
             torch.testing.assert_close(p.grad.to(device), grads[name], **EXACT, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("placement", ["compute_dtype", "resident_slices"])
+def test_lora_over_8bit_under_a_compute_dtype_and_in_resident_slices(placement):
+    peft_model = lora(eight_bit(build("llama", dropout=0.0, layers=2)), lora_dropout=0.0)
+    reference = copy.deepcopy(peft_model)
+    if placement == "compute_dtype":  # as OffloadModel computes: the floating-point parameters in bfloat16
+        for p in reference.parameters():
+            if p.is_floating_point():
+                p.data = p.data.to(torch.bfloat16)
+        settings = {"compute_dtype": torch.bfloat16}
+    else:  # the first two slices (embeddings, first decoder layer) stay on the device with their scales
+        settings = {"resident_slices": 2}
+    model = OffloadModel(causal_lm_sequential(peft_model), device="cpu", num_slices=3, **settings)
+    runs = reading_from_the_slots(model, peft_model)
+    inputs = batch()
+    labels = labels_of(inputs)
+    want_logits, want_loss = reference_step(reference, inputs, labels, 0)
+    got_logits, got_loss = offloaded_step(peft_model.get_base_model(), model, inputs, labels, 0)
+    torch.testing.assert_close(got_logits, want_logits, **EXACT)
+    torch.testing.assert_close(got_loss, want_loss, **EXACT)
+    assert_same_grads(peft_model, master_grads_of(reference), **EXACT)
+    assert len(runs) == 7 * 2 * 2
 
 
 def test_lora_over_8bit_forward_in_eval():
@@ -255,3 +279,28 @@ def test_bench_qlora_records_the_bytes_of_an_8bit_base(tmp_path):
     assert 1.0 < plain["eight_bit_bytes_per_parameter"] <= 1 + 4 / 128
     host_copies = plain["memory_footprint"]["host_copies"]
     assert plain["eight_bit_bytes_in_host_buffers"] == plain["eight_bit_bytes"] < host_copies
+
+
+def test_the_adapters_save_as_peft_saves_them_and_load_on_the_unwrapped_8bit_model(tmp_path):
+    build("llama", dropout=0.0, layers=2).save_pretrained(tmp_path / "base")
+    peft_model = lora(load_8bit(tmp_path / "base"), init_lora_weights=True)
+    model = OffloadModel(causal_lm_sequential(peft_model), device="cpu", num_slices=3)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
+    for step in range(2):
+        offloaded_step(peft_model.get_base_model(), model, batch(), labels_of(batch()), step)
+        optimizer.step()
+        optimizer.zero_grad()
+    optimizer.synchronize()
+    peft_model.save_pretrained(tmp_path / "adapter")
+    loaded = peft.PeftModel.from_pretrained(load_8bit(tmp_path / "base"), tmp_path / "adapter")
+    trained = {n: p for n, p in peft_model.named_parameters() if "lora_" in n}
+    assert trained and all(p.abs().sum() > 0 for n, p in trained.items() if "lora_B" in n)
+    got = dict(loaded.named_parameters())
+    for name, p in trained.items():
+        torch.testing.assert_close(got[name], p, **EXACT)
+    for m in (peft_model, loaded):
+        m.eval()
+    with torch.no_grad():  # the loaded adapters, unwrapped and offloaded, and the trained model unwrapped
+        want = loaded(**batch(), use_cache=False).logits
+        torch.testing.assert_close(model(batch()), want, **EXACT)
+        torch.testing.assert_close(peft_model(**batch(), use_cache=False).logits, want, **EXACT)
