@@ -14,10 +14,15 @@ Two settings of ``OffloadModel``: no ``compute_dtype`` (the base computes in its
 ``compute_dtype=torch.bfloat16``, under which every slice with a float32 adapter gets a shadow of
 the whole slice, 4-bit codes included.
 
+``--bits 8`` builds bitsandbytes' 8-bit ``Linear8bitLt`` layers (LLM.int8(), ``load_in_8bit``)
+instead: int8 codes and one float32 scale a row; its keys say ``eight_bit`` where they say
+``four_bit`` for 4 bits.
+
 Usage::
 
     python benchmarks/bench_qlora.py --json benchmarks/results/qlora_bytes_cpu.json
     python benchmarks/bench_qlora.py --hidden 2048 --layers 4 --no-double-quant
+    python benchmarks/bench_qlora.py --bits 8 --json benchmarks/results/int8_bytes_cpu.json
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--bits", type=int, default=4, choices=[4, 8])
     parser.add_argument("--quant-type", default="nf4", choices=["nf4", "fp4"])
     parser.add_argument("--no-double-quant", action="store_true")
     parser.add_argument("--lora-r", type=int, default=16)
@@ -52,8 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build(args: argparse.Namespace) -> torch.nn.Module:
-    """The Llama in bfloat16 with its linear layers (not the head) in 4 bits, as users of the module
-    classes build it."""
+    """The Llama in bfloat16 with its linear layers (not the head) in 4 or 8 bits, as users of the
+    module classes build it."""
     import bitsandbytes as bnb
     import transformers
 
@@ -69,6 +75,12 @@ def build(args: argparse.Namespace) -> torch.nn.Module:
         for name, child in list(module.named_children()):
             if type(child) is not torch.nn.Linear or name == "lm_head":
                 continue
+            if args.bits == 8:
+                layer = bnb.nn.Linear8bitLt(child.in_features, child.out_features, bias=child.bias is not None,
+                                            has_fp16_weights=False)
+                layer.load_state_dict(child.state_dict())
+                setattr(module, name, layer.to("cpu"))  # quantized here
+                continue
             layer = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
                                       compute_dtype=torch.bfloat16, compress_statistics=double,
                                       quant_type=args.quant_type)
@@ -79,12 +91,16 @@ def build(args: argparse.Namespace) -> torch.nn.Module:
 
 
 def four_bit_tensors(model: torch.nn.Module) -> tuple[int, list[torch.Tensor]]:
-    """The parameters the 4-bit weights stand for, and their codes and state tensors."""
+    """The parameters the 4-bit (or 8-bit) weights stand for, and their codes and state tensors."""
     import bitsandbytes as bnb
 
     parameters, tensors = 0, []
     for module in model.modules():
-        if isinstance(module, bnb.nn.Linear4bit):
+        if isinstance(module, bnb.nn.Linear8bitLt):
+            parameters += module.weight.numel()
+            scales = module.weight.SCB if module.weight.SCB is not None else module.state.SCB
+            tensors += [module.weight, scales]
+        elif isinstance(module, bnb.nn.Linear4bit):
             state = module.weight.quant_state
             parameters += state.shape.numel()
             tensors += [module.weight, state.absmax, state.code]
@@ -127,16 +143,17 @@ def measure(args: argparse.Namespace, compute_dtype: torch.dtype | None) -> dict
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     footprint = model.memory_footprint()
-    frozen = [p for p in params if p.dtype != torch.uint8 and not p.requires_grad]  # not 4-bit
+    frozen = [p for p in params if p.dtype not in (torch.uint8, torch.int8) and not p.requires_grad]  # not quantized
     base_parameters = four_bit_parameters + sum(p.numel() for p in frozen)
     host = footprint.host_copies + footprint.host_shadows
+    kind = "four_bit" if args.bits == 4 else "eight_bit"
     return {
         "base_parameters": base_parameters,
-        "four_bit_parameters": four_bit_parameters,
+        f"{kind}_parameters": four_bit_parameters,
         "trainable_parameters": sum(p.numel() for p in trainable),
-        "four_bit_bytes": four_bit_stored,
-        "four_bit_bytes_per_parameter": four_bit_stored / four_bit_parameters,
-        "four_bit_bytes_in_host_buffers": in_host_buffers(model, four_bit),
+        f"{kind}_bytes": four_bit_stored,
+        f"{kind}_bytes_per_parameter": four_bit_stored / four_bit_parameters,
+        f"{kind}_bytes_in_host_buffers": in_host_buffers(model, four_bit),
         "memory_footprint": {key: getattr(footprint, key) for key in
                              ("host_copies", "host_shadows", "host_optimizer_state", "host_pool", "device_slots")},
         # Adapters (float32) included: what the slices' host buffers and shadows hold, per base parameter.
@@ -164,8 +181,9 @@ def main(argv: list[str] | None = None) -> None:
     for mode, dtype in (("no_compute_dtype", None), ("compute_dtype_bf16", torch.bfloat16)):
         r = results[mode] = measure(args, dtype)
         f = r["memory_footprint"]
-        print(f"{mode:>19}: 4-bit layers {r['four_bit_parameters'] / 1e6:.1f} M params in "
-              f"{r['four_bit_bytes'] / 2**20:.1f} MiB ({r['four_bit_bytes_per_parameter']:.4f} B/param) | base "
+        kind = "four_bit" if args.bits == 4 else "eight_bit"
+        print(f"{mode:>19}: {args.bits}-bit layers {r[f'{kind}_parameters'] / 1e6:.1f} M params in "
+              f"{r[f'{kind}_bytes'] / 2**20:.1f} MiB ({r[f'{kind}_bytes_per_parameter']:.4f} B/param) | base "
               f"{r['base_parameters'] / 1e6:.1f} M params | host copies {f['host_copies'] / 2**20:.1f} MiB, shadows "
               f"{f['host_shadows'] / 2**20:.1f} MiB ({r['host_copies_and_shadows_per_base_parameter']:.3f} B/param, "
               f"adapters included) | adapters {r['trainable_parameters'] / 1e6:.2f} M, AdamW "

@@ -251,10 +251,10 @@ def _kept_entry_tensors(engine: Engine, index: int, record: KeptGraph | Offloade
             if entry.companions and leaf.data_ptr() != view.data_ptr():
                 # Rule 5 of Note: [Quantized weights] in offload/streams/quantized.py.
                 raise RuntimeError(
-                    f"slice {index} holds a 4-bit weight and its graph was kept from forward, but the slice is in "
-                    "another device slot now (a second forward ran before this backward): bitsandbytes keeps the "
+                    f"slice {index} holds a quantized weight and its graph was kept from forward, but the slice is "
+                    "in another device slot now (a second forward ran before this backward): bitsandbytes keeps the "
                     "weight on its autograd context, out of OffloadModel's reach. Run backward before the next "
-                    "forward, or put the last layer with a 4-bit weight before the last slice")
+                    "forward, or put the last layer with a quantized weight before the last slice")
             leaf.data = view  # same leaf (the graph's), current memory
             tensors.append(leaf)
         else:

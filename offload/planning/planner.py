@@ -360,6 +360,8 @@ def _layers(layers: nn.Module | Sequence[int], param_dtype: torch.dtype) -> list
         for layer in layers.children() if len(list(layers.children())) else [layers]:
             seen: set[int] = set()
             tensors = []
+            # An 8-bit weight that ran keeps its row scales on its layer (Note: [Quantized weights]).
+            owners = {id(p): m for m in layer.modules() for p in m._parameters.values() if p is not None}
             for is_parameter, source in ((True, layer.parameters()), (False, layer.buffers())):
                 for t in source:
                     if id(t) not in seen:
@@ -367,7 +369,8 @@ def _layers(layers: nn.Module | Sequence[int], param_dtype: torch.dtype) -> list
                         tensors.append(_Tensor(t.numel(), t.dtype, is_parameter,
                                                trainable=is_parameter and t.requires_grad))
                         tensors += [_Tensor(c.numel(), c.dtype, False, trainable=False, companion=True)
-                                    for _, c in state_tensors(t, f"a parameter of {type(layer).__name__}")]
+                                    for _, c in state_tensors(t, f"a parameter of {type(layer).__name__}",
+                                                                      owners.get(id(t)))]
             result.append(tensors)
         return result
     if not isinstance(layers, Sequence) or isinstance(layers, str):

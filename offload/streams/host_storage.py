@@ -33,7 +33,8 @@ from .disk import DiskTierError
 from .flat_views import _itemsize, alias, flat_exporter, own_storage_view, typed_view
 from .gradient_files import GradientHome
 from .mapped import MappedFile
-from .slice_entries import Entry, RegisteredTensors, _runs, collect_entries, companions_of, states_replaced
+from .slice_entries import (Entry, RegisteredTensors, _runs, collect_entries, companions_of, settle_8bit_layers,
+                            states_replaced)
 from .slice_layout import lay_out
 
 #: True while a loader builds slices whose tensors are on the meta device (see
@@ -253,6 +254,7 @@ class SliceStorage:
             host.copy_(entry.tensor.detach())
             # Same object, new storage: optimizers and user references keep working.
             entry.tensor.data = host
+        settle_8bit_layers(self.params)  # Note: [Quantized weights], rule 6
         self._expected_ptrs = [entry.tensor.data_ptr() for entry in self.entries]
         self.release_masters()  # what was copied in goes to disk
         self.gradient_home = (self.make_gradient_home(self.params) if self.masters_file is not None

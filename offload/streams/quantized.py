@@ -1,5 +1,5 @@
-"""Quantized frozen weights in a slice: a bitsandbytes 4-bit weight and the tensors of its
-quantisation state, which travel with it (QLoRA's base).
+"""Quantized frozen weights in a slice: a bitsandbytes 4-bit or 8-bit weight and the tensors of
+its quantisation state, which travel with it (QLoRA's base, and LoRA over an LLM.int8() base).
 
 ``bitsandbytes`` is never imported here: a 4-bit weight exists only once the user imported it, so
 its classes are looked up in ``sys.modules`` (as ``offload/integrations/peft.py`` does for PEFT).
@@ -28,8 +28,9 @@ Note: [Quantized weights]
     4. The weight must be frozen (``requires_grad=False``, as PEFT and ``prepare_model_for_kbit_training``
        leave it): its codes have no gradient. A trainable one, one not quantized yet (a
        ``Linear4bit`` never moved to a device keeps float values), a state tensor shared by two
-       weights, a 4-bit weight tied across slices, bitsandbytes' 8-bit ``Int8Params`` and torchao's
-       ``NF4Tensor`` are refused where the slice is laid out, each with what to do instead.
+       weights, a quantized weight tied across slices, an 8-bit weight that keeps float values
+       (``has_fp16_weights=True``) and torchao's ``NF4Tensor`` are refused where the slice is laid
+       out, each with what to do instead.
     5. bitsandbytes' ``MatMul4Bit`` keeps the weight and its state on the autograd context instead
        of saving them for backward, so saved-tensor hooks never see them: a graph kept from forward
        would read whatever its old slot holds by backward. Slices holding a 4-bit weight are
@@ -37,6 +38,18 @@ Note: [Quantized weights]
        every walk keeps (the last microbatch of the last slice) is used while the slice is still in
        the slot it ran in, and a backward that finds it elsewhere (a second forward ran before it)
        raises rather than reading another slice's bytes.
+    6. A ``bitsandbytes.nn.Int8Params`` (the weight of a ``Linear8bitLt``, ``load_in_8bit``) holds
+       int8 codes, one a byte, and needs one float32 scale a row (``SCB``), its only companion. It
+       keeps no state of its own once it ran: ``Linear8bitLt.forward`` moves ``CB`` (the codes) and
+       ``SCB`` from the weight to the layer's ``MatmulLtState`` (``layer.state``) and computes from
+       there, in forward and in backward (the autograd context holds that object). So once the
+       weight moved into the host buffer its layer is put in the form a forward leaves it in
+       (:func:`settle_8bit_layer`): ``state.CB`` over the weight's host copy (the ``CB`` it had
+       would keep the old bytes alive), ``state.SCB`` the companion. A run binds a device weight
+       without ``CB``/``SCB`` that carries a copy of that state over the device copies
+       (:func:`device_state`); binding swaps it into the layer for the run and the host one back
+       after it, for rule 3's reason. Training on the CPU, bitsandbytes dequantizes and runs a
+       float matmul; in eval, its int8 matmul splits off the outliers (``threshold``).
 """
 
 from __future__ import annotations
@@ -51,6 +64,10 @@ import torch
 #: The attributes of a ``QuantState`` that hold tensors its kernels read, at each level of nesting.
 STATE_TENSORS = ("absmax", "code", "offset")
 
+#: The attribute of an 8-bit weight's device copy that holds the ``MatmulLtState`` its layer runs
+#: with (Note: [Quantized weights], rule 6).
+RUN_STATE = "offload_run_state"
+
 
 def _bnb_class(name: str) -> type | None:
     bnb = sys.modules.get("bitsandbytes")
@@ -63,18 +80,30 @@ def is_4bit_weight(tensor: torch.Tensor) -> bool:
     return params4bit is not None and isinstance(tensor, params4bit)
 
 
-def state_tensors(tensor: torch.Tensor, where: str) -> list[tuple[str, torch.Tensor]]:
+def is_8bit_weight(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a bitsandbytes 8-bit weight (``Int8Params``)."""
+    int8_params = _bnb_class("Int8Params")
+    return int8_params is not None and isinstance(tensor, int8_params)
+
+
+def state_tensors(tensor: torch.Tensor, where: str, module: torch.nn.Module | None = None
+                  ) -> list[tuple[str, torch.Tensor]]:
     """The tensors of a 4-bit weight's quantisation state, each with its path in the state
-    (``"absmax"``, ``"state2.code"``), in a fixed order; ``[]`` for any other tensor.
+    (``"absmax"``, ``"state2.code"``), in a fixed order; an 8-bit weight's row scales (``"SCB"``);
+    ``[]`` for any other tensor.
 
     Args:
         tensor: a parameter or buffer of a slice.
         where: how a message names it ("'weight' of Linear4bit").
+        module: where ``tensor`` is registered; an 8-bit weight that ran keeps its ``SCB`` there
+            (rule 6).
 
     Raises:
         ValueError: a quantized tensor that cannot be offloaded (Note: [Quantized weights], rule 4).
     """
     _refuse_other_quantized(tensor, where)
+    if is_8bit_weight(tensor):
+        return [("SCB", _8bit_scales(tensor, where, module))]
     if not is_4bit_weight(tensor):
         return []
     state = getattr(tensor, "quant_state", None)
@@ -97,13 +126,60 @@ def state_tensors(tensor: torch.Tensor, where: str) -> list[tuple[str, torch.Ten
     return found
 
 
-def _refuse_other_quantized(tensor: torch.Tensor, where: str) -> None:
-    int8 = _bnb_class("Int8Params")
-    if int8 is not None and isinstance(tensor, int8):
+def _8bit_scales(tensor: torch.Tensor, where: str, module: torch.nn.Module | None) -> torch.Tensor:
+    """The row scales (``SCB``) of the 8-bit weight ``tensor``: on the weight until its layer ran,
+    on the layer's ``state`` after (rule 6)."""
+    if tensor.has_fp16_weights:  # type: ignore[attr-defined]
         raise ValueError(
-            f"{where} is a bitsandbytes 8-bit weight (Linear8bitLt, load_in_8bit), which OffloadModel does not "
-            "offload; load the base in 4 bits instead (BitsAndBytesConfig(load_in_4bit=True, "
-            "bnb_4bit_quant_type='nf4')), or unquantized")
+            f"{where} is a bitsandbytes 8-bit weight that keeps float values (has_fp16_weights=True: it trains in "
+            "full and is quantized again at every forward), which OffloadModel does not offload as 8-bit; build the "
+            "Linear8bitLt with has_fp16_weights=False (load_in_8bit does) to train adapters over it, or use nn.Linear")
+    state = getattr(module, "state", None)
+    scales = tensor.SCB if tensor.SCB is not None else getattr(state, "SCB", None)  # type: ignore[attr-defined]
+    if tensor.dtype != torch.int8 or scales is None:
+        raise ValueError(
+            f"{where} is a bitsandbytes Int8Params that is not quantized yet (it still holds float values); quantize "
+            "it before wrapping: move the Linear8bitLt to a device (layer.to('cuda') or layer.to('cpu')), or load the "
+            "model with from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_8bit=True))")
+    return scales  # frozen: an int8 tensor cannot require grad
+
+
+def settle_8bit_layer(module: torch.nn.Module, weight: torch.Tensor, scales: torch.Tensor) -> None:
+    """Put a ``Linear8bitLt`` in the form its forward leaves it in, with ``state.CB`` over the
+    weight's bytes and ``state.SCB`` the companion ``scales`` (Note: [Quantized weights], rule 6):
+    the layer computes as before, and the weight's host copy is the only copy of its codes."""
+    module.state.CB, module.state.SCB = weight.data, scales  # type: ignore[union-attr]
+    weight.CB = weight.SCB = None  # type: ignore[attr-defined]
+
+
+def device_state(module: torch.nn.Module, weight: torch.Tensor, scales: torch.Tensor) -> Any:
+    """A copy of ``module``'s ``MatmulLtState`` over the device copies ``weight`` and ``scales``
+    (plain tensors: bitsandbytes copies ``CB`` with ``.to(copy=True)``), for one run (rule 6)."""
+    state = copy.copy(module.state)
+    state.CB, state.SCB = weight, scales
+    return state
+
+
+def swap_run_states(sites: Sequence[Sequence[Any]], tensors: Sequence[torch.Tensor]) -> list[tuple[Any, Any]]:
+    """Give each ``Linear8bitLt`` among ``sites`` the state its bound device weight carries
+    (rule 6); returns ``(module, state)`` pairs that :func:`restore_run_states` puts back."""
+    swapped: list[tuple[Any, Any]] = []
+    for entry_sites, tensor in zip(sites, tensors):
+        state = getattr(tensor, RUN_STATE, None)
+        if state is not None:
+            for site in entry_sites:
+                swapped.append((site.module, site.module.state))
+                site.module.state = state
+    return swapped
+
+
+def restore_run_states(swapped: Sequence[tuple[Any, Any]]) -> None:
+    """Undo :func:`swap_run_states`."""
+    for module, state in reversed(swapped):
+        module.state = state
+
+
+def _refuse_other_quantized(tensor: torch.Tensor, where: str) -> None:
     # By name: torchao moved the class between releases (torchao.dtypes.nf4tensor, then
     # torchao.quantization.quantize_.workflows.nf4).
     if any(c.__name__ == "NF4Tensor" and c.__module__.startswith("torchao.") for c in type(tensor).__mro__):
@@ -113,8 +189,12 @@ def _refuse_other_quantized(tensor: torch.Tensor, where: str) -> None:
             "BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4')")
 
 
-def state_at(weight: torch.Tensor, path: str) -> torch.Tensor | None:
-    """The tensor at ``path`` ("state2.absmax") of ``weight``'s quantisation state now."""
+def state_at(weight: torch.Tensor, path: str, module: torch.nn.Module | None = None) -> torch.Tensor | None:
+    """The tensor at ``path`` ("state2.absmax") of ``weight``'s quantisation state now; for an
+    8-bit weight, the one its layer ``module`` computes with (rule 6)."""
+    if is_8bit_weight(weight):
+        own = getattr(weight, path, None)
+        return own if own is not None else getattr(getattr(module, "state", None), path, None)
     owner: Any = getattr(weight, "quant_state", None)
     *nested, name = path.split(".")
     for step in nested:
@@ -124,9 +204,12 @@ def state_at(weight: torch.Tensor, path: str) -> torch.Tensor | None:
 
 def device_weight(host: torch.Tensor, view: torch.Tensor, paths: Sequence[str],
                   state_views: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The device copy a run binds for the 4-bit weight ``host``: a tensor of its class over
-    ``view`` (the slot's bytes) with a copy of its quantisation state whose tensor at each of
-    ``paths`` is the matching one of ``state_views`` (Note: [Quantized weights], rule 3)."""
+    """The device copy a run binds for the quantized weight ``host``: a tensor of its class over
+    ``view`` (the slot's bytes); for a 4-bit one with a copy of its quantisation state whose tensor
+    at each of ``paths`` is the matching one of ``state_views`` (Note: [Quantized weights], rule 3),
+    for an 8-bit one without ``CB``/``SCB``, which its layer reads from :func:`device_state`."""
+    if is_8bit_weight(host):
+        return type(host)(view, requires_grad=False, has_fp16_weights=False)  # type: ignore[call-arg]
     state = copy.copy(host.quant_state)  # type: ignore[attr-defined]
     if getattr(state, "state2", None) is not None:
         state.state2 = copy.copy(state.state2)

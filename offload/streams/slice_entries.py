@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from .flat_views import _itemsize, dense_stride
-from .quantized import device_weight, state_at, state_tensors
+from .quantized import (RUN_STATE, device_state, device_weight, is_8bit_weight, settle_8bit_layer, state_at,
+                        state_tensors)
 from .sites import Site
 
 @dataclass
@@ -84,7 +85,7 @@ def _companions(entry: Entry) -> list[Entry]:
     """The companion entries of a quantized weight, ``[]`` for any other tensor (Note: [Quantized
     weights] in ``quantized.py``)."""
     site = entry.sites[0]
-    found = state_tensors(entry.tensor, f"'{site.name}' of {type(site.module).__name__}")
+    found = state_tensors(entry.tensor, f"'{site.name}' of {type(site.module).__name__}", site.module)
     for path, tensor in found:
         if tensor.layout != torch.strided or not tensor.is_contiguous():
             raise ValueError(f"'{site.name}' of {type(site.module).__name__}: its quantisation state's {path} is not "
@@ -119,19 +120,32 @@ def companions_of(own: Sequence[Entry], borrowed: Sequence[Entry], held_elsewher
 def states_replaced(params: Sequence[Entry]) -> bool:
     """Whether a 4-bit weight among ``params`` holds another quantisation state than its
     companions (a weight quantized again): the slice must be laid out again."""
-    return any(state_at(entry.tensor, c.state_path) is not c.tensor for entry in params for c in entry.companions)
+    return any(state_at(entry.tensor, c.state_path, entry.sites[0].module) is not c.tensor
+               for entry in params for c in entry.companions)
+
+
+def settle_8bit_layers(params: Sequence[Entry]) -> None:
+    """Put every layer of an 8-bit weight among ``params``, now in the host buffer, in the form its
+    forward leaves it in, over that weight's host copies (:func:`settle_8bit_layer`)."""
+    for entry in params:
+        if entry.companions and is_8bit_weight(entry.tensor):
+            for site in entry.sites:
+                settle_8bit_layer(site.module, entry.tensor, entry.companions[0].tensor)
 
 
 def bind_device_weights(tensors: list[torch.Tensor], views: Sequence[torch.Tensor], params: Sequence[Entry]) -> None:
     """Replace in ``tensors`` (one per entry of a slice: its parameters, then its companions in
-    the order of their weights, then its buffers) each 4-bit weight's device copy by
-    :func:`device_weight` over the same bytes."""
+    the order of their weights, then its buffers) each quantized weight's device copy by
+    :func:`device_weight` over the same bytes; an 8-bit one carries the state its layer runs with
+    (:func:`device_state`), which binding swaps in."""
     k = len(params)
     for i, entry in enumerate(params):
         if entry.companions:
             count = len(entry.companions)
             tensors[i] = device_weight(entry.tensor, views[i], [c.state_path for c in entry.companions],
                                        views[k:k + count])
+            if is_8bit_weight(entry.tensor):
+                setattr(tensors[i], RUN_STATE, device_state(entry.sites[0].module, views[i], views[k]))
             k += count
 
 

@@ -142,7 +142,7 @@ class ActivationPlan:
 
     def check_recomputed(self, four_bit: Sequence[bool]) -> None:
         """Refuse a kept or offloaded graph for the slices marked in ``four_bit`` (those holding a
-        4-bit weight): rule 5 of Note: [Quantized weights] in ``offload/streams/quantized.py``.
+        quantized weight): rule 5 of Note: [Quantized weights] in ``offload/streams/quantized.py``.
 
         Raises:
             ValueError: such a slice is not recomputed.
@@ -152,7 +152,7 @@ class ActivationPlan:
                 how = "keep its graph (checkpoint_activation=False)" if mode is ActivationMode.KEEP else \
                     "offload its saved activations (OffloadActivations)"
                 raise ValueError(
-                    f"slice {index} holds 4-bit weights (bitsandbytes Linear4bit) and would {how}; bitsandbytes keeps "
-                    "a 4-bit weight on its autograd context, where a later slot is never seen, so such slices are "
-                    "recomputed: use checkpoint_activation=True (the default), and OffloadActivations only for "
-                    "slices without 4-bit weights")
+                    f"slice {index} holds quantized weights (bitsandbytes Linear4bit or Linear8bitLt) and would {how}; "
+                    "bitsandbytes keeps a quantized weight on its autograd context, where a later slot is never seen, "
+                    "so such slices are recomputed: use checkpoint_activation=True (the default), and "
+                    "OffloadActivations only for slices without quantized weights")

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from ..streams.quantized import restore_run_states, swap_run_states
 from ..streams.sites import Site
 
 
@@ -40,6 +41,7 @@ class Binding:
     tensors: Sequence[torch.Tensor]
     reassigned: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     _originals: list[tuple[Site, torch.Tensor | None]] = field(default_factory=list)
+    _run_states: list[tuple[nn.Module, object]] = field(default_factory=list)
 
     def __enter__(self) -> Binding:
         for entry_sites, tensor in zip(self.sites, self.tensors):
@@ -48,6 +50,8 @@ class Binding:
                 self._originals.append((site, table[site.name]))
                 table[site.name] = tensor
         _refresh_flat_weights(self.sites)
+        # An 8-bit layer reads its codes from its own state: Note: [Quantized weights], rule 6.
+        self._run_states = swap_run_states(self.sites, self.tensors)
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -62,6 +66,8 @@ class Binding:
                     if current is not tensor and current is not None and not entry_sites[0].is_parameter:
                         self.reassigned.append((index, current))
         finally:
+            restore_run_states(self._run_states)
+            self._run_states = []
             for site, original in reversed(self._originals):
                 if _restore(site, original):
                     left_parametrized.append(site)
