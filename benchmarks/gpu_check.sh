@@ -13,7 +13,7 @@
 #   tests   the cuda-marked tests of what never ran on a GPU: resident slices, the trainers
 #           (Trainer, Accelerate, Lightning moving an OffloadedCausalLM with .to("cuda"):
 #           tests/test_trainer.py, tests/test_trainers_cuda.py), the
-#           update in backward, the shadows staged from disk, and any QLoRA or fused-host-pass test
+#           update in backward, the shadows staged from disk, 8-bit bases, and any QLoRA or fused-host-pass test
 #           files present (60 s);
 #   slices  the 0.886 B Llama of benchmarks/bench_peers.py at 8 x 1024 tokens: resident; offload in
 #           backward; the same with 9 of its 18 slices resident; the update behind the next forward
@@ -101,7 +101,7 @@ stages=${GPU_CHECK_STAGES:-host tests slices threads batch exact rest}
 [ $full = 1 ] && stages="$stages trace peers capped suite"
 FIRST_TESTS=(tests/test_resident_slices*.py tests/test_trainer.py tests/test_trainers_cuda.py tests/test_accelerate.py tests/test_lightning.py
              tests/test_update_in_backward*.py tests/test_*qlora*.py tests/test_one_pass.py tests/test_gradients_on_disk.py
-             tests/test_shadows_on_disk.py
+             tests/test_shadows_on_disk.py tests/test_int8.py
              tests/test_mixed_precision.py::test_loads_move_half_the_bytes_and_gradients_arrive_in_float32)
 # A rerun's narrower choice: GPU_CHECK_TESTS (test paths for the tests stage), GPU_CHECK_RUNS (the
 # bench_peers runs of the slices and batch stages).
