@@ -22,6 +22,7 @@ from offload.model import engine_of
 
 from .helpers import DEVICES, assert_same_grads
 from .test_mixed_precision import master_grads_of
+from .test_qlora import assert_microbatched_runs_match, assert_placed_runs_match
 from .test_peft import assert_same_step, labels_of, lora, offloaded_step, reference_step, trainable
 from .test_transformers import EXACT, ROOT, batch, build
 
@@ -108,49 +109,13 @@ def test_lora_over_8bit_trains_as_the_unwrapped_model(threshold, ran_before):
 @pytest.mark.parametrize("num_microbatches", [1, 2])
 def test_lora_over_8bit_with_microbatches_and_on_the_device(num_microbatches, device):
     peft_model = lora(eight_bit(build("llama", dropout=0.0, layers=2), device=device), lora_dropout=0.0)
-    reference = copy.deepcopy(peft_model).to(device)
-    peft_model.to("cpu")  # the host copies
-    model = OffloadModel(causal_lm_sequential(peft_model), device=device, num_slices=3,
-                         num_microbatches=num_microbatches)
-    runs = reading_from_the_slots(model, peft_model)
-    inputs = {key: value[:2] for key, value in batch(device).items()}
-    labels = labels_of(inputs)
-    if num_microbatches == 2:
-        rows = [{key: value[r:r + 1] for key, value in inputs.items()} for r in range(2)]
-        for row in rows:  # as the microbatches run: a row at a time, their gradients added
-            reference(**row, use_cache=False).logits.sum().backward()
-        model(inputs).sum().backward()
-    else:
-        reference_step(reference, inputs, labels, 0)
-        offloaded_step(peft_model.get_base_model(), model, inputs, labels, 0)
-    assert len(runs) == 7 * 2 * num_microbatches * 2  # forward and the recompute
-    grads = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
-    for name, p in peft_model.named_parameters():
-        if p.requires_grad:
-            torch.testing.assert_close(p.grad.to(device), grads[name], **EXACT, msg=lambda m: f"{name}: {m}")
+    assert_microbatched_runs_match(peft_model, num_microbatches, device, reading_from_the_slots)
 
 
 @pytest.mark.parametrize("placement", ["compute_dtype", "resident_slices"])
 def test_lora_over_8bit_under_a_compute_dtype_and_in_resident_slices(placement):
     peft_model = lora(eight_bit(build("llama", dropout=0.0, layers=2)), lora_dropout=0.0)
-    reference = copy.deepcopy(peft_model)
-    if placement == "compute_dtype":  # as OffloadModel computes: the floating-point parameters in bfloat16
-        for p in reference.parameters():
-            if p.is_floating_point():
-                p.data = p.data.to(torch.bfloat16)
-        settings = {"compute_dtype": torch.bfloat16}
-    else:  # the first two slices (embeddings, first decoder layer) stay on the device with their scales
-        settings = {"resident_slices": 2}
-    model = OffloadModel(causal_lm_sequential(peft_model), device="cpu", num_slices=3, **settings)
-    runs = reading_from_the_slots(model, peft_model)
-    inputs = batch()
-    labels = labels_of(inputs)
-    want_logits, want_loss = reference_step(reference, inputs, labels, 0)
-    got_logits, got_loss = offloaded_step(peft_model.get_base_model(), model, inputs, labels, 0)
-    torch.testing.assert_close(got_logits, want_logits, **EXACT)
-    torch.testing.assert_close(got_loss, want_loss, **EXACT)
-    assert_same_grads(peft_model, master_grads_of(reference), **EXACT)
-    assert len(runs) == 7 * 2 * 2
+    assert_placed_runs_match(peft_model, placement, reading_from_the_slots)
 
 
 def test_lora_over_8bit_forward_in_eval():

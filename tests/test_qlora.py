@@ -111,11 +111,18 @@ def test_qlora_trains_as_the_unwrapped_model(quant_type, double):
 @pytest.mark.parametrize("num_microbatches", [1, 2])
 def test_qlora_with_microbatches_and_on_the_device(num_microbatches, device):
     peft_model = lora(quantized(build("llama", dropout=0.0, layers=2), "nf4", True, device=device), lora_dropout=0.0)
+    assert_microbatched_runs_match(peft_model, num_microbatches, device, reading_from_the_slots)
+
+
+def assert_microbatched_runs_match(peft_model, num_microbatches: int, device: str, reading) -> None:
+    """A quantized two-layer Llama under LoRA: the offloaded model's adapter gradients are the
+    unwrapped one's, with one microbatch or two, every run reading the weights from the slots
+    (``reading(model, hf)``: hooks that check it and count the runs)."""
     reference = copy.deepcopy(peft_model).to(device)
     peft_model.to("cpu")  # the host copies; quantized where the kernels will run
     model = OffloadModel(causal_lm_sequential(peft_model), device=device, num_slices=3,
                          num_microbatches=num_microbatches)
-    runs = reading_from_the_slots(model, peft_model)
+    runs = reading(model, peft_model)
     inputs = {key: value[:2] for key, value in batch(device).items()}
     labels = labels_of(inputs)
     if num_microbatches == 2:
@@ -162,16 +169,24 @@ def test_qlora_under_the_stream_ordering_checker():
 @pytest.mark.parametrize("placement", ["compute_dtype", "resident_slices"])
 def test_qlora_under_a_compute_dtype_and_in_resident_slices(placement):
     peft_model = lora(quantized(build("llama", dropout=0.0, layers=2), "nf4", True), lora_dropout=0.0)
+    assert_placed_runs_match(peft_model, placement, reading_from_the_slots)
+
+
+def assert_placed_runs_match(peft_model, placement: str, reading) -> None:
+    """A quantized two-layer Llama under LoRA, offloaded under a compute dtype or with its first two
+    slices resident: outputs, loss and adapter gradients are the unwrapped model's (computing as
+    OffloadModel does), every run reading from the slots (``reading``, as for
+    :func:`assert_microbatched_runs_match`)."""
     reference = copy.deepcopy(peft_model)
     if placement == "compute_dtype":  # as OffloadModel computes: the floating-point parameters in bfloat16
         for p in reference.parameters():
             if p.is_floating_point():
                 p.data = p.data.to(torch.bfloat16)
         settings = {"compute_dtype": torch.bfloat16}
-    else:  # the first two slices (embeddings, first decoder layer) stay on the device with their state
+    else:  # the first two slices (embeddings, first decoder layer) stay on the device with their state or scales
         settings = {"resident_slices": 2}
     model = OffloadModel(causal_lm_sequential(peft_model), device="cpu", num_slices=3, **settings)
-    runs = reading_from_the_slots(model, peft_model)
+    runs = reading(model, peft_model)
     inputs = batch()
     labels = labels_of(inputs)
     want_logits, want_loss = reference_step(reference, inputs, labels, 0)
