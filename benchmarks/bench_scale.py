@@ -7,7 +7,8 @@ and trains a few steps with ``OffloadOptimizer(torch.optim.AdamW, fused=True, di
 masters and gradients in RAM, AdamW's moments on disk; with ``--compute-dtype bfloat16
 --masters-on-disk``, the float32 masters and the gradients on disk too (``OffloadModel(...,
 masters=DiskTier(...))``), the bfloat16 shadow in RAM. Records the parameters, the bytes the
-float32 AdamW state would take in RAM, peak RSS (sampled, and the kernel's high-water mark), bytes
+float32 AdamW state would take in RAM, peak RSS (sampled, by phase, with its anonymous, file and
+shared parts at the peak; and the kernel's high-water mark), bytes
 on disk, seconds per step and where they go (forward and backward; the update's wait), and the
 disk traffic per step against the raw bandwidth measured by ``benchmarks/bench_storage.py``.
 
@@ -89,18 +90,39 @@ def write_checkpoint(path: Path, width: int, layers: int, blocks_per_shard: int)
     return {"bytes": total, "shards": len(shards)}
 
 
+def resident_parts() -> dict[str, int]:
+    """This process's resident set by kind (Linux): anonymous memory (heaps, tensors), pages of
+    mapped files (libraries, the masters' and gradients' mappings) and shared memory (the disk
+    tier's window); empty elsewhere."""
+    try:
+        with open("/proc/self/status") as status:
+            lines = [line.split() for line in status if line.startswith(("RssAnon", "RssFile", "RssShmem"))]
+    except OSError:
+        return {}
+    return {fields[0].rstrip(":"): int(fields[1]) * 1024 for fields in lines}
+
+
 class PeakRSS:
-    """Samples this process's resident set size on a thread."""
+    """Samples this process's resident set size on a thread; with ``phase`` set by the caller, the
+    peak in each phase and the resident set's parts at the peak."""
 
     def __init__(self, interval: float = 0.05) -> None:
         self.peak = 0
+        self.phase = ""
+        self.phases: dict[str, int] = {}
+        self.parts_at_peak: dict[str, int] = {}
+        self.phase_at_peak = ""
         self._process = psutil.Process()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, self._process.memory_info().rss)
+            rss, phase = self._process.memory_info().rss, self.phase
+            if rss > self.peak:
+                self.peak, self.phase_at_peak, self.parts_at_peak = rss, phase, resident_parts()
+            if phase:
+                self.phases[phase] = max(self.phases.get(phase, 0), rss)
             time.sleep(0.05)
 
     def __enter__(self) -> PeakRSS:
@@ -226,6 +248,7 @@ def main() -> None:
             model, optimizer = load(drop=args.drop_checkpoint)
             load_s = time.perf_counter() - started
             rss_after_load = psutil.Process().memory_info().rss
+            training.phases["load"] = training.peak
             params = sum(p.numel() for p in model.parameters())
             steps = []
             resume: dict = {}
@@ -239,9 +262,12 @@ def main() -> None:
             io_before, masters_before = io_counts(counters), io_counts(files and files.counters)
             for number in range(args.steps):
                 started = time.perf_counter()
+                # The last step's updates run beside this forward and backward.
+                training.phase = f"step {number + 1} forward and backward"
                 loss = nn.functional.mse_loss(model(x).float(), target)
                 loss.backward()
                 compute_s = time.perf_counter() - started
+                training.phase = f"step {number + 1} update"
                 optimizer.step()
                 optimizer.zero_grad()
                 waited = time.perf_counter()
@@ -303,6 +329,9 @@ def main() -> None:
             "rss_after_load_bytes": rss_after_load,
             "peak_rss_bytes_sampled": training.peak,
             "peak_rss_bytes_kernel": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "peak_rss_phase": training.phase_at_peak,
+            "peak_rss_parts_bytes": training.parts_at_peak,
+            "peak_rss_bytes_by_phase": training.phases,
             "disk_state_bytes": state_on_disk,
             "disk_masters_bytes": masters_on_disk,
             "disk_gradients_bytes": gradients_on_disk,

@@ -11,6 +11,7 @@ import json
 import os
 import threading
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -169,6 +170,34 @@ def test_ram_holds_a_window_of_three_slices(tmp_path):
     counters = optimizer._tier.counters
     assert counters.read_bytes == 2 * 6 * per_slice  # every step after the first reads every slice
     assert counters.write_bytes == 3 * 6 * per_slice
+
+
+def test_the_first_step_makes_the_state_in_place_of_a_window_buffer(tmp_path, monkeypatch):
+    # AdamW's first step makes each slice's state in RAM before the tier copies it into a window
+    # buffer: before, each slot kept its own buffer from three slices back, and RAM held three
+    # slices' buffers besides the state being made (four slices' state where later steps hold three).
+    alive, real_init = [], disk.AlignedBuffer.__init__
+
+    def init(self, nbytes):
+        real_init(self, nbytes)
+        alive.append(weakref.ref(self))
+
+    in_ram = []
+
+    class Counting(torch.optim.AdamW):
+        def step(self, closure=None):
+            threading.Event().wait(0.05)  # updates slower than the writes
+            in_ram.append(sum(ref() is not None for ref in alive))
+            return super().step(closure)
+
+    monkeypatch.setattr(disk.AlignedBuffer, "__init__", init)
+    model = OffloadModel(nn.Sequential(*[nn.Linear(32, 32) for _ in range(6)]), device="cpu", num_slices=6)
+    optimizer = OffloadOptimizer(model, Counting, lr=1e-3, disk_tier=tmp_path)
+    model(torch.randn(4, 32)).sum().backward()
+    optimizer.step()
+    optimizer.synchronize()
+    assert len(in_ram) == 6
+    assert max(in_ram) <= WINDOW - 1, in_ram  # the buffers of the two slices before, at most
 
 
 def slow_writes(monkeypatch, seconds: float) -> None:

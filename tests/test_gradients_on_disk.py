@@ -140,6 +140,34 @@ def run_window_check(tmp_path, monkeypatch, bounded):
         assert most[0] > WINDOW
 
 
+def test_an_update_drops_its_gradients_without_waiting_for_the_masters_write(tmp_path, monkeypatch):
+    # Writes slower than updates: before, each slice's gradients stayed in RAM until the write of
+    # its masters, beside those of the slices updated and read in after it (Note: [Masters on disk]).
+    model = OffloadModel(nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)]), device="cpu", num_slices=8,
+                         compute_dtype=BF16, masters=DiskTier(tmp_path))
+    in_ram, real_write = [], mapped.MappedFile.write_back
+
+    class Recording(torch.optim.AdamW):
+        def step(self, closure=None):
+            in_ram.append({home.index for home in homes(model) if home.file.resident_bytes()})
+            return super().step(closure)
+
+    def write_back(self):
+        if self.what == "masters":
+            time.sleep(0.05)
+        real_write(self)
+
+    monkeypatch.setattr(mapped.MappedFile, "write_back", write_back)
+    optimizer = OffloadOptimizer(model, Recording, lr=1e-3)
+    model(torch.randn(4, 64)).float().sum().backward()
+    model._engine.master_files.wait()  # the landings' writes: backward's window, checked above
+    optimizer.step()
+    optimizer.synchronize()
+    assert resident(model) == 0
+    # The k-th update (slice order) sees its own gradients and those read in ahead, none updated.
+    assert [min(indices) for indices in in_ram] == list(range(8)), in_ram
+
+
 def test_a_view_kept_across_zero_grad_sends_the_next_gradients_to_ram(tmp_path):
     (ram_model, ram), (model, optimizer) = runs = twins(tmp_path)
     for m, o in runs:

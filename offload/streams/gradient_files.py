@@ -20,8 +20,8 @@ Note: [Gradients on disk]
     2. the masters' writer writes the home's pages back and drops them; a slice's landing first
        waits for the write of the slice that landed :data:`~offload.tiers.disk_tier.WINDOW`
        slices before, so RAM holds a few slices' gradients, not the model's;
-    3. the slice's update reads the home in with its masters, and writes both back and drops
-       them after.
+    3. the slice's update reads the home in with its masters and drops it when it is done (it
+       only reads it); the masters' write after it writes both back and drops them.
 
     Before the gradients are copied into an idle home, its file is discarded
     (``fallocate(FALLOC_FL_ZERO_RANGE)``): the copy then faults in zero pages instead of reading

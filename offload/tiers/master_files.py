@@ -20,8 +20,12 @@ Note: [Masters on disk]
        pages back and drop them.
 
     The slice's gradients live in a file of their own beside the masters (Note: [Gradients on
-    disk] in ``offload/streams/gradient_files.py``): the read and the write take them too, and
-    the writer also writes them back after each landing in backward.
+    disk] in ``offload/streams/gradient_files.py``): the read takes them too, and the writer
+    writes them back after each landing in backward. The update only reads them, so it drops
+    them itself when it is done, instead of leaving them to the write: the write of slice
+    ``k - 1`` may still be running while slice ``k + 1`` is read in, and RAM then holds two
+    slices' gradients where it held three (the write drops them again, after writing back any
+    page an optimizer wrote).
 
     So RAM holds about three slices' masters while the optimizer steps, and none in between;
     the next forward waits for each slice's update only, never for a write. A forward that finds
@@ -49,6 +53,7 @@ Note: [Masters on disk]
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import weakref
@@ -98,6 +103,8 @@ class MasterFiles:
         self._turn_of: dict[int, int] = {}
         self._read_of: dict[int, Event] = {}
         self._read_errors: dict[int, tuple[str, Exception]] = {}
+        # The gradients' files read in for each slice's update, which drops them when it is done.
+        self._gradients_of: dict[int, MappedFile] = {}
         self._write_errors: dict[int, tuple[str, BaseException]] = {}
         self._last_write: Event | None = None
         # The writes of the gradients landed last, by turn: a landing waits for its turn's last write.
@@ -151,6 +158,8 @@ class MasterFiles:
         turn = self._turn % WINDOW
         self._turn += 1
         self._turn_of[index] = turn
+        if gradients is not None:
+            self._gradients_of[index] = gradients
         # Its turn's last write has dropped that slice's pages: RAM holds at most WINDOW slices.
         event = self.copies.submit(self._reader, functools.partial(self._read, index, file, gradients),
                                    after=[self._window[turn]])
@@ -175,15 +184,22 @@ class MasterFiles:
         return functools.partial(self._guarded, index, work)
 
     def _guarded(self, index: int, work: Callable[[], None]) -> None:
-        failed = self._read_errors.pop(index, None)
-        if failed is not None:
-            path, error = failed
-            why = (error.strerror if isinstance(error, OSError) and error.strerror
-                   else f"{type(error).__name__}: {error}")
-            raise HostUpdateError(
-                f"could not read the masters or gradients of slice {index} from {path} ({why}): slice {index} and the slices "
-                "after it were left as they were; slices before it are updated") from error
-        work()
+        try:
+            failed = self._read_errors.pop(index, None)
+            if failed is not None:
+                path, error = failed
+                why = (error.strerror if isinstance(error, OSError) and error.strerror
+                       else f"{type(error).__name__}: {error}")
+                raise HostUpdateError(
+                    f"could not read the masters or gradients of slice {index} from {path} ({why}): slice {index} and "
+                    "the slices after it were left as they were; slices before it are updated") from error
+            work()
+        finally:
+            gradients = self._gradients_of.pop(index, None)
+            if gradients is not None:
+                # Clean pages leave RAM now; the write drops them again, and raises what fails then.
+                with contextlib.suppress(OSError):
+                    gradients.drop()
 
     def write(self, index: int, file: MappedFile, after: Event | None, gradients: MappedFile | None = None) -> None:
         """Write slice ``index``'s masters back and drop them, on the writer, after ``after`` (the

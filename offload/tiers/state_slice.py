@@ -78,7 +78,12 @@ class SliceRecord:
         if self.place is Place.HELD:
             return  # its buffer holds it
         if self.place is Place.RAM:
-            self.buffer = slot.buffer  # detach copies the state in (growing it if needed)
+            # Its state is in RAM (the optimizer's first step makes it there): it needs no buffer
+            # until its detach copies the state in, and the slot's own goes now, so that state
+            # takes its pages' place instead of coming on top of them (a place in the arena stays).
+            if isinstance(slot.buffer, AlignedBuffer):
+                slot.buffer = None
+            self.buffer = slot.buffer
             return
         if slot.buffer is None or slot.buffer.nbytes < self.nbytes:
             slot.buffer = AlignedBuffer(self.nbytes)

@@ -22,7 +22,11 @@ Note: [The window's arena]
     5. State that must outlive its turn (a write failed: it is *held*) moves to a buffer of its own.
 
     Before the sizes are known (the first step creates the state) or for a slice without a
-    place, the slot's own buffer serves, grown to the largest slice it served; the first step
+    place, the slot's own buffer serves, grown to the largest slice it served. A slice whose
+    state is still in RAM (the optimizer makes it in its first step) lets the slot's own buffer
+    go at its read and gets a fresh one when its state is copied in: the state the update makes
+    takes that buffer's place, and while the writes keep up with the updates RAM holds three
+    slices' state then too, not four. The first step
     after the sizes are known lets those go and makes the arena, which then stays (its pages are
     touched once, not each step). With a large last slice (a language model's head), the arena
     is the head's state and two other slices', where a buffer per slot grew to three heads'.
