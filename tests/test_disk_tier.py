@@ -186,7 +186,7 @@ def test_the_first_step_makes_the_state_in_place_of_a_window_buffer(tmp_path, mo
 
     class Counting(torch.optim.AdamW):
         def step(self, closure=None):
-            threading.Event().wait(0.05)  # updates slower than the writes
+            threading.Event().wait(0.2)  # updates slower than the writes (of a few KiB each)
             in_ram.append(sum(ref() is not None for ref in alive))
             return super().step(closure)
 
