@@ -105,6 +105,14 @@ def hugepages(report: dict) -> str:
             f"{report['mapped_bytes_per_round'] >> 20}")
 
 
+def clipping(report: dict) -> str:
+    gb = report["gradient_bytes"] / 1e9
+    return (f"clipping: the norm of {gb:.2f} GB of float32 gradients at {report['pool_threads']} threads: PyTorch's "
+            f"{report['torch_norm_s'] * 1e3:.1f} ms, offload's {report['offload_norm_s'] * 1e3:.1f} ms "
+            f"({report['speedup']:.2f}x; the largest tensor alone {report['largest_tensor_norm_s'] * 1e3:.1f} ms), "
+            f"scaling {report['scale_s'] * 1e3:.1f} ms; same bits: {report['same_bits']}")
+
+
 def tests(pytest_log: Path) -> str:
     if not pytest_log.exists():
         return "tests: no pytest.log"
@@ -128,6 +136,8 @@ def show(path: str) -> None:
             parts.append(kernels(report))
         elif name == "hugepages":
             parts.append(hugepages(report))
+        elif name == "clipping":
+            parts.append(clipping(report))
         else:
             parts.append(runs(name, report))
     print("\n\n".join(parts))
