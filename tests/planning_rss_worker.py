@@ -78,8 +78,8 @@ def main() -> None:
         footprint = model.memory_footprint()
         host = estimate.host_total
         if spec.get("masters") == "disk":
-            # Between steps no masters or gradients are in RAM; estimate_memory's window counts
-            # three slices' of each, in RAM while the optimizer steps.
+            # Between steps no masters or gradients are in RAM; estimate_memory's window (as the
+            # footprint's) counts three slices' of each, in RAM while the optimizer steps.
             layout = slice_layout(preset.model, num_slices=spec["slices"], compute_dtype=dtype)
             window = min(3, layout.num_slices)
             host -= most_at_once(layout.host_bytes, window) + most_at_once(layout.gradient_bytes, window)
@@ -88,6 +88,8 @@ def main() -> None:
             "footprint_host": footprint.host_total,
             "footprint_device": footprint.device_total,
             "estimate_host": host,
+            # What both count: with the masters on disk, their window as well.
+            "estimate_host_total": estimate.host_total,
             # Between steps the device holds its slots (host memory on the CPU) and, with
             # microbatches, the two buffers that sum gradients (estimate_memory's device_gradients
             # also counts a third, the slice's gradients while autograd produces them).

@@ -217,3 +217,14 @@ def test_the_host_figure_counts_the_resident_slices_that_fit_the_device(capsys):
     assert gib(needs_again.host_memory) == gib(needs.host_memory)
     found = {a["flags"]: a for a in _plan_json(capsys, *args)["alternatives"]}
     assert found[f"--host-memory {host}"]["host_memory"] == needs.host_memory
+
+
+def test_a_config_given_as_json_longer_than_a_file_name_is_read_as_json(capsys):
+    # Every field a config.json has: more than the 255 bytes a file name may take, which asking the
+    # file system whether it is a directory would fail on.
+    config = json.dumps(TINY_LLAMA | {"architectures": ["LlamaForCausalLM"], "rms_norm_eps": 1e-5,
+                                      "rope_theta": 500000.0, "hidden_act": "silu", "torch_dtype": "bfloat16",
+                                      "bos_token_id": 1, "eos_token_id": 2, "attention_dropout": 0.0})
+    assert len(config) > 255
+    main(["plan", "--hf-config", config, "--gpu", "a100", "--host-memory", "8"])
+    assert "model = OffloadModel(" in capsys.readouterr().out

@@ -290,3 +290,42 @@ def test_the_planned_update_writes_no_shadow():
     streamed = sum(layout.trainable_counts)
     assert on_disk.shadow == 0
     assert in_ram.update + in_ram.shadow - on_disk.update == 2 * streamed
+
+
+def test_the_plan_of_a_llama_shaped_model_on_disk_holds_what_it_predicts(tmp_path):
+    """`offload plan` chooses the disk configuration for a small Llama (the proportions of Llama 3:
+    untied head, grouped key-value heads, an MLP 3.5 times as wide); trained so, as it prints,
+    the model's footprint is the plan's host bytes within 5 % (the plan's pool is pinned and rounded
+    to its size classes, a CPU's is not)."""
+    transformers = pytest.importorskip("transformers")
+    from offload import clip_grad_norm_
+    from offload.cli.plan import parse_args, run_plan
+    from offload.integrations.transformers import causal_lm_sequential
+
+    config = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 896, "num_hidden_layers": 8,
+              "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 4008, "max_position_embeddings": 128,
+              "tie_word_embeddings": False}
+    plan, _, _, _ = run_plan(parse_args([
+        "--hf-config", json.dumps(config), "--gpu", "rtx-4090", "--device-memory", "0.05", "--host-memory", "0.1",
+        "--disk-dir", str(tmp_path), "--disk", "500", "--batch-size", "2", "--seq-len", "64", "--num-slices", "8",
+        "--max-grad-norm", "1"]))
+    chosen = plan.chosen.config
+    assert (chosen.optimizer_state, chosen.masters, chosen.shadows) == ("disk", "disk", "disk")
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
+    model = OffloadModel(causal_lm_sequential(hf, loss_chunk_tokens=1024), device="cpu", num_slices=chosen.num_slices,
+                         compute_dtype=BF16, masters=DiskTier(tmp_path / "masters"), shadows="disk",
+                         resident_slices=chosen.resident_slices)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-4, fused=True, disk_tier=DiskTier(tmp_path / "state"))
+    ids = torch.randint(0, config["vocab_size"], (2, 64))
+    for _ in range(3):  # the steady state: the pool frees what the first step alone took after two more
+        model({"input_ids": ids, "labels": ids}).sum().backward()
+        clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+    optimizer.synchronize()
+    measured, predicted = model.memory_footprint(), plan.chosen.memory
+    for category in ("masters", "shadows", "gradients", "optimizer_state", "disk_window"):
+        assert predicted.host_categories()[category] == measured.host_categories()[category], category
+    assert measured.host_total == pytest.approx(predicted.host_total, rel=0.05)
+    assert measured.disk == pytest.approx(predicted.disk, rel=0.05)

@@ -131,9 +131,11 @@ def check_model_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     if args.loss_chunk_tokens < 0:
         parser.error("--loss-chunk-tokens must be 0 (logits) or a number of tokens")
     spec = args.hf_config
-    if spec and not spec.lstrip().startswith("{") and not Path(spec).exists():
+    if not spec or spec.lstrip().startswith("{"):
+        return  # JSON text (a long one is no path: asking the file system would fail)
+    if not Path(spec).exists():
         parser.error(f"--hf-config {spec}: no such file or directory, and not JSON")
-    if spec and Path(spec).is_dir() and not (Path(spec) / "config.json").is_file():
+    if Path(spec).is_dir() and not (Path(spec) / "config.json").is_file():
         parser.error(f"--hf-config {spec}: the directory holds no config.json")
 
 

@@ -155,11 +155,11 @@ def hf_config(spec: str) -> Any:
     """A transformers config from a ``config.json``, its directory, or the JSON text."""
     import transformers
 
-    path = Path(spec)
+    path, is_json = Path(spec), spec.lstrip().startswith("{")
     try:
-        if path.is_dir() and not spec.lstrip().startswith("{"):
+        if not is_json and path.is_dir():  # JSON first: a long text is no path the file system takes
             return transformers.AutoConfig.from_pretrained(path, local_files_only=True)
-        text = spec if spec.lstrip().startswith("{") else path.read_text()
+        text = spec if is_json else path.read_text()
         data = json.loads(text)
     except json.JSONDecodeError as error:
         raise PlanInputError(f"--hf-config {spec}: not valid JSON: {error}") from error

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..tiers.state_window import most_at_once
+
 if TYPE_CHECKING:
     from ..walk.engine import Engine
 
@@ -44,10 +46,15 @@ class MemoryFootprint:
         host_gradients: the parameters' ``.grad`` on the host (each storage once), pooled or not.
         host_optimizer_state: what the model's OffloadOptimizers keep per parameter (AdamW's
             moments, SGD's momentum), each storage once.
-        host_disk_window: host RAM the optimizers' disk tiers (:class:`~offload.DiskTier`) hold: their
-            window of three consecutive slices' state being read, updated and written (one arena:
-            Note: [The window's arena] in ``offload/tiers/state_window.py``), and state held after a failed
-            write (not pinned; state tensors in it are counted here, not as optimizer state).
+        host_disk_window: host RAM the disk tiers (:class:`~offload.DiskTier`) take while the optimizer
+            steps: the optimizers' window of three consecutive slices' state being read, updated and
+            written (one arena: Note: [The window's arena] in ``offload/tiers/state_window.py``), and
+            state held after a failed write (not pinned; state tensors in it are counted here, not as
+            optimizer state); with masters on disk, also the most three consecutive slices' masters
+            and gradients take while their updates read and write them (Note: [Masters on disk]),
+            less what of them is in RAM now (counted as masters and gradients). Between steps those
+            pages are dropped, but every step takes them again: counted, the host total is the most
+            RAM the model takes, and what :func:`~offload.estimate_memory` predicts.
         host_activations: pooled buffers in use that do not hold a ``.grad``: boundary
             activations and buffer snapshots waiting for backward, gradients on their way to
             autograd.
@@ -168,15 +175,17 @@ def measure(engine: Engine, optimizers: Iterable[torch.optim.Optimizer], tiers: 
     mapped = [storage.masters_file for storage in storages if storage.masters_file is not None]
     masters = sum(storage.flat.numel() for storage in storages if storage.masters_file is None)
     masters_in_ram = masters + sum(file.resident_bytes() for file in mapped)
+    gradients_in_ram = sum(home.file.resident_bytes() for home in homes)
     shadows = sum(storage.shadow.numel() for storage in storages if storage.shadow is not None)
     shadows += engine.staging.nbytes if engine.staging is not None else 0
     return MemoryFootprint(
         parameters=sum(p.numel() for p in params + on_device),
         host_masters=masters_in_ram,
         host_shadows=shadows,
-        host_gradients=sum(grad_storages.values()) + sum(home.file.resident_bytes() for home in homes),
+        host_gradients=sum(grad_storages.values()) + gradients_in_ram,
         host_optimizer_state=sum(state.values()),
-        host_disk_window=sum(tier.window_nbytes for tier in tiers),
+        host_disk_window=(sum(tier.window_nbytes for tier in tiers)
+                          + max(0, _update_window(storages) - (masters_in_ram - masters) - gradients_in_ram)),
         host_activations=pool_in_use,
         host_pool_idle=pool_idle,
         host_pool=engine.pool.nbytes,
@@ -190,6 +199,14 @@ def measure(engine: Engine, optimizers: Iterable[torch.optim.Optimizer], tiers: 
         device_resident_gradients=sum(device_grads.values()),
         device_resident_optimizer_state=sum(device_state.values()),
     )
+
+
+def _update_window(storages: list[Any]) -> int:
+    """The most RAM three consecutive slices' mapped masters and gradient files take while their
+    updates read and write them (Note: [Masters on disk]; 0 with the masters in RAM)."""
+    masters = [s.masters_file.nbytes if s.masters_file is not None else 0 for s in storages]
+    gradients = [s.gradient_home.file.nbytes if s.gradient_home is not None else 0 for s in storages]
+    return most_at_once(masters) + most_at_once(gradients)
 
 
 def _grad_storages(params: Iterable[torch.Tensor]) -> dict[int, int]:

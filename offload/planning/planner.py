@@ -323,11 +323,12 @@ def _placed(layout: SliceLayout, optimizer_state: str, masters: str, resident: i
         # One file per slice, in whole pages (offload/streams/mapped.py); three consecutive slices' masters
         # are in RAM while the optimizer steps (Note: [Masters on disk]). Their gradients go to
         # files of their own, read in and written back with them (Note: [Gradients on disk]).
-        grads = layout.gradient_bytes[resident:] or [0]
-        disk += sum(_align(h, 4096) for h in host_bytes) + sum(_align(g, 4096) for g in grads if g)
+        files = [_align(h, 4096) for h in host_bytes]
+        gradient_files = [_align(g, 4096) if g else 0 for g in layout.gradient_bytes[resident:] or [0]]
+        disk += sum(files) + sum(gradient_files)
         # Each read waits for the write of the slice ``window_slices`` reads before it, in slice
-        # order either way: the window holds the most that many consecutive slices take.
-        disk_window += most_at_once(host_bytes, window_slices) + most_at_once(grads, window_slices)
+        # order either way: the window holds the most that many consecutive slices' files take.
+        disk_window += most_at_once(files, window_slices) + most_at_once(gradient_files, window_slices)
         masters_bytes = 0
     return masters_bytes, state, disk, disk_window, masters == "disk"
 
