@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -77,8 +78,8 @@ def test_training_equals_the_plain_optimizer_and_keeps_one_gradient_copy(set_to_
     held = sum(p.numel() * 4 for p in model.parameters())
     activations = 3 * 5 * 32 * 4
     gradients = footprint.host_gradients + footprint.host_pool_idle + footprint.host_activations
-    if backwards == 1:  # accumulating over backwards goes through autograd (rule 6 of the note)
-        assert gradients <= held + 2 * slice_grad_bytes(model) + activations
+    # Accumulating over backwards adds onto the earlier gradients too (Note: [Adding onto earlier gradients]).
+    assert gradients <= held + 2 * slice_grad_bytes(model) + activations
     assert footprint.host_optimizer_state == 2 * held
 
 
@@ -357,3 +358,98 @@ def test_the_estimate_rounds_pinned_gradient_buffers_to_their_size_class():
     pinned = estimate_memory(counts, num_slices=4, device="cuda")
     assert host.host_pool_idle == 2 * 12_000_000
     assert pinned.host_pool_idle == 2 * size_class(12_000_000) > host.host_pool_idle
+
+
+def accumulate(module: nn.Module, steps: int, backwards: int, penalty: Callable[[int, int], bool] = lambda s, k: False,
+               twice: bool = False) -> None:
+    """``steps`` rounds of ``backwards`` backwards each, zeroing with ``zero_grad()`` between rounds;
+    ``penalty(step, k)``: whether that backward's loss adds a penalty on the first weight (a
+    gradient from outside the model); ``twice``: each loss calls the model twice."""
+    weight = next(iter(module.parameters()))
+    for step in range(steps):
+        module.zero_grad()
+        for k in range(backwards):
+            x = torch.randn(5, 32, generator=torch.Generator().manual_seed(10 * step + k))
+            loss = module(x).square().mean() + (module(2 * x).sum() if twice else 0)
+            if penalty(step, k):
+                loss = loss + weight.square().sum()
+            loss.backward()
+
+
+@pytest.mark.parametrize("case", ["plain", "penalty-from-the-start", "two-calls"])
+def test_accumulation_over_backwards_adds_onto_earlier_gradients_exactly(case):
+    """Note: [Adding onto earlier gradients]: the second and later backwards of an accumulation add
+    each slice's gradients onto .grad as they land, as autograd would, bit for bit; where a gradient
+    comes from outside the model too, they go through autograd and stay exact."""
+    plain = network()
+    model = OffloadModel(copy.deepcopy(plain), device="cpu", num_slices=3)
+    penalty = (lambda s, k: True) if case == "penalty-from-the-start" else (lambda s, k: False)
+    peaks = []
+    real = model._engine.gradients.accumulate
+
+    def counting(pending, in_flight=1):
+        real(pending, in_flight)
+        peaks.append(sum(not b.is_idle() for b in model._engine.pool.buffers() if b.data.numel() > 5 * 32))
+
+    model._engine.gradients.accumulate = counting
+    for module in (model, plain):
+        if case == "two-calls":  # known clean from single calls: then two calls in each backward's graph
+            accumulate(module, steps=1, backwards=2)
+        accumulate(module, steps=2, backwards=3, penalty=penalty, twice=case == "two-calls")
+    for p, q in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **EXACT)
+    if case == "plain":  # the gradients in .grad and two slices' buffers, never a second copy
+        assert max(peaks) <= len(list(model.parameters())) + 2
+
+
+def test_a_gradient_from_outside_after_adding_onto_earlier_ones_raises_then_goes_through_autograd():
+    plain = network()
+    model = OffloadModel(copy.deepcopy(plain), device="cpu", num_slices=3)
+    accumulate(model, steps=1, backwards=2)  # clean: the next accumulations add onto earlier gradients
+    # A penalty switched on mid-accumulation: .grad then differs from autograd's in rounding.
+    with pytest.raises(RuntimeError, match=r"the gradient of 'weight' of a Linear in slice 0 also came from outside "
+                                           r"the model.*Zero the gradients \(zero_grad\(\)\) and run this accumulation again"):
+        accumulate(model, steps=1, backwards=2, penalty=lambda s, k: k == 1)
+    # From then on exact: that weight's gradients go through autograd.
+    accumulate(plain, steps=1, backwards=2)
+    for module in (model, plain):
+        accumulate(module, steps=2, backwards=3, penalty=lambda s, k: k > 0)
+    for p, q in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **EXACT)
+
+
+def test_a_backward_that_fails_after_adding_onto_earlier_gradients_says_so(monkeypatch):
+    model = OffloadModel(network(), device="cpu", num_slices=3)
+    accumulate(model, steps=1, backwards=2)
+    real = model._engine.gradients.accumulate
+    calls = []
+
+    def failing(pending, in_flight=1):
+        real(pending, in_flight)
+        calls.append(1)
+        if len(calls) == 2:  # a slice's gradients added onto the earlier ones already
+            raise RuntimeError("disk full")
+
+    monkeypatch.setattr(model._engine.gradients, "accumulate", failing)
+    with pytest.raises(RuntimeError, match="disk full") as failed:
+        model(torch.randn(5, 32)).square().mean().backward()
+    assert any("onto those of earlier backwards" in note and "run the accumulation again" in note
+               for note in failed.value.__notes__)
+    monkeypatch.undo()
+    accumulate(model, steps=1, backwards=2)  # and the next backwards work: nothing left watching
+
+
+def test_accumulation_with_the_masters_on_disk_keeps_no_gradients_in_ram(tmp_path):
+    """The disk configuration with three backwards a step: the gradients live in their files and
+    RAM holds two slices' landing buffers, not the model's gradients (4 bytes per parameter)."""
+    model = OffloadModel(network(layers=8), device="cpu", num_slices=8, compute_dtype=torch.bfloat16,
+                         masters=tmp_path / "masters")
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True, disk_tier=tmp_path / "state")
+    for _ in range(3):
+        accumulate(model, steps=1, backwards=3)
+        optimizer.step()
+    optimizer.synchronize()
+    footprint = model.memory_footprint()
+    gradients = sum(p.numel() * 4 for p in model.parameters())
+    assert footprint.host_pool_idle + footprint.host_activations <= 2 * slice_grad_bytes(model) + 8 * 5 * 32 * 4
+    assert footprint.host_pool_idle < gradients / 2

@@ -34,8 +34,11 @@ Note: [Gradients added in place]
        bit for bit, signed zeros included, which does not hold for any ``.grad`` but zeros.
 
     Gradients accumulated over several backwards without zeroing in between (and ``.grad``
-    zeroed by a plain ``torch.optim`` optimizer) go through autograd, two copies and all; summing
-    microbatches on the device (``num_microbatches``) needs neither. The exception: the backward
+    zeroed by a plain ``torch.optim`` optimizer) are added in place too once a watched backward
+    has seen that no gradient from outside the model reaches the parameter, and otherwise go
+    through autograd, two copies and all (Note: [Adding onto earlier gradients] in
+    ``outside_gradients.py``); summing microbatches on the device (``num_microbatches``) needs
+    neither. The other exception: the backward
     that starts the optimizer's update (Note: [Update in backward] in
     ``offload/optimizing/in_backward.py``) takes any ``.grad`` that rule 2 allows. That backward
     checks that no gradient of a parameter arrives from outside the model, which is what rule 6
@@ -62,9 +65,13 @@ import torch
 
 
 def in_place_targets(ctx: Any, params: Sequence[torch.Tensor], first_edge: int, needed: Sequence[bool],
-                     walk_observed: bool, any_grad: Container[int] = ()) -> list[torch.Tensor | None]:
+                     walk_observed: bool, any_grad: Container[int] = (), onto_earlier: Container[int] = ()
+                     ) -> tuple[list[torch.Tensor | None], list[bool]]:
     """Per parameter of the walk, the ``.grad`` its gradient is added into on the host, or
-    ``None`` where autograd receives it (see Note: [Gradients added in place]).
+    ``None`` where autograd receives it (see Note: [Gradients added in place]); and whether it
+    could be added in place but for what ``.grad`` holds (rules 1 to 5 hold, and ``.grad`` is
+    empty or of the parameter's kind: a backward watches those, Note: [Adding onto earlier
+    gradients] in ``outside_gradients.py``).
 
     Args:
         ctx: the Function's context in backward.
@@ -74,26 +81,27 @@ def in_place_targets(ctx: Any, params: Sequence[torch.Tensor], first_edge: int, 
         walk_observed: something rewrites the walk's gradients per slice (rule 5).
         any_grad: ids of the parameters whose rule 6 is waived (those whose update the backward
             starts: the others keep rule 6, and a gradient from outside the model stays exact).
+        onto_earlier: ids of the parameters whose rule 6 is waived because no gradient from
+            outside the model reaches them (Note: [Adding onto earlier gradients]).
     """
     targets: list[torch.Tensor | None] = [None] * len(params)
+    candidates = [False] * len(params)
     will_execute = getattr(torch._C, "_will_engine_execute_node", None)
     if walk_observed or will_execute is None:
-        return targets
+        return targets, candidates
     appearances: dict[int, int] = {}
     for p in params:
         appearances[id(p)] = appearances.get(id(p), 0) + 1
     edges = ctx.next_functions
     for k, p in enumerate(params):
         grad = p.grad
-        if not needed[k] or grad is None or appearances[id(p)] != 1:
-            continue
-        if (grad.device != p.device or grad.dtype != p.dtype or grad.shape != p.shape
-                or grad.layout != torch.strided or grad.requires_grad):
+        if not needed[k] or appearances[id(p)] != 1:
+            continue  # rule 4
+        if grad is not None and (grad.device != p.device or grad.dtype != p.dtype or grad.shape != p.shape
+                                 or grad.layout != torch.strided or grad.requires_grad):
             continue  # rule 2
         if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None):
             continue  # rule 3
-        if id(p) not in any_grad and not still_zeroed(grad):
-            continue  # rule 6
         node = edges[first_edge + k][0] if first_edge + k < len(edges) else None
         if node is None:
             continue
@@ -101,9 +109,12 @@ def in_place_targets(ctx: Any, params: Sequence[torch.Tensor], first_edge: int, 
             accumulates = bool(will_execute(node))
         except RuntimeError:
             accumulates = False  # torch.autograd.grad: it refuses to say for a leaf (rule 1)
-        if accumulates:
-            targets[k] = grad
-    return targets
+        if not accumulates:
+            continue
+        candidates[k] = True
+        if grad is not None and (id(p) in any_grad or id(p) in onto_earlier or still_zeroed(grad)):
+            targets[k] = grad  # rule 6, or its waivers
+    return targets, candidates
 
 
 def mark_zeroed(params: Iterable[torch.Tensor]) -> None:

@@ -27,6 +27,7 @@ from ..walk.microbatch import join_outputs, split_leaves
 from ..walk.slice_walk import SliceWalk
 from .call import Call
 from .gradients import BackwardGradients, retain_graph_requested, split_output_grads
+from . import outside_gradients
 from .records import BoundaryLoader, CallRecord, ForwardRecords, OffloadedGraph
 from .slice_graph import Boundary, differentiate, graph_of, is_differentiable, requires_grad, run_forward
 
@@ -78,6 +79,7 @@ class OffloadFunction(torch.autograd.Function):
         if non_differentiable:
             ctx.mark_non_differentiable(*non_differentiable)
         ctx.run = CallRecord.of(engine, call, split, records, input_tensors)
+        outside_gradients.called(engine, ctx)  # Note: [Adding onto earlier gradients], step 2
         ctx.save_for_backward(*records.saved_for_backward())
         return outputs
 

@@ -36,6 +36,7 @@ import torch
 from ..walk.microbatch import join_input_grads, split_like
 from ..streams import PendingGradients, SliceGradients
 from ..streams.flat_views import flat_alias
+from . import outside_gradients
 from .accumulation import in_place_targets, restore_zeroed, still_zeroed
 from .records import CallRecord
 
@@ -135,13 +136,17 @@ class BackwardGradients:
             (i for i, flags in enumerate(self.per_slice_needed) if any(flags)), engine.num_slices)
         # - Who hears of each slice's final gradients (Note: [Update in backward])
         milestones = engine.milestones
-        milestones.backward_started(run.call, _accumulates(ctx, num_inputs, needed[num_inputs:]))
+        accumulates = _accumulates(ctx, num_inputs, needed[num_inputs:])
+        milestones.backward_started(run.call, accumulates)
         self.final_wanted = milestones.wants_final_gradients(run.call)
         # - Where each gradient goes: per slice, the .grad backward adds it into itself, or None
         #   where autograd receives it (Note: [Gradients added in place] in accumulation.py)
-        into = in_place_targets(ctx, engine.parameters(), num_inputs, needed[num_inputs:],
-                                milestones.rewrite_gradients,
-                                any_grad=milestones.final_parameters(run.call) if self.final_wanted else ())
+        params = engine.parameters()
+        final = milestones.final_parameters(run.call) if self.final_wanted else set()
+        clean = ({id(p) for p in params if outside_gradients.known_clean(p)}
+                 if accumulates and outside_gradients.alone(engine, ctx) else set())
+        into, candidates = in_place_targets(ctx, params, num_inputs, needed[num_inputs:], milestones.rewrite_gradients,
+                                            any_grad=final, onto_earlier=clean)
         self._into = [into[start:start + size] for start, size in zip(self._starts, sizes)]
         # Gradients go to their slice's file once landed (Note: [Gradients on disk]) unless
         # something rewrites them on their way (host averaging reads the landed views).
@@ -149,6 +154,7 @@ class BackwardGradients:
         # What a failed backward can zero again: .grad that held zeros (rule 6); the others were
         # taken only by the backward that starts the update.
         self._undoable = {id(t) for t in into if t is not None and still_zeroed(t)}
+        self._watched = self._watch(params, into, candidates, final)
         # - Gradients on their way
         self._slice: SliceGradients | None = None  # the current slice's, while its microbatches run
         self._pending: list[tuple[int, PendingGradients]] = []
@@ -156,6 +162,23 @@ class BackwardGradients:
         # gradient as .grad will hold it) - announced once their in-place additions are done.
         self._unannounced: list[tuple[int, PendingGradients, list[torch.Tensor | None]]] = []
         self._announced = False  # whether a slice's final gradients were announced (its update may run)
+
+    def _watch(self, params: Sequence[torch.Tensor], into: Sequence[torch.Tensor | None], candidates: Sequence[bool],
+               final: set[int]) -> set[int]:
+        """Watch, until this backward ends, the parameters added onto earlier gradients and those not
+        known yet (Note: [Adding onto earlier gradients], step 1); their ids. The update in backward
+        watches its own (``final``)."""
+        chosen = []
+        for p, target, candidate in zip(params, into, candidates):
+            if not candidate or id(p) in final:
+                continue
+            onto_earlier = target is not None and id(target) not in self._undoable
+            if onto_earlier or not outside_gradients.known(p):
+                chosen.append((p, onto_earlier))
+        if chosen:
+            names = self.run.engine.parameter_names()
+            outside_gradients.watch(chosen, lambda p: names.get(id(p), "a parameter"))
+        return {id(p) for p, _ in chosen}
 
     def wants_input_grads(self, i: int) -> bool:
         """Whether slice ``i``'s graphs must give gradients for their boundary inputs."""
@@ -210,18 +233,28 @@ class BackwardGradients:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
-        if exc_type is not None:
-            # A failed backward leaves .grad as autograd would: rule 6 of Note: [Gradients added in place].
-            added = [g for _, p in self._pending for g in p.added]
-            restore_zeroed(g for g in added if id(g) in self._undoable)
-            # A slice announced may have had its update started, whether its gradients went into .grad
-            # or (with .grad None) were to be handed to autograd.
-            if ((self._announced or any(id(g) not in self._undoable for g in added))
-                    and isinstance(exc[0], BaseException)):
-                exc[0].add_note(
-                    "OffloadModel: this backward was to start the optimizer's update (update_in_backward): the "
-                    "update of the slices whose gradients had landed may have run with this backward's gradients, "
-                    "and their .grad may hold them. Reload the last checkpoint before training on.")
+        if exc_type is None:
+            return
+        if self._watched:
+            outside_gradients.abandon()  # the backward's end, which judges what it watched, never comes
+        # A failed backward leaves .grad as autograd would: rule 6 of Note: [Gradients added in place].
+        added = [g for _, p in self._pending for g in p.added]
+        restore_zeroed(g for g in added if id(g) in self._undoable)
+        kept = any(id(g) not in self._undoable for g in added)
+        if not isinstance(exc[0], BaseException):
+            return
+        # A slice announced may have had its update started, whether its gradients went into .grad
+        # or (with .grad None) were to be handed to autograd.
+        if self._announced or (kept and self.final_wanted):
+            exc[0].add_note(
+                "OffloadModel: this backward was to start the optimizer's update (update_in_backward): the "
+                "update of the slices whose gradients had landed may have run with this backward's gradients, "
+                "and their .grad may hold them. Reload the last checkpoint before training on.")
+        elif kept:
+            exc[0].add_note(
+                "OffloadModel: this backward had added some slices' gradients into .grad, onto those of earlier "
+                "backwards (Note: [Adding onto earlier gradients]), and that cannot be undone: .grad holds part of "
+                "this backward. Zero the gradients (zero_grad()) and run the accumulation again.")
 
     def land(self) -> None:
         """Every slice's gradients on the host: the optimizer reads them next, and may overwrite
@@ -239,6 +272,9 @@ class BackwardGradients:
         for i, grads in self._pending:
             for j, g in enumerate(grads.host_views):
                 param_results[self._starts[i] + j] = g
+        if self._watched:
+            outside_gradients.returned((p, g) for p, g in zip(engine.parameters(), param_results)
+                                       if id(p) in self._watched)
         return [*self._input_grads(grad_in if self.lowest == 0 else None), *param_results]
 
     def _input_grads(self, grad_in: list[list[torch.Tensor | None]] | None) -> list[torch.Tensor | None]:

@@ -1,0 +1,218 @@
+"""Which of a model's parameters receive gradients from outside it, learned by watching the
+backwards that accumulate; what lets backward add a slice's gradients onto an earlier backward's.
+
+Note: [Adding onto earlier gradients]
+    Rule 6 of Note: [Gradients added in place] (``accumulation.py``) lets backward add a slice's
+    gradients into ``.grad`` as they land only where ``.grad`` holds the zeros that
+    ``zero_grad(set_to_none=False)`` wrote. Gradient accumulation over several backwards (the
+    Hugging Face Trainer's ``gradient_accumulation_steps``, any loop calling backward K times
+    before ``step()``) finds ``.grad`` holding the earlier backwards' sum instead. Every slice's
+    new gradients then waited on the host beside it until autograd added them after the last
+    slice: a second copy of all gradients (4 bytes per float32 parameter) in every backward but
+    the first of each step, kept in the pool from one to the next.
+
+    Adding onto earlier gradients on landing gives autograd's ``.grad += new`` bit for bit
+    exactly when nothing else contributes to the parameter's gradient in the same backward.
+    With a contribution from outside the model (a penalty on the weights, another model sharing
+    the parameter) autograd computes ``earlier + (ours + outside)`` and the in-place path
+    ``(earlier + ours) + outside``: equal up to rounding, not bit for bit. PyTorch cannot say
+    which nodes feed a parameter's accumulation node before they run, so it is learned and
+    checked instead:
+
+    1. a backward that accumulates into ``.grad`` watches each of the walk's parameters it does
+       not know yet, and each whose gradients it adds onto earlier ones, with a pre-hook on the
+       parameter's accumulation node: receiving anything but what backward returned for it
+       (nothing, where backward added it in place) means a gradient from outside. At the end of
+       the backward the parameter is known *clean* or *outside*;
+    2. backward adds a clean parameter's gradients onto earlier ones (rule 6 waived) when no
+       other call of the model has a graph alive (two calls in one backward would add their
+       parts one after the other, where autograd sums them first);
+    3. a clean parameter whose gradients were added onto earlier ones and that then receives one
+       from outside (the loss changed: a penalty switched on mid-training) makes the backward
+       raise at its end, since ``.grad`` then differs from autograd's in rounding; it is known
+       outside from then on and goes through autograd, two copies and all. A loss that uses a
+       parameter outside the model from its first backward never raises: that backward, which
+       adopts its gradients or adds them into zeros, sees it first;
+    4. a backward that fails part way cannot take out what it added onto earlier gradients
+       (rule 6's undo needs zeros): its error says to zero the gradients and accumulate again.
+
+    The cost: a pre-hook per watched parameter per backward (about 6 microseconds each on a
+    CPU), only in the backwards that add onto earlier gradients once every parameter is known.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+#: id(parameter) -> (a weak reference to it, whether it is known clean); an entry goes with its
+#: parameter. Keyed by id: tensors compare elementwise, so they cannot be dict keys.
+_KNOWN: dict[int, tuple[weakref.ref[torch.Tensor], bool]] = {}
+
+
+def known_clean(param: torch.Tensor) -> bool:
+    """Whether a watched backward saw ``param`` receive gradients from its model only (step 1)."""
+    entry = _KNOWN.get(id(param))
+    return entry is not None and entry[0]() is param and entry[1]
+
+
+def known(param: torch.Tensor) -> bool:
+    entry = _KNOWN.get(id(param))
+    return entry is not None and entry[0]() is param
+
+
+#: Each model's calls whose graphs are alive (their Function nodes, by engine).
+_CALLS: weakref.WeakKeyDictionary[Any, weakref.WeakSet[Any]] = weakref.WeakKeyDictionary()
+
+
+def called(engine: Any, node: Any) -> None:
+    """Remember a call of ``engine``'s model whose graph has the Function node ``node``."""
+    _CALLS.setdefault(engine, weakref.WeakSet()).add(node)
+
+
+def alone(engine: Any, node: Any) -> bool:
+    """Whether the running backward runs no call of ``engine``'s model but ``node``'s (step 2)."""
+    will_execute = getattr(torch._C, "_will_engine_execute_node", None)
+    if will_execute is None:
+        return False
+    for other in list(_CALLS.get(engine, ())):
+        if other is node:
+            continue
+        try:
+            if will_execute(other):
+                return False
+        except RuntimeError:
+            return False
+    return True
+
+
+def _learn(param: torch.Tensor, clean: bool) -> None:
+    key = id(param)
+    entry = _KNOWN.get(key)
+    if entry is not None and entry[0]() is param:
+        clean = clean and entry[1]  # once outside, always outside
+    _KNOWN[key] = (weakref.ref(param, lambda _: _KNOWN.pop(key, None)), clean)
+
+
+def _identity(t: torch.Tensor | None) -> tuple[Any, ...] | None:
+    """What tells a gradient apart from any other alive at the same time: its memory and shape (a
+    sum of two contributions is a new tensor)."""
+    if t is None:
+        return None
+    memory = t._values() if t.is_sparse else t
+    return (memory.data_ptr(), memory.storage_offset(), tuple(t.shape), t.layout)
+
+
+@dataclass
+class _Watched:
+    param: weakref.ref[torch.Tensor]
+    name: str
+    onto_earlier: bool
+    #: identity of what backward returned for it (``None``: nothing, or added in place)
+    expected: tuple[Any, ...] | None = None
+    outside: bool = False
+
+
+@dataclass
+class _Task:
+    """What one run of autograd's engine watches, judged at its end."""
+
+    id: int
+    thread: int
+    watched: dict[int, _Watched] = field(default_factory=dict)
+    hooks: list[Any] = field(default_factory=list)
+
+    def close(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
+
+
+#: The backwards running now, by graph task id (a backward per thread at most, but nested ones).
+_TASKS: dict[int, _Task] = {}
+_LOCK = threading.Lock()
+
+
+def _current_task() -> _Task:
+    """The running backward's watch, opened (with its end's callback queued) on first use."""
+    task_id = int(torch._C._current_graph_task_id())
+    thread = threading.get_ident()
+    with _LOCK:
+        task = _TASKS.get(task_id)
+        if task is not None:
+            return task
+        # A backward that failed never reached its end (its callbacks do not run): an earlier
+        # task of this thread that is still open is such a one; its hooks must not judge later ones.
+        for stale in [t for t in _TASKS.values() if t.thread == thread and t.id < task_id]:
+            stale.close()
+            del _TASKS[stale.id]
+        task = _TASKS[task_id] = _Task(task_id, thread)
+    torch.autograd.Variable._execution_engine.queue_callback(lambda: _task_done(task))
+    return task
+
+
+def watch(params: Iterable[tuple[torch.Tensor, bool]], names: Callable[[torch.Tensor], str]) -> None:
+    """Watch each ``(param, added onto earlier gradients)`` at its accumulation node for the rest of
+    the running backward (step 1)."""
+    task = _current_task()
+    for param, onto_earlier in params:
+        if id(param) in task.watched:  # the model's second call in this backward
+            task.watched[id(param)].onto_earlier |= onto_earlier
+            continue
+        watched = task.watched[id(param)] = _Watched(weakref.ref(param), names(param), onto_earlier)
+        node = torch.autograd.graph.get_gradient_edge(param).node
+
+        def check(grad_inputs: tuple[torch.Tensor | None, ...], watched: _Watched = watched) -> None:
+            if _identity(grad_inputs[0] if grad_inputs else None) != watched.expected:
+                watched.outside = True
+
+        task.hooks.append(node.register_prehook(check))
+
+
+def returned(params: Iterable[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+    """What backward returns to autograd for each watched parameter (``None``: nothing)."""
+    task = _TASKS.get(int(torch._C._current_graph_task_id()))
+    if task is None:
+        return
+    for param, grad in params:
+        watched = task.watched.get(id(param))
+        if watched is not None and grad is not None:
+            # By its memory, not a reference: holding the tensor would make autograd copy it.
+            watched.expected = _identity(grad)
+
+
+def abandon() -> None:
+    """Stop watching the running backward, which failed (its end's callback never runs)."""
+    task_id = int(torch._C._current_graph_task_id())
+    with _LOCK:
+        task = _TASKS.pop(task_id, None)
+    if task is not None:
+        task.close()
+
+
+def _task_done(task: _Task) -> None:
+    with _LOCK:
+        _TASKS.pop(task.id, None)
+    task.close()
+    spoiled = []
+    for watched in task.watched.values():
+        param = watched.param()
+        if param is None:
+            continue
+        if watched.outside and watched.onto_earlier:
+            spoiled.append(watched.name)
+        _learn(param, not watched.outside)
+    if spoiled:
+        listing = ", ".join(spoiled[:5]) + (f" and {len(spoiled) - 5} more" if len(spoiled) > 5 else "")
+        raise RuntimeError(
+            f"OffloadModel: the gradient of {listing} also came from outside the model in this backward (the loss "
+            "uses the parameter itself, e.g. a penalty on the weights, or another model shares it), and backward "
+            "had added the model's part into .grad as it landed, onto the gradients of earlier backwards (Note: "
+            "[Adding onto earlier gradients]): .grad now differs from PyTorch's sum in rounding. From now on these "
+            "parameters' gradients go through autograd. Zero the gradients (zero_grad()) and run this accumulation "
+            "again.")
