@@ -3,7 +3,9 @@
 Builds an MLP of ``--params`` parameters (16 square ``nn.Linear`` layers with ReLUs between them),
 wraps it in ``--slices`` slices, trains it three steps with
 ``OffloadOptimizer(torch.optim.AdamW, fused=True)`` and ``zero_grad(set_to_none=False)`` on a
-small batch, and reports host bytes per parameter two ways:
+small batch (``--backwards K``: K backwards a step, gradients accumulated over them, zeroed with
+``zero_grad()`` after each step as the Hugging Face Trainer does), and reports host bytes per
+parameter two ways:
 
 - by category, from ``memory_footprint()`` after the last step (masters, shadows, gradients,
   optimizer state, the pool of gradient and activation buffers);
@@ -23,6 +25,7 @@ Usage::
     python benchmarks/bench_host_memory.py                                   # 10 M parameters (CI)
     python benchmarks/bench_host_memory.py --params 100e6 --json benchmarks/results/host_memory_fp32.json
     python benchmarks/bench_host_memory.py --params 100e6 --compute-dtype bfloat16 --json out.json
+    python benchmarks/bench_host_memory.py --params 100e6 --backwards 4   # accumulation over backwards
 """
 
 from __future__ import annotations
@@ -66,21 +69,24 @@ def build_mlp(params: float) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def train(params: float, slices: int, compute_dtype: torch.dtype | None, steps: int) -> OffloadModel:
+def train(params: float, slices: int, compute_dtype: torch.dtype | None, steps: int, backwards: int = 1
+          ) -> OffloadModel:
     plain = build_mlp(params)
     model = OffloadModel(plain, device="cpu", num_slices=slices, compute_dtype=compute_dtype)
     optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-3, fused=True)
     x = torch.randn(BATCH, plain[0].in_features)
     for _ in range(steps):
-        model(x).float().square().mean().backward()
+        for _ in range(backwards):
+            model(x).float().square().mean().backward()
         optimizer.step()
-        optimizer.zero_grad(set_to_none=False)
+        optimizer.zero_grad(set_to_none=backwards > 1)
     optimizer.synchronize()
     model._bench_optimizer = optimizer  # type: ignore[attr-defined]  # its state counts while the model lives
     return model
 
 
-def measure(params: float, slices: int, compute_dtype: torch.dtype | None, steps: int = 3) -> dict:
+def measure(params: float, slices: int, compute_dtype: torch.dtype | None, steps: int = 3, backwards: int = 1
+            ) -> dict:
     torch.manual_seed(0)
     warm = train(1e4, slices, compute_dtype, 1)  # what a process sets up once
     host_kernel(wait=True)  # the one-pass update's kernel, too: loaded on a thread of its own
@@ -89,7 +95,7 @@ def measure(params: float, slices: int, compute_dtype: torch.dtype | None, steps
     baseline, _ = rss_bytes()
     estimate = estimate_memory([_layer_params(params)] * LAYERS, num_slices=slices,
                                compute_dtype=compute_dtype, device="cpu")
-    model = train(params, slices, compute_dtype, steps)
+    model = train(params, slices, compute_dtype, steps, backwards)
     count = sum(p.numel() for p in model.parameters())
     gc.collect()
     rss, peak = rss_bytes()
@@ -100,6 +106,7 @@ def measure(params: float, slices: int, compute_dtype: torch.dtype | None, steps
         "slices": slices,
         "compute_dtype": None if compute_dtype is None else str(compute_dtype).removeprefix("torch."),
         "steps": steps,
+        "backwards_per_step": backwards,
         "host_bytes": categories,
         "host_bytes_per_param": {name: nbytes / count for name, nbytes in categories.items()},
         "host_bytes_per_param_total": footprint.host_total / count,
@@ -128,10 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slices", type=int, default=8, help="slices (default: 8)")
     parser.add_argument("--compute-dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                         help="dtype the layers compute in; float32 (the default) keeps no shadow")
+    parser.add_argument("--backwards", type=int, default=1,
+                        help="backwards a step, accumulating gradients (default: 1)")
     parser.add_argument("--json", metavar="PATH", help="write the figures to this JSON file")
     args = parser.parse_args(argv)
+    if args.backwards < 1:
+        parser.error("--backwards must be at least 1")
     compute_dtype = None if args.compute_dtype == "float32" else getattr(torch, args.compute_dtype)
-    result = measure(args.params, args.slices, compute_dtype)
+    result = measure(args.params, args.slices, compute_dtype, backwards=args.backwards)
     print(result["footprint"])
     print(f"parameters: {result['parameters']:,}")
     for name, value in result["host_bytes_per_param"].items():
