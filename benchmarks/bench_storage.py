@@ -23,7 +23,8 @@ Four measurements, written to one JSON file:
    slices' state), and each child's peak RSS over its RSS before building the model.
    A third child puts the masters on disk too, under a bfloat16 compute dtype
    (``host_bytes_per_param_masters_on_disk``: the shadow, the gradient pool, the scalars and the
-   windows; the masters' pages in RAM, none between steps).
+   windows, the masters' counting three slices' masters and gradients, in RAM while the optimizer
+   steps and dropped between steps).
 4. **Exact**: ``--exact-steps`` steps of a small model with the state in RAM and on disk give the
    same parameters and optimizer state bit for bit (``exact``); likewise with the masters on disk
    too, against masters in RAM (``exact_masters_on_disk``).

@@ -212,8 +212,12 @@ def test_bench_storage_smoke_test(tmp_path):
     data = json.loads((tmp_path / "storage.json").read_text())
     assert data["exact_masters_on_disk"] is True
     # The masters (4) and their gradients (4) moved to disk as well, a bfloat16 shadow (2) came: 6
-    # bytes per parameter fewer.
-    assert data["host_bytes_per_param_disk"] - data["host_bytes_per_param_masters_on_disk"] == pytest.approx(
+    # bytes per parameter fewer, but for the three slices' masters and gradients RAM takes while
+    # the optimizer steps (counted in the window: Note: [Masters on disk]).
+    window = (data["masters_and_state_on_disk"]["host_bytes"]["host_disk_window"]
+              - data["state_on_disk"]["host_bytes"]["host_disk_window"]) / data["state_on_disk"]["parameters"]
+    assert 0 < window < 8
+    assert data["host_bytes_per_param_disk"] - data["host_bytes_per_param_masters_on_disk"] + window == pytest.approx(
         6, rel=0.1)
     for key in ("disk_read_gbps", "disk_write_gbps", "tier_read_fraction", "tier_write_fraction"):
         assert data[key] > 0, key
