@@ -123,3 +123,20 @@ def count_parallel_norms(monkeypatch: Any) -> list[int]:
     norm = offload.clipping.total_grad_norm
     monkeypatch.setattr(offload.clipping, "total_grad_norm", lambda *a, **k: calls.append(1) or norm(*a, **k))
     return calls
+
+
+def run_state_lookups(monkeypatch: Any) -> list[torch.Tensor]:
+    """A list that grows by each tensor binding asks for an 8-bit layer's run state (Note:
+    [Quantized weights], rule 6, in ``offload/streams/quantized.py``)."""
+    from offload.streams import quantized
+
+    looked_up: list[torch.Tensor] = []
+
+    def looking_up(obj: Any, name: str, *default: Any) -> Any:
+        if name == quantized.RUN_STATE:
+            looked_up.append(obj)
+        return getattr(obj, name, *default)
+
+    # The module's own name shadows the builtin, for quantized.py's code alone.
+    monkeypatch.setattr(quantized, "getattr", looking_up, raising=False)
+    return looked_up

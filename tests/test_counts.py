@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from offload import OffloadModel
 from offload.streams import DeviceSlots
 
-from .helpers import DEVICES, HostStepped
+from .helpers import DEVICES, HostStepped, run_state_lookups
 
 
 class Counted(nn.Module):
@@ -74,6 +74,21 @@ def test_loads_per_step(num_slices):
     with torch.no_grad():
         model(torch.randn(2, 4))
     assert slots.loads - before == num_slices
+
+
+@pytest.mark.parametrize("checkpoint", [True, False])
+def test_binding_a_slice_without_8bit_layers_looks_up_no_run_state(monkeypatch, checkpoint):
+    # Every load, forward and backward binds a slice; only an 8-bit weight carries a run state
+    # (Note: [Quantized weights], rule 6), and its slice's layout says where, so a float slice's
+    # binding looks at none of its entries for one.
+    model = OffloadModel(counted_model(4), device="cpu", num_slices=2, num_microbatches=2,
+                         checkpoint_activation=checkpoint)
+    assert all(s.storage.run_state_positions == [] for s in model._engine.slices)
+    looked_up = run_state_lookups(monkeypatch)
+    model(torch.randn(6, 4)).sum().backward()
+    with torch.no_grad():
+        model(torch.randn(6, 4))
+    assert looked_up == []
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -20,7 +20,7 @@ import torch
 from offload import OffloadModel, OffloadOptimizer
 from offload.model import engine_of
 
-from .helpers import DEVICES, assert_same_grads
+from .helpers import DEVICES, assert_same_grads, run_state_lookups
 from .test_mixed_precision import master_grads_of
 from .test_qlora import assert_microbatched_runs_match, assert_placed_runs_match
 from .test_peft import assert_same_step, labels_of, lora, offloaded_step, reference_step, trainable
@@ -127,6 +127,23 @@ def test_lora_over_8bit_forward_in_eval():
     with torch.no_grad():
         torch.testing.assert_close(model(batch()), reference(**batch(), use_cache=False).logits, **EXACT)
     assert len(runs) == 7 * 2
+
+
+def test_binding_swaps_run_states_at_the_8bit_weights_alone(monkeypatch):
+    # The slice's layout finds its 8-bit weights once; binding looks up the run state of those
+    # entries alone, and a slice without any (the embedding's, the head's) looks up none.
+    peft_model = lora(eight_bit(build("llama", layers=2)), lora_dropout=0.0)
+    model = OffloadModel(causal_lm_sequential(peft_model), device="cpu", num_slices=4)
+    slices = engine_of(model).slices
+    for s in slices:
+        held = [id(s.storage.entries[i].tensor) for i in s.storage.run_state_positions]
+        assert held == [id(m.weight) for layer in s.layers for m in eight_bit_layers(layer)]
+    assert any(not s.storage.run_state_positions for s in slices)
+    looked_up = run_state_lookups(monkeypatch)
+    runs = reading_from_the_slots(model, peft_model)
+    model(batch()).sum().backward()
+    assert looked_up and all(isinstance(t, bnb.nn.Int8Params) for t in looked_up)
+    assert len(runs) == 7 * 2 * 2  # each 8-bit layer in forward and in backward's recompute
 
 
 def test_the_scales_travel_with_the_codes_and_are_counted():

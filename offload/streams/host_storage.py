@@ -33,8 +33,8 @@ from .disk import DiskTierError
 from .flat_views import _itemsize, alias, flat_exporter, own_storage_view, typed_view
 from .gradient_files import GradientHome
 from .mapped import MappedFile
-from .slice_entries import (Entry, RegisteredTensors, _runs, collect_entries, companions_of, settle_8bit_layers,
-                            states_replaced)
+from .slice_entries import (Entry, RegisteredTensors, _runs, collect_entries, companions_of, run_state_positions,
+                            settle_8bit_layers, states_replaced)
 from .slice_layout import lay_out
 
 #: True while a loader builds slices whose tensors are on the meta device (see
@@ -159,7 +159,6 @@ class SliceStorage:
             batch and instance norms); ``None`` keeps every dtype. When set, a pinned *shadow*
             holds the slice in the device layout and dtypes, so loads move half the bytes of float32; it is
             refreshed from the host copies once per forward (see :meth:`transfer_source`).
-
         held_elsewhere: ids of the tensors earlier slices hold; such parameters are borrowed.
         allocate_masters: makes the host buffer of a slice that has a shadow as a file mapping
             (:class:`~offload.streams.mapped.MappedFile`, Note: [Masters on disk]); ``None`` keeps
@@ -219,6 +218,7 @@ class SliceStorage:
         self.companions = companions_of(own, self.borrowed, self.held_elsewhere)  # Note: [Quantized weights]
         self.params = own + self.borrowed
         self.entries = self.params + self.companions + self.buffers
+        self.run_state_positions = run_state_positions(self.params)  # Note: [Quantized weights], rule 6
         #: what this slice holds: laid out in the host buffer, in the same order as in the slot
         self.held = own + self.companions + self.buffers
         self._running_stat_modules = _running_stat_modules(self.layers)

@@ -160,14 +160,16 @@ def device_state(module: torch.nn.Module, weight: torch.Tensor, scales: torch.Te
     return state
 
 
-def swap_run_states(sites: Sequence[Sequence[Any]], tensors: Sequence[torch.Tensor]) -> list[tuple[Any, Any]]:
-    """Give each ``Linear8bitLt`` among ``sites`` the state its bound device weight carries
+def swap_run_states(sites: Sequence[Sequence[Any]], tensors: Sequence[torch.Tensor],
+                    positions: Sequence[int]) -> list[tuple[Any, Any]]:
+    """Give each ``Linear8bitLt`` registered at ``sites[i]``, for ``i`` in ``positions`` (where
+    its slice holds 8-bit weights), the state its bound device weight ``tensors[i]`` carries
     (rule 6); returns ``(module, state)`` pairs that :func:`restore_run_states` puts back."""
     swapped: list[tuple[Any, Any]] = []
-    for entry_sites, tensor in zip(sites, tensors):
-        state = getattr(tensor, RUN_STATE, None)
+    for i in positions:
+        state = getattr(tensors[i], RUN_STATE, None)
         if state is not None:
-            for site in entry_sites:
+            for site in sites[i]:
                 swapped.append((site.module, site.module.state))
                 site.module.state = state
     return swapped

@@ -133,6 +133,15 @@ def settle_8bit_layers(params: Sequence[Entry]) -> None:
                 settle_8bit_layer(site.module, entry.tensor, entry.companions[0].tensor)
 
 
+def run_state_positions(params: Sequence[Entry]) -> list[int]:
+    """Where among a slice's entries (its parameters first) the 8-bit weights are, whose device
+    copies carry the state their layers run with (:func:`bind_device_weights`).
+
+    Known once the slice is laid out, so that binding swaps states at these entries alone and a
+    slice without 8-bit layers looks at none of its entries for one."""
+    return [i for i, entry in enumerate(params) if entry.companions and is_8bit_weight(entry.tensor)]
+
+
 def bind_device_weights(tensors: list[torch.Tensor], views: Sequence[torch.Tensor], params: Sequence[Entry]) -> None:
     """Replace in ``tensors`` (one per entry of a slice: its parameters, then its companions in
     the order of their weights, then its buffers) each quantized weight's device copy by

@@ -22,7 +22,9 @@ from ..streams.sites import Site
 
 @dataclass
 class Binding:
-    """Context manager that puts ``tensors[i]`` at every site in ``sites[i]``.
+    """Context manager that puts ``tensors[i]`` at every site in ``sites[i]``, and swaps in the
+    run state of each 8-bit layer at ``run_state_positions`` (the slice's
+    ``SliceStorage.run_state_positions``; Note: [Quantized weights], rule 6).
 
     After the call, :attr:`reassigned` lists ``(i, new_tensor)`` for buffers a module replaced
     during the call (``self.count = self.count + 1``); the caller decides what to keep of them.
@@ -39,6 +41,7 @@ class Binding:
 
     sites: Sequence[Sequence[Site]]
     tensors: Sequence[torch.Tensor]
+    run_state_positions: Sequence[int]
     reassigned: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     _originals: list[tuple[Site, torch.Tensor | None]] = field(default_factory=list)
     _run_states: list[tuple[nn.Module, object]] = field(default_factory=list)
@@ -51,7 +54,9 @@ class Binding:
                 table[site.name] = tensor
         _refresh_flat_weights(self.sites)
         # An 8-bit layer reads its codes from its own state: Note: [Quantized weights], rule 6.
-        self._run_states = swap_run_states(self.sites, self.tensors)
+        # Which entries are 8-bit weights is known from the slice's layout, so a slice without
+        # one binds without looking at any entry for a state: every load, forward and backward.
+        self._run_states = swap_run_states(self.sites, self.tensors, self.run_state_positions)
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,

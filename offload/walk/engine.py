@@ -86,7 +86,7 @@ class Slice:
         """A context in which the layers see ``tensors`` (one per storage entry) in place of their
         host copies (see Note: [Device copies while autograd runs a slice] in
         ``offload/autograd/slice_graph.py``)."""
-        return Binding([entry.sites for entry in self.storage.entries], tensors)
+        return Binding([entry.sites for entry in self.storage.entries], tensors, self.storage.run_state_positions)
 
     def run_on_device(self, slots: DeviceSlots, tensors: Sequence[torch.Tensor], inputs: Any) -> SliceResult:
         """Run the layers on ``inputs`` with ``tensors`` (one per storage entry, views of the
@@ -95,7 +95,7 @@ class Slice:
         has_buffers = bool(self.storage.buffers)
         written_before = slots.write_counter(self.index) if has_buffers else 0
         sites = [entry.sites for entry in self.storage.entries]
-        with Binding(sites, tensors) as binding:
+        with Binding(sites, tensors, self.storage.run_state_positions) as binding:
             output = self.run(inputs)
         # An output that aliases the slot (a layer returning a weight or a view of one) would change
         # under the caller's feet when the slot is reused: give it memory of its own.
