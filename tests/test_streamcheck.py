@@ -38,6 +38,20 @@ def reference(name: str) -> list[torch.Tensor]:
     return _reference_cache[name]
 
 
+_asked_cache: dict[str, set[Dependency]] = {}
+
+
+def asked_by(name: str) -> set[Dependency]:
+    """The orderings scenario ``name`` asks the copy engine for, on a checked run with every one in
+    place, computed once: leaving out any other ordering changes nothing in that scenario."""
+    if name not in _asked_cache:
+        gc.collect()
+        with StreamChecker() as checker:
+            run_quietly(name)
+        _asked_cache[name] = set(checker.dependencies)
+    return _asked_cache[name]
+
+
 def run_quietly(name: str) -> list[torch.Tensor]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "OffloadModel with num_microbatches > 1 runs BatchNorm")
@@ -382,6 +396,8 @@ def exposing_scenario(dependency: Dependency, raising_counts: bool) -> str | Non
     # not inside a checked run.
     gc.collect()
     for name in SCENARIOS:
+        if dependency not in asked_by(name):
+            continue  # never asked for there: leaving it out runs the scenario unchanged
         expected = reference(name)
         with StreamChecker(leave_out=lambda d: d == dependency) as checker:
             try:
@@ -411,9 +427,7 @@ def raises_unmutated(name: str) -> bool:
 def test_the_lists_name_every_ordering_the_copy_engine_asks_for():
     asked: set[Dependency] = set()
     for name in SCENARIOS:
-        with StreamChecker() as checker:
-            run_quietly(name)
-        asked |= checker.dependencies
+        asked |= asked_by(name)
     listed = set(NEEDED) | set(COVERED) | set(LOUD) | set(MEMORY_ONLY) | set(UNSEEN)
     assert asked == listed, f"new: {sorted(map(str, asked - listed))}; gone: {sorted(map(str, listed - asked))}"
 
