@@ -292,10 +292,12 @@ def offload_optimizer_masters_on_disk(build: Build) -> list[torch.Tensor]:
 
 def offload_optimizer_shadows_on_disk(build: Build) -> list[torch.Tensor]:
     """Masters on disk and no shadow kept (Note: [Shadows on disk]): each load casts its slice's
-    masters into the next of two pinned staging buffers, which the load two before it read; the
-    head borrows the tied embedding, cast into a staging buffer of its own."""
+    masters into the next of two pinned staging buffers, which the load two before it read, ahead
+    on a worker after the first load of a walk (the third slice's cast into the buffer the first
+    slice's load of the same walk read); the head borrows the tied embedding, cast into a staging
+    buffer of its own."""
     with tempfile.TemporaryDirectory() as directory:
-        model = build(tied_mlp(), num_slices=3, compute_dtype=torch.bfloat16, masters=directory, shadows="disk")
+        model = build(tied_mlp(), num_slices=4, compute_dtype=torch.bfloat16, masters=directory, shadows="disk")
         with OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True, disk_tier=directory) as optimizer:
             seen = train(model, steps=3, optimizer=optimizer)
             optimizer.synchronize()

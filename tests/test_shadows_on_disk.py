@@ -7,16 +7,21 @@ disk] in offload/streams/shadow_staging.py)."""
 from __future__ import annotations
 
 import copy
+import errno
 import json
+import os
+import re
+import threading
 from dataclasses import replace
 
 import pytest
 import torch
 from torch import nn
 
-from offload import (DiskTier, OffloadModel, OffloadOptimizer, estimate_memory, latest_checkpoint,
+from offload import (DiskTier, DiskTierError, OffloadModel, OffloadOptimizer, estimate_memory, latest_checkpoint,
                      load_checkpoint, save_checkpoint)
 from offload.streamcheck import Dependency, StreamChecker
+from offload.streams import host_storage, mapped
 from offload.streams.shadow_staging import STAGING_BUFFERS
 
 from .helpers import DEVICES
@@ -210,18 +215,88 @@ def test_the_estimate_counts_the_staging_window(tmp_path):
     assert plan.host_total == in_ram.host_total - in_ram.host_shadows // 2
 
 
-def test_leaving_out_the_wait_for_a_staging_buffer_is_caught():
+def casts_by_thread(model, monkeypatch):
+    """Each cast into a staging buffer from now on, as (its slice, whether it ran on the calling
+    thread)."""
+    casts = []
+    slice_of = {s.storage.flat.data_ptr(): s.index for s in model._engine.slices}
+    real = host_storage._cast_into
+
+    def cast_into(shadow, flat, *args):
+        casts.append((slice_of[flat.data_ptr()], threading.current_thread() is threading.main_thread()))
+        real(shadow, flat, *args)
+
+    monkeypatch.setattr(host_storage, "_cast_into", cast_into)
+    return casts
+
+
+def test_each_load_after_a_walks_first_is_cast_ahead_on_a_worker(tmp_path, monkeypatch):
+    runs = twins(tmp_path, torch.optim.AdamW, {"lr": 1e-2, "fused": True}, num_slices=4)
+    model = runs[1][0]
+    casts = casts_by_thread(model, monkeypatch)
+    losses = train([runs[1]], 2)
+    # Per step: the forward's four loads, the first cast on the calling thread, and the backward's
+    # reloads of slices 1 and 0 (2 and 3 stay in the slots), both cast ahead.
+    assert casts == 2 * [(0, True), (1, False), (2, False), (3, False), (1, False), (0, False)]
+    assert model._engine.staging.ahead is None  # no walk leaves a cast ahead behind
+    monkeypatch.undo()
+    assert_runs_equal(runs, train([runs[0]], 2) + losses)
+
+
+def test_a_read_that_fails_ahead_of_a_load_raises_at_that_load(tmp_path, monkeypatch):
+    runs = twins(tmp_path, torch.optim.AdamW, {"lr": 1e-2, "fused": True}, num_slices=4)
+    model = runs[1][0]
+    failing = model._engine.slices[2].storage.masters_file
+    real = mapped.MappedFile.read_in
+    failed_on = []
+
+    def read_in(self, write=True):
+        if self is failing:
+            failed_on.append(threading.current_thread())
+            raise OSError(errno.EIO, os.strerror(errno.EIO), self.path)
+        real(self, write)
+
+    monkeypatch.setattr(mapped.MappedFile, "read_in", read_in)
+    message = (rf"^Input/output error \(errno 5\) in {re.escape(failing.path)}, the file that holds a slice's "
+               r"float32 masters .* reload the last checkpoint$")  # as a read on the loading thread says it
+    with pytest.raises(DiskTierError, match=message):
+        loss_of(model, 0)
+    # The read failed on the worker; the load of slice 2 raised it, and issued no copy.
+    assert failed_on != [threading.main_thread()] and len(failed_on) == 1 and model._engine.slots.loads == 2
+    monkeypatch.setattr(mapped.MappedFile, "read_in", real)
+    losses = train(runs, 2)  # the failed forward left nothing behind: the runs still agree
+    assert_runs_equal(runs, losses)
+
+
+def leaving_out_is_caught(dependency):
+    """Whether the shadows-on-disk scenario asks for ``dependency``, runs clean with it, and is
+    reported without it, at a cast into a staging buffer."""
     from .test_streamcheck import run_quietly
 
     name = "offload_optimizer_shadows_on_disk"
-    wait = Dependency("synchronize_event", "wait_host", "shadow_staging.py:stage", "load")
     with StreamChecker() as checker:
         run_quietly(name)
-    assert wait in checker.dependencies and not checker.races
-    with StreamChecker(leave_out=lambda d: d == wait) as checker:
+    assert dependency in checker.dependencies and not checker.races
+    with StreamChecker(leave_out=lambda d: d == dependency) as checker:
         run_quietly(name)
+    return checker.left_out == {dependency} and bool(checker.races) and "_cast_into" in checker.summary()
+
+
+def test_leaving_out_the_wait_for_a_staging_buffer_is_caught():
     # The cast overwrites a staging buffer that an asynchronous load is still copying.
-    assert checker.races and "_cast_into" in checker.summary()
+    assert leaving_out_is_caught(Dependency("synchronize_event", "wait_host", "shadow_staging.py:stage", "load"))
+
+
+@pytest.mark.parametrize("dependency", [
+    # The cast ahead overwrites a buffer that an asynchronous load is still copying...
+    Dependency("synchronize_event", "submit", "shadow_staging.py:stage_ahead", "load"),
+    # ...or reads masters that the slice's host update is still writing...
+    Dependency("synchronize_event", "submit", "shadow_staging.py:stage_ahead", "host update"),
+    # ...or the load copies the buffer before the cast ahead has written it.
+    Dependency("synchronize_event", "wait_host", "shadow_staging.py:stage", "shadow staging"),
+], ids=str)
+def test_leaving_out_an_ordering_of_a_cast_ahead_is_caught(dependency):
+    assert leaving_out_is_caught(dependency)
 
 
 def test_bad_arguments(tmp_path):

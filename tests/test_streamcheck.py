@@ -299,6 +299,11 @@ NEEDED = [
     Dependency("synchronize_event", "wait_host", "device_slots.py:prefetch", "collectives"),
     # A staging buffer is cast into only after the load that read it last (Note: [Shadows on disk]).
     Dependency("synchronize_event", "wait_host", "shadow_staging.py:stage", "load"),
+    # A cast ahead of its load, on the staging worker: after the load that read its buffer last and
+    # after the slice's host update; the load after the cast.
+    Dependency("synchronize_event", "submit", "shadow_staging.py:stage_ahead", "load"),
+    Dependency("synchronize_event", "submit", "shadow_staging.py:stage_ahead", "host update"),
+    Dependency("synchronize_event", "wait_host", "shadow_staging.py:stage", "shadow staging"),
     Dependency("synchronize_event", "wait_host", "settled.py:_settle", "collectives"),
     Dependency("synchronize_stream", "drain", "device_slots.py:invalidate", "load"),
     Dependency("synchronize_stream", "drain", "device_slots.py:invalidate", "offload"),

@@ -395,7 +395,7 @@ def exposed_in_backward(gradient_bytes: Sequence[int], backward: float, update: 
 
 def _staging(moved: _Traffic, layout: SliceLayout, rates: MachineRates) -> tuple[float, float]:
     """Per phase, the seconds its loads take to read their masters from the disk and cast them
-    (``shadows="disk"``): on the thread that issues the loads, while the device computes the slice
+    (``shadows="disk"``): on a host worker, a slice ahead, while the device computes the slice
     before. Not modelled: the host update's own disk traffic, which overlaps the next forward,
     sharing the disk."""
     if not (moved.forward_staged or moved.backward_staged):

@@ -141,15 +141,15 @@ class DeviceSlots:
         return len(self._slots)
 
     def _find(self, index: int) -> _Slot | None:
-        for slot in self._slots:
-            if slot.slice_index == index:
-                return slot
-        return None
+        return next((slot for slot in self._slots if slot.slice_index == index), None)
 
-    def prefetch(self, index: int) -> None:
-        """Start loading slice ``index`` unless a slot already holds it, current."""
+    def prefetch(self, index: int, host_only: bool = False) -> None:
+        """Start loading slice ``index`` (``host_only``: its host work only) unless a slot holds it, current."""
         slot = self._find(index)
         if slot is not None and slot.state is SlotState.CURRENT:
+            return
+        if host_only:  # a cast ahead of its load on a host worker (Note: [Shadows on disk] in shadow_staging.py)
+            self.staging.stage_ahead(self.storages[index], self.copies, self.updates.event(index))
             return
         if slot is None:
             candidates = [s for s in self._slots if not s.in_use]
@@ -161,7 +161,7 @@ class DeviceSlots:
         storage = self.storages[index]
         slot.slice_index, slot.state = None, SlotState.EMPTY  # if the copy below raises
         # A pending host update (an optimizer step) finishes the host copy, and maybe the shadow.
-        self.updates.wait(index)
+        update = self.updates.wait(index)
         if storage.resident:
             # Note: [Resident slices]: a copy from device memory, on the compute stream.
             # Compute that read the slot before (slot.free) precedes it by stream order.
@@ -169,7 +169,7 @@ class DeviceSlots:
                                   label=f"offload::load resident slice {index}")
             slot.ready = None
         else:
-            turn = self.staging.stage(storage, self.copies)
+            turn = self.staging.stage(storage, self.copies, update)
             if storage.shadow_stale() and not storage.staged:
                 # Rule 4 of [Copy ordering]: an earlier load may still read the shadow.
                 self.copies.wait_host(storage.shadow_read)
@@ -191,15 +191,15 @@ class DeviceSlots:
         self.loads += 1
 
     def can_load_now(self, index: int) -> bool:
-        """Whether :meth:`prefetch` of slice ``index`` would only issue a copy: a slot is free for
-        it, its update is done and its shadow current (no wait and no cast on the CPU), and it is
+        """Whether :meth:`prefetch` of slice ``index`` would only issue a copy: a slot is free for it, its
+        update is done and its shadow current or cast ahead (no wait and no cast on the CPU), and it is
         neither resident nor borrowing (no copy on the compute stream, no other slice's update)."""
         slot = self._find(index)
         if slot is not None and slot.state is SlotState.CURRENT:
             return False  # nothing to load
         storage = self.storages[index]
         return (any(not s.in_use for s in self._slots) and not storage.resident and not storage.borrowed
-                and self.updates.done(index) and not storage.shadow_stale())
+                and self.updates.done(index) and (not storage.shadow_stale() or self.staging.ahead_done(storage)))
 
     def _load_borrowed(self, slot: _Slot, index: int, entry: Any) -> Event | None:
         """Copy a parameter that an earlier slice holds into slice ``index``'s slot (Note: [Tied
@@ -213,8 +213,8 @@ class DeviceSlots:
                                   after=(slot.written_back,), label=f"offload::load slice {index} (tied from resident {holder_index})")
             return slot.ready
         # Same as the holder's own load: its pending update first, then a current shadow.
-        self.updates.wait(holder_index)
-        turn = self.staging.stage(holder, self.copies)
+        update = self.updates.wait(holder_index)
+        turn = self.staging.stage(holder, self.copies, update)
         if holder.shadow_stale() and not holder.staged:
             self.copies.wait_host(holder.shadow_read)  # rule 4: an earlier load may still read it
             holder.refresh_shadow()

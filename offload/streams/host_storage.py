@@ -262,7 +262,7 @@ class SliceStorage:
         #: whether loads cast the masters on disk into a staging buffer (Note: [Shadows on disk])
         self.staged = casts and self.masters_file is not None and self.stages_shadow
         self.shadow = self.allocate(self.load_nbytes) if casts and not self.staged else None
-        self._staged_source: torch.Tensor | None = None
+        self.staged_source: torch.Tensor | None = None  #: the buffer the next load copies (ShadowStaging.stage)
         self._held_by_id = {id(entry.tensor): entry for entry in self.held}
         self._shadow_current = False
         self.shadow_refreshes = 0
@@ -282,8 +282,7 @@ class SliceStorage:
         """
         if self.masters_file is not None:
             self._masters_io(functools.partial(self.masters_file.read_in, write=False))
-        self._staged_source = None if staging is None else staging[:self.load_nbytes]
-        self.write_shadow(into=self._staged_source)
+        self.write_shadow(into=None if staging is None else staging[:self.load_nbytes])
         self._shadow_current = staging is None
         self.shadow_refreshes += 1
         self.release_masters()
@@ -320,7 +319,7 @@ class SliceStorage:
     def transfer_source(self) -> torch.Tensor:
         """The bytes a load copies to a slot: the host buffer, the shadow, or the staging buffer written last."""
         if self.staged:
-            return self._staged_source if self._staged_source is not None else self.flat[:0]
+            return self.staged_source if self.staged_source is not None else self.flat[:0]
         return self.flat if self.shadow is None else self.shadow
 
     def holds(self, tensor: torch.Tensor) -> bool:

@@ -71,6 +71,7 @@ class ResidentStorage(SliceStorage):
     """
 
     resident = True
+    staged = False  # nothing to cast before a load (Note: [Shadows on disk] in shadow_staging.py)
 
     def __init__(self, layers: Sequence[nn.Module], device: torch.device, compute_dtype: torch.dtype | None = None,
                  held_elsewhere: Collection[int] = ()) -> None:

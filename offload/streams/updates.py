@@ -49,8 +49,14 @@ class SliceUpdates:
         hint (a load of it still calls :meth:`wait`)."""
         return self.copies.has_completed(self._pending.get(index))
 
-    def wait(self, index: int) -> None:
-        """Block until slice ``index``'s host copy is final: before a load reads it."""
+    def event(self, index: int) -> Event | None:
+        """The event of slice ``index``'s pending update (``None``: none pending), for work that
+        waits for it off this thread (a cast ahead of the slice's load)."""
+        return self._pending.get(index)
+
+    def wait(self, index: int) -> Event | None:
+        """Block until slice ``index``'s host copy is final: before a load reads it. Returns the
+        event of the update it waited for (``None``: none was pending)."""
         event = self._pending.pop(index, None)
         try:
             # A load must not read a host copy the update is still writing.
@@ -59,6 +65,7 @@ class SliceUpdates:
             self.storages[index].expire_shadow()
             self._failed()
             raise
+        return event
 
     def finish_all(self) -> None:
         """Block until every pending update is done, leaving them pending: each slice keeps the

@@ -19,13 +19,18 @@ Note: [The walk]
        update done, its shadow current: ``DeviceSlots.can_load_now``): the copy then starts as
        soon as the free slot's last compute is done, not once the CPU has launched this slice's
        kernels. Backward does not: its boundary activations' loads, which this slice's compute
-       needs, would queue behind it on the load stream.
+       needs, would queue behind it on the load stream. Each time the walk issues a slice's load,
+       it starts the host work of the next slice's load: with the shadows on disk, the cast of
+       that slice's masters, on a host worker (Note: [Shadows on disk] in
+       ``offload/streams/shadow_staging.py``), which then overlaps the compute of the slice just
+       loaded. Once that cast is done, a forward's load of it is only a copy to issue too.
     3. Leave: buffers a run changed are written back (Note: [Buffers]); a slot whose buffers were
        restored from a forward's snapshot is marked stale; the slot is released to the compute
        queued so far.
 
     A forward starts from fresh device copies (Note: [Device copies expire at the next forward]
-    in ``offload/streams/device_slots.py``). After the last slice the walk waits for its buffer
+    in ``offload/streams/device_slots.py``). After the last slice the walk lets a cast ahead that
+    no load took run out (none is left in a walk that visits its order), then waits for its buffer
     write-backs (host state the caller may read as soon as the walk returns) and for every load
     to have read its host copy (the host copies may be overwritten right after it: an optimizer
     step on earlier gradients, ``load_state_dict``): rule 4 of [Copy ordering]. If anything
@@ -125,6 +130,7 @@ class SliceWalk:
         self.current: int | None = None
         self.device_copy = DeviceCopy.AS_LOADED
         self._next: int | None = None
+        self._position = 0  # the current slice's, in the order
         # - What the end of the walk waits for: buffer write-backs the host reads next
         self._written_back: list[Event | None] = []
 
@@ -147,12 +153,15 @@ class SliceWalk:
     def __iter__(self) -> Iterator[tuple[int, list[torch.Tensor]]]:
         """Each slice in order, acquired: its index and device views (one per storage entry)."""
         for position, index in enumerate(self.order):
+            self._position = position
             self._next = self.order[position + 1] if position + 1 < len(self.order) else None
             views = self.engine.slots.acquire(index)
             self.current, self.state, self.device_copy = index, WalkState.ACQUIRED, DeviceCopy.AS_LOADED
+            self._stage_after(position)
             ahead = self._next if self.direction is Direction.FORWARD else None
             if ahead is not None and self.engine.slots.can_load_now(ahead):
                 self.engine.slots.prefetch(ahead)  # step 2 of Note: [The walk]: only a copy to issue
+                self._stage_after(position + 1)
             yield index, views
             self._leave(index)
 
@@ -174,6 +183,13 @@ class SliceWalk:
             self.state = WalkState.COMPUTING
             if self._next is not None:
                 self.engine.slots.prefetch(self._next)
+                self._stage_after(self._position + 1)
+
+    def _stage_after(self, position: int) -> None:
+        """The load of the slice at ``position`` in the order is issued: start the host work of
+        the next one's load (step 2 of Note: [The walk])."""
+        if position + 1 < len(self.order):
+            self.engine.slots.prefetch(self.order[position + 1], host_only=True)
 
     def buffers_changed(self) -> None:
         """A run changed the current slice's buffers: leaving it writes them back."""
@@ -195,6 +211,8 @@ class SliceWalk:
     def finish(self) -> None:
         """The end-of-walk waits (Note: [The walk]); call after the last slice was left."""
         _internal_assert(self.state is WalkState.BETWEEN_SLICES, f"finished while {self.state.name}")
+        # The caller may write the host copies that a cast ahead reads as soon as this returns.
+        self.engine.slots.staging.drop_ahead(self.engine.copies)
         # Rule 4 of [Copy ordering]: the host reads the written-back buffers next, and may
         # overwrite the host copies that loads read.
         self.engine.copies.wait_host_all(self._written_back)
@@ -220,3 +238,5 @@ class SliceWalk:
             # Issued only: the drain below (rule 5 of [Copy ordering]) completes it.
             self.engine.slots.write_back_buffers(held)
         self.engine.slots.invalidate()
+        # A cast ahead that no load will take: the caller may write the host copies it reads next.
+        self.engine.slots.staging.drop_ahead(self.engine.copies)
