@@ -265,6 +265,38 @@ def test_storages_over_the_same_memory_share_its_history_whichever_is_seen_first
     assert tracker.tracked(unrelated).memory is not tracker.tracked(flat).memory
 
 
+def test_a_storage_freed_while_another_is_placed_is_forgotten_after(monkeypatch):
+    """A tensor's finalizer may run at any allocation (the garbage collector), also in the middle of
+    the tracker placing another storage: its collection waits for the placing, which holds indices
+    into the sorted allocation lists."""
+    from offload.streamcheck import memory
+
+    tracker = MemoryTracker(lambda race: None)
+    flat = torch.zeros(4096, dtype=torch.uint8)  # not tracked: storages over it are allocations of their own
+    exporter = flat_exporter(flat)
+    tensors = [own_storage_view(exporter, offset, torch.float32, torch.Size([16])) for offset in (0, 1024, 3072)]
+    for t in tensors:
+        tracker.tracked(t)
+    dying_key = tensors[0].untyped_storage()._cdata
+    real = memory.Allocation
+
+    def allocation(*args, **kwargs):
+        if dying_key in tracker.storages:  # once: the first tensor dies while the fourth is placed
+            tensors.pop(0)
+            tracker.collect(VectorClock(), lambda agent: False, str, only=dying_key)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(memory, "Allocation", allocation)
+    newcomer = own_storage_view(exporter, 2048, torch.float32, torch.Size([16]))  # between the last two
+    tracker.tracked(newcomer)
+    monkeypatch.undo()
+    assert dying_key not in tracker.storages
+    assert tracker._starts == sorted(tracker._starts) and len(tracker._starts) == len(tracker._allocations) == 3
+    for t in [*tensors, newcomer]:
+        memory_of = tracker.tracked(t).memory
+        assert tracker._allocations[tracker._starts.index(memory_of.start)] is memory_of
+
+
 def test_unknown_schedule_is_refused():
     with pytest.raises(ValueError, match="schedule must be one of"):
         StreamChecker(schedule="sometimes")

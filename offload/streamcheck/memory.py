@@ -34,8 +34,10 @@ too early.
 from __future__ import annotations
 
 import bisect
+import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -157,6 +159,11 @@ class MemoryTracker:
         # The allocations of non-empty storages by start address (they do not overlap).
         self._starts: list[int] = []
         self._allocations: list[Allocation] = []
+        # A tensor's finalizer may run at any allocation (the garbage collector), also while the
+        # tracker is placing a storage or collecting: its collection then waits until that is done,
+        # so the sorted lists are never changed under an update that holds indices into them.
+        self._busy = 0
+        self._deferred: list[tuple[Any, ...]] = []
 
     # -- storages ------------------------------------------------------------------------------
 
@@ -171,8 +178,23 @@ class MemoryTracker:
         key = storage._cdata
         record = self.storages.get(key)
         if record is None:
-            record = self.storages[key] = self._place(storage, where, compute_count)
+            with self._exclusive():
+                record = self.storages[key] = self._place(storage, where, compute_count)
         return record
+
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """Change the allocation lists; a collection asked for meanwhile runs after."""
+        self._busy += 1
+        try:
+            yield
+        finally:
+            self._busy -= 1
+        while not self._busy and self._deferred:
+            # The tensor whose finalizer asked is gone by now: its reference no longer counts.
+            compute_clock, side_agents, describe, only = self._deferred.pop(0)
+            with self._exclusive():
+                self._collect(compute_clock, side_agents, describe, only, dying=0)
 
     def _place(self, storage: torch.UntypedStorage, where: str, compute_count: int) -> Tracked:
         """A record for a storage not seen before, in the allocation its bytes lie in: one seen
@@ -236,7 +258,14 @@ class MemoryTracker:
         """Forget storages the program has freed (all, or the one with key ``only``, called while
         one of its tensors is being destroyed and still holds a reference); report device memory
         freed while a side stream may still use it without having marked it as used."""
-        dying = 0 if only is None else 1
+        if self._busy:
+            self._deferred.append((compute_clock, side_agents, describe, only))
+            return
+        with self._exclusive():
+            self._collect(compute_clock, side_agents, describe, only, dying=0 if only is None else 1)
+
+    def _collect(self, compute_clock: VectorClock, side_agents: Callable[[int], bool],
+                 describe: Callable[[int], str], only: int | None, dying: int) -> None:
         candidates = list(self.storages.items()) if only is None else [
             (only, self.storages[only])] if only in self.storages else []
         for key, record in candidates:
