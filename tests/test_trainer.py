@@ -107,6 +107,31 @@ def test_trainer_matches_the_plain_model_bit_for_bit(plain_run, optimizer, tmp_p
     assert_same_weights(hf, plain)
 
 
+def test_accumulation_under_the_trainer_adds_onto_earlier_gradients(plain_run, tmp_path):
+    """gradient_accumulation_steps=2: the second backward of each step adds each slice's gradients
+    onto .grad as they land (Note: [Adding onto earlier gradients]): the pool holds the gradients and
+    two slices' landing buffers, never every slice's new gradients beside the old ones."""
+    losses, plain = plain_run
+    hf = llama()
+    model = OffloadedCausalLM(hf, device="cpu", num_slices=4)
+    engine = model.offloaded._engine
+    in_use: list[int] = []
+    real = engine.gradients.accumulate
+
+    def counting(pending, in_flight=1):
+        real(pending, in_flight)
+        in_use.append(sum(not b.is_idle() for b in engine.pool.buffers() if b.data.numel() >= 8192))  # not activations
+
+    engine.gradients.accumulate = counting
+    args = arguments(tmp_path)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=TRAIN, eval_dataset=EVAL,
+                                   optimizers=(model.offload_optimizer(args), None))
+    trainer.train()
+    assert logged(trainer) == losses
+    assert_same_weights(hf, plain)
+    assert in_use and max(in_use) <= 4 + 2  # each slice's .grad buffer, and two landing
+
+
 def test_parallel_clipping_logs_the_norm_without_clipping_as_the_plain_trainer(tmp_path, monkeypatch):
     """At ``max_grad_norm=0`` the Trainer still computes the norm to log it (clipping at an infinite
     norm): through ``parallel_clipping`` the logged norms and the weights are the plain model's, and
