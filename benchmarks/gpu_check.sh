@@ -101,7 +101,7 @@ stages=${GPU_CHECK_STAGES:-host tests slices threads batch exact rest}
 [ $full = 1 ] && stages="$stages trace peers capped suite"
 FIRST_TESTS=(tests/test_resident_slices*.py tests/test_trainer.py tests/test_trainers_cuda.py tests/test_accelerate.py tests/test_lightning.py
              tests/test_update_in_backward*.py tests/test_*qlora*.py tests/test_one_pass.py tests/test_gradients_on_disk.py
-             tests/test_shadows_on_disk.py tests/test_int8.py
+             tests/test_shadows_on_disk.py tests/test_int8.py tests/test_memory.py::test_accumulation_over_backwards_adds_onto_earlier_gradients_exactly
              tests/test_mixed_precision.py::test_loads_move_half_the_bytes_and_gradients_arrive_in_float32)
 # A rerun's narrower choice: GPU_CHECK_TESTS (test paths for the tests stage), GPU_CHECK_RUNS (the
 # bench_peers runs of the slices and batch stages).

@@ -361,7 +361,7 @@ def test_the_estimate_rounds_pinned_gradient_buffers_to_their_size_class():
 
 
 def accumulate(module: nn.Module, steps: int, backwards: int, penalty: Callable[[int, int], bool] = lambda s, k: False,
-               twice: bool = False) -> None:
+               twice: bool = False, device: str = "cpu") -> None:
     """``steps`` rounds of ``backwards`` backwards each, zeroing with ``zero_grad()`` between rounds;
     ``penalty(step, k)``: whether that backward's loss adds a penalty on the first weight (a
     gradient from outside the model); ``twice``: each loss calls the model twice."""
@@ -369,7 +369,7 @@ def accumulate(module: nn.Module, steps: int, backwards: int, penalty: Callable[
     for step in range(steps):
         module.zero_grad()
         for k in range(backwards):
-            x = torch.randn(5, 32, generator=torch.Generator().manual_seed(10 * step + k))
+            x = torch.randn(5, 32, generator=torch.Generator().manual_seed(10 * step + k)).to(device)
             loss = module(x).square().mean() + (module(2 * x).sum() if twice else 0)
             if penalty(step, k):
                 loss = loss + weight.square().sum()
@@ -377,12 +377,15 @@ def accumulate(module: nn.Module, steps: int, backwards: int, penalty: Callable[
 
 
 @pytest.mark.parametrize("case", ["plain", "penalty-from-the-start", "two-calls"])
-def test_accumulation_over_backwards_adds_onto_earlier_gradients_exactly(case):
+@pytest.mark.parametrize("device", DEVICES)
+def test_accumulation_over_backwards_adds_onto_earlier_gradients_exactly(case, device):
     """Note: [Adding onto earlier gradients]: the second and later backwards of an accumulation add
     each slice's gradients onto .grad as they land, as autograd would, bit for bit; where a gradient
-    comes from outside the model too, they go through autograd and stay exact."""
+    comes from outside the model too, they go through autograd and stay exact. On a GPU the
+    reference computes there too, with its gradients on the device."""
     plain = network()
-    model = OffloadModel(copy.deepcopy(plain), device="cpu", num_slices=3)
+    model = OffloadModel(copy.deepcopy(plain), device=device, num_slices=3)
+    plain = plain.to(device)
     penalty = (lambda s, k: True) if case == "penalty-from-the-start" else (lambda s, k: False)
     peaks = []
     real = model._engine.gradients.accumulate
@@ -394,10 +397,10 @@ def test_accumulation_over_backwards_adds_onto_earlier_gradients_exactly(case):
     model._engine.gradients.accumulate = counting
     for module in (model, plain):
         if case == "two-calls":  # known clean from single calls: then two calls in each backward's graph
-            accumulate(module, steps=1, backwards=2)
-        accumulate(module, steps=2, backwards=3, penalty=penalty, twice=case == "two-calls")
+            accumulate(module, steps=1, backwards=2, device=device)
+        accumulate(module, steps=2, backwards=3, penalty=penalty, twice=case == "two-calls", device=device)
     for p, q in zip(model.parameters(), plain.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, **EXACT)
+        torch.testing.assert_close(p.grad, q.grad.cpu(), **EXACT)
     if case == "plain":  # the gradients in .grad and two slices' buffers, never a second copy
         assert max(peaks) <= len(list(model.parameters())) + 2
 
