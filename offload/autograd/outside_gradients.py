@@ -62,6 +62,7 @@ def known_clean(param: torch.Tensor) -> bool:
 
 
 def known(param: torch.Tensor) -> bool:
+    """Whether a watched backward judged ``param`` already, clean or outside."""
     entry = _KNOWN.get(id(param))
     return entry is not None and entry[0]() is param
 
@@ -99,7 +100,7 @@ def _learn(param: torch.Tensor, clean: bool) -> None:
     _KNOWN[key] = (weakref.ref(param, lambda _: _KNOWN.pop(key, None)), clean)
 
 
-def _identity(t: torch.Tensor | None) -> tuple[Any, ...] | None:
+def identity(t: torch.Tensor | None) -> tuple[Any, ...] | None:
     """What tells a gradient apart from any other alive at the same time: its memory and shape (a
     sum of two contributions is a new tensor)."""
     if t is None:
@@ -168,7 +169,7 @@ def watch(params: Iterable[tuple[torch.Tensor, bool]], names: Callable[[torch.Te
         node = torch.autograd.graph.get_gradient_edge(param).node
 
         def check(grad_inputs: tuple[torch.Tensor | None, ...], watched: _Watched = watched) -> None:
-            if _identity(grad_inputs[0] if grad_inputs else None) != watched.expected:
+            if identity(grad_inputs[0] if grad_inputs else None) != watched.expected:
                 watched.outside = True
 
         task.hooks.append(node.register_prehook(check))
@@ -183,7 +184,7 @@ def returned(params: Iterable[tuple[torch.Tensor, torch.Tensor | None]]) -> None
         watched = task.watched.get(id(param))
         if watched is not None and grad is not None:
             # By its memory, not a reference: holding the tensor would make autograd copy it.
-            watched.expected = _identity(grad)
+            watched.expected = identity(grad)
 
 
 def abandon() -> None:

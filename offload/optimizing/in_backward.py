@@ -77,6 +77,7 @@ from typing import Any
 
 import torch
 
+from ..autograd.outside_gradients import identity
 from ..grad_scaler import _calling_scaler
 from ..streams import Event
 from ..walk.engine import Engine
@@ -249,11 +250,11 @@ class BackwardUpdates(Subscriber):
         """Check at its accumulation node that ``param`` receives only what backward returns for
         it (``returned``, or nothing where backward adds into ``.grad`` itself)."""
         # By its memory, not a reference: holding the tensor would make autograd copy it.
-        expected = _identity(returned if returned is not None and returned is not param.grad else None)
+        expected = identity(returned if returned is not None and returned is not param.grad else None)
         node = torch.autograd.graph.get_gradient_edge(param).node
 
         def check(grad_inputs: tuple[torch.Tensor | None, ...]) -> None:
-            if _identity(grad_inputs[0] if grad_inputs else None) != expected:
+            if identity(grad_inputs[0] if grad_inputs else None) != expected:
                 self._mismatched.append(self._name(param))
 
         self._hooks.append(node.register_prehook(check))
@@ -377,15 +378,6 @@ def _unsubscriber(engine: Engine, subscriber: BackwardUpdates) -> Callable[[Any]
             m.unsubscribe(s)
 
     return unsubscribe
-
-
-def _identity(t: torch.Tensor | None) -> tuple[Any, ...] | None:
-    """What tells a gradient apart from any other alive at the same time: its memory and shape (a
-    sum of two contributions is a new tensor)."""
-    if t is None:
-        return None
-    memory = t._values() if t.is_sparse else t
-    return (memory.data_ptr(), memory.storage_offset(), tuple(t.shape), t.layout)
 
 
 def _hooked(p: torch.Tensor) -> bool:
