@@ -1,5 +1,6 @@
 """An exception inside a layer (the stand-in for device out-of-memory) propagates unchanged, leaves
-the host parameters and gradients intact, and the next ordinary step succeeds."""
+the host parameters and gradients intact (but what a backward added onto earlier gradients before it
+failed, which its error says), and the next ordinary step succeeds."""
 
 from __future__ import annotations
 
@@ -98,11 +99,27 @@ def assert_nothing_stashed(model: OffloadModel) -> None:
         assert all(b.is_idle() for b in buffers)
 
 
-def assert_recovered(model, reference, state, device) -> None:
-    """After the fault: nothing changed on the host, nothing is held, and training goes on."""
+def assert_recovered(model, reference, state, device, notes=None) -> None:
+    """After the fault: nothing changed on the host, nothing is held, and training goes on. With
+    ``notes`` (the error's, from a backward that added gradients onto earlier ones before it failed:
+    Note: [Adding onto earlier gradients]) the gradients may hold part of that backward, and the
+    error says so."""
+    if notes is not None:
+        values, grads = state
+        assert any("onto those of earlier backwards" in note and "run the accumulation again" in note
+                   for note in notes), "the error does not say the gradients changed"
+        state = values, {n: p.grad.clone() for n, p in model.named_parameters()}
     assert_intact(model, state)
     assert_nothing_stashed(model)
     next_step_matches(model, reference, device)
+
+
+def first_backward(model, device, grads: str) -> None:
+    """A good step first: .grad exists, zeroed (a failed backward undoes exactly what it added) or
+    holding that step's gradients (the next backward adds onto them as slices land)."""
+    model(torch.randn(5, 4, device=device)).sum().backward()
+    if grads == "zeroed":
+        model.zero_grad(set_to_none=False)
 
 
 def next_step_matches(model, reference, device):
@@ -129,35 +146,44 @@ def test_fault_in_forward(device, faulty_position):
     assert_recovered(model, reference, state, device)
 
 
+@pytest.mark.parametrize("grads", ["zeroed", "accumulating"])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("faulty_position", [0, 3])
-def test_fault_during_recompute(device, faulty_position):
+def test_fault_during_recompute(device, faulty_position, grads):
     reference, model = build(device, faulty_position)
-    model(torch.randn(5, 4, device=device)).sum().backward()
+    first_backward(model, device, grads)
     state = host_state(model)
     faulty = model._modules[str(faulty_position)]
     loss = model(torch.randn(5, 4, device=device)).sum()
     faulty.fail_on_calls = {faulty.calls + 1}  # the recompute in backward
-    with pytest.raises(SimulatedOutOfMemory, match="simulated"):
+    with pytest.raises(SimulatedOutOfMemory, match="simulated") as failed:
         loss.backward()
     del loss
-    assert_recovered(model, reference, state, device)
+    # A fault in slice 0 comes after the later slices' gradients were added onto the earlier ones.
+    added = grads == "accumulating" and faulty_position == 0
+    notes = list(getattr(failed.value, "__notes__", ())) if added else None
+    del failed  # its traceback holds the failed backward's tensors
+    assert_recovered(model, reference, state, device, notes)
 
 
+@pytest.mark.parametrize("grads", ["zeroed", "accumulating"])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("faulty_position", [0, 6])
-def test_fault_inside_a_layers_backward(device, faulty_position):
+def test_fault_inside_a_layers_backward(device, faulty_position, grads):
     reference, model = build(device, faulty_position)
-    model(torch.randn(5, 4, device=device)).sum().backward()
+    first_backward(model, device, grads)
     state = host_state(model)
     faulty = model._modules[str(faulty_position)]
     faulty.fail_in_backward = True
     loss = model(torch.randn(5, 4, device=device)).sum()
-    with pytest.raises(SimulatedOutOfMemory, match="in backward"):
+    with pytest.raises(SimulatedOutOfMemory, match="in backward") as failed:
         loss.backward()
     del loss
     faulty.fail_in_backward = False
-    assert_recovered(model, reference, state, device)
+    added = grads == "accumulating" and faulty_position == 0
+    notes = list(getattr(failed.value, "__notes__", ())) if added else None
+    del failed  # its traceback holds the failed backward's tensors
+    assert_recovered(model, reference, state, device, notes)
 
 
 @pytest.mark.parametrize("grad", [True, False])
