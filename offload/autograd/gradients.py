@@ -151,8 +151,8 @@ class BackwardGradients:
         # Gradients go to their slice's file once landed (Note: [Gradients on disk]) unless
         # something rewrites them on their way (host averaging reads the landed views).
         self._homes = not milestones.rewrite_gradients
-        # What a failed backward can zero again: .grad that held zeros (rule 6); the others were
-        # taken only by the backward that starts the update.
+        # What a failed backward can zero again: .grad that held zeros (rule 6); the others (taken
+        # by the backward that starts the update, or added onto earlier gradients) cannot be undone.
         self._undoable = {id(t) for t in into if t is not None and still_zeroed(t)}
         self._watched = self._watch(params, into, candidates, final)
         # - Gradients on their way
