@@ -40,6 +40,7 @@ import json
 import os
 import platform
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -139,7 +140,9 @@ def hf_trainer_run(args: argparse.Namespace, kind: str, mode: str) -> dict:
 
     hf = build_model(args)
     ids = token_rows(args)
-    common = dict(output_dir=f"/tmp/bench_trainer_{os.getpid()}", per_device_train_batch_size=args.batch_size,
+    # The trainers write nothing there (save_strategy="no") but make the directory: a temporary one, removed.
+    output_dir = tempfile.mkdtemp(prefix="bench_trainer_")
+    common = dict(output_dir=output_dir, per_device_train_batch_size=args.batch_size,
                   gradient_accumulation_steps=args.grad_accum, max_steps=args.steps, learning_rate=LEARNING_RATE,
                   warmup_steps=WARMUP_STEPS, max_grad_norm=MAX_GRAD_NORM, logging_steps=1, save_strategy="no",
                   report_to=[], disable_tqdm=True, seed=0, use_cpu=args.device == "cpu",
@@ -172,7 +175,10 @@ def hf_trainer_run(args: argparse.Namespace, kind: str, mode: str) -> dict:
     optimizers = (model.offload_optimizer(training), None) if mode == "offload" else (None, None)
     trainer = build(model=model, args=training, train_dataset=data, optimizers=optimizers, callbacks=[Clock()],
                     **extra)
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        shutil.rmtree(output_dir, ignore_errors=True)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     return result(args, times, losses, own_peak_rss_kib())
 

@@ -365,6 +365,7 @@ def test_scale_benchmark_resumes_bit_for_bit(tmp_path):
 def test_tools_benchmark_runs_each_tool(tmp_path):
     # One run per tool, tiny: the command's losses are compared with trainer-plain's.
     runs = ["command-offload", "trainer-plain", "sft-offload", "accelerate-offload", "lightning-offload"]
+    left_before = set(Path("/tmp").glob("bench_trainer_*"))
     out = run("benchmarks/bench_trainer.py", "--runs", *runs, "--hidden", "32", "--layers", "1", "--vocab", "64",
               "--seq-len", "16", "--batch-size", "2", "--grad-accum", "2", "--steps", "2",
               "--json", str(tmp_path / "tools.json"))
@@ -378,6 +379,7 @@ def test_tools_benchmark_runs_each_tool(tmp_path):
     assert command["losses_equal_plain"] is True and command["plain_run"] == "trainer-plain"
     assert command["final_loss"] == data["results"][1]["losses"][-1]
     assert "losses = trainer-plain's" in out
+    assert set(Path("/tmp").glob("bench_trainer_*")) <= left_before  # the trainers' output directories removed
 
 
 def test_peers_benchmark_dry_run_matches_the_resident_model_bit_for_bit(tmp_path):
