@@ -21,8 +21,9 @@
 #           for this machine (--predict), 3 timed steps after 2 warm-ups (150 s; the H200's
 #           2026-11-28 second call took 84 s for 3 of these runs);
 #   threads offload in backward with 9 resident slices at 8 x 1024 tokens, the update worker at 14
-#           and at 12 threads, then PyTorch's with OMP_WAIT_POLICY=PASSIVE, then with the pinned
-#           mappings on 4 KiB pages (OFFLOAD_HUGEPAGES=0), each run in a process of its own: on the
+#           threads, then PyTorch's with OMP_WAIT_POLICY=PASSIVE, then with the pinned mappings on
+#           4 KiB pages (OFFLOAD_HUGEPAGES=0), then with each slice's gradients sent one copy per
+#           tensor (OFFLOAD_GRADIENT_GATHER=0), each run in a process of its own: on the
 #           H200 (16 cores) each slice's backward took ~20 ms of the driving thread's time for ~5 ms
 #           of the device's while the update took every core (100 s each); and fused AdamW over
 #           huge-page and 4 KiB mappings (benchmarks/bench_hugepages.py, 60 s);
@@ -196,7 +197,7 @@ for name in $stages; do
             kernels_ready
             # Fewer update threads, then a passive OpenMP wait, each in a process of its own (the
             # policy is read when the OpenMP runtime starts).
-            for threads in 14 12; do
+            for threads in 14; do
                 [ $dry = 1 ] && threads=1
                 stage "threads$threads" "$limit_threads" $PY benchmarks/bench_peers.py $dry_flag --update-threads "$threads" \
                     --only "offload-in-backward-resident$many" --steps 3 --warmup 2 --json "$work/threads$threads.json"
@@ -214,6 +215,11 @@ for name in $stages; do
             OFFLOAD_HUGEPAGES=0 stage hugepages-off "$limit_threads" $PY benchmarks/bench_peers.py $dry_flag \
                 --only "offload-in-backward-resident$many" --steps 3 --warmup 2 --json "$work/hugepages-off.json"
             headline "$work/hugepages-off.log" 4
+            # Each slice's gradients one copy per tensor (Note: [One copy per slice] in
+            # offload/streams/gradients.py): the slices stage sent them one copy per slice.
+            OFFLOAD_GRADIENT_GATHER=0 stage gather-off "$limit_threads" $PY benchmarks/bench_peers.py $dry_flag \
+                --only "offload-in-backward-resident$many" --steps 3 --warmup 2 --json "$work/gather-off.json"
+            headline "$work/gather-off.log" 4
             stage hugepages 60 $PY benchmarks/bench_hugepages.py --params 256e6 --rounds 3 --json "$work/hugepages.json"
             headline "$work/hugepages.log" 3 ;;
         exact)

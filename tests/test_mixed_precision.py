@@ -165,6 +165,57 @@ def test_loads_move_half_the_bytes_and_gradients_arrive_in_float32(device):
             del landed
 
 
+def gradient_copies(model: OffloadModel) -> list[int]:
+    """Per device-to-host copy call of the model's gradients from now on, how many tensors it sends."""
+    copies = model._engine.copies
+    calls: list[int] = []
+    offload_many = copies.offload_many
+
+    def counting(dsts, srcs, *args, **kwargs):
+        if "gradients" in kwargs.get("label", ""):
+            calls.append(len(srcs))
+        return offload_many(dsts, srcs, *args, **kwargs)
+
+    copies.offload_many = counting
+    return calls
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", HALF)
+def test_a_slices_gradients_cast_on_the_device_leave_in_one_copy(device, dtype, monkeypatch):
+    """Note: [One copy per slice]: cast into one buffer laid out as the host's, each slice's
+    gradients cross in one copy, and .grad is what the plain model's gradients cast give, bit for
+    bit; with a parameter kept in float32 (BatchNorm's) and a frozen one in the slice."""
+    torch.manual_seed(0)
+    plain = network()
+    plain[4].bias.requires_grad_(False)
+    reference = converted(plain, dtype).to(device)
+    x = torch.randn(8, 12, device=device)
+    reference(x.to(dtype)).float().pow(2).mean().backward()
+    trainable = [p for p in plain.parameters() if p.requires_grad]
+    for gather, expected in (("1", [1, 1, 1]), ("0", None)):
+        monkeypatch.setenv("OFFLOAD_GRADIENT_GATHER", gather)
+        model = OffloadModel(copy.deepcopy(plain), device=device, num_slices=3, compute_dtype=dtype)
+        calls = gradient_copies(model)
+        model(x).float().pow(2).mean().backward()
+        # Without gathering, a copy per gradient (one call per slice, each with its tensors).
+        assert calls == (expected or calls) and sum(calls) == (3 if expected else len(trainable))
+        assert_same_grads(model, master_grads_of(reference), **EXACT)
+
+
+def test_gradients_leave_a_copy_each_where_gathering_would_cost_a_copy_of_its_own(tmp_path):
+    """No cast on the device (float32 compute), or half-precision gradients copied into their
+    files as they are (masters on disk): the gradients are not gathered."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+    x = torch.randn(4, 16)
+    for options in ({}, {"compute_dtype": torch.bfloat16, "masters": str(tmp_path)}):
+        model = OffloadModel(copy.deepcopy(plain), device="cpu", num_slices=2, **options)
+        calls = gradient_copies(model)
+        model(x).float().sum().backward()
+        assert calls == [4, 4], options
+
+
 def test_bf16_training_tracks_float32():
     torch.manual_seed(0)
     plain = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 1))

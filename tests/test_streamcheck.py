@@ -361,6 +361,9 @@ NEEDED = [
     Dependency("wait_event", "wait_ready", "saved_activations.py:wait", "load"),
     # A weight borrowed from a resident slice, cast into the slot on the compute stream (Note: [Resident slices]).
     Dependency("wait_event", "on_device", "device_slots.py:_load_borrowed", "offload"),
+    # A slice's gradients cast into one buffer that is freed once its copy is issued (Note: [One copy per slice]).
+    Dependency("mark_used", "offload", "gradients.py:_offload_gathered", "offload"),
+    Dependency("wait_stream", "offload", "gradients.py:_offload_gathered", "compute"),
 ]
 
 #: Safety nets that no scenario can expose today, each for the reason given in

@@ -18,7 +18,22 @@ Note: [Gradients in the compute dtype]
     more host memory traffic than the link saves. Microbatches summed on the device are summed
     in float32 and leave so.
 
-With one microbatch, the gradients autograd produced are offloaded as they are. With several,
+Note: [One copy per slice]
+    With one microbatch, a slice's gradients that are cast on the device anyway (float32
+    parameters under a compute dtype, Note: [Gradients in the compute dtype]) are cast into one
+    new device buffer laid out as the host buffer they land in, and leave in one copy instead of
+    one per tensor (147 a step for the 0.886 B Llama at 18 slices). The cast writes the bytes it
+    wrote into tensors of their own before, so the device does no more work (but for a gradient
+    already in its parameter's dtype in such a slice, copied once more) and holds no more memory (the buffer is freed once the copy has read it, rule 3 of
+    Note: [Copy ordering]); the link moves the alignment padding between tensors besides (at most
+    ALIGNMENT bytes each). Gradients that leave as autograd produced them (copied into a gradient
+    file in the compute dtype, or float32 ones with no cast) keep a copy each: gathering them
+    would be a device copy of its own, and the gradient file's layout puts half-precision values
+    at the float32 offsets. So do gradients averaged across processes on the device, which the
+    compute stream must not wait for. ``OFFLOAD_GRADIENT_GATHER=0`` turns the gathering off.
+
+With one microbatch, the gradients autograd produced are offloaded as they are, or gathered (Note:
+[One copy per slice]). With several,
 they are summed into one of two persistent device gradient buffers and leave for the host in a
 single copy while the previous slice computes; the two buffers alternate, and compute writes into
 one only after its previous offload has read it. The host side is a pooled buffer whose views are
@@ -35,6 +50,7 @@ it would have received from the plain model.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -45,11 +61,14 @@ from .backend import Event
 from .copies import CopyStreams
 from .flat_views import _align, empty_in_layout, typed_view
 from .gradient_places import GradientPlace, lay_out_gradients
-from .host_buffers import HostBufferPool
+from .host_buffers import HostBuffer, HostBufferPool
 from .slice_entries import Entry
 
 if TYPE_CHECKING:
     from .gradient_files import GradientHome
+
+#: Set to 0 to send a slice's gradients one copy per tensor (Note: [One copy per slice]).
+GATHER_ENV_VAR = "OFFLOAD_GRADIENT_GATHER"
 
 
 @dataclass
@@ -213,6 +232,9 @@ class GradientOffloader:
         # The most gradient bytes a slice has needed so far: the size of the host buffers that
         # gradients added into .grad on landing pass through (see offload()).
         self._max_nbytes = 0
+        #: Whether a slice's gradients cast on the device leave in one copy (Note: [One copy per
+        #: slice]); ``OFFLOAD_GRADIENT_GATHER=0`` sends them one copy per tensor, for comparison.
+        self.gather = os.environ.get(GATHER_ENV_VAR, "1") != "0"
 
     @property
     def device_nbytes(self) -> int:
@@ -265,18 +287,13 @@ class GradientOffloader:
         home, discard = _taking_home(grads)
         landing: list[torch.Tensor | None] | None = None
         if any(grads.received):
-            # Gradients added into .grad, or copied home, on landing need their buffer only briefly:
-            # buffers of one size (the largest slice's) serve every slice in turn, so the window
-            # stays two buffers.
-            transient = home is not None or grads.into is not None and all(
-                target is not None for target, place, got in zip(grads.into, grads.places, grads.received)
-                if place is not None and got)
-            host = self.pool.take(self._max_nbytes if transient else grads.nbytes)
+            host = self._landing_buffer(grads, home)
             # Note: [Gradients in the compute dtype]: what the host copies into a gradient file
             # leaves as autograd produced it; the rest in the parameter's dtype.
-            held = grads.held_as_placed(copied_home=[
-                home is not None and got and (grads.into is None or grads.into[j] is None)
-                for j, got in enumerate(grads.received)]) if grads.sums is None else []
+            copied_home = [home is not None and got and (grads.into is None or grads.into[j] is None)
+                           for j, got in enumerate(grads.received)]
+            gathered = grads.sums is None and self._gathers(grads, copied_home)
+            held = grads.held_as_placed(copied_home) if grads.sums is None and not gathered else []
             for j, (place, got) in enumerate(zip(grads.places, grads.received)):
                 if place is not None and got:
                     dtype = held[j].dtype if held and held[j] is not None else place.dtype
@@ -288,6 +305,8 @@ class GradientOffloader:
                 ready = self.copies.offload(host.data[:grads.nbytes], device[:grads.nbytes],
                                             after=(host.read_event, grads.reduced), label=label)
                 self._offloaded[grads.buffer_index] = ready
+            elif gathered:
+                ready = self._offload_gathered(grads, host.data[:grads.nbytes], host.read_event, label)
             else:
                 pairs = [(h, g) for h, g in zip(host_views, held) if h is not None and g is not None]
                 ready = self.copies.offload_many([h for h, _ in pairs], [g for _, g in pairs],
@@ -302,6 +321,38 @@ class GradientOffloader:
             host_views[j] = view
         return PendingGradients(host_views, ready, grads.into, home=home if landing is not None else None,
                                 landing=landing, discard=discard)
+
+    def _landing_buffer(self, grads: SliceGradients, home: GradientHome | None) -> HostBuffer:
+        """The pooled host buffer a slice's dense gradients land in."""
+        # Gradients added into .grad, or copied home, on landing need their buffer only briefly:
+        # buffers of one size (the largest slice's) serve every slice in turn, so the window
+        # stays two buffers.
+        transient = home is not None or grads.into is not None and all(
+            target is not None for target, place, got in zip(grads.into, grads.places, grads.received)
+            if place is not None and got)
+        return self.pool.take(self._max_nbytes if transient else grads.nbytes)
+
+    def _gathers(self, grads: SliceGradients, copied_home: Sequence[bool]) -> bool:
+        """Whether a slice's held gradients leave in one copy, cast into one device buffer (Note:
+        [One copy per slice])."""
+        dense = [(held, place) for held, place, home in zip(grads.held, grads.places, copied_home)
+                 if held is not None and place is not None and not home]
+        return (self.gather and grads.reduced is None and len(dense) > 1
+                and len(dense) == sum(h is not None for h in grads.held)
+                and any(held.dtype != place.dtype for held, place in dense))
+
+    def _offload_gathered(self, grads: SliceGradients, host: torch.Tensor, host_read: Event | None,
+                          label: str) -> Event | None:
+        """Cast the slice's held gradients into one new device buffer laid out as ``host`` and
+        start its copy there (Note: [One copy per slice]); lets go of the held ones."""
+        flat = torch.empty(grads.nbytes, dtype=torch.uint8, device=self.copies.device)
+        pairs = [(place.view(flat), held) for held, place in zip(grads.held, grads.places)
+                 if held is not None and place is not None]
+        with torch.no_grad():
+            torch._foreach_copy_([dst for dst, _ in pairs], [src for _, src in pairs])
+        grads.held = [None] * len(grads.places)
+        # The buffer is freed on return: the copy's mark keeps the allocator from reusing it early.
+        return self.copies.offload(host, flat, after=(host_read,), label=label)
 
     def _keep(self, grads: SliceGradients) -> dict[int, torch.Tensor]:
         """The gradients ``grads.keep`` marks, each in device memory of its own and in its
