@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from offload import OffloadModel
-from offload.streams import DeviceSlots
+from offload.streams.slot_references import SlotReferences
 
 from .helpers import DEVICES, HostStepped, run_state_lookups
 
@@ -144,7 +144,7 @@ def test_unpacking_a_kept_graph_allocates_nothing(monkeypatch):
     unpack to learn an item size (defect 4 of issue 8): on CUDA an allocation and a kernel for
     every saved tensor of every kept graph."""
     seen: list[tuple[str, list[torch._ops.OpOverload]]] = []
-    original = DeviceSlots._unpack
+    original = SlotReferences._unpack
 
     def logged_unpack(self, packed):
         with _OpLog() as log:
@@ -153,7 +153,7 @@ def test_unpacking_a_kept_graph_allocates_nothing(monkeypatch):
         return tensor
 
     # Patched before forward: the hooks bind the method when the graph is saved.
-    monkeypatch.setattr(DeviceSlots, "_unpack", logged_unpack)
+    monkeypatch.setattr(SlotReferences, "_unpack", logged_unpack)
     model = OffloadModel(counted_model(4), device="cpu", num_slices=2, checkpoint_activation=False)
     model(torch.randn(3, 4, dtype=torch.float32)).sum().backward()
     references = [ops for kind, ops in seen if kind == "SlotReference"]

@@ -26,9 +26,7 @@ def test_a_forward_walk_visits_every_slice_and_loads_the_next_on_acquiring_when_
     engine = _engine(4)
     prefetched = []
     prefetch = engine.slots.prefetch
-    # The loads' prefetches, not the host work ahead of them (a cast with the shadows on disk).
-    monkeypatch.setattr(engine.slots, "prefetch", lambda index, host_only=False: (
-        prefetched.append(index) if not host_only else None, prefetch(index, host_only)))
+    monkeypatch.setattr(engine.slots, "prefetch", lambda index: (prefetched.append(index), prefetch(index)))
     seen = []
     with SliceWalk.forward(engine) as walk:
         for index, views in walk:

@@ -140,7 +140,7 @@ def run_forward(engine: Engine, records: ForwardRecords, i: int, m: int, views: 
         out_leaves, out_spec = tree_flatten(result.output)
         records.offload_graph(i, m, out_leaves, graph_leaves, _params_among(entry_tensors, engine, i), saves)
     elif mode is ActivationMode.KEEP:
-        with torch.enable_grad(), engine.slots.saved_tensors_hooks():
+        with torch.enable_grad(), engine.slots.references.saved_tensors_hooks():
             graph_leaves, fed = _graph_inputs(entering.leaves, entering.requires)
             entry_tensors = _param_leaves(views, engine, i)
             result = s.run_on_device(engine.slots, entry_tensors, tree_unflatten(fed, entering.spec))

@@ -19,7 +19,8 @@
 from .activations import ActivationOffloader, OffloadTicket
 from .backend import CudaBackend, Event, StreamBackend, using_backend
 from .copies import SYNC_ENV_VAR, CopyStreams
-from .device_slots import DeviceSlots, SlotReference
+from .device_slots import DeviceSlots
+from .slot_references import SlotReference
 from .gradients import GradientOffloader, PendingGradients, SliceGradients
 from .host_buffers import HostBuffer, HostBufferPool
 from .host_storage import SliceStorage, holder_of

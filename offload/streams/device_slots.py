@@ -14,11 +14,7 @@ Note: [Device copies expire at the next forward]
     against the common mistake of an optimizer step between forward and backward (see
     ``CallRecord.check_versions`` in ``offload/autograd/records.py``).
 
-Graphs that autograd keeps across slot reuse (the last slice's, or every slice's without
-activation checkpointing) must not hold slot memory: the slot may hold another slice when
-backward reaches them. :meth:`DeviceSlots.saved_tensors_hooks` replaces every slot tensor that
-autograd saves with a *slot reference* (slice, dtype, shape, strides, offset) and resolves it
-again, after the slice has been loaded back, when backward unpacks it.
+Graphs that autograd keeps across slot reuse hold slot memory by reference (``slot_references.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.autograd.graph import saved_tensors_hooks
 
 from .activations import OffloadTicket
 from .backend import Event
@@ -38,6 +33,7 @@ from .copies import CopyStreams
 from .host_buffers import HostBufferPool
 from .host_storage import SliceStorage, holder_of
 from .shadow_staging import ShadowStaging
+from .slot_references import SlotReferences
 from .updates import SliceUpdates
 
 
@@ -63,41 +59,6 @@ class _Slot:
     # Device copies of each slice this slot has held, made once: creating them costs more Python
     # time than a small slice's copy.
     view_cache: dict[int, list[torch.Tensor]] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class SlotReference:
-    """What a saved slot tensor is, independent of which slot holds its slice later.
-
-    ``version_of`` shares the saved tensor's version counter (it is the tensor detached), so an
-    in-place change between forward and backward is caught as autograd would catch it.
-    """
-
-    slice_index: int
-    dtype: torch.dtype
-    size: torch.Size
-    stride: tuple[int, ...]
-    byte_offset: int
-    version_of: torch.Tensor
-    version: int
-
-
-@dataclass(frozen=True)
-class _SavedTensor:
-    """A saved tensor other than slot memory: detached, so the graph holds no cycle through its
-    own outputs, with the version it had when saved."""
-
-    tensor: torch.Tensor
-    version: int
-
-
-def _check_version(saved: torch.Tensor, version: int) -> None:
-    if saved._version != version:
-        raise RuntimeError(
-            "one of the variables needed for gradient computation has been modified by an inplace "
-            f"operation: [{saved.type()} {list(saved.shape)}] is at version {saved._version}; expected "
-            f"version {version} instead."
-        )
 
 
 class DeviceSlots:
@@ -131,6 +92,8 @@ class DeviceSlots:
             for _ in range(min(num_slots, len(storages)))
         ]
         self.loads = 0  # loads issued; tests and benchmarks read it
+        #: What autograd saves of slot memory, by reference (``slot_references.py``).
+        self.references = SlotReferences(self._slots)
 
     @property
     def slot_nbytes(self) -> int:
@@ -143,14 +106,21 @@ class DeviceSlots:
     def _find(self, index: int) -> _Slot | None:
         return next((slot for slot in self._slots if slot.slice_index == index), None)
 
-    def prefetch(self, index: int, host_only: bool = False) -> None:
-        """Start loading slice ``index`` (``host_only``: its host work only) unless a slot holds it, current."""
+    def _holds_current(self, index: int) -> bool:
         slot = self._find(index)
-        if slot is not None and slot.state is SlotState.CURRENT:
-            return
-        if host_only:  # a cast ahead of its load on a host worker (Note: [Shadows on disk] in shadow_staging.py)
+        return slot is not None and slot.state is SlotState.CURRENT
+
+    def stage_ahead(self, index: int) -> None:
+        """Start the host work of slice ``index``'s load, a cast on a host worker (Note: [Shadows on
+        disk] in ``shadow_staging.py``), unless a slot holds it, current."""
+        if not self._holds_current(index):
             self.staging.stage_ahead(self.storages[index], self.copies, self.updates.event(index))
+
+    def prefetch(self, index: int) -> None:
+        """Start loading slice ``index`` unless a slot holds it, current."""
+        if self._holds_current(index):
             return
+        slot = self._find(index)
         if slot is None:
             candidates = [s for s in self._slots if not s.in_use]
             if not candidates:
@@ -194,8 +164,7 @@ class DeviceSlots:
         """Whether :meth:`prefetch` of slice ``index`` would only issue a copy: a slot is free for it, its
         update is done and its shadow current or cast ahead (no wait and no cast on the CPU), and it is
         neither resident nor borrowing (no copy on the compute stream, no other slice's update)."""
-        slot = self._find(index)
-        if slot is not None and slot.state is SlotState.CURRENT:
+        if self._holds_current(index):
             return False  # nothing to load
         storage = self.storages[index]
         return (any(not s.in_use for s in self._slots) and not storage.resident and not storage.borrowed
@@ -359,44 +328,3 @@ class DeviceSlots:
         except (RuntimeError, NotImplementedError):
             return False
         return any(slot.data.untyped_storage().data_ptr() == ptr for slot in self._slots)
-
-    # -- saved tensors of kept graphs ------------------------------------------------------------
-
-    def saved_tensors_hooks(self) -> saved_tensors_hooks:
-        """Hooks under which autograd saves slot tensors as :class:`SlotReference` s."""
-        return saved_tensors_hooks(self._pack, self._unpack)
-
-    def _pack(self, tensor: torch.Tensor) -> Any:
-        reference = self.reference(tensor)
-        return reference if reference is not None else _SavedTensor(tensor.detach(), tensor._version)
-
-    def _unpack(self, packed: Any) -> torch.Tensor:
-        if isinstance(packed, _SavedTensor):
-            _check_version(packed.tensor, packed.version)
-            return packed.tensor
-        return self.resolve(packed)
-
-    def reference(self, tensor: torch.Tensor) -> SlotReference | None:
-        """A slot reference to ``tensor`` if it lives in a slot (a parameter's or buffer's device
-        copy, or a view of one), else ``None``."""
-        try:
-            ptr = tensor.untyped_storage().data_ptr()
-        except (RuntimeError, NotImplementedError):
-            return None
-        for slot in self._slots:
-            if slot.slice_index is not None and slot.data.untyped_storage().data_ptr() == ptr:
-                return SlotReference(slot.slice_index, tensor.dtype, tensor.size(), tuple(tensor.stride()),
-                                     tensor.storage_offset() * tensor.element_size(), tensor.detach(),
-                                     tensor._version)
-        return None
-
-    def resolve(self, packed: SlotReference) -> torch.Tensor:
-        """The tensor a slot reference names, in the slot that holds its slice now (acquired)."""
-        _check_version(packed.version_of, packed.version)
-        slot = self._find(packed.slice_index)
-        if slot is None or not slot.in_use:
-            raise RuntimeError(
-                f"internal error: slice {packed.slice_index} must be acquired before its kept graph runs backward"
-            )
-        typed = slot.data.view(packed.dtype) if packed.dtype != torch.uint8 else slot.data
-        return typed.as_strided(packed.size, packed.stride, packed.byte_offset // packed.dtype.itemsize)

@@ -7,7 +7,7 @@ Note: [Offloaded saved tensors]
 
     1. a *slot reference*, if it lives in a slot (the slice's parameters and buffers, views of
        them): the walk loads the slice again before its backward, so copying it out would move
-       the same bytes twice (``DeviceSlots.reference``);
+       the same bytes twice (``SlotReferences.reference``);
     2. itself, if it is small (under ``min_bytes``), not on the compute device, or not a plain
        strided tensor: it stays where it is, as in a kept graph;
     3. an *offloaded save*: its addressed memory (Note: [Layouts]) copied into a pooled host buffer
@@ -52,7 +52,8 @@ from torch.autograd.graph import saved_tensors_hooks
 from .activations import ActivationOffloader, OffloadTicket
 from .backend import Event
 from .copies import CopyStreams
-from .device_slots import DeviceSlots, SlotReference
+from .device_slots import DeviceSlots
+from .slot_references import SlotReference
 from .layouts import Layout
 
 
@@ -163,7 +164,7 @@ class SavedActivations:
         return saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, tensor: torch.Tensor) -> Any:
-        reference = self.slots.reference(tensor)
+        reference = self.slots.references.reference(tensor)
         if reference is not None:
             return reference
         if (tensor.device != self.copies.device or tensor.layout != torch.strided
@@ -201,7 +202,7 @@ class SavedActivations:
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, SlotReference):
-            return self.slots.resolve(packed)
+            return self.slots.references.resolve(packed)
         if isinstance(packed, _KeptSave):
             _check_version(packed.tensor, packed.version)
             return packed.tensor

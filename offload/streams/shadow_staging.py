@@ -24,7 +24,7 @@ Note: [Shadows on disk]
       that read it: without that wait the cast would overwrite bytes an asynchronous load is
       still copying (the stream-ordering checker reports it, ``tests/test_streamcheck.py``).
     - *Ahead*: once a walk has issued a slice's load, it has the next slice cast on a host
-      worker (``DeviceSlots.prefetch(..., host_only=True)``, :meth:`ShadowStaging.stage_ahead`):
+      worker (``DeviceSlots.stage_ahead``, :meth:`ShadowStaging.stage_ahead`):
       one slice ahead, as the ring allows, since its buffer is the one the load before last
       read. The worker waits for that load and for the slice's pending host update (which
       writes the masters it reads); the slice's load waits on the host for the cast, and raises

@@ -189,7 +189,7 @@ class SliceWalk:
         """The load of the slice at ``position`` in the order is issued: start the host work of
         the next one's load (step 2 of Note: [The walk])."""
         if position + 1 < len(self.order):
-            self.engine.slots.prefetch(self.order[position + 1], host_only=True)
+            self.engine.slots.stage_ahead(self.order[position + 1])
 
     def buffers_changed(self) -> None:
         """A run changed the current slice's buffers: leaving it writes them back."""
