@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 import threading
 
+import torch
+
 from offload.streams import HostWorker
 
 
@@ -54,3 +56,24 @@ def test_a_worker_in_submission_order_ignores_keys():
     worker.record().synchronize()
     assert ran == [3, 1, 2]
     worker.close(timeout=10)
+
+
+def test_a_workers_thread_count_holds_whatever_count_another_thread_sets_later():
+    # PyTorch sets a thread's count at its first use to the last count any thread stored: a
+    # worker that only called torch.set_num_threads would take the other thread's.
+    worker = HostWorker("test worker", num_threads=3)
+    seen: list[int] = []
+
+    def other_thread_sets_one_then_read() -> None:
+        other = threading.Thread(target=torch.set_num_threads, args=(1,))
+        other.start()
+        other.join()
+        seen.append(torch.get_num_threads())
+
+    before = torch.get_num_threads()
+    try:
+        worker.submit(other_thread_sets_one_then_read).synchronize()
+    finally:
+        torch.set_num_threads(before)
+    worker.close(timeout=10)
+    assert seen == [3]

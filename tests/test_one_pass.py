@@ -50,6 +50,32 @@ OPTIONS = [
 ]
 
 
+def test_the_kernel_leaves_its_threads_count_as_it_found_it(kernel):
+    """The kernel's first call on a thread must not set the thread's count to the one another
+    thread stored last (the extension's own copy of PyTorch's first-use initialisation would):
+    the thread's later kernels, a reduction's order with them, would change."""
+    import threading
+    seen: list[int] = []
+
+    def run() -> None:
+        torch.get_num_threads()  # PyTorch's first use on this thread, done
+        torch.set_num_threads(3)
+        other = threading.Thread(target=torch.set_num_threads, args=(1,))
+        other.start()
+        other.join()
+        n = 64 * kernel.vector_size() * 8  # several runs of pairs, so that it goes parallel
+        given = [[torch.randn(n)], [torch.randn(n)], [torch.zeros(n)], [torch.zeros(n)], [], [torch.tensor(1.0)]]
+        one_pass(kernel, ADAMW, given, [torch.empty(n, dtype=torch.bfloat16)], dict(ADAM_DEFAULTS))
+        seen.append(torch.get_num_threads())
+
+    before = torch.get_num_threads()
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    torch.set_num_threads(before)
+    assert seen == [3]
+
+
 @pytest.mark.parametrize("op,changes", OPTIONS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_one_pass_equals_the_fused_kernel_then_a_cast(kernel, op, changes, dtype):

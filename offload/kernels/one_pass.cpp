@@ -87,6 +87,21 @@ inline void fence_streaming() {
 #endif
 }
 
+// at::parallel_for but for the first call on a thread. at::internal::lazy_init_num_threads is
+// inline, so this extension has a thread-local "initialised" flag of its own beside PyTorch's,
+// and at::parallel_for's first call on a thread here would set that thread's thread count to the
+// last count torch.set_num_threads stored from any thread (another worker's, say): the caller's
+// later PyTorch kernels would run on it, and a reduction's order, and so its result, can change
+// with it. at::get_num_threads initialises the thread through PyTorch's own flag, as its kernels do.
+template <typename F>
+void parallel_runs(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  if (end - begin > grain && !at::in_parallel_region() && at::get_num_threads() > 1) {
+    at::internal::invoke_parallel(begin, end, grain, f);
+  } else if (begin < end) {
+    f(begin, end);
+  }
+}
+
 // Runs `one(k)` (the update of vector k, returning the parameters as stored) over `vectors`
 // vectors, a pair at a time so that a pair's shadow is one whole low-precision vector, stored at
 // once. Work goes to the threads in runs of pairs: an element's result does not depend on its run.
@@ -96,7 +111,7 @@ inline void fence_streaming() {
 template <typename Shadow, typename One>
 void pairs_with_shadow(int64_t vectors, Shadow* out, const One& one) {
   constexpr int64_t kGrain = 64;
-  at::parallel_for(0, vectors / 2, kGrain, [&](int64_t begin, int64_t end) {
+  parallel_runs(0, vectors / 2, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t pair = begin; pair < end; ++pair) {
       const Vec first = one(2 * pair);
       const Vec second = one(2 * pair + 1);

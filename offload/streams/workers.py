@@ -167,6 +167,9 @@ class HostWorker:
         if self.device is not None and self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         if self.num_threads is not None:
+            # PyTorch initialises a thread's count at its first use (this call), to the last count
+            # any thread stored; only then does the worker's own stick, whatever other threads set.
+            torch.get_num_threads()
             torch.set_num_threads(self.num_threads)
         while True:
             item = self._next()
