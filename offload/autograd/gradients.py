@@ -235,7 +235,7 @@ class BackwardGradients:
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         if exc_type is None:
             return
-        if self._watched:
+        if self._watched or self.final_wanted:
             outside_gradients.abandon()  # the backward's end, which judges what it watched, never comes
         # A failed backward leaves .grad as autograd would: rule 6 of Note: [Gradients added in place].
         added = [g for _, p in self._pending for g in p.added]
@@ -272,9 +272,8 @@ class BackwardGradients:
         for i, grads in self._pending:
             for j, g in enumerate(grads.host_views):
                 param_results[self._starts[i] + j] = g
-        if self._watched:
-            outside_gradients.returned((p, g) for p, g in zip(engine.parameters(), param_results)
-                                       if id(p) in self._watched)
+        if self._watched or self.final_wanted:  # the update in backward watches its own
+            outside_gradients.returned(zip(engine.parameters(), param_results))
         return [*self._input_grads(grad_in if self.lowest == 0 else None), *param_results]
 
     def _input_grads(self, grad_in: list[list[torch.Tensor | None]] | None) -> list[torch.Tensor | None]:

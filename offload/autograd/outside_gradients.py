@@ -38,6 +38,11 @@ Note: [Adding onto earlier gradients]
 
     The cost: a pre-hook per watched parameter per backward (about 6 microseconds each on a
     CPU), only in the backwards that add onto earlier gradients once every parameter is known.
+
+    The update in backward (Note: [Update in backward] in ``offload/optimizing/in_backward.py``)
+    watches the parameters whose updates it starts the same way, in the backward that ends an
+    accumulation, and is told of each that receives a gradient from outside (``on_outside``);
+    what that backward sees is learned as well.
 """
 
 from __future__ import annotations
@@ -117,6 +122,8 @@ class _Watched:
     #: identity of what backward returned for it (``None``: nothing, or added in place)
     expected: tuple[Any, ...] | None = None
     outside: bool = False
+    #: told the parameter's name when it receives a gradient from outside (the update in backward)
+    on_outside: Callable[[str], None] | None = None
 
 
 @dataclass
@@ -157,20 +164,27 @@ def _current_task() -> _Task:
     return task
 
 
-def watch(params: Iterable[tuple[torch.Tensor, bool]], names: Callable[[torch.Tensor], str]) -> None:
+def watch(params: Iterable[tuple[torch.Tensor, bool]], names: Callable[[torch.Tensor], str],
+          on_outside: Callable[[str], None] | None = None) -> None:
     """Watch each ``(param, added onto earlier gradients)`` at its accumulation node for the rest of
-    the running backward (step 1)."""
+    the running backward (step 1); ``on_outside`` is told the name of each that receives a
+    gradient from outside, when it does."""
     task = _current_task()
     for param, onto_earlier in params:
         if id(param) in task.watched:  # the model's second call in this backward
-            task.watched[id(param)].onto_earlier |= onto_earlier
+            watched = task.watched[id(param)]
+            watched.onto_earlier |= onto_earlier
+            watched.on_outside = watched.on_outside or on_outside
             continue
-        watched = task.watched[id(param)] = _Watched(weakref.ref(param), names(param), onto_earlier)
+        watched = task.watched[id(param)] = _Watched(weakref.ref(param), names(param), onto_earlier,
+                                                     on_outside=on_outside)
         node = torch.autograd.graph.get_gradient_edge(param).node
 
         def check(grad_inputs: tuple[torch.Tensor | None, ...], watched: _Watched = watched) -> None:
             if identity(grad_inputs[0] if grad_inputs else None) != watched.expected:
                 watched.outside = True
+                if watched.on_outside is not None:
+                    watched.on_outside(watched.name)
 
         task.hooks.append(node.register_prehook(check))
 

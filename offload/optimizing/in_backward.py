@@ -21,7 +21,9 @@ Note: [Update in backward]
 
     - a gradient that reaches a parameter the optimizer steps from outside the model (a penalty on
       the weights in the same loss) is seen by a pre-hook on the parameter's accumulation node,
-      which receives something other than what backward returned for it: the backward raises;
+      which receives something other than what backward returned for it (the watch of Note:
+      [Adding onto earlier gradients] in ``offload/autograd/outside_gradients.py``): the backward
+      raises;
     - ``clip_grad_norm_``, ``zero_grad``, or anything else that rewrites or replaces a ``.grad``
       between backward and ``step()`` through PyTorch's in-place operations changes its version
       counter or its identity: ``step()`` raises (a write through ``.grad.data`` is not seen);
@@ -71,13 +73,14 @@ Note: [Update in backward]
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ..autograd.outside_gradients import identity
+from ..autograd import outside_gradients
 from ..grad_scaler import _calling_scaler
 from ..streams import Event
 from ..walk.engine import Engine
@@ -133,8 +136,7 @@ class BackwardUpdates(Subscriber):
         self._tied: set[int] = set()  # the weights tied across slices, as of the backward that ends the accumulation
         self._step_of: dict[int, Any] = {}  # slice index -> its SliceStep, while that backward runs
         self._stepped: set[int] = set()  # ids of the parameters the optimizer steps, from that backward's start
-        self._hooks: list[Any] = []
-        self._mismatched: list[str] = []
+        self._mismatched: list[str] = []  # parameters seen receiving a gradient from outside the model
         self._seen: list[tuple[torch.Tensor, torch.Tensor | None, int]] = []  # (param, .grad, its version)
 
     @classmethod
@@ -173,6 +175,7 @@ class BackwardUpdates(Subscriber):
         if self._task_open and not self.started:
             self.backwards -= 1
         self._end_task()
+        self._mismatched = []
 
     def backward_started(self, token: Any, accumulates: bool) -> None:
         # One backward is one run of autograd's engine, whatever number of calls of the model it
@@ -219,8 +222,11 @@ class BackwardUpdates(Subscriber):
             p = entry.tensor
             if id(p) in tied or not p.requires_grad or _hooked(p) or id(p) not in stepped:
                 continue  # the slice's update waits for step() (a hook changes what its node receives)
-            self._watch(p, grad)
             final[id(p)] = p.grad if grad is None else grad
+        if final:
+            # Each must receive at its accumulation node only what backward returns for it.
+            watched = [(entry.tensor, False) for entry in entries if id(entry.tensor) in final]
+            outside_gradients.watch(watched, self._name, on_outside=functools.partial(self._outside, token))
         if not self.checked:
             return
         step = self._step_of.get(index)
@@ -246,25 +252,17 @@ class BackwardUpdates(Subscriber):
 
     # -- the checks -------------------------------------------------------------------------------
 
-    def _watch(self, param: torch.Tensor, returned: torch.Tensor | None) -> None:
-        """Check at its accumulation node that ``param`` receives only what backward returns for
-        it (``returned``, or nothing where backward adds into ``.grad`` itself)."""
-        # By its memory, not a reference: holding the tensor would make autograd copy it.
-        expected = identity(returned if returned is not None and returned is not param.grad else None)
-        node = torch.autograd.graph.get_gradient_edge(param).node
-
-        def check(grad_inputs: tuple[torch.Tensor | None, ...]) -> None:
-            if identity(grad_inputs[0] if grad_inputs else None) != expected:
-                self._mismatched.append(self._name(param))
-
-        self._hooks.append(node.register_prehook(check))
+    def _outside(self, token: Any, name: str) -> None:
+        """A watched parameter received a gradient from outside the model, in the backward of
+        ``token``'s call: raised at that backward's end (a watch left behind by a backward that
+        failed is not this one's)."""
+        if token is not None and token is self._token:
+            self._mismatched.append(name)
 
     def _end_task(self) -> bool:
         """Close the running backward; whether it was the one that ends the accumulation."""
-        for hook in self._hooks:
-            hook.remove()
         ending = self._token is not None
-        self._hooks, self._token, self._task_open = [], None, False
+        self._token, self._task_open = None, False
         self._step_of = {}  # its steps hold the optimizer: not past the backward that needs them
         return ending
 
