@@ -315,6 +315,7 @@ def offload_run(base: nn.Module, batch: torch.Tensor, device: torch.device, grad
     run.fingerprint = fingerprint  # type: ignore[attr-defined]
     run.slice_digests = slice_digests  # type: ignore[attr-defined]
     run.traffic = engine_of(model).traffic  # type: ignore[attr-defined]
+    run.copies = engine_of(model).copies  # type: ignore[attr-defined]
     return run
 
 
@@ -525,6 +526,7 @@ def measure(name: str, make: Callable[[], Run], args, device: torch.device, toke
         for _ in range(args.warmup):
             run.timed(device)
         traffic_before = run.traffic() if hasattr(run, "traffic") else None
+        offload_copies_before = run.copies.offload_copies if hasattr(run, "copies") else 0
         with profiled(name, device, args.json):
             for _ in range(args.steps):
                 run.timed(device)
@@ -533,6 +535,8 @@ def measure(name: str, make: Callable[[], Run], args, device: torch.device, toke
             after = run.traffic()
             result["loaded_bytes_per_step"] = (after[0] - traffic_before[0]) / args.steps
             result["offloaded_bytes_per_step"] = (after[1] - traffic_before[1]) / args.steps
+            # Gradients and boundary activations: one copy per slice's gradients where they are gathered.
+            result["offload_copies_per_step"] = (run.copies.offload_copies - offload_copies_before) / args.steps
         if hasattr(run, "streamed_parameters"):
             result["streamed_parameters"] = run.streamed_parameters
         if hasattr(run, "host_update_streamed_alone_s"):

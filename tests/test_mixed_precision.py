@@ -193,6 +193,7 @@ def test_a_slices_gradients_cast_on_the_device_leave_in_one_copy(device, dtype, 
     x = torch.randn(8, 12, device=device)
     reference(x.to(dtype)).float().pow(2).mean().backward()
     trainable = [p for p in plain.parameters() if p.requires_grad]
+    counted = []
     for gather, expected in (("1", [1, 1, 1]), ("0", None)):
         monkeypatch.setenv("OFFLOAD_GRADIENT_GATHER", gather)
         model = OffloadModel(copy.deepcopy(plain), device=device, num_slices=3, compute_dtype=dtype)
@@ -201,6 +202,8 @@ def test_a_slices_gradients_cast_on_the_device_leave_in_one_copy(device, dtype, 
         # Without gathering, a copy per gradient (one call per slice, each with its tensors).
         assert calls == (expected or calls) and sum(calls) == (3 if expected else len(trainable))
         assert_same_grads(model, master_grads_of(reference), **EXACT)
+        counted.append(model._engine.copies.offload_copies)  # what the benchmarks report per step
+    assert counted[1] - counted[0] == len(trainable) - 3
 
 
 def test_gradients_leave_a_copy_each_where_gathering_would_cost_a_copy_of_its_own(tmp_path):

@@ -132,6 +132,8 @@ class CopyStreams:
         # Bytes copied so far, per direction: benchmarks compare them with the link's bandwidth.
         self.loaded_bytes = 0
         self.offloaded_bytes = 0
+        #: Device-to-host copies issued so far (each a copy call on the link; a benchmark divides).
+        self.offload_copies = 0
         self._last_load: Event | None = None
 
     @property
@@ -232,6 +234,7 @@ class CopyStreams:
                      label: str = "offload::offload") -> Event | None:
         """Like :meth:`offload` for several tensors at once, with one ready event for all."""
         self.offloaded_bytes += sum(src.numel() * src.element_size() for src in srcs)
+        self.offload_copies += len(srcs)
         with region(label):
             backend = self.backend
             if backend is None:
