@@ -24,23 +24,23 @@ Note: [One copy per slice]
     new device buffer laid out as the host buffer they land in, and leave in one copy instead of
     one per tensor (147 a step for the 0.886 B Llama at 18 slices). The cast writes the bytes it
     wrote into tensors of their own before, so the device does no more work (but for a gradient
-    already in its parameter's dtype in such a slice, copied once more) and holds no more memory (the buffer is freed once the copy has read it, rule 3 of
-    Note: [Copy ordering]); the link moves the alignment padding between tensors besides (at most
-    ALIGNMENT bytes each). Gradients that leave as autograd produced them (copied into a gradient
+    already in its parameter's dtype in such a slice, copied once more) and holds no more memory
+    (the buffer is freed once the copy has read it, rule 3 of Note: [Copy ordering]); the link
+    moves the alignment padding between tensors besides (under ALIGNMENT bytes each). Gradients that leave as autograd produced them (copied into a gradient
     file in the compute dtype, or float32 ones with no cast) keep a copy each: gathering them
     would be a device copy of its own, and the gradient file's layout puts half-precision values
     at the float32 offsets. So do gradients averaged across processes on the device, which the
     compute stream must not wait for. ``OFFLOAD_GRADIENT_GATHER=0`` turns the gathering off.
 
 With one microbatch, the gradients autograd produced are offloaded as they are, or gathered (Note:
-[One copy per slice]). With several,
-they are summed into one of two persistent device gradient buffers and leave for the host in a
-single copy while the previous slice computes; the two buffers alternate, and compute writes into
-one only after its previous offload has read it. The host side is a pooled buffer whose views are
-handed to autograd as the parameters' gradients: autograd adopts them as ``.grad`` when ``.grad``
-is empty and adds them otherwise, so the buffer is reused as soon as nobody holds it. A parameter
-whose gradient is added into its ``.grad`` on the host as soon as it lands (Note: [Gradients added
-in place] in ``offload/autograd/accumulation.py``) needs its pooled buffer only until then.
+[One copy per slice]). With several, they are summed into one of two persistent device gradient
+buffers and leave for the host in a single copy while the previous slice computes; the two
+buffers alternate, and compute writes into one only after its previous offload has read it. The
+host side is a pooled buffer whose views are handed to autograd as the parameters' gradients:
+autograd adopts them as ``.grad`` when ``.grad`` is empty and adds them otherwise, so the buffer
+is reused as soon as nobody holds it. A parameter whose gradient is added into its ``.grad`` on
+the host as soon as it lands (Note: [Gradients added in place] in
+``offload/autograd/accumulation.py``) needs its pooled buffer only until then.
 
 A sparse gradient (``nn.Embedding(sparse=True)``) stays sparse: microbatches are summed as autograd
 sums them (``a + b`` of sparse tensors concatenates their entries), and its indices and values
