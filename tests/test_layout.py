@@ -157,9 +157,6 @@ MAX_BODY_LINES = 52
 #: Classes and functions allowed more lines for now, by ``module.qualified_name``: the most lines
 #: each may have (a class's lines, a function's body lines), and why it is not split yet.
 LONG_FOR_NOW: dict[str, tuple[int, str]] = {
-    "offload.streams.device_slots.DeviceSlots": (
-        270, "the device slots' loads and their buffers' write-backs and snapshots in one class (the saved "
-             "tensors of kept graphs are slot_references.py's); under this limit until the buffers' job is named"),
     "offload.optimizing.in_backward.BackwardUpdates": (
         300, "the milestones that start updates in backward and the checks that keep them exact in one class; "
              "under the former limit until those jobs are named"),

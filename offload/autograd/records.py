@@ -81,7 +81,7 @@ class Checkpoint:
         if self.buffers is None:
             return False
         stash_index, ticket = self.buffers
-        slots.restore_buffers(index, saved[stash_index], ticket)
+        slots.buffers.restore_buffers(index, saved[stash_index], ticket)
         return True
 
 
@@ -280,7 +280,7 @@ class ForwardRecords:
             for record in earlier:
                 record.buffers = found
         if m + 1 < self.count and not self.keeps_graph(i, m + 1):
-            host, ticket = self.engine.activations.offload(self.engine.slots.buffer_region(i))
+            host, ticket = self.engine.activations.offload(self.engine.slots.buffers.buffer_region(i))
             self._buffers_before_run = (self._save(host), ticket)
 
     def saved_for_backward(self) -> list[torch.Tensor]:

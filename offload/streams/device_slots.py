@@ -27,12 +27,12 @@ from typing import Any
 
 import torch
 
-from .activations import OffloadTicket
 from .backend import Event
 from .copies import CopyStreams
 from .host_buffers import HostBufferPool
 from .host_storage import SliceStorage, holder_of
 from .shadow_staging import ShadowStaging
+from .slot_buffers import SlotBuffers
 from .slot_references import SlotReferences
 from .updates import SliceUpdates
 
@@ -79,10 +79,6 @@ class DeviceSlots:
         self.staging = staging if staging is not None else ShadowStaging(copies.empty_host, 0)
         self.copies = copies
         self.updates = updates
-        # Pinned buffers that write-backs into a file mapping go through (write_back_buffers).
-        self.pool = pool
-        #: write-backs staged in pinned memory, to land in their host copies: (host, staged)
-        self._staged: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._tick = 0
         nbytes = max(storage.device_nbytes for storage in storages)
         self._slots = [
@@ -94,6 +90,8 @@ class DeviceSlots:
         self.loads = 0  # loads issued; tests and benchmarks read it
         #: What autograd saves of slot memory, by reference (``slot_references.py``).
         self.references = SlotReferences(self._slots)
+        #: The buffers of the slices in the slots: written back, snapshots restored (``slot_buffers.py``).
+        self.buffers = SlotBuffers(self, copies, pool)
 
     @property
     def slot_nbytes(self) -> int:
@@ -103,11 +101,12 @@ class DeviceSlots:
     def num_slots(self) -> int:
         return len(self._slots)
 
-    def _find(self, index: int) -> _Slot | None:
+    def slot_of(self, index: int) -> _Slot | None:
+        """The slot that holds slice ``index``, if one does."""
         return next((slot for slot in self._slots if slot.slice_index == index), None)
 
     def _holds_current(self, index: int) -> bool:
-        slot = self._find(index)
+        slot = self.slot_of(index)
         return slot is not None and slot.state is SlotState.CURRENT
 
     def stage_ahead(self, index: int) -> None:
@@ -120,7 +119,7 @@ class DeviceSlots:
         """Start loading slice ``index`` unless a slot holds it, current."""
         if self._holds_current(index):
             return
-        slot = self._find(index)
+        slot = self.slot_of(index)
         if slot is None:
             candidates = [s for s in self._slots if not s.in_use]
             if not candidates:
@@ -203,7 +202,7 @@ class DeviceSlots:
         The slot stays reserved until :meth:`release`.
         """
         self.prefetch(index)
-        slot = self._find(index)
+        slot = self.slot_of(index)
         assert slot is not None
         self.copies.wait_ready(slot.ready)
         slot.in_use = True
@@ -213,7 +212,7 @@ class DeviceSlots:
 
     def release(self, index: int) -> None:
         """Compute issued so far is the last to read slice ``index`` before the slot may be reused."""
-        slot = self._find(index)
+        slot = self.slot_of(index)
         if slot is None:
             return
         slot.free = self.copies.compute_done()
@@ -240,86 +239,19 @@ class DeviceSlots:
 
     def mark_stale(self, index: int) -> None:
         """The device copy of slice ``index`` was modified (buffers restored or updated on the device)."""
-        slot = self._find(index)
+        slot = self.slot_of(index)
         if slot is not None:
             slot.state = SlotState.STALE
 
     def invalidate(self) -> None:
         """Forget every slot's content and reservation, after an exception interrupted a walk."""
         self.copies.drain()
-        self.land_write_backs()  # the drain completed them
+        self.buffers.land_write_backs()  # the drain completed them
         for slot in self._slots:
             slot.slice_index, slot.state = None, SlotState.EMPTY
             slot.in_use = False
             slot.free = self.copies.compute_done()
             slot.written_back = None
-
-    # -- buffers ---------------------------------------------------------------------------------
-    # Buffers are the only device data that compute may change (running statistics, counters).
-    # See Note: [Buffers] in offload/walk/slice_walk.py.
-
-    def buffer_region(self, index: int) -> torch.Tensor:
-        """The device bytes holding the acquired slice ``index``'s buffers."""
-        slot = self._find(index)
-        assert slot is not None and slot.in_use, "slice must be acquired"
-        start, end = self.storages[index].buffer_region
-        return slot.data[start:end]
-
-    def write_counter(self, index: int) -> int:
-        """Sum of the version counters of slice ``index``'s device copies: moves on any in-place write."""
-        slot = self._find(index)
-        assert slot is not None
-        return sum(view._version for view in slot.views)
-
-    def write_back_buffers(self, index: int) -> Event | None:
-        """Start copying the acquired slice's device buffers over its host buffers.
-
-        The slot is not loaded again before this copy has read it (rule 2 of [Copy ordering]).
-        """
-        storage = self.storages[index]
-        slot = self._find(index)
-        assert slot is not None
-        label = f"offload::write back buffers of slice {index}"
-        if storage.resident:
-            # Note: [Resident slices]: into device memory, on the compute stream.
-            self.copies.on_device(functools.partial(storage.write_back_buffers, self.buffer_region(index)), label=label)
-            slot.written_back = None
-            return None
-        host = storage.buffer_bytes()
-        if storage.masters_file is None or self.pool is None or not self.copies.is_async:
-            slot.written_back = self.copies.offload(host, self.buffer_region(index), label=label)
-            return slot.written_back
-        # Masters on disk: the host copies are a pageable file mapping, which an asynchronous copy
-        # cannot write without blocking this thread until the compute before it is done. Stage
-        # through a pooled pinned buffer; land_write_backs copies it over once the copy is done.
-        buffer = self.pool.take(host.numel())
-        staged = buffer.data[:host.numel()]
-        slot.written_back = self.copies.offload(staged, self.buffer_region(index), after=(buffer.read_event,),
-                                                label=label)
-        buffer.write_event = slot.written_back
-        self._staged.append((host, staged))
-        return slot.written_back
-
-    def land_write_backs(self) -> None:
-        """Copy the write-backs staged in pinned memory into their host copies, on the CPU. Call
-        once the host has waited for the write-backs (the end of a walk, or after a drain)."""
-        staged, self._staged = self._staged, []
-        with torch.no_grad():
-            for host, pinned in staged:
-                host.copy_(pinned)
-
-    def restore_buffers(self, index: int, host_snapshot: torch.Tensor, ticket: OffloadTicket) -> None:
-        """Load a buffer snapshot (a pooled host buffer, see ``ActivationOffloader``) into the
-        acquired slice's device copy and make compute wait for it.
-
-        The device copy then differs from the host copy, so the slot is marked stale.
-        """
-        ready = self.copies.load(self.buffer_region(index), host_snapshot, after=(ticket.ready,),
-                                 after_queued_compute=True, label=f"offload::restore buffers of slice {index}")
-        # Rule 4: the pooled buffer is not written again before this load has read it.
-        ticket.buffer.read_event = ready
-        self.copies.wait_ready(ready)
-        self.mark_stale(index)
 
     def owns(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` lives in slot memory."""

@@ -93,7 +93,7 @@ class Slice:
         slice's slot or leaves over them) in place of the host copies. The slice must be acquired.
         """
         has_buffers = bool(self.storage.buffers)
-        written_before = slots.write_counter(self.index) if has_buffers else 0
+        written_before = slots.buffers.write_counter(self.index) if has_buffers else 0
         sites = [entry.sites for entry in self.storage.entries]
         with Binding(sites, tensors, self.storage.run_state_positions) as binding:
             output = self.run(inputs)
@@ -113,7 +113,7 @@ class Slice:
         # Rule 1 of Note: [Buffers] in offload/walk/slice_walk.py.
         changed = has_buffers and (
             bool(binding.reassigned)
-            or slots.write_counter(self.index) != written_before
+            or slots.buffers.write_counter(self.index) != written_before
             or self.storage.has_running_stats_in_training()
         )
         return SliceResult(output, changed)

@@ -202,7 +202,7 @@ class SliceWalk:
     def _leave(self, index: int) -> None:
         slots = self.engine.slots
         if self.device_copy is DeviceCopy.BUFFERS_UPDATED:
-            self._written_back.append(slots.write_back_buffers(index))
+            self._written_back.append(slots.buffers.write_back_buffers(index))
         elif self.device_copy is DeviceCopy.BUFFERS_RESTORED:
             slots.mark_stale(index)
         slots.release(index)
@@ -216,7 +216,7 @@ class SliceWalk:
         # Rule 4 of [Copy ordering]: the host reads the written-back buffers next, and may
         # overwrite the host copies that loads read.
         self.engine.copies.wait_host_all(self._written_back)
-        self.engine.slots.land_write_backs()
+        self.engine.slots.buffers.land_write_backs()
         self.engine.copies.wait_loads_done()
         self.state = WalkState.FINISHED
 
@@ -236,7 +236,7 @@ class SliceWalk:
         held = self.current if self.state in (WalkState.ACQUIRED, WalkState.COMPUTING) else None
         if self.direction is Direction.FORWARD and held is not None and self.engine.slices[held].storage.buffers:
             # Issued only: the drain below (rule 5 of [Copy ordering]) completes it.
-            self.engine.slots.write_back_buffers(held)
+            self.engine.slots.buffers.write_back_buffers(held)
         self.engine.slots.invalidate()
         # A cast ahead that no load will take: the caller may write the host copies it reads next.
         self.engine.slots.staging.drop_ahead(self.engine.copies)
