@@ -85,7 +85,7 @@ from ..grad_scaler import _calling_scaler
 from ..streams import Event
 from ..walk.engine import Engine
 from ..walk.milestones import Subscriber
-from .plan import snapshot
+from .backward_reads import BackwardReads, listing
 from .stepping import SliceUpdates
 
 
@@ -125,19 +125,14 @@ class BackwardUpdates(Subscriber):
         #: Slice -> why its update waits for step() (Note: [Update in backward]), from the last backward.
         self.deferred: dict[int, str] = {}
         self._token: Any = None  # the forward whose backward ends the accumulation, while it runs
-        # The hyperparameters the updates that backward starts read: taken when it starts,
-        # compared with what step() would read.
-        self._hyper: list[dict[str, Any]] | None = None
-        # The optimizer's state dict when that backward starts: load_state_dict() replaces it, and
-        # the updates already started stepped the state it replaced.
-        self._state: Any = None
+        # What the updates that backward starts read, compared with what step() would read.
+        self._reads: BackwardReads | None = None
         self._task_open = False  # a backward is running (counted, its end's callback queued)
         self._names: dict[int, str] = {}
         self._tied: set[int] = set()  # the weights tied across slices, as of the backward that ends the accumulation
         self._step_of: dict[int, Any] = {}  # slice index -> its SliceStep, while that backward runs
         self._stepped: set[int] = set()  # ids of the parameters the optimizer steps, from that backward's start
         self._mismatched: list[str] = []  # parameters seen receiving a gradient from outside the model
-        self._seen: list[tuple[torch.Tensor, torch.Tensor | None, int]] = []  # (param, .grad, its version)
 
     @classmethod
     def attach(cls, optimizer: Any, engine: Engine, accumulation_steps: int, updates: SliceUpdates,
@@ -191,9 +186,8 @@ class BackwardUpdates(Subscriber):
         self._token = token
         self.deferred = {}
         self._behind = False
-        self._hyper = [snapshot(group) for group in optimizer.param_groups]
+        self._reads = BackwardReads.at_start(optimizer)
         self._stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        self._state = optimizer.__dict__.get("state")
         self._names = self._engine.parameter_names()
         self._tied = self._engine.tied_parameter_ids()
         if self.checked:
@@ -240,14 +234,14 @@ class BackwardUpdates(Subscriber):
         if why is not None:
             self.deferred[index] = why
             return
-        hyper = self._hyper
-        assert hyper is not None
+        assert self._reads is not None
         # A parameter this backward gives no gradient to (frozen, or unused) is stepped with the
         # .grad it has, as step() would. The update holds aliases, not the tensors backward returns:
         # autograd adopts a returned gradient as .grad only if nothing else holds it, and copies
         # it otherwise (a copy of every gradient, read while the update runs).
         grads = [final.get(id(p), p.grad) for p in step.whole.params]
-        self._updates.submit_one(step, [None if g is None else g.detach() for g in grads], hyper, [ready])
+        self._updates.submit_one(step, [None if g is None else g.detach() for g in grads], self._reads.hyper,
+                                [ready])
         self.started.add(index)
 
     # -- the checks -------------------------------------------------------------------------------
@@ -273,15 +267,12 @@ class BackwardUpdates(Subscriber):
         optimizer = self._optimizer()
         if not self._end_task() or optimizer is None:
             return
-        # The model's parameters only: step() steps the others with the .grad they hold then, so
-        # changing theirs (clipping a head outside the model) is as without the option.
-        inside = {id(p) for p in self._engine.parameters()}
-        self._seen = [(p, p.grad, p.grad._version if p.grad is not None else 0)
-                      for group in optimizer.param_groups for p in group["params"] if id(p) in inside]
+        if self._reads is not None:
+            self._reads.at_end(optimizer, {id(p) for p in self._engine.parameters()})
         if mismatched:
             self.backwards = 0
             raise RuntimeError(
-                f"update_in_backward: the gradient of {_listing(mismatched)} also comes from outside this call of the "
+                f"update_in_backward: the gradient of {listing(mismatched)} also comes from outside this call of the "
                 f"model (the loss uses the parameter itself, e.g. a penalty on the weights, or calls the model twice), "
                 f"so backward cannot know it before it returns. {self._what_ran()} Build OffloadOptimizer without "
                 f"update_in_backward for this loss.")
@@ -297,7 +288,7 @@ class BackwardUpdates(Subscriber):
             # No backward since the last step, or fewer than declared (an epoch's last step when its
             # batches do not divide by the accumulation, as the Hugging Face Trainer takes it): none
             # ended the accumulation, nothing started, and step() steps what .grad holds, as before.
-            self._seen, self._hyper, self._state = [], None, None
+            self._reads = None
             return started
         if backwards > self.accumulation_steps:
             raise RuntimeError(
@@ -313,30 +304,12 @@ class BackwardUpdates(Subscriber):
                 "update_in_backward: a GradScaler steps this optimizer; it may skip a step or unscale the gradients "
                 f"after backward started the update. {self._what_ran(started)} Build OffloadOptimizer without "
                 "update_in_backward to train with a GradScaler (bfloat16 needs none).")
-        changed = [self._name(p) for p, grad, version in self._seen
-                   if p.grad is not grad or (grad is not None and grad._version != version)]
-        self._seen = []
-        hyper, self._hyper = self._hyper, None
-        state, self._state = self._state, None
-        optimizer = self._optimizer()
-        if state is not None and optimizer is not None and optimizer.__dict__.get("state") is not state:
-            raise RuntimeError(
-                "update_in_backward: load_state_dict() between backward and step(); the updates backward started "
-                f"stepped the state it replaced. {self._what_ran(started)} Load the optimizer's state before "
-                "backward or after step(), or build OffloadOptimizer without update_in_backward.")
-        inside = {id(p) for p in self._engine.parameters()}
-        moved = _moved(hyper, self._optimizer(), inside) if hyper is not None else []
-        if changed:
-            raise RuntimeError(
-                f"update_in_backward: the gradient of {_listing(changed)} changed between backward and step() "
-                f"(clip_grad_norm_, a hook, zero_grad). {self._what_ran(started)} Build "
-                "OffloadOptimizer without update_in_backward to change gradients before the update.")
-        if moved:
-            raise RuntimeError(
-                f"update_in_backward: {_listing(moved)} changed between backward and step(); the update reads the "
-                f"hyperparameters backward saw. {self._what_ran(started)} Change them before backward or after "
-                "step() (a scheduler steps after optimizer.step()), or build OffloadOptimizer without "
-                "update_in_backward.")
+        reads, self._reads = self._reads, None
+        difference = reads.difference(self._optimizer(), {id(p) for p in self._engine.parameters()}, self._name) \
+            if reads is not None else None
+        if difference is not None:
+            what, advice = difference
+            raise RuntimeError(f"update_in_backward: {what} {self._what_ran(started)} {advice}")
         self.checked = True
         return started
 
@@ -346,7 +319,6 @@ class BackwardUpdates(Subscriber):
             return "No update ran: parameters and optimizer state are as they were."
         return (f"The update of slices {sorted(started)} already ran with the gradients backward produced: reload "
                 f"the last checkpoint before training on.")
-
 
     def _why_deferred(self, params: list[torch.Tensor], tied: set[int],
                       final: dict[int, torch.Tensor | None]) -> str | None:
@@ -382,34 +354,6 @@ def _hooked(p: torch.Tensor) -> bool:
     """Whether autograd runs hooks of ``p``'s own once backward has produced its gradient
     (``register_hook``, ``register_post_accumulate_grad_hook``): they may change ``.grad``."""
     return bool(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None))
-
-
-def _moved(before: list[dict[str, Any]], optimizer: Any, inside: set[int]) -> list[str]:
-    """The hyperparameters whose values differ from ``before`` (``snapshot`` of each group), by
-    name, in the groups holding a parameter of the model (ids ``inside``): step() steps the others
-    with what they hold then."""
-    if optimizer is None:
-        return []
-    groups = optimizer.param_groups
-    if len(groups) != len(before):
-        return ["the parameter groups"]
-    moved = []
-    for g, (old, group) in enumerate(zip(before, groups)):
-        if not any(id(p) in inside for p in group["params"]):
-            continue
-        for key in old.keys() | (group.keys() - {"params"}):
-            a, b = old.get(key), group.get(key)
-            if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-                same = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
-            else:
-                same = a == b
-            if not same:
-                moved.append(f"'{key}' of group {g}")
-    return sorted(moved)
-
-
-def _listing(names: list[str]) -> str:
-    return names[0] if len(names) == 1 else f"{names[0]} (and {len(names) - 1} more)"
 
 
 def check_in_backward(model: Any, engine: Engine, enabled: Any, accumulation_steps: Any, shard: Any) -> None:
