@@ -25,12 +25,14 @@ import torch
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 
+from offload import OffloadModel  # noqa: E402
 from offload.cli import finetune as cli  # noqa: E402
-from offload.cli.finetune_args import build_parser, parse_args  # noqa: E402
+from offload.cli.finetune_args import ARCHITECTURES, build_parser, parse_args  # noqa: E402
 from offload.cli.models import byte_tokenizer, random_model  # noqa: E402
 from offload.cli.outputs import OutputError, Write, check_room, resume_command  # noqa: E402
 from offload.integrations import data  # noqa: E402
 from offload.integrations.data import DataFormatError, shuffled, split_blocks, token_blocks  # noqa: E402
+from offload.integrations.transformers import causal_lm_sequential  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "offload" / "cli" / "sample.txt"
@@ -140,6 +142,14 @@ def test_eval_split_and_shuffle():
 
 
 # -- the command line ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_every_architecture_builds_a_tiny_random_model_that_trains_offloaded(arch):
+    hf, _ = random_model(arch, "tiny", 256, 16)
+    assert sum(p.numel() for p in hf.parameters()) < 2_000_000  # tiny whatever the family's default expert count
+    model = OffloadModel(causal_lm_sequential(hf), device="cpu", num_slices=2)
+    model(torch.randint(0, 256, (2, 16))).float().pow(2).mean().backward()
 
 
 def test_help_states_each_default_once_and_shows_examples():

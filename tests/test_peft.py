@@ -33,12 +33,23 @@ MIXTURES = ["mixtral", "qwen2_moe", "qwen3_moe"]
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
+#: DeepSeek's multi-head latent attention: low-rank queries, keys and values.
+LATENT_ATTENTION = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+
+
 def targets(kind: str) -> str | list[str]:
     """Attention and MLP of every family: PEFT's ``"all-linear"`` (every ``nn.Linear`` but the output
-    head; on Qwen2-MoE its shared expert and that expert's gate). On Mixtral and Qwen3-MoE it also
-    takes the fused experts and the router, which PEFT adapts through a parametrization registered
-    in forward (``target_parameters``), not supported yet: those two get LoRA on attention."""
-    return ATTENTION if kind in ("mixtral", "qwen3_moe") else "all-linear"
+    head; on Qwen2-MoE its shared expert and that expert's gate). On the other mixtures of experts
+    but GPT-OSS, GraniteMoE and JetMoE (whose experts are not ``nn.Linear``) it also takes the fused
+    experts or the router, which PEFT adapts through a parametrization that takes no dropout
+    (``lora.ParamWrapper``, see ``test_lora_on_fused_experts``), or wraps a router that returns a
+    tuple, which then fails in the model's own forward (Phi-MoE, Llama 4): those get LoRA on attention
+    (on Qwen3-Next, its full attention layers)."""
+    if kind in ("deepseek_v2", "deepseek_v3"):
+        return LATENT_ATTENTION
+    if kind in ("mixtral", "qwen3_moe", "qwen3_next", "olmoe", "glm4_moe", "dots1", "llama4_text", "phimoe"):
+        return ATTENTION
+    return "all-linear"
 
 
 def lora(hf: torch.nn.Module, kind: str = "llama", **options) -> torch.nn.Module:

@@ -41,9 +41,13 @@ EXACT = {"rtol": 0.0, "atol": 0.0}
 VOCAB = 97
 FAMILIES = ["gpt2", "llama", "mistral", "ministral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi", "phi3",
             "olmo", "olmo2", "olmo3", "smollm3", "granite", "cohere", "glm", "glm4", "helium", "stablelm", "gpt_neox",
-            "mixtral", "qwen2_moe", "qwen3_moe"]
+            "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3", "deepseek_v2", "ernie4_5", "olmoe",
+            "granitemoe", "granitemoeshared", "cohere2", "glm4_moe", "dots1", "seed_oss", "exaone4", "arcee",
+            "apertus", "hunyuan_v1_dense", "llama4_text", "nemotron", "phimoe", "jetmoe", "bitnet", "lfm2",
+            "qwen3_next"]
 #: The families whose configs tie the input and output embeddings by default.
-TIED_BY_DEFAULT = ["gpt2", "gemma", "gemma2", "gemma3_text", "smollm3", "cohere"]
+TIED_BY_DEFAULT = ["gpt2", "gemma", "gemma2", "gemma3_text", "smollm3", "cohere", "ernie4_5", "cohere2", "jetmoe",
+                   "lfm2"]
 
 
 def alternating(layers: int) -> list[str]:
@@ -80,6 +84,52 @@ def family_options(kind: str, layers: int, dropout: float) -> dict:
                       "shared_expert_intermediate_size": 16},
         "qwen3_moe": {"use_sliding_window": True, "sliding_window": 4, "head_dim": 8, "num_experts": 4,
                       "num_experts_per_tok": 2, "moe_intermediate_size": 16},
+        # Attention sinks, sliding layers, yarn rotary tables.
+        "gpt_oss": {**window, "head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2,
+                    "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                                        "rope_theta": 1.5e5, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}},
+        # Multi-head latent attention (low-rank queries, keys and values: as many of each as heads), the first
+        # layer dense, the others routing over groups of experts beside a shared one.
+        "deepseek_v3": {"num_key_value_heads": 4, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4,
+                        "qk_nope_head_dim": 4, "v_head_dim": 8, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                        "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1, "moe_intermediate_size": 16},
+        "deepseek_v2": {"num_key_value_heads": 4, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4,
+                        "qk_nope_head_dim": 4, "v_head_dim": 8, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                        "n_group": 2, "topk_group": 1, "topk_method": "group_limited_greedy",
+                        "first_k_dense_replace": 1, "moe_intermediate_size": 16},
+        "ernie4_5": {"head_dim": 8},
+        "olmoe": {"num_experts": 4, "num_experts_per_tok": 2},
+        "granitemoe": {"embedding_multiplier": 4.0, "logits_scaling": 3.0, "residual_multiplier": 0.5,
+                       "attention_multiplier": 0.25, "num_local_experts": 4, "num_experts_per_tok": 2},
+        "granitemoeshared": {"embedding_multiplier": 4.0, "logits_scaling": 3.0, "residual_multiplier": 0.5,
+                             "attention_multiplier": 0.25, "num_local_experts": 4, "num_experts_per_tok": 2,
+                             "shared_intermediate_size": 16},
+        "cohere2": {**window, "head_dim": 8, "logit_scale": 0.25},
+        "glm4_moe": {"head_dim": 8, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
+                     "first_k_dense_replace": 1, "moe_intermediate_size": 16, "use_qk_norm": True},
+        "dots1": {**window, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 2,
+                  "topk_group": 1, "first_k_dense_replace": 1, "moe_intermediate_size": 16},
+        "seed_oss": {"head_dim": 8, "residual_dropout": dropout},
+        "exaone4": {**window, "head_dim": 8},
+        "arcee": {"head_dim": 8},
+        "apertus": {"head_dim": 8},
+        "hunyuan_v1_dense": {"head_dim": 8},
+        # Chunked and full attention layers, layers without rotary, experts on every other layer.
+        "llama4_text": {"head_dim": 8, "attention_chunk_size": 4, "no_rope_layer_interval": 2,
+                        "layer_types": ["chunked_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+                        "num_local_experts": 4, "num_experts_per_tok": 1, "interleave_moe_layer_step": 2,
+                        "intermediate_size_mlp": 64},
+        "nemotron": {"head_dim": 8},
+        "phimoe": {"sliding_window": 4, "num_local_experts": 4, "num_experts_per_tok": 2},
+        "jetmoe": {"num_local_experts": 4, "num_experts_per_tok": 2, "kv_channels": 8},
+        # Linear attention (gated delta rule) layers between full attention layers, experts beside a shared one.
+        "qwen3_next": {"head_dim": 8, "layer_types": ["linear_attention" if i % 2 == 0 else "full_attention"
+                                                      for i in range(layers)],
+                       "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+                       "linear_value_head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
+                       "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16},
+        # Convolution layers between attention layers.
+        "lfm2": {"layer_types": ["conv" if i % 2 == 0 else "full_attention" for i in range(layers)]},
     }.get(kind, {})
 
 
@@ -90,11 +140,11 @@ def build(kind: str, dropout: float = 0.1, tied: bool = False, layers: int = 3) 
                                          resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
                                          tie_word_embeddings=tied, bos_token_id=0, eos_token_id=0)
     else:
-        config = transformers.AutoConfig.for_model(
-            kind, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, attention_dropout=dropout,
-            tie_word_embeddings=tied, pad_token_id=0, bos_token_id=0, eos_token_id=0,
-            **family_options(kind, layers, dropout))
+        shared = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": layers, "num_attention_heads": 4,
+                  "num_key_value_heads": 2, "vocab_size": VOCAB, "max_position_embeddings": 64,
+                  "attention_dropout": dropout, "tie_word_embeddings": tied, "pad_token_id": 0, "bos_token_id": 0,
+                  "eos_token_id": 0}
+        config = transformers.AutoConfig.for_model(kind, **{**shared, **family_options(kind, layers, dropout)})
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
@@ -304,6 +354,23 @@ def test_input_ids_alone_and_explicit_positions():
     positions = torch.arange(3, 13).unsqueeze(0)
     torch.testing.assert_close(model({"input_ids": ids, "position_ids": positions}),
                                reference(input_ids=ids, position_ids=positions, use_cache=False).logits, **EXACT)
+
+
+def test_packed_positions_pack_the_masks_only_where_the_model_packs_them():
+    # Llama builds its masks from the position ids: sequences packed into a row attend apart. GPT-OSS
+    # builds them without, so there its packed sequences attend across (only the rotary tables restart).
+    packed = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4]] * 4)
+    ids = batch()["input_ids"]
+    for kind in ("llama", "gpt_oss"):
+        hf = build(kind, dropout=0.0).eval()
+        reference = copy.deepcopy(hf)
+        model = OffloadModel(causal_lm_sequential(hf), device="cpu", num_slices=2)
+        want = reference(input_ids=ids, position_ids=packed, use_cache=False).logits
+        torch.testing.assert_close(model({"input_ids": ids, "position_ids": packed}), want, **EXACT)
+        # A mask of ones turns the look for packed sequences off: the second sequence of each row then sees
+        # the first, which changes its logits in Llama and not in GPT-OSS.
+        unpacked = reference(input_ids=ids, position_ids=packed, attention_mask=torch.ones_like(ids)).logits
+        assert (kind == "llama") != torch.equal(unpacked[:, 5:], want[:, 5:])
 
 
 def test_the_hugging_face_model_holds_the_trained_weights(tmp_path):
@@ -611,8 +678,10 @@ def test_unsupported_models_and_batches_get_clear_errors():
     # StarCoder2 applies dropout to the embeddings under the decoder's own training flag, outside any module.
     with pytest.raises(ValueError, match=", ".join(SUPPORTED_MODEL_TYPES)):
         causal_lm_sequential(small("starcoder2", embedding_dropout=0.1))
-    with pytest.raises(ValueError, match="load-balancing"):
-        causal_lm_sequential(small("mixtral", num_local_experts=2, num_experts_per_tok=1, output_router_logits=True))
+    for kind, experts in (("mixtral", "num_local_experts"), ("olmoe", "num_experts"), ("gpt_oss", "num_local_experts"),
+                          ("deepseek_v3", "n_routed_experts")):
+        with pytest.raises(ValueError, match="load-balancing"):
+            causal_lm_sequential(small(kind, **{experts: 2}, num_experts_per_tok=1, output_router_logits=True))
     with pytest.raises(ValueError, match="bidirectional"):
         causal_lm_sequential(small("gemma3_text", use_bidirectional_attention=True))
     with pytest.raises(ValueError, match="supports the causal LMs"):

@@ -54,12 +54,40 @@ def random_model(arch: str, size: str, vocab: int, seq_len: int):
     else:
         # Token ids 0 for padding and both ends (some families' defaults lie outside a byte
         # vocabulary), and head_dim set where a family would otherwise take a fixed default.
-        config = transformers.AutoConfig.for_model(
-            arch, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-            num_key_value_heads=kv_heads, intermediate_size=intermediate, vocab_size=vocab,
-            max_position_embeddings=max(seq_len, 64), tie_word_embeddings=False, head_dim=hidden // heads,
-            pad_token_id=0, bos_token_id=0, eos_token_id=0)
+        shared = {"hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
+                  "num_key_value_heads": kv_heads, "intermediate_size": intermediate, "vocab_size": vocab,
+                  "max_position_embeddings": max(seq_len, 64), "tie_word_embeddings": False,
+                  "head_dim": hidden // heads, "pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0}
+        options = {**shared, **_family_sizes(arch, hidden, heads, intermediate)}
+        config = transformers.AutoConfig.for_model(arch, **options)
     return transformers.AutoModelForCausalLM.from_config(config), byte_tokenizer()
+
+
+def _family_sizes(arch: str, hidden: int, heads: int, intermediate: int) -> dict:
+    """Sizes a family's config takes from elsewhere than the shared ones, where its defaults would not
+    build (DeepSeek's latent attention, dots.llm1's unset experts) or build a model far larger than
+    the size asked for (hundreds of experts)."""
+    experts = {"n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
+               "moe_intermediate_size": intermediate // 2, "n_group": 1, "topk_group": 1}
+    if arch in ("deepseek_v2", "deepseek_v3"):
+        # Latent attention: one key and value per head, the rotary part of each head as wide as
+        # head_dim (the rotary tables are built for head_dim).
+        head_dim = hidden // heads
+        return {**experts, "num_key_value_heads": heads, "q_lora_rank": hidden // 2, "kv_lora_rank": hidden // 2,
+                "qk_rope_head_dim": head_dim, "qk_nope_head_dim": head_dim, "v_head_dim": head_dim}
+    if arch in ("dots1", "glm4_moe"):
+        return experts
+    return {
+        "gpt_oss": {"num_local_experts": 8},
+        "olmoe": {"num_experts": 8},
+        "qwen3_moe": {"num_experts": 8, "moe_intermediate_size": intermediate // 2},
+        "qwen2_moe": {"num_experts": 8, "moe_intermediate_size": intermediate // 2,
+                      "shared_expert_intermediate_size": intermediate},
+        "qwen3_next": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": intermediate // 2,
+                       "shared_expert_intermediate_size": intermediate, "linear_num_key_heads": heads // 2,
+                       "linear_num_value_heads": heads, "linear_key_head_dim": hidden // heads,
+                       "linear_value_head_dim": hidden // heads},
+    }.get(arch, {})
 
 
 def byte_tokenizer():

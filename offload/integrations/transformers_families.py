@@ -29,8 +29,11 @@ class _Layout:
     embed_dropout: str | None = None
     #: Which 4-D mask a layer gets: ``"causal"`` (the causal mask for every layer), ``"sliding_window"``
     #: (one mask for every layer, sliding when ``config.sliding_window`` is set) or ``"layer_types"``
-    #: (``config.layer_types[i]`` says which of the two layer ``i`` gets).
+    #: (``config.layer_types[i]`` says which layer ``i`` gets: causal, sliding, chunked or recurrent).
     mask: Literal["causal", "sliding_window", "layer_types"] = "causal"
+    #: The decoder builds its masks from the position ids (packed sequences then attend apart); a
+    #: decoder that builds them without gets them built without.
+    mask_from_positions: bool = True
     #: One rotary table per layer type (``rotary_emb(x, position_ids, layer_type)``), each layer taking its own.
     rotary_per_layer_type: bool = False
     #: The decoder passes ``use_cache`` to its layers.
@@ -71,10 +74,33 @@ _LAYOUTS = {
     "helium": _Layout(),
     "stablelm": _Layout(),
     "gpt_neox": _Layout(base="gpt_neox", final_norm="final_layer_norm", embed_dropout="emb_dropout"),
-    # Mixture of experts: the routing happens inside the layers; the load-balancing loss is refused below.
+    "ernie4_5": _Layout(),
+    "cohere2": _Layout(mask="layer_types", logit_scale=True),
+    "seed_oss": _Layout(),
+    "exaone4": _MASK_PER_LAYER_TYPE,
+    "arcee": _Layout(),
+    "apertus": _Layout(),
+    "hunyuan_v1_dense": _Layout(),
+    "nemotron": _Layout(),
+    "bitnet": _Layout(),
+    "lfm2": _Layout(final_norm="embedding_norm", mask="layer_types"),  # its convolution layers' type is "conv"
+    # Mixture of experts: the routing happens inside the layers; the load-balancing loss is refused
+    # (``transformers_stages.py``).
     "mixtral": _Layout(mask="sliding_window"),
     "qwen2_moe": _MASK_PER_LAYER_TYPE,
     "qwen3_moe": _Layout(mask="sliding_window"),
+    "gpt_oss": _Layout(mask="layer_types", mask_from_positions=False),
+    "deepseek_v3": _Layout(),
+    "deepseek_v2": _Layout(),
+    "olmoe": _Layout(),
+    "granitemoe": _Layout(embedding_multiplier=True, logits_scaling=True),
+    "granitemoeshared": _Layout(embedding_multiplier=True, logits_scaling=True),
+    "glm4_moe": _Layout(),
+    "dots1": _MASK_PER_LAYER_TYPE,
+    "llama4_text": _MASK_PER_LAYER_TYPE,  # chunked and full attention layers
+    "phimoe": _Layout(mask="sliding_window"),
+    "jetmoe": _Layout(),
+    "qwen3_next": _MASK_PER_LAYER_TYPE,  # linear and full attention layers
 }
 #: ``config.model_type`` values this module can cut. Others share parts of the layout but differ in
 #: details that change results (embedding dropout outside a module, positions as attention biases,

@@ -118,7 +118,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, state: _State) -> _State:
         hidden, attention_mask, position_ids, position_embeddings, targets = state
-        mask = self.masks.build(self.mask_function, self.config, hidden, attention_mask, position_ids)
+        mask_positions = position_ids if self.layout is None or self.layout.mask_from_positions else None
+        mask = self.masks.build(self.mask_function, self.config, hidden, attention_mask, mask_positions)
         positions = _default_positions(hidden, position_ids)  # Note: [Default positions]
         if self.layout is None:
             # Positional as GPT2Model passes them (cache, attention_mask, encoder_hidden_states).

@@ -1,12 +1,11 @@
 """Hugging Face causal language models as an ``nn.Sequential`` that :class:`~offload.OffloadModel` can wrap.
 
 :func:`causal_lm_sequential` cuts a ``transformers`` ``*ForCausalLM`` (GPT-2, and the families
-built on the Llama decoder layout: Llama, Mistral, Ministral, Mixtral, Qwen2, Qwen3 and their
-mixture-of-experts variants, Gemma, Gemma 2, Gemma 3 text, Phi, Phi-3, OLMo, OLMo 2, OLMo 3,
-SmolLM3, Granite, Cohere, GLM, GLM-4, Helium, StableLM, GPT-NeoX) into stages built around the
-model's *own* submodules: an embedding stage, one stage per decoder layer and a head stage (final
-norm and ``lm_head``). Nothing is copied, so the Hugging Face model trains along: its
-``state_dict()`` and ``save_pretrained()`` hold the trained weights. The stages reproduce the
+built on the Llama decoder layout, ``SUPPORTED_MODEL_TYPES``: Llama, Mistral, Qwen, Gemma, Phi,
+OLMo, Granite, Cohere, GLM, DeepSeek, GPT-OSS and others, dense and mixtures of experts) into
+stages built around the model's *own* submodules: an embedding stage, one stage per decoder layer
+and a head stage (final norm and ``lm_head``). Nothing is copied, so the Hugging Face model trains
+along: its ``state_dict()`` and ``save_pretrained()`` hold the trained weights. The stages reproduce the
 model's forward operation for operation, so logits are bit-identical to the model's own, in train
 mode with dropout and in eval mode, with padding and attention masks, with
 ``gradient_checkpointing_enable()``, and under ``compute_dtype``. Where a family's forward departs
@@ -64,7 +63,12 @@ from .transformers_masks import _MaskCache
 try:
     import transformers
     from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
-    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+    from transformers.masking_utils import (
+        create_causal_mask,
+        create_chunked_causal_mask,
+        create_recurrent_attention_mask,
+        create_sliding_window_causal_mask,
+    )
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
 except ImportError as error:  # pragma: no cover - exercised only without the extra installed
     raise ImportError(
@@ -143,10 +147,20 @@ class CausalLMSequential(nn.Sequential):
         return (shift_labels != IGNORE_INDEX).sum()
 
 
+#: The mask function of each ``config.layer_types`` entry, as the decoders of ``_Layout(mask="layer_types")`` pick it.
+_MASK_OF_LAYER_TYPE = {
+    "full_attention": create_causal_mask,
+    "sliding_attention": create_sliding_window_causal_mask,
+    "chunked_attention": create_chunked_causal_mask,  # Llama 4
+    "conv": create_recurrent_attention_mask,  # LFM2's convolution layers
+    "linear_attention": create_recurrent_attention_mask,  # Qwen3-Next's
+}
+
+
 def _mask_function(layout: _Layout, config: Any, index: int) -> Callable[..., Any]:
     if layout.mask == "layer_types":
-        sliding = config.layer_types[index] == "sliding_attention"
-    elif layout.mask == "sliding_window":
+        return _MASK_OF_LAYER_TYPE[config.layer_types[index]]
+    if layout.mask == "sliding_window":
         sliding = config.sliding_window is not None
     else:
         sliding = False
@@ -275,9 +289,9 @@ def causal_lm_sequential(model: nn.Module, *, untie_embeddings: bool = False,
             decoder's ``forward``, a PEFT method whose ``PeftModel.forward`` changes the inputs
             (prompt learning, Poly, activated LoRA), GPT-2
             with cross-attention, Gemma 3 with bidirectional attention, or a mixture of experts
-            with ``output_router_logits=True`` (its load-balancing loss needs router logits the
-            stages do not return); ``loss_chunk_tokens`` not a positive int, or given for a model
-            whose ``loss_function`` is not transformers' ``ForCausalLMLoss``.
+            with ``output_router_logits=True`` (the stages return neither its router logits nor the
+            load-balancing loss most families add from them); ``loss_chunk_tokens`` not a positive
+            int, or given for a model whose ``loss_function`` is not transformers' ``ForCausalLMLoss``.
 
     Example::
 
@@ -308,8 +322,9 @@ def causal_lm_sequential(model: nn.Module, *, untie_embeddings: bool = False,
                          "encoder states the stages do not carry")
     if getattr(config, "output_router_logits", False):
         raise ValueError(
-            f"{type(model).__name__} with output_router_logits=True is not supported: its loss adds a load-balancing "
-            "term computed from every layer's router logits, which the stages do not return. Set "
+            f"{type(model).__name__} with output_router_logits=True is not supported: it returns every layer's router "
+            "logits, and most mixtures of experts add to the loss a load-balancing term computed from them; the "
+            "stages return neither. Set "
             "config.output_router_logits = False to train on the language-modelling loss alone"
         )
     if model_type == "gemma3_text" and config.use_bidirectional_attention:
