@@ -684,6 +684,11 @@ def test_unsupported_models_and_batches_get_clear_errors():
             causal_lm_sequential(small(kind, **{experts: 2}, num_experts_per_tok=1, output_router_logits=True))
     with pytest.raises(ValueError, match="bidirectional"):
         causal_lm_sequential(small("gemma3_text", use_bidirectional_attention=True))
+    # A layer type whose mask the stages do not know (a later release's, say).
+    unknown = small("qwen2", layer_types=["full_attention"])
+    unknown.config.layer_types[0] = "mystery_attention"
+    with pytest.raises(ValueError, match="layer 0 is of type 'mystery_attention'"):
+        causal_lm_sequential(unknown)
     with pytest.raises(ValueError, match="supports the causal LMs"):
         causal_lm_sequential(torch.nn.Linear(2, 2))
     layers = causal_lm_sequential(build("llama"))

@@ -159,7 +159,12 @@ _MASK_OF_LAYER_TYPE = {
 
 def _mask_function(layout: _Layout, config: Any, index: int) -> Callable[..., Any]:
     if layout.mask == "layer_types":
-        return _MASK_OF_LAYER_TYPE[config.layer_types[index]]
+        kind = config.layer_types[index]
+        if kind not in _MASK_OF_LAYER_TYPE:
+            raise ValueError(
+                f"{config.model_type}: layer {index} is of type {kind!r}, whose attention mask the stages do not "
+                f"build (they build {', '.join(sorted(_MASK_OF_LAYER_TYPE))}); this model cannot be cut")
+        return _MASK_OF_LAYER_TYPE[kind]
     if layout.mask == "sliding_window":
         sliding = config.sliding_window is not None
     else:
