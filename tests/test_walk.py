@@ -11,7 +11,7 @@ from torch import nn
 
 from offload import OffloadModel
 from offload.model import engine_of
-from offload.streams.device_slots import SlotState
+from offload.streams.slot import SlotState
 from offload.walk.slice_walk import SliceWalk
 
 

@@ -19,10 +19,8 @@ Graphs that autograd keeps across slot reuse hold slot memory by reference (``sl
 
 from __future__ import annotations
 
-import enum
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,33 +30,10 @@ from .copies import CopyStreams
 from .host_buffers import HostBufferPool
 from .host_storage import SliceStorage, holder_of
 from .shadow_staging import ShadowStaging
+from .slot import Slot, SlotState
 from .slot_buffers import SlotBuffers
 from .slot_references import SlotReferences
 from .updates import SliceUpdates
-
-
-class SlotState(enum.Enum):
-    """What a slot's memory holds."""
-
-    EMPTY = enum.auto()  # nothing usable: never loaded, forgotten, or its last load raised
-    CURRENT = enum.auto()  # slice_index as loaded (once ``ready`` completes), unchanged since: no load needed
-    STALE = enum.auto()  # slice_index, but the host copy may have changed (a new forward) or the device copy did
-
-
-@dataclass
-class _Slot:
-    data: torch.Tensor
-    slice_index: int | None = None  # None exactly when EMPTY
-    state: SlotState = SlotState.EMPTY
-    ready: Event | None = None
-    free: Event | None = None
-    written_back: Event | None = None  # the write-back that reads this slot's buffers
-    in_use: bool = False  # acquired: reserved for compute until released
-    last_used: int = 0
-    views: list[torch.Tensor] = field(default_factory=list)
-    # Device copies of each slice this slot has held, made once: creating them costs more Python
-    # time than a small slice's copy.
-    view_cache: dict[int, list[torch.Tensor]] = field(default_factory=dict)
 
 
 class DeviceSlots:
@@ -84,7 +59,7 @@ class DeviceSlots:
         self._slots = [
             # Free from the start only after queued compute: the allocator may have handed out
             # memory that a kernel from an earlier forward still reads (rule 2).
-            _Slot(torch.empty(nbytes, dtype=torch.uint8, device=copies.device), free=copies.compute_done())
+            Slot(torch.empty(nbytes, dtype=torch.uint8, device=copies.device), free=copies.compute_done())
             for _ in range(min(num_slots, len(storages)))
         ]
         self.loads = 0  # loads issued; tests and benchmarks read it
@@ -101,7 +76,7 @@ class DeviceSlots:
     def num_slots(self) -> int:
         return len(self._slots)
 
-    def slot_of(self, index: int) -> _Slot | None:
+    def slot_of(self, index: int) -> Slot | None:
         """The slot that holds slice ``index``, if one does."""
         return next((slot for slot in self._slots if slot.slice_index == index), None)
 
@@ -169,7 +144,7 @@ class DeviceSlots:
         return (any(not s.in_use for s in self._slots) and not storage.resident and not storage.borrowed
                 and self.updates.done(index) and (not storage.shadow_stale() or self.staging.ahead_done(storage)))
 
-    def _load_borrowed(self, slot: _Slot, index: int, entry: Any) -> Event | None:
+    def _load_borrowed(self, slot: Slot, index: int, entry: Any) -> Event | None:
         """Copy a parameter that an earlier slice holds into slice ``index``'s slot (Note: [Tied
         parameters across slices] in ``host_storage.py``), from that slice's host copy or shadow."""
         holder_index = holder_of(self.storages, index, entry.tensor)

@@ -16,15 +16,7 @@ from .backend import Event
 from .copies import CopyStreams
 from .host_buffers import HostBufferPool
 from .host_storage import SliceStorage
-
-
-class _Slot(Protocol):
-    """What of a device slot (``device_slots.py``) its buffers are reached by."""
-
-    data: torch.Tensor
-    in_use: bool
-    views: list[torch.Tensor]
-    written_back: Event | None
+from .slot import Slot
 
 
 class _Slots(Protocol):
@@ -32,7 +24,7 @@ class _Slots(Protocol):
 
     storages: Sequence[SliceStorage]
 
-    def slot_of(self, index: int) -> _Slot | None: ...
+    def slot_of(self, index: int) -> Slot | None: ...
 
     def mark_stale(self, index: int) -> None: ...
 
@@ -53,7 +45,7 @@ class SlotBuffers:
         #: write-backs staged in pinned memory, to land in their host copies: (host, staged)
         self._staged: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def _acquired(self, index: int) -> _Slot:
+    def _acquired(self, index: int) -> Slot:
         slot = self.slots.slot_of(index)
         assert slot is not None and slot.in_use, "slice must be acquired"
         return slot

@@ -11,18 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
-
-class _Slot(Protocol):
-    """What of a device slot (``device_slots.py``) a reference is resolved by."""
-
-    data: torch.Tensor
-    slice_index: int | None
-    in_use: bool
+from .slot import Slot
 
 
 @dataclass(frozen=True)
@@ -67,7 +61,7 @@ class SlotReferences:
         slots: the device slots, as :class:`~offload.streams.DeviceSlots` holds them.
     """
 
-    def __init__(self, slots: Sequence[_Slot]) -> None:
+    def __init__(self, slots: Sequence[Slot]) -> None:
         self._slots = slots
 
     def saved_tensors_hooks(self) -> saved_tensors_hooks:
