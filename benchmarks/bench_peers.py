@@ -95,7 +95,7 @@ PEERS = ("resident", "offload", "fsdp2", "torchao", "fairscale")
 #: while the update worker keeps up (``max_backlog = 1``), the rest at step(), in slice order;
 #: ``-resident`` keeps the first ``--resident-slices`` slices on the device (Note: [Resident slices]).
 #: ``clip`` clips the gradients' total norm to 1 with ``offload.clip_grad_norm_`` before ``step()`` (the update behind the next forward, as
-#: Hugging Face's Trainer runs it). A ``-resident`` name may end in a count: ``offload-in-backward-resident6``
+#: Hugging Face's Trainer runs it), the host gradients' norms computed in backward (``norms_in_backward``). A ``-resident`` name may end in a count: ``offload-in-backward-resident6``
 #: keeps 6 slices resident whatever ``--resident-slices`` says (:func:`split_variant`).
 OFFLOAD_VARIANTS = ("offload-in-backward", "offload-in-backward-cut", "offload-sync", "offload-threads8", "offload-no-step", "offload-profile",
                     "offload-cprofile", "offload-resident", "offload-in-backward-resident", "offload-clip",
@@ -210,7 +210,8 @@ def offload_run(base: nn.Module, batch: torch.Tensor, device: torch.device, grad
                          resident_slices=resident)
     threads = 8 if kind == "offload-threads8" else args.update_threads
     optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-5, fused=True, disk_tier=tier, num_threads=threads,
-                                 update_in_backward=kind.startswith("offload-in-backward"))
+                                 update_in_backward=kind.startswith("offload-in-backward"),
+                                 norms_in_backward=kind.startswith("offload-clip"))
     if kind == "offload-in-backward-cut":
         optimizer._in_backward.max_backlog = 1
     updates = engine_of(model).updates
@@ -235,8 +236,9 @@ def offload_run(base: nn.Module, batch: torch.Tensor, device: torch.device, grad
             if args.deterministic:
                 grads.setdefault("variants", {})[variant] = first
         if kind.startswith("offload-clip"):
-            # offload.clip_grad_norm_ in its two halves, timed apart: the norm reads every gradient
-            # (on several threads), the scaling reads and writes them (on the host, where the
+            # offload.clip_grad_norm_ in its two halves, timed apart: the norm takes the host gradients'
+            # norms backward computed (norms_in_backward; the first call computes them all again, on
+            # several threads, to compare), the scaling reads and writes them (on the host, where the
             # streamed slices' gradients are).
             grads_now = [p.grad for p in hf.parameters() if p.grad is not None]
             if "clip_norm_torch_s" not in run.parts:

@@ -13,11 +13,12 @@
 #   tests   the cuda-marked tests of what never ran on a GPU: resident slices, the trainers
 #           (Trainer, Accelerate, Lightning moving an OffloadedCausalLM with .to("cuda"):
 #           tests/test_trainer.py, tests/test_trainers_cuda.py), the
-#           update in backward, the shadows staged from disk, 8-bit bases, one gradient copy per slice, and any QLoRA or fused-host-pass test
+#           update in backward, the shadows staged from disk, 8-bit bases, one gradient copy per slice, the norms
+#           computed in backward, and any QLoRA or fused-host-pass test
 #           files present (60 s);
 #   slices  the 0.886 B Llama of benchmarks/bench_peers.py at 8 x 1024 tokens: resident; offload in
 #           backward; the same with 9 of its 18 slices resident; the update behind the next forward
-#           with clipping (as Hugging Face's Trainer runs it); each beside the planner's prediction
+#           with clipping (as Hugging Face's Trainer runs it, the norms computed in backward); each beside the planner's prediction
 #           for this machine (--predict), 3 timed steps after 2 warm-ups (150 s; the H200's
 #           2026-11-28 second call took 84 s for 3 of these runs);
 #   threads offload in backward with 9 resident slices at 8 x 1024 tokens, the update worker at 14
@@ -104,7 +105,8 @@ FIRST_TESTS=(tests/test_resident_slices*.py tests/test_trainer.py tests/test_tra
              tests/test_update_in_backward*.py tests/test_*qlora*.py tests/test_one_pass.py tests/test_gradients_on_disk.py
              tests/test_shadows_on_disk.py tests/test_int8.py tests/test_memory.py::test_accumulation_over_backwards_adds_onto_earlier_gradients_exactly
              tests/test_mixed_precision.py::test_loads_move_half_the_bytes_and_gradients_arrive_in_float32
-             tests/test_mixed_precision.py::test_a_slices_gradients_cast_on_the_device_leave_in_one_copy)
+             tests/test_mixed_precision.py::test_a_slices_gradients_cast_on_the_device_leave_in_one_copy
+             tests/test_backward_norms.py)
 # A rerun's narrower choice: GPU_CHECK_TESTS (test paths for the tests stage), GPU_CHECK_RUNS (the
 # bench_peers runs of the slices and batch stages).
 [ -n "${GPU_CHECK_TESTS:-}" ] && read -ra FIRST_TESTS <<< "$GPU_CHECK_TESTS"

@@ -26,15 +26,23 @@ Note: [Norms on several threads]
     gradients are the same bits (a signalling NaN stays signalling instead of becoming quiet). That
     is every step whose norm is below ``max_norm``, and every step of a ``max_norm`` of infinity,
     which Hugging Face's ``Trainer`` clips with only to log the norm.
+
+    A norm computed before the call, as each slice's gradients landed in backward (Note: [Norms
+    from backward] in ``offload/optimizing/backward_norms.py``), is taken instead of computed again
+    when the gradient is still what it was then.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.utils import clip_grads_with_norm_
 
 try:  # PyTorch's own grouping and foreach rules, so the norms are combined in its order.
@@ -44,7 +52,7 @@ except ImportError:  # pragma: no cover - a PyTorch without them clips with its 
     _group_tensors_by_device_and_dtype = None
 
 #: The dtypes whose 2-norm PyTorch computes on one thread (see Note: [Norms on several threads]).
-_POOLED_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+POOLED_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 
 #: Tensors below this many bytes share a task: a task's fixed cost (tens of microseconds) would
 #: otherwise outweigh reading a layer norm's weight.
@@ -98,9 +106,9 @@ def total_grad_norm(tensors: Sequence[torch.Tensor], norm_type: float = 2.0, err
     first_device = tensors[0].device
     norms: list[torch.Tensor] = []
     for (device, dtype), ([device_tensors], _) in _group_tensors_by_device_and_dtype([tensors]).items():
-        if device.type == "cpu" and norm_type == 2.0 and dtype in _POOLED_DTYPES:
+        if device.type == "cpu" and norm_type == 2.0 and dtype in POOLED_DTYPES:
             # PyTorch's foreach norm on the CPU is this same call, one tensor at a time.
-            norms.extend(_pooled_norms(device_tensors, norm_type, num_threads))
+            norms.extend(_host_norms(device_tensors, num_threads))
         elif (foreach is None and _has_foreach_support(device_tensors, device)) or (
                 foreach and _device_has_foreach_support(device)):
             norms.extend(torch._foreach_norm(device_tensors, norm_type))
@@ -117,7 +125,113 @@ def total_grad_norm(tensors: Sequence[torch.Tensor], norm_type: float = 2.0, err
     return total_norm
 
 
-def _pooled_norms(tensors: list[torch.Tensor], norm_type: float, num_threads: int | None) -> list[torch.Tensor]:
+def _host_norms(tensors: list[torch.Tensor], num_threads: int | None) -> list[torch.Tensor]:
+    """Each host tensor's 2-norm: the one backward computed where the tensor is unchanged since, the
+    others computed now, on the pool. The first call that finds a source's norms computes them all
+    again and compares (Note: [Norms from backward], "checked")."""
+    found = _known_norms(tensors)
+    unchecked = {id(k.source): k.source for k in found if k is not None and not k.source.checked}
+    todo = [i for i, k in enumerate(found) if k is None or id(k.source) in unchecked]
+    computed = dict(zip(todo, pooled_norms([tensors[i] for i in todo], 2.0, num_threads)))
+    differ = [k.name for i, k in enumerate(found)
+              if k is not None and id(k.source) in unchecked and not _same_bits(k.norm, computed[i])]
+    if differ:
+        for source in unchecked.values():
+            source.forget()
+        shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
+        raise RuntimeError(
+            f"clip_grad_norm_: the gradient of {shown} changed after backward computed its norm "
+            "(OffloadOptimizer(norms_in_backward=True)) in a way PyTorch's version counter does not see: a write "
+            "through .grad.data, a GradScaler's unscale_, a collective such as dist.all_reduce. Nothing was clipped. "
+            "Build the OffloadOptimizer without norms_in_backward for this training loop.")
+    for source in unchecked.values():
+        source.checked = True
+    return [computed[i] if i in computed else k.norm for i, k in enumerate(found)]  # type: ignore[union-attr]
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.reshape(1).view(torch.uint8), b.reshape(1).view(torch.uint8))
+
+
+# -- norms computed ahead (Note: [Norms from backward] in offload/optimizing/backward_norms.py) ---------
+
+class NormSource(Protocol):
+    """What computes norms ahead of :func:`clip_grad_norm_` (``BackwardNorms``)."""
+
+    #: Whether a call compared its norms with norms computed anew, bit for bit.
+    checked: bool
+
+    def settle(self) -> None:
+        """Wait until the norms being computed are known."""
+
+    def forget(self) -> None:
+        """Forget every norm computed so far."""
+
+
+@dataclass(frozen=True)
+class KnownNorm:
+    """A gradient's 2-norm computed ahead, valid while the gradient is the same memory, unchanged."""
+
+    storage: StorageWeakRef  # the gradient's memory, without keeping it alive
+    version: int  # the gradient's version counter when the norm was taken
+    intra_op: int  # the intra-op thread count it was computed under
+    norm: torch.Tensor
+    name: str  # the parameter's, for errors
+    source: NormSource
+
+
+#: Where a gradient lies (storage, offset, dtype, shape, strides) -> its norm computed ahead.
+_known: dict[tuple[Any, ...], KnownNorm] = {}
+_sources: weakref.WeakSet[Any] = weakref.WeakSet()
+_known_lock = threading.Lock()
+
+
+def _place(t: torch.Tensor) -> tuple[Any, ...]:
+    return t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, tuple(t.shape), t.stride()
+
+
+def add_source(source: NormSource) -> None:
+    """Let :func:`clip_grad_norm_` wait for ``source`` before it looks for norms computed ahead."""
+    _sources.add(source)
+
+
+def remember_norms(source: NormSource, tensors: Sequence[torch.Tensor], norms: Sequence[torch.Tensor],
+                   versions: Sequence[int], names: Sequence[str]) -> None:
+    """Keep the norms ``source`` computed, ``versions`` being each tensor's version counter read
+    before its norm was."""
+    intra_op = torch.get_num_threads()
+    with _known_lock:
+        for t, norm, version, name in zip(tensors, norms, versions, names):
+            _known[_place(t)] = KnownNorm(StorageWeakRef(t.untyped_storage()), version, intra_op, norm, name, source)
+
+
+def forget_norms(source: NormSource) -> None:
+    with _known_lock:
+        for key in [key for key, known in _known.items() if known.source is source]:
+            del _known[key]
+
+
+def _known_norms(tensors: Sequence[torch.Tensor]) -> list[KnownNorm | None]:
+    """Per tensor, its norm computed ahead if the tensor is the same memory, unchanged since, and
+    this thread computes norms under the same intra-op thread count; else ``None``."""
+    for source in list(_sources):
+        source.settle()
+    if not _known:
+        return [None] * len(tensors)
+    intra_op = torch.get_num_threads()
+    found: list[KnownNorm | None] = []
+    with _known_lock:
+        for t in tensors:
+            known = _known.get(_place(t))
+            if (known is not None and not known.storage.expired() and t._version == known.version
+                    and known.intra_op == intra_op and known.storage == StorageWeakRef(t.untyped_storage())):
+                found.append(known)
+            else:
+                found.append(None)
+    return found
+
+
+def pooled_norms(tensors: list[torch.Tensor], norm_type: float, num_threads: int | None) -> list[torch.Tensor]:
     """Each tensor's ``vector_norm``, computed on the pool, in the order of ``tensors``."""
     intra_op = torch.get_num_threads()
     workers = num_threads or intra_op

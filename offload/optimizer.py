@@ -40,6 +40,7 @@ import torch
 from .autograd.accumulation import mark_zeroed
 from .streams.gradient_files import zeroed_in_files
 from .model import OffloadModel, engine_of
+from .optimizing.backward_norms import BackwardNorms
 from .optimizing.in_backward import BackwardUpdates, check_in_backward
 from .optimizing.plan import inner_optimizer, plan_key, slice_steps, snapshot
 from .optimizing.sharding import Sharding
@@ -78,7 +79,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         update_in_backward: start each slice's update in backward, once its gradients are on the
             host (Note: [Update in backward]; ``docs/optimizer.md``); exact, and nothing may change
             the gradients before ``step()`` (no clipping, no ``GradScaler``).
-        accumulation_steps: with ``update_in_backward``, backwards per ``step()``.
+        accumulation_steps: with ``update_in_backward`` or ``norms_in_backward``, backwards per ``step()``.
+        norms_in_backward: compute the host gradients' 2-norms in backward, for :func:`offload.clip_grad_norm_`
+            to take (Note: [Norms from backward]; ``docs/optimizer.md``; not with ``update_in_backward``).
         **optimizer_kwargs: keyword arguments of ``optimizer_class`` (``lr=1e-4, fused=True``).
 
     Raises:
@@ -106,9 +109,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
                  params: Iterable[Any] | None = None, *, num_threads: int | None = None,
                  shard: bool | None = None, process_group: Any = None,
                  disk_tier: DiskTier | str | os.PathLike[str] | None = None, update_in_backward: bool = False,
-                 accumulation_steps: int = 1, **optimizer_kwargs: Any) -> None:
+                 accumulation_steps: int = 1, norms_in_backward: bool = False, **optimizer_kwargs: Any) -> None:
         model = _check_arguments(model, optimizer_class, num_threads, disk_tier)
-        check_in_backward(model, engine_of(model), update_in_backward, accumulation_steps, shard)
+        check_in_backward(model, engine_of(model), update_in_backward, accumulation_steps, shard, norms_in_backward)
         # The class checks its own arguments and fills in its defaults.
         template = optimizer_class(model.parameters() if params is None else params, **optimizer_kwargs)
         super().__init__(template.param_groups, template.defaults)
@@ -124,8 +127,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._rest: list[SliceStep] = []
         self._offload_outer = True  # the per-tensor warning names optimizer_class (per_tensor_warning.py)
         # - Collaborators (offload/optimizing/): the exchange across ranks of a sharded update (None:
-        #   every rank updates everything), the disk tier's plumbing (a no-op without one), and the
-        #   hand-off of each slice's update to the host worker.
+        #   every rank updates everything), the disk tier's plumbing (a no-op without one), the
+        #   hand-off of each slice's update to the host worker, and what backward starts early.
         self._sharding = Sharding.of(model, shard, process_group)
         collectives = self._collectives
         _newest[model] = weakref.ref(self)
@@ -135,6 +138,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         engine_of(model).optimizers.add(self)  # its state counts in model.memory_footprint()
         self._in_backward = BackwardUpdates.attach(self, engine_of(model), accumulation_steps, self._updates,
                                                    _before_update, update_in_backward)
+        self._norms = BackwardNorms.attach(self, engine_of(model), accumulation_steps, norms_in_backward)
         #: step() ran on the model's engine: a move to the host is a teardown then (rule 3 of Note:
         #: [Moving an OffloadModel] in offload/modeling/placement.py)
         self._stepped_engine = False
@@ -414,12 +418,14 @@ def _resident(step: SliceStep) -> bool:
 
 def _before_update(optimizer: OffloadOptimizer) -> None:
     """Before updates start (in ``step()``, or in the backward that starts them): the plan, and
-    what the last step could not write, raised first."""
+    what the last step could not write, raised first; the norms computed in backward forgotten."""
     engine = engine_of(optimizer.model)
     _plan(optimizer)
     if engine.master_files is not None:
         engine.master_files.flush()  # masters that could not be written back are raised first
     optimizer._disk.flush("step")  # a write that failed last step is retried (or raised) first
+    if optimizer._norms is not None:  # the updates read this accumulation's gradients: the next one's count
+        optimizer._norms.stepped()
 
 
 def _param_indices(optimizer: torch.optim.Optimizer) -> dict[int, int]:

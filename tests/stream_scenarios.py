@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import offload
 from offload import OffloadActivations, OffloadModel, OffloadOptimizer
 
 Build = Callable[..., OffloadModel]
@@ -526,16 +527,36 @@ def update_in_backward(build: Build) -> list[torch.Tensor]:
     addition)."""
     model = build(mlp(dropout=0.1), num_slices=4, compute_dtype=torch.bfloat16)
     optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True, update_in_backward=True)
+    return three_steps(model, optimizer, zeroed_in_place_after=1)
+
+
+def three_steps(model: nn.Module, optimizer: torch.optim.Optimizer, zeroed_in_place_after: int,
+                clip: float | None = None) -> list[torch.Tensor]:
+    """Three steps, clipped by ``offload.clip_grad_norm_`` to ``clip`` if given, ``.grad`` zeroed in
+    place after step ``zeroed_in_place_after`` and set to None after the others."""
     seen: list[torch.Tensor] = []
     for step in range(3):
         torch.manual_seed(step)
         out = model(inputs(step))
         loss = out.float().pow(2).mean()
         loss.backward()
+        if clip is not None:
+            seen.append(offload.clip_grad_norm_(model.parameters(), max_norm=clip))
         optimizer.step()
-        optimizer.zero_grad(set_to_none=step != 1)
+        optimizer.zero_grad(set_to_none=step != zeroed_in_place_after)
         seen += [out.detach().clone(), loss.detach().clone()]
     return seen + state(model)
+
+
+def norms_in_backward(build: Build) -> list[torch.Tensor]:
+    """OffloadOptimizer(norms_in_backward=True) under a compute dtype, clipped by
+    offload.clip_grad_norm_: each slice's gradients have their norms taken on a host worker once
+    they are final on the host (Note: [Norms from backward]), the clip waits for them; the second
+    step's backward adds into .grad zeroed in place."""
+    model = build(mlp(dropout=0.1), num_slices=4, compute_dtype=torch.bfloat16)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True, norms_in_backward=True)
+    return three_steps(model, optimizer, zeroed_in_place_after=0, clip=0.05)
+
 
 def resident_slices(build: Build) -> list[torch.Tensor]:
     """The first two of four slices resident on the device (Note: [Resident slices]), with
@@ -585,7 +606,7 @@ SCENARIOS: dict[str, Callable[[Build], list[torch.Tensor]]] = {
         reads_between_step_and_forward, data_parallel_one_rank,
         tied_across_slices, tied_across_slices_offload_optimizer, sparse_gradients_and_strided_boundaries,
         offloaded_activations, offloaded_activations_retained, faults_offloaded, update_in_backward,
-        resident_slices, resident_tied_update_in_backward, resident_tied_after_buffers,
+        norms_in_backward, resident_slices, resident_tied_update_in_backward, resident_tied_after_buffers,
     )
 }
 try:

@@ -528,6 +528,35 @@ def test_clipping_costs_the_hosts_gradients_read_on_several_threads_then_scaled(
     assert "clipping the gradients on the host" in text
 
 
+def test_norms_in_backward_leave_the_first_streamed_slices_norms_and_what_backward_cannot_cover():
+    """With the norms computed in backward (Note: [Norms from backward]) a slice at a time as each
+    lands, the clip waits for the first streamed slice's norms (it lands last), or for the norms
+    backward is too short to cover; the scaling stays."""
+    preset = build_preset("transformer", **SMALL_TRANSFORMER)
+    layout = slice_layout(preset.model, num_slices=4, compute_dtype=torch.bfloat16)
+    rates = dataclasses.replace(GPU_DEFAULTS["h100-sxm"], host_norm=5e9, host_memory_bandwidth=50e9)
+    for resident, backward_device in ((0, 0.03), (1, 0.03), (0, 1e-6)):
+        config = StepConfig(num_slices=4, compute_dtype=torch.bfloat16, resident_slices=resident, clips_gradients=True)
+        after = estimate_step_time(layout, None, config, rates, device_seconds=(0.01, backward_device))
+        ahead = estimate_step_time(layout, None, replace(config, norms_in_backward=True), rates,
+                                   device_seconds=(0.01, backward_device))
+        per_slice = [max(largest / 5e9, nbytes / 50e9) for largest, nbytes in
+                     zip(layout.largest_gradient_bytes[resident:], layout.gradient_bytes[resident:])]
+        scaling = 2 * sum(layout.gradient_bytes[resident:]) / 50e9
+        assert ahead.clip == pytest.approx(max(per_slice[0], sum(per_slice) - ahead.backward) + scaling)
+        assert ahead.clip <= after.clip and ahead.step == pytest.approx(after.step - after.clip + ahead.clip)
+    # The plan computes them in backward when it clips, and says so in its code; not with masters on disk.
+    chosen = _mlp_plan("--max-grad-norm", "1.0")["chosen"]
+    assert "norms_in_backward=True" in chosen["code"]
+    assert "norms_in_backward" not in _mlp_plan("--schedule", "overlapped")["chosen"]["code"]
+    plan = choose(preset.model, lambda dtype: profile_layers(preset.model, lambda: preset.make_batch(8, "cpu")[0],
+                                                             compute_dtype=dtype),
+                  rates, Limits(None, None, disk=2**40, disk_dir="/nvme"), batch_size=8, clips_gradients=True,
+                  fixed={"num_slices": 4, "num_microbatches": 1})
+    masters = {c.config.masters: c.config.norms_in_backward for c in plan.candidates}
+    assert masters == {"ram": True, "disk": False}
+
+
 def test_among_equal_steps_the_choice_keeps_the_update_behind_the_next_forward():
     """One slice: the update during backward starts as the backward ends, as step() would; the two
     schedules tie and the choice takes the one that allows clipping."""

@@ -320,6 +320,8 @@ NEEDED = [
     # and zeroing .grad in place after the updates that read it.
     Dependency("synchronize_event", "submit", "tier_plumbing.py:submit", "offload"),
     Dependency("synchronize_event", "wait_host", "optimizer.py:zero_grad", "host update"),
+    # Norms in backward (Note: [Norms from backward]): a slice's norms after its gradients' offload.
+    Dependency("synchronize_event", "submit", "backward_norms.py:gradients_final", "offload"),
     Dependency("synchronize_event", "submit", "data_parallel.py:gradients_leaving", "offload"),
     Dependency("synchronize_event", "submit", "sharding.py:submit", "host update"),
     Dependency("synchronize_event", "submit", "disk_tier.py:submit", "disk write"),
@@ -427,6 +429,14 @@ MEMORY_ONLY = [
 ]
 
 
+#: Orderings that decide whether work done ahead is used, not any value: without the wait for the norms
+#: computed in backward, clip_grad_norm_ finds fewer of them and computes the rest itself, the same bits
+#: (Note: [Norms from backward]); a norm still being computed is never taken (tests/test_backward_norms.py).
+AHEAD_ONLY = [
+    Dependency("synchronize_event", "wait_host_all", "backward_norms.py:settle", "gradient norms"),
+]
+
+
 def exposing_scenario(dependency: Dependency, raising_counts: bool) -> str | None:
     """The first scenario in which leaving ``dependency`` out shows: a race report or wrong
     results, or also a run that raises when ``raising_counts``. A needed ordering must be shown by
@@ -468,7 +478,7 @@ def test_the_lists_name_every_ordering_the_copy_engine_asks_for():
     asked: set[Dependency] = set()
     for name in SCENARIOS:
         asked |= asked_by(name)
-    listed = set(NEEDED) | set(COVERED) | set(LOUD) | set(MEMORY_ONLY) | set(UNSEEN)
+    listed = set(NEEDED) | set(COVERED) | set(LOUD) | set(MEMORY_ONLY) | set(UNSEEN) | set(AHEAD_ONLY)
     assert asked == listed, f"new: {sorted(map(str, asked - listed))}; gone: {sorted(map(str, listed - asked))}"
 
 
@@ -483,9 +493,10 @@ def test_leaving_out_a_disk_tier_ordering_fails_the_run(dependency):
     assert exposing_scenario(dependency, raising_counts=True) is not None, f"nothing notices {dependency} missing"
 
 
-@pytest.mark.parametrize("dependency", MEMORY_ONLY, ids=str)
-def test_masters_on_disk_give_the_same_values_without_an_ordering(dependency):
-    name = "offload_optimizer_masters_on_disk"
+@pytest.mark.parametrize("name, dependency", [*(("offload_optimizer_masters_on_disk", d) for d in MEMORY_ONLY),
+                                              *(("norms_in_backward", d) for d in AHEAD_ONLY)],
+                         ids=lambda x: str(x))
+def test_the_same_values_without_an_ordering_of_memory_or_of_work_done_ahead(name, dependency):
     expected = reference(name)
     with StreamChecker(leave_out=lambda d: d == dependency) as checker:
         got = run_quietly(name)

@@ -88,13 +88,17 @@ def plain_run(tmp_path_factory):
     return logged(trainer), hf
 
 
-@pytest.mark.parametrize("optimizer", ["trainer's AdamW", "offload_optimizer", "offload_optimizer, parallel_clipping"])
+@pytest.mark.parametrize("optimizer", ["trainer's AdamW", "offload_optimizer", "offload_optimizer, parallel_clipping",
+                                       "offload_optimizer with norms_in_backward, parallel_clipping"])
 def test_trainer_matches_the_plain_model_bit_for_bit(plain_run, optimizer, tmp_path, monkeypatch):
     losses, plain = plain_run
     hf = llama()
     model = OffloadedCausalLM(hf, device="cpu", num_slices=2)
     args = arguments(tmp_path)
-    optimizers = (model.offload_optimizer(args), None) if optimizer.startswith("offload_optimizer") else (None, None)
+    options = ({"norms_in_backward": True, "accumulation_steps": args.gradient_accumulation_steps}
+               if "norms_in_backward" in optimizer else {})
+    optimizers = ((model.offload_optimizer(args, **options), None) if optimizer.startswith("offload_optimizer")
+                  else (None, None))
     trainer = transformers.Trainer(model=model, args=args, train_dataset=TRAIN, eval_dataset=EVAL,
                                    optimizers=optimizers)
     norms = count_parallel_norms(monkeypatch)

@@ -451,8 +451,8 @@ def test_update_in_backward_must_be_a_bool(value):
 
 def test_accumulation_steps_without_update_in_backward_is_refused():
     model = OffloadModel(network(), device="cpu", num_slices=NUM_SLICES)
-    with pytest.raises(ValueError, match="accumulation_steps tells update_in_backward which backward starts the "
-                                         "update.*leave it out"):
+    with pytest.raises(ValueError, match="accumulation_steps tells update_in_backward .or norms_in_backward. which "
+                                         "backward starts the update.*leave it out"):
         OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, accumulation_steps=4)
 
 

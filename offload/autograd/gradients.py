@@ -143,6 +143,9 @@ class BackwardGradients:
         #   where autograd receives it (Note: [Gradients added in place] in accumulation.py)
         params = engine.parameters()
         final = milestones.final_parameters(run.call) if self.final_wanted else set()
+        # Final gradients are read to start updates (Note: [Update in backward]) only where a subscriber
+        # names parameters; the norms of Note: [Norms from backward] name none.
+        self._starts_updates = bool(final)
         clean = ({id(p) for p in params if outside_gradients.known_clean(p)}
                  if accumulates and outside_gradients.alone(engine, ctx) else set())
         into, candidates = in_place_targets(ctx, params, num_inputs, needed[num_inputs:], milestones.rewrite_gradients,
@@ -245,7 +248,7 @@ class BackwardGradients:
             return
         # A slice announced may have had its update started, whether its gradients went into .grad
         # or (with .grad None) were to be handed to autograd.
-        if self._announced or (kept and self.final_wanted):
+        if self._starts_updates and (self._announced or kept):
             exc[0].add_note(
                 "OffloadModel: this backward was to start the optimizer's update (update_in_backward): the "
                 "update of the slices whose gradients had landed may have run with this backward's gradients, "

@@ -78,6 +78,17 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(130) from None
 
 
+def _schedule(args: argparse.Namespace) -> dict[str, Any]:
+    """The optimizer's options for when its work runs: the update in backward, or the norms the
+    clipping takes computed there (Note: [Norms from backward]: this loop writes no gradient between
+    backward and the clipping); ``accumulation_steps`` says which backward."""
+    if args.update_in_backward:
+        return {"update_in_backward": True, "accumulation_steps": args.grad_accum}
+    if args.max_grad_norm is not None:
+        return {"norms_in_backward": True, "accumulation_steps": args.grad_accum}
+    return {}
+
+
 def run(argv: list[str], record: RunRecord) -> None:
     """The whole run; ``record`` follows its steps and checkpoints for the line that ends it early."""
     args = parse_args(argv)
@@ -102,10 +113,8 @@ def run(argv: list[str], record: RunRecord) -> None:
         raise fail(str(error)) from None
     except DataFormatError as error:
         raise fail(str(error)) from None
-    # accumulation_steps says which backward starts the update; without update_in_backward it must stay 1.
-    schedule = {"update_in_backward": True, "accumulation_steps": args.grad_accum} if args.update_in_backward else {}
     optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=args.lr, weight_decay=0.0, fused=True, disk_tier=tier,
-                                 **schedule)
+                                 **_schedule(args))
     scheduler = lr_scheduler(args, optimizer)
     print(_summary(args, model, hf))
 
@@ -412,7 +421,7 @@ def train(args: argparse.Namespace, model: OffloadModel, hf: Any, optimizer: Off
             loss.backward()
             step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
         if args.max_grad_norm is not None:
-            clip_grad_norm_(trainable, args.max_grad_norm)  # torch's, the norms on several threads
+            clip_grad_norm_(trainable, args.max_grad_norm)  # torch's result; the norms computed in backward
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)

@@ -41,6 +41,8 @@ def follow(optimizer: Any, engine: Engine) -> None:
     engine.optimizers.add(optimizer)
     if optimizer._in_backward is not None:
         optimizer._in_backward.follow(engine, optimizer._updates)
+    if optimizer._norms is not None:
+        optimizer._norms.follow(engine)
     _state_beside_resident_parameters(optimizer, engine)
     optimizer._plan_key, optimizer._steps, optimizer._rest = None, [], []
     optimizer._stepped_engine = False

@@ -356,8 +356,10 @@ def _hooked(p: torch.Tensor) -> bool:
     return bool(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None))
 
 
-def check_in_backward(model: Any, engine: Engine, enabled: Any, accumulation_steps: Any, shard: Any) -> None:
-    """Raise what ``OffloadOptimizer`` says it raises for ``update_in_backward`` and ``accumulation_steps``,
+def check_in_backward(model: Any, engine: Engine, enabled: Any, accumulation_steps: Any, shard: Any,
+                      norms: Any = False) -> None:
+    """Raise what ``OffloadOptimizer`` says it raises for ``update_in_backward``, ``accumulation_steps``
+    and ``norms_in_backward``,
     and for a new optimizer of a model (``engine``) whose last backward started updates that no
     ``step()`` has ended: the new optimizer's step would update those slices again."""
     for old in engine.milestones.subscribers:
@@ -371,10 +373,17 @@ def check_in_backward(model: Any, engine: Engine, enabled: Any, accumulation_ste
         raise TypeError(f"update_in_backward must be True or False, got {enabled!r}")
     if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
         raise ValueError(f"accumulation_steps must be a positive int, got {accumulation_steps!r}")
-    if accumulation_steps != 1 and not enabled:
+    if not isinstance(norms, bool):
+        raise TypeError(f"norms_in_backward must be True or False, got {norms!r}")
+    if norms and enabled:
         raise ValueError(
-            "accumulation_steps tells update_in_backward which backward starts the update; without "
-            "update_in_backward=True the update starts at step(), after any number of backwards: leave it out")
+            "norms_in_backward is for clipping, which update_in_backward cannot follow (the updates start before "
+            "clip_grad_norm_ runs): choose one")
+    if accumulation_steps != 1 and not (enabled or norms):
+        raise ValueError(
+            "accumulation_steps tells update_in_backward (or norms_in_backward) which backward starts the update "
+            "(or computes the norms); without either, the update starts at step(), after any number of backwards: "
+            "leave it out")
     if enabled and (shard or getattr(model, "_data_parallel", None) is not None):
         raise ValueError(
             "update_in_backward is not supported with data parallelism (process_group) or a sharded optimizer: the "

@@ -82,6 +82,10 @@ class StepConfig:
             the host reads every streamed slice's float32 gradients for the norm, on several
             threads, each tensor on one, then scales them (read and written), while the device
             waits. Not with the ``"in-backward"`` schedule.
+        norms_in_backward: with ``clips_gradients``, the norms are computed in backward as each
+            slice's gradients land (``OffloadOptimizer(..., norms_in_backward=True)``, Note: [Norms
+            from backward]): the step waits for what backward does not cover. Not with masters on disk
+            (the gradients' home is their file).
     """
 
     num_slices: int = 8
@@ -93,6 +97,7 @@ class StepConfig:
     schedule: str = "overlapped"
     resident_slices: int = 0
     clips_gradients: bool = False
+    norms_in_backward: bool = False
 
 
 @dataclass(frozen=True)
@@ -303,22 +308,30 @@ def estimate_step_time(layout: SliceLayout, profile: ModelProfile | None, config
     streamed = [0] * k + list(layout.gradient_bytes[k:])  # a resident slice has no host update
     exposed = exposed_update(config.schedule, forward, backward, update, streamed, d2h,
                              device_update=device_update, update_waits=not on_gpu)
-    clip = _clip_seconds(layout, k, rates) if config.clips_gradients else 0.0
+    clip = 0.0
+    if config.clips_gradients:
+        clip = _clip_seconds(layout, k, rates, backward if config.norms_in_backward else None)
     return StepTime(compute=compute, forward_compute=forward_compute, backward_compute=backward_compute,
                     load=load, offload=offload, update=update, disk_read=disk_read, disk_write=disk_write,
                     forward=forward, backward=backward, exposed_update=exposed, staging=sum(staging),
                     step=forward + backward + device_update + exposed + clip, device_update=device_update, clip=clip)
 
 
-def _clip_seconds(layout: SliceLayout, resident: int, rates: MachineRates) -> float:
+def _clip_seconds(layout: SliceLayout, resident: int, rates: MachineRates, backward: float | None = None) -> float:
     """``offload.clip_grad_norm_`` over the streamed slices' host gradients: their norms on several
     threads, a tensor on one (the largest bounds it: Note: [Norms on several threads]), then the
     scaling, which reads and writes them. A resident slice's gradients are on the device, where
-    both are quick."""
+    both are quick. With ``backward`` (seconds), the norms run in backward instead, a slice at a
+    time as each lands, the first streamed slice last (Note: [Norms from backward]): the step waits
+    for that slice's norms, or for what backward is too short to cover."""
     host_gradients = sum(layout.gradient_bytes[resident:])
-    largest = max(layout.largest_gradient_bytes[resident:], default=0)
-    norm = max(largest / rates.host_norm_rate, host_gradients / rates.host_memory)
-    return norm + 2 * host_gradients / rates.host_memory
+    scaling = 2 * host_gradients / rates.host_memory
+    if backward is None:
+        largest = max(layout.largest_gradient_bytes[resident:], default=0)
+        return max(largest / rates.host_norm_rate, host_gradients / rates.host_memory) + scaling
+    per_slice = [max(largest / rates.host_norm_rate, nbytes / rates.host_memory)
+                 for largest, nbytes in zip(layout.largest_gradient_bytes[resident:], layout.gradient_bytes[resident:])]
+    return max(per_slice[0] if per_slice else 0.0, sum(per_slice) - backward) + scaling
 
 
 def exposed_update(schedule: str, forward: float, backward: float, update: float, gradient_bytes: Sequence[int],

@@ -1,0 +1,213 @@
+"""``OffloadOptimizer(norms_in_backward=True)``: the host gradients' norms computed in backward and
+taken by ``offload.clip_grad_norm_``, which then clips as ``torch.nn.utils.clip_grad_norm_`` clips the
+plain model, bit for bit (Note: [Norms from backward] in ``offload/optimizing/backward_norms.py``)."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import threading
+
+import pytest
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+import offload
+from offload import OffloadModel, OffloadOptimizer, clipping
+
+from .helpers import DEVICES
+
+EXACT = {"rtol": 0, "atol": 0}
+
+
+def network(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 32), nn.LayerNorm(32), nn.Tanh(),
+                         nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 3))
+
+
+def batch(step: int, device: str) -> torch.Tensor:
+    return torch.randn(8, 6, generator=torch.Generator().manual_seed(step)).to(device)
+
+
+@pytest.fixture
+def computed_at_clip(monkeypatch):
+    """How many norms each ``clip_grad_norm_`` computed itself (on its calling thread's behalf)."""
+    counts: list[int] = []
+    original = clipping.pooled_norms
+
+    def counting(tensors, *args, **kwargs):
+        if threading.current_thread() is threading.main_thread():
+            counts.append(len(tensors))
+        return original(tensors, *args, **kwargs)
+
+    monkeypatch.setattr(clipping, "pooled_norms", counting)
+    return counts
+
+
+def _twins(device: str = "cpu", compute_dtype: torch.dtype | None = None, **options):
+    plain = network()
+    model = OffloadModel(copy.deepcopy(plain), device=device, num_slices=3, compute_dtype=compute_dtype)
+    plain.to(device)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True, norms_in_backward=True, **options)
+    return plain, torch.optim.AdamW(plain.parameters(), lr=1e-2, fused=device == "cpu"), model, optimizer
+
+
+def _loss(model: nn.Module, step: int, device: str) -> torch.Tensor:
+    return model(batch(step, device)).float().pow(2).mean()
+
+
+def _clip_and_step(plain: nn.Module, plain_opt: torch.optim.Optimizer, model: OffloadModel,
+                   optimizer: OffloadOptimizer, set_to_none: bool = True) -> None:
+    """Clip both (PyTorch's clip on the plain model, offload's on the offloaded one): the same norm
+    and gradients, bit for bit; then step both and zero their gradients."""
+    expected = torch.nn.utils.clip_grad_norm_(plain.parameters(), max_norm=0.05)
+    torch.testing.assert_close(offload.clip_grad_norm_(model.parameters(), max_norm=0.05), expected.cpu(), **EXACT)
+    for (name, a), b in zip(plain.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad.cpu(), **EXACT, msg=lambda m: f"{name}: {m}")
+    for opt in (plain_opt, optimizer):
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+
+
+def _assert_same(plain: nn.Module, model: OffloadModel, optimizer: OffloadOptimizer) -> None:
+    optimizer.synchronize()
+    for (name, a), b in zip(plain.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b, a.cpu(), **EXACT, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_clipped_training_is_the_plain_models_and_takes_the_norms_backward_computed(device, set_to_none,
+                                                                                     computed_at_clip):
+    plain, plain_opt, model, optimizer = _twins(device)
+    for step in range(4):
+        _loss(plain, step, device).backward()
+        _loss(model, step, device).backward()
+        _clip_and_step(plain, plain_opt, model, optimizer, set_to_none)
+    _assert_same(plain, model, optimizer)
+    # The first call computed every norm again to compare; the later ones computed none.
+    assert computed_at_clip[0] == len(list(model.parameters()))
+    assert computed_at_clip[1:] == [0, 0, 0]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_under_a_compute_dtype_the_float32_gradients_norms_are_taken(device, computed_at_clip):
+    plain, plain_opt, model, optimizer = _twins(device, compute_dtype=torch.bfloat16)
+    for step in range(3):
+        _loss(model, step, device).backward()
+        reference = [nn.Parameter(p.detach().clone()) for p in model.parameters()]
+        for r, p in zip(reference, model.parameters()):
+            r.grad = p.grad.clone()
+        expected = torch.nn.utils.clip_grad_norm_(reference, max_norm=0.05)
+        got = offload.clip_grad_norm_(model.parameters(), max_norm=0.05)
+        torch.testing.assert_close(got, expected, **EXACT)
+        for p, r in zip(model.parameters(), reference):
+            torch.testing.assert_close(p.grad, r.grad, **EXACT)
+        optimizer.step()
+        optimizer.zero_grad()
+    assert computed_at_clip[1:] == [0, 0]
+
+
+def test_a_gradient_changed_in_place_after_backward_has_its_norm_computed_again(computed_at_clip):
+    plain, plain_opt, model, optimizer = _twins()
+    for step in range(3):
+        _loss(plain, step, "cpu").backward()
+        _loss(model, step, "cpu").backward()
+        optimizer._norms.settle()  # the norms taken before the change, not after
+        for net in (plain, model):
+            next(iter(net.parameters())).grad.mul_(3.0)  # a version counter moves
+        _clip_and_step(plain, plain_opt, model, optimizer)
+    _assert_same(plain, model, optimizer)
+    # Computed again: that gradient's norm, and its slice's others' where they are views of one host
+    # buffer (they share its version counter).
+    assert all(1 <= count <= 2 for count in computed_at_clip[1:])
+
+
+def test_a_gradient_from_outside_the_model_is_counted():
+    """A penalty on a weight adds into its gradient after backward: that norm is computed again."""
+    plain, plain_opt, model, optimizer = _twins()
+    for step in range(3):
+        for net in (plain, model):
+            weight = dict(net.named_parameters())["2.weight"]
+            (_loss(net, step, "cpu") + 0.1 * weight.square().sum()).backward()
+        _clip_and_step(plain, plain_opt, model, optimizer, set_to_none=False)
+    _assert_same(plain, model, optimizer)
+
+
+def test_with_accumulation_the_last_backward_computes_them(computed_at_clip):
+    plain, plain_opt, model, optimizer = _twins(accumulation_steps=2)
+    jobs = []
+    original = optimizer._norms._compute
+    optimizer._norms._compute = lambda chosen, generation: (jobs.append(len(chosen)), original(chosen, generation))
+    for step in range(3):
+        for micro in range(2):
+            (_loss(plain, 10 * step + micro, "cpu") / 2).backward()
+            (_loss(model, 10 * step + micro, "cpu") / 2).backward()
+            optimizer._norms.settle()
+            assert bool(jobs) == (micro == 1)
+        _clip_and_step(plain, plain_opt, model, optimizer)
+        jobs.clear()
+    _assert_same(plain, model, optimizer)
+    # The second backward adds onto the first's .grad through autograd: only zeroed .grad are taken then.
+    assert len(computed_at_clip) == 3
+
+
+def test_a_write_the_version_counters_miss_is_found_by_the_first_clip():
+    _, _, model, optimizer = _twins()
+    _loss(model, 0, "cpu").backward()
+    first = next(iter(model.parameters()))
+    first.grad.data.mul_(2.0)  # .data: the gradient's version counter does not move
+    before = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"changed after backward computed its norm.*\.grad\.data.*without "
+                                           r"norms_in_backward"):
+        offload.clip_grad_norm_(model.parameters(), max_norm=1e-6)
+    for p, g in zip(model.parameters(), before):  # nothing was clipped
+        torch.testing.assert_close(p.grad, g, **EXACT)
+    # The norms were forgotten: the same call now computes them all, and is PyTorch's.
+    expected = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+    torch.testing.assert_close(offload.clip_grad_norm_(model.parameters(), max_norm=1e9), expected, **EXACT)
+
+
+def test_a_norm_kept_holds_no_gradient_memory_and_goes_with_it():
+    _, _, model, optimizer = _twins()
+    grad = torch.randn(1000)
+    storage = StorageWeakRef(grad.untyped_storage())
+    clipping.remember_norms(optimizer._norms, [grad], [torch.linalg.vector_norm(grad)], [grad._version], ["g"])
+    assert clipping._known_norms([grad])[0] is not None
+    del grad
+    gc.collect()
+    assert storage.expired()
+    assert clipping._known_norms([torch.randn(1000)]) == [None]  # memory the allocator gives out again
+
+
+def test_without_the_option_nothing_is_computed_in_backward(computed_at_clip):
+    model = OffloadModel(network(), device="cpu", num_slices=3)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
+    for step in range(2):
+        _loss(model, step, "cpu").backward()
+        offload.clip_grad_norm_(model.parameters(), max_norm=0.05)
+        optimizer.step()
+        optimizer.zero_grad()
+    assert computed_at_clip == [len(list(model.parameters()))] * 2
+
+
+def test_a_newer_optimizer_replaces_the_computation_and_a_dead_one_stops_it():
+    model = OffloadModel(network(), device="cpu", num_slices=3)
+    first = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, norms_in_backward=True)
+    second = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, norms_in_backward=True)
+    subscribers = model._engine.milestones.subscribers
+    assert first._norms not in subscribers and second._norms in subscribers
+    norms = second._norms
+    del first, second
+    gc.collect()
+    assert norms not in model._engine.milestones.subscribers
+
+
+def test_bad_arguments():
+    model = OffloadModel(network(), device="cpu", num_slices=3)
+    with pytest.raises(ValueError, match="norms_in_backward is for clipping.*update_in_backward"):
+        OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, norms_in_backward=True, update_in_backward=True)
+    with pytest.raises(TypeError, match="norms_in_backward must be True or False"):
+        OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, norms_in_backward=1)
