@@ -222,7 +222,7 @@ def _known_norms(tensors: Sequence[torch.Tensor]) -> list[KnownNorm | None]:
     found: list[KnownNorm | None] = []
     with _known_lock:
         for t in tensors:
-            known = _known.get(_place(t))
+            known = _known.get(_place(t)) if t.layout == torch.strided else None  # sparse: PyTorch's error
             if (known is not None and not known.storage.expired() and t._version == known.version
                     and known.intra_op == intra_op and known.storage == StorageWeakRef(t.untyped_storage())):
                 found.append(known)

@@ -211,3 +211,16 @@ def test_bad_arguments():
         OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, norms_in_backward=True, update_in_backward=True)
     with pytest.raises(TypeError, match="norms_in_backward must be True or False"):
         OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, norms_in_backward=1)
+
+
+def test_a_sparse_gradient_meets_pytorchs_own_error_with_norms_kept():
+    _, _, model, optimizer = _twins()
+    _loss(model, 0, "cpu").backward()
+    optimizer._norms.settle()
+    assert clipping._known
+    sparse = nn.Parameter(torch.zeros(10, 3))
+    sparse.grad = torch.sparse_coo_tensor([[1, 4]], torch.ones(2, 3), (10, 3))
+    with pytest.raises(NotImplementedError, match="linalg_vector_norm.*SparseCPU"):
+        torch.nn.utils.clip_grad_norm_([sparse], max_norm=1.0)
+    with pytest.raises(NotImplementedError, match="linalg_vector_norm.*SparseCPU"):
+        offload.clip_grad_norm_([*model.parameters(), sparse], max_norm=1.0)
