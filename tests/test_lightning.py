@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+import offload.clipping
 from offload import OffloadModel, OffloadOptimizer
 
 from .helpers import count_parallel_norms
@@ -78,6 +79,9 @@ class Task(L.LightningModule):
     def configure_optimizers(self) -> Any:
         if self.optimizer_kind == "offload":
             optimizer = OffloadOptimizer(self.net, torch.optim.AdamW, lr=1e-2, fused=True, disk_tier=self.disk_tier)
+        elif self.optimizer_kind == "offload-norms-in-backward":  # the trainer's accumulate_grad_batches=2
+            optimizer = OffloadOptimizer(self.net, torch.optim.AdamW, lr=1e-2, fused=True, norms_in_backward=True,
+                                         accumulation_steps=2)
         elif self.optimizer_kind == "offload-in-backward":  # the trainer's accumulate_grad_batches=2
             optimizer = OffloadOptimizer(self.net, torch.optim.AdamW, lr=1e-2, fused=True, update_in_backward=True,
                                          accumulation_steps=2)
@@ -245,15 +249,24 @@ def test_fit_validate_predict_equal_the_plain_model(tmp_path: Path, model: str, 
         torch.testing.assert_close(got, want, **EXACT)
 
 
-def test_the_strategy_clips_through_offloads_clip_grad_norm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("optimizer", ["offload", "offload-norms-in-backward"])
+def test_the_strategy_clips_through_offloads_clip_grad_norm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             optimizer: str) -> None:
     """Under OffloadStrategy, ``gradient_clip_val`` computes the norms with ``offload.clip_grad_norm_``
-    (the host gradients' norms on several threads), and the run is still the plain model's."""
+    (the host gradients' norms on several threads, or computed in backward), and the run is still the
+    plain model's."""
     calls = count_parallel_norms(monkeypatch)
+    computed: list[int] = []  # the norms each clip computed itself
+    real = offload.clipping.pooled_norms
+    monkeypatch.setattr(offload.clipping, "pooled_norms", lambda ts, *a: computed.append(len(ts)) or real(ts, *a))
     expected, expected_weights, data = built("mlp", offloaded=False)
     reference = fit(expected, tmp_path / "plain", 2, data)
-    actual, actual_weights, data = built("mlp", offloaded=True, optimizer="offload")
+    actual, actual_weights, data = built("mlp", offloaded=True, optimizer=optimizer)
     run = fit(actual, tmp_path / "offloaded", 2, data, strategy=OffloadStrategy("cpu"))
     assert len(calls) == run.global_step == reference.global_step
+    # With the norms computed in backward, the first clip computes them all again to compare, the others none.
+    parameters = len(list(actual.parameters()))
+    assert computed == [parameters] + [0 if optimizer.endswith("in-backward") else parameters] * (len(computed) - 1)
     assert max(expected.grad_norms) > 1.0  # clip_gradients clipped some steps
     assert_same_run(actual, expected, actual_weights, expected_weights)
 
