@@ -18,7 +18,9 @@ AdamW alone over the model's float32 tensors (``host_update_alone_s``), the host
 bandwidth (the shadow's pass) from its copy of a few GB (``host_bandwidth``), the rest from the
 ``h100-sxm`` defaults. A clipped run is the ``overlapped`` schedule (clipping cannot start the
 update in backward) with the clipping's own term: the norm read on one thread at the report's
-``host_norm_bytes_per_s``, the scaling at its host memory bandwidth.
+``host_norm_bytes_per_s``, the scaling at its host memory bandwidth; since 2026-11-29 the clipped
+runs compute the norms in backward (``norms_in_backward``), and the prediction says so (what of the
+norms backward does not cover, then the scaling).
 """
 
 from __future__ import annotations
@@ -88,7 +90,8 @@ def predict(report: dict[str, Any]) -> None:
     resident = runs.get("resident", {}).get("median_forward_backward_s")
     for name, (schedule, count) in wanted.items():
         step_config = StepConfig(num_slices=slices, compute_dtype=dtype, schedule=schedule, resident_slices=count,
-                                 clips_gradients=name.startswith("offload-clip"))
+                                 clips_gradients=name.startswith("offload-clip"),
+                                 norms_in_backward=name.startswith("offload-clip"))  # as bench_peers' clipped runs
         ways = {"from_ops": estimate_step_time(layout, profile, step_config, rates)}
         if resident:
             ways["from_resident"] = estimate_step_time(layout, profile, step_config, rates,
