@@ -127,16 +127,15 @@ def total_grad_norm(tensors: Sequence[torch.Tensor], norm_type: float = 2.0, err
 
 def _host_norms(tensors: list[torch.Tensor], num_threads: int | None) -> list[torch.Tensor]:
     """Each host tensor's 2-norm: the one backward computed where the tensor is unchanged since, the
-    others computed now, on the pool. The first call that finds a source's norms computes them all
-    again and compares (Note: [Norms from backward], "checked")."""
+    others computed now, on the pool. A norm from backward of a parameter no call compared yet is
+    computed again and compared (Note: [Norms from backward], "checked")."""
     found = _known_norms(tensors)
-    unchecked = {id(k.source): k.source for k in found if k is not None and not k.source.checked}
-    todo = [i for i, k in enumerate(found) if k is None or id(k.source) in unchecked]
+    todo = [i for i, f in enumerate(found) if f is None or f[0].param not in f[1].checked]
     computed = dict(zip(todo, pooled_norms([tensors[i] for i in todo], 2.0, num_threads)))
-    differ = [k.name for i, k in enumerate(found)
-              if k is not None and id(k.source) in unchecked and not _same_bits(k.norm, computed[i])]
+    compared = [(i, *f) for i, f in ((i, found[i]) for i in todo) if f is not None]
+    differ = [known.name for i, known, _ in compared if not _same_bits(known.norm, computed[i])]
     if differ:
-        for source in unchecked.values():
+        for source in {id(source): source for _, _, source in compared}.values():
             source.forget()
         shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
         raise RuntimeError(
@@ -144,9 +143,9 @@ def _host_norms(tensors: list[torch.Tensor], num_threads: int | None) -> list[to
             "(OffloadOptimizer(norms_in_backward=True)) in a way PyTorch's version counter does not see: a write "
             "through .grad.data, a GradScaler's unscale_, a collective such as dist.all_reduce. Nothing was clipped. "
             "Build the OffloadOptimizer without norms_in_backward for this training loop.")
-    for source in unchecked.values():
-        source.checked = True
-    return [computed[i] if i in computed else k.norm for i, k in enumerate(found)]  # type: ignore[union-attr]
+    for _, known, source in compared:
+        source.checked.add(known.param)
+    return [computed[i] if i in computed else found[i][0].norm for i in range(len(tensors))]  # type: ignore[index]
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -158,8 +157,10 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 class NormSource(Protocol):
     """What computes norms ahead of :func:`clip_grad_norm_` (``BackwardNorms``)."""
 
-    #: Whether a call compared its norms with norms computed anew, bit for bit.
-    checked: bool
+    #: Ids of the parameters whose norm from here a call compared with one computed anew, bit for bit.
+    checked: set[int]
+    #: It offers nothing more (its norms are dropped where found).
+    closed: bool
 
     def settle(self) -> None:
         """Wait until the norms being computed are known."""
@@ -177,7 +178,8 @@ class KnownNorm:
     intra_op: int  # the intra-op thread count it was computed under
     norm: torch.Tensor
     name: str  # the parameter's, for errors
-    source: NormSource
+    param: int  # the parameter's id
+    source: weakref.ref[Any]  # the NormSource, weakly: the registry must not keep a model's engine alive
 
 
 #: Where a gradient lies (storage, offset, dtype, shape, strides) -> its norm computed ahead.
@@ -196,38 +198,44 @@ def add_source(source: NormSource) -> None:
 
 
 def remember_norms(source: NormSource, tensors: Sequence[torch.Tensor], norms: Sequence[torch.Tensor],
-                   versions: Sequence[int], names: Sequence[str]) -> None:
+                   versions: Sequence[int], params: Sequence[tuple[str, int]]) -> None:
     """Keep the norms ``source`` computed, ``versions`` being each tensor's version counter read
-    before its norm was."""
+    before its norm was, ``params`` each one's parameter (name, id)."""
     intra_op = torch.get_num_threads()
+    held = weakref.ref(source)
     with _known_lock:
-        for t, norm, version, name in zip(tensors, norms, versions, names):
-            _known[_place(t)] = KnownNorm(StorageWeakRef(t.untyped_storage()), version, intra_op, norm, name, source)
+        for t, norm, version, (name, param) in zip(tensors, norms, versions, params):
+            _known[_place(t)] = KnownNorm(StorageWeakRef(t.untyped_storage()), version, intra_op, norm, name, param,
+                                          held)
 
 
 def forget_norms(source: NormSource) -> None:
     with _known_lock:
-        for key in [key for key, known in _known.items() if known.source is source]:
+        for key in [key for key, known in _known.items() if known.source() in (source, None)]:
             del _known[key]
 
 
-def _known_norms(tensors: Sequence[torch.Tensor]) -> list[KnownNorm | None]:
-    """Per tensor, its norm computed ahead if the tensor is the same memory, unchanged since, and
-    this thread computes norms under the same intra-op thread count; else ``None``."""
+def _known_norms(tensors: Sequence[torch.Tensor]) -> list[tuple[KnownNorm, NormSource] | None]:
+    """Per tensor, its norm computed ahead and who computed it, if the tensor is the same memory,
+    unchanged since, and this thread computes norms under the same intra-op thread count; else ``None``."""
     for source in list(_sources):
         source.settle()
     if not _known:
         return [None] * len(tensors)
     intra_op = torch.get_num_threads()
-    found: list[KnownNorm | None] = []
+    found: list[tuple[KnownNorm, NormSource] | None] = []
     with _known_lock:
         for t in tensors:
-            known = _known.get(_place(t)) if t.layout == torch.strided else None  # sparse: PyTorch's error
-            if (known is not None and not known.storage.expired() and t._version == known.version
+            key = _place(t) if t.layout == torch.strided else None  # sparse: PyTorch's own error, later
+            known = _known.get(key) if key is not None else None
+            source = known.source() if known is not None else None
+            if known is not None and (source is None or source.closed):
+                del _known[key]
+            elif (source is not None and not known.storage.expired() and t._version == known.version
                     and known.intra_op == intra_op and known.storage == StorageWeakRef(t.untyped_storage())):
-                found.append(known)
-            else:
-                found.append(None)
+                found.append((known, source))
+                continue
+            found.append(None)
     return found
 
 

@@ -174,7 +174,8 @@ def test_a_norm_kept_holds_no_gradient_memory_and_goes_with_it():
     _, _, model, optimizer = _twins()
     grad = torch.randn(1000)
     storage = StorageWeakRef(grad.untyped_storage())
-    clipping.remember_norms(optimizer._norms, [grad], [torch.linalg.vector_norm(grad)], [grad._version], ["g"])
+    clipping.remember_norms(optimizer._norms, [grad], [torch.linalg.vector_norm(grad)], [grad._version],
+                            [("g", 0)])
     assert clipping._known_norms([grad])[0] is not None
     del grad
     gc.collect()
@@ -224,3 +225,72 @@ def test_a_sparse_gradient_meets_pytorchs_own_error_with_norms_kept():
         torch.nn.utils.clip_grad_norm_([sparse], max_norm=1.0)
     with pytest.raises(NotImplementedError, match="linalg_vector_norm.*SparseCPU"):
         offload.clip_grad_norm_([*model.parameters(), sparse], max_norm=1.0)
+
+
+def test_each_parameters_first_norm_from_backward_is_compared_even_when_clipped_in_groups():
+    _, _, model, optimizer = _twins()
+    params = list(model.parameters())
+    first, second = params[:4], params[4:]
+    _loss(model, 0, "cpu").backward()
+    offload.clip_grad_norm_(first, max_norm=1e9)  # compares the first group's norms only
+    second[0].grad.data.mul_(3.0)  # unseen by the version counter
+    with pytest.raises(RuntimeError, match="changed after backward computed its norm"):
+        offload.clip_grad_norm_(second, max_norm=1e9)
+
+
+def test_a_replaced_optimizer_stays_out_of_the_walks_when_the_model_moves():
+    model = OffloadModel(network(), device="cpu", num_slices=3)
+    old = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, norms_in_backward=True)
+    new = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    subscribers = model._engine.milestones.subscribers
+    assert old._norms not in subscribers and new._norms is None
+    old._norms.follow(model._engine)  # as a move's _follow does for every optimizer of the model
+    assert old._norms not in model._engine.milestones.subscribers
+    _loss(model, 0, "cpu").backward()
+    old._norms.settle()
+    assert not clipping._known
+
+
+def test_the_optimizers_finalizer_takes_no_lock_and_its_norms_are_dropped(monkeypatch):
+    """A finalizer may run inside any allocation, one under the registry's lock included: it must not
+    wait for a lock its own thread may hold."""
+    _, _, model, optimizer = _twins()
+    _loss(model, 0, "cpu").backward()
+    norms = optimizer._norms
+    norms.settle()
+    assert clipping._known
+
+    class Refused:
+        def __enter__(self):
+            raise AssertionError("a lock taken")
+
+        def __exit__(self, *exc):
+            return False
+
+        acquire = __enter__
+
+    with monkeypatch.context() as patch:
+        patch.setattr(clipping, "_known_lock", Refused())
+        patch.setattr(norms, "_lock", Refused())
+        norms._optimizer_gone()
+    assert norms.closed and norms not in model._engine.milestones.subscribers
+    expected = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+    torch.testing.assert_close(offload.clip_grad_norm_(model.parameters(), max_norm=1e9), expected, **EXACT)
+    assert not clipping._known  # dropped where found
+
+
+def test_backwards_without_a_clip_hold_no_more_than_one_backwards_jobs():
+    _, _, model, optimizer = _twins()
+    for step in range(20):
+        _loss(model, step, "cpu").backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert len(optimizer._norms._events) <= 3  # one per slice: the last backward's
+
+
+def test_a_backward_through_two_calls_of_the_model_counts_once():
+    _, _, model, optimizer = _twins(accumulation_steps=2)
+    (_loss(model, 0, "cpu") + _loss(model, 1, "cpu")).backward()
+    assert optimizer._norms.backwards == 1
+    _loss(model, 2, "cpu").backward()
+    assert optimizer._norms.backwards == 2

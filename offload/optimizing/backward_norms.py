@@ -27,10 +27,13 @@ Note: [Norms from backward]
       backward is dropped;
     - what a version counter cannot see (a write through ``.grad.data``, ``GradScaler.unscale_``,
       whose kernel leaves the counters as they were, a collective such as ``dist.all_reduce``) is
-      found by the first ``clip_grad_norm_`` that finds these norms: it computes every norm anew
-      and compares, bit for bit, and raises if one differs (nothing is clipped); later calls trust
-      them. A training loop that does such a write only from some step on is not caught: the
-      option is for loops that do none (``docs/optimizer.md``).
+      found by the first ``clip_grad_norm_`` that meets a parameter's norm from here: it computes
+      that norm anew and compares, bit for bit, and raises if one differs (nothing is clipped);
+      later calls trust that parameter's norms. A training loop that does such a write only from
+      some step on is not caught: the option is for loops that do none (``docs/optimizer.md``);
+    - the registry holds each norm's maker weakly, and no gradient memory; an optimizer's
+      finalizer only marks its maker closed (a finalizer can run inside any allocation, under the
+      registry's lock too), and the next lookup drops what a closed one left.
 
     Left to ``clip_grad_norm_``: gradients that go through autograd onto an earlier ``.grad``
     (accumulation onto a ``.grad`` backward does not add into itself: Note: [Adding onto earlier
@@ -38,7 +41,8 @@ Note: [Norms from backward]
     in files (``masters=DiskTier``: the file is their home) or averaged across processes, and
     sparse ones. The norms of a backward followed by another before ``clip_grad_norm_``
     (accumulation) are forgotten unread; with ``accumulation_steps`` only the backward that ends
-    the accumulation computes them.
+    the accumulation computes them (one backward is one run of autograd's engine, through however
+    many calls of the model: a second call's gradients are summed anew by autograd, and not taken).
 
     Orderings: the norms of slice ``k`` run on the worker after the copy of its gradients to the
     host (``ready``) and after what the calling thread did so far (its additions into ``.grad``);
@@ -71,14 +75,18 @@ class BackwardNorms(Subscriber):
     def __init__(self, engine: Engine, accumulation_steps: int) -> None:
         self._engine = engine
         self.accumulation_steps = accumulation_steps
-        #: Backwards that added into .grad since the last step().
+        #: Backwards that added into .grad since the last step() (one per run of autograd's engine).
         self.backwards = 0
-        #: Whether a clip_grad_norm_ compared these norms with its own: later ones take them.
-        self.checked = False
+        #: Ids of the parameters whose norm from here a clip_grad_norm_ compared with its own, bit for
+        #: bit: later calls take theirs.
+        self.checked: set[int] = set()
+        #: Its optimizer is gone, or a newer one's replaced it: it computes and offers nothing more.
+        self.closed = False
         #: The intra-op threads of the worker, and the size of its pool: the caller's at construction,
         #: as clip_grad_norm_ computes them (a norm computed under another count is not taken).
         self.threads = torch.get_num_threads()
         self._token: Any = None  # the forward whose backward computes norms, while it runs
+        self._task_open = False  # a backward is running (counted, its end's callback queued)
         self._generation = 0  # bumped when the norms are forgotten: a job of an older one keeps none
         self._lock = threading.Lock()
         self._worker: Any = None
@@ -98,35 +106,56 @@ class BackwardNorms(Subscriber):
             return None
         subscriber = cls(engine, accumulation_steps)
         milestones.subscribe(subscriber)
-        weakref.finalize(optimizer, subscriber.close)
+        # Without locks: a finalizer may run inside any allocation, one under the registry's lock included.
+        weakref.finalize(optimizer, subscriber._optimizer_gone)
         return subscriber
 
     def follow(self, engine: Engine) -> None:
-        """Watch the walks of ``engine``, the model's engine built anew for another compute device."""
-        self.close()
+        """Watch the walks of ``engine``, the model's engine built anew for another compute device, if
+        it watched the old engine's (only the newest optimizer's does)."""
+        subscribed = any(s is self for s in self._engine.milestones.subscribers)
+        self._leave()
         self._engine = engine
-        engine.milestones.subscribe(self)
+        if subscribed:
+            engine.milestones.subscribe(self)
 
     def close(self) -> None:
-        """Leave the model's walks, forgetting every norm."""
+        """Leave the model's walks for good, forgetting every norm."""
+        self.closed = True
+        self.checked.clear()
+        self._leave()
+
+    def _leave(self) -> None:
         self._engine.milestones.unsubscribe(self)
         self.forget()
         if self._worker is not None:
             self._worker.close()
             self._worker = None
 
+    def _optimizer_gone(self) -> None:
+        self.closed = True  # its norms are ignored, and dropped by the next lookup
+        self._engine.milestones.unsubscribe(self)
+
     # -- milestones ---------------------------------------------------------------------------------
+
+    def forward_started(self, token: Any) -> None:
+        self._task_open = False  # a backward that failed never reached its end's callback
 
     def backward_started(self, token: Any, accumulates: bool) -> None:
         self.forget()  # before this backward's copies write host memory
-        if not accumulates:
-            return
+        if not accumulates or self._task_open:
+            return  # a second call's backward in one run: autograd sums the calls' gradients anew
+        self._task_open = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
         self.backwards += 1
         if self.backwards < self.accumulation_steps or self._engine.milestones.rewrite_gradients:
             return
         self._token = token
         self._names = self._engine.parameter_names()
         self._tied = self._engine.tied_parameter_ids()
+
+    def _backward_done(self) -> None:
+        self._task_open = False
 
     def wants_final_gradients(self, token: Any) -> bool:
         return token is not None and token is self._token
@@ -137,7 +166,7 @@ class BackwardNorms(Subscriber):
         storage = self._engine.slices[index].storage
         if storage.gradient_home is not None:
             return  # the gradients' home is their file
-        chosen: list[tuple[torch.Tensor, str]] = []
+        chosen: list[tuple[torch.Tensor, str, int]] = []
         for entry, grad in zip(storage.params, grads):
             p = entry.tensor
             if (grad is None or id(p) in self._tied or grad.device.type != "cpu" or grad.layout != torch.strided
@@ -146,7 +175,7 @@ class BackwardNorms(Subscriber):
             if p.grad is not None and p.grad is not grad:
                 continue  # autograd adds it onto another .grad after backward
             # An alias: autograd adopts a returned gradient as .grad only if nothing else holds it.
-            chosen.append((grad.detach(), self._names.get(id(p), "a parameter")))
+            chosen.append((grad.detach(), self._names.get(id(p), "a parameter"), id(p)))
         if not chosen:
             return
         if self._worker is None:
@@ -154,17 +183,17 @@ class BackwardNorms(Subscriber):
         work = functools.partial(self._compute, chosen, self._generation)
         self._events.append(self._engine.copies.submit(self._worker, work, after=[ready]))
 
-    def _compute(self, chosen: list[tuple[torch.Tensor, str]], generation: int) -> None:
+    def _compute(self, chosen: list[tuple[torch.Tensor, str, int]], generation: int) -> None:
         """On the worker: the norms of one slice's gradients, kept unless forgotten meanwhile."""
-        if generation != self._generation:
+        if generation != self._generation or self.closed:
             return
-        tensors = [t for t, _ in chosen]
+        tensors = [t for t, _, _ in chosen]
         versions = [t._version for t in tensors]  # before the values are read: a later write is seen
         with torch.no_grad():
             norms = pooled_norms(tensors, 2.0, self.threads)
         with self._lock:
-            if generation == self._generation:
-                remember_norms(self, tensors, norms, versions, [name for _, name in chosen])
+            if generation == self._generation and not self.closed:
+                remember_norms(self, tensors, norms, versions, [(name, param) for _, name, param in chosen])
 
     # -- what clip_grad_norm_ and step() call -------------------------------------------------------
 
@@ -176,6 +205,7 @@ class BackwardNorms(Subscriber):
         with self._lock:
             self._generation += 1
             self._token = None
+            self._events = []  # a forgotten job keeps nothing: nothing waits for it
             forget_norms(self)
 
     def stepped(self) -> None:
