@@ -132,7 +132,7 @@ def _host_norms(tensors: list[torch.Tensor], num_threads: int | None) -> list[to
     found = _known_norms(tensors)
     todo = [i for i, f in enumerate(found) if f is None or f[0].param not in f[1].checked]
     computed = dict(zip(todo, pooled_norms([tensors[i] for i in todo], 2.0, num_threads)))
-    compared = [(i, *f) for i, f in ((i, found[i]) for i in todo) if f is not None]
+    compared = [(i, *found[i]) for i in todo if found[i] is not None]  # type: ignore[misc]
     differ = [known.name for i, known, _ in compared if not _same_bits(known.norm, computed[i])]
     if differ:
         for source in {id(source): source for _, _, source in compared}.values():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import gc
 import threading
+import time
 
 import pytest
 import torch
@@ -294,3 +295,18 @@ def test_a_backward_through_two_calls_of_the_model_counts_once():
     assert optimizer._norms.backwards == 1
     _loss(model, 2, "cpu").backward()
     assert optimizer._norms.backwards == 2
+
+
+def test_the_norms_worker_ends_with_its_optimizer():
+    model = OffloadModel(network(), device="cpu", num_slices=3)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, norms_in_backward=True)
+    _loss(model, 0, "cpu").backward()
+    offload.clip_grad_norm_(model.parameters(), max_norm=1.0)
+    assert any(t.name == "offload gradient norms" for t in threading.enumerate())
+    del optimizer
+    gc.collect()
+    for _ in range(50):
+        if not any(t.name == "offload gradient norms" for t in threading.enumerate()):
+            break
+        time.sleep(0.1)
+    assert not any(t.name == "offload gradient norms" for t in threading.enumerate())

@@ -180,6 +180,7 @@ class BackwardNorms(Subscriber):
             return
         if self._worker is None:
             self._worker = self._engine.copies.new_worker("gradient norms", self.threads)
+            weakref.finalize(self, self._worker.close)  # its thread ends with this subscriber
         work = functools.partial(self._compute, chosen, self._generation)
         self._events.append(self._engine.copies.submit(self._worker, work, after=[ready]))
 

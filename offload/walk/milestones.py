@@ -24,7 +24,9 @@ walks. A *token* identifies one forward and its backward (several may be in flig
   (the others keep rule 6 of Note: [Gradients added in place]); asked with ``wants_final_gradients``.
 - ``gradients_final(token, index, grads, ready)``: slice ``index``'s gradients, per parameter,
   as ``.grad`` will hold them when backward returns (``None``: this backward leaves ``.grad`` as
-  it is), valid on the host once ``ready`` has completed.
+  it is), valid on the host once ``ready`` has completed. Outside ``final_parameters``, a
+  parameter whose existing ``.grad`` backward does not add into itself gets what autograd adds
+  onto it after backward, not the sum (the norms of Note: [Norms from backward] skip those).
 
 A subscriber that rewrites the host gradients on their way (data parallelism's average) says so
 with ``rewrites_gradients``: backward then leaves every gradient to autograd (rule 5 of Note:
