@@ -259,3 +259,39 @@ def test_a_lock_left_by_a_dead_build_is_cleared_under_the_builders_lock(tmp_path
         assert not left.exists()
     finally:
         holder.kill()
+
+
+EXIT_DURING_THE_BUILD = """
+import atexit, threading, time
+from offload.kernels import build
+
+built, exiting = threading.Event(), threading.Event()
+compile_for_real = build._compile
+
+def compile_then_wait_for_the_exit():
+    module = compile_for_real()
+    built.set()
+    exiting.wait()
+    return module
+
+build._compile = compile_then_wait_for_the_exit
+# Registered before the build's own handler, so it runs after it: the build's compile returns
+# once the interpreter exits, as when a short script ends while the kernel still loads.
+atexit.register(lambda: (exiting.set(), time.sleep(0.01)))
+build.host_kernel()
+built.wait()
+print("exiting", flush=True)
+"""
+
+
+def test_an_exit_while_the_kernel_loads_does_not_abort_the_process(kernel):
+    # The check against PyTorch runs PyTorch's kernels in a daemon thread; begun after the exit
+    # handler looked, it was stopped mid-C++ by the interpreter's finalisation and the process
+    # aborted ("terminate called without an active exception", status -6).
+    import subprocess
+    import sys
+
+    for _ in range(3):
+        done = subprocess.run([sys.executable, "-c", EXIT_DURING_THE_BUILD], capture_output=True, text=True,
+                              timeout=300)
+        assert (done.returncode, done.stdout) == (0, "exiting\n"), done.stderr[-2000:]

@@ -43,7 +43,7 @@ CAPABILITY_FLAGS = {
 STALE_LOCK_SECONDS = 600
 
 _lock = threading.Lock()
-_state: dict[str, object] = {"module": None, "thread": None, "note": None, "checking": False}
+_state: dict[str, object] = {"module": None, "thread": None, "note": None, "checking": False, "exiting": False}
 #: How long the interpreter's exit waits for a check that is running: a daemon thread stopped
 #: inside PyTorch's C++ code at exit aborts the process.
 EXIT_WAIT_SECONDS = 60
@@ -83,7 +83,13 @@ def _build() -> None:
     try:
         module = _compile()
         from .check import check_against_torch
-        _state["checking"] = True
+        with _lock:
+            # Once the interpreter exits, a check begun now would be stopped inside PyTorch's
+            # kernels (a daemon thread that wants the GIL back then ends mid-C++: the process
+            # aborts); the exit handler either saw the check begin and waits, or it stops it here.
+            if _state["exiting"]:
+                return
+            _state["checking"] = True
         mismatch = check_against_torch(module)
         if mismatch is not None:
             raise RuntimeError(f"it differs from PyTorch's fused kernel on this machine ({mismatch})")
@@ -99,7 +105,10 @@ def _build() -> None:
 def _finish_check_at_exit(thread: threading.Thread) -> None:
     """At exit, let a running check end: the compiler runs in a process of its own and may be
     left, but a thread stopped inside the check's kernels aborts the interpreter."""
-    if thread.is_alive() and _state["checking"]:
+    with _lock:
+        _state["exiting"] = True
+        checking = _state["checking"]
+    if thread.is_alive() and checking:
         thread.join(EXIT_WAIT_SECONDS)
 
 
