@@ -87,11 +87,27 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
         parameters = [parameters]
     else:
         parameters = list(parameters)
+    for scaler in list(_scalers):
+        scaler.settle()  # an earlier clip's scaling, handed to an update worker, writes these gradients
     grads = [p.grad for p in parameters if p.grad is not None]
     total_norm = total_grad_norm(grads, norm_type, error_if_nonfinite, foreach, num_threads=num_threads)
     if grads and not _coefficient_is_one(grads, max_norm, total_norm):
-        clip_grads_with_norm_(parameters, max_norm, total_norm, foreach)
+        _scale(parameters, max_norm, total_norm, foreach)
     return total_norm
+
+
+def _scale(parameters: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor, foreach: bool | None) -> None:
+    """PyTorch's ``clip_grads_with_norm_``, the gradients an optimizer scales in its update
+    (Note: [Scaling in the update] in ``offload/optimizing/deferred_scaling.py``) handed to it,
+    multiplied by the coefficient PyTorch computes, in the same operation."""
+    taken: set[int] = set()
+    if _scalers and foreach is not True and total_norm.device.type == "cpu":  # foreach=True: PyTorch's error on CPU
+        coefficient = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
+        for scaler in list(_scalers):
+            taken |= scaler.take([p for p in parameters if p.grad is not None and id(p) not in taken], coefficient)
+    rest = [p for p in parameters if id(p) not in taken]
+    if rest:
+        clip_grads_with_norm_(rest, max_norm, total_norm, foreach)
 
 
 @torch.no_grad()
@@ -190,6 +206,24 @@ _known_lock = threading.Lock()
 
 def _place(t: torch.Tensor) -> tuple[Any, ...]:
     return t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, tuple(t.shape), t.stride()
+
+
+class GradientScaler(Protocol):
+    """What scales gradients later, for :func:`clip_grad_norm_` (``DeferredScaling``)."""
+
+    def settle(self) -> None:
+        """Wait until every scaling handed over so far has run."""
+
+    def take(self, params: Sequence[torch.Tensor], coefficient: torch.Tensor) -> set[int]:
+        """Hand over the scaling of some of these parameters' gradients by ``coefficient``; their ids."""
+
+
+_scalers: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def add_scaler(scaler: GradientScaler) -> None:
+    """Let :func:`clip_grad_norm_` hand gradients to ``scaler`` to scale (and wait for it before it reads them)."""
+    _scalers.add(scaler)
 
 
 def add_source(source: NormSource) -> None:

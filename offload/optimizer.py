@@ -41,12 +41,13 @@ from .autograd.accumulation import mark_zeroed
 from .streams.gradient_files import zeroed_in_files
 from .model import OffloadModel, engine_of
 from .optimizing.backward_norms import BackwardNorms
+from .optimizing.deferred_scaling import DeferredScaling
 from .optimizing.in_backward import BackwardUpdates, check_in_backward
 from .optimizing.plan import inner_optimizer, plan_key, slice_steps, snapshot
 from .optimizing.sharding import Sharding
 from .optimizing.stepping import SliceUpdates
 from .optimizing.following import follow, tied_to_engine
-from .optimizing.tier_plumbing import SliceState, TierPlumbing, TierSliceLoad, casts_as_torch_optim
+from .optimizing.tier_plumbing import SliceState, TierPlumbing, casts_as_torch_optim
 from .streams.collectives import HostCollectives
 from .tiers.disk_tier import DiskTier, StateTier
 from .tiers.slice_update import SliceStep, held_state
@@ -82,6 +83,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         accumulation_steps: with ``update_in_backward`` or ``norms_in_backward``, backwards per ``step()``.
         norms_in_backward: compute the host gradients' 2-norms in backward, for :func:`offload.clip_grad_norm_`
             to take (Note: [Norms from backward]; ``docs/optimizer.md``; not with ``update_in_backward``).
+        scale_in_update: :func:`offload.clip_grad_norm_` hands its scaling of each streamed slice's host
+            gradients to the update worker, before the slice's update (Note: [Scaling in the update]).
         **optimizer_kwargs: keyword arguments of ``optimizer_class`` (``lr=1e-4, fused=True``).
 
     Raises:
@@ -109,9 +112,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
                  params: Iterable[Any] | None = None, *, num_threads: int | None = None,
                  shard: bool | None = None, process_group: Any = None,
                  disk_tier: DiskTier | str | os.PathLike[str] | None = None, update_in_backward: bool = False,
-                 accumulation_steps: int = 1, norms_in_backward: bool = False, **optimizer_kwargs: Any) -> None:
+                 accumulation_steps: int = 1, norms_in_backward: bool = False, scale_in_update: bool = False,
+                 **optimizer_kwargs: Any) -> None:
         model = _check_arguments(model, optimizer_class, num_threads, disk_tier)
-        check_in_backward(model, engine_of(model), update_in_backward, accumulation_steps, shard, norms_in_backward)
+        check_in_backward(model, engine_of(model), update_in_backward, accumulation_steps, shard, norms_in_backward,
+                          scale_in_update)
         # The class checks its own arguments and fills in its defaults.
         template = optimizer_class(model.parameters() if params is None else params, **optimizer_kwargs)
         super().__init__(template.param_groups, template.defaults)
@@ -139,6 +144,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._in_backward = BackwardUpdates.attach(self, engine_of(model), accumulation_steps, self._updates,
                                                    _before_update, update_in_backward)
         self._norms = BackwardNorms.attach(self, engine_of(model), accumulation_steps, norms_in_backward)
+        self._scaling = DeferredScaling.attach(self, _scaled_in_update, scale_in_update)
         #: step() ran on the model's engine: a move to the host is a teardown then (rule 3 of Note:
         #: [Moving an OffloadModel] in offload/modeling/placement.py)
         self._stepped_engine = False
@@ -274,12 +280,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
             _plan(self)
         self._disk.adopt()
 
-    # -- loading a checkpoint into the disk tier, slice by slice (and load_beside_tier below) -------
-
-    def _open_slice_load(self, index: int, saved: SliceState) -> TierSliceLoad:
-        """:meth:`TierPlumbing.open_slice_load`, for checkpoints."""
-        return self._disk.open_slice_load(index, saved)
-
     def close(self) -> None:
         """Wait for the pending updates and remove the disk tier's files (kept with
         ``DiskTier(keep=True)``); the optimizer cannot step afterwards if it has a disk tier.
@@ -414,6 +414,17 @@ def _plan(optimizer: OffloadOptimizer) -> None:
 def _resident(step: SliceStep) -> bool:
     """Whether ``step`` updates a resident slice (Note: [Resident slices]), on the device in ``step()``."""
     return step.storage is not None and step.storage.resident
+
+
+def _scaled_in_update(optimizer: OffloadOptimizer) -> tuple[SliceUpdates, list[SliceStep]]:
+    """The hand-off of updates, and the streamed slices' steps whose gradients a clip may scale on
+    the update worker (Note: [Scaling in the update]): none for a sharded optimizer or one that is
+    not the model's newest (which scale at once)."""
+    newest = _newest.get(optimizer.model)
+    if optimizer._sharding is not None or newest is None or newest() is not optimizer:
+        return optimizer._updates, []
+    _plan(optimizer)
+    return optimizer._updates, [step for step in optimizer._steps if not _resident(step)]
 
 
 def _before_update(optimizer: OffloadOptimizer) -> None:

@@ -113,7 +113,7 @@ def reshard(rank: int, world_size: int, directory: str, *, tag: str, source: str
     open_slices = [0, 0]  # now, at most
 
     def counted_open(index, saved):  # Note: [Slice-by-slice load]: opened at a slice's first item
-        opened = type(optimizer)._open_slice_load(optimizer, index, saved)
+        opened = type(optimizer._disk).open_slice_load(optimizer._disk, index, saved)
         store = opened.store
         open_slices[0] += 1
         open_slices[1] = max(open_slices)
@@ -125,7 +125,7 @@ def reshard(rank: int, world_size: int, directory: str, *, tag: str, source: str
         opened.store = counted_store
         return opened
 
-    optimizer._open_slice_load = counted_open
+    optimizer._disk.open_slice_load = counted_open
     load_checkpoint(latest_checkpoint(os.path.join(directory, source)), model, optimizer)
     on_disk = optimizer._tier is not None and all(r.place.name == "DISK" for r in optimizer._tier.records.values())
     result = {"params": {n: p.detach().clone() for n, p in model.named_parameters()},

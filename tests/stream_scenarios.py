@@ -558,6 +558,33 @@ def norms_in_backward(build: Build) -> list[torch.Tensor]:
     return three_steps(model, optimizer, zeroed_in_place_after=0, clip=0.05)
 
 
+def scale_in_update(build: Build) -> list[torch.Tensor]:
+    """OffloadOptimizer(scale_in_update=True, norms_in_backward=True) under a compute dtype: each
+    clip hands each slice's scaling to the update worker, before the slice's update (Note: [Scaling
+    in the update]); the second step clips twice (the second clip reads what the first one's
+    scaling wrote) and reads the gradients through the model before stepping; the third is never
+    stepped (a GradScaler that found infinities), its scaling left pending for the next forward."""
+    model = build(mlp(dropout=0.1), num_slices=4, compute_dtype=torch.bfloat16)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True, norms_in_backward=True,
+                                 scale_in_update=True)
+    params = list(model.parameters())
+    seen: list[torch.Tensor] = []
+    for step in range(4):
+        torch.manual_seed(step)
+        out = model(inputs(step))
+        loss = out.float().pow(2).mean()
+        loss.backward()
+        seen.append(offload.clip_grad_norm_(params, max_norm=0.05))
+        if step == 1:
+            seen.append(offload.clip_grad_norm_(params, max_norm=0.01))
+            seen += [p.grad.clone() for p in model.parameters()]
+        if step != 2:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=step != 0)
+        seen += [out.detach().clone(), loss.detach().clone()]
+    return seen + state(model)
+
+
 def resident_slices(build: Build) -> list[torch.Tensor]:
     """The first two of four slices resident on the device (Note: [Resident slices]), with
     BatchNorm over two microbatches under a compute dtype, stepped by OffloadOptimizer: their loads,
@@ -606,7 +633,7 @@ SCENARIOS: dict[str, Callable[[Build], list[torch.Tensor]]] = {
         reads_between_step_and_forward, data_parallel_one_rank,
         tied_across_slices, tied_across_slices_offload_optimizer, sparse_gradients_and_strided_boundaries,
         offloaded_activations, offloaded_activations_retained, faults_offloaded, update_in_backward,
-        norms_in_backward, resident_slices, resident_tied_update_in_backward, resident_tied_after_buffers,
+        norms_in_backward, scale_in_update, resident_slices, resident_tied_update_in_backward, resident_tied_after_buffers,
     )
 }
 try:

@@ -557,6 +557,32 @@ def test_norms_in_backward_leave_the_first_streamed_slices_norms_and_what_backwa
     assert masters == {"ram": True, "disk": False}
 
 
+def test_scaling_in_the_update_moves_the_clips_scaling_into_the_update_the_next_forward_overlaps():
+    """With the clip's scaling on the update worker (Note: [Scaling in the update]), the clip keeps
+    only the norms, and the update grows by the scaling; the step waits for what the next forward
+    does not cover of it."""
+    preset = build_preset("transformer", **SMALL_TRANSFORMER)
+    layout = slice_layout(preset.model, num_slices=4, compute_dtype=torch.bfloat16)
+    rates = dataclasses.replace(GPU_DEFAULTS["h100-sxm"], host_norm=5e9, host_memory_bandwidth=50e9)
+    for resident, forward_device in ((0, 0.5), (1, 0.5), (0, 1e-6)):
+        config = StepConfig(num_slices=4, compute_dtype=torch.bfloat16, resident_slices=resident, clips_gradients=True,
+                            norms_in_backward=True)
+        at_clip = estimate_step_time(layout, None, config, rates, device_seconds=(forward_device, 0.03))
+        deferred = estimate_step_time(layout, None, replace(config, scale_in_update=True), rates,
+                                      device_seconds=(forward_device, 0.03))
+        scaling = 2 * sum(layout.gradient_bytes[resident:]) / 50e9
+        assert deferred.clip == pytest.approx(at_clip.clip - scaling)
+        assert deferred.update == pytest.approx(at_clip.update + scaling)
+        assert deferred.step <= at_clip.step + 1e-12
+        waited = deferred.exposed_update - at_clip.exposed_update  # the scaling the next forward does not hide
+        assert deferred.step == pytest.approx(at_clip.step - scaling + waited) and 0 <= waited <= scaling + 1e-12
+        if forward_device == 0.5:  # a long forward hides all but (at most) the first streamed slice's share
+            assert waited <= scaling * layout.gradient_bytes[resident] / sum(layout.gradient_bytes[resident:]) + 1e-12
+    chosen = _mlp_plan("--max-grad-norm", "1.0")["chosen"]
+    assert "scale_in_update=True" in chosen["code"]
+    assert "scale_in_update" not in _mlp_plan("--schedule", "overlapped")["chosen"]["code"]
+
+
 def test_among_equal_steps_the_choice_keeps_the_update_behind_the_next_forward():
     """One slice: the update during backward starts as the backward ends, as step() would; the two
     schedules tie and the choice takes the one that allows clipping."""

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from offload import DiskTier, DiskTierError, OffloadModel, OffloadOptimizer, load_checkpoint, save_checkpoint
+from offload.optimizing.tier_plumbing import TierPlumbing
 from offload.tiers.disk_tier import Place
 from offload.checkpoint.slice_load_planner import SliceWritingLoadPlanner
 
@@ -79,16 +80,16 @@ class Opened:
         self.indices: list[int] = []
         self.live_after_open: list[int] = []
         self.refs: list[weakref.ref] = []
-        real = OffloadOptimizer._open_slice_load
+        real = TierPlumbing.open_slice_load
 
-        def opening(optimizer, index, saved):
-            opened = real(optimizer, index, saved)
+        def opening(plumbing, index, saved):
+            opened = real(plumbing, index, saved)
             self.indices.append(index)
             self.refs += [weakref.ref(t.untyped_storage()) for ts in opened.tensors.values() for t in ts.values()]
             self.live_after_open.append(self.live_bytes())
             return opened
 
-        monkeypatch.setattr(OffloadOptimizer, "_open_slice_load", opening)
+        monkeypatch.setattr(TierPlumbing, "open_slice_load", opening)
 
     def live_bytes(self):
         # Storages, not tensors: a view of a buffer keeps the whole buffer (counted once).
@@ -345,18 +346,18 @@ def test_a_reader_loading_items_on_several_threads_is_still_exact(run, tmp_path,
             done.set_result(None)
             return done
 
-    real_open = OffloadOptimizer._open_slice_load
+    real_open = TierPlumbing.open_slice_load
 
-    def slow_open(optimizer, index, saved):
+    def slow_open(plumbing, index, saved):
         time.sleep(0.05)  # the other threads resolve the slice's other items meanwhile
-        return real_open(optimizer, index, saved)
+        return real_open(plumbing, index, saved)
 
     model, optimizer = run.build("a")
     run.steps(model, optimizer, 2)
     save_checkpoint(tmp_path / "ck", model, optimizer)
     saved = copy.deepcopy(optimizer.state_dict())
     monkeypatch.setattr(offload.checkpoint.loader, "FileSystemReader", ThreadedReader)
-    monkeypatch.setattr(OffloadOptimizer, "_open_slice_load", slow_open)
+    monkeypatch.setattr(TierPlumbing, "open_slice_load", slow_open)
     resumed, resumed_optimizer = run.build("b")
     load_checkpoint(tmp_path / "ck", resumed, resumed_optimizer)
     assert len(threads) > 1

@@ -322,6 +322,10 @@ NEEDED = [
     Dependency("synchronize_event", "wait_host", "optimizer.py:zero_grad", "host update"),
     # Norms in backward (Note: [Norms from backward]): a slice's norms after its gradients' offload.
     Dependency("synchronize_event", "submit", "backward_norms.py:gradients_final", "offload"),
+    # Scaling in the update (Note: [Scaling in the update]): a slice's update after the clip's scaling
+    # of its gradients, and a second clip's read after the first one's scaling.
+    Dependency("synchronize_event", "submit", "tier_plumbing.py:submit", "host update"),
+    Dependency("synchronize_event", "wait_host", "deferred_scaling.py:settle", "host update"),
     Dependency("synchronize_event", "submit", "data_parallel.py:gradients_leaving", "offload"),
     Dependency("synchronize_event", "submit", "sharding.py:submit", "host update"),
     Dependency("synchronize_event", "submit", "disk_tier.py:submit", "disk write"),

@@ -19,6 +19,7 @@ import offload.clipping  # noqa: E402
 from offload import OffloadModel  # noqa: E402
 from offload.integrations.causal_lm import OffloadedCausalLM  # noqa: E402
 from offload.integrations.transformers import parallel_clipping  # noqa: E402
+from offload.optimizing.deferred_scaling import DeferredScaling  # noqa: E402
 
 from .helpers import CUDA, count_parallel_norms  # noqa: E402
 
@@ -90,7 +91,8 @@ def plain_run(tmp_path_factory):
 
 
 @pytest.mark.parametrize("optimizer", ["trainer's AdamW", "offload_optimizer", "offload_optimizer, parallel_clipping",
-                                       "offload_optimizer with norms_in_backward, parallel_clipping"])
+                                       "offload_optimizer with norms_in_backward, parallel_clipping",
+                                       "offload_optimizer with norms_in_backward, scale_in_update, parallel_clipping"])
 def test_trainer_matches_the_plain_model_bit_for_bit(plain_run, optimizer, tmp_path, monkeypatch):
     losses, plain = plain_run
     hf = llama()
@@ -98,6 +100,8 @@ def test_trainer_matches_the_plain_model_bit_for_bit(plain_run, optimizer, tmp_p
     args = arguments(tmp_path)
     options = ({"norms_in_backward": True, "accumulation_steps": args.gradient_accumulation_steps}
                if "norms_in_backward" in optimizer else {})
+    if "scale_in_update" in optimizer:
+        options["scale_in_update"] = True
     optimizers = ((model.offload_optimizer(args, **options), None) if optimizer.startswith("offload_optimizer")
                   else (None, None))
     trainer = transformers.Trainer(model=model, args=args, train_dataset=TRAIN, eval_dataset=EVAL,
@@ -106,12 +110,22 @@ def test_trainer_matches_the_plain_model_bit_for_bit(plain_run, optimizer, tmp_p
     computed: list[int] = []  # the norms each clip computed itself
     real = offload.clipping.pooled_norms
     monkeypatch.setattr(offload.clipping, "pooled_norms", lambda ts, *a: computed.append(len(ts)) or real(ts, *a))
+    scaled_at_clip: list[int] = []
+    handed_over: list[int] = []  # the parameters each clip handed to the update worker
+    real_take = DeferredScaling.take
+    monkeypatch.setattr(DeferredScaling, "take", lambda self, ps, c: handed_over.append(len(taken := real_take(
+        self, ps, c))) or taken)
+    real_scaling = offload.clipping.clip_grads_with_norm_
+    monkeypatch.setattr(offload.clipping, "clip_grads_with_norm_",
+                        lambda ps, *a: scaled_at_clip.append(len(ps)) or real_scaling(ps, *a))
     if optimizer.endswith("parallel_clipping"):
         assert parallel_clipping(trainer) is trainer
     trainer.train()
     assert len(norms) == (STEPS if optimizer.endswith("parallel_clipping") else 0)
     if "norms_in_backward" in optimizer:  # the first clip computes them all again to compare, the others none
         assert computed == [len(list(model.parameters()))] + [0] * (STEPS - 1)
+    if "scale_in_update" in optimizer:  # every clip scaled on the update worker, none at the clip
+        assert scaled_at_clip == [] and len(handed_over) == STEPS and all(handed_over)
     assert logged(trainer) == losses  # every training loss, gradient norm and eval loss, bit for bit
     assert sum(key == "eval_loss" for key, _, _ in losses) == 2 and sum(key == "loss" for key, _, _ in losses) == STEPS
     assert_same_weights(hf, plain)

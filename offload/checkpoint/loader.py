@@ -165,7 +165,7 @@ def _read_data(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     tiered = bool(on_disk) and isinstance(optimizer, OffloadOptimizer)
     masters = _masters_on_disk(model, state)
     if tiered or masters:
-        planner = SliceWritingLoadPlanner(optimizer._open_slice_load if tiered else None,  # type: ignore[union-attr]
+        planner = SliceWritingLoadPlanner(optimizer._disk.open_slice_load if tiered else None,  # type: ignore[union-attr]
                                           on_disk if tiered else {}, masters,
                                           _masters_releaser(model))
     try:

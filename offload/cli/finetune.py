@@ -80,12 +80,13 @@ def main(argv: list[str] | None = None) -> None:
 
 def _schedule(args: argparse.Namespace) -> dict[str, Any]:
     """The optimizer's options for when its work runs: the update in backward, or the norms the
-    clipping takes computed there (Note: [Norms from backward]: this loop writes no gradient between
-    backward and the clipping); ``accumulation_steps`` says which backward."""
+    clipping takes computed there and its scaling in the update (Notes: [Norms from backward],
+    [Scaling in the update]: this loop writes no gradient between backward and the clipping, and
+    reads none between the clipping and ``step()``); ``accumulation_steps`` says which backward."""
     if args.update_in_backward:
         return {"update_in_backward": True, "accumulation_steps": args.grad_accum}
     if args.max_grad_norm is not None:
-        return {"norms_in_backward": True, "accumulation_steps": args.grad_accum}
+        return {"norms_in_backward": True, "scale_in_update": True, "accumulation_steps": args.grad_accum}
     return {}
 
 
@@ -421,7 +422,7 @@ def train(args: argparse.Namespace, model: OffloadModel, hf: Any, optimizer: Off
             loss.backward()
             step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
         if args.max_grad_norm is not None:
-            clip_grad_norm_(trainable, args.max_grad_norm)  # torch's result; the norms computed in backward
+            clip_grad_norm_(trainable, args.max_grad_norm)  # torch's result; norms from backward, scaled in the update
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)

@@ -309,6 +309,8 @@ def code(candidate: Candidate, work: Workload, args: argparse.Namespace) -> str:
         optimizer += ",\n                             update_in_backward=True"
     elif config.norms_in_backward:
         optimizer += ",\n                             norms_in_backward=True"
+        if config.scale_in_update:
+            optimizer += ", scale_in_update=True"
     setup = "" if work.four_bit is None else work.four_bit.code()
     # The planned clip is offload's (the norms on several threads), not torch.nn.utils' (on one).
     clip = (f"\n# before each optimizer.step(): offload.clip_grad_norm_(model.parameters(), {args.max_grad_norm:g})"

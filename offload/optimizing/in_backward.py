@@ -357,9 +357,9 @@ def _hooked(p: torch.Tensor) -> bool:
 
 
 def check_in_backward(model: Any, engine: Engine, enabled: Any, accumulation_steps: Any, shard: Any,
-                      norms: Any = False) -> None:
-    """Raise what ``OffloadOptimizer`` says it raises for ``update_in_backward``, ``accumulation_steps``
-    and ``norms_in_backward``,
+                      norms: Any = False, scaling: Any = False) -> None:
+    """Raise what ``OffloadOptimizer`` says it raises for ``update_in_backward``, ``accumulation_steps``,
+    ``norms_in_backward`` and ``scale_in_update``,
     and for a new optimizer of a model (``engine``) whose last backward started updates that no
     ``step()`` has ended: the new optimizer's step would update those slices again."""
     for old in engine.milestones.subscribers:
@@ -375,10 +375,13 @@ def check_in_backward(model: Any, engine: Engine, enabled: Any, accumulation_ste
         raise ValueError(f"accumulation_steps must be a positive int, got {accumulation_steps!r}")
     if not isinstance(norms, bool):
         raise TypeError(f"norms_in_backward must be True or False, got {norms!r}")
-    if norms and enabled:
-        raise ValueError(
-            "norms_in_backward is for clipping, which update_in_backward cannot follow (the updates start before "
-            "clip_grad_norm_ runs): choose one")
+    if not isinstance(scaling, bool):
+        raise TypeError(f"scale_in_update must be True or False, got {scaling!r}")
+    for name, wanted in (("norms_in_backward", norms), ("scale_in_update", scaling)):
+        if wanted and enabled:
+            raise ValueError(
+                f"{name} is for clipping, which update_in_backward cannot follow (the updates start before "
+                "clip_grad_norm_ runs): choose one")
     if accumulation_steps != 1 and not (enabled or norms):
         raise ValueError(
             "accumulation_steps tells update_in_backward (or norms_in_backward) which backward starts the update "

@@ -68,7 +68,7 @@ class SliceUpdates:
                grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
         """Queue each slice's update in slice order, and step the parameters outside the model now,
         with the gradients and hyperparameters ``hyper`` captured now."""
-        self._start_worker()
+        self.start_worker()
         for step in steps:
             if self.sharding is not None:  # the event of the exchange that follows this rank's part
                 update = functools.partial(self._submit_update, step, hyper, grad_scale, found_inf)
@@ -108,7 +108,7 @@ class SliceUpdates:
         """Queue one slice's update with the gradients ``grads`` (aligned with its parameters), after
         the events ``after`` (the copy that brings them to the host): what backward starts (Note:
         [Update in backward] in ``in_backward.py``)."""
-        self._start_worker()
+        self.start_worker()
         updated = self._submit_update(step, hyper, None, None, grads, after)
         if updated is not None:
             self.engine.updates.submitted(step.index, updated)
@@ -125,11 +125,13 @@ class SliceUpdates:
             self.worker.close()
             self.worker = None
 
-    def _start_worker(self) -> None:
+    def start_worker(self) -> HostWorker:
+        """The update worker, started if it was not."""
         if self.worker is None:
             # By key, the slice's index: Note: [Updates in the next forward's order].
             self.worker = self.engine.copies.new_worker("host update", self.num_threads, by_key=True)
             weakref.finalize(self, self.worker.close)
+        return self.worker
 
     def _submit_update(self, step: SliceStep, hyper: list[dict[str, Any]], grad_scale: torch.Tensor | None,
                        found_inf: torch.Tensor | None, grads: list[torch.Tensor | None] | None = None,
@@ -146,7 +148,9 @@ class SliceUpdates:
             self.engine.updates.wait(step.index)  # the proxies may still be in use by its last update
             step.bind()
         work = functools.partial(step.run, grads, hyper, grad_scale, found_inf)
-        return self._submit(step.index, work, after)
+        # After what is pending on the slice: a clip's scaling of these gradients (Note: [Scaling
+        # in the update] in deferred_scaling.py).
+        return self._submit(step.index, work, [*after, self.engine.updates.event(step.index)])
 
     def _submit(self, index: int, work: Callable[[], None], waits: Sequence[Event | None] = ()) -> Event:
         """Run slice ``index``'s update on the update worker after the events ``waits`` (its masters

@@ -130,9 +130,10 @@ def choose(layers: nn.Module | Sequence[int], profile_for: Callable[[torch.dtype
     memories: dict[StepConfig, list[MemoryFootprint]] = {}
     candidates = []
     for config in _configs(layers, batch_size, limits, fixed, schedules):
-        # Clipped, the plan computes the norms in backward where the gradients are in RAM.
-        config = replace(config, clips_gradients=clips_gradients,
-                         norms_in_backward=clips_gradients and config.masters != "disk")
+        # Clipped, the plan computes the norms in backward and scales in the update where the
+        # gradients are in RAM.
+        in_ram = clips_gradients and config.masters != "disk"
+        config = replace(config, clips_gradients=clips_gradients, norms_in_backward=in_ram, scale_in_update=in_ram)
         if config.compute_dtype not in profiles:
             profiles[config.compute_dtype] = profile_for(config.compute_dtype)
         key = (config.num_slices, config.compute_dtype)

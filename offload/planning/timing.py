@@ -86,6 +86,10 @@ class StepConfig:
             slice's gradients land (``OffloadOptimizer(..., norms_in_backward=True)``, Note: [Norms
             from backward]): the step waits for what backward does not cover. Not with masters on disk
             (the gradients' home is their file).
+        scale_in_update: with ``clips_gradients``, the clip's scaling of the streamed slices' host
+            gradients runs on the update worker before each slice's update
+            (``OffloadOptimizer(..., scale_in_update=True)``, Note: [Scaling in the update]): it
+            adds to the update the next forward overlaps, not to the step. Not with masters on disk.
     """
 
     num_slices: int = 8
@@ -98,6 +102,7 @@ class StepConfig:
     resident_slices: int = 0
     clips_gradients: bool = False
     norms_in_backward: bool = False
+    scale_in_update: bool = False
 
 
 @dataclass(frozen=True)
@@ -304,13 +309,16 @@ def estimate_step_time(layout: SliceLayout, profile: ModelProfile | None, config
     staging = _staging(moved, layout, rates)
     forward, backward, load, offload = _phases(moved, forward_compute, backward_compute, rates, on_gpu, staging)
     update, disk_read, disk_write = _update(moved, rates)
+    clip = scaling = 0.0
+    if config.clips_gradients:
+        scaling = _scaling_seconds(layout, k, rates)
+        clip = _clip_seconds(layout, k, rates, backward if config.norms_in_backward else None)
+        if config.scale_in_update:  # Note: [Scaling in the update]: the worker scales before each update
+            clip, update = clip - scaling, update + scaling
     d2h = rates.device_to_host if on_gpu else None
     streamed = [0] * k + list(layout.gradient_bytes[k:])  # a resident slice has no host update
     exposed = exposed_update(config.schedule, forward, backward, update, streamed, d2h,
                              device_update=device_update, update_waits=not on_gpu)
-    clip = 0.0
-    if config.clips_gradients:
-        clip = _clip_seconds(layout, k, rates, backward if config.norms_in_backward else None)
     return StepTime(compute=compute, forward_compute=forward_compute, backward_compute=backward_compute,
                     load=load, offload=offload, update=update, disk_read=disk_read, disk_write=disk_write,
                     forward=forward, backward=backward, exposed_update=exposed, staging=sum(staging),
@@ -325,13 +333,18 @@ def _clip_seconds(layout: SliceLayout, resident: int, rates: MachineRates, backw
     time as each lands, the first streamed slice last (Note: [Norms from backward]): the step waits
     for that slice's norms, or for what backward is too short to cover."""
     host_gradients = sum(layout.gradient_bytes[resident:])
-    scaling = 2 * host_gradients / rates.host_memory
+    scaling = _scaling_seconds(layout, resident, rates)
     if backward is None:
         largest = max(layout.largest_gradient_bytes[resident:], default=0)
         return max(largest / rates.host_norm_rate, host_gradients / rates.host_memory) + scaling
     per_slice = [max(largest / rates.host_norm_rate, nbytes / rates.host_memory)
                  for largest, nbytes in zip(layout.largest_gradient_bytes[resident:], layout.gradient_bytes[resident:])]
     return max(per_slice[0] if per_slice else 0.0, sum(per_slice) - backward) + scaling
+
+
+def _scaling_seconds(layout: SliceLayout, resident: int, rates: MachineRates) -> float:
+    """The clip's scaling of the streamed slices' host gradients: each read and written once."""
+    return 2 * sum(layout.gradient_bytes[resident:]) / rates.host_memory
 
 
 def exposed_update(schedule: str, forward: float, backward: float, update: float, gradient_bytes: Sequence[int],

@@ -209,7 +209,7 @@ class DeviceSlots:
             if slot.state is SlotState.CURRENT:
                 slot.state = SlotState.STALE
         for index, storage in enumerate(self.storages):
-            if not self.updates.is_pending(index):
+            if not self.updates.keeps_shadow(index):
                 storage.expire_shadow()
 
     def mark_stale(self, index: int) -> None:

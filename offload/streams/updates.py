@@ -32,13 +32,23 @@ class SliceUpdates:
         self.copies = copies
         self.storages = storages
         self._pending: dict[int, Event] = {}
+        self._no_shadow: set[int] = set()  # slices whose pending work writes no shadow
 
-    def submitted(self, index: int, event: Event) -> None:
-        """An update of slice ``index`` was submitted; ``event`` completes when it is done."""
+    def submitted(self, index: int, event: Event, writes_shadow: bool = True) -> None:
+        """Work that rewrites slice ``index``'s host memory was submitted: an update, or, not
+        ``writes_shadow``, work that leaves the parameters and their shadow alone (a clip's
+        scaling of its gradients: Note: [Scaling in the update] in
+        ``offload/optimizing/deferred_scaling.py``); ``event`` completes when it is done, and it
+        stands for everything submitted for the slice before."""
         self._pending[index] = event
+        if writes_shadow:
+            self._no_shadow.discard(index)
+        else:
+            self._no_shadow.add(index)
 
-    def is_pending(self, index: int) -> bool:
-        return index in self._pending
+    def keeps_shadow(self, index: int) -> bool:
+        """Whether slice ``index`` has an update pending that will leave its shadow current."""
+        return index in self._pending and index not in self._no_shadow
 
     def pending(self) -> bool:
         """Whether any update is pending."""
@@ -58,6 +68,7 @@ class SliceUpdates:
         """Block until slice ``index``'s host copy is final: before a load reads it. Returns the
         event of the update it waited for (``None``: none was pending)."""
         event = self._pending.pop(index, None)
+        self._no_shadow.discard(index)
         try:
             # A load must not read a host copy the update is still writing.
             self.copies.wait_host(event)

@@ -1,0 +1,230 @@
+"""``OffloadOptimizer(scale_in_update=True)``: ``offload.clip_grad_norm_`` hands its scaling of each
+streamed slice's host gradients to the update worker, before the slice's update, and the training
+is the plain model's clipped by ``torch.nn.utils.clip_grad_norm_``, bit for bit (Note: [Scaling in
+the update] in ``offload/optimizing/deferred_scaling.py``)."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import offload
+from offload import OffloadModel, OffloadOptimizer, clipping
+from offload.model import engine_of
+
+from .helpers import DEVICES
+from .test_backward_norms import batch, network
+
+EXACT = {"rtol": 0, "atol": 0}
+MAX_NORM = 0.05
+
+
+@pytest.fixture
+def scaled_at_clip(monkeypatch):
+    """The parameters each ``clip_grad_norm_`` scaled on its calling thread (PyTorch's scaling)."""
+    counts: list[int] = []
+    original = clipping.clip_grads_with_norm_
+
+    def counting(parameters, *args, **kwargs):
+        assert threading.current_thread() is threading.main_thread()
+        counts.append(len(parameters))
+        return original(parameters, *args, **kwargs)
+
+    monkeypatch.setattr(clipping, "clip_grads_with_norm_", counting)
+    return counts
+
+
+def _twins(device: str = "cpu", extra: nn.Parameter | None = None, model_options: dict | None = None, **options):
+    plain = network()
+    model = OffloadModel(copy.deepcopy(plain), device=device, num_slices=3, **(model_options or {}))
+    plain.to(device)
+    params = [*model.parameters(), *([extra] if extra is not None else [])]
+    plain_params = [*plain.parameters(), *([copy.deepcopy(extra).to(device)] if extra is not None else [])]
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, params, lr=1e-2, fused=True, scale_in_update=True,
+                                 **options)
+    return plain, torch.optim.AdamW(plain_params, lr=1e-2, fused=device == "cpu"), model, optimizer
+
+
+def _backward(plain: nn.Module, model: OffloadModel, step: int, device: str, extra=None, plain_extra=None) -> None:
+    for m, e in ((plain, plain_extra), (model, extra)):
+        loss = m(batch(step, device)).float().pow(2).mean()
+        (loss + (e.pow(2).sum() if e is not None else 0)).backward()
+
+
+def _assert_same(plain_params, params) -> None:
+    for number, (a, b) in enumerate(zip(plain_params, params)):
+        torch.testing.assert_close(b, a.cpu() if b.device.type == "cpu" else a, **EXACT, msg=lambda m: f"#{number}: {m}")
+
+
+def _clip_both(plain_opt, optimizer, max_norm: float = MAX_NORM) -> None:
+    plain_params = [p for g in plain_opt.param_groups for p in g["params"]]
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    expected = torch.nn.utils.clip_grad_norm_(plain_params, max_norm)
+    torch.testing.assert_close(offload.clip_grad_norm_(params, max_norm), expected.cpu(), **EXACT)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("norms_in_backward", [True, False])
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_clipped_training_is_the_plain_models_and_no_gradient_is_scaled_at_the_clip(device, norms_in_backward,
+                                                                                    set_to_none, scaled_at_clip):
+    plain, plain_opt, model, optimizer = _twins(device, norms_in_backward=norms_in_backward)
+    for step in range(4):
+        _backward(plain, model, step, device)
+        _clip_both(plain_opt, optimizer)
+        for opt in (plain_opt, optimizer):
+            opt.step()
+            opt.zero_grad(set_to_none=set_to_none)
+    optimizer.synchronize()
+    _assert_same(plain.parameters(), model.parameters())
+    assert scaled_at_clip == []  # every gradient was a streamed slice's: all scaled on the worker
+
+
+def _offloaded_twins(device: str, **model_options):
+    """The same model offloaded twice, clipping's scaling at the clip and in the update."""
+    models, optimizers = [], []
+    for scale_in_update in (False, True):
+        models.append(OffloadModel(network(), device=device, num_slices=3, **model_options))
+        optimizers.append(OffloadOptimizer(models[-1], torch.optim.AdamW, lr=1e-2, fused=True,
+                                           scale_in_update=scale_in_update))
+    return models, optimizers
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_under_a_compute_dtype_outputs_and_masters_are_the_scaling_at_the_clips(device):
+    # Against the same model clipped without the option (itself PyTorch's, tests/test_clipping.py):
+    # the forward reads the shadows the updates wrote after the worker's scaling.
+    models, optimizers = _offloaded_twins(device, compute_dtype=torch.bfloat16)
+    for step in range(4):
+        outs = [m(batch(step, device).to(torch.bfloat16)) for m in models]
+        torch.testing.assert_close(outs[1], outs[0], **EXACT)
+        for out in outs:
+            out.float().pow(2).mean().backward()
+        norms = [offload.clip_grad_norm_(m.parameters(), MAX_NORM) for m in models]
+        torch.testing.assert_close(norms[1], norms[0], **EXACT)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    _assert_same(models[0].parameters(), models[1].parameters())
+
+
+def test_gradients_read_through_the_model_between_the_clip_and_step_are_scaled():
+    plain, plain_opt, model, optimizer = _twins()
+    for step in range(2):
+        _backward(plain, model, step, "cpu")
+        _clip_both(plain_opt, optimizer)
+        for (name, a), b in zip(plain.named_parameters(), model.parameters()):  # the model waits for the scaling
+            torch.testing.assert_close(b.grad, a.grad, **EXACT, msg=lambda m: f"{name}: {m}")
+        for opt in (plain_opt, optimizer):
+            opt.step()
+            opt.zero_grad()
+    optimizer.synchronize()
+    _assert_same(plain.parameters(), model.parameters())
+
+
+def test_a_second_clip_reads_what_the_first_ones_scaling_wrote():
+    plain, plain_opt, model, optimizer = _twins()
+    for step in range(2):
+        _backward(plain, model, step, "cpu")
+        _clip_both(plain_opt, optimizer)  # by parameter lists: nothing waits through the model
+        _clip_both(plain_opt, optimizer, max_norm=MAX_NORM / 3)
+        for opt in (plain_opt, optimizer):
+            opt.step()
+            opt.zero_grad()
+    optimizer.synchronize()
+    _assert_same(plain.parameters(), model.parameters())
+
+
+def test_a_step_that_never_comes_leaves_the_next_forward_exact_and_the_shadows_cast_anew():
+    # A GradScaler that found infinities skips step(): the scaling stays pending until the next
+    # forward loads the slice. It is no update: the shadows are cast from the masters again (here
+    # written between the steps through a reference, which PyTorch does not see), as without it.
+    models, optimizers = _offloaded_twins("cpu", compute_dtype=torch.bfloat16)
+    firsts = [next(m.parameters()) for m in models]
+    for step in range(4):
+        outs = [m(batch(step, "cpu").to(torch.bfloat16)) for m in models]
+        torch.testing.assert_close(outs[1], outs[0], **EXACT)
+        for model, optimizer, out, first in zip(models, optimizers, outs, firsts):
+            out.float().pow(2).mean().backward()
+            offload.clip_grad_norm_(model.parameters(), MAX_NORM)
+            if step % 2:
+                optimizer.step()
+                optimizer.synchronize()  # before writing what the update writes
+            optimizer.zero_grad()
+            first.data.mul_(0.5)  # without a step, while the scaling may still run: it writes gradients only
+    _assert_same(models[0].parameters(), models[1].parameters())
+
+
+def test_resident_slices_device_gradients_and_parameters_outside_the_model_are_scaled_at_once(scaled_at_clip):
+    extra = nn.Parameter(torch.randn(5, generator=torch.Generator().manual_seed(3)))
+    plain, plain_opt, model, optimizer = _twins(extra=extra, model_options={"resident_slices": 1})
+    plain_extra = plain_opt.param_groups[0]["params"][-1]
+    for step in range(3):
+        _backward(plain, model, step, "cpu", extra, plain_extra)
+        _clip_both(plain_opt, optimizer)
+        for opt in (plain_opt, optimizer):
+            opt.step()
+            opt.zero_grad()
+    optimizer.synchronize()
+    _assert_same([*plain.parameters(), plain_extra], [*model.parameters(), extra])
+    resident = len(engine_of(model).slices[0].storage.params)
+    assert resident > 0 and scaled_at_clip == [resident + 1] * 3
+
+
+def test_masters_on_disk_are_scaled_at_once_and_exact(tmp_path, scaled_at_clip):
+    models, optimizers = [], []
+    for scale_in_update in (False, True):
+        models.append(OffloadModel(network(), device="cpu", num_slices=3, compute_dtype=torch.bfloat16,
+                                   masters=offload.DiskTier(tmp_path / str(scale_in_update))))
+        optimizers.append(OffloadOptimizer(models[-1], torch.optim.AdamW, lr=1e-2, fused=True,
+                                           scale_in_update=scale_in_update))
+    for step in range(3):
+        for model, optimizer in zip(models, optimizers):
+            model(batch(step, "cpu").to(torch.bfloat16)).float().pow(2).mean().backward()
+            offload.clip_grad_norm_(model.parameters(), MAX_NORM)
+            optimizer.step()
+            optimizer.zero_grad()
+    for optimizer in optimizers:
+        optimizer.synchronize()
+    _assert_same(models[0].parameters(), models[1].parameters())
+    assert scaled_at_clip == [len(list(network().parameters()))] * 6  # both models', at each clip
+
+
+def test_an_optimizer_a_newer_one_replaced_scales_at_once(scaled_at_clip):
+    plain, plain_opt, model, optimizer = _twins()
+    newer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
+    _backward(plain, model, 0, "cpu")
+    _clip_both(plain_opt, optimizer)
+    assert scaled_at_clip == [len(list(plain.parameters()))]
+    with pytest.raises(RuntimeError, match="newer OffloadOptimizer"):
+        optimizer.step()
+    del newer
+
+
+def test_bad_arguments():
+    model = OffloadModel(network(), device="cpu", num_slices=2)
+    with pytest.raises(TypeError, match="scale_in_update must be True or False"):
+        OffloadOptimizer(model, torch.optim.AdamW, scale_in_update=1)
+    with pytest.raises(ValueError, match="scale_in_update is for clipping"):
+        OffloadOptimizer(model, torch.optim.AdamW, scale_in_update=True, update_in_backward=True)
+
+
+def test_foreach_true_is_pytorchs_own_path(scaled_at_clip):
+    # Its result (or its error, where the device has no foreach kernels) is PyTorch's, at the clip.
+    plain, plain_opt, model, optimizer = _twins()
+    _backward(plain, model, 0, "cpu")
+    try:
+        expected = torch.nn.utils.clip_grad_norm_(plain.parameters(), MAX_NORM, foreach=True)
+    except RuntimeError as error:
+        with pytest.raises(RuntimeError, match="foreach=True was passed"):
+            offload.clip_grad_norm_(model.parameters(), MAX_NORM, foreach=True)
+        assert "foreach=True was passed" in str(error)
+        return
+    torch.testing.assert_close(offload.clip_grad_norm_(model.parameters(), MAX_NORM, foreach=True), expected, **EXACT)
+    for a, b in zip(plain.parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, **EXACT)
+    assert scaled_at_clip == [len(list(plain.parameters()))]
