@@ -1,11 +1,13 @@
 """What clipping costs after backward, with the host gradients' norms computed in backward
 (``OffloadOptimizer(norms_in_backward=True)``, Note: [Norms from backward] in
-``offload/optimizing/backward_norms.py``) and without (``offload.clip_grad_norm_`` reads every
-gradient after backward, on several threads).
+``offload/optimizing/backward_norms.py``), with those and the scaling run in each slice's update
+(``scale_in_update=True`` too, Note: [Scaling in the update] in
+``offload/optimizing/deferred_scaling.py``), and with neither (``offload.clip_grad_norm_`` reads
+every gradient after backward, on several threads, and scales them).
 
-Each step: forward, backward, ``offload.clip_grad_norm_``, ``step()``, ``zero_grad()``; the two
-ways alternate by round on twin models; medians of the timed steps of every round. Also checked:
-the two ways give the same norms and parameters, bit for bit.
+Each step: forward, backward, ``offload.clip_grad_norm_``, ``step()``, ``zero_grad()``; the three
+ways take turns by round on triplet models; medians of the timed steps of every round. Also checked:
+the three ways give the same norms and parameters, bit for bit.
 
     python benchmarks/bench_backward_norms.py --json benchmarks/results/backward_norms_cpu_<date>.json
     python benchmarks/bench_backward_norms.py --quick     # a smoke test, a few seconds
@@ -83,20 +85,22 @@ def main() -> None:
         args.dim, args.layers, args.slices, args.rows, args.steps, args.warmup, args.rounds = 64, 2, 2, 8, 2, 2, 1
     base = network(args.dim, args.layers)
     x = torch.randn(args.rows, args.dim, generator=torch.Generator().manual_seed(1)).to(args.device)
-    ways = {"after_backward": False, "in_backward": True}
+    ways = {"after_backward": {}, "in_backward": {"norms_in_backward": True},
+            "scaled_in_update": {"norms_in_backward": True, "scale_in_update": True}}
     pairs = {}
-    for name, in_backward in ways.items():
+    for name, options in ways.items():
         model = OffloadModel(copy.deepcopy(base), device=args.device, num_slices=args.slices)
-        pairs[name] = (model, OffloadOptimizer(model, torch.optim.AdamW, lr=1e-4, fused=True,
-                                               norms_in_backward=in_backward))
+        pairs[name] = (model, OffloadOptimizer(model, torch.optim.AdamW, lr=1e-4, fused=True, **options))
     samples = {name: {"forward_s": [], "backward_s": [], "clip_s": [], "step_s": []} for name in ways}
     norms: dict[str, list[torch.Tensor]] = {name: [] for name in ways}
+    names = list(ways)
     for round_ in range(args.rounds):
-        for name in (list(ways) if round_ % 2 == 0 else list(ways)[::-1]):
+        for name in names[round_ % len(names):] + names[:round_ % len(names)]:  # each goes first in turn
             run(args, *pairs[name], x, samples[name], norms[name])
-    same_norms = all(torch.equal(a, b) for a, b in zip(*norms.values()))
-    same_parameters = all(torch.equal(a, b) for a, b in zip(pairs["after_backward"][0].parameters(),
-                                                            pairs["in_backward"][0].parameters()))
+    first = names[0]
+    same_norms = all(torch.equal(a, b) for name in names[1:] for a, b in zip(norms[first], norms[name]))
+    same_parameters = all(torch.equal(a, b) for name in names[1:]
+                          for a, b in zip(pairs[first][0].parameters(), pairs[name][0].parameters()))
     result = {
         "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
         "machine": {"processor": platform.machine(), "threads": torch.get_num_threads(), "torch": torch.__version__},
@@ -111,7 +115,7 @@ def main() -> None:
         "same_parameters": same_parameters,
     }
     for name, medians in result["medians"].items():
-        print(f"{name:15s} " + "  ".join(f"{k} {v * 1e3:8.1f} ms" for k, v in medians.items()))
+        print(f"{name:17s} " + "  ".join(f"{k} {v * 1e3:8.1f} ms" for k, v in medians.items()))
     print(f"same norms: {same_norms}, same parameters: {same_parameters}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")

@@ -78,7 +78,7 @@ from benchmark import device_name, measure_bandwidth, synchronize  # noqa: E402
 from host_bound import bound, fused_adamw_alone, host_bandwidth  # noqa: E402
 
 from offload.cli.calibrate import host_norm_rate  # noqa: E402
-from offload.clipping import total_grad_norm  # noqa: E402
+from offload.clipping import clip_grad_norm_, total_grad_norm  # noqa: E402
 from offload.kernels import host_kernel  # noqa: E402
 from offload.planning.host_bytes import host_bytes_per_step  # noqa: E402
 
@@ -95,7 +95,8 @@ PEERS = ("resident", "offload", "fsdp2", "torchao", "fairscale")
 #: while the update worker keeps up (``max_backlog = 1``), the rest at step(), in slice order;
 #: ``-resident`` keeps the first ``--resident-slices`` slices on the device (Note: [Resident slices]).
 #: ``clip`` clips the gradients' total norm to 1 with ``offload.clip_grad_norm_`` before ``step()`` (the update behind the next forward, as
-#: Hugging Face's Trainer runs it), the host gradients' norms computed in backward (``norms_in_backward``). A ``-resident`` name may end in a count: ``offload-in-backward-resident6``
+#: Hugging Face's Trainer runs it), the host gradients' norms computed in backward (``norms_in_backward``) and
+#: their scaling run in each slice's update (``scale_in_update``). A ``-resident`` name may end in a count: ``offload-in-backward-resident6``
 #: keeps 6 slices resident whatever ``--resident-slices`` says (:func:`split_variant`).
 OFFLOAD_VARIANTS = ("offload-in-backward", "offload-in-backward-cut", "offload-sync", "offload-threads8", "offload-no-step", "offload-profile",
                     "offload-cprofile", "offload-resident", "offload-in-backward-resident", "offload-clip",
@@ -211,7 +212,8 @@ def offload_run(base: nn.Module, batch: torch.Tensor, device: torch.device, grad
     threads = 8 if kind == "offload-threads8" else args.update_threads
     optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-5, fused=True, disk_tier=tier, num_threads=threads,
                                  update_in_backward=kind.startswith("offload-in-backward"),
-                                 norms_in_backward=kind.startswith("offload-clip"))
+                                 norms_in_backward=kind.startswith("offload-clip"),
+                                 scale_in_update=kind.startswith("offload-clip"))
     if kind == "offload-in-backward-cut":
         optimizer._in_backward.max_backlog = 1
     updates = engine_of(model).updates
@@ -236,10 +238,10 @@ def offload_run(base: nn.Module, batch: torch.Tensor, device: torch.device, grad
             if args.deterministic:
                 grads.setdefault("variants", {})[variant] = first
         if kind.startswith("offload-clip"):
-            # offload.clip_grad_norm_ in its two halves, timed apart: the norm takes the host gradients'
+            # offload.clip_grad_norm_ as a training loop calls it: the norm takes the host gradients'
             # norms backward computed (norms_in_backward; the first call computes them all again, on
-            # several threads, to compare), the scaling reads and writes them (on the host, where the
-            # streamed slices' gradients are).
+            # several threads, to compare), and the streamed slices' scaling is handed to the update
+            # worker (scale_in_update): what the next forward waits for of it is in the exposed update.
             grads_now = [p.grad for p in hf.parameters() if p.grad is not None]
             if "clip_norm_torch_s" not in run.parts:
                 # Once, in the first warm-up step: PyTorch's own norm (one thread a tensor), its
@@ -249,13 +251,8 @@ def offload_run(base: nn.Module, batch: torch.Tensor, device: torch.device, grad
                 run.parts["clip_norm_torch_s"] = [time.perf_counter() - start]
                 run.parts["clip_norm_equal"] = [bool(torch.equal(theirs, total_grad_norm(grads_now, 2.0)))]
             start = time.perf_counter()
-            total = total_grad_norm(grads_now, 2.0)
-            normed = time.perf_counter()
-            torch.nn.utils.clip_grads_with_norm_([p for p in hf.parameters() if p.grad is not None], 1.0, total)
-            end = time.perf_counter()
-            run.parts.setdefault("clip_s", []).append(end - start)
-            run.parts.setdefault("clip_norm_s", []).append(normed - start)
-            run.parts.setdefault("clip_scale_s", []).append(end - normed)
+            clip_grad_norm_(list(hf.parameters()), 1.0)
+            run.parts.setdefault("clip_s", []).append(time.perf_counter() - start)
             run.parts["clip_threads"] = [torch.get_num_threads()]
         # What this step's forward waited for the last update; synchronize() below waits through the
         # same function, which must not count twice.

@@ -20,7 +20,8 @@ bandwidth (the shadow's pass) from its copy of a few GB (``host_bandwidth``), th
 update in backward) with the clipping's own term: the norm read on one thread at the report's
 ``host_norm_bytes_per_s``, the scaling at its host memory bandwidth; since 2026-11-29 the clipped
 runs compute the norms in backward (``norms_in_backward``), and the prediction says so (what of the
-norms backward does not cover, then the scaling).
+norms backward does not cover, then the scaling); since the same day they scale in the update
+(``scale_in_update``), and the prediction adds the scaling to the update.
 """
 
 from __future__ import annotations
@@ -91,7 +92,8 @@ def predict(report: dict[str, Any]) -> None:
     for name, (schedule, count) in wanted.items():
         step_config = StepConfig(num_slices=slices, compute_dtype=dtype, schedule=schedule, resident_slices=count,
                                  clips_gradients=name.startswith("offload-clip"),
-                                 norms_in_backward=name.startswith("offload-clip"))  # as bench_peers' clipped runs
+                                 norms_in_backward=name.startswith("offload-clip"),  # as bench_peers' clipped runs
+                                 scale_in_update=name.startswith("offload-clip"))
         ways = {"from_ops": estimate_step_time(layout, profile, step_config, rates)}
         if resident:
             ways["from_resident"] = estimate_step_time(layout, profile, step_config, rates,
