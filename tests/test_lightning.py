@@ -82,6 +82,9 @@ class Task(L.LightningModule):
         elif self.optimizer_kind == "offload-norms-in-backward":  # the trainer's accumulate_grad_batches=2
             optimizer = OffloadOptimizer(self.net, torch.optim.AdamW, lr=1e-2, fused=True, norms_in_backward=True,
                                          accumulation_steps=2)
+        elif self.optimizer_kind == "offload-scale-in-update":  # and the clip's scaling in each slice's update
+            optimizer = OffloadOptimizer(self.net, torch.optim.AdamW, lr=1e-2, fused=True, norms_in_backward=True,
+                                         scale_in_update=True, accumulation_steps=2)
         elif self.optimizer_kind == "offload-in-backward":  # the trainer's accumulate_grad_batches=2
             optimizer = OffloadOptimizer(self.net, torch.optim.AdamW, lr=1e-2, fused=True, update_in_backward=True,
                                          accumulation_steps=2)
@@ -249,13 +252,17 @@ def test_fit_validate_predict_equal_the_plain_model(tmp_path: Path, model: str, 
         torch.testing.assert_close(got, want, **EXACT)
 
 
-@pytest.mark.parametrize("optimizer", ["offload", "offload-norms-in-backward"])
+@pytest.mark.parametrize("optimizer", ["offload", "offload-norms-in-backward", "offload-scale-in-update"])
 def test_the_strategy_clips_through_offloads_clip_grad_norm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                              optimizer: str) -> None:
     """Under OffloadStrategy, ``gradient_clip_val`` computes the norms with ``offload.clip_grad_norm_``
-    (the host gradients' norms on several threads, or computed in backward), and the run is still the
-    plain model's."""
+    (the host gradients' norms on several threads, or computed in backward; the scaling at the clip
+    or in each slice's update), and the run is still the plain model's."""
     calls = count_parallel_norms(monkeypatch)
+    scaled_at_clip: list[int] = []
+    real_scaling = offload.clipping.clip_grads_with_norm_
+    monkeypatch.setattr(offload.clipping, "clip_grads_with_norm_",
+                        lambda ps, *a: scaled_at_clip.append(len(ps)) or real_scaling(ps, *a))
     computed: list[int] = []  # the norms each clip computed itself
     real = offload.clipping.pooled_norms
     monkeypatch.setattr(offload.clipping, "pooled_norms", lambda ts, *a: computed.append(len(ts)) or real(ts, *a))
@@ -266,8 +273,9 @@ def test_the_strategy_clips_through_offloads_clip_grad_norm(tmp_path: Path, monk
     assert len(calls) == run.global_step == reference.global_step
     # With the norms computed in backward, the first clip computes them all again to compare, the others none.
     parameters = len(list(actual.parameters()))
-    assert computed == [parameters] + [0 if optimizer.endswith("in-backward") else parameters] * (len(computed) - 1)
+    assert computed == [parameters] + [0 if optimizer != "offload" else parameters] * (len(computed) - 1)
     assert max(expected.grad_norms) > 1.0  # clip_gradients clipped some steps
+    assert (scaled_at_clip == []) == (optimizer == "offload-scale-in-update") and calls
     assert_same_run(actual, expected, actual_weights, expected_weights)
 
 
