@@ -86,6 +86,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import offload  # noqa: E402
 from offload import OffloadModel, OffloadOptimizer
 from offload.model import engine_of
 from offload.planning.host_bytes import host_bytes_per_step
@@ -238,8 +239,20 @@ def optimizer_class(args: argparse.Namespace) -> type[torch.optim.Optimizer]:
 
 
 def new_optimizer(args: argparse.Namespace, model: OffloadModel, schedule: Schedule) -> OffloadOptimizer:
+    # --clip-with offload: the norms from backward and the scaling in the update (Notes: [Norms
+    # from backward], [Scaling in the update]), as offload-finetune and offload plan clip.
+    ahead = bool(args.clip) and args.clip_with == "offload" and not schedule.in_backward
     return OffloadOptimizer(model, optimizer_class(args), lr=LR, num_threads=args.threads,
-                            update_in_backward=schedule.in_backward, **OPTIMIZERS[args.optimizer])
+                            update_in_backward=schedule.in_backward, norms_in_backward=ahead, scale_in_update=ahead,
+                            **OPTIMIZERS[args.optimizer])
+
+
+def clip(args: argparse.Namespace, parameters: Any) -> None:
+    """The clip of ``--clip-with``: PyTorch's (one thread a norm, the scaling here), or offload's."""
+    if args.clip_with == "offload":
+        offload.clip_grad_norm_(parameters, args.clip)
+    else:
+        torch.nn.utils.clip_grad_norm_(parameters, args.clip)
 
 
 class UpdateTimer:
@@ -252,6 +265,7 @@ class UpdateTimer:
 
     def __init__(self, args: argparse.Namespace, resident: int) -> None:
         self.device = args.device
+        self.args = args
         self.clip = args.clip
         self.model = build_model(args, 0.0, DeviceClock(), resident)
         self.optimizer = new_optimizer(args, self.model, Schedule("serial", serial=True))
@@ -290,7 +304,8 @@ class UpdateTimer:
             if self.clip:
                 sync(self.device)
                 start = time.perf_counter()
-                torch.nn.utils.clip_grad_norm_([*self.resident, *self.streamed], self.clip)
+                clip(self.args, [*self.resident, *self.streamed])
+                self.optimizer.synchronize()  # offload's: its scaling, handed to the update worker
                 sync(self.device)
                 samples["clip_s"].append(time.perf_counter() - start)
         return samples
@@ -320,7 +335,7 @@ def run_schedule(args: argparse.Namespace, schedule: Schedule, seconds: float,
             model.zero_grad()
         else:
             if args.clip:  # what HF Trainer does by default (max_grad_norm=1.0): before the update can start
-                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+                clip(args, model.parameters())
             optimizer.step()
             if schedule.serial:
                 optimizer.synchronize()
@@ -498,10 +513,12 @@ def measure_ratio(args: argparse.Namespace, ratio: float, timers: dict[int, Upda
         samples = [s for run in runs for s in run["samples_s"]]
         step_s = statistics.median(samples)
         term = terms[schedule.resident]
-        # Clipping reads every gradient and scales it on the training thread, after backward and
-        # before step() can start the update: nothing overlaps it.
+        # PyTorch's clip reads every gradient and scales it on the training thread, after backward
+        # and before step() can start the update: nothing overlaps it. Offload's computes the norms
+        # in backward and scales in the update: the host's share of the bound grows by it instead.
         clip_s = statistics.median(updates[schedule.resident]["clip_s"]) if args.clip else 0.0
-        bound = max(term["device_s"], term["update_s"]) + clip_s
+        bound = (max(term["device_s"], term["update_s"] + clip_s) if args.clip_with == "offload"
+                 else max(term["device_s"], term["update_s"]) + clip_s)
         counted = host_bound_of(args, runs, schedule, step_s, term["device_s"])
         result["schedules"][schedule.name] = {
             "step_s": step_s, "bound_s": bound, "step_over_bound": step_s / bound, **term, "clip_s": clip_s,
@@ -534,7 +551,8 @@ def host_bound_of(args: argparse.Namespace, runs: list[dict[str, Any]], schedule
     counted = host_counted_bound(step_s, device_s, 0.0, host, args.host_bandwidth["bytes_per_s"], alone + sleep_s)
     clip_s = clip_bytes / args.host_bandwidth["bytes_per_s"]
     counted["bound_terms"]["host_bytes_s"] += sleep_s + clip_s
-    counted["bound_terms"]["resident_step_s"] += clip_s
+    if args.clip_with == "torch":  # serial between backward and step(); offload's overlaps the device
+        counted["bound_terms"]["resident_step_s"] += clip_s
     counted["bound_terms"]["update_sleep_s"] = sleep_s
     counted["bound_terms"]["clip_bytes_s"] = clip_s
     counted["bound_s"] = max(counted["bound_terms"][k] for k in ("resident_step_s", "link_s", "host_bytes_s"))
@@ -570,6 +588,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--clip", type=float, default=None, metavar="NORM",
                         help="clip the gradients' total norm to NORM before each step (HF Trainer's default is 1.0); "
                              "the in-backward schedules, which refuse clipping, are left out")
+    parser.add_argument("--clip-with", choices=("torch", "offload"), default="torch",
+                        help="torch: torch.nn.utils.clip_grad_norm_, as the Trainer clips by default; offload: "
+                             "offload.clip_grad_norm_ with the norms computed in backward and the scaling in the update")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="toy sizes, a few seconds: a smoke test")
     parser.add_argument("--json", help="write the results here")
@@ -610,7 +631,7 @@ def write_report(args: argparse.Namespace, results: list[dict[str, Any]]) -> Non
               "machine": {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
                           "torch": torch.__version__,
                           "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None},
-              "host_threads": torch.get_num_threads(), "update_threads": args.threads, "clip": args.clip,
+              "host_threads": torch.get_num_threads(), "update_threads": args.threads, "clip": args.clip, "clip_with": args.clip_with,
               "device": args.device, "optimizer": args.optimizer, "update_sleep_ns": args.update_sleep_ns,
               "sizes": {"dim": args.dim, "slices": args.slices, "parameters": args.dim * args.dim * args.slices,
                         "rows": args.rows, "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds},

@@ -101,10 +101,14 @@ def _scale(parameters: list[torch.Tensor], max_norm: float, total_norm: torch.Te
     (Note: [Scaling in the update] in ``offload/optimizing/deferred_scaling.py``) handed to it,
     multiplied by the coefficient PyTorch computes, in the same operation."""
     taken: set[int] = set()
-    if _scalers and foreach is not True and total_norm.device.type == "cpu":  # foreach=True: PyTorch's error on CPU
-        coefficient = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
+    with_grads = [p for p in parameters if p.grad is not None]
+    # foreach=True: PyTorch's own path (and error). A parameter listed twice PyTorch scales twice.
+    if _scalers and foreach is not True and len({id(p) for p in with_grads}) == len(with_grads):
+        # PyTorch's coefficient, on the total norm's device (a resident slice's, when it is listed
+        # first), then on the CPU, as PyTorch copies it there for the CPU gradients.
+        coefficient = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0).to("cpu")
         for scaler in list(_scalers):
-            taken |= scaler.take([p for p in parameters if p.grad is not None and id(p) not in taken], coefficient)
+            taken |= scaler.take([p for p in with_grads if id(p) not in taken], coefficient)
     rest = [p for p in parameters if id(p) not in taken]
     if rest:
         clip_grads_with_norm_(rest, max_norm, total_norm, foreach)

@@ -3,6 +3,8 @@ Adam/AdamW followed by a cast, bit for bit, in one pass over the masters."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import types
 import warnings
 
@@ -262,10 +264,15 @@ def test_a_lock_left_by_a_dead_build_is_cleared_under_the_builders_lock(tmp_path
 
 
 EXIT_DURING_THE_BUILD = """
-import atexit, threading, time
-from offload.kernels import build
+import atexit, sys, threading, time
 
 built, exiting = threading.Event(), threading.Event()
+end = lambda: (exiting.set(), time.sleep(0.01))
+if sys.argv[1] == "before":  # runs after the build's handler (handlers run last registered first)
+    atexit.register(end)
+from offload.kernels import build
+if sys.argv[1] == "after":  # runs before it
+    atexit.register(end)
 compile_for_real = build._compile
 
 def compile_then_wait_for_the_exit():
@@ -274,24 +281,53 @@ def compile_then_wait_for_the_exit():
     exiting.wait()
     return module
 
-build._compile = compile_then_wait_for_the_exit
-# Registered before the build's own handler, so it runs after it: the build's compile returns
-# once the interpreter exits, as when a short script ends while the kernel still loads.
-atexit.register(lambda: (exiting.set(), time.sleep(0.01)))
+build._compile = compile_then_wait_for_the_exit  # it returns once the interpreter exits
 build.host_kernel()
 built.wait()
 print("exiting", flush=True)
 """
 
+FIRST_UPDATE_AT_EXIT = """
+import time
+import torch
+from torch import nn
+from offload import OffloadModel, OffloadOptimizer
+from offload.tiers import slice_update
 
-def test_an_exit_while_the_kernel_loads_does_not_abort_the_process(kernel):
+step = slice_update.SliceStep._step
+
+def late(self, *args, **kwargs):
+    time.sleep(0.3)  # the worker reaches its first update after the script ended, in an exit handler
+    result = step(self, *args, **kwargs)
+    time.sleep(0.1)
+    return result
+
+slice_update.SliceStep._step = late
+model = OffloadModel(nn.Sequential(*[nn.Linear(64, 64) for _ in range(2)]), device="cpu", num_slices=1,
+                     compute_dtype=torch.bfloat16)
+optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-3, fused=True)
+model(torch.randn(4, 64, dtype=torch.bfloat16)).float().sum().backward()
+optimizer.step()
+print("exiting", flush=True)
+"""
+
+
+@pytest.mark.parametrize("handler", ["before", "after"])
+def test_an_exit_while_the_kernel_loads_does_not_abort_the_process(kernel, handler):
     # The check against PyTorch runs PyTorch's kernels in a daemon thread; begun after the exit
     # handler looked, it was stopped mid-C++ by the interpreter's finalisation and the process
-    # aborted ("terminate called without an active exception", status -6).
-    import subprocess
-    import sys
-
+    # aborted ("terminate called without an active exception", status -6). Whichever exit
+    # handler runs first, the check now either does not begin or is waited for.
     for _ in range(3):
-        done = subprocess.run([sys.executable, "-c", EXIT_DURING_THE_BUILD], capture_output=True, text=True,
+        done = subprocess.run([sys.executable, "-c", EXIT_DURING_THE_BUILD, handler], capture_output=True, text=True,
+                              timeout=300)
+        assert (done.returncode, done.stdout) == (0, "exiting\n"), done.stderr[-2000:]
+
+
+def test_a_first_update_run_by_an_exit_handler_does_not_abort_the_process(kernel):
+    # The update worker finishes its work in an exit handler; its first update asks for the kernel
+    # then, which used to register the build's own exit handler too late to run.
+    for _ in range(3):
+        done = subprocess.run([sys.executable, "-c", FIRST_UPDATE_AT_EXIT], capture_output=True, text=True,
                               timeout=300)
         assert (done.returncode, done.stdout) == (0, "exiting\n"), done.stderr[-2000:]

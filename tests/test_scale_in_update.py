@@ -159,12 +159,15 @@ def test_a_step_that_never_comes_leaves_the_next_forward_exact_and_the_shadows_c
     _assert_same(models[0].parameters(), models[1].parameters())
 
 
-def test_resident_slices_device_gradients_and_parameters_outside_the_model_are_scaled_at_once(scaled_at_clip):
+@pytest.mark.parametrize("device", DEVICES)
+def test_resident_slices_device_gradients_and_parameters_outside_the_model_are_scaled_at_once(device, scaled_at_clip):
+    # On a GPU the total norm is on the device (the resident slice's gradients come first): the
+    # streamed slices' scaling is still handed over, by PyTorch's coefficient copied to the host.
     extra = nn.Parameter(torch.randn(5, generator=torch.Generator().manual_seed(3)))
-    plain, plain_opt, model, optimizer = _twins(extra=extra, model_options={"resident_slices": 1})
+    plain, plain_opt, model, optimizer = _twins(device, extra=extra, model_options={"resident_slices": 1})
     plain_extra = plain_opt.param_groups[0]["params"][-1]
     for step in range(3):
-        _backward(plain, model, step, "cpu", extra, plain_extra)
+        _backward(plain, model, step, device, extra.to(device) if device != "cpu" else extra, plain_extra)
         _clip_both(plain_opt, optimizer)
         for opt in (plain_opt, optimizer):
             opt.step()
@@ -192,6 +195,40 @@ def test_masters_on_disk_are_scaled_at_once_and_exact(tmp_path, scaled_at_clip):
         optimizer.synchronize()
     _assert_same(models[0].parameters(), models[1].parameters())
     assert scaled_at_clip == [len(list(network().parameters()))] * 6  # both models', at each clip
+
+
+def test_a_parameter_listed_twice_is_scaled_twice_as_pytorch_does(scaled_at_clip):
+    plain, plain_opt, model, optimizer = _twins()
+    _backward(plain, model, 0, "cpu")
+    plain_params, params = list(plain.parameters()), list(model.parameters())
+    expected = torch.nn.utils.clip_grad_norm_(plain_params + plain_params[:2], MAX_NORM)
+    torch.testing.assert_close(offload.clip_grad_norm_(params + params[:2], MAX_NORM), expected, **EXACT)
+    for a, b in zip(plain_params, params):
+        torch.testing.assert_close(b.grad, a.grad, **EXACT)
+    assert scaled_at_clip == [len(params) + 2]
+
+
+def test_a_gradient_that_is_not_contiguous_is_scaled_at_the_clip_and_an_expanded_one_raises_there(scaled_at_clip):
+    plain, plain_opt, model, optimizer = _twins()
+    _backward(plain, model, 0, "cpu")
+    for net in (plain, model):
+        weight = next(iter(net.parameters()))
+        weight.grad = weight.grad.t().contiguous().t()  # the same values, transposed strides
+    _clip_both(plain_opt, optimizer)
+    for a, b in zip(plain.parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, **EXACT)
+    assert scaled_at_clip == [1]
+    for opt in (plain_opt, optimizer):
+        opt.step()
+        opt.zero_grad()
+    optimizer.synchronize()
+    _assert_same(plain.parameters(), model.parameters())
+    # An expanded gradient: PyTorch's product raises on it, at the clip, before anything is scaled.
+    _backward(plain, model, 1, "cpu")
+    weight = next(iter(model.parameters()))
+    weight.grad = torch.ones(1, 1).expand_as(weight)
+    with pytest.raises(RuntimeError, match="single memory location"):
+        offload.clip_grad_norm_(model.parameters(), MAX_NORM)
 
 
 def test_an_optimizer_a_newer_one_replaced_scales_at_once(scaled_at_clip):

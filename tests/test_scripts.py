@@ -476,6 +476,23 @@ def test_schedule_benchmark_times_each_schedule_and_finds_it_exact(tmp_path):
         assert resident["resident_update_s"] == terms["resident_update_s"]
 
 
+def test_schedule_benchmark_clipped_by_offload_is_exact_and_counts_the_clip_with_the_host(tmp_path):
+    # --clip-with offload: the norms from backward, the scaling in the update; the parameters are
+    # still those of the plain AdamW after PyTorch's clip, and the clip's time is the host's share.
+    run("benchmarks/bench_schedule.py", "--quick", "--threads", "1", "--ratios", "1", "--resident", "1", "--clip", "1e-3",
+        "--clip-with", "offload", "--json", str(tmp_path / "schedule.json"))
+    data = json.loads((tmp_path / "schedule.json").read_text())
+    assert data["clip"] == 1e-3 and data["clip_with"] == "offload"
+    (ratio,) = data["ratios"]
+    assert list(ratio["schedules"]) == ["next-forward", "serial", "next-forward+resident1"]  # in backward cannot clip
+    for name, schedule in ratio["schedules"].items():
+        assert schedule["exact"] is True, name
+        assert schedule["clip_s"] > 0
+        assert schedule["bound_s"] == max(schedule["device_s"], schedule["update_s"] + schedule["clip_s"])
+        terms = schedule["host_counted"]["bound_terms"]
+        assert terms["clip_bytes_s"] > 0 and terms["resident_step_s"] == pytest.approx(schedule["device_s"])
+
+
 def test_schedule_benchmark_slow_host_sleeps_on_the_host_worker_only(monkeypatch):
     # The resident slices' update runs on the training thread, the stand-in's device: it must not
     # take the slow host's sleep, which the host worker's updates take. The sleeps are recorded,

@@ -392,6 +392,10 @@ COVERED = [
     Dependency("wait_stream", "drain", "device_slots.py:invalidate", "load"),
     Dependency("wait_stream", "drain", "device_slots.py:invalidate", "offload"),
     Dependency("wait_event", "on_device", "device_slots.py:prefetch", "offload"),
+    # A clip's scaling after the work pending on its slice: whatever wrote the gradients the clip
+    # just read was waited for by that read (a clip between step() and the next forward reads
+    # them under an update that may write them: a race the checker reports on the read itself).
+    Dependency("synchronize_event", "submit", "deferred_scaling.py:take", "host update"),
 ]
 
 

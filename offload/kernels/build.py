@@ -15,6 +15,7 @@ import atexit
 import contextlib
 import hashlib
 import os
+import sys
 import threading
 import time
 import warnings
@@ -65,9 +66,10 @@ def host_kernel(wait: bool = False) -> ModuleType | None:
             return module  # type: ignore[return-value]
         thread = _state["thread"]
         if thread is None:
+            if _state["exiting"] or sys.is_finalizing():
+                return None  # a build begun now could not finish (PyTorch's kernels serve the update)
             thread = threading.Thread(target=_build, name="offload host kernel build", daemon=True)
             _state["thread"] = thread
-            atexit.register(_finish_check_at_exit, thread)
             thread.start()
     if wait:
         thread.join()  # type: ignore[attr-defined]
@@ -102,14 +104,18 @@ def _build() -> None:
     _state["module"] = module
 
 
-def _finish_check_at_exit(thread: threading.Thread) -> None:
-    """At exit, let a running check end: the compiler runs in a process of its own and may be
-    left, but a thread stopped inside the check's kernels aborts the interpreter."""
+@atexit.register
+def _finish_check_at_exit() -> None:
+    """At exit, let a running check end, and let none begin: the compiler runs in a process of its
+    own and may be left, but a thread stopped inside the check's kernels aborts the interpreter.
+    Registered on import, not by the first :func:`host_kernel` call: that call may come from
+    another exit handler (an update worker finishing its work), when a handler registered then
+    would never run."""
     with _lock:
         _state["exiting"] = True
-        checking = _state["checking"]
-    if thread.is_alive() and checking:
-        thread.join(EXIT_WAIT_SECONDS)
+        checking, thread = _state["checking"], _state["thread"]
+    if thread is not None and thread.is_alive() and checking:  # type: ignore[attr-defined]
+        thread.join(EXIT_WAIT_SECONDS)  # type: ignore[attr-defined]
 
 
 def _compile() -> ModuleType:

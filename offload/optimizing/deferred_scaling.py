@@ -28,11 +28,17 @@ Note: [Scaling in the update]
 
     Scaled at once, on the calling thread, as before: gradients on the device (resident slices),
     of parameters outside the model, in files (masters on disk), of a sharded optimizer's
-    model (its exchange orders the updates) and of an optimizer that is not the model's newest.
+    model (its exchange orders the updates) and of an optimizer that is not the model's newest;
+    gradients that are not contiguous (an expanded one, on which the product raises, raises at the
+    clip); every gradient when a parameter is listed twice (PyTorch scales it twice) or with
+    ``foreach=True``. The coefficient is PyTorch's, on the total norm's device (a resident slice's
+    when its gradients come first), copied to the host as PyTorch copies it for host gradients.
+    A scaling that raises anyway says so, and that the step's later updates did not run.
 
     Orderings: a slice's scaling runs on the update worker after what the calling thread did (the
-    norms it read); the slice's update waits for its event (``SliceUpdates._submit_update``:
-    the slice's pending event), as does every wait for the slice's update.
+    norms it read) and after the work pending on the slice; the slice's update waits for its event
+    (``SliceUpdates._submit_update``: the slice's pending event), as does every wait for the
+    slice's update; a clip waits for the scaling an earlier clip handed over (``settle``).
 """
 
 from __future__ import annotations
@@ -100,19 +106,28 @@ class DeferredScaling:
             if not chosen:
                 continue
             taken.update(id(p) for p in chosen)
-            work = functools.partial(_scale, [p.grad for p in chosen], coefficient)
-            event = engine.copies.submit(updates.start_worker(), work, key=step.index)
+            work = functools.partial(_scale, [p.grad for p in chosen], coefficient, step.index)
+            # After what is pending on the slice (an update a clip after step() would race with).
+            event = engine.copies.submit(updates.start_worker(), work, after=[engine.updates.event(step.index)],
+                                         key=step.index)
             engine.updates.submitted(step.index, event, writes_shadow=False)
             self._events.append((engine, event))
         return taken
 
 
 def _scalable(grad: torch.Tensor | None) -> bool:
-    return grad is not None and grad.device.type == "cpu" and grad.layout == torch.strided
+    """A host gradient the worker can scale: contiguous, so no element is another's memory (an
+    expanded tensor, on which PyTorch's product raises, is scaled at the clip and raises there)."""
+    return grad is not None and grad.device.type == "cpu" and grad.layout == torch.strided and grad.is_contiguous()
 
 
-def _scale(grads: list[torch.Tensor], coefficient: torch.Tensor) -> None:
+def _scale(grads: list[torch.Tensor], coefficient: torch.Tensor, index: int) -> None:
     """On the update worker: ``clip_grads_with_norm_``'s product, one CPU gradient at a time."""
-    with torch.no_grad():
-        for grad in grads:
-            grad.mul_(coefficient)
+    try:
+        with torch.no_grad():
+            for grad in grads:
+                grad.mul_(coefficient)
+    except Exception as error:
+        error.add_note(f"While scaling slice {index}'s gradients for clip_grad_norm_ (scale_in_update=True): the "
+                       "updates of this step after it did not run.")
+        raise
