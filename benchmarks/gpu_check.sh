@@ -106,7 +106,7 @@ FIRST_TESTS=(tests/test_resident_slices*.py tests/test_trainer.py tests/test_tra
              tests/test_shadows_on_disk.py tests/test_int8.py tests/test_memory.py::test_accumulation_over_backwards_adds_onto_earlier_gradients_exactly
              tests/test_mixed_precision.py::test_loads_move_half_the_bytes_and_gradients_arrive_in_float32
              tests/test_mixed_precision.py::test_a_slices_gradients_cast_on_the_device_leave_in_one_copy
-             tests/test_backward_norms.py)
+             tests/test_backward_norms.py tests/test_scale_in_update.py)
 # A rerun's narrower choice: GPU_CHECK_TESTS (test paths for the tests stage), GPU_CHECK_RUNS (the
 # bench_peers runs of the slices and batch stages).
 [ -n "${GPU_CHECK_TESTS:-}" ] && read -ra FIRST_TESTS <<< "$GPU_CHECK_TESTS"
