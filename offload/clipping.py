@@ -88,7 +88,7 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
     else:
         parameters = list(parameters)
     for scaler in list(_scalers):
-        scaler.settle()  # an earlier clip's scaling, handed to an update worker, writes these gradients
+        scaler.settle(parameters)  # an earlier clip's scaling, handed to an update worker, writes these gradients
     grads = [p.grad for p in parameters if p.grad is not None]
     total_norm = total_grad_norm(grads, norm_type, error_if_nonfinite, foreach, num_threads=num_threads)
     if grads and not _coefficient_is_one(grads, max_norm, total_norm):
@@ -215,8 +215,8 @@ def _place(t: torch.Tensor) -> tuple[Any, ...]:
 class GradientScaler(Protocol):
     """What scales gradients later, for :func:`clip_grad_norm_` (``DeferredScaling``)."""
 
-    def settle(self) -> None:
-        """Wait until every scaling handed over so far has run."""
+    def settle(self, params: Sequence[torch.Tensor]) -> None:
+        """Wait until the scaling handed over so far of these parameters' gradients has run."""
 
     def take(self, params: Sequence[torch.Tensor], coefficient: torch.Tensor) -> set[int]:
         """Hand over the scaling of some of these parameters' gradients by ``coefficient``; their ids."""

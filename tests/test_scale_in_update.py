@@ -265,3 +265,35 @@ def test_foreach_true_is_pytorchs_own_path(scaled_at_clip):
     for a, b in zip(plain.parameters(), model.parameters()):
         torch.testing.assert_close(b.grad, a.grad, **EXACT)
     assert scaled_at_clip == [len(list(plain.parameters()))]
+
+
+def test_a_clip_of_one_model_does_not_wait_for_anothers_scaling(monkeypatch):
+    from offload.optimizing import deferred_scaling
+
+    others = [_twins() for _ in range(2)]
+    for plain, _, model, _ in others:
+        _backward(plain, model, 0, "cpu")
+    held_grads = {id(p.grad) for p in others[1][2].parameters()}
+    release = threading.Event()
+    real = deferred_scaling._scale
+
+    def held(grads, coefficient, index):
+        if any(id(g) in held_grads for g in grads):
+            release.wait(30)
+        real(grads, coefficient, index)
+
+    monkeypatch.setattr(deferred_scaling, "_scale", held)
+    watchdog = threading.Timer(5.0, release.set)  # a clip that waited would see it set
+    watchdog.start()
+    try:
+        _clip_both(others[1][1], others[1][3])  # the second model's scaling waits on the worker
+        _clip_both(others[0][1], others[0][3])  # the first model's clip goes on meanwhile
+        assert not release.is_set()
+    finally:
+        release.set()
+        watchdog.cancel()
+    for plain, plain_opt, model, optimizer in others:
+        for opt in (plain_opt, optimizer):
+            opt.step()
+        optimizer.synchronize()
+        _assert_same(plain.parameters(), model.parameters())

@@ -75,6 +75,7 @@ class DeferredScaling:
         self._optimizer = weakref.ref(optimizer)
         self._planned = planned
         self._events: list[tuple[Engine, Event]] = []
+        self._handed: set[int] = set()  # the ids of the parameters whose scaling those events run
         add_scaler(self)
 
     @classmethod
@@ -82,11 +83,18 @@ class DeferredScaling:
         """One for ``optimizer`` when ``enabled``, else ``None``."""
         return cls(optimizer, planned) if enabled else None
 
-    def settle(self) -> None:
-        """Wait until every scaling handed over so far has run (before a clip reads gradients again)."""
-        events, self._events = self._events, []
+    def settle(self, params: Sequence[torch.Tensor]) -> None:
+        """Wait until every scaling handed over so far has run, if it scales a gradient of ``params``
+        (a clip is about to read them); another model's clip does not wait for it, nor meet its errors."""
+        if not self._events or not any(id(p) in self._handed for p in params):
+            return
+        events, self._events, self._handed = self._events, [], set()
         for engine, event in events:
             engine.copies.wait_host(event)
+
+    def forget(self) -> None:
+        """Drop the events of scaling that has run (the model moved, after every pending update)."""
+        self._events, self._handed = [], set()
 
     def take(self, params: Sequence[torch.Tensor], coefficient: torch.Tensor) -> set[int]:
         """Hand over the scaling of the gradients of ``params`` that a streamed slice's update on the
@@ -106,6 +114,7 @@ class DeferredScaling:
             if not chosen:
                 continue
             taken.update(id(p) for p in chosen)
+            self._handed.update(id(p) for p in chosen)
             work = functools.partial(_scale, [p.grad for p in chosen], coefficient, step.index)
             # After what is pending on the slice (an update a clip after step() would race with).
             event = engine.copies.submit(updates.start_worker(), work, after=[engine.updates.event(step.index)],

@@ -43,6 +43,8 @@ def follow(optimizer: Any, engine: Engine) -> None:
         optimizer._in_backward.follow(engine, optimizer._updates)
     if optimizer._norms is not None:
         optimizer._norms.follow(engine)
+    if optimizer._scaling is not None:
+        optimizer._scaling.forget()  # the old engine's events, all run: not kept alive by them
     _state_beside_resident_parameters(optimizer, engine)
     optimizer._plan_key, optimizer._steps, optimizer._rest = None, [], []
     optimizer._stepped_engine = False
