@@ -77,3 +77,37 @@ def test_a_workers_thread_count_holds_whatever_count_another_thread_sets_later()
         torch.set_num_threads(before)
     worker.close(timeout=10)
     assert seen == [3]
+
+
+LONG_WORK_AT_EXIT = """
+import pathlib, sys, time
+import torch
+from offload.streams import HostWorker, workers
+
+workers.EXIT_NOTE_SECONDS = 0.2
+worker = HostWorker("offload test work")
+done = pathlib.Path(sys.argv[1])
+
+def long_work():
+    time.sleep(1.0)  # longer than the quiet wait: the exit says what it waits for
+    torch.ones(1000).mul_(2.0)  # in PyTorch's kernels as the interpreter would tear down
+    done.write_text("done")
+
+worker.submit(long_work)
+print("exiting", flush=True)
+"""
+
+
+def test_the_interpreters_exit_finishes_queued_host_work_and_says_so(tmp_path):
+    # Work left to a daemon thread at exit was waited for 10 s at most, then stopped mid-kernel by
+    # the interpreter's teardown (the process aborted, the work half done); it is finished now, and
+    # past a few seconds a line says what the exit waits for.
+    import subprocess
+    import sys
+
+    marker = tmp_path / "done"
+    finished = subprocess.run([sys.executable, "-c", LONG_WORK_AT_EXIT, str(marker)], capture_output=True, text=True,
+                              timeout=120)
+    assert (finished.returncode, finished.stdout) == (0, "exiting\n"), finished.stderr[-2000:]
+    assert marker.read_text() == "done"
+    assert "offload: finishing 1 queued piece(s) of host work (offload test work)" in finished.stderr

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import atexit
 import math
+import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,12 +36,31 @@ _live: weakref.WeakSet[HostWorker] = weakref.WeakSet()
 _on_worker = threading.local()  # .worker: the HostWorker whose thread this is
 
 
+#: Seconds the interpreter's exit waits quietly for the host workers to finish what they hold; it
+#: then says so on stderr and waits on.
+EXIT_NOTE_SECONDS = 5.0
+
+
 @atexit.register
 def _close_live_workers() -> None:
-    # A daemon thread still inside a PyTorch kernel when the interpreter tears down can abort
-    # the process; let each finish its work and end first.
-    for worker in list(_live):
-        worker.close(timeout=10.0)
+    """Let every worker finish what it holds (the last step's updates, a state file being
+    written) and end before the interpreter tears down: a daemon thread still inside a PyTorch
+    kernel then aborts the process ("terminate called without an active exception"), with its
+    work half done. No time limit: work left undone would be lost; past :data:`EXIT_NOTE_SECONDS`
+    a line says what is waited for (Ctrl-C abandons it)."""
+    workers = list(_live)
+    for worker in workers:
+        worker.close()
+    deadline = time.monotonic() + EXIT_NOTE_SECONDS
+    for worker in workers:
+        worker.join(max(0.0, deadline - time.monotonic()))
+    busy = [worker for worker in workers if worker.is_alive()]
+    if busy:
+        queued = sum(worker.submitted - worker.finished for worker in busy)
+        print(f"offload: finishing {queued} queued piece(s) of host work ({', '.join(sorted({w.name for w in busy}))}) "
+              "before the interpreter exits; Ctrl-C abandons them", file=sys.stderr, flush=True)
+        for worker in busy:
+            worker.join()
 
 
 @dataclass(frozen=True)
@@ -143,8 +164,16 @@ class HostWorker:
         with self._condition:
             self._closing = True
             self._condition.notify_all()
-        if timeout is not None and self._thread.is_alive():
+        if timeout is not None:
+            self.join(timeout)
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait until the thread, closed, has ended (at most ``timeout`` seconds)."""
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
 
     def _next(self) -> _Submission | None:
         """The submission to run next, taken off the queue; ``None`` once closed and empty."""
