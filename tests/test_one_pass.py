@@ -198,7 +198,8 @@ def test_the_check_refuses_a_kernel_that_differs_in_one_element(kernel, which, w
 
 
 def test_without_a_build_training_runs_pytorchs_kernels_and_says_why_once(monkeypatch):
-    monkeypatch.setattr(build, "_state", {"module": None, "thread": None, "note": None, "checking": False})
+    monkeypatch.setattr(build, "_state", {"module": None, "thread": None, "note": None, "checking": False,
+                                          "exiting": False})
 
     def no_compiler():
         raise RuntimeError("Error building extension: g++: not found")
