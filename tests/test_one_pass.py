@@ -318,17 +318,18 @@ def test_an_exit_while_the_kernel_loads_does_not_abort_the_process(kernel, handl
     # The check against PyTorch runs PyTorch's kernels in a daemon thread; begun after the exit
     # handler looked, it was stopped mid-C++ by the interpreter's finalisation and the process
     # aborted ("terminate called without an active exception", status -6). Whichever exit
-    # handler runs first, the check now either does not begin or is waited for.
-    for _ in range(3):
-        done = subprocess.run([sys.executable, "-c", EXIT_DURING_THE_BUILD, handler], capture_output=True, text=True,
-                              timeout=300)
-        assert (done.returncode, done.stdout) == (0, "exiting\n"), done.stderr[-2000:]
+    # handler runs first, the check now either does not begin or is waited for (the handlers'
+    # order decides which; the compile's end is held until the exit began).
+    done = subprocess.run([sys.executable, "-c", EXIT_DURING_THE_BUILD, handler], capture_output=True, text=True,
+                          timeout=300)
+    assert (done.returncode, done.stdout) == (0, "exiting\n"), done.stderr[-2000:]
 
 
 def test_a_first_update_run_by_an_exit_handler_does_not_abort_the_process(kernel):
     # The update worker finishes its work in an exit handler; its first update asks for the kernel
-    # then, which used to register the build's own exit handler too late to run.
-    for _ in range(3):
+    # then, which used to register the build's own exit handler too late to run (it aborted about
+    # two runs in three).
+    for _ in range(2):
         done = subprocess.run([sys.executable, "-c", FIRST_UPDATE_AT_EXIT], capture_output=True, text=True,
                               timeout=300)
         assert (done.returncode, done.stdout) == (0, "exiting\n"), done.stderr[-2000:]
