@@ -22,6 +22,7 @@ benchmarks or multi-process jobs.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -29,6 +30,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -216,6 +218,57 @@ def test_every_setup_and_replacement_is_used():
     assert unmatched == []
 
 
+def stated_signatures(code: str) -> list[tuple[str, list[tuple[str, Any]]]]:
+    """The signatures a fragment states, as (the public name, its parameters as (name, default or
+    :data:`REQUIRED`)): ``class Name: def __init__(...)``, ``def name(...)`` and ``Name(a, b=1)``."""
+    stated = []
+    for node in ast.parse(code).body:
+        if isinstance(node, ast.ClassDef):
+            for method in node.body:
+                if isinstance(method, ast.FunctionDef) and method.name == "__init__":
+                    stated.append((node.name, _parameters(method.args)[1:]))  # without self
+        elif isinstance(node, ast.FunctionDef):
+            stated.append((node.name, _parameters(node.args)))
+        elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Name):
+            call = node.value
+            stated.append((call.func.id, [(a.id, REQUIRED) for a in call.args if isinstance(a, ast.Name)]
+                           + [(k.arg, ast.literal_eval(k.value)) for k in call.keywords if k.arg]))
+    return stated
+
+
+REQUIRED = object()
+
+
+def _parameters(args: ast.arguments) -> list[tuple[str, Any]]:
+    positional = [*args.posonlyargs, *args.args]
+    defaults = [REQUIRED] * (len(positional) - len(args.defaults)) + [ast.literal_eval(d) for d in args.defaults]
+    listed = [(a.arg, d) for a, d in zip(positional, defaults)]
+    listed += [(a.arg, REQUIRED if d is None else ast.literal_eval(d)) for a, d in zip(args.kwonlyargs, args.kw_defaults)]
+    return listed + ([("**" + args.kwarg.arg, REQUIRED)] if args.kwarg else [])
+
+
+def actual_parameters(name: str) -> list[tuple[str, Any]]:
+    import inspect
+
+    import offload
+
+    target = getattr(offload, name)
+    signature = inspect.signature(target.__init__ if isinstance(target, type) else target)
+    return [(("**" if p.kind is p.VAR_KEYWORD else "") + p.name, REQUIRED if p.default is p.empty else p.default)
+            for p in signature.parameters.values() if p.name != "self"]
+
+
+@pytest.mark.parametrize("document", documents(), ids=doc_id)
+def test_the_signatures_the_docs_state_are_the_librarys(document):
+    # A fragment that states a public class's or function's signature names every parameter, in
+    # order, with its default: an argument added to the code and not to the docs is caught here.
+    for snippet in snippets(doc_id(document), document.read_text()):
+        if snippet.fragment is None:
+            continue
+        for name, stated in stated_signatures(snippet.code):
+            assert stated == actual_parameters(name), f"{snippet.name}: {name}'s signature"
+
+
 def test_the_checks_catch_what_they_are_for(tmp_path):
     # Each check reports a planted mistake, so the tests above can fail.
     text = ("```python\nloader\n```\n\n<!-- fragment: a signature -->\n```python\ndef f(x): ...\n```\n"
@@ -232,3 +285,9 @@ def test_the_checks_catch_what_they_are_for(tmp_path):
     assert "NameError: name 'loader' is not defined" in ran.outcomes[ran.ids[0]]
     assert ran.outcomes[ran.ids[1]] is None, ran.outcomes[ran.ids[1]]   # on the CPU, with its setup
     assert len(ran.problems("planted.md")) == 1 and ran.problems("other.md") == []
+    # A stated signature that leaves a parameter out, or states another default, differs.
+    stated = stated_signatures("class OffloadOptimizer:\n    def __init__(self, model, optimizer_class): ...\n"
+                               "def latest_checkpoint(directory=None): ...\nOffloadModel(model, device)\n")
+    assert [name for name, _ in stated] == ["OffloadOptimizer", "latest_checkpoint", "OffloadModel"]
+    assert all(parameters != actual_parameters(name) for name, parameters in stated)
+    assert stated_signatures("def latest_checkpoint(directory): ...")[0][1] == actual_parameters("latest_checkpoint")
