@@ -3,6 +3,7 @@ Adam/AdamW followed by a cast, bit for bit, in one pass over the masters."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import types
@@ -198,7 +199,7 @@ def test_the_check_refuses_a_kernel_that_differs_in_one_element(kernel, which, w
 
 
 def test_without_a_build_training_runs_pytorchs_kernels_and_says_why_once(monkeypatch):
-    monkeypatch.setattr(build, "_state", {"module": None, "thread": None, "note": None, "checking": False,
+    monkeypatch.setattr(build, "_state", {"module": None, "thread": None, "note": None,
                                           "exiting": False})
 
     def no_compiler():
@@ -265,27 +266,34 @@ def test_a_lock_left_by_a_dead_build_is_cleared_under_the_builders_lock(tmp_path
 
 
 EXIT_DURING_THE_BUILD = """
-import atexit, sys, threading, time
-
-built, exiting = threading.Event(), threading.Event()
-end = lambda: (exiting.set(), time.sleep(0.01))
-if sys.argv[1] == "before":  # runs after the build's handler (handlers run last registered first)
-    atexit.register(end)
+import sys, threading, time
+from pathlib import Path
 from offload.kernels import build
-if sys.argv[1] == "after":  # runs before it
-    atexit.register(end)
-compile_for_real = build._compile
 
-def compile_then_wait_for_the_exit():
-    module = compile_for_real()
+compile_for_real, built = build._compile, threading.Event()
+build.EXIT_NOTE_SECONDS = float(sys.argv[3])
+
+def compile_past_the_exit():
     built.set()
-    exiting.wait()
+    while threading.main_thread().is_alive():  # until the script has ended
+        time.sleep(0.001)
+    module = compile_for_real()  # importing PyTorch's extension tools and loading the module, inside the exit
+    time.sleep(float(sys.argv[2]))
+    Path(sys.argv[1]).write_text("compiled")
     return module
 
-build._compile = compile_then_wait_for_the_exit  # it returns once the interpreter exits
+build._compile = compile_past_the_exit
 build.host_kernel()
 built.wait()
 print("exiting", flush=True)
+"""
+
+A_BUILD_ASKED_FOR_AT_EXIT = """
+import atexit
+from offload.kernels import build
+
+# Registered after the build's own handler, so it runs first, as an update worker's handler may.
+atexit.register(lambda: print("build begun:", build.host_kernel() is not None or build._state["thread"] is not None))
 """
 
 FIRST_UPDATE_AT_EXIT = """
@@ -313,16 +321,28 @@ print("exiting", flush=True)
 """
 
 
-@pytest.mark.parametrize("handler", ["before", "after"])
-def test_an_exit_while_the_kernel_loads_does_not_abort_the_process(kernel, handler):
-    # The check against PyTorch runs PyTorch's kernels in a daemon thread; begun after the exit
-    # handler looked, it was stopped mid-C++ by the interpreter's finalisation and the process
-    # aborted ("terminate called without an active exception", status -6). Whichever exit
-    # handler runs first, the check now either does not begin or is waited for (the handlers'
-    # order decides which; the compile's end is held until the exit began).
-    done = subprocess.run([sys.executable, "-c", EXIT_DURING_THE_BUILD, handler], capture_output=True, text=True,
-                          timeout=300)
+@pytest.mark.parametrize("slow, note_after", [(0.0, 60.0), (0.5, 0.05)])
+def test_an_exit_during_the_build_waits_for_it_and_says_so_when_it_is_long(kernel, tmp_path, slow, note_after):
+    # A daemon thread the interpreter stops inside C++ code aborts the process ("terminate called
+    # without an active exception", status -6): importing PyTorch's extension tools, loading the
+    # compiled module and the check can each be, so the exit waits for a build under way, whatever
+    # it is doing (here the whole compile runs after the script ended), and says why past a while.
+    marker = tmp_path / "compiled"
+    done = subprocess.run([sys.executable, "-c", EXIT_DURING_THE_BUILD, str(marker), str(slow),
+                           str(note_after)], capture_output=True,
+                          text=True, timeout=300)
     assert (done.returncode, done.stdout) == (0, "exiting\n"), done.stderr[-2000:]
+    assert marker.read_text() == "compiled"
+    assert ("waiting for the one-pass host kernel's build" in done.stderr) == (slow > 0), done.stderr[-2000:]
+
+
+def test_an_exit_handler_asking_for_the_kernel_begins_no_build():
+    # An update worker finishes the last step in an exit handler; a build begun then could run
+    # into the interpreter's finalisation whichever handler ran first.
+    env = {**os.environ, "OFFLOAD_HOST_KERNELS": "1"}
+    done = subprocess.run([sys.executable, "-c", A_BUILD_ASKED_FOR_AT_EXIT], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert (done.returncode, done.stdout) == (0, "build begun: False\n"), done.stderr[-2000:]
 
 
 def test_a_first_update_run_by_an_exit_handler_does_not_abort_the_process(kernel):

@@ -44,10 +44,13 @@ CAPABILITY_FLAGS = {
 STALE_LOCK_SECONDS = 600
 
 _lock = threading.Lock()
-_state: dict[str, object] = {"module": None, "thread": None, "note": None, "checking": False, "exiting": False}
-#: How long the interpreter's exit waits for a check that is running: a daemon thread stopped
-#: inside PyTorch's C++ code at exit aborts the process.
-EXIT_WAIT_SECONDS = 60
+_state: dict[str, object] = {"module": None, "thread": None, "note": None, "exiting": False}
+#: How long the interpreter's exit waits for a build under way (a first build takes about 35 s on
+#: two cores; a cached one well under a second): a daemon thread the interpreter stops inside
+#: PyTorch's or the kernel's C++ code aborts the process.
+EXIT_WAIT_SECONDS = 300
+#: After this long, the wait says on stderr what it waits for.
+EXIT_NOTE_SECONDS = 3.0
 
 
 class HostKernelUnavailable(RuntimeWarning):
@@ -66,7 +69,7 @@ def host_kernel(wait: bool = False) -> ModuleType | None:
             return module  # type: ignore[return-value]
         thread = _state["thread"]
         if thread is None:
-            if _state["exiting"] or sys.is_finalizing():
+            if _exit_begun():
                 return None  # a build begun now could not finish (PyTorch's kernels serve the update)
             thread = threading.Thread(target=_build, name="offload host kernel build", daemon=True)
             _state["thread"] = thread
@@ -81,17 +84,22 @@ def unavailable_reason() -> str | None:
     return _state["note"]  # type: ignore[return-value]
 
 
+def _exit_begun() -> bool:
+    """Whether the interpreter has begun to exit: the main thread has stopped once the exit
+    handlers run (an update worker's handler may then finish a step and ask for the kernel)."""
+    return bool(_state["exiting"]) or sys.is_finalizing() or not threading.main_thread().is_alive()
+
+
 def _build() -> None:
     try:
+        with _lock:
+            if _state["exiting"]:
+                return
         module = _compile()
         from .check import check_against_torch
         with _lock:
-            # Once the interpreter exits, a check begun now would be stopped inside PyTorch's
-            # kernels (a daemon thread that wants the GIL back then ends mid-C++: the process
-            # aborts); the exit handler either saw the check begin and waits, or it stops it here.
             if _state["exiting"]:
-                return
-            _state["checking"] = True
+                return  # nothing will use it: the exit need not wait for the check
         mismatch = check_against_torch(module)
         if mismatch is not None:
             raise RuntimeError(f"it differs from PyTorch's fused kernel on this machine ({mismatch})")
@@ -105,16 +113,24 @@ def _build() -> None:
 
 
 @atexit.register
-def _finish_check_at_exit() -> None:
-    """At exit, let a running check end, and let none begin: the compiler runs in a process of its
-    own and may be left, but a thread stopped inside the check's kernels aborts the interpreter.
+def _finish_build_at_exit() -> None:
+    """At exit, let a build under way end and let none begin. Every step of a build can be inside
+    C++ code when the interpreter stops its thread, which then aborts the process ("terminate
+    called without an active exception"): importing PyTorch's extension tools, loading the
+    compiled module, the check's kernels. A build that has not reached its check skips it.
     Registered on import, not by the first :func:`host_kernel` call: that call may come from
     another exit handler (an update worker finishing its work), when a handler registered then
-    would never run."""
+    would never run; :func:`host_kernel` begins no build once the exit has begun."""
     with _lock:
         _state["exiting"] = True
-        checking, thread = _state["checking"], _state["thread"]
-    if thread is not None and thread.is_alive() and checking:  # type: ignore[attr-defined]
+        thread = _state["thread"]
+    if thread is None or not thread.is_alive():  # type: ignore[attr-defined]
+        return
+    thread.join(EXIT_NOTE_SECONDS)  # type: ignore[attr-defined]
+    if thread.is_alive():  # type: ignore[attr-defined]
+        print(f"offload: waiting for the one-pass host kernel's build to end before exiting (once per machine and "
+              f"PyTorch version; at most {EXIT_WAIT_SECONDS} s; OFFLOAD_HOST_KERNELS=0 turns the kernel off)",
+              file=sys.stderr, flush=True)
         thread.join(EXIT_WAIT_SECONDS)  # type: ignore[attr-defined]
 
 
