@@ -309,12 +309,7 @@ def estimate_step_time(layout: SliceLayout, profile: ModelProfile | None, config
     staging = _staging(moved, layout, rates)
     forward, backward, load, offload = _phases(moved, forward_compute, backward_compute, rates, on_gpu, staging)
     update, disk_read, disk_write = _update(moved, rates)
-    clip = scaling = 0.0
-    if config.clips_gradients:
-        scaling = _scaling_seconds(layout, k, rates)
-        clip = _clip_seconds(layout, k, rates, backward if config.norms_in_backward else None)
-        if config.scale_in_update:  # Note: [Scaling in the update]: the worker scales before each update
-            clip, update = clip - scaling, update + scaling
+    clip, update = _clip_and_update(config, layout, rates, backward, update)
     d2h = rates.device_to_host if on_gpu else None
     streamed = [0] * k + list(layout.gradient_bytes[k:])  # a resident slice has no host update
     exposed = exposed_update(config.schedule, forward, backward, update, streamed, d2h,
@@ -325,21 +320,33 @@ def estimate_step_time(layout: SliceLayout, profile: ModelProfile | None, config
                     step=forward + backward + device_update + exposed + clip, device_update=device_update, clip=clip)
 
 
-def _clip_seconds(layout: SliceLayout, resident: int, rates: MachineRates, backward: float | None = None) -> float:
-    """``offload.clip_grad_norm_`` over the streamed slices' host gradients: their norms on several
-    threads, a tensor on one (the largest bounds it: Note: [Norms on several threads]), then the
-    scaling, which reads and writes them. A resident slice's gradients are on the device, where
-    both are quick. With ``backward`` (seconds), the norms run in backward instead, a slice at a
-    time as each lands, the first streamed slice last (Note: [Norms from backward]): the step waits
-    for that slice's norms, or for what backward is too short to cover."""
+def _clip_and_update(config: StepConfig, layout: SliceLayout, rates: MachineRates, backward: float,
+                     update: float) -> tuple[float, float]:
+    """The clip's seconds on the training thread and the host update's: the norms, then the
+    scaling, added once: to the clip, or to the update with ``scale_in_update`` (the worker
+    scales each slice before its update: Note: [Scaling in the update])."""
+    if not config.clips_gradients:
+        return 0.0, update
+    k = config.resident_slices
+    norms = _norm_seconds(layout, k, rates, backward if config.norms_in_backward else None)
+    scaling = _scaling_seconds(layout, k, rates)
+    return (norms, update + scaling) if config.scale_in_update else (norms + scaling, update)
+
+
+def _norm_seconds(layout: SliceLayout, resident: int, rates: MachineRates, backward: float | None = None) -> float:
+    """The norms of ``offload.clip_grad_norm_`` over the streamed slices' host gradients: on several
+    threads, a tensor on one (the largest bounds it: Note: [Norms on several threads]). A resident
+    slice's gradients are on the device, where they are quick. With ``backward`` (seconds), the
+    norms run in backward instead, a slice at a time as each lands, the first streamed slice last
+    (Note: [Norms from backward]): the step waits for that slice's norms, or for what backward is
+    too short to cover."""
     host_gradients = sum(layout.gradient_bytes[resident:])
-    scaling = _scaling_seconds(layout, resident, rates)
     if backward is None:
         largest = max(layout.largest_gradient_bytes[resident:], default=0)
-        return max(largest / rates.host_norm_rate, host_gradients / rates.host_memory) + scaling
+        return max(largest / rates.host_norm_rate, host_gradients / rates.host_memory)
     per_slice = [max(largest / rates.host_norm_rate, nbytes / rates.host_memory)
                  for largest, nbytes in zip(layout.largest_gradient_bytes[resident:], layout.gradient_bytes[resident:])]
-    return max(per_slice[0] if per_slice else 0.0, sum(per_slice) - backward) + scaling
+    return max(per_slice[0] if per_slice else 0.0, sum(per_slice) - backward)
 
 
 def _scaling_seconds(layout: SliceLayout, resident: int, rates: MachineRates) -> float:
