@@ -1,7 +1,9 @@
 """The one-pass host update on this machine: whether it builds and passes its check, how long the
 build took, and AdamW's update with its bfloat16 shadow in one pass against PyTorch's fused AdamW
 alone and followed by a cast, over the same float32 tensors (Note: [One-pass update] in
-``offload/kernels/one_pass.py``). Rounds alternate the three; medians.
+``offload/kernels/one_pass.py``); and, clipped, a clip's scaling of the gradients as a pass of
+its own before the one pass against the one pass multiplying them as it reads them (Note:
+[Scaling in the update]). Rounds alternate the variants; medians.
 
 Usage::
 
@@ -26,7 +28,12 @@ import torch
 from offload.kernels import build
 from offload.kernels.one_pass import one_pass
 
-BYTES = {"fused AdamW alone": 28, "fused AdamW, then a bf16 cast": 34, "one pass: AdamW and its bf16 shadow": 30}
+BYTES = {"fused AdamW alone": 28, "fused AdamW, then a bf16 cast": 34, "one pass: AdamW and its bf16 shadow": 30,
+         # The gradients read and written by the scaling, then read by the update; or read once and
+         # written back scaled, as the clip leaves them.
+         "clipped: a scaling pass, then the one pass": 38, "clipped: the one pass multiplying": 34}
+#: The clip's coefficient: near 1, so that rounds of it leave the gradients' magnitude alone.
+COEFFICIENT = torch.tensor(0.9999)
 
 
 def variants(params: int, tensors: int) -> dict[str, Callable[[], None]]:
@@ -37,7 +44,7 @@ def variants(params: int, tensors: int) -> dict[str, Callable[[], None]]:
                "maximize": False}
     made: dict[str, Callable[[], None]] = {}
     for name in BYTES:
-        if name.startswith("one pass") and kernel is None:
+        if ("one pass" in name) and kernel is None:
             continue
         flat, shadow = torch.randn(size * tensors) * 0.01, torch.empty(size * tensors, dtype=torch.bfloat16)
         lists = [list(flat.split(size)), [torch.randn(size) * 0.01 for _ in range(tensors)],
@@ -46,6 +53,12 @@ def variants(params: int, tensors: int) -> dict[str, Callable[[], None]]:
         if name.startswith("one pass"):
             made[name] = lambda lists=lists, shadow=shadow: one_pass(
                 kernel, torch.ops.aten._fused_adamw_.default, lists, list(shadow.split(size)), options)
+        elif name.startswith("clipped: a scaling"):
+            made[name] = lambda lists=lists, shadow=shadow: ([g.mul_(COEFFICIENT) for g in lists[1]], one_pass(
+                kernel, torch.ops.aten._fused_adamw_.default, lists, list(shadow.split(size)), options))
+        elif name.startswith("clipped"):
+            made[name] = lambda lists=lists, shadow=shadow: one_pass(
+                kernel, torch.ops.aten._fused_adamw_.default, lists, list(shadow.split(size)), options, COEFFICIENT)
         elif "cast" in name:
             made[name] = lambda lists=lists, flat=flat, shadow=shadow: (torch._fused_adamw_(*lists, **options),
                                                                         shadow.copy_(flat))

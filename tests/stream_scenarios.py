@@ -560,10 +560,12 @@ def norms_in_backward(build: Build) -> list[torch.Tensor]:
 
 def scale_in_update(build: Build) -> list[torch.Tensor]:
     """OffloadOptimizer(scale_in_update=True, norms_in_backward=True) under a compute dtype: each
-    clip hands each slice's scaling to the update worker, before the slice's update (Note: [Scaling
-    in the update]); the second step clips twice (the second clip reads what the first one's
-    scaling wrote) and reads the gradients through the model before stepping; the third is never
-    stepped (a GradScaler that found infinities), its scaling left pending for the next forward."""
+    clip leaves each slice's scaling to the slice's update, which multiplies the gradients as it
+    reads them (Note: [Scaling in the update]); the second step clips and steps twice (the second
+    clip reads the gradients the first update wrote back scaled) and reads the gradients through
+    the model between its second clip and step (the scaling then runs alone, after the first
+    update); the third is never stepped (a GradScaler that found infinities), its scaling run
+    alone when the next forward loads the slice."""
     model = build(mlp(dropout=0.1), num_slices=4, compute_dtype=torch.bfloat16)
     optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True, norms_in_backward=True,
                                  scale_in_update=True)
@@ -576,6 +578,7 @@ def scale_in_update(build: Build) -> list[torch.Tensor]:
         loss.backward()
         seen.append(offload.clip_grad_norm_(params, max_norm=0.05))
         if step == 1:
+            optimizer.step()
             seen.append(offload.clip_grad_norm_(params, max_norm=0.01))
             seen += [p.grad.clone() for p in model.parameters()]
         if step != 2:

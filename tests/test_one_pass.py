@@ -81,7 +81,10 @@ def test_the_kernel_leaves_its_threads_count_as_it_found_it(kernel):
 
 @pytest.mark.parametrize("op,changes", OPTIONS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_one_pass_equals_the_fused_kernel_then_a_cast(kernel, op, changes, dtype):
+@pytest.mark.parametrize("clip", [None, 0.3712], ids=["", "clipped"])
+def test_one_pass_equals_the_fused_kernel_then_a_cast(kernel, op, changes, dtype, clip):
+    # Clipped: clip_grads_with_norm_'s grad.mul_(coefficient) before the fused kernel, against the
+    # one pass multiplying each gradient as it reads it (and storing it so).
     width = kernel.vector_size()
     sizes = [1, width - 1, width, 3 * width + 5, 2053]
     generator = torch.Generator().manual_seed(len(changes))
@@ -101,10 +104,14 @@ def test_one_pass_equals_the_fused_kernel_then_a_cast(kernel, op, changes, dtype
         given = [params, grads, make(0.1), exp_avg_sqs, [t * 2 for t in exp_avg_sqs] if options["amsgrad"] else [],
                  [torch.tensor(3.0) for _ in sizes]]
     expected = [[t.clone() for t in group] for group in given]
+    coefficient = None if clip is None else torch.tensor(clip)
+    if coefficient is not None:
+        for grad in expected[1]:
+            grad.mul_(coefficient)
     op(*expected, **options)
     shadows = [torch.full((n,), 7.0, dtype=dtype) for n in sizes]
 
-    one_pass(kernel, op, given, shadows, options)
+    one_pass(kernel, op, given, shadows, options, coefficient)
 
     for mine, theirs in zip(given, expected):
         for a, b in zip(mine, theirs):
@@ -173,15 +180,19 @@ class Perturbed:
     def adam_step(self, *args):
         self.real.adam_step(*args)
         if self.kernel == "adam":
-            self._perturb(args[0], args[6])
+            self._perturb(args[0], args[1], args[6], args[-1])
 
     def sgd_step(self, *args):
         self.real.sgd_step(*args)
         if self.kernel == "sgd":
-            self._perturb(args[0], args[3])
+            self._perturb(args[0], args[1], args[3], args[-1])
 
-    def _perturb(self, params, shadows):
+    def _perturb(self, params, grads, shadows, clip):
         # The third tensor: a whole vector of finite values in the check.
+        if self.what == "clipped gradient":  # the gradient a clip's coefficient multiplied, as stored
+            if clip is not None:
+                grads[2][0:1] = torch.nextafter(grads[2][0:1], torch.full_like(grads[2][0:1], float("inf")))
+            return
         target = params[2] if self.what == "parameter" else shadows[2]
         value = target[0:1].float()
         if self.what == "parameter":
@@ -190,12 +201,13 @@ class Perturbed:
             target[0:1] = (value + value.abs() * 0.01 + 1e-3).to(target.dtype)
 
 
-@pytest.mark.parametrize("what", ["parameter", "shadow"])
+@pytest.mark.parametrize("what", ["parameter", "shadow", "clipped gradient"])
 @pytest.mark.parametrize("which", ["adam", "sgd"])
 def test_the_check_refuses_a_kernel_that_differs_in_one_element(kernel, which, what):
     assert check_against_torch(kernel) is None
     mismatch = check_against_torch(Perturbed(kernel, which, what))
-    assert mismatch is not None and what in mismatch and which in mismatch
+    assert mismatch is not None and which in mismatch
+    assert ("clipped by" in mismatch and "argument 1" in mismatch) if what == "clipped gradient" else what in mismatch
 
 
 def test_without_a_build_training_runs_pytorchs_kernels_and_says_why_once(monkeypatch):

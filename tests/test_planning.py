@@ -558,26 +558,30 @@ def test_norms_in_backward_leave_the_first_streamed_slices_norms_and_what_backwa
 
 
 def test_scaling_in_the_update_moves_the_clips_scaling_into_the_update_the_next_forward_overlaps():
-    """With the clip's scaling on the update worker (Note: [Scaling in the update]), the clip keeps
-    only the norms, and the update grows by the scaling; the step waits for what the next forward
-    does not cover of it."""
+    """With the clip's scaling in each slice's update (Note: [Scaling in the update]), the clip keeps
+    only the norms, and the update grows by the scaling: by the write-back of the gradients alone
+    where the one-pass update multiplies them as it reads them, by a pass of its own otherwise; the
+    step waits for what the next forward does not cover of it."""
     preset = build_preset("transformer", **SMALL_TRANSFORMER)
     layout = slice_layout(preset.model, num_slices=4, compute_dtype=torch.bfloat16)
     rates = dataclasses.replace(GPU_DEFAULTS["h100-sxm"], host_norm=5e9, host_memory_bandwidth=50e9)
-    for resident, forward_device in ((0, 0.5), (1, 0.5), (0, 1e-6)):
+    for resident, forward_device, one_pass in ((0, 0.5, True), (1, 0.5, True), (0, 1e-6, True), (0, 0.5, False),
+                                               (0, 1e-6, False)):
         config = StepConfig(num_slices=4, compute_dtype=torch.bfloat16, resident_slices=resident, clips_gradients=True,
                             norms_in_backward=True)
-        at_clip = estimate_step_time(layout, None, config, rates, device_seconds=(forward_device, 0.03))
-        deferred = estimate_step_time(layout, None, replace(config, scale_in_update=True), rates,
-                                      device_seconds=(forward_device, 0.03))
+        with shadow_pass(one_pass):
+            at_clip = estimate_step_time(layout, None, config, rates, device_seconds=(forward_device, 0.03))
+            deferred = estimate_step_time(layout, None, replace(config, scale_in_update=True), rates,
+                                          device_seconds=(forward_device, 0.03))
         scaling = 2 * sum(layout.gradient_bytes[resident:]) / 50e9
+        added = scaling / 2 if one_pass else scaling
         assert deferred.clip == pytest.approx(at_clip.clip - scaling)
-        assert deferred.update == pytest.approx(at_clip.update + scaling)
+        assert deferred.update == pytest.approx(at_clip.update + added)
         assert deferred.step <= at_clip.step + 1e-12
         waited = deferred.exposed_update - at_clip.exposed_update  # the scaling the next forward does not hide
-        assert deferred.step == pytest.approx(at_clip.step - scaling + waited) and 0 <= waited <= scaling + 1e-12
+        assert deferred.step == pytest.approx(at_clip.step - scaling + waited) and 0 <= waited <= added + 1e-12
         if forward_device == 0.5:  # a long forward hides all but (at most) the first streamed slice's share
-            assert waited <= scaling * layout.gradient_bytes[resident] / sum(layout.gradient_bytes[resident:]) + 1e-12
+            assert waited <= added * layout.gradient_bytes[resident] / sum(layout.gradient_bytes[resident:]) + 1e-12
     chosen = _mlp_plan("--max-grad-norm", "1.0")["chosen"]
     assert "scale_in_update=True" in chosen["code"]
     assert "scale_in_update" not in _mlp_plan("--schedule", "overlapped")["chosen"]["code"]

@@ -277,16 +277,18 @@ def test_a_clip_of_one_model_does_not_wait_for_anothers_scaling(monkeypatch):
     release = threading.Event()
     real = deferred_scaling._scale
 
-    def held(grads, coefficient, index):
-        if any(id(g) in held_grads for g in grads):
+    def held(scaling, index):
+        if any(id(g) in held_grads for g in scaling._owed.values()):
             release.wait(30)
-        real(grads, coefficient, index)
+        real(scaling, index)
 
     monkeypatch.setattr(deferred_scaling, "_scale", held)
     watchdog = threading.Timer(5.0, release.set)  # a clip that waited would see it set
     watchdog.start()
     try:
-        _clip_both(others[1][1], others[1][3])  # the second model's scaling waits on the worker
+        _clip_both(others[1][1], others[1][3])
+        for index in range(3):  # the second model's scaling, submitted now, is held on its worker
+            engine_of(others[1][2]).updates.event(index)
         _clip_both(others[0][1], others[0][3])  # the first model's clip goes on meanwhile
         assert not release.is_set()
     finally:
@@ -297,3 +299,149 @@ def test_a_clip_of_one_model_does_not_wait_for_anothers_scaling(monkeypatch):
             opt.step()
         optimizer.synchronize()
         _assert_same(plain.parameters(), model.parameters())
+
+
+# The product in the one-pass kernel: each streamed slice's update multiplies its gradients by the
+# clip's coefficient as it reads them, unless something needed them first.
+
+@pytest.fixture(scope="module")
+def kernel():
+    from offload.kernels import build
+
+    module = build.host_kernel(wait=True)
+    if module is None:
+        pytest.fail(f"the one-pass kernel did not build here: {build.unavailable_reason()}")
+    return module
+
+
+@pytest.fixture
+def how_scaled(monkeypatch):
+    """How the clip's products ran: ``kernel`` (a one-pass call multiplied), ``alone`` (a slice's
+    scaling ran by itself on the worker)."""
+    from offload.kernels import one_pass
+    from offload.optimizing import deferred_scaling
+
+    seen = {"kernel": 0, "alone": 0}
+    real_pass, real_scale = one_pass.one_pass, deferred_scaling._scale
+
+    def passing(kernel, op, lists, shadows, options, clip=None):
+        seen["kernel"] += clip is not None
+        real_pass(kernel, op, lists, shadows, options, clip)
+
+    def scaling(owed, index):
+        seen["alone"] += 1
+        real_scale(owed, index)
+
+    monkeypatch.setattr(one_pass, "one_pass", passing)
+    monkeypatch.setattr(deferred_scaling, "_scale", scaling)
+    return seen
+
+
+def _twins_under_bf16(optimizer_class, **options):
+    """The same model under a bfloat16 compute dtype, scaled at the clip and in the update."""
+    models = [OffloadModel(network(), device="cpu", num_slices=3, compute_dtype=torch.bfloat16) for _ in range(2)]
+    optimizers = [OffloadOptimizer(m, optimizer_class, scale_in_update=s, **options)
+                  for m, s in zip(models, (False, True))]
+    return models, optimizers
+
+
+def _step_twins(models, optimizers, step: int, params=None, between=None) -> None:
+    outs = [m(batch(step, "cpu").to(torch.bfloat16)) for m in models]
+    torch.testing.assert_close(outs[1], outs[0], **EXACT)
+    for m, o, out in zip(models, optimizers, outs):
+        out.float().pow(2).mean().backward()
+        chosen = list(m.parameters()) if params is None else [list(m.parameters())[k] for k in params]
+        offload.clip_grad_norm_(chosen, MAX_NORM)
+        if between is not None:
+            between(m)
+        o.step()
+    for o in optimizers:
+        o.synchronize()
+    for a, b in zip(*(m.parameters() for m in models)):
+        torch.testing.assert_close(b.grad, a.grad, **EXACT)  # stored as the clip left them
+    for o in optimizers:
+        o.zero_grad()
+
+
+@pytest.mark.parametrize("cls,options,in_kernel", [
+    pytest.param(torch.optim.AdamW, {"lr": 1e-2, "fused": True, "weight_decay": 0.1}, True, id="AdamW-fused"),
+    pytest.param(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "fused": True}, True, id="SGD-fused"),
+    pytest.param(torch.optim.AdamW, {"lr": 1e-2, "foreach": True}, False, id="AdamW-foreach"),
+])
+@pytest.mark.filterwarnings("ignore:AdamW is stepping")
+def test_the_one_pass_kernel_multiplies_the_gradients_as_it_reads_them(kernel, how_scaled, cls, options, in_kernel):
+    models, optimizers = _twins_under_bf16(cls, **options)
+    for step in range(3):
+        _step_twins(models, optimizers, step)
+    _assert_same(models[0].parameters(), models[1].parameters())
+    # Three streamed slices a step; a per-tensor optimizer's update scales them first, itself.
+    assert how_scaled == {"kernel": 9 if in_kernel else 0, "alone": 0}
+
+
+def test_gradients_read_before_the_update_are_scaled_alone_and_not_again_by_it(kernel, how_scaled):
+    models, optimizers = _twins_under_bf16(torch.optim.AdamW, lr=1e-2, fused=True)
+    read = lambda model: [p.grad.sum() for p in model.parameters()]  # noqa: E731 (through the model: it waits)
+    _step_twins(models, optimizers, 0, between=read)
+    assert how_scaled == {"kernel": 0, "alone": 3}
+    _step_twins(models, optimizers, 1)
+    _assert_same(models[0].parameters(), models[1].parameters())
+    assert how_scaled == {"kernel": 3, "alone": 3}
+
+
+def test_a_clip_of_some_of_a_slices_parameters_scales_those_only(kernel, how_scaled):
+    # The first layer's weight and the last layer's bias: their slices' calls mix gradients the
+    # clip scaled with others it did not, which the update multiplies first, on their own.
+    models, optimizers = _twins_under_bf16(torch.optim.AdamW, lr=1e-2, fused=True)
+    last = len(list(network().parameters())) - 1
+    for step in range(2):
+        _step_twins(models, optimizers, step, params=[0, last])
+    _assert_same(models[0].parameters(), models[1].parameters())
+    assert how_scaled == {"kernel": 0, "alone": 0}
+
+
+def test_a_skipped_step_or_another_operation_reads_the_owed_gradients_scaled(kernel):
+    from offload.kernels import OnePassUpdate
+    from offload.kernels.scaling import OwedScaling
+
+    generator = torch.Generator().manual_seed(0)
+    make = lambda: [torch.randn(40, generator=generator) for _ in range(2)]  # noqa: E731
+    params, grads, avgs, sqs = make(), make(), make(), [t.abs() for t in make()]
+    coefficient = torch.tensor(0.37)
+    expected = [g * coefficient for g in grads]
+    before = [t.clone() for t in (*params, *avgs, *sqs)]
+    shadows = {p.data_ptr(): torch.empty(40, dtype=torch.bfloat16) for p in params}
+    with OnePassUpdate(kernel, shadows, OwedScaling(grads, coefficient)):
+        # GradScaler found an inf: PyTorch's kernel skips the step; the clip's product stands.
+        torch._fused_adamw_(params, grads, avgs, sqs, [], [torch.tensor(1.0)] * 2, lr=0.1, beta1=0.9, beta2=0.99,
+                            weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False,
+                            found_inf=torch.tensor(1.0))
+    assert all(torch.equal(a, b) for a, b in zip(grads, expected))
+    assert all(torch.equal(a, b) for a, b in zip((*params, *avgs, *sqs), before))
+    grads = make()
+    unread, expected = grads[0].clone(), grads[1] * coefficient
+    with OnePassUpdate(kernel, shadows, OwedScaling(grads, coefficient)):
+        view = grads[1][5:9].clone()  # a view's read scales the whole gradient first, once
+        total = grads[1].sum()
+        like = torch.empty_like(grads[0])  # its size only: it stays owed
+    torch.testing.assert_close(view, expected[5:9], **EXACT)
+    torch.testing.assert_close(total, expected.sum(), **EXACT)
+    assert like.shape == unread.shape and torch.equal(grads[0], unread)  # never read: left to the update
+
+
+def test_a_gradient_replaced_after_the_clip_is_scaled_by_the_update_all_the_same(kernel, how_scaled):
+    # PyTorch's clip scaled the tensor it found; a gradient set after it is stepped as it is, and
+    # the one the clip found, which the step no longer reads, is scaled by the update all the same.
+    models, optimizers = _twins_under_bf16(torch.optim.AdamW, lr=1e-2, fused=True)
+    held = [list(m.parameters()) for m in models]  # references taken before: reading them does not wait
+    found = []
+
+    def replace(model):
+        params = held[models.index(model)]
+        found.append(params[0].grad)
+        params[0].grad = torch.full_like(params[0].grad, 0.01)
+
+    _step_twins(models, optimizers, 0, between=replace)
+    torch.testing.assert_close(found[1], found[0], **EXACT)
+    assert not torch.equal(found[1], torch.full_like(found[1], 0.01))
+    _assert_same(models[0].parameters(), models[1].parameters())
+    assert how_scaled == {"kernel": 2, "alone": 0}  # the first slice's call mixes the two kinds

@@ -322,9 +322,8 @@ NEEDED = [
     Dependency("synchronize_event", "wait_host", "optimizer.py:zero_grad", "host update"),
     # Norms in backward (Note: [Norms from backward]): a slice's norms after its gradients' offload.
     Dependency("synchronize_event", "submit", "backward_norms.py:gradients_final", "offload"),
-    # Scaling in the update (Note: [Scaling in the update]): a slice's update after the clip's scaling
-    # of its gradients, and a second clip's read after the first one's scaling.
-    Dependency("synchronize_event", "submit", "tier_plumbing.py:submit", "host update"),
+    # Scaling in the update (Note: [Scaling in the update]): a clip's read after the update that
+    # wrote the gradients back scaled.
     Dependency("synchronize_event", "wait_host", "deferred_scaling.py:settle", "host update"),
     Dependency("synchronize_event", "submit", "data_parallel.py:gradients_leaving", "offload"),
     Dependency("synchronize_event", "submit", "sharding.py:submit", "host update"),
@@ -392,10 +391,10 @@ COVERED = [
     Dependency("wait_stream", "drain", "device_slots.py:invalidate", "load"),
     Dependency("wait_stream", "drain", "device_slots.py:invalidate", "offload"),
     Dependency("wait_event", "on_device", "device_slots.py:prefetch", "offload"),
-    # A clip's scaling after the work pending on its slice: whatever wrote the gradients the clip
-    # just read was waited for by that read (a clip between step() and the next forward reads
+    # A clip's scaling, run alone, after the work pending on its slice: whatever wrote the gradients
+    # the clip read was waited for by that read (a clip between step() and the next forward reads
     # them under an update that may write them: a race the checker reports on the read itself).
-    Dependency("synchronize_event", "submit", "deferred_scaling.py:take", "host update"),
+    Dependency("synchronize_event", "submit", "deferred_scaling.py:submit", "host update"),
 ]
 
 

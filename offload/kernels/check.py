@@ -68,17 +68,24 @@ def check_against_torch(kernel: ModuleType) -> str | None:
     generator = torch.Generator().manual_seed(0)
     width = kernel.vector_size()
     sizes = [1, width - 1, width, 2 * width, width + 3, 5 * width + 7, 1031]
-    for op, options, dtype in [*adam_cases(), *sgd_cases()]:
+    # Each case as the update runs it, and with a clip's coefficient multiplied into the gradients
+    # first (clip_grads_with_norm_'s grad.mul_ before the step).
+    cases = [(*case, clip) for case in [*adam_cases(), *sgd_cases()] for clip in (None, torch.tensor(0.3712))]
+    for op, options, dtype, clip in cases:
         given = inputs(op, options, sizes, generator)
         expected = [[t.clone() for t in group] for group in given]
+        if clip is not None:
+            for grad in expected[1]:
+                grad.mul_(clip)
         op(*expected, **options)
         shadows = [torch.empty(n, dtype=dtype) for n in sizes]
-        one_pass(kernel, op, given, shadows, options)
+        one_pass(kernel, op, given, shadows, options, clip)
+        what = f"{options}{'' if clip is None else f', clipped by {clip.item()}'}"
         for number, (mine, theirs) in enumerate(zip(given, expected)):
             for k, (a, b) in enumerate(zip(mine, theirs)):
                 if not same_bits(a, b):
-                    return f"{op.__name__} argument {number} ({'parameter' if number == 0 else 'state'}), {sizes[k]} elements, {options}"
+                    return f"{op.__name__} argument {number} ({'parameter' if number == 0 else 'state'}), {sizes[k]} elements, {what}"
         for k, (shadow, param) in enumerate(zip(shadows, expected[0])):
             if not same_bits(shadow.float(), param.to(dtype).float()):
-                return f"{op.__name__}: {dtype} shadow of {sizes[k]} elements, {options}"
+                return f"{op.__name__}: {dtype} shadow of {sizes[k]} elements, {what}"
     return None

@@ -22,20 +22,28 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 
 struct Hyper {
-  Vec beta2, one_minus_beta2, lerp_coeff, decay, minus_step_size, bc2_sqrt, eps, scale;
-  bool lerp_small;
+  Vec beta2, one_minus_beta2, lerp_coeff, decay, minus_step_size, bc2_sqrt, eps, scale, clip;
+  bool lerp_small, clipping;
 };
+
+// The gradient as the update reads it: a clip's coefficient applied first, as
+// clip_grads_with_norm_'s grad.mul_(coefficient) leaves it, then GradScaler's scale divided out,
+// as PyTorch's fused kernel does; stored back when either changed it, as both leave it.
+template <bool SCALE, typename H>
+inline Vec read_gradient(float* grad, int64_t d, const H& h) {
+  Vec g = Vec::loadu(grad + d);
+  if (h.clipping) g = g * h.clip;  // the same for every element of a call: a branch the CPU predicts
+  if constexpr (SCALE) g = g / h.scale;
+  if (SCALE || h.clipping) g.store(grad + d);
+  return g;
+}
 
 // One vector of elements at `d`: the update; returns the parameters as stored.
 template <bool AMSGRAD, bool MAXIMIZE, int DECAY, bool SCALE>
 inline Vec adam_vector(float* param, float* grad, float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq,
                        int64_t d, const Hyper& h) {
   Vec p = Vec::loadu(param + d);
-  Vec g = Vec::loadu(grad + d);
-  if constexpr (SCALE) {
-    g = g / h.scale;
-    g.store(grad + d);  // the unscaled gradient stays, as PyTorch leaves it
-  }
+  Vec g = read_gradient<SCALE>(grad, d, h);
   if constexpr (MAXIMIZE) g = g * Vec(-1.0f);
   if constexpr (DECAY == 1) {  // Adam: L2 penalty on the gradient
     g += p * h.decay;
@@ -191,12 +199,14 @@ int64_t vector_size() { return Vec::size(); }
 
 // Adam (adamw=false) or AdamW over the whole vectors of each tensor, writing shadows[k] (bfloat16
 // or float16; an empty tensor for none) from params[k] as updated. steps[k] holds the step count
-// after its increment, as torch.optim hands it to its fused kernel.
+// after its increment, as torch.optim hands it to its fused kernel. With `clip`, each gradient is
+// first multiplied by it and stored so (a clip's scaling done as the update reads the gradient).
 void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
                const std::vector<at::Tensor>& max_exp_avg_sqs, const std::vector<at::Tensor>& steps,
                const std::vector<at::Tensor>& shadows, double lr, double beta1, double beta2, double weight_decay,
-               double eps, bool amsgrad, bool maximize, bool adamw, const c10::optional<at::Tensor>& grad_scale) {
+               double eps, bool amsgrad, bool maximize, bool adamw, const c10::optional<at::Tensor>& grad_scale,
+               const c10::optional<double>& clip) {
   const size_t n = params.size();
   TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && steps.size() == n &&
                   shadows.size() == n && (!amsgrad || max_exp_avg_sqs.size() == n),
@@ -204,6 +214,8 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
   const int decay = weight_decay == 0.0 ? 0 : (adamw ? 2 : 1);
   Hyper h;
   h.scale = Vec(grad_scale.has_value() ? grad_scale->item<float>() : 1.0f);
+  h.clipping = clip.has_value();
+  h.clip = Vec(float(clip.value_or(1.0)));
   h.beta2 = Vec(float(beta2));
   h.one_minus_beta2 = Vec(float(1 - beta2));
   h.lerp_coeff = Vec(float(1 - beta1));
@@ -238,18 +250,15 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
 namespace {
 
 struct SgdHyper {
-  Vec decay, momentum, dampened, minus_lr, scale;
+  Vec decay, momentum, dampened, minus_lr, scale, clip;
+  bool clipping;
 };
 
 // One vector of SGD at `d`, as torch.optim's fused SGD computes it; returns the parameters as stored.
 template <bool SCALE, bool MAXIMIZE, bool DECAY, int MOMENTUM, bool NESTEROV>
 inline Vec sgd_vector(float* param, float* grad, float* momentum_buffer, int64_t d, const SgdHyper& h) {
   Vec p = Vec::loadu(param + d);
-  Vec g = Vec::loadu(grad + d);
-  if constexpr (SCALE) {
-    g = g / h.scale;
-    g.store(grad + d);
-  }
+  Vec g = read_gradient<SCALE>(grad, d, h);
   if constexpr (MAXIMIZE) g = g * Vec(-1.0f);
   if constexpr (DECAY) g += p * h.decay;
   if constexpr (MOMENTUM != 0) {  // 1: the first step takes the gradient; 2: a later one
@@ -316,17 +325,19 @@ SgdFn sgd_pick(bool scale, bool maximize, bool decay, int momentum, bool nestero
 }  // namespace
 
 // SGD over the whole vectors of each tensor, writing shadows[k] as adam_step does; the arguments
-// are torch._fused_sgd_'s (momentum_buffers empty without momentum).
+// are torch._fused_sgd_'s (momentum_buffers empty without momentum), and `clip` as adam_step takes it.
 void sgd_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
               const std::vector<at::Tensor>& momentum_buffers, const std::vector<at::Tensor>& shadows,
               double weight_decay, double momentum, double lr, double dampening, bool nesterov, bool maximize,
-              bool is_first_step, const c10::optional<at::Tensor>& grad_scale) {
+              bool is_first_step, const c10::optional<at::Tensor>& grad_scale, const c10::optional<double>& clip) {
   const size_t n = params.size();
   const bool has_momentum = momentum != 0.0;
   TORCH_CHECK(grads.size() == n && shadows.size() == n && (!has_momentum || momentum_buffers.size() == n),
               "sgd_step: lists of different lengths");
   SgdHyper h;
   h.scale = Vec(grad_scale.has_value() ? grad_scale->item<float>() : 1.0f);
+  h.clipping = clip.has_value();
+  h.clip = Vec(float(clip.value_or(1.0)));
   h.decay = Vec(float(weight_decay));
   h.momentum = Vec(float(momentum));
   h.dampened = Vec(float(1 - dampening));

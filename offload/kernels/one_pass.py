@@ -21,6 +21,10 @@ Note: [One-pass update]
     tests/test_one_pass.py across the options). Only the fused implementations are served: the
     per-tensor and ``foreach`` ones, other optimizers, ``lr`` as a tensor and a GradScaler step that
     found an inf keep the two passes.
+
+    The same pass also does a clip's multiplication of the gradients when ``clip_grad_norm_`` left
+    it to the update (Note: [Scaling in the update] in ``offload/optimizing/deferred_scaling.py``):
+    each gradient is multiplied by the coefficient as it is read, and stored back so.
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from .scaling import OwedScaling
 
 _aten = torch.ops.aten
 
@@ -42,19 +49,21 @@ class Served:
 
     lists: int  # positional lists it takes
     per_element: tuple[int, ...]  # those with a tensor of the parameter's size (or empty, when unused)
-    run: Callable[[ModuleType, list[list[torch.Tensor]], list[torch.Tensor], dict[str, Any]], None]
+    run: Callable[[ModuleType, list[list[torch.Tensor]], list[torch.Tensor], dict[str, Any], float | None], None]
 
 
 def _adam(adamw: bool) -> Callable[..., None]:
-    def run(kernel: ModuleType, lists: list[list[torch.Tensor]], shadows: list[torch.Tensor], o: dict[str, Any]) -> None:
+    def run(kernel: ModuleType, lists: list[list[torch.Tensor]], shadows: list[torch.Tensor], o: dict[str, Any],
+            clip: float | None) -> None:
         kernel.adam_step(*lists, shadows, o["lr"], o["beta1"], o["beta2"], o["weight_decay"], o["eps"], o["amsgrad"],
-                         o["maximize"], adamw, o.get("grad_scale"))
+                         o["maximize"], adamw, o.get("grad_scale"), clip)
     return run
 
 
-def _sgd(kernel: ModuleType, lists: list[list[torch.Tensor]], shadows: list[torch.Tensor], o: dict[str, Any]) -> None:
+def _sgd(kernel: ModuleType, lists: list[list[torch.Tensor]], shadows: list[torch.Tensor], o: dict[str, Any],
+         clip: float | None) -> None:
     kernel.sgd_step(*lists, shadows, o["weight_decay"], o["momentum"], o["lr"], o["dampening"], o["nesterov"],
-                    o["maximize"], o["is_first_step"], o.get("grad_scale"))
+                    o["maximize"], o["is_first_step"], o.get("grad_scale"), clip)
 
 
 #: The fused kernels served: params, grads, state lists (and Adam's steps, one per parameter).
@@ -66,13 +75,14 @@ SERVED = {
 
 
 def one_pass(kernel: ModuleType, op: Any, lists: Sequence[list[torch.Tensor]], shadows: list[torch.Tensor],
-             options: dict[str, Any]) -> None:
+             options: dict[str, Any], clip: torch.Tensor | None = None) -> None:
     """Step ``lists`` as PyTorch's fused kernel ``op`` would with ``options`` (every tensor float32,
     contiguous, on the CPU), and cast each parameter into ``shadows`` (same sizes, bfloat16 or
-    float16) from its new value."""
+    float16) from its new value. With ``clip`` (a 0-d float32 coefficient), the gradients are first
+    multiplied by it, as ``grad.mul_(clip)`` would, in the same pass."""
     served = SERVED[op]
     lists = [list(group) for group in lists]
-    served.run(kernel, lists, shadows, options)
+    served.run(kernel, lists, shadows, options, None if clip is None else float(clip.item()))
     # What is left after each tensor's last whole vector: PyTorch's own scalar loop.
     width = kernel.vector_size()
     params = lists[0]
@@ -82,27 +92,42 @@ def one_pass(kernel: ModuleType, op: Any, lists: Sequence[list[torch.Tensor]], s
     start = {k: params[k].numel() - params[k].numel() % width for k in tails}
     cut = [[group[k].view(-1)[start[k]:] if i in served.per_element else group[k] for k in tails] if group else []
            for i, group in enumerate(lists)]
+    if clip is not None:
+        for grad in cut[1]:
+            grad.mul_(clip)
     op(*cut, **options)
     for k in tails:
         shadows[k].view(-1)[start[k]:].copy_(params[k].view(-1)[start[k]:])
 
 
+#: Operations that take a tensor's size, not its values (fused SGD's first step makes its momentum
+#: buffers like the gradients): an owed gradient they take stays owed.
+_READS_NO_VALUES = {_aten.empty_like.default, _aten.zeros_like.default}
+
+
 class OnePassUpdate(TorchDispatchMode):
     """Serves PyTorch's fused optimizer kernels for the parameters in ``shadow_of`` (a host copy's
     address to its shadow view) with :func:`one_pass`; ``written`` collects the addresses whose
-    shadow it wrote. Active on one thread, for one slice's optimizer step."""
+    shadow it wrote. Active on one thread, for one slice's optimizer step.
 
-    def __init__(self, kernel: ModuleType, shadow_of: dict[int, torch.Tensor]) -> None:
+    With ``scaling``, a clip's product still owed on some gradients: the kernel multiplies those it
+    steps as it reads them; any other operation that reads one gets it multiplied first."""
+
+    def __init__(self, kernel: ModuleType, shadow_of: dict[int, torch.Tensor],
+                 scaling: OwedScaling | None = None) -> None:
         super().__init__()
         self.kernel = kernel
         self.shadow_of = shadow_of
+        self.scaling = scaling
         self.written: set[int] = set()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        if func not in SERVED or not self._serve(func, args, kwargs):
-            return func(*args, **kwargs)
-        return None
+        if func in SERVED and self._serve(func, args, kwargs):
+            return None
+        if self.scaling is not None and func not in _READS_NO_VALUES:
+            self.scaling.apply(tree_leaves((args, kwargs)))
+        return func(*args, **kwargs)
 
     def _serve(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Run ``func``'s call with the one-pass kernel where it can; ``False`` to run it as it is."""
@@ -122,10 +147,20 @@ class OnePassUpdate(TorchDispatchMode):
         def pick(ks: list[int]) -> list[list[torch.Tensor]]:
             return [[group[k] for k in ks] if group else [] for group in lists]
 
-        one_pass(self.kernel, func, pick(mine), [self.shadow_of[lists[0][k].data_ptr()] for k in mine], options)
+        grads, clip = [lists[1][k] for k in mine], None
+        if self.scaling is not None:
+            if self.scaling.folds(grads):
+                clip = self.scaling.coefficient
+            else:
+                self.scaling.apply(grads)
+        one_pass(self.kernel, func, pick(mine), [self.shadow_of[lists[0][k].data_ptr()] for k in mine], options, clip)
+        if self.scaling is not None:
+            self.scaling.taken(grads)
         self.written.update(lists[0][k].data_ptr() for k in mine)
         rest = sorted(set(range(len(lists[0]))) - set(mine))
         if rest:
+            if self.scaling is not None:
+                self.scaling.apply(lists[1][k] for k in rest)
             func(*pick(rest), **kwargs)
         return True
 

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from ..kernels.scaling import OwedScaling
 from ..streams import Event
 from ..streams.mapped import MappedFile
 from ..streams.workers import HostWorker
@@ -144,12 +145,15 @@ class SliceUpdates:
             grads = [p.grad for p in step.whole.params]
         if all(g is None for g in grads):
             return None
+        # A clip's scaling owed on the slice: done in the update's own pass (Note: [Scaling in the
+        # update] in deferred_scaling.py).
+        owed = self.engine.updates.claim(step.index)
         if step.needs_bind():
             self.engine.updates.wait(step.index)  # the proxies may still be in use by its last update
             step.bind()
-        work = functools.partial(step.run, grads, hyper, grad_scale, found_inf)
-        # After what is pending on the slice: a clip's scaling of these gradients (Note: [Scaling
-        # in the update] in deferred_scaling.py).
+        scaling = getattr(owed, "scaling", None)  # an OwedSlice's (deferred_scaling.py, which imports this module)
+        assert owed is None or isinstance(scaling, OwedScaling), "internal error: unknown work owed on a slice"
+        work = functools.partial(step.run, grads, hyper, grad_scale, found_inf, scaling)
         return self._submit(step.index, work, [*after, self.engine.updates.event(step.index)])
 
     def _submit(self, index: int, work: Callable[[], None], waits: Sequence[Event | None] = ()) -> Event:

@@ -54,6 +54,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from . import host_bytes
 from .host_bytes import host_bytes_per_step
 from .planner import SliceLayout, check_resident_slices
 from .rates import DEVICE_MEMORY_BANDWIDTH_DEFAULT, MachineRates
@@ -309,7 +310,7 @@ def estimate_step_time(layout: SliceLayout, profile: ModelProfile | None, config
     staging = _staging(moved, layout, rates)
     forward, backward, load, offload = _phases(moved, forward_compute, backward_compute, rates, on_gpu, staging)
     update, disk_read, disk_write = _update(moved, rates)
-    clip, update = _clip_and_update(config, layout, rates, backward, update)
+    clip, update = _clip_and_update(config, layout, rates, backward, update, optimizer)
     d2h = rates.device_to_host if on_gpu else None
     streamed = [0] * k + list(layout.gradient_bytes[k:])  # a resident slice has no host update
     exposed = exposed_update(config.schedule, forward, backward, update, streamed, d2h,
@@ -321,16 +322,21 @@ def estimate_step_time(layout: SliceLayout, profile: ModelProfile | None, config
 
 
 def _clip_and_update(config: StepConfig, layout: SliceLayout, rates: MachineRates, backward: float,
-                     update: float) -> tuple[float, float]:
+                     update: float, optimizer: str | None) -> tuple[float, float]:
     """The clip's seconds on the training thread and the host update's: the norms, then the
-    scaling, added once: to the clip, or to the update with ``scale_in_update`` (the worker
-    scales each slice before its update: Note: [Scaling in the update])."""
+    scaling, added once: to the clip, or to the update with ``scale_in_update`` (each slice's
+    update does it: Note: [Scaling in the update]), where the one-pass kernel, writing the shadow
+    in the update, multiplies the gradients as it reads them and only writes them back."""
     if not config.clips_gradients:
         return 0.0, update
     k = config.resident_slices
     norms = _norm_seconds(layout, k, rates, backward if config.norms_in_backward else None)
-    scaling = _scaling_seconds(layout, k, rates)
-    return (norms, update + scaling) if config.scale_in_update else (norms + scaling, update)
+    if not config.scale_in_update:
+        return norms + _scaling_seconds(layout, k, rates), update
+    # As host_bytes.py counts the shadow: every optimizer it knows is one the one-pass kernel serves.
+    folded = (config.compute_dtype is not None and config.shadows == "ram" and host_bytes.SHADOW_IN_UPDATE
+              and optimizer is not None)
+    return norms, update + _scaling_seconds(layout, k, rates, passes=1 if folded else 2)
 
 
 def _norm_seconds(layout: SliceLayout, resident: int, rates: MachineRates, backward: float | None = None) -> float:
@@ -349,9 +355,10 @@ def _norm_seconds(layout: SliceLayout, resident: int, rates: MachineRates, backw
     return max(per_slice[0] if per_slice else 0.0, sum(per_slice) - backward)
 
 
-def _scaling_seconds(layout: SliceLayout, resident: int, rates: MachineRates) -> float:
-    """The clip's scaling of the streamed slices' host gradients: each read and written once."""
-    return 2 * sum(layout.gradient_bytes[resident:]) / rates.host_memory
+def _scaling_seconds(layout: SliceLayout, resident: int, rates: MachineRates, passes: int = 2) -> float:
+    """The clip's scaling of the streamed slices' host gradients: each read and written once (a
+    pass of its own), or written back only (``passes=1``: the update reads them anyway)."""
+    return passes * sum(layout.gradient_bytes[resident:]) / rates.host_memory
 
 
 def exposed_update(schedule: str, forward: float, backward: float, update: float, gradient_bytes: Sequence[int],

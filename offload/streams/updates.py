@@ -9,15 +9,28 @@ before loading a slice, the model before handing out its parameters.
 An update may also write the slice's half-precision *shadow* from the fresh masters (one pass
 over host memory instead of a separate cast at the next forward); a slice whose update is pending
 keeps its shadow as the update leaves it.
+
+Work may also be *owed* on a slice: recorded, not yet submitted (a clip's scaling of its gradients,
+which the slice's next update takes into its own pass: Note: [Scaling in the update] in
+``offload/optimizing/deferred_scaling.py``). Anything that waits for the slice, or asks for its
+event, submits what is owed first; only :meth:`SliceUpdates.claim` takes it unsubmitted.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 from .backend import Event
 from .copies import CopyStreams
 from .host_storage import SliceStorage
+
+
+class Owed(Protocol):
+    """Work recorded on a slice and submitted only when something needs it done."""
+
+    def submit(self) -> None:
+        """Submit the work now (it reports its event with :meth:`SliceUpdates.submitted`)."""
 
 
 class SliceUpdates:
@@ -33,6 +46,26 @@ class SliceUpdates:
         self.storages = storages
         self._pending: dict[int, Event] = {}
         self._no_shadow: set[int] = set()  # slices whose pending work writes no shadow
+        self._owed: dict[int, Owed] = {}
+
+    def owe(self, index: int, owed: Owed) -> None:
+        """Record work on slice ``index`` that runs after everything submitted for it so far, once
+        something needs it: a wait, an event asked for, or the next update, which may
+        :meth:`claim` it. Work already owed on the slice is submitted first."""
+        self._submit_owed(index)
+        self._owed[index] = owed
+
+    def claim(self, index: int) -> Owed | None:
+        """Take slice ``index``'s owed work unsubmitted, for the update about to be submitted to do
+        in its own pass (``None``: nothing owed)."""
+        return self._owed.pop(index, None)
+
+    def _submit_owed(self, index: int | None = None) -> None:
+        """Submit what is owed on slice ``index`` (``None``: on every slice, in slice order)."""
+        for k in sorted(self._owed) if index is None else [index]:
+            owed = self._owed.pop(k, None)
+            if owed is not None:
+                owed.submit()
 
     def submitted(self, index: int, event: Event, writes_shadow: bool = True) -> None:
         """Work that rewrites slice ``index``'s host memory was submitted: an update, or, not
@@ -40,6 +73,7 @@ class SliceUpdates:
         scaling of its gradients: Note: [Scaling in the update] in
         ``offload/optimizing/deferred_scaling.py``); ``event`` completes when it is done, and it
         stands for everything submitted for the slice before."""
+        assert index not in self._owed, "internal error: work submitted on a slice past what it owes"
         self._pending[index] = event
         if writes_shadow:
             self._no_shadow.discard(index)
@@ -48,25 +82,29 @@ class SliceUpdates:
 
     def keeps_shadow(self, index: int) -> bool:
         """Whether slice ``index`` has an update pending that will leave its shadow current."""
+        self._submit_owed(index)
         return index in self._pending and index not in self._no_shadow
 
     def pending(self) -> bool:
-        """Whether any update is pending."""
-        return bool(self._pending)
+        """Whether any update is pending (or work owed)."""
+        return bool(self._pending or self._owed)
 
     def done(self, index: int) -> bool:
         """Whether slice ``index`` has no update pending or its update has run, without waiting: a
         hint (a load of it still calls :meth:`wait`)."""
+        self._submit_owed(index)
         return self.copies.has_completed(self._pending.get(index))
 
     def event(self, index: int) -> Event | None:
         """The event of slice ``index``'s pending update (``None``: none pending), for work that
         waits for it off this thread (a cast ahead of the slice's load)."""
+        self._submit_owed(index)
         return self._pending.get(index)
 
     def wait(self, index: int) -> Event | None:
         """Block until slice ``index``'s host copy is final: before a load reads it. Returns the
         event of the update it waited for (``None``: none was pending)."""
+        self._submit_owed(index)
         event = self._pending.pop(index, None)
         self._no_shadow.discard(index)
         try:
@@ -82,6 +120,7 @@ class SliceUpdates:
         """Block until every pending update is done, leaving them pending: each slice keeps the
         shadow its update wrote (a forward casts it again only for a slice with none pending).
         For callers that only need the updates to have read what they read (the gradients)."""
+        self._submit_owed()
         try:
             for index in sorted(self._pending):
                 self.copies.wait_host(self._pending[index])
@@ -104,6 +143,7 @@ class SliceUpdates:
             shadows_stale: the caller may write the host copies next (it asked for them through
                 the model), so shadows the updates wrote are no longer to be trusted.
         """
+        self._submit_owed()
         for index in sorted(self._pending):
             self.wait(index)
         if shadows_stale:
@@ -112,5 +152,5 @@ class SliceUpdates:
 
     def adopt(self, storages: Sequence[SliceStorage]) -> None:
         """Serve re-laid-out storages; nothing may be pending."""
-        assert not self._pending, "internal error: storages rebuilt while updates are pending"
+        assert not self._pending and not self._owed, "internal error: storages rebuilt while updates are pending"
         self.storages = storages

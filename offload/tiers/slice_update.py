@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from ..kernels import OnePassUpdate, host_kernel
+from ..kernels.scaling import OwedScaling
 from ..streams.host_storage import SliceStorage, shadow_views
 
 
@@ -135,9 +136,12 @@ class SliceStep:
             proxy.data = param.data
 
     def run(self, grads: Sequence[torch.Tensor | None], hyper: Sequence[dict[str, Any]],
-            grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
+            grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None,
+            scaling: OwedScaling | None = None) -> None:
         """Step the slice with the gradients (aligned with ``whole.params``) and hyperparameters
         captured by ``step()``, then write its shadow, if it has one, from the fresh masters.
+        ``scaling``: a clip's product owed on its gradients, done in the same pass where the
+        one-pass kernel reads them, else first (Note: [Scaling in the update]).
 
         One optimizer call steps the whole slice, and the shadow is written only after it
         returned: an optimizer that raises before changing anything leaves the slice, and its
@@ -149,7 +153,7 @@ class SliceStep:
         shadow = self.writes_shadow and self.storage is not None and self.storage.shadow is not None
         assert self.whole is not None
         try:
-            written = self._step(grads, hyper, grad_scale, found_inf, shadow)
+            written = self._step(grads, hyper, grad_scale, found_inf, shadow, scaling)
             if shadow:
                 assert self.storage is not None
                 self.storage.write_shadow(written)
@@ -166,17 +170,24 @@ class SliceStep:
             self.storage.shadow_written()
 
     def _step(self, grads: Sequence[torch.Tensor | None], hyper: Sequence[dict[str, Any]],
-              grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None, shadow: bool) -> Collection[int]:
+              grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None, shadow: bool,
+              scaling: OwedScaling | None) -> Collection[int]:
         """One optimizer call over the whole slice; with a shadow, its fused Adam/AdamW kernel writes
-        the shadow as it goes where it can (Note: [One-pass update] in ``offload/kernels/one_pass.py``).
+        the shadow as it goes where it can (Note: [One-pass update] in ``offload/kernels/one_pass.py``),
+        and multiplies the gradients by a clip's owed coefficient as it reads them.
         Returns the addresses of the host copies whose shadow is written."""
         assert self.whole is not None
         kernel = host_kernel() if shadow else None
-        if kernel is None:
+        fused = all(group.get("fused") for group in self.whole.optimizer.param_groups)
+        if kernel is None or (scaling is not None and not fused):
+            if scaling is not None:
+                scaling.apply_rest()
             self.whole.step(grads, hyper, grad_scale, found_inf)
             return ()
         assert self.storage is not None
-        one_pass = OnePassUpdate(kernel, shadow_views(self.storage))
+        one_pass = OnePassUpdate(kernel, shadow_views(self.storage), scaling)
         with one_pass:
             self.whole.step(grads, hyper, grad_scale, found_inf)
+        if scaling is not None:
+            scaling.apply_rest()  # gradients the step did not read (a captured list that changed since the clip)
         return one_pass.written
