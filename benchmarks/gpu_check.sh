@@ -4,7 +4,8 @@
 # still leaves what it finished), a summary printed last. The default stages, in order:
 #
 #   (beside host and tests: the one-pass host update's kernel built for this machine and timed against
-#           PyTorch's fused AdamW alone and followed by a cast, benchmarks/host_kernels.py; ready
+#           PyTorch's fused AdamW alone and followed by a cast, and clipped, multiplying the gradients
+#           as it reads them against a scaling pass before it, benchmarks/host_kernels.py; ready
 #           before slices, 150 s at most)
 #   host    host facts: CPU model, cores, NUMA, transparent huge pages, host copy bandwidth at the
 #           update's thread count, the pinned link each way (benchmarks/host_facts.py; ~10 s); then

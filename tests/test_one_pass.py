@@ -300,6 +300,17 @@ built.wait()
 print("exiting", flush=True)
 """
 
+TRAINING_PAST_THE_MAIN_THREAD = """
+import threading, time
+from offload.kernels import build
+
+def train():  # a thread that is no daemon goes on after the script's main thread ended
+    time.sleep(0.3)
+    print("built:", build.host_kernel(wait=True) is not None, build.unavailable_reason(), flush=True)
+
+threading.Thread(target=train).start()
+"""
+
 A_BUILD_ASKED_FOR_AT_EXIT = """
 import atexit
 from offload.kernels import build
@@ -355,6 +366,14 @@ def test_an_exit_handler_asking_for_the_kernel_begins_no_build():
     done = subprocess.run([sys.executable, "-c", A_BUILD_ASKED_FOR_AT_EXIT], capture_output=True, text=True,
                           timeout=300, env=env)
     assert (done.returncode, done.stdout) == (0, "build begun: False\n"), done.stderr[-2000:]
+
+
+def test_training_on_a_thread_that_outlives_the_main_one_builds_the_kernel(kernel):
+    # The main thread has stopped, but the interpreter does not exit while such a thread runs.
+    env = {**os.environ, "OFFLOAD_HOST_KERNELS": "1"}
+    done = subprocess.run([sys.executable, "-c", TRAINING_PAST_THE_MAIN_THREAD], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert (done.returncode, done.stdout) == (0, "built: True None\n"), done.stderr[-2000:]
 
 
 def test_a_first_update_run_by_an_exit_handler_does_not_abort_the_process(kernel):

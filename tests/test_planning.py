@@ -582,6 +582,11 @@ def test_scaling_in_the_update_moves_the_clips_scaling_into_the_update_the_next_
         assert deferred.step == pytest.approx(at_clip.step - scaling + waited) and 0 <= waited <= added + 1e-12
         if forward_device == 0.5:  # a long forward hides all but (at most) the first streamed slice's share
             assert waited <= added * layout.gradient_bytes[resident] / sum(layout.gradient_bytes[resident:]) + 1e-12
+    # Gradients in files (masters on disk) are scaled at the clip all the same.
+    config = StepConfig(num_slices=4, compute_dtype=torch.bfloat16, clips_gradients=True, masters="disk")
+    on_disk = [estimate_step_time(layout, None, replace(config, scale_in_update=s), rates, device_seconds=(0.5, 0.03))
+               for s in (False, True)]
+    assert on_disk[1] == on_disk[0]
     chosen = _mlp_plan("--max-grad-norm", "1.0")["chosen"]
     assert "scale_in_update=True" in chosen["code"]
     assert "scale_in_update" not in _mlp_plan("--schedule", "overlapped")["chosen"]["code"]

@@ -445,3 +445,56 @@ def test_a_gradient_replaced_after_the_clip_is_scaled_by_the_update_all_the_same
     assert not torch.equal(found[1], torch.full_like(found[1], 0.01))
     _assert_same(models[0].parameters(), models[1].parameters())
     assert how_scaled == {"kernel": 2, "alone": 0}  # the first slice's call mixes the two kinds
+
+
+def test_a_gradient_tensor_two_parameters_share_is_scaled_at_the_clip_once_for_each(kernel, scaled_at_clip):
+    models, optimizers = _twins_under_bf16(torch.optim.AdamW, lr=1e-2, fused=True)
+    for m in models:
+        m(batch(0, "cpu").to(torch.bfloat16)).float().pow(2).mean().backward()
+        first, second = [p for p in m.parameters() if p.shape == (32, 32)][:2]
+        second.grad = first.grad  # one tensor: PyTorch's clip multiplies it twice, and both step with that
+    for m in models:
+        offload.clip_grad_norm_(m.parameters(), MAX_NORM)
+    for o in optimizers:
+        o.step()
+        o.synchronize()
+    _assert_same(models[0].parameters(), models[1].parameters())
+    assert scaled_at_clip[1] == 2  # the second model's clip: the shared tensor, once for each parameter
+
+
+def test_a_scaling_claimed_by_an_update_that_could_not_be_submitted_stays_owed(kernel, monkeypatch):
+    from offload.optimizing.stepping import SliceUpdates
+
+    models, optimizers = _twins_under_bf16(torch.optim.AdamW, lr=1e-2, fused=True)
+    real, calls = SliceUpdates._submit, []
+
+    def failing_once(self, index, work, waits=()):
+        calls.append(index)
+        if len(calls) == 1:
+            raise RuntimeError("no room for the update")
+        return real(self, index, work, waits)
+
+    for m in models:
+        m(batch(0, "cpu").to(torch.bfloat16)).float().pow(2).mean().backward()
+        offload.clip_grad_norm_(m.parameters(), MAX_NORM)
+    optimizers[0].step()
+    monkeypatch.setattr(SliceUpdates, "_submit", failing_once)
+    with pytest.raises(RuntimeError, match="no room"):
+        optimizers[1].step()
+    monkeypatch.setattr(SliceUpdates, "_submit", real)
+    for a, b in zip(*(m.parameters() for m in models)):  # through the model: the owed scaling runs first
+        torch.testing.assert_close(b.grad, a.grad, **EXACT)
+
+
+def test_an_operation_on_tensors_outside_the_owed_gradients_memory_checks_none_of_them(monkeypatch):
+    from offload.kernels import scaling
+
+    grads = [torch.randn(8) for _ in range(50)]
+    owed = scaling.OwedScaling(grads, torch.tensor(0.5))
+    checked = []
+    real = scaling._overlap
+    monkeypatch.setattr(scaling, "_overlap", lambda *args: checked.append(1) or real(*args))
+    owed.apply([torch.tensor(float(k)) for k in range(200)])  # an update's step counts, say
+    assert checked == []
+    owed.apply([grads[3][2:4]])
+    assert len(checked) == 50 and owed.owes(grads[4]) and not owed.owes(grads[3])

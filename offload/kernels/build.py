@@ -85,9 +85,15 @@ def unavailable_reason() -> str | None:
 
 
 def _exit_begun() -> bool:
-    """Whether the interpreter has begun to exit: the main thread has stopped once the exit
-    handlers run (an update worker's handler may then finish a step and ask for the kernel)."""
-    return bool(_state["exiting"]) or sys.is_finalizing() or not threading.main_thread().is_alive()
+    """Whether the interpreter has begun to exit (an update worker's exit handler may then finish a
+    step and ask for the kernel): the exit handlers run once the main thread has stopped and every
+    other thread that is not a daemon has ended (training on such a thread goes on past the main
+    thread's end)."""
+    if _state["exiting"] or sys.is_finalizing():
+        return True
+    main = threading.main_thread()
+    return not main.is_alive() and not any(not t.daemon and t.is_alive() for t in threading.enumerate()
+                                           if t is not main)
 
 
 def _build() -> None:

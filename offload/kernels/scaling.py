@@ -20,6 +20,9 @@ class OwedScaling:
     def __init__(self, grads: Sequence[torch.Tensor], coefficient: torch.Tensor) -> None:
         self.coefficient = coefficient
         self._owed = {g.data_ptr(): g for g in grads}
+        # The memory the owed gradients live in: a tensor in none of it reads none of them, found
+        # at once (an update's other operations take every parameter's step count, say).
+        self._storages = {g.untyped_storage().data_ptr() for g in grads}
 
     def owes(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is, whole, one of the gradients still to be scaled."""
@@ -45,7 +48,8 @@ class OwedScaling:
         """Scale, now, the owed gradients any of ``tensors`` reads (a view of one included), before
         an operation reads them."""
         for t in tensors:
-            if self._owed and isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type == "cpu":
+            if (self._owed and isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type == "cpu"
+                    and t.untyped_storage().data_ptr() in self._storages):
                 for start in [k for k, g in self._owed.items() if _overlap(t, k, g)]:
                     self._scale(self._owed.pop(start))
 

@@ -37,8 +37,8 @@ Note: [Scaling in the update]
     of parameters outside the model, in files (masters on disk), of a sharded optimizer's
     model (its exchange orders the updates) and of an optimizer that is not the model's newest;
     gradients that are not contiguous (an expanded one, on which the product raises, raises at the
-    clip); every gradient when a parameter is listed twice (PyTorch scales it twice) or with
-    ``foreach=True``. The coefficient is PyTorch's, on the total norm's device (a resident slice's
+    clip); every gradient when a parameter is listed twice (PyTorch scales it twice), a gradient
+    tensor two parameters share (scaled once for each), and every one with ``foreach=True``. The coefficient is PyTorch's, on the total norm's device (a resident slice's
     when its gradients come first), copied to the host as PyTorch copies it for host gradients.
     A scaling run alone that raises says so, and that the step's later updates did not run.
 
@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -114,7 +115,10 @@ class DeferredScaling:
         if optimizer is None:
             return set()
         updates, steps = self._planned(optimizer)
-        wanted = {id(p) for p in params}
+        # A gradient tensor two parameters share is scaled once per parameter by PyTorch's clip:
+        # the clip scales it, as many times, at once.
+        shared = Counter(p.grad.data_ptr() for p in params if p.grad is not None)
+        wanted = {id(p) for p in params if shared[p.grad.data_ptr()] == 1}  # type: ignore[union-attr]
         taken: set[int] = set()
         for step in steps:
             storage = step.storage

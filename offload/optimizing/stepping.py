@@ -145,16 +145,21 @@ class SliceUpdates:
             grads = [p.grad for p in step.whole.params]
         if all(g is None for g in grads):
             return None
-        # A clip's scaling owed on the slice: done in the update's own pass (Note: [Scaling in the
-        # update] in deferred_scaling.py).
-        owed = self.engine.updates.claim(step.index)
         if step.needs_bind():
             self.engine.updates.wait(step.index)  # the proxies may still be in use by its last update
             step.bind()
+        # A clip's scaling owed on the slice: done in the update's own pass (Note: [Scaling in the
+        # update] in deferred_scaling.py).
+        owed = self.engine.updates.claim(step.index)
         scaling = getattr(owed, "scaling", None)  # an OwedSlice's (deferred_scaling.py, which imports this module)
         assert owed is None or isinstance(scaling, OwedScaling), "internal error: unknown work owed on a slice"
         work = functools.partial(step.run, grads, hyper, grad_scale, found_inf, scaling)
-        return self._submit(step.index, work, [*after, self.engine.updates.event(step.index)])
+        try:
+            return self._submit(step.index, work, [*after, self.engine.updates.event(step.index)])
+        except BaseException:
+            if owed is not None:
+                self.engine.updates.owe(step.index, owed)  # not submitted: still owed
+            raise
 
     def _submit(self, index: int, work: Callable[[], None], waits: Sequence[Event | None] = ()) -> Event:
         """Run slice ``index``'s update on the update worker after the events ``waits`` (its masters
