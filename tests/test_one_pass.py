@@ -80,7 +80,7 @@ def test_the_kernel_leaves_its_threads_count_as_it_found_it(kernel):
 
 
 @pytest.mark.parametrize("op,changes", OPTIONS)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, None], ids=["bf16", "fp16", "no-shadow"])
 @pytest.mark.parametrize("clip", [None, 0.3712], ids=["", "clipped"])
 def test_one_pass_equals_the_fused_kernel_then_a_cast(kernel, op, changes, dtype, clip):
     # Clipped: clip_grads_with_norm_'s grad.mul_(coefficient) before the fused kernel, against the
@@ -109,7 +109,8 @@ def test_one_pass_equals_the_fused_kernel_then_a_cast(kernel, op, changes, dtype
         for grad in expected[1]:
             grad.mul_(coefficient)
     op(*expected, **options)
-    shadows = [torch.full((n,), 7.0, dtype=dtype) for n in sizes]
+    # No shadow: an empty tensor (the update of a parameter without one, taken to multiply its gradient).
+    shadows = [torch.full((n if dtype else 0,), 7.0, dtype=dtype or torch.bfloat16) for n in sizes]
 
     one_pass(kernel, op, given, shadows, options, coefficient)
 
@@ -117,7 +118,7 @@ def test_one_pass_equals_the_fused_kernel_then_a_cast(kernel, op, changes, dtype
         for a, b in zip(mine, theirs):
             assert same_bits(a, b)
     for shadow, param in zip(shadows, expected[0]):
-        assert same_bits(shadow.float(), param.to(dtype).float())
+        assert same_bits(shadow.float(), param.to(dtype).float()) if dtype else shadow.numel() == 0
 
 
 def network() -> nn.Sequential:

@@ -78,7 +78,7 @@ def one_pass(kernel: ModuleType, op: Any, lists: Sequence[list[torch.Tensor]], s
              options: dict[str, Any], clip: torch.Tensor | None = None) -> None:
     """Step ``lists`` as PyTorch's fused kernel ``op`` would with ``options`` (every tensor float32,
     contiguous, on the CPU), and cast each parameter into ``shadows`` (same sizes, bfloat16 or
-    float16) from its new value. With ``clip`` (a 0-d float32 coefficient), the gradients are first
+    float16; an empty tensor for none) from its new value. With ``clip`` (a 0-d float32 coefficient), the gradients are first
     multiplied by it, as ``grad.mul_(clip)`` would, in the same pass."""
     served = SERVED[op]
     lists = [list(group) for group in lists]
@@ -97,8 +97,12 @@ def one_pass(kernel: ModuleType, op: Any, lists: Sequence[list[torch.Tensor]], s
             grad.mul_(clip)
     op(*cut, **options)
     for k in tails:
-        shadows[k].view(-1)[start[k]:].copy_(params[k].view(-1)[start[k]:])
+        if shadows[k].numel():
+            shadows[k].view(-1)[start[k]:].copy_(params[k].view(-1)[start[k]:])
 
+
+#: The kernel's "no shadow" (a parameter it steps only to multiply its owed gradient as it reads it).
+_NO_SHADOW = torch.empty(0, dtype=torch.bfloat16)
 
 #: Operations that take a tensor's size, not its values (fused SGD's first step makes its momentum
 #: buffers like the gradients): an owed gradient they take stays owed.
@@ -111,7 +115,8 @@ class OnePassUpdate(TorchDispatchMode):
     shadow it wrote. Active on one thread, for one slice's optimizer step.
 
     With ``scaling``, a clip's product still owed on some gradients: the kernel multiplies those it
-    steps as it reads them; any other operation that reads one gets it multiplied first."""
+    steps as it reads them (a parameter without a shadow too, for that alone); any other operation
+    that reads one gets it multiplied first."""
 
     def __init__(self, kernel: ModuleType, shadow_of: dict[int, torch.Tensor],
                  scaling: OwedScaling | None = None) -> None:
@@ -153,10 +158,11 @@ class OnePassUpdate(TorchDispatchMode):
                 clip = self.scaling.coefficient
             else:
                 self.scaling.apply(grads)
-        one_pass(self.kernel, func, pick(mine), [self.shadow_of[lists[0][k].data_ptr()] for k in mine], options, clip)
+        shadows = [self.shadow_of.get(lists[0][k].data_ptr(), _NO_SHADOW) for k in mine]
+        one_pass(self.kernel, func, pick(mine), shadows, options, clip)
         if self.scaling is not None:
             self.scaling.taken(grads)
-        self.written.update(lists[0][k].data_ptr() for k in mine)
+        self.written.update(lists[0][k].data_ptr() for k in mine if lists[0][k].data_ptr() in self.shadow_of)
         rest = sorted(set(range(len(lists[0]))) - set(mine))
         if rest:
             if self.scaling is not None:
@@ -167,7 +173,10 @@ class OnePassUpdate(TorchDispatchMode):
     def _takes(self, k: int, lists: list[list[torch.Tensor]], served: Served) -> bool:
         param = lists[0][k]
         shadow = self.shadow_of.get(param.data_ptr())
-        if shadow is None or shadow.numel() != param.numel():
+        if shadow is None:  # no shadow to write: taken only to multiply an owed gradient as it is read
+            if self.scaling is None or not self.scaling.owes(lists[1][k]):
+                return False
+        elif shadow.numel() != param.numel():
             return False
         tensors = [lists[i][k] for i in served.per_element if lists[i]]
         return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()

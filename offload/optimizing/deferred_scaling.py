@@ -10,7 +10,8 @@ Note: [Scaling in the update]
     the coefficient and returns; each streamed slice's multiplication is *owed* on the slice
     (``SliceUpdates.owe`` in ``offload/streams/updates.py``) and ``step()`` hands it to the slice's
     update (``claim``). The update multiplies the gradients as it reads them: the one-pass kernel
-    (Note: [One-pass update] in ``offload/kernels/one_pass.py``) in registers, storing each back as
+    (Note: [One-pass update] in ``offload/kernels/one_pass.py``), with a shadow to write or not, in
+    registers, storing each back as
     the clip leaves it (4 bytes a float32 parameter written, where a pass of its own reads and
     writes 8); other optimizers, or a machine without the kernel, multiply them first, on the
     worker. The worker runs the updates in the next forward's order (Note: [Updates in the next

@@ -333,9 +333,9 @@ def _clip_and_update(config: StepConfig, layout: SliceLayout, rates: MachineRate
     norms = _norm_seconds(layout, k, rates, backward if config.norms_in_backward else None)
     if not config.scale_in_update or config.masters == "disk":  # gradients in files are scaled at the clip
         return norms + _scaling_seconds(layout, k, rates), update
-    # As host_bytes.py counts the shadow: every optimizer it knows is one the one-pass kernel serves.
-    folded = (config.compute_dtype is not None and config.shadows == "ram" and host_bytes.SHADOW_IN_UPDATE
-              and optimizer is not None)
+    # Where the one-pass kernel runs (host_bytes.py's count), with a shadow or not: every optimizer it
+    # knows is one the kernel serves.
+    folded = host_bytes.SHADOW_IN_UPDATE and optimizer is not None
     return norms, update + _scaling_seconds(layout, k, rates, passes=1 if folded else 2)
 
 

@@ -177,7 +177,8 @@ class SliceStep:
         and multiplies the gradients by a clip's owed coefficient as it reads them.
         Returns the addresses of the host copies whose shadow is written."""
         assert self.whole is not None
-        kernel = host_kernel() if shadow else None
+        # Without a shadow the kernel still pays where it multiplies a clip's owed gradients as it reads them.
+        kernel = host_kernel() if shadow or scaling is not None else None
         fused = all(group.get("fused") for group in self.whole.optimizer.param_groups)
         if kernel is None or (scaling is not None and not fused):
             if scaling is not None:
@@ -185,7 +186,7 @@ class SliceStep:
             self.whole.step(grads, hyper, grad_scale, found_inf)
             return ()
         assert self.storage is not None
-        one_pass = OnePassUpdate(kernel, shadow_views(self.storage), scaling)
+        one_pass = OnePassUpdate(kernel, shadow_views(self.storage) if shadow else {}, scaling)
         with one_pass:
             self.whole.step(grads, hyper, grad_scale, found_inf)
         if scaling is not None:
