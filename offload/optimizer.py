@@ -83,8 +83,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         accumulation_steps: with ``update_in_backward`` or ``norms_in_backward``, backwards per ``step()``.
         norms_in_backward: compute the host gradients' 2-norms in backward, for :func:`offload.clip_grad_norm_`
             to take (Note: [Norms from backward]; ``docs/optimizer.md``; not with ``update_in_backward``).
-        scale_in_update: :func:`offload.clip_grad_norm_` hands its scaling of each streamed slice's host
-            gradients to the update worker, before the slice's update (Note: [Scaling in the update]).
+        scale_in_update: :func:`offload.clip_grad_norm_` leaves its scaling of each streamed slice's
+            host gradients to the slice's update, which multiplies them as it reads them (Note:
+            [Scaling in the update]).
         **optimizer_kwargs: keyword arguments of ``optimizer_class`` (``lr=1e-4, fused=True``).
 
     Raises:

@@ -87,10 +87,10 @@ class StepConfig:
             slice's gradients land (``OffloadOptimizer(..., norms_in_backward=True)``, Note: [Norms
             from backward]): the step waits for what backward does not cover. Not with masters on disk
             (the gradients' home is their file).
-        scale_in_update: with ``clips_gradients``, the clip's scaling of the streamed slices' host
-            gradients runs on the update worker before each slice's update
-            (``OffloadOptimizer(..., scale_in_update=True)``, Note: [Scaling in the update]): it
-            adds to the update the next forward overlaps, not to the step. Not with masters on disk.
+        scale_in_update: with ``clips_gradients``, each slice's update does the clip's scaling of
+            its host gradients (``OffloadOptimizer(..., scale_in_update=True)``, Note: [Scaling in
+            the update]; where the one-pass kernel runs, only their write-back): it adds to the
+            update the next forward overlaps, not to the step. Not with masters on disk.
     """
 
     num_slices: int = 8
