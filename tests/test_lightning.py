@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import offload.clipping
 from offload import OffloadModel, OffloadOptimizer
+from offload.optimizing import deferred_scaling
 
 from .helpers import count_parallel_norms
 
@@ -266,6 +267,9 @@ def test_the_strategy_clips_through_offloads_clip_grad_norm(tmp_path: Path, monk
     computed: list[int] = []  # the norms each clip computed itself
     real = offload.clipping.pooled_norms
     monkeypatch.setattr(offload.clipping, "pooled_norms", lambda ts, *a: computed.append(len(ts)) or real(ts, *a))
+    alone: list[int] = []  # the slices whose scaling ran by itself, not in their update
+    real_alone = deferred_scaling._scale
+    monkeypatch.setattr(deferred_scaling, "_scale", lambda owed, index: alone.append(index) or real_alone(owed, index))
     expected, expected_weights, data = built("mlp", offloaded=False)
     reference = fit(expected, tmp_path / "plain", 2, data)
     actual, actual_weights, data = built("mlp", offloaded=True, optimizer=optimizer)
@@ -275,7 +279,7 @@ def test_the_strategy_clips_through_offloads_clip_grad_norm(tmp_path: Path, monk
     parameters = len(list(actual.parameters()))
     assert computed == [parameters] + [0 if optimizer != "offload" else parameters] * (len(computed) - 1)
     assert max(expected.grad_norms) > 1.0  # clip_gradients clipped some steps
-    assert (scaled_at_clip == []) == (optimizer == "offload-scale-in-update") and calls
+    assert (scaled_at_clip == []) == (optimizer == "offload-scale-in-update") and calls and alone == []
     assert_same_run(actual, expected, actual_weights, expected_weights)
 
 

@@ -19,6 +19,7 @@ import offload.clipping  # noqa: E402
 from offload import OffloadModel  # noqa: E402
 from offload.integrations.causal_lm import OffloadedCausalLM  # noqa: E402
 from offload.integrations.transformers import parallel_clipping  # noqa: E402
+from offload.optimizing import deferred_scaling  # noqa: E402
 from offload.optimizing.deferred_scaling import DeferredScaling  # noqa: E402
 
 from .helpers import CUDA, count_parallel_norms  # noqa: E402
@@ -118,14 +119,17 @@ def test_trainer_matches_the_plain_model_bit_for_bit(plain_run, optimizer, tmp_p
     real_scaling = offload.clipping.clip_grads_with_norm_
     monkeypatch.setattr(offload.clipping, "clip_grads_with_norm_",
                         lambda ps, *a: scaled_at_clip.append(len(ps)) or real_scaling(ps, *a))
+    alone: list[int] = []  # the slices whose scaling ran by itself, not in their update
+    real_alone = deferred_scaling._scale
+    monkeypatch.setattr(deferred_scaling, "_scale", lambda owed, index: alone.append(index) or real_alone(owed, index))
     if optimizer.endswith("parallel_clipping"):
         assert parallel_clipping(trainer) is trainer
     trainer.train()
     assert len(norms) == (STEPS if optimizer.endswith("parallel_clipping") else 0)
     if "norms_in_backward" in optimizer:  # the first clip computes them all again to compare, the others none
         assert computed == [len(list(model.parameters()))] + [0] * (STEPS - 1)
-    if "scale_in_update" in optimizer:  # every clip scaled on the update worker, none at the clip
-        assert scaled_at_clip == [] and len(handed_over) == STEPS and all(handed_over)
+    if "scale_in_update" in optimizer:  # every clip scaled by the slices' updates, none at the clip
+        assert scaled_at_clip == [] and len(handed_over) == STEPS and all(handed_over) and alone == []
     assert logged(trainer) == losses  # every training loss, gradient norm and eval loss, bit for bit
     assert sum(key == "eval_loss" for key, _, _ in losses) == 2 and sum(key == "loss" for key, _, _ in losses) == STEPS
     assert_same_weights(hf, plain)
