@@ -78,8 +78,9 @@ def one_pass(kernel: ModuleType, op: Any, lists: Sequence[list[torch.Tensor]], s
              options: dict[str, Any], clip: torch.Tensor | None = None) -> None:
     """Step ``lists`` as PyTorch's fused kernel ``op`` would with ``options`` (every tensor float32,
     contiguous, on the CPU), and cast each parameter into ``shadows`` (same sizes, bfloat16 or
-    float16; an empty tensor for none) from its new value. With ``clip`` (a 0-d float32 coefficient), the gradients are first
-    multiplied by it, as ``grad.mul_(clip)`` would, in the same pass."""
+    float16; an empty tensor for none) from its new value. With ``clip`` (a 0-d float32
+    coefficient), the gradients are first multiplied by it, as ``grad.mul_(clip)`` would, in the
+    same pass."""
     served = SERVED[op]
     lists = [list(group) for group in lists]
     served.run(kernel, lists, shadows, options, None if clip is None else float(clip.item()))

@@ -35,10 +35,6 @@ class OwedScaling:
         return self.coefficient.dtype == torch.float32 and all(self.owes(t) and t.dtype == torch.float32
                                                                   for t in tensors)
 
-    def factor(self) -> float:
-        """The coefficient as the kernel multiplies by it (its float32 value, exactly)."""
-        return float(self.coefficient.item())
-
     def taken(self, tensors: Iterable[torch.Tensor]) -> None:
         """``tensors`` were scaled by a kernel as it read them."""
         for t in tensors:

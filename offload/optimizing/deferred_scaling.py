@@ -11,11 +11,11 @@ Note: [Scaling in the update]
     (``SliceUpdates.owe`` in ``offload/streams/updates.py``) and ``step()`` hands it to the slice's
     update (``claim``). The update multiplies the gradients as it reads them: the one-pass kernel
     (Note: [One-pass update] in ``offload/kernels/one_pass.py``), with a shadow to write or not, in
-    registers, storing each back as
-    the clip leaves it (4 bytes a float32 parameter written, where a pass of its own reads and
-    writes 8); other optimizers, or a machine without the kernel, multiply them first, on the
-    worker. The worker runs the updates in the next forward's order (Note: [Updates in the next
-    forward's order] in ``stepping.py``): slice 0's first, the rest beside the forward.
+    registers, storing each back as the clip leaves it (4 bytes a float32 parameter written, where a
+    pass of its own reads and writes 8); other optimizers, or a machine without the kernel,
+    multiply them first, on the worker. The worker runs the updates in the next forward's order
+    (Note: [Updates in the next forward's order] in ``stepping.py``): slice 0's first, the rest
+    beside the forward.
 
     The same result bit for bit: each gradient is multiplied by the same 0-d coefficient that
     ``torch.nn.utils.clip_grads_with_norm_`` computes, in float32, before anything else reads it
@@ -39,8 +39,9 @@ Note: [Scaling in the update]
     model (its exchange orders the updates) and of an optimizer that is not the model's newest;
     gradients that are not contiguous (an expanded one, on which the product raises, raises at the
     clip); every gradient when a parameter is listed twice (PyTorch scales it twice), a gradient
-    tensor two parameters share (scaled once for each), and every one with ``foreach=True``. The coefficient is PyTorch's, on the total norm's device (a resident slice's
-    when its gradients come first), copied to the host as PyTorch copies it for host gradients.
+    tensor two parameters share (scaled once for each), and every one with ``foreach=True``. The
+    coefficient is PyTorch's, on the total norm's device (a resident slice's when its gradients
+    come first), copied to the host as PyTorch copies it for host gradients.
     A scaling run alone that raises says so, and that the step's later updates did not run.
 
     Orderings: owed work is submitted after the work pending on its slice, and every wait for the
@@ -130,14 +131,15 @@ class DeferredScaling:
                 continue
             taken.update(id(p) for p in chosen)
             self._handed.update(id(p) for p in chosen)
-            updates.engine.updates.owe(step.index, OwedSlice(updates, step.index, [p.grad for p in chosen], coefficient))
+            owed = OwedSlice(updates, step.index, [p.grad for p in chosen], coefficient)
+            updates.engine.updates.owe(step.index, owed)
             self._slices.append((updates.engine, step.index))
         return taken
 
 
 class OwedSlice:
-    """A slice's owed scaling: its update takes it into its own pass (:meth:`scaling`), or, when
-    something else needs the slice first, :meth:`submit` runs it on the update worker alone."""
+    """A slice's owed scaling: its update takes ``scaling`` into its own pass, or, when something
+    else needs the slice first, :meth:`submit` runs it on the update worker alone."""
 
     def __init__(self, updates: SliceUpdates, index: int, grads: list[torch.Tensor], coefficient: torch.Tensor) -> None:
         self.updates = updates

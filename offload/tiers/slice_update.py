@@ -179,8 +179,9 @@ class SliceStep:
         assert self.whole is not None
         # Without a shadow the kernel still pays where it multiplies a clip's owed gradients as it reads them.
         kernel = host_kernel() if shadow or scaling is not None else None
-        fused = all(group.get("fused") for group in self.whole.optimizer.param_groups)
-        if kernel is None or (scaling is not None and not fused):
+        # A clip owed to an optimizer that is not fused: scaled first (no per-operation watch over its many calls).
+        unfused = scaling is not None and not all(g.get("fused") for g in self.whole.optimizer.param_groups)
+        if kernel is None or unfused:
             if scaling is not None:
                 scaling.apply_rest()
             self.whole.step(grads, hyper, grad_scale, found_inf)
