@@ -79,6 +79,51 @@ def test_the_kernel_leaves_its_threads_count_as_it_found_it(kernel):
     assert seen == [3]
 
 
+@pytest.mark.parametrize("op", [ADAMW, SGD], ids=["AdamW", "SGD"])
+def test_the_kernel_lets_other_python_threads_run_while_it_works(kernel, op):
+    """A slice's update runs on the update worker's thread while the thread that drives the device
+    launches the backward's kernels from Python: the kernel must let go of Python's lock, or that
+    thread stops for the whole update (a GPU trace showed a 12-15 ms stall in each slice's
+    backward, one slice's update on the host). Here the main thread runs Python throughout calls
+    on another thread. Holding the lock, its longest pause is at least a whole call; letting go,
+    a small part of one, unless the machine took its core away (then the next try)."""
+    import threading
+    import time
+    n = 1 << 24  # a call of tens of milliseconds, on one core
+    given = ([[torch.randn(n)], [torch.randn(n)], [torch.zeros(n)], [torch.zeros(n)], [], [torch.tensor(1.0)]]
+             if op is ADAMW else [[torch.randn(n)], [torch.randn(n)], [torch.zeros(n)]])
+    options = dict(ADAM_DEFAULTS if op is ADAMW else SGD_DEFAULTS)
+    shadows = [torch.empty(n, dtype=torch.bfloat16)]
+
+    def longest_pause_and_call() -> tuple[float, float]:
+        calls: list[float] = []
+
+        def work() -> None:
+            torch.set_num_threads(1)  # the kernel on one core, the main thread on the other
+            for _ in range(3):
+                start = time.perf_counter()
+                one_pass(kernel, op, given, shadows, dict(options))
+                calls.append(time.perf_counter() - start)
+
+        worker = threading.Thread(target=work)
+        stamps = [time.perf_counter()]
+        worker.start()
+        while worker.is_alive():
+            stamps.append(time.perf_counter())
+        worker.join()
+        assert len(calls) == 3
+        return max(b - a for a, b in zip(stamps, stamps[1:])), min(calls)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)  # the lock passed between the threads at once, not after 5 ms
+    try:
+        tries = [longest_pause_and_call() for _ in range(3)]
+    finally:
+        sys.setswitchinterval(interval)
+    assert any(pause < 0.5 * call for pause, call in tries), \
+        "the main thread stopped for a call: " + ", ".join(f"{p * 1e3:.1f} of {c * 1e3:.1f} ms" for p, c in tries)
+
+
 @pytest.mark.parametrize("op,changes", OPTIONS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, None], ids=["bf16", "fp16", "no-shadow"])
 @pytest.mark.parametrize("clip", [None, 0.3712], ids=["", "clipped"])

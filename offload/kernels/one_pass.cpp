@@ -359,8 +359,12 @@ void sgd_step(const std::vector<at::Tensor>& params, const std::vector<at::Tenso
   }
 }
 
+// The steps let go of Python's lock while they run: a slice's update takes milliseconds to tens of
+// them on the update worker's thread, and the thread that drives the device (launching the
+// backward's kernels, all of them from Python) must not wait for it. Nothing inside touches a
+// Python object; the arguments are converted before the lock is let go.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("vector_size", &vector_size);
-  m.def("adam_step", &adam_step);
-  m.def("sgd_step", &sgd_step);
+  m.def("adam_step", &adam_step, py::call_guard<py::gil_scoped_release>());
+  m.def("sgd_step", &sgd_step, py::call_guard<py::gil_scoped_release>());
 }
