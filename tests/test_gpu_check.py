@@ -118,6 +118,38 @@ def test_stream_table_counts_busy_idle_and_gaps_inside_the_forward_and_backward(
         stream_idle.lanes(events[1:])
 
 
+def test_host_pauses_are_the_stretches_between_a_threads_innermost_events_and_name_what_ended_before():
+    def op(tid: int, name: str, ts: float, dur: float, cat: str = "cpu_op") -> dict:
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid}
+
+    events = [{"ph": "X", "cat": "user_annotation", "name": "forward+backward", "ts": 0.0, "dur": 20000.0, "tid": 1},
+              op(2, "outer", 0, 3000), op(2, "a", 100, 200), op(2, "b", 2800, 100),  # 2.5 ms inside "outer"
+              op(2, "c", 3000, 100), op(2, "d", 9100, 100),  # 6 ms
+              op(2, "e", 9300, 500),  # 0.1 ms: not a pause
+              op(3, "wait", 2000, 250, "cuda_runtime"), op(3, "wait", 2950, 100, "cuda_runtime"),
+              op(4, "mm", 0, 100, "kernel")]  # a device event: not a host thread's
+    table = stream_idle.lanes(events)["host_pauses"]
+    assert set(table) == {"thread 1", "thread 2", "thread 3"}
+    two = table["thread 2"]
+    assert two["pauses_over_1ms"] == 2 and two["paused_ms"] == pytest.approx(2.5 + 6.0)
+    assert two["longest_pause_ms"] == pytest.approx(6.0)
+    # The 6 ms pause began 0.05 ms after thread 3's second wait ended; nothing ended in the 1 ms before the first.
+    assert two["most_begin_after"] == "thread 3 wait (1)"
+    assert table["thread 3"]["pauses_over_1ms"] == 0 and table["thread 3"]["most_begin_after"] == ""
+
+
+def test_the_h200_trace_shows_the_backward_thread_paused_in_every_slice_and_the_resident_one_not():
+    """The committed traces of 2026-11-28 (benchmarks/results/h200-2026-11-28/): what the docs say of
+    them (docs/performance.md, the H200's results)."""
+    folder = ROOT / "benchmarks" / "results" / "h200-2026-11-28"
+    offloaded = stream_idle.lanes(stream_idle.load(str(folder / "trace-offload-in-backward.json.gz")))["host_pauses"]
+    resident = stream_idle.lanes(stream_idle.load(str(folder / "trace-resident.json.gz")))["host_pauses"]
+    backward = max(offloaded.values(), key=lambda row: row["events"])
+    assert backward["pauses_over_1ms"] == 18 and round(backward["paused_ms"]) == 224
+    assert backward["most_begin_after"].endswith("cudaStreamIsCapturing (16)")
+    assert max(resident.values(), key=lambda row: row["events"])["pauses_over_1ms"] == 0
+
+
 def test_the_gpu_check_lists_only_test_files_that_exist_and_brings_back_at_most_8_files():
     script = (ROOT / "benchmarks" / "gpu_check.sh").read_text()
     assert "tests/test_trainers_cuda.py" in script and (ROOT / "tests" / "test_trainers_cuda.py").exists()
