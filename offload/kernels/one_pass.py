@@ -25,6 +25,11 @@ Note: [One-pass update]
     The same pass also does a clip's multiplication of the gradients when ``clip_grad_norm_`` left
     it to the update (Note: [Scaling in the update] in ``offload/optimizing/deferred_scaling.py``):
     each gradient is multiplied by the coefficient as it is read, and stored back so.
+
+    The kernels let go of Python's lock while they run, as PyTorch's do: a slice's update takes
+    milliseconds to tens of them, and the thread that drives the device launches every kernel of
+    the forward and backward from Python beside it (held, it stopped that thread for each slice's
+    update: ``benchmarks/stream_idle.py``'s pauses in the H200 trace of 2026-11-28).
 """
 
 from __future__ import annotations
