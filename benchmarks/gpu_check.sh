@@ -21,7 +21,10 @@
 #           backward; the same with 9 of its 18 slices resident; the update behind the next forward
 #           with clipping (as Hugging Face's Trainer runs it, the norms computed in backward); each beside the planner's prediction
 #           for this machine (--predict), 3 timed steps after 2 warm-ups (150 s; the H200's
-#           2026-11-28 second call took 84 s for 3 of these runs);
+#           2026-11-28 second call took 84 s for 3 of these runs); then one more step of offload in
+#           backward under the profiler, $OUT/trace-offload-in-backward.json.gz, and its per-stream
+#           and per-host-thread table (benchmarks/stream_idle.py: the backward's thread paused 224 ms
+#           in the 2026-11-28 trace while the one-pass kernel held Python's lock);
 #   threads offload in backward with 9 resident slices at 8 x 1024 tokens, the update worker at 14
 #           threads, then PyTorch's with OMP_WAIT_POLICY=PASSIVE, then with the pinned mappings on
 #           4 KiB pages (OFFLOAD_HUGEPAGES=0), then with each slice's gradients sent one copy per
@@ -53,7 +56,8 @@
 #
 # What comes back (the device tool returns at most 8 files, 16 MiB each, 2 folders deep): $OUT/run.log
 # (the headlines and the summary), $OUT/stages.log (every stage's full output), $OUT/pytest.log,
-# $OUT/summary.json (every stage's JSON, one key per stage), and the two traces: 6 files. Stage JSONs
+# $OUT/summary.json (every stage's JSON, one key per stage), and the traces (offload in backward's from
+# the slices stage; with the trace stage, the resident model's too): 5 or 6 files. Stage JSONs
 # are written to a scratch folder first and merged.
 #
 # The GPU machine (nvidia-h200: Python 3.12, torch 2.11, transformers 5.17, accelerate, lightning,
@@ -186,8 +190,13 @@ for name in $stages; do
             pytest_cuda "$limit_tests" "${FIRST_TESTS[@]}" ;;
         slices)
             kernels_ready
+            # One more step of offload in backward under the profiler: its trace's host-thread pauses
+            # against the H200's of 2026-11-28, when the one-pass kernel held Python's lock
+            # (benchmarks/stream_idle.py; the trace stage adds the resident model's).
+            trace_slices=()
+            [[ ",$slices_runs," == *",offload-in-backward,"* ]] && trace_slices=(--trace "$OUT" --trace-runs offload-in-backward)
             stage slices "$limit_slices" $PY benchmarks/bench_peers.py $dry_flag --predict --only "$slices_runs" \
-                --steps 3 --warmup 2 --json "$work/slices.json"
+                --steps 3 --warmup 2 "${trace_slices[@]}" --json "$work/slices.json"
             headline "$work/slices.log" 9 ;;
         batch)
             for rows in $big $((big / 2)); do

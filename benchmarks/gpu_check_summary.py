@@ -140,6 +140,8 @@ def show(path: str) -> None:
             parts.append(clipping(report))
         else:
             parts.append(runs(name, report))
+            if any("streams" in r for r in report.get("runs", {}).values() if isinstance(r, dict)):
+                parts.append(trace(report))
     print("\n\n".join(parts))
 
 
