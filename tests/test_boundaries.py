@@ -142,3 +142,127 @@ def test_outputs_that_need_no_gradient_do_not_require_it(checkpoint_activation):
     h.sum().backward()
     ph.sum().backward()
     assert_same_grads(model, plain, **EXACT)
+
+
+# -- Note: [Leaves that pass through] (offload/autograd/records.py) ---------------------------------
+
+
+class Carry(nn.Module):
+    """``(h, c) -> (linear(h + c), c')``, where ``c'`` is ``c`` as it came (``how="same"``),
+    ``c`` changed in place first (``"in place"``), or a new tensor: ``"stash"`` keeps ``c``'s
+    memory (not the tensor) and passes ``c + 1`` on; ``"revive"`` writes new values into the
+    memory the last ``"stash"`` kept and passes on a new tensor over it, at version 1 (its
+    ``set_``), as a new allocation at a freed one's address would be at the version it starts at."""
+
+    def __init__(self, how: str, stash: list[torch.UntypedStorage] | None = None):
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.how = how
+        self.stash = stash
+
+    def forward(self, inputs):
+        h, c = inputs
+        if self.how == "in place":
+            c.mul_(1.5)
+        elif self.how == "stash":
+            self.stash.append(c.untyped_storage())
+            c = c + 1.0
+        elif self.how == "revive":
+            kept = self.stash[-1]
+            torch.empty(0, device=c.device).set_(kept, 0, c.shape).copy_(c * 3.0)
+            c = torch.empty(0, device=c.device).set_(kept, 0, c.shape)
+        # The linear saves h + c, not c, which may change in place later; its weight's gradient
+        # depends on c, so a recompute that started from another c would show there.
+        return self.linear(h + c), c
+
+
+class Start(nn.Module):
+    def forward(self, x):
+        c = torch.empty(x.shape[0], WIDTH, device=x.device)
+        c.copy_(torch.linspace(0.5, 1.5, WIDTH, device=x.device))  # version 1, as "revive"'s tensor is made
+        return x, c
+
+
+def carrying(hows: list[str]) -> nn.Sequential:
+    torch.manual_seed(0)
+    stash: list[torch.UntypedStorage] = []
+    return nn.Sequential(Start(), *[Carry(how, stash) for how in hows], nn.Sequential())
+
+
+def offloads(model: OffloadModel, monkeypatch) -> tuple[list[int], list[int], list[int]]:
+    """From now on, the data pointers of the boundary activations ``model`` offloads, of their
+    host copies, and of the host copies it loads back."""
+    activations = model._engine.activations
+    sources: list[int] = []
+    copies: list[int] = []
+    loaded: list[int] = []
+    offload, load = activations.offload, activations.load
+
+    def counting_offload(tensor):
+        host, ticket = offload(tensor)
+        sources.append(tensor.untyped_storage().data_ptr())
+        copies.append(host.untyped_storage().data_ptr())
+        return host, ticket
+
+    def counting_load(ticket, host):
+        loaded.append(host.untyped_storage().data_ptr())
+        return load(ticket, host)
+
+    monkeypatch.setattr(activations, "offload", counting_offload)
+    monkeypatch.setattr(activations, "load", counting_load)
+    return sources, copies, loaded
+
+
+def train_both(hows: list[str], num_microbatches: int, monkeypatch) -> tuple[list[int], list[int], list[int]]:
+    """One forward and backward of the plain model and of the offloaded one, one slice per
+    layer: outputs and gradients equal bit for bit. Returns what the offloaded one offloaded and
+    loaded back (:func:`offloads`)."""
+    plain = carrying(hows)
+    offloaded = OffloadModel(copy.deepcopy(plain), device="cpu", num_slices=len(plain),
+                             num_microbatches=num_microbatches)
+    seen = offloads(offloaded, monkeypatch)
+    x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(2))
+    # The plain model a microbatch at a time, as the offloaded one runs it.
+    expected = [plain(chunk)[0] for chunk in x.chunk(num_microbatches)]
+    got = offloaded(x)[0]
+    torch.testing.assert_close(got, torch.cat(expected), **EXACT)
+    for chunk in reversed(expected):  # backward takes the last microbatch first
+        chunk.square().sum().backward()
+    got.square().sum().backward()
+    assert_same_grads(offloaded, plain, **EXACT)
+    return seen
+
+
+# Offloads of a model of k Carry layers, one slice per layer: the input at the first boundary; at
+# the second, the carried tensor only (Start returns its input as the hidden state, which went to
+# the host already); at each later one of the k - 1 that are checkpointed, the hidden state, and the
+# carried tensor only where it changed. With two microbatches the last slice's first run is
+# checkpointed too: one more boundary. Backward loads each host copy once, and again for a
+# recompute that follows one which changed the shared device copy in place.
+
+
+@pytest.mark.parametrize("num_microbatches", [1, 2])
+def test_a_leaf_that_passes_through_unchanged_goes_to_the_host_and_back_once(num_microbatches, monkeypatch):
+    offloaded, copies, loaded = train_both(["same"] * 4, num_microbatches, monkeypatch)
+    assert len(offloaded) == num_microbatches * (1 + 1 + 3) + (num_microbatches - 1)
+    assert sorted(loaded) == sorted(copies)
+
+
+def test_a_leaf_changed_in_place_between_boundaries_goes_to_the_host_and_back_again(monkeypatch):
+    # Changed by layers 2 and 4: after layer 2 at a checkpointed boundary, after layer 4 at none.
+    offloaded, copies, loaded = train_both(["same", "in place", "same", "in place"], 1, monkeypatch)
+    assert len(offloaded) == 1 + 1 + 3 + 1
+    # The carried tensor's two host copies (after the embedding, after layer 2): the recomputes of
+    # layers 4 and 2 change the device copy that those of layers 3 and 1 start from, which load
+    # their own.
+    first, second = copies[1], copies[4]  # [x, c, h2, h3, c changed, h4]
+    assert loaded.count(first) == 2 and loaded.count(second) == 2 and len(loaded) == len(copies) + 2
+
+
+def test_a_new_leaf_at_the_address_of_a_freed_one_goes_to_the_host_again(monkeypatch):
+    """Layer 3 passes on a new tensor over the memory of the tensor that entered layer 1, freed
+    since, with other values and at the version that one had: it is the same memory, viewed
+    alike, at the same version, and yet not the leaf offloaded then."""
+    offloaded, _, _ = train_both(["stash", "same", "revive", "same"], 1, monkeypatch)
+    assert offloaded.count(offloaded[1]) == 2  # the carried tensor at the second boundary, and at the fourth again
+    assert len(offloaded) == 1 + 1 + 3 + 2  # c + 1 after layer 1, the revived one after layer 3

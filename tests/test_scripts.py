@@ -197,6 +197,19 @@ def test_bench_activations_compares_the_three_ways_and_finds_them_identical(tmp_
     assert "benchmarks/bench_activations.py" in data["command"]
 
 
+def test_bench_boundaries_counts_each_passing_leaf_once_with_the_same_results(tmp_path):
+    out = run("benchmarks/bench_boundaries.py", "--layers", "3", "--hidden", "32", "--seq-len", "16", "--rounds", "2",
+              "--warmup", "1", "--json", str(tmp_path / "b.json"))
+    assert "same loss and gradients: True" in out
+    data = json.loads((tmp_path / "b.json").read_text())
+    shared, every = data["variants"]["shared"], data["variants"]["every boundary"]
+    # Five slices, four checkpointed: the token ids, then the hidden states and both rotary tables
+    # at each of three boundaries, or the tables only at the first.
+    assert every["offloads"] == every["loads"] == 1 + 3 * 3
+    assert shared["offloads"] == shared["loads"] == 1 + 3 + 2
+    assert "benchmarks/bench_boundaries.py" in data["command"]
+
+
 def test_chunked_loss_precision_script(tmp_path):
     out = run("benchmarks/chunked_loss_precision.py", "--tokens", "256", "--hidden", "16", "--vocab", "32",
               "--chunks", "64", "16", "--json", str(tmp_path / "p.json"))

@@ -28,10 +28,36 @@ Note: [Checkpoints and kept graphs]
     Records hold indices into the tensors the call saves with ``ctx.save_for_backward``, never the
     tensors themselves, so autograd frees them with the graph (Note: [Gradients through autograd]
     in ``offload/autograd/gradients.py``).
+
+Note: [Leaves that pass through]
+    Some boundary leaves cross every slice unchanged: a causal LM's rotary tables (``cos`` and
+    ``sin``) travel from the embedding to every decoder layer beside the hidden states. Offloading
+    them again at every boundary cost two of every three activation offloads of a Llama step: a
+    device snapshot, a copy to the host and their events each, on the thread that launches the
+    forward. A checkpoint's leaf that is the same memory, viewed alike (storage, offset, sizes,
+    strides, dtype), at the same version as at the boundary before, shares that boundary's saved
+    leaf: the same host copy and ticket. Backward loads it once and hands the device copy to
+    every recompute that starts from it (each differentiates a detached alias of its own); a
+    recompute that changes it in place (the slice whose forward changed it, which backward meets
+    first) moves its version past the one it was handed out at, and the next recompute loads its
+    own. The one copy stays on the device while backward runs, where each recompute's own copy
+    lived one slice, beside the next slice's loaded ahead.
+
+    - Each slice's outputs are detached, so the leaf is a new tensor at every boundary; a detached
+      tensor shares its source's version counter, autograd's count of in-place changes, so a leaf
+      changed in place in between is offloaded anew.
+    - The memory is the same allocation, not a later one at the same address, because the tensor
+      seen at the boundary before is still alive (held weakly here, by the walk's boundary list
+      there) when the next boundary compares.
+    - A change that autograd does not count (a write through ``.data``, or through another
+      tensor over the same memory made with ``set_``) goes unseen here, as it goes unseen by
+      autograd's own saved tensors. Inference tensors keep no version and subclasses of Tensor
+      may have no memory of their own: those are offloaded at every boundary, as before.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +82,7 @@ class SavedLeaf:
     stash: int | None = None
     ticket: OffloadTicket | None = None
     value: Any = None
+    shared: bool = False  # the leaf of more than one checkpoint (Note: [Leaves that pass through])
 
 
 @dataclass
@@ -158,6 +185,9 @@ class ForwardRecords:
         self._buffers_before_run: tuple[int, OffloadTicket] | None = None
         # The running slice's plain attributes per run; only recomputes need them.
         self._attributes: AttributeTracker | None = None
+        # Boundary leaves offloaded so far, by memory and view: the tensor last seen there (weakly),
+        # its version then and its saved leaf (Note: [Leaves that pass through]).
+        self._offloaded: dict[tuple[Any, ...], tuple[weakref.ref[torch.Tensor], int, SavedLeaf]] = {}
 
     def mode(self, i: int, m: int) -> ActivationMode:
         """What run ``(i, m)`` leaves for backward."""
@@ -186,13 +216,25 @@ class ForwardRecords:
             self.grid[i][m] = Checkpoint([self._saved_leaf(x) for x in leaves], spec, requires)
 
     def _saved_leaf(self, leaf: Any) -> SavedLeaf:
-        """A boundary leaf for the recompute: tensors on the compute device go to the host."""
+        """A boundary leaf for the recompute: tensors on the compute device go to the host, once
+        for every boundary they cross unchanged (Note: [Leaves that pass through])."""
         if not isinstance(leaf, torch.Tensor):
             return SavedLeaf(value=leaf)
         if leaf.device != self.engine.device:
             return SavedLeaf(stash=self._save(leaf))
-        host, ticket = self.engine.activations.offload(leaf)
-        return SavedLeaf(stash=self._save(host), ticket=ticket)
+        if leaf.is_inference() or type(leaf) is not torch.Tensor:  # no version to compare; a subclass's memory
+            host, ticket = self.engine.activations.offload(leaf)
+            return SavedLeaf(stash=self._save(host), ticket=ticket)
+        where = (leaf.untyped_storage().data_ptr(), leaf.storage_offset(), leaf.shape, leaf.stride(), leaf.dtype)
+        known = self._offloaded.get(where)
+        if known is not None and known[0]() is not None and known[1] == leaf._version:
+            saved = known[2]
+            saved.shared = True
+        else:
+            host, ticket = self.engine.activations.offload(leaf)
+            saved = SavedLeaf(stash=self._save(host), ticket=ticket)
+        self._offloaded[where] = (weakref.ref(leaf), leaf._version, saved)
+        return saved
 
     def keep_graph(self, i: int, m: int, outputs: Sequence[Any], graph_leaves: Sequence[Any],
                    params: list[torch.Tensor]) -> None:
@@ -286,6 +328,7 @@ class ForwardRecords:
     def saved_for_backward(self) -> list[torch.Tensor]:
         """The saved tensors, for ``ctx.save_for_backward``; the records no longer hold them."""
         saved, self._saved = self._saved, None
+        self._offloaded.clear()  # forward is over: nothing more to share
         assert saved is not None
         return saved
 
@@ -309,7 +352,12 @@ class BoundaryLoader:
         self.engine = engine
         self.records = records
         self.saved = saved
-        self._loaded: dict[tuple[int, int], tuple[list[Any], list[Event | None]]] = {}
+        # Per run loaded ahead: its leaves as saved, as loaded, their ready events, and the version
+        # each shared one had when handed out.
+        self._loaded: dict[tuple[int, int], tuple[list[SavedLeaf], list[Any], list[Event | None], list[int | None]]] = {}
+        # Shared leaves on the device, by saved tensor: the copy and its ready event (Note:
+        # [Leaves that pass through]).
+        self._shared: dict[int, tuple[torch.Tensor, Event | None]] = {}
 
     def prefetch(self, i: int, m: int) -> None:
         record = self.records.grid[i][m]
@@ -323,21 +371,39 @@ class BoundaryLoader:
         for leaf in record.inputs:
             if leaf.stash is None:
                 leaves.append(leaf.value)
+                events.append(None)
                 continue
             host = self.saved[leaf.stash]
             if leaf.ticket is not None:
-                tensor, ready = self.engine.activations.load(leaf.ticket, host)
+                tensor, ready = self._load(leaf, host)
             elif host.device != self.engine.device:
                 tensor, ready = self.engine.activations.load_host(host)
             else:
                 tensor, ready = host, None
             leaves.append(tensor)
             events.append(ready)
-        self._loaded[(i, m)] = (leaves, events)
+        handed = [t._version if leaf.shared and leaf.ticket is not None else None for leaf, t in zip(record.inputs, leaves)]
+        self._loaded[(i, m)] = (record.inputs, leaves, events, handed)
+
+    def _load(self, leaf: SavedLeaf, host: torch.Tensor, reuse: bool = True) -> tuple[torch.Tensor, Event | None]:
+        """An offloaded leaf on the device: a shared one's copy is loaded once and serves every
+        recompute that starts from it (:meth:`take` loads another where one changed it)."""
+        assert leaf.ticket is not None and leaf.stash is not None
+        if leaf.shared and reuse and leaf.stash in self._shared:
+            return self._shared[leaf.stash]
+        tensor, ready = self.engine.activations.load(leaf.ticket, host)
+        if leaf.shared:
+            self._shared[leaf.stash] = (tensor, ready)
+        return tensor, ready
 
     def take(self, i: int, m: int) -> list[Any]:
         self.prefetch(i, m)
-        leaves, events = self._loaded.pop((i, m))
+        inputs, leaves, events, handed = self._loaded.pop((i, m))
+        for k, version in enumerate(handed):
+            # A shared copy handed out one step ahead, changed in place since by the recompute
+            # that ran in between: this run loads its own.
+            if version is not None and leaves[k]._version != version:
+                leaves[k], events[k] = self._load(inputs[k], self.saved[inputs[k].stash], reuse=False)
         for event in events:
             self.engine.copies.wait_ready(event)
         return leaves
