@@ -91,6 +91,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--json")
     args = parser.parse_args()
+    if args.rounds < 2:
+        parser.error("--rounds: at least 2 (the first timed round is the counted one)")
 
     models = {name: build(args, args.device) for name in VARIANTS}
     counts: dict[str, dict[str, int]] = {name: {"offloads": 0, "offloaded_bytes": 0, "loads": 0} for name in VARIANTS}
@@ -109,7 +111,8 @@ def main() -> None:
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in VARIANTS}
     losses: dict[str, torch.Tensor] = {}
     for round_ in range(args.warmup + args.rounds):
-        for name, saved_leaf in VARIANTS.items():
+        order = list(VARIANTS.items())
+        for name, saved_leaf in order if round_ % 2 == 0 else order[::-1]:  # neither always first
             model, ids = models[name]
             records.ForwardRecords._saved_leaf = saved_leaf
             counting = round_ == args.warmup  # one step of each counted, outside the timed ones

@@ -149,10 +149,11 @@ def test_outputs_that_need_no_gradient_do_not_require_it(checkpoint_activation):
 
 class Carry(nn.Module):
     """``(h, c) -> (linear(h + c), c')``, where ``c'`` is ``c`` as it came (``how="same"``),
-    ``c`` changed in place first (``"in place"``), or a new tensor: ``"stash"`` keeps ``c``'s
-    memory (not the tensor) and passes ``c + 1`` on; ``"revive"`` writes new values into the
-    memory the last ``"stash"`` kept and passes on a new tensor over it, at version 1 (its
-    ``set_``), as a new allocation at a freed one's address would be at the version it starts at."""
+    ``c`` changed in place first (``"in place"``), its conjugate (``"conj"``), or a new tensor
+    (``"new"``, ``c + 1``). ``"stash"`` keeps ``c``'s memory (not the tensor) and passes ``c + 1``
+    on; ``"revive"`` writes new values into the memory the last ``"stash"`` kept and passes on a
+    new tensor over it, at version 1 (its ``set_``), as a new allocation at a freed one's address
+    would be at the version it starts at."""
 
     def __init__(self, how: str, stash: list[torch.UntypedStorage] | None = None):
         super().__init__()
@@ -164,6 +165,8 @@ class Carry(nn.Module):
         h, c = inputs
         if self.how == "in place":
             c.mul_(1.5)
+        elif self.how == "new":
+            c = c + 1.0
         elif self.how == "stash":
             self.stash.append(c.untyped_storage())
             c = c + 1.0
@@ -171,22 +174,28 @@ class Carry(nn.Module):
             kept = self.stash[-1]
             torch.empty(0, device=c.device).set_(kept, 0, c.shape).copy_(c * 3.0)
             c = torch.empty(0, device=c.device).set_(kept, 0, c.shape)
+        elif self.how == "conj":
+            c = c.conj()  # the same memory, viewed alike, at the same version: other values
         # The linear saves h + c, not c, which may change in place later; its weight's gradient
         # depends on c, so a recompute that started from another c would show there.
-        return self.linear(h + c), c
+        return self.linear(h + (c.imag if c.is_complex() else c)), c
 
 
 class Start(nn.Module):
+    def __init__(self, complex_carry: bool = False):
+        super().__init__()
+        self.complex_carry = complex_carry
+
     def forward(self, x):
         c = torch.empty(x.shape[0], WIDTH, device=x.device)
         c.copy_(torch.linspace(0.5, 1.5, WIDTH, device=x.device))  # version 1, as "revive"'s tensor is made
-        return x, c
+        return x, torch.complex(c, c - 1.0) if self.complex_carry else c
 
 
 def carrying(hows: list[str]) -> nn.Sequential:
     torch.manual_seed(0)
     stash: list[torch.UntypedStorage] = []
-    return nn.Sequential(Start(), *[Carry(how, stash) for how in hows], nn.Sequential())
+    return nn.Sequential(Start("conj" in hows), *[Carry(how, stash) for how in hows], nn.Sequential())
 
 
 def offloads(model: OffloadModel, monkeypatch) -> tuple[list[int], list[int], list[int]]:
@@ -266,3 +275,35 @@ def test_a_new_leaf_at_the_address_of_a_freed_one_goes_to_the_host_again(monkeyp
     offloaded, _, _ = train_both(["stash", "same", "revive", "same"], 1, monkeypatch)
     assert offloaded.count(offloaded[1]) == 2  # the carried tensor at the second boundary, and at the fourth again
     assert len(offloaded) == 1 + 1 + 3 + 2  # c + 1 after layer 1, the revived one after layer 3
+
+
+@pytest.mark.parametrize("num_microbatches", [1, 2])
+@pytest.mark.parametrize("hows", [["same", "same", "in place"], ["same", "same", "same", "in place", "same"]],
+                         ids=["three", "four"])
+def test_a_leaf_shared_by_three_or_more_checkpoints_and_changed_by_the_last_is_loaded_again(hows, num_microbatches,
+                                                                                           monkeypatch):
+    """Backward meets the slice that changes the leaf first: its recompute changes the shared
+    device copy, which the next run's load, handed out ahead, and every later one must not see."""
+    train_both(hows, num_microbatches, monkeypatch)
+
+
+def test_a_conjugate_view_of_a_passing_leaf_is_not_taken_for_it(monkeypatch):
+    offloaded, _, _ = train_both(["same", "conj", "same"], 1, monkeypatch)
+    assert len(offloaded) == 1 + 1 + 2 + 1  # the conjugate view after layer 2, offloaded too
+
+
+def test_a_shared_device_copy_is_let_go_after_its_last_recompute(monkeypatch):
+    """A carried tensor replaced every second layer: at most two device copies at a time (the
+    running slice's and the next one's, loaded ahead), not one for each pair."""
+    from offload.autograd.records import SharedCopies
+
+    most = [0]
+    keep = SharedCopies.keep
+
+    def counting(self, leaf, tensor, ready):
+        keep(self, leaf, tensor, ready)
+        most[0] = max(most[0], len(self._copies))
+
+    monkeypatch.setattr(SharedCopies, "keep", counting)
+    train_both(["same", "new"] * 4, 1, monkeypatch)
+    assert most[0] == 2

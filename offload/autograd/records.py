@@ -39,16 +39,18 @@ Note: [Leaves that pass through]
     leaf: the same host copy and ticket. Backward loads it once and hands the device copy to
     every recompute that starts from it (each differentiates a detached alias of its own); a
     recompute that changes it in place (the slice whose forward changed it, which backward meets
-    first) moves its version past the one it was handed out at, and the next recompute loads its
-    own. The one copy stays on the device while backward runs, where each recompute's own copy
-    lived one slice, beside the next slice's loaded ahead.
+    first) moves its version past the one it had when loaded, and the recomputes after it load
+    their own (one handed out ahead before the change is loaded again when its run comes). The
+    copy stays on the device until the last recompute that shares it has taken it, where each
+    recompute's own copy lived one slice.
 
     - Each slice's outputs are detached, so the leaf is a new tensor at every boundary; a detached
       tensor shares its source's version counter, autograd's count of in-place changes, so a leaf
       changed in place in between is offloaded anew.
     - The memory is the same allocation, not a later one at the same address, because the tensor
       seen at the boundary before is still alive (held weakly here, by the walk's boundary list
-      there) when the next boundary compares.
+      there) when the next boundary compares. The conjugate and negative bits are compared too:
+      ``c.conj()`` is the same memory, viewed alike, and other values.
     - A change that autograd does not count (a write through ``.data``, or through another
       tensor over the same memory made with ``set_``) goes unseen here, as it goes unseen by
       autograd's own saved tensors. Inference tensors keep no version and subclasses of Tensor
@@ -82,7 +84,7 @@ class SavedLeaf:
     stash: int | None = None
     ticket: OffloadTicket | None = None
     value: Any = None
-    shared: bool = False  # the leaf of more than one checkpoint (Note: [Leaves that pass through])
+    uses: int = 1  # checkpoints whose leaf it is (Note: [Leaves that pass through])
 
 
 @dataclass
@@ -225,11 +227,12 @@ class ForwardRecords:
         if leaf.is_inference() or type(leaf) is not torch.Tensor:  # no version to compare; a subclass's memory
             host, ticket = self.engine.activations.offload(leaf)
             return SavedLeaf(stash=self._save(host), ticket=ticket)
-        where = (leaf.untyped_storage().data_ptr(), leaf.storage_offset(), leaf.shape, leaf.stride(), leaf.dtype)
+        where = (leaf.untyped_storage().data_ptr(), leaf.storage_offset(), leaf.shape, leaf.stride(), leaf.dtype,
+                 leaf.is_conj(), leaf.is_neg())
         known = self._offloaded.get(where)
         if known is not None and known[0]() is not None and known[1] == leaf._version:
             saved = known[2]
-            saved.shared = True
+            saved.uses += 1
         else:
             host, ticket = self.engine.activations.offload(leaf)
             saved = SavedLeaf(stash=self._save(host), ticket=ticket)
@@ -355,9 +358,7 @@ class BoundaryLoader:
         # Per run loaded ahead: its leaves as saved, as loaded, their ready events, and the version
         # each shared one had when handed out.
         self._loaded: dict[tuple[int, int], tuple[list[SavedLeaf], list[Any], list[Event | None], list[int | None]]] = {}
-        # Shared leaves on the device, by saved tensor: the copy and its ready event (Note:
-        # [Leaves that pass through]).
-        self._shared: dict[int, tuple[torch.Tensor, Event | None]] = {}
+        self._shared = SharedCopies()
 
     def prefetch(self, i: int, m: int) -> None:
         record = self.records.grid[i][m]
@@ -382,18 +383,20 @@ class BoundaryLoader:
                 tensor, ready = host, None
             leaves.append(tensor)
             events.append(ready)
-        handed = [t._version if leaf.shared and leaf.ticket is not None else None for leaf, t in zip(record.inputs, leaves)]
+        handed = [t._version if leaf.uses > 1 and leaf.ticket is not None else None
+                  for leaf, t in zip(record.inputs, leaves)]
         self._loaded[(i, m)] = (record.inputs, leaves, events, handed)
 
     def _load(self, leaf: SavedLeaf, host: torch.Tensor, reuse: bool = True) -> tuple[torch.Tensor, Event | None]:
         """An offloaded leaf on the device: a shared one's copy is loaded once and serves every
         recompute that starts from it (:meth:`take` loads another where one changed it)."""
-        assert leaf.ticket is not None and leaf.stash is not None
-        if leaf.shared and reuse and leaf.stash in self._shared:
-            return self._shared[leaf.stash]
+        assert leaf.ticket is not None
+        known = self._shared.copy_of(leaf) if leaf.uses > 1 and reuse else None
+        if known is not None:
+            return known
         tensor, ready = self.engine.activations.load(leaf.ticket, host)
-        if leaf.shared:
-            self._shared[leaf.stash] = (tensor, ready)
+        if leaf.uses > 1:
+            self._shared.keep(leaf, tensor, ready)
         return tensor, ready
 
     def take(self, i: int, m: int) -> list[Any]:
@@ -404,9 +407,36 @@ class BoundaryLoader:
             # that ran in between: this run loads its own.
             if version is not None and leaves[k]._version != version:
                 leaves[k], events[k] = self._load(inputs[k], self.saved[inputs[k].stash], reuse=False)
+            if version is not None:
+                self._shared.taken(inputs[k])
         for event in events:
             self.engine.copies.wait_ready(event)
         return leaves
+
+
+class SharedCopies:
+    """The device copies of the leaves that several checkpoints share (Note: [Leaves that pass
+    through]), by saved tensor: one each, handed out while no recompute has changed it in place
+    since it was loaded, and let go once the last checkpoint that shares it has taken it."""
+
+    def __init__(self) -> None:
+        self._copies: dict[int | None, tuple[torch.Tensor, Event | None, int]] = {}
+        self._left: dict[int | None, int] = {}
+
+    def copy_of(self, leaf: SavedLeaf) -> tuple[torch.Tensor, Event | None] | None:
+        known = self._copies.get(leaf.stash)
+        if known is None or known[0]._version != known[2]:
+            return None
+        return known[0], known[1]
+
+    def keep(self, leaf: SavedLeaf, tensor: torch.Tensor, ready: Event | None) -> None:
+        self._copies[leaf.stash] = (tensor, ready, tensor._version)
+
+    def taken(self, leaf: SavedLeaf) -> None:
+        left = self._left.get(leaf.stash, leaf.uses) - 1
+        self._left[leaf.stash] = left
+        if left <= 0:
+            self._copies.pop(leaf.stash, None)
 
 
 @dataclass
