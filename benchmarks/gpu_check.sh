@@ -24,7 +24,9 @@
 #           2026-11-28 second call took 84 s for 3 of these runs); then one more step of offload in
 #           backward under the profiler, $OUT/trace-offload-in-backward.json.gz, and its per-stream
 #           and per-host-thread table (benchmarks/stream_idle.py: the backward's thread paused 224 ms
-#           in the 2026-11-28 trace while the one-pass kernel held Python's lock);
+#           in the 2026-11-28 trace while the one-pass kernel held Python's lock); then the rotary
+#           tables sent once against at every boundary on a 16-layer Llama (benchmarks/bench_boundaries.py;
+#           ~10 s, 40 s at most);
 #   threads offload in backward with 9 resident slices at 8 x 1024 tokens, the update worker at 14
 #           threads, then PyTorch's with OMP_WAIT_POLICY=PASSIVE, then with the pinned mappings on
 #           4 KiB pages (OFFLOAD_HUGEPAGES=0), then with each slice's gradients sent one copy per
@@ -75,7 +77,7 @@
 # 0.50.2 (--platform manylinux_2_24_x86_64; 43 MB, most of it CUDA 11.8-12.8 and ROCm libraries the
 # machine's CUDA 13 does not load: unpacked, those and their RECORD lines removed, zipped again it is 7 MB).
 # then one call: run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=480): the default
-# stages' limits add up to 730 s (threads four times), the rest stage runs only while the 360 s budget
+# stages' limits add up to 770 s (threads four times), the rest stage runs only while the 360 s budget
 # has 30 s left; about 380-420 s are expected (the H200 machine started in about 35 s on 2026-11-28). That
 # leaves a lent machine's 15 minutes room for one short rerun: GPU_CHECK_STAGES, GPU_CHECK_TESTS and
 # GPU_CHECK_RUNS narrow it.
@@ -197,7 +199,13 @@ for name in $stages; do
             [[ ",$slices_runs," == *",offload-in-backward,"* ]] && trace_slices=(--trace "$OUT" --trace-runs offload-in-backward)
             stage slices "$limit_slices" $PY benchmarks/bench_peers.py $dry_flag --predict --only "$slices_runs" \
                 --steps 3 --warmup 2 "${trace_slices[@]}" --json "$work/slices.json"
-            headline "$work/slices.log" 9 ;;
+            headline "$work/slices.log" 9
+            # The rotary tables sent to the host and back once, against at every boundary (Note:
+            # [Leaves that pass through]): the launching thread's time on a 16-layer Llama.
+            boundary_sizes="--rounds 9"
+            [ $dry = 1 ] && boundary_sizes="--layers 3 --hidden 32 --seq-len 16 --rounds 2 --warmup 1"
+            stage boundaries 40 $PY benchmarks/bench_boundaries.py $boundary_sizes --json "$work/boundaries.json"
+            headline "$work/boundaries.log" 4 ;;
         batch)
             for rows in $big $((big / 2)); do
                 stage batch "$limit_batch" $PY benchmarks/bench_peers.py $dry_flag --predict --batch "$rows" \

@@ -113,6 +113,16 @@ def clipping(report: dict) -> str:
             f"scaling {report['scale_s'] * 1e3:.1f} ms; same bits: {report['same_bits']}")
 
 
+def boundaries(report: dict) -> str:
+    v = report["variants"]
+    return (f"boundaries: the rotary tables sent once (shared) against at every boundary, "
+            f"{report['config']['layers']} layers on {report['device']}: forward {v['shared']['forward_ms']:.1f} / "
+            f"{v['every boundary']['forward_ms']:.1f} ms, backward {v['shared']['backward_ms']:.1f} / "
+            f"{v['every boundary']['backward_ms']:.1f} ms, offloads {v['shared']['offloads']} / "
+            f"{v['every boundary']['offloads']}, loads {v['shared']['loads']} / {v['every boundary']['loads']}; "
+            f"same loss and gradients: {report['same_loss_and_gradients']}")
+
+
 def tests(pytest_log: Path) -> str:
     if not pytest_log.exists():
         return "tests: no pytest.log"
@@ -138,6 +148,8 @@ def show(path: str) -> None:
             parts.append(hugepages(report))
         elif name == "clipping":
             parts.append(clipping(report))
+        elif name == "boundaries":
+            parts.append(boundaries(report))
         else:
             parts.append(runs(name, report))
             if any("streams" in r for r in report.get("runs", {}).values() if isinstance(r, dict)):

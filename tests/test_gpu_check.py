@@ -18,6 +18,7 @@ from .test_scripts import ROOT, run
 sys.path.insert(0, str(ROOT / "benchmarks"))
 try:
     import bench_peers
+    import gpu_check_summary
     import stream_idle
 finally:
     sys.path.remove(str(ROOT / "benchmarks"))
@@ -148,6 +149,13 @@ def test_the_h200_trace_shows_the_backward_thread_paused_in_every_slice_and_the_
     assert backward["pauses_over_1ms"] == 18 and round(backward["paused_ms"]) == 224
     assert backward["most_begin_after"].endswith("cudaStreamIsCapturing (16)")
     assert max(resident.values(), key=lambda row: row["events"])["pauses_over_1ms"] == 0
+
+
+def test_the_summary_reads_the_boundaries_stage_as_bench_boundaries_writes_it(tmp_path):
+    run("benchmarks/bench_boundaries.py", "--layers", "2", "--hidden", "32", "--seq-len", "8", "--rounds", "2",
+        "--warmup", "1", "--json", str(tmp_path / "boundaries.json"))
+    line = gpu_check_summary.boundaries(json.loads((tmp_path / "boundaries.json").read_text()))
+    assert line.startswith("boundaries:") and "same loss and gradients: True" in line and "offloads 5 / 7" in line
 
 
 def test_the_gpu_check_lists_only_test_files_that_exist_and_brings_back_at_most_8_files():
