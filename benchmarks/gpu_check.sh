@@ -26,6 +26,8 @@
 #           and per-host-thread table (benchmarks/stream_idle.py: the backward's thread paused 224 ms
 #           in the 2026-11-28 trace while the one-pass kernel held Python's lock); then the rotary
 #           tables sent once against at every boundary on a 16-layer Llama (benchmarks/bench_boundaries.py;
+#           ~10 s, 40 s at most); then the walk's own time per slice on a 32-layer Llama of thin layers,
+#           against the plain model and Hugging Face's gradient checkpointing (benchmarks/bench_walk.py;
 #           ~10 s, 40 s at most);
 #   threads offload in backward with 9 resident slices at 8 x 1024 tokens, the update worker at 14
 #           threads, then PyTorch's with OMP_WAIT_POLICY=PASSIVE, then with the pinned mappings on
@@ -205,7 +207,13 @@ for name in $stages; do
             boundary_sizes="--rounds 9"
             [ $dry = 1 ] && boundary_sizes="--layers 3 --hidden 32 --seq-len 16 --rounds 2 --warmup 1"
             stage boundaries 40 $PY benchmarks/bench_boundaries.py $boundary_sizes --json "$work/boundaries.json"
-            headline "$work/boundaries.log" 4 ;;
+            headline "$work/boundaries.log" 4
+            # The walk's own time per slice, where thin layers leave the device waiting on the
+            # launching thread: against the plain model and Hugging Face's gradient checkpointing.
+            walk_sizes="--rounds 9"
+            [ $dry = 1 ] && walk_sizes="--layers 3 --hidden 32 --seq-len 8 --rounds 2 --warmup 1"
+            stage walk 40 $PY benchmarks/bench_walk.py $walk_sizes --json "$work/walk.json"
+            headline "$work/walk.log" 6 ;;
         batch)
             for rows in $big $((big / 2)); do
                 stage batch "$limit_batch" $PY benchmarks/bench_peers.py $dry_flag --predict --batch "$rows" \

@@ -123,6 +123,14 @@ def boundaries(report: dict) -> str:
             f"same loss and gradients: {report['same_loss_and_gradients']}")
 
 
+def walk(report: dict) -> str:
+    v, per = report["variants"], report["per_slice"]
+    times = ", ".join(f"{name} {r['forward_ms']:.1f} + {r['backward_ms']:.1f} ms" for name, r in v.items())
+    return (f"walk: {report['slices']} thin slices on {report['device']}, forward + backward: {times}; per slice "
+            f"the walk's forward {per['forward_ms']:.3f} ms beyond plain ({per['forward_beyond_checkpointed_ms']:.3f} "
+            f"beyond checkpointed), backward {per['backward_ms']:.3f} ms beyond checkpointed")
+
+
 def tests(pytest_log: Path) -> str:
     if not pytest_log.exists():
         return "tests: no pytest.log"
@@ -150,6 +158,8 @@ def show(path: str) -> None:
             parts.append(clipping(report))
         elif name == "boundaries":
             parts.append(boundaries(report))
+        elif name == "walk":
+            parts.append(walk(report))
         else:
             parts.append(runs(name, report))
             if any("streams" in r for r in report.get("runs", {}).values() if isinstance(r, dict)):

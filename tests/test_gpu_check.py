@@ -158,6 +158,15 @@ def test_the_summary_reads_the_boundaries_stage_as_bench_boundaries_writes_it(tm
     assert line.startswith("boundaries:") and "same loss and gradients: True" in line and "offloads 5 / 7" in line
 
 
+def test_the_summary_reads_the_walk_stage_as_bench_walk_writes_it(tmp_path):
+    run("benchmarks/bench_walk.py", "--layers", "2", "--hidden", "32", "--seq-len", "8", "--rounds", "1",
+        "--warmup", "1", "--json", str(tmp_path / "walk.json"))
+    report = json.loads((tmp_path / "walk.json").read_text())
+    line = gpu_check_summary.walk(report)
+    assert line.startswith("walk: 4 thin slices on cpu") and "checkpointed" in line
+    assert report["same_loss"] is True and report["library_calls"]["forward"] > 0
+
+
 def test_the_gpu_check_lists_only_test_files_that_exist_and_brings_back_at_most_8_files():
     script = (ROOT / "benchmarks" / "gpu_check.sh").read_text()
     assert "tests/test_trainers_cuda.py" in script and (ROOT / "tests" / "test_trainers_cuda.py").exists()

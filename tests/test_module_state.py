@@ -51,6 +51,22 @@ class Counter(nn.Module):
         return self.linear(x) * sum(self.scales)
 
 
+class History(nn.Module):
+    """Changes nothing but the contents of its containers: a list grown in place and a dict's entry
+    replaced; output depends on both."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.seen: list[int] = []
+        self.last: dict[str, float] = {"scale": 1.0}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(x.shape[0])
+        self.last["scale"] = self.last["scale"] + 0.25
+        return self.linear(x) * (len(self.seen) + self.last["scale"])
+
+
 class Lazy(nn.Module):
     """Creates a plain tensor attribute on first use (as the long-context rotary tables do) and
     replaces it when the input grows."""
@@ -72,7 +88,7 @@ def stack(kind: type[nn.Module], width: int = 6) -> nn.Sequential:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kind", [Peak, Counter, Lazy])
+@pytest.mark.parametrize("kind", [Peak, Counter, History, Lazy])
 @pytest.mark.parametrize("num_slices", [1, 2, 3])
 @pytest.mark.parametrize("num_microbatches", [1, 2])
 def test_recompute_sees_the_attributes_the_forward_saw(kind, num_slices, num_microbatches, device):
