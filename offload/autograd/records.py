@@ -403,12 +403,13 @@ class BoundaryLoader:
         self.prefetch(i, m)
         inputs, leaves, events, handed = self._loaded.pop((i, m))
         for k, version in enumerate(handed):
+            if version is None:  # not a shared copy
+                continue
             # A shared copy handed out one step ahead, changed in place since by the recompute
             # that ran in between: this run loads its own.
-            if version is not None and leaves[k]._version != version:
+            if leaves[k]._version != version:
                 leaves[k], events[k] = self._load(inputs[k], self.saved[inputs[k].stash], reuse=False)
-            if version is not None:
-                self._shared.taken(inputs[k])
+            self._shared.taken(inputs[k])
         for event in events:
             self.engine.copies.wait_ready(event)
         return leaves
