@@ -244,3 +244,31 @@ def test_a_buffer_change_in_a_later_microbatch_does_not_reach_an_earlier_recompu
     got.sum().backward()
     assert_same_grads(layers, reference, **EXACT)
     assert torch.equal(layers[1].peak, reference[1].peak)
+
+
+@pytest.mark.parametrize("forward_mode, backward_mode", [("train", "eval"), ("eval", "train")])
+@pytest.mark.parametrize("num_microbatches", [1, 2])
+def test_the_recompute_runs_in_the_mode_of_its_forward_not_the_mode_at_backward(forward_mode, backward_mode,
+                                                                                 num_microbatches):
+    # An evaluation pass between a training forward and its backward switches the model to eval:
+    # the plain model's graph was built with dropout and batch statistics, and so must the recompute be.
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.BatchNorm1d(8), nn.Linear(8, 8), nn.Tanh(),
+                           nn.Linear(8, 3))
+    reference = copy.deepcopy(layers)
+    model = OffloadModel(layers, device="cpu", num_slices=3, num_microbatches=num_microbatches)
+    for m in (reference, model):
+        getattr(m, forward_mode)()
+    x = torch.randn(6, 4)
+    torch.manual_seed(7)
+    want = microbatched_reference(reference, model.partition, x, num_microbatches)
+    torch.manual_seed(7)
+    got = model(x)
+    assert torch.equal(got, want)
+    for m in (reference, model):
+        getattr(m, backward_mode)()
+    want.pow(2).sum().backward()
+    got.pow(2).sum().backward()
+    assert_same_grads(layers, reference, **EXACT)
+    # The mode set before backward is the one the layers have after it.
+    assert all(module.training == (backward_mode == "train") for layer in layers for module in layer.modules())

@@ -30,6 +30,11 @@ Note: [Attribute state]
        (keeping a copy of every tensor attribute at every run would cost memory the layer never
        asked for) raises with advice to make it a buffer, which is restored.
 
+    5. The ``training`` flag is module machinery but decides what a layer computes (dropout,
+       batch norm): it is captured and restored like a plain attribute. ``model.eval()`` between
+       a training forward and its backward (an evaluation pass before the loss's backward) leaves
+       the recompute in training mode, as the plain model's graph was built.
+
     Changes deeper than one level (an attribute of an attribute, an element mutated in place) are
     not seen; state kept that way must live in buffers to survive a recompute.
 """
@@ -82,6 +87,7 @@ class AttributeSnapshot:
                       if name not in _MODULE_MACHINERY})
             for module in modules
         ]
+        self._training = [module.training for module, _ in self._entries]  # rule 5
 
     def changed_since(self, strict: bool = True) -> bool:
         """Whether any attribute differs now from the capture.
@@ -90,7 +96,7 @@ class AttributeSnapshot:
             RuntimeError: with ``strict``, a plain tensor attribute was changed in place (rule 4);
                 without, such a change is not counted (nothing could restore it).
         """
-        changed = False
+        changed = any(module.training != flag for (module, _), flag in zip(self._entries, self._training))
         for module, saved in self._entries:
             live = vars(module)
             if len(live) - len(_MODULE_MACHINERY & live.keys()) != len(saved):
@@ -113,7 +119,8 @@ class AttributeSnapshot:
     def restore(self) -> None:
         """Put every captured value back: attributes added since are deleted, containers changed in
         place get their captured elements back (in place, so references to them stay valid)."""
-        for module, saved in self._entries:
+        for (module, saved), training in zip(self._entries, self._training):
+            module.training = training
             live = vars(module)
             for name in [n for n in live if n not in _MODULE_MACHINERY and n not in saved]:
                 del live[name]
