@@ -173,6 +173,28 @@ def test_frozen_parameters_get_no_gradient(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("zeroed", [False, True])
+@pytest.mark.parametrize("which", [0, -2])  # a recomputed slice's weight, the last slice's (its graph kept)
+def test_a_parameter_frozen_between_forward_and_backward_gets_no_gradient(device, zeroed, which):
+    # Autograd's accumulation skips a leaf that no longer requires grad: its .grad stays as it was,
+    # None, or the zeros of zero_grad(set_to_none=False), which backward would otherwise add into.
+    reference, model = pair(device)
+    x = torch.randn(4, 6, device=device)
+    if zeroed:
+        for net in (reference, model):
+            net(x).sum().backward()
+            net.zero_grad(set_to_none=False)
+    outputs = [net(x).pow(2).sum() for net in (reference, model)]
+    for net in (reference, model):
+        list(net.parameters())[which].requires_grad_(False)
+    for loss in outputs:
+        loss.backward()
+    assert_same_grads(model, reference, **EXACT)
+    frozen = list(model.parameters())[which]
+    assert (frozen.grad is None) if not zeroed else bool((frozen.grad == 0).all())
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_unused_parameter_gets_no_gradient(device):
     class TakesFirst(nn.Module):
         def __init__(self):

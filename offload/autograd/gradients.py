@@ -125,6 +125,9 @@ class BackwardGradients:
         num_inputs = len(run.input_meta)
         sizes = [len(s.storage.params) for s in engine.slices]
         needed = _needed_grads(ctx, num_inputs + sum(sizes))
+        # A parameter frozen since forward (requires_grad_(False)) gets no gradient, as autograd's
+        # accumulation skips a leaf that no longer requires grad: nothing is computed for it here.
+        needed[num_inputs:] = [wanted and p.requires_grad for wanted, p in zip(needed[num_inputs:], engine.parameters())]
         self.inputs_needed = needed[:num_inputs]
         # Where each slice's parameters start among the walk's parameters.
         self._starts = _starts(sizes)
