@@ -129,6 +129,17 @@ def test_tied_weights_are_stored_once_and_stay_tied(tmp_path, stored):
     backward_both(model, reference, ids)
 
 
+def test_a_tied_weight_stored_under_each_of_its_names_is_read_once_from_the_first(tmp_path):
+    # A state_dict() saved as it is lists a tied weight under each name, each copy whole.
+    state = {k: v.clone() for k, v in build_tied().state_dict().items()}
+    assert "0.weight" in state and "4.weight" in state
+    state["4.weight"] += 1.0  # the copies told apart: the first name's is read, as from_pretrained does
+    save_file(state, str(tmp_path / "both.safetensors"))
+    model = offload.load_sequential(build_tied, tmp_path / "both.safetensors", "cpu", num_slices=3)
+    assert getattr(model, "0").weight is getattr(model, "4").weight
+    torch.testing.assert_close(getattr(model, "0").weight, state["0.weight"], **EXACT)
+
+
 def test_non_persistent_buffers_are_computed_by_init_buffers(tmp_path):
     save(build_scaled(), tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match=r"non-persistent buffers.*'1\.scale'.*init_buffers"):

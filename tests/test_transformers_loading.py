@@ -72,6 +72,21 @@ def test_every_tensor_and_the_training_step_equal_from_pretrained(kind, tied, tm
     assert_same_grads(hf, reference, **EXACT)
 
 
+@pytest.mark.parametrize("kind", ["gpt2", "gemma"])
+def test_a_tied_model_whose_checkpoint_also_stores_the_head(kind, tmp_path):
+    # Many hub checkpoints of tied models store lm_head.weight beside the embedding.
+    model = build(kind, tied=True)
+    model.save_pretrained(tmp_path)
+    from safetensors.torch import save_file
+    state = {k: v.clone().contiguous() for k, v in model.state_dict().items()}
+    assert any("lm_head" in k for k in state)
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    reference = from_pretrained(tmp_path)
+    _, hf = load_causal_lm(tmp_path, "cpu", num_slices=3)
+    assert hf.get_output_embeddings().weight is hf.get_input_embeddings().weight
+    assert_same_tensors(hf, reference)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["llama", "gemma3_text", "mixtral"])
 def test_a_bfloat16_checkpoint_into_float32_masters_and_a_compute_dtype(kind, device, tmp_path):

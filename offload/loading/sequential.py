@@ -8,7 +8,8 @@ Note: [Loading slice by slice]
     1. The layers are built on the meta device: shapes and dtypes, no memory.
     2. Every stored tensor is matched to a parameter or buffer, and the plan is checked before
        anything is allocated: a missing or unexpected key, or a shape that differs, is an error
-       naming the key and the file. Tied weights are stored once; any of their names will do.
+       naming the key and the file. Tied weights are stored once under any of their names, or
+       under several (each copy whole), then read once.
     3. ``OffloadModel`` lays the slices out as usual, but each meta tensor gets its place in the
        slice's (pinned) host buffer without a copy (``filled_by_caller`` in
        ``offload/streams/host_storage.py``); the tensors stay the same objects, so ties hold.
@@ -199,12 +200,28 @@ class _Plan:
                                   f"{'outside it' if region is None else tuple(region.shape)}")
                 continue
             self.sources.setdefault(id(target), []).append((stored_name, placement))
+        self._one_copy_per_tie()
         problems = []
         if unexpected:
             problems.append(f"stored but not in the model: {_listed(unexpected)}")
         if mismatched:
             problems.append(f"shapes differ: {_listed(mismatched)}")
         return problems
+
+    def _one_copy_per_tie(self) -> None:
+        """A tied tensor stored whole under several of its names (a ``state_dict()`` saved as it
+        is lists it under each; Hugging Face checkpoints of tied models may hold the head's copy
+        too) is read once: from its first name in the layers, as ``from_pretrained`` ties the head
+        to the embedding, or else from the first stored."""
+        names: dict[int, list[str]] = {}
+        for key, tensor in self.targets.items():
+            names.setdefault(id(tensor), []).append(key)
+        for target_id, sources in self.sources.items():
+            whole = [source for source in sources if source[1].part is None]
+            if len(whole) < 2 or len(names[target_id]) < 2:
+                continue  # not tied: two stored tensors for one is an error, told by _coverage
+            kept = next((source for source in whole if source[1].key == names[target_id][0]), whole[0])
+            self.sources[target_id] = [source for source in sources if source[1].part is not None or source is kept]
 
     def _coverage(self) -> list[str]:
         """Check that the stored tensors fill every target exactly once (a tied one under any name)."""
