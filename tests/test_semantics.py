@@ -194,6 +194,62 @@ def test_a_parameter_frozen_between_forward_and_backward_gets_no_gradient(device
     assert (frozen.grad is None) if not zeroed else bool((frozen.grad == 0).all())
 
 
+OUTSIDE = "neither one of its layers' registered parameters nor its input"
+
+
+@pytest.mark.parametrize("mode", ["recompute", "keep", "offload"])
+@pytest.mark.parametrize("where", [0, 3])  # a layer of the first slice, of the last
+def test_a_parameter_captured_by_a_hook_is_refused_not_left_without_a_gradient(mode, where):
+    # The plain model gives the hook's parameter a gradient; backward differentiates each slice with
+    # respect to its own registered parameters only (Note: [Leaves outside the slice]).
+    from offload import OffloadActivations
+
+    options = {"keep": {"checkpoint_activation": False},
+               "offload": {"offload_activations": OffloadActivations(slices=[0, 1, 2], min_bytes=0)}}.get(mode, {})
+    _, model = pair("cpu", **options)
+    scale = nn.Parameter(torch.tensor(1.5))
+    model._modules[str(where)].register_forward_hook(lambda module, args, out: out * scale)
+    with pytest.raises(RuntimeError, match=OUTSIDE) as raised:
+        model(torch.randn(4, 6))
+    assert "registered parameters" in str(raised.value) and "shape ()" in str(raised.value)
+    scale.requires_grad_(False)  # what needs no gradient may be captured
+    reference = small()
+    reference.load_state_dict(model.state_dict())
+    reference[where].register_forward_hook(lambda module, args, out: out * scale)
+    x = torch.randn(4, 6)
+    model(x).sum().backward()
+    reference(x).sum().backward()
+    assert_same_grads(model, reference, **EXACT)
+
+
+def test_another_layers_weight_referenced_directly_is_refused_and_tied_it_trains():
+    class Head(nn.Module):
+        def __init__(self, embedding: nn.Embedding, tie: bool) -> None:
+            super().__init__()
+            if tie:
+                self.weight = embedding.weight  # registered here too: loaded with this slice
+            else:
+                self.__dict__["embedding"] = embedding  # a plain reference the walk cannot see
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            weight = self.weight if "weight" in self._parameters else self.embedding.weight
+            return h @ weight.t()
+
+    def build(tie: bool) -> nn.Sequential:
+        torch.manual_seed(0)
+        embedding = nn.Embedding(10, 8)
+        return nn.Sequential(embedding, nn.Linear(8, 8), nn.Tanh(), Head(embedding, tie))
+
+    ids = torch.randint(0, 10, (4, 5))
+    with pytest.raises(RuntimeError, match=OUTSIDE):
+        OffloadModel(build(False), device="cpu", num_slices=3)(ids)
+    reference = build(True)
+    model = OffloadModel(clone_model(reference), device="cpu", num_slices=3)
+    model(ids).logsumexp(-1).sum().backward()
+    reference(ids).logsumexp(-1).sum().backward()
+    assert_same_grads(model, reference, **EXACT)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_unused_parameter_gets_no_gradient(device):
     class TakesFirst(nn.Module):

@@ -151,20 +151,61 @@ def run_forward(engine: Engine, records: ForwardRecords, i: int, m: int, views: 
         # With grad enabled, as in the plain model, so that every output requires grad exactly as
         # there and kernels that look at it choose alike; nothing is saved (Note: [Boundary gradients]).
         with torch.enable_grad(), _saving_nothing(), autocast_cache_disabled():
-            _, fed = _graph_inputs(entering.leaves, entering.requires)
-            result = s.run_on_device(engine.slots, _param_leaves(views, engine, i),
-                                     tree_unflatten(fed, entering.spec))
+            graph_leaves, fed = _graph_inputs(entering.leaves, entering.requires)
+            entry_tensors = _param_leaves(views, engine, i)
+            result = s.run_on_device(engine.slots, entry_tensors, tree_unflatten(fed, entering.spec))
             del fed
         if result.buffers_changed:
             records.buffers_changed_by(i, m)
         else:
             records.buffers_kept_by(i, m)
         out_leaves, out_spec = tree_flatten(result.output)
+    if m == 0:
+        _refuse_outside_leaves(i, out_leaves, graph_leaves, entry_tensors)
     records.attributes_after_run(i, m)
     out_requires = requires_grad(out_leaves)
     out_leaves = [o.detach() if isinstance(o, torch.Tensor) else o for o in out_leaves]
     # The caller drops the result here, which frees a checkpointed run's graph right away.
     return Boundary(out_leaves, out_spec, out_requires), result.buffers_changed
+
+
+def _refuse_outside_leaves(i: int, outputs: Sequence[Any], graph_leaves: Sequence[Any],
+                           entry_tensors: Sequence[torch.Tensor]) -> None:
+    """Raise if slice ``i``'s run reached a tensor that requires grad other than its boundary
+    leaves and its own parameters (Note: [Leaves outside the slice]).
+
+    Note: [Leaves outside the slice]
+        Backward differentiates each slice with respect to its boundary leaves and the parameters
+        registered in its layers, which is all autograd can reach through the Function. A layer
+        may reach another tensor that requires grad: a parameter captured by a forward hook, held
+        in a plain attribute, or another layer's weight referenced directly instead of registered
+        (tied) in this layer too. The plain model gives it a gradient; the walk would not, and
+        nothing downstream could tell. So the first microbatch of every slice run in forward looks
+        at the accumulation nodes its graph reaches (the graph is built anyway, to learn what the
+        outputs require: Note: [Boundary gradients]) and refuses any leaf it does not own, with
+        what to do instead. The walk over the graph's nodes costs about what the layer's own
+        Python does once per slice and step, not per microbatch.
+    """
+    known = {id(t) for t in (*graph_leaves, *entry_tensors) if isinstance(t, torch.Tensor)}
+    pending = [o.grad_fn for o in outputs if isinstance(o, torch.Tensor) and o.grad_fn is not None]
+    seen: set[Any] = set()
+    while pending:
+        node = pending.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
+        if variable is not None and id(variable) not in known:
+            raise RuntimeError(
+                f"OffloadModel: slice {i} used a tensor that requires grad (shape {tuple(variable.shape)}, "
+                f"{variable.dtype}) that is neither one of its layers' registered parameters nor its input. "
+                "Backward differentiates each slice with respect to those only, so this tensor would get no "
+                "gradient. This happens with a parameter captured by a forward hook or held in a plain "
+                "attribute, or another layer's weight referenced directly. Register it as a parameter of a "
+                "layer of the model (tie a shared weight by assigning the same nn.Parameter to both layers), "
+                "or detach it (requires_grad_(False)) if it needs no gradient."
+            )
+        pending.extend(next_node for next_node, _ in node.next_functions)
 
 
 # -- backward ---------------------------------------------------------------------------------------
