@@ -85,6 +85,32 @@ def test_steps_equal_the_plain_optimizer(cls, kwargs, compute_dtype, device):
     assert_same(plain_model, plain, model, optimizer)
 
 
+@pytest.mark.parametrize("update_in_backward", [False, True])
+def test_global_step_hooks_run_once_a_step_as_for_the_plain_optimizer(update_in_backward):
+    # register_optimizer_step_pre_hook / _post_hook: once per step() of the user's optimizer, on
+    # the caller's thread, not again for each slice's update.
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    model = OffloadModel(network(), device="cpu", num_slices=3)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True, update_in_backward=update_in_backward)
+    seen: list[tuple[str, str, bool]] = []
+    main = threading.get_ident()
+    handles = [register(lambda opt, args, kwargs, when=when: seen.append(
+                   (when, type(opt).__name__, threading.get_ident() == main)))
+               for when, register in (("pre", register_optimizer_step_pre_hook),
+                                      ("post", register_optimizer_step_post_hook))]
+    try:
+        for step in range(2):
+            loss_of(model, step).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        optimizer.synchronize()
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert seen == [("pre", "OffloadOptimizer", True), ("post", "OffloadOptimizer", True)] * 2
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_schedulers_clipping_accumulation_and_groups(device):
     (plain_model, plain), (model, optimizer) = pair(torch.optim.AdamW, {"lr": 1e-2, "fused": True}, device=device)

@@ -95,10 +95,26 @@ class InnerOptimizer:
         self.optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
         self.optimizer.found_inf = found_inf  # type: ignore[attr-defined]
         try:
-            self.optimizer.step()
+            _step_unhooked(self.optimizer)
         finally:
             for proxy in self.proxies:
                 proxy.grad = None
+
+
+def _step_unhooked(optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer.step()`` without the step hooks PyTorch wraps around every optimizer's ``step``.
+
+    The slice's optimizer is the library's own, one of several behind the user's
+    ``OffloadOptimizer``, whose ``step()`` runs the hooks registered with
+    ``register_optimizer_step_pre_hook`` / ``_post_hook`` once, as the plain optimizer's does;
+    through each slice's they would run again per slice, some on an update worker's thread.
+    """
+    step = type(optimizer).step
+    raw = getattr(step, "__wrapped__", None) if getattr(step, "hooked", False) else None
+    if raw is None:  # not wrapped (a PyTorch that no longer does): nothing to leave out
+        optimizer.step()
+    else:
+        raw(optimizer)
 
 
 class HostUpdateError(RuntimeError):
