@@ -84,15 +84,18 @@ NOT_MICROBATCHED: dict[str, str] = {
 
 
 class Call(nn.Module):
-    """Calls ``module`` with the model input as its positional arguments and fixed keywords."""
+    """Calls ``module`` with the model input, ``(args, kwargs)``, as its arguments: a sample's
+    keyword tensors (``nn.Linear``'s ``input=``) enter through the model's input like the
+    positional ones, so that their gradients are compared too (held by this layer, they would be
+    tensors the walk cannot differentiate: Note: [Leaves outside the slice])."""
 
-    def __init__(self, module: nn.Module, kwargs: dict[str, Any]) -> None:
+    def __init__(self, module: nn.Module) -> None:
         super().__init__()
         self.module = module
-        self.kwargs = kwargs
 
-    def forward(self, args: tuple[Any, ...]) -> Any:
-        return self.module(*args, **self.kwargs)
+    def forward(self, inputs: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:
+        args, kwargs = inputs
+        return self.module(*args, **kwargs)
 
 
 def strided(x: torch.Tensor) -> torch.Tensor:
@@ -251,10 +254,10 @@ def test_module_db(info, dtype):
         if sample.forward_input is None:
             continue
         cargs, ckwargs = sample.constructor_input.args, sample.constructor_input.kwargs
-        args, kwargs = tuple(sample.forward_input.args), dict(sample.forward_input.kwargs)
+        args = (tuple(sample.forward_input.args), dict(sample.forward_input.kwargs))
         torch.manual_seed(0)
         module = info.module_cls(*cargs, **ckwargs).to(dtype).train()
-        plain_base = nn.Sequential(Call(module, kwargs), nn.Identity())
+        plain_base = nn.Sequential(Call(module), nn.Identity())
         for layout_name, layout, num_slices, checkpoint in _variants(args):
             what = f"{layout_name}, {num_slices} slices, checkpoint {checkpoint}"
             plain = copy.deepcopy(plain_base)
