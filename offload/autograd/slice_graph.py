@@ -169,6 +169,10 @@ def run_forward(engine: Engine, records: ForwardRecords, i: int, m: int, views: 
     return Boundary(out_leaves, out_spec, out_requires), result.buffers_changed
 
 
+#: The node that adds a leaf's gradient into its ``.grad``: a leaf of the graph.
+_ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad
+
+
 def _refuse_outside_leaves(i: int, outputs: Sequence[Any], graph_leaves: Sequence[Any],
                            entry_tensors: Sequence[torch.Tensor]) -> None:
     """Raise if slice ``i``'s run reached a tensor that requires grad other than its boundary
@@ -194,8 +198,11 @@ def _refuse_outside_leaves(i: int, outputs: Sequence[Any], graph_leaves: Sequenc
         if node is None or node in seen:
             continue
         seen.add(node)
-        variable = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
-        if variable is not None and id(variable) not in known:
+        if type(node) is not _ACCUMULATE_GRAD:
+            pending.extend(next_node for next_node, _ in node.next_functions)
+            continue
+        variable = node.variable
+        if id(variable) not in known:
             raise RuntimeError(
                 f"OffloadModel: slice {i} used a tensor that requires grad (shape {tuple(variable.shape)}, "
                 f"{variable.dtype}) that is neither one of its layers' registered parameters nor its input. "
@@ -205,7 +212,6 @@ def _refuse_outside_leaves(i: int, outputs: Sequence[Any], graph_leaves: Sequenc
                 "layer of the model (tie a shared weight by assigning the same nn.Parameter to both layers), "
                 "or detach it (requires_grad_(False)) if it needs no gradient."
             )
-        pending.extend(next_node for next_node, _ in node.next_functions)
 
 
 # -- backward ---------------------------------------------------------------------------------------
