@@ -19,7 +19,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
 from .checkpoint_files import CheckpointError, free_bytes, pickled_size
-from .commit import INFO_FILE, partial_directory
+from .commit import INFO_FILE, LATEST_FILE, partial_directory
 from .contents import FORMAT, STRAY_PARAMETER, _describe, _optimizer_class, _partition, _steps_only
 from .ranks import _gathered_list
 from ..tiers.disk_tier import size_text
@@ -52,8 +52,21 @@ def _check_save_arguments(model: Any, optimizer: Any, extra: Any, keep_last: Any
 
 
 def _check_target(path: Path) -> None:
-    """Refuse, before anything is written, a ``path`` that holds something other than a checkpoint:
-    a save replaces what is there."""
+    """Refuse, before anything is written, a ``path`` that holds something other than a checkpoint
+    (a save replaces what is there), one under a file, or one named as the commit names its own
+    files. Every rank checks before the first collective: on a shared filesystem all refuse
+    together, and none waits for another that gave up."""
+    if path.name == LATEST_FILE or path.name.startswith("."):
+        # ``latest`` is the file naming the last checkpoint (a checkpoint of that name fails at
+        # its commit, all written); hidden names are the commit's partial and replaced directories.
+        raise ValueError(f"cannot save a checkpoint named {path.name!r} ({path}): {LATEST_FILE} and names that start "
+                         "with '.' are save_checkpoint()'s own files beside the checkpoints. Choose another name, "
+                         "such as step-N.")
+    above = next((parent for parent in path.parents if parent.exists()), None)
+    if above is not None and not above.is_dir():
+        # Found now, not by the mkdir of the save's first step, whose error named neither path.
+        raise NotADirectoryError(f"cannot save a checkpoint at {path}: {above} is a file, not a directory. Choose "
+                                 f"another path, or move {above} away first.")
     if path.is_symlink() or (path.exists() and not path.is_dir()):
         raise FileExistsError(f"cannot save a checkpoint at {path}: it is a file, not a checkpoint directory. Choose "
                               "another path, or remove the file first.")

@@ -4,9 +4,10 @@ what is tidied after it (Note: [Atomic save]).
 What this file holds: the names beside a checkpoint (``latest``, the hidden partial directory and
 the pending ``latest``), :func:`prepare` (clears what killed saves left, makes the partial
 directory), :func:`commit` (writes what is left to write, then renames, undone on failure),
-:func:`tidy` (after the commit: the replaced checkpoint, ``keep_last``) and
-:func:`latest_checkpoint` (the checkpoint ``latest`` names). What it does not: what a checkpoint
-holds (``offload/checkpoint/contents.py``), or writing its data (``offload/checkpoint/saver.py``).
+:func:`tidy` (after the commit: the replaced checkpoint, ``keep_last``), :func:`latest_checkpoint`
+(the checkpoint ``latest`` names) and :func:`committed` (where a load reads a checkpoint). What it
+does not: what a checkpoint holds (``offload/checkpoint/contents.py``), or writing its data
+(``offload/checkpoint/saver.py``).
 
 Note: [Atomic save]
     A save is one event: when :func:`~offload.save_checkpoint` returns, the checkpoint is whole
@@ -34,8 +35,10 @@ Note: [Atomic save]
     absent. Killed before the commit, it leaves hidden files that nothing reads (``.partial``,
     ``.latest.pending``); between the renames of a replacement, the old checkpoint at
     ``.<name>.replaced``; the next save in that directory deletes the former and puts the latter
-    back. Killed between the directory's rename and ``latest``'s, the new checkpoint is whole under
-    its name while ``latest`` still names the previous one (the process reported nothing).
+    back. Until then a load of ``<name>`` (by its name or through ``latest``) reads the old
+    checkpoint where it waits (:func:`committed`): a resume loads before it saves. Killed between
+    the directory's rename and ``latest``'s, the new checkpoint is whole under its name while
+    ``latest`` still names the previous one (the process reported nothing).
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+
+from .checkpoint_files import CheckpointError
 
 INFO_FILE = "offload.json"
 LATEST_FILE = "latest"
@@ -66,6 +71,21 @@ def partial_directory(path: Path) -> Path:
 def _aside(path: Path) -> Path:
     """Where checkpoint ``path`` waits while a new one takes its name."""
     return path.parent / f".{path.name}.replaced"
+
+
+def committed(path: Path) -> Path:
+    """The directory a load of checkpoint ``path`` reads: ``path``, or, when a save replacing it was
+    killed between the commit's two renames, ``.<name>.replaced``, where the previous checkpoint
+    waits, whole, for the next save to put it back (Note: [Atomic save]). ``path`` when neither
+    is there: the load then says no checkpoint is there.
+
+    It renames nothing: every rank of a load reads the same directory without agreeing first, and
+    a read-only copy of the directory loads too; putting the checkpoint back is the save's part
+    (:func:`clean_up`, on rank 0, before anything is written).
+    """
+    if not path.exists() and _aside(path).is_dir():
+        return _aside(path)
+    return path
 
 
 def prepare(path: Path) -> Path:
@@ -235,10 +255,26 @@ def fsync_directory(directory: Path) -> None:
 
 def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
     """The checkpoint the ``latest`` file in ``directory`` names (the last one saved there), or
-    ``None`` when nothing was saved there yet."""
-    pointer = Path(directory) / LATEST_FILE
+    ``None`` when nothing was saved there yet. :func:`~offload.load_checkpoint` loads it even when
+    a save replacing it was killed half way (Note: [Atomic save]).
+
+    Raises:
+        CheckpointError: ``directory`` is not a directory (it, or one above it, is a file), or its
+            ``latest`` is a directory: neither is what :func:`~offload.save_checkpoint` writes; the
+            message says what to pass or move.
+    """
+    directory = Path(directory)
+    pointer = directory / LATEST_FILE
     try:
         name = pointer.read_text().strip()
     except FileNotFoundError:
         return None
-    return Path(directory) / name
+    except NotADirectoryError as error:
+        raise CheckpointError(f"no checkpoints in {directory}: it is not a directory (it, or a directory above it, "
+                              "is a file). Pass the directory save_checkpoint() saved into.") from error
+    except IsADirectoryError as error:
+        raise CheckpointError(f"{pointer} is a directory, not the file in which save_checkpoint() names the last "
+                              f"checkpoint saved in {directory}. Rename it (a checkpoint cannot be named "
+                              f"{LATEST_FILE}: the next save there would fail), or pass load_checkpoint() a "
+                              "checkpoint's path.") from error
+    return directory / name

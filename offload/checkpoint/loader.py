@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from .checkpoint_files import verify_checksums
 from .checks import _check_arguments, _check_model, _check_optimizer, _read
+from .commit import committed
 from .contents import (_kept_parameters, _loads_on_disk, _masters_on_disk, _masters_releaser, _model_state,
                        _parameter_names, _release_masters, _set_rng_state)
 from .ranks import _barrier, _group
@@ -45,7 +46,9 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     a time as it is read: the load holds about one slice of it in host memory.
 
     Args:
-        path: a checkpoint directory (see :func:`latest_checkpoint`).
+        path: a checkpoint directory (see :func:`latest_checkpoint`). When a save replacing it
+            was killed between the commit's renames, the previous checkpoint is loaded from where
+            it waits, beside it (Note: [Atomic save] in ``offload/checkpoint/commit.py``).
         model: the model to load into, built as the saved one was.
         optimizer: the optimizer to load into (the saved run's class), or ``None`` to skip it.
         process_group: as in :func:`save_checkpoint`.
@@ -67,7 +70,7 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
             ``offload/checkpoint/slice_load_planner.py``).
     """
     _check_arguments("load_checkpoint", model, optimizer)
-    path = Path(path)
+    path = committed(Path(path))
     info, metadata = _read(path)
     model_state = _model_state(model)
     _check_model(path, info, model, model_state)

@@ -70,7 +70,13 @@ def _on_rank_0(group: Any, rank: int, work: Any, failure: Any) -> None:
         try:
             work()
         except Exception as error:
-            message, raised = failure(error), error
+            raised = error
+            try:
+                message = failure(error)
+            except Exception as describing:
+                # Rank 0 still reaches the gather below: raised here, the others would wait there.
+                message = (f"{type(error).__name__}: {error} (describing it failed too: "
+                           f"{type(describing).__name__}: {describing})")
     if group is not None:
         message = _gathered_list(group, message)[0]
     if message is not None:

@@ -81,8 +81,11 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, ``optimizer`` not an optimizer, or ``extra``
             cannot be pickled (checked before anything is written).
-        ValueError: a bad ``keep_last``, or the optimizer steps a parameter the model lacks.
+        ValueError: a bad ``keep_last``, the optimizer steps a parameter the model lacks, or
+            ``path`` is named ``latest`` or starts with ``.`` (the names of the save's own files).
         FileExistsError: ``path`` is a file, or a directory of files that is not a checkpoint.
+        NotADirectoryError: a directory above ``path`` is a file (checked before anything is
+            written).
         CheckpointError: the filesystem has less room than the save needs (checked before
             anything is written), or the save failed (a full disk says so): what it wrote is
             removed, ``latest`` is unchanged and the previous checkpoint is intact.
@@ -203,16 +206,25 @@ def _commit_saved(path: Path, info: Callable[[], dict[str, Any]], keep_last: int
 
 
 def _save_failure(path: Path, error: BaseException, write_errors: list[OSError], needed: int) -> str:
-    previous = latest_checkpoint(path.parent)
-    if path.is_dir():
-        intact = f"checkpoint {path} is intact (it was not replaced)"
-    elif previous is not None and previous.is_dir():
-        intact = f"the previous checkpoint, {previous}, is intact"
-    else:
-        intact = "no earlier checkpoint was touched"
+    intact = _intact(path)
     if disk_full(error, write_errors):
         return (f"could not save checkpoint {path}: the disk filled up while writing it (the filesystem of "
                 f"{path.parent} has {size_text(free_bytes(path.parent))} free once the partial save was removed; the "
                 f"save needs more than that: at least {size_text(needed)} for its tensors and their headers alone). "
                 f"Nothing of it was kept and {intact}. Free space (or save elsewhere) and save again.")
     return (f"could not save checkpoint {path}: {failure_text(error)}. Nothing of it was kept and {intact}.")
+
+
+def _intact(path: Path) -> str:
+    """Which checkpoint a failed save of ``path`` left as it was, for its message. It raises
+    nothing: the error that stopped the save is the one to report, and rank 0 still has to share
+    it with the other ranks (a second error here left them waiting for it)."""
+    try:
+        previous = latest_checkpoint(path.parent)
+        if path.is_dir():
+            return f"checkpoint {path} is intact (it was not replaced)"
+        if previous is not None and previous.is_dir():
+            return f"the previous checkpoint, {previous}, is intact"
+    except (OSError, CheckpointError):  # a parent that is a file, a latest that is a directory
+        return "any earlier checkpoint is as it was"
+    return "no earlier checkpoint was touched"
