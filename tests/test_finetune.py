@@ -235,9 +235,10 @@ def files_of(directory: Path) -> dict[str, bytes]:
 
 
 def test_a_resume_with_no_steps_left_is_refused_and_the_trained_model_kept(tmp_path, capsys):
-    """Resuming from step 2 of 3 with --steps 2 (the default elsewhere is 20) would train nothing and
-    export step 2's weights over the finished model: refused, by the checkpoint's name before the
-    model is built, and by the step saved in it whatever its name."""
+    """A resume from a checkpoint past --steps, or at it into an --out holding a finished model,
+    would train nothing and export the checkpoint's weights over that model: refused, by the
+    checkpoint's name before the model is built, and by the step saved in it whatever its name
+    (Note: [Never lose a run], rule 4)."""
     out = tmp_path / "out"
     code, _, err = run_cli("--out", str(out), "--steps", "3", "--save-every", "1", *TINY_RUN, tmp_path=tmp_path,
                            capsys=capsys)
@@ -248,21 +249,35 @@ def test_a_resume_with_no_steps_left_is_refused_and_the_trained_model_kept(tmp_p
     (out / "checkpoints" / "step-2").rename(renamed)
 
     def refusal(step: int, steps: int) -> str:
+        if step > steps:
+            return (f"offload-finetune: error: --resume: the checkpoint is at step {step} and --steps is {steps}, so "
+                    f"nothing would train: pass --steps N > {step}, or --out a new directory without --resume to "
+                    "start over")
         return (f"offload-finetune: error: --resume: the checkpoint is at step {step} and --steps is {steps}, so "
-                f"nothing would train: pass --steps N > {step}, or --out a new directory without --resume to start "
-                "over")
+                f"nothing would train, and --out {out} holds a finished model that exporting the checkpoint would "
+                f"overwrite: pass --steps N > {step} to train on, or --out a new directory to export the checkpoint "
+                "there")
 
     # By its name: a parser error, before the model is built.
     first = out / "checkpoints" / "step-1"
     code, out_text, err = run_cli("--out", str(out), "--steps", "1", "--resume", str(first), *TINY_RUN,
                                   tmp_path=tmp_path, capsys=capsys)
     assert code == 2 and err.strip().splitlines()[-1] == refusal(1, 1) and out_text == "", err
+    code, out_text, err = run_cli("--out", str(out), "--steps", "1", "--resume", str(out / "checkpoints" / "step-3"),
+                                  *TINY_RUN, tmp_path=tmp_path, capsys=capsys)
+    assert code == 2 and err.strip().splitlines()[-1] == refusal(3, 1) and out_text == "", err
     assert files_of(out) == finished
     # By the step saved in it: once it is loaded, before anything trains.
-    code, out_text, err = run_cli("--out", str(out), "--steps", "2", "--resume", str(renamed), *TINY_RUN,
-                                  tmp_path=tmp_path, capsys=capsys)
-    assert code == 1 and err.strip() == refusal(2, 2) and "step 3/" not in out_text, err
+    for steps in (2, 1):
+        code, out_text, err = run_cli("--out", str(out), "--steps", str(steps), "--resume", str(renamed), *TINY_RUN,
+                                      tmp_path=tmp_path, capsys=capsys)
+        assert code == 1 and err.strip() == refusal(2, steps) and "step 3/" not in out_text, err
     assert files_of(out) == finished
+    # A model written before the export record existed (or by something else) counts as finished.
+    (out / "offload_finetune.json").unlink()
+    code, _, err = run_cli("--out", str(out), "--steps", "1", "--resume", str(first), *TINY_RUN, tmp_path=tmp_path,
+                           capsys=capsys)
+    assert code == 2 and err.strip().splitlines()[-1] == refusal(1, 1), err
 
 
 def test_a_resume_replays_the_schedule_without_warnings(tmp_path, capsys, recwarn):

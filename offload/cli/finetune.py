@@ -19,9 +19,13 @@ Note: [Never lose a run]
        error's traceback for any other error.
     3. Batches are a function of ``--seed`` and the step alone (the block stream replayed), so a
        resumed run draws the batches the stopped one would have.
-    4. Nothing is exported into ``--out`` without a step trained: a resume whose ``--steps`` is not
-       past the checkpoint's step is refused before anything trains (it would write the
-       checkpoint's weights over the finished model there).
+    4. A finished model in ``--out`` is never overwritten by a run that trained nothing. A resume
+       from a checkpoint past ``--steps`` is refused before anything trains, and so is one from a
+       checkpoint at ``--steps`` when ``--out`` holds a finished model (its export record, written
+       after the model's last file, says so: ``outputs.mark_export``). A resume from a checkpoint at
+       ``--steps`` into an unfinished ``--out`` trains nothing and runs what its run had left, the
+       final evaluation and the export: so the command printed by a run stopped after its last
+       checkpoint (an export that failed, Ctrl-C in the final evaluation) finishes it.
 
 The options and ``--help`` are in ``offload/cli/finetune_args.py``; the models in
 ``offload/cli/models.py``; the output checks in ``offload/cli/outputs.py``.
@@ -54,7 +58,7 @@ from ..optimizer import OffloadOptimizer
 from .finetune_args import DTYPES, SCHEDULES, no_steps_left, parse_args
 from .models import (four_bit_settings, pretrained_model, pretrained_tokenizer, quantized_random_model, random_model,
                      with_lora)
-from .outputs import OutputError, RunRecord, Write, check_room, check_writable
+from .outputs import OutputError, RunRecord, Write, check_room, check_writable, mark_export
 from .quantize import bnb_config
 
 __all__ = ["main", "parse_args"]
@@ -120,10 +124,12 @@ def run(argv: list[str], record: RunRecord) -> None:
     print(_summary(args, model, hf))
 
     done = resume(args, model, optimizer, scheduler)
+    train_batches: Iterator[torch.Tensor] = iter(())  # none when nothing is left to train (rule 4)
     try:
-        # The first batch read now: data that cannot be read stops the run before its first step.
-        stream = batches.train(skip=done)
-        train_batches = itertools.chain([next(stream)], stream)
+        if done < args.steps:
+            # The first batch read now: data that cannot be read stops the run before its first step.
+            stream = batches.train(skip=done)
+            train_batches = itertools.chain([next(stream)], stream)
     except DataFormatError as error:
         raise fail(str(error)) from None
     record.step, record.checkpoint = done, args.resume
@@ -139,9 +145,16 @@ def run(argv: list[str], record: RunRecord) -> None:
         print(record.stopped(f"stopped by {type(error).__name__}"), file=sys.stderr, flush=True)
         raise
     _save(args, model, hf, peft_model, tokenizer, optimizer, record)
+    print(_last_line(args, done, loss_value, seen, elapsed))
+
+
+def _last_line(args: argparse.Namespace, done: int, loss_value: float, seen: int, elapsed: float) -> str:
+    """The line a finished run ends with: the last step's loss and the speed, after ``done`` steps resumed."""
+    if done == args.steps:
+        return f"nothing left to train after step {done}; saved to {args.out}"
     # The loss in full (repr): a resumed run's last line equals the uninterrupted run's.
-    print(f"final loss {loss_value!r}; {seen / elapsed:,.0f} tokens/s over {args.steps - done} steps; "
-          f"saved to {args.out}")
+    return (f"final loss {loss_value!r}; {seen / elapsed:,.0f} tokens/s over {args.steps - done} steps; "
+            f"saved to {args.out}")
 
 
 def _summary(args: argparse.Namespace, model: OffloadModel, hf: Any) -> str:
@@ -161,7 +174,11 @@ def _save(args: argparse.Namespace, model: OffloadModel, hf: Any, peft_model: An
     save prints the line that ends the run early, then raises), and the disk tier's files removed."""
     try:
         optimizer.synchronize()  # the last update runs beside the loop: let it finish before saving
+        # Unfinished from the first file written to the last (Note: [Never lose a run], rule 4): a
+        # resume from the last checkpoint may then export again over what this one left.
+        mark_export(args.out, args.steps, finished=False)
         save_output(args, model, hf, peft_model, tokenizer)
+        mark_export(args.out, args.steps, finished=True)
     except Exception as error:
         print(record.stopped(f"saving to {args.out} failed ({type(error).__name__})"), file=sys.stderr, flush=True)
         raise
@@ -170,7 +187,8 @@ def _save(args: argparse.Namespace, model: OffloadModel, hf: Any, peft_model: An
 
 def _start(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     """The extra's imports the run needs (tqdm, DataFormatError, causal_lm_sequential,
-    load_causal_lm), once the outputs are found writable; exits saying what is missing."""
+    load_causal_lm), once the outputs are found writable and the text data UTF-8; exits saying
+    what is missing or wrong."""
     try:
         from tqdm import tqdm
 
@@ -187,7 +205,8 @@ def _start(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
         transformers.utils.logging.disable_progress_bar()  # the bar of loading checkpoint shards
     try:
         check_outputs_writable(args)  # Note: [Never lose a run], rule 1
-    except OutputError as error:
+        check_data_encoding(args)  # before the model is built: a bad byte stops the run in seconds
+    except (OutputError, DataFormatError) as error:
         raise fail(str(error)) from None
     return tqdm, DataFormatError, causal_lm_sequential, load_causal_lm
 
@@ -259,6 +278,17 @@ def planned_writes(args: argparse.Namespace, model: OffloadModel, trainable: lis
         masters = 4 * sum(p.numel() for p in model.parameters()) if args.masters_on_disk else 0
         writes.append(Write(args.disk_tier, state + masters, "the disk tier's files"))
     return writes
+
+
+def check_data_encoding(args: argparse.Namespace) -> None:
+    """``--data`` and ``--eval-file`` decode as UTF-8, read through once before the model is built:
+    the reading is lazy, so a bad byte deep in a large file would otherwise stop the run when
+    training reaches it, hours in."""
+    from ..integrations.data import check_encoding
+
+    for path in (args.data, args.eval_file):
+        if path is not None:
+            check_encoding(path)
 
 
 def save_output(args: argparse.Namespace, model: OffloadModel, hf, peft_model, tokenizer) -> None:
@@ -346,9 +376,9 @@ def resume(args: argparse.Namespace, model: OffloadModel, optimizer: OffloadOpti
         extra = load_checkpoint(args.resume, model, optimizer)
     except CheckpointError as error:
         raise fail(resume_failure(args, error)) from None
-    if extra["step"] >= args.steps:
-        # Note: [Never lose a run], rule 4.
-        raise fail(no_steps_left(extra["step"], args.steps))
+    refusal = no_steps_left(extra["step"], args.steps, args.out)  # Note: [Never lose a run], rule 4
+    if refusal is not None:
+        raise fail(refusal)
     with warnings.catch_warnings():
         # The schedule is a function of the step: stepping it without optimizer steps replays it.
         # The filter's message is a regular expression matched at the start of the warning's.
@@ -356,6 +386,10 @@ def resume(args: argparse.Namespace, model: OffloadModel, optimizer: OffloadOpti
         for _ in range(extra["step"]):
             scheduler.step()
     print(f"resumed from {args.resume} after step {extra['step']}")
+    if extra["step"] == args.steps:
+        left = "the final evaluation and the export" if args.eval_file or args.eval_fraction else "the export"
+        print(f"nothing left to train (--steps {args.steps}); running what the stopped run had left: {left} "
+              f"into {args.out}")
     return extra["step"]
 
 
@@ -371,10 +405,37 @@ def resume_failure(args: argparse.Namespace, error: CheckpointError) -> str:
         advice = f"pass --num-slices {slices[1]}, as the run that saved it did"
     elif "damaged" in finding or "incomplete" in finding or finding.startswith("no checkpoint"):
         advice = f"pass --resume an earlier checkpoint (under {args.out / 'checkpoints'}), or leave out --resume"
+    elif (positions := _saved_positions(args, finding)) is not None:
+        seq_len = f"--seq-len {positions}" if positions > 64 else "--seq-len 64 or less"
+        advice = (f"pass {seq_len}, as the run that saved it did (a random model's position table has "
+                  "max(--seq-len, 64) rows), or leave out --resume to start over")
     else:
         advice = ("pass the options of the run that saved it (--model, or --arch and --size; --lora-r, "
                   "--lora-targets, --untie-embeddings), or leave out --resume to start over")
     return f"--resume: {finding}; {advice}"
+
+
+def _saved_positions(args: argparse.Namespace, finding: str) -> int | None:
+    """The saved run's position-table rows, where ``finding`` says that only --seq-len differs.
+
+    A random model's position table (GPT-2's ``wpe``) has ``max(--seq-len, 64)`` rows
+    (``models.random_model``): every tensor that differs does so in a dimension of that size here,
+    and in that dimension only.
+    """
+    if args.model is not None:
+        return None  # a saved model's shapes are its own, whatever --seq-len
+    here_rows = max(args.seq_len, 64)
+    shapes = re.findall(r" is \w+\[([\d, ]*)\] there, \w+\[([\d, ]*)\] here", finding)
+    if not shapes or "is not in the" in finding:
+        return None
+    saved_rows = set()
+    for there, here in shapes:
+        there_dims, here_dims = ([int(d) for d in dims.split(", ") if d] for dims in (there, here))
+        differing = [k for k, (a, b) in enumerate(zip(there_dims, here_dims)) if a != b]
+        if len(there_dims) != len(here_dims) or len(differing) != 1 or here_dims[differing[0]] != here_rows:
+            return None
+        saved_rows.add(there_dims[differing[0]])
+    return saved_rows.pop() if len(saved_rows) == 1 else None
 
 
 def batch_loss(args: argparse.Namespace, model: OffloadModel, hf, ids: torch.Tensor, tokens: int) -> torch.Tensor:
@@ -439,14 +500,23 @@ def train(args: argparse.Namespace, model: OffloadModel, hf: Any, optimizer: Off
             save_checkpoint(path, model, optimizer, extra={"step": step}, keep_last=args.keep_checkpoints)
             record.checkpoint = path
         if evaluation and (step == args.steps or (args.eval_every and step % args.eval_every == 0)):
-            eval_loss = evaluate(args, model, hf, evaluation)
-            line = f"eval step {step}/{args.steps}  loss {eval_loss:.4f}  perplexity {math.exp(min(eval_loss, 50)):.2f}"
-            if args.no_progress:
-                print(line, flush=True)
-            else:
-                bar.write(line, file=sys.stdout)
+            _report_evaluation(args, model, hf, evaluation, step, bar)
+    if evaluation and done == args.steps:
+        # A resume with nothing left to train: the final evaluation, which its run may not have finished.
+        _report_evaluation(args, model, hf, evaluation, done, bar)
     bar.close()
     return loss_value, seen, time.perf_counter() - start
+
+
+def _report_evaluation(args: argparse.Namespace, model: OffloadModel, hf: Any, evaluation: list[torch.Tensor],
+                       step: int, bar: Any) -> None:
+    """Evaluate after ``step`` and print the loss and perplexity, beside the bar when there is one."""
+    eval_loss = evaluate(args, model, hf, evaluation)
+    line = f"eval step {step}/{args.steps}  loss {eval_loss:.4f}  perplexity {math.exp(min(eval_loss, 50)):.2f}"
+    if args.no_progress:
+        print(line, flush=True)
+    else:
+        bar.write(line, file=sys.stdout)
 
 
 if __name__ == "__main__":

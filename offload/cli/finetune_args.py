@@ -7,13 +7,16 @@ Only parsing and checking what can be checked without a model lives here; the ru
 from __future__ import annotations
 
 import argparse
+import math
 import re
 from pathlib import Path
 
 import torch
 
 from ..checkpoint import latest_checkpoint
+from ..checkpoint.commit import committed
 from .models import SIZES
+from .outputs import holds_finished_model
 from .quantize import QUANT_TYPES, import_bitsandbytes
 
 DEFAULT_TEXT = Path(__file__).resolve().parent / "sample.txt"
@@ -198,6 +201,24 @@ def check_four_bit_args(parser: argparse.ArgumentParser, args: argparse.Namespac
         parser.error(str(error))
 
 
+def check_float_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The float options are finite and in range: ``float`` takes ``nan`` and ``inf``, which the
+    optimizer would refuse only once the model is built (``nan``, a rate below 0) or train into a NaN
+    model without a word (``inf``)."""
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        parser.error(f"--lr must be a finite number above 0 (1e-5 to 1e-3 is usual), got {args.lr}")
+    if args.max_grad_norm is not None and not (math.isfinite(args.max_grad_norm) and args.max_grad_norm > 0):
+        parser.error(f"--max-grad-norm must be a finite number above 0 (leave it out for no clipping), "
+                     f"got {args.max_grad_norm}")
+    if not 0.0 <= args.eval_fraction < 1.0:  # false for nan
+        parser.error(f"--eval-fraction must be in [0, 1), got {args.eval_fraction}")
+    if args.lora_alpha is not None and not (math.isfinite(args.lora_alpha) and args.lora_alpha > 0):
+        parser.error(f"--lora-alpha must be a finite number above 0 (leave it out for twice the rank), "
+                     f"got {args.lora_alpha}")
+    if not 0.0 <= args.lora_dropout < 1.0:
+        parser.error(f"--lora-dropout must be in [0, 1), got {args.lora_dropout}")
+
+
 def check_disk_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """``--masters-on-disk`` and ``--shadows-on-disk``: what each needs."""
     if args.masters_on_disk and args.disk_tier is None:
@@ -217,8 +238,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      f"got {args.resident_slices}")
     if args.lora_r < 0:
         parser.error("--lora-r must be 0 (off) or a positive rank")
-    if not 0.0 <= args.lora_dropout < 1.0:
-        parser.error("--lora-dropout must be in [0, 1)")
+    check_float_args(parser, args)
     check_four_bit_args(parser, args)
     for name in ("steps", "batch_size", "seq_len", "num_slices", "microbatches", "grad_accum", "eval_batches",
                  "shuffle_buffer"):
@@ -227,16 +247,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("warmup_steps", "eval_every"):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be 0 or more")
-    if args.max_grad_norm is not None and not args.max_grad_norm > 0:
-        parser.error("--max-grad-norm must be positive (leave it out for no clipping)")
     if args.update_in_backward and args.max_grad_norm is not None:
         # Note: [Update in backward]: a slice's update starts before the last gradient, and so the total
         # norm, exists.
         parser.error("--update-in-backward cannot clip: each slice's update starts in backward, before the "
                      "gradients' total norm is known. Leave out --max-grad-norm, or --update-in-backward (the "
                      "update then runs behind the next forward, after the clipping)")
-    if not 0.0 <= args.eval_fraction < 1.0:
-        parser.error("--eval-fraction must be in [0, 1)")
     if args.eval_file is not None and args.eval_fraction:
         parser.error("--eval-file and --eval-fraction both name an eval split; give one")
     if args.eval_every and args.eval_file is None and not args.eval_fraction:
@@ -255,6 +271,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--save-every must be 0 (never) or a number of steps")
     if args.keep_checkpoints is not None and args.keep_checkpoints < 1:
         parser.error("--keep-checkpoints must be at least 1")
+    if args.keep_checkpoints is not None and not args.save_every:
+        parser.error("--keep-checkpoints keeps the newest of the checkpoints --save-every N saves, and none is saved "
+                     "without it: add --save-every N, or leave out --keep-checkpoints")
     check_paths(parser, args)
     return args
 
@@ -274,20 +293,34 @@ def check_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
             parser.error(f"--resume latest: no checkpoint under {args.out / 'checkpoints'} yet")
     elif args.resume is not None:
         args.resume = Path(args.resume)
-        if not args.resume.is_dir():
+        # A save replacing it, killed half way, leaves the checkpoint beside its name until the
+        # next save puts it back; the load reads it there (Note: [Atomic save]).
+        if not committed(args.resume).is_dir():
             parser.error(f"--resume {args.resume}: no such checkpoint directory")
     # Note: [Never lose a run], rule 4, from the name the run gave the checkpoint, before a model is
     # built for nothing; resume() checks the step saved in it, whatever its name.
     named = None if args.resume is None else re.fullmatch(r"step-(\d+)", args.resume.name)
-    if named is not None and int(named[1]) >= args.steps:
-        parser.error(no_steps_left(int(named[1]), args.steps))
+    refusal = None if named is None else no_steps_left(int(named[1]), args.steps, args.out)
+    if refusal is not None:
+        parser.error(refusal)
 
 
-def no_steps_left(step: int, steps: int) -> str:
-    """The refusal of a resume from ``step`` with ``--steps`` at or below it: it would train nothing
-    and export the checkpoint's weights over the finished model in ``--out``."""
-    return (f"--resume: the checkpoint is at step {step} and --steps is {steps}, so nothing would train: pass "
-            f"--steps N > {step}, or --out a new directory without --resume to start over")
+def no_steps_left(step: int, steps: int, out: Path) -> str | None:
+    """The refusal of a resume from ``step`` that would train nothing and export the checkpoint's
+    weights over a finished model in ``out`` (Note: [Never lose a run], rule 4), or ``None``.
+
+    A checkpoint at ``--steps`` into an ``--out`` without a finished model is no such resume: its
+    run stopped after the last checkpoint and before its export was done, and resuming runs what
+    it had left (the final evaluation, the export).
+    """
+    if step < steps or (step == steps and not holds_finished_model(out)):
+        return None
+    if step > steps:
+        return (f"--resume: the checkpoint is at step {step} and --steps is {steps}, so nothing would train: pass "
+                f"--steps N > {step}, or --out a new directory without --resume to start over")
+    return (f"--resume: the checkpoint is at step {step} and --steps is {steps}, so nothing would train, and --out "
+            f"{out} holds a finished model that exporting the checkpoint would overwrite: pass --steps N > {step} to "
+            "train on, or --out a new directory to export the checkpoint there")
 
 
 def default_compute_dtype(device: torch.device, masters_on_disk: bool) -> str:

@@ -5,11 +5,14 @@ directory a run writes (the output, the checkpoints, the disk tier) is made and 
 small file before anything trains, and each file system is asked for the room the run's writes
 need (:func:`check_room`). Once training has started, :class:`RunRecord` knows the last
 checkpoint saved, so a run that stops, by an error or Ctrl-C, says where it is and the command
-that continues from it. It does not save anything itself.
+that continues from it. It does not save the model itself; :func:`mark_export` records in the
+output directory whether the model there is finished, which a resume that has nothing left to
+train reads before it exports over it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -23,7 +26,12 @@ from pathlib import Path
 # the disk tier's room checks word theirs.
 from ..tiers.disk_tier import size_text
 
-__all__ = ["OutputError", "RunRecord", "Write", "check_room", "check_writable", "resume_command"]
+__all__ = ["EXPORT_RECORD", "OutputError", "RunRecord", "Write", "check_room", "check_writable", "holds_finished_model",
+           "mark_export", "resume_command"]
+
+#: The file in the output directory that says whether the model there is finished: written as an
+#: export starts and again once its last file is written (Note: [Never lose a run], rule 4).
+EXPORT_RECORD = "offload_finetune.json"
 
 
 class OutputError(RuntimeError):
@@ -81,6 +89,33 @@ def check_room(writes: Sequence[Write]) -> None:
             raise OutputError(f"not enough room on the disk holding {existing}: {size_text(free)} free, the run "
                               f"writes {size_text(needed)} there ({items}). Free some space or choose other "
                               "directories, before anything trains")
+
+
+def mark_export(out: Path, step: int, *, finished: bool) -> None:
+    """Record in ``out`` that the model of ``step`` is being written there, or is written whole.
+
+    The record is replaced in one rename, so it is never half-written: a run stopped mid-export
+    leaves the "being written" one, whatever the model's files are by then.
+    """
+    partial = out / f".{EXPORT_RECORD}.partial"
+    partial.write_text(json.dumps({"step": step, "finished": finished}) + "\n", encoding="utf-8")
+    os.replace(partial, out / EXPORT_RECORD)
+
+
+def holds_finished_model(out: Path) -> bool:
+    """Whether ``out`` holds a finished model, which a resume with nothing to train must not overwrite.
+
+    Its export record says so; without one, any weights there are taken for a finished model
+    (written before the record existed, or by something else), and an unreadable record for one too:
+    overwriting a model that was unfinished costs a ``--out`` elsewhere, one that was finished costs
+    the run.
+    """
+    try:
+        return bool(json.loads((out / EXPORT_RECORD).read_text(encoding="utf-8"))["finished"])
+    except (FileNotFoundError, NotADirectoryError):
+        return any(out.glob("*.safetensors")) or any(out.glob("*.bin"))
+    except (OSError, ValueError, TypeError, KeyError):
+        return True
 
 
 def resume_command(argv: Sequence[str], checkpoint: Path, program: str | None = None) -> str:

@@ -9,7 +9,9 @@ a ``transformers.Trainer`` or a plain loop can too (``torch.stack`` a few blocks
 labels are the ids).
 
 It does not pad, truncate or batch, and it does not read anything twice: a new pass over the data
-calls :func:`token_blocks` again.
+calls :func:`token_blocks` again. Plain text and JSON lines are UTF-8: :func:`check_encoding` reads
+such a file through once, without tokenising, to find a byte that does not decode before a pass
+over the data reaches it.
 
 Note: [Packing]
     Documents (a JSON lines record, a parquet row, a dataset row) are tokenised one by one, each
@@ -23,6 +25,7 @@ Note: [Packing]
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 from collections.abc import Iterable, Iterator
@@ -31,7 +34,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["DataFormatError", "TEXT_SUFFIXES", "read_documents", "shuffled", "split_blocks", "token_blocks"]
+__all__ = ["DataFormatError", "TEXT_SUFFIXES", "check_encoding", "read_documents", "shuffled", "split_blocks",
+           "token_blocks"]
 
 #: Suffixes read as plain text; ``.jsonl``/``.json``, ``.parquet``, ``.csv`` and directories are
 #: the other formats. Anything else is refused rather than guessed.
@@ -60,7 +64,8 @@ def token_blocks(source: str | os.PathLike[str], tokenizer: Any, block_size: int
             ``messages`` list rendered with ``tokenizer.apply_chat_template``.
 
     Raises:
-        DataFormatError: an unknown format, or a record without the field (naming the keys found).
+        DataFormatError: an unknown format, a record without the field (naming the keys found), or
+            text that is not UTF-8 (naming the byte), when the reading reaches it.
         FileNotFoundError: ``source`` does not exist.
 
     Example::
@@ -110,33 +115,85 @@ def read_documents(source: str | os.PathLike[str], tokenizer: Any = None, *,
             f"JSON lines (.jsonl), .parquet, .csv or a datasets directory (save_to_disk)")
 
 
+def check_encoding(source: str | os.PathLike[str]) -> None:
+    """Read ``source`` through once, if it is plain text or JSON lines, and check that it is UTF-8.
+
+    The readers decode lazily, so a bad byte deep in a large file would otherwise stop a pass over
+    it where it lies; this costs a read of the file without tokenising (about the disk's speed).
+    Other formats (parquet, CSV, datasets directories) are decoded by ``datasets`` and not read.
+
+    Raises:
+        DataFormatError: the first byte that is not UTF-8, by offset and line, with the fix.
+    """
+    path = Path(source)
+    if path.is_file() and path.suffix.lower() in (*TEXT_SUFFIXES, ".jsonl", ".json"):
+        _check_utf8(path)
+
+
+def _check_utf8(path: Path) -> None:
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0  # of the chunk read next
+    lines = 1  # the line the chunk read next starts in
+    with path.open("rb") as file:
+        while True:
+            chunk = file.read(4 * TEXT_CHUNK_BYTES)
+            # A sequence cut by the chunk's start waits in the decoder: its bytes come before the chunk's.
+            pending = len(decoder.getstate()[0])
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as error:
+                bad = offset - pending + error.start
+                line = lines + chunk[:max(bad - offset, 0)].count(b"\n")
+                raise _not_utf8(path, bad, line, error.object[error.start]) from None
+            if not chunk:
+                return
+            offset += len(chunk)
+            lines += chunk.count(b"\n")
+
+
+def _not_utf8(path: Path, offset: int, line: int, byte: int) -> DataFormatError:
+    return DataFormatError(
+        f"{path}: not UTF-8 text: byte 0x{byte:02x} at offset {offset} (line {line}) does not decode; re-encode "
+        f"the file as UTF-8 (Latin-1 text, say: iconv -f LATIN1 -t UTF-8 {path} > {path.stem}-utf8{path.suffix})")
+
+
+def _utf8_lines(path: Path) -> Iterator[str]:
+    """``path``'s lines, decoded as UTF-8 (universal newlines, as ``open`` reads text); a byte that
+    does not decode stops them with :func:`check_encoding`'s error, naming where it is."""
+    with path.open(encoding="utf-8") as file:
+        try:
+            yield from file
+        except UnicodeDecodeError as error:
+            # The text reader does not say where in the file the bad byte is: find it in the bytes.
+            _check_utf8(path)
+            raise DataFormatError(f"{path}: not UTF-8 text ({error}); re-encode the file as UTF-8") from error
+
+
 def _text_pieces(path: Path) -> Iterator[tuple[str, bool, bool]]:
     # Only the first piece gets the tokenizer's special tokens (a BOS), as the whole text would.
     first = True
-    with path.open(encoding="utf-8") as file:
-        piece: list[str] = []
-        size = 0
-        for line in file:
-            piece.append(line)
-            size += len(line)
-            if size >= TEXT_CHUNK_BYTES:
-                yield "".join(piece), False, first
-                piece, size, first = [], 0, False
-        if piece:
+    piece: list[str] = []
+    size = 0
+    for line in _utf8_lines(path):
+        piece.append(line)
+        size += len(line)
+        if size >= TEXT_CHUNK_BYTES:
             yield "".join(piece), False, first
+            piece, size, first = [], 0, False
+    if piece:
+        yield "".join(piece), False, first
 
 
 def _json_lines(path: Path) -> Iterator[tuple[int, Any]]:
-    with path.open(encoding="utf-8") as file:
-        for number, line in enumerate(file, 1):
-            if not line.strip():
-                continue
-            try:
-                yield number, json.loads(line)
-            except json.JSONDecodeError as error:
-                raise DataFormatError(
-                    f"{path}, line {number}: not a JSON object ({error.msg}); JSON lines hold one object a line"
-                ) from error
+    for number, line in enumerate(_utf8_lines(path), 1):
+        if not line.strip():
+            continue
+        try:
+            yield number, json.loads(line)
+        except json.JSONDecodeError as error:
+            raise DataFormatError(
+                f"{path}, line {number}: not a JSON object ({error.msg}); JSON lines hold one object a line"
+            ) from error
 
 
 def _streamed_rows(path: Path, builder: str) -> Iterator[tuple[int, Any]]:
