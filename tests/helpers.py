@@ -7,6 +7,8 @@ generator state; GPU variants run the same test on ``cuda`` behind the ``cuda`` 
 from __future__ import annotations
 
 import copy
+import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -140,3 +142,31 @@ def run_state_lookups(monkeypatch: Any) -> list[torch.Tensor]:
     # The module's own name shadows the builtin, for quantized.py's code alone.
     monkeypatch.setattr(quantized, "getattr", looking_up, raising=False)
     return looked_up
+
+
+def cli_result(main: Callable[[list[str]], Any], argv: Sequence[str], capsys: Any) -> tuple[int, str, str]:
+    """Run a command's ``main`` on ``argv``: its exit code (0 when it returns; a message given to
+    ``SystemExit`` is printed to stderr, code 1) and what it printed, out and err."""
+    code = 0
+    try:
+        main(list(argv))
+    except SystemExit as exit_info:
+        code = exit_info.code if isinstance(exit_info.code, int) else 1
+        if not isinstance(exit_info.code, int):
+            print(exit_info.code, file=sys.stderr)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def join_or_kill(ranks: Any, seconds: float, what: str) -> None:
+    """Wait for the processes of ``torch.multiprocessing.start_processes(..., join=False)``; past
+    ``seconds`` kill those still running and fail the test, naming ``what``."""
+    deadline = time.monotonic() + seconds
+    while not ranks.join(timeout=max(deadline - time.monotonic(), 0.0)):
+        if time.monotonic() >= deadline:
+            for process in ranks.processes:
+                if process.is_alive():
+                    process.kill()
+                process.join()
+            pytest.fail(f"{what} still running after {seconds} s; killed")
+

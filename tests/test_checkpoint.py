@@ -24,7 +24,7 @@ from offload import (CheckpointError, OffloadModel, OffloadOptimizer, latest_che
                      save_checkpoint)
 
 from .checkpoint_workers import counting_model
-from .helpers import CUDA
+from .helpers import CUDA, join_or_kill
 from .stream_scenarios import tied_mlp
 
 #: Seconds a job's processes get before they are killed and the test fails.
@@ -43,14 +43,7 @@ def spawn(job: str, tmp_path, world: int, tag: str | None = None, **kwargs) -> l
     store = f"store-{uuid.uuid4().hex}"
     ranks = mp.start_processes(checkpoint_workers.run, args=(world, str(tmp_path), job, kwargs, store),
                                nprocs=world, join=False, start_method="forkserver")
-    deadline = time.monotonic() + DEADLINE_S
-    while not ranks.join(timeout=max(deadline - time.monotonic(), 0.0)):
-        if time.monotonic() >= deadline:
-            for process in ranks.processes:
-                if process.is_alive():
-                    process.kill()
-                process.join()
-            pytest.fail(f"job {job!r} still running after {DEADLINE_S} s; killed")
+    join_or_kill(ranks, DEADLINE_S, f"job {job!r}")
     if tag is None:
         return []
     return [torch.load(tmp_path / f"{tag}.{rank}.pt", weights_only=False) for rank in range(world)]

@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 from offload import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 
 from .checkpoint_workers import counting_model
+from .helpers import join_or_kill
 
 #: Seconds a test's processes get before they are killed and the test fails.
 DEADLINE_S = 120
@@ -199,14 +200,7 @@ def test_every_rank_raises_a_save_under_a_file_and_none_waits(tmp_path, found_by
     (tmp_path / "runs").write_text("not a directory")
     ranks = mp.start_processes(save_under_a_file, args=(2, str(tmp_path), f"store-{uuid.uuid4().hex}", found_by),
                                nprocs=2, join=False, start_method="forkserver")
-    deadline = time.monotonic() + DEADLINE_S
-    while not ranks.join(timeout=max(deadline - time.monotonic(), 0.0)):
-        if time.monotonic() >= deadline:
-            for process in ranks.processes:
-                if process.is_alive():
-                    process.kill()
-                process.join()
-            pytest.fail(f"the ranks still running after {DEADLINE_S} s; killed")
+    join_or_kill(ranks, DEADLINE_S, "the ranks")
     for rank in range(2):
         outcome = json.loads((tmp_path / f"outcome.{rank}.json").read_text())
         assert outcome["raised"] == raised, (rank, outcome)

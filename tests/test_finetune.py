@@ -33,6 +33,7 @@ from offload.cli.outputs import OutputError, Write, check_room, resume_command  
 from offload.integrations import data  # noqa: E402
 from offload.integrations.data import DataFormatError, shuffled, split_blocks, token_blocks  # noqa: E402
 from offload.integrations.transformers import causal_lm_sequential  # noqa: E402
+from .helpers import cli_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "offload" / "cli" / "sample.txt"
@@ -168,15 +169,7 @@ def test_console_entry_point_is_declared():
 
 
 def run_cli(*args: str, tmp_path: Path, capsys) -> tuple[int, str, str]:
-    code = 0
-    try:
-        cli.main(["--device", "cpu", "--no-progress", *args])
-    except SystemExit as exit_info:
-        code = exit_info.code if isinstance(exit_info.code, int) else 1
-        if not isinstance(exit_info.code, int):
-            print(exit_info.code, file=sys.stderr)
-    out = capsys.readouterr()
-    return code, out.out, out.err
+    return cli_result(cli.main, ["--device", "cpu", "--no-progress", *args], capsys)
 
 
 def test_an_unwritable_out_is_refused_before_the_model_is_built(tmp_path, capsys, monkeypatch):

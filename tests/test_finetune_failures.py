@@ -29,6 +29,7 @@ from offload.cli.models import byte_tokenizer  # noqa: E402
 from offload.cli.outputs import EXPORT_RECORD  # noqa: E402
 from offload.integrations import data  # noqa: E402
 from offload.integrations.data import DataFormatError, check_encoding, token_blocks  # noqa: E402
+from .helpers import cli_result  # noqa: E402
 
 # Three steps, the last one checkpointed, and an eval split: the final evaluation runs after the
 # last checkpoint, as the export does.
@@ -37,15 +38,7 @@ FLAGS = ["--device", "cpu", "--no-progress", "--batch-size", "2", "--seq-len", "
 
 
 def run_cli(*args: str, capsys) -> tuple[int, str, str]:
-    code = 0
-    try:
-        cli.main(list(args))
-    except SystemExit as exit_info:
-        code = exit_info.code if isinstance(exit_info.code, int) else 1
-        if not isinstance(exit_info.code, int):
-            print(exit_info.code, file=sys.stderr)
-    out = capsys.readouterr()
-    return code, out.out, out.err
+    return cli_result(cli.main, args, capsys)
 
 
 def weights_of(out: Path) -> dict[str, torch.Tensor]:
