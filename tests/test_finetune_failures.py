@@ -150,6 +150,34 @@ def test_float_options_in_range_parse(tmp_path):
     assert (args.lr, args.max_grad_norm, args.eval_fraction, args.lora_alpha) == (1e-5, 0.5, 0.0, 0.5)
 
 
+def test_a_finished_model_of_an_earlier_step_does_not_refuse_a_later_checkpoints_resume(tmp_path):
+    # An earlier run's finished model in --out (another step) is what the run that saved the
+    # checkpoint was going to overwrite: its printed resume command exports over it.
+    from offload.cli.finetune_args import no_steps_left
+    from offload.cli.outputs import mark_export
+
+    out = tmp_path / "out"
+    out.mkdir()
+    assert no_steps_left(6, 6, out) is None  # nothing there
+    (out / "model.safetensors").write_bytes(b"")
+    assert "holds a finished model" in no_steps_left(6, 6, out)  # weights without a record
+    mark_export(out, 3, finished=True)
+    assert no_steps_left(6, 6, out) is None  # an earlier run's model, of step 3
+    mark_export(out, 6, finished=False)
+    assert no_steps_left(6, 6, out) is None  # this run's export, stopped half way
+    mark_export(out, 6, finished=True)
+    assert "holds a finished model" in no_steps_left(6, 6, out)  # this run's, finished
+    assert "holds a finished model" in no_steps_left(2, 2, out)  # an older checkpoint resumed by mistake
+    assert "nothing would train" in no_steps_left(7, 6, out)
+
+
+def test_resume_latest_under_a_file_is_a_parser_error(tmp_path, capsys):
+    (tmp_path / "out").write_text("not a directory")
+    with pytest.raises(SystemExit):
+        parse_args(["--out", str(tmp_path / "out"), "--resume", "latest"])
+    assert "offload-finetune: error: --resume latest:" in capsys.readouterr().err
+
+
 def test_keep_checkpoints_without_save_every_is_a_parser_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         parse_args(["--out", str(tmp_path), "--device", "cpu", "--keep-checkpoints", "2"])

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from ..walk.engine import Engine
@@ -175,8 +176,8 @@ _ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad
 
 def _refuse_outside_leaves(i: int, outputs: Sequence[Any], graph_leaves: Sequence[Any],
                            entry_tensors: Sequence[torch.Tensor]) -> None:
-    """Raise if slice ``i``'s run reached a tensor that requires grad other than its boundary
-    leaves and its own parameters (Note: [Leaves outside the slice]).
+    """Raise if slice ``i``'s run reached a parameter that requires grad other than its own (Note:
+    [Leaves outside the slice]).
 
     Note: [Leaves outside the slice]
         Backward differentiates each slice with respect to its boundary leaves and the parameters
@@ -186,9 +187,15 @@ def _refuse_outside_leaves(i: int, outputs: Sequence[Any], graph_leaves: Sequenc
         (tied) in this layer too. The plain model gives it a gradient; the walk would not, and
         nothing downstream could tell. So the first microbatch of every slice run in forward looks
         at the accumulation nodes its graph reaches (the graph is built anyway, to learn what the
-        outputs require: Note: [Boundary gradients]) and refuses any leaf it does not own, with
-        what to do instead. The walk over the graph's nodes costs about what the layer's own
-        Python does once per slice and step, not per microbatch.
+        outputs require: Note: [Boundary gradients]) and refuses an ``nn.Parameter`` it does not
+        own, with what to do instead; once per slice and step, not per microbatch.
+
+        Parameters only: a plain tensor leaf may be made inside the run, and then nothing reads its
+        gradient in the plain model either. ``enable_input_require_grads()`` (which PEFT's
+        ``prepare_model_for_kbit_training`` and Hugging Face's gradient checkpointing call) makes
+        a frozen embedding's output a new leaf that requires grad, so that checkpointed layers
+        after it keep a graph. A plain tensor made to require grad before the forward and reached
+        by a hook or an attribute goes unseen: train parameters.
     """
     known = {id(t) for t in (*graph_leaves, *entry_tensors) if isinstance(t, torch.Tensor)}
     pending = [o.grad_fn for o in outputs if isinstance(o, torch.Tensor) and o.grad_fn is not None]
@@ -202,11 +209,11 @@ def _refuse_outside_leaves(i: int, outputs: Sequence[Any], graph_leaves: Sequenc
             pending.extend(next_node for next_node, _ in node.next_functions)
             continue
         variable = node.variable
-        if id(variable) not in known:
+        if isinstance(variable, nn.Parameter) and id(variable) not in known:
             raise RuntimeError(
-                f"OffloadModel: slice {i} used a tensor that requires grad (shape {tuple(variable.shape)}, "
-                f"{variable.dtype}) that is neither one of its layers' registered parameters nor its input. "
-                "Backward differentiates each slice with respect to those only, so this tensor would get no "
+                f"OffloadModel: slice {i} used a parameter that requires grad (shape {tuple(variable.shape)}, "
+                f"{variable.dtype}) that is not registered in its layers. Backward differentiates each slice "
+                "with respect to its inputs and its layers' parameters only, so this one would get no "
                 "gradient. This happens with a parameter captured by a forward hook or held in a plain "
                 "attribute, or another layer's weight referenced directly. Register it as a parameter of a "
                 "layer of the model (tie a shared weight by assigning the same nn.Parameter to both layers), "

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import latest_checkpoint
+from ..checkpoint import CheckpointError, latest_checkpoint
 from ..checkpoint.commit import committed
 from .models import SIZES
 from .outputs import holds_finished_model
@@ -288,7 +288,10 @@ def check_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     if args.model is not None and not _weight_files(args.model):
         parser.error(_without_weights(args.model))
     if args.resume == "latest":
-        args.resume = latest_checkpoint(args.out / "checkpoints")
+        try:
+            args.resume = latest_checkpoint(args.out / "checkpoints")
+        except CheckpointError as error:  # a file where the directory would be, a "latest" directory
+            parser.error(f"--resume latest: {error}")
         if args.resume is None:
             parser.error(f"--resume latest: no checkpoint under {args.out / 'checkpoints'} yet")
     elif args.resume is not None:
@@ -313,7 +316,7 @@ def no_steps_left(step: int, steps: int, out: Path) -> str | None:
     run stopped after the last checkpoint and before its export was done, and resuming runs what
     it had left (the final evaluation, the export).
     """
-    if step < steps or (step == steps and not holds_finished_model(out)):
+    if step < steps or (step == steps and not holds_finished_model(out, step)):
         return None
     if step > steps:
         return (f"--resume: the checkpoint is at step {step} and --steps is {steps}, so nothing would train: pass "

@@ -102,16 +102,22 @@ def mark_export(out: Path, step: int, *, finished: bool) -> None:
     os.replace(partial, out / EXPORT_RECORD)
 
 
-def holds_finished_model(out: Path) -> bool:
-    """Whether ``out`` holds a finished model, which a resume with nothing to train must not overwrite.
+def holds_finished_model(out: Path, step: int) -> bool:
+    """Whether ``out`` holds a finished model that a resume from checkpoint ``step`` with nothing
+    to train must not overwrite.
 
-    Its export record says so; without one, any weights there are taken for a finished model
-    (written before the record existed, or by something else), and an unreadable record for one too:
-    overwriting a model that was unfinished costs a ``--out`` elsewhere, one that was finished costs
-    the run.
+    Its export record says so: a finished model of ``step`` or later. One of an earlier step is an
+    earlier run's (a run into the same ``--out`` with fewer steps), which the run that saved this
+    later checkpoint was going to overwrite when it exported: resuming it does what that run had
+    left. An older checkpoint resumed by mistake is refused. Without a record, any weights there
+    are taken for a finished model (written
+    before the record existed, or by something else), and an unreadable record for one too:
+    overwriting a model that was unfinished costs a ``--out`` elsewhere, one that was finished
+    costs the run.
     """
     try:
-        return bool(json.loads((out / EXPORT_RECORD).read_text(encoding="utf-8"))["finished"])
+        record = json.loads((out / EXPORT_RECORD).read_text(encoding="utf-8"))
+        return bool(record["finished"]) and int(record["step"]) >= step
     except (FileNotFoundError, NotADirectoryError):
         return any(out.glob("*.safetensors")) or any(out.glob("*.bin"))
     except (OSError, ValueError, TypeError, KeyError):

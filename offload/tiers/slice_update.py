@@ -107,7 +107,9 @@ def _step_unhooked(optimizer: torch.optim.Optimizer) -> None:
     The slice's optimizer is the library's own, one of several behind the user's
     ``OffloadOptimizer``, whose ``step()`` runs the hooks registered with
     ``register_optimizer_step_pre_hook`` / ``_post_hook`` once, as the plain optimizer's does;
-    through each slice's they would run again per slice, some on an update worker's thread.
+    through each slice's they would run again per slice, some on an update worker's thread. A
+    subclass whose ``step`` calls ``super().step()`` still reaches its parent's wrapper, and with
+    it the hooks, once per slice: only the outermost wrapper is left out.
     """
     step = type(optimizer).step
     raw = getattr(step, "__wrapped__", None) if getattr(step, "hooked", False) else None
