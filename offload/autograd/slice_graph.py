@@ -206,7 +206,7 @@ def _refuse_outside_leaves(i: int, outputs: Sequence[Any], graph_leaves: Sequenc
             continue
         seen.add(node)
         if type(node) is not _ACCUMULATE_GRAD:
-            pending.extend(next_node for next_node, _ in node.next_functions)
+            pending += [next_node for next_node, _ in node.next_functions]
             continue
         variable = node.variable
         if isinstance(variable, nn.Parameter) and id(variable) not in known:
