@@ -51,16 +51,37 @@ def every_boundary(self: records.ForwardRecords, leaf: Any) -> records.SavedLeaf
 VARIANTS = {"shared": SHARED, "every boundary": every_boundary}
 
 
-def build(args: argparse.Namespace, device: str) -> tuple[OffloadedCausalLM, torch.Tensor]:
+def thin_llama(args: argparse.Namespace) -> Any:
+    """A Hugging Face Llama of ``args.layers`` layers of width ``args.hidden``, seeded alike each call."""
     import transformers
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(hidden_size=args.hidden, intermediate_size=2 * args.hidden,
                                       num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
                                       vocab_size=256, max_position_embeddings=max(args.seq_len, 64))
-    model = OffloadedCausalLM(transformers.LlamaForCausalLM(config), device=device, num_slices=args.layers + 2)
-    ids = torch.randint(0, 256, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(1))
-    return model, ids
+    return transformers.LlamaForCausalLM(config)
+
+
+def token_ids(args: argparse.Namespace) -> torch.Tensor:
+    return torch.randint(0, 256, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(1))
+
+
+def thin_llama_options(description: str, *, layers: int, seq_len: int, rounds: int) -> argparse.ArgumentParser:
+    """The options of the benchmarks that alternate variants of :func:`thin_llama` in one process."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--layers", type=int, default=layers)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--seq-len", type=int, default=seq_len)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=rounds, help="alternated rounds; each times one step a variant")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--json")
+    return parser
+
+
+def build(args: argparse.Namespace, device: str) -> tuple[OffloadedCausalLM, torch.Tensor]:
+    return OffloadedCausalLM(thin_llama(args), device=device, num_slices=args.layers + 2), token_ids(args)
 
 
 def sync(device: str) -> None:
@@ -81,15 +102,7 @@ def step(model: OffloadedCausalLM, ids: torch.Tensor, device: str) -> tuple[floa
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=9, help="alternated rounds; each times one step a variant")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--json")
+    parser = thin_llama_options(__doc__.split("\n\n")[0], layers=16, seq_len=64, rounds=9)
     args = parser.parse_args()
     if args.rounds < 2:
         parser.error("--rounds: at least 2 (the first timed round is the counted one)")

@@ -50,18 +50,14 @@ import torch
 import offload
 from offload.integrations.causal_lm import OffloadedCausalLM
 
+from bench_boundaries import sync, thin_llama, thin_llama_options, token_ids  # next to this file
+
 VARIANTS = ("plain", "checkpointed", "offload")
 LIBRARY = os.path.dirname(os.path.abspath(offload.__file__))
 
 
 def build(args: argparse.Namespace, variant: str, device: str) -> torch.nn.Module:
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-                                      num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
-                                      vocab_size=256, max_position_embeddings=max(args.seq_len, 64))
-    model = transformers.LlamaForCausalLM(config)
+    model = thin_llama(args)
     if variant == "offload":
         return OffloadedCausalLM(model, device=device, num_slices=args.layers + 2)
     if variant == "checkpointed":
@@ -71,11 +67,6 @@ def build(args: argparse.Namespace, variant: str, device: str) -> torch.nn.Modul
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     return model.to(device)
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def step(model: torch.nn.Module, ids: torch.Tensor, device: str) -> tuple[float, float, torch.Tensor]:
@@ -111,21 +102,13 @@ def library_calls(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--seq-len", type=int, default=16)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=15, help="alternated rounds; each times one step a variant")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--json")
+    parser = thin_llama_options(__doc__.split("\n\n")[0], layers=32, seq_len=16, rounds=15)
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error("--rounds: at least 1")
 
     models = {name: build(args, name, args.device) for name in VARIANTS}
-    ids = torch.randint(0, 256, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(1)).to(args.device)
+    ids = token_ids(args).to(args.device)
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in VARIANTS}
     losses: dict[str, torch.Tensor] = {}
     for round_ in range(args.warmup + args.rounds):

@@ -170,3 +170,20 @@ def join_or_kill(ranks: Any, seconds: float, what: str) -> None:
                 process.join()
             pytest.fail(f"{what} still running after {seconds} s; killed")
 
+
+def killed_by_itself(target: Callable[..., Any], args: tuple[Any, ...], seconds: float) -> bool:
+    """Run ``target(*args)`` in a forkserver process that is expected to SIGKILL itself (a kill at a
+    chosen moment); whether it did, once it ended or was killed after ``seconds``."""
+    import signal
+
+    import torch.multiprocessing as mp
+
+    child = mp.get_context("forkserver").Process(target=target, args=args)
+    child.start()
+    child.join(seconds)
+    if child.is_alive():
+        child.kill()
+        child.join()
+        return False
+    return child.exitcode == -signal.SIGKILL
+

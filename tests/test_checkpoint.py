@@ -10,7 +10,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import time
 import uuid
 import weakref
@@ -24,7 +23,7 @@ from offload import (CheckpointError, OffloadModel, OffloadOptimizer, latest_che
                      save_checkpoint)
 
 from .checkpoint_workers import counting_model
-from .helpers import CUDA, join_or_kill
+from .helpers import CUDA, join_or_kill, killed_by_itself
 from .stream_scenarios import tied_mlp
 
 #: Seconds a job's processes get before they are killed and the test fails.
@@ -200,14 +199,8 @@ def test_a_save_killed_in_its_commit_leaves_hidden_files_the_next_save_clears(tm
     killed save left is hidden, read by nothing, and gone after the next save."""
     from . import checkpoint_workers
 
-    child = mp.get_context("forkserver").Process(target=checkpoint_workers.run, args=(
-        0, 1, str(tmp_path), "killed_in_commit", {"renames": renames}))
-    child.start()
-    child.join(DEADLINE_S)
-    if child.is_alive():
-        child.kill()
-        child.join()
-    assert child.exitcode == -signal.SIGKILL
+    assert killed_by_itself(checkpoint_workers.run, (0, 1, str(tmp_path), "killed_in_commit", {"renames": renames}),
+                            DEADLINE_S)
     directory = tmp_path / "ckpt"
     visible = sorted(e.name for e in directory.iterdir() if not e.name.startswith("."))
     assert visible == ["latest", "step-2"] + (["step-3"] if renames else [])

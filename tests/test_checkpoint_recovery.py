@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 from offload import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 
 from .checkpoint_workers import counting_model
-from .helpers import join_or_kill
+from .helpers import join_or_kill, killed_by_itself
 
 #: Seconds a test's processes get before they are killed and the test fails.
 DEADLINE_S = 120
@@ -79,13 +79,7 @@ def test_a_replacing_save_killed_between_its_renames_leaves_the_previous_checkpo
     """A run that always saves to ``last`` is killed between the renames of a save: a fresh process
     loads before it saves, so the previous checkpoint must load from where it waits, by its name
     and through ``latest``, and the load renames nothing; the next save puts things right."""
-    child = mp.get_context("forkserver").Process(target=killed_replacing, args=(str(tmp_path),))
-    child.start()
-    child.join(DEADLINE_S)
-    if child.is_alive():
-        child.kill()
-        child.join()
-    assert child.exitcode == -signal.SIGKILL
+    assert killed_by_itself(killed_replacing, (str(tmp_path),), DEADLINE_S)
     directory = tmp_path / "ckpt"
     left = sorted(os.listdir(directory))
     assert left == [".last.partial", ".last.replaced", ".latest.pending", "latest"]

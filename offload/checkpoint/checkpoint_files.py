@@ -57,7 +57,14 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be saved here, or cannot be loaded into this model and optimizer
     (incomplete, damaged, or saved from something else). A failed save leaves nothing new
     visible, ``latest`` unchanged and the previous checkpoint intact; a refused load leaves the
-    model and optimizer unchanged."""
+    model and optimizer unchanged.
+
+    Attributes:
+        shapes: for a checkpoint of a model with the same tensors but other shapes, each differing
+            tensor's shape there and here, by name, for a caller's advice; ``None`` otherwise.
+    """
+
+    shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] | None = None
 
 
 class _SummingStream:

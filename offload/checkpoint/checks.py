@@ -162,7 +162,11 @@ def _check_model(path: Path, info: dict[str, Any], model: nn.Module, model_state
             differences.append(f"{name} is {saved[name]['dtype']}{saved[name]['shape']} there, "
                                f"{here['dtype']}{here['shape']} here")
     if differences:
-        raise CheckpointError(f"checkpoint {path} holds another model: " + _listed(differences))
+        error = CheckpointError(f"checkpoint {path} holds another model: " + _listed(differences))
+        if saved.keys() == model_state.keys():
+            error.shapes = {name: (tuple(saved[name]["shape"]), tuple(tensor.shape))
+                            for name, tensor in model_state.items() if list(tensor.shape) != saved[name]["shape"]}
+        raise error
     partition = _partition(model)
     if partition is not None and info["partition"] is not None and partition != info["partition"]:
         first = next(k for k in range(max(len(partition), len(info["partition"])))

@@ -405,7 +405,7 @@ def resume_failure(args: argparse.Namespace, error: CheckpointError) -> str:
         advice = f"pass --num-slices {slices[1]}, as the run that saved it did"
     elif "damaged" in finding or "incomplete" in finding or finding.startswith("no checkpoint"):
         advice = f"pass --resume an earlier checkpoint (under {args.out / 'checkpoints'}), or leave out --resume"
-    elif (positions := _saved_positions(args, finding)) is not None:
+    elif (positions := _saved_positions(args, error)) is not None:
         seq_len = f"--seq-len {positions}" if positions > 64 else "--seq-len 64 or less"
         advice = (f"pass {seq_len}, as the run that saved it did (a random model's position table has "
                   "max(--seq-len, 64) rows), or leave out --resume to start over")
@@ -415,26 +415,22 @@ def resume_failure(args: argparse.Namespace, error: CheckpointError) -> str:
     return f"--resume: {finding}; {advice}"
 
 
-def _saved_positions(args: argparse.Namespace, finding: str) -> int | None:
-    """The saved run's position-table rows, where ``finding`` says that only --seq-len differs.
+def _saved_positions(args: argparse.Namespace, error: CheckpointError) -> int | None:
+    """The saved run's position-table rows, where ``error`` says that only --seq-len differs.
 
     A random model's position table (GPT-2's ``wpe``) has ``max(--seq-len, 64)`` rows
     (``models.random_model``): every tensor that differs does so in a dimension of that size here,
     and in that dimension only.
     """
-    if args.model is not None:
-        return None  # a saved model's shapes are its own, whatever --seq-len
+    if args.model is not None or not error.shapes:
+        return None  # a saved model's shapes are its own, whatever --seq-len; or other tensors differ
     here_rows = max(args.seq_len, 64)
-    shapes = re.findall(r" is \w+\[([\d, ]*)\] there, \w+\[([\d, ]*)\] here", finding)
-    if not shapes or "is not in the" in finding:
-        return None
     saved_rows = set()
-    for there, here in shapes:
-        there_dims, here_dims = ([int(d) for d in dims.split(", ") if d] for dims in (there, here))
-        differing = [k for k, (a, b) in enumerate(zip(there_dims, here_dims)) if a != b]
-        if len(there_dims) != len(here_dims) or len(differing) != 1 or here_dims[differing[0]] != here_rows:
+    for there, here in error.shapes.values():
+        differing = [k for k, (a, b) in enumerate(zip(there, here)) if a != b]
+        if len(there) != len(here) or len(differing) != 1 or here[differing[0]] != here_rows:
             return None
-        saved_rows.add(there_dims[differing[0]])
+        saved_rows.add(there[differing[0]])
     return saved_rows.pop() if len(saved_rows) == 1 else None
 
 
