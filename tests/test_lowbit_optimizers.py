@@ -115,3 +115,61 @@ def test_low_bit_state_in_the_disk_tier(tmp_path, monkeypatch):
         for key in theirs[index]:
             torch.testing.assert_close(dequantized(mine[index][key]), dequantized(theirs[index][key]), **EXACT)
     optimizer.close()
+
+
+def checkpoint_state_bytes(path) -> int:
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = FileSystemReader(path).read_metadata()
+    return sum(entry.size.numel() * entry.properties.dtype.itemsize
+               for key, entry in metadata.state_dict_metadata.items()
+               if key.startswith("optim/") and isinstance(entry, TensorStorageMetadata))
+
+
+def codes(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[int]:
+    """The addresses of the low-bit moments' codes."""
+    return [optimizer.state[p]["exp_avg"].codes.data_ptr() for p in model.parameters()
+            if hasattr(optimizer.state[p]["exp_avg"], "codes")]
+
+
+@pytest.mark.parametrize("name", ["AdamW8bit", "AdamW4bit"])
+@pytest.mark.parametrize("into", ["fresh", "trained", "plain"])
+def test_low_bit_state_resumes_through_a_checkpoint(tmp_path, name, into):
+    # save_checkpoint writes each moment's codes, scales and code map (Note: [Wrapped state]); a
+    # load rebuilds the low-bit moment, into a fresh optimizer too, rather than handing it the
+    # float32 tensor it stands for, which the class would go on stepping as a float32 moment.
+    from offload import load_checkpoint, save_checkpoint
+
+    cls = getattr(torchao_optim, name)
+    plain = layers()
+    model = OffloadModel(copy.deepcopy(plain), device="cpu", num_slices=2)
+    reference = cls(plain.parameters(), lr=1e-2, block_size=BLOCK)
+    optimizer = OffloadOptimizer(model, cls, lr=1e-2, block_size=BLOCK)
+    train(plain, model, reference, optimizer, steps=2)
+    save_checkpoint(tmp_path / "step-2", model, optimizer)
+    # The moments' own bytes, not the float32 values they stand for.
+    float32_state = 2 * 4 * sum(p.numel() for p in model.parameters())
+    assert checkpoint_state_bytes(tmp_path / "step-2") < float32_state / (3 if name == "AdamW8bit" else 5)
+
+    resumed_model = OffloadModel(layers(), device="cpu", num_slices=2)
+    resumed = OffloadOptimizer(resumed_model, cls, lr=1e-2, block_size=BLOCK)
+    if into == "trained":  # the held moments are loaded in place
+        train(layers(), resumed_model, cls(layers().parameters(), lr=1e-2, block_size=BLOCK), resumed, steps=1,
+              seed=7)
+        held = codes(resumed, resumed_model)
+    load_checkpoint(tmp_path / "step-2", resumed_model, resumed)
+    if into == "trained":
+        assert codes(resumed, resumed_model) == held
+    # torchao keeps small tensors' moments in float32: each moment of the kind the class made.
+    kinds = [type(reference.state[q]["exp_avg"]) for q in plain.parameters()]
+    assert [type(resumed.state[p]["exp_avg"]) for p in resumed_model.parameters()] == kinds
+    assert torch.Tensor in kinds and len(set(kinds)) == 2
+    train(plain, resumed_model, reference, resumed, steps=2, seed=1)
+    assert_same_state(resumed, reference, resumed_model, plain)
+
+    if into == "plain":  # the same checkpoint into the plain model and the class itself
+        again = layers()
+        direct = cls(again.parameters(), lr=1e-2, block_size=BLOCK)
+        load_checkpoint(tmp_path / "step-2", again, direct)
+        assert [type(direct.state[p]["exp_avg_sq"]) for p in again.parameters()] == kinds

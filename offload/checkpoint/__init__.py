@@ -15,7 +15,9 @@ The public face is :func:`save_checkpoint`, :func:`load_checkpoint`, :func:`late
 - ``checkpoint_files.py``: the data files, their checksums, and room and failures of a save
   (Note: [Checkpoint checksums]);
 - ``slice_save_planner.py`` / ``slice_load_planner.py``: a disk tier's state saved and loaded
-  slice by slice (Note: [Slice-by-slice save], [Slice-by-slice load]).
+  slice by slice (Note: [Slice-by-slice save], [Slice-by-slice load]);
+- ``wrapped_state.py``: optimizer state kept as a tensor subclass around plain tensors (torchao's
+  low-bit moments), saved as those tensors and built again (Note: [Wrapped state]).
 """
 
 from .checkpoint_files import CheckpointError

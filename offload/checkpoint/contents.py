@@ -26,7 +26,9 @@ Note: [Checkpoint layout]
         reads the state of the parameters it updates now, whatever the number of ranks that saved
         it; the state a disk tier keeps goes into the tier's files a slice at a time, as DCP reads
         it (Note: [Slice-by-slice load] in ``offload/checkpoint/slice_load_planner.py``), and the rest
-        through the optimizer's ``load_state_dict()``.
+        through the optimizer's ``load_state_dict()``. A value kept as a tensor subclass around
+        plain tensors is a description here, its tensors under ``optim/wrapped/<parameter
+        name>/<key>/<tensor name>`` (Note: [Wrapped state] in ``wrapped_state.py``).
     ``optim/param_groups``
         the groups' hyperparameters (learning rate as the scheduler left it...), each group's
         parameters by name.

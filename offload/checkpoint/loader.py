@@ -30,6 +30,7 @@ from .ranks import _barrier, _group
 from ..tiers.disk_tier import DiskTierError
 from ..optimizer import OffloadOptimizer, load_beside_tier
 from .slice_load_planner import SliceWritingLoadPlanner
+from .wrapped_state import inner_destinations, loaded_value, saved_inner
 
 
 def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -115,6 +116,7 @@ def _state_to_load(model_state: dict[str, torch.Tensor], optimizer: torch.optim.
     on_disk: dict[str, tuple[int, torch.Tensor, str]] = {}  # key -> where the planner loads it
     if optimizer is not None:
         saved = _saved_optimizer_state(metadata)
+        wrapped = saved_inner(metadata)
         for slice_index, param in _kept_parameters(optimizer):
             name = names[id(param)]
             held = optimizer.state.get(param, {})
@@ -127,6 +129,8 @@ def _state_to_load(model_state: dict[str, torch.Tensor], optimizer: torch.optim.
                     continue
                 wanted.setdefault(name, []).append(key)
                 state[entry_key] = _destination(entry, held.get(key))
+                if entry_key in wrapped:  # Note: [Wrapped state]
+                    state.update(inner_destinations(entry_key, wrapped[entry_key], held.get(key), _destination))
         state["optim/param_groups"] = None
     return state, wanted, on_disk
 
@@ -211,7 +215,7 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, groups: list[list[torch.Te
     params = [p for params in groups for p in params]
     index = {names[id(p)]: k for k, p in enumerate(params)}
     loaded = {
-        "state": {index[name]: {key: state[f"optim/state/{name}/{key}"] for key in keys}
+        "state": {index[name]: {key: loaded_value(f"optim/state/{name}/{key}", state) for key in keys}
                   for name, keys in wanted.items()},
         "param_groups": [{**{k: v for k, v in hyper.items() if k != "params"},
                           "params": [index[name] for name in hyper["params"]]}

@@ -46,6 +46,7 @@ from .ranks import _gathered, _group, _on_rank_0
 from ..tiers.disk_tier import size_text
 from ..optimizer import OffloadOptimizer
 from .slice_save_planner import SliceReadingSavePlanner
+from .wrapped_state import state_entries
 
 
 def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -134,9 +135,11 @@ def _state_to_save(model: nn.Module, optimizer: torch.optim.Optimizer | None, na
         for index, param, param_state, disk_keys in _optimizer_state(optimizer):
             for key, value in param_state.items():
                 entry = f"optim/state/{names[id(param)]}/{key}"
-                state[entry] = value if key in disk_keys else _own_storage(value)
                 if key in disk_keys:
+                    state[entry] = value
                     on_disk[entry] = (index, param, key)
+                else:
+                    state.update(state_entries(entry, value, _own_storage))  # Note: [Wrapped state]
         state["optim/param_groups"] = _named_groups(optimizer, names)
     state[f"rng/{rank}"] = _rng_state()
     state["extra"] = extra
