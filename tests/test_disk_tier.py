@@ -567,7 +567,7 @@ def test_a_disk_without_room_for_the_state_is_refused_before_any_step(tmp_path, 
     n = sum(p.numel() for p in model.parameters())
     report_free(monkeypatch, 8 * n - 1)  # AdamW keeps 8 bytes per float32 parameter
     with pytest.raises(DiskTierError, match=rf"needs about .* in {tmp_path} for the optimizer's state \(AdamW over "
-                                            rf"{n:,} parameters\), and its filesystem has .* free"):
+                                            rf"{n:,} parameters that train\), and its filesystem has .* free"):
         OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, disk_tier=tmp_path)
     assert os.listdir(tmp_path) == []
     with pytest.raises(DiskTierError, match="needs about"):
@@ -578,6 +578,31 @@ def test_a_disk_without_room_for_the_state_is_refused_before_any_step(tmp_path, 
     # SGD without momentum keeps nothing per element: only the test page is needed.
     report_free(monkeypatch, 4096)
     OffloadOptimizer(model, torch.optim.SGD, lr=1e-2, disk_tier=tmp_path).close()
+
+
+def test_the_room_asked_for_counts_only_the_state_the_tier_will_keep(tmp_path, monkeypatch):
+    # A frozen parameter gets no gradient and so no state, and a resident slice's state stays on
+    # the device: a LoRA run's tier needs room for the adapters' state, not the base model's.
+    layers = network()
+    layers[0].requires_grad_(False)
+    model = OffloadModel(layers, device="cpu", num_slices=3)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert trained < sum(p.numel() for p in model.parameters())
+    report_free(monkeypatch, 8 * trained - 1)
+    with pytest.raises(DiskTierError, match=rf"\(AdamW over {trained:,} parameters that train\)"):
+        OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, disk_tier=tmp_path)
+    report_free(monkeypatch, 8 * trained + 2 * 4096)
+    OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, disk_tier=tmp_path).close()
+
+    model = OffloadModel(network(), device="cpu", num_slices=3, resident_slices=1)
+    layers = dict(model.named_children())
+    streamed = sum(p.numel() for names in model.partition[1:] for name in names for p in layers[name].parameters())
+    assert streamed < sum(p.numel() for p in model.parameters())
+    report_free(monkeypatch, 8 * streamed - 1)
+    with pytest.raises(DiskTierError, match=rf"\(AdamW over {streamed:,} parameters that train\)"):
+        OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, disk_tier=tmp_path)
+    report_free(monkeypatch, 8 * streamed + 2 * 4096)
+    OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, disk_tier=tmp_path).close()
 
 
 def test_a_full_disk_at_construction_names_the_directory_and_leaves_nothing(tmp_path, monkeypatch):

@@ -46,7 +46,9 @@ class TierPlumbing:
         if disk_tier is None:
             return cls(None, engine.copies)
         setting = disk_tier if isinstance(disk_tier, DiskTier) else DiskTier(disk_tier)
-        tier = StateTier(setting, optimizer, engine.copies, rank, ranks)
+        # A resident slice's state stays on the device (Note: [Resident slices]): no room for it.
+        resident = {id(e.tensor) for s in engine.slices if s.storage.resident for e in s.storage.params}
+        tier = StateTier(setting, optimizer, engine.copies, rank, ranks, resident)
         engine.disk_tiers.add(tier)
         return cls(tier, engine.copies, casts_as_torch_optim(optimizer_class))
 

@@ -131,12 +131,14 @@ class StateTier:
         copies: the copy engine of the optimizer's model (workers and waits).
         rank: this process's rank when the update is sharded (its own state only), else ``None``.
         ranks: how many ranks share the update.
+        elsewhere: the ``id`` of each parameter whose state the tier never keeps (a resident
+            slice's), left out of the room the files need.
     """
 
     def __init__(self, setting: DiskTier, optimizer: torch.optim.Optimizer, copies: CopyStreams,
-                 rank: int | None = None, ranks: int = 1) -> None:
+                 rank: int | None = None, ranks: int = 1, elsewhere: Collection[int] = ()) -> None:
         # - The files: they go when the tier does, closed or not.
-        self.files = StateFiles(setting.path, setting.keep, setting.direct, optimizer, rank, ranks)
+        self.files = StateFiles(setting.path, setting.keep, setting.direct, optimizer, rank, ranks, elsewhere)
         self.directory, self.direct, self.keep, self.counters = (
             self.files.directory, self.files.direct, self.files.keep, self.files.counters)
         self.copies = copies

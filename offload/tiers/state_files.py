@@ -11,6 +11,7 @@ import shutil
 import tempfile
 import weakref
 from pathlib import Path
+from collections.abc import Collection, Iterable
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ class StateFiles:
         direct: use direct I/O where the filesystem takes it.
         optimizer: the optimizer whose state the files hold (sized before anything is made).
         rank: this process's rank when the update is sharded, else ``None``; ``ranks`` of them.
+        elsewhere: the ``id`` of each parameter whose state is kept elsewhere (a resident slice's).
 
     Raises:
         DiskTierError: no room for the state, or no directory or test page could be made; nothing
@@ -36,11 +38,11 @@ class StateFiles:
     """
 
     def __init__(self, path: Any, keep: bool, direct: bool, optimizer: torch.optim.Optimizer,
-                 rank: int | None, ranks: int) -> None:
+                 rank: int | None, ranks: int, elsewhere: Collection[int] = ()) -> None:
         root = Path(path)
         made = make_directory(root, "DiskTier path")
         try:
-            self.directory, self.direct = _make_tier_directory(root, direct, optimizer, rank, ranks)
+            self.directory, self.direct = _make_tier_directory(root, direct, optimizer, rank, ranks, elsewhere)
         except BaseException:
             if made:
                 with contextlib.suppress(OSError):  # another process may have put files there since
@@ -80,18 +82,19 @@ class StateFiles:
 
 
 def _make_tier_directory(root: Path, direct: bool, optimizer: torch.optim.Optimizer, rank: int | None,
-                         ranks: int) -> tuple[Path, bool]:
+                         ranks: int, elsewhere: Collection[int]) -> tuple[Path, bool]:
     """The tier's own directory in ``root`` and whether it takes direct I/O, once the filesystem has
     room for the state and a test page written there came back; raises :class:`DiskTierError`
     (leaving nothing behind) otherwise."""
     # Before any long work: a tier that cannot hold the state would fail at the first step.
-    needed = expected_state_bytes(optimizer) // ranks + PAGE
+    needed = expected_state_bytes(optimizer, elsewhere) // ranks + PAGE
     free = shutil.disk_usage(root).free
     if free < needed:
+        stepped = _stepped((p for g in optimizer.param_groups for p in g["params"]), elsewhere)
         raise DiskTierError(
             f"the disk tier needs about {size_text(needed)} in {root} for the optimizer's state "
             f"({getattr(optimizer, 'optimizer_class', type(optimizer)).__name__} over "
-            f"{sum(p.numel() for g in optimizer.param_groups for p in g['params']):,} parameters"
+            f"{sum(p.numel() for p in stepped):,} parameters that train"
             f"{f', one rank of {ranks}' if ranks > 1 else ''}), and its filesystem has "
             f"{size_text(free)} free. Free space there, or point DiskTier at a disk with room.")
     prefix = "offload-state-" + (f"rank{rank}-" if rank is not None else "")
@@ -111,10 +114,13 @@ def _make_tier_directory(root: Path, direct: bool, optimizer: torch.optim.Optimi
             "another disk.") from error
 
 
-def expected_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+def expected_state_bytes(optimizer: torch.optim.Optimizer, elsewhere: Collection[int] = ()) -> int:
     """Bytes of per-element state ``optimizer`` will keep on disk, for the optimizers whose state is
     known (Adam and AdamW: two tensors like each parameter, three with ``amsgrad``; SGD: one with
-    momentum); 0 for others, whose state is not guessed."""
+    momentum); 0 for others, whose state is not guessed.
+
+    Only the parameters that train now count (a frozen one gets no gradient, and so no state), less
+    those whose ``id`` is in ``elsewhere`` (a resident slice's: its state stays on the device)."""
     kind = getattr(optimizer, "optimizer_class", type(optimizer))  # an OffloadOptimizer's torch.optim class
     total = 0
     for group in optimizer.param_groups:
@@ -124,8 +130,13 @@ def expected_state_bytes(optimizer: torch.optim.Optimizer) -> int:
             per_element = 1 if group.get("momentum") else 0
         else:
             return 0
-        total += per_element * sum(p.numel() * p.element_size() for p in group["params"])
+        total += per_element * sum(p.numel() * p.element_size() for p in _stepped(group["params"], elsewhere))
     return total
+
+
+def _stepped(params: Iterable[torch.Tensor], elsewhere: Collection[int]) -> list[torch.Tensor]:
+    """The parameters among ``params`` whose state a disk tier will keep, as far as is known now."""
+    return [p for p in params if p.requires_grad and id(p) not in elsewhere]
 
 
 def size_text(nbytes: int) -> str:
