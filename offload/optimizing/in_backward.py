@@ -36,7 +36,8 @@ Note: [Update in backward]
       ran stepped the state it replaced): ``step()`` raises;
     - ``step()`` after more backwards than declared: ``step()`` raises (after fewer, none started
       anything, and ``step()`` steps as without the option). A backward that raised is not counted
-      unless it had started updates.
+      unless it had started updates; if it had, the next ``step()`` raises, naming the slices
+      updated (another backward since or not).
 
     Only the model's parameters and the groups holding them are compared: ``step()`` steps the
     others with what they hold then, as without the option.
@@ -128,6 +129,7 @@ class BackwardUpdates(Subscriber):
         # What the updates that backward starts read, compared with what step() would read.
         self._reads: BackwardReads | None = None
         self._task_open = False  # a backward is running (counted, its end's callback queued)
+        self._failed = False  # a backward raised after it had started updates, since the last step()
         self._names: dict[int, str] = {}
         self._tied: set[int] = set()  # the weights tied across slices, as of the backward that ends the accumulation
         self._step_of: dict[int, Any] = {}  # slice index -> its SliceStep, while that backward runs
@@ -169,6 +171,8 @@ class BackwardUpdates(Subscriber):
         # plain optimizer never steps): counted, it makes step() raise, saying which slices ran.
         if self._task_open and not self.started:
             self.backwards -= 1
+        elif self._task_open:
+            self._failed = True
         self._end_task()
         self._mismatched = []
 
@@ -282,6 +286,10 @@ class BackwardUpdates(Subscriber):
         ``step()`` reads; otherwise return the slices whose update backward started, and get ready
         for the next accumulation."""
         backwards, self.backwards = self.backwards, 0
+        # A backward that raised after starting updates, followed by a forward (forward_started) or not.
+        failed, self._failed = self._failed or (self._task_open and bool(self.started)), False
+        if self._task_open:
+            self._end_task()
         started, self.started = self.started, set()
         self.last_started = started
         if backwards < self.accumulation_steps:
@@ -290,6 +298,11 @@ class BackwardUpdates(Subscriber):
             # ended the accumulation, nothing started, and step() steps what .grad holds, as before.
             self._reads = None
             return started
+        if failed:
+            raise RuntimeError(
+                f"update_in_backward: a backward since the last step() raised after it had started updates (its error "
+                f"said so), and the other slices were not updated: the parameters mix two steps. "
+                f"{self._what_ran(started)}")
         if backwards > self.accumulation_steps:
             raise RuntimeError(
                 f"update_in_backward: step() after {backwards} backward(s), but the optimizer was built with "
