@@ -201,6 +201,59 @@ def test_trainer_with_the_loss_in_the_head_matches_to_float32_rounding(plain_run
     torch.testing.assert_close([entry[2] for entry in chunked], [entry[2] for entry in losses], rtol=1e-5, atol=0)
 
 
+def plain_and_offloaded_runs(tmp_path, build=llama, **changes) -> list[tuple[list, torch.nn.Module]]:
+    """The Trainer's logged losses and the trained model, plain and offloaded (``offload_optimizer``)."""
+    runs = []
+    for kind in ("plain", "offloaded"):
+        hf = build()
+        args = arguments(tmp_path / kind, max_steps=2, **changes)
+        model = hf if kind == "plain" else OffloadedCausalLM(hf, device="cpu", num_slices=2)
+        optimizers = (None, None) if kind == "plain" else (model.offload_optimizer(args), None)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=TRAIN, eval_dataset=EVAL,
+                                       optimizers=optimizers)
+        trainer.train()
+        runs.append((logged(trainer), hf))
+    return runs
+
+
+def test_label_smoothing_shifts_the_labels_as_for_the_plain_model(tmp_path):
+    """The Trainer shifts the labels for its label smoother only for a model whose ``_get_name()``
+    names a causal LM (Note: [What the trainers read from the model], rule 7)."""
+    model = OffloadedCausalLM(llama(), device="cpu", num_slices=2)
+    assert model._get_name() == "LlamaForCausalLM" and repr(model).startswith("OffloadedCausalLM(\n")
+    runs = plain_and_offloaded_runs(tmp_path, label_smoothing_factor=0.1)
+    (plain_logged, plain), (offloaded_logged, offloaded) = runs
+    assert offloaded_logged == plain_logged and sum(key == "eval_loss" for key, _, _ in plain_logged) == 1
+    assert_same_weights(offloaded, plain)
+
+
+def test_label_smoothing_with_the_loss_in_the_head_is_refused_with_advice(tmp_path):
+    model = OffloadedCausalLM(llama(), device="cpu", num_slices=2, loss_chunk_tokens=8)
+    with pytest.raises(ValueError, match="label_smoothing_factor needs the logits.*without loss_chunk_tokens"):
+        model.offload_optimizer(arguments(tmp_path, label_smoothing_factor=0.1))
+    # What the Trainer's own optimizer meets at the first step: the labels taken out of the batch.
+    ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(TypeError, match="label_smoothing_factor or compute_loss_func"):
+        model(input_ids=ids)
+
+
+def gpt2() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64, pad_token_id=0,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def test_gpt2_under_the_trainer_matches_the_plain_model_bit_for_bit(tmp_path):
+    """GPT-2's ``loss_type`` is ``None`` (its class name names no loss): the Trainer then counts
+    ``num_items_in_batch`` over the unshifted labels, and must for the offloaded model too."""
+    model = OffloadedCausalLM(gpt2(), device="cpu", num_slices=2)
+    assert model.loss_type is None
+    (plain_logged, plain), (offloaded_logged, offloaded) = plain_and_offloaded_runs(tmp_path, build=gpt2)
+    assert offloaded_logged == plain_logged
+    assert_same_weights(offloaded, plain)
+
+
 @CUDA
 def test_trainer_moves_the_compute_to_the_gpu_and_keeps_the_parameters_on_the_host(tmp_path):
     # Trainer calls model.to("cuda:0"); float32 on the GPU: the plain run's losses to rounding.
@@ -271,6 +324,63 @@ def test_a_tied_model_saves_once_and_loads_tied(tmp_path):
     assert_same_weights(other.hf_model, hf)
 
 
+def test_save_pretrained_leaves_no_older_weights_and_writes_experts_as_hugging_face_does(tmp_path):
+    from safetensors.torch import load_file
+
+    # Saved back into the folder it was loaded from (one model.safetensors): the shards replace that file.
+    llama().save_pretrained(tmp_path / "llama")
+    model = OffloadedCausalLM.from_pretrained(tmp_path / "llama", device="cpu", num_slices=2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    model.save_pretrained(tmp_path / "llama")
+    assert "model.safetensors" not in os.listdir(tmp_path / "llama")
+    assert_same_weights(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "llama"), model.hf_model)
+    # Fused experts are stored one by one, under the names the model's own save_pretrained writes.
+    torch.manual_seed(0)
+    mixtral = transformers.AutoModelForCausalLM.from_config(transformers.MixtralConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, num_local_experts=4, num_experts_per_tok=2))
+    mixtral.save_pretrained(tmp_path / "plain")
+    OffloadedCausalLM(mixtral, device="cpu", num_slices=2).save_pretrained(tmp_path / "offloaded")
+
+    def stored(folder):
+        return {key: t for file in sorted(folder.glob("*.safetensors")) for key, t in load_file(file).items()}
+
+    plain, offloaded = stored(tmp_path / "plain"), stored(tmp_path / "offloaded")
+    assert offloaded.keys() == plain.keys() and any(".experts.0." in key for key in plain)
+    torch.testing.assert_close(offloaded, plain, **EXACT)
+
+
+def test_return_dict_logits_to_keep_and_a_given_state_dict_as_the_model_takes_them(tmp_path):
+    from safetensors.torch import load_file
+
+    hf = llama().eval()
+    model = OffloadedCausalLM(llama(), device="cpu", num_slices=2).eval()
+    ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
+    loss, logits = model(input_ids=ids, labels=ids, return_dict=False)
+    expected = hf(input_ids=ids, labels=ids, use_cache=False, return_dict=False)
+    assert len(expected) == 2
+    torch.testing.assert_close((loss, logits), expected, **EXACT)
+    assert model.base_model(input_ids=ids, return_dict=False)[0].shape == (2, 9, 32)
+    # The kept logits are the rows of every position's (the model projects only those rows: they may
+    # round differently, by about a float32 ulp).
+    full = hf(input_ids=ids, use_cache=False).logits
+    keeps = {1: full[:, -1:], 3: full[:, -3:], "positions": full[:, [0, 4]], "per row": full[[[0], [1]], [[1], [8]]]}
+    for keep, want in keeps.items():
+        kept = {"positions": torch.tensor([0, 4]), "per row": torch.tensor([[1], [8]])}.get(keep, keep)
+        got = model(input_ids=ids, logits_to_keep=kept).logits
+        torch.testing.assert_close(got, want, **EXACT)
+        torch.testing.assert_close(got, hf(input_ids=ids, use_cache=False, logits_to_keep=kept).logits,
+                                   rtol=1e-6, atol=1e-7)
+    # save_pretrained(state_dict=...) writes those tensors, as the model's own does.
+    given = {key: torch.full_like(t, 0.5) for key, t in model.state_dict().items()}
+    names = set(given)
+    model.save_pretrained(tmp_path, state_dict=given)  # which empties the dict, as the model's own does
+    written = {key: t for file in tmp_path.glob("*.safetensors") for key, t in load_file(file).items()}
+    assert written.keys() == names and all(bool((t == 0.5).all()) for t in written.values())
+
+
 def test_from_pretrained_loads_a_folder_slice_by_slice(tmp_path):
     hf = llama()
     hf.save_pretrained(tmp_path)
@@ -327,6 +437,35 @@ def test_offload_optimizer_groups_and_hyperparameters_are_the_trainers(tmp_path,
     monkeypatch.setattr(transformers.Trainer, "get_optimizer_cls_and_kwargs",
                         staticmethod(lambda args, model: (torch.optim.AdamW, {"lr": 1e-3, "model": model})))
     with pytest.raises(ValueError, match="builds its optimizer from the whole model"):
+        model.offload_optimizer(args)
+
+
+def lora_model() -> torch.nn.Module:
+    peft = pytest.importorskip("peft")
+    hf = llama()
+    torch.manual_seed(5)  # the adapters' initial values
+    return peft.get_peft_model(hf, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+
+
+def test_offload_optimizer_keeps_the_trainers_empty_group_so_their_states_load_into_each_other(tmp_path):
+    """LoRA adapters alone (no biases, no norms) leave the Trainer's second group empty; it keeps it."""
+    args = arguments(tmp_path, weight_decay=0.1, eval_strategy="no")
+    plain = transformers.Trainer(model=lora_model(), args=args, train_dataset=TRAIN).create_optimizer()
+    model = OffloadedCausalLM(lora_model(), device="cpu", num_slices=2)
+    optimizer = model.offload_optimizer(args)
+    sizes = [len(g["params"]) for g in optimizer.param_groups]
+    assert sizes == [len(g["params"]) for g in plain.param_groups] == [8, 0]
+    optimizer.load_state_dict(plain.state_dict())
+    plain.load_state_dict(optimizer.state_dict())
+
+
+def test_load_best_model_at_end_with_lora_is_refused_with_advice(tmp_path):
+    """The Trainer reloads the best adapters only into a PeftModel it trains itself: for this model it
+    would look for the whole model's weights after the last step. Refused before the first."""
+    model = OffloadedCausalLM(lora_model(), device="cpu", num_slices=2)
+    args = arguments(tmp_path, save_strategy="steps", save_steps=2, load_best_model_at_end=True)
+    with pytest.raises(ValueError, match=r"load_best_model_at_end=False.*PeftModel.from_pretrained\(base_model, "
+                                         r"trainer.state.best_model_checkpoint\)"):
         model.offload_optimizer(args)
 
 

@@ -14,9 +14,11 @@ Note: [What the trainers read from the model]
        rather than ``safetensors.save_file(model.state_dict())``. ``PreTrainedModel.__init__`` is not
        run: it would check the attention implementation of the *shared* config against this class
        and could change the model's; the attributes the trainers read are set here instead.
-    2. ``forward`` takes ``**kwargs`` and ``accepts_loss_kwargs`` is true, and ``loss_type`` is
-       ``"ForCausalLM"``: ``Trainer`` then passes ``num_items_in_batch``, counts the *shifted* labels
-       and does not divide the loss by the accumulation steps, exactly as for the plain model.
+    2. ``forward`` takes ``**kwargs`` and ``accepts_loss_kwargs`` is true, and ``loss_type`` is the
+       wrapped model's (``"ForCausalLM"``; ``None`` for GPT-2, whose class name names no loss):
+       ``Trainer`` then passes ``num_items_in_batch``, counts the labels (shifted for
+       ``"ForCausalLM"``, not for ``None``) and does not divide the loss by the accumulation steps,
+       exactly as for the plain model.
     3. ``state_dict`` / ``load_state_dict`` use the Hugging Face names, so a checkpoint's weights
        are a ``from_pretrained`` folder's and ``resume_from_checkpoint`` loads them back; so do a
        parent module's (a LightningModule's), under its prefix (Note: [Hugging Face names at any depth]).
@@ -35,11 +37,15 @@ Note: [What the trainers read from the model]
        model's on the CPU, but on a GPU that projection (``B x T x hidden`` by ``vocab x hidden``)
        runs on the CPU: for a large vocabulary, ``transformers.Trainer`` with ``loss_chunk_tokens``
        computes the loss on the device instead.
+    7. ``_get_name()`` is the wrapped model's class name (``LlamaForCausalLM``): with
+       ``label_smoothing_factor`` the Trainer takes the labels out of the batch and shifts them for
+       its label smoother only for a model so named in ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``. Nothing
+       else in transformers, TRL, PEFT or Accelerate reads it; torch names the module by it in
+       ``repr`` (which keeps ``OffloadedCausalLM`` here) and in a few attribute errors.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Mapping
@@ -54,10 +60,10 @@ from ..optimizer import OffloadOptimizer
 from .peft import peft_base_model
 from .transformers_loading import load_causal_lm
 from .transformers_batch import LAST_HIDDEN_STATE
+from .transformers_saving import save_causal_lm
 from .transformers_stages import CausalLMSequential, causal_lm_sequential
 
 try:
-    from safetensors.torch import save_file
     from transformers import PreTrainedModel
     from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 except ImportError as error:  # pragma: no cover - exercised only without the extra installed
@@ -65,13 +71,21 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
         'offload.integrations.causal_lm needs Hugging Face transformers 5: pip install -e ".[transformers]"'
     ) from error
 
+try:
+    from transformers.modeling_utils import slice_logits_to_keep
+except ImportError:  # pragma: no cover - older transformers 5 sliced in each model: by a count or by positions
+    def slice_logits_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+        kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        return hidden_states[:, kept, :]
+
 __all__ = ["OffloadedCausalLM"]
 
 #: Keyword arguments of a Hugging Face forward that change nothing here. The padding-free
 #: collators' sequence boundaries (``cu_seq_lens_*``, ``max_length_*``, ``seq_idx``) serve the
 #: flash-attention kernels; the mask functions find the same boundaries in ``position_ids``.
-_IGNORED = {"use_cache", "return_dict", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx",
-            "output_attentions", "output_hidden_states", "logits_to_keep"}
+#: (``return_dict`` and ``logits_to_keep`` change the output: ``forward`` honours them.)
+_IGNORED = {"use_cache", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx",
+            "output_attentions", "output_hidden_states"}
 
 
 class OffloadedCausalLM(PreTrainedModel):
@@ -140,7 +154,7 @@ class OffloadedCausalLM(PreTrainedModel):
         self.config = hf_model.config
         self.generation_config = getattr(hf_model, "generation_config", None)
         self.name_or_path = getattr(hf_model, "name_or_path", "")
-        self.loss_type = "ForCausalLM"
+        self.loss_type = getattr(hf_model, "loss_type", None)  # rule 2 of the note
         self.model_tags = None
         self.activation_checkpointing_requested = False
         object.__setattr__(self, "stages", _stages_of(offloaded, hf_model))
@@ -152,6 +166,13 @@ class OffloadedCausalLM(PreTrainedModel):
         self.register_load_state_dict_post_hook(_report_in_hf_names)
 
     # -- what the trainers call ----------------------------------------------------------------
+
+    def _get_name(self) -> str:
+        """The wrapped model's class name, by which the Trainer knows a causal LM (rule 7 of the note)."""
+        return type(self.hf_model).__name__
+
+    def __repr__(self) -> str:
+        return type(self).__name__ + super().__repr__().removeprefix(self._get_name())
 
     @property
     def device(self) -> torch.device:  # type: ignore[override]
@@ -217,11 +238,13 @@ class OffloadedCausalLM(PreTrainedModel):
 
         Raises:
             ValueError: an ``optim`` the Trainer builds from the model itself (GaLore, LOMO, ...), which
-                cannot step slice by slice; ``update_in_backward`` (:func:`_refuse_update_in_backward`).
+                cannot step slice by slice; ``update_in_backward`` (:func:`_refuse_update_in_backward`);
+                ``args`` this model cannot train under (:func:`_refuse_trainer_arguments`).
         """
         from transformers import Trainer
 
         _refuse_update_in_backward(options)
+        _refuse_trainer_arguments(self, args)
 
         optimizer_class, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, self)
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)) or {
@@ -255,33 +278,35 @@ class OffloadedCausalLM(PreTrainedModel):
                 num_items_in_batch: Any = None, **kwargs: Any) -> CausalLMOutputWithPast:
         """The model's forward: logits, and the loss when ``labels`` (or ``shift_labels``) are given,
         summed over tokens and divided by ``num_items_in_batch`` when the trainer passes it, as the
-        model's ``ForCausalLMLoss`` does.
+        model's ``ForCausalLMLoss`` does. ``logits_to_keep`` keeps the logits of the last positions
+        (or of those a tensor names) and ``return_dict=False`` returns a tuple, as in the model.
 
         Raises:
             TypeError: no ``input_ids``, or a keyword the offloaded stages cannot honour
-                (``inputs_embeds``, ``output_router_logits=True``, ...).
+                (``inputs_embeds``, ``output_router_logits=True``, ...); with ``loss_chunk_tokens``,
+                no labels or a ``logits_to_keep``.
         """
         # shift_labels among the keywords, as in the model's signature: Trainer takes every argument
         # named like a label for a label its batches must hold before it computes an eval loss.
         shift_labels = kwargs.pop("shift_labels", None)
+        return_dict = kwargs.pop("return_dict", None)
+        logits_to_keep = kwargs.pop("logits_to_keep", 0)
         batch = self._batch(input_ids, attention_mask, position_ids, kwargs)
-        chunked = self.stages.loss_chunk_tokens is not None
-        if labels is None and shift_labels is None:
-            if chunked:
-                raise TypeError("this OffloadedCausalLM computes the loss in its head (loss_chunk_tokens): pass labels")
-            return CausalLMOutputWithPast(logits=self.offloaded(batch))
-        if chunked:
-            sums = self.offloaded({**batch, "labels": labels, "shift_labels": shift_labels})
-            count = num_items_in_batch
-            if count is None:
-                count = CausalLMSequential.count_loss_tokens(labels, shift_labels=shift_labels)
-            if isinstance(count, torch.Tensor):
-                count = count.to(sums.device)
-            return CausalLMOutputWithPast(loss=sums.sum() / count)
-        logits = self.offloaded(batch)
-        loss = self.hf_model.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size,
-                                           num_items_in_batch=num_items_in_batch, shift_labels=shift_labels)
-        return CausalLMOutputWithPast(loss=loss, logits=logits)
+        if self.stages.loss_chunk_tokens is not None:
+            output = _chunked_loss(self.offloaded, batch, labels, shift_labels, num_items_in_batch, logits_to_keep)
+        else:
+            logits = self.offloaded(batch)
+            if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+                # The model slices the hidden states before lm_head; the head here projects every
+                # position, so the kept logits are sliced after it: the same shape, the rows of the
+                # full projection (a product of fewer rows may round differently, about 1 float32 ulp).
+                logits = slice_logits_to_keep(logits, logits_to_keep)
+            loss = None
+            if labels is not None or shift_labels is not None:
+                loss = self.hf_model.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size,
+                                                   num_items_in_batch=num_items_in_batch, shift_labels=shift_labels)
+            output = CausalLMOutputWithPast(loss=loss, logits=logits)
+        return _as_returned(output, return_dict, self.config)
 
     def _batch(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
                position_ids: torch.Tensor | None, kwargs: Mapping[str, Any]) -> dict[str, Any]:
@@ -303,23 +328,22 @@ class OffloadedCausalLM(PreTrainedModel):
     def save_pretrained(self, save_directory: str | os.PathLike[str], *args: Any,  # type: ignore[override]
                         is_main_process: bool = True, state_dict: Mapping[str, torch.Tensor] | None = None,
                         **kwargs: Any) -> None:
-        """Write a folder that ``AutoModelForCausalLM.from_pretrained`` loads: the config, the
-        generation config and the weights, one safetensors shard per slice, written from the host
-        copies themselves (no copy of the model is made). A PEFT model writes its adapters instead (``PeftModel.save_pretrained``).
-        A tied output embedding is written once, as ``from_pretrained`` expects."""
+        """Write a folder that ``AutoModelForCausalLM.from_pretrained`` loads, as the model's own
+        ``save_pretrained`` writes it (the config, the generation config, the weights in its stored
+        names and layouts, a tied output embedding once, no older weight file left beside them), but
+        for the shards: one a slice, written from the host copies themselves, no copy of the model
+        made (:func:`~offload.integrations.transformers_saving.save_causal_lm`). A PEFT model writes
+        its adapters instead (``PeftModel.save_pretrained``). A ``state_dict`` is written as the
+        model's (or the PeftModel's) ``save_pretrained`` writes one: those tensors, under its names."""
         if not is_main_process:
             return
-        if self.peft_model is not None:
-            self.offloaded._settle()
-            self.peft_model.save_pretrained(save_directory, *args, **kwargs)
-            return
-        os.makedirs(save_directory, exist_ok=True)
-        self.config.save_pretrained(save_directory)
-        if self.generation_config is not None:
-            self.generation_config.save_pretrained(save_directory)
-        names = _hf_names(self)
         self.offloaded._settle()
-        _write_shards(save_directory, _shards(self.offloaded, names))
+        if self.peft_model is not None:
+            self.peft_model.save_pretrained(save_directory, *args, state_dict=state_dict, **kwargs)
+        elif state_dict is not None:
+            self.hf_model.save_pretrained(save_directory, *args, state_dict=state_dict, **kwargs)
+        else:
+            save_causal_lm(self.offloaded, self.hf_model, save_directory)
 
 
 class _HiddenStates:
@@ -330,6 +354,7 @@ class _HiddenStates:
 
     def __call__(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                  position_ids: torch.Tensor | None = None, **kwargs: Any) -> BaseModelOutputWithPast:
+        return_dict = kwargs.pop("return_dict", None)
         batch = self.model._batch(input_ids, attention_mask, position_ids, kwargs)
         hidden = self.model.offloaded({**batch, LAST_HIDDEN_STATE: True})
         weight = self.model.get_output_embeddings().weight
@@ -338,47 +363,36 @@ class _HiddenStates:
             # they go to the host in the weight's dtype (a half-precision hidden state would not multiply
             # a float32 weight there).
             hidden = hidden.to(weight.device, weight.dtype)
-        return BaseModelOutputWithPast(last_hidden_state=hidden)
+        return _as_returned(BaseModelOutputWithPast(last_hidden_state=hidden), return_dict, self.model.config)
 
 
-def _shards(offloaded: OffloadModel, names: dict[str, str]) -> list[dict[str, torch.Tensor]]:
-    """The weights ``save_pretrained`` writes, one shard a slice (slices with none left out): each
-    host copy under its Hugging Face name (``names``), a tied one once, under its first (the
-    embedding's) name, as ``from_pretrained`` expects."""
-    seen: set[tuple[int, tuple[int, ...]]] = set()
-    shards: list[dict[str, torch.Tensor]] = []
-    for s in engine_of(offloaded).slices:
-        shard: dict[str, torch.Tensor] = {}
-        for name, layer in zip(s.names, s.layers):
-            for key, tensor in layer.state_dict(prefix=f"{name}.").items():
-                place = (tensor.data_ptr(), tuple(tensor.shape))
-                if place not in seen:
-                    seen.add(place)
-                    shard[names[key]] = tensor
-        shards.append(shard)
-    return [shard for shard in shards if shard]
+def _chunked_loss(offloaded: OffloadModel, batch: dict[str, Any], labels: torch.Tensor | None,
+                  shift_labels: torch.Tensor | None, num_items_in_batch: Any,
+                  logits_to_keep: int | torch.Tensor) -> CausalLMOutputWithPast:
+    """The loss the head computes (``loss_chunk_tokens``), summed and divided as ``ForCausalLMLoss`` does."""
+    if labels is None and shift_labels is None:
+        raise TypeError(
+            "this OffloadedCausalLM computes the loss in its head (loss_chunk_tokens) and returns no logits: pass "
+            "labels. transformers.Trainer calls it without them under label_smoothing_factor or compute_loss_func, "
+            "which need the logits: build the model without loss_chunk_tokens for those")
+    if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+        raise TypeError("this OffloadedCausalLM computes the loss in its head (loss_chunk_tokens) and returns no "
+                        "logits: it cannot honour logits_to_keep")
+    sums = offloaded({**batch, "labels": labels, "shift_labels": shift_labels})
+    count = num_items_in_batch
+    if count is None:
+        count = CausalLMSequential.count_loss_tokens(labels, shift_labels=shift_labels)
+    if isinstance(count, torch.Tensor):
+        count = count.to(sums.device)
+    return CausalLMOutputWithPast(loss=sums.sum() / count)
 
 
-def _write_shards(save_directory: str | os.PathLike[str], shards: list[dict[str, torch.Tensor]]) -> None:
-    """Write ``shards`` as safetensors files into ``save_directory`` with their index, as
-    ``save_pretrained`` names them (``model.safetensors`` alone, or ``model-0000i-of-0000n``)."""
-    files = (["model.safetensors"] if len(shards) == 1 else
-             [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
-    weight_map = {}
-    total = 0
-    for file, shard in zip(files, shards):
-        # The host copies themselves: each has a storage of its own (Note: [A storage per host copy]).
-        save_file({key: t.detach() for key, t in shard.items()}, os.path.join(save_directory, file),
-                  metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, file))
-        total += sum(t.numel() * t.element_size() for t in shard.values())
-    if len(files) > 1:
-        with open(os.path.join(save_directory, "model.safetensors.index.json"), "w") as index:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, index, indent=2)
-    else:  # a single file replaces an older sharded save in the same folder
-        stale = os.path.join(save_directory, "model.safetensors.index.json")
-        if os.path.exists(stale):
-            os.remove(stale)
+def _as_returned(output: Any, return_dict: bool | None, config: Any) -> Any:
+    """``output``, or its tuple (its fields that are not ``None``) where ``return_dict=False`` asks
+    for one, else where the config's ``return_dict`` does: as transformers' ``can_return_tuple``."""
+    if return_dict is None:
+        return_dict = getattr(config, "return_dict", True)
+    return output if return_dict else output.to_tuple()
 
 
 def _stages_of(offloaded: OffloadModel, hf_model: nn.Module) -> CausalLMSequential:
@@ -455,15 +469,32 @@ def _report_in_hf_names(model: OffloadedCausalLM, incompatible_keys: _Incompatib
 
 def _decay_groups(model: OffloadedCausalLM, weight_decay: float) -> list[dict[str, Any]]:
     """The trainable parameters in the Trainer's two groups: ``weight_decay`` for those it decays, none
-    for biases and norms (an empty group left out)."""
+    for biases and norms. An empty group is kept, as the Trainer keeps it (LoRA adapters alone leave
+    the second one empty): the two optimizers' state dicts then load into each other."""
     from transformers import Trainer
 
     # Trainer.get_decay_parameter_names reads nothing of the trainer: the rule is the Trainer's own.
     decayed = set(Trainer.get_decay_parameter_names(None, model))  # type: ignore[arg-type]
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    groups = [{"params": [p for name, p in named if name in decayed], "weight_decay": weight_decay},
-              {"params": [p for name, p in named if name not in decayed], "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]
+    return [{"params": [p for name, p in named if name in decayed], "weight_decay": weight_decay},
+            {"params": [p for name, p in named if name not in decayed], "weight_decay": 0.0}]
+
+
+def _refuse_trainer_arguments(model: OffloadedCausalLM, args: Any) -> None:
+    """Raise for the Trainer's arguments this model cannot train under, before any step rather than
+    at the first step or after the last (Note: [What the trainers read from the model])."""
+    if getattr(args, "label_smoothing_factor", 0) and model.stages.loss_chunk_tokens is not None:
+        raise ValueError(
+            "label_smoothing_factor needs the logits, and this OffloadedCausalLM computes the loss in its head "
+            "(loss_chunk_tokens) without them: build the model without loss_chunk_tokens, or train with "
+            "label_smoothing_factor=0")
+    if getattr(args, "load_best_model_at_end", False) and model.peft_model is not None:
+        raise ValueError(
+            "load_best_model_at_end cannot load the best adapters into an OffloadedCausalLM: the Trainer reloads "
+            "adapters only into a PeftModel it trains directly, and would look for the whole model's weights in the "
+            "checkpoint. Train without it (metric_for_best_model alone still records "
+            "trainer.state.best_model_checkpoint) and load the best adapters afterwards: "
+            "peft.PeftModel.from_pretrained(base_model, trainer.state.best_model_checkpoint)")
 
 
 def _refuse_update_in_backward(options: dict[str, Any]) -> None:
