@@ -257,3 +257,40 @@ def test_a_checkpoint_saved_with_another_seq_len_names_seq_len(saved, resumed, a
                                          "model: 0.wpe.weight is float32["), line
     assert line.endswith(f"; pass {advice}, as the run that saved it did (a random model's position table has "
                          "max(--seq-len, 64) rows), or leave out --resume to start over"), line
+
+
+# -- checkpoints the slice-by-slice load cannot read ----------------------------------------------------------
+
+
+def test_a_model_saved_quantized_is_a_parser_error(tmp_path, capsys):
+    """``save_pretrained`` of a 4-bit model writes codes and their state; the unquantized
+    checkpoint is what to give, with --load-in-4bit."""
+    model = tmp_path / "q4"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"")  # never read: the config refuses it first
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": {
+        "quant_method": "bitsandbytes", "load_in_4bit": True}}))
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--out", str(tmp_path / "out"), "--device", "cpu", "--model", str(model), "--lora-r", "4"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"offload-finetune: error: --model {model} holds a checkpoint saved quantized (bitsandbytes: its config.json "
+        "has a quantization_config), which offload-finetune cannot train from: give --model the unquantized "
+        "checkpoint it was made from, with --load-in-4bit to quantise its linear layers as they load")
+
+
+def test_a_gpt2_model_under_load_in_4bit_is_refused_in_one_line(tmp_path, capsys):
+    """GPT-2's projections are Conv1D, which the slice-by-slice load does not quantise: the
+    library's refusal, as one line, as for the random GPT-2."""
+    pytest.importorskip("bitsandbytes")
+    model = tmp_path / "gpt2"
+    config = transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=256, n_positions=32,
+                                     bos_token_id=0, eos_token_id=0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(model)
+    byte_tokenizer().save_pretrained(model)
+    code, _, err = run_cli("--device", "cpu", "--no-progress", "--model", str(model), "--out", str(tmp_path / "out"),
+                           "--steps", "1", "--lora-r", "2", "--load-in-4bit", capsys=capsys)
+    assert "Traceback" not in err, err[-3000:]
+    (line,) = [line for line in err.splitlines() if line.startswith("offload-finetune")]
+    assert code == 1 and line.startswith(f"offload-finetune: error: --model {model}: GPT2LMHeadModel has no "
+                                         "nn.Linear layer but its head to quantise in 4 bits"), err[-3000:]

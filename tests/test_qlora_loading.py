@@ -42,6 +42,21 @@ def four_bit(quant_type: str, double: bool):
                                            bnb_4bit_use_double_quant=double, bnb_4bit_compute_dtype=torch.bfloat16)
 
 
+@pytest.mark.parametrize("config", [None, four_bit("nf4", True)], ids=["alone", "with quantization_config"])
+def test_a_checkpoint_saved_in_4_bits_is_refused_saying_what_to_load(checkpoint, tmp_path, config):
+    """Its codes and state (``weight.absmax``, ``quant_map``, ...) have no place in the model built
+    here: one line naming the quantisation and what to load, not each stored tensor as unexpected."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, quantization_config=four_bit("nf4", True),
+                                                           device_map="cpu")
+    hf.save_pretrained(tmp_path)
+    with pytest.raises(ValueError) as raised:
+        load_causal_lm(tmp_path, "cpu", quantization_config=config)
+    message = str(raised.value)
+    assert message.startswith(f"{tmp_path} holds a checkpoint saved quantized (bitsandbytes: ") and "\n" not in message
+    assert "load the unquantized checkpoint" in message and "from_pretrained" in message
+    assert "absmax" not in message
+
+
 @pytest.mark.parametrize(("quant_type", "double", "dtype"), [("nf4", True, torch.bfloat16),
                                                              ("fp4", False, torch.bfloat16),
                                                              ("nf4", False, torch.float32)])

@@ -228,6 +228,8 @@ def _build_model(args: argparse.Namespace, options: dict[str, Any], causal_lm_se
                                        **loading, **options)
         except FileNotFoundError as error:  # weights it does not read (pytorch_model.bin): it says which
             raise fail(f"--model {error}") from None
+        except ValueError as error:  # a checkpoint that does not fit the model, a family it cannot quantise
+            raise fail(f"--model {args.model}: {error}") from None
         tokenizer = pretrained_tokenizer(args.model)
         print(f"loaded {args.model} slice by slice")
         # The adapters go into the loaded host modules, as into from_pretrained's model: the same

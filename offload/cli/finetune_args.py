@@ -7,6 +7,7 @@ Only parsing and checking what can be checked without a model lives here; the ru
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import re
 from pathlib import Path
@@ -287,6 +288,10 @@ def check_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error(f"--model {args.model}: not a directory (a save_pretrained output is expected)")
     if args.model is not None and not _weight_files(args.model):
         parser.error(_without_weights(args.model))
+    if args.model is not None and (method := _saved_quantization(args.model)) is not None:
+        parser.error(f"--model {args.model} holds a checkpoint saved quantized ({method}: its config.json has a "
+                     "quantization_config), which offload-finetune cannot train from: give --model the unquantized "
+                     "checkpoint it was made from, with --load-in-4bit to quantise its linear layers as they load")
     if args.resume == "latest":
         try:
             args.resume = latest_checkpoint(args.out / "checkpoints")
@@ -345,6 +350,20 @@ def default_compute_dtype(device: torch.device, masters_on_disk: bool) -> str:
 def _weight_files(folder: Path) -> list[Path]:
     """The weights in a model folder: safetensors (files or a sharded index), or PyTorch's pickles."""
     return [*folder.glob("*.safetensors"), *folder.glob("*.safetensors.index.json"), *folder.glob("pytorch_model*.bin")]
+
+
+def _saved_quantization(folder: Path) -> str | None:
+    """The quantisation a ``--model`` folder's weights were saved in (``save_pretrained`` of a
+    4-bit model writes codes and their state), or ``None``: an unreadable config.json is left to
+    the load, which says what is wrong with it."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    saved = config.get("quantization_config") if isinstance(config, dict) else None
+    if not saved:
+        return None
+    return str(saved.get("quant_method", "a quantisation")) if isinstance(saved, dict) else "a quantisation"
 
 
 def _without_weights(folder: Path) -> str:

@@ -13,7 +13,12 @@ Note: [PEFT models]
        ``peft_model.save_pretrained`` writes them. :func:`peft_base_model` finds that model.
     2. Methods whose ``PeftModel.forward`` does more are refused: prompt learning (virtual tokens
        or a key/value cache before the model), Poly (``task_ids``), activated LoRA (offsets
-       computed from the input ids).
+       computed from the input ids), AdaLoRA with ``orth_reg_weight`` above 0 (its tuner's forward
+       adds the adapters' orthogonality penalty to the loss; with ``orth_reg_weight=0`` it adds
+       zero, and training, ``update_and_allocate`` included, is the ``PeftModel``'s bit for bit),
+       and SHADOW (hooks on the model's forward run a shadow network beside the decoder layers). So are
+       methods whose layers share tensors across slices: VeRA, PVeRA and RandLoRA register one
+       pair of frozen random projections in every adapted layer, and a buffer lives in one slice.
     3. Cutting the ``PeftModel`` itself cannot work by attribute: ``PeftModel.__getattr__`` forwards
        to the tuner, whose ``model`` is the ``*ForCausalLM``, not its decoder, which is what a
        Llama-layout family's ``model`` attribute is.
@@ -44,11 +49,13 @@ def peft_base_model(model: nn.Module) -> nn.Module | None:
     it holds (``peft_model.base_model``, a ``LoraModel`` say).
 
     Raises:
-        ValueError: a method whose ``PeftModel.forward`` changes the inputs or passes arguments the
-            stages do not carry: the prompt-learning methods (prompt tuning, prefix tuning,
-            P-tuning, ...), which prepend virtual tokens or a key/value cache; Poly, which needs
-            ``task_ids``; activated LoRA (``alora_invocation_tokens``), which computes offsets from
-            the input ids.
+        ValueError: a method whose ``PeftModel.forward`` does more than call the model: the
+            prompt-learning methods (prompt tuning, prefix tuning, P-tuning, ...), which prepend
+            virtual tokens or a key/value cache; Poly, which needs ``task_ids``; activated LoRA
+            (``alora_invocation_tokens``), which computes offsets from the input ids; AdaLoRA with
+            ``orth_reg_weight`` above 0, which adds a penalty to the loss; SHADOW, whose hooks run a
+            shadow network beside the layers. Or one whose layers share buffers (VeRA, PVeRA,
+            RandLoRA). Note: [PEFT models], rule 2.
     """
     peft = sys.modules.get("peft")
     if peft is None:
@@ -71,17 +78,41 @@ def peft_base_model(model: nn.Module) -> nn.Module | None:
     else:
         return None
     for config in configs:
-        kind = str(getattr(config.peft_type, "value", config.peft_type))
-        if kind == "POLY":
-            raise ValueError("causal_lm_sequential cannot cut a PeftModel with a Poly adapter: its forward needs "
-                             "task_ids, which the stages do not carry")
-        if getattr(config, "alora_invocation_tokens", None):
-            raise ValueError(
-                "causal_lm_sequential cannot cut a PeftModel with an activated LoRA (alora_invocation_tokens): its "
-                "forward computes where the adapter starts from the input ids, which the stages do not. Use a LoRA "
-                "without alora_invocation_tokens"
-            )
+        refusal = _refusal(config)
+        if refusal is not None:
+            raise ValueError(f"causal_lm_sequential cannot cut a PeftModel with {refusal}")
     return tuner.model
+
+
+#: Methods whose layers share one pair of frozen random projections (a ``BufferDict`` registered in
+#: every adapted layer): a buffer must sit in one slice, and the stages cut the layers apart.
+_SHARED_PROJECTIONS = {"VERA": "VeRA", "PVERA": "PVeRA", "RANDLORA": "RandLoRA"}
+
+
+def _refusal(config: Any) -> str | None:
+    """What ``config``'s method does that the stages cannot, and what to use instead; ``None`` when
+    its adapters live inside the model's layers alone (Note: [PEFT models], rule 2)."""
+    kind = str(getattr(config.peft_type, "value", config.peft_type))
+    if kind == "POLY":
+        return "a Poly adapter: its forward needs task_ids, which the stages do not carry"
+    if getattr(config, "alora_invocation_tokens", None):
+        return ("an activated LoRA (alora_invocation_tokens): its forward computes where the adapter starts from the "
+                "input ids, which the stages do not. Use a LoRA without alora_invocation_tokens")
+    if kind == "ADALORA" and config.orth_reg_weight != 0:
+        return (f"an AdaLoRA adapter whose orth_reg_weight is {config.orth_reg_weight}: its forward adds that times "
+                "an orthogonality penalty over the adapters to the loss, which the stages do not compute. Pass "
+                "AdaLoraConfig(orth_reg_weight=0) to train without the penalty, or use LoRA (LoraConfig)")
+    if kind == "SHADOW":
+        return ("a SHADOW adapter: hooks on the model's forward run its shadow network beside the decoder layers, "
+                "which the stages call one by one without those hooks (the shadow would get no input and no "
+                "gradient). Use LoRA (LoraConfig) or another method whose adapters live inside the layers (DoRA, "
+                "IA3, LoHa, LoKr, OFT)")
+    if kind in _SHARED_PROJECTIONS:
+        return (f"a {_SHARED_PROJECTIONS[kind]} adapter: every adapted layer holds the same frozen random "
+                "projections (one buffer shared by all of them), and the stages cut the layers into slices that "
+                "each hold their own tensors. Use LoRA (LoraConfig) or another method whose adapters are each "
+                "layer's own (DoRA, IA3, LoHa, LoKr, OFT)")
+    return None
 
 
 def _names(active: Any) -> list[str]:

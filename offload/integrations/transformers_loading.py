@@ -90,9 +90,10 @@ def load_causal_lm(
 
     Raises:
         ValueError: a checkpoint that does not match the model (missing, unexpected or misshapen
-            keys, each named with its file), stored tensors that need a conversion other than
-            stacking experts, a ``quantization_config`` other than bitsandbytes' 4 bits on the
-            default skip list and storage, or what ``causal_lm_sequential`` refuses.
+            keys, each named with its file), a checkpoint saved already quantized (its
+            ``config.json`` has a ``quantization_config``), stored tensors that need a conversion
+            other than stacking experts, a ``quantization_config`` other than bitsandbytes' 4 bits
+            on the default skip list and storage, or what ``causal_lm_sequential`` refuses.
         FileNotFoundError: no safetensors checkpoint in ``path``.
 
     Example::
@@ -101,6 +102,7 @@ def load_causal_lm(
         optimizer = offload.OffloadOptimizer(model, torch.optim.AdamW, lr=1e-5)
     """
     config = AutoConfig.from_pretrained(path)
+    _refuse_saved_quantized(path, config)
     checkpoint = SafetensorsCheckpoint(path)
     if dtype == "auto":
         dtype = _auto_dtype(config, checkpoint)
@@ -117,6 +119,23 @@ def load_causal_lm(
     model = build_from_checkpoint(layers, checkpoint, device, init_buffers=_buffer_initialiser(hf_model),
                                   place=_placement(hf_model, layers, meta_state), **options)
     return model, hf_model
+
+
+def _refuse_saved_quantized(path: str | os.PathLike[str], config: Any) -> None:
+    """Refuse a checkpoint saved already quantized (``save_pretrained`` of a 4-bit or 8-bit model):
+    its ``config.json`` names the quantisation, and its tensors are codes and their state, which
+    the unquantized model built here has no place for (each would be reported unexpected)."""
+    saved = getattr(config, "quantization_config", None)
+    if saved is None:
+        return
+    method = saved.get("quant_method") if isinstance(saved, dict) else getattr(saved, "quant_method", None)
+    method = getattr(method, "value", method) or "a quantisation"
+    raise ValueError(
+        f"{path} holds a checkpoint saved quantized ({method}: its config.json has a quantization_config), which "
+        "load_causal_lm cannot read: load the unquantized checkpoint it was made from, with quantization_config="
+        "BitsAndBytesConfig(load_in_4bit=True, ...) to quantise it as it is read, or load this one with "
+        "from_pretrained(path, device_map=\"cpu\") and wrap it with causal_lm_sequential and OffloadModel"
+    )
 
 
 def _quantize_on_meta(hf_model: nn.Module, quantization_config: Any) -> None:

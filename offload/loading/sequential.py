@@ -155,6 +155,8 @@ class _Plan:
         self.buffer_owners: list[nn.Module] = []
         #: id of a target -> the stored tensors that fill it, and where
         self.sources: dict[int, list[tuple[str, Placement]]] = {}
+        #: ids of the targets a stored tensor of the wrong shape was meant for: told once, as misshapen
+        self.misshapen: set[int] = set()
         self._collect(layers)
         problems = [*self._match(place), *self._coverage()]
         if problems:
@@ -195,6 +197,7 @@ class _Plan:
             except (IndexError, RuntimeError):  # a part outside the tensor (an expert too many)
                 region = None
             if region is None or region.shape != stored.shape:
+                self.misshapen.add(id(target))
                 mismatched.append(f"'{stored_name}' in {stored.file.name} has shape {tuple(stored.shape)}, the model's "
                                   f"'{placement.key}'{'' if placement.part is None else ' (its part)'} is "
                                   f"{'outside it' if region is None else tuple(region.shape)}")
@@ -231,8 +234,8 @@ class _Plan:
         missing: list[str] = []
         partial: list[str] = []
         for key, tensor in self.targets.items():
-            if names[id(tensor)][0] != f"'{key}'":
-                continue  # a tied tensor's other name
+            if names[id(tensor)][0] != f"'{key}'" or id(tensor) in self.misshapen:
+                continue  # a tied tensor's other name, or one already told under "shapes differ"
             sources = self.sources.get(id(tensor), [])
             values = _shaped_like(tensor).numel()
             covered = sum(p.region(_shaped_like(tensor)).numel() for _, p in sources)
