@@ -11,12 +11,13 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-from offload import OffloadModel, OffloadOptimizer, estimate_memory, is_recomputing
+from offload import DiskTier, OffloadModel, OffloadOptimizer, estimate_memory, is_recomputing
 from offload.streams.disk import page_aligned
 from offload.streams.flat_views import _align
 
@@ -287,11 +288,13 @@ def test_state_and_masters_on_disk_are_counted_there():
     assert ram.disk == 0 and ram.host_optimizer_state == 8 * n and ram.pinned_bytes > 0
     # RAM keeps the tier's window: three of the four slices' state, each slice's file in whole pages.
     assert state.host_disk_window == 3 * page_aligned(8 * n // 4)
-    assert state.disk == 8 * n and state.host_total == ram.host_total - 8 * n + state.host_disk_window
+    # On disk: each slice's file, in whole pages.
+    assert state.disk == 4 * page_aligned(8 * n // 4)
+    assert state.host_total == ram.host_total - 8 * n + state.host_disk_window
     assert both.host_masters == 0 and both.host_shadows == 2 * n
     # The gradients go to files beside the masters (Note: [Gradients on disk]).
     assert both.host_gradients == 0 and ram.host_gradients == 4 * n
-    assert 0 <= both.disk - (8 * n + ram.host_masters + ram.host_gradients) < 2 * 4 * 4096  # files per slice, in pages
+    assert 0 <= both.disk - (state.disk + ram.host_masters + ram.host_gradients) < 2 * 4 * 4096  # files per slice, in pages
     # The window: three slices' state and, while the optimizer steps, three slices' masters and gradients.
     assert both.host_disk_window == state.host_disk_window + 2 * 3 * page_aligned(4 * n // 4)  # files: whole pages
     assert "disk" in str(both)
@@ -304,6 +307,86 @@ def test_the_planner_refuses_what_it_cannot_count():
         estimate_memory([10], optimizer_state="nvme")
     with pytest.raises(ValueError, match="needs layers with parameters"):
         estimate_memory(nn.Sequential(nn.ReLU()))
+
+
+class TiedHead(nn.Module):
+    """An output head that computes with the embedding's weight (tie_word_embeddings)."""
+
+    def __init__(self, embedding: nn.Embedding) -> None:
+        super().__init__()
+        self.weight = embedding.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.t()
+
+
+def _trained_footprint(model: OffloadModel, make_input: Callable[[], torch.Tensor], **optimizer_kwargs: Any):
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-3, fused=True, **optimizer_kwargs)
+    for _ in range(2):
+        model(make_input()).float().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+    optimizer.synchronize()
+    footprint = model.memory_footprint()
+    optimizer.close()
+    return footprint
+
+
+@pytest.mark.parametrize("compute_dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("resident", [0, 1], ids=["streamed", "one-resident"])
+def test_a_weight_tied_across_slices_is_counted_once_as_the_model_holds_it(compute_dtype, resident):
+    """The embedding's slice holds the weight, the head's borrows it (Note: [Tied parameters across
+    slices]): masters, shadow, gradient and state once; a place in the head's slot."""
+    def tied() -> nn.Sequential:
+        torch.manual_seed(0)
+        embedding = nn.Embedding(500, 32)
+        return nn.Sequential(embedding, nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), TiedHead(embedding))
+
+    plan = estimate_memory(tied(), num_slices=3, compute_dtype=compute_dtype, device="cpu", resident_slices=resident)
+    model = OffloadModel(tied(), device="cpu", num_slices=3, compute_dtype=compute_dtype, resident_slices=resident)
+    footprint = _trained_footprint(model, lambda: torch.randint(0, 500, (4, 8)))
+    assert plan.parameters == footprint.parameters == 500 * 32 + 2 * (32 * 32 + 32)
+    for category in ("masters", "shadows", "gradients", "optimizer_state"):
+        assert plan.host_categories()[category] == footprint.host_categories()[category], category
+    for category in ("slots", "resident", "resident_gradients", "resident_optimizer_state"):
+        assert plan.device_categories()[category] == footprint.device_categories()[category], category
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["without-parameters", "frozen"])
+def test_the_disk_windows_count_the_slices_the_tiers_serve(frozen, tmp_path):
+    """Slices without state (a ReLU in a slice of its own, or frozen layers) between those with
+    state do not narrow the windows: the tier serves, and the update reads in, only slices with
+    state; and the state's files are counted as laid out, each in whole pages."""
+    def layers() -> nn.Sequential:
+        torch.manual_seed(0)
+        between = (lambda: nn.Linear(37, 37).requires_grad_(False)) if frozen else nn.ReLU
+        return nn.Sequential(nn.Linear(37, 37), between(), nn.Linear(37, 37), between(), nn.Linear(37, 37),
+                             between(), nn.Linear(37, 37))
+
+    plan = estimate_memory(layers(), num_slices=7, device="cpu", compute_dtype=torch.bfloat16,
+                           optimizer_state="disk", masters="disk")
+    model = OffloadModel(layers(), device="cpu", num_slices=7, compute_dtype=torch.bfloat16,
+                         masters=DiskTier(tmp_path / "masters"))
+    footprint = _trained_footprint(model, lambda: torch.randn(4, 37), disk_tier=DiskTier(tmp_path / "state"))
+    page = page_aligned(1)
+    # Three slices' state (AdamW's two moments of 37 x 37 + 37 floats: 3 pages), masters and
+    # gradients (2 pages each).
+    assert plan.host_disk_window == footprint.host_disk_window == 3 * (3 + 2 + 2) * page
+    assert plan.disk == footprint.disk
+
+
+def test_the_estimate_refuses_what_the_model_refuses():
+    for settings in ({"num_microbatches": 0}, {"num_microbatches": -2}, {"compute_dtype": torch.float32},
+                     {"num_slices": 0}):
+        with pytest.raises(ValueError) as estimated:
+            estimate_memory(network(), device="cpu", **{"num_slices": 2} | settings)
+        with pytest.raises(ValueError) as built:
+            OffloadModel(network(), device="cpu", **{"num_slices": 2} | settings)
+        assert str(estimated.value) == str(built.value), settings
+    with pytest.raises(ValueError, match="num_slices must be at least 1, got 0"):
+        estimate_memory(100, num_slices=0)  # not "no parameters": the count is cut into no slices
+    with pytest.raises(ValueError, match="activation_bytes must be at least 0, got -5"):
+        estimate_memory([10, 10], num_slices=2, activation_bytes=-5)
 
 
 def _env_with_package() -> dict[str, str]:

@@ -4,6 +4,7 @@ nothing does (each figure from a plan re-run with one option changed)."""
 
 from __future__ import annotations
 
+import ast
 import json
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 from offload.cli.main import main
 from offload.cli.plan import parse_args, run_plan
 from offload.planning.choose import gib, least_needs
+from offload.planning.rates import GPU_DEFAULTS
 
 GIB = 2**30
 
@@ -62,11 +64,25 @@ def inputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "rates_not_json.json").write_text("not json")
     (tmp_path / "rates_other_version.json").write_text(json.dumps({"device_tflops": 1}))
     (tmp_path / "plan_cli_factory.py").write_text(FACTORY)
+    (tmp_path / "plan_cli_no_params.py").write_text("from torch import nn\n\n\ndef build():\n"
+                                                    "    return nn.Sequential(nn.ReLU(), nn.Tanh())\n")
+    (tmp_path / "plan_cli_broken.py").write_text("def build(:\n")
+    (tmp_path / "gpt2.json").write_text(json.dumps(GPT2))
+    for name, change in (BAD_RATES | {"no_link": {"host_to_device": 0.0}}).items():
+        (tmp_path / f"rates_{name}.json").write_text(json.dumps(GPU_DEFAULTS["a100"].to_json() | change))
     yield tmp_path
-    sys.modules.pop("plan_cli_factory", None)
+    for module in ("plan_cli_factory", "plan_cli_no_params", "plan_cli_broken"):
+        sys.modules.pop(module, None)
 
 
 TINY = ("--hf-config", "tiny.json", "--gpu", "a100", "--host-memory", "8")
+#: GPT-2 learns an embedding per position: a sequence past n_positions indexes past the table.
+GPT2 = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 256, "n_positions": 128,
+        "bos_token_id": 0, "eos_token_id": 0}
+#: Rates files with one rate a step's time cannot be divided by.
+BAD_RATES = {"zero": {"host_update": 0}, "null": {"device_to_host": None}, "text": {"host_to_device": "fast"},
+             "negative": {"host_copy": -1e9}, "zero_flops": {"device_flops": {"float32": 0}},
+             "infinite": {"disk_read": float("inf")}}
 
 BAD_INPUTS = {
     # The step.
@@ -80,7 +96,11 @@ BAD_INPUTS = {
     "microbatches not dividing": ([*TINY, "--microbatches", "3"], "--microbatches 3 does not divide --batch-size 8"),
     "negative rank": ([*TINY, "--lora-r", "-1"], "--lora-r must be 0"),
     "negative chunk": ([*TINY, "--loss-chunk-tokens", "-1"], "--loss-chunk-tokens must be 0"),
-    "zero clipping": ([*TINY, "--max-grad-norm", "0"], "--max-grad-norm must be positive"),
+    "zero clipping": ([*TINY, "--max-grad-norm", "0"], "--max-grad-norm must be a finite number above 0"),
+    # offload-finetune refuses it: the printed command would not run.
+    "infinite clipping": ([*TINY, "--max-grad-norm", "inf"], "--max-grad-norm must be a finite number above 0"),
+    "past gpt2's positions": (["--hf-config", "gpt2.json", "--gpu", "a100", "--seq-len", "4096"],
+                              "--seq-len 4096 is more than the 128 positions of --hf-config gpt2.json"),
     "no rows": ([*TINY, "--top", "0"], "--top must be at least 1"),
     # The machine.
     "negative host": ([*TINY[:4], "--host-memory", "-5"], "--host-memory must be a positive number of GiB, got -5"),
@@ -89,6 +109,17 @@ BAD_INPUTS = {
     "negative disk": ([*TINY, "--disk-dir", ".", "--disk", "-3"], "--disk must be a positive number of GiB"),
     "disk without a dir": ([*TINY, "--disk", "10"], "--disk is the space under --disk-dir"),
     "disk dir a file": ([*TINY, "--disk-dir", "a_file"], "--disk-dir a_file: not a directory"),
+    # A disk tier makes only the last level: the printed DiskTier(...) would be refused.
+    "disk dir without its parent": ([*TINY, "--disk-dir", "none/a/b"], "its parent directory"),
+    "infinite host": ([*TINY[:4], "--host-memory", "inf"], "--host-memory must be a positive number of GiB, got inf"),
+    "infinite device": ([*TINY, "--device-memory", "inf"], "--device-memory must be a positive number of GiB"),
+    "infinite disk": ([*TINY, "--disk-dir", ".", "--disk", "inf"], "--disk must be a positive number of GiB"),
+    "infinite pinned": ([*TINY, "--pinned-memory", "inf"], "--pinned-memory must be a positive number of GiB"),
+    **{f"rates with a {name} rate": ([*TINY, "--rates", f"rates_{name}.json"], "must be a number")
+       for name in BAD_RATES},
+    # A CPU device's rates (no link) plan no GPU: its loads would take no time.
+    "rates without a link for a gpu": ([*TINY[:2], *TINY[4:], "--rates", "rates_no_link.json"],
+                                       "--rates rates_no_link.json: no link rates"),
     "unknown gpu": ([*TINY, "--gpu", "rtx-9090"], "argument --gpu: invalid choice: 'rtx-9090'"),
     "cpu uncalibrated": ([*TINY[:2], "--device", "cpu", "--host-memory", "8"], "--device cpu needs this CPU's"),
     "no rates": (list(TINY[:2]), "no rates: run `python -m offload calibrate`"),
@@ -123,6 +154,10 @@ BAD_INPUTS = {
                              "cannot import 'no_such_module'"),
     "model without factory": (["--model", "plan_cli_factory:make", "--input-shape", "8", "--gpu", "a100"],
                               "has no callable 'make'"),
+    "model without parameters": (["--model", "plan_cli_no_params:build", "--input-shape", "8", "--gpu", "a100"],
+                                 "returned an nn.Sequential without parameters"),
+    "model not python": (["--model", "plan_cli_broken:build", "--input-shape", "8", "--gpu", "a100"],
+                         "cannot import 'plan_cli_broken' for --model plan_cli_broken:build: invalid syntax"),
 }
 
 
@@ -195,6 +230,29 @@ def test_for_a_hf_config_it_tries_lora_and_a_shorter_sequence(inputs, capsys):
     for flags in ("--lora-r 16", "--seq-len 64"):
         plan, needs = _needs(capsys, *args, *flags.split())
         assert (found[flags]["fits"], found[flags]["host_memory"]) == (plan.chosen is not None, needs.host_memory)
+
+
+def test_a_shorter_sequence_is_tried_whatever_microbatches_split_the_batch(inputs, capsys):
+    # --microbatches 3 divides the batch of 6 and none of the sequence's halvings: it splits rows only.
+    (inputs / "small.json").write_text(json.dumps(TINY_LLAMA | {"hidden_size": 256, "intermediate_size": 1024,
+                                                                "vocab_size": 4096}))
+    args = ("--hf-config", "small.json", "--gpu", "a100", "--host-memory", "0.01", "--resident-slices", "0",
+            "--seq-len", "1024", "--batch-size", "6", "--microbatches", "3")
+    found = {a["flags"]: a for a in _plan_json(capsys, *args)["alternatives"]}
+    plan, needs = _needs(capsys, *args, "--seq-len", "64")
+    assert (found["--seq-len 64"]["fits"], found["--seq-len 64"]["host_memory"]) == (plan.chosen is not None,
+                                                                                      needs.host_memory)
+
+
+def test_the_printed_disk_tier_names_the_directory_as_python_and_the_shell_read_it(tmp_path, capsys):
+    where = tmp_path / 'a "quoted" dir'
+    main(["plan", "--preset", "mlp", "--gpu", "h100-sxm", "--resident-slices", "0", "--host-memory", "0.3",
+          "--disk-dir", str(where), "--json"])
+    chosen = json.loads(capsys.readouterr().out)["chosen"]
+    assert "disk" in (chosen["optimizer_state"], chosen["masters"])
+    calls = [node for node in ast.walk(ast.parse(chosen["code"]))
+             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "DiskTier"]
+    assert calls and all(ast.literal_eval(call.args[0]) == str(where) for call in calls)
 
 
 def test_when_nothing_fits_the_device_it_says_how_much_would(capsys):

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import shlex
 import shutil
 import sys
 from collections.abc import Sequence
@@ -149,8 +152,10 @@ def check_step_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             parser.error(f"--{name.replace('_', '-')} must be at least 1 (leave it out to let the planner choose)")
     if args.microbatches and args.batch_size % args.microbatches:
         parser.error(f"--microbatches {args.microbatches} does not divide --batch-size {args.batch_size}")
-    if args.max_grad_norm is not None and not args.max_grad_norm > 0:
-        parser.error("--max-grad-norm must be positive (leave it out for no clipping)")
+    if args.max_grad_norm is not None and not 0 < args.max_grad_norm < math.inf:
+        # As offload-finetune refuses it: the printed command must run.
+        parser.error(f"--max-grad-norm must be a finite number above 0, got {args.max_grad_norm:g} (leave it out "
+                     "for no clipping)")
     if args.resident_slices != "auto" and args.num_slices is not None and args.resident_slices > args.num_slices:
         parser.error(f"--resident-slices {args.resident_slices} is more than --num-slices {args.num_slices}")
     if args.schedule == "in-backward" and args.max_grad_norm is not None:
@@ -162,16 +167,36 @@ def check_machine_args(parser: argparse.ArgumentParser, args: argparse.Namespace
     """The machine's flags: sizes above 0, and paths that are what they name."""
     for name in ("device_memory", "host_memory", "disk", "pinned_memory"):
         value = getattr(args, name)
-        if value is not None and not value > 0:
-            parser.error(f"--{name.replace('_', '-')} must be a positive number of GiB, got {value:g}")
+        if value is not None and not 0 < value < math.inf:
+            parser.error(f"--{name.replace('_', '-')} must be a positive number of GiB, got {value:g} (a finite "
+                         "one; leave it out for the default)")
     if args.disk is not None and args.disk_dir is None:
         parser.error("--disk is the space under --disk-dir: give --disk-dir DIR too")
-    if args.disk_dir is not None and Path(args.disk_dir).exists() and not Path(args.disk_dir).is_dir():
-        parser.error(f"--disk-dir {args.disk_dir}: not a directory")
+    if args.disk_dir is not None:
+        check_disk_dir(parser, Path(args.disk_dir))
     if args.rates is not None and not args.rates.is_file():
         what = "a directory, not a rates file" if args.rates.is_dir() else "no such file"
         parser.error(f"--rates {args.rates}: {what}; run `python -m offload calibrate --out {args.rates}` "
                      f"or pass --gpu NAME")
+
+
+def check_disk_dir(parser: argparse.ArgumentParser, path: Path) -> None:
+    """Refuse a ``--disk-dir`` that :class:`~offload.DiskTier` would refuse (``make_directory`` in
+    ``offload/streams/disk.py``), without making it: the printed code must run."""
+    if path.exists() and not path.is_dir():
+        parser.error(f"--disk-dir {path}: not a directory")
+    if path.exists():
+        if not os.access(path, os.W_OK | os.X_OK):
+            parser.error(f"--disk-dir {path}: not writable by this process; choose a directory you can write to")
+        return
+    parent = path.absolute().parent
+    if not parent.is_dir():
+        parser.error(f"--disk-dir {path}: its parent directory {parent} does not exist; create it first (a disk "
+                     "tier creates only the last level, so that a mistyped path does not put the files on another "
+                     "disk)")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        parser.error(f"--disk-dir {path}: cannot be created, {parent} is not writable by this process; choose a "
+                     "directory you can write to")
 
 
 def _resident_slices(text: str) -> int | str:
@@ -201,6 +226,12 @@ def machine_rates(args: argparse.Namespace) -> MachineRates:
         gpu = GPU_DEFAULTS[args.gpu]
         return gpu.with_host(calibrated) if calibrated is not None else gpu
     if calibrated is not None:
+        if args.device == "cuda" and not (calibrated.host_to_device and calibrated.device_to_host):
+            # A link rate of 0 is a CPU device's (no link): a GPU's loads would take no time, or divide by 0.
+            flag = "--rates" if args.rates is not None else "the rates file"
+            raise PlanInputError(f"{flag} {path}: no link rates (host_to_device, device_to_host) to plan a GPU "
+                                 f"with: run `python -m offload calibrate` on the GPU's machine, pass --gpu NAME, "
+                                 f"or plan --device cpu")
         return calibrated
     if args.device == "cpu":
         # The host's defaults have no compute rate: a CPU's own must be measured.
@@ -292,7 +323,7 @@ def code(candidate: Candidate, work: Workload, args: argparse.Namespace) -> str:
         model_args.append(f"num_microbatches={config.num_microbatches}")
     if config.compute_dtype is not None:
         model_args.append(f"compute_dtype=torch.{str(config.compute_dtype).removeprefix('torch.')}")
-    tier = f'DiskTier("{args.disk_dir}")'
+    tier = f"DiskTier({args.disk_dir!r})"  # repr: a path with a quote or a backslash stays one string
     if config.masters == "disk":
         model_args.append(f"masters={tier}")
     if config.shadows == "disk":
@@ -330,7 +361,7 @@ def finetune_flags(candidate: Candidate, work: Workload, args: argparse.Namespac
     flags = [*work.finetune, "--num-slices", str(config.num_slices), "--microbatches", str(config.num_microbatches),
              "--compute-dtype", dtype]
     if config.optimizer_state == "disk":
-        flags += ["--disk-tier", str(args.disk_dir)]
+        flags += ["--disk-tier", shlex.quote(str(args.disk_dir))]  # a shell command: a space stays in the path
     if config.masters == "disk":
         flags.append("--masters-on-disk")
     if config.shadows == "disk":

@@ -93,7 +93,8 @@ def _tried(args: argparse.Namespace, plan: Plan, limits: Limits, planner: Planne
     if args.hf_config and not args.quantize and _installed("peft") and _installed("bitsandbytes"):
         flags = "--quantize nf4" if args.lora_r else f"--lora-r {LORA_RANK} --quantize nf4"
         yield _replan(planner, _with(args, lora_r=args.lora_r or LORA_RANK, quantize="nf4"), limits, flags)
-    yield _smaller(planner, args, limits, "batch_size", lowest=args.microbatches or 1)
+    # --microbatches splits the rows: a batch it does not divide is refused; a sequence is not split.
+    yield _smaller(planner, args, limits, "batch_size", lowest=args.microbatches or 1, multiple=args.microbatches or 1)
     if args.hf_config:
         yield _smaller(planner, args, limits, "seq_len", lowest=MIN_SEQ_LEN)
     for flag, (name, free) in FREED.items():
@@ -117,12 +118,13 @@ def _more_memory(args: argparse.Namespace, needs: Needs, limits: Limits, planner
         yield _replan(planner, args, replace(limits, disk=disk), f"--disk {text}")
 
 
-def _smaller(planner: Planner, args: argparse.Namespace, limits: Limits, name: str, lowest: int) -> Alternative | None:
-    """The largest of ``name``'s halvings (down to ``lowest``) that fits; or, when none does, the
-    smallest's plan. The smallest is planned first: if it does not fit, nothing larger does."""
+def _smaller(planner: Planner, args: argparse.Namespace, limits: Limits, name: str, lowest: int,
+             multiple: int = 1) -> Alternative | None:
+    """The largest of ``name``'s halvings (down to ``lowest``, each a multiple of ``multiple``) that
+    fits; or, when none does, the smallest's plan. The smallest is planned first: if it does not
+    fit, nothing larger does."""
     value = getattr(args, name)
-    sizes = [value >> k for k in range(1, value.bit_length())
-             if (value >> k) >= lowest and (value >> k) % (args.microbatches or 1) == 0]
+    sizes = [value >> k for k in range(1, value.bit_length()) if (value >> k) >= lowest and (value >> k) % multiple == 0]
     if not sizes:
         return None
     flag = "--" + name.replace("_", "-")

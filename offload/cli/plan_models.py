@@ -25,6 +25,10 @@ from .quantize import four_bit_counts, import_bitsandbytes, quantize_linears
 from .quiet_imports import import_transformers
 
 DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: The families whose positions are a learned table, by model type: its size in the config. A
+#: longer sequence indexes past the table (rotary families compute any position, so their
+#: ``max_position_embeddings`` is no limit to the forward).
+LEARNED_POSITIONS = {"gpt2": "n_positions"}
 
 
 class PlanInputError(ValueError):
@@ -194,6 +198,7 @@ def hf_workload(args: argparse.Namespace) -> Workload:
 
     config = hf_config(args.hf_config)
     _check_family(args.hf_config, config.model_type)
+    _check_positions(args, config)
     chunk = args.loss_chunk_tokens or None
     dtype = four_bit_dtype(args) if args.quantize else torch.float32
     profiled = four_bit = None
@@ -230,6 +235,17 @@ def hf_workload(args: argparse.Namespace) -> Workload:
         flags += ["--load-in-4bit", "--bnb-4bit-quant-type", args.quantize]
         flags += [] if args.bnb_4bit_use_double_quant else ["--no-bnb-4bit-use-double-quant"]
     return Workload(layers, make_input, rows, build, finetune=flags, profiled=profiled, four_bit=four_bit)
+
+
+def _check_positions(args: argparse.Namespace, config: Any) -> None:
+    """Refuse a ``--seq-len`` past a learned position table: the planned model would fail at its
+    first forward (an index past the table)."""
+    name = LEARNED_POSITIONS.get(config.model_type)
+    positions = getattr(config, name, None) if name else None
+    if isinstance(positions, int) and args.seq_len > positions:
+        raise PlanInputError(f"--seq-len {args.seq_len} is more than the {positions} positions of --hf-config "
+                             f"{args.hf_config} ({config.model_type} learns one embedding per position: {name} in "
+                             f"its config); plan --seq-len {positions} or less")
 
 
 def four_bit_dtype(args: argparse.Namespace) -> torch.dtype:

@@ -202,11 +202,13 @@ def measure(engine: Engine, optimizers: Iterable[torch.optim.Optimizer], tiers: 
 
 
 def _update_window(storages: list[Any]) -> int:
-    """The most RAM three consecutive slices' mapped masters and gradient files take while their
-    updates read and write them (Note: [Masters on disk]; 0 with the masters in RAM)."""
-    masters = [s.masters_file.nbytes if s.masters_file is not None else 0 for s in storages]
-    gradients = [s.gradient_home.file.nbytes if s.gradient_home is not None else 0 for s in storages]
-    return most_at_once(masters) + most_at_once(gradients)
+    """The most RAM three consecutive updated slices' mapped masters and gradient files take while
+    their updates read and write them (Note: [Masters on disk]; 0 with the masters in RAM)."""
+    # Only a slice with trainable parameters (a gradients' file) is read in, and the window counts
+    # reads: a slice without parameters, or frozen, between two others does not narrow it.
+    updated = [s for s in storages if s.masters_file is not None and s.gradient_home is not None]
+    return (most_at_once([s.masters_file.nbytes for s in updated])
+            + most_at_once([s.gradient_home.file.nbytes for s in updated]))
 
 
 def _grad_storages(params: Iterable[torch.Tensor]) -> dict[int, int]:

@@ -13,6 +13,7 @@ time's estimate (``timing.py``) counts too.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -45,6 +46,13 @@ class _Tensor:
     #: A tensor of a 4-bit weight's quantisation state, laid out after the parameters and before the
     #: buffers, in its own dtype (Note: [Quantized weights] in ``offload/streams/quantized.py``).
     companion: bool = False
+    #: What makes two of these one tensor (a weight tied across layers is registered in each);
+    #: ``None``: this one alone (a count).
+    key: object = None
+    #: A parameter an earlier slice holds (a weight tied across slices): this slice's slot has a
+    #: place for it, and nothing else does (Note: [Tied parameters across slices] in
+    #: ``offload/streams/host_storage.py``).
+    borrowed: bool = False
 
 
 def estimate_memory(layers: nn.Module | Sequence[int], *, num_slices: int = 8,
@@ -98,15 +106,19 @@ def estimate_memory(layers: nn.Module | Sequence[int], *, num_slices: int = 8,
         pinned part of it, ``device_total`` and ``disk`` the rest.
 
     Raises:
-        TypeError: ``layers`` is none of the three, or ``resident_slices`` is not an int.
-        ValueError: an unknown optimizer or place, no parameters, a negative count, or
-            ``resident_slices`` below 0 or above the number of slices.
+        TypeError: ``layers`` is none of the three, or ``num_slices``, ``num_microbatches``,
+            ``activation_bytes`` or ``resident_slices`` is not an int.
+        ValueError: what :class:`~offload.OffloadModel` refuses (``num_slices`` or
+            ``num_microbatches`` below 1, a ``compute_dtype`` other than bfloat16 or float16,
+            ``resident_slices`` below 0 or above the number of slices), an unknown optimizer or
+            place, no parameters, a negative count or ``activation_bytes``.
 
     Example::
 
         >>> plan = offload.estimate_memory([7_000_000] * 32, num_slices=8, compute_dtype=torch.bfloat16)
         >>> plan.host_total / 2**30, plan.per_parameter()["host_masters"]
     """
+    _check_settings(num_slices, num_microbatches, activation_bytes, compute_dtype)
     _check_places(optimizer, optimizer_state, masters, compute_dtype, shadows)
     layout = slice_layout(layers, num_slices=num_slices, param_dtype=param_dtype, compute_dtype=compute_dtype,
                           optimizer=optimizer)
@@ -167,7 +179,7 @@ def _footprint(layout: SliceLayout, placed: tuple[int, int, int, int, bool], act
     all_grads = layout.gradient_bytes
     grads = all_grads[resident:] or [0]
     window = min(2, sum(1 for g in grads if g)) * (size_class(max(grads)) if pinned else max(grads))
-    streamed = layout.device_bytes[resident:] or [0]
+    streamed = layout.load_bytes[resident:] or [0]
     # Note: [Shadows on disk]: a staging window in place of a shadow per streamed slice.
     staged = STAGING_BUFFERS * max(streamed) if resident < layout.num_slices else 0
     shadow_bytes = (staged if shadows == "disk" else sum(streamed)) if compute_dtype else 0
@@ -225,6 +237,8 @@ class SliceLayout:
         largest_gradient_bytes: its largest trainable parameter's gradient, in its own dtype: one
             thread reads it for its norm when the gradients are clipped (Note: [Norms on several
             threads] in ``offload/clipping.py``).
+        load_bytes: what a load copies from its own host copy or shadow (``device_bytes`` less the
+            parameters it borrows from an earlier slice, a weight tied across slices): its shadow.
     """
 
     ranges: list[range]
@@ -240,6 +254,7 @@ class SliceLayout:
     computed_gradient_bytes: list[int] = field(default_factory=list)
     state_file_bytes: list[int] = field(default_factory=list)
     largest_gradient_bytes: list[int] = field(default_factory=list)
+    load_bytes: list[int] = field(default_factory=list)
 
     @property
     def num_slices(self) -> int:
@@ -264,30 +279,67 @@ def slice_layout(layers: nn.Module | Sequence[int] | int, *, num_slices: int = 8
     # As OffloadModel slices: by the bytes of the parameters and buffers a layer registers.
     sizes = [sum(t.numel * t.dtype.itemsize for t in layer if not t.companion) for layer in per_layer]
     ranges = partition(sizes, num_slices)
-    slices = [[t for k in r for t in per_layer[k]] for r in ranges]
+    slices = _held_once([[t for k in r for t in per_layer[k]] for r in ranges])
 
     def device_dtype(t: _Tensor) -> torch.dtype:
         floating = t.is_parameter and t.dtype.is_floating_point
         return compute_dtype if compute_dtype is not None and floating else t.dtype
 
-    trained = [[t for t in s if t.is_parameter and t.trainable] for s in slices]
+    own = [[t for t in s if not t.borrowed] for s in slices]
+    trained = [[t for t in s if t.is_parameter and t.trainable] for s in own]
     return SliceLayout(
         ranges=ranges,
-        host_bytes=[_laid_out(s, lambda t: t.dtype) for s in slices],
-        # The shadow holds what a load copies: the slice in its device layout, buffers included.
+        host_bytes=[_laid_out(s, lambda t: t.dtype) for s in own],
+        # A slot holds the slice in its device layout, buffers included, then what it borrows.
         device_bytes=[_laid_out(s, device_dtype) for s in slices],
         gradient_bytes=[sum(_align(t.numel * t.dtype.itemsize, ALIGNMENT) for t in s) for s in trained],
         state_bytes=[sum(STATE_ELEMENTS[optimizer] * t.numel * t.dtype.itemsize for t in s) for s in trained],
-        tensor_bytes=[sum(t.numel * t.dtype.itemsize for t in s) for s in slices],
+        tensor_bytes=[sum(t.numel * t.dtype.itemsize for t in s) for s in own],
         trainable_bytes=[sum(t.numel * t.dtype.itemsize for t in s) for s in trained],
         trainable_counts=[sum(t.numel for t in s) for s in trained],
-        parameters=sum(t.numel for s in slices for t in s if t.is_parameter),
+        parameters=sum(t.numel for s in own for t in s if t.is_parameter),
         trainable=sum(t.numel for s in trained for t in s),
         computed_gradient_bytes=[sum(t.numel * device_dtype(t).itemsize for t in s) for s in trained],
         state_file_bytes=[file_nbytes([t.numel * t.dtype.itemsize for t in s for _ in range(STATE_ELEMENTS[optimizer])])
                           for s in trained],
         largest_gradient_bytes=[max((t.numel * t.dtype.itemsize for t in s), default=0) for s in trained],
+        # The shadow holds what a load copies from the slice's own host copy: not what it borrows.
+        load_bytes=[_laid_out(s, device_dtype) for s in own],
     )
+
+
+def _held_once(slices: list[list[_Tensor]]) -> list[list[_Tensor]]:
+    """Each slice's tensors, each once, those an earlier slice holds marked borrowed: as
+    OffloadModel holds a weight tied across slices, once, in the first slice that registers it
+    (Note: [Tied parameters across slices] in ``offload/streams/host_storage.py``)."""
+    held: set[object] = set()
+    result = []
+    for tensors in slices:
+        mine: dict[object, _Tensor] = {}
+        for t in tensors:
+            key = id(t) if t.key is None else t.key
+            mine.setdefault(key, dataclasses.replace(t, borrowed=True) if key in held else t)
+        held.update(mine)
+        result.append(list(mine.values()))
+    return result
+
+
+def _check_settings(num_slices: object, num_microbatches: object, activation_bytes: object,
+                    compute_dtype: torch.dtype | None) -> None:
+    """Refuse what OffloadModel refuses, with its words: a prediction for a model that cannot be
+    built would mislead."""
+    _at_least("num_slices", num_slices, 1)
+    _at_least("num_microbatches", num_microbatches, 1)
+    _at_least("activation_bytes", activation_bytes, 0)
+    if compute_dtype not in (None, torch.bfloat16, torch.float16):
+        raise ValueError(f"compute_dtype must be None, torch.bfloat16 or torch.float16, got {compute_dtype!r}")
+
+
+def _at_least(name: str, value: object, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < least:
+        raise ValueError(f"{name} must be at least {least}, got {value}")
 
 
 def _check_places(optimizer: str | None, optimizer_state: str, masters: str, compute_dtype: torch.dtype | None,
@@ -316,9 +368,12 @@ def _placed(layout: SliceLayout, optimizer_state: str, masters: str, resident: i
     disk = disk_window = 0
     window_slices = min(3, layout.num_slices - resident)
     if optimizer_state == "disk":
-        # The tier's window: three consecutive slices' state being read, updated and written, one
-        # arena with a place per slice (Note: [The window's arena]).
-        disk, disk_window, state = state, place(layout.state_file_bytes[resident:])[1], 0
+        # The tier's files: one per slice with state, each tensor at 64 bytes, in whole pages. Its
+        # window: three consecutive slices' state being read, updated and written, one arena with a
+        # place per slice (Note: [The window's arena]); it serves only slices with state, so one
+        # without parameters, or frozen, does not count among the three.
+        files = layout.state_file_bytes[resident:]
+        disk, disk_window, state = sum(files), place([f for f in files if f])[1], 0
     if masters == "disk":
         # One file per slice, in whole pages (offload/streams/mapped.py); three consecutive slices' masters
         # are in RAM while the optimizer steps (Note: [Masters on disk]). Their gradients go to
@@ -327,8 +382,11 @@ def _placed(layout: SliceLayout, optimizer_state: str, masters: str, resident: i
         gradient_files = [_align(g, 4096) if g else 0 for g in layout.gradient_bytes[resident:] or [0]]
         disk += sum(files) + sum(gradient_files)
         # Each read waits for the write of the slice ``window_slices`` reads before it, in slice
-        # order either way: the window holds the most that many consecutive slices' files take.
-        disk_window += most_at_once(files, window_slices) + most_at_once(gradient_files, window_slices)
+        # order either way; only updated slices (with gradients) are read: the window holds the
+        # most that many consecutive updated slices' files take.
+        read = [(f, g) for f, g in zip(files, gradient_files) if g]
+        disk_window += (most_at_once([f for f, _ in read], window_slices)
+                        + most_at_once([g for _, g in read], window_slices))
         masters_bytes = 0
     return masters_bytes, state, disk, disk_window, masters == "disk"
 
@@ -368,9 +426,10 @@ def _layers(layers: nn.Module | Sequence[int], param_dtype: torch.dtype) -> list
                     if id(t) not in seen:
                         seen.add(id(t))
                         tensors.append(_Tensor(t.numel(), t.dtype, is_parameter,
-                                               trainable=is_parameter and t.requires_grad))
-                        tensors += [_Tensor(c.numel(), c.dtype, False, trainable=False, companion=True)
-                                    for _, c in state_tensors(t, f"a parameter of {type(layer).__name__}",
+                                               trainable=is_parameter and t.requires_grad, key=id(t)))
+                        tensors += [_Tensor(c.numel(), c.dtype, False, trainable=False, companion=True,
+                                            key=(id(t), name))
+                                    for name, c in state_tensors(t, f"a parameter of {type(layer).__name__}",
                                                                       owners.get(id(t)))]
             result.append(tensors)
         return result
@@ -385,12 +444,13 @@ def _layers(layers: nn.Module | Sequence[int], param_dtype: torch.dtype) -> list
 
 def _laid_out(tensors: Sequence[_Tensor], dtype_of) -> int:  # type: ignore[no-untyped-def]
     # As SliceStorage lays a slice out: its parameters, the quantisation states of its 4-bit weights,
-    # then its buffers from a region boundary.
+    # then its buffers from a region boundary; in a slot, what it borrows after all of them.
     end = 0
-    params = [t for t in tensors if t.is_parameter]
-    companions = [t for t in tensors if t.companion]
-    buffers = [t for t in tensors if not t.is_parameter and not t.companion]
-    for t in params + companions + buffers:
+    params = [t for t in tensors if t.is_parameter and not t.borrowed]
+    companions = [t for t in tensors if t.companion and not t.borrowed]
+    buffers = [t for t in tensors if not t.is_parameter and not t.companion and not t.borrowed]
+    borrowed = [t for t in tensors if t.borrowed]
+    for t in params + companions + buffers + borrowed:
         if buffers and t is buffers[0]:
             end = _align(end, BUFFER_REGION_ALIGNMENT)
         dtype = dtype_of(t)

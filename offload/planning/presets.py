@@ -128,8 +128,8 @@ def preset_from_factory(spec: str, input_shape: Sequence[int], vocab: int | None
         vocab: make token ids below this instead of floats.
 
     Raises:
-        ValueError: a malformed spec, a module that cannot be imported, a missing or
-            non-callable factory, or a bad shape.
+        ValueError: a malformed spec, a module that cannot be imported (or is not valid Python), a
+            missing or non-callable factory, a bad shape, or a model without parameters.
         TypeError: the factory returned something other than an ``nn.Sequential``.
     """
     module_name, _, attribute = spec.partition(":")
@@ -137,7 +137,7 @@ def preset_from_factory(spec: str, input_shape: Sequence[int], vocab: int | None
         raise ValueError(f"--model must look like package.module:factory, got {spec!r}")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as error:
+    except (ImportError, SyntaxError) as error:  # a module that is not there, or not Python
         raise ValueError(f"cannot import {module_name!r} for --model {spec}: {error}") from None
     factory = getattr(module, attribute, None)
     if not callable(factory):
@@ -153,6 +153,9 @@ def preset_from_factory(spec: str, input_shape: Sequence[int], vocab: int | None
         model = factory()
     if not isinstance(model, nn.Sequential):
         raise TypeError(f"{spec} returned a {type(model).__name__}; it must return an nn.Sequential")
+    if not any(True for _ in model.parameters()):
+        raise ValueError(f"{spec} returned an nn.Sequential without parameters: there is nothing to offload or "
+                         "train; return the layers with their weights")
 
     def make_batch(rows: int, device: torch.device | str) -> Batch:
         generator = _generator(seed)

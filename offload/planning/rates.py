@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -115,12 +116,53 @@ class MachineRates:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> MachineRates:
+        if not isinstance(data, dict):
+            raise ValueError(f"rates file must hold a JSON object of rates, got {type(data).__name__}; run `python -m "
+                             f"offload calibrate` again")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"rates file has unknown fields {unknown}; it was written by another version: "
                              f"run `python -m offload calibrate` again")
+        _check_values(data)
         return cls(**data)
+
+
+#: The rates a file must give, each a number above 0: a step's time divides by them.
+_REQUIRED_RATES = ("host_copy", "host_update")
+#: The link's rates: a file must give them, each a number above 0, or 0 where there is no link (a
+#: CPU "device", whose loads are copies in RAM: ``offload plan`` refuses them for a GPU).
+_LINK_RATES = ("host_to_device", "device_to_host")
+#: The rates a file may leave out or give as ``null`` (not measured); given, each is above 0.
+_OPTIONAL_RATES = ("disk_read", "disk_write", "device_memory", "device_memory_bandwidth", "host_memory_bandwidth",
+                   "host_norm")
+
+
+def _check_values(data: dict[str, Any]) -> None:
+    """Refuse a rate that is missing, not a number, 0 (where there must be one), negative or not
+    finite: the step's time divides by each, and a wrong one plans nonsense (negative seconds) or
+    fails (a division by 0)."""
+    missing = sorted(n for n in ("name", "device_flops", *_REQUIRED_RATES, *_LINK_RATES) if n not in data)
+    if missing:
+        raise ValueError(f"rates file lacks {missing}; run `python -m offload calibrate` again")
+    flops = data["device_flops"]
+    if not isinstance(flops, dict):
+        raise ValueError(f"rates file: device_flops must map dtype names to operations per second, got {flops!r}")
+    # (name, value, whether 0 is a value it may take)
+    named = [*((n, data[n], False) for n in _REQUIRED_RATES),
+             *((n, data[n], True) for n in _LINK_RATES),
+             *((n, data[n], False) for n in _OPTIONAL_RATES if data.get(n) is not None),
+             *((f"device_flops[{k!r}]", v, False) for k, v in flops.items()),
+             ("slice_overhead_s", data.get("slice_overhead_s", 0.0), True)]
+    for name, value, zero in named:
+        if not _number(value) or value < 0 or (value == 0 and not zero):
+            least = "of at least 0" if zero else "above 0"
+            raise ValueError(f"rates file: {name} must be a number {least}, got {json.dumps(value)}; run `python -m "
+                             f"offload calibrate` again, or correct it")
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def default_rates_path() -> Path:
