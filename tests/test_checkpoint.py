@@ -475,6 +475,15 @@ def test_what_a_checkpoint_holds(tmp_path):
     info = json.loads((tmp_path / "c" / "offload.json").read_text())
     assert info["partition"] == [list(s) for s in model.partition] and info["optimizer"] == "AdamW"
     assert info["tensors"]["1.weight"] == {"shape": [8, 8], "dtype": "float32"}  # the masters, not the shadow
+    # Format 2 (wrapped optimizer state: Note: [Wrapped state]); format 1 still loads, and a format
+    # this version does not know is refused before anything is loaded, saying so.
+    assert info["format"] == 2
+    for known in (1, 2):
+        (tmp_path / "c" / "offload.json").write_text(json.dumps({**info, "format": known}))
+        load_checkpoint(tmp_path / "c", model, optimizer)
+    (tmp_path / "c" / "offload.json").write_text(json.dumps({**info, "format": 3}))
+    with pytest.raises(CheckpointError, match="has format 3; this version reads 1 and 2 .a newer offload wrote it"):
+        load_checkpoint(tmp_path / "c", model, optimizer)
     shutil.rmtree(tmp_path / "c")
 
 

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from .checkpoint_files import CheckpointError, free_bytes, pickled_size
 from .commit import INFO_FILE, LATEST_FILE, partial_directory
-from .contents import FORMAT, STRAY_PARAMETER, _describe, _optimizer_class, _partition, _steps_only
+from .contents import READABLE_FORMATS, STRAY_PARAMETER, _describe, _optimizer_class, _partition, _steps_only
 from .ranks import _gathered_list
 from ..tiers.disk_tier import size_text
 from ..optimizer import OffloadOptimizer
@@ -137,8 +137,9 @@ def _read(path: Path) -> tuple[dict[str, Any], Metadata]:
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"checkpoint {path} is damaged: its .metadata holds a {type(metadata).__name__}, not "
                               "DCP's metadata. Nothing was loaded: load an earlier checkpoint.")
-    if info.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint {path} has format {info.get('format')!r}; this version reads {FORMAT}")
+    if info.get("format") not in READABLE_FORMATS:
+        raise CheckpointError(f"checkpoint {path} has format {info.get('format')!r}; this version reads "
+                              f"{' and '.join(map(str, READABLE_FORMATS))} (a newer offload wrote it: upgrade)")
     needed: dict[str, int] = {}
     for storage in (metadata.storage_data or {}).values():
         needed[storage.relative_path] = max(needed.get(storage.relative_path, 0), storage.offset + storage.length)

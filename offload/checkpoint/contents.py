@@ -58,7 +58,11 @@ from ..model import OffloadModel, engine_of
 from ..optimizer import OffloadOptimizer, state_layout_by_slice
 from ..streams.flat_views import dense_stride
 
-FORMAT = 1
+#: The format a save writes. 2: optimizer state kept as a tensor subclass is saved as what it holds
+#: (Note: [Wrapped state]), which a reader of format 1 would hand the optimizer as a description:
+#: it refuses format 2 instead. A load reads both.
+FORMAT = 2
+READABLE_FORMATS = (1, 2)
 STRAY_PARAMETER = ("the optimizer steps a parameter that is not in the model; a checkpoint names optimizer state "
                    "after the model's parameters: save such parameters in extra and give them their own optimizer")
 
