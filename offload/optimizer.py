@@ -275,6 +275,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """``optimizer_class``'s ``load_state_dict()``, after the pending updates (a disk tier's: slice by slice)."""
         self.synchronize()
         _load_as_class(self, state_dict)
+        if self._in_backward is not None:
+            self._in_backward.state_loaded()
         self._disk.forget()
         self._plan_key = None  # a sharded optimizer keeps only its own parameters' state
         if self._sharding is not None or self._tier is not None:
@@ -357,6 +359,8 @@ def load_beside_tier(optimizer: OffloadOptimizer, state_dict: dict[str, Any], lo
     # Not synchronize(): a write that failed while loading is raised as a load's, by adopt().
     engine_of(optimizer.model).updates.wait_all()
     _load_as_class(optimizer, state_dict)
+    if optimizer._in_backward is not None:
+        optimizer._in_backward.state_loaded()
     optimizer._disk.forget(keep=loaded)
     optimizer._disk.adopt()
 

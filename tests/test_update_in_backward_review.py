@@ -192,6 +192,41 @@ def test_a_backward_that_failed_after_starting_updates_makes_step_raise(then):
         FlakyLayer.failing = False
 
 
+def test_reloading_the_last_checkpoint_after_a_failed_backward_trains_on_as_if_it_had_not_run(tmp_path):
+    """The failed backward's note advises reloading the last checkpoint: that load replaces what
+    its updates wrote, and the steps after it are the run's that never failed, bit for bit."""
+    from offload import load_checkpoint, save_checkpoint
+
+    layers = list(network())
+    runs = []
+    for fails in (False, True):
+        model = OffloadModel(torch.nn.Sequential(*copy.deepcopy(layers[:5]), FlakyLayer(),
+                                                 *copy.deepcopy(layers[5:])), device="cpu", num_slices=NUM_SLICES)
+        optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, update_in_backward=True)
+        for step in range(2):
+            model(batch(step)).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        if fails:
+            save_checkpoint(tmp_path / "step-2", model, optimizer)
+            FlakyLayer.failing = True
+            try:
+                with pytest.raises(ValueError, match="a failing backward"):
+                    model(batch(100)).pow(2).mean().backward()
+            finally:
+                FlakyLayer.failing = False
+            optimizer.zero_grad()
+            load_checkpoint(tmp_path / "step-2", model, optimizer)
+        for step in range(2, 4):
+            model(batch(step)).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        optimizer.synchronize()
+        runs.append([p.detach().clone() for p in model.parameters()])
+    for mine, theirs in zip(*runs):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("when", ["before-the-checked-step", "after-it"])
 def test_load_state_dict_between_backward_and_step_is_refused(when):
     """``load_state_dict()`` between the backward that started the updates and ``step()`` replaces

@@ -37,7 +37,8 @@ Note: [Update in backward]
     - ``step()`` after more backwards than declared: ``step()`` raises (after fewer, none started
       anything, and ``step()`` steps as without the option). A backward that raised is not counted
       unless it had started updates; if it had, the next ``step()`` raises, naming the slices
-      updated (another backward since or not).
+      updated (another backward since or not), unless the optimizer's state is loaded before the
+      next forward (the reload of the last checkpoint that its error advises).
 
     Only the model's parameters and the groups holding them are compared: ``step()`` steps the
     others with what they hold then, as without the option.
@@ -175,6 +176,14 @@ class BackwardUpdates(Subscriber):
             self._failed = True
         self._end_task()
         self._mismatched = []
+
+    def state_loaded(self) -> None:
+        """The optimizer's state was loaded: after a backward that raised once updates had started,
+        and before any forward since, that is the reload its error advised, which replaces what
+        those updates wrote (the model's parameters are loaded beside it): forget them."""
+        if self._task_open and self.started:
+            self._end_task()
+            self.started, self.backwards, self._reads = set(), 0, None
 
     def backward_started(self, token: Any, accumulates: bool) -> None:
         # One backward is one run of autograd's engine, whatever number of calls of the model it
