@@ -277,6 +277,10 @@ def test_a_model_saved_quantized_is_a_parser_error(tmp_path, capsys):
         f"offload-finetune: error: --model {model} holds a checkpoint saved quantized (bitsandbytes: its config.json "
         "has a quantization_config), which offload-finetune cannot train from: give --model the unquantized "
         "checkpoint it was made from, with --load-in-4bit to quantise its linear layers as they load")
+    # --untie-embeddings loads the model with from_pretrained, which reads it: not refused here.
+    args = parse_args(["--out", str(tmp_path / "out"), "--device", "cpu", "--model", str(model), "--lora-r", "4",
+                       "--untie-embeddings"])
+    assert args.model == model
 
 
 def test_a_gpt2_model_under_load_in_4bit_is_refused_in_one_line(tmp_path, capsys):

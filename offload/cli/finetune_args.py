@@ -288,7 +288,9 @@ def check_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error(f"--model {args.model}: not a directory (a save_pretrained output is expected)")
     if args.model is not None and not _weight_files(args.model):
         parser.error(_without_weights(args.model))
-    if args.model is not None and (method := _saved_quantization(args.model)) is not None:
+    # --untie-embeddings loads with from_pretrained, which reads such a checkpoint; the others
+    # load slice by slice (load_causal_lm), which cannot.
+    if args.model is not None and not args.untie_embeddings and (method := _saved_quantization(args.model)):
         parser.error(f"--model {args.model} holds a checkpoint saved quantized ({method}: its config.json has a "
                      "quantization_config), which offload-finetune cannot train from: give --model the unquantized "
                      "checkpoint it was made from, with --load-in-4bit to quantise its linear layers as they load")
