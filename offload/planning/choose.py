@@ -207,7 +207,8 @@ def _candidate(layout: SliceLayout, profile: ModelProfile | None,
         # (offload/planning/timing.py): none resident where that is predicted no slower.
         streamed = estimate_step_time(layout, profile, replace(config, resident_slices=0), rates, device=device,
                                       optimizer=optimizer, param_dtype=param_dtype)
-        if streamed.step <= time.step:
+        # (Within rounding: the two sums add the same times in another order, a last bit apart.)
+        if streamed.step <= time.step * (1 + 1e-9):
             config, time = replace(config, resident_slices=0), streamed
     memory = by_resident[config.resident_slices]
     return Candidate(config=config, memory=memory, time=time, host_need=_host_need(memory, device),
