@@ -35,12 +35,12 @@ Note: [Slice-by-slice save]
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.planner import WriteItem
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 
 #: Reads one slice's state: slice index -> {parameter: {state key: tensor}}.
 SliceReader = Callable[[int], dict[torch.Tensor, dict[str, torch.Tensor]]]
@@ -65,6 +65,16 @@ class SliceReadingSavePlanner(DefaultSavePlanner):
         self._masters = masters or {}
         self._release_masters = release_masters
         self._masters_index: int | None = None  # the slice whose masters DCP reads now
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        for item in plan.items:
+            properties = item.tensor_data.properties if item.tensor_data is not None else None
+            if item.index.fqn in self._on_disk and getattr(properties, "strides", None) is not None:
+                # A stand-in is a scalar expanded (strides 0), and PyTorch 2.15 and later record
+                # strides: record those of the dense tensor written in its place.
+                properties.strides = dense_strides(item.tensor_data.size)
+        return plan
 
     def resolve_data(self, write_item: WriteItem) -> Any:
         fqn = write_item.index.fqn
@@ -95,3 +105,12 @@ class SliceReadingSavePlanner(DefaultSavePlanner):
                 tensor.untyped_storage().resize_(0)
         self._held = {}
         self._index = None
+
+
+def dense_strides(size: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a dense, row-major tensor of ``size``."""
+    strides, step = [], 1
+    for extent in reversed(size):
+        strides.append(step)
+        step *= max(extent, 1)
+    return tuple(reversed(strides))
