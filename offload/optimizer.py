@@ -275,8 +275,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """``optimizer_class``'s ``load_state_dict()``, after the pending updates (a disk tier's: slice by slice)."""
         self.synchronize()
         _load_as_class(self, state_dict)
-        if self._in_backward is not None:
-            self._in_backward.state_loaded()
         self._disk.forget()
         self._plan_key = None  # a sharded optimizer keeps only its own parameters' state
         if self._sharding is not None or self._tier is not None:
@@ -359,8 +357,6 @@ def load_beside_tier(optimizer: OffloadOptimizer, state_dict: dict[str, Any], lo
     # Not synchronize(): a write that failed while loading is raised as a load's, by adopt().
     engine_of(optimizer.model).updates.wait_all()
     _load_as_class(optimizer, state_dict)
-    if optimizer._in_backward is not None:
-        optimizer._in_backward.state_loaded()
     optimizer._disk.forget(keep=loaded)
     optimizer._disk.adopt()
 
@@ -375,10 +371,20 @@ def _load_as_class(optimizer: OffloadOptimizer, state_dict: dict[str, Any]) -> N
     unwrap the quantization state their ``state_dict()`` nests under a key of its own. An
     instance of the class over the same parameters loads the state, so these rules hold here;
     the optimizer's load hooks run around it as ``torch.optim``'s would run them.
+
+    The state loaded replaces what the updates of a backward that raised wrote
+    (:meth:`~offload.optimizing.in_backward.BackwardUpdates.state_loaded`).
     """
     if casts_as_torch_optim(optimizer.optimizer_class):
         torch.optim.Optimizer.load_state_dict(optimizer, state_dict)
-        return
+    else:
+        _load_through_class(optimizer, state_dict)
+    if optimizer._in_backward is not None:
+        optimizer._in_backward.state_loaded()
+
+
+def _load_through_class(optimizer: OffloadOptimizer, state_dict: dict[str, Any]) -> None:
+    """``optimizer_class``'s own ``load_state_dict()``, on an instance over the same parameters."""
     for pre_hook in optimizer._optimizer_load_state_dict_pre_hooks.values():
         state_dict = pre_hook(optimizer, state_dict) or state_dict
     loader = optimizer.optimizer_class([dict(group) for group in optimizer.param_groups], **optimizer.optimizer_kwargs)

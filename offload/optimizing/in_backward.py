@@ -239,8 +239,8 @@ class BackwardUpdates(Subscriber):
         step = self._step_of.get(index)
         if step is None or step.whole is None:
             return
-        why = (self._why_deferred(step.whole.params, tied, final) if not (step.storage and step.storage.resident)
-               else "the slice is resident: step() updates it on the device")
+        why = (_why_deferred(step.whole.params, tied, final, self._name)
+               if not (step.storage and step.storage.resident) else "the slice is resident: step() updates it on the device")
         if why is None and self.max_backlog is not None and (self._behind or self._updates.backlog() > self.max_backlog):
             self._behind = True
             why = "the update worker is behind: this slice's update starts at step(), in the order the next forward loads"
@@ -342,22 +342,22 @@ class BackwardUpdates(Subscriber):
         return (f"The update of slices {sorted(started)} already ran with the gradients backward produced: reload "
                 f"the last checkpoint before training on.")
 
-    def _why_deferred(self, params: list[torch.Tensor], tied: set[int],
-                      final: dict[int, torch.Tensor | None]) -> str | None:
-        """Why a slice's update cannot start in backward, or ``None`` if it can."""
-        for p in params:
-            if id(p) in tied:
-                return f"{self._name(p)} is tied to another slice"
-            if _hooked(p):
-                return f"{self._name(p)} has a gradient hook"
-            grad = final.get(id(p))
-            if grad is not None and grad is not p.grad and p.grad is not None:
-                return (f"backward cannot add {self._name(p)}'s gradient into its .grad ({p.grad.dtype}, "
-                        f"{p.grad.layout})")
-        return None
-
     def _name(self, p: torch.Tensor) -> str:
         return self._names.get(id(p), f"a parameter of shape {tuple(p.shape)}")
+
+
+def _why_deferred(params: list[torch.Tensor], tied: set[int], final: dict[int, torch.Tensor | None],
+                  name: Callable[[torch.Tensor], str]) -> str | None:
+    """Why a slice's update cannot start in backward, or ``None`` if it can."""
+    for p in params:
+        if id(p) in tied:
+            return f"{name(p)} is tied to another slice"
+        if _hooked(p):
+            return f"{name(p)} has a gradient hook"
+        grad = final.get(id(p))
+        if grad is not None and grad is not p.grad and p.grad is not None:
+            return f"backward cannot add {name(p)}'s gradient into its .grad ({p.grad.dtype}, {p.grad.layout})"
+    return None
 
 
 def _unsubscriber(engine: Engine, subscriber: BackwardUpdates) -> Callable[[Any], None]:
