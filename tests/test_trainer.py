@@ -352,6 +352,71 @@ def test_save_pretrained_leaves_no_older_weights_and_writes_experts_as_hugging_f
     torch.testing.assert_close(offloaded, plain, **EXACT)
 
 
+def mixture_of_experts(kind: str, seed: int = 0) -> torch.nn.Module:
+    """A tiny Mixtral (stored as ``block_sparse_moe.experts.3.w1``, renamed and stacked on loading) or
+    Qwen3-MoE (stored as ``mlp.experts.3.gate_proj``, stacked on loading)."""
+    torch.manual_seed(seed)
+    shared = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                  num_experts_per_tok=2, pad_token_id=0)
+    config = (transformers.MixtralConfig(intermediate_size=64, num_local_experts=4, **shared) if kind == "mixtral" else
+              transformers.Qwen3MoeConfig(moe_intermediate_size=16, num_experts=4, head_dim=8, **shared))
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_a_mixture_of_experts_resumes_exactly_from_its_experts_stored_one_by_one(kind, tmp_path):
+    # The checkpoint stores each expert apart (save_pretrained's layout); the Trainer loads it with
+    # load_state_dict, which stacks them back into the fused tensors.
+    args = arguments(tmp_path, eval_strategy="no", save_strategy="steps", save_steps=2)
+    runs = []
+    for seed, checkpoint in ((0, None), (1, str(tmp_path / "checkpoint-2"))):
+        model = OffloadedCausalLM(mixture_of_experts(kind, seed), device="cpu", num_slices=2)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=TRAIN,
+                                       optimizers=(model.offload_optimizer(args), None))
+        trainer.train(resume_from_checkpoint=checkpoint)
+        runs.append((logged(trainer), model.hf_model))
+    (uninterrupted, expected), (resumed, actual) = runs
+    assert any(".experts.0." in key for key in load_checkpoint(tmp_path / "checkpoint-2"))
+    assert [entry for entry in resumed if entry[1] > 2] == [entry for entry in uninterrupted if entry[1] > 2]
+    assert_same_weights(actual, expected)
+
+
+def load_checkpoint(folder) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {key: t for file in sorted(folder.glob("*.safetensors")) for key, t in load_file(file).items()}
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_load_state_dict_takes_experts_stored_one_by_one_as_from_pretrained_does(kind, tmp_path):
+    saved = OffloadedCausalLM(mixture_of_experts(kind), device="cpu", num_slices=2)
+    saved.save_pretrained(tmp_path)
+    stored = load_checkpoint(tmp_path)
+    from_pretrained = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    model = OffloadedCausalLM(mixture_of_experts(kind, seed=1), device="cpu", num_slices=2)
+    result = model.load_state_dict(stored)
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    assert_same_weights(model.hf_model, from_pretrained)
+    # The model's own (fused) names still load.
+    fused = OffloadedCausalLM(mixture_of_experts(kind, seed=2), device="cpu", num_slices=2)
+    fused.load_state_dict(saved.state_dict())
+    assert_same_weights(fused.hf_model, from_pretrained)
+    # Inside a parent module (a LightningModule's checkpoint), under its prefix.
+    parent = torch.nn.Module()
+    parent.net = OffloadedCausalLM(mixture_of_experts(kind, seed=2), device="cpu", num_slices=2)
+    parent.load_state_dict({f"net.{key}": t for key, t in stored.items()})
+    assert_same_weights(parent.net.hf_model, from_pretrained)
+    # One expert's part missing: its stacked tensor is missing, the other parts stacked with it unexpected.
+    part = "block_sparse_moe.experts.1.w3" if kind == "mixtral" else "mlp.experts.1.up_proj"
+    result = model.load_state_dict({key: t for key, t in stored.items() if f"layers.0.{part}" not in key}, strict=False)
+    assert result.missing_keys == ["model.layers.0.mlp.experts.gate_up_proj"]
+    assert len(result.unexpected_keys) == 7 and all("layers.0." in key for key in result.unexpected_keys)
+    # One of the wrong shape: named as load_state_dict names a tensor of the wrong shape.
+    with pytest.raises(RuntimeError, match=r"size mismatch for net\.model\.layers\.1\."):
+        parent.load_state_dict({f"net.{key}": t for key, t in stored.items()} | {
+            f"net.model.layers.1.{part}.weight": torch.zeros(3, 32)})
+
+
 def test_return_dict_logits_to_keep_and_a_given_state_dict_as_the_model_takes_them(tmp_path):
     from safetensors.torch import load_file
 

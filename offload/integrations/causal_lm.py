@@ -58,7 +58,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from ..model import OffloadModel, engine_of
 from ..optimizer import OffloadOptimizer
 from .peft import peft_base_model
-from .transformers_loading import load_causal_lm
+from .transformers_loading import load_causal_lm, stored_into_stages
 from .transformers_batch import LAST_HIDDEN_STATE
 from .transformers_saving import save_causal_lm
 from .transformers_stages import CausalLMSequential, causal_lm_sequential
@@ -430,6 +430,13 @@ def _hf_names(model: OffloadedCausalLM) -> dict[str, str]:
 #        name (a size mismatch), by their Hugging Face names. It is given neither the prefix nor the
 #        errors: the pre-hook leaves both on the model (``_loading_under``), a stack, since a module
 #        that two parents share is loaded twice, once under each, one after the other.
+#     4. The load pre-hook also takes the stored names and layouts, those ``save_pretrained`` writes
+#        (a mixture of experts' fused experts one by one: ``...experts.3.w1.weight``), and converts
+#        them into the model's tensors as ``from_pretrained`` does (``stored_into_stages`` in
+#        ``transformers_loading.py``): the Trainer's resume loads a checkpoint's weights with
+#        ``load_state_dict``. It converts only keys left over once the model's own names are taken:
+#        a state dict in those loads as before, and stored names that convert into nothing, or into
+#        a tensor given already, stay unexpected.
 #     ``keep_vars`` and ``assign`` reach the stages as for any module; ``strict`` is applied by
 #     ``load_state_dict()`` once the walk is done, to the names the hooks report.
 
@@ -454,7 +461,25 @@ def _load_in_hf_names(model: OffloadedCausalLM, state_dict: dict[str, Any], pref
     for stage_key, hf_name in _hf_names(model).items():
         if prefix + hf_name in state_dict:
             state_dict[stages + stage_key] = state_dict.pop(prefix + hf_name)
+    _load_stored_names(model, state_dict, prefix, error_msgs)
     model._loading_under.append((prefix, error_msgs))
+
+
+def _load_stored_names(model: OffloadedCausalLM, state_dict: dict[str, Any], prefix: str,
+                       error_msgs: list[str]) -> None:
+    """Rule 4 of Note: [Hugging Face names at any depth]."""
+    stages = f"{prefix}offloaded."
+    left = {key.removeprefix(prefix): key for key in state_dict
+            if key.startswith(prefix) and not key.startswith(stages)}
+    if not left:
+        return
+    given = {key.removeprefix(stages) for key in state_dict if key.startswith(stages)}
+    tensors, used, errors = stored_into_stages(model.hf_model, model.stages,
+                                               {name: state_dict[key] for name, key in left.items()}, given, prefix)
+    for name in used:
+        del state_dict[left[name]]
+    state_dict.update({stages + stage_key: tensor for stage_key, tensor in tensors.items()})
+    error_msgs.extend(errors)
 
 
 def _report_in_hf_names(model: OffloadedCausalLM, incompatible_keys: _IncompatibleKeys) -> None:
@@ -492,7 +517,7 @@ def _refuse_trainer_arguments(model: OffloadedCausalLM, args: Any) -> None:
         raise ValueError(
             "load_best_model_at_end cannot load the best adapters into an OffloadedCausalLM: the Trainer reloads "
             "adapters only into a PeftModel it trains directly, and would look for the whole model's weights in the "
-            "checkpoint. Train without it (metric_for_best_model alone still records "
+            "checkpoint. Set load_best_model_at_end=False (metric_for_best_model alone still records "
             "trainer.state.best_model_checkpoint) and load the best adapters afterwards: "
             "peft.PeftModel.from_pretrained(base_model, trainer.state.best_model_checkpoint)")
 

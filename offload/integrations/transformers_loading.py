@@ -14,13 +14,16 @@ the same way, with transformers' own functions:
 - non-persistent buffers (rotary frequencies, Gemma's embedding scale) are computed by the model's
   ``_init_weights``, which ``from_pretrained`` runs on them too, once their host memory exists;
 - the model is returned in eval mode, as ``from_pretrained`` returns it.
+
+:func:`stored_into_stages` converts a state dict in the stored names and layouts (a
+``save_pretrained`` folder's tensors) the same way, for ``OffloadedCausalLM.load_state_dict``.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -126,7 +129,7 @@ def _refuse_saved_quantized(path: str | os.PathLike[str], config: Any) -> None:
     its ``config.json`` names the quantisation, and its tensors are codes and their state, which
     the unquantized model built here has no place for (each would be reported unexpected)."""
     saved = getattr(config, "quantization_config", None)
-    if saved is None:
+    if not saved:  # absent, or an empty one (the parser's _saved_quantization reads it alike)
         return
     method = saved.get("quant_method") if isinstance(saved, dict) else getattr(saved, "quant_method", None)
     method = getattr(method, "value", method) or "a quantisation"
@@ -230,3 +233,79 @@ def _expert_part(converter: WeightConverter, pattern: str, stored_name: str) -> 
         return stacked[expert].narrow(0, part * rows, rows)
 
     return region
+
+
+def stored_into_stages(hf_model: nn.Module, layers: CausalLMSequential, stored: Mapping[str, torch.Tensor],
+                       given: set[str], prefix: str = "") -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
+    """The stages' tensors that ``stored`` (tensors under their stored names, as ``save_pretrained``
+    writes them) make, converted as ``from_pretrained`` converts them: renamed, and experts stored
+    one by one stacked into place (:func:`_placement`, as :func:`load_causal_lm` reads them).
+
+    A stored name that names no tensor of the stages, or one in ``given`` (the stage keys the state
+    dict holds already, in the model's own names), is left out: the caller reports it unexpected.
+    So are the parts of a stacked tensor that do not fill it exactly once (an expert missing), and
+    that tensor is then missing. The parts of one stacked tensor must all be in ``stored``
+    (:func:`~offload.integrations.transformers_saving.save_causal_lm` writes a layer's in one shard).
+
+    Args:
+        prefix: the stored names' prefix in the caller's state dict, for the error messages.
+
+    Returns:
+        ``(tensors, used, errors)``: the tensors by stage key; the stored names they were made
+        from; and, in ``load_state_dict``'s words, the stored tensors whose shape does not fit
+        their place, or that are stored in a form other than experts one by one.
+    """
+    place = _placement(hf_model, layers, hf_model.state_dict())
+    targets = dict(layers.named_parameters(remove_duplicate=False))
+    targets.update(layers.named_buffers(remove_duplicate=False))
+    tensors: dict[str, torch.Tensor] = {}
+    parts: dict[str, list[tuple[str, Placement]]] = {}
+    used: list[str] = []
+    errors: list[str] = []
+    for name in stored:
+        try:
+            placement = place(name)
+        except ValueError as error:  # a conversion other than stacking experts
+            errors.append(str(error))
+            continue
+        if placement is None or placement.key not in targets or placement.key in given or placement.key in tensors:
+            continue
+        if placement.part is None:
+            tensors[placement.key] = stored[name]
+            used.append(name)
+        else:
+            parts.setdefault(placement.key, []).append((name, placement))
+    for key, sources in parts.items():
+        stacked = _stacked(targets[key], sources, stored, errors, prefix)
+        if stacked is not None:
+            tensors[key] = stacked
+            used.extend(name for name, _ in sources)
+    return tensors, used, errors
+
+
+def _stacked(target: torch.Tensor, sources: list[tuple[str, Placement]], stored: Mapping[str, torch.Tensor],
+             errors: list[str], prefix: str) -> torch.Tensor | None:
+    """A tensor shaped as ``target``, in the stored dtype, filled from the parts in ``sources``; ``None``
+    where they do not fill it exactly once, or (told in ``errors``) one does not fit its place."""
+    shape = torch.empty(target.shape, device="meta")
+    offsets: set[int] = set()
+    for name, placement in sources:
+        try:
+            region = placement.region(shape)
+        except (IndexError, RuntimeError):  # an expert too many
+            region = None
+        if region is None or region.shape != stored[name].shape:
+            errors.append(f"size mismatch for {prefix}{name}: copying a param with shape {tuple(stored[name].shape)} from "
+                          f"checkpoint, its part of the model's tensor is "
+                          f"{'outside it' if region is None else tuple(region.shape)}")
+            return None
+        offsets.add(region.storage_offset())
+    covered = sum(placement.region(shape).numel() for _, placement in sources)
+    if len(offsets) != len(sources) or covered != shape.numel():
+        return None  # a part twice, or one missing: the stored parts stay unexpected, the tensor missing
+    first = stored[sources[0][0]]
+    stacked = torch.empty(target.shape, dtype=first.dtype, device=first.device)
+    with torch.no_grad():
+        for name, placement in sources:
+            placement.region(stacked).copy_(stored[name])
+    return stacked
