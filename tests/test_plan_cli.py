@@ -244,6 +244,13 @@ def test_a_shorter_sequence_is_tried_whatever_microbatches_split_the_batch(input
                                                                                       needs.host_memory)
 
 
+def test_left_out_the_sequence_length_is_at_most_a_learned_position_tables(inputs, capsys):
+    # 2048 by default, which GPT-2 (positions learned, 128 here) cannot run: its table's size.
+    for config, tokens in ((json.dumps(GPT2), 128), ("tiny.json", 2048)):  # tiny: rotary, the default
+        main(["plan", "--hf-config", config, "--gpu", "a100", "--json"])
+        assert f"--seq-len {tokens} " in json.loads(capsys.readouterr().out)["chosen"]["finetune"]
+
+
 def test_the_printed_disk_tier_names_the_directory_as_python_and_the_shell_read_it(tmp_path, capsys):
     where = tmp_path / 'a "quoted" dir'
     main(["plan", "--preset", "mlp", "--gpu", "h100-sxm", "--resident-slices", "0", "--host-memory", "0.3",

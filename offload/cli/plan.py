@@ -31,7 +31,7 @@ from ..planning.presets import preset_names
 from ..planning.rates import GPU_DEFAULTS, MachineRates, default_rates_path, load_rates
 from ..planning.timing import SCHEDULES
 from .plan_alternatives import Alternative, alternatives
-from .plan_models import DTYPES, PlanInputError, Workload, _one_line, workload
+from .plan_models import DEFAULT_SEQ_LEN, DTYPES, PlanInputError, Workload, _one_line, workload
 from .quantize import QUANT_TYPES
 
 GIB = 2**30
@@ -60,7 +60,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                        help="as offload-finetune: the head computes the loss this many tokens at a time (0: logits)")
     work = parser.add_argument_group("the step")
     work.add_argument("--batch-size", type=int, default=8, help="rows per step")
-    work.add_argument("--seq-len", type=int, default=2048, help="tokens per row (--hf-config)")
+    work.add_argument("--seq-len", type=int, default=None,
+                      help=f"tokens per row (--hf-config; default {DEFAULT_SEQ_LEN}, or the positions of a model that "
+                           "learns fewer)")
     work.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd-momentum", "sgd"])
     work.add_argument("--max-grad-norm", type=float, metavar="NORM",
                       help="the training clips the gradients' total norm (as offload-finetune's flag): the update "
@@ -144,6 +146,10 @@ def check_model_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
 
 def check_step_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """The step's flags and the choices kept fixed."""
+    # Left out: the default, lowered to a learned position table's size (plan_models._check_positions).
+    args.seq_len_default = args.seq_len is None
+    if args.seq_len is None:
+        args.seq_len = DEFAULT_SEQ_LEN
     for name in ("batch_size", "seq_len", "top"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -273,7 +279,9 @@ class Planner:
         base = (args.quantize, args.bnb_4bit_use_double_quant, args.compute_dtype) if args.quantize else None
         key = (args.batch_size, args.seq_len, args.lora_r, base)
         if key not in self._workloads:
-            self._workloads[key] = workload(args)
+            work = workload(args)
+            # Under its key as it is now too: a default --seq-len lowered to the model's positions.
+            self._workloads[key] = self._workloads[(args.batch_size, args.seq_len, args.lora_r, base)] = work
         return self._workloads[key]
 
     def plan(self, args: argparse.Namespace, limits: Limits) -> Plan:

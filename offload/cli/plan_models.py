@@ -29,6 +29,8 @@ DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: longer sequence indexes past the table (rotary families compute any position, so their
 #: ``max_position_embeddings`` is no limit to the forward).
 LEARNED_POSITIONS = {"gpt2": "n_positions"}
+#: Tokens per row when --seq-len is left out.
+DEFAULT_SEQ_LEN = 2048
 
 
 class PlanInputError(ValueError):
@@ -239,9 +241,11 @@ def hf_workload(args: argparse.Namespace) -> Workload:
 
 def _check_positions(args: argparse.Namespace, config: Any) -> None:
     """Refuse a ``--seq-len`` past a learned position table: the planned model would fail at its
-    first forward (an index past the table)."""
+    first forward (an index past the table). The default is lowered to the table's size."""
     name = LEARNED_POSITIONS.get(config.model_type)
     positions = getattr(config, name, None) if name else None
+    if isinstance(positions, int) and args.seq_len > positions and getattr(args, "seq_len_default", False):
+        args.seq_len = positions
     if isinstance(positions, int) and args.seq_len > positions:
         raise PlanInputError(f"--seq-len {args.seq_len} is more than the {positions} positions of --hf-config "
                              f"{args.hf_config} ({config.model_type} learns one embedding per position: {name} in "
