@@ -580,28 +580,24 @@ def test_a_disk_without_room_for_the_state_is_refused_before_any_step(tmp_path, 
     OffloadOptimizer(model, torch.optim.SGD, lr=1e-2, disk_tier=tmp_path).close()
 
 
-def test_the_room_asked_for_counts_only_the_state_the_tier_will_keep(tmp_path, monkeypatch):
+@pytest.mark.parametrize("kept_elsewhere", ["frozen", "resident"])
+def test_the_room_asked_for_counts_only_the_state_the_tier_will_keep(tmp_path, monkeypatch, kept_elsewhere):
     # A frozen parameter gets no gradient and so no state, and a resident slice's state stays on
     # the device: a LoRA run's tier needs room for the adapters' state, not the base model's.
     layers = network()
-    layers[0].requires_grad_(False)
-    model = OffloadModel(layers, device="cpu", num_slices=3)
-    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    assert trained < sum(p.numel() for p in model.parameters())
-    report_free(monkeypatch, 8 * trained - 1)
-    with pytest.raises(DiskTierError, match=rf"\(AdamW over {trained:,} parameters that train\)"):
+    if kept_elsewhere == "frozen":
+        layers[0].requires_grad_(False)
+        model = OffloadModel(layers, device="cpu", num_slices=3)
+        kept = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    else:
+        model = OffloadModel(layers, device="cpu", num_slices=3, resident_slices=1)
+        named = dict(model.named_children())
+        kept = sum(p.numel() for names in model.partition[1:] for name in names for p in named[name].parameters())
+    assert kept < sum(p.numel() for p in model.parameters())
+    report_free(monkeypatch, 8 * kept - 1)
+    with pytest.raises(DiskTierError, match=rf"\(AdamW over {kept:,} parameters that train\)"):
         OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, disk_tier=tmp_path)
-    report_free(monkeypatch, 8 * trained + 2 * 4096)
-    OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, disk_tier=tmp_path).close()
-
-    model = OffloadModel(network(), device="cpu", num_slices=3, resident_slices=1)
-    layers = dict(model.named_children())
-    streamed = sum(p.numel() for names in model.partition[1:] for name in names for p in layers[name].parameters())
-    assert streamed < sum(p.numel() for p in model.parameters())
-    report_free(monkeypatch, 8 * streamed - 1)
-    with pytest.raises(DiskTierError, match=rf"\(AdamW over {streamed:,} parameters that train\)"):
-        OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, disk_tier=tmp_path)
-    report_free(monkeypatch, 8 * streamed + 2 * 4096)
+    report_free(monkeypatch, 8 * kept + 2 * 4096)
     OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, disk_tier=tmp_path).close()
 
 
