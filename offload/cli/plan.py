@@ -60,9 +60,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                        help="as offload-finetune: the head computes the loss this many tokens at a time (0: logits)")
     work = parser.add_argument_group("the step")
     work.add_argument("--batch-size", type=int, default=8, help="rows per step")
-    work.add_argument("--seq-len", type=int, default=None,
-                      help=f"tokens per row (--hf-config; default {DEFAULT_SEQ_LEN}, or the positions of a model that "
-                           "learns fewer)")
+    work.add_argument("--seq-len", type=int, help=f"tokens per row (--hf-config; default {DEFAULT_SEQ_LEN}, GPT-2's fewer)")
     work.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd-momentum", "sgd"])
     work.add_argument("--max-grad-norm", type=float, metavar="NORM",
                       help="the training clips the gradients' total norm (as offload-finetune's flag): the update "
