@@ -15,6 +15,7 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from . import per_tensor_warning
+from .arguments import int_at_least, resident_count
 from .autograd import Call, OffloadFunction, flatten_input
 from .autograd.accumulation import mark_zeroed
 from .streams.gradient_files import zeroed_in_files
@@ -143,12 +144,12 @@ class OffloadModel(CopiedByLayers):
         shadows: str = "ram",
     ) -> None:
         super().__init__()
-        named_groups = _slice_groups(model, None if num_slices is None else _positive_int("num_slices", num_slices))
+        named_groups = _slice_groups(model, None if num_slices is None else int_at_least("num_slices", num_slices, 1))
         self._resident_slices = _resident_count(resident_slices, len(named_groups), process_group)
         if compute_dtype not in (None, torch.bfloat16, torch.float16):
             raise ValueError(f"compute_dtype must be None, torch.bfloat16 or torch.float16, got {compute_dtype!r}")
         self.compute_dtype = compute_dtype
-        self.num_microbatches = _positive_int("num_microbatches", num_microbatches)
+        self.num_microbatches = int_at_least("num_microbatches", num_microbatches, 1)
         self.checkpoint_activation, self.offload_activations = _activation_settings(
             checkpoint_activation, offload_activations, len(named_groups))
         self.device, self.offload_device = _places(device, offload_device, masters)
@@ -307,14 +308,6 @@ def engine_of(model: OffloadModel) -> Engine:
 # -- argument checking ------------------------------------------------------------------------------
 
 
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be at least 1, got {value}")
-    return value
-
-
 def _data_parallel(model: OffloadModel, process_group: Any) -> DataParallel:
     """The averaging of the model's gradients over ``process_group``, told of each slice's backward
     by the walk's milestones; it takes rank 0's parameters and buffers now."""
@@ -380,10 +373,7 @@ def _settings(model: OffloadModel) -> str:
 
 
 def _resident_count(value: Any, num_slices: int, process_group: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"resident_slices must be an int, got {type(value).__name__}")
-    if not 0 <= value <= num_slices:
-        raise ValueError(f"resident_slices must be between 0 and the number of slices ({num_slices}), got {value}")
+    value = resident_count(value, num_slices)
     if value and process_group is not None:
         raise ValueError(
             "resident_slices with a process_group is not supported: data-parallel training averages gradients on "

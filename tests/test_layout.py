@@ -31,7 +31,7 @@ PACKAGE = ROOT / "offload"
 #: under it). A module may import from its own layer and the layers below. Mirrored, in words, by
 #: the "Layers" list of docs/architecture.md (``test_doc_mirrors_layers`` keeps the two together).
 LAYERS: dict[int, list[str]] = {
-    1: ["offload.streams", "offload.kernels"],
+    1: ["offload.arguments", "offload.streams", "offload.kernels"],
     2: ["offload.streamcheck"],
     3: ["offload.tiers"],
     4: ["offload.walk"],

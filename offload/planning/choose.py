@@ -28,8 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..arguments import resident_count
 from .footprint import MemoryFootprint
-from .planner import SliceLayout, check_resident_slices, footprints_by_resident, slice_layout
+from .planner import SliceLayout, footprints_by_resident, slice_layout
 from .rates import MachineRates
 from .shapes import ModelProfile
 from .timing import SCHEDULES, StepConfig, StepTime, estimate_step_time
@@ -122,7 +123,7 @@ def choose(layers: nn.Module | Sequence[int], profile_for: Callable[[torch.dtype
         raise ValueError("the 'in-backward' schedule cannot clip the gradients: each slice's update starts in "
                          "backward, before their total norm is known. Fix another schedule, or do not clip")
     if "resident_slices" in fixed:
-        check_resident_slices(fixed["resident_slices"], fixed.get("num_slices", fixed["resident_slices"]))
+        resident_count(fixed["resident_slices"], fixed.get("num_slices", fixed["resident_slices"]))
     schedules = [s for s in CHOSEN_SCHEDULES if not (clips_gradients and s == "in-backward")]
     profiles: dict[Any, ModelProfile | None] = {}
     layouts: dict[tuple[int, Any], SliceLayout] = {}

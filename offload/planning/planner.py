@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..arguments import int_at_least, resident_count
 from .footprint import MemoryFootprint
 from .shapes import ModelProfile
 from ..walk.slicing import partition
@@ -133,7 +134,7 @@ def footprint_of(layout: SliceLayout, profile: ModelProfile | None = None, *, co
                  resident_slices: int = 0, shadows: str = "ram") -> MemoryFootprint:
     """:func:`estimate_memory` of a model already cut into slices (``layout``, with the same
     ``compute_dtype`` and optimizer): what the planner calls for each configuration it tries."""
-    resident = check_resident_slices(resident_slices, layout.num_slices)
+    resident = resident_count(resident_slices, layout.num_slices)
     activations = _activations(layout, profile, num_microbatches, activation_bytes)
     return _footprint(layout, _placed(layout, optimizer_state, masters, resident), activations,
                       compute_dtype=compute_dtype, num_microbatches=num_microbatches,
@@ -150,15 +151,6 @@ def footprints_by_resident(layout: SliceLayout, profile: ModelProfile | None = N
     return [_footprint(layout, _placed(layout, optimizer_state, masters, k), activations, compute_dtype=compute_dtype,
                        num_microbatches=num_microbatches, pinned=pinned, resident=k, shadows=shadows)
             for k in range(layout.num_slices + 1)]
-
-
-def check_resident_slices(value: object, num_slices: int) -> int:
-    """``value`` as a count of resident slices of ``num_slices``, refused as OffloadModel refuses it."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"resident_slices must be an int, got {type(value).__name__}")
-    if not 0 <= value <= num_slices:
-        raise ValueError(f"resident_slices must be between 0 and the number of slices ({num_slices}), got {value}")
-    return value
 
 
 def resident_device_bytes(layout: SliceLayout) -> list[int]:
@@ -328,18 +320,11 @@ def _check_settings(num_slices: object, num_microbatches: object, activation_byt
                     compute_dtype: torch.dtype | None) -> None:
     """Refuse what OffloadModel refuses, with its words: a prediction for a model that cannot be
     built would mislead."""
-    _at_least("num_slices", num_slices, 1)
-    _at_least("num_microbatches", num_microbatches, 1)
-    _at_least("activation_bytes", activation_bytes, 0)
+    int_at_least("num_slices", num_slices, 1)
+    int_at_least("num_microbatches", num_microbatches, 1)
+    int_at_least("activation_bytes", activation_bytes, 0)
     if compute_dtype not in (None, torch.bfloat16, torch.float16):
         raise ValueError(f"compute_dtype must be None, torch.bfloat16 or torch.float16, got {compute_dtype!r}")
-
-
-def _at_least(name: str, value: object, least: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < least:
-        raise ValueError(f"{name} must be at least {least}, got {value}")
 
 
 def _check_places(optimizer: str | None, optimizer_state: str, masters: str, compute_dtype: torch.dtype | None,

@@ -56,7 +56,8 @@ import torch
 
 from . import host_bytes
 from .host_bytes import host_bytes_per_step
-from .planner import SliceLayout, check_resident_slices
+from ..arguments import resident_count
+from .planner import SliceLayout
 from .rates import DEVICE_MEMORY_BANDWIDTH_DEFAULT, MachineRates
 from .shapes import ModelProfile
 
@@ -272,7 +273,7 @@ def estimate_step_time(layout: SliceLayout, profile: ModelProfile | None, config
         ValueError: an unknown schedule, neither ``profile`` nor ``device_seconds``, or
             ``resident_slices`` below 0 or above the number of slices.
     """
-    check_resident_slices(config.resident_slices, layout.num_slices)
+    resident_count(config.resident_slices, layout.num_slices)
     if config.schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {config.schedule!r}")
     if config.clips_gradients and config.schedule == "in-backward":
