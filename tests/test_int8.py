@@ -22,7 +22,7 @@ from offload.model import engine_of
 
 from .helpers import DEVICES, assert_same_grads, run_state_lookups
 from .test_mixed_precision import master_grads_of
-from .test_qlora import assert_microbatched_runs_match, assert_placed_runs_match
+from .test_qlora import assert_microbatched_runs_match, assert_placed_runs_match, assert_trains_as_the_unwrapped_model
 from .test_peft import assert_same_step, labels_of, lora, offloaded_step, reference_step, trainable
 from .test_transformers import EXACT, ROOT, batch, build
 
@@ -80,18 +80,7 @@ def test_lora_over_8bit_trains_as_the_unwrapped_model(threshold, ran_before):
         with torch.no_grad():
             peft_model(**batch(), use_cache=False)
         assert all(layer.weight.SCB is None for layer in eight_bit_layers(peft_model))
-    reference = copy.deepcopy(peft_model)
-    model = OffloadModel(causal_lm_sequential(peft_model), device="cpu", num_slices=3)
-    runs = reading_from_the_slots(model, peft_model)
-    optimizers = [torch.optim.AdamW(trainable(m), lr=1e-2, fused=True) for m in (peft_model, reference)]
-    for step in range(3):
-        assert_same_step(peft_model, reference, model, batch(), seed=step)
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad()
-    torch.testing.assert_close(list(peft_model.parameters()), list(reference.parameters()), **EXACT)
-    # 7 layers a decoder layer, 2 decoder layers, forward and backward's recompute, 3 steps.
-    assert len(runs) == 7 * 2 * 2 * 3
+    reference, runs = assert_trains_as_the_unwrapped_model(peft_model, reading_from_the_slots)
     layers = eight_bit_layers(peft_model)
     assert all(m.weight.dtype == torch.int8 and not m.weight.requires_grad and m.weight.grad is None for m in layers)
     # Between runs every layer holds its host copies again, so the unwrapped model runs as before.

@@ -13,6 +13,7 @@ run must read the 4-bit weights and their quantisation state from the device slo
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 import json
 import subprocess
 import sys
@@ -87,13 +88,14 @@ def reading_from_the_slots(model: OffloadModel, hf: torch.nn.Module) -> list[int
     return runs
 
 
-@pytest.mark.parametrize(("quant_type", "double"), QUANTIZATIONS)
-def test_qlora_trains_as_the_unwrapped_model(quant_type, double):
-    # Dropout in the model and in the adapters: the recompute draws the same masks.
-    peft_model = lora(quantized(build("llama", dropout=0.1, layers=2), quant_type, double))
+def assert_trains_as_the_unwrapped_model(peft_model: torch.nn.Module,
+                                         reading: Callable) -> tuple[torch.nn.Module, list]:
+    """Three AdamW steps of ``peft_model`` (2 decoder layers) offloaded in 3 slices equal a copy's
+    unwrapped, and every quantized layer ran from a slot (``reading`` counts those runs); returns
+    the copy and the runs."""
     reference = copy.deepcopy(peft_model)
     model = OffloadModel(causal_lm_sequential(peft_model), device="cpu", num_slices=3)
-    runs = reading_from_the_slots(model, peft_model)
+    runs = reading(model, peft_model)
     optimizers = [torch.optim.AdamW(trainable(m), lr=1e-2, fused=True) for m in (peft_model, reference)]
     for step in range(3):
         assert_same_step(peft_model, reference, model, batch(), seed=step)
@@ -103,6 +105,14 @@ def test_qlora_trains_as_the_unwrapped_model(quant_type, double):
     torch.testing.assert_close(list(peft_model.parameters()), list(reference.parameters()), **EXACT)
     # 7 layers a decoder layer, 2 decoder layers, forward and backward's recompute, 3 steps.
     assert len(runs) == 7 * 2 * 2 * 3
+    return reference, runs
+
+
+@pytest.mark.parametrize(("quant_type", "double"), QUANTIZATIONS)
+def test_qlora_trains_as_the_unwrapped_model(quant_type, double):
+    # Dropout in the model and in the adapters: the recompute draws the same masks.
+    peft_model = lora(quantized(build("llama", dropout=0.1, layers=2), quant_type, double))
+    assert_trains_as_the_unwrapped_model(peft_model, reading_from_the_slots)
     weights = [layer.weight for layer in four_bit_layers(peft_model)]
     assert all(w.dtype == torch.uint8 and not w.requires_grad and w.grad is None for w in weights)
 
