@@ -588,9 +588,17 @@ def test_ctrl_c_before_the_first_step_says_nothing_was_trained(tmp_path, capsys,
     assert capsys.readouterr().err.strip() == "interrupted before the first step; nothing was trained"
 
 
+#: Runs the script named next with Ctrl-C raising KeyboardInterrupt, as in a terminal. A child
+#: inherits an ignored SIGINT, and Python keeps it ignored: a suite started as a background job of a
+#: non-interactive shell would otherwise send a signal its child never sees.
+INTERRUPTIBLE = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                 "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
 def test_ctrl_c_ends_with_the_last_checkpoint_and_the_command_that_resumes(tmp_path):
-    command = [sys.executable, "scripts/finetune_causal_lm.py", "--device", "cpu", "--no-progress", "--out",
-               str(tmp_path), "--steps", "100000", "--save-every", "1", "--keep-checkpoints", "2"]
+    command = [sys.executable, "-c", INTERRUPTIBLE, "scripts/finetune_causal_lm.py", "--device", "cpu",
+               "--no-progress", "--out", str(tmp_path), "--steps", "100000", "--save-every", "1",
+               "--keep-checkpoints", "2"]
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
