@@ -588,6 +588,25 @@ def test_ctrl_c_before_the_first_step_says_nothing_was_trained(tmp_path, capsys,
     assert capsys.readouterr().err.strip() == "interrupted before the first step; nothing was trained"
 
 
+@pytest.mark.parametrize("before", [signal.SIG_DFL, signal.SIG_IGN, lambda signum, frame: None])
+def test_sigterm_is_handled_during_the_run_only_and_a_callers_handler_is_left_alone(tmp_path, monkeypatch, before):
+    during = []
+
+    def interrupted(*args):
+        during.append(signal.getsignal(signal.SIGTERM))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "random_model", interrupted)
+    previous = signal.signal(signal.SIGTERM, before)
+    try:
+        with pytest.raises(SystemExit):
+            cli.main(["--device", "cpu", "--no-progress", "--out", str(tmp_path)])
+        assert signal.getsignal(signal.SIGTERM) is before
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert (during[0] is before) == (before is not signal.SIG_DFL)
+
+
 #: Runs the script named next with Ctrl-C raising KeyboardInterrupt, as in a terminal. A child
 #: inherits an ignored SIGINT, and Python keeps it ignored: a suite started as a background job of a
 #: non-interactive shell would otherwise send a signal its child never sees.
@@ -595,7 +614,10 @@ INTERRUPTIBLE = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal
                  "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
 
 
-def test_ctrl_c_ends_with_the_last_checkpoint_and_the_command_that_resumes(tmp_path):
+@pytest.mark.parametrize(("stop", "why", "status"), [(signal.SIGINT, "interrupted", 130),
+                                                     (signal.SIGTERM, "terminated", 143)])
+def test_ctrl_c_or_sigterm_ends_with_the_last_checkpoint_and_the_command_to_resume(tmp_path, stop, why, status):
+    """Ctrl-C, or SIGTERM (a scheduler's stop, ``kill``'s default)."""
     command = [sys.executable, "-c", INTERRUPTIBLE, "scripts/finetune_causal_lm.py", "--device", "cpu",
                "--no-progress", "--out", str(tmp_path), "--steps", "100000", "--save-every", "1",
                "--keep-checkpoints", "2"]
@@ -605,16 +627,16 @@ def test_ctrl_c_ends_with_the_last_checkpoint_and_the_command_that_resumes(tmp_p
         for line in process.stdout:
             if line.startswith("step 2/"):
                 break
-        process.send_signal(signal.SIGINT)
+        process.send_signal(stop)
         out, err = process.communicate(timeout=120)
     finally:
         process.kill()
-    assert process.returncode == 130, err[-3000:]
+    assert process.returncode == status, err[-3000:]
     assert "Traceback" not in err
     (last,) = err.strip().splitlines()[-1:]
     # Stopped after step 2 or later; the checkpoint is that step's, or the one before when the
     # signal came while it was being written (an unfinished checkpoint is never "latest").
-    match = re.fullmatch(r"interrupted after step (\d+); last checkpoint: (\S+); resume with: (.*)", last)
+    match = re.fullmatch(rf"{why} after step (\d+); last checkpoint: (\S+); resume with: (.*)", last)
     assert match, last
     step, checkpoint, command = int(match[1]), Path(match[2]), match[3]
     assert step >= 2 and checkpoint.parent == tmp_path / "checkpoints" and checkpoint.is_dir()

@@ -14,7 +14,8 @@ Note: [Never lose a run]
        written to before the model is built, and each disk is checked for the room the run's
        writes need once the model's size is known: both before the first step.
     2. After the first step, a run that stops says how far it got, where its last checkpoint is
-       and the command that resumes from it: one line for Ctrl-C (exit status 130), that line
+       and the command that resumes from it: one line for Ctrl-C (exit status 130) and for SIGTERM,
+       a scheduler's or ``kill``'s stop (exit status 143; :class:`Terminated`), that line
        and the error's message for a checkpoint that could not be saved, that line and the
        error's traceback for any other error.
     3. Batches are a function of ``--seed`` and the step alone (the block stream replayed), so a
@@ -37,10 +38,13 @@ import argparse
 import itertools
 import math
 import re
+import signal
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -75,11 +79,38 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     record = RunRecord(argv)
     try:
-        run(argv, record)
-    except KeyboardInterrupt:
+        with _terminated_on_sigterm():
+            run(argv, record)
+    except KeyboardInterrupt as stop:
         # Note: [Never lose a run], rule 2: one line, no traceback.
-        print(f"\n{record.stopped('interrupted')}", file=sys.stderr, flush=True)
-        raise SystemExit(130) from None
+        terminated = isinstance(stop, Terminated)
+        print(f"\n{record.stopped('terminated' if terminated else 'interrupted')}", file=sys.stderr, flush=True)
+        raise SystemExit(128 + (signal.SIGTERM if terminated else signal.SIGINT)) from None
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread as Ctrl-C's ``KeyboardInterrupt`` is: whatever lets an
+    interrupt through (a checkpoint half written is discarded, the last one stays ``latest``)
+    does the same for it, and the run ends with the line that says how to resume."""
+
+
+@contextmanager
+def _terminated_on_sigterm() -> Iterator[None]:
+    """SIGTERM raises :class:`Terminated` while the run lasts, unless someone else handles it
+    (a caller's handler, or an ignored one, is left alone) or this is not the main thread, where
+    Python cannot set handlers."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+
+    def terminate(signum: int, frame: Any) -> None:
+        raise Terminated
+
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _schedule(args: argparse.Namespace) -> dict[str, Any]:
