@@ -8,6 +8,7 @@ way OffloadModel runs them (slice by slice, microbatch by microbatch).
 from __future__ import annotations
 
 import copy
+import random
 
 import pytest
 import torch
@@ -82,31 +83,114 @@ class Lazy(nn.Module):
         return self.linear(x) * self.table[: x.shape[0], None]
 
 
+class OwnNoise(nn.Module):
+    """Adds noise drawn from a generator of its own, kept as a plain attribute (noise injection)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.generator = torch.Generator().manual_seed(5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) + torch.randn(x.shape, generator=self.generator).to(x.device)
+
+
+class LayerDrop(nn.Module):
+    """Skips its layer when Python's generator says so, as a layer drop does."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x if random.random() < 0.5 else self.linear(x)
+
+
+class NumpyDrop(LayerDrop):
+    """The same, by NumPy's global generator."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import numpy
+
+        return x if numpy.random.uniform() < 0.5 else self.linear(x)
+
+
+class NumpyNoise(LayerDrop):
+    """Scales by one Gaussian from NumPy's global generator a run: every other one is the cached
+    second of a pair, handed out without moving the generator's raw state."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import numpy
+
+        return self.linear(x) * float(1.0 + numpy.random.standard_normal())
+
+
+def library_generators() -> tuple:
+    import numpy
+
+    state = numpy.random.get_state()
+    return random.getstate(), state[1].tolist(), state[2:]
+
+
 def stack(kind: type[nn.Module], width: int = 6) -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(kind(width), nn.Tanh(), kind(width), nn.Tanh(), nn.Linear(width, width), kind(width))
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kind", [Peak, Counter, History, Lazy])
+@pytest.mark.parametrize("kind", [Peak, Counter, History, Lazy, OwnNoise, LayerDrop, NumpyDrop, NumpyNoise])
 @pytest.mark.parametrize("num_slices", [1, 2, 3])
 @pytest.mark.parametrize("num_microbatches", [1, 2])
 def test_recompute_sees_the_attributes_the_forward_saw(kind, num_slices, num_microbatches, device):
+    import numpy
+
     layers = stack(kind)
     reference = copy.deepcopy(layers).to(device)
     model = OffloadModel(layers, device=device, num_slices=num_slices, num_microbatches=num_microbatches)
     for step, scale in enumerate([1.0, 3.0, 2.0, 5.0]):  # growing, shrinking: every branch of the layers
         x = (torch.randn(4, 6, generator=torch.Generator().manual_seed(step)) * scale).to(device)
+        random.seed(step)
+        numpy.random.seed(step)
         want = microbatched_reference(reference, model.partition, x, num_microbatches)
+        random.seed(step)
+        numpy.random.seed(step)
         got = model(x)
         torch.testing.assert_close(got, want, **EXACT)
+        drawn = library_generators()
         (want * torch.arange(6.0, device=device)).sum().backward()
         (got * torch.arange(6.0, device=device)).sum().backward()
         assert_same_grads(layers, reference, **EXACT)
         # Backward put back what forward left: the next step starts where the plain layers do.
+        assert library_generators() == drawn
         for mine, theirs in zip(layers.modules(), reference.modules()):
             for name in ("peak", "calls", "scales"):
                 assert getattr(mine, name, None) == getattr(theirs, name, None)
+            if isinstance(mine, OwnNoise):
+                assert torch.equal(mine.generator.get_state(), theirs.generator.get_state())
+        layers.zero_grad()
+        reference.zero_grad()
+
+
+@pytest.mark.parametrize("num_microbatches", [1, 2])
+def test_one_numpy_gaussian_a_run_is_replayed(num_microbatches):
+    """One Gaussian a run: every other run takes the cached one, which leaves NumPy's raw state as it
+    was; its recompute must still take the cached one, and the next run's must not."""
+    import numpy
+
+    torch.manual_seed(0)
+    layers = nn.Sequential(*[NumpyNoise(6) for _ in range(5)])
+    reference = copy.deepcopy(layers)
+    model = OffloadModel(layers, device="cpu", num_slices=5, num_microbatches=num_microbatches)
+    for step in range(3):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+        numpy.random.seed(step)
+        want = microbatched_reference(reference, model.partition, x, num_microbatches)
+        numpy.random.seed(step)
+        got = model(x)
+        torch.testing.assert_close(got, want, **EXACT)
+        want.sum().backward()
+        got.sum().backward()
+        assert_same_grads(layers, reference, **EXACT)
         layers.zero_grad()
         reference.zero_grad()
 

@@ -74,7 +74,7 @@ from ..streams.saved_activations import SavedActivations
 from ..walk.activation_policy import ActivationMode, ActivationPlan
 from ..walk.module_state import AttributeSnapshot, AttributeTracker
 from .call import Call
-from .replay import AutocastState, capture_rng
+from .replay import AutocastState, LibraryRng, LibraryRngCapture, capture_rng
 
 
 @dataclass
@@ -96,14 +96,15 @@ class Checkpoint:
     requires: list[bool]  # per input leaf: whether it required grad in forward (Note: [Boundary gradients])
     cpu_rng: int = -1
     device_rng: int | None = None
+    library_rng: LibraryRng | None = None  # Python's and NumPy's generators (replay.py)
     buffers: tuple[int, OffloadTicket] | None = None  # saved tensor of the buffers before the run
     # The layers' plain attributes before the run, where some run of the slice changed them
     # (Note: [Attribute state] in offload/walk/module_state.py).
     attributes: AttributeSnapshot | None = None
 
-    def rng_states(self, saved: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The CPU and device generator states the run started from."""
-        return saved[self.cpu_rng], saved[self.device_rng] if self.device_rng is not None else None
+    def rng_states(self, saved: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None, LibraryRng | None]:
+        """The CPU, device and library generator states the run started from."""
+        return saved[self.cpu_rng], saved[self.device_rng] if self.device_rng is not None else None, self.library_rng
 
     def restore_buffers(self, slots: DeviceSlots, index: int, saved: Sequence[torch.Tensor]) -> bool:
         """Put the buffers back on the device as the run found them; whether there was anything to restore."""
@@ -187,6 +188,10 @@ class ForwardRecords:
         self._buffers_before_run: tuple[int, OffloadTicket] | None = None
         # The running slice's plain attributes per run; only recomputes need them.
         self._attributes: AttributeTracker | None = None
+        # The last checkpoint whose library generators were captured, with them: a run that left
+        # them as it found them has nothing to replay (replay.py).
+        self._last_library: tuple[Checkpoint, LibraryRng] | None = None
+        self._capture_library = LibraryRngCapture()
         # Boundary leaves offloaded so far, by memory and view: the tensor last seen there (weakly),
         # its version then and its saved leaf (Note: [Leaves that pass through]).
         self._offloaded: dict[tuple[Any, ...], tuple[weakref.ref[torch.Tensor], int, SavedLeaf]] = {}
@@ -266,6 +271,11 @@ class ForwardRecords:
         cpu_state, device_state = capture_rng(self.engine.device)
         record.cpu_rng = self._save(cpu_state)
         record.device_rng = self._save(device_state) if device_state is not None else None
+        library = self._capture_library()
+        if self._last_library is not None and self._last_library[1].same_as(library):
+            self._last_library[0].library_rng = None  # that run drew nothing from them
+        record.library_rng = library
+        self._last_library = (record, library)
 
     def start_slice(self, i: int) -> None:
         """A slice's first run finds its buffers as the host copy holds them."""
