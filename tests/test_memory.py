@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from offload import DiskTier, OffloadModel, OffloadOptimizer, estimate_memory, is_recomputing
+from offload.model import engine_of
 from offload.streams.disk import page_aligned
 from offload.streams.flat_views import _align
 
@@ -237,6 +238,37 @@ def test_the_estimate_matches_the_footprint(compute_dtype, optimizer_class, kwar
     activations = num_slices * 4 * 64 * 4  # a boundary activation per slice, at most 4 x 64 float32
     pooled = footprint.host_pool_idle + footprint.host_activations
     assert plan.host_pool_idle <= pooled <= plan.host_pool_idle + activations
+
+
+class _Table(nn.Module):
+    """A layer of a buffer alone: its slice loads from its host copy, with nothing to cast."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.linspace(0, 1, 64 * 64).reshape(64, 64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.table.to(x.dtype)
+
+
+@pytest.mark.parametrize("masters", ["ram", "disk"])
+def test_a_slice_that_casts_nothing_has_no_shadow_and_no_masters_file_in_the_estimate(tmp_path, masters):
+    plain = nn.Sequential(nn.Linear(64, 64), _Table(), nn.Linear(64, 64))
+    plan = estimate_memory(plain, num_slices=3, compute_dtype=torch.bfloat16, optimizer="adamw", device="cpu",
+                           masters=masters)
+    model = OffloadModel(plain, device="cpu", num_slices=3, compute_dtype=torch.bfloat16,
+                         masters=DiskTier(tmp_path) if masters == "disk" else None)
+    assert [s.storage.shadow is None for s in engine_of(model).slices] == [False, True, False]
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
+    for _ in range(2):
+        model(torch.randn(4, 64)).float().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+    optimizer.synchronize()
+    footprint = model.memory_footprint()
+    for category in ("masters", "shadows", "gradients", "optimizer_state", "disk_window"):
+        assert plan.host_categories()[category] == footprint.host_categories()[category], category
+    assert plan.disk == footprint.disk
 
 
 def test_the_host_gradient_window_is_sized_by_the_streamed_slices():

@@ -171,7 +171,8 @@ def _footprint(layout: SliceLayout, placed: tuple[int, int, int, int, bool], act
     all_grads = layout.gradient_bytes
     grads = all_grads[resident:] or [0]
     window = min(2, sum(1 for g in grads if g)) * (size_class(max(grads)) if pinned else max(grads))
-    streamed = layout.load_bytes[resident:] or [0]
+    # Only a slice whose load casts has a shadow (SliceLayout.casts).
+    streamed = [b for b, casts in zip(layout.load_bytes[resident:], layout.casts[resident:]) if casts] or [0]
     # Note: [Shadows on disk]: a staging window in place of a shadow per streamed slice.
     staged = STAGING_BUFFERS * max(streamed) if resident < layout.num_slices else 0
     shadow_bytes = (staged if shadows == "disk" else sum(streamed)) if compute_dtype else 0
@@ -231,6 +232,10 @@ class SliceLayout:
             threads] in ``offload/clipping.py``).
         load_bytes: what a load copies from its own host copy or shadow (``device_bytes`` less the
             parameters it borrows from an earlier slice, a weight tied across slices): its shadow.
+        casts: whether a load casts: some tensor of its own computes in another dtype than it is
+            kept in. Only such a slice has a shadow, or a file for its masters on disk
+            (``SliceStorage``); one of buffers alone, or already in the compute dtype, keeps its
+            host copy in RAM and loads from it.
     """
 
     ranges: list[range]
@@ -247,6 +252,7 @@ class SliceLayout:
     state_file_bytes: list[int] = field(default_factory=list)
     largest_gradient_bytes: list[int] = field(default_factory=list)
     load_bytes: list[int] = field(default_factory=list)
+    casts: list[bool] = field(default_factory=list)
 
     @property
     def num_slices(self) -> int:
@@ -297,6 +303,7 @@ def slice_layout(layers: nn.Module | Sequence[int] | int, *, num_slices: int = 8
         largest_gradient_bytes=[max((t.numel * t.dtype.itemsize for t in s), default=0) for s in trained],
         # The shadow holds what a load copies from the slice's own host copy: not what it borrows.
         load_bytes=[_laid_out(s, device_dtype) for s in own],
+        casts=[any(device_dtype(t) != t.dtype for t in s) for s in own],
     )
 
 
@@ -363,8 +370,11 @@ def _placed(layout: SliceLayout, optimizer_state: str, masters: str, resident: i
         # One file per slice, in whole pages (offload/streams/mapped.py); three consecutive slices' masters
         # are in RAM while the optimizer steps (Note: [Masters on disk]). Their gradients go to
         # files of their own, read in and written back with them (Note: [Gradients on disk]).
-        files = [_align(h, 4096) for h in host_bytes]
-        gradient_files = [_align(g, 4096) if g else 0 for g in layout.gradient_bytes[resident:] or [0]]
+        # Only a slice whose load casts has a file (SliceLayout.casts); the others stay in RAM.
+        casts = layout.casts[resident:] or [False]
+        files = [_align(h, 4096) if c else 0 for h, c in zip(host_bytes, casts)]
+        gradient_files = [_align(g, 4096) if g and c else 0
+                          for g, c in zip(layout.gradient_bytes[resident:] or [0], casts)]
         disk += sum(files) + sum(gradient_files)
         # Each read waits for the write of the slice ``window_slices`` reads before it, in slice
         # order either way; only updated slices (with gradients) are read: the window holds the
@@ -372,7 +382,7 @@ def _placed(layout: SliceLayout, optimizer_state: str, masters: str, resident: i
         read = [(f, g) for f, g in zip(files, gradient_files) if g]
         disk_window += (most_at_once([f for f, _ in read], window_slices)
                         + most_at_once([g for _, g in read], window_slices))
-        masters_bytes = 0
+        masters_bytes = sum(h for h, c in zip(host_bytes, casts) if not c)
     return masters_bytes, state, disk, disk_window, masters == "disk"
 
 
