@@ -16,6 +16,16 @@ Note: [Gradient averaging]
     (accumulated into ``.grad``); the first backward of a forward outside it averages the local
     total, that backward's gradients included.
 
+    A parameter may have a gradient on some ranks and not on others (a branch one rank takes, an
+    expert no token of one rank reached, a parameter only the ``no_sync`` steps used). Every rank
+    averages every parameter of each slice that backward needs, as DDP with
+    ``find_unused_parameters=True`` does: a missing gradient counts as zeros (it is zero-filled in
+    the slice's host buffer, at its place), so that every rank reduces the same memory and ends
+    with the same gradients. Beside the sums, one small all-reduce counts per parameter the ranks
+    that had a gradient; one that none had keeps ``.grad`` as it was (``None``), as in one process.
+    (This host path; the device path, NCCL's, averages only what each rank has, and needs every
+    rank to produce the same gradients.)
+
     BatchNorm running statistics stay per rank (use one rank's, or ``nn.SyncBatchNorm`` semantics
     are not provided).
 """
@@ -33,8 +43,8 @@ import torch.distributed as dist
 from .walk.engine import Engine
 from .walk.milestones import Subscriber
 from .streams import PendingGradients, SliceGradients
-from .streams.collectives import DeviceCollectives, HostCollectives
-from .streams.flat_views import flat_alias
+from .streams.collectives import DeviceCollectives, HostCollectives, runs
+from .streams.flat_views import empty_in_layout, flat_alias, typed_view
 
 
 def check_group(group: Any, device: torch.device) -> str:
@@ -83,6 +93,11 @@ class DataParallel(Subscriber):
         self._events: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
         self._included: weakref.WeakKeyDictionary[Any, list[torch.Tensor]] = weakref.WeakKeyDictionary()
         self._local: dict[int, torch.Tensor] = {}  # parameters whose .grad holds local, unaveraged sums
+        # Per backward, per slice: its gradients' places (from gradients_produced, for the host
+        # average), then which of them every rank lacks, counted beside the average.
+        self._places: weakref.WeakKeyDictionary[Any, dict[int, SliceGradients]] = weakref.WeakKeyDictionary()
+        self._counts: weakref.WeakKeyDictionary[Any, list[tuple[int, list[int], torch.Tensor]]] = (
+            weakref.WeakKeyDictionary())
         # NCCL's object collectives stage their bytes on the *current* CUDA device, which is cuda:0
         # unless the caller set it: every rank would then use GPU 0. Run them on this model's device.
         on_model_device = (torch.cuda.device(engine.device) if engine.device.type == "cuda"
@@ -94,7 +109,9 @@ class DataParallel(Subscriber):
     # -- construction ----------------------------------------------------------------------------
 
     def _check_structure(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        mine = [(name, tuple(t.shape), str(t.dtype)) for name, t in named_tensors]
+        # requires_grad too: a parameter one rank trains and another freezes would leave the ranks
+        # reducing different gradients.
+        mine = [f"{name} ({tuple(t.shape)}, {t.dtype}, requires_grad={t.requires_grad})" for name, t in named_tensors]
         everyone: list[Any] = [None] * self.world_size
         dist.all_gather_object(everyone, mine, group=self.group)
         for rank, theirs in enumerate(everyone):
@@ -151,6 +168,8 @@ class DataParallel(Subscriber):
         self._sync_of[token] = self.sync
         self._events[token] = []
         self._included[token] = []
+        self._places[token] = {}
+        self._counts[token] = []
 
     def _local_grads(self, token: Any, index: int, needed: list[bool]) -> list[torch.Tensor | None]:
         """The local sums (from forwards under no_sync) to include in this slice's average."""
@@ -180,7 +199,10 @@ class DataParallel(Subscriber):
                 "process_group, or train without process_group")
 
     def gradients_produced(self, token: Any, index: int, grads: SliceGradients) -> None:
-        if not self.on_device or not self._sync_of.get(token, True):
+        if not self._sync_of.get(token, True):
+            return
+        if not self.on_device:
+            self._places.setdefault(token, {})[index] = grads  # its places, for gradients_leaving
             return
         tensors = grads.device_tensors()
         self._refuse_sparse(index, tensors)
@@ -200,11 +222,26 @@ class DataParallel(Subscriber):
         assert self.host is not None
         views = pending.host_views
         self._refuse_sparse(index, views)
-        extra = self._local_grads(token, index, [v is not None for v in views])
-        present = [(v, e) for v, e in zip(views, extra) if v is not None]
-        event = self.host.average([v for v, _ in present], [e for _, e in present], after=[pending.ready],
+        grads = self._places[token].pop(index)
+        extra = self._local_grads(token, index, [place is not None for place in grads.places])
+        needed = [j for j, place in enumerate(grads.places) if place is not None]
+        missing = _zeros_at_places(grads, views, self.engine.device)
+        for j, zeros in missing.items():
+            views[j] = zeros  # handed to autograd, averaged, unless no rank had a gradient (gradients_landed)
+        present = torch.tensor([int(j not in missing or extra[j] is not None) for j in needed], dtype=torch.int32)
+
+        def prepare() -> None:  # in the worker: the pooled buffer is this slice's once the offload landed
+            for zeros in missing.values():
+                zeros.zero_()
+            for j in needed:
+                if extra[j] is not None:
+                    views[j].add_(extra[j])  # type: ignore[union-attr]
+
+        spans = runs([views[j] for j in needed])  # type: ignore[misc]
+        event = self.host.average(spans, prepare, present, after=[pending.ready],
                                   what=f"averaging the gradients of slice {index}")
         self._events.setdefault(token, []).append(event)
+        self._counts.setdefault(token, []).append((index, needed, present))
 
     def gradients_landed(self, token: Any, pending: dict[int, PendingGradients]) -> None:
         sync = self._sync_of.get(token, True)
@@ -212,6 +249,10 @@ class DataParallel(Subscriber):
         self._events[token] = []
         for event in events:
             self.engine.copies.wait_host(event)  # raises CollectiveError if a rank failed
+        for index, needed, present in self._counts.pop(token, []):
+            for j, count in zip(needed, present.tolist()):
+                if count == 0 and index in pending:
+                    pending[index].host_views[j] = None  # no rank had one: .grad stays as it was
         if self.device_collectives is not None:
             self.device_collectives.landed()  # the offloads after the reductions have completed
         landed = [(entry.tensor, view) for index, p in pending.items()
@@ -225,3 +266,32 @@ class DataParallel(Subscriber):
         else:
             for p, _ in landed:
                 self._local[id(p)] = p
+
+
+def _zeros_at_places(grads: SliceGradients, views: list[torch.Tensor | None],
+                     device: torch.device) -> dict[int, torch.Tensor]:
+    """Per needed parameter of the slice that has no gradient on this rank, memory for zeros at its
+    place in the slice's host buffer (the one the others landed in, or a new one when none did), so
+    that the slice's gradients lie as on every other rank; a gradient kept on the device gets
+    memory of its own, as the others' there have. Zeroed by the caller, once the buffer is free."""
+    keep = grads.keep or [False] * len(grads.places)
+    buffer = None
+    for view, place, kept in zip(views, grads.places, keep):
+        if view is not None and place is not None and not kept:
+            flat = flat_alias(view)
+            assert flat is not None, "a landed gradient is dense"
+            start = flat.storage_offset() * flat.element_size() - place.offset
+            buffer = torch.empty(0, dtype=torch.uint8)
+            buffer.set_(flat.untyped_storage(), start, (grads.nbytes,))
+            break
+    missing: dict[int, torch.Tensor] = {}
+    for j, (view, place, kept) in enumerate(zip(views, grads.places, keep)):
+        if view is not None or place is None:
+            continue
+        if kept:
+            missing[j] = empty_in_layout(place.shape, place.stride, place.dtype, device)
+            continue
+        if buffer is None:
+            buffer = torch.empty(grads.nbytes, dtype=torch.uint8)
+        missing[j] = typed_view(buffer, place.offset, place.dtype, place.shape, place.stride)
+    return missing

@@ -271,5 +271,126 @@ def sharded_masters(rank: int, world_size: int, directory: str) -> None:
     save(directory, "sharded_masters", rank, results)
 
 
+class Branch(nn.Module):
+    """Branch ``a`` for rows whose first feature is positive, else ``b``; ``c`` is never taken."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) if x[0, 0] > 0 else self.b(x)
+
+
+def branch_network(seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(Branch(), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+
+
+def branch_data(step: int, rank: int, first: float) -> torch.Tensor:
+    """Rank ``rank``'s rows of a step, their first feature ``first`` (which picks the branch)."""
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(3000 + 10 * step + rank))
+    x[:, 0] = first
+    return x
+
+
+def uneven_branch(rank: int, world_size: int, directory: str) -> None:
+    """Rank 0 takes branch a, the others b, and none c: gradients of one backward, then three steps
+    of a plain SGD and of a sharded OffloadOptimizer, with 2 and 3 slices."""
+    first = 1.0 if rank == 0 else -1.0
+    results: dict[str, Any] = {}
+    for slices in (2, 3):
+        for sharded_ in (False, True):
+            model = OffloadModel(branch_network(seed=0), device="cpu", num_slices=slices,
+                                 process_group=dist.group.WORLD)
+            optimizer = (OffloadOptimizer(model, torch.optim.SGD, lr=0.1, momentum=0.9, fused=True) if sharded_
+                         else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+            grads = None
+            for step in range(3):
+                model(branch_data(step, rank, first)).pow(2).mean().backward()
+                if grads is None:
+                    grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+                optimizer.step()
+                optimizer.zero_grad()
+            results[f"{slices}-{sharded_}"] = {"grads": grads, "params": [p.detach().clone() for p in model.parameters()]}
+    save(directory, "uneven_branch", rank, results)
+
+
+def branch_in_no_sync(rank: int, world_size: int, directory: str) -> None:
+    """Branch a only in the micro-step under no_sync, b only in the synced one."""
+    results = {}
+    for slices in (3, 4):
+        model = OffloadModel(branch_network(seed=0), device="cpu", num_slices=slices, process_group=dist.group.WORLD)
+        with model.no_sync():
+            (model(branch_data(0, rank, 1.0)).pow(2).mean() / 2).backward()
+        (model(branch_data(1, rank, -1.0)).pow(2).mean() / 2).backward()
+        results[slices] = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    save(directory, "branch_in_no_sync", rank, results)
+
+
+def frozen_on_one_rank(rank: int, world_size: int, directory: str) -> None:
+    layers = network(seed=0)
+    if rank == 1:
+        layers[2].requires_grad_(False)
+    try:
+        OffloadModel(layers, device="cpu", num_slices=2, process_group=dist.group.WORLD)
+    except ValueError as error:
+        save(directory, "frozen_on_one_rank", rank, str(error))
+
+
+def own_collectives(rank: int, world_size: int, directory: str) -> None:
+    """The caller's own collectives on the model's group right after each step (a logged mean loss, a
+    barrier), beside a second model on the same group, while the sharded updates' broadcasts run."""
+    models = [OffloadModel(network(seed=k), device="cpu", num_slices=3, process_group=dist.group.WORLD)
+              for k in range(2)]
+    optimizers = [OffloadOptimizer(m, torch.optim.AdamW, lr=1e-2, fused=True) for m in models]
+    logged = []
+    for step in range(4):
+        for model, optimizer in zip(models, optimizers):
+            loss = model(share(data(step, world_size), rank, world_size)).pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            logged.append((total / world_size).item())
+        dist.barrier()
+    for optimizer in optimizers:
+        optimizer.synchronize()
+    save(directory, "own_collectives", rank, {"logged": logged,
+                                              "params": [[p.detach().clone() for p in m.parameters()] for m in models]})
+
+
+def batchnorm_network(seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 8), nn.BatchNorm1d(8),
+                         nn.Linear(8, 2))
+
+
+def batchnorm_data(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(4, 4, generator=torch.Generator().manual_seed(4000 + 10 * step + rank)) * (1 + 3 * rank)
+
+
+def batchnorm_checkpoint(rank: int, world_size: int, directory: str) -> None:
+    """Per-rank BatchNorm statistics at a save, and what each rank loads from it."""
+    from offload import load_checkpoint, save_checkpoint
+
+    path = os.path.join(directory, "checkpoint")
+    model = OffloadModel(batchnorm_network(seed=0), device="cpu", num_slices=3, process_group=dist.group.WORLD)
+    optimizer = OffloadOptimizer(model, torch.optim.SGD, lr=0.1, fused=True)
+    for step in range(2):
+        model(batchnorm_data(step, rank)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    saved = {name: b.clone() for name, b in model.named_buffers()}
+    save_checkpoint(path, model, optimizer)
+    model = OffloadModel(batchnorm_network(seed=1), device="cpu", num_slices=3, process_group=dist.group.WORLD)
+    optimizer = OffloadOptimizer(model, torch.optim.SGD, lr=0.1, fused=True)
+    load_checkpoint(path, model, optimizer)
+    save(directory, "batchnorm_checkpoint", rank, {"saved": saved,
+                                                   "loaded": {name: b.clone() for name, b in model.named_buffers()}})
+
+
 JOBS = {f.__name__: f for f in (train, no_sync, sharded, different_models, one_rank_fails, hangs, nccl_one_gpu, tied,
-                                 layouts, sharded_disk, sharded_masters)}
+                                 layouts, sharded_disk, sharded_masters, uneven_branch, branch_in_no_sync,
+                                 frozen_on_one_rank, own_collectives, batchnorm_checkpoint)}

@@ -19,7 +19,7 @@ from offload.optimizing.sharding import owners as _owners
 from offload.planning.presets import build_preset
 from offload.streams import StreamBackend, using_backend
 
-from .dist_workers import data, network
+from .dist_workers import batchnorm_network, branch_data, branch_network, data, network
 
 WORLD = 2
 #: Averaging two ranks' gradients adds in another order than one process over the whole batch.
@@ -191,6 +191,96 @@ def test_ranks_with_different_models_are_refused(tmp_path):
         assert error is not None and "differs from rank 0's" in error
 
 
+def branch_reference(steps: int, firsts: list[float]) -> tuple[list, list]:
+    """One process on the whole batch, rank r's rows taking the branch ``firsts[r]`` picks: the
+    first backward's gradients and the parameters after ``steps`` steps of SGD with momentum."""
+    model = branch_network(seed=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    grads = None
+    for step in range(steps):
+        for rank, first in enumerate(firsts):
+            (model(branch_data(step, rank, first)).pow(2).mean() / len(firsts)).backward()
+        if grads is None:
+            grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+        optimizer.step()
+        optimizer.zero_grad()
+    return grads, [p.detach() for p in model.parameters()]
+
+
+def test_a_parameter_that_only_some_ranks_use_is_averaged_with_zeros_from_the_others(tmp_path):
+    """Rank 0 takes one branch and rank 1 another, as DDP(find_unused_parameters=True) would average
+    them: every rank ends with the whole batch's gradient, a parameter no rank used keeps no
+    gradient, and the ranks' updates (plain and sharded) agree with one process."""
+    results = spawn("uneven_branch", tmp_path)
+    want_grads, want_params = branch_reference(3, [1.0, -1.0])
+    assert want_grads[4] is None and want_grads[0] is not None and want_grads[2] is not None  # c; a; b
+    for key in ("2-False", "2-True", "3-False", "3-True"):
+        mine, theirs = results[0][key], results[1][key]
+        for a, b, want in zip(mine["grads"], theirs["grads"], want_grads):
+            assert (a is None) == (b is None) == (want is None), key
+            if want is not None:
+                assert torch.equal(a, b), key
+                torch.testing.assert_close(a, want, **ROUNDING)
+        for a, b, want in zip(mine["params"], theirs["params"], want_params):
+            assert torch.equal(a, b), key
+            torch.testing.assert_close(a, want, **ROUNDING)
+
+
+def test_a_parameter_used_only_under_no_sync_is_averaged_by_the_next_synced_backward(tmp_path):
+    results = spawn("branch_in_no_sync", tmp_path)
+    model = branch_network(seed=0)
+    for micro, first in ((0, 1.0), (1, -1.0)):
+        for rank in range(WORLD):
+            (model(branch_data(micro, rank, first)).pow(2).mean() / 2 / WORLD).backward()
+    for slices in (3, 4):
+        for a, b, want in zip(results[0][slices], results[1][slices], model.parameters()):
+            assert (a is None) == (b is None) == (want.grad is None)
+            if want.grad is not None:
+                assert torch.equal(a, b)
+                torch.testing.assert_close(a, want.grad, **ROUNDING)
+
+
+def test_ranks_that_freeze_different_parameters_are_refused(tmp_path):
+    errors = spawn("frozen_on_one_rank", tmp_path)
+    for error in errors:
+        assert error is not None and "differs from rank 0's" in error and "requires_grad=False" in error
+
+
+def test_own_collectives_after_step_and_two_models_on_one_group_do_not_race_the_library(tmp_path):
+    """A logged all-reduce of the loss and a barrier right after each step, and a second model on
+    the same group, while the sharded updates' broadcasts are queued: Note: [A private group for
+    the worker]."""
+    results = spawn("own_collectives", tmp_path)
+    assert results[0]["logged"] == results[1]["logged"]
+    references = [network(seed=0), network(seed=1)]
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True) for m in references]
+    logged = []
+    for step in range(4):
+        for model, optimizer in zip(references, optimizers):
+            losses = [model(rows).pow(2).mean() for rows in data(step, WORLD).chunk(WORLD)]
+            (sum(losses) / WORLD).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            logged.append(sum(loss.item() for loss in losses) / WORLD)
+    torch.testing.assert_close(torch.tensor(results[0]["logged"]), torch.tensor(logged), **ROUNDING)
+    for k, reference in enumerate(references):
+        for a, b, want in zip(results[0]["params"][k], results[1]["params"][k], reference.parameters()):
+            assert torch.equal(a, b)
+            torch.testing.assert_close(a, want.detach(), **ROUNDING)
+
+
+def test_a_checkpoint_holds_rank_0s_buffers(tmp_path):
+    """BatchNorm's running statistics differ between ranks: the checkpoint holds rank 0's, every one
+    of them, and every rank loads those."""
+    results = spawn("batchnorm_checkpoint", tmp_path)
+    names = [name for name, _ in batchnorm_network(seed=0).named_buffers() if "running" in name]
+    assert len(names) == 4
+    for name in names:
+        assert not torch.equal(results[0]["saved"][name], results[1]["saved"][name]), name
+        for rank in range(WORLD):
+            assert torch.equal(results[rank]["loaded"][name], results[0]["saved"][name]), (rank, name)
+
+
 def test_a_rank_that_fails_does_not_leave_the_others_waiting_forever(tmp_path):
     results = spawn("one_rank_fails", tmp_path)
     assert results[1] == "failed before backward"
@@ -323,7 +413,7 @@ def test_host_averages_reduce_each_slice_in_one_collective(tmp_path, monkeypatch
     all_reduce = dist.all_reduce
 
     def counted(tensor, *args, **kwargs):
-        calls.append(tensor.numel())
+        calls.append((tensor.numel(), tensor.dtype))
         return all_reduce(tensor, *args, **kwargs)
 
     monkeypatch.setattr(dist, "all_reduce", counted)
@@ -333,8 +423,12 @@ def test_host_averages_reduce_each_slice_in_one_collective(tmp_path, monkeypatch
         model(data(0, 1)).pow(2).mean().backward()
     finally:
         dist.destroy_process_group()
-    assert len(calls) == model.num_slices < len(list(model.parameters()))
-    assert sum(calls) >= sum(p.numel() for p in model.parameters())
+    # Beside each slice's sums, one count of the ranks with a gradient per parameter (int32).
+    sums = [n for n, dtype in calls if dtype == torch.float32]
+    counts = [n for n, dtype in calls if dtype == torch.int32]
+    assert len(sums) == len(counts) == model.num_slices < len(list(model.parameters()))
+    assert sum(counts) == len(list(model.parameters()))
+    assert sum(sums) >= sum(p.numel() for p in model.parameters())
     reference = network(seed=0)
     reference(data(0, 1)).pow(2).mean().backward()
     for got, want in zip(model.parameters(), reference.parameters()):

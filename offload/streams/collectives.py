@@ -8,6 +8,17 @@ produced its data (the ``after`` events), and the caller's thread goes on meanwh
 averages overlap the backward of earlier slices. Collectives on device memory (NCCL) are issued by
 the caller's thread on a communication stream; see Note: [Device collectives].
 
+Note: [A private group for the worker]
+    The worker issues its collectives while the caller's thread goes on, so they must not share a
+    process group with anything the caller issues: a ``dist.all_reduce(loss)`` or a
+    ``dist.barrier()`` after ``optimizer.step()``, or a second model's worker, would be matched
+    with a queued broadcast of another size on another rank (a hang, or gloo's "Received data size
+    doesn't match"). :class:`HostCollectives` therefore issues them on a group of its own over the
+    same ranks (:func:`private_group`), made at construction, when every rank of the group is there
+    and makes it in the same order. The user's group keeps its meaning: it says which ranks average
+    together, and the structure check and the broadcast of rank 0's tensors at construction, which
+    run in the caller's thread, use it.
+
 A collective that fails (a timeout because another rank died, a broken connection) is raised, at
 the next wait, as :class:`CollectiveError`, saying on which rank and what it was doing.
 
@@ -71,6 +82,8 @@ class HostCollectives:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        # Note: [A private group for the worker]: what the worker issues, the caller's thread never does.
+        self.channel = private_group(group)
         self.worker = copies.new_worker("collectives")
 
     def submit(self, what: str, work: Callable[[], None], after: Sequence[Event | None] = ()) -> Event:
@@ -86,20 +99,22 @@ class HostCollectives:
                 ) from error
         return self.copies.submit(self.worker, guarded, after)
 
-    def average(self, tensors: Sequence[torch.Tensor], add_first: Sequence[torch.Tensor | None],
+    def average(self, spans: Sequence[torch.Tensor], prepare: Callable[[], None], present: torch.Tensor | None,
                 after: Sequence[Event | None], what: str) -> Event:
-        """Replace each tensor by its mean over the group, after adding ``add_first`` (local values
-        to include, or ``None``) to it; returns the event of the finished average."""
+        """Run ``prepare`` (which fills the memory of ``spans``: zeros where this rank has no
+        gradient, local sums added), then replace each span by its mean over the group, and
+        ``present`` (per parameter, 1 where this rank has a gradient) by its sum; returns the event
+        of the end. Every rank passes spans of the same sizes in the same order."""
         def work() -> None:
             with torch.no_grad():
-                for tensor, extra in zip(tensors, add_first):
-                    if extra is not None:
-                        tensor.add_(extra)
-                # One collective per run of memory rather than per tensor: each costs a round
-                # trip between the ranks, and a slice's gradients sit side by side in one buffer.
-                for span in _spans(tensors):
-                    dist.all_reduce(span, group=self.group)
+                prepare()
+                # Issued first and waited for last: it travels beside the sums, not after them.
+                counted = None if present is None else dist.all_reduce(present, group=self.channel, async_op=True)
+                for span in spans:
+                    dist.all_reduce(span, group=self.channel)
                     span.div_(self.world_size)
+                if counted is not None:
+                    counted.wait()
         return self.submit(what, work, after)
 
     def broadcast(self, tensors: Sequence[torch.Tensor], sources: Sequence[int], after: Sequence[Event | None],
@@ -111,10 +126,55 @@ class HostCollectives:
                 # Its memory as one contiguous run: a channels_last or transposed parameter too.
                 flat = flat_alias(tensor)
                 dist.broadcast(tensor if flat is None else flat, src=dist.get_global_rank(self.group, source),
-                               group=self.group)
+                               group=self.channel)
             if then is not None:
                 then()
         return self.submit(what, work, after)
+
+
+def private_group(group: Any) -> Any:
+    """A new process group over the ranks of ``group``, with its backend and timeout (Note: [A
+    private group for the worker]). Every rank of ``group`` calls it, in the same order."""
+    ranks = dist.get_process_group_ranks(group)
+    try:
+        timeout = group._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        timeout = None  # the backend's default: a rank that dies is then noticed later
+    # Ranks outside ``group`` do not make it with us: only a group of every rank may wait for them.
+    local = len(ranks) < dist.get_world_size()
+    return dist.new_group(ranks, timeout=timeout, backend=str(dist.get_backend(group)),
+                          use_local_synchronization=local)
+
+
+def runs(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Flat tensors that cover ``tensors`` (one slice's gradients in the order of their places in
+    one buffer) together: one from the first to the last of each run of neighbours of one dtype
+    in one storage (what lies between, alignment padding, is summed too and read by no one); a
+    tensor that is not dense stays on its own. The runs depend on the places, not on the values,
+    so ranks with the same places reduce the same memory."""
+    spans: list[torch.Tensor] = []
+    run: list[torch.Tensor] = []
+
+    def close() -> None:
+        if run:
+            start, stop = run[0].storage_offset(), run[-1].storage_offset() + run[-1].numel()
+            span = torch.empty(0, dtype=run[0].dtype, device=run[0].device)
+            span.set_(run[0].untyped_storage(), start, (stop - start,))
+            spans.append(span)
+            run.clear()
+
+    for tensor in tensors:
+        flat = flat_alias(tensor)
+        if flat is None:
+            close()
+            spans.append(tensor)
+            continue
+        if run and (flat.dtype != run[-1].dtype or flat.untyped_storage().data_ptr() != run[-1].untyped_storage().data_ptr()
+                    or flat.storage_offset() < run[-1].storage_offset() + run[-1].numel()):
+            close()
+        run.append(flat)
+    close()
+    return spans
 
 
 def _spans(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
