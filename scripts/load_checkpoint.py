@@ -44,6 +44,20 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--compute-dtype", choices=["none", "bf16", "fp16"], default="none")
     parser.add_argument("--json", type=Path, help="write the figures here as well")
     args = parser.parse_args(argv)
+    args.path = args.path.expanduser()
+    # Refused before minutes of loading: a missing folder would be looked up on the Hub, and an
+    # output file that cannot be written would be found only after the load.
+    if not args.path.is_dir():
+        parser.error(f"{args.path}: {'not a directory' if args.path.exists() else 'no such directory'} (a "
+                     "save_pretrained folder is expected)")
+    if (args.path / "offload.json").is_file():
+        parser.error(f"{args.path} is a checkpoint of save_checkpoint(), not a save_pretrained folder: it loads with "
+                     "offload.load_checkpoint(path, model, optimizer) into a model built as its run built it")
+    if args.json is not None:
+        args.json = args.json.expanduser()
+        if not args.json.parent.is_dir() or args.json.is_dir():
+            problem = "is a directory" if args.json.is_dir() else "its directory does not exist"
+            parser.error(f"--json {args.json}: {problem}")
 
     import transformers
 

@@ -82,7 +82,7 @@ def test_a_replacing_save_killed_between_its_renames_leaves_the_previous_checkpo
     assert killed_by_itself(killed_replacing, (str(tmp_path),), DEADLINE_S)
     directory = tmp_path / "ckpt"
     left = sorted(os.listdir(directory))
-    assert left == [".last.partial", ".last.replaced", ".latest.pending", "latest"]
+    assert left == [".last.partial", ".last.replaced", ".latest.last.pending", "latest"]
     saved = torch.load(tmp_path / "saved.pt")
     assert latest_checkpoint(directory) == directory / "last"
     assert_loads_as_saved(directory / "last", saved)

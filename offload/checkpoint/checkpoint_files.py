@@ -78,6 +78,7 @@ class _SummingStream:
         self.error: OSError | None = None  # the write that failed (torch's archive writer hides it)
         self._summing: threading.Thread | None = None
         self._crc: list[int] = []
+        self._summing_error: OSError | None = None  # what the summing thread ran into, raised by checksum()
         self._written_after = False  # written to after the sum started: it is taken again
 
     def write(self, data: Any) -> int:
@@ -95,15 +96,28 @@ class _SummingStream:
         # (the caller sleeps in the sync).
         self.raw.flush()
         if self._summing is None:
-            self._summing = threading.Thread(target=lambda: self._crc.append(file_checksum(self.path)),
-                                             name="offload checkpoint crc32", daemon=True)
+            self._summing = threading.Thread(target=self._sum, name="offload checkpoint crc32", daemon=True)
             self._summing.start()
         return self.raw.fileno()
 
+    def _sum(self) -> None:
+        # Kept for checksum() to raise in the saving thread: raised here, it would be printed as
+        # an uncaught thread error, and the save would report something else.
+        try:
+            self._crc.append(file_checksum(self.path))
+        except OSError as error:
+            self._summing_error = error
+
     def checksum(self) -> int:
-        """The file's CRC-32, once it is written whole (summed now if no sync started it)."""
+        """The file's CRC-32, once it is written whole (summed now if no sync started it).
+
+        Raises:
+            OSError: the file could not be read back (deleted, an I/O error).
+        """
         if self._summing is not None:
             self._summing.join()
+        if self._summing_error is not None and not self._written_after:
+            raise self._summing_error
         if self._summing is None or self._written_after or not self._crc:
             self.raw.flush()
             return file_checksum(self.path)
@@ -147,11 +161,11 @@ def file_checksum(file: Path) -> int:
     crc = 0
     buffer = mmap.mmap(-1, VERIFY_CHUNK)
     try:
-        view = memoryview(buffer)
-        with open(file, "rb", buffering=0) as stream:
+        # Released whatever happens: a view left on the map makes its close raise BufferError,
+        # which would hide the error that stopped the read.
+        with memoryview(buffer) as view, open(file, "rb", buffering=0) as stream:
             while (count := stream.readinto(view)):
                 crc = zlib.crc32(view[:count], crc)
-        view.release()
     finally:
         buffer.close()
     return crc

@@ -10,6 +10,7 @@ What it does not hold: the checksums of the data files, checked as a load starts
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +68,13 @@ def _check_target(path: Path) -> None:
         # Found now, not by the mkdir of the save's first step, whose error named neither path.
         raise NotADirectoryError(f"cannot save a checkpoint at {path}: {above} is a file, not a directory. Choose "
                                  f"another path, or move {above} away first.")
-    if path.is_symlink() or (path.exists() and not path.is_dir()):
+    if path.is_symlink():
+        # The commit renames the target aside and its partial directory into place: through a
+        # link, that would replace the link, not what it points to.
+        raise FileExistsError(f"cannot save a checkpoint at {path}: it is a symbolic link (to {os.readlink(path)}), "
+                              "and save_checkpoint does not save through links. Save to the directory it points to, "
+                              "or remove the link first.")
+    if path.exists() and not path.is_dir():
         raise FileExistsError(f"cannot save a checkpoint at {path}: it is a file, not a checkpoint directory. Choose "
                               "another path, or remove the file first.")
     if path.is_dir() and not (path / INFO_FILE).is_file() and any(path.iterdir()):

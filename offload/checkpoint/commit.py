@@ -2,11 +2,11 @@
 what is tidied after it (Note: [Atomic save]).
 
 What this file holds: the names beside a checkpoint (``latest``, the hidden partial directory and
-the pending ``latest``), :func:`prepare` (clears what killed saves left, makes the partial
-directory), :func:`commit` (writes what is left to write, then renames, undone on failure),
-:func:`tidy` (after the commit: the replaced checkpoint, ``keep_last``), :func:`latest_checkpoint`
-(the checkpoint ``latest`` names) and :func:`committed` (where a load reads a checkpoint). What it
-does not: what a checkpoint holds (``offload/checkpoint/contents.py``), or writing its data
+the pending ``latest``), the lock a save holds on its directory, :func:`prepare` (clears what
+killed saves left, makes the partial directory), :func:`commit` (writes what is left to write,
+then renames, undone on failure), :func:`tidy` (after the commit: the replaced checkpoint,
+``keep_last``), :func:`latest_checkpoint` (the checkpoint ``latest`` names) and
+:func:`committed` (where a load reads a checkpoint). What it does not: what a checkpoint holds (``offload/checkpoint/contents.py``), or writing its data
 (``offload/checkpoint/saver.py``).
 
 Note: [Atomic save]
@@ -17,14 +17,14 @@ Note: [Atomic save]
     1. Every rank writes into ``.<name>.partial`` beside the target; DCP syncs each file to disk
        and writes its ``.metadata`` last (itself through a temporary file).
     2. Rank 0 writes what is left to write before anything is renamed: ``offload.json`` into the
-       partial directory, then the new ``latest`` as ``.latest.pending`` beside it, each synced.
-       A disk that fills up fails here, where undoing is deleting files nobody reads. (Written
+       partial directory, then the new ``latest`` as ``.latest.<name>.pending`` beside it, each
+       synced. A disk that fills up fails here, where undoing is deleting files nobody reads. (Written
        after the commit, ``latest`` needed the last page of a nearly full disk: the save failed
        there, and said so, with a whole checkpoint under its name.)
     3. The commit, renames only, which take no room: a checkpoint of the same name moves to
        ``.<name>.replaced``, the partial directory takes the name, the directory is synced, and
-       ``.latest.pending`` replaces ``latest``. Should a rename fail, those made are undone, in
-       reverse, and the partial files deleted: the save raises with nothing new visible.
+       ``.latest.<name>.pending`` replaces ``latest``. Should a rename fail, those made are undone,
+       in reverse, and the partial files deleted: the save raises with nothing new visible.
     4. The save has succeeded; what follows cannot undo it: the directory is synced again, the
        replaced checkpoint is deleted, and with ``keep_last`` the oldest checkpoints beside it are
        removed (each renamed to ``.<name>.removed`` first, so that none is ever half visible).
@@ -33,17 +33,36 @@ Note: [Atomic save]
 
     A process killed at any moment leaves the previous checkpoint loadable and the new one whole or
     absent. Killed before the commit, it leaves hidden files that nothing reads (``.partial``,
-    ``.latest.pending``); between the renames of a replacement, the old checkpoint at
+    ``.latest.<name>.pending``); between the renames of a replacement, the old checkpoint at
     ``.<name>.replaced``; the next save in that directory deletes the former and puts the latter
     back. Until then a load of ``<name>`` (by its name or through ``latest``) reads the old
     checkpoint where it waits (:func:`committed`): a resume loads before it saves. Killed between
     the directory's rename and ``latest``'s, the new checkpoint is whole under its name while
     ``latest`` still names the previous one (the process reported nothing).
+
+Note: [Saves that share a directory]
+    Several processes (two runs, a run and an evaluation job) may save checkpoints of different
+    names into one directory at the same time; ``latest`` then names the checkpoint whose commit
+    finished last. What a save makes is named after its checkpoint (``.<name>.partial``,
+    ``.latest.<name>.pending``), and each save holds an exclusive ``flock`` on its own directory
+    (the partial one, then the checkpoint it became) from :func:`prepare` until :func:`tidy` is
+    done, as does ``keep_last`` on a checkpoint while removing it. A lock dies with its process:
+    :func:`clean_up` takes a leftover's lock before removing it, and leaves alone what another
+    process holds, and a pending ``latest`` or a replaced checkpoint whose save is live. The lock
+    is taken on the directory itself, so that a save that fails leaves no lock file behind.
+
+    What it does not make safe: two saves of the same name (the second is refused while the
+    first writes), ``keep_last`` (it counts every checkpoint in the directory, whichever run saved
+    it: runs that share a directory remove each other's), and a filesystem that cannot lock a
+    directory (NFS): there a save cannot tell another's partial directory from a killed one's and
+    removes it, as if one run saved there at a time. Give each run a directory of its own there.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import json
 import os
 import shutil
@@ -54,8 +73,15 @@ from .checkpoint_files import CheckpointError
 
 INFO_FILE = "offload.json"
 LATEST_FILE = "latest"
-#: The new ``latest``, written before the commit and renamed over ``latest`` as its last step.
+#: What a save of an earlier version left for its new ``latest`` (one name for every save): a
+#: leftover to delete.
 PENDING_LATEST = ".latest.pending"
+#: The errors of a filesystem that cannot lock a directory (NFS emulates flock with byte-range
+#: locks, which a directory opened for reading cannot take): there a save cannot tell another's.
+_NO_LOCKS = (errno.EBADF, errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
+#: This process's saves in progress: checkpoint path -> descriptor locking its directory (Note:
+#: [Saves that share a directory]).
+_held: dict[Path, int] = {}
 
 
 class HalfCommitted(Exception):
@@ -66,6 +92,12 @@ class HalfCommitted(Exception):
 def partial_directory(path: Path) -> Path:
     """Where a save of checkpoint ``path`` writes until its commit (hidden, beside it)."""
     return path.parent / f".{path.name}.partial"
+
+
+def pending_latest(path: Path) -> Path:
+    """The new ``latest`` a save of checkpoint ``path`` writes before its commit: named after the
+    checkpoint, so that saves of other checkpoints beside it write their own."""
+    return path.parent / f".latest.{path.name}.pending"
 
 
 def _aside(path: Path) -> Path:
@@ -81,21 +113,56 @@ def committed(path: Path) -> Path:
 
     It renames nothing: every rank of a load reads the same directory without agreeing first, and
     a read-only copy of the directory loads too; putting the checkpoint back is the save's part
-    (:func:`clean_up`, on rank 0, before anything is written).
+    (:func:`clean_up`, on rank 0, before anything is written). A leading ``~`` is expanded.
+
+    Raises:
+        CheckpointError: ``path`` is the directory the checkpoints were saved into (it holds
+            ``latest`` and no ``offload.json``); the message names the checkpoint ``latest`` names.
     """
+    path = path.expanduser()
     if not path.exists() and _aside(path).is_dir():
         return _aside(path)
+    if (path / LATEST_FILE).is_file() and not (path / INFO_FILE).exists():
+        # Read as a checkpoint, it would be "incomplete: offload.json is missing", which it is not.
+        raise CheckpointError(f"{path} is the directory checkpoints were saved into, not a checkpoint: its "
+                              f"{LATEST_FILE} names {latest_checkpoint(path)}, the last one saved there. Load that "
+                              f"one (latest_checkpoint({str(path)!r}) returns it).")
     return path
 
 
 def prepare(path: Path) -> Path:
     """Create the parent of checkpoint ``path``, clear what killed saves left there, and create the
-    partial directory a save writes into; returns it."""
+    partial directory a save writes into, locked until the save ends (Note: [Saves that share a
+    directory]); returns it.
+
+    Raises:
+        CheckpointError: another process is saving a checkpoint of that name now.
+        OSError: the parent or the partial directory could not be made.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
+    # Saves of one process follow one another: a lock still held is a failed save's, whose
+    # partial directory its saver deleted.
+    for held in list(_held):
+        _release(held)
     clean_up(path.parent)
     partial = partial_directory(path)
-    partial.mkdir()
-    return partial
+    while True:
+        try:
+            partial.mkdir()
+        except FileExistsError:
+            descriptor = _lock(partial)  # clean_up() left it: locked, unless it was left meanwhile
+            if descriptor is None:
+                raise CheckpointError(f"cannot save checkpoint {path}: another process is saving a checkpoint of "
+                                      f"that name there now ({partial} is its partial directory). Save under "
+                                      "another name, or once it is done.") from None
+            _remove_locked(partial, descriptor)
+            continue
+        # Blocking: only a clean_up() elsewhere can hold it, for as long as it takes to see it is ours
+        # (or, between our mkdir and this lock, to delete it: then it is made again).
+        descriptor = _lock(partial, wait=True)
+        if descriptor is not None:
+            _held[path] = descriptor
+            return partial
 
 
 def commit(path: Path, info: Callable[[], bytes]) -> None:
@@ -109,13 +176,14 @@ def commit(path: Path, info: Callable[[], bytes]) -> None:
         HalfCommitted: a rename failed and undoing the ones before it failed too.
     """
     partial = partial_directory(path)
-    pending = path.parent / PENDING_LATEST
+    pending = pending_latest(path)
     try:
         write_synced(partial / INFO_FILE, info())
         fsync_directory(partial)
         write_synced(pending, path.name.encode())
     except BaseException:
         _discard(partial, pending)
+        _release(path)
         raise
     renamed: list[tuple[Path, Path]] = []  # (from, to), in the order made
 
@@ -131,8 +199,11 @@ def commit(path: Path, info: Callable[[], bytes]) -> None:
         fsync_directory(path.parent)  # the checkpoint's name is on disk before ``latest`` names it
         os.replace(pending, path.parent / LATEST_FILE)
     except BaseException as error:
-        _undo(path, renamed, error)
-        _discard(partial, pending)
+        try:
+            _undo(path, renamed, error)
+            _discard(partial, pending)
+        finally:
+            _release(path)
         raise
 
 
@@ -164,45 +235,63 @@ def _discard(partial: Path, pending: Path) -> None:
 
 def tidy(path: Path, keep_last: int | None) -> list[str]:
     """After the commit of checkpoint ``path`` (Note: [Atomic save], step 4): sync its directory,
-    delete the checkpoint it replaced, and keep only the newest ``keep_last`` beside it. The save
-    has succeeded: what fails here is returned, one sentence each, for a warning, not raised."""
+    delete the checkpoint it replaced, keep only the newest ``keep_last`` beside it, and end the
+    save (its lock). The save has succeeded: what fails here is returned, one sentence each, for a
+    warning, not raised."""
     saved = f"checkpoint {path} is saved and {path.parent / LATEST_FILE} names it"
     problems = []
     try:
-        fsync_directory(path.parent)
-    except OSError as error:
-        problems.append(f"{saved}, but syncing {path.parent} failed ({error}): a crash now could lose the new names")
-    if _aside(path).exists():
         try:
-            shutil.rmtree(_aside(path))
+            fsync_directory(path.parent)
         except OSError as error:
-            problems.append(f"{saved}, but deleting the checkpoint it replaced, moved to {_aside(path)}, failed "
-                            f"({error}); the next save there deletes it")
-    try:
-        older = _beyond(path, keep_last)
-    except OSError as error:
-        older = []
-        problems.append(f"{saved}, but keep_last={keep_last} could not list {path.parent} ({error})")
-    for old in older:
-        hidden = old.parent / f".{old.name}.removed"
+            problems.append(f"{saved}, but syncing {path.parent} failed ({error}): a crash now could lose the new "
+                            "names")
+        if _aside(path).exists():
+            try:
+                shutil.rmtree(_aside(path))
+            except OSError as error:
+                problems.append(f"{saved}, but deleting the checkpoint it replaced, moved to {_aside(path)}, failed "
+                                f"({error}); the next save there deletes it")
         try:
-            os.replace(old, hidden)
-            shutil.rmtree(hidden)
+            older = _beyond(path, keep_last)
         except OSError as error:
-            problems.append(f"{saved}, but keep_last={keep_last} could not remove {old} ({error}); the next save "
-                            "there tries again")
+            older = []
+            problems.append(f"{saved}, but keep_last={keep_last} could not list {path.parent} ({error})")
+        for old in older:
+            try:
+                _remove(old)
+            except OSError as error:
+                problems.append(f"{saved}, but keep_last={keep_last} could not remove {old} ({error}); the next "
+                                "save there tries again")
+    finally:
+        _release(path)
     return problems
+
+
+def _remove(checkpoint: Path) -> None:
+    """Remove ``checkpoint`` for ``keep_last``, renamed to ``.<name>.removed`` first so that it is
+    never half visible; under its lock, which a save replacing it holds (then it stays)."""
+    descriptor = _lock(checkpoint)
+    if descriptor is None:
+        return  # another process is saving a checkpoint of that name, or removing it
+    try:
+        hidden = checkpoint.parent / f".{checkpoint.name}.removed"
+        os.replace(checkpoint, hidden)
+        shutil.rmtree(hidden)
+    finally:
+        os.close(descriptor)
 
 
 def _beyond(path: Path, keep_last: int | None) -> list[Path]:
     """The checkpoints beside ``path`` older than the newest ``keep_last`` (by when they were
     saved; none when ``keep_last`` is ``None``). A directory whose ``offload.json`` is not ours is
-    not a checkpoint to remove."""
+    not a checkpoint to remove, nor is a symbolic link (a user's name for a checkpoint, kept
+    wherever it points: not a save's to remove, nor to count)."""
     if keep_last is None:
         return []
     saved: list[tuple[int, Path]] = []
     for sibling in path.parent.iterdir():
-        if sibling.name.startswith(".") or not (sibling / INFO_FILE).is_file():
+        if sibling.name.startswith(".") or sibling.is_symlink() or not (sibling / INFO_FILE).is_file():
             continue
         try:
             saved.append((json.loads((sibling / INFO_FILE).read_text())["saved_ns"], sibling))
@@ -213,23 +302,128 @@ def _beyond(path: Path, keep_last: int | None) -> list[Path]:
 
 
 def clean_up(directory: Path) -> None:
-    """Remove what killed saves left in ``directory``: partial checkpoints, a pending ``latest``,
-    and checkpoints moved out of sight to be removed; a checkpoint moved aside for a replacement
-    that never took its name is put back (it is whole: it is deleted only after the replacement
-    took its name)."""
-    for entry in directory.iterdir():
-        if entry.name == PENDING_LATEST and not entry.is_dir():
-            entry.unlink()
-        if not (entry.name.startswith(".") and entry.is_dir()):
+    """Remove what killed saves left in ``directory``: partial checkpoints, pending ``latest``
+    files, and checkpoints moved out of sight to be removed; a checkpoint moved aside for a
+    replacement that never took its name is put back (it is whole: it is deleted only after the
+    replacement took its name).
+
+    What a live save uses stays (Note: [Saves that share a directory]), and so does a symbolic
+    link: no save makes one. What cannot be removed stays too, for the next save to try again: a
+    leftover never stops a save.
+    """
+    for entry in sorted(directory.iterdir()):
+        try:
+            _clean_entry(directory, entry)
+        except OSError:
             continue
-        if entry.name.endswith((".partial", ".removed")):
-            shutil.rmtree(entry)
-        elif entry.name.endswith(".replaced"):
-            original = directory / entry.name[1:-len(".replaced")]
-            if original.exists():
-                shutil.rmtree(entry)
-            else:
-                os.replace(entry, original)
+
+
+def _clean_entry(directory: Path, entry: Path) -> None:
+    """What :func:`clean_up` does with ``entry``: nothing unless it is a save's hidden leftover."""
+    name = entry.name
+    if entry.is_symlink():
+        # An earlier version's keep_last moved a user's link to a checkpoint here: it goes back.
+        original = directory / name[1:-len(".removed")]
+        if name.startswith(".") and name.endswith(".removed") and not os.path.lexists(original):
+            os.replace(entry, original)
+        return
+    if name == PENDING_LATEST:  # an earlier version's, one name for every save
+        entry.unlink()
+        return
+    if name.startswith(".latest.") and name.endswith(".pending") and entry.is_file():
+        if not _busy(directory / name[len(".latest."):-len(".pending")]):
+            entry.unlink()
+        return
+    suffix = next((s for s in (".partial", ".removed", ".replaced") if name.endswith(s)), None)
+    if not name.startswith(".") or suffix is None or not entry.is_dir():
+        return
+    if suffix == ".replaced":
+        _put_back(entry, directory / name[1:-len(suffix)])
+        return
+    descriptor = _lock(entry)
+    if descriptor is not None:  # else a live save writes it, or removes it
+        _remove_locked(entry, descriptor)
+
+
+def _put_back(aside: Path, checkpoint: Path) -> None:
+    """Put a checkpoint moved aside for a replacement back under its name, or delete it where the
+    replacement took the name; neither while the replacing save is live (between its renames)."""
+    if _busy(checkpoint):
+        return
+    descriptor = _lock(aside)
+    if descriptor is None:
+        return
+    try:
+        if os.path.lexists(checkpoint):
+            shutil.rmtree(aside)
+        else:
+            os.replace(aside, checkpoint)
+    finally:
+        os.close(descriptor)
+
+
+def _busy(checkpoint: Path) -> bool:
+    """Whether a live save of ``checkpoint`` holds its lock: on its partial directory, or, once
+    renamed, on the checkpoint until its tidying is done."""
+    for directory in (partial_directory(checkpoint), checkpoint):
+        if directory.is_symlink() or not directory.is_dir():
+            continue
+        descriptor = _lock(directory)
+        if descriptor is None:
+            return True
+        os.close(descriptor)
+    return False
+
+
+def _lock(directory: Path, wait: bool = False) -> int | None:
+    """A descriptor of ``directory`` holding its lock (Note: [Saves that share a directory]), or
+    ``None`` when another process holds it (or ``wait``: it was deleted as we waited, or is not a
+    directory). On a filesystem that cannot lock a directory, the descriptor holds no lock.
+
+    Raises:
+        OSError: ``directory`` could not be opened (permissions).
+    """
+    try:
+        descriptor = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as error:
+        if error.errno == errno.ELOOP:  # a symbolic link: no save's
+            return None
+        raise
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        # The one who held it may have deleted it, or put another in its place: not this one then.
+        if not os.path.samestat(os.stat(directory, follow_symlinks=False), os.fstat(descriptor)):
+            os.close(descriptor)
+            return None
+    except BlockingIOError:
+        os.close(descriptor)
+        return None
+    except FileNotFoundError:
+        os.close(descriptor)
+        return None
+    except OSError as error:
+        if error.errno not in _NO_LOCKS:
+            os.close(descriptor)
+            raise
+    return descriptor
+
+
+def _remove_locked(directory: Path, descriptor: int) -> None:
+    """Delete ``directory``, whose lock ``descriptor`` holds, then let the lock go."""
+    try:
+        shutil.rmtree(directory)
+    finally:
+        os.close(descriptor)
+
+
+def _release(path: Path) -> None:
+    """End this process's save of checkpoint ``path``: let its directory's lock go."""
+    descriptor = _held.pop(path, None)
+    if descriptor is not None:
+        with contextlib.suppress(OSError):
+            os.close(descriptor)
 
 
 def write_synced(file: Path, data: bytes) -> None:
@@ -263,7 +457,7 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
             ``latest`` is a directory: neither is what :func:`~offload.save_checkpoint` writes; the
             message says what to pass or move.
     """
-    directory = Path(directory)
+    directory = Path(directory).expanduser()
     pointer = directory / LATEST_FILE
     try:
         name = pointer.read_text().strip()

@@ -102,7 +102,7 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
         ...                 extra={"step": step, "scheduler": scheduler.state_dict()}, keep_last=3)
     """
     extra_nbytes = _check_save_arguments(model, optimizer, extra, keep_last)
-    path = Path(path)
+    path = Path(path).expanduser()
     _check_target(path)
     group, rank, world_size = _group(model, optimizer, process_group)
     names = _parameter_names(model)

@@ -32,6 +32,7 @@ from torch import nn
 
 from ..model import OffloadModel
 from ..planning.rates import ADAMW_BYTES_PER_PARAMETER, MachineRates, default_rates_path, save_rates
+from .finetune_args import user_path
 
 
 def _median_seconds(fn: Callable[[], None], repeats: int, sync: Callable[[], None] = lambda: None) -> float:
@@ -197,9 +198,9 @@ def calibrate(directory: Path | None = None, device: torch.device | None = None)
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="offload calibrate", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=default_rates_path(),
+    parser.add_argument("--out", type=user_path, default=default_rates_path(),
                         help="where to write the rates (default: %(default)s)")
-    parser.add_argument("--dir", type=Path, help="measure the disk here (where the disk tier would live)")
+    parser.add_argument("--dir", type=user_path, help="measure the disk here (where the disk tier would live)")
     parser.add_argument("--device", help="cuda or cpu (default: cuda when present)")
     args = parser.parse_args(argv)
     rates = calibrate(args.dir, torch.device(args.device) if args.device else None)

@@ -59,7 +59,7 @@ from ..clipping import clip_grad_norm_
 from ..tiers.disk_tier import DiskTier
 from ..model import OffloadModel
 from ..optimizer import OffloadOptimizer
-from .finetune_args import DTYPES, SCHEDULES, no_steps_left, parse_args
+from .finetune_args import DTYPES, SCHEDULES, no_steps_left, parse_args, resume_directory_advice
 from .models import (four_bit_settings, pretrained_model, pretrained_tokenizer, quantized_random_model, random_model,
                      with_lora)
 from .outputs import OutputError, RunRecord, Write, check_room, check_writable, mark_export
@@ -436,6 +436,8 @@ def resume_failure(args: argparse.Namespace, error: CheckpointError) -> str:
     slices = re.search(r"saved from a model cut into (\d+) slices", finding)
     if slices is not None:
         advice = f"pass --num-slices {slices[1]}, as the run that saved it did"
+    elif "the directory checkpoints were saved into" in finding:
+        return resume_directory_advice(args.resume)
     elif "damaged" in finding or "incomplete" in finding or finding.startswith("no checkpoint"):
         advice = f"pass --resume an earlier checkpoint (under {args.out / 'checkpoints'}), or leave out --resume"
     elif (positions := _saved_positions(args, error)) is not None:

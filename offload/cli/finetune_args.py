@@ -66,14 +66,20 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
         return super()._get_help_string(action)
 
 
+def user_path(text: str) -> Path:
+    """A path option's value, ``~`` expanded: a shell leaves ``--out=~/tuned`` as it is, and the
+    run would make a directory named ``~`` here and report it as the home directory."""
+    return Path(text).expanduser()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="offload-finetune", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=HelpFormatter)
-    parser.add_argument("--model", type=Path, help="local directory with weights (and tokenizer) to fine-tune")
+    parser.add_argument("--model", type=user_path, help="local directory with weights (and tokenizer) to fine-tune")
     parser.add_argument("--arch", default="llama", choices=ARCHITECTURES,
                         help="architecture of the random-initialised model when no --model is given")
     parser.add_argument("--size", default="tiny", choices=sorted(SIZES), help="size of the random-initialised model")
-    parser.add_argument("--out", type=Path, required=True,
+    parser.add_argument("--out", type=user_path, required=True,
                         help="directory for the trained model (or adapter) and its tokenizer")
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps")
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per forward")
@@ -98,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="seed of the model's initialisation and the data order")
     parser.add_argument("--no-progress", action="store_true",
                         help="print one line per step instead of a bar, and no loading bars")
-    parser.add_argument("--disk-tier", type=Path, metavar="DIR",
+    parser.add_argument("--disk-tier", type=user_path, metavar="DIR",
                         help="keep AdamW's moments in files in DIR, a local disk (OffloadOptimizer(disk_tier=...))")
     parser.add_argument("--masters-on-disk", action="store_true",
                         help="keep the float32 masters in files in --disk-tier's DIR too (OffloadModel(masters=...))")
@@ -117,7 +123,7 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
     data = parser.add_argument_group(
         "data", "read and tokenised lazily, packed into --seq-len blocks (offload.integrations.data);\n"
         'parquet, .csv and datasets directories need pip install "offload[data]"')
-    data.add_argument("--data", "--text", dest="data", type=Path, default=DEFAULT_TEXT, metavar="PATH",
+    data.add_argument("--data", "--text", dest="data", type=user_path, default=DEFAULT_TEXT, metavar="PATH",
                       help="training data: plain text (.txt, .md), JSON lines (.jsonl), .parquet, .csv, or a "
                            "datasets directory (save_to_disk) (default: a short text shipped with the package)")
     data.add_argument("--text-field", metavar="NAME",
@@ -125,7 +131,7 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
                            "rendered with the tokenizer's chat template)")
     data.add_argument("--shuffle-buffer", type=int, default=256, metavar="BLOCKS",
                       help="draw blocks at random from a buffer of this many (1: in file order)")
-    data.add_argument("--eval-file", type=Path, metavar="PATH", help="evaluation data, in any --data format")
+    data.add_argument("--eval-file", type=user_path, metavar="PATH", help="evaluation data, in any --data format")
     data.add_argument("--eval-fraction", type=float, default=0.0, metavar="F",
                       help="hold out this fraction of --data's blocks for evaluation instead")
     data.add_argument("--eval-every", type=int, default=0, metavar="N",
@@ -302,10 +308,14 @@ def check_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         if args.resume is None:
             parser.error(f"--resume latest: no checkpoint under {args.out / 'checkpoints'} yet")
     elif args.resume is not None:
-        args.resume = Path(args.resume)
+        args.resume = user_path(args.resume)
         # A save replacing it, killed half way, leaves the checkpoint beside its name until the
         # next save puts it back; the load reads it there (Note: [Atomic save]).
-        if not committed(args.resume).is_dir():
+        try:
+            found = committed(args.resume).is_dir()
+        except CheckpointError:  # the directory checkpoints were saved into, not one of them
+            parser.error(resume_directory_advice(args.resume))
+        if not found:
             parser.error(f"--resume {args.resume}: no such checkpoint directory")
     # Note: [Never lose a run], rule 4, from the name the run gave the checkpoint, before a model is
     # built for nothing; resume() checks the step saved in it, whatever its name.
@@ -313,6 +323,20 @@ def check_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     refusal = None if named is None else no_steps_left(int(named[1]), args.steps, args.out)
     if refusal is not None:
         parser.error(refusal)
+
+
+def resume_directory_advice(directory: Path) -> str:
+    """The line for ``--resume`` given the directory checkpoints were saved into: the checkpoint
+    its ``latest`` names, in the command's terms."""
+    try:
+        named = latest_checkpoint(directory)
+    except CheckpointError as error:
+        return f"--resume {directory}: {error}"
+    advice = f"pass --resume {named}"
+    if directory.name == "checkpoints":
+        advice += f", or --resume latest with --out {directory.parent}"
+    return (f"--resume {directory} is the directory checkpoints were saved into, not a checkpoint: its latest names "
+            f"{named}; {advice}")
 
 
 def no_steps_left(step: int, steps: int, out: Path) -> str | None:

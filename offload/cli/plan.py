@@ -30,6 +30,7 @@ from ..planning.choose import DEVICE_MARGIN, HOST_MARGIN, Candidate, Limits, Pla
 from ..planning.presets import preset_names
 from ..planning.rates import GPU_DEFAULTS, MachineRates, default_rates_path, load_rates
 from ..planning.timing import SCHEDULES
+from .finetune_args import user_path
 from .plan_alternatives import Alternative, alternatives
 from .plan_models import DEFAULT_SEQ_LEN, DTYPES, PlanInputError, Workload, _one_line, workload
 from .quantize import QUANT_TYPES
@@ -67,14 +68,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                            "cannot then start in backward, so the in-backward schedule is not chosen")
     machine = parser.add_argument_group("the machine")
     machine.add_argument("--gpu", choices=sorted(GPU_DEFAULTS), help="device and link rates of a common GPU")
-    machine.add_argument("--rates", type=Path, help=f"rates from `offload calibrate` (default: {default_rates_path()})")
+    machine.add_argument("--rates", type=user_path, help=f"rates from `offload calibrate` (default: {default_rates_path()})")
     machine.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="the compute device")
     machine.add_argument("--device-memory", type=float, metavar="GiB", help="device memory (default: from the rates)")
     machine.add_argument("--host-memory", type=float, metavar="GiB", help="host RAM to use (default: available now)")
     machine.add_argument("--pinned-memory", type=float, metavar="GiB",
                          help="the most host memory the platform lets the GPU driver pin, where it is below the RAM "
                               "(WSL2, some containers); ulimit -l does not limit it (default: no limit of its own)")
-    machine.add_argument("--disk-dir", metavar="DIR", help="where a disk tier may live (default: no disk tier)")
+    machine.add_argument("--disk-dir", type=os.path.expanduser, metavar="DIR", help="where a disk tier may live (default: no disk tier)")
     machine.add_argument("--disk", type=float, metavar="GiB", help="disk space there (default: free space now)")
     fixed = parser.add_argument_group("keep fixed (default: the planner chooses)")
     fixed.add_argument("--num-slices", type=int)

@@ -97,13 +97,18 @@ def load_causal_lm(
             ``config.json`` has a ``quantization_config``), stored tensors that need a conversion
             other than stacking experts, a ``quantization_config`` other than bitsandbytes' 4 bits
             on the default skip list and storage, or what ``causal_lm_sequential`` refuses.
-        FileNotFoundError: no safetensors checkpoint in ``path``.
+        FileNotFoundError: ``path`` is not a directory (checked before ``transformers`` is asked,
+            which would take a missing folder for a Hub model's name), or it holds no safetensors
+            checkpoint.
+        ValueError: ``path`` is a :func:`~offload.save_checkpoint` directory (``offload.json``),
+            which :func:`~offload.load_checkpoint` loads into a model built first.
 
     Example::
 
         model, hf = load_causal_lm("path/to/model", device="cuda", num_slices=8, compute_dtype=torch.bfloat16)
         optimizer = offload.OffloadOptimizer(model, torch.optim.AdamW, lr=1e-5)
     """
+    path = _model_folder(path)
     config = AutoConfig.from_pretrained(path)
     _refuse_saved_quantized(path, config)
     checkpoint = SafetensorsCheckpoint(path)
@@ -122,6 +127,22 @@ def load_causal_lm(
     model = build_from_checkpoint(layers, checkpoint, device, init_buffers=_buffer_initialiser(hf_model),
                                   place=_placement(hf_model, layers, meta_state), **options)
     return model, hf_model
+
+
+def _model_folder(path: str | os.PathLike[str]) -> str:
+    """``path`` with ``~`` expanded, once it is a folder that is not a :func:`save_checkpoint`
+    directory; one line of refusal otherwise (``from_pretrained`` would look a missing folder up
+    on the Hub, and call a checkpoint directory an unrecognized model)."""
+    folder = os.path.expanduser(os.fspath(path))
+    if not os.path.isdir(folder):
+        what = "is a file" if os.path.exists(folder) else "does not exist"
+        raise FileNotFoundError(f"load_causal_lm: {folder} {what}; pass a local model folder (config.json and "
+                                "*.safetensors, as save_pretrained writes)")
+    if os.path.isfile(os.path.join(folder, "offload.json")):
+        raise ValueError(f"load_causal_lm: {folder} is a checkpoint of save_checkpoint(), not a model folder: build "
+                         "the model as its run did (load_causal_lm of the model folder it started from, or "
+                         "offload-finetune's options), then load_checkpoint(path, model, optimizer)")
+    return folder
 
 
 def _refuse_saved_quantized(path: str | os.PathLike[str], config: Any) -> None:

@@ -105,8 +105,13 @@ def make_directory(path: Path, what: str) -> bool:
     whatever disk holds the root, and fill it. Returns whether it made it.
 
     Raises:
-        ValueError: ``path`` is a file, its parent does not exist, or it cannot be written to.
+        ValueError: ``path`` is a file, its parent does not exist, it cannot be written to, or it
+            starts with ``~`` (which the caller did not expand).
     """
+    if str(path).startswith("~") and Path(path).expanduser() != Path(path):
+        # Made as given, it would be a directory named "~" here, not in the home directory.
+        raise ValueError(f"{what} {path} starts with '~', which is not expanded here: pass "
+                         f"{Path(path).expanduser()} (os.path.expanduser)")
     if path.exists() and not path.is_dir():
         raise ValueError(f"{what} {path} is a file, not a directory; point it at a directory on a local disk")
     if not path.exists():

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import functools
 import os
+import pathlib
 import weakref
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
@@ -115,6 +116,9 @@ class DiskTier:
     def __post_init__(self) -> None:
         if not isinstance(self.path, (str, os.PathLike)) or not str(self.path):
             raise TypeError(f"DiskTier path must be a directory path (a str or os.PathLike), got {self.path!r}")
+        # ``~`` as the shell would expand it: left alone, the files would go to a directory named ``~`` here.
+        expanded = os.path.expanduser(self.path)
+        object.__setattr__(self, "path", expanded if isinstance(self.path, str) else pathlib.Path(expanded))
         for name in ("keep", "direct"):
             value = getattr(self, name)
             if not isinstance(value, bool):
