@@ -13,7 +13,8 @@ Usage::
     python scripts/profile_memory.py --model mypackage.models:build --input-shape 3,224,224 --batch-size 32
     python scripts/profile_memory.py --preset mlp --no-resident --expect-peak-below 2GiB   # a memory budget for CI
 
-Exit status: 0, or 1 when ``--expect-peak-below`` is exceeded or a mode fails, 2 for bad arguments.
+Exit status: 0, or 1 when ``--expect-peak-below`` is exceeded or a mode fails, 2 for bad arguments
+(found before the first mode runs: the output paths, the device and the model among them).
 The measuring code is ``offload/profiling/``; the models are ``offload/planning/presets.py``.
 """
 
@@ -41,6 +42,9 @@ from offload.profiling import (
     parse_size,
     profile_modes,
 )
+from offload.profiling.formatting import error_reason
+from offload.profiling.outputs import check_output_path
+from offload.profiling.runner import check_device
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -116,18 +120,30 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     if args.sample_interval <= 0:
         parser.error(f"--sample-interval must be positive, got {args.sample_interval}")
     try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        parser.error(f"unknown --device {args.device!r}; use cuda, cuda:N or cpu")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device {args.device} was requested, but CUDA is not available here; use --device cpu")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        parser.error(f"--device {args.device} was requested, but there are {torch.cuda.device_count()} CUDA devices")
+        check_device(args.device)
+    except ValueError as error:
+        parser.error(f"--device: {error}")
     if args.plot:
         try:
             check_plotting()  # now, not after a long run
         except PlotUnavailable as error:
             parser.error(f"--plot: {error}")
+    check_outputs(parser, args)
+
+
+def check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Make each output's directory and check the file can be written there, before the first
+    mode runs: a path found wrong after the run would lose every measurement."""
+    for flag, path in (("--json", args.json), ("--csv", args.csv), ("--plot", args.plot)):
+        if not path:
+            continue
+        try:
+            if os.path.dirname(path) and not os.path.lexists(os.path.dirname(path)):
+                os.makedirs(os.path.dirname(path))
+            check_output_path(path, flag)
+        except OSError as error:
+            # makedirs's own errors lack the flag; check_output_path's name it.
+            parser.error(str(error) if str(error).startswith(flag) else f"{flag}: cannot write {path!r}: {error}")
 
 
 def positive_int(text: str) -> int:
@@ -176,9 +192,6 @@ def main(argv: list[str] | None = None) -> int:
     expectation = None
     if args.expect_peak_below is not None:
         expectation = check_budget(profile, args.expect_peak_below)
-    for path in (args.json, args.csv, args.plot):
-        if path and os.path.dirname(path):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
     if args.json:
         result = {
             "tool": "profile_memory",
@@ -212,9 +225,13 @@ def preset_builder(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
             return build_preset(args.preset)
     try:
         return FreshEachCall(make)
-    except (ValueError, TypeError) as error:
+    except (ValueError, TypeError) as error:  # the preset's checks, the factory's import, name and return value
         parser.error(str(error))
-        raise  # unreachable: parser.error exits
+    except Exception as error:
+        if args.model is None:
+            raise  # a preset that fails to build is this project's bug: its traceback says where
+        parser.error(f"--model {args.model}: the factory raised {error_reason(error)}")
+    raise AssertionError("unreachable: parser.error exits")
 
 
 def check_budget(profile: Profile, budget: int) -> dict[str, object]:

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from offload.cli.main import main
-from offload.cli.plan import parse_args, run_plan
+from offload.cli.plan import Planner, machine_limits, machine_rates, parse_args, run_plan
+from offload.cli.plan_alternatives import Alternative
 from offload.planning.choose import gib, least_needs
 from offload.planning.rates import GPU_DEFAULTS
 
@@ -67,11 +70,12 @@ def inputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "plan_cli_no_params.py").write_text("from torch import nn\n\n\ndef build():\n"
                                                     "    return nn.Sequential(nn.ReLU(), nn.Tanh())\n")
     (tmp_path / "plan_cli_broken.py").write_text("def build(:\n")
+    (tmp_path / "plan_cli_raises.py").write_text("def build():\n    raise RuntimeError('no weights here')\n")
     (tmp_path / "gpt2.json").write_text(json.dumps(GPT2))
     for name, change in (BAD_RATES | {"no_link": {"host_to_device": 0.0}}).items():
         (tmp_path / f"rates_{name}.json").write_text(json.dumps(GPU_DEFAULTS["a100"].to_json() | change))
     yield tmp_path
-    for module in ("plan_cli_factory", "plan_cli_no_params", "plan_cli_broken"):
+    for module in ("plan_cli_factory", "plan_cli_no_params", "plan_cli_broken", "plan_cli_raises"):
         sys.modules.pop(module, None)
 
 
@@ -158,6 +162,8 @@ BAD_INPUTS = {
                                  "returned an nn.Sequential without parameters"),
     "model not python": (["--model", "plan_cli_broken:build", "--input-shape", "8", "--gpu", "a100"],
                          "cannot import 'plan_cli_broken' for --model plan_cli_broken:build: invalid syntax"),
+    "model factory raises": (["--model", "plan_cli_raises:build", "--input-shape", "8", "--gpu", "a100"],
+                             "--model plan_cli_raises:build: the factory raised RuntimeError: no weights here"),
 }
 
 
@@ -293,3 +299,31 @@ def test_a_config_given_as_json_longer_than_a_file_name_is_read_as_json(capsys):
     assert len(config) > 255
     main(["plan", "--hf-config", config, "--gpu", "a100", "--host-memory", "8"])
     assert "model = OffloadModel(" in capsys.readouterr().out
+
+
+#: Llama-3-8B's shapes, as its config.json gives them: docs/planning.md's "When nothing fits".
+LLAMA3_8B = ('{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, '
+             '"intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32, '
+             '"num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192, '
+             '"rms_norm_eps": 1e-05, "rope_theta": 500000.0, "hidden_act": "silu", "tie_word_embeddings": false, '
+             '"torch_dtype": "bfloat16"}')
+
+
+def test_the_nothing_fits_example_of_the_planning_doc_is_what_the_planner_says():
+    """The block is the command's output; this checks its two lines that carry the advice (what the
+    model needs, and that a disk tier makes it fit) against the planner, without the command's
+    subprocess."""
+    text = (Path(__file__).resolve().parent.parent / "docs/planning.md").read_text()
+    block = re.search(r"on\n`--gpu rtx-4090 --host-memory 64`:\n\n```\n(.*?)```", text, re.S)
+    assert block, "the example's block moved: update this test"
+    args = parse_args(["--hf-config", LLAMA3_8B, "--gpu", "rtx-4090", "--host-memory", "64", "--batch-size", "8",
+                       "--seq-len", "2048"])
+    planner = Planner(machine_rates(args))
+    limits = machine_limits(args, planner.rates)
+    needs = least_needs(planner.plan(args, limits).candidates, limits)
+    assert f"nothing fits: needs {gib(needs.host_memory)} of host memory" in block[1]
+    tiered_limits = replace(limits, disk_dir="DIR", disk=None)
+    tiered_plan = planner.plan(args, tiered_limits)  # the same planner: the model's profiles are reused
+    tiered = Alternative("--disk-dir DIR", tiered_plan, least_needs(tiered_plan.candidates, tiered_limits),
+                         tiered_limits)
+    assert f"--disk-dir DIR              {tiered.describe()}" in block[1]

@@ -129,7 +129,8 @@ def preset_from_factory(spec: str, input_shape: Sequence[int], vocab: int | None
 
     Raises:
         ValueError: a malformed spec, a module that cannot be imported (or is not valid Python), a
-            missing or non-callable factory, a bad shape, or a model without parameters.
+            missing or non-callable factory, a factory that raised, a bad shape, or a model
+            without parameters.
         TypeError: the factory returned something other than an ``nn.Sequential``.
     """
     module_name, _, attribute = spec.partition(":")
@@ -150,7 +151,12 @@ def preset_from_factory(spec: str, input_shape: Sequence[int], vocab: int | None
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = factory()
+        try:
+            model = factory()
+        except Exception as error:  # the user's code: one line that names it, not a traceback into ours
+            first = (str(error).strip().splitlines() or [""])[0]
+            raise ValueError(f"--model {spec}: the factory raised {type(error).__name__}"
+                             f"{': ' + first if first else ''}") from error
     if not isinstance(model, nn.Sequential):
         raise TypeError(f"{spec} returned a {type(model).__name__}; it must return an nn.Sequential")
     if not any(True for _ in model.parameters()):

@@ -19,12 +19,14 @@ This package measures and reports (table, JSON, CSV, plot); models and inputs co
 :mod:`offload.planning.presets`, and the command line is ``scripts/profile_memory.py``. Its files:
 
 - ``modes``: what runs (:class:`Mode`, :func:`offload_modes`);
-- ``runner``: every mode in turn, isolated from the others (:func:`profile_modes`, :class:`ModeFailed`);
+- ``runner``: every mode in turn, isolated from the others (:func:`profile_modes`, :class:`ModeFailed`,
+  ``check_device``);
 - ``measure``: one mode, phase by phase, into a result (:func:`host_buffer_bytes`);
 - ``sampler``: the background thread that samples memory over time;
 - ``nvml``: NVML's view of a GPU (:func:`open_nvml`);
 - ``results``: what was found, as a table, JSON and CSV (:class:`Profile`);
 - ``plot``: memory over time as a PNG (:class:`PlotUnavailable`, :func:`check_plotting`);
+- ``outputs``: whether a result file can be written at a path, asked before a run (``check_output_path``);
 - ``formatting``: sizes, times and ratios as text (:func:`parse_size`, :func:`format_size`).
 
 The names below are the public surface; everything else is reached through its module.

@@ -21,6 +21,10 @@ class Mode:
         kind: ``"resident"`` (the plain model on the device, in its own dtype) or ``"offload"``
             (wrapped in :class:`~offload.OffloadModel` with the settings below, which are its
             arguments of the same names; ignored for ``resident``).
+
+    Raises:
+        ValueError: an unknown kind or compute dtype, or ``num_slices`` or ``num_microbatches``
+            that is not a positive int.
     """
 
     kind: str
@@ -38,6 +42,11 @@ class Mode:
             raise ValueError(f"unknown mode kind {self.kind!r}; use 'resident' or 'offload'")
         if self.compute_dtype is not None and self.compute_dtype not in _DTYPE_NAMES:
             raise ValueError(f"compute_dtype must be None, torch.bfloat16 or torch.float16, got {self.compute_dtype}")
+        # Checked here, not when OffloadModel is built: a bad mode fails before the first mode runs.
+        for name in ("num_slices", "num_microbatches"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
 
     @classmethod
     def offload(cls, num_slices: int = 3, num_microbatches: int = 1, checkpoint_activation: bool = True,

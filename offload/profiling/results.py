@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .formatting import format_ratio, format_size, format_time, grid
+from .outputs import check_output_path
 from .plot import plot_profile
 from .sampler import Sample
 
@@ -149,7 +150,13 @@ class Profile:
                 "unavailable": self.unavailable, "runs": runs}
 
     def write_csv(self, path: str) -> None:
-        """The sampled timeline, one row per sample; empty cells where a figure is unavailable."""
+        """The sampled timeline, one row per sample; empty cells where a figure is unavailable.
+
+        Raises:
+            OSError: ``path`` cannot be written (a directory, a missing directory:
+                :func:`~offload.profiling.outputs.check_output_path`).
+        """
+        check_output_path(path, "the CSV")
         names = list(Sample.__dataclass_fields__)
         with open(path, "w", newline="") as f:
             writer = csv.writer(f)
@@ -209,5 +216,8 @@ class Profile:
 
         Raises:
             PlotUnavailable: matplotlib is not installed.
+            OSError: ``path`` cannot be written (a directory, a missing directory:
+                :func:`~offload.profiling.outputs.check_output_path`).
         """
+        check_output_path(path, "the plot")
         plot_profile(self, path)

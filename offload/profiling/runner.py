@@ -49,10 +49,11 @@ def profile_modes(build: Callable[[], Preset], modes: Sequence[Mode], device: to
         progress: called with one line per mode and step.
 
     Raises:
-        ValueError: no modes, a mode of unknown kind, ``steps < 1`` or an unknown optimizer.
+        ValueError: no modes, a mode of unknown kind, ``steps < 1``, an unknown optimizer, or a
+            device that is neither CUDA nor the CPU, or not here (:func:`check_device`).
         ModeFailed: a mode raised an error other than out-of-memory.
     """
-    device = torch.device(device)
+    device = check_device(device)
     _check_arguments(modes, steps, optimizer)
     cuda = device.type == "cuda"
     if cuda:
@@ -89,6 +90,30 @@ def profile_modes(build: Callable[[], Preset], modes: Sequence[Mode], device: to
             nvml.close()
     return Profile(description or "model", str(device), batch_size or 0, steps, OPTIMIZERS[optimizer][0],
                    runs, list(sampler.samples), figures, unavailable)
+
+
+def check_device(device: torch.device | str) -> torch.device:
+    """``device`` as a :class:`torch.device`, if the profiler can measure on it here.
+
+    Checked before anything runs: otherwise a CPU-only build fails on the first CUDA call with
+    "Torch not compiled with CUDA enabled", and a meta or other device fails inside the first mode.
+
+    Raises:
+        ValueError: not a device name, a device other than ``cuda``, ``cuda:N`` or ``cpu``, CUDA
+            where it is not available, or a CUDA index past the devices there are.
+    """
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"unknown device {str(device)!r}; use cuda, cuda:N or cpu") from None
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"cannot profile on device {str(device)!r}: use cuda, cuda:N or cpu")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r} was requested, but CUDA is not available here; use cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"device {str(device)!r} was requested, but there are {torch.cuda.device_count()} "
+                         "CUDA devices")
+    return device
 
 
 def _check_arguments(modes: Sequence[Mode], steps: int, optimizer: str) -> None:
