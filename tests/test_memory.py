@@ -259,13 +259,7 @@ def test_a_slice_that_casts_nothing_has_no_shadow_and_no_masters_file_in_the_est
     model = OffloadModel(plain, device="cpu", num_slices=3, compute_dtype=torch.bfloat16,
                          masters=DiskTier(tmp_path) if masters == "disk" else None)
     assert [s.storage.shadow is None for s in engine_of(model).slices] == [False, True, False]
-    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
-    for _ in range(2):
-        model(torch.randn(4, 64)).float().sum().backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=False)
-    optimizer.synchronize()
-    footprint = model.memory_footprint()
+    footprint = _trained_footprint(model, lambda: torch.randn(4, 64))
     for category in ("masters", "shadows", "gradients", "optimizer_state", "disk_window"):
         assert plan.host_categories()[category] == footprint.host_categories()[category], category
     assert plan.disk == footprint.disk
