@@ -361,6 +361,23 @@ def own_collectives(rank: int, world_size: int, directory: str) -> None:
                                               "params": [[p.detach().clone() for p in m.parameters()] for m in models]})
 
 
+def overlapping_groups(rank: int, world_size: int, directory: str) -> None:
+    """Three ranks make groups [0, 1] and [1, 2] (each rank has then joined another number of
+    groups); ranks 0 and 1 train a sharded model on the first."""
+    first, _ = dist.new_group([0, 1]), dist.new_group([1, 2])
+    if rank == 2:
+        save(directory, "overlapping_groups", rank, None)
+        return
+    model = OffloadModel(network(seed=0), device="cpu", num_slices=3, process_group=first)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
+    for step in range(2):
+        model(share(data(step, 2), rank, 2)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    optimizer.synchronize()
+    save(directory, "overlapping_groups", rank, [p.detach().clone() for p in model.parameters()])
+
+
 def batchnorm_network(seed: int) -> nn.Sequential:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 8), nn.BatchNorm1d(8),
@@ -393,4 +410,4 @@ def batchnorm_checkpoint(rank: int, world_size: int, directory: str) -> None:
 
 JOBS = {f.__name__: f for f in (train, no_sync, sharded, different_models, one_rank_fails, hangs, nccl_one_gpu, tied,
                                  layouts, sharded_disk, sharded_masters, uneven_branch, branch_in_no_sync,
-                                 frozen_on_one_rank, own_collectives, batchnorm_checkpoint)}
+                                 frozen_on_one_rank, own_collectives, batchnorm_checkpoint, overlapping_groups)}

@@ -269,6 +269,22 @@ def test_own_collectives_after_step_and_two_models_on_one_group_do_not_race_the_
             torch.testing.assert_close(a, want.detach(), **ROUNDING)
 
 
+def test_a_model_on_a_group_whose_ranks_joined_different_groups_trains(tmp_path):
+    """The worker's private group is named alike on every rank of the model's group, however many
+    other groups each joined (Note: [A private group for the worker])."""
+    results = spawn("overlapping_groups", tmp_path, world=3)
+    reference = network(seed=0)
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
+    for step in range(2):
+        sum(reference(rows).pow(2).mean() for rows in data(step, 2).chunk(2)).div(2).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert results[2] is None
+    for a, b, want in zip(results[0], results[1], reference.parameters()):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, want.detach(), **ROUNDING)
+
+
 def test_a_checkpoint_holds_rank_0s_buffers(tmp_path):
     """BatchNorm's running statistics differ between ranks: the checkpoint holds rank 0's, every one
     of them, and every rank loads those."""

@@ -251,9 +251,13 @@ class _Table(nn.Module):
         return x @ self.table.to(x.dtype)
 
 
+@pytest.mark.parametrize("middle", [_Table, lambda: nn.Linear(64, 64).to(torch.bfloat16)],
+                         ids=["buffers-alone", "in-the-compute-dtype"])
 @pytest.mark.parametrize("masters", ["ram", "disk"])
-def test_a_slice_that_casts_nothing_has_no_shadow_and_no_masters_file_in_the_estimate(tmp_path, masters):
-    plain = nn.Sequential(nn.Linear(64, 64), _Table(), nn.Linear(64, 64))
+def test_a_slice_that_casts_nothing_has_no_shadow_and_no_masters_file_in_the_estimate(tmp_path, masters, middle):
+    """Its host copy, and its gradients, stay in RAM even with masters on disk."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(64, 64), middle(), nn.Linear(64, 64))
     plan = estimate_memory(plain, num_slices=3, compute_dtype=torch.bfloat16, optimizer="adamw", device="cpu",
                            masters=masters)
     model = OffloadModel(plain, device="cpu", num_slices=3, compute_dtype=torch.bfloat16,

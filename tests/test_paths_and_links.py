@@ -89,6 +89,18 @@ def test_a_save_leaves_another_live_saves_partial_directory_and_pending_latest(t
     assert sorted(os.listdir(tmp_path)) == ["latest", "ours"]
 
 
+def test_keep_last_leaves_the_checkpoint_latest_names_though_older(tmp_path):
+    """Another run's save that finished later may have named an older checkpoint: a resume from
+    ``latest`` must still find it."""
+    from offload.checkpoint.commit import _beyond
+
+    model, optimizer = trained()
+    for name in ("a", "b", "c"):
+        quiet_save(tmp_path / name, model, optimizer)
+    (tmp_path / "latest").write_text("a")
+    assert _beyond(tmp_path / "c", 1) == [tmp_path / "b"]
+
+
 def test_the_pending_latest_is_named_after_its_checkpoint(tmp_path):
     assert pending_latest(tmp_path / "a") != pending_latest(tmp_path / "b")
 

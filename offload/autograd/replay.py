@@ -127,6 +127,11 @@ class LibraryRngCapture:
     the generator's raw state instead. Unchanged raw state is the same whole state unless a Gaussian
     was cached (a cached one is handed out without moving anything else), so a state with one
     cached is taken afresh every time.
+
+    Not seen: a layer that sets these states itself in forward. ``numpy.random.set_state`` may
+    bring a cached Gaussian back without moving the raw state; and a run that draws and then puts
+    a generator back as it found it is judged to have drawn nothing (ForwardRecords.save_rng),
+    and its recompute draws from where the generator is at backward.
     """
 
     def __init__(self) -> None:

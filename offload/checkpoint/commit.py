@@ -298,7 +298,13 @@ def _beyond(path: Path, keep_last: int | None) -> list[Path]:
         except (OSError, ValueError, KeyError, TypeError):
             continue
     saved.sort()
-    return [old for _, old in saved[:-keep_last] if old != path]
+    # Nor the one ``latest`` names: with several runs saving here, a save that finished later may
+    # name an older checkpoint, and a resume from ``latest`` must find it.
+    try:
+        named = path.parent / (path.parent / LATEST_FILE).read_text().strip()
+    except OSError:
+        named = path
+    return [old for _, old in saved[:-keep_last] if old not in (path, named)]
 
 
 def clean_up(directory: Path) -> None:

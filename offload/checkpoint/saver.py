@@ -128,7 +128,7 @@ def _state_to_save(model: nn.Module, optimizer: torch.optim.Optimizer | None, na
     # Buffers may differ between ranks (BatchNorm's running statistics stay per rank): only rank 0
     # offers them, so that the checkpoint holds one rank's, not a mix that DCP's choice of writer
     # per key would make. Parameters are the same on every rank, and any rank may write each.
-    theirs = set() if rank == 0 else {name for name, _ in model.named_buffers()}
+    theirs = set() if rank == 0 else {name for name, _ in model.named_buffers(remove_duplicate=False)}
     state: dict[str, Any] = {f"model/{name}": _own_storage(tensor) for name, tensor in _model_state(model).items()
                              if name not in theirs}
     on_disk: dict[str, tuple[int, torch.Tensor, str]] = {}  # key -> where the planner reads it

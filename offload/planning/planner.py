@@ -176,7 +176,9 @@ def _footprint(layout: SliceLayout, placed: tuple[int, int, int, int, bool], act
     # Note: [Shadows on disk]: a staging window in place of a shadow per streamed slice.
     staged = STAGING_BUFFERS * max(streamed) if resident < layout.num_slices else 0
     shadow_bytes = (staged if shadows == "disk" else sum(streamed)) if compute_dtype else 0
-    gradients = 0 if gradients_on_disk else sum(grads)
+    # With masters on disk, a slice whose load casts nothing has no files: its gradients stay in RAM.
+    in_ram = [g for g, c in zip(grads, layout.casts[resident:] or [False]) if not c]
+    gradients = sum(in_ram) if gradients_on_disk else sum(grads)
     pool = window + host_activations
     return MemoryFootprint(
         parameters=layout.parameters,

@@ -15,7 +15,8 @@ Note: [A private group for the worker]
     with a queued broadcast of another size on another rank (a hang, or gloo's "Received data size
     doesn't match"). :class:`HostCollectives` therefore issues them on a group of its own over the
     same ranks (:func:`private_group`), made at construction, when every rank of the group is there
-    and makes it in the same order. The user's group keeps its meaning: it says which ranks average
+    and makes it in the same order: a gloo backend on a store prefix named after the user's group
+    and a count, so that ranks which also belong to other groups agree on it. The user's group keeps its meaning: it says which ranks average
     together, and the structure check and the broadcast of rank 0's tensors at construction, which
     run in the caller's thread, use it.
 
@@ -54,11 +55,13 @@ Note: [Device collectives]
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 from .backend import Event
 from .copies import CopyStreams
@@ -109,9 +112,9 @@ class HostCollectives:
             with torch.no_grad():
                 prepare()
                 # Issued first and waited for last: it travels beside the sums, not after them.
-                counted = None if present is None else dist.all_reduce(present, group=self.channel, async_op=True)
+                counted = None if present is None else self.channel.allreduce([present])
                 for span in spans:
-                    dist.all_reduce(span, group=self.channel)
+                    self.channel.allreduce([span]).wait()
                     span.div_(self.world_size)
                 if counted is not None:
                     counted.wait()
@@ -125,25 +128,35 @@ class HostCollectives:
             for tensor, source in zip(tensors, sources):
                 # Its memory as one contiguous run: a channels_last or transposed parameter too.
                 flat = flat_alias(tensor)
-                dist.broadcast(tensor if flat is None else flat, src=dist.get_global_rank(self.group, source),
-                               group=self.channel)
+                self.channel.broadcast(tensor if flat is None else flat, source).wait()
             if then is not None:
                 then()
         return self.submit(what, work, after)
 
 
+#: Per user group (by name), how many private groups this process made of it: the k-th one that
+#: the ranks of a group make has the same name on each (Note: [A private group for the worker]).
+_private_made: collections.Counter[str] = collections.Counter()
+
+
 def private_group(group: Any) -> Any:
-    """A new process group over the ranks of ``group``, with its backend and timeout (Note: [A
-    private group for the worker]). Every rank of ``group`` calls it, in the same order."""
-    ranks = dist.get_process_group_ranks(group)
+    """A gloo group of its own over the ranks of ``group``, with its timeout (Note: [A private
+    group for the worker]). Every rank of ``group`` calls it, in the same order; it is freed with
+    its last reference.
+
+    Not ``dist.new_group``: a group over some of the ranks names itself after how many groups this
+    rank has joined, which differs between ranks that belong to other groups too, and they would
+    wait for each other under different names. Here the name is the user group's (the same on
+    every rank of it) and a count of the private groups made of it."""
     try:
         timeout = group._get_backend(torch.device("cpu")).options._timeout
     except (AttributeError, RuntimeError):
-        timeout = None  # the backend's default: a rank that dies is then noticed later
-    # Ranks outside ``group`` do not make it with us: only a group of every rank may wait for them.
-    local = len(ranks) < dist.get_world_size()
-    return dist.new_group(ranks, timeout=timeout, backend=str(dist.get_backend(group)),
-                          use_local_synchronization=local)
+        timeout = dist.default_pg_timeout
+    name = group.group_name
+    made = _private_made[name]
+    _private_made[name] += 1
+    store = dist.PrefixStore(f"offload/private/{name}/{made}", distributed_c10d._get_default_store())
+    return dist.ProcessGroupGloo(store, dist.get_rank(group), dist.get_world_size(group), timeout)
 
 
 def runs(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
