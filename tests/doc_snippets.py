@@ -124,8 +124,8 @@ def weights() -> dict[str, Any]:
 
 def _save_llama(path: str, *, vocab: int = 256, seq_len: int = SEQ_LEN, eos: bool = False):
     """A random tiny Llama and its byte-level tokenizer, saved at ``path`` as ``offload-finetune``
-    saves them; with ``eos``, the tokenizer also has an end-of-sequence token (id 256), as most
-    pretrained ones do."""
+    saves them; with ``eos``, the tokenizer's end-of-sequence token is a token of its own (id 256)
+    and it has no padding token, as most pretrained ones."""
     import torch
 
     from offload.cli.models import random_model
@@ -134,6 +134,7 @@ def _save_llama(path: str, *, vocab: int = 256, seq_len: int = SEQ_LEN, eos: boo
     hf, tokenizer = random_model("llama", "tiny", vocab + eos, seq_len)
     if eos:
         tokenizer.add_special_tokens({"eos_token": "</s>"})
+        tokenizer.pad_token = None
         hf.config.eos_token_id = tokenizer.eos_token_id
     hf.save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -171,8 +172,8 @@ def _text_file() -> None:
 
 
 def trainer_byte_tokenizer() -> dict[str, Any]:
-    """``path/to/llama`` with the tokenizer ``offload-finetune`` writes (no special tokens), and a
-    ``train.txt`` with blank lines."""
+    """``path/to/llama`` with the tokenizer ``offload-finetune`` writes (id 0 its end-of-sequence and
+    padding token), and a ``train.txt`` with blank lines."""
     _save_llama("path/to/llama")
     _text_file()
     return {}

@@ -288,7 +288,7 @@ def test_a_gpt2_model_under_load_in_4bit_is_refused_in_one_line(tmp_path, capsys
     library's refusal, as one line, as for the random GPT-2."""
     pytest.importorskip("bitsandbytes")
     model = tmp_path / "gpt2"
-    config = transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=256, n_positions=32,
+    config = transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=256, n_positions=64,
                                      bos_token_id=0, eos_token_id=0)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(model)
     byte_tokenizer().save_pretrained(model)

@@ -18,6 +18,7 @@ from ..checkpoint import CheckpointError, latest_checkpoint
 from ..checkpoint.commit import committed
 from .models import SIZES
 from .outputs import holds_finished_model
+from .plan_models import LEARNED_POSITIONS
 from .quantize import QUANT_TYPES, import_bitsandbytes
 
 DEFAULT_TEXT = Path(__file__).resolve().parent / "sample.txt"
@@ -300,6 +301,12 @@ def check_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error(f"--model {args.model} holds a checkpoint saved quantized ({method}: its config.json has a "
                      "quantization_config), which offload-finetune cannot train from: give --model the unquantized "
                      "checkpoint it was made from, with --load-in-4bit to quantise its linear layers as they load")
+    if args.model is not None and (positions := _learned_positions(args.model)) and args.seq_len > positions[1]:
+        # A longer block indexes past the position table at the first forward, a traceback at step 1.
+        name, count, model_type = positions
+        parser.error(f"--seq-len {args.seq_len} is more than the {count} positions of --model {args.model} "
+                     f"({model_type} learns one embedding per position: {name} in its config.json); give --seq-len "
+                     f"{count} or less")
     if args.resume == "latest":
         try:
             args.resume = latest_checkpoint(args.out / "checkpoints")
@@ -390,6 +397,20 @@ def _saved_quantization(folder: Path) -> str | None:
     if not saved:
         return None
     return str(saved.get("quant_method", "a quantisation")) if isinstance(saved, dict) else "a quantisation"
+
+
+def _learned_positions(folder: Path) -> tuple[str, int, str] | None:
+    """A ``--model`` folder's learned position table as (its config key, its size, the model type),
+    or ``None`` for a family whose positions are computed (rotary) or an unreadable config.json,
+    which the load reports."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    name = LEARNED_POSITIONS.get(model_type) if isinstance(model_type, str) else None
+    count = config.get(name) if name else None
+    return (name, count, model_type) if isinstance(count, int) else None
 
 
 def _without_weights(folder: Path) -> str:

@@ -94,7 +94,9 @@ def byte_tokenizer():
     """A tokenizer whose ids are the text's UTF-8 bytes (0-255), saved with the random model.
 
     With it, ``AutoTokenizer.from_pretrained(out)`` and ``--model out`` work on the output as on
-    any ``save_pretrained`` directory, and ``decode`` turns generated ids back into text.
+    any ``save_pretrained`` directory, and ``decode`` turns generated ids back into text. Id 0 (the
+    NUL byte) is its end-of-sequence, beginning and padding token, as the random model's config says:
+    packed documents are kept apart by it (Note: [Packing] in ``offload/integrations/data.py``).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -107,7 +109,10 @@ def byte_tokenizer():
     tokenizer = Tokenizer(models.BPE(vocab={char[b]: b for b in range(256)}, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+    # split_special_tokens: the text "Ā" (the character standing for byte 0) is its own two bytes,
+    # not the special token; only the reader's end-of-sequence puts id 0 between documents.
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=char[0], bos_token=char[0],
+                                   pad_token=char[0], split_special_tokens=True)
 
 
 def four_bit_settings(args: argparse.Namespace, compute_dtype: torch.dtype | None) -> dict | None:

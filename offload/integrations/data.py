@@ -18,9 +18,20 @@ Note: [Packing]
     followed by the tokenizer's end-of-sequence token when it has one (once: not after ids that
     already end with it), and joined into one stream
     that is cut into blocks of ``block_size`` ids: a block may hold the end of one document and the
-    start of the next, and no token is padding. The last, shorter remainder is dropped. Plain text
-    is one document read about ``TEXT_CHUNK_BYTES`` at a time, cut after a line, so a token never
-    spans two reads unless a single line is longer than that.
+    start of the next, and no token is padding. The last, shorter remainder is dropped.
+
+    Plain text is one document, read and tokenised about ``TEXT_CHUNK_BYTES`` at a time (a line
+    longer than that is read in parts, so memory stays flat whatever the line lengths). A piece is
+    cut before the last space that stands between two characters that are not whitespace; that
+    space and what follows it start the next piece. Pre-tokenizers start a new word at such a space
+    and never join it to the character before it: byte-level BPE (GPT-2's regex and the later ones
+    built like it, as Llama 3's and Qwen's) and Metaspace (SentencePiece-style, which prepends its
+    mark only to a text that does not already start with one), so the pieces' ids are the whole text's
+    (``tests/test_data_edges.py``). Two cases still differ near a cut, by a few tokens per
+    ``TEXT_CHUNK_BYTES``: a piece with no such space (text written without spaces between words,
+    a single word longer than a piece) is cut where its read ends, and a tokenizer that adds a mark
+    before every text it is given (a normalizer that prepends one, as the legacy Llama 2
+    ``tokenizer.json`` has) adds it at each cut too.
 """
 
 from __future__ import annotations
@@ -40,7 +51,7 @@ __all__ = ["DataFormatError", "TEXT_SUFFIXES", "check_encoding", "read_documents
 #: Suffixes read as plain text; ``.jsonl``/``.json``, ``.parquet``, ``.csv`` and directories are
 #: the other formats. Anything else is refused rather than guessed.
 TEXT_SUFFIXES = (".txt", ".text", ".md")
-#: How much plain text is read and tokenised at once (Note: [Packing]).
+#: How much plain text is read and tokenised at once (Note: [Packing]), in characters: bytes for ASCII.
 #: A read costs about 20 times its size while its ids are Python lists: 5 MB here.
 TEXT_CHUNK_BYTES = 1 << 18
 
@@ -92,8 +103,8 @@ def read_documents(source: str | os.PathLike[str], tokenizer: Any = None, *,
                    text_field: str | None = None) -> Iterator[tuple[str, bool, bool]]:
     """The texts of ``source`` one at a time, as ``(text, ends_a_document, add_special_tokens)``.
 
-    Plain text comes in pieces of about ``TEXT_CHUNK_BYTES`` ending after a line (one document:
-    only the last piece ends it); a record's text is a whole document; a chat record is rendered by
+    Plain text comes in pieces of about ``TEXT_CHUNK_BYTES``, cut before a word (one stream: no
+    piece ends a document, so no end-of-sequence token goes in it); a record's text is a whole document; a chat record is rendered by
     the tokenizer's template, which writes its own special tokens. See :func:`token_blocks`.
     """
     path = Path(source)
@@ -157,12 +168,15 @@ def _not_utf8(path: Path, offset: int, line: int, byte: int) -> DataFormatError:
         f"the file as UTF-8 (Latin-1 text, say: iconv -f LATIN1 -t UTF-8 {path} > {path.stem}-utf8{path.suffix})")
 
 
-def _utf8_lines(path: Path) -> Iterator[str]:
-    """``path``'s lines, decoded as UTF-8 (universal newlines, as ``open`` reads text); a byte that
-    does not decode stops them with :func:`check_encoding`'s error, naming where it is."""
+def _utf8_lines(path: Path, limit: int = -1) -> Iterator[str]:
+    """``path``'s lines, decoded as UTF-8 (universal newlines, as ``open`` reads text), a line longer
+    than ``limit`` characters in parts of ``limit``; a byte that does not decode stops them with
+    :func:`check_encoding`'s error, naming where it is."""
     with path.open(encoding="utf-8") as file:
         try:
-            yield from file
+            # The text reader decodes incrementally: a character cut by a read waits for the next.
+            while line := file.readline(limit):
+                yield line
         except UnicodeDecodeError as error:
             # The text reader does not say where in the file the bad byte is: find it in the bytes.
             _check_utf8(path)
@@ -174,14 +188,27 @@ def _text_pieces(path: Path) -> Iterator[tuple[str, bool, bool]]:
     first = True
     piece: list[str] = []
     size = 0
-    for line in _utf8_lines(path):
+    for line in _utf8_lines(path, TEXT_CHUNK_BYTES):
         piece.append(line)
         size += len(line)
         if size >= TEXT_CHUNK_BYTES:
-            yield "".join(piece), False, first
-            piece, size, first = [], 0, False
-    if piece:
+            text = "".join(piece)
+            cut = _word_start(text)
+            yield text[:cut], False, first
+            # The word after the cut starts the next piece (Note: [Packing]).
+            piece, size, first = [text[cut:]], len(text) - cut, False
+    if piece and size:
         yield "".join(piece), False, first
+
+
+def _word_start(text: str) -> int:
+    """Where to cut ``text`` so that the tokenizer reads both sides as it reads the whole: at the last
+    space between two characters that are not whitespace, else at its end (Note: [Packing])."""
+    space = len(text) - 1
+    while (space := text.rfind(" ", 1, space)) > 0:
+        if not text[space - 1].isspace() and not text[space + 1].isspace():
+            return space
+    return len(text)
 
 
 def _json_lines(path: Path) -> Iterator[tuple[int, Any]]:

@@ -1,0 +1,122 @@
+"""The data reader at its edges: a line longer than a read, the cuts between the pieces of plain
+text (the ids of a real BPE tokenizer are the whole text's), the random model's byte tokenizer
+ending each document, and a ``--seq-len`` past a ``--model``'s learned positions.
+
+Reads are made small (``TEXT_CHUNK_BYTES``) so that a few kilobytes of text cross many of them.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+from offload.cli import finetune as cli  # noqa: E402
+from offload.cli.finetune_args import DEFAULT_TEXT, parse_args  # noqa: E402
+from offload.cli.models import byte_tokenizer  # noqa: E402
+from offload.integrations import data  # noqa: E402
+from offload.integrations.data import DataFormatError, token_blocks  # noqa: E402
+from .helpers import cli_result  # noqa: E402
+
+READ = 512  # characters a read, for these tests
+
+
+@pytest.fixture
+def small_reads(monkeypatch):
+    monkeypatch.setattr(data, "TEXT_CHUNK_BYTES", READ)
+
+
+def pieces_of(path) -> list[str]:
+    return [text for text, _, _ in data._text_pieces(path)]
+
+
+@pytest.mark.parametrize("line", [
+    "All work and no play makes Jack a dull boy. " * 400,  # words on one line, no newline
+    "é" * 3000 + "ok",  # one word of two-byte characters: cut where a read ends, mid-word
+], ids=["words", "one-word"])
+def test_a_line_longer_than_a_read_comes_in_pieces(line, small_reads, tmp_path):
+    path = tmp_path / "one-line.txt"
+    path.write_text(line, encoding="utf-8")
+    pieces = pieces_of(path)
+    # Each piece is about a read (a read and the word carried over from the one before): memory is
+    # flat in the line's length, and no character is split or lost at a cut.
+    assert len(pieces) > 5 and max(map(len, pieces)) < 3 * READ
+    assert "".join(pieces) == line
+
+
+def test_a_bad_byte_in_a_long_line_is_named_where_it_is(small_reads, tmp_path):
+    path = tmp_path / "corpus.txt"
+    head = ("short line\n" * 3 + "ü " * 2000).encode("utf-8")  # line 4 spans many reads
+    path.write_bytes(head + b"\xe9" + b" tail\n")
+    with pytest.raises(DataFormatError, match=rf"byte 0xe9 at offset {len(head)} \(line 4\)"):
+        list(token_blocks(path, byte_tokenizer(), 16))
+
+
+def trained_tokenizer(text: str, pre_tokenizer):
+    """A BPE tokenizer trained on ``text`` here (nothing downloaded), with ``pre_tokenizer``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    inner = Tokenizer(models.BPE(unk_token="<unk>"))
+    inner.pre_tokenizer = pre_tokenizer
+    inner.train_from_iterator([text], trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<unk>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=inner, eos_token="</s>")
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "metaspace"])
+def test_pieces_of_plain_text_tokenise_as_the_whole_text(kind, small_reads, tmp_path):
+    from tokenizers import pre_tokenizers
+
+    # Blank lines, indented lines and a long line of words: each a place where a cut after a line
+    # changed a byte-level BPE's merges or added a Metaspace mark.
+    text = DEFAULT_TEXT.read_text().replace("\n", "\n\n  ") * 2 + "words on one line " * 200 + "end\n"
+    pre = (pre_tokenizers.ByteLevel(add_prefix_space=False) if kind == "byte-level"
+           else pre_tokenizers.Metaspace(prepend_scheme="first"))
+    tokenizer = trained_tokenizer(text, pre)
+    path = tmp_path / "book.txt"
+    path.write_text(text)
+    assert len(pieces_of(path)) > 10
+    whole = tokenizer(text)["input_ids"]
+    pieced = [int(i) for block in token_blocks(path, tokenizer, 1) for i in block]
+    assert pieced == whole
+
+
+def test_the_byte_tokenizer_ends_each_document(tmp_path):
+    path = tmp_path / "two.jsonl"
+    path.write_text(json.dumps({"text": "one."}) + "\n" + json.dumps({"text": "two"}) + "\n")
+    ids = [int(i) for block in token_blocks(path, byte_tokenizer(), 1) for i in block]
+    assert ids == [*b"one.", 0, *b"two", 0]  # 0: the random model's eos_token_id
+
+
+def test_the_saved_byte_tokenizer_keeps_its_special_tokens(tmp_path, capsys):
+    out = tmp_path / "out"
+    code, printed, err = cli_result(cli.main, ["--device", "cpu", "--no-progress", "--out", str(out), "--steps", "1",
+                                               "--batch-size", "1", "--seq-len", "16", "--num-slices", "2"], capsys)
+    assert code == 0, err
+    saved = transformers.AutoTokenizer.from_pretrained(out, local_files_only=True)
+    config = json.loads((out / "config.json").read_text())
+    assert (saved.eos_token_id, saved.bos_token_id, saved.pad_token_id) == (config["eos_token_id"], 0, 0) == (0, 0, 0)
+    # The character standing for byte 0 in the vocabulary is text like any other: its own two bytes.
+    assert saved("aĀ")["input_ids"] == [*"aĀ".encode("utf-8")]
+
+
+def gpt2_folder(tmp_path, positions: int):
+    folder = tmp_path / "gpt2"
+    folder.mkdir()
+    config = transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=256, n_positions=positions)
+    config.save_pretrained(folder)
+    (folder / "model.safetensors").write_bytes(b"")  # the check reads the config alone, before a load
+    return folder
+
+
+def test_a_seq_len_past_a_models_learned_positions_is_refused_before_the_model_is_built(tmp_path, capsys):
+    folder = gpt2_folder(tmp_path, 32)
+    flags = ["--device", "cpu", "--out", str(tmp_path / "out"), "--model", str(folder)]
+    with pytest.raises(SystemExit):
+        parse_args([*flags, "--seq-len", "33"])
+    assert (f"--seq-len 33 is more than the 32 positions of --model {folder} (gpt2 learns one embedding per "
+            "position: n_positions in its config.json); give --seq-len 32 or less") in capsys.readouterr().err
+    assert parse_args([*flags, "--seq-len", "32"]).seq_len == 32
