@@ -138,7 +138,6 @@ def run(argv: list[str], record: RunRecord) -> None:
                "shadows": "disk" if args.shadows_on_disk else "ram",
                "resident_slices": args.resident_slices}
     model, hf, tokenizer, peft_model = _build_model(args, options, causal_lm_sequential, load_causal_lm)
-    hf.config.use_cache = False  # training: no key/value cache
     trained = hf if peft_model is None else peft_model
     trainable = [p for p in trained.parameters() if p.requires_grad]
     try:

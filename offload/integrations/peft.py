@@ -31,6 +31,11 @@ Note: [PEFT models]
     5. Adapters injected after ``OffloadModel`` was built (``get_peft_model`` on the Hugging Face
        model the stages were cut from) are new modules inside the slices' layers: the next forward
        sees the changed registrations and lays the slices out again (``SliceStorage.registered_tensors_changed``).
+       The embedding stage and the head hold the token embedding and ``lm_head`` themselves, and
+       PEFT replaces those (a LoRA layer, a ``modules_to_save`` copy) by ``setattr`` on their Hugging
+       Face parent: every module a stage holds follows what the model holds at its place
+       (``_Replacements`` in ``transformers_stages.py``), so the stages run, and the slices lay out,
+       the new ones. ``load_causal_lm`` followed by ``get_peft_model`` (``offload-finetune --model``) is this case.
 """
 
 from __future__ import annotations

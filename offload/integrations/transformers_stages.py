@@ -48,6 +48,7 @@ train, load weights or tokenize. Users import it through
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -94,6 +95,7 @@ class CausalLMSequential(nn.Sequential):
         object.__setattr__(self, "hf_model", hf_model)
         #: this Sequential's module name -> the Hugging Face model's, for every module of a stage
         self._hf_names = self._module_names()
+        _follow_replacements(self, hf_model)
 
     def _module_names(self) -> dict[str, str]:
         names = {id(module): name for name, module in self.hf_model.named_modules()}
@@ -145,6 +147,50 @@ class CausalLMSequential(nn.Sequential):
                 raise ValueError("count_loss_tokens needs labels or shift_labels")
             shift_labels = labels[..., 1:]
         return (shift_labels != IGNORE_INDEX).sum()
+
+
+class _Replacements:
+    """The stages' modules by their place in the Hugging Face model, so that a module set in that
+    place (``setattr(parent, name, new)``) goes into the stage too (Note: [PEFT models], rule 5).
+
+    PyTorch's global module-registration hook, installed once, sees every such ``setattr``; the
+    table is keyed weakly by the parent, and holds the stages weakly, so a model that is gone leaves
+    nothing behind. The cost for any other registration is one dictionary lookup.
+    """
+
+    #: parent module -> {attribute name -> [(stage, the stage's attribute for that module)]}
+    places: weakref.WeakKeyDictionary[nn.Module, dict[str, list[tuple[weakref.ref[nn.Module], str]]]] = (
+        weakref.WeakKeyDictionary())
+    _installed = False
+
+    @classmethod
+    def follow(cls, parent: nn.Module, name: str, stage: nn.Module, attribute: str) -> None:
+        if not cls._installed:
+            nn.modules.module.register_module_module_registration_hook(cls._registered)
+            cls._installed = True
+        cls.places.setdefault(parent, {}).setdefault(name, []).append((weakref.ref(stage), attribute))
+
+    @classmethod
+    def _registered(cls, module: nn.Module, name: str, submodule: nn.Module | None) -> None:
+        followers = cls.places.get(module)
+        if followers is None or name not in followers or submodule is None:
+            return
+        for stage_ref, attribute in followers[name]:
+            stage = stage_ref()
+            if stage is not None and stage._modules.get(attribute) is not submodule:
+                setattr(stage, attribute, submodule)  # registered, so the slices see it changed
+
+
+def _follow_replacements(layers: nn.Sequential, hf_model: nn.Module) -> None:
+    """Have every module a stage holds directly (the embedding, ``lm_head``, a decoder layer) follow
+    what the Hugging Face model holds at its place: ``get_peft_model`` after the cut replaces
+    ``embed_tokens`` or ``lm_head`` on their parent, which the stages would otherwise never see."""
+    places = {id(module): name for name, module in hf_model.named_modules() if name}
+    for stage in layers:
+        for attribute, module in stage.named_children():
+            if id(module) in places:
+                parent, _, name = places[id(module)].rpartition(".")
+                _Replacements.follow(hf_model.get_submodule(parent), name, stage, attribute)
 
 
 #: The mask function of each ``config.layer_types`` entry, as the decoders of ``_Layout(mask="layer_types")`` pick it.
