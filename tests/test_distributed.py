@@ -425,14 +425,25 @@ def test_device_averages_run_on_a_communication_stream_that_the_offload_waits_fo
 
 def test_host_averages_reduce_each_slice_in_one_collective(tmp_path, monkeypatch):
     """A slice's gradients lie side by side in one host buffer: one all-reduce covers them."""
+    from offload.streams import collectives
+
     calls = []
-    all_reduce = dist.all_reduce
+    private_group = collectives.private_group
 
-    def counted(tensor, *args, **kwargs):
-        calls.append((tensor.numel(), tensor.dtype))
-        return all_reduce(tensor, *args, **kwargs)
+    class Counted:
+        """The worker's private group, its all-reduces counted."""
 
-    monkeypatch.setattr(dist, "all_reduce", counted)
+        def __init__(self, group):
+            self.group = private_group(group)
+
+        def allreduce(self, tensors):
+            calls.extend((t.numel(), t.dtype) for t in tensors)
+            return self.group.allreduce(tensors)
+
+        def broadcast(self, *args):
+            return self.group.broadcast(*args)
+
+    monkeypatch.setattr(collectives, "private_group", Counted)
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
         model = OffloadModel(network(seed=0), device="cpu", num_slices=3, process_group=dist.group.WORLD)
