@@ -120,6 +120,10 @@ def test_the_worker_runs_what_backward_queued_in_the_order_the_next_forward_load
         optimizer.zero_grad()
     optimizer.synchronize()
     assert optimizer._in_backward.last_started == {0, 1, 2, 3, 4}
-    assert ran[-5:] == [4, 0, 1, 2, 3]
+    # The worker's first pick is whichever update was queued when it came to it (slice 4's when it
+    # keeps up; another when it came late, on a loaded machine); it then holds the worker until
+    # backward has queued the rest, which run in slice order, not backward's (4, 3, 2, ...).
+    first, *rest = ran[-5:]
+    assert sorted(ran[-5:]) == [0, 1, 2, 3, 4] and rest == sorted(rest)
     for got, want in zip(model.parameters(), plain.parameters()):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
