@@ -367,6 +367,7 @@ def overlapping_groups(rank: int, world_size: int, directory: str) -> None:
     first, _ = dist.new_group([0, 1]), dist.new_group([1, 2])
     if rank == 2:
         save(directory, "overlapping_groups", rank, None)
+        dist.barrier()  # gone early, it could close the second group's connections while rank 1 makes them
         return
     model = OffloadModel(network(seed=0), device="cpu", num_slices=3, process_group=first)
     optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
@@ -376,6 +377,7 @@ def overlapping_groups(rank: int, world_size: int, directory: str) -> None:
         optimizer.zero_grad()
     optimizer.synchronize()
     save(directory, "overlapping_groups", rank, [p.detach().clone() for p in model.parameters()])
+    dist.barrier()
 
 
 def batchnorm_network(seed: int) -> nn.Sequential:
