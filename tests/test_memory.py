@@ -19,6 +19,7 @@ from torch import nn
 
 from offload import DiskTier, OffloadModel, OffloadOptimizer, estimate_memory, is_recomputing
 from offload.model import engine_of
+from offload.planning.shapes import profile_layers
 from offload.streams.disk import page_aligned
 from offload.streams.flat_views import _align
 
@@ -366,18 +367,25 @@ def _trained_footprint(model: OffloadModel, make_input: Callable[[], torch.Tenso
 @pytest.mark.parametrize("resident", [0, 1], ids=["streamed", "one-resident"])
 def test_a_weight_tied_across_slices_is_counted_once_as_the_model_holds_it(compute_dtype, resident):
     """The embedding's slice holds the weight, the head's borrows it (Note: [Tied parameters across
-    slices]): masters, shadow, gradient and state once; a place in the head's slot."""
+    slices]): masters, shadow, gradient and state once; a place in the head's slot; in the pool,
+    the two tied slices' landing buffers held through the backward beside the one the middle
+    slice's gradients pass through (Note: [A tied weight's gradients summed in place])."""
     def tied() -> nn.Sequential:
         torch.manual_seed(0)
         embedding = nn.Embedding(500, 32)
         return nn.Sequential(embedding, nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), TiedHead(embedding))
 
-    plan = estimate_memory(tied(), num_slices=3, compute_dtype=compute_dtype, device="cpu", resident_slices=resident)
+    profile = profile_layers(tied(), lambda: torch.zeros(4, 8, dtype=torch.long), compute_dtype=compute_dtype)
+    plan = estimate_memory(tied(), num_slices=3, compute_dtype=compute_dtype, device="cpu", resident_slices=resident,
+                           profile=profile)
     model = OffloadModel(tied(), device="cpu", num_slices=3, compute_dtype=compute_dtype, resident_slices=resident)
     footprint = _trained_footprint(model, lambda: torch.randint(0, 500, (4, 8)))
     assert plan.parameters == footprint.parameters == 500 * 32 + 2 * (32 * 32 + 32)
     for category in ("masters", "shadows", "gradients", "optimizer_state"):
         assert plan.host_categories()[category] == footprint.host_categories()[category], category
+    # After the step the boundary activations' buffers are idle, which the plan counts as in use.
+    assert plan.host_pool == footprint.host_pool
+    assert plan.host_total == footprint.host_total
     for category in ("slots", "resident", "resident_gradients", "resident_optimizer_state"):
         assert plan.device_categories()[category] == footprint.device_categories()[category], category
 

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from offload import OffloadModel, OffloadOptimizer
+from offload.model import engine_of
 
 from .helpers import DEVICES, HostStepped, assert_same_grads
 from .stream_scenarios import Unembed
@@ -125,3 +126,23 @@ def test_the_borrowing_slice_loads_the_holders_current_values():
     table.weight.data = torch.zeros_like(table.weight)
     plain[0].table.weight.data = torch.zeros_like(plain[0].table.weight)
     torch.testing.assert_close(model(ids()), plain(ids()), **EXACT)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["set_to_none", "zeroed"])
+def test_the_tied_gradient_is_summed_in_its_pooled_buffer(set_to_none):
+    """Note: [A tied weight's gradients summed in place]: the two slices' gradients are added into
+    the holder's pooled buffer, bit for bit autograd's sum, and .grad is that buffer: no tensor
+    of the weight's size outside the pool, step after step."""
+    plain = network(dropout=0.0)
+    model = OffloadModel(copy.deepcopy(plain), device="cpu", num_slices=3)
+    weight = model.get_submodule("0").table.weight
+    pool = engine_of(model).pool
+    for seed in range(3):
+        for m in (plain, model):
+            torch.manual_seed(seed)
+            m(ids()).pow(2).mean().backward()
+        assert_same_grads(model, plain, **EXACT)
+        address = weight.grad.data_ptr()
+        assert any(b.data.data_ptr() <= address < b.data.data_ptr() + b.data.numel() for b in pool.buffers())
+        for m in (plain, model):
+            m.zero_grad(set_to_none=set_to_none)

@@ -24,6 +24,17 @@ Note: [A slice's gradients on their way]
        (``gradients_leaving``) while backward goes on with the slices before;
     5. *landed*: after the walk's last slice, every slice's gradients are waited for on the host
        (``gradients_landed``), and handed to autograd as the parameters' gradients.
+
+Note: [A tied weight's gradients summed in place]
+    A weight tied across slices is an input of the Function once per slice that computes with it,
+    and each of those slices brings its gradient to the host in a pooled buffer of its own. Handed
+    to autograd as they are, the engine would sum them into a new tensor outside the pool, of the
+    weight's size (an embedding's, every step) while the pooled buffers go idle. Backward adds
+    them itself instead, into the first slice's buffer, in the order the engine adds a node's
+    outputs (by input index, so by slice), and returns that buffer once: the same sum, bit for
+    bit, and ``.grad`` lies in the pool as every other parameter's does. A pair that cannot be
+    added in place (another dtype, which the engine would cast first; a sparse gradient) ends the
+    summing for that weight, and the engine adds what is left, after, in the same order.
 """
 
 from __future__ import annotations
@@ -278,6 +289,7 @@ class BackwardGradients:
         for i, grads in self._pending:
             for j, g in enumerate(grads.host_views):
                 param_results[self._starts[i] + j] = g
+        _sum_tied(engine.parameters(), param_results)
         if self._watched or self.final_wanted:  # the update in backward watches its own
             outside_gradients.returned(zip(engine.parameters(), param_results))
         return [*self._input_grads(grad_in if self.lowest == 0 else None), *param_results]
@@ -297,6 +309,31 @@ class BackwardGradients:
                 grad = run.engine.copies.to_host(grad, device)
             results.append(grad)
         return results
+
+
+def _sum_tied(params: Sequence[torch.Tensor], results: list[torch.Tensor | None]) -> None:
+    """Add each tied weight's later gradients into its first, in place, where the engine's sum
+    would give the same bits (Note: [A tied weight's gradients summed in place])."""
+    first: dict[int, int] = {}
+    stopped: set[int] = set()
+    for k, (p, g) in enumerate(zip(params, results)):
+        if g is None or id(p) in stopped:
+            continue
+        if id(p) not in first:
+            first[id(p)] = k
+            continue
+        held = results[first[id(p)]]
+        assert held is not None
+        if _addable(held, p) and _addable(g, p) and g.shape == held.shape:
+            held.add_(g)
+            results[k] = None
+        else:
+            stopped.add(id(p))
+
+
+def _addable(grad: torch.Tensor, param: torch.Tensor) -> bool:
+    return (grad.layout == torch.strided and grad.dtype == param.dtype and grad.device == param.device
+            and not grad.requires_grad)
 
 
 def _unshared(param_grads: Sequence[torch.Tensor | None], others: Sequence[Any]) -> list[torch.Tensor | None]:

@@ -168,9 +168,15 @@ def _footprint(layout: SliceLayout, placed: tuple[int, int, int, int, bool], act
     # largest streamed slice's size, one when a single slice has gradients (a frozen base around
     # it); pinned ones are rounded up to their size class, as the pool allocates them. A resident
     # slice's gradients stay on the device: they take no host buffer.
+    # Note: [A tied weight's gradients summed in place]: a slice whose gradients include a weight
+    # tied across slices lands in a buffer of its own, held until backward ends, beside the two.
     all_grads = layout.gradient_bytes
     grads = all_grads[resident:] or [0]
-    window = min(2, sum(1 for g in grads if g)) * (size_class(max(grads)) if pinned else max(grads))
+    landing = layout.landing_bytes(resident) or [0]
+    tied = layout.tied_on_host(resident) or [False]
+    sized = size_class if pinned else (lambda nbytes: nbytes)
+    window = (min(2, sum(1 for g, t in zip(landing, tied) if g and not t)) * sized(max(landing))
+              + sum(sized(g) for g, t in zip(landing, tied) if g and t))
     # Only a slice whose load casts has a shadow (SliceLayout.casts).
     streamed = [b for b, casts in zip(layout.load_bytes[resident:], layout.casts[resident:]) if casts] or [0]
     # Note: [Shadows on disk]: a staging window in place of a shadow per streamed slice.
@@ -193,7 +199,7 @@ def _footprint(layout: SliceLayout, placed: tuple[int, int, int, int, bool], act
         device_slots=min(2, layout.num_slices) * max(layout.device_bytes),
         # A slice's gradients as autograd produces them, before they leave (held, or summed in two
         # buffers over microbatches): memory.md, "Device". Resident slices' pass through them too.
-        device_gradients=(3 if num_microbatches > 1 else 1) * max(all_grads),
+        device_gradients=(3 if num_microbatches > 1 else 1) * max(layout.landing_bytes()),
         device_activations=device_activations,
         pinned=pinned,
         pinned_bytes=masters_bytes + shadow_bytes + gradients + pool if pinned else 0,
@@ -234,6 +240,9 @@ class SliceLayout:
             threads] in ``offload/clipping.py``).
         load_bytes: what a load copies from its own host copy or shadow (``device_bytes`` less the
             parameters it borrows from an earlier slice, a weight tied across slices): its shadow.
+        borrowed_gradients: per slice, for each trainable weight it borrows from an earlier
+            slice, that slice's index and the gradient's bytes (aligned as the pool lays them
+            out): the borrowing slice computes that gradient and sends it to the host too.
         casts: whether a load casts: some tensor of its own computes in another dtype than it is
             kept in. Only such a slice has a shadow, or a file for its masters on disk
             (``SliceStorage``); one of buffers alone, or already in the compute dtype, keeps its
@@ -255,10 +264,28 @@ class SliceLayout:
     largest_gradient_bytes: list[int] = field(default_factory=list)
     load_bytes: list[int] = field(default_factory=list)
     casts: list[bool] = field(default_factory=list)
+    borrowed_gradients: list[list[tuple[int, int]]] = field(default_factory=list)
 
     @property
     def num_slices(self) -> int:
         return len(self.ranges)
+
+    def landing_bytes(self, resident: int = 0) -> list[int]:
+        """Per streamed slice (after the first ``resident``), the gradient bytes its backward
+        sends to the host: its own, and those of the trainable weights it borrows from a streamed
+        slice (a resident holder's stay on the device)."""
+        borrowed = self.borrowed_gradients or [[] for _ in self.ranges]
+        return [g + sum(b for holder, b in tied if holder >= resident)
+                for g, tied in zip(self.gradient_bytes[resident:], borrowed[resident:])]
+
+    def tied_on_host(self, resident: int = 0) -> list[bool]:
+        """Per streamed slice, whether its gradients include a trainable weight tied across
+        streamed slices (it holds one a later slice borrows, or borrows one): its landing buffer
+        is held until backward ends (Note: [A tied weight's gradients summed in place])."""
+        borrowed = self.borrowed_gradients or [[] for _ in self.ranges]
+        holders = {holder for tied in borrowed for holder, _ in tied if holder >= resident}
+        return [k in holders or any(holder >= resident for holder, _ in tied)
+                for k, tied in enumerate(borrowed) if k >= resident]
 
 
 def slice_layout(layers: nn.Module | Sequence[int] | int, *, num_slices: int = 8,
@@ -306,7 +333,24 @@ def slice_layout(layers: nn.Module | Sequence[int] | int, *, num_slices: int = 8
         # The shadow holds what a load copies from the slice's own host copy: not what it borrows.
         load_bytes=[_laid_out(s, device_dtype) for s in own],
         casts=[any(device_dtype(t) != t.dtype for t in s) for s in own],
+        borrowed_gradients=_borrowed_gradients(slices),
     )
+
+
+def _borrowed_gradients(slices: list[list[_Tensor]]) -> list[list[tuple[int, int]]]:
+    """Per slice, (holder's index, aligned gradient bytes) of each trainable weight it borrows."""
+    holder: dict[object, int] = {}
+    result = []
+    for k, tensors in enumerate(slices):
+        mine = []
+        for t in tensors:
+            key = id(t) if t.key is None else t.key
+            if not t.borrowed:
+                holder.setdefault(key, k)
+            elif t.is_parameter and t.trainable:
+                mine.append((holder[key], _align(t.numel * t.dtype.itemsize, ALIGNMENT)))
+        result.append(mine)
+    return result
 
 
 def _held_once(slices: list[list[_Tensor]]) -> list[list[_Tensor]]:

@@ -235,7 +235,8 @@ def traffic(layout: SliceLayout, profile: ModelProfile | None, config: StepConfi
         forward_loads=sum(layout.device_bytes[k:]),
         forward_offloads=boundaries,
         backward_loads=sum(layout.device_bytes[j] for j in reloaded if j >= k) + boundaries,
-        backward_offloads=sum(leaving[k:]),
+        # A slice that borrows a trainable weight sends that gradient too, in its dtype.
+        backward_offloads=sum(leaving[k:]) + sum(layout.landing_bytes(k)) - sum(streamed_grads),
         first_load=layout.device_bytes[0] if k == 0 else 0,
         # Slice 0's gradients leave last; a resident one's do not leave, and the streamed slices'
         # cross while the resident ones' backward runs.
