@@ -173,6 +173,34 @@ def test_a_write_the_version_counters_miss_is_found_by_the_first_clip():
     torch.testing.assert_close(offload.clip_grad_norm_(model.parameters(), max_norm=1e9), expected, **EXACT)
 
 
+@pytest.mark.parametrize("write", ["data", "unscale"])
+def test_the_first_check_sees_a_write_after_backward_however_late_the_worker(monkeypatch, write):
+    """A worker that runs late (a loaded machine; the first step's, which starts its thread) must not
+    take the values written after backward: the first clip would find them equal and later steps
+    would trust stale norms. The backward whose norms no clip has compared waits for them."""
+    from offload.optimizing.backward_norms import BackwardNorms
+
+    original = BackwardNorms._compute
+
+    def late(self, *args):
+        time.sleep(0.3)
+        return original(self, *args)
+
+    monkeypatch.setattr(BackwardNorms, "_compute", late)
+    _, _, model, optimizer = _twins()
+    _loss(model, 0, "cpu").backward()
+    if write == "data":
+        for p in model.parameters():
+            p.grad.data.mul_(0.5)  # .data: the gradients' version counters do not move
+    else:
+        # GradScaler's unscale kernel leaves the version counters as they were.
+        grads = [p.grad for p in model.parameters()]
+        found = torch.zeros(1)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.full((1,), 0.5))
+    with pytest.raises(RuntimeError, match="changed after backward computed its norm"):
+        offload.clip_grad_norm_(model.parameters(), max_norm=1e-6)
+
+
 def test_a_norm_kept_holds_no_gradient_memory_and_goes_with_it():
     _, _, model, optimizer = _twins()
     grad = torch.randn(1000)

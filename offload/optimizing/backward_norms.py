@@ -29,7 +29,10 @@ Note: [Norms from backward]
       whose kernel leaves the counters as they were, a collective such as ``dist.all_reduce``) is
       found by the first ``clip_grad_norm_`` that meets a parameter's norm from here: it computes
       that norm anew and compares, bit for bit, and raises if one differs (nothing is clipped);
-      later calls trust that parameter's norms. A training loop that does such a write only from
+      later calls trust that parameter's norms. So that the comparison sees such a write, a
+      backward that computes a norm no call has compared yet waits, at its end, for its norms:
+      a worker that ran late, after the write, would take the written values and pass the
+      comparison, and later steps would then trust norms taken before the write. A training loop that does such a write only from
       some step on is not caught: the option is for loops that do none (``docs/optimizer.md``);
     - the registry holds each norm's maker weakly, and no gradient memory; an optimizer's
       finalizer only marks its maker closed (a finalizer can run inside any allocation, under the
@@ -93,6 +96,7 @@ class BackwardNorms(Subscriber):
         self._events: list[Event] = []
         self._names: dict[int, str] = {}
         self._tied: set[int] = set()
+        self._unchecked = False  # this backward computes a norm no clip_grad_norm_ has compared yet
         add_source(self)
 
     @classmethod
@@ -156,6 +160,9 @@ class BackwardNorms(Subscriber):
 
     def _backward_done(self) -> None:
         self._task_open = False
+        if self._unchecked:  # the first comparison must see what the caller writes after backward
+            self._unchecked = False
+            self.settle()
 
     def wants_final_gradients(self, token: Any) -> bool:
         return token is not None and token is self._token
@@ -178,6 +185,7 @@ class BackwardNorms(Subscriber):
             chosen.append((grad.detach(), self._names.get(id(p), "a parameter"), id(p)))
         if not chosen:
             return
+        self._unchecked = self._unchecked or any(param not in self.checked for _, _, param in chosen)
         if self._worker is None:
             self._worker = self._engine.copies.new_worker("gradient norms", self.threads)
             weakref.finalize(self, self._worker.close)  # its thread ends with this subscriber
