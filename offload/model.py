@@ -6,6 +6,7 @@ layers adopted into an engine, and its forward. What it hands off: where it comp
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -31,6 +32,21 @@ from .modeling.copying import CopiedByLayers
 
 #: Slices of an ``nn.Sequential`` when ``num_slices`` is not given (fewer where it has fewer layers).
 DEFAULT_NUM_SLICES = 3
+
+
+@functools.cache
+def _eager_forward() -> Callable[..., Any]:
+    """The forward (:func:`_run`) as ``torch.compile`` calls it: eagerly.
+
+    Note: [Compiled around the walk]
+        Under ``torch.compile(model)`` Dynamo would trace into the walk: the copy engine, its events
+        and pooled buffers, which it cannot trace (fake tensors of the pool's sizes fail) and which
+        gains nothing from it. The walk runs eagerly instead, a graph break at the model's call;
+        layers compiled themselves (``torch.compile(layer)`` before wrapping) compile as they would
+        anywhere. Made on the first construction, outside any tracing: importing Dynamo takes a
+        second, which the first ``torch.optim`` step would take anyway.
+    """
+    return torch.compiler.disable(_run)
 
 class OffloadModel(CopiedByLayers):
     """Train an ``nn.Sequential`` whose parameters live in host memory.
@@ -173,6 +189,7 @@ class OffloadModel(CopiedByLayers):
         self._warned_microbatch_batchnorm = False
         per_tensor_warning.install()
         per_tensor_warning.register(self._engine.parameters())
+        _eager_forward()  # outside any tracing (Note: [Compiled around the walk])
 
     # -- data parallelism ----------------------------------------------------------------------
 
@@ -243,27 +260,8 @@ class OffloadModel(CopiedByLayers):
         Raises:
             TypeError: keyword arguments, or not exactly one positional argument.
         """
-        _check_one_input(args, kwargs)
-        engine = self._engine
-        engine.refresh()
-        _warn_microbatch_batchnorm(self)
-        leaves, spec = flatten_input(args[0], self.compute_dtype)
-        params = engine.parameters()
-        needs_graph = torch.is_grad_enabled() and (
-            any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves)
-            or any(p.requires_grad for p in params)
-        )
-        if not needs_graph:
-            return streamed_forward(engine, leaves, spec, self.num_microbatches)
-        call, input_tensors = Call.taking(leaves, spec)
-        # Saved tensors are packed when apply returns: the identity hooks keep any hooks the caller
-        # has active (save_on_cpu, say) away from them. They are already on the host or in pooled
-        # buffers whose copies may still be in flight.
-        with saved_tensors_hooks(_identity, _identity):
-            outputs = OffloadFunction.apply(
-                engine, call, self._activation_plan(), self.num_microbatches, *input_tensors, *params,
-            )
-        return call.output_with(outputs)
+        run = _eager_forward() if torch.compiler.is_compiling() else _run  # Note: [Compiled around the walk]
+        return run(self, *args, **kwargs)
 
     def _activation_plan(self) -> ActivationPlan:
         return ActivationPlan.of(self.checkpoint_activation, self.offload_activations, self._engine.num_slices)
@@ -292,6 +290,31 @@ class OffloadModel(CopiedByLayers):
         super()._apply(stays_on_compute(convert, self.offload_device, self._engine.num_resident), recurse)
         self._engine.refresh()
         return self
+
+
+def _run(model: OffloadModel, *args: Any, **kwargs: Any) -> Any:
+    """The forward: the walk on one input, through the autograd Function where a graph is wanted."""
+    _check_one_input(args, kwargs)
+    engine = model._engine
+    engine.refresh()
+    _warn_microbatch_batchnorm(model)
+    leaves, spec = flatten_input(args[0], model.compute_dtype)
+    params = engine.parameters()
+    needs_graph = torch.is_grad_enabled() and (
+        any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves)
+        or any(p.requires_grad for p in params)
+    )
+    if not needs_graph:
+        return streamed_forward(engine, leaves, spec, model.num_microbatches)
+    call, input_tensors = Call.taking(leaves, spec)
+    # Saved tensors are packed when apply returns: the identity hooks keep any hooks the caller
+    # has active (save_on_cpu, say) away from them. They are already on the host or in pooled
+    # buffers whose copies may still be in flight.
+    with saved_tensors_hooks(_identity, _identity):
+        outputs = OffloadFunction.apply(
+            engine, call, model._activation_plan(), model.num_microbatches, *input_tensors, *params,
+        )
+    return call.output_with(outputs)
 
 
 def _identity(tensor: torch.Tensor) -> torch.Tensor:

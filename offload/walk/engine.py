@@ -38,6 +38,14 @@ from ..streams.resident_storage import ResidentStorage
 from ..streams.shadow_staging import ShadowStaging
 
 
+# What AOTAutograd says of a layer it compiled that writes in place into tensors sharing a storage.
+_COMPILED_BUFFER_WRITE = "input mutations"
+COMPILED_BUFFER_NOTE = (
+    "OffloadModel: torch.compile cannot compile a layer that writes a buffer in forward (BatchNorm's running "
+    "statistics in training) inside OffloadModel: a slice's tensors lie in one device allocation, which it refuses "
+    "for tensors written in place. Leave this layer uncompiled (docs/api.md, Limitations).")
+
+
 @dataclass
 class Slice:
     """A contiguous run of layers that is loaded and run as a unit."""
@@ -57,6 +65,8 @@ class Slice:
                 note = f"in layer {name} ({type(layer).__name__}) of OffloadModel slice {self.index}"
                 if hasattr(error, "add_note") and note not in getattr(error, "__notes__", ()):  # Python 3.11+
                     error.add_note(note)
+                    if _COMPILED_BUFFER_WRITE in str(error):
+                        error.add_note(COMPILED_BUFFER_NOTE)
                 raise
         return inputs
 
