@@ -363,24 +363,29 @@ def _trained_footprint(model: OffloadModel, make_input: Callable[[], torch.Tenso
     return footprint
 
 
+@pytest.mark.parametrize("head_norm", [False, True], ids=["head-alone", "head-with-norm"])
 @pytest.mark.parametrize("compute_dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("resident", [0, 1], ids=["streamed", "one-resident"])
-def test_a_weight_tied_across_slices_is_counted_once_as_the_model_holds_it(compute_dtype, resident):
+def test_a_weight_tied_across_slices_is_counted_once_as_the_model_holds_it(compute_dtype, resident, head_norm):
     """The embedding's slice holds the weight, the head's borrows it (Note: [Tied parameters across
     slices]): masters, shadow, gradient and state once; a place in the head's slot; in the pool,
     the two tied slices' landing buffers held through the backward beside the one the middle
-    slice's gradients pass through (Note: [A tied weight's gradients summed in place])."""
+    slice's gradients pass through (Note: [A tied weight's gradients summed in place]). With a norm
+    beside the head (a Llama's last slice), the norm's .grad keeps its whole landing buffer, the
+    head's place in it included, even where the embedding is resident and that place goes unused."""
     def tied() -> nn.Sequential:
         torch.manual_seed(0)
         embedding = nn.Embedding(500, 32)
-        return nn.Sequential(embedding, nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), TiedHead(embedding))
+        head = nn.Sequential(nn.LayerNorm(32), TiedHead(embedding)) if head_norm else TiedHead(embedding)
+        return nn.Sequential(embedding, nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), head)
 
     profile = profile_layers(tied(), lambda: torch.zeros(4, 8, dtype=torch.long), compute_dtype=compute_dtype)
     plan = estimate_memory(tied(), num_slices=3, compute_dtype=compute_dtype, device="cpu", resident_slices=resident,
                            profile=profile)
     model = OffloadModel(tied(), device="cpu", num_slices=3, compute_dtype=compute_dtype, resident_slices=resident)
     footprint = _trained_footprint(model, lambda: torch.randint(0, 500, (4, 8)))
-    assert plan.parameters == footprint.parameters == 500 * 32 + 2 * (32 * 32 + 32)
+    assert plan.parameters == footprint.parameters == 500 * 32 + 2 * (32 * 32 + 32) + (64 if head_norm else 0)
+    assert model.partition[-1] == ("4",)
     for category in ("masters", "shadows", "gradients", "optimizer_state"):
         assert plan.host_categories()[category] == footprint.host_categories()[category], category
     # After the step the boundary activations' buffers are idle, which the plan counts as in use.

@@ -170,8 +170,7 @@ def _footprint(layout: SliceLayout, placed: tuple[int, int, int, int, bool], act
     # slice's gradients stay on the device: they take no host buffer.
     # Note: [A tied weight's gradients summed in place]: a slice whose gradients include a weight
     # tied across slices lands in a buffer of its own, held until backward ends, beside the two.
-    all_grads = layout.gradient_bytes
-    grads = all_grads[resident:] or [0]
+    grads = layout.host_gradient_bytes(resident) or [0]
     landing = layout.landing_bytes(resident) or [0]
     tied = layout.tied_on_host(resident) or [False]
     sized = size_class if pinned else (lambda nbytes: nbytes)
@@ -271,12 +270,19 @@ class SliceLayout:
         return len(self.ranges)
 
     def landing_bytes(self, resident: int = 0) -> list[int]:
-        """Per streamed slice (after the first ``resident``), the gradient bytes its backward
-        sends to the host: its own, and those of the trainable weights it borrows from a streamed
-        slice (a resident holder's stay on the device)."""
+        """Per streamed slice (after the first ``resident``), the bytes of the host buffer its
+        gradients land in: its own, and a place for each trainable weight it borrows (a resident
+        holder's gradient stays on the device, and its place in the buffer goes unused; a slice
+        with nothing else to send takes no buffer)."""
         borrowed = self.borrowed_gradients or [[] for _ in self.ranges]
-        return [g + sum(b for holder, b in tied if holder >= resident)
+        return [g + sum(b for _, b in tied) if g or any(holder >= resident for holder, _ in tied) else 0
                 for g, tied in zip(self.gradient_bytes[resident:], borrowed[resident:])]
+
+    def host_gradient_bytes(self, resident: int = 0) -> list[int]:
+        """Per streamed slice, the host bytes its parameters' ``.grad`` keep: the gradients are
+        views of the buffer they landed in, which a borrowing slice's own ``.grad`` keep whole, its
+        borrowed weight's place included (that weight's ``.grad`` is the holder's)."""
+        return [landing if own else 0 for own, landing in zip(self.gradient_bytes[resident:], self.landing_bytes(resident))]
 
     def tied_on_host(self, resident: int = 0) -> list[bool]:
         """Per streamed slice, whether its gradients include a trainable weight tied across

@@ -235,8 +235,9 @@ def traffic(layout: SliceLayout, profile: ModelProfile | None, config: StepConfi
         forward_loads=sum(layout.device_bytes[k:]),
         forward_offloads=boundaries,
         backward_loads=sum(layout.device_bytes[j] for j in reloaded if j >= k) + boundaries,
-        # A slice that borrows a trainable weight sends that gradient too, in its dtype.
-        backward_offloads=sum(leaving[k:]) + sum(layout.landing_bytes(k)) - sum(streamed_grads),
+        # A slice that borrows a trainable weight from a streamed slice sends that gradient too.
+        backward_offloads=sum(leaving[k:]) + sum(b for tied in layout.borrowed_gradients[k:] for holder, b in tied
+                                                 if holder >= k),
         first_load=layout.device_bytes[0] if k == 0 else 0,
         # Slice 0's gradients leave last; a resident one's do not leave, and the streamed slices'
         # cross while the resident ones' backward runs.
