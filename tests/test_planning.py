@@ -794,3 +794,68 @@ def test_a_pinned_memory_limit_rules_out_what_pins_more():
     assert "of pinned host memory at the least; the platform pins" in _offload(*args, check=False).stdout
     assert "pinned host memory: " in _offload(*args[:-2]).stdout
     assert _offload("plan", "--preset", "mlp", "--gpu", "h100-sxm", "--pinned-memory", "0", check=False).returncode == 2
+
+
+TINY_MOE = {
+    "mixtral": {"model_type": "mixtral", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128, "num_local_experts": 4,
+                "num_experts_per_tok": 2},
+    "qwen3_moe": {"model_type": "qwen3_moe", "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 32,
+                  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+                  "vocab_size": 128, "num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1},
+}
+
+
+@pytest.mark.parametrize("family", sorted(TINY_MOE))
+def test_the_fake_profile_of_mixture_of_experts_in_float32_is_a_real_runs(family):
+    """Note: [Grouped matmuls on fake tensors] in ``offload/planning/shapes.py``: the experts'
+    ``torch._grouped_mm`` profiles in float32 (its meta kernel takes bfloat16 only), saving what a
+    real float32 run saves, and its operations are counted, the same in either dtype."""
+    transformers = pytest.importorskip("transformers")
+    from torch.utils.flop_counter import FlopCounterMode
+    from torch.utils._pytree import tree_flatten
+
+    from offload.integrations.transformers import causal_lm_sequential
+
+    settings = TINY_MOE[family]
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**settings))
+    assert hf.config._experts_implementation == "grouped_mm"
+    layers = causal_lm_sequential(hf)
+    rows, tokens = 2, 16
+    profile = profile_layers(layers, lambda: torch.zeros(rows, tokens, dtype=torch.long))
+    bf16 = profile_layers(layers, lambda: torch.zeros(rows, tokens, dtype=torch.long), compute_dtype=torch.bfloat16)
+
+    # The real run, layer by layer: what autograd saves (parameters left out), what each returns, and
+    # the operations torch's counter sees, which has no formula for the experts' grouped matmuls.
+    params = {p.untyped_storage().data_ptr() for p in layers.parameters()}
+    x: Any = torch.randint(0, settings["vocab_size"], (rows, tokens))
+    saved, outputs, flops_without_experts = [], [], []
+    for layer in layers:
+        layer_saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.untyped_storage().data_ptr() not in params:
+                layer_saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with FlopCounterMode(display=False) as counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            x = layer(x)
+        saved.append(sum(layer_saved.values()))
+        outputs.append(sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                            for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)}.values()))
+        flops_without_experts.append(counter.get_total_flops())
+    assert [layer.saved_bytes for layer in profile.layers] == saved
+    assert [layer.output_bytes for layer in profile.layers] == outputs
+
+    # Each decoder layer's experts: every token through top-k experts, an up (gate and up: twice the
+    # intermediate width) and a down projection, 2 operations a multiply-add.
+    hidden, top_k = settings["hidden_size"], settings["num_experts_per_tok"]
+    intermediate = settings.get("moe_intermediate_size", settings["intermediate_size"])
+    experts = 2 * rows * tokens * top_k * (hidden * 2 * intermediate + intermediate * hidden)
+    decoders = range(1, 1 + settings["num_hidden_layers"])
+    assert [layer.forward_flops for layer in profile.layers] == [
+        flops + (experts if k in decoders else 0) for k, flops in enumerate(flops_without_experts)]
+    assert [layer.forward_flops for layer in bf16.layers] == [layer.forward_flops for layer in profile.layers]
+    # Matmuls throughout: the backward is twice the forward, the experts' included.
+    assert profile.backward_flops == bf16.backward_flops == 2 * profile.forward_flops

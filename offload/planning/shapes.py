@@ -2,7 +2,8 @@
 
 :func:`profile_layers` runs the model's forward and backward on fake tensors (``FakeTensorMode``
 on the CPU: shapes and dtypes, no data, nothing allocated), layer by layer, and counts
-for each layer its floating-point operations (``torch.utils.flop_counter``), the bytes autograd
+for each layer its floating-point operations (``torch.utils.flop_counter``; a mixture of experts'
+grouped matmuls too: Note: [Grouped matmuls on fake tensors]), the bytes autograd
 saves for its backward and the bytes of its output (the next layer's input: a boundary
 activation where a slice ends). The model itself is not touched: its parameters and buffers are
 replaced, for the run, by fake tensors of the same shapes (in ``compute_dtype`` where the device
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -135,7 +137,8 @@ def profile_layers(layers: nn.Sequential, make_input: Callable[[], Any], *,
     children = list(layers.children()) or [layers]
     # The stand-ins stay in place through the backward too: a layer that checkpoints inside
     # (a chunked loss) recomputes with them there.
-    with FakeTensorMode(allow_non_fake_inputs=True), torch.device("cpu"), contextlib.ExitStack() as stand_ins:
+    with FakeTensorMode(allow_non_fake_inputs=True), torch.device("cpu"), _GroupedMatmulInAnyDtype(), \
+            contextlib.ExitStack() as stand_ins:
         x = _cast_inputs(make_input(), compute_dtype)
         input_bytes, batch = _nbytes(x), _batch_size(x)
         forward, saved, outputs, last = _forward(children, x, compute_dtype, stand_ins)
@@ -164,7 +167,7 @@ def _forward(children: list[nn.Module], x: Any, compute_dtype: torch.dtype | Non
             return t
 
         try:
-            with FlopCounterMode(display=False) as counter, _without_fake_kernel_log(), \
+            with _flop_counter() as counter, _without_fake_kernel_log(), \
                     torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 x = layer(x)
         except Exception as error:
@@ -190,11 +193,86 @@ def _without_fake_kernel_log() -> Any:
         logger.disabled = disabled
 
 
+# Note: [Grouped matmuls on fake tensors]
+#     Hugging Face's mixture-of-experts layers (Mixtral, Qwen3-MoE, ...) run their experts as
+#     ``torch._grouped_mm`` (``experts_implementation="grouped_mm"``, transformers'
+#     ``integrations/moe.py``): one matmul over the tokens sorted by expert, ``offs`` saying where
+#     each expert's rows end. Two things in torch fall short of what a real run does:
+#     1. Its meta kernel, which fake tensors run, checks what the CUDA fast path takes and refuses
+#        every dtype but bfloat16; the real kernels take float32 and float16 too (the CPU's, and
+#        CUDA's loop of matmuls beside its fast path). :class:`_GroupedMatmulInAnyDtype` answers
+#        those calls with the output the real kernel returns: its shape, the inputs' dtype,
+#        contiguous. Autograd sits above it, so what it saves is what the real run saves, in the
+#        real run's dtype. Calls the meta kernel takes, and any others (an ``out_dtype``), go on
+#        to it.
+#     2. ``FlopCounterMode`` has no formula for it and counts the experts as nothing, in every
+#        dtype. :func:`_grouped_mm_flop` counts them as the matmuls they are: ``offs`` is data,
+#        unknown on fake tensors, so every row is taken to belong to an expert, as it does
+#        without expert parallelism. The other experts implementations are no way around this:
+#        ``"eager"`` loops over the experts with shapes read from the routing (data), and
+#        ``"batched_mm"`` gathers a weight matrix per token and saves those, bytes no grouped run
+#        keeps.
+
+
+class _GroupedMatmulInAnyDtype(TorchDispatchMode):
+    """Outputs for the ``torch._grouped_mm`` calls the meta kernel refuses for their dtype
+    (Note: [Grouped matmuls on fake tensors], rule 1)."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        grouped = _grouped_mm_op()
+        if grouped is not None and func is grouped.default and _refused_for_dtype(*args, **kwargs):
+            return _grouped_mm_output(*args)
+        return func(*args, **kwargs)
+
+
+def _refused_for_dtype(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | None = None,
+                       bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> bool:
+    return (mat_a.dtype == mat_b.dtype and mat_a.dtype.is_floating_point and mat_a.dtype != torch.bfloat16
+            and bias is None and out_dtype is None)
+
+
+def _grouped_mm_output(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | None = None) -> torch.Tensor:
+    # The layouts of torch's own shape rule (_create_grouped_mm_output_tensor): groups along the
+    # rows of a 2-D mat_a (the forward, the input's gradient), along the contraction of two 2-D
+    # ones (the weight's gradient), along the columns of a 2-D mat_b, or a batch of matmuls.
+    torch._check(mat_a.dim() in (2, 3) and mat_b.dim() in (2, 3), lambda: "grouped_mm takes 2-D or 3-D operands")
+    torch._check(mat_a.size(-1) == mat_b.size(-2), lambda: "contraction dimension of mat_a and mat_b must match")
+    torch._check((offs is None) == (mat_a.dim() == 3 and mat_b.dim() == 3), lambda: "offs goes with a 2-D operand")
+    if mat_a.dim() == 2:
+        size = [offs.size(0), mat_a.size(0), mat_b.size(1)] if mat_b.dim() == 2 else [mat_a.size(0), mat_b.size(-1)]
+    else:
+        size = [mat_a.size(1), mat_b.size(1)] if mat_b.dim() == 2 else [mat_a.size(0), mat_a.size(1), mat_b.size(-1)]
+    return torch.empty(size, dtype=mat_a.dtype, device=mat_a.device)
+
+
+def _grouped_mm_flop(a_shape: Any, b_shape: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    """Operations of a ``torch._grouped_mm``, every row in a group (Note: [Grouped matmuls on fake
+    tensors], rule 2): each output element is a dot product over the contraction, except that a
+    3-D ``mat_a`` by a 2-D ``mat_b`` gives each group its own columns."""
+    if len(a_shape) == 3 and len(b_shape) == 2:
+        return 2 * a_shape[1] * a_shape[2] * b_shape[1]
+    rows = 1
+    for size in a_shape:
+        rows *= size
+    return 2 * rows * b_shape[-1]
+
+
+def _grouped_mm_op() -> Any:
+    """``aten._grouped_mm``, or ``None`` in a PyTorch that has none (before 2.8)."""
+    return getattr(torch.ops.aten, "_grouped_mm", None)
+
+
+def _flop_counter() -> FlopCounterMode:
+    grouped = _grouped_mm_op()
+    return FlopCounterMode(display=False, custom_mapping={grouped: _grouped_mm_flop} if grouped is not None else {})
+
+
 def _backward_flops(output: Any) -> int:
     tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
     if not tensors:
         return 0
-    with FlopCounterMode(display=False) as counter:
+    with _flop_counter() as counter:
         torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
     return counter.get_total_flops()
 
