@@ -438,6 +438,11 @@ def test_return_dict_logits_to_keep_and_a_given_state_dict_as_the_model_takes_th
         torch.testing.assert_close(got, want, **EXACT)
         torch.testing.assert_close(got, hf(input_ids=ids, use_cache=False, logits_to_keep=kept).logits,
                                    rtol=1e-6, atol=1e-7)
+        if keep == 3:  # with labels for the kept positions: the model's loss on them
+            labels = ids[:, -keep:]
+            got = model(input_ids=ids, labels=labels, logits_to_keep=kept).loss
+            torch.testing.assert_close(got, hf(input_ids=ids, labels=labels, use_cache=False, logits_to_keep=kept).loss,
+                                       rtol=1e-6, atol=1e-7)
     # save_pretrained(state_dict=...) writes those tensors, as the model's own does.
     given = {key: torch.full_like(t, 0.5) for key, t in model.state_dict().items()}
     names = set(given)

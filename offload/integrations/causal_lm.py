@@ -299,8 +299,9 @@ class OffloadedCausalLM(PreTrainedModel):
             if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
                 # The model slices the hidden states before lm_head; the head here projects every
                 # position, so the kept logits are sliced after it: the same shape, the rows of the
-                # full projection (a product of fewer rows may round differently, about 1 float32 ulp).
-                logits = slice_logits_to_keep(logits, logits_to_keep)
+                # full projection (a product of fewer rows may round differently, about 1 float32 ulp);
+                # contiguous, as the model's product is (its loss views them).
+                logits = slice_logits_to_keep(logits, logits_to_keep).contiguous()
             loss = None
             if labels is not None or shift_labels is not None:
                 loss = self.hf_model.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size,
