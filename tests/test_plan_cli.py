@@ -72,7 +72,9 @@ def inputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "plan_cli_broken.py").write_text("def build(:\n")
     (tmp_path / "plan_cli_raises.py").write_text("def build():\n    raise RuntimeError('no weights here')\n")
     (tmp_path / "gpt2.json").write_text(json.dumps(GPT2))
-    for name, change in (BAD_RATES | {"no_link": {"host_to_device": 0.0}}).items():
+    # As `offload calibrate` without --dir writes them: the disk not measured.
+    no_disk = {"no_disk": {"disk_read": None, "disk_write": None}}
+    for name, change in (BAD_RATES | {"no_link": {"host_to_device": 0.0}} | no_disk).items():
         (tmp_path / f"rates_{name}.json").write_text(json.dumps(GPU_DEFAULTS["a100"].to_json() | change))
     yield tmp_path
     for module in ("plan_cli_factory", "plan_cli_no_params", "plan_cli_broken", "plan_cli_raises"):
@@ -124,6 +126,11 @@ BAD_INPUTS = {
     # A CPU device's rates (no link) plan no GPU: its loads would take no time.
     "rates without a link for a gpu": ([*TINY[:2], *TINY[4:], "--rates", "rates_no_link.json"],
                                        "--rates rates_no_link.json: no link rates"),
+    # A calibration without --dir times no disk tier: refused before planning, not a traceback.
+    "disk dir with rates without the disk's": ([*TINY, "--rates", "rates_no_disk.json", "--disk-dir", "."],
+                                               "--rates rates_no_disk.json: no disk rates (disk_read, disk_write) "
+                                               "to plan a disk tier with: run `python -m offload calibrate --dir . "
+                                               "--out rates_no_disk.json`"),
     "unknown gpu": ([*TINY, "--gpu", "rtx-9090"], "argument --gpu: invalid choice: 'rtx-9090'"),
     "cpu uncalibrated": ([*TINY[:2], "--device", "cpu", "--host-memory", "8"], "--device cpu needs this CPU's"),
     "no rates": (list(TINY[:2]), "no rates: run `python -m offload calibrate`"),
@@ -142,6 +149,13 @@ BAD_INPUTS = {
     "config sizes refused": (["--hf-config", "odd_heads.json", "--gpu", "a100"], "not a multiple of the number"),
     "config size negative": (["--hf-config", "negative.json", "--gpu", "a100"], "negative dimension -3"),
     "lora without hf": (["--preset", "tiny", "--gpu", "a100", "--lora-r", "4"], "--lora-r adapts a Hugging Face"),
+    # Given, 0 too: the flag means nothing without --hf-config.
+    "lora 0 without hf": (["--preset", "tiny", "--gpu", "a100", "--lora-r", "0"], "--lora-r adapts a Hugging Face"),
+    # --seq-len shapes only --hf-config's input: elsewhere it would be ignored, the plan not the one typed.
+    "seq-len with a preset": (["--preset", "tiny", "--gpu", "a100", "--seq-len", "64"],
+                              "--seq-len is --hf-config's tokens per row"),
+    "seq-len with a model": (["--model", "plan_cli_factory:build", "--input-shape", "8", "--gpu", "a100",
+                              "--seq-len", "64"], "--seq-len is --hf-config's tokens per row"),
     # --preset and --model.
     "two models": ([*TINY, "--preset", "tiny"], "give the model as one of"),
     "set not key=value": (["--preset", "mlp", "--set", "width", "--gpu", "a100"], "--set takes KEY=VALUE"),
@@ -327,3 +341,29 @@ def test_the_nothing_fits_example_of_the_planning_doc_is_what_the_planner_says()
     tiered = Alternative("--disk-dir DIR", tiered_plan, least_needs(tiered_plan.candidates, tiered_limits),
                          tiered_limits)
     assert f"--disk-dir DIR              {tiered.describe()}" in block[1]
+
+
+def test_rates_without_the_disks_leave_the_disk_tier_out_of_what_would_fit(inputs, capsys):
+    # Nothing fits the host; the disk tier cannot be timed without disk rates, so it is not tried.
+    args = (*MLP, "--rates", "rates_no_disk.json", "--resident-slices", "0", "--host-memory", "0.05")
+    found = {a["flags"]: a for a in _plan_json(capsys, *args)["alternatives"]}
+    assert found and "--disk-dir DIR" not in found
+
+
+def test_when_only_the_pinned_memory_is_short_the_alternatives_say_so(capsys):
+    args = ("--preset", "transformer", "--set", "n_layers=4", "d_model=256", "--gpu", "a100", "--host-memory", "8",
+            "--pinned-memory", "0.001", "--resident-slices", "0")
+    with pytest.raises(SystemExit):
+        main(["plan", *args])
+    out = capsys.readouterr().out
+    assert "nothing fits: needs" in out and "of pinned host memory at the least" in out
+    said = {line.split("  needs ")[0].strip(): "needs " + line.split("  needs ")[1]
+            for line in out.splitlines() if "  needs " in line}
+    short = {flags: text for flags, text in said.items() if text.endswith("does not fit")}
+    assert "--batch-size 1" in short
+    # The host has room for each: the figure is the pinned memory, the least a candidate pins.
+    plan, _ = _needs(capsys, *args, "--batch-size", "1")
+    pinned = min(c.memory.pinned_bytes for c in plan.candidates if set(c.over) == {"pinned"})
+    assert short["--batch-size 1"] == (f"needs {gib(pinned)} of pinned host memory (the platform pins 0.00 GiB): "
+                                       "does not fit")
+    assert all("of pinned host memory" in text for text in short.values()), short

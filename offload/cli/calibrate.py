@@ -32,7 +32,9 @@ from torch import nn
 
 from ..model import OffloadModel
 from ..planning.rates import ADAMW_BYTES_PER_PARAMETER, MachineRates, default_rates_path, save_rates
+from ..profiling.outputs import check_output_path
 from .finetune_args import user_path
+from .plan import OneLineParser, check_disk_dir
 
 
 def _median_seconds(fn: Callable[[], None], repeats: int, sync: Callable[[], None] = lambda: None) -> float:
@@ -129,7 +131,8 @@ def link_rates(device: torch.device, nbytes: int = 256 * 2**20, repeats: int = 5
 
 def disk_rates(directory: Path, nbytes: int = 256 * 2**20) -> tuple[float, float]:
     """Sequential write (``fsync`` included) and read of one file in ``directory``, bytes per second."""
-    directory.mkdir(parents=True, exist_ok=True)
+    # Only the last level, as a DiskTier makes it: a mistyped path measures no other disk.
+    directory.mkdir(exist_ok=True)
     block = os.urandom(4 * 2**20)
     with tempfile.NamedTemporaryFile(dir=directory, prefix="offload-calibrate-") as handle:
         start = time.perf_counter()
@@ -196,14 +199,52 @@ def calibrate(directory: Path | None = None, device: torch.device | None = None)
                         host_norm=host_norm_rate(), sources=sources)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="offload calibrate", description=__doc__.split("\n\n")[0])
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The arguments, each checked before a minute of measuring: a device that is not here, a
+    ``--dir`` a disk tier would refuse or an ``--out`` that cannot be written fails in a line."""
+    parser = OneLineParser(prog="offload calibrate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=user_path, default=default_rates_path(),
                         help="where to write the rates (default: %(default)s)")
     parser.add_argument("--dir", type=user_path, help="measure the disk here (where the disk tier would live)")
-    parser.add_argument("--device", help="cuda or cpu (default: cuda when present)")
+    parser.add_argument("--device", type=_device, help="cuda or cpu (default: cuda when present)")
     args = parser.parse_args(argv)
-    rates = calibrate(args.dir, torch.device(args.device) if args.device else None)
+    if args.dir is not None:
+        check_disk_dir(parser, args.dir, "--dir")
+    try:
+        check_output_path(args.out, "--out")
+    except FileNotFoundError:
+        # save_rates makes the missing folders (the default's on a first run): the nearest one
+        # that exists must take them.
+        existing = next(p for p in args.out.absolute().parents if p.exists())
+        if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+            parser.error(f"--out {args.out}: cannot make its directory, {existing} is not a directory this "
+                         "process can write to")
+    except OSError as error:
+        parser.error(str(error))
+    return args
+
+
+def _device(text: str) -> torch.device:
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"expected cuda or cpu, got {text!r}") from None
+    if device.type not in ("cuda", "cpu"):
+        raise argparse.ArgumentTypeError(f"expected cuda or cpu, got {text!r}")
+    if device.type == "cuda":
+        # Asked before measuring: calibrate() would first time the host, then fail in CUDA's own words.
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not count:
+            raise argparse.ArgumentTypeError(f"{text}: no CUDA device here; calibrate on the GPU's machine, or "
+                                             "give --device cpu")
+        if device.index is not None and device.index >= count:
+            raise argparse.ArgumentTypeError(f"{text}: this machine has {count} CUDA device(s)")
+    return device
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    rates = calibrate(args.dir, args.device)
     path = save_rates(rates, args.out)
     gb = 1e9
     print(f"{rates.name}")

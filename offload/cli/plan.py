@@ -55,7 +55,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     model.add_argument("--model", metavar="MODULE:FACTORY", help="a function returning an nn.Sequential")
     model.add_argument("--input-shape", type=int, nargs="+", help="one sample's shape, for --model")
     model.add_argument("--vocab", type=int, help="--model takes token ids below this")
-    model.add_argument("--lora-r", type=int, default=0, help="LoRA adapters of this rank (peft), on a frozen base")
+    # No default here: a --lora-r given without --hf-config, 0 included, is refused (check_model_args).
+    model.add_argument("--lora-r", type=int, help="LoRA adapters of this rank (peft), on a frozen base (default: none)")
     add_four_bit_arguments(model)
     model.add_argument("--loss-chunk-tokens", type=int, default=1024,
                        help="as offload-finetune: the head computes the loss this many tokens at a time (0: logits)")
@@ -125,10 +126,16 @@ def check_model_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         parser.error("--vocab must be at least 1")
     if args.set and not args.preset:
         parser.error("--set sets a --preset's settings; give --preset NAME")
-    if args.lora_r and not args.hf_config:
+    if args.lora_r is not None and not args.hf_config:
         parser.error("--lora-r adapts a Hugging Face model: give it with --hf-config")
+    if args.lora_r is None:
+        args.lora_r = 0
     if args.lora_r < 0:
         parser.error("--lora-r must be 0 (off) or a positive rank")
+    if args.seq_len is not None and not args.hf_config:
+        # Left unchecked it would be ignored: the plan would be for another sequence than typed.
+        parser.error("--seq-len is --hf-config's tokens per row: --model's input is --input-shape, a preset's "
+                     "--set seq_len=N (where it has that setting)")
     if args.quantize and not args.lora_r:
         parser.error(f"--quantize {args.quantize} freezes the base in 4 bits, which has no gradient: train LoRA "
                      "adapters over it with --lora-r R (and --hf-config)")
@@ -185,22 +192,23 @@ def check_machine_args(parser: argparse.ArgumentParser, args: argparse.Namespace
                      f"or pass --gpu NAME")
 
 
-def check_disk_dir(parser: argparse.ArgumentParser, path: Path) -> None:
+def check_disk_dir(parser: argparse.ArgumentParser, path: Path, flag: str = "--disk-dir") -> None:
     """Refuse a ``--disk-dir`` that :class:`~offload.DiskTier` would refuse (``make_directory`` in
-    ``offload/streams/disk.py``), without making it: the printed code must run."""
+    ``offload/streams/disk.py``), without making it: the printed code must run. ``flag``: the option
+    that named it, for the message (``offload calibrate --dir`` measures where a tier would live)."""
     if path.exists() and not path.is_dir():
-        parser.error(f"--disk-dir {path}: not a directory")
+        parser.error(f"{flag} {path}: not a directory")
     if path.exists():
         if not os.access(path, os.W_OK | os.X_OK):
-            parser.error(f"--disk-dir {path}: not writable by this process; choose a directory you can write to")
+            parser.error(f"{flag} {path}: not writable by this process; choose a directory you can write to")
         return
     parent = path.absolute().parent
     if not parent.is_dir():
-        parser.error(f"--disk-dir {path}: its parent directory {parent} does not exist; create it first (a disk "
+        parser.error(f"{flag} {path}: its parent directory {parent} does not exist; create it first (a disk "
                      "tier creates only the last level, so that a mistyped path does not put the files on another "
                      "disk)")
     if not os.access(parent, os.W_OK | os.X_OK):
-        parser.error(f"--disk-dir {path}: cannot be created, {parent} is not writable by this process; choose a "
+        parser.error(f"{flag} {path}: cannot be created, {parent} is not writable by this process; choose a "
                      "directory you can write to")
 
 
@@ -244,6 +252,20 @@ def machine_rates(args: argparse.Namespace) -> MachineRates:
                              f"--device cpu` (writes {path}), or pass --rates FILE")
     raise PlanInputError(f"no rates: run `python -m offload calibrate` on the machine (writes {path}), or pass "
                          f"--gpu {{{','.join(sorted(GPU_DEFAULTS))}}}")
+
+
+def check_disk_rates(args: argparse.Namespace, rates: MachineRates) -> None:
+    """Refuse ``--disk-dir`` with rates that time no disk: a calibration without ``--dir`` leaves
+    them null, and the tier's reads and writes could not be timed."""
+    if args.disk_dir is None or (rates.disk_read is not None and rates.disk_write is not None):
+        return
+    # Only a calibration leaves them out (the host's defaults give them): the rates came from a file.
+    path = args.rates or default_rates_path()
+    flag = "--rates" if args.rates is not None else "the rates file"
+    out = f" --out {shlex.quote(str(path))}" if args.rates is not None else ""
+    raise PlanInputError(f"{flag} {path}: no disk rates (disk_read, disk_write) to plan a disk tier with: run "
+                         f"`python -m offload calibrate --dir {shlex.quote(str(args.disk_dir))}{out}`, or leave "
+                         f"out --disk-dir")
 
 
 def machine_limits(args: argparse.Namespace, rates: MachineRates) -> Limits:
@@ -317,6 +339,7 @@ def run_plan(args: argparse.Namespace) -> tuple[Plan, Workload, MachineRates, Li
 def _planned(args: argparse.Namespace) -> tuple[Plan, Planner, Limits]:
     # The rates first: a missing calibration is answered before the model is built.
     planner = Planner(machine_rates(args))
+    check_disk_rates(args, planner.rates)
     planner.workload(args)
     limits = machine_limits(args, planner.rates)
     return planner.plan(args, limits), planner, limits

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from ..planning.choose import Limits, Needs, Plan, gib, least_needs
+from ..planning.rates import MachineRates
 
 GIB = 2**30
 #: The adapters' rank tried for ``--lora-r`` (a common one; the base's bytes dominate, not theirs).
@@ -34,6 +35,8 @@ FREED = {"--resident-slices": ("resident_slices", "auto"), "--num-slices": ("num
 
 class Planner(Protocol):
     """What plans for the arguments: ``offload/cli/plan.py``'s ``Planner``."""
+
+    rates: MachineRates
 
     def plan(self, args: argparse.Namespace, limits: Limits) -> Plan: ...
 
@@ -56,6 +59,12 @@ class Alternative:
     def describe(self) -> str:
         """``needs 77.0 GiB of host memory and 89.7 GiB of disk: fits``, or what is still short."""
         needs, parts = self.needs, []
+        # As the plan's own answer (choose.missing): where every other limit is met by some
+        # candidate, the pinned memory is what is short, however much host memory there is.
+        pinned = [c.memory.pinned_bytes for c in self.plan.candidates if set(c.over) == {"pinned"}]
+        if pinned and not self.fits:
+            return (f"needs {gib(min(pinned))} of pinned host memory (the platform pins "
+                    f"{gib(self.limits.pinned_memory or 0, up=False)}): does not fit")
         if self.figure == "device" or (needs.host_memory is None and needs.tiered_host_memory is None):
             parts.append(f"{gib(needs.device_memory)} of device memory")
         elif needs.host_memory is not None and (needs.tiered_host_memory is None
@@ -85,8 +94,9 @@ def alternatives(args: argparse.Namespace, plan: Plan, limits: Limits, planner: 
 def _tried(args: argparse.Namespace, plan: Plan, limits: Limits, planner: Planner) -> Iterator[Alternative | None]:
     needs = least_needs(plan.candidates, limits)
     yield from _more_memory(args, needs, limits, planner)
-    if limits.disk_dir is None:
-        # A disk with no limit: the plan then says how much of it the tier takes.
+    if limits.disk_dir is None and planner.rates.disk_read is not None and planner.rates.disk_write is not None:
+        # A disk with no limit: the plan then says how much of it the tier takes. Rates without
+        # the disk's (a calibration without --dir) cannot time the tier: it is not tried.
         yield _replan(planner, args, replace(limits, disk_dir="DIR", disk=None), "--disk-dir DIR")
     if args.hf_config and not args.lora_r and _installed("peft"):
         yield _replan(planner, _with(args, lora_r=LORA_RANK), limits, f"--lora-r {LORA_RANK}")
