@@ -343,6 +343,21 @@ def test_the_nothing_fits_example_of_the_planning_doc_is_what_the_planner_says()
     assert f"--disk-dir DIR              {tiered.describe()}" in block[1]
 
 
+#: Llama-3-70B's shapes: docs/lora.md's 4-bit example.
+LLAMA3_70B = LLAMA3_8B.replace('"hidden_size": 4096', '"hidden_size": 8192').replace(
+    '"intermediate_size": 14336', '"intermediate_size": 28672').replace(
+    '"num_attention_heads": 32, "num_hidden_layers": 32', '"num_attention_heads": 64, "num_hidden_layers": 80')
+
+
+def test_the_four_bit_example_of_the_lora_doc_is_the_commands_output(capsys):
+    text = (Path(__file__).resolve().parent.parent / "docs/lora.md").read_text()
+    block = re.search(r"--gpu rtx-4090 --host-memory 59\.6\n```\n\n```\n(.*?)```", text, re.S)
+    assert block, "the example's block moved: update this test"
+    main(["plan", "--hf-config", LLAMA3_70B, "--lora-r", "16", "--quantize", "nf4", "--gpu", "rtx-4090",
+          "--host-memory", "59.6"])
+    assert capsys.readouterr().out == block[1]
+
+
 def test_rates_without_the_disks_leave_the_disk_tier_out_of_what_would_fit(inputs, capsys):
     # Nothing fits the host; the disk tier cannot be timed without disk rates, so it is not tried.
     args = (*MLP, "--rates", "rates_no_disk.json", "--resident-slices", "0", "--host-memory", "0.05")
