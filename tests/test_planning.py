@@ -32,7 +32,7 @@ from offload.planning.planner import footprints_by_resident, slice_layout
 from offload.planning.presets import build_preset
 from offload.planning.rates import (DEVICE_MEMORY_BANDWIDTH_DEFAULT, GPU_DEFAULTS, HOST_DEFAULT, HOST_NORM_DEFAULT,
                                     MachineRates, load_rates, save_rates)
-from offload.planning.shapes import profile_layers
+from offload.planning.shapes import _backward_flops, profile_layers
 from offload.planning.timing import StepConfig, estimate_step_time, landed_gradients, traffic
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -857,5 +857,6 @@ def test_the_fake_profile_of_mixture_of_experts_in_float32_is_a_real_runs(family
     assert [layer.forward_flops for layer in profile.layers] == [
         flops + (experts if k in decoders else 0) for k, flops in enumerate(flops_without_experts)]
     assert [layer.forward_flops for layer in bf16.layers] == [layer.forward_flops for layer in profile.layers]
-    # Matmuls throughout: the backward is twice the forward, the experts' included.
-    assert profile.backward_flops == bf16.backward_flops == 2 * profile.forward_flops
+    # The backward as the real run's, counted the same way (how PyTorch differentiates a grouped
+    # matmul changes between releases: not exactly twice the forward in every one).
+    assert profile.backward_flops == bf16.backward_flops == _backward_flops(x)
