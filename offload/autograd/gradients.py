@@ -29,12 +29,14 @@ Note: [A tied weight's gradients summed in place]
     A weight tied across slices is an input of the Function once per slice that computes with it,
     and each of those slices brings its gradient to the host in a pooled buffer of its own. Handed
     to autograd as they are, the engine would sum them into a new tensor outside the pool, of the
-    weight's size (an embedding's, every step) while the pooled buffers go idle. Backward adds
-    them itself instead, into the first slice's buffer, in the order the engine adds a node's
-    outputs (by input index, so by slice), and returns that buffer once: the same sum, bit for
-    bit, and ``.grad`` lies in the pool as every other parameter's does. A pair that cannot be
-    added in place (another dtype, which the engine would cast first; a sparse gradient) ends the
-    summing for that weight, and the engine adds what is left, after, in the same order.
+    weight's size (an embedding's, every step) while the pooled buffers go idle, and in the order
+    it adds a node's outputs (by input index: the first slice's first), where the plain model's
+    backward meets the last slice's use first: with three uses or more, another rounding.
+    Backward adds them itself instead, last slice first, into the first slice's buffer (the last
+    addition puts the sum of the others onto it: addition commutes exactly), and returns that
+    buffer once: the plain model's sum, bit for bit, and ``.grad`` lies in the pool as every
+    other parameter's does. Gradients that cannot be added in place (another dtype, which the
+    engine would cast first; a sparse gradient) are left to the engine, as before.
 """
 
 from __future__ import annotations
@@ -312,23 +314,25 @@ class BackwardGradients:
 
 
 def _sum_tied(params: Sequence[torch.Tensor], results: list[torch.Tensor | None]) -> None:
-    """Add each tied weight's later gradients into its first, in place, where the engine's sum
-    would give the same bits (Note: [A tied weight's gradients summed in place])."""
-    first: dict[int, int] = {}
-    stopped: set[int] = set()
+    """Sum each tied weight's slices' gradients into its first's, in place, in the plain model's
+    order (Note: [A tied weight's gradients summed in place])."""
+    places: dict[int, list[int]] = {}
     for k, (p, g) in enumerate(zip(params, results)):
-        if g is None or id(p) in stopped:
+        if g is not None:
+            places.setdefault(id(p), []).append(k)
+    for ks in places.values():
+        grads = [results[k] for k in ks]
+        p = params[ks[0]]
+        if len(ks) < 2 or not all(g is not None and _addable(g, p) and g.shape == p.shape for g in grads):
             continue
-        if id(p) not in first:
-            first[id(p)] = k
-            continue
-        held = results[first[id(p)]]
-        assert held is not None
-        if _addable(held, p) and _addable(g, p) and g.shape == held.shape:
-            held.add_(g)
+        # The plain model's backward meets the last slice's use first: ((g_n + g_n-1) + ...) + g_1,
+        # gathered in g_n's buffer; the first's buffer takes the sum (addition commutes exactly).
+        total = grads[-1]
+        for g in reversed(grads[1:-1]):
+            total.add_(g)
+        grads[0].add_(total)
+        for k in ks[1:]:
             results[k] = None
-        else:
-            stopped.add(id(p))
 
 
 def _addable(grad: torch.Tensor, param: torch.Tensor) -> bool:
