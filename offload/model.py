@@ -6,7 +6,6 @@ layers adopted into an engine, and its forward. What it hands off: where it comp
 from __future__ import annotations
 
 import contextlib
-import functools
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -34,19 +33,23 @@ from .modeling.copying import CopiedByLayers
 DEFAULT_NUM_SLICES = 3
 
 
-@functools.cache
-def _eager_forward() -> Callable[..., Any]:
-    """The forward (:func:`_run`) as ``torch.compile`` calls it: eagerly.
+#: The forward (:func:`_run`) as ``torch.compile`` calls it: eagerly; set by the first construction.
+#:
+#: Note: [Compiled around the walk]
+#:     Under ``torch.compile(model)`` Dynamo would trace into the walk: the copy engine, its events
+#:     and pooled buffers, which it cannot trace (fake tensors of the pool's sizes fail) and which
+#:     gains nothing from it. The walk runs eagerly instead, a graph break at the model's call;
+#:     layers compiled themselves (``torch.compile(layer)`` before wrapping) compile as they would
+#:     anywhere. It is made on the first construction, outside any tracing (Dynamo would trace the
+#:     making, and warn), and read as a global; importing Dynamo takes a second, which the first
+#:     ``torch.optim`` step takes anyway.
+_EAGER_RUN: Callable[..., Any] | None = None
 
-    Note: [Compiled around the walk]
-        Under ``torch.compile(model)`` Dynamo would trace into the walk: the copy engine, its events
-        and pooled buffers, which it cannot trace (fake tensors of the pool's sizes fail) and which
-        gains nothing from it. The walk runs eagerly instead, a graph break at the model's call;
-        layers compiled themselves (``torch.compile(layer)`` before wrapping) compile as they would
-        anywhere. Made on the first construction, outside any tracing: importing Dynamo takes a
-        second, which the first ``torch.optim`` step would take anyway.
-    """
-    return torch.compiler.disable(_run)
+
+def _make_eager_run() -> None:
+    global _EAGER_RUN
+    if _EAGER_RUN is None:
+        _EAGER_RUN = torch.compiler.disable(_run)
 
 class OffloadModel(CopiedByLayers):
     """Train an ``nn.Sequential`` whose parameters live in host memory.
@@ -189,7 +192,7 @@ class OffloadModel(CopiedByLayers):
         self._warned_microbatch_batchnorm = False
         per_tensor_warning.install()
         per_tensor_warning.register(self._engine.parameters())
-        _eager_forward()  # outside any tracing (Note: [Compiled around the walk])
+        _make_eager_run()  # outside any tracing (Note: [Compiled around the walk])
 
     # -- data parallelism ----------------------------------------------------------------------
 
@@ -260,8 +263,8 @@ class OffloadModel(CopiedByLayers):
         Raises:
             TypeError: keyword arguments, or not exactly one positional argument.
         """
-        run = _eager_forward() if torch.compiler.is_compiling() else _run  # Note: [Compiled around the walk]
-        return run(self, *args, **kwargs)
+        compiling = torch.compiler.is_compiling() and _EAGER_RUN is not None  # Note: [Compiled around the walk]
+        return (_EAGER_RUN if compiling else _run)(self, *args, **kwargs)
 
     def _activation_plan(self) -> ActivationPlan:
         return ActivationPlan.of(self.checkpoint_activation, self.offload_activations, self._engine.num_slices)

@@ -177,3 +177,25 @@ def test_a_weight_in_three_slices_or_more_sums_as_the_plain_model(uses):
             torch.manual_seed(seed)
             m(ids()).pow(2).mean().backward()
         assert_same_grads(model, plain, **EXACT)
+
+
+def test_with_the_masters_on_disk_the_sum_stays_out_of_the_gradient_file(tmp_path):
+    """The holder's gradient lands in its file, whose write-back is on its way: the tied sum is
+    gathered in the borrowing slice's pooled buffer instead, the same bits as with the masters in
+    RAM (Note: [A tied weight's gradients summed in place])."""
+    from offload import DiskTier
+
+    grads = []
+    for masters in (None, DiskTier(tmp_path)):
+        model = OffloadModel(network(dropout=0.0), device="cpu", num_slices=3, compute_dtype=torch.bfloat16,
+                             masters=masters)
+        model(ids()).float().pow(2).mean().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        weight = model.get_submodule("0").table.weight
+        for s in engine_of(model).slices:
+            home = s.storage.gradient_home
+            if home is not None:
+                assert not home.file.address <= weight.grad.data_ptr() < home.file.address + home.file.nbytes
+    assert engine_of(model).slices[0].storage.gradient_home is not None
+    for ram, disk in zip(*grads):
+        torch.testing.assert_close(disk, ram, **EXACT)

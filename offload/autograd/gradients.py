@@ -35,8 +35,11 @@ Note: [A tied weight's gradients summed in place]
     Backward adds them itself instead, last slice first, into the first slice's buffer (the last
     addition puts the sum of the others onto it: addition commutes exactly), and returns that
     buffer once: the plain model's sum, bit for bit, and ``.grad`` lies in the pool as every
-    other parameter's does. Gradients that cannot be added in place (another dtype, which the
-    engine would cast first; a sparse gradient) are left to the engine, as before.
+    other parameter's does. Where the first slice's gradient is in its gradient file (masters on
+    disk: Note: [Gradients on disk]), whose write-back is queued as it lands, the sum stays in the
+    last slice's pooled buffer instead, and the file keeps the first slice's part (a borrowing
+    slice's gradients have no file). Gradients that cannot be added in place (another dtype, which
+    the engine would cast first; a sparse gradient) are left to the engine, as before.
 """
 
 from __future__ import annotations
@@ -291,7 +294,7 @@ class BackwardGradients:
         for i, grads in self._pending:
             for j, g in enumerate(grads.host_views):
                 param_results[self._starts[i] + j] = g
-        _sum_tied(engine.parameters(), param_results)
+        _sum_tied(engine.parameters(), param_results, _in_gradient_files(engine, self._pending))
         if self._watched or self.final_wanted:  # the update in backward watches its own
             outside_gradients.returned(zip(engine.parameters(), param_results))
         return [*self._input_grads(grad_in if self.lowest == 0 else None), *param_results]
@@ -313,9 +316,22 @@ class BackwardGradients:
         return results
 
 
-def _sum_tied(params: Sequence[torch.Tensor], results: list[torch.Tensor | None]) -> None:
-    """Sum each tied weight's slices' gradients into its first's, in place, in the plain model's
-    order (Note: [A tied weight's gradients summed in place])."""
+def _in_gradient_files(engine: Any, pending: Sequence[tuple[int, PendingGradients]]) -> set[int]:
+    """Ids of the landed gradients that are views of their slice's gradient file (Note: [Gradients
+    on disk]): their write-back is on its way."""
+    in_files = set()
+    for i, grads in pending:
+        home = engine.slices[i].storage.gradient_home
+        if home is not None:
+            start, end = home.file.address, home.file.address + home.file.nbytes
+            in_files.update(id(g) for g in grads.host_views
+                            if g is not None and g.layout == torch.strided and start <= g.data_ptr() < end)
+    return in_files
+
+
+def _sum_tied(params: Sequence[torch.Tensor], results: list[torch.Tensor | None], in_files: set[int]) -> None:
+    """Sum each tied weight's slices' gradients into one of their pooled buffers, in place, in the
+    plain model's order (Note: [A tied weight's gradients summed in place])."""
     places: dict[int, list[int]] = {}
     for k, (p, g) in enumerate(zip(params, results)):
         if g is not None:
@@ -326,11 +342,16 @@ def _sum_tied(params: Sequence[torch.Tensor], results: list[torch.Tensor | None]
         if len(ks) < 2 or not all(g is not None and _addable(g, p) and g.shape == p.shape for g in grads):
             continue
         # The plain model's backward meets the last slice's use first: ((g_n + g_n-1) + ...) + g_1,
-        # gathered in g_n's buffer; the first's buffer takes the sum (addition commutes exactly).
+        # gathered in g_n's buffer; the first's buffer takes the sum (addition commutes exactly),
+        # unless it is in a gradient file, whose write-back has been queued: then g_n's keeps it.
         total = grads[-1]
         for g in reversed(grads[1:-1]):
             total.add_(g)
-        grads[0].add_(total)
+        first = grads[0]
+        if id(first) in in_files:
+            results[ks[0]] = total.add_(first)
+        else:
+            first.add_(total)
         for k in ks[1:]:
             results[k] = None
 

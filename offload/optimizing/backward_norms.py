@@ -30,9 +30,10 @@ Note: [Norms from backward]
       found by the first ``clip_grad_norm_`` that meets a parameter's norm from here: it computes
       that norm anew and compares, bit for bit, and raises if one differs (nothing is clipped);
       later calls trust that parameter's norms. So that the comparison sees such a write, a
-      backward that computes a norm no call has compared yet waits, at its end, for its norms:
-      a worker that ran late, after the write, would take the written values and pass the
-      comparison, and later steps would then trust norms taken before the write. A training loop that does such a write only from
+      backward waits at its end for its norms until a call has compared some (the first step's,
+      mostly): a worker that ran late, after the write, would take the written values and pass
+      the comparison, and later steps would then trust norms taken before the write. A parameter
+      whose norms backward computes only later (unfrozen then) is compared without that wait. A training loop that does such a write only from
       some step on is not caught: the option is for loops that do none (``docs/optimizer.md``);
     - the registry holds each norm's maker weakly, and no gradient memory; an optimizer's
       finalizer only marks its maker closed (a finalizer can run inside any allocation, under the
@@ -40,7 +41,7 @@ Note: [Norms from backward]
 
     Left to ``clip_grad_norm_``: gradients that go through autograd onto an earlier ``.grad``
     (accumulation onto a ``.grad`` backward does not add into itself: Note: [Adding onto earlier
-    gradients]), weights tied across slices (autograd sums their slices' gradients), gradients
+    gradients]), weights tied across slices (their slices' gradients are summed after they land), gradients
     in files (``masters=DiskTier``: the file is their home) or averaged across processes, and
     sparse ones. The norms of a backward followed by another before ``clip_grad_norm_``
     (accumulation) are forgotten unread; with ``accumulation_steps`` only the backward that ends
@@ -96,7 +97,7 @@ class BackwardNorms(Subscriber):
         self._events: list[Event] = []
         self._names: dict[int, str] = {}
         self._tied: set[int] = set()
-        self._unchecked = False  # this backward computes a norm no clip_grad_norm_ has compared yet
+        self._unchecked = False  # this backward computes norms before any clip_grad_norm_ compared one
         add_source(self)
 
     @classmethod
@@ -185,7 +186,9 @@ class BackwardNorms(Subscriber):
             chosen.append((grad.detach(), self._names.get(id(p), "a parameter"), id(p)))
         if not chosen:
             return
-        self._unchecked = self._unchecked or any(param not in self.checked for _, _, param in chosen)
+        # Until a clip has compared some: a parameter no clip compares then (a clip of some parameters
+        # only) would have every backward wait.
+        self._unchecked = self._unchecked or not self.checked
         if self._worker is None:
             self._worker = self._engine.copies.new_worker("gradient norms", self.threads)
             weakref.finalize(self, self._worker.close)  # its thread ends with this subscriber

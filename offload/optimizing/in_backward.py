@@ -52,8 +52,8 @@ Note: [Update in backward]
     A slice's update waits for ``step()`` (exact, only not early) when one of its parameters has
     a gradient hook (``register_hook`` or ``register_post_accumulate_grad_hook``: autograd applies
     it after backward returns; its accumulation node is not watched either, since the hook changes
-    what the node receives), is tied to another slice (autograd sums its slices' gradients after
-    backward returns), or has a ``.grad`` backward cannot add into (another dtype, sparse).
+    what the node receives), is tied to another slice (its slices' gradients are summed as
+    backward ends), or has a ``.grad`` backward cannot add into (another dtype, sparse).
     ``deferred`` says which, and why.
 
     Behind: slice 0's gradients land last, and the next forward loads it first. When the whole

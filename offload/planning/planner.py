@@ -282,7 +282,8 @@ class SliceLayout:
         """Per streamed slice, the host bytes its parameters' ``.grad`` keep: the gradients are
         views of the buffer they landed in, which a borrowing slice's own ``.grad`` keep whole, its
         borrowed weight's place included (that weight's ``.grad`` is the holder's)."""
-        return [landing if own else 0 for own, landing in zip(self.gradient_bytes[resident:], self.landing_bytes(resident))]
+        return [landing if own else 0
+                for own, landing in zip(self.gradient_bytes[resident:], self.landing_bytes(resident))]
 
     def tied_on_host(self, resident: int = 0) -> list[bool]:
         """Per streamed slice, whether its gradients include a trainable weight tied across

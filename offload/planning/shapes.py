@@ -137,7 +137,8 @@ def profile_layers(layers: nn.Sequential, make_input: Callable[[], Any], *,
     children = list(layers.children()) or [layers]
     # The stand-ins stay in place through the backward too: a layer that checkpoints inside
     # (a chunked loss) recomputes with them there.
-    with FakeTensorMode(allow_non_fake_inputs=True), torch.device("cpu"), _GroupedMatmulInAnyDtype(), \
+    grouped = _GroupedMatmulInAnyDtype() if _grouped_mm_op() is not None else contextlib.nullcontext()
+    with FakeTensorMode(allow_non_fake_inputs=True), torch.device("cpu"), grouped, \
             contextlib.ExitStack() as stand_ins:
         x = _cast_inputs(make_input(), compute_dtype)
         input_bytes, batch = _nbytes(x), _batch_size(x)
@@ -220,8 +221,7 @@ class _GroupedMatmulInAnyDtype(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        grouped = _grouped_mm_op()
-        if grouped is not None and func is grouped.default and _refused_for_dtype(*args, **kwargs):
+        if func is _grouped_mm_op().default and _refused_for_dtype(*args, **kwargs):
             return _grouped_mm_output(*args)
         return func(*args, **kwargs)
 

@@ -32,10 +32,12 @@ Note: [Gradients on disk]
     A home takes a backward's gradients only when that cannot change a tensor someone holds:
     when nothing refers to its memory (``.grad`` set to ``None``, no view kept), or when every
     gradient that lands in it is added into its own ``.grad`` there. Otherwise (a ``.grad``
-    replaced by hand, a view kept across ``zero_grad()``, a tied parameter, a sparse gradient)
-    the slice's gradients go to pooled RAM as without a home, with the same values; so do they
-    under data parallelism that averages them on the host (it reads the landed buffers, after
-    their copy's event, on its own worker).
+    replaced by hand, a view kept across ``zero_grad()``, a sparse gradient) the slice's
+    gradients go to pooled RAM as without a home, with the same values; so do they under data
+    parallelism that averages them on the host (it reads the landed buffers, after their copy's
+    event, on its own worker). A weight tied across slices lands its holder's part in the home,
+    and its ``.grad``, the sum of every slice's part, is gathered in a borrowing slice's pooled
+    buffer (Note: [A tied weight's gradients summed in place] in ``offload/autograd/gradients.py``).
 """
 
 from __future__ import annotations
