@@ -582,3 +582,36 @@ def test_accumulation_with_the_masters_on_disk_keeps_no_gradients_in_ram(tmp_pat
     gradients = sum(p.numel() * 4 for p in model.parameters())
     assert footprint.host_pool_idle + footprint.host_activations <= 2 * slice_grad_bytes(model) + 8 * 5 * 32 * 4
     assert footprint.host_pool_idle < gradients / 2
+
+
+class TiedScores(nn.Module):
+    """A middle layer that computes with the embedding's weight (scores over the vocabulary)."""
+
+    def __init__(self, embedding: nn.Embedding) -> None:
+        super().__init__()
+        self.weight = embedding.weight
+        self.proj = nn.Linear(embedding.num_embeddings, embedding.embedding_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(torch.tanh(x @ self.weight.t()))
+
+
+@pytest.mark.parametrize("layout", ["head-of-five", "middle-of-three"])
+def test_tied_slices_share_the_landing_buffers_of_their_size(layout):
+    """The pool as backward takes it: buffers of the largest slice's size serve the untied slices
+    and, in turn, a tied slice of that size; a tied slice's own is held until backward ends."""
+    def tied() -> nn.Sequential:
+        torch.manual_seed(0)
+        embedding = nn.Embedding(50, 32)
+        if layout == "head-of-five":
+            body = [nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 50), nn.Linear(50, 32), nn.Tanh(), nn.Linear(32, 32)]
+            return nn.Sequential(embedding, *body, TiedHead(embedding))
+        return nn.Sequential(embedding, TiedScores(embedding), nn.Linear(32, 32), TiedHead(nn.Embedding(50, 32)))
+
+    slices = 5 if layout == "head-of-five" else 3
+    profile = profile_layers(tied(), lambda: torch.zeros(4, 8, dtype=torch.long))
+    plan = estimate_memory(tied(), num_slices=slices, device="cpu", profile=profile)
+    model = OffloadModel(tied(), device="cpu", num_slices=slices)
+    footprint = _trained_footprint(model, lambda: torch.randint(0, 50, (4, 8)))
+    assert plan.host_pool == footprint.host_pool
+    assert plan.host_total == footprint.host_total

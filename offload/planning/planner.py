@@ -168,14 +168,9 @@ def _footprint(layout: SliceLayout, placed: tuple[int, int, int, int, bool], act
     # largest streamed slice's size, one when a single slice has gradients (a frozen base around
     # it); pinned ones are rounded up to their size class, as the pool allocates them. A resident
     # slice's gradients stay on the device: they take no host buffer.
-    # Note: [A tied weight's gradients summed in place]: a slice whose gradients include a weight
-    # tied across slices lands in a buffer of its own, held until backward ends, beside the two.
     grads = layout.host_gradient_bytes(resident) or [0]
-    landing = layout.landing_bytes(resident) or [0]
-    tied = layout.tied_on_host(resident) or [False]
     sized = size_class if pinned else (lambda nbytes: nbytes)
-    window = (min(2, sum(1 for g, t in zip(landing, tied) if g and not t)) * sized(max(landing))
-              + sum(sized(g) for g, t in zip(landing, tied) if g and t))
+    window = _landing_pool([sized(b) for b in layout.landing_bytes(resident)], layout.tied_on_host(resident))
     # Only a slice whose load casts has a shadow (SliceLayout.casts).
     streamed = [b for b, casts in zip(layout.load_bytes[resident:], layout.casts[resident:]) if casts] or [0]
     # Note: [Shadows on disk]: a staging window in place of a shadow per streamed slice.
@@ -209,6 +204,31 @@ def _footprint(layout: SliceLayout, placed: tuple[int, int, int, int, bool], act
         device_resident_gradients=sum(layout.trainable_bytes[:resident]),
         device_resident_optimizer_state=sum(layout.state_bytes[:resident]),
     )
+
+
+def _landing_pool(landing: Sequence[int], tied: Sequence[bool]) -> int:
+    """The pooled bytes the streamed slices' gradients land in, as backward takes them (the last
+    slice first) onto ``.grad`` they are added into: a buffer of the largest slice's size each, in
+    use while it lands and while it is added, the next slice landing meanwhile; a slice with a
+    weight tied across slices lands in a buffer of its own size, held until backward ends (Note:
+    [A tied weight's gradients summed in place]). Buffers of one size serve each other in turn."""
+    largest = max(landing, default=0)
+    held: dict[int, int] = {}  # tied slices' buffers landed so far, by size
+    most: dict[int, int] = {}
+    adding = 0  # the previous slice's buffer, still being added
+    for nbytes, is_tied in zip(reversed(landing), reversed(tied)):
+        if not nbytes:
+            continue  # nothing lands: the buffer before is added when the next slice's gradients leave
+        if is_tied:
+            held[nbytes] = held.get(nbytes, 0) + 1
+            in_use = {size: count + (adding if size == largest else 0) for size, count in held.items()}
+            adding = 0
+        else:
+            in_use = {**held, largest: held.get(largest, 0) + adding + 1}
+            adding = 1
+        for size, count in in_use.items():
+            most[size] = max(most.get(size, 0), count)
+    return sum(size * count for size, count in most.items())
 
 
 @dataclass(frozen=True)
