@@ -259,6 +259,20 @@ def test_a_checkpoint_saved_with_another_seq_len_names_seq_len(saved, resumed, a
                          "max(--seq-len, 64) rows), or leave out --resume to start over"), line
 
 
+def test_a_checkpoint_of_another_model_names_the_options_that_shape_one(tmp_path, capsys):
+    flags = ["--device", "cpu", "--no-progress", "--arch", "gpt2", "--batch-size", "2", "--seq-len", "16",
+             "--out", str(tmp_path)]
+    code, _, err = run_cli(*flags, "--steps", "1", "--save-every", "1", "--lora-r", "4", capsys=capsys)
+    assert code == 0, err[-3000:]
+    code, _, err = run_cli(*flags, "--steps", "2", "--lora-r", "8", "--resume", "latest", capsys=capsys)
+    (line,) = err.strip().splitlines()
+    assert code == 1 and "holds another model" in line, line
+    assert line.endswith("; pass the options of the run that saved it (--model, or --arch and --size; --lora-r, "
+                         "--lora-targets, --untie-embeddings; --compute-dtype, --load-in-4bit and the --bnb-4bit-* "
+                         "options, which change how a quantized base is stored), or leave out --resume to start "
+                         "over"), line
+
+
 # -- checkpoints the slice-by-slice load cannot read ----------------------------------------------------------
 
 

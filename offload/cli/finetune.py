@@ -445,7 +445,9 @@ def resume_failure(args: argparse.Namespace, error: CheckpointError) -> str:
                   "max(--seq-len, 64) rows), or leave out --resume to start over")
     else:
         advice = ("pass the options of the run that saved it (--model, or --arch and --size; --lora-r, "
-                  "--lora-targets, --untie-embeddings), or leave out --resume to start over")
+                  "--lora-targets, --untie-embeddings; --compute-dtype, --load-in-4bit and the "
+                  "--bnb-4bit-* options, which change how a quantized base is stored), or leave out --resume to "
+                  "start over")
     return f"--resume: {finding}; {advice}"
 
 
