@@ -43,7 +43,7 @@ import torch.distributed as dist
 from .walk.engine import Engine
 from .walk.milestones import Subscriber
 from .streams import PendingGradients, SliceGradients
-from .streams.collectives import DeviceCollectives, HostCollectives, runs
+from .streams.collectives import CollectiveError, DeviceCollectives, HostCollectives, runs
 from .streams.flat_views import empty_in_layout, flat_alias, typed_view
 
 
@@ -89,6 +89,9 @@ class DataParallel(Subscriber):
         self.host = None if self.on_device else HostCollectives(engine.copies, group)
         self.device_collectives = DeviceCollectives(engine.copies, group) if self.on_device else None
         self.sync = True
+        # Synced backwards started and not landed: one that failed left the ranks' collectives out of
+        # step (the others went on with theirs), and the next forward refuses to pair them wrongly.
+        self._unlanded = 0
         self._sync_of: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
         self._events: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
         self._included: weakref.WeakKeyDictionary[Any, list[torch.Tensor]] = weakref.WeakKeyDictionary()
@@ -160,6 +163,12 @@ class DataParallel(Subscriber):
     # -- milestones --------------------------------------------------------------------------------
 
     def forward_started(self, token: Any) -> None:
+        if self._unlanded and self.world_size > 1:  # alone, a rank pairs with nobody
+            raise CollectiveError(
+                f"OffloadModel: a backward of this model failed on rank {self.rank} while the ranks averaged its "
+                "gradients: the other ranks' averaging went on, and this rank's next ones would be paired with "
+                "theirs wrongly (other slices' or steps' gradients). Stop every rank and restart them from the last "
+                "checkpoint; a batch to skip must be skipped on every rank before its backward")
         if self.device_collectives is not None:
             # Every backward before this forward ended: its gradients landed, or it failed and the
             # copy engine's drain waited for the communication stream. Either way its reductions
@@ -197,6 +206,10 @@ class DataParallel(Subscriber):
                 f"data parallelism averages dense gradients, and {', '.join(sparse)} in slice {index} received a "
                 "sparse one: build the layer with sparse=False (nn.Embedding(..., sparse=False)) to train it with "
                 "process_group, or train without process_group")
+
+    def backward_started(self, token: Any, accumulates: bool) -> None:
+        if self._sync_of.get(token, True):
+            self._unlanded += 1
 
     def gradients_produced(self, token: Any, index: int, grads: SliceGradients) -> None:
         if not self._sync_of.get(token, True):
@@ -249,6 +262,8 @@ class DataParallel(Subscriber):
         self._events[token] = []
         for event in events:
             self.engine.copies.wait_host(event)  # raises CollectiveError if a rank failed
+        if sync:
+            self._unlanded = max(0, self._unlanded - 1)
         for index, needed, present in self._counts.pop(token, []):
             for j, count in zip(needed, present.tolist()):
                 if count == 0 and index in pending:

@@ -122,6 +122,49 @@ def one_rank_fails(rank: int, world_size: int, directory: str) -> None:
         save(directory, "one_rank_fails", rank, str(error))
 
 
+class _FailsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("a bad batch")
+
+
+class FailsInBackward(nn.Module):
+    """The identity, whose backward raises while ``fail`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _FailsInBackward.apply(x) if self.fail else x
+
+
+def backward_fails_on_one_rank(rank: int, world_size: int, directory: str) -> None:
+    """Rank 1's backward raises in the middle slice, after the last slice's averaging began; it
+    catches the error and tries the next step, as a loop skipping a bad batch would."""
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), FailsInBackward(), nn.Linear(16, 16), nn.Tanh(),
+                           nn.Linear(16, 3))
+    model = OffloadModel(layers, device="cpu", num_slices=3, process_group=dist.group.WORLD)
+    model.get_submodule("2").fail = rank == 1
+    try:
+        model(share(data(0, world_size), rank, world_size)).sum().backward()
+    except RuntimeError as error:
+        if rank == 0:
+            save(directory, "backward_fails_on_one_rank", rank, f"{type(error).__name__}: {error}")
+            return
+    model.zero_grad()
+    model.get_submodule("2").fail = False
+    try:
+        model(share(data(1, world_size), rank, world_size))
+    except CollectiveError as error:
+        save(directory, "backward_fails_on_one_rank", rank, str(error))
+
+
 def hangs(rank: int, world_size: int, directory: str) -> None:
     """Never returns: the test's deadline must end it."""
     threading.Event().wait()
@@ -410,6 +453,7 @@ def batchnorm_checkpoint(rank: int, world_size: int, directory: str) -> None:
                                                    "loaded": {name: b.clone() for name, b in model.named_buffers()}})
 
 
-JOBS = {f.__name__: f for f in (train, no_sync, sharded, different_models, one_rank_fails, hangs, nccl_one_gpu, tied,
+JOBS = {f.__name__: f for f in (train, no_sync, sharded, different_models, one_rank_fails, backward_fails_on_one_rank,
+                                 hangs, nccl_one_gpu, tied,
                                  layouts, sharded_disk, sharded_masters, uneven_branch, branch_in_no_sync,
                                  frozen_on_one_rank, own_collectives, batchnorm_checkpoint, overlapping_groups)}

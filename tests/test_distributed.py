@@ -303,6 +303,14 @@ def test_a_rank_that_fails_does_not_leave_the_others_waiting_forever(tmp_path):
     assert results[0] is not None and "averaging the gradients of slice" in results[0] and "rank 0 of 2" in results[0]
 
 
+def test_a_rank_whose_backward_failed_refuses_the_next_step_and_the_others_are_told(tmp_path):
+    """Its collectives are out of step with the others' (they averaged on): the next forward is
+    refused, as DistributedDataParallel refuses it, instead of pairing other slices' gradients."""
+    results = spawn("backward_fails_on_one_rank", tmp_path)
+    assert results[1] is not None and results[1].startswith("OffloadModel: a backward of this model failed on rank 1")
+    assert results[0] is not None and results[0].startswith("CollectiveError: averaging the gradients of slice")
+
+
 def test_a_job_that_hangs_is_killed_at_the_deadline(tmp_path):
     started = time.monotonic()
     with pytest.raises(pytest.fail.Exception, match=r"ranks \[0, 1\] of 2 were still running after 2 s"):
