@@ -615,3 +615,22 @@ def test_tied_slices_share_the_landing_buffers_of_their_size(layout):
     footprint = _trained_footprint(model, lambda: torch.randint(0, 50, (4, 8)))
     assert plan.host_pool == footprint.host_pool
     assert plan.host_total == footprint.host_total
+
+
+def test_with_the_masters_on_disk_a_tied_weights_sum_is_counted_in_ram(tmp_path):
+    """The holder's gradient is in its file; the sum, which .grad is, in the borrowing slice's pooled
+    buffer (Note: [A tied weight's gradients summed in place]): RAM the plan counts."""
+    def tied() -> nn.Sequential:
+        torch.manual_seed(0)
+        embedding = nn.Embedding(500, 32)
+        return nn.Sequential(embedding, nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), TiedHead(embedding))
+
+    profile = profile_layers(tied(), lambda: torch.zeros(4, 8, dtype=torch.long), compute_dtype=torch.bfloat16)
+    plan = estimate_memory(tied(), num_slices=3, compute_dtype=torch.bfloat16, device="cpu", masters="disk",
+                           profile=profile)
+    model = OffloadModel(tied(), device="cpu", num_slices=3, compute_dtype=torch.bfloat16,
+                         masters=DiskTier(tmp_path))
+    footprint = _trained_footprint(model, lambda: torch.randint(0, 500, (4, 8)))
+    assert footprint.host_gradients == 500 * 32 * 4
+    assert plan.host_gradients == footprint.host_gradients
+    assert plan.host_total == footprint.host_total

@@ -178,7 +178,7 @@ def _footprint(layout: SliceLayout, placed: tuple[int, int, int, int, bool], act
     shadow_bytes = (staged if shadows == "disk" else sum(streamed)) if compute_dtype else 0
     # With masters on disk, a slice whose load casts nothing has no files: its gradients stay in RAM.
     in_ram = [g for g, c in zip(grads, layout.casts[resident:] or [False]) if not c]
-    gradients = sum(in_ram) if gradients_on_disk else sum(grads)
+    gradients = sum(in_ram) + layout.tied_sums_off_file(resident) if gradients_on_disk else sum(grads)
     pool = window + host_activations
     return MemoryFootprint(
         parameters=layout.parameters,
@@ -304,6 +304,21 @@ class SliceLayout:
         borrowed weight's place included (that weight's ``.grad`` is the holder's)."""
         return [landing if own else 0
                 for own, landing in zip(self.gradient_bytes[resident:], self.landing_bytes(resident))]
+
+    def tied_sums_off_file(self, resident: int = 0) -> int:
+        """With the masters on disk: the RAM that tied weights' ``.grad`` keep outside the gradient
+        files. A weight whose holder has a file is summed in its last borrowing slice's landing
+        buffer, which that ``.grad`` keeps whole (Note: [A tied weight's gradients summed in
+        place]); a slice without a file is counted with the others already."""
+        borrowed = self.borrowed_gradients or [[] for _ in self.ranges]
+        last: dict[int, int] = {}  # holder -> its last borrowing slice
+        for k, tied in enumerate(borrowed):
+            for holder, _ in tied:
+                if holder >= resident and self.casts[holder]:
+                    last[holder] = k
+        landing = self.landing_bytes(resident)
+        own = self.host_gradient_bytes(resident)
+        return sum(landing[k - resident] - (0 if self.casts[k] else own[k - resident]) for k in set(last.values()))
 
     def tied_on_host(self, resident: int = 0) -> list[bool]:
         """Per streamed slice, whether its gradients include a trainable weight tied across
