@@ -50,10 +50,14 @@ class _Tensor:
     #: What makes two of these one tensor (a weight tied across layers is registered in each);
     #: ``None``: this one alone (a count).
     key: object = None
-    #: A parameter an earlier slice holds (a weight tied across slices): this slice's slot has a
-    #: place for it, and nothing else does (Note: [Tied parameters across slices] in
-    #: ``offload/streams/host_storage.py``).
-    borrowed: bool = False
+    #: For a parameter an earlier slice holds (a weight tied across slices), that slice's index:
+    #: this slice's slot has a place for it, and nothing else does (Note: [Tied parameters across
+    #: slices] in ``offload/streams/host_storage.py``). ``None``: held here.
+    holder: int | None = None
+
+    @property
+    def borrowed(self) -> bool:
+        return self.holder is not None
 
 
 def estimate_memory(layers: nn.Module | Sequence[int], *, num_slices: int = 8,
@@ -289,19 +293,25 @@ class SliceLayout:
     def num_slices(self) -> int:
         return len(self.ranges)
 
+    @property
+    def _borrowed(self) -> list[list[tuple[int, int]]]:
+        # A layout made without them (by hand, in tests) borrows nothing.
+        return self.borrowed_gradients or [[] for _ in self.ranges]
+
     def landing_bytes(self, resident: int = 0) -> list[int]:
         """Per streamed slice (after the first ``resident``), the bytes of the host buffer its
         gradients land in: its own, and a place for each trainable weight it borrows (a resident
         holder's gradient stays on the device, and its place in the buffer goes unused; a slice
         with nothing else to send takes no buffer)."""
-        borrowed = self.borrowed_gradients or [[] for _ in self.ranges]
+        borrowed = self._borrowed
         return [g + sum(b for _, b in tied) if g or any(holder >= resident for holder, _ in tied) else 0
                 for g, tied in zip(self.gradient_bytes[resident:], borrowed[resident:])]
 
     def host_gradient_bytes(self, resident: int = 0) -> list[int]:
         """Per streamed slice, the host bytes its parameters' ``.grad`` keep: the gradients are
         views of the buffer they landed in, which a borrowing slice's own ``.grad`` keep whole, its
-        borrowed weight's place included (that weight's ``.grad`` is the holder's)."""
+        borrowed weight's place included. That weight's ``.grad`` is the holder's, or, with the
+        masters on disk, in its last borrowing slice's buffer (:meth:`tied_sums_off_file`)."""
         return [landing if own else 0
                 for own, landing in zip(self.gradient_bytes[resident:], self.landing_bytes(resident))]
 
@@ -310,7 +320,7 @@ class SliceLayout:
         files. A weight whose holder has a file is summed in its last borrowing slice's landing
         buffer, which that ``.grad`` keeps whole (Note: [A tied weight's gradients summed in
         place]); a slice without a file is counted with the others already."""
-        borrowed = self.borrowed_gradients or [[] for _ in self.ranges]
+        borrowed = self._borrowed
         last: dict[int, int] = {}  # holder -> its last borrowing slice
         for k, tied in enumerate(borrowed):
             for holder, _ in tied:
@@ -324,7 +334,7 @@ class SliceLayout:
         """Per streamed slice, whether its gradients include a trainable weight tied across
         streamed slices (it holds one a later slice borrows, or borrows one): its landing buffer
         is held until backward ends (Note: [A tied weight's gradients summed in place])."""
-        borrowed = self.borrowed_gradients or [[] for _ in self.ranges]
+        borrowed = self._borrowed
         holders = {holder for tied in borrowed for holder, _ in tied if holder >= resident}
         return [k in holders or any(holder >= resident for holder, _ in tied)
                 for k, tied in enumerate(borrowed) if k >= resident]
@@ -381,32 +391,24 @@ def slice_layout(layers: nn.Module | Sequence[int] | int, *, num_slices: int = 8
 
 def _borrowed_gradients(slices: list[list[_Tensor]]) -> list[list[tuple[int, int]]]:
     """Per slice, (holder's index, aligned gradient bytes) of each trainable weight it borrows."""
-    holder: dict[object, int] = {}
-    result = []
-    for k, tensors in enumerate(slices):
-        mine = []
-        for t in tensors:
-            key = id(t) if t.key is None else t.key
-            if not t.borrowed:
-                holder.setdefault(key, k)
-            elif t.is_parameter and t.trainable:
-                mine.append((holder[key], _align(t.numel * t.dtype.itemsize, ALIGNMENT)))
-        result.append(mine)
-    return result
+    return [[(t.holder, _align(t.numel * t.dtype.itemsize, ALIGNMENT))
+             for t in tensors if t.holder is not None and t.is_parameter and t.trainable]
+            for tensors in slices]
 
 
 def _held_once(slices: list[list[_Tensor]]) -> list[list[_Tensor]]:
     """Each slice's tensors, each once, those an earlier slice holds marked borrowed: as
     OffloadModel holds a weight tied across slices, once, in the first slice that registers it
     (Note: [Tied parameters across slices] in ``offload/streams/host_storage.py``)."""
-    held: set[object] = set()
+    held: dict[object, int] = {}  # key -> the slice that holds it
     result = []
-    for tensors in slices:
+    for k, tensors in enumerate(slices):
         mine: dict[object, _Tensor] = {}
         for t in tensors:
             key = id(t) if t.key is None else t.key
-            mine.setdefault(key, dataclasses.replace(t, borrowed=True) if key in held else t)
-        held.update(mine)
+            mine.setdefault(key, dataclasses.replace(t, holder=held[key]) if key in held else t)
+        for key in mine:
+            held.setdefault(key, k)
         result.append(list(mine.values()))
     return result
 
