@@ -44,8 +44,10 @@ class MemoryFootprint:
             the staging window loads read instead (Note: [Shadows on disk] in
             ``offload/streams/shadow_staging.py``).
         host_gradients: the parameters' ``.grad`` on the host (each storage once), pooled or not.
-        host_optimizer_state: what the model's OffloadOptimizers keep per parameter (AdamW's
-            moments, SGD's momentum), each storage once.
+        host_optimizer_state: what the model's OffloadOptimizers keep per element of a parameter
+            (AdamW's moments, SGD's momentum), each storage once. 0-d state (AdamW's step count,
+            4 B a parameter, on the CPU wherever the parameter is) is left out, here and in
+            :func:`~offload.estimate_memory`.
         host_disk_window: host RAM the disk tiers (:class:`~offload.DiskTier`) take while the optimizer
             steps: the optimizers' window of three consecutive slices' state being read, updated and
             written (one arena: Note: [The window's arena] in ``offload/tiers/state_window.py``), and
