@@ -341,6 +341,57 @@ def test_a_checkpoint_of_a_4bit_base_resumes_exactly(tmp_path):
     torch.testing.assert_close(list(runs[1][0].parameters()), list(runs[0][0].parameters()), **EXACT)
 
 
+def other_base(seed: int, double: bool = True) -> torch.nn.Module:
+    """The test Llama, its weights drawn anew from ``seed``, quantized to NF4 and given adapters."""
+    hf = build("llama", dropout=0.0, layers=2)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_()
+    return lora(quantized(hf, "nf4", double), lora_dropout=0.0)
+
+
+@pytest.mark.parametrize("into, compute_dtype", [("offloaded", None), ("offloaded", torch.bfloat16), ("unwrapped", None)])
+def test_a_checkpoint_of_another_4bit_base_loads_its_scales_offset(tmp_path, into, compute_dtype):
+    """The offset of a double-quantized weight's scales is packed in a tensor that state_dict()
+    makes anew and whose length varies with it (Note: [Packed quantisation state]): a checkpoint
+    of another base was refused for that length, or loaded its codes and scales in place and
+    dequantized them around this model's offset."""
+    from offload import load_checkpoint, save_checkpoint
+
+    saved, target = other_base(1), other_base(2)
+    model = OffloadModel(causal_lm_sequential(saved), device="cpu", num_slices=3, compute_dtype=compute_dtype)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
+    offloaded_step(saved.get_base_model(), model, batch(), labels_of(batch()), 0)
+    optimizer.step()
+    optimizer.synchronize()
+    save_checkpoint(tmp_path / "step1", model)
+    offsets = [w.weight.quant_state.offset.item() for w in four_bit_layers(saved)]
+    assert offsets != [w.weight.quant_state.offset.item() for w in four_bit_layers(target)]
+
+    layers = causal_lm_sequential(target)
+    loaded = OffloadModel(layers, device="cpu", num_slices=3, compute_dtype=compute_dtype) if into == "offloaded" else layers
+    load_checkpoint(tmp_path / "step1", loaded)
+    assert [w.weight.quant_state.offset.item() for w in four_bit_layers(target)] == offsets
+    torch.testing.assert_close(loaded(batch()), model(batch()), **EXACT)
+
+
+def test_a_checkpoint_of_another_4bit_format_is_refused_before_loading(tmp_path):
+    from offload import load_checkpoint, save_checkpoint
+    from offload.checkpoint import CheckpointError
+
+    saved, target = other_base(1), other_base(2)
+    save_checkpoint(tmp_path / "s", OffloadModel(causal_lm_sequential(saved), device="cpu", num_slices=3))
+    changed = four_bit_layers(target)[1].weight
+    changed.quant_state.dtype = torch.bfloat16  # the dtype the weight dequantizes to
+    model = OffloadModel(causal_lm_sequential(target), device="cpu", num_slices=3)
+    before = [p.clone() for p in model.parameters()]
+    with pytest.raises(CheckpointError, match=r"holds another model: .*k_proj.base_layer.weight's 4-bit format: "
+                                              r"dtype 'float32' there, 'bfloat16' here"):
+        load_checkpoint(tmp_path / "s", model)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+
+
 def test_trainer_trains_the_same_adapters(checkpoints, tmp_path):
     datasets = pytest.importorskip("datasets")
     ids = torch.randint(1, 97, (8, 10), generator=torch.Generator().manual_seed(3))
@@ -401,7 +452,7 @@ def test_estimate_memory_counts_the_4bit_bytes_and_their_state(compute_dtype):
     sequential = causal_lm_sequential(lora(quantized(build("llama", layers=3), "nf4", True)))
     plan = estimate_memory(sequential, num_slices=3, optimizer="adamw", device="cpu", compute_dtype=compute_dtype)
     model = OffloadModel(sequential, device="cpu", num_slices=3, compute_dtype=compute_dtype)
-    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
     for _ in range(2):
         model(batch()).float().logsumexp(-1).mean().backward()
         optimizer.step()

@@ -17,7 +17,9 @@ The public face is :func:`save_checkpoint`, :func:`load_checkpoint`, :func:`late
 - ``slice_save_planner.py`` / ``slice_load_planner.py``: a disk tier's state saved and loaded
   slice by slice (Note: [Slice-by-slice save], [Slice-by-slice load]);
 - ``wrapped_state.py``: optimizer state kept as a tensor subclass around plain tensors (torchao's
-  low-bit moments), saved as those tensors and built again (Note: [Wrapped state]).
+  low-bit moments), saved as those tensors and built again (Note: [Wrapped state]);
+- ``quant_states.py``: a 4-bit weight's packed quantisation state, checked before a load and set
+  after it (Note: [Packed quantisation state]).
 """
 
 from .checkpoint_files import CheckpointError

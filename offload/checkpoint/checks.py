@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from .checkpoint_files import CheckpointError, free_bytes, pickled_size
 from .commit import INFO_FILE, LATEST_FILE, partial_directory
 from .contents import READABLE_FORMATS, STRAY_PARAMETER, _describe, _optimizer_class, _partition, _steps_only
+from .quant_states import is_packed
 from .ranks import _gathered_list
 from ..tiers.disk_tier import size_text
 from ..optimizer import OffloadOptimizer
@@ -165,7 +166,7 @@ def _check_model(path: Path, info: dict[str, Any], model: nn.Module, model_state
     differences = [f"{name} is not in the model" for name in saved if name not in model_state]
     differences += [f"{name} is not in the checkpoint" for name in model_state if name not in saved]
     for name, tensor in model_state.items():
-        if name in saved and saved[name] != _describe(tensor):
+        if name in saved and saved[name] != _describe(tensor) and not _packed_alike(saved[name], tensor, name):
             here = _describe(tensor)
             differences.append(f"{name} is {saved[name]['dtype']}{saved[name]['shape']} there, "
                                f"{here['dtype']}{here['shape']} here")
@@ -183,6 +184,12 @@ def _check_model(path: Path, info: dict[str, Any], model: nn.Module, model_state
             f"checkpoint {path} was saved from a model cut into {len(info['partition'])} slices, this one has "
             f"{len(partition)}; slice {first} differs ({_slice(info['partition'], first)} there, "
             f"{_slice(partition, first)} here). Build the OffloadModel with the saved run's num_slices.")
+
+
+def _packed_alike(saved: dict[str, Any], tensor: torch.Tensor, name: str) -> bool:
+    """A 4-bit weight's packed state, whose length varies with its values: its format is compared
+    once it is read (Note: [Packed quantisation state] in ``quant_states.py``)."""
+    return is_packed(name) and saved["dtype"] == _describe(tensor)["dtype"] and len(saved["shape"]) == tensor.dim()
 
 
 def _check_optimizer(path: Path, info: dict[str, Any], metadata: Metadata, optimizer: torch.optim.Optimizer,

@@ -21,11 +21,12 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-from .checkpoint_files import verify_checksums
-from .checks import _check_arguments, _check_model, _check_optimizer, _read
+from .checkpoint_files import CheckpointError, verify_checksums
+from .checks import _check_arguments, _check_model, _check_optimizer, _listed, _read
 from .commit import committed
 from .contents import (_kept_parameters, _loads_on_disk, _masters_on_disk, _masters_releaser, _model_state,
                        _parameter_names, _release_masters, _set_rng_state)
+from .quant_states import format_differences, is_packed, read_packed, set_unreached
 from .ranks import _barrier, _group
 from ..tiers.disk_tier import DiskTierError
 from ..optimizer import OffloadOptimizer, load_beside_tier
@@ -59,7 +60,8 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
         CheckpointError: an incomplete checkpoint (a missing or truncated file), a damaged one (an
             unreadable ``.metadata`` or ``offload.json``, a data file whose CRC-32 differs from the
             one recorded at save: Note: [Checkpoint checksums] in ``offload/checkpoint/checkpoint_files.py``),
-            or one of another model (names, shapes, dtypes), slicing or optimizer; the message
+            or one of another model (names, shapes, dtypes, a 4-bit weight's format), slicing or
+            optimizer; the message
             says what differs. Nothing was loaded: the model and optimizer are unchanged.
         DiskTierError: the optimizer's disk tier could not write part of the loaded state, raised
             once the load is done: that state is held in RAM (Note: [Disk tier failures] in
@@ -88,6 +90,7 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     # The files this rank reads, checked whole before anything is loaded (Note: [Checkpoint checksums]).
     verify_checksums(path, info.get("crc32"), {storage.relative_path for index, storage in
                                                (metadata.storage_data or {}).items() if index.fqn in state})
+    packed = _check_packed(path, metadata, model_state, state, group)
     stored = _read_data(path, model, optimizer, state, on_disk, group)
     failure: DiskTierError | None = None
     if optimizer is not None:
@@ -95,6 +98,7 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
             _load_optimizer(optimizer, groups, names, state, wanted, stored)
         except DiskTierError as error:
             failure = error  # the state is loaded, part of it held in RAM: finish the load, then raise
+    set_unreached(model, packed, state)
     if rng_key in state:
         _set_rng_state(state[rng_key])
     _release_masters(model)
@@ -102,6 +106,20 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     if failure is not None:
         raise failure
     return state["extra"]
+
+
+def _check_packed(path: Path, metadata: Metadata, model_state: dict[str, torch.Tensor], state: dict[str, Any],
+                  group: Any) -> dict[str, dict[str, Any]]:
+    """The 4-bit weights' packed states, read and their formats checked before anything is loaded,
+    and taken out of what the load reads (Note: [Packed quantisation state] in ``quant_states.py``)."""
+    names = [name for name in model_state if is_packed(name)]
+    saved = read_packed(path, metadata, names, group)
+    differences = format_differences(saved, model_state)
+    if differences:
+        raise CheckpointError(f"checkpoint {path} holds another model: " + _listed(differences))
+    for name in names:
+        del state[f"model/{name}"]
+    return saved
 
 
 def _state_to_load(model_state: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer | None,
