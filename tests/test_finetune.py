@@ -273,6 +273,27 @@ def test_a_resume_with_no_steps_left_is_refused_and_the_trained_model_kept(tmp_p
     assert code == 2 and err.strip().splitlines()[-1] == refusal(1, 1), err
 
 
+def test_a_run_without_resume_is_refused_where_an_earlier_run_saved_checkpoints(tmp_path, capsys):
+    """Its saves would replace the earlier run's of the same steps and --keep-checkpoints remove the
+    others, the furthest among them (Note: [Never lose a run], rule 5): refused before the model is
+    built, the checkpoints untouched; with --resume, or without saves, it runs."""
+    out = tmp_path / "out"
+    args = ["--out", str(out), "--steps", "2", "--save-every", "1", *TINY_RUN]
+    code, _, err = run_cli(*args, tmp_path=tmp_path, capsys=capsys)
+    assert code == 0, err
+    checkpoints = out / "checkpoints"
+    saved = {path.relative_to(checkpoints): path.read_bytes() for path in checkpoints.rglob("*") if path.is_file()}
+    code, out_text, err = run_cli(*args, "--keep-checkpoints", "1", tmp_path=tmp_path, capsys=capsys)
+    assert code == 1 and "step 1/" not in out_text, err
+    assert err.strip() == (f"offload-finetune: error: --out {out}: an earlier run saved checkpoints in {checkpoints} "
+                           "(the last: step-2), which this run's saves would replace or remove. Continue that run "
+                           "with --resume latest, or choose another --out, or remove that directory first.")
+    assert {path.relative_to(checkpoints): path.read_bytes() for path in checkpoints.rglob("*") if path.is_file()} == saved
+    code, _, err = run_cli("--out", str(out), "--steps", "3", "--save-every", "1", "--resume", "latest", *TINY_RUN,
+                           tmp_path=tmp_path, capsys=capsys)
+    assert code == 0, err
+
+
 def test_a_resume_replays_the_schedule_without_warnings(tmp_path, capsys, recwarn):
     out = tmp_path / "out"
     args = ["--out", str(out), "--steps", "3", "--save-every", "2", "--lr-schedule", "cosine", *TINY_RUN]

@@ -27,6 +27,10 @@ Note: [Never lose a run]
        ``--steps`` into an unfinished ``--out`` trains nothing and runs what its run had left, the
        final evaluation and the export: so the command printed by a run stopped after its last
        checkpoint (an export that failed, Ctrl-C in the final evaluation) finishes it.
+    5. A run that saves checkpoints without ``--resume`` into an ``--out`` whose checkpoints an
+       earlier run saved is refused before anything is built: its saves would replace that run's
+       of the same steps and ``--keep-checkpoints`` remove the others, its furthest among them
+       (a job launched again without its ``--resume``).
 
 The options and ``--help`` are in ``offload/cli/finetune_args.py``; the models in
 ``offload/cli/models.py``; the output checks in ``offload/cli/outputs.py``.
@@ -62,7 +66,7 @@ from ..optimizer import OffloadOptimizer
 from .finetune_args import DTYPES, SCHEDULES, no_steps_left, parse_args, resume_directory_advice
 from .models import (four_bit_settings, pretrained_model, pretrained_tokenizer, quantized_random_model, random_model,
                      with_lora)
-from .outputs import OutputError, RunRecord, Write, check_room, check_writable, mark_export
+from .outputs import OutputError, RunRecord, Write, check_no_earlier_run, check_room, check_writable, mark_export
 from .quantize import bnb_config
 
 __all__ = ["main", "parse_args"]
@@ -290,6 +294,8 @@ def _build_model(args: argparse.Namespace, options: dict[str, Any], causal_lm_se
 def check_outputs_writable(args: argparse.Namespace) -> None:
     check_writable(args.out, "--out")
     if args.save_every:
+        if args.resume is None:
+            check_no_earlier_run(args.out / "checkpoints")
         check_writable(args.out / "checkpoints", "--save-every: the checkpoints' directory")
     if args.disk_tier is not None:
         check_writable(args.disk_tier, "--disk-tier")

@@ -22,12 +22,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..checkpoint import CheckpointError, latest_checkpoint
 # A small disk's figures in the unit that shows them (MiB, not "0.00 GiB"), as a checkpoint's and
 # the disk tier's room checks word theirs.
 from ..tiers.disk_tier import size_text
 
-__all__ = ["EXPORT_RECORD", "OutputError", "RunRecord", "Write", "check_room", "check_writable", "holds_finished_model",
-           "mark_export", "resume_command"]
+__all__ = ["EXPORT_RECORD", "OutputError", "RunRecord", "Write", "check_no_earlier_run", "check_room", "check_writable",
+           "holds_finished_model", "mark_export", "resume_command"]
 
 #: The file in the output directory that says whether the model there is finished: written as an
 #: export starts and again once its last file is written (Note: [Never lose a run], rule 4).
@@ -61,6 +62,24 @@ def check_writable(path: Path, flag: str) -> None:
         reason = error.strerror or str(error)
         raise OutputError(f"{flag} {path}: cannot write there ({reason}); choose a directory you can write, "
                           "before anything trains") from error
+
+
+def check_no_earlier_run(checkpoints: Path) -> None:
+    """Refuse checkpoints saved into ``checkpoints`` by an earlier run, which a run that does not
+    resume from them would replace or remove (Note: [Never lose a run], rule 5, in ``finetune.py``).
+
+    Raises:
+        OutputError: the earlier run's last checkpoint, and what to pass instead.
+    """
+    try:
+        last = latest_checkpoint(checkpoints)
+    except CheckpointError:
+        return None  # not a directory of checkpoints: check_writable says what is wrong with it
+    if last is not None:
+        raise OutputError(f"--out {checkpoints.parent}: an earlier run saved checkpoints in {checkpoints} (the last: "
+                          f"{last.name}), which this run's saves would replace or remove. Continue that run with "
+                          "--resume latest, or choose another --out, or remove that directory first.")
+    return None
 
 
 def _device_of(path: Path) -> tuple[int, Path]:
