@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from offload import OffloadModel, OffloadOptimizer
@@ -143,6 +144,38 @@ def test_a_learning_rate_set_by_hand_is_followed(fused):
             # Right after step(): the pending update keeps the rate it was started with.
             opt.param_groups[0]["lr"] = 1e-2 / (step + 2)
     assert_same(plain_model, plain, model, optimizer)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_tensor_betas_changed_in_place_right_after_step_leave_the_pending_update_alone(fused):
+    """Betas as 0-d tensors, filled in place after step() as a compiled step's schedule does: the
+    pending update keeps the values step() saw, the tensors inside the tuple copied too."""
+    models = [OffloadModel(network(), device="cpu", num_slices=3, compute_dtype=torch.bfloat16) for _ in range(2)]
+    def settings():  # tensors of each optimizer's own
+        return {"lr": 1e-2, "fused": fused, "betas": (torch.tensor(0.9), torch.tensor(0.999))}
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the per-tensor warning, about the reference itself
+        optimizers = [torch.optim.Adam(models[0].parameters(), **settings()),
+                      OffloadOptimizer(models[1], torch.optim.Adam, **settings())]
+
+    def late(optimizer, args, kwargs):  # the updates start after the change below, every time
+        if getattr(optimizer, "_offload_inner", False):
+            time.sleep(0.02)
+
+    handle = register_optimizer_step_pre_hook(late)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the per-tensor warning
+            for step in range(4):
+                for m, opt in zip(models, optimizers):
+                    opt.zero_grad()
+                    loss_of(m, step).backward()
+                    opt.step()
+                    opt.param_groups[0]["betas"][0].fill_(0.5 + 0.1 * step)
+    finally:
+        handle.remove()
+    assert_same(models[0], optimizers[0], models[1], optimizers[1])
 
 
 @pytest.mark.parametrize("device", DEVICES)

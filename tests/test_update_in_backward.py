@@ -349,6 +349,15 @@ def warmed_up(model: OffloadModel, optimizer: OffloadOptimizer, step: int) -> No
     optimizer.step()
 
 
+def betas_filled(model: OffloadModel, optimizer: OffloadOptimizer, step: int) -> None:
+    for group in optimizer.param_groups:  # tensors, as a compiled step keeps them, set before backward
+        group["betas"] = (torch.tensor(0.9), torch.tensor(0.999))
+    offload_loss(model, batch(step), 1).backward()
+    for group in optimizer.param_groups:  # changed in place, inside the tuple, between backward and step()
+        group["betas"][0].fill_(0.8)
+    optimizer.step()
+
+
 def scaled(scaler_class: type[torch.amp.GradScaler], unscale: bool) -> Callable[..., None]:
     def mistake(model: OffloadModel, optimizer: OffloadOptimizer, step: int) -> None:
         scaler = scaler_class("cpu", init_scale=2.0**8)
@@ -366,6 +375,8 @@ MISTAKES: list[Any] = [
     pytest.param(clipped, True, "changed between backward and step\\(\\)", id="clip_grad_norm_"),
     pytest.param(warmed_up, True, "update_in_backward: 'lr' of group 0 changed between backward and step\\(\\); the "
                  "update reads the hyperparameters backward saw", id="lr-set-between-backward-and-step"),
+    pytest.param(betas_filled, True, "update_in_backward: 'betas' of group 0 changed between backward and step",
+                 id="tensor-betas-filled-between-backward-and-step"),
     # A fused optimizer takes the scale itself, unless unscale_ came first; another has its
     # gradients unscaled in place, by a kernel that leaves their version counters as they were.
     *[pytest.param(scaled(scaler_class, unscale), fused, "a GradScaler steps this optimizer",

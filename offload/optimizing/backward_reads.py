@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 from .plan import snapshot
 
@@ -78,14 +79,24 @@ def _moved(before: list[dict[str, Any]], optimizer: Any, inside: set[int]) -> li
         if not any(id(p) in inside for p in group["params"]):
             continue
         for key in old.keys() | (group.keys() - {"params"}):
-            a, b = old.get(key), group.get(key)
-            if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-                same = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
-            else:
-                same = a == b
-            if not same:
+            if not _same(old.get(key), group.get(key)):
                 moved.append(f"'{key}' of group {g}")
     return sorted(moved)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two hyperparameters hold the same values, tensors in a tuple or list (betas) included."""
+    a_leaves, a_spec = tree_flatten(a)
+    b_leaves, b_spec = tree_flatten(b)
+    if a_spec != b_spec:
+        return False
+    for x, y in zip(a_leaves, b_leaves):
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x, y)):
+                return False
+        elif x != y:
+            return False
+    return True
 
 
 def listing(names: list[str]) -> str:

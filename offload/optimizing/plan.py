@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from ..tiers.slice_update import InnerOptimizer, SliceStep, StateByProxy
 from ..walk.engine import Engine
@@ -62,8 +63,13 @@ def inner_optimizer(optimizer: Any, params: list[torch.Tensor], groups: list[int
 
 
 def snapshot(group: dict[str, Any]) -> dict[str, Any]:
-    """A group's hyperparameters as they are now (tensors copied: schedulers may change them in place)."""
-    return {k: (v.clone() if isinstance(v, torch.Tensor) else copy.copy(v)) for k, v in group.items() if k != "params"}
+    """A group's hyperparameters as they are now: tensors copied, those in a tuple or list too
+    (``betas=(torch.tensor(0.9), ...)``), since schedulers and compiled steps change them in place."""
+    return {k: tree_map(_copied, v) for k, v in group.items() if k != "params"}
+
+
+def _copied(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else copy.copy(value)
 
 
 def _by_slice(param_groups: list[dict[str, Any]],
