@@ -560,6 +560,72 @@ def test_output_rows_other_than_the_batch_with_one_microbatch(device):
     assert_same_grads(model, reference, **EXACT)
 
 
+class Aliasing(nn.Module):
+    """Returns outputs that share memory: the input twice, the input and a view of it, or a dict
+    that lists a view before its base (Note: [Outputs that alias each other] in offload/autograd/call.py)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, x):
+        if self.kind == "same":
+            return x, x
+        if self.kind == "view":
+            return x, x[:, :2]
+        if self.kind == "flat":
+            return x, x.flatten()
+        return {"head": x[..., 1], "all": x, "rest": (x[:, 2:],)}
+
+
+def _aliasing_outputs(net, x, num_microbatches, offloaded):
+    """The outputs' leaves, base first, after an in-place change of the base and then of a view."""
+    if offloaded or num_microbatches == 1:
+        out = net(x)
+    else:  # the plain layers on each microbatch, joined before the last layer (all of them exact)
+        out = net[-1](torch.cat([net[:-1](chunk) for chunk in x.tensor_split(num_microbatches)]))
+    leaves = list(out) if isinstance(out, tuple) else [out["all"], out["head"], out["rest"][0]]
+    leaves[0].mul_(2)
+    leaves[-1].add_(1)
+    return leaves
+
+
+@pytest.mark.parametrize("activations", ACTIVATIONS)
+@pytest.mark.parametrize("num_microbatches", [1, 2])
+@pytest.mark.parametrize("kind", ["same", "view", "dict"])
+def test_outputs_that_alias_each_other_behave_as_in_pytorch(kind, num_microbatches, activations):
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 4), Aliasing(kind))
+    model = OffloadModel(clone_model(reference), device="cpu", num_slices=2, num_microbatches=num_microbatches,
+                         **ACTIVATIONS[activations])
+    x_ref = torch.randn(6, 6, requires_grad=True)
+    x_off = x_ref.detach().clone().requires_grad_()
+    ref = _aliasing_outputs(reference, x_ref, num_microbatches, offloaded=False)
+    off = _aliasing_outputs(model, x_off, num_microbatches, offloaded=True)
+    for got, want in zip(off, ref):
+        torch.testing.assert_close(got, want, **EXACT)  # each in-place change reached the others
+    assert [a is b for a in off for b in off] == [a is b for a in ref for b in ref]
+    for leaves in (ref, off):
+        sum(leaf.pow(2).sum() for leaf in leaves[1:]).backward()
+    torch.testing.assert_close(x_off.grad, x_ref.grad, **EXACT)
+    assert_same_grads(model, reference, **EXACT)
+
+
+def test_a_view_output_that_cannot_be_rebuilt_over_joined_microbatches_is_refused():
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 4), Aliasing("flat"))
+    model = OffloadModel(clone_model(reference), device="cpu", num_slices=2, num_microbatches=2)
+    x = torch.randn(6, 6)
+    with pytest.raises(ValueError, match="take the view after the model, or use num_microbatches=1"):
+        model(x)
+    single = OffloadModel(clone_model(reference), device="cpu", num_slices=2)  # exact there
+    for net in (reference, single):
+        y, flat = net(x)
+        y.mul_(2)
+        flat.pow(2).sum().backward()
+    assert_same_grads(single, reference, **EXACT)
+
+
 # -- no graph ---------------------------------------------------------------------------------------
 
 
@@ -963,3 +1029,101 @@ def test_a_weight_used_twice_under_autocast_gets_the_plain_models_gradient(activ
         if not backward_inside:
             loss.backward()
     assert_same_grads(model, plain, rtol=0, atol=0)
+
+
+# -- layers that differentiate inside their forward (Note: [Layers that differentiate in forward]) --
+
+
+class _Force(nn.Module):
+    """A force from an energy: the layer differentiates a graph it builds in its own forward."""
+
+    def __init__(self, create_graph: bool):
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+        self.create_graph = create_graph
+
+    def forward(self, x):
+        with torch.enable_grad():
+            inside = x if x.requires_grad else x.detach().requires_grad_()
+            energy = torch.tanh(self.linear(inside)).pow(2).sum()
+            (force,) = torch.autograd.grad(energy, inside, create_graph=self.create_graph)
+        return x - force
+
+
+def _forces_in_early_slices(create_graph: bool) -> nn.Sequential:
+    # Slices [0, 1], [2, 3], [4, 5]: slice 0's slot is loaded with other slices before its backward.
+    torch.manual_seed(0)
+    return nn.Sequential(_Force(create_graph), nn.Linear(6, 6), _Force(create_graph), nn.Tanh(), nn.Linear(6, 6),
+                         nn.Tanh())
+
+
+def _force_in_last_slice() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), _Force(True), nn.Tanh())
+
+
+def _assert_matches_plain(plain: nn.Sequential, **kwargs) -> None:
+    model = OffloadModel(copy.deepcopy(plain), device="cpu", num_slices=3, **kwargs)
+    x = torch.randn(8, 6)
+    x_plain, x_model = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out_plain, out_model = plain(x_plain), model(x_model)
+    out_plain.pow(2).sum().backward()
+    out_model.pow(2).sum().backward()
+    torch.testing.assert_close(out_model, out_plain, **EXACT)
+    torch.testing.assert_close(x_model.grad, x_plain.grad, **EXACT)
+    assert_same_grads(model, plain, **EXACT)
+
+
+@pytest.mark.parametrize("num_microbatches", [1, 2])
+def test_a_layer_differentiating_in_forward_matches_the_plain_model_with_kept_graphs(num_microbatches):
+    # A graph built from a resolved slot tensor (create_graph=True) saves it again; loading the
+    # slot with another slice is no in-place change of it.
+    for create_graph in (True, False):
+        plain = _forces_in_early_slices(create_graph)
+        if num_microbatches == 1:
+            _assert_matches_plain(plain, checkpoint_activation=False)
+            continue
+        model = OffloadModel(copy.deepcopy(plain), device="cpu", num_slices=3, checkpoint_activation=False,
+                             num_microbatches=num_microbatches)
+        x = torch.randn(8, 6)
+        out = model(x)
+        torch.testing.assert_close(out, microbatched_reference(plain, model.partition, x, num_microbatches), **EXACT)
+        out.pow(2).sum().backward()  # no "modified by an inplace operation"
+
+
+@pytest.mark.parametrize("activations", ["recompute", "offload_last", "offload_all"])
+def test_a_layer_differentiating_in_forward_is_refused_where_forward_keeps_nothing(activations):
+    model = OffloadModel(_forces_in_early_slices(True), device="cpu", num_slices=3, **ACTIVATIONS[activations])
+    with pytest.raises(RuntimeError, match=r"^OffloadModel: a layer .*differentiated, inside its forward.*"
+                       r"checkpoint_activation=False") as caught:
+        model(torch.randn(8, 6, requires_grad=True))
+    if hasattr(caught.value, "add_note"):  # Python 3.11+: the note names the layer and its slice
+        assert "in layer 0 (_Force) of OffloadModel slice 0" in caught.value.__notes__
+    # What the error says to do works; with one microbatch the last slice keeps its graph in every mode.
+    _assert_matches_plain(_forces_in_early_slices(True), checkpoint_activation=False)
+    _assert_matches_plain(_force_in_last_slice(), **ACTIVATIONS[activations])
+
+
+class _FuncGrad(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return torch.func.vmap(torch.func.grad(lambda row: torch.tanh(self.linear(row)).pow(2).sum()))(x)
+
+
+@pytest.mark.parametrize("activations", ACTIVATIONS)
+def test_torch_func_grad_in_a_layer_gets_a_note_saying_what_to_use(activations):
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), _FuncGrad())
+    model = OffloadModel(copy.deepcopy(plain), device="cpu", num_slices=1, **ACTIVATIONS[activations])
+    x = torch.randn(8, 6)
+    with pytest.raises(RuntimeError, match="saved tensor hooks") as caught:
+        model(x)
+    if hasattr(caught.value, "add_note"):  # Python 3.11+
+        notes = "\n".join(caught.value.__notes__)
+        assert "saved-tensor hooks" in notes and "torch.autograd.grad" in notes
+        assert "checkpoint_activation=False" in notes
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), plain(x), **EXACT)

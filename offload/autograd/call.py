@@ -4,6 +4,29 @@
 structure (tensor, tuple, list, dict) with values that are not tensors among its leaves. A
 :class:`Call` takes the input apart on the model's side, puts it back together inside the
 Function's forward, and does the same for the output on the way back: one owner for both ends.
+
+Note: [Outputs that alias each other]
+    A last layer may return one tensor twice, or a tensor and a view of it (``(x, x[:, :2])``). In
+    the plain model autograd knows the view: an in-place change of one output reaches the other,
+    its values and its gradient (``CopySlices``). A Function's results are unrelated tensors to
+    autograd, and joined microbatches do not even share memory. So the Function returns each
+    *base* once, and :meth:`Call.output_with` rebuilds every output the base holds outside it, as
+    the base again or as ``as_strided`` over it, a view autograd records.
+
+    1. A slice's outputs leave it detached, which loses identity: an output with its base's exact
+       layout is taken to be the base (``a is b``). ``(x, x.view_as(x))`` comes back as one tensor
+       twice: the same values and gradients, one object fewer than the plain model's.
+    2. An output is rebuilt when another holds every element of it, in the same storage and dtype
+       and with the same need for a gradient (``(x, x.detach())`` stays two results). A holder has
+       the same layout, or covers its extent densely (``x``, ``x.t()``, not ``x[:, :3]``) with the
+       other within it. Outputs that overlap otherwise (``x[:, :-1], x[:, 1:]``) stay separate
+       results: exact unless one is changed in place.
+    3. Over several microbatches a view is rebuilt over the joined base where its layout carries
+       over: every microbatch's base laid out as the joined one, the view keeping all of the
+       base's rows with the base's dim-0 stride (``x[:, :2]``, ``x[..., k]``). Forward refuses
+       any other view (``ValueError``, :func:`~offload.walk.microbatch.view_in_joined`).
+    4. The Function's gradients for the rebuilt outputs' places are ``None``: autograd sends what
+       reaches a rebuilt view to its base, as in the plain model.
 """
 
 from __future__ import annotations
@@ -14,6 +37,8 @@ from typing import Any
 
 import torch
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+
+from ..walk.microbatch import join_outputs, view_in_joined
 
 
 def flatten_input(value: Any, compute_dtype: torch.dtype | None) -> tuple[list[Any], TreeSpec]:
@@ -29,6 +54,43 @@ def flatten_input(value: Any, compute_dtype: torch.dtype | None) -> tuple[list[A
     return leaves, spec
 
 
+@dataclass(frozen=True)
+class OutputAlias:
+    """An output leaf rebuilt outside the Function from another one, its base (Note: [Outputs that
+    alias each other]).
+
+    Attributes:
+        position: the leaf rebuilt.
+        base: the leaf it is rebuilt from, one of the Function's results.
+        view: ``None`` for the base itself; else the view's size, stride and storage offset from
+            the base's.
+    """
+
+    position: int
+    base: int
+    view: tuple[tuple[int, ...], tuple[int, ...], int] | None
+
+    @classmethod
+    def of(cls, position: int, base: int, per_microbatch: Sequence[Sequence[Any]],
+           joined_base: torch.Tensor) -> OutputAlias:
+        """Leaf ``position`` of each microbatch's output, held by leaf ``base``, over the joined base.
+
+        Raises:
+            ValueError: the view does not carry over to the joined base.
+        """
+        views, bases = [leaves[position] for leaves in per_microbatch], [leaves[base] for leaves in per_microbatch]
+        if all(_same_layout(v, b) for v, b in zip(views, bases)):
+            return cls(position, base, None)
+        return cls(position, base, view_in_joined(bases, views, joined_base, position))
+
+    def over(self, base: torch.Tensor) -> torch.Tensor:
+        """This leaf, from the base autograd returned: a view autograd records."""
+        if self.view is None:
+            return base
+        size, stride, offset = self.view
+        return base.as_strided(size, stride, base.storage_offset() + offset)
+
+
 @dataclass(eq=False)  # compared and hashed by identity: milestone subscribers key on it
 class Call:
     """One call's structure, shared by the model and the Function (never stored on the module).
@@ -42,7 +104,8 @@ class Call:
     tensor_positions: list[int]
     output_spec: TreeSpec | None = None
     output_leaves: list[Any] = field(default_factory=list)  # tensors replaced by None
-    output_tensor_positions: list[int] = field(default_factory=list)
+    output_tensor_positions: list[int] = field(default_factory=list)  # the Function's results
+    output_aliases: list[OutputAlias] = field(default_factory=list)  # the other tensor leaves
 
     @classmethod
     def taking(cls, leaves: Sequence[Any], spec: TreeSpec) -> tuple[Call, list[torch.Tensor]]:
@@ -62,17 +125,99 @@ class Call:
             leaves[position] = tensor
         return leaves
 
-    def returning(self, leaves: Sequence[Any], spec: TreeSpec) -> tuple[torch.Tensor, ...]:
-        """Remember the output's structure; the tensors among its ``leaves`` are the Function's results."""
+    def returning(self, per_microbatch: Sequence[Sequence[Any]], spec: TreeSpec, sizes: Sequence[int],
+                  requires: Sequence[bool]) -> tuple[torch.Tensor, ...]:
+        """Remember the output's structure and join the microbatches' output ``leaves``; the
+        Function's results are the joined tensors no other output holds (Note: [Outputs that alias
+        each other]). ``requires``: whether each leaf needs a gradient.
+
+        Raises:
+            ValueError: the outputs cannot be joined across microbatches.
+        """
         self.output_spec = spec
-        self.output_tensor_positions = [p for p, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-        self.output_leaves = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-        return tuple(leaves[p] for p in self.output_tensor_positions)
+        bases = _bases(per_microbatch, requires)
+        joined = join_outputs(per_microbatch, sizes, leave_out=bases.keys())
+        self.output_aliases = [OutputAlias.of(p, b, per_microbatch, joined[b]) for p, b in sorted(bases.items())]
+        self.output_tensor_positions = [p for p, leaf in enumerate(joined) if isinstance(leaf, torch.Tensor)]
+        self.output_leaves = [None if isinstance(leaf, torch.Tensor) or p in bases else leaf
+                              for p, leaf in enumerate(joined)]
+        return tuple(joined[p] for p in self.output_tensor_positions)
 
     def output_with(self, tensors: Sequence[torch.Tensor]) -> Any:
         """The output structure around the tensors autograd returned from the Function."""
         leaves = list(self.output_leaves)
         for position, tensor in zip(self.output_tensor_positions, tensors):
             leaves[position] = tensor
+        for alias in self.output_aliases:  # bases are results, never aliases themselves
+            leaves[alias.position] = alias.over(leaves[alias.base])
         assert self.output_spec is not None, "the Function's forward sets the output structure"
         return tree_unflatten(leaves, self.output_spec)
+
+
+# -- outputs that alias each other (Note: [Outputs that alias each other]) ---------------------------
+
+
+def _bases(per_microbatch: Sequence[Sequence[Any]], requires: Sequence[bool]) -> dict[int, int]:
+    """For each output leaf that another one holds, the position of that base.
+
+    Raises:
+        ValueError: the outputs alias each other differently in different microbatches.
+    """
+    found = [_bases_among(leaves, requires) for leaves in per_microbatch]
+    if any(f != found[0] for f in found[1:]):
+        raise ValueError("the model's outputs share memory differently in different microbatches, so they "
+                         "cannot be joined; use num_microbatches=1")
+    return found[0]
+
+
+def _bases_among(leaves: Sequence[Any], requires: Sequence[bool]) -> dict[int, int]:
+    # Leaves can only alias within one memory: the same storage, device, dtype, and need for a gradient.
+    memory = {p: (leaf.untyped_storage().data_ptr(), leaf.device, leaf.dtype, requires[p])
+              for p, leaf in enumerate(leaves) if _aliasable(leaf)}
+    roots: list[int] = []
+    found: dict[int, int] = {}
+    for p, key in memory.items():
+        alike = [r for r in roots if memory[r] == key]
+        holder = next((r for r in alike if _holds(leaves[r], leaves[p])), None)
+        if holder is not None:
+            found[p] = holder
+            continue
+        # A later leaf may hold earlier ones (``(x[:, :2], x)``): it becomes their base, and their views'.
+        held = [r for r in alike if _holds(leaves[p], leaves[r])]
+        roots = [r for r in roots if r not in held] + [p]
+        found = {q: p if b in held else b for q, b in found.items()} | dict.fromkeys(held, p)
+    return found
+
+
+def _aliasable(leaf: Any) -> bool:
+    # Plain strided tensors only: a subclass's or a sparse tensor's memory is not its storage's extent.
+    return type(leaf) is torch.Tensor and leaf.layout == torch.strided and leaf.numel() > 0
+
+
+def _holds(base: torch.Tensor, other: torch.Tensor) -> bool:
+    """Whether every element of ``other``, a tensor in the same memory, is one of ``base``'s: the
+    same layout, or within the extent of a base that covers its extent (strides are never negative)."""
+    if _same_layout(other, base):
+        return True
+    first, end = _extent(base)
+    other_first, other_end = _extent(other)
+    return _dense(base) and first <= other_first and other_end <= end
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    first = t.storage_offset()
+    return first, first + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds each element of its extent once: a contiguous tensor, its dims perhaps permuted."""
+    expected = 1
+    for stride, size in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _same_layout(t: torch.Tensor, base: torch.Tensor) -> bool:
+    return t.shape == base.shape and t.stride() == base.stride() and t.storage_offset() == base.storage_offset()

@@ -23,7 +23,7 @@ import torch
 from ..walk.activation_policy import ActivationPlan
 from ..walk.engine import Engine
 from ..streams.labels import label
-from ..walk.microbatch import join_outputs, split_leaves
+from ..walk.microbatch import split_leaves
 from ..walk.slice_walk import SliceWalk
 from .call import Call
 from .gradients import BackwardGradients, retain_graph_requested, split_output_grads
@@ -71,9 +71,10 @@ class OffloadFunction(torch.autograd.Function):
                 boundary = leaving
             walk.finish()
 
-        joined = join_outputs([b.leaves for b in boundary], split.sizes)
-        outputs = call.returning(joined, boundary[0].spec)
-        output_requires = [any(b.requires[p] for b in boundary) for p in call.output_tensor_positions]
+        requires = [any(flags) for flags in zip(*(b.requires for b in boundary))]
+        # Outputs that alias another are rebuilt outside (Note: [Outputs that alias each other] in call.py).
+        outputs = call.returning([b.leaves for b in boundary], boundary[0].spec, split.sizes, requires)
+        output_requires = [requires[p] for p in call.output_tensor_positions]
         non_differentiable = [o for o, wanted in zip(outputs, output_requires)
                               if not wanted or not is_differentiable(o)]
         if non_differentiable:

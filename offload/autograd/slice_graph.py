@@ -33,11 +33,27 @@ Note: [Device copies while autograd runs a slice]
     copies then too, not the host copies that are bound again between runs; so the slice's
     tensors are bound (``Slice.bound``) for as long as autograd runs the slice's graph, a kept
     graph's parameter leaves pointed at the slot that holds the slice at that time.
+
+Note: [Layers that differentiate in forward]
+    A layer may differentiate, inside its forward, a graph built during it (an energy's gradient
+    as a force: ``torch.autograd.grad(e, x, create_graph=True)``); autograd then unpacks what that
+    graph saved while the slice is still running. By mode (Note: [Three ways to keep a slice's
+    activations] in ``offload/walk/activation_policy.py``):
+
+    1. *Kept graph*: works as in the plain model, ``create_graph`` or not. A saved slot tensor
+       resolves to a tensor of its own over the slot (``SlotReferences.resolve``), so a graph that
+       saves it again is not taken to be changed in place when the slot is loaded again.
+    2. *Recompute*: the forward saves nothing (Note: [Boundary gradients]), so there is nothing to
+       differentiate; the unpack refuses, saying to pass ``checkpoint_activation=False``. Keeping
+       the saved tensors until the run ends would cost every checkpointed run its activations.
+    3. *Offload*: the saved tensors are on their way to the host until the slice's backward loads
+       them; the unpack refuses likewise (``SavedActivations``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -77,15 +93,23 @@ def _discard(tensor: torch.Tensor) -> None:
     return None
 
 
-def _never_unpacked(packed: None) -> torch.Tensor:
-    raise RuntimeError("internal error: a checkpointed forward's graph was differentiated")
+def _never_unpacked(index: int, packed: None) -> torch.Tensor:
+    raise RuntimeError(
+        f"OffloadModel: a layer in slice {index} differentiated, inside its forward, a graph built during that "
+        "forward (torch.autograd.grad or .backward() in forward, as for a force from an energy), but the slice's "
+        "forward is checkpointed: it keeps no saved tensors (the slice runs again in backward), so there is "
+        "nothing to differentiate. Pass checkpoint_activation=False (the slice keeps its graph, as in the plain "
+        "model), and leave the slice out of offload_activations. If no layer differentiates inside its forward, "
+        "this is an internal error of OffloadModel (Note: [Layers that differentiate in forward])")
 
 
-def _saving_nothing() -> torch.autograd.graph.saved_tensors_hooks:
-    """Hooks under which a graph saves nothing: a checkpointed forward builds one only to learn
-    what its outputs require, so its activations are freed as soon as they are used, as under
-    ``no_grad``. Innermost hooks win, so the caller's hooks (``save_on_cpu``) see nothing either."""
-    return torch.autograd.graph.saved_tensors_hooks(_discard, _never_unpacked)
+def _saving_nothing(index: int) -> torch.autograd.graph.saved_tensors_hooks:
+    """Hooks under which slice ``index``'s graph saves nothing: a checkpointed forward builds one
+    only to learn what its outputs require, so its activations are freed as soon as they are used,
+    as under ``no_grad``. Innermost hooks win, so the caller's hooks (``save_on_cpu``) see nothing
+    either. A layer that differentiates its graph inside forward is refused (Note: [Layers that
+    differentiate in forward])."""
+    return torch.autograd.graph.saved_tensors_hooks(_discard, functools.partial(_never_unpacked, index))
 
 
 def _graph_inputs(leaves: Sequence[Any], requires: Sequence[bool]) -> tuple[list[Any], list[Any]]:
@@ -151,7 +175,7 @@ def run_forward(engine: Engine, records: ForwardRecords, i: int, m: int, views: 
         records.save_rng(i, m)
         # With grad enabled, as in the plain model, so that every output requires grad exactly as
         # there and kernels that look at it choose alike; nothing is saved (Note: [Boundary gradients]).
-        with torch.enable_grad(), _saving_nothing(), autocast_cache_disabled():
+        with torch.enable_grad(), _saving_nothing(i), autocast_cache_disabled():
             graph_leaves, fed = _graph_inputs(entering.leaves, entering.requires)
             entry_tensors = _param_leaves(views, engine, i)
             result = s.run_on_device(engine.slots, entry_tensors, tree_unflatten(fed, entering.spec))

@@ -99,9 +99,18 @@ class OffloadedSave:
     saved: weakref.ref[torch.Tensor] | None
     changed: torch.Tensor | None = None
 
-    def device_tensor(self) -> torch.Tensor:
-        """The saved tensor over the device copy (loaded)."""
+    def device_tensor(self, sealed: bool) -> torch.Tensor:
+        """The saved tensor over the device copy (loaded); ``sealed``: its run is over."""
         device = self.copy.device
+        if device is None and not sealed:
+            raise RuntimeError(
+                "OffloadModel: a layer differentiated, inside its forward, a graph built during that forward "
+                "(torch.autograd.grad or .backward() in forward, as for a force from an energy), but its slice "
+                "offloads its saved tensors (offload_activations): they are on their way to the host until the "
+                "slice's backward loads them. Leave the slice out of offload_activations and pass "
+                "checkpoint_activation=False (the slice keeps its graph, as in the plain model). If no layer "
+                "differentiates inside its forward, this is an internal error of OffloadModel (Note: [Layers "
+                "that differentiate in forward] in offload/autograd/slice_graph.py)")
         if device is None:
             raise RuntimeError("internal error: an offloaded saved tensor was unpacked before its run's backward "
                                "loaded it")
@@ -145,6 +154,8 @@ class SavedActivations:
     slots: DeviceSlots
     min_bytes: int
     offloaded: list[OffloadedSave] = field(default_factory=list)
+    # The run is over (Note: [Layers that differentiate in forward] in offload/autograd/slice_graph.py).
+    sealed: bool = False
     # Whole storages copied in this run, by (address, bytes, version), with the tensor whose save
     # copied it: the other views of one storage saved at the same version share its copy, while
     # that tensor is alive (else its memory may hold another tensor now, at the same address).
@@ -208,11 +219,12 @@ class SavedActivations:
             return packed.tensor
         _check_version(packed.changed, packed.version)
         _check_version(packed.saved() if packed.saved is not None else None, packed.version)
-        return packed.device_tensor()
+        return packed.device_tensor(self.sealed)
 
     def seal(self) -> None:
         """The run is over: note the saved tensors it changed in place after saving them, and
         forget the storages copied (their memory may be reused for other tensors)."""
+        self.sealed = True
         self._storages.clear()
         for save in self.offloaded:
             tensor = save.saved() if save.saved is not None else None

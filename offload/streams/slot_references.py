@@ -100,5 +100,11 @@ class SlotReferences:
             raise RuntimeError(
                 f"internal error: slice {packed.slice_index} must be acquired before its kept graph runs backward"
             )
-        typed = slot.data.view(packed.dtype) if packed.dtype != torch.uint8 else slot.data
-        return typed.as_strided(packed.size, packed.stride, packed.byte_offset // packed.dtype.itemsize)
+        # A tensor of its own over the slot's memory, not a view of the slot's buffer: a view would
+        # share the buffer's version counter, which every load into the slot bumps. A graph built
+        # from it (a layer's torch.autograd.grad(..., create_graph=True) in forward saves it again)
+        # would then see a load of another slice as an in-place change (Note: [Layers that
+        # differentiate in forward] in offload/autograd/slice_graph.py). In-place changes are
+        # caught by the version check above, on the tensor autograd saved.
+        return torch.empty(0, dtype=packed.dtype, device=slot.data.device).set_(
+            slot.data.untyped_storage(), packed.byte_offset // packed.dtype.itemsize, packed.size, packed.stride)

@@ -44,6 +44,14 @@ COMPILED_BUFFER_NOTE = (
     "OffloadModel: torch.compile cannot compile a layer that writes a buffer in forward (BatchNorm's running "
     "statistics in training) inside OffloadModel: a slice's tensors lie in one device allocation, which it refuses "
     "for tensors written in place. Leave this layer uncompiled (docs/api.md, Limitations).")
+# What torch.func says of a gradient transform run under saved-tensor hooks.
+_FUNC_TRANSFORM_HOOKS = "don't yet support saved tensor hooks"
+FUNC_TRANSFORM_NOTE = (
+    "OffloadModel: while it builds a graph, OffloadModel runs every layer under saved-tensor hooks (they keep, "
+    "offload or drop what autograd saves), and torch.func.grad, vjp, jacrev and hessian refuse to run under them. "
+    "Compute the gradient with torch.autograd.grad inside the layer instead (create_graph=True if backward must go "
+    "through it) and pass checkpoint_activation=False, leaving the layer's slice out of offload_activations "
+    "(docs/api.md, Layers that differentiate in forward). Under torch.no_grad the layer runs as it is.")
 
 
 @dataclass
@@ -67,6 +75,8 @@ class Slice:
                     error.add_note(note)
                     if _COMPILED_BUFFER_WRITE in str(error):
                         error.add_note(COMPILED_BUFFER_NOTE)
+                    if _FUNC_TRANSFORM_HOOKS in str(error):
+                        error.add_note(FUNC_TRANSFORM_NOTE)
                 raise
         return inputs
 

@@ -10,7 +10,7 @@ Nothing here moves data between devices.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,22 +66,25 @@ def split_leaves(leaves: Sequence[Any], num_microbatches: int) -> tuple[list[lis
     return [[chunks[m] for chunks in per_leaf] for m in range(count)], Split(sizes, carries)
 
 
-def join_outputs(outputs: Sequence[Sequence[Any]], sizes: Sequence[int]) -> list[Any]:
+def join_outputs(outputs: Sequence[Sequence[Any]], sizes: Sequence[int],
+                 leave_out: Collection[int] = ()) -> list[Any]:
     """Join the flattened outputs of each microbatch into the outputs of the whole batch.
 
     Tensor leaves that carry each microbatch's rows are concatenated along dim 0; non-tensor leaves
-    are taken from the first microbatch. With one microbatch nothing is joined.
+    are taken from the first microbatch. With one microbatch nothing is joined. Positions in
+    ``leave_out`` (outputs rebuilt from another one: Note: [Outputs that alias each other] in
+    ``offload/autograd/call.py``) are ``None``.
 
     Raises:
         ValueError: with several microbatches, a tensor output does not carry the batch dimension,
             so there is no way to join it.
     """
     if len(outputs) == 1:
-        return list(outputs[0])
+        return [None if position in leave_out else leaf for position, leaf in enumerate(outputs[0])]
     joined: list[Any] = []
     for position, per_microbatch in enumerate(zip(*outputs)):
-        if not isinstance(per_microbatch[0], torch.Tensor):
-            joined.append(per_microbatch[0])
+        if position in leave_out or not isinstance(per_microbatch[0], torch.Tensor):
+            joined.append(None if position in leave_out else per_microbatch[0])
             continue
         if not all(t.dim() >= 1 and t.shape[0] == rows for t, rows in zip(per_microbatch, sizes)):
             raise ValueError(
@@ -91,6 +94,36 @@ def join_outputs(outputs: Sequence[Sequence[Any]], sizes: Sequence[int]) -> list
             )
         joined.append(torch.cat(per_microbatch, dim=0))
     return joined
+
+
+def view_in_joined(bases: Sequence[torch.Tensor], views: Sequence[torch.Tensor], joined: torch.Tensor,
+                   position: int) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """Where the view each microbatch's output leaf ``position`` takes of its base lies in the
+    joined base: size, stride, and storage offset from the joined base's.
+
+    With several microbatches the view carries over only where each microbatch's base is laid out
+    as ``joined`` and the view keeps all of its rows with its dim-0 stride, the rest alike in every
+    microbatch (Note: [Outputs that alias each other] in ``offload/autograd/call.py``, rule 3).
+
+    Raises:
+        ValueError: the view does not carry over to the joined base.
+    """
+    first = views[0]
+    offsets = [v.storage_offset() - b.storage_offset() for v, b in zip(views, bases)]
+    if len(views) == 1:
+        return tuple(first.shape), first.stride(), offsets[0]
+    carries = all(
+        b.stride() == joined.stride() and v.dim() >= 1 and v.shape[0] == b.shape[0] and v.stride(0) == b.stride(0)
+        and v.shape[1:] == first.shape[1:] and v.stride() == first.stride() and offset == offsets[0]
+        for v, b, offset in zip(views, bases, offsets)
+    )
+    if not carries:
+        raise ValueError(
+            f"output leaf {position} (shape {tuple(first.shape)}) is a view of another output that does "
+            "not keep its rows whole, so it cannot be rebuilt over the outputs joined across microbatches; "
+            "return only the other output and take the view after the model, or use num_microbatches=1"
+        )
+    return (int(joined.shape[0]), *first.shape[1:]), first.stride(), offsets[0]
 
 
 def split_like(leaf: torch.Tensor | None, sizes: Sequence[int]) -> list[torch.Tensor | None]:
