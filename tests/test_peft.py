@@ -349,6 +349,21 @@ def test_prompt_learning_peft_models_are_refused():
         causal_lm_sequential(peft.get_peft_model(hf, config))
 
 
+def test_trainable_tokens_on_a_tied_embedding_are_refused_saying_what_trains_instead():
+    from offload.integrations.causal_lm import OffloadedCausalLM
+
+    with pytest.raises(ValueError, match=r"trainable tokens .*modules_to_save=\['embed_tokens'\]"):
+        OffloadedCausalLM(lora(build("gemma", tied=True, layers=1), "gemma", trainable_token_indices=[3, 5]),
+                          device="cpu", num_slices=2)
+    # What the message advises trains as the PeftModel does.
+    peft_model = lora(build("gemma", tied=True, layers=1), "gemma", modules_to_save=["embed_tokens"]).eval()
+    reference = copy.deepcopy(peft_model)
+    model = OffloadedCausalLM(peft_model, device="cpu", num_slices=2)
+    inputs = batch()
+    labels = labels_of(inputs)
+    torch.testing.assert_close(model(**inputs, labels=labels).loss, reference(**inputs, labels=labels).loss, **EXACT)
+
+
 def test_activated_lora_is_refused():
     config = peft.LoraConfig(r=2, target_modules=["q_proj"], alora_invocation_tokens=[5, 6])
     with pytest.raises(ValueError, match="activated LoRA"):

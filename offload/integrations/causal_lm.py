@@ -60,7 +60,7 @@ from ..optimizer import OffloadOptimizer
 from .peft import peft_base_model
 from .transformers_loading import load_causal_lm, stored_into_stages
 from .transformers_batch import LAST_HIDDEN_STATE
-from .transformers_saving import save_causal_lm
+from .transformers_saving import save_causal_lm, save_options
 from .transformers_stages import CausalLMSequential, causal_lm_sequential
 
 try:
@@ -86,6 +86,12 @@ __all__ = ["OffloadedCausalLM"]
 #: (``return_dict`` and ``logits_to_keep`` change the output: ``forward`` honours them.)
 _IGNORED = {"use_cache", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx",
             "output_attentions", "output_hidden_states"}
+
+_NO_PEFT_AROUND = (
+    "PEFT cannot wrap an OffloadedCausalLM: the adapters it saves would be named by the offloaded stages "
+    "(offloaded.1.layer...) and would not load into the Hugging Face model. Add the adapters first and "
+    "wrap the PeftModel: OffloadedCausalLM(peft.get_peft_model(hf_model, LoraConfig(...)), device=...), "
+    "and give TRL's SFTTrainer that model without peft_config")
 
 
 class OffloadedCausalLM(PreTrainedModel):
@@ -114,7 +120,8 @@ class OffloadedCausalLM(PreTrainedModel):
             ``resident_slices``, ...).
 
     Raises:
-        ValueError: what ``causal_lm_sequential`` or ``OffloadModel`` refuse.
+        ValueError: what ``causal_lm_sequential`` or ``OffloadModel`` refuse; PEFT's trainable tokens
+            on a tied embedding (:func:`_cut`).
 
     Example::
 
@@ -130,7 +137,7 @@ class OffloadedCausalLM(PreTrainedModel):
 
     def __init__(self, model: nn.Module, device: torch.device | str | int, *, loss_chunk_tokens: int | None = None,
                  untie_embeddings: bool = False, **options: Any) -> None:
-        layers = causal_lm_sequential(model, loss_chunk_tokens=loss_chunk_tokens, untie_embeddings=untie_embeddings)
+        layers = _cut(model, loss_chunk_tokens, untie_embeddings)
         self._adopt(OffloadModel(layers, device, **options), model)
 
     @classmethod
@@ -156,6 +163,8 @@ class OffloadedCausalLM(PreTrainedModel):
         self.name_or_path = getattr(hf_model, "name_or_path", "")
         self.loss_type = getattr(hf_model, "loss_type", None)  # rule 2 of the note
         self.model_tags = None
+        # nn.Module.__init__ set train mode; the model's modules keep theirs (eval after from_pretrained).
+        self.training = offloaded.training = hf_model.training
         self.activation_checkpointing_requested = False
         object.__setattr__(self, "stages", _stages_of(offloaded, hf_model))
         # Note: [Hugging Face names at any depth]
@@ -189,6 +198,17 @@ class OffloadedCausalLM(PreTrainedModel):
 
     def get_output_embeddings(self) -> nn.Module:
         return self.hf_model.get_output_embeddings()
+
+    def resize_token_embeddings(self, *args: Any, **kwargs: Any) -> nn.Embedding:
+        """The model's own ``resize_token_embeddings`` (embeddings, ``lm_head`` and ``config.vocab_size``);
+        the slices holding the new matrices are laid out again."""
+        embeddings = self.hf_model.resize_token_embeddings(*args, **kwargs)
+        engine_of(self.offloaded).refresh()
+        return embeddings
+
+    def set_attn_implementation(self, attn_implementation: str | dict[str, str]) -> None:
+        """The model's own: its checks, and the config the stages read at every call."""
+        self.hf_model.set_attn_implementation(attn_implementation)
 
     def gradient_checkpointing_enable(self, *args: Any, **kwargs: Any) -> None:
         """Accepted: offloaded slices are recomputed in backward already (rule 5 of the note)."""
@@ -241,18 +261,7 @@ class OffloadedCausalLM(PreTrainedModel):
                 cannot step slice by slice; ``update_in_backward`` (:func:`_refuse_update_in_backward`);
                 ``args`` this model cannot train under (:func:`_refuse_trainer_arguments`).
         """
-        from transformers import Trainer
-
-        _refuse_update_in_backward(options)
-        _refuse_trainer_arguments(self, args)
-
-        optimizer_class, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, self)
-        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)) or {
-                "params", "model", "optimizer_dict"} & set(kwargs):
-            raise ValueError(f"optim={args.optim!r} builds its optimizer from the whole model; OffloadOptimizer "
-                             "steps one slice at a time. Use an optimizer such as adamw_torch_fused (the default)")
-        return OffloadOptimizer(self.offloaded, optimizer_class, _decay_groups(self, args.weight_decay), **options,
-                                **kwargs)
+        return _trainer_optimizer(self, args, options)
 
     @property
     def peft_config(self) -> Any:
@@ -264,21 +273,16 @@ class OffloadedCausalLM(PreTrainedModel):
     def peft_config(self, value: Any) -> None:
         # PEFT's tuners set it on the model they wrap: get_peft_model(OffloadedCausalLM(...)), or TRL's
         # SFTTrainer(peft_config=...). Their adapters would be named by the stages, not by the model.
-        raise ValueError(
-            "PEFT cannot wrap an OffloadedCausalLM: the adapters it saves would be named by the offloaded stages "
-            "(offloaded.1.layer...) and would not load into the Hugging Face model. Add the adapters first and "
-            "wrap the PeftModel: OffloadedCausalLM(peft.get_peft_model(hf_model, LoraConfig(...)), device=...), "
-            "and give TRL's SFTTrainer that model without peft_config"
-        )
+        raise ValueError(_NO_PEFT_AROUND)
 
     # -- forward -------------------------------------------------------------------------------
 
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 num_items_in_batch: Any = None, **kwargs: Any) -> CausalLMOutputWithPast:
-        """The model's forward: logits, and the loss when ``labels`` (or ``shift_labels``) are given,
-        summed over tokens and divided by ``num_items_in_batch`` when the trainer passes it, as the
-        model's ``ForCausalLMLoss`` does. ``logits_to_keep`` keeps the logits of the last positions
+        """The model's forward: logits, and the loss when ``labels`` are given (``shift_labels`` alone
+        give none, as in the model; with ``loss_chunk_tokens`` either gives it), summed over tokens and
+        divided by ``num_items_in_batch`` when the trainer passes it, as the model's ``ForCausalLMLoss`` does. ``logits_to_keep`` keeps the logits of the last positions
         (or of those a tensor names) and ``return_dict=False`` returns a tuple, as in the model.
 
         Raises:
@@ -303,7 +307,7 @@ class OffloadedCausalLM(PreTrainedModel):
                 # contiguous, as the model's product is (its loss views them).
                 logits = slice_logits_to_keep(logits, logits_to_keep).contiguous()
             loss = None
-            if labels is not None or shift_labels is not None:
+            if labels is not None:  # shift_labels alone give no loss, as in the model
                 loss = self.hf_model.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size,
                                                    num_items_in_batch=num_items_in_batch, shift_labels=shift_labels)
             output = CausalLMOutputWithPast(loss=loss, logits=logits)
@@ -313,12 +317,12 @@ class OffloadedCausalLM(PreTrainedModel):
                position_ids: torch.Tensor | None, kwargs: Mapping[str, Any]) -> dict[str, Any]:
         refused = sorted(key for key, value in kwargs.items()
                          if key not in _IGNORED and value is not None and value is not False)
-        if input_ids is None or refused or kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
-            what = "input_ids" if input_ids is None else ", ".join(
-                refused or [k for k in ("output_attentions", "output_hidden_states") if kwargs.get(k)])
+        refused += [key for key in ("output_attentions", "output_hidden_states") if kwargs.get(key)]
+        if input_ids is None or refused:
+            what = f"it cannot honour {', '.join(refused)}" if refused else "it needs input_ids"
             raise TypeError(
                 f"OffloadedCausalLM.forward takes input_ids, attention_mask, position_ids, labels (or shift_labels) "
-                f"and num_items_in_batch; it cannot honour {what}. With transformers.Trainer keep "
+                f"and num_items_in_batch; {what}. With transformers.Trainer keep "
                 "remove_unused_columns=True (the default) so that other dataset columns are dropped"
             )
         batch = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
@@ -335,7 +339,12 @@ class OffloadedCausalLM(PreTrainedModel):
         for the shards: one a slice, written from the host copies themselves, no copy of the model
         made (:func:`~offload.integrations.transformers_saving.save_causal_lm`). A PEFT model writes
         its adapters instead (``PeftModel.save_pretrained``). A ``state_dict`` is written as the
-        model's (or the PeftModel's) ``save_pretrained`` writes one: those tensors, under its names."""
+        model's (or the PeftModel's) ``save_pretrained`` writes one: those tensors, under its names.
+
+        Raises:
+            TypeError: slice by slice, an argument other than ``max_shard_size`` and ``variant``
+                (``push_to_hub``, ...) at a value that would change what ``save_pretrained`` does
+                (:func:`~offload.integrations.transformers_saving.save_options`)."""
         if not is_main_process:
             return
         self.offloaded._settle()
@@ -344,7 +353,7 @@ class OffloadedCausalLM(PreTrainedModel):
         elif state_dict is not None:
             self.hf_model.save_pretrained(save_directory, *args, state_dict=state_dict, **kwargs)
         else:
-            save_causal_lm(self.offloaded, self.hf_model, save_directory)
+            save_causal_lm(self.offloaded, self.hf_model, save_directory, **save_options(args, kwargs))
 
 
 class _HiddenStates:
@@ -365,6 +374,23 @@ class _HiddenStates:
             # a float32 weight there).
             hidden = hidden.to(weight.device, weight.dtype)
         return _as_returned(BaseModelOutputWithPast(last_hidden_state=hidden), return_dict, self.model.config)
+
+
+def _cut(model: nn.Module, loss_chunk_tokens: int | None, untie_embeddings: bool) -> CausalLMSequential:
+    """``causal_lm_sequential(model)``, once PEFT's trainable tokens on a tied embedding are refused:
+    PEFT ties the embedding's and ``lm_head``'s token adapters, one buffer of token indices in both
+    places, which the first slice and the last cannot both hold (untying afterwards keeps it shared)."""
+    hf_model = peft_base_model(model) or model
+    if getattr(hf_model.config, "tie_word_embeddings", False) and peft_base_model(model) is not None:
+        from peft.tuners.trainable_tokens import TrainableTokensLayer
+
+        if any(isinstance(module, TrainableTokensLayer) for module in hf_model.get_output_embeddings().modules()):
+            raise ValueError(
+                "PEFT's trainable tokens (trainable_token_indices) on a model with tied embedding and lm_head share one "
+                "buffer of token indices between the first slice and the last, which an OffloadedCausalLM cannot hold. "
+                "Train the whole embedding instead (LoraConfig(modules_to_save=['embed_tokens'], ...): the tied "
+                "lm_head trains with it), or use a model whose config has tie_word_embeddings=False")
+    return causal_lm_sequential(model, loss_chunk_tokens=loss_chunk_tokens, untie_embeddings=untie_embeddings)
 
 
 def _chunked_loss(offloaded: OffloadModel, batch: dict[str, Any], labels: torch.Tensor | None,
@@ -491,6 +517,21 @@ def _report_in_hf_names(model: OffloadedCausalLM, incompatible_keys: _Incompatib
     stage_name = re.compile(rf"{re.escape(prefix)}offloaded\.[\w.]*\w")
     error_msgs[:] = [stage_name.sub(lambda found: renamed.get(found.group(0), found.group(0)), message)
                      for message in error_msgs]
+
+def _trainer_optimizer(model: OffloadedCausalLM, args: Any, options: dict[str, Any]) -> OffloadOptimizer:
+    """:meth:`OffloadedCausalLM.offload_optimizer`."""
+    from transformers import Trainer
+
+    _refuse_update_in_backward(options)
+    _refuse_trainer_arguments(model, args)
+
+    optimizer_class, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)) or {
+            "params", "model", "optimizer_dict"} & set(kwargs):
+        raise ValueError(f"optim={args.optim!r} builds its optimizer from the whole model; OffloadOptimizer "
+                         "steps one slice at a time. Use an optimizer such as adamw_torch_fused (the default)")
+    return OffloadOptimizer(model.offloaded, optimizer_class, _decay_groups(model, args.weight_decay), **options,
+                            **kwargs)
 
 
 def _decay_groups(model: OffloadedCausalLM, weight_decay: float) -> list[dict[str, Any]]:

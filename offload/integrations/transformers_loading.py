@@ -126,6 +126,7 @@ def load_causal_lm(
     layers = causal_lm_sequential(hf_model, loss_chunk_tokens=loss_chunk_tokens)
     model = build_from_checkpoint(layers, checkpoint, device, init_buffers=_buffer_initialiser(hf_model),
                                   place=_placement(hf_model, layers, meta_state), **options)
+    model.eval()  # as its modules: built in train mode, as every nn.Module
     return model, hf_model
 
 

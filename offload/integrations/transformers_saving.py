@@ -15,6 +15,7 @@ import json
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,17 +31,45 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
         'offload.integrations.transformers_saving needs Hugging Face transformers 5: pip install "offload[transformers]"'
     ) from error
 
-__all__ = ["save_causal_lm"]
+__all__ = ["save_causal_lm", "save_options"]
 
 INDEX_NAME = "model.safetensors.index.json"
 
+#: ``save_pretrained``'s keywords and the values at which they change nothing here.
+_DEFAULTS = {"is_main_process": True, "state_dict": None, "push_to_hub": False, "max_shard_size": None,
+             "variant": None, "token": None, "save_peft_format": True, "save_original_format": True,
+             "distributed_checkpoint": False, "safe_serialization": True}
 
-def save_causal_lm(model: OffloadModel, hf_model: nn.Module, path: str | os.PathLike[str]) -> list[Path]:
+
+def save_options(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The arguments of ``PreTrainedModel.save_pretrained`` (after the folder) that
+    :func:`save_causal_lm` honours, ``max_shard_size`` and ``variant``, as its keywords.
+
+    Raises:
+        TypeError: any other argument at a value that would change what ``save_pretrained`` does
+            (``push_to_hub``, ``token``, ``distributed_checkpoint``, ``save_original_format=False``,
+            ``safe_serialization=False``, ...): it would otherwise be dropped without a word.
+    """
+    names = list(_DEFAULTS)[:len(args)]  # save_pretrained's positional order
+    given = {**dict(zip(names, args)), **kwargs}
+    honoured = {key: given.pop(key) for key in ("max_shard_size", "variant") if key in given}
+    refused = sorted(key for key, value in given.items() if key not in _DEFAULTS or value != _DEFAULTS[key])
+    if refused:
+        push = " To publish the folder, save it and call huggingface_hub.upload_folder(repo_id=..., folder_path=...)."
+        raise TypeError(
+            f"OffloadedCausalLM.save_pretrained writes the folder slice by slice, in safetensors, with max_shard_size "
+            f"and variant; it cannot honour {', '.join(refused)}.{push if 'push_to_hub' in given else ''}")
+    return honoured
+
+
+def save_causal_lm(model: OffloadModel, hf_model: nn.Module, path: str | os.PathLike[str], *,
+                   max_shard_size: int | str | None = None, variant: str | None = None) -> list[Path]:
     """Write ``hf_model``'s weights, config and generation config into ``path``, a slice at a time.
 
     The result is what ``hf_model.save_pretrained(path)`` writes but for the shards: one
     ``model-0000i-of-0000n.safetensors`` per slice of ``model`` (with its index), or one
-    ``model.safetensors`` when there is one slice. Tied weights are written once and stored names
+    ``model.safetensors`` when there is one slice; a slice larger than ``max_shard_size`` is
+    written in several. The config's ``dtype`` is the dtype of the weights written. Tied weights are written once and stored names
     go through the model's conversion mapping back, as ``save_pretrained`` does. Call
     ``optimizer.synchronize()`` first when an update may be pending.
 
@@ -51,6 +80,8 @@ def save_causal_lm(model: OffloadModel, hf_model: nn.Module, path: str | os.Path
         model: the ``OffloadModel`` wrapping ``causal_lm_sequential(hf_model)``.
         hf_model: the Hugging Face model whose modules it shares.
         path: the output directory; made if missing.
+        max_shard_size: at most this many bytes a shard (``"5GB"`` or an int), as for ``save_pretrained``.
+        variant: written into the file names (``model.fp16.safetensors``), as for ``save_pretrained``.
 
     Returns:
         The weight files written, in slice order.
@@ -60,6 +91,7 @@ def save_causal_lm(model: OffloadModel, hf_model: nn.Module, path: str | os.Path
         >>> optimizer.synchronize()
         >>> save_causal_lm(model, hf, "tuned")       # AutoModelForCausalLM.from_pretrained("tuned")
     """
+    limit = size_in_bytes(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size  # before any write
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     engine = engine_of(model)
@@ -75,24 +107,54 @@ def save_causal_lm(model: OffloadModel, hf_model: nn.Module, path: str | os.Path
     for name, tensor in state.items():
         index = owner.get(tensor.untyped_storage().data_ptr(), engine.num_slices)
         groups.setdefault(index, {})[name] = tensor
-    order = sorted(groups)
-    names = (["model.safetensors"] if len(order) == 1 else
-             [f"model-{k + 1:05d}-of-{len(order):05d}.safetensors" for k in range(len(order))])
-    _remove_old_weights(out, keep=set(names))
-    weight_map: dict[str, str] = {}
-    total = 0
-    for index, name in zip(order, names):
-        stored = revert_weight_conversion(hf_model, groups.pop(index))
-        shard = {key: tensor.contiguous() for key, tensor in stored.items()}
-        save_file(shard, out / name, metadata={"format": "pt"})
-        total += sum(t.numel() * t.element_size() for t in shard.values())
-        weight_map.update(dict.fromkeys(shard, name))
-        del shard
+    # A shard's name says how many there are, known once the last slice is cut (by max_shard_size):
+    # each is written under a name of its own first, renamed at the end.
+    written: list[tuple[Path, list[str], int]] = []  # (file so far, its keys, its bytes)
+    for index in sorted(groups):
+        for part in _shards(revert_weight_conversion(hf_model, groups.pop(index)), limit):
+            shard = {key: tensor.contiguous() for key, tensor in part.items()}
+            partial = out / f"model.safetensors.partial-{len(written) + 1:05d}"
+            save_file(shard, partial, metadata={"format": "pt"})
+            written.append((partial, list(shard), sum(t.numel() * t.element_size() for t in shard.values())))
+            del shard, part
         if index < engine.num_slices:
             engine.release_masters(index)  # its pages are in the file now (Note: [Masters on disk])
+    return _name_shards(out, written, hf_model, variant)
+
+
+def _shards(stored: dict[str, torch.Tensor], limit: int | None) -> list[dict[str, torch.Tensor]]:
+    """One slice's tensors in shards of at most ``limit`` bytes each (a larger tensor alone), in
+    order, as ``save_pretrained`` fills its shards; all in one without a limit."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, tensor in stored.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if limit is not None and shards[-1] and size + nbytes > limit:
+            shards.append({})
+            size = 0
+        shards[-1][key] = tensor
+        size += nbytes
+    return shards
+
+
+def _name_shards(out: Path, written: list[tuple[Path, list[str], int]], hf_model: nn.Module,
+                 variant: str | None) -> list[Path]:
+    """Give the shards their ``save_pretrained`` names (``variant`` in them), write the index, the
+    config (the dtype the weights were written in, as ``save_pretrained`` sets it) and the
+    generation config."""
+    stem = "model" if variant is None else f"model.{variant}"
+    names = ([f"{stem}.safetensors"] if len(written) == 1 else
+             [f"{stem}-{k + 1:05d}-of-{len(written):05d}.safetensors" for k in range(len(written))])
+    index_name = INDEX_NAME if variant is None else INDEX_NAME.replace(".json", f".{variant}.json")
+    _remove_old_weights(out, stem, index_name, keep=set(names))
+    for (partial, _, _), name in zip(written, names):
+        partial.replace(out / name)
     if len(names) > 1:
-        index_file = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (out / INDEX_NAME).write_text(json.dumps(index_file, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        weight_map = {key: name for (_, keys, _), name in zip(written, names) for key in keys}
+        index_file = {"metadata": {"total_size": sum(size for _, _, size in written)},
+                      "weight_map": dict(sorted(weight_map.items()))}
+        (out / index_name).write_text(json.dumps(index_file, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    hf_model.config.dtype = str(hf_model.dtype).split(".")[1]  # the first floating parameter's, as save_pretrained
     hf_model.config.architectures = [type(hf_model).__name__]
     hf_model.config.save_pretrained(out)
     if hf_model.can_generate() and getattr(hf_model, "generation_config", None) is not None:
@@ -124,9 +186,30 @@ def _without_aliases(state: dict[str, torch.Tensor], hf_model: nn.Module) -> dic
     return {name: tensor for name, tensor in state.items() if name not in dropped}
 
 
-def _remove_old_weights(out: Path, keep: set[str]) -> None:
-    """A previous save's weight files that this one does not replace would be read with it."""
+def _remove_old_weights(out: Path, stem: str, index_name: str, keep: set[str]) -> None:
+    """A previous save's weight files (of this variant) that this one does not replace would be read with it."""
+    shard = re.compile(rf"{re.escape(stem)}(-\d{{5}}-of-\d{{5}})?\.safetensors")
     for file in out.iterdir():
-        if file.name not in keep and file.is_file() and (
-                file.name == INDEX_NAME or (file.name.startswith("model") and file.suffix == ".safetensors")):
+        if file.name not in keep and file.is_file() and (file.name == index_name or shard.fullmatch(file.name)):
             file.unlink()
+
+
+#: The units ``save_pretrained``'s ``max_shard_size`` takes, in decimal multiples as Hugging Face reads them.
+_SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+
+
+def size_in_bytes(size: str) -> int:
+    """``max_shard_size`` given as a string (``"5GB"``, ``"500MB"``), in bytes.
+
+    Raises:
+        ValueError: not a number followed by KB, MB, GB or TB.
+    """
+    text = size.strip()
+    unit = text[-2:].upper()
+    try:
+        if unit not in _SIZE_UNITS:
+            raise ValueError
+        return int(float(text[:-2]) * _SIZE_UNITS[unit])
+    except ValueError:
+        raise ValueError(f"max_shard_size must be a byte count or a number followed by KB, MB, GB or TB "
+                         f"(\"5GB\"), got {size!r}") from None

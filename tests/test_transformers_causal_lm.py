@@ -1,0 +1,140 @@
+""":class:`OffloadedCausalLM` where it answers as ``PreTrainedModel`` does, against the plain model: the
+config it saves, resizing the vocabulary, switching the attention, its mode after ``from_pretrained``,
+``save_pretrained``'s arguments and the forward's refusals. Bit for bit on the CPU; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from offload.integrations.causal_lm import OffloadedCausalLM  # noqa: E402
+from offload.integrations.transformers import load_causal_lm  # noqa: E402
+
+EXACT = {"rtol": 0.0, "atol": 0.0}
+VOCAB = 64
+
+
+@pytest.fixture(autouse=True)
+def quiet():
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    yield
+    transformers.logging.set_verbosity(verbosity)
+
+
+def llama(tied: bool = False, **options) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, max_position_embeddings=64, tie_word_embeddings=tied, **options))
+
+
+def pair(hf: torch.nn.Module) -> tuple[torch.nn.Module, OffloadedCausalLM]:
+    return copy.deepcopy(hf), OffloadedCausalLM(hf, device="cpu", num_slices=2)
+
+
+def ids(high: int = VOCAB, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, high, (2, 9), generator=torch.Generator().manual_seed(seed))
+
+
+def test_save_pretrained_writes_the_dtype_of_the_weights_it_writes(tmp_path):
+    llama().to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16")
+    assert hf.dtype == torch.bfloat16
+    plain, model = pair(hf.float())  # trained in float32, as a bfloat16 checkpoint often is
+    plain.save_pretrained(tmp_path / "plain")
+    model.save_pretrained(tmp_path / "offloaded")
+    written = [json.loads((tmp_path / name / "config.json").read_text()) for name in ("plain", "offloaded")]
+    assert written[0]["dtype"] == written[1]["dtype"] == "float32"
+    assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "offloaded").dtype == torch.float32
+
+
+def test_save_pretrained_honours_max_shard_size_and_variant_and_refuses_the_rest(tmp_path):
+    from safetensors.torch import load_file
+
+    plain, model = pair(llama())
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB", variant="fp16")
+    files = sorted((tmp_path / "sharded").glob("*.safetensors"))
+    assert len(files) > 2 and all(f.name.startswith("model.fp16-") for f in files)
+    assert (tmp_path / "sharded" / "model.safetensors.index.fp16.json").is_file()
+    for file in files:  # none over the limit but a tensor larger than it, alone
+        shard = load_file(file)
+        assert len(shard) == 1 or sum(t.numel() * t.element_size() for t in shard.values()) <= 20_000
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "sharded", variant="fp16")
+    torch.testing.assert_close(loaded.state_dict(), plain.state_dict(), **EXACT)
+    model.save_pretrained(tmp_path / "sharded", variant="fp16", safe_serialization=True)  # a shard a slice again
+    assert sorted(f.name for f in (tmp_path / "sharded").glob("*.safetensors")) == [
+        f"model.fp16-0000{k}-of-00002.safetensors" for k in (1, 2)]
+    with pytest.raises(TypeError, match=r"cannot honour push_to_hub, repo_id\. .*huggingface_hub\.upload_folder"):
+        model.save_pretrained(tmp_path / "hub", push_to_hub=True, repo_id="someone/model")
+    with pytest.raises(TypeError, match="cannot honour safe_serialization"):
+        model.save_pretrained(tmp_path / "hub", safe_serialization=False)
+    assert not (tmp_path / "hub").exists()
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_resize_token_embeddings_trains_as_the_plain_model_resized(tied):
+    plain, model = pair(llama(tied=tied))
+    model(input_ids=ids())  # laid out once before the resize
+    for resized in (plain, model):
+        torch.manual_seed(1)  # the new rows are drawn around the old ones' mean
+        assert resized.resize_token_embeddings(80).weight.shape == (80, 32)
+    assert model.config.vocab_size == 80 and model.get_output_embeddings().weight.shape == (80, 32)
+    assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == tied
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5, fused=True) for m in (plain, model)]
+    new = ids(high=80, seed=1)
+    for step in range(2):
+        expected, got = plain(input_ids=new, labels=new), model(input_ids=new, labels=new)
+        torch.testing.assert_close(got.logits, expected.logits, **EXACT)
+        torch.testing.assert_close(got.loss, expected.loss, **EXACT)
+        expected.loss.backward()
+        got.loss.backward()
+        for (name, p), q in zip(plain.named_parameters(), model.hf_model.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, **EXACT, msg=name)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+def test_switching_the_attention_implementation_reaches_the_stages():
+    plain, model = pair(llama(attn_implementation="sdpa"))
+    plain.eval()
+    model.eval()
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[0, :3] = 0
+    for implementation in ("eager", "sdpa"):
+        plain.set_attn_implementation(implementation)
+        model.set_attn_implementation(implementation)
+        assert model.config._attn_implementation == implementation
+        torch.testing.assert_close(model(input_ids=ids(), attention_mask=mask).logits,
+                                   plain(input_ids=ids(), attention_mask=mask).logits, **EXACT)
+
+
+def test_from_pretrained_is_in_eval_mode_as_the_plain_model(tmp_path):
+    llama(attention_dropout=0.5).save_pretrained(tmp_path)
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    model = OffloadedCausalLM.from_pretrained(tmp_path, device="cpu", num_slices=2)
+    assert plain.training is False and model.training is False and model.offloaded.training is False
+    assert load_causal_lm(tmp_path, "cpu", num_slices=2)[0].training is False
+    torch.testing.assert_close(model(input_ids=ids()).logits, plain(input_ids=ids()).logits, **EXACT)
+    assert OffloadedCausalLM(llama().eval(), device="cpu", num_slices=2).training is False
+
+
+def test_forward_names_what_it_refuses_and_gives_no_loss_for_shift_labels_alone():
+    plain, model = pair(llama())
+    with pytest.raises(TypeError, match="cannot honour inputs_embeds"):
+        model(inputs_embeds=torch.zeros(2, 9, 32))
+    with pytest.raises(TypeError, match="it needs input_ids"):
+        model(attention_mask=torch.ones(2, 9))
+    shift_labels = torch.roll(ids(), -1, 1)
+    shift_labels[:, -1] = -100
+    expected, got = plain(input_ids=ids(), shift_labels=shift_labels), model(input_ids=ids(), shift_labels=shift_labels)
+    assert expected.loss is None and got.loss is None
+    torch.testing.assert_close(got.logits, expected.logits, **EXACT)
+    expected, got = (m(input_ids=ids(), labels=ids(), shift_labels=shift_labels) for m in (plain, model))
+    torch.testing.assert_close(got.loss, expected.loss, **EXACT)
