@@ -42,12 +42,12 @@ from .streams.gradient_files import zeroed_in_files
 from .model import OffloadModel, engine_of
 from .optimizing.backward_norms import BackwardNorms
 from .optimizing.deferred_scaling import DeferredScaling
-from .optimizing.in_backward import BackwardUpdates, check_in_backward
+from .optimizing.in_backward import BackwardUpdates, check_failed_backward, check_in_backward
 from .optimizing.plan import inner_optimizer, plan_key, slice_steps, snapshot
 from .optimizing.sharding import Sharding
 from .optimizing.stepping import SliceUpdates
 from .optimizing.following import follow, tied_to_engine
-from .optimizing.tier_plumbing import SliceState, TierPlumbing, casts_as_torch_optim
+from .optimizing.tier_plumbing import SliceState, TierPlumbing
 from .streams.collectives import HostCollectives
 from .tiers.disk_tier import DiskTier, StateTier
 from .tiers.slice_update import SliceStep, held_state
@@ -165,13 +165,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
         Raises:
             HostUpdateError: an update raised.
         """
-        model = self.__dict__.get("model")  # None while torch.optim's __init__ sets the state up
-        if model is not None and engine_of(model).updates.pending():
-            engine_of(model).updates.finish_all()
+        _finish_updates(self)
         return held_state(self)
 
     @state.setter
     def state(self, value: Any) -> None:
+        # After the pending updates, as the getter: one still running would write the state it
+        # creates into the new dict (``optimizer.state = defaultdict(dict)``, a reset of Adam).
+        _finish_updates(self)
         self.__dict__["state"] = value  # where torch.optim's load_state_dict() puts it too
 
     # -- stepping --------------------------------------------------------------------------------
@@ -230,7 +231,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         store that keeps state away from host memory hands over one slice's state at a time here,
         never the whole of it.
         """
-        self._disk.check_loaded("Reading the state")
+        check_whole(self, "Reading the state")
         # With a disk tier, the slice's tensors come from its file: copies, one slice at a time.
         for index, states, _ in _states_by_slice(self, self._disk.slice_state):
             yield index, states
@@ -265,7 +266,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """``torch.optim.Optimizer.state_dict()``, after the pending updates; with a disk tier, the
         state on disk is read into it one slice at a time."""
-        self._disk.check_loaded("state_dict()")
+        check_whole(self, "state_dict()")
         self.synchronize()
         packed = super().state_dict()
         self._disk.add_to_state_dict(packed, _param_indices(self))
@@ -361,26 +362,36 @@ def load_beside_tier(optimizer: OffloadOptimizer, state_dict: dict[str, Any], lo
     optimizer._disk.adopt()
 
 
-def _load_as_class(optimizer: OffloadOptimizer, state_dict: dict[str, Any]) -> None:
-    """``torch.optim``'s ``load_state_dict()``, or ``optimizer_class``'s own where it has one.
+def _finish_updates(optimizer: OffloadOptimizer) -> None:
+    """Wait for the pending updates, leaving them pending for the next forward (the shadows they
+    wrote are kept), as ``zero_grad(set_to_none=False)`` does."""
+    model = optimizer.__dict__.get("model")  # None while torch.optim's __init__ sets the state up
+    if model is not None and engine_of(model).updates.pending():
+        engine_of(model).updates.finish_all()
 
-    ``torch.optim`` casts every saved state tensor to its parameter's dtype. A class that keeps
-    state of other dtypes loads it with rules of its own: bitsandbytes' 8-bit optimizers keep
-    their codes as uint8 and their quantization maps and block scales in float32 (cast to the
-    parameter's float dtype, the next update would read the codes as 32-bit moments), and
-    unwrap the quantization state their ``state_dict()`` nests under a key of its own. An
-    instance of the class over the same parameters loads the state, so these rules hold here;
-    the optimizer's load hooks run around it as ``torch.optim``'s would run them.
+
+def _load_as_class(optimizer: OffloadOptimizer, state_dict: dict[str, Any]) -> None:
+    """``optimizer_class``'s ``load_state_dict()``, on an instance of the class over the same
+    parameters, so that every rule of the class holds here:
+
+    - its ``__setstate__``: a ``torch.optim`` class fills the group keys an older checkpoint lacks
+      with their defaults (Adam's ``maximize=False``, not this optimizer's setting) and turns a
+      ``step`` saved as a number (PyTorch before 1.12) into a tensor, which its update needs;
+    - ``torch.optim`` casts every saved state tensor to its parameter's dtype; a class that keeps
+      state of other dtypes loads it with rules of its own: bitsandbytes' 8-bit optimizers keep
+      their codes as uint8 and their quantization maps and block scales in float32 (cast to the
+      parameter's float dtype, the next update would read the codes as 32-bit moments), and
+      unwrap the quantization state their ``state_dict()`` nests under a key of its own.
+
+    The optimizer's load hooks run around it as ``torch.optim``'s would run them.
 
     The state loaded replaces what the updates of a backward that raised wrote
     (:meth:`~offload.optimizing.in_backward.BackwardUpdates.state_loaded`).
     """
-    if casts_as_torch_optim(optimizer.optimizer_class):
-        torch.optim.Optimizer.load_state_dict(optimizer, state_dict)
-    else:
-        _load_through_class(optimizer, state_dict)
+    _load_through_class(optimizer, state_dict)
     if optimizer._in_backward is not None:
         optimizer._in_backward.state_loaded()
+    optimizer._updates.failure.forget()  # Note: [An update that failed part way], rule 4
 
 
 def _load_through_class(optimizer: OffloadOptimizer, state_dict: dict[str, Any]) -> None:
@@ -439,15 +450,31 @@ def _scaled_in_update(optimizer: OffloadOptimizer) -> tuple[SliceUpdates, list[S
 
 
 def _before_update(optimizer: OffloadOptimizer) -> None:
-    """Before updates start (in ``step()``, or in the backward that starts them): the plan, and
-    what the last step could not write, raised first; the norms computed in backward forgotten."""
+    """Before updates start (in ``step()``, or in the backward that starts them): a mix left by
+    an update that failed part way remembered, the plan, and what the last step could not
+    write, raised first; the norms computed in backward forgotten."""
     engine = engine_of(optimizer.model)
+    optimizer._updates.failure.before_step(engine)  # Note: [An update that failed part way]
     _plan(optimizer)
     if engine.master_files is not None:
         engine.master_files.flush()  # masters that could not be written back are raised first
     optimizer._disk.flush("step")  # a write that failed last step is retried (or raised) first
     if optimizer._norms is not None:  # the updates read this accumulation's gradients: the next one's count
         optimizer._norms.stepped()
+
+
+def check_whole(optimizer: OffloadOptimizer, doing: str) -> None:
+    """Raise if ``doing`` (a save, ``state_dict()``) would hand out a mix: a load into the disk tier
+    that failed part way, or an update that did (Note: [An update that failed part way] in
+    ``offload/optimizing/partial_failure.py``), until a load succeeds.
+
+    Raises:
+        HostUpdateError: an update raised, and no wait has said so yet.
+        RuntimeError: the state, or the parameters and the state, mix two of them.
+    """
+    optimizer._disk.check_loaded(doing)
+    check_failed_backward(optimizer._in_backward)
+    optimizer._updates.failure.check(doing, engine_of(optimizer.model))
 
 
 def _param_indices(optimizer: torch.optim.Optimizer) -> dict[int, int]:

@@ -1,8 +1,10 @@
 """Checkpoints after what went wrong around a save: a replacing save killed between its commit's
 renames leaves the previous checkpoint loadable by its name and through ``latest``, before any
 save puts it back; a save under a path that cannot hold a directory is refused before anything is
-written, with one clear error on every rank, none left waiting. See Note: [Atomic save] in
-offload/checkpoint/commit.py."""
+written, with one clear error on every rank, none left waiting; a save after an update that failed
+part way is refused, so ``latest`` keeps naming the last good checkpoint, until that is loaded. See
+Note: [Atomic save] in offload/checkpoint/commit.py, Note: [An update that failed part way] in
+offload/optimizing/partial_failure.py."""
 
 from __future__ import annotations
 
@@ -16,14 +18,21 @@ import uuid
 from typing import Any
 
 import pytest
+import contextlib
+import errno
+
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import nn
 
-from offload import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from offload import (CheckpointError, HostUpdateError, OffloadModel, OffloadOptimizer, is_recomputing,
+                     latest_checkpoint, load_checkpoint, save_checkpoint)
+from offload.streams import disk
 
 from .checkpoint_workers import counting_model
 from .helpers import join_or_kill, killed_by_itself
+from .test_optimizer import assert_same
 
 #: Seconds a test's processes get before they are killed and the test fails.
 DEADLINE_S = 120
@@ -202,3 +211,158 @@ def test_every_rank_raises_a_save_under_a_file_and_none_waits(tmp_path, found_by
         assert re.search(message, outcome["message"]), (rank, outcome)
     assert sorted(e.name for e in tmp_path.iterdir() if not e.name.startswith("store-")) == [
         "outcome.0.json", "outcome.1.json", "runs"]
+
+
+# -- an update that failed part way ------------------------------------------------------------------
+
+
+class FlakyLayer(nn.Module):
+    """A layer whose recompute (in backward) raises while :attr:`failing` is this layer."""
+
+    failing: FlakyLayer | None = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if FlakyLayer.failing is self and is_recomputing():
+            raise ValueError("a failing backward")
+        return torch.tanh(self.linear(x))
+
+
+@contextlib.contextmanager
+def failing_backward(layer: FlakyLayer):
+    FlakyLayer.failing = layer
+    try:
+        with pytest.raises(ValueError, match="a failing backward"):
+            yield
+    finally:
+        FlakyLayer.failing = None
+
+
+def flaky_layers() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[FlakyLayer() for _ in range(6)])
+
+
+def loss_at(model: nn.Module, step: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(100 + step)
+    x, y = torch.randn(4, 8, generator=generator), torch.randn(4, 8, generator=generator)
+    return (model(x) - y).pow(2).mean()
+
+
+def by_slice(model: nn.Module) -> list[dict[str, Any]]:
+    """One parameter group per slice of :func:`flaky_layers` in three slices (two layers each)."""
+    return [{"params": [p for k in pair for p in getattr(model, str(k)).parameters()]}
+            for pair in ((0, 1), (2, 3), (4, 5))]
+
+
+def trained(optimizer_kwargs: dict[str, Any], steps: int, groups: bool = False):
+    """The plain AdamW and OffloadOptimizer on twins of :func:`flaky_layers`, both trained ``steps`` steps."""
+    plain = flaky_layers()
+    plain_optimizer = torch.optim.AdamW(by_slice(plain) if groups else plain.parameters(), lr=1e-2, fused=True)
+    model = OffloadModel(flaky_layers(), device="cpu", num_slices=3)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, by_slice(model) if groups else None, lr=1e-2, fused=True,
+                                 **optimizer_kwargs)
+    train_on([(plain, plain_optimizer), (model, optimizer)], range(steps))
+    return plain, plain_optimizer, model, optimizer
+
+
+def train_on(runs, steps) -> None:
+    for step in steps:
+        for model, optimizer in runs:
+            loss_at(model, step).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+def assert_the_mix_is_refused(directory, model, optimizer, what: str) -> None:
+    """``save_checkpoint`` (with ``keep_last``, which would delete the good checkpoint) and
+    ``state_dict()`` refuse the mix, saying what it is; ``latest`` still names ``step-2``."""
+    for _ in range(2):  # remembered, not said once
+        with pytest.raises(RuntimeError, match=rf"mix two steps: {what}.*save_checkpoint\(\) would use that mix; "
+                                               r"load the last checkpoint first"):
+            save_checkpoint(directory / "step-3", model, optimizer, keep_last=1)
+        with pytest.raises(RuntimeError, match=rf"mix two steps: {what}.*state_dict\(\) would use that mix"):
+            optimizer.state_dict()
+    assert latest_checkpoint(directory) == directory / "step-2"
+    assert sorted(os.listdir(directory)) == ["latest", "step-2"]
+
+
+def test_a_backward_that_failed_after_starting_updates_is_never_saved_and_loading_the_last_checkpoint_trains_on(
+        tmp_path):
+    """With ``update_in_backward``, a backward that raised in slice 0's recompute after slices 1
+    and 2 were updated leaves the parameters mixing two steps: saves and ``state_dict()`` refuse
+    them until a load, ``step()`` refuses, and loading the last checkpoint (``latest`` still names
+    it) trains on as the plain optimizer, bit for bit."""
+    plain, plain_optimizer, model, optimizer = trained({"update_in_backward": True}, 2)
+    save_checkpoint(tmp_path / "step-2", model, optimizer)
+    with failing_backward(getattr(model, "0")):  # slice 0's gradients land last
+        loss_at(model, 2).backward()
+    optimizer.zero_grad()
+    what = r"a backward raised after update_in_backward had started the update of slices \[1, 2\]"
+    assert_the_mix_is_refused(tmp_path, model, optimizer, what)
+    with pytest.raises(RuntimeError, match=r"a backward since the last step\(\) raised after it had started"):
+        optimizer.step()
+    assert_the_mix_is_refused(tmp_path, model, optimizer, what)
+    load_checkpoint(latest_checkpoint(tmp_path), model, optimizer)
+    optimizer.zero_grad()
+    train_on([(plain, plain_optimizer), (model, optimizer)], range(2, 5))
+    assert_same(plain, plain_optimizer, model, optimizer)
+    save_checkpoint(tmp_path / "step-5", model, optimizer)
+
+
+def test_an_update_that_raised_part_way_is_never_saved_and_loading_the_last_checkpoint_trains_on(tmp_path):
+    """An update that raised in slice 1 (a learning rate it cannot use) after slice 0 was updated
+    leaves the parameters mixing two steps: its HostUpdateError says so once; a save after it (a
+    retry, an emergency save) refuses, and so does ``state_dict()``, until a load, also after a
+    step() that trains on; loading the last checkpoint trains on as the plain optimizer, bit for bit."""
+    plain, plain_optimizer, model, optimizer = trained({}, 2, groups=True)
+    save_checkpoint(tmp_path / "step-2", model, optimizer)
+    loss_at(model, 2).backward()
+    optimizer.param_groups[1]["lr"] = "not a number"
+    optimizer.step()
+    optimizer.param_groups[1]["lr"] = 1e-2
+    optimizer.zero_grad()
+    with pytest.raises(HostUpdateError, match="while updating slice 1"):
+        save_checkpoint(tmp_path / "step-3", model, optimizer)
+    what = r"an update failed part way: slice\(s\) 0 updated, slice\(s\) 1 raised in its update and may be partly "
+    assert_the_mix_is_refused(tmp_path, model, optimizer, what)
+    loss_at(model, 3).backward()
+    optimizer.step()  # training on the mix: the caller's choice
+    optimizer.zero_grad()
+    assert_the_mix_is_refused(tmp_path, model, optimizer, what)
+    load_checkpoint(latest_checkpoint(tmp_path), model, optimizer)
+    optimizer.zero_grad()
+    train_on([(plain, plain_optimizer), (model, optimizer)], range(2, 5))
+    assert_same(plain, plain_optimizer, model, optimizer)
+    save_checkpoint(tmp_path / "step-5", model, optimizer)
+
+
+def test_an_update_that_failed_before_changing_anything_refuses_nothing(tmp_path, monkeypatch):
+    """The first slice's state cannot be read: its update raises before it begins, and the worker
+    skips the others. Every slice is as it was, so nothing is refused: the save goes through, and
+    training on is the plain optimizer's that skipped that batch, bit for bit."""
+    plain, plain_optimizer, model, optimizer = trained({"disk_tier": tmp_path / "tier"}, 2)
+    optimizer.synchronize()
+    real = os.preadv
+
+    def preadv(fd, buffers, offset):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("slice-00000.state"):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(disk.os, "preadv", preadv)
+    loss_at(model, 2).backward()
+    optimizer.step()
+    with pytest.raises(HostUpdateError, match="slice 0 and the slices after it were left as they were"):
+        optimizer.synchronize()
+    monkeypatch.setattr(disk.os, "preadv", real)
+    optimizer.zero_grad()
+    plain_optimizer.zero_grad()
+    save_checkpoint(tmp_path / "ckpt" / "step-3", model, optimizer)
+    assert latest_checkpoint(tmp_path / "ckpt") == tmp_path / "ckpt" / "step-3"
+    optimizer.state_dict()
+    train_on([(plain, plain_optimizer), (model, optimizer)], range(3, 5))
+    assert_same(plain, plain_optimizer, model, optimizer)

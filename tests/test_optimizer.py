@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 import threading
 import time
@@ -176,6 +177,67 @@ def test_tensor_betas_changed_in_place_right_after_step_leave_the_pending_update
     finally:
         handle.remove()
     assert_same(models[0], optimizers[0], models[1], optimizers[1])
+
+
+#: torch.optim classes whose __setstate__ turns state saved as numbers (PyTorch before 1.12) into tensors.
+NUMBER_STATE = [
+    pytest.param(torch.optim.Adam, {"lr": 1e-2}, ("step",), id="Adam"),
+    pytest.param(torch.optim.AdamW, {"lr": 1e-2, "fused": True}, ("step",), id="AdamW-fused"),
+    pytest.param(torch.optim.Adagrad, {"lr": 0.1}, ("step",), id="Adagrad"),
+    pytest.param(torch.optim.ASGD, {"lr": 1e-2}, ("step", "eta", "mu"), id="ASGD"),
+    pytest.param(torch.optim.NAdam, {"lr": 1e-2}, ("step", "mu_product"), id="NAdam"),
+]
+
+
+@pytest.mark.parametrize("cls, kwargs, numbers", NUMBER_STATE)
+def test_a_state_dict_in_an_older_format_loads_as_the_class_loads_it(cls, kwargs, numbers):
+    """Through the class's own __setstate__: scalars saved as Python numbers become tensors (the
+    update raised on them), and group keys the checkpoint lacks take the class's defaults, not this
+    optimizer's settings (Adam built with maximize=True, a checkpoint without the key: False)."""
+    (plain_model, plain), (model, optimizer) = pair(cls, {**kwargs, "maximize": True})
+    for step in range(2):
+        for m, opt in ((plain_model, plain), (model, optimizer)):
+            opt.zero_grad()
+            loss_of(m, step).backward()
+            opt.step()
+    older = copy.deepcopy(plain.state_dict())
+    for state in older["state"].values():
+        state.update({key: state[key].item() for key in numbers})
+    for group in older["param_groups"]:
+        del group["maximize"]
+    for opt in (plain, optimizer):
+        opt.load_state_dict(copy.deepcopy(older))
+    assert optimizer.param_groups[0]["maximize"] is plain.param_groups[0]["maximize"] is False
+    for step in range(2, 4):
+        for m, opt in ((plain_model, plain), (model, optimizer)):
+            opt.zero_grad()
+            loss_of(m, step).backward()
+            opt.step()
+    assert_same(plain_model, plain, model, optimizer)
+
+
+def test_a_new_state_dict_set_right_after_step_waits_for_the_pending_update():
+    """``optimizer.state = defaultdict(dict)``, a reset of Adam: the update under way wrote the
+    state it creates into the new dict (a step count of 3 where the plain optimizer starts at 1)."""
+    (plain_model, plain), (model, optimizer) = pair(torch.optim.AdamW, {"lr": 1e-2, "fused": True},
+                                                    compute_dtype=torch.bfloat16)
+
+    def late(inner, args, kwargs):  # the updates run after the reset below
+        if getattr(inner, "_offload_inner", False):
+            time.sleep(0.02)
+
+    handle = register_optimizer_step_pre_hook(late)
+    try:
+        for step in range(4):
+            for m, opt in ((plain_model, plain), (model, optimizer)):
+                opt.zero_grad()
+                loss_of(m, step).backward()
+                opt.step()
+                if step == 1:
+                    opt.state = collections.defaultdict(dict)
+    finally:
+        handle.remove()
+    assert_same(plain_model, plain, model, optimizer)
 
 
 @pytest.mark.parametrize("device", DEVICES)

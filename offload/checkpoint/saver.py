@@ -44,7 +44,7 @@ from .contents import (STRAY_PARAMETER, _info, _masters_on_disk, _masters_releas
                        _optimizer_state, _own_storage, _parameter_names, _release_masters, _rng_state, _steps_only)
 from .ranks import _gathered, _group, _on_rank_0
 from ..tiers.disk_tier import size_text
-from ..optimizer import OffloadOptimizer
+from ..optimizer import OffloadOptimizer, check_whole
 from .slice_save_planner import SliceReadingSavePlanner
 from .wrapped_state import state_entries
 
@@ -87,6 +87,9 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
         FileExistsError: ``path`` is a file, or a directory of files that is not a checkpoint.
         NotADirectoryError: a directory above ``path`` is a file (checked before anything is
             written).
+        RuntimeError: the optimizer's parameters and state mix two steps (an update failed part
+            way) or a load into its disk tier failed part way: load the last checkpoint first
+            (checked before anything is written).
         CheckpointError: the filesystem has less room than the save needs (checked before
             anything is written), or the save failed (a full disk says so): what it wrote is
             removed, ``latest`` is unchanged and the previous checkpoint is intact.
@@ -136,7 +139,7 @@ def _state_to_save(model: nn.Module, optimizer: torch.optim.Optimizer | None, na
         if not _steps_only(optimizer, names):
             raise ValueError(STRAY_PARAMETER)
         if isinstance(optimizer, OffloadOptimizer):
-            optimizer._disk.check_loaded("save_checkpoint()")
+            check_whole(optimizer, "save_checkpoint()")
         for index, param, param_state, disk_keys in _optimizer_state(optimizer):
             for key, value in param_state.items():
                 entry = f"optim/state/{names[id(param)]}/{key}"

@@ -36,8 +36,10 @@ def follow(optimizer: Any, engine: Engine) -> None:
     resident slice's moves beside its parameters. The plan and the update worker are built anew at
     the next step: the old ones point at the old host copies and copy streams."""
     optimizer._updates.close()
+    failure = optimizer._updates.failure  # a mix an update left is the state's, wherever it is stepped
     optimizer._disk = TierPlumbing(None, engine.copies)
     optimizer._updates = SliceUpdates(engine, optimizer._disk, None, optimizer.num_threads)
+    optimizer._updates.failure = failure
     engine.optimizers.add(optimizer)
     if optimizer._in_backward is not None:
         optimizer._in_backward.follow(engine, optimizer._updates)

@@ -37,8 +37,10 @@ Note: [Update in backward]
     - ``step()`` after more backwards than declared: ``step()`` raises (after fewer, none started
       anything, and ``step()`` steps as without the option). A backward that raised is not counted
       unless it had started updates; if it had, the next ``step()`` raises, naming the slices
-      updated (another backward since or not), unless the optimizer's state is loaded before the
-      next forward (the reload of the last checkpoint that its error advises).
+      updated (another backward since or not), unless the optimizer's state is loaded first (the
+      reload of the last checkpoint that its error advises); until that load, ``state_dict()`` and
+      ``save_checkpoint`` refuse the mix (Note: [An update that failed part way] in
+      ``partial_failure.py``).
 
     Only the model's parameters and the groups holding them are compared: ``step()`` steps the
     others with what they hold then, as without the option.
@@ -174,16 +176,17 @@ class BackwardUpdates(Subscriber):
             self.backwards -= 1
         elif self._task_open:
             self._failed = True
+            _latch_failure(self, self.started)
         self._end_task()
         self._mismatched = []
 
     def state_loaded(self) -> None:
-        """The optimizer's state was loaded: after a backward that raised once updates had started,
-        and before any forward since, that is the reload its error advised, which replaces what
-        those updates wrote (the model's parameters are loaded beside it): forget them."""
-        if self._task_open and self.started:
+        """The optimizer's state was loaded: after a backward that raised once updates had started
+        (a forward since or not), that is the reload its error advised, which replaces what those
+        updates wrote (the model's parameters are loaded beside it): forget them."""
+        if self._failed or (self._task_open and self.started):
             self._end_task()
-            self.started, self.backwards, self._reads = set(), 0, None
+            self.started, self.backwards, self._reads, self._failed = set(), 0, None, False
 
     def backward_started(self, token: Any, accumulates: bool) -> None:
         # One backward is one run of autograd's engine, whatever number of calls of the model it
@@ -308,6 +311,7 @@ class BackwardUpdates(Subscriber):
             self._reads = None
             return started
         if failed:
+            _latch_failure(self, started)
             raise RuntimeError(
                 f"update_in_backward: a backward since the last step() raised after it had started updates (its error "
                 f"said so), and the other slices were not updated: the parameters mix two steps. "
@@ -344,6 +348,22 @@ class BackwardUpdates(Subscriber):
 
     def _name(self, p: torch.Tensor) -> str:
         return self._names.get(id(p), f"a parameter of shape {tuple(p.shape)}")
+
+
+def check_failed_backward(backward: BackwardUpdates | None) -> None:
+    """Before the state is handed out (a save, ``state_dict()``): a backward that raised after it
+    had started updates, and no forward since, left a mix of two steps; have the optimizer remember
+    it (Note: [An update that failed part way] in ``partial_failure.py``)."""
+    if backward is not None and backward._task_open and backward.started:
+        _latch_failure(backward, backward.started)
+
+
+def _latch_failure(backward: BackwardUpdates, started: set[int]) -> None:
+    """Have the optimizer refuse to hand out the mix that the updates ``started`` by a backward that
+    raised left, until a load; ``step()`` says so itself (:meth:`BackwardUpdates.before_step`)."""
+    backward._updates.failure.mixed(f"a backward raised after update_in_backward had started the update of slices "
+                                    f"{sorted(started)}, which ran with its gradients; the other slices were not "
+                                    "updated")
 
 
 def _why_deferred(params: list[torch.Tensor], tied: set[int], final: dict[int, torch.Tensor | None],

@@ -42,6 +42,7 @@ from ..streams.mapped import MappedFile
 from ..streams.workers import HostWorker
 from ..tiers.slice_update import HostUpdateError, SliceStep
 from ..walk.engine import Engine
+from .partial_failure import PartialFailure
 from .sharding import Sharding
 from .tier_plumbing import TierPlumbing
 
@@ -64,6 +65,9 @@ class SliceUpdates:
         self.sharding = sharding
         self.num_threads = num_threads
         self.worker: HostWorker | None = None  # started by the first step
+        #: Which updates are done, and the mix one that failed part way left (Note: [An update that
+        #: failed part way] in partial_failure.py).
+        self.failure = PartialFailure()
 
     def submit(self, steps: Sequence[SliceStep], rest: Sequence[SliceStep], hyper: list[dict[str, Any]],
                grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
@@ -81,7 +85,9 @@ class SliceUpdates:
                 self._write_masters(step.index, updated)
         for step in rest:
             step.bind()
-            step.run([p.grad for p in step.whole.params], hyper, grad_scale, found_inf)  # type: ignore[union-attr]
+            grads = [p.grad for p in step.whole.params]  # type: ignore[union-attr]
+            self.failure.run(self.failure.handing(-1, in_caller=True),
+                             functools.partial(step.run, grads, hyper, grad_scale, found_inf))
 
     def run_now(self, steps: Sequence[SliceStep], hyper: list[dict[str, Any]], grad_scale: torch.Tensor | None,
                 found_inf: torch.Tensor | None, started: Collection[int] = ()) -> None:
@@ -98,7 +104,8 @@ class SliceUpdates:
                 continue
             step.bind()
             try:
-                step.run(grads, hyper, grad_scale, found_inf)
+                self.failure.run(self.failure.handing(step.index, in_caller=True),
+                                 functools.partial(step.run, grads, hyper, grad_scale, found_inf))
             except HostUpdateError as error:
                 if started:
                     error.add_note(f"The update of slices {sorted(started)} ran in backward already (update_in_backward).")
@@ -153,13 +160,17 @@ class SliceUpdates:
         owed = self.engine.updates.claim(step.index)
         scaling = getattr(owed, "scaling", None)  # an OwedSlice's (deferred_scaling.py, which imports this module)
         assert owed is None or isinstance(scaling, OwedScaling), "internal error: unknown work owed on a slice"
-        work = functools.partial(step.run, grads, hyper, grad_scale, found_inf, scaling)
+        handed = self.failure.handing(step.index)
+        work = functools.partial(self.failure.run, handed,
+                                 functools.partial(step.run, grads, hyper, grad_scale, found_inf, scaling))
         try:
-            return self._submit(step.index, work, [*after, self.engine.updates.event(step.index)])
+            handed.event = self._submit(step.index, work, [*after, self.engine.updates.event(step.index)])
         except BaseException:
+            self.failure.withdrawn(handed)
             if owed is not None:
                 self.engine.updates.owe(step.index, owed)  # not submitted: still owed
             raise
+        return handed.event
 
     def _submit(self, index: int, work: Callable[[], None], waits: Sequence[Event | None] = ()) -> Event:
         """Run slice ``index``'s update on the update worker after the events ``waits`` (its masters

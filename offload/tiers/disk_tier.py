@@ -46,7 +46,9 @@ Note: [Disk tier failures]
     buffer it was written from; the window takes a fresh buffer, and the other slices go on.
     The next ``synchronize()``, ``state_dict()`` or ``step()`` raises :class:`DiskTierError`
     naming the files, the bytes they need and the slices held (``step()`` then updates nothing).
-    Once space is freed, the next ``step()`` writes the held state first, then steps as usual.
+    Once space is freed, the next ``step()`` writes the held state first, then steps as usual: so
+    the error raised by a wait says the step is done and to carry on (a ``step()`` again with the
+    same gradients would apply them twice), and the one raised by ``step()`` to call it again.
 """
 
 from __future__ import annotations
@@ -413,19 +415,22 @@ def _failure_message(files: StateFiles, held: list[SliceRecord], when: str) -> s
     paths = ", ".join(f"{files.path_of(r.index)} ({size_text(r.nbytes)})" for r in held)
     total = sum(r.nbytes for r in held)
     indices = ", ".join(str(r.index) for r in held)
-    if when == "load":
-        where = ("The state is loaded: those slices' state is held in RAM until it is written, every other "
-                 "slice's is on disk. ")
+    held_in_ram = "in RAM until it is written; every other slice's state is on disk."
+    if when == "step":
+        advice = (f"Those slices' state is held {held_in_ram} This call to step() updated nothing. Free space (or fix "
+                  "the disk) and call step() again: it writes the held state first, then steps.")
+    elif when == "load":
+        advice = (f"The state is loaded: those slices' state is held {held_in_ram} Free space (or fix the disk) and "
+                  "carry on: the next step() writes the held state first.")
     else:
-        where = ("Those slices are updated (parameters and state) and their state is held in RAM until it is "
-                 "written; every other slice's state is on disk. ")
-        if when == "step":
-            where += "This call to step() updated nothing. "
+        # The update is done: step() again, with .grad still set, would apply it a second time.
+        advice = (f"The step is done: those slices are updated (parameters and state), their state held {held_in_ram} "
+                  "Free space (or fix the disk) and carry on (zero_grad(), the next batch) without calling step() "
+                  "again for this step: the next step() writes the held state first.")
     return (
         f"the disk tier could not write the optimizer state of slice(s) {indices} to {paths}: "
         f"{first.strerror} (errno {first.errno}); {size_text(total)} needed on the filesystem of "
-        f"{files.directory}. " + where
-        + "Free space (or fix the disk) and call step() again: it writes the held state first.")
+        f"{files.directory}. " + advice)
 
 
 def _mix_message(written: Sequence[int], source: str) -> str:

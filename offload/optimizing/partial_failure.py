@@ -1,0 +1,140 @@
+"""``PartialFailure``: what an ``OffloadOptimizer`` remembers of an update that failed part way, so
+that nothing saves that mix of two steps (Note: [An update that failed part way]). What it does not hold: the hand-off of the updates (``stepping.py``), the
+waits that raise their errors (``offload/streams/updates.py``), or the checks of updates started
+in backward (``in_backward.py``, which reports its own failures here).
+
+Note: [An update that failed part way]
+    A step updates its slices one at a time, with no backup (``docs/optimizer.md``, "Failures"):
+    when one raises (a :class:`~offload.HostUpdateError`, at the next wait), the slices updated
+    before it keep their update, those after it are left as they were, and it may be partly
+    updated; a backward that raised after ``update_in_backward`` had started updates leaves those
+    slices updated and the others not. The parameters and the optimizer state then mix two steps.
+    The error says so once; this record keeps saying it:
+
+    1. Each update handed over is recorded (:meth:`PartialFailure.handing`), and the update itself
+       notes when it starts changing host memory (the optimizer is called: :meth:`run`) and when
+       it is done. A round is the updates handed over since every earlier one was done; a new
+       round forgets which slices the last one changed.
+    2. An update that ended without being done (it raised, or the worker skipped it after another
+       one raised) ends its round: once the round's updates have been waited for (which raises
+       the error first, if no wait has yet), the mix is *latched* when any update of the round
+       started changing host memory. When none did (a read of the first slice's state or masters
+       failed before its update began), every slice is as it was, and nothing is latched.
+    3. While latched, ``state_dict()``, ``state_by_slice()`` and ``save_checkpoint`` refuse
+       (``RuntimeError``, as for a partly loaded disk tier), so no checkpoint holds the mix and
+       ``latest`` keeps naming the last good one. Neither a forward nor ``step()`` is refused:
+       the error said what the update left, and training on once its cause is gone is the
+       caller's choice (``step()`` after a backward that raised with ``update_in_backward``
+       refuses once, as it did before: ``in_backward.py``); no checkpoint holds it until a load.
+    4. A load that succeeds (``load_state_dict()``, ``load_checkpoint``) replaces the state and, with
+       ``load_checkpoint``, the parameters: it clears the record (:meth:`forget`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from ..streams import Event
+
+
+@dataclass(eq=False)
+class Handed:
+    """One slice's update, handed over: its event once submitted to a worker."""
+
+    index: int  # the slice's index; -1: the parameters outside the model
+    event: Event | None = None
+    in_caller: bool = False  # run in the caller's thread (resident slices, parameters outside the model)
+
+
+class PartialFailure:
+    """The updates of the current round, and the mix a failed one left (Note: [An update that
+    failed part way])."""
+
+    def __init__(self) -> None:
+        self._unfinished: set[Handed] = set()  # handed over, not done (the worker's thread discards)
+        self._changing: set[int] = set()  # slices whose update of this round started changing host memory
+        self._mixed: str | None = None  # what the mix is, once latched
+
+    # -- the updates ---------------------------------------------------------------------------------
+
+    def handing(self, index: int, in_caller: bool = False) -> Handed:
+        """Slice ``index``'s update is about to be handed over (``in_caller``: run here); a new
+        round starts when every earlier update is done."""
+        if not self._unfinished:
+            self._changing = set()
+        handed = Handed(index, in_caller=in_caller)
+        self._unfinished.add(handed)
+        return handed
+
+    def withdrawn(self, handed: Handed) -> None:
+        """The update was not handed over after all (its submission raised)."""
+        self._unfinished.discard(handed)
+
+    def run(self, handed: Handed, update: Callable[[], None]) -> None:
+        """Run ``update`` (one slice's optimizer call), noting that it changes host memory from
+        now on, and that it is done once it returns. Runs on the update worker's thread."""
+        self._changing.add(handed.index)
+        update()
+        self._unfinished.discard(handed)
+
+    # -- the mix -------------------------------------------------------------------------------------
+
+    def mixed(self, what: str) -> None:
+        """Latch a mix of two steps (``what`` it is)."""
+        if self._mixed is None:
+            self._mixed = what
+
+    def check(self, doing: str, engine: Any) -> None:
+        """Raise if the parameters and the optimizer state mix two steps: ``doing`` would save or
+        hand out that mix. An update's error not raised yet is raised first (``engine``'s waits).
+
+        Raises:
+            HostUpdateError: an update raised, and no wait has said so yet.
+            RuntimeError: an update failed part way, and no load has replaced the mix since.
+        """
+        self._latch(engine)
+        if self._mixed is not None:
+            raise RuntimeError(
+                f"this OffloadOptimizer's parameters and state mix two steps: {self._mixed}. {doing} would use that "
+                "mix; load the last checkpoint first (load_checkpoint(latest_checkpoint(directory)), or "
+                "load_state_dict() and the model's load_state_dict()).")
+
+    def before_step(self, engine: Any) -> None:
+        """In ``step()`` (or the backward that would start updates): latch what the last round left
+        before a new one starts (rule 3: nothing is refused here); an update's error not raised
+        yet is raised first."""
+        self._latch(engine)
+
+    def forget(self) -> None:
+        """A load replaced the state (and, through ``load_checkpoint``, the parameters): no mix."""
+        self._unfinished, self._changing, self._mixed = set(), set(), None
+
+    def _latch(self, engine: Any) -> None:
+        """Once an update of the round ended without being done: wait for the round (raising the
+        error, if no wait has), then latch the mix, if any update had started changing host memory."""
+        if not any(h.in_caller or engine.copies.has_completed(h.event) for h in self._unfinished):
+            return  # nothing failed, or it is still running
+        engine.updates.wait_all()
+        failed, self._unfinished = {h.index for h in self._unfinished}, set()
+        changing, self._changing = self._changing, set()
+        if changing:
+            self.mixed(_what_mixed(changing - failed, changing & failed, failed - changing))
+
+
+def _what_mixed(updated: set[int], partly: set[int], left: set[int]) -> str:
+    """What a round that failed part way left: each part named, those that are empty left out."""
+    parts = [f"{_named(updated)} updated" if updated else "",
+             f"{_named(partly)} raised in its update and may be partly updated" if partly else "",
+             f"{_named(left)} left as they were" if left else ""]
+    return "an update failed part way: " + ", ".join(part for part in parts if part)
+
+
+def _named(indices: Iterable[int]) -> str:
+    """Slices by index, and the parameters outside the model (index -1)."""
+    slices = sorted(i for i in indices if i >= 0)
+    names = [f"slice(s) {', '.join(map(str, slices))}"] if slices else []
+    if -1 in indices:
+        names.append("the parameters outside the model")
+    return " and ".join(names)
