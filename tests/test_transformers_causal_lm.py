@@ -74,7 +74,18 @@ def test_save_pretrained_honours_max_shard_size_and_variant_and_refuses_the_rest
         model.save_pretrained(tmp_path / "hub", push_to_hub=True, repo_id="someone/model")
     with pytest.raises(TypeError, match="cannot honour safe_serialization"):
         model.save_pretrained(tmp_path / "hub", safe_serialization=False)
+    with pytest.raises(ValueError, match="max_shard_size must be a byte count or a number followed by KB"):
+        model.save_pretrained(tmp_path / "hub", max_shard_size="20 KiBs")
     assert not (tmp_path / "hub").exists()
+    # Binary units as Hugging Face takes them; is_main_process positionally, as its signature has it.
+    model.save_pretrained(tmp_path / "binary", max_shard_size="0.02MiB")
+    assert len(list((tmp_path / "binary").glob("*.safetensors"))) > 2
+    model.save_pretrained(tmp_path / "not-main", False)
+    assert not (tmp_path / "not-main").exists()
+    # Shards a failed save left under their working names are not left beside the next one's.
+    (tmp_path / "binary" / "model.safetensors.partial-00099").write_bytes(b"half a shard")
+    model.save_pretrained(tmp_path / "binary")
+    assert not list((tmp_path / "binary").glob("*partial*"))
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])

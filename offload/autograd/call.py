@@ -23,8 +23,9 @@ Note: [Outputs that alias each other]
        results: exact unless one is changed in place.
     3. Over several microbatches a view is rebuilt over the joined base where its layout carries
        over: every microbatch's base laid out as the joined one, the view keeping all of the
-       base's rows with the base's dim-0 stride (``x[:, :2]``, ``x[..., k]``). Forward refuses
-       any other view (``ValueError``, :func:`~offload.walk.microbatch.view_in_joined`).
+       base's rows with the base's dim-0 stride (``x[:, :2]``, ``x[..., k]``). Any other view
+       (of a transposed base, say) is joined as a result of its own, as outputs that overlap
+       otherwise are: exact unless one of them is changed in place.
     4. The Function's gradients for the rebuilt outputs' places are ``None``: autograd sends what
        reaches a rebuilt view to its base, as in the plain model.
 """
@@ -72,16 +73,14 @@ class OutputAlias:
 
     @classmethod
     def of(cls, position: int, base: int, per_microbatch: Sequence[Sequence[Any]],
-           joined_base: torch.Tensor) -> OutputAlias:
-        """Leaf ``position`` of each microbatch's output, held by leaf ``base``, over the joined base.
-
-        Raises:
-            ValueError: the view does not carry over to the joined base.
-        """
+           joined_base: torch.Tensor) -> OutputAlias | None:
+        """Leaf ``position`` of each microbatch's output, held by leaf ``base``, over the joined
+        base; ``None`` where the view does not carry over to it (rule 3)."""
         views, bases = [leaves[position] for leaves in per_microbatch], [leaves[base] for leaves in per_microbatch]
         if all(_same_layout(v, b) for v, b in zip(views, bases)):
             return cls(position, base, None)
-        return cls(position, base, view_in_joined(bases, views, joined_base, position))
+        view = view_in_joined(bases, views, joined_base)
+        return None if view is None else cls(position, base, view)
 
     def over(self, base: torch.Tensor) -> torch.Tensor:
         """This leaf, from the base autograd returned: a view autograd records."""
@@ -137,9 +136,16 @@ class Call:
         self.output_spec = spec
         bases = _bases(per_microbatch, requires)
         joined = join_outputs(per_microbatch, sizes, leave_out=bases.keys())
-        self.output_aliases = [OutputAlias.of(p, b, per_microbatch, joined[b]) for p, b in sorted(bases.items())]
+        self.output_aliases = []
+        for p, b in sorted(bases.items()):
+            alias = OutputAlias.of(p, b, per_microbatch, joined[b])
+            if alias is None:  # joined as a result of its own (rule 3)
+                joined[p] = join_outputs([[leaves[p]] for leaves in per_microbatch], sizes)[0]
+            else:
+                self.output_aliases.append(alias)
+        rebuilt = {alias.position for alias in self.output_aliases}
         self.output_tensor_positions = [p for p, leaf in enumerate(joined) if isinstance(leaf, torch.Tensor)]
-        self.output_leaves = [None if isinstance(leaf, torch.Tensor) or p in bases else leaf
+        self.output_leaves = [None if isinstance(leaf, torch.Tensor) or p in rebuilt else leaf
                               for p, leaf in enumerate(joined)]
         return tuple(joined[p] for p in self.output_tensor_positions)
 

@@ -92,13 +92,13 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
                                                (metadata.storage_data or {}).items() if index.fqn in state})
     packed = _check_packed(path, metadata, model_state, state, group)
     stored = _read_data(path, model, optimizer, state, on_disk, group)
+    set_unreached(model, packed, state)  # the model whole before anything else can raise
     failure: DiskTierError | None = None
     if optimizer is not None:
         try:
             _load_optimizer(optimizer, groups, names, state, wanted, stored)
         except DiskTierError as error:
             failure = error  # the state is loaded, part of it held in RAM: finish the load, then raise
-    set_unreached(model, packed, state)
     if rng_key in state:
         _set_rng_state(state[rng_key])
     _release_masters(model)

@@ -60,7 +60,7 @@ from ..optimizer import OffloadOptimizer
 from .peft import peft_base_model
 from .transformers_loading import load_causal_lm, stored_into_stages
 from .transformers_batch import LAST_HIDDEN_STATE
-from .transformers_saving import save_causal_lm, save_options
+from .transformers_saving import positional_save_arguments, save_causal_lm, save_options
 from .transformers_stages import CausalLMSequential, causal_lm_sequential
 
 try:
@@ -342,9 +342,9 @@ class OffloadedCausalLM(PreTrainedModel):
         model's (or the PeftModel's) ``save_pretrained`` writes one: those tensors, under its names.
 
         Raises:
-            TypeError: slice by slice, an argument other than ``max_shard_size`` and ``variant``
-                (``push_to_hub``, ...) at a value that would change what ``save_pretrained`` does
-                (:func:`~offload.integrations.transformers_saving.save_options`)."""
+            TypeError: slice by slice, an argument but ``max_shard_size`` and ``variant`` that would
+                change what ``save_pretrained`` does (:func:`~.transformers_saving.save_options`)."""
+        args, is_main_process, state_dict = positional_save_arguments(args, is_main_process, state_dict)
         if not is_main_process:
             return
         self.offloaded._settle()

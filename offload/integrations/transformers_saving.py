@@ -34,11 +34,21 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 __all__ = ["save_causal_lm", "save_options"]
 
 INDEX_NAME = "model.safetensors.index.json"
+#: A shard's working name until the last one is written (its final name says how many there are).
+PARTIAL_STEM = "model.safetensors.partial-"
 
 #: ``save_pretrained``'s keywords and the values at which they change nothing here.
 _DEFAULTS = {"is_main_process": True, "state_dict": None, "push_to_hub": False, "max_shard_size": None,
              "variant": None, "token": None, "save_peft_format": True, "save_original_format": True,
              "distributed_checkpoint": False, "safe_serialization": True}
+
+
+def positional_save_arguments(args: tuple[Any, ...], is_main_process: bool, state_dict: Any
+                              ) -> tuple[tuple[Any, ...], bool, Any]:
+    """``save_pretrained``'s first two positional arguments after the folder, as its own signature
+    takes them (``is_main_process``, ``state_dict``), and the positional arguments after them."""
+    named = dict(zip(("is_main_process", "state_dict"), args))
+    return args[2:], named.get("is_main_process", is_main_process), named.get("state_dict", state_dict)
 
 
 def save_options(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -50,7 +60,7 @@ def save_options(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any
             (``push_to_hub``, ``token``, ``distributed_checkpoint``, ``save_original_format=False``,
             ``safe_serialization=False``, ...): it would otherwise be dropped without a word.
     """
-    names = list(_DEFAULTS)[:len(args)]  # save_pretrained's positional order
+    names = list(_DEFAULTS)[2:][:len(args)]  # save_pretrained's positional order, after state_dict
     given = {**dict(zip(names, args)), **kwargs}
     honoured = {key: given.pop(key) for key in ("max_shard_size", "variant") if key in given}
     refused = sorted(key for key, value in given.items() if key not in _DEFAULTS or value != _DEFAULTS[key])
@@ -94,6 +104,8 @@ def save_causal_lm(model: OffloadModel, hf_model: nn.Module, path: str | os.Path
     limit = size_in_bytes(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size  # before any write
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
+    for left in out.glob(f"{PARTIAL_STEM}*"):  # shards a failed save left under their working names
+        left.unlink()
     engine = engine_of(model)
     state = _without_aliases(hf_model.state_dict(), hf_model)
     # Each tensor goes with the slice whose host buffer holds it; anything not held by a slice
@@ -113,7 +125,7 @@ def save_causal_lm(model: OffloadModel, hf_model: nn.Module, path: str | os.Path
     for index in sorted(groups):
         for part in _shards(revert_weight_conversion(hf_model, groups.pop(index)), limit):
             shard = {key: tensor.contiguous() for key, tensor in part.items()}
-            partial = out / f"model.safetensors.partial-{len(written) + 1:05d}"
+            partial = out / f"{PARTIAL_STEM}{len(written) + 1:05d}"
             save_file(shard, partial, metadata={"format": "pt"})
             written.append((partial, list(shard), sum(t.numel() * t.element_size() for t in shard.values())))
             del shard, part
@@ -194,22 +206,23 @@ def _remove_old_weights(out: Path, stem: str, index_name: str, keep: set[str]) -
             file.unlink()
 
 
-#: The units ``save_pretrained``'s ``max_shard_size`` takes, in decimal multiples as Hugging Face reads them.
-_SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+#: The units ``save_pretrained``'s ``max_shard_size`` takes, as Hugging Face reads them.
+_SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
 def size_in_bytes(size: str) -> int:
-    """``max_shard_size`` given as a string (``"5GB"``, ``"500MB"``), in bytes.
+    """``max_shard_size`` given as a string (``"5GB"``, ``"500MB"``, ``"2GiB"``), in bytes.
 
     Raises:
-        ValueError: not a number followed by KB, MB, GB or TB.
+        ValueError: not a number followed by one of the units above.
     """
-    text = size.strip()
-    unit = text[-2:].upper()
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]+)\s*", size)
+    unit = match[2].upper() if match else ""
     try:
         if unit not in _SIZE_UNITS:
             raise ValueError
-        return int(float(text[:-2]) * _SIZE_UNITS[unit])
+        return int(float(match[1]) * _SIZE_UNITS[unit])  # type: ignore[index]
     except ValueError:
-        raise ValueError(f"max_shard_size must be a byte count or a number followed by KB, MB, GB or TB "
-                         f"(\"5GB\"), got {size!r}") from None
+        raise ValueError(f"max_shard_size must be a byte count or a number followed by KB, MB, GB, TB, KiB, MiB, "
+                         f"GiB or TiB (\"5GB\"), got {size!r}") from None

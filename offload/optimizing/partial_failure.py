@@ -114,12 +114,15 @@ class PartialFailure:
     def _latch(self, engine: Any) -> None:
         """Once an update of the round ended without being done: wait for the round (raising the
         error, if no wait has), then latch the mix, if any update had started changing host memory."""
-        if not any(h.in_caller or engine.copies.has_completed(h.event) for h in self._unfinished):
+        # A copy: the update worker discards what it finishes while this looks.
+        if not any(h.in_caller or engine.copies.has_completed(h.event) for h in list(self._unfinished)):
             return  # nothing failed, or it is still running
         engine.updates.wait_all()
+        # Once every update has ended, those not done are the ones that failed; an update that
+        # finished while the line above looked leaves nothing behind and latches nothing.
         failed, self._unfinished = {h.index for h in self._unfinished}, set()
         changing, self._changing = self._changing, set()
-        if changing:
+        if changing and failed:
             self.mixed(_what_mixed(changing - failed, changing & failed, failed - changing))
 
 

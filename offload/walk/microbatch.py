@@ -97,16 +97,14 @@ def join_outputs(outputs: Sequence[Sequence[Any]], sizes: Sequence[int],
 
 
 def view_in_joined(bases: Sequence[torch.Tensor], views: Sequence[torch.Tensor], joined: torch.Tensor,
-                   position: int) -> tuple[tuple[int, ...], tuple[int, ...], int]:
-    """Where the view each microbatch's output leaf ``position`` takes of its base lies in the
-    joined base: size, stride, and storage offset from the joined base's.
+                   ) -> tuple[tuple[int, ...], tuple[int, ...], int] | None:
+    """Where the view each microbatch's output leaf takes of its base (``views`` of ``bases``) lies
+    in the joined base: size, stride, and storage offset from the joined base's; ``None`` where it
+    does not carry over.
 
     With several microbatches the view carries over only where each microbatch's base is laid out
     as ``joined`` and the view keeps all of its rows with its dim-0 stride, the rest alike in every
     microbatch (Note: [Outputs that alias each other] in ``offload/autograd/call.py``, rule 3).
-
-    Raises:
-        ValueError: the view does not carry over to the joined base.
     """
     first = views[0]
     offsets = [v.storage_offset() - b.storage_offset() for v, b in zip(views, bases)]
@@ -118,11 +116,7 @@ def view_in_joined(bases: Sequence[torch.Tensor], views: Sequence[torch.Tensor],
         for v, b, offset in zip(views, bases, offsets)
     )
     if not carries:
-        raise ValueError(
-            f"output leaf {position} (shape {tuple(first.shape)}) is a view of another output that does "
-            "not keep its rows whole, so it cannot be rebuilt over the outputs joined across microbatches; "
-            "return only the other output and take the view after the model, or use num_microbatches=1"
-        )
+        return None
     return (int(joined.shape[0]), *first.shape[1:]), first.stride(), offsets[0]
 
 
