@@ -32,7 +32,7 @@ from offload.planning.planner import footprints_by_resident, slice_layout
 from offload.planning.presets import build_preset
 from offload.planning.rates import (DEVICE_MEMORY_BANDWIDTH_DEFAULT, GPU_DEFAULTS, HOST_DEFAULT, HOST_NORM_DEFAULT,
                                     MachineRates, load_rates, save_rates)
-from offload.planning.shapes import _backward_flops, profile_layers
+from offload.planning.shapes import _backward_flops, _cpu_attention_flops, profile_layers
 from offload.planning.timing import StepConfig, estimate_step_time, landed_gradients, traffic
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -806,6 +806,27 @@ TINY_MOE = {
 }
 
 
+class _Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        return torch.nn.functional.scaled_dot_product_attention(x * self.scale, x, x)
+
+
+def test_attention_is_counted_whatever_the_pytorch():
+    """Fake tensors run the CPU's flash attention, which torch's counter counts from 2.15 on and as
+    nothing before: the planner counts it as the CUDA kernels are counted, under any PyTorch."""
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    shape = (2, 4, 16, 8)
+    profile = profile_layers(nn.Sequential(_Attention()), lambda: torch.zeros(shape))
+    (layer,) = profile.layers
+    assert layer.forward_flops == sdpa_flop_count(shape, shape, shape) > 0
+    assert layer.backward_flops == sdpa_backward_flop_count(shape, shape, shape, shape)
+
+
 @pytest.mark.parametrize("family", sorted(TINY_MOE))
 def test_the_fake_profile_of_mixture_of_experts_in_float32_is_a_real_runs(family):
     """Note: [Grouped matmuls on fake tensors] in ``offload/planning/shapes.py``: the experts'
@@ -827,7 +848,8 @@ def test_the_fake_profile_of_mixture_of_experts_in_float32_is_a_real_runs(family
     bf16 = profile_layers(layers, lambda: torch.zeros(rows, tokens, dtype=torch.long), compute_dtype=torch.bfloat16)
 
     # The real run, layer by layer: what autograd saves (parameters left out), what each returns, and
-    # the operations torch's counter sees, which has no formula for the experts' grouped matmuls.
+    # the operations torch's counter sees, which has no formula for the experts' grouped matmuls
+    # (its attention counted as the planner counts it: torch before 2.15 has no formula for the CPU's).
     params = {p.untyped_storage().data_ptr() for p in layers.parameters()}
     x: Any = torch.randint(0, settings["vocab_size"], (rows, tokens))
     saved, outputs, flops_without_experts = [], [], []
@@ -839,7 +861,8 @@ def test_the_fake_profile_of_mixture_of_experts_in_float32_is_a_real_runs(family
                 layer_saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
             return t
 
-        with FlopCounterMode(display=False) as counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with FlopCounterMode(display=False, custom_mapping=_cpu_attention_flops()) as counter, \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             x = layer(x)
         saved.append(sum(layer_saved.values()))
         outputs.append(sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()

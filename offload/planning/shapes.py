@@ -34,7 +34,7 @@ from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 
 @dataclass(frozen=True)
@@ -263,9 +263,33 @@ def _grouped_mm_op() -> Any:
     return getattr(torch.ops.aten, "_grouped_mm", None)
 
 
+def _cpu_attention_flop(query_shape: Any, key_shape: Any, value_shape: Any, *args: Any, out_shape: Any = None,
+                        **kwargs: Any) -> int:
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _cpu_attention_backward_flop(grad_out_shape: Any, query_shape: Any, key_shape: Any, value_shape: Any,
+                                 *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
+def _cpu_attention_flops() -> dict[Any, Any]:
+    """FLOP formulas for the CPU's flash attention and its backward, as torch 2.15 counts them."""
+    aten = torch.ops.aten
+    return {aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention_flop,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward_flop}
+
+
 def _flop_counter() -> FlopCounterMode:
+    """A FLOP counter that counts what torch's own leaves out: grouped matmuls (Note: [Grouped
+    matmuls on fake tensors], rule 2) and the attention kernel fake tensors run, the CPU's flash
+    attention, which torch counts as the CUDA kernels' same product from 2.15 on and as nothing
+    before: a plan should not change with the PyTorch it was made under."""
+    mapping = _cpu_attention_flops()
     grouped = _grouped_mm_op()
-    return FlopCounterMode(display=False, custom_mapping={grouped: _grouped_mm_flop} if grouped is not None else {})
+    if grouped is not None:
+        mapping[grouped] = _grouped_mm_flop
+    return FlopCounterMode(display=False, custom_mapping=mapping)
 
 
 def _backward_flops(output: Any) -> int:
