@@ -49,6 +49,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from offload import OffloadActivations, OffloadModel
 from offload.model import engine_of
 from offload.planning.presets import build_preset
+from json_output import check_json_path  # benchmarks/json_output.py, next to this file
 
 MODES = ("recompute", "offload", "kept")
 #: Link bandwidths (GB/s, each way) the crossover is printed for: PCIe 4 and 5 x16 as measured
@@ -186,6 +187,7 @@ def main() -> None:
                         help="another link bandwidth (GB/s each way) to find the crossover for")
     parser.add_argument("--json")
     args = parser.parse_args()
+    check_json_path(parser, args.json)
     args.slices = args.slices or args.layers + 2
     args.compute_dtype = getattr(torch, args.compute_dtype) if args.compute_dtype else None
     device = torch.device(args.device)

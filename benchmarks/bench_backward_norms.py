@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import offload  # noqa: E402
 from offload import OffloadModel, OffloadOptimizer  # noqa: E402
+from json_output import check_json_path  # benchmarks/json_output.py, next to this file
 
 
 def network(dim: int, layers: int) -> nn.Sequential:
@@ -81,6 +82,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    check_json_path(parser, args.json)
     if args.quick:
         args.dim, args.layers, args.slices, args.rows, args.steps, args.warmup, args.rounds = 64, 2, 2, 8, 2, 2, 1
     base = network(args.dim, args.layers)

@@ -34,6 +34,7 @@ import torch
 from offload.autograd import records
 from offload.integrations.causal_lm import OffloadedCausalLM
 from offload.streams.activations import ActivationOffloader
+from json_output import check_json_path  # benchmarks/json_output.py, next to this file
 
 SHARED = records.ForwardRecords._saved_leaf
 
@@ -104,6 +105,7 @@ def step(model: OffloadedCausalLM, ids: torch.Tensor, device: str) -> tuple[floa
 def main() -> None:
     parser = thin_llama_options(__doc__.split("\n\n")[0], layers=16, seq_len=64, rounds=9)
     args = parser.parse_args()
+    check_json_path(parser, args.json)
     if args.rounds < 2:
         parser.error("--rounds: at least 2 (the first timed round is the counted one)")
 

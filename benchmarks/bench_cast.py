@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from json_output import check_json_path  # benchmarks/json_output.py, next to this file
 
 
 def seconds(fn: Callable[[], None], repeats: int, cuda: bool) -> float:
@@ -54,6 +55,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--json")
     args = parser.parse_args()
+    check_json_path(parser, args.json)
+    if args.mib < 1 or args.repeats < 1:
+        parser.error("--mib and --repeats must be at least 1")
     dtype = getattr(torch, args.dtype)
     cuda = torch.cuda.is_available()
     numel = args.mib * 2**20 // 4

@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from offload.clipping import total_grad_norm  # noqa: E402
+from json_output import check_json_path  # benchmarks/json_output.py, next to this file
 
 
 def llama_gradients(hidden: int, layers: int, intermediate: int, vocab: int, kv_heads_ratio: int) -> list[torch.Tensor]:
@@ -59,6 +60,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    check_json_path(parser, args.json)
 
     grads = llama_gradients(args.hidden, args.layers, args.intermediate, args.vocab, args.kv_ratio)
     nbytes = sum(g.numel() * g.element_size() for g in grads)

@@ -47,6 +47,7 @@ from offload import OffloadModel
 from offload.model import engine_of
 
 from benchmark import measure_bandwidth  # benchmarks/benchmark.py, next to this file
+from json_output import check_json_path  # benchmarks/json_output.py, next to this file
 
 #: (rows per step from which a target applies, the largest offload / checkpoint ratio allowed).
 TARGETS = ((256, 1.10), (512, 1.05))
@@ -178,6 +179,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
+    check_json_path(parser, args.json)
     if args.threads:
         torch.set_num_threads(args.threads)
 

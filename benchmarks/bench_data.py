@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FULL_PASS = """
 import sys, time
 from offload.integrations.data import token_blocks
+from json_output import check_json_path  # benchmarks/json_output.py, next to this file
 
 class Utf8Bytes:
     # The byte-level tokenizer's ids (a text's UTF-8 bytes), at memory speed: the pass measures
@@ -58,7 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-full-pass", action="store_true", help="measure the fine-tune runs only")
     parser.add_argument("--dir", type=Path, help="where the corpora go (default: a temporary directory)")
     parser.add_argument("--json", type=Path, help="write the results here")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    check_json_path(parser, args.json)
+    return args
 
 
 def write_corpus(path: Path, nbytes: int, seed: int = 0) -> None:

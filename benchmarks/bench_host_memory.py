@@ -43,6 +43,7 @@ from torch import nn
 
 from offload import OffloadModel, OffloadOptimizer, estimate_memory
 from offload.kernels import host_kernel
+from json_output import check_json_path  # benchmarks/json_output.py, next to this file
 
 LAYERS = 16
 BATCH = 8
@@ -139,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="backwards a step, accumulating gradients (default: 1)")
     parser.add_argument("--json", metavar="PATH", help="write the figures to this JSON file")
     args = parser.parse_args(argv)
+    check_json_path(parser, args.json)
     if args.backwards < 1:
         parser.error("--backwards must be at least 1")
     compute_dtype = None if args.compute_dtype == "float32" else getattr(torch, args.compute_dtype)

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+from json_output import check_json_path  # benchmarks/json_output.py, next to this file
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -77,6 +78,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=7, help="timed steps a round (after one)")
     parser.add_argument("--json")
     args = parser.parse_args()
+    check_json_path(parser, args.json)
     numel = int(args.params)
     thp = {name: Path(f"/sys/kernel/mm/transparent_hugepage/{name}").read_text().strip()
            for name in ("enabled", "defrag") if Path(f"/sys/kernel/mm/transparent_hugepage/{name}").exists()}

@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 import torch
+from json_output import check_json_path  # benchmarks/json_output.py, next to this file
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARD_BYTES = 512 * 2**20
@@ -100,6 +101,7 @@ def main() -> None:
     parser.add_argument("--num-slices", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
+    check_json_path(parser, args.json)
 
     written = json.loads((args.dir / "bench.json").read_text()) if (args.dir / "bench.json").is_file() else None
     if written is None or written["config"] != {"layers": args.layers, "hidden": args.hidden,

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from offload import OffloadModel, OffloadOptimizer
+from json_output import check_json_path  # benchmarks/json_output.py, next to this file
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}
 
@@ -44,7 +45,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--compute-dtype", default="bf16", choices=sorted(DTYPES))
     parser.add_argument("--json", type=Path, help="write the results here")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    check_json_path(parser, args.json)
+    return args
 
 
 def build(args: argparse.Namespace) -> torch.nn.Module:

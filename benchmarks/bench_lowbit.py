@@ -34,6 +34,7 @@ from torch import nn
 
 from offload import OffloadModel, OffloadOptimizer
 from offload.planning.footprint import state_storages
+from json_output import check_json_path  # benchmarks/json_output.py, next to this file
 
 
 def state_bytes(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> int:
@@ -75,6 +76,7 @@ def main() -> None:
                         help="low-bit libraries to measure beside fused float32 AdamW (default: torchao)")
     parser.add_argument("--json")
     args = parser.parse_args()
+    check_json_path(parser, args.json)
     classes = {"AdamW fused float32": (torch.optim.AdamW, {"fused": True})}
     if "torchao" in args.libraries:
         from torchao.optim import AdamW4bit, AdamW8bit  # the lowbit extra

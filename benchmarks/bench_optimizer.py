@@ -50,6 +50,7 @@ from torch import nn
 
 from offload import OffloadModel, OffloadOptimizer
 from offload.model import engine_of
+from json_output import check_json_path  # benchmarks/json_output.py, next to this file
 
 BYTES_PER_PARAMETER = 28  # AdamW: read p, g, m, v (16 B), write p, m, v (12 B), float32
 
@@ -331,6 +332,7 @@ def main() -> None:
     parser.add_argument("--sleep", type=float, default=0.008, help="device seconds per slice forward")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
+    check_json_path(parser, args.json)
 
     print(f"host: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"{torch.get_num_threads()} torch threads", flush=True)

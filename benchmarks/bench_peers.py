@@ -84,6 +84,7 @@ from offload.planning.host_bytes import host_bytes_per_step  # noqa: E402
 
 from offload import DiskTier, OffloadModel, OffloadOptimizer  # noqa: E402
 from offload.model import engine_of  # noqa: E402
+from json_output import check_json_path  # benchmarks/json_output.py, next to this file
 
 PEERS = ("resident", "offload", "fsdp2", "torchao", "fairscale")
 #: Ways of running OffloadModel that take a step apart (``--only offload,offload-sync,...``):
@@ -691,6 +692,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="deterministic kernels only (math attention, torch.use_deterministic_algorithms): the "
                              "offloaded variants' parameters must then agree bit for bit (parameters_sha256_16)")
     args = parser.parse_args(argv)
+    check_json_path(parser, args.json)
     if args.deterministic:
         # Before the first cuBLAS call; attention's fused backward kernels add in no fixed order.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

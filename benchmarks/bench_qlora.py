@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from offload import OffloadModel, OffloadOptimizer
+from json_output import check_json_path  # benchmarks/json_output.py, next to this file
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -54,7 +55,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--json", type=Path, help="write the results here")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    check_json_path(parser, args.json)
+    return args
 
 
 def build(args: argparse.Namespace) -> torch.nn.Module:

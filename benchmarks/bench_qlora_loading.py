@@ -44,6 +44,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from json_output import check_json_path  # benchmarks/json_output.py, next to this file
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARD_BYTES = 512 * 2**20
@@ -189,6 +190,7 @@ def main() -> None:
                         help="after loading (and --lora-r's adapters), a forward without gradients, not a step")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    check_json_path(parser, args.json)
     if args.child:
         print(json.dumps(child(args.child, args.dir, args.num_slices, args.lora_r, args.forward_only)))
         return

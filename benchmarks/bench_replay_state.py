@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from offload import OffloadModel  # noqa: E402
 from offload.autograd import replay  # noqa: E402
+from json_output import check_json_path  # benchmarks/json_output.py, next to this file
 
 
 class _Timed:
@@ -89,6 +90,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=15, help="timed steps per shape (median)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
+    check_json_path(parser, args.json)
+    if args.steps < 1:
+        parser.error("--steps must be at least 1")
     shapes = [(256, 16, 16, 8, 64),  # the worst case: small layers, 16 slices x 8 microbatches
               (1024, 8, 4, 1, 256)]  # bench_cpu_overhead.py's default shape
     results = [measure(*shape, steps=args.steps) for shape in shapes]

@@ -38,6 +38,7 @@ import threading
 import time
 
 import torch
+from json_output import check_json_path  # benchmarks/json_output.py, next to this file
 
 VARIANTS = {  # name: (resident slices, extra environment, a second OpenMP team)
     "streamed": (0, {}, False),
@@ -97,6 +98,7 @@ def main() -> None:
     parser.add_argument("--only", choices=list(VARIANTS), help="run this variant here and print its result")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
+    check_json_path(parser, args.json)
     if args.only:
         print(json.dumps(run_variant(args.only, args.steps, args.warmup)))
         return

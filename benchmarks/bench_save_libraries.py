@@ -32,6 +32,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from json_output import check_json_path  # benchmarks/json_output.py, next to this file
 
 SAVES = ("safetensors", "torch_save", "accelerate_save_model", "accelerate_save_state", "control_copy")
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,6 +100,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--child", nargs=2, metavar=("SAVE", "MODEL"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    check_json_path(parser, args.json)
     if args.child:
         save, model = args.child
         print(json.dumps(measure(save, model == "offload", args.mib, args.layers, args.slices)))

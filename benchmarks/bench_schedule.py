@@ -93,6 +93,7 @@ from offload.planning.host_bytes import host_bytes_per_step
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from host_bound import bound as host_counted_bound, fused_adamw_alone, host_bandwidth  # noqa: E402
+from json_output import check_json_path  # benchmarks/json_output.py, next to this file
 
 TARGET_STEP_OVER_BOUND = 1.15  # for the update during backward, where the update fits in forward + backward
 TARGET_CLIPPED = 1.10  # for the update behind the next forward with clipping on, where the update fits in the forward
@@ -595,6 +596,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="toy sizes, a few seconds: a smoke test")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
+    check_json_path(parser, args.json)
     if args.quick:
         args.dim, args.slices, args.rows, args.steps, args.warmup, args.rounds, args.update_repeats = \
             128, 4, 8, 2, 2, 1, 2

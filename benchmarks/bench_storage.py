@@ -58,6 +58,7 @@ from torch import nn
 
 from offload import DiskTier, OffloadModel, OffloadOptimizer
 from offload.streams.disk import CHUNK, AlignedBuffer, direct_io_supported
+from json_output import check_json_path  # benchmarks/json_output.py, next to this file
 
 GB = 1e9
 
@@ -245,6 +246,7 @@ def main() -> None:
     parser.add_argument("--phase", choices=["ram", "disk", "masters"], help=argparse.SUPPRESS)
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
+    check_json_path(parser, args.json)
     if args.phase is not None:
         print(json.dumps(train_steps(args)))
         return

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from json_output import check_json_path  # benchmarks/json_output.py, next to this file
 
 SCHEDULE = Path(__file__).resolve().parent / "bench_schedule.py"
 POLICIES = (None, "passive", "active")
@@ -82,6 +83,7 @@ def main(argv: list[str] | None = None) -> None:
                              "--ratios, --resident, --steps, --warmup, --rounds, --update-sleep-ns, --optimizer; "
                              "not --threads or --json, which this script sets)")
     args = parser.parse_args(argv)
+    check_json_path(parser, args.json)
     keep = Path(args.keep)
     keep.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[dict[str, Any]]] = {name_of(c): [] for c in configurations()}

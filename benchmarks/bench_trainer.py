@@ -46,6 +46,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from json_output import check_json_path  # benchmarks/json_output.py, next to this file
 
 RUNS = ("command-offload", "trainer-plain", "trainer-offload", "sft-plain", "sft-offload", "accelerate-plain",
         "accelerate-offload", "lightning-plain", "lightning-offload")
@@ -71,7 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the runs to make, each in a process of its own (default: all)")
     parser.add_argument("--only", choices=RUNS, help="make this one run in this process and print its result")
     parser.add_argument("--json", type=Path, help="write the results here")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    check_json_path(parser, args.json)
+    return args
 
 
 # -- what every run shares -------------------------------------------------------------------------

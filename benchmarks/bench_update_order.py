@@ -51,7 +51,7 @@ def new_optimizer(args: Any, model: Any, schedule: Schedule) -> Any:
     Each forward's waits for updates are timed into :data:`WAITS`."""
     optimizer = _new_optimizer(args, model, schedule)
     if schedule.name == LANDED:
-        optimizer._updates._start_worker()
+        optimizer._updates.start_worker()
         optimizer._updates.worker.by_key = False
     updates = engine_of(model).updates
     wait, forwards = updates.wait, WAITS.setdefault(schedule.name, [])

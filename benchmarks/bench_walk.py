@@ -51,6 +51,7 @@ import offload
 from offload.integrations.causal_lm import OffloadedCausalLM
 
 from bench_boundaries import sync, thin_llama, thin_llama_options, token_ids  # next to this file
+from json_output import check_json_path  # benchmarks/json_output.py, next to this file
 
 VARIANTS = ("plain", "checkpointed", "offload")
 LIBRARY = os.path.dirname(os.path.abspath(offload.__file__))
@@ -104,6 +105,7 @@ def library_calls(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, int]:
 def main() -> None:
     parser = thin_llama_options(__doc__.split("\n\n")[0], layers=32, seq_len=16, rounds=15)
     args = parser.parse_args()
+    check_json_path(parser, args.json)
     if args.rounds < 1:
         parser.error("--rounds: at least 1")
 

@@ -18,6 +18,7 @@ import argparse
 import json
 
 import torch
+from json_output import check_json_path  # benchmarks/json_output.py, next to this file
 
 
 def relative_errors(got: torch.Tensor, reference: torch.Tensor) -> dict[str, float]:
@@ -36,6 +37,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
+    check_json_path(parser, args.json)
+    if min(args.tokens, args.hidden, args.vocab, *args.chunks) < 1:
+        parser.error("--tokens, --hidden, --vocab and each of --chunks must be at least 1")
     dtype = getattr(torch, args.dtype)
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(args.tokens, args.hidden, generator=generator).to(dtype)

@@ -9,6 +9,7 @@ Usage::
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -167,7 +168,18 @@ def show(path: str) -> None:
     print("\n\n".join(parts))
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{merge,show}")
+    merging = commands.add_parser("merge", help="every STAGE_DIR/<stage>.json into OUT, under its stage's key")
+    merging.add_argument("stage_dir", metavar="STAGE_DIR")
+    merging.add_argument("out", metavar="OUT")
+    showing = commands.add_parser("show", help="the tables of a merged summary (pytest.log beside it for the tests)")
+    showing.add_argument("summary", metavar="SUMMARY")
+    return parser.parse_args(argv)
+
+
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    command, *paths = sys.argv[1:]
-    merge(*paths) if command == "merge" else show(*paths)
+    args = parse_args()
+    merge(args.stage_dir, args.out) if args.command == "merge" else show(args.summary)

@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark import measure_bandwidth  # noqa: E402
+from json_output import check_json_path  # benchmarks/json_output.py, next to this file
 
 
 def read(path: str) -> str | None:
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--cpu-dry-run", action="store_true", help="small sizes, the CPU only")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    check_json_path(parser, args.json)
     result = facts(args.cpu_dry_run)
     print(json.dumps(result, indent=1))
     if args.json:

@@ -27,6 +27,7 @@ import torch
 
 from offload.kernels import build
 from offload.kernels.one_pass import one_pass
+from json_output import check_json_path  # benchmarks/json_output.py, next to this file
 
 BYTES = {"fused AdamW alone": 28, "fused AdamW, then a bf16 cast": 34, "one pass: AdamW and its bf16 shadow": 30,
          # The gradients read and written by the scaling, then read by the update; or read once and
@@ -88,6 +89,7 @@ def main() -> None:
     parser.add_argument("--cpu-dry-run", action="store_true", help="toy sizes")
     parser.add_argument("--json")
     args = parser.parse_args()
+    check_json_path(parser, args.json)
     if args.cpu_dry_run:
         args.params, args.tensors, args.rounds = 2e5, 10, 2
     start = time.perf_counter()

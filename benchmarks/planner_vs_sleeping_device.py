@@ -48,6 +48,7 @@ from offload import OffloadModel, OffloadOptimizer
 from offload.planning.planner import SliceLayout, slice_layout
 from offload.planning.rates import MachineRates
 from offload.planning.timing import StepConfig, StepTime, estimate_step_time, traffic
+from json_output import check_json_path  # benchmarks/json_output.py, next to this file
 
 #: (schedule, seconds a layer's forward sleeps, ns the update sleeps per parameter).
 CASES = [("overlapped", 0.01, 20.0), ("serial", 0.01, 20.0), ("overlapped", 0.005, 50.0),
@@ -191,7 +192,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="seconds to wait before each case for the load average to fall to the core count")
     parser.add_argument("--quick", action="store_true", help="toy sizes, one round and try: a smoke test")
     parser.add_argument("--json", type=Path, help="write the results here")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    check_json_path(parser, args.json)
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:

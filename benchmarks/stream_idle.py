@@ -27,9 +27,9 @@ Usage::
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
-import sys
 from collections import defaultdict
 from typing import Any
 
@@ -145,4 +145,7 @@ def main(paths: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("traces", nargs="+", metavar="TRACE",
+                        help="torch.profiler Chrome traces (.json or .json.gz), one table column each")
+    main(parser.parse_args().traces)

@@ -22,7 +22,18 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="where the layers compute (cuda when present)")
     args = parser.parse_args()
-    print(f"device: {args.device}" + ("" if args.device != "cpu" else " (no CUDA device found)"))
+    if args.steps < 1:
+        parser.error(f"--steps must be at least 1, got {args.steps}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"--device {args.device}: not a device (cpu, cuda, cuda:1, ...)")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device {args.device}: the demo computes on cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}, but CUDA is not available")
+    found = "" if device.type != "cpu" or torch.cuda.is_available() else " (no CUDA device found)"
+    print(f"device: {args.device}{found}")
 
     torch.manual_seed(0)
     # A regression task the model can learn: y = tanh(x @ w).

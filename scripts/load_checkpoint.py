@@ -37,14 +37,29 @@ def resident_bytes() -> int:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("path", type=Path, help="a save_pretrained folder with safetensors weights")
-    parser.add_argument("--method", choices=["slices", "from_pretrained"], default="slices")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--num-slices", type=int, default=8)
-    parser.add_argument("--dtype", choices=["fp32", "bf16", "auto"], default="fp32", help="dtype of the host copies")
-    parser.add_argument("--compute-dtype", choices=["none", "bf16", "fp16"], default="none")
-    parser.add_argument("--json", type=Path, help="write the figures here as well")
+    parser.add_argument("--method", choices=["slices", "from_pretrained"], default="slices",
+                        help="slices: load_causal_lm, tensor by tensor; from_pretrained: the ordinary way, for "
+                             "comparison (default: slices)")
+    parser.add_argument("--device", help="OffloadModel's device (default: cuda when present, else cpu)")
+    parser.add_argument("--num-slices", type=int, default=8, help="OffloadModel num_slices (default: 8)")
+    parser.add_argument("--dtype", choices=["fp32", "bf16", "auto"], default="fp32",
+                        help="dtype of the host copies; auto: the checkpoint's (default: fp32)")
+    parser.add_argument("--compute-dtype", choices=["none", "bf16", "fp16"], default="none",
+                        help="OffloadModel compute_dtype; none: the host copies' dtype (default: none)")
+    parser.add_argument("--json", type=Path, help="write the figures here as well (default: printed only)")
     args = parser.parse_args(argv)
     args.path = args.path.expanduser()
+    if args.num_slices < 1:
+        parser.error(f"--num-slices must be at least 1, got {args.num_slices}")
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"--device {args.device}: not a device (cpu, cuda, cuda:1, ...)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}, but CUDA is not available")
+    if device.type == "meta":
+        parser.error("--device meta holds no data: give cpu or cuda")
     # Refused before minutes of loading: a missing folder would be looked up on the Hub, and an
     # output file that cannot be written would be found only after the load.
     if not args.path.is_dir():
@@ -58,6 +73,14 @@ def main(argv: list[str] | None = None) -> dict:
         if not args.json.parent.is_dir() or args.json.is_dir():
             problem = "is a directory" if args.json.is_dir() else "its directory does not exist"
             parser.error(f"--json {args.json}: {problem}")
+    if not (args.path / "config.json").is_file():
+        parser.error(f"{args.path}: no config.json (a save_pretrained folder is expected)")
+    weights = [*args.path.glob("*.safetensors"), *args.path.glob("*.safetensors.index.json")]
+    if args.method == "from_pretrained":
+        weights += args.path.glob("pytorch_model*.bin")
+    if not weights:
+        parser.error(f"{args.path}: a config.json but no weights (model.safetensors"
+                     f"{', pytorch_model.bin' if args.method == 'from_pretrained' else ''})")
 
     import transformers
 

@@ -85,16 +85,17 @@ def build_parser() -> argparse.ArgumentParser:
     how.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                      help="compute device (default: cuda when present, else cpu)")
     how.add_argument("--steps", type=positive_int, default=3, help="training steps per mode (default: 3)")
-    how.add_argument("--slices", type=positive_int, nargs="+", default=[4], help="OffloadModel num_slices values")
+    how.add_argument("--slices", type=positive_int, nargs="+", default=[4], help="OffloadModel num_slices values (default: 4)")
     how.add_argument("--microbatches", type=positive_int, nargs="+", default=[1],
-                     help="OffloadModel num_microbatches values")
+                     help="OffloadModel num_microbatches values (default: 1)")
     how.add_argument("--checkpoint", choices=["on", "off", "both"], default="both",
                      help="OffloadModel checkpoint_activation (default: both)")
     how.add_argument("--compute-dtype", choices=["none", "bf16", "fp16"], nargs="+", default=["none"],
                      help="OffloadModel compute_dtype values (default: none, the model's own dtype)")
     how.add_argument("--no-resident", action="store_true",
                      help="skip the resident mode (for a model that does not fit on the device)")
-    how.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    how.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
+                     help="the optimizer OffloadOptimizer wraps: torch.optim.AdamW or SGD (default: adamw)")
     how.add_argument("--sample-interval", type=float, default=5.0, metavar="MS",
                      help="milliseconds between memory samples (default: 5)")
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,7 +32,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from offload import OffloadModel, OffloadOptimizer, latest_checkpoint, load_checkpoint, save_checkpoint
+from offload import (CheckpointError, OffloadModel, OffloadOptimizer, latest_checkpoint, load_checkpoint,
+                     save_checkpoint)
+from offload.checkpoint.commit import INFO_FILE, committed
 from offload.planning.presets import build_preset, preset_names
 
 
@@ -55,7 +58,7 @@ def main() -> None:
     parser.add_argument("--set", type=setting, action="append", default=[], metavar="NAME=VALUE",
                         help="override a preset setting (repeatable)")
     parser.add_argument("--batch-size", type=int, help="rows per rank and step; None: the preset's")
-    parser.add_argument("--steps", type=int, default=20, help="training steps")
+    parser.add_argument("--steps", type=int, default=20, help="training steps (a resumed run's total, not more)")
     parser.add_argument("--slices", type=int, default=4, help="num_slices of OffloadModel")
     parser.add_argument("--microbatches", type=int, default=1, help="num_microbatches of OffloadModel")
     parser.add_argument("--compute-dtype", choices=["none", "bf16", "fp16"], default="none",
@@ -63,7 +66,18 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
     add_checkpoint_args(parser)
     args = parser.parse_args()
+    # Every refusal here, before the process group: one line from the parser, not a traceback per rank.
+    for flag, value in (("--steps", args.steps), ("--batch-size", args.batch_size), ("--slices", args.slices),
+                        ("--microbatches", args.microbatches)):
+        if value is not None and value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
+    if not args.lr >= 0:
+        parser.error(f"--lr must be 0 or more, got {args.lr}")
     check_checkpoint_args(parser, args)
+    try:
+        preset = build_preset(args.preset, **dict(args.set))
+    except ValueError as error:  # an unknown setting, or one out of range
+        parser.error(f"--set: {error}")
     if "RANK" not in os.environ:
         parser.error("start it with torchrun, one process per GPU (or CPU process): "
                      "torchrun --nproc_per_node=2 scripts/train_distributed.py --preset mlp")
@@ -75,7 +89,6 @@ def main() -> None:
     if cuda:
         torch.cuda.set_device(device)
 
-    preset = build_preset(args.preset, **dict(args.set))
     batch_size = args.batch_size or preset.batch_size
     inputs, targets = preset.make_batch(batch_size * world_size * DISTINCT_BATCHES, "cpu")
     sampler = DistributedSampler(TensorDataset(inputs, targets), num_replicas=world_size, rank=rank, shuffle=True,
@@ -157,7 +170,7 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
                         help="save a checkpoint every N steps (0: never); needs --out")
     parser.add_argument("--resume", metavar="PATH|latest",
                         help="continue from a checkpoint: its directory, or 'latest' for OUT/checkpoints' newest; "
-                             "with the stopped run's settings (--steps too: it sizes the synthetic dataset)")
+                             "with the stopped run's settings; --steps is the total, past the checkpoint's step")
 
 
 def check_checkpoint_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -165,12 +178,37 @@ def check_checkpoint_args(parser: argparse.ArgumentParser, args: argparse.Namesp
         parser.error("--save-every must be 0 (never) or a number of steps")
     if args.out is None and (args.save_every or args.resume == "latest"):
         parser.error("--save-every and --resume latest need --out")
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {args.out}: not a directory")
     if args.resume == "latest":
-        args.resume = latest_checkpoint(args.out / "checkpoints")
+        try:
+            args.resume = latest_checkpoint(args.out / "checkpoints")
+        except CheckpointError as error:  # a "latest" directory, say
+            parser.error(f"--resume latest: {error}")
         if args.resume is None:
             parser.error(f"--resume latest: no checkpoint under {args.out / 'checkpoints'} yet")
     elif args.resume is not None:
-        args.resume = Path(args.resume)
+        args.resume = Path(args.resume).expanduser()
+        # A save replacing it, killed half way, leaves the checkpoint beside its name: the load reads it there.
+        try:
+            found = committed(args.resume)
+        except CheckpointError as error:  # the directory checkpoints were saved into, not one of them
+            parser.error(f"--resume {args.resume}: {error}")
+        if not found.is_dir():
+            parser.error(f"--resume {args.resume}: no such checkpoint directory")
+        if not (found / INFO_FILE).is_file():
+            parser.error(f"--resume {args.resume}: not a checkpoint (no {INFO_FILE} in it)")
+    # Nothing left to train, from the name save_every() gives the checkpoint, before anything is
+    # built; resume() checks the step saved in it, whatever its name.
+    named = None if args.resume is None else re.fullmatch(r"step-(\d+)", args.resume.name)
+    if named is not None and int(named[1]) >= args.steps:
+        parser.error(no_steps_left(int(named[1]), args.steps))
+
+
+def no_steps_left(step: int, steps: int) -> str:
+    """The refusal of a resume that would train nothing (as ``offload-finetune`` words it)."""
+    return (f"--resume: the checkpoint is at step {step} and --steps is {steps}, so nothing would train: pass "
+            f"--steps N > {step}, or --out a new directory without --resume to start over")
 
 
 def resume(args: argparse.Namespace, model: OffloadModel, optimizer: OffloadOptimizer) -> int:
@@ -178,6 +216,9 @@ def resume(args: argparse.Namespace, model: OffloadModel, optimizer: OffloadOpti
     if args.resume is None:
         return 0
     extra = load_checkpoint(args.resume, model, optimizer)
+    if extra["step"] >= args.steps:  # a checkpoint not named by save_every(): its step was not known before
+        raise SystemExit(f"train_distributed.py: error: {no_steps_left(extra['step'], args.steps)}"
+                         if dist.get_rank() == 0 else 2)
     if dist.get_rank() == 0:
         print(f"resumed from {args.resume} after step {extra['step']}", flush=True)
     return extra["step"]

@@ -302,9 +302,11 @@ def test_distributed_script_resumes_on_two_ranks_and_on_one(tmp_path):
     assert "resumed from" in resumed
     final = last_line(whole, "total:").split("last loss")[1]
     assert final == last_line(resumed, "total:").split("last loss")[1]
-    # A checkpoint of two ranks continues on one (the batches split otherwise, so the loss differs).
-    one = run(*[arg.replace("--nproc_per_node=2", "--nproc_per_node=1") for arg in common], "--resume", "latest")
-    assert "on 1 rank(s)" in one and "resumed from" in one
+    # A checkpoint of two ranks continues on one (the batches split otherwise, so the loss differs),
+    # given steps left to train past its step 4.
+    one = run(*[arg.replace("--nproc_per_node=2", "--nproc_per_node=1") for arg in common], "--resume", "latest",
+              "--steps", "5")
+    assert "on 1 rank(s)" in one and "resumed from" in one and "step 5/5" in one
 
 
 @pytest.mark.parametrize("disk_tier", [False, True])
@@ -563,3 +565,137 @@ def test_bench_backward_norms_finds_every_way_the_same(tmp_path):
     data = json.loads((tmp_path / "n.json").read_text())
     assert data["same_norms"] is True and data["same_parameters"] is True and data["scaled_every_step"] is True
     assert set(data["medians"]) == {"after_backward", "in_backward", "scaled_in_update"} and "same norms: True" in out
+
+
+def test_update_order_benchmark_quick_times_both_orders(tmp_path):
+    # benchmarks/gpu_check.sh does not run it: this smoke run is what keeps it working.
+    out = run("benchmarks/bench_update_order.py", "--quick", "--threads", "1", "--ratios", "1",
+              "--json", str(tmp_path / "order.json"))
+    data = json.loads((tmp_path / "order.json").read_text())
+    assert data["schedules"] == ["backward", "backward+landed-order"]
+    assert set(data["forward_wait"]) == {"backward", "backward+landed-order"}
+    assert all(s["exact"] is True for s in data["ratios"][0]["schedules"].values())
+    assert "forward waits for updates" in out
+
+
+def script_error(*args: str) -> str:
+    """A script's refusal: exit status 2 and one line of error from its parser, no traceback."""
+    done = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")})
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    (line,) = [line for line in done.stderr.splitlines() if "error:" in line]
+    return line
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--steps", "0"], "--steps must be at least 1"),
+    (["--batch-size", "0"], "--batch-size must be at least 1"),
+    (["--slices", "0"], "--slices must be at least 1"),
+    (["--microbatches", "0"], "--microbatches must be at least 1"),
+    (["--lr", "-1"], "--lr must be 0 or more"),
+    (["--set", "foo=1"], "has no setting 'foo'"),
+    (["--resume", "/nonexistent/checkpoint"], "no such checkpoint directory"),
+    (["--out", "scripts/demo.py", "--save-every", "1"], "--out scripts/demo.py: not a directory"),
+])
+def test_distributed_training_script_refuses_bad_values_before_starting(args, message):
+    # Refused by the parser, before torchrun's ranks would each print a traceback.
+    assert message in script_error("scripts/train_distributed.py", "--preset", "tiny", *args)
+
+
+def test_distributed_training_script_refuses_a_resume_with_nothing_left(tmp_path):
+    checkpoint = tmp_path / "checkpoints" / "step-2"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "offload.json").write_text("{}")
+    (tmp_path / "checkpoints" / "latest").write_text("step-2")
+    line = script_error("scripts/train_distributed.py", "--preset", "tiny", "--steps", "2", "--out", str(tmp_path),
+                        "--resume", "latest")
+    assert "the checkpoint is at step 2 and --steps is 2, so nothing would train: pass --steps N > 2" in line
+    assert "not a checkpoint" in script_error("scripts/train_distributed.py", "--resume", str(tmp_path))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["{empty}"], "no config.json"),
+    (["{config}"], "a config.json but no weights"),
+    (["{config}", "--num-slices", "0"], "--num-slices must be at least 1"),
+    (["{config}", "--device", "foo"], "--device foo: not a device"),
+    (["{config}", "--device", "meta"], "--device meta holds no data"),
+] + ([] if torch.cuda.is_available() else [(["{config}", "--device", "cuda"], "CUDA is not available")]))
+def test_load_checkpoint_script_refuses_before_loading(tmp_path, args, message):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "config.json").write_text('{"model_type": "llama"}')
+    args = [a.format(empty=tmp_path / "empty", config=tmp_path / "config") for a in args]
+    assert message in script_error("scripts/load_checkpoint.py", *args)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--steps", "0"], "--steps must be at least 1"),
+    (["--device", "foo"], "--device foo: not a device"),
+    (["--device", "meta"], "the demo computes on cpu or cuda"),
+] + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "CUDA is not available")]))
+def test_demo_refuses_bad_values(args, message):
+    assert message in script_error("scripts/demo.py", *args)
+
+
+def test_demo_says_no_cuda_only_without_it():
+    assert ("(no CUDA device found)" in demo_run().stdout) is (not torch.cuda.is_available())
+
+
+def help_of(script: str) -> str:
+    done = process(script, "--help")
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    return " ".join(done.stdout.split())  # the options' help as one line, however argparse wraps it
+
+
+def test_the_tools_help_gives_every_default():
+    text = help_of("scripts/load_checkpoint.py")
+    for default in ("(default: slices)", "(default: cuda when present, else cpu)", "(default: 8)", "(default: fp32)",
+                    "(default: none)"):
+        assert default in text, default
+    text = help_of("scripts/profile_memory.py")
+    for option in ("num_slices values (default: 4)", "num_microbatches values (default: 1)", "(default: adamw)"):
+        assert option in text, option
+
+
+@pytest.mark.parametrize("script", ["benchmarks/gpu_check_summary.py", "benchmarks/stream_idle.py"])
+def test_summary_tools_help_and_usage_error(script):
+    assert "usage:" in help_of(script)
+    done = process(script)
+    assert done.returncode == 2 and "Traceback" not in done.stderr and "arguments are required" in done.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["benchmarks/bench_cast.py", "--mib", "-1"], "--mib and --repeats must be at least 1"),
+    (["benchmarks/bench_cast.py", "--repeats", "0"], "--mib and --repeats must be at least 1"),
+    (["benchmarks/bench_cast.py", "--json", "/tmp"], "--json /tmp: is a directory"),
+    (["benchmarks/bench_cast.py", "--json", "scripts/demo.py/x.json"], "scripts/demo.py is a file, not a directory"),
+    (["benchmarks/bench_replay_state.py", "--steps", "0"], "--steps must be at least 1"),
+    (["benchmarks/bench_replay_state.py", "--json", "/tmp"], "--json /tmp: is a directory"),
+    (["benchmarks/chunked_loss_precision.py", "--tokens", "0"], "must be at least 1"),
+    (["benchmarks/chunked_loss_precision.py", "--chunks", "64", "0"], "must be at least 1"),
+])
+def test_benchmarks_refuse_bad_sizes_and_outputs_before_measuring(args, message):
+    assert message in script_error(*args)
+
+
+def test_every_benchmark_writing_json_checks_its_path_after_parsing():
+    # benchmarks/json_output.py: a --json that cannot be written fails before the run, not after it.
+    writers = [path for path in sorted((ROOT / "benchmarks").glob("*.py")) if re.search(r"--json\b", path.read_text())
+               and path.name not in ("json_output.py", "bench_update_order.py")]  # the latter parses as bench_schedule
+    assert len(writers) > 20
+    assert [p.name for p in writers if "check_json_path(parser, args.json)" not in p.read_text()] == []
+
+
+def test_offload_command_without_a_command_is_a_usage_error():
+    done = process("-m", "offload")
+    assert done.returncode == 2 and "usage: offload COMMAND" in done.stderr and "a COMMAND is required" in done.stderr
+
+
+def test_offload_command_help_into_a_closed_pipe_ends_quietly():
+    # `offload --help | head -0`: the reader gone before the help is written.
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.Popen([sys.executable, "-m", "offload", "--help"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env)
+    done.stdout.close()
+    err = done.stderr.read().decode()
+    assert done.wait(timeout=120) == 1 and "Traceback" not in err and "BrokenPipeError" not in err, err

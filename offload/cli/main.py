@@ -6,6 +6,7 @@ and ``offload finetune ...`` (the ``offload-finetune`` program); also ``python -
 
 from __future__ import annotations
 
+import os
 import sys
 
 COMMANDS = {
@@ -16,11 +17,26 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        usage = "\n".join(f"  {name:<10} {what}" for name, what in COMMANDS.items())
-        print(f"usage: offload COMMAND [options]  (offload COMMAND --help for its options)\n\ncommands:\n{usage}")
-        if argv and argv[0] not in ("-h", "--help"):
+    try:
+        _dispatch(sys.argv[1:] if argv is None else list(argv))
+        sys.stdout.flush()  # a reader gone (``| head``) raises here, inside the handler, not at exit
+    except BrokenPipeError:
+        # The reader stopped reading: nothing more to say to it, and no traceback. Python's own
+        # flush at exit would fail again on the closed pipe: point stdout at /dev/null first.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        raise SystemExit(1) from None
+
+
+def _dispatch(argv: list[str]) -> None:
+    usage = "usage: offload COMMAND [options]  (offload COMMAND --help for its options)"
+    if not argv:  # as argparse answers a missing argument: the usage and exit status 2
+        print(f"{usage}\noffload: error: a COMMAND is required: {', '.join(COMMANDS)}", file=sys.stderr)
+        raise SystemExit(2)
+    if argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        commands = "\n".join(f"  {name:<10} {what}" for name, what in COMMANDS.items())
+        print(f"{usage}\n\ncommands:\n{commands}")
+        if argv[0] not in ("-h", "--help"):
             raise SystemExit(f"unknown command {argv[0]!r}")
         return
     command, rest = argv[0], argv[1:]
