@@ -290,6 +290,16 @@ def assert_the_mix_is_refused(directory, model, optimizer, what: str) -> None:
     assert sorted(os.listdir(directory)) == ["latest", "step-2"]
 
 
+def assert_the_last_checkpoint_trains_on(tmp_path, plain, plain_optimizer, model, optimizer) -> None:
+    """Loading the last checkpoint (step 2's) ends the refusal, and training on from it is the
+    plain optimizer's, bit for bit, and saves."""
+    load_checkpoint(latest_checkpoint(tmp_path), model, optimizer)
+    optimizer.zero_grad()
+    train_on([(plain, plain_optimizer), (model, optimizer)], range(2, 5))
+    assert_same(plain, plain_optimizer, model, optimizer)
+    save_checkpoint(tmp_path / "step-5", model, optimizer)
+
+
 def test_a_backward_that_failed_after_starting_updates_is_never_saved_and_loading_the_last_checkpoint_trains_on(
         tmp_path):
     """With ``update_in_backward``, a backward that raised in slice 0's recompute after slices 1
@@ -306,11 +316,7 @@ def test_a_backward_that_failed_after_starting_updates_is_never_saved_and_loadin
     with pytest.raises(RuntimeError, match=r"a backward since the last step\(\) raised after it had started"):
         optimizer.step()
     assert_the_mix_is_refused(tmp_path, model, optimizer, what)
-    load_checkpoint(latest_checkpoint(tmp_path), model, optimizer)
-    optimizer.zero_grad()
-    train_on([(plain, plain_optimizer), (model, optimizer)], range(2, 5))
-    assert_same(plain, plain_optimizer, model, optimizer)
-    save_checkpoint(tmp_path / "step-5", model, optimizer)
+    assert_the_last_checkpoint_trains_on(tmp_path, plain, plain_optimizer, model, optimizer)
 
 
 def test_an_update_that_raised_part_way_is_never_saved_and_loading_the_last_checkpoint_trains_on(tmp_path):
@@ -333,11 +339,7 @@ def test_an_update_that_raised_part_way_is_never_saved_and_loading_the_last_chec
     optimizer.step()  # training on the mix: the caller's choice
     optimizer.zero_grad()
     assert_the_mix_is_refused(tmp_path, model, optimizer, what)
-    load_checkpoint(latest_checkpoint(tmp_path), model, optimizer)
-    optimizer.zero_grad()
-    train_on([(plain, plain_optimizer), (model, optimizer)], range(2, 5))
-    assert_same(plain, plain_optimizer, model, optimizer)
-    save_checkpoint(tmp_path / "step-5", model, optimizer)
+    assert_the_last_checkpoint_trains_on(tmp_path, plain, plain_optimizer, model, optimizer)
 
 
 def test_an_update_that_failed_before_changing_anything_refuses_nothing(tmp_path, monkeypatch):

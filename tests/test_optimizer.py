@@ -61,6 +61,15 @@ def loss_of(model: nn.Module, step: int) -> torch.Tensor:
     return model(batch(step).to(device)).float().pow(2).mean()
 
 
+def train_both(plain_model, plain, model, optimizer, steps) -> None:
+    """Each model a step on each of ``steps``' batches, by its optimizer."""
+    for step in steps:
+        for m, opt in ((plain_model, plain), (model, optimizer)):
+            opt.zero_grad()
+            loss_of(m, step).backward()
+            opt.step()
+
+
 def assert_same(model_a, opt_a, model_b, opt_b) -> None:
     opt_b.synchronize() if isinstance(opt_b, OffloadOptimizer) else None
     for (name, a), b in zip(model_a.named_parameters(), model_b.parameters()):
@@ -195,11 +204,7 @@ def test_a_state_dict_in_an_older_format_loads_as_the_class_loads_it(cls, kwargs
     update raised on them), and group keys the checkpoint lacks take the class's defaults, not this
     optimizer's settings (Adam built with maximize=True, a checkpoint without the key: False)."""
     (plain_model, plain), (model, optimizer) = pair(cls, {**kwargs, "maximize": True})
-    for step in range(2):
-        for m, opt in ((plain_model, plain), (model, optimizer)):
-            opt.zero_grad()
-            loss_of(m, step).backward()
-            opt.step()
+    train_both(plain_model, plain, model, optimizer, range(2))
     older = copy.deepcopy(plain.state_dict())
     for state in older["state"].values():
         state.update({key: state[key].item() for key in numbers})
@@ -208,11 +213,7 @@ def test_a_state_dict_in_an_older_format_loads_as_the_class_loads_it(cls, kwargs
     for opt in (plain, optimizer):
         opt.load_state_dict(copy.deepcopy(older))
     assert optimizer.param_groups[0]["maximize"] is plain.param_groups[0]["maximize"] is False
-    for step in range(2, 4):
-        for m, opt in ((plain_model, plain), (model, optimizer)):
-            opt.zero_grad()
-            loss_of(m, step).backward()
-            opt.step()
+    train_both(plain_model, plain, model, optimizer, range(2, 4))
     assert_same(plain_model, plain, model, optimizer)
 
 
@@ -276,11 +277,7 @@ def test_state_dicts_move_both_ways():
     from_plain, from_offload = copy.deepcopy(plain.state_dict()), copy.deepcopy(optimizer.state_dict())
     optimizer.load_state_dict(from_plain)
     plain.load_state_dict(from_offload)
-    for step in range(2, 4):
-        for m, opt in ((plain_model, plain), (model, optimizer)):
-            opt.zero_grad()
-            loss_of(m, step).backward()
-            opt.step()
+    train_both(plain_model, plain, model, optimizer, range(2, 4))
     assert_same(plain_model, plain, model, optimizer)
 
 
