@@ -100,11 +100,13 @@ class SlotReferences:
             raise RuntimeError(
                 f"internal error: slice {packed.slice_index} must be acquired before its kept graph runs backward"
             )
-        # A tensor of its own over the slot's memory, not a view of the slot's buffer: a view would
-        # share the buffer's version counter, which every load into the slot bumps. A graph built
-        # from it (a layer's torch.autograd.grad(..., create_graph=True) in forward saves it again)
-        # would then see a load of another slice as an in-place change (Note: [Layers that
-        # differentiate in forward] in offload/autograd/slice_graph.py). In-place changes are
-        # caught by the version check above, on the tensor autograd saved.
-        return torch.empty(0, dtype=packed.dtype, device=slot.data.device).set_(
-            slot.data.untyped_storage(), packed.byte_offset // packed.dtype.itemsize, packed.size, packed.stride)
+        typed = slot.data.view(packed.dtype) if packed.dtype != torch.uint8 else slot.data
+        view = typed.as_strided(packed.size, packed.stride, packed.byte_offset // packed.dtype.itemsize)
+        # Its ``.data``: the same memory under a version counter of its own, made without an
+        # operator (no allocation). A view would share the slot buffer's counter, which every load
+        # into the slot bumps: a graph built from it (a layer's torch.autograd.grad(...,
+        # create_graph=True) in forward saves it again) would see a load of another slice as an
+        # in-place change (Note: [Layers that differentiate in forward] in
+        # offload/autograd/slice_graph.py). In-place changes are caught by the version check
+        # above, on the tensor autograd saved.
+        return view.data
