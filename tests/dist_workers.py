@@ -453,7 +453,68 @@ def batchnorm_checkpoint(rank: int, world_size: int, directory: str) -> None:
                                                    "loaded": {name: b.clone() for name, b in model.named_buffers()}})
 
 
+def _per_layer_groups(model: OffloadModel) -> list[dict[str, Any]]:
+    """One parameter group per linear layer of :func:`network`."""
+    return [{"params": list(model.get_submodule(str(k)).parameters())} for k in (0, 2, 4, 6)]
+
+
+def _update_fails_on_rank_1(rank: int, world_size: int, directory: str, job: str, shard: bool) -> None:
+    """Step 2's update of the second layer raises on rank 1 (a learning rate it cannot use); every rank
+    then waits, trains two more steps, saves (refused), loads step 1's checkpoint and trains on."""
+    from offload import CheckpointError, HostUpdateError, latest_checkpoint, load_checkpoint, save_checkpoint
+
+    checkpoints = os.path.join(directory, "checkpoints")
+    model = OffloadModel(network(seed=0), device="cpu", num_slices=3, process_group=dist.group.WORLD)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, _per_layer_groups(model), lr=1e-2, fused=True,
+                                 shard=shard)
+
+    def train_step(step: int) -> list[bool]:
+        before = [p.detach().clone() for p in model.parameters()]
+        model(share(data(step, world_size), rank, world_size)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.synchronize()
+        optimizer.zero_grad()
+        return [not torch.equal(a, b) for a, b in zip(before, model.parameters())]
+
+    train_step(0)
+    save_checkpoint(os.path.join(checkpoints, "step-1"), model, optimizer)
+    saved = [p.detach().clone() for p in model.parameters()]
+    model(share(data(1, world_size), rank, world_size)).pow(2).mean().backward()
+    if rank == 1:
+        optimizer.param_groups[1]["lr"] = "not a number"
+    optimizer.step()
+    optimizer.param_groups[1]["lr"] = 1e-2
+    optimizer.zero_grad()
+    result: dict[str, Any] = {}
+    try:
+        optimizer.synchronize()
+    except HostUpdateError as error:
+        result["raised"] = "\n".join([str(error), *getattr(error, "__notes__", [])])
+    result["moved"] = [train_step(step) for step in (2, 3)]
+    result["params"] = [p.detach().clone() for p in model.parameters()]
+    try:
+        save_checkpoint(os.path.join(checkpoints, "step-4"), model, optimizer)
+    except (RuntimeError, CheckpointError) as error:
+        result["save"] = f"{type(error).__name__}: {error}"
+    result["latest"] = os.path.basename(latest_checkpoint(checkpoints))
+    load_checkpoint(latest_checkpoint(checkpoints), model, optimizer)
+    result["loaded"] = all(torch.equal(a, b) for a, b in zip(saved, model.parameters()))
+    result["moved after load"] = train_step(1)
+    result["params after load"] = [p.detach().clone() for p in model.parameters()]
+    save_checkpoint(os.path.join(checkpoints, "step-2"), model, optimizer)
+    save(directory, job, rank, result)
+
+
+def sharded_update_fails_on_one_rank(rank: int, world_size: int, directory: str) -> None:
+    _update_fails_on_rank_1(rank, world_size, directory, "sharded_update_fails_on_one_rank", shard=True)
+
+
+def update_fails_on_one_rank(rank: int, world_size: int, directory: str) -> None:
+    _update_fails_on_rank_1(rank, world_size, directory, "update_fails_on_one_rank", shard=False)
+
+
 JOBS = {f.__name__: f for f in (train, no_sync, sharded, different_models, one_rank_fails, backward_fails_on_one_rank,
                                  hangs, nccl_one_gpu, tied,
                                  layouts, sharded_disk, sharded_masters, uneven_branch, branch_in_no_sync,
-                                 frozen_on_one_rank, own_collectives, batchnorm_checkpoint, overlapping_groups)}
+                                 frozen_on_one_rank, own_collectives, batchnorm_checkpoint, overlapping_groups,
+                                 sharded_update_fails_on_one_rank, update_fails_on_one_rank)}

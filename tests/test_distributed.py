@@ -568,3 +568,42 @@ def test_device_averages_reduce_a_summation_buffer_in_one_collective(tmp_path, m
         dist.destroy_process_group()
     assert sorted(calls) == [5, 20]
     assert torch.equal(buffer, torch.arange(20.0)) and torch.equal(alone, torch.arange(5.0))
+
+
+def test_a_sharded_update_that_failed_on_one_rank_is_raised_on_every_rank_and_never_saved(tmp_path):
+    """Rank 1's part of a sharded step raised in the second layer's update. It raises its
+    HostUpdateError, and rank 0, which took rank 1's parameters as they were, raises one naming
+    rank 1 (Note: [A failed part of a sharded update]); both go on updating every parameter (the
+    update worker no longer skips rank 1's parts for good), stay equal to each other, refuse to
+    save the mix, and train on from the last checkpoint, which `latest` still names."""
+    results = spawn("sharded_update_fails_on_one_rank", tmp_path)
+    assert "while updating slice" in results[1]["raised"]
+    assert "Sharded: what this says of slices is of this rank's part" in results[1]["raised"]
+    assert "another rank did not finish its part of the sharded update (rank 1 of 2: slice(s)" in results[0]["raised"]
+    assert "load the last checkpoint on every rank" in results[0]["raised"]
+    for result in results:
+        assert all(all(moved) for moved in result["moved"]), result["moved"]
+        assert "mix two steps" in result["save"]
+        assert result["latest"] == "step-1"
+        assert result["loaded"] and all(result["moved after load"])
+    assert "rank(s) 1 of 2 did not finish their part of a sharded update" in results[0]["save"]
+    for a, b in zip(results[0]["params"], results[1]["params"]):
+        assert torch.equal(a, b)
+    for a, b in zip(results[0]["params after load"], results[1]["params after load"]):
+        assert torch.equal(a, b)
+
+
+def test_a_save_that_one_rank_refuses_is_refused_on_every_rank(tmp_path):
+    """Unsharded, rank 1's update failed part way and rank 0's did not: rank 1 refuses to save the
+    mix before any collective, and rank 0, instead of waiting for it in one, raises a
+    CheckpointError that names rank 1 and why; `latest` still names the last good checkpoint."""
+    results = spawn("update_fails_on_one_rank", tmp_path)
+    assert "raised" not in results[0] and "while updating slice" in results[1]["raised"]
+    assert results[1]["save"].startswith("RuntimeError: this OffloadOptimizer's parameters and state mix two steps")
+    assert results[0]["save"].startswith("CheckpointError: nothing was saved, since another rank could not save: "
+                                         "rank 1 refused: RuntimeError: this OffloadOptimizer's parameters")
+    for result in results:
+        assert result["latest"] == "step-1"
+        assert result["loaded"] and all(result["moved after load"])
+    for a, b in zip(results[0]["params after load"], results[1]["params after load"]):
+        assert torch.equal(a, b)

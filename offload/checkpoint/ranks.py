@@ -8,7 +8,8 @@ What it does not hold: what a save writes (``saver.py``) or a load reads (``load
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -17,6 +18,8 @@ from torch import nn
 from .checkpoint_files import CheckpointError
 from ..model import OffloadModel
 from ..optimizer import OffloadOptimizer
+
+T = TypeVar("T")
 
 # DCP warns when it works without a process group; for a single process that is the plan, not an
 # accident. One filter, added once at import, for the words DCP uses: a ``warnings.catch_warnings()``
@@ -81,3 +84,21 @@ def _on_rank_0(group: Any, rank: int, work: Any, failure: Any) -> None:
         message = _gathered_list(group, message)[0]
     if message is not None:
         raise CheckpointError(message) from raised
+
+
+def _agreed(group: Any, work: Callable[[], T]) -> T:
+    """``work()`` on every rank of ``group``; when it raised an ``Exception`` on any rank, raise on
+    every rank, so that none goes on into a collective that another left: the rank that raised
+    its own exception, the others a :class:`CheckpointError` that names it and says why. A
+    rank-local refusal before a save (this rank's optimizer mixes two steps) is one."""
+    try:
+        result, error = work(), None
+    except Exception as raised:
+        result, error = None, raised
+    said = _gathered_list(group, None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    refused = [f"rank {rank} refused: {message}" for rank, message in enumerate(said) if message is not None]
+    if refused:
+        raise CheckpointError("nothing was saved, since another rank could not save: " + "; ".join(refused))
+    return result  # type: ignore[return-value]

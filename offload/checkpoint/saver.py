@@ -42,7 +42,7 @@ from .checks import _check_room, _check_save_arguments, _check_target
 from .commit import HalfCommitted, commit, latest_checkpoint, partial_directory, prepare, tidy
 from .contents import (STRAY_PARAMETER, _info, _masters_on_disk, _masters_releaser, _model_state, _named_groups,
                        _optimizer_state, _own_storage, _parameter_names, _release_masters, _rng_state, _steps_only)
-from .ranks import _gathered, _group, _on_rank_0
+from .ranks import _agreed, _gathered, _group, _on_rank_0
 from ..tiers.disk_tier import size_text
 from ..optimizer import OffloadOptimizer, check_whole
 from .slice_save_planner import SliceReadingSavePlanner
@@ -90,7 +90,8 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
         RuntimeError: the optimizer's parameters and state mix two steps (an update failed part
             way) or a load into its disk tier failed part way: load the last checkpoint first
             (checked before anything is written).
-        CheckpointError: the filesystem has less room than the save needs (checked before
+        CheckpointError: another rank refused one of the above (said on every rank; checked before
+            anything is written), the filesystem has less room than the save needs (checked before
             anything is written), or the save failed (a full disk says so): what it wrote is
             removed, ``latest`` is unchanged and the previous checkpoint is intact.
 
@@ -109,7 +110,8 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     _check_target(path)
     group, rank, world_size = _group(model, optimizer, process_group)
     names = _parameter_names(model)
-    state, on_disk = _state_to_save(model, optimizer, names, rank, extra)
+    # Rank-local refusals (this rank's optimizer mixes two steps) are said on every rank.
+    state, on_disk = _agreed(group, lambda: _state_to_save(model, optimizer, names, rank, extra))
     needed = _check_room(group, rank, path, state, extra_nbytes, optimizer)
     partial = partial_directory(path)
     _on_rank_0(group, rank, functools.partial(prepare, path), lambda error: _save_failure(path, error, [], needed))

@@ -28,15 +28,23 @@ Note: [An update that failed part way]
        refuses once, as it did before: ``in_backward.py``); no checkpoint holds it until a load.
     4. A load that succeeds (``load_state_dict()``, ``load_checkpoint``) replaces the state and, with
        ``load_checkpoint``, the parameters: it clears the record (:meth:`forget`).
+    5. Sharded over ranks, each rank's record is of its own updates, and a rank whose part of a
+       slice failed is the only one whose update raised; but every rank took that slice's
+       parameters from it (Note: [A failed part of a sharded update] in
+       ``offload/streams/collectives.py``). The others are :meth:`told` so by the exchange: they
+       latch the mix too and raise a :class:`~offload.HostUpdateError` naming that rank at their
+       next wait, once a step (:meth:`raise_told`), so every rank refuses the same saves.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from ..streams import Event
+from ..tiers.slice_update import HostUpdateError
 
 
 @dataclass(eq=False)
@@ -46,6 +54,7 @@ class Handed:
     index: int  # the slice's index; -1: the parameters outside the model
     event: Event | None = None
     in_caller: bool = False  # run in the caller's thread (resident slices, parameters outside the model)
+    done: bool = False  # ran to its end (a sharded update's exchange reads it, on another thread)
 
 
 class PartialFailure:
@@ -56,6 +65,10 @@ class PartialFailure:
         self._unfinished: set[Handed] = set()  # handed over, not done (the worker's thread discards)
         self._changing: set[int] = set()  # slices whose update of this round started changing host memory
         self._mixed: str | None = None  # what the mix is, once latched
+        # Other ranks that did not finish their part of a sharded step (rule 5): the step, per rank
+        # the slices, and whether this rank was told. Written by the exchange's worker.
+        self._lock = threading.Lock()
+        self._told: tuple[int, dict[int, set[int]], bool] = (-1, {}, False)
 
     # -- the updates ---------------------------------------------------------------------------------
 
@@ -77,6 +90,7 @@ class PartialFailure:
         now on, and that it is done once it returns. Runs on the update worker's thread."""
         self._changing.add(handed.index)
         update()
+        handed.done = True
         self._unfinished.discard(handed)
 
     # -- the mix -------------------------------------------------------------------------------------
@@ -110,6 +124,41 @@ class PartialFailure:
     def forget(self) -> None:
         """A load replaced the state (and, through ``load_checkpoint``, the parameters): no mix."""
         self._unfinished, self._changing, self._mixed = set(), set(), None
+        with self._lock:
+            self._told = (-1, {}, False)
+
+    def told(self, step: int, index: int, world_size: int, ranks: list[int]) -> None:
+        """The ``ranks`` (of ``world_size``) did not finish their part of step ``step``'s update
+        of slice ``index``, which this rank took from them as it was (rule 5). Runs on the
+        exchange's worker."""
+        with self._lock:
+            told_step, slices, said = self._told
+            if told_step != step:
+                told_step, slices, said = step, {}, False
+            for rank in ranks:
+                slices.setdefault(rank, set()).add(index)
+            self._told = (told_step, slices, said)
+        self.mixed(f"rank(s) {', '.join(map(str, sorted(slices)))} of {world_size} did not finish their part of a "
+                   "sharded update, whose parameters every rank took from them as they were")
+
+    def raise_told(self, world_size: int) -> None:
+        """Raise, once a step, that other ranks did not finish their part of it (rule 5).
+
+        Raises:
+            HostUpdateError: another rank's part of the last sharded step failed.
+        """
+        with self._lock:
+            step, slices, said = self._told
+            if said or not slices:
+                return
+            self._told = (step, slices, True)
+        parts = "; ".join(f"rank {rank} of {world_size}: slice(s) {', '.join(map(str, sorted(indices)))}"
+                          for rank, indices in sorted(slices.items()))
+        raise HostUpdateError(
+            f"another rank did not finish its part of the sharded update ({parts}); its own HostUpdateError says "
+            "why. Every rank took those parameters from it as they were, so on every rank the parameters and the "
+            "optimizer state now mix two steps: load the last checkpoint on every rank "
+            "(load_checkpoint(latest_checkpoint(directory))) before training on or saving.")
 
     def _latch(self, engine: Any) -> None:
         """Once an update of the round ended without being done: wait for the round (raising the

@@ -15,6 +15,7 @@ from ..model import OffloadModel, engine_of
 from ..streams import Event
 from ..streams.collectives import HostCollectives
 from ..tiers.slice_update import SliceStep
+from .partial_failure import Handed
 
 #: A slice's parameters as the plan lists them: (position in the slice, parameter, user group).
 Item = tuple[int, torch.Tensor, int]
@@ -76,15 +77,19 @@ class Sharding:
             mine[index] = [item for item, owner in zip(items, slice_owners) if owner == self.collectives.rank]
         return mine
 
-    def submit(self, step: SliceStep, update: Callable[[], Event | None]) -> Event | None:
+    def submit(self, step: SliceStep, update: Callable[[], Handed | None],
+               told: Callable[[list[int]], None]) -> Event | None:
         """This rank updates the parameters of ``step`` it owns (``update`` queues that), then every
         rank takes each updated parameter from its owner; the event of that exchange, which the next
-        forward's load waits for, or ``None`` when no parameter of the slice has a gradient."""
+        forward's load waits for, or ``None`` when no parameter of the slice has a gradient.
+        ``told`` gets the other ranks whose part did not finish (Note: [A failed part of a sharded
+        update] in ``offload/streams/collectives.py``)."""
         everyone, slice_owners = self.shared[step.index]
         stepped = [(p, owner) for p, owner in zip(everyone, slice_owners) if p.grad is not None]
         if not stepped:
             return None
-        updated = update() if step.whole is not None else None
+        handed = update() if step.whole is not None else None
+        updated = None if handed is None else handed.event
         storage = step.storage
         then = None
         if storage is not None and storage.shadow is not None:
@@ -93,7 +98,7 @@ class Sharding:
                 storage.shadow_written()
         return self.collectives.broadcast([p.detach() for p, _ in stepped], [owner for _, owner in stepped],
                                           after=[updated], what=f"sharing the updated parameters of slice {step.index}",
-                                          then=then)
+                                          then=then, failed=lambda: handed is not None and not handed.done, told=told)
 
     def gather_state(self, local: dict[str, Any], to: int) -> dict[str, Any] | None:
         """The whole state, merged from each rank's ``local`` ``state_dict()``, on rank ``to`` of the

@@ -42,7 +42,7 @@ from ..streams.mapped import MappedFile
 from ..streams.workers import HostWorker
 from ..tiers.slice_update import HostUpdateError, SliceStep
 from ..walk.engine import Engine
-from .partial_failure import PartialFailure
+from .partial_failure import Handed, PartialFailure
 from .sharding import Sharding
 from .tier_plumbing import TierPlumbing
 
@@ -68,16 +68,25 @@ class SliceUpdates:
         #: Which updates are done, and the mix one that failed part way left (Note: [An update that
         #: failed part way] in partial_failure.py).
         self.failure = PartialFailure()
+        self._steps = 0  # step() calls so far: another rank's failure is said once a step
+        if sharding is not None:
+            # A sharded slice's pending event is its exchange's: the update's own error, and other
+            # ranks' failures, reach this thread after each wait (Note: [A failed part of a sharded
+            # update] in offload/streams/collectives.py).
+            engine.updates.raise_also(self.raise_late)
 
     def submit(self, steps: Sequence[SliceStep], rest: Sequence[SliceStep], hyper: list[dict[str, Any]],
                grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
         """Queue each slice's update in slice order, and step the parameters outside the model now,
         with the gradients and hyperparameters ``hyper`` captured now."""
         self.start_worker()
+        self._steps += 1
         for step in steps:
             if self.sharding is not None:  # the event of the exchange that follows this rank's part
-                update = functools.partial(self._submit_update, step, hyper, grad_scale, found_inf)
-                updated = self.sharding.submit(step, update)
+                update = functools.partial(self._hand_update, step, hyper, grad_scale, found_inf)
+                told = functools.partial(self.failure.told, self._steps, step.index,
+                                         self.sharding.collectives.world_size)
+                updated = self.sharding.submit(step, update, told)
             else:
                 updated = self._submit_update(step, hyper, grad_scale, found_inf)
             if updated is not None:
@@ -122,6 +131,22 @@ class SliceUpdates:
             self.engine.updates.submitted(step.index, updated)
             self._write_masters(step.index, updated)
 
+    def raise_late(self) -> None:
+        """Raise what a sharded step left for this thread (registered with the engine's waits): this
+        rank's update error, held by the update worker, then other ranks' failures."""
+        if self.worker is not None:
+            try:
+                self.worker.raise_pending()
+            except HostUpdateError as error:
+                if self.sharding is not None:
+                    error.add_note(
+                        "Sharded: what this says of slices is of this rank's part of them; the other ranks updated "
+                        "theirs and took this rank's as it left them, so on every rank the parameters and the "
+                        "optimizer state mix two steps: load the last checkpoint on every rank.")
+                raise
+        if self.sharding is not None:
+            self.failure.raise_told(self.sharding.collectives.world_size)
+
     def backlog(self) -> int:
         """Updates handed to the worker and not finished yet."""
         return 0 if self.worker is None else self.worker.submitted - self.worker.finished
@@ -147,6 +172,13 @@ class SliceUpdates:
         """Queue the update of the parameters ``step`` steps on the host worker, with ``grads``
         (default: their ``.grad``) after the events ``after``; its event, or ``None`` when none of
         them has a gradient."""
+        handed = self._hand_update(step, hyper, grad_scale, found_inf, grads, after)
+        return None if handed is None else handed.event
+
+    def _hand_update(self, step: SliceStep, hyper: list[dict[str, Any]], grad_scale: torch.Tensor | None,
+                     found_inf: torch.Tensor | None, grads: list[torch.Tensor | None] | None = None,
+                     after: Sequence[Event | None] = ()) -> Handed | None:
+        """:meth:`_submit_update`, returning what was handed over (``None``: nothing)."""
         assert step.whole is not None
         if grads is None:
             grads = [p.grad for p in step.whole.params]
@@ -170,7 +202,7 @@ class SliceUpdates:
             if owed is not None:
                 self.engine.updates.owe(step.index, owed)  # not submitted: still owed
             raise
-        return handed.event
+        return handed
 
     def _submit(self, index: int, work: Callable[[], None], waits: Sequence[Event | None] = ()) -> Event:
         """Run slice ``index``'s update on the update worker after the events ``waits`` (its masters

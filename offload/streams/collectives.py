@@ -23,6 +23,18 @@ Note: [A private group for the worker]
 A collective that fails (a timeout because another rank died, a broken connection) is raised, at
 the next wait, as :class:`CollectiveError`, saying on which rank and what it was doing.
 
+Note: [A failed part of a sharded update]
+    In a sharded step each rank updates the parameters it owns and every rank then takes them from
+    their owners (``offload/optimizing/sharding.py``). When one rank's update of a slice raises
+    (or is skipped after an earlier one raised), that rank's error is its own to raise, but every
+    other rank is about to take parameters the update left as they were, or half done. So before
+    a slice's exchange the ranks agree, in one small all-reduce, on which of them did not finish
+    their part, and each rank is told of the others (the optimizer records the mix of two steps
+    and raises it at the next wait: ``PartialFailure.told``). The exchange itself goes on: every
+    rank ends with the same parameters, and none waits for a broadcast another rank skipped. The
+    worker raises nothing of it, because a worker that raised skips what was queued after
+    (``workers.py``), and which exchanges those are would differ between ranks.
+
 Note: [Device collectives]
     A slice's gradients are averaged on the device (NCCL) on ``communication_stream``, so the
     reduction runs while compute goes on with the backward of the slices before it. The orderings,
@@ -121,10 +133,23 @@ class HostCollectives:
         return self.submit(what, work, after)
 
     def broadcast(self, tensors: Sequence[torch.Tensor], sources: Sequence[int], after: Sequence[Event | None],
-                  what: str, then: Callable[[], None] | None = None) -> Event:
+                  what: str, then: Callable[[], None] | None = None, failed: Callable[[], bool] | None = None,
+                  told: Callable[[list[int]], None] | None = None) -> Event:
         """Give every rank ``tensors[k]`` as rank ``sources[k]`` holds it (group ranks), then run
-        ``then`` in the worker; returns the event of the end."""
+        ``then`` in the worker; returns the event of the end.
+
+        With ``failed`` (whether this rank's part of what is shared was not produced, asked once
+        ``after`` is done), the ranks first agree on which of them failed, and ``told`` gets the
+        others' ranks when any did (Note: [A failed part of a sharded update]); the tensors are
+        shared all the same, so every rank keeps the same values."""
         def work() -> None:
+            if failed is not None:
+                flags = torch.zeros(self.world_size, dtype=torch.int32)
+                flags[self.rank] = int(failed())
+                self.channel.allreduce([flags]).wait()
+                others = [rank for rank in flags.nonzero().flatten().tolist() if rank != self.rank]
+                if others and told is not None:
+                    told(others)
             for tensor, source in zip(tensors, sources):
                 # Its memory as one contiguous run: a channels_last or transposed parameter too.
                 flat = flat_alias(tensor)

@@ -18,7 +18,8 @@ event, submits what is owed first; only :meth:`SliceUpdates.claim` takes it unsu
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from .backend import Event
@@ -47,6 +48,23 @@ class SliceUpdates:
         self._pending: dict[int, Event] = {}
         self._no_shadow: set[int] = set()  # slices whose pending work writes no shadow
         self._owed: dict[int, Owed] = {}
+        self._also: list[weakref.WeakMethod[Callable[[], None]]] = []  # see raise_also
+
+    def raise_also(self, check: Callable[[], None]) -> None:
+        """After each wait for an update, call ``check`` (a bound method, held weakly) too: it
+        raises what the work the waited-for events stand for left for the caller elsewhere. A
+        sharded update's event is its exchange's, on another worker than the update's, whose error
+        would otherwise never reach the caller (Note: [A failed part of a sharded update] in
+        ``collectives.py``)."""
+        self._also = [ref for ref in self._also if ref() is not None]
+        if all(ref() != check for ref in self._also):
+            self._also.append(weakref.WeakMethod(check))  # type: ignore[arg-type]
+
+    def _raise_also(self) -> None:
+        for ref in list(self._also):
+            check = ref()
+            if check is not None:
+                check()
 
     def owe(self, index: int, owed: Owed) -> None:
         """Record work on slice ``index`` that runs after everything submitted for it so far, once
@@ -110,6 +128,8 @@ class SliceUpdates:
         try:
             # A load must not read a host copy the update is still writing.
             self.copies.wait_host(event)
+            if event is not None:
+                self._raise_also()
         except BaseException:
             self.storages[index].expire_shadow()
             self._failed()
@@ -124,6 +144,8 @@ class SliceUpdates:
         try:
             for index in sorted(self._pending):
                 self.copies.wait_host(self._pending[index])
+            if self._pending:
+                self._raise_also()
         except BaseException:
             self._failed()
             raise
