@@ -115,15 +115,24 @@ class DataParallel(Subscriber):
         # requires_grad too: a parameter one rank trains and another freezes would leave the ranks
         # reducing different gradients.
         mine = [f"{name} ({tuple(t.shape)}, {t.dtype}, requires_grad={t.requires_grad})" for name, t in named_tensors]
+        # The slices too: gradients are averaged, and a sharded update's parameters exchanged, slice
+        # by slice, so ranks that cut the model differently would pair collectives of other sizes.
+        partition = [list(s.names) for s in self.engine.slices]
         everyone: list[Any] = [None] * self.world_size
-        dist.all_gather_object(everyone, mine, group=self.group)
-        for rank, theirs in enumerate(everyone):
-            if theirs != everyone[0]:
-                difference = next(((a, b) for a, b in zip(everyone[0], theirs) if a != b),
-                                  (f"{len(everyone[0])} tensors", f"{len(theirs)} tensors"))
+        dist.all_gather_object(everyone, (mine, partition), group=self.group)
+        first, first_cut = everyone[0]
+        for rank, (theirs, cut) in enumerate(everyone):
+            if theirs != first:
+                difference = next(((a, b) for a, b in zip(first, theirs) if a != b),
+                                  (f"{len(first)} tensors", f"{len(theirs)} tensors"))
                 raise ValueError(
                     f"rank {rank}'s model differs from rank 0's (first difference: rank 0 has {difference[0]}, rank "
                     f"{rank} has {difference[1]}); every rank must build the same model before wrapping it")
+            if cut != first_cut:
+                raise ValueError(
+                    f"rank {rank} cuts the model into other slices than rank 0 (rank 0: {_slices_text(first_cut)}; "
+                    f"rank {rank}: {_slices_text(cut)}); gradients are averaged slice by slice, so every rank must "
+                    "pass the same num_slices (or the same slices) to OffloadModel")
 
     def _take_rank_zeros(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         source = dist.get_global_rank(self.group, 0)
@@ -310,3 +319,8 @@ def _zeros_at_places(grads: SliceGradients, views: list[torch.Tensor | None],
             buffer = torch.empty(grads.nbytes, dtype=torch.uint8)
         missing[j] = typed_view(buffer, place.offset, place.dtype, place.shape, place.stride)
     return missing
+
+
+def _slices_text(cut: list[list[str]]) -> str:
+    """Slices by their layers' names: ``[0, 1] [2, 3]``."""
+    return " ".join(f"[{', '.join(names)}]" for names in cut)

@@ -111,6 +111,44 @@ def different_models(rank: int, world_size: int, directory: str) -> None:
         save(directory, "different_models", rank, str(error))
 
 
+def unfreezing_layers() -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [nn.Sequential(nn.Linear(64, 8), nn.Tanh()), nn.Sequential(nn.Linear(8, 32), nn.Tanh()), nn.Linear(32, 2)]
+
+
+def unfreezing_data(step: int) -> torch.Tensor:
+    return torch.randn(8, 64, generator=torch.Generator().manual_seed(500 + step))
+
+
+def unfreeze_at_step_2(model: nn.Module, optimizer: torch.optim.Optimizer, rows: Any) -> None:
+    """AdamW over the last two layers, and at step 2 a group of the first one (unfrozen after a
+    warm-up), which moves the second layer's weight to the other rank in a fresh plan of owners."""
+    params = list(model.parameters())
+    for step in range(4):
+        if step == 2:
+            optimizer.add_param_group({"params": params[:2], "lr": 5e-3})
+        model(rows(step)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def sharded_add_param_group(rank: int, world_size: int, directory: str) -> None:
+    model = OffloadModel(unfreezing_layers(), device="cpu", process_group=dist.group.WORLD)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, [{"params": list(model.parameters())[2:]}], lr=1e-2,
+                                 fused=True)
+    unfreeze_at_step_2(model, optimizer, lambda step: unfreezing_data(step).chunk(world_size)[rank])
+    full = optimizer.consolidated_state_dict(to=0)
+    save(directory, "sharded_add_param_group", rank,
+         {"params": [p.detach().clone() for p in model.parameters()], "state": full})
+
+
+def different_slices(rank: int, world_size: int, directory: str) -> None:
+    try:
+        OffloadModel(network(seed=0), device="cpu", num_slices=3 if rank == 0 else 2, process_group=dist.group.WORLD)
+    except ValueError as error:
+        save(directory, "different_slices", rank, str(error))
+
+
 def one_rank_fails(rank: int, world_size: int, directory: str) -> None:
     model = OffloadModel(network(seed=0), device="cpu", num_slices=3, process_group=dist.group.WORLD)
     if rank == 1:
@@ -517,4 +555,5 @@ JOBS = {f.__name__: f for f in (train, no_sync, sharded, different_models, one_r
                                  hangs, nccl_one_gpu, tied,
                                  layouts, sharded_disk, sharded_masters, uneven_branch, branch_in_no_sync,
                                  frozen_on_one_rank, own_collectives, batchnorm_checkpoint, overlapping_groups,
-                                 sharded_update_fails_on_one_rank, update_fails_on_one_rank)}
+                                 sharded_update_fails_on_one_rank, update_fails_on_one_rank, different_slices,
+                                 sharded_add_param_group)}

@@ -191,6 +191,36 @@ def test_ranks_with_different_models_are_refused(tmp_path):
         assert error is not None and "differs from rank 0's" in error
 
 
+def test_a_group_added_to_a_sharded_optimizer_keeps_the_state_of_the_others(tmp_path):
+    """A group added after two steps (a layer unfrozen) makes a new plan of owners; parameters keep
+    the rank that holds their state, so AdamW's moments and step counts go on as the plain
+    optimizer's over the whole batch (a new owner would start them over: 0.03 apart)."""
+    from .dist_workers import unfreeze_at_step_2, unfreezing_data, unfreezing_layers
+
+    results = spawn("sharded_add_param_group", tmp_path)
+    model = nn.Sequential(*unfreezing_layers())
+    plain = torch.optim.AdamW([{"params": list(model.parameters())[2:]}], lr=1e-2, fused=True)
+    unfreeze_at_step_2(model, plain, unfreezing_data)
+    for a, b, want in zip(results[0]["params"], results[1]["params"], model.parameters()):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, want.detach(), **ROUNDING)
+    want_state = plain.state_dict()["state"]
+    got_state = results[0]["state"]["state"]
+    assert sorted(got_state) == sorted(want_state)
+    for k in want_state:
+        for key in want_state[k]:
+            torch.testing.assert_close(got_state[k][key], want_state[k][key], **ROUNDING)
+
+
+def test_ranks_that_cut_the_model_into_other_slices_are_refused(tmp_path):
+    """Gradients are averaged slice by slice: ranks whose slices differ would pair all-reduces of
+    other sizes (a gloo abort), so construction refuses them on every rank."""
+    errors = spawn("different_slices", tmp_path)
+    for error in errors:
+        assert error is not None and "rank 1 cuts the model into other slices than rank 0" in error
+        assert "pass the same num_slices" in error
+
+
 def branch_reference(steps: int, firsts: list[float]) -> tuple[list, list]:
     """One process on the whole batch, rank r's rows taking the branch ``firsts[r]`` picks: the
     first backward's gradients and the parameters after ``steps`` steps of SGD with momentum."""

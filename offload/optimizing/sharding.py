@@ -64,9 +64,13 @@ class Sharding:
         """Give each parameter of each slice (``ordered``: per slice, in memory order) an owner, and
         drop from ``state`` what other ranks own (its owner keeps it); per slice, the items this
         rank updates."""
+        # A parameter keeps the owner an earlier plan gave it (a group added after some steps): its
+        # state lives on that rank, and a new owner would start it over. Every rank made the same
+        # earlier plans, so they agree on this one too.
+        kept = {id(p): owner for params, slice_owners in self.shared.values() for p, owner in zip(params, slice_owners)}
         self.shared = {}
         owners_of = dict(zip(ordered, owners([[p for _, p, _ in items] for items in ordered.values()],
-                                             self.collectives.world_size)))
+                                             self.collectives.world_size, kept)))
         mine = {}
         for index, items in ordered.items():
             slice_owners = owners_of[index]
@@ -114,8 +118,9 @@ class Sharding:
         return {"state": dict(sorted(merged.items())), "param_groups": local["param_groups"]}
 
 
-def owners(slices: list[list[torch.Tensor]], world_size: int) -> list[list[int]]:
-    """Which rank updates each parameter of each slice (the same answer on every rank).
+def owners(slices: list[list[torch.Tensor]], world_size: int, kept: dict[int, int] | None = None) -> list[list[int]]:
+    """Which rank updates each parameter of each slice (the same answer on every rank); a
+    parameter in ``kept`` (by ``id``) keeps the rank given there.
 
     Slice by slice, each slice's parameters largest first, every parameter goes to the rank with
     the fewest elements so far, counted over the whole model: a rank takes a parameter only while
@@ -128,11 +133,21 @@ def owners(slices: list[list[torch.Tensor]], world_size: int) -> list[list[int]]
     Args:
         slices: per slice, its parameters that the optimizer steps.
         world_size: the number of ranks.
+        kept: owners an earlier plan gave (``add_param_group`` after some steps: their state is
+            on those ranks); the rest are placed around them as above, so the bound holds for
+            what is placed anew.
     """
+    kept = kept or {}
     load = [0] * world_size
-    chosen = [[0] * len(params) for params in slices]
+    for params in slices:
+        for p in params:
+            if id(p) in kept:
+                load[kept[id(p)]] += p.numel()
+    chosen = [[kept.get(id(p), 0) for p in params] for params in slices]
     for params, mine in zip(slices, chosen):
         for k in sorted(range(len(params)), key=lambda k: (-params[k].numel(), k)):
+            if id(params[k]) in kept:
+                continue
             rank = min(range(world_size), key=lambda r: (load[r], r))
             mine[k] = rank
             load[rank] += params[k].numel()
