@@ -142,6 +142,20 @@ def sharded_add_param_group(rank: int, world_size: int, directory: str) -> None:
          {"params": [p.detach().clone() for p in model.parameters()], "state": full})
 
 
+def load_missing_on_one_rank(rank: int, world_size: int, directory: str) -> None:
+    """Rank 1 is given a path that holds no checkpoint: every rank refuses the load, none waits."""
+    from offload import CheckpointError, load_checkpoint, save_checkpoint
+
+    model = OffloadModel(network(seed=0), device="cpu", num_slices=3, process_group=dist.group.WORLD)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
+    path = os.path.join(directory, "checkpoint")
+    save_checkpoint(path, model, optimizer)
+    try:
+        load_checkpoint(path if rank == 0 else path + "-typo", model, optimizer)
+    except CheckpointError as error:
+        save(directory, "load_missing_on_one_rank", rank, str(error))
+
+
 def different_slices(rank: int, world_size: int, directory: str) -> None:
     try:
         OffloadModel(network(seed=0), device="cpu", num_slices=3 if rank == 0 else 2, process_group=dist.group.WORLD)
@@ -556,4 +570,4 @@ JOBS = {f.__name__: f for f in (train, no_sync, sharded, different_models, one_r
                                  layouts, sharded_disk, sharded_masters, uneven_branch, branch_in_no_sync,
                                  frozen_on_one_rank, own_collectives, batchnorm_checkpoint, overlapping_groups,
                                  sharded_update_fails_on_one_rank, update_fails_on_one_rank, different_slices,
-                                 sharded_add_param_group)}
+                                 sharded_add_param_group, load_missing_on_one_rank)}

@@ -212,6 +212,15 @@ def test_a_group_added_to_a_sharded_optimizer_keeps_the_state_of_the_others(tmp_
             torch.testing.assert_close(got_state[k][key], want_state[k][key], **ROUNDING)
 
 
+def test_a_load_that_one_rank_refuses_is_refused_on_every_rank(tmp_path):
+    """Rank 1's path holds no checkpoint: it raises before any collective, and rank 0, instead of
+    waiting for it in one, raises a CheckpointError naming rank 1 and why."""
+    errors = spawn("load_missing_on_one_rank", tmp_path)
+    assert errors[1].startswith("no checkpoint at ") and "checkpoint-typo" in errors[1]
+    assert errors[0].startswith("nothing was loaded, since another rank refused: rank 1: CheckpointError: no "
+                                "checkpoint at ")
+
+
 def test_ranks_that_cut_the_model_into_other_slices_are_refused(tmp_path):
     """Gradients are averaged slice by slice: ranks whose slices differ would pair all-reduces of
     other sizes (a gloo abort), so construction refuses them on every rank."""
@@ -630,8 +639,8 @@ def test_a_save_that_one_rank_refuses_is_refused_on_every_rank(tmp_path):
     results = spawn("update_fails_on_one_rank", tmp_path)
     assert "raised" not in results[0] and "while updating slice" in results[1]["raised"]
     assert results[1]["save"].startswith("RuntimeError: this OffloadOptimizer's parameters and state mix two steps")
-    assert results[0]["save"].startswith("CheckpointError: nothing was saved, since another rank could not save: "
-                                         "rank 1 refused: RuntimeError: this OffloadOptimizer's parameters")
+    assert results[0]["save"].startswith("CheckpointError: nothing was saved, since another rank refused: "
+                                         "rank 1: RuntimeError: this OffloadOptimizer's parameters")
     for result in results:
         assert result["latest"] == "step-1"
         assert result["loaded"] and all(result["moved after load"])

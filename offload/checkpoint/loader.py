@@ -27,7 +27,7 @@ from .commit import committed
 from .contents import (_kept_parameters, _loads_on_disk, _masters_on_disk, _masters_releaser, _model_state,
                        _parameter_names, _release_masters, _set_rng_state)
 from .quant_states import format_differences, is_packed, read_packed, set_unreached
-from .ranks import _barrier, _group
+from .ranks import _agreed, _barrier, _group
 from ..tiers.disk_tier import DiskTierError
 from ..optimizer import OffloadOptimizer, load_beside_tier
 from .slice_load_planner import SliceWritingLoadPlanner
@@ -73,23 +73,11 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
             ``offload/checkpoint/slice_load_planner.py``).
     """
     _check_arguments("load_checkpoint", model, optimizer)
-    path = committed(Path(path))
-    info, metadata = _read(path)
-    model_state = _model_state(model)
-    _check_model(path, info, model, model_state)
-    names = _parameter_names(model)
-    if optimizer is not None:
-        groups = _check_optimizer(path, info, metadata, optimizer, names)
     group, rank, world_size = _group(model, optimizer, process_group)
-
-    state, wanted, on_disk = _state_to_load(model_state, optimizer, names, metadata)
+    # Each rank checks what it reads before any collective; a refusal on one is said on every rank.
+    path, metadata, model_state, names, groups, state, wanted, on_disk = _agreed(
+        group, lambda: _checked_load(Path(path), model, optimizer, rank, world_size), "loaded")
     rng_key = f"rng/{rank}"
-    if info["world_size"] == world_size and rng_key in metadata.state_dict_metadata:
-        state[rng_key] = None
-    state["extra"] = None
-    # The files this rank reads, checked whole before anything is loaded (Note: [Checkpoint checksums]).
-    verify_checksums(path, info.get("crc32"), {storage.relative_path for index, storage in
-                                               (metadata.storage_data or {}).items() if index.fqn in state})
     packed = _check_packed(path, metadata, model_state, state, group)
     stored = _read_data(path, model, optimizer, state, on_disk, group)
     set_unreached(model, packed, state)  # the model whole before anything else can raise
@@ -106,6 +94,32 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     if failure is not None:
         raise failure
     return state["extra"]
+
+
+def _checked_load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, rank: int,
+                  world_size: int) -> tuple[Any, ...]:
+    """What this rank loads, checked before anything is: the checkpoint directory, its metadata,
+    the model's state, parameter names, the optimizer's groups, DCP's state to fill and, as
+    :func:`_state_to_load` says, the optimizer's keys and what its disk tier keeps.
+
+    Raises:
+        CheckpointError: as :func:`load_checkpoint` says, before anything is loaded.
+    """
+    path = committed(path)
+    info, metadata = _read(path)
+    model_state = _model_state(model)
+    _check_model(path, info, model, model_state)
+    names = _parameter_names(model)
+    groups = None if optimizer is None else _check_optimizer(path, info, metadata, optimizer, names)
+    state, wanted, on_disk = _state_to_load(model_state, optimizer, names, metadata)
+    rng_key = f"rng/{rank}"
+    if info["world_size"] == world_size and rng_key in metadata.state_dict_metadata:
+        state[rng_key] = None
+    state["extra"] = None
+    # The files this rank reads, checked whole before anything is loaded (Note: [Checkpoint checksums]).
+    verify_checksums(path, info.get("crc32"), {storage.relative_path for index, storage in
+                                               (metadata.storage_data or {}).items() if index.fqn in state})
+    return path, metadata, model_state, names, groups, state, wanted, on_disk
 
 
 def _check_packed(path: Path, metadata: Metadata, model_state: dict[str, torch.Tensor], state: dict[str, Any],

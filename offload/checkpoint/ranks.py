@@ -86,11 +86,12 @@ def _on_rank_0(group: Any, rank: int, work: Any, failure: Any) -> None:
         raise CheckpointError(message) from raised
 
 
-def _agreed(group: Any, work: Callable[[], T]) -> T:
+def _agreed(group: Any, work: Callable[[], T], done: str = "saved") -> T:
     """``work()`` on every rank of ``group``; when it raised an ``Exception`` on any rank, raise on
     every rank, so that none goes on into a collective that another left: the rank that raised
-    its own exception, the others a :class:`CheckpointError` that names it and says why. A
-    rank-local refusal before a save (this rank's optimizer mixes two steps) is one."""
+    its own exception, the others a :class:`CheckpointError` that names it and says why (nothing
+    was ``done``). A rank-local refusal before a save (this rank's optimizer mixes two steps) or a
+    load (a path only this rank cannot read) is one."""
     try:
         result, error = work(), None
     except Exception as raised:
@@ -98,7 +99,7 @@ def _agreed(group: Any, work: Callable[[], T]) -> T:
     said = _gathered_list(group, None if error is None else f"{type(error).__name__}: {error}")
     if error is not None:
         raise error
-    refused = [f"rank {rank} refused: {message}" for rank, message in enumerate(said) if message is not None]
+    refused = [f"rank {rank}: {message}" for rank, message in enumerate(said) if message is not None]
     if refused:
-        raise CheckpointError("nothing was saved, since another rank could not save: " + "; ".join(refused))
+        raise CheckpointError(f"nothing was {done}, since another rank refused: " + "; ".join(refused))
     return result  # type: ignore[return-value]
