@@ -1,7 +1,9 @@
 """``OffloadModel``: the user-facing wrapper around an ``nn.Sequential``: its settings checked, its
 layers adopted into an engine, and its forward. What it hands off: where it computes and how
 ``.to()`` moves that (``offload/modeling/placement.py``), reads that wait for pending host updates
-(``offload/modeling/settled.py``), copies and pickles (``offload/modeling/copying.py``), the walk itself (``offload/walk/``, ``offload/autograd/``)."""
+(``offload/modeling/settled.py``), copies and pickles (``offload/modeling/copying.py``), its layers read as
+``nn.Sequential``'s and fixed once cut (``offload/modeling/structure.py``), the walk itself (``offload/walk/``,
+``offload/autograd/``)."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from .walk.slicing import layer_nbytes, partition
 from .walk.streamed import streamed_forward
 from .modeling.placement import compute_target, existing_device, host_conversion, may_move_compute, stays_on_compute
 from .modeling.copying import CopiedByLayers
+from .modeling.structure import FixedStructure, check_layers_unchanged
 
 #: Slices of an ``nn.Sequential`` when ``num_slices`` is not given (fewer where it has fewer layers).
 DEFAULT_NUM_SLICES = 3
@@ -51,7 +54,7 @@ def _make_eager_run() -> None:
     if _EAGER_RUN is None:
         _EAGER_RUN = torch.compiler.disable(_run)
 
-class OffloadModel(CopiedByLayers):
+class OffloadModel(CopiedByLayers, FixedStructure):
     """Train an ``nn.Sequential`` whose parameters live in host memory.
 
     The layers are cut into slices. Forward loads each slice to ``device`` just before it runs
@@ -70,7 +73,9 @@ class OffloadModel(CopiedByLayers):
     ``state_dict()`` keys match the plain ``nn.Sequential``'s and checkpoints move freely between
     the two. The parameters stay the same ``nn.Parameter`` objects (now in host memory, pinned when
     ``device`` is CUDA): an optimizer built on the original model's parameters or on
-    ``OffloadModel.parameters()`` trains the model.
+    ``OffloadModel.parameters()`` trains the model. ``model[k]``, ``len(model)`` and iteration read
+    the layers as on ``nn.Sequential``; setting, adding or deleting one afterwards is refused (Note:
+    [Layers fixed at wrapping] in ``offload/modeling/structure.py``), changes inside one are followed.
 
     Args:
         model: an ``nn.Sequential`` (sliced automatically), or a list of modules that are used as
@@ -299,6 +304,7 @@ def _run(model: OffloadModel, *args: Any, **kwargs: Any) -> Any:
     """The forward: the walk on one input, through the autograd Function where a graph is wanted."""
     _check_one_input(args, kwargs)
     engine = model._engine
+    check_layers_unchanged(model._modules, engine.slices)  # Note: [Layers fixed at wrapping]
     engine.refresh()
     _warn_microbatch_batchnorm(model)
     leaves, spec = flatten_input(args[0], model.compute_dtype)

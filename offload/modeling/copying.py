@@ -17,10 +17,14 @@ class CopiedByLayers(SettledModule):
     """The base of ``OffloadModel`` for ``copy.deepcopy``, ``copy.copy`` and pickling
     (``torch.save(model)``). The engine (kept in ``_engine``) holds streams, events, worker threads
     and pinned buffers, which neither copy nor pickle: a deep copy or a loaded pickle gets a new one,
-    built by the subclass's ``_adopt`` from its layers and how they were cut. A copy is local: it
-    never joins the original's process group, so building one needs no other rank."""
+    built by the subclass's ``_adopt`` from its layers and how they were cut. Everything else,
+    what was registered on the model itself included (hooks, parameters, buffers, attributes), is
+    copied as ``nn.Module`` copies it. A copy is local: it never joins the original's process
+    group, so building one needs no other rank."""
 
-    #: The attributes a deep copy takes over as they are (settings, not state): the subclass's.
+    #: The attributes a deep copy shares with the original rather than copies (settings, and a
+    #: ``DiskTier`` whose files are not the copy's to duplicate): the subclass's. Every other
+    #: attribute but the engine is copied.
     _copied_settings: ClassVar[tuple[str, ...]] = ("training",)
     #: Attributes a pickle from an older version lacks, with the value that version behaved as.
     _pickled_before: ClassVar[dict[str, Any]] = {}
@@ -30,14 +34,17 @@ class CopiedByLayers(SettledModule):
         raise NotImplementedError  # the subclass builds its engine
 
     def __deepcopy__(self, memo: dict[int, Any]) -> CopiedByLayers:
+        # Everything but the engine is copied as nn.Module's deep copy would (what was registered
+        # on the model itself too: hooks, parameters, buffers, plain attributes), in one pass, so a
+        # tensor both a layer and the model hold stays one tensor; settings are taken as they are.
         self._settle()
         twin = type(self).__new__(type(self))
-        nn.Module.__init__(twin)
         memo[id(self)] = twin
-        for name in self._copied_settings:
-            setattr(twin, name, getattr(self, name))
-        twin._adopt([(list(s.names), copy.deepcopy(s.layers, memo)) for s in self._engine.slices])
-        twin._data_parallel = None  # a copy is local: building one must not need the other ranks
+        kept = {name: self.__dict__[name] for name in self._copied_settings if name in self.__dict__}
+        state = {name: value for name, value in self.__dict__.items() if name not in kept and name != "_engine"}
+        state["_data_parallel"] = None  # a copy is local: building one must not need the other ranks
+        twin.__dict__.update(copy.deepcopy(state, memo), **kept)
+        twin._adopt([(list(s.names), [twin._modules[name] for name in s.names]) for s in self._engine.slices])
         return twin
 
     def __getstate__(self) -> dict[str, Any]:
