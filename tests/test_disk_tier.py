@@ -12,6 +12,7 @@ import os
 import threading
 import warnings
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -718,3 +719,87 @@ def test_a_directory_another_rank_makes_meanwhile_is_taken_as_it_is(tmp_path, mo
     monkeypatch.setattr(Path, "mkdir", another_rank_first)
     assert make_directory(target, "DiskTier path") is False
     assert target.is_dir()
+
+
+def kept_state(directory) -> dict[int, dict[str, torch.Tensor]]:
+    """What a kept tier's files hold, read through its manifest: per parameter, its state tensors."""
+    manifest = json.loads((directory / "manifest.json").read_text())
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for entry in manifest["slices"]:
+        raw = (directory / entry["file"]).read_bytes()
+        for f in entry["fields"]:
+            value = torch.frombuffer(bytearray(raw[f["offset"]:f["offset"] + f["nbytes"]]), dtype=torch.float32)
+            state.setdefault(f["param"], {})[f["key"]] = value.view(f["shape"])
+    return state
+
+
+def test_close_writes_state_held_after_a_failed_write_into_the_kept_files(tmp_path, monkeypatch):
+    # A write that failed (a full disk) holds its slice's state in RAM, which close() would let go.
+    runs = trio(torch.optim.AdamW, {"lr": 1e-2, "fused": True}, tmp_path, keep=True)[1:]
+    (_, ram), (_, optimizer) = runs
+    refusing = refuse_allocating(monkeypatch, "slice-00001.state")
+    train(runs, 1)
+    with pytest.raises(DiskTierError, match="slice-00001.state"):
+        optimizer.synchronize()
+    refusing.clear()  # space freed
+    directory = optimizer._tier.directory
+    optimizer.close()
+    ram.synchronize()
+    want, got = ram.state_dict()["state"], kept_state(directory)
+    assert [e["place"] for e in json.loads((directory / "manifest.json").read_text())["slices"]] == ["on disk"] * 3
+    assert got.keys() == want.keys()
+    for i in want:
+        for key, value in got[i].items():
+            torch.testing.assert_close(value, want[i][key], rtol=0, atol=0)
+
+
+def test_close_says_which_held_state_it_could_not_keep(tmp_path, monkeypatch):
+    model = OffloadModel(network(), device="cpu", num_slices=3)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, disk_tier=DiskTier(tmp_path, keep=True))
+    refuse_allocating(monkeypatch, "slice-00001.state")  # still full at close()
+    train([(model, optimizer)], 1)
+    with pytest.raises(DiskTierError):
+        optimizer.synchronize()
+    directory = optimizer._tier.directory
+    with pytest.raises(DiskTierError, match=r"close\(\) could not write the optimizer state of slice\(s\) 1 to .*"
+                                            r"No space left.*gone with the optimizer"):
+        optimizer.close()
+    places = [e["place"] for e in json.loads((directory / "manifest.json").read_text())["slices"]]
+    assert places == ["on disk", "held in RAM", "on disk"]
+    optimizer.close()  # closed: nothing more to say
+
+
+def test_close_says_the_kept_directory_was_removed_under_it(tmp_path):
+    model = OffloadModel(network(), device="cpu", num_slices=3)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, disk_tier=DiskTier(tmp_path, keep=True))
+    train([(model, optimizer)], 2)
+    optimizer.synchronize()
+    directory = optimizer._tier.directory
+    for path in directory.iterdir():
+        path.unlink()
+    directory.rmdir()
+    with pytest.raises(DiskTierError, match=rf"directory {directory} was removed while the optimizer used it: the "
+                                            r"state files went with it and nothing was kept"):
+        optimizer.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_relative_path_is_the_directory_it_named_when_made(tmp_path, monkeypatch):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    assert DiskTier("tier").path == str(tmp_path / "a" / "tier")
+    assert DiskTier(Path("tier")).path == tmp_path / "a" / "tier"
+    runs = trio(torch.optim.AdamW, {"lr": 1e-2, "fused": True}, Path("tier"))
+    # Masters on disk too: a slice laid out anew (a buffer added) makes a new file after the chdir.
+    masters = OffloadModel(network(), device="cpu", num_slices=3, compute_dtype=torch.bfloat16, masters="masters")
+    monkeypatch.chdir(tmp_path / "b")
+    train(runs, 3)  # the files are made at the first step, after the chdir
+    (plain_model, plain), _, (model, optimizer) = runs
+    assert_same(plain_model, plain, model, optimizer)
+    masters.get_submodule("4").register_buffer("extra", torch.zeros(3))
+    with torch.no_grad():
+        masters(batch(0))
+    optimizer.close()
+    assert os.listdir(tmp_path / "b") == []
+    assert os.listdir(tmp_path / "a" / "tier") == [] and (tmp_path / "a" / "masters").is_dir()

@@ -411,6 +411,38 @@ def test_a_disk_tier_is_checkpointed_beside_the_file_slice_by_slice(tmp_path: Pa
     assert_same_run(resumed, uninterrupted, resumed_weights, uninterrupted_weights)
 
 
+def test_a_weights_only_checkpoint_streams_nothing_of_a_disk_tier(tmp_path: Path) -> None:
+    def task() -> Task:
+        return Task(OffloadModel(mlp(), device="cpu", num_slices=3), mse, "offload", disk_tier=tmp_path / "tier")
+
+    trained = task()
+    weights = ModelCheckpoint(dirpath=tmp_path / "weights", save_weights_only=True, every_n_epochs=1)
+    run = fit(trained, tmp_path / "run", 1, mlp_data(), enable_checkpointing=True, callbacks=[weights],
+              strategy=OffloadStrategy("cpu"))
+    manual = tmp_path / "manual.ckpt"
+    run.save_checkpoint(manual)  # a whole checkpoint first: its state streamed beside it
+    assert (tmp_path / "manual.ckpt.offload").is_dir()
+    run.save_checkpoint(manual, weights_only=True)  # then the weights only, under the same name
+    files = [*(tmp_path / "weights").glob("*.ckpt"), manual]
+    assert len(files) == 2
+    want = trained.state_dict()
+    for file in files:
+        saved = torch.load(file, weights_only=False)
+        assert "optimizer_states" not in saved
+        assert not Path(f"{file}.offload").exists(), f"{file}: the optimizer's state was streamed beside it"
+        assert list(saved["state_dict"]) == list(want)
+        for name, value in want.items():
+            torch.testing.assert_close(saved["state_dict"][name], value, **EXACT, msg=lambda m: f"{name}: {m}")
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("manual")) == ["manual.ckpt"]
+    # It loads as Lightning loads any weights-only checkpoint: the weights, not a resume.
+    with pytest.raises(KeyError, match="save_weights_only"):
+        trainer(tmp_path / "resumed", 2, strategy=OffloadStrategy("cpu")).fit(task(), mlp_data(), ckpt_path=manual)
+    loaded = task()
+    loaded.load_state_dict(torch.load(manual, weights_only=False)["state_dict"])
+    for name, value in loaded.state_dict().items():
+        torch.testing.assert_close(value, want[name], **EXACT, msg=lambda m: f"{name}: {m}")
+
+
 def test_a_loaded_optimizer_state_stays_beside_its_parameters() -> None:
     # Lightning moves a loaded state to the accelerator: "meta" stands for one here.
     model = OffloadModel(mlp(), device="cpu", num_slices=3)

@@ -94,7 +94,10 @@ class OffloadStrategy(SingleDeviceStrategy):
        several threads] in ``offload/clipping.py``).
 
     Other optimizers, and an OffloadOptimizer without a disk tier, are saved in Lightning's file
-    as usual.
+    as usual. A weights-only checkpoint (``ModelCheckpoint(save_weights_only=True)``,
+    ``trainer.save_checkpoint(path, weights_only=True)``) streams nothing: no directory beside the
+    file (one an earlier save left under the same name is removed), and it loads as Lightning
+    loads any weights-only checkpoint.
 
     Example::
 
@@ -126,9 +129,15 @@ class OffloadStrategy(SingleDeviceStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | os.PathLike[str],
                         storage_options: Any = None) -> None:
         super().save_checkpoint(checkpoint, filepath, storage_options)
-        for optimizer in map(_unwrapped, self.optimizers):
-            if _streamed(optimizer):
-                save_checkpoint(_beside(filepath), optimizer.model, optimizer)
+        # Only the states Lightning asked for (optimizer_state() left the marker): a weights-only
+        # checkpoint (save_weights_only=True, weights_only=True) holds no "optimizer_states".
+        states = checkpoint.get("optimizer_states") or []
+        streamed = [o for o, state in zip(map(_unwrapped, self.optimizers), states)
+                    if isinstance(state, Mapping) and self.marker in state and _streamed(o)]
+        if not streamed and _beside(filepath).is_dir():
+            shutil.rmtree(_beside(filepath))  # an earlier save's under this name: the file no longer names it
+        for optimizer in streamed:
+            save_checkpoint(_beside(filepath), optimizer.model, optimizer)
 
     def remove_checkpoint(self, filepath: str | os.PathLike[str]) -> None:
         super().remove_checkpoint(filepath)

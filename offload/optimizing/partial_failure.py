@@ -34,12 +34,21 @@ Note: [An update that failed part way]
        ``offload/streams/collectives.py``). The others are :meth:`told` so by the exchange: they
        latch the mix too and raise a :class:`~offload.HostUpdateError` naming that rank at their
        next wait, once a step (:meth:`raise_told`), so every rank refuses the same saves.
+    6. A hand-off that raises part way (Ctrl-C's ``KeyboardInterrupt`` between two slices, or
+       any error there) withdraws nothing it queued: an update queued before the error runs, is
+       registered with the waits like any other (its state written, its masters written back:
+       ``stepping.py``, Note: [Disk tier failures] in ``offload/tiers/disk_tier.py``), and those
+       not handed over do not run. When a step's hand-off (from ``step()``'s first update, or
+       ``update_in_backward``'s, to its last) raises after some update was handed over and before
+       all were, the mix is latched at once (:meth:`interrupted`), naming the slices updated;
+       when none was, nothing changed and nothing is latched. An update run in the caller's
+       thread that raised inside (a resident slice's) is rule 2's.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +78,8 @@ class PartialFailure:
         # the slices, and whether this rank was told. Written by the exchange's worker.
         self._lock = threading.Lock()
         self._told: tuple[int, dict[int, set[int]], bool] = (-1, {}, False)
+        # Slices whose update the step being handed over handed over (rule 6); -1: parameters outside the model.
+        self._this_step: set[int] = set()
 
     # -- the updates ---------------------------------------------------------------------------------
 
@@ -79,11 +90,39 @@ class PartialFailure:
             self._changing = set()
         handed = Handed(index, in_caller=in_caller)
         self._unfinished.add(handed)
+        self._this_step.add(index)
         return handed
 
     def withdrawn(self, handed: Handed) -> None:
         """The update was not handed over after all (its submission raised)."""
         self._unfinished.discard(handed)
+        self._this_step.discard(handed.index)
+
+    def step_begins(self, started: Collection[int]) -> None:
+        """``step()`` starts handing its updates over; the slices ``started`` had theirs handed over
+        in backward already (``update_in_backward``)."""
+        self._this_step = set(started)
+
+    def step_handed(self) -> None:
+        """Every update of the step was handed over."""
+        self._this_step = set()
+
+    def handed_this_step(self, index: int) -> bool:
+        """Whether slice ``index``'s update was handed over in the step being handed over."""
+        return index in self._this_step
+
+    def interrupted(self, error: BaseException, left: Collection[int] | None, during: str) -> None:
+        """A step's hand-off raised ``error`` part way (rule 6), ``during`` what, leaving the updates
+        of slices ``left`` (``None``: those it had not reached) not handed over: latch the mix when
+        some update was handed over and some left."""
+        if any(h.in_caller for h in self._unfinished):
+            return  # an update in the caller raised inside it: rule 2 latches that, naming it
+        updated, self._this_step = self._this_step, set()
+        if updated and (left is None or left):
+            left_text = (f"{_named(set(left))} left as they were" if left is not None else
+                         "the slices it had not reached (and any parameters outside the model) left as they were")
+            self.mixed(f"{during} raised {type(error).__name__} while it handed the updates over: "
+                       f"{_named(updated)} updated (or being updated), {left_text}")
 
     def run(self, handed: Handed, update: Callable[[], None]) -> None:
         """Run ``update`` (one slice's optimizer call), noting that it changes host memory from
@@ -123,7 +162,7 @@ class PartialFailure:
 
     def forget(self) -> None:
         """A load replaced the state (and, through ``load_checkpoint``, the parameters): no mix."""
-        self._unfinished, self._changing, self._mixed = set(), set(), None
+        self._unfinished, self._changing, self._mixed, self._this_step = set(), set(), None, set()
         with self._lock:
             self._told = (-1, {}, False)
 

@@ -81,22 +81,27 @@ class SliceUpdates:
         with the gradients and hyperparameters ``hyper`` captured now."""
         self.start_worker()
         self._steps += 1
-        for step in steps:
-            if self.sharding is not None:  # the event of the exchange that follows this rank's part
-                update = functools.partial(self._hand_update, step, hyper, grad_scale, found_inf)
-                told = functools.partial(self.failure.told, self._steps, step.index,
-                                         self.sharding.collectives.world_size)
-                updated = self.sharding.submit(step, update, told)
-            else:
-                updated = self._submit_update(step, hyper, grad_scale, found_inf)
-            if updated is not None:
-                self.engine.updates.submitted(step.index, updated)
-                self._write_masters(step.index, updated)
-        for step in rest:
-            step.bind()
-            grads = [p.grad for p in step.whole.params]  # type: ignore[union-attr]
-            self.failure.run(self.failure.handing(-1, in_caller=True),
-                             functools.partial(step.run, grads, hyper, grad_scale, found_inf))
+        try:
+            for step in steps:
+                if self.sharding is not None:  # the event of the exchange that follows this rank's part
+                    update = functools.partial(self._hand_update, step, hyper, grad_scale, found_inf)
+                    told = functools.partial(self.failure.told, self._steps, step.index,
+                                             self.sharding.collectives.world_size)
+                    updated = self.sharding.submit(step, update, told)
+                else:
+                    updated = self._submit_update(step, hyper, grad_scale, found_inf)
+                if updated is not None:
+                    self._register(step.index, updated)
+            for step in rest:
+                step.bind()
+                grads = [p.grad for p in step.whole.params]  # type: ignore[union-attr]
+                self.failure.run(self.failure.handing(-1, in_caller=True),
+                                 functools.partial(step.run, grads, hyper, grad_scale, found_inf))
+        except BaseException as error:
+            # Note: [An update that failed part way], rule 6: what was handed over runs, the rest does not.
+            self.failure.interrupted(error, _left(steps, rest, self.failure.handed_this_step), "step()")
+            raise
+        self.failure.step_handed()
 
     def run_now(self, steps: Sequence[SliceStep], hyper: list[dict[str, Any]], grad_scale: torch.Tensor | None,
                 found_inf: torch.Tensor | None, started: Collection[int] = ()) -> None:
@@ -105,20 +110,31 @@ class SliceUpdates:
         that produced their gradients and before the next forward's loads of them, with no wait on
         the host. ``grad_scale`` and ``found_inf`` are GradScaler's, on the device; ``started``:
         the later slices whose update backward started already (their error note says so)."""
-        for step in steps:
-            if step.whole is None:
-                continue
-            grads = [p.grad for p in step.whole.params]
-            if all(g is None for g in grads):
-                continue
-            step.bind()
-            try:
-                self.failure.run(self.failure.handing(step.index, in_caller=True),
-                                 functools.partial(step.run, grads, hyper, grad_scale, found_inf))
-            except HostUpdateError as error:
-                if started:
-                    error.add_note(f"The update of slices {sorted(started)} ran in backward already (update_in_backward).")
-                raise
+        self.failure.step_begins(started)
+        try:
+            for step in steps:
+                self._run_resident(step, hyper, grad_scale, found_inf, started)
+        except BaseException as error:
+            # Note: [An update that failed part way], rule 6: the streamed slices follow, not handed over yet.
+            self.failure.interrupted(error, None, "step()")
+            raise
+
+    def _run_resident(self, step: SliceStep, hyper: list[dict[str, Any]], grad_scale: torch.Tensor | None,
+                      found_inf: torch.Tensor | None, started: Collection[int]) -> None:
+        """Step one resident slice here and now (:meth:`run_now`)."""
+        if step.whole is None:
+            return
+        grads = [p.grad for p in step.whole.params]
+        if all(g is None for g in grads):
+            return
+        step.bind()
+        try:
+            self.failure.run(self.failure.handing(step.index, in_caller=True),
+                             functools.partial(step.run, grads, hyper, grad_scale, found_inf))
+        except HostUpdateError as error:
+            if started:
+                error.add_note(f"The update of slices {sorted(started)} ran in backward already (update_in_backward).")
+            raise
 
     def submit_one(self, step: SliceStep, grads: list[torch.Tensor | None], hyper: list[dict[str, Any]],
                    after: Sequence[Event | None]) -> None:
@@ -126,10 +142,16 @@ class SliceUpdates:
         the events ``after`` (the copy that brings them to the host): what backward starts (Note:
         [Update in backward] in ``in_backward.py``)."""
         self.start_worker()
-        updated = self._submit_update(step, hyper, None, None, grads, after)
+        try:
+            updated = self._submit_update(step, hyper, None, None, grads, after)
+        except BaseException as error:
+            if self.failure.handed_this_step(step.index):
+                # Queued, then interrupted: backward does not count it as started (Note: [An update
+                # that failed part way], rule 6).
+                self.failure.interrupted(error, None, "a backward (update_in_backward)")
+            raise
         if updated is not None:
-            self.engine.updates.submitted(step.index, updated)
-            self._write_masters(step.index, updated)
+            self._register(step.index, updated)
 
     def raise_late(self) -> None:
         """Raise what a sharded step left for this thread (registered with the engine's waits): this
@@ -198,11 +220,33 @@ class SliceUpdates:
         try:
             handed.event = self._submit(step.index, work, [*after, self.engine.updates.event(step.index)])
         except BaseException:
-            self.failure.withdrawn(handed)
-            if owed is not None:
-                self.engine.updates.owe(step.index, owed)  # not submitted: still owed
+            self._hand_off_raised(step.index, handed, owed)
             raise
         return handed
+
+    def _hand_off_raised(self, index: int, handed: Handed, owed: Any) -> None:
+        """Slice ``index``'s hand-off raised (an interrupt: Note: [An update that failed part way],
+        rule 6). An update the disk tier queued before it runs whatever follows: it is registered
+        with the waits, as any update. One not queued is withdrawn, the work owed on the slice owed
+        again, and its masters on disk written back and dropped, as for an update that is skipped
+        (they may have been read in for it)."""
+        tier = self.disk.tier
+        handed.event = tier.queued_updates.get(index) if tier is not None else None
+        if handed.event is not None:
+            self._register(index, handed.event)
+            return
+        self.failure.withdrawn(handed)
+        if owed is not None:
+            self.engine.updates.owe(index, owed)  # not submitted: still owed
+        self._write_masters(index, None)
+
+    def _register(self, index: int, updated: Event) -> None:
+        """Slice ``index``'s update (or a sharded one's exchange), ``updated``, was queued: the next
+        load of the slice waits for it, and with masters on disk they are written back after it."""
+        try:
+            self.engine.updates.submitted(index, updated)
+        finally:
+            self._write_masters(index, updated)
 
     def _submit(self, index: int, work: Callable[[], None], waits: Sequence[Event | None] = ()) -> Event:
         """Run slice ``index``'s update on the update worker after the events ``waits`` (its masters
@@ -229,3 +273,13 @@ class SliceUpdates:
         back with its masters; ``None`` otherwise."""
         home = self.engine.slices[index].storage.gradient_home
         return home.file if home is not None and not home.is_idle() else None
+
+
+def _left(steps: Sequence[SliceStep], rest: Sequence[SliceStep], handed: Callable[[int], bool]) -> list[int]:
+    """The slices of ``steps`` (and ``-1``, the parameters outside the model, for ``rest``) with a
+    gradient whose update was not ``handed`` over: those a step's hand-off that raised left."""
+    left = [s.index for s in steps if s.whole is not None and not handed(s.index)
+            and any(p.grad is not None for p in s.whole.params)]
+    if rest and not handed(-1) and any(p.grad is not None for s in rest if s.whole is not None for p in s.whole.params):
+        left.append(-1)
+    return left

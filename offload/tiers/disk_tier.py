@@ -49,6 +49,17 @@ Note: [Disk tier failures]
     Once space is freed, the next ``step()`` writes the held state first, then steps as usual: so
     the error raised by a wait says the step is done and to carry on (a ``step()`` again with the
     same gradients would apply them twice), and the one raised by ``step()`` to call it again.
+
+    An interrupt (Ctrl-C's ``KeyboardInterrupt``, or any error) while :meth:`StateTier.submit`
+    queues a slice's pieces withdraws nothing already queued: the write is queued after the last
+    piece that was (tried a second time if its own submission raised), so a queued update's state
+    reaches the file and a queued read's buffer stays taken until it is done; the update's event
+    stays known (``StateTier.queued_updates``) for the caller to register with its waits (Note:
+    [An update that failed part way], rule 6, in ``offload/optimizing/partial_failure.py``).
+
+    With ``keep=True``, ``close()`` writes held state again before the manifest, and raises
+    :class:`DiskTierError` naming the slices it still could not write (their files keep an older
+    step's state), or saying that the directory was removed under the optimizer.
 """
 
 from __future__ import annotations
@@ -95,10 +106,12 @@ class DiskTier:
     Args:
         path: a directory on a local disk (an NVMe drive at best). Each optimizer makes a fresh
             directory inside it (``offload-state-*``), so several optimizers and processes can share
-            ``path``.
+            ``path``. ``~`` is expanded and a relative path made absolute when the ``DiskTier`` is
+            made: a later ``os.chdir`` does not move the files.
         keep: leave the files when the optimizer is closed or garbage-collected; ``close()`` also
             writes a ``manifest.json`` describing their layout (for inspection; resume from
-            ``optimizer.state_dict()``). Default: removed.
+            ``optimizer.state_dict()``), after writing again any state held in RAM by a failed
+            write (it raises :class:`DiskTierError` naming what it could not keep). Default: removed.
         direct: use direct I/O (``O_DIRECT``) where the filesystem takes it. With ``False`` the
             page cache keeps a second copy of the state in RAM (it can be reclaimed, but it is
             counted as used memory until then) and reads may seem faster than the disk.
@@ -119,7 +132,9 @@ class DiskTier:
         if not isinstance(self.path, (str, os.PathLike)) or not str(self.path):
             raise TypeError(f"DiskTier path must be a directory path (a str or os.PathLike), got {self.path!r}")
         # ``~`` as the shell would expand it: left alone, the files would go to a directory named ``~`` here.
-        expanded = os.path.expanduser(self.path)
+        # Absolute once, now: a relative path read after an ``os.chdir`` would name another directory,
+        # where the files made later (a slice's first write, a masters file laid out anew) are not.
+        expanded = os.path.abspath(os.path.expanduser(self.path))
         object.__setattr__(self, "path", expanded if isinstance(self.path, str) else pathlib.Path(expanded))
         for name in ("keep", "direct"):
             value = getattr(self, name)
@@ -152,6 +167,7 @@ class StateTier:
         self.records: dict[int, SliceRecord] = {}
         self._window = Window()
         self._last_write: Event | None = None
+        self.queued_updates: dict[int, Event] = {}  # each slice's update queued since the last flush, for the caller
         self._freed_state = False  # state copied in from elsewhere and freed since the last flush
         #: Set when a load failed after writing slices (Note: [Slice-by-slice load]): what the mix is.
         self.partly_loaded: str | None = None
@@ -211,20 +227,26 @@ class StateTier:
             self._reader = self.copies.new_worker("disk read")
             self._writer = self.copies.new_worker("disk write")
             self.files.workers += [self._reader, self._writer]
-        assert self._writer is not None
         record = self.records[index]
         slot = self._window.next(index, record.nbytes)
-        # The buffer is free once the write of the slice that used it last has read it.
-        read = self.copies.submit(self._reader, functools.partial(record.read, slot, slot.region),
-                                  after=[slot.free])
-        # The update reads what the read wrote into the buffer.
-        update = self.copies.submit(update_worker, functools.partial(self._update, record, work), after=[read, *after],
-                                    key=index)
-        # The write reads the state the update left.
-        write = self.copies.submit(self._writer, functools.partial(record.write, self.files), after=[update])
-        slot.free = write
-        self._last_write = write
-        return update
+        queued: Event | None = None  # the last piece queued, which the write follows
+        assert self._writer is not None
+        try:
+            # The buffer is free once the write of the slice that used it last has read it.
+            queued = read = self.copies.submit(self._reader, functools.partial(record.read, slot, slot.region),
+                                               after=[slot.free])
+            # The update reads what the read wrote into the buffer.
+            queued = self.queued_updates[index] = self.copies.submit(
+                update_worker, functools.partial(self._update, record, work), after=[read, *after], key=index)
+        finally:
+            if queued is not None:  # even when interrupted: what was queued runs (Note: [Disk tier failures])
+                write = functools.partial(record.write, self.files)
+                try:  # the write reads the state the update left
+                    slot.free = self._last_write = self.copies.submit(self._writer, write, after=[queued])
+                except BaseException:  # an interrupt: once more, or that state would never reach the file
+                    slot.free = self._last_write = self.copies.submit(self._writer, write, after=[queued])
+                    raise
+        return queued
 
     def _update(self, record: SliceRecord, work: Callable[[], None]) -> None:
         if record.read_error is not None:
@@ -254,7 +276,7 @@ class StateTier:
         """
         # The caller reads the records and the files next: the writes must be done.
         self.copies.wait_host(self._last_write)
-        self._last_write = None
+        self._last_write, self.queued_updates = None, {}
         # Nothing is pending: the next step's turns start afresh (Note: [The window's arena], rule 4).
         self._window.restart([(i, r.nbytes) for i, r in sorted(self.records.items()) if r.layout is not None])
         if self._freed_state:
@@ -286,24 +308,20 @@ class StateTier:
     def check_loaded(self, doing: str) -> None:
         """Raise if a load failed part way (:meth:`load_failed`): ``doing`` would use the mix."""
         if self.partly_loaded is not None:
-            raise RuntimeError(
-                f"this OffloadOptimizer's state is partly loaded: {self.partly_loaded}. {doing} would use that mix; "
-                "load a checkpoint first (load_checkpoint(), or load_state_dict()).")
+            raise RuntimeError(_partly_loaded(self.partly_loaded, doing))
 
     def slice_state(self, index: int) -> SliceState:
         """Copies of slice ``index``'s state tensors kept on disk (none for a slice the tier does not
         hold); the caller must have flushed."""
         self._check_open()
-        record = self.records.get(index)
-        return record.copies(self._window) if record is not None else {}
+        return record.copies(self._window) if (record := self.records.get(index)) is not None else {}
 
     def slice_layout(self, index: int) -> SliceState:
         """Stand-ins for slice ``index``'s state tensors kept on disk, without reading its file: each
         has the tensor's shape and dtype over a single element (zero strides). A checkpoint plans
         from them and reads the slice with :meth:`slice_state` when it writes it."""
         self._check_open()
-        record = self.records.get(index)
-        return record.stand_ins() if record is not None else {}
+        return record.stand_ins() if (record := self.records.get(index)) is not None else {}
 
     def add_to_state_dict(self, packed: dict[str, Any], index_of: dict[int, int]) -> None:
         """Put the state on disk into a packed ``state_dict()``, one slice at a time."""
@@ -373,16 +391,15 @@ class StateTier:
             # The writer may still be writing the last step's slices (the update does not wait for
             # them): a file closed or removed under it would leak, or keep the step before's state.
             self.copies.wait_host(self._last_write)
-            self._last_write = None
-            if self.keep:
-                self.files.write_manifest(_manifest(self.records.values(), index_of))
+            lost = _keep(self.files, self.records.values(), index_of) if self.keep else None
         finally:
             self.files.remove()
-        # Nothing left to hold: the window goes, and memory_footprint() counts no disk bytes.
-        self._window.clear()
-        for record in self.records.values():
-            record.buffer = None
-            record.place = Place.RAM
+            # Nothing left to hold: the window goes, and memory_footprint() counts no disk bytes.
+            self._window.clear()
+            for record in self.records.values():
+                record.buffer, record.place = None, Place.RAM
+        if lost is not None:
+            raise DiskTierError(lost)
 
 
 def _read_failure(index: int, error: OSError) -> HostUpdateError:
@@ -391,6 +408,39 @@ def _read_failure(index: int, error: OSError) -> HostUpdateError:
     return HostUpdateError(
         f"could not read the optimizer state of slice {index} from {error.filename} ({error.strerror}): slice "
         f"{index} and the slices after it were left as they were; slices before it are updated")
+
+
+def _keep(files: StateFiles, records: Collection[SliceRecord], index_of: dict[int, int]) -> str | None:
+    """With ``keep``, at :meth:`StateTier.close`: write again the state held in RAM after a failed
+    write (it goes with the optimizer), then the manifest; what was not kept, or ``None``."""
+    held = [r for r in records if r.place is Place.HELD]
+    for record in held:
+        record.write(files)
+    still = [r for r in held if r.place is Place.HELD]
+    gone = not files.directory.is_dir()
+    try:
+        files.write_manifest(_manifest(records, index_of))
+    except OSError as error:
+        if gone:
+            return (f"the kept disk tier's directory {files.directory} was removed while the optimizer used it: "
+                    "the state files went with it and nothing was kept. To keep the state, save a checkpoint "
+                    "(offload.save_checkpoint, or optimizer.state_dict()) before close(), and leave the directory "
+                    "alone while training")
+        return (f"could not write the manifest of the kept disk tier in {files.directory} ({error.strerror}, "
+                f"errno {error.errno}); the state files are there, without their layout")
+    return _not_kept(files, still) if still else None
+
+
+def _not_kept(files: StateFiles, held: list[SliceRecord]) -> str:
+    """What :meth:`StateTier.close` raises when ``held`` slices' state, held in RAM after a failed
+    write, could not be written at close either: it went with the optimizer."""
+    first = held[0].write_error
+    assert first is not None
+    indices = ", ".join(str(r.index) for r in held)
+    return (f"close() could not write the optimizer state of slice(s) {indices} to {files.directory} "
+            f"({first.strerror}, errno {first.errno}): it was held in RAM after a failed write and is gone with the "
+            "optimizer, so the kept files of those slices hold an older step's state, or nothing (manifest.json "
+            "marks them 'held in RAM'). Free space (or fix the disk) and save a checkpoint before close() to keep it")
 
 
 def _to_report(held: list[SliceRecord], files: StateFiles, when: str) -> list[SliceRecord]:
@@ -431,6 +481,12 @@ def _failure_message(files: StateFiles, held: list[SliceRecord], when: str) -> s
         f"the disk tier could not write the optimizer state of slice(s) {indices} to {paths}: "
         f"{first.strerror} (errno {first.errno}); {size_text(total)} needed on the filesystem of "
         f"{files.directory}. " + advice)
+
+
+def _partly_loaded(mix: str, doing: str) -> str:
+    """What :meth:`StateTier.check_loaded` raises: ``doing`` would use the ``mix`` a failed load left."""
+    return (f"this OffloadOptimizer's state is partly loaded: {mix}. {doing} would use that mix; load a checkpoint "
+            "first (load_checkpoint(), or load_state_dict()).")
 
 
 def _mix_message(written: Sequence[int], source: str) -> str:
