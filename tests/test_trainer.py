@@ -237,6 +237,39 @@ def test_label_smoothing_with_the_loss_in_the_head_is_refused_with_advice(tmp_pa
         model(input_ids=ids)
 
 
+def test_metrics_and_predictions_are_refused_the_logits_the_loss_in_the_head_does_not_return(tmp_path):
+    """With loss_chunk_tokens the output has no logits: compute_metrics (with preprocess_logits_for_metrics
+    or without) and predict() raise saying what to do, where the Trainer would hand them an empty tuple
+    (Note: [What the trainers cannot get from the model], rule 4). The loss alone still evaluates, the
+    plain model's to float32 rounding, and trains and evaluates under bf16 (Accelerate reads the
+    placeholder's dtype there)."""
+    model = OffloadedCausalLM(llama(), device="cpu", num_slices=2, loss_chunk_tokens=8)
+    advice = r"returns no logits.*prediction_loss_only=True.*built without loss_chunk_tokens"
+
+    def accuracy(prediction) -> dict[str, float]:
+        return {"accuracy": float((prediction.predictions == prediction.label_ids).mean())}
+
+    for extra in ({}, {"preprocess_logits_for_metrics": lambda logits, labels: logits.argmax(-1)}):
+        trainer = transformers.Trainer(model=model, args=arguments(tmp_path, eval_strategy="no"), eval_dataset=EVAL,
+                                       compute_metrics=accuracy, **extra)
+        with pytest.raises(TypeError, match=advice):
+            trainer.evaluate()
+    with pytest.raises(TypeError, match=advice):
+        transformers.Trainer(model=model, args=arguments(tmp_path, eval_strategy="no")).predict(EVAL)
+    args = arguments(tmp_path, eval_strategy="no", prediction_loss_only=True)
+    metrics = transformers.Trainer(model=model, args=args, eval_dataset=EVAL, compute_metrics=accuracy).evaluate()
+    plain = transformers.Trainer(model=llama(), args=arguments(tmp_path / "plain", eval_strategy="no"),
+                                 eval_dataset=EVAL).evaluate()
+    assert "eval_accuracy" not in metrics
+    torch.testing.assert_close(metrics["eval_loss"], plain["eval_loss"], rtol=1e-5, atol=0)
+    # Training prepares the model: under bf16 its outputs pass through Accelerate's float32 conversion.
+    model = OffloadedCausalLM(llama(), device="cpu", num_slices=2, loss_chunk_tokens=8)
+    trainer = transformers.Trainer(model=model, args=arguments(tmp_path, max_steps=2, bf16=True), train_dataset=TRAIN,
+                                   eval_dataset=EVAL)
+    trainer.train()
+    assert [key for key, _, _ in logged(trainer)] == ["loss", "grad_norm", "loss", "grad_norm", "eval_loss"]
+
+
 def gpt2() -> torch.nn.Module:
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64, pad_token_id=0,
@@ -489,7 +522,8 @@ def test_a_chunked_loss_is_the_models_to_float32_rounding():
     model = OffloadedCausalLM(hf, device="cpu", num_slices=2, loss_chunk_tokens=5)
     ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
     output = model(input_ids=ids, labels=ids)
-    assert output.logits is None
+    with pytest.raises(TypeError, match="returns no logits"):  # a placeholder: rule 4 of Note: [What the trainers
+        output.logits.float()                                    # cannot get from the model]
     torch.testing.assert_close(output.loss, hf(input_ids=ids, labels=ids).loss, rtol=1e-6, atol=0)
 
 

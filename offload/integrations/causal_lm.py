@@ -36,7 +36,9 @@ Note: [What the trainers read from the model]
        the weight's dtype, where the compute device is another. Correct, and bit for bit the plain
        model's on the CPU, but on a GPU that projection (``B x T x hidden`` by ``vocab x hidden``)
        runs on the CPU: for a large vocabulary, ``transformers.Trainer`` with ``loss_chunk_tokens``
-       computes the loss on the device instead.
+       computes the loss on the device instead. A PEFT adapter on ``lm_head`` is refused there: the
+       caller would project through its frozen base weight (Note: [What the trainers cannot get from
+       the model], rule 1, in ``transformers_refusals.py``, with the other refusals).
     7. ``_get_name()`` is the wrapped model's class name (``LlamaForCausalLM``): with
        ``label_smoothing_factor`` the Trainer takes the labels out of the batch and shifts them for
        its label smoother only for a model so named in ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``. Nothing
@@ -60,6 +62,8 @@ from ..optimizer import OffloadOptimizer
 from .peft import peft_base_model
 from .transformers_loading import load_causal_lm, stored_into_stages
 from .transformers_batch import LAST_HIDDEN_STATE
+from .transformers_refusals import (MissingLogits, refuse_adapter_on_head, refuse_router_logits,
+                                    refuse_trainer_arguments, refuse_update_in_backward)
 from .transformers_saving import positional_save_arguments, save_causal_lm, save_options
 from .transformers_stages import CausalLMSequential, causal_lm_sequential
 
@@ -107,8 +111,9 @@ class OffloadedCausalLM(PreTrainedModel):
     The loss is computed from the logits as the model computes it (``loss_function`` with
     ``num_items_in_batch``). With ``loss_chunk_tokens`` the head computes it instead, a chunk of
     tokens at a time, without the batch's logits on the device (Note: [Chunked loss] in
-    ``offload/integrations/transformers_stages.py``); the output then has no logits, and the loss equals
-    the model's to float32 rounding.
+    ``offload/integrations/transformers_stages.py``); the output then has no logits (a placeholder that
+    raises at its first use, rule 4 of Note: [What the trainers cannot get from the model]), and the
+    loss equals the model's to float32 rounding.
 
     Args:
         model: a ``transformers`` causal LM that ``causal_lm_sequential`` supports, or a ``PeftModel`` of one
@@ -258,8 +263,8 @@ class OffloadedCausalLM(PreTrainedModel):
 
         Raises:
             ValueError: an ``optim`` the Trainer builds from the model itself (GaLore, LOMO, ...), which
-                cannot step slice by slice; ``update_in_backward`` (:func:`_refuse_update_in_backward`);
-                ``args`` this model cannot train under (:func:`_refuse_trainer_arguments`).
+                cannot step slice by slice; ``update_in_backward``; ``args`` this model cannot train under
+                (:func:`~.transformers_refusals.refuse_trainer_arguments`).
         """
         return _trainer_optimizer(self, args, options)
 
@@ -287,8 +292,8 @@ class OffloadedCausalLM(PreTrainedModel):
 
         Raises:
             TypeError: no ``input_ids``, or a keyword the offloaded stages cannot honour
-                (``inputs_embeds``, ``output_router_logits=True``, ...); with ``loss_chunk_tokens``,
-                no labels or a ``logits_to_keep``.
+                (``inputs_embeds``, ``output_router_logits=True`` in the call or the config, ...); with
+                ``loss_chunk_tokens``, no labels or a ``logits_to_keep``.
         """
         # shift_labels among the keywords, as in the model's signature: Trainer takes every argument
         # named like a label for a label its batches must hold before it computes an eval loss.
@@ -315,18 +320,7 @@ class OffloadedCausalLM(PreTrainedModel):
 
     def _batch(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
                position_ids: torch.Tensor | None, kwargs: Mapping[str, Any]) -> dict[str, Any]:
-        refused = sorted(key for key, value in kwargs.items()
-                         if key not in _IGNORED and value is not None and value is not False)
-        refused += [key for key in ("output_attentions", "output_hidden_states") if kwargs.get(key)]
-        if input_ids is None or refused:
-            what = f"it cannot honour {', '.join(refused)}" if refused else "it needs input_ids"
-            raise TypeError(
-                f"OffloadedCausalLM.forward takes input_ids, attention_mask, position_ids, labels (or shift_labels) "
-                f"and num_items_in_batch; {what}. With transformers.Trainer keep "
-                "remove_unused_columns=True (the default) so that other dataset columns are dropped"
-            )
-        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-        return {key: value for key, value in batch.items() if value is not None}
+        return _batch_of(self.config, input_ids, attention_mask, position_ids, kwargs)
 
     # -- saving and loading --------------------------------------------------------------------
 
@@ -365,6 +359,7 @@ class _HiddenStates:
     def __call__(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                  position_ids: torch.Tensor | None = None, **kwargs: Any) -> BaseModelOutputWithPast:
         return_dict = kwargs.pop("return_dict", None)
+        refuse_adapter_on_head(self.model.get_output_embeddings())  # the caller projects through its weight
         batch = self.model._batch(input_ids, attention_mask, position_ids, kwargs)
         hidden = self.model.offloaded({**batch, LAST_HIDDEN_STATE: True})
         weight = self.model.get_output_embeddings().weight
@@ -374,6 +369,24 @@ class _HiddenStates:
             # a float32 weight there).
             hidden = hidden.to(weight.device, weight.dtype)
         return _as_returned(BaseModelOutputWithPast(last_hidden_state=hidden), return_dict, self.model.config)
+
+
+def _batch_of(config: Any, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
+              position_ids: torch.Tensor | None, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The stages' batch from a forward's arguments; a ``TypeError`` for those they cannot honour."""
+    refuse_router_logits(config, kwargs)  # Note: [What the trainers cannot get from the model], rule 3
+    refused = sorted(key for key, value in kwargs.items()
+                     if key not in _IGNORED and value is not None and value is not False)
+    refused += [key for key in ("output_attentions", "output_hidden_states") if kwargs.get(key)]
+    if input_ids is None or refused:
+        what = f"it cannot honour {', '.join(refused)}" if refused else "it needs input_ids"
+        raise TypeError(
+            f"OffloadedCausalLM.forward takes input_ids, attention_mask, position_ids, labels (or shift_labels) "
+            f"and num_items_in_batch; {what}. With transformers.Trainer keep "
+            "remove_unused_columns=True (the default) so that other dataset columns are dropped"
+        )
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+    return {key: value for key, value in batch.items() if value is not None}
 
 
 def _cut(model: nn.Module, loss_chunk_tokens: int | None, untie_embeddings: bool) -> CausalLMSequential:
@@ -411,7 +424,8 @@ def _chunked_loss(offloaded: OffloadModel, batch: dict[str, Any], labels: torch.
         count = CausalLMSequential.count_loss_tokens(labels, shift_labels=shift_labels)
     if isinstance(count, torch.Tensor):
         count = count.to(sums.device)
-    return CausalLMOutputWithPast(loss=sums.sum() / count)
+    # Note: [What the trainers cannot get from the model], rule 4: no logits, and any use says so.
+    return CausalLMOutputWithPast(loss=sums.sum() / count, logits=MissingLogits())
 
 
 def _as_returned(output: Any, return_dict: bool | None, config: Any) -> Any:
@@ -522,8 +536,8 @@ def _trainer_optimizer(model: OffloadedCausalLM, args: Any, options: dict[str, A
     """:meth:`OffloadedCausalLM.offload_optimizer`."""
     from transformers import Trainer
 
-    _refuse_update_in_backward(options)
-    _refuse_trainer_arguments(model, args)
+    refuse_update_in_backward(options)
+    refuse_trainer_arguments(model, args)
 
     optimizer_class, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)) or {
@@ -545,32 +559,3 @@ def _decay_groups(model: OffloadedCausalLM, weight_decay: float) -> list[dict[st
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     return [{"params": [p for name, p in named if name in decayed], "weight_decay": weight_decay},
             {"params": [p for name, p in named if name not in decayed], "weight_decay": 0.0}]
-
-
-def _refuse_trainer_arguments(model: OffloadedCausalLM, args: Any) -> None:
-    """Raise for the Trainer's arguments this model cannot train under, before any step rather than
-    at the first step or after the last (Note: [What the trainers read from the model])."""
-    if getattr(args, "label_smoothing_factor", 0) and model.stages.loss_chunk_tokens is not None:
-        raise ValueError(
-            "label_smoothing_factor needs the logits, and this OffloadedCausalLM computes the loss in its head "
-            "(loss_chunk_tokens) without them: build the model without loss_chunk_tokens, or train with "
-            "label_smoothing_factor=0")
-    if getattr(args, "load_best_model_at_end", False) and model.peft_model is not None:
-        raise ValueError(
-            "load_best_model_at_end cannot load the best adapters into an OffloadedCausalLM: the Trainer reloads "
-            "adapters only into a PeftModel it trains directly, and would look for the whole model's weights in the "
-            "checkpoint. Set load_best_model_at_end=False (metric_for_best_model alone still records "
-            "trainer.state.best_model_checkpoint) and load the best adapters afterwards: "
-            "peft.PeftModel.from_pretrained(base_model, trainer.state.best_model_checkpoint)")
-
-
-def _refuse_update_in_backward(options: dict[str, Any]) -> None:
-    """Raise for ``update_in_backward``: between backward and ``step()`` the Trainer rewrites every
-    gradient in place (it clips them, or, to log their norm, clips them at an infinite norm: a
-    multiplication by one that OffloadOptimizer's check cannot tell from a real change)."""
-    if options.get("update_in_backward"):
-        raise ValueError(
-            "update_in_backward cannot be used under transformers.Trainer: between backward and optimizer.step() "
-            "the Trainer rewrites every gradient in place (clip_grad_norm_; transformers 5.24 does so at an infinite "
-            "norm when max_grad_norm=0, to log the norm), after the update has read them. Leave update_in_backward "
-            "out here; use it in a loop of your own or with Accelerate or Lightning, without clipping")

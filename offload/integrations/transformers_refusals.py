@@ -1,0 +1,191 @@
+"""What the Hugging Face trainers can ask of an :class:`~offload.integrations.causal_lm.OffloadedCausalLM`
+that it cannot give, refused with what to do instead, where the model would otherwise train or
+evaluate differently from the plain model, or fail somewhere deep inside.
+
+This file holds the checks, and the placeholder for missing logits; ``causal_lm.py`` calls them:
+``offload_optimizer`` the checks of the trainer's arguments (:func:`refuse_trainer_arguments`, before
+any step), the forward and ``base_model`` those of what arrives there. It imports neither
+transformers nor TRL nor PEFT.
+
+Note: [What the trainers cannot get from the model]
+    1. An adapter on ``lm_head`` under a head that projects through its weight. TRL's fused LM
+       head (``SFTTrainer``, ``DPOTrainer``, ``KTOTrainer``) calls ``model.base_model`` for the
+       hidden states and multiplies them by ``model.get_output_embeddings().weight`` itself: for a
+       PEFT layer (LoRA, IA3, ...) that is the frozen base weight, so the adapter would get no
+       gradient and never train. TRL refuses this for a ``PeftModel``, by ``isinstance``, which an
+       OffloadedCausalLM is not; ``base_model`` refuses it here, for any caller. The model's own
+       forward runs the adapted ``lm_head`` module (``Head.logits``) and trains it.
+    2. The reference of ``DPOTrainer`` and ``KTOTrainer``. For a ``PeftModel`` without
+       ``ref_model`` they take the reference from the model itself (a frozen copy of its adapters,
+       or the adapters disabled); they decide so by ``isinstance`` too, so for an OffloadedCausalLM
+       they load the base model a second time from ``config._name_or_path``, whole and not
+       offloaded, without the adapters (or fail with an ``OSError`` for a model never saved).
+       ``offload_optimizer`` refuses their arguments unless ``precompute_ref_log_probs=True``: the
+       reference log-probabilities are then computed once before the first step by the model
+       itself, its adapters as they are then, which is the ``PeftModel``'s reference, bit for bit
+       (``tests/test_trl.py``), or by the ``ref_model`` passed. The trainer's own optimizer goes
+       unchecked: the model never sees the trainer.
+    3. A mixture of experts' load-balancing loss. The model adds ``router_aux_loss_coef`` times a
+       loss computed from every layer's router logits when ``output_router_logits`` is asked for;
+       the offloaded slices pass on only the hidden states, so the stages can return neither.
+       TRL's trainers ask for it unless ``router_aux_loss_coef=0.0`` (their default, ``None``,
+       takes the model config's coefficient); ``offload_optimizer`` refuses their arguments, and
+       the forward (and ``base_model``) refuse ``output_router_logits=True`` from the config or the
+       call, naming the setting that turns it off.
+    4. Logits from a loss computed in the head (``loss_chunk_tokens``). ``Trainer.prediction_step``
+       gathers every field of the output but the loss as the predictions: with no ``logits`` field
+       ``compute_metrics`` would get an empty tuple. The output's ``logits`` is
+       :class:`MissingLogits` instead, which raises at its first use (the Trainer's ``detach()``
+       before the metrics), while an evaluation of the loss alone (``prediction_loss_only``, or no
+       ``compute_metrics``) gathers it but never uses it.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["MissingLogits", "refuse_adapter_on_head", "refuse_reference_from_path", "refuse_router_logits",
+           "refuse_router_loss", "refuse_trainer_arguments", "refuse_update_in_backward"]
+
+_NO_LOGITS = (
+    "this OffloadedCausalLM computes the loss in its head (loss_chunk_tokens) and returns no logits, which "
+    "compute_metrics, preprocess_logits_for_metrics and Trainer.predict() need. Evaluate the loss alone "
+    "(TrainingArguments(prediction_loss_only=True), or no compute_metrics), or evaluate and predict with a model "
+    "built without loss_chunk_tokens (after training, from the folder trainer.save_model wrote)")
+
+
+class MissingLogits(torch.Tensor):
+    """The ``logits`` of an output whose loss the head computed: there are none, and any use says so
+    (rule 4 of Note: [What the trainers cannot get from the model]).
+
+    A tensor (empty), because the walks over an output that the Trainer and Accelerate make pass
+    tensors along and reject anything else with a message of their own (``pad_across_processes``);
+    every torch operation on it raises a ``TypeError`` that says what to do, the Trainer's
+    ``detach()`` before the metrics first. Reading its ``dtype`` is allowed: Accelerate's float32
+    conversion of a mixed-precision model's outputs reads every tensor's, on the loss-only path too.
+    """
+
+    @staticmethod
+    def __new__(cls) -> MissingLogits:
+        return torch.Tensor._make_subclass(cls, torch.empty(0))
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in _READABLE:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        raise TypeError(_NO_LOGITS)
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return "MissingLogits()"
+
+
+#: What may be read of :class:`MissingLogits` (see there).
+_READABLE = {torch.Tensor.dtype.__get__}
+
+
+def refuse_trainer_arguments(model: Any, args: Any) -> None:
+    """Raise for the Trainer's arguments this model cannot train under, before any step rather than
+    at the first step or after the last (Note: [What the trainers read from the model]). ``model``
+    is an ``OffloadedCausalLM``."""
+    if getattr(args, "label_smoothing_factor", 0) and model.stages.loss_chunk_tokens is not None:
+        raise ValueError(
+            "label_smoothing_factor needs the logits, and this OffloadedCausalLM computes the loss in its head "
+            "(loss_chunk_tokens) without them: build the model without loss_chunk_tokens, or train with "
+            "label_smoothing_factor=0")
+    if getattr(args, "load_best_model_at_end", False) and model.peft_model is not None:
+        raise ValueError(
+            "load_best_model_at_end cannot load the best adapters into an OffloadedCausalLM: the Trainer reloads "
+            "adapters only into a PeftModel it trains directly, and would look for the whole model's weights in the "
+            "checkpoint. Set load_best_model_at_end=False (metric_for_best_model alone still records "
+            "trainer.state.best_model_checkpoint) and load the best adapters afterwards: "
+            "peft.PeftModel.from_pretrained(base_model, trainer.state.best_model_checkpoint)")
+    # Note: [What the trainers cannot get from the model], rules 2 and 3.
+    refuse_reference_from_path(args, model.peft_model is not None)
+    refuse_router_loss(model.config, args)
+
+
+def refuse_update_in_backward(options: dict[str, Any]) -> None:
+    """Raise for ``update_in_backward``: between backward and ``step()`` the Trainer rewrites every
+    gradient in place (it clips them, or, to log their norm, clips them at an infinite norm: a
+    multiplication by one that OffloadOptimizer's check cannot tell from a real change)."""
+    if options.get("update_in_backward"):
+        raise ValueError(
+            "update_in_backward cannot be used under transformers.Trainer: between backward and optimizer.step() "
+            "the Trainer rewrites every gradient in place (clip_grad_norm_; transformers 5.24 does so at an infinite "
+            "norm when max_grad_norm=0, to log the norm), after the update has read them. Leave update_in_backward "
+            "out here; use it in a loop of your own or with Accelerate or Lightning, without clipping")
+
+
+def refuse_adapter_on_head(output_embeddings: nn.Module) -> None:
+    """Raise when ``output_embeddings`` is a PEFT adapter layer, whose weight is the frozen base
+    weight: a caller of ``base_model`` projects through that weight and the adapter never trains
+    (rule 1 of Note: [What the trainers cannot get from the model])."""
+    tuners = getattr(getattr(sys.modules.get("peft"), "tuners", None), "tuners_utils", None)
+    layer_class = getattr(tuners, "BaseTunerLayer", None)
+    if layer_class is not None and isinstance(output_embeddings, layer_class):
+        raise ValueError(
+            f"lm_head is a PEFT adapter layer ({type(output_embeddings).__name__}), and the caller of base_model "
+            "(TRL's fused LM head: SFTTrainer, DPOTrainer, KTOTrainer) projects the hidden states through "
+            "get_output_embeddings().weight, its frozen base weight: the adapter would never be trained (TRL refuses "
+            "the same for a PeftModel). Remove 'lm_head' from target_modules (modules_to_save=['lm_head'] trains a "
+            "copy of the whole head, which that projection reads), or train with transformers.Trainer, whose forward "
+            "runs the adapted lm_head")
+
+
+def refuse_reference_from_path(args: Any, is_peft: bool) -> None:
+    """Raise for DPO- and KTO-like arguments (those with ``precompute_ref_log_probs``) without it, for
+    a model holding PEFT adapters (rule 2 of Note: [What the trainers cannot get from the model])."""
+    if not is_peft or not hasattr(args, "precompute_ref_log_probs") or args.precompute_ref_log_probs:
+        return
+    trainer = type(args).__name__.removesuffix("Config") + "Trainer"
+    raise ValueError(
+        f"TRL's {trainer} does not see the PeftModel inside an OffloadedCausalLM: without a ref_model it would load "
+        "the base model a second time from config._name_or_path, whole and not offloaded, and take it without the "
+        "adapters for the reference (or fail to load it, for a model never saved), where for the PeftModel it takes "
+        f"the model with its adapters as they are before the first step. Pass {type(args).__name__}("
+        "precompute_ref_log_probs=True): the reference log-probabilities are then computed once before training, by "
+        "this model with its adapters (the PeftModel's reference) or by the ref_model you pass")
+
+
+def refuse_router_loss(config: Any, args: Any) -> None:
+    """Raise where the trainer's arguments or the model's config ask for a mixture of experts' load-balancing
+    loss (rule 3 of Note: [What the trainers cannot get from the model]). TRL's rule: a model whose
+    config has ``output_router_logits`` gets the loss unless the coefficient, the argument's or else
+    the config's, is zero."""
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if not hasattr(text_config, "output_router_logits"):
+        return
+    given = getattr(args, "router_aux_loss_coef", None)
+    coefficient = getattr(text_config, "router_aux_loss_coef", 0.0) if given is None else given
+    if text_config.output_router_logits:
+        asked = "output_router_logits=True in the model's config"
+    elif hasattr(args, "router_aux_loss_coef") and coefficient != 0:
+        asked = f"{type(args).__name__}(router_aux_loss_coef={given!r}) weights it by {coefficient}"
+    else:
+        return
+    raise ValueError(_router_message(asked))
+
+
+def refuse_router_logits(config: Any, kwargs: Mapping[str, Any]) -> None:
+    """Raise for ``output_router_logits=True`` in a forward's arguments or in the model's config (rule 3
+    of Note: [What the trainers cannot get from the model])."""
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if kwargs.get("output_router_logits") or getattr(text_config, "output_router_logits", False):
+        where = "the call" if kwargs.get("output_router_logits") else "the model's config"
+        raise TypeError(_router_message(f"output_router_logits=True in {where}"))
+
+
+def _router_message(asked: str) -> str:
+    return (
+        f"an OffloadedCausalLM cannot add a mixture of experts' load-balancing loss ({asked}): it is computed from "
+        "every layer's router logits, and the offloaded slices pass on only the hidden states. Train on the "
+        "language-modelling loss alone: with TRL's trainers pass router_aux_loss_coef=0.0 in their config "
+        "(SFTConfig(router_aux_loss_coef=0.0), DPOConfig, KTOConfig), which otherwise takes the model config's "
+        "coefficient; elsewhere leave output_router_logits off (config.output_router_logits = False, and no "
+        "output_router_logits=True in the call)")
