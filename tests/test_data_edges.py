@@ -120,3 +120,17 @@ def test_a_seq_len_past_a_models_learned_positions_is_refused_before_the_model_i
     assert (f"--seq-len 33 is more than the 32 positions of --model {folder} (gpt2 learns one embedding per "
             "position: n_positions in its config.json); give --seq-len 32 or less") in capsys.readouterr().err
     assert parse_args([*flags, "--seq-len", "32"]).seq_len == 32
+
+
+def test_messages_that_hold_text_are_refused_unless_named_as_the_text_field(tmp_path):
+    """A 'messages' field found by its name promises a chat: text there (a chat serialised to a
+    string by mistake) is refused, saying how to train on it anyway; named with --text-field, it
+    is the text."""
+    path = tmp_path / "chats.jsonl"
+    path.write_text(json.dumps({"messages": "lorem ipsum dolor"}) + "\n", encoding="utf-8")
+    tokenizer = byte_tokenizer()
+    with pytest.raises(DataFormatError, match=r"record 1: field 'messages' holds text, not a list of chat messages "
+                                              r".*--text-field messages"):
+        next(token_blocks(path, tokenizer, 4))
+    named = [b for b in token_blocks(path, tokenizer, 4, text_field="messages")]
+    assert named and all(b.shape == (4,) for b in named)

@@ -264,8 +264,15 @@ def _records(rows: Iterable[tuple[int, Any]], path: Path, tokenizer: Any,
                 f"{path}, record {number}: has no {wanted}; its keys are {sorted(record)}. "
                 f"Name the field that holds the text with --text-field (text_field=...)")
         value = record[field]
-        if isinstance(value, str):
+        if isinstance(value, str) and (text_field is not None or field == "text"):
             yield value, True, True
+        elif isinstance(value, str):
+            # Found by its name, "messages" promises a chat: text there is more likely a chat
+            # serialised by mistake than the corpus, which --text-field says outright.
+            raise DataFormatError(
+                f"{path}, record {number}: field 'messages' holds text, not a list of chat messages "
+                "({'role': ..., 'content': ...}); if that text is what to train on, say so with --text-field messages "
+                "(text_field='messages')")
         elif isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value):
             yield _chat(value, tokenizer, path, number), True, False
         else:
