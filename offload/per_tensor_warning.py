@@ -12,25 +12,22 @@ implementation (a ``fused`` setting: Adam, AdamW, SGD, Adagrad) are warned about
 from __future__ import annotations
 
 import warnings
-import weakref
 from typing import Any
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-#: Every parameter an OffloadModel holds, by id (weakly: models may be dropped). Not a WeakSet:
-#: its membership test compares tensors with ``==``.
-_offloaded: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+from .walk.engine import held_by_an_engine
 
 
 def register(parameters: list[torch.Tensor]) -> None:
-    """Remember parameters that an OffloadModel holds."""
-    for p in parameters:
-        _offloaded[id(p)] = p
+    """Nothing to remember: the engines say which parameters they hold (``held_by_an_engine``),
+    by id, holding no weak reference to any, which would stop ``torch.utils.swap_tensors``."""
 
 
 def is_offloaded(p: torch.Tensor) -> bool:
-    return _offloaded.get(id(p)) is p
+    return held_by_an_engine(p)
+
 
 _state = {"installed": False, "warned": False}
 

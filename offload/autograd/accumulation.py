@@ -57,11 +57,12 @@ Note: [Gradients added in place]
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Container, Iterable, Sequence
 from typing import Any
 
 import torch
+
+from ..walk.engine import engines_holding
 
 
 def in_place_targets(ctx: Any, params: Sequence[torch.Tensor], first_edge: int, needed: Sequence[bool],
@@ -112,7 +113,7 @@ def in_place_targets(ctx: Any, params: Sequence[torch.Tensor], first_edge: int, 
         if not accumulates:
             continue
         candidates[k] = True
-        if grad is not None and (id(p) in any_grad or id(p) in onto_earlier or still_zeroed(grad)):
+        if grad is not None and (id(p) in any_grad or id(p) in onto_earlier or still_zeroed(p, grad)):
             targets[k] = grad  # rule 6, or its waivers
     return targets, candidates
 
@@ -121,28 +122,37 @@ def mark_zeroed(params: Iterable[torch.Tensor]) -> None:
     """Remember that ``params``' ``.grad`` were just zeroed in place (rule 6)."""
     for p in params:
         if p.grad is not None:
-            _remember(p.grad)
+            _remember(p, p.grad)
 
 
-def restore_zeroed(targets: Iterable[torch.Tensor]) -> None:
-    """Zero again the ``.grad`` a failed backward added into, and remember them as zeroed (rule 6)."""
+def restore_zeroed(targets: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Zero again the ``.grad`` a failed backward added into, given as ``(parameter, .grad)``
+    pairs, and remember them as zeroed (rule 6)."""
     with torch.no_grad():
-        for grad in targets:
+        for p, grad in targets:
             grad.zero_()
-            _remember(grad)
+            _remember(p, grad)
 
 
-#: id(.grad) -> (a weak reference to it, its version counter when it was zeroed); an entry goes
-#: with its tensor. Keyed by id: tensors compare elementwise, so they cannot be dict keys.
-_ZEROED: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+# What was zeroed lives on the engines that hold the parameter (``Engine.zeroed_gradients``), by
+# the parameter's id, with the ``.grad``'s id, address and version counter as it was zeroed: no
+# weak reference to either, which would stop torch.utils.swap_tensors (``.to(dtype)`` under
+# torch.__future__.set_swap_module_params_on_conversion swaps each ``.grad`` too). A ``.grad``
+# replaced since by another tensor at the same id and address, at the same version, would be
+# taken for the zeroed one.
 
 
-def _remember(grad: torch.Tensor) -> None:
-    key = id(grad)
-    _ZEROED[key] = (weakref.ref(grad, lambda _: _ZEROED.pop(key, None)), grad._version)
+def _mark(grad: torch.Tensor) -> tuple[int, int, int]:
+    # A sparse .grad has no address of its own; it is never added into in place (rule 2) anyway.
+    return id(grad), grad.data_ptr() if grad.layout == torch.strided else 0, grad._version
 
 
-def still_zeroed(grad: torch.Tensor) -> bool:
-    """Whether ``grad`` holds the zeros :func:`mark_zeroed` remembered, unchanged since."""
-    entry = _ZEROED.get(id(grad))
-    return entry is not None and entry[0]() is grad and entry[1] == grad._version
+def _remember(p: torch.Tensor, grad: torch.Tensor) -> None:
+    for engine in engines_holding(p):
+        engine.zeroed_gradients[id(p)] = _mark(grad)
+
+
+def still_zeroed(p: torch.Tensor, grad: torch.Tensor) -> bool:
+    """Whether ``grad``, ``p``'s ``.grad``, holds the zeros :func:`mark_zeroed` remembered, unchanged since."""
+    engines = engines_holding(p)
+    return bool(engines) and all(e.zeroed_gradients.get(id(p)) == _mark(grad) for e in engines)

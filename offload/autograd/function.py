@@ -27,7 +27,7 @@ from ..walk.microbatch import split_leaves
 from ..walk.slice_walk import SliceWalk
 from .call import Call
 from .gradients import BackwardGradients, retain_graph_requested, split_output_grads
-from . import outside_gradients
+from . import outside_gradients, refusals
 from .records import BoundaryLoader, CallRecord, ForwardRecords, OffloadedGraph
 from .slice_graph import Boundary, differentiate, graph_of, is_differentiable, requires_grad, run_forward
 
@@ -39,6 +39,12 @@ class OffloadFunction(torch.autograd.Function):
     ``plan`` is the model's :class:`~offload.walk.activation_policy.ActivationPlan`.
     """
 
+    @classmethod
+    def apply(cls, *args: Any) -> Any:
+        # Before autograd sees the call: Note: [Transforms the walk refuses] in refusals.py.
+        refusals.refuse_at_call(args[1], args[4:])
+        return super().apply(*args)
+
     @staticmethod
     def forward(ctx: Any, engine: Engine, call: Call, plan: ActivationPlan, num_microbatches: int,
                 *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -46,6 +52,7 @@ class OffloadFunction(torch.autograd.Function):
         input_tensors = tensors[:call.num_input_tensors]
         leaves = call.input_with(input_tensors)
         microbatches, split = split_leaves(leaves, num_microbatches)
+        in_cached_block = refusals.refuse_cached_parametrizations(engine, split.count)
         plan.check_recomputed([bool(s.storage.companions) for s in engine.slices])
         records = ForwardRecords(engine, split.count, plan)
         # Chunks and device copies are made under no_grad, so remember what the caller's inputs required.
@@ -82,7 +89,13 @@ class OffloadFunction(torch.autograd.Function):
         ctx.run = CallRecord.of(engine, call, split, records, input_tensors)
         outside_gradients.called(engine, ctx)  # Note: [Adding onto earlier gradients], step 2
         ctx.save_for_backward(*records.saved_for_backward())
+        if in_cached_block:
+            refusals.forward_done(engine)
         return outputs
+
+    @staticmethod
+    def jvp(ctx: Any, *grad_inputs: Any) -> Any:
+        raise RuntimeError(refusals.FORWARD_AD)  # a tangent apply did not see (on a parameter, say)
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
@@ -94,6 +107,7 @@ class OffloadFunction(torch.autograd.Function):
             )
         saved = ctx.saved_tensors  # raises PyTorch's own error on a second backward without retain_graph
         run: CallRecord = ctx.run
+        refusals.refuse_batched_grads(ctx, run.call.num_input_tensors, len(run.engine.parameters()), grad_outputs)
         run.check_versions()
         retain_graph = retain_graph_requested()
         grads = BackwardGradients(ctx, run)

@@ -63,7 +63,7 @@ def retain_graph_requested() -> bool:
     return True if getter is None else bool(getter())
 
 
-def _needed_grads(ctx: Any, count: int) -> list[bool]:
+def needed_grads(ctx: Any, count: int) -> list[bool]:
     """Per tensor argument of forward, whether this backward must produce its gradient.
 
     ``ctx.needs_input_grad`` says what requires grad; the engine knows what this particular
@@ -140,7 +140,7 @@ class BackwardGradients:
         engine = run.engine
         num_inputs = len(run.input_meta)
         sizes = [len(s.storage.params) for s in engine.slices]
-        needed = _needed_grads(ctx, num_inputs + sum(sizes))
+        needed = needed_grads(ctx, num_inputs + sum(sizes))
         # A parameter frozen since forward (requires_grad_(False)) gets no gradient, as autograd's
         # accumulation skips a leaf that no longer requires grad: nothing is computed for it here.
         needed[num_inputs:] = [wanted and p.requires_grad for wanted, p in zip(needed[num_inputs:], engine.parameters())]
@@ -175,7 +175,7 @@ class BackwardGradients:
         self._homes = not milestones.rewrite_gradients
         # What a failed backward can zero again: .grad that held zeros (rule 6); the others (taken
         # by the backward that starts the update, or added onto earlier gradients) cannot be undone.
-        self._undoable = {id(t) for t in into if t is not None and still_zeroed(t)}
+        self._undoable = {id(t): p for p, t in zip(params, into) if t is not None and still_zeroed(p, t)}
         self._watched = self._watch(params, into, candidates, final)
         # - Gradients on their way
         self._slice: SliceGradients | None = None  # the current slice's, while its microbatches run
@@ -261,7 +261,7 @@ class BackwardGradients:
             outside_gradients.abandon()  # the backward's end, which judges what it watched, never comes
         # A failed backward leaves .grad as autograd would: rule 6 of Note: [Gradients added in place].
         added = [g for _, p in self._pending for g in p.added]
-        restore_zeroed(g for g in added if id(g) in self._undoable)
+        restore_zeroed((self._undoable[id(g)], g) for g in added if id(g) in self._undoable)
         kept = any(id(g) not in self._undoable for g in added)
         if not isinstance(exc[0], BaseException):
             return

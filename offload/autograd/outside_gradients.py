@@ -55,21 +55,22 @@ from typing import Any
 
 import torch
 
-#: id(parameter) -> (a weak reference to it, whether it is known clean); an entry goes with its
-#: parameter. Keyed by id: tensors compare elementwise, so they cannot be dict keys.
-_KNOWN: dict[int, tuple[weakref.ref[torch.Tensor], bool]] = {}
+from ..walk.engine import engines_holding
+
+# What is known of a parameter lives on the engines that hold it (``Engine.known_sources``), by id:
+# a weak reference to the parameter would stop torch.utils.swap_tensors (load_state_dict and .to()
+# under torch.__future__.set_swap_module_params_on_conversion).
 
 
 def known_clean(param: torch.Tensor) -> bool:
     """Whether a watched backward saw ``param`` receive gradients from its model only (step 1)."""
-    entry = _KNOWN.get(id(param))
-    return entry is not None and entry[0]() is param and entry[1]
+    verdicts = [e.known_sources.get(id(param)) for e in engines_holding(param)]
+    return bool(verdicts) and all(verdicts)
 
 
 def known(param: torch.Tensor) -> bool:
     """Whether a watched backward judged ``param`` already, clean or outside."""
-    entry = _KNOWN.get(id(param))
-    return entry is not None and entry[0]() is param
+    return any(id(param) in e.known_sources for e in engines_holding(param))
 
 
 #: Each model's calls whose graphs are alive (their Function nodes, by engine).
@@ -98,11 +99,9 @@ def alone(engine: Any, node: Any) -> bool:
 
 
 def _learn(param: torch.Tensor, clean: bool) -> None:
-    key = id(param)
-    entry = _KNOWN.get(key)
-    if entry is not None and entry[0]() is param:
-        clean = clean and entry[1]  # once outside, always outside
-    _KNOWN[key] = (weakref.ref(param, lambda _: _KNOWN.pop(key, None)), clean)
+    for engine in engines_holding(param):
+        # Once outside, always outside.
+        engine.known_sources[id(param)] = clean and engine.known_sources.get(id(param), True)
 
 
 def identity(t: torch.Tensor | None) -> tuple[Any, ...] | None:
@@ -116,7 +115,7 @@ def identity(t: torch.Tensor | None) -> tuple[Any, ...] | None:
 
 @dataclass
 class _Watched:
-    param: weakref.ref[torch.Tensor]
+    param: torch.Tensor  # held until the backward ends: a weak reference would stop swap_tensors
     name: str
     onto_earlier: bool
     #: identity of what backward returned for it (``None``: nothing, or added in place)
@@ -176,7 +175,7 @@ def watch(params: Iterable[tuple[torch.Tensor, bool]], names: Callable[[torch.Te
             watched.onto_earlier |= onto_earlier
             watched.on_outside = watched.on_outside or on_outside
             continue
-        watched = task.watched[id(param)] = _Watched(weakref.ref(param), names(param), onto_earlier,
+        watched = task.watched[id(param)] = _Watched(param, names(param), onto_earlier,
                                                      on_outside=on_outside)
         node = torch.autograd.graph.get_gradient_edge(param).node
 
@@ -216,9 +215,7 @@ def _task_done(task: _Task) -> None:
     task.close()
     spoiled = []
     for watched in task.watched.values():
-        param = watched.param()
-        if param is None:
-            continue
+        param = watched.param
         if watched.outside and watched.onto_earlier:
             spoiled.append(watched.name)
         _learn(param, not watched.outside)

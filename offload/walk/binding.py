@@ -4,6 +4,19 @@ A slice runs its layers unchanged; for the duration of the call each registratio
 parameter or buffer (``module._parameters[name]`` / ``module._buffers[name]``) holds the device copy
 instead of the host copy, and gets the host copy back afterwards, also when the layer raises. The
 same mechanism as :func:`torch.func.functional_call`, without its per-call name resolution.
+
+Note: [Parametrizations cached around a run]
+    Inside ``torch.nn.utils.parametrize.cached()`` a parametrized tensor is computed once per
+    module and reused, keyed by the module alone. A run binds new device copies each time, so an
+    entry cached by an earlier run (or outside the model, from the host copies) is a tensor of
+    other leaves: a recompute that took it would differentiate the forward's discarded graph,
+    not its own, and the parametrization's ``original`` would get no gradient. So while the
+    caller's cache is on, each binding gets a cache of its own for its duration: the layers still
+    cache (a weight used twice in one run is computed once, as in the plain model), and the
+    caller's entries are back untouched afterwards. Each run computes the parametrization again,
+    which the caller's cache would have shared between runs: the forward refuses the cases where
+    that sharing changes a gradient (rule 4 of Note: [Transforms the walk refuses] in
+    ``offload/autograd/refusals.py``).
 """
 
 from __future__ import annotations
@@ -45,8 +58,12 @@ class Binding:
     reassigned: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     _originals: list[tuple[Site, torch.Tensor | None]] = field(default_factory=list)
     _run_states: list[tuple[nn.Module, object]] = field(default_factory=list)
+    _caller_cache: dict[object, torch.Tensor] | None = None
 
     def __enter__(self) -> Binding:
+        # Note: [Parametrizations cached around a run]
+        if parametrize._cache_enabled:
+            self._caller_cache, parametrize._cache = parametrize._cache, {}
         for entry_sites, tensor in zip(self.sites, self.tensors):
             for site in entry_sites:
                 table = site.table()
@@ -71,6 +88,8 @@ class Binding:
                     if current is not tensor and current is not None and not entry_sites[0].is_parameter:
                         self.reassigned.append((index, current))
         finally:
+            if self._caller_cache is not None:
+                parametrize._cache, self._caller_cache = self._caller_cache, None
             restore_run_states(self._run_states)
             self._run_states = []
             for site, original in reversed(self._originals):

@@ -11,7 +11,7 @@ import functools
 
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -62,6 +62,9 @@ class Slice:
     names: list[str]
     layers: list[nn.Module]
     storage: SliceStorage
+    #: per parameter (by id), how far a run may move its device copy's version counter without
+    #: changing it (rule 2 of Note: [Parameters written in forward])
+    harmless_moves: dict[int, int] = field(default_factory=dict)
 
     def run(self, inputs: Any) -> Any:
         # nn.Sequential semantics: each layer gets the previous layer's output as its one argument.
@@ -94,8 +97,11 @@ class Slice:
         PEFT's LoRA on fused experts does) registers it again as a parameter, not as a buffer, and
         code that checks ``isinstance(w, nn.Parameter)`` sees what it sees there.
         """
+        # A parameter's version counter is its own (``.data``), not the slot's: a write to it in
+        # forward is told apart from a buffer's (Note: [Parameters written in forward]).
         tensors = [
-            nn.Parameter(view, requires_grad=as_leaves and entry.tensor.requires_grad) if entry.is_parameter else view
+            nn.Parameter(view.data, requires_grad=as_leaves and entry.tensor.requires_grad) if entry.is_parameter
+            else view
             for view, entry in zip(views, self.storage.entries)
         ]
         if self.storage.companions:  # Note: [Quantized weights] in offload/streams/quantized.py
@@ -114,9 +120,11 @@ class Slice:
         """
         has_buffers = bool(self.storage.buffers)
         written_before = slots.buffers.write_counter(self.index) if has_buffers else 0
+        versions = [t._version for t in tensors]
         sites = [entry.sites for entry in self.storage.entries]
         with Binding(sites, tensors, self.storage.run_state_positions) as binding:
             output = self.run(inputs)
+        self._refuse_parameter_writes(tensors, versions)
         # An output that aliases the slot (a layer returning a weight or a view of one) would change
         # under the caller's feet when the slot is reused: give it memory of its own.
         output = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) and slots.owns(t) else t, output)
@@ -137,6 +145,46 @@ class Slice:
             or self.storage.has_running_stats_in_training()
         )
         return SliceResult(output, changed)
+
+    def _refuse_parameter_writes(self, tensors: Sequence[torch.Tensor], versions: Sequence[int]) -> None:
+        """Raise if the run wrote a parameter's device copy in place (Note: [Parameters written in forward])."""
+        for tensor, version, entry in zip(tensors, versions, self.storage.entries):
+            moved = tensor._version - version
+            if not moved or not entry.is_parameter or self.harmless_moves.get(id(entry.tensor)) == moved:
+                continue
+            if _as_host_copy(tensor, entry.tensor):  # rule 2: set_() to itself, as register_parametrization does
+                self.harmless_moves[id(entry.tensor)] = moved
+            else:
+                raise RuntimeError(
+                    f"OffloadModel: {self._site_name(entry.sites[0])} was changed in place during forward, in slice "
+                    f"{self.index}. OffloadModel runs layers on a device copy of each parameter and writes only buffers "
+                    "back, so the parameter would keep its old value and every later output and gradient would differ "
+                    "from the plain model's; the parameter was left unchanged. nn.Embedding(max_norm=...) is the usual "
+                    "cause (it renormalises the rows it looks up in place, in forward); a forward (pre-)hook that "
+                    "constrains a weight in place is another. Make the change outside forward, on the parameter "
+                    "itself under torch.no_grad(): after optimizer.step(), say, or for an Embedding set max_norm=None "
+                    "and call torch.embedding_renorm_(layer.weight, ids, max_norm, norm_type) on the batch's ids "
+                    "before calling the model (docs/api.md, Limitations).")
+
+    def _site_name(self, site: Any) -> str:
+        """``site``'s parameter by its name in the model, and its module's type, for messages."""
+        for name, layer in zip(self.names, self.layers):
+            for sub_name, module in layer.named_modules():
+                if module is site.module:
+                    owner = f"{name}.{sub_name}" if sub_name else name
+                    return f"parameter '{owner}.{site.name}' ({type(module).__name__})"
+        return f"parameter '{site.name}' of a {type(site.module).__name__}"
+
+
+def _as_host_copy(device_copy: torch.Tensor, host_copy: torch.Tensor) -> bool:
+    """Whether a parameter's device copy still holds what its load copied from the host copy (as a
+    cast to the device copy's dtype gives it); ``False`` where that cannot be told."""
+    if device_copy.data_ptr() == host_copy.data_ptr() or device_copy.shape != host_copy.shape:
+        return False  # a resident slice's parameter is its device copy: nothing to compare with
+    try:
+        return torch.equal(device_copy, host_copy.detach().to(device_copy.device, device_copy.dtype))
+    except (RuntimeError, TypeError):  # a quantised weight's codes, say
+        return False
 
 
 @dataclass
@@ -204,10 +252,26 @@ class Engine:
         self.optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self.milestones = Milestones()
         self.activations = ActivationOffloader(self.copies, self.pool)
+        # - What is known of the parameters, by id: an id stays one parameter's while the slices
+        #   hold it, so no weak reference to a parameter is needed (one would stop
+        #   torch.utils.swap_tensors, which load_state_dict and .to() use under
+        #   torch.__future__.set_swap_module_params_on_conversion)
+        self.parameter_ids: frozenset[int] = frozenset()
+        #: whether each parameter was seen to receive gradients from the model only (Note: [Adding
+        #: onto earlier gradients] in offload/autograd/outside_gradients.py)
+        self.known_sources: dict[int, bool] = {}
+        #: the ``.grad`` each parameter had when it was zeroed in place, as (id, address, version)
+        #: (Note: [Gradients added in place] in offload/autograd/accumulation.py)
+        self.zeroed_gradients: dict[int, tuple[int, int, int]] = {}
         self._build_device_side()
+        _LIVE.add(self)
 
     def _build_device_side(self) -> None:
         storages = [s.storage for s in self.slices]
+        # A parameter that left the slices may be gone, and its id another's: forget it.
+        self.parameter_ids = frozenset(id(p) for p in self.parameters())
+        self.known_sources = {k: v for k, v in self.known_sources.items() if k in self.parameter_ids}
+        self.zeroed_gradients = {k: v for k, v in self.zeroed_gradients.items() if k in self.parameter_ids}
         # What the resident slices hold, by id, for stays_on_device (each backward asks, per slice).
         self._on_device = {id(e.tensor) for st in storages if st.resident for e in st.held}
         needed = max(st.device_nbytes for st in storages)
@@ -294,6 +358,20 @@ class Engine:
             held.update(id(e.tensor) for e in s.storage.held)
         _check_borrowed(self.slices)
         self._build_device_side()
+
+
+#: Every engine alive (weakly: models may be dropped).
+_LIVE: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+def engines_holding(p: torch.Tensor) -> list[Engine]:
+    """The engines whose slices hold ``p`` (as of their last layout): usually one, or none."""
+    return [engine for engine in list(_LIVE) if id(p) in engine.parameter_ids]
+
+
+def held_by_an_engine(p: torch.Tensor) -> bool:
+    """Whether an OffloadModel's slices hold ``p`` (as of their last layout)."""
+    return any(id(p) in engine.parameter_ids for engine in list(_LIVE))
 
 
 def _check_borrowed(slices: Sequence[Slice]) -> None:

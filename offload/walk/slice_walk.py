@@ -58,6 +58,28 @@ Note: [Buffers]
     4. Backward restores them on the device before re-running; the recompute's own updates are
        discarded (the walk marks the slot stale on leaving it), so running statistics are updated
        once per forward, never by backward.
+
+Note: [Parameters written in forward]
+    A layer may write a parameter in place in forward: ``nn.Embedding(max_norm=...)`` renormalises
+    the rows it looks up (PyTorch documents it), a forward pre-hook may clamp a weight. In the
+    plain model the parameter keeps the change; here it would reach the device copy only, and from
+    the next step on every output and gradient would differ, silently. Writing it back exactly
+    would take what buffers have and more: a write-back through a half-precision copy into the
+    float32 master, a snapshot per run for the recompute (which in the plain model differentiates
+    the changed weight), and the borrowing slices of a tied weight. So it is refused instead:
+
+    1. Each parameter runs as an ``nn.Parameter`` over the slot's memory with a version counter
+       of its own (``Slice.entry_tensors``: over ``view.data``), so a buffer's write does not move
+       it. A run that moved one raises at once, naming the parameter and what to do
+       (``Slice.run_on_device`` in ``offload/walk/engine.py``); the walk's failure path drops the
+       device copy, and the host copy never changed. Its cost, per parameter and run: two reads
+       of the counter and the ``.data`` alias, about 3 microseconds of CPU time together on a busy
+       2-core host (against about 10 for wrapping the view as a parameter at all).
+    2. ``register_parametrization`` moves the counter without writing (``original.set_(original)``,
+       as PEFT's LoRA on fused experts does on every call). A moved counter is therefore checked
+       against the host copy once; a move that left the device copy as loaded is remembered, by
+       how far it went, and a later run that moves it as far is not checked again.
+    3. A write through ``.data`` moves no counter and is not seen.
 """
 
 from __future__ import annotations
