@@ -196,7 +196,6 @@ class OffloadModel(CopiedByLayers, FixedStructure):
                               shadows=self.__dict__.get("_shadows", "ram"))
         self._warned_microbatch_batchnorm = False
         per_tensor_warning.install()
-        per_tensor_warning.register(self._engine.parameters())
         _make_eager_run()  # outside any tracing (Note: [Compiled around the walk])
 
     # -- data parallelism ----------------------------------------------------------------------

@@ -20,12 +20,9 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from .walk.engine import held_by_an_engine
 
 
-def register(parameters: list[torch.Tensor]) -> None:
-    """Nothing to remember: the engines say which parameters they hold (``held_by_an_engine``),
-    by id, holding no weak reference to any, which would stop ``torch.utils.swap_tensors``."""
-
-
 def is_offloaded(p: torch.Tensor) -> bool:
+    """Whether an OffloadModel holds ``p``: the engines say so by id, holding no weak reference to
+    it, which would stop ``torch.utils.swap_tensors``."""
     return held_by_an_engine(p)
 
 
