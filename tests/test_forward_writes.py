@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import weakref
 
 import pytest
@@ -65,6 +66,22 @@ def test_an_embedding_with_max_norm_is_refused_at_its_forward(device: str, grad:
     # max_norm is a layer setting: without it the model trains again.
     model[0].max_norm = None
     model(ids.to(device)).sum().backward()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_forward_whose_renormalisation_changed_nothing_does_not_hide_a_later_one(device: str) -> None:
+    """nn.Embedding(max_norm=...) calls its renormalisation on every forward: the first here finds
+    every row within the norm (its counter moves, the weight stays) and goes through; once the
+    rows grow past it, the forward that renormalises them is refused all the same."""
+    _, model = _pair(functools.partial(_embedding, max_norm=1e3), device)
+    ids = torch.arange(12).reshape(4, 3)
+    model(ids.to(device)).sum().backward()
+    with torch.no_grad():
+        model[0].weight.mul_(1e4)
+    before = model[0].weight.detach().clone()
+    with pytest.raises(RuntimeError, match=r"parameter '0\.weight' \(Embedding\) was changed in place"):
+        model(ids.to(device))
+    assert torch.equal(model[0].weight.detach(), before)
 
 
 @pytest.mark.parametrize("compute_dtype", [None, torch.bfloat16], ids=["float32", "bfloat16"])

@@ -310,3 +310,22 @@ def test_share_memory_is_refused_and_leaves_the_model_as_it_was():
     assert [p.data_ptr() for p in model.parameters()] == pointers
     assert not any(p.is_shared() for p in model.parameters())
     assert_same_run(model, plain, torch.randn(4, 6))
+
+
+def test_a_copy_or_pickle_of_a_compiled_model_runs_itself() -> None:
+    """model.compile() keeps a compiled call on the model, which nn.Module leaves out of its state:
+    a deep copy that kept it would run the original (an EMA copy answering with the live model),
+    and a pickle would fail on it."""
+    torch.manual_seed(0)
+    model = OffloadModel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), device="cpu", num_slices=2)
+    model.compile(backend="eager")
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        want = model(x)
+        twin = copy.deepcopy(model)
+        for p in twin.parameters():
+            p.zero_()
+        assert torch.equal(twin(x), torch.zeros(3, 2))
+        assert torch.equal(model(x), want)
+        loaded = pickle.loads(pickle.dumps(model))
+        assert torch.equal(loaded(x), want)

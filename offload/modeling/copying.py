@@ -41,7 +41,9 @@ class CopiedByLayers(SettledModule):
         twin = type(self).__new__(type(self))
         memo[id(self)] = twin
         kept = {name: self.__dict__[name] for name in self._copied_settings if name in self.__dict__}
-        state = {name: value for name, value in self.__dict__.items() if name not in kept and name != "_engine"}
+        # nn.Module's own state: without a compiled call (model.compile()), which would run the original.
+        state = {name: value for name, value in nn.Module.__getstate__(self).items()
+                 if name not in kept and name != "_engine"}
         state["_data_parallel"] = None  # a copy is local: building one must not need the other ranks
         twin.__dict__.update(copy.deepcopy(state, memo), **kept)
         twin._adopt([(list(s.names), [twin._modules[name] for name in s.names]) for s in self._engine.slices])
@@ -50,7 +52,7 @@ class CopiedByLayers(SettledModule):
     def __getstate__(self) -> dict[str, Any]:
         # Keep the layers, the settings and how the layers were cut; __setstate__ builds the engine.
         self._settle()
-        state = self.__dict__.copy()
+        state = nn.Module.__getstate__(self)  # a copy of __dict__ without a compiled call (model.compile())
         state["_slice_names"] = [list(s.names) for s in state.pop("_engine").slices]
         state["_data_parallel"] = None  # a loaded model is local, as a deep copy is
         return state

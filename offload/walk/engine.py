@@ -11,11 +11,12 @@ import functools
 
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils.parametrize import ParametrizationList
 from torch.utils._pytree import tree_map
 
 from .binding import Binding
@@ -62,9 +63,6 @@ class Slice:
     names: list[str]
     layers: list[nn.Module]
     storage: SliceStorage
-    #: per parameter (by id), how far a run may move its device copy's version counter without
-    #: changing it (rule 2 of Note: [Parameters written in forward])
-    harmless_moves: dict[int, int] = field(default_factory=dict)
 
     def run(self, inputs: Any) -> Any:
         # nn.Sequential semantics: each layer gets the previous layer's output as its one argument.
@@ -149,12 +147,11 @@ class Slice:
     def _refuse_parameter_writes(self, tensors: Sequence[torch.Tensor], versions: Sequence[int]) -> None:
         """Raise if the run wrote a parameter's device copy in place (Note: [Parameters written in forward])."""
         for tensor, version, entry in zip(tensors, versions, self.storage.entries):
-            moved = tensor._version - version
-            if not moved or not entry.is_parameter or self.harmless_moves.get(id(entry.tensor)) == moved:
+            if tensor._version == version or not entry.is_parameter:
                 continue
-            if _as_host_copy(tensor, entry.tensor):  # rule 2: set_() to itself, as register_parametrization does
-                self.harmless_moves[id(entry.tensor)] = moved
-            else:
+            if any(isinstance(site.module, ParametrizationList) for site in entry.sites):
+                continue  # rule 2: set_() to itself, as register_parametrization does on every call
+            if not _as_host_copy(tensor, entry.tensor):  # rule 3: a move that changed nothing is let through
                 raise RuntimeError(
                     f"OffloadModel: {self._site_name(entry.sites[0])} was changed in place during forward, in slice "
                     f"{self.index}. OffloadModel runs layers on a device copy of each parameter and writes only buffers "

@@ -75,11 +75,15 @@ Note: [Parameters written in forward]
        device copy, and the host copy never changed. Its cost, per parameter and run: two reads
        of the counter and the ``.data`` alias, about 3 microseconds of CPU time together on a busy
        2-core host (against about 10 for wrapping the view as a parameter at all).
-    2. ``register_parametrization`` moves the counter without writing (``original.set_(original)``,
-       as PEFT's LoRA on fused experts does on every call). A moved counter is therefore checked
-       against the host copy once; a move that left the device copy as loaded is remembered, by
-       how far it went, and a later run that moves it as far is not checked again.
-    3. A write through ``.data`` moves no counter and is not seen.
+    2. A parametrization's original (``register_parametrization``, as PEFT's LoRA on fused experts
+       uses) has its counter moved on every call without a write (``original.set_(original)``): it
+       is not checked.
+    3. Elsewhere a moved counter is checked against the host copy each time: a call that moved it
+       without a change (``nn.Embedding(max_norm=...)`` calls its renormalisation on every
+       forward, which may leave every row as it was) is let through, and the next that changes
+       the parameter is refused all the same. Remembering a harmless move instead would let a
+       later real write of the same size through.
+    4. A write through ``.data`` moves no counter and is not seen.
 """
 
 from __future__ import annotations
