@@ -514,6 +514,23 @@ def test_resident_slices_beyond_the_slices_are_a_parser_error(count, capsys):
     assert f"--resident-slices must be between 0 and --num-slices (3), got {count}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("source", ["random", "pretrained"])
+def test_resident_slices_beyond_the_models_stages_are_one_line(source, tmp_path, capsys):
+    """``--num-slices 50`` on the tiny Llama's 6 stages makes 6 slices: ``--resident-slices 10``,
+    which the parser let through against the 50 typed, is refused as the parser refuses a flag,
+    before the model is built (loaded slice by slice from a folder, or built from a config)."""
+    args = ["--steps", "1", "--num-slices", "50", "--resident-slices", "10", "--out", str(tmp_path / "out")]
+    if source == "pretrained":
+        hf, tokenizer = random_model("llama", "tiny", 256, 16)
+        hf.save_pretrained(tmp_path / "base")
+        tokenizer.save_pretrained(tmp_path / "base")
+        args += ["--model", str(tmp_path / "base")]
+    code, out, err = run_cli(*args, tmp_path=tmp_path, capsys=capsys)
+    assert code == 2 and "slice by slice" not in out and "Traceback" not in err, err
+    assert err.strip() == ("offload-finetune: error: --resident-slices 10 is more than the model's 6 stages (a slice "
+                           "holds at least one: --num-slices 50 makes 6 slices); pass --resident-slices 6 or fewer")
+
+
 def test_update_in_backward_with_clipping_is_a_parser_error(capsys):
     with pytest.raises(SystemExit) as exit_info:
         parse_args(["--out", "o", "--device", "cpu", "--update-in-backward", "--max-grad-norm", "1.0"])

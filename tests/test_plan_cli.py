@@ -74,7 +74,7 @@ def inputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "gpt2.json").write_text(json.dumps(GPT2))
     # As `offload calibrate` without --dir writes them: the disk not measured.
     no_disk = {"no_disk": {"disk_read": None, "disk_write": None}}
-    for name, change in (BAD_RATES | {"no_link": {"host_to_device": 0.0}} | no_disk).items():
+    for name, change in (BAD_RATES | RATES_OF_ANOTHER_SHAPE | {"no_link": {"host_to_device": 0.0}} | no_disk).items():
         (tmp_path / f"rates_{name}.json").write_text(json.dumps(GPU_DEFAULTS["a100"].to_json() | change))
     yield tmp_path
     for module in ("plan_cli_factory", "plan_cli_no_params", "plan_cli_broken", "plan_cli_raises"):
@@ -89,6 +89,10 @@ GPT2 = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_si
 BAD_RATES = {"zero": {"host_update": 0}, "null": {"device_to_host": None}, "text": {"host_to_device": "fast"},
              "negative": {"host_copy": -1e9}, "zero_flops": {"device_flops": {"float32": 0}},
              "infinite": {"disk_read": float("inf")}}
+#: Rates files whose fields are not what a plan reads: no float32 rate to time a float32 step (or
+#: a dtype not measured) with, and sources that --gpu cannot merge into its own.
+RATES_OF_ANOTHER_SHAPE = {"no_flops": {"device_flops": {}}, "no_float32": {"device_flops": {"bfloat16": 1e14}},
+                          "sources_a_list": {"sources": ["calibrate"]}, "name_a_number": {"name": 5}}
 
 BAD_INPUTS = {
     # The step.
@@ -123,6 +127,16 @@ BAD_INPUTS = {
     "infinite pinned": ([*TINY, "--pinned-memory", "inf"], "--pinned-memory must be a positive number of GiB"),
     **{f"rates with a {name} rate": ([*TINY, "--rates", f"rates_{name}.json"], "must be a number")
        for name in BAD_RATES},
+    "rates without device rates": ([*TINY[:2], "--device", "cpu", "--host-memory", "8", "--rates",
+                                    "rates_no_flops.json"],
+                                   "--rates rates_no_flops.json: rates file: device_flops has no float32 rate, got {}"),
+    "rates without a float32 rate": ([*TINY, "--rates", "rates_no_float32.json"],
+                                     "rates file: device_flops has no float32 rate, got "
+                                     "{\"bfloat16\": 100000000000000.0}"),
+    "rates with sources a list": ([*TINY, "--rates", "rates_sources_a_list.json"],
+                                  "rates file: sources must map rate names to where each came from, got "
+                                  "[\"calibrate\"]"),
+    "rates with a name a number": ([*TINY, "--rates", "rates_name_a_number.json"], "rates file: name must be text"),
     # A CPU device's rates (no link) plan no GPU: its loads would take no time.
     "rates without a link for a gpu": ([*TINY[:2], *TINY[4:], "--rates", "rates_no_link.json"],
                                        "--rates rates_no_link.json: no link rates"),
@@ -167,6 +181,12 @@ BAD_INPUTS = {
     "shape of zero": (["--model", "plan_cli_factory:build", "--input-shape", "0", "--gpu", "a100"], "--input-shape must"),
     "wrong shape": (["--model", "plan_cli_factory:build", "--input-shape", "3", "5", "--gpu", "a100"],
                     "--input-shape 3 5 for --model plan_cli_factory:build: profiling layer 0 (Linear)"),
+    # Fake tensors multiply token ids by a float weight; a real first batch would not.
+    "token ids into a linear layer": (["--model", "plan_cli_factory:build", "--input-shape", "8", "--vocab", "10",
+                                       "--gpu", "a100"],
+                                      "--input-shape 8 --vocab 10 for --model plan_cli_factory:build: profiling layer "
+                                      "0 (Linear) on fake tensors failed: addmm of float32 and int64 operands: a "
+                                      "matrix multiply takes one dtype, and a real run refuses it"),
     "model not a spec": (["--model", "plan_cli_factory", "--input-shape", "8", "--gpu", "a100"], "must look like"),
     "model not importable": (["--model", "no_such_module:build", "--input-shape", "8", "--gpu", "a100"],
                              "cannot import 'no_such_module'"),
@@ -185,6 +205,22 @@ BAD_INPUTS = {
 def test_a_bad_input_is_one_line_with_exit_status_2(case, inputs, capsys):
     args, fragment = BAD_INPUTS[case]
     assert fragment in plan_error(capsys, *args)
+
+
+@pytest.mark.parametrize(("argv", "error"), [(["quantize"], "unknown command 'quantize'"),
+                                             ([], "a COMMAND is required")])
+def test_an_unknown_or_missing_command_is_a_usage_error(argv, error, capsys):
+    """As argparse answers an invalid choice: the usage and the error on stderr, nothing on stdout,
+    exit status 2; ``--help`` lists the commands on stdout."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 2 and out == ""
+    assert err.splitlines() == ["usage: offload COMMAND [options]  (offload COMMAND --help for its options)",
+                                f"offload: error: {error}: choose from plan, calibrate, finetune"]
+    main(["--help"])
+    out, err = capsys.readouterr()
+    assert "commands:\n  plan " in out and err == ""
 
 
 def test_plan_imports_the_model_factory_from_the_working_directory(inputs, monkeypatch, capsys):

@@ -257,6 +257,8 @@ def _build_model(args: argparse.Namespace, options: dict[str, Any], causal_lm_se
         # from_pretrained would have it.
         loading = {} if four_bit is None else {"dtype": four_bit["compute_dtype"],
                                                "quantization_config": bnb_config(**four_bit)}
+        if args.resident_slices:
+            _check_resident_slices(args, _stage_count(args.model, causal_lm_sequential))
         try:
             model, hf = load_causal_lm(args.model, args.device, loss_chunk_tokens=args.loss_chunk_tokens or None,
                                        **loading, **options)
@@ -284,8 +286,36 @@ def _build_model(args: argparse.Namespace, options: dict[str, Any], causal_lm_se
         layers = causal_lm_sequential(hf if peft_model is None else peft_model,
                                       untie_embeddings=args.untie_embeddings,
                                       loss_chunk_tokens=args.loss_chunk_tokens or None)
+        _check_resident_slices(args, len(layers))
         model = OffloadModel(layers, device=args.device, **options)
     return model, hf, tokenizer, peft_model
+
+
+def _check_resident_slices(args: argparse.Namespace, stages: int | None) -> None:
+    """Refuse ``--resident-slices`` above the slices the model is cut into, as the parser refuses a
+    bad flag (one line, exit status 2): ``OffloadModel`` cuts no more slices than the model has
+    stages (a ``--num-slices`` above them warns and takes one a stage), and the parser could check
+    the flag only against the ``--num-slices`` typed. ``stages``: ``None`` when unknown."""
+    if stages is None or args.resident_slices <= min(args.num_slices, stages):
+        return
+    print(f"{PROG}: error: --resident-slices {args.resident_slices} is more than the model's {stages} stages (a "
+          f"slice holds at least one: --num-slices {args.num_slices} makes {stages} slices); pass "
+          f"--resident-slices {stages} or fewer", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _stage_count(folder: Path, causal_lm_sequential: Any) -> int | None:
+    """The stages of the model in ``folder``, cut from its config on the meta device (nothing read
+    but config.json), before ``load_causal_lm`` builds it with ``--resident-slices``; ``None`` for
+    a config that does not build, which the load reports in its own words."""
+    import transformers
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(folder)
+        with torch.device("meta"):
+            return len(causal_lm_sequential(transformers.AutoModelForCausalLM.from_config(config)))
+    except Exception:  # noqa: BLE001 (the load says what is wrong with the folder)
+        return None
 
 
 # -- outputs: Note [Never lose a run] ---------------------------------------------------------------

@@ -30,15 +30,16 @@ def main(argv: list[str] | None = None) -> None:
 
 def _dispatch(argv: list[str]) -> None:
     usage = "usage: offload COMMAND [options]  (offload COMMAND --help for its options)"
-    if not argv:  # as argparse answers a missing argument: the usage and exit status 2
-        print(f"{usage}\noffload: error: a COMMAND is required: {', '.join(COMMANDS)}", file=sys.stderr)
-        raise SystemExit(2)
-    if argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        commands = "\n".join(f"  {name:<10} {what}" for name, what in COMMANDS.items())
+    commands = "\n".join(f"  {name:<10} {what}" for name, what in COMMANDS.items())
+    if argv and argv[0] in ("-h", "--help"):
         print(f"{usage}\n\ncommands:\n{commands}")
-        if argv[0] not in ("-h", "--help"):
-            raise SystemExit(f"unknown command {argv[0]!r}")
         return
+    if not argv or argv[0] not in COMMANDS:
+        # As argparse answers a missing or invalid choice: the usage and the error on stderr, exit
+        # status 2 (a script tells a mistyped command from a run that failed).
+        what = "a COMMAND is required" if not argv else f"unknown command {argv[0]!r}"
+        print(f"{usage}\noffload: error: {what}: choose from {', '.join(COMMANDS)}", file=sys.stderr)
+        raise SystemExit(2)
     command, rest = argv[0], argv[1:]
     if command == "plan":
         from .plan import main as run

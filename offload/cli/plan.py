@@ -90,8 +90,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                        help="how many of the first slices stay on the device with their gradients and optimizer "
                             "state (OffloadModel(..., resident_slices=N)): no link traffic or host update for "
                             "them, an update on the device instead; auto: the most that fit the device memory "
-                            "left after the slots, gradient buffers and activations, with the margin, or none "
-                            "where that is predicted no slower (a CPU device)")
+                            "left after the slots, gradient buffers and activations, with the margin (on a CPU "
+                            "device, none where they are predicted to save less than 0.1%% of the step)")
     parser.add_argument("--top", type=int, default=8, help="rows of the table (the fastest that fit)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = parser.parse_args(argv)

@@ -5,12 +5,13 @@ where the state lives (RAM; the optimizer's disk tier; the tier and the masters 
 shadows cast from them at each load, Note: [Shadows on disk]) and
 when the host update runs (behind the next forward, or started in backward unless the gradients
 are clipped: :data:`CHOSEN_SCHEDULES`), keeps as many of the first slices resident on the device
-as fit beside the rest, or none where that is predicted no slower (a CPU "device"), unless a count
-is fixed (Note: [Resident slices] in ``offload/streams/resident_storage.py``), predicts each one's memory
-(:func:`~offload.estimate_memory`) and step time (:func:`~offload.planning.timing.estimate_step_time`),
-keeps those that fit the device, the host and the disk, and returns the fastest. Among
-configurations within 1 % of the fastest it takes the simplest: fewer tiers on disk, then fewer
-microbatches, then the update behind the next forward (it allows clipping), then the fastest.
+as fit beside the rest (on a CPU "device", none where they are predicted to save less than
+:data:`RESIDENT_GAIN` of the step), unless a count is fixed (Note: [Resident slices] in
+``offload/streams/resident_storage.py``), predicts each one's memory (:func:`~offload.estimate_memory`)
+and step time (:func:`~offload.planning.timing.estimate_step_time`), keeps those that fit the
+device, the host and the disk, and returns the fastest. Among configurations within 1 % of the
+fastest it takes the simplest: fewer tiers on disk, then fewer microbatches, then the update
+behind the next forward (it allows clipping), then the fastest.
 When none fits it says what is missing, with and without the disk tier.
 
 Memory fits a limit with a margin (:data:`DEVICE_MARGIN`, :data:`HOST_MARGIN`): the caching
@@ -43,6 +44,14 @@ SLICE_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 MICROBATCH_COUNTS = (1, 2, 4, 8, 16)
 #: (optimizer state, masters, shadows): where the state lives, simplest first.
 PLACES = (("ram", "ram", "ram"), ("disk", "ram", "ram"), ("disk", "disk", "ram"), ("disk", "disk", "disk"))
+#: The least share of the step that resident slices must save on a CPU "device" to be kept where
+#: the configuration fits with none resident too. They save nothing there (no link, the same
+#: update), and below it the model's approximations decide, not the machine: a resident slice's
+#: slot copy makes one copy a tensor and skips the padding between them, which a streamed slice's
+#: one copy of its flat layout carries (a tiny Llama's 64 bytes: 6 ns of a 9 ms step), and the
+#: copies' bytes are counted where their calls are not. On a GPU they take their loads off the
+#: link and their state out of host memory however little time that saves: kept unless slower.
+RESIDENT_GAIN = 1e-3
 #: The schedules tried, simplest first; ``"serial"`` is never faster, so only a fixed choice gets it.
 #: ``"in-backward"`` is left out when the gradients are clipped (``update_in_backward`` refuses it).
 CHOSEN_SCHEDULES = ("overlapped", "in-backward")
@@ -104,7 +113,8 @@ def choose(layers: nn.Module | Sequence[int], profile_for: Callable[[torch.dtype
             (``{"compute_dtype": None}``, ``{"num_slices": 8}``, ``{"schedule": "serial"}``,
             ``{"resident_slices": 0}``). Without ``resident_slices`` each configuration keeps the
             most of its first slices resident that fit the limits (on a GPU its step is faster
-            with each), or none where that is predicted no slower (on a CPU "device").
+            with each); on a CPU "device", none where they are predicted to save less than
+            :data:`RESIDENT_GAIN` of the step.
         clips_gradients: the training changes the gradients between backward and ``step()``
             (``clip_grad_norm_``, a ``GradScaler``): the update cannot start in backward, so
             ``"in-backward"`` is not tried.
@@ -205,11 +215,13 @@ def _candidate(layout: SliceLayout, profile: ModelProfile | None,
     if ("resident_slices" not in fixed and config.resident_slices
             and not _over(by_resident[0], limits, device)):
         # On a CPU "device" they save no link, and their update leaves the worker for step()
-        # (offload/planning/timing.py): none resident where that is predicted no slower.
+        # (offload/planning/timing.py): none resident where that is predicted no faster, to
+        # within RESIDENT_GAIN (on a GPU, within rounding: the two sums add the same times in
+        # another order, a last bit apart).
         streamed = estimate_step_time(layout, profile, replace(config, resident_slices=0), rates, device=device,
                                       optimizer=optimizer, param_dtype=param_dtype)
-        # (Within rounding: the two sums add the same times in another order, a last bit apart.)
-        if streamed.step <= time.step * (1 + 1e-9):
+        gain = RESIDENT_GAIN if torch.device(device).type == "cpu" else 1e-9
+        if streamed.step <= time.step * (1 + gain):
             config, time = replace(config, resident_slices=0), streamed
     memory = by_resident[config.resident_slices]
     return Candidate(config=config, memory=memory, time=time, host_need=_host_need(memory, device),

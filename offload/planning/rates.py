@@ -88,8 +88,9 @@ class MachineRates:
         """The device's rate for ``dtype_name``; float32 where that dtype was not measured."""
         rate = self.device_flops.get(dtype_name) or self.device_flops.get("float32")
         if not rate:
-            raise ValueError(f"{self.name}: no device rate for {dtype_name} or float32; run `python -m offload "
-                             f"calibrate` on a machine with the device, or pass --gpu")
+            asked = "float32" if dtype_name == "float32" else f"{dtype_name} or float32"
+            raise ValueError(f"{self.name}: no device rate for {asked}; run `python -m offload calibrate` on a "
+                             f"machine with the device, or pass --gpu")
         return rate
 
     def with_host(self, host: MachineRates) -> MachineRates:
@@ -145,6 +146,14 @@ def _check_values(data: dict[str, Any]) -> None:
     missing = sorted(n for n in ("name", "device_flops", *_REQUIRED_RATES, *_LINK_RATES) if n not in data)
     if missing:
         raise ValueError(f"rates file lacks {missing}; run `python -m offload calibrate` again")
+    if not isinstance(data["name"], str):
+        raise ValueError(f"rates file: name must be text, got {json.dumps(data['name'])}; run `python -m offload "
+                         f"calibrate` again, or correct it")
+    sources = data.get("sources", {})
+    if not isinstance(sources, dict) or not all(isinstance(v, str) for v in sources.values()):
+        # --gpu merges the file's sources into the GPU's by name.
+        raise ValueError(f"rates file: sources must map rate names to where each came from, got "
+                         f"{json.dumps(sources)}; run `python -m offload calibrate` again, or correct it")
     flops = data["device_flops"]
     if not isinstance(flops, dict):
         raise ValueError(f"rates file: device_flops must map dtype names to operations per second, got {flops!r}")
@@ -180,15 +189,23 @@ def save_rates(rates: MachineRates, path: str | os.PathLike[str]) -> Path:
 
 
 def load_rates(path: str | os.PathLike[str]) -> MachineRates:
-    """The rates in ``path``.
+    """The rates in ``path``, as a plan times with them.
 
     Raises:
         FileNotFoundError: no such file, with what to run to make it.
+        ValueError: not rates of this version, a rate missing or not a number above 0
+            (:meth:`MachineRates.from_json`), or no float32 device rate.
     """
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no rates at {path}: run `python -m offload calibrate` (a minute) or pass --gpu NAME")
-    return MachineRates.from_json(json.loads(path.read_text()))
+    rates = MachineRates.from_json(json.loads(path.read_text()))
+    if not rates.device_flops.get("float32"):
+        # A plan times a float32 step with it, and a dtype the file has no rate for (flops_for).
+        # (A record of a run's device seconds, read by from_json, may have none: benchmarks' cases.)
+        raise ValueError(f"rates file: device_flops has no float32 rate, got {json.dumps(rates.device_flops)}; run "
+                         f"`python -m offload calibrate` again, or correct it")
+    return rates
 
 
 _H100_README = "benchmarks/results/h100-2026-11-22/README.md"

@@ -36,6 +36,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
+from .loss_chunks import RepeatedChunks
+
 
 @dataclass(frozen=True)
 class LayerProfile:
@@ -138,20 +140,25 @@ def profile_layers(layers: nn.Sequential, make_input: Callable[[], Any], *,
     # The stand-ins stay in place through the backward too: a layer that checkpoints inside
     # (a chunked loss) recomputes with them there.
     grouped = _GroupedMatmulInAnyDtype() if _grouped_mm_op() is not None else contextlib.nullcontext()
+    # A chunked loss's chunks, each shape run once: Note: [Loss chunks profiled once].
+    chunks = RepeatedChunks(_flop_counter)
     with FakeTensorMode(allow_non_fake_inputs=True), torch.device("cpu"), grouped, \
             contextlib.ExitStack() as stand_ins:
         x = _cast_inputs(make_input(), compute_dtype)
         input_bytes, batch = _nbytes(x), _batch_size(x)
-        forward, saved, outputs, last = _forward(children, x, compute_dtype, stand_ins)
+        forward, saved, outputs, last = _forward(children, x, compute_dtype, stand_ins, chunks)
         backward = _backward_flops(last)
+        skipped_forward, skipped_backward = chunks.flops()
+    forward = [flops + skipped_forward.get(index, 0) for index, flops in enumerate(forward)]
+    backward += skipped_backward
     total = sum(forward) or 1
     layer_profiles = [LayerProfile(f, round(backward * f / total), s, o)
                       for f, s, o in zip(forward, saved, outputs)]
     return ModelProfile(layers=layer_profiles, input_bytes=input_bytes, batch_size=batch)
 
 
-def _forward(children: list[nn.Module], x: Any, compute_dtype: torch.dtype | None, stand_ins: contextlib.ExitStack
-             ) -> tuple[list[int], list[dict[int, int]], list[int], Any]:
+def _forward(children: list[nn.Module], x: Any, compute_dtype: torch.dtype | None, stand_ins: contextlib.ExitStack,
+             chunks: RepeatedChunks) -> tuple[list[int], list[dict[int, int]], list[int], Any]:
     forward: list[int] = []
     saved: list[dict[int, int]] = []
     outputs: list[int] = []
@@ -159,6 +166,7 @@ def _forward(children: list[nn.Module], x: Any, compute_dtype: torch.dtype | Non
         replacements = _fake_state(layer, compute_dtype)
         # What torch.func.functional_call does, kept open until the backward has run.
         stand_ins.enter_context(_reparametrize_module(layer, replacements, tie_weights=True))
+        stand_ins.enter_context(chunks.patched(layer, index))
         held = {_storage_id(t) for t in replacements.values()}
         layer_saved: dict[int, int] = {}
 
@@ -168,14 +176,14 @@ def _forward(children: list[nn.Module], x: Any, compute_dtype: torch.dtype | Non
             return t
 
         try:
-            with _flop_counter() as counter, _without_fake_kernel_log(), \
+            with _flop_counter() as counter, _without_fake_kernel_log(), _MatmulInOneDtype(), \
                     torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 x = layer(x)
         except Exception as error:
             raise RuntimeError(f"profiling layer {index} ({type(layer).__name__}) on fake tensors failed: "
                                f"{error}") from error
         forward.append(counter.get_total_flops())
-        saved.append(layer_saved)
+        saved.append(chunks.as_looped(layer_saved))
         outputs.append(_nbytes(x))
     return forward, saved, outputs, x
 
@@ -192,6 +200,28 @@ def _without_fake_kernel_log() -> Any:
         yield
     finally:
         logger.disabled = disabled
+
+
+#: The matrix multiplies ``nn.Linear`` and ``torch.matmul`` dispatch to.
+_MATMULS = ("mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "_addmm_activation")
+
+
+class _MatmulInOneDtype(TorchDispatchMode):
+    """Refuse a matrix multiply of integer and floating-point operands, as every real kernel does
+    (``mat1 and mat2 must have the same dtype``) and the fake ones do not: token ids fed to a
+    first ``nn.Linear`` (``offload plan --vocab``) would be planned, and the model fail on its
+    first batch. Mixed floating dtypes are left alone: the stand-ins' dtypes follow the compute
+    dtype as the device copies do, not every cast a real run makes."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func.overloadpacket.__name__ in _MATMULS:
+            dtypes = {t.dtype for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+            if len(dtypes) > 1 and not all(dtype.is_floating_point for dtype in dtypes):
+                names = " and ".join(sorted(str(dtype).removeprefix("torch.") for dtype in dtypes))
+                raise RuntimeError(f"{func.overloadpacket.__name__} of {names} operands: a matrix multiply takes "
+                                   "one dtype, and a real run refuses it")
+        return func(*args, **kwargs)
 
 
 # Note: [Grouped matmuls on fake tensors]

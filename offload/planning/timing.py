@@ -39,7 +39,9 @@ it, the disk tier's files read and written). The terms:
   link to save: a resident slice's copies cost what a streamed slice's loads and offloads cost
   (both are copies in RAM), and its update, the host's fused update at ``host_update``, runs in
   ``step()`` instead of beside the next forward; so in float32 resident slices never make a CPU
-  step faster.
+  step faster. (A slot copy, a copy a tensor, skips the few bytes of padding between them that a
+  streamed load's one copy of the flat layout carries: ``choose`` takes that gain for none,
+  :data:`~offload.planning.choose.RESIDENT_GAIN`.)
 
 It predicts; it does not measure (``offload/cli/calibrate.py`` measures the rates). Checked in
 ``tests/test_planning.py`` on the CPU against a step whose device work is a known sleep, and
