@@ -191,8 +191,9 @@ class PartialFailure:
             if said or not slices:
                 return
             self._told = (step, slices, True)
-        parts = "; ".join(f"rank {rank} of {world_size}: slice(s) {', '.join(map(str, sorted(indices)))}"
-                          for rank, indices in sorted(slices.items()))
+            # Under the lock: the exchange's worker may add to these sets meanwhile.
+            parts = "; ".join(f"rank {rank} of {world_size}: slice(s) {', '.join(map(str, sorted(indices)))}"
+                              for rank, indices in sorted(slices.items()))
         raise HostUpdateError(
             f"another rank did not finish its part of the sharded update ({parts}); its own HostUpdateError says "
             "why. Every rank took those parameters from it as they were, so on every rank the parameters and the "
