@@ -148,7 +148,7 @@ class OffloadModel(CopiedByLayers, FixedStructure):
     """
 
     #: What a deep copy takes over as it is (CopiedByLayers builds the engine anew around the layers).
-    _copied_settings = ("compute_dtype", "num_microbatches", "checkpoint_activation", "offload_activations",
+    _copied_settings = ("_compute_dtype", "num_microbatches", "checkpoint_activation", "offload_activations",
                         "device", "offload_device", "training", "_masters", "_resident_slices", "_shadows")
     _pickled_before = {"offload_activations": None, "_resident_slices": 0, "_shadows": "ram"}  # settings added later
 
@@ -172,7 +172,7 @@ class OffloadModel(CopiedByLayers, FixedStructure):
         self._resident_slices = _resident_count(resident_slices, len(named_groups), process_group)
         if compute_dtype not in (None, torch.bfloat16, torch.float16):
             raise ValueError(f"compute_dtype must be None, torch.bfloat16 or torch.float16, got {compute_dtype!r}")
-        self.compute_dtype = compute_dtype
+        self._compute_dtype = compute_dtype
         self.num_microbatches = int_at_least("num_microbatches", num_microbatches, 1)
         self.checkpoint_activation, self.offload_activations = _activation_settings(
             checkpoint_activation, offload_activations, len(named_groups))
@@ -245,6 +245,21 @@ class OffloadModel(CopiedByLayers, FixedStructure):
     @property
     def resident_slices(self) -> int:  # Note: [Resident slices]
         return self._engine.num_resident
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """The dtype layers compute in, fixed at construction. A pickle from before it was read-only
+        holds it as ``compute_dtype``."""
+        return self.__dict__.get("_compute_dtype", self.__dict__.get("compute_dtype"))
+
+    @compute_dtype.setter
+    def compute_dtype(self, value: Any) -> None:
+        # The engine made its device copies and shadows in the dtype given at construction; a new
+        # one would cast the inputs and not the parameters.
+        raise AttributeError(
+            f"OffloadModel.compute_dtype is fixed when the model is built (it is {self.compute_dtype}); "
+            f"build the model with compute_dtype={value!r} instead: OffloadModel(layers, device=..., "
+            f"compute_dtype={value!r})")
 
     def memory_footprint(self) -> MemoryFootprint:
         """What offloading holds in memory right now (see :class:`MemoryFootprint`), after the

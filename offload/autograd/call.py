@@ -25,7 +25,9 @@ Note: [Outputs that alias each other]
        over: every microbatch's base laid out as the joined one, the view keeping all of the
        base's rows with the base's dim-0 stride (``x[:, :2]``, ``x[..., k]``). Any other view
        (of a transposed base, say) is joined as a result of its own, as outputs that overlap
-       otherwise are: exact unless one of them is changed in place.
+       otherwise are: exact unless one of them is changed in place. A base handed back whole
+       (rule 4 of Note: [Joining outputs] in ``offload/walk/microbatch.py``) keeps a view where
+       every microbatch's view of it is alike.
     4. The Function's gradients for the rebuilt outputs' places are ``None``: autograd sends what
        reaches a rebuilt view to its base, as in the plain model.
 """
@@ -39,7 +41,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from ..walk.microbatch import join_outputs, view_in_joined
+from ..walk.microbatch import check_alike, join_outputs, view_in_joined
 
 
 def flatten_input(value: Any, compute_dtype: torch.dtype | None) -> tuple[list[Any], TreeSpec]:
@@ -131,16 +133,19 @@ class Call:
         each other]). ``requires``: whether each leaf needs a gradient.
 
         Raises:
-            ValueError: the outputs cannot be joined across microbatches.
+            ValueError: the outputs cannot be joined across microbatches (Note: [Joining outputs] in
+                ``offload/walk/microbatch.py``).
         """
         self.output_spec = spec
+        check_alike(per_microbatch)  # before anything reads a leaf by its place
         bases = _bases(per_microbatch, requires)
-        joined = join_outputs(per_microbatch, sizes, leave_out=bases.keys())
+        joined = join_outputs(per_microbatch, sizes, leave_out=bases.keys(), requires=requires)
         self.output_aliases = []
         for p, b in sorted(bases.items()):
             alias = OutputAlias.of(p, b, per_microbatch, joined[b])
             if alias is None:  # joined as a result of its own (rule 3)
-                joined[p] = join_outputs([[leaves[p]] for leaves in per_microbatch], sizes)[0]
+                own = [[leaves[p]] for leaves in per_microbatch]
+                joined[p] = join_outputs(own, sizes, requires=[requires[p]])[0]
             else:
                 self.output_aliases.append(alias)
         rebuilt = {alias.position for alias in self.output_aliases}
@@ -169,16 +174,21 @@ def _bases(per_microbatch: Sequence[Sequence[Any]], requires: Sequence[bool]) ->
     Raises:
         ValueError: the outputs alias each other differently in different microbatches.
     """
-    found = [_bases_among(leaves, requires) for leaves in per_microbatch]
+    found = [bases_among(leaves, requires) for leaves in per_microbatch]
     if any(f != found[0] for f in found[1:]):
         raise ValueError("the model's outputs share memory differently in different microbatches, so they "
                          "cannot be joined; use num_microbatches=1")
     return found[0]
 
 
-def _bases_among(leaves: Sequence[Any], requires: Sequence[bool]) -> dict[int, int]:
-    # Leaves can only alias within one memory: the same storage, device, dtype, and need for a gradient.
-    memory = {p: (leaf.untyped_storage().data_ptr(), leaf.device, leaf.dtype, requires[p])
+def bases_among(leaves: Sequence[Any], requires: Sequence[bool]) -> dict[int, int]:
+    """For each leaf that another one holds (rule 2), the position of that base; ``requires``:
+    whether each leaf needs a gradient. Boundary leaves use it too (Note: [Boundary leaves that
+    alias each other] in ``offload/autograd/slice_graph.py``)."""
+    # Leaves can only alias within one memory: the same storage, device, dtype, and need for a
+    # gradient; and read alike (``x.conj()`` is the same memory, other values).
+    memory = {p: (leaf.untyped_storage().data_ptr(), leaf.device, leaf.dtype, leaf.is_conj(), leaf.is_neg(),
+                  requires[p])
               for p, leaf in enumerate(leaves) if _aliasable(leaf)}
     roots: list[int] = []
     found: dict[int, int] = {}

@@ -26,6 +26,22 @@ Note: [Leaves enter through a copy]
     ``offload/streams/layouts.py``); a leaf whose elements overlap (an ``expand``) cannot be
     copied into its own layout and enters as a view of itself (rule 3 there).
 
+Note: [Boundary leaves that alias each other]
+    A layer may hand the next the same tensor twice (``(h, h)``: hidden states and the residual
+    stream), or a tensor and a view of it, and a model input may hold one tensor twice
+    (``{"x": x, "y": x}``). In the plain model each is one tensor, and autograd sums the
+    gradients of all its uses in its own order into it. Detached one leaf a place, they would be
+    summed per place in the slice's graph and again across places in the graph before: the same
+    values in another order, other rounding. So a slice's leaves that alias each other (the rules
+    of Note: [Outputs that alias each other] in ``offload/autograd/call.py``: the same memory,
+    read alike and with the same need for a gradient, one holding the other) are detached once:
+    the base enters as any leaf does, each other leaf enters as the base itself or a view over
+    what the base entered as, and only the base is differentiated with respect to. Where the
+    leaves reach the slice in one memory: a kept or offloaded graph, and a recompute whose leaves
+    are the same tensor, which the checkpoint saves once (Note: [Leaves that pass through] in
+    ``records.py``); a recompute's view of another leaf is loaded on its own, and stays a leaf of
+    its own there, summed as before.
+
 Note: [Device copies while autograd runs a slice]
     A layer may run part of its own forward again while autograd differentiates it: a
     ``torch.utils.checkpoint`` inside the layer, or a Hugging Face model with gradient
@@ -66,6 +82,7 @@ from ..walk.engine import Engine
 from ..walk.module_state import attributes_as_started
 from ..streams.layouts import copy_keeping_layout, overlaps
 from ..walk.activation_policy import ActivationMode
+from .call import bases_among
 from .records import BoundaryLoader, Checkpoint, ForwardRecords, KeptGraph, OffloadedGraph
 from .recompute_state import recomputing
 from .replay import AutocastState, autocast_cache_disabled, replaying_rng
@@ -113,19 +130,30 @@ def _saving_nothing(index: int) -> torch.autograd.graph.saved_tensors_hooks:
 
 
 def _graph_inputs(leaves: Sequence[Any], requires: Sequence[bool]) -> tuple[list[Any], list[Any]]:
-    """Leaves to differentiate with respect to, and what the slice receives in their place
-    (call with grad enabled: the copies must be part of the graph; Note: [Leaves enter through a copy])."""
-    graph_leaves: list[Any] = []
-    fed: list[Any] = []
-    for leaf, wants in zip(leaves, requires):
-        if not isinstance(leaf, torch.Tensor):
-            graph_leaves.append(leaf)
-            fed.append(leaf)
-            continue
-        detached = leaf.detach().requires_grad_(wants and is_differentiable(leaf))
-        graph_leaves.append(detached)
-        fed.append(_entering(detached) if detached.requires_grad else detached)
+    """Leaves to differentiate with respect to (``None`` for one another holds), and what the slice
+    receives in their place (call with grad enabled: the copies must be part of the graph; Note:
+    [Leaves enter through a copy], Note: [Boundary leaves that alias each other])."""
+    wants = [isinstance(x, torch.Tensor) and wanted and is_differentiable(x) for x, wanted in zip(leaves, requires)]
+    held_by = bases_among(leaves, wants)
+    graph_leaves: list[Any] = list(leaves)
+    fed: list[Any] = list(leaves)
+    for k, (leaf, wanted) in enumerate(zip(leaves, wants)):
+        if isinstance(leaf, torch.Tensor) and k not in held_by:
+            graph_leaves[k] = detached = leaf.detach().requires_grad_(wanted)
+            fed[k] = _entering(detached) if wanted else detached
+    for k, base in held_by.items():  # its gradient reaches the base's leaf through the view, as in the plain model
+        graph_leaves[k] = None
+        fed[k] = _view_over(fed[base], leaves[base], leaves[k])
     return graph_leaves, fed
+
+
+def _view_over(fed_base: torch.Tensor, base: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
+    """``leaf``, which ``base`` holds, as a view of what the base is fed as: the base itself where
+    the two are alike, else the same place in it (an entering copy keeps the base's strides)."""
+    if leaf.shape == base.shape and leaf.stride() == base.stride() and leaf.storage_offset() == base.storage_offset():
+        return fed_base
+    offset = fed_base.storage_offset() + leaf.storage_offset() - base.storage_offset()
+    return fed_base.as_strided(leaf.shape, leaf.stride(), offset)
 
 
 def _entering(leaf: torch.Tensor) -> torch.Tensor:

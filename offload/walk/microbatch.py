@@ -5,6 +5,36 @@ size is dim 0 of the first tensor leaf that has a dim 0. A tensor leaf *carries 
 its dim 0 has exactly that size; those leaves are cut along dim 0, every other leaf (a shared
 mask, a config value) goes whole to every microbatch.
 
+Note: [Joining outputs]
+    The output side mirrors the input side: what was cut is joined, what went whole to every
+    microbatch comes back whole. With several microbatches, each leaf of the flattened output:
+
+    1. Has the same place in every microbatch's output: as many leaves, tensors in the same
+       places. An output whose structure follows the rows (``list(y)``, one tensor a row) is
+       refused, since uneven microbatches give it other lengths.
+    2. A leaf that is not a tensor (a count, a float read from a tensor) passes through where it is
+       equal in every microbatch (``==``; NaN equals NaN) and is refused where not: the plain model
+       computes it once over the whole batch, which no microbatch does.
+    3. A tensor whose dim 0 is its microbatch's rows in every microbatch is joined along dim 0,
+       unless it is the same tensor in every microbatch (the same memory, viewed alike): rows cut
+       from the batch lie in different memory. A tensor whose rows all lie in the same memory (an
+       ``expand`` to the batch, dim-0 stride 0) is joined too.
+    4. A tensor handed back whole, the first microbatch's: the same tensor in every microbatch
+       (a ``[seq, seq]`` mask passed through, a buffer), whatever its dim 0; or one whose dim 0
+       is not the microbatch's rows and whose values are equal in every microbatch (a mask made
+       again in each). Not a scalar made in each microbatch: that is a statistic of the
+       microbatch (a loss), even where the values happen to be equal. It must need no gradient: backward hands each output's gradient
+       to the microbatches by cutting it along dim 0. One that needs a gradient is refused.
+    5. Every other tensor (a loss computed in the model, a statistic of each microbatch) is refused.
+
+    What rule 3 cannot see: a leaf in different memory in each microbatch whose dim 0 happens to
+    be the rows is joined, even with equal values. A shared input on the host is loaded to the
+    device once per microbatch, so a ``[seq, seq]`` mask passed through from there with ``seq``
+    equal to the microbatch's rows is joined; put it on the device first (or give it a dim 0
+    other than the microbatch's rows). And a tensor the same in every microbatch that the plain
+    model would have given another dim 0 (``table[:rows]``) is handed back as the first
+    microbatch's.
+
 Nothing here moves data between devices.
 """
 
@@ -12,6 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+import math
 from typing import Any
 
 import torch
@@ -66,41 +97,129 @@ def split_leaves(leaves: Sequence[Any], num_microbatches: int) -> tuple[list[lis
     return [[chunks[m] for chunks in per_leaf] for m in range(count)], Split(sizes, carries)
 
 
-def join_outputs(outputs: Sequence[Sequence[Any]], sizes: Sequence[int],
-                 leave_out: Collection[int] = ()) -> list[Any]:
-    """Join the flattened outputs of each microbatch into the outputs of the whole batch.
-
-    Tensor leaves that carry each microbatch's rows are concatenated along dim 0; non-tensor leaves
-    are taken from the first microbatch. With one microbatch nothing is joined. Positions in
+def join_outputs(outputs: Sequence[Sequence[Any]], sizes: Sequence[int], leave_out: Collection[int] = (),
+                 requires: Sequence[bool] | None = None) -> list[Any]:
+    """Join the flattened outputs of each microbatch into the outputs of the whole batch, by the
+    rules of Note: [Joining outputs]. With one microbatch nothing is joined. Positions in
     ``leave_out`` (outputs rebuilt from another one: Note: [Outputs that alias each other] in
-    ``offload/autograd/call.py``) are ``None``.
+    ``offload/autograd/call.py``) are ``None``. ``requires``: whether each leaf needs a gradient
+    (``None``: none does). A leaf handed back whole is the first microbatch's own object.
 
     Raises:
-        ValueError: with several microbatches, a tensor output does not carry the batch dimension,
-            so there is no way to join it.
+        ValueError: with several microbatches, the outputs differ in structure, or a leaf can be
+            neither joined nor handed back whole.
     """
     if len(outputs) == 1:
         return [None if position in leave_out else leaf for position, leaf in enumerate(outputs[0])]
+    check_alike(outputs)
     joined: list[Any] = []
     for position, per_microbatch in enumerate(zip(*outputs)):
-        if position in leave_out or not isinstance(per_microbatch[0], torch.Tensor):
-            joined.append(None if position in leave_out else per_microbatch[0])
-            continue
-        if not all(t.dim() >= 1 and t.shape[0] == rows for t, rows in zip(per_microbatch, sizes)):
-            raise ValueError(
-                f"output leaf {position} (shape {tuple(per_microbatch[0].shape)}) does not carry the "
-                f"batch dimension (microbatch sizes {list(sizes)}), so it cannot be joined across "
-                "microbatches; use num_microbatches=1 or return only per-row tensors from the last layer"
-            )
-        joined.append(torch.cat(per_microbatch, dim=0))
+        if position in leave_out:
+            joined.append(None)
+        elif not isinstance(per_microbatch[0], torch.Tensor):
+            joined.append(_one_value(position, per_microbatch))
+        else:
+            needs_grad = requires is not None and requires[position]
+            joined.append(_joined_tensor(position, per_microbatch, sizes, needs_grad))
     return joined
+
+
+def check_alike(outputs: Sequence[Sequence[Any]]) -> None:
+    """Raise unless every microbatch's flattened output has as many leaves as the first's, a
+    tensor where it has one (rule 1 of Note: [Joining outputs])."""
+    first = outputs[0]
+    for m, leaves in enumerate(outputs[1:], start=1):
+        if len(leaves) != len(first):
+            differs = f"{len(first)} leaves in the first microbatch, {len(leaves)} in microbatch {m}"
+        elif [isinstance(x, torch.Tensor) for x in leaves] != [isinstance(x, torch.Tensor) for x in first]:
+            differs = f"tensors in other places in microbatch {m} than in the first"
+        else:
+            continue
+        raise ValueError(
+            f"the model's output differs in structure between microbatches ({differs}), so they cannot be "
+            "joined into the whole batch's output; return the same structure whatever the number of rows (one "
+            "tensor with the batch in dim 0, not a list of rows), or use num_microbatches=1")
+
+
+def _one_value(position: int, per_microbatch: Sequence[Any]) -> Any:
+    """A non-tensor leaf, equal in every microbatch (rule 2)."""
+    first = per_microbatch[0]
+    for m, value in enumerate(per_microbatch[1:], start=1):
+        if not _equal_values(first, value):
+            raise ValueError(
+                f"output leaf {position} is a {type(first).__name__} that differs between microbatches ({first!r} "
+                f"in the first, {value!r} in microbatch {m}): the plain model computes it once over the whole "
+                "batch, which no microbatch gives. Return it as a tensor with one value per row in dim 0 (joined), "
+                "compute it outside the model from the joined outputs, or use num_microbatches=1")
+    return first
+
+
+def _equal_values(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # a value whose == is not a truth value (an array): not known to be equal
+        return False
+
+
+def _joined_tensor(position: int, per_microbatch: Sequence[torch.Tensor], sizes: Sequence[int],
+                   needs_grad: bool) -> torch.Tensor:
+    """A tensor leaf joined along dim 0 (rule 3), or handed back whole (rule 4)."""
+    first = per_microbatch[0]
+    carries = all(t.dim() >= 1 and t.shape[0] == rows for t, rows in zip(per_microbatch, sizes))
+    same = _memory(first) is not None and all(_memory(t) == _memory(first) for t in per_microbatch[1:])
+    if carries and (not same or first.stride(0) == 0):
+        return torch.cat(per_microbatch, dim=0)
+    if needs_grad:
+        raise ValueError(
+            f"output leaf {position} (shape {tuple(first.shape)}) does not carry the batch dimension (microbatch "
+            f"sizes {list(sizes)}) and needs a gradient: backward hands each output's gradient to the "
+            "microbatches by cutting it along dim 0, so it can be neither joined nor handed back whole (Note: "
+            "[Joining outputs] in offload/walk/microbatch.py). Return it detached, compute it outside the model, "
+            "or use num_microbatches=1")
+    # A blocking read of the values, only where the leaf would be refused otherwise.
+    # A scalar made in each microbatch is a statistic of it (a loss), equal or not.
+    if not same and (first.dim() == 0 or not all(_equal_tensors(first, t) for t in per_microbatch)):
+        raise ValueError(
+            f"output leaf {position} (shape {tuple(first.shape)}) does not carry the batch dimension (microbatch "
+            f"sizes {list(sizes)}) and is not the same in every microbatch, so it cannot be joined across "
+            "microbatches; use num_microbatches=1 or return only per-row tensors from the last layer")
+    return first
+
+
+def _memory(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """Where a plain tensor's elements lie and how they are read; ``None`` where that says nothing
+    (an empty tensor has no memory, a subclass's or a sparse tensor's is not its storage's)."""
+    if type(t) is not torch.Tensor or t.layout != torch.strided or t.numel() == 0:
+        return None
+    return (t.untyped_storage().data_ptr(), t.device, t.dtype, t.storage_offset(), t.shape, t.stride(),
+            t.is_conj(), t.is_neg())
+
+
+def _equal_tensors(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, NaN where the other has NaN."""
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device or a.layout != b.layout:
+        return False
+    try:
+        if torch.equal(a, b):
+            return True
+        if not (a.is_floating_point() or a.is_complex()):
+            return False
+        nan = a.isnan()
+        return torch.equal(nan, b.isnan()) and torch.equal(a[~nan], b[~nan])
+    except (RuntimeError, TypeError, NotImplementedError):  # a tensor torch.equal cannot compare
+        return False
 
 
 def view_in_joined(bases: Sequence[torch.Tensor], views: Sequence[torch.Tensor], joined: torch.Tensor,
                    ) -> tuple[tuple[int, ...], tuple[int, ...], int] | None:
     """Where the view each microbatch's output leaf takes of its base (``views`` of ``bases``) lies
     in the joined base: size, stride, and storage offset from the joined base's; ``None`` where it
-    does not carry over.
+    does not carry over. A base handed back whole is ``bases[0]`` itself; the view carries over
+    where every microbatch's is alike.
 
     With several microbatches the view carries over only where each microbatch's base is laid out
     as ``joined`` and the view keeps all of its rows with its dim-0 stride, the rest alike in every
@@ -110,6 +229,10 @@ def view_in_joined(bases: Sequence[torch.Tensor], views: Sequence[torch.Tensor],
     offsets = [v.storage_offset() - b.storage_offset() for v, b in zip(views, bases)]
     if len(views) == 1:
         return tuple(first.shape), first.stride(), offsets[0]
+    if joined is bases[0]:  # handed back whole (rule 4 of Note: [Joining outputs]): the view, alike in each
+        alike = all(v.shape == first.shape and v.stride() == first.stride() and offset == offsets[0]
+                    for v, offset in zip(views, offsets))
+        return (tuple(first.shape), first.stride(), offsets[0]) if alike else None
     carries = all(
         b.stride() == joined.stride() and v.dim() >= 1 and v.shape[0] == b.shape[0] and v.stride(0) == b.stride(0)
         and v.shape[1:] == first.shape[1:] and v.stride() == first.stride() and offset == offsets[0]
