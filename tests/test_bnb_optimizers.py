@@ -246,3 +246,81 @@ def test_paged_8bit_class_on_host_tensors_is_the_unpaged_class():
     with pytest.warns(UserWarning, match="Paged optimizers are not supported on CPU"):
         train(plain, reference, model, optimizer, steps=3)
     assert_same_state(plain, reference, model, optimizer)
+
+
+@pytest.fixture
+def fresh_manager():
+    """bitsandbytes' process-wide override manager, empty for the test and restored after it."""
+    saved = bnb.optim.GlobalOptimManager._instance
+    bnb.optim.GlobalOptimManager._instance = None
+    yield bnb.optim.GlobalOptimManager.get_instance()
+    bnb.optim.GlobalOptimManager._instance = saved
+
+
+def test_per_parameter_overrides_reach_the_parameters_stepped_by_proxy(fresh_manager):
+    # Note: [bitsandbytes overrides]: a module override (read at the first step) and an override by
+    # parameter, each on a weight the class would keep in 8 bits, one the first of its slice.
+    nets = layers(), layers()
+    for net in nets:
+        fresh_manager.register_module_override(net[0], "weight", {"optim_bits": 32})
+        fresh_manager.override_config(net[4].weight, "optim_bits", 32)
+    plain, net = nets
+    model = OffloadModel(net, device="cpu", num_slices=3)
+    reference = bnb.optim.Adam8bit(plain.parameters(), lr=1e-2)
+    optimizer = OffloadOptimizer(model, bnb.optim.Adam8bit, lr=1e-2)
+    train(plain, reference, model, optimizer, steps=2)
+    assert_same_state(plain, reference, model, optimizer)  # dtypes included
+    assert [str(optimizer.state[p]["state1"].dtype) for p in model.parameters() if p.dim() == 2] == [
+        "torch.float32", "torch.uint8", "torch.float32"]
+
+
+def test_overrides_left_by_an_earlier_optimizer_apply_at_the_plain_positions_only(fresh_manager):
+    # An optimizer over another model leaves its override keyed (group, index) = (0, 0) in the
+    # manager; the plain class reads it for its own first parameter, and for none other.
+    other = layers()
+    fresh_manager.register_module_override(other[0], "weight", {"optim_bits": 32})
+    other(torch.randn(2, 64)).square().mean().backward()
+    bnb.optim.Adam8bit(other.parameters(), lr=1e-2).step()
+    plain = layers()
+    model = OffloadModel(layers(), device="cpu", num_slices=3)
+    reference = bnb.optim.Adam8bit(plain.parameters(), lr=1e-2)
+    optimizer = OffloadOptimizer(model, bnb.optim.Adam8bit, lr=1e-2)
+    train(plain, reference, model, optimizer, steps=2)
+    assert_same_state(plain, reference, model, optimizer)
+    assert [str(optimizer.state[p]["state1"].dtype) for p in model.parameters() if p.dim() == 2] == [
+        "torch.float32", "torch.uint8", "torch.uint8"]
+
+
+@pytest.mark.parametrize("optim", ["adamw_bnb_8bit", "lion_8bit"])
+def test_the_trainers_8bit_optim_keeps_embeddings_in_32_bits_as_the_plain_trainer(optim, fresh_manager, tmp_path):
+    # Trainer.create_optimizer asks bitsandbytes for 32-bit state for every nn.Embedding's weight;
+    # offload_optimizer does the same. An embedding of 96 x 64 would be in 8 bits without it.
+    transformers = pytest.importorskip("transformers")
+    datasets = pytest.importorskip("datasets")
+    from offload.integrations.causal_lm import OffloadedCausalLM
+
+    ids = torch.randint(1, 96, (8, 10), generator=torch.Generator().manual_seed(3)).tolist()
+    data = datasets.Dataset.from_dict({"input_ids": ids, "labels": ids})
+    runs = []
+    for kind in ("plain", "offloaded"):
+        # Each run with a manager of its own, as in a process of its own: the plain run's overrides,
+        # left keyed by position, would otherwise reach the offloaded run's embedding too.
+        bnb.optim.GlobalOptimManager._instance = None
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=96)
+        hf = transformers.AutoModelForCausalLM.from_config(config)
+        args = transformers.TrainingArguments(output_dir=str(tmp_path / kind), use_cpu=True, report_to=[], optim=optim,
+                                              per_device_train_batch_size=4, max_steps=2, learning_rate=1e-2,
+                                              save_strategy="no", seed=0, disable_tqdm=True)
+        model = hf if kind == "plain" else OffloadedCausalLM(hf, device="cpu", num_slices=2)
+        optimizers = (None, None) if kind == "plain" else (model.offload_optimizer(args), None)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=data, optimizers=optimizers)
+        trainer.train()
+        optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+        if kind == "offloaded":
+            optimizer.synchronize()
+        runs.append((hf, optimizer))
+    (plain, reference), (hf, optimizer) = runs
+    assert reference.state[plain.model.embed_tokens.weight]["state1"].dtype == torch.float32
+    assert_same_state(plain, reference, hf, optimizer)

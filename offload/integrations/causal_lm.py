@@ -544,8 +544,23 @@ def _trainer_optimizer(model: OffloadedCausalLM, args: Any, options: dict[str, A
             "params", "model", "optimizer_dict"} & set(kwargs):
         raise ValueError(f"optim={args.optim!r} builds its optimizer from the whole model; OffloadOptimizer "
                          "steps one slice at a time. Use an optimizer such as adamw_torch_fused (the default)")
-    return OffloadOptimizer(model.offloaded, optimizer_class, _decay_groups(model, args.weight_decay), **options,
-                            **kwargs)
+    optimizer = OffloadOptimizer(model.offloaded, optimizer_class, _decay_groups(model, args.weight_decay),
+                                 **options, **kwargs)
+    if "bitsandbytes" in str(optimizer_class) and kwargs.get("optim_bits") == 8:
+        _embeddings_in_32_bits(model)
+    return optimizer
+
+
+def _embeddings_in_32_bits(model: OffloadedCausalLM) -> None:
+    """What ``Trainer.create_optimizer`` does for a bitsandbytes 8-bit ``optim``: every embedding's
+    weight keeps 32-bit state, through bitsandbytes' module overrides (which the inner optimizers
+    read for their proxies, Note: [bitsandbytes overrides] in ``offload/optimizing/plan.py``)."""
+    import bitsandbytes
+
+    manager = bitsandbytes.optim.GlobalOptimManager.get_instance()
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            manager.register_module_override(module, "weight", {"optim_bits": 32})
 
 
 def _decay_groups(model: OffloadedCausalLM, weight_decay: float) -> list[dict[str, Any]]:

@@ -6,7 +6,9 @@ which the plan asks)."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator, MutableMapping
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -59,6 +61,7 @@ def inner_optimizer(optimizer: Any, params: list[torch.Tensor], groups: list[int
     inner = optimizer.optimizer_class(inner_groups, **optimizer.optimizer_kwargs)
     inner._offload_inner = True
     inner.state = StateByProxy(optimizer, dict(zip(proxies, params)))
+    _translate_bnb_overrides(inner, optimizer, proxies, params)
     return InnerOptimizer(inner, proxies, params, list(by_group))
 
 
@@ -89,3 +92,80 @@ def _by_slice(param_groups: list[dict[str, Any]],
             else:
                 rest.append((p, g))
     return {index: sorted(per_slice[index], key=lambda item: item[0]) for index in sorted(per_slice)}, rest
+
+
+def _translate_bnb_overrides(inner: Any, outer: Any, proxies: list[nn.Parameter], params: list[torch.Tensor]) -> None:
+    """Point a bitsandbytes inner optimizer at the user's overrides (Note: [bitsandbytes overrides])."""
+    optim = sys.modules.get("bitsandbytes.optim.optimizer")
+    if optim is None or not isinstance(inner, optim.Optimizer8bit):
+        return
+    position = {id(p): (g, k) for g, group in enumerate(outer.param_groups) for k, p in enumerate(group["params"])}
+    user_of = {id(proxy): p for proxy, p in zip(proxies, params)}
+    where = {(gi, pi): position[id(user_of[id(proxy)])]
+             for gi, group in enumerate(inner.param_groups) for pi, proxy in enumerate(group["params"])}
+    inner.mng = _ManagerByProxy(inner.mng, dict(zip(map(id, params), proxies)), where,
+                                {id(proxy): id(p) for proxy, p in zip(proxies, params)})
+
+
+class _KeysTranslated(MutableMapping[Any, Any]):
+    """One of bitsandbytes' global tables, read and written under the user's keys for an inner
+    optimizer's keys; keys the inner optimizer has no translation for are not in it."""
+
+    def __init__(self, table: dict[Any, Any], translate: dict[Any, Any]) -> None:
+        self.table = table
+        self.translate = translate
+
+    def __getitem__(self, key: Any) -> Any:
+        return self.table[self.translate[key]]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.table[self.translate[key]] = value
+
+    def __delitem__(self, key: Any) -> None:
+        del self.table[self.translate[key]]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.translate and self.translate[key] in self.table
+
+    def __iter__(self) -> Iterator[Any]:
+        return (key for key, user_key in self.translate.items() if user_key in self.table)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+class _ManagerByProxy:
+    """bitsandbytes' ``GlobalOptimManager`` as an inner optimizer sees it.
+
+    Note: [bitsandbytes overrides]
+        bitsandbytes' 8-bit optimizers take per-parameter settings (``optim_bits=32`` for an
+        embedding, as ``Trainer`` asks) from one process-wide manager: ``pid2config`` keyed by
+        ``id(param)``, ``index2config`` keyed by ``(group index, index in the group)`` in the
+        optimizer's own numbering, and module overrides that ``check_overrides`` turns into both
+        at the first ``step()``. ``get_config`` reads the two tables at every update. An inner
+        optimizer steps proxies, numbered within its slice: read plainly, it would miss every
+        override and take the ``index2config`` entries of the user's first parameters (left by
+        any earlier optimizer, which the plain optimizer reads at those positions) for the first
+        of every slice. So it reads and writes both tables under the user's parameter and the
+        user's position, and sees a module override of a parameter it steps as one of its proxy:
+        each parameter gets what the plain optimizer gives it, and the tables are left as the
+        plain optimizer leaves them.
+    """
+
+    def __init__(self, manager: Any, proxy_of: dict[int, nn.Parameter], where: dict[tuple[int, int], tuple[int, int]],
+                 user_id: dict[int, int]) -> None:
+        self.manager = manager
+        self.proxy_of = proxy_of  # id of the user's parameter -> its proxy
+        self.pid2config = _KeysTranslated(manager.pid2config, user_id)
+        self.index2config = _KeysTranslated(manager.index2config, where)
+
+    @property
+    def module_weight_config_triple(self) -> Iterator[tuple[Any, str, dict[str, Any]]]:
+        # Read when check_overrides runs, so overrides registered until the first step() count, as they do plainly.
+        for module, attr, config in self.manager.module_weight_config_triple:
+            proxy = self.proxy_of.get(id(getattr(module, attr)))
+            if proxy is not None:
+                yield SimpleNamespace(**{attr: proxy}), attr, config
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.manager, name)

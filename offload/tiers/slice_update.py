@@ -190,16 +190,18 @@ class SliceStep:
     def _step(self, grads: Sequence[torch.Tensor | None], hyper: Sequence[dict[str, Any]],
               grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None, shadow: bool,
               scaling: OwedScaling | None) -> Collection[int]:
-        """One optimizer call over the whole slice; with a shadow, its fused Adam/AdamW kernel writes
+        """One optimizer call over the whole slice; with a shadow, its fused Adam/AdamW/SGD kernel writes
         the shadow as it goes where it can (Note: [One-pass update] in ``offload/kernels/one_pass.py``),
         and multiplies the gradients by a clip's owed coefficient as it reads them.
         Returns the addresses of the host copies whose shadow is written."""
         assert self.whole is not None
         # Without a shadow the kernel still pays where it multiplies a clip's owed gradients as it reads them.
-        kernel = host_kernel() if shadow or scaling is not None else None
-        # A clip owed to an optimizer that is not fused: scaled first (no per-operation watch over its many calls).
-        unfused = scaling is not None and not all(g.get("fused") for g in self.whole.optimizer.param_groups)
-        if kernel is None or unfused:
+        # It serves PyTorch's fused Adam, AdamW and SGD kernels alone: around any other step the mode would
+        # only cost (a clip owed is then scaled first, with no watch over the step's many calls), and a
+        # compiled step (torchao's AdamW8bit, fullgraph) refuses to run under a dispatch mode at all.
+        wanted = (shadow or scaling is not None) and _served(self.whole.optimizer)
+        kernel = host_kernel() if wanted else None
+        if kernel is None:
             if scaling is not None:
                 scaling.apply_rest()
             self.whole.step(grads, hyper, grad_scale, found_inf)
@@ -211,3 +213,10 @@ class SliceStep:
         if scaling is not None:
             scaling.apply_rest()  # gradients the step did not read (a captured list that changed since the clip)
         return one_pass.written
+
+
+def _served(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether :class:`OnePassUpdate` can serve ``optimizer``'s step: PyTorch's Adam, AdamW or SGD
+    (or a subclass), every group ``fused``."""
+    return (isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD))
+            and all(g.get("fused") for g in optimizer.param_groups))
