@@ -29,7 +29,7 @@ from torch.nn.utils import parametrize
 
 from offload import OffloadModel
 
-from .helpers import ACTIVATIONS, DEVICES, assert_same_grads
+from .helpers import ACTIVATIONS, DEVICES, HostStepped, assert_same_grads
 
 EXACT = {"rtol": 0.0, "atol": 0.0}
 
@@ -106,9 +106,12 @@ def test_a_weight_clamped_by_a_pre_hook_is_refused_beside_buffers_written(device
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_renormalising_outside_forward_as_the_refusal_advises_trains_as_the_plain_model(device: str) -> None:
-    plain, model = _pair(_embedding, device)
+    torch.manual_seed(0)
+    plain = _embedding().to(device)
+    model = OffloadModel(copy.deepcopy(plain).cpu(), device=device, num_slices=3)
     model[0].max_norm = None
-    plain_opt, opt = torch.optim.SGD(plain.parameters(), lr=0.5), torch.optim.SGD(model.parameters(), lr=0.5)
+    plain_opt = HostStepped(plain, lambda params: torch.optim.SGD(params, lr=0.5))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
     for step in range(3):
         ids = torch.randint(0, 20, (4, 3), generator=torch.Generator().manual_seed(step))
         with torch.no_grad():
