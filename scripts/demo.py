@@ -13,26 +13,19 @@ import torch
 from torch import nn
 
 from offload import OffloadModel, OffloadOptimizer
+from offload.cli.device_argument import device_argument
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--steps", type=int, default=30, help="training steps")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+    parser.add_argument("--device", type=device_argument, default="cuda" if torch.cuda.is_available() else "cpu",
                         help="where the layers compute (cuda when present)")
     args = parser.parse_args()
     if args.steps < 1:
         parser.error(f"--steps must be at least 1, got {args.steps}")
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        parser.error(f"--device {args.device}: not a device (cpu, cuda, cuda:1, ...)")
-    if device.type not in ("cpu", "cuda"):
-        parser.error(f"--device {args.device}: the demo computes on cpu or cuda")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}, but CUDA is not available")
-    found = "" if device.type != "cpu" or torch.cuda.is_available() else " (no CUDA device found)"
+    found = "" if args.device.type != "cpu" or torch.cuda.is_available() else " (no CUDA device found)"
     print(f"device: {args.device}{found}")
 
     torch.manual_seed(0)

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from offload.cli.device_argument import device_argument
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "none": None}
 
 
@@ -40,7 +42,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--method", choices=["slices", "from_pretrained"], default="slices",
                         help="slices: load_causal_lm, tensor by tensor; from_pretrained: the ordinary way, for "
                              "comparison (default: slices)")
-    parser.add_argument("--device", help="OffloadModel's device (default: cuda when present, else cpu)")
+    parser.add_argument("--device", type=device_argument, help="OffloadModel's device (default: cuda when present, else cpu)")
     parser.add_argument("--num-slices", type=int, default=8, help="OffloadModel num_slices (default: 8)")
     parser.add_argument("--dtype", choices=["fp32", "bf16", "auto"], default="fp32",
                         help="dtype of the host copies; auto: the checkpoint's (default: fp32)")
@@ -51,15 +53,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.path = args.path.expanduser()
     if args.num_slices < 1:
         parser.error(f"--num-slices must be at least 1, got {args.num_slices}")
-    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        parser.error(f"--device {args.device}: not a device (cpu, cuda, cuda:1, ...)")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}, but CUDA is not available")
-    if device.type == "meta":
-        parser.error("--device meta holds no data: give cpu or cuda")
+    args.device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     # Refused before minutes of loading: a missing folder would be looked up on the Hub, and an
     # output file that cannot be written would be found only after the load.
     if not args.path.is_dir():
@@ -107,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
         "rss_growth_after_bytes": resident_bytes() - before,
         "host_copies_bytes": footprint.host_copies,
         "host_shadows_bytes": footprint.host_shadows,
-        "device": args.device,
+        "device": str(args.device),
         "num_slices": model.num_slices,
         "dtype": args.dtype,
         "compute_dtype": args.compute_dtype,

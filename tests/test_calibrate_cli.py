@@ -41,8 +41,8 @@ def where(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 BAD_INPUTS = {
-    "an unknown device": (["--device", "tpu"], "argument --device: expected cuda or cpu, got 'tpu'"),
-    "a device calibrate does not measure": (["--device", "meta"], "expected cuda or cpu, got 'meta'"),
+    "an unknown device": (["--device", "tpu"], "argument --device: tpu is not a device: use cpu, cuda or cuda:N"),
+    "a device calibrate does not measure": (["--device", "meta"], "argument --device: meta: the layers compute on cpu, cuda or cuda:N, not meta"),
     "a cuda device past the last": (["--device", "cuda:99"], "argument --device: cuda:99: "),
     "dir a file": (["--dir", "a_file"], "--dir a_file: not a directory"),
     # As a disk tier and `offload plan --disk-dir`: only the last level is made.
@@ -61,7 +61,7 @@ def test_a_bad_input_is_one_line_with_exit_status_2_before_measuring(case, where
 
 def test_cuda_without_a_cuda_device_is_refused_before_measuring(where, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert "--device: cuda: no CUDA device here" in calibrate_error(capsys, "--device", "cuda", "--out", "rates.json")
+    assert "--device: cuda: this machine has no CUDA device; use --device cpu" in calibrate_error(capsys, "--device", "cuda", "--out", "rates.json")
 
 
 class Measuring(Exception):

@@ -339,6 +339,7 @@ def test_a_checkpoint_that_does_not_load_is_one_line_in_the_commands_flags(tmp_p
 def test_the_default_compute_dtype_is_the_planners_choice_for_the_device(device, capability, flags, expected,
                                                                          monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: device == "cuda")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: int(device == "cuda"))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     args = parse_args(["--out", "o", "--device", device, *flags])
     assert args.compute_dtype == expected

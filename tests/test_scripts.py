@@ -617,9 +617,9 @@ def test_distributed_training_script_refuses_a_resume_with_nothing_left(tmp_path
     (["{empty}"], "no config.json"),
     (["{config}"], "a config.json but no weights"),
     (["{config}", "--num-slices", "0"], "--num-slices must be at least 1"),
-    (["{config}", "--device", "foo"], "--device foo: not a device"),
-    (["{config}", "--device", "meta"], "--device meta holds no data"),
-] + ([] if torch.cuda.is_available() else [(["{config}", "--device", "cuda"], "CUDA is not available")]))
+    (["{config}", "--device", "foo"], "argument --device: foo is not a device: use cpu, cuda or cuda:N"),
+    (["{config}", "--device", "meta"], "argument --device: meta: the layers compute on cpu, cuda or cuda:N, not meta"),
+] + ([] if torch.cuda.is_available() else [(["{config}", "--device", "cuda"], "argument --device: cuda: this machine has no CUDA device; use --device cpu")]))
 def test_load_checkpoint_script_refuses_before_loading(tmp_path, args, message):
     (tmp_path / "empty").mkdir()
     (tmp_path / "config").mkdir()
@@ -630,9 +630,9 @@ def test_load_checkpoint_script_refuses_before_loading(tmp_path, args, message):
 
 @pytest.mark.parametrize("args, message", [
     (["--steps", "0"], "--steps must be at least 1"),
-    (["--device", "foo"], "--device foo: not a device"),
-    (["--device", "meta"], "the demo computes on cpu or cuda"),
-] + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "CUDA is not available")]))
+    (["--device", "foo"], "argument --device: foo is not a device: use cpu, cuda or cuda:N"),
+    (["--device", "meta"], "argument --device: meta: the layers compute on cpu, cuda or cuda:N, not meta"),
+] + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "argument --device: cuda: this machine has no CUDA device; use --device cpu")]))
 def test_demo_refuses_bad_values(args, message):
     assert message in script_error("scripts/demo.py", *args)
 

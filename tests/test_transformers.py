@@ -807,12 +807,12 @@ def load_finetune_script() -> types.ModuleType:
     return module
 
 
-@pytest.mark.parametrize(("device", "fragment"), [("cuda", "no CUDA device is available here; use --device cpu"),
-                                                  ("gpu0", "not a device; use cuda, cuda:N or cpu")])
+@pytest.mark.parametrize(("device", "fragment"), [("cuda", "cuda: this machine has no CUDA device; use --device cpu"),
+                                                  ("gpu0", "gpu0 is not a device: use cpu, cuda or cuda:N")])
 def test_finetune_script_refuses_a_device_it_cannot_use_in_one_line(device, fragment, monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as exit_info:
         load_finetune_script().parse_args(["--out", str(tmp_path), "--device", device])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert "Traceback" not in err and err.strip().splitlines()[-1].endswith(f"--device {device}: {fragment}")
+    assert "Traceback" not in err and err.strip().splitlines()[-1].endswith(f"argument --device: {fragment}")

@@ -33,6 +33,7 @@ from torch import nn
 from ..model import OffloadModel
 from ..planning.rates import ADAMW_BYTES_PER_PARAMETER, MachineRates, default_rates_path, save_rates
 from ..profiling.outputs import check_output_path
+from .device_argument import device_argument
 from .finetune_args import user_path
 from .plan import OneLineParser, check_disk_dir
 
@@ -206,7 +207,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=user_path, default=default_rates_path(),
                         help="where to write the rates (default: %(default)s)")
     parser.add_argument("--dir", type=user_path, help="measure the disk here (where the disk tier would live)")
-    parser.add_argument("--device", type=_device, help="cuda or cpu (default: cuda when present)")
+    parser.add_argument("--device", type=device_argument, help="cuda or cpu (default: cuda when present)")
     args = parser.parse_args(argv)
     if args.dir is not None:
         check_disk_dir(parser, args.dir, "--dir")
@@ -222,24 +223,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     except OSError as error:
         parser.error(str(error))
     return args
-
-
-def _device(text: str) -> torch.device:
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        raise argparse.ArgumentTypeError(f"expected cuda or cpu, got {text!r}") from None
-    if device.type not in ("cuda", "cpu"):
-        raise argparse.ArgumentTypeError(f"expected cuda or cpu, got {text!r}")
-    if device.type == "cuda":
-        # Asked before measuring: calibrate() would first time the host, then fail in CUDA's own words.
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if not count:
-            raise argparse.ArgumentTypeError(f"{text}: no CUDA device here; calibrate on the GPU's machine, or "
-                                             "give --device cpu")
-        if device.index is not None and device.index >= count:
-            raise argparse.ArgumentTypeError(f"{text}: this machine has {count} CUDA device(s)")
-    return device
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -16,6 +16,7 @@ import torch
 
 from ..checkpoint import CheckpointError, latest_checkpoint
 from ..checkpoint.commit import committed
+from .device_argument import device_argument
 from .models import SIZES
 from .outputs import holds_finished_model
 from .plan_models import LEARNED_POSITIONS
@@ -100,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="compute the loss in the head over chunks of this many tokens (0: return logits)")
     parser.add_argument("--untie-embeddings", action="store_true",
                         help="give a tied lm_head a weight of its own (by default tied embeddings stay tied)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+    parser.add_argument("--device", type=device_argument, default="cuda" if torch.cuda.is_available() else "cpu",
                         help="where the layers compute (cuda when present)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model's initialisation and the data order")
     parser.add_argument("--no-progress", action="store_true",
@@ -265,14 +266,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--eval-file and --eval-fraction both name an eval split; give one")
     if args.eval_every and args.eval_file is None and not args.eval_fraction:
         parser.error("--eval-every needs an eval split: --eval-file PATH or --eval-fraction F")
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        parser.error(f"--device {args.device}: not a device; use cuda, cuda:N or cpu")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}: no CUDA device is available here; use --device cpu")
     if args.compute_dtype == AUTO:
-        args.compute_dtype = default_compute_dtype(device, args.masters_on_disk)
+        args.compute_dtype = default_compute_dtype(args.device, args.masters_on_disk)
     if args.loss_chunk_tokens < 0:
         parser.error("--loss-chunk-tokens must be 0 (off) or a number of tokens")
     if args.save_every < 0:
