@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -122,11 +123,14 @@ def _existing_ancestor(directory: Path) -> Path:
 
 
 def _read(path: Path) -> tuple[dict[str, Any], Metadata]:
-    """The checkpoint's description and DCP metadata, once every file they name is there, whole."""
+    """The checkpoint's description and DCP metadata, once every file they name is there, whole,
+    and the description is one a save of a format this version reads writes.
+
+    Raises:
+        CheckpointError: no checkpoint at ``path``, or an incomplete, damaged or newer one.
+    """
     if not path.is_dir():
-        partial = partial_directory(path)
-        hint = f" (a save of it was interrupted: {partial} is incomplete)" if partial.exists() else ""
-        raise CheckpointError(f"no checkpoint at {path}: not a directory{hint}")
+        raise CheckpointError(_not_there(path))
     try:
         info = json.loads((path / INFO_FILE).read_text())
     except FileNotFoundError as error:
@@ -145,9 +149,7 @@ def _read(path: Path) -> tuple[dict[str, Any], Metadata]:
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"checkpoint {path} is damaged: its .metadata holds a {type(metadata).__name__}, not "
                               "DCP's metadata. Nothing was loaded: load an earlier checkpoint.")
-    if info.get("format") not in READABLE_FORMATS:
-        raise CheckpointError(f"checkpoint {path} has format {info.get('format')!r}; this version reads "
-                              f"{' and '.join(map(str, READABLE_FORMATS))} (a newer offload wrote it: upgrade)")
+    _check_info(path, info)
     needed: dict[str, int] = {}
     for storage in (metadata.storage_data or {}).values():
         needed[storage.relative_path] = max(needed.get(storage.relative_path, 0), storage.offset + storage.length)
@@ -159,6 +161,94 @@ def _read(path: Path) -> tuple[dict[str, Any], Metadata]:
             raise CheckpointError(f"checkpoint {path} is incomplete: {relative} has {file.stat().st_size} bytes, "
                                   f"{length} expected (truncated)")
     return info, metadata
+
+
+def _not_there(path: Path) -> str:
+    """Why there is no checkpoint at ``path``, and what to do, for its message."""
+    partial = partial_directory(path)
+    hint = f" (a save of it was interrupted: {partial} is incomplete)" if partial.exists() else ""
+    message = f"no checkpoint at {path}: not a directory{hint}"
+    latest = path.parent / LATEST_FILE
+    try:
+        named = not path.exists() and latest.read_text().strip() == path.name
+    except (OSError, UnicodeDecodeError):  # no latest there, or not the file a save writes
+        named = False
+    if not named:
+        return message
+    # What latest_checkpoint() returned, removed (by hand, or another run's keep_last) since.
+    others = _checkpoints_in(path.parent)
+    where = (f"pass load_checkpoint() one that is there (newest first: {_listed(others, 5, ', ')})" if others else
+             f"{path.parent} holds no other checkpoint: restore this one from a copy, or start afresh (the next "
+             f"save there names its own checkpoint in {LATEST_FILE})")
+    return (f"{message}. It is the checkpoint {latest} names, the last one saved there, and it is gone (deleted or "
+            f"moved since it was saved). Load another checkpoint: {where}.")
+
+
+def _checkpoints_in(directory: Path) -> list[str]:
+    """The names of the checkpoints in ``directory`` (those with an ``offload.json``), newest first."""
+    found: list[tuple[float, str]] = []
+    try:
+        for entry in directory.iterdir():
+            if not entry.name.startswith(".") and (entry / INFO_FILE).is_file():
+                found.append(((entry / INFO_FILE).stat().st_mtime, entry.name))
+    except OSError:  # unreadable, or removed as we looked: the message goes without the list
+        return []
+    return [name for _, name in sorted(found, reverse=True)]
+
+
+def _check_info(path: Path, info: dict[str, Any]) -> None:
+    """Raise unless ``offload.json`` is of a format this version reads and holds what a load reads,
+    each of the type a save writes (Note: [Checkpoint layout] in ``contents.py``).
+
+    Raises:
+        CheckpointError: a newer format (upgrade), or a description that is damaged or not offload's.
+    """
+    found = info.get("format")
+    if _whole_number(found) and found > max(READABLE_FORMATS):
+        readable = f"{', '.join(map(str, READABLE_FORMATS[:-1]))} and {READABLE_FORMATS[-1]}"
+        raise CheckpointError(f"checkpoint {path} has format {found}; this version reads {readable} (a newer "
+                              "offload wrote it: upgrade offload to load it)")
+    wrong = [] if _whole_number(found) and found in READABLE_FORMATS else [_misstated(info, "format")]  # true == 1
+    wrong += [_misstated(info, key) for key, fits in _INFO_FIELDS.items() if key not in info or not fits(info[key])]
+    if "crc32" in info and not _checksums(info["crc32"]):
+        wrong.append(_misstated(info, "crc32"))
+    if wrong:
+        raise CheckpointError(f"checkpoint {path} is damaged, or was not written by offload: its {INFO_FILE} is not "
+                              f"what a save writes ({'; '.join(wrong)}). Nothing was loaded: load an earlier "
+                              "checkpoint.")
+
+
+def _misstated(info: dict[str, Any], key: str) -> str:
+    return f"{key!r} is missing" if key not in info else f"{key!r} is {info[key]!r:.40}"
+
+
+def _whole_number(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _names(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(name, str) for name in value)
+
+
+def _described(value: Any) -> bool:
+    """Whether ``value`` describes a tensor as ``_describe`` does."""
+    return (isinstance(value, dict) and isinstance(value.get("dtype"), str) and isinstance(value.get("shape"), list)
+            and all(_whole_number(n) for n in value["shape"]))
+
+
+def _checksums(value: Any) -> bool:
+    return value is None or (isinstance(value, dict) and all(_whole_number(v) for v in value.values()))
+
+
+#: What a load reads of ``offload.json``, by key: whether a value is of the type a save writes
+#: (``"crc32"`` may be missing: a save before checksums were recorded wrote none).
+_INFO_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "world_size": lambda value: _whole_number(value) and value >= 1,
+    "tensors": lambda value: isinstance(value, dict) and all(map(_described, value.values())),
+    "partition": lambda value: value is None or (isinstance(value, list) and all(map(_names, value))),
+    "optimizer": lambda value: value is None or isinstance(value, str),
+    "groups": lambda value: value is None or (isinstance(value, list) and all(map(_names, value))),
+}
 
 
 def _check_model(path: Path, info: dict[str, Any], model: nn.Module, model_state: dict[str, torch.Tensor]) -> None:
@@ -206,8 +296,12 @@ def _check_optimizer(path: Path, info: dict[str, Any], metadata: Metadata, optim
     here = [[names[id(p)] for p in params] for params in groups]
     if here != info["groups"]:
         if len(here) != len(info["groups"]):
+            # Groups are matched by position: a group added before the load has no saved one.
+            added = len(here) > len(info["groups"])
+            after = ", then add the new group(s) with add_param_group()" if added else ""
             raise CheckpointError(f"checkpoint {path} holds {len(info['groups'])} parameter group(s), the optimizer "
-                                  f"has {len(here)}")
+                                  f"has {len(here)}. Build the optimizer with the saved run's groups (the same "
+                                  f"parameters in each, in the same order), load{after}.")
         k = next(k for k, (a, b) in enumerate(zip(info["groups"], here)) if a != b)
         raise CheckpointError(f"parameter group {k} of checkpoint {path} holds other parameters than the "
                               f"optimizer's: {_listed(info['groups'][k], 4, ', ')} there, {_listed(here[k], 4, ', ')} here")

@@ -36,7 +36,10 @@ Note: [Checkpoint layout]
         that rank's CPU and CUDA generators and Python's ``random``: dropout draws the same
         numbers after a resume. Restored only when the number of ranks is unchanged.
     ``extra``
-        the caller's ``extra``, the same on every rank.
+        the caller's ``extra``, the same on every rank, as ``{"value": extra}``: DCP pickles a
+        dict whatever it holds, where a bare tensor at the top level would be saved as tensor
+        data, which a load asking for a pickled value cannot read. Before format 3, ``extra``
+        itself (a bare tensor as tensor data, which a load now reads into a tensor of its shape).
 
     ``offload.json`` holds the names, shapes and dtypes of the model's tensors, the slicing, the
     optimizer class, its groups' parameters by name and the number of ranks: what
@@ -60,9 +63,12 @@ from ..streams.flat_views import dense_stride
 
 #: The format a save writes. 2: optimizer state kept as a tensor subclass is saved as what it holds
 #: (Note: [Wrapped state]), which a reader of format 1 would hand the optimizer as a description:
-#: it refuses format 2 instead. A load reads both.
-FORMAT = 2
-READABLE_FORMATS = (1, 2)
+#: it refuses format 2 instead. 3: ``extra`` is saved as ``{"value": extra}`` (Note: [Checkpoint
+#: layout]), which a reader of format 2 would return as it is: it refuses format 3. A load reads all.
+FORMAT = 3
+READABLE_FORMATS = (1, 2, 3)
+#: The first format whose ``extra`` is saved as ``{"value": extra}``.
+EXTRA_WRAPPED_SINCE = 3
 STRAY_PARAMETER = ("the optimizer steps a parameter that is not in the model; a checkpoint names optimizer state "
                    "after the model's parameters: save such parameters in extra and give them their own optimizer")
 
@@ -76,6 +82,17 @@ def _info(model: nn.Module, optimizer: torch.optim.Optimizer | None, names: dict
             "optimizer": None if optimizer is None else _optimizer_class(optimizer).__name__,
             "groups": None if optimizer is None else [g["params"] for g in _named_groups(optimizer, names)],
             "crc32": checksums}
+
+
+def _extra_to_save(extra: Any) -> dict[str, Any]:
+    """``extra`` as DCP saves it (Note: [Checkpoint layout]): in a dict, which DCP pickles whatever
+    it holds, so that any picklable value, a bare tensor too, loads back as it was."""
+    return {"value": extra}
+
+
+def _loaded_extra(loaded: Any, saved_format: int) -> Any:
+    """The ``extra`` a checkpoint of ``saved_format`` was saved with, from what DCP loaded."""
+    return loaded["value"] if saved_format >= EXTRA_WRAPPED_SINCE else loaded
 
 
 def _model_state(model: nn.Module) -> dict[str, torch.Tensor]:

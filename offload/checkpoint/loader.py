@@ -24,8 +24,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from .checkpoint_files import CheckpointError, verify_checksums
 from .checks import _check_arguments, _check_model, _check_optimizer, _listed, _read
 from .commit import committed
-from .contents import (_kept_parameters, _loads_on_disk, _masters_on_disk, _masters_releaser, _model_state,
-                       _parameter_names, _release_masters, _set_rng_state)
+from .contents import (_kept_parameters, _loaded_extra, _loads_on_disk, _masters_on_disk, _masters_releaser,
+                       _model_state, _parameter_names, _release_masters, _set_rng_state)
 from .quant_states import format_differences, is_packed, read_packed, set_unreached
 from .ranks import _agreed, _barrier, _group
 from ..tiers.disk_tier import DiskTierError
@@ -57,12 +57,15 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module`` or ``optimizer`` not an optimizer.
-        CheckpointError: an incomplete checkpoint (a missing or truncated file), a damaged one (an
-            unreadable ``.metadata`` or ``offload.json``, a data file whose CRC-32 differs from the
-            one recorded at save: Note: [Checkpoint checksums] in ``offload/checkpoint/checkpoint_files.py``),
-            or one of another model (names, shapes, dtypes, a 4-bit weight's format), slicing or
-            optimizer; the message
-            says what differs. Nothing was loaded: the model and optimizer are unchanged.
+        CheckpointError: no checkpoint at ``path`` (when ``latest`` names it, the message says
+            it is gone and lists the checkpoints still there), an incomplete checkpoint (a missing
+            or truncated file), a damaged one (an unreadable ``.metadata`` or ``offload.json``, an
+            ``offload.json`` that is not what a save writes, a data file whose CRC-32 differs from
+            the one recorded at save: Note: [Checkpoint checksums] in
+            ``offload/checkpoint/checkpoint_files.py``), one of a newer format (upgrade), or one of
+            another model (names, shapes, dtypes, a 4-bit weight's format), slicing or optimizer
+            (its class, its parameter groups); the message says what differs and what to do.
+            Nothing was loaded: the model and optimizer are unchanged.
         DiskTierError: the optimizer's disk tier could not write part of the loaded state, raised
             once the load is done: that state is held in RAM (Note: [Disk tier failures] in
             ``offload/tiers/disk_tier.py``).
@@ -75,7 +78,7 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     _check_arguments("load_checkpoint", model, optimizer)
     group, rank, world_size = _group(model, optimizer, process_group)
     # Each rank checks what it reads before any collective; a refusal on one is said on every rank.
-    path, metadata, model_state, names, groups, state, wanted, on_disk = _agreed(
+    path, saved_format, metadata, model_state, names, groups, state, wanted, on_disk = _agreed(
         group, lambda: _checked_load(Path(path), model, optimizer, rank, world_size), "loaded")
     rng_key = f"rng/{rank}"
     packed = _check_packed(path, metadata, model_state, state, group)
@@ -93,14 +96,14 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     _barrier(group)
     if failure is not None:
         raise failure
-    return state["extra"]
+    return _loaded_extra(state["extra"], saved_format)
 
 
 def _checked_load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, rank: int,
                   world_size: int) -> tuple[Any, ...]:
-    """What this rank loads, checked before anything is: the checkpoint directory, its metadata,
-    the model's state, parameter names, the optimizer's groups, DCP's state to fill and, as
-    :func:`_state_to_load` says, the optimizer's keys and what its disk tier keeps.
+    """What this rank loads, checked before anything is: the checkpoint directory, its format, its
+    metadata, the model's state, parameter names, the optimizer's groups, DCP's state to fill and,
+    as :func:`_state_to_load` says, the optimizer's keys and what its disk tier keeps.
 
     Raises:
         CheckpointError: as :func:`load_checkpoint` says, before anything is loaded.
@@ -115,11 +118,13 @@ def _checked_load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer
     rng_key = f"rng/{rank}"
     if info["world_size"] == world_size and rng_key in metadata.state_dict_metadata:
         state[rng_key] = None
-    state["extra"] = None
+    # Before format 3, a bare tensor as extra was saved as tensor data (Note: [Checkpoint layout]).
+    saved_extra = metadata.state_dict_metadata.get("extra")
+    state["extra"] = _destination(saved_extra, None) if isinstance(saved_extra, TensorStorageMetadata) else None
     # The files this rank reads, checked whole before anything is loaded (Note: [Checkpoint checksums]).
     verify_checksums(path, info.get("crc32"), {storage.relative_path for index, storage in
                                                (metadata.storage_data or {}).items() if index.fqn in state})
-    return path, metadata, model_state, names, groups, state, wanted, on_disk
+    return path, info["format"], metadata, model_state, names, groups, state, wanted, on_disk
 
 
 def _check_packed(path: Path, metadata: Metadata, model_state: dict[str, torch.Tensor], state: dict[str, Any],

@@ -40,8 +40,9 @@ from .checkpoint_files import (CheckpointError, ChecksummingFileSystem, disk_ful
                                interrupt_behind)
 from .checks import _check_room, _check_save_arguments, _check_target
 from .commit import HalfCommitted, commit, latest_checkpoint, partial_directory, prepare, tidy
-from .contents import (STRAY_PARAMETER, _info, _masters_on_disk, _masters_releaser, _model_state, _named_groups,
-                       _optimizer_state, _own_storage, _parameter_names, _release_masters, _rng_state, _steps_only)
+from .contents import (STRAY_PARAMETER, _extra_to_save, _info, _masters_on_disk, _masters_releaser, _model_state,
+                       _named_groups, _optimizer_state, _own_storage, _parameter_names, _release_masters, _rng_state,
+                       _steps_only)
 from .ranks import _agreed, _gathered, _group, _on_rank_0
 from ..tiers.disk_tier import size_text
 from ..optimizer import OffloadOptimizer, check_whole
@@ -50,7 +51,7 @@ from .wrapped_state import state_entries
 
 
 def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                    *, extra: dict[str, Any] | None = None, keep_last: int | None = None,
+                    *, extra: Any = None, keep_last: int | None = None,
                     process_group: Any = None) -> Path:
     """Write the model, the optimizer, the random number generators and ``extra`` into the
     checkpoint directory ``path`` and point ``latest`` beside it at it, as one event: when it
@@ -69,9 +70,9 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
         model: an :class:`~offload.OffloadModel` or any ``nn.Module``.
         optimizer: an :class:`~offload.OffloadOptimizer`, any ``torch.optim`` optimizer over the
             model's parameters, or ``None``.
-        extra: picklable values to save with it (a scheduler's and a ``GradScaler``'s
-            ``state_dict()``, the step, the data position), the same on every rank;
-            :func:`load_checkpoint` returns it.
+        extra: any picklable value to save with it, usually a dict (a scheduler's and a
+            ``GradScaler``'s ``state_dict()``, the step, the data position), the same on every
+            rank; :func:`load_checkpoint` returns it as it was (a bare tensor too).
         keep_last: keep only this many checkpoints beside ``path`` (the newest), or all (``None``).
         process_group: the group that saves together; default: the optimizer's, else the
             model's, else the default group when ``torch.distributed`` is initialised.
@@ -152,7 +153,7 @@ def _state_to_save(model: nn.Module, optimizer: torch.optim.Optimizer | None, na
                     state.update(state_entries(entry, value, _own_storage))  # Note: [Wrapped state]
         state["optim/param_groups"] = _named_groups(optimizer, names)
     state[f"rng/{rank}"] = _rng_state()
-    state["extra"] = extra
+    state["extra"] = _extra_to_save(extra)  # wrapped: a bare tensor would be saved as tensor data
     return state, on_disk
 
 
