@@ -129,15 +129,56 @@ def test_tied_weights_are_stored_once_and_stay_tied(tmp_path, stored):
     backward_both(model, reference, ids)
 
 
-def test_a_tied_weight_stored_under_each_of_its_names_is_read_once_from_the_first(tmp_path):
-    # A state_dict() saved as it is lists a tied weight under each name, each copy whole.
+#: Bytes of each copy compared at a time: the default, and 12 (three float32 values) so that the
+#: comparison of an 11 x 16 embedding's copies takes many spans, the last one short.
+SPANS = [pytest.param(None, id="one-span"), pytest.param(12, id="many-spans")]
+
+
+@pytest.mark.parametrize("span", SPANS)
+def test_a_tied_weight_stored_under_each_of_its_names_is_read_once(tmp_path, monkeypatch, span):
+    # A state_dict() saved as it is lists a tied weight under each name, each copy whole and equal.
+    if span is not None:
+        monkeypatch.setattr("offload.loading.safetensors_files._COMPARE_SPAN", span)
     state = {k: v.clone() for k, v in build_tied().state_dict().items()}
     assert "0.weight" in state and "4.weight" in state
-    state["4.weight"] += 1.0  # the copies told apart: the first name's is read, as from_pretrained does
     save_file(state, str(tmp_path / "both.safetensors"))
+    reference = OffloadModel(build_tied(), "cpu", num_slices=3)
     model = offload.load_sequential(build_tied, tmp_path / "both.safetensors", "cpu", num_slices=3)
     assert getattr(model, "0").weight is getattr(model, "4").weight
+    assert model.memory_footprint() == reference.memory_footprint()  # held once
     torch.testing.assert_close(getattr(model, "0").weight, state["0.weight"], **EXACT)
+
+
+@pytest.mark.parametrize("span", SPANS)
+@pytest.mark.parametrize("where", [(0, 0), (10, 15)], ids=["first-value", "last-value"])
+def test_a_tied_weight_stored_with_different_values_is_refused(tmp_path, monkeypatch, span, where):
+    # Reading either copy would drop the other without a word.
+    if span is not None:
+        monkeypatch.setattr("offload.loading.safetensors_files._COMPARE_SPAN", span)
+    state = {k: v.clone() for k, v in build_tied().state_dict().items()}
+    state["4.weight"][where] += 1.0
+    save_file(state, str(tmp_path / "both.safetensors"))
+    with pytest.raises(ValueError, match=r"stores tied tensors under several names with different values, and reading "
+                                         r"one copy would drop the other: '4\.weight' \(both\.safetensors\) and "
+                                         r"'0\.weight' \(both\.safetensors\); store only the copy the tied tensor "
+                                         r"should hold, or untie the tensors in build\(\) to read each"):
+        offload.load_sequential(build_tied, tmp_path / "both.safetensors", "cpu", num_slices=3)
+
+
+@pytest.mark.parametrize("dtype,refused", [(None, True), (torch.bfloat16, False)], ids=["float32", "bfloat16"])
+def test_tied_copies_are_compared_in_the_host_copies_dtype(tmp_path, dtype, refused):
+    # Copies apart by less than bfloat16's precision are one value in bfloat16 host copies: nothing is dropped.
+    state = {k: v.clone() for k, v in build_tied().state_dict().items()}
+    state["0.weight"] = state["0.weight"].bfloat16().float()
+    state["4.weight"] = state["0.weight"] * (1 + 2**-12)
+    save_file(state, str(tmp_path / "both.safetensors"))
+    if refused:
+        with pytest.raises(ValueError, match="different values"):
+            offload.load_sequential(build_tied, tmp_path / "both.safetensors", "cpu", num_slices=3, dtype=dtype)
+        return
+    model = offload.load_sequential(build_tied, tmp_path / "both.safetensors", "cpu", num_slices=3, dtype=dtype)
+    assert getattr(model, "0").weight is getattr(model, "4").weight
+    torch.testing.assert_close(getattr(model, "0").weight, state["0.weight"].to(dtype), **EXACT)
 
 
 def test_non_persistent_buffers_are_computed_by_init_buffers(tmp_path):

@@ -11,6 +11,8 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -72,19 +74,86 @@ def test_every_tensor_and_the_training_step_equal_from_pretrained(kind, tied, tm
     assert_same_grads(hf, reference, **EXACT)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "gemma"])
-def test_a_tied_model_whose_checkpoint_also_stores_the_head(kind, tmp_path):
-    # Many hub checkpoints of tied models store lm_head.weight beside the embedding.
+def save_with_head(kind: str, path: Path, head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                   embedding_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Save a tied model whose checkpoint stores ``lm_head.weight`` beside the embedding: its copy,
+    or ``head(embedding)``; the embedding cast to ``embedding_dtype`` and back first. Returns what is stored."""
     model = build(kind, tied=True)
-    model.save_pretrained(tmp_path)
+    model.save_pretrained(path)  # config.json: tie_word_embeddings=True
     from safetensors.torch import save_file
     state = {k: v.clone().contiguous() for k, v in model.state_dict().items()}
-    assert any("lm_head" in k for k in state)
-    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    embedding = next(name for name, p in model.named_parameters() if p is model.get_input_embeddings().weight)
+    if embedding_dtype is not None:
+        state[embedding] = state[embedding].to(embedding_dtype).float()
+    state["lm_head.weight"] = state[embedding].clone() if head is None else head(state[embedding])
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return state
+
+
+def assert_same_training_step(model, hf, reference) -> None:
+    hf.train()
+    reference.train()
+    inputs = batch()
+    labels = inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)
+    got_logits, want_logits = both_backward(hf, reference, model, inputs, labels)
+    torch.testing.assert_close(got_logits, want_logits, **EXACT)
+    assert_same_grads(hf, reference, **EXACT)
+
+
+def tied(hf: torch.nn.Module) -> bool:
+    return hf.get_output_embeddings().weight is hf.get_input_embeddings().weight
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "gemma"])
+def test_a_tied_model_whose_checkpoint_also_stores_the_head(kind, tmp_path):
+    # Many hub checkpoints of tied models store lm_head.weight beside the embedding, equal to it.
+    save_with_head(kind, tmp_path)
     reference = from_pretrained(tmp_path)
-    _, hf = load_causal_lm(tmp_path, "cpu", num_slices=3)
-    assert hf.get_output_embeddings().weight is hf.get_input_embeddings().weight
+    with warnings.catch_warnings(record=True) as told:
+        warnings.simplefilter("always")
+        model, hf = load_causal_lm(tmp_path, "cpu", num_slices=3)
+    assert not [w for w in told if "not tied" in str(w.message)]  # nothing to untie, nothing to say
+    assert tied(hf) and tied(reference)
     assert_same_tensors(hf, reference)
+    # Read once, held once: as the wrapped reference, whose head borrows the embedding.
+    wrapped = OffloadModel(causal_lm_sequential(reference), "cpu", num_slices=3)
+    assert model.memory_footprint() == wrapped.memory_footprint()
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "gemma", "llama"])
+def test_a_tied_model_whose_stored_head_differs_is_untied_as_from_pretrained_unties_it(kind, tmp_path):
+    # config.json ties the head to the embedding, but the checkpoint stores a head of other values:
+    # from_pretrained warns and unties them, each parameter holding its stored values.
+    state = save_with_head(kind, tmp_path, head=lambda embedding: embedding + 1)
+    reference = from_pretrained(tmp_path)
+    with pytest.warns(UserWarning, match=r"^the checkpoint stores 'lm_head\.weight' \(model\.safetensors\) and "
+                                         r"'[^']+' \(model\.safetensors\), which the model ties .* with different "
+                                         r"values, so they are not tied: each holds its stored values, as "
+                                         r"from_pretrained does\. Save the config with tie_word_embeddings=False"):
+        model, hf = load_causal_lm(tmp_path, "cpu", num_slices=3)
+    assert not tied(reference) and not tied(hf)
+    assert hf.config.tie_word_embeddings is reference.config.tie_word_embeddings is True  # left as it is, by both
+    torch.testing.assert_close(hf.get_output_embeddings().weight, state["lm_head.weight"], **EXACT)
+    assert_same_tensors(hf, reference)
+    wrapped = OffloadModel(causal_lm_sequential(reference), "cpu", num_slices=3)
+    assert model.partition == wrapped.partition
+    assert model.memory_footprint() == wrapped.memory_footprint()
+    assert_same_training_step(model, hf, reference)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_stored_head_and_embedding_are_compared_in_the_models_dtype(dtype, tmp_path):
+    # A head apart from the embedding by less than bfloat16's precision: from_pretrained compares the
+    # two once loaded in the model's dtype, so unties them in float32 and ties them in bfloat16.
+    save_with_head("llama", tmp_path, head=lambda embedding: embedding * (1 + 2**-12), embedding_dtype=torch.bfloat16)
+    reference = from_pretrained(tmp_path, dtype)
+    with warnings.catch_warnings(record=True) as told:
+        warnings.simplefilter("always")
+        model, hf = load_causal_lm(tmp_path, "cpu", num_slices=3, dtype=dtype)
+    assert tied(reference) == (dtype == torch.bfloat16) == tied(hf)
+    assert any("not tied" in str(w.message) for w in told) == (dtype == torch.float32)
+    assert_same_tensors(hf, reference)
+    assert_same_training_step(model, hf, reference)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -7,7 +7,8 @@ and byte range in the data that follows; this module reads those headers and the
 bytes with ``os.preadv`` straight into the destination (a host copy), so no second copy of the
 model exists in the process: not a state dict, not a memory map whose pages stay resident. Only
 when the destination's dtype differs from the file's (bfloat16 weights into float32 masters) does
-a tensor pass through a temporary of its own size, which is then cast into place.
+a tensor pass through a temporary of its own size, which is then cast into place. Two stored
+tensors can also be compared (the copies of a tied weight), a span of each at a time.
 
 This module reads; deciding where each tensor goes belongs to ``offload/loading/sequential.py``.
 """
@@ -35,6 +36,9 @@ DTYPES = {
 
 #: Bytes one preadv call asks for: Linux returns at most about 2 GiB per call anyway.
 _READ_CHUNK = 1 << 30
+
+#: Bytes of each tensor that ``same_values`` holds at a time: two spans in memory, never a tensor whole.
+_COMPARE_SPAN = 1 << 26
 
 
 @dataclass(frozen=True)
@@ -125,17 +129,49 @@ class SafetensorsCheckpoint:
             with torch.no_grad():
                 destination.copy_(target)
 
+    def same_values(self, name: str, other: str, dtype: torch.dtype) -> bool:
+        """Whether tensors ``name`` and ``other`` hold the same values once each is cast to ``dtype``
+        (the model's: values that differ only below its precision are the same), as ``torch.equal``
+        says (a NaN equals nothing). They are read side by side a span at a time, so the memory
+        this takes is two spans, whatever the tensors' size.
 
-def _read_bytes(stored: StoredTensor, name: str, target: torch.Tensor) -> None:
-    if stored.nbytes == 0:
+        Raises:
+            OSError: a file ends early or cannot be read.
+        """
+        first, second = self.tensors[name], self.tensors[other]
+        if first.shape != second.shape:
+            return False
+        count = first.shape.numel()
+        span = max(1, _COMPARE_SPAN // max(first.dtype.itemsize, second.dtype.itemsize, dtype.itemsize))
+        for start in range(0, count, span):
+            length = min(span, count - start)
+            values = [_read_span(stored, key, start, length).to(dtype)
+                      for key, stored in ((name, first), (other, second))]
+            if not torch.equal(*values):
+                return False
+        return True
+
+
+def _read_span(stored: StoredTensor, name: str, start: int, length: int) -> torch.Tensor:
+    """Elements ``start`` to ``start + length`` of the stored tensor, flattened, in its dtype."""
+    target = torch.empty(length, dtype=stored.dtype)
+    _read_bytes(stored, name, target, start * stored.dtype.itemsize)
+    return target
+
+
+def _read_bytes(stored: StoredTensor, name: str, target: torch.Tensor, skip: int = 0) -> None:
+    """Fill ``target`` with the stored tensor's bytes from byte ``skip`` of it on."""
+    nbytes = target.numel() * target.element_size()
+    if nbytes == 0:
         return
     buffer = memoryview(target.view(-1).view(torch.uint8).numpy())
     with open(stored.file, "rb", buffering=0) as handle:
         done = 0
-        while done < stored.nbytes:
-            count = os.preadv(handle.fileno(), [buffer[done:done + _READ_CHUNK]], stored.offset + done)
+        while done < nbytes:
+            count = os.preadv(handle.fileno(), [buffer[done:done + _READ_CHUNK]], stored.offset + skip + done)
             if count == 0:
-                raise OSError(f"{stored.file} ends inside tensor '{name}' ({done} of {stored.nbytes} bytes read)")
+                raise OSError(f"{stored.file} ends inside tensor '{name}' ({skip + done} of {stored.nbytes} bytes "
+                              "read)")
             done += count
 
 

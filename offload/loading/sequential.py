@@ -9,7 +9,13 @@ Note: [Loading slice by slice]
     2. Every stored tensor is matched to a parameter or buffer, and the plan is checked before
        anything is allocated: a missing or unexpected key, or a shape that differs, is an error
        naming the key and the file. Tied weights are stored once under any of their names, or
-       under several (each copy whole), then read once.
+       under several (each copy whole). Copies under several names are compared, a span at a time
+       and in the model's dtype (``SafetensorsCheckpoint.same_values``): equal ones are read once,
+       into the one tensor; one with other values is refused by ``load_sequential`` (reading
+       either would silently drop the other), and is given a tensor of its own by
+       ``load_causal_lm``, with a warning, as ``from_pretrained`` unties a head stored with values
+       of its own. This is decided here, not while reading, because a tensor of its own changes
+       the slices' layout; it costs a second read of such copies, never a second copy in memory.
     3. ``OffloadModel`` lays the slices out as usual, but each meta tensor gets its place in the
        slice's (pinned) host buffer without a copy (``filled_by_caller`` in
        ``offload/streams/host_storage.py``); the tensors stay the same objects, so ties hold.
@@ -22,12 +28,14 @@ Note: [Loading slice by slice]
        quantisation state (Note: [Quantizing while loading] in ``offload/loading/four_bit.py``).
 
     The process then holds what the model holds anyway (``memory_footprint()``) plus one tensor in
-    flight when a cast is needed: no state dict, no resident memory map of the file.
+    flight when a cast is needed (and, in step 2, a span of each tied copy compared): no state
+    dict, no resident memory map of the file.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -72,7 +80,8 @@ def load_sequential(
 
     ``build()`` runs on the meta device, so it allocates nothing; the checkpoint must hold
     exactly the ``state_dict()`` of what it returns (``safetensors.torch.save_file(model.state_dict(),
-    path)`` writes one; tied weights may be stored under any one of their names).
+    path)`` writes one; tied weights may be stored under any one of their names, or under several
+    with equal values).
 
     Args:
         build: makes the ``nn.Sequential`` (or list of slices); called under
@@ -93,8 +102,9 @@ def load_sequential(
 
     Raises:
         ValueError: a parameter or persistent buffer missing from the checkpoint, a stored tensor
-            that names none, a shape that differs (each names the key and file), non-persistent
-            buffers without ``init_buffers``, or ``process_group`` among ``options``.
+            that names none, a shape that differs (each names the key and file), a tied weight
+            stored under two names with different values (both named), non-persistent buffers
+            without ``init_buffers``, or ``process_group`` among ``options``.
         FileNotFoundError: no safetensors checkpoint at ``checkpoint``.
 
     Example::
@@ -107,7 +117,7 @@ def load_sequential(
     with torch.device("meta"):
         layers = build()
     return build_from_checkpoint(layers, SafetensorsCheckpoint(checkpoint), device, dtype=dtype,
-                                 init_buffers=init_buffers, **options)
+                                 init_buffers=init_buffers, untie_differing_copies=False, **options)
 
 
 def build_from_checkpoint(
@@ -118,11 +128,17 @@ def build_from_checkpoint(
     dtype: torch.dtype | None = None,
     init_buffers: Callable[[nn.Module], None] | None = None,
     place: Callable[[str], Placement | None] | None = None,
+    untie_differing_copies: bool = True,
     **options: Any,
 ) -> OffloadModel:
     """:func:`load_sequential` on layers already built on the meta device, with ``place`` saying
     where each stored tensor goes (``None``: nowhere, it is skipped); by default the stored name is
-    the ``state_dict`` key."""
+    the ``state_dict`` key.
+
+    ``untie_differing_copies``: a tied tensor stored under several names with different values
+    gives each such name a tensor of its own, holding its stored values, with a warning, as
+    ``from_pretrained`` does for a tied model's head (the default, for ``load_causal_lm``), or is
+    refused (``False``, for :func:`load_sequential`). Equal copies stay one tensor either way."""
     if "process_group" in options:
         raise ValueError("load_sequential builds a single-process model: load it on every rank without a "
                          "process_group (each reads the same checkpoint)")
@@ -133,6 +149,7 @@ def build_from_checkpoint(
         names = [f"'{name}'" for name in sorted(plan.non_persistent)]
         raise ValueError(f"the model has non-persistent buffers, which checkpoints do not store ({_listed(names)}); "
                          "pass init_buffers=fn, called with each module that registers one, to compute them")
+    plan.settle_ties(layers, untie=untie_differing_copies)
     with filled_by_caller():
         model = OffloadModel(layers, device, **options)
     plan.compute_buffers(init_buffers)
@@ -157,6 +174,8 @@ class _Plan:
         self.sources: dict[int, list[tuple[str, Placement]]] = {}
         #: ids of the targets a stored tensor of the wrong shape was meant for: told once, as misshapen
         self.misshapen: set[int] = set()
+        #: the tied tensors stored whole under several names, their copies compared by settle_ties
+        self.tied_copies: list[_TiedCopies] = []
         self._collect(layers)
         problems = [*self._match(place), *self._coverage()]
         if problems:
@@ -214,8 +233,9 @@ class _Plan:
     def _one_copy_per_tie(self) -> None:
         """A tied tensor stored whole under several of its names (a ``state_dict()`` saved as it
         is lists it under each; Hugging Face checkpoints of tied models may hold the head's copy
-        too) is read once: from its first name in the layers, as ``from_pretrained`` ties the head
-        to the embedding, or else from the first stored."""
+        too) is read from its first name in the layers, as ``from_pretrained`` ties the head to
+        the embedding, or else from the first stored; the other copies wait in ``tied_copies``
+        for :meth:`settle_ties` to compare them with it."""
         names: dict[int, list[str]] = {}
         for key, tensor in self.targets.items():
             names.setdefault(id(tensor), []).append(key)
@@ -225,6 +245,58 @@ class _Plan:
                 continue  # not tied: two stored tensors for one is an error, told by _coverage
             kept = next((source for source in whole if source[1].key == names[target_id][0]), whole[0])
             self.sources[target_id] = [source for source in sources if source[1].part is not None or source is kept]
+            others = [source for source in whole if source is not kept]
+            self.tied_copies.append(_TiedCopies(self.targets[names[target_id][0]], kept, others))
+
+    def settle_ties(self, layers: nn.Module, untie: bool) -> None:
+        """Compare each tied tensor's other stored copies with the one it is read from (Note:
+        [Loading slice by slice], 2). An equal copy is not read. One with other values gets a
+        tensor of its own where ``untie``, before the slices are laid out; otherwise it is refused.
+
+        Raises:
+            ValueError: copies with different values, without ``untie``; or with ``untie``, names
+                that share a module (registered twice), which no tensor of its own can part.
+        """
+        differing: list[str] = []
+        for tie in self.tied_copies:
+            read_name, read = tie.read
+            for stored_name, placement in tie.others:
+                if self.checkpoint.same_values(read_name, stored_name, tie.tensor.dtype):
+                    continue
+                pair = (f"'{stored_name}' ({self.checkpoint[stored_name].file.name}) and '{read_name}' "
+                        f"({self.checkpoint[read_name].file.name})")
+                if not untie or not self._untie(layers, placement.key, read.key):
+                    differing.append(pair)
+                    continue
+                self.sources[id(self.targets[placement.key])] = [(stored_name, placement)]
+                warnings.warn(f"the checkpoint stores {pair}, which the model ties ('{placement.key}' to "
+                              f"'{read.key}'), with different values, so they are not tied: each holds its stored "
+                              "values, as from_pretrained does. Save the config with tie_word_embeddings=False to say "
+                              "so and silence this warning", stacklevel=4)  # load_causal_lm's caller
+        if differing:
+            raise ValueError(f"the checkpoint at {self.checkpoint.path} stores tied tensors under several names with "
+                             f"different values, and reading one copy would drop the other: {_listed(differing)}; "
+                             "store only the copy the tied tensor should hold, or untie the tensors in build() to "
+                             "read each")
+
+    def _untie(self, layers: nn.Module, key: str, kept_key: str) -> bool:
+        """Give ``key`` a meta tensor of its own in place of the tied one, which ``kept_key`` keeps;
+        ``False`` when the two names are one module's (registered twice) and cannot be parted."""
+        owner_name, _, leaf = key.rpartition(".")
+        kept_owner, _, kept_leaf = kept_key.rpartition(".")
+        owner = layers.get_submodule(owner_name)
+        if owner is layers.get_submodule(kept_owner) and leaf == kept_leaf:
+            return False
+        tied = self.targets[key]
+        if leaf in owner._parameters:
+            # A frozen tensor (a base under adapters) stays frozen in both places.
+            own = nn.Parameter(torch.empty_like(tied), requires_grad=tied.requires_grad)
+            owner._parameters[leaf] = own
+        else:
+            own = torch.empty_like(tied)
+            owner._buffers[leaf] = own
+        self.targets[key] = own
+        return True
 
     def _coverage(self) -> list[str]:
         """Check that the stored tensors fill every target exactly once (a tied one under any name)."""
@@ -283,6 +355,16 @@ class _Plan:
                                 self.checkpoint.read_into(stored_name, placement.region(tensor.detach()))
                 # Masters on disk go there now, a slice at a time (Note: [Masters on disk]).
                 engine_of(model).slices[k].storage.release_masters()
+
+
+@dataclass
+class _TiedCopies:
+    """A tied tensor stored whole under several of its names: the stored copy it is read from, and
+    the others, as ``(stored name, placement)``."""
+
+    tensor: torch.Tensor
+    read: tuple[str, Placement]
+    others: list[tuple[str, Placement]]
 
 
 def _shaped_like(tensor: torch.Tensor) -> torch.Tensor:
