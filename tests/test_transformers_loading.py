@@ -133,6 +133,7 @@ def test_a_tied_model_whose_stored_head_differs_is_untied_as_from_pretrained_unt
         model, hf = load_causal_lm(tmp_path, "cpu", num_slices=3)
     assert not tied(reference) and not tied(hf)
     assert hf.config.tie_word_embeddings is reference.config.tie_word_embeddings is True  # left as it is, by both
+    assert hf.all_tied_weights_keys == reference.all_tied_weights_keys == {}  # tie_weights() would not tie them again
     torch.testing.assert_close(hf.get_output_embeddings().weight, state["lm_head.weight"], **EXACT)
     assert_same_tensors(hf, reference)
     wrapped = OffloadModel(causal_lm_sequential(reference), "cpu", num_slices=3)
@@ -151,6 +152,7 @@ def test_stored_head_and_embedding_are_compared_in_the_models_dtype(dtype, tmp_p
         warnings.simplefilter("always")
         model, hf = load_causal_lm(tmp_path, "cpu", num_slices=3, dtype=dtype)
     assert tied(reference) == (dtype == torch.bfloat16) == tied(hf)
+    assert hf.all_tied_weights_keys == reference.all_tied_weights_keys
     assert any("not tied" in str(w.message) for w in told) == (dtype == torch.float32)
     assert_same_tensors(hf, reference)
     assert_same_training_step(model, hf, reference)

@@ -126,8 +126,22 @@ def load_causal_lm(
     layers = causal_lm_sequential(hf_model, loss_chunk_tokens=loss_chunk_tokens)
     model = build_from_checkpoint(layers, checkpoint, device, init_buffers=_buffer_initialiser(hf_model),
                                   place=_placement(hf_model, layers, meta_state), **options)
+    _forget_untied(hf_model)
     model.eval()  # as its modules: built in train mode, as every nn.Module
     return model, hf_model
+
+
+def _forget_untied(hf_model: nn.Module) -> None:
+    """Drop from ``all_tied_weights_keys`` a pair the load left untied (its stored copies differ),
+    as ``from_pretrained`` does: a later ``tie_weights()`` or ``init_weights()`` reads that mapping,
+    and would tie again what the checkpoint holds apart."""
+    tied = getattr(hf_model, "all_tied_weights_keys", None)
+    if not isinstance(tied, dict):
+        return
+    parameters = dict(hf_model.named_parameters(remove_duplicate=False))
+    hf_model.all_tied_weights_keys = {
+        target: source for target, source in tied.items()
+        if target not in parameters or source not in parameters or parameters[target] is parameters[source]}
 
 
 def _model_folder(path: str | os.PathLike[str]) -> str:
