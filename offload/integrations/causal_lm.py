@@ -62,10 +62,11 @@ from ..optimizer import OffloadOptimizer
 from .peft import peft_base_model
 from .transformers_loading import load_causal_lm, stored_into_stages
 from .transformers_batch import LAST_HIDDEN_STATE
-from .transformers_refusals import (MissingLogits, refuse_adapter_on_head, refuse_router_logits,
-                                    refuse_trainer_arguments, refuse_update_in_backward)
+from .transformers_refusals import (MissingLogits, refuse_adapter_on_head, refuse_layer_outputs,
+                                    refuse_packed_sequences, refuse_router_logits, refuse_trainer_arguments,
+                                    refuse_update_in_backward)
 from .transformers_saving import positional_save_arguments, save_causal_lm, save_options
-from .transformers_stages import CausalLMSequential, causal_lm_sequential
+from .transformers_stages import CausalLMSequential, causal_lm_sequential, packed_sequence_keywords
 
 try:
     from transformers import PreTrainedModel
@@ -86,10 +87,11 @@ __all__ = ["OffloadedCausalLM"]
 
 #: Keyword arguments of a Hugging Face forward that change nothing here. The padding-free
 #: collators' sequence boundaries (``cu_seq_lens_*``, ``max_length_*``, ``seq_idx``) serve the
-#: flash-attention kernels; the mask functions find the same boundaries in ``position_ids``.
-#: (``return_dict`` and ``logits_to_keep`` change the output: ``forward`` honours them.)
-_IGNORED = {"use_cache", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx",
-            "output_attentions", "output_hidden_states"}
+#: flash-attention kernels, and the mask functions find the same boundaries in ``position_ids``;
+#: those a convolution or linear-attention layer reads are refused first (rule 5 of Note: [What the
+#: trainers cannot get from the model]). (``return_dict`` and ``logits_to_keep`` change the output:
+#: ``forward`` honours them; ``output_attentions=False`` and the like pass as any ``False``.)
+_IGNORED = {"use_cache", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"}
 
 _NO_PEFT_AROUND = (
     "PEFT cannot wrap an OffloadedCausalLM: the adapters it saves would be named by the offloaded stages "
@@ -292,8 +294,11 @@ class OffloadedCausalLM(PreTrainedModel):
 
         Raises:
             TypeError: no ``input_ids``, or a keyword the offloaded stages cannot honour
-                (``inputs_embeds``, ``output_router_logits=True`` in the call or the config, ...); with
+                (``inputs_embeds``, ``output_router_logits=True`` in the call or the config,
+                ``output_hidden_states=True`` or ``output_attentions=True`` in either, ...); with
                 ``loss_chunk_tokens``, no labels or a ``logits_to_keep``.
+            ValueError: a packed batch's sequence boundaries (``seq_idx``, ``cu_seq_lens_q``) that a
+                convolution or linear-attention layer needs (LFM2, Qwen3-Next).
         """
         # shift_labels among the keywords, as in the model's signature: Trainer takes every argument
         # named like a label for a label its batches must hold before it computes an eval loss.
@@ -373,11 +378,14 @@ class _HiddenStates:
 
 def _batch_of(config: Any, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
               position_ids: torch.Tensor | None, kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """The stages' batch from a forward's arguments; a ``TypeError`` for those they cannot honour."""
-    refuse_router_logits(config, kwargs)  # Note: [What the trainers cannot get from the model], rule 3
+    """The stages' batch from a forward's arguments; a ``TypeError`` for those they cannot honour, a
+    ``ValueError`` for packed sequences' boundaries that a layer would need from the keywords."""
+    # Note: [What the trainers cannot get from the model], rules 3, 5 and 6.
+    refuse_router_logits(config, kwargs)
+    refuse_packed_sequences(packed_sequence_keywords(config), config.model_type, kwargs)
+    refuse_layer_outputs(config, kwargs)
     refused = sorted(key for key, value in kwargs.items()
                      if key not in _IGNORED and value is not None and value is not False)
-    refused += [key for key in ("output_attentions", "output_hidden_states") if kwargs.get(key)]
     if input_ids is None or refused:
         what = f"it cannot honour {', '.join(refused)}" if refused else "it needs input_ids"
         raise TypeError(

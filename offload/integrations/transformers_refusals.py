@@ -38,6 +38,29 @@ Note: [What the trainers cannot get from the model]
        :class:`MissingLogits` instead, which raises at its first use (the Trainer's ``detach()``
        before the metrics), while an evaluation of the loss alone (``prediction_loss_only``, or no
        ``compute_metrics``) gathers it but never uses it.
+    5. Packed sequences kept apart in convolution and linear-attention layers (LFM2's ``"conv"``,
+       Qwen3-Next's ``"linear_attention"``). The padding-free collators (TRL's ``SFTTrainer`` with
+       ``packing=True``, ``DataCollatorWithFlattening(return_flash_attn_kwargs=True,
+       return_seq_idx=True)``) add the sequences' boundaries to the batch as ``seq_idx``,
+       ``cu_seq_lens_q/k`` and ``max_length_q/k``. Attention layers find the same boundaries in
+       ``position_ids`` (the mask functions look for them there), so an attention-only model drops
+       the keywords and computes the model's result bit for bit. The other layers find them only in
+       the keywords, which the model passes to their kernels: with the ``causal_conv1d`` (and
+       ``fla``) packages they keep the sequences apart, without them the model refuses the batch.
+       The stages carry only the hidden states, the 2-D mask and the positions from slice to slice,
+       and would run the convolution across the boundaries, each document's last tokens leaking into
+       the next one's first. The forward (and ``base_model``) refuse a batch carrying a keyword such
+       a layer reads (``transformers_stages.packed_sequence_keywords``: ``seq_idx`` for LFM2, also
+       ``cu_seq_lens_q`` for Qwen3-Next); the others are dropped, as for attention. A batch packed with
+       ``position_ids`` alone (``DataCollatorWithFlattening()``'s default) is not refused: the model
+       itself then runs these layers across the boundaries, silently, and the stages compute what it
+       computes, bit for bit.
+    6. Every layer's hidden states or attention weights. The offloaded slices pass on only the
+       hidden states at their boundaries, and no attention weights. A keyword asking for them is
+       refused with the forward's other keywords; ``output_hidden_states=True`` or
+       ``output_attentions=True`` in the model's config, which the model honours in every forward
+       where the call does not say otherwise, is refused too rather than returning ``None`` in their
+       place. ``False`` (what a trainer or a generation config may set) is accepted.
 """
 
 from __future__ import annotations
@@ -49,8 +72,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["MissingLogits", "refuse_adapter_on_head", "refuse_reference_from_path", "refuse_router_logits",
-           "refuse_router_loss", "refuse_trainer_arguments", "refuse_update_in_backward"]
+__all__ = ["MissingLogits", "refuse_adapter_on_head", "refuse_layer_outputs", "refuse_packed_sequences",
+           "refuse_reference_from_path", "refuse_router_logits", "refuse_router_loss", "refuse_trainer_arguments",
+           "refuse_update_in_backward"]
 
 _NO_LOGITS = (
     "this OffloadedCausalLM computes the loss in its head (loss_chunk_tokens) and returns no logits, which "
@@ -179,6 +203,38 @@ def refuse_router_logits(config: Any, kwargs: Mapping[str, Any]) -> None:
     if kwargs.get("output_router_logits") or getattr(text_config, "output_router_logits", False):
         where = "the call" if kwargs.get("output_router_logits") else "the model's config"
         raise TypeError(_router_message(f"output_router_logits=True in {where}"))
+
+
+def refuse_packed_sequences(readers: Mapping[str, str], model_type: str, kwargs: Mapping[str, Any]) -> None:
+    """Raise for a packed batch whose sequence boundaries a layer would need from the forward's
+    keywords (rule 5 of Note: [What the trainers cannot get from the model]). ``readers`` maps each
+    keyword such a layer of this model reads to that layer's type
+    (``transformers_stages.packed_sequence_keywords``)."""
+    given = [key for key in readers if kwargs.get(key) is not None]
+    if not given:
+        return
+    kinds = ", ".join(dict.fromkeys(repr(readers[key]) for key in given))
+    raise ValueError(
+        f"this batch packs several sequences into a row and gives their boundaries in {', '.join(given)}, which "
+        f"{model_type}'s {kinds} layers need to keep the sequences apart; an OffloadedCausalLM passes on only the "
+        "hidden states, attention mask and position ids from slice to slice, so each sequence would leak into the "
+        "next. Give each sequence a row of its own: with TRL, SFTConfig(packing=False) (and padding_free=False, its "
+        "default); elsewhere a padding collator rather than DataCollatorWithFlattening")
+
+
+def refuse_layer_outputs(config: Any, kwargs: Mapping[str, Any]) -> None:
+    """Raise for ``output_hidden_states=True`` or ``output_attentions=True`` in the model's config
+    where the call does not set it (rule 6 of Note: [What the trainers cannot get from the model]);
+    the call's own are refused with its other keywords."""
+    asked = [key for key in ("output_hidden_states", "output_attentions")
+             if key not in kwargs and getattr(config, key, False)]
+    if asked:
+        raise TypeError(
+            f"the model's config asks every forward for {' and '.join(f'{key}=True' for key in asked)}, and an "
+            "OffloadedCausalLM cannot return them: its slices pass on only the hidden states at their boundaries. "
+            f"Set {' and '.join(f'model.config.{key} = False' for key in asked)} (or pass "
+            f"{', '.join(f'{key}=False' for key in asked)} in the call); model.base_model(...) returns the last "
+            "layer's (normed) hidden states")
 
 
 def _router_message(asked: str) -> str:

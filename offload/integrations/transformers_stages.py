@@ -202,6 +202,26 @@ _MASK_OF_LAYER_TYPE = {
     "linear_attention": create_recurrent_attention_mask,  # Qwen3-Next's
 }
 
+#: What the layers of a type that mixes tokens by a convolution or a recurrence, not by attention, read
+#: of a packed batch's sequence boundaries: the padding-free collators' keywords, which the model passes
+#: to their kernels and the stages do not carry (rule 5 of Note: [What the trainers cannot get from the
+#: model] in ``transformers_refusals.py``). Attention layers find the same boundaries in ``position_ids``.
+_PACKED_SEQUENCE_KEYWORDS = {
+    "conv": ("seq_idx",),  # LFM2's short convolution (causal_conv1d_fn)
+    "linear_attention": ("seq_idx", "cu_seq_lens_q"),  # Qwen3-Next's convolution and gated delta rule
+}
+
+
+def packed_sequence_keywords(config: Any) -> dict[str, str]:
+    """The forward keywords that carry packed sequences' boundaries to a layer of this model that reads
+    them, each with that layer's type (``{"seq_idx": "conv"}`` for LFM2); empty for a model whose
+    layers all attend, which find the boundaries in ``position_ids``."""
+    keywords: dict[str, str] = {}
+    for kind in getattr(config, "layer_types", None) or ():
+        for keyword in _PACKED_SEQUENCE_KEYWORDS.get(kind, ()):
+            keywords.setdefault(keyword, kind)
+    return keywords
+
 
 def _mask_function(layout: _Layout, config: Any, index: int) -> Callable[..., Any]:
     if layout.mask == "layer_types":
