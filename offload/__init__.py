@@ -43,7 +43,7 @@ table):
 # The one place the version is written: pyproject.toml reads it from here.
 __version__ = "0.1.0"
 
-from .autograd.recompute_state import is_recomputing
+from .autograd.recompute_state import is_recomputing, will_recompute
 from .clipping import clip_grad_norm_
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from .tiers.disk_tier import DiskTier, DiskTierError
@@ -59,4 +59,4 @@ from .streams.collectives import CollectiveError
 
 __all__ = ["CheckpointError", "CollectiveError", "DiskTier", "DiskTierError", "GradScaler", "HostUpdateError", "MemoryFootprint",
            "OffloadActivations", "OffloadModel", "OffloadOptimizer", "clip_grad_norm_", "estimate_memory", "is_recomputing", "latest_checkpoint",
-           "load_checkpoint", "load_sequential", "save_checkpoint"]
+           "load_checkpoint", "load_sequential", "save_checkpoint", "will_recompute"]

@@ -84,7 +84,7 @@ from ..streams.layouts import copy_keeping_layout, overlaps
 from ..walk.activation_policy import ActivationMode
 from .call import bases_among
 from .records import BoundaryLoader, Checkpoint, ForwardRecords, KeptGraph, OffloadedGraph
-from .recompute_state import recomputing
+from .recompute_state import discarded_graph, recomputing
 from .replay import AutocastState, autocast_cache_disabled, replaying_rng
 
 
@@ -203,7 +203,7 @@ def run_forward(engine: Engine, records: ForwardRecords, i: int, m: int, views: 
         records.save_rng(i, m)
         # With grad enabled, as in the plain model, so that every output requires grad exactly as
         # there and kernels that look at it choose alike; nothing is saved (Note: [Boundary gradients]).
-        with torch.enable_grad(), _saving_nothing(i), autocast_cache_disabled():
+        with torch.enable_grad(), _saving_nothing(i), autocast_cache_disabled(), discarded_graph():
             graph_leaves, fed = _graph_inputs(entering.leaves, entering.requires)
             entry_tensors = _param_leaves(views, engine, i)
             result = s.run_on_device(engine.slots, entry_tensors, tree_unflatten(fed, entering.spec))
