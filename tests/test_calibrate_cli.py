@@ -76,3 +76,27 @@ def test_out_in_folders_not_made_yet_is_taken(where, monkeypatch):
     monkeypatch.setattr(offload.cli.calibrate, "calibrate", measuring)
     with pytest.raises(Measuring):
         main(["calibrate", "--out", "new/folders/rates.json", "--device", "cpu"])
+
+
+def test_out_whose_folders_cannot_be_made_is_refused_before_measuring(where, capsys):
+    """Under /proc nothing can be made, though ``os.access`` says root may write there: the folders
+    are made and probed before the minute of measuring, not found unmakeable when the rates are saved."""
+    line = calibrate_error(capsys, "--out", "/proc/offload-none/rates.json", "--device", "cpu")
+    assert line.startswith("offload calibrate: error: --out /proc/offload-none/rates.json: cannot make its directory "
+                           "under /proc ("), line
+    assert line.endswith("); give a path in a directory this process can write to"), line
+
+
+def test_out_under_a_file_deeper_down_is_refused_before_measuring(where, capsys):
+    line = calibrate_error(capsys, "--out", "a_file/new/rates.json", "--device", "cpu")
+    assert "--out a_file/new/rates.json: cannot make its directory under" in line and "a_file" in line, line
+
+
+def test_the_folders_made_for_out_are_probed(where, monkeypatch):
+    def measuring(*args: object) -> None:
+        raise Measuring
+
+    monkeypatch.setattr(offload.cli.calibrate, "calibrate", measuring)
+    with pytest.raises(Measuring):
+        main(["calibrate", "--out", "made/here/rates.json", "--device", "cpu"])
+    assert (where / "made" / "here").is_dir() and list((where / "made" / "here").iterdir()) == []

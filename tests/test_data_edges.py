@@ -134,3 +134,39 @@ def test_messages_that_hold_text_are_refused_unless_named_as_the_text_field(tmp_
         next(token_blocks(path, tokenizer, 4))
     named = [b for b in token_blocks(path, tokenizer, 4, text_field="messages")]
     assert named and all(b.shape == (4,) for b in named)
+
+
+# -- parquet and CSV files their reader refuses ---------------------------------------------------------------
+
+
+def test_a_csv_file_damaged_past_its_first_chunk_is_refused_where_the_reading_reaches_it(tmp_path):
+    """The check before the run reads the first chunk of rows (10,000): the damage further in is
+    found by the pass, as a DataFormatError naming the file and the reader's reason, not pandas'
+    traceback."""
+    pytest.importorskip("datasets")
+    path = tmp_path / "rows.csv"
+    path.write_text("text\n" + "a row of text\n" * 12_000 + '"an open quote,1\n', encoding="utf-8")
+    data.check_readable(path)  # the first row reads
+    blocks = token_blocks(path, byte_tokenizer(), 16)
+    assert next(blocks).shape == (16,)
+    with pytest.raises(DataFormatError, match=rf"^{path}: not a CSV file its reader can read, at or before row "
+                                              r"\d+ \(ParserError: Error tokenizing data\. .*\); fix or re-export"):
+        list(blocks)
+
+
+def test_a_csv_file_that_is_not_utf8_is_named_by_byte_before_a_pass(tmp_path):
+    path = tmp_path / "latin1.csv"
+    path.write_bytes("text\nok\n".encode() + "caf\xe9\n".encode("latin-1"))
+    with pytest.raises(DataFormatError, match=r"not UTF-8 text: byte 0xe9 at offset 11 \(line 3\)"):
+        data.check_readable(path)
+
+
+def test_the_readme_names_what_the_data_extra_reads():
+    """Plain text and JSON lines are read without datasets: the [data] extra is for parquet, CSV and
+    datasets directories, as the reader's error says."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    extra = " ".join(readme[readme.index('`".[data]"`'):].split("), `")[0].split()) + ")"
+    assert extra == '`".[data]"` (parquet, CSV and `datasets` folders for the fine-tune command; plain text and JSON ' \
+                    "lines need nothing)", extra

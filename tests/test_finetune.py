@@ -28,6 +28,7 @@ datasets = pytest.importorskip("datasets")
 from offload import OffloadModel  # noqa: E402
 from offload.cli import finetune as cli  # noqa: E402
 from offload.cli.finetune_args import ARCHITECTURES, build_parser, parse_args  # noqa: E402
+from offload.cli.invocation import python_command  # noqa: E402
 from offload.cli.models import byte_tokenizer, random_model  # noqa: E402
 from offload.cli.outputs import OutputError, Write, check_room, resume_command  # noqa: E402
 from offload.integrations import data  # noqa: E402
@@ -680,8 +681,9 @@ def test_ctrl_c_or_sigterm_ends_with_the_last_checkpoint_and_the_command_to_resu
     step, checkpoint, command = int(match[1]), Path(match[2]), match[3]
     assert step >= 2 and checkpoint.parent == tmp_path / "checkpoints" and checkpoint.is_dir()
     assert checkpoint.name in (f"step-{step}", f"step-{step - 1}")
-    assert command == (f"python scripts/finetune_causal_lm.py --device cpu --no-progress --out {tmp_path} "
-                       f"--steps 100000 --save-every 1 --keep-checkpoints 2 --resume {checkpoint}")
+    # The interpreter as the shell finds it: "python" when that is this one (offload/cli/invocation.py).
+    assert command == (f"{python_command()} scripts/finetune_causal_lm.py --device cpu --no-progress "
+                       f"--out {tmp_path} --steps 100000 --save-every 1 --keep-checkpoints 2 --resume {checkpoint}")
 
 
 def test_a_kill_mid_step_with_everything_on_disk_resumes_bit_for_bit(tmp_path, capsys):

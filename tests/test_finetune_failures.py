@@ -312,3 +312,92 @@ def test_a_gpt2_model_under_load_in_4bit_is_refused_in_one_line(tmp_path, capsys
     (line,) = [line for line in err.splitlines() if line.startswith("offload-finetune")]
     assert code == 1 and line.startswith(f"offload-finetune: error: --model {model}: GPT2LMHeadModel has no "
                                          "nn.Linear layer but its head to quantise in 4 bits"), err[-3000:]
+
+
+# -- a finished model in --out (Note: [Never lose a run], rule 6) ---------------------------------------------
+
+TINY = ["--device", "cpu", "--no-progress", "--batch-size", "2", "--seq-len", "16", "--steps", "1"]
+
+
+def model_files(out: Path) -> list[str]:
+    return sorted(path.name for path in out.iterdir() if path.is_file() and not path.name.startswith("tokenizer"))
+
+
+def test_a_new_run_into_a_finished_model_is_refused_before_anything_is_built(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "out"
+    code, _, err = run_cli(*TINY, "--out", str(out), capsys=capsys)
+    assert code == 0, err[-3000:]
+    finished = {path.name: path.read_bytes() for path in out.iterdir() if path.is_file()}
+    built = []
+    monkeypatch.setattr(cli, "random_model", lambda *args: built.append(args))
+    code, printed, err = run_cli(*TINY, "--seed", "5", "--out", str(out), capsys=capsys)
+    assert code == 1 and built == [] and printed == ""
+    assert err.strip() == (f"offload-finetune: error: --out {out} holds a finished model, which this run's export "
+                           "would replace: choose another --out, or pass --overwrite to replace it")
+    assert {path.name: path.read_bytes() for path in out.iterdir() if path.is_file()} == finished
+
+
+def test_overwrite_replaces_the_model_and_leaves_no_file_of_the_old_one(tmp_path, capsys):
+    """Three shards replaced by two: the third goes, the index names what is there."""
+    out = tmp_path / "out"
+    code, _, err = run_cli(*TINY, "--num-slices", "3", "--out", str(out), capsys=capsys)
+    assert code == 0 and "model-00003-of-00003.safetensors" in model_files(out), err[-3000:]
+    (out / "notes.txt").write_text("mine")  # not a model's file: left
+    code, _, err = run_cli(*TINY, "--num-slices", "2", "--out", str(out), "--overwrite", capsys=capsys)
+    assert code == 0, err[-3000:]
+    assert model_files(out) == ["config.json", "generation_config.json", "model-00001-of-00002.safetensors",
+                                "model-00002-of-00002.safetensors", "model.safetensors.index.json", "notes.txt",
+                                EXPORT_RECORD]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"}
+    assert json.loads((out / EXPORT_RECORD).read_text()) == {"step": 1, "finished": True}
+
+
+def test_an_adapter_replaces_a_full_model_and_a_full_model_an_adapter(tmp_path, capsys):
+    """Not an adapter beside a full model's shards, which from_pretrained would read together."""
+    pytest.importorskip("peft")
+    base, out = tmp_path / "base", tmp_path / "out"
+    for target in (base, out):
+        code, _, err = run_cli(*TINY, "--out", str(target), capsys=capsys)
+        assert code == 0, err[-3000:]
+    code, _, err = run_cli(*TINY, "--model", str(base), "--lora-r", "2", "--out", str(out), "--overwrite",
+                           capsys=capsys)
+    assert code == 0, err[-3000:]
+    assert [name for name in model_files(out) if name != "README.md"] == ["adapter_config.json",
+                                                                          "adapter_model.safetensors", EXPORT_RECORD]
+    code, _, err = run_cli(*TINY, "--out", str(out), "--overwrite", capsys=capsys)
+    assert code == 0, err[-3000:]
+    assert not any(name.startswith("adapter_") for name in model_files(out)) and (out / "config.json").is_file()
+
+
+def test_out_that_is_model_is_refused_with_or_without_overwrite(tmp_path, capsys):
+    model = tmp_path / "model"
+    code, _, err = run_cli(*TINY, "--out", str(model), capsys=capsys)
+    assert code == 0, err[-3000:]
+    code, _, err = run_cli(*TINY, "--model", str(model), "--out", str(model), "--overwrite", capsys=capsys)
+    assert code == 1 and err.strip() == (f"offload-finetune: error: --out {model} is --model, whose weights the export "
+                                         "would remove (a LoRA adapter's base among them): choose another --out"), err
+
+
+# -- parquet and CSV files their reader refuses ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("flag", "name", "content", "reason"), [
+    ("--data", "fake.parquet", b"hello\n", "(ArrowInvalid: Parquet file size is 6 bytes"),
+    ("--eval-file", "fake.parquet", b"PAR1 not a footer PAR1", "(ArrowInvalid: "),
+    ("--data", "bad.csv", b'text,b\n"hello world,1\nfoo,2,3,4\n', "(ParserError: Error tokenizing data."),
+])
+def test_a_parquet_or_csv_file_its_reader_refuses_is_one_line_before_the_model_is_built(flag, name, content, reason,
+                                                                                       tmp_path, capsys, monkeypatch):
+    pytest.importorskip("datasets")
+    path = tmp_path / name
+    path.write_bytes(content)
+    built = []
+    monkeypatch.setattr(cli, "random_model", lambda *args: built.append(args))
+    code, printed, err = run_cli(*TINY, "--out", str(tmp_path / "out"), flag, str(path), capsys=capsys)
+    (line,) = err.strip().splitlines()
+    assert code == 1 and built == [] and printed == "" and "Traceback" not in err
+    what = "parquet" if name.endswith(".parquet") else "CSV"
+    assert line.startswith(f"offload-finetune: error: {path}: not a {what} file its reader can read, at or before "
+                           f"row 1 {reason}"), line
+    assert line.endswith("; fix or re-export the file"), line

@@ -161,7 +161,13 @@ BAD_INPUTS = {
     "config a list": (["--hf-config", "a list.json", "--gpu", "a100"], "the config has no model_type"),
     "config of an unknown type": (["--hf-config", '{"model_type": "llama9"}', "--gpu", "a100"], "'llama9' is not"),
     "config sizes refused": (["--hf-config", "odd_heads.json", "--gpu", "a100"], "not a multiple of the number"),
-    "config size negative": (["--hf-config", "negative.json", "--gpu", "a100"], "negative dimension -3"),
+    # Sizes checked before the model is built: a 0 divides by zero in its __init__ (a traceback, once).
+    "config size negative": (["--hf-config", "negative.json", "--gpu", "a100"],
+                             "--hf-config negative.json: intermediate_size must be a positive integer, got -3"),
+    "config size zero": (["--hf-config", '{"model_type": "llama", "hidden_size": 0}', "--gpu", "a100"],
+                         "hidden_size must be a positive integer, got 0; give the size of the model to plan"),
+    "config kv heads zero": (["--hf-config", json.dumps(TINY_LLAMA | {"num_key_value_heads": 0}), "--gpu", "a100"],
+                             "num_key_value_heads must be a positive integer, got 0"),
     "lora without hf": (["--preset", "tiny", "--gpu", "a100", "--lora-r", "4"], "--lora-r adapts a Hugging Face"),
     # Given, 0 too: the flag means nothing without --hf-config.
     "lora 0 without hf": (["--preset", "tiny", "--gpu", "a100", "--lora-r", "0"], "--lora-r adapts a Hugging Face"),
@@ -205,6 +211,17 @@ BAD_INPUTS = {
 def test_a_bad_input_is_one_line_with_exit_status_2(case, inputs, capsys):
     args, fragment = BAD_INPUTS[case]
     assert fragment in plan_error(capsys, *args)
+
+
+@pytest.mark.parametrize("change", [{"hidden_size": 0}, {"num_key_value_heads": 0}])
+def test_a_size_that_divides_by_zero_in_the_build_is_one_line_unchecked_too(change, inputs, capsys, monkeypatch):
+    """Behind the sizes' check, the build's ZeroDivisionError is answered as transformers' refusals are."""
+    import offload.cli.plan_models
+
+    monkeypatch.setattr(offload.cli.plan_models, "_check_sizes", lambda spec, config: None)
+    config = json.dumps(TINY_LLAMA | change)
+    assert plan_error(capsys, "--hf-config", config, "--gpu", "a100").startswith(f"offload plan: error: --hf-config "
+                                                                                  f"{config}: ")
 
 
 @pytest.mark.parametrize(("argv", "error"), [(["quantize"], "unknown command 'quantize'"),

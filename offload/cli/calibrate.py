@@ -214,15 +214,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     try:
         check_output_path(args.out, "--out")
     except FileNotFoundError:
-        # save_rates makes the missing folders (the default's on a first run): the nearest one
-        # that exists must take them.
-        existing = next(p for p in args.out.absolute().parents if p.exists())
-        if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-            parser.error(f"--out {args.out}: cannot make its directory, {existing} is not a directory this "
-                         "process can write to")
+        # save_rates makes the missing folders (the default's on a first run): made now, then
+        # probed, since only making them tells (os.access says yes to root under /proc).
+        _make_out_directory(parser, args.out)
     except OSError as error:
         parser.error(str(error))
     return args
+
+
+def _make_out_directory(parser: argparse.ArgumentParser, out: Path) -> None:
+    """Make ``--out``'s missing folders and check that the file can be written in them, before the
+    measuring; exits as the parser does, in one line, where they cannot be made or written."""
+    try:
+        out.absolute().parent.mkdir(parents=True, exist_ok=True)
+        check_output_path(out, "--out")
+    except OSError as error:
+        existing = next(p for p in out.absolute().parents if p.exists())
+        reason = error.strerror or str(error)
+        parser.error(f"--out {out}: cannot make its directory under {existing} ({reason}); give a path in a "
+                     "directory this process can write to")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -31,6 +31,11 @@ Note: [Never lose a run]
        earlier run saved is refused before anything is built: its saves would replace that run's
        of the same steps and ``--keep-checkpoints`` remove the others, its furthest among them
        (a job launched again without its ``--resume``).
+    6. A run without ``--resume`` into an ``--out`` holding a finished model is refused before
+       anything is built, unless ``--overwrite``. Every export first removes the previous model's
+       files there (``outputs.remove_model_files``: old shards and index, a full model's under an
+       adapter, an adapter under a full model), so ``--out`` holds one model; an ``--out`` that is
+       ``--model`` is refused, whose weights (a LoRA adapter's base) the export would remove.
 
 The options and ``--help`` are in ``offload/cli/finetune_args.py``; the models in
 ``offload/cli/models.py``; the output checks in ``offload/cli/outputs.py``.
@@ -66,7 +71,9 @@ from ..optimizer import OffloadOptimizer
 from .finetune_args import DTYPES, SCHEDULES, no_steps_left, parse_args, resume_directory_advice
 from .models import (four_bit_settings, pretrained_model, pretrained_tokenizer, quantized_random_model, random_model,
                      with_lora)
-from .outputs import OutputError, RunRecord, Write, check_no_earlier_run, check_room, check_writable, mark_export
+from .invocation import invoked_as
+from .outputs import (OutputError, RunRecord, check_outputs_writable, check_room, mark_export, planned_writes,
+                      remove_model_files)
 from .quantize import bnb_config
 
 __all__ = ["main", "parse_args"]
@@ -79,12 +86,22 @@ def fail(message: str) -> SystemExit:
     return SystemExit(f"{PROG}: error: {message}")
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, program: str | None = None) -> None:
+    """Run ``offload-finetune`` on ``argv`` (default: the command line's). ``program``: the command
+    that started it, which its usage, errors and resume line name (default: as this process was
+    started when ``argv`` is the command line's, else ``offload-finetune``)."""
+    if program is None:
+        program = PROG if argv is not None else invoked_as(PROG)
     argv = sys.argv[1:] if argv is None else list(argv)
-    record = RunRecord(argv)
+    record = RunRecord(argv, program)
     try:
         with _terminated_on_sigterm():
             run(argv, record)
+    except SystemExit as stop:
+        # fail()'s lines name the program as the parser's do: as it was started.
+        if isinstance(stop.code, str) and stop.code.startswith(f"{PROG}: ") and program != PROG:
+            raise SystemExit(program + stop.code.removeprefix(PROG)) from None
+        raise
     except KeyboardInterrupt as stop:
         # Note: [Never lose a run], rule 2: one line, no traceback.
         terminated = isinstance(stop, Terminated)
@@ -131,7 +148,8 @@ def _schedule(args: argparse.Namespace) -> dict[str, Any]:
 
 def run(argv: list[str], record: RunRecord) -> None:
     """The whole run; ``record`` follows its steps and checkpoints for the line that ends it early."""
-    args = parse_args(argv)
+    args = parse_args(argv, record.program or PROG)
+    record.save_every = args.save_every
     tqdm, DataFormatError, causal_lm_sequential, load_causal_lm = _start(args)
     torch.manual_seed(args.seed)
     tier = None if args.disk_tier is None else DiskTier(args.disk_tier)
@@ -211,6 +229,7 @@ def _save(args: argparse.Namespace, model: OffloadModel, hf: Any, peft_model: An
         # Unfinished from the first file written to the last (Note: [Never lose a run], rule 4): a
         # resume from the last checkpoint may then export again over what this one left.
         mark_export(args.out, args.steps, finished=False)
+        remove_model_files(args.out)  # rule 6: the previous model's files, whichever the new one writes
         save_output(args, model, hf, peft_model, tokenizer)
         mark_export(args.out, args.steps, finished=True)
     except Exception as error:
@@ -298,7 +317,7 @@ def _check_resident_slices(args: argparse.Namespace, stages: int | None) -> None
     the flag only against the ``--num-slices`` typed. ``stages``: ``None`` when unknown."""
     if stages is None or args.resident_slices <= min(args.num_slices, stages):
         return
-    print(f"{PROG}: error: --resident-slices {args.resident_slices} is more than the model's {stages} stages (a "
+    print(f"{args.prog}: error: --resident-slices {args.resident_slices} is more than the model's {stages} stages (a "
           f"slice holds at least one: --num-slices {args.num_slices} makes {stages} slices); pass "
           f"--resident-slices {stages} or fewer", file=sys.stderr)
     raise SystemExit(2)
@@ -321,42 +340,15 @@ def _stage_count(folder: Path, causal_lm_sequential: Any) -> int | None:
 # -- outputs: Note [Never lose a run] ---------------------------------------------------------------
 
 
-def check_outputs_writable(args: argparse.Namespace) -> None:
-    check_writable(args.out, "--out")
-    if args.save_every:
-        if args.resume is None:
-            check_no_earlier_run(args.out / "checkpoints")
-        check_writable(args.out / "checkpoints", "--save-every: the checkpoints' directory")
-    if args.disk_tier is not None:
-        check_writable(args.disk_tier, "--disk-tier")
-
-
-def planned_writes(args: argparse.Namespace, model: OffloadModel, trainable: list[torch.Tensor]) -> list[Write]:
-    """What the run will write where, from the model's size (a lower bound: file headers aside)."""
-    every = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    learned = sum(p.numel() for p in trainable)
-    state = 8 * learned  # AdamW's two float32 moments
-    writes = [Write(args.out, every if args.lora_r == 0 else 4 * learned, "the trained model")]
-    if args.save_every:
-        saves = args.steps // args.save_every
-        # keep_last removes the oldest once the newest is written: one more than kept at a time.
-        kept = saves if args.keep_checkpoints is None else min(saves, args.keep_checkpoints + 1)
-        writes.append(Write(args.out / "checkpoints", kept * (every + state), f"{kept} checkpoint(s)"))
-    if args.disk_tier is not None:
-        masters = 4 * sum(p.numel() for p in model.parameters()) if args.masters_on_disk else 0
-        writes.append(Write(args.disk_tier, state + masters, "the disk tier's files"))
-    return writes
-
-
 def check_data_encoding(args: argparse.Namespace) -> None:
-    """``--data`` and ``--eval-file`` decode as UTF-8, read through once before the model is built:
-    the reading is lazy, so a bad byte deep in a large file would otherwise stop the run when
-    training reaches it, hours in."""
-    from ..integrations.data import check_encoding
+    """``--data`` and ``--eval-file`` decode as UTF-8, read through once, and a parquet or CSV
+    file's first row reads, before the model is built: the reading is lazy, so a bad byte deep in a
+    large file, or a file its reader refuses, would otherwise stop the run when training reaches it."""
+    from ..integrations.data import check_readable
 
     for path in (args.data, args.eval_file):
         if path is not None:
-            check_encoding(path)
+            check_readable(path)
 
 
 def save_output(args: argparse.Namespace, model: OffloadModel, hf, peft_model, tokenizer) -> None:

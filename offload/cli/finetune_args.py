@@ -48,8 +48,8 @@ examples:
   offload-finetune --model ./llama-1b --data chats.jsonl --out ./tuned --eval-fraction 0.01 --eval-every 100
   offload-finetune --model ./llama-1b --data notes.jsonl --text-field body --grad-accum 4 --max-grad-norm 1.0 --out ./tuned
   offload-finetune --model ./llama-1b --out ./tuned --grad-accum 4 --update-in-backward   # no clipping then
-  offload-finetune --out /tmp/tuned --steps 40 --save-every 10                  # stopped at step 27...
-  offload-finetune --out /tmp/tuned --steps 40 --save-every 10 --resume latest  # ...continues from step 20
+  offload-finetune --out /tmp/tuned-40 --steps 40 --save-every 10                  # stopped at step 27...
+  offload-finetune --out /tmp/tuned-40 --steps 40 --save-every 10 --resume latest  # ...continues from step 20
   offload-finetune --model ./llama-1b --out ./adapter --lora-r 16 --lora-targets q_proj v_proj
   offload-finetune --model ./llama-70b --out ./adapter --lora-r 16 --load-in-4bit --compute-dtype bf16   # QLoRA
   offload-finetune --model ./llama-1b --out ./tuned --disk-tier /nvme/offload --masters-on-disk
@@ -74,8 +74,9 @@ def user_path(text: str) -> Path:
     return Path(text).expanduser()
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="offload-finetune", description=DESCRIPTION, epilog=EPILOG,
+def build_parser(prog: str = "offload-finetune") -> argparse.ArgumentParser:
+    """The options; ``prog``: the command that started the program, which usage and errors name."""
+    parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=HelpFormatter)
     parser.add_argument("--model", type=user_path, help="local directory with weights (and tokenizer) to fine-tune")
     parser.add_argument("--arch", default="llama", choices=ARCHITECTURES,
@@ -167,6 +168,8 @@ def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
                       help="keep only the K newest checkpoints (default: all)")
     ckpt.add_argument("--resume", metavar="PATH|latest",
                       help="continue from a checkpoint: its directory, or 'latest' for OUT/checkpoints' newest")
+    ckpt.add_argument("--overwrite", action="store_true",
+                      help="replace a finished model in --out (without it, a run that does not --resume refuses one)")
 
 
 def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
@@ -238,9 +241,15 @@ def check_disk_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         parser.error("--masters-on-disk needs --compute-dtype bf16 or fp16: loads read the half-precision shadow")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = build_parser()
+def parse_args(argv: list[str] | None = None, prog: str = "offload-finetune") -> argparse.Namespace:
+    """The options, checked (``prog``: as :func:`build_parser`); ``args.prog`` is ``prog``.
+
+    Raises:
+        SystemExit: a bad option, as the parser answers one (its usage and the error, status 2).
+    """
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
+    args.prog = prog
     check_disk_args(parser, args)
     if not 0 <= args.resident_slices <= args.num_slices:
         parser.error(f"--resident-slices must be between 0 and --num-slices ({args.num_slices}), "

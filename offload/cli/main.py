@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import sys
 
+from .invocation import invoked_as
+
 COMMANDS = {
     "plan": "will a model fit, how fast is a step, and with which configuration",
     "calibrate": "measure this machine's rates for plan (about a minute)",
@@ -17,8 +19,11 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> None:
+    # Started from the command line, the program names itself as it was started (``python -m
+    # offload``): the resume command a stopped ``finetune`` prints must run as printed.
+    program = "offload" if argv is not None else invoked_as("offload")
     try:
-        _dispatch(sys.argv[1:] if argv is None else list(argv))
+        _dispatch(sys.argv[1:] if argv is None else list(argv), program)
         sys.stdout.flush()  # a reader gone (``| head``) raises here, inside the handler, not at exit
     except BrokenPipeError:
         # The reader stopped reading: nothing more to say to it, and no traceback. Python's own
@@ -28,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(1) from None
 
 
-def _dispatch(argv: list[str]) -> None:
+def _dispatch(argv: list[str], program: str) -> None:
     usage = "usage: offload COMMAND [options]  (offload COMMAND --help for its options)"
     commands = "\n".join(f"  {name:<10} {what}" for name, what in COMMANDS.items())
     if argv and argv[0] in ("-h", "--help"):
@@ -46,5 +51,8 @@ def _dispatch(argv: list[str]) -> None:
     elif command == "calibrate":
         from .calibrate import main as run
     else:
-        from .finetune import main as run
+        from .finetune import main as finetune
+
+        finetune(rest, program=f"{program} finetune")  # its usage and resume line start it this way
+        return
     run(rest)

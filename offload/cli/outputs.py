@@ -5,34 +5,45 @@ directory a run writes (the output, the checkpoints, the disk tier) is made and 
 small file before anything trains, and each file system is asked for the room the run's writes
 need (:func:`check_room`). Once training has started, :class:`RunRecord` knows the last
 checkpoint saved, so a run that stops, by an error or Ctrl-C, says where it is and the command
-that continues from it. It does not save the model itself; :func:`mark_export` records in the
-output directory whether the model there is finished, which a resume that has nothing left to
-train reads before it exports over it.
+that continues from it, started the way the run was (:mod:`offload.cli.invocation`). It does not
+save the model itself; :func:`mark_export` records in the output directory whether the model there
+is finished, which a new run (:func:`check_no_finished_model`) and a resume that has nothing left to
+train read before they export over it, and :func:`remove_model_files` clears the previous model's
+files before an export writes its own, so that the directory holds one model.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shlex
 import shutil
-import sys
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..checkpoint import CheckpointError, latest_checkpoint
 # A small disk's figures in the unit that shows them (MiB, not "0.00 GiB"), as a checkpoint's and
 # the disk tier's room checks word theirs.
 from ..tiers.disk_tier import size_text
+from .invocation import invoked_as
 
-__all__ = ["EXPORT_RECORD", "OutputError", "RunRecord", "Write", "check_no_earlier_run", "check_room", "check_writable",
-           "holds_finished_model", "mark_export", "resume_command"]
+__all__ = ["EXPORT_RECORD", "MODEL_FILES", "OutputError", "RunRecord", "Write", "check_no_earlier_run",
+           "check_no_finished_model", "check_outputs_writable", "check_room", "check_writable", "holds_finished_model",
+           "mark_export", "planned_writes", "remove_model_files", "resume_command"]
 
 #: The file in the output directory that says whether the model there is finished: written as an
 #: export starts and again once its last file is written (Note: [Never lose a run], rule 4).
 EXPORT_RECORD = "offload_finetune.json"
+#: The files of a saved model or adapter (``save_pretrained``'s weights, their index, their config):
+#: an export removes those of the previous model first, or a LoRA adapter would sit beside a full
+#: model's shards (``from_pretrained`` reads them together), a model of fewer shards beside the old
+#: ones its index no longer names. The tokenizer's files are left: every export writes one.
+MODEL_FILES = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model*.bin.index.json",
+               "adapter_model.bin", "adapter_config.json", "config.json", "generation_config.json")
 
 
 class OutputError(RuntimeError):
@@ -82,6 +93,27 @@ def check_no_earlier_run(checkpoints: Path) -> None:
     return None
 
 
+def check_no_finished_model(out: Path, *, overwrite: bool) -> None:
+    """Refuse a new run (no ``--resume``) into an ``out`` that holds a finished model, which its
+    export would replace, unless ``overwrite`` (Note: [Never lose a run], rule 6, in ``finetune.py``).
+
+    Raises:
+        OutputError: what is there, and what to pass instead.
+    """
+    if not overwrite and holds_finished_model(out, 0):
+        raise OutputError(f"--out {out} holds a finished model, which this run's export would replace: choose another "
+                          "--out, or pass --overwrite to replace it")
+
+
+def remove_model_files(out: Path) -> list[Path]:
+    """Remove the previous model's files (:data:`MODEL_FILES`) directly in ``out`` before an export
+    writes its own, and return them. Checkpoints, the export record and other files are left."""
+    removed = sorted({path for pattern in MODEL_FILES for path in out.glob(pattern) if path.is_file()})
+    for path in removed:
+        path.unlink()
+    return removed
+
+
 def _device_of(path: Path) -> tuple[int, Path]:
     """The file system holding ``path`` (its nearest existing ancestor's)."""
     existing = path.resolve()
@@ -108,6 +140,44 @@ def check_room(writes: Sequence[Write]) -> None:
             raise OutputError(f"not enough room on the disk holding {existing}: {size_text(free)} free, the run "
                               f"writes {size_text(needed)} there ({items}). Free some space or choose other "
                               "directories, before anything trains")
+
+
+def check_outputs_writable(args: argparse.Namespace) -> None:
+    """The run's directories made and probed, and no earlier run's checkpoints or finished model
+    in ``--out`` for a run that does not resume (Note: [Never lose a run], rules 1, 5 and 6).
+
+    Raises:
+        OutputError: the first that fails, naming the flag and what to do.
+    """
+    check_writable(args.out, "--out")
+    if args.save_every and args.resume is None:
+        check_no_earlier_run(args.out / "checkpoints")
+    if args.model is not None and args.out.resolve() == args.model.resolve():
+        raise OutputError(f"--out {args.out} is --model, whose weights the export would remove (a LoRA adapter's "
+                          "base among them): choose another --out")
+    if args.resume is None:
+        check_no_finished_model(args.out, overwrite=args.overwrite)
+    if args.save_every:
+        check_writable(args.out / "checkpoints", "--save-every: the checkpoints' directory")
+    if args.disk_tier is not None:
+        check_writable(args.disk_tier, "--disk-tier")
+
+
+def planned_writes(args: argparse.Namespace, model: Any, trainable: list[Any]) -> list[Write]:
+    """What the run will write where, from the model's size (a lower bound: file headers aside)."""
+    every = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    learned = sum(p.numel() for p in trainable)
+    state = 8 * learned  # AdamW's two float32 moments
+    writes = [Write(args.out, every if args.lora_r == 0 else 4 * learned, "the trained model")]
+    if args.save_every:
+        saves = args.steps // args.save_every
+        # keep_last removes the oldest once the newest is written: one more than kept at a time.
+        kept = saves if args.keep_checkpoints is None else min(saves, args.keep_checkpoints + 1)
+        writes.append(Write(args.out / "checkpoints", kept * (every + state), f"{kept} checkpoint(s)"))
+    if args.disk_tier is not None:
+        masters = 4 * sum(p.numel() for p in model.parameters()) if args.masters_on_disk else 0
+        writes.append(Write(args.disk_tier, state + masters, "the disk tier's files"))
+    return writes
 
 
 def mark_export(out: Path, step: int, *, finished: bool) -> None:
@@ -144,7 +214,8 @@ def holds_finished_model(out: Path, step: int) -> bool:
 
 
 def resume_command(argv: Sequence[str], checkpoint: Path, program: str | None = None) -> str:
-    """The command line that continues from ``checkpoint``: the run's own, ``--resume`` replaced."""
+    """The command line that continues from ``checkpoint``: the run's own, ``--resume`` replaced,
+    after ``program``, the command that started it (default: as this process was started)."""
     args: list[str] = []
     skip = False
     for arg in argv:
@@ -155,8 +226,7 @@ def resume_command(argv: Sequence[str], checkpoint: Path, program: str | None = 
         elif not arg.startswith("--resume="):
             args.append(arg)
     if program is None:
-        program = sys.argv[0]
-        program = f"python {program}" if program.endswith(".py") else Path(program).name
+        program = invoked_as("offload-finetune")
     return " ".join([program, *map(shlex.quote, [*args, "--resume", str(checkpoint)])])
 
 
@@ -165,6 +235,8 @@ class RunRecord:
     """What a run has saved so far, for the line it prints when it stops early."""
 
     argv: list[str]
+    program: str | None = None  # the command that started the run, for its resume command
+    save_every: int = 0  # --save-every: the step of the first checkpoint (0: none is saved)
     step: int = 0  # the last step done
     checkpoint: Path | None = None  # the last checkpoint saved, or the one the run resumed from
 
@@ -172,8 +244,13 @@ class RunRecord:
         """One line: how far the run got, where its last checkpoint is and how to continue."""
         if self.step == 0 and self.checkpoint is None:
             return f"{why} before the first step; nothing was trained"
+        if self.checkpoint is None and self.save_every and self.step >= self.save_every:
+            # Its step was done and its save under way: a save that raises leaves nothing new.
+            where = (f"no checkpoint was saved: the first, step-{self.save_every}, was being saved and did not "
+                     "complete, so none was kept")
+            return f"{why} after step {self.step}; {where}"
         if self.checkpoint is None:
             where = "no checkpoint was saved (--save-every N saves one every N steps)"
             return f"{why} after step {self.step}; {where}"
         return (f"{why} after step {self.step}; last checkpoint: {self.checkpoint}; "
-                f"resume with: {resume_command(self.argv, self.checkpoint)}")
+                f"resume with: {resume_command(self.argv, self.checkpoint, self.program)}")

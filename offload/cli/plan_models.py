@@ -29,6 +29,13 @@ DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: longer sequence indexes past the table (rotary families compute any position, so their
 #: ``max_position_embeddings`` is no limit to the forward).
 LEARNED_POSITIONS = {"gpt2": "n_positions"}
+#: The config's sizes a model is built from, checked to be positive integers before it is: a zero
+#: divides by zero in the model's ``__init__`` (a head's size, rotary frequencies), a negative fails
+#: making a tensor. ``None`` (a size the family derives, as ``head_dim``) and a name the family lacks
+#: pass; a list (a size per layer) is checked item by item.
+CONFIG_SIZES = ("hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings",
+                "num_local_experts", "num_experts", "num_experts_per_tok", "n_routed_experts")
 #: Tokens per row when --seq-len is left out.
 DEFAULT_SEQ_LEN = 2048
 
@@ -200,6 +207,7 @@ def hf_workload(args: argparse.Namespace) -> Workload:
 
     config = hf_config(args.hf_config)
     _check_family(args.hf_config, config.model_type)
+    _check_sizes(args.hf_config, config)
     _check_positions(args, config)
     chunk = args.loss_chunk_tokens or None
     dtype = four_bit_dtype(args) if args.quantize else torch.float32
@@ -220,7 +228,8 @@ def hf_workload(args: argparse.Namespace) -> Workload:
             if args.lora_r:
                 hf = _with_lora(hf, args.lora_r)
             layers = causal_lm_sequential(hf, loss_chunk_tokens=chunk)
-    except (ValueError, TypeError, AttributeError, RuntimeError) as error:
+    except (ValueError, TypeError, AttributeError, RuntimeError, ArithmeticError) as error:
+        # ArithmeticError: a size _check_sizes does not know, zero, divided by in the model's __init__.
         raise PlanInputError(f"--hf-config {args.hf_config}: {_one_line(error)}") from error
     rows, tokens = args.batch_size, args.seq_len
 
@@ -237,6 +246,21 @@ def hf_workload(args: argparse.Namespace) -> Workload:
         flags += ["--load-in-4bit", "--bnb-4bit-quant-type", args.quantize]
         flags += [] if args.bnb_4bit_use_double_quant else ["--no-bnb-4bit-use-double-quant"]
     return Workload(layers, make_input, rows, build, finetune=flags, profiled=profiled, four_bit=four_bit)
+
+
+def _check_sizes(spec: str, config: Any) -> None:
+    """Refuse a :data:`CONFIG_SIZES` size that is not a positive integer, naming it, before the
+    model is built from it.
+
+    Raises:
+        PlanInputError: the first such size and its value.
+    """
+    for name in CONFIG_SIZES:
+        value = getattr(config, name, None)
+        for size in value if isinstance(value, (list, tuple)) else [value]:
+            if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+                raise PlanInputError(f"--hf-config {spec}: {name} must be a positive integer, got {value!r}; give the "
+                                     "size of the model to plan")
 
 
 def _check_positions(args: argparse.Namespace, config: Any) -> None:

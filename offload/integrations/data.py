@@ -9,9 +9,10 @@ a ``transformers.Trainer`` or a plain loop can too (``torch.stack`` a few blocks
 labels are the ids).
 
 It does not pad, truncate or batch, and it does not read anything twice: a new pass over the data
-calls :func:`token_blocks` again. Plain text and JSON lines are UTF-8: :func:`check_encoding` reads
-such a file through once, without tokenising, to find a byte that does not decode before a pass
-over the data reaches it.
+calls :func:`token_blocks` again. Plain text, JSON lines and CSV are UTF-8: :func:`check_encoding`
+reads such a file through once, without tokenising, to find a byte that does not decode before a
+pass over the data reaches it; :func:`check_readable` adds the first row of a parquet or CSV file,
+read as a pass would read it, so a file its reader refuses is found before a model is built.
 
 Note: [Packing]
     Documents (a JSON lines record, a parquet row, a dataset row) are tokenised one by one, each
@@ -37,7 +38,9 @@ Note: [Packing]
 from __future__ import annotations
 
 import codecs
+import itertools
 import json
+import logging
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -45,12 +48,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["DataFormatError", "TEXT_SUFFIXES", "check_encoding", "read_documents", "shuffled", "split_blocks",
-           "token_blocks"]
+__all__ = ["DataFormatError", "TEXT_SUFFIXES", "check_encoding", "check_readable", "read_documents", "shuffled",
+           "split_blocks", "token_blocks"]
 
 #: Suffixes read as plain text; ``.jsonl``/``.json``, ``.parquet``, ``.csv`` and directories are
 #: the other formats. Anything else is refused rather than guessed.
 TEXT_SUFFIXES = (".txt", ".text", ".md")
+#: The formats ``datasets`` streams, by suffix: the builder and the name in messages.
+STREAMED = {".parquet": ("parquet", "parquet"), ".csv": ("csv", "CSV")}
+#: What a reader raises for a file it cannot read (pyarrow's ArrowInvalid and pandas' ParserError
+#: are ValueErrors, as UnicodeDecodeError is; pyarrow's ArrowNotImplementedError a NotImplementedError).
+READER_ERRORS = (ValueError, OSError, NotImplementedError)
 #: How much plain text is read and tokenised at once (Note: [Packing]), in characters: bytes for ASCII.
 #: A read costs about 20 times its size while its ids are Python lists: 5 MB here.
 TEXT_CHUNK_BYTES = 1 << 18
@@ -75,8 +83,9 @@ def token_blocks(source: str | os.PathLike[str], tokenizer: Any, block_size: int
             ``messages`` list rendered with ``tokenizer.apply_chat_template``.
 
     Raises:
-        DataFormatError: an unknown format, a record without the field (naming the keys found), or
-            text that is not UTF-8 (naming the byte), when the reading reaches it.
+        DataFormatError: an unknown format, a record without the field (naming the keys found),
+            text that is not UTF-8 (naming the byte), or a parquet or CSV file its reader refuses
+            (with the reader's reason), when the reading reaches it.
         FileNotFoundError: ``source`` does not exist.
 
     Example::
@@ -118,8 +127,8 @@ def read_documents(source: str | os.PathLike[str], tokenizer: Any = None, *,
         yield from _text_pieces(path)
     elif suffix in (".jsonl", ".json"):
         yield from _records(_json_lines(path), path, tokenizer, text_field)
-    elif suffix in (".parquet", ".csv"):
-        yield from _records(_streamed_rows(path, suffix[1:]), path, tokenizer, text_field)
+    elif suffix in STREAMED:
+        yield from _records(_streamed_rows(path, suffix), path, tokenizer, text_field)
     else:
         raise DataFormatError(
             f"{path}: unknown data format {suffix or '(no suffix)'!r}; give plain text ({', '.join(TEXT_SUFFIXES)}), "
@@ -127,18 +136,33 @@ def read_documents(source: str | os.PathLike[str], tokenizer: Any = None, *,
 
 
 def check_encoding(source: str | os.PathLike[str]) -> None:
-    """Read ``source`` through once, if it is plain text or JSON lines, and check that it is UTF-8.
+    """Read ``source`` through once, if it is plain text, JSON lines or CSV, and check that it is UTF-8.
 
     The readers decode lazily, so a bad byte deep in a large file would otherwise stop a pass over
     it where it lies; this costs a read of the file without tokenising (about the disk's speed).
-    Other formats (parquet, CSV, datasets directories) are decoded by ``datasets`` and not read.
+    Other formats (parquet, datasets directories) are binary, decoded by ``datasets``, and not read.
 
     Raises:
         DataFormatError: the first byte that is not UTF-8, by offset and line, with the fix.
     """
     path = Path(source)
-    if path.is_file() and path.suffix.lower() in (*TEXT_SUFFIXES, ".jsonl", ".json"):
+    if path.is_file() and path.suffix.lower() in (*TEXT_SUFFIXES, ".jsonl", ".json", ".csv"):
         _check_utf8(path)
+
+
+def check_readable(source: str | os.PathLike[str]) -> None:
+    """Check what can be checked of ``source`` in seconds, before a long pass over it: that it is
+    UTF-8 (:func:`check_encoding`), and that a parquet or CSV file's reader opens it and reads its
+    first row (a parquet file's footer and first row group; a CSV file's first chunk of rows).
+    A file damaged further in is found when the reading reaches it, with the same error.
+
+    Raises:
+        DataFormatError: a byte that is not UTF-8, or a file its reader refuses, with the reason.
+    """
+    check_encoding(source)
+    path = Path(source)
+    if path.is_file() and path.suffix.lower() in STREAMED:
+        next(_streamed_rows(path, path.suffix.lower()), None)
 
 
 def _check_utf8(path: Path) -> None:
@@ -223,10 +247,35 @@ def _json_lines(path: Path) -> Iterator[tuple[int, Any]]:
             ) from error
 
 
-def _streamed_rows(path: Path, builder: str) -> Iterator[tuple[int, Any]]:
+def _streamed_rows(path: Path, suffix: str) -> Iterator[tuple[int, Any]]:
+    """``path``'s rows, numbered, as ``datasets`` streams them; a file the reader refuses, at its
+    opening or further in, stops them with a :class:`DataFormatError` naming the file and why."""
     datasets = _datasets(path)
-    rows = datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True)
-    yield from enumerate(rows, 1)
+    builder, what = STREAMED[suffix]
+    reader_log = logging.getLogger(f"datasets.packaged_modules.{builder}.{builder}")
+    level = reader_log.level
+    rows = None
+    for number in itertools.count(1):
+        try:
+            if rows is None:
+                # datasets logs the parquet reader's error as it raises it: the error below says it once.
+                reader_log.setLevel(logging.CRITICAL)
+                try:
+                    rows = iter(datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True))
+                    row = next(rows)
+                finally:
+                    reader_log.setLevel(level)
+            else:
+                row = next(rows)
+        except StopIteration:
+            return
+        except READER_ERRORS as error:
+            if isinstance(error, UnicodeDecodeError):
+                _check_utf8(path)  # names the byte, by offset and line
+            reason = " ".join(str(error).split()) or "no reason given"
+            raise DataFormatError(f"{path}: not a {what} file its reader can read, at or before row {number} "
+                                  f"({type(error).__name__}: {reason}); fix or re-export the file") from error
+        yield number, row
 
 
 def _dataset_rows(path: Path) -> Iterator[tuple[int, Any]]:
