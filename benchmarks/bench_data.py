@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
             for name, path in (("txt", text), ("jsonl", jsonl)):
                 row[f"steps_{name}"] = measured([
                     sys.executable, "-m", "offload.cli.finetune", "--device", "cpu", "--no-progress",
-                    "--out", str(where / "out"), "--steps", str(args.steps), "--data", str(path),
+                    "--out", str(where / "out"), "--overwrite", "--steps", str(args.steps), "--data", str(path),
                     "--eval-fraction", "0.01", "--eval-batches", "2"])
                 if not args.no_full_pass:
                     row[f"full_pass_{name}"] = measured([sys.executable, "-c", FULL_PASS, str(path)])
