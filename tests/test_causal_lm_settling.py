@@ -65,3 +65,27 @@ def test_a_resize_right_after_step_keeps_the_update(tied):
     for key in ("model.embed_tokens.weight", "lm_head.weight"):
         assert resized[key].shape[0] == 80
         torch.testing.assert_close(resized[key][:64], updated[key], **EXACT)
+
+
+def test_base_model_as_trls_fused_head_calls_it_keeps_the_update_behind_the_forward():
+    # TRL projects base_model's hidden states through get_output_embeddings().weight. base_model's
+    # check of the head must not wait for the whole pending update before the forward: that wait
+    # expires every slice's shadow, which the loads then cast again.
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+    model = OffloadedCausalLM(transformers.LlamaForCausalLM(config), device="cpu", num_slices=4,
+                              compute_dtype=torch.bfloat16)
+    optimizer = OffloadOptimizer(model, SlowAdamW, lr=1e-3)
+    slices = model.offloaded._engine.slices
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    steps = 3
+    for _ in range(steps):
+        hidden = model.base_model(input_ids=ids).last_hidden_state
+        weight = model.get_output_embeddings().weight
+        (hidden.float() @ weight.float().t()).logsumexp(-1).mean().backward()
+        optimizer.step()  # returns while the update is still to run
+        optimizer.zero_grad()
+    optimizer.synchronize()
+    # Each slice's shadow cast when first loaded, then once after each step's update.
+    assert sum(s.storage.shadow_refreshes for s in slices) == len(slices) * (1 + steps)

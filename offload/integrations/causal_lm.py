@@ -62,9 +62,9 @@ from ..optimizer import OffloadOptimizer
 from .peft import peft_base_model
 from .transformers_loading import load_causal_lm, stored_into_stages
 from .transformers_batch import LAST_HIDDEN_STATE
-from .transformers_refusals import (MissingLogits, refuse_adapter_on_head, refuse_layer_outputs,
-                                    refuse_packed_sequences, refuse_router_logits, refuse_trainer_arguments,
-                                    refuse_update_in_backward)
+from .transformers_refusals import (MissingLogits, refuse_adapter_on_head, refuse_packed_sequences,
+                                    refuse_router_logits, refuse_trainer_arguments, refuse_update_in_backward,
+                                    warn_of_layer_outputs)
 from .transformers_saving import positional_save_arguments, save_causal_lm, save_options
 from .transformers_stages import CausalLMSequential, causal_lm_sequential, packed_sequence_keywords
 
@@ -302,8 +302,9 @@ class OffloadedCausalLM(PreTrainedModel):
         Raises:
             TypeError: no ``input_ids``, or a keyword the offloaded stages cannot honour
                 (``inputs_embeds``, ``output_router_logits=True`` in the call or the config,
-                ``output_hidden_states=True`` or ``output_attentions=True`` in either, ...); with
-                ``loss_chunk_tokens``, no labels or a ``logits_to_keep``.
+                ``output_hidden_states=True`` or ``output_attentions=True`` in the call, ...); with
+                ``loss_chunk_tokens``, no labels or a ``logits_to_keep``. (The same two in the config
+                are warned of: the outputs hold ``None`` there.)
             ValueError: a packed batch's sequence boundaries (``seq_idx``, ``cu_seq_lens_q``) that a
                 convolution or linear-attention layer needs (LFM2, Qwen3-Next).
         """
@@ -371,10 +372,13 @@ class _HiddenStates:
     def __call__(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                  position_ids: torch.Tensor | None = None, **kwargs: Any) -> BaseModelOutputWithPast:
         return_dict = kwargs.pop("return_dict", None)
-        refuse_adapter_on_head(self.model.get_output_embeddings())  # the caller projects through its weight
+        # The caller projects through the head's weight. The refusal reads the module's type only, so
+        # through hf_model, without waiting: the accessor would wait for the whole pending update (and
+        # expire every shadow) before the forward, which loads each slice once its update is done.
+        refuse_adapter_on_head(self.model.hf_model.get_output_embeddings())
         batch = self.model._batch(input_ids, attention_mask, position_ids, kwargs)
         hidden = self.model.offloaded({**batch, LAST_HIDDEN_STATE: True})
-        weight = self.model.get_output_embeddings().weight
+        weight = self.model.get_output_embeddings().weight  # every slice was loaded: nothing is pending
         if hidden.device != weight.device:
             # The caller projects them through the host copy of lm_head, outside the device's autocast:
             # they go to the host in the weight's dtype (a half-precision hidden state would not multiply
@@ -390,7 +394,7 @@ def _batch_of(config: Any, input_ids: torch.Tensor | None, attention_mask: torch
     # Note: [What the trainers cannot get from the model], rules 3, 5 and 6.
     refuse_router_logits(config, kwargs)
     refuse_packed_sequences(packed_sequence_keywords(config), config.model_type, kwargs)
-    refuse_layer_outputs(config, kwargs)
+    warn_of_layer_outputs(config, kwargs)
     refused = sorted(key for key, value in kwargs.items()
                      if key not in _IGNORED and value is not None and value is not False)
     if input_ids is None or refused:

@@ -57,24 +57,27 @@ Note: [What the trainers cannot get from the model]
        computes, bit for bit.
     6. Every layer's hidden states or attention weights. The offloaded slices pass on only the
        hidden states at their boundaries, and no attention weights. A keyword asking for them is
-       refused with the forward's other keywords; ``output_hidden_states=True`` or
+       refused with the forward's other keywords. ``output_hidden_states=True`` or
        ``output_attentions=True`` in the model's config, which the model honours in every forward
-       where the call does not say otherwise, is refused too rather than returning ``None`` in their
-       place. ``False`` (what a trainer or a generation config may set) is accepted.
+       where the call does not say otherwise, is warned of instead (once): a saved config may carry
+       it into a training run that never reads them, where the loss and the logits are the model's;
+       the outputs hold ``None`` in their place. ``False`` (what a trainer or a generation config
+       may set) is silent.
 """
 
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["MissingLogits", "refuse_adapter_on_head", "refuse_layer_outputs", "refuse_packed_sequences",
-           "refuse_reference_from_path", "refuse_router_logits", "refuse_router_loss", "refuse_trainer_arguments",
-           "refuse_update_in_backward"]
+__all__ = ["MissingLogits", "refuse_adapter_on_head", "refuse_packed_sequences", "refuse_reference_from_path",
+           "refuse_router_logits", "refuse_router_loss", "refuse_trainer_arguments", "refuse_update_in_backward",
+           "warn_of_layer_outputs"]
 
 _NO_LOGITS = (
     "this OffloadedCausalLM computes the loss in its head (loss_chunk_tokens) and returns no logits, which "
@@ -222,19 +225,19 @@ def refuse_packed_sequences(readers: Mapping[str, str], model_type: str, kwargs:
         "default); elsewhere a padding collator rather than DataCollatorWithFlattening")
 
 
-def refuse_layer_outputs(config: Any, kwargs: Mapping[str, Any]) -> None:
-    """Raise for ``output_hidden_states=True`` or ``output_attentions=True`` in the model's config
-    where the call does not set it (rule 6 of Note: [What the trainers cannot get from the model]);
-    the call's own are refused with its other keywords."""
+def warn_of_layer_outputs(config: Any, kwargs: Mapping[str, Any]) -> None:
+    """Warn of ``output_hidden_states=True`` or ``output_attentions=True`` in the model's config
+    where the call does not set it (rule 6 of Note: [What the trainers cannot get from the model]):
+    the outputs hold ``None`` there. The call's own are refused with its other keywords."""
     asked = [key for key in ("output_hidden_states", "output_attentions")
              if key not in kwargs and getattr(config, key, False)]
     if asked:
-        raise TypeError(
-            f"the model's config asks every forward for {' and '.join(f'{key}=True' for key in asked)}, and an "
-            "OffloadedCausalLM cannot return them: its slices pass on only the hidden states at their boundaries. "
-            f"Set {' and '.join(f'model.config.{key} = False' for key in asked)} (or pass "
-            f"{', '.join(f'{key}=False' for key in asked)} in the call); model.base_model(...) returns the last "
-            "layer's (normed) hidden states")
+        warnings.warn(
+            f"the model's config asks every forward for {' and '.join(f'{key}=True' for key in asked)}, which an "
+            "OffloadedCausalLM cannot return (its slices pass on only the hidden states at their boundaries): its "
+            f"outputs hold None there; the loss and logits are the model's. Set "
+            f"{' and '.join(f'model.config.{key} = False' for key in asked)} to say so and silence this; "
+            "model.base_model(...) returns the last layer's (normed) hidden states", UserWarning, stacklevel=2)
 
 
 def _router_message(asked: str) -> str:
