@@ -200,10 +200,8 @@ class OffloadedCausalLM(PreTrainedModel):
         """Runs the offloaded stages to the normed last hidden states (rule 6 of the note)."""
         return _HiddenStates(self)
 
-    # hf_model is not a submodule, so what it hands out does not wait for pending host updates as
-    # the offloaded model's parameters() does: each of these waits first (the caller reads the weight).
-
     def get_input_embeddings(self) -> nn.Module:
+        # hf_model is no submodule: what it hands out would not wait for pending updates as parameters() does.
         self.offloaded._settle()
         return self.hf_model.get_input_embeddings()
 
@@ -212,9 +210,8 @@ class OffloadedCausalLM(PreTrainedModel):
         return self.hf_model.get_output_embeddings()
 
     def resize_token_embeddings(self, *args: Any, **kwargs: Any) -> nn.Embedding:
-        """The model's own ``resize_token_embeddings`` (embeddings, ``lm_head`` and ``config.vocab_size``),
-        once the pending update has landed (it copies the old rows); the slices holding the new
-        matrices are laid out again."""
+        """The model's own ``resize_token_embeddings`` (embeddings, ``lm_head``, ``config.vocab_size``)
+        once the pending update landed (it copies the old rows); their slices are laid out again."""
         self.offloaded._settle()
         embeddings = self.hf_model.resize_token_embeddings(*args, **kwargs)
         engine_of(self.offloaded).refresh()
