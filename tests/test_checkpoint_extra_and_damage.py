@@ -15,8 +15,10 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from offload import CheckpointError, OffloadOptimizer, latest_checkpoint, load_checkpoint, save_checkpoint
+from offload import (CheckpointError, OffloadModel, OffloadOptimizer, latest_checkpoint, load_checkpoint,
+                     save_checkpoint)
 
+from .stream_scenarios import tied_mlp
 from .test_checkpoint import assert_untouched, snapshot, trained
 
 
@@ -139,12 +141,26 @@ def test_only_a_newer_format_says_upgrade(tmp_path):
 # -- parameter groups ------------------------------------------------------------------------------
 
 
-def test_a_group_added_before_the_load_says_to_add_it_after(tmp_path):
-    save_checkpoint(tmp_path / "c", *trained())
-    model, _ = trained()
+def without_the_last_layer():
+    """Trained as ``trained()`` is, with the optimizer over all but the last Linear's parameters (a
+    layer the resumed run starts to train); the model, the optimizer and those parameters."""
+    torch.manual_seed(0)
+    model = OffloadModel(tied_mlp(), device="cpu", num_slices=3)
     params = list(model.parameters())
-    optimizer = OffloadOptimizer(model, torch.optim.AdamW, params[:-1], lr=1e-2, fused=True)
-    optimizer.add_param_group({"params": params[-1:], "lr": 1e-3})
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, params[:-2], lr=1e-2, fused=True)
+    for _ in range(2):
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer, params[-2:]
+
+
+def test_a_group_of_new_parameters_added_before_the_load_says_to_add_it_after_and_that_works(tmp_path):
+    saved, saved_optimizer, _ = without_the_last_layer()
+    save_checkpoint(tmp_path / "c", saved, saved_optimizer)
+    model, _, last = without_the_last_layer()
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, list(model.parameters())[:-2], lr=1e-2, fused=True)
+    optimizer.add_param_group({"params": last, "lr": 1e-3})
     before = snapshot(model, optimizer)
     with pytest.raises(CheckpointError, match=r"holds 1 parameter group\(s\), the optimizer has 2\. Build the "
                                               r"optimizer with the saved run's groups \(the same parameters in each, "
@@ -152,16 +168,53 @@ def test_a_group_added_before_the_load_says_to_add_it_after(tmp_path):
                                               r"add_param_group\(\)\.$"):
         load_checkpoint(tmp_path / "c", model, optimizer)
     assert_untouched(before, model, optimizer)
+    # Following the advice: the saved run's group, the load, then the new group, and a step.
+    model, _, last = without_the_last_layer()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, list(model.parameters())[:-2], lr=1e-2, fused=True)
+    load_checkpoint(tmp_path / "c", model, optimizer)
+    for p, q in zip(model.parameters(), saved.parameters()):
+        assert torch.equal(p, q)
+    optimizer.add_param_group({"params": last, "lr": 1e-3})
+    loaded = [p.detach().clone() for p in last]
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    optimizer.step()
+    optimizer.synchronize()
+    assert [g["lr"] for g in optimizer.param_groups] == [1e-2, 1e-3]
+    assert all(not torch.equal(p, q) for p, q in zip(last, loaded))  # the new group is stepped
+    assert all(int(optimizer.state[p]["step"]) == 1 for p in last)
+    assert all(int(optimizer.state[p]["step"]) == 3 for p in list(model.parameters())[:-2])  # 2 loaded, then 1
 
 
-def test_fewer_groups_than_saved_says_to_build_the_saved_ones(tmp_path):
+def test_a_parameter_moved_into_an_added_group_is_named_and_not_advised_to_be_added_after(tmp_path):
+    # add_param_group() after the load would refuse it: the saved run's group already holds it.
+    save_checkpoint(tmp_path / "c", *trained())
+    model, _ = trained()
+    params = list(model.parameters())
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, params[:-1], lr=1e-2, fused=True)
+    optimizer.add_param_group({"params": params[-1:], "lr": 1e-3})
+    before = snapshot(model, optimizer)
+    with pytest.raises(CheckpointError, match=r"holds 1 parameter group\(s\), the optimizer has 2, and parameters "
+                                              r"changed group: 4\.bias \(group 0 there, group 1 here\)\. Build the "
+                                              r"optimizer with the saved run's groups \(the same parameters in each, "
+                                              r"in the same order\), load\.$") as raised:
+        load_checkpoint(tmp_path / "c", model, optimizer)
+    assert "add_param_group" not in str(raised.value)
+    assert_untouched(before, model, optimizer)
+
+
+def test_fewer_groups_than_saved_names_the_parameters_that_changed_group(tmp_path):
     model, _ = trained()
     params = list(model.parameters())
     split = OffloadOptimizer(model, torch.optim.AdamW, [{"params": params[:2]}, {"params": params[2:]}], lr=1e-2,
                              fused=True)
     save_checkpoint(tmp_path / "c", model, split)
-    with pytest.raises(CheckpointError, match=r"holds 2 parameter group\(s\), the optimizer has 1\. Build the "
-                                              r"optimizer with the saved run's groups .*, load\.$"):
+    with pytest.raises(CheckpointError, match=r"holds 2 parameter group\(s\), the optimizer has 1, and parameters "
+                                              r"changed group: 1\.bias \(group 1 there, group 0 here\); 4\.weight "
+                                              r"\(group 1 there, group 0 here\); 4\.bias \(group 1 there, group 0 "
+                                              r"here\)\. Build the optimizer with the saved run's groups .*, load\.$"):
         load_checkpoint(tmp_path / "c", *trained())
 
 

@@ -296,16 +296,35 @@ def _check_optimizer(path: Path, info: dict[str, Any], metadata: Metadata, optim
     here = [[names[id(p)] for p in params] for params in groups]
     if here != info["groups"]:
         if len(here) != len(info["groups"]):
-            # Groups are matched by position: a group added before the load has no saved one.
-            added = len(here) > len(info["groups"])
-            after = ", then add the new group(s) with add_param_group()" if added else ""
-            raise CheckpointError(f"checkpoint {path} holds {len(info['groups'])} parameter group(s), the optimizer "
-                                  f"has {len(here)}. Build the optimizer with the saved run's groups (the same "
-                                  f"parameters in each, in the same order), load{after}.")
+            # Groups are matched by position: a group added before the load has no saved one. It can
+            # be added after the load only if it holds none of the saved groups' parameters
+            # (add_param_group() refuses a parameter that is already in a group).
+            saved = {name: k for k, names in enumerate(info["groups"]) for name in names}
+            added = here[len(info["groups"]):]
+            counts = (f"checkpoint {path} holds {len(info['groups'])} parameter group(s), the optimizer has "
+                      f"{len(here)}")
+            build = "Build the optimizer with the saved run's groups (the same parameters in each, in the same order)"
+            if added and not any(name in saved for names in added for name in names):
+                raise CheckpointError(f"{counts}. {build}, load, then add the new group(s) with add_param_group().")
+            moved = _moved(saved, here)
+            raise CheckpointError(f"{counts}{', and parameters changed group: ' if moved else ''}"
+                                  f"{_listed(moved)}. {build}, load.")
         k = next(k for k, (a, b) in enumerate(zip(info["groups"], here)) if a != b)
         raise CheckpointError(f"parameter group {k} of checkpoint {path} holds other parameters than the "
                               f"optimizer's: {_listed(info['groups'][k], 4, ', ')} there, {_listed(here[k], 4, ', ')} here")
     return groups
+
+
+def _moved(saved: dict[str, int], here: list[list[str]]) -> list[str]:
+    """Each parameter in another group of the optimizer than of the checkpoint (or in one only),
+    and where it is in each; ``saved`` maps the checkpoint's parameters to their groups."""
+    now = {name: k for k, names in enumerate(here) for name in names}
+
+    def where(groups: dict[str, int], name: str) -> str:
+        return f"group {groups[name]}" if name in groups else "no group"
+
+    return [f"{name} ({where(saved, name)} there, {where(now, name)} here)"
+            for name in [*saved, *(name for name in now if name not in saved)] if saved.get(name) != now.get(name)]
 
 
 def _listed(items: list[str], limit: int = 5, separator: str = "; ") -> str:
