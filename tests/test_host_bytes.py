@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 import torch
+from torch import nn
 
 from offload.cli.calibrate import host_memory_bandwidth
 from offload.planning import host_bytes
@@ -138,3 +139,28 @@ def test_the_library_paths_flags_set_the_defaults(monkeypatch):
                                                            "loads": 4.0, "total": 34.0}
     one_pass = planned()
     assert one_pass == pytest.approx(28 * (4 << 20) / HOST_DEFAULT.host_update) and one_pass < two_passes
+
+
+def test_a_parameter_already_in_the_compute_dtype_has_no_shadow():
+    """OffloadModel loads a slice already in the compute dtype from its masters: no shadow to write,
+    the loads read the masters. A bf16 parameter's update: master (4), gradient (2), moments (8)."""
+    for in_update in (True, False):
+        count = host_bytes_per_step({torch.bfloat16: N}, compute_dtype=torch.bfloat16, shadow_in_update=in_update)
+        assert count.per_parameter(N) == {"update": 14.0, "shadow": 0.0, "gradients": 2.0, "loads": 4.0,
+                                          "total": 20.0}
+        assert count == host_bytes_per_step({torch.bfloat16: N}, compute_dtype=None)
+
+
+def test_a_modules_batch_norms_keep_their_dtype_and_have_no_shadow():
+    """Given the module, its batch and instance norms' parameters (float32 under a compute dtype,
+    as OffloadModel keeps them: FLOAT32_LAYERS) count as without a compute dtype; the rest as a
+    count per dtype would, and frozen parameters not at all."""
+    layers = nn.Sequential(nn.Linear(64, 32), nn.BatchNorm1d(32), nn.InstanceNorm1d(32, affine=True),
+                           nn.Linear(32, 8), nn.Linear(8, 8).requires_grad_(False))
+    linear, norms = 64 * 32 + 32 + 32 * 8 + 8, 4 * 32
+    counted = host_bytes_per_step(layers, compute_dtype=torch.bfloat16, shadow_in_update=False)
+    cast = host_bytes_per_step(linear, compute_dtype=torch.bfloat16, shadow_in_update=False)
+    kept = host_bytes_per_step(norms, compute_dtype=None)
+    assert counted == HostBytes(*(a + b for a, b in zip(dataclasses.astuple(cast), dataclasses.astuple(kept))))
+    assert counted.shadow == 6 * linear and counted.loads == 2 * (2 * linear + 4 * norms)
+    assert host_bytes_per_step(layers, compute_dtype=None) == host_bytes_per_step(linear + norms)

@@ -22,6 +22,7 @@ from offload.model import engine_of
 from offload.planning.shapes import profile_layers
 from offload.streams.disk import page_aligned
 from offload.streams.flat_views import _align
+from offload.streams.pinned import size_class
 
 from .helpers import DEVICES, HostStepped
 
@@ -323,9 +324,10 @@ def test_state_and_masters_on_disk_are_counted_there():
     assert state.disk == 4 * page_aligned(8 * n // 4)
     assert state.host_total == ram.host_total - 8 * n + state.host_disk_window
     assert both.host_masters == 0 and both.host_shadows == 2 * n
-    # The gradients go to files beside the masters (Note: [Gradients on disk]).
-    assert both.host_gradients == 0 and ram.host_gradients == 4 * n
-    assert 0 <= both.disk - (state.disk + ram.host_masters + ram.host_gradients) < 2 * 4 * 4096  # files per slice, in pages
+    # The gradients go to files beside the masters (Note: [Gradients on disk]); in RAM each slice's
+    # are a pinned pool buffer, in its size class.
+    assert both.host_gradients == 0 and ram.host_gradients == 4 * size_class(4 * n // 4)
+    assert 0 <= both.disk - (state.disk + ram.host_masters + 4 * n) < 2 * 4 * 4096  # files per slice, in pages
     # The window: three slices' state and, while the optimizer steps, three slices' masters and gradients.
     assert both.host_disk_window == state.host_disk_window + 2 * 3 * page_aligned(4 * n // 4)  # files: whole pages
     assert "disk" in str(both)
@@ -477,8 +479,6 @@ def test_a_backward_that_fails_part_way_leaves_the_zeroed_gradients_as_they_were
 
 def test_the_estimate_rounds_pinned_gradient_buffers_to_their_size_class():
     # On CUDA the pool's pinned buffers of 1 MiB and more come in size classes (streams/pinned.py).
-    from offload.streams.pinned import size_class
-
     counts = [3_000_000] * 4  # 12 MB of float32 gradients per slice: between two classes
     host = estimate_memory(counts, num_slices=4, device="cpu")
     pinned = estimate_memory(counts, num_slices=4, device="cuda")

@@ -420,7 +420,7 @@ def test_rates_without_the_disks_leave_the_disk_tier_out_of_what_would_fit(input
 
 def test_when_only_the_pinned_memory_is_short_the_alternatives_say_so(capsys):
     args = ("--preset", "transformer", "--set", "n_layers=4", "d_model=256", "--gpu", "a100", "--host-memory", "8",
-            "--pinned-memory", "0.001", "--resident-slices", "0")
+            "--pinned-memory", "0.001", "--resident-slices", "0", "--batch-size", "32")
     with pytest.raises(SystemExit):
         main(["plan", *args])
     out = capsys.readouterr().out

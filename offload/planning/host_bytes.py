@@ -30,6 +30,9 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
+from torch import nn
+
+from ..streams.host_storage import _keeping_their_dtype
 
 #: Per-element state tensors each optimizer reads and writes in its update, by the names
 #: :func:`~offload.estimate_memory` takes (AdamW's two moments, SGD's momentum buffer).
@@ -100,7 +103,8 @@ class HostBytes:
         return dataclasses.asdict(self) | {"total": self.total}
 
 
-def host_bytes_per_step(parameters: int | Mapping[torch.dtype, int], *, param_dtype: torch.dtype = torch.float32,
+def host_bytes_per_step(parameters: int | Mapping[torch.dtype, int] | nn.Module, *,
+                        param_dtype: torch.dtype = torch.float32,
                         compute_dtype: torch.dtype | None = None, optimizer: str | None = "adamw",
                         gradient_dtype: torch.dtype | None = None,
                         shadow_in_update: bool | None = None, amsgrad: bool = False,
@@ -109,9 +113,13 @@ def host_bytes_per_step(parameters: int | Mapping[torch.dtype, int], *, param_dt
 
     Args:
         parameters: the streamed trainable parameters (resident slices' and frozen parameters
-            left out: they have no host update), as a count in ``param_dtype`` or a count per dtype.
+            left out: they have no host update), as a count in ``param_dtype``, a count per dtype,
+            or a module (its parameters that require grad, each once, in its own dtype; those of
+            its batch and instance norms, which keep their dtype under a compute dtype as
+            :class:`~offload.OffloadModel` keeps them, without a shadow).
         compute_dtype: as :class:`~offload.OffloadModel` takes it: a shadow in that dtype, which the
-            loads read (``None``: no shadow; the loads read the masters).
+            loads read, for each floating-point parameter in another dtype (``None``: no shadow;
+            the loads read the masters, as they do for a parameter already in ``compute_dtype``).
         optimizer: ``"adamw"``, ``"adam"``, ``"sgd-momentum"``, ``"sgd"`` or ``None`` (no update).
         gradient_dtype: the gradients' dtype on the host (``None``: as the library offloads them,
             :data:`GRADIENTS_IN_COMPUTE_DTYPE`).
@@ -131,16 +139,37 @@ def host_bytes_per_step(parameters: int | Mapping[torch.dtype, int], *, param_dt
                          f"that reads and writes the same per-element state")
     if amsgrad and optimizer not in ("adam", "adamw"):
         raise ValueError(f"amsgrad is Adam's and AdamW's option, not {optimizer!r}'s")
-    counts = {param_dtype: parameters} if isinstance(parameters, int) else dict(parameters)
+    counts, kept = _counts(parameters, param_dtype)
     if any(n < 0 for n in counts.values()):
         raise ValueError(f"parameter counts must be >= 0, got {counts}")
     if shadow_in_update is None:
         shadow_in_update = SHADOW_IN_UPDATE
+    # Those that keep their dtype are counted as without a compute dtype: no shadow.
+    groups = ([(dtype, n, compute_dtype) for dtype, n in counts.items()]
+              + [(dtype, n, None) for dtype, n in kept.items()])
     total = HostBytes()
-    for dtype, n in counts.items():
-        total = _add(total, _per_element(dtype, compute_dtype, optimizer, gradient_dtype, shadow_in_update,
+    for dtype, n, cast_to in groups:
+        total = _add(total, _per_element(dtype, cast_to, optimizer, gradient_dtype, shadow_in_update,
                                          amsgrad, loads_per_step), n)
     return total
+
+
+def _counts(parameters: int | Mapping[torch.dtype, int] | nn.Module, param_dtype: torch.dtype
+            ) -> tuple[dict[torch.dtype, int], dict[torch.dtype, int]]:
+    """Counts per dtype of the parameters a compute dtype casts, and of those that keep their own
+    (a module's batch and instance norms', decided by the test ``SliceStorage`` applies)."""
+    if isinstance(parameters, int):
+        return {param_dtype: parameters}, {}
+    if not isinstance(parameters, nn.Module):
+        return dict(parameters), {}
+    keeping = _keeping_their_dtype([parameters])
+    counts: dict[torch.dtype, int] = {}
+    kept: dict[torch.dtype, int] = {}
+    for p in parameters.parameters():
+        if p.requires_grad:
+            into = kept if id(p) in keeping else counts
+            into[p.dtype] = into.get(p.dtype, 0) + p.numel()
+    return counts, kept
 
 
 def _per_element(dtype: torch.dtype, compute_dtype: torch.dtype | None, optimizer: str | None,
@@ -148,8 +177,10 @@ def _per_element(dtype: torch.dtype, compute_dtype: torch.dtype | None, optimize
                  loads_per_step: float) -> tuple[float, float, float, float]:
     """One element's bytes in each category, in :class:`HostBytes`' order."""
     master = dtype.itemsize
-    # Only floating-point parameters get a shadow (as OffloadModel casts them); the loads read it.
-    shadow = compute_dtype.itemsize if compute_dtype is not None and dtype.is_floating_point else 0
+    # Only floating-point parameters in another dtype get a shadow (as OffloadModel casts them: a
+    # slice already in the compute dtype loads from its masters); the loads read it.
+    casts = compute_dtype is not None and dtype.is_floating_point and dtype != compute_dtype
+    shadow = compute_dtype.itemsize if casts else 0
     offloaded = compute_dtype if GRADIENTS_IN_COMPUTE_DTYPE and shadow else dtype
     gradient = (gradient_dtype or offloaded).itemsize
     states = STATE_TENSORS[optimizer] + amsgrad

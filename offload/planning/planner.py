@@ -14,7 +14,7 @@ time's estimate (``timing.py``) counts too.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +26,7 @@ from .shapes import ModelProfile
 from ..walk.slicing import partition
 from ..streams.pinned import size_class
 from ..streams.flat_views import ALIGN_ELEMENTS, ALIGNMENT, BUFFER_REGION_ALIGNMENT
+from ..streams.host_storage import _keeping_their_dtype
 from ..streams.quantized import state_tensors
 from ..streams.shadow_staging import STAGING_BUFFERS
 from ..tiers.state_slice import file_nbytes
@@ -54,6 +55,10 @@ class _Tensor:
     #: this slice's slot has a place for it, and nothing else does (Note: [Tied parameters across
     #: slices] in ``offload/streams/host_storage.py``). ``None``: held here.
     holder: int | None = None
+    #: A parameter of a layer whose parameters keep their own dtype under a compute dtype (a batch
+    #: or instance norm: ``FLOAT32_LAYERS`` in ``offload/streams/host_storage.py``); as there, a
+    #: tensor is kept when any layer of the slice that registers it is such a layer.
+    keeps_dtype: bool = False
 
     @property
     def borrowed(self) -> bool:
@@ -76,7 +81,9 @@ def estimate_memory(layers: nn.Module | Sequence[int], *, num_slices: int = 8,
         num_slices: as :class:`~offload.OffloadModel` takes it.
         param_dtype: dtype of the counted parameters (ignored for a module).
         compute_dtype: as :class:`~offload.OffloadModel` takes it: adds a shadow in that dtype
-            on the host, and device slots in it (every floating-point parameter is counted in it).
+            on the host, and device slots in it (every floating-point parameter is counted in it
+            but those of batch and instance norms, which keep their own dtype as the model keeps
+            them; a slice with nothing to cast has no shadow).
         optimizer: ``"adamw"``/``"adam"`` (two moments), ``"sgd-momentum"`` (one buffer),
             ``"sgd"`` or ``None`` (no state).
         optimizer_state: ``"ram"``, or ``"disk"`` to count the optimizer state on disk.
@@ -90,8 +97,10 @@ def estimate_memory(layers: nn.Module | Sequence[int], *, num_slices: int = 8,
             the largest streamed slice's shadow instead (counted as ``host_shadows``; Note:
             [Shadows on disk] in ``offload/streams/shadow_staging.py``).
         num_microbatches: more than one adds the two device buffers that sum gradients.
-        device: the compute device; host memory is pinned only for ``"cuda"``. On ``"cpu"`` the
-            device categories are host memory too.
+        device: the compute device; host memory is pinned only for ``"cuda"``, and pooled pinned
+            buffers (the gradients' and activations') are counted at their size class, as the
+            pool allocates them; nothing needs CUDA to estimate it. On ``"cpu"`` the device
+            categories are host memory too.
         activation_bytes: pooled buffers of one step besides those ``profile`` counts; with
             ``offload_activations``, add the saved tensors of the offloaded slices (what
             ``benchmarks/bench_activations.py`` reports as ``host_activation_bytes_after_forward``).
@@ -170,10 +179,11 @@ def _footprint(layout: SliceLayout, placed: tuple[int, int, int, int, bool], act
     masters_bytes, state, disk, disk_window, gradients_on_disk = placed
     # Gradients landing and being added (Note: [Gradients added in place]): two buffers of the
     # largest streamed slice's size, one when a single slice has gradients (a frozen base around
-    # it); pinned ones are rounded up to their size class, as the pool allocates them. A resident
-    # slice's gradients stay on the device: they take no host buffer.
-    grads = layout.host_gradient_bytes(resident) or [0]
-    sized = size_class if pinned else (lambda nbytes: nbytes)
+    # it); pinned ones are rounded up to their size class, as the pool allocates them, and so are
+    # those that stay as .grad: views of such a buffer, they keep it whole. A resident slice's
+    # gradients stay on the device: they take no host buffer.
+    sized = size_class if pinned else _exact
+    grads = [sized(b) for b in layout.host_gradient_bytes(resident)] or [0]
     window = _landing_pool([sized(b) for b in layout.landing_bytes(resident)], layout.tied_on_host(resident))
     # Only a slice whose load casts has a shadow (SliceLayout.casts).
     streamed = [b for b, casts in zip(layout.load_bytes[resident:], layout.casts[resident:]) if casts] or [0]
@@ -182,7 +192,7 @@ def _footprint(layout: SliceLayout, placed: tuple[int, int, int, int, bool], act
     shadow_bytes = (staged if shadows == "disk" else sum(streamed)) if compute_dtype else 0
     # With masters on disk, a slice whose load casts nothing has no files: its gradients stay in RAM.
     in_ram = [g for g, c in zip(grads, layout.casts[resident:] or [False]) if not c]
-    gradients = sum(in_ram) + layout.tied_sums_off_file(resident) if gradients_on_disk else sum(grads)
+    gradients = sum(in_ram) + layout.tied_sums_off_file(resident, sized) if gradients_on_disk else sum(grads)
     pool = window + host_activations
     return MemoryFootprint(
         parameters=layout.parameters,
@@ -242,8 +252,8 @@ class SliceLayout:
     Attributes:
         ranges: each slice's layers.
         host_bytes: each slice's host copy (masters and buffers, laid out as ``SliceStorage`` does).
-        device_bytes: its device copy (floating-point parameters in ``compute_dtype``): a slot,
-            a load, a shadow.
+        device_bytes: its device copy (floating-point parameters in ``compute_dtype``, but batch
+            and instance norms', which keep their own): a slot, a load, a shadow.
         gradient_bytes: its trainable parameters' gradients, in their own dtype, aligned as the
             pool lays them out: what a backward offloads and the host adds.
         state_bytes: its optimizer state.
@@ -315,11 +325,13 @@ class SliceLayout:
         return [landing if own else 0
                 for own, landing in zip(self.gradient_bytes[resident:], self.landing_bytes(resident))]
 
-    def tied_sums_off_file(self, resident: int = 0) -> int:
+    def tied_sums_off_file(self, resident: int = 0, sized: Callable[[int], int] | None = None) -> int:
         """With the masters on disk: the RAM that tied weights' ``.grad`` keep outside the gradient
         files. A weight whose holder has a file is summed in its last borrowing slice's landing
         buffer, which that ``.grad`` keeps whole (Note: [A tied weight's gradients summed in
-        place]); a slice without a file is counted with the others already."""
+        place]); a slice without a file is counted with the others already. ``sized``: the bytes
+        the pool allocates for a buffer of so many (pinned: its size class; default: exactly)."""
+        sized = sized or _exact
         borrowed = self._borrowed
         last: dict[int, int] = {}  # holder -> its last borrowing slice
         for k, tied in enumerate(borrowed):
@@ -328,7 +340,8 @@ class SliceLayout:
                     last[holder] = k
         landing = self.landing_bytes(resident)
         own = self.host_gradient_bytes(resident)
-        return sum(landing[k - resident] - (0 if self.casts[k] else own[k - resident]) for k in set(last.values()))
+        return sum(sized(landing[k - resident]) - (0 if self.casts[k] else sized(own[k - resident]))
+                   for k in set(last.values()))
 
     def tied_on_host(self, resident: int = 0) -> list[bool]:
         """Per streamed slice, whether its gradients include a trainable weight tied across
@@ -361,8 +374,10 @@ def slice_layout(layers: nn.Module | Sequence[int] | int, *, num_slices: int = 8
     slices = _held_once([[t for k in r for t in per_layer[k]] for r in ranges])
 
     def device_dtype(t: _Tensor) -> torch.dtype:
-        floating = t.is_parameter and t.dtype.is_floating_point
-        return compute_dtype if compute_dtype is not None and floating else t.dtype
+        # As SliceStorage decides each device copy's dtype: a batch or instance norm's parameters
+        # keep theirs, so a slice of those alone casts nothing (no shadow, no masters' file).
+        cast = t.is_parameter and t.dtype.is_floating_point and not t.keeps_dtype
+        return compute_dtype if compute_dtype is not None and cast else t.dtype
 
     own = [[t for t in s if not t.borrowed] for s in slices]
     trained = [[t for t in s if t.is_parameter and t.trainable] for s in own]
@@ -407,6 +422,8 @@ def _held_once(slices: list[list[_Tensor]]) -> list[list[_Tensor]]:
         for t in tensors:
             key = id(t) if t.key is None else t.key
             mine.setdefault(key, dataclasses.replace(t, holder=held[key]) if key in held else t)
+            if t.keeps_dtype and not mine[key].keeps_dtype:  # registered by a batch norm of this slice too
+                mine[key] = dataclasses.replace(mine[key], keeps_dtype=True)
         for key in mine:
             held.setdefault(key, k)
         result.append(list(mine.values()))
@@ -506,12 +523,14 @@ def _layers(layers: nn.Module | Sequence[int], param_dtype: torch.dtype) -> list
             tensors = []
             # An 8-bit weight that ran keeps its row scales on its layer (Note: [Quantized weights]).
             owners = {id(p): m for m in layer.modules() for p in m._parameters.values() if p is not None}
+            kept = _keeping_their_dtype([layer])  # the model's own test, so that the two cannot differ
             for is_parameter, source in ((True, layer.parameters()), (False, layer.buffers())):
                 for t in source:
                     if id(t) not in seen:
                         seen.add(id(t))
                         tensors.append(_Tensor(t.numel(), t.dtype, is_parameter,
-                                               trainable=is_parameter and t.requires_grad, key=id(t)))
+                                               trainable=is_parameter and t.requires_grad, key=id(t),
+                                               keeps_dtype=is_parameter and id(t) in kept))
                         tensors += [_Tensor(c.numel(), c.dtype, False, trainable=False, companion=True,
                                             key=(id(t), name))
                                     for name, c in state_tensors(t, f"a parameter of {type(layer).__name__}",
@@ -542,6 +561,11 @@ def _laid_out(tensors: Sequence[_Tensor], dtype_of) -> int:  # type: ignore[no-u
         align = ALIGN_ELEMENTS * dtype.itemsize
         end = _align(_align(end, align) + t.numel * dtype.itemsize, align)
     return end
+
+
+def _exact(nbytes: int) -> int:
+    """The bytes an unpinned pool allocates for a buffer of ``nbytes``: exactly those."""
+    return nbytes
 
 
 def _align(n: int, alignment: int) -> int:
