@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 import torch
 
+from offload.cli.device_argument import device_argument
 from offload.planning.presets import Preset, build_preset, preset_from_factory, preset_names
 from offload.profiling import (
     Mode,
@@ -44,7 +45,6 @@ from offload.profiling import (
 )
 from offload.profiling.formatting import error_reason
 from offload.profiling.outputs import check_output_path
-from offload.profiling.runner import check_device
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -82,8 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--batch-size", type=positive_int, help="rows per step (default: the preset's)")
 
     how = parser.add_argument_group("modes")
-    how.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                     help="compute device (default: cuda when present, else cpu)")
+    how.add_argument("--device", type=device_argument, default="cuda" if torch.cuda.is_available() else "cpu",
+                     help="compute device: cpu, cuda or cuda:N (default: cuda when present, else cpu)")
     how.add_argument("--steps", type=positive_int, default=3, help="training steps per mode (default: 3)")
     how.add_argument("--slices", type=positive_int, nargs="+", default=[4], help="OffloadModel num_slices values (default: 4)")
     how.add_argument("--microbatches", type=positive_int, nargs="+", default=[1],
@@ -120,10 +120,6 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         parser.error("--input-shape and --vocab describe the input of --model; presets make their own")
     if args.sample_interval <= 0:
         parser.error(f"--sample-interval must be positive, got {args.sample_interval}")
-    try:
-        check_device(args.device)
-    except ValueError as error:
-        parser.error(f"--device: {error}")
     if args.plot:
         try:
             check_plotting()  # now, not after a long run
@@ -249,7 +245,7 @@ def check_budget(profile: Profile, budget: int) -> dict[str, object]:
     return {"budget_bytes": budget, "peak_bytes": peak, "measured": what, "mode": label, "passed": passed}
 
 
-def environment(device: str) -> dict[str, object]:
+def environment(device: torch.device) -> dict[str, object]:
     info: dict[str, object] = {
         "date": datetime.date.today().isoformat(),
         "python": platform.python_version(),
@@ -258,8 +254,8 @@ def environment(device: str) -> dict[str, object]:
         "cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
     }
-    if torch.device(device).type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
         info["cuda"] = torch.version.cuda
     return info
 

@@ -7,7 +7,9 @@ Reads are made small (``TEXT_CHUNK_BYTES``) so that a few kilobytes of text cros
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 
 import pytest
 
@@ -159,6 +161,53 @@ def test_a_csv_file_that_is_not_utf8_is_named_by_byte_before_a_pass(tmp_path):
     path.write_bytes("text\nok\n".encode() + "caf\xe9\n".encode("latin-1"))
     with pytest.raises(DataFormatError, match=r"not UTF-8 text: byte 0xe9 at offset 11 \(line 3\)"):
         data.check_readable(path)
+
+
+@pytest.mark.parametrize(("error", "words"), [
+    (OSError(errno.EIO, os.strerror(errno.EIO)),
+     r"could not be read, at or before row {row} \(OSError: \[Errno 5\] Input/output error\); the system refused the "
+     r"read, not the CSV reader: check the disk and the file's permissions, and run again$"),
+    # pyarrow's OSError for corrupt data in a parquet file has no errno: the file's fault, not the system's.
+    (OSError("Corrupt snappy compressed data."),
+     r"not a CSV file its reader can read, at or before row {row} \(OSError: Corrupt snappy compressed data\.\); "
+     r"fix or re-export the file$"),
+], ids=["system", "reader"])
+@pytest.mark.parametrize("row", [1, 3])
+def test_a_read_the_system_refuses_is_told_apart_from_a_file_its_reader_refuses(error, words, row, tmp_path,
+                                                                                 monkeypatch):
+    """A transient I/O error says the system refused the read (the file may be sound: run again), not
+    that the file needs re-exporting; an OSError without an errno, as pyarrow raises for corrupt data,
+    is still the file's. Before a pass (the first row) and in one (a later row) alike."""
+    datasets = pytest.importorskip("datasets")
+    path = tmp_path / "rows.csv"
+    path.write_text("text\none\ntwo\nthree\n", encoding="utf-8")
+
+    def rows():
+        yield from ({"text": "a row"} for _ in range(row - 1))
+        raise error
+
+    monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: rows())
+    with pytest.raises(DataFormatError, match=rf"^{path}: " + words.format(row=row)):
+        list(data.read_documents(path))
+
+
+def test_a_parquet_file_corrupt_past_its_first_row_group_is_refused_where_the_reading_reaches_it(tmp_path):
+    """Damaged compressed pages, real ones: the check before the run reads the first row group, and
+    the pass names the file and the reader's reason where it reaches the damage."""
+    pytest.importorskip("datasets")
+    pq = pytest.importorskip("pyarrow.parquet")
+    pa = pytest.importorskip("pyarrow")
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({"text": [f"row {i} " * 50 for i in range(20_000)]}), path, row_group_size=2_000,
+                   compression="snappy")
+    damaged = bytearray(path.read_bytes())
+    middle = len(damaged) // 2
+    damaged[middle:middle + 200] = b"A" * 200
+    path.write_bytes(bytes(damaged))
+    data.check_readable(path)  # the first row group reads
+    with pytest.raises(DataFormatError, match=rf"^{path}: not a parquet file its reader can read, at or before row "
+                                              r"\d+ \(\w+: .*\); fix or re-export the file$"):
+        list(data.read_documents(path))
 
 
 def test_the_readme_names_what_the_data_extra_reads():

@@ -10,6 +10,7 @@ long run never ends in a traceback that loses its measurements. The API (:func:`
 
 from __future__ import annotations
 
+import argparse
 import os
 import textwrap
 from pathlib import Path
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from offload.cli.device_argument import device_argument
 from offload.planning.presets import build_preset
 from offload.profiling import Mode, Profile, profile_modes
 from offload.profiling.outputs import check_output_path
@@ -101,9 +103,19 @@ def test_writing_a_profile_to_a_directory_is_a_clear_error(tmp_path):
 # -- devices ------------------------------------------------------------------------------------------
 
 
-def test_a_device_the_profiler_cannot_measure_on_is_refused(script, capsys):
-    assert "--device: cannot profile on device 'meta': use cuda, cuda:N or cpu" in refused(
-        script, capsys, "--preset", "tiny", "--device", "meta")
+@pytest.mark.parametrize(("text", "fragment"), [
+    ("meta", "meta: the layers compute on cpu, cuda or cuda:N, not meta"),
+    ("gpu0", "gpu0 is not a device: use cpu, cuda or cuda:N"),
+    ("cuda", "cuda: this machine has no CUDA device; use --device cpu"),
+])
+def test_a_device_the_profiler_cannot_measure_on_is_refused_while_parsing(script, capsys, monkeypatch, text, fragment):
+    """In the words of the commands and the other scripts (``device_argument``), not the library's."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(argparse.ArgumentTypeError) as expected:
+        device_argument(text)
+    assert str(expected.value) == fragment
+    assert refused(script, capsys, "--preset", "tiny", "--device", text) == \
+        f"profile_memory.py: error: argument --device: {fragment}"
 
 
 def test_profile_modes_without_cuda_says_so(monkeypatch):

@@ -637,6 +637,18 @@ def test_demo_refuses_bad_values(args, message):
     assert message in script_error("scripts/demo.py", *args)
 
 
+@pytest.mark.parametrize("device", ["foo", "meta"])
+def test_the_scripts_refuse_a_bad_device_while_parsing_in_the_same_words(tmp_path, device):
+    """profile_memory.py reads --device as demo.py and load_checkpoint.py do (device_argument): the
+    same line after the script's name, before a model is built or a mode runs."""
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    lines = {script: script_error(script, *args, "--device", device) for script, args in [
+        ("scripts/demo.py", []), ("scripts/load_checkpoint.py", [str(tmp_path)]),
+        ("scripts/profile_memory.py", ["--preset", "tiny"])]}
+    words = {line.split(" error: ", 1)[1] for line in lines.values()}
+    assert len(words) == 1 and words.pop().startswith(f"argument --device: {device}"), lines
+
+
 def test_demo_says_no_cuda_only_without_it():
     assert ("(no CUDA device found)" in demo_run().stdout) is (not torch.cuda.is_available())
 

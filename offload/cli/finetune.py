@@ -258,7 +258,7 @@ def _start(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
         transformers.utils.logging.disable_progress_bar()  # the bar of loading checkpoint shards
     try:
         check_outputs_writable(args)  # Note: [Never lose a run], rule 1
-        check_data_encoding(args)  # before the model is built: a bad byte stops the run in seconds
+        check_data_readable(args)  # before the model is built: a bad byte or row stops the run in seconds
     except (OutputError, DataFormatError) as error:
         raise fail(str(error)) from None
     return tqdm, DataFormatError, causal_lm_sequential, load_causal_lm
@@ -340,17 +340,6 @@ def _stage_count(folder: Path, causal_lm_sequential: Any) -> int | None:
 # -- outputs: Note [Never lose a run] ---------------------------------------------------------------
 
 
-def check_data_encoding(args: argparse.Namespace) -> None:
-    """``--data`` and ``--eval-file`` decode as UTF-8, read through once, and a parquet or CSV
-    file's first row reads, before the model is built: the reading is lazy, so a bad byte deep in a
-    large file, or a file its reader refuses, would otherwise stop the run when training reaches it."""
-    from ..integrations.data import check_readable
-
-    for path in (args.data, args.eval_file):
-        if path is not None:
-            check_readable(path)
-
-
 def save_output(args: argparse.Namespace, model: OffloadModel, hf, peft_model, tokenizer) -> None:
     from ..integrations.transformers_saving import save_causal_lm
 
@@ -362,6 +351,18 @@ def save_output(args: argparse.Namespace, model: OffloadModel, hf, peft_model, t
 
 
 # -- data -----------------------------------------------------------------------------------------------
+
+
+def check_data_readable(args: argparse.Namespace) -> None:
+    """Before the model is built, ``--data`` and ``--eval-file`` read as a pass will read them: plain
+    text, JSON lines and CSV decode as UTF-8 (read through once), and a parquet or CSV file's first
+    row reads. The reading is lazy, so a bad byte deep in a large file, or a file its reader refuses,
+    would otherwise stop the run when training reaches it (``check_readable``)."""
+    from ..integrations.data import check_readable
+
+    for path in (args.data, args.eval_file):
+        if path is not None:
+            check_readable(path)
 
 
 class Batches:

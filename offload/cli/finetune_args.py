@@ -36,25 +36,29 @@ DESCRIPTION = """\
 Fine-tune a Hugging Face causal LM larger than accelerator memory with OffloadModel and
 OffloadOptimizer, end to end: a small random-initialised model (bytes as tokens, nothing
 downloaded) or a local save_pretrained directory (--model), trained on plain text, JSON lines,
-parquet or a datasets directory (--data, read and tokenised lazily), saved with its tokenizer
-into --out. Every output directory is checked for writing and room before the first step; a run
-that stops (an error, Ctrl-C) says where its last checkpoint is and how to resume."""
+parquet, CSV or a datasets directory (--data, read and tokenised lazily), saved with its tokenizer
+into --out. Before the model is built, plain text, JSON lines and CSV are read through once for a
+byte that is not UTF-8 and a parquet or CSV file's first row is read; every output directory is
+checked for writing and room before the first step; a run that stops (an error, Ctrl-C) says where
+its last checkpoint is and how to resume."""
 
 EPILOG = """\
 examples:
   offload-finetune --out /tmp/tuned                          # tiny random Llama, seconds, CPU or GPU
-  offload-finetune --model ./llama-1b --data book.txt --out ./tuned --steps 500 \\
+  offload-finetune --model ./llama-1b --data book.txt --out ./tuned-book --steps 500 \\
       --batch-size 8 --seq-len 1024 --num-slices 16 --lr-schedule cosine --warmup-steps 50
-  offload-finetune --model ./llama-1b --data chats.jsonl --out ./tuned --eval-fraction 0.01 --eval-every 100
-  offload-finetune --model ./llama-1b --data notes.jsonl --text-field body --grad-accum 4 --max-grad-norm 1.0 --out ./tuned
-  offload-finetune --model ./llama-1b --out ./tuned --grad-accum 4 --update-in-backward   # no clipping then
+  offload-finetune --model ./llama-1b --data chats.jsonl --out ./tuned-chats --eval-fraction 0.01 --eval-every 100
+  offload-finetune --model ./llama-1b --data notes.jsonl --text-field body --grad-accum 4 --max-grad-norm 1.0 --out ./tuned-notes
+  offload-finetune --model ./llama-1b --out ./tuned-accum --grad-accum 4 --update-in-backward   # no clipping then
   offload-finetune --out /tmp/tuned-40 --steps 40 --save-every 10                  # stopped at step 27...
   offload-finetune --out /tmp/tuned-40 --steps 40 --save-every 10 --resume latest  # ...continues from step 20
   offload-finetune --model ./llama-1b --out ./adapter --lora-r 16 --lora-targets q_proj v_proj
-  offload-finetune --model ./llama-70b --out ./adapter --lora-r 16 --load-in-4bit --compute-dtype bf16   # QLoRA
-  offload-finetune --model ./llama-1b --out ./tuned --disk-tier /nvme/offload --masters-on-disk
+  offload-finetune --model ./llama-70b --out ./adapter-70b --lora-r 16 --load-in-4bit --compute-dtype bf16   # QLoRA
+  offload-finetune --model ./llama-1b --out ./tuned-disk --disk-tier /nvme/offload --masters-on-disk
 
-python scripts/finetune_causal_lm.py takes the same options."""
+Each example writes an --out of its own: a run without --resume into an --out that holds a finished
+model is refused unless --overwrite replaces it. python scripts/finetune_causal_lm.py takes the same
+options."""
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):

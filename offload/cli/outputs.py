@@ -23,9 +23,11 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+
+import torch
 
 from ..checkpoint import CheckpointError, latest_checkpoint
+from ..model import OffloadModel
 # A small disk's figures in the unit that shows them (MiB, not "0.00 GiB"), as a checkpoint's and
 # the disk tier's room checks word theirs.
 from ..tiers.disk_tier import size_text
@@ -163,7 +165,7 @@ def check_outputs_writable(args: argparse.Namespace) -> None:
         check_writable(args.disk_tier, "--disk-tier")
 
 
-def planned_writes(args: argparse.Namespace, model: Any, trainable: list[Any]) -> list[Write]:
+def planned_writes(args: argparse.Namespace, model: OffloadModel, trainable: list[torch.Tensor]) -> list[Write]:
     """What the run will write where, from the model's size (a lower bound: file headers aside)."""
     every = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     learned = sum(p.numel() for p in trainable)

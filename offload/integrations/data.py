@@ -38,7 +38,6 @@ Note: [Packing]
 from __future__ import annotations
 
 import codecs
-import itertools
 import json
 import logging
 import os
@@ -57,8 +56,11 @@ TEXT_SUFFIXES = (".txt", ".text", ".md")
 #: The formats ``datasets`` streams, by suffix: the builder and the name in messages.
 STREAMED = {".parquet": ("parquet", "parquet"), ".csv": ("csv", "CSV")}
 #: What a reader raises for a file it cannot read (pyarrow's ArrowInvalid and pandas' ParserError
-#: are ValueErrors, as UnicodeDecodeError is; pyarrow's ArrowNotImplementedError a NotImplementedError).
+#: are ValueErrors, as UnicodeDecodeError is; pyarrow's ArrowNotImplementedError a NotImplementedError),
+#: or the system for a read it refuses (an OSError with an errno: :func:`_unreadable` words the two apart).
 READER_ERRORS = (ValueError, OSError, NotImplementedError)
+#: What ``next`` gives for a stream that has ended: a row is never this.
+_END = object()
 #: How much plain text is read and tokenised at once (Note: [Packing]), in characters: bytes for ASCII.
 #: A read costs about 20 times its size while its ids are Python lists: 5 MB here.
 TEXT_CHUNK_BYTES = 1 << 18
@@ -85,7 +87,8 @@ def token_blocks(source: str | os.PathLike[str], tokenizer: Any, block_size: int
     Raises:
         DataFormatError: an unknown format, a record without the field (naming the keys found),
             text that is not UTF-8 (naming the byte), or a parquet or CSV file its reader refuses
-            (with the reader's reason), when the reading reaches it.
+            (with the reader's reason) or the system cannot read (with the system's), when the
+            reading reaches it.
         FileNotFoundError: ``source`` does not exist.
 
     Example::
@@ -157,7 +160,8 @@ def check_readable(source: str | os.PathLike[str]) -> None:
     A file damaged further in is found when the reading reaches it, with the same error.
 
     Raises:
-        DataFormatError: a byte that is not UTF-8, or a file its reader refuses, with the reason.
+        DataFormatError: a byte that is not UTF-8, a file its reader refuses, or a read the system
+            refuses (an I/O error, a permission), with the reason.
     """
     check_encoding(source)
     path = Path(source)
@@ -254,28 +258,41 @@ def _streamed_rows(path: Path, suffix: str) -> Iterator[tuple[int, Any]]:
     builder, what = STREAMED[suffix]
     reader_log = logging.getLogger(f"datasets.packaged_modules.{builder}.{builder}")
     level = reader_log.level
-    rows = None
-    for number in itertools.count(1):
-        try:
-            if rows is None:
-                # datasets logs the parquet reader's error as it raises it: the error below says it once.
-                reader_log.setLevel(logging.CRITICAL)
-                try:
-                    rows = iter(datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True))
-                    row = next(rows)
-                finally:
-                    reader_log.setLevel(level)
-            else:
-                row = next(rows)
-        except StopIteration:
-            return
-        except READER_ERRORS as error:
-            if isinstance(error, UnicodeDecodeError):
-                _check_utf8(path)  # names the byte, by offset and line
-            reason = " ".join(str(error).split()) or "no reason given"
-            raise DataFormatError(f"{path}: not a {what} file its reader can read, at or before row {number} "
-                                  f"({type(error).__name__}: {reason}); fix or re-export the file") from error
+    # datasets logs the parquet reader's error as it raises it (opening the file, reading its first row
+    # group): the error below says it once.
+    reader_log.setLevel(logging.CRITICAL)
+    try:
+        rows = iter(datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True))
+        row = next(rows, _END)
+    except READER_ERRORS as error:
+        raise _unreadable(path, what, 1, error) from error
+    finally:
+        reader_log.setLevel(level)
+    number = 1
+    while row is not _END:
         yield number, row
+        number += 1
+        try:
+            row = next(rows, _END)
+        except READER_ERRORS as error:
+            raise _unreadable(path, what, number, error) from error
+
+
+def _unreadable(path: Path, what: str, number: int, error: Exception) -> DataFormatError:
+    """The error for ``path``, a ``what`` file whose reading stopped at row ``number`` with ``error``:
+    a file that is not what its suffix says, or, for an error with an errno, a read the system refused."""
+    if isinstance(error, UnicodeDecodeError):
+        _check_utf8(path)  # names the byte, by offset and line
+    reason = " ".join(str(error).split()) or "no reason given"
+    # An OSError with an errno is the system's (an I/O error, a permission): the file may be sound. One
+    # without is a reader's: pyarrow raises OSError for corrupt data in a parquet file ("Corrupt snappy
+    # compressed data").
+    if isinstance(error, OSError) and error.errno is not None:
+        return DataFormatError(f"{path}: could not be read, at or before row {number} ({type(error).__name__}: "
+                               f"{reason}); the system refused the read, not the {what} reader: check the disk "
+                               "and the file's permissions, and run again")
+    return DataFormatError(f"{path}: not a {what} file its reader can read, at or before row {number} "
+                           f"({type(error).__name__}: {reason}); fix or re-export the file")
 
 
 def _dataset_rows(path: Path) -> Iterator[tuple[int, Any]]:
