@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..streams.host_storage import _keeping_their_dtype
+from ..streams.host_storage import keeping_their_dtype
 
 #: Per-element state tensors each optimizer reads and writes in its update, by the names
 #: :func:`~offload.estimate_memory` takes (AdamW's two moments, SGD's momentum buffer).
@@ -162,7 +162,7 @@ def _counts(parameters: int | Mapping[torch.dtype, int] | nn.Module, param_dtype
         return {param_dtype: parameters}, {}
     if not isinstance(parameters, nn.Module):
         return dict(parameters), {}
-    keeping = _keeping_their_dtype([parameters])
+    keeping = keeping_their_dtype([parameters])
     counts: dict[torch.dtype, int] = {}
     kept: dict[torch.dtype, int] = {}
     for p in parameters.parameters():

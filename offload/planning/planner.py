@@ -26,7 +26,7 @@ from .shapes import ModelProfile
 from ..walk.slicing import partition
 from ..streams.pinned import size_class
 from ..streams.flat_views import ALIGN_ELEMENTS, ALIGNMENT, BUFFER_REGION_ALIGNMENT
-from ..streams.host_storage import _keeping_their_dtype
+from ..streams.host_storage import keeping_their_dtype
 from ..streams.quantized import state_tensors
 from ..streams.shadow_staging import STAGING_BUFFERS
 from ..tiers.state_slice import file_nbytes
@@ -280,6 +280,9 @@ class SliceLayout:
             kept in. Only such a slice has a shadow, or a file for its masters on disk
             (``SliceStorage``); one of buffers alone, or already in the compute dtype, keeps its
             host copy in RAM and loads from it.
+        cast_gradient_bytes, cast_trainable_bytes: as ``gradient_bytes`` and ``trainable_bytes``, of
+            the trainable parameters a load casts (none already in the compute dtype, nor a batch or
+            instance norm's): those with a shadow, which the host update writes (``timing.py``).
     """
 
     ranges: list[range]
@@ -298,6 +301,8 @@ class SliceLayout:
     load_bytes: list[int] = field(default_factory=list)
     casts: list[bool] = field(default_factory=list)
     borrowed_gradients: list[list[tuple[int, int]]] = field(default_factory=list)
+    cast_gradient_bytes: list[int] = field(default_factory=list)
+    cast_trainable_bytes: list[int] = field(default_factory=list)
 
     @property
     def num_slices(self) -> int:
@@ -381,6 +386,7 @@ def slice_layout(layers: nn.Module | Sequence[int] | int, *, num_slices: int = 8
 
     own = [[t for t in s if not t.borrowed] for s in slices]
     trained = [[t for t in s if t.is_parameter and t.trainable] for s in own]
+    cast = [[t for t in s if device_dtype(t) != t.dtype] for s in trained]
     return SliceLayout(
         ranges=ranges,
         host_bytes=[_laid_out(s, lambda t: t.dtype) for s in own],
@@ -401,6 +407,8 @@ def slice_layout(layers: nn.Module | Sequence[int] | int, *, num_slices: int = 8
         load_bytes=[_laid_out(s, device_dtype) for s in own],
         casts=[any(device_dtype(t) != t.dtype for t in s) for s in own],
         borrowed_gradients=_borrowed_gradients(slices),
+        cast_gradient_bytes=[sum(_align(t.numel * t.dtype.itemsize, ALIGNMENT) for t in s) for s in cast],
+        cast_trainable_bytes=[sum(t.numel * t.dtype.itemsize for t in s) for s in cast],
     )
 
 
@@ -523,7 +531,7 @@ def _layers(layers: nn.Module | Sequence[int], param_dtype: torch.dtype) -> list
             tensors = []
             # An 8-bit weight that ran keeps its row scales on its layer (Note: [Quantized weights]).
             owners = {id(p): m for m in layer.modules() for p in m._parameters.values() if p is not None}
-            kept = _keeping_their_dtype([layer])  # the model's own test, so that the two cannot differ
+            kept = keeping_their_dtype([layer])  # the model's own test, so that the two cannot differ
             for is_parameter, source in ((True, layer.parameters()), (False, layer.buffers())):
                 for t in source:
                     if id(t) not in seen:

@@ -7,8 +7,8 @@ grouped matmuls too: Note: [Grouped matmuls on fake tensors]), the bytes autogra
 saves for its backward and the bytes of its output (the next layer's input: a boundary
 activation where a slice ends). The model itself is not touched: its parameters and buffers are
 replaced, for the run, by fake tensors of the same shapes (in ``compute_dtype`` where the device
-copies would be), so a model built on the meta device, or a real one with its weights, profiles
-alike.
+copies would be: not a batch or instance norm's parameters, which keep their dtype), so a model
+built on the meta device, or a real one with its weights, profiles alike.
 
 Fake tensors rather than plain meta ones because Hugging Face models look at values on the way
 (a mask's ``.all()``, packed-sequence checks) and skip those looks for fake tensors, as they do
@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from .loss_chunks import RepeatedChunks
+from ..streams.host_storage import keeping_their_dtype
 
 
 @dataclass(frozen=True)
@@ -332,10 +333,14 @@ def _backward_flops(output: Any) -> int:
 
 
 def _fake_state(layer: nn.Module, compute_dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    """Fake stand-ins for the layer's parameters and buffers, by name (tied ones once)."""
+    """Fake stand-ins for the layer's parameters and buffers, by name (tied ones once), in their
+    device copies' dtypes: a floating-point parameter in ``compute_dtype``, but a batch or instance
+    norm's, which keeps its own as the model keeps it."""
     state: dict[str, torch.Tensor] = {}
+    kept = keeping_their_dtype([layer])  # the model's own test
     for name, p in layer.named_parameters():
-        dtype = compute_dtype if compute_dtype is not None and p.dtype.is_floating_point else p.dtype
+        cast = compute_dtype is not None and p.dtype.is_floating_point and id(p) not in kept
+        dtype = compute_dtype if cast else p.dtype
         state[name] = torch.empty(p.shape, dtype=dtype).requires_grad_(p.requires_grad)
     for name, b in layer.named_buffers():
         state[name] = torch.empty(b.shape, dtype=b.dtype)

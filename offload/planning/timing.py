@@ -15,7 +15,9 @@ it, the disk tier's files read and written). The terms:
   its offloads, plus the first load (forward) or the last offload (backward) that nothing hides;
   on a CPU "device" copies are synchronous and add up;
 - the host update: the host memory bytes it touches, as ``host_bytes.py`` counts them (the
-  optimizer's pass; the shadow's pass, which re-reads every master), the optimizer's pass over
+  optimizer's pass; the shadow's pass, which re-reads every master whose load casts it: not a
+  parameter already in the compute dtype, nor a batch or instance norm's, which have no shadow, as
+  :class:`~offload.planning.planner.SliceLayout` counts them), the optimizer's pass over
   the fused update's measured rate (``MachineRates.host_update``, the same count's bytes per
   second) and the shadow's over the host's memory bandwidth (``MachineRates.host_memory``); with
   the disk tier, the longest of it and the files' reads and writes (the tier reads, updates and
@@ -215,10 +217,8 @@ def traffic(layout: SliceLayout, profile: ModelProfile | None, config: StepConfi
     leaving = (layout.computed_gradient_bytes if LANDED_IN_COMPUTE_DTYPE and config.num_microbatches == 1
                and config.masters == "disk" and layout.computed_gradient_bytes else layout.gradient_bytes)
     state_bytes = sum(layout.state_bytes[k:]) if config.optimizer_state == "disk" else 0
-    master_bytes = sum(layout.host_bytes[k:]) if config.masters == "disk" else 0
-    # With the masters on disk their gradients are too: written as they land, read by the update
-    # (Note: [Gradients on disk] in offload/streams/gradient_files.py).
-    gradient_file_bytes = sum(streamed_grads) if config.masters == "disk" else 0
+    casts, cast_masters, cast_gradients = _of_casting_slices(layout, k)
+    master_bytes, gradient_file_bytes = (cast_masters, cast_gradients) if config.masters == "disk" else (0, 0)
     # The host bytes per float32 parameter (host_bytes.py); other dtypes scale with their size. A
     # resident slice's update on the device writes no shadow.
     staged = config.shadows == "disk"
@@ -228,6 +228,10 @@ def traffic(layout: SliceLayout, profile: ModelProfile | None, config: StepConfi
     if staged:
         host = replace(host, shadow=0)
     per_byte = host_bytes_per_step(1, optimizer=optimizer).update / 4
+    # Only the parameters a load casts have a shadow: not those already in the compute dtype, nor
+    # a batch or instance norm's (SliceLayout.cast_gradient_bytes, as the memory estimate counts them).
+    cast_grads = sum((layout.cast_gradient_bytes or layout.gradient_bytes)[k:])
+    cast_trained = sum((layout.cast_trainable_bytes or layout.trainable_bytes)[k:])
     reloaded = range(max(n - 2, 0))  # the backward's loads: all but the two slices left in the slots
     # A resident slot copy reads the parameters (their own dtype) and writes the slot; a resident
     # slice's gradients are copied once from the summing buffers into memory of their own.
@@ -244,16 +248,27 @@ def traffic(layout: SliceLayout, profile: ModelProfile | None, config: StepConfi
         # Slice 0's gradients leave last; a resident one's do not leave, and the streamed slices'
         # cross while the resident ones' backward runs.
         last_offload=leaving[0] if k == 0 else 0,
-        update=round(host.update / 4 * sum(streamed_grads)),
-        # Each trained parameter's shadow is written from its master: a pass of its own, or the update's.
-        shadow=round(host.shadow / 4 * sum(layout.trainable_bytes[k:])),
+        update=round(host.update / 4 * cast_grads + per_byte * (sum(streamed_grads) - cast_grads)),
+        # Each cast parameter's shadow is written from its master: a pass of its own, or the update's.
+        shadow=round(host.shadow / 4 * cast_trained),
         disk_read=state_bytes + master_bytes + gradient_file_bytes,
         disk_write=state_bytes + master_bytes + gradient_file_bytes,
         device_copies=resident_loads + resident_reloads + 2 * sum(layout.gradient_bytes[:k]),
         device_update=round(per_byte * sum(layout.gradient_bytes[:k])),
-        forward_staged=sum(layout.host_bytes[k:]) if staged else 0,
-        backward_staged=sum(layout.host_bytes[j] for j in reloaded if j >= k) if staged else 0,
+        forward_staged=cast_masters if staged else 0,
+        backward_staged=sum(layout.host_bytes[j] for j in reloaded if j >= k and casts[j - k]) if staged else 0,
     )
+
+
+def _of_casting_slices(layout: SliceLayout, resident: int) -> tuple[list[bool], int, int]:
+    """Of the streamed slices (after the first ``resident``): whether each one's load casts
+    (``SliceLayout.casts``), and the bytes of the masters and of the gradients of those that do.
+    Only such a slice has a shadow (or stages one), and, with the masters on disk, files for its
+    masters and for its gradients, written as they land and read by the update (Note: [Gradients
+    on disk] in ``offload/streams/gradient_files.py``); the others keep both in RAM."""
+    casts = (layout.casts or [True] * layout.num_slices)[resident:]
+    return (casts, sum(h for h, c in zip(layout.host_bytes[resident:], casts) if c),
+            sum(g for g, c in zip(layout.gradient_bytes[resident:], casts) if c))
 
 
 def estimate_step_time(layout: SliceLayout, profile: ModelProfile | None, config: StepConfig, rates: MachineRates, *,

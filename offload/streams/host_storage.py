@@ -13,7 +13,8 @@ loads with a single byte copy, and the buffers form one contiguous region that c
 and written back on its own.
 
 This file holds :class:`SliceStorage`, the tying of a parameter across slices
-(:func:`holder_of`) and the host copies a loader fills (:func:`filled_by_caller`, :func:`adopt_meta`).
+(:func:`holder_of`), the host copies a loader fills (:func:`filled_by_caller`, :func:`adopt_meta`) and
+the parameters that keep their dtype under a compute dtype (:func:`keeping_their_dtype`).
 What a slice holds is collected in ``slice_entries.py``, where each entry lies is computed in
 ``slice_layout.py``; the views into the buffer are made in ``flat_views.py``.
 """
@@ -90,11 +91,13 @@ def adopt_meta(entry: Entry, host: torch.Tensor) -> None:
 FLOAT32_LAYERS: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._NormBase,)
 
 
-def _keeping_their_dtype(layers: Sequence[nn.Module]) -> set[int]:
+def keeping_their_dtype(layers: Sequence[nn.Module]) -> set[int]:
     """Ids of the parameters of :data:`FLOAT32_LAYERS` in ``layers``: their device copies keep their
-    dtype under a compute dtype."""
+    dtype under a compute dtype. The test :class:`SliceStorage` applies, public so that what predicts
+    the model (``offload/planning``: memory, host bytes, step time, shapes) applies the same."""
     return {id(p) for layer in layers for m in layer.modules()
             if isinstance(m, FLOAT32_LAYERS) for p in m.parameters(recurse=False)}
+
 
 
 def _running_stat_modules(layers: Sequence[nn.Module]) -> list[nn.Module]:
@@ -223,7 +226,7 @@ class SliceStorage:
         self.held = own + self.companions + self.buffers
         self._running_stat_modules = _running_stat_modules(self.layers)
         if self.compute_dtype is not None:
-            kept = _keeping_their_dtype(self.layers)
+            kept = keeping_their_dtype(self.layers)
             for entry in self.params:
                 if entry.dtype.is_floating_point and id(entry.tensor) not in kept:
                     entry.device_dtype = self.compute_dtype
