@@ -187,3 +187,14 @@ def killed_by_itself(target: Callable[..., Any], args: tuple[Any, ...], seconds:
         return False
     return child.exitcode == -signal.SIGKILL
 
+
+@pytest.fixture(autouse=True)
+def quiet_transformers() -> Any:
+    """Transformers' logging at errors only while a test runs (autouse where a test module imports
+    it): its warnings of a tiny random model's configuration are noise there."""
+    import transformers
+
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    yield
+    transformers.logging.set_verbosity(verbosity)

@@ -17,20 +17,13 @@ import torch
 transformers = pytest.importorskip("transformers")
 from offload.integrations.causal_lm import OffloadedCausalLM  # noqa: E402
 
+from .helpers import quiet_transformers  # noqa: E402,F401 (autouse)
 from .test_transformers import build  # noqa: E402
 
 EXACT = {"rtol": 0.0, "atol": 0.0}
 #: Three sequences of different lengths, packed into one row by the collators.
 SEQUENCES = [list(range(5, 9)), list(range(20, 27)), list(range(40, 43))]
 BOUNDARY_KEYWORDS = {"seq_idx", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"}
-
-
-@pytest.fixture(autouse=True)
-def quiet():
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    yield
-    transformers.logging.set_verbosity(verbosity)
 
 
 def packed(with_boundaries: bool) -> dict[str, torch.Tensor]:

@@ -22,19 +22,11 @@ from offload.integrations.transformers import parallel_clipping  # noqa: E402
 from offload.optimizing import deferred_scaling  # noqa: E402
 from offload.optimizing.deferred_scaling import DeferredScaling  # noqa: E402
 
-from .helpers import CUDA, count_parallel_norms  # noqa: E402
+from .helpers import CUDA, count_parallel_norms, quiet_transformers  # noqa: E402,F401 (autouse)
 
 EXACT = dict(rtol=0, atol=0)
 VOCAB = 64
 STEPS = 4
-
-
-@pytest.fixture(autouse=True)
-def quiet():
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    yield
-    transformers.logging.set_verbosity(verbosity)
 
 
 def llama(vocab: int = VOCAB, tied: bool = False, **special) -> torch.nn.Module:

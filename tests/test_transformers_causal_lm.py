@@ -15,16 +15,10 @@ transformers = pytest.importorskip("transformers")
 from offload.integrations.causal_lm import OffloadedCausalLM  # noqa: E402
 from offload.integrations.transformers import load_causal_lm  # noqa: E402
 
+from .helpers import quiet_transformers  # noqa: E402,F401 (autouse)
+
 EXACT = {"rtol": 0.0, "atol": 0.0}
 VOCAB = 64
-
-
-@pytest.fixture(autouse=True)
-def quiet():
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    yield
-    transformers.logging.set_verbosity(verbosity)
 
 
 def llama(tied: bool = False, **options) -> torch.nn.Module:

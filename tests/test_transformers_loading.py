@@ -65,13 +65,7 @@ def test_every_tensor_and_the_training_step_equal_from_pretrained(kind, tied, tm
     wrapped = OffloadModel(causal_lm_sequential(reference), "cpu", num_slices=3)
     assert model.partition == wrapped.partition
     assert model.memory_footprint() == wrapped.memory_footprint()
-    hf.train()
-    reference.train()
-    inputs = batch()
-    labels = inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)
-    got_logits, want_logits = both_backward(hf, reference, model, inputs, labels)
-    torch.testing.assert_close(got_logits, want_logits, **EXACT)
-    assert_same_grads(hf, reference, **EXACT)
+    assert_same_training_step(model, hf, reference)
 
 
 def save_with_head(kind: str, path: Path, head: Callable[[torch.Tensor], torch.Tensor] | None = None,
