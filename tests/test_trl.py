@@ -16,7 +16,8 @@ peft = pytest.importorskip("peft")
 
 from offload.integrations.causal_lm import OffloadedCausalLM  # noqa: E402
 
-from .test_trainer import CHAT, EXACT, byte_tokenizer, llama, quiet  # noqa: E402,F401 (quiet: autouse)
+from .helpers import quiet_transformers  # noqa: E402,F401 (autouse)
+from .test_trainer import CHAT, EXACT, byte_tokenizer, llama  # noqa: E402
 
 #: What every run here shares: two steps of four rows, a loss logged at each, float32 (TRL's default is bf16).
 SHARED = dict(use_cpu=True, report_to=[], per_device_train_batch_size=4, max_steps=2, logging_steps=1,
