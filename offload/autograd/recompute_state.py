@@ -52,19 +52,20 @@ def will_recompute() -> bool:
 
 
 @contextlib.contextmanager
-def discarded_graph() -> Iterator[None]:
+def _inside(depth: str) -> Iterator[None]:
+    """Count one more level of ``depth`` on this thread while the block runs (nested walks nest)."""
+    setattr(_state, depth, getattr(_state, depth, 0) + 1)
+    try:
+        yield
+    finally:
+        setattr(_state, depth, getattr(_state, depth) - 1)
+
+
+def discarded_graph() -> contextlib.AbstractContextManager[None]:
     """Around a slice's forward whose graph keeps nothing (see :func:`will_recompute`)."""
-    _state.discarded = getattr(_state, "discarded", 0) + 1
-    try:
-        yield
-    finally:
-        _state.discarded -= 1
+    return _inside("discarded")
 
 
-@contextlib.contextmanager
-def recomputing() -> Iterator[None]:
-    _state.depth = getattr(_state, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _state.depth -= 1
+def recomputing() -> contextlib.AbstractContextManager[None]:
+    """Around a slice's recompute in backward (see :func:`is_recomputing`)."""
+    return _inside("depth")
