@@ -361,8 +361,6 @@ NEEDED = [
     # Saved activations of offloaded slices (Note: [Offloaded saved tensors]).
     Dependency("mark_used", "offload", "activations.py:offload_saved", "offload"),
     Dependency("wait_stream", "offload", "activations.py:offload_saved", "compute"),
-    Dependency("wait_stream", "load", "activations.py:load_saved", "compute"),
-    Dependency("wait_event", "load", "activations.py:load_saved", "offload"),
     Dependency("wait_event", "wait_ready", "saved_activations.py:wait", "load"),
     # A weight borrowed from a resident slice, cast into the slot on the compute stream (Note: [Resident slices]).
     Dependency("wait_event", "on_device", "device_slots.py:_load_borrowed", "offload"),
@@ -375,7 +373,6 @@ NEEDED = [
 #: Note: [Orderings the end of a walk covers] in offload/streams/copies.py.
 COVERED = [
     Dependency("mark_used", "load", "activations.py:load", "load"),
-    Dependency("mark_used", "load", "activations.py:load_saved", "load"),
     Dependency("mark_used", "load", "device_slots.py:prefetch", "load"),
     Dependency("mark_used", "load", "device_slots.py:_load_borrowed", "load"),
     Dependency("wait_event", "load", "device_slots.py:_load_borrowed", "compute"),

@@ -101,14 +101,7 @@ class ActivationOffloader:
         Returns:
             The new device tensor and its ready event (compute must wait on it).
         """
-        assert ticket.layout is not None, "an offloaded tensor's ticket has its layout"
-        layout = ticket.layout
-        device_tensor = layout.empty(host_tensor.dtype, self.copies.device)
-        ready = self.copies.load(layout.addressed(device_tensor), layout.addressed(host_tensor), after=(ticket.ready,),
-                                 after_queued_compute=True, label="offload::load saved activation")
-        # Rule 4: the pooled buffer is not written again before this load has read it.
-        ticket.buffer.read_event = ready
-        return device_tensor, ready
+        return self.load(ticket, host_tensor, label="offload::load saved activation")
 
     def copy_on_host(self, host_tensor: torch.Tensor) -> tuple[torch.Tensor, OffloadTicket]:
         """A copy of a host tensor in a pooled buffer, made now on the CPU: a snapshot that later
@@ -154,12 +147,14 @@ class ActivationOffloader:
         ready = self.copies.load(layout.addressed(device_tensor), memory, after_queued_compute=True)
         return device_tensor, ready
 
-    def load(self, ticket: OffloadTicket, host_tensor: torch.Tensor) -> tuple[torch.Tensor, Event | None]:
+    def load(self, ticket: OffloadTicket, host_tensor: torch.Tensor,
+             label: str = "offload::load activation") -> tuple[torch.Tensor, Event | None]:
         """Start copying an offloaded tensor back to the device.
 
         Args:
             ticket: the ticket :meth:`offload` returned.
             host_tensor: the host tensor, as autograd handed it back from ``ctx.saved_tensors``.
+            label: the copy's name in traces.
 
         Returns:
             The new device tensor and its ready event (compute must wait on it).
@@ -168,6 +163,7 @@ class ActivationOffloader:
         layout = ticket.layout
         device_tensor = layout.empty(host_tensor.dtype, self.copies.device)
         ready = self.copies.load(layout.addressed(device_tensor), layout.addressed(host_tensor), after=(ticket.ready,),
-                                 after_queued_compute=True, label="offload::load activation")
+                                 after_queued_compute=True, label=label)
+        # Rule 4: the pooled buffer is not written again before this load has read it.
         ticket.buffer.read_event = ready
         return device_tensor, ready
