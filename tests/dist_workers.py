@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import os
 import threading
+import time
 from typing import Any
 
 import torch
@@ -452,8 +454,21 @@ def own_collectives(rank: int, world_size: int, directory: str) -> None:
         dist.barrier()
     for optimizer in optimizers:
         optimizer.synchronize()
-    save(directory, "own_collectives", rank, {"logged": logged,
-                                              "params": [[p.detach().clone() for p in m.parameters()] for m in models]})
+    params = [[p.detach().clone() for p in m.parameters()] for m in models]
+    del models, optimizers, model, optimizer, loss  # (the last loss's graph holds its model too)
+    gc.collect()
+    save(directory, "own_collectives", rank, {"logged": logged, "params": params,
+                                              "collectives threads left": collectives_threads_left()})
+
+
+def collectives_threads_left(deadline_s: float = 10.0) -> int:
+    """How many threads that run a model's collectives are alive once they had ``deadline_s`` to end."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        left = sum(thread.name.endswith("collectives") for thread in threading.enumerate())
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
 
 
 def overlapping_groups(rank: int, world_size: int, directory: str) -> None:

@@ -291,6 +291,8 @@ def test_own_collectives_after_step_and_two_models_on_one_group_do_not_race_the_
     the worker]."""
     results = spawn("own_collectives", tmp_path)
     assert results[0]["logged"] == results[1]["logged"]
+    # Freed with their models, each model's collectives worker ends its thread.
+    assert [result["collectives threads left"] for result in results] == [0, 0]
     references = [network(seed=0), network(seed=1)]
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True) for m in references]
     logged = []

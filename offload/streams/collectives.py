@@ -70,6 +70,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable, Sequence
 from typing import Any
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -100,6 +101,8 @@ class HostCollectives:
         # Note: [A private group for the worker]: what the worker issues, the caller's thread never does.
         self.channel = private_group(group)
         self.worker = copies.new_worker("collectives")
+        # The thread holds its worker, not this object: end it with the model that owns this.
+        weakref.finalize(self, self.worker.close)
 
     def submit(self, what: str, work: Callable[[], None], after: Sequence[Event | None] = ()) -> Event:
         """Run ``work`` (collectives on host tensors) after the events ``after``, in order with
