@@ -139,3 +139,29 @@ def test_a_saved_config_asking_for_hidden_states_loads_and_its_forward_warns(tmp
     assert model.config.output_hidden_states is True
     with pytest.warns(UserWarning, match=r"model\.config\.output_hidden_states = False"):
         model(input_ids=packed(with_boundaries=False)["input_ids"])
+
+
+def test_use_cache_asked_by_the_call_is_warned_of_and_the_tuple_holds_loss_and_logits():
+    plain, model = pair("llama")
+    ids = packed(with_boundaries=False)["input_ids"]
+    with pytest.warns(UserWarning, match=r"ignores use_cache=True.*past_key_values is None.*use_cache=False"):
+        got = model(input_ids=ids, labels=ids, use_cache=True, return_dict=False)
+    expected = plain(input_ids=ids, labels=ids, use_cache=True, return_dict=False)
+    assert len(expected) == 3 and len(got) == 2  # the model's third item is its cache
+    for a, b in zip(got, expected[:2]):
+        torch.testing.assert_close(a, b, **EXACT)
+    with warnings.catch_warnings():  # the config's default (True in most models) and the trainers' False: silent
+        warnings.simplefilter("error")
+        assert model.config.use_cache is True
+        model(input_ids=ids)
+        model(input_ids=ids, use_cache=False)
+
+
+def test_generate_is_missing_with_advice_and_hasattr_stays_false():
+    _, model = pair("llama")
+    assert not hasattr(model, "generate")
+    with pytest.raises(AttributeError, match=r"no generate\(\).*model\.hf_model.*AutoModelForCausalLM"):
+        model.generate
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_thing'"):  # other names as before
+        model.no_such_thing
+    assert model.hf_model is not None and model.config is model.hf_model.config

@@ -62,9 +62,9 @@ from ..optimizer import OffloadOptimizer
 from .peft import peft_base_model
 from .transformers_loading import load_causal_lm, stored_into_stages
 from .transformers_batch import LAST_HIDDEN_STATE
-from .transformers_refusals import (MissingLogits, refuse_adapter_on_head, refuse_packed_sequences,
-                                    refuse_router_logits, refuse_trainer_arguments, refuse_update_in_backward,
-                                    warn_of_layer_outputs)
+from .transformers_refusals import (MissingLogits, attribute_or_advice, refuse_adapter_on_head,
+                                    refuse_packed_sequences, refuse_router_logits, refuse_trainer_arguments,
+                                    refuse_update_in_backward, warn_of_cache, warn_of_layer_outputs)
 from .transformers_saving import positional_save_arguments, save_causal_lm, save_options
 from .transformers_stages import CausalLMSequential, causal_lm_sequential, packed_sequence_keywords
 
@@ -111,11 +111,10 @@ class OffloadedCausalLM(PreTrainedModel):
     the trainer's own AdamW works too, but steps the host copies in ``step()``, on the critical path.
 
     The loss is computed from the logits as the model computes it (``loss_function`` with
-    ``num_items_in_batch``). With ``loss_chunk_tokens`` the head computes it instead, a chunk of
-    tokens at a time, without the batch's logits on the device (Note: [Chunked loss] in
-    ``offload/integrations/transformers_stages.py``); the output then has no logits (a placeholder that
-    raises at its first use, rule 4 of Note: [What the trainers cannot get from the model]), and the
-    loss equals the model's to float32 rounding.
+    ``num_items_in_batch``). With ``loss_chunk_tokens`` the head computes it instead, a chunk of tokens
+    at a time, without the batch's logits on the device (Note: [Chunked loss] in ``transformers_stages.py``);
+    the output then has no logits (a placeholder that raises at its first use, rule 4 of Note: [What the
+    trainers cannot get from the model]), and the loss equals the model's to float32 rounding.
 
     Args:
         model: a ``transformers`` causal LM that ``causal_lm_sequential`` supports, or a ``PeftModel`` of one
@@ -141,6 +140,7 @@ class OffloadedCausalLM(PreTrainedModel):
     supports_gradient_checkpointing = True
     accepts_loss_kwargs = True  # Note: [What the trainers read from the model], rule 2
     _keys_to_ignore_on_save = None
+    __getattr__ = attribute_or_advice
 
     def __init__(self, model: nn.Module, device: torch.device | str | int, *, loss_chunk_tokens: int | None = None,
                  untie_embeddings: bool = False, **options: Any) -> None:
@@ -392,6 +392,7 @@ def _batch_of(config: Any, input_ids: torch.Tensor | None, attention_mask: torch
     refuse_router_logits(config, kwargs)
     refuse_packed_sequences(packed_sequence_keywords(config), config.model_type, kwargs)
     warn_of_layer_outputs(config, kwargs)
+    warn_of_cache(kwargs)
     refused = sorted(key for key, value in kwargs.items()
                      if key not in _IGNORED and value is not None and value is not False)
     if input_ids is None or refused:

@@ -75,9 +75,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["MissingLogits", "refuse_adapter_on_head", "refuse_packed_sequences", "refuse_reference_from_path",
+__all__ = ["MissingLogits", "attribute_or_advice", "refuse_adapter_on_head", "refuse_packed_sequences", "refuse_reference_from_path",
            "refuse_router_logits", "refuse_router_loss", "refuse_trainer_arguments", "refuse_update_in_backward",
-           "warn_of_layer_outputs"]
+           "warn_of_cache", "warn_of_layer_outputs"]
 
 _NO_LOGITS = (
     "this OffloadedCausalLM computes the loss in its head (loss_chunk_tokens) and returns no logits, which "
@@ -238,6 +238,34 @@ def warn_of_layer_outputs(config: Any, kwargs: Mapping[str, Any]) -> None:
             f"outputs hold None there; the loss and logits are the model's. Set "
             f"{' and '.join(f'model.config.{key} = False' for key in asked)} to say so and silence this; "
             "model.base_model(...) returns the last layer's (normed) hidden states", UserWarning, stacklevel=2)
+
+
+def warn_of_cache(kwargs: Mapping[str, Any]) -> None:
+    """Warn of ``use_cache=True`` in a call: the slices keep no key-value cache, so the output's
+    ``past_key_values`` is ``None`` (and ``return_dict=False`` gives no cache in its tuple). Only the
+    call's: the config's default (``use_cache=True`` in most models) reaches every forward unasked."""
+    if kwargs.get("use_cache") is True:
+        warnings.warn(
+            "OffloadedCausalLM ignores use_cache=True: its slices keep no key-value cache, so past_key_values is "
+            "None (and a return_dict=False tuple holds the loss and logits only). Pass use_cache=False, or leave "
+            "it out, to silence this", UserWarning, stacklevel=3)
+
+
+def attribute_or_advice(model: nn.Module, name: str) -> Any:
+    """``nn.Module``'s attribute lookup; for ``generate``, which the model lacks (it keeps no cache),
+    an ``AttributeError`` that says where to generate (``hasattr`` stays ``False``)."""
+    try:
+        # The next lookup after this one in the class's order (nn.Module's, in transformers 5).
+        lookup = next(getattr_ for klass in type(model).__mro__
+                      if (getattr_ := klass.__dict__.get("__getattr__")) not in (None, attribute_or_advice))
+        return lookup(model, name)
+    except AttributeError:
+        if name != "generate":
+            raise
+        raise AttributeError(
+            "an OffloadedCausalLM has no generate(): its slices keep no key-value cache. Generate with the Hugging "
+            "Face model it wraps (model.hf_model, after optimizer.synchronize(); its parameters are on the host), "
+            "or load the folder save_pretrained() or Trainer.save_model() wrote with AutoModelForCausalLM") from None
 
 
 def _router_message(asked: str) -> str:
