@@ -8,6 +8,7 @@ layers adopted into an engine, and its forward. What it hands off: where it comp
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -18,7 +19,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from . import per_tensor_warning
 from .arguments import int_at_least, resident_count
-from .autograd import Call, OffloadFunction, flatten_input
+from .autograd import Call, OffloadFunction, flatten_input, refusals
 from .autograd.accumulation import mark_zeroed
 from .streams.gradient_files import zeroed_in_files
 from .data_parallel import DataParallel
@@ -45,14 +46,25 @@ DEFAULT_NUM_SLICES = 3
 #:     layers compiled themselves (``torch.compile(layer)`` before wrapping) compile as they would
 #:     anywhere. It is made on the first construction, outside any tracing (Dynamo would trace the
 #:     making, and warn), and read as a global; importing Dynamo takes a second, which the first
-#:     ``torch.optim`` step takes anyway.
+#:     ``torch.optim`` step takes anyway. ``torch.compile(model, fullgraph=True)`` refuses the break:
+#:     its error gives :data:`EAGER_RUN_REASON` (torch 2.8 and later take a reason).
 _EAGER_RUN: Callable[..., Any] | None = None
+
+
+#: What ``torch.compile(model, fullgraph=True)`` says of the graph break at the model's call.
+EAGER_RUN_REASON = (
+    "OffloadModel's walk (copies to and from host memory, slice by slice) runs eagerly, outside the compiled "
+    "graph, so the wrapped model cannot compile with fullgraph=True. Compile the layers before wrapping them "
+    "(OffloadModel(nn.Sequential(*[torch.compile(layer) for layer in layers]), ...)), or compile the wrapped "
+    "model without fullgraph=True (docs/api.md, Limitations)")
 
 
 def _make_eager_run() -> None:
     global _EAGER_RUN
     if _EAGER_RUN is None:
-        _EAGER_RUN = torch.compiler.disable(_run)
+        # Dynamo's error under fullgraph=True names this reason (torch 2.8 and later take one).
+        takes_reason = "reason" in inspect.signature(torch.compiler.disable).parameters
+        _EAGER_RUN = torch.compiler.disable(_run, **({"reason": EAGER_RUN_REASON} if takes_reason else {}))
 
 class OffloadModel(CopiedByLayers, FixedStructure):
     """Train an ``nn.Sequential`` whose parameters live in host memory.
@@ -319,6 +331,7 @@ def _run(model: OffloadModel, *args: Any, **kwargs: Any) -> Any:
     _check_one_input(args, kwargs)
     engine = model._engine
     check_layers_unchanged(model._modules, engine.slices)  # Note: [Layers fixed at wrapping]
+    refusals.refuse_transformed_tensors(engine)  # before the refresh would lay them out
     engine.refresh()
     _warn_microbatch_batchnorm(model)
     leaves, spec = flatten_input(args[0], model.compute_dtype)
@@ -333,7 +346,7 @@ def _run(model: OffloadModel, *args: Any, **kwargs: Any) -> Any:
     # Saved tensors are packed when apply returns: the identity hooks keep any hooks the caller
     # has active (save_on_cpu, say) away from them. They are already on the host or in pooled
     # buffers whose copies may still be in flight.
-    with saved_tensors_hooks(_identity, _identity):
+    with _identity_hooks():
         outputs = OffloadFunction.apply(
             engine, call, model._activation_plan(), model.num_microbatches, *input_tensors, *params,
         )
@@ -342,6 +355,25 @@ def _run(model: OffloadModel, *args: Any, **kwargs: Any) -> Any:
 
 def _identity(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
+
+
+@contextlib.contextmanager
+def _identity_hooks() -> Iterator[None]:
+    """Saved-tensor hooks that keep tensors as they are (see :func:`_run`). Where PyTorch refuses
+    them (``disable_saved_tensors_hooks()``, ``torch.func.grad``), its error says only what the
+    caller said, naming no OffloadModel: a note says why the model needs them and what to do."""
+    hooks = saved_tensors_hooks(_identity, _identity)
+    try:
+        hooks.__enter__()
+    except RuntimeError as error:
+        refused = refusals.note_refused_hooks(error)
+        if refused is error:
+            raise
+        raise refused from error
+    try:
+        yield
+    finally:
+        hooks.__exit__(None, None, None)
 
 
 def engine_of(model: OffloadModel) -> Engine:

@@ -95,9 +95,14 @@ def in_place_targets(ctx: Any, params: Sequence[torch.Tensor], first_edge: int, 
         appearances[id(p)] = appearances.get(id(p), 0) + 1
     edges = ctx.next_functions
     for k, p in enumerate(params):
-        grad = p.grad
         if not needed[k] or appearances[id(p)] != 1:
             continue  # rule 4
+        if not p.is_leaf:
+            # Rule 1: autograd accumulates into a leaf's .grad only (a non-leaf passed to
+            # torch.func.functional_call, MAML's fast weights, hands its gradient on), and reading a
+            # non-leaf's .grad warns.
+            continue
+        grad = p.grad
         if grad is not None and (grad.device != p.device or grad.dtype != p.dtype or grad.shape != p.shape
                                  or grad.layout != torch.strided or grad.requires_grad):
             continue  # rule 2

@@ -105,39 +105,50 @@ class OffloadFunction(torch.autograd.Function):
                 "penalty): the recomputed slices are differentiated once. Compute such terms on a model "
                 "that is not offloaded."
             )
-        saved = ctx.saved_tensors  # raises PyTorch's own error on a second backward without retain_graph
-        run: CallRecord = ctx.run
-        refusals.refuse_batched_grads(ctx, run.call.num_input_tensors, len(run.engine.parameters()), grad_outputs)
-        run.check_versions()
-        retain_graph = retain_graph_requested()
-        grads = BackwardGradients(ctx, run)
-        count = run.split.count
-        # Gradients of the current slice's outputs, per microbatch, aligned with its output leaves.
-        grad_out = split_output_grads(run, grad_outputs)
-        loader = BoundaryLoader(run.engine, run.records, saved)
-        with SliceWalk.backward(run.engine, grads.lowest) as walk, grads:
-            for i, views in walk:
-                grads.begin(i)
-                grad_in: list[list[torch.Tensor | None]] = [[] for _ in range(count)]
-                for m in reversed(range(count)):
-                    # One step ahead: the next microbatch, or the next slice's first.
-                    if m > 0 or i > grads.lowest:
-                        loader.prefetch(*((i, m - 1) if m > 0 else (i - 1, count - 1)))
-                    record = run.records.take(i, m, retain_graph)
-                    with label(f"offload::backward slice {i}"):
-                        graph = graph_of(run.engine, record, run.autocast, saved, loader, i, m, views, retain_graph)
-                        if graph.restored_buffers:
-                            walk.buffers_restored()
-                        grad_in[m], param_grads = differentiate(run.engine, i, graph, grad_out[m],
-                                                                grads.per_slice_needed[i], grads.wants_input_grads(i))
-                        if isinstance(record, OffloadedGraph):
-                            record.saves.release()
-                        del graph, record
-                    grads.add(param_grads, [*grad_in[m], *grad_out[m]])
-                    del param_grads  # held by the slice's gradients until they leave, not through the next slice
-                    walk.compute_queued()
-                grads.leave(i)
-                grad_out = grad_in
-            grads.land()
-            walk.finish()
-        return (None, None, None, None, *grads.results(grad_out))
+        # Autograd runs backward in the caller's inference mode (loss.backward() under
+        # torch.inference_mode(), which the plain model's nodes do not mind): the recompute must build
+        # a graph, and the gradients' watch reads accumulation nodes through views, neither of which
+        # inference mode allows.
+        with torch.inference_mode(False):
+            return _walk_backward(ctx, grad_outputs)
+
+
+def _walk_backward(ctx: Any, grad_outputs: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
+    """``OffloadFunction.backward`` once its checks passed: the slices walked in reverse, each
+    recomputed (or its kept graph taken) and differentiated, microbatch by microbatch."""
+    saved = ctx.saved_tensors  # raises PyTorch's own error on a second backward without retain_graph
+    run: CallRecord = ctx.run
+    refusals.refuse_batched_grads(ctx, run.call.num_input_tensors, len(run.engine.parameters()), grad_outputs)
+    run.check_versions()
+    retain_graph = retain_graph_requested()
+    grads = BackwardGradients(ctx, run)
+    count = run.split.count
+    # Gradients of the current slice's outputs, per microbatch, aligned with its output leaves.
+    grad_out = split_output_grads(run, grad_outputs)
+    loader = BoundaryLoader(run.engine, run.records, saved)
+    with SliceWalk.backward(run.engine, grads.lowest) as walk, grads:
+        for i, views in walk:
+            grads.begin(i)
+            grad_in: list[list[torch.Tensor | None]] = [[] for _ in range(count)]
+            for m in reversed(range(count)):
+                # One step ahead: the next microbatch, or the next slice's first.
+                if m > 0 or i > grads.lowest:
+                    loader.prefetch(*((i, m - 1) if m > 0 else (i - 1, count - 1)))
+                record = run.records.take(i, m, retain_graph)
+                with label(f"offload::backward slice {i}"):
+                    graph = graph_of(run.engine, record, run.autocast, saved, loader, i, m, views, retain_graph)
+                    if graph.restored_buffers:
+                        walk.buffers_restored()
+                    grad_in[m], param_grads = differentiate(run.engine, i, graph, grad_out[m],
+                                                            grads.per_slice_needed[i], grads.wants_input_grads(i))
+                    if isinstance(record, OffloadedGraph):
+                        record.saves.release()
+                    del graph, record
+                grads.add(param_grads, [*grad_in[m], *grad_out[m]])
+                del param_grads  # held by the slice's gradients until they leave, not through the next slice
+                walk.compute_queued()
+            grads.leave(i)
+            grad_out = grad_in
+        grads.land()
+        walk.finish()
+    return (None, None, None, None, *grads.results(grad_out))

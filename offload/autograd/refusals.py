@@ -9,7 +9,8 @@ Note: [Transforms the walk refuses]
        only through a batching or forward-mode rule of its own; the walk's copies and pooled host
        buffers have none. Refused at the call while one is active and a graph is built; without
        a graph (``torch.no_grad()``) the slices stream through as any forward, and ``vmap`` works.
-       (``grad``, ``vjp`` and ``jacrev`` refuse the saved-tensor hooks the model enters first.)
+       (``grad``, ``vjp`` and ``jacrev`` refuse the saved-tensor hooks the model enters first;
+       :func:`note_refused_hooks` adds what to do to their error.)
     2. Forward-mode AD (``torch.autograd.forward_ad``): the Function has no ``jvp``. Refused at the
        call when an input carries a tangent; under ``torch.no_grad()`` the tangents go through the
        layers as in the plain model.
@@ -22,6 +23,15 @@ Note: [Transforms the walk refuses]
        here computes it again from its own device copy (Note: [Parametrizations cached around a
        run] in ``offload/walk/binding.py``): the same for one forward on one microbatch, another
        rounding for a second forward in the block or a second microbatch, which are refused.
+    5. ``torch.func.functional_call`` with tensors a ``torch.func`` transform wraps (``grad`` or
+       ``jacrev`` over the parameters, ``vmap`` over stacked ones): the model lays out every
+       tensor its layers register in one host buffer a slice, and a wrapped tensor has no memory
+       of its own to lay out. Refused before the layout is touched, at the model's call.
+    6. ``torch.autograd.graph.disable_saved_tensors_hooks()``: the model enters saved-tensor
+       hooks whenever it builds a graph (its checkpointing keeps, offloads or drops what autograd
+       saves through them), which the block refuses with the caller's message;
+       :func:`note_refused_hooks` adds a note naming OffloadModel. Under ``torch.no_grad()``
+       nothing is saved and the model runs.
 """
 
 from __future__ import annotations
@@ -64,6 +74,26 @@ CACHED_PARAMETRIZATIONS = (
     "rounding. Call the model once per cached() block with num_microbatches=1, or enter cached() inside the layer "
     "that reuses its weight (docs/api.md, Limitations).")
 
+TRANSFORMED_TENSORS = (
+    "OffloadModel: torch.func.functional_call passed the model tensors that a torch.func transform wraps (grad, "
+    "jacrev or vjp over the parameters, vmap over stacked ones), {name} among them. OffloadModel lays out every "
+    "parameter and buffer of a slice in one host buffer, and a transform's tensor has no memory of its own to lay "
+    "out. For gradients with respect to the parameters use torch.autograd.grad(loss, list(model.parameters())), or "
+    "pass functional_call plain tensors that require grad and call torch.autograd.grad over them; or use the plain "
+    "model (docs/api.md, Limitations).")
+
+FUNC_GRADIENT_HOOKS = (
+    "OffloadModel: while it builds a graph, OffloadModel runs its slices under saved-tensor hooks (its activation "
+    "checkpointing keeps, offloads or drops what autograd saves through them), which torch.func.grad, vjp, jacrev "
+    "and hessian refuse. Use torch.autograd.grad instead (torch.autograd.functional.jacobian or vjp for those), or "
+    "the plain model (docs/api.md, Limitations).")
+
+DISABLED_HOOKS = (
+    "OffloadModel: while it builds a graph, OffloadModel runs its slices under saved-tensor hooks, which its "
+    "activation checkpointing needs (they keep, offload or drop what autograd saves), and "
+    "torch.autograd.graph.disable_saved_tensors_hooks() refuses them. Call the model outside that block, or under "
+    "torch.no_grad() if no gradient is wanted (docs/api.md, Limitations).")
+
 #: In ``parametrize``'s cache, a forward of the engine with this id has run in the open block. A
 #: parametrization's key is ``(id(module), name)``, and no module has an engine's id.
 _FORWARD_MARK = "OffloadModel forward"
@@ -78,6 +108,32 @@ def refuse_at_call(call: Any, tensors: Sequence[Any]) -> None:
             isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent is not None
             for t in tensors[:call.num_input_tensors]):
         raise RuntimeError(FORWARD_AD)
+
+
+def refuse_transformed_tensors(engine: Engine) -> None:
+    """Rule 5 of Note: [Transforms the walk refuses], before the model's call lays out again what
+    its layers register."""
+    if not torch._C._are_functorch_transforms_active():
+        return  # the common case: no transform, no wrapped tensor
+    is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    for s in engine.slices:
+        for layer_name, layer in zip(s.names, s.layers):
+            named = [*layer.named_parameters(layer_name, remove_duplicate=False),
+                     *layer.named_buffers(layer_name, remove_duplicate=False)]
+            wrapped = next((name for name, t in named if is_wrapped(t)), None)
+            if wrapped is not None:
+                raise RuntimeError(TRANSFORMED_TENSORS.format(name=wrapped))
+
+
+def note_refused_hooks(error: RuntimeError) -> RuntimeError:
+    """``error``, PyTorch's refusal of the saved-tensor hooks the model enters to build a graph
+    (rules 1 and 6 of Note: [Transforms the walk refuses]), with what to do added: as a note
+    (PEP 678), or on Python 3.10 as a new error caused by it, to be raised."""
+    note = FUNC_GRADIENT_HOOKS if torch._C._are_functorch_transforms_active() else DISABLED_HOOKS
+    if not hasattr(error, "add_note"):  # Python 3.10
+        return RuntimeError(f"{error}\n{note}")
+    error.add_note(note)
+    return error
 
 
 def refuse_cached_parametrizations(engine: Engine, num_microbatches: int) -> bool:
