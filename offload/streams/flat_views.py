@@ -3,8 +3,9 @@ keeps, and the three kinds of tensor over a buffer's bytes: a typed view, an ali
 own in-place writes, and a view under a storage of its own (Note: [A storage per host copy] in
 ``host_storage.py``).
 
-It holds no buffer and lays out nothing: a slice's host copies are laid out in ``host_storage.py``,
-its gradients in ``gradients.py``, its resident copies in ``resident_storage.py``.
+And :func:`views_outside`: whether a tensor's memory is part of another tensor's, which a layout
+cannot keep. It holds no buffer and lays out nothing: a slice's host copies are laid out in
+``host_storage.py``, its gradients in ``gradients.py``, its resident copies in ``resident_storage.py``.
 """
 
 from __future__ import annotations
@@ -61,6 +62,27 @@ def flat_alias(tensor: torch.Tensor) -> torch.Tensor | None:
     flat = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
     flat.set_(tensor.untyped_storage(), tensor.storage_offset(), (tensor.numel(),))
     return flat
+
+
+def views_outside(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s memory is part of a larger tensor's: its storage holds bytes beyond the
+    tensor's own extent, as after ``p.data = flat[a:b].view_as(p)`` (which leaves no ``_base``) or
+    for a view ``flat[a:b]``. An in-place change through that larger tensor changes this one too
+    (Note: [Tensors that view another's memory] in ``host_storage.py``).
+
+    A view over all of its base's memory does not count: whether anything else holds that base
+    cannot be told, and layers register such buffers over bases of their own (Hugging Face's
+    ``position_ids``, ``torch.arange(n).expand(1, -1)``). Nor does an empty or meta tensor, or one
+    without a storage (a wrapper subclass).
+    """
+    if tensor.numel() == 0 or tensor.is_meta or tensor.layout != torch.strided:
+        return False
+    try:
+        nbytes = tensor.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError, TypeError):  # "Cannot access storage of TensorWrapper"
+        return False
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    return nbytes > extent * tensor.element_size()
 
 
 def typed_view(flat: torch.Tensor, offset: int, dtype: torch.dtype, shape: torch.Size,

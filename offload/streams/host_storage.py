@@ -17,6 +17,43 @@ This file holds :class:`SliceStorage`, the tying of a parameter across slices
 the parameters that keep their dtype under a compute dtype (:func:`keeping_their_dtype`).
 What a slice holds is collected in ``slice_entries.py``, where each entry lies is computed in
 ``slice_layout.py``; the views into the buffer are made in ``flat_views.py``.
+
+Note: [Tensors that view another's memory]
+    A host copy lies in the slice's own buffer: pinned, laid out for one copy per load, the master
+    the optimizer updates. A tensor whose ``.data`` views another tensor's memory cannot stay so:
+    the flat-parameter pattern (``p.data = flat[a:b].view_as(p)``, an optimizer stepping ``flat``),
+    ``torch.nn.utils.vector_to_parameters(vec, params)`` followed by in-place edits of ``vec``, a
+    buffer registered as a view of a larger tensor. The layout copies its values and points its
+    ``.data`` into the buffer as for any tensor, so later in-place changes to the tensor it viewed
+    no longer reach the model, where in plain PyTorch they would: training through ``flat`` stops,
+    silently. Whether anything still writes that tensor cannot be told, so the engine warns, once
+    per model, naming the tensor and what to do (``Engine.warn_viewed_outside`` in
+    ``offload/walk/engine.py``). What counts is :func:`~offload.streams.flat_views.views_outside`:
+    a storage larger than the tensor's extent. A ``_base`` alone does not: a view over all of its
+    base's memory is what layers register as buffers over bases of their own, and who else holds
+    the base cannot be told (``p.data = flat.view_as(p)`` of a whole ``flat`` goes unnoticed). The
+    model's own paths never count: a host copy has a storage of exactly its bytes (Note: [A storage
+    per host copy]), a tied weight is one tensor, and ``.data`` replaced by a fresh tensor,
+    ``load_state_dict``, ``.to()``, ``apply(init)`` and injected adapters bring tensors of their
+    own or write in place.
+
+Note: [Tensors substituted for a call]
+    ``torch.func.functional_call`` (``torch.nn.utils.stateless``) puts the caller's tensors in the
+    layers' places for one call, writing ``module._parameters`` directly; ``setattr`` and
+    ``register_parameter`` take only an ``nn.Parameter``, so a plain tensor in a parameter's place
+    is such a *substitute*. The slice is laid out again around it
+    (:meth:`SliceStorage.registered_tensors_changed`) and its values are copied into the host
+    buffer, but its ``.data`` is left alone: the caller's tensor keeps its memory, its address and
+    its base, as in plain PyTorch. Its gradient reaches it as any parameter's, as an input of the
+    autograd Function, never through its memory. Its host copy being a copy, each later forward
+    (within the same call: a call's end puts the layers' own tensors back, which lays the slice out
+    again anyway) compares the two, and a change (an optimizer step on it, a write through its base
+    or its ``.data``) lays the slice out again (:meth:`SliceStorage.moved`). Values, not version
+    counters: fused optimizers and writes through ``.data`` bump none. Taken in as before, with a
+    warning where they view another's memory: a substitute buffer (a layer's writes, BatchNorm's
+    running statistics, come back to the host copy, which must be the caller's tensor for the
+    caller to see them), one on another device than the host buffer, and every substitute of a
+    resident slice (``resident_storage.py`` takes each tensor into device memory of its own).
 """
 
 from __future__ import annotations
@@ -31,7 +68,7 @@ from torch import nn
 
 from .backend import Event
 from .disk import DiskTierError
-from .flat_views import _itemsize, alias, flat_exporter, own_storage_view, typed_view
+from .flat_views import _itemsize, alias, flat_exporter, own_storage_view, typed_view, views_outside
 from .gradient_files import GradientHome
 from .mapped import MappedFile
 from .slice_entries import (Entry, RegisteredTensors, _runs, collect_entries, companions_of, run_state_positions,
@@ -118,6 +155,35 @@ def _check_buffers_held_once(buffers: Sequence[Entry], held_elsewhere: Collectio
             )
 
 
+def _is_substitute(entry: Entry, host_device: torch.device) -> bool:
+    """Whether ``entry`` is a tensor put in a parameter's place for one call, which the layout
+    copies but does not take in (Note: [Tensors substituted for a call]): a plain tensor, not an
+    ``nn.Parameter``, on the host."""
+    tensor = entry.tensor
+    return entry.is_parameter and not isinstance(tensor, nn.Parameter) and tensor.device == host_device
+
+
+def _take_in(held: Sequence[Entry], flat: torch.Tensor) -> list[tuple[Entry, torch.Tensor]]:
+    """Copy each of ``held`` into its place in the host buffer ``flat``, under a storage of its own,
+    and point the tensor's ``.data`` there; a tensor on the meta device takes that memory unwritten
+    (:func:`adopt_meta`). Returns the substitutes, copied and left as they are, each with its host
+    copy (Note: [Tensors substituted for a call])."""
+    exporter = flat_exporter(flat)
+    substitutes = []
+    for entry in held:
+        host = own_storage_view(exporter, entry.host_offset, entry.dtype, entry.shape, entry.stride)
+        if entry.tensor.is_meta:
+            adopt_meta(entry, host)
+            continue
+        host.copy_(entry.tensor.detach())
+        if _is_substitute(entry, host.device):
+            substitutes.append((entry, host))
+        else:
+            # Same object, new storage: optimizers and user references keep working.
+            entry.tensor.data = host
+    return substitutes
+
+
 def holder_of(storages: Sequence[SliceStorage], index: int, tensor: torch.Tensor) -> int:
     """The index of the slice before ``index`` that holds ``tensor``, which slice ``index`` borrows
     (Note: [Tied parameters across slices])."""
@@ -179,6 +245,8 @@ class SliceStorage:
     """
 
     resident = False  #: whether the slice stays on the device (``resident_storage.py``)
+    #: each substitute with its host copy (Note: [Tensors substituted for a call])
+    substitutes: Sequence[tuple[Entry, torch.Tensor]] = ()
     #: the file that holds the slice's gradients, with its masters on disk (set by :meth:`build`)
     gradient_home: GradientHome | None = None
 
@@ -197,7 +265,8 @@ class SliceStorage:
         self.build()
 
     def build(self) -> None:
-        """Lay the slice out and move every tensor's data (but borrowed parameters') into the flat buffer.
+        """Lay the slice out and move every tensor's data (but borrowed parameters' and
+        substitutes') into the flat buffer.
 
         One that raises (no room for masters on disk) leaves the slice half laid out: :meth:`moved`
         then says so, and the next refresh lays it out again.
@@ -205,7 +274,10 @@ class SliceStorage:
         self._built = False
         self._collect()
         self._lay_out()
+        outside = [entry for entry in self.held if entry.sites and views_outside(entry.tensor)]  # before they move
         self._move_in()
+        #: what the layout took out of memory another tensor holds (Note: [Tensors that view another's memory])
+        self.viewed_outside = [e for e in outside if not any(e is kept for kept, _ in self.substitutes)]
         self._built = True
 
     def _collect(self) -> None:
@@ -248,15 +320,7 @@ class SliceStorage:
         #: the file mapping that holds the host buffer, when the masters are on disk
         self.masters_file = self.allocate_masters(self.host_nbytes) if casts and self.allocate_masters else None
         self.flat = self.masters_file.tensor[:self.host_nbytes] if self.masters_file is not None else self.allocate(self.host_nbytes)
-        exporter = flat_exporter(self.flat)
-        for entry in self.held:
-            host = own_storage_view(exporter, entry.host_offset, entry.dtype, entry.shape, entry.stride)
-            if entry.tensor.is_meta:
-                adopt_meta(entry, host)
-                continue
-            host.copy_(entry.tensor.detach())
-            # Same object, new storage: optimizers and user references keep working.
-            entry.tensor.data = host
+        self.substitutes = _take_in(self.held, self.flat)
         settle_8bit_layers(self.params)  # Note: [Quantized weights], rule 6
         self._expected_ptrs = [entry.tensor.data_ptr() for entry in self.entries]
         self.release_masters()  # what was copied in goes to disk
@@ -341,7 +405,8 @@ class SliceStorage:
         self._shadow_current = False
 
     def moved(self) -> bool:
-        """Whether a tensor's ``.data`` was replaced since :meth:`build` (``p.data = other``).
+        """Whether a tensor's ``.data`` was replaced since :meth:`build` (``p.data = other``), or a
+        substitute's values changed (Note: [Tensors substituted for a call]).
 
         Replacing ``.data`` takes the tensor out of the flat buffer, so the next load would miss the
         new values; the caller rebuilds the storage when this is true. Also true after a
@@ -353,7 +418,7 @@ class SliceStorage:
             tensor = entry.tensor
             if tensor.data_ptr() != ptr or tensor.dtype != entry.dtype or tensor.shape != entry.shape:
                 return True
-        return False
+        return any(not torch.equal(entry.tensor, host) for entry, host in self.substitutes)
 
     def registered_tensors_changed(self) -> bool:
         """Whether the layers now register other tensors than the ones laid out: a site that holds

@@ -8,7 +8,7 @@ may be in flight before their backwards.
 from __future__ import annotations
 
 import functools
-
+import warnings
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -153,7 +153,7 @@ class Slice:
                 continue  # rule 2: set_() to itself, as register_parametrization does on every call
             if not _as_host_copy(tensor, entry.tensor):  # rule 3: a move that changed nothing is let through
                 raise RuntimeError(
-                    f"OffloadModel: {self._site_name(entry.sites[0])} was changed in place during forward, in slice "
+                    f"OffloadModel: {self.site_name(entry.sites[0])} was changed in place during forward, in slice "
                     f"{self.index}. OffloadModel runs layers on a device copy of each parameter and writes only buffers "
                     "back, so the parameter would keep its old value and every later output and gradient would differ "
                     "from the plain model's; the parameter was left unchanged. nn.Embedding(max_norm=...) is the usual "
@@ -163,14 +163,15 @@ class Slice:
                     "and call torch.embedding_renorm_(layer.weight, ids, max_norm, norm_type) on the batch's ids "
                     "before calling the model (docs/api.md, Limitations).")
 
-    def _site_name(self, site: Any) -> str:
-        """``site``'s parameter by its name in the model, and its module's type, for messages."""
+    def site_name(self, site: Any) -> str:
+        """``site``'s parameter or buffer by its name in the model, and its module's type, for messages."""
+        kind = "parameter" if site.is_parameter else "buffer"
         for name, layer in zip(self.names, self.layers):
             for sub_name, module in layer.named_modules():
                 if module is site.module:
                     owner = f"{name}.{sub_name}" if sub_name else name
-                    return f"parameter '{owner}.{site.name}' ({type(module).__name__})"
-        return f"parameter '{site.name}' of a {type(site.module).__name__}"
+                    return f"{kind} '{owner}.{site.name}' ({type(module).__name__})"
+        return f"{kind} '{site.name}' of a {type(site.module).__name__}"
 
 
 def _as_host_copy(device_copy: torch.Tensor, host_copy: torch.Tensor) -> bool:
@@ -260,6 +261,9 @@ class Engine:
         #: the ``.grad`` each parameter had when it was zeroed in place, as (id, address, version)
         #: (Note: [Gradients added in place] in offload/autograd/accumulation.py)
         self.zeroed_gradients: dict[int, tuple[int, int, int]] = {}
+        # - Said once per model (Note: [Tensors that view another's memory] in offload/streams/host_storage.py)
+        self.warned_viewed_outside = False
+        self.warn_viewed_outside()
         self._build_device_side()
         _LIVE.add(self)
 
@@ -354,7 +358,26 @@ class Engine:
                 s.storage.build()
             held.update(id(e.tensor) for e in s.storage.held)
         _check_borrowed(self.slices)
+        self.warn_viewed_outside()
         self._build_device_side()
+
+    def warn_viewed_outside(self) -> None:
+        """Warn, once for this model, that a layout took in a tensor that viewed memory another
+        tensor holds (Note: [Tensors that view another's memory] in ``offload/streams/host_storage.py``)."""
+        found = [(s, entry) for s in self.slices for entry in s.storage.viewed_outside]
+        if self.warned_viewed_outside or not found:
+            return
+        self.warned_viewed_outside = True
+        first, entry = found[0]
+        more = f" and {len(found) - 1} more" if len(found) > 1 else ""
+        warnings.warn(
+            f"OffloadModel: {first.site_name(entry.sites[0])}{more} viewed memory that another tensor holds "
+            "(p.data = flat[a:b].view_as(p), torch.nn.utils.vector_to_parameters, a view passed to "
+            "torch.func.functional_call). OffloadModel keeps every parameter and buffer in a host buffer of its own, "
+            "so it copied the values there: later in-place changes to the tensor it viewed will not reach the model, "
+            "as they would in plain PyTorch (an optimizer stepping a flat buffer no longer trains it). Change the "
+            "parameters themselves: build the optimizer over model.parameters() (docs/memory.md, Parameters that "
+            "view another tensor).", stacklevel=3)
 
 
 #: Every engine alive (weakly: models may be dropped).
