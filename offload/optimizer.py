@@ -49,7 +49,7 @@ from .optimizing.stepping import SliceUpdates
 from .optimizing.following import follow, tied_to_engine
 from .optimizing.tier_plumbing import SliceState, TierPlumbing
 from .streams.collectives import HostCollectives
-from .tiers.disk_tier import DiskTier, StateTier
+from .tiers.disk_tier import DiskTier, DiskTierError, StateTier
 from .tiers.slice_update import SliceStep, held_state
 
 
@@ -95,9 +95,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             ``synchronize()`` and ``state_dict()``; the message says which slices are updated).
 
     If the optimizer raises while it updates a slice, the error (a :class:`HostUpdateError`)
-    surfaces at the next call that waits for updates; slices before that one are updated, the
-    ones after it are left as they were, and that slice is unchanged when the optimizer raised
-    before changing it (argument checks, setting up its state), as ``torch.optim`` optimizers do.
+    surfaces at the next call that waits for updates; the updates that ran before it are kept (from
+    ``step()``, the slices before it), the others skipped, and that slice is unchanged when the
+    optimizer raised before changing it (argument checks, setting up its state), as ``torch.optim``'s do.
 
     Example::
 
@@ -196,9 +196,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         engine = engine_of(self.model)
-        started = (self._in_backward.before_step(getattr(self, "grad_scale", None))
-                   if self._in_backward is not None else set())
-        _before_update(self)
+        started, unwritten = _step_begins(self)
         hyper = [snapshot(group) for group in self.param_groups]
         scaling = (getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
         grad_scale, found_inf = _on_host(scaling)
@@ -209,6 +207,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         # Slice order: the resident (first) slices' updates, queued on the device, then the others'.
         self._updates.run_now([s for s in todo if _resident(s)], hyper, *scaling, started)
         self._updates.submit([s for s in todo if not _resident(s)], self._rest, hyper, grad_scale, found_inf)
+        if unwritten is not None:  # a write of the updates backward ran, once the step is whole (_step_begins)
+            raise unwritten
         return loss
 
     def consolidated_state_dict(self, to: int = 0) -> dict[str, Any] | None:
@@ -243,7 +243,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         engine.updates.wait_all()
         if engine.master_files is not None:
             engine.master_files.flush()
-        self._disk.flush()
+        self._disk.flush(_waiting(self))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients, as ``torch.optim.Optimizer.zero_grad`` does.
@@ -449,18 +449,51 @@ def _scaled_in_update(optimizer: OffloadOptimizer) -> tuple[SliceUpdates, list[S
     return optimizer._updates, [step for step in optimizer._steps if not _resident(step)]
 
 
-def _before_update(optimizer: OffloadOptimizer) -> None:
-    """Before updates start (in ``step()``, or in the backward that starts them): a mix left by
-    an update that failed part way remembered, the plan, and what the last step could not
-    write, raised first; the norms computed in backward forgotten."""
+def _step_begins(optimizer: OffloadOptimizer) -> tuple[set[int], DiskTierError | None]:
+    """In ``step()``, before its updates start: the slices whose update backward started
+    (``update_in_backward``, once its checks pass), and :func:`_before_update`'s.
+
+    Where backward started updates, the step is under way: a write of theirs that failed (the
+    disk tier's state, masters on disk) is returned, not raised, for ``step()`` to raise once it
+    has started the rest. Raised first, it would leave the slices deferred to ``step()`` never
+    updated beside those backward updated, and its advice to call ``step()`` again would update
+    those twice (Note: [Disk tier failures] in ``offload/tiers/disk_tier.py``, rule 1).
+    """
+    started = (optimizer._in_backward.before_step(getattr(optimizer, "grad_scale", None))
+               if optimizer._in_backward is not None else set())
+    return started, _before_update(optimizer, "stepped" if started else "step")
+
+
+def _before_update(optimizer: OffloadOptimizer, when: str = "step") -> DiskTierError | None:
+    """Before updates start (``when``: ``"step"`` in ``step()``, ``"backward"`` in the backward that
+    starts them, ``"stepped"`` in ``step()`` after backward started some): a mix left by an update
+    that failed part way remembered, the plan, and what the last step could not write, raised
+    first (returned instead, ``"stepped"``: :func:`_step_begins`); the norms computed in backward
+    forgotten."""
     engine = engine_of(optimizer.model)
-    optimizer._updates.failure.before_step(engine)  # Note: [An update that failed part way]
+    optimizer._updates.failure.before_step(engine, when != "stepped")  # Note: [An update that failed part way]
     _plan(optimizer)
+    writes: list[Callable[[], None]] = [functools.partial(optimizer._disk.flush, when)]  # a failed write retried first
     if engine.master_files is not None:
-        engine.master_files.flush()  # masters that could not be written back are raised first
-    optimizer._disk.flush("step")  # a write that failed last step is retried (or raised) first
+        writes.insert(0, engine.master_files.flush)  # masters that could not be written back are raised first
+    unwritten = None
+    for flush in writes:
+        try:
+            flush()
+        except DiskTierError as error:
+            if when != "stepped":
+                raise
+            unwritten = unwritten or error
     if optimizer._norms is not None:  # the updates read this accumulation's gradients: the next one's count
         optimizer._norms.stepped()
+    return unwritten
+
+
+def _waiting(optimizer: OffloadOptimizer) -> str:
+    """What a wait's failed write says (a key of :data:`~offload.tiers.disk_tier.FLUSHED_AT`): the
+    step is done, or, between a backward that started updates and ``step()``, half done."""
+    backward = optimizer._in_backward
+    return "between" if backward is not None and backward.started else "wait"
 
 
 def check_whole(optimizer: OffloadOptimizer, doing: str) -> None:

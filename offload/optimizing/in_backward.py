@@ -36,7 +36,8 @@ Note: [Update in backward]
       ran stepped the state it replaced): ``step()`` raises;
     - ``step()`` after more backwards than declared: ``step()`` raises (after fewer, none started
       anything, and ``step()`` steps as without the option). A backward that raised is not counted
-      unless it had started updates; if it had, the next ``step()`` raises, naming the slices
+      unless it had started updates (one that raises at its start, before any, where it does what
+      ``step()`` does first, counts none of the accumulation's: :func:`_before_updates`); if it had, the next ``step()`` raises, naming the slices
       updated (another backward since or not), unless the optimizer's state is loaded first (the
       reload of the last checkpoint that its error advises); until that load, ``state_dict()`` and
       ``save_checkpoint`` refuse the mix (Note: [An update that failed part way] in
@@ -102,12 +103,12 @@ class BackwardUpdates(Subscriber):
         accumulation_steps: backwards per ``step()``.
         updates: the optimizer's hand-off of each slice's update to the worker.
         before_update: what ``step()`` does before updates start (the plan; errors of the last writes),
-            called with the optimizer: holding a closure over it would keep the optimizer, and its
-            state, alive as long as the model.
+            called with the optimizer and ``"backward"`` (what its errors say): holding a closure over
+            the optimizer would keep it, and its state, alive as long as the model.
     """
 
     def __init__(self, optimizer: Any, engine: Engine, accumulation_steps: int,
-                 updates: SliceUpdates, before_update: Callable[[Any], None]) -> None:
+                 updates: SliceUpdates, before_update: Callable[[Any, str], Any]) -> None:
         # Weakly, and unsubscribed with it: the model's walk holds this subscriber, and with it the
         # update worker, which must go with the optimizer.
         self._optimizer = weakref.ref(optimizer, _unsubscriber(engine, self))
@@ -141,7 +142,7 @@ class BackwardUpdates(Subscriber):
 
     @classmethod
     def attach(cls, optimizer: Any, engine: Engine, accumulation_steps: int, updates: SliceUpdates,
-               before_update: Callable[[Any], None], enabled: bool) -> BackwardUpdates | None:
+               before_update: Callable[[Any, str], Any], enabled: bool) -> BackwardUpdates | None:
         """Subscribe a new one to the walks of the optimizer's model (``engine``), in place of an
         older optimizer's (only the newest optimizer of a model steps it); ``None`` when not
         ``enabled``."""
@@ -193,11 +194,14 @@ class BackwardUpdates(Subscriber):
         # goes through: the first call's backward counts it, and the end of the run closes it.
         if not accumulates or self._task_open:
             return
+        optimizer = self._optimizer()
+        ending = optimizer is not None and self.backwards + 1 == self.accumulation_steps
+        if ending and self.checked:
+            _before_updates(self, optimizer)
         self._task_open = True
         torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
         self.backwards += 1
-        optimizer = self._optimizer()
-        if optimizer is None or self.backwards != self.accumulation_steps:
+        if not ending:
             return
         self._token = token
         self.deferred = {}
@@ -206,8 +210,6 @@ class BackwardUpdates(Subscriber):
         self._stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
         self._names = self._engine.parameter_names()
         self._tied = self._engine.tied_parameter_ids()
-        if self.checked:
-            self._before_update(optimizer)  # the plan, and what the last step could not write, raised first
         # Looked up once per backward, not once per slice: the plan is final from here to step().
         self._step_of = {s.index: s for s in optimizer._steps}
 
@@ -356,6 +358,21 @@ def check_failed_backward(backward: BackwardUpdates | None) -> None:
     it (Note: [An update that failed part way] in ``partial_failure.py``)."""
     if backward is not None and backward._task_open and backward.started:
         _latch_failure(backward, backward.started)
+
+
+def _before_updates(backward: BackwardUpdates, optimizer: Any) -> None:
+    """At the start of the backward that starts the step's updates, before it counts: what
+    ``step()`` does before updates start (the plan; what the last step could not write, its held
+    state written first). What that raises, it raises before any of this backward's gradients
+    reach the model's parameters and before any update: this backward is not counted, and neither
+    are the accumulation's earlier ones, since the error advises to run the batch (every batch of
+    the accumulation) again after ``zero_grad()`` (Note: [Disk tier failures] in
+    ``offload/tiers/disk_tier.py``, rule 2)."""
+    try:
+        backward._before_update(optimizer, "backward")
+    except BaseException:
+        backward.backwards = 0
+        raise
 
 
 def _latch_failure(backward: BackwardUpdates, started: set[int]) -> None:

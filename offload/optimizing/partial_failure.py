@@ -5,16 +5,24 @@ in backward (``in_backward.py``, which reports its own failures here).
 
 Note: [An update that failed part way]
     A step updates its slices one at a time, with no backup (``docs/optimizer.md``, "Failures"):
-    when one raises (a :class:`~offload.HostUpdateError`, at the next wait), the slices updated
-    before it keep their update, those after it are left as they were, and it may be partly
-    updated; a backward that raised after ``update_in_backward`` had started updates leaves those
-    slices updated and the others not. The parameters and the optimizer state then mix two steps.
-    The error says so once; this record keeps saying it:
+    when one raises (a :class:`~offload.HostUpdateError`, at the next wait), the updates that ran
+    before it keep their result, those the worker had not started are skipped, and it may be
+    partly updated. Which ran first depends on the schedule, not on the index (from ``step()``
+    the slices before it; from backward, ``update_in_backward``, as the gradients landed), so the
+    error cannot name them (:func:`~offload.tiers.slice_update.other_slices`); this record can. A
+    backward that raised after ``update_in_backward`` had started updates leaves those slices
+    updated and the others not. The parameters and the optimizer state then mix two steps.
+    The error says so once; this record keeps saying it, naming the slices:
 
     1. Each update handed over is recorded (:meth:`PartialFailure.handing`), and the update itself
        notes when it starts changing host memory (the optimizer is called: :meth:`run`) and when
-       it is done. A round is the updates handed over since every earlier one was done; a new
-       round forgets which slices the last one changed.
+       it is done. A round is a step's updates: it begins where they begin (:meth:`before_step`:
+       in ``step()``, or in the backward that starts them with ``update_in_backward``, whose
+       ``step()`` goes on with the same round), and forgets which slices the last one changed;
+       while an update of the last round still runs, the new one joins it instead. Not "since
+       every update was done": backward hands them over one at a time as the gradients land, a
+       worker that keeps up finishes each before the next, and a slice updated early in the
+       step would be forgotten, so that a later failure latched no mix, or named too few.
     2. An update that ended without being done (it raised, or the worker skipped it after another
        one raised) ends its round: once the round's updates have been waited for (which raises
        the error first, if no wait has yet), the mix is *latched* when any update of the round
@@ -85,9 +93,7 @@ class PartialFailure:
 
     def handing(self, index: int, in_caller: bool = False) -> Handed:
         """Slice ``index``'s update is about to be handed over (``in_caller``: run here); a new
-        round starts when every earlier update is done."""
-        if not self._unfinished:
-            self._changing = set()
+        round starts with the step (:meth:`before_step`)."""
         handed = Handed(index, in_caller=in_caller)
         self._unfinished.add(handed)
         self._this_step.add(index)
@@ -154,11 +160,14 @@ class PartialFailure:
                 "mix; load the last checkpoint first (load_checkpoint(latest_checkpoint(directory)), or "
                 "load_state_dict() and the model's load_state_dict()).")
 
-    def before_step(self, engine: Any) -> None:
+    def before_step(self, engine: Any, new_round: bool = True) -> None:
         """In ``step()`` (or the backward that would start updates): latch what the last round left
         before a new one starts (rule 3: nothing is refused here); an update's error not raised
-        yet is raised first."""
+        yet is raised first. ``new_round``: the step's updates begin here, not in the backward
+        before (rule 1)."""
         self._latch(engine)
+        if new_round and not self._unfinished:
+            self._changing = set()
 
     def forget(self) -> None:
         """A load replaced the state (and, through ``load_checkpoint``, the parameters): no mix."""

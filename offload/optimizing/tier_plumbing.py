@@ -64,7 +64,8 @@ class TierPlumbing:
         return self.tier.submit(index, worker, work, after=after)
 
     def flush(self, when: str = "wait") -> None:
-        """Wait for the tier's writes; raise what it could not write (:meth:`StateTier.flush`)."""
+        """Wait for the tier's writes; raise what it could not write (:meth:`StateTier.flush`), saying
+        what is true ``when`` (a key of :data:`~offload.tiers.disk_tier.FLUSHED_AT`)."""
         if self.tier is not None:
             self.tier.flush(when)
 

@@ -38,7 +38,9 @@ Note: [Disk tier pipeline]
 Note: [Disk tier failures]
     A read that fails leaves its slice untouched: its update raises before attaching anything
     (a :class:`~offload.HostUpdateError`, at the next call that waits for updates), and, as for
-    any failed update, later slices are left as they were.
+    any failed update, the updates the worker had not started are skipped: from ``step()`` the
+    later slices', from backward (``update_in_backward``) those of the slices whose gradients had
+    not landed, or not been updated yet (:func:`~offload.tiers.slice_update.other_slices`).
 
     A write that fails (an I/O error; ``ENOSPC`` when its file is first allocated, since files
     are preallocated with ``posix_fallocate`` and a write into allocated blocks does not need
@@ -49,6 +51,24 @@ Note: [Disk tier failures]
     Once space is freed, the next ``step()`` writes the held state first, then steps as usual: so
     the error raised by a wait says the step is done and to carry on (a ``step()`` again with the
     same gradients would apply them twice), and the one raised by ``step()`` to call it again.
+    Each place that raises says what is true there (:data:`FLUSHED_AT`).
+
+    With ``update_in_backward``, the backward that ends an accumulation starts the step's
+    updates, and their writes fail after it; the step's start moves to that backward:
+
+    1. ``step()`` after it raises a failed write of those updates only once it has started what
+       backward left (the slices deferred to ``step()``, resident slices, the parameters outside
+       the model): the step is then done, whole, and the error says so and to carry on, as a
+       wait's does. Raised first, as without the option, it would leave those slices never
+       updated beside the others (a mix of two steps that nothing refuses), and its "call step()
+       again" would update the others twice.
+    2. The backward that starts the next step's updates writes the held state first, as
+       ``step()`` does. If that still fails, it raises before any of its gradients reaches the
+       model's parameters and before it is counted, and the accumulation's count starts again
+       (``offload/optimizing/in_backward.py``): no update of the step ran, and the error says
+       to free space, ``zero_grad()`` and run the batch (every batch of the accumulation) again.
+    3. A wait between that backward and ``step()`` says that backward updated those slices, and
+       to call ``step()`` once, as usual.
 
     An interrupt (Ctrl-C's ``KeyboardInterrupt``, or any error) while :meth:`StateTier.submit`
     queues a slice's pieces withdraws nothing already queued: the write is queued after the last
@@ -74,7 +94,7 @@ from typing import Any
 
 import torch
 
-from .slice_update import HostUpdateError, held_state
+from .slice_update import HostUpdateError, held_state, other_slices
 from .state_files import StateFiles, expected_state_bytes, size_text
 from .state_slice import LoadingSlice, Place, SliceRecord, SliceState, goes_to_disk
 from .state_window import WINDOW, Window
@@ -264,12 +284,12 @@ class StateTier:
     # -- the caller's side ---------------------------------------------------------------------------
 
     def flush(self, when: str = "wait") -> None:
-        """Wait for every write; raise a write failure not raised yet; at the start of ``step()``,
-        write held state again first, and raise if it still fails (see Note: [Disk tier failures]).
+        """Wait for every write; raise a write failure not raised yet; where a step's updates start
+        (``step()``, or the backward that starts them), write held state again first, and raise if
+        it still fails (see Note: [Disk tier failures]).
 
         Args:
-            when: ``"step"`` at the start of ``step()`` (which then updates nothing), ``"load"``
-                after ``load_state_dict()``, ``"wait"`` elsewhere: what the error says.
+            when: what the error says, as the caller stands (:data:`FLUSHED_AT`).
 
         Raises:
             DiskTierError: state could not be written.
@@ -407,7 +427,7 @@ def _read_failure(index: int, error: OSError) -> HostUpdateError:
     failures]): nothing was attached, so the slice is as it was."""
     return HostUpdateError(
         f"could not read the optimizer state of slice {index} from {error.filename} ({error.strerror}): slice "
-        f"{index} and the slices after it were left as they were; slices before it are updated")
+        f"{index} was left as it was. {other_slices(index)}")
 
 
 def _keep(files: StateFiles, records: Collection[SliceRecord], index_of: dict[int, int]) -> str | None:
@@ -445,10 +465,11 @@ def _not_kept(files: StateFiles, held: list[SliceRecord]) -> str:
 
 def _to_report(held: list[SliceRecord], files: StateFiles, when: str) -> list[SliceRecord]:
     """Of the slices whose state is ``held`` in RAM after a failed write, those ``flush(when)``
-    raises for, now marked reported. Once all were reported, only ``step()`` writes them again
-    (and reports those still held); elsewhere held state stays readable (``state_dict()`` works)."""
+    raises for, now marked reported. Once all were reported, only the start of a step's updates
+    (``"step"``, ``"backward"``) writes them again (and reports those still held); elsewhere held
+    state stays readable (``state_dict()`` works)."""
     if held and all(r.reported for r in held):
-        if when != "step":
+        if when not in ("step", "backward"):
             return []  # raised once already
         for record in held:
             record.write(files)
@@ -465,22 +486,45 @@ def _failure_message(files: StateFiles, held: list[SliceRecord], when: str) -> s
     paths = ", ".join(f"{files.path_of(r.index)} ({size_text(r.nbytes)})" for r in held)
     total = sum(r.nbytes for r in held)
     indices = ", ".join(str(r.index) for r in held)
-    held_in_ram = "in RAM until it is written; every other slice's state is on disk."
-    if when == "step":
-        advice = (f"Those slices' state is held {held_in_ram} This call to step() updated nothing. Free space (or fix "
-                  "the disk) and call step() again: it writes the held state first, then steps.")
-    elif when == "load":
-        advice = (f"The state is loaded: those slices' state is held {held_in_ram} Free space (or fix the disk) and "
-                  "carry on: the next step() writes the held state first.")
-    else:
-        # The update is done: step() again, with .grad still set, would apply it a second time.
-        advice = (f"The step is done: those slices are updated (parameters and state), their state held {held_in_ram} "
-                  "Free space (or fix the disk) and carry on (zero_grad(), the next batch) without calling step() "
-                  "again for this step: the next step() writes the held state first.")
     return (
         f"the disk tier could not write the optimizer state of slice(s) {indices} to {paths}: "
         f"{first.strerror} (errno {first.errno}); {size_text(total)} needed on the filesystem of "
-        f"{files.directory}. " + advice)
+        f"{files.directory}. " + FLUSHED_AT[when])
+
+
+_HELD = "held in RAM until it is written; every other slice's state is on disk."
+_NEXT = ("the next step's updates write the held state first (step(), or with update_in_backward the backward that "
+         "starts them).")
+
+#: What :class:`DiskTierError` says, by where :meth:`StateTier.flush` raised it (Note: [Disk tier
+#: failures]): what the updates left there, and the way on that applies each step exactly once.
+FLUSHED_AT = {
+    # At the start of step(): nothing of this step ran yet.
+    "step": (f"Those slices' state is {_HELD} This call to step() updated nothing. Free space (or fix the disk) and "
+             "call step() again: it writes the held state first, then steps."),
+    # At the start of the backward that would start the updates (update_in_backward): it raised before
+    # any of its gradients reached the model's parameters, and is not counted.
+    "backward": (f"Those slices' state is {_HELD} This backward raised before any of its gradients "
+                 "reached the model's parameters, and no update of this step ran. Free space (or fix the disk), "
+                 "then zero_grad() and run the batch again (with accumulation_steps, every batch of the "
+                 "accumulation), then step(): the backward that starts the updates writes the held state first."),
+    # Raised by step() once it started what backward left (update_in_backward): the step is done,
+    # and step() again, with .grad still set, would apply it a second time.
+    "stepped": ("The step is done: backward updated those slices (parameters and state), their state held in RAM "
+                "until it is written, and step() started the updates backward left to it, as usual. Free space (or "
+                "fix the disk) and carry on (zero_grad(), the next batch) without calling step() again for this "
+                "step: " + _NEXT),
+    # Between a backward that started updates and step() (update_in_backward): the step is half done.
+    "between": (f"Backward (update_in_backward) updated those slices (parameters and state), their state {_HELD} "
+                "Free space (or fix the disk) and call step() once, as usual: it updates the slices backward did "
+                "not; " + _NEXT),
+    "load": (f"The state is loaded: those slices' state is {_HELD} Free space (or fix the disk) and carry on: "
+             + _NEXT),
+    # Elsewhere (synchronize(), state_dict()): the update is done, and step() again would apply it twice.
+    "wait": (f"The step is done: those slices are updated (parameters and state), their state {_HELD} Free space "
+             "(or fix the disk) and carry on (zero_grad(), the next batch) without calling step() again for this "
+             "step: " + _NEXT),
+}
 
 
 def _partly_loaded(mix: str, doing: str) -> str:

@@ -63,7 +63,7 @@ from pathlib import Path
 import torch
 
 from .disk_tier import WINDOW, DiskTier, DiskTierError
-from .slice_update import HostUpdateError
+from .slice_update import HostUpdateError, other_slices
 from ..streams.backend import Event
 from ..streams.copies import CopyStreams
 from ..streams.disk import DiskCounters, make_directory
@@ -191,8 +191,8 @@ class MasterFiles:
                 why = (error.strerror if isinstance(error, OSError) and error.strerror
                        else f"{type(error).__name__}: {error}")
                 raise HostUpdateError(
-                    f"could not read the masters or gradients of slice {index} from {path} ({why}): slice {index} and "
-                    "the slices after it were left as they were; slices before it are updated") from error
+                    f"could not read the masters or gradients of slice {index} from {path} ({why}): slice {index} was "
+                    f"left as it was. {other_slices(index)}") from error
             work()
         finally:
             gradients = self._gradients_of.pop(index, None)

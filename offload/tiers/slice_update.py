@@ -124,6 +124,22 @@ class HostUpdateError(RuntimeError):
     waits for the update: a forward, ``step()``, ``synchronize()``...)."""
 
 
+def other_slices(index: int) -> str:
+    """What the error of slice ``index``'s failed update says of the step's other slices.
+
+    Which of their updates ran before it depends on the schedule, not on the slice's index: the
+    worker runs what it holds lowest slice first among the ready (Note: [Updates in the next
+    forward's order] in ``offload/optimizing/stepping.py``), ``step()`` hands the updates over in
+    slice order, backward (``update_in_backward``) as the gradients land, last slice first. The
+    worker skips what it had not started; the record of Note: [An update that failed part way]
+    (``offload/optimizing/partial_failure.py``) knows which ran, and its refusal names them.
+    """
+    return (f"Of the step's other updates, those that ran before it are kept and the others skipped: step() runs "
+            f"them in slice order, so the slices before {index} are updated and the slices after it were left as "
+            "they were, but update_in_backward runs them as their gradients land, last slice first. Until a load, "
+            "state_dict() and save_checkpoint refuse any mix of two steps this leaves, naming the slices updated.")
+
+
 @dataclass
 class SliceStep:
     """Everything needed to step one slice's parameters.
@@ -178,11 +194,10 @@ class SliceStep:
         except Exception as error:
             where = "on the device" if self.storage is not None and self.storage.resident else "on the host"
             raise HostUpdateError(
-                f"the optimizer raised while updating slice {self.index} of the model {where}: slices "
-                f"before it are updated and slices after it were left as they were; slice {self.index} is "
-                "unchanged if the optimizer raised before changing it (checking its arguments, allocating its "
-                "state) and may be partly updated otherwise. Reload a checkpoint before training on."
-            ) from error
+                f"the optimizer raised while updating slice {self.index} of the model {where}: slice {self.index} "
+                "is unchanged if the optimizer raised before changing it (checking its arguments, allocating its "
+                f"state) and may be partly updated otherwise. {other_slices(self.index)} Reload a checkpoint before "
+                "training on.") from error
         if shadow:
             assert self.storage is not None
             self.storage.shadow_written()
