@@ -25,7 +25,8 @@ Note: [Norms on several threads]
     (where reading the coefficient costs nothing): the product is each value itself, so the
     gradients are the same bits (a signalling NaN stays signalling instead of becoming quiet). That
     is every step whose norm is below ``max_norm``, and every step of a ``max_norm`` of infinity,
-    which Hugging Face's ``Trainer`` clips with only to log the norm.
+    which Hugging Face's ``Trainer`` clips with only to log the norm. Not for a 0-norm: it counts
+    a NaN as any non-zero and stays finite, and PyTorch's bfloat16 product sets a quiet NaN's sign.
 
     A norm computed before the call, as each slice's gradients landed in backward (Note: [Norms
     from backward] in ``offload/optimizing/backward_norms.py``), is taken instead of computed again
@@ -91,7 +92,7 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
         scaler.settle(parameters)  # an earlier clip's scaling, handed to an update worker, writes these gradients
     grads = [p.grad for p in parameters if p.grad is not None]
     total_norm = total_grad_norm(grads, norm_type, error_if_nonfinite, foreach, num_threads=num_threads)
-    if grads and not _coefficient_is_one(grads, max_norm, total_norm):
+    if grads and not _coefficient_is_one(grads, max_norm, norm_type, total_norm):
         _scale(parameters, max_norm, total_norm, foreach)
     return total_norm
 
@@ -327,10 +328,13 @@ def _pool(workers: int) -> ThreadPoolExecutor:
         return pool
 
 
-def _coefficient_is_one(grads: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> bool:
+def _coefficient_is_one(grads: list[torch.Tensor], max_norm: float, norm_type: float | str,
+                        total_norm: torch.Tensor) -> bool:
     """Whether ``clip_grads_with_norm_`` would multiply every gradient by exactly one, read only
-    where that costs no device synchronisation (every gradient on the CPU)."""
-    if any(g.device.type != "cpu" for g in grads) or total_norm.device.type != "cpu":
+    where that costs no device synchronisation (every gradient on the CPU), and where the product
+    could not tell: a "0-norm" (a count of non-zeros) is finite beside a quiet NaN, which
+    PyTorch's bfloat16 product rewrites (its sign set), so that product is left to PyTorch."""
+    if any(g.device.type != "cpu" for g in grads) or total_norm.device.type != "cpu" or float(norm_type) == 0.0:
         return False
     clip_coef = max_norm / (total_norm + 1e-6)
     return bool(torch.clamp(clip_coef, max=1.0) == 1.0)

@@ -129,6 +129,22 @@ def test_a_coefficient_of_one_leaves_the_gradients_untouched():
     assert all(p.grad._version > v for p, v in zip([p for p in params if p.grad is not None], versions))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_0_norm_beside_a_nan_gradient_leaves_the_bits_pytorchs(dtype):
+    """A count of non-zeros stays finite beside a quiet NaN, whose sign PyTorch's bfloat16
+    product by the coefficient one sets: that product is made, as PyTorch makes it."""
+    def parameter() -> nn.Parameter:
+        p = nn.Parameter(torch.zeros(300, dtype=dtype))
+        p.grad = torch.ones(300, dtype=dtype)
+        p.grad[3] = float("nan")
+        return p
+    plain, offloaded = parameter(), parameter()
+    expected = torch.nn.utils.clip_grad_norm_([plain], max_norm=1e9, norm_type=0.0)
+    got = offload.clip_grad_norm_([offloaded], max_norm=1e9, norm_type=0.0)
+    assert _bits_equal(got, expected) and math.isfinite(float(got))
+    assert _bits_equal(offloaded.grad, plain.grad)
+
+
 def test_bad_arguments():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="num_threads"):
