@@ -64,7 +64,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     It *is* a ``torch.optim.Optimizer``: learning-rate schedulers and ``torch.amp.GradScaler``
     accept it, its ``param_groups`` are the groups you passed, and its ``state_dict()`` loads into
-    ``optimizer_class`` and back.
+    ``optimizer_class`` and back (sharded over several ranks: :meth:`consolidated_state_dict`).
 
     Args:
         model: the :class:`~offload.OffloadModel` it steps, or an ``OffloadedCausalLM`` (it steps ``model.offloaded``).
@@ -213,11 +213,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def consolidated_state_dict(self, to: int = 0) -> dict[str, Any] | None:
         """The whole optimizer state, gathered from the ranks that own its parts, on rank ``to``
-        (of the process group); ``None`` on the others. Call it on every rank. Without sharding it
-        is ``state_dict()`` on every rank. The result loads into ``optimizer_class`` and into an
-        OffloadOptimizer, sharded or not.
+        (of the process group); ``None`` on the others. Call it on every rank, then save it on rank
+        ``to``. Without sharding it is ``state_dict()`` on every rank. The result loads into
+        ``optimizer_class`` and into an OffloadOptimizer, sharded or not.
         """
-        local = self.state_dict()
+        local = local_state_dict(self)
         return local if self._sharding is None else self._sharding.gather_state(local, to)
 
     def state_by_slice(self) -> Iterator[tuple[int, dict[torch.Tensor, dict[str, Any]]]]:
@@ -264,13 +264,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         mark_zeroed(params)
 
     def state_dict(self) -> dict[str, Any]:
-        """``torch.optim.Optimizer.state_dict()``, after the pending updates; with a disk tier, the
-        state on disk is read into it one slice at a time."""
-        check_whole(self, "state_dict()")
-        self.synchronize()
-        packed = super().state_dict()
-        self._disk.add_to_state_dict(packed, _param_indices(self))
-        return packed
+        """``torch.optim.Optimizer.state_dict()``, after the pending updates (a disk tier's state read
+        in one slice at a time). Sharded over several ranks, each holds only its share: a ``RuntimeError``
+        says to call :meth:`consolidated_state_dict` instead (Note: [A sharded state_dict()])."""
+        if self._sharding is not None:
+            self._sharding.refuse_partial("state_dict()")
+        return local_state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """``optimizer_class``'s ``load_state_dict()``, after the pending updates (a disk tier's: slice by slice)."""
@@ -321,6 +320,19 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
 
 # -- the optimizer's state, as checkpoints read and load it -------------------------------------------
+
+
+def local_state_dict(optimizer: OffloadOptimizer) -> dict[str, Any]:
+    """``torch.optim.Optimizer.state_dict()`` of the state this rank keeps, after the pending
+    updates, with a disk tier's state read in one slice at a time: sharded, only this rank's share
+    (which :meth:`OffloadOptimizer.state_dict` refuses to hand out: Note: [A sharded state_dict()]
+    in ``offload/optimizing/sharding.py``). Not public: for the gather of
+    :meth:`OffloadOptimizer.consolidated_state_dict`, and for tests that read one rank's share."""
+    check_whole(optimizer, "state_dict()")
+    optimizer.synchronize()
+    packed = torch.optim.Optimizer.state_dict(optimizer)
+    optimizer._disk.add_to_state_dict(packed, _param_indices(optimizer))
+    return packed
 
 
 def state_layout_by_slice(optimizer: OffloadOptimizer) -> Iterator[tuple[int, SliceState, SliceState]]:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from offload import OffloadModel, OffloadOptimizer, latest_checkpoint, load_checkpoint, save_checkpoint
+from offload.optimizer import local_state_dict  # sharded, a rank's own share (state_dict() refuses it)
 
 from .stream_scenarios import tied_mlp
 
@@ -96,7 +97,7 @@ def train(rank: int, world_size: int, directory: str, *, tag: str, steps: int, c
                                    "scaler": scaler.state_dict()})
     optimizer.synchronize()
     result = {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-              "optimizer": optimizer.state_dict(), "scale": scaler.get_scale(),
+              "optimizer": local_state_dict(optimizer), "scale": scaler.get_scale(),
               "lr": [g["lr"] for g in optimizer.param_groups], "rng": torch.get_rng_state(),
               "device_rng": torch.cuda.get_rng_state() if device.startswith("cuda") else None}
     torch.save(result, os.path.join(directory, f"{tag}.{rank}.pt"))
@@ -129,7 +130,7 @@ def reshard(rank: int, world_size: int, directory: str, *, tag: str, source: str
     load_checkpoint(latest_checkpoint(os.path.join(directory, source)), model, optimizer)
     on_disk = optimizer._tier is not None and all(r.place.name == "DISK" for r in optimizer._tier.records.values())
     result = {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
-              "optimizer": optimizer.state_dict(), "consolidated": optimizer.consolidated_state_dict(to=0),
+              "optimizer": local_state_dict(optimizer), "consolidated": optimizer.consolidated_state_dict(to=0),
               "most_slices_open": open_slices[1], "all_on_disk": on_disk,
               "state_tensors_in_ram": sum(v.dim() > 0 for s in optimizer.state.values() for v in s.values())}
     torch.save(result, os.path.join(directory, f"{tag}.{rank}.pt"))

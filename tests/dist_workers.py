@@ -105,6 +105,27 @@ def sharded(rank: int, world_size: int, directory: str) -> None:
     save(directory, "sharded", rank, results)
 
 
+def sharded_state_dict(rank: int, world_size: int, directory: str) -> None:
+    """Two steps, sharded and not: the sharded optimizer's state_dict() refuses (Note: [A sharded
+    state_dict()]), on every rank, and what it advises gathers the whole state on rank 0; the
+    unsharded one's state_dict() holds every parameter's state on every rank."""
+    results: dict[str, Any] = {}
+    for shard in (True, False):
+        model = OffloadModel(network(seed=0), device="cpu", num_slices=3, process_group=dist.group.WORLD)
+        optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True, shard=shard)
+        for step in range(2):
+            model(share(data(step, world_size), rank, world_size)).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        try:
+            results[f"state_dict {shard}"] = optimizer.state_dict()
+        except RuntimeError as error:
+            results[f"state_dict {shard}"] = str(error)
+        results[f"consolidated {shard}"] = optimizer.consolidated_state_dict(to=0)
+        results[f"model {shard}"] = model.state_dict()
+    save(directory, "sharded_state_dict", rank, results)
+
+
 def different_models(rank: int, world_size: int, directory: str) -> None:
     layers = network(seed=0) if rank == 0 else nn.Sequential(nn.Linear(6, 17), nn.Tanh(), nn.Linear(17, 3))
     try:
@@ -585,4 +606,4 @@ JOBS = {f.__name__: f for f in (train, no_sync, sharded, different_models, one_r
                                  layouts, sharded_disk, sharded_masters, uneven_branch, branch_in_no_sync,
                                  frozen_on_one_rank, own_collectives, batchnorm_checkpoint, overlapping_groups,
                                  sharded_update_fails_on_one_rank, update_fails_on_one_rank, different_slices,
-                                 sharded_add_param_group, load_missing_on_one_rank)}
+                                 sharded_add_param_group, load_missing_on_one_rank, sharded_state_dict)}

@@ -121,6 +121,41 @@ def test_sharded_offload_optimizer(tmp_path):
                     torch.testing.assert_close(full["state"][k][key], want_state[k][key], **ROUNDING)
 
 
+def test_a_sharded_state_dict_refuses_and_its_advice_resumes_as_one_process(tmp_path):
+    """Each rank holds only its share of a sharded optimizer's state; saved as the whole (``if rank
+    == 0: torch.save(optimizer.state_dict())``), it would load without a word and restart the
+    other rank's parameters with fresh moments. So state_dict() refuses on every rank, saying what
+    to do (Note: [A sharded state_dict()]); consolidated_state_dict(to=0), saved on rank 0, resumes
+    in one process as the plain optimizer on the whole batch. Unsharded, state_dict() is whole."""
+    results = spawn("sharded_state_dict", tmp_path)
+    parameters = len(list(network(seed=0).parameters()))
+    for rank, result in enumerate(results):
+        refused = result["state_dict True"]
+        assert isinstance(refused, str), "a sharded state_dict() handed out one rank's share"
+        assert f"rank {rank} of {WORLD} keeps the optimizer state of only the parameters it updates" in refused
+        assert "optimizer.consolidated_state_dict(to=0) on every rank" in refused
+        assert "offload.save_checkpoint(path, model, optimizer) on every rank" in refused
+        whole = result["state_dict False"]  # unsharded: every rank's own state_dict() is whole
+        assert len(whole["state"]) == parameters
+        assert (result["consolidated True"] is None) == (rank == 1)  # gathered on rank 0, None on the others
+    saved = results[0]["consolidated True"]
+    assert len(saved["state"]) == parameters
+    for index, state in results[0]["state_dict False"]["state"].items():
+        for key, value in state.items():
+            assert torch.equal(saved["state"][index][key], value), (index, key)
+    # Resume in one process from what rank 0 saved, one more step on the whole batch.
+    model = OffloadModel(network(seed=0), device="cpu", num_slices=3)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
+    model.load_state_dict(results[0]["model True"])
+    optimizer.load_state_dict(saved)
+    model(data(2, WORLD)).pow(2).mean().backward()
+    optimizer.step()
+    optimizer.synchronize()
+    reference, _ = one_process(lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True))
+    for got, want in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(got.detach(), want.detach(), **ROUNDING)
+
+
 def test_sharded_update_keeps_each_ranks_state_on_its_disk(tmp_path):
     results = spawn("sharded_disk", tmp_path)
     for rank, result in enumerate(results):

@@ -104,9 +104,39 @@ class Sharding:
                                           after=[updated], what=f"sharing the updated parameters of slice {step.index}",
                                           then=then, failed=lambda: handed is not None and not handed.done, told=told)
 
+    def refuse_partial(self, doing: str) -> None:
+        """Raise when ``doing`` (``state_dict()``) would hand out this rank's share of the state as
+        if it were the whole (Note: [A sharded state_dict()]); on one rank the share is the whole.
+
+        Note: [A sharded state_dict()]
+            Each rank keeps the state of the parameters it updates only, while ``param_groups``
+            list every parameter. ``torch.optim``'s ``load_state_dict()`` takes a state that lacks
+            some parameters without a word and starts them over (fresh Adam moments), so a share
+            saved as the whole, by the habit ``if rank == 0: torch.save(optimizer.state_dict())``
+            of a ``DistributedDataParallel`` run, resumes wrong in silence. ``state_dict()``
+            therefore refuses, as ``ZeroRedundancyOptimizer.state_dict()`` does until it is
+            consolidated; what needs the share (the gather of ``consolidated_state_dict()``)
+            reads it with ``local_state_dict()`` in ``offload/optimizer.py``, and
+            ``save_checkpoint`` never reads ``state_dict()``: each rank writes its share by name.
+
+        Raises:
+            RuntimeError: several ranks share the update.
+        """
+        rank, world_size = self.collectives.rank, self.collectives.world_size
+        if world_size == 1:
+            return
+        raise RuntimeError(
+            f"{doing} of a sharded OffloadOptimizer: rank {rank} of {world_size} keeps the optimizer state of only "
+            f"the parameters it updates, while param_groups list every parameter, so a checkpoint of it would "
+            f"restart the others with fresh state. Call optimizer.consolidated_state_dict(to=0) on every rank and "
+            f"save what rank 0 gets (None on the others; it loads into optimizer_class and into an "
+            f"OffloadOptimizer, sharded or not), or offload.save_checkpoint(path, model, optimizer) on every rank "
+            f"(each rank writes its own share). OffloadOptimizer(..., shard=False) keeps the whole state on "
+            f"every rank instead.")
+
     def gather_state(self, local: dict[str, Any], to: int) -> dict[str, Any] | None:
-        """The whole state, merged from each rank's ``local`` ``state_dict()``, on rank ``to`` of the
-        group; ``None`` on the others. Every rank calls it."""
+        """The whole state, merged from each rank's ``local`` share (``local_state_dict()`` in
+        ``offload/optimizer.py``), on rank ``to`` of the group; ``None`` on the others. Every rank calls it."""
         group = self.collectives.group
         gathered: list[Any] | None = [None] * self.collectives.world_size if self.collectives.rank == to else None
         dist.gather_object(local["state"], gathered, dst=dist.get_global_rank(group, to), group=group)
