@@ -42,7 +42,7 @@ import torch
 
 from offload import OffloadModel, OffloadOptimizer, load_checkpoint, save_checkpoint
 from offload.planning.presets import build_preset, preset_names
-from json_output import check_json_path  # benchmarks/json_output.py, next to this file
+from json_output import check_dir, check_json_path  # benchmarks/json_output.py, next to this file
 
 
 def setting(text: str) -> tuple[str, int]:
@@ -108,6 +108,7 @@ def main() -> None:
     parser.add_argument("--disk-tier", type=Path, help="keep the optimizer's moments in files under this directory")
     args = parser.parse_args()
     check_json_path(parser, args.json)
+    check_dir(parser, args.dir)
     settings = dict(args.set)
 
     model, optimizer = build(args.preset, settings, args.slices, args.disk_tier)

@@ -39,7 +39,7 @@ from offload.planning.presets import build_preset, preset_names
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_checkpoint import build  # noqa: E402 - the same model and optimizer as that benchmark
-from json_output import check_json_path  # benchmarks/json_output.py, next to this file
+from json_output import check_dir, check_json_path  # benchmarks/json_output.py, next to this file
 
 
 class TimedZlib:
@@ -64,6 +64,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     check_json_path(parser, args.json)
+    check_dir(parser, args.dir)
 
     model, optimizer = build(args.preset, {}, args.slices)
     preset = build_preset(args.preset)

@@ -32,12 +32,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from json_output import check_dir, check_json_path  # benchmarks/json_output.py, next to this file
+
 ROOT = Path(__file__).resolve().parents[1]
 
 FULL_PASS = """
 import sys, time
 from offload.integrations.data import token_blocks
-from json_output import check_json_path  # benchmarks/json_output.py, next to this file
 
 class Utf8Bytes:
     # The byte-level tokenizer's ids (a text's UTF-8 bytes), at memory speed: the pass measures
@@ -60,7 +61,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dir", type=Path, help="where the corpora go (default: a temporary directory)")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
+    if not all(0 < size < float("inf") for size in args.sizes_mb) or args.steps < 1:
+        parser.error("--sizes-mb must be above 0 (and finite) and --steps at least 1")
     check_json_path(parser, args.json)
+    check_dir(parser, args.dir)
     return args
 
 

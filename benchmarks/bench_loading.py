@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 import torch
-from json_output import check_json_path  # benchmarks/json_output.py, next to this file
+from json_output import check_dir, check_json_path  # benchmarks/json_output.py, next to this file
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARD_BYTES = 512 * 2**20
@@ -35,9 +35,11 @@ def write_checkpoint(path: Path, args: argparse.Namespace) -> dict:
     import transformers
     from safetensors.torch import save_file
 
+    # Heads 128 wide, at least one: the loader reads tensors, whatever the heads cut them into, and no
+    # forward runs, so a --hidden under 128 (a smoke test's) gets one head rather than none.
     config = transformers.LlamaConfig(
         hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
-        num_attention_heads=args.hidden // 128, num_key_value_heads=max(1, args.hidden // 512),
+        num_attention_heads=max(1, args.hidden // 128), num_key_value_heads=max(1, args.hidden // 512),
         vocab_size=args.vocab, tie_word_embeddings=False)
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in transformers.AutoModelForCausalLM.from_config(config).state_dict().items()}
@@ -101,7 +103,11 @@ def main() -> None:
     parser.add_argument("--num-slices", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
+    sizes = ("layers", "hidden", "intermediate", "vocab", "num_slices", "repeats")
+    if min(getattr(args, name) for name in sizes) < 1:
+        parser.error(f"{', '.join('--' + name.replace('_', '-') for name in sizes)} must be at least 1")
     check_json_path(parser, args.json)
+    check_dir(parser, args.dir)
 
     written = json.loads((args.dir / "bench.json").read_text()) if (args.dir / "bench.json").is_file() else None
     if written is None or written["config"] != {"layers": args.layers, "hidden": args.hidden,

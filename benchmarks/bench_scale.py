@@ -46,7 +46,7 @@ from torch import nn
 import offload
 from offload import DiskTier, OffloadOptimizer
 from offload.model import engine_of
-from json_output import check_json_path  # benchmarks/json_output.py, next to this file
+from json_output import check_dir, check_json_path  # benchmarks/json_output.py, next to this file
 
 GIB = 2**30
 
@@ -212,6 +212,7 @@ def main() -> None:
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     check_json_path(parser, args.json)
+    check_dir(parser, args.dir)
     if args.resume_check and args.steps < 2:
         parser.error("--resume-check needs --steps 2 or more: it saves before the last step")
     if args.resume_check and args.drop_checkpoint:

@@ -329,7 +329,7 @@ def test_a_checkpoint_that_does_not_load_is_one_line_in_the_commands_flags(tmp_p
 
 
 @pytest.mark.parametrize(("device", "capability", "flags", "expected"), [
-    ("cpu", None, [], "none"),  # a CPU computes bfloat16 several times slower than float32
+    ("cpu", None, [], "none"),  # every CPU: auto does not measure whether it has bfloat16 instructions
     ("cuda", (9, 0), [], "bf16"),
     ("cuda", (8, 0), [], "bf16"),
     ("cuda", (7, 0), [], "none"),  # no bfloat16 tensor cores

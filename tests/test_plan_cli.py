@@ -74,7 +74,9 @@ def inputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "gpt2.json").write_text(json.dumps(GPT2))
     # As `offload calibrate` without --dir writes them: the disk not measured.
     no_disk = {"no_disk": {"disk_read": None, "disk_write": None}}
-    for name, change in (BAD_RATES | RATES_OF_ANOTHER_SHAPE | {"no_link": {"host_to_device": 0.0}} | no_disk).items():
+    cpu = {"no_link": {"host_to_device": 0.0},
+           "old_cpu": {"name": "calibrated: CPU vm (2 cores)", "device_memory": None}}
+    for name, change in (BAD_RATES | RATES_OF_ANOTHER_SHAPE | cpu | no_disk).items():
         (tmp_path / f"rates_{name}.json").write_text(json.dumps(GPU_DEFAULTS["a100"].to_json() | change))
     yield tmp_path
     for module in ("plan_cli_factory", "plan_cli_no_params", "plan_cli_broken", "plan_cli_raises"):
@@ -137,9 +139,12 @@ BAD_INPUTS = {
                                   "rates file: sources must map rate names to where each came from, got "
                                   "[\"calibrate\"]"),
     "rates with a name a number": ([*TINY, "--rates", "rates_name_a_number.json"], "rates file: name must be text"),
-    # A CPU device's rates (no link) plan no GPU: its loads would take no time.
+    # A CPU device's rates (no link) plan no GPU: its loads would take no time. Those `offload
+    # calibrate` wrote on a CPU before it wrote 0 for the link carry the copy rate there, and its name.
     "rates without a link for a gpu": ([*TINY[:2], *TINY[4:], "--rates", "rates_no_link.json"],
-                                       "--rates rates_no_link.json: no link rates"),
+                                       "--rates rates_no_link.json: rates of a CPU device, no link rates"),
+    "rates calibrated on a cpu for a gpu": ([*TINY[:2], *TINY[4:], "--rates", "rates_old_cpu.json"],
+                                            "--rates rates_old_cpu.json: rates of a CPU device, no link rates"),
     # A calibration without --dir times no disk tier: refused before planning, not a traceback.
     "disk dir with rates without the disk's": ([*TINY, "--rates", "rates_no_disk.json", "--disk-dir", "."],
                                                "--rates rates_no_disk.json: no disk rates (disk_read, disk_write) "

@@ -303,8 +303,9 @@ def _offload(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(args, code, out.getvalue(), "")
 
 
-def test_calibrate_writes_rates_that_plan_reads(tmp_path):
-    """``python -m offload calibrate`` as a user runs it, then ``plan`` reading its file."""
+def test_calibrate_writes_rates_that_plan_reads(tmp_path, capsys):
+    """``python -m offload calibrate`` as a user runs it, then ``plan`` reading its file: a CPU's
+    rates plan ``--device cpu``, or a GPU given with ``--gpu``, never the default CUDA device."""
     out = tmp_path / "rates.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     subprocess.run([sys.executable, "-m", "offload", "calibrate", "--out", str(out), "--dir", str(tmp_path / "disk"),
@@ -317,6 +318,13 @@ def test_calibrate_writes_rates_that_plan_reads(tmp_path):
     done = _offload("plan", "--preset", "tiny", "--device", "cpu", "--rates", str(out), "--host-memory", "4", "--json")
     plan = json.loads(done.stdout)
     assert plan["chosen"]["fits"] and plan["rates"]["name"] == rates.name
+    # No link: a CUDA plan from them would time its loads as copies in RAM, and have no device memory.
+    assert rates.host_to_device == rates.device_to_host == 0 and rates.device_memory is None
+    done = _offload("plan", "--preset", "tiny", "--rates", str(out), "--host-memory", "4", check=False)
+    assert done.returncode == 2 and done.stdout == ""
+    assert f"--rates {out}: rates of a CPU device, no link rates" in capsys.readouterr().err
+    done = _offload("plan", "--preset", "tiny", "--gpu", "a100", "--rates", str(out), "--host-memory", "4", "--json")
+    assert json.loads(done.stdout)["rates"]["name"] == f"a100 + host {rates.name}"
 
 
 TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,

@@ -325,12 +325,44 @@ def test_checkpoint_benchmark(tmp_path, disk_tier):
 
 
 def test_bench_checksums_smoke_test(tmp_path):
+    # A --dir not made yet is made, as bench_loading.py makes its own.
     out = run("benchmarks/bench_checksums.py", "--preset", "tiny", "--slices", "2", "--rounds", "1", "--dir",
-              str(tmp_path), "--json", str(tmp_path / "c.json"))
+              str(tmp_path / "made" / "here"), "--json", str(tmp_path / "c.json"))
     assert "save_with:" in out and "load_without:" in out
     data = json.loads((tmp_path / "c.json").read_text())
     assert data["checkpoint_bytes"] > 0 and data["crc32_save"]["runs_s"][0] > 0 and data["crc32_load"]["runs_s"][0] > 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.json"]  # its checkpoints are removed
+    assert list((tmp_path / "made" / "here").iterdir()) == []  # its checkpoints are removed
+
+
+def test_bench_data_smoke_test(tmp_path):
+    # The command docs/huggingface.md cites, at a corpus of 10 kB: one fine-tune step and one pass
+    # over the blocks, plain text and JSON lines each, every one in a process of its own.
+    out = run("benchmarks/bench_data.py", "--sizes-mb", "0.01", "--steps", "1", "--dir", str(tmp_path / "corpora"),
+              "--json", str(tmp_path / "d.json"))
+    assert "0.01 MB steps_txt: peak RSS" in out and "0.01 MB full_pass_jsonl: peak RSS" in out
+    (row,) = json.loads((tmp_path / "d.json").read_text())["results"]
+    assert row["size_mb"] == 0.01 and row["bytes"] >= 10_000
+    for name in ("steps_txt", "steps_jsonl", "full_pass_txt", "full_pass_jsonl"):
+        assert row[name]["peak_rss_bytes"] > 0, name
+    assert row["steps_txt"]["stdout_tail"].startswith("final loss")
+    assert int(row["full_pass_txt"]["stdout_tail"].split()[0]) > 0  # blocks of 1024 ids
+    assert sorted(p.name for p in (tmp_path / "corpora").iterdir()) == ["out"]  # the corpora removed
+
+
+def test_bench_loading_gives_a_small_hidden_size_one_head(tmp_path):
+    # Heads are 128 wide: --hidden 64 had none (a division by zero in the config). The loader reads
+    # tensors, whatever the heads cut them into.
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_loading
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    sizes = argparse.Namespace(layers=1, hidden=64, intermediate=128, vocab=256)
+    written = bench_loading.write_checkpoint(tmp_path, sizes)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["num_attention_heads"] == config["num_key_value_heads"] == 1 and config["hidden_size"] == 64
+    assert written["parameters"] == 2 * 256 * 64 + 4 * 64 * 64 + 3 * 64 * 128 + 3 * 64
 
 
 def page(nbytes):
@@ -685,6 +717,13 @@ def test_summary_tools_help_and_usage_error(script):
     (["benchmarks/bench_replay_state.py", "--json", "/tmp"], "--json /tmp: is a directory"),
     (["benchmarks/chunked_loss_precision.py", "--tokens", "0"], "must be at least 1"),
     (["benchmarks/chunked_loss_precision.py", "--chunks", "64", "0"], "must be at least 1"),
+    (["benchmarks/bench_data.py", "--sizes-mb", "0"], "--sizes-mb must be above 0"),
+    (["benchmarks/bench_data.py", "--steps", "0"], "--steps at least 1"),
+    (["benchmarks/bench_loading.py", "--dir", "d", "--json", "j.json", "--hidden", "0"], "must be at least 1"),
+    # --dir is made if missing (bench_loading.py's way), refused where it cannot be, before measuring.
+    (["benchmarks/bench_checkpoint.py", "--dir", "README.md"], "--dir README.md: is a file, not a directory"),
+    (["benchmarks/bench_scale.py", "--dir", "README.md/x"], "--dir README.md/x: cannot be made (Not a directory)"),
+    (["benchmarks/bench_data.py", "--dir", "README.md"], "--dir README.md: is a file, not a directory"),
 ])
 def test_benchmarks_refuse_bad_sizes_and_outputs_before_measuring(args, message):
     assert message in script_error(*args)
@@ -696,6 +735,22 @@ def test_every_benchmark_writing_json_checks_its_path_after_parsing():
                and path.name not in ("json_output.py", "bench_update_order.py")]  # the latter parses as bench_schedule
     assert len(writers) > 20
     assert [p.name for p in writers if "check_json_path(parser, args.json)" not in p.read_text()] == []
+
+
+def test_the_readme_and_the_guide_fine_tune_into_folders_of_their_own():
+    # Followed in order, a run into the folder of a finished model is refused ("pass --overwrite"):
+    # the README's quick start and docs/huggingface.md's first command each write their own.
+    def outs(document: str) -> set[str]:
+        found = set()
+        text = (ROOT / document).read_text()
+        for command in re.finditer(r"(?:finetune_causal_lm\.py|offload-finetune)([^\n`#]*)", text):
+            args = command.group(1).split()
+            if "--out" in args and not {"--resume", "--overwrite"} & set(args):
+                found.add(args[args.index("--out") + 1])
+        return found
+
+    readme, guide = outs("README.md"), outs("docs/huggingface.md")
+    assert readme and guide and readme.isdisjoint(guide), readme & guide
 
 
 def test_offload_command_without_a_command_is_a_usage_error():

@@ -6,7 +6,9 @@ What it measures (each the median of a few repeats, after one to warm up):
   few GB between two buffers, as STREAM's copy: :func:`host_memory_bandwidth`);
 - the fused AdamW update on the host, as ``OffloadOptimizer`` runs it;
 - with CUDA: pinned copies over the link each way, and the device's matmul rate in float32 and
-  bfloat16; without it, the CPU's own matmul rate (the CPU is then the "device");
+  bfloat16; without it, the CPU's own matmul rate (the CPU is then the "device", and the file's
+  link rates are 0: ``offload plan`` takes it for ``--device cpu``, or for a GPU given with
+  ``--gpu``, whose link rates replace them);
 - with ``--dir``: sequential write (with ``fsync``) and read of a file there, its pages dropped
   from the cache before the read where the platform allows;
 - the fixed host cost of one slice run, from an ``OffloadModel`` of tiny layers cut into one
@@ -187,9 +189,13 @@ def calibrate(directory: Path | None = None, device: torch.device | None = None)
     else:
         name = f"CPU {host}"
         flops = {"float32": matmul_rate(device, torch.float32, 1024), "bfloat16": matmul_rate(device, torch.bfloat16, 1024)}
-        h2d = d2h = copy
+        # No link: a CPU "device"'s loads are copies in RAM, timed with host_copy. A link rate of 0
+        # marks the file as a CPU device's, which `offload plan` refuses for a GPU (without --gpu).
+        h2d = d2h = 0.0
         memory = None
-        sources |= {"device_flops": "calibrate: 1024^2 matmul on the CPU"}
+        sources |= {"device_flops": "calibrate: 1024^2 matmul on the CPU",
+                    "host_to_device": "calibrate: no link, the CPU is the device",
+                    "device_to_host": "calibrate: no link, the CPU is the device"}
     read = write = None
     if directory is not None:
         read, write = disk_rates(directory)
@@ -242,7 +248,10 @@ def main(argv: list[str] | None = None) -> None:
     gb = 1e9
     print(f"{rates.name}")
     print(f"  device matmul: " + ", ".join(f"{k} {v / 1e12:.2f} TFLOP/s" for k, v in rates.device_flops.items()))
-    print(f"  link: {rates.host_to_device / gb:.1f} GB/s to the device, {rates.device_to_host / gb:.1f} GB/s back")
+    if rates.host_to_device and rates.device_to_host:
+        print(f"  link: {rates.host_to_device / gb:.1f} GB/s to the device, {rates.device_to_host / gb:.1f} GB/s back")
+    else:
+        print("  link: none, the CPU is the device (these rates plan --device cpu, or a GPU given with --gpu)")
     print(f"  host: copy {rates.host_copy / gb:.1f} GB/s, memory {rates.host_memory / gb:.1f} GB/s read plus "
           f"written, fused AdamW {rates.host_update / gb:.1f} GB/s "
           f"({rates.host_update / ADAMW_BYTES_PER_PARAMETER / 1e6:.0f} M parameters/s); "

@@ -97,9 +97,10 @@ def build_parser(prog: str = "offload-finetune") -> argparse.ArgumentParser:
                         help="resident_slices of OffloadModel: the first N slices stay on the device with their "
                              "gradients and optimizer state, updated there (no link traffic, no host update for them)")
     parser.add_argument("--compute-dtype", default=AUTO, choices=[AUTO, *sorted(DTYPES)],
-                        help="compute_dtype of OffloadModel (none: float32). auto: what offload plan picks, bf16 "
-                             "on a CUDA device with bfloat16 tensor cores (compute capability 8.0 and up) or with "
-                             "--masters-on-disk, none otherwise (on a CPU, bfloat16 matmuls are far slower)")
+                        help="compute_dtype of OffloadModel (none: float32). auto: bf16 on a CUDA device with "
+                             "bfloat16 tensor cores (compute capability 8.0 and up, as offload plan picks there) or "
+                             "with --masters-on-disk, none otherwise, every CPU included (offload plan --device cpu "
+                             "may pick bf16 on a CPU with bfloat16 instructions: it weighs the calibrated rates)")
     # 1024 tokens: one chunk's logits are 1024 x vocab (0.5 GB in float32 for a 128k vocabulary), and each
     # projection is still a product of 1024 rows by the whole vocabulary.
     parser.add_argument("--loss-chunk-tokens", type=int, default=1024,
@@ -373,13 +374,17 @@ def no_steps_left(step: int, steps: int, out: Path) -> str | None:
 
 
 def default_compute_dtype(device: torch.device, masters_on_disk: bool) -> str:
-    """``--compute-dtype auto``: the dtype ``offload plan`` picks for ``device``, without measuring.
+    """``--compute-dtype auto``: a dtype by the kind of ``device``, without measuring.
 
-    The planner weighs float32 against bfloat16 by the device's rates: bfloat16 wins on tensor
-    cores (CUDA compute capability 8.0 and up, where ``torch.cuda.is_bf16_supported`` is true
-    without emulation), float32 on a CPU, whose bfloat16 matmuls ``offload calibrate`` measures at
-    a fraction of its float32 ones. Masters on disk need a half-precision shadow (loads read it),
-    so they take bf16 everywhere.
+    bf16 on bfloat16 tensor cores (CUDA compute capability 8.0 and up, where
+    ``torch.cuda.is_bf16_supported`` is true without emulation), where ``offload plan``, weighing
+    float32 against bfloat16 by the device's rates, picks it too. Float32 (``"none"``) on any
+    other device, every CPU included: there the plan's choice depends on the CPU, which this does
+    not measure. ``offload calibrate`` measures a CPU without bfloat16 instructions computing
+    bfloat16 far below float32, and ``offload plan --device cpu`` then takes float32; one with
+    them (AVX-512 BF16, AMX) may compute bfloat16 faster, and the plan may then pick it
+    (``--compute-dtype bf16`` follows the plan). Masters on disk need a half-precision shadow
+    (loads read it), so they take bf16 everywhere.
     """
     if masters_on_disk:
         return "bf16"

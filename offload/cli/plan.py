@@ -239,12 +239,11 @@ def machine_rates(args: argparse.Namespace) -> MachineRates:
         gpu = GPU_DEFAULTS[args.gpu]
         return gpu.with_host(calibrated) if calibrated is not None else gpu
     if calibrated is not None:
-        if args.device == "cuda" and not (calibrated.host_to_device and calibrated.device_to_host):
-            # A link rate of 0 is a CPU device's (no link): a GPU's loads would take no time, or divide by 0.
+        if args.device == "cuda" and _of_a_cpu_device(calibrated):
             flag = "--rates" if args.rates is not None else "the rates file"
-            raise PlanInputError(f"{flag} {path}: no link rates (host_to_device, device_to_host) to plan a GPU "
-                                 f"with: run `python -m offload calibrate` on the GPU's machine, pass --gpu NAME, "
-                                 f"or plan --device cpu")
+            raise PlanInputError(f"{flag} {path}: rates of a CPU device, no link rates (host_to_device, "
+                                 f"device_to_host) to plan a GPU with: run `python -m offload calibrate` on the "
+                                 f"GPU's machine, pass --gpu NAME, or plan --device cpu")
         return calibrated
     if args.device == "cpu":
         # The host's defaults have no compute rate: a CPU's own must be measured.
@@ -252,6 +251,15 @@ def machine_rates(args: argparse.Namespace) -> MachineRates:
                              f"--device cpu` (writes {path}), or pass --rates FILE")
     raise PlanInputError(f"no rates: run `python -m offload calibrate` on the machine (writes {path}), or pass "
                          f"--gpu {{{','.join(sorted(GPU_DEFAULTS))}}}")
+
+
+def _of_a_cpu_device(rates: MachineRates) -> bool:
+    """Whether ``rates`` are a CPU "device"'s, which time no GPU: a link rate of 0 (no link, as
+    ``offload calibrate`` writes for a CPU), or the name ``offload calibrate`` gives a CPU's rates
+    (files it wrote before it wrote 0 gave the host's copy rate as the link's). A GPU's loads would
+    take no time, divide by 0, or go at the speed of a copy in RAM."""
+    no_link = not (rates.host_to_device and rates.device_to_host)
+    return no_link or rates.name.startswith("calibrated: CPU ")
 
 
 def check_disk_rates(args: argparse.Namespace, rates: MachineRates) -> None:

@@ -278,8 +278,8 @@ def _check_positions(args: argparse.Namespace, config: Any) -> None:
 
 def four_bit_dtype(args: argparse.Namespace) -> torch.dtype:
     """The dtype of a 4-bit base's other parameters, which it computes in: ``--compute-dtype``'s;
-    under ``auto``, bfloat16 (QLoRA's), or float32 on a CPU device, whose bfloat16 matmuls are slow
-    (as ``offload-finetune --load-in-4bit`` chooses)."""
+    under ``auto``, bfloat16 (QLoRA's), or float32 on a CPU device, as ``offload-finetune
+    --load-in-4bit`` chooses there without measuring the CPU (``default_compute_dtype``)."""
     if args.compute_dtype == "auto":
         return torch.float32 if args.device == "cpu" else torch.bfloat16
     return DTYPES[args.compute_dtype] or torch.float32

@@ -43,8 +43,9 @@ class MachineRates:
         name: what was measured (``"calibrated on <host>"``, ``"h100-sxm"``).
         device_flops: dense matrix-multiply operations per second by compute dtype name
             (``"float32"``, ``"bfloat16"``, ``"float16"``).
-        host_to_device, device_to_host: pinned copies over the link (on a CPU "device", the host
-            copy bandwidth: a load is a copy in RAM).
+        host_to_device, device_to_host: pinned copies over the link; 0 on a CPU "device" (no
+            link: its loads are copies in RAM, timed with :attr:`host_copy`), which marks the
+            rates as a CPU's: ``offload plan`` refuses them for a GPU.
         host_copy: bytes per second copied by a large copy in RAM (each byte read and written once).
         host_update: the fused AdamW update on the host, in :data:`ADAMW_BYTES_PER_PARAMETER`
             bytes per parameter per second.
