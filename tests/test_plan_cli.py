@@ -145,6 +145,11 @@ BAD_INPUTS = {
                                        "--rates rates_no_link.json: rates of a CPU device, no link rates"),
     "rates calibrated on a cpu for a gpu": ([*TINY[:2], *TINY[4:], "--rates", "rates_old_cpu.json"],
                                             "--rates rates_old_cpu.json: rates of a CPU device, no link rates"),
+    # A GPU's rates time no CPU device: its matmuls would be the GPU's.
+    "rates of a gpu for a cpu": ([*TINY[:2], "--device", "cpu", "--host-memory", "8", "--rates",
+                                  "rates_no_disk.json"],
+                                 "--rates rates_no_disk.json: rates of a GPU (a100), which time no CPU device: run "
+                                 "`python -m offload calibrate --device cpu --out FILE`"),
     # A calibration without --dir times no disk tier: refused before planning, not a traceback.
     "disk dir with rates without the disk's": ([*TINY, "--rates", "rates_no_disk.json", "--disk-dir", "."],
                                                "--rates rates_no_disk.json: no disk rates (disk_read, disk_write) "

@@ -244,6 +244,12 @@ def machine_rates(args: argparse.Namespace) -> MachineRates:
             raise PlanInputError(f"{flag} {path}: rates of a CPU device, no link rates (host_to_device, "
                                  f"device_to_host) to plan a GPU with: run `python -m offload calibrate` on the "
                                  f"GPU's machine, pass --gpu NAME, or plan --device cpu")
+        if args.device == "cpu" and not _of_a_cpu_device(calibrated):
+            # Its compute rates are a GPU's: a CPU's step would be timed at the GPU's speed.
+            flag = "--rates" if args.rates is not None else "the rates file"
+            raise PlanInputError(f"{flag} {path}: rates of a GPU ({calibrated.name}), which time no CPU device: run "
+                                 f"`python -m offload calibrate --device cpu --out FILE` and pass --rates FILE, or "
+                                 f"plan --device cuda")
         return calibrated
     if args.device == "cpu":
         # The host's defaults have no compute rate: a CPU's own must be measured.
