@@ -11,10 +11,12 @@ updated, and reloading the last checkpoint trains on exactly.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -193,6 +195,27 @@ class FlakyAdamW(torch.optim.AdamW):
         return super().step(closure)
 
 
+@contextlib.contextmanager
+def slice_1_fails(monkeypatch: pytest.MonkeyPatch, failure: str) -> Iterator[None]:
+    """Slice 1's update fails inside the block: its state file's read (``"the-state-read-fails"``)
+    or the optimizer (``"the-optimizer-raises"``)."""
+    real = os.preadv
+
+    def preadv(fd, buffers, offset):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("slice-00001.state"):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(fd, buffers, offset)
+
+    if failure == "the-state-read-fails":
+        monkeypatch.setattr(disk.os, "preadv", preadv)
+    FlakyAdamW.failing = failure == "the-optimizer-raises"
+    try:
+        yield
+    finally:
+        FlakyAdamW.failing = False
+        monkeypatch.setattr(disk.os, "preadv", real)
+
+
 @pytest.mark.parametrize("failure", ["the-optimizer-raises", "the-state-read-fails"])
 def test_an_update_that_fails_in_backward_claims_no_order_and_reloading_trains_on_exactly(failure, tmp_path,
                                                                                           monkeypatch):
@@ -205,25 +228,11 @@ def test_an_update_that_fails_in_backward_claims_no_order_and_reloading_trains_o
     train(runs, range(2))
     save_checkpoint(tmp_path / "ckpt", model, optimizer)
     before = [p.detach().clone() for p in model.parameters()]
-    real = os.preadv
-
-    def preadv(fd, buffers, offset):
-        if os.readlink(f"/proc/self/fd/{fd}").endswith("slice-00001.state"):
-            raise OSError(errno.EIO, os.strerror(errno.EIO))
-        return real(fd, buffers, offset)
-
-    if failure == "the-state-read-fails":
-        monkeypatch.setattr(disk.os, "preadv", preadv)
-    FlakyAdamW.failing = failure == "the-optimizer-raises"
-    try:
-        with pytest.raises(HostUpdateError, match="slice 1") as raised:
-            optimizer.zero_grad()
-            loss_of(model, 2).backward()
-            optimizer.step()
-            optimizer.synchronize()
-    finally:
-        FlakyAdamW.failing = False
-        monkeypatch.setattr(disk.os, "preadv", real)
+    with slice_1_fails(monkeypatch, failure), pytest.raises(HostUpdateError, match="slice 1") as raised:
+        optimizer.zero_grad()
+        loss_of(model, 2).backward()
+        optimizer.step()
+        optimizer.synchronize()
     message = str(raised.value)
     assert "update_in_backward runs them as their gradients land, last slice first" in message, message
     assert "state_dict() and save_checkpoint refuse any mix of two steps this leaves, naming the slices" in message
@@ -285,25 +294,11 @@ def test_a_slice_updated_before_the_failure_in_the_same_backward_is_in_the_mix(f
             time.sleep(0.001)  # done (or failed) before backward lands the next slice's gradients
 
     monkeypatch.setattr(optimizer._updates, "submit_one", keeping_up)
-    real = os.preadv
-
-    def preadv(fd, buffers, offset):
-        if os.readlink(f"/proc/self/fd/{fd}").endswith("slice-00001.state"):
-            raise OSError(errno.EIO, os.strerror(errno.EIO))
-        return real(fd, buffers, offset)
-
-    if failure == "the-state-read-fails":
-        monkeypatch.setattr(disk.os, "preadv", preadv)
-    FlakyAdamW.failing = failure == "the-optimizer-raises"
-    try:
-        with pytest.raises(HostUpdateError, match="slice 1"):
-            optimizer.zero_grad()
-            loss_of(model, 2).backward()
-            optimizer.step()
-            optimizer.synchronize()
-    finally:
-        FlakyAdamW.failing = False
-        monkeypatch.setattr(disk.os, "preadv", real)
+    with slice_1_fails(monkeypatch, failure), pytest.raises(HostUpdateError, match="slice 1"):
+        optimizer.zero_grad()
+        loss_of(model, 2).backward()
+        optimizer.step()
+        optimizer.synchronize()
     assert optimizer._in_backward.last_started == {0, 1, 2}
     changed = {s for s, p, b in zip(SLICE_OF_PARAMETER, model.parameters(), before) if not torch.equal(p, b)}
     assert changed == {2}  # slice 1 failed first, and the worker skipped slice 0's update after it
