@@ -59,7 +59,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from ..model import OffloadModel, engine_of
 from ..optimizer import OffloadOptimizer
-from .peft import peft_base_model
+from .peft import peft_base_model, peft_names_as_hf
 from .transformers_loading import load_causal_lm, stored_into_stages
 from .transformers_batch import LAST_HIDDEN_STATE
 from .transformers_refusals import (MissingLogits, attribute_or_advice, refuse_adapter_on_head,
@@ -175,7 +175,7 @@ class OffloadedCausalLM(PreTrainedModel):
         self.activation_checkpointing_requested = False
         object.__setattr__(self, "stages", _stages_of(offloaded, hf_model))
         # Note: [Hugging Face names at any depth]
-        self._loading_under: list[tuple[str, list[str]]] = []  # (prefix, the load's error messages)
+        self._loading_under: list[tuple[str, list[str], int]] = []  # (prefix, error messages, unexpected so far)
         self.register_state_dict_post_hook(_save_in_hf_names)
         # The public register_load_state_dict_pre_hook (newer torch) registers exactly this.
         self._register_load_state_dict_pre_hook(_load_in_hf_names, with_module=True)
@@ -483,11 +483,13 @@ def _hf_names(model: OffloadedCausalLM) -> dict[str, str]:
 #        to ``prefix`` + the Hugging Face name, in place and in order.
 #     2. The load pre-hook renames them back before the walk reaches the stages, and takes keys in
 #        the stages' names out as unexpected: ``state_dict()`` never writes them, and a state dict
-#        holding both names would load one of them silently.
-#     3. The load post-hook names the keys the stages found missing, and those the stages' errors
-#        name (a size mismatch), by their Hugging Face names. It is given neither the prefix nor the
-#        errors: the pre-hook leaves both on the model (``_loading_under``), a stack, since a module
-#        that two parents share is loaded twice, once under each, one after the other.
+#        holding both names would load one of them silently. It takes a ``PeftModel``'s names as the HF ones.
+#     3. The load post-hook names the keys the stages found missing or unexpected (what a ``Linear4bit``
+#        saves below its weight, ``weight.absmax``), and those the stages' errors name (a size
+#        mismatch), by their Hugging Face names. It is given neither the prefix nor the errors: the
+#        pre-hook leaves both on the model (``_loading_under``), with the count of unexpected keys
+#        before the walk (those are the caller's and rule 2's), a stack, since a module that two
+#        parents share is loaded twice, once under each, one after the other.
 #     4. The load pre-hook also takes the stored names and layouts, those ``save_pretrained`` writes
 #        (a mixture of experts' fused experts one by one: ``...experts.3.w1.weight``), and converts
 #        them into the model's tensors as ``from_pretrained`` does (``stored_into_stages`` in
@@ -516,11 +518,13 @@ def _load_in_hf_names(model: OffloadedCausalLM, state_dict: dict[str, Any], pref
     for key in [key for key in state_dict if key.startswith(stages)]:
         unexpected_keys.append(key)
         del state_dict[key]
-    for stage_key, hf_name in _hf_names(model).items():
+    names = _hf_names(model)
+    peft_names_as_hf(model.peft_model, model.hf_model, state_dict, prefix, names.values())  # [PEFT models], rule 6
+    for stage_key, hf_name in names.items():
         if prefix + hf_name in state_dict:
             state_dict[stages + stage_key] = state_dict.pop(prefix + hf_name)
     _load_stored_names(model, state_dict, prefix, error_msgs)
-    model._loading_under.append((prefix, error_msgs))
+    model._loading_under.append((prefix, error_msgs, len(unexpected_keys)))
 
 
 def _load_stored_names(model: OffloadedCausalLM, state_dict: dict[str, Any], prefix: str,
@@ -542,9 +546,11 @@ def _load_stored_names(model: OffloadedCausalLM, state_dict: dict[str, Any], pre
 
 def _report_in_hf_names(model: OffloadedCausalLM, incompatible_keys: _IncompatibleKeys) -> None:
     """Rule 3 of Note: [Hugging Face names at any depth]."""
-    prefix, error_msgs = model._loading_under.pop()
+    prefix, error_msgs, before = model._loading_under.pop()
     renamed = {f"{prefix}offloaded.{stage_key}": prefix + hf_name for stage_key, hf_name in _hf_names(model).items()}
     incompatible_keys.missing_keys[:] = [renamed.get(key, key) for key in incompatible_keys.missing_keys]
+    unexpected = incompatible_keys.unexpected_keys
+    unexpected[before:] = [renamed.get(key, key) for key in unexpected[before:]]
     stage_name = re.compile(rf"{re.escape(prefix)}offloaded\.[\w.]*\w")
     error_msgs[:] = [stage_name.sub(lambda found: renamed.get(found.group(0), found.group(0)), message)
                      for message in error_msgs]

@@ -36,11 +36,17 @@ Note: [PEFT models]
        Face parent: every module a stage holds follows what the model holds at its place
        (``_Replacements`` in ``transformers_stages.py``), so the stages run, and the slices lay out,
        the new ones. ``load_causal_lm`` followed by ``get_peft_model`` (``offload-finetune --model``) is this case.
+    6. ``OffloadedCausalLM(peft_model).state_dict()`` holds the Hugging Face model's names
+       (``model.layers.0...``), which ``peft_model.get_base_model()`` loads; the ``PeftModel`` names
+       the same tensors ``base_model.model.model.layers.0...``. Its ``load_state_dict`` takes
+       those names too (:func:`peft_names_as_hf`), so a checkpoint of the plain ``PeftModel``
+       loads into it; a ``PeftModel`` does not take the Hugging Face names.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable
 from typing import Any
 
 from torch import nn
@@ -87,6 +93,31 @@ def peft_base_model(model: nn.Module) -> nn.Module | None:
         if refusal is not None:
             raise ValueError(f"causal_lm_sequential cannot cut a PeftModel with {refusal}")
     return tuner.model
+
+
+def peft_names_as_hf(peft_model: nn.Module | None, hf_model: nn.Module, state_dict: dict[str, Any], prefix: str,
+                     hf_names: Iterable[str]) -> None:
+    """Rename, in ``state_dict``, each key ``prefix`` + the ``PeftModel``'s name of a tensor
+    (``base_model.model.model.layers.0.mlp.up_proj.lora_A.default.weight``) to ``prefix`` + its
+    name in the Hugging Face model ``hf_model`` (``model.layers.0...``), where ``state_dict`` does
+    not hold that name already (Note: [PEFT models], rule 6). Does nothing without ``peft_model``.
+
+    Args:
+        peft_model: the ``PeftModel`` (or tuner) holding ``hf_model``, or ``None``.
+        hf_model: the Hugging Face model the stages were cut from.
+        state_dict: a load's state dict, changed in place.
+        prefix: where the model sits in the module that is loading (``""`` at the top).
+        hf_names: the Hugging Face names of every key the model saves.
+    """
+    if peft_model is None:
+        return
+    inner = next((name for name, module in peft_model.named_modules() if module is hf_model), "")
+    if not inner:
+        return
+    for name in hf_names:
+        given = f"{prefix}{inner}.{name}"
+        if given in state_dict and prefix + name not in state_dict:
+            state_dict[prefix + name] = state_dict.pop(given)
 
 
 #: Methods whose layers share one pair of frozen random projections (a ``BufferDict`` registered in

@@ -104,15 +104,34 @@ class CausalLMSequential(nn.Sequential):
     def hf_name(self, key: str) -> str:
         """The Hugging Face name of a ``state_dict`` key of this Sequential, or of an ``OffloadModel`` wrapping it.
 
+        A key may name what a module saves below one of its tensors: a bitsandbytes ``Linear4bit``
+        saves its quantisation state as ``weight.absmax``, ``weight.quant_map``,
+        ``weight.quant_state.bitsandbytes__nf4``; those keep that tail under the module's name.
+
         Raises:
-            KeyError: ``key`` names no parameter or buffer of a stage.
+            KeyError: ``key`` names no parameter or buffer of a stage, nor what a module saves below one.
         """
         module, _, leaf = key.rpartition(".")
-        if module not in self._hf_names:
+        found = (module, leaf) if module in self._hf_names else self._below_a_tensor(key)
+        if found is None:
             self._hf_names = self._module_names()  # modules added since, adapters say
-        if module not in self._hf_names:
+            found = (module, leaf) if module in self._hf_names else self._below_a_tensor(key)
+        if found is None:
             raise KeyError(f"{key!r} is not a parameter or buffer of these stages")
+        module, leaf = found
         return f"{self._hf_names[module]}.{leaf}" if self._hf_names[module] else leaf
+
+    def _below_a_tensor(self, key: str) -> tuple[str, str] | None:
+        """``key`` split into a module of the stages and the tail below one of that module's own
+        parameters or buffers (``"weight.absmax"``), for :meth:`hf_name`; ``None`` if it is not such a key."""
+        parts = key.split(".")
+        for end in range(len(parts) - 2, 0, -1):  # the longest module first; the tail has two parts or more
+            module, tensor = ".".join(parts[:end]), parts[end]
+            if module in self._hf_names:
+                owner = self.get_submodule(module)
+                if tensor in owner._parameters or tensor in owner._buffers:
+                    return module, ".".join(parts[end:])
+        return None
 
     def hf_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``state_dict`` (of this Sequential or of an ``OffloadModel`` wrapping it) under Hugging Face names."""

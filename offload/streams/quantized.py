@@ -50,6 +50,11 @@ Note: [Quantized weights]
        (:func:`device_state`); binding swaps it into the layer for the run and the host one back
        after it, for rule 3's reason. Training on the CPU, bitsandbytes dequantizes and runs a
        float matmul; in eval, its int8 matmul splits off the outliers (``threshold``).
+    7. bitsandbytes' ``Linear8bitLt._load_from_state_dict`` takes an ``SCB`` key only while the
+       weight holds its scales, and refuses it once they moved to ``layer.state`` (its own forward
+       moves them too), so a settled layer could not load the state dict it saves. A load pre-hook
+       (:func:`load_8bit_scales`) copies that key into ``state.SCB``, the companion, in place, and
+       takes it out of the walk: the layer then computes as a fresh unwrapped one that loaded it.
 """
 
 from __future__ import annotations
@@ -63,6 +68,9 @@ import torch
 
 #: The attributes of a ``QuantState`` that hold tensors its kernels read, at each level of nesting.
 STATE_TENSORS = ("absmax", "code", "offset")
+
+#: The attribute that marks a ``Linear8bitLt`` whose scales :func:`load_8bit_scales` loads (rule 7).
+LOADS_SCALES = "_offload_loads_8bit_scales"
 
 #: The attribute of an 8-bit weight's device copy that holds the ``MatmulLtState`` its layer runs
 #: with (Note: [Quantized weights], rule 6).
@@ -150,6 +158,27 @@ def settle_8bit_layer(module: torch.nn.Module, weight: torch.Tensor, scales: tor
     the layer computes as before, and the weight's host copy is the only copy of its codes."""
     module.state.CB, module.state.SCB = weight.data, scales  # type: ignore[union-attr]
     weight.CB = weight.SCB = None  # type: ignore[attr-defined]
+    if not getattr(module, LOADS_SCALES, False):
+        # The public register_load_state_dict_pre_hook (newer torch) registers exactly this.
+        module._register_load_state_dict_pre_hook(load_8bit_scales, with_module=True)
+        setattr(module, LOADS_SCALES, True)
+
+
+def load_8bit_scales(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any,
+                     strict: bool, missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
+    """Load pre-hook of a settled ``Linear8bitLt`` (Note: [Quantized weights], rule 7): copy the
+    ``SCB`` of ``state_dict`` into the scales the layer computes with, in place, and take the key."""
+    scales = getattr(getattr(module, "state", None), "SCB", None)
+    if prefix + "SCB" not in state_dict or module.weight.SCB is not None or scales is None:  # type: ignore[union-attr]
+        return  # bitsandbytes loads it: the weight holds its scales again
+    given = state_dict.pop(prefix + "SCB")
+    if not isinstance(given, torch.Tensor) or given.shape != scales.shape:
+        shape = tuple(given.shape) if isinstance(given, torch.Tensor) else type(given).__name__
+        error_msgs.append(f"size mismatch for {prefix}SCB: copying a param with shape {shape} from checkpoint, "
+                          f"the shape in current model is {tuple(scales.shape)}.")
+        return
+    with torch.no_grad():
+        scales.copy_(given)  # the host copy: every later load of the slice reads it
 
 
 def device_state(module: torch.nn.Module, weight: torch.Tensor, scales: torch.Tensor) -> Any:
