@@ -18,7 +18,8 @@ from torch import nn
 from torch.autograd.graph import disable_saved_tensors_hooks
 from torch.func import functional_call
 
-from offload import OffloadModel
+import offload
+from offload import OffloadModel, OffloadOptimizer
 from offload.autograd import refusals
 from offload.model import EAGER_RUN_REASON
 
@@ -97,6 +98,30 @@ def test_functional_call_with_fast_weights_warns_nothing_and_gives_the_plain_mod
         losses.append(loss)
     torch.testing.assert_close(losses[1], losses[0], **EXACT)
     assert_same_grads(model, plain, **EXACT)
+
+
+def test_fast_weights_with_norms_in_backward_warn_nothing_and_train_as_plain():
+    # The norms read as each slice's gradients land (after a first clip) skip the non-leaf
+    # tensors functional_call passed: they have no .grad to clip, and reading it warns.
+    plain, model = pair(num_slices=2)
+    optimizers = (torch.optim.AdamW(plain.parameters(), lr=1e-2, fused=True),
+                  OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True, norms_in_backward=True))
+    for step in range(3):
+        norms = []
+        for module, optimizer, clip in zip((plain, model), optimizers,
+                                           (torch.nn.utils.clip_grad_norm_, offload.clip_grad_norm_)):
+            optimizer.zero_grad()
+            fast = {name: p * 0.5 + 0.1 for name, p in module.named_parameters()}
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                functional_call(module, fast, (batch(step),)).square().sum().backward()
+                norms.append(clip(list(module.parameters()), 1.0))
+            assert not [w for w in caught if "leaf" in str(w.message)], [str(w.message) for w in caught]
+            optimizer.step()
+        torch.testing.assert_close(norms[1], norms[0], **EXACT)
+    optimizers[1].synchronize()
+    for a, b in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(a, b, **EXACT)
 
 
 @pytest.mark.parametrize("transform", ["grad", "jacrev"])

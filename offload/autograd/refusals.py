@@ -85,8 +85,8 @@ TRANSFORMED_TENSORS = (
 FUNC_GRADIENT_HOOKS = (
     "OffloadModel: while it builds a graph, OffloadModel runs its slices under saved-tensor hooks (its activation "
     "checkpointing keeps, offloads or drops what autograd saves through them), which torch.func.grad, vjp, jacrev "
-    "and hessian refuse. Use torch.autograd.grad instead (torch.autograd.functional.jacobian or vjp for those), or "
-    "the plain model (docs/api.md, Limitations).")
+    "and hessian refuse. Use torch.autograd.grad instead (torch.autograd.functional.jacobian or vjp for those); a "
+    "Hessian needs double backward, which OffloadModel refuses: use the plain model (docs/api.md, Limitations).")
 
 DISABLED_HOOKS = (
     "OffloadModel: while it builds a graph, OffloadModel runs its slices under saved-tensor hooks, which its "

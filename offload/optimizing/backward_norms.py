@@ -180,6 +180,8 @@ class BackwardNorms(Subscriber):
             if (grad is None or id(p) in self._tied or grad.device.type != "cpu" or grad.layout != torch.strided
                     or grad.dtype not in POOLED_DTYPES):
                 continue
+            if not p.is_leaf:
+                continue  # a tensor functional_call put in a parameter's place: it has no .grad to clip
             if p.grad is not None and p.grad is not grad:
                 continue  # autograd adds it onto another .grad after backward
             # An alias: autograd adopts a returned gradient as .grad only if nothing else holds it.
