@@ -427,13 +427,18 @@ def _on_host(scaling: tuple[torch.Tensor | None, ...]) -> Iterator[torch.Tensor 
     return (None if t is None else t.to("cpu") for t in scaling)
 
 
-def _plan(optimizer: OffloadOptimizer) -> None:
+def _plan(optimizer: OffloadOptimizer, kept: bool = False) -> None:
     """Which inner optimizer steps which parameters (``offload/optimizing/plan.py``), anew when
     the groups or the slices' host copies changed: before updates start, and before the state is
-    read or loaded by slice."""
+    read or loaded by slice; but not while updates a backward started await their ``step()``
+    (``kept``: in that ``step()``), which keeps the plan they ran with (Note: [A plan kept for its
+    step()] in ``offload/optimizing/in_backward.py``)."""
     engine = engine_of(optimizer.model)
     key = plan_key(optimizer.param_groups, engine)
     if key == optimizer._plan_key:
+        return
+    backward = optimizer._in_backward
+    if optimizer._plan_key is not None and (kept or (backward is not None and backward.started)):
         return
     optimizer.synchronize()
     inner = functools.partial(inner_optimizer, optimizer)
@@ -484,7 +489,7 @@ def _before_update(optimizer: OffloadOptimizer, when: str = "step") -> DiskTierE
     forgotten."""
     engine = engine_of(optimizer.model)
     optimizer._updates.failure.before_step(engine, when != "stepped")  # Note: [An update that failed part way]
-    _plan(optimizer)
+    _plan(optimizer, kept=when == "stepped")
     writes: list[Callable[[], None]] = [functools.partial(optimizer._disk.flush, when)]  # a failed write retried first
     if engine.master_files is not None:
         writes.insert(0, engine.master_files.flush)  # masters that could not be written back are raised first

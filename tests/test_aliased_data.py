@@ -20,6 +20,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from torch.nn.utils.stateless import _reparametrize_module
 
 from offload import OffloadModel
+from offload.streams.host_storage import SliceStorage
 
 from .helpers import DEVICES, assert_same_grads
 
@@ -234,3 +235,31 @@ def test_substitute_buffers_are_taken_in_and_see_the_layers_writes():
     for name in want_grads:
         torch.testing.assert_close(got_grads[name], want_grads[name], **EXACT)
     assert_same_grads(model, plain, **EXACT)
+
+
+def test_a_substitute_holding_nan_is_laid_out_once_per_call(monkeypatch):
+    plain, model = pair()
+    builds = []
+    build = SliceStorage.build
+
+    def counted(storage: SliceStorage) -> None:
+        builds.append(storage)
+        build(storage)
+
+    monkeypatch.setattr(SliceStorage, "build", counted)
+    params = {name: p.detach().clone() for name, p in plain.named_parameters()}
+    params["2.bias"][0] = float("nan")  # torch.equal would call it changed at every forward
+    params["0.bias"][1] = -0.0
+    with torch.no_grad(), _reparametrize_module(model, params):
+        got = [model(batch(step)) for step in range(4)]
+        laid_out = len(builds)
+        params["0.bias"][1] = 0.0  # a sign of zero flipped in place is followed, bit for bit
+        got.append(model(batch(4)))
+    assert laid_out == 2 and len(builds) == 3  # both slices as the call starts; the first once more
+    with torch.no_grad(), _reparametrize_module(plain, params):
+        params["0.bias"][1] = -0.0
+        want = [plain(batch(step)) for step in range(4)]
+        params["0.bias"][1] = 0.0
+        want.append(plain(batch(4)))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **EXACT, equal_nan=True)

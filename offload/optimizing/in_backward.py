@@ -74,6 +74,20 @@ Note: [Update in backward]
     host (``ready``), and after the main thread added them into ``.grad``; it writes slice
     ``k``'s host copies, which nothing reads again before the next forward's load of slice ``k``,
     which waits for the update (``engine.updates``).
+
+Note: [A plan kept for its step()]
+    The plan (``offload/optimizing/plan.py``) says which slice steps which parameters, from the
+    slices' host copies as laid out; ``step()`` starts the slices the backward did not, by index.
+    A slice laid out again between that backward and ``step()`` changes the plan's key: a
+    ``torch.func.functional_call`` (an EMA evaluated) lays the slices out around the caller's
+    tensors, so the model's own parameters would look outside the model, and a layer's parameter
+    replaced drops it from its slice. Planned anew there, ``step()`` would update those parameters
+    again, beside the slices backward updated (their state too). So the plan that backward's
+    updates ran with stays until its ``step()`` (``_plan`` in ``offload/optimizer.py``): the step
+    starts the slices that backward did not, against that plan, each inner optimizer pointed at
+    its parameters' memory as it is then (``SliceStep.bind``), wherever the layout put them; the
+    shadow it writes is the slice's as laid out now, and the next forward lays the slice out again
+    where the call has ended. The next backward or ``step()`` plans anew.
 """
 
 from __future__ import annotations

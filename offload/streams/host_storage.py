@@ -47,9 +47,10 @@ Note: [Tensors substituted for a call]
     its base, as in plain PyTorch. Its gradient reaches it as any parameter's, as an input of the
     autograd Function, never through its memory. Its host copy being a copy, each later forward
     (within the same call: a call's end puts the layers' own tensors back, which lays the slice out
-    again anyway) compares the two, and a change (an optimizer step on it, a write through its base
-    or its ``.data``) lays the slice out again (:meth:`SliceStorage.moved`). Values, not version
-    counters: fused optimizers and writes through ``.data`` bump none. Taken in as before, with a
+    again anyway) compares the two, bit for bit (a NaN is unchanged), once a forward, and a change
+    (an optimizer step on it, a write through its base or its ``.data``) lays the slice out again
+    (:func:`substitutes_changed`). Values, not version counters: fused optimizers and
+    writes through ``.data`` bump none. Taken in as before, with a
     warning where they view another's memory: a substitute buffer (a layer's writes, BatchNorm's
     running statistics, come back to the host copy, which must be the caller's tensor for the
     caller to see them), one on another device than the host buffer, and every substitute of a
@@ -182,6 +183,31 @@ def _take_in(held: Sequence[Entry], flat: torch.Tensor) -> list[tuple[Entry, tor
             # Same object, new storage: optimizers and user references keep working.
             entry.tensor.data = host
     return substitutes
+
+
+#: The integer dtype of each element size, to compare floating-point values bit for bit.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` (of one dtype and shape) hold the same bits: NaNs of the same payload
+    are equal, ``0.0`` and ``-0.0`` are not."""
+    if a.is_complex():
+        a, b = torch.view_as_real(a.resolve_conj()), torch.view_as_real(b.resolve_conj())
+    if a.is_floating_point():
+        a, b = a.view(_BITS[a.element_size()]), b.view(_BITS[b.element_size()])
+    return torch.equal(a, b)
+
+
+def substitutes_changed(storage: SliceStorage) -> bool:
+    """Whether a substitute of ``storage``'s differs from its host copy (Note: [Tensors substituted
+    for a call]); the caller then lays the slice out again.
+
+    Reads every substitute and its host copy, so the caller asks once a refresh. Bit for bit: a NaN
+    equals itself (``torch.equal`` would call it changed at every forward), and a sign of zero
+    flipped is a change.
+    """
+    return any(not _same_bits(entry.tensor.detach(), host) for entry, host in storage.substitutes)
 
 
 def holder_of(storages: Sequence[SliceStorage], index: int, tensor: torch.Tensor) -> int:
@@ -405,12 +431,11 @@ class SliceStorage:
         self._shadow_current = False
 
     def moved(self) -> bool:
-        """Whether a tensor's ``.data`` was replaced since :meth:`build` (``p.data = other``), or a
-        substitute's values changed (Note: [Tensors substituted for a call]).
+        """Whether a tensor's ``.data`` was replaced since :meth:`build` (``p.data = other``).
 
         Replacing ``.data`` takes the tensor out of the flat buffer, so the next load would miss the
         new values; the caller rebuilds the storage when this is true. Also true after a
-        :meth:`build` that raised.
+        :meth:`build` that raised. Pointers only: a substitute's values are :func:`substitutes_changed`'s.
         """
         if not self._built:
             return True
@@ -418,7 +443,7 @@ class SliceStorage:
             tensor = entry.tensor
             if tensor.data_ptr() != ptr or tensor.dtype != entry.dtype or tensor.shape != entry.shape:
                 return True
-        return any(not torch.equal(entry.tensor, host) for entry, host in self.substitutes)
+        return False
 
     def registered_tensors_changed(self) -> bool:
         """Whether the layers now register other tensors than the ones laid out: a site that holds

@@ -33,6 +33,7 @@ from ..streams import (
     SliceUpdates,
     holder_of,
 )
+from ..streams.host_storage import substitutes_changed
 from ..streams.pinned import size_class
 from ..streams.slice_entries import bind_device_weights
 from ..streams.resident_storage import ResidentStorage
@@ -345,15 +346,19 @@ class Engine:
         ``p.data = other`` or assigning a new ``nn.Parameter`` to a layer takes the tensor out of the
         slice's flat host buffer; the slice is laid out again so the next load sees the change.
         """
-        if not any(s.storage.moved() or s.storage.registered_tensors_changed() for s in self.slices):
+        # The cheap checks first; a substitute's values are compared once a refresh, and only where
+        # nothing else lays its slice out again (Note: [Tensors substituted for a call]).
+        changed = {s.index for s in self.slices if s.storage.registered_tensors_changed() or s.storage.moved()
+                   or substitutes_changed(s.storage)}
+        if not changed:
             return  # the common case, checked every forward
         # A change made through a reference taken before step(): the pending updates still write
         # the host copies being laid out again, which copies what they hold.
         self.updates.wait_all(shadows_stale=True)
         held: set[int] = set()
         for s in self.slices:
-            # Earlier slices first: what a slice borrows depends on what they hold now.
-            if s.storage.moved() or s.storage.registered_tensors_changed() or held != s.storage.held_elsewhere:
+            # Earlier slices first: what a slice borrows depends on what they hold now (and where).
+            if s.index in changed or s.storage.moved() or held != s.storage.held_elsewhere:
                 s.storage.held_elsewhere = frozenset(held)
                 s.storage.build()
             held.update(id(e.tensor) for e in s.storage.held)
