@@ -243,6 +243,33 @@ def test_a_rename_of_the_commit_that_fails_is_undone(tmp_path, monkeypatch):
     assert_untouched(before, fresh, fresh_optimizer)
 
 
+def test_an_interrupt_that_lands_in_latests_rename_leaves_the_checkpoint_committed(tmp_path, monkeypatch):
+    """Python raises a Ctrl-C when the call it landed in returns: one in the rename of ``latest``
+    comes after it, with the new checkpoint committed. It stays so (undone, ``latest`` would name
+    a checkpoint deleted), the interrupt is raised, and the next save there works."""
+    model, optimizer = trained()
+    save_checkpoint(tmp_path / "a", model, optimizer, extra={"step": 1})
+    changed(model, optimizer)
+    after = snapshot(model, optimizer)
+    real = os.replace
+
+    def replace(source, target):
+        real(source, target)
+        if os.path.basename(target) == "latest":
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path / "b", model, optimizer, extra={"step": 2})
+    monkeypatch.setattr(os, "replace", real)
+    assert latest_checkpoint(tmp_path) == tmp_path / "b"
+    fresh, fresh_optimizer = trained()
+    assert load_checkpoint(latest_checkpoint(tmp_path), fresh, fresh_optimizer) == {"step": 2}
+    assert_untouched(after, fresh, fresh_optimizer)
+    save_checkpoint(tmp_path / "c", model, optimizer, keep_last=1)
+    assert sorted(os.listdir(tmp_path)) == ["c", "latest"]
+
+
 def test_a_commit_that_cannot_be_undone_says_what_is_where(tmp_path, monkeypatch):
     model, optimizer = trained()
     save_checkpoint(tmp_path / "a", model, optimizer)

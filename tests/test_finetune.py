@@ -26,6 +26,7 @@ transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 
 from offload import OffloadModel  # noqa: E402
+from offload.checkpoint import saver  # noqa: E402
 from offload.cli import finetune as cli  # noqa: E402
 from offload.cli.finetune_args import ARCHITECTURES, build_parser, parse_args  # noqa: E402
 from offload.cli.invocation import python_command  # noqa: E402
@@ -325,7 +326,15 @@ def test_a_checkpoint_that_does_not_load_is_one_line_in_the_commands_flags(tmp_p
     (line,) = err.strip().splitlines()
     assert code == 1 and line.startswith(f"offload-finetune: error: --resume: checkpoint {checkpoint} is damaged: "
                                          "offload.json is not valid JSON"), line
-    assert line.endswith(f"; pass --resume an earlier checkpoint (under {out / 'checkpoints'}), or leave out --resume")
+    assert line.endswith(f"; pass --resume an earlier checkpoint (under {out / 'checkpoints'}), or start over: "
+                         "leave out --resume")
+    # With --save-every, a run without --resume is refused beside the earlier run's checkpoints.
+    code, _, err = run_cli("--out", str(out), "--steps", "3", "--save-every", "1", "--resume", str(checkpoint),
+                           *TINY_RUN, tmp_path=tmp_path, capsys=capsys)
+    (line,) = err.strip().splitlines()
+    assert code == 1 and line.endswith(f"; pass --resume an earlier checkpoint (under {out / 'checkpoints'}), or "
+                                       f"start over: choose another --out, or remove {out / 'checkpoints'}, and "
+                                       "leave out --resume"), line
 
 
 @pytest.mark.parametrize(("device", "capability", "flags", "expected"), [
@@ -626,6 +635,28 @@ def test_ctrl_c_before_the_first_step_says_nothing_was_trained(tmp_path, capsys,
         cli.main(["--device", "cpu", "--no-progress", "--out", str(tmp_path)])
     assert exit_info.value.code == 130
     assert capsys.readouterr().err.strip() == "interrupted before the first step; nothing was trained"
+
+
+@pytest.mark.parametrize("stopped_at", [1, 2])
+def test_ctrl_c_in_a_saves_clean_up_names_the_checkpoint_it_committed(stopped_at, tmp_path, capsys, monkeypatch):
+    """Once a save committed, an interrupt in its clean-up (the replaced checkpoint's removal,
+    keep_last's) leaves it saved and named by latest: the stop line resumes from it."""
+    real = saver.tidy
+
+    def interrupted(path, keep_last):
+        if path.name == f"step-{stopped_at}":
+            raise KeyboardInterrupt
+        return real(path, keep_last)
+
+    monkeypatch.setattr(saver, "tidy", interrupted)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--device", "cpu", "--no-progress", "--out", str(tmp_path), "--steps", "3", "--save-every", "1",
+                  "--keep-checkpoints", "1", *TINY_RUN])
+    assert exit_info.value.code == 130
+    checkpoint = tmp_path / "checkpoints" / f"step-{stopped_at}"
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"interrupted after step {stopped_at}; last checkpoint: {checkpoint}; resume with: "), last
+    assert (tmp_path / "checkpoints" / "latest").read_text() == checkpoint.name and checkpoint.is_dir()
 
 
 @pytest.mark.parametrize("before", [signal.SIG_DFL, signal.SIG_IGN, lambda signum, frame: None])

@@ -174,6 +174,8 @@ def commit(path: Path, info: Callable[[], bytes]) -> None:
         OSError: a write (a full disk) or a rename failed; what was written is deleted and the
             renames undone: nothing new is visible.
         HalfCommitted: a rename failed and undoing the ones before it failed too.
+        KeyboardInterrupt: raised as it landed; before the last rename, as any error, after it
+            with the checkpoint committed (``latest`` names it).
     """
     partial = partial_directory(path)
     pending = pending_latest(path)
@@ -199,9 +201,14 @@ def commit(path: Path, info: Callable[[], bytes]) -> None:
         fsync_directory(path.parent)  # the checkpoint's name is on disk before ``latest`` names it
         os.replace(pending, path.parent / LATEST_FILE)
     except BaseException as error:
+        # An interrupt (Ctrl-C, SIGTERM) is raised when the call it landed in returns: one that
+        # landed in the last rename is raised after it, with the checkpoint committed (its pending
+        # ``latest`` is gone exactly then). Undone, ``latest`` would name a deleted checkpoint.
+        committed = not os.path.lexists(pending)
         try:
-            _undo(path, renamed, error)
-            _discard(partial, pending)
+            if not committed:
+                _undo(path, renamed, error)
+                _discard(partial, pending)
         finally:
             _release(path)
         raise

@@ -62,7 +62,7 @@ warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
 
 import torch
 
-from ..checkpoint import load_checkpoint, save_checkpoint
+from ..checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from ..checkpoint.checkpoint_files import CheckpointError
 from ..clipping import clip_grad_norm_
 from ..tiers.disk_tier import DiskTier
@@ -467,7 +467,11 @@ def resume_failure(args: argparse.Namespace, error: CheckpointError) -> str:
     elif "the directory checkpoints were saved into" in finding:
         return resume_directory_advice(args.resume)
     elif "damaged" in finding or "incomplete" in finding or finding.startswith("no checkpoint"):
-        advice = f"pass --resume an earlier checkpoint (under {args.out / 'checkpoints'}), or leave out --resume"
+        checkpoints = args.out / "checkpoints"
+        # A new run with --save-every is refused beside that run's checkpoints (check_no_earlier_run).
+        start_over = (f"choose another --out, or remove {checkpoints}, and leave out --resume" if args.save_every
+                      else "leave out --resume")
+        advice = f"pass --resume an earlier checkpoint (under {checkpoints}), or start over: {start_over}"
     elif (positions := _saved_positions(args, error)) is not None:
         seq_len = f"--seq-len {positions}" if positions > 64 else "--seq-len 64 or less"
         advice = (f"pass {seq_len}, as the run that saved it did (a random model's position table has "
@@ -558,8 +562,12 @@ def train(args: argparse.Namespace, model: OffloadModel, hf: Any, optimizer: Off
             bar.set_postfix(loss=f"{loss_value:.4f}", tokens_per_s=f"{rate:,.0f}")
         if args.save_every and step % args.save_every == 0:
             path = args.out / "checkpoints" / f"step-{step}"
-            save_checkpoint(path, model, optimizer, extra={"step": step}, keep_last=args.keep_checkpoints)
-            record.checkpoint = path
+            try:
+                save_checkpoint(path, model, optimizer, extra={"step": step}, keep_last=args.keep_checkpoints)
+            finally:
+                # An interrupt in the save's clean-up, once it committed, leaves it saved: latest says so.
+                if latest_checkpoint(path.parent) == path and path.is_dir():
+                    record.checkpoint = path
         if evaluation and (step == args.steps or (args.eval_every and step % args.eval_every == 0)):
             _report_evaluation(args, model, hf, evaluation, step, bar)
     if evaluation and done == args.steps:
