@@ -234,6 +234,21 @@ def test_qlora_forward_without_autograd_and_in_eval():
     assert_same_step(peft_model, fresh, model.train(), batch())
 
 
+def test_one_slice_in_eval_backpropagates_as_the_unwrapped_model():
+    # The only slice keeps its graph from forward, and in eval mode bitsandbytes repacks the 4-bit
+    # weights for its CPU kernel (its input needs no gradient): memory of the layer's own, not a
+    # slot that another slice may have written since.
+    peft_model = lora(quantized(llama_64(), "nf4", True), lora_dropout=0.0).eval()
+    reference = copy.deepcopy(peft_model)
+    model = OffloadModel(causal_lm_sequential(peft_model), device="cpu", num_slices=1)
+    got, want = model(batch()), reference(**batch(), use_cache=False).logits
+    torch.testing.assert_close(got, want, **EXACT)
+    got.logsumexp(-1).sum().backward()
+    want.logsumexp(-1).sum().backward()
+    for mine, theirs in zip(trainable(peft_model), trainable(reference)):
+        torch.testing.assert_close(mine.grad, theirs.grad, **EXACT)
+
+
 def test_a_weight_quantized_again_after_wrapping_is_followed():
     peft_model = lora(quantized(build("llama", dropout=0.0, layers=2)), lora_dropout=0.0)
     reference = copy.deepcopy(peft_model)

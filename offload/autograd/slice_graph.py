@@ -354,7 +354,9 @@ def _kept_entry_tensors(engine: Engine, index: int, record: KeptGraph | Offloade
     for view, entry in zip(views, engine.slices[index].storage.entries):
         if entry.is_parameter:
             leaf = next(params)
-            if entry.companions and leaf.data_ptr() != view.data_ptr():
+            # A leaf outside every slot is memory of the layer's own (bitsandbytes repacks a 4-bit weight
+            # for its CPU kernel in a forward without autograd through it): no other slice wrote it.
+            if entry.companions and leaf.data_ptr() != view.data_ptr() and engine.slots.owns(leaf):
                 # Rule 5 of Note: [Quantized weights] in offload/streams/quantized.py.
                 raise RuntimeError(
                     f"slice {index} holds a quantized weight and its graph was kept from forward, but the slice is "
