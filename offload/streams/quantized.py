@@ -37,7 +37,9 @@ Note: [Quantized weights]
        therefore recomputed in backward (``checkpoint_activation=True``, the default); the one graph
        every walk keeps (the last microbatch of the last slice) is used while the slice is still in
        the slot it ran in, and a backward that finds it elsewhere (a second forward ran before it)
-       raises rather than reading another slice's bytes.
+       raises rather than reading another slice's bytes. A weight the layer itself moved out of
+       the slot (bitsandbytes repacks a 4-bit weight for its CPU kernel in an eval forward whose
+       input needs no gradient) is memory of its own, which no slice writes: not refused.
     6. A ``bitsandbytes.nn.Int8Params`` (the weight of a ``Linear8bitLt``, ``load_in_8bit``) holds
        int8 codes, one a byte, and needs one float32 scale a row (``SCB``), its only companion. It
        keeps no state of its own once it ran: ``Linear8bitLt.forward`` moves ``CB`` (the codes) and
