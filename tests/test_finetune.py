@@ -326,15 +326,16 @@ def test_a_checkpoint_that_does_not_load_is_one_line_in_the_commands_flags(tmp_p
     (line,) = err.strip().splitlines()
     assert code == 1 and line.startswith(f"offload-finetune: error: --resume: checkpoint {checkpoint} is damaged: "
                                          "offload.json is not valid JSON"), line
+    # The first run finished: a new one would replace its model, as check_no_finished_model says.
     assert line.endswith(f"; pass --resume an earlier checkpoint (under {out / 'checkpoints'}), or start over: "
-                         "leave out --resume")
+                         "leave out --resume and pass --overwrite")
     # With --save-every, a run without --resume is refused beside the earlier run's checkpoints.
     code, _, err = run_cli("--out", str(out), "--steps", "3", "--save-every", "1", "--resume", str(checkpoint),
                            *TINY_RUN, tmp_path=tmp_path, capsys=capsys)
     (line,) = err.strip().splitlines()
     assert code == 1 and line.endswith(f"; pass --resume an earlier checkpoint (under {out / 'checkpoints'}), or "
                                        f"start over: choose another --out, or remove {out / 'checkpoints'}, and "
-                                       "leave out --resume"), line
+                                       "leave out --resume and pass --overwrite"), line
 
 
 @pytest.mark.parametrize(("device", "capability", "flags", "expected"), [
@@ -657,6 +658,25 @@ def test_ctrl_c_in_a_saves_clean_up_names_the_checkpoint_it_committed(stopped_at
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith(f"interrupted after step {stopped_at}; last checkpoint: {checkpoint}; resume with: "), last
     assert (tmp_path / "checkpoints" / "latest").read_text() == checkpoint.name and checkpoint.is_dir()
+
+
+def test_a_save_interrupted_before_its_commit_names_the_checkpoint_this_run_resumed(tmp_path, capsys, monkeypatch):
+    """Resumed from step-1 while latest still names an earlier run's step-2: a save of step-2 that
+    never committed leaves the stop line on step-1, not on the earlier run's copy."""
+    flags = ["--device", "cpu", "--no-progress", "--out", str(tmp_path), "--save-every", "1", *TINY_RUN]
+    code, _, err = run_cli(*flags[3:], "--steps", "2", tmp_path=tmp_path, capsys=capsys)
+    assert code == 0, err
+    checkpoints = tmp_path / "checkpoints"
+    assert (checkpoints / "latest").read_text() == "step-2"
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "save_checkpoint", interrupted)
+    with pytest.raises(SystemExit):
+        cli.main([*flags, "--steps", "3", "--resume", str(checkpoints / "step-1")])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"interrupted after step 2; last checkpoint: {checkpoints / 'step-1'}; resume with: "), last
 
 
 @pytest.mark.parametrize("before", [signal.SIG_DFL, signal.SIG_IGN, lambda signum, frame: None])

@@ -62,7 +62,7 @@ warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
 
 import torch
 
-from ..checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from ..checkpoint import load_checkpoint, save_checkpoint
 from ..checkpoint.checkpoint_files import CheckpointError
 from ..clipping import clip_grad_norm_
 from ..tiers.disk_tier import DiskTier
@@ -72,8 +72,8 @@ from .finetune_args import DTYPES, SCHEDULES, no_steps_left, parse_args, resume_
 from .models import (four_bit_settings, pretrained_model, pretrained_tokenizer, quantized_random_model, random_model,
                      with_lora)
 from .invocation import invoked_as
-from .outputs import (OutputError, RunRecord, check_outputs_writable, check_room, mark_export, planned_writes,
-                      remove_model_files)
+from .outputs import (OutputError, RunRecord, check_outputs_writable, check_room, holds_finished_model, mark_export,
+                      planned_writes, remove_model_files, saved_as)
 from .quantize import bnb_config
 
 __all__ = ["main", "parse_args"]
@@ -471,6 +471,8 @@ def resume_failure(args: argparse.Namespace, error: CheckpointError) -> str:
         # A new run with --save-every is refused beside that run's checkpoints (check_no_earlier_run).
         start_over = (f"choose another --out, or remove {checkpoints}, and leave out --resume" if args.save_every
                       else "leave out --resume")
+        if holds_finished_model(args.out, 0):  # a new run's export would replace it (check_no_finished_model)
+            start_over += " and pass --overwrite"
         advice = f"pass --resume an earlier checkpoint (under {checkpoints}), or start over: {start_over}"
     elif (positions := _saved_positions(args, error)) is not None:
         seq_len = f"--seq-len {positions}" if positions > 64 else "--seq-len 64 or less"
@@ -562,12 +564,15 @@ def train(args: argparse.Namespace, model: OffloadModel, hf: Any, optimizer: Off
             bar.set_postfix(loss=f"{loss_value:.4f}", tokens_per_s=f"{rate:,.0f}")
         if args.save_every and step % args.save_every == 0:
             path = args.out / "checkpoints" / f"step-{step}"
+            before = saved_as(path)
             try:
                 save_checkpoint(path, model, optimizer, extra={"step": step}, keep_last=args.keep_checkpoints)
-            finally:
-                # An interrupt in the save's clean-up, once it committed, leaves it saved: latest says so.
-                if latest_checkpoint(path.parent) == path and path.is_dir():
+            except BaseException:
+                # An interrupt in the save's clean-up, once it committed, leaves it saved (latest names it).
+                if saved_as(path) not in (None, before):
                     record.checkpoint = path
+                raise
+            record.checkpoint = path
         if evaluation and (step == args.steps or (args.eval_every and step % args.eval_every == 0)):
             _report_evaluation(args, model, hf, evaluation, step, bar)
     if evaluation and done == args.steps:

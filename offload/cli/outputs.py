@@ -107,6 +107,19 @@ def check_no_finished_model(out: Path, *, overwrite: bool) -> None:
                           "--out, or pass --overwrite to replace it")
 
 
+def saved_as(path: Path) -> tuple[int, int] | None:
+    """Which directory ``path`` is while ``latest`` names it (its device and inode), else ``None``.
+    Compared before and after a save, it tells whether that save committed, also when it raised:
+    a commit renames a new directory into the name (Note: [Atomic save] in ``offload/checkpoint/commit.py``)."""
+    try:
+        if latest_checkpoint(path.parent) != path:
+            return None
+        identity = path.stat()
+    except (CheckpointError, OSError):
+        return None
+    return identity.st_dev, identity.st_ino
+
+
 def remove_model_files(out: Path) -> list[Path]:
     """Remove the previous model's files (:data:`MODEL_FILES`) directly in ``out`` before an export
     writes its own, and return them. Checkpoints, the export record and other files are left."""
