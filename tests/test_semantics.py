@@ -655,6 +655,30 @@ def test_no_grad_and_inference_mode_keep_nothing(device, mode):
     assert all(p.grad is not None for p in model.parameters())
 
 
+class Transposed(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(0, 1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_without_a_graph_layers_see_parameters_that_require_grad_as_the_plain_models(device, mode):
+    # torch.matmul folds a non-contiguous 3-D input into one product only for a weight that
+    # requires no grad (it reads the flag, not the grad mode): the plain model's parameters keep
+    # theirs under no_grad, and the copies the layers run with must too, or they round otherwise.
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(8, 8), Transposed(), nn.Linear(8, 8), Transposed()).to(device)
+    reference[2].requires_grad_(False)  # and a frozen one stays frozen
+    model = OffloadModel(copy.deepcopy(reference), device=device, num_slices=2)
+    seen = []
+    for layer in (model[2], model[0]):
+        layer.register_forward_pre_hook(lambda m, i: seen.append(m.weight.requires_grad))
+    x = torch.randn(4, 5, 8, device=device).transpose(0, 1)  # into the trainable layer, as into the frozen one
+    with torch.no_grad() if mode == "no_grad" else torch.inference_mode():
+        torch.testing.assert_close(model(x), reference(x), **EXACT)
+    assert seen == [True, False]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_no_parameter_requires_grad_runs_without_graph(device):
     _, model = pair(device)

@@ -163,7 +163,7 @@ def _entering(leaf: torch.Tensor) -> torch.Tensor:
 
 def _param_leaves(views: Sequence[torch.Tensor], engine: Engine, index: int) -> list[torch.Tensor]:
     """What a graph of slice ``index`` runs with: parameter leaves over the device copies, buffers as they are."""
-    return engine.slices[index].entry_tensors(views, as_leaves=True)
+    return engine.slices[index].entry_tensors(views)
 
 
 def _params_among(entry_tensors: Sequence[torch.Tensor], engine: Engine, index: int) -> list[torch.Tensor]:

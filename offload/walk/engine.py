@@ -86,10 +86,12 @@ class Slice:
         """Every module of the slice's layers, submodules included."""
         return [module for layer in self.layers for module in layer.modules()]
 
-    def entry_tensors(self, views: Sequence[torch.Tensor], as_leaves: bool = False) -> list[torch.Tensor]:
+    def entry_tensors(self, views: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """What the layers run with, one per storage entry: each parameter's device copy as an
-        ``nn.Parameter`` (a leaf that requires grad as the host copy does when ``as_leaves``, none
-        otherwise), each buffer's as it is.
+        ``nn.Parameter``, a leaf that requires grad as the host copy does (also where no graph is
+        built: kernels that read the flag, ``torch.matmul`` folding a non-contiguous input into one
+        product, then choose as in the plain model, whose parameters keep it under ``no_grad``),
+        each buffer's as it is.
 
         Parameters, as in the plain model: a layer that takes its weight out of ``_parameters`` and
         puts it back during forward (``register_parametrization`` / ``remove_parametrizations``, as
@@ -99,7 +101,7 @@ class Slice:
         # A parameter's version counter is its own (``.data``), not the slot's: a write to it in
         # forward is told apart from a buffer's (Note: [Parameters written in forward]).
         tensors = [
-            nn.Parameter(view.data, requires_grad=as_leaves and entry.tensor.requires_grad) if entry.is_parameter
+            nn.Parameter(view.data, requires_grad=entry.tensor.requires_grad) if entry.is_parameter
             else view
             for view, entry in zip(views, self.storage.entries)
         ]
