@@ -479,6 +479,7 @@ def _slice_groups(model: Any, num_slices: int | None) -> list[tuple[list[str], l
             # Asked for, not the default: more slices than layers would mean empty ones.
             warnings.warn(f"num_slices={num_slices} is more than the model's {len(layers)} layers; using "
                           f"{len(layers)} slices, one a layer", stacklevel=3)
+        _refuse_uninitialized(names, layers)
         ranges = partition([layer_nbytes(layer) for layer in layers],  # type: ignore[arg-type]
                            DEFAULT_NUM_SLICES if num_slices is None else num_slices)
         return [([names[k] for k in r], [layers[k] for k in r]) for r in ranges]  # type: ignore[misc]
@@ -489,6 +490,7 @@ def _slice_groups(model: Any, num_slices: int | None) -> list[tuple[list[str], l
         for k, module in enumerate(modules):
             if not isinstance(module, nn.Module):
                 raise TypeError(f"slice {k} is a {type(module).__name__}; every slice must be an nn.Module")
+        _refuse_uninitialized([str(k) for k in range(len(modules))], modules)
         return [([str(k)], [module]) for k, module in enumerate(modules)]
     if hasattr(getattr(model, "config", None), "model_type"):  # a Hugging Face model, by its config
         raise TypeError(
@@ -500,6 +502,21 @@ def _slice_groups(model: Any, num_slices: int | None) -> list[tuple[list[str], l
         f"OffloadModel expects an nn.Sequential, or a list of nn.Module used as slices; got {type(model).__name__}. "
         f"Put its layers in an nn.Sequential if it runs them one after another"
     )
+
+
+def _refuse_uninitialized(names: Sequence[str], layers: Sequence[nn.Module]) -> None:
+    """Refuse a lazy module's parameters or buffers not made yet (``nn.LazyLinear`` before its first
+    forward): they have no shape to lay out in host memory."""
+    for name, layer in zip(names, layers):
+        for what, tensors in (("parameter", layer.named_parameters), ("buffer", layer.named_buffers)):
+            for tensor_name, tensor in tensors():
+                if isinstance(tensor, (nn.parameter.UninitializedParameter, nn.parameter.UninitializedBuffer)):
+                    owner = layer.get_submodule(tensor_name.rpartition(".")[0]) if "." in tensor_name else layer
+                    raise ValueError(
+                        f"layer {name}'s {what} {tensor_name} ({type(owner).__name__}) is not initialized yet: a "
+                        "lazy module makes its tensors at its first forward, and OffloadModel lays them out in "
+                        "host memory when it wraps the layers. Run one forward of the unwrapped model on a sample "
+                        "batch first, or use the module's non-lazy form (nn.Linear for nn.LazyLinear)")
 
 
 def _check_one_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

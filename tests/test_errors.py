@@ -23,6 +23,19 @@ def test_rejects_a_sequential_subclass_with_its_own_forward():
         OffloadModel(Custom(nn.Linear(2, 2)), device="cpu")
 
 
+@pytest.mark.parametrize("as_slices", [False, True], ids=["sequential", "slices"])
+def test_rejects_a_lazy_layer_not_run_yet_and_takes_it_once_run(as_slices):
+    layers = [nn.Linear(4, 8), nn.Sequential(nn.ReLU(), nn.LazyLinear(3))]
+    with pytest.raises(ValueError, match=r"layer 1's parameter 1\.weight \(LazyLinear\) is not initialized yet.*Run "
+                                         "one forward of the unwrapped model"):
+        OffloadModel(layers if as_slices else nn.Sequential(*layers), device="cpu", num_slices=2)
+    plain = nn.Sequential(*layers)
+    x = torch.randn(2, 4)
+    expected = plain(x)  # the lazy layer makes its tensors
+    model = OffloadModel(layers if as_slices else nn.Sequential(*layers), device="cpu", num_slices=2)
+    torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
+
+
 def test_rejects_a_list_with_a_non_module():
     with pytest.raises(TypeError, match="slice 1 is a builtin_function_or_method; every slice must be an nn.Module"):
         OffloadModel([nn.Linear(2, 2), torch.relu], device="cpu")
