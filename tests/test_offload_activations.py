@@ -260,6 +260,57 @@ def test_views_of_one_storage_share_one_host_copy():
     assert_same_grads(model, reference, **EXACT)
 
 
+class UnsafeGated(nn.Module):
+    """Splits a projection with ``unsafe_chunk`` and changes each half in place, as PyTorch's CPU
+    GRU and LSTM cells split their gates: two aliases of one storage that are not views, each with
+    a version counter of its own, saved by autograd at the same version (1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, 2 * WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.linear(x).unsafe_chunk(2, dim=-1)
+        return a.sigmoid_() * b.tanh_()
+
+
+class Recurrent(nn.Module):
+    """One of PyTorch's recurrent layers or cells, its output alone."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.layer(x)
+        out = out[0] if isinstance(out, tuple) else out
+        return out
+
+
+SEQUENCES = (2, ROWS, WIDTH)  # a batch of two sequences: one alone does not show it for GRU and LSTM
+
+
+@pytest.mark.parametrize(("layer", "shape"), [
+    (UnsafeGated, (ROWS, WIDTH)),
+    (lambda: Recurrent(nn.GRU(WIDTH, WIDTH, batch_first=True)), SEQUENCES),
+    (lambda: Recurrent(nn.GRUCell(WIDTH, WIDTH)), (ROWS, WIDTH)),
+    (lambda: Recurrent(nn.LSTMCell(WIDTH, WIDTH)), (ROWS, WIDTH)),
+    (lambda: Recurrent(nn.LSTM(WIDTH, WIDTH, batch_first=True).double()), SEQUENCES),
+], ids=["unsafe_chunk", "GRU", "GRUCell", "LSTMCell", "LSTM-float64"])
+def test_aliases_that_are_not_views_get_host_copies_of_their_own(layer, shape):
+    torch.manual_seed(0)
+    reference = nn.Sequential(layer(), nn.Linear(WIDTH, 1))
+    dtype = next(reference.parameters()).dtype
+    reference = reference.to(dtype)
+    model = OffloadModel(clone_model(reference), device="cpu", num_slices=2, checkpoint_activation=False,
+                         offload_activations=OffloadActivations(slices=[0], min_bytes=0))
+    x = torch.randn(*shape, dtype=dtype)
+    reference(x).pow(2).sum().backward()
+    model(x).pow(2).sum().backward()
+    assert engine_of(model).activations.saved_bytes > 0
+    assert_same_grads(model, reference, **EXACT)
+
+
 class SavesStrided(torch.autograd.Function):
     """Saves its input as given and checks backward gets it back in the same layout."""
 

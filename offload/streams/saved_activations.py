@@ -13,8 +13,8 @@ Note: [Offloaded saved tensors]
     3. an *offloaded save*: its addressed memory (Note: [Layouts]) copied into a pooled host buffer
        on the offload stream, with no private snapshot first (``ActivationOffloader.offload_saved``);
        the device tensor is freed as soon as forward drops it. A tensor that addresses more than
-       half of its storage has the whole storage copied instead, once for every view of it the run
-       saves at the same version: attention saves its query, key and value, three views of one
+       half of its storage has the whole storage copied instead, once for every view of one base
+       the run saves at the same version: attention saves its query, key and value, three views of one
        projection that each address nearly all of it, and copying each view's addressed memory
        would move the projection three times. Views of one storage then share one device copy in
        backward, as they share memory in the plain model, each at its own offset and strides.
@@ -157,9 +157,11 @@ class SavedActivations:
     # The run is over (Note: [Layers that differentiate in forward] in offload/autograd/slice_graph.py).
     sealed: bool = False
     # Whole storages copied in this run, by (address, bytes, version), with the tensor whose save
-    # copied it: the other views of one storage saved at the same version share its copy, while
-    # that tensor is alive (else its memory may hold another tensor now, at the same address).
-    _storages: dict[tuple[int, int, int], tuple[HostCopy, weakref.ref[torch.Tensor]]] = field(default_factory=dict)
+    # copied it and its base: the other views of that base saved at the same version share its
+    # copy, while that tensor is alive (else its memory may hold another tensor now, at the same
+    # address).
+    _storages: dict[tuple[int, int, int], tuple[HostCopy, weakref.ref[torch.Tensor], weakref.ref[torch.Tensor]]] = (
+        field(default_factory=dict))
 
     @property
     def copies(self) -> CopyStreams:
@@ -199,14 +201,19 @@ class SavedActivations:
         if storage.nbytes() > 2 * span:
             return HostCopy(*self.offloader.offload_saved(tensor)), None
         view = (tensor.dtype, tensor.size(), tuple(tensor.stride()), tensor.storage_offset())
+        # Only views of one base share a version counter: tensors that alias a storage without
+        # being views (``unsafe_chunk``, as PyTorch's CPU GRU and LSTM cells split their gates,
+        # ``.data``, ``set_``) count versions of their own, so an equal version says nothing about
+        # their bytes, and each gets a copy of its own.
+        base = tensor._base if tensor._base is not None else tensor
         key = (storage.data_ptr(), storage.nbytes(), tensor._version)
         known = self._storages.get(key)
-        if known is not None and known[1]() is not None:
+        if known is not None and known[1]() is not None and known[2]() is base:
             return known[0], view
         whole = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
         copy = HostCopy(*self.offloader.offload_saved(whole))
         try:
-            self._storages[key] = (copy, weakref.ref(tensor))
+            self._storages[key] = (copy, weakref.ref(tensor), weakref.ref(base))
         except TypeError:
             pass  # not shared: each view copies the storage
         return copy, view
