@@ -211,20 +211,123 @@ def test_a_base_models_checkpoint_without_the_prefix(kind, tmp_path):
     assert_same_tensors(hf, from_pretrained(tmp_path))
 
 
-def test_checkpoints_that_do_not_match_name_the_key_and_the_file(tmp_path):
+def save_legacy(kind: str, path: Path) -> tuple[list[str], list[str]]:
+    """Save a checkpoint as older transformers wrote them, which from_pretrained still loads: GPT-2
+    as on the hub (no "transformer." prefix, no head beside the tied embedding) with each layer's
+    causal-mask buffers ``attn.bias`` and ``attn.masked_bias``; a Llama with each layer's rotary
+    ``inv_freq``. Returns the stored names that name nothing in the model: those from_pretrained
+    reports unexpected, and those it drops without a word."""
+    from safetensors.torch import load_file, save_file
+
+    model = build(kind, dropout=0.0, tied=kind == "gpt2")
+    model.save_pretrained(path)
+    state = load_file(path / "model.safetensors")
+    reported, silent = [], []
+    for i in range(model.config.num_hidden_layers):
+        if kind == "gpt2":
+            state[f"h.{i}.attn.bias"] = torch.tril(torch.ones(64, 64)).view(1, 1, 64, 64)
+            state[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
+            reported.append(f"h.{i}.attn.masked_bias")
+            silent.append(f"h.{i}.attn.bias")  # GPT-2's _keys_to_ignore_on_load_unexpected
+        else:
+            state[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = 1 / 10000 ** (torch.arange(0, 8, 2) / 8)
+            silent.append(f"model.layers.{i}.self_attn.rotary_emb.inv_freq")
+    if kind == "gpt2":
+        state = {k.removeprefix("transformer."): v for k, v in state.items() if k != "lm_head.weight"}
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return reported, silent
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_stored_tensors_that_name_nothing_are_skipped_unread_as_from_pretrained_skips_them(kind, tmp_path,
+                                                                                           monkeypatch):
+    from offload.loading import safetensors_files
+
+    reported, silent = save_legacy(kind, tmp_path)
+    reference = from_pretrained(tmp_path)
+    read: list[str] = []
+
+    def spied(reader):
+        def spy(stored, name, *rest):
+            read.append(name)
+            return reader(stored, name, *rest)
+        return spy
+
+    for reader in ("_read_bytes", "_read_span"):  # every read of a stored tensor's bytes goes through one
+        monkeypatch.setattr(safetensors_files, reader, spied(getattr(safetensors_files, reader)))
+    with warnings.catch_warnings(record=True) as told:
+        warnings.simplefilter("always")
+        model, hf = load_causal_lm(tmp_path, "cpu", num_slices=3)
+    assert read and not set(read) & {*reported, *silent}  # not a byte of them read
+    # One warning naming each tensor from_pretrained reports unexpected, none for those it drops silently.
+    unused = [str(w.message) for w in told if "name nothing in the model" in str(w.message)]
+    assert len(unused) == (1 if reported else 0)
+    for message in unused:
+        assert message.startswith(f"the checkpoint at {tmp_path} stores tensors that name nothing in the model, "
+                                  "which were not read, as from_pretrained leaves them unused: "
+                                  + ", ".join(f"'{name}' (model.safetensors)" for name in reported))
+        assert not any(name in message for name in silent)
+    assert_same_tensors(hf, reference)
+    assert_same_training_step(model, hf, reference)
+
+
+def test_offload_finetune_trains_from_a_checkpoint_with_tensors_that_name_nothing(tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    from offload.cli import finetune as cli
+    from offload.cli.models import random_model
+
+    from .helpers import cli_result
+
+    hf, tokenizer = random_model("gpt2", "tiny", 256, 16)
+    hf.save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    state = load_file(tmp_path / "base" / "model.safetensors")
+    masks = {f"transformer.h.{i}.attn.masked_bias": torch.tensor(-1e4) for i in range(hf.config.n_layer)}
+    save_file({**state, **masks}, str(tmp_path / "base" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.warns(UserWarning, match=r"name nothing in the model.*'transformer\.h\.0\.attn\.masked_bias'"):
+        code, out, err = cli_result(cli.main, ["--device", "cpu", "--no-progress", "--model", str(tmp_path / "base"),
+                                               "--out", str(tmp_path / "out"), "--steps", "1", "--seq-len", "16"],
+                                    capsys)
+    assert code == 0, err[-3000:]
+    assert "slice by slice" in out
+
+
+ADVICE = (r"\. load_causal_lm reads every parameter and persistent buffer from the checkpoint: check that config\.json "
+          r"is the one saved with these weights and that the folder holds every shard\. To train tensors the "
+          r"checkpoint lacks from a fresh initialisation, or of other shapes \(ignore_mismatched_sizes=True\), load "
+          r"with from_pretrained, which initialises them, and wrap the model with causal_lm_sequential and "
+          r"OffloadModel$")
+
+
+def test_checkpoints_that_do_not_match_name_the_key_and_the_file_and_say_what_to_do(tmp_path):
     from safetensors.torch import load_file, save_file
 
     build("llama").save_pretrained(tmp_path)
     stored = load_file(tmp_path / "model.safetensors")
     save_file({k: v for k, v in stored.items() if k != "model.layers.1.mlp.up_proj.weight"},
               tmp_path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"missing from the checkpoint: '2\.layer\.mlp\.up_proj\.weight'"):
+    with pytest.raises(ValueError, match=r"missing from the checkpoint: '2\.layer\.mlp\.up_proj\.weight'" + ADVICE):
         load_causal_lm(tmp_path, "cpu")
+    # A tensor that names nothing is told with the missing one it may have been meant for.
+    save_file({**{k: v for k, v in stored.items() if k != "model.layers.1.mlp.up_proj.weight"},
+               "model.layers.1.mlp.up.weight": stored["model.layers.1.mlp.up_proj.weight"]},
+              tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with warnings.catch_warnings(record=True) as told:
+        warnings.simplefilter("always")
+        with pytest.raises(ValueError, match=r"missing from the checkpoint: '2\.layer\.mlp\.up_proj\.weight'; stored "
+                                             r"but naming nothing in the model: 'model\.layers\.1\.mlp\.up\.weight' "
+                                             r"\(model\.safetensors\)" + ADVICE):
+            load_causal_lm(tmp_path, "cpu")
+    assert not [w for w in told if "name nothing" in str(w.message)]  # told once, in the error
+    # Alone, such a tensor is skipped with a warning, as from_pretrained skips it.
     save_file({**stored, "model.layers.9.mlp.up_proj.weight": torch.zeros(1)}, tmp_path / "model.safetensors",
               metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"stored but not in the model: 'model\.layers\.9\.mlp\.up_proj\.weight' "
-                                         r"\(model\.safetensors\)"):
-        load_causal_lm(tmp_path, "cpu")
+    with pytest.warns(UserWarning, match=r"name nothing in the model, which were not read, as from_pretrained leaves "
+                                         r"them unused: 'model\.layers\.9\.mlp\.up_proj\.weight' "
+                                         r"\(model\.safetensors\)\. "):
+        _, hf = load_causal_lm(tmp_path, "cpu")
+    assert_same_tensors(hf, from_pretrained(tmp_path))
     save_file({k: v for k, v in stored.items() if k != "model.layers.0.mlp.up_proj.weight"},
               tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"missing from the checkpoint: '1\.layer\.mlp\.up_proj\.weight'"):
@@ -233,7 +336,8 @@ def test_checkpoints_that_do_not_match_name_the_key_and_the_file(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**config, "intermediate_size": 48}))
     save_file(stored, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.up_proj\.weight' in model\.safetensors has shape "
-                                         r"\(64, 32\), the model's '1\.layer\.mlp\.up_proj\.weight' is \(48, 32\)"):
+                                         r"\(64, 32\), the model's '1\.layer\.mlp\.up_proj\.weight' is \(48, 32\)"
+                                         r".*" + ADVICE):
         load_causal_lm(tmp_path, "cpu")
 
 

@@ -6,8 +6,10 @@ by slice] in ``offload/loading/sequential.py``). What ``from_pretrained`` does b
 the same way, with transformers' own functions:
 
 - stored names go through the model's conversion mapping (``gpt_neox``'s ``embed_out`` is
-  ``lm_head``; a checkpoint of the base model lacks the ``model.`` prefix), and keys the model
-  says to ignore are skipped;
+  ``lm_head``; a checkpoint of the base model lacks the ``model.`` prefix); stored tensors that
+  name nothing in the model are skipped unread, those older transformers saved (a per-layer
+  rotary ``inv_freq``) and those the model says to ignore silently, the others with one warning
+  that lists them (GPT-2's ``attn.masked_bias``), as ``from_pretrained`` reports them unexpected;
 - experts stored one by one (Mixtral, Qwen2-MoE, Qwen3-MoE) are read into their place in the
   stacked expert tensors (the conversion's ``MergeModulelist`` and ``Concatenate``), one expert
   at a time; other conversions, which would need the whole tensor first, are refused;
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -30,7 +33,7 @@ import torch
 from torch import nn
 
 from ..loading.four_bit import quantize_linears
-from ..loading.sequential import Placement, build_from_checkpoint
+from ..loading.sequential import Placement, _listed, build_from_checkpoint
 from ..model import OffloadModel
 from ..loading.safetensors_files import SafetensorsCheckpoint
 from .transformers_stages import CausalLMSequential, causal_lm_sequential
@@ -92,8 +95,8 @@ def load_causal_lm(
         modules the stages share (``hf_model.save_pretrained`` writes the trained weights).
 
     Raises:
-        ValueError: a checkpoint that does not match the model (missing, unexpected or misshapen
-            keys, each named with its file), a checkpoint saved already quantized (its
+        ValueError: a checkpoint that does not match the model (missing or misshapen keys, each
+            named with its file, and what to do), a checkpoint saved already quantized (its
             ``config.json`` has a ``quantization_config``), stored tensors that need a conversion
             other than stacking experts, a ``quantization_config`` other than bitsandbytes' 4 bits
             on the default skip list and storage, or what ``causal_lm_sequential`` refuses.
@@ -124,8 +127,16 @@ def load_causal_lm(
         _quantize_on_meta(hf_model, quantization_config)
     hf_model.eval()
     layers = causal_lm_sequential(hf_model, loss_chunk_tokens=loss_chunk_tokens)
-    model = build_from_checkpoint(layers, checkpoint, device, init_buffers=_buffer_initialiser(hf_model),
-                                  place=_placement(hf_model, layers, meta_state), **options)
+    unused: list[str] = []
+    try:
+        model = build_from_checkpoint(layers, checkpoint, device, init_buffers=_buffer_initialiser(hf_model),
+                                      place=_placement(hf_model, layers, meta_state, unused), **options)
+    except ValueError as error:
+        advised = _advised(error, checkpoint, unused)
+        if advised is None:
+            raise
+        raise advised from None
+    _warn_unused(checkpoint, unused)
     _forget_untied(hf_model)
     model.eval()  # as its modules: built in train mode, as every nn.Module
     return model, hf_model
@@ -223,30 +234,77 @@ def _buffer_initialiser(hf_model: nn.Module) -> Callable[[nn.Module], None]:
     return init_buffers
 
 
-def _placement(hf_model: nn.Module, layers: CausalLMSequential,
-               meta_state: dict[str, torch.Tensor]) -> Callable[[str], Placement | None]:
+def _placement(hf_model: nn.Module, layers: CausalLMSequential, meta_state: dict[str, torch.Tensor],
+               unused: list[str] | None = None) -> Callable[[str], Placement | None]:
     """Where each stored name goes: through the model's renamings and converters to its Hugging
-    Face key, then to the stages' key."""
+    Face key, then to the stages' key; ``None`` (skipped, never read) for a name that names
+    nothing, which is appended to ``unused`` unless ``from_pretrained`` drops it silently."""
     to_stage = {layers.hf_name(key): key for key, _ in (*layers.named_parameters(remove_duplicate=False),
                                                          *layers.named_buffers(remove_duplicate=False))}
     transforms = get_model_conversion_mapping(hf_model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    ignored = [re.compile(pattern) for pattern in (getattr(hf_model, "_keys_to_ignore_on_load_unexpected", None) or ())]
+    ignored = _ignored_unexpected(hf_model)
 
     def place(stored_name: str) -> Placement | None:
         name, pattern = rename_source_key(stored_name, renamings, converters, hf_model.base_model_prefix, meta_state)
         key = to_stage.get(name)
         if key is None:
-            # Names nothing: skipped where the model says so (as from_pretrained does, only for
-            # such keys: its patterns match real names too), otherwise reported as unexpected.
-            return None if any(p.search(name) for p in ignored) else Placement(name)
+            # Names nothing: from_pretrained drops it, with a report unless the patterns say not to
+            # (applied, as there, only to such keys: they match real names too).
+            if unused is not None and not any(p.search(name) for p in ignored):
+                unused.append(stored_name)
+            return None
         if pattern is None:
             return Placement(key)
         converter = next(c for c in converters if pattern in c.source_patterns)
         return Placement(key, _expert_part(converter, pattern, stored_name))
 
     return place
+
+
+def _ignored_unexpected(hf_model: nn.Module) -> list[re.Pattern[str]]:
+    """The stored names ``from_pretrained`` drops without a word (``_adjust_missing_and_unexpected_keys``
+    in transformers' ``modeling_utils.py``): those the model lists in ``_keys_to_ignore_on_load_unexpected``,
+    and two kinds older transformers saved, where the model has the buffer they became: each
+    layer's rotary ``inv_freq`` (now one, non-persistent, for the model) and ``position_ids`` (now
+    non-persistent)."""
+    patterns = set(getattr(hf_model, "_keys_to_ignore_on_load_unexpected", None) or ())
+    buffers = [name for name, _ in hf_model.named_buffers()]
+    if any(name.endswith("rotary_emb.inv_freq") for name in buffers):
+        patterns.add(r"rotary_emb\.inv_freq")
+    if any(name.endswith("position_ids") for name in buffers):
+        patterns.add(r"(^|\.)position_ids$")
+    return [re.compile(pattern) for pattern in sorted(patterns)]
+
+
+def _warn_unused(checkpoint: SafetensorsCheckpoint, unused: list[str]) -> None:
+    """One warning for the stored tensors that name nothing in the model and were skipped, as
+    ``from_pretrained`` reports them (its "UNEXPECTED" keys) and loads the rest."""
+    if not unused:
+        return
+    warnings.warn(f"the checkpoint at {checkpoint.path} stores tensors that name nothing in the model, which were "
+                  f"not read, as from_pretrained leaves them unused: {_with_files(checkpoint, unused)}. Harmless for "
+                  "buffers older transformers saved (GPT-2's attn.masked_bias); for weights, check that config.json "
+                  "is the one saved with them", stacklevel=3)  # load_causal_lm's caller
+
+
+def _advised(error: ValueError, checkpoint: SafetensorsCheckpoint, unused: list[str]) -> ValueError | None:
+    """``error`` told with what to do, where it is a checkpoint that does not match the model (keys
+    missing, shapes that differ), else ``None``; the stored tensors that name nothing are told with
+    it, as they often explain it (a checkpoint of another architecture, or of other names)."""
+    if not str(error).startswith(f"the checkpoint at {checkpoint.path} does not match the model"):
+        return None
+    stored = f"; stored but naming nothing in the model: {_with_files(checkpoint, unused)}" if unused else ""
+    return ValueError(f"{error}{stored}. load_causal_lm reads every parameter and persistent buffer from the "
+                      "checkpoint: check that config.json is the one saved with these weights and that the folder "
+                      "holds every shard. To train tensors the checkpoint lacks from a fresh initialisation, or of "
+                      "other shapes (ignore_mismatched_sizes=True), load with from_pretrained, which initialises "
+                      "them, and wrap the model with causal_lm_sequential and OffloadModel")
+
+
+def _with_files(checkpoint: SafetensorsCheckpoint, names: list[str]) -> str:
+    return _listed([f"'{name}' ({checkpoint[name].file.name})" for name in names])
 
 
 def _expert_part(converter: WeightConverter, pattern: str, stored_name: str) -> Callable[[torch.Tensor], torch.Tensor]:
