@@ -21,7 +21,7 @@ from . import per_tensor_warning
 from .arguments import int_at_least, resident_count
 from .autograd import Call, OffloadFunction, flatten_input, refusals
 from .autograd.accumulation import mark_zeroed
-from .streams.gradient_files import zeroed_in_files
+from .streams.gradient_files import back_in_files, gradients_in_files, zeroed_in_files
 from .data_parallel import DataParallel
 from .walk.activation_policy import ActivationPlan, OffloadActivations
 from .walk.engine import Engine
@@ -307,6 +307,7 @@ class OffloadModel(CopiedByLayers, FixedStructure):
         OffloadModel] in ``offload/modeling/placement.py``."""
         self._settle()
         engine = self._engine
+        at_home = gradients_in_files(s.storage for s in engine.slices)  # Note: [Gradients on disk]
         target = compute_target(fn, self.device, self.offload_device)
         if target != self.device and may_move_compute(engine, self.device, self.offload_device, target,
                                                       self.__dict__.get("_data_parallel") is not None):
@@ -323,6 +324,7 @@ class OffloadModel(CopiedByLayers, FixedStructure):
             return self
         super()._apply(stays_on_compute(convert, self.offload_device, self._engine.num_resident), recurse)
         self._engine.refresh()
+        back_in_files((s.storage for s in self._engine.slices), at_home)  # _apply moved them to RAM
         return self
 
 
@@ -340,6 +342,7 @@ def _run(model: OffloadModel, *args: Any, **kwargs: Any) -> Any:
         any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves)
         or any(p.requires_grad for p in params)
     )
+    _refuse_meta(model, leaves, needs_graph)
     if not needs_graph:
         return streamed_forward(engine, leaves, spec, model.num_microbatches)
     call, input_tensors = Call.taking(leaves, spec)
@@ -529,6 +532,27 @@ def _check_one_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         )
     if len(args) != 1:
         raise TypeError(f"OffloadModel.forward takes exactly one input, as nn.Sequential does; got {len(args)}")
+
+
+def _refuse_meta(model: OffloadModel, leaves: Sequence[Any], needs_graph: bool) -> None:
+    """Refuse a forward that would copy data out of the meta device, which holds none: an input
+    there to a model that computes elsewhere (the walk copies it to the host), or, on a model that
+    computes there (built so, to be moved before training), a forward autograd records (the walk
+    keeps its boundary activations and gradients on the host). Without autograd a meta model
+    gives the output's shape, as the unwrapped model on meta does."""
+    if model.device.type == "meta":
+        if needs_graph:
+            raise RuntimeError(
+                "OffloadModel computes on meta (device='meta' or model.to('meta')), which holds no data, and this "
+                "forward records a graph: the walk would copy its boundary activations and, in backward, its "
+                "gradients to the host. Move the model where it computes first (model.to('cuda') or "
+                "model.to('cpu')), or run the forward under torch.no_grad() for the output's shape")
+    elif any(isinstance(x, torch.Tensor) and x.is_meta for x in leaves):
+        raise RuntimeError(
+            f"OffloadModel computes on {model.device} and got an input on meta, which holds no data to copy there. "
+            f"Pass the input on {model.device} or on the host (x.to({str(model.device)!r})), as the unwrapped model "
+            "takes it; for the output's shape alone, move the model first (model.to('meta')) and run the forward "
+            "under torch.no_grad()")
 
 
 def _span(names: Sequence[str]) -> str:

@@ -105,6 +105,45 @@ def test_accumulation_clipping_and_a_grad_scaler_skip(fused, tmp_path):
     assert_same(ram_model, ram, model, optimizer)
 
 
+@pytest.mark.parametrize("convert", [lambda m: m.half().float(), lambda m: m.double()], ids=["half-float", "double"])
+def test_a_dtype_conversion_puts_the_gradients_back_in_their_files(convert, tmp_path):
+    # nn.Module._apply converts each .grad into a new tensor in RAM; each goes back into its slice's
+    # new gradient file, the same tensor with the same values, and later backwards land there
+    # (Note: [Gradients on disk]) instead of adding into .grad in RAM for the rest of the run.
+    runs = twins(torch.optim.SGD, {"lr": 0.1}, tmp_path)
+    (ram_model, ram), (model, optimizer) = runs
+
+    def steps(first):
+        for step in range(first, first + 2):
+            for m, o in runs:
+                loss_of(m, step).backward()
+                o.step()
+                o.zero_grad(set_to_none=False)  # the usual loop: .grad stays, zeroed
+
+    steps(0)
+    for m, _ in runs:
+        loss_of(m, 2).backward()  # gradients to convert
+    before = model.memory_footprint().host_gradients
+    grads = [p.grad for p in model.parameters()]
+    for m, _ in runs:
+        convert(m)
+    assert model.memory_footprint().host_gradients == before == 0
+    assert all(s.storage.gradient_home.holds(j, e.tensor.grad)
+               for s in model._engine.slices for j, e in enumerate(s.storage.params))
+    assert all(p.grad is g for p, g in zip(model.parameters(), grads))  # as nn.Module._apply keeps them
+    for (name, a), b in zip(ram_model.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+    for _, o in runs:
+        o.step()
+        o.zero_grad(set_to_none=False)
+    steps(3)
+    optimizer.synchronize()
+    assert model.memory_footprint().host_gradients == 0
+    for (name, a), b in zip(ram_model.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+    assert_same(ram_model, ram, model, optimizer)
+
+
 def test_forwards_read_what_was_written_through_the_parameters(tmp_path):
     (ram_model, ram), (model, optimizer) = runs = twins(torch.optim.SGD, {"lr": 0.1}, tmp_path)
     train(runs, 2)

@@ -38,12 +38,19 @@ Note: [Gradients on disk]
     event, on its own worker). A weight tied across slices lands its holder's part in the home,
     and its ``.grad``, the sum of every slice's part, is gathered in a borrowing slice's pooled
     buffer (Note: [A tied weight's gradients summed in place] in ``offload/autograd/gradients.py``).
+
+    A conversion of the model (``model.double()``, ``model.half().float()``) converts each
+    ``.grad`` as ``nn.Module._apply`` does, into a new tensor in RAM, and lays the slice out anew
+    with a new home. Left so, that ``.grad`` would read as one of the user's own, and every later
+    backward would add into it in RAM. :func:`back_in_files` copies the converted values into the
+    new home and makes its view the ``.grad``'s memory again (the same tensor object, as
+    ``_apply`` keeps it), then has the home written back and dropped as after a landing.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import Protocol
 
 import torch
@@ -160,3 +167,46 @@ def zeroed_in_files(storages: Iterable[object], params: Iterable[torch.Tensor]) 
     finally:
         for p, grad in hidden:
             p.grad = grad
+
+
+def gradients_in_files(storages: Iterable[object]) -> set[int]:
+    """The ids of the parameters of ``storages`` whose ``.grad`` is their gradient in their
+    slice's home: taken before a conversion, for :func:`back_in_files` after it."""
+    at_home: set[int] = set()
+    for storage in storages:
+        home: GradientHome | None = storage.gradient_home  # type: ignore[attr-defined]
+        if home is not None:
+            at_home.update(id(e.tensor) for j, e in enumerate(storage.params)  # type: ignore[attr-defined]
+                           if home.holds(j, e.tensor.grad))
+    return at_home
+
+
+def back_in_files(storages: Iterable[object], at_home: Collection[int]) -> None:
+    """Put the ``.grad`` of the parameters ``at_home`` (from :func:`gradients_in_files`), which a
+    conversion moved into RAM, back into their slices' homes, with the same values (Note:
+    [Gradients on disk]). A home something refers to already, or a gradient whose dtype, shape or
+    strides are not its place's, is left as it is: its gradients stay in RAM, as before."""
+    for storage in storages:
+        home: GradientHome | None = storage.gradient_home  # type: ignore[attr-defined]
+        if home is None or not home.is_idle():
+            continue
+        moving = [(home.view(j), e.tensor.grad) for j, e in enumerate(storage.params)  # type: ignore[attr-defined]
+                  if id(e.tensor) in at_home and _fits(home, j, e.tensor.grad)]
+        if not moving:
+            continue
+        home.paging.before_landing(home)  # RAM holds a few slices' gradients at a time, as in backward
+        with torch.no_grad():
+            for view, grad in moving:
+                view.copy_(grad)
+                grad.data = view  # the same .grad tensor: a reference kept to it still is p.grad
+        home.paging.landed(home)
+
+
+def _fits(home: GradientHome, j: int, grad: torch.Tensor | None) -> bool:
+    """Whether ``grad`` can become parameter ``j``'s gradient in ``home`` as it is (dtype, shape
+    and strides), and is not there already."""
+    if home.places[j] is None or grad is None or grad.layout != torch.strided or grad.device != home.file.tensor.device:
+        return False
+    view = home.view(j)
+    return (not home.holds(j, grad) and grad.dtype == view.dtype and grad.shape == view.shape
+            and grad.stride() == view.stride())
