@@ -408,8 +408,13 @@ def _load_as_class(optimizer: OffloadOptimizer, state_dict: dict[str, Any]) -> N
 
 def _load_through_class(optimizer: OffloadOptimizer, state_dict: dict[str, Any]) -> None:
     """``optimizer_class``'s own ``load_state_dict()``, on an instance over the same parameters."""
+    # As torch.optim: the hooks get a shallow copy (one that pops its key leaves the caller's dict
+    # whole, for a second load), and a hook's result replaces it unless it is None (an empty dict counts).
+    state_dict = state_dict.copy()
     for pre_hook in optimizer._optimizer_load_state_dict_pre_hooks.values():
-        state_dict = pre_hook(optimizer, state_dict) or state_dict
+        hook_result = pre_hook(optimizer, state_dict)
+        if hook_result is not None:
+            state_dict = hook_result
     loader = optimizer.optimizer_class([dict(group) for group in optimizer.param_groups], **optimizer.optimizer_kwargs)
     loader.load_state_dict(state_dict)
     # Keyed by the optimizer's parameters (the loader's), its groups the saved hyperparameters.

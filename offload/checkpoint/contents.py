@@ -32,6 +32,10 @@ Note: [Checkpoint layout]
     ``optim/param_groups``
         the groups' hyperparameters (learning rate as the scheduler left it...), each group's
         parameters by name.
+    ``optim/hooked``
+        what the optimizer's ``state_dict()`` post-hooks add to its ``state_dict()`` beside
+        ``state`` and ``param_groups``, as a dict, present only when they add something (Note:
+        [State dict hooks in a checkpoint]).
     ``rng/<rank>``
         that rank's CPU and CUDA generators and Python's ``random``: dropout draws the same
         numbers after a resume. Restored only when the number of ranks is unchanged.
@@ -44,6 +48,24 @@ Note: [Checkpoint layout]
     ``offload.json`` holds the names, shapes and dtypes of the model's tensors, the slicing, the
     optimizer class, its groups' parameters by name and the number of ranks: what
     :func:`load_checkpoint` checks before it writes anything.
+
+Note: [State dict hooks in a checkpoint]
+    A save and a load run the optimizer's hooks as ``state_dict()`` and ``load_state_dict()``
+    run them, so that PyTorch's pairing of a ``state_dict`` post-hook that adds a key with a
+    ``load_state_dict`` pre-hook that reads it survives a checkpoint:
+
+    1. A save runs the ``state_dict`` pre-hooks, then the post-hooks on the dict ``state_dict()``
+       would hand them (tensors as references; a disk tier's read in, as ``state_dict()`` reads
+       them: only when post-hooks are registered).
+    2. The keys they add beside ``state`` and ``param_groups`` are saved, pickled, as
+       ``optim/hooked``; a load puts them back into the dict it hands ``load_state_dict()``,
+       whose pre-hooks and post-hooks run as they always do (into the plain optimizer too).
+    3. The state and the groups are saved as the optimizer holds them, slice by slice, not from
+       that dict: a post-hook that changes them (drops a key, casts a tensor) refuses the save
+       before anything is written, where taking its change would read the whole state at once
+       and skipping it would save something else than ``state_dict()``. Such a hook's pair is a
+       ``load_state_dict`` pre-hook that reverses it: keep the state as it is, or save
+       ``optimizer.state_dict()`` in ``extra``.
 """
 
 from __future__ import annotations
@@ -60,6 +82,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from ..model import OffloadModel, engine_of
 from ..optimizer import OffloadOptimizer, state_layout_by_slice
 from ..streams.flat_views import dense_stride
+from ..tiers.slice_update import same_value
 
 #: The format a save writes. 2: optimizer state kept as a tensor subclass is saved as what it holds
 #: (Note: [Wrapped state]), which a reader of format 1 would hand the optimizer as a description:
@@ -69,6 +92,8 @@ FORMAT = 3
 READABLE_FORMATS = (1, 2, 3)
 #: The first format whose ``extra`` is saved as ``{"value": extra}``.
 EXTRA_WRAPPED_SINCE = 3
+#: The key of what the optimizer's ``state_dict()`` post-hooks add (Note: [State dict hooks in a checkpoint]).
+HOOKED = "optim/hooked"
 STRAY_PARAMETER = ("the optimizer steps a parameter that is not in the model; a checkpoint names optimizer state "
                    "after the model's parameters: save such parameters in extra and give them their own optimizer")
 
@@ -143,6 +168,71 @@ def _optimizer_state(optimizer: torch.optim.Optimizer
         for p in group["params"]:
             if p in optimizer_state:
                 yield -1, p, optimizer_state[p], {}
+
+
+def _hooked_keys(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Run the optimizer's ``state_dict`` hooks as ``state_dict()`` does; what the post-hooks add
+    beside ``state`` and ``param_groups`` (Note: [State dict hooks in a checkpoint]).
+
+    Raises:
+        ValueError: a post-hook changed the state or the groups (rule 3).
+    """
+    for pre_hook in getattr(optimizer, "_optimizer_state_dict_pre_hooks", {}).values():
+        pre_hook(optimizer)
+    post_hooks = list(getattr(optimizer, "_optimizer_state_dict_post_hooks", {}).values())
+    if not post_hooks:
+        return {}
+    packed = _packed(optimizer)
+    handed = ({i: dict(s) for i, s in packed["state"].items()}, [dict(g) for g in packed["param_groups"]])
+    for post_hook in post_hooks:
+        hook_result = post_hook(optimizer, packed)
+        if hook_result is not None:
+            packed = hook_result
+    changed = _changed_by_hooks(packed, *handed)
+    if changed:
+        raise ValueError(
+            f"a state_dict() post-hook of the optimizer changed {changed}. save_checkpoint saves the optimizer's "
+            "state and groups as the optimizer holds them, a slice at a time, and keeps only the keys its "
+            "state_dict() post-hooks add beside 'state' and 'param_groups' (handed back to its load_state_dict() "
+            "pre-hooks by load_checkpoint). Leave the state and the groups as they are in the hook, or save "
+            "optimizer.state_dict() in extra (docs/checkpoints.md, 'Optimizer hooks').")
+    return {k: v for k, v in packed.items() if k not in ("state", "param_groups")}
+
+
+def _packed(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The dict ``state_dict()`` hands its post-hooks: state by parameter number (each parameter's
+    dict a copy of its own, so a hook cannot change the optimizer's), groups' parameters by number."""
+    index: dict[int, int] = {}
+    for p in (p for group in optimizer.param_groups for p in group["params"]):
+        index.setdefault(id(p), len(index))
+    packed = {"state": {index[id(p)] if isinstance(p, torch.Tensor) else p: dict(s)
+                        for p, s in optimizer.state.items()},
+              "param_groups": [{**{k: v for k, v in group.items() if k != "params"},
+                                "params": [index[id(p)] for p in group["params"]]} for group in optimizer.param_groups]}
+    if isinstance(optimizer, OffloadOptimizer):
+        optimizer._disk.add_to_state_dict(packed, index)  # as state_dict(): a disk tier's state, read in
+    return packed
+
+
+def _changed_by_hooks(packed: dict[str, Any], state: dict[Any, dict[str, Any]], groups: list[dict[str, Any]]) -> str:
+    """What of the state and the groups ``packed`` differs from (empty: nothing)."""
+    if not isinstance(packed.get("state"), dict) or packed["state"].keys() != state.keys():
+        return "which parameters have state"
+    for i, held in state.items():
+        if not _same_entries(packed["state"][i], held):
+            return f"the state of parameter {i}"
+    if not isinstance(packed.get("param_groups"), list) or len(packed["param_groups"]) != len(groups):
+        return "the parameter groups"
+    for k, group in enumerate(groups):
+        if not _same_entries(packed["param_groups"][k], group):
+            return f"parameter group {k}"
+    return ""
+
+
+def _same_entries(now: Any, before: dict[str, Any]) -> bool:
+    """Whether the dict ``now`` holds ``before``'s keys and values (the same objects, or equal ones)."""
+    return (isinstance(now, dict) and now.keys() == before.keys()
+            and all(now[k] is v or same_value(now[k], v) for k, v in before.items()))
 
 
 def _kept_parameters(optimizer: torch.optim.Optimizer) -> list[tuple[int, torch.Tensor]]:

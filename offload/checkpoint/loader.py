@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from .checkpoint_files import CheckpointError, verify_checksums
 from .checks import _check_arguments, _check_model, _check_optimizer, _listed, _read
 from .commit import committed
-from .contents import (_kept_parameters, _loaded_extra, _loads_on_disk, _masters_on_disk, _masters_releaser,
+from .contents import (HOOKED, _kept_parameters, _loaded_extra, _loads_on_disk, _masters_on_disk, _masters_releaser,
                        _model_state, _parameter_names, _release_masters, _set_rng_state)
 from .quant_states import format_differences, is_packed, read_packed, set_unreached
 from .ranks import _agreed, _barrier, _group
@@ -43,7 +43,9 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     It loads on any number of ranks (each reads the optimizer state of the parameters it updates
     now), and into the plain model and a plain ``torch.optim`` optimizer as well as into an
     :class:`~offload.OffloadModel` and :class:`~offload.OffloadOptimizer`. Random number
-    generators are restored only when the number of ranks is the one saved. Into an
+    generators are restored only when the number of ranks is the one saved. The optimizer's
+    ``load_state_dict`` hooks run, its pre-hooks seeing what its ``state_dict()`` post-hooks added
+    at save (Note: [State dict hooks in a checkpoint] in ``contents.py``). Into an
     OffloadOptimizer with a disk tier, the state the tier keeps is written to its files a slice at
     a time as it is read: the load holds about one slice of it in host memory.
 
@@ -169,6 +171,8 @@ def _state_to_load(model_state: dict[str, torch.Tensor], optimizer: torch.optim.
                 if entry_key in wrapped:  # Note: [Wrapped state]
                     state.update(inner_destinations(entry_key, wrapped[entry_key], held.get(key), _destination))
         state["optim/param_groups"] = None
+        if HOOKED in metadata.state_dict_metadata:  # Note: [State dict hooks in a checkpoint]
+            state[HOOKED] = None
     return state, wanted, on_disk
 
 
@@ -257,6 +261,8 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, groups: list[list[torch.Te
         "param_groups": [{**{k: v for k, v in hyper.items() if k != "params"},
                           "params": [index[name] for name in hyper["params"]]}
                          for hyper in state["optim/param_groups"]],
+        # For the load_state_dict() pre-hooks (Note: [State dict hooks in a checkpoint]).
+        **(state.get(HOOKED) or {}),
     }
     if stored is not None:
         assert isinstance(optimizer, OffloadOptimizer)

@@ -37,12 +37,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from .checkpoint_files import (CheckpointError, ChecksummingFileSystem, disk_full, failure_text, free_bytes,
-                               interrupt_behind)
+                               interrupt_behind, pickled_size)
 from .checks import _check_room, _check_save_arguments, _check_target
 from .commit import HalfCommitted, commit, latest_checkpoint, partial_directory, prepare, tidy
-from .contents import (STRAY_PARAMETER, _extra_to_save, _info, _masters_on_disk, _masters_releaser, _model_state,
-                       _named_groups, _optimizer_state, _own_storage, _parameter_names, _release_masters, _rng_state,
-                       _steps_only)
+from .contents import (HOOKED, STRAY_PARAMETER, _extra_to_save, _hooked_keys, _info, _masters_on_disk,
+                       _masters_releaser, _model_state, _named_groups, _optimizer_state, _own_storage, _parameter_names,
+                       _release_masters, _rng_state, _steps_only)
 from .ranks import _agreed, _gathered, _group, _on_rank_0
 from ..tiers.disk_tier import size_text
 from ..optimizer import OffloadOptimizer, check_whole
@@ -58,6 +58,9 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     returns, both are done; when it raises, nothing new is visible and the previous checkpoint is
     intact (Note: [Atomic save] in ``offload/checkpoint/commit.py``). Call it on every rank,
     between steps; pending host updates finish first.
+
+    The optimizer's ``state_dict`` hooks run, and what its post-hooks add is saved for its
+    ``load_state_dict`` pre-hooks (``docs/checkpoints.md``, "Optimizer hooks").
 
     Data parallel, each rank writes the optimizer state it owns, in parallel, and the parameters
     are written once; nothing is gathered. DCP reads the host copies and the optimizer state where
@@ -82,8 +85,11 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, ``optimizer`` not an optimizer, or ``extra``
-            cannot be pickled (checked before anything is written).
-        ValueError: a bad ``keep_last``, the optimizer steps a parameter the model lacks, or
+            (or what the optimizer's ``state_dict()`` post-hooks add) cannot be pickled (checked
+            before anything is written).
+        ValueError: a bad ``keep_last``, the optimizer steps a parameter the model lacks, a
+            ``state_dict()`` post-hook of the optimizer changed its state or groups (Note: [State
+            dict hooks in a checkpoint] in ``contents.py``; checked before anything is written), or
             ``path`` is named ``latest`` or starts with ``.`` (the names of the save's own files).
         FileExistsError: ``path`` is a file, or a directory of files that is not a checkpoint.
         NotADirectoryError: a directory above ``path`` is a file (checked before anything is
@@ -152,9 +158,24 @@ def _state_to_save(model: nn.Module, optimizer: torch.optim.Optimizer | None, na
                 else:
                     state.update(state_entries(entry, value, _own_storage))  # Note: [Wrapped state]
         state["optim/param_groups"] = _named_groups(optimizer, names)
+        hooked = _hooked_keys(optimizer)  # Note: [State dict hooks in a checkpoint]
+        if hooked:
+            _check_hooked_pickles(hooked)
+            state[HOOKED] = hooked
     state[f"rng/{rank}"] = _rng_state()
     state["extra"] = _extra_to_save(extra)  # wrapped: a bare tensor would be saved as tensor data
     return state, on_disk
+
+
+def _check_hooked_pickles(hooked: dict[str, Any]) -> None:
+    """Raise, before anything is written, if what the optimizer's ``state_dict()`` post-hooks
+    added does not pickle (DCP would fail half way)."""
+    try:
+        pickled_size(hooked)
+    except Exception as error:
+        raise TypeError(f"save_checkpoint(): the optimizer's state_dict() post-hooks added {sorted(hooked)}, which "
+                        f"a checkpoint pickles (DCP writes it with torch.save), and pickling failed: {error}. Have "
+                        "the hook add plain values.") from error
 
 
 def _write_data(path: Path, partial: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,

@@ -14,6 +14,18 @@ was. Under a compute dtype the slice's shadow is then cast from the fresh master
 beside the device's work, instead of on the thread that drives the next forward. See Note:
 [Whole-slice update].
 
+Note: [State kept per group]
+    An inner optimizer's groups are copies: ``step()`` hands each update the user's groups'
+    hyperparameters as they were (``group.update``), one way. A class that writes into its group
+    (a step count, Lookahead's counters, Prodigy's ``d``) would keep what it writes per slice,
+    out of ``param_groups`` and ``state_dict()``, and a resume would start it again; so after each
+    inner step the group's keys are checked against what was handed in, and an added or changed
+    key refuses (:class:`GroupStateError`, raised as the update's :class:`HostUpdateError`). The
+    check runs at every step, not only the first few: a class may write only later (at the end of
+    a warm-up, when its estimate grows), and by identity it costs a dozen ``is`` per group. A
+    class whose update reads several parameters at once (a norm over the whole group) cannot be
+    seen from outside; docs/optimizer.md states that contract.
+
 Note: [Whole-slice update]
     Stepping a slice in cache-sized chunks and casting each chunk's shadow right after its update
     would read the masters once instead of twice, but a failure in a later chunk would leave the
@@ -99,6 +111,7 @@ class InnerOptimizer:
         finally:
             for proxy in self.proxies:
                 proxy.grad = None
+        _check_groups_kept(self.optimizer, self.group_of, hyper)
 
 
 def _step_unhooked(optimizer: torch.optim.Optimizer) -> None:
@@ -117,6 +130,58 @@ def _step_unhooked(optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
     else:
         raw(optimizer)
+
+
+def _check_groups_kept(optimizer: torch.optim.Optimizer, group_of: Sequence[int],
+                       hyper: Sequence[dict[str, Any]]) -> None:
+    """Raise if the step wrote into its groups (Note: [State kept per group]).
+
+    Each key is compared by identity first: ``group.update`` put the very objects of ``hyper``
+    there, so a class that leaves its groups alone (every ``torch.optim`` one) costs a dozen
+    ``is`` per group and slice, nothing beside the update. Only a key that is another object is
+    compared by value, so that a class writing back what it read (``group["lr"] = float(lr)``)
+    passes.
+
+    Raises:
+        GroupStateError: a key was added, or one changed its value.
+    """
+    for group, source in zip(optimizer.param_groups, group_of):
+        given = hyper[source]
+        if len(group) == len(given) + 1 and all(group[k] is v for k, v in given.items()):
+            continue
+        added = sorted(k for k in group if k != "params" and k not in given)
+        changed = sorted(k for k, v in given.items() if k in group and not same_value(group[k], v))
+        if added or changed:
+            raise GroupStateError(
+                f"{type(optimizer).__name__} keeps state in its parameter groups: its step() "
+                + (f"added {added}" if added else "") + (" and " if added and changed else "")
+                + (f"changed {changed}" if changed else "") + " in a group. OffloadOptimizer steps each slice's "
+                "parameters with an optimizer of their own, through a copy of your group's hyperparameters, so what "
+                "the class counts or adapts per group (a step count, Lookahead's counters, Prodigy's or "
+                "D-Adaptation's d) would be kept per slice, and neither param_groups nor state_dict() would hold it. "
+                "Use the class directly on model.parameters() (the OffloadModel stays as it is), or an optimizer that "
+                "keeps its state per parameter, as every torch.optim class does (docs/optimizer.md, 'Which "
+                "optimizer classes').")
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Whether a group's value ``a`` equals ``b`` and is of its type (``param_groups`` would show
+    ``0.0`` for ``0``), tensors of the same dtype, shape and elements."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape and bool(torch.equal(a, b)))
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # a value whose == does not say (an array): another object is a change
+        return False
+
+
+class GroupStateError(TypeError):
+    """The optimizer class wrote into its parameter groups during ``step()``: it keeps state per
+    group, which a slice-by-slice update cannot reproduce (Note: [State kept per group]). The
+    update's :class:`HostUpdateError` is raised from it."""
 
 
 class HostUpdateError(RuntimeError):
@@ -192,15 +257,21 @@ class SliceStep:
                 assert self.storage is not None
                 self.storage.write_shadow(written)
         except Exception as error:
-            where = "on the device" if self.storage is not None and self.storage.resident else "on the host"
-            raise HostUpdateError(
-                f"the optimizer raised while updating slice {self.index} of the model {where}: slice {self.index} "
-                "is unchanged if the optimizer raised before changing it (checking its arguments, allocating its "
-                f"state) and may be partly updated otherwise. {other_slices(self.index)} Reload a checkpoint before "
-                "training on.") from error
+            raise HostUpdateError(self._failure(error)) from error
         if shadow:
             assert self.storage is not None
             self.storage.shadow_written()
+
+    def _failure(self, error: Exception) -> str:
+        """What the :class:`HostUpdateError` of this slice's failed update says."""
+        where = "on the device" if self.storage is not None and self.storage.resident else "on the host"
+        if isinstance(error, GroupStateError):  # seen once the step returned: the slice is updated
+            return (f"{error} Slice {self.index} was updated {where} before this showed. {other_slices(self.index)} "
+                    "Reload a checkpoint before training on.")
+        return (f"the optimizer raised while updating slice {self.index} of the model {where}: slice {self.index} "
+                "is unchanged if the optimizer raised before changing it (checking its arguments, allocating its "
+                f"state) and may be partly updated otherwise. {other_slices(self.index)} Reload a checkpoint before "
+                "training on.")
 
     def _step(self, grads: Sequence[torch.Tensor | None], hyper: Sequence[dict[str, Any]],
               grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None, shadow: bool,
