@@ -330,8 +330,15 @@ def local_state_dict(optimizer: OffloadOptimizer) -> dict[str, Any]:
     :meth:`OffloadOptimizer.consolidated_state_dict`, and for tests that read one rank's share."""
     check_whole(optimizer, "state_dict()")
     optimizer.synchronize()
-    packed = torch.optim.Optimizer.state_dict(optimizer)
+    # Post-hooks after the tier's tensors are in (one casting the moments sees them); pre-hooks still first.
+    hooks, optimizer._optimizer_state_dict_post_hooks = optimizer._optimizer_state_dict_post_hooks, {}
+    try:
+        packed = torch.optim.Optimizer.state_dict(optimizer)
+    finally:
+        optimizer._optimizer_state_dict_post_hooks = hooks
     optimizer._disk.add_to_state_dict(packed, _param_indices(optimizer))
+    for hook in hooks.values():  # as torch.optim runs them: a result other than None replaces the dict
+        packed = packed if (result := hook(optimizer, packed)) is None else result
     return packed
 
 

@@ -4,6 +4,7 @@ safely (Notes: [Disk tier pipeline], [Disk tier failures] in offload/tiers/disk_
 
 from __future__ import annotations
 
+import collections
 import copy
 import errno
 import gc
@@ -18,7 +19,8 @@ import pytest
 import torch
 from torch import nn
 
-from offload import DiskTier, DiskTierError, HostUpdateError, OffloadModel, OffloadOptimizer, estimate_memory
+from offload import (DiskTier, DiskTierError, HostUpdateError, OffloadModel, OffloadOptimizer, estimate_memory,
+                     load_checkpoint, save_checkpoint)
 from offload.tiers.disk_tier import WINDOW
 from offload.streams import disk
 from offload.streams.disk import page_aligned
@@ -147,6 +149,121 @@ def test_parameters_joining_the_optimizer_after_steps(tmp_path):
     (_, _), (ram_model, ram), (model, optimizer) = runs
     assert_same(ram_model, ram, model, optimizer)
     assert state_tensors_in_ram(optimizer) == []
+
+
+def edit_state(optimizer, kind, params, key):
+    """What a user does to an optimizer's state between steps, the same on any optimizer (Note:
+    [State edited between steps] in offload/tiers/state_slice.py); ``key`` is a state tensor's name."""
+    state = optimizer.state
+    if kind == "assign":  # every other parameter's tensor anew, the other keys left as they are
+        for p in params[::2]:
+            state[p][key] = torch.full_like(p, 0.25)
+    elif kind == "clear":
+        state.clear()
+    elif kind == "new dict":
+        optimizer.state = collections.defaultdict(dict)
+    elif kind == "del":  # the first and last slices' parameters
+        del state[params[0]], state[params[-1]]
+    elif kind == "replace":
+        state[params[2]] = {}
+    elif kind == "emptied":  # AdamW's: its step goes too
+        state[params[2]].clear()
+
+
+ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "fused": True}, "exp_avg")
+SGD = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, "momentum_buffer")
+
+
+@pytest.mark.parametrize("cls, kwargs, key, kind", [
+    pytest.param(*optim, kind, id=f"{optim[0].__name__}-{kind}")
+    for kind in ("assign", "clear", "new dict", "del", "replace", "emptied") for optim in (ADAMW, SGD)
+    if not (kind == "emptied" and optim is SGD)])  # an empty dict emptied: the one reset it cannot see
+def test_state_assigned_or_reset_between_steps_is_the_state_as_for_the_plain_optimizer(cls, kwargs, key, kind,
+                                                                                       tmp_path):
+    runs = trio(cls, kwargs, tmp_path)
+    train(runs, 2)
+    for m, opt in runs:
+        edit_state(opt, kind, list(m.parameters()), key)
+    (plain_model, plain), (ram_model, ram), (model, optimizer) = runs
+    # What state_dict() hands out before the next step: the assigned tensors, nothing of a reset parameter.
+    assert_same(plain_model, plain, model, optimizer)
+    window = model.memory_footprint().host_disk_window
+    train(runs, 1, first=2)
+    optimizer.synchronize()
+    # The assigned and the fresh tensors were copied into the slices' places: the window did not grow.
+    assert model.memory_footprint().host_disk_window == window
+    train(runs, 1, first=3)
+    assert_same(plain_model, plain, model, optimizer)
+    assert_same(ram_model, ram, model, optimizer)
+    assert state_tensors_in_ram(optimizer) == []  # the assigned and the fresh state went to the files
+
+
+def test_a_checkpoint_saved_after_the_state_was_edited_holds_the_edited_state(tmp_path):
+    runs = trio(*ADAMW[:2], tmp_path / "tier")
+    train(runs, 2)
+    for m, opt in runs:
+        edit_state(opt, "assign", list(m.parameters()), "exp_avg")
+        edit_state(opt, "del", list(m.parameters()), "exp_avg")
+    (plain_model, plain), _, (model, optimizer) = runs
+    save_checkpoint(tmp_path / "checkpoint", model, optimizer)
+    twin = OffloadModel(network(), device="cpu", num_slices=3)
+    resumed = OffloadOptimizer(twin, torch.optim.AdamW, disk_tier=tmp_path / "tier", **ADAMW[1])
+    load_checkpoint(tmp_path / "checkpoint", twin, resumed)
+    assert_same(plain_model, plain, twin, resumed)
+    train([(plain_model, plain), (twin, resumed)], 2, first=2)
+    assert_same(plain_model, plain, twin, resumed)
+
+
+class EditsItsState(torch.optim.AdamW):
+    """An optimizer that changes its state in its own step: the first moment in place, the second
+    anew."""
+
+    def step(self, closure=None):
+        loss = super().step(closure)
+        for p in (p for group in self.param_groups for p in group["params"] if p.grad is not None):
+            self.state[p]["exp_avg"].mul_(0.5)
+            self.state[p]["exp_avg_sq"] = self.state[p]["exp_avg_sq"] * 0.75
+        return loss
+
+
+def test_state_the_optimizer_edits_in_its_step_is_kept_in_place_or_anew(tmp_path):
+    # The attached views it edits in place stay in the buffer; the tensor it makes anew is copied in.
+    runs = trio(EditsItsState, {"lr": 1e-2, "fused": True}, tmp_path)
+    train(runs, 4)
+    (plain_model, plain), (ram_model, ram), (model, optimizer) = runs
+    assert_same(plain_model, plain, model, optimizer)
+    assert_same(ram_model, ram, model, optimizer)
+    assert state_tensors_in_ram(optimizer) == []
+
+
+def test_state_dict_post_hooks_see_the_state_on_disk_and_may_replace_it(tmp_path):
+    runs = trio(*ADAMW[:2], tmp_path)
+    train(runs, 2)
+    seen = collections.defaultdict(list)
+
+    def compact(opt, packed):  # a smaller checkpoint: the moments in bfloat16, in a dict of its own
+        return {**packed, "state": {i: {k: v if k == "step" else v.to(torch.bfloat16) for k, v in s.items()}
+                                    for i, s in packed["state"].items()}}
+
+    for _, opt in runs:
+        opt.register_state_dict_pre_hook(lambda opt: seen[opt].append("pre-hook"))
+        opt.register_state_dict_post_hook(lambda opt, packed: seen[opt].append(sorted(packed["state"][0])))
+        opt.register_state_dict_post_hook(compact)
+    (plain_model, plain), (ram_model, ram), (model, optimizer) = runs
+    want = plain.state_dict()
+    assert {v.dtype for s in want["state"].values() for k, v in s.items() if k != "step"} == {torch.bfloat16}
+    for opt in (ram, optimizer):
+        got = opt.state_dict()
+        assert seen[opt] == seen[plain] == ["pre-hook", ["exp_avg", "exp_avg_sq", "step"]]
+        assert got["param_groups"] == want["param_groups"] and got["state"].keys() == want["state"].keys()
+        for i, s in want["state"].items():
+            assert got["state"][i].keys() == s.keys()
+            for k, v in s.items():
+                torch.testing.assert_close(got["state"][i][k], v, rtol=0, atol=0)
+    # The hooks changed what state_dict() handed out, not the state: training goes on exactly.
+    train(runs, 2, first=2)
+    assert_same(plain_model, plain, model, optimizer)
+    assert_same(ram_model, ram, model, optimizer)
 
 
 def test_ram_holds_a_window_of_three_slices(tmp_path):

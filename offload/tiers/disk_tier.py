@@ -334,32 +334,33 @@ class StateTier:
         """Copies of slice ``index``'s state tensors kept on disk (none for a slice the tier does not
         hold); the caller must have flushed."""
         self._check_open()
-        return record.copies(self._window) if (record := self.records.get(index)) is not None else {}
+        return record.copies(self._window, self._state()) if (record := self.records.get(index)) is not None else {}
 
     def slice_layout(self, index: int) -> SliceState:
         """Stand-ins for slice ``index``'s state tensors kept on disk, without reading its file: each
         has the tensor's shape and dtype over a single element (zero strides). A checkpoint plans
         from them and reads the slice with :meth:`slice_state` when it writes it."""
         self._check_open()
-        return record.stand_ins() if (record := self.records.get(index)) is not None else {}
+        return record.stand_ins(self._state()) if (record := self.records.get(index)) is not None else {}
 
     def add_to_state_dict(self, packed: dict[str, Any], index_of: dict[int, int]) -> None:
         """Put the state on disk into a packed ``state_dict()``, one slice at a time."""
         self._check_open()
-        state = packed["state"]
+        state, packing = self._state(), packed["state"]
         for record in self.records.values():
-            for param, tensors in record.copies(self._window).items():
+            for param, tensors in record.copies(self._window, state).items():
                 i = index_of[id(param)]
-                state[i] = {**state.get(i, {}), **tensors}
+                packing[i] = {**packing.get(i, {}), **tensors}
 
     def adopt(self) -> None:
         """``optimizer.state`` was just loaded: move each slice's state to disk, one slice at a time
         (the previous files are overwritten), except the slices loaded into their files already
         (:meth:`end_load`); raise what could not be written."""
-        slot = self._window.slots[0]
+        slot, state = self._window.slots[0], self._state()
         for record in self.records.values():
             if record.place is not Place.RAM:
-                continue  # loaded by end_load (written, or held after a failed write)
+                record.own(state)  # loaded by end_load (written, or held after a failed write)
+                continue
             record.slot = slot
             record.buffer = slot.buffer
             self._detach(record)

@@ -54,7 +54,37 @@ class Field:
 @dataclass
 class SliceRecord:
     """One slice's state in the tier, and the moves of it between ``optimizer.state`` (``state``
-    below), its buffer and its file."""
+    below), its buffer and its file.
+
+    Note: [State edited between steps]
+        Between updates the file holds the slice's state tensors and ``state[p]`` only the scalars
+        (AdamW's ``step``); code that edits ``state[p]`` as it would a plain optimizer's gets what
+        that optimizer would do:
+
+        1. A tensor assigned under a key the file holds (``state[p]["exp_avg"] = torch.zeros_like(p)``)
+           is the state from then on: the update attaches only the keys ``state[p]`` lacks, so the
+           optimizer steps the assigned tensor, and the detach copies it into the buffer, to be
+           written (the file is laid out anew).
+        2. A reset (``optimizer.state.clear()``, ``optimizer.state = defaultdict(dict)``,
+           ``del optimizer.state[p]``, ``optimizer.state[p] = {}``, ``optimizer.state[p].clear()``)
+           drops the parameter's state from the file: the record keeps the dict each parameter's
+           tensors were taken out of (``owners``), and a parameter whose dict is another one, or
+           none, or emptied of the scalars it kept, gets nothing attached; the optimizer starts its
+           state afresh, as in RAM. A slice all of whose parameters were reset, and whose update
+           made no state, holds nothing any more (:meth:`reset`). The one reset this cannot see is
+           ``state[p].clear()`` of a dict that was empty already (SGD's, whose momentum is all of its
+           state): ``del optimizer.state[p]`` resets it.
+        3. What hands out the state between updates (``state_dict()``, checkpoints, a slice laid out
+           anew) reads only the tensors that still stand (:meth:`standing`): assigned ones come from
+           ``state[p]``, and a reset parameter's are gone, as they are for the plain optimizer.
+
+        In-place changes of the attached views (the optimizer's own, or a hook's inside the update)
+        stay where they are, in the buffer, as before; assigned and fresh tensors are copied into
+        their places when the layout is the same, so the window does not grow for them. The cost
+        at each update is a dict look-up per parameter (its owner). After a load the dicts the
+        load made are the owners (:meth:`own`, from :meth:`StateTier.adopt`).
+        ``tests/test_disk_tier.py`` checks each case against the plain optimizer, bit for bit.
+    """
 
     index: int
     params: list[torch.Tensor]
@@ -68,6 +98,9 @@ class SliceRecord:
     read_error: OSError | None = None
     write_error: OSError | None = None
     reported: bool = True  # its write error was raised to the caller
+    #: Per position of a parameter with state in the file: its dict in ``state`` when the tier took
+    #: the tensors out, and whether scalars stayed in it (Note: [State edited between steps]).
+    owners: dict[int, tuple[dict[str, Any], bool]] = field(default_factory=dict)
 
     def read(self, slot: WindowSlot, region: Region | None) -> None:
         """Read the file into ``slot``'s buffer (``region``, the slice's place in the arena, else the
@@ -96,39 +129,78 @@ class SliceRecord:
         self.buffer = slot.buffer
 
     def attach(self, state: Any) -> None:
-        """Views of the buffer into ``state``, in the layout's order."""
+        """Views of the buffer into ``state``, in the layout's order, of the tensors that still stand
+        there (Note: [State edited between steps]): a key already there keeps its tensor."""
         if self.place is Place.RAM:
             return
         assert self.buffer is not None and self.layout is not None
-        for f in self.layout:
-            state[self.params[f.position]][f.key] = f.view(self.buffer)
+        position, held = -1, None
+        for f in self.layout:  # in order of position: one look-up of each parameter's dict
+            if f.position != position:
+                position, held = f.position, self._owned(state, f.position)
+            if held is not None:
+                held.setdefault(f.key, f.view(self.buffer))
+
+    def standing(self, state: Any) -> list[tuple[Field, dict[str, Any]]]:
+        """The layout's fields whose tensor is still its parameter's state in ``state``, each with the
+        parameter's dict there: not one assigned since, nor of a parameter whose state was reset
+        (rules 1 and 2 of Note: [State edited between steps])."""
+        return [(f, held) for f in self.layout or ()
+                if (held := self._owned(state, f.position)) is not None and f.key not in held]
+
+    def _owned(self, state: Any, position: int) -> dict[str, Any] | None:
+        """The dict in ``state`` of the parameter at ``position`` if its state in the file still
+        stands (rule 2 of Note: [State edited between steps]), else ``None``."""
+        held = state.get(self.params[position])
+        owner, had_scalars = self.owners.get(position, (None, False))
+        # Another dict, or none, or emptied of the scalars it kept: the parameter's state was reset.
+        return held if held is not None and held is owner and (held or not had_scalars) else None
+
+    def own(self, state: Any) -> None:
+        """The dicts of ``state`` that hold the scalars of the slice's parameters now are the ones the
+        state in the file goes with (after a load, Note: [State edited between steps])."""
+        self.owners = {}
+        for f in self.layout or ():
+            if f.position not in self.owners:
+                held = state.setdefault(self.params[f.position], {})
+                self.owners[f.position] = (held, bool(held))
 
     def detach(self, state: Any) -> bool:
         """Take the slice's state tensors out of ``state`` into the buffer; whether state from
         elsewhere was copied in (created by the optimizer, or loaded: it is freed now)."""
-        found = [(position, key, value) for position, p in enumerate(self.params) if p in state
-                 for key, value in state[p].items() if goes_to_disk(value)]
+        dicts = {position: state[p] for position, p in enumerate(self.params) if p in state}
+        found = [(position, key, value) for position, held in dicts.items()
+                 for key, value in held.items() if goes_to_disk(value)]
         note_state_kept_in_ram(state, self.params)
         if not found:
+            if self.layout is not None:
+                self.reset()  # every parameter's state was reset, and the update made none
             return False
         layout, nbytes = layout_of(found)
         buffer = self.buffer
-        in_place = (self.layout is not None and buffer is not None and _shape_of(layout) == _shape_of(self.layout)
-                    and all(value.data_ptr() == buffer.data_ptr() + f.offset
-                            for f, (_, _, value) in zip(layout, found)))
+        same = self.layout is not None and buffer is not None and _shape_of(layout) == _shape_of(self.layout)
+        # The attached views (updated in place) are in their places already.
+        placed = [same and buffer is not None and value.data_ptr() == buffer.data_ptr() + f.offset
+                  for f, (_, _, value) in zip(layout, found)]
+        in_place = all(placed)
         if not in_place:
+            # A tensor inside the buffer out of its place could be overwritten before it is copied;
+            # the others (assigned between steps: Note: [State edited between steps]) go to their places.
             inside = buffer is not None and any(
-                buffer.data_ptr() <= value.data_ptr() < buffer.data_ptr() + buffer.nbytes for _, _, value in found)
+                not at and buffer.data_ptr() <= value.data_ptr() < buffer.data_ptr() + buffer.nbytes
+                for at, (_, _, value) in zip(placed, found))
             if buffer is None or buffer.nbytes < nbytes or inside:
                 fresh = AlignedBuffer(nbytes)
                 slot = self.slot
                 if slot is not None and (slot.buffer is None or slot.buffer is buffer):
                     slot.buffer = fresh  # the window's buffer grows (it is this slice's until its write)
-                buffer = fresh
-            for f, (_, _, value) in zip(layout, found):
-                f.view(buffer).copy_(value)
+                buffer, placed = fresh, [False] * len(found)
+            for f, (_, _, value), at in zip(layout, found, placed):
+                if not at:
+                    f.view(buffer).copy_(value)
         for f in layout:
-            del state[self.params[f.position]][f.key]
+            del dicts[f.position][f.key]
+        self.owners = {f.position: (dicts[f.position], bool(dicts[f.position])) for f in layout}
         self.layout, self.nbytes, self.buffer, self.dirty = layout, nbytes, buffer, True
         return not in_place
 
@@ -158,10 +230,12 @@ class SliceRecord:
         self.place, self.dirty, self.write_error, self.reported = Place.DISK, False, None, True
         self.buffer = None
 
-    def copies(self, window: Window) -> SliceState:
-        """Copies of the slice's state tensors, read from its file into ``window``'s scratch buffer
-        (or from its held buffer); every write must be done."""
-        if self.place is Place.RAM or self.layout is None:
+    def copies(self, window: Window, state: Any) -> SliceState:
+        """Copies of the slice's state tensors that still stand in ``state`` (:meth:`standing`), read
+        from its file into ``window``'s scratch buffer (or from its held buffer); every write must be
+        done."""
+        fields = self.standing(state) if self.place is not Place.RAM else []
+        if not fields:
             return {}
         buffer = self.buffer
         if self.place is Place.DISK:
@@ -174,7 +248,7 @@ class SliceRecord:
                                     f"{error.filename}: {error.strerror}") from error
         assert buffer is not None
         out: SliceState = {}
-        for f in self.layout:
+        for f, _ in fields:
             out.setdefault(self.params[f.position], {})[f.key] = f.view(buffer).clone(
                 memory_format=torch.preserve_format)
         return out
@@ -182,24 +256,24 @@ class SliceRecord:
     def restore(self, state: Any, window: Window) -> None:
         """Bring the slice's state back into ``state`` (``optimizer.state``), read through
         ``window``: the tier keeps nothing of it any more (its parameters changed)."""
-        for param, tensors in self.copies(window).items():
+        for param, tensors in self.copies(window, state).items():
             state[param].update(tensors)
         self.place, self.buffer = Place.RAM, None
 
-    def stand_ins(self) -> SliceState:
-        """Stand-ins of the state tensors on disk, the file unread: each has the tensor's shape and
-        dtype over a single element (zero strides)."""
-        if self.place is Place.RAM or self.layout is None:
+    def stand_ins(self, state: Any) -> SliceState:
+        """Stand-ins of the state tensors on disk that still stand in ``state`` (:meth:`standing`),
+        the file unread: each has the tensor's shape and dtype over a single element (zero strides)."""
+        if self.place is Place.RAM:
             return {}
         out: SliceState = {}
-        for f in self.layout:
+        for f, _ in self.standing(state):
             out.setdefault(self.params[f.position], {})[f.key] = torch.zeros((), dtype=f.dtype).expand(f.shape)
         return out
 
     def reset(self) -> None:
         """The slice holds no state in the tier (its file, if any, is overwritten at its next write)."""
         self.place, self.layout, self.buffer, self.dirty = Place.RAM, None, None, False
-        self.write_error, self.reported = None, True
+        self.write_error, self.reported, self.owners = None, True, {}
 
 
 @dataclass
