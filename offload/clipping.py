@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -92,6 +92,8 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
         scaler.settle(parameters)  # an earlier clip's scaling, handed to an update worker, writes these gradients
     grads = [p.grad for p in parameters if p.grad is not None]
     total_norm = total_grad_norm(grads, norm_type, error_if_nonfinite, foreach, num_threads=num_threads)
+    for listener in _clip_listeners:
+        listener(parameters)  # a clip by one writes nothing for what compares the gradients to see
     if grads and not _coefficient_is_one(grads, max_norm, norm_type, total_norm):
         _scale(parameters, max_norm, total_norm, foreach)
     return total_norm
@@ -149,7 +151,8 @@ def total_grad_norm(tensors: Sequence[torch.Tensor], norm_type: float = 2.0, err
 def _host_norms(tensors: list[torch.Tensor], num_threads: int | None) -> list[torch.Tensor]:
     """Each host tensor's 2-norm: the one backward computed where the tensor is unchanged since, the
     others computed now, on the pool. A norm from backward of a parameter no call compared yet is
-    computed again and compared (Note: [Norms from backward], "checked")."""
+    computed again and compared (Note: [Norms from backward], "checked"); one whose norm was
+    non-finite or zero stays unchecked."""
     found = _known_norms(tensors)
     todo = [i for i, f in enumerate(found) if f is None or f[0].param not in f[1].checked]
     computed = dict(zip(todo, pooled_norms([tensors[i] for i in todo], 2.0, num_threads)))
@@ -162,11 +165,21 @@ def _host_norms(tensors: list[torch.Tensor], num_threads: int | None) -> list[to
         raise RuntimeError(
             f"clip_grad_norm_: the gradient of {shown} changed after backward computed its norm "
             "(OffloadOptimizer(norms_in_backward=True)) in a way PyTorch's version counter does not see: a write "
-            "through .grad.data, a GradScaler's unscale_, a collective such as dist.all_reduce. Nothing was clipped. "
-            "Build the OffloadOptimizer without norms_in_backward for this training loop.")
+            "through .grad.data, torch.amp.GradScaler's unscale_ (offload.GradScaler's is seen), a collective such "
+            "as dist.all_reduce. Nothing was clipped. Build the OffloadOptimizer without norms_in_backward for this "
+            "training loop.")
     for _, known, source in compared:
-        source.checked.add(known.param)
+        if _telling(known.norm):
+            source.checked.add(known.param)
     return [computed[i] if i in computed else found[i][0].norm for i in range(len(tensors))]  # type: ignore[index]
+
+
+def _telling(norm: torch.Tensor) -> bool:
+    """Whether equal norms before and after a write would show it: unscaling (or averaging) a
+    gradient that is non-finite or zero leaves its norm as it was, so such a comparison checks
+    nothing, and the parameter's next norm from backward is compared again (a first step that
+    overflowed would otherwise have every later clip trust norms of still-scaled gradients)."""
+    return bool(torch.isfinite(norm)) and bool(norm != 0)
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -224,6 +237,13 @@ class GradientScaler(Protocol):
 
 
 _scalers: weakref.WeakSet[Any] = weakref.WeakSet()
+_clip_listeners: list[Callable[[Sequence[torch.Tensor]], None]] = []
+
+
+def add_clip_listener(listener: Callable[[Sequence[torch.Tensor]], None]) -> None:
+    """Have every :func:`clip_grad_norm_` that clips call ``listener`` with its parameters first
+    (``update_in_backward``'s check: Note: [Update in backward] in ``offload/optimizing/in_backward.py``)."""
+    _clip_listeners.append(listener)
 
 
 def add_scaler(scaler: GradientScaler) -> None:
@@ -251,6 +271,21 @@ def remember_norms(source: NormSource, tensors: Sequence[torch.Tensor], norms: S
 def forget_norms(source: NormSource) -> None:
     with _known_lock:
         for key in [key for key, known in _known.items() if known.source() in (source, None)]:
+            del _known[key]
+
+
+def forget_norms_in(tensors: Sequence[torch.Tensor]) -> None:
+    """Forget the norms computed ahead of gradients in the memory of ``tensors``, about to be
+    written in a way their version counters do not see (``offload.GradScaler.unscale_``): the next
+    clip computes them anew, as without the norms from backward. The computations still running
+    end first, so that none keeps a norm after this."""
+    if not _sources:
+        return
+    for source in list(_sources):
+        source.settle()
+    storages = {t.untyped_storage().data_ptr() for t in tensors}
+    with _known_lock:
+        for key in [key for key in _known if key[0] in storages]:
             del _known[key]
 
 

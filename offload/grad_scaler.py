@@ -17,6 +17,10 @@ Note: [Loss scaling with host gradients]
     and ``found_inf`` on the host. Gradients on a device are handled as the parent does. The
     results are the parent's, bit for bit, wherever the parent's copies land in time.
 
+    ``unscale_`` also forgets the norms computed in backward of the gradients it unscales (Note:
+    [Norms from backward] in ``offload/optimizing/backward_norms.py``): they are the scaled
+    values', and the kernel leaves the version counters that would tell ``clip_grad_norm_`` so.
+
     A plain ``torch.amp.GradScaler`` stepping host gradients while its scale is on CUDA warns once
     (``warn_about_plain_grad_scalers``, installed when an OffloadModel is built on CUDA).
 """
@@ -32,6 +36,8 @@ from typing import Any
 import torch
 from torch.amp.grad_scaler import OptState
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from .clipping import forget_norms_in
 
 _HOST = torch.device("cpu")
 
@@ -82,6 +88,9 @@ class GradScaler(torch.amp.GradScaler):
                     else:
                         to_unscale = param.grad
                     grads[to_unscale.device][to_unscale.dtype].append(to_unscale)
+            # Norms taken in backward (norms_in_backward) are of the scaled values, and the unscaling
+            # kernel leaves the version counters that would tell a clip so as they were.
+            forget_norms_in([t for by_dtype in grads.values() for same in by_dtype.values() for t in same])
             found_infs: dict[torch.device, torch.Tensor] = {}
             for device, by_dtype in grads.items():
                 if device.type == "cpu":

@@ -42,7 +42,7 @@ from .streams.gradient_files import zeroed_in_files
 from .model import OffloadModel, engine_of
 from .optimizing.backward_norms import BackwardNorms
 from .optimizing.deferred_scaling import DeferredScaling
-from .optimizing.in_backward import BackwardUpdates, check_failed_backward, check_in_backward
+from .optimizing.in_backward import BackwardUpdates, check_failed_backward, check_in_backward, check_zero_grad
 from .optimizing.plan import inner_optimizer, plan_key, slice_steps, snapshot
 from .optimizing.sharding import Sharding
 from .optimizing.stepping import SliceUpdates
@@ -253,6 +253,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         read them (which keep the shadows they wrote: the next forward does not cast them again,
         nor read masters on disk in for that).
         """
+        check_zero_grad(self._in_backward)  # a step skipped after backward started its updates
         if set_to_none:
             super().zero_grad(set_to_none=True)
             return

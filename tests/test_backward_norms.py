@@ -353,3 +353,47 @@ def test_the_norms_worker_ends_with_its_optimizer():
             break
         time.sleep(0.1)
     assert not any(t.name == "offload gradient norms" for t in threading.enumerate())
+
+
+@pytest.mark.parametrize("first", ["overflow", "zero"])
+def test_a_first_step_whose_norms_cannot_show_a_write_checks_nothing(first):
+    """Unscaling a non-finite or zero gradient leaves its norm as it was: such a first clip compares
+    equal norms and must not have later clips trust the norms of still-scaled gradients."""
+    _, _, model, optimizer = _twins()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)  # the plain one: its unscale_ is not told
+    for step in range(2):
+        loss = _loss(model, step, "cpu")
+        if step == 0:
+            loss = loss * (float("inf") if first == "overflow" else 0.0)
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        if step == 0:
+            offload.clip_grad_norm_(model.parameters(), max_norm=0.05)
+        else:
+            with pytest.raises(RuntimeError, match="changed after backward computed its norm.*GradScaler"):
+                offload.clip_grad_norm_(model.parameters(), max_norm=0.05)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+
+
+def test_offloads_grad_scaler_has_the_norms_computed_anew_overflow_first_or_not(computed_at_clip):
+    """offload.GradScaler's unscale_ forgets the norms backward took of the scaled gradients: the
+    training is the plain model's under torch's scaler, a first step that overflows included."""
+    plain, plain_opt, model, optimizer = _twins(accumulation_steps=2)
+    scalers = (torch.amp.GradScaler("cpu", init_scale=2.0**8), offload.GradScaler("cpu", init_scale=2.0**8))
+    for step in range(4):
+        norms = []
+        for net, opt, scaler, clip in ((plain, plain_opt, scalers[0], torch.nn.utils.clip_grad_norm_),
+                                       (model, optimizer, scalers[1], offload.clip_grad_norm_)):
+            for micro in range(2):
+                loss = _loss(net, 10 * step + micro, "cpu") / 2
+                scaler.scale(loss * float("inf") if step == 0 and micro == 1 else loss).backward()
+            scaler.unscale_(opt)
+            norms.append(clip(net.parameters(), max_norm=0.05))
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        torch.testing.assert_close(norms[1], norms[0], **EXACT, equal_nan=True)
+    _assert_same(plain, model, optimizer)
+    assert computed_at_clip == [len(list(model.parameters()))] * 4  # every norm computed at the clip

@@ -12,6 +12,7 @@ import weakref
 import pytest
 import torch
 
+import offload
 from offload import OffloadActivations, OffloadModel, OffloadOptimizer
 from offload.optimizing.in_backward import BackwardUpdates
 
@@ -390,3 +391,121 @@ def test_a_gradient_from_outside_into_a_parameter_the_optimizer_does_not_step_is
         optimizer.zero_grad(set_to_none=set_to_none)
     assert optimizer._in_backward.last_started == {0, 1}
     assert_same(plain, plain_opt, model, optimizer)
+
+
+# -- refused at the first step, before any update ---------------------------------------------------
+
+
+def _snapshot(model, optimizer):
+    optimizer.synchronize()
+    return [p.detach().clone() for p in model.parameters()], copy.deepcopy(optimizer.state_dict())
+
+
+def _assert_untouched(before, model, optimizer):
+    params, state = before
+    optimizer.synchronize()
+    for a, b in zip(params, model.parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    assert not optimizer.state_dict()["state"] and state == optimizer.state_dict()
+
+
+def test_offloads_clip_by_a_coefficient_of_one_is_refused_at_the_first_step():
+    """``offload.clip_grad_norm_`` below ``max_norm`` multiplies nothing, so no ``.grad`` version
+    moves; the clip tells the update's reads itself, and the first ``step()`` refuses it before any
+    update ran, as it does torch's clip (which multiplies by one)."""
+    model = OffloadModel(network(), device="cpu", num_slices=NUM_SLICES)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=0.1, fused=True, update_in_backward=True,
+                                 accumulation_steps=2)
+    before = _snapshot(model, optimizer)
+    for micro in range(2):
+        _loss(model, batch(micro), 2).backward()
+    versions = [p.grad._version for p in model.parameters()]
+    norm = offload.clip_grad_norm_(model.parameters(), max_norm=1e3)
+    assert norm < 1e3 and versions == [p.grad._version for p in model.parameters()]  # nothing was written
+    with pytest.raises(RuntimeError, match=r"clip_grad_norm_ ran over the gradient of .* between backward and "
+                                           r"step\(\).*No update ran: parameters and optimizer state are as they were"):
+        optimizer.step()
+    _assert_untouched(before, model, optimizer)
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
+@pytest.mark.parametrize("scheduler", ["StepLR", "ReduceLROnPlateau", "ConstantLR-done"])
+def test_a_scheduler_stepped_before_step_is_refused_at_the_first_step_though_no_value_moved(scheduler):
+    """A scheduler's step between backward and ``step()`` that leaves the values as they were
+    (StepLR between its steps, ReduceLROnPlateau within its patience) is refused at the first
+    ``step()``, not at the later one whose values move, after updates ran."""
+    model = OffloadModel(network(), device="cpu", num_slices=NUM_SLICES)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=0.1, fused=True, update_in_backward=True)
+    schedulers = torch.optim.lr_scheduler
+    made = {"StepLR": lambda: schedulers.StepLR(optimizer, 5, 0.5),
+            "ReduceLROnPlateau": lambda: schedulers.ReduceLROnPlateau(optimizer, patience=2),
+            "ConstantLR-done": lambda: schedulers.ConstantLR(optimizer, factor=0.5, total_iters=0)}[scheduler]()
+    before = _snapshot(model, optimizer)
+    lr = optimizer.param_groups[0]["lr"]
+    _loss(model, batch(0)).backward()
+    made.step(1.0) if scheduler == "ReduceLROnPlateau" else made.step()
+    assert optimizer.param_groups[0]["lr"] == lr
+    named = scheduler.split("-")[0]
+    with pytest.raises(RuntimeError, match=rf"{named}\.step\(\) ran .* between backward and step\(\); the update "
+                                           r"reads the hyperparameters backward saw\. No update ran"):
+        optimizer.step()
+    _assert_untouched(before, model, optimizer)
+
+
+def test_schedulers_stepped_after_step_train_as_the_plain_optimizer():
+    """The legitimate orders: schedulers built (their own first step) before training, stepped after
+    ``optimizer.step()``, one reading the optimizer's values between backward and ``step()``."""
+    plain, model = network(), OffloadModel(network(), device="cpu", num_slices=NUM_SLICES)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=0.1)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=0.1, update_in_backward=True)
+    pairs = []
+    for opt in (plain_opt, optimizer):
+        pairs.append((opt, torch.optim.lr_scheduler.StepLR(opt, 2, 0.5),
+                      torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0)))
+    for step in range(5):
+        for m, (opt, steps, plateau) in zip((plain, model), pairs):
+            _loss(m, batch(step)).backward()
+            assert opt.param_groups[0]["lr"] > 0 and steps.get_last_lr()  # reads between them are no step
+            opt.step()
+            steps.step()
+            plateau.step(1.0)
+            opt.zero_grad()
+    assert optimizer._in_backward.last_started == set(range(NUM_SLICES))
+    assert_same(plain, plain_opt, model, optimizer)
+
+
+def test_zero_grad_without_step_after_backward_started_updates_is_refused_there():
+    """A skipped step (``zero_grad()`` and no ``step()``) after the backward that started the
+    updates: refused at that ``zero_grad()``, which zeroes nothing, and ``step()`` then finishes the
+    step as the plain optimizer's; the first step, which starts none, is skipped as without the
+    option."""
+    plain, model = network(), OffloadModel(network(), device="cpu", num_slices=NUM_SLICES)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    optimizer = OffloadOptimizer(model, torch.optim.SGD, lr=0.1, momentum=0.9, update_in_backward=True,
+                                 accumulation_steps=2)
+    for step in range(4):
+        for m, opt in ((plain, plain_opt), (model, optimizer)):
+            for micro in range(2):
+                _loss(m, batch(10 * step + micro), 2).backward()
+            if step == 0:  # nothing started yet: a skip as without the option
+                opt.zero_grad()
+                continue
+            if step == 2 and opt is optimizer:
+                grads = [p.grad.clone() for p in model.parameters()]
+                with pytest.raises(RuntimeError, match=r"zero_grad\(\) without step\(\) after the backward that "
+                                                       r"started the update of slices \[0, 1, 2\].*nothing was zeroed"):
+                    opt.zero_grad()
+                for p, g in zip(model.parameters(), grads):
+                    torch.testing.assert_close(p.grad, g, rtol=0, atol=0)
+            opt.step()
+            opt.zero_grad()
+    assert_same(plain, plain_opt, model, optimizer)
+
+
+def test_a_step_skipped_without_zero_grad_names_it_in_the_count_error():
+    model = OffloadModel(network(), device="cpu", num_slices=NUM_SLICES)
+    optimizer = OffloadOptimizer(model, torch.optim.SGD, lr=0.1, update_in_backward=True)
+    for step in range(2):
+        _loss(model, batch(step)).backward()
+    with pytest.raises(RuntimeError, match=r"step\(\) after 2 backward\(s\).*a step\(\) skipped"):
+        optimizer.step()

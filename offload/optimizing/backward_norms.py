@@ -25,11 +25,16 @@ Note: [Norms from backward]
     - every backward of the model forgets the norms of the one before, before its copies write
       host memory again, and so does ``step()``; a norm still being computed for a forgotten
       backward is dropped;
-    - what a version counter cannot see (a write through ``.grad.data``, ``GradScaler.unscale_``,
-      whose kernel leaves the counters as they were, a collective such as ``dist.all_reduce``) is
-      found by the first ``clip_grad_norm_`` that meets a parameter's norm from here: it computes
-      that norm anew and compares, bit for bit, and raises if one differs (nothing is clipped);
-      later calls trust that parameter's norms. So that the comparison sees such a write, a
+    - ``offload.GradScaler.unscale_`` forgets the norms of the gradients it unscales (its kernel
+      leaves the version counters as they were): the clip computes them anew;
+    - what a version counter cannot see otherwise (a write through ``.grad.data``,
+      ``torch.amp.GradScaler.unscale_``, a collective such as ``dist.all_reduce``) is found by
+      the first ``clip_grad_norm_`` that meets a parameter's norm from here: it computes that norm
+      anew and compares, bit for bit, and raises if one differs (nothing is clipped); later calls
+      trust that parameter's norms. A comparison of a non-finite or zero norm checks nothing (a
+      scaler's unscaling, an average, leaves it as it was: a first step that overflowed would
+      otherwise have every later clip trust still-scaled norms), so that parameter is compared
+      again at the next clip. So that the comparison sees such a write, a
       backward waits at its end for its norms until a call has compared some (the first step's,
       mostly): a worker that ran late, after the write, would take the written values and pass
       the comparison, and later steps would then trust norms taken before the write. A parameter

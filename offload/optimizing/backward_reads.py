@@ -1,21 +1,33 @@
 """What the updates that a backward starts read (Note: [Update in backward] in ``in_backward.py``):
 the hyperparameters and the optimizer's state as that backward starts, and each ``.grad`` as it
 ends; kept until ``step()``, which compares them with what it would read itself.
+
+Two things between that backward and ``step()`` need not change a value ``step()`` could compare,
+and tell the reads themselves instead: ``offload.clip_grad_norm_``, which writes nothing when the
+clip coefficient is one (the norm below ``max_norm``), and a learning-rate scheduler's ``step()``,
+which writes the values it had (``StepLR`` between its steps) or none (``ReduceLROnPlateau`` until
+its patience runs out). Compared by value only, the first step of such a loop passed, and the
+refusal came at a later one, after updates had run with what the loop then changed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+import threading
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.optim import lr_scheduler
 from torch.utils._pytree import tree_flatten
 
+from ..clipping import add_clip_listener
 from .plan import snapshot
 
 
-@dataclass
+@dataclass(eq=False)  # held in a WeakSet, by identity
 class BackwardReads:
     """What the updates started by one backward read.
 
@@ -25,15 +37,25 @@ class BackwardReads:
             already started stepped the one it replaced.
         seen: each of the model's parameters with its ``.grad`` and that tensor's version as the
             backward ended.
+        owner: the optimizer, weakly (a scheduler's step is told to its optimizer's reads).
+        clipped: the parameters ``offload.clip_grad_norm_`` went over since the backward started.
+        scheduled: the class of each scheduler stepped since then.
     """
 
     hyper: list[dict[str, Any]]
     state: Any
     seen: list[tuple[torch.Tensor, torch.Tensor | None, int]] = field(default_factory=list)
+    owner: Callable[[], Any] = lambda: None
+    clipped: list[torch.Tensor] = field(default_factory=list)
+    scheduled: list[str] = field(default_factory=list)
 
     @classmethod
     def at_start(cls, optimizer: Any) -> BackwardReads:
-        return cls([snapshot(group) for group in optimizer.param_groups], optimizer.__dict__.get("state"))
+        _watch_clips_and_schedulers()
+        reads = cls([snapshot(group) for group in optimizer.param_groups], optimizer.__dict__.get("state"),
+                    owner=weakref.ref(optimizer))
+        _open.add(reads)  # until its step() drops it
+        return reads
 
     def at_end(self, optimizer: Any, inside: set[int]) -> None:
         """Remember each ``.grad`` of the model's parameters (ids ``inside``): ``step()`` steps the
@@ -49,20 +71,66 @@ class BackwardReads:
         counter; one replaced is another tensor."""
         changed = [name(p) for p, grad, version in self.seen
                    if p.grad is not grad or (grad is not None and grad._version != version)]
+        clipped = list({id(p): name(p) for p in self.clipped if id(p) in inside}.values())
         if self.state is not None and optimizer is not None and optimizer.__dict__.get("state") is not self.state:
             return ("load_state_dict() between backward and step(); the updates backward started stepped the "
                     "state it replaced.", "Load the optimizer's state before backward or after step(), or build "
                     "OffloadOptimizer without update_in_backward.")
+        if clipped:
+            return (f"clip_grad_norm_ ran over the gradient of {listing(clipped)} between backward and step(), "
+                    "after the updates backward started had read it unclipped.", "Build OffloadOptimizer without "
+                    "update_in_backward to clip gradients before the update.")
         if changed:
             return (f"the gradient of {listing(changed)} changed between backward and step() (clip_grad_norm_, a "
                     "hook, zero_grad).", "Build OffloadOptimizer without update_in_backward to change gradients "
                     "before the update.")
         moved = _moved(self.hyper, optimizer, inside)
-        if moved:
-            return (f"{listing(moved)} changed between backward and step(); the update reads the hyperparameters "
-                    "backward saw.", "Change them before backward or after step() (a scheduler steps after "
-                    "optimizer.step()), or build OffloadOptimizer without update_in_backward.")
+        if moved or self.scheduled:
+            what = (f"{listing(moved)} changed" if moved else
+                    f"{self.scheduled[0]}.step() ran (leaving the hyperparameters as they were, this time)")
+            return (f"{what} between backward and step(); the update reads the hyperparameters backward saw.",
+                    "Change them before backward or after step() (a scheduler steps after optimizer.step()), or "
+                    "build OffloadOptimizer without update_in_backward.")
         return None
+
+
+#: The reads of the backwards whose step() has not come (each goes with its step()).
+_open: weakref.WeakSet[BackwardReads] = weakref.WeakSet()
+_watching = False
+_watch_lock = threading.Lock()
+
+
+def _watch_clips_and_schedulers() -> None:
+    """Once: have ``offload.clip_grad_norm_`` and every ``torch.optim.lr_scheduler`` step tell the
+    open reads (``LRScheduler.step``, which its subclasses run, and ``ReduceLROnPlateau.step``,
+    which overrides it); nothing else steps a torch scheduler, and no hook of torch's sees it."""
+    global _watching
+    with _watch_lock:
+        if _watching:
+            return
+        _watching = True
+    add_clip_listener(_clipped)
+    for cls in (lr_scheduler.LRScheduler, lr_scheduler.ReduceLROnPlateau):
+        if "step" in cls.__dict__:
+            cls.step = _telling(cls.__dict__["step"])  # type: ignore[method-assign]
+
+
+def _telling(step: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(step)
+    def scheduler_step(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+        if not getattr(scheduler, "_is_initial", False):  # the step a scheduler takes as it is built
+            optimizer = getattr(scheduler, "optimizer", None)
+            for reads in list(_open):
+                if optimizer is not None and reads.owner() is optimizer:
+                    reads.scheduled.append(type(scheduler).__name__)
+        return step(scheduler, *args, **kwargs)
+
+    return scheduler_step
+
+
+def _clipped(params: Sequence[torch.Tensor]) -> None:
+    for reads in list(_open):
+        reads.clipped.extend(p for p in params if p.grad is not None)
 
 
 def _moved(before: list[dict[str, Any]], optimizer: Any, inside: set[int]) -> list[str]:

@@ -27,11 +27,16 @@ Note: [Update in backward]
     - ``clip_grad_norm_``, ``zero_grad``, or anything else that rewrites or replaces a ``.grad``
       between backward and ``step()`` through PyTorch's in-place operations changes its version
       counter or its identity: ``step()`` raises (a write through ``.grad.data`` is not seen);
+      ``offload.clip_grad_norm_``, which writes nothing below ``max_norm``, tells it itself
+      (``backward_reads.py``);
     - a ``GradScaler`` stepping the optimizer: ``step()`` raises. It is found by its call (the
       kernel of ``GradScaler.unscale_`` leaves the version counters as they were), and by the
       scale it hands a fused optimizer;
     - a hyperparameter set between that backward and ``step()`` (a warm-up set by hand, a
-      scheduler stepped before the optimizer): ``step()`` raises;
+      scheduler stepped before the optimizer): ``step()`` raises; a ``torch.optim.lr_scheduler``
+      step tells it itself, so that one setting the values they had is refused too;
+    - ``zero_grad()`` with no ``step()`` after that backward had started updates (a batch skipped):
+      ``zero_grad()`` raises, zeroing nothing (:func:`check_zero_grad`);
     - ``load_state_dict()`` of the optimizer between that backward and ``step()`` (the updates that
       ran stepped the state it replaced): ``step()`` raises;
     - ``step()`` after more backwards than declared: ``step()`` raises (after fewer, none started
@@ -337,7 +342,8 @@ class BackwardUpdates(Subscriber):
                 f"update_in_backward: step() after {backwards} backward(s), but the optimizer was built with "
                 f"accumulation_steps={self.accumulation_steps}: the updates started in backward "
                 f"{self.accumulation_steps} did not see the gradients added later. {self._what_ran(started)} Pass the "
-                "number of backwards per step as accumulation_steps.")
+                "number of backwards per step as accumulation_steps, and call step() after each accumulation's last "
+                "backward (a step() skipped, the next accumulation adds onto its gradients).")
         # A fused optimizer gets the scale itself; another finds its gradients unscaled in place by a
         # kernel that leaves their version counters as they were, so the scaler is looked for.
         scaler = _calling_scaler()
@@ -372,6 +378,26 @@ def check_failed_backward(backward: BackwardUpdates | None) -> None:
     it (Note: [An update that failed part way] in ``partial_failure.py``)."""
     if backward is not None and backward._task_open and backward.started:
         _latch_failure(backward, backward.started)
+
+
+def check_zero_grad(backward: BackwardUpdates | None) -> None:
+    """Before ``zero_grad()``: refuse one after the backward that started updates, with no
+    ``step()`` since (a skipped batch): those updates ran and the other slices' would not, and the
+    next accumulation's ``step()`` would find too many backwards. After such a backward that
+    started none (the first step, or every slice waiting for ``step()``), the step is skipped as
+    without the option: the accumulation starts again. A backward that raised is left to its error
+    and to ``step()``, which say what ran."""
+    if backward is None or backward._task_open or backward._failed:
+        return
+    if backward.started:
+        raise RuntimeError(
+            f"update_in_backward: zero_grad() without step() after the backward that started the update of slices "
+            f"{sorted(backward.started)}: those updates ran with its gradients; nothing was zeroed. Call step() (it "
+            "finishes the step with the same gradients) before zero_grad(), and load the last checkpoint after it "
+            "to undo the step; to skip a batch, skip it before its last backward, or build "
+            "OffloadOptimizer without update_in_backward.")
+    if backward.backwards >= backward.accumulation_steps:
+        backward.backwards, backward._reads = 0, None
 
 
 def _before_updates(backward: BackwardUpdates, optimizer: Any) -> None:
