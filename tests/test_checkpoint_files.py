@@ -1,13 +1,15 @@
 """A checkpoint's files at the edges: checksums that catch flipped bytes before anything loads
-(Note: [Checkpoint checksums] in offload/checkpoint/checkpoint_files.py), a damaged .metadata, a full disk
-before and during a save, targets that are not checkpoints, and bad arguments; each a
-CheckpointError (or TypeError) that says what to do, leaving the previous checkpoint and the
-model untouched."""
+(Note: [Checkpoint checksums] in offload/checkpoint/checkpoint_files.py), a damaged .metadata, files
+this user may not read, a full disk before and during a save, targets that are not checkpoints,
+and bad arguments; each a CheckpointError (or TypeError) that says what to do, leaving the
+previous checkpoint and the model untouched."""
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import errno
+import io
 import json
 import os
 import re
@@ -90,6 +92,58 @@ def test_a_damaged_metadata_file_is_a_checkpoint_error(tmp_path, damage):
     with pytest.raises(CheckpointError, match=r"checkpoint .* is damaged: its \.metadata (cannot be read|holds a dict)"):
         load_checkpoint(tmp_path / "c", model, optimizer)
     assert_untouched(before, model, optimizer)
+
+
+# -- permissions -----------------------------------------------------------------------------------
+
+
+def deny(monkeypatch, denied):
+    """Take read access to ``denied`` away, as ``chmod 0`` does for any user but root (the tests run
+    as root, whom permissions do not stop): opening it raises ``PermissionError``, and, for a
+    directory, so does looking at anything in it."""
+    def refused(file, inside_only):
+        if isinstance(file, int):  # a descriptor already open
+            return False
+        file = os.path.abspath(os.fsdecode(file))
+        return file.startswith(f"{denied}{os.sep}") or (not inside_only and file == str(denied))
+
+    def guarded(real, inside_only=False):
+        def call(file, *args, **kwargs):
+            if refused(file, inside_only):
+                raise PermissionError(errno.EACCES, "Permission denied", os.fsdecode(file))
+            return real(file, *args, **kwargs)
+        return call
+
+    monkeypatch.setattr(builtins, "open", guarded(builtins.open))
+    monkeypatch.setattr(io, "open", guarded(io.open))
+    monkeypatch.setattr(os, "stat", guarded(os.stat, inside_only=True))  # the entry itself is listed
+
+
+@pytest.mark.parametrize("denied", ["", "offload.json", ".metadata", "__0_0.distcp"],
+                         ids=["directory", "offload.json", ".metadata", "data"])
+def test_a_checkpoint_this_user_may_not_read_says_so_naming_the_file(tmp_path, monkeypatch, denied):
+    """Not a raw PermissionError, nor "damaged: load an earlier checkpoint", which would be as unreadable."""
+    save_checkpoint(tmp_path / "c", *trained())
+    model, optimizer = changed(*trained())
+    before = snapshot(model, optimizer)
+    unreadable = tmp_path / "c" / denied if denied else tmp_path / "c"
+    deny(monkeypatch, unreadable)
+    with pytest.raises(CheckpointError, match=rf"^cannot read {re.escape(str(unreadable))}: permission denied\. "
+                                              rf"Nothing was loaded: give this user read access to "
+                                              rf"{re.escape(str(tmp_path))}/c \(as its owner: chmod -R u\+rX"):
+        load_checkpoint(tmp_path / "c", model, optimizer)
+    monkeypatch.undo()
+    assert_untouched(before, model, optimizer)
+    load_checkpoint(tmp_path / "c", model, optimizer)  # readable again, it loads
+
+
+def test_a_latest_this_user_may_not_read_says_so(tmp_path, monkeypatch):
+    save_checkpoint(tmp_path / "c", *trained())
+    deny(monkeypatch, tmp_path / "latest")
+    with pytest.raises(CheckpointError, match=rf"^cannot read {re.escape(str(tmp_path))}/latest: permission denied\. "
+                                              rf"Nothing was loaded: give this user read access to "
+                                              rf"{re.escape(str(tmp_path))} "):
+        latest_checkpoint(tmp_path)
 
 
 # -- a full disk -----------------------------------------------------------------------------------

@@ -12,9 +12,11 @@ import datetime
 import json
 import os
 import re
+import shutil
 import signal
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -134,6 +136,63 @@ def test_a_save_under_a_name_the_commit_uses_is_refused_before_anything_is_writt
     with pytest.raises(ValueError, match=rf"cannot save a checkpoint named '{name}' .*Choose another name"):
         save_checkpoint(tmp_path / "ckpt" / name, *counting_model())
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("name", ["step-1 ", " step-1", "step-1\n", "\tstep-1"])
+def test_a_save_under_a_name_that_starts_or_ends_with_whitespace_is_refused_before_anything_is_written(tmp_path, name):
+    """``latest`` names it exactly; read back stripped, it named a checkpoint that is not there."""
+    with pytest.raises(ValueError, match=rf"(?s)cannot save a checkpoint named {re.escape(repr(name))} .*starts or "
+                                         r"ends with whitespace.*Choose a name without, such as 'step-1'\."):
+        save_checkpoint(tmp_path / "ckpt" / name, *counting_model())
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("target", [".", "", "ckpt/.."])
+def test_a_save_to_a_path_that_names_no_directory_of_its_own_is_refused_before_anything_is_written(
+        tmp_path, monkeypatch, target):
+    """Saved into, the working directory was written through, then its commit failed renaming '.'."""
+    (tmp_path / "ckpt").mkdir()
+    monkeypatch.chdir(tmp_path / "ckpt")
+    with pytest.raises(ValueError, match=rf"cannot save a checkpoint at '{re.escape(str(Path(target)))}': it names no "
+                                         r"directory of its own .*Save to a named subdirectory, such as "):
+        save_checkpoint(target, *counting_model())
+    assert os.listdir(tmp_path) == ["ckpt"] and os.listdir(tmp_path / "ckpt") == []
+
+
+def test_latest_names_the_checkpoint_as_it_was_saved_less_a_line_ending(tmp_path):
+    model, optimizer = counting_model()
+    save_checkpoint(tmp_path / "step-1", model, optimizer, extra={"step": 1})
+    # An earlier version saved names ending with a space: the checkpoint is there under that name.
+    (tmp_path / "step-1").rename(tmp_path / "step-1 ")
+    (tmp_path / "latest").write_text("step-1 ")
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-1 "
+    assert load_checkpoint(latest_checkpoint(tmp_path), model, optimizer) == {"step": 1}
+    (tmp_path / "step-1 ").rename(tmp_path / "step-1")
+    (tmp_path / "latest").write_text("step-1\n")  # as an editor, or echo, writes it
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-1"
+
+
+@pytest.mark.parametrize("written", ["", "\n", ".", "..", "../step-1", b"\xff\xfe"],
+                         ids=["empty", "a line ending", "dot", "dot-dot", "a path", "not text"])
+def test_a_latest_that_names_no_checkpoint_is_damaged_and_says_which_are_there(tmp_path, written):
+    """Empty, ``latest`` named the directory itself, whose load then named it again, in a loop."""
+    model, optimizer = counting_model()
+    save_checkpoint(tmp_path / "step-1", model, optimizer)
+    save_checkpoint(tmp_path / "step-2", model, optimizer)
+    latest = tmp_path / "latest"
+    latest.write_bytes(written if isinstance(written, bytes) else written.encode())
+    damaged = rf"^{re.escape(str(latest))} is damaged: it (is empty|holds '.*'|is not text), not the name of the last "
+    with pytest.raises(CheckpointError, match=damaged + r"checkpoint saved in .*Pass load_checkpoint\(\) one of the "
+                                                        r"checkpoints there by its path \(newest first: step-2, "
+                                                        r"step-1\), or write the name"):
+        latest_checkpoint(tmp_path)
+    with pytest.raises(CheckpointError, match=damaged):
+        load_checkpoint(tmp_path, model, optimizer)  # the directory saved into, as if it were a checkpoint
+    for name in ("step-1", "step-2"):
+        shutil.rmtree(tmp_path / name)
+    with pytest.raises(CheckpointError, match=damaged + r".* holds no checkpoint: restore one from a copy, or start "
+                                                        r"afresh"):
+        latest_checkpoint(tmp_path)
 
 
 def test_latest_checkpoint_says_what_is_wrong_with_a_directory_save_checkpoint_did_not_write(tmp_path):

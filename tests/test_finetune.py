@@ -25,13 +25,13 @@ import torch
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 
-from offload import OffloadModel  # noqa: E402
+from offload import OffloadModel, save_checkpoint  # noqa: E402
 from offload.checkpoint import saver  # noqa: E402
 from offload.cli import finetune as cli  # noqa: E402
 from offload.cli.finetune_args import ARCHITECTURES, build_parser, parse_args  # noqa: E402
 from offload.cli.invocation import python_command  # noqa: E402
 from offload.cli.models import byte_tokenizer, random_model  # noqa: E402
-from offload.cli.outputs import OutputError, Write, check_room, resume_command  # noqa: E402
+from offload.cli.outputs import OutputError, Write, check_no_earlier_run, check_room, resume_command  # noqa: E402
 from offload.integrations import data  # noqa: E402
 from offload.integrations.data import DataFormatError, shuffled, split_blocks, token_blocks  # noqa: E402
 from offload.integrations.transformers import causal_lm_sequential  # noqa: E402
@@ -294,6 +294,19 @@ def test_a_run_without_resume_is_refused_where_an_earlier_run_saved_checkpoints(
     code, _, err = run_cli("--out", str(out), "--steps", "3", "--save-every", "1", "--resume", "latest", *TINY_RUN,
                            tmp_path=tmp_path, capsys=capsys)
     assert code == 0, err
+
+
+def test_an_earlier_runs_checkpoints_under_a_damaged_latest_are_still_refused(tmp_path):
+    """A ``latest`` emptied (a disk that filled as it was rewritten) names no checkpoint, yet the
+    checkpoints beside it are an earlier run's, which a new run's saves would replace."""
+    checkpoints = tmp_path / "out" / "checkpoints"
+    save_checkpoint(checkpoints / "step-2", torch.nn.Linear(2, 2))
+    (checkpoints / "latest").write_text("")
+    with pytest.raises(OutputError, match=r"an earlier run saved checkpoints in .*latest is damaged.*step-2.*"
+                                          r"Continue that run with --resume"):
+        check_no_earlier_run(checkpoints)
+    (checkpoints / "latest").unlink()
+    check_no_earlier_run(checkpoints)  # no latest: nothing saved there yet
 
 
 def test_a_resume_replays_the_schedule_without_warnings(tmp_path, capsys, recwarn):

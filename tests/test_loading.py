@@ -116,6 +116,16 @@ def test_a_sharded_checkpoint(tmp_path):
         torch.testing.assert_close(got, want, **EXACT, msg=name)
 
 
+@pytest.mark.parametrize("under", ["~/model.safetensors", "~"], ids=["file", "folder"])
+def test_a_leading_tilde_is_the_home_directory(tmp_path, monkeypatch, under):
+    """As load_causal_lm, save_checkpoint and load_checkpoint read it."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    save(build(), tmp_path / "model.safetensors")
+    model = offload.load_sequential(build, under, "cpu", num_slices=3)
+    for (name, got), want in zip(model.state_dict().items(), build().state_dict().values()):
+        torch.testing.assert_close(got, want, **EXACT, msg=name)
+
+
 @pytest.mark.parametrize("stored", ["0.weight", "4.weight"])
 def test_tied_weights_are_stored_once_and_stay_tied(tmp_path, stored):
     other = "4.weight" if stored == "0.weight" else "0.weight"

@@ -166,6 +166,12 @@ BAD_INPUTS = {
     "config missing": (["--hf-config", "none.json", "--gpu", "a100"], "--hf-config none.json: no such file"),
     "config dir without one": (["--hf-config", "no_config", "--gpu", "a100"], "the directory holds no config.json"),
     "config not json": (["--hf-config", "truncated.json", "--gpu", "a100"], "--hf-config truncated.json: not valid JSON"),
+    # The config's own mistakes before the rates': without a calibration, they were answered "no rates".
+    "config not json without rates": (["--hf-config", "truncated.json"], "--hf-config truncated.json: not valid JSON"),
+    "json text not json without rates": (["--hf-config", "{bad json"], "--hf-config {bad json: not valid JSON"),
+    "config a text file without rates": (["--hf-config", "plan_cli_factory.py"],
+                                         "--hf-config plan_cli_factory.py: not valid JSON"),
+    "config not a causal LM without rates": (["--hf-config", "bert.json"], "model_type 'bert' is not a causal LM"),
     "config not a causal LM": (["--hf-config", "bert.json", "--gpu", "a100"], "model_type 'bert' is not a causal LM"),
     "config without a type": (["--hf-config", "no_type.json", "--gpu", "a100"], "the config has no model_type"),
     "config a list": (["--hf-config", "a list.json", "--gpu", "a100"], "the config has no model_type"),

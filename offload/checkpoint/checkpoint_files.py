@@ -2,10 +2,11 @@
 summed when DCP syncs it and checked before a load reads anything, and what a failed save ran into.
 
 What this file holds: :class:`CheckpointError`, :class:`ChecksummingFileSystem` (DCP's local
-filesystem, summing each data file once it is written), :func:`verify_checksums`, and the
-helpers a save's checks and error messages use (:func:`free_bytes`, :func:`disk_full`,
-:func:`failure_text`, :func:`pickled_size`). What it does not: what is saved or loaded, or the
-order of the commit (``offload/checkpoint/saver.py``, ``loader.py``, ``commit.py``).
+filesystem, summing each data file once it is written), :func:`verify_checksums`, the error
+for a file this user may not read (:func:`unreadable`), and the helpers a save's checks and error
+messages use (:func:`free_bytes`, :func:`disk_full`, :func:`failure_text`, :func:`pickled_size`).
+What it does not: what is saved or loaded, or the order of the commit
+(``offload/checkpoint/saver.py``, ``loader.py``, ``commit.py``).
 
 Note: [Checkpoint checksums]
     DCP keeps no checksums: bytes flipped inside a ``.distcp`` file of the right length load
@@ -176,7 +177,8 @@ def verify_checksums(path: Path, recorded: dict[str, int] | None, files: Iterabl
     to do for a checkpoint saved without checksums (``recorded`` is ``None``).
 
     Raises:
-        CheckpointError: a file's contents differ from what was saved, naming it.
+        CheckpointError: a file's contents differ from what was saved, or this user may not read
+            it (permissions), naming it.
     """
     if recorded is None:
         return
@@ -184,12 +186,24 @@ def verify_checksums(path: Path, recorded: dict[str, int] | None, files: Iterabl
         if name not in recorded:
             raise CheckpointError(f"checkpoint {path} is damaged: offload.json records no checksum of {name}, "
                                   "which its metadata names")
-        found = file_checksum(path / name)
+        try:
+            found = file_checksum(path / name)
+        except PermissionError as error:
+            raise unreadable(path / name, path) from error
         if found != recorded[name]:
             raise CheckpointError(
                 f"checkpoint {path} is damaged: {path / name} has CRC-32 {found:08x}, {recorded[name]:08x} was "
                 "recorded when it was saved (its bytes changed on disk since). Nothing was loaded: load an "
                 "earlier checkpoint, or the same one from a good copy.")
+
+
+def unreadable(file: Path, checkpoint: Path) -> CheckpointError:
+    """The error for ``file`` of ``checkpoint`` (or the directory checkpoints were saved into),
+    which this user may not read: a matter of permissions, which no other checkpoint mends (nor is
+    it damage: what the file holds cannot be told)."""
+    return CheckpointError(f"cannot read {file}: permission denied. Nothing was loaded: give this user read access to "
+                           f"{checkpoint} (as its owner: chmod -R u+rX, or a+rX for every user), or load it as the "
+                           "user who saved it.")
 
 
 def free_bytes(directory: Path) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +20,8 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
-from .checkpoint_files import CheckpointError, free_bytes, pickled_size
-from .commit import INFO_FILE, LATEST_FILE, partial_directory
+from .checkpoint_files import CheckpointError, free_bytes, pickled_size, unreadable
+from .commit import INFO_FILE, LATEST_FILE, _checkpoints_in, partial_directory, read_latest
 from .contents import READABLE_FORMATS, STRAY_PARAMETER, _describe, _optimizer_class, _partition, _steps_only
 from .quant_states import is_packed
 from .ranks import _gathered_list
@@ -56,9 +56,19 @@ def _check_save_arguments(model: Any, optimizer: Any, extra: Any, keep_last: Any
 
 def _check_target(path: Path) -> None:
     """Refuse, before anything is written, a ``path`` that holds something other than a checkpoint
-    (a save replaces what is there), one under a file, or one named as the commit names its own
-    files. Every rank checks before the first collective: on a shared filesystem all refuse
-    together, and none waits for another that gave up."""
+    (a save replaces what is there), one under a file, one that names no directory of its own, or
+    one named as the commit names its own files. Every rank checks before the first collective: on
+    a shared filesystem all refuse together, and none waits for another that gave up."""
+    if path.name in ("", ".."):
+        # '.', '..', '' or '/': the commit would rename the directory the checkpoints go beside
+        # (the working directory, say), after everything was written.
+        raise ValueError(f"cannot save a checkpoint at {str(path)!r}: it names no directory of its own (a checkpoint "
+                         "is a directory beside the others and the latest file). Save to a named subdirectory, such "
+                         f"as {str(path / 'step-N')!r}.")
+    if path.name != path.name.strip():
+        # ``latest`` names it exactly, and a name that differs from another by a space is easy to miss.
+        raise ValueError(f"cannot save a checkpoint named {path.name!r} ({path}): it starts or ends with whitespace, "
+                         f"which a listing does not show. Choose a name without, such as {path.name.strip()!r}.")
     if path.name == LATEST_FILE or path.name.startswith("."):
         # ``latest`` is the file naming the last checkpoint (a checkpoint of that name fails at
         # its commit, all written); hidden names are the commit's partial and replaced directories.
@@ -127,12 +137,15 @@ def _read(path: Path) -> tuple[dict[str, Any], Metadata]:
     and the description is one a save of a format this version reads writes.
 
     Raises:
-        CheckpointError: no checkpoint at ``path``, or an incomplete, damaged or newer one.
+        CheckpointError: no checkpoint at ``path``, or an incomplete, damaged or newer one, or one
+            this user may not read (permissions).
     """
     if not path.is_dir():
         raise CheckpointError(_not_there(path))
     try:
         info = json.loads((path / INFO_FILE).read_text())
+    except PermissionError as error:
+        raise unreadable(path / INFO_FILE, path) from error
     except FileNotFoundError as error:
         raise CheckpointError(f"checkpoint {path} is incomplete: {INFO_FILE} is missing") from error
     except (ValueError, UnicodeDecodeError) as error:
@@ -143,6 +156,8 @@ def _read(path: Path) -> tuple[dict[str, Any], Metadata]:
         metadata = FileSystemReader(path).read_metadata()
     except FileNotFoundError as error:
         raise CheckpointError(f"checkpoint {path} is incomplete: {Path(error.filename).name} is missing") from error
+    except PermissionError as error:  # no damage: a matter of permissions, which no earlier checkpoint mends
+        raise unreadable(Path(error.filename or path / ".metadata"), path) from error
     except Exception as error:  # a damaged pickle raises whatever the bytes lead the unpickler to
         raise CheckpointError(f"checkpoint {path} is damaged: its .metadata cannot be read ({type(error).__name__}: "
                               f"{error}). Nothing was loaded: load an earlier checkpoint.") from error
@@ -170,8 +185,8 @@ def _not_there(path: Path) -> str:
     message = f"no checkpoint at {path}: not a directory{hint}"
     latest = path.parent / LATEST_FILE
     try:
-        named = not path.exists() and latest.read_text().strip() == path.name
-    except (OSError, UnicodeDecodeError):  # no latest there, or not the file a save writes
+        named = not path.exists() and read_latest(path.parent) == path.name
+    except (OSError, CheckpointError):  # no latest there, or not the file a save writes
         named = False
     if not named:
         return message
@@ -182,18 +197,6 @@ def _not_there(path: Path) -> str:
              f"save there names its own checkpoint in {LATEST_FILE})")
     return (f"{message}. It is the checkpoint {latest} names, the last one saved there, and it is gone (deleted or "
             f"moved since it was saved). Load another checkpoint: {where}.")
-
-
-def _checkpoints_in(directory: Path) -> list[str]:
-    """The names of the checkpoints in ``directory`` (those with an ``offload.json``), newest first."""
-    found: list[tuple[float, str]] = []
-    try:
-        for entry in directory.iterdir():
-            if not entry.name.startswith(".") and (entry / INFO_FILE).is_file():
-                found.append(((entry / INFO_FILE).stat().st_mtime, entry.name))
-    except OSError:  # unreadable, or removed as we looked: the message goes without the list
-        return []
-    return [name for _, name in sorted(found, reverse=True)]
 
 
 def _check_info(path: Path, info: dict[str, Any]) -> None:
@@ -212,6 +215,8 @@ def _check_info(path: Path, info: dict[str, Any]) -> None:
     wrong += [_misstated(info, key) for key, fits in _INFO_FIELDS.items() if key not in info or not fits(info[key])]
     if "crc32" in info and not _checksums(info["crc32"]):
         wrong.append(_misstated(info, "crc32"))
+    if "extra_states" in info and not _names(info["extra_states"]):  # none before extra states were saved
+        wrong.append(_misstated(info, "extra_states"))
     if wrong:
         raise CheckpointError(f"checkpoint {path} is damaged, or was not written by offload: its {INFO_FILE} is not "
                               f"what a save writes ({'; '.join(wrong)}). Nothing was loaded: load an earlier "
@@ -251,10 +256,16 @@ _INFO_FIELDS: dict[str, Callable[[Any], bool]] = {
 }
 
 
-def _check_model(path: Path, info: dict[str, Any], model: nn.Module, model_state: dict[str, torch.Tensor]) -> None:
+def _check_model(path: Path, info: dict[str, Any], model: nn.Module, model_state: dict[str, torch.Tensor],
+                 extra_states: Collection[str] = ()) -> None:
     saved = info["tensors"]
     differences = [f"{name} is not in the model" for name in saved if name not in model_state]
     differences += [f"{name} is not in the checkpoint" for name in model_state if name not in saved]
+    # Modules' extra states, by name only: their values are the modules' own (none before they were saved).
+    saved_states = info.get("extra_states", [])
+    differences += [f"{name} (extra state) is not in the model" for name in saved_states if name not in extra_states]
+    differences += [f"{name} (extra state) is not in the checkpoint"
+                    for name in extra_states if name not in saved_states]
     for name, tensor in model_state.items():
         if name in saved and saved[name] != _describe(tensor) and not _packed_alike(saved[name], tensor, name):
             here = _describe(tensor)

@@ -5,8 +5,9 @@ What this file holds: the names beside a checkpoint (``latest``, the hidden part
 the pending ``latest``), the lock a save holds on its directory, :func:`prepare` (clears what
 killed saves left, makes the partial directory), :func:`commit` (writes what is left to write,
 then renames, undone on failure), :func:`tidy` (after the commit: the replaced checkpoint,
-``keep_last``), :func:`latest_checkpoint` (the checkpoint ``latest`` names) and
-:func:`committed` (where a load reads a checkpoint). What it does not: what a checkpoint holds (``offload/checkpoint/contents.py``), or writing its data
+``keep_last``), :func:`latest_checkpoint` (the checkpoint ``latest`` names, as :func:`read_latest`
+reads it) and :func:`committed` (where a load reads a checkpoint). What it does not: what a
+checkpoint holds (``offload/checkpoint/contents.py``), or writing its data
 (``offload/checkpoint/saver.py``).
 
 Note: [Atomic save]
@@ -69,7 +70,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from .checkpoint_files import CheckpointError
+from .checkpoint_files import CheckpointError, unreadable
 
 INFO_FILE = "offload.json"
 LATEST_FILE = "latest"
@@ -118,11 +119,17 @@ def committed(path: Path) -> Path:
     Raises:
         CheckpointError: ``path`` is the directory the checkpoints were saved into (it holds
             ``latest`` and no ``offload.json``); the message names the checkpoint ``latest`` names.
+            Or this user may not look into ``path`` (permissions): the message names it.
     """
     path = path.expanduser()
-    if not path.exists() and _aside(path).is_dir():
-        return _aside(path)
-    if (path / LATEST_FILE).is_file() and not (path / INFO_FILE).exists():
+    try:
+        if not path.exists() and _aside(path).is_dir():
+            return _aside(path)
+        saved_into = (path / LATEST_FILE).is_file() and not (path / INFO_FILE).exists()
+    except PermissionError as error:
+        # A directory this user may not look into: what it holds cannot be told, which is no damage.
+        raise unreadable(path, path) from error
+    if saved_into:
         # Read as a checkpoint, it would be "incomplete: offload.json is missing", which it is not.
         raise CheckpointError(f"{path} is the directory checkpoints were saved into, not a checkpoint: its "
                               f"{LATEST_FILE} names {latest_checkpoint(path)}, the last one saved there. Load that "
@@ -308,8 +315,8 @@ def _beyond(path: Path, keep_last: int | None) -> list[Path]:
     # Nor the one ``latest`` names: with several runs saving here, a save that finished later may
     # name an older checkpoint, and a resume from ``latest`` must find it.
     try:
-        named = path.parent / (path.parent / LATEST_FILE).read_text().strip()
-    except OSError:
+        named = path.parent / read_latest(path.parent)
+    except (OSError, CheckpointError):
         named = path
     return [old for _, old in saved[:-keep_last] if old not in (path, named)]
 
@@ -467,13 +474,14 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
 
     Raises:
         CheckpointError: ``directory`` is not a directory (it, or one above it, is a file), or its
-            ``latest`` is a directory: neither is what :func:`~offload.save_checkpoint` writes; the
-            message says what to pass or move.
+            ``latest`` is a directory, or names no checkpoint (empty, say), or cannot be read
+            (permissions): none is what :func:`~offload.save_checkpoint` writes; the message says
+            what to pass, move or write.
     """
     directory = Path(directory).expanduser()
     pointer = directory / LATEST_FILE
     try:
-        name = pointer.read_text().strip()
+        name = read_latest(directory)
     except FileNotFoundError:
         return None
     except NotADirectoryError as error:
@@ -484,4 +492,47 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
                               f"checkpoint saved in {directory}. Rename it (a checkpoint cannot be named "
                               f"{LATEST_FILE}: the next save there would fail), or pass load_checkpoint() a "
                               "checkpoint's path.") from error
+    except PermissionError as error:
+        raise unreadable(pointer, directory) from error
     return directory / name
+
+
+def read_latest(directory: Path) -> str:
+    """The name of the checkpoint ``latest`` in ``directory`` holds, as the save wrote it (less a
+    line ending, which an editor adds). Nothing else is stripped: a name a save of an earlier
+    version wrote may end with a space, and the checkpoint is there under that name.
+
+    Raises:
+        CheckpointError: ``latest`` holds no checkpoint's name: empty (a disk that filled up as
+            it was rewritten by hand, say), not text, or a path ('.', '..', one with a '/'), which would name
+            the directory itself or one elsewhere. The message lists the checkpoints there.
+        OSError: it could not be read (missing: ``FileNotFoundError``; permissions).
+    """
+    pointer = directory / LATEST_FILE
+    try:
+        name = pointer.read_text().removesuffix("\n").removesuffix("\r")
+    except UnicodeDecodeError:
+        name = None
+    if name and name not in (".", "..") and "/" not in name and "\0" not in name:
+        return name
+    held = "it is not text" if name is None else "it is empty" if not name else f"it holds {name!r:.60}"
+    there = _checkpoints_in(directory)
+    advice = (f"Pass load_checkpoint() one of the checkpoints there by its path (newest first: "
+              f"{', '.join(there[:5])}{', ...' if len(there) > 5 else ''}), or write the name of the one to resume "
+              f"from into {pointer}" if there else
+              f"{directory} holds no checkpoint: restore one from a copy, or start afresh (the next save there "
+              f"rewrites {LATEST_FILE})")
+    raise CheckpointError(f"{pointer} is damaged: {held}, not the name of the last checkpoint saved in {directory}, "
+                          f"which is all save_checkpoint() writes into it. {advice}.")
+
+
+def _checkpoints_in(directory: Path) -> list[str]:
+    """The names of the checkpoints in ``directory`` (those with an ``offload.json``), newest first."""
+    found: list[tuple[float, str]] = []
+    try:
+        for entry in directory.iterdir():
+            if not entry.name.startswith(".") and (entry / INFO_FILE).is_file():
+                found.append(((entry / INFO_FILE).stat().st_mtime, entry.name))
+    except OSError:  # unreadable, or removed as we looked: the message goes without the list
+        return []
+    return [name for _, name in sorted(found, reverse=True)]

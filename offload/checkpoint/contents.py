@@ -14,7 +14,9 @@ Note: [Checkpoint layout]
 
     ``model/<name>``
         each entry of ``model.state_dict()`` (parameters and persistent buffers); every rank
-        offers them and DCP writes each once.
+        offers them and DCP writes each once. A module's ``get_extra_state()``
+        (``<module>._extra_state``) is saved as the value it is, pickled unless it is a tensor,
+        and handed to its ``set_extra_state()`` on load (Note: [Module load hooks]).
     ``optim/state/<parameter name>/<key>``
         the optimizer's state of a parameter (``exp_avg``, ``step``...), named after the
         parameter (its first name in ``named_parameters()``), offered by the rank that keeps it:
@@ -45,9 +47,33 @@ Note: [Checkpoint layout]
         data, which a load asking for a pickled value cannot read. Before format 3, ``extra``
         itself (a bare tensor as tensor data, which a load now reads into a tensor of its shape).
 
-    ``offload.json`` holds the names, shapes and dtypes of the model's tensors, the slicing, the
-    optimizer class, its groups' parameters by name and the number of ranks: what
-    :func:`load_checkpoint` checks before it writes anything.
+    Every value that is not a tensor (the groups, the generators, ``extra``, an extra state) is
+    pickled whole, as it is: a save's planner does not flatten sharded tensors (there are none
+    here), which would rebuild every nested dict as a plain ``dict`` with ``str`` keys, so that
+    ``{0: 120}`` loaded as ``{'0': 120}``, a ``defaultdict`` as a ``dict``, and a second
+    optimizer's ``state_dict()`` in ``extra`` loaded into no parameter. Checkpoints saved before
+    (format 3 too) hold such values rebuilt that way, and load so.
+
+    ``offload.json`` holds the names, shapes and dtypes of the model's tensors, the names of its
+    modules' extra states, the slicing, the optimizer class, its groups' parameters by name and
+    the number of ranks: what :func:`load_checkpoint` checks before it writes anything.
+
+Note: [Module load hooks]
+    DCP loads the model's tensors in place, into the parameters and buffers themselves, so
+    ``model.load_state_dict()`` is not called; a load then does what it does beside the copies,
+    as it does them, module by module from the root, children before their parent's hooks:
+
+    1. a module that overrides ``set_extra_state()`` gets its saved extra state;
+    2. its ``register_load_state_dict_post_hook`` hooks run, given the ``IncompatibleKeys`` of
+       a strict load that matched every key (empty: the keys were checked before the load); a
+       key a hook adds there raises, as ``load_state_dict(strict=True)`` does.
+
+    What does not run: the modules' ``_load_from_state_dict`` (overrides included) and their
+    ``load_state_dict`` pre-hooks, which take the incoming state dict before the copies: they
+    convert or rename what they are given, and the checkpoint holds what ``state_dict()`` gave,
+    loaded as it is. Going through ``load_state_dict()`` with the loaded tensors would run them,
+    at the cost of a copy of every tensor onto itself (``copy_`` does not skip it) and, with
+    masters on disk, a read of every slice's file.
 
 Note: [State dict hooks in a checkpoint]
     A save and a load run the optimizer's hooks as ``state_dict()`` and ``load_state_dict()``
@@ -78,6 +104,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.nn.modules.module import _IncompatibleKeys
 
 from ..model import OffloadModel, engine_of
 from ..optimizer import OffloadOptimizer, state_layout_by_slice
@@ -94,6 +121,8 @@ READABLE_FORMATS = (1, 2, 3)
 EXTRA_WRAPPED_SINCE = 3
 #: The key of what the optimizer's ``state_dict()`` post-hooks add (Note: [State dict hooks in a checkpoint]).
 HOOKED = "optim/hooked"
+#: The last part of the name ``state_dict()`` gives a module's ``get_extra_state()``.
+EXTRA_STATE = "_extra_state"
 STRAY_PARAMETER = ("the optimizer steps a parameter that is not in the model; a checkpoint names optimizer state "
                    "after the model's parameters: save such parameters in extra and give them their own optimizer")
 
@@ -101,8 +130,10 @@ STRAY_PARAMETER = ("the optimizer steps a parameter that is not in the model; a 
 def _info(model: nn.Module, optimizer: torch.optim.Optimizer | None, names: dict[int, str], world_size: int,
           checksums: dict[str, int]) -> dict[str, Any]:
     """What ``offload.json`` says of a checkpoint (Note: [Checkpoint layout])."""
+    tensors, extra_states = _split_model_state(model, _model_state(model))
     return {"format": FORMAT, "world_size": world_size, "saved_ns": time.time_ns(),
-            "tensors": {name: _describe(t) for name, t in _model_state(model).items()},
+            "tensors": {name: _describe(t) for name, t in tensors.items()},
+            "extra_states": sorted(extra_states),
             "partition": _partition(model),
             "optimizer": None if optimizer is None else _optimizer_class(optimizer).__name__,
             "groups": None if optimizer is None else [g["params"] for g in _named_groups(optimizer, names)],
@@ -120,10 +151,76 @@ def _loaded_extra(loaded: Any, saved_format: int) -> Any:
     return loaded["value"] if saved_format >= EXTRA_WRAPPED_SINCE else loaded
 
 
-def _model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+def _model_state(model: nn.Module) -> dict[str, Any]:
     # OffloadModel.state_dict() waits for pending host updates; the tensors share the host copies'
     # memory, so DCP reads from them and loads into them in place.
     return dict(model.state_dict())
+
+
+def _split_model_state(model: nn.Module, model_state: dict[str, Any]
+                       ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """``model_state``'s parameters and buffers, and its modules' extra states (any value, a
+    tensor too, whose shape may change from save to save), by name.
+
+    Raises:
+        TypeError: an entry is neither (a ``state_dict`` hook added it), which a load could not
+            put back.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    extra_states: dict[str, Any] = {}
+    for name, value in model_state.items():
+        prefix, _, last = name.rpartition(".")
+        if last == EXTRA_STATE and _overrides(model.get_submodule(prefix), "get_extra_state"):
+            extra_states[name] = value
+        elif isinstance(value, torch.Tensor):
+            tensors[name] = value
+        else:
+            raise TypeError(f"model.state_dict() holds {name!r}, a {type(value).__name__}: neither a parameter, a "
+                            "buffer nor a module's get_extra_state(), so a checkpoint could not put it back (a "
+                            "state_dict hook added it?). Keep such values in a module's get_extra_state() and "
+                            "set_extra_state(), or pass them in extra.")
+    return tensors, extra_states
+
+
+def _overrides(module: nn.Module, method: str) -> bool:
+    """Whether ``module``'s class overrides ``nn.Module``'s ``method``, as ``state_dict()`` and
+    ``load_state_dict()`` ask before they save or load an extra state."""
+    return getattr(type(module), method, None) is not getattr(nn.Module, method)
+
+
+def _restore_modules(model: nn.Module, extra_states: dict[str, Any]) -> None:
+    """What ``model.load_state_dict()`` does beside copying the tensors DCP loaded in place: each
+    module's ``set_extra_state()`` with ``extra_states`` (by name), and its load post-hooks (Note:
+    [Module load hooks]).
+
+    Raises:
+        RuntimeError: a post-hook added a missing or unexpected key, as ``load_state_dict()`` does.
+    """
+    incompatible = _IncompatibleKeys([], [])
+    _restore_module(model, "", extra_states, incompatible)
+    if incompatible.missing_keys or incompatible.unexpected_keys:
+        raise RuntimeError(f"Error(s) in loading state_dict for {type(model).__name__} (a load_state_dict post-hook "
+                           f"reported them after load_checkpoint): missing keys {incompatible.missing_keys}, "
+                           f"unexpected keys {incompatible.unexpected_keys}")
+
+
+def _restore_module(module: nn.Module, prefix: str, extra_states: dict[str, Any],
+                    incompatible: _IncompatibleKeys) -> None:
+    """:func:`_restore_modules` for ``module`` at ``prefix`` and its children, in
+    ``load_state_dict()``'s order: its extra state, its children, its post-hooks."""
+    key = prefix + EXTRA_STATE
+    if key in extra_states:
+        if _overrides(module, "set_extra_state"):
+            module.set_extra_state(extra_states[key])
+        else:
+            incompatible.unexpected_keys.append(key)  # as load_state_dict() has it: nothing takes it
+    for name, child in module._modules.items():
+        if child is not None:
+            _restore_module(child, f"{prefix}{name}.", extra_states, incompatible)
+    for hook in module._load_state_dict_post_hooks.values():
+        if hook(module, incompatible) is not None:
+            raise AssertionError("Hooks registered with register_load_state_dict_post_hook are not expected to "
+                                 "return new values; modify incompatible_keys in place.")
 
 
 def _own_storage(value: Any) -> Any:
@@ -291,8 +388,8 @@ def _masters_on_disk(model: nn.Module, state: dict[str, Any]) -> dict[str, int]:
     slice_of = {name: s.index for s in engine_of(model).slices if s.storage.masters_file is not None
                 for name in s.names}
     found = {}
-    for key in state:
-        if key.startswith("model/"):
+    for key, value in state.items():
+        if key.startswith("model/") and isinstance(value, torch.Tensor):  # an object lives in no slice
             layer = key.removeprefix("model/").split(".", 1)[0]
             if layer in slice_of:
                 found[key] = slice_of[layer]

@@ -24,14 +24,20 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from .checkpoint_files import CheckpointError, verify_checksums
 from .checks import _check_arguments, _check_model, _check_optimizer, _listed, _read
 from .commit import committed
-from .contents import (HOOKED, _kept_parameters, _loaded_extra, _loads_on_disk, _masters_on_disk, _masters_releaser,
-                       _model_state, _parameter_names, _release_masters, _set_rng_state)
+from .contents import (HOOKED, _kept_parameters, _loaded_extra, _loads_on_disk, _masters_on_disk,
+                       _masters_releaser, _model_state, _parameter_names, _release_masters, _restore_modules,
+                       _set_rng_state, _split_model_state)
 from .quant_states import format_differences, is_packed, read_packed, set_unreached
 from .ranks import _agreed, _barrier, _group
 from ..tiers.disk_tier import DiskTierError
 from ..optimizer import OffloadOptimizer, load_beside_tier
 from .slice_load_planner import SliceWritingLoadPlanner
 from .wrapped_state import inner_destinations, loaded_value, saved_inner
+
+#: What a load of ``None`` says: the path a first run gets from :func:`latest_checkpoint`.
+NO_PATH = ("load_checkpoint() got None for the path: latest_checkpoint() returns None when nothing was saved in "
+           "that directory yet. On a first run, start fresh: load only when it returns a path, as in "
+           "`if (latest := latest_checkpoint(directory)) is not None: load_checkpoint(latest, model, optimizer)`.")
 
 
 def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -45,27 +51,34 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     :class:`~offload.OffloadModel` and :class:`~offload.OffloadOptimizer`. Random number
     generators are restored only when the number of ranks is the one saved. The optimizer's
     ``load_state_dict`` hooks run, its pre-hooks seeing what its ``state_dict()`` post-hooks added
-    at save (Note: [State dict hooks in a checkpoint] in ``contents.py``). Into an
+    at save (Note: [State dict hooks in a checkpoint] in ``contents.py``). The model's tensors are
+    loaded in place; its modules' extra states are set and their ``load_state_dict`` post-hooks
+    run, as ``model.load_state_dict()`` does, but not their ``_load_from_state_dict`` or its
+    pre-hooks (Note: [Module load hooks] in ``contents.py``). Into an
     OffloadOptimizer with a disk tier, the state the tier keeps is written to its files a slice at
     a time as it is read: the load holds about one slice of it in host memory.
 
     Args:
-        path: a checkpoint directory (see :func:`latest_checkpoint`). When a save replacing it
-            was killed between the commit's renames, the previous checkpoint is loaded from where
-            it waits, beside it (Note: [Atomic save] in ``offload/checkpoint/commit.py``).
+        path: a checkpoint directory (see :func:`latest_checkpoint`; not ``None``: start fresh
+            when it returns that). When a save replacing it was killed between the commit's
+            renames, the previous checkpoint is loaded from where it waits, beside it (Note: [Atomic save] in ``offload/checkpoint/commit.py``).
         model: the model to load into, built as the saved one was.
         optimizer: the optimizer to load into (the saved run's class), or ``None`` to skip it.
         process_group: as in :func:`save_checkpoint`.
 
     Raises:
-        TypeError: ``model`` is not an ``nn.Module`` or ``optimizer`` not an optimizer.
-        CheckpointError: no checkpoint at ``path`` (when ``latest`` names it, the message says
-            it is gone and lists the checkpoints still there), an incomplete checkpoint (a missing
-            or truncated file), a damaged one (an unreadable ``.metadata`` or ``offload.json``, an
-            ``offload.json`` that is not what a save writes, a data file whose CRC-32 differs from
-            the one recorded at save: Note: [Checkpoint checksums] in
+        TypeError: ``model`` is not an ``nn.Module`` or ``optimizer`` not an optimizer, or
+            ``model.state_dict()`` holds a value that is neither a tensor nor a module's extra
+            state.
+        CheckpointError: ``path`` is ``None`` (what :func:`latest_checkpoint` returns before the
+            first save: start fresh), no checkpoint at ``path`` (when ``latest`` names it, the
+            message says it is gone and lists the checkpoints still there), an incomplete
+            checkpoint (a missing or truncated file), a damaged one (an unreadable ``.metadata``
+            or ``offload.json``, an ``offload.json`` that is not what a save writes, a data file
+            whose CRC-32 differs from the one recorded at save: Note: [Checkpoint checksums] in
             ``offload/checkpoint/checkpoint_files.py``), one of a newer format (upgrade), or one of
-            another model (names, shapes, dtypes, a 4-bit weight's format), slicing or optimizer
+            another model (names, shapes, dtypes, a 4-bit weight's format, its modules' extra
+            states), slicing or optimizer
             (its class, its parameter groups); the message says what differs and what to do.
             Nothing was loaded: the model and optimizer are unchanged.
         DiskTierError: the optimizer's disk tier could not write part of the loaded state, raised
@@ -80,12 +93,15 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     _check_arguments("load_checkpoint", model, optimizer)
     group, rank, world_size = _group(model, optimizer, process_group)
     # Each rank checks what it reads before any collective; a refusal on one is said on every rank.
-    path, saved_format, metadata, model_state, names, groups, state, wanted, on_disk = _agreed(
-        group, lambda: _checked_load(Path(path), model, optimizer, rank, world_size), "loaded")
+    path, saved_format, metadata, model_state, extra_states, names, groups, state, wanted, on_disk = _agreed(
+        group, lambda: _checked_load(path, model, optimizer, rank, world_size), "loaded")
     rng_key = f"rng/{rank}"
     packed = _check_packed(path, metadata, model_state, state, group)
     stored = _read_data(path, model, optimizer, state, on_disk, group)
     set_unreached(model, packed, state)  # the model whole before anything else can raise
+    # Before the generators are restored: a hook that draws random numbers draws them as after
+    # model.load_state_dict(), before the caller's own restore.
+    _restore_modules(model, {name: state[f"model/{name}"] for name in extra_states})
     failure: DiskTierError | None = None
     if optimizer is not None:
         try:
@@ -101,22 +117,27 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     return _loaded_extra(state["extra"], saved_format)
 
 
-def _checked_load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, rank: int,
-                  world_size: int) -> tuple[Any, ...]:
+def _checked_load(path: str | os.PathLike[str] | None, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                  rank: int, world_size: int) -> tuple[Any, ...]:
     """What this rank loads, checked before anything is: the checkpoint directory, its format, its
-    metadata, the model's state, parameter names, the optimizer's groups, DCP's state to fill and,
-    as :func:`_state_to_load` says, the optimizer's keys and what its disk tier keeps.
+    metadata, the model's tensors, its modules' extra states' names, parameter names, the
+    optimizer's groups, DCP's state to fill and, as :func:`_state_to_load` says, the optimizer's
+    keys and what its disk tier keeps.
 
     Raises:
         CheckpointError: as :func:`load_checkpoint` says, before anything is loaded.
     """
-    path = committed(path)
+    if path is None:
+        raise CheckpointError(NO_PATH)
+    path = committed(Path(path))
     info, metadata = _read(path)
-    model_state = _model_state(model)
-    _check_model(path, info, model, model_state)
+    model_state, extra_states = _split_model_state(model, _model_state(model))
+    _check_model(path, info, model, model_state, extra_states)
     names = _parameter_names(model)
     groups = None if optimizer is None else _check_optimizer(path, info, metadata, optimizer, names)
     state, wanted, on_disk = _state_to_load(model_state, optimizer, names, metadata)
+    for name in extra_states:  # Note: [Module load hooks]
+        state[f"model/{name}"] = _destination(metadata.state_dict_metadata[f"model/{name}"], None)
     rng_key = f"rng/{rank}"
     if info["world_size"] == world_size and rng_key in metadata.state_dict_metadata:
         state[rng_key] = None
@@ -126,7 +147,7 @@ def _checked_load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer
     # The files this rank reads, checked whole before anything is loaded (Note: [Checkpoint checksums]).
     verify_checksums(path, info.get("crc32"), {storage.relative_path for index, storage in
                                                (metadata.storage_data or {}).items() if index.fqn in state})
-    return path, info["format"], metadata, model_state, names, groups, state, wanted, on_disk
+    return path, info["format"], metadata, model_state, list(extra_states), names, groups, state, wanted, on_disk
 
 
 def _check_packed(path: Path, metadata: Metadata, model_state: dict[str, torch.Tensor], state: dict[str, Any],

@@ -42,7 +42,7 @@ from .checks import _check_room, _check_save_arguments, _check_target
 from .commit import HalfCommitted, commit, latest_checkpoint, partial_directory, prepare, tidy
 from .contents import (HOOKED, STRAY_PARAMETER, _extra_to_save, _hooked_keys, _info, _masters_on_disk,
                        _masters_releaser, _model_state, _named_groups, _optimizer_state, _own_storage, _parameter_names,
-                       _release_masters, _rng_state, _steps_only)
+                       _release_masters, _rng_state, _split_model_state, _steps_only)
 from .ranks import _agreed, _gathered, _group, _on_rank_0
 from ..tiers.disk_tier import size_text
 from ..optimizer import OffloadOptimizer, check_whole
@@ -60,7 +60,8 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     between steps; pending host updates finish first.
 
     The optimizer's ``state_dict`` hooks run, and what its post-hooks add is saved for its
-    ``load_state_dict`` pre-hooks (``docs/checkpoints.md``, "Optimizer hooks").
+    ``load_state_dict`` pre-hooks (``docs/checkpoints.md``, "Optimizer hooks"). The modules' extra
+    states (``get_extra_state()``) are saved as they are, for their ``set_extra_state()`` on load.
 
     Data parallel, each rank writes the optimizer state it owns, in parallel, and the parameters
     are written once; nothing is gathered. DCP reads the host copies and the optimizer state where
@@ -84,9 +85,10 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
         ``path``.
 
     Raises:
-        TypeError: ``model`` is not an ``nn.Module``, ``optimizer`` not an optimizer, or ``extra``
-            (or what the optimizer's ``state_dict()`` post-hooks add) cannot be pickled (checked
-            before anything is written).
+        TypeError: ``model`` is not an ``nn.Module``, ``optimizer`` not an optimizer, ``extra``
+            (or what the optimizer's ``state_dict()`` post-hooks add) cannot be pickled, or
+            ``model.state_dict()`` holds a value that is neither a tensor nor a module's extra
+            state (checked before anything is written).
         ValueError: a bad ``keep_last``, the optimizer steps a parameter the model lacks, a
             ``state_dict()`` post-hook of the optimizer changed its state or groups (Note: [State
             dict hooks in a checkpoint] in ``contents.py``; checked before anything is written), or
@@ -140,9 +142,12 @@ def _state_to_save(model: nn.Module, optimizer: torch.optim.Optimizer | None, na
     # Buffers may differ between ranks (BatchNorm's running statistics stay per rank): only rank 0
     # offers them, so that the checkpoint holds one rank's, not a mix that DCP's choice of writer
     # per key would make. Parameters are the same on every rank, and any rank may write each.
-    theirs = set() if rank == 0 else {name for name, _ in model.named_buffers(remove_duplicate=False)}
-    state: dict[str, Any] = {f"model/{name}": _own_storage(tensor) for name, tensor in _model_state(model).items()
-                             if name not in theirs}
+    # Extra states too: they are per module, like buffers.
+    tensors, extra_states = _split_model_state(model, _model_state(model))
+    theirs = set() if rank == 0 else {*(name for name, _ in model.named_buffers(remove_duplicate=False)),
+                                      *extra_states}
+    state: dict[str, Any] = {f"model/{name}": _own_storage(value)
+                             for name, value in {**tensors, **extra_states}.items() if name not in theirs}
     on_disk: dict[str, tuple[int, torch.Tensor, str]] = {}  # key -> where the planner reads it
     if optimizer is not None:
         if not _steps_only(optimizer, names):
@@ -197,6 +202,9 @@ def _write_data(path: Path, partial: Path, model: nn.Module, optimizer: torch.op
         # One thread, nothing resolved ahead: each item's data is asked for once the previous one
         # is written (Note: [Slice-by-slice save]).
         writer = FileSystemWriter(partial, sync_files=True, thread_count=1, per_thread_copy_ahead=0)
+    # Not flattened: DCP's flattening of sharded tensors (there are none here) would rebuild every
+    # nested dict with str keys, as a plain dict (Note: [Checkpoint layout]).
+    planner.flatten_sharded_tensors = False
     # Each data file is summed as it is written (Note: [Checkpoint checksums]).
     files = writer.fs = ChecksummingFileSystem()
     try:

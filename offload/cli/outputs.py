@@ -86,7 +86,12 @@ def check_no_earlier_run(checkpoints: Path) -> None:
     """
     try:
         last = latest_checkpoint(checkpoints)
-    except CheckpointError:
+    except CheckpointError as error:
+        if (checkpoints / "latest").is_file():  # damaged or unreadable: still an earlier run's
+            raise OutputError(f"--out {checkpoints.parent}: an earlier run saved checkpoints in {checkpoints}, which "
+                              f"this run's saves would replace or remove, and {error} Continue that run with "
+                              "--resume and one of its checkpoints, or choose another --out, or remove that "
+                              "directory first.") from error
         return None  # not a directory of checkpoints: check_writable says what is wrong with it
     if last is not None:
         raise OutputError(f"--out {checkpoints.parent}: an earlier run saved checkpoints in {checkpoints} (the last: "

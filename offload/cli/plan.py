@@ -32,8 +32,9 @@ from ..planning.rates import GPU_DEFAULTS, MachineRates, default_rates_path, loa
 from ..planning.timing import SCHEDULES
 from .finetune_args import user_path
 from .plan_alternatives import Alternative, alternatives
-from .plan_models import DEFAULT_SEQ_LEN, DTYPES, PlanInputError, Workload, _one_line, workload
+from .plan_models import DEFAULT_SEQ_LEN, DTYPES, PlanInputError, Workload, _one_line, hf_config, workload
 from .quantize import QUANT_TYPES
+from .quiet_imports import import_transformers
 
 GIB = 2**30
 PROG = "offload plan"
@@ -350,8 +351,27 @@ def run_plan(args: argparse.Namespace) -> tuple[Plan, Workload, MachineRates, Li
     return plan, planner.workload(args), planner.rates, limits
 
 
+def check_hf_config(args: argparse.Namespace) -> None:
+    """Read ``--hf-config`` before the rates: a text that is not a config (not JSON, no
+    ``model_type``, a family offload does not cut) is the mistake to answer first. After the rates,
+    it showed only once a calibration existed, and the user was told to calibrate instead. Reading
+    it builds nothing; the workload reads it again, as cheaply.
+
+    Raises:
+        PlanInputError: what is wrong with the config, as the workload would say it.
+    """
+    if not args.hf_config:
+        return
+    try:
+        import_transformers()  # quietly, as the workload imports it
+    except ImportError:
+        return  # the workload says what to install, and it needs the rates to be of use
+    hf_config(args.hf_config)
+
+
 def _planned(args: argparse.Namespace) -> tuple[Plan, Planner, Limits]:
-    # The rates first: a missing calibration is answered before the model is built.
+    check_hf_config(args)
+    # Then the rates: a missing calibration is answered before the model is built.
     planner = Planner(machine_rates(args))
     check_disk_rates(args, planner.rates)
     planner.workload(args)

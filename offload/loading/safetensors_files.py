@@ -66,7 +66,7 @@ class SafetensorsCheckpoint:
 
     Args:
         path: a ``.safetensors`` file, or a folder with ``model.safetensors`` or
-            ``model.safetensors.index.json`` and the shards it names.
+            ``model.safetensors.index.json`` and the shards it names. A leading ``~`` is expanded.
 
     Raises:
         FileNotFoundError: no such file, or a folder with neither file (other formats are not read).
@@ -75,7 +75,7 @@ class SafetensorsCheckpoint:
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = Path(path)
+        self.path = Path(path).expanduser()
         self.tensors: dict[str, StoredTensor] = {}
         for file in self._files():
             for name, stored in _read_header(file).items():
