@@ -1,6 +1,7 @@
 """The buffers of the slices in the device slots: the only device data compute may change (running
 statistics, counters), so they are written back to the host copies, and a forward's snapshot is
-restored over them before a recompute. See Note: [Buffers] in ``offload/walk/slice_walk.py``.
+restored over them before a recompute; a probe compares them before and after a run, to see
+changes no version counter shows. See Note: [Buffers] in ``offload/walk/slice_walk.py``.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import torch
 from .activations import OffloadTicket
 from .backend import Event
 from .copies import CopyStreams
+from .flat_views import _itemsize
 from .host_buffers import HostBufferPool
 from .host_storage import SliceStorage
+from .slice_entries import Entry
 from .slot import Slot
 
 
@@ -60,6 +63,26 @@ class SlotBuffers:
         slot = self.slots.slot_of(index)
         assert slot is not None
         return sum(view._version for view in slot.views)
+
+    def snapshot(self, index: int) -> torch.Tensor:
+        """A device copy of the acquired slice ``index``'s buffer bytes as they are now, for
+        :meth:`changed_since` (rule 1 of Note: [Buffers]). Queued on the compute stream, as the
+        run it precedes."""
+        return self.buffer_region(index).clone()
+
+    def changed_since(self, index: int, before: torch.Tensor, buffers: Sequence[Entry]) -> bool:
+        """Whether any of ``buffers`` (of the acquired slice ``index``) holds other bytes than in
+        ``before``, a :meth:`snapshot` of the slice's buffers. Bytes, so a NaN that stayed is
+        unchanged and a sign of zero flipped is a change."""
+        if not buffers:
+            return False
+        start, _ = self.slots.storages[index].buffer_region
+        region = self.buffer_region(index)
+        spans = [(e.device_offset - start, e.device_offset - start + e.shape.numel() * _itemsize(e.device_dtype))
+                 for e in buffers]
+        differs = torch.stack([region[a:b].ne(before[a:b]).any() for a, b in spans]).any()
+        # The one blocking read of the probe: waits for the run just queued (once a slice and mode).
+        return bool(differs.item())
 
     def write_back_buffers(self, index: int) -> Event | None:
         """Start copying the acquired slice's device buffers over its host buffers.

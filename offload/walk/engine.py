@@ -8,6 +8,7 @@ may be in flight before their backwards.
 from __future__ import annotations
 
 import functools
+import operator
 import warnings
 import weakref
 from collections.abc import Sequence
@@ -56,6 +57,75 @@ FUNC_TRANSFORM_NOTE = (
     "(docs/api.md, Layers that differentiate in forward). Under torch.no_grad the layer runs as it is.")
 
 
+#: A module's ``training`` flag, read without a Python frame per module.
+_TRAINING = operator.attrgetter("training")
+
+
+class BufferModes:
+    """What the probes found of a slice's runs, per mode: whether they change a buffer unseen
+    (rule 1 of Note: [Buffers] in ``offload/walk/slice_walk.py``).
+
+    A mode is grad mode and the ``training`` flag of each module that holds a buffer or holds a
+    module that does: the flags that decide whether a layer updates its buffers (its own or its
+    children's). ``.train()``/``.eval()`` makes another mode, and so does one layer switched alone.
+    Only those modules, so that the flags read at every run of the slice are few.
+
+    Args:
+        storage: the slice's storage, as laid out now: a new layout needs new ``BufferModes`` (the
+            modules may have changed).
+    """
+
+    def __init__(self, storage: SliceStorage) -> None:
+        self._buffers = storage.buffers  # a new layout collects a new list
+        self._modules = [m for layer in storage.layers for m in layer.modules() if next(m.buffers(), None) is not None]
+        #: per mode a run was probed in: whether the run changed a buffer without moving its counter
+        self.written_unseen: dict[tuple[bool, ...], bool] = {}
+
+    def describes(self, storage: SliceStorage) -> bool:
+        """Whether these modes are of ``storage``'s layout as it is now."""
+        return self._buffers is storage.buffers
+
+    def before_run(self, slots: DeviceSlots, index: int, storage: SliceStorage) -> BufferProbe:
+        """The look of a run of slice ``index`` that starts now (it must be acquired): a copy of
+        its buffers' bytes where a run in its mode was never probed. Normalisation layers that
+        update running statistics make every run in their mode count as changed: no copy there."""
+        mode = (torch.is_grad_enabled(), *map(_TRAINING, self._modules))
+        if mode in self.written_unseen or storage.has_running_stats_in_training():
+            return BufferProbe(self, mode, None)
+        with torch.no_grad():
+            return BufferProbe(self, mode, slots.buffers.snapshot(index))
+
+
+@dataclass
+class BufferProbe:
+    """One run's look at its slice's buffers (rule 1 of Note: [Buffers]).
+
+    Attributes:
+        modes: the slice's modes.
+        mode: the one the run happens in.
+        before: the buffers' bytes before the run, where that mode was never probed; else None.
+    """
+
+    modes: BufferModes
+    mode: tuple[bool, ...]
+    before: torch.Tensor | None
+
+    def written_unseen(self, slots: DeviceSlots, index: int, storage: SliceStorage,
+                       tensors: Sequence[torch.Tensor], versions: Sequence[int]) -> bool:
+        """Whether the run, just done, counts as changing a buffer unseen: as the probe of its mode
+        found, compared now (and remembered) where this run is that probe."""
+        if self.before is None:
+            return self.modes.written_unseen.get(self.mode, False)
+        # A buffer whose counter moved was changed in sight (the rule counts it anyway): compare the others.
+        first = len(storage.entries) - len(storage.buffers)
+        unmoved = [entry for entry, tensor, version in zip(storage.buffers, tensors[first:], versions[first:])
+                   if tensor._version == version]
+        with torch.no_grad():
+            written = slots.buffers.changed_since(index, self.before, unmoved)
+        self.modes.written_unseen[self.mode] = written
+        return written
+
+
 @dataclass
 class Slice:
     """A contiguous run of layers that is loaded and run as a unit."""
@@ -64,6 +134,7 @@ class Slice:
     names: list[str]
     layers: list[nn.Module]
     storage: SliceStorage
+    buffer_modes: BufferModes | None = None  # made at the first run with buffers, and anew for a new layout
 
     def run(self, inputs: Any) -> Any:
         # nn.Sequential semantics: each layer gets the previous layer's output as its one argument.
@@ -122,6 +193,7 @@ class Slice:
         has_buffers = bool(self.storage.buffers)
         written_before = slots.buffers.write_counter(self.index) if has_buffers else 0
         versions = [t._version for t in tensors]
+        probe = self._probe_buffers(slots) if has_buffers else None
         sites = [entry.sites for entry in self.storage.entries]
         with Binding(sites, tensors, self.storage.run_state_positions) as binding:
             output = self.run(inputs)
@@ -139,13 +211,21 @@ class Slice:
                 )
             with torch.no_grad():
                 target.copy_(new_value)
-        # Rule 1 of Note: [Buffers] in offload/walk/slice_walk.py.
-        changed = has_buffers and (
-            bool(binding.reassigned)
+        # Rule 1 of Note: [Buffers] in offload/walk/slice_walk.py; the probe first, so that what it
+        # finds is remembered whatever the other tests say.
+        changed = probe is not None and (
+            probe.written_unseen(slots, self.index, self.storage, tensors, versions)
+            or bool(binding.reassigned)
             or slots.buffers.write_counter(self.index) != written_before
             or self.storage.has_running_stats_in_training()
         )
         return SliceResult(output, changed)
+
+    def _probe_buffers(self, slots: DeviceSlots) -> BufferProbe:
+        """This run's look at the buffers (rule 1 of Note: [Buffers])."""
+        if self.buffer_modes is None or not self.buffer_modes.describes(self.storage):
+            self.buffer_modes = BufferModes(self.storage)
+        return self.buffer_modes.before_run(slots, self.index, self.storage)
 
     def _refuse_parameter_writes(self, tensors: Sequence[torch.Tensor], versions: Sequence[int]) -> None:
         """Raise if the run wrote a parameter's device copy in place (Note: [Parameters written in forward])."""

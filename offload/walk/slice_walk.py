@@ -44,9 +44,31 @@ Note: [Buffers]
     Buffers are the only device data a forward may change (running statistics, counters).
 
     1. A run counts as changing them if it wrote to a slot tensor in place (a version counter
-       moved), reassigned a buffer, or holds a normalisation layer that tracks running statistics
-       in training mode (its kernel updates them without bumping any version counter):
-       ``Slice.run_on_device`` in ``offload/walk/engine.py``.
+       moved), reassigned a buffer, holds a normalisation layer that tracks running statistics
+       in training mode (its kernel updates them without bumping any version counter), or runs
+       in a mode in which a probe found the slice changing them unseen: ``Slice.run_on_device``
+       in ``offload/walk/engine.py``.
+
+       Counters miss more than those layers: a write through ``.data`` (an alias with a counter
+       of its own: EMA statistics, VQ-VAE codebooks) and ``F.batch_norm(training=True)`` on a
+       layer's own buffers. So the first run of a slice that holds buffers in each *mode* (grad
+       mode and the ``training`` flags of the modules that hold a buffer or hold one that does:
+       ``.train()``/``.eval()``, or one layer switched alone, makes another; ``BufferModes`` in
+       ``engine.py``) is a probe: the buffers' bytes are copied on the device before it
+       and, for each buffer whose counter did not move, compared after it, bit for bit (a NaN
+       kept is no change, a sign of zero flipped is one). A difference makes that run count as
+       changed, so rules 2 and 3 hold as for any change, from the first forward on; and every
+       later run of the slice in that mode, without a probe, so a layer that changes them only
+       sometimes is written back every run (buffers are small). A mode in which running
+       statistics already count every run is not probed; a recompute runs in its forward's
+       mode, probed already. Cost, per slice that holds buffers and mode, once: a device copy
+       of its buffer bytes, kept during the run, and one blocking read of the comparison, which
+       waits for the run's compute (about 60 microseconds of CPU time besides, on the CPU).
+       Every run of a slice with buffers reads the mode: the flags of the modules that hold a
+       buffer and those above them only (3 of a decoder layer's 13 with a rotary table), about
+       2 microseconds of CPU time on a busy 2-core host. Not seen: a layer that writes a buffer
+       unseen after the first run of a mode (after a warm-up, every k-th step) changes the
+       device copy only.
     2. After a slice's microbatches ran, changed buffers are written back to the host copies;
        unchanged slices send nothing back (the walk, on leaving the slice).
     3. For exact recompute, once any run of a slice changed the buffers, every checkpointed run
