@@ -92,7 +92,9 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
         ValueError: a bad ``keep_last``, the optimizer steps a parameter the model lacks, a
             ``state_dict()`` post-hook of the optimizer changed its state or groups (Note: [State
             dict hooks in a checkpoint] in ``contents.py``; checked before anything is written), or
-            ``path`` is named ``latest`` or starts with ``.`` (the names of the save's own files).
+            ``path`` is named ``latest`` or starts with ``.`` (the names of the save's own files),
+            names no directory of its own (``.``, ``..``, ``""``) or has a name that starts or ends
+            with whitespace (checked before anything is written).
         FileExistsError: ``path`` is a file, or a directory of files that is not a checkpoint.
         NotADirectoryError: a directory above ``path`` is a file (checked before anything is
             written).
