@@ -274,19 +274,17 @@ def forget_norms(source: NormSource) -> None:
             del _known[key]
 
 
-def forget_norms_in(tensors: Sequence[torch.Tensor]) -> None:
-    """Forget the norms computed ahead of gradients in the memory of ``tensors``, about to be
-    written in a way their version counters do not see (``offload.GradScaler.unscale_``): the next
-    clip computes them anew, as without the norms from backward. The computations still running
-    end first, so that none keeps a norm after this."""
-    if not _sources:
-        return
+def forget_norms_unscaled(optimizer: Any) -> None:
+    """Forget every norm computed ahead, the gradients being about to be written in a way their
+    version counters do not see (``offload.GradScaler.unscale_``): the next clip computes them
+    anew, as without the norms from backward. Computations still running keep nothing (each
+    source's generation moves on) and nobody waits for them. ``optimizer``'s own norms from
+    backward stop: under a scaler that unscales every step they would only be thrown away."""
+    norms = getattr(optimizer, "_norms", None)
+    if norms is not None:
+        norms.unscaled = True
     for source in list(_sources):
-        source.settle()
-    storages = {t.untyped_storage().data_ptr() for t in tensors}
-    with _known_lock:
-        for key in [key for key in _known if key[0] in storages]:
-            del _known[key]
+        source.forget()
 
 
 def _known_norms(tensors: Sequence[torch.Tensor]) -> list[tuple[KnownNorm, NormSource] | None]:

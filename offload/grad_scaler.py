@@ -37,7 +37,7 @@ import torch
 from torch.amp.grad_scaler import OptState
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .clipping import forget_norms_in
+from .clipping import forget_norms_unscaled
 
 _HOST = torch.device("cpu")
 
@@ -90,7 +90,7 @@ class GradScaler(torch.amp.GradScaler):
                     grads[to_unscale.device][to_unscale.dtype].append(to_unscale)
             # Norms taken in backward (norms_in_backward) are of the scaled values, and the unscaling
             # kernel leaves the version counters that would tell a clip so as they were.
-            forget_norms_in([t for by_dtype in grads.values() for same in by_dtype.values() for t in same])
+            forget_norms_unscaled(optimizer)
             found_infs: dict[torch.device, torch.Tensor] = {}
             for device, by_dtype in grads.items():
                 if device.type == "cpu":

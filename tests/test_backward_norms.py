@@ -17,6 +17,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import offload
 from offload import OffloadModel, OffloadOptimizer, clipping
+from offload.optimizing import backward_norms
 
 from .helpers import DEVICES
 
@@ -377,9 +378,14 @@ def test_a_first_step_whose_norms_cannot_show_a_write_checks_nothing(first):
         optimizer.zero_grad()
 
 
-def test_offloads_grad_scaler_has_the_norms_computed_anew_overflow_first_or_not(computed_at_clip):
+def test_offloads_grad_scaler_has_the_norms_computed_anew_overflow_first_or_not(computed_at_clip, monkeypatch):
     """offload.GradScaler's unscale_ forgets the norms backward took of the scaled gradients: the
-    training is the plain model's under torch's scaler, a first step that overflows included."""
+    training is the plain model's under torch's scaler, a first step that overflows included; and
+    from the first unscaling on, backward computes none (each would be thrown away)."""
+    in_backward: list[int] = []
+    original = backward_norms.pooled_norms
+    monkeypatch.setattr(backward_norms, "pooled_norms",
+                        lambda tensors, *args: in_backward.append(len(tensors)) or original(tensors, *args))
     plain, plain_opt, model, optimizer = _twins(accumulation_steps=2)
     scalers = (torch.amp.GradScaler("cpu", init_scale=2.0**8), offload.GradScaler("cpu", init_scale=2.0**8))
     for step in range(4):
@@ -397,3 +403,5 @@ def test_offloads_grad_scaler_has_the_norms_computed_anew_overflow_first_or_not(
         torch.testing.assert_close(norms[1], norms[0], **EXACT, equal_nan=True)
     _assert_same(plain, model, optimizer)
     assert computed_at_clip == [len(list(model.parameters()))] * 4  # every norm computed at the clip
+    computed_by_first_backward = sum(in_backward)
+    assert 0 < computed_by_first_backward <= len(list(model.parameters()))  # the first step's only

@@ -25,8 +25,11 @@ Note: [Norms from backward]
     - every backward of the model forgets the norms of the one before, before its copies write
       host memory again, and so does ``step()``; a norm still being computed for a forgotten
       backward is dropped;
-    - ``offload.GradScaler.unscale_`` forgets the norms of the gradients it unscales (its kernel
-      leaves the version counters as they were): the clip computes them anew;
+    - ``offload.GradScaler.unscale_`` forgets the norms computed so far, without waiting for those
+      still running (its kernel leaves the version counters as they were): the clip computes them
+      anew; and the optimizer's backwards compute none from then on (they would all be of scaled
+      values, thrown away, and a backward would wait for them: under a scaler the option saves
+      nothing and costs nothing);
     - what a version counter cannot see otherwise (a write through ``.grad.data``,
       ``torch.amp.GradScaler.unscale_``, a collective such as ``dist.all_reduce``) is found by
       the first ``clip_grad_norm_`` that meets a parameter's norm from here: it computes that norm
@@ -103,6 +106,9 @@ class BackwardNorms(Subscriber):
         self._names: dict[int, str] = {}
         self._tied: set[int] = set()
         self._unchecked = False  # this backward computes norms before any clip_grad_norm_ compared one
+        #: offload.GradScaler unscaled the gradients after a backward: norms of the scaled values are
+        #: never taken, so none is computed from then on.
+        self.unscaled = False
         add_source(self)
 
     @classmethod
@@ -174,7 +180,7 @@ class BackwardNorms(Subscriber):
         return token is not None and token is self._token
 
     def gradients_final(self, token: Any, index: int, grads: list[torch.Tensor | None], ready: Event | None) -> None:
-        if token is None or token is not self._token:
+        if token is None or token is not self._token or self.unscaled:
             return
         storage = self._engine.slices[index].storage
         if storage.gradient_home is not None:
