@@ -429,7 +429,7 @@ def test_offloads_clip_by_a_coefficient_of_one_is_refused_at_the_first_step():
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
-@pytest.mark.parametrize("scheduler", ["StepLR", "ReduceLROnPlateau", "ConstantLR-done"])
+@pytest.mark.parametrize("scheduler", ["StepLR", "ReduceLROnPlateau", "ConstantLR-done", "CosineAnnealingWarmRestarts"])
 def test_a_scheduler_stepped_before_step_is_refused_at_the_first_step_though_no_value_moved(scheduler):
     """A scheduler's step between backward and ``step()`` that leaves the values as they were
     (StepLR between its steps, ReduceLROnPlateau within its patience) is refused at the first
@@ -439,7 +439,10 @@ def test_a_scheduler_stepped_before_step_is_refused_at_the_first_step_though_no_
     schedulers = torch.optim.lr_scheduler
     made = {"StepLR": lambda: schedulers.StepLR(optimizer, 5, 0.5),
             "ReduceLROnPlateau": lambda: schedulers.ReduceLROnPlateau(optimizer, patience=2),
-            "ConstantLR-done": lambda: schedulers.ConstantLR(optimizer, factor=0.5, total_iters=0)}[scheduler]()
+            "ConstantLR-done": lambda: schedulers.ConstantLR(optimizer, factor=0.5, total_iters=0),
+            # Its own step(), not LRScheduler's; a floor at the learning rate keeps it where it is.
+            "CosineAnnealingWarmRestarts": lambda: schedulers.CosineAnnealingWarmRestarts(optimizer, 10, eta_min=0.1),
+            }[scheduler]()
     before = _snapshot(model, optimizer)
     lr = optimizer.param_groups[0]["lr"]
     _loss(model, batch(0)).backward()

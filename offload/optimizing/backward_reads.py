@@ -102,23 +102,25 @@ _watch_lock = threading.Lock()
 
 def _watch_clips_and_schedulers() -> None:
     """Once: have ``offload.clip_grad_norm_`` and every ``torch.optim.lr_scheduler`` step tell the
-    open reads (``LRScheduler.step``, which its subclasses run, and ``ReduceLROnPlateau.step``,
-    which overrides it); nothing else steps a torch scheduler, and no hook of torch's sees it."""
+    open reads: ``LRScheduler.step``, which its subclasses run, and each of torch's classes that
+    overrides it (``ReduceLROnPlateau``, ``CosineAnnealingWarmRestarts``, the chaining ones);
+    nothing else steps a torch scheduler, and no hook of torch's sees it."""
     global _watching
     with _watch_lock:
         if _watching:
             return
         _watching = True
     add_clip_listener(_clipped)
-    for cls in (lr_scheduler.LRScheduler, lr_scheduler.ReduceLROnPlateau):
-        if "step" in cls.__dict__:
+    for cls in vars(lr_scheduler).values():
+        if (isinstance(cls, type) and "step" in cls.__dict__
+                and (issubclass(cls, lr_scheduler.LRScheduler) or cls is lr_scheduler.ReduceLROnPlateau)):
             cls.step = _telling(cls.__dict__["step"])  # type: ignore[method-assign]
 
 
 def _telling(step: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(step)
     def scheduler_step(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
-        if not getattr(scheduler, "_is_initial", False):  # the step a scheduler takes as it is built
+        if not _initial(scheduler):
             optimizer = getattr(scheduler, "optimizer", None)
             for reads in list(_open):
                 if optimizer is not None and reads.owner() is optimizer:
@@ -126,6 +128,15 @@ def _telling(step: Callable[..., Any]) -> Callable[..., Any]:
         return step(scheduler, *args, **kwargs)
 
     return scheduler_step
+
+
+def _initial(scheduler: Any) -> bool:
+    """Whether this is the step a scheduler takes as it is built: as torch flags it, where it
+    does (``_is_initial``); in older releases, the one taken at a step count of 0, which only
+    LRScheduler's own step() counts (CosineAnnealingWarmRestarts' stays at 0)."""
+    if hasattr(scheduler, "_is_initial"):
+        return bool(scheduler._is_initial)
+    return getattr(scheduler, "_step_count", 1) == 0
 
 
 def _clipped(params: Sequence[torch.Tensor]) -> None:
