@@ -179,6 +179,49 @@ def load_missing_on_one_rank(rank: int, world_size: int, directory: str) -> None
         save(directory, "load_missing_on_one_rank", rank, str(error))
 
 
+class _RankState(nn.Module):
+    """A layer with extra state whose ``set_extra_state`` raises on rank 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.count = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+    def get_extra_state(self) -> Any:
+        return {"count": self.count}
+
+    def set_extra_state(self, state: Any) -> None:
+        if dist.get_rank() == 1:
+            raise ValueError("set_extra_state refuses on rank 1")
+        self.count = state["count"]
+
+
+def load_hook_fails_on_one_rank(rank: int, world_size: int, directory: str) -> None:
+    """Rank 1 raises as the load ends (a module's set_extra_state), after the read: every rank
+    raises, none waits; the optimizer's hooked keys the checkpoint holds are rank 0's."""
+    from offload import CheckpointError, load_checkpoint, save_checkpoint
+
+    model = OffloadModel(nn.Sequential(_RankState(), nn.Linear(4, 4)), device="cpu", num_slices=2,
+                         process_group=dist.group.WORLD)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
+    optimizer.register_state_dict_post_hook(lambda opt, state: {**state, "from_rank": rank})
+    seen: list[Any] = []
+    optimizer.register_load_state_dict_pre_hook(lambda opt, state: seen.append(state.pop("from_rank")) or state)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()  # state on both ranks: DCP then keeps a key every rank offers from rank 1
+    path = os.path.join(directory, "checkpoint")
+    save_checkpoint(path, model, optimizer)
+    try:
+        load_checkpoint(path, model, optimizer)
+        error = None
+    except (CheckpointError, ValueError) as raised:
+        error = f"{type(raised).__name__}: {raised}"
+    save(directory, "load_hook_fails_on_one_rank", rank, {"error": error, "seen": seen})
+
+
 def different_slices(rank: int, world_size: int, directory: str) -> None:
     try:
         OffloadModel(network(seed=0), device="cpu", num_slices=3 if rank == 0 else 2, process_group=dist.group.WORLD)
@@ -601,7 +644,7 @@ def update_fails_on_one_rank(rank: int, world_size: int, directory: str) -> None
     _update_fails_on_rank_1(rank, world_size, directory, "update_fails_on_one_rank", shard=False)
 
 
-JOBS = {f.__name__: f for f in (train, no_sync, sharded, different_models, one_rank_fails, backward_fails_on_one_rank,
+JOBS = {f.__name__: f for f in (train, no_sync, sharded, different_models, one_rank_fails, load_hook_fails_on_one_rank, backward_fails_on_one_rank,
                                  hangs, nccl_one_gpu, tied,
                                  layouts, sharded_disk, sharded_masters, uneven_branch, branch_in_no_sync,
                                  frozen_on_one_rank, own_collectives, batchnorm_checkpoint, overlapping_groups,

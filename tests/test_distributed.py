@@ -256,6 +256,18 @@ def test_a_load_that_one_rank_refuses_is_refused_on_every_rank(tmp_path):
                                 "checkpoint at ")
 
 
+def test_a_load_that_one_rank_fails_as_it_ends_raises_on_every_rank(tmp_path):
+    """Rank 1's set_extra_state raises after the read: it raises its own error, and rank 0, instead
+    of waiting for it at the end of the load, a CheckpointError naming it and what was loaded. The
+    keys the optimizer's state_dict post-hooks added are rank 0's, on every rank."""
+    results = spawn("load_hook_fails_on_one_rank", tmp_path)
+    assert results[1]["error"] == "ValueError: set_extra_state refuses on rank 1"
+    assert results[0]["error"].startswith("CheckpointError: the load did not finish on every rank: the model holds "
+                                          "the checkpoint's tensors")
+    assert results[0]["error"].endswith("rank 1: ValueError: set_extra_state refuses on rank 1")
+    assert results[0]["seen"] == [0]
+
+
 def test_ranks_that_cut_the_model_into_other_slices_are_refused(tmp_path):
     """Gradients are averaged slice by slice: ranks whose slices differ would pair all-reduces of
     other sizes (a gloo abort), so construction refuses them on every rank."""

@@ -28,7 +28,7 @@ from .contents import (HOOKED, _kept_parameters, _loaded_extra, _loads_on_disk, 
                        _masters_releaser, _model_state, _parameter_names, _release_masters, _restore_modules,
                        _set_rng_state, _split_model_state)
 from .quant_states import format_differences, is_packed, read_packed, set_unreached
-from .ranks import _agreed, _barrier, _group
+from .ranks import _agreed, _group
 from ..tiers.disk_tier import DiskTierError
 from ..optimizer import OffloadOptimizer, load_beside_tier
 from .slice_load_planner import SliceWritingLoadPlanner
@@ -99,19 +99,30 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     packed = _check_packed(path, metadata, model_state, state, group)
     stored = _read_data(path, model, optimizer, state, on_disk, group)
     set_unreached(model, packed, state)  # the model whole before anything else can raise
-    # Before the generators are restored: a hook that draws random numbers draws them as after
-    # model.load_state_dict(), before the caller's own restore.
-    _restore_modules(model, {name: state[f"model/{name}"] for name in extra_states})
-    failure: DiskTierError | None = None
-    if optimizer is not None:
-        try:
-            _load_optimizer(optimizer, groups, names, state, wanted, stored)
-        except DiskTierError as error:
-            failure = error  # the state is loaded, part of it held in RAM: finish the load, then raise
-    if rng_key in state:
-        _set_rng_state(state[rng_key])
-    _release_masters(model)
-    _barrier(group)
+
+    def finish() -> DiskTierError | None:
+        # Before the generators are restored: a hook that draws random numbers draws them as after
+        # model.load_state_dict(), before the caller's own restore.
+        _restore_modules(model, {name: state[f"model/{name}"] for name in extra_states})
+        failure: DiskTierError | None = None
+        if optimizer is not None:
+            try:
+                _load_optimizer(optimizer, groups, names, state, wanted, stored)
+            except DiskTierError as error:
+                failure = error  # the state is loaded, part of it held in RAM: finish the load, then raise
+        if rng_key in state:
+            _set_rng_state(state[rng_key])
+        return failure
+
+    # What runs here is each rank's own (hooks, set_extra_state, the optimizer's load_state_dict):
+    # one that raises on one rank is said on every rank, as a refusal before the read is.
+    try:
+        failure = _agreed(group, finish, others=(
+            "the load did not finish on every rank: the model holds the checkpoint's tensors, but the modules' "
+            "load hooks, the optimizer and the random generators may not have been loaded on every rank. Load "
+            "again on every rank once the rank that raised can: it said"))
+    finally:
+        _release_masters(model)
     if failure is not None:
         raise failure
     return _loaded_extra(state["extra"], saved_format)

@@ -86,12 +86,13 @@ def _on_rank_0(group: Any, rank: int, work: Any, failure: Any) -> None:
         raise CheckpointError(message) from raised
 
 
-def _agreed(group: Any, work: Callable[[], T], done: str = "saved") -> T:
+def _agreed(group: Any, work: Callable[[], T], done: str = "saved", *, others: str | None = None) -> T:
     """``work()`` on every rank of ``group``; when it raised an ``Exception`` on any rank, raise on
     every rank, so that none goes on into a collective that another left: the rank that raised
     its own exception, the others a :class:`CheckpointError` that names it and says why (nothing
-    was ``done``). A rank-local refusal before a save (this rank's optimizer mixes two steps) or a
-    load (a path only this rank cannot read) is one."""
+    was ``done``, or what ``others`` says). A rank-local refusal before a save (this rank's
+    optimizer mixes two steps) or a load (a path only this rank cannot read) is one; so is a
+    hook that raises on one rank as a load ends."""
     try:
         result, error = work(), None
     except Exception as raised:
@@ -101,5 +102,5 @@ def _agreed(group: Any, work: Callable[[], T], done: str = "saved") -> T:
         raise error
     refused = [f"rank {rank}: {message}" for rank, message in enumerate(said) if message is not None]
     if refused:
-        raise CheckpointError(f"nothing was {done}, since another rank refused: " + "; ".join(refused))
+        raise CheckpointError((others or f"nothing was {done}, since another rank refused") + ": " + "; ".join(refused))
     return result  # type: ignore[return-value]

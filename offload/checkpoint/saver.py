@@ -168,7 +168,8 @@ def _state_to_save(model: nn.Module, optimizer: torch.optim.Optimizer | None, na
         hooked = _hooked_keys(optimizer)  # Note: [State dict hooks in a checkpoint]
         if hooked:
             _check_hooked_pickles(hooked)
-            state[HOOKED] = hooked
+            if rank == 0:  # rank 0's, as buffers and extra states: DCP would keep any one rank's
+                state[HOOKED] = hooked
     state[f"rng/{rank}"] = _rng_state()
     state["extra"] = _extra_to_save(extra)  # wrapped: a bare tensor would be saved as tensor data
     return state, on_disk
