@@ -26,6 +26,14 @@ Note: [Leaves enter through a copy]
     ``offload/streams/layouts.py``); a leaf whose elements overlap (an ``expand``) cannot be
     copied into its own layout and enters as a view of itself (rule 3 there).
 
+    What the copy cannot give: in the plain model such a layer writes the caller's tensor (or
+    refuses, for a leaf that requires grad), and code that reads the input again after the call
+    (a residual or a gate outside the model) sees the written values. Here the layer writes the
+    copy and the caller's tensor keeps its values; autograd cannot be made to record a write into
+    the caller's tensor from inside the model. So the first run of the first slice (microbatch 0)
+    compares each entering copy's version before and after it, and a write is told in a warning
+    naming the slice's layers and what to do (make the layer out of place).
+
 Note: [Boundary leaves that alias each other]
     A layer may hand the next the same tensor twice (``(h, h)``: hidden states and the residual
     stream), or a tensor and a view of it, and a model input may hold one tensor twice
@@ -70,6 +78,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -147,6 +156,33 @@ def _graph_inputs(leaves: Sequence[Any], requires: Sequence[bool]) -> tuple[list
     return graph_leaves, fed
 
 
+def _forward_inputs(entering: Boundary, i: int, m: int) -> tuple[list[Any], list[Any], list[tuple[torch.Tensor, int]]]:
+    """:func:`_graph_inputs` for slice ``i``'s run on microbatch ``m`` in forward, with the copies the
+    model's input enters through and their versions on the first run, to be compared after it (Note:
+    [Leaves enter through a copy]); none on the other runs."""
+    graph_leaves, fed = _graph_inputs(entering.leaves, entering.requires)
+    if i != 0 or m != 0:
+        return graph_leaves, fed, []
+    watched = [(t, t._version) for t, leaf in zip(fed, graph_leaves)
+               if isinstance(leaf, torch.Tensor) and leaf.requires_grad and t is not leaf]
+    return graph_leaves, fed, watched
+
+
+def _warn_if_input_written(engine: Engine, watched: Sequence[tuple[torch.Tensor, int]]) -> None:
+    """Warn where slice 0's first run wrote a copy the model's input entered through (Note:
+    [Leaves enter through a copy])."""
+    if all(t._version == version for t, version in watched):
+        return
+    # Attributed to this line, so that the default filter shows it once a process, not once a step.
+    warnings.warn(
+        f"OffloadModel: a layer of the first slice (layers {', '.join(engine.slices[0].names)}) wrote the model's "
+        "input in place (nn.ReLU(inplace=True), x.add_(...)), and the input needs a gradient. Such an input enters "
+        "the model through a copy, so the layer wrote the copy and your tensor keeps its values, where the plain "
+        "model changes it (or refuses, for a leaf that requires grad): code that reads the input again after the "
+        "call sees other values than with the plain model. Make that layer out of place (nn.ReLU(), x.add(...)), "
+        "or apply the step to the input before calling the model (docs/api.md, Layouts)")
+
+
 def _view_over(fed_base: torch.Tensor, base: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
     """``leaf``, which ``base`` holds, as a view of what the base is fed as: the base itself where
     the two are alike, else the same place in it (an entering copy keeps the base's strides)."""
@@ -185,7 +221,7 @@ def run_forward(engine: Engine, records: ForwardRecords, i: int, m: int, views: 
     if mode is ActivationMode.OFFLOAD:
         saves = records.new_saves()
         with torch.enable_grad(), saves.hooks():
-            graph_leaves, fed = _graph_inputs(entering.leaves, entering.requires)
+            graph_leaves, fed, watched = _forward_inputs(entering, i, m)
             entry_tensors = _param_leaves(views, engine, i)
             result = s.run_on_device(engine.slots, entry_tensors, tree_unflatten(fed, entering.spec))
             del fed
@@ -194,7 +230,7 @@ def run_forward(engine: Engine, records: ForwardRecords, i: int, m: int, views: 
         records.offload_graph(i, m, out_leaves, graph_leaves, _params_among(entry_tensors, engine, i), saves)
     elif mode is ActivationMode.KEEP:
         with torch.enable_grad(), engine.slots.references.saved_tensors_hooks():
-            graph_leaves, fed = _graph_inputs(entering.leaves, entering.requires)
+            graph_leaves, fed, watched = _forward_inputs(entering, i, m)
             entry_tensors = _param_leaves(views, engine, i)
             result = s.run_on_device(engine.slots, entry_tensors, tree_unflatten(fed, entering.spec))
         out_leaves, out_spec = tree_flatten(result.output)
@@ -204,7 +240,7 @@ def run_forward(engine: Engine, records: ForwardRecords, i: int, m: int, views: 
         # With grad enabled, as in the plain model, so that every output requires grad exactly as
         # there and kernels that look at it choose alike; nothing is saved (Note: [Boundary gradients]).
         with torch.enable_grad(), _saving_nothing(i), autocast_cache_disabled(), discarded_graph():
-            graph_leaves, fed = _graph_inputs(entering.leaves, entering.requires)
+            graph_leaves, fed, watched = _forward_inputs(entering, i, m)
             entry_tensors = _param_leaves(views, engine, i)
             result = s.run_on_device(engine.slots, entry_tensors, tree_unflatten(fed, entering.spec))
             del fed
@@ -213,6 +249,7 @@ def run_forward(engine: Engine, records: ForwardRecords, i: int, m: int, views: 
         else:
             records.buffers_kept_by(i, m)
         out_leaves, out_spec = tree_flatten(result.output)
+    _warn_if_input_written(engine, watched)
     if m == 0:
         _refuse_outside_leaves(i, out_leaves, graph_leaves, entry_tensors)
     records.attributes_after_run(i, m)

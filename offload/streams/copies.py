@@ -49,6 +49,16 @@ Note: [Copy ordering]
     asynchronous path runs on the CPU too, under the stream-ordering checker (``offload.streamcheck``),
     which installs a simulated backend that defers copies and checks every access for races.
 
+Note: [Copies under a torch.func transform]
+    Without a graph (under ``torch.no_grad()``, or with nothing that requires grad) the model runs
+    inside ``torch.func.vmap``, ``jvp`` and ``jacfwd`` as any forward (Note: [Transforms the walk
+    refuses] in ``offload/autograd/refusals.py``). A
+    gradient transform (``jvp``, ``jacfwd``) refuses every in-place operation on a tensor it did
+    not wrap, and a slice's load writes the slot, its shadow and the staging buffers in place. Those
+    are the walk's own memory, which the layers read as constants (as the plain model reads its
+    parameters), so the load runs with the transforms excluded (:func:`outside_func_transforms`);
+    the layers' compute, outside it, is transformed as in the plain model.
+
 Note: [Orderings the end of a walk covers]
     Every forward and backward ends with the host waiting for its loads and for what it wrote
     back (rule 4), and an exception drains both side streams (rule 5). Those waits make the
@@ -91,6 +101,7 @@ Note: [Orderings the end of a walk covers]
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Iterable, Sequence
 
@@ -99,6 +110,15 @@ import torch
 from .labels import label as region
 from .backend import Event, Stream, StreamBackend, backend_for
 from .workers import HostWorker
+
+
+def outside_func_transforms() -> contextlib.AbstractContextManager[object]:
+    """A block where the walk writes its own memory, hidden from any ``torch.func`` transform
+    the model runs under (Note: [Copies under a torch.func transform]); nothing otherwise."""
+    if torch._C._are_functorch_transforms_active():
+        return torch._C._DisableFuncTorch()  # type: ignore[return-value]
+    return contextlib.nullcontext()
+
 
 #: Set to 1 to make every copy synchronous, for bisecting a suspected ordering bug.
 SYNC_ENV_VAR = "OFFLOAD_SYNC_COPIES"

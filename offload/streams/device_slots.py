@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from .backend import Event
-from .copies import CopyStreams
+from .copies import CopyStreams, outside_func_transforms
 from .host_buffers import HostBufferPool
 from .host_storage import SliceStorage, holder_of
 from .shadow_staging import ShadowStaging
@@ -104,30 +104,32 @@ class DeviceSlots:
             raise RuntimeError(f"internal error: slice {index} is stale while in use")
         storage = self.storages[index]
         slot.slice_index, slot.state = None, SlotState.EMPTY  # if the copy below raises
-        # A pending host update (an optimizer step) finishes the host copy, and maybe the shadow.
-        update = self.updates.wait(index)
-        if storage.resident:
-            # Note: [Resident slices]: a copy from device memory, on the compute stream.
-            # Compute that read the slot before (slot.free) precedes it by stream order.
-            self.copies.on_device(functools.partial(storage.load_into, slot.data), after=(slot.written_back,),
-                                  label=f"offload::load resident slice {index}")
-            slot.ready = None
-        else:
-            turn = self.staging.stage(storage, self.copies, update)
-            if storage.shadow_stale() and not storage.staged:
-                # Rule 4 of [Copy ordering]: an earlier load may still read the shadow.
-                self.copies.wait_host(storage.shadow_read)
-                storage.refresh_shadow()
-            slot.ready = self.copies.load(
-                slot.data[:storage.load_nbytes], storage.transfer_source(), after=(slot.free, slot.written_back),
-                label=f"offload::load slice {index}",
-            )
-            self.staging.read_by(turn, slot.ready)
-        if storage.shadow is not None:
-            storage.shadow_read = slot.ready
-        for entry in storage.borrowed:
-            # Issued after the slice's own load on the same stream, so its event is the slot's.
-            slot.ready = self._load_borrowed(slot, index, entry)
+        # Note: [Copies under a torch.func transform] in copies.py: the slot is the walk's, not the caller's.
+        with outside_func_transforms():
+            # A pending host update (an optimizer step) finishes the host copy, and maybe the shadow.
+            update = self.updates.wait(index)
+            if storage.resident:
+                # Note: [Resident slices]: a copy from device memory, on the compute stream.
+                # Compute that read the slot before (slot.free) precedes it by stream order.
+                self.copies.on_device(functools.partial(storage.load_into, slot.data), after=(slot.written_back,),
+                                      label=f"offload::load resident slice {index}")
+                slot.ready = None
+            else:
+                turn = self.staging.stage(storage, self.copies, update)
+                if storage.shadow_stale() and not storage.staged:
+                    # Rule 4 of [Copy ordering]: an earlier load may still read the shadow.
+                    self.copies.wait_host(storage.shadow_read)
+                    storage.refresh_shadow()
+                slot.ready = self.copies.load(
+                    slot.data[:storage.load_nbytes], storage.transfer_source(), after=(slot.free, slot.written_back),
+                    label=f"offload::load slice {index}",
+                )
+                self.staging.read_by(turn, slot.ready)
+            if storage.shadow is not None:
+                storage.shadow_read = slot.ready
+            for entry in storage.borrowed:
+                # Issued after the slice's own load on the same stream, so its event is the slot's.
+                slot.ready = self._load_borrowed(slot, index, entry)
         slot.slice_index, slot.state = index, SlotState.CURRENT
         if index not in slot.view_cache:
             slot.view_cache[index] = storage.device_views(slot.data)

@@ -35,6 +35,21 @@ Note: [Joining outputs]
     model would have given another dim 0 (``table[:rows]``) is handed back as the first
     microbatch's.
 
+Note: [Chunks with a version counter of their own]
+    A first layer may write its input in place (``ReLU(inplace=True)``, ``x.add_(1)``). In the
+    plain model that writes the caller's tensor once, and a layer after it saves the written tensor
+    at the version that write left. ``torch.split``'s chunks are views and share one version counter
+    with the caller's tensor, so a later microbatch's write would bump the version an earlier
+    microbatch's kept graph saved its input at, and backward would refuse a graph the plain model
+    differentiates. So every chunk but the first of an input that needs no gradient is an alias of
+    the same memory with a counter of its own (``set_``: writes still reach the caller's tensor,
+    and no data is copied). The first chunk keeps the caller's counter, so a change of the input
+    between forward and backward is still refused where the plain model refuses it, and the first
+    layer's write bumps the caller's counter as in the plain model. An input that needs a gradient
+    enters each slice through a copy (Note: [Leaves enter through a copy] in
+    ``offload/autograd/slice_graph.py``), and an inference tensor has no counter: both stay views,
+    as does a tensor that is not a plain strided one (a subclass's memory is not its storage's).
+
 Nothing here moves data between devices.
 """
 
@@ -46,6 +61,7 @@ import math
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 
 
 @dataclass(frozen=True)
@@ -79,22 +95,54 @@ def split_leaves(leaves: Sequence[Any], num_microbatches: int) -> tuple[list[lis
     A batch with fewer rows than ``num_microbatches`` is cut into one microbatch per row; a batch
     with no tensor that has a dim 0 is not cut. Microbatch sizes differ by at most one row.
 
+    Under a ``torch.func`` transform (``vmap``, ``jvp``, ``jacfwd`` over the model under
+    ``torch.no_grad()``) the batch is not cut: the transform's tensors have no memory the outputs
+    could be joined by (Note: [Joining outputs]), and one run gives the plain model's result bit for
+    bit, where a cut one might round otherwise.
+
     Returns:
-        The leaves of each microbatch (views of the input, no copies), and the :class:`Split`.
+        The leaves of each microbatch (views of the input, or aliases of its memory: Note: [Chunks
+        with a version counter of their own]; no copies), and the :class:`Split`.
     """
     rows = batch_size(leaves)
     carries = tuple(
         isinstance(leaf, torch.Tensor) and leaf.dim() >= 1 and rows is not None and leaf.shape[0] == rows
         for leaf in leaves
     )
-    if rows is None or num_microbatches == 1 or rows <= 1:
+    if rows is None or num_microbatches == 1 or rows <= 1 or torch._C._are_functorch_transforms_active():
         return [list(leaves)], Split((rows if rows is not None else 0,), carries)
     count = min(num_microbatches, rows)
     sizes = tuple(rows // count + (1 if m < rows % count else 0) for m in range(count))
-    per_leaf = [
-        torch.split(leaf, sizes, dim=0) if cut else [leaf] * count for leaf, cut in zip(leaves, carries)
-    ]
+    per_leaf = [_chunks(leaf, sizes) if cut else [leaf] * count for leaf, cut in zip(leaves, carries)]
     return [[chunks[m] for chunks in per_leaf] for m in range(count)], Split(sizes, carries)
+
+
+def _chunks(leaf: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
+    """``leaf`` cut along dim 0, each chunk but the first with a version counter of its own where
+    that can matter (Note: [Chunks with a version counter of their own])."""
+    chunks = list(torch.split(leaf, list(sizes), dim=0))
+    if (leaf.requires_grad or not _plain_memory(leaf) or leaf.is_inference() or torch.is_inference_mode_enabled()
+            or _has_tangent(leaf)):
+        return chunks
+    return [chunks[0], *(_own_version(chunk) for chunk in chunks[1:])]
+
+
+def _has_tangent(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a dual tensor (``torch.autograd.forward_ad``): its views carry the tangent,
+    an alias would not."""
+    return forward_ad._current_level >= 0 and forward_ad.unpack_dual(t).tangent is not None
+
+
+def _plain_memory(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements are its storage's, read as they lie (what ``set_`` can alias)."""
+    return (type(t) is torch.Tensor and t.layout == torch.strided and not t.is_nested and not t.is_quantized
+            and not t.is_conj() and not t.is_neg())
+
+
+def _own_version(chunk: torch.Tensor) -> torch.Tensor:
+    """An alias of ``chunk``'s memory, laid out alike, with a version counter of its own."""
+    alias = torch.empty(0, dtype=chunk.dtype, device=chunk.device)
+    return alias.set_(chunk.untyped_storage(), chunk.storage_offset(), chunk.size(), chunk.stride())
 
 
 def join_outputs(outputs: Sequence[Sequence[Any]], sizes: Sequence[int], leave_out: Collection[int] = (),
