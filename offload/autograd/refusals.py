@@ -8,7 +8,8 @@ Note: [Transforms the walk refuses]
     1. ``torch.func`` transforms (``vmap``, ``jvp``, ``jacfwd``) run a Function
        only through a batching or forward-mode rule of its own; the walk's copies and pooled host
        buffers have none. Refused at the call while one is active and a graph is built; without
-       a graph (``torch.no_grad()``) the slices stream through as any forward, and ``vmap`` works.
+       a graph (``torch.no_grad()``) the slices stream through as any forward, and ``vmap``,
+       ``jvp`` and ``jacfwd`` work (the walk's loads run outside the transform).
        (``grad``, ``vjp`` and ``jacrev`` refuse the saved-tensor hooks the model enters first;
        :func:`note_refused_hooks` adds what to do to their error.)
     2. Forward-mode AD (``torch.autograd.forward_ad``): the Function has no ``jvp``. Refused at the
@@ -51,7 +52,7 @@ _NO_GRAD = "Under torch.no_grad() the model runs without a graph and this works"
 FUNC_TRANSFORMS = (
     "OffloadModel: torch.func transforms (vmap, jvp, jacfwd) cannot run OffloadModel while it builds "
     "a graph: its forward walks the slices through host memory inside one autograd Function, which has no "
-    f"batching or forward-mode rule. {_NO_GRAD} for vmap; for gradients use torch.autograd.grad or "
+    f"batching or forward-mode rule. {_NO_GRAD} for vmap, jvp and jacfwd; for gradients use torch.autograd.grad or "
     "torch.autograd.functional (jacobian, vjp), or the plain model (docs/api.md, Limitations).")
 
 FORWARD_AD = (
