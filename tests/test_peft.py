@@ -153,6 +153,32 @@ def test_lora_config_variants(kind, variant):
     torch.testing.assert_close(list(peft_model.parameters()), list(reference.parameters()), **EXACT)
 
 
+@pytest.mark.parametrize("loss_chunk_tokens", [8, 1024])
+def test_dropout_on_the_head_with_the_loss_in_the_head(loss_chunk_tokens):
+    """LoRA with dropout on lm_head, the loss computed in the head chunk by chunk: each chunk's
+    recompute replays its forward's dropout (the adapters' gradients are the PeftModel's, to the
+    rounding of the chunked loss), and backward leaves the generator where the PeftModel's does."""
+    from offload.integrations.causal_lm import OffloadedCausalLM
+
+    peft_model = lora(build("llama", layers=2), "llama", target_modules=["lm_head", "q_proj"])
+    reference = copy.deepcopy(peft_model)
+    model = OffloadedCausalLM(peft_model, device="cpu", num_slices=3, loss_chunk_tokens=loss_chunk_tokens)
+    inputs = batch()
+    labels = labels_of(inputs)
+    torch.manual_seed(3)
+    want = reference(**inputs, labels=labels, use_cache=False).loss
+    want.backward()
+    after_reference = torch.rand(3)
+    torch.manual_seed(3)
+    got = model(**inputs, labels=labels).loss
+    got.backward()
+    torch.testing.assert_close(torch.rand(3), after_reference, **EXACT)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0.0)
+    # One chunk holds the batch at 1024 tokens: bit for bit; smaller chunks sum the loss otherwise.
+    tolerance = EXACT if loss_chunk_tokens == 1024 else {"rtol": 1e-5, "atol": 1e-7}
+    assert_same_grads(peft_model, reference, **tolerance)
+
+
 @pytest.mark.parametrize("kind", ["llama", "gpt_neox"])
 def test_modules_to_save_train_in_full(kind):
     # The head and the embeddings as full trainable copies (PEFT's ModulesToSaveWrapper) beside LoRA.

@@ -179,11 +179,13 @@ class Head(nn.Module):
     def _chunk(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():
             return self._chunk_loss(hidden, targets)
-        # The head draws no random numbers: no RNG state to save and restore for the recompute.
+        # A plain head draws no random numbers: no RNG state to save and restore for the recompute.
+        # One an adapter wraps in training mode may (LoRA's dropout, LoHa's rank dropout): its
+        # recompute replays the draws its forward made, and leaves the generators as they were.
         # The recompute runs under offload's recomputing() flag, so hooks on lm_head can tell it
         # from a forward, as for a slice's recompute (offload.is_recomputing()).
-        return checkpoint(self._chunk_loss, hidden, targets, use_reentrant=False, preserve_rng_state=False,
-                          context_fn=_recompute_contexts)
+        return checkpoint(self._chunk_loss, hidden, targets, use_reentrant=False,
+                          preserve_rng_state=_may_draw(self.lm_head), context_fn=_recompute_contexts)
 
     def _chunk_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # As ForCausalLMLoss: float32 logits, one loss per token (reduction="none" keeps the rows
@@ -204,6 +206,12 @@ class Head(nn.Module):
             logits = torch.tanh(logits)
             logits = logits * self.softcap
         return logits
+
+
+def _may_draw(head: nn.Module) -> bool:
+    """Whether ``head`` may draw random numbers: some module in it that is not a plain ``Linear``
+    (an adapter's dropout, say) is in training mode."""
+    return any(m.training and type(m) is not nn.Linear for m in head.modules())
 
 
 def _recompute_contexts() -> tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]:
