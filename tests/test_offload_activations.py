@@ -216,6 +216,39 @@ def test_pooled_host_buffers_are_reused_from_step_to_step_and_counted_while_in_u
     assert sizes[1] == sizes[2] == sizes[3], sizes
 
 
+@pytest.mark.parametrize("offloaded", [False, True], ids=["checkpointed", "offloaded"])
+def test_forwards_that_no_backward_follows_do_not_grow_the_pool(offloaded):
+    """An evaluation run without torch.no_grad() over batches of changing sizes: each forward
+    takes buffers of new sizes, which no backward ages. The pool keeps this forward's and the one
+    before's, and the training step's, which the next step takes again without allocating."""
+    policy = OffloadActivations(last=3, min_bytes=0) if offloaded else None
+    model = OffloadModel(linear_tanh(), device="cpu", num_slices=3, offload_activations=policy)
+    pool = engine_of(model).pool
+    allocated: list[int] = []
+    allocate = pool.allocate
+    pool.allocate = lambda nbytes: allocated.append(nbytes) or allocate(nbytes)
+
+    def train_step() -> None:
+        model(torch.randn(ROWS, WIDTH)).sum().backward()
+
+    train_step()
+    train_step()
+    steady = len(pool.buffers())
+    allocated.clear()
+    per_forward = 0
+    # A new size each time, none the step's (a gradient's buffer may be of an activation's size);
+    # the graph dropped unused.
+    for rows in range(4 * WIDTH, 4 * WIDTH + 30):
+        before = len(allocated)
+        model(torch.randn(rows, WIDTH)).sum()
+        per_forward = max(per_forward, len(allocated) - before)
+    assert per_forward > 0
+    assert len(pool.buffers()) <= steady + 2 * per_forward, (len(pool.buffers()), steady, per_forward)
+    allocated.clear()
+    train_step()
+    assert allocated == []  # the step's buffers outlived the evaluation
+
+
 def test_microbatches_of_an_offloaded_slice_are_differentiated_from_their_own_saved_tensors():
     torch.manual_seed(0)
     reference = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh(),

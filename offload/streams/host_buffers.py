@@ -44,6 +44,7 @@ class HostBuffer:
     write_event: Event | None = None
     _idle_use_count: int | None = None
     _last_taken: int = 0
+    _taken_walk: int = 0
 
     def is_idle(self) -> bool:
         count = _storage_use_count(self.data)
@@ -69,6 +70,8 @@ class HostBufferPool:
         self.size_class = size_class
         self._buffers: dict[int, list[HostBuffer]] = {}
         self._step = 0
+        self._walk = 0  # walks ended, either way
+        self._backward_walk = 0  # the number of the last backward walk
 
     def take(self, nbytes: int) -> HostBuffer:
         """An idle buffer of ``nbytes`` (or of its size class: callers use the first ``nbytes``),
@@ -77,24 +80,40 @@ class HostBufferPool:
             nbytes = self.size_class(nbytes)
         for buffer in self._buffers.get(nbytes, ()):
             if buffer.is_idle():
-                buffer._last_taken = self._step
+                buffer._last_taken, buffer._taken_walk = self._step, self._walk
                 return buffer
         data = self.allocate(nbytes)
         buffer = HostBuffer(data)
         buffer._idle_use_count = _storage_use_count(data)
-        buffer._last_taken = self._step
+        buffer._last_taken, buffer._taken_walk = self._step, self._walk
         self._buffers.setdefault(nbytes, []).append(buffer)
         return buffer
 
     def end_step(self) -> None:
-        """Free idle buffers not taken in this step or the one before (the shapes changed)."""
+        """A backward walk ended: free idle buffers not taken in this step or the one before (the
+        shapes changed)."""
+        self._keep(lambda b: b._last_taken >= self._step - 1)
+        self._step += 1
+        self._backward_walk = self._walk
+        self._walk += 1
+
+    def end_forward(self) -> None:
+        """A forward walk ended: free idle buffers taken since the last backward and in neither this
+        walk nor the one before. Forwards that build a graph no backward follows (an evaluation
+        run without ``torch.no_grad()`` over batches of changing shapes) take buffers of new sizes
+        each time, which backwards would never age; a training step's buffers (taken by the
+        forward before the last backward, or by that backward) are the steps' to free."""
+        self._keep(lambda b: b._taken_walk <= self._backward_walk or b._taken_walk >= self._walk - 1)
+        self._walk += 1
+
+    def _keep(self, wanted: Callable[[HostBuffer], bool]) -> None:
+        """Free the idle buffers that are not ``wanted``."""
         for nbytes in list(self._buffers):
-            kept = [b for b in self._buffers[nbytes] if b._last_taken >= self._step - 1 or not b.is_idle()]
+            kept = [b for b in self._buffers[nbytes] if wanted(b) or not b.is_idle()]
             if kept:
                 self._buffers[nbytes] = kept
             else:
                 del self._buffers[nbytes]
-        self._step += 1
 
     def buffers(self) -> list[HostBuffer]:
         """Every buffer the pool holds, idle or not."""

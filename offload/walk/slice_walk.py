@@ -278,6 +278,8 @@ class SliceWalk:
         finally:
             if self.direction is Direction.BACKWARD:
                 self.engine.pool.end_step()
+            else:
+                self.engine.pool.end_forward()
 
     def _fail(self) -> None:
         """The failure path of Note: [The walk]; the exception goes on to the caller."""
