@@ -381,6 +381,10 @@ def test_trainable_tokens_on_a_tied_embedding_are_refused_saying_what_trains_ins
     with pytest.raises(ValueError, match=r"trainable tokens .*modules_to_save=\['embed_tokens'\]"):
         OffloadedCausalLM(lora(build("gemma", tied=True, layers=1), "gemma", trainable_token_indices=[3, 5]),
                           device="cpu", num_slices=2)
+    # Cut by causal_lm_sequential, it reached OffloadModel, whose layout refused "buffer 'default'"
+    # with advice about slices.
+    with pytest.raises(ValueError, match=r"trainable tokens .*modules_to_save=\['embed_tokens'\]"):
+        causal_lm_sequential(lora(build("gemma", tied=True, layers=1), "gemma", trainable_token_indices=[3, 5]))
     # What the message advises trains as the PeftModel does.
     peft_model = lora(build("gemma", tied=True, layers=1), "gemma", modules_to_save=["embed_tokens"]).eval()
     reference = copy.deepcopy(peft_model)
@@ -394,6 +398,91 @@ def test_activated_lora_is_refused():
     config = peft.LoraConfig(r=2, target_modules=["q_proj"], alora_invocation_tokens=[5, 6])
     with pytest.raises(ValueError, match="activated LoRA"):
         causal_lm_sequential(peft.get_peft_model(build("llama", layers=1), config))
+
+
+def test_a_refused_adapter_is_refused_active_or_not():
+    # An activated LoRA beside the active adapter was accepted: set_adapter("act") then switched it
+    # on unseen, and the stages ran it as a plain LoRA (logits 0.4 from the PeftModel's).
+    peft_model = lora(build("llama", layers=1), target_modules=["q_proj"])
+    peft_model.add_adapter("act", peft.LoraConfig(r=2, target_modules=["q_proj"], alora_invocation_tokens=[5, 6],
+                                                 task_type="CAUSAL_LM"))
+    assert peft_model.active_adapters == ["default"]
+    with pytest.raises(ValueError, match=r"activated LoRA .*'act' active or not.*delete_adapter\('act'\)"):
+        causal_lm_sequential(peft_model)
+
+
+#: Methods refused at the cut, by what their config needs (a tied embedding) and the message's words.
+INJECTED_AFTER_WRAPPING = {
+    "activated LoRA": (False, lambda: peft.LoraConfig(r=2, target_modules=["q_proj"], alora_invocation_tokens=[5, 6],
+                                                      task_type="CAUSAL_LM"),
+                       r"activated LoRA \(alora_invocation_tokens\)"),
+    "AdaLoRA": (False, lambda: peft.AdaLoraConfig(init_r=4, target_r=2, target_modules=["q_proj"], total_step=4),
+                r"AdaLoRA adapter whose orth_reg_weight is 0\.5: .*AdaLoraConfig\(orth_reg_weight=0\)"),
+    "VeRA": (False, lambda: peft.VeraConfig(r=4, target_modules=["q_proj", "o_proj"]),
+             r"VeRA adapter: .*same frozen random projections.*Use LoRA"),
+    "RandLoRA": (False, lambda: peft.RandLoraConfig(r=4, target_modules=["q_proj", "o_proj"]),
+                 r"RandLoRA adapter: .*same frozen random projections.*Use LoRA"),
+    "trainable tokens": (True, lambda: peft.LoraConfig(r=2, target_modules=["q_proj"], trainable_token_indices=[3, 5]),
+                         r"trainable tokens .*modules_to_save=\['embed_tokens'\]"),
+}
+
+
+@pytest.mark.parametrize("wrapper", ["causal_lm_sequential", "OffloadedCausalLM"])
+@pytest.mark.parametrize("method", list(INJECTED_AFTER_WRAPPING))
+def test_methods_injected_after_wrapping_are_refused_as_at_wrapping(method, wrapper):
+    # get_peft_model on the wrapped model (docs/lora.md, "Adapters added after wrapping") bypassed
+    # the refusals: an activated LoRA trained as a plain LoRA (logits 0.4 from the PeftModel's), an
+    # AdaLoRA without its penalty (loss 4.57 where the PeftModel's was 59.3); VeRA, RandLoRA and tied
+    # trainable tokens met the layout's "buffer 'default' is registered in an earlier slice too".
+    from offload.integrations.causal_lm import OffloadedCausalLM
+
+    tied, config, message = INJECTED_AFTER_WRAPPING[method]
+    hf = build("llama", dropout=0.0, tied=tied, layers=2)
+    trainers_model = wrapper == "OffloadedCausalLM"
+    model = (OffloadedCausalLM(hf, device="cpu", num_slices=3) if trainers_model
+             else OffloadModel(causal_lm_sequential(hf), device="cpu", num_slices=3))
+
+    def forward():
+        return model(**batch()) if trainers_model else model(batch())
+
+    forward()
+    peft.get_peft_model(hf, config())
+    for _ in range(2):  # refused again: the refusal left the slices as they were laid out
+        with pytest.raises(ValueError, match=message):
+            forward()
+
+
+def test_an_activated_lora_added_after_wrapping_is_refused_until_deleted():
+    # Added beside the trained adapter and switched on with set_adapter, it ran as a plain LoRA.
+    peft_model = lora(build("llama", layers=2), target_modules=["q_proj", "v_proj"])
+    reference = copy.deepcopy(peft_model)
+    model = OffloadModel(causal_lm_sequential(peft_model), device="cpu", num_slices=3)
+    assert_same_step(peft_model, reference, model, batch(), seed=0)
+    peft_model.add_adapter("act", peft.LoraConfig(r=2, target_modules=["q_proj"], alora_invocation_tokens=[5, 6],
+                                                 task_type="CAUSAL_LM"))
+    peft_model.set_adapter("act")
+    with pytest.raises(ValueError, match=r"activated LoRA .*'act' active or not"):
+        model(batch())
+    peft_model.set_adapter("default")
+    peft_model.delete_adapter("act")
+    assert_same_step(peft_model, reference, model, batch(), seed=1)  # gradients added to the first step's
+
+
+def test_a_buffer_in_two_slices_is_named_from_its_layer_down():
+    # The message named the buffer "default", the key of VeRA's BufferDict, which every adapted layer holds.
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.proj(x)
+
+    layers = torch.nn.Sequential(Block(), Block())
+    peft.get_peft_model(layers, peft.VeraConfig(r=2, target_modules=["proj"]))
+    with pytest.raises(ValueError, match=r"buffer 'proj\.vera_A\.default' is registered in an earlier slice too; "
+                                         r".*\(this one a Block\)"):
+        OffloadModel(layers, device="cpu", num_slices=2)
 
 
 def adalora(hf: torch.nn.Module, **options) -> torch.nn.Module:

@@ -126,8 +126,8 @@ class OffloadedCausalLM(PreTrainedModel):
             ``resident_slices``, ...).
 
     Raises:
-        ValueError: what ``causal_lm_sequential`` or ``OffloadModel`` refuse; PEFT's trainable tokens
-            on a tied embedding (:func:`_cut`).
+        ValueError: what ``causal_lm_sequential`` (PEFT's trainable tokens on a tied embedding
+            among them) or ``OffloadModel`` refuse.
 
     Example::
 
@@ -144,7 +144,7 @@ class OffloadedCausalLM(PreTrainedModel):
 
     def __init__(self, model: nn.Module, device: torch.device | str | int, *, loss_chunk_tokens: int | None = None,
                  untie_embeddings: bool = False, **options: Any) -> None:
-        layers = _cut(model, loss_chunk_tokens, untie_embeddings)
+        layers = causal_lm_sequential(model, loss_chunk_tokens=loss_chunk_tokens, untie_embeddings=untie_embeddings)
         self._adopt(OffloadModel(layers, device, **options), model)
 
     @classmethod
@@ -404,23 +404,6 @@ def _batch_of(config: Any, input_ids: torch.Tensor | None, attention_mask: torch
         )
     batch = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
     return {key: value for key, value in batch.items() if value is not None}
-
-
-def _cut(model: nn.Module, loss_chunk_tokens: int | None, untie_embeddings: bool) -> CausalLMSequential:
-    """``causal_lm_sequential(model)``, once PEFT's trainable tokens on a tied embedding are refused:
-    PEFT ties the embedding's and ``lm_head``'s token adapters, one buffer of token indices in both
-    places, which the first slice and the last cannot both hold (untying afterwards keeps it shared)."""
-    hf_model = peft_base_model(model) or model
-    if getattr(hf_model.config, "tie_word_embeddings", False) and peft_base_model(model) is not None:
-        from peft.tuners.trainable_tokens import TrainableTokensLayer
-
-        if any(isinstance(module, TrainableTokensLayer) for module in hf_model.get_output_embeddings().modules()):
-            raise ValueError(
-                "PEFT's trainable tokens (trainable_token_indices) on a model with tied embedding and lm_head share one "
-                "buffer of token indices between the first slice and the last, which an OffloadedCausalLM cannot hold. "
-                "Train the whole embedding instead (LoraConfig(modules_to_save=['embed_tokens'], ...): the tied "
-                "lm_head trains with it), or use a model whose config has tie_word_embeddings=False")
-    return causal_lm_sequential(model, loss_chunk_tokens=loss_chunk_tokens, untie_embeddings=untie_embeddings)
 
 
 def _chunked_loss(offloaded: OffloadModel, batch: dict[str, Any], labels: torch.Tensor | None,

@@ -18,7 +18,11 @@ Note: [PEFT models]
        zero, and training, ``update_and_allocate`` included, is the ``PeftModel``'s bit for bit),
        and SHADOW (hooks on the model's forward run a shadow network beside the decoder layers). So are
        methods whose layers share tensors across slices: VeRA, PVeRA and RandLoRA register one
-       pair of frozen random projections in every adapted layer, and a buffer lives in one slice.
+       pair of frozen random projections in every adapted layer, and a buffer lives in one slice;
+       and trainable tokens (``trainable_token_indices``) on a tied embedding, whose wrappers of the
+       embedding and of ``lm_head`` share one buffer of token indices (untying afterwards keeps it
+       shared). Every adapter the model holds is checked, active or not: ``set_adapter`` registers
+       nothing new, so an adapter switched on later would run unseen (:func:`refuse_peft_methods`).
     3. Cutting the ``PeftModel`` itself cannot work by attribute: ``PeftModel.__getattr__`` forwards
        to the tuner, whose ``model`` is the ``*ForCausalLM``, not its decoder, which is what a
        Llama-layout family's ``model`` attribute is.
@@ -36,6 +40,11 @@ Note: [PEFT models]
        Face parent: every module a stage holds follows what the model holds at its place
        (``_Replacements`` in ``transformers_stages.py``), so the stages run, and the slices lay out,
        the new ones. ``load_causal_lm`` followed by ``get_peft_model`` (``offload-finetune --model``) is this case.
+       Rule 2 holds for them too: the stages carry :class:`PeftRefusals` (their ``check_layout``), which
+       the engine calls before each layout (a forward that lays nothing out pays nothing for it), and
+       before anything moves, so a refused method injected after wrapping (an activated
+       LoRA or an AdaLoRA with its penalty, which would train silently wrong; VeRA, whose shared buffer
+       the layout would refuse without naming the method) gets the message wrapping gives.
     6. ``OffloadedCausalLM(peft_model).state_dict()`` holds the Hugging Face model's names
        (``model.layers.0...``), which ``peft_model.get_base_model()`` loads; the ``PeftModel`` names
        the same tensors ``base_model.model.model.layers.0...``. Its ``load_state_dict`` takes
@@ -46,7 +55,7 @@ Note: [PEFT models]
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from torch import nn
@@ -60,9 +69,10 @@ def peft_base_model(model: nn.Module) -> nn.Module | None:
     it holds (``peft_model.base_model``, a ``LoraModel`` say).
 
     Raises:
-        ValueError: a method whose ``PeftModel.forward`` does more than call the model: the
-            prompt-learning methods (prompt tuning, prefix tuning, P-tuning, ...), which prepend
-            virtual tokens or a key/value cache; Poly, which needs ``task_ids``; activated LoRA
+        ValueError: an adapter, active or not, of a method whose ``PeftModel.forward`` does more
+            than call the model: the prompt-learning methods (prompt tuning, prefix tuning,
+            P-tuning, ...), which prepend virtual tokens or a key/value cache; Poly, which needs
+            ``task_ids``; activated LoRA
             (``alora_invocation_tokens``), which computes offsets from the input ids; AdaLoRA with
             ``orth_reg_weight`` above 0, which adds a penalty to the loss; SHADOW, whose hooks run a
             shadow network beside the layers. Or one whose layers share buffers (VeRA, PVeRA,
@@ -74,7 +84,7 @@ def peft_base_model(model: nn.Module) -> nn.Module | None:
     tuner_class = getattr(getattr(peft, "tuners", None), "tuners_utils", None)
     tuner_class = getattr(tuner_class, "BaseTuner", None)
     if isinstance(model, peft.PeftModel):
-        configs = [model.peft_config[name] for name in _names(model.active_adapters)]
+        configs = list(model.peft_config.values())
         if any(config.is_prompt_learning for config in configs):
             kind = ", ".join(sorted({str(config.peft_type.value) for config in configs}))
             raise ValueError(
@@ -84,15 +94,53 @@ def peft_base_model(model: nn.Module) -> nn.Module | None:
             )
         tuner = model.base_model
     elif tuner_class is not None and isinstance(model, tuner_class):
-        configs = [model.peft_config[name] for name in _names(model.active_adapters)]
         tuner = model
     else:
         return None
-    for config in configs:
-        refusal = _refusal(config)
-        if refusal is not None:
-            raise ValueError(f"causal_lm_sequential cannot cut a PeftModel with {refusal}")
+    _refuse(tuner.peft_config)
     return tuner.model
+
+
+def refuse_peft_methods(hf_model: nn.Module) -> None:
+    """Refuse the PEFT adapters in ``hf_model`` (a Hugging Face model, PEFT's adapters injected or
+    not) that the stages cannot run: every adapter its ``peft_config`` holds, active or not, and
+    trainable tokens on a tied embedding (Note: [PEFT models], rule 2). Cheap: it reads the configs
+    and, on a tied model, the modules of ``lm_head``.
+
+    Raises:
+        ValueError: as :func:`peft_base_model`, or for trainable tokens on a tied embedding.
+    """
+    if sys.modules.get("peft") is None:
+        return
+    # PEFT's tuners set it on the model they inject into, the same dict as the PeftModel's.
+    configs = hf_model.__dict__.get("peft_config")
+    if isinstance(configs, Mapping):
+        _refuse(configs)
+    if not getattr(getattr(hf_model, "config", None), "tie_word_embeddings", False):
+        return
+    from peft.tuners.trainable_tokens import TrainableTokensLayer
+
+    output = hf_model.get_output_embeddings()
+    if output is not None and any(isinstance(module, TrainableTokensLayer) for module in output.modules()):
+        raise ValueError(
+            "PEFT's trainable tokens (trainable_token_indices) on a model with tied embedding and lm_head share one "
+            "buffer of token indices between the first slice and the last, which the stages cannot hold. "
+            "Train the whole embedding instead (LoraConfig(modules_to_save=['embed_tokens'], ...): the tied "
+            "lm_head trains with it), or use a model whose config has tie_word_embeddings=False")
+
+
+class PeftRefusals:
+    """Rule 2 of Note: [PEFT models] for adapters injected after wrapping (rule 5): a stage's
+    ``check_layout``, which the engine calls before it lays the slices out again.
+
+    Holds the Hugging Face model, so that a copy or a pickle of the stages checks its own copy of it.
+    """
+
+    def __init__(self, hf_model: nn.Module) -> None:
+        self.hf_model = hf_model
+
+    def __call__(self) -> None:
+        refuse_peft_methods(self.hf_model)
 
 
 def peft_names_as_hf(peft_model: nn.Module | None, hf_model: nn.Module, state_dict: dict[str, Any], prefix: str,
@@ -151,5 +199,11 @@ def _refusal(config: Any) -> str | None:
     return None
 
 
-def _names(active: Any) -> list[str]:
-    return [active] if isinstance(active, str) else list(active)
+def _refuse(configs: Mapping[str, Any]) -> None:
+    """Raise for the first of ``configs`` (adapter name -> config) whose method the stages cannot run."""
+    for name, config in configs.items():
+        refusal = _refusal(config)
+        if refusal is not None:
+            raise ValueError(f"causal_lm_sequential cannot cut a PeftModel with {refusal}. This holds for the adapter "
+                             f"{name!r} active or not (set_adapter would switch it on unseen); "
+                             f"delete_adapter({name!r}) removes it")

@@ -55,7 +55,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .peft import peft_base_model
+from .peft import PeftRefusals, peft_base_model, refuse_peft_methods
 from .transformers_batch import IGNORE_INDEX
 from .transformers_families import _LAYOUTS, SUPPORTED_MODEL_TYPES, _Layout
 from .transformers_layers import DecoderLayer, GPT2Embedding, Head, LlamaEmbedding
@@ -377,7 +377,7 @@ def causal_lm_sequential(model: nn.Module, *, untie_embeddings: bool = False,
         ValueError: an unsupported architecture (the message lists the supported ones), a class other
             than the family's causal LM (``GPT2DoubleHeadsModel``) or one overriding its or its
             decoder's ``forward``, a PEFT method whose ``PeftModel.forward`` changes the inputs
-            (prompt learning, Poly, activated LoRA), GPT-2
+            (prompt learning, Poly, activated LoRA, ...: Note: [PEFT models], rule 2), GPT-2
             with cross-attention, Gemma 3 with bidirectional attention, or a mixture of experts
             with ``output_router_logits=True`` (the stages return neither its router logits nor the
             load-balancing loss most families add from them); ``loss_chunk_tokens`` not a positive
@@ -431,6 +431,10 @@ def causal_lm_sequential(model: nn.Module, *, untie_embeddings: bool = False,
         if loss is not ForCausalLMLoss:
             raise ValueError(f"loss_chunk_tokens computes transformers' ForCausalLMLoss; this model's loss_function "
                              f"is {getattr(loss, '__name__', loss)!r}. Compute that loss from the logits instead")
+    refuse_peft_methods(model)  # before untying, which would leave trainable tokens' indices shared
     if untie_embeddings and model.get_output_embeddings().weight is model.get_input_embeddings().weight:
         _untie(model)
-    return CausalLMSequential(_stages(model, loss_chunk_tokens), model, loss_chunk_tokens)
+    layers = CausalLMSequential(_stages(model, loss_chunk_tokens), model, loss_chunk_tokens)
+    # Adapters injected after wrapping are refused as at the cut (Note: [PEFT models], rule 5).
+    layers[0].check_layout = PeftRefusals(model)
+    return layers

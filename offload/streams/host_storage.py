@@ -145,14 +145,21 @@ def _running_stat_modules(layers: Sequence[nn.Module]) -> list[nn.Module]:
             if getattr(m, "track_running_stats", False) and getattr(m, "running_mean", None) is not None]
 
 
-def _check_buffers_held_once(buffers: Sequence[Entry], held_elsewhere: Collection[int]) -> None:
+def _check_buffers_held_once(buffers: Sequence[Entry], held_elsewhere: Collection[int],
+                             layers: Sequence[nn.Module]) -> None:
     """Refuse a buffer that an earlier slice holds too: each slice writes its buffers back, and two
-    write-backs would race (Note: [Tied parameters across slices])."""
+    write-backs would race (Note: [Tied parameters across slices]). The message names the buffer
+    from its layer down (``self_attn.q_proj.vera_A.default``): its own name alone is often a key."""
     for entry in buffers:
         if id(entry.tensor) in held_elsewhere:
+            site = entry.sites[0]
+            layer, path = next(((layer, path) for layer in layers for path, module in layer.named_modules()
+                                if module is site.module), (site.module, ""))
+            name = f"{path}.{site.name}" if path else site.name
             raise ValueError(
-                f"buffer '{entry.sites[0].name}' is registered in an earlier slice too; a buffer must sit in one "
-                "slice: pass the layers that share it as one element of a list, or use fewer slices"
+                f"buffer '{name}' is registered in an earlier slice too; a buffer must sit in one slice: pass the "
+                f"layers that share it (this one a {type(layer).__name__}) as one element of a list, or use fewer "
+                "slices"
             )
 
 
@@ -311,7 +318,7 @@ class SliceStorage:
         slice) and buffers, and the dtype of each one's device copy."""
         params, self.buffers = collect_entries(self.layers)
         self._registered = RegisteredTensors(self.layers)
-        _check_buffers_held_once(self.buffers, self.held_elsewhere)
+        _check_buffers_held_once(self.buffers, self.held_elsewhere, self.layers)
         for entry in params:
             entry.borrowed = id(entry.tensor) in self.held_elsewhere
         own = [e for e in params if not e.borrowed]

@@ -11,7 +11,7 @@ import functools
 import operator
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -316,6 +316,7 @@ class Engine:
 
         self.slices: list[Slice] = []
         held: set[int] = set()  # what earlier slices hold (Note: [Tied parameters across slices])
+        _check_layout(layer for _, layers in groups for layer in layers)
         for i, (names, layers) in enumerate(groups):
             homes = (functools.partial(self.master_files.gradient_home, i) if self.master_files is not None
                      else None)  # Note: [Gradients on disk]
@@ -434,6 +435,7 @@ class Engine:
                    or substitutes_changed(s.storage)}
         if not changed:
             return  # the common case, checked every forward
+        _check_layout(layer for s in self.slices for layer in s.layers)  # before anything moves
         # A change made through a reference taken before step(): the pending updates still write
         # the host copies being laid out again, which copies what they hold.
         self.updates.wait_all(shadows_stale=True)
@@ -479,6 +481,17 @@ def engines_holding(p: torch.Tensor) -> list[Engine]:
 def held_by_an_engine(p: torch.Tensor) -> bool:
     """Whether an OffloadModel's slices hold ``p`` (as of their last layout)."""
     return any(id(p) in engine.parameter_ids for engine in list(_LIVE))
+
+
+def _check_layout(layers: Iterable[nn.Module]) -> None:
+    """Call the ``check_layout`` a layer may carry (a callable attribute) before a layout: it refuses,
+    with a message of its own, registrations its layers cannot run, which the layout would refuse with a
+    generic one or not at all (a causal LM's stages: Note: [PEFT models] in ``offload/integrations/peft.py``).
+    Raising there leaves the slices as they were laid out."""
+    for layer in layers:
+        check = layer.__dict__.get("check_layout")
+        if check is not None:
+            check()
 
 
 def _check_borrowed(slices: Sequence[Slice]) -> None:
