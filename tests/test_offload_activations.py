@@ -247,6 +247,12 @@ def test_forwards_that_no_backward_follows_do_not_grow_the_pool(offloaded):
     allocated.clear()
     train_step()
     assert allocated == []  # the step's buffers outlived the evaluation
+    # An evaluation forward of the step's own size takes the step's buffers too: still the step's.
+    for rows in (ROWS, 2 * WIDTH, 3 * WIDTH):
+        model(torch.randn(rows, WIDTH)).sum()
+    allocated.clear()
+    train_step()
+    assert allocated == []
 
 
 def test_microbatches_of_an_offloaded_slice_are_differentiated_from_their_own_saved_tensors():

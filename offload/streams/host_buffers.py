@@ -45,6 +45,7 @@ class HostBuffer:
     _idle_use_count: int | None = None
     _last_taken: int = 0
     _taken_walk: int = 0
+    _allocated_walk: int = 0
 
     def is_idle(self) -> bool:
         count = _storage_use_count(self.data)
@@ -71,7 +72,7 @@ class HostBufferPool:
         self._buffers: dict[int, list[HostBuffer]] = {}
         self._step = 0
         self._walk = 0  # walks ended, either way
-        self._backward_walk = 0  # the number of the last backward walk
+        self._backward_walk = -1  # the number of the last backward walk
 
     def take(self, nbytes: int) -> HostBuffer:
         """An idle buffer of ``nbytes`` (or of its size class: callers use the first ``nbytes``),
@@ -86,6 +87,7 @@ class HostBufferPool:
         buffer = HostBuffer(data)
         buffer._idle_use_count = _storage_use_count(data)
         buffer._last_taken, buffer._taken_walk = self._step, self._walk
+        buffer._allocated_walk = self._walk
         self._buffers.setdefault(nbytes, []).append(buffer)
         return buffer
 
@@ -98,12 +100,12 @@ class HostBufferPool:
         self._walk += 1
 
     def end_forward(self) -> None:
-        """A forward walk ended: free idle buffers taken since the last backward and in neither this
-        walk nor the one before. Forwards that build a graph no backward follows (an evaluation
-        run without ``torch.no_grad()`` over batches of changing shapes) take buffers of new sizes
-        each time, which backwards would never age; a training step's buffers (taken by the
-        forward before the last backward, or by that backward) are the steps' to free."""
-        self._keep(lambda b: b._taken_walk <= self._backward_walk or b._taken_walk >= self._walk - 1)
+        """A forward walk ended: free idle buffers allocated since the last backward and taken in
+        neither this walk nor the one before. Forwards that build a graph no backward follows (an
+        evaluation run without ``torch.no_grad()`` over batches of changing shapes) allocate
+        buffers of new sizes each time, which backwards would never age; a buffer allocated before
+        the last backward ended is the steps' to free, even when such a forward takes it too."""
+        self._keep(lambda b: b._allocated_walk <= self._backward_walk or b._taken_walk >= self._walk - 1)
         self._walk += 1
 
     def _keep(self, wanted: Callable[[HostBuffer], bool]) -> None:
