@@ -455,6 +455,35 @@ def test_a_scheduler_stepped_before_step_is_refused_at_the_first_step_though_no_
     _assert_untouched(before, model, optimizer)
 
 
+@pytest.mark.parametrize("torch_flags_it", [True, False], ids=["flagged", "unflagged"])
+@pytest.mark.parametrize("scheduler", ["StepLR", "CosineAnnealingWarmRestarts"])
+def test_the_step_a_scheduler_takes_as_it_is_built_is_told_apart(monkeypatch, scheduler, torch_flags_it):
+    """A scheduler built between backward and step() (a second one over groups that have their
+    initial_lr, leaving the values as they were) takes no step the update must refuse, and a later
+    step() of one is refused, whether torch flags the step as the built one (``_is_initial``, in
+    newer releases) or not (older ones, simulated)."""
+    import contextlib
+
+    if not torch_flags_it:
+        monkeypatch.setattr(torch.optim.lr_scheduler, "_initial_mode", lambda scheduler: contextlib.nullcontext())
+    model = OffloadModel(network(), device="cpu", num_slices=NUM_SLICES)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=0.1, fused=True, update_in_backward=True)
+    schedulers = torch.optim.lr_scheduler
+
+    def made():
+        return (schedulers.StepLR(optimizer, 5, 1.0) if scheduler == "StepLR"
+                else schedulers.CosineAnnealingWarmRestarts(optimizer, 10, eta_min=0.1))
+
+    first = made()
+    _loss(model, batch(0)).backward()
+    made()  # built between backward and step()
+    optimizer.step()
+    _loss(model, batch(1)).backward()
+    first.step()
+    with pytest.raises(RuntimeError, match=rf"{scheduler}\.step\(\) ran .* between backward and step\(\)"):
+        optimizer.step()
+
+
 def test_schedulers_stepped_after_step_train_as_the_plain_optimizer():
     """The legitimate orders: schedulers built (their own first step) before training, stepped after
     ``optimizer.step()``, one reading the optimizer's values between backward and ``step()``."""

@@ -115,6 +115,9 @@ def _watch_clips_and_schedulers() -> None:
         if (isinstance(cls, type) and "step" in cls.__dict__
                 and (issubclass(cls, lr_scheduler.LRScheduler) or cls is lr_scheduler.ReduceLROnPlateau)):
             cls.step = _telling(cls.__dict__["step"])  # type: ignore[method-assign]
+    initial_step = lr_scheduler.LRScheduler.__dict__.get("_initial_step")
+    if initial_step is not None:
+        lr_scheduler.LRScheduler._initial_step = _flagging(initial_step)  # type: ignore[method-assign]
 
 
 def _telling(step: Callable[..., Any]) -> Callable[..., Any]:
@@ -130,13 +133,23 @@ def _telling(step: Callable[..., Any]) -> Callable[..., Any]:
     return scheduler_step
 
 
+def _flagging(initial_step: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(initial_step)
+    def flagged(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+        scheduler.__dict__["_offload_initial"] = True
+        try:
+            return initial_step(scheduler, *args, **kwargs)
+        finally:
+            scheduler.__dict__["_offload_initial"] = False
+
+    return flagged
+
+
 def _initial(scheduler: Any) -> bool:
-    """Whether this is the step a scheduler takes as it is built: as torch flags it, where it
-    does (``_is_initial``); in older releases, the one taken at a step count of 0, which only
-    LRScheduler's own step() counts (CosineAnnealingWarmRestarts' stays at 0)."""
-    if hasattr(scheduler, "_is_initial"):
-        return bool(scheduler._is_initial)
-    return getattr(scheduler, "_step_count", 1) == 0
+    """Whether this is the step a scheduler takes as it is built (in ``LRScheduler._initial_step``):
+    as torch flags it where it does (``_is_initial``), and as :func:`_flagging` does in every
+    release (torch's flag came later)."""
+    return bool(getattr(scheduler, "_is_initial", False) or scheduler.__dict__.get("_offload_initial", False))
 
 
 def _clipped(params: Sequence[torch.Tensor]) -> None:
