@@ -224,6 +224,26 @@ def test_resume_command_replaces_resume():
 TINY_RUN = ["--batch-size", "2", "--seq-len", "16", "--num-slices", "3"]
 
 
+@pytest.mark.parametrize("flag", ["--out", "--disk-tier", "--data", "--model"])
+def test_an_empty_path_is_refused_by_the_parser(flag, tmp_path, capsys):
+    """An unset variable (``--out "$OUT"``) would be the current directory: exports there remove
+    the model files an earlier export left."""
+    code, _, err = run_cli(*([] if flag == "--out" else ["--out", str(tmp_path / "out")]), flag, "",
+                           tmp_path=tmp_path, capsys=capsys)
+    assert code == 2 and re.search(rf"argument {flag}(/--\w+)?: an empty path \(an unset variable\?\)", err), err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("target", ["qproj", "norm"])
+def test_lora_targets_it_cannot_adapt_are_one_line_naming_the_linear_layers(target, tmp_path, capsys):
+    code, out, err = run_cli("--out", str(tmp_path / "out"), "--steps", "1", "--lora-r", "2", "--lora-targets", target,
+                             *TINY_RUN, tmp_path=tmp_path, capsys=capsys)
+    lines = err.strip().splitlines()
+    assert code != 0 and "Traceback" not in err and "step 1/" not in out, err
+    assert lines[-1].startswith(f"offload-finetune: error: --lora-targets {target}: ")
+    assert lines[-1].endswith("Its linear layers: down_proj gate_proj k_proj lm_head o_proj q_proj up_proj v_proj")
+
+
 def files_of(directory: Path) -> dict[str, bytes]:
     """The bytes of the files directly in ``directory``, by name."""
     return {f.name: f.read_bytes() for f in sorted(directory.iterdir()) if f.is_file()}

@@ -220,6 +220,14 @@ BAD_INPUTS = {
                          "cannot import 'plan_cli_broken' for --model plan_cli_broken:build: invalid syntax"),
     "model factory raises": (["--model", "plan_cli_raises:build", "--input-shape", "8", "--gpu", "a100"],
                              "--model plan_cli_raises:build: the factory raised RuntimeError: no weights here"),
+    "model as a file's path": (["--model", "./plan_cli_factory.py:build", "--input-shape", "8", "--gpu", "a100"],
+                               "--model takes a module's name, not a file's path: for ./plan_cli_factory.py, run "
+                               "from its directory and give --model plan_cli_factory:build"),
+    # The plan's batch is --batch-size's: a preset's own would be printed in the code, not planned.
+    "preset's batch": (["--preset", "tiny", "--gpu", "a100", "--set", "batch_size=3"],
+                       "--set batch_size=3: give the batch as --batch-size 3"),
+    # A GPU's rates would time a CPU device at the GPU's speed.
+    "gpu for a cpu device": ([*TINY, "--device", "cpu"], "--gpu a100 plans that GPU, and --device cpu a CPU device"),
 }
 
 

@@ -74,7 +74,10 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
 
 def user_path(text: str) -> Path:
     """A path option's value, ``~`` expanded: a shell leaves ``--out=~/tuned`` as it is, and the
-    run would make a directory named ``~`` here and report it as the home directory."""
+    run would make a directory named ``~`` here and report it as the home directory. An empty one
+    (an unset ``$OUT``) is refused: it would be the current directory."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path (an unset variable?): give a directory or file by name")
     return Path(text).expanduser()
 
 

@@ -34,13 +34,25 @@ def with_lora(hf, args: argparse.Namespace):
     with warnings.catch_warnings():
         # peft asks the model a deprecated transformers question; the note is theirs, not the user's.
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        peft_model = peft.get_peft_model(hf, config)
+        try:
+            peft_model = peft.get_peft_model(hf, config)
+        except ValueError as error:  # a name no module has, or a module LoRA cannot adapt
+            raise SystemExit(f"{args.prog}: error: --lora-targets {' '.join(args.lora_targets)}: "
+                             f"{str(error).splitlines()[0]} Its linear layers: {_linear_names(hf)}") from None
     if args.model is not None:
         peft_model.peft_config["default"].base_model_name_or_path = str(Path(args.model).resolve())
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     print(f"LoRA rank {args.lora_r} on {', '.join(sorted(config.target_modules))}: "
           f"{trainable / 1e6:.2f} M trainable parameters")
     return peft_model
+
+
+def _linear_names(hf) -> str:
+    """The names ``--lora-targets`` takes for ``hf``'s linear layers (each layer's last name)."""
+    from torch import nn
+
+    return " ".join(sorted({name.rsplit(".", 1)[-1] for name, module in hf.named_modules()
+                            if isinstance(module, nn.Linear)}))
 
 
 def random_model(arch: str, size: str, vocab: int, seq_len: int):

@@ -237,6 +237,10 @@ def machine_rates(args: argparse.Namespace) -> MachineRates:
             reason += "; run `python -m offload calibrate` again, or pass --gpu NAME"
         raise PlanInputError(f"{flag} {path}: {reason}") from error
     if args.gpu:
+        if args.device == "cpu":  # the GPU's compute and link rates would time a CPU device
+            raise PlanInputError(f"--gpu {args.gpu} plans that GPU, and --device cpu a CPU device, which its rates do "
+                                 "not time: leave out --gpu for a CPU (with its calibration: `python -m offload "
+                                 "calibrate --device cpu`), or --device cpu for the GPU")
         gpu = GPU_DEFAULTS[args.gpu]
         return gpu.with_host(calibrated) if calibrated is not None else gpu
     if calibrated is not None:

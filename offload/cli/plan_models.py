@@ -158,6 +158,8 @@ def _setting(item: str) -> tuple[str, Any]:
     key, sep, value = item.partition("=")
     if not sep:
         raise PlanInputError(f"--set takes KEY=VALUE, got {item!r}")
+    if key == "batch_size":  # the plan's batch is --batch-size's: a preset's would be printed, not planned
+        raise PlanInputError(f"--set {item}: give the batch as --batch-size {value}")
     try:
         return key, json.loads(value)
     except json.JSONDecodeError:

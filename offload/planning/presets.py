@@ -136,6 +136,10 @@ def preset_from_factory(spec: str, input_shape: Sequence[int], vocab: int | None
     module_name, _, attribute = spec.partition(":")
     if not module_name or not attribute:
         raise ValueError(f"--model must look like package.module:factory, got {spec!r}")
+    if "/" in module_name or module_name.endswith(".py"):
+        name = module_name.rsplit("/", 1)[-1].removesuffix(".py")
+        raise ValueError(f"--model takes a module's name, not a file's path: for {module_name}, run from its "
+                         f"directory and give --model {name}:{attribute}")
     try:
         module = importlib.import_module(module_name)
     except (ImportError, SyntaxError) as error:  # a module that is not there, or not Python
