@@ -225,9 +225,10 @@ TINY_RUN = ["--batch-size", "2", "--seq-len", "16", "--num-slices", "3"]
 
 
 @pytest.mark.parametrize("flag", ["--out", "--disk-tier", "--data", "--model"])
-def test_an_empty_path_is_refused_by_the_parser(flag, tmp_path, capsys):
+def test_an_empty_path_is_refused_by_the_parser(flag, tmp_path, capsys, monkeypatch):
     """An unset variable (``--out "$OUT"``) would be the current directory: exports there remove
     the model files an earlier export left."""
+    monkeypatch.chdir(tmp_path)  # where a run that took it would export
     code, _, err = run_cli(*([] if flag == "--out" else ["--out", str(tmp_path / "out")]), flag, "",
                            tmp_path=tmp_path, capsys=capsys)
     assert code == 2 and re.search(rf"argument {flag}(/--\w+)?: an empty path \(an unset variable\?\)", err), err
