@@ -15,8 +15,9 @@
 #           (Trainer, Accelerate, Lightning moving an OffloadedCausalLM with .to("cuda"):
 #           tests/test_trainer.py, tests/test_trainers_cuda.py), the
 #           update in backward, the shadows staged from disk, 8-bit bases, one gradient copy per slice, the norms
-#           computed in backward, and any QLoRA or fused-host-pass test
-#           files present (60 s);
+#           computed in backward, any QLoRA or fused-host-pass test files present, the buffer
+#           probe for buffers written unseen, jvp/jacfwd/vmap with the walk's loads outside the
+#           transform, offloaded activations of recurrent layers (90 s);
 #   slices  the 0.886 B Llama of benchmarks/bench_peers.py at 8 x 1024 tokens: resident; offload in
 #           backward; the same with 9 of its 18 slices resident; the update behind the next forward
 #           with clipping (as Hugging Face's Trainer runs it, the norms computed in backward); each beside the planner's prediction
@@ -29,6 +30,10 @@
 #           ~10 s, 40 s at most); then the walk's own time per slice on a 32-layer Llama of thin layers,
 #           against the plain model and Hugging Face's gradient checkpointing (benchmarks/bench_walk.py;
 #           ~10 s, 40 s at most);
+#   exact   deterministic kernels, 2 layers: resident, offload, offload in backward, both with a
+#           resident slice; every variant's gradients after the first backward against the resident
+#           model's, and each slice's parameters after 4 steps, digest against every variant that
+#           updated it on the same side (host or device) (50 s);
 #   threads offload in backward with 9 resident slices at 8 x 1024 tokens, the update worker at 14
 #           threads, then PyTorch's with OMP_WAIT_POLICY=PASSIVE, then with the pinned mappings on
 #           4 KiB pages (OFFLOAD_HUGEPAGES=0), then with each slice's gradients sent one copy per
@@ -38,10 +43,6 @@
 #           huge-page and 4 KiB mappings (benchmarks/bench_hugepages.py, 60 s);
 #   batch   resident and offload in backward with 9 resident slices at 32 x 1024 tokens (16 x 1024
 #           when the resident model does not fit), 2 timed steps after 2 warm-ups (90 s);
-#   exact   deterministic kernels, 2 layers: resident, offload, offload in backward, both with a
-#           resident slice; every variant's gradients after the first backward against the resident
-#           model's, and each slice's parameters after 4 steps, digest against every variant that
-#           updated it on the same side (host or device) (50 s);
 #   rest    the other cuda-marked tests, only while GPU_CHECK_BUDGET (360 s) has 30 s left.
 #
 # Opt-in (GPU_CHECK_STAGES, or --full for the default stages and these): trace (one profiled step
@@ -78,12 +79,13 @@
 # SFTTrainer test skips, as it did on 2026-11-28). For the QLoRA tests, bitsandbytes
 # 0.50.2 (--platform manylinux_2_24_x86_64; 43 MB, most of it CUDA 11.8-12.8 and ROCm libraries the
 # machine's CUDA 13 does not load: unpacked, those and their RECORD lines removed, zipped again it is 7 MB).
-# then one call: run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=480): the default
-# stages' limits add up to 770 s (threads four times), the rest stage runs only while the 360 s budget
-# has 30 s left; about 380-420 s are expected (the H200 machine started in about 35 s on 2026-11-28). That
+# then one call: run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=540): the default
+# stages' limits add up to 800 s (threads four times), the rest stage runs only while the 360 s budget
+# has 30 s left; about 450-500 s are expected (exact before threads, so that a
+# run cut at its limit loses the experiments, not the check) (the H200 machine started in about 35 s on 2026-11-28). That
 # leaves a lent machine's 15 minutes room for one short rerun: GPU_CHECK_STAGES, GPU_CHECK_TESTS and
 # GPU_CHECK_RUNS narrow it.
-# The stages' limits: GPU_CHECK_LIMITS="20 60 150 90 50 70 100" (host tests slices batch exact trace threads).
+# The stages' limits: GPU_CHECK_LIMITS="20 90 150 90 50 70 100" (host tests slices batch exact trace threads).
 set -uo pipefail
 shopt -s nullglob
 dry=0 full=0
@@ -106,16 +108,17 @@ if [ $dry = 0 ] && ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 read -r limit_host limit_tests limit_slices limit_batch limit_exact limit_trace limit_threads \
-    <<< "${GPU_CHECK_LIMITS:-20 60 150 90 50 70 100}"
+    <<< "${GPU_CHECK_LIMITS:-20 90 150 90 50 70 100}"
 budget=${GPU_CHECK_BUDGET:-360}
-stages=${GPU_CHECK_STAGES:-host tests slices threads batch exact rest}
+stages=${GPU_CHECK_STAGES:-host tests slices exact threads batch rest}
 [ $full = 1 ] && stages="$stages trace peers capped suite"
 FIRST_TESTS=(tests/test_resident_slices*.py tests/test_trainer.py tests/test_trainers_cuda.py tests/test_accelerate.py tests/test_lightning.py
              tests/test_update_in_backward*.py tests/test_*qlora*.py tests/test_one_pass.py tests/test_gradients_on_disk.py
              tests/test_shadows_on_disk.py tests/test_int8.py tests/test_memory.py::test_accumulation_over_backwards_adds_onto_earlier_gradients_exactly
              tests/test_mixed_precision.py::test_loads_move_half_the_bytes_and_gradients_arrive_in_float32
              tests/test_mixed_precision.py::test_a_slices_gradients_cast_on_the_device_leave_in_one_copy
-             tests/test_backward_norms.py tests/test_scale_in_update.py)
+             tests/test_backward_norms.py tests/test_scale_in_update.py
+             tests/test_buffers_written_unseen.py tests/test_autograd_edges_microbatches.py tests/test_offload_activations.py)
 # A rerun's narrower choice: GPU_CHECK_TESTS (test paths for the tests stage), GPU_CHECK_RUNS (the
 # bench_peers runs of the slices and batch stages).
 [ -n "${GPU_CHECK_TESTS:-}" ] && read -ra FIRST_TESTS <<< "$GPU_CHECK_TESTS"
