@@ -906,6 +906,42 @@ def test_attention_is_counted_whatever_the_pytorch():
     assert layer.backward_flops == sdpa_backward_flop_count(shape, shape, shape, shape)
 
 
+class _GroupedQueryAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        keys = x[:, :2] * self.scale  # 2 key and value heads for the query's 4
+        return torch.nn.functional.scaled_dot_product_attention(x * self.scale, keys, keys, enable_gqa=True)
+
+
+def test_grouped_query_attention_is_counted_as_its_heads_repeated(monkeypatch):
+    """Hugging Face passes ``enable_gqa=True`` where there is no mask: keys and values with fewer
+    heads than the queries. torch's ``sdpa_flop_count`` refused those shapes before 2.13 (the
+    planner failed on a GPU machine's torch 2.11): the count is the keys' heads repeated."""
+    from torch.utils import flop_counter
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    def heads_equal(count):  # the check of torch before 2.13
+        def strict(*shapes):
+            assert len({shape[1] for shape in shapes}) == 1, "query/key/value shapes are incompatible"
+            return count(*shapes)
+        return strict
+
+    from offload.planning import shapes
+
+    for module in (flop_counter, shapes):  # torch's, and any name the planner imported from it
+        monkeypatch.setattr(module, "sdpa_flop_count", heads_equal(sdpa_flop_count), raising=False)
+        monkeypatch.setattr(module, "sdpa_backward_flop_count", heads_equal(sdpa_backward_flop_count),
+                            raising=False)
+    shape = (2, 4, 16, 8)
+    profile = profile_layers(nn.Sequential(_GroupedQueryAttention()), lambda: torch.zeros(shape))
+    (layer,) = profile.layers
+    assert layer.forward_flops == sdpa_flop_count(shape, shape, shape) > 0
+    assert layer.backward_flops == sdpa_backward_flop_count(shape, shape, shape, shape)
+
+
 @pytest.mark.parametrize("family", sorted(TINY_MOE))
 def test_the_fake_profile_of_mixture_of_experts_in_float32_is_a_real_runs(family):
     """Note: [Grouped matmuls on fake tensors] in ``offload/planning/shapes.py``: the experts'

@@ -34,7 +34,7 @@ from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
-from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import FlopCounterMode
 
 from .loss_chunks import RepeatedChunks
 from ..streams.host_storage import keeping_their_dtype
@@ -296,12 +296,22 @@ def _grouped_mm_op() -> Any:
 
 def _cpu_attention_flop(query_shape: Any, key_shape: Any, value_shape: Any, *args: Any, out_shape: Any = None,
                         **kwargs: Any) -> int:
-    return sdpa_flop_count(query_shape, key_shape, value_shape)
+    """Scores and their product with the values, each query head against its key head: with
+    grouped-query attention (``enable_gqa``, which Hugging Face passes where there is no mask) the
+    keys and values have fewer heads. Counted here, not by torch's ``sdpa_flop_count``, which
+    refuses those shapes before 2.13."""
+    batch, heads, queries, width = query_shape
+    keys, value_width = key_shape[-2], value_shape[-1]
+    return 2 * batch * heads * queries * keys * (width + value_width)
 
 
 def _cpu_attention_backward_flop(grad_out_shape: Any, query_shape: Any, key_shape: Any, value_shape: Any,
                                  *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
-    return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+    """The scores again, the gradients of the scores and of the values, then of the queries and
+    the keys: five products, counted per query head as torch's ``sdpa_backward_flop_count`` does."""
+    batch, heads, queries, width = query_shape
+    keys, value_width = key_shape[-2], value_shape[-1]
+    return 2 * batch * heads * queries * keys * (3 * width + 2 * value_width)
 
 
 def _cpu_attention_flops() -> dict[Any, Any]:
