@@ -58,6 +58,19 @@ def assert_same_grads(actual: nn.Module, expected: nn.Module, **tolerance: Any) 
                                    **tolerance)
 
 
+def clip_where_placed(plain_params: Sequence[nn.Parameter], placed: Sequence[nn.Parameter],
+                      max_norm: float) -> torch.Tensor:
+    """PyTorch's clip of ``plain_params``' gradients, the total norm taken where ``placed`` (the
+    offloaded twin's parameters) keeps each gradient: the reference for ``offload.clip_grad_norm_``,
+    which is PyTorch's clip of the tensors it is given. On a GPU the plain model's own norm reduces
+    on the device, in another order than the host's (its last bits can differ: 2e-7 relative on an
+    H200); the coefficient and the scaling are then the same operations as PyTorch's."""
+    grads = [p.grad.to(q.grad.device) for p, q in zip(plain_params, placed, strict=True)]
+    norm = torch.nn.utils.get_total_norm(grads, 2.0)
+    torch.nn.utils.clip_grads_with_norm_(list(plain_params), max_norm, norm)
+    return norm
+
+
 def microbatched_reference(layers: nn.Sequential, partition: Sequence[Sequence[str]], x: torch.Tensor,
                            num_microbatches: int) -> torch.Tensor:
     """What OffloadModel computes with microbatches: each slice runs its layers on each chunk in turn.
