@@ -120,13 +120,15 @@ FIRST_TESTS=(tests/test_resident_slices*.py tests/test_trainer.py tests/test_tra
              tests/test_backward_norms.py tests/test_scale_in_update.py
              tests/test_buffers_written_unseen.py tests/test_autograd_edges_microbatches.py tests/test_offload_activations.py)
 # A rerun's narrower choice: GPU_CHECK_TESTS (test paths for the tests stage), GPU_CHECK_RUNS (the
-# bench_peers runs of the slices and batch stages).
+# bench_peers runs of the slices and batch stages), GPU_CHECK_BATCH_RUNS (the batch stage's alone),
+# GPU_CHECK_KERNEL_ARGS (benchmarks/host_kernels.py's, "--rounds 1 --threads all": the kernel built
+# and checked, its timings not repeated).
 [ -n "${GPU_CHECK_TESTS:-}" ] && read -ra FIRST_TESTS <<< "$GPU_CHECK_TESTS"
 peers=${GPU_CHECK_PEERS:-resident,offload,offload-sync,offload-resident,offload-in-backward-resident,fsdp2,torchao,fairscale}
 dry_flag="" big=32 many=9  # resident slices of the -resident runs: half the 18
 [ $dry = 1 ] && { dry_flag="--cpu-dry-run"; big=4; many=2; }
 slices_runs=${GPU_CHECK_RUNS:-"resident,offload-in-backward,offload-in-backward-resident$many,offload-clip"}
-batch_runs=${GPU_CHECK_RUNS:-"resident,offload-in-backward-resident$many"}
+batch_runs=${GPU_CHECK_BATCH_RUNS:-${GPU_CHECK_RUNS:-"resident,offload-in-backward-resident$many"}}
 status=0 started=$SECONDS
 log() { echo "$*" | tee -a "$OUT/run.log"; }
 headline() { grep -vE "Warning|warn\(|^\s|USDT|^\[W|^W[0-9]" "$1" | tail -n "$2" | tee -a "$OUT/run.log"; }
@@ -141,6 +143,7 @@ stage() {
     [ $rc = 0 ] || { log "--- $name exited $rc"; status=1; }
     merge
 }
+skipping() { [[ " ${GPU_CHECK_SKIP:-} " == *" $1 "* ]]; }
 merge() { $PY benchmarks/gpu_check_summary.py merge "$work" "$OUT/summary.json" >> "$OUT/stages.log" 2>&1; }
 pytest_cuda() {  # pytest_cuda <limit> <paths...>: the cuda-marked tests of paths (collected only in a dry run)
     local limit=$1; shift
@@ -167,7 +170,7 @@ pytest_cuda() {  # pytest_cuda <limit> <paths...>: the cuda-marked tests of path
 log "stages: $stages"
 # The one-pass host update's kernel builds for this machine (tens of seconds of one core) beside the
 # first stages, and is ready before the timed ones: benchmarks/host_kernels.py, its JSON "kernels".
-$PY benchmarks/host_kernels.py $dry_flag --json "$work/kernels.json" > "$work/kernels.log" 2>&1 &
+$PY benchmarks/host_kernels.py $dry_flag ${GPU_CHECK_KERNEL_ARGS:-} --json "$work/kernels.json" > "$work/kernels.log" 2>&1 &
 kernels_pid=$!
 kernels_ready() {
     [ -n "$kernels_pid" ] || return 0
@@ -207,16 +210,19 @@ for name in $stages; do
             headline "$work/slices.log" 9
             # The rotary tables sent to the host and back once, against at every boundary (Note:
             # [Leaves that pass through]): the launching thread's time on a 16-layer Llama.
+            # A rerun can leave out the two small stages below (GPU_CHECK_SKIP="boundaries walk").
             boundary_sizes="--rounds 9"
             [ $dry = 1 ] && boundary_sizes="--layers 3 --hidden 32 --seq-len 16 --rounds 2 --warmup 1"
-            stage boundaries 40 $PY benchmarks/bench_boundaries.py $boundary_sizes --json "$work/boundaries.json"
-            headline "$work/boundaries.log" 4
+            skipping boundaries || {
+                stage boundaries 40 $PY benchmarks/bench_boundaries.py $boundary_sizes --json "$work/boundaries.json"
+                headline "$work/boundaries.log" 4; }
             # The walk's own time per slice, where thin layers leave the device waiting on the
             # launching thread: against the plain model and Hugging Face's gradient checkpointing.
             walk_sizes="--rounds 9"
             [ $dry = 1 ] && walk_sizes="--layers 3 --hidden 32 --seq-len 8 --rounds 2 --warmup 1"
-            stage walk 40 $PY benchmarks/bench_walk.py $walk_sizes --json "$work/walk.json"
-            headline "$work/walk.log" 6 ;;
+            skipping walk || {
+                stage walk 40 $PY benchmarks/bench_walk.py $walk_sizes --json "$work/walk.json"
+                headline "$work/walk.log" 6; } ;;
         batch)
             for rows in $big $((big / 2)); do
                 stage batch "$limit_batch" $PY benchmarks/bench_peers.py $dry_flag --predict --batch "$rows" \
