@@ -71,6 +71,36 @@ def clip_where_placed(plain_params: Sequence[nn.Parameter], placed: Sequence[nn.
     return norm
 
 
+class SteppedWherePlaced:
+    """A plain model's PyTorch optimizer stepping copies of its parameters kept where an offloaded
+    twin keeps each (the host for streamed slices, the device for resident ones), written back after
+    each step: the reference for ``OffloadOptimizer`` on a GPU. An optimizer's CPU and CUDA kernels
+    round differently, so the plain model stepping on the device is not the host update's reference."""
+
+    def __init__(self, params: Sequence[nn.Parameter], placed: Sequence[nn.Parameter],
+                 optimizer_class: type[torch.optim.Optimizer], **options: Any) -> None:
+        self.params = list(params)
+        self.copies = [nn.Parameter(p.detach().to(q.device, copy=True)) for p, q in zip(self.params, placed, strict=True)]
+        self.optimizer = optimizer_class(self.copies, **options)
+        self.param_groups = [{"params": self.params}]  # the plain model's, for the tests' clips
+
+    def step(self) -> None:
+        for p, copy_ in zip(self.params, self.copies):
+            copy_.grad = None if p.grad is None else p.grad.to(copy_.device, copy=True)
+        self.optimizer.step()
+        with torch.no_grad():
+            for p, copy_ in zip(self.params, self.copies):
+                p.copy_(copy_)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            if p.grad is not None and set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+
 def microbatched_reference(layers: nn.Sequential, partition: Sequence[Sequence[str]], x: torch.Tensor,
                            num_microbatches: int) -> torch.Tensor:
     """What OffloadModel computes with microbatches: each slice runs its layers on each chunk in turn.

@@ -19,7 +19,7 @@ import offload
 from offload import OffloadModel, OffloadOptimizer, clipping
 from offload.optimizing import backward_norms
 
-from .helpers import DEVICES, clip_where_placed
+from .helpers import DEVICES, SteppedWherePlaced, clip_where_placed
 
 EXACT = {"rtol": 0, "atol": 0}
 
@@ -54,7 +54,10 @@ def _twins(device: str = "cpu", compute_dtype: torch.dtype | None = None, **opti
     model = OffloadModel(copy.deepcopy(plain), device=device, num_slices=3, compute_dtype=compute_dtype)
     plain.to(device)
     optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True, norms_in_backward=True, **options)
-    return plain, torch.optim.AdamW(plain.parameters(), lr=1e-2, fused=device == "cpu"), model, optimizer
+    if device == "cpu":
+        return plain, torch.optim.AdamW(plain.parameters(), lr=1e-2, fused=True), model, optimizer
+    return plain, SteppedWherePlaced(plain.parameters(), model.parameters(), torch.optim.AdamW, lr=1e-2,
+                                     fused=True), model, optimizer
 
 
 def _loss(model: nn.Module, step: int, device: str) -> torch.Tensor:
