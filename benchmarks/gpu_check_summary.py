@@ -147,7 +147,7 @@ def show(path: str) -> None:
     for name, report in summary.items():
         if name == "host":
             parts.append(host(report))
-        elif name == "exact":
+        elif name.startswith("exact"):  # exact, and exact-batch at the batch stage's rows
             parts.append(exact(report))
         elif name == "trace":
             parts.append(trace(report))
