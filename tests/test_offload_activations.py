@@ -216,6 +216,22 @@ def test_pooled_host_buffers_are_reused_from_step_to_step_and_counted_while_in_u
     assert sizes[1] == sizes[2] == sizes[3], sizes
 
 
+def test_steps_of_two_alternating_sizes_allocate_nothing_after_the_first_two():
+    """A step keeps the buffers the step before took: batches of two sizes in turn (the last batch of
+    an epoch, say) reuse them instead of freeing one size's at every other step's end."""
+    model = OffloadModel(linear_tanh(), device="cpu", num_slices=3,
+                         offload_activations=OffloadActivations(last=3, min_bytes=0))
+    pool = engine_of(model).pool
+    allocated: list[int] = []
+    allocate = pool.allocate
+    pool.allocate = lambda nbytes: allocated.append(nbytes) or allocate(nbytes)
+    for step in range(6):
+        if step == 2:
+            allocated.clear()
+        model(torch.randn(ROWS if step % 2 else 3 * ROWS, WIDTH)).sum().backward()
+    assert allocated == []
+
+
 @pytest.mark.parametrize("offloaded", [False, True], ids=["checkpointed", "offloaded"])
 def test_forwards_that_no_backward_follows_do_not_grow_the_pool(offloaded):
     """An evaluation run without torch.no_grad() over batches of changing sizes: each forward

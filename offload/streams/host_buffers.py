@@ -43,7 +43,6 @@ class HostBuffer:
     read_event: Event | None = None
     write_event: Event | None = None
     _idle_use_count: int | None = None
-    _last_taken: int = 0
     _taken_walk: int = 0
     _allocated_walk: int = 0
 
@@ -70,9 +69,8 @@ class HostBufferPool:
         self.allocate = allocate
         self.size_class = size_class
         self._buffers: dict[int, list[HostBuffer]] = {}
-        self._step = 0
-        self._walk = 0  # walks ended, either way
-        self._backward_walk = -1  # the number of the last backward walk
+        self._walk = 0  # walks ended, either way: the one clock buffers age by
+        self._backward_walks = [-1, -1]  # the numbers of the last two backward walks
 
     def take(self, nbytes: int) -> HostBuffer:
         """An idle buffer of ``nbytes`` (or of its size class: callers use the first ``nbytes``),
@@ -81,22 +79,20 @@ class HostBufferPool:
             nbytes = self.size_class(nbytes)
         for buffer in self._buffers.get(nbytes, ()):
             if buffer.is_idle():
-                buffer._last_taken, buffer._taken_walk = self._step, self._walk
+                buffer._taken_walk = self._walk
                 return buffer
         data = self.allocate(nbytes)
         buffer = HostBuffer(data)
         buffer._idle_use_count = _storage_use_count(data)
-        buffer._last_taken, buffer._taken_walk = self._step, self._walk
-        buffer._allocated_walk = self._walk
+        buffer._taken_walk = buffer._allocated_walk = self._walk
         self._buffers.setdefault(nbytes, []).append(buffer)
         return buffer
 
     def end_step(self) -> None:
-        """A backward walk ended: free idle buffers not taken in this step or the one before (the
-        shapes changed)."""
-        self._keep(lambda b: b._last_taken >= self._step - 1)
-        self._step += 1
-        self._backward_walk = self._walk
+        """A backward walk ended: free idle buffers not taken since the backward before the last
+        one ended, in this step or the one before (the shapes changed)."""
+        self._keep(lambda b: b._taken_walk > self._backward_walks[0])
+        self._backward_walks = [self._backward_walks[1], self._walk]
         self._walk += 1
 
     def end_forward(self) -> None:
@@ -105,7 +101,8 @@ class HostBufferPool:
         evaluation run without ``torch.no_grad()`` over batches of changing shapes) allocate
         buffers of new sizes each time, which backwards would never age; a buffer allocated before
         the last backward ended is the steps' to free, even when such a forward takes it too."""
-        self._keep(lambda b: b._allocated_walk <= self._backward_walk or b._taken_walk >= self._walk - 1)
+        last_backward = self._backward_walks[1]
+        self._keep(lambda b: b._allocated_walk <= last_backward or b._taken_walk >= self._walk - 1)
         self._walk += 1
 
     def _keep(self, wanted: Callable[[HostBuffer], bool]) -> None:
