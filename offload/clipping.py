@@ -169,12 +169,12 @@ def _host_norms(tensors: list[torch.Tensor], num_threads: int | None) -> list[to
             "as dist.all_reduce. Nothing was clipped. Build the OffloadOptimizer without norms_in_backward for this "
             "training loop.")
     for _, known, source in compared:
-        if _telling(known.norm):
+        if _comparison_tells(known.norm):
             source.checked.add(known.param)
     return [computed[i] if i in computed else found[i][0].norm for i in range(len(tensors))]  # type: ignore[index]
 
 
-def _telling(norm: torch.Tensor) -> bool:
+def _comparison_tells(norm: torch.Tensor) -> bool:
     """Whether equal norms before and after a write would show it: unscaling (or averaging) a
     gradient that is non-finite or zero leaves its norm as it was, so such a comparison checks
     nothing, and the parameter's next norm from backward is compared again (a first step that
