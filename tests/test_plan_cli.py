@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from offload.cli.main import main
 from offload.cli.plan import Planner, machine_limits, machine_rates, parse_args, run_plan
@@ -71,6 +72,8 @@ def inputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
                                                     "    return nn.Sequential(nn.ReLU(), nn.Tanh())\n")
     (tmp_path / "plan_cli_broken.py").write_text("def build(:\n")
     (tmp_path / "plan_cli_raises.py").write_text("def build():\n    raise RuntimeError('no weights here')\n")
+    (tmp_path / "plan_cli_embedding.py").write_text("from torch import nn\n\n\ndef build():\n"
+                                                    "    return nn.Sequential(nn.Embedding(100, 8), nn.Linear(8, 8))\n")
     (tmp_path / "gpt2.json").write_text(json.dumps(GPT2))
     # As `offload calibrate` without --dir writes them: the disk not measured.
     no_disk = {"no_disk": {"disk_read": None, "disk_write": None}}
@@ -79,7 +82,8 @@ def inputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     for name, change in (BAD_RATES | RATES_OF_ANOTHER_SHAPE | cpu | no_disk).items():
         (tmp_path / f"rates_{name}.json").write_text(json.dumps(GPU_DEFAULTS["a100"].to_json() | change))
     yield tmp_path
-    for module in ("plan_cli_factory", "plan_cli_no_params", "plan_cli_broken", "plan_cli_raises"):
+    for module in ("plan_cli_factory", "plan_cli_no_params", "plan_cli_broken", "plan_cli_raises",
+                   "plan_cli_embedding"):
         sys.modules.pop(module, None)
 
 
@@ -184,6 +188,31 @@ BAD_INPUTS = {
                          "hidden_size must be a positive integer, got 0; give the size of the model to plan"),
     "config kv heads zero": (["--hf-config", json.dumps(TINY_LLAMA | {"num_key_value_heads": 0}), "--gpu", "a100"],
                              "num_key_value_heads must be a positive integer, got 0"),
+    # Grouped-query attention: each key and value head serves as many query heads (found, before,
+    # only by the profile's first attention: a traceback).
+    "config kv heads not dividing": (["--hf-config", json.dumps(TINY_LLAMA | {"num_key_value_heads": 3}), "--gpu",
+                                      "a100"], "num_key_value_heads 3 does not divide num_attention_heads 4"),
+    "config kv heads more than heads": (["--hf-config", json.dumps(TINY_LLAMA | {"num_key_value_heads": 8}),
+                                         "--gpu", "a100"], "num_key_value_heads 8 does not divide num_attention_heads 4"),
+    # Sizes past int64, which torch refuses in C++ (its frames in the message), and tensors whose
+    # bytes are past it: the flags named, in one line.
+    **{f"{flag} past int64": ([*args, flag, str(10**20), "--gpu", "a100"],
+                              f"argument {flag}: 100000000000000000000 is more than 2**63-1")
+       for flag, args in (("--batch-size", TINY[:2]), ("--seq-len", TINY[:2]), ("--loss-chunk-tokens", TINY[:2]),
+                          ("--input-shape", ("--model", "plan_cli_factory:build")),
+                          ("--vocab", ("--model", "plan_cli_factory:build", "--input-shape", "8")))},
+    "set past int64": (["--preset", "tiny", "--set", f"width={10**20}", "--gpu", "a100"],
+                       f"preset 'tiny': width must be an int of at least 1 (and at most 2**63-1), got {10**20}"),
+    "set past int64's bytes": (["--preset", "tiny", "--set", f"width={2**62}", "--gpu", "a100"],
+                               f"--preset tiny --set width={2**62} --batch-size 8: Storage size calculation overflowed"),
+    "batch past int64's bytes": (["--preset", "tiny", "--batch-size", str(2**62), "--gpu", "a100"],
+                                 f"--preset tiny --batch-size {2**62}: Storage size calculation overflowed"),
+    "model input past int64's bytes": (["--model", "plan_cli_factory:build", "--input-shape", str(2**62), "--gpu",
+                                        "a100"], f"--batch-size 8 --input-shape {2**62} for --model "
+                                                 "plan_cli_factory:build: Storage size calculation overflowed"),
+    "tokens past int64's bytes": ([*TINY, "--batch-size", str(10**9), "--seq-len", str(10**9)],
+                                  f"--hf-config tiny.json --batch-size {10**9} --seq-len {10**9}: profiling layer 0 "
+                                  "(LlamaEmbedding) on fake tensors failed: Storage size calculation overflowed"),
     "lora without hf": (["--preset", "tiny", "--gpu", "a100", "--lora-r", "4"], "--lora-r adapts a Hugging Face"),
     # Given, 0 too: the flag means nothing without --hf-config.
     "lora 0 without hf": (["--preset", "tiny", "--gpu", "a100", "--lora-r", "0"], "--lora-r adapts a Hugging Face"),
@@ -192,6 +221,12 @@ BAD_INPUTS = {
                               "--seq-len is --hf-config's tokens per row"),
     "seq-len with a model": (["--model", "plan_cli_factory:build", "--input-shape", "8", "--gpu", "a100",
                               "--seq-len", "64"], "--seq-len is --hf-config's tokens per row"),
+    # As --seq-len: only --hf-config's head computes its loss in chunks; the value was ignored.
+    "loss chunks with a preset": (["--preset", "tiny", "--gpu", "a100", "--loss-chunk-tokens", "7"],
+                                  "--loss-chunk-tokens chunks --hf-config's loss; the head of a preset or --model is "
+                                  "not chunked"),
+    "loss chunks with a model": (["--model", "plan_cli_factory:build", "--input-shape", "8", "--gpu", "a100",
+                                  "--loss-chunk-tokens", "0"], "--loss-chunk-tokens chunks --hf-config's loss"),
     # --preset and --model.
     "two models": ([*TINY, "--preset", "tiny"], "give the model as one of"),
     "set not key=value": (["--preset", "mlp", "--set", "width", "--gpu", "a100"], "--set takes KEY=VALUE"),
@@ -209,6 +244,11 @@ BAD_INPUTS = {
                                       "--input-shape 8 --vocab 10 for --model plan_cli_factory:build: profiling layer "
                                       "0 (Linear) on fake tensors failed: addmm of float32 and int64 operands: a "
                                       "matrix multiply takes one dtype, and a real run refuses it"),
+    # Fake tensors read no index; a real first batch indexes past the table (IndexError).
+    "token ids past the embedding": (["--model", "plan_cli_embedding:build", "--input-shape", "8", "--vocab", "101",
+                                      "--gpu", "a100"],
+                                     "--vocab 101 is more than the 100 rows of layer 0 (nn.Embedding) of --model "
+                                     "plan_cli_embedding:build"),
     "model not a spec": (["--model", "plan_cli_factory", "--input-shape", "8", "--gpu", "a100"], "must look like"),
     "model not importable": (["--model", "no_such_module:build", "--input-shape", "8", "--gpu", "a100"],
                              "cannot import 'no_such_module'"),
@@ -246,6 +286,39 @@ def test_a_size_that_divides_by_zero_in_the_build_is_one_line_unchecked_too(chan
     config = json.dumps(TINY_LLAMA | change)
     assert plan_error(capsys, "--hf-config", config, "--gpu", "a100").startswith(f"offload plan: error: --hf-config "
                                                                                   f"{config}: ")
+
+
+def test_a_config_the_profile_refuses_is_one_line_naming_the_flags_unchecked_too(inputs, capsys, monkeypatch):
+    """Behind the sizes' check, a forward that fails on the fake batch is the config's and the
+    flags' error, as --model's input is, not a traceback."""
+    import offload.cli.plan_models
+
+    monkeypatch.setattr(offload.cli.plan_models, "_check_sizes", lambda spec, config: None)
+    config = json.dumps(TINY_LLAMA | {"num_key_value_heads": 3})
+    line = plan_error(capsys, "--hf-config", config, "--gpu", "a100", "--seq-len", "32")
+    assert line.startswith(f"offload plan: error: --hf-config {config} --batch-size 8 --seq-len 32: profiling layer 1 "
+                           "(DecoderLayer) on fake tensors failed: "), line
+
+
+def test_an_error_line_leaves_out_the_cpp_frames_torch_appends():
+    from offload.cli.plan_models import _one_line
+
+    with pytest.raises(TypeError) as error:
+        torch.empty(10**20)
+    assert "\nException raised from " in str(error.value)  # torch's C++ frames, as their own lines
+    assert _one_line(error.value) == str(error.value).splitlines()[0]
+
+
+def test_vocab_up_to_the_embeddings_rows_and_loss_chunks_for_a_config_are_planned(inputs, capsys):
+    main(["plan", "--model", "plan_cli_embedding:build", "--input-shape", "8", "--vocab", "100", "--gpu", "a100",
+          "--host-memory", "8"])
+    assert "model = OffloadModel(plan_cli_embedding.build()" in capsys.readouterr().out
+    # Left out, --hf-config's loss is in offload-finetune's chunks, and the printed command says so.
+    for given, chunk in (([], 1024), (["--loss-chunk-tokens", "7"], 7)):
+        main(["plan", *TINY, *given, "--json"])
+        chosen = json.loads(capsys.readouterr().out)["chosen"]
+        assert f"--loss-chunk-tokens {chunk} " in chosen["finetune"]
+        assert f"loss_chunk_tokens={chunk})" in chosen["code"]
 
 
 @pytest.mark.parametrize(("argv", "error"), [(["quantize"], "unknown command 'quantize'"),
@@ -459,3 +532,38 @@ def test_when_only_the_pinned_memory_is_short_the_alternatives_say_so(capsys):
     assert short["--batch-size 1"] == (f"needs {gib(pinned)} of pinned host memory (the platform pins 0.00 GiB): "
                                        "does not fit")
     assert all("of pinned host memory" in text for text in short.values()), short
+
+
+def test_when_the_disk_is_short_the_figure_is_the_least_a_tiered_configuration_needs(tmp_path, capsys):
+    # The disk short, the host not: a configuration with slices resident on the device keeps their
+    # state off the disk and needs less of it than the one that needs the least host memory.
+    args = ["--preset", "transformer", "--set", "n_layers=8", "d_model=2048", "--gpu", "rtx-4090", "--device-memory",
+            "2", "--host-memory", "4", "--disk-dir", str(tmp_path), "--disk", "1"]
+    parsed = parse_args(args)
+    planner = Planner(machine_rates(parsed))
+    limits = machine_limits(parsed, planner.rates)
+    plan = planner.plan(parsed, limits)
+    needs = least_needs(plan.candidates, limits)
+    roomy = planner.plan(parsed, replace(limits, disk=100 * GIB))  # the profiles reused
+    least = min(c.memory.disk for c in roomy.candidates if c.fits and c.config.optimizer_state == "disk")
+    assert plan.chosen is None and needs.tiered_disk == least
+    with pytest.raises(SystemExit):
+        main(["plan", *args])
+    out = capsys.readouterr().out
+    assert f"of host memory and {gib(least)} of disk (has 4.00 GiB)" in out.splitlines()[4]
+    disk = gib(least).removesuffix(" GiB")
+    assert f"  --disk {disk}  " in out and out.split(f"  --disk {disk}  ")[1].split("\n")[0].endswith(": fits")
+
+
+def test_when_device_and_host_are_short_the_device_memory_is_tried_and_says_the_host_it_then_needs(capsys):
+    args = ("--preset", "transformer", "--set", "n_layers=2", "d_model=128", "--gpu", "h100-sxm",
+            "--device-memory", "0.01", "--host-memory", "0.001")
+    _, needs = _needs(capsys, *args)
+    assert needs.host_memory is None and needs.tiered_host_memory is None  # nothing fits the device
+    with pytest.raises(SystemExit):
+        main(["plan", *args])
+    out = capsys.readouterr().out
+    device = gib(needs.device_memory).removesuffix(" GiB")
+    _, again = _needs(capsys, *args[:-4], "--device-memory", device, "--host-memory", "0.001")
+    assert (f"  --device-memory {device}  needs {gib(needs.device_memory)} of device memory and "
+            f"{gib(again.host_memory)} of host memory: does not fit") in out

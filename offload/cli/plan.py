@@ -27,12 +27,13 @@ from typing import Any
 import torch
 
 from ..planning.choose import DEVICE_MARGIN, HOST_MARGIN, Candidate, Limits, Plan, choose
-from ..planning.presets import preset_names
+from ..planning.presets import MAX_SIZE, preset_names
 from ..planning.rates import GPU_DEFAULTS, MachineRates, default_rates_path, load_rates
 from ..planning.timing import SCHEDULES
 from .finetune_args import user_path
 from .plan_alternatives import Alternative, alternatives
-from .plan_models import DEFAULT_SEQ_LEN, DTYPES, PlanInputError, Workload, _one_line, hf_config, workload
+from .plan_models import (DEFAULT_LOSS_CHUNK_TOKENS, DEFAULT_SEQ_LEN, DTYPES, PlanInputError, Workload, _one_line,
+                          hf_config, workload)
 from .quantize import QUANT_TYPES
 from .quiet_imports import import_transformers
 
@@ -54,16 +55,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     model.add_argument("--preset", choices=preset_names(), help="a benchmark preset")
     model.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="the preset's settings")
     model.add_argument("--model", metavar="MODULE:FACTORY", help="a function returning an nn.Sequential")
-    model.add_argument("--input-shape", type=int, nargs="+", help="one sample's shape, for --model")
-    model.add_argument("--vocab", type=int, help="--model takes token ids below this")
+    model.add_argument("--input-shape", type=_size, nargs="+", help="one sample's shape, for --model")
+    model.add_argument("--vocab", type=_size, help="--model takes token ids below this")
     # No default here: a --lora-r given without --hf-config, 0 included, is refused (check_model_args).
-    model.add_argument("--lora-r", type=int, help="LoRA adapters of this rank (peft), on a frozen base (default: none)")
+    model.add_argument("--lora-r", type=_size, help="LoRA adapters of this rank (peft), on a frozen base (default: none)")
     add_four_bit_arguments(model)
-    model.add_argument("--loss-chunk-tokens", type=int, default=1024,
-                       help="as offload-finetune: the head computes the loss this many tokens at a time (0: logits)")
+    model.add_argument("--loss-chunk-tokens", type=_size, help="--hf-config's, as offload-finetune's: the head "
+                       "computes the loss this many tokens at a time (0: logits; default 1024)")
     work = parser.add_argument_group("the step")
-    work.add_argument("--batch-size", type=int, default=8, help="rows per step")
-    work.add_argument("--seq-len", type=int, help=f"tokens per row (--hf-config; default {DEFAULT_SEQ_LEN}, GPT-2's fewer)")
+    work.add_argument("--batch-size", type=_size, default=8, help="rows per step")
+    work.add_argument("--seq-len", type=_size, help=f"tokens per row (--hf-config; default {DEFAULT_SEQ_LEN}, GPT-2's fewer)")
     work.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd-momentum", "sgd"])
     work.add_argument("--max-grad-norm", type=float, metavar="NORM",
                       help="the training clips the gradients' total norm (as offload-finetune's flag): the update "
@@ -80,8 +81,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     machine.add_argument("--disk-dir", type=os.path.expanduser, metavar="DIR", help="where a disk tier may live (default: no disk tier)")
     machine.add_argument("--disk", type=float, metavar="GiB", help="disk space there (default: free space now)")
     fixed = parser.add_argument_group("keep fixed (default: the planner chooses)")
-    fixed.add_argument("--num-slices", type=int)
-    fixed.add_argument("--microbatches", type=int)
+    fixed.add_argument("--num-slices", type=_size)
+    fixed.add_argument("--microbatches", type=_size)
     fixed.add_argument("--compute-dtype", choices=["auto", *DTYPES], default="auto")
     fixed.add_argument("--schedule", choices=["auto", *SCHEDULES], default="auto",
                        help="when the host update runs. overlapped: behind the next forward (OffloadOptimizer's "
@@ -93,7 +94,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                             "them, an update on the device instead; auto: the most that fit the device memory "
                             "left after the slots, gradient buffers and activations, with the margin (on a CPU "
                             "device, none where they are predicted to save less than 0.1%% of the step)")
-    parser.add_argument("--top", type=int, default=8, help="rows of the table (the fastest that fit)")
+    parser.add_argument("--top", type=_size, default=8, help="rows of the table (the fastest that fit)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = parser.parse_args(argv)
     check_model_args(parser, args)
@@ -140,7 +141,12 @@ def check_model_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     if args.quantize and not args.lora_r:
         parser.error(f"--quantize {args.quantize} freezes the base in 4 bits, which has no gradient: train LoRA "
                      "adapters over it with --lora-r R (and --hf-config)")
-    if args.loss_chunk_tokens < 0:
+    if args.loss_chunk_tokens is not None and not args.hf_config:
+        # As --seq-len: left unchecked it would be ignored, the plan not the one typed.
+        parser.error("--loss-chunk-tokens chunks --hf-config's loss; the head of a preset or --model is not chunked")
+    if args.hf_config and args.loss_chunk_tokens is None:
+        args.loss_chunk_tokens = DEFAULT_LOSS_CHUNK_TOKENS
+    if args.loss_chunk_tokens is not None and args.loss_chunk_tokens < 0:
         parser.error("--loss-chunk-tokens must be 0 (logits) or a number of tokens")
     spec = args.hf_config
     if not spec or spec.lstrip().startswith("{"):
@@ -211,6 +217,17 @@ def check_disk_dir(parser: argparse.ArgumentParser, path: Path, flag: str = "--d
     if not os.access(parent, os.W_OK | os.X_OK):
         parser.error(f"{flag} {path}: cannot be created, {parent} is not writable by this process; choose a "
                      "directory you can write to")
+
+
+def _size(text: str) -> int:
+    """An integer flag, at most :data:`MAX_SIZE`: torch takes no larger size (it fails in C++)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value > MAX_SIZE:
+        raise argparse.ArgumentTypeError(f"{value} is more than 2**63-1, the largest size torch takes")
+    return value
 
 
 def _resident_slices(text: str) -> int | str:

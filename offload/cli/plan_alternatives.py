@@ -65,13 +65,17 @@ class Alternative:
         if pinned and not self.fits:
             return (f"needs {gib(min(pinned))} of pinned host memory (the platform pins "
                     f"{gib(self.limits.pinned_memory or 0, up=False)}): does not fit")
-        if self.figure == "device" or (needs.host_memory is None and needs.tiered_host_memory is None):
+        host = (needs.host_memory, needs.tiered_host_memory) != (None, None)
+        if self.figure == "device" or not host:
             parts.append(f"{gib(needs.device_memory)} of device memory")
-        elif needs.host_memory is not None and (needs.tiered_host_memory is None
-                                                or needs.host_memory <= needs.tiered_host_memory):
-            parts.append(f"{gib(needs.host_memory)} of host memory")
-        else:
-            parts.append(f"{gib(needs.tiered_host_memory)} of host memory and {gib(needs.tiered_disk)} of disk")
+        # With the device memory given, the host's may still be short: said, or the line reads as
+        # the plan's own "needs ... of device memory" and is left out as no change.
+        if host and (self.figure != "device" or not self.fits):
+            if needs.host_memory is not None and (needs.tiered_host_memory is None
+                                                  or needs.host_memory <= needs.tiered_host_memory):
+                parts.append(f"{gib(needs.host_memory)} of host memory")
+            else:
+                parts.append(f"{gib(needs.tiered_host_memory)} of host memory and {gib(needs.tiered_disk)} of disk")
         return "needs " + " and ".join(parts) + (": fits" if self.fits else ": does not fit")
 
     def to_json(self) -> dict[str, object]:

@@ -38,6 +38,8 @@ CONFIG_SIZES = ("hidden_size", "intermediate_size", "moe_intermediate_size", "nu
                 "num_local_experts", "num_experts", "num_experts_per_tok", "n_routed_experts")
 #: Tokens per row when --seq-len is left out.
 DEFAULT_SEQ_LEN = 2048
+#: --hf-config's loss chunk when --loss-chunk-tokens is left out: offload-finetune's default.
+DEFAULT_LOSS_CHUNK_TOKENS = 1024
 
 
 class PlanInputError(ValueError):
@@ -96,8 +98,8 @@ class Workload:
         self.batch_size = batch_size
         self.build = build
         self.finetune = finetune
-        #: The flags that describe a user's input (``--input-shape ...``): a forward that fails on
-        #: it is their input's error, not the planner's.
+        #: The flags that describe a user's input (``--input-shape ...``, ``--hf-config ...
+        #: --batch-size ...``): a forward that fails on it is their input's error, not the planner's.
         self.input_flags = input_flags
         self._profiles: dict[Any, ModelProfile] = {}
 
@@ -112,7 +114,10 @@ class Workload:
         if compute_dtype not in self._profiles:
             try:
                 profile = profile_layers(self.profiled, self.make_input, compute_dtype=compute_dtype)
-            except RuntimeError as error:
+            except (RuntimeError, TypeError, ValueError, OverflowError) as error:
+                # What torch raises on the sizes given (a layer refusing the input, a tensor past
+                # int64's bytes, heads that do not group): the flags' error, in one line. Other
+                # exceptions, and any from a workload without input flags, propagate.
                 if self.input_flags is None:
                     raise
                 raise PlanInputError(f"{self.input_flags}: {_one_line(error)}") from error
@@ -123,9 +128,11 @@ class Workload:
 def workload(args: argparse.Namespace) -> Workload:
     if args.hf_config:
         return hf_workload(args)
-    input_flags = None
+    rows = args.batch_size
+    input_flags = " ".join([f"--preset {args.preset}", *(["--set", *args.set] if args.set else []),
+                            "--batch-size", str(rows)])
     if args.model:
-        input_flags = " ".join(["--input-shape", *map(str, args.input_shape)]
+        input_flags = " ".join(["--batch-size", str(rows), "--input-shape", *map(str, args.input_shape)]
                                + ([] if args.vocab is None else ["--vocab", str(args.vocab)]))
         input_flags += f" for --model {args.model}"
         # A console script's sys.path starts with the script's own directory, not the one the
@@ -146,7 +153,8 @@ def workload(args: argparse.Namespace) -> Workload:
         except (TypeError, ValueError) as error:
             # The preset's checks and the factory's import, name and return value.
             raise PlanInputError(_one_line(error)) from error
-    rows = args.batch_size
+        except RuntimeError as error:  # a preset's weight past int64's bytes (--set width=2**62)
+            raise PlanInputError(f"{input_flags}: {_one_line(error)}") from error
 
     def make_input() -> Any:
         return preset.make_batch(rows, "cpu")[0]
@@ -247,7 +255,9 @@ def hf_workload(args: argparse.Namespace) -> Workload:
     if args.quantize:
         flags += ["--load-in-4bit", "--bnb-4bit-quant-type", args.quantize]
         flags += [] if args.bnb_4bit_use_double_quant else ["--no-bnb-4bit-use-double-quant"]
-    return Workload(layers, make_input, rows, build, finetune=flags, profiled=profiled, four_bit=four_bit)
+    input_flags = f"--hf-config {args.hf_config} --batch-size {rows} --seq-len {tokens}"
+    return Workload(layers, make_input, rows, build, finetune=flags, input_flags=input_flags, profiled=profiled,
+                    four_bit=four_bit)
 
 
 def _check_sizes(spec: str, config: Any) -> None:
@@ -263,6 +273,13 @@ def _check_sizes(spec: str, config: Any) -> None:
             if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
                 raise PlanInputError(f"--hf-config {spec}: {name} must be a positive integer, got {value!r}; give the "
                                      "size of the model to plan")
+    heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    if isinstance(heads, int) and isinstance(kv_heads, int) and heads % kv_heads:
+        # Grouped-query attention shares each key and value head among as many query heads: the
+        # first attention would fail (found once profiling, a traceback).
+        raise PlanInputError(f"--hf-config {spec}: num_key_value_heads {kv_heads} does not divide "
+                             f"num_attention_heads {heads} (each key and value head serves an equal group of query "
+                             "heads); give a divisor of it")
 
 
 def _check_positions(args: argparse.Namespace, config: Any) -> None:
@@ -307,5 +324,7 @@ def _with_lora(hf: nn.Module, rank: int) -> nn.Module:
 
 
 def _one_line(error: BaseException) -> str:
-    """``error``'s message on one line (transformers' and huggingface_hub's span several)."""
-    return " ".join(line.strip() for line in str(error).splitlines() if line.strip()) or type(error).__name__
+    """``error``'s message on one line (transformers' and huggingface_hub's span several), less the
+    C++ frames torch appends to some (``Exception raised from ...``)."""
+    text = str(error).split("\nException raised from ")[0]
+    return " ".join(line.strip() for line in text.splitlines() if line.strip()) or type(error).__name__

@@ -203,13 +203,8 @@ def _candidate(layout: SliceLayout, profile: ModelProfile | None,
         # The most resident slices that fit: each one moves its bytes from the host to the device
         # and takes its loads, offloads and host update off the step.
         fitting = [k for k, memory in enumerate(by_resident) if not _over(memory, limits, device)]
-        if not fitting:
-            # None fits: the count that needs the least host memory of those that fit the device
-            # (and disk), so that what is missing is the least (choose's "nothing fits").
-            device_ok = [k for k, memory in enumerate(by_resident)
-                         if not set(_over(memory, limits, device)) - {"host"}] or [0]
-            fitting = [min(device_ok, key=lambda k: (_host_need(by_resident[k], device), -k))]
-        config = replace(config, resident_slices=max(fitting))
+        resident = max(fitting) if fitting else _least_short(by_resident, limits, device)
+        config = replace(config, resident_slices=resident)
     time = estimate_step_time(layout, profile, config, rates, device=device, optimizer=optimizer,
                               param_dtype=param_dtype)
     if ("resident_slices" not in fixed and config.resident_slices
@@ -226,6 +221,22 @@ def _candidate(layout: SliceLayout, profile: ModelProfile | None,
     memory = by_resident[config.resident_slices]
     return Candidate(config=config, memory=memory, time=time, host_need=_host_need(memory, device),
                      over=_over(memory, limits, device))
+
+
+def _least_short(by_resident: list[MemoryFootprint], limits: Limits, device: str) -> int:
+    """The resident count to plan when none fits, so that what is missing is the least (choose's
+    "nothing fits"): of the counts that fit the device, one that fits the disk before one that
+    does not, then one that fits the host; the least host memory where none does, else the least
+    disk (resident slices take their state off the disk, and may need more host memory for it).
+    Ties: the most resident."""
+    def short(k: int) -> tuple[Any, ...]:
+        over, memory = _over(by_resident[k], limits, device), by_resident[k]
+        host = _host_need(memory, device) if "host" in over else 0
+        return "disk" in over, "host" in over, host, memory.disk, _host_need(memory, device), -k
+
+    device_ok = [k for k, memory in enumerate(by_resident)
+                 if not set(_over(memory, limits, device)) - {"host", "disk"}] or [0]
+    return min(device_ok, key=short)
 
 
 def _host_need(memory: MemoryFootprint, device: str) -> int:
@@ -256,7 +267,10 @@ class Needs:
 
     ``device_memory`` is the least over every candidate; the host figures are over those that fit
     the device (``None`` when none does), with the state in RAM and with the optimizer's disk
-    tier (``None`` when no candidate has it: no ``disk_dir``)."""
+    tier (``None`` when no candidate has it: no ``disk_dir``). ``tiered_disk`` is the least disk
+    of the tiered candidates that fit the host as it is or with ``tiered_host_memory``: a
+    candidate with more slices resident may need less disk than the one that needs the least
+    host memory."""
 
     device_memory: int
     host_memory: int | None = None
@@ -278,7 +292,11 @@ def least_needs(candidates: Sequence[Candidate], limits: Limits) -> Needs:
         needs = replace(needs, host_memory=_ceil(min(c.host_need for c in in_ram) / HOST_MARGIN))
     if tiered:
         best = min(tiered, key=lambda c: c.host_need)
-        needs = replace(needs, tiered_host_memory=_ceil(best.host_need / HOST_MARGIN), tiered_disk=best.memory.disk)
+        # The disk: the least of those the host has room for (or that need no more than the least
+        # host memory), which typed back as --disk fits; the least-host one's may be more.
+        room = max(best.host_need, HOST_MARGIN * limits.host_memory if limits.host_memory is not None else math.inf)
+        disk = min(c.memory.disk for c in tiered if c.host_need <= room)
+        needs = replace(needs, tiered_host_memory=_ceil(best.host_need / HOST_MARGIN), tiered_disk=disk)
     return needs
 
 

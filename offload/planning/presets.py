@@ -24,6 +24,9 @@ from torch.nn import functional as F
 
 #: (input, target) for one step; ``target`` is whatever the preset's ``loss`` expects.
 Batch = tuple[Any, Any]
+#: The largest size a setting takes: torch's sizes are int64, and a larger one fails in its C++,
+#: with that code's frames in the message.
+MAX_SIZE = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -103,8 +106,9 @@ def _check_settings(name: str, settings: dict[str, Any]) -> None:
                 raise ValueError(f"preset {name!r}: dropout must be a number in [0, 1), got {value!r}")
             continue
         lowest = 0 if key == "seed" else 1
-        if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
-            raise ValueError(f"preset {name!r}: {key} must be an int of at least {lowest}, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or not lowest <= value <= MAX_SIZE:
+            raise ValueError(f"preset {name!r}: {key} must be an int of at least {lowest} (and at most 2**63-1), "
+                             f"got {value!r}")
 
 
 def preset_settings(name: str) -> dict[str, Any]:
@@ -129,8 +133,8 @@ def preset_from_factory(spec: str, input_shape: Sequence[int], vocab: int | None
 
     Raises:
         ValueError: a malformed spec, a module that cannot be imported (or is not valid Python), a
-            missing or non-callable factory, a factory that raised, a bad shape, or a model
-            without parameters.
+            missing or non-callable factory, a factory that raised, a bad shape, a model
+            without parameters, or a ``vocab`` past the rows of its first ``nn.Embedding``.
         TypeError: the factory returned something other than an ``nn.Sequential``.
     """
     module_name, _, attribute = spec.partition(":")
@@ -163,9 +167,7 @@ def preset_from_factory(spec: str, input_shape: Sequence[int], vocab: int | None
                              f"{': ' + first if first else ''}") from error
     if not isinstance(model, nn.Sequential):
         raise TypeError(f"{spec} returned a {type(model).__name__}; it must return an nn.Sequential")
-    if not any(True for _ in model.parameters()):
-        raise ValueError(f"{spec} returned an nn.Sequential without parameters: there is nothing to offload or "
-                         "train; return the layers with their weights")
+    _check_model(model, spec, vocab)
 
     def make_batch(rows: int, device: torch.device | str) -> Batch:
         generator = _generator(seed)
@@ -185,6 +187,21 @@ def preset_from_factory(spec: str, input_shape: Sequence[int], vocab: int | None
         batch_size=batch_size,
         settings={"model": spec, "input_shape": list(shape), "vocab": vocab, "seed": seed},
     )
+
+
+def _check_model(model: nn.Sequential, spec: str, vocab: int | None) -> None:
+    """Refuse a factory's model without parameters, or with fewer rows in its first
+    ``nn.Embedding`` (which takes the token ids) than ``vocab``: a real forward would index past
+    its table (``IndexError``), where the planner's fake tensors read no index."""
+    if not any(True for _ in model.parameters()):
+        raise ValueError(f"{spec} returned an nn.Sequential without parameters: there is nothing to offload or "
+                         "train; return the layers with their weights")
+    name, embedding = next(((name, m) for name, m in model.named_modules() if isinstance(m, nn.Embedding)),
+                           (None, None))
+    if vocab is not None and embedding is not None and vocab > embedding.num_embeddings:
+        raise ValueError(f"--vocab {vocab} is more than the {embedding.num_embeddings} rows of layer {name} "
+                         f"(nn.Embedding) of --model {spec}: a token id past them indexes past its table; give "
+                         f"--vocab {embedding.num_embeddings} or less")
 
 
 # -- the presets ------------------------------------------------------------------------------------
