@@ -159,17 +159,26 @@ def bind_device_weights(tensors: list[torch.Tensor], views: Sequence[torch.Tenso
 
 
 class _RegistrationCounter:
-    """How many modules, parameters and buffers were registered in this process (``setattr`` on a
-    module, ``register_*``), counted by PyTorch's global registration hooks, installed once.
+    """Whether modules, parameters or buffers were registered in this process (``setattr`` on a
+    module, ``register_*``) since a given look, told by PyTorch's global registration hooks,
+    installed once.
 
     Walking every module of a model at every forward to find ones added since it was laid out
-    costs about half a millisecond for 32 decoder layers; this count tells in constant time that
-    nothing was registered anywhere, which is the usual case. Writing into ``module._parameters``
-    or ``module._modules`` directly is not counted (binding device copies does that, and must not
-    count).
+    costs about half a millisecond for 32 decoder layers; this tells in constant time that nothing
+    was registered anywhere, which is the usual case. Writing into ``module._parameters`` or
+    ``module._modules`` directly is not seen (binding device copies does that, and must not be).
+
+    The hook only stores a constant and :meth:`look` does the counting. The hooks are process-wide,
+    so dynamo traces them into every compiled module that registers in its forward (spectral norm's
+    ``self._u = ...``), in an OffloadModel or not: a ``count += 1`` there reads the count, dynamo
+    guards on its value and recompiles at every call until its recompile limit, then runs the module
+    eagerly. A constant store it replays after the graph at every call with no guard; and
+    ``torch.compiler.disable`` on the hook would break the graph there, which ``fullgraph=True``
+    refuses.
     """
 
-    count = 0
+    count = 0  # bumped by a look that finds ``unseen`` set
+    unseen = False  # set by the hook: something was registered since the last look
     _installed = False
 
     @classmethod
@@ -185,7 +194,16 @@ class _RegistrationCounter:
 
     @classmethod
     def _registered(cls, module: nn.Module, name: str, value: object) -> None:
-        cls.count += 1
+        cls.unseen = True
+
+    @classmethod
+    def look(cls) -> int:
+        """A number that differs from the one any earlier look returned when something was
+        registered in between, and only then."""
+        if cls.unseen:
+            cls.unseen = False  # before the count: a registration in between is seen by the next look
+            cls.count += 1
+        return cls.count
 
 
 def _registrations(layers: Sequence[nn.Module]) -> list[int | str]:
@@ -215,8 +233,8 @@ class RegisteredTensors:
     def __init__(self, layers: Sequence[nn.Module]) -> None:
         _RegistrationCounter.install()
         self.layers = layers
+        self.counted = _RegistrationCounter.look()
         self.registrations = _registrations(layers)
-        self.counted = _RegistrationCounter.count
 
     def changed(self, entries: Sequence[Entry]) -> bool:
         """Whether the layers now register other tensors than ``entries``, the ones laid out (see
@@ -225,11 +243,12 @@ class RegisteredTensors:
             for site in entry.sites:
                 if site.table().get(site.name) is not entry.tensor:
                     return True
-        if _RegistrationCounter.count == self.counted:
+        counted = _RegistrationCounter.look()
+        if counted == self.counted:
             return False  # nothing registered anywhere since the last look
         if _registrations(self.layers) != self.registrations:
             return True
-        self.counted = _RegistrationCounter.count  # registered elsewhere
+        self.counted = counted  # registered elsewhere
         return False
 
 
