@@ -1,6 +1,6 @@
 """:class:`OffloadedCausalLM` where it answers as ``PreTrainedModel`` does, against the plain model: the
-config it saves, resizing the vocabulary, switching the attention, its mode after ``from_pretrained``,
-``save_pretrained``'s arguments and the forward's refusals. Bit for bit on the CPU; nothing is downloaded.
+config it saves, resizing, replacing and tying again the embeddings, switching the attention, its mode
+after ``from_pretrained`` and the keywords it takes, ``save_pretrained``'s arguments and the forward's refusals. Bit for bit on the CPU; nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -34,6 +34,29 @@ def pair(hf: torch.nn.Module) -> tuple[torch.nn.Module, OffloadedCausalLM]:
 
 def ids(high: int = VOCAB, seed: int = 0) -> torch.Tensor:
     return torch.randint(3, high, (2, 9), generator=torch.Generator().manual_seed(seed))
+
+
+def train_both(plain: torch.nn.Module, model: OffloadedCausalLM, steps: int = 2, high: int = VOCAB) -> None:
+    """``steps`` SGD steps of both models on one batch: logits, loss, every gradient and the parameters
+    after them bit for bit."""
+    names = [name for name, _ in plain.named_parameters()]
+    assert [name for name, _ in model.hf_model.named_parameters()] == names  # the same parameters, tied alike
+    assert len(list(model.parameters())) == len(names)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5, fused=True) for m in (plain, model)]
+    batch = ids(high=high, seed=1)
+    for _ in range(steps):
+        expected, got = plain(input_ids=batch, labels=batch), model(input_ids=batch, labels=batch)
+        torch.testing.assert_close(got.logits, expected.logits, **EXACT)
+        torch.testing.assert_close(got.loss, expected.loss, **EXACT)
+        expected.loss.backward()
+        got.loss.backward()
+        for name, p, q in zip(names, plain.parameters(), model.hf_model.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, **EXACT, msg=name)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    for name, p, q in zip(names, plain.parameters(), model.hf_model.parameters()):
+        torch.testing.assert_close(q, p, **EXACT, msg=name)
 
 
 def test_save_pretrained_writes_the_dtype_of_the_weights_it_writes(tmp_path):
@@ -91,19 +114,43 @@ def test_resize_token_embeddings_trains_as_the_plain_model_resized(tied):
         assert resized.resize_token_embeddings(80).weight.shape == (80, 32)
     assert model.config.vocab_size == 80 and model.get_output_embeddings().weight.shape == (80, 32)
     assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == tied
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5, fused=True) for m in (plain, model)]
-    new = ids(high=80, seed=1)
-    for step in range(2):
-        expected, got = plain(input_ids=new, labels=new), model(input_ids=new, labels=new)
-        torch.testing.assert_close(got.logits, expected.logits, **EXACT)
-        torch.testing.assert_close(got.loss, expected.loss, **EXACT)
-        expected.loss.backward()
-        got.loss.backward()
-        for (name, p), q in zip(plain.named_parameters(), model.hf_model.parameters()):
-            torch.testing.assert_close(q.grad, p.grad, **EXACT, msg=name)
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad()
+    train_both(plain, model, high=80)
+
+
+def test_tie_weights_ties_again_a_tie_that_was_broken_as_the_plain_model_does():
+    plain, model = pair(llama(tied=True))
+    model(input_ids=ids())  # laid out once before
+    # load_state_dict(assign=True) puts each stored tensor in place, the tied two apart, in plain PyTorch too.
+    state = {key: value.clone() for key, value in llama(tied=True).state_dict().items()}
+    for loaded in (plain, model):
+        loaded.load_state_dict({key: value.clone() for key, value in state.items()}, assign=True)
+        assert loaded.get_output_embeddings().weight is not loaded.get_input_embeddings().weight
+        loaded.tie_weights()
+        assert loaded.get_output_embeddings().weight is loaded.get_input_embeddings().weight
+    train_both(plain, model)
+    # Untied on purpose, the config says so: tie_weights() leaves it untied, as the plain model's.
+    plain, model = llama(tied=True), OffloadedCausalLM(llama(tied=True), "cpu", untie_embeddings=True)
+    plain.config.tie_word_embeddings = False
+    plain.lm_head.weight = torch.nn.Parameter(plain.lm_head.weight.detach().clone())
+    for untied in (plain, model):
+        untied.tie_weights()
+        assert untied.get_output_embeddings().weight is not untied.get_input_embeddings().weight
+    train_both(plain, model)
+
+
+@pytest.mark.parametrize("which", ["input", "output"])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_set_embeddings_trains_the_new_module_as_the_plain_model_does(which, tied):
+    plain, model = pair(llama(tied=tied))
+    model(input_ids=ids())  # laid out once before the new module
+    torch.manual_seed(4)
+    new = torch.nn.Embedding(VOCAB, 32) if which == "input" else torch.nn.Linear(32, VOCAB, bias=False)
+    for changed in (plain, model):
+        getattr(changed, f"set_{which}_embeddings")(copy.deepcopy(new))
+    module = getattr(model, f"get_{which}_embeddings")()
+    torch.testing.assert_close(module.weight, new.weight, **EXACT)
+    assert any(p is module.weight for p in model.parameters())
+    train_both(plain, model)
 
 
 def test_switching_the_attention_implementation_reaches_the_stages():
@@ -128,6 +175,27 @@ def test_from_pretrained_is_in_eval_mode_as_the_plain_model(tmp_path):
     assert load_causal_lm(tmp_path, "cpu", num_slices=2)[0].training is False
     torch.testing.assert_close(model(input_ids=ids()).logits, plain(input_ids=ids()).logits, **EXACT)
     assert OffloadedCausalLM(llama().eval(), device="cpu", num_slices=2).training is False
+
+
+def test_from_pretrained_takes_the_attention_implementation_and_torch_dtype_as_the_plain_model(tmp_path):
+    llama().save_pretrained(tmp_path)
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[0, :3] = 0
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    model = OffloadedCausalLM.from_pretrained(tmp_path, device="cpu", num_slices=2, attn_implementation="eager")
+    assert model.config._attn_implementation == plain.config._attn_implementation == "eager"
+    torch.testing.assert_close(model(input_ids=ids(), attention_mask=mask).logits,
+                               plain(input_ids=ids(), attention_mask=mask).logits, **EXACT)
+    plain.train()
+    model.train()
+    train_both(plain, model)
+    with pytest.warns(FutureWarning, match="torch_dtype is deprecated"):
+        model = OffloadedCausalLM.from_pretrained(tmp_path, device="cpu", num_slices=2, torch_dtype=torch.bfloat16)
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, torch_dtype=torch.bfloat16)
+    torch.testing.assert_close(model.state_dict(), plain.state_dict(), **EXACT)
+    with pytest.raises(TypeError, match=r"^load_causal_lm \(and OffloadedCausalLM\.from_pretrained\) got unexpected "
+                                        r"keyword argument: 'trust_remote_code'; it takes dtype, .*num_slices"):
+        OffloadedCausalLM.from_pretrained(tmp_path, device="cpu", trust_remote_code=True)
 
 
 def test_forward_names_what_it_refuses_and_gives_no_loss_for_shift_labels_alone():

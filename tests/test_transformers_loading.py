@@ -175,6 +175,32 @@ def test_a_bfloat16_checkpoint_into_float32_masters_and_a_compute_dtype(kind, de
     assert kept.get_input_embeddings().weight.dtype == torch.bfloat16
 
 
+def test_from_pretrained_keywords_for_the_attention_and_the_dtype_and_one_line_for_any_other(tmp_path):
+    build("llama", dropout=0.0).save_pretrained(tmp_path)
+    # attn_implementation as from_pretrained takes it: on the config, and eager's logits and gradients.
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32,
+                                                                  attn_implementation="eager")
+    model, hf = load_causal_lm(tmp_path, "cpu", num_slices=2, attn_implementation="eager")
+    assert hf.config._attn_implementation == reference.config._attn_implementation == "eager"
+    assert_same_training_step(model, hf, reference)
+    # torch_dtype, dtype's old name, as from_pretrained takes it: where dtype is not given; warned of.
+    for keywords in ({"torch_dtype": torch.bfloat16}, {"dtype": torch.float32, "torch_dtype": torch.bfloat16}):
+        with pytest.warns(FutureWarning, match="^torch_dtype is deprecated, as in transformers: use dtype instead$"):
+            _, hf = load_causal_lm(tmp_path, "cpu", **keywords)
+        reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, **keywords)
+        assert hf.dtype == reference.dtype == keywords.get("dtype", torch.bfloat16)
+        assert_same_tensors(hf, reference)
+    # Any other keyword (from_pretrained's device_map, revision, ...): one line naming what is taken,
+    # before anything is read (OffloadModel would have named itself, which the caller never called).
+    with pytest.raises(TypeError) as refused:
+        load_causal_lm(tmp_path / "missing", "cpu", num_slices=2, revision="main", device_map="cpu")
+    assert "\n" not in str(refused.value)
+    assert str(refused.value).startswith(
+        "load_causal_lm (and OffloadedCausalLM.from_pretrained) got unexpected keyword arguments: 'device_map', "
+        "'revision'; it takes dtype, loss_chunk_tokens, quantization_config, attn_implementation, torch_dtype and "
+        "OffloadModel's offload_device, num_slices, ")
+
+
 @pytest.mark.parametrize("kind", ["llama", "gemma3_text"])
 def test_masters_on_disk_load_and_train_as_in_ram(kind, tmp_path):
     from offload import DiskTier, OffloadOptimizer

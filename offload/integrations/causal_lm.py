@@ -59,6 +59,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from ..model import OffloadModel, engine_of
 from ..optimizer import OffloadOptimizer
+from . import causal_lm_embeddings
 from .peft import peft_base_model, peft_names_as_hf
 from .transformers_loading import load_causal_lm, stored_into_stages
 from .transformers_batch import LAST_HIDDEN_STATE
@@ -200,22 +201,14 @@ class OffloadedCausalLM(PreTrainedModel):
         """Runs the offloaded stages to the normed last hidden states (rule 6 of the note)."""
         return _HiddenStates(self)
 
-    def get_input_embeddings(self) -> nn.Module:
-        # hf_model is no submodule: what it hands out would not wait for pending updates as parameters() does.
-        self.offloaded._settle()
-        return self.hf_model.get_input_embeddings()
-
-    def get_output_embeddings(self) -> nn.Module:
-        self.offloaded._settle()
-        return self.hf_model.get_output_embeddings()
-
-    def resize_token_embeddings(self, *args: Any, **kwargs: Any) -> nn.Embedding:
-        """The model's own ``resize_token_embeddings`` (embeddings, ``lm_head``, ``config.vocab_size``)
-        once the pending update landed (it copies the old rows); their slices are laid out again."""
-        self.offloaded._settle()
-        embeddings = self.hf_model.resize_token_embeddings(*args, **kwargs)
-        engine_of(self.offloaded).refresh()
-        return embeddings
+    # The model's own, settled first and laid out again after (Note: [The embeddings through the
+    # model's own methods] in causal_lm_embeddings.py): hf_model is no submodule.
+    get_input_embeddings = causal_lm_embeddings.get_input_embeddings
+    get_output_embeddings = causal_lm_embeddings.get_output_embeddings
+    set_input_embeddings = causal_lm_embeddings.set_input_embeddings
+    set_output_embeddings = causal_lm_embeddings.set_output_embeddings
+    resize_token_embeddings = causal_lm_embeddings.resize_token_embeddings
+    tie_weights = causal_lm_embeddings.tie_weights
 
     def set_attn_implementation(self, attn_implementation: str | dict[str, str]) -> None:
         """The model's own: its checks, and the config the stages read at every call."""
@@ -250,9 +243,6 @@ class OffloadedCausalLM(PreTrainedModel):
         embeddings = {id(m.weight) for s in engine.slices for m in s.modules() if isinstance(m, nn.Embedding)}
         return sum(p.numel() for p in dict.fromkeys(engine.parameters())
                    if not (exclude_embeddings and id(p) in embeddings) and (p.requires_grad or not only_trainable))
-
-    def tie_weights(self, *args: Any, **kwargs: Any) -> None:
-        """Tied embeddings stay tied by construction (``causal_lm_sequential``); nothing to do."""
 
     def offload_optimizer(self, args: Any, **options: Any) -> OffloadOptimizer:
         """The optimizer ``transformers.Trainer`` would build from ``args`` (a ``TrainingArguments``,

@@ -23,6 +23,7 @@ the same way, with transformers' own functions:
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import warnings
@@ -60,9 +61,10 @@ def load_causal_lm(
     path: str | os.PathLike[str],
     device: torch.device | str | int,
     *,
-    dtype: torch.dtype | str = torch.float32,
+    dtype: torch.dtype | str | None = None,
     loss_chunk_tokens: int | None = None,
     quantization_config: Any = None,
+    attn_implementation: str | None = None,
     **options: Any,
 ) -> tuple[OffloadModel, nn.Module]:
     """Load a Hugging Face causal LM folder into an ``OffloadModel``, slice by slice.
@@ -78,14 +80,18 @@ def load_causal_lm(
         path: a model folder: ``config.json`` and ``model.safetensors``, or a sharded checkpoint's
             ``model.safetensors.index.json`` and shards.
         device: the compute device, as for ``OffloadModel``.
-        dtype: the dtype of the host copies (the masters): float32 by default, whatever the
+        dtype: the dtype of the host copies (the masters): float32 by default (``None``), whatever the
             checkpoint stores; ``"auto"`` keeps the dtype ``config.json`` names, else the stored one.
+            ``torch_dtype``, its old name, is taken where ``dtype`` is not given, with a
+            ``FutureWarning``, as ``from_pretrained`` takes it.
         loss_chunk_tokens: as for ``causal_lm_sequential``.
         quantization_config: a ``transformers.BitsAndBytesConfig(load_in_4bit=True, ...)``: every
             linear layer but the head becomes a frozen bitsandbytes ``Linear4bit``, each weight
             quantised on the CPU as it is read, as ``from_pretrained(..., quantization_config=...,
             device_map="cpu")`` quantises it, bit for bit (Note: [Quantizing while loading] in
             ``offload/loading/four_bit.py``): the model is never in RAM unquantised.
+        attn_implementation: as for ``from_pretrained`` (``"eager"``, ``"sdpa"``, ...): set on the
+            config before the model is built, which checks it; the config's own by default.
         options: the other arguments of ``OffloadModel`` (``num_slices``, ``compute_dtype``,
             ``resident_slices``, ...),
             but ``process_group``.
@@ -95,6 +101,8 @@ def load_causal_lm(
         modules the stages share (``hf_model.save_pretrained`` writes the trained weights).
 
     Raises:
+        TypeError: a keyword argument that is neither one of the above nor ``OffloadModel``'s
+            (``from_pretrained``'s ``device_map``, ``revision``, ...), in one line that lists them.
         ValueError: a checkpoint that does not match the model (missing or misshapen keys, each
             named with its file, and what to do), a checkpoint saved already quantized (its
             ``config.json`` has a ``quantization_config``), stored tensors that need a conversion
@@ -111,9 +119,13 @@ def load_causal_lm(
         model, hf = load_causal_lm("path/to/model", device="cuda", num_slices=8, compute_dtype=torch.bfloat16)
         optimizer = offload.OffloadOptimizer(model, torch.optim.AdamW, lr=1e-5)
     """
+    dtype = _dtype_or_its_old_name(dtype, options)
+    _refuse_unknown_options(options)
     path = _model_folder(path)
     config = AutoConfig.from_pretrained(path)
     _refuse_saved_quantized(path, config)
+    if attn_implementation is not None:  # as from_pretrained sets it; the model checks it as it is built
+        config._attn_implementation = attn_implementation
     checkpoint = SafetensorsCheckpoint(path)
     if dtype == "auto":
         dtype = _auto_dtype(config, checkpoint)
@@ -140,6 +152,33 @@ def load_causal_lm(
     _forget_untied(hf_model)
     model.eval()  # as its modules: built in train mode, as every nn.Module
     return model, hf_model
+
+
+def _dtype_or_its_old_name(dtype: torch.dtype | str | None, options: dict[str, Any]) -> torch.dtype | str:
+    """``dtype``, else ``torch_dtype`` taken out of ``options`` (warned of, as transformers' deprecated
+    name: ``from_pretrained`` takes it where ``dtype`` is not given), else float32."""
+    torch_dtype = options.pop("torch_dtype", None)
+    if torch_dtype is not None:
+        warnings.warn("torch_dtype is deprecated, as in transformers: use dtype instead", FutureWarning,
+                      stacklevel=3)  # load_causal_lm's caller
+    if dtype is None:
+        dtype = torch_dtype
+    return torch.float32 if dtype is None else dtype
+
+
+def _refuse_unknown_options(options: Mapping[str, Any]) -> None:
+    """One line of refusal for keywords neither ``load_causal_lm`` nor ``OffloadModel`` takes, before
+    anything is read: ``OffloadModel`` would name only itself, a class the caller never called.
+    (``process_group`` passes, to ``build_from_checkpoint``'s refusal, which says what to do.)"""
+    offload_model = [name for name in inspect.signature(OffloadModel.__init__).parameters
+                     if name not in ("self", "model", "device", "process_group")]
+    unknown = sorted(set(options) - set(offload_model) - {"process_group"})
+    if unknown:
+        own = ["dtype", "loss_chunk_tokens", "quantization_config", "attn_implementation", "torch_dtype"]
+        plural = "s" if len(unknown) > 1 else ""
+        raise TypeError(f"load_causal_lm (and OffloadedCausalLM.from_pretrained) got unexpected keyword "
+                        f"argument{plural}: {_listed([repr(k) for k in unknown])}; it takes {', '.join(own)} "
+                        f"and OffloadModel's {', '.join(offload_model)}")
 
 
 def _forget_untied(hf_model: nn.Module) -> None:
