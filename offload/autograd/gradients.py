@@ -165,7 +165,8 @@ class BackwardGradients:
         # Final gradients are read to start updates (Note: [Update in backward]) only where a subscriber
         # names parameters; the norms of Note: [Norms from backward] name none.
         self._starts_updates = bool(final)
-        clean = ({id(p) for p in params if outside_gradients.known_clean(p)}
+        verdicts = outside_gradients.Verdicts.now()
+        clean = ({id(p) for p in params if id(p) in verdicts.clean}
                  if accumulates and outside_gradients.alone(engine, ctx) else set())
         into, candidates = in_place_targets(ctx, params, num_inputs, needed[num_inputs:], milestones.rewrite_gradients,
                                             any_grad=final, onto_earlier=clean)
@@ -176,7 +177,7 @@ class BackwardGradients:
         # What a failed backward can zero again: .grad that held zeros (rule 6); the others (taken
         # by the backward that starts the update, or added onto earlier gradients) cannot be undone.
         self._undoable = {id(t): p for p, t in zip(params, into) if t is not None and still_zeroed(p, t)}
-        self._watched = self._watch(params, into, candidates, final)
+        self._watched = self._watch(params, into, candidates, final, verdicts.known)
         # - Gradients on their way
         self._slice: SliceGradients | None = None  # the current slice's, while its microbatches run
         self._pending: list[tuple[int, PendingGradients]] = []
@@ -186,16 +187,16 @@ class BackwardGradients:
         self._announced = False  # whether a slice's final gradients were announced (its update may run)
 
     def _watch(self, params: Sequence[torch.Tensor], into: Sequence[torch.Tensor | None], candidates: Sequence[bool],
-               final: set[int]) -> set[int]:
+               final: set[int], known: frozenset[int]) -> set[int]:
         """Watch, until this backward ends, the parameters added onto earlier gradients and those not
-        known yet (Note: [Adding onto earlier gradients], step 1); their ids. The update in backward
+        ``known`` yet (Note: [Adding onto earlier gradients], step 1); their ids. The update in backward
         watches its own (``final``)."""
         chosen = []
         for p, target, candidate in zip(params, into, candidates):
             if not candidate or id(p) in final:
                 continue
             onto_earlier = target is not None and id(target) not in self._undoable
-            if onto_earlier or not outside_gradients.known(p):
+            if onto_earlier or id(p) not in known:
                 chosen.append((p, onto_earlier))
         if chosen:
             names = self.run.engine.parameter_names()

@@ -55,22 +55,37 @@ from typing import Any
 
 import torch
 
-from ..walk.engine import engines_holding
+from ..walk.engine import _LIVE, engines_holding
 
 # What is known of a parameter lives on the engines that hold it (``Engine.known_sources``), by id:
 # a weak reference to the parameter would stop torch.utils.swap_tensors (load_state_dict and .to()
 # under torch.__future__.set_swap_module_params_on_conversion).
 
 
-def known_clean(param: torch.Tensor) -> bool:
-    """Whether a watched backward saw ``param`` receive gradients from its model only (step 1)."""
-    verdicts = [e.known_sources.get(id(param)) for e in engines_holding(param)]
-    return bool(verdicts) and all(verdicts)
+@dataclass(frozen=True)
+class Verdicts:
+    """What the watched backwards judged of the parameters (step 1), by id, read from every live
+    engine at once: a backward asks it of each of its model's parameters, and finding one
+    parameter's engines (``engines_holding`` copies the live engines' weak set) cost about 1 ms
+    a backward of 300 parameters.
 
+    Attributes:
+        clean: the parameters every engine holding them saw receive gradients from its model only.
+        known: the parameters an engine holding them judged already, clean or outside.
+    """
 
-def known(param: torch.Tensor) -> bool:
-    """Whether a watched backward judged ``param`` already, clean or outside."""
-    return any(id(param) in e.known_sources for e in engines_holding(param))
+    clean: frozenset[int]
+    known: frozenset[int]
+
+    @classmethod
+    def now(cls) -> Verdicts:
+        engines = list(_LIVE)
+        held = frozenset().union(*(e.parameter_ids for e in engines))
+        # Not clean where one engine holding the parameter has no verdict, or an outside one.
+        doubted = set().union(*(e.parameter_ids - {k for k, clean in e.known_sources.items() if clean}
+                                for e in engines))
+        known = frozenset().union(*(e.parameter_ids & e.known_sources.keys() for e in engines))
+        return cls(held - doubted, known)
 
 
 #: Each model's calls whose graphs are alive (their Function nodes, by engine).
