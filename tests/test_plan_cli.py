@@ -288,16 +288,21 @@ def test_a_size_that_divides_by_zero_in_the_build_is_one_line_unchecked_too(chan
                                                                                   f"{config}: ")
 
 
-def test_a_config_the_profile_refuses_is_one_line_naming_the_flags_unchecked_too(inputs, capsys, monkeypatch):
-    """Behind the sizes' check, a forward that fails on the fake batch is the config's and the
-    flags' error, as --model's input is, not a traceback."""
-    import offload.cli.plan_models
+def test_a_planner_failure_on_a_valid_config_is_not_told_as_the_flags_error(inputs, monkeypatch):
+    """A config's and a preset's layers are not the user's: their forward failing on sizes torch can
+    hold is the planner's fault (as torch 2.11's attention count refusing grouped-query shapes was),
+    a traceback to report, not a one-line error blaming the flags."""
+    from offload.planning import shapes
 
-    monkeypatch.setattr(offload.cli.plan_models, "_check_sizes", lambda spec, config: None)
-    config = json.dumps(TINY_LLAMA | {"num_key_value_heads": 3})
-    line = plan_error(capsys, "--hf-config", config, "--gpu", "a100", "--seq-len", "32")
-    assert line.startswith(f"offload plan: error: --hf-config {config} --batch-size 8 --seq-len 32: profiling layer 1 "
-                           "(DecoderLayer) on fake tensors failed: "), line
+    def refuses(*args, **kwargs):
+        raise AssertionError("sdpa_flop_count: query/key/value shapes are incompatible")
+
+    monkeypatch.setattr(shapes, "_cpu_attention_flop", refuses)
+    mapping = shapes._cpu_attention_flops()
+    monkeypatch.setattr(shapes, "_cpu_attention_flops", lambda: {op: refuses for op in mapping})
+    config = json.dumps(TINY_LLAMA | {"num_key_value_heads": 2})
+    with pytest.raises(RuntimeError, match="profiling layer 1"):
+        main(["plan", "--hf-config", config, "--gpu", "a100", "--seq-len", "32"])
 
 
 def test_an_error_line_leaves_out_the_cpp_frames_torch_appends():

@@ -90,7 +90,8 @@ class Workload:
 
     def __init__(self, layers: nn.Sequential, make_input: Callable[[], Any], batch_size: int, build: str,
                  finetune: list[str] | None = None, input_flags: str | None = None,
-                 profiled: nn.Sequential | None = None, four_bit: FourBitBase | None = None) -> None:
+                 profiled: nn.Sequential | None = None, four_bit: FourBitBase | None = None,
+                 users_layers: bool = False) -> None:
         self.layers = layers
         self.profiled = layers if profiled is None else profiled
         self.four_bit = four_bit
@@ -101,6 +102,10 @@ class Workload:
         #: The flags that describe a user's input (``--input-shape ...``, ``--hf-config ...
         #: --batch-size ...``): a forward that fails on it is their input's error, not the planner's.
         self.input_flags = input_flags
+        #: Whether the layers are the user's own (``--model``): any failure of their forward on the
+        #: input is the input's then; a preset's or a config's fails on the user's sizes only where
+        #: they overflow what torch can hold, and any other failure is the planner's, a traceback.
+        self.users_layers = users_layers
         self._profiles: dict[Any, ModelProfile] = {}
 
     @property
@@ -115,10 +120,9 @@ class Workload:
             try:
                 profile = profile_layers(self.profiled, self.make_input, compute_dtype=compute_dtype)
             except (RuntimeError, TypeError, ValueError, OverflowError) as error:
-                # What torch raises on the sizes given (a layer refusing the input, a tensor past
-                # int64's bytes, heads that do not group): the flags' error, in one line. Other
-                # exceptions, and any from a workload without input flags, propagate.
-                if self.input_flags is None:
+                # What torch raises on the sizes given (a user's layer refusing the input, a tensor
+                # past int64's bytes): the flags' error, in one line. Other exceptions propagate.
+                if self.input_flags is None or not (self.users_layers or _overflowed(error)):
                     raise
                 raise PlanInputError(f"{self.input_flags}: {_one_line(error)}") from error
             self._profiles[compute_dtype] = profile
@@ -159,7 +163,7 @@ def workload(args: argparse.Namespace) -> Workload:
     def make_input() -> Any:
         return preset.make_batch(rows, "cpu")[0]
 
-    return Workload(preset.model, make_input, rows, build, input_flags=input_flags)
+    return Workload(preset.model, make_input, rows, build, input_flags=input_flags, users_layers=bool(args.model))
 
 
 def _setting(item: str) -> tuple[str, Any]:
@@ -321,6 +325,16 @@ def _with_lora(hf: nn.Module, rank: int) -> nn.Module:
         # peft asks the meta model a deprecated transformers question; the note is theirs, not the user's.
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         return peft.get_peft_model(hf, peft.LoraConfig(r=rank, target_modules="all-linear", task_type="CAUSAL_LM"))
+
+
+def _overflowed(error: BaseException) -> bool:
+    """Whether ``error`` (or what it wraps: the profile names the layer that failed) is a size past
+    what torch can hold: a shape or a storage's bytes past int64."""
+    while error is not None:
+        if isinstance(error, OverflowError) or "overflow" in str(error).lower():
+            return True
+        error = error.__cause__  # type: ignore[assignment]
+    return False
 
 
 def _one_line(error: BaseException) -> str:

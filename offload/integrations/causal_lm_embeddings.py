@@ -21,8 +21,9 @@ Note: [The embeddings through the model's own methods]
     3. ``tie_weights`` is the model's own too, not a no-op: tied embeddings are tied when the model
        is cut, but a tie broken later (``load_state_dict(..., assign=True)`` breaks it, as in plain
        PyTorch) is tied again only by it, as the plain model's ``tie_weights()`` ties it again. A model
-       untied on purpose (``untie_embeddings=True``, a checkpoint whose stored head differs) has its
-       config say so, and stays untied.
+       untied on purpose (``untie_embeddings=True``) has its config say so, and stays untied; one
+       loaded from a checkpoint whose stored head differs is tied by ``tie_weights()`` as the plain
+       model loaded from it is (its config still says tied).
 """
 
 from __future__ import annotations

@@ -167,14 +167,16 @@ def _dtype_or_its_old_name(dtype: torch.dtype | str | None, options: dict[str, A
 
 
 def _refuse_unknown_options(options: Mapping[str, Any]) -> None:
-    """One line of refusal for keywords neither ``load_causal_lm`` nor ``OffloadModel`` takes, before
-    anything is read: ``OffloadModel`` would name only itself, a class the caller never called.
-    (``process_group`` passes, to ``build_from_checkpoint``'s refusal, which says what to do.)"""
+    """One line of refusal for keywords neither ``load_causal_lm``, ``build_from_checkpoint`` nor
+    ``OffloadModel`` takes, before anything is read: ``OffloadModel`` would name only itself, a class
+    the caller never called. (``process_group`` passes, to ``build_from_checkpoint``'s refusal,
+    which says what to do.)"""
     offload_model = [name for name in inspect.signature(OffloadModel.__init__).parameters
                      if name not in ("self", "model", "device", "process_group")]
-    unknown = sorted(set(options) - set(offload_model) - {"process_group"})
+    unknown = sorted(set(options) - set(offload_model) - {"process_group", "untie_differing_copies"})
     if unknown:
-        own = ["dtype", "loss_chunk_tokens", "quantization_config", "attn_implementation", "torch_dtype"]
+        own = ["dtype", "loss_chunk_tokens", "quantization_config", "attn_implementation", "torch_dtype",
+               "untie_differing_copies"]
         plural = "s" if len(unknown) > 1 else ""
         raise TypeError(f"load_causal_lm (and OffloadedCausalLM.from_pretrained) got unexpected keyword "
                         f"argument{plural}: {_listed([repr(k) for k in unknown])}; it takes {', '.join(own)} "
