@@ -55,10 +55,11 @@ def runs(name: str, report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def exact(report: dict[str, Any]) -> str:
+def exact(report: dict[str, Any], name: str = "exact") -> str:
     grads = report.get("gradients_after_first_backward", {})
     per_slice = report.get("parameters_per_slice", {})
-    lines = [f"exact (deterministic {report.get('deterministic')}): gradients after the first backward, first offloaded "
+    lines = [f"{name} (deterministic {report.get('deterministic')}, {report.get('tokens_per_step')} tokens a step): "
+             "gradients after the first backward, first offloaded "
              f"run against the resident model: bit identical {grads.get('bit_identical')} "
              f"({grads.get('offload_vs_resident_tensors_differing')} of {grads.get('tensors')} tensors differ)"]
     for name, verdict in grads.get("per_variant", {}).items():
@@ -148,7 +149,7 @@ def show(path: str) -> None:
         if name == "host":
             parts.append(host(report))
         elif name.startswith("exact"):  # exact, and exact-batch at the batch stage's rows
-            parts.append(exact(report))
+            parts.append(exact(report, name))
         elif name == "trace":
             parts.append(trace(report))
         elif name == "kernels":
