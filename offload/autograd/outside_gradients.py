@@ -55,7 +55,7 @@ from typing import Any
 
 import torch
 
-from ..walk.engine import _LIVE, engines_holding
+from ..walk.engine import engines_holding, live_engines
 
 # What is known of a parameter lives on the engines that hold it (``Engine.known_sources``), by id:
 # a weak reference to the parameter would stop torch.utils.swap_tensors (load_state_dict and .to()
@@ -79,7 +79,7 @@ class Verdicts:
 
     @classmethod
     def now(cls) -> Verdicts:
-        engines = list(_LIVE)
+        engines = live_engines()
         held = frozenset().union(*(e.parameter_ids for e in engines))
         # Not clean where one engine holding the parameter has no verdict, or an outside one.
         doubted = set().union(*(e.parameter_ids - {k for k, clean in e.known_sources.items() if clean}

@@ -473,14 +473,19 @@ class Engine:
 _LIVE: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 
+def live_engines() -> list[Engine]:
+    """Every engine alive now, held strongly while the caller reads them."""
+    return list(_LIVE)
+
+
 def engines_holding(p: torch.Tensor) -> list[Engine]:
     """The engines whose slices hold ``p`` (as of their last layout): usually one, or none."""
-    return [engine for engine in list(_LIVE) if id(p) in engine.parameter_ids]
+    return [engine for engine in live_engines() if id(p) in engine.parameter_ids]
 
 
 def held_by_an_engine(p: torch.Tensor) -> bool:
     """Whether an OffloadModel's slices hold ``p`` (as of their last layout)."""
-    return any(id(p) in engine.parameter_ids for engine in list(_LIVE))
+    return any(id(p) in engine.parameter_ids for engine in live_engines())
 
 
 def _check_layout(layers: Iterable[nn.Module]) -> None:
