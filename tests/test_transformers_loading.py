@@ -197,8 +197,8 @@ def test_from_pretrained_keywords_for_the_attention_and_the_dtype_and_one_line_f
     assert "\n" not in str(refused.value)
     assert str(refused.value).startswith(
         "load_causal_lm (and OffloadedCausalLM.from_pretrained) got unexpected keyword arguments: 'device_map', "
-        "'revision'; it takes dtype, loss_chunk_tokens, quantization_config, attn_implementation, torch_dtype, "
-        "untie_differing_copies and OffloadModel's offload_device, num_slices, ")
+        "'revision'; it takes dtype, loss_chunk_tokens, quantization_config, attn_implementation, router_logits, "
+        "torch_dtype, untie_differing_copies and OffloadModel's offload_device, num_slices, ")
     # build_from_checkpoint's own keyword passes, as before the refusal.
     load_causal_lm(tmp_path, "cpu", num_slices=2, untie_differing_copies=False)
 

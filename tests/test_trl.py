@@ -137,29 +137,48 @@ def mixtral(tokenizer) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
-def test_the_router_loss_is_refused_naming_router_aux_loss_coef_and_trains_bit_for_bit_without_it(tmp_path):
-    """SFTConfig's default takes the model config's router_aux_loss_coef and asks for the router logits,
-    which the offloaded slices do not return: refused, by offload_optimizer before training and by the
-    forward at the first step, naming router_aux_loss_coef=0.0; with it, the plain run bit for bit."""
+@pytest.mark.parametrize("coefficient", [None, 0.5, 0.0], ids=["config's", "0.5", "off"])
+def test_the_router_loss_trains_bit_for_bit_under_any_router_aux_loss_coef(coefficient, tmp_path):
+    """SFTConfig's default takes the model config's router_aux_loss_coef, asks the backbone (TRL's
+    fused head calls base_model) for the router logits and adds the load-balancing loss: the stages
+    carry them (Note: [Router logits]), so the run, its logged aux loss and the weights are the plain
+    model's bit for bit; 0.0 turns the loss off in both."""
     tokenizer = byte_tokenizer()
     data = datasets.Dataset.from_dict(CHAT)
-    model = OffloadedCausalLM(mixtral(tokenizer), device="cpu", num_slices=2)
-    default = trl.SFTConfig(output_dir=str(tmp_path / "default"), **SHARED)
-    advice = r"load-balancing loss \({}.*SFTConfig\(router_aux_loss_coef=0\.0\).*config\.output_router_logits = False"
-    with pytest.raises(ValueError, match=advice.format(r"SFTConfig\(router_aux_loss_coef=None\) weights it by 0\.001")):
-        model.offload_optimizer(default)
-    trainer = trl.SFTTrainer(model=model, args=default, train_dataset=data, processing_class=tokenizer)
-    with pytest.raises(TypeError, match=advice.format("output_router_logits=True in the call")):
-        trainer.train()
-
     runs = []
     for name in ("plain", "offloaded"):
         hf = mixtral(tokenizer)
         model = hf if name == "plain" else OffloadedCausalLM(hf, device="cpu", num_slices=2)
-        config = trl.SFTConfig(output_dir=str(tmp_path / name), router_aux_loss_coef=0.0, **SHARED)
+        config = trl.SFTConfig(output_dir=str(tmp_path / name), router_aux_loss_coef=coefficient, **SHARED)
         optimizers = (None, None) if name == "plain" else (model.offload_optimizer(config), None)
         trainer = trl.SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer,
                                  optimizers=optimizers)
+        trainer.train()
+        runs.append((history(trainer), dict(hf.named_parameters())))
+    (plain_history, plain), (offloaded_history, offloaded) = runs
+    assert offloaded_history == plain_history and len(plain_history) == 3
+    assert ("aux_loss" in plain_history[0]) == (coefficient != 0.0)
+    for name, p in plain.items():
+        torch.testing.assert_close(offloaded[name], p, **EXACT, msg=lambda m: f"{name}: {m}")
+
+
+def test_output_router_logits_set_in_the_config_after_wrapping_trains_as_the_model(tmp_path):
+    """transformers.Trainer's equivalent: the model adds the router loss when its config asks for the
+    logits, here set after the model was wrapped: the Trainer's run is the plain model's bit for bit."""
+    from .test_trainer import arguments
+
+    tokenizer = byte_tokenizer()
+    ids = torch.randint(3, len(tokenizer), (8, 9), generator=torch.Generator().manual_seed(0))
+    data = datasets.Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
+    runs = []
+    for name in ("plain", "offloaded"):
+        hf = mixtral(tokenizer)
+        hf.router_aux_loss_coef = 0.5  # what the forward reads; large enough to move the routers
+        model = hf if name == "plain" else OffloadedCausalLM(hf, device="cpu", num_slices=2)
+        hf.config.output_router_logits = True
+        args = arguments(tmp_path / name, eval_strategy="no", max_steps=2)
+        optimizers = (None, None) if name == "plain" else (model.offload_optimizer(args), None)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=data, optimizers=optimizers)
         trainer.train()
         runs.append((history(trainer), dict(hf.named_parameters())))
     (plain_history, plain), (offloaded_history, offloaded) = runs
@@ -168,21 +187,15 @@ def test_the_router_loss_is_refused_naming_router_aux_loss_coef_and_trains_bit_f
         torch.testing.assert_close(offloaded[name], p, **EXACT, msg=lambda m: f"{name}: {m}")
 
 
-def test_output_router_logits_set_in_the_config_after_wrapping_is_refused(tmp_path):
-    """transformers.Trainer's equivalent: the model adds the router loss when its config asks for the
-    logits; set after the model was wrapped (wrapping refuses it before), the forward refuses it."""
-    from .test_trainer import arguments
-
+def test_the_router_loss_of_a_family_without_one_is_refused_naming_router_aux_loss_coef(tmp_path):
+    """Llama 4 returns router logits without computing a load-balancing loss, and TRL would add one from
+    its config's coefficient: refused before training, naming router_aux_loss_coef=0.0."""
     tokenizer = byte_tokenizer()
-    hf = mixtral(tokenizer)
-    model = OffloadedCausalLM(hf, device="cpu", num_slices=2)
-    hf.config.output_router_logits = True
-    with pytest.raises(ValueError, match=r"\(output_router_logits=True in the model's config\).*"
-                                         r"config\.output_router_logits = False"):
-        model.offload_optimizer(arguments(tmp_path))
-    ids = torch.randint(3, len(tokenizer), (2, 9), generator=torch.Generator().manual_seed(0))
-    with pytest.raises(TypeError, match=r"\(output_router_logits=True in the model's config\)"):
-        model(input_ids=ids, labels=ids)
-    hf.config.output_router_logits = False
-    model.offload_optimizer(arguments(tmp_path))
-    assert model(input_ids=ids, labels=ids).loss.isfinite()
+    config = transformers.Llama4TextConfig(
+        hidden_size=32, intermediate_size=64, intermediate_size_mlp=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, vocab_size=len(tokenizer), num_local_experts=2, num_experts_per_tok=1,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    model = OffloadedCausalLM(transformers.AutoModelForCausalLM.from_config(config), device="cpu", num_slices=2)
+    advice = r"load-balancing loss \(SFTConfig\(router_aux_loss_coef=None\) weights it by .*router_aux_loss_coef=0\.0"
+    with pytest.raises(ValueError, match=advice):
+        model.offload_optimizer(trl.SFTConfig(output_dir=str(tmp_path / "default"), **SHARED))

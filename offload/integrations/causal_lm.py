@@ -62,16 +62,17 @@ from ..optimizer import OffloadOptimizer
 from . import causal_lm_embeddings
 from .peft import peft_base_model, peft_names_as_hf
 from .transformers_loading import load_causal_lm, stored_into_stages
-from .transformers_batch import LAST_HIDDEN_STATE
+from .transformers_batch import LAST_HIDDEN_STATE, ROUTER_LOGITS
 from .transformers_refusals import (MissingLogits, attribute_or_advice, refuse_adapter_on_head,
                                     refuse_packed_sequences, refuse_router_logits, refuse_trainer_arguments,
                                     refuse_update_in_backward, warn_of_cache, warn_of_layer_outputs)
 from .transformers_saving import positional_save_arguments, save_causal_lm, save_options
+from .transformers_router import flat_router_logits, router_logits_asked, with_router_loss
 from .transformers_stages import CausalLMSequential, causal_lm_sequential, packed_sequence_keywords
 
 try:
     from transformers import PreTrainedModel
-    from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+    from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast, MoeModelOutputWithPast
 except ImportError as error:  # pragma: no cover - exercised only without the extra installed
     raise ImportError(
         'offload.integrations.causal_lm needs Hugging Face transformers 5: pip install -e ".[transformers]"'
@@ -145,7 +146,8 @@ class OffloadedCausalLM(PreTrainedModel):
 
     def __init__(self, model: nn.Module, device: torch.device | str | int, *, loss_chunk_tokens: int | None = None,
                  untie_embeddings: bool = False, **options: Any) -> None:
-        layers = causal_lm_sequential(model, loss_chunk_tokens=loss_chunk_tokens, untie_embeddings=untie_embeddings)
+        layers = causal_lm_sequential(model, loss_chunk_tokens=loss_chunk_tokens, untie_embeddings=untie_embeddings,
+                                      router_logits=None)  # where the family has a router loss (Note: [Router logits])
         self._adopt(OffloadModel(layers, device, **options), model)
 
     @classmethod
@@ -154,7 +156,7 @@ class OffloadedCausalLM(PreTrainedModel):
         """Load a Hugging Face model folder slice by slice into the host copies
         (:func:`~offload.integrations.transformers.load_causal_lm`, whose arguments it takes), never
         the whole model in RAM beside them."""
-        offloaded, hf_model = load_causal_lm(path, device, **options)
+        offloaded, hf_model = load_causal_lm(path, device, **{"router_logits": None, **options})
         model = cls.__new__(cls)
         model._adopt(offloaded, hf_model)
         return model
@@ -284,12 +286,16 @@ class OffloadedCausalLM(PreTrainedModel):
         """The model's forward: logits, and the loss when ``labels`` are given (``shift_labels`` alone
         give none, as in the model; with ``loss_chunk_tokens`` either gives it), summed over tokens and
         divided by ``num_items_in_batch`` when the trainer passes it, as the model's ``ForCausalLMLoss`` does. ``logits_to_keep`` keeps the logits of the last positions
-        (or of those a tensor names) and ``return_dict=False`` returns a tuple, as in the model.
+        (or of those a tensor names) and ``return_dict=False`` returns a tuple, as in the model. A
+        mixture of experts asked for its router logits (``output_router_logits``, in the call or else
+        the config) returns them with the load-balancing ``aux_loss``, added to the loss by the
+        model's ``router_aux_loss_coef`` (Note: [Router logits] in ``transformers_router.py``).
 
         Raises:
             TypeError: no ``input_ids``, or a keyword the offloaded stages cannot honour
-                (``inputs_embeds``, ``output_router_logits=True`` in the call or the config,
-                ``output_hidden_states=True`` or ``output_attentions=True`` in the call, ...); with
+                (``inputs_embeds``, ``output_router_logits=True`` in the call or the config of a
+                family without a load-balancing loss, ``output_hidden_states=True`` or
+                ``output_attentions=True`` in the call, ...); with
                 ``loss_chunk_tokens``, no labels or a ``logits_to_keep``. (The same two in the config
                 are warned of: the outputs hold ``None`` there.)
             ValueError: a packed batch's sequence boundaries (``seq_idx``, ``cu_seq_lens_q``) that a
@@ -302,9 +308,12 @@ class OffloadedCausalLM(PreTrainedModel):
         logits_to_keep = kwargs.pop("logits_to_keep", 0)
         batch = self._batch(input_ids, attention_mask, position_ids, kwargs)
         if self.stages.loss_chunk_tokens is not None:
-            output = _chunked_loss(self.offloaded, batch, labels, shift_labels, num_items_in_batch, logits_to_keep)
+            output = _chunked_loss(self.offloaded, self.hf_model, batch, labels, shift_labels, num_items_in_batch,
+                                   logits_to_keep)
         else:
             logits = self.offloaded(batch)
+            if ROUTER_LOGITS in batch:
+                logits, *router = logits
             if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
                 # The model slices the hidden states before lm_head; the head here projects every
                 # position, so the kept logits are sliced after it: the same shape, the rows of the
@@ -316,11 +325,13 @@ class OffloadedCausalLM(PreTrainedModel):
                 loss = self.hf_model.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size,
                                                    num_items_in_batch=num_items_in_batch, shift_labels=shift_labels)
             output = CausalLMOutputWithPast(loss=loss, logits=logits)
+            if ROUTER_LOGITS in batch:
+                output = with_router_loss(self.hf_model, output, router, attention_mask)
         return _as_returned(output, return_dict, self.config)
 
     def _batch(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
-               position_ids: torch.Tensor | None, kwargs: Mapping[str, Any]) -> dict[str, Any]:
-        return _batch_of(self.config, input_ids, attention_mask, position_ids, kwargs)
+               position_ids: torch.Tensor | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+        return _batch_of(self.config, self.stages[0].router_logits, input_ids, attention_mask, position_ids, kwargs)
 
     # -- saving and loading --------------------------------------------------------------------
 
@@ -365,21 +376,31 @@ class _HiddenStates:
         refuse_adapter_on_head(self.model.hf_model.get_output_embeddings())
         batch = self.model._batch(input_ids, attention_mask, position_ids, kwargs)
         hidden = self.model.offloaded({**batch, LAST_HIDDEN_STATE: True})
+        if ROUTER_LOGITS in batch:
+            hidden, *router = hidden
         weight = self.model.get_output_embeddings().weight  # every slice was loaded: nothing is pending
         if hidden.device != weight.device:
             # The caller projects them through the host copy of lm_head, outside the device's autocast:
             # they go to the host in the weight's dtype (a half-precision hidden state would not multiply
             # a float32 weight there).
             hidden = hidden.to(weight.device, weight.dtype)
-        return _as_returned(BaseModelOutputWithPast(last_hidden_state=hidden), return_dict, self.model.config)
+        output = BaseModelOutputWithPast(last_hidden_state=hidden)
+        if ROUTER_LOGITS in batch:  # for the caller's load-balancing loss (TRL's fused head computes it)
+            output = MoeModelOutputWithPast(last_hidden_state=hidden, router_logits=flat_router_logits(router))
+        return _as_returned(output, return_dict, self.model.config)
 
 
-def _batch_of(config: Any, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
-              position_ids: torch.Tensor | None, kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """The stages' batch from a forward's arguments; a ``TypeError`` for those they cannot honour, a
-    ``ValueError`` for packed sequences' boundaries that a layer would need from the keywords."""
+def _batch_of(config: Any, carries_router: bool, input_ids: torch.Tensor | None,
+              attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
+              kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The stages' batch from a forward's arguments, asking for the router logits where the call or
+    the config asks, as the model does (Note: [Router logits]: the stages ``carries_router``); a
+    ``TypeError`` for those they cannot honour, a ``ValueError`` for packed sequences' boundaries
+    that a layer would need from the keywords."""
     # Note: [What the trainers cannot get from the model], rules 3, 5 and 6.
-    refuse_router_logits(config, kwargs)
+    if not carries_router:
+        refuse_router_logits(config, kwargs)
+    router = router_logits_asked(config, kwargs)
     refuse_packed_sequences(packed_sequence_keywords(config), config.model_type, kwargs)
     warn_of_layer_outputs(config, kwargs)
     warn_of_cache(kwargs)
@@ -392,12 +413,13 @@ def _batch_of(config: Any, input_ids: torch.Tensor | None, attention_mask: torch
             f"and num_items_in_batch; {what}. With transformers.Trainer keep "
             "remove_unused_columns=True (the default) so that other dataset columns are dropped"
         )
-    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-    return {key: value for key, value in batch.items() if value is not None}
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+             ROUTER_LOGITS: router}
+    return {key: value for key, value in batch.items() if value is not None and value is not False}
 
 
-def _chunked_loss(offloaded: OffloadModel, batch: dict[str, Any], labels: torch.Tensor | None,
-                  shift_labels: torch.Tensor | None, num_items_in_batch: Any,
+def _chunked_loss(offloaded: OffloadModel, hf_model: nn.Module, batch: dict[str, Any],
+                  labels: torch.Tensor | None, shift_labels: torch.Tensor | None, num_items_in_batch: Any,
                   logits_to_keep: int | torch.Tensor) -> CausalLMOutputWithPast:
     """The loss the head computes (``loss_chunk_tokens``), summed and divided as ``ForCausalLMLoss`` does."""
     if labels is None and shift_labels is None:
@@ -409,13 +431,17 @@ def _chunked_loss(offloaded: OffloadModel, batch: dict[str, Any], labels: torch.
         raise TypeError("this OffloadedCausalLM computes the loss in its head (loss_chunk_tokens) and returns no "
                         "logits: it cannot honour logits_to_keep")
     sums = offloaded({**batch, "labels": labels, "shift_labels": shift_labels})
+    if ROUTER_LOGITS in batch:
+        sums, *router = sums
     count = num_items_in_batch
     if count is None:
         count = CausalLMSequential.count_loss_tokens(labels, shift_labels=shift_labels)
     if isinstance(count, torch.Tensor):
         count = count.to(sums.device)
     # Note: [What the trainers cannot get from the model], rule 4: no logits, and any use says so.
-    return CausalLMOutputWithPast(loss=sums.sum() / count, logits=MissingLogits())
+    output = CausalLMOutputWithPast(loss=sums.sum() / count, logits=MissingLogits())
+    return output if ROUTER_LOGITS not in batch else with_router_loss(hf_model, output, router,
+                                                                       batch.get("attention_mask"))
 
 
 def _as_returned(output: Any, return_dict: bool | None, config: Any) -> Any:

@@ -1,7 +1,7 @@
 """What a batch for the stages of a causal LM holds, and what travels from one stage to the next.
 
 What travels between stages is ``(hidden_states, attention_mask, position_ids, position_embeddings,
-loss_targets)``: the 2-D attention mask as the user passed it (or ``None``) rather than the 4-D
+loss_targets, router_logits)``: the 2-D attention mask as the user passed it (or ``None``) rather than the 4-D
 mask, which each slice rebuilds with the model's own mask functions (once per kind of mask: :class:`_MaskCache` in
 ``transformers_masks.py``),
 because a ``B x 1 x T x T`` mask at every slice boundary would be checkpointed to the host once per
@@ -13,7 +13,9 @@ requires grad, exactly as in the model (Note: [Boundary gradients] in ``offload/
 shifted labels, an integer tensor that the decoder stages pass along untouched. A batch with
 ``"last_hidden_state": True`` makes it the string :data:`LAST_HIDDEN_STATE` instead, and the head then
 returns the normed hidden states (what the model's decoder returns as ``last_hidden_state``), for
-callers that project them themselves (TRL's fused LM head).
+callers that project them themselves (TRL's fused LM head). ``router_logits`` is ``None`` unless the
+batch holds ``"output_router_logits": True``; then it is a tuple of the router logits of the layers run
+so far (Note: [Router logits] in ``transformers_router.py``), and the head returns them after its output.
 
 This file holds the batch's keys, its reading by the first stage (:func:`_unpack_batch`), the
 loss targets and the default positions (Note: [Default positions]); not the stages themselves
@@ -34,17 +36,22 @@ from torch.nn import functional as F
 _BATCH_KEYS = ("input_ids", "attention_mask", "position_ids")
 #: ``loss_targets`` when the head returns the normed hidden states rather than logits or the loss.
 LAST_HIDDEN_STATE = "last_hidden_state"
+#: The batch key that makes the stages carry a mixture of experts' router logits to the head.
+ROUTER_LOGITS = "output_router_logits"
 _LABEL_KEYS = ("labels", "shift_labels")
 #: The label of a position the loss skips, as in transformers' ``ForCausalLMLoss``.
 IGNORE_INDEX = -100
 
-_State = tuple[torch.Tensor, "torch.Tensor | None", torch.Tensor, Any, "torch.Tensor | None"]
+_State = tuple[torch.Tensor, "torch.Tensor | None", torch.Tensor, Any, "torch.Tensor | None",
+               "tuple[torch.Tensor, ...] | None"]
 
 
 def _unpack_batch(batch: Any, with_labels: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
-                                                          torch.Tensor | None]:
+                                                          torch.Tensor | str | None, tuple[()] | None]:
+    """The input ids, attention mask, position ids, loss targets and (where the batch asks for router
+    logits) the empty tuple they start from."""
     if isinstance(batch, torch.Tensor) and not with_labels:
-        return batch, None, None, None
+        return batch, None, None, None, None
     if not isinstance(batch, Mapping):
         what = "a dict with 'input_ids' and 'labels'" if with_labels else "a tensor of input ids or a dict of tensors"
         raise TypeError(f"the batch must be {what}, not {type(batch).__name__} (a tokenizer's BatchEncoding: "
@@ -55,6 +62,7 @@ def _unpack_batch(batch: Any, with_labels: bool) -> tuple[torch.Tensor, torch.Te
         hidden_only = True
     else:
         hidden_only = False
+    router = () if batch.pop(ROUTER_LOGITS, False) is True else None
     unknown = sorted(set(batch) - set(_BATCH_KEYS + (_LABEL_KEYS if with_labels else ())))
     if with_labels and "input_ids" in batch and not unknown and not any(key in batch for key in _LABEL_KEYS):
         raise TypeError(f"with loss_chunk_tokens the model returns the loss: the batch needs 'labels' (or "
@@ -73,7 +81,7 @@ def _unpack_batch(batch: Any, with_labels: bool) -> tuple[torch.Tensor, torch.Te
     targets = _loss_targets(input_ids, batch.get("labels"), batch.get("shift_labels")) if with_labels else None
     if hidden_only:
         targets = LAST_HIDDEN_STATE
-    return input_ids, batch.get("attention_mask"), batch.get("position_ids"), targets
+    return input_ids, batch.get("attention_mask"), batch.get("position_ids"), targets, router
 
 
 def _loss_targets(input_ids: torch.Tensor, labels: torch.Tensor | None,

@@ -19,9 +19,10 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..autograd.recompute_state import recomputing
-from .transformers_batch import IGNORE_INDEX, _default_positions, _State, _unpack_batch
+from .transformers_batch import IGNORE_INDEX, ROUTER_LOGITS, _default_positions, _State, _unpack_batch
 from .transformers_families import _Layout
 from .transformers_masks import _MaskCache
+from .transformers_router import RouterCapture
 
 
 class _EmbeddingStage(nn.Module):
@@ -29,14 +30,21 @@ class _EmbeddingStage(nn.Module):
     so the 4-D masks built for the last one go (:class:`_MaskCache`), and the batch is read, with
     its labels when the head computes the loss."""
 
-    def __init__(self, masks: _MaskCache | None, with_labels: bool) -> None:
+    def __init__(self, masks: _MaskCache | None, with_labels: bool, router_logits: bool = False) -> None:
         super().__init__()
         self.masks = masks if masks is not None else _MaskCache()
         self.with_labels = with_labels
+        self.router_logits = router_logits
 
-    def _begin(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    def _begin(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
+                                          torch.Tensor | str | None, tuple[()] | None]:
         self.masks.clear()  # a new forward (or microbatch): nothing built before it applies
-        return _unpack_batch(batch, self.with_labels)
+        unpacked = _unpack_batch(batch, self.with_labels)
+        if unpacked[4] is not None and not self.router_logits:
+            raise TypeError(f"the batch asks for router logits ({ROUTER_LOGITS!r}), which these stages were not cut to "
+                            "carry: causal_lm_sequential(model, router_logits=True), for a mixture of experts whose "
+                            "family computes a load-balancing loss from them")
+        return unpacked
 
 
 class LlamaEmbedding(_EmbeddingStage):
@@ -49,8 +57,8 @@ class LlamaEmbedding(_EmbeddingStage):
 
     def __init__(self, embed_tokens: nn.Module, rotary_emb: nn.Module, *, multiplier: float | None = None,
                  dropout: nn.Module | None = None, rotary_layer_types: tuple[str, ...] | None = None,
-                 masks: _MaskCache | None = None, with_labels: bool = False) -> None:
-        super().__init__(masks, with_labels)
+                 masks: _MaskCache | None = None, with_labels: bool = False, router_logits: bool = False) -> None:
+        super().__init__(masks, with_labels, router_logits)
         self.embed_tokens = embed_tokens
         self.rotary_emb = rotary_emb
         self.multiplier = multiplier
@@ -58,7 +66,7 @@ class LlamaEmbedding(_EmbeddingStage):
         self.rotary_layer_types = rotary_layer_types
 
     def forward(self, batch: Any) -> _State:
-        input_ids, attention_mask, position_ids, targets = self._begin(batch)
+        input_ids, attention_mask, position_ids, targets, router = self._begin(batch)
         hidden = self.embed_tokens(input_ids)
         if self.multiplier is not None:
             hidden = hidden * self.multiplier
@@ -71,7 +79,7 @@ class LlamaEmbedding(_EmbeddingStage):
             position_embeddings = {kind: self.rotary_emb(hidden, positions, kind)
                                    for kind in self.rotary_layer_types}
         # The user's position ids travel on, absent ones stay absent (Note: [Default positions]).
-        return hidden, attention_mask, position_ids, position_embeddings, targets
+        return hidden, attention_mask, position_ids, position_embeddings, targets, router
 
 
 class GPT2Embedding(_EmbeddingStage):
@@ -85,7 +93,7 @@ class GPT2Embedding(_EmbeddingStage):
         self.drop = drop
 
     def forward(self, batch: Any) -> _State:
-        input_ids, attention_mask, position_ids, targets = self._begin(batch)
+        input_ids, attention_mask, position_ids, targets, router = self._begin(batch)
         batch_size = input_ids.shape[0]
         input_ids = input_ids.view(-1, input_ids.shape[-1])
         hidden = self.wte(input_ids)
@@ -94,7 +102,7 @@ class GPT2Embedding(_EmbeddingStage):
             attention_mask = attention_mask.view(batch_size, -1)
         if isinstance(targets, torch.Tensor):
             targets = targets.view(input_ids.shape)
-        return hidden, attention_mask, position_ids, None, targets
+        return hidden, attention_mask, position_ids, None, targets, router
 
 
 class DecoderLayer(nn.Module):
@@ -103,11 +111,13 @@ class DecoderLayer(nn.Module):
 
     The keywords are those the model's decoder passes, less the (absent) cache: ``layout`` says
     whether ``use_cache`` goes at all, and whether the layer takes the rotary tables of its own layer
-    type (``layer_type``). ``layout=None`` calls a GPT-2 block.
+    type (``layer_type``). ``layout=None`` calls a GPT-2 block. ``routers`` records the layer's
+    router logits where the state carries them (Note: [Router logits] in ``transformers_router.py``).
     """
 
     def __init__(self, layer: nn.Module, config: Any, mask_function: Callable[..., Any],
-                 layout: _Layout | None, layer_type: str | None = None, masks: _MaskCache | None = None) -> None:
+                 layout: _Layout | None, layer_type: str | None = None, masks: _MaskCache | None = None,
+                 routers: RouterCapture | None = None) -> None:
         super().__init__()
         self.layer = layer
         self.config = config
@@ -115,23 +125,33 @@ class DecoderLayer(nn.Module):
         self.layout = layout
         self.layer_type = layer_type
         self.masks = masks if masks is not None else _MaskCache()
+        self.routers = routers
 
     def forward(self, state: _State) -> _State:
-        hidden, attention_mask, position_ids, position_embeddings, targets = state
+        hidden, attention_mask, position_ids, position_embeddings, targets, router = state
+        if router is None or self.routers is None:
+            hidden = self._run(hidden, attention_mask, position_ids, position_embeddings)
+        else:
+            rows, length = hidden.shape[:2]
+            with self.routers.capturing() as captured:
+                hidden = self._run(hidden, attention_mask, position_ids, position_embeddings)
+            router = router + tuple(logits.reshape(rows, length, -1) for logits in captured)
+        return hidden, attention_mask, position_ids, position_embeddings, targets, router
+
+    def _run(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
+             position_embeddings: Any) -> torch.Tensor:
         mask_positions = position_ids if self.layout is None or self.layout.mask_from_positions else None
         mask = self.masks.build(self.mask_function, self.config, hidden, attention_mask, mask_positions)
         positions = _default_positions(hidden, position_ids)  # Note: [Default positions]
         if self.layout is None:
             # Positional as GPT2Model passes them (cache, attention_mask, encoder_hidden_states).
-            hidden = self.layer(hidden, None, mask, None, encoder_attention_mask=None, use_cache=False,
-                                position_ids=positions)
-            return hidden, attention_mask, position_ids, position_embeddings, targets
+            return self.layer(hidden, None, mask, None, encoder_attention_mask=None, use_cache=False,
+                              position_ids=positions)
         # No cache keyword: every layer's cache defaults to None, and its name changed across
         # transformers 5 releases (``past_key_values``, ``layer_past``, ``cache``), the old ones warned of.
         kwargs = {"use_cache": False} if self.layout.layers_take_use_cache else {}
         own = position_embeddings if self.layer_type is None else position_embeddings[self.layer_type]
-        hidden = self.layer(hidden, attention_mask=mask, position_ids=positions, position_embeddings=own, **kwargs)
-        return hidden, attention_mask, position_ids, position_embeddings, targets
+        return self.layer(hidden, attention_mask=mask, position_ids=positions, position_embeddings=own, **kwargs)
 
 
 class Head(nn.Module):
@@ -154,7 +174,12 @@ class Head(nn.Module):
         self.softcap = softcap
         self.loss_chunk_tokens = loss_chunk_tokens
 
-    def forward(self, state: _State) -> torch.Tensor:
+    def forward(self, state: _State) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        output = self._output(state)
+        router = state[5]
+        return output if router is None else (output, *router)  # Note: [Router logits], rule 2
+
+    def _output(self, state: _State) -> torch.Tensor:
         hidden = self.norm(state[0])
         if isinstance(state[4], str):  # LAST_HIDDEN_STATE: the caller projects them
             return hidden

@@ -65,6 +65,7 @@ def load_causal_lm(
     loss_chunk_tokens: int | None = None,
     quantization_config: Any = None,
     attn_implementation: str | None = None,
+    router_logits: bool | None = False,
     **options: Any,
 ) -> tuple[OffloadModel, nn.Module]:
     """Load a Hugging Face causal LM folder into an ``OffloadModel``, slice by slice.
@@ -85,6 +86,7 @@ def load_causal_lm(
             ``torch_dtype``, its old name, is taken where ``dtype`` is not given, with a
             ``FutureWarning``, as ``from_pretrained`` takes it.
         loss_chunk_tokens: as for ``causal_lm_sequential``.
+        router_logits: as for ``causal_lm_sequential``.
         quantization_config: a ``transformers.BitsAndBytesConfig(load_in_4bit=True, ...)``: every
             linear layer but the head becomes a frozen bitsandbytes ``Linear4bit``, each weight
             quantised on the CPU as it is read, as ``from_pretrained(..., quantization_config=...,
@@ -138,7 +140,7 @@ def load_causal_lm(
     if quantization_config is not None:
         _quantize_on_meta(hf_model, quantization_config)
     hf_model.eval()
-    layers = causal_lm_sequential(hf_model, loss_chunk_tokens=loss_chunk_tokens)
+    layers = causal_lm_sequential(hf_model, loss_chunk_tokens=loss_chunk_tokens, router_logits=router_logits)
     unused: list[str] = []
     try:
         model = build_from_checkpoint(layers, checkpoint, device, init_buffers=_buffer_initialiser(hf_model),
@@ -175,8 +177,8 @@ def _refuse_unknown_options(options: Mapping[str, Any]) -> None:
                      if name not in ("self", "model", "device", "process_group")]
     unknown = sorted(set(options) - set(offload_model) - {"process_group", "untie_differing_copies"})
     if unknown:
-        own = ["dtype", "loss_chunk_tokens", "quantization_config", "attn_implementation", "torch_dtype",
-               "untie_differing_copies"]
+        own = ["dtype", "loss_chunk_tokens", "quantization_config", "attn_implementation", "router_logits",
+               "torch_dtype", "untie_differing_copies"]
         plural = "s" if len(unknown) > 1 else ""
         raise TypeError(f"load_causal_lm (and OffloadedCausalLM.from_pretrained) got unexpected keyword "
                         f"argument{plural}: {_listed([repr(k) for k in unknown])}; it takes {', '.join(own)} "

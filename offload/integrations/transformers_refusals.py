@@ -25,13 +25,16 @@ Note: [What the trainers cannot get from the model]
        itself, its adapters as they are then, which is the ``PeftModel``'s reference, bit for bit
        (``tests/test_trl.py``), or by the ``ref_model`` passed. The trainer's own optimizer goes
        unchecked: the model never sees the trainer.
-    3. A mixture of experts' load-balancing loss. The model adds ``router_aux_loss_coef`` times a
-       loss computed from every layer's router logits when ``output_router_logits`` is asked for;
-       the offloaded slices pass on only the hidden states, so the stages can return neither.
-       TRL's trainers ask for it unless ``router_aux_loss_coef=0.0`` (their default, ``None``,
-       takes the model config's coefficient); ``offload_optimizer`` refuses their arguments, and
-       the forward (and ``base_model``) refuse ``output_router_logits=True`` from the config or the
-       call, naming the setting that turns it off.
+    3. A mixture of experts' load-balancing loss where the stages cannot carry the router logits.
+       The model adds ``router_aux_loss_coef`` times a loss computed from every layer's router
+       logits when ``output_router_logits`` is asked for; the stages carry them to the head for
+       the families whose ``load_balancing_loss_func`` computes it (Note: [Router logits] in
+       ``transformers_router.py``), and the loss is the model's. For another family with router
+       logits (Llama 4, whose model returns them without a loss) TRL's trainers would still ask
+       for them unless ``router_aux_loss_coef=0.0`` (their default, ``None``, takes the model
+       config's coefficient): ``offload_optimizer`` refuses their arguments, and the forward (and
+       ``base_model``) refuse ``output_router_logits=True`` from the config or the call, naming
+       the setting that turns it off.
     4. Logits from a loss computed in the head (``loss_chunk_tokens``). ``Trainer.prediction_step``
        gathers every field of the output but the loss as the predictions: with no ``logits`` field
        ``compute_metrics`` would get an empty tuple. The output's ``logits`` is
@@ -134,7 +137,8 @@ def refuse_trainer_arguments(model: Any, args: Any) -> None:
             "peft.PeftModel.from_pretrained(base_model, trainer.state.best_model_checkpoint)")
     # Note: [What the trainers cannot get from the model], rules 2 and 3.
     refuse_reference_from_path(args, model.peft_model is not None)
-    refuse_router_loss(model.config, args)
+    if not model.stages[0].router_logits:  # Note: [Router logits]
+        refuse_router_loss(model.config, args)
 
 
 def refuse_update_in_backward(options: dict[str, Any]) -> None:
@@ -270,8 +274,9 @@ def attribute_or_advice(model: nn.Module, name: str) -> Any:
 
 def _router_message(asked: str) -> str:
     return (
-        f"an OffloadedCausalLM cannot add a mixture of experts' load-balancing loss ({asked}): it is computed from "
-        "every layer's router logits, and the offloaded slices pass on only the hidden states. Train on the "
+        f"an OffloadedCausalLM cannot add this mixture of experts' load-balancing loss ({asked}): the offloaded "
+        "slices carry router logits only for the families that compute it with a load_balancing_loss_func "
+        "(Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GPT-OSS, Granite-MoE, PhiMoE, JetMoE, Qwen3-Next). Train on the "
         "language-modelling loss alone: with TRL's trainers pass router_aux_loss_coef=0.0 in their config "
         "(SFTConfig(router_aux_loss_coef=0.0), DPOConfig, KTOConfig), which otherwise takes the model config's "
         "coefficient; elsewhere leave output_router_logits off (config.output_router_logits = False, and no "

@@ -60,6 +60,7 @@ from .transformers_batch import IGNORE_INDEX
 from .transformers_families import _LAYOUTS, SUPPORTED_MODEL_TYPES, _Layout
 from .transformers_layers import DecoderLayer, GPT2Embedding, Head, LlamaEmbedding
 from .transformers_masks import _MaskCache
+from .transformers_router import RouterCapture, RouterLoss, router_loss_of
 
 try:
     import transformers
@@ -257,7 +258,7 @@ def _mask_function(layout: _Layout, config: Any, index: int) -> Callable[..., An
     return create_sliding_window_causal_mask if sliding else create_causal_mask
 
 
-def _stages(model: nn.Module, loss_chunk_tokens: int | None) -> list[nn.Module]:
+def _stages(model: nn.Module, loss_chunk_tokens: int | None, router: RouterLoss | None) -> list[nn.Module]:
     config = model.config
     with_labels = loss_chunk_tokens is not None
     if config.model_type == "gpt2":
@@ -276,9 +277,10 @@ def _stages(model: nn.Module, loss_chunk_tokens: int | None) -> list[nn.Module]:
         dropout=getattr(base, layout.embed_dropout) if layout.embed_dropout else None,
         # dict.fromkeys: each type once, in a fixed order (the model iterates a set; the tables do not depend on it)
         rotary_layer_types=tuple(dict.fromkeys(config.layer_types)) if per_type else None, masks=masks,
-        with_labels=with_labels)
+        with_labels=with_labels, router_logits=router is not None)
     blocks = [DecoderLayer(layer, config, _mask_function(layout, config, i), layout,
-                           layer_type=config.layer_types[i] if per_type else None, masks=masks)
+                           layer_type=config.layer_types[i] if per_type else None, masks=masks,
+                           routers=None if router is None else RouterCapture(layer, router.routers))
               for i, layer in enumerate(base.layers[:config.num_hidden_layers])]
     head = Head(getattr(base, layout.final_norm), model.lm_head,
                 logit_scale=model.logit_scale if layout.logit_scale else None,
@@ -326,7 +328,7 @@ def _untie(model: nn.Module) -> None:
 
 
 def causal_lm_sequential(model: nn.Module, *, untie_embeddings: bool = False,
-                         loss_chunk_tokens: int | None = None) -> CausalLMSequential:
+                         loss_chunk_tokens: int | None = None, router_logits: bool | None = False) -> CausalLMSequential:
     """Cut a Hugging Face ``*ForCausalLM`` into stages for :class:`~offload.OffloadModel`.
 
     The result takes a tensor of input ids, or a dict with ``input_ids`` and optionally
@@ -360,6 +362,14 @@ def causal_lm_sequential(model: nn.Module, *, untie_embeddings: bool = False,
     ``N`` is the row count of each projection's matrix product but the last: a small ``N`` trades
     speed (and that precision) for memory.
 
+    ``router_logits=True`` (a mixture of experts whose family adds a load-balancing loss: Mixtral,
+    Qwen2-MoE, Qwen3-MoE, OLMoE, GPT-OSS, Granite-MoE, PhiMoE, JetMoE, Qwen3-Next) lets a batch
+    dict hold ``"output_router_logits": True``: the output is then ``(output, *router_logits)``,
+    one ``B x T x experts`` tensor per router call, in the model's order; reshaped to ``B*T x
+    experts`` they are what the model returns, for its family's ``load_balancing_loss_func``
+    (Note: [Router logits] in ``transformers_router.py``; :class:`~.causal_lm.OffloadedCausalLM`
+    adds the loss as the model does).
+
     A ``peft`` model (``peft.get_peft_model(model, LoraConfig(...))``, LoRA and the other methods
     whose adapters sit inside the model's layers) is cut as its base model with the adapters in
     place: the adapters train, the frozen base sends no gradient back, and
@@ -372,15 +382,18 @@ def causal_lm_sequential(model: nn.Module, *, untie_embeddings: bool = False,
         untie_embeddings: give a tied ``lm_head`` a weight of its own (see above).
         loss_chunk_tokens: tokens per chunk of a loss computed in the head, or ``None`` (the
             default) to return logits.
+        router_logits: let a batch ask for the router logits (see above); ``None`` where the
+            family computes the loss from them, else not (what ``OffloadedCausalLM`` asks).
 
     Raises:
         ValueError: an unsupported architecture (the message lists the supported ones), a class other
             than the family's causal LM (``GPT2DoubleHeadsModel``) or one overriding its or its
             decoder's ``forward``, a PEFT method whose ``PeftModel.forward`` changes the inputs
             (prompt learning, Poly, activated LoRA, ...: Note: [PEFT models], rule 2), GPT-2
-            with cross-attention, Gemma 3 with bidirectional attention, or a mixture of experts
-            with ``output_router_logits=True`` (the stages return neither its router logits nor the
-            load-balancing loss most families add from them); ``loss_chunk_tokens`` not a positive
+            with cross-attention, Gemma 3 with bidirectional attention, a mixture of experts
+            with ``output_router_logits=True`` without ``router_logits=True`` (the model would add a
+            load-balancing loss to the loss that the logits alone do not give), ``router_logits=True``
+            for a model whose family computes no such loss; ``loss_chunk_tokens`` not a positive
             int, or given for a model whose ``loss_function`` is not transformers' ``ForCausalLMLoss``.
 
     Example::
@@ -410,12 +423,17 @@ def causal_lm_sequential(model: nn.Module, *, untie_embeddings: bool = False,
     if getattr(config, "add_cross_attention", False):
         raise ValueError("GPT-2 with cross-attention (add_cross_attention=True) is not supported: its blocks need "
                          "encoder states the stages do not carry")
-    if getattr(config, "output_router_logits", False):
+    router = router_loss_of(model) if router_logits is not False else None
+    if router_logits and router is None:
+        raise ValueError(f"router_logits=True: {type(model).__name__} computes no load-balancing loss from router "
+                         "logits that the stages can carry (Note: [Router logits]); cut it without router_logits")
+    if getattr(config, "output_router_logits", False) and router is None:
         raise ValueError(
-            f"{type(model).__name__} with output_router_logits=True is not supported: it returns every layer's router "
-            "logits, and most mixtures of experts add to the loss a load-balancing term computed from them; the "
-            "stages return neither. Set "
-            "config.output_router_logits = False to train on the language-modelling loss alone"
+            f"{type(model).__name__} with output_router_logits=True: the model adds to its loss a load-balancing term "
+            "computed from every layer's router logits, which logits alone do not give. Cut it with "
+            "router_logits=True and ask for them (Note: [Router logits]), wrap it in OffloadedCausalLM (which adds "
+            "the loss as the model does), or set config.output_router_logits = False to train on the "
+            "language-modelling loss alone"
         )
     if model_type == "gemma3_text" and config.use_bidirectional_attention:
         # The decoder then widens both masks with functions of its own, which the stages do not rebuild.
@@ -434,7 +452,7 @@ def causal_lm_sequential(model: nn.Module, *, untie_embeddings: bool = False,
     refuse_peft_methods(model)  # before untying, which would leave trainable tokens' indices shared
     if untie_embeddings and model.get_output_embeddings().weight is model.get_input_embeddings().weight:
         _untie(model)
-    layers = CausalLMSequential(_stages(model, loss_chunk_tokens), model, loss_chunk_tokens)
+    layers = CausalLMSequential(_stages(model, loss_chunk_tokens, router), model, loss_chunk_tokens)
     # Adapters injected after wrapping are refused as at the cut (Note: [PEFT models], rule 5).
     layers[0].check_layout = PeftRefusals(model)
     return layers

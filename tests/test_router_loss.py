@@ -1,0 +1,188 @@
+"""A mixture of experts' load-balancing loss through the offloaded stages (Note: [Router logits] in
+``offload/integrations/transformers_router.py``): the router logits, the aux loss and the loss with it
+are the model's own, bit for bit in one microbatch, and so are the gradients that reach the routers;
+families without such a loss stay refused, with what to do."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from offload import OffloadModel
+
+from .helpers import ACTIVATIONS, assert_same_grads
+
+transformers = pytest.importorskip("transformers", reason='transformers is not installed: pip install -e ".[transformers]"')
+from offload.integrations.transformers import OffloadedCausalLM, causal_lm_sequential  # noqa: E402
+from offload.integrations.transformers_router import router_loss_of  # noqa: E402
+
+from .test_transformers import EXACT, FAMILIES, batch, build  # noqa: E402
+
+#: The families whose model adds a load-balancing loss computed from its router logits.
+ROUTED = ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "olmoe", "granitemoe", "granitemoeshared", "phimoe",
+          "jetmoe", "qwen3_next"]
+
+
+def routed(kind: str, coefficient: float = 0.25) -> torch.nn.Module:
+    """A small model of ``kind`` asking for its router logits, with a coefficient large enough that the
+    aux loss moves every gradient of the routers."""
+    hf = build(kind)
+    hf.config.output_router_logits = True
+    hf.router_aux_loss_coef = coefficient  # what the forward reads (JetMoE's is aux_loss_coef)
+    hf.aux_loss_coef = coefficient
+    return hf
+
+
+def labelled(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    return inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)
+
+
+def test_the_families_with_a_router_loss_are_those_whose_stages_carry_router_logits():
+    found = [kind for kind in FAMILIES if router_loss_of(build(kind, layers=1)) is not None]
+    assert found == ROUTED
+
+
+CASES = [(kind, "recompute") for kind in ROUTED] + [("mixtral", policy) for policy in ACTIVATIONS if policy != "recompute"]
+
+
+@pytest.mark.parametrize(("kind", "activations"), CASES)
+@pytest.mark.parametrize("masked", [True, False], ids=["mask", "no-mask"])
+def test_loss_aux_loss_router_logits_and_gradients_are_the_models_bit_for_bit(kind, activations, masked):
+    """Every family with the loss, and Mixtral under each activation policy (router logits passing
+    through checkpointed, kept and offloaded slices)."""
+    hf = routed(kind)
+    reference = copy.deepcopy(hf)
+    model = OffloadedCausalLM(hf, device="cpu", num_slices=3, **ACTIVATIONS[activations])
+    inputs = batch()
+    labels = labelled(inputs)
+    if not masked:
+        inputs = {"input_ids": inputs["input_ids"]}
+    for _ in range(2):  # the second step after an update of the host copies
+        torch.manual_seed(7)
+        want = reference(**inputs, labels=labels, use_cache=False)
+        want.loss.backward()
+        torch.manual_seed(7)
+        got = model(**inputs, labels=labels)
+        got.loss.backward()
+        for name in ("loss", "aux_loss", "logits"):
+            torch.testing.assert_close(getattr(got, name), getattr(want, name), **EXACT, msg=name)
+        assert len(got.router_logits) == len(want.router_logits) > 0
+        for g, w in zip(got.router_logits, want.router_logits):
+            torch.testing.assert_close(g, w, **EXACT)
+        assert_same_grads(hf, reference, **EXACT)
+        with torch.no_grad():
+            for p, q in zip(hf.parameters(), reference.parameters()):
+                p.sub_(0.1 * p.grad)
+                q.sub_(0.1 * q.grad)
+                p.grad = q.grad = None
+
+
+def test_the_call_decides_over_the_config_and_the_tuple_is_the_models():
+    """``output_router_logits`` in the call wins over the config's, either way, as in the model; without
+    labels there is an aux loss but no loss; ``return_dict=False`` gives the model's tuple."""
+    hf = routed("mixtral")
+    hf.config.output_router_logits = False
+    reference = copy.deepcopy(hf).eval()
+    model = OffloadedCausalLM(hf, device="cpu", num_slices=2).eval()
+    inputs = batch()
+    got = model(**inputs, output_router_logits=True)
+    want = reference(**inputs, output_router_logits=True, use_cache=False)
+    assert got.loss is None and want.loss is None
+    torch.testing.assert_close(got.aux_loss, want.aux_loss, **EXACT)
+    got_tuple = model(**inputs, labels=labelled(inputs), output_router_logits=True, return_dict=False)
+    want_tuple = reference(**inputs, labels=labelled(inputs), output_router_logits=True, use_cache=False,
+                           return_dict=False)
+    assert len(got_tuple) == len(want_tuple) == 4  # loss, aux_loss, logits, router_logits
+    for g, w in zip(got_tuple[:3], want_tuple[:3]):
+        torch.testing.assert_close(g, w, **EXACT)
+    hf.config.output_router_logits = reference.config.output_router_logits = True
+    got = model(**inputs, labels=labelled(inputs), output_router_logits=False)
+    want = reference(**inputs, labels=labelled(inputs), output_router_logits=False, use_cache=False)
+    assert getattr(got, "aux_loss", None) is None and want.aux_loss is None
+    torch.testing.assert_close(got.loss, want.loss, **EXACT)
+
+
+def test_microbatches_join_the_router_logits_in_the_models_order():
+    """Each microbatch's logits join along the batch, so the loss sees the model's rows in its order:
+    equal to the float32 rounding of a router product over fewer rows."""
+    hf = routed("qwen3_moe")
+    reference = copy.deepcopy(hf)
+    model = OffloadedCausalLM(hf, device="cpu", num_slices=3, num_microbatches=2)
+    inputs = batch()
+    torch.manual_seed(7)
+    want = reference(**inputs, labels=labelled(inputs), use_cache=False)
+    want.loss.backward()
+    torch.manual_seed(7)
+    got = model(**inputs, labels=labelled(inputs))
+    got.loss.backward()
+    torch.testing.assert_close(got.aux_loss, want.aux_loss)
+    torch.testing.assert_close(got.loss, want.loss)
+    for g, w in zip(got.router_logits, want.router_logits, strict=True):
+        torch.testing.assert_close(g, w)
+    assert_same_grads(hf, reference, rtol=1e-5, atol=1e-6)
+
+
+def test_a_loss_computed_in_the_head_adds_the_router_loss():
+    hf = routed("olmoe")
+    reference = copy.deepcopy(hf)
+    model = OffloadedCausalLM(hf, device="cpu", num_slices=3, loss_chunk_tokens=16)
+    inputs = batch()
+    torch.manual_seed(7)
+    want = reference(**inputs, labels=labelled(inputs), use_cache=False)
+    want.loss.backward()
+    torch.manual_seed(7)
+    got = model(**inputs, labels=labelled(inputs))
+    got.loss.backward()
+    torch.testing.assert_close(got.aux_loss, want.aux_loss, **EXACT)
+    torch.testing.assert_close(got.loss, want.loss)  # the chunked loss's float32 rounding (Note: [Chunked loss])
+    assert_same_grads(hf, reference, rtol=1e-5, atol=1e-7)
+
+
+def test_base_model_returns_the_router_logits_for_a_fused_head():
+    """TRL's fused LM head asks the backbone for the router logits and computes the loss from them."""
+    hf = routed("mixtral")
+    hf.config.output_router_logits = False
+    reference = copy.deepcopy(hf).eval()
+    model = OffloadedCausalLM(hf, device="cpu", num_slices=2).eval()
+    inputs = batch()
+    got = model.base_model(**inputs, output_router_logits=True)
+    want = reference.model(**inputs, output_router_logits=True, use_cache=False)
+    torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state, **EXACT)
+    for g, w in zip(got.router_logits, want.router_logits, strict=True):
+        torch.testing.assert_close(g, w, **EXACT)
+    assert getattr(model.base_model(**inputs), "router_logits", None) is None
+
+
+def test_the_stages_carry_router_logits_when_cut_to_and_asked():
+    hf = routed("mixtral")
+    reference = copy.deepcopy(hf).eval()
+    with pytest.raises(ValueError, match=r"load-balancing term.*router_logits=True.*OffloadedCausalLM"):
+        causal_lm_sequential(hf)
+    layers = causal_lm_sequential(hf, router_logits=True)
+    model = OffloadModel(layers, device="cpu", num_slices=2).eval()
+    inputs = batch()
+    logits = model(inputs)  # not asked: the logits alone
+    assert isinstance(logits, torch.Tensor)
+    logits, *carried = model({**inputs, "output_router_logits": True})
+    want = reference(**inputs, use_cache=False)
+    torch.testing.assert_close(logits, want.logits, **EXACT)
+    flat = tuple(r.reshape(-1, r.shape[-1]) for r in carried)
+    for g, w in zip(flat, want.router_logits, strict=True):
+        torch.testing.assert_close(g, w, **EXACT)
+    hf.config.output_router_logits = False
+    plain = OffloadModel(causal_lm_sequential(hf), device="cpu", num_slices=2)
+    with pytest.raises(TypeError, match=r"not cut to carry: causal_lm_sequential\(model, router_logits=True\)"):
+        plain({**inputs, "output_router_logits": True})
+
+
+@pytest.mark.parametrize("kind", ["llama4_text", "llama"])
+def test_families_without_a_router_loss_are_refused(kind):
+    hf = build(kind, layers=1)
+    with pytest.raises(ValueError, match="computes no load-balancing loss"):
+        causal_lm_sequential(hf, router_logits=True)
+    model = OffloadedCausalLM(hf, device="cpu", num_slices=1)
+    with pytest.raises(TypeError, match=r"cannot add this mixture of experts' load-balancing loss "
+                                        r"\(output_router_logits=True in the call\).*router_aux_loss_coef=0\.0"):
+        model(**batch(), output_router_logits=True)
