@@ -193,6 +193,85 @@ def test_a_backward_that_failed_after_starting_updates_makes_step_raise(then):
         FlakyLayer.failing = False
 
 
+class HookFailure(Exception):
+    """The user's own error, raised by a gradient hook."""
+
+
+@pytest.mark.parametrize("update_in_backward", [True, False], ids=["update-in-backward", "without"])
+@pytest.mark.parametrize("kind", ["register_hook", "register_post_accumulate_grad_hook"])
+def test_a_gradient_hook_that_raises_after_updates_started_says_so(kind, update_in_backward):
+    """A parameter's gradient hook runs after backward returns, once the other slices' updates
+    started (its own slice's waits for ``step()``): the user's own error comes back with the note
+    a failure inside the walk gets (Note: [Hook errors after updates started] in
+    ``offload/autograd/hook_errors.py``), once. Without the option nothing started, and the error
+    is the hook's alone. Either way the hook is back as registered, and its handle removes it."""
+    from offload.autograd.hook_errors import UPDATES_MAY_HAVE_RUN
+
+    model = OffloadModel(network(), device="cpu", num_slices=NUM_SLICES)
+    optimizer = OffloadOptimizer(model, torch.optim.SGD, lr=0.1, update_in_backward=update_in_backward)
+    weight = model.get_submodule("2").weight  # slice 1 of 3: slices 0 and 2 start their updates
+    calls = []
+
+    def hook(arg):
+        calls.append(arg)
+        if len(calls) == 3:  # the third step's backward, after two steps that passed the checks
+            raise HookFailure("a failing hook")
+
+    handle = getattr(weight, kind)(hook)
+    hooks = weight._backward_hooks if kind == "register_hook" else weight._post_accumulate_grad_hooks
+    for step in range(2):
+        model(batch(step)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    with pytest.raises(HookFailure, match="a failing hook") as failure:
+        model(batch(2)).pow(2).mean().backward()
+    if update_in_backward:
+        assert optimizer._in_backward.started == {0, 2}
+        assert getattr(failure.value, "__notes__", []) == [UPDATES_MAY_HAVE_RUN]
+        assert "Reload the last checkpoint" in UPDATES_MAY_HAVE_RUN
+        with pytest.raises(RuntimeError, match=r"a backward since the last step\(\) raised after it had started"):
+            optimizer.step()
+    else:
+        assert not hasattr(failure.value, "__notes__")
+    assert list(hooks.values()) == [hook] and all(v is hook for v in hooks.values())
+    handle.remove()
+    assert not hooks
+
+
+def test_a_gradient_hook_left_noting_by_a_backward_that_failed_elsewhere_runs_as_registered():
+    """A backward that fails outside the model after its hooks ran (a layer before the model)
+    never reaches its end, where the hooks it wrapped to note their errors go back: the next call
+    of such a hook puts it back, and it runs as registered, its result the gradient."""
+    model = OffloadModel(network(), device="cpu", num_slices=NUM_SLICES)
+    optimizer = OffloadOptimizer(model, torch.optim.SGD, lr=0.1, update_in_backward=True)
+    weight = model.get_submodule("2").weight
+    halved = []
+
+    def hook(grad):
+        halved.append(grad / 2)
+        return halved[-1]
+
+    weight.register_hook(hook)
+    for step in range(3):
+        x = batch(step).requires_grad_()
+        FlakyLayer.failing = step == 2
+        try:
+            if step == 2:
+                with pytest.raises(ValueError, match="a failing backward"):
+                    model(FlakyLayer()(x)).pow(2).mean().backward()
+            else:
+                model(FlakyLayer()(x)).pow(2).mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        finally:
+            FlakyLayer.failing = False
+    assert len(halved) == 3 and list(weight._backward_hooks.values()) != [hook]  # still wrapped
+    weight.grad = None
+    model(batch(3)).pow(2).mean().backward()
+    assert len(halved) == 4 and weight.grad is not None and torch.equal(weight.grad, halved[-1])
+    assert list(weight._backward_hooks.values()) == [hook]
+
+
 def test_reloading_the_last_checkpoint_after_a_failed_backward_trains_on_as_if_it_had_not_run(tmp_path):
     """The failed backward's note advises reloading the last checkpoint: that load replaces what
     its updates wrote, and the steps after it are the run's that never failed, bit for bit."""

@@ -54,6 +54,7 @@ from ..streams import PendingGradients, SliceGradients
 from ..streams.flat_views import flat_alias
 from . import outside_gradients
 from .accumulation import in_place_targets, restore_zeroed, still_zeroed
+from .hook_errors import UPDATES_MAY_HAVE_RUN, note_hook_errors
 from .records import CallRecord
 
 
@@ -261,23 +262,28 @@ class BackwardGradients:
         if self._watched or self.final_wanted:
             outside_gradients.abandon()  # the backward's end, which judges what it watched, never comes
         # A failed backward leaves .grad as autograd would: rule 6 of Note: [Gradients added in place].
+        kept = self._kept()
         added = [g for _, p in self._pending for g in p.added]
         restore_zeroed((self._undoable[id(g)], g) for g in added if id(g) in self._undoable)
-        kept = any(id(g) not in self._undoable for g in added)
         if not isinstance(exc[0], BaseException):
             return
-        # A slice announced may have had its update started, whether its gradients went into .grad
-        # or (with .grad None) were to be handed to autograd.
-        if self._starts_updates and (self._announced or kept):
-            exc[0].add_note(
-                "OffloadModel: this backward was to start the optimizer's update (update_in_backward): the "
-                "update of the slices whose gradients had landed may have run with this backward's gradients, "
-                "and their .grad may hold them. Reload the last checkpoint before training on.")
+        if self._updates_may_have_run():
+            exc[0].add_note(UPDATES_MAY_HAVE_RUN)
         elif kept:
             exc[0].add_note(
                 "OffloadModel: this backward had added some slices' gradients into .grad, onto those of earlier "
                 "backwards (Note: [Adding onto earlier gradients]), and that cannot be undone: .grad holds part of "
                 "this backward. Zero the gradients (zero_grad()) and run the accumulation again.")
+
+    def _kept(self) -> bool:
+        """Whether backward added gradients into a ``.grad`` that a failure cannot zero again."""
+        return any(id(g) not in self._undoable for _, p in self._pending for g in p.added)
+
+    def _updates_may_have_run(self) -> bool:
+        """Whether this backward may have started the optimizer's update of some slice: a slice
+        announced may have, whether its gradients went into .grad or (with .grad None) were to be
+        handed to autograd."""
+        return self._starts_updates and (self._announced or self._kept())
 
     def land(self) -> None:
         """Every slice's gradients on the host: the optimizer reads them next, and may overwrite
@@ -298,6 +304,10 @@ class BackwardGradients:
         _sum_tied(engine.parameters(), param_results, _in_gradient_files(engine, self._pending))
         if self._watched or self.final_wanted:  # the update in backward watches its own
             outside_gradients.returned(zip(engine.parameters(), param_results))
+        if self._updates_may_have_run():
+            # Autograd runs the parameters' own hooks after this returns (Note: [Hook errors after
+            # updates started] in hook_errors.py).
+            note_hook_errors(engine.parameters())
         return [*self._input_grads(grad_in if self.lowest == 0 else None), *param_results]
 
     def _input_grads(self, grad_in: list[list[torch.Tensor | None]] | None) -> list[torch.Tensor | None]:
