@@ -427,3 +427,104 @@ def test_an_update_that_failed_before_changing_anything_refuses_nothing(tmp_path
     optimizer.state_dict()
     train_on([(plain, plain_optimizer), (model, optimizer)], range(3, 5))
     assert_same(plain, plain_optimizer, model, optimizer)
+
+
+# -- an interrupt while loading ----------------------------------------------------------------------
+
+
+def interrupting_the_read(monkeypatch, at: int, raised: type[BaseException] = KeyboardInterrupt) -> None:
+    """``raised`` from inside DCP's read of its ``at``-th tensor item, once: as a Ctrl-C (or
+    SIGTERM, under ``offload-finetune``) landing in the middle of a load does."""
+    from torch.distributed.checkpoint import filesystem
+
+    real = filesystem.narrow_tensor_by_index
+    calls = []
+
+    def narrow_tensor_by_index(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(None)
+        if len(calls) == at:
+            raise raised
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(filesystem, "narrow_tensor_by_index", narrow_tensor_by_index)
+
+
+@pytest.mark.parametrize("raised", [KeyboardInterrupt, SystemExit])
+@pytest.mark.parametrize("tier", [False, True], ids=["in-ram", "disk-tier"])
+def test_an_interrupt_while_loading_is_raised_as_itself_and_a_load_after_it_trains_on(tmp_path, monkeypatch, tier,
+                                                                                      raised):
+    """DCP catches whatever its read raises, a Ctrl-C too, and raises its CheckpointException for
+    it, which an ``except KeyboardInterrupt`` misses. The interrupt is raised as itself, with the
+    note saying what is partly loaded, as a save's is; loading again trains on as the plain
+    optimizer, bit for bit."""
+    plain, plain_optimizer, model, optimizer = trained({"disk_tier": tmp_path / "tier"} if tier else {}, 2)
+    save_checkpoint(tmp_path / "step-2", model, optimizer)
+    train_on([(model, optimizer)], [2])  # away from the checkpoint: the second load has all to restore
+    # 12 parameters, then their steps (in RAM either way), then the moments, 8 a slice: slice 0's
+    # are loaded (into the tier's file), slice 1's under way.
+    interrupting_the_read(monkeypatch, at=35, raised=raised)
+    with pytest.raises(raised) as interrupted:
+        load_checkpoint(tmp_path / "step-2", model, optimizer)
+    assert type(interrupted.value) is raised
+    notes = getattr(interrupted.value, "__notes__", [])
+    if tier:
+        (note,) = notes
+        assert re.fullmatch(r"offload: the optimizer's state is partly loaded: .*slice\(s\) 0\b.*It refuses to step or "
+                            r"be saved until a load succeeds: load a checkpoint again\.", note, re.DOTALL), note
+        with pytest.raises(RuntimeError, match="partly loaded"):
+            optimizer.state_dict()
+    else:
+        assert notes == []
+    assert_the_last_checkpoint_trains_on(tmp_path, plain, plain_optimizer, model, optimizer)
+
+
+def test_an_interrupt_while_reading_the_4bit_formats_is_raised_as_itself(tmp_path, monkeypatch):
+    """The 4-bit weights' packed states are read by a load of their own, before anything is
+    loaded (Note: [Packed quantisation state]): an interrupt there is raised as itself too."""
+    import warnings
+
+    with warnings.catch_warnings():  # its optional CPU kernels ("pip install kernels") are not needed
+        warnings.simplefilter("ignore")
+        bnb = pytest.importorskip("bitsandbytes")
+
+    def four_bit(seed: int) -> nn.Sequential:
+        torch.manual_seed(seed)
+        layer = bnb.nn.Linear4bit(64, 64, compute_dtype=torch.float32, compress_statistics=True, quant_type="nf4")
+        layer.weight = bnb.nn.Params4bit(torch.randn(64, 64), requires_grad=False, compress_statistics=True,
+                                         quant_type="nf4", module=layer)
+        return nn.Sequential(layer.to("cpu"), nn.Linear(64, 64))
+
+    save_checkpoint(tmp_path / "s", four_bit(1))
+    model = four_bit(2)
+    before = {name: value.clone() for name, value in model.state_dict().items() if isinstance(value, torch.Tensor)}
+    interrupting_the_read(monkeypatch, at=1)
+    with pytest.raises(KeyboardInterrupt) as interrupted:
+        load_checkpoint(tmp_path / "s", model)
+    assert type(interrupted.value) is KeyboardInterrupt
+    after = model.state_dict()
+    assert all(torch.equal(after[name], value) for name, value in before.items())  # nothing was loaded
+    load_checkpoint(tmp_path / "s", model)
+    saved = four_bit(1)
+    x = torch.randn(4, 64)
+    torch.testing.assert_close(model(x), saved(x), rtol=0, atol=0)
+
+
+def test_offload_finetune_terminated_while_resuming_ends_with_its_one_line(tmp_path, capsys, monkeypatch):
+    """SIGTERM (``Terminated``, a KeyboardInterrupt) during ``--resume``'s load: the run's one stop
+    line and exit status 143, not DCP's CheckpointException and a traceback."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("datasets")
+    from offload.cli import finetune as cli
+
+    from .helpers import cli_result
+
+    flags = ["--device", "cpu", "--no-progress", "--out", str(tmp_path), "--save-every", "1", "--batch-size", "2",
+             "--seq-len", "16", "--num-slices", "3"]
+    code, _, err = cli_result(cli.main, [*flags, "--steps", "1"], capsys)
+    assert code == 0, err[-3000:]
+    interrupting_the_read(monkeypatch, at=1, raised=cli.Terminated)
+    code, _, err = cli_result(cli.main, [*flags, "--steps", "2", "--resume", "latest"], capsys)
+    assert code == 143, err[-3000:]
+    assert "Traceback" not in err and "CheckpointException" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("terminated "), last

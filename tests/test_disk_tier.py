@@ -819,6 +819,21 @@ def test_a_tier_directory_is_made_only_under_an_existing_writable_parent(tmp_pat
         OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, disk_tier=tmp_path / "locked" / "x")
 
 
+@pytest.mark.parametrize("below", [("tier",), ("a", "tier")], ids=["parent", "grandparent"])
+def test_a_parent_that_is_a_file_is_named_as_one(tmp_path, below):
+    # "Create the parent first" cannot be followed where a file stands in its place: say so, as
+    # save_checkpoint() does for a checkpoint path under a file.
+    (tmp_path / "file").write_text("x")
+    target = tmp_path.joinpath("file", *below)
+    said = rf": {tmp_path / 'file'} is a file, not a directory. Choose another path, or move {tmp_path / 'file'} away"
+    model = OffloadModel(network(), device="cpu", num_slices=3)
+    with pytest.raises(ValueError, match=rf"^DiskTier path {target}{said}"):
+        OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, disk_tier=DiskTier(target))
+    with pytest.raises(ValueError, match=rf"^masters directory {target}{said}"):
+        OffloadModel(network(), device="cpu", num_slices=3, compute_dtype=torch.bfloat16, masters=target)
+    assert os.listdir(tmp_path) == ["file"] and (tmp_path / "file").read_text() == "x"
+
+
 def test_a_directory_another_rank_makes_meanwhile_is_taken_as_it_is(tmp_path, monkeypatch):
     # The ranks of one job name the same directory: one may create it between another's look and
     # its own mkdir. That is not an error, and the directory is not the second rank's to remove.

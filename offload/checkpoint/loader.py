@@ -21,7 +21,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-from .checkpoint_files import CheckpointError, verify_checksums
+from .checkpoint_files import CheckpointError, interrupt_behind, verify_checksums
 from .checks import _check_arguments, _check_model, _check_optimizer, _listed, _read
 from .commit import committed
 from .contents import (HOOKED, _kept_parameters, _loaded_extra, _loads_on_disk, _masters_on_disk,
@@ -89,6 +89,9 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
             without checksums is damaged: the model and optimizer may be partly loaded. An OffloadOptimizer with a disk tier whose slices were partly written refuses
             to step or be saved until a load succeeds (Note: [Slice-by-slice load] in
             ``offload/checkpoint/slice_load_planner.py``).
+        KeyboardInterrupt: (or ``SystemExit``) an interrupt during the read, raised as itself
+            (not DCP's wrapper), with the note a disk tier's partly loaded state adds; the model
+            and optimizer may be partly loaded, as above: load again.
     """
     _check_arguments("load_checkpoint", model, optimizer)
     group, rank, world_size = _group(model, optimizer, process_group)
@@ -166,13 +169,29 @@ def _check_packed(path: Path, metadata: Metadata, model_state: dict[str, torch.T
     """The 4-bit weights' packed states, read and their formats checked before anything is loaded,
     and taken out of what the load reads (Note: [Packed quantisation state] in ``quant_states.py``)."""
     names = [name for name in model_state if is_packed(name)]
-    saved = read_packed(path, metadata, names, group)
+    try:
+        saved = read_packed(path, metadata, names, group)
+    except BaseException as error:  # DCP's CheckpointException is a BaseException
+        _raise_interrupt_behind(error)
+        raise
     differences = format_differences(saved, model_state)
     if differences:
         raise CheckpointError(f"checkpoint {path} holds another model: " + _listed(differences))
     for name in names:
         del state[f"model/{name}"]
     return saved
+
+
+def _raise_interrupt_behind(error: BaseException, note: str | None = None) -> None:
+    """Raise the interrupt (Ctrl-C, SIGTERM: KeyboardInterrupt, SystemExit) that DCP caught while
+    it read and wrapped in ``error``, with ``note``, as the save does: a caller's ``except
+    KeyboardInterrupt`` (``offload-finetune``'s one line) must see it. Returns when there is none."""
+    interrupt = interrupt_behind(error)
+    if interrupt is None or interrupt is error:
+        return  # a read error, or an interrupt DCP did not wrap: the caller raises it as it is
+    if note is not None:
+        interrupt.add_note(note)
+    raise interrupt from None
 
 
 def _state_to_load(model_state: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer | None,
@@ -254,6 +273,7 @@ def _read_data(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
         if isinstance(planner, SliceWritingLoadPlanner):
             planner.check_complete()
     except BaseException as error:  # DCP's CheckpointException is a BaseException
+        note = None
         if tiered:
             # Slices already written hold the checkpoint's state, the others their own, and the
             # scalars (read first, in place) may be either: say so, and have the optimizer refuse
@@ -262,8 +282,10 @@ def _read_data(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
             # collective forever.
             assert isinstance(optimizer, OffloadOptimizer) and optimizer._tier is not None
             mix = optimizer._tier.load_failed(planner.stored, f"load_checkpoint({str(path)!r})")
-            error.add_note(f"offload: the optimizer's state is partly loaded: {mix}. It refuses to step or be "
-                           "saved until a load succeeds: load a checkpoint again.")
+            note = (f"offload: the optimizer's state is partly loaded: {mix}. It refuses to step or be saved until "
+                    "a load succeeds: load a checkpoint again.")
+            error.add_note(note)
+        _raise_interrupt_behind(error, note)
         raise
     finally:
         if isinstance(planner, SliceWritingLoadPlanner):

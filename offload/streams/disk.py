@@ -105,8 +105,8 @@ def make_directory(path: Path, what: str) -> bool:
     whatever disk holds the root, and fill it. Returns whether it made it.
 
     Raises:
-        ValueError: ``path`` is a file, its parent does not exist, it cannot be written to, or it
-            starts with ``~`` (which the caller did not expand).
+        ValueError: ``path`` is a file, its parent does not exist or one of its parents is a file,
+            it cannot be written to, or it starts with ``~`` (which the caller did not expand).
     """
     if str(path).startswith("~") and Path(path).expanduser() != Path(path):
         # Made as given, it would be a directory named "~" here, not in the home directory.
@@ -116,6 +116,11 @@ def make_directory(path: Path, what: str) -> bool:
         raise ValueError(f"{what} {path} is a file, not a directory; point it at a directory on a local disk")
     if not path.exists():
         parent = path.absolute().parent
+        above = next((folder for folder in (parent, *parent.parents) if folder.exists()), None)
+        if above is not None and not above.is_dir():
+            # "Create it first" could not be followed: a file stands where a directory must.
+            raise ValueError(f"{what} {path}: {above} is a file, not a directory. Choose another path, or move "
+                             f"{above} away first.")
         if not parent.is_dir():
             raise ValueError(f"{what} {path}: its parent directory {parent} does not exist; create it first (only the "
                              "last level is created, so that a mistyped path does not put the files on another disk)")
