@@ -115,7 +115,9 @@ class GradScaler(torch.amp.GradScaler):
             raise RuntimeError("step() has already been called since the last update().")
         if state["stage"] is OptState.READY:
             self._check_inf_per_device(optimizer)
-        found_inf = sum(_to_host(flag) for flag in state["found_inf_per_device"].values())
+        # From a tensor: with no gradient checked the parent's sum is the int 0, which is no flag to hand over.
+        found_inf = sum((_to_host(flag) for flag in state["found_inf_per_device"].values()),
+                        torch.zeros((), dtype=torch.float32))
         # As the parent: after unscale_ the gradients are unscaled already; else the optimizer unscales.
         optimizer.grad_scale = (getattr(optimizer, "grad_scale", None) if state["stage"] is OptState.UNSCALED
                                 else _to_host(scale) * getattr(optimizer, "grad_scale", 1))

@@ -433,11 +433,11 @@ def _load_through_class(optimizer: OffloadOptimizer, state_dict: dict[str, Any])
 
 
 def _on_host(scaling: tuple[torch.Tensor | None, ...]) -> Iterator[torch.Tensor | None]:
-    """GradScaler's scale and inf flag, which it hands fused optimizers on the loss's device, copied
-    to the host, waiting for them. The update reads them on a host worker, where the optimizer's own
-    non-blocking copy to the host would be queued on that thread's stream behind the next
-    forward's kernels, and read before it lands."""
-    return (None if t is None else t.to("cpu") for t in scaling)
+    """GradScaler's scale and inf flag, on the loss's device, copied to the host and waited for (the update
+    reads them on a host worker: a non-blocking copy would land behind the next forward's kernels). A number,
+    ``sum([])`` when no gradient was checked, becomes a float32 tensor: unread, as by torch's fused step."""
+    return (t if t is None else t.to("cpu") if torch.is_tensor(t) else torch.as_tensor(t, dtype=torch.float32)
+            for t in scaling)
 
 
 def _plan(optimizer: OffloadOptimizer, kept: bool = False) -> None:

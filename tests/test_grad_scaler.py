@@ -123,6 +123,66 @@ def test_late_host_copies_break_the_plain_scaler(monkeypatch):
     assert any(not torch.equal(p, q) for p, q in zip(got[0], want[0]))
 
 
+def frozen_body_run(scaler_class, offloaded, unscale):
+    """A body frozen while its head warms up (one scaler over two fused AdamW, the body's with no
+    gradients), then trained with it; the second and fifth losses overflow. Returns the body's and
+    the head's parameters and the scaler's state after each step."""
+    torch.manual_seed(0)
+    body = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16))
+    head = nn.Linear(16, 2)
+    if offloaded:
+        body = OffloadModel(body, device="cpu", num_slices=2)
+        body_optimizer = OffloadOptimizer(body, torch.optim.AdamW, lr=1e-2, fused=True)
+    else:
+        body_optimizer = torch.optim.AdamW(body.parameters(), lr=1e-2, fused=True)
+    head_optimizer = torch.optim.AdamW(head.parameters(), lr=1e-2, fused=True)
+    scaler = scaler_class("cpu", init_scale=2.0**8, growth_interval=2)
+    inputs = torch.randn(6, 4, 8, generator=torch.Generator().manual_seed(1))
+    states = []
+    for step, x in enumerate(inputs):
+        body.requires_grad_(step >= 3)
+        loss = head(body(x)).pow(2).mean() * (float("inf") if step in (1, 4) else 1.0)
+        scaler.scale(loss).backward()
+        for optimizer in (body_optimizer, head_optimizer):
+            if unscale:
+                scaler.unscale_(optimizer)
+            scaler.step(optimizer)
+        scaler.update()
+        body_optimizer.zero_grad()
+        head_optimizer.zero_grad()
+        states.append(scaler.state_dict())
+    if offloaded:
+        body_optimizer.synchronize()
+    return [p.detach().clone() for p in [*body.parameters(), *head.parameters()]], states
+
+
+@pytest.mark.parametrize("unscale", [False, True], ids=["step-only", "unscale"])
+@pytest.mark.parametrize("scaler_class", [torch.amp.GradScaler, offload.GradScaler], ids=["torch", "offload"])
+def test_a_fused_step_with_no_gradients_is_the_plain_ones(scaler_class, unscale):
+    """With no gradient checked, the scaler hands a fused optimizer ``found_inf = sum([])``, the
+    int 0: the plain fused AdamW never reads it; the OffloadOptimizer's copy of it to the host raised."""
+    want = frozen_body_run(torch.amp.GradScaler, offloaded=False, unscale=unscale)
+    got = frozen_body_run(scaler_class, offloaded=True, unscale=unscale)
+    for p, q in zip(got[0], want[0], strict=True):
+        torch.testing.assert_close(p, q, **EXACT)
+    assert got[1] == want[1]
+    assert want[1][1]["scale"] < want[1][0]["scale"] and want[1][4]["scale"] < want[1][3]["scale"]  # overflows seen
+
+
+def test_offload_grad_scaler_hands_a_flag_when_no_gradient_was_checked():
+    """Where the parent hands ``sum([])``, the int 0, an optimizer that reads the flag gets a float32 zero."""
+    model = nn.Linear(4, 4)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.AdamW(model.parameters(), fused=True)
+    handed = []
+    optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: handed.append(optimizer.found_inf))
+    scaler = offload.GradScaler("cpu")
+    scaler.scale(torch.tensor(1.0))
+    scaler.step(optimizer)
+    assert torch.is_tensor(handed[0]) and handed[0].dtype == torch.float32 and handed[0].item() == 0
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
 def test_state_dict_moves_between_the_scalers():
     plain = torch.amp.GradScaler("cpu", init_scale=2.0**7, growth_interval=3)
     ours = offload.GradScaler("cpu")
