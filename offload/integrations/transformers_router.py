@@ -43,7 +43,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
 __all__ = ["RouterCapture", "RouterLoss", "flat_router_logits", "router_logits_asked", "router_loss_of",
            "with_router_loss"]
@@ -131,11 +130,14 @@ def router_logits_asked(config: Any, kwargs: dict[str, Any]) -> bool:
 
 
 def with_router_loss(model: nn.Module, output: Any, carried: Sequence[torch.Tensor],
-                     attention_mask: torch.Tensor | None) -> MoeCausalLMOutputWithPast:
+                     attention_mask: torch.Tensor | None) -> Any:
     """``output`` (a ``CausalLMOutputWithPast``) as ``model``'s forward returns it when asked for router
     logits: a ``MoeCausalLMOutputWithPast`` with the router logits, the load-balancing loss, and that
     loss added to the loss (where there is one) by the model's coefficient (rule 3 of Note: [Router
     logits])."""
+    # Here, not at the top: the stages import this module before they say how to install transformers.
+    from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+
     router = router_loss_of(model)
     assert router is not None, "the stages carry router logits only for a family with the loss"
     router_logits = flat_router_logits(carried)
