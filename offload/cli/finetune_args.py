@@ -185,9 +185,9 @@ def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
                                      'pip install "offload[peft]"')
     lora.add_argument("--lora-r", type=int, default=0, help="adapter rank (0, the default: train every weight)")
     lora.add_argument("--lora-alpha", type=float, help="adapter scale numerator (default: twice the rank)")
-    lora.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input")
-    lora.add_argument("--lora-targets", nargs="+", default=["all-linear"], metavar="MODULE",
-                      help="module names to adapt, or all-linear (every linear layer but the output head)")
+    lora.add_argument("--lora-dropout", type=float, help="dropout on the adapters' input (default: 0)")
+    lora.add_argument("--lora-targets", nargs="+", metavar="MODULE",
+                      help="module names to adapt, or all-linear (the default: every linear layer but the output head)")
 
 
 def add_four_bit_arguments(parser: argparse.ArgumentParser) -> None:
@@ -200,9 +200,31 @@ def add_four_bit_arguments(parser: argparse.ArgumentParser) -> None:
                                "the rest of the base in --compute-dtype's dtype (none: float32), which the layers "
                                "compute in, with no OffloadModel compute_dtype (a shadow would copy the codes); "
                                "needs --lora-r")
-    four_bit.add_argument("--bnb-4bit-quant-type", default="nf4", choices=QUANT_TYPES, help="the 4-bit format")
-    four_bit.add_argument("--bnb-4bit-use-double-quant", action=argparse.BooleanOptionalAction, default=True,
-                          help="quantise the blocks' scales again (QLoRA's double quantisation)")
+    four_bit.add_argument("--bnb-4bit-quant-type", choices=QUANT_TYPES, help="the 4-bit format (default: nf4)")
+    four_bit.add_argument("--bnb-4bit-use-double-quant", action=argparse.BooleanOptionalAction,
+                          help="quantise the blocks' scales again (QLoRA's double quantisation; the default)")
+
+
+#: Options that only shape what another option turns on, each with that option and its default: set
+#: without it they would change nothing, silently, so they are refused (a float32 base trained in full
+#: where an fp4 one was meant).
+_DEPENDENT_OPTIONS = {
+    "lora_alpha": ("lora_r", None), "lora_dropout": ("lora_r", 0.0), "lora_targets": ("lora_r", ["all-linear"]),
+    "bnb_4bit_quant_type": ("load_in_4bit", "nf4"), "bnb_4bit_use_double_quant": ("load_in_4bit", True),
+}
+
+
+def check_dependent_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse an option set without the one it shapes (:data:`_DEPENDENT_OPTIONS`), then give the unset
+    ones their defaults."""
+    for name, (needs, default) in _DEPENDENT_OPTIONS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+        elif not getattr(args, needs):
+            flag, needed = f"--{name.replace('_', '-')}", f"--{needs.replace('_', '-')}"
+            shown = f"--no-{flag[2:]}" if getattr(args, name) is False else flag
+            parser.error(f"{shown} shapes {needed}'s " + ("adapters" if needs == "lora_r" else "4-bit base") +
+                         f", which is off: add {needed}" + (" R" if needs == "lora_r" else "") + f", or leave out {shown}")
 
 
 def check_four_bit_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -264,12 +286,15 @@ def parse_args(argv: list[str] | None = None, prog: str = "offload-finetune") ->
                      f"got {args.resident_slices}")
     if args.lora_r < 0:
         parser.error("--lora-r must be 0 (off) or a positive rank")
+    check_dependent_args(parser, args)
     check_float_args(parser, args)
     check_four_bit_args(parser, args)
     for name in ("steps", "batch_size", "seq_len", "num_slices", "microbatches", "grad_accum", "eval_batches",
                  "shuffle_buffer"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.seq_len < 2:  # one token scores nothing: every loss would be 0 / 0
+        parser.error("--seq-len must be at least 2: a block's loss scores each token against the next")
     for name in ("warmup_steps", "eval_every"):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be 0 or more")
