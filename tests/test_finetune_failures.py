@@ -139,14 +139,14 @@ def test_a_run_stopped_after_its_last_checkpoint_finishes_with_the_command_it_pr
 ])
 def test_float_options_out_of_range_are_parser_errors(flag, value, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        parse_args(["--out", str(tmp_path), "--device", "cpu", flag, value])
+        parse_args(["--out", str(tmp_path), "--device", "cpu", "--lora-r", "4", flag, value])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == f"offload-finetune: error: {message}"
 
 
 def test_float_options_in_range_parse(tmp_path):
     args = parse_args(["--out", str(tmp_path), "--device", "cpu", "--lr", "1e-5", "--max-grad-norm", "0.5",
-                       "--eval-fraction", "0", "--lora-alpha", "0.5", "--lora-dropout", "0"])
+                       "--eval-fraction", "0", "--lora-r", "4", "--lora-alpha", "0.5", "--lora-dropout", "0"])
     assert (args.lr, args.max_grad_norm, args.eval_fraction, args.lora_alpha) == (1e-5, 0.5, 0.0, 0.5)
 
 
