@@ -16,7 +16,7 @@ from offload.model import engine_of
 
 from .helpers import DEVICES, HostStepped, assert_same_grads
 from .stream_scenarios import Unembed
-from .test_mixed_precision import converted, master_grads_of
+from .test_mixed_precision import HALF, converted, master_grads_of
 
 EXACT = {"rtol": 0.0, "atol": 0.0}
 
@@ -89,24 +89,83 @@ def test_training_steps_the_tied_parameter_once(optimizer, host_optimizer, devic
         torch.testing.assert_close(got, want.cpu(), **EXACT, msg=name)
 
 
+def spacing(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Per element, the distance between consecutive ``dtype`` numbers at ``values`` (one ulp)."""
+    finfo = torch.finfo(dtype)
+    # |v| in [2**(e-1), 2**e) has ulp eps * 2**(e-1); below the normal range the subnormals' spacing.
+    _, exponent = torch.frexp(values.float().abs().clamp_min(finfo.smallest_normal))
+    return torch.ldexp(torch.full(values.shape, finfo.eps / 2, device=values.device), exponent)
+
+
+def assert_tied_gradient_is_the_float32_sum(got: torch.Tensor, holder_use: torch.Tensor, borrower_use: torch.Tensor,
+                                            converted_grad: torch.Tensor, dtype: torch.dtype) -> None:
+    """The tied gradient under ``compute_dtype``: the float32 sum of its two uses' half-precision
+    gradients, bit for bit; the converted model adds them in half precision, so the two are
+    within one half-precision ulp of each other (docs/mixed-precision.md)."""
+    assert holder_use.dtype == borrower_use.dtype == converted_grad.dtype == dtype
+    torch.testing.assert_close(got, holder_use.float() + borrower_use.float(), **EXACT)
+    difference = (got - converted_grad.float()).abs()
+    assert bool((difference <= spacing(converted_grad, dtype)).all()), difference.max()
+
+
 @pytest.mark.parametrize("device", DEVICES)
-def test_under_a_compute_dtype(device):
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["set_to_none", "zeroed"])
+def test_under_a_compute_dtype_the_tied_gradient_is_the_float32_sum(set_to_none, dtype, device):
+    """Each slice's gradient leaves in float32 and the two are added there, where the plain model
+    converted to ``dtype`` adds them in ``dtype``: every other gradient is bit-identical."""
     plain = network(dropout=0.0)
-    reference = converted(plain, torch.bfloat16).to(device)
-    model = OffloadModel(copy.deepcopy(plain), device=device, num_slices=3, compute_dtype=torch.bfloat16)
-    want = reference(ids(device))
-    want.float().pow(2).mean().backward()
-    got = model(ids(device))
-    got.float().pow(2).mean().backward()
+    reference = converted(plain, dtype).to(device)
+    # The same model with the head's table a copy of its own: each use's gradient apart.
+    apart = copy.deepcopy(reference)
+    apart[6].table = copy.deepcopy(apart[6].table)
+    model = OffloadModel(copy.deepcopy(plain), device=device, num_slices=3, compute_dtype=dtype)
+    for _ in range(2):  # the second into .grad zeroed, or set to None, by the first
+        for m in (reference, apart, model):
+            m.zero_grad(set_to_none=set_to_none)
+        want = reference(ids(device))
+        want.float().pow(2).mean().backward()
+        apart(ids(device)).float().pow(2).mean().backward()
+        got = model(ids(device))
+        got.float().pow(2).mean().backward()
+        torch.testing.assert_close(got, want, **EXACT)
+        expected = master_grads_of(reference)
+        for (name, p), q in zip(model.named_parameters(), expected.parameters()):
+            if name != "0.table.weight":
+                torch.testing.assert_close(p.grad, q.grad.cpu(), **EXACT, msg=name)
+        assert_tied_gradient_is_the_float32_sum(model[0].table.weight.grad, apart[0].table.weight.grad.cpu(),
+                                                apart[6].table.weight.grad.cpu(),
+                                                reference[0].table.weight.grad.cpu(), dtype)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_a_tied_gpt2_under_a_compute_dtype(dtype):
+    """GPT-2 ties ``lm_head`` to ``wte`` (the first slice holds it, the last borrows it): the same
+    float32 sum, every other gradient bit-identical to the model converted to ``dtype``."""
+    transformers = pytest.importorskip("transformers")
+    from offload.integrations.transformers import causal_lm_sequential
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=64, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    hf = transformers.GPT2LMHeadModel(config)
+    assert hf.lm_head.weight is hf.transformer.wte.weight
+    reference = converted(hf, dtype)
+    apart = copy.deepcopy(reference)
+    apart.lm_head.weight = nn.Parameter(apart.transformer.wte.weight.detach().clone())
+    model = OffloadModel(causal_lm_sequential(hf), device="cpu", num_slices=3, compute_dtype=dtype)
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    want = reference(input_ids=tokens, use_cache=False).logits
+    reference.loss_function(logits=want, labels=tokens, vocab_size=64).backward()
+    apart.loss_function(logits=apart(input_ids=tokens, use_cache=False).logits, labels=tokens, vocab_size=64).backward()
+    got = model({"input_ids": tokens})
+    hf.loss_function(logits=got, labels=tokens, vocab_size=64).backward()
     torch.testing.assert_close(got, want, **EXACT)
-    expected = master_grads_of(reference)
-    for (name, p), q in zip(model.named_parameters(), expected.parameters()):
-        if name.endswith("table.weight"):
-            # The plain bf16 model adds the two contributions in bf16; OffloadModel adds them in
-            # float32 (each slice's gradient comes back as float32), so they differ by bf16 rounding.
-            torch.testing.assert_close(p.grad, q.grad.cpu(), rtol=2 ** -7, atol=1e-6, msg=name)
-        else:
-            torch.testing.assert_close(p.grad, q.grad.cpu(), **EXACT, msg=name)
+    for (name, p), q in zip(hf.named_parameters(), master_grads_of(reference).parameters()):
+        if name != "transformer.wte.weight":
+            torch.testing.assert_close(p.grad, q.grad, **EXACT, msg=name)
+    assert_tied_gradient_is_the_float32_sum(hf.transformer.wte.weight.grad, apart.transformer.wte.weight.grad,
+                                            apart.lm_head.weight.grad, reference.transformer.wte.weight.grad, dtype)
 
 
 def test_the_borrowing_slice_loads_the_holders_current_values():
