@@ -127,6 +127,9 @@ BAD_INPUTS = {
     "disk dir a file": ([*TINY, "--disk-dir", "a_file"], "--disk-dir a_file: not a directory"),
     # A disk tier makes only the last level: the printed DiskTier(...) would be refused.
     "disk dir without its parent": ([*TINY, "--disk-dir", "none/a/b"], "its parent directory"),
+    # "Create it first" could not be followed: a file stands where a directory must.
+    "disk dir under a file": ([*TINY, "--disk-dir", "a_file/tier"],
+                              "a_file is a file, not a directory; choose another path"),
     "infinite host": ([*TINY[:4], "--host-memory", "inf"], "--host-memory must be a positive number of GiB, got inf"),
     "infinite device": ([*TINY, "--device-memory", "inf"], "--device-memory must be a positive number of GiB"),
     "infinite disk": ([*TINY, "--disk-dir", ".", "--disk", "inf"], "--disk must be a positive number of GiB"),

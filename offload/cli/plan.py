@@ -210,6 +210,9 @@ def check_disk_dir(parser: argparse.ArgumentParser, path: Path, flag: str = "--d
             parser.error(f"{flag} {path}: not writable by this process; choose a directory you can write to")
         return
     parent = path.absolute().parent
+    above = next((folder for folder in (parent, *parent.parents) if folder.exists()), None)
+    if above is not None and not above.is_dir():  # "create it first" could not be followed
+        parser.error(f"{flag} {path}: {above} is a file, not a directory; choose another path")
     if not parent.is_dir():
         parser.error(f"{flag} {path}: its parent directory {parent} does not exist; create it first (a disk "
                      "tier creates only the last level, so that a mistyped path does not put the files on another "
