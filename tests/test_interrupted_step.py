@@ -168,7 +168,8 @@ def test_an_interrupted_step_runs_what_it_handed_over_refuses_saves_and_trains_o
             loss_of(m, step).backward()
             opt.step()
     assert_parameters_equal(plain_model, plain, model, optimizer)
-    # A load replaces the mix: saves work again, and hold what was loaded.
+    # Loads of both the parameters and the state replace the mix: saves work again, and hold what was loaded.
+    model.load_state_dict(plain_model.state_dict())
     optimizer.load_state_dict(plain.state_dict())
     got, want = optimizer.state_dict()["state"], plain.state_dict()["state"]
     for i in want:

@@ -34,8 +34,19 @@ Note: [An update that failed part way]
        the error said what the update left, and training on once its cause is gone is the
        caller's choice (``step()`` after a backward that raised with ``update_in_backward``
        refuses once, as it did before: ``in_backward.py``); no checkpoint holds it until a load.
-    4. A load that succeeds (``load_state_dict()``, ``load_checkpoint``) replaces the state and, with
-       ``load_checkpoint``, the parameters: it clears the record (:meth:`forget`).
+    4. The mix is gone once loads replaced both the state and the model's parameters since the
+       round began (a step between them mixes them again): ``load_checkpoint``, or the
+       optimizer's ``load_state_dict()`` and the model's, in either order. The optimizer's load
+       tells the record (:meth:`forget`), having waited for every update, so a failure no wait
+       has latched yet is latched first; each layer's load hooks tell it which parameters a load
+       wrote (:class:`_LoadWatch`, on the layers from the first round on: a load between the
+       failure and its latch counts), of those that train (``requires_grad``: a frozen one gets
+       no gradient, and no update changes it). The model's ``load_state_dict()`` counts a
+       parameter whose tensor it replaced or wrote (its version counter or address moved: not
+       one it left out, nor one whose shape did not fit); ``load_checkpoint``, which runs the
+       post-hooks only, once it wrote every tensor it checked against the model, counts them
+       all. The optimizer's load alone leaves the parameters mixing two steps, and the refusal
+       says to load them.
     5. Sharded over ranks, each rank's record is of its own updates, and a rank whose part of a
        slice failed is the only one whose update raised; but every rank took that slice's
        parameters from it (Note: [A failed part of a sharded update] in
@@ -56,9 +67,13 @@ Note: [An update that failed part way]
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
+
+import torch
+from torch import nn
 
 from ..streams import Event
 from ..tiers.slice_update import HostUpdateError
@@ -88,6 +103,11 @@ class PartialFailure:
         self._told: tuple[int, dict[int, set[int]], bool] = (-1, {}, False)
         # Slices whose update the step being handed over handed over (rule 6); -1: parameters outside the model.
         self._this_step: set[int] = set()
+        # - What loads replaced since the round began (rule 4): the state, and the model's
+        #   parameters (by id) no load wrote yet, None for all of them; the layers' hooks tell it.
+        self._state_loaded = False
+        self._unloaded: set[int] | None = None
+        self._watches: list[_LoadWatch] = []
 
     # -- the updates ---------------------------------------------------------------------------------
 
@@ -151,14 +171,27 @@ class PartialFailure:
 
         Raises:
             HostUpdateError: an update raised, and no wait has said so yet.
-            RuntimeError: an update failed part way, and no load has replaced the mix since.
+            RuntimeError: an update failed part way, and loads have not replaced both the state and
+                the model's parameters since (the message says which is still missing).
         """
         self._latch(engine)
-        if self._mixed is not None:
+        self._forget_replaced()
+        if self._mixed is None:
+            return
+        mix = f"this OffloadOptimizer's parameters and state mix two steps: {self._mixed}."
+        if self._state_loaded:
             raise RuntimeError(
-                f"this OffloadOptimizer's parameters and state mix two steps: {self._mixed}. {doing} would use that "
-                "mix; load the last checkpoint first (load_checkpoint(latest_checkpoint(directory)), or "
-                "load_state_dict() and the model's load_state_dict()).")
+                f"{mix} Its state was loaded since, but not the model's parameters, which still hold that mix: "
+                f"{doing} would use them; load the model's parameters too (the model's load_state_dict() of the "
+                "checkpoint the state came from, or load_checkpoint(latest_checkpoint(directory))).")
+        if self._unloaded == set():
+            raise RuntimeError(
+                f"{mix} The model's parameters were loaded since, but not the optimizer's state: {doing} would use "
+                "it; load it too (load_state_dict() of the checkpoint the parameters came from, or "
+                "load_checkpoint(latest_checkpoint(directory))).")
+        raise RuntimeError(
+            f"{mix} {doing} would use that mix; load the last checkpoint first (load_checkpoint(latest_checkpoint("
+            "directory)), or load_state_dict() and the model's load_state_dict()).")
 
     def before_step(self, engine: Any, new_round: bool = True) -> None:
         """In ``step()`` (or the backward that would start updates): latch what the last round left
@@ -166,14 +199,39 @@ class PartialFailure:
         yet is raised first. ``new_round``: the step's updates begin here, not in the backward
         before (rule 1)."""
         self._latch(engine)
+        self._forget_replaced()
+        if not self._watches:  # from the first round on: a load after a failure counts (rule 4)
+            self._watches = _watch(self, engine)
+        # What this round's updates write is no load's (rule 4).
+        self._state_loaded, self._unloaded = False, None
         if new_round and not self._unfinished:
             self._changing = set()
 
     def forget(self) -> None:
-        """A load replaced the state (and, through ``load_checkpoint``, the parameters): no mix."""
-        self._unfinished, self._changing, self._mixed, self._this_step = set(), set(), None, set()
+        """A load replaced the state, once every update had ended: latch what the round left (rule
+        2), and forget the mix once the model's parameters were loaded too (rule 4)."""
+        self._latch_ended()
+        self._this_step, self._state_loaded = set(), True
         with self._lock:
             self._told = (-1, {}, False)
+        self._forget_replaced()
+
+    def parameters_loaded(self, tensors: Iterable[torch.Tensor]) -> None:
+        """A load wrote ``tensors``, parameters of the model's layers as they were before it (rule 4)."""
+        self.parameters_to_load()
+        assert self._unloaded is not None
+        self._unloaded.difference_update(map(id, tensors))
+
+    def parameters_to_load(self) -> None:
+        """Before a load writes anything: the parameters no load wrote yet, at its first every one an
+        update may have changed (a frozen one, which gets no gradient, is never updated)."""
+        if self._unloaded is None:
+            self._unloaded = {id(p) for watch in self._watches for p in watch.parameters() if p.requires_grad}
+
+    def _forget_replaced(self) -> None:
+        """Forget the mix once loads replaced both the state and the parameters (rule 4)."""
+        if self._state_loaded and self._unloaded == set():
+            self._mixed = None
 
     def told(self, step: int, index: int, world_size: int, ranks: list[int]) -> None:
         """The ``ranks`` (of ``world_size``) did not finish their part of step ``step``'s update
@@ -216,12 +274,80 @@ class PartialFailure:
         if not any(h.in_caller or engine.copies.has_completed(h.event) for h in list(self._unfinished)):
             return  # nothing failed, or it is still running
         engine.updates.wait_all()
+        self._latch_ended()
+
+    def _latch_ended(self) -> None:
+        """Every update of the round has ended: latch the mix, if one that was not done failed
+        after any had started changing host memory."""
         # Once every update has ended, those not done are the ones that failed; an update that
-        # finished while the line above looked leaves nothing behind and latches nothing.
+        # finished while _latch looked leaves nothing behind and latches nothing.
         failed, self._unfinished = {h.index for h in self._unfinished}, set()
         changing, self._changing = self._changing, set()
         if changing and failed:
             self.mixed(_what_mixed(changing - failed, changing & failed, failed - changing))
+
+
+class _LoadWatch:
+    """One layer's load hooks: which of its parameters a load wrote, for a :class:`PartialFailure`
+    (rule 4), by id. Both are held weakly: the hooks stay on the layer, which may outlive the
+    optimizer. A deep copy of the layer takes them along, and tells of its own parameters, which
+    the record does not hold."""
+
+    def __init__(self, failure: PartialFailure, layer: nn.Module) -> None:
+        self._failure, self._layer = weakref.ref(failure), weakref.ref(layer)
+        self._before: dict[str, tuple[torch.Tensor, int, int]] | None = None
+
+    def parameters(self) -> list[torch.Tensor]:
+        layer = self._layer()
+        return [] if layer is None else list(layer.parameters())
+
+    def before(self, module: nn.Module, *_: Any) -> None:
+        """The load pre-hook (in ``load_state_dict()``, not ``load_checkpoint``): each parameter
+        before the load copies into it, or replaces it (``assign=True``)."""
+        failure = self._failure()
+        if failure is not None:
+            failure.parameters_to_load()
+            self._before = {name: (p, p._version, p.data_ptr()) for name, p in module.named_parameters()}
+
+    def after(self, module: nn.Module, _incompatible: Any) -> None:
+        """The load post-hook: after ``load_state_dict()``, the parameters written since
+        :meth:`before`; after ``load_checkpoint`` (no pre-hook ran), every one."""
+        failure, before, self._before = self._failure(), self._before, None
+        if failure is None:
+            return
+        now = dict(module.named_parameters())
+        if before is None:
+            failure.parameters_loaded(now.values())
+            return
+        failure.parameters_loaded(p for name, (p, version, address) in before.items()
+                                  if now.get(name) is not p or p._version != version or p.data_ptr() != address)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A pickled layer takes its hooks along; unpickled, they watch nothing.
+        return _unwatched, ()
+
+
+def _unwatched() -> _LoadWatch:
+    """A :class:`_LoadWatch` whose record and layer are gone."""
+    return _LoadWatch(PartialFailure(), nn.Module())
+
+
+def _watch(failure: PartialFailure, engine: Any) -> list[_LoadWatch]:
+    """Put load hooks on each of ``engine``'s layers, taken off again with ``failure``."""
+    layers = {id(layer): layer for s in engine.slices for layer in s.layers}.values()
+    watches = [_LoadWatch(failure, layer) for layer in layers]
+    handles = [handle for layer, watch in zip(layers, watches) for handle in (
+        # The public register_load_state_dict_pre_hook (newer torch) registers exactly this.
+        layer._register_load_state_dict_pre_hook(watch.before, with_module=True),
+        layer.register_load_state_dict_post_hook(watch.after))]
+    weakref.finalize(failure, _remove, handles)
+    return watches
+
+
+def _remove(handles: list[Any]) -> None:
+    """Take the hooks off (a function of its own: a finalizer that held the record would keep it alive)."""
+    for handle in handles:
+        handle.remove()
 
 
 def _what_mixed(updated: set[int], partly: set[int], left: set[int]) -> str:
