@@ -58,6 +58,27 @@ Note: [Device copies while autograd runs a slice]
     tensors are bound (``Slice.bound``) for as long as autograd runs the slice's graph, a kept
     graph's parameter leaves pointed at the slot that holds the slice at that time.
 
+Note: [Parameters a layer casts in forward]
+    A layer may replace a parameter's data in its forward: bitsandbytes' ``Linear4bit`` runs
+    ``bias.data = bias.data.to(x.dtype)`` when its bias is not in its compute dtype (a float32
+    bias, as ``prepare_model_for_kbit_training`` leaves it, under ``bnb_4bit_compute_dtype=
+    torch.bfloat16``). The run's leaf then enters the graph in the new dtype, autograd's gradient
+    for it comes out in that dtype, and it is cast to the parameter's where it is read (Note:
+    [Gradients in the compute dtype] in ``offload/streams/gradients.py``); microbatches sum in
+    float32.
+
+    1. A kept graph's leaves are pointed at the slot again before backward (``leaf.data = view``,
+       Note: [Device copies while autograd runs a slice]). For a leaf in another dtype (or on
+       another device) than its slot's that assignment makes PyTorch drop the leaf's gradient
+       accumulator, the one the graph reaches: ``torch.autograd.grad`` would return ``None`` for
+       it, and the parameter would get no gradient, silently (with microbatches, only the
+       recomputed ones' share). Such a leaf keeps the memory the layer gave it instead: its own,
+       which no slice writes, holding what the forward used.
+    2. A recompute runs on fresh leaves, which the layer casts again before using them.
+    3. The host copy keeps its dtype: the cast reaches the run's leaf only. The plain model's
+       parameter stays in the compute dtype from its first forward on, and its optimizer steps it
+       there; the offloaded model steps its float32 master (``docs/lora.md``).
+
 Note: [Layers that differentiate in forward]
     A layer may differentiate, inside its forward, a graph built during it (an energy's gradient
     as a force: ``torch.autograd.grad(e, x, create_graph=True)``); autograd then unpacks what that
@@ -400,7 +421,9 @@ def _kept_entry_tensors(engine: Engine, index: int, record: KeptGraph | Offloade
                     "in another device slot now (a second forward ran before this backward): bitsandbytes keeps the "
                     "weight on its autograd context, out of OffloadModel's reach. Run backward before the next "
                     "forward, or put the last layer with a quantized weight before the last slice")
-            leaf.data = view  # same leaf (the graph's), current memory
+            if leaf.dtype == view.dtype and leaf.device == view.device:
+                leaf.data = view  # same leaf (the graph's), current memory
+            # else the layer cast the leaf's data: rule 1 of Note: [Parameters a layer casts in forward].
             tensors.append(leaf)
         else:
             tensors.append(view)
