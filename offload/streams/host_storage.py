@@ -72,6 +72,7 @@ from .disk import DiskTierError
 from .flat_views import _itemsize, alias, flat_exporter, own_storage_view, typed_view, views_outside
 from .gradient_files import GradientHome
 from .mapped import MappedFile
+from .quantized import is_4bit_weight, is_8bit_weight
 from .slice_entries import (Entry, RegisteredTensors, _runs, collect_entries, companions_of, run_state_positions,
                             settle_8bit_layers, states_replaced)
 from .slice_layout import lay_out
@@ -130,11 +131,18 @@ FLOAT32_LAYERS: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._NormBase,)
 
 
 def keeping_their_dtype(layers: Sequence[nn.Module]) -> set[int]:
-    """Ids of the parameters of :data:`FLOAT32_LAYERS` in ``layers``: their device copies keep their
-    dtype under a compute dtype. The test :class:`SliceStorage` applies, public so that what predicts
-    the model (``offload/planning``: memory, host bytes, step time, shapes) applies the same."""
-    return {id(p) for layer in layers for m in layer.modules()
+    """Ids of the parameters in ``layers`` whose device copies keep their dtype under a compute
+    dtype: those of :data:`FLOAT32_LAYERS`, and bitsandbytes' quantized weights. The test
+    :class:`SliceStorage` applies, public so that what predicts the model (``offload/planning``:
+    memory, host bytes, step time, shapes) applies the same."""
+    kept = {id(p) for layer in layers for m in layer.modules()
             if isinstance(m, FLOAT32_LAYERS) for p in m.parameters(recurse=False)}
+    # A 4-bit weight's codes are bytes, whatever dtype holds them: under ``bnb_4bit_quant_storage``
+    # (bfloat16 for FSDP-QLoRA) they sit in a floating-point tensor, which a cast would convert as
+    # values, scrambling the packed codes or their count. So they travel as stored, as their
+    # quantisation state does (Note: [Quantized weights], rule 2); an 8-bit weight's are int8.
+    kept.update(id(p) for layer in layers for p in layer.parameters() if is_4bit_weight(p) or is_8bit_weight(p))
+    return kept
 
 
 
