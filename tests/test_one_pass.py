@@ -8,6 +8,7 @@ import subprocess
 import sys
 import types
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -260,21 +261,22 @@ def test_the_check_refuses_a_kernel_that_differs_in_one_element(kernel, which, w
     assert ("clipped by" in mismatch and "argument 1" in mismatch) if what == "clipped gradient" else what in mismatch
 
 
-def test_without_a_build_training_runs_pytorchs_kernels_and_says_why_once(monkeypatch):
+def test_without_a_build_training_runs_pytorchs_kernels_and_says_why_once(monkeypatch, tmp_path):
+    # No compiler, no build cached: the note names the compiler PyTorch's builder would run, not
+    # ninja's last line ("build stopped: subcommand failed.").
     monkeypatch.setattr(build, "_state", {"module": None, "thread": None, "note": None,
                                           "exiting": False})
-
-    def no_compiler():
-        raise RuntimeError("Error building extension: g++: not found")
-
-    monkeypatch.setattr(build, "_compile", no_compiler)
+    missing = str(tmp_path / "no-such-c++")
+    monkeypatch.setenv("CXX", missing)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert build.host_kernel(wait=True) is None
         assert build.host_kernel(wait=True) is None
     notes = [w for w in caught if issubclass(w.category, build.HostKernelUnavailable)]
-    assert len(notes) == 1 and "g++: not found" in str(notes[0].message) and "same results" in str(notes[0].message)
-    assert build.unavailable_reason() is not None
+    reason = f"RuntimeError: no C++ compiler ({missing}) found: install one, or name it in CXX"
+    assert len(notes) == 1 and f"({reason})" in str(notes[0].message) and "same results" in str(notes[0].message)
+    assert build.unavailable_reason() == reason
     served = []
     monkeypatch.setattr(OnePassUpdate, "_serve", lambda *args: served.append(1) or False)
     plain_model = OffloadModel(network(), device="cpu", num_slices=2, compute_dtype=torch.bfloat16)
@@ -288,6 +290,55 @@ def test_without_a_build_training_runs_pytorchs_kernels_and_says_why_once(monkey
             o.zero_grad()
     assert_same(plain_model, plain, model, optimizer)
     assert served == []
+
+
+FAILED_BUILD = """Error building extension 'offload_one_pass_0123456789ab': [1/2] c++ -c one_pass.cpp -o one_pass.o
+FAILED: one_pass.o
+c++ -MMD -MF one_pass.o.d -O3 -c one_pass.cpp -o one_pass.o
+%s
+compilation terminated.
+ninja: build stopped: subcommand failed.
+"""
+
+
+@pytest.mark.parametrize("cause", [
+    "/bin/sh: 1: c++: not found",
+    "one_pass.cpp:3:10: fatal error: ATen/cpu/vec/vec.h: No such file or directory",
+    "one_pass.cpp:40:5: error: 'Vectorized' was not declared in this scope",
+])
+def test_a_failed_build_is_explained_by_the_line_that_names_its_cause(monkeypatch, cause):
+    # PyTorch's message for a failed build ends with ninja's line, which names no cause.
+    monkeypatch.setattr(build, "_state", {"module": None, "thread": None, "note": None, "exiting": False})
+
+    def failed_build():
+        raise RuntimeError(FAILED_BUILD % cause)
+
+    monkeypatch.setattr(build, "_compile", failed_build)
+    with pytest.warns(build.HostKernelUnavailable, match="with the same results"):
+        assert build.host_kernel(wait=True) is None
+    assert build.unavailable_reason() == f"RuntimeError: {cause}"
+
+
+SECOND_INSTALL = """
+import shutil, sys
+from pathlib import Path
+from offload.kernels import build
+
+build.SOURCE = Path(shutil.copy(build.SOURCE, sys.argv[1]))  # the same source, installed elsewhere
+print(build._compile().__file__, flush=True)
+"""
+
+
+def test_a_second_install_of_the_same_source_loads_the_first_ones_build(kernel, tmp_path):
+    # Note: [One build per source] in offload/kernels/build.py: a second clone, worktree or CI
+    # checkout sharing TORCH_EXTENSIONS_DIR used to recompile (35-80 s) on every switch, since
+    # PyTorch's builder writes the source's path into the commands ninja compares.
+    compiled = Path(kernel.__file__).with_name("one_pass.o")
+    before = compiled.stat().st_mtime_ns
+    done = subprocess.run([sys.executable, "-c", SECOND_INSTALL, str(tmp_path / "one_pass.cpp")],
+                          capture_output=True, text=True, timeout=300)
+    assert (done.returncode, done.stdout) == (0, f"{kernel.__file__}\n"), done.stderr[-2000:]
+    assert compiled.stat().st_mtime_ns == before  # not compiled again
 
 
 def test_the_environment_turns_the_kernel_off(monkeypatch):

@@ -6,7 +6,8 @@ from the first update that could use it; until it is ready, and for good when it
 or its check fails, :func:`host_kernel` returns ``None`` and the update runs PyTorch's kernel and
 a separate cast, which gives the same bits. The compiled module is cached across processes in
 PyTorch's extension directory (``TORCH_EXTENSIONS_DIR``), under a name that changes with the
-source, the flags and the PyTorch version. ``OFFLOAD_HOST_KERNELS=0`` turns it off.
+source, the flags, the compiler and the PyTorch install, and is built from a copy of the source kept
+in that directory (Note: [One build per source]). ``OFFLOAD_HOST_KERNELS=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import atexit
 import contextlib
 import hashlib
 import os
+import shutil
 import sys
+import sysconfig
 import threading
 import time
 import warnings
@@ -38,6 +41,10 @@ CAPABILITY_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
 }
+
+#: Marks of the line in a failed build's message that says what went wrong: PyTorch's message ends
+#: with ninja's "build stopped: subcommand failed.", which says nothing of the cause.
+ERROR_MARKS = (": error:", "fatal error", "not found", "cannot find")
 
 #: A lock file older than this is a build that died (a killed process leaves it behind, and
 #: PyTorch's loader would wait on it for ever).
@@ -110,12 +117,20 @@ def _build() -> None:
         if mismatch is not None:
             raise RuntimeError(f"it differs from PyTorch's fused kernel on this machine ({mismatch})")
     except Exception as error:  # no compiler, no headers, a failed check: PyTorch's kernels, same results
-        note = f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
+        note = _reason(error)
         _state["note"] = note
         warnings.warn(f"offload: the one-pass host update is off on this machine ({note}); updates run PyTorch's "
                       "fused kernel and a separate cast, with the same results", HostKernelUnavailable, stacklevel=1)
         return
     _state["module"] = module
+
+
+def _reason(error: Exception) -> str:
+    """One line saying why the kernel is off: the line of a build's many that names the cause (the
+    compiler's error, a missing program or header), else the message's last."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    cause = next((line for line in lines if any(mark in line for mark in ERROR_MARKS)), lines[-1] if lines else "")
+    return f"{type(error).__name__}: {cause}"
 
 
 @atexit.register
@@ -150,14 +165,61 @@ def _compile() -> ModuleType:
     # runtime is the one PyTorch loaded (the same soname), so torch.set_num_threads sets its threads.
     flags = ["-O3", "-fopenmp", f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}",
              *CAPABILITY_FLAGS[capability]]
+    compiler = cpp_extension.get_cxx_compiler()
     source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join(flags).encode() + torch.__version__.encode()).hexdigest()[:12]
-    name = f"offload_one_pass_{digest}"
+    name = f"offload_one_pass_{_digest(source, flags, compiler)}"
     build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
     with _builders_lock(build_dir) as exclusive:
         _clear_left_lock(build_dir, exclusive)
-        return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+        copy = _source_copy(build_dir, source)
+        # A build already made loads without a compiler (ninja finds nothing to do); a new one would
+        # fail in ninja with the cause buried in its output.
+        if not (build_dir / f"{name}{cpp_extension.LIB_EXT}").exists() and not _found(compiler):
+            raise RuntimeError(f"no C++ compiler ({compiler}) found: install one, or name it in CXX")
+        return cpp_extension.load(name=name, sources=[str(copy)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                                   verbose=False)
+
+
+# Note: [One build per source]
+# PyTorch's builder writes every command into the build directory's build.ninja, and ninja rebuilds
+# a target whose command changed (35-80 s on two cores). The commands hold the source's path, the compiler,
+# and the include and library paths of the PyTorch and the Python in use. So:
+# 1. The build compiles the directory's own copy of one_pass.cpp, never the installed file: two
+#    installs of the same version (a second clone, a worktree, a CI checkout) sharing
+#    TORCH_EXTENSIONS_DIR find the same commands, and the second loads the first one's build
+#    instead of recompiling on every switch between them.
+# 2. The directory's name is a digest of all the rest (source, flags, compiler, the PyTorch install
+#    and its version, Python's headers), so two virtual environments each keep a build of their own
+#    rather than take turns rebuilding one.
+# 3. The copy is written once, whole (under a name of its own, then renamed into place), and left
+#    alone while its bytes are right: ninja also rebuilds from a source newer than its object.
+
+
+def _digest(source: bytes, flags: list[str], compiler: str) -> str:
+    """The build's name: a digest of what its commands hold but the source's path (Note: [One build
+    per source], rule 2)."""
+    parts = [source, *(part.encode() for part in (" ".join(flags), compiler, torch.__version__,
+                                                   str(Path(torch.__file__).parent), sysconfig.get_path("include")))]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:12]
+
+
+def _source_copy(build_dir: Path, source: bytes) -> Path:
+    """The build directory's copy of ``one_pass.cpp``, written if missing or wrong (Note: [One build
+    per source], rules 1 and 3)."""
+    copy = build_dir / SOURCE.name
+    if copy.exists() and copy.read_bytes() == source:
+        return copy
+    build_dir.mkdir(parents=True, exist_ok=True)
+    partial = build_dir / f"{SOURCE.name}.{os.getpid()}.{threading.get_ident()}"
+    partial.write_bytes(source)
+    os.replace(partial, copy)
+    return copy
+
+
+def _found(compiler: str) -> bool:
+    """Whether the compiler PyTorch's builder runs is there (``CXX`` may start with a launcher:
+    ``ccache g++``)."""
+    return any(shutil.which(word) for word in {compiler, *compiler.split()[:1]})
 
 
 @contextlib.contextmanager
