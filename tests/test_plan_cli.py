@@ -115,6 +115,7 @@ BAD_INPUTS = {
     "zero clipping": ([*TINY, "--max-grad-norm", "0"], "--max-grad-norm must be a finite number above 0"),
     # offload-finetune refuses it: the printed command would not run.
     "infinite clipping": ([*TINY, "--max-grad-norm", "inf"], "--max-grad-norm must be a finite number above 0"),
+    "one token a row": ([*TINY, "--seq-len", "1"], "--seq-len must be at least 2"),
     "past gpt2's positions": (["--hf-config", "gpt2.json", "--gpu", "a100", "--seq-len", "4096"],
                               "--seq-len 4096 is more than the 128 positions of --hf-config gpt2.json"),
     "no rows": ([*TINY, "--top", "0"], "--top must be at least 1"),

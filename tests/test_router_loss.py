@@ -186,3 +186,37 @@ def test_families_without_a_router_loss_are_refused(kind):
     with pytest.raises(TypeError, match=r"cannot add this mixture of experts' load-balancing loss "
                                         r"\(output_router_logits=True in the call\).*router_aux_loss_coef=0\.0"):
         model(**batch(), output_router_logits=True)
+
+
+def test_the_call_can_turn_off_what_the_config_asks_of_a_family_without_the_loss():
+    hf = build("llama4_text", layers=1)
+    model = OffloadedCausalLM(hf, device="cpu", num_slices=1)
+    hf.config.output_router_logits = True  # set after wrapping, as TRL's trainers do
+    inputs = batch()
+    with pytest.raises(TypeError, match=r"\(output_router_logits=True in the model's config\)"):
+        model(**inputs)
+    assert model(**inputs, output_router_logits=False).logits.shape[:2] == inputs["input_ids"].shape
+
+
+def test_a_batch_asking_with_anything_but_a_bool_is_refused():
+    layers = causal_lm_sequential(routed("mixtral"), router_logits=True)
+    model = OffloadModel(layers, device="cpu", num_slices=2)
+    for value in (1, torch.tensor(True), "yes"):
+        with pytest.raises(TypeError, match="'output_router_logits' must be True or False"):
+            model({**batch(), "output_router_logits": value})
+
+
+def test_stages_cut_again_from_one_model_leave_no_hooks_behind():
+    """Each cut's hooks hold its stages weakly and go with them: a model wrapped again and again
+    (a second OffloadedCausalLM, a notebook's cell run twice) runs one hook per router."""
+    import gc
+
+    hf = routed("mixtral")
+    routers = [m for m in hf.modules() if type(m).__name__ == "MixtralTopKRouter"]
+    for _ in range(3):
+        model = OffloadedCausalLM(hf, device="cpu", num_slices=2)
+        model(**batch())
+        assert [len(r._forward_hooks) for r in routers] == [1] * len(routers)
+        del model
+        gc.collect()
+    assert [len(r._forward_hooks) for r in routers] == [0] * len(routers)

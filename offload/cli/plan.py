@@ -166,6 +166,8 @@ def check_step_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     for name in ("batch_size", "seq_len", "top"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.hf_config and args.seq_len < 2:  # as offload-finetune refuses it: the printed command must run
+        parser.error("--seq-len must be at least 2: a row's loss scores each token against the next")
     for name in ("num_slices", "microbatches"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1 (leave it out to let the planner choose)")

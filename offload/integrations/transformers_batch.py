@@ -62,7 +62,10 @@ def _unpack_batch(batch: Any, with_labels: bool) -> tuple[torch.Tensor, torch.Te
         hidden_only = True
     else:
         hidden_only = False
-    router = () if batch.pop(ROUTER_LOGITS, False) is True else None
+    asked = batch.pop(ROUTER_LOGITS, False)
+    if not isinstance(asked, bool):  # a truthy value ignored would leave the loss's router term out, silently
+        raise TypeError(f"the batch's {ROUTER_LOGITS!r} must be True or False, got {asked!r}")
+    router = () if asked else None
     unknown = sorted(set(batch) - set(_BATCH_KEYS + (_LABEL_KEYS if with_labels else ())))
     if with_labels and "input_ids" in batch and not unknown and not any(key in batch for key in _LABEL_KEYS):
         raise TypeError(f"with loss_chunk_tokens the model returns the loss: the batch needs 'labels' (or "

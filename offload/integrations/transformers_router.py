@@ -12,12 +12,14 @@ Note: [Router logits]
     The stages do the same:
     1. Each decoder stage hooks the routers of its own layer (:class:`RouterCapture`; the hooks are
        added at the first forward that asks, and record only while their stage runs its layer and
-       the batch asks). A recompute in backward records again, into the recomputed state.
+       the batch asks). A recompute in backward records again, into the recomputed state. The hooks
+       hold the capture weakly and go with it, so stages cut again from the same model (a second
+       ``OffloadedCausalLM``) leave none behind.
     2. What they return travels on in the state as a tuple, one entry per router call in the
        model's order, each reshaped ``B x T x experts`` from the model's ``B*T x experts`` so that
        microbatches join along dim 0 as any output does (Note: [Joining outputs] in
        ``offload/walk/microbatch.py``); the head returns ``(output, *router_logits)``.
-    3. The caller (:func:`router_loss`, for ``OffloadedCausalLM``) reshapes them back and calls
+    3. The caller (:func:`with_router_loss`, for ``OffloadedCausalLM``) reshapes them back and calls
        the family's own ``load_balancing_loss_func`` with the model's ``num_experts``,
        ``num_experts_per_tok`` and the forward's 2-D attention mask: the model's aux loss, bit for
        bit in one microbatch, and its gradient reaches each router through the slices' boundaries.
@@ -35,8 +37,8 @@ Note: [Router logits]
 from __future__ import annotations
 
 import contextlib
-import functools
 import sys
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -95,8 +97,8 @@ class RouterCapture:
     @contextlib.contextmanager
     def capturing(self) -> Iterator[list[torch.Tensor]]:
         if not self._hooked:
-            for router, index in self.routers:
-                router.register_forward_hook(functools.partial(self._record, index))
+            handles = [router.register_forward_hook(_RouterHook(self, index)) for router, index in self.routers]
+            weakref.finalize(self, _remove, handles)  # rule 1: the hooks go with the capture
             self._hooked = True
         captured: list[torch.Tensor] = []
         self._captured = captured
@@ -105,12 +107,32 @@ class RouterCapture:
         finally:
             self._captured = None
 
-    def _record(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
+    def record(self, index: int, output: Any) -> None:
         if self._captured is None:
             return
         logits = output[index] if isinstance(output, tuple) else output
         if logits is not None:  # as the model's recorder skips a None
             self._captured.append(logits)
+
+
+class _RouterHook:
+    """A router's forward hook, holding its :class:`RouterCapture` weakly (rule 1 of Note: [Router
+    logits]): a module's hook would otherwise keep the capture, and its stage's, alive with the model."""
+
+    def __init__(self, capture: RouterCapture, index: int) -> None:
+        self.capture = weakref.ref(capture)
+        self.index = index
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        capture = self.capture()
+        if capture is not None:
+            capture.record(self.index, output)
+
+
+def _remove(handles: list[Any]) -> None:
+    """Take the hooks off (a function of its own: a finalizer holding the capture would keep it alive)."""
+    for handle in handles:
+        handle.remove()
 
 
 def flat_router_logits(carried: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:

@@ -432,8 +432,8 @@ def causal_lm_sequential(model: nn.Module, *, untie_embeddings: bool = False,
             f"{type(model).__name__} with output_router_logits=True: the model adds to its loss a load-balancing term "
             "computed from every layer's router logits, which logits alone do not give. Cut it with "
             "router_logits=True and ask for them (Note: [Router logits]), wrap it in OffloadedCausalLM (which adds "
-            "the loss as the model does), or set config.output_router_logits = False to train on the "
-            "language-modelling loss alone"
+            "the loss as the model does), or set config.output_router_logits = False (\"output_router_logits\": "
+            "false in a saved model's config.json) to train on the language-modelling loss alone"
         )
     if model_type == "gemma3_text" and config.use_bidirectional_attention:
         # The decoder then widens both masks with functions of its own, which the stages do not rebuild.
