@@ -30,6 +30,7 @@ from ..planning.choose import DEVICE_MARGIN, HOST_MARGIN, Candidate, Limits, Pla
 from ..planning.presets import MAX_SIZE, preset_names
 from ..planning.rates import GPU_DEFAULTS, MachineRates, default_rates_path, load_rates
 from ..planning.timing import SCHEDULES
+from ..streams.disk import file_above
 from .finetune_args import user_path
 from .plan_alternatives import Alternative, alternatives
 from .plan_models import (DEFAULT_LOSS_CHUNK_TOKENS, DEFAULT_SEQ_LEN, DTYPES, PlanInputError, Workload, _one_line,
@@ -212,8 +213,8 @@ def check_disk_dir(parser: argparse.ArgumentParser, path: Path, flag: str = "--d
             parser.error(f"{flag} {path}: not writable by this process; choose a directory you can write to")
         return
     parent = path.absolute().parent
-    above = next((folder for folder in (parent, *parent.parents) if folder.exists()), None)
-    if above is not None and not above.is_dir():  # "create it first" could not be followed
+    above = file_above(path)
+    if above is not None:
         parser.error(f"{flag} {path}: {above} is a file, not a directory; choose another path")
     if not parent.is_dir():
         parser.error(f"{flag} {path}: its parent directory {parent} does not exist; create it first (a disk "

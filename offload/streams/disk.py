@@ -99,6 +99,14 @@ class DiskCounters:
     write_seconds: float = 0.0
 
 
+def file_above(path: Path) -> Path | None:
+    """The nearest existing folder above ``path`` if it is a file, not a directory: "create the parent
+    first" could not be followed there."""
+    parent = path.absolute().parent
+    above = next((folder for folder in (parent, *parent.parents) if folder.exists()), None)
+    return above if above is not None and not above.is_dir() else None
+
+
 def make_directory(path: Path, what: str) -> bool:
     """Make directory ``path`` for ``what`` (``"DiskTier path"``) if it does not exist; its parent
     must. A mistyped path (``/nvme0/run`` for ``/nvme/run``) would otherwise create a tree on
@@ -116,9 +124,8 @@ def make_directory(path: Path, what: str) -> bool:
         raise ValueError(f"{what} {path} is a file, not a directory; point it at a directory on a local disk")
     if not path.exists():
         parent = path.absolute().parent
-        above = next((folder for folder in (parent, *parent.parents) if folder.exists()), None)
-        if above is not None and not above.is_dir():
-            # "Create it first" could not be followed: a file stands where a directory must.
+        above = file_above(path)
+        if above is not None:
             raise ValueError(f"{what} {path}: {above} is a file, not a directory. Choose another path, or move "
                              f"{above} away first.")
         if not parent.is_dir():
