@@ -1,14 +1,16 @@
 """The fine-tune command names itself as it was started: ``offload-finetune``, ``offload finetune``,
 ``python -m offload finetune``, ``python -m offload.cli.finetune``, ``python
-scripts/finetune_causal_lm.py``. The resume command a stopped run prints starts it that way, and
-runs as printed (one subprocess runs two of them); its usage and errors name it that way too. And
-the line of a run stopped while its first checkpoint was being saved.
+scripts/finetune_causal_lm.py``, or a console script's path where the PATH does not lead to it. The
+resume command a stopped run prints starts it that way, and runs as printed (one subprocess runs two
+of them); its usage and errors name it that way too. And the line of a run stopped while its first
+checkpoint was being saved.
 """
 
 from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import types
@@ -25,14 +27,16 @@ from offload.cli import invocation  # noqa: E402
 from offload.cli.invocation import invoked_as, python_command  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+#: Where the console scripts are installed, beside this interpreter.
+BIN = Path(sys.executable).parent
 TINY = ["--device", "cpu", "--no-progress", "--batch-size", "2", "--seq-len", "16", "--num-slices", "3"]
 PY = "{python}"  # python_command() in the expected programs below
 
 #: Each way of starting the command: sys.argv[0], the ``-m`` module (``__main__``'s spec), whether
 #: ``offload``'s dispatcher runs it (``finetune`` first in its arguments), and the program it prints.
 WAYS = {
-    "offload-finetune": ("/venv/bin/offload-finetune", None, False, "offload-finetune"),
-    "offload finetune": ("/venv/bin/offload", None, True, "offload finetune"),
+    "offload-finetune": (str(BIN / "offload-finetune"), None, False, "offload-finetune"),
+    "offload finetune": (str(BIN / "offload"), None, True, "offload finetune"),
     "python -m offload finetune": (str(ROOT / "offload" / "__main__.py"), "offload.__main__", True,
                                    f"{PY} -m offload finetune"),
     "python -m offload.cli.finetune": (str(ROOT / "offload" / "cli" / "finetune.py"), "offload.cli.finetune", False,
@@ -42,8 +46,10 @@ WAYS = {
 
 
 def started(monkeypatch: pytest.MonkeyPatch, way: str, args: list[str]) -> str:
-    """Make this process look started ``way`` with ``args``; the program it should name."""
+    """Make this process look started ``way`` with ``args``, by a shell that found a console script
+    on the PATH; the program it should name."""
     first, module, dispatched, program = WAYS[way]
+    monkeypatch.setenv("PATH", f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
     main_module = types.ModuleType("__main__")
     main_module.__spec__ = None if module is None else ModuleSpec(module, None)
     monkeypatch.setitem(sys.modules, "__main__", main_module)
@@ -101,6 +107,37 @@ def test_python_is_named_by_its_path_when_python_on_the_path_is_another(monkeypa
     assert python_command() == shlex.quote(sys.executable)
     monkeypatch.setattr(invocation.shutil, "which", lambda name: None)
     assert python_command() == shlex.quote(sys.executable)
+
+
+@pytest.mark.parametrize("way", ["offload-finetune", "offload finetune"])
+def test_a_console_script_the_path_does_not_lead_to_is_named_by_the_path_it_was_started_by(way, tmp_path, monkeypatch,
+                                                                                           capsys):
+    """A job that runs ``.venv/bin/offload-finetune`` without the environment on its PATH printed a
+    resume command starting ``offload-finetune``, which its shell did not find ("not found"), or
+    found as another installation. The program is the path it was started by, quoted for a shell."""
+    script, _, dispatched, _ = WAYS[way]
+    name, command = Path(script).name, " finetune" if dispatched else ""
+    other = tmp_path / "other env"  # another installation, first on the PATH
+    other.mkdir()
+    (other / name).write_text("#!/bin/sh\n")
+    (other / name).chmod(0o755)
+    args = [*TINY, "--out", str(tmp_path / "o u t"), "--steps", "1", "--save-every", "1"]
+    monkeypatch.setattr(cli, "_save", lambda *rest: (_ for _ in ()).throw(KeyboardInterrupt))
+    for path in (str(tmp_path / "nothing"), f"{other}{os.pathsep}{BIN}"):
+        started(monkeypatch, way, args)
+        monkeypatch.setenv("PATH", path)
+        with pytest.raises(SystemExit):
+            run_as_started(way)
+        checkpoint = tmp_path / "o u t" / "checkpoints" / "step-1"
+        command_line = capsys.readouterr().err.strip().splitlines()[-1].split("; resume with: ")[1]
+        resumed = shlex.join([*args, "--resume", str(checkpoint)])
+        assert command_line == f"{shlex.quote(script)}{command} {resumed}", path
+        shutil.rmtree(tmp_path / "o u t")
+    # A path that needs quoting is quoted.
+    spaced = str(tmp_path / "my env" / "bin" / name)
+    started(monkeypatch, way, ["--help"])
+    monkeypatch.setattr(sys, "argv", [spaced])
+    assert invoked_as(name) == shlex.quote(spaced) and shlex.split(invoked_as(name)) == [spaced]
 
 
 def test_a_process_started_otherwise_names_the_default(monkeypatch):

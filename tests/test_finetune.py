@@ -283,10 +283,11 @@ def test_a_resume_with_no_steps_left_is_refused_and_the_trained_model_kept(tmp_p
                                   *TINY_RUN, tmp_path=tmp_path, capsys=capsys)
     assert code == 2 and err.strip().splitlines()[-1] == refusal(3, 1) and out_text == "", err
     assert files_of(out) == finished
-    # By the step saved in it: once it is loaded, before anything trains.
+    # By the step saved in it: once it is loaded, before anything trains. (--overwrite: without it, a
+    # checkpoint from outside --out's is refused before that, as check_resume_keeps_finished_model says.)
     for steps in (2, 1):
-        code, out_text, err = run_cli("--out", str(out), "--steps", str(steps), "--resume", str(renamed), *TINY_RUN,
-                                      tmp_path=tmp_path, capsys=capsys)
+        code, out_text, err = run_cli("--out", str(out), "--steps", str(steps), "--resume", str(renamed), "--overwrite",
+                                      *TINY_RUN, tmp_path=tmp_path, capsys=capsys)
         assert code == 1 and err.strip() == refusal(2, steps) and "step 3/" not in out_text, err
     assert files_of(out) == finished
     # A model written before the export record existed (or by something else) counts as finished.

@@ -402,6 +402,18 @@ def test_a_mode_that_runs_out_of_memory_is_reported_and_the_next_one_runs():
     assert profile_without_offload.offloaded_peak()[0] is None  # a budget check cannot pass on a failed mode
 
 
+@pytest.mark.parametrize(("steps", "step_time", "phase_time"), [
+    (1, "step: time of the one step (the first: it also allocates the optimizer's state)", "and time per phase"),
+    (2, "step: median step time after the first", "and median time per phase"),
+])
+def test_the_table_says_what_its_times_are_for_one_step_and_for_several(steps, step_time, phase_time):
+    # With --steps 1 the figure is the first step's: "median step time after the first" said otherwise.
+    table = profile_modes(lambda: failing_preset(rows=8), [Mode.offload(2)], "cpu", steps=steps).table()
+    header, *rest = table.splitlines()
+    assert header.endswith(f"{steps} step(s) on cpu, AdamW; {step_time}; x res: ratio to resident"), header
+    assert f"peak host RSS {phase_time}" in rest
+
+
 def test_a_mode_that_fails_otherwise_raises_with_its_name():
     with pytest.raises(ModeFailed, match=r"mode 'offload slices=2 mb=1 ckpt=on' failed: ValueError: CUDA out"):
         profile_modes(lambda: failing_preset(rows=2, error=ValueError), [Mode.offload(2)], "cpu", steps=1)

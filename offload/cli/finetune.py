@@ -31,11 +31,13 @@ Note: [Never lose a run]
        earlier run saved is refused before anything is built: its saves would replace that run's
        of the same steps and ``--keep-checkpoints`` remove the others, its furthest among them
        (a job launched again without its ``--resume``).
-    6. A run without ``--resume`` into an ``--out`` holding a finished model is refused before
-       anything is built, unless ``--overwrite``. Every export first removes the previous model's
-       files there (``outputs.remove_model_files``: old shards and index, a full model's under an
-       adapter, an adapter under a full model), so ``--out`` holds one model; an ``--out`` that is
-       ``--model`` is refused, whose weights (a LoRA adapter's base) the export would remove.
+    6. A run into an ``--out`` holding a finished model is refused before anything is built unless
+       ``--overwrite``, or it resumes a checkpoint under ``--out`` to ``--steps`` at or past that model's
+       (its run's, or a later run's that was to replace it: ``outputs.check_resume_keeps_finished_model``).
+       Every export first removes the previous model's files there (``outputs.remove_model_files``: old
+       shards and index, a full model's under an adapter, an adapter under a full model), so ``--out``
+       holds one model; an ``--out`` that is ``--model`` is refused, whose weights (a LoRA adapter's
+       base) the export would remove.
 
 The options and ``--help`` are in ``offload/cli/finetune_args.py``; the models in
 ``offload/cli/models.py``; the output checks in ``offload/cli/outputs.py``.

@@ -177,7 +177,8 @@ def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
     ckpt.add_argument("--resume", metavar="PATH|latest",
                       help="continue from a checkpoint: its directory, or 'latest' for OUT/checkpoints' newest")
     ckpt.add_argument("--overwrite", action="store_true",
-                      help="replace a finished model in --out (without it, a run that does not --resume refuses one)")
+                      help="replace a finished model in --out (without it, a new run refuses one, and so does a "
+                           "--resume of another --out's checkpoint or one that would end before the model's step)")
 
 
 def add_lora_arguments(parser: argparse.ArgumentParser) -> None:

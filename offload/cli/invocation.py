@@ -2,9 +2,10 @@
 
 A program prints itself in its usage and in the command that resumes a stopped run
 (``offload/cli/outputs.py``), and a line to paste must start the program the way the user did:
-``offload-finetune``, ``offload finetune``, ``python -m offload finetune``, ``python -m
-offload.cli.finetune`` or ``python scripts/finetune_causal_lm.py``. ``sys.argv[0]`` alone does not
-say it: under ``-m`` it is the module's file, which run as a script cannot import its package.
+``offload-finetune``, ``offload finetune`` (or the path they were started by, where the PATH
+does not find them), ``python -m offload finetune``, ``python -m offload.cli.finetune`` or ``python
+scripts/finetune_causal_lm.py``. ``sys.argv[0]`` alone does not say it: under ``-m`` it is the
+module's file, which run as a script cannot import its package.
 It imports nothing heavy: ``offload --help`` reads it.
 """
 
@@ -33,7 +34,10 @@ def invoked_as(default: str) -> str:
     process was started another way (``python -c``, an embedding).
 
     Read from ``__main__``'s module spec (``python -m NAME``: the package for ``NAME.__main__``) and
-    from ``sys.argv[0]`` (a ``.py`` file run by the interpreter, or an installed script's name).
+    from ``sys.argv[0]`` (a ``.py`` file run by the interpreter, or an installed script). An
+    installed script is named bare only where that name on the PATH is this script: one started by
+    its path (a job script, cron, a virtual environment not activated) is named by that path, as
+    started, since a shell would not find the bare name, or would find another installation's.
     Call it only for a program run from the command line, with ``sys.argv`` its own.
     """
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
@@ -44,4 +48,8 @@ def invoked_as(default: str) -> str:
         return f"{python_command()} {shlex.quote(first)}"
     if not first or first.startswith("-"):  # python -c, or an interpreter embedded without arguments
         return default
-    return Path(first).name
+    name = Path(first).name
+    found = shutil.which(name)
+    if found is not None and os.path.realpath(found) == os.path.realpath(first):
+        return name
+    return shlex.quote(first)

@@ -7,9 +7,10 @@ need (:func:`check_room`). Once training has started, :class:`RunRecord` knows t
 checkpoint saved, so a run that stops, by an error or Ctrl-C, says where it is and the command
 that continues from it, started the way the run was (:mod:`offload.cli.invocation`). It does not
 save the model itself; :func:`mark_export` records in the output directory whether the model there
-is finished, which a new run (:func:`check_no_finished_model`) and a resume that has nothing left to
-train read before they export over it, and :func:`remove_model_files` clears the previous model's
-files before an export writes its own, so that the directory holds one model.
+is finished, which a new run (:func:`check_no_finished_model`), a resume
+(:func:`check_resume_keeps_finished_model`) and a resume that has nothing left to train read before
+they export over it, and :func:`remove_model_files` clears the previous model's files before an
+export writes its own, so that the directory holds one model.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ from ..tiers.disk_tier import size_text
 from .invocation import invoked_as
 
 __all__ = ["EXPORT_RECORD", "MODEL_FILES", "OutputError", "RunRecord", "Write", "check_no_earlier_run",
-           "check_no_finished_model", "check_outputs_writable", "check_room", "check_writable", "holds_finished_model",
-           "mark_export", "planned_writes", "remove_model_files", "resume_command"]
+           "check_no_finished_model", "check_outputs_writable", "check_resume_keeps_finished_model", "check_room",
+           "check_writable", "finished_step", "holds_finished_model", "mark_export", "planned_writes",
+           "remove_model_files", "resume_command"]
 
 #: The file in the output directory that says whether the model there is finished: written as an
 #: export starts and again once its last file is written (Note: [Never lose a run], rule 4).
@@ -112,6 +114,44 @@ def check_no_finished_model(out: Path, *, overwrite: bool) -> None:
                           "--out, or pass --overwrite to replace it")
 
 
+def check_resume_keeps_finished_model(args: argparse.Namespace) -> None:
+    """Refuse a ``--resume`` whose export would replace a finished model in ``--out`` that its run
+    was not going to replace, unless ``--overwrite`` (Note: [Never lose a run], rule 6, in ``finetune.py``).
+
+    A checkpoint under ``--out``'s checkpoints with ``--steps`` at or past the finished model's step
+    is its run's, continued: that model is this run's own (a resume to train on past it) or an
+    earlier one of fewer steps, which the run that saved the checkpoint was going to overwrite
+    (:func:`holds_finished_model`). Any other is not: a checkpoint of another ``--out``'s run, or an
+    older checkpoint of the run that finished, whose export of fewer steps would replace it.
+
+    Raises:
+        OutputError: what is there, and what to pass instead.
+    """
+    if args.overwrite or not holds_finished_model(args.out, 0):
+        return
+    checkpoints = (args.out / "checkpoints").resolve()
+    if not args.resume.resolve().is_relative_to(checkpoints):
+        raise OutputError(f"--out {args.out} holds a finished model, which this run's export would replace, and "
+                          f"--resume {args.resume} is not one of its checkpoints (under {args.out / 'checkpoints'}): "
+                          "choose another --out, or pass --overwrite to replace it")
+    if holds_finished_model(args.out, args.steps + 1):  # of a later step than this run's, or of an unknown one
+        step = finished_step(args.out)
+        if step is None:
+            raise OutputError(f"--out {args.out} holds a finished model, which this run's export would replace: "
+                              "choose another --out, or pass --overwrite to replace it")
+        raise OutputError(f"--out {args.out} holds a finished model of step {step}, which this run's export of step "
+                          f"{args.steps} would replace: pass --steps N > {step} to train on past it, or choose "
+                          "another --out, or pass --overwrite to replace it")
+
+
+def finished_step(out: Path) -> int | None:
+    """The step of the model the export record in ``out`` says is there, else ``None``."""
+    try:
+        return int(json.loads((out / EXPORT_RECORD).read_text(encoding="utf-8"))["step"])
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
 def saved_as(path: Path) -> tuple[int, int] | None:
     """Which directory ``path`` is while ``latest`` names it (its device and inode), else ``None``.
     Compared before and after a save, it tells whether that save committed, also when it raised:
@@ -163,8 +203,9 @@ def check_room(writes: Sequence[Write]) -> None:
 
 
 def check_outputs_writable(args: argparse.Namespace) -> None:
-    """The run's directories made and probed, and no earlier run's checkpoints or finished model
-    in ``--out`` for a run that does not resume (Note: [Never lose a run], rules 1, 5 and 6).
+    """The run's directories made and probed, no earlier run's checkpoints in ``--out`` for a run
+    that does not resume, and no finished model there that the run's export would replace unasked
+    (Note: [Never lose a run], rules 1, 5 and 6).
 
     Raises:
         OutputError: the first that fails, naming the flag and what to do.
@@ -177,6 +218,8 @@ def check_outputs_writable(args: argparse.Namespace) -> None:
                           "base among them): choose another --out")
     if args.resume is None:
         check_no_finished_model(args.out, overwrite=args.overwrite)
+    else:
+        check_resume_keeps_finished_model(args)
     if args.save_every:
         check_writable(args.out / "checkpoints", "--save-every: the checkpoints' directory")
     if args.disk_tier is not None:
@@ -212,17 +255,19 @@ def mark_export(out: Path, step: int, *, finished: bool) -> None:
 
 
 def holds_finished_model(out: Path, step: int) -> bool:
-    """Whether ``out`` holds a finished model that a resume from checkpoint ``step`` with nothing
-    to train must not overwrite.
+    """Whether ``out`` holds a finished model of ``step`` or later (``0``: of any step).
+
+    A resume from checkpoint ``step`` with nothing to train must not export over one (rule 4), nor
+    a resume that trains to ``--steps`` over one past it (``step`` is ``--steps`` + 1 there:
+    :func:`check_resume_keeps_finished_model`).
 
     Its export record says so: a finished model of ``step`` or later. One of an earlier step is an
     earlier run's (a run into the same ``--out`` with fewer steps), which the run that saved this
     later checkpoint was going to overwrite when it exported: resuming it does what that run had
     left. An older checkpoint resumed by mistake is refused. Without a record, any weights there
-    are taken for a finished model (written
-    before the record existed, or by something else), and an unreadable record for one too:
-    overwriting a model that was unfinished costs a ``--out`` elsewhere, one that was finished
-    costs the run.
+    are taken for a finished model (written before the record existed, or by something else), and
+    an unreadable record for one too: overwriting a model that was unfinished costs a ``--out``
+    elsewhere, one that was finished costs the run.
     """
     try:
         record = json.loads((out / EXPORT_RECORD).read_text(encoding="utf-8"))

@@ -9,10 +9,11 @@ a ``transformers.Trainer`` or a plain loop can too (``torch.stack`` a few blocks
 labels are the ids).
 
 It does not pad, truncate or batch, and it does not read anything twice: a new pass over the data
-calls :func:`token_blocks` again. Plain text, JSON lines and CSV are UTF-8: :func:`check_encoding`
-reads such a file through once, without tokenising, to find a byte that does not decode before a
-pass over the data reaches it; :func:`check_readable` adds the first row of a parquet or CSV file,
-read as a pass would read it, so a file its reader refuses is found before a model is built.
+calls :func:`token_blocks` again. Plain text, JSON lines and CSV are UTF-8 (a byte-order mark that
+opens the file is dropped, not read as text): :func:`check_encoding` reads such a file through once,
+without tokenising, to find a byte that does not decode before a pass over the data reaches it;
+:func:`check_readable` adds the first row of a parquet or CSV file, read as a pass would read it,
+so a file its reader refuses is found before a model is built.
 
 Note: [Packing]
     Documents (a JSON lines record, a parquet row, a dataset row) are tokenised one by one, each
@@ -199,8 +200,13 @@ def _not_utf8(path: Path, offset: int, line: int, byte: int) -> DataFormatError:
 def _utf8_lines(path: Path, limit: int = -1) -> Iterator[str]:
     """``path``'s lines, decoded as UTF-8 (universal newlines, as ``open`` reads text), a line longer
     than ``limit`` characters in parts of ``limit``; a byte that does not decode stops them with
-    :func:`check_encoding`'s error, naming where it is."""
-    with path.open(encoding="utf-8") as file:
+    :func:`check_encoding`'s error, naming where it is.
+
+    A byte-order mark that opens the file (Notepad's, PowerShell 5's ``Out-File``) is dropped: it
+    marks the encoding and is no text, and ``json.loads`` refuses a line that starts with it.
+    :func:`_check_utf8` accepts it (it decodes as UTF-8), so the two agree on what a file holds.
+    """
+    with path.open(encoding="utf-8-sig") as file:
         try:
             # The text reader decodes incrementally: a character cut by a read waits for the next.
             while line := file.readline(limit):

@@ -189,14 +189,17 @@ class Profile:
         for row, run in zip(rows, self.runs):
             if run.error is not None:
                 row[1] = run.error
+        # With one step there is none after the first to take the median of (ModeResult.step_time_s).
+        timed = ("median step time after the first" if self.steps > 1 else
+                 "time of the one step (the first: it also allocates the optimizer's state)")
         lines = [f"{self.description}; batch {self.batch_size}, {self.steps} step(s) on {self.device}, "
-                 f"{self.optimizer}; step: median step time after the first; x res: ratio to resident"]
+                 f"{self.optimizer}; step: {timed}; x res: ratio to resident"]
         lines += grid([c[0] for c in columns], rows)
 
         metric = "device_peak_allocated_bytes" if self.on_cuda else "host_rss_peak_bytes"
         lines.append("")
         what = "allocated device memory" if self.on_cuda else "host RSS"
-        lines.append(f"peak {what} and median time per phase")
+        lines.append(f"peak {what} and {'median time' if self.steps > 1 else 'time'} per phase")
         phase_rows = []
         for run in self.runs:
             if run.error is None:
