@@ -93,6 +93,39 @@ Note: [Layers that differentiate in forward]
        the saved tensors until the run ends would cost every checkpointed run its activations.
     3. *Offload*: the saved tensors are on their way to the host until the slice's backward loads
        them; the unpack refuses likewise (``SavedActivations``).
+
+Note: [Activations used outside the model]
+    A forward hook (or pre-hook) may capture an activation inside the model and add a term on it to
+    the loss (deep supervision, feature matching, a perceptual loss). In the plain model that
+    term's gradient flows on into the layers before. Here it cannot: each slice's graph starts from
+    detached leaves, and the walk carries gradients across boundaries only from the model's output.
+
+    1. A slice's boundary input (what a pre-hook on its first layer sees) is its leaf's entering
+       copy: the term's gradient would stop in the leaf's ``.grad``, and the layers before would
+       get wrong gradients, silently. So each boundary leaf of a forward run that needs a
+       gradient carries a hook that fires when a gradient is added into its ``.grad``, and raises
+       naming the slice. Only a backward from outside the model adds there: the walk's own
+       backward calls ``torch.autograd.grad``, which returns gradients and adds into no
+       ``.grad``. One hook object a slice, registered on forward's leaves only (a recompute's
+       leaves are the walk's); about 2 us a leaf (``register_post_accumulate_grad_hook``).
+    2. A kept graph's parameter leaves carry it too: its saved tensors that are not slot memory
+       (the input of a first layer whose input needs no gradient, an embedding's indices) unpack
+       from outside, so the term's gradient would stop in a parameter leaf's ``.grad``. A
+       checkpointed or offloaded run's saved tensors all refuse to unpack before the slice's
+       backward (rule 3), so its parameter leaves go without, which spares a checkpointed
+       decoder layer's nine parameters some 17 us a run; a branch that reaches a parameter
+       through operations that save nothing (a bias added to an input that needs no gradient,
+       and nothing else) goes unseen there.
+    3. An activation a layer made: its graph reaches what the slice's forward saved, which a
+       checkpointed forward discards (``_never_unpacked`` refuses), an offloaded one has sent to
+       the host (``SavedActivations``), and a kept graph holds as references to a slot that
+       backward has not acquired (``SlotReferences.resolve`` refuses); the first and the last
+       name this cause first.
+    4. Autograd runs the branch built inside forward before the model's own node (it was made
+       later), so the refusal comes before the walk's backward has added into any parameter's
+       ``.grad``: ``zero_grad`` and the next step train as before.
+
+    Return the activation from the model as part of its output instead.
 """
 
 from __future__ import annotations
@@ -142,12 +175,46 @@ def _discard(tensor: torch.Tensor) -> None:
 
 def _never_unpacked(index: int, packed: None) -> torch.Tensor:
     raise RuntimeError(
-        f"OffloadModel: a layer in slice {index} differentiated, inside its forward, a graph built during that "
-        "forward (torch.autograd.grad or .backward() in forward, as for a force from an energy), but the slice's "
-        "forward is checkpointed: it keeps no saved tensors (the slice runs again in backward), so there is "
-        "nothing to differentiate. Pass checkpoint_activation=False (the slice keeps its graph, as in the plain "
-        "model), and leave the slice out of offload_activations. If no layer differentiates inside its forward, "
-        "this is an internal error of OffloadModel (Note: [Layers that differentiate in forward])")
+        f"OffloadModel: a layer in slice {index} saved tensors for backward, which the slice's checkpointed "
+        "forward does not keep (the slice runs again in backward), and autograd asked for them before the "
+        "slice's backward. Most likely an activation made inside the OffloadModel was used outside it: "
+        "captured by a forward hook or stored in an attribute, then used in the loss (deep supervision, "
+        "feature matching, a perceptual loss). Its gradient cannot reach the layers before it: return the "
+        "activation from the model as part of its output instead (Note: [Activations used outside the "
+        "model]). Otherwise a layer in the slice differentiated, inside its forward, a graph built during "
+        "that forward (torch.autograd.grad or .backward() in forward, as for a force from an energy): pass "
+        "checkpoint_activation=False (the slice keeps its graph, as in the plain model), and leave the slice "
+        "out of offload_activations. If neither, this is an internal error of OffloadModel (Note: [Layers "
+        "that differentiate in forward])")
+
+
+def _used_outside(index: int, leaf: torch.Tensor) -> None:
+    raise RuntimeError(
+        f"OffloadModel: a backward from outside the model reached the graph slice {index} built in forward (at "
+        "its input or at a parameter of its layers): an activation made inside the OffloadModel was used outside "
+        "it, captured by a forward hook (a pre-hook on the slice's first layer sees the slice's input) or stored "
+        "in an attribute, then used in the loss. Its gradient cannot reach the layers before it nor the "
+        "parameters, which would get wrong gradients. Return the activation from the model as part of its "
+        "output instead (Note: [Activations used outside the model]). A layer that calls .backward() inside its "
+        "forward reaches it too: use torch.autograd.grad there")
+
+
+@functools.cache
+def _outside_hook(index: int) -> functools.partial[None]:
+    """Slice ``index``'s hook on its forward's leaves: one object, made once (rules 1 and 2 of
+    Note: [Activations used outside the model])."""
+    return functools.partial(_used_outside, index)
+
+
+def _refuse_gradients_from_outside(index: int, graph_leaves: Sequence[Any], entry_tensors: Sequence[torch.Tensor]
+                                   ) -> None:
+    """Make the leaves of slice ``index``'s forward that need a gradient (its boundary leaves, and
+    its parameter leaves where given) raise if one is added into their ``.grad`` (rules 1 and 2 of
+    Note: [Activations used outside the model])."""
+    hook = _outside_hook(index)
+    for leaf in (*graph_leaves, *entry_tensors):
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad and leaf.is_leaf:
+            leaf.register_post_accumulate_grad_hook(hook)
 
 
 def _saving_nothing(index: int) -> torch.autograd.graph.saved_tensors_hooks:
@@ -271,6 +338,7 @@ def run_forward(engine: Engine, records: ForwardRecords, i: int, m: int, views: 
             records.buffers_kept_by(i, m)
         out_leaves, out_spec = tree_flatten(result.output)
     _warn_if_input_written(engine, watched)
+    _refuse_gradients_from_outside(i, graph_leaves, entry_tensors if mode is ActivationMode.KEEP else ())
     if m == 0:
         _refuse_outside_leaves(i, out_leaves, graph_leaves, entry_tensors)
     records.attributes_after_run(i, m)

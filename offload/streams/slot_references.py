@@ -97,8 +97,16 @@ class SlotReferences:
         _check_version(packed.version_of, packed.version)
         slot = next((slot for slot in self._slots if slot.slice_index == packed.slice_index), None)
         if slot is None or not slot.in_use:
+            # Outside the walk's backward nothing acquires the slice: autograd reached the kept graph
+            # from a tensor that left the model some other way (Note: [Activations used outside the
+            # model] in offload/autograd/slice_graph.py).
             raise RuntimeError(
-                f"internal error: slice {packed.slice_index} must be acquired before its kept graph runs backward"
+                f"OffloadModel: autograd reached slice {packed.slice_index}'s kept graph while the slice was not "
+                "on the device. Most likely an activation made inside the OffloadModel was used outside it: "
+                "captured by a forward hook or stored in an attribute, then used in the loss (deep supervision, "
+                "feature matching, a perceptual loss). Its gradient cannot reach the layers before it: return the "
+                "activation from the model as part of its output instead. Otherwise this is an internal error "
+                "of OffloadModel: the slice must be acquired before its kept graph runs backward"
             )
         typed = slot.data.view(packed.dtype) if packed.dtype != torch.uint8 else slot.data
         view = typed.as_strided(packed.size, packed.stride, packed.byte_offset // packed.dtype.itemsize)
