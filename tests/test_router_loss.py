@@ -220,3 +220,36 @@ def test_stages_cut_again_from_one_model_leave_no_hooks_behind():
         del model
         gc.collect()
     assert [len(r._forward_hooks) for r in routers] == [0] * len(routers)
+
+
+def test_each_routers_logits_go_to_the_host_once_not_at_every_later_boundary(monkeypatch):
+    """The logits cross every later slice to the head, entering each through a copy (they need a
+    gradient); a copy passed on unchanged shares the saved leaf of what it copies (Note: [Leaves that
+    pass through] in offload/autograd/records.py), so L layers offload L tensors of logits, not
+    L(L-1)/2, and the result stays the model's."""
+    from offload.streams.activations import ActivationOffloader
+
+    offloaded: list[tuple[int, ...]] = []
+    offload = ActivationOffloader.offload
+
+    def counted(self, tensor):
+        offloaded.append(tuple(tensor.shape))
+        return offload(self, tensor)
+
+    monkeypatch.setattr(ActivationOffloader, "offload", counted)
+    layers = 6
+    hf = build("mixtral", layers=layers)
+    hf.config.output_router_logits = True
+    reference = copy.deepcopy(hf)
+    model = OffloadedCausalLM(hf, device="cpu", num_slices=layers + 2)  # one decoder layer a slice
+    inputs = batch()
+    torch.manual_seed(7)
+    got = model(**inputs, labels=labelled(inputs))
+    got.loss.backward()
+    router_shape = (*inputs["input_ids"].shape, hf.config.num_local_experts)
+    assert 0 < offloaded.count(router_shape) <= layers
+    torch.manual_seed(7)
+    want = reference(**inputs, labels=labelled(inputs), use_cache=False)
+    want.loss.backward()
+    torch.testing.assert_close(got.loss, want.loss, **EXACT)
+    assert_same_grads(hf, reference, **EXACT)

@@ -55,6 +55,13 @@ Note: [Leaves that pass through]
       tensor over the same memory made with ``set_``) goes unseen here, as it goes unseen by
       autograd's own saved tensors. Inference tensors keep no version and subclasses of Tensor
       may have no memory of their own: those are offloaded at every boundary, as before.
+    - A leaf that needs a gradient enters its slice through a copy (Note: [Leaves enter through a
+      copy] in ``slice_graph.py``), so one passed on unchanged leaves as other memory: a mixture of
+      experts' router logits, which cross every later slice to the loss (Note: [Router logits] in
+      ``offload/integrations/transformers_router.py``), were offloaded again at every boundary,
+      L(L-1)/2 offloads for L layers. An output that is such a copy itself (the very tensor, so no
+      later tensor at the same address), at the version it had when made, shares the saved leaf of
+      the leaf it copies (:meth:`ForwardRecords.passed_through`).
 """
 
 from __future__ import annotations
@@ -232,8 +239,7 @@ class ForwardRecords:
         if leaf.is_inference() or type(leaf) is not torch.Tensor:  # no version to compare; a subclass's memory
             host, ticket = self.engine.activations.offload(leaf)
             return SavedLeaf(stash=self._save(host), ticket=ticket)
-        where = (leaf.untyped_storage().data_ptr(), leaf.storage_offset(), leaf.shape, leaf.stride(), leaf.dtype,
-                 leaf.is_conj(), leaf.is_neg())
+        where = _where(leaf)
         known = self._offloaded.get(where)
         if known is not None and known[0]() is not None and known[1] == leaf._version:
             saved = known[2]
@@ -243,6 +249,24 @@ class ForwardRecords:
             saved = SavedLeaf(stash=self._save(host), ticket=ticket)
         self._offloaded[where] = (weakref.ref(leaf), leaf._version, saved)
         return saved
+
+    def passed_through(self, sources: Sequence[Any], entered: Sequence[tuple[int, Any, int]],
+                       outputs: Sequence[Any], detached: Sequence[Any]) -> None:
+        """Outputs of a run that are a copy a leaf entered through (``entered``: its position, the
+        copy held weakly, its version then; Note: [Leaves enter through a copy]), unchanged, share
+        that leaf's saved leaf at the next boundary, as a leaf passed on as it is does (Note: [Leaves
+        that pass through], last item). ``detached``: the outputs as the next boundary gets them."""
+        if not entered:
+            return
+        copies = {id(copy()): (k, copy, version) for k, copy, version in entered if copy() is not None}
+        for out, leaf in zip(outputs, detached):
+            hit = copies.get(id(out))
+            if hit is None or hit[1]() is not out or out._version != hit[2]:
+                continue  # not the copy itself, or changed since it was made
+            source = sources[hit[0]]
+            known = self._offloaded.get(_where(source))
+            if known is not None and known[0]() is source and known[1] == source._version:
+                self._offloaded[_where(leaf)] = (weakref.ref(leaf), leaf._version, known[2])
 
     def keep_graph(self, i: int, m: int, outputs: Sequence[Any], graph_leaves: Sequence[Any],
                    params: list[torch.Tensor]) -> None:
@@ -481,3 +505,9 @@ class CallRecord:
                     "and backward (for example optimizer.step() before backward). Run backward before updating "
                     "parameters."
                 )
+
+
+def _where(leaf: torch.Tensor) -> tuple[Any, ...]:
+    """A tensor's memory and how it is read (Note: [Leaves that pass through])."""
+    return (leaf.untyped_storage().data_ptr(), leaf.storage_offset(), leaf.shape, leaf.stride(), leaf.dtype,
+            leaf.is_conj(), leaf.is_neg())

@@ -133,6 +133,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -244,16 +245,18 @@ def _graph_inputs(leaves: Sequence[Any], requires: Sequence[bool]) -> tuple[list
     return graph_leaves, fed
 
 
-def _forward_inputs(entering: Boundary, i: int, m: int) -> tuple[list[Any], list[Any], list[tuple[torch.Tensor, int]]]:
+def _forward_inputs(entering: Boundary, i: int, m: int) -> tuple[list[Any], list[Any], list[tuple[torch.Tensor, int]],
+                                                                  list[tuple[int, Any, int]]]:
     """:func:`_graph_inputs` for slice ``i``'s run on microbatch ``m`` in forward, with the copies the
     model's input enters through and their versions on the first run, to be compared after it (Note:
-    [Leaves enter through a copy]); none on the other runs."""
+    [Leaves enter through a copy]; none on the other runs), and every copy a leaf entered through, by
+    its position, held weakly, with its version (for ``ForwardRecords.passed_through``)."""
     graph_leaves, fed = _graph_inputs(entering.leaves, entering.requires)
-    if i != 0 or m != 0:
-        return graph_leaves, fed, []
-    watched = [(t, t._version) for t, leaf in zip(fed, graph_leaves)
-               if isinstance(leaf, torch.Tensor) and leaf.requires_grad and t is not leaf]
-    return graph_leaves, fed, watched
+    copies = [(k, t) for k, (t, leaf) in enumerate(zip(fed, graph_leaves))
+              if isinstance(leaf, torch.Tensor) and leaf.requires_grad and t is not leaf]
+    entered = [(k, weakref.ref(t), t._version) for k, t in copies]
+    watched = [(t, t._version) for _, t in copies] if i == 0 and m == 0 else []
+    return graph_leaves, fed, watched, entered
 
 
 def _warn_if_input_written(engine: Engine, watched: Sequence[tuple[torch.Tensor, int]]) -> None:
@@ -309,7 +312,7 @@ def run_forward(engine: Engine, records: ForwardRecords, i: int, m: int, views: 
     if mode is ActivationMode.OFFLOAD:
         saves = records.new_saves()
         with torch.enable_grad(), saves.hooks():
-            graph_leaves, fed, watched = _forward_inputs(entering, i, m)
+            graph_leaves, fed, watched, entered = _forward_inputs(entering, i, m)
             entry_tensors = _param_leaves(views, engine, i)
             result = s.run_on_device(engine.slots, entry_tensors, tree_unflatten(fed, entering.spec))
             del fed
@@ -318,7 +321,7 @@ def run_forward(engine: Engine, records: ForwardRecords, i: int, m: int, views: 
         records.offload_graph(i, m, out_leaves, graph_leaves, _params_among(entry_tensors, engine, i), saves)
     elif mode is ActivationMode.KEEP:
         with torch.enable_grad(), engine.slots.references.saved_tensors_hooks():
-            graph_leaves, fed, watched = _forward_inputs(entering, i, m)
+            graph_leaves, fed, watched, entered = _forward_inputs(entering, i, m)
             entry_tensors = _param_leaves(views, engine, i)
             result = s.run_on_device(engine.slots, entry_tensors, tree_unflatten(fed, entering.spec))
         out_leaves, out_spec = tree_flatten(result.output)
@@ -328,7 +331,7 @@ def run_forward(engine: Engine, records: ForwardRecords, i: int, m: int, views: 
         # With grad enabled, as in the plain model, so that every output requires grad exactly as
         # there and kernels that look at it choose alike; nothing is saved (Note: [Boundary gradients]).
         with torch.enable_grad(), _saving_nothing(i), autocast_cache_disabled(), discarded_graph():
-            graph_leaves, fed, watched = _forward_inputs(entering, i, m)
+            graph_leaves, fed, watched, entered = _forward_inputs(entering, i, m)
             entry_tensors = _param_leaves(views, engine, i)
             result = s.run_on_device(engine.slots, entry_tensors, tree_unflatten(fed, entering.spec))
             del fed
@@ -343,9 +346,10 @@ def run_forward(engine: Engine, records: ForwardRecords, i: int, m: int, views: 
         _refuse_outside_leaves(i, out_leaves, graph_leaves, entry_tensors)
     records.attributes_after_run(i, m)
     out_requires = requires_grad(out_leaves)
-    out_leaves = [o.detach() if isinstance(o, torch.Tensor) else o for o in out_leaves]
+    detached = [o.detach() if isinstance(o, torch.Tensor) else o for o in out_leaves]
+    records.passed_through(entering.leaves, entered, out_leaves, detached)
     # The caller drops the result here, which frees a checkpointed run's graph right away.
-    return Boundary(out_leaves, out_spec, out_requires), result.buffers_changed
+    return Boundary(detached, out_spec, out_requires), result.buffers_changed
 
 
 #: The node that adds a leaf's gradient into its ``.grad``: a leaf of the graph.

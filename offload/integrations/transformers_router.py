@@ -27,7 +27,11 @@ Note: [Router logits]
     loss (layers x tokens x experts in the compute dtype: 4 MB for Mixtral's 32 layers of 8
     experts at 8 x 1024 tokens, 100 MB for 48 layers of 128 experts), and each is offloaded to the
     host once for the checkpoints of the slices after its layer (Note: [Leaves that pass through]
-    in ``offload/autograd/records.py``).
+    in ``offload/autograd/records.py``, its last item: they need a gradient, so each slice takes
+    them in through a copy, which it passes on). A slice whose graph is kept
+    (``checkpoint_activation=False``, offloaded activations, the last slice) keeps its copies of
+    the logits of every layer before it until backward: with every graph kept, layers x (layers
+    - 1) / 2 layers' worth.
 
     A family whose model returns router logits without such a loss (Llama 4), or whose recorder
     names its routers by layer name, is refused (rule 3 of Note: [What the trainers cannot get
