@@ -189,3 +189,15 @@ def test_an_activation_returned_from_the_model_gets_the_plain_gradients(setting)
         (y.pow(2).sum() + feature.pow(2).sum()).backward()
     for (name, expected), got in zip(plain.named_parameters(), model.parameters()):
         torch.testing.assert_close(got.grad, expected.grad, msg=lambda m: f"{name}: {m}", **EXACT)
+
+
+def test_a_layer_output_used_outside_a_slice_that_offloads_its_activations_names_that_cause():
+    """Rule 2 for a slice that offloads its saved tensors (offload_activations): the message that said
+    "internal error" names the outside use first."""
+    model = OffloadModel(network(), device="cpu", num_slices=4, checkpoint_activation=True,
+                         offload_activations=offload.OffloadActivations(last=4, min_bytes=0))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    loss = loss_with_captured_term(model, 2, "output", x)
+    with pytest.raises(RuntimeError, match=r"^OffloadModel: autograd reached a saved tensor of a slice that "
+                                           r"offloads them" + CAUSE):
+        loss.backward()

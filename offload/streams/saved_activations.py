@@ -112,8 +112,15 @@ class OffloadedSave:
                 "differentiates inside its forward, this is an internal error of OffloadModel (Note: [Layers "
                 "that differentiate in forward] in offload/autograd/slice_graph.py)")
         if device is None:
-            raise RuntimeError("internal error: an offloaded saved tensor was unpacked before its run's backward "
-                               "loaded it")
+            # Outside the walk's backward nothing loads it (Note: [Activations used outside the model]
+            # in offload/autograd/slice_graph.py).
+            raise RuntimeError(
+                "OffloadModel: autograd reached a saved tensor of a slice that offloads them (offload_activations) "
+                "before that slice's backward loaded it. Most likely an activation made inside the OffloadModel was "
+                "used outside it: captured by a forward hook or stored in an attribute, then used in the loss (deep "
+                "supervision, feature matching, a perceptual loss). Its gradient cannot reach the layers before it: "
+                "return the activation from the model as part of its output instead. Otherwise this is an internal "
+                "error of OffloadModel")
         if self.view is None:
             return device
         dtype, size, stride, offset = self.view
