@@ -43,7 +43,7 @@ from .model import OffloadModel, engine_of
 from .optimizing.backward_norms import BackwardNorms
 from .optimizing.deferred_scaling import DeferredScaling
 from .optimizing.in_backward import BackwardUpdates, check_failed_backward, check_in_backward, check_zero_grad
-from .optimizing.plan import inner_optimizer, plan_key, slice_steps, snapshot
+from .optimizing.plan import as_class_adds, inner_optimizer, plan_key, slice_steps, snapshot
 from .optimizing.sharding import Sharding
 from .optimizing.stepping import SliceUpdates
 from .optimizing.following import follow, tied_to_engine
@@ -300,7 +300,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "_steps", None):
             self.synchronize()
-        super().add_param_group(param_group)
+        super().add_param_group(as_class_adds(self, param_group))  # the class's own normalisation (lr as a tensor)
 
     # -- following the model to another compute device (offload/optimizing/following.py) ---------------
 

@@ -65,6 +65,26 @@ def inner_optimizer(optimizer: Any, params: list[torch.Tensor], groups: list[int
     return InnerOptimizer(inner, proxies, params, list(by_group))
 
 
+def as_class_adds(optimizer: Any, param_group: Any) -> Any:
+    """``param_group`` as ``optimizer.optimizer_class``'s own ``add_param_group()`` leaves it, for
+    ``optimizer`` (an ``OffloadOptimizer``) to add: a class may override it (torchao's low-bit
+    AdamW turns the group's ``lr`` into a tensor, which its step requires), and the
+    OffloadOptimizer, not an instance of the class, can only call ``torch.optim``'s. A throwaway
+    instance of the class over the one group runs the override, as ``OffloadOptimizer.__init__``
+    has the class fill in its groups: ``torch.optim`` adds the group's dict itself, so the group
+    comes back the same dict, over the same tensors (an iterator of them read into a list, as
+    ``torch.optim`` reads it), its defaults filled in from the same arguments; what the class
+    refuses raises here, before anything is added. Left as it is: a group the class adds as
+    ``torch.optim`` does, one added while the OffloadOptimizer is built (the class built it), and
+    one that is no dict (``torch.optim``'s error says so; the class would take it for parameters)."""
+    optimizer_class = optimizer.__dict__.get("optimizer_class")
+    if (optimizer_class is None or optimizer_class.add_param_group is torch.optim.Optimizer.add_param_group
+            or not isinstance(param_group, dict)):
+        return param_group
+    probe = optimizer_class([param_group], **optimizer.optimizer_kwargs)
+    return probe.param_groups[0]
+
+
 def snapshot(group: dict[str, Any]) -> dict[str, Any]:
     """A group's hyperparameters as they are now: tensors copied, those in a tuple or list too
     (``betas=(torch.tensor(0.9), ...)``), since schedulers and compiled steps change them in place."""

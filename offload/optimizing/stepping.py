@@ -1,8 +1,8 @@
 """``SliceUpdates``: the updates of one ``step()``, each slice's handed to the host update worker
 in slice order with the tiers around it (masters on disk read in before and written back after,
 the disk tier's state read and written), sharded or not; and the parameters outside the model,
-stepped at once. What it does not hold: what one update does (``offload/tiers/slice_update.py``),
-or how a load waits for it (``offload/streams/updates.py``).
+stepped before ``step()`` returns. What it does not hold: what one update does
+(``offload/tiers/slice_update.py``), or how a load waits for it (``offload/streams/updates.py``).
 
 Note: [Updates in the next forward's order]
     The next forward loads slice 0 first, then 1, 2, ..., each only once its update is done. So
@@ -25,6 +25,30 @@ Note: [Updates in the next forward's order]
     ``synchronize()``, ``zero_grad(set_to_none=False)``) names its slice's event, never an earlier
     slice's as a stand-in; the stream-ordering checker runs each update on a lane of its own,
     in any order its waits allow, so a wait that relied on the worker's order is reported.
+
+Note: [Parameters outside the model]
+    The parameters a ``step()`` steps that are not the model's (a head applied after the
+    OffloadModel) have no load that waits for their update: the caller reads them next, directly.
+    So ``step()`` returns once they are updated, as a plain optimizer's does. Their update runs on
+    the update worker, not in the caller's thread, so that it never runs beside a slice's (one
+    that ``step()`` just handed over, or one a backward started with ``update_in_backward``):
+    some classes' host kernels are not safe on two threads at once (bitsandbytes 0.50.2's 8-bit
+    CPU kernels give wrong results now and then), and an OffloadOptimizer's host updates then run
+    on that one thread, one at a time.
+
+    1. It is handed over first, with the key ``-1``: of the updates not started, the worker runs it
+       next, so ``step()`` waits for it and for the update the worker is in, if any, not for the
+       slices queued before it. It is the "slice before slice 0" of Note: [An update that failed
+       part way] (``partial_failure.py``): when it raises, the error is raised by that wait, from
+       ``step()``, as it was in the caller's thread, and the slices' updates behind it are
+       skipped, as those after any failed update are.
+    2. A hand-off that raises part way (rule 6 there) still waits for it once it was handed over:
+       nothing else would, and the caller may read or load those parameters next.
+    3. When any of them is on a device, the update stays in the caller's thread, in its stream,
+       queued after the backward that made their gradients: the worker's thread would queue it
+       on another stream. Device kernels do not share the host kernels' hazard; those of its
+       parameters in host memory then do (one inner optimizer steps them all), so a class such as
+       bitsandbytes' wants them all in one place.
 """
 
 from __future__ import annotations
@@ -77,11 +101,14 @@ class SliceUpdates:
 
     def submit(self, steps: Sequence[SliceStep], rest: Sequence[SliceStep], hyper: list[dict[str, Any]],
                grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
-        """Queue each slice's update in slice order, and step the parameters outside the model now,
-        with the gradients and hyperparameters ``hyper`` captured now."""
+        """Queue the update of the parameters outside the model, then each slice's in slice order,
+        with the gradients and hyperparameters ``hyper`` captured now; return once the parameters
+        outside the model are updated (Note: [Parameters outside the model])."""
         self.start_worker()
         self._steps += 1
+        outside = None
         try:
+            outside = self._hand_outside(rest, hyper, grad_scale, found_inf)
             for step in steps:
                 if self.sharding is not None:  # the event of the exchange that follows this rank's part
                     update = functools.partial(self._hand_update, step, hyper, grad_scale, found_inf)
@@ -92,16 +119,40 @@ class SliceUpdates:
                     updated = self._submit_update(step, hyper, grad_scale, found_inf)
                 if updated is not None:
                     self._register(step.index, updated)
-            for step in rest:
-                step.bind()
-                grads = [p.grad for p in step.whole.params]  # type: ignore[union-attr]
-                self.failure.run(self.failure.handing(-1, in_caller=True),
-                                 functools.partial(step.run, grads, hyper, grad_scale, found_inf))
         except BaseException as error:
             # Note: [An update that failed part way], rule 6: what was handed over runs, the rest does not.
             self.failure.interrupted(error, _left(steps, rest, self.failure.handed_this_step), "step()")
+            self.engine.copies.wait_host(outside)  # Note: [Parameters outside the model], rule 2
             raise
         self.failure.step_handed()
+        # The caller reads them next, with no wait of its own (Note: [Parameters outside the model]).
+        self.engine.copies.wait_host(outside)
+
+    def _hand_outside(self, rest: Sequence[SliceStep], hyper: list[dict[str, Any]], grad_scale: torch.Tensor | None,
+                      found_inf: torch.Tensor | None) -> Event | None:
+        """Hand the update of the parameters outside the model (``rest``: none or one step) to the
+        update worker, ahead of every slice's; its event, or ``None`` when it ran here (one of them
+        is on a device) or there is nothing to update (Note: [Parameters outside the model])."""
+        for step in rest:
+            assert step.whole is not None
+            step.bind()  # its last update is done: the step() that queued it waited for it
+            grads = [p.grad for p in step.whole.params]
+            update = functools.partial(step.run, grads, hyper, grad_scale, found_inf)
+            if any(p.device.type != "cpu" for p in step.whole.params):  # rule 3: in this thread's stream
+                self.failure.run(self.failure.handing(-1, in_caller=True), update)
+                continue
+            if all(g is None for g in grads):
+                continue
+            handed = self.failure.handing(-1)
+            try:
+                # Key -1: the worker runs it before any slice's update not started (rule 1).
+                handed.event = self.engine.copies.submit(self.start_worker(),
+                                                         functools.partial(self.failure.run, handed, update), key=-1)
+            except BaseException:
+                self.failure.withdrawn(handed)
+                raise
+            return handed.event
+        return None
 
     def run_now(self, steps: Sequence[SliceStep], hyper: list[dict[str, Any]], grad_scale: torch.Tensor | None,
                 found_inf: torch.Tensor | None, started: Collection[int] = ()) -> None:

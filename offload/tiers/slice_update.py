@@ -215,7 +215,7 @@ class SliceStep:
     """
 
     index: int
-    storage: SliceStorage | None  # None: parameters outside the model, stepped where step() is called
+    storage: SliceStorage | None  # None: parameters outside the model (index -1), stepped before the slices
     whole: InnerOptimizer | None  # None: this rank owns none of the slice's parameters (sharded update)
     writes_shadow: bool = True  # sharded, the shadow is written after the other ranks' parts arrive
 
@@ -265,6 +265,12 @@ class SliceStep:
     def _failure(self, error: Exception) -> str:
         """What the :class:`HostUpdateError` of this slice's failed update says."""
         where = "on the device" if self.storage is not None and self.storage.resident else "on the host"
+        if self.index < 0:  # parameters outside the model: the step's first update (Note: [Parameters
+            # outside the model] in offload/optimizing/stepping.py)
+            return (f"the optimizer raised while updating the parameters outside the model (those the optimizer "
+                    f"holds that no slice does) {where}: they are unchanged if it raised before changing them, and "
+                    "may be partly updated otherwise. Their update runs first, so the slices' updates of this step "
+                    "were skipped. Reload a checkpoint before training on.")
         if isinstance(error, GroupStateError):  # seen once the step returned: the slice is updated
             return (f"{error} Slice {self.index} was updated {where} before this showed. {other_slices(self.index)} "
                     "Reload a checkpoint before training on.")
