@@ -60,8 +60,10 @@ Note: [Leaves that pass through]
       experts' router logits, which cross every later slice to the loss (Note: [Router logits] in
       ``offload/integrations/transformers_router.py``), were offloaded again at every boundary,
       L(L-1)/2 offloads for L layers. An output that is such a copy itself (the very tensor, so no
-      later tensor at the same address), at the version it had when made, shares the saved leaf of
-      the leaf it copies (:meth:`ForwardRecords.passed_through`).
+      later tensor at the same address), at the version it had when made and over the same memory
+      (``.data =`` gives it other memory), shares the saved leaf of the leaf it copies
+      (:meth:`ForwardRecords.passed_through`). A write through ``.data`` in place goes unseen, as
+      above: the recompute of the slices after it would start from the values before it.
 """
 
 from __future__ import annotations
@@ -239,7 +241,7 @@ class ForwardRecords:
         if leaf.is_inference() or type(leaf) is not torch.Tensor:  # no version to compare; a subclass's memory
             host, ticket = self.engine.activations.offload(leaf)
             return SavedLeaf(stash=self._save(host), ticket=ticket)
-        where = _where(leaf)
+        where = where_read(leaf)
         known = self._offloaded.get(where)
         if known is not None and known[0]() is not None and known[1] == leaf._version:
             saved = known[2]
@@ -250,23 +252,24 @@ class ForwardRecords:
         self._offloaded[where] = (weakref.ref(leaf), leaf._version, saved)
         return saved
 
-    def passed_through(self, sources: Sequence[Any], entered: Sequence[tuple[int, Any, int]],
+    def passed_through(self, sources: Sequence[Any], entered: Sequence[tuple[int, Any, int, Any]],
                        outputs: Sequence[Any], detached: Sequence[Any]) -> None:
         """Outputs of a run that are a copy a leaf entered through (``entered``: its position, the
-        copy held weakly, its version then; Note: [Leaves enter through a copy]), unchanged, share
-        that leaf's saved leaf at the next boundary, as a leaf passed on as it is does (Note: [Leaves
-        that pass through], last item). ``detached``: the outputs as the next boundary gets them."""
+        copy held weakly, its version and memory then; Note: [Leaves enter through a copy]),
+        unchanged, share that leaf's saved leaf at the next boundary, as a leaf passed on as it is
+        does (Note: [Leaves that pass through], last item). ``detached``: the outputs as the next
+        boundary gets them."""
         if not entered:
             return
-        copies = {id(copy()): (k, copy, version) for k, copy, version in entered if copy() is not None}
+        copies = {id(copy()): (k, copy, version, where) for k, copy, version, where in entered if copy() is not None}
         for out, leaf in zip(outputs, detached):
             hit = copies.get(id(out))
-            if hit is None or hit[1]() is not out or out._version != hit[2]:
-                continue  # not the copy itself, or changed since it was made
+            if hit is None or hit[1]() is not out or out._version != hit[2] or where_read(out) != hit[3]:
+                continue  # not the copy itself, or changed since it was made (in place, or given other memory)
             source = sources[hit[0]]
-            known = self._offloaded.get(_where(source))
+            known = self._offloaded.get(where_read(source))
             if known is not None and known[0]() is source and known[1] == source._version:
-                self._offloaded[_where(leaf)] = (weakref.ref(leaf), leaf._version, known[2])
+                self._offloaded[where_read(leaf)] = (weakref.ref(leaf), leaf._version, known[2])
 
     def keep_graph(self, i: int, m: int, outputs: Sequence[Any], graph_leaves: Sequence[Any],
                    params: list[torch.Tensor]) -> None:
@@ -507,7 +510,7 @@ class CallRecord:
                 )
 
 
-def _where(leaf: torch.Tensor) -> tuple[Any, ...]:
+def where_read(leaf: torch.Tensor) -> tuple[Any, ...]:
     """A tensor's memory and how it is read (Note: [Leaves that pass through])."""
     return (leaf.untyped_storage().data_ptr(), leaf.storage_offset(), leaf.shape, leaf.stride(), leaf.dtype,
             leaf.is_conj(), leaf.is_neg())

@@ -147,7 +147,7 @@ from ..walk.module_state import attributes_as_started
 from ..streams.layouts import copy_keeping_layout, overlaps
 from ..walk.activation_policy import ActivationMode
 from .call import bases_among
-from .records import BoundaryLoader, Checkpoint, ForwardRecords, KeptGraph, OffloadedGraph
+from .records import BoundaryLoader, Checkpoint, ForwardRecords, KeptGraph, OffloadedGraph, where_read
 from .recompute_state import discarded_graph, recomputing
 from .replay import AutocastState, autocast_cache_disabled, replaying_rng
 
@@ -246,15 +246,15 @@ def _graph_inputs(leaves: Sequence[Any], requires: Sequence[bool]) -> tuple[list
 
 
 def _forward_inputs(entering: Boundary, i: int, m: int) -> tuple[list[Any], list[Any], list[tuple[torch.Tensor, int]],
-                                                                  list[tuple[int, Any, int]]]:
+                                                                  list[tuple[int, Any, int, Any]]]:
     """:func:`_graph_inputs` for slice ``i``'s run on microbatch ``m`` in forward, with the copies the
     model's input enters through and their versions on the first run, to be compared after it (Note:
     [Leaves enter through a copy]; none on the other runs), and every copy a leaf entered through, by
-    its position, held weakly, with its version (for ``ForwardRecords.passed_through``)."""
+    its position, held weakly, with its version and memory (for ``ForwardRecords.passed_through``)."""
     graph_leaves, fed = _graph_inputs(entering.leaves, entering.requires)
     copies = [(k, t) for k, (t, leaf) in enumerate(zip(fed, graph_leaves))
               if isinstance(leaf, torch.Tensor) and leaf.requires_grad and t is not leaf]
-    entered = [(k, weakref.ref(t), t._version) for k, t in copies]
+    entered = [(k, weakref.ref(t), t._version, where_read(t)) for k, t in copies]
     watched = [(t, t._version) for _, t in copies] if i == 0 and m == 0 else []
     return graph_leaves, fed, watched, entered
 
