@@ -39,6 +39,19 @@ def labelled(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     return inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)
 
 
+def both_backward(reference: torch.nn.Module, model: torch.nn.Module,
+                  inputs: dict[str, torch.Tensor]) -> tuple:
+    """The plain and the offloaded model's forward with labels and their backward, from the same random
+    state; returns (offloaded output, plain output)."""
+    torch.manual_seed(7)
+    want = reference(**inputs, labels=labelled(inputs), use_cache=False)
+    want.loss.backward()
+    torch.manual_seed(7)
+    got = model(**inputs, labels=labelled(inputs))
+    got.loss.backward()
+    return got, want
+
+
 def test_the_families_with_a_router_loss_are_those_whose_stages_carry_router_logits():
     found = [kind for kind in FAMILIES if router_loss_of(build(kind, layers=1)) is not None]
     assert found == ROUTED
@@ -110,13 +123,7 @@ def test_microbatches_join_the_router_logits_in_the_models_order():
     hf = routed("qwen3_moe")
     reference = copy.deepcopy(hf)
     model = OffloadedCausalLM(hf, device="cpu", num_slices=3, num_microbatches=2)
-    inputs = batch()
-    torch.manual_seed(7)
-    want = reference(**inputs, labels=labelled(inputs), use_cache=False)
-    want.loss.backward()
-    torch.manual_seed(7)
-    got = model(**inputs, labels=labelled(inputs))
-    got.loss.backward()
+    got, want = both_backward(reference, model, batch())
     torch.testing.assert_close(got.aux_loss, want.aux_loss)
     torch.testing.assert_close(got.loss, want.loss)
     for g, w in zip(got.router_logits, want.router_logits, strict=True):
@@ -128,13 +135,7 @@ def test_a_loss_computed_in_the_head_adds_the_router_loss():
     hf = routed("olmoe")
     reference = copy.deepcopy(hf)
     model = OffloadedCausalLM(hf, device="cpu", num_slices=3, loss_chunk_tokens=16)
-    inputs = batch()
-    torch.manual_seed(7)
-    want = reference(**inputs, labels=labelled(inputs), use_cache=False)
-    want.loss.backward()
-    torch.manual_seed(7)
-    got = model(**inputs, labels=labelled(inputs))
-    got.loss.backward()
+    got, want = both_backward(reference, model, batch())
     torch.testing.assert_close(got.aux_loss, want.aux_loss, **EXACT)
     torch.testing.assert_close(got.loss, want.loss)  # the chunked loss's float32 rounding (Note: [Chunked loss])
     assert_same_grads(hf, reference, rtol=1e-5, atol=1e-7)
