@@ -16,7 +16,7 @@ import pytest
 from offload import CheckpointError, DiskTier, latest_checkpoint, load_checkpoint, save_checkpoint
 from offload.checkpoint import checkpoint_files
 from offload.checkpoint.commit import clean_up, partial_directory, pending_latest
-from offload.cli.finetune import resume_failure
+from offload.cli.finetune_resume import resume_failure
 from offload.cli.finetune_args import build_parser, check_paths
 from offload.streams.disk import make_directory
 

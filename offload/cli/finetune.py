@@ -40,7 +40,8 @@ Note: [Never lose a run]
        base) the export would remove.
 
 The options and ``--help`` are in ``offload/cli/finetune_args.py``; the models in
-``offload/cli/models.py``; the output checks in ``offload/cli/outputs.py``.
+``offload/cli/models.py``; the output checks in ``offload/cli/outputs.py``; the data in
+``finetune_data.py``, the loss in ``finetune_loss.py`` and the resume in ``finetune_resume.py``.
 """
 
 from __future__ import annotations
@@ -48,7 +49,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
-import re
 import signal
 import sys
 import threading
@@ -64,29 +64,24 @@ warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
 
 import torch
 
-from ..checkpoint import load_checkpoint, save_checkpoint
+from ..checkpoint import save_checkpoint
 from ..checkpoint.checkpoint_files import CheckpointError
 from ..clipping import clip_grad_norm_
 from ..tiers.disk_tier import DiskTier
 from ..model import OffloadModel
 from ..optimizer import OffloadOptimizer
-from .finetune_args import DTYPES, SCHEDULES, no_steps_left, parse_args, resume_directory_advice
+from .finetune_args import DTYPES, PROG, fail, parse_args
+from .finetune_data import Batches, check_data_readable
+from .finetune_loss import batch_loss, evaluate, router_coefficient
+from .finetune_resume import lr_scheduler, resume
 from .models import (four_bit_settings, pretrained_model, pretrained_tokenizer, quantized_random_model, random_model,
                      with_lora)
 from .invocation import invoked_as
-from .outputs import (OutputError, RunRecord, check_outputs_writable, check_room, holds_finished_model, mark_export,
-                      planned_writes, remove_model_files, saved_as)
+from .outputs import (OutputError, RunRecord, check_outputs_writable, check_room, mark_export, planned_writes,
+                      remove_model_files, saved_as)
 from .quantize import bnb_config
 
 __all__ = ["main", "parse_args"]
-
-PROG = "offload-finetune"
-
-
-def fail(message: str) -> SystemExit:
-    """The exit for bad input once the options are parsed: one line, as the parser's errors read."""
-    return SystemExit(f"{PROG}: error: {message}")
-
 
 def main(argv: list[str] | None = None, program: str | None = None) -> None:
     """Run ``offload-finetune`` on ``argv`` (default: the command line's). ``program``: the command
@@ -162,6 +157,8 @@ def run(argv: list[str], record: RunRecord) -> None:
                "shadows": "disk" if args.shadows_on_disk else "ram",
                "resident_slices": args.resident_slices}
     model, hf, tokenizer, peft_model = _build_model(args, options, causal_lm_sequential, load_causal_lm)
+    # None (no load-balancing loss) or its coefficient, from here on (Note: [A router loss in the command]).
+    args.router_aux_loss_coef = router_coefficient(args, hf)
     trained = hf if peft_model is None else peft_model
     trainable = [p for p in trained.parameters() if p.requires_grad]
     try:
@@ -218,8 +215,9 @@ def _summary(args: argparse.Namespace, model: OffloadModel, hf: Any) -> str:
     params = sum(p.quant_state.shape.numel() if is_4bit_weight(p) else p.numel() for p in model.parameters())
     resident = f" ({model.resident_slices} resident)" if model.resident_slices else ""
     base = f", {args.bnb_4bit_quant_type} 4-bit base" if args.load_in_4bit else ""
+    router = "" if args.router_aux_loss_coef is None else f", load-balancing loss x {args.router_aux_loss_coef:g}"
     return (f"{type(hf).__name__}: {params / 1e6:.1f} M parameters in {model.num_slices} slices{resident} on "
-            f"{args.device}, compute dtype {args.compute_dtype}{base}; data {args.data}")
+            f"{args.device}, compute dtype {args.compute_dtype}{base}{router}; data {args.data}")
 
 
 def _save(args: argparse.Namespace, model: OffloadModel, hf: Any, peft_model: Any, tokenizer: Any,
@@ -282,7 +280,7 @@ def _build_model(args: argparse.Namespace, options: dict[str, Any], causal_lm_se
             _check_resident_slices(args, _stage_count(args.model, causal_lm_sequential))
         try:
             model, hf = load_causal_lm(args.model, args.device, loss_chunk_tokens=args.loss_chunk_tokens or None,
-                                       **loading, **options)
+                                       router_logits=None, **loading, **options)
         except FileNotFoundError as error:  # weights it does not read (pytorch_model.bin): it says which
             raise fail(f"--model {error}") from None
         except ValueError as error:  # a checkpoint that does not fit the model, a family it cannot quantise
@@ -306,7 +304,7 @@ def _build_model(args: argparse.Namespace, options: dict[str, Any], causal_lm_se
         peft_model = with_lora(hf, args)
         layers = causal_lm_sequential(hf if peft_model is None else peft_model,
                                       untie_embeddings=args.untie_embeddings,
-                                      loss_chunk_tokens=args.loss_chunk_tokens or None)
+                                      loss_chunk_tokens=args.loss_chunk_tokens or None, router_logits=None)
         _check_resident_slices(args, len(layers))
         model = OffloadModel(layers, device=args.device, **options)
     return model, hf, tokenizer, peft_model
@@ -334,12 +332,9 @@ def _stage_count(folder: Path, causal_lm_sequential: Any) -> int | None:
     try:
         config = transformers.AutoConfig.from_pretrained(folder)
         with torch.device("meta"):
-            return len(causal_lm_sequential(transformers.AutoModelForCausalLM.from_config(config)))
+            return len(causal_lm_sequential(transformers.AutoModelForCausalLM.from_config(config), router_logits=None))
     except Exception:  # noqa: BLE001 (the load says what is wrong with the folder)
         return None
-
-
-# -- outputs: Note [Never lose a run] ---------------------------------------------------------------
 
 
 def save_output(args: argparse.Namespace, model: OffloadModel, hf, peft_model, tokenizer) -> None:
@@ -352,180 +347,7 @@ def save_output(args: argparse.Namespace, model: OffloadModel, hf, peft_model, t
     tokenizer.save_pretrained(args.out)
 
 
-# -- data -----------------------------------------------------------------------------------------------
 
-
-def check_data_readable(args: argparse.Namespace) -> None:
-    """Before the model is built, ``--data`` and ``--eval-file`` read as a pass will read them: plain
-    text, JSON lines and CSV decode as UTF-8 (read through once), and a parquet or CSV file's first
-    row reads. The reading is lazy, so a bad byte deep in a large file, or a file its reader refuses,
-    would otherwise stop the run when training reaches it (``check_readable``)."""
-    from ..integrations.data import check_readable
-
-    for path in (args.data, args.eval_file):
-        if path is not None:
-            check_readable(path)
-
-
-class Batches:
-    """The run's batches: ``--batch-size`` blocks of the training stream at a time, and the fixed
-    evaluation batches (Note: [Never lose a run], rule 3)."""
-
-    def __init__(self, args: argparse.Namespace, tokenizer) -> None:
-        self.args = args
-        self.tokenizer = tokenizer
-
-    def _blocks(self, path: Path, split: str | None) -> Iterator[torch.Tensor]:
-        """``path``'s blocks, or its ``split`` share under ``--eval-fraction``."""
-        from ..integrations.data import split_blocks, token_blocks
-
-        blocks = token_blocks(path, self.tokenizer, self.args.seq_len, text_field=self.args.text_field)
-        return blocks if split is None else split_blocks(blocks, self.args.eval_fraction, split)
-
-    def _epochs(self) -> Iterator[torch.Tensor]:
-        for epoch in itertools.count():
-            count = 0
-            for block in self._blocks(self.args.data, "train"):
-                count += 1
-                yield block
-            if count == 0:
-                raise fail(f"--data {self.args.data} holds fewer than --seq-len {self.args.seq_len} "
-                           "tokens for training; give more text or a shorter --seq-len")
-
-    def train(self, skip: int = 0) -> Iterator[torch.Tensor]:
-        """Batches of ``--batch-size`` blocks, epoch after epoch, after the first ``skip`` steps'."""
-        from ..integrations.data import shuffled
-
-        generator = torch.Generator().manual_seed(self.args.seed)
-        blocks = shuffled(self._epochs(), self.args.shuffle_buffer, generator)
-        per_step = self.args.batch_size * self.args.grad_accum
-        for _ in itertools.islice(blocks, skip * per_step):
-            pass  # replayed to where the stopped run was: the same shuffle, the same batches
-        while True:
-            yield torch.stack([next(blocks) for _ in range(self.args.batch_size)])
-
-    def evaluation(self) -> list[torch.Tensor]:
-        """The eval split's first ``--eval-batches`` batches (fewer when it is shorter), or none."""
-        args = self.args
-        if args.eval_file is None and not args.eval_fraction:
-            return []
-        held_out = self._blocks(args.eval_file, None) if args.eval_file else self._blocks(args.data, "eval")
-        blocks = list(itertools.islice(held_out, args.eval_batches * args.batch_size))
-        if not blocks:
-            flag = "--eval-file" if args.eval_file else "--eval-fraction"
-            raise fail(f"{flag}: the eval split holds no block of --seq-len {args.seq_len} tokens; "
-                       "give more evaluation text or a larger fraction")
-        return [torch.stack(blocks[i:i + args.batch_size]) for i in range(0, len(blocks), args.batch_size)]
-
-
-# -- training -------------------------------------------------------------------------------------------
-
-
-def lr_scheduler(args: argparse.Namespace, optimizer: OffloadOptimizer) -> torch.optim.lr_scheduler.LRScheduler:
-    """transformers' schedule with linear warm-up (``get_scheduler``); built before a resume loads
-    the optimizer, so its base learning rate is ``--lr``."""
-    import transformers
-
-    return transformers.get_scheduler(SCHEDULES[args.lr_schedule], optimizer, num_warmup_steps=args.warmup_steps,
-                                      num_training_steps=args.steps)
-
-
-def resume(args: argparse.Namespace, model: OffloadModel, optimizer: OffloadOptimizer,
-           scheduler: torch.optim.lr_scheduler.LRScheduler) -> int:
-    """Load ``--resume`` into the model and the optimizer and bring the schedule to its step; the steps done."""
-    if args.resume is None:
-        return 0
-    try:
-        extra = load_checkpoint(args.resume, model, optimizer)
-    except CheckpointError as error:
-        raise fail(resume_failure(args, error)) from None
-    refusal = no_steps_left(extra["step"], args.steps, args.out)  # Note: [Never lose a run], rule 4
-    if refusal is not None:
-        raise fail(refusal)
-    with warnings.catch_warnings():
-        # The schedule is a function of the step: stepping it without optimizer steps replays it.
-        # The filter's message is a regular expression matched at the start of the warning's.
-        warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()`"), UserWarning)
-        for _ in range(extra["step"]):
-            scheduler.step()
-    print(f"resumed from {args.resume} after step {extra['step']}")
-    if extra["step"] == args.steps:
-        left = "the final evaluation and the export" if args.eval_file or args.eval_fraction else "the export"
-        print(f"nothing left to train (--steps {args.steps}); running what the stopped run had left: {left} "
-              f"into {args.out}")
-    return extra["step"]
-
-
-def resume_failure(args: argparse.Namespace, error: CheckpointError) -> str:
-    """The line for a checkpoint ``--resume`` cannot load: what the library found, with advice in
-    the command's flags where the library's is in terms of its API."""
-    finding = str(error)
-    for api_advice in (" Build the OffloadModel", " Nothing was loaded"):
-        finding = finding.split(api_advice)[0]
-    finding = finding.rstrip(". ")
-    slices = re.search(r"saved from a model cut into (\d+) slices", finding)
-    if slices is not None:
-        advice = f"pass --num-slices {slices[1]}, as the run that saved it did"
-    elif "the directory checkpoints were saved into" in finding:
-        return resume_directory_advice(args.resume)
-    elif "damaged" in finding or "incomplete" in finding or finding.startswith("no checkpoint"):
-        checkpoints = args.out / "checkpoints"
-        # A new run with --save-every is refused beside that run's checkpoints (check_no_earlier_run).
-        start_over = (f"choose another --out, or remove {checkpoints}, and leave out --resume" if args.save_every
-                      else "leave out --resume")
-        if holds_finished_model(args.out, 0):  # a new run's export would replace it (check_no_finished_model)
-            start_over += " and pass --overwrite"
-        advice = f"pass --resume an earlier checkpoint (under {checkpoints}), or start over: {start_over}"
-    elif (positions := _saved_positions(args, error)) is not None:
-        seq_len = f"--seq-len {positions}" if positions > 64 else "--seq-len 64 or less"
-        advice = (f"pass {seq_len}, as the run that saved it did (a random model's position table has "
-                  "max(--seq-len, 64) rows), or leave out --resume to start over")
-    else:
-        advice = ("pass the options of the run that saved it (--model, or --arch and --size; --lora-r, "
-                  "--lora-targets, --untie-embeddings; --compute-dtype, --load-in-4bit and the "
-                  "--bnb-4bit-* options, which change how a quantized base is stored), or leave out --resume to "
-                  "start over")
-    return f"--resume: {finding}; {advice}"
-
-
-def _saved_positions(args: argparse.Namespace, error: CheckpointError) -> int | None:
-    """The saved run's position-table rows, where ``error`` says that only --seq-len differs.
-
-    A random model's position table (GPT-2's ``wpe``) has ``max(--seq-len, 64)`` rows
-    (``models.random_model``): every tensor that differs does so in a dimension of that size here,
-    and in that dimension only.
-    """
-    if args.model is not None or not error.shapes:
-        return None  # a saved model's shapes are its own, whatever --seq-len; or other tensors differ
-    here_rows = max(args.seq_len, 64)
-    saved_rows = set()
-    for there, here in error.shapes.values():
-        differing = [k for k, (a, b) in enumerate(zip(there, here)) if a != b]
-        if len(there) != len(here) or len(differing) != 1 or here[differing[0]] != here_rows:
-            return None
-        saved_rows.add(there[differing[0]])
-    return saved_rows.pop() if len(saved_rows) == 1 else None
-
-
-def batch_loss(args: argparse.Namespace, model: OffloadModel, hf, ids: torch.Tensor, tokens: int) -> torch.Tensor:
-    """The batch's share of a mean over ``tokens`` loss tokens (``num_items_in_batch``)."""
-    if args.loss_chunk_tokens:
-        return model({"input_ids": ids, "labels": ids}).sum() / tokens
-    return hf.loss_function(logits=model({"input_ids": ids}), labels=ids, vocab_size=hf.config.vocab_size,
-                            num_items_in_batch=tokens)
-
-
-def evaluate(args: argparse.Namespace, model: OffloadModel, hf, batches: list[torch.Tensor]) -> float:
-    """The mean loss over every token of the evaluation batches, in eval mode and without gradients."""
-    from ..integrations.transformers import CausalLMSequential
-
-    tokens = sum(CausalLMSequential.count_loss_tokens(ids) for ids in batches)
-    model.eval()
-    try:
-        with torch.no_grad():
-            return sum(batch_loss(args, model, hf, ids.to(args.device), tokens).item() for ids in batches)
-    finally:
-        model.train()
 
 
 def train(args: argparse.Namespace, model: OffloadModel, hf: Any, optimizer: OffloadOptimizer,
@@ -548,7 +370,7 @@ def train(args: argparse.Namespace, model: OffloadModel, hf: Any, optimizer: Off
         tokens = sum(CausalLMSequential.count_loss_tokens(ids) for ids in micro)
         step_loss = None  # on the device: read once per step, below
         for ids in micro:
-            loss = batch_loss(args, model, hf, ids.to(args.device), tokens)
+            loss = batch_loss(args, model, hf, ids.to(args.device), tokens, args.router_aux_loss_coef)
             loss.backward()
             step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
         if args.max_grad_norm is not None:

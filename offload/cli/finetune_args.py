@@ -32,6 +32,15 @@ SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "
 # its notes (offload/cli/quiet_imports.py), which --help has no use for.
 from ..integrations.transformers_families import SUPPORTED_MODEL_TYPES as ARCHITECTURES
 
+PROG = "offload-finetune"
+
+
+def fail(message: str) -> SystemExit:
+    """The exit for bad input once the options are parsed: one line, as the parser's errors read
+    (``main`` puts the program's name as it was started in place of :data:`PROG`)."""
+    return SystemExit(f"{PROG}: error: {message}")
+
+
 DESCRIPTION = """\
 Fine-tune a Hugging Face causal LM larger than accelerator memory with OffloadModel and
 OffloadOptimizer, end to end: a small random-initialised model (bytes as tokens, nothing
@@ -162,6 +171,10 @@ def add_optimization_arguments(parser: argparse.ArgumentParser) -> None:
                      help="accumulate gradients over K batches per step (the loss is the mean over all their tokens)")
     opt.add_argument("--max-grad-norm", type=float, metavar="NORM",
                      help="clip the gradients' total norm to NORM before each step (default: no clipping)")
+    opt.add_argument("--router-aux-loss-coef", type=float, metavar="COEF",
+                     help="a mixture of experts (Mixtral, Qwen3-MoE, OLMoE, ...): add its load-balancing loss times "
+                          "COEF, the mean over a step's batches (0: leave it out; default: as its config says, "
+                          "output_router_logits and router_aux_loss_coef, as transformers does)")
     opt.add_argument("--update-in-backward", action="store_true",
                      help="start each slice's update in the backward that ends a step, as soon as its gradients "
                           "are on the host (OffloadOptimizer(update_in_backward=True, accumulation_steps=--grad-accum)): "
@@ -253,6 +266,10 @@ def check_float_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     if args.max_grad_norm is not None and not (math.isfinite(args.max_grad_norm) and args.max_grad_norm > 0):
         parser.error(f"--max-grad-norm must be a finite number above 0 (leave it out for no clipping), "
                      f"got {args.max_grad_norm}")
+    if args.router_aux_loss_coef is not None and not (math.isfinite(args.router_aux_loss_coef)
+                                                      and args.router_aux_loss_coef >= 0):
+        parser.error(f"--router-aux-loss-coef must be a finite number, 0 or more (0.001 to 0.02 is usual; 0 "
+                     f"leaves the loss out), got {args.router_aux_loss_coef}")
     if not 0.0 <= args.eval_fraction < 1.0:  # false for nan
         parser.error(f"--eval-fraction must be in [0, 1), got {args.eval_fraction}")
     if args.lora_alpha is not None and not (math.isfinite(args.lora_alpha) and args.lora_alpha > 0):

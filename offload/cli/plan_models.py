@@ -237,11 +237,12 @@ def hf_workload(args: argparse.Namespace) -> Workload:
             hf = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
             if args.quantize:
                 twin = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-                profiled = causal_lm_sequential(_with_lora(twin, args.lora_r), loss_chunk_tokens=chunk)
+                profiled = causal_lm_sequential(_with_lora(twin, args.lora_r), loss_chunk_tokens=chunk,
+                                                router_logits=None)
                 four_bit = _quantized(hf, args, dtype)
             if args.lora_r:
                 hf = _with_lora(hf, args.lora_r)
-            layers = causal_lm_sequential(hf, loss_chunk_tokens=chunk)
+            layers = causal_lm_sequential(hf, loss_chunk_tokens=chunk, router_logits=None)  # as offload-finetune
     except (ValueError, TypeError, AttributeError, RuntimeError, ArithmeticError) as error:
         # ArithmeticError: a size _check_sizes does not know, zero, divided by in the model's __init__.
         raise PlanInputError(f"--hf-config {args.hf_config}: {_one_line(error)}") from error
@@ -252,7 +253,8 @@ def hf_workload(args: argparse.Namespace) -> Workload:
         return {"input_ids": ids, "labels": ids} if chunk else ids
 
     hf_model = "get_peft_model(hf_model, LoraConfig(...))" if args.lora_r else "hf_model"
-    build = f"causal_lm_sequential({hf_model}{', loss_chunk_tokens=' + str(chunk) if chunk else ''})"
+    router = ", router_logits=True" if getattr(config.get_text_config(), "output_router_logits", False) else ""
+    build = f"causal_lm_sequential({hf_model}{', loss_chunk_tokens=' + str(chunk) if chunk else ''}{router})"
     flags = ["--batch-size", str(rows), "--seq-len", str(tokens), "--loss-chunk-tokens", str(args.loss_chunk_tokens)]
     if args.lora_r:
         flags += ["--lora-r", str(args.lora_r)]
