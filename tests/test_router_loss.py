@@ -183,10 +183,28 @@ def test_families_without_a_router_loss_are_refused(kind):
     hf = build(kind, layers=1)
     with pytest.raises(ValueError, match="computes no load-balancing loss"):
         causal_lm_sequential(hf, router_logits=True)
-    model = OffloadedCausalLM(hf, device="cpu", num_slices=1)
+
+
+def test_a_model_with_routers_but_no_loss_refuses_the_call_asking_for_its_logits():
+    model = OffloadedCausalLM(build("llama4_text", layers=1), device="cpu", num_slices=1)
     with pytest.raises(TypeError, match=r"cannot add this mixture of experts' load-balancing loss "
                                         r"\(output_router_logits=True in the call\).*router_aux_loss_coef=0\.0"):
         model(**batch(), output_router_logits=True)
+
+
+def test_a_model_without_routers_ignores_the_keyword_as_the_model_does():
+    """A dense model's forward takes ``output_router_logits=True`` and returns what it returns without it."""
+    reference = build("llama", dropout=0.0)
+    model = OffloadedCausalLM(copy.deepcopy(reference), device="cpu", num_slices=2)
+    inputs = batch()
+    want = reference(**inputs, labels=labelled(inputs), use_cache=False, output_router_logits=True)
+    got = model(**inputs, labels=labelled(inputs), output_router_logits=True)
+    assert type(got) is type(want)
+    torch.testing.assert_close((got.loss, got.logits), (want.loss, want.logits), **EXACT)
+    hidden = model.base_model(**inputs, output_router_logits=True)
+    want_hidden = reference.model(**inputs, use_cache=False, output_router_logits=True)
+    assert type(hidden) is type(want_hidden)
+    torch.testing.assert_close(hidden.last_hidden_state, want_hidden.last_hidden_state, **EXACT)
 
 
 def test_the_call_can_turn_off_what_the_config_asks_of_a_family_without_the_loss():

@@ -400,7 +400,7 @@ def _batch_of(config: Any, carries_router: bool, input_ids: torch.Tensor | None,
     # Note: [What the trainers cannot get from the model], rules 3, 5 and 6.
     if not carries_router:
         refuse_router_logits(config, kwargs)
-    router = router_logits_asked(config, kwargs)
+    router = router_logits_asked(config, kwargs) and carries_router  # the keyword taken out either way
     refuse_packed_sequences(packed_sequence_keywords(config), config.model_type, kwargs)
     warn_of_layer_outputs(config, kwargs)
     warn_of_cache(kwargs)

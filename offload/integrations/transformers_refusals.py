@@ -205,8 +205,12 @@ def refuse_router_loss(config: Any, args: Any) -> None:
 
 def refuse_router_logits(config: Any, kwargs: Mapping[str, Any]) -> None:
     """Raise for ``output_router_logits=True`` in a forward's arguments, or else in the model's config
-    (rule 3 of Note: [What the trainers cannot get from the model]): the call's decides, as in the model."""
+    (rule 3 of Note: [What the trainers cannot get from the model]): the call's decides, as in the model.
+    A model without routers (its config has no ``output_router_logits``: a dense Llama) takes the
+    keyword and ignores it, and so does its OffloadedCausalLM."""
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if not hasattr(text_config, "output_router_logits"):
+        return
     given = kwargs.get("output_router_logits")
     if given or (given is None and getattr(text_config, "output_router_logits", False)):
         where = "the call" if given else "the model's config"
