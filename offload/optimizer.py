@@ -41,6 +41,7 @@ from .autograd.accumulation import mark_zeroed
 from .streams.gradient_files import zeroed_in_files
 from .model import OffloadModel, engine_of
 from .optimizing.backward_norms import BackwardNorms
+from .optimizing.copying import CopiedByStateDict
 from .optimizing.deferred_scaling import DeferredScaling
 from .optimizing.in_backward import BackwardUpdates, check_failed_backward, check_in_backward, check_zero_grad
 from .optimizing.plan import as_class_adds, inner_optimizer, plan_key, slice_steps, snapshot
@@ -58,7 +59,7 @@ from .tiers.slice_update import SliceStep, held_state
 _newest: weakref.WeakKeyDictionary[OffloadModel, weakref.ref[OffloadOptimizer]] = weakref.WeakKeyDictionary()
 
 
-class OffloadOptimizer(torch.optim.Optimizer):
+class OffloadOptimizer(CopiedByStateDict, torch.optim.Optimizer):
     """Wrap a ``torch.optim`` optimizer class so it steps an :class:`~offload.OffloadModel`'s host
     copies on a host worker, overlapped with the next forward. See Note: [Overlapped host update].
 
@@ -226,10 +227,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         Yields ``(slice index, {parameter: its state})`` in slice order, then ``(-1, ...)`` for
         parameters outside the model; each parameter's state is the plain optimizer's (a dict of
         tensors and numbers; empty before its first update). Sharded, only the parameters this
-        rank updates appear. Checkpoints
-        read the state through this (Note: [Checkpoint layout] in ``offload/checkpoint/contents.py``): a
-        store that keeps state away from host memory hands over one slice's state at a time here,
-        never the whole of it.
+        rank updates appear. Checkpoints read the state through this (Note: [Checkpoint layout] in
+        ``offload/checkpoint/contents.py``): a store that keeps state away from host memory hands
+        over one slice's state at a time here, never the whole of it.
         """
         check_whole(self, "Reading the state")
         # With a disk tier, the slice's tensors come from its file: copies, one slice at a time.
