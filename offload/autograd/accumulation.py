@@ -27,11 +27,18 @@ Note: [Gradients added in place]
        their way: its milestones subscribe to the walk);
     6. ``.grad`` holds the zeros that ``zero_grad(set_to_none=False)`` of the OffloadModel or of an
        OffloadOptimizer wrote (:func:`mark_zeroed`), unchanged since (its version counter says
-       so). A backward that fails part way has added some slices already, where autograd would
-       have added nothing: zeroing them again (:func:`restore_zeroed`) puts back exactly what
-       was there. It also makes a parameter used outside the model in the same graph (a penalty
-       on the weights) come out right: ``(0 + ours) + theirs`` equals ``0 + (ours + theirs)``
-       bit for bit, signed zeros included, which does not hold for any ``.grad`` but zeros.
+       so), and no other call of the model in this backward has its walk still to come (Note:
+       [Several calls of the model in one backward] in ``outside_gradients.py``). A backward
+       that fails part way has added some slices already, where autograd would have added
+       nothing: zeroing them again (:func:`restore_zeroed`) puts back exactly what was there.
+       Autograd sums every other gradient of the parameter, ``s`` (what earlier calls of the
+       model returned, a penalty on the weights), and adds the sum onto ours: ``(0 + ours) + s``
+       equals ``0 + (s + ours)`` bit for bit, signed zeros included (which does not hold for any
+       ``.grad`` but zeros), wherever ours would have been autograd's last addition. It is with
+       one call of the model and one use outside it; with several calls the last walk adds in
+       place, and a use outside the model whose node runs after it (one computed before the
+       model's first call, its sequence number the lower) is added after ours instead, another
+       rounding: ``ours + (a + b)`` for ``(a + ours) + b``.
 
     Gradients accumulated over several backwards without zeroing in between (and ``.grad``
     zeroed by a plain ``torch.optim`` optimizer) are added in place too once a watched backward
@@ -48,11 +55,12 @@ Note: [Gradients added in place]
     What the rules cannot see, because PyTorch offers no way to inspect it: a hook registered on
     the parameter's accumulation node itself (``p.view_as(p).grad_fn.next_functions[0][0]``,
     where gradient-bucketing libraries put theirs) receives ``None`` for such a parameter; and a
-    parameter used more than once outside the model in the same graph gets its contributions
-    added in another order than autograd's (``ours + (a + b)`` against ``(a + ours) + b``), equal
-    up to rounding, not bit for bit. Both happen only after ``zero_grad(set_to_none=False)`` of
-    the OffloadModel or an OffloadOptimizer; ``zero_grad()`` (``set_to_none=True``, PyTorch's
-    default) never takes this path.
+    gradient from outside the model that autograd would add after ours (a parameter used more
+    than once outside the model in the same graph, or, with the model called more than once,
+    once before its first call) gets the contributions added in another order than autograd's
+    (``ours + (a + b)`` against ``(a + ours) + b``), equal up to rounding, not bit for bit. Both
+    happen only after ``zero_grad(set_to_none=False)`` of the OffloadModel or an OffloadOptimizer;
+    ``zero_grad()`` (``set_to_none=True``, PyTorch's default) never takes this path.
 """
 
 from __future__ import annotations
@@ -66,8 +74,8 @@ from ..walk.engine import engines_holding
 
 
 def in_place_targets(ctx: Any, params: Sequence[torch.Tensor], first_edge: int, needed: Sequence[bool],
-                     walk_observed: bool, any_grad: Container[int] = (), onto_earlier: Container[int] = ()
-                     ) -> tuple[list[torch.Tensor | None], list[bool]]:
+                     walk_observed: bool, any_grad: Container[int] = (), onto_earlier: Container[int] = (),
+                     last_call: bool = True) -> tuple[list[torch.Tensor | None], list[bool]]:
     """Per parameter of the walk, the ``.grad`` its gradient is added into on the host, or
     ``None`` where autograd receives it (see Note: [Gradients added in place]); and whether it
     could be added in place but for what ``.grad`` holds (rules 1 to 5 hold, and ``.grad`` is
@@ -84,6 +92,7 @@ def in_place_targets(ctx: Any, params: Sequence[torch.Tensor], first_edge: int, 
             starts: the others keep rule 6, and a gradient from outside the model stays exact).
         onto_earlier: ids of the parameters whose rule 6 is waived because no gradient from
             outside the model reaches them (Note: [Adding onto earlier gradients]).
+        last_call: no other call of the model in this backward has its walk still to come (rule 6).
     """
     targets: list[torch.Tensor | None] = [None] * len(params)
     candidates = [False] * len(params)
@@ -118,7 +127,7 @@ def in_place_targets(ctx: Any, params: Sequence[torch.Tensor], first_edge: int, 
         if not accumulates:
             continue
         candidates[k] = True
-        if grad is not None and (id(p) in any_grad or id(p) in onto_earlier or still_zeroed(p, grad)):
+        if grad is not None and (id(p) in any_grad or id(p) in onto_earlier or last_call and still_zeroed(p, grad)):
             targets[k] = grad  # rule 6, or its waivers
     return targets, candidates
 

@@ -40,6 +40,14 @@ Note: [A tied weight's gradients summed in place]
     last slice's pooled buffer instead, and the file keeps the first slice's part (a borrowing
     slice's gradients have no file). Gradients that cannot be added in place (another dtype, which
     the engine would cast first; a sparse gradient) are left to the engine, as before.
+
+    With the model called more than once in one backward (a siamese pair), the plain model meets
+    the last call's uses first, then the call's before: ``((h2 + e2) + h1) + e1``. Each call
+    returning its own sum would make autograd add ``(h2 + e2) + (h1 + e1)``, so a walk whose
+    later calls each take the weight leaves its sum to them instead of returning it (step 2 of
+    Note: [Several calls of the model in one backward] in ``outside_gradients.py``), and the next
+    walk's sum starts from it, in its buffer: the plain model's sum again, in no more memory than
+    autograd's buffer held. A sum in a gradient file stays where it is, returned.
 """
 
 from __future__ import annotations
@@ -166,11 +174,14 @@ class BackwardGradients:
         # Final gradients are read to start updates (Note: [Update in backward]) only where a subscriber
         # names parameters; the norms of Note: [Norms from backward] name none.
         self._starts_updates = bool(final)
+        # The model's other calls in this backward, and each parameter's edge, which says whether
+        # they take what this walk leaves (Note: [Several calls of the model in one backward])
+        self._calls = outside_gradients.calls_in_backward(engine, ctx)
+        self._edges = ctx.next_functions[num_inputs:]
         verdicts = outside_gradients.Verdicts.now()
-        clean = ({id(p) for p in params if id(p) in verdicts.clean}
-                 if accumulates and outside_gradients.alone(engine, ctx) else set())
+        clean = {id(p) for p in params if id(p) in verdicts.clean} if accumulates and not self._calls.others else set()
         into, candidates = in_place_targets(ctx, params, num_inputs, needed[num_inputs:], milestones.rewrite_gradients,
-                                            any_grad=final, onto_earlier=clean)
+                                            any_grad=final, onto_earlier=clean, last_call=not self._calls.later)
         self._into = [into[start:start + size] for start, size in zip(self._starts, sizes)]
         # Gradients go to their slice's file once landed (Note: [Gradients on disk]) unless
         # something rewrites them on their way (host averaging reads the landed views).
@@ -259,8 +270,9 @@ class BackwardGradients:
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         if exc_type is None:
             return
-        if self._watched or self.final_wanted:
-            outside_gradients.abandon()  # the backward's end, which judges what it watched, never comes
+        if self._watched or self.final_wanted or self._calls.others:
+            # The backward's end, which judges what it watched and drops what walks carried, never comes.
+            outside_gradients.abandon()
         # A failed backward leaves .grad as autograd would: rule 6 of Note: [Gradients added in place].
         kept = self._kept()
         added = [g for _, p in self._pending for g in p.added]
@@ -301,7 +313,8 @@ class BackwardGradients:
         for i, grads in self._pending:
             for j, g in enumerate(grads.host_views):
                 param_results[self._starts[i] + j] = g
-        _sum_tied(engine.parameters(), param_results, _in_gradient_files(engine, self._pending))
+        _sum_tied(engine.parameters(), param_results, _in_gradient_files(engine, self._pending), self._calls,
+                  self._edges)
         if self._watched or self.final_wanted:  # the update in backward watches its own
             outside_gradients.returned(zip(engine.parameters(), param_results))
         if self._updates_may_have_run():
@@ -340,31 +353,58 @@ def _in_gradient_files(engine: Any, pending: Sequence[tuple[int, PendingGradient
     return in_files
 
 
-def _sum_tied(params: Sequence[torch.Tensor], results: list[torch.Tensor | None], in_files: set[int]) -> None:
+def _sum_tied(params: Sequence[torch.Tensor], results: list[torch.Tensor | None], in_files: set[int],
+              calls: outside_gradients.CallsInBackward, edges: Sequence[Any]) -> None:
     """Sum each tied weight's slices' gradients into one of their pooled buffers, in place, in the
-    plain model's order (Note: [A tied weight's gradients summed in place])."""
+    plain model's order, onto what an earlier call's walk left; leave the sum to later calls' walks
+    where they take it (Note: [A tied weight's gradients summed in place])."""
     places: dict[int, list[int]] = {}
-    for k, (p, g) in enumerate(zip(params, results)):
-        if g is not None:
-            places.setdefault(id(p), []).append(k)
+    for k, p in enumerate(params):
+        places.setdefault(id(p), []).append(k)
     for ks in places.values():
-        grads = [results[k] for k in ks]
+        if len(ks) < 2:
+            continue  # not tied
         p = params[ks[0]]
-        if len(ks) < 2 or not all(g is not None and _addable(g, p) and g.shape == p.shape for g in grads):
+        present = [k for k in ks if results[k] is not None]
+        earlier = calls.carried.pop(id(p), None)
+        if not all(_addable(g, p) and g.shape == p.shape for g in (results[k] for k in present)):
+            if earlier is not None:  # not seen: the walks of one model produce gradients of one kind
+                free = [k for k in ks if results[k] is None]
+                k = free[0] if free else present[0]
+                results[k] = earlier if results[k] is None else earlier + results[k]
             continue
-        # The plain model's backward meets the last slice's use first: ((g_n + g_n-1) + ...) + g_1,
-        # gathered in g_n's buffer; the first's buffer takes the sum (addition commutes exactly),
-        # unless it is in a gradient file, whose write-back has been queued: then g_n's keeps it.
-        total = grads[-1]
-        for g in reversed(grads[1:-1]):
-            total.add_(g)
-        first = grads[0]
-        if id(first) in in_files:
-            results[ks[0]] = total.add_(first)
-        else:
-            first.add_(total)
-        for k in ks[1:]:
+        if earlier is None and len(present) < 2 and not calls.later:
+            continue  # one gradient or none: nothing to sum, nobody to leave it to
+        total = _sum_in_order(earlier, [results[k] for k in present], in_files)
+        if total is None:
+            continue
+        for k in present:
             results[k] = None
+        edge = edges[ks[0]][0] if ks[0] < len(edges) else None
+        if id(total) not in in_files and edge is not None and calls.all_later_take(edge):
+            calls.carried[id(p)] = total  # Note: [Several calls of the model in one backward], step 2
+        else:
+            results[(present or ks)[0]] = total
+
+
+def _sum_in_order(earlier: torch.Tensor | None, grads: Sequence[torch.Tensor],
+                  in_files: set[int]) -> torch.Tensor | None:
+    """``earlier``, then one call's slices' gradients of a tied weight, summed as the plain model's
+    backward meets them: ``((earlier + g_n) + ...) + g_1``, last slice first, in one of their buffers.
+
+    The first slice's buffer takes the sum (the last addition puts the rest onto it: addition
+    commutes exactly), unless it is in a gradient file, whose write-back has been queued: then the
+    running sum's buffer keeps it. ``earlier`` (an earlier walk's sum) is never in a file.
+    """
+    order = [earlier, *reversed(grads)] if earlier is not None else list(reversed(grads))
+    if not order:
+        return None
+    total, first = order[0], (order.pop() if len(order) > 1 else None)
+    for g in order[1:]:
+        total.add_(g)
+    if first is None:
+        return total
+    return total.add_(first) if id(first) in in_files else first.add_(total)
 
 
 def _addable(grad: torch.Tensor, param: torch.Tensor) -> bool:

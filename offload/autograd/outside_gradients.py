@@ -1,5 +1,6 @@
 """Which of a model's parameters receive gradients from outside it, learned by watching the
-backwards that accumulate; what lets backward add a slice's gradients onto an earlier backward's.
+backwards that accumulate; what lets backward add a slice's gradients onto an earlier backward's;
+which calls of a model one backward runs, and what their walks leave each other.
 
 Note: [Adding onto earlier gradients]
     Rule 6 of Note: [Gradients added in place] (``accumulation.py``) lets backward add a slice's
@@ -43,6 +44,31 @@ Note: [Adding onto earlier gradients]
     watches the parameters whose updates it starts the same way, in the backward that ends an
     accumulation, and is told of each that receives a gradient from outside (``on_outside``);
     what that backward sees is learned as well.
+
+Note: [Several calls of the model in one backward]
+    A loss may call the model more than once (a siamese pair, a triplet loss, chosen and rejected
+    answers): each call is an autograd node of its own, and autograd sums what the calls return
+    for a parameter in the order they return it, before it adds the sum into ``.grad``. The
+    engine runs ready nodes by descending sequence number, so the last call's backward runs
+    first, as the plain model's backward meets the last call's uses first. A walk that adds into
+    ``.grad`` itself, or sums a tied weight's slices itself, would change that order where it does
+    not know its place among the calls, so each walk of a backward that runs several calls of the
+    model records itself there (:func:`calls_in_backward`) and learns which calls are still to
+    come:
+
+    1. only the last walk adds into zeroed ``.grad`` in place (rule 6 of Note: [Gradients added
+       in place] in ``accumulation.py``): autograd sums the earlier calls' gradients (and an
+       outside one that arrived before them), ``s``, and adds it onto ours: ``(0 + ours) + s`` is
+       ``0 + (s + ours)``, autograd's own sum. The first walk adding in place would make the
+       triplet's ``(c + b) + a`` into ``c + (b + a)``;
+    2. a walk with calls to come that take the same tied weight leaves its sum of the weight's
+       slices to them (``carried``) instead of returning it, and the next one continues it (Note:
+       [A tied weight's gradients summed in place] in ``gradients.py``): returned call by call,
+       autograd would add one call's sum onto the other's, ``(h2 + e2) + (h1 + e1)``, where the
+       plain model gives ``((h2 + e2) + h1) + e1``;
+    3. what is carried goes with the backward's end, or with its failure.
+
+    A backward with one call of the model, the common case, opens no record and carries nothing.
 """
 
 from __future__ import annotations
@@ -97,20 +123,56 @@ def called(engine: Any, node: Any) -> None:
     _CALLS.setdefault(engine, weakref.WeakSet()).add(node)
 
 
-def alone(engine: Any, node: Any) -> bool:
-    """Whether the running backward runs no call of ``engine``'s model but ``node``'s (step 2)."""
+@dataclass
+class CallsInBackward:
+    """The calls of one model that the running backward runs, as one call's walk sees them (Note:
+    [Several calls of the model in one backward]).
+
+    Attributes:
+        others: whether it runs another call of the model than this one (step 2 of Note: [Adding
+            onto earlier gradients] then adds nothing onto earlier gradients).
+        later: the other calls' nodes whose walks have not run yet.
+        carried: the tied weights' sums that earlier walks left to this one, by parameter id; what
+            this walk leaves to later ones goes there too.
+        sure: whether the engine said of every call whether it runs (nothing is left to calls it
+            could not say of, which may never come).
+    """
+
+    others: bool = False
+    later: tuple[Any, ...] = ()
+    carried: dict[int, torch.Tensor] = field(default_factory=dict)
+    sure: bool = True
+
+    def all_later_take(self, edge: Any) -> bool:
+        """Whether each later call has ``edge`` (a parameter's accumulation node) among its own,
+        so that its walk receives what this one leaves for that parameter."""
+        return self.sure and bool(self.later) and all(any(node is edge for node, _ in other.next_functions)
+                                                      for other in self.later)
+
+
+def calls_in_backward(engine: Any, node: Any) -> CallsInBackward:
+    """The calls of ``engine``'s model the running backward runs besides ``node``'s, whose walk
+    this is; the walk is recorded as run."""
     will_execute = getattr(torch._C, "_will_engine_execute_node", None)
     if will_execute is None:
-        return False
+        return CallsInBackward(others=True)  # nothing known: nothing carried, nothing added onto earlier
+    others, sure = [], True
     for other in list(_CALLS.get(engine, ())):
         if other is node:
             continue
         try:
-            if will_execute(other):
-                return False
-        except RuntimeError:
-            return False
-    return True
+            runs = bool(will_execute(other))
+        except RuntimeError:  # taken as running, and still to come: nothing in place, nothing left to it
+            runs, sure = True, False
+        if runs:
+            others.append(other)
+    if not others:
+        return CallsInBackward()
+    task = _current_task()
+    walked = task.walked.setdefault(id(engine), weakref.WeakSet())
+    walked.add(node)
+    later = tuple(o for o in others if o not in walked)
+    return CallsInBackward(True, later, task.carried.setdefault(id(engine), {}), sure)
 
 
 def _learn(param: torch.Tensor, clean: bool) -> None:
@@ -142,17 +204,23 @@ class _Watched:
 
 @dataclass
 class _Task:
-    """What one run of autograd's engine watches, judged at its end."""
+    """What one run of autograd's engine watches, judged at its end, and what the walks of each
+    model in it leave each other (Note: [Several calls of the model in one backward])."""
 
     id: int
     thread: int
     watched: dict[int, _Watched] = field(default_factory=dict)
     hooks: list[Any] = field(default_factory=list)
+    #: by engine id: the calls of its model whose walks ran, and the tied weights' sums they left
+    walked: dict[int, weakref.WeakSet[Any]] = field(default_factory=dict)
+    carried: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
 
     def close(self) -> None:
         for hook in self.hooks:
             hook.remove()
         self.hooks = []
+        # A sum left for a walk that never came (the backward failed) holds a pooled buffer.
+        self.carried = {}
 
 
 #: The backwards running now, by graph task id (a backward per thread at most, but nested ones).
