@@ -16,6 +16,7 @@ import argparse
 import ctypes
 import datetime
 import json
+import math
 import mmap
 import os
 import statistics
@@ -78,6 +79,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=7, help="timed steps a round (after one)")
     parser.add_argument("--json")
     args = parser.parse_args()
+    if min(args.tensors, args.rounds, args.steps) < 1:
+        parser.error("--tensors, --rounds and --steps must be at least 1")
+    if not (math.isfinite(args.params) and args.params >= args.tensors):
+        parser.error(f"--params must be at least --tensors ({args.tensors}): each tensor holds "
+                     f"--params / --tensors values; got {args.params:g}")
     check_json_path(parser, args.json)
     numel = int(args.params)
     thp = {name: Path(f"/sys/kernel/mm/transparent_hugepage/{name}").read_text().strip()

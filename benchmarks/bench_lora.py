@@ -46,17 +46,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--compute-dtype", default="bf16", choices=sorted(DTYPES))
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
+    sizes = ("hidden", "layers", "vocab", "lora_r", "num_slices", "microbatches", "batch_size", "seq_len",
+             "steps")
+    if any(getattr(args, name) < 1 for name in sizes):
+        parser.error(f"{', '.join('--' + name.replace('_', '-') for name in sizes)} must be at least 1")
+    heads, key_value_heads = attention_heads(args.hidden)
+    if heads < 1:
+        parser.error(f"--hidden {args.hidden}: the model has one attention head per 64 features; give 64 or more")
+    if heads % key_value_heads:
+        parser.error(f"--hidden {args.hidden}: its {heads} attention heads (one per 64 features) are not a multiple "
+                     f"of its {key_value_heads} key-value heads (one per 256); give a multiple of 256, or less than 512")
     check_json_path(parser, args.json)
     return args
+
+
+def attention_heads(hidden: int) -> tuple[int, int]:
+    """The Llama's attention heads and key-value heads for ``hidden`` features: heads of 64, four
+    query heads to a key-value head."""
+    return hidden // 64, max(1, hidden // 256)
 
 
 def build(args: argparse.Namespace) -> torch.nn.Module:
     import transformers
 
     torch.manual_seed(0)
+    heads, key_value_heads = attention_heads(args.hidden)
     config = transformers.LlamaConfig(hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
-                                      num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
-                                      num_key_value_heads=max(1, args.hidden // 256), vocab_size=args.vocab,
+                                      num_hidden_layers=args.layers, num_attention_heads=heads,
+                                      num_key_value_heads=key_value_heads, vocab_size=args.vocab,
                                       max_position_embeddings=max(args.seq_len, 64), tie_word_embeddings=False)
     model = transformers.LlamaForCausalLM(config)
     model.config.use_cache = False

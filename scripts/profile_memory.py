@@ -26,6 +26,7 @@ import json
 import os
 import platform
 import sys
+import threading
 from collections.abc import Callable
 
 import torch
@@ -95,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     how.add_argument("--no-resident", action="store_true",
                      help="skip the resident mode (for a model that does not fit on the device)")
     how.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
-                     help="the optimizer OffloadOptimizer wraps: torch.optim.AdamW or SGD (default: adamw)")
+                     help="what every mode steps over model.parameters(): torch.optim.AdamW or SGD, with "
+                          "fused=True (default: adamw)")
     how.add_argument("--sample-interval", type=float, default=5.0, metavar="MS",
                      help="milliseconds between memory samples (default: 5)")
 
@@ -118,8 +120,11 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         parser.error("--model needs --input-shape (the shape of one sample, e.g. 1024 or 3,224,224)")
     if args.model is None and (args.input_shape is not None or args.vocab is not None):
         parser.error("--input-shape and --vocab describe the input of --model; presets make their own")
-    if args.sample_interval <= 0:
-        parser.error(f"--sample-interval must be positive, got {args.sample_interval}")
+    # Written so that nan fails it too: the sampler's thread would spin on a wait of nan, and a
+    # wait past TIMEOUT_MAX (inf) overflows in that thread.
+    if not 0 < args.sample_interval / 1e3 <= threading.TIMEOUT_MAX:
+        parser.error(f"--sample-interval must be a positive number of milliseconds, at most "
+                     f"{threading.TIMEOUT_MAX * 1e3:.3g}; got {args.sample_interval}")
     if args.plot:
         try:
             check_plotting()  # now, not after a long run

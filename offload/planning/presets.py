@@ -134,7 +134,8 @@ def preset_from_factory(spec: str, input_shape: Sequence[int], vocab: int | None
     Raises:
         ValueError: a malformed spec, a module that cannot be imported (or is not valid Python), a
             missing or non-callable factory, a factory that raised, a bad shape, a model
-            without parameters, or a ``vocab`` past the rows of its first ``nn.Embedding``.
+            without parameters or with every parameter frozen, or a ``vocab`` past the rows of
+            its first ``nn.Embedding``.
         TypeError: the factory returned something other than an ``nn.Sequential``.
     """
     module_name, _, attribute = spec.partition(":")
@@ -189,13 +190,33 @@ def preset_from_factory(spec: str, input_shape: Sequence[int], vocab: int | None
     )
 
 
-def _check_model(model: nn.Sequential, spec: str, vocab: int | None) -> None:
-    """Refuse a factory's model without parameters, or with fewer rows in its first
-    ``nn.Embedding`` (which takes the token ids) than ``vocab``: a real forward would index past
-    its table (``IndexError``), where the planner's fake tensors read no index."""
-    if not any(True for _ in model.parameters()):
-        raise ValueError(f"{spec} returned an nn.Sequential without parameters: there is nothing to offload or "
+def check_trainable(model: nn.Module, returned: str) -> None:
+    """Refuse a model without parameters, or whose parameters are all frozen: with nothing that
+    requires a gradient, the loss has no ``grad_fn`` and the first ``backward()`` fails inside
+    autograd ("element 0 of tensors does not require grad") once a mode has started.
+
+    Args:
+        returned: how the message names where the model came from, e.g. ``"pkg.models:build returned"``.
+
+    Raises:
+        ValueError: saying what to change.
+    """
+    parameters = list(model.parameters())
+    if not parameters:
+        raise ValueError(f"{returned} an nn.Sequential without parameters: there is nothing to offload or "
                          "train; return the layers with their weights")
+    if not any(p.requires_grad for p in parameters):
+        raise ValueError(f"{returned} an nn.Sequential whose {len(parameters)} parameters are all frozen "
+                         "(requires_grad=False): there is nothing to train; unfreeze the ones to train "
+                         "(requires_grad_(True)) before returning it")
+
+
+def _check_model(model: nn.Sequential, spec: str, vocab: int | None) -> None:
+    """Refuse a factory's model without parameters to train (:func:`check_trainable`), or with
+    fewer rows in its first ``nn.Embedding`` (which takes the token ids) than ``vocab``: a real
+    forward would index past its table (``IndexError``), where the planner's fake tensors read no
+    index."""
+    check_trainable(model, f"{spec} returned")
     name, embedding = next(((name, m) for name, m in model.named_modules() if isinstance(m, nn.Embedding)),
                            (None, None))
     if vocab is not None and embedding is not None and vocab > embedding.num_embeddings:
@@ -359,6 +380,6 @@ def _generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed + 1)
 
 
-__all__ = ["Preset", "build_preset", "preset_from_factory", "preset_names", "preset_settings",
+__all__ = ["Preset", "build_preset", "check_trainable", "preset_from_factory", "preset_names", "preset_settings",
            "TokenAndPositionEmbedding", "CausalSelfAttention", "TransformerBlock"]
 

@@ -57,10 +57,14 @@ def run_mode(build: Callable[[], Preset], mode: Mode, result: ModeResult, device
     rows = batch_size or preset.batch_size
     result.parameter_bytes = preset.parameter_bytes
     if mode.kind == "offload":
-        model: torch.nn.Module = OffloadModel(preset.model, device=device, num_slices=mode.num_slices,
-                                              num_microbatches=mode.num_microbatches,
-                                              checkpoint_activation=mode.checkpoint_activation,
-                                              compute_dtype=mode.compute_dtype)
+        offloaded = OffloadModel(preset.model, device=device, num_slices=mode.num_slices,
+                                 num_microbatches=mode.num_microbatches,
+                                 checkpoint_activation=mode.checkpoint_activation, compute_dtype=mode.compute_dtype)
+        # The slices that run: OffloadModel clamps num_slices to the layer count (with a warning).
+        result.num_slices = len(offloaded.partition)
+        result.label = mode.label_ran(result.num_slices)
+        sampler.relabel(result.label)
+        model: torch.nn.Module = offloaded
     else:
         model = preset.model.to(device)
     optimizer = OPTIMIZERS[optimizer_name][1](model.parameters(), lr)

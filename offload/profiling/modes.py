@@ -55,11 +55,19 @@ class Mode:
 
     @property
     def label(self) -> str:
+        return self.label_ran(self.num_slices)
+
+    def label_ran(self, slices_ran: int) -> str:
+        """The label of this mode once it ran as ``slices_ran`` slices: OffloadModel makes no more
+        slices than the model has layers, so a mode asked for more says both, e.g.
+        ``offload slices=7 (asked 100) mb=1 ckpt=on``, and two modes that ran alike do not read as
+        different."""
         if self.kind == "resident":
             return "resident"
         checkpoint = "on" if self.checkpoint_activation else "off"
         precision = f" {_DTYPE_NAMES[self.compute_dtype]}" if self.compute_dtype is not None else ""
-        return f"offload slices={self.num_slices} mb={self.num_microbatches} ckpt={checkpoint}{precision}"
+        asked = f" (asked {self.num_slices})" if slices_ran != self.num_slices else ""
+        return f"offload slices={slices_ran}{asked} mb={self.num_microbatches} ckpt={checkpoint}{precision}"
 
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}

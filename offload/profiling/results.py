@@ -44,6 +44,9 @@ class ModeResult:
     """What one mode cost. Peaks are over the training phases of every step (not setup).
 
     Attributes:
+        label: the mode's :attr:`~offload.profiling.Mode.label`, with the slices that ran.
+        num_slices: the slices the model ran as (offload): the asked ``num_slices``, or the
+            model's layer count when it has fewer layers (the label then says both).
         step_time_s: median step time, the first step left out when there are several (it
             allocates optimizer state and buffers that later steps reuse).
         host_pinned_bytes: bytes of the model's host buffers (parameters, gradients, boundary

@@ -9,12 +9,13 @@ in turn, and frees what a mode left before the next one begins. Running and meas
 from __future__ import annotations
 
 import gc
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from ..planning.presets import Preset
+from ..planning.presets import Preset, check_trainable
 from ..streams.trim import give_back_freed_memory
 from .formatting import error_reason
 from .measure import OPTIMIZERS, empty_result, finish_notes, run_mode
@@ -35,8 +36,9 @@ def profile_modes(build: Callable[[], Preset], modes: Sequence[Mode], device: to
 
     ``build`` is called once per mode, so every mode starts from a freshly built model (presets
     build the same weights every time) and nothing of one mode outlives it; it is called once
-    more before that, for one unmeasured warm-up step of the first mode. A mode that runs out
-    of device memory is reported as such and the next one runs.
+    more before that, for one unmeasured warm-up step of the first mode: that first build is
+    checked before anything is measured, and names the profile even when every mode runs out of
+    memory. A mode that runs out of device memory is reported as such and the next one runs.
 
     Args:
         build: returns a :class:`~offload.planning.presets.Preset`, e.g. ``lambda: build_preset("mlp")``.
@@ -44,27 +46,31 @@ def profile_modes(build: Callable[[], Preset], modes: Sequence[Mode], device: to
         device: compute device.
         steps: training steps per mode.
         batch_size: rows per step; the preset's own when ``None``.
-        optimizer: ``"adamw"`` or ``"sgd"``. AdamW's state (two tensors per parameter) lives
-            where the parameters live: on the device when resident, on the host when offloaded.
+        optimizer: ``"adamw"`` or ``"sgd"``, stepped as a fused ``torch.optim`` optimizer over
+            ``model.parameters()``. AdamW's state (two tensors per parameter) lives where the
+            parameters live: on the device when resident, on the host when offloaded.
+        sample_interval_s: seconds between the background thread's memory samples.
         progress: called with one line per mode and step.
 
     Raises:
-        ValueError: no modes, a mode of unknown kind, ``steps < 1``, an unknown optimizer, or a
-            device that is neither CUDA nor the CPU, or not here (:func:`check_device`).
+        ValueError: no modes, a mode of unknown kind, ``steps < 1``, an unknown optimizer, a
+            ``sample_interval_s`` that is not positive (0, negative, nan) or is past
+            ``threading.TIMEOUT_MAX``, a device that is neither CUDA nor the CPU, or not here
+            (:func:`check_device`), or a first build whose model has no parameter to train
+            (:func:`~offload.planning.presets.check_trainable`).
         ModeFailed: a mode raised an error other than out-of-memory.
     """
     device = check_device(device)
-    _check_arguments(modes, steps, optimizer)
+    _check_arguments(modes, steps, optimizer, sample_interval_s)
     cuda = device.type == "cuda"
     if cuda:
         device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
     nvml, figures, unavailable = _what_is_measured(device, sample_interval_s)
     report = progress or (lambda line: None)
-    description: str | None = None
     runs: list[ModeResult] = []
     try:
         with MemorySampler(device, nvml, sample_interval_s) as sampler:
-            _warm_up(build, modes[0], device, batch_size, optimizer, lr, sampler)
+            description, rows = _warm_up(build, modes[0], device, batch_size, optimizer, lr, sampler)
             for number, mode in enumerate(modes, 1):
                 _reset_memory(device)
                 where = f"[{number}/{len(modes)}] {mode.label}"
@@ -88,7 +94,7 @@ def profile_modes(build: Callable[[], Preset], modes: Sequence[Mode], device: to
     finally:
         if nvml is not None:
             nvml.close()
-    return Profile(description or "model", str(device), batch_size or 0, steps, OPTIMIZERS[optimizer][0],
+    return Profile(description or "model", str(device), batch_size or rows or 0, steps, OPTIMIZERS[optimizer][0],
                    runs, list(sampler.samples), figures, unavailable)
 
 
@@ -116,13 +122,19 @@ def check_device(device: torch.device | str) -> torch.device:
     return device
 
 
-def _check_arguments(modes: Sequence[Mode], steps: int, optimizer: str) -> None:
+def _check_arguments(modes: Sequence[Mode], steps: int, optimizer: str, sample_interval_s: float) -> None:
     if not modes:
         raise ValueError("no modes to profile")
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}; choose from {', '.join(OPTIMIZERS)}")
+    # The sampler's thread waits this long between samples: at 0 or below, or nan, the wait returns at
+    # once and the thread spins; past TIMEOUT_MAX (inf) the wait overflows and the thread dies.
+    if isinstance(sample_interval_s, bool) or not isinstance(sample_interval_s, (int, float)) \
+            or not 0 < sample_interval_s <= threading.TIMEOUT_MAX:
+        raise ValueError(f"sample_interval_s must be a positive number of seconds, at most "
+                         f"{threading.TIMEOUT_MAX:.3g}; got {sample_interval_s!r}")
     for mode in modes:
         empty_result(mode)  # an unknown kind fails here, before anything runs
 
@@ -161,21 +173,37 @@ def _out_of_memory(error: BaseException) -> bool:
 
 
 def _warm_up(build: Callable[[], Preset], mode: Mode, device: torch.device, batch_size: int | None,
-             optimizer_name: str, lr: float, sampler: MemorySampler) -> None:
-    """One unmeasured step of ``mode`` before anything is measured.
+             optimizer_name: str, lr: float, sampler: MemorySampler) -> tuple[str | None, int | None]:
+    """One unmeasured step of ``mode`` before anything is measured; returns the description of
+    the model ``build`` made and the rows of its batch (``None`` if building failed), which name
+    the profile even when every mode runs out of memory.
 
     The first mode would otherwise pay one-time costs the others do not: the first optimizer
     imports a good part of PyTorch (about 80 MiB of RSS), the first kernels of each shape are
     selected, the heap grows to its working size and, on CUDA, the context and library handles
     are created.
+
+    Raises:
+        ValueError: the model has no parameter to train (:func:`~offload.planning.presets.check_trainable`).
     """
+    description = rows = None
     try:
-        run_mode(build, mode, empty_result(mode), device, 1, batch_size, optimizer_name, lr, sampler,
-                 lambda line: None)
+        preset = build()
     except Exception:
-        pass  # the measured run of this mode fails the same way, and reports it
+        preset = None  # the measured run of this mode builds again, fails the same way, and reports it
+    if preset is not None:
+        # Refused here, not as the first mode's failure: every mode would fail the same way.
+        check_trainable(preset.model, "build() returned a preset whose model is")
+        description, rows = f"{preset.name}: {preset.description}", batch_size or preset.batch_size
+        try:
+            run_mode(lambda: preset, mode, empty_result(mode), device, 1, batch_size, optimizer_name, lr, sampler,
+                     lambda line: None)
+        except Exception:
+            pass  # the measured run of this mode fails the same way, and reports it
+        del preset
     sampler.discard()
     _reset_memory(device)
+    return description, rows
 
 
 def _reset_memory(device: torch.device) -> None:

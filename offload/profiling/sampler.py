@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import psutil
@@ -54,6 +54,7 @@ class MemorySampler:
         # that had already ended when it was read.
         self._lock = threading.Lock()
         self._label, self._step, self._phase, self._start = "", 0, "setup", time.perf_counter()
+        self._mode_start = 0  # the index in samples of the running mode's first sample
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="offload-memory-sampler", daemon=True)
 
@@ -68,7 +69,16 @@ class MemorySampler:
     def begin_mode(self, label: str) -> Sample:
         with self._lock:
             self._label, self._step, self._phase, self._start = label, 0, "setup", time.perf_counter()
+            self._mode_start = len(self.samples)
             return self._take()
+
+    def relabel(self, label: str) -> None:
+        """File the running mode's samples, those taken and those to come, under ``label``: a
+        mode's label says the slices it ran as, known only once its model is built, and the CSV
+        and the plot find a mode's samples by its label."""
+        with self._lock:
+            self._label = label
+            self.samples[self._mode_start:] = [replace(s, label=label) for s in self.samples[self._mode_start:]]
 
     def mark(self, step: int, phase: str) -> Sample:
         """Start ``phase`` of ``step``; returns the sample taken now."""
@@ -85,7 +95,7 @@ class MemorySampler:
         """Forget every sample so far and pause."""
         with self._lock:
             self.samples.clear()
-            self._label = ""
+            self._label, self._mode_start = "", 0
 
     def sample(self) -> Sample:
         with self._lock:
