@@ -1,7 +1,8 @@
 """One call's structure across the autograd Function's boundary.
 
 ``autograd.Function.apply`` takes and returns flat tensors; a model input or output is any nested
-structure (tensor, tuple, list, dict) with values that are not tensors among its leaves. A
+structure (tensor, tuple, list, dict, and the containers of Note: [Containers pytree keeps whole]
+in ``offload/walk/structures.py``) with values that are not tensors among its leaves. A
 :class:`Call` takes the input apart on the model's side, puts it back together inside the
 Function's forward, and does the same for the output on the way back: one owner for both ends.
 
@@ -39,9 +40,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+from torch.utils._pytree import TreeSpec
 
 from ..walk.microbatch import check_alike, join_outputs, view_in_joined
+from ..walk.structures import flatten, unflatten
 
 
 def flatten_input(value: Any, compute_dtype: torch.dtype | None) -> tuple[list[Any], TreeSpec]:
@@ -50,7 +52,7 @@ def flatten_input(value: Any, compute_dtype: torch.dtype | None) -> tuple[list[A
     Cast here, outside the Function, so that autograd casts the input gradient back to the
     input's dtype.
     """
-    leaves, spec = tree_flatten(value)
+    leaves, spec = flatten(value, "the model's input")
     if compute_dtype is not None:
         leaves = [x.to(compute_dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
                   for x in leaves]
@@ -162,7 +164,7 @@ class Call:
         for alias in self.output_aliases:  # bases are results, never aliases themselves
             leaves[alias.position] = alias.over(leaves[alias.base])
         assert self.output_spec is not None, "the Function's forward sets the output structure"
-        return tree_unflatten(leaves, self.output_spec)
+        return unflatten(leaves, self.output_spec)
 
 
 # -- outputs that alias each other (Note: [Outputs that alias each other]) ---------------------------

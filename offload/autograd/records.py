@@ -64,6 +64,22 @@ Note: [Leaves that pass through]
       (``.data =`` gives it other memory), shares the saved leaf of the leaf it copies
       (:meth:`ForwardRecords.passed_through`). A write through ``.data`` in place goes unseen, as
       above: the recompute of the slices after it would start from the values before it.
+
+Note: [Sparse boundary leaves]
+    A sparse tensor may cross slice boundaries: a graph network's adjacency, which every layer
+    passes on beside the features. Its memory is its indices and values, not one storage, so it
+    can neither be offloaded into a host buffer nor told by where it lies (Note: [Leaves that
+    pass through]).
+
+    1. One that needs no gradient is kept in a checkpoint as it is, the tensor itself, until
+       backward, where the recompute starts from a detached alias of it as from any leaf: not
+       offloaded, so it stays where it is (the compute device) until the backward walk has passed
+       the slice. Usually it is the model's input passed on, whose memory every boundary shares.
+    2. One that needs a gradient is refused where it enters a slice, naming the slice
+       (``slice_graph.py``): it would enter the slice through a copy (Note: [Leaves enter through
+       a copy] there) and its gradient would cross the boundary, which the walk's copies and
+       sums do for strided memory only. Within one slice autograd handles it as in the plain
+       model.
 """
 
 from __future__ import annotations
@@ -236,6 +252,8 @@ class ForwardRecords:
         for every boundary they cross unchanged (Note: [Leaves that pass through])."""
         if not isinstance(leaf, torch.Tensor):
             return SavedLeaf(value=leaf)
+        if leaf.layout in SPARSE_LAYOUTS:  # Note: [Sparse boundary leaves]
+            return SavedLeaf(stash=self._save(leaf))
         if leaf.device != self.engine.device:
             return SavedLeaf(stash=self._save(leaf))
         if leaf.is_inference() or type(leaf) is not torch.Tensor:  # no version to compare; a subclass's memory
@@ -508,6 +526,10 @@ class CallRecord:
                     "and backward (for example optimizer.step() before backward). Run backward before updating "
                     "parameters."
                 )
+
+
+#: Layouts whose memory is no one storage: indices and values (Note: [Sparse boundary leaves]).
+SPARSE_LAYOUTS = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
 
 
 def where_read(leaf: torch.Tensor) -> tuple[Any, ...]:

@@ -140,14 +140,16 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+from torch.utils._pytree import TreeSpec
 
 from ..walk.engine import Engine
 from ..walk.module_state import attributes_as_started
+from ..walk.structures import flatten, unflatten
 from ..streams.layouts import copy_keeping_layout, overlaps
 from ..walk.activation_policy import ActivationMode
 from .call import bases_among
-from .records import BoundaryLoader, Checkpoint, ForwardRecords, KeptGraph, OffloadedGraph, where_read
+from .records import (SPARSE_LAYOUTS, BoundaryLoader, Checkpoint, ForwardRecords, KeptGraph, OffloadedGraph,
+                      where_read)
 from .recompute_state import discarded_graph, recomputing
 from .replay import AutocastState, autocast_cache_disabled, replaying_rng
 
@@ -251,12 +253,27 @@ def _forward_inputs(entering: Boundary, i: int, m: int) -> tuple[list[Any], list
     model's input enters through and their versions on the first run, to be compared after it (Note:
     [Leaves enter through a copy]; none on the other runs), and every copy a leaf entered through, by
     its position, held weakly, with its version and memory (for ``ForwardRecords.passed_through``)."""
+    _refuse_sparse_gradients(entering, i)
     graph_leaves, fed = _graph_inputs(entering.leaves, entering.requires)
     copies = [(k, t) for k, (t, leaf) in enumerate(zip(fed, graph_leaves))
               if isinstance(leaf, torch.Tensor) and leaf.requires_grad and t is not leaf]
     entered = [(k, weakref.ref(t), t._version, where_read(t)) for k, t in copies]
     watched = [(t, t._version) for _, t in copies] if i == 0 and m == 0 else []
     return graph_leaves, fed, watched, entered
+
+
+def _refuse_sparse_gradients(entering: Boundary, i: int) -> None:
+    """Raise where a sparse leaf that needs a gradient enters slice ``i`` (rule 2 of Note: [Sparse
+    boundary leaves] in ``records.py``)."""
+    for leaf, wanted in zip(entering.leaves, entering.requires):
+        if wanted and isinstance(leaf, torch.Tensor) and leaf.layout in SPARSE_LAYOUTS:
+            source = "the model's input" if i == 0 else f"slice {i - 1}'s output"
+            raise RuntimeError(
+                f"OffloadModel: slice {i} receives a sparse tensor ({leaf.layout}, shape {tuple(leaf.shape)}) that "
+                f"needs a gradient, from {source}. A gradient cannot cross a slice boundary to a sparse tensor "
+                "(Note: [Sparse boundary leaves] in offload/autograd/records.py). Pass it dense (.to_dense()), "
+                "or make the sparse tensor from dense ones inside the slice that uses it (num_slices, or a layer "
+                "that does both); a sparse tensor that needs no gradient (an adjacency matrix) crosses as it is")
 
 
 def _warn_if_input_written(engine: Engine, watched: Sequence[tuple[torch.Tensor, int]]) -> None:
@@ -314,17 +331,17 @@ def run_forward(engine: Engine, records: ForwardRecords, i: int, m: int, views: 
         with torch.enable_grad(), saves.hooks():
             graph_leaves, fed, watched, entered = _forward_inputs(entering, i, m)
             entry_tensors = _param_leaves(views, engine, i)
-            result = s.run_on_device(engine.slots, entry_tensors, tree_unflatten(fed, entering.spec))
+            result = s.run_on_device(engine.slots, entry_tensors, unflatten(fed, entering.spec))
             del fed
         saves.seal()
-        out_leaves, out_spec = tree_flatten(result.output)
+        out_leaves, out_spec = flatten(result.output, f"slice {i}'s output")
         records.offload_graph(i, m, out_leaves, graph_leaves, _params_among(entry_tensors, engine, i), saves)
     elif mode is ActivationMode.KEEP:
         with torch.enable_grad(), engine.slots.references.saved_tensors_hooks():
             graph_leaves, fed, watched, entered = _forward_inputs(entering, i, m)
             entry_tensors = _param_leaves(views, engine, i)
-            result = s.run_on_device(engine.slots, entry_tensors, tree_unflatten(fed, entering.spec))
-        out_leaves, out_spec = tree_flatten(result.output)
+            result = s.run_on_device(engine.slots, entry_tensors, unflatten(fed, entering.spec))
+        out_leaves, out_spec = flatten(result.output, f"slice {i}'s output")
         records.keep_graph(i, m, out_leaves, graph_leaves, _params_among(entry_tensors, engine, i))
     else:
         records.save_rng(i, m)
@@ -333,13 +350,13 @@ def run_forward(engine: Engine, records: ForwardRecords, i: int, m: int, views: 
         with torch.enable_grad(), _saving_nothing(i), autocast_cache_disabled(), discarded_graph():
             graph_leaves, fed, watched, entered = _forward_inputs(entering, i, m)
             entry_tensors = _param_leaves(views, engine, i)
-            result = s.run_on_device(engine.slots, entry_tensors, tree_unflatten(fed, entering.spec))
+            result = s.run_on_device(engine.slots, entry_tensors, unflatten(fed, entering.spec))
             del fed
         if result.buffers_changed:
             records.buffers_changed_by(i, m)
         else:
             records.buffers_kept_by(i, m)
-        out_leaves, out_spec = tree_flatten(result.output)
+        out_leaves, out_spec = flatten(result.output, f"slice {i}'s output")
     _warn_if_input_written(engine, watched)
     _refuse_gradients_from_outside(i, graph_leaves, entry_tensors if mode is ActivationMode.KEEP else ())
     if m == 0:
@@ -399,7 +416,10 @@ def _refuse_outside_leaves(i: int, outputs: Sequence[Any], graph_leaves: Sequenc
                 "gradient. This happens with a parameter captured by a forward hook or held in a plain "
                 "attribute, or another layer's weight referenced directly. Register it as a parameter of a "
                 "layer of the model (tie a shared weight by assigning the same nn.Parameter to both layers), "
-                "or detach it (requires_grad_(False)) if it needs no gradient."
+                "or detach it (requires_grad_(False)) if it needs no gradient. If it is a weight of an earlier "
+                "slice, an activation reached this slice inside an object OffloadModel does not open (an "
+                "instance of a plain class): pass it in a tuple, dict, namedtuple or dataclass (Note: "
+                "[Containers pytree keeps whole] in offload/walk/structures.py)."
             )
 
 
@@ -459,13 +479,13 @@ def _recompute(engine: Engine, record: Checkpoint, autocast: AutocastState, save
         entry_tensors = _param_leaves(views, engine, i)
         # Autocast's cache stays on here, as in the plain model: a weight used twice is cast once,
         # and the two uses' gradients meet in half precision, as there.
-        result = engine.slices[i].run_on_device(engine.slots, entry_tensors, tree_unflatten(fed, record.spec))
+        result = engine.slices[i].run_on_device(engine.slots, entry_tensors, unflatten(fed, record.spec))
     # Leaving the replayed autocast empties the cache unless the caller's own autocast block is
     # still open (a backward inside it): then the cache would keep this slice's casts until that
     # block ends. The recompute's graph holds what its backward needs.
     if _autocast_open(engine.device):
         torch.clear_autocast_cache()
-    outputs, _ = tree_flatten(result.output)
+    outputs, _ = flatten(result.output, f"slice {i}'s output")
     return SliceGraph(outputs, graph_leaves, _params_among(entry_tensors, engine, i), entry_tensors, retain=False,
                       restored_buffers=restored)
 

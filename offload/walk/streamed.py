@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+from torch.utils._pytree import TreeSpec
 
 from .engine import Engine
 from ..streams.labels import label
 from .microbatch import join_outputs, split_leaves
 from .slice_walk import SliceWalk
+from .structures import flatten, unflatten
 
 
 def streamed_forward(engine: Engine, leaves: list[Any], spec: TreeSpec, num_microbatches: int) -> Any:
@@ -28,12 +29,12 @@ def streamed_forward(engine: Engine, leaves: list[Any], spec: TreeSpec, num_micr
             next_boundary = []
             for in_leaves, in_spec in boundary:
                 with label(f"offload::forward slice {i}"):
-                    result = s.run_on_device(engine.slots, s.entry_tensors(views), tree_unflatten(list(in_leaves), in_spec))
+                    result = s.run_on_device(engine.slots, s.entry_tensors(views), unflatten(list(in_leaves), in_spec))
                 if result.buffers_changed:
                     walk.buffers_changed()
-                next_boundary.append(tree_flatten(result.output))
+                next_boundary.append(flatten(result.output, f"slice {i}'s output"))
                 walk.compute_queued()
             boundary = next_boundary
         walk.finish()
     joined = join_outputs([out_leaves for out_leaves, _ in boundary], split.sizes)
-    return tree_unflatten(joined, boundary[0][1])
+    return unflatten(joined, boundary[0][1])
