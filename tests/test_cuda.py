@@ -295,6 +295,50 @@ def test_an_input_staged_into_a_buffer_a_detached_forward_still_offloads_into():
             torch.testing.assert_close(model(x), reference(x.cuda()), **EXACT)
 
 
+class Masked(nn.Module):
+    """A linear layer whose output is scaled by a mask passed beside its input."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, mask = inputs
+        return torch.tanh(self.linear(x) * mask.view(-1, x.shape[-1]).sum(0))
+
+
+@pytest.mark.parametrize("checkpoint", [True, False])
+def test_cpu_inputs_staged_in_one_forward_wait_for_each_others_loads(checkpoint, monkeypatch):
+    """Pageable CPU inputs ``(x, mask)`` in two microbatches: each is copied on the host into a
+    pooled pinned buffer and loaded from there (``ActivationOffloader.load_host``). The mask and
+    each microbatch's rows of ``x`` have the same size, so they take the same buffer in turn within
+    one forward; with delayed copies, a host copy into it that did not wait for the load before
+    (``copy_on_host``) would hand that load the next input's bytes. Outputs are compared with the
+    plain model run on each microbatch, gradients with the same model on synchronous copies."""
+    torch.manual_seed(0)
+    width = 256
+    layers = nn.Sequential(Masked(width), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 1))
+    reference = copy.deepcopy(layers).cuda()
+    kwargs = {"num_slices": 3, "num_microbatches": 2, "checkpoint_activation": checkpoint}
+    model = build(copy.deepcopy(layers), "copies", **kwargs)
+    monkeypatch.setenv("OFFLOAD_SYNC_COPIES", "1")
+    synchronous = OffloadModel(copy.deepcopy(layers), device="cuda", **kwargs)
+    assert model._engine.copies.is_async and not synchronous._engine.copies.is_async
+    mask = torch.rand(4 * width)  # no batch dimension (whole to each microbatch); as large as 4 rows of x
+    for _ in range(3):
+        x = torch.randn(8, width)  # pageable host memory: two microbatches of 4 rows
+        assert not x.is_pinned() and not mask.is_pinned()
+        for net in (model, synchronous):
+            for p in net.parameters():
+                p.grad = None
+        out = model((x, mask))
+        expected = torch.cat([reference((rows.cuda(), mask.cuda())) for rows in x.tensor_split(2)])
+        torch.testing.assert_close(out, expected, **EXACT)
+        out.pow(2).sum().backward()
+        synchronous((x, mask)).pow(2).sum().backward()
+        assert_same_grads(model, synchronous, **EXACT)
+
+
 def _warm_up_cublas(width: int) -> None:
     # cuBLAS allocates its workspace on first use; do that before measuring.
     a = torch.randn(8, width, device="cuda", requires_grad=True)

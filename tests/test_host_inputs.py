@@ -2,10 +2,11 @@
 
 An asynchronous copy from pageable memory may block the CPU until it is done (CUDA stages it
 through a bounce buffer), so ``ActivationOffloader.load_host`` first copies such a tensor on the
-CPU into a pooled pinned buffer (rule 4 of Note: [Copy ordering]). The stream-ordering checker
-cannot reach this path, because its simulated device is the CPU and a CPU input is already there;
-these tests drive it through a backend whose device is not the CPU (``meta``: copies are recorded,
-never run) and check the decision itself. ``tests/test_cuda.py`` checks it on a real GPU.
+CPU into a pooled pinned buffer (rule 4 of Note: [Copy ordering]). These tests drive it through a
+backend whose device is not the CPU (``meta``: copies are recorded, never run) and check the
+decision itself; the stream-ordering checker reaches the path on its ``cpu:0`` device
+(``tests/test_streamcheck.py``, scenario ``host_inputs_staged``), and ``tests/test_cuda.py``
+checks it on a real GPU.
 """
 
 from __future__ import annotations

@@ -30,6 +30,14 @@ Note: [One-pass update]
     milliseconds to tens of them, and the thread that drives the device launches every kernel of
     the forward and backward from Python beside it (held, it stopped that thread for each slice's
     update: ``benchmarks/stream_idle.py``'s pauses in the H200 trace of 2026-11-28).
+
+    A kernel call is C++ that no dispatch mode sees, where PyTorch's kernel it stands in for is an
+    operator every mode sees. So that a mode below :class:`OnePassUpdate` (the stream-ordering
+    checker's, which checks every host update's reads and writes against the copies in flight)
+    still sees what the update touches, each call is announced first by ``offload::kernel_accesses``,
+    an operator that does nothing and whose schema marks as written what the kernel writes: what
+    PyTorch's kernel's schema marks so, and the shadows. It is called only where such a mode is
+    active, and moves no version counter (neither does the kernel).
 """
 
 from __future__ import annotations
@@ -46,6 +54,12 @@ from torch.utils._pytree import tree_leaves
 from .scaling import OwedScaling
 
 _aten = torch.ops.aten
+
+# An operator that touches nothing, to show dispatch modes what a kernel call reads and writes (Note:
+# [One-pass update], last paragraph). Defined without an ADInplaceOrView kernel: no version counter moves.
+_library = torch.library.Library("offload", "FRAGMENT")
+_library.define("kernel_accesses(Tensor[] read, Tensor(a!)[] written) -> ()")
+_library.impl("kernel_accesses", lambda read, written: None, "CompositeExplicitAutograd")
 
 
 @dataclass(frozen=True)
@@ -88,6 +102,8 @@ def one_pass(kernel: ModuleType, op: Any, lists: Sequence[list[torch.Tensor]], s
     same pass."""
     served = SERVED[op]
     lists = [list(group) for group in lists]
+    if torch._C._len_torch_dispatch_stack():
+        _announce(op, lists, shadows, options)
     served.run(kernel, lists, shadows, options, None if clip is None else float(clip.item()))
     # What is left after each tensor's last whole vector: PyTorch's own scalar loop.
     width = kernel.vector_size()
@@ -105,6 +121,19 @@ def one_pass(kernel: ModuleType, op: Any, lists: Sequence[list[torch.Tensor]], s
     for k in tails:
         if shadows[k].numel():
             shadows[k].view(-1)[start[k]:].copy_(params[k].view(-1)[start[k]:])
+
+
+def _announce(op: Any, lists: Sequence[list[torch.Tensor]], shadows: list[torch.Tensor],
+              options: dict[str, Any]) -> None:
+    """Show the dispatch modes active what the kernel standing in for ``op`` is about to read and
+    write (Note: [One-pass update], last paragraph)."""
+    read: list[torch.Tensor] = []
+    written = [shadow for shadow in shadows if shadow.numel()]
+    for argument, group in zip(op._schema.arguments, lists):
+        (written if argument.alias_info is not None and argument.alias_info.is_write else read).extend(group)
+    if isinstance(options.get("grad_scale"), torch.Tensor):
+        read.append(options["grad_scale"])
+    torch.ops.offload.kernel_accesses(read, written)
 
 
 #: The kernel's "no shadow" (a parameter it steps only to multiply its owed gradient as it reads it).

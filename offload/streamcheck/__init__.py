@@ -22,7 +22,9 @@ and makes mistakes show:
 
 What it cannot model: real kernel timing and bandwidth (it finds missing orderings, not slow
 ones), several devices or processes, the CUDA caching allocator's exact reuse policy (it assumes
-the worst case), and memory accessed outside PyTorch operators (``numpy()`` views, C extensions).
+the worst case), and memory accessed outside PyTorch operators (``numpy()`` views, C extensions;
+the package's one-pass host update kernel shows what it touches as an operator, Note: [One-pass
+update] in ``offload/kernels/one_pass.py``).
 """
 
 from .checker import StreamChecker, StreamOrderingError

@@ -30,6 +30,14 @@ class StreamChecker:
         seed: seed of the random schedule.
         fail_fast: raise :class:`StreamOrderingError` at the first race instead of collecting.
         leave_out: dependencies to skip, to prove that the checker notices each one missing.
+        device: the simulated device, which models built inside name. On ``"cpu"`` a CPU tensor
+            the caller passes in is on the device already. ``"cpu:0"`` is another device as far
+            as the package's comparisons go (``torch.device("cpu", 0) != torch.device("cpu")``),
+            so a caller's CPU input takes the way it takes to a GPU: copied on the host into a
+            pooled pinned buffer, then loaded. Compute's own tensors compare as not on that
+            device either, so only models that recompute no slice run there as on a GPU
+            (``checkpoint_activation=False``, or walks without a graph): a checkpoint would keep
+            its boundary activations as host tensors and stage them on the host for the recompute.
 
     Attributes:
         races: what was found, in order, without repeats.
@@ -44,12 +52,12 @@ class StreamChecker:
     """
 
     def __init__(self, schedule: str = "late", seed: int = 0, fail_fast: bool = False,
-                 leave_out: Callable[[Dependency], bool] | None = None) -> None:
+                 leave_out: Callable[[Dependency], bool] | None = None, device: torch.device | str = "cpu") -> None:
         self.races: list[Race] = []
         self._seen: set[Race] = set()
         self.fail_fast = fail_fast
         self.tracker = MemoryTracker(self._report)
-        self.backend = SimulatedBackend(self.tracker, self._report, schedule, seed, leave_out)
+        self.backend = SimulatedBackend(self.tracker, self._report, schedule, seed, leave_out, device)
         self._stack = contextlib.ExitStack()
 
     @property

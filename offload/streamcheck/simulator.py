@@ -228,13 +228,18 @@ class SimulatedBackend(StreamBackend):
         schedule: when deferred copies run (:data:`SCHEDULES`).
         seed: seed of the ``"random"`` schedule.
         leave_out: dependencies to skip (a mutation); ``None`` skips nothing.
+        device: the simulated device (see :class:`~offload.streamcheck.StreamChecker`).
     """
 
     def __init__(self, tracker: MemoryTracker, report: Callable[[Race], None], schedule: str = "late",
-                 seed: int = 0, leave_out: Callable[[Dependency], bool] | None = None) -> None:
+                 seed: int = 0, leave_out: Callable[[Dependency], bool] | None = None,
+                 device: torch.device | str = "cpu") -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-        self.device = torch.device("cpu")
+        self.device = torch.device(device)
+        if self.device.type != "cpu":
+            raise ValueError(f"the simulated device is a CPU device: pass 'cpu' (where CPU inputs live) or "
+                             f"'cpu:0' (where they do not), not {str(self.device)!r}")
         self.tracker = tracker
         self.report = report
         self.schedule = schedule

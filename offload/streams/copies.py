@@ -28,7 +28,10 @@ Note: [Copy ordering]
        after the load. :meth:`CopyStreams.wait_host` is the only blocking call: at the end of
        every forward and backward, when buffers were written back, and before a pooled host
        buffer is written on the CPU. Host tensors the user passes in are copied on the CPU into
-       pooled pinned buffers first: an asynchronous copy from pageable memory may block.
+       pooled pinned buffers first: an asynchronous copy from pageable memory may block. The
+       next input of the same size in the same forward (the next microbatch's rows, a second
+       input such as a mask) takes the same buffer, so each copy into it waits for the load of
+       the one before.
     5. After an exception the streams are drained (:meth:`CopyStreams.drain`): whatever was in
        flight finishes before compute or the CPU touch that memory again.
     6. Host memory a copy reads or writes is not unmapped before the copy is done: each copy's
@@ -68,14 +71,18 @@ Note: [Orderings the end of a walk covers]
 
     - Marks of device memory as used by a side stream, for slots (loads, the second copy of a
       tied parameter a slice borrows, buffer restores and write-backs), the persistent gradient
-      summation buffers and loaded boundary activations:
-      slots and summation buffers live as long as the model, and an activation loaded for a
+      summation buffers, loaded boundary activations and the caller's inputs loaded from the host:
+      slots and summation buffers live as long as the model, an activation loaded for a
       recompute (or a saved tensor loaded for an offloaded slice's backward) is freed early only
-      when an exception ends the walk, after the drain.
-    - The host waiting for the last load of a pooled buffer before writing it (``copy_on_host``)
-      or before refreshing a slice's shadow, and offloads into a pooled buffer (boundary
-      activations and saved tensors alike) waiting for the load that read it last: a buffer is
-      reused, and a shadow refreshed, only in a later walk, after the end of the walk that loaded it.
+      when an exception ends the walk, after the drain, and compute waits for an input's load as
+      soon as it is issued (``slice_walk.py:load_inputs``), before anything can free the input.
+    - The host waiting for the last load of a pooled buffer before refreshing a slice's shadow,
+      and offloads into a pooled buffer (boundary activations and saved tensors alike) waiting
+      for the load that read it last: such a buffer is reused, and a shadow refreshed, only in a
+      later walk, after the end of the walk that loaded it. Not so the host's wait before it
+      copies into a pooled buffer (``copy_on_host``): a buffer a caller's input was staged in is
+      taken again in the same forward by the next input of its size (rule 4), which the
+      mutation test shows.
     - A buffer restore waiting for the offload of a later microbatch's buffer snapshot: the same
       forward waited for the write-back queued after it on the offload stream.
     - After an exception, compute waiting for the side streams: nothing it runs next touches
