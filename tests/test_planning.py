@@ -40,9 +40,11 @@ SMALL_TRANSFORMER = {"n_layers": 3, "d_model": 64, "n_heads": 4, "seq_len": 32, 
 
 
 def _figures(profile: Any) -> list[Any]:
-    """A profile's figures, each saved storage by its bytes (its id is an address: it differs by run)."""
+    """A profile's figures as the planner reads them: each layer's saved bytes in total and its
+    largest saved tensor (a storage's id is an address: it differs by run)."""
     return [profile.input_bytes, profile.batch_size] + [
-        (layer.forward_flops, layer.backward_flops, sorted(layer.saved.values()), layer.output_bytes)
+        (layer.forward_flops, layer.backward_flops, layer.saved_bytes, max(layer.saved.values(), default=0),
+         layer.output_bytes, layer.summing)
         for layer in profile.layers]
 
 
@@ -84,6 +86,37 @@ def test_a_chunked_loss_is_profiled_in_a_few_chunks_with_the_figures_of_every_ch
     assert chunks == [16] * 6 + [4]
     assert _figures(few) == _figures(every)
     assert few.layers[-1].forward_flops == 2 * 100 * 64 * 256 and few.layers[-1].saved
+
+
+def test_a_chunked_loss_profiles_a_huge_batch_in_a_few_entries_and_megabytes():
+    """Note: [Loss chunks profiled once], rule 5: the loop's chunks' losses are two entries of the
+    head's saved bytes (the full chunks, the rest), not one a chunk, so that the profile's memory
+    does not grow with the batch (10**10 rows took 7.5 GB, 10**12 were killed)."""
+    import tracemalloc
+
+    transformers = pytest.importorskip("transformers")
+    from offload.integrations.transformers import causal_lm_sequential
+
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**TINY_LLAMA))
+    layers = causal_lm_sequential(hf, loss_chunk_tokens=16)
+
+    def profile(rows: int) -> Any:
+        def make_input() -> dict[str, torch.Tensor]:
+            ids = torch.zeros(rows, 2, dtype=torch.long)
+            return {"input_ids": ids, "labels": ids}
+        return profile_layers(layers, make_input, compute_dtype=torch.bfloat16)
+
+    few, many = profile(1000), profile(100_000)  # 125 and 12500 chunks
+    assert len(many.layers[-1].saved) == len(few.layers[-1].saved) < 10
+    assert many.layers[-1].saved_bytes - few.layers[-1].saved_bytes >= 99_000 * 2 * 4  # every chunk's losses
+    tracemalloc.start()
+    try:
+        huge = profile(10**12)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * 2**20 and len(huge.layers[-1].saved) == len(few.layers[-1].saved)
 
 
 def _real_saved(layers: nn.Sequential, x: Any) -> tuple[list[int], list[int]]:

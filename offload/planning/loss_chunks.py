@@ -24,8 +24,11 @@ Note: [Loss chunks profiled once]
        loop over every chunk, to the operation.
     5. The chunks' losses return joined in one tensor, which the loop's next operation may save
        (an ``index_add`` does): :meth:`RepeatedChunks.as_looped` counts that storage as the
-       loop's chunks' own, one storage a chunk, of the same bytes in all. So the profile is the
-       loop's, byte for byte too (``tests/test_planning.py`` compares them).
+       loop's chunks' own, one entry for the full chunks (their count times one chunk's bytes)
+       and one for the rest, the same bytes in all. An entry a chunk would grow with the batch as
+       the work does not: 10**10 rows of 2 tokens took 7.5 GB to plan. So the profile's saved
+       bytes are the loop's, in total and in the largest tensor beside the head's input
+       (``tests/test_planning.py`` compares them).
 """
 
 from __future__ import annotations
@@ -65,18 +68,18 @@ class RepeatedChunks:
     def __init__(self, flop_counter: Callable[[], FlopCounterMode]) -> None:
         self._flop_counter = flop_counter
         self._skipped: list[_Skipped] = []
-        #: The joined losses by their storage, each with the bytes of the loop's chunks' losses
-        #: (rule 5); held, so that no other storage takes that address while the profile runs.
-        self._joined: dict[int, tuple[torch.Tensor, list[int]]] = {}
+        #: The joined losses by their storage, each with the bytes of the loop's chunks' losses,
+        #: full chunks and rest, as (bytes of one, count) (rule 5); held, so that no other
+        #: storage takes that address while the profile runs.
+        self._joined: dict[int, tuple[torch.Tensor, list[tuple[int, int]]]] = {}
         # Keys for those chunks' storages: below 0, which no storage's (an address) is.
         self._keys = itertools.count(-1, -1)
 
     @contextlib.contextmanager
     def patched(self, layer: nn.Module, index: int) -> Iterator[None]:
         """``layer``'s loss cut as rule 1 says while the context lasts, if it is a chunked head."""
-        layers = sys.modules.get("offload.integrations.transformers_layers")
-        if layers is None or not isinstance(layer, layers.Head) or not layer.loss_chunk_tokens:
-            yield  # (no such head exists before its module is imported)
+        if not chunked_head(layer):
+            yield
             return
         size, chunk = layer.loss_chunk_tokens, layer._chunk
         layer._chunk = lambda hidden, targets: self._chunks(chunk, index, size, hidden, targets)
@@ -107,17 +110,17 @@ class RepeatedChunks:
         if len(losses) == 1:
             return losses[0]
         joined = torch.cat(losses)
-        full = [losses[0].untyped_storage().nbytes()] * (whole // size)
-        rest = [losses[-1].untyped_storage().nbytes()] * (whole < hidden.shape[0])
-        self._joined[joined.untyped_storage()._cdata] = joined, full + rest
+        full = (losses[0].untyped_storage().nbytes(), whole // size)
+        rest = (losses[-1].untyped_storage().nbytes(), int(whole < hidden.shape[0]))
+        self._joined[joined.untyped_storage()._cdata] = joined, [c for c in (full, rest) if c[1]]
         return joined
 
     def as_looped(self, saved: dict[int, int]) -> dict[int, int]:
         """``saved`` (a layer's saved bytes by storage) with the joined losses' storage, where it
-        is there, as the loop's chunks' storages (rule 5)."""
+        is there, as the loop's chunks' storages: the full ones as one, and the rest (rule 5)."""
         for storage in self._joined.keys() & saved.keys():
             del saved[storage]
-            saved.update((next(self._keys), nbytes) for nbytes in self._joined[storage][1])
+            saved.update((next(self._keys), nbytes * count) for nbytes, count in self._joined[storage][1])
         return saved
 
     def flops(self) -> tuple[dict[int, int], int]:
@@ -135,6 +138,13 @@ class RepeatedChunks:
             forward[skipped.layer] = forward.get(skipped.layer, 0) + skipped.count * ran
             backward += skipped.count * (counter.get_total_flops() - ran)
         return forward, backward
+
+
+def chunked_head(layer: nn.Module) -> bool:
+    """Whether ``layer`` is a Hugging Face head that computes its loss in chunks."""
+    layers = sys.modules.get("offload.integrations.transformers_layers")
+    # (no such head exists before its module is imported)
+    return layers is not None and isinstance(layer, layers.Head) and bool(layer.loss_chunk_tokens)
 
 
 class _SkippedLosses(torch.autograd.Function):

@@ -509,8 +509,9 @@ def _activations(layout: SliceLayout, profile: ModelProfile | None, num_microbat
     kept), as ``offload/autograd/records.py`` checkpoints them. Device: the largest over slices of its
     whole-batch input and output (the forward keeps every microbatch's output until the next
     slice runs) and one microbatch's recompute and backward (what the slice's graph saves, its
-    output's gradient, and a gradient the size of its largest saved tensor being produced). A
-    model whose output is large (logits) needs its loss's memory on top.
+    output's gradient, and a gradient the size of its largest saved tensor being produced, or more
+    where autograd sums two: Note: [Gradients summed in backward] in ``shapes.py``). A model whose
+    output is large (logits) needs its loss's memory on top.
     """
     if profile is None:
         return activation_bytes, 0
@@ -518,8 +519,8 @@ def _activations(layout: SliceLayout, profile: ModelProfile | None, num_microbat
     outputs = profile.slice_output_bytes(layout.ranges)
     saved = profile.slice_saved_bytes(layout.ranges)
     host = activation_bytes + profile.checkpointed_bytes(layout.ranges, num_microbatches)
-    largest = profile.slice_largest_saved(layout.ranges)
-    per_slice = [i + o + -(-(s + o + g) // num_microbatches) for i, o, s, g in zip(inputs, outputs, saved, largest)]
+    gradients = profile.slice_backward_gradients(layout.ranges)
+    per_slice = [i + o + -(-(s + o + g) // num_microbatches) for i, o, s, g in zip(inputs, outputs, saved, gradients)]
     return host, max(per_slice)
 
 

@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode
 
-from .loss_chunks import RepeatedChunks
+from .loss_chunks import RepeatedChunks, chunked_head
 from ..streams.host_storage import keeping_their_dtype
 
 
@@ -52,12 +52,15 @@ class LayerProfile:
             out (they are in the device slot already); a tensor saved by two layers of a slice is
             one storage, counted once when a slice's layers are joined.
         output_bytes: the tensors it returns (each storage once).
+        summing: bytes its backward holds beyond ``saved`` while it adds up the gradients of a
+            tensor that two operations read (Note: [Gradients summed in backward]).
     """
 
     forward_flops: int
     backward_flops: int
     saved: dict[int, int]
     output_bytes: int
+    summing: int = 0
 
     @property
     def saved_bytes(self) -> int:
@@ -100,6 +103,13 @@ class ModelProfile:
     def slice_largest_saved(self, ranges: Sequence[range]) -> list[int]:
         """Each slice's largest saved tensor: about what its backward produces at once beside them."""
         return [max((max(self.layers[k].saved.values(), default=0) for k in r), default=0) for r in ranges]
+
+    def slice_backward_gradients(self, ranges: Sequence[range]) -> list[int]:
+        """Bytes each slice's backward holds beyond what its graph saves: a gradient the size of its
+        largest saved tensor being produced, or more while it sums two (Note: [Gradients summed in
+        backward])."""
+        summing = [max((self.layers[k].summing for k in r), default=0) for r in ranges]
+        return [max(largest, s) for largest, s in zip(self.slice_largest_saved(ranges), summing)]
 
     def slice_output_bytes(self, ranges: Sequence[range]) -> list[int]:
         return [self.layers[r.stop - 1].output_bytes for r in ranges]
@@ -147,22 +157,24 @@ def profile_layers(layers: nn.Sequential, make_input: Callable[[], Any], *,
             contextlib.ExitStack() as stand_ins:
         x = _cast_inputs(make_input(), compute_dtype)
         input_bytes, batch = _nbytes(x), _batch_size(x)
-        forward, saved, outputs, last = _forward(children, x, compute_dtype, stand_ins, chunks)
+        forward, saved, outputs, summed, last = _forward(children, x, compute_dtype, stand_ins, chunks)
         backward = _backward_flops(last)
         skipped_forward, skipped_backward = chunks.flops()
     forward = [flops + skipped_forward.get(index, 0) for index, flops in enumerate(forward)]
     backward += skipped_backward
     total = sum(forward) or 1
-    layer_profiles = [LayerProfile(f, round(backward * f / total), s, o)
-                      for f, s, o in zip(forward, saved, outputs)]
+    layer_profiles = [LayerProfile(f, round(backward * f / total), s, o, g)
+                      for f, s, o, g in zip(forward, saved, outputs, summed)]
     return ModelProfile(layers=layer_profiles, input_bytes=input_bytes, batch_size=batch)
 
 
 def _forward(children: list[nn.Module], x: Any, compute_dtype: torch.dtype | None, stand_ins: contextlib.ExitStack,
-             chunks: RepeatedChunks) -> tuple[list[int], list[dict[int, int]], list[int], Any]:
+             chunks: RepeatedChunks) -> tuple[list[int], list[dict[int, int]], list[int], list[int], Any]:
     forward: list[int] = []
     saved: list[dict[int, int]] = []
     outputs: list[int] = []
+    summed: list[int] = []
+    sums = _SummedGradients()
     for index, layer in enumerate(children):
         replacements = _fake_state(layer, compute_dtype)
         # What torch.func.functional_call does, kept open until the backward has run.
@@ -174,6 +186,7 @@ def _forward(children: list[nn.Module], x: Any, compute_dtype: torch.dtype | Non
         def pack(t: torch.Tensor) -> torch.Tensor:
             if isinstance(t, torch.Tensor) and _storage_id(t) not in held:
                 layer_saved[_storage_id(t)] = t.untyped_storage().nbytes()
+                sums.saving(_storage_id(t))
             return t
 
         try:
@@ -184,9 +197,76 @@ def _forward(children: list[nn.Module], x: Any, compute_dtype: torch.dtype | Non
             raise RuntimeError(f"profiling layer {index} ({type(layer).__name__}) on fake tensors failed: "
                                f"{error}") from error
         forward.append(counter.get_total_flops())
+        summed.append(sums.beyond_saved(x, layer_saved, counted=not chunked_head(layer)))
         saved.append(chunks.as_looped(layer_saved))
         outputs.append(_nbytes(x))
-    return forward, saved, outputs, x
+    return forward, saved, outputs, summed, x
+
+
+# Note: [Gradients summed in backward]
+#     A tensor that two operations differentiate gets a gradient from each, and autograd adds
+#     them up (in the ``InputBuffer`` of the node that made the tensor) out of place: the two and
+#     their sum exist at once, three gradients of its size. LoRA is where it counts: a linear's
+#     frozen base and its adapter both read its input, so the backward of a decoder's
+#     ``down_proj``, the first to run, sums two gradients of the layer's largest activation while
+#     nearly all it saved is still there, where a full fine-tune produces one (a frozen weight has
+#     no gradient, so a frozen base alone has nothing to sum). Counted as one gradient the size of
+#     the largest saved tensor, a bfloat16 LoRA's device working set was 16 to 28 % over the
+#     estimate (``tests/test_planning.py`` measures it). Where a sum comes late (the input of a
+#     full fine-tune's query, key and value projections), what the layer saved is mostly freed:
+#     the backward runs the nodes made last first and frees what each saved as it goes.
+#     :class:`_SummedGradients` finds the sums in the graph a layer built (edges from its nodes
+#     into one input of one node, two or more, sized by that input's metadata) and counts, at the
+#     second of them to run, the saved tensors that a node made no later saved (by the sequence
+#     number autograd gives its nodes in order). A parameter's gradient (an ``AccumulateGrad``)
+#     is left out: it is the slice's gradients, counted apart; so is a chunked loss's head, whose
+#     chunks run once per shape (Note: [Loss chunks profiled once]), in an order whose sums are
+#     not the loop's.
+
+
+class _SummedGradients:
+    """What each layer's backward holds beyond its saved tensors while it sums gradients (Note:
+    [Gradients summed in backward]): call :meth:`saving` from the layer's pack hook, then
+    :meth:`beyond_saved` with what it returned and saved."""
+
+    def __init__(self) -> None:
+        self._walked: set[Any] = set()  # the graph's nodes that earlier layers built
+        self._saved_after: dict[int, int] = {}  # a storage's first saver's sequence number, plus one
+        # The next node's sequence number (not in every PyTorch: then every saved tensor counts).
+        self._next_node = getattr(torch._C._autograd, "_get_sequence_nr", lambda: 0)
+
+    def saving(self, storage: int) -> None:
+        self._saved_after.setdefault(storage, self._next_node())
+
+    def beyond_saved(self, output: Any, saved: dict[int, int], counted: bool = True) -> int:
+        """Bytes beyond ``saved`` (the layer's, by storage) at the sum that holds the most; 0
+        where not ``counted``, its nodes walked all the same."""
+        consumers: dict[tuple[Any, int], list[int]] = {}
+        nodes = [t.grad_fn for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        while nodes:
+            node = nodes.pop()
+            if node in self._walked:
+                continue
+            self._walked.add(node)
+            for target, position in node.next_functions:
+                if target is not None and target.name() != "torch::autograd::AccumulateGrad":
+                    consumers.setdefault((target, position), []).append(node._sequence_nr())
+                    nodes.append(target)
+        total, most = sum(saved.values()), 0
+        for (target, position), made in consumers.items() if counted else ():
+            if len(made) > 1 and hasattr(target, "_input_metadata"):  # the engine's record of the input
+                second = sorted(made)[-2]
+                held = sum(saved[s] for s, after in self._saved_after.items() if after <= second + 1 and s in saved)
+                most = max(most, held + 3 * _metadata_bytes(target._input_metadata[position]) - total)
+        self._saved_after.clear()
+        return most
+
+
+def _metadata_bytes(metadata: Any) -> int:
+    numel = 1
+    for size in metadata.shape:
+        numel *= size
+    return numel * metadata.dtype.itemsize
 
 
 @contextlib.contextmanager
