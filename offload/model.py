@@ -22,6 +22,7 @@ from .arguments import int_at_least, resident_count
 from .autograd import Call, OffloadFunction, flatten_input, refusals
 from .autograd.accumulation import mark_zeroed
 from .streams.gradient_files import back_in_files, gradients_in_files, zeroed_in_files
+from .streams.host_storage import check_memory_held_once
 from .data_parallel import DataParallel
 from .walk.activation_policy import ActivationPlan, OffloadActivations
 from .walk.engine import Engine
@@ -483,6 +484,7 @@ def _slice_groups(model: Any, num_slices: int | None) -> list[tuple[list[str], l
             warnings.warn(f"num_slices={num_slices} is more than the model's {len(layers)} layers; using "
                           f"{len(layers)} slices, one a layer", stacklevel=3)
         _refuse_uninitialized(names, layers)
+        check_memory_held_once(layers, names)  # across slices too (Note: [Parameters over one memory])
         ranges = partition([layer_nbytes(layer) for layer in layers],  # type: ignore[arg-type]
                            DEFAULT_NUM_SLICES if num_slices is None else num_slices)
         return [([names[k] for k in r], [layers[k] for k in r]) for r in ranges]  # type: ignore[misc]
@@ -494,6 +496,7 @@ def _slice_groups(model: Any, num_slices: int | None) -> list[tuple[list[str], l
             if not isinstance(module, nn.Module):
                 raise TypeError(f"slice {k} is a {type(module).__name__}; every slice must be an nn.Module")
         _refuse_uninitialized([str(k) for k in range(len(modules))], modules)
+        check_memory_held_once(modules, [str(k) for k in range(len(modules))])
         return [([str(k)], [module]) for k, module in enumerate(modules)]
     if hasattr(getattr(model, "config", None), "model_type"):  # a Hugging Face model, by its config
         raise TypeError(

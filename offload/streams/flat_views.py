@@ -4,13 +4,15 @@ own in-place writes, and a view under a storage of its own (Note: [A storage per
 ``host_storage.py``).
 
 And :func:`views_outside`: whether a tensor's memory is part of another tensor's, which a layout
-cannot keep. It holds no buffer and lays out nothing: a slice's host copies are laid out in
+cannot keep; :func:`first_overlap`: which of several tensors share memory, which a layout cannot
+keep either. It holds no buffer and lays out nothing: a slice's host copies are laid out in
 ``host_storage.py``, its gradients in ``gradients.py``, its resident copies in ``resident_storage.py``.
 """
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 
 import torch
 
@@ -83,6 +85,42 @@ def views_outside(tensor: torch.Tensor) -> bool:
         return False
     extent = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
     return nbytes > extent * tensor.element_size()
+
+
+def memory_span(tensor: torch.Tensor) -> tuple[str, int, int] | None:
+    """The device and the byte range ``[start, end)`` of a dense tensor's elements (row-major or
+    :func:`dense_stride`), which then cover the range exactly; ``None`` for one whose memory is
+    compared no further: empty, meta, not strided, without a storage (a wrapper subclass), or not
+    dense (an expanded or strided view, whose range holds others' elements between its own)."""
+    if tensor.numel() == 0 or tensor.is_meta or tensor.layout != torch.strided:
+        return None
+    if not tensor.is_contiguous() and dense_stride(tensor) is None:
+        return None
+    try:
+        start = tensor.data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):  # "Cannot access data pointer of Tensor ..."
+        return None
+    return str(tensor.device), start, start + tensor.numel() * tensor.element_size()
+
+
+def first_overlap(tensors: Sequence[torch.Tensor], watched: Sequence[bool]) -> tuple[int, int] | None:
+    """Indices of two of ``tensors`` whose memory overlaps, one of them at least ``watched``, in
+    the order of ``tensors``, or ``None``: distinct tensors over one memory, which a layout gives
+    memory of their own (Note: [Parameters over one memory] in ``host_storage.py``). Only
+    :func:`memory_span`'s dense tensors count. One pass over the tensors sorted by address,
+    keeping the one that reaches furthest."""
+    spans = [(span, i) for i, span in enumerate(map(memory_span, tensors)) if span is not None]
+    furthest: tuple[str, int, int] | None = None  # device, end and index of the furthest reaching so far
+    furthest_watched: tuple[str, int, int] | None = None  # the same among the watched ones
+    for (device, start, end), i in sorted(spans):
+        other = furthest if watched[i] else furthest_watched
+        if other is not None and other[0] == device and other[1] > start:
+            return min(other[2], i), max(other[2], i)
+        if furthest is None or furthest[0] != device or end > furthest[1]:
+            furthest = (device, end, i)
+        if watched[i] and (furthest_watched is None or furthest_watched[0] != device or end > furthest_watched[1]):
+            furthest_watched = (device, end, i)
+    return None
 
 
 def typed_view(flat: torch.Tensor, offset: int, dtype: torch.dtype, shape: torch.Size,

@@ -14,7 +14,8 @@ and written back on its own.
 
 This file holds :class:`SliceStorage`, the tying of a parameter across slices
 (:func:`holder_of`), the host copies a loader fills (:func:`filled_by_caller`, :func:`adopt_meta`) and
-the parameters that keep their dtype under a compute dtype (:func:`keeping_their_dtype`).
+the parameters that keep their dtype under a compute dtype (:func:`keeping_their_dtype`), and the
+refusal of tensors over one memory (:func:`check_memory_held_once`).
 What a slice holds is collected in ``slice_entries.py``, where each entry lies is computed in
 ``slice_layout.py``; the views into the buffer are made in ``flat_views.py``.
 
@@ -36,6 +37,18 @@ Note: [Tensors that view another's memory]
     per host copy]), a tied weight is one tensor, and ``.data`` replaced by a fresh tensor,
     ``load_state_dict``, ``.to()``, ``apply(init)`` and injected adapters bring tensors of their
     own or write in place.
+
+Note: [Parameters over one memory]
+    Two distinct tensors over one memory (``head.weight = nn.Parameter(emb.weight)``, a
+    ``load_state_dict(..., assign=True)`` whose tied keys share a storage) are one memory in the
+    plain model, which an optimizer updates once per ``nn.Parameter``, each with its own gradient.
+    A layout gives each a host copy of its own (a tied weight is told by identity: Note: [Tied
+    parameters across slices]), so they would drift apart from the first step; one memory for two
+    entries would collide in the gradients, shadows and one-pass updates, laid out one an entry.
+    So such a pair is refused before anything moves, naming both (:func:`check_memory_held_once`):
+    at wrap over the whole model, at each layout within the slice. One of the two at least must be
+    an ``nn.Parameter``: buffers over one memory (a mask registered by each layer as a view of one
+    tensor) are read, as a rule. Substitutes (below) keep their memory and do not count.
 
 Note: [Tensors substituted for a call]
     ``torch.func.functional_call`` (``torch.nn.utils.stateless``) puts the caller's tensors in the
@@ -69,7 +82,8 @@ from torch import nn
 
 from .backend import Event
 from .disk import DiskTierError
-from .flat_views import _itemsize, alias, flat_exporter, own_storage_view, typed_view, views_outside
+from .flat_views import (_itemsize, alias, first_overlap, flat_exporter, own_storage_view, typed_view,
+                         views_outside)
 from .gradient_files import GradientHome
 from .mapped import MappedFile
 from .quantized import is_4bit_weight, is_8bit_weight
@@ -144,6 +158,61 @@ def keeping_their_dtype(layers: Sequence[nn.Module]) -> set[int]:
     kept.update(id(p) for layer in layers for p in layer.parameters() if is_4bit_weight(p) or is_8bit_weight(p))
     return kept
 
+
+
+def _set_device_dtypes(params: Sequence[Entry], layers: Sequence[nn.Module], compute_dtype: torch.dtype | None) -> None:
+    """Give the floating-point ``params`` the device dtype ``compute_dtype``, but for those
+    :func:`keeping_their_dtype`; nothing without one.
+
+    Raises:
+        ValueError: a batch or instance norm holds a floating-point tensor in neither float32 nor
+            ``compute_dtype`` (a float64 or float16 model under bfloat16): it keeps its dtype, and
+            its kernels take a half-precision input only with float32 weights and statistics or
+            the input's dtype. Buffers are not cast on the way (the buffer region is written back
+            as bytes), so the model is refused rather than failing in forward.
+    """
+    if compute_dtype is None:
+        return
+    norms = [(path, m) for layer in layers for path, m in layer.named_modules() if isinstance(m, FLOAT32_LAYERS)]
+    for path, module in norms:
+        for name, tensor in [*module.named_parameters(path, recurse=False), *module.named_buffers(path, recurse=False)]:
+            if tensor.is_floating_point() and tensor.dtype not in (torch.float32, compute_dtype):
+                raise ValueError(
+                    f"'{name}' of a {type(module).__name__} is {tensor.dtype}: under compute_dtype={compute_dtype} "
+                    "batch and instance norms keep their own dtype, and their kernels take a "
+                    f"{compute_dtype} input only with float32 (or {compute_dtype}) weights and running statistics; "
+                    "convert them to float32 before wrapping the model (model.float(), or .float() on each norm)"
+                )
+    kept = keeping_their_dtype(layers)
+    for entry in params:
+        if entry.dtype.is_floating_point and id(entry.tensor) not in kept:
+            entry.device_dtype = compute_dtype
+
+
+def check_memory_held_once(layers: Sequence[nn.Module], names: Sequence[str] | None = None) -> None:
+    """Refuse two distinct tensors over one memory in ``layers``, one of them at least an
+    ``nn.Parameter`` (Note: [Parameters over one memory]), with a ``ValueError`` naming both;
+    ``names`` name the layers in it (their classes without it)."""
+    found: dict[int, tuple[str, torch.Tensor, bool]] = {}
+    for i, layer in enumerate(layers):
+        prefix = names[i] if names is not None else type(layer).__name__
+        for name, tensor in layer.named_parameters(prefix):
+            if isinstance(tensor, nn.Parameter):  # a plain tensor is a substitute: it keeps its memory
+                found.setdefault(id(tensor), (name, tensor, True))
+        for name, tensor in layer.named_buffers(prefix):
+            found.setdefault(id(tensor), (name, tensor, False))
+    named = list(found.values())
+    pair = first_overlap([tensor for _, tensor, _ in named], [watched for _, _, watched in named])
+    if pair is None:
+        return
+    first, second = (f"{'parameter' if named[i][2] else 'buffer'} '{named[i][0]}'" for i in pair)
+    raise ValueError(
+        f"{first} and {second} are two tensors over the same memory (as after "
+        "head.weight = nn.Parameter(emb.weight)). OffloadModel keeps each parameter and buffer in host memory of "
+        "its own, so they would stop sharing it and train apart from the plain model. To tie them, assign the same "
+        "nn.Parameter object (head.weight = emb.weight: one tensor, one gradient, one optimizer update); to keep "
+        "them apart, give one memory of its own (nn.Parameter(emb.weight.detach().clone()))"
+    )
 
 
 def _running_stat_modules(layers: Sequence[nn.Module]) -> list[nn.Module]:
@@ -280,9 +349,10 @@ class SliceStorage:
             buffer (Note: [Shadows on disk] in ``shadow_staging.py``).
 
     Raises:
-        ValueError: for sparse tensors, a tensor registered both as parameter and as buffer, or
-            a buffer that an earlier slice holds, or a tensor on the meta device outside
-            :func:`filled_by_caller`.
+        ValueError: for sparse tensors, a tensor registered both as parameter and as buffer, a
+            buffer that an earlier slice holds, a tensor on the meta device outside
+            :func:`filled_by_caller`, tensors over one memory (:func:`check_memory_held_once`), or
+            a batch or instance norm in neither float32 nor the compute dtype (:func:`_set_device_dtypes`).
     """
 
     resident = False  #: whether the slice stays on the device (``resident_storage.py``)
@@ -324,6 +394,7 @@ class SliceStorage:
     def _collect(self) -> None:
         """The slice's entries: its parameters (its own, then those borrowed from an earlier
         slice) and buffers, and the dtype of each one's device copy."""
+        check_memory_held_once(self.layers)  # before anything changes
         params, self.buffers = collect_entries(self.layers)
         self._registered = RegisteredTensors(self.layers)
         _check_buffers_held_once(self.buffers, self.held_elsewhere, self.layers)
@@ -338,11 +409,7 @@ class SliceStorage:
         #: what this slice holds: laid out in the host buffer, in the same order as in the slot
         self.held = own + self.companions + self.buffers
         self._running_stat_modules = _running_stat_modules(self.layers)
-        if self.compute_dtype is not None:
-            kept = keeping_their_dtype(self.layers)
-            for entry in self.params:
-                if entry.dtype.is_floating_point and id(entry.tensor) not in kept:
-                    entry.device_dtype = self.compute_dtype
+        _set_device_dtypes(self.params, self.layers, self.compute_dtype)
 
     def _lay_out(self) -> None:
         """Each held entry's offset in the host buffer and in the device slot (borrowed parameters

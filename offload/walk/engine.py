@@ -201,16 +201,12 @@ class Slice:
         # An output that aliases the slot (a layer returning a weight or a view of one) would change
         # under the caller's feet when the slot is reused: give it memory of its own.
         output = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) and slots.owns(t) else t, output)
-        for position, new_value in binding.reassigned:
-            target = tensors[position]
-            if new_value.shape != target.shape:
-                raise RuntimeError(
-                    f"a layer in slice {self.index} replaced buffer '{sites[position][0].name}' with a tensor of "
-                    f"shape {tuple(new_value.shape)} (was {tuple(target.shape)}); OffloadModel keeps buffers "
-                    "at a fixed size: update them in place instead"
-                )
-            with torch.no_grad():
-                target.copy_(new_value)
+        for position, new_value in binding.reassigned:  # all checked before any is kept
+            _check_reassigned(self.index, sites[position][0].name, new_value, tensors[position],
+                              self.storage.compute_dtype)
+        with torch.no_grad():
+            for position, new_value in binding.reassigned:
+                tensors[position].copy_(new_value)
         # Rule 1 of Note: [Buffers] in offload/walk/slice_walk.py; the probe first, so that what it
         # finds is remembered whatever the other tests say.
         changed = probe is not None and (
@@ -497,6 +493,30 @@ def _check_layout(layers: Iterable[nn.Module]) -> None:
         check = layer.__dict__.get("check_layout")
         if check is not None:
             check()
+
+
+def _check_reassigned(index: int, name: str, new_value: torch.Tensor, target: torch.Tensor,
+                      compute_dtype: torch.dtype | None) -> None:
+    """Refuse a buffer that a layer of slice ``index`` assigned anew in forward (``self.count =
+    self.count + 1``) with another shape or dtype than its device copy ``target``, into which its
+    values are copied: the slot is laid out once for the slice's buffers as they were registered.
+    But for a value in the ``compute_dtype`` assigned to a float32 or float64 buffer: under a
+    compute dtype buffers keep their dtype, and that cast is exact."""
+    if new_value.shape != target.shape:
+        change = f"shape {tuple(new_value.shape)} (was {tuple(target.shape)})"
+    elif new_value.dtype != target.dtype and not (
+            new_value.dtype == compute_dtype and target.dtype in (torch.float32, torch.float64)):
+        change = f"dtype {new_value.dtype} (was {target.dtype})"
+    else:
+        return
+    raise RuntimeError(
+        f"a layer in slice {index} assigned buffer '{name}' anew in forward with a tensor of {change}. OffloadModel "
+        "lays buffers out with the shape and dtype they have when it lays their slice out (when wrapping, and after "
+        "layers register other tensors between forwards), so a buffer assigned in forward must keep both. Register "
+        f"it with the shape and dtype it takes in forward, before wrapping or between forwards (layer.{name} = "
+        f"torch.zeros(..., dtype=...)), or keep it as it is and write into it (self.{name}.copy_(new), which casts "
+        "as in plain PyTorch)"
+    )
 
 
 def _check_borrowed(slices: Sequence[Slice]) -> None:
