@@ -29,7 +29,7 @@ with warnings.catch_warnings():  # its optional CPU kernels ("pip install kernel
 from safetensors.torch import load_file  # noqa: E402
 
 from offload.cli import finetune as cli  # noqa: E402
-from offload.cli.finetune_args import DTYPES  # noqa: E402
+from offload.cli.finetune_args import DTYPES, SCHEDULES  # noqa: E402
 from offload.cli.finetune_args import parse_args as finetune_args  # noqa: E402
 from offload.cli.models import random_model  # noqa: E402
 
@@ -96,7 +96,7 @@ def unwrapped_run(args: list[str]) -> tuple[list[float], dict[str, torch.Tensor]
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=settings.lr, weight_decay=0.0, fused=True)
-    scheduler = transformers.get_scheduler(cli.SCHEDULES[settings.lr_schedule], optimizer,
+    scheduler = transformers.get_scheduler(SCHEDULES[settings.lr_schedule], optimizer,
                                            num_warmup_steps=settings.warmup_steps, num_training_steps=settings.steps)
     # The command's data order: its batches are a function of --seed alone.
     batches = cli.Batches(settings, transformers.AutoTokenizer.from_pretrained(settings.model)).train()
