@@ -40,6 +40,7 @@ import torch
 from .autograd.accumulation import mark_zeroed
 from .streams.gradient_files import zeroed_in_files
 from .model import OffloadModel, engine_of
+from .optimizing.arguments import check_arguments
 from .optimizing.backward_norms import BackwardNorms
 from .optimizing.copying import CopiedByStateDict
 from .optimizing.deferred_scaling import DeferredScaling
@@ -51,7 +52,7 @@ from .optimizing.following import follow, tied_to_engine
 from .optimizing.tier_plumbing import SliceState, TierPlumbing
 from .streams.collectives import HostCollectives
 from .tiers.disk_tier import DiskTier, DiskTierError, StateTier
-from .tiers.slice_update import SliceStep, held_state
+from .tiers.slice_update import SliceStep, held_state, hold_state, setstate_through_property
 
 
 #: The OffloadOptimizer built last for each model: only it may step the model (an older one, still
@@ -77,7 +78,7 @@ class OffloadOptimizer(CopiedByStateDict, torch.optim.Optimizer):
         disk_tier: keep the per-element state of the model's slices (AdamW's moments) in files on a
             local disk instead of RAM: a :class:`~offload.DiskTier`, or a directory path for its
             defaults. The files are removed by :meth:`close` (or leaving ``with optimizer:``), or
-            when the optimizer is garbage-collected. See ``docs/disk-tier.md``.
+            once the optimizer is dropped. See ``docs/disk-tier.md``.
         update_in_backward: start each slice's update in backward, once its gradients are on the
             host (Note: [Update in backward]; ``docs/optimizer.md``); exact, and nothing may change
             the gradients before ``step()`` (no clipping, no ``GradScaler``).
@@ -116,7 +117,7 @@ class OffloadOptimizer(CopiedByStateDict, torch.optim.Optimizer):
                  disk_tier: DiskTier | str | os.PathLike[str] | None = None, update_in_backward: bool = False,
                  accumulation_steps: int = 1, norms_in_backward: bool = False, scale_in_update: bool = False,
                  **optimizer_kwargs: Any) -> None:
-        model = _check_arguments(model, optimizer_class, num_threads, disk_tier)
+        model = check_arguments(model, optimizer_class, num_threads, disk_tier)
         check_in_backward(model, engine_of(model), update_in_backward, accumulation_steps, shard, norms_in_backward,
                           scale_in_update)
         # The class checks its own arguments and fills in its defaults.
@@ -171,10 +172,11 @@ class OffloadOptimizer(CopiedByStateDict, torch.optim.Optimizer):
 
     @state.setter
     def state(self, value: Any) -> None:
-        # After the pending updates, as the getter: one still running would write the state it
-        # creates into the new dict (``optimizer.state = defaultdict(dict)``, a reset of Adam).
+        # After the pending updates, as the getter: one still running would write into the new dict.
         _finish_updates(self)
-        self.__dict__["state"] = value  # where torch.optim's load_state_dict() puts it too
+        hold_state(self, value)  # in the box that the updates hold (Note: [What an update holds])
+
+    __setstate__ = setstate_through_property
 
     # -- stepping --------------------------------------------------------------------------------
 
@@ -426,8 +428,7 @@ def _load_through_class(optimizer: OffloadOptimizer, state_dict: dict[str, Any])
     loader = optimizer.optimizer_class([dict(group) for group in optimizer.param_groups], **optimizer.optimizer_kwargs)
     loader.load_state_dict(state_dict)
     # Keyed by the optimizer's parameters (the loader's), its groups the saved hyperparameters.
-    torch.optim.Optimizer.__setstate__(optimizer, {"state": loader.__dict__["state"],
-                                                   "param_groups": loader.param_groups})
+    optimizer.__setstate__({"state": loader.__dict__["state"], "param_groups": loader.param_groups})
     for post_hook in optimizer._optimizer_load_state_dict_post_hooks.values():
         post_hook(optimizer)
 
@@ -557,44 +558,3 @@ def _check_newest(model: OffloadModel, optimizer: torch.optim.Optimizer) -> None
             "updates would race over its slices. Keep one: for different settings on parts of the model, pass "
             "parameter groups, OffloadOptimizer(model, torch.optim.AdamW, [{'params': ...}, {'params': ..., "
             "'lr': ...}])")
-
-
-def _offload_model_of(model: Any) -> Any:
-    """The OffloadModel that ``OffloadOptimizer(model, ...)`` steps: ``model`` itself, or the one a
-    wrapper holds as ``model.offloaded`` when the wrapper's parameters are exactly that model's
-    (``OffloadedCausalLM``; recognised by that, so that ``import offload`` needs no transformers).
-    Anything else is returned as it is, for :func:`_check_arguments` to refuse."""
-    inner = None if isinstance(model, OffloadModel) else getattr(model, "offloaded", None)
-    if isinstance(inner, OffloadModel) and isinstance(model, torch.nn.Module) and (
-            {id(p) for p in model.parameters()} == {id(p) for p in inner.parameters()}):
-        return inner
-    return model
-
-
-def _check_arguments(model: Any, optimizer_class: Any, num_threads: Any, disk_tier: Any) -> OffloadModel:
-    """Raise what ``OffloadOptimizer`` says it raises for its own arguments; return the OffloadModel it steps."""
-    model = _offload_model_of(model)
-    if not isinstance(model, OffloadModel):
-        raise TypeError(
-            f"OffloadOptimizer steps an OffloadModel or an OffloadedCausalLM, got {type(model).__name__}; wrap the "
-            f"model first: model = OffloadModel(model, device=...) (a Hugging Face causal LM: model = "
-            f"OffloadedCausalLM(model, device=...)), then OffloadOptimizer(model, torch.optim.AdamW, lr=...)")
-    if isinstance(optimizer_class, torch.optim.Optimizer):
-        # Its repr would list every hyperparameter of every group.
-        raise TypeError(
-            f"optimizer_class must be a torch.optim.Optimizer subclass, got a {type(optimizer_class).__name__} "
-            f"instance; pass the class and its arguments: OffloadOptimizer(model, "
-            f"torch.optim.{type(optimizer_class).__name__}, lr=...)")
-    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
-        raise TypeError(
-            f"optimizer_class must be a torch.optim.Optimizer subclass such as torch.optim.AdamW, got "
-            f"{optimizer_class!r}; pass its arguments as keywords: OffloadOptimizer(model, torch.optim.AdamW, lr=1e-3)")
-    if issubclass(optimizer_class, torch.optim.LBFGS):
-        raise ValueError("LBFGS re-evaluates the model inside step() through a closure; OffloadOptimizer "
-                         "cannot overlap that. Use it directly on model.parameters().")
-    if num_threads is not None and (isinstance(num_threads, bool) or not isinstance(num_threads, int)
-                                    or num_threads < 1):
-        raise ValueError(f"num_threads must be a positive int or None, got {num_threads!r}")
-    if disk_tier is not None and not isinstance(disk_tier, (DiskTier, str, os.PathLike)):
-        raise TypeError(f"disk_tier must be a DiskTier or a directory path, got {type(disk_tier).__name__}")
-    return model

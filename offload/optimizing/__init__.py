@@ -3,5 +3,6 @@ optimizer steps which parameters (``plan.py``), the hand-off of each slice's upd
 worker (``stepping.py``) and what it remembers of one that failed part way
 (``partial_failure.py``), the sharded update's exchange across ranks (``sharding.py``), and its
 side of the disk tier: stepping, saving and loading the state kept in files
-(``tier_plumbing.py``); and how it is deep-copied and pickled (``copying.py``). Nothing here is
+(``tier_plumbing.py``); how it is deep-copied and pickled (``copying.py``); and the checks of its
+arguments (``arguments.py``). Nothing here is
 public: users reach it through ``OffloadOptimizer``."""

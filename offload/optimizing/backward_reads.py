@@ -24,6 +24,7 @@ from torch.optim import lr_scheduler
 from torch.utils._pytree import tree_flatten
 
 from ..clipping import add_clip_listener
+from ..tiers.slice_update import held_state
 from .plan import snapshot
 
 
@@ -52,7 +53,7 @@ class BackwardReads:
     @classmethod
     def at_start(cls, optimizer: Any) -> BackwardReads:
         _watch_clips_and_schedulers()
-        reads = cls([snapshot(group) for group in optimizer.param_groups], optimizer.__dict__.get("state"),
+        reads = cls([snapshot(group) for group in optimizer.param_groups], held_state(optimizer),
                     owner=weakref.ref(optimizer))
         _open.add(reads)  # until its step() drops it
         return reads
@@ -72,7 +73,7 @@ class BackwardReads:
         changed = [name(p) for p, grad, version in self.seen
                    if p.grad is not grad or (grad is not None and grad._version != version)]
         clipped = list({id(p): name(p) for p in self.clipped if id(p) in inside}.values())
-        if self.state is not None and optimizer is not None and optimizer.__dict__.get("state") is not self.state:
+        if self.state is not None and optimizer is not None and held_state(optimizer) is not self.state:
             return ("load_state_dict() between backward and step(); the updates backward started stepped the "
                     "state it replaced.", "Load the optimizer's state before backward or after step(), or build "
                     "OffloadOptimizer without update_in_backward.")

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from ..tiers.slice_update import InnerOptimizer, SliceStep, StateByProxy
+from ..tiers.slice_update import InnerOptimizer, SliceStep, StateByProxy, state_box
 from ..walk.engine import Engine
 from .sharding import Item, Sharding
 
@@ -60,7 +60,7 @@ def inner_optimizer(optimizer: Any, params: list[torch.Tensor], groups: list[int
     inner_groups = [{**snapshot(optimizer.param_groups[g]), "params": members} for g, members in by_group.items()]
     inner = optimizer.optimizer_class(inner_groups, **optimizer.optimizer_kwargs)
     inner._offload_inner = True
-    inner.state = StateByProxy(optimizer, dict(zip(proxies, params)))
+    inner.state = StateByProxy(state_box(optimizer), dict(zip(proxies, params)))  # Note: [What an update holds]
     _translate_bnb_overrides(inner, optimizer, proxies, params)
     return InnerOptimizer(inner, proxies, params, list(by_group))
 

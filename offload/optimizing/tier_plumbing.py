@@ -9,6 +9,7 @@ pipeline (``offload/tiers/disk_tier.py``), or the update itself (``offload/tiers
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
@@ -19,6 +20,7 @@ from ..streams import Event
 from ..streams.copies import CopyStreams
 from ..streams.workers import HostWorker
 from ..tiers.disk_tier import DiskTier, StateTier
+from ..tiers.slice_update import state_box
 from ..tiers.state_slice import SliceState
 from ..walk.engine import Engine
 
@@ -32,10 +34,12 @@ class TierPlumbing:
         copies: the copy engine of the optimizer's model (its workers and waits).
     """
 
-    def __init__(self, tier: StateTier | None, copies: CopyStreams, casts_as_torch_optim: bool = True) -> None:
+    def __init__(self, tier: StateTier | None, copies: CopyStreams, casts_as_torch_optim: bool = True,
+                 owner: TierOwner | None = None) -> None:
         self.tier = tier
         self.copies = copies
         self.casts_as_torch_optim = casts_as_torch_optim  # see loads_on_disk()
+        self.owner = owner  # what the tier holds weakly in the optimizer's place
 
     @classmethod
     def of(cls, disk_tier: DiskTier | str | os.PathLike[str] | None, optimizer: torch.optim.Optimizer,
@@ -48,9 +52,10 @@ class TierPlumbing:
         setting = disk_tier if isinstance(disk_tier, DiskTier) else DiskTier(disk_tier)
         # A resident slice's state stays on the device (Note: [Resident slices]): no room for it.
         resident = {id(e.tensor) for s in engine.slices if s.storage.resident for e in s.storage.params}
-        tier = StateTier(setting, optimizer, engine.copies, rank, ranks, resident)
+        owner = TierOwner(optimizer)
+        tier = StateTier(setting, owner, engine.copies, rank, ranks, resident)  # type: ignore[arg-type]
         engine.disk_tiers.add(tier)
-        return cls(tier, engine.copies, casts_as_torch_optim(optimizer_class))
+        return cls(tier, engine.copies, casts_as_torch_optim(optimizer_class), owner)
 
     # -- stepping -------------------------------------------------------------------------------------
 
@@ -61,7 +66,9 @@ class TierPlumbing:
         slice order among the ready (Note: [Updates in the next forward's order] in ``stepping.py``)."""
         if self.tier is None:
             return self.copies.submit(worker, work, after=after, key=index)
-        return self.tier.submit(index, worker, work, after=after)
+        # The tier reads the state through its owner, which it holds weakly: the update holds the
+        # owner until it has run, if the optimizer is dropped before (Note: [What an update holds]).
+        return self.tier.submit(index, worker, functools.partial(_holding, self.owner, work), after=after)
 
     def flush(self, when: str = "wait") -> None:
         """Wait for the tier's writes; raise what it could not write (:meth:`StateTier.flush`), saying
@@ -130,6 +137,24 @@ class TierPlumbing:
         stand-ins of their saved shapes and dtypes; its ``store()`` writes them to the slice's file."""
         assert self.tier is not None
         return TierSliceLoad(self.tier, index, saved)
+
+
+class TierOwner:
+    """The disk tier's optimizer, as the tier knows it: what its files are sized for, and the box
+    that holds the optimizer's ``state`` (Note: [What an update holds] in
+    ``offload/tiers/slice_update.py``), through which the tier reads the state, on the update worker
+    too. In the optimizer's place: an update still pending when the optimizer is dropped runs to its
+    end, and would find the optimizer gone."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer_class = optimizer.optimizer_class  # type: ignore[attr-defined]
+        self.param_groups = optimizer.param_groups  # read once, to size the files
+        self._held_state = state_box(optimizer)  # where held_state() looks
+
+
+def _holding(owner: TierOwner | None, work: Callable[[], None]) -> None:
+    """Run ``work``; ``owner`` is an argument only to be held until then."""
+    work()
 
 
 class TierSliceLoad:

@@ -20,6 +20,7 @@ Graphs that autograd keeps across slot reuse hold slot memory by reference (``sl
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -66,7 +67,9 @@ class DeviceSlots:
         #: What autograd saves of slot memory, by reference (``slot_references.py``).
         self.references = SlotReferences(self._slots)
         #: The buffers of the slices in the slots: written back, snapshots restored (``slot_buffers.py``).
-        self.buffers = SlotBuffers(self, copies, pool)
+        # Through a weak proxy: the slots own their buffers' helper, and a reference back would make a
+        # cycle that keeps a dropped model's slots and storages until the cycle collector runs.
+        self.buffers = SlotBuffers(weakref.proxy(self), copies, pool)
 
     @property
     def slot_nbytes(self) -> int:

@@ -49,37 +49,92 @@ from ..kernels.scaling import OwedScaling
 from ..streams.host_storage import SliceStorage, shadow_views
 
 
+class HeldState:
+    """Where an OffloadOptimizer's ``state`` dict is held: a box that the optimizer and what runs its
+    updates share. See Note: [What an update holds].
+
+    Note: [What an update holds]
+        The updates of a step read and write the optimizer's ``state`` on a host worker, through
+        each inner optimizer's :class:`StateByProxy` and the disk tier (which knows the optimizer
+        as a ``TierOwner``, ``offload/optimizing/tier_plumbing.py``). They hold this box, never the
+        optimizer, for two reasons (``tests/test_freed_when_dropped.py``):
+
+        1. The optimizer holds its inner optimizers (its plan): one holding it back would make a
+           reference cycle, and a dropped optimizer (its model, their host copies, pinned
+           buffers, device slots and a disk tier's files with it) would wait for Python's cycle
+           collector instead of going at ``del``.
+        2. An update still pending when the optimizer is dropped (``step()``, then ``del
+           optimizer``) runs to its end: the next forward waits for it. The box, held by the
+           work queued, keeps the state it reads alive until then (and the disk tier, its files
+           and their writes: they go after the last of them). The optimizer itself goes at once,
+           in the caller's thread, with its finalizer, which closes the update worker: run by the
+           worker's last task instead, it would close the worker from its own thread. What goes
+           after a task on a worker only asks workers to end (``HostWorker.close``), never waits.
+
+        ``load_state_dict()`` replaces the dict the box holds, never the box: the inner optimizers
+        built before read the loaded state.
+    """
+
+    __slots__ = ("state",)
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
+
+
+def hold_state(optimizer: torch.optim.Optimizer, state: Any) -> None:
+    """Make ``state`` what ``optimizer``'s box holds (Note: [What an update holds]), made at the first."""
+    box = optimizer.__dict__.get("_held_state")
+    if box is None:
+        optimizer.__dict__["_held_state"] = HeldState(state)
+    else:
+        box.state = state
+
+
+def setstate_through_property(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """An OffloadOptimizer's ``__setstate__`` (its ``load_state_dict()`` calls it): ``torch.optim``'s,
+    but for ``state``, which that would put into ``__dict__``, under the optimizer's ``state``
+    property; set through the property instead, after the pending updates, into the box."""
+    torch.optim.Optimizer.__setstate__(optimizer, {key: value for key, value in state.items() if key != "state"})
+    if "state" in state:
+        optimizer.state = state["state"]
+
+
+def state_box(optimizer: torch.optim.Optimizer) -> HeldState:
+    """The box that holds ``optimizer``'s ``state``, for what runs its updates to hold instead of it."""
+    return optimizer.__dict__["_held_state"]
+
+
 def held_state(optimizer: torch.optim.Optimizer) -> Any:
     """``optimizer.state`` as it is held now, without waiting for pending updates: for the host
     worker that runs those updates and for the code that waits for them. An OffloadOptimizer's
     ``state`` waits for them first (Note: [Overlapped host update] in ``offload/optimizer.py``),
     which on the worker would wait for itself."""
-    return optimizer.__dict__["state"]
+    return state_box(optimizer).state
 
 
 class StateByProxy(MutableMapping[torch.Tensor, dict[str, Any]]):
     """An inner optimizer's ``state``: what it keeps for a proxy is kept for the user's parameter,
-    in the outer optimizer's own ``state`` (which ``load_state_dict`` may replace). It runs on the
-    host worker, so it reads that ``state`` through :func:`held_state`."""
+    in the outer optimizer's own ``state`` (which ``load_state_dict`` may replace), read through
+    the box that holds it (Note: [What an update holds]): it runs on the host worker."""
 
-    def __init__(self, outer: torch.optim.Optimizer, owner: dict[torch.Tensor, torch.Tensor]) -> None:
-        self.outer = outer
+    def __init__(self, held: HeldState, owner: dict[torch.Tensor, torch.Tensor]) -> None:
+        self.held = held
         self.owner = owner  # proxy -> the user's parameter
 
     def __getitem__(self, proxy: torch.Tensor) -> dict[str, Any]:
-        return held_state(self.outer)[self.owner[proxy]]  # a defaultdict: made on first use, as in torch.optim
+        return self.held.state[self.owner[proxy]]  # a defaultdict: made on first use, as in torch.optim
 
     def __setitem__(self, proxy: torch.Tensor, value: dict[str, Any]) -> None:
-        held_state(self.outer)[self.owner[proxy]] = value
+        self.held.state[self.owner[proxy]] = value
 
     def __delitem__(self, proxy: torch.Tensor) -> None:
-        del held_state(self.outer)[self.owner[proxy]]
+        del self.held.state[self.owner[proxy]]
 
     def __contains__(self, proxy: object) -> bool:
-        return proxy in self.owner and self.owner[proxy] in held_state(self.outer)  # type: ignore[index]
+        return proxy in self.owner and self.owner[proxy] in self.held.state  # type: ignore[index]
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        state = held_state(self.outer)
+        state = self.held.state
         return (proxy for proxy, param in self.owner.items() if param in state)
 
     def __len__(self) -> int:

@@ -306,9 +306,9 @@ class Engine:
         # Optimizers' disk tiers over this model's slices: memory_footprint() counts their bytes.
         self.disk_tiers: weakref.WeakSet[Any] = weakref.WeakSet()
         self.pin = self.copies.pins_host_memory and host_device.type == "cpu"
-
-        def allocate(nbytes: int) -> torch.Tensor:
-            return self.copies.empty_host(nbytes, host_device)
+        # Bound to the copy streams: held by the pool, storages and staging, a closure over the engine
+        # would make a cycle, and a dropped model's buffers would wait for the cycle collector.
+        allocate = functools.partial(self.copies.empty_host, host_device=host_device)
 
         self.slices: list[Slice] = []
         held: set[int] = set()  # what earlier slices hold (Note: [Tied parameters across slices])

@@ -1,0 +1,55 @@
+"""What ``OffloadOptimizer`` checks of its own arguments, and which OffloadModel it steps when given a
+wrapper of one. What it does not hold: the checks of ``update_in_backward`` and its companions
+(``in_backward.py``), or those the optimizer class makes of its own arguments (it is built once to make them).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from ..model import OffloadModel
+from ..tiers.disk_tier import DiskTier
+
+
+def offload_model_of(model: Any) -> Any:
+    """The OffloadModel that ``OffloadOptimizer(model, ...)`` steps: ``model`` itself, or the one a
+    wrapper holds as ``model.offloaded`` when the wrapper's parameters are exactly that model's
+    (``OffloadedCausalLM``; recognised by that, so that ``import offload`` needs no transformers).
+    Anything else is returned as it is, for :func:`check_arguments` to refuse."""
+    inner = None if isinstance(model, OffloadModel) else getattr(model, "offloaded", None)
+    if isinstance(inner, OffloadModel) and isinstance(model, torch.nn.Module) and (
+            {id(p) for p in model.parameters()} == {id(p) for p in inner.parameters()}):
+        return inner
+    return model
+
+
+def check_arguments(model: Any, optimizer_class: Any, num_threads: Any, disk_tier: Any) -> OffloadModel:
+    """Raise what ``OffloadOptimizer`` says it raises for its own arguments; return the OffloadModel it steps."""
+    model = offload_model_of(model)
+    if not isinstance(model, OffloadModel):
+        raise TypeError(
+            f"OffloadOptimizer steps an OffloadModel or an OffloadedCausalLM, got {type(model).__name__}; wrap the "
+            f"model first: model = OffloadModel(model, device=...) (a Hugging Face causal LM: model = "
+            f"OffloadedCausalLM(model, device=...)), then OffloadOptimizer(model, torch.optim.AdamW, lr=...)")
+    if isinstance(optimizer_class, torch.optim.Optimizer):
+        # Its repr would list every hyperparameter of every group.
+        raise TypeError(
+            f"optimizer_class must be a torch.optim.Optimizer subclass, got a {type(optimizer_class).__name__} "
+            f"instance; pass the class and its arguments: OffloadOptimizer(model, "
+            f"torch.optim.{type(optimizer_class).__name__}, lr=...)")
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise TypeError(
+            f"optimizer_class must be a torch.optim.Optimizer subclass such as torch.optim.AdamW, got "
+            f"{optimizer_class!r}; pass its arguments as keywords: OffloadOptimizer(model, torch.optim.AdamW, lr=1e-3)")
+    if issubclass(optimizer_class, torch.optim.LBFGS):
+        raise ValueError("LBFGS re-evaluates the model inside step() through a closure; OffloadOptimizer "
+                         "cannot overlap that. Use it directly on model.parameters().")
+    if num_threads is not None and (isinstance(num_threads, bool) or not isinstance(num_threads, int)
+                                    or num_threads < 1):
+        raise ValueError(f"num_threads must be a positive int or None, got {num_threads!r}")
+    if disk_tier is not None and not isinstance(disk_tier, (DiskTier, str, os.PathLike)):
+        raise TypeError(f"disk_tier must be a DiskTier or a directory path, got {type(disk_tier).__name__}")
+    return model
