@@ -394,6 +394,9 @@ def test_a_simulated_device_that_is_not_a_cpu_device_is_refused():
 #: Orderings that some scenario shows to be needed: leaving one out is caught.
 NEEDED = [
     Dependency("mark_used", "offload", "activations.py:offload", "offload"),
+    # A model is freed as soon as it is dropped, its gradient summation buffers with it
+    # (retain_graph_twice drops its model as the run returns).
+    Dependency("mark_used", "offload", "gradients.py:offload", "offload"),
     Dependency("mark_used", "offload_many", "gradients.py:offload", "offload"),
     Dependency("synchronize_event", "wait_host_all", "gradients.py:finish", "offload"),
     Dependency("synchronize_event", "wait_host_all", "slice_walk.py:finish", "offload"),
@@ -471,7 +474,6 @@ COVERED = [
     Dependency("wait_event", "load", "device_slots.py:_load_borrowed", "compute"),
     Dependency("mark_used", "load", "slot_buffers.py:restore_buffers", "load"),
     Dependency("mark_used", "offload", "slot_buffers.py:write_back_buffers", "offload"),
-    Dependency("mark_used", "offload", "gradients.py:offload", "offload"),
     Dependency("synchronize_event", "wait_host", "device_slots.py:prefetch", "load"),
     Dependency("wait_event", "load", "slot_buffers.py:restore_buffers", "offload"),
     Dependency("wait_event", "offload", "activations.py:offload", "load"),

@@ -70,12 +70,14 @@ Note: [Orderings the end of a walk covers]
     say) would remove that cover. The mutation test checks that each is still covered.
 
     - Marks of device memory as used by a side stream, for slots (loads, the second copy of a
-      tied parameter a slice borrows, buffer restores and write-backs), the persistent gradient
-      summation buffers, loaded boundary activations and the caller's inputs loaded from the host:
-      slots and summation buffers live as long as the model, an activation loaded for a
-      recompute (or a saved tensor loaded for an offloaded slice's backward) is freed early only
-      when an exception ends the walk, after the drain, and compute waits for an input's load as
-      soon as it is issued (``slice_walk.py:load_inputs``), before anything can free the input.
+      tied parameter a slice borrows, buffer restores and write-backs), loaded boundary
+      activations and the caller's inputs loaded from the host: slots live as long as the model
+      (the gradient summation buffers do not: a dropped model is freed at once, those buffers
+      with it, so their offloads' marks are needed, as the mutation test shows), an activation
+      loaded for a recompute (or a saved tensor loaded for an offloaded slice's backward) is
+      freed early only when an exception ends the walk, after the drain, and compute waits for an
+      input's load as soon as it is issued (``slice_walk.py:load_inputs``), before anything can
+      free the input.
     - The host waiting for the last load of a pooled buffer before refreshing a slice's shadow,
       and offloads into a pooled buffer (boundary activations and saved tensors alike) waiting
       for the load that read it last: such a buffer is reused, and a shadow refreshed, only in a
