@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..walk.activation_policy import ActivationPlan
-from ..walk.engine import Engine
+from ..walk.engine import Engine, WalkClaim
 from ..streams.labels import label
 from ..walk.microbatch import split_leaves
 from ..walk.slice_walk import SliceWalk
@@ -49,49 +49,9 @@ class OffloadFunction(torch.autograd.Function):
     def forward(ctx: Any, engine: Engine, call: Call, plan: ActivationPlan, num_microbatches: int,
                 *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.set_materialize_grads(False)
-        input_tensors = tensors[:call.num_input_tensors]
-        leaves = call.input_with(input_tensors)
-        microbatches, split = split_leaves(leaves, num_microbatches)
-        in_cached_block = refusals.refuse_cached_parametrizations(engine, split.count)
-        plan.check_recomputed([bool(s.storage.companions) for s in engine.slices])
-        records = ForwardRecords(engine, split.count, plan)
-        # Chunks and device copies are made under no_grad, so remember what the caller's inputs required.
-        input_requires_grad = requires_grad(leaves)
-        engine.milestones.forward_started(call)
-        with SliceWalk.forward(engine) as walk:
-            boundary: list[Boundary] = []
-            for m, mb_leaves in enumerate(microbatches):
-                records.checkpoint_boundary(0, m, mb_leaves, call.input_spec, input_requires_grad)
-                boundary.append(Boundary(walk.load_inputs(mb_leaves), call.input_spec, input_requires_grad))
-            for i, views in walk:
-                records.start_slice(i)
-                leaving: list[Boundary] = []
-                for m, entering in enumerate(boundary):
-                    with label(f"offload::forward slice {i}"):
-                        out, changed = run_forward(engine, records, i, m, views, entering)
-                    if changed:
-                        walk.buffers_changed()
-                        records.after_changing_run(i, m)
-                    walk.compute_queued()
-                    records.checkpoint_boundary(i + 1, m, out.leaves, out.spec, out.requires)
-                    leaving.append(out)
-                boundary = leaving
-            walk.finish()
-
-        requires = [any(flags) for flags in zip(*(b.requires for b in boundary))]
-        # Outputs that alias another are rebuilt outside (Note: [Outputs that alias each other] in call.py).
-        outputs = call.returning([b.leaves for b in boundary], boundary[0].spec, split.sizes, requires)
-        output_requires = [requires[p] for p in call.output_tensor_positions]
-        non_differentiable = [o for o, wanted in zip(outputs, output_requires)
-                              if not wanted or not is_differentiable(o)]
-        if non_differentiable:
-            ctx.mark_non_differentiable(*non_differentiable)
-        ctx.run = CallRecord.of(engine, call, split, records, input_tensors)
-        outside_gradients.called(engine, ctx)  # Note: [Adding onto earlier gradients], step 2
-        ctx.save_for_backward(*records.saved_for_backward())
-        if in_cached_block:
-            refusals.forward_done(engine)
-        return outputs
+        # Before anything of the engine's is read or written: Note: [One walk at a time] in slice_walk.py.
+        with WalkClaim(engine, "a forward"):
+            return _walk_forward(ctx, engine, call, plan, num_microbatches, tensors)
 
     @staticmethod
     def jvp(ctx: Any, *grad_inputs: Any) -> Any:
@@ -109,8 +69,57 @@ class OffloadFunction(torch.autograd.Function):
         # torch.inference_mode(), which the plain model's nodes do not mind): the recompute must build
         # a graph, and the gradients' watch reads accumulation nodes through views, neither of which
         # inference mode allows.
-        with torch.inference_mode(False):
+        with torch.inference_mode(False), WalkClaim(ctx.run.engine, "a backward"):
             return _walk_backward(ctx, grad_outputs)
+
+
+def _walk_forward(ctx: Any, engine: Engine, call: Call, plan: ActivationPlan, num_microbatches: int,
+                  tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """``OffloadFunction.forward`` under its claim: the slices walked in order, each run on every
+    microbatch, what backward needs recorded."""
+    input_tensors = tensors[:call.num_input_tensors]
+    leaves = call.input_with(input_tensors)
+    microbatches, split = split_leaves(leaves, num_microbatches)
+    in_cached_block = refusals.refuse_cached_parametrizations(engine, split.count)
+    plan.check_recomputed([bool(s.storage.companions) for s in engine.slices])
+    records = ForwardRecords(engine, split.count, plan)
+    # Chunks and device copies are made under no_grad, so remember what the caller's inputs required.
+    input_requires_grad = requires_grad(leaves)
+    engine.milestones.forward_started(call)
+    with SliceWalk.forward(engine) as walk:
+        boundary: list[Boundary] = []
+        for m, mb_leaves in enumerate(microbatches):
+            records.checkpoint_boundary(0, m, mb_leaves, call.input_spec, input_requires_grad)
+            boundary.append(Boundary(walk.load_inputs(mb_leaves), call.input_spec, input_requires_grad))
+        for i, views in walk:
+            records.start_slice(i)
+            leaving: list[Boundary] = []
+            for m, entering in enumerate(boundary):
+                with label(f"offload::forward slice {i}"):
+                    out, changed = run_forward(engine, records, i, m, views, entering)
+                if changed:
+                    walk.buffers_changed()
+                    records.after_changing_run(i, m)
+                walk.compute_queued()
+                records.checkpoint_boundary(i + 1, m, out.leaves, out.spec, out.requires)
+                leaving.append(out)
+            boundary = leaving
+        walk.finish()
+
+    requires = [any(flags) for flags in zip(*(b.requires for b in boundary))]
+    # Outputs that alias another are rebuilt outside (Note: [Outputs that alias each other] in call.py).
+    outputs = call.returning([b.leaves for b in boundary], boundary[0].spec, split.sizes, requires)
+    output_requires = [requires[p] for p in call.output_tensor_positions]
+    non_differentiable = [o for o, wanted in zip(outputs, output_requires)
+                          if not wanted or not is_differentiable(o)]
+    if non_differentiable:
+        ctx.mark_non_differentiable(*non_differentiable)
+    ctx.run = CallRecord.of(engine, call, split, records, input_tensors)
+    outside_gradients.called(engine, ctx)  # Note: [Adding onto earlier gradients], step 2
+    ctx.save_for_backward(*records.saved_for_backward())
+    if in_cached_block:
+        refusals.forward_done(engine)
+    return outputs
 
 
 def _walk_backward(ctx: Any, grad_outputs: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:

@@ -17,23 +17,52 @@ Note: [Parametrizations cached around a run]
     which the caller's cache would have shared between runs: the forward refuses the cases where
     that sharing changes a gradient (rule 4 of Note: [Transforms the walk refuses] in
     ``offload/autograd/refusals.py``).
+
+Note: [Interrupts while binding]
+    Ctrl-C's ``KeyboardInterrupt`` (or any signal handler's exception) is raised between two
+    bytecodes of the main thread: at the start of any Python function (``Site.table``,
+    ``__exit__`` itself) or a loop's next turn. A binding half made or half given back would leave
+    the user's layers holding a slot's device copy, reused by the next slice: every later run
+    would compute with stale weights. So giving back never depends on one call running to its end:
+
+    1. Every change is recorded before it is made (a site's host copy before the device copy goes
+       in, an 8-bit layer's state before it is swapped, the caller's parametrization cache beside
+       the binding's own), so a binding stopped anywhere can be undone from its record.
+    2. Giving back is idempotent: each site gets its recorded host copy again, each state its
+       recorded one, the caller's cache only where the binding's own is still in place. A
+       binding is listed (per thread) from its first change until one giving back has run to its
+       end.
+    3. An interrupt that lands while a binding is made or given back is caught, the whole giving
+       back is done (again, from the start), and the interrupt is raised after it.
+    4. What a second interrupt stops, or one that lands as ``__exit__`` starts (before any of its
+       code runs: no code can guard that), stays listed. :func:`give_back_unheld` gives it back;
+       every binding calls it before it binds and as it leaves, and code that reads the layers'
+       registrations before a run binds (the engine's check for parameters the user replaced)
+       must call it first, or it takes the stale device copy for a new parameter. Listed
+       bindings still held are left alone: those whose ``with`` statement is running (entered,
+       not yet leaving, and the frame that entered it still on the stack), so a binding made
+       inside another's run (a backward inside a forward) keeps the outer one's device copies in
+       place. Enter a binding with a ``with`` statement in the function that runs the layers:
+       that frame's life is the binding's.
 """
 
 from __future__ import annotations
 
+import sys
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from types import TracebackType
+from types import FrameType, TracebackType
 
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from ..streams.quantized import restore_run_states, swap_run_states
+from ..streams.quantized import RUN_STATE, restore_run_states, swap_run_states
 from ..streams.sites import Site
 
 
-@dataclass
+@dataclass(eq=False)
 class Binding:
     """Context manager that puts ``tensors[i]`` at every site in ``sites[i]``, and swaps in the
     run state of each 8-bit layer at ``run_state_positions`` (the slice's
@@ -44,7 +73,10 @@ class Binding:
 
     Leaving always gives every site its host copy back, registered as it was (a parameter in
     ``_parameters``, never left behind as a buffer), also when the call raised or moved a tensor
-    between the tables: the user's modules are never left changed by a failed run.
+    between the tables: the user's modules are never left changed by a failed run. An interrupt
+    while binding or leaving is raised once all is given back; one that stops the giving back
+    itself leaves it to the next binding (Note: [Interrupts while binding]). Enter it with a
+    ``with`` statement in the function that runs the layers.
 
     Raises:
         RuntimeError: a layer left a parametrization registered on one of its parameters
@@ -56,29 +88,51 @@ class Binding:
     tensors: Sequence[torch.Tensor]
     run_state_positions: Sequence[int]
     reassigned: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    # - What giving back undoes, recorded before each change (Note: [Interrupts while binding], rule 1)
     _originals: list[tuple[Site, torch.Tensor | None]] = field(default_factory=list)
     _run_states: list[tuple[nn.Module, object]] = field(default_factory=list)
     _caller_cache: dict[object, torch.Tensor] | None = None
+    _own_cache: dict[object, torch.Tensor] | None = None
+    # - Whether it is still to be given back, and whether its run still holds it (rules 2 and 4)
+    _listed_in: list[Binding] | None = None
+    _held_by: FrameType | None = None
+    _left_parametrized: list[Site] = field(default_factory=list)
 
     def __enter__(self) -> Binding:
-        # Note: [Parametrizations cached around a run]
-        if parametrize._cache_enabled:
-            self._caller_cache, parametrize._cache = parametrize._cache, {}
-        for entry_sites, tensor in zip(self.sites, self.tensors):
-            for site in entry_sites:
-                table = site.table()
-                self._originals.append((site, table[site.name]))
-                table[site.name] = tensor
-        _refresh_flat_weights(self.sites)
-        # An 8-bit layer reads its codes from its own state: Note: [Quantized weights], rule 6.
-        # Which entries are 8-bit weights is known from the slice's layout, so a slice without
-        # one binds without looking at any entry for a state: every load, forward and backward.
-        self._run_states = swap_run_states(self.sites, self.tensors, self.run_state_positions)
-        return self
+        give_back_unheld()  # rule 4: what an interrupt left bound on this thread
+        try:
+            self._listed_in = _listed()
+            self._listed_in.append(self)
+            # Note: [Parametrizations cached around a run]
+            if parametrize._cache_enabled:
+                self._caller_cache, self._own_cache = parametrize._cache, {}
+                parametrize._cache = self._own_cache
+            for entry_sites, tensor in zip(self.sites, self.tensors):
+                for site in entry_sites:
+                    table = site.table()
+                    self._originals.append((site, table[site.name]))
+                    table[site.name] = tensor
+            _refresh_flat_weights(self.sites)
+            # An 8-bit layer reads its codes from its own state: Note: [Quantized weights], rule 6.
+            # Which entries are 8-bit weights is known from the slice's layout, so a slice without
+            # one binds without looking at any entry for a state: every load, forward and backward.
+            if self.run_state_positions:
+                self._run_states = _run_states_now(self.sites, self.tensors, self.run_state_positions)
+                swap_run_states(self.sites, self.tensors, self.run_state_positions)
+            self._held_by = sys._getframe(1)  # the frame running the ``with`` statement
+            return self
+        except BaseException:
+            self._held_by = None
+            try:
+                give_back_unheld()
+            except BaseException:
+                give_back_unheld()  # rule 3: an interrupt as it started gave nothing back
+                raise
+            raise
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        left_parametrized: list[Site] = []
+        self._held_by = None
         try:
             if exc_type is None:
                 for index, (entry_sites, tensor) in enumerate(zip(self.sites, self.tensors)):
@@ -87,18 +141,12 @@ class Binding:
                     current = entry_sites[0].table().get(entry_sites[0].name)
                     if current is not tensor and current is not None and not entry_sites[0].is_parameter:
                         self.reassigned.append((index, current))
-        finally:
-            if self._caller_cache is not None:
-                parametrize._cache, self._caller_cache = self._caller_cache, None
-            restore_run_states(self._run_states)
-            self._run_states = []
-            for site, original in reversed(self._originals):
-                if _restore(site, original):
-                    left_parametrized.append(site)
-            self._originals.clear()
-            _refresh_flat_weights(self.sites)
-        if left_parametrized and exc_type is None:
-            names = ", ".join(f"{type(site.module).__name__}.{site.name}" for site in left_parametrized)
+            give_back_unheld()
+        except BaseException:
+            give_back_unheld()  # rule 3: from the start, whether the error came before it or inside it
+            raise
+        if self._left_parametrized and exc_type is None:
+            names = ", ".join(f"{type(site.module).__name__}.{site.name}" for site in self._left_parametrized)
             raise RuntimeError(
                 f"a layer registered a parametrization on {names} during forward and left it there. OffloadModel "
                 "runs layers on device copies of their parameters and gives the host copies back after each run, "
@@ -106,6 +154,64 @@ class Binding:
                 "forward, as PEFT does), or registered before the model is wrapped in OffloadModel, where it is "
                 "offloaded like any layer."
             )
+
+    def give_back(self) -> None:
+        """Undo what :meth:`__enter__` did, as far as it got; idempotent, and unlists the binding
+        once it has run to its end (Note: [Interrupts while binding], rule 2)."""
+        if self._own_cache is not None and parametrize._cache is self._own_cache:
+            parametrize._cache = self._caller_cache
+        restore_run_states(self._run_states)
+        for site, original in reversed(self._originals):
+            if _restore(site, original):
+                self._left_parametrized.append(site)
+        _refresh_flat_weights(self.sites)
+        self._originals.clear()
+        self._run_states = []
+        if self._listed_in is not None and self in self._listed_in:
+            self._listed_in.remove(self)
+
+
+_bindings = threading.local()
+
+
+def _listed() -> list[Binding]:
+    """This thread's bindings still to be given back, in the order they were entered."""
+    listed = getattr(_bindings, "listed", None)
+    if listed is None:
+        listed = _bindings.listed = []
+    return listed
+
+
+def give_back_unheld() -> None:
+    """Give back every binding of this thread that no run holds any more, newest first (rule 4 of
+    Note: [Interrupts while binding]). Idempotent: a caller that an interrupt stopped in it calls
+    it once more (rule 3), in its own frame, since an interrupt can land as any call starts."""
+    on_stack: set[int] | None = None
+    for binding in reversed(list(_listed())):
+        if binding._held_by is not None:
+            if on_stack is None:
+                on_stack = _frames_on_stack()
+            if id(binding._held_by) in on_stack:
+                continue
+        binding._held_by = None  # its run is gone: frame and binding need not keep each other
+        binding.give_back()
+
+
+def _frames_on_stack() -> set[int]:
+    frames: set[int] = set()
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        frames.add(id(frame))
+        frame = frame.f_back
+    return frames
+
+
+def _run_states_now(sites: Sequence[Sequence[Site]], tensors: Sequence[torch.Tensor],
+                    positions: Sequence[int]) -> list[tuple[nn.Module, object]]:
+    """The states :func:`swap_run_states` is about to replace, recorded before it replaces any
+    (rule 1 of Note: [Interrupts while binding]): what it returns is lost if it is interrupted."""
+    return [(site.module, site.module.state) for i in positions if getattr(tensors[i], RUN_STATE, None) is not None
+            for site in sites[i]]
 
 
 def _restore(site: Site, original: torch.Tensor | None) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import threading
 import warnings
 import weakref
 from collections.abc import Iterable, Sequence
@@ -20,7 +21,7 @@ from torch import nn
 from torch.nn.utils.parametrize import ParametrizationList
 from torch.utils._pytree import tree_map
 
-from .binding import Binding
+from .binding import Binding, give_back_unheld
 from ..tiers.master_files import place_masters
 from .milestones import Milestones
 from ..streams import (
@@ -329,6 +330,9 @@ class Engine:
         #: the OffloadOptimizers stepping this model, for its memory footprint
         self.optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self.milestones = Milestones()
+        #: the thread whose forward or backward holds the engine now, if any (Note: [One walk at a
+        #: time] in offload/walk/slice_walk.py: only a ``WalkClaim`` sets it)
+        self.walking: threading.Thread | None = None
         self.activations = ActivationOffloader(self.copies, self.pool)
         # - What is known of the parameters, by id: an id stays one parameter's while the slices
         #   hold it, so no weak reference to a parameter is needed (one would stop
@@ -424,7 +428,19 @@ class Engine:
 
         ``p.data = other`` or assigning a new ``nn.Parameter`` to a layer takes the tensor out of the
         slice's flat host buffer; the slice is laid out again so the next load sees the change.
+
+        Raises:
+            RuntimeError: another thread walks the slices now; its layers hold device copies, which
+                would be taken for changes (Note: [One walk at a time] in ``slice_walk.py``).
         """
+        with WalkClaim(self, "a forward (or a move, .to())"):
+            # Before the layers' registrations are read: an interrupt that landed as a run's binding
+            # was given back leaves device copies in them (Note: [Interrupts while binding], rule 4).
+            give_back_unheld()
+            self._follow_changes()
+
+    def _follow_changes(self) -> None:
+        """:meth:`refresh` under its claim."""
         # The cheap checks first; a substitute's values are compared once a refresh, and only where
         # nothing else lays its slice out again (Note: [Tensors substituted for a call]).
         changed = {s.index for s in self.slices if s.storage.registered_tensors_changed() or s.storage.moved()
@@ -463,6 +479,46 @@ class Engine:
             "as they would in plain PyTorch (an optimizer stepping a flat buffer no longer trains it). Change the "
             "parameters themselves: build the optimizer over model.parameters() (docs/memory.md, Parameters that "
             "view another tensor).", stacklevel=3)
+
+
+class WalkClaim:
+    """The calling thread's claim on ``engine`` for one forward, backward or refresh, as a context
+    around all it does with the engine (Note: [One walk at a time] in ``slice_walk.py``).
+
+    Args:
+        engine: the model's slices and their machinery.
+        what: what the call is, for the message ("a forward").
+
+    Raises:
+        RuntimeError: on entering, while another thread holds a claim on ``engine``.
+    """
+
+    #: Held while a claim reads and sets an engine's ``walking``: a few instructions, every engine's.
+    _claiming = threading.Lock()
+
+    def __init__(self, engine: Engine, what: str) -> None:
+        self.engine = engine
+        self.what = what
+        self._took = False  # rule 4: a claim inside the thread's own gives nothing up
+
+    def __enter__(self) -> None:
+        me = threading.current_thread()
+        with WalkClaim._claiming:
+            holder = self.engine.walking
+            if holder is None:
+                self.engine.walking, self._took = me, True
+                return
+        if holder is not me:
+            raise RuntimeError(
+                f"OffloadModel: {self.what} from another thread (thread {me.name!r}) while thread {holder.name!r} "
+                "runs a walk of this model (a forward or backward, which holds its device slots and the records of "
+                "its step). This call was refused before it touched anything, and that walk goes on. Use the model "
+                "from one thread at a time, or a copy (copy.deepcopy) per thread (docs/api.md; Note: [One walk at a "
+                "time] in offload/walk/slice_walk.py)")
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._took:
+            self.engine.walking = None
 
 
 #: Every engine alive (weakly: models may be dropped).

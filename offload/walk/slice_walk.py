@@ -106,6 +106,39 @@ Note: [Parameters written in forward]
        the parameter is refused all the same. Remembering a harmless move instead would let a
        later real write of the same size through.
     4. A write through ``.data`` moves no counter and is not seen.
+
+Note: [One walk at a time]
+    A walk holds its engine's device slots, copy streams and host pool from its first slice to
+    its end, and the forward or backward around it writes per-model state besides (the
+    milestones' subscribers, the gradients' sources, the buffers' write-backs). Two walks of one
+    engine at once, from two threads (an evaluation thread beside training), would load into
+    each other's slots: one fails with an internal error, the other trains on, silently wrong.
+    So:
+
+    1. Each forward (with autograd or without) and each backward claims its engine for the
+       calling thread before it reads or writes anything of the engine's, and gives the claim up
+       when it returns or raises (``WalkClaim`` in ``engine.py``, beside what it claims). Every
+       :class:`SliceWalk` claims from entering to leaving, which is all a forward without
+       autograd does with the engine; ``OffloadFunction``'s forward and backward claim around
+       their records and milestones too (the walk's claim inside theirs changes nothing: rule 4).
+       ``Engine.refresh``, which every forward runs first, claims as well: while another thread
+       walks, the layers hold that walk's device copies, which it would take for parameters the
+       user replaced, and it would lay the slices out again under that walk. A few claims per
+       call, none per slice: each under a microsecond (a lock held for a few instructions).
+    2. A claim from another thread while one is held raises a ``RuntimeError`` at once, in the
+       thread that asked, naming both threads; the walk that holds the claim goes on untouched.
+       Refused, not waited for: the model is not safe to share between threads outside its walks
+       either (``train()``/``eval()`` flags, ``.grad``, the optimizer's step between backward and
+       the next forward), which no lock around the walks could order, so the rule is one thread
+       at a time, said as soon as it is broken (``docs/api.md``). A copy per thread
+       (``copy.deepcopy``) has an engine of its own.
+    3. Autograd may run a backward on a thread of its own (a CUDA device's), not the caller's:
+       its claim is that thread's, taken after the forward's was given up, so training from one
+       thread, in the main thread or another, never meets a claim of its own. Several forwards
+       before one backward claim one after the other. A checkpointed slice recomputes inside its
+       backward's claim; the host workers that run updates in backward do not walk.
+    4. The thread that holds the claim may claim again (a layer or hook that calls the model
+       inside its own walk): that claim changes nothing, and only the outer one gives it up.
 """
 
 from __future__ import annotations
@@ -117,7 +150,7 @@ from typing import Any
 
 import torch
 
-from .engine import Engine
+from .engine import Engine, WalkClaim
 from ..streams import Event
 
 
@@ -181,6 +214,8 @@ class SliceWalk:
         self._position = 0  # the current slice's, in the order
         # - What the end of the walk waits for: buffer write-backs the host reads next
         self._written_back: list[Event | None] = []
+        # - Its thread's claim on the engine, from entering to leaving (Note: [One walk at a time])
+        self._claim = WalkClaim(engine, "a forward" if direction is Direction.FORWARD else "a backward")
 
     @classmethod
     def forward(cls, engine: Engine) -> SliceWalk:
@@ -194,6 +229,7 @@ class SliceWalk:
     # -- the walk's moments ----------------------------------------------------------------------
 
     def __enter__(self) -> SliceWalk:
+        self._claim.__enter__()  # within the caller's claim, where it took one: changes nothing
         if self.direction is Direction.FORWARD:
             self.engine.slots.forget_contents()
         return self
@@ -276,10 +312,13 @@ class SliceWalk:
             else:
                 _internal_assert(self.state is WalkState.FINISHED, "left without finish()")
         finally:
-            if self.direction is Direction.BACKWARD:
-                self.engine.pool.end_step()
-            else:
-                self.engine.pool.end_forward()
+            try:
+                if self.direction is Direction.BACKWARD:
+                    self.engine.pool.end_step()
+                else:
+                    self.engine.pool.end_forward()
+            finally:
+                self._claim.__exit__(exc_type, exc, traceback)
 
     def _fail(self) -> None:
         """The failure path of Note: [The walk]; the exception goes on to the caller."""
