@@ -57,11 +57,14 @@ Note: [An update that failed part way]
        any error there) withdraws nothing it queued: an update queued before the error runs, is
        registered with the waits like any other (its state written, its masters written back:
        ``stepping.py``, Note: [Disk tier failures] in ``offload/tiers/disk_tier.py``), and those
-       not handed over do not run. When a step's hand-off (from ``step()``'s first update, or
-       ``update_in_backward``'s, to its last) raises after some update was handed over and before
-       all were, the mix is latched at once (:meth:`interrupted`), naming the slices updated;
-       when none was, nothing changed and nothing is latched. An update run in the caller's
-       thread that raised inside (a resident slice's) is rule 2's.
+       not handed over do not run. Which is which the update worker says, wherever in the
+       hand-off the error came: it queues an update in one step (Note: [A worker under
+       interrupts and forks] in ``offload/streams/workers.py``). When a step's hand-off (from
+       ``step()``'s first update, or ``update_in_backward``'s, to its last) raises after some
+       update was handed over and before all were, the mix is latched at once
+       (:meth:`interrupted`), naming the slices updated; when none was, nothing changed and
+       nothing is latched. An update run in the caller's thread that raised inside (a resident
+       slice's) is rule 2's.
 """
 
 from __future__ import annotations
@@ -123,6 +126,15 @@ class PartialFailure:
         """The update was not handed over after all (its submission raised)."""
         self._unfinished.discard(handed)
         self._this_step.discard(handed.index)
+
+    def withdrawn_part_way(self, index: int) -> None:
+        """Slice ``index``'s hand-off raised inside :meth:`handing` (an interrupt), before its caller
+        held what that recorded: withdraw what it got to record, if anything."""
+        # A copy: the update worker discards what it finishes while this looks.
+        for handed in list(self._unfinished):
+            if handed.index == index and handed.event is None and not handed.in_caller:
+                self._unfinished.discard(handed)
+        self._this_step.discard(index)
 
     def step_begins(self, started: Collection[int]) -> None:
         """``step()`` starts handing its updates over; the slices ``started`` had theirs handed over

@@ -260,33 +260,39 @@ class SliceUpdates:
         if step.needs_bind():
             self.engine.updates.wait(step.index)  # the proxies may still be in use by its last update
             step.bind()
-        # A clip's scaling owed on the slice: done in the update's own pass (Note: [Scaling in the
-        # update] in deferred_scaling.py).
-        owed = self.engine.updates.claim(step.index)
-        scaling = getattr(owed, "scaling", None)  # an OwedSlice's (deferred_scaling.py, which imports this module)
-        assert owed is None or isinstance(scaling, OwedScaling), "internal error: unknown work owed on a slice"
-        handed = self.failure.handing(step.index)
-        work = functools.partial(self.failure.run, handed,
-                                 functools.partial(step.run, grads, hyper, grad_scale, found_inf, scaling))
+        worker = self.start_worker()
+        mark = worker.mark() if isinstance(worker, HostWorker) else None  # see _queued_since
+        owed = handed = None
         try:
+            # A clip's scaling owed on the slice: done in the update's own pass (Note: [Scaling in
+            # the update] in deferred_scaling.py).
+            owed = self.engine.updates.claim(step.index)
+            scaling = getattr(owed, "scaling", None)  # an OwedSlice's (deferred_scaling.py, which imports this module)
+            assert owed is None or isinstance(scaling, OwedScaling), "internal error: unknown work owed on a slice"
+            handed = self.failure.handing(step.index)
+            work = functools.partial(self.failure.run, handed,
+                                     functools.partial(step.run, grads, hyper, grad_scale, found_inf, scaling))
             handed.event = self._submit(step.index, work, [*after, self.engine.updates.event(step.index)])
         except BaseException:
-            self._hand_off_raised(step.index, handed, owed)
+            self._hand_off_raised(step.index, handed, _queued_since(worker, mark, self.disk, step.index), owed)
             raise
         return handed
 
-    def _hand_off_raised(self, index: int, handed: Handed, owed: Any) -> None:
+    def _hand_off_raised(self, index: int, handed: Handed | None, queued: Event | None, owed: Any) -> None:
         """Slice ``index``'s hand-off raised (an interrupt: Note: [An update that failed part way],
-        rule 6). An update the disk tier queued before it runs whatever follows: it is registered
-        with the waits, as any update. One not queued is withdrawn, the work owed on the slice owed
-        again, and its masters on disk written back and dropped, as for an update that is skipped
-        (they may have been read in for it)."""
-        tier = self.disk.tier
-        handed.event = tier.queued_updates.get(index) if tier is not None else None
-        if handed.event is not None:
-            self._register(index, handed.event)
+        rule 6). An update ``queued`` (its event) runs whatever follows: it is registered with the
+        waits, as any update, and does the work owed on the slice. One not queued is withdrawn,
+        the work owed on the slice owed again, and its masters on disk written back and dropped,
+        as for an update that is skipped (they may have been read in for it)."""
+        if queued is not None:
+            assert handed is not None, "internal error: an update queued before it was recorded"
+            handed.event = queued  # its work holds it: handing() had returned
+            self._register(index, queued)
             return
-        self.failure.withdrawn(handed)
+        if handed is not None:
+            self.failure.withdrawn(handed)
+        else:
+            self.failure.withdrawn_part_way(index)  # raised inside handing()
         if owed is not None:
             self.engine.updates.owe(index, owed)  # not submitted: still owed
         self._write_masters(index, None)
@@ -324,6 +330,16 @@ class SliceUpdates:
         back with its masters; ``None`` otherwise."""
         home = self.engine.slices[index].storage.gradient_home
         return home.file if home is not None and not home.is_idle() else None
+
+
+def _queued_since(worker: Any, mark: object, disk: TierPlumbing, index: int) -> Event | None:
+    """Slice ``index``'s update event if ``worker`` queued it since ``mark`` (what its ``mark()``
+    said before the hand-off), wherever in the hand-off an interrupt came (Note: [A worker under
+    interrupts and forks] in ``offload/streams/workers.py``); ``None`` if it did not. The
+    stream-ordering checker's workers, never interrupted, cannot say: its disk tier can."""
+    if isinstance(worker, HostWorker):
+        return worker.queued_since(mark)
+    return disk.tier.queued_updates.get(index) if disk.tier is not None else None
 
 
 def _left(steps: Sequence[SliceStep], rest: Sequence[SliceStep], handed: Callable[[int], bool]) -> list[int]:
