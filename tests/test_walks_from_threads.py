@@ -279,3 +279,27 @@ def test_two_threads_one_after_the_other_train_and_evaluate_exactly():
         assert torch.equal(trainer["value"], _step(plain, plain_opt, _batch(s)))
         assert torch.equal(evaluator["value"], plain(EVAL_INPUT).detach())
     _assert_same(plain, model, opt)
+
+
+def test_an_interrupt_as_an_evaluation_walk_starts_gives_the_claim_up(monkeypatch):
+    """Ctrl-C as a forward without autograd enters its walk (the walk's claim is the only one):
+    the claim is given up, so a backward on another thread (a CUDA device's) is not refused later."""
+    plain, plain_opt, model, opt = _pair()
+    engine = engine_of(model)
+    forget = type(engine.slots).forget_contents
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(type(engine.slots), "forget_contents", interrupted)
+    with torch.no_grad(), pytest.raises(KeyboardInterrupt):
+        model(EVAL_INPUT)
+    monkeypatch.setattr(type(engine.slots), "forget_contents", forget)
+    assert engine.walking is None
+    forward = model(_batch(0)).pow(2).mean()
+    backward = _in_thread(lambda: forward.backward(), "backward")
+    _join(backward)
+    assert "error" not in backward, backward.get("error")
+    opt.step()
+    _step(plain, plain_opt, _batch(0))
+    _assert_same(plain, model, opt)

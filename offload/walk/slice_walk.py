@@ -137,8 +137,11 @@ Note: [One walk at a time]
        thread, in the main thread or another, never meets a claim of its own. Several forwards
        before one backward claim one after the other. A checkpointed slice recomputes inside its
        backward's claim; the host workers that run updates in backward do not walk.
-    4. The thread that holds the claim may claim again (a layer or hook that calls the model
-       inside its own walk): that claim changes nothing, and only the outer one gives it up.
+    4. The thread that holds the claim may claim again: a walk inside its forward's or backward's
+       claim, or a non-reentrant checkpoint's recompute of the whole model, which runs before the
+       backward's walk. That claim changes nothing, and only the outer one gives it up. A layer or
+       hook that calls the model inside the model's own walk is not such a case: the inner call
+       loads into slots the outer walk holds and fails (not supported).
 """
 
 from __future__ import annotations
@@ -230,8 +233,13 @@ class SliceWalk:
 
     def __enter__(self) -> SliceWalk:
         self._claim.__enter__()  # within the caller's claim, where it took one: changes nothing
-        if self.direction is Direction.FORWARD:
-            self.engine.slots.forget_contents()
+        try:
+            if self.direction is Direction.FORWARD:
+                self.engine.slots.forget_contents()
+        except BaseException:
+            # __exit__ will not run: an interrupt here must not leave the claim held (rule 1).
+            self._claim.__exit__(None, None, None)
+            raise
         return self
 
     def __iter__(self) -> Iterator[tuple[int, list[torch.Tensor]]]:
