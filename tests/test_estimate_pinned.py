@@ -65,14 +65,15 @@ def test_pinned_gradients_are_counted_in_the_engines_size_classes():
     assert not exact.pinned and exact.pinned_bytes == 0
 
 
-def _trained(model: OffloadModel, make_input) -> None:  # type: ignore[no-untyped-def]
+def _trained(model: OffloadModel, make_input) -> OffloadOptimizer:  # type: ignore[no-untyped-def]
+    """Two steps; the optimizer returned, for the footprint to count its state while it lives."""
     optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-3, fused=True)
     for _ in range(2):
         model(make_input()).float().sum().backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
     optimizer.synchronize()
-    optimizer.close()
+    return optimizer
 
 
 def test_the_estimate_for_cuda_equals_a_model_whose_pool_has_the_size_classes(monkeypatch):
@@ -82,8 +83,9 @@ def test_the_estimate_for_cuda_equals_a_model_whose_pool_has_the_size_classes(mo
     monkeypatch.setattr(engine_module, "HostBufferPool", _SizedPool)
     plan = estimate_memory(linears(), num_slices=4, device="cuda")
     model = OffloadModel(linears(), device="cpu", num_slices=4)
-    _trained(model, lambda: torch.randn(2, WIDTH))
+    optimizer = _trained(model, lambda: torch.randn(2, WIDTH))
     footprint = model.memory_footprint()
+    optimizer.close()
     assert footprint.host_gradients > 4 * 4 * (WIDTH * WIDTH + WIDTH)
     for category in ("masters", "shadows", "gradients", "optimizer_state"):
         assert plan.host_categories()[category] == footprint.host_categories()[category], category
@@ -101,7 +103,7 @@ def test_with_the_masters_on_disk_a_tied_weights_sum_is_counted_in_its_size_clas
     plan = estimate_memory(tied(), num_slices=3, compute_dtype=torch.bfloat16, device="cuda", masters="disk")
     layers = tied()
     model = OffloadModel(layers, device="cpu", num_slices=3, compute_dtype=torch.bfloat16, masters=DiskTier(tmp_path))
-    _trained(model, lambda: torch.randint(0, 4000, (2, 3)))
+    _trained(model, lambda: torch.randint(0, 4000, (2, 3))).close()
     kept = layers[0].weight.grad.untyped_storage().nbytes()  # the parameter itself: its .grad is the sum
     assert kept == engine_module.size_class(4000 * 80 * 4) > 4000 * 80 * 4
     assert plan.host_gradients == kept
