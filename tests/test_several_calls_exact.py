@@ -69,6 +69,22 @@ def in_place_additions(model: OffloadModel) -> list[int]:
     return added
 
 
+def step_both_alike(plain: tuple, offloaded_pair: tuple, zeroed_by: str, backward: Callable[[nn.Module], None]) -> None:
+    """One step of each (module, optimizer) pair: ``backward(module)``, the step, then zeroing by
+    ``zeroed_by`` (keeping tensors); the offloaded gradients and parameters equal the plain ones."""
+    grads = []
+    for module, opt in (plain, offloaded_pair):
+        backward(module)
+        grads.append([p.grad.clone() for p in module.parameters()])
+        opt.step()
+        (module if zeroed_by == "model" else opt).zero_grad(set_to_none=False)
+    offloaded_pair[1].synchronize()
+    for got, want in zip(*reversed(grads)):
+        torch.testing.assert_close(got, want.cpu(), **EXACT)
+    for p, q in zip(offloaded_pair[0].parameters(), plain[0].parameters()):
+        torch.testing.assert_close(p, q.detach().cpu(), **EXACT)
+
+
 @pytest.mark.parametrize("zeroed_by", ["model", "optimizer"])
 @pytest.mark.parametrize("loss_fn,calls", [(triplet, 3), (three_weighted, 3), (pair_and_penalty, 2)],
                          ids=["triplet", "three-calls", "two-calls-and-a-penalty"])
@@ -85,19 +101,8 @@ def test_calls_after_zero_grad_keeping_tensors_train_as_autograd(loss_fn: Loss, 
     reference = HostStepped(plain, lambda params: torch.optim.AdamW(params, lr=1e-3))
     added = in_place_additions(model)
     for step in range(4):
-        for module, opt in ((plain, reference), (model, optimizer)):
-            loss_fn(module, batches(step, calls, device)).backward()
-            if module is plain:
-                want = [p.grad.clone() for p in module.parameters()]
-            else:
-                got = [p.grad.clone() for p in module.parameters()]
-            opt.step()
-            (module if zeroed_by == "model" else opt).zero_grad(set_to_none=False)
-        optimizer.synchronize()
-        for g, w in zip(got, want):
-            torch.testing.assert_close(g, w.cpu(), **EXACT)
-        for p, q in zip(model.parameters(), plain.parameters()):
-            torch.testing.assert_close(p, q.detach().cpu(), **EXACT)
+        step_both_alike((plain, reference), (model, optimizer), zeroed_by,
+                        lambda module: loss_fn(module, batches(step, calls, device)).backward())
         if step > 0:  # .grad zeroed: the last walk of the backward adds it all
             assert added[-calls:] == [0] * (calls - 1) + [len(list(model.parameters()))]
 
@@ -109,20 +114,11 @@ def test_accumulating_backwards_of_three_calls_each_trains_as_autograd(zeroed_by
     model, optimizer = offloaded(network(), device)
     reference = HostStepped(plain, lambda params: torch.optim.AdamW(params, lr=1e-3))
     for step in range(3):
-        for module, opt in ((plain, reference), (model, optimizer)):
+        def three_backwards(module: nn.Module) -> None:
             for k in range(3):
                 three_weighted(module, batches(10 * step + k, 3, device)).backward()
-            if module is plain:
-                want = [p.grad.clone() for p in module.parameters()]
-            else:
-                got = [p.grad.clone() for p in module.parameters()]
-            opt.step()
-            (module if zeroed_by == "model" else opt).zero_grad(set_to_none=False)
-        optimizer.synchronize()
-        for g, w in zip(got, want):
-            torch.testing.assert_close(g, w.cpu(), **EXACT)
-        for p, q in zip(model.parameters(), plain.parameters()):
-            torch.testing.assert_close(p, q.detach().cpu(), **EXACT)
+
+        step_both_alike((plain, reference), (model, optimizer), zeroed_by, three_backwards)
 
 
 @pytest.mark.parametrize("calls", [1, 2, 3])

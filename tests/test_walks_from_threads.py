@@ -136,6 +136,15 @@ def _refused(done: dict, what: str, holder: str) -> None:
     assert "one thread at a time" in message and "copy.deepcopy" in message
 
 
+def _trainer_goes_on_exact(gate, trainer, plain, plain_opt, model, opt) -> None:
+    """Lets the trainer blocked at ``gate`` go on: its step equals the plain model's, bit for bit."""
+    gate.release.set()
+    _join(trainer)
+    assert "error" not in trainer, trainer.get("error")
+    assert torch.equal(trainer["value"], _step(plain, plain_opt, _batch(0)))
+    _assert_same(plain, model, opt)
+
+
 @pytest.mark.parametrize("blocked_in", ["forward", "backward"])
 def test_an_eval_forward_from_another_thread_is_refused_and_training_stays_exact(monkeypatch, blocked_in):
     plain, plain_opt, model, opt = _pair()
@@ -152,12 +161,7 @@ def test_an_eval_forward_from_another_thread_is_refused_and_training_stays_exact
             return model(EVAL_INPUT)
     evaluator = _in_thread(evaluate, "evaluator")
     _join(evaluator)
-    gate.release.set()
-    _join(trainer)
-
-    assert "error" not in trainer, trainer.get("error")
-    assert torch.equal(trainer["value"], _step(plain, plain_opt, _batch(0)))
-    _assert_same(plain, model, opt)
+    _trainer_goes_on_exact(gate, trainer, plain, plain_opt, model, opt)
     _refused(evaluator, "a forward (or a move, .to())", "trainer")
     assert [who for _, who in touched].count("evaluator") == 1  # only the marker: nothing of the engine's
     for s in range(1, 4):  # and on: nothing the refused call could have left behind
@@ -206,12 +210,7 @@ def test_a_forward_with_autograd_claims_before_its_records_and_milestones(monkey
     touched = _watch_engine(monkeypatch, engine)
     caller = _in_thread(lambda: model(EVAL_INPUT), "caller")
     _join(caller)
-    gate.release.set()
-    _join(trainer)
-
-    assert "error" not in trainer, trainer.get("error")
-    assert torch.equal(trainer["value"], _step(plain, plain_opt, _batch(0)))
-    _assert_same(plain, model, opt)
+    _trainer_goes_on_exact(gate, trainer, plain, plain_opt, model, opt)
     _refused(caller, "a forward", "trainer")
     assert [what for what, who in touched if who == "caller"] == []
 
