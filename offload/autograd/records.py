@@ -29,6 +29,25 @@ Note: [Checkpoints and kept graphs]
     tensors themselves, so autograd frees them with the graph (Note: [Gradients through autograd]
     in ``offload/autograd/gradients.py``).
 
+Note: [Offloaded graph leaves]
+    An offloaded graph is differentiated with respect to its boundary leaves that need a gradient,
+    so its record keeps them, and autograd's graph holds them too (each leaf's accumulation node):
+    with its data, a leaf would keep the slice's input on the device until backward. After the run
+    the record drops the data, and the memory goes when the boundary lets the input go.
+
+    1. No layer sees the leaf itself: it enters its slice through a copy, or where its elements
+       overlap through a view of itself (Note: [Leaves enter through a copy] in
+       ``slice_graph.py``). A hook that captures a slice's input (a pre-hook on its first layer,
+       for features or activation statistics) keeps the values the plain model's hook sees, after
+       forward and after backward, in memory that only the hook's reference holds.
+    2. The leaf keeps its shape, dtype and device, over one element read at every index (NaN). A
+       backward from outside the model that reaches it (a term on a captured slice input in the
+       loss) adds into its ``.grad`` as into any leaf's, and rule 1 of Note: [Activations used
+       outside the model] in ``slice_graph.py`` refuses it saying what to do; over no element,
+       autograd's accumulation failed first, with a size mismatch that named nothing.
+    3. Only what opens autograd's internals reaches the leaf's values and reads NaN: ``._base``
+       of a captured input that entered as a view, or the graph walked by hand from ``grad_fn``.
+
 Note: [Leaves that pass through]
     Some boundary leaves cross every slice unchanged: a causal LM's rotary tables (``cos`` and
     ``sin``) travel from the embedding to every decoder layer beside the hidden states. Offloading
@@ -166,7 +185,8 @@ class OffloadedGraph:
         outputs: gradient edges of the graph's outputs that require grad (``None`` elsewhere):
             the edges, not the tensors, so that the outputs' memory is freed with the boundary.
         inputs: the boundary leaves that require grad, their data dropped after the run (autograd
-            needs only the leaf to differentiate with respect to it); ``None`` elsewhere.
+            needs only the leaf to differentiate with respect to it; Note: [Offloaded graph
+            leaves]); ``None`` elsewhere.
         params: parameter leaves, over slot memory read through slot references.
         saves: the saved tensors, offloaded.
     """
@@ -181,9 +201,10 @@ Record = Checkpoint | KeptGraph | OffloadedGraph
 
 
 def _without_data(leaf: torch.Tensor) -> torch.Tensor:
-    """``leaf`` with its data dropped: a leaf's gradient takes its shape from the graph's metadata,
-    so a graph differentiates with respect to it without its values."""
-    leaf.data = leaf.data.new_empty(0)
+    """``leaf`` with its data dropped (Note: [Offloaded graph leaves]): a leaf's gradient takes its
+    shape from the graph's metadata, so a graph differentiates with respect to it without its values."""
+    # One element read at every index: the leaf's shape stays, for a backward from outside (rule 2).
+    leaf.data = leaf.data.new_full((), float("nan")).expand(leaf.shape)
     return leaf
 
 
