@@ -697,6 +697,10 @@ def test_unsupported_models_and_batches_get_clear_errors():
         layers({**inputs, "labels": inputs["input_ids"]})
     with pytest.raises(TypeError, match="dict of tensors"):
         layers([inputs["input_ids"]])
+    # A decoder takes a dict of ready masks, one per layer type; the stages build each from a tensor.
+    causal = torch.ones(1, 1, 8, 8, dtype=torch.bool).tril()
+    with pytest.raises(TypeError, match="'attention_mask' must be a tensor .* not dict: a dict of masks per layer"):
+        layers({"input_ids": inputs["input_ids"], "attention_mask": {"full_attention": causal}})
 
 
 # -- scripts/finetune_causal_lm.py --------------------------------------------------------------

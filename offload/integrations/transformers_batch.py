@@ -81,6 +81,14 @@ def _unpack_batch(batch: Any, with_labels: bool) -> tuple[torch.Tensor, torch.Te
             "let the head compute it chunk by chunk: causal_lm_sequential(hf_model, loss_chunk_tokens=...)"
         )
     input_ids = batch["input_ids"]
+    mask = batch.get("attention_mask")
+    if mask is not None and not isinstance(mask, torch.Tensor):
+        # A family's decoder takes a dict of ready masks, one per layer type, where the stages build
+        # each layer's mask from one tensor: its failure inside transformers named nothing.
+        raise TypeError(
+            f"the batch's 'attention_mask' must be a tensor (a 2-D padding mask, or a 4-D mask), not "
+            f"{type(mask).__name__}: a dict of masks per layer type is not supported. Pass the 2-D padding mask "
+            "(or none, for packed sequences' position_ids) and each layer's mask is built from it as the model does")
     targets = _loss_targets(input_ids, batch.get("labels"), batch.get("shift_labels")) if with_labels else None
     if hidden_only:
         targets = LAST_HIDDEN_STATE
