@@ -19,11 +19,11 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.utils.parametrize import ParametrizationList
-from torch.utils._pytree import tree_map
 
 from .binding import Binding, give_back_unheld
 from ..tiers.master_files import place_masters
 from .milestones import Milestones
+from .structures import map_tensors
 from ..streams import (
     ActivationOffloader,
     Entry,
@@ -200,8 +200,8 @@ class Slice:
             output = self.run(inputs)
         self._refuse_parameter_writes(tensors, versions)
         # An output that aliases the slot (a layer returning a weight or a view of one) would change
-        # under the caller's feet when the slot is reused: give it memory of its own.
-        output = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) and slots.owns(t) else t, output)
+        # under the caller's feet when the slot is reused: give it memory of its own (in a dataclass too).
+        output = map_tensors(lambda t: t.clone() if slots.owns(t) else t, output, f"slice {self.index}'s output")
         for position, new_value in binding.reassigned:  # all checked before any is kept
             _check_reassigned(self.index, sites[position][0].name, new_value, tensors[position],
                               self.storage.compute_dtype)

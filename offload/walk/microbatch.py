@@ -50,6 +50,25 @@ Note: [Chunks with a version counter of their own]
     ``offload/autograd/slice_graph.py``), and an inference tensor has no counter: both stay views,
     as does a tensor that is not a plain strided one (a subclass's memory is not its storage's).
 
+Note: [Sparse tensors carrying the batch]
+    A sparse tensor whose dim 0 is the batch's (a bag of words a row) is cut as a strided one is,
+    and what a slice gives back sparse with the microbatch's rows is joined again, so the plain
+    model's results come out bit for bit: each row keeps its entries in their order.
+
+    1. A COO tensor is cut with ``narrow_copy`` (a sparse tensor has no strided views): each chunk
+       holds copies of its rows' indices and values, so a layer that writes a chunk in place does
+       not write the caller's tensor. Outputs are joined with ``torch.cat``.
+    2. A two-dimensional CSR tensor (dense dims after them allowed) is cut by its row pointers:
+       the chunk's column indices and values are views of the caller's, found with one blocking
+       read of the row pointers. Outputs are joined by their row pointers, which ``torch.cat``
+       cannot do.
+    3. Any other sparse layout carrying the batch (CSC, BSR, BSC, or CSR with batch dims) is
+       refused, naming the input leaf, before any slice runs; as an output, where it is joined.
+    4. A sparse tensor whose dim 0 is not the batch's (a graph's ``[nodes, nodes]`` adjacency
+       beside a batch of graphs) goes whole to every microbatch, as any such leaf does, and comes
+       back whole: rule 4 of Note: [Joining outputs] tells it by its indices' and values' memory,
+       which a detach keeps.
+
 Nothing here moves data between devices.
 """
 
@@ -62,6 +81,8 @@ from typing import Any
 
 import torch
 import torch.autograd.forward_ad as forward_ad
+
+_SPARSE_LAYOUTS = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
 
 
 @dataclass(frozen=True)
@@ -113,6 +134,9 @@ def split_leaves(leaves: Sequence[Any], num_microbatches: int) -> tuple[list[lis
         return [list(leaves)], Split((rows if rows is not None else 0,), carries)
     count = min(num_microbatches, rows)
     sizes = tuple(rows // count + (1 if m < rows % count else 0) for m in range(count))
+    for position, (leaf, cut) in enumerate(zip(leaves, carries)):
+        if cut and leaf.layout in _SPARSE_LAYOUTS:
+            _check_sparse_cut(position, leaf, sizes)
     per_leaf = [_chunks(leaf, sizes) if cut else [leaf] * count for leaf, cut in zip(leaves, carries)]
     return [[chunks[m] for chunks in per_leaf] for m in range(count)], Split(sizes, carries)
 
@@ -120,11 +144,69 @@ def split_leaves(leaves: Sequence[Any], num_microbatches: int) -> tuple[list[lis
 def _chunks(leaf: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
     """``leaf`` cut along dim 0, each chunk but the first with a version counter of its own where
     that can matter (Note: [Chunks with a version counter of their own])."""
+    if leaf.layout in _SPARSE_LAYOUTS:
+        return _sparse_chunks(leaf, sizes)
     chunks = list(torch.split(leaf, list(sizes), dim=0))
     if (leaf.requires_grad or not _plain_memory(leaf) or leaf.is_inference() or torch.is_inference_mode_enabled()
             or _has_tangent(leaf)):
         return chunks
     return [chunks[0], *(_own_version(chunk) for chunk in chunks[1:])]
+
+
+def _check_sparse_cut(position: int, leaf: torch.Tensor, sizes: Sequence[int]) -> None:
+    """Refuse, before anything runs, a sparse tensor carrying the batch that :func:`_sparse_chunks`
+    cannot cut (Note: [Sparse tensors carrying the batch])."""
+    if _rows_cut(leaf):
+        return
+    raise ValueError(
+        f"the model's input leaf {position} (flattened in order) is a {leaf.layout} tensor of shape "
+        f"{tuple(leaf.shape)} whose dim 0 is the batch's ({sum(sizes)} rows), so num_microbatches would cut it "
+        f"into {len(sizes)} microbatches along dim 0, which OffloadModel does for a sparse COO tensor or a "
+        "two-dimensional CSR one only (Note: [Sparse tensors carrying the batch] in offload/walk/microbatch.py). "
+        "Convert it (.to_sparse_coo()); give it a dim 0 other than the batch's, to pass it whole to every "
+        "microbatch; or use num_microbatches=1")
+
+
+def _rows_cut(t: torch.Tensor) -> bool:
+    """Whether a sparse tensor's rows can be cut and joined: COO, or CSR without batch dims."""
+    return t.layout == torch.sparse_coo or (t.layout == torch.sparse_csr and t.dim() - t.dense_dim() == 2)
+
+
+def _sparse_chunks(leaf: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
+    """``leaf``, a sparse tensor, cut along dim 0 (Note: [Sparse tensors carrying the batch])."""
+    starts = [sum(sizes[:m]) for m in range(len(sizes))]
+    if leaf.layout == torch.sparse_coo:
+        return [leaf.narrow_copy(0, start, rows) for start, rows in zip(starts, sizes)]
+    crow = leaf.crow_indices()
+    # Rows a:b hold the entries crow[a]:crow[b]: one blocking read of where each chunk's begin.
+    # Pieces of a valid tensor need no invariant check (whose absence torch warns of unless told).
+    bounds = crow[[*starts, sum(sizes)]].tolist()
+    return [torch.sparse_csr_tensor(
+        crow[a:a + rows + 1] - bounds[m], leaf.col_indices()[bounds[m]:bounds[m + 1]],
+        leaf.values()[bounds[m]:bounds[m + 1]], (rows, *leaf.shape[1:]), check_invariants=False)
+        for m, (a, rows) in enumerate(zip(starts, sizes))]
+
+
+def _joined_sparse(position: int, per_microbatch: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Sparse output tensors carrying the batch joined along dim 0, as :func:`_sparse_chunks` cut
+    them (Note: [Sparse tensors carrying the batch])."""
+    first = per_microbatch[0]
+    if not all(_rows_cut(t) and t.layout == first.layout for t in per_microbatch):
+        raise ValueError(
+            f"output leaf {position} is a {first.layout} tensor of shape {tuple(first.shape)} carrying the batch "
+            "dimension, which OffloadModel joins across microbatches for a sparse COO tensor or a two-dimensional "
+            "CSR one only (Note: [Sparse tensors carrying the batch] in offload/walk/microbatch.py); return it as "
+            "COO (.to_sparse_coo()) or dense, or use num_microbatches=1")
+    if first.layout == torch.sparse_coo:
+        return torch.cat(per_microbatch, dim=0)
+    offsets = [0]
+    for t in per_microbatch:
+        offsets.append(offsets[-1] + t._nnz())
+    crow = torch.cat([per_microbatch[0].crow_indices()[:1]] + [
+        t.crow_indices()[1:] + offset for t, offset in zip(per_microbatch, offsets)])
+    return torch.sparse_csr_tensor(
+        crow, torch.cat([t.col_indices() for t in per_microbatch]), torch.cat([t.values() for t in per_microbatch]),
+        (sum(t.shape[0] for t in per_microbatch), *first.shape[1:]), check_invariants=False)
 
 
 def _has_tangent(t: torch.Tensor) -> bool:
@@ -219,7 +301,9 @@ def _joined_tensor(position: int, per_microbatch: Sequence[torch.Tensor], sizes:
     first = per_microbatch[0]
     carries = all(t.dim() >= 1 and t.shape[0] == rows for t, rows in zip(per_microbatch, sizes))
     same = _memory(first) is not None and all(_memory(t) == _memory(first) for t in per_microbatch[1:])
-    if carries and (not same or first.stride(0) == 0):
+    if carries and not same and first.layout in _SPARSE_LAYOUTS:
+        return _joined_sparse(position, per_microbatch)
+    if carries and (not same or first.layout == torch.strided and first.stride(0) == 0):
         return torch.cat(per_microbatch, dim=0)
     if needs_grad:
         raise ValueError(
@@ -240,11 +324,27 @@ def _joined_tensor(position: int, per_microbatch: Sequence[torch.Tensor], sizes:
 
 def _memory(t: torch.Tensor) -> tuple[Any, ...] | None:
     """Where a plain tensor's elements lie and how they are read; ``None`` where that says nothing
-    (an empty tensor has no memory, a subclass's or a sparse tensor's is not its storage's)."""
-    if type(t) is not torch.Tensor or t.layout != torch.strided or t.numel() == 0:
+    (an empty tensor has no memory, a subclass's is not its storage's). A sparse tensor's lie in its
+    indices and values (one passed on whole, which each slice's input detaches)."""
+    if type(t) is not torch.Tensor or t.numel() == 0:
+        return None
+    if t.layout in _SPARSE_LAYOUTS:
+        if t._nnz() == 0:
+            return None
+        parts = (t._indices(), t._values()) if t.layout == torch.sparse_coo else (
+            *_compressed_indices(t), t.values())
+        return (t.layout, t.shape, *(_memory(p) for p in parts))
+    if t.layout != torch.strided:
         return None
     return (t.untyped_storage().data_ptr(), t.device, t.dtype, t.storage_offset(), t.shape, t.stride(),
             t.is_conj(), t.is_neg())
+
+
+def _compressed_indices(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A CSR, CSC, BSR or BSC tensor's compressed and plain indices."""
+    if t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return t.crow_indices(), t.col_indices()
+    return t.ccol_indices(), t.row_indices()
 
 
 def _equal_tensors(a: torch.Tensor, b: torch.Tensor) -> bool:

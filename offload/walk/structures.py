@@ -37,13 +37,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections import UserList
-from collections.abc import Mapping, MutableMapping, MutableSequence
+from collections.abc import Callable, Mapping, MutableMapping, MutableSequence
 from typing import Any
 
 import torch
 from torch.utils._pytree import TreeSpec, register_pytree_node, tree_flatten, tree_leaves, tree_map, tree_unflatten
 
-__all__ = ["flatten", "unflatten"]
+__all__ = ["flatten", "map_tensors", "tensors_in", "unflatten"]
 
 
 def flatten(value: Any, where: str) -> tuple[list[Any], TreeSpec]:
@@ -63,6 +63,34 @@ def flatten(value: Any, where: str) -> tuple[list[Any], TreeSpec]:
 def unflatten(leaves: list[Any], spec: TreeSpec) -> Any:
     """The structure :func:`flatten` took apart, around ``leaves``."""
     return tree_unflatten(leaves, spec)
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any, where: str) -> Any:
+    """``value`` with ``fn(t)`` in place of each tensor ``t`` among :func:`flatten`'s leaves; ``value``
+    itself, nothing put back together, where ``fn`` gives every tensor back as it is.
+
+    Raises:
+        TypeError: as :func:`flatten`.
+    """
+    leaves, spec = flatten(value, where)
+    mapped = [fn(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+    if all(new is old for new, old in zip(mapped, leaves)):
+        return value
+    return unflatten(mapped, spec)
+
+
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors among ``value``'s leaves, in :func:`flatten`'s order, a container opened wherever
+    it holds one, even one rule 3 refuses: for counting what a value holds (the planner's bytes of
+    an input or a layer's output, where a layer inside a slice may return any container), which
+    puts nothing back together and so refuses nothing."""
+    found = []
+    for leaf in tree_leaves(value):
+        if isinstance(leaf, torch.Tensor):
+            found.append(leaf)
+        elif (opened := _items(leaf)) is not None:
+            found.extend(tensors_in(opened[0]))
+    return found
 
 
 @dataclasses.dataclass(frozen=True)
