@@ -235,3 +235,25 @@ def test_an_offloaded_graph_keeps_no_slice_input_after_forward():
     gc.collect()
     assert seen.expired()
     output.sum().backward()
+
+
+@pytest.mark.parametrize("checkpoint_activation", [True, False])
+def test_a_weight_a_hook_keeps_is_the_plain_weight_when_cloned(checkpoint_activation):
+    # docs/api.md, "Hooks": inside its slice's run a layer's weight is the device copy, in a slot
+    # that later slices load into; the clone a hook keeps holds the layer's own values.
+    plain = network()
+    model = OffloadModel(copy.deepcopy(plain), device="cpu", num_slices=4,
+                         checkpoint_activation=checkpoint_activation)
+    kept: dict[int, torch.Tensor] = {}
+    parameters = {index: model[index].weight for index in FIRST_LAYERS}
+
+    def keep(index: int) -> Any:
+        def hook(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+            kept.setdefault(index, module.weight.detach().clone())
+        return hook
+    for index in FIRST_LAYERS:
+        model[index].register_forward_hook(keep(index))
+    model(inputs()).sum().backward()
+    for index in FIRST_LAYERS:
+        assert torch.equal(kept[index], plain[index].weight)
+        assert model[index].weight is parameters[index]  # the parameter again after the call
