@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.graph import saved_tensors_hooks
 
 from . import per_tensor_warning
 from .arguments import int_at_least, resident_count
 from .autograd import Call, OffloadFunction, flatten_input, refusals
 from .autograd.accumulation import mark_zeroed
+from .autograd.function import identity_hooks
 from .streams.gradient_files import back_in_files, gradients_in_files, zeroed_in_files
 from .streams.host_storage import check_memory_held_once
 from .data_parallel import DataParallel
@@ -335,6 +335,7 @@ def _run(model: OffloadModel, *args: Any, **kwargs: Any) -> Any:
     engine = model._engine
     check_layers_unchanged(model._modules, engine.slices)  # Note: [Layers fixed at wrapping]
     refusals.refuse_transformed_tensors(engine)  # before the refresh would lay them out
+    refusals.refuse_parameter_tangents(engine)  # likewise: the layout copies values, not tangents
     engine.refresh()
     _warn_microbatch_batchnorm(model)
     leaves, spec = flatten_input(args[0], model.compute_dtype)
@@ -357,16 +358,14 @@ def _run(model: OffloadModel, *args: Any, **kwargs: Any) -> Any:
     return call.output_with(outputs)
 
 
-def _identity(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
-
-
 @contextlib.contextmanager
 def _identity_hooks() -> Iterator[None]:
-    """Saved-tensor hooks that keep tensors as they are (see :func:`_run`). Where PyTorch refuses
-    them (``disable_saved_tensors_hooks()``, ``torch.func.grad``), its error says only what the
-    caller said, naming no OffloadModel: a note says why the model needs them and what to do."""
-    hooks = saved_tensors_hooks(_identity, _identity)
+    """Saved-tensor hooks that keep tensors as they are (see :func:`_run`; the backward runs under
+    them too: Note: [The caller's saved-tensor hooks] in ``offload/autograd/function.py``). Where
+    PyTorch refuses them (``disable_saved_tensors_hooks()``, ``torch.func.grad``), its error says
+    only what the caller said, naming no OffloadModel: a note says why the model needs them and
+    what to do."""
+    hooks = identity_hooks()
     try:
         hooks.__enter__()
     except RuntimeError as error:

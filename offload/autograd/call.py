@@ -109,6 +109,10 @@ class Call:
     output_leaves: list[Any] = field(default_factory=list)  # tensors replaced by None
     output_tensor_positions: list[int] = field(default_factory=list)  # the Function's results
     output_aliases: list[OutputAlias] = field(default_factory=list)  # the other tensor leaves
+    # Forward-mode AD's switch where the model was called: autograd turns it off inside a Function's
+    # forward, and a layer that makes dual tensors itself must run under the caller's (Note:
+    # [Forward-mode AD inside a layer] in offload/autograd/function.py).
+    forward_grad_enabled: bool = field(default_factory=torch._C._is_fwd_grad_enabled)
 
     @classmethod
     def taking(cls, leaves: Sequence[Any], spec: TreeSpec) -> tuple[Call, list[torch.Tensor]]:

@@ -12,13 +12,39 @@ Only the autograd protocol lives here; the rest is cut along its notes:
 
 The loop over slices stays inside one Function, explicit: that is what lets every microbatch of
 a slice run while the slice is loaded once, and the recompute replay each run exactly.
+
+Note: [Forward-mode AD inside a layer]
+    A layer may use forward-mode AD itself (``make_dual`` and ``unpack_dual`` inside its forward,
+    for a Jacobian-vector term). PyTorch runs a Function's forward with forward-mode AD switched
+    off, and its backward with it on: the layer would get no tangent in forward and one in the
+    recompute, another output and another gradient than the plain model's. So the call records
+    the switch where the model was called (``Call.forward_grad_enabled``), and every forward run
+    and every recompute runs under it.
+
+Note: [The caller's saved-tensor hooks]
+    The plain model's forward packs what it saves through the caller's saved-tensor hooks, and its
+    backward packs nothing. The walk's graphs are its own: its forward saves through the model's
+    hooks (references to a slot, offloaded, or dropped for a recompute), and a recompute saves in
+    backward. So the Function's apply and every slice's backward run under :func:`identity_hooks`,
+    innermost, which keep a caller's hooks (``save_on_cpu``, a lossy pack for activation
+    compression, a counter) away from both, as from the plain model's backward.
+
+    1. ``torch.autograd.graph.allow_mutation_on_saved_tensors()`` is such hooks too: the caller may
+       change the model's input in place between forward and backward, and autograd clones the
+       saved tensor first. A kept graph (or a small save an offloaded one keeps) would save the
+       caller's tensor itself, out of the block's sight, and refuse backward as changed in place.
+       Inside that block every strided tensor of the model's input enters slice 0 through a copy
+       (Note: [Leaves enter through a copy] in ``slice_graph.py``), which the graph saves and the
+       caller cannot change; a recompute's leaves are the walk's copies anyway.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 
 from ..walk.activation_policy import ActivationPlan
 from ..walk.engine import Engine, WalkClaim
@@ -60,11 +86,7 @@ class OffloadFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         if torch.is_grad_enabled():
-            raise RuntimeError(
-                "OffloadModel does not support double backward (create_graph=True, e.g. for a gradient "
-                "penalty): the recomputed slices are differentiated once. Compute such terms on a model "
-                "that is not offloaded."
-            )
+            raise RuntimeError(refusals.DOUBLE_BACKWARD)
         # Autograd runs backward in the caller's inference mode (loss.backward() under
         # torch.inference_mode(), which the plain model's nodes do not mind): the recompute must build
         # a graph, and the gradients' watch reads accumulation nodes through views, neither of which
@@ -95,7 +117,8 @@ def _walk_forward(ctx: Any, engine: Engine, call: Call, plan: ActivationPlan, nu
             records.start_slice(i)
             leaving: list[Boundary] = []
             for m, entering in enumerate(boundary):
-                with label(f"offload::forward slice {i}"):
+                # Note: [Forward-mode AD inside a layer].
+                with label(f"offload::forward slice {i}"), forward_ad._set_fwd_grad_enabled(call.forward_grad_enabled):
                     out, changed = run_forward(engine, records, i, m, views, entering)
                 if changed:
                     walk.buffers_changed()
@@ -144,7 +167,8 @@ def _walk_backward(ctx: Any, grad_outputs: tuple[torch.Tensor | None, ...]) -> t
                 if m > 0 or i > grads.lowest:
                     loader.prefetch(*((i, m - 1) if m > 0 else (i - 1, count - 1)))
                 record = run.records.take(i, m, retain_graph)
-                with label(f"offload::backward slice {i}"):
+                with label(f"offload::backward slice {i}"), _shielded_from_callers_hooks(), \
+                        forward_ad._set_fwd_grad_enabled(run.call.forward_grad_enabled):
                     graph = graph_of(run.engine, record, run.autocast, saved, loader, i, m, views, retain_graph)
                     if graph.restored_buffers:
                         walk.buffers_restored()
@@ -161,3 +185,27 @@ def _walk_backward(ctx: Any, grad_outputs: tuple[torch.Tensor | None, ...]) -> t
         grads.land()
         walk.finish()
     return (None, None, None, None, *grads.results(grad_out))
+
+
+def _identity(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def identity_hooks() -> torch.autograd.graph.saved_tensors_hooks:
+    """Saved-tensor hooks that keep tensors as they are: innermost, they keep the caller's away
+    from what the walk saves (Note: [The caller's saved-tensor hooks])."""
+    return torch.autograd.graph.saved_tensors_hooks(_identity, _identity)
+
+
+def _shielded_from_callers_hooks() -> contextlib.AbstractContextManager[object]:
+    """:func:`identity_hooks` around a slice's backward; nothing in a backward inside
+    ``disable_saved_tensors_hooks()``, which refuses them and has no hooks of the caller's under
+    it (it refuses to start over any)."""
+    if not torch._C._autograd._saved_tensors_hooks_is_enabled():
+        return contextlib.nullcontext()
+    # No caller's hooks around the backward (the common case): nothing to shield from, and a
+    # recompute's saves then take no Python call each. PyTorch before 2.6 cannot tell: shielded.
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is not None and top(False) is None:
+        return contextlib.nullcontext()
+    return identity_hooks()

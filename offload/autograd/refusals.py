@@ -13,8 +13,12 @@ Note: [Transforms the walk refuses]
        (``grad``, ``vjp`` and ``jacrev`` refuse the saved-tensor hooks the model enters first;
        :func:`note_refused_hooks` adds what to do to their error.)
     2. Forward-mode AD (``torch.autograd.forward_ad``): the Function has no ``jvp``. Refused at the
-       call when an input carries a tangent; under ``torch.no_grad()`` the tangents go through the
-       layers as in the plain model.
+       call when an input carries a tangent; under ``torch.no_grad()`` the input's tangents go
+       through the layers as in the plain model. A tangent on a parameter or buffer (a dual tensor
+       passed through ``torch.func.functional_call``) is refused in every mode, at the model's
+       call: the walk copies what the layers register into its host buffers by value (Note:
+       [Tensors substituted for a call] in ``offload/streams/host_storage.py``), which would drop
+       the tangent, silently.
     3. ``torch.autograd.grad(..., is_grads_batched=True)`` runs backward once over a batch of
        output gradients (vmapped). Input gradients go through the recompute batched as in the
        plain model; parameter gradients would have to go through the host buffers, a batch at a
@@ -37,7 +41,7 @@ Note: [Transforms the walk refuses]
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -58,8 +62,23 @@ FUNC_TRANSFORMS = (
 FORWARD_AD = (
     "OffloadModel: forward-mode AD (a dual tensor from torch.autograd.forward_ad.make_dual) is not supported "
     "while OffloadModel builds a graph for backward: it walks the slices inside one autograd Function, which has "
-    f"no jvp rule. {_NO_GRAD}: run the forward under torch.no_grad() and the tangents go through the layers as in "
-    "the plain model (docs/api.md, Limitations).")
+    f"no jvp rule. {_NO_GRAD} for tangents on the model's input: run the forward under torch.no_grad() and they "
+    "go through the layers as in the plain model (tangents on the parameters are refused in every mode; "
+    "docs/api.md, Limitations).")
+
+PARAMETER_TANGENTS = (
+    "OffloadModel: forward-mode AD with respect to the model's parameters or buffers is not supported: {name} "
+    "carries a tangent (a dual tensor from torch.autograd.forward_ad.make_dual, passed through "
+    "torch.func.functional_call). OffloadModel copies every parameter and buffer of a slice into one host buffer "
+    "by value, which would drop the tangent. Give tangents to the model's input only (under torch.no_grad(), they "
+    "go through the layers as in the plain model), or use the plain model (docs/api.md, Limitations).")
+
+DOUBLE_BACKWARD = (
+    "OffloadModel does not support double backward (create_graph=True, e.g. for a gradient penalty; "
+    "torch.autograd.functional.jvp, hvp, vhp and hessian differentiate twice too): the recomputed slices are "
+    "differentiated once. For a Jacobian-vector product with respect to the input use torch.func.jvp (or "
+    "torch.autograd.forward_ad) with the model called under torch.no_grad(); compute the other terms on a model "
+    "that is not offloaded.")
 
 BATCHED_PARAMETER_GRADS = (
     "OffloadModel: torch.autograd.grad(..., is_grads_batched=True) cannot give the model's parameter gradients: "
@@ -116,14 +135,32 @@ def refuse_transformed_tensors(engine: Engine) -> None:
     its layers register."""
     if not torch._C._are_functorch_transforms_active():
         return  # the common case: no transform, no wrapped tensor
-    is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    wrapped = _registered(engine, torch._C._functorch.is_functorch_wrapped_tensor)
+    if wrapped is not None:
+        raise RuntimeError(TRANSFORMED_TENSORS.format(name=wrapped))
+
+
+def refuse_parameter_tangents(engine: Engine) -> None:
+    """Rule 2 of Note: [Transforms the walk refuses] for the parameters and buffers, before the
+    model's call lays out again what its layers register (which would drop a tangent)."""
+    if forward_ad._current_level < 0:
+        return  # the common case: no dual level open, no tangent
+    dual = _registered(engine, lambda t: forward_ad.unpack_dual(t).tangent is not None)
+    if dual is not None:
+        raise RuntimeError(PARAMETER_TANGENTS.format(name=dual))
+
+
+def _registered(engine: Engine, matches: Callable[[torch.Tensor], bool]) -> str | None:
+    """The name of the first parameter or buffer the layers register (or a call substituted for
+    one) that ``matches``; ``None`` if none does."""
     for s in engine.slices:
         for layer_name, layer in zip(s.names, s.layers):
             named = [*layer.named_parameters(layer_name, remove_duplicate=False),
                      *layer.named_buffers(layer_name, remove_duplicate=False)]
-            wrapped = next((name for name, t in named if is_wrapped(t)), None)
-            if wrapped is not None:
-                raise RuntimeError(TRANSFORMED_TENSORS.format(name=wrapped))
+            found = next((name for name, t in named if matches(t)), None)
+            if found is not None:
+                return found
+    return None
 
 
 def note_refused_hooks(error: RuntimeError) -> RuntimeError:

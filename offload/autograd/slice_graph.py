@@ -229,10 +229,13 @@ def _saving_nothing(index: int) -> torch.autograd.graph.saved_tensors_hooks:
     return torch.autograd.graph.saved_tensors_hooks(_discard, functools.partial(_never_unpacked, index))
 
 
-def _graph_inputs(leaves: Sequence[Any], requires: Sequence[bool]) -> tuple[list[Any], list[Any]]:
+def _graph_inputs(leaves: Sequence[Any], requires: Sequence[bool], copy_all: bool = False
+                  ) -> tuple[list[Any], list[Any]]:
     """Leaves to differentiate with respect to (``None`` for one another holds), and what the slice
     receives in their place (call with grad enabled: the copies must be part of the graph; Note:
-    [Leaves enter through a copy], Note: [Boundary leaves that alias each other])."""
+    [Leaves enter through a copy], Note: [Boundary leaves that alias each other]); ``copy_all``:
+    strided leaves that need no gradient enter through a copy too (rule 1 of Note: [The caller's
+    saved-tensor hooks] in ``function.py``)."""
     wants = [isinstance(x, torch.Tensor) and wanted and is_differentiable(x) for x, wanted in zip(leaves, requires)]
     held_by = bases_among(leaves, wants)
     graph_leaves: list[Any] = list(leaves)
@@ -240,7 +243,8 @@ def _graph_inputs(leaves: Sequence[Any], requires: Sequence[bool]) -> tuple[list
     for k, (leaf, wanted) in enumerate(zip(leaves, wants)):
         if isinstance(leaf, torch.Tensor) and k not in held_by:
             graph_leaves[k] = detached = leaf.detach().requires_grad_(wanted)
-            fed[k] = _entering(detached) if wanted else detached
+            copied = wanted or copy_all and leaf.layout == torch.strided
+            fed[k] = _entering(detached) if copied else detached
     for k, base in held_by.items():  # its gradient reaches the base's leaf through the view, as in the plain model
         graph_leaves[k] = None
         fed[k] = _view_over(fed[base], leaves[base], leaves[k])
@@ -254,7 +258,9 @@ def _forward_inputs(entering: Boundary, i: int, m: int) -> tuple[list[Any], list
     [Leaves enter through a copy]; none on the other runs), and every copy a leaf entered through, by
     its position, held weakly, with its version and memory (for ``ForwardRecords.passed_through``)."""
     _refuse_sparse_gradients(entering, i)
-    graph_leaves, fed = _graph_inputs(entering.leaves, entering.requires)
+    # Rule 1 of Note: [The caller's saved-tensor hooks] in function.py (a module global the block sets).
+    copy_all = i == 0 and torch.autograd.graph._allow_mutation_on_saved_tensors_enabled
+    graph_leaves, fed = _graph_inputs(entering.leaves, entering.requires, copy_all)
     copies = [(k, t) for k, (t, leaf) in enumerate(zip(fed, graph_leaves))
               if isinstance(leaf, torch.Tensor) and leaf.requires_grad and t is not leaf]
     entered = [(k, weakref.ref(t), t._version, where_read(t)) for k, t in copies]

@@ -9,7 +9,9 @@ Note: [Offloaded saved tensors]
        them): the walk loads the slice again before its backward, so copying it out would move
        the same bytes twice (``SlotReferences.reference``);
     2. itself, if it is small (under ``min_bytes``), not on the compute device, or not a plain
-       strided tensor: it stays where it is, as in a kept graph;
+       strided tensor: it stays where it is, as in a kept graph. So does a tensor with no memory
+       of its own to copy: a zero tensor (forward-mode AD's tangent of a tensor that has none,
+       ``torch.func.jvp`` or ``make_dual`` inside a layer) or one a ``torch.func`` transform wraps;
     3. an *offloaded save*: its addressed memory (Note: [Layouts]) copied into a pooled host buffer
        on the offload stream, with no private snapshot first (``ActivationOffloader.offload_saved``);
        the device tensor is freed as soon as forward drops it. A tensor that addresses more than
@@ -138,6 +140,11 @@ class _KeptSave:
     version: int
 
 
+def _memoryless(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` has no storage to copy (rule 2 of Note: [Offloaded saved tensors])."""
+    return tensor._is_zerotensor() or torch._C._functorch.is_functorch_wrapped_tensor(tensor)
+
+
 def _check_version(tensor: torch.Tensor | None, version: int) -> None:
     if tensor is not None and tensor._version != version:
         raise RuntimeError(
@@ -188,7 +195,7 @@ class SavedActivations:
         if reference is not None:
             return reference
         if (tensor.device != self.copies.device or tensor.layout != torch.strided
-                or tensor.numel() * tensor.element_size() < max(self.min_bytes, 1)):
+                or tensor.numel() * tensor.element_size() < max(self.min_bytes, 1) or _memoryless(tensor)):
             return _KeptSave(tensor.detach(), tensor._version)
         copy, view = self._copy_of(tensor)
         try:
