@@ -295,6 +295,8 @@ class Engine:
             (Note: [Shadows on disk] in ``offload/streams/shadow_staging.py``).
     """
 
+    walk_running: Any = None  #: the SliceWalk ``walking``'s thread runs now, if any: a WalkClaim sets it
+
     def __init__(self, groups: Sequence[tuple[list[str], list[nn.Module]]], device: torch.device,
                  host_device: torch.device, compute_dtype: torch.dtype | None = None, masters: Any = None,
                  resident_slices: int = 0, shadows: str = "ram") -> None:
@@ -488,25 +490,26 @@ class WalkClaim:
     Args:
         engine: the model's slices and their machinery.
         what: what the call is, for the message ("a forward").
+        walk: the ``SliceWalk`` the claim is for, if any: no claim may come inside it (rule 4).
 
     Raises:
-        RuntimeError: on entering, while another thread holds a claim on ``engine``.
+        RuntimeError: on entering, while another thread holds a claim on ``engine`` or this one walks it.
     """
 
     #: Held while a claim reads and sets an engine's ``walking``: a few instructions, every engine's.
     _claiming = threading.Lock()
 
-    def __init__(self, engine: Engine, what: str) -> None:
-        self.engine = engine
-        self.what = what
+    def __init__(self, engine: Engine, what: str, walk: Any = None) -> None:
+        self.engine, self.what, self.walk = engine, what, walk
         self._took = False  # rule 4: a claim inside the thread's own gives nothing up
+        self._opened = False  # ... but a walk's ends the walk it marked running
 
     def __enter__(self) -> None:
         me = threading.current_thread()
         with WalkClaim._claiming:
             holder = self.engine.walking
-            if holder is None:
-                self.engine.walking, self._took = me, True
+            if holder is None:  # one statement: no interrupt between the claim and its record
+                self.engine.walking, self.engine.walk_running, self._took = me, self.walk, True
                 return
         if holder is not me:
             raise RuntimeError(
@@ -515,10 +518,16 @@ class WalkClaim:
                 "its step). This call was refused before it touched anything, and that walk goes on. Use the model "
                 "from one thread at a time, or a copy (copy.deepcopy) per thread (docs/api.md; Note: [One walk at a "
                 "time] in offload/walk/slice_walk.py)")
+        if self.engine.walk_running is not None:  # rule 4: refused, unless an interrupt left it behind
+            self._took = self.engine.walk_running.refuse_inside(self.what)
+        if self.walk is not None:
+            self.engine.walk_running, self._opened = self.walk, True
 
     def __exit__(self, *exc_info: object) -> None:
         if self._took:
-            self.engine.walking = None
+            self.engine.walking, self.engine.walk_running = None, None
+        elif self._opened:
+            self.engine.walk_running = None
 
 
 #: Every engine alive (weakly: models may be dropped).

@@ -139,22 +139,46 @@ Note: [One walk at a time]
        backward's claim; the host workers that run updates in backward do not walk.
     4. The thread that holds the claim may claim again: a walk inside its forward's or backward's
        claim, or a non-reentrant checkpoint's recompute of the whole model, which runs before the
-       backward's walk. That claim changes nothing, and only the outer one gives it up. A layer or
-       hook that calls the model inside the model's own walk is not such a case: the inner call
-       loads into slots the outer walk holds and fails (not supported).
+       backward's walk. That claim changes nothing, and only the outer one gives it up. But no
+       claim comes inside a :class:`SliceWalk`: a layer or hook that calls the model inside the
+       model's own walk (a forward hook running a "teacher" pass, a backward hook calling
+       ``model(x)``) would load into slots the outer walk holds and lay the slices out again over
+       the device copies its layers hold. Its first claim (the refresh's, or a backward's) raises
+       a ``RuntimeError`` at once, before it touches anything: "OffloadModel: the model was called
+       inside its own forward walk, from a hook or a layer (...). ... Call the model after the walk
+       returns ..., or call a separate copy made beforehand (copy.deepcopy(model) ...)". A hook
+       that catches it lets the outer walk go on exactly; one that does not fails the outer
+       forward or backward as any error of a layer does. The walk's claim marks it running
+       (``Engine.walk_running``, set in the statement that takes the claim) and the frame running
+       its ``with`` statement; one check per claim, none per slice. An interrupt as the walk's
+       ``__exit__`` starts (where no code can guard) leaves the mark: a later claim finds that
+       frame gone from its stack, forgets the mark and, where the walk's claim had taken the
+       engine, takes that claim over and gives it up.
 """
 
 from __future__ import annotations
 
 import enum
+import sys
 from collections.abc import Iterator, Sequence
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import Any
 
 import torch
 
 from .engine import Engine, WalkClaim
 from ..streams import Event
+
+
+#: What a claim inside its own thread's walk raises (rule 4 of Note: [One walk at a time]).
+NESTED_CALL = (
+    "OffloadModel: the model was called inside its own {walk} walk, from a hook or a layer ({what}, while the "
+    "{walk} runs the model's slices through its device slots, which the inner call would load into). This call "
+    "was refused before it touched anything; where the hook catches this error, the {walk} goes on as if it had not "
+    "been made. Call the model after the walk returns (keep what the hook needs, such as a layer's input or output, "
+    "and call the model with it then), or call a separate copy made beforehand (copy.deepcopy(model), a teacher or "
+    "debugging copy with device slots of its own) (docs/api.md; Note: [One walk at a time] in "
+    "offload/walk/slice_walk.py)")
 
 
 class Direction(enum.Enum):
@@ -217,8 +241,10 @@ class SliceWalk:
         self._position = 0  # the current slice's, in the order
         # - What the end of the walk waits for: buffer write-backs the host reads next
         self._written_back: list[Event | None] = []
-        # - Its thread's claim on the engine, from entering to leaving (Note: [One walk at a time])
-        self._claim = WalkClaim(engine, "a forward" if direction is Direction.FORWARD else "a backward")
+        # - Its thread's claim on the engine, from entering to leaving, and the frame running its
+        #   ``with`` statement: while it runs, no claim comes inside the walk (Note: [One walk at a time])
+        self._claim = WalkClaim(engine, "a forward" if direction is Direction.FORWARD else "a backward", self)
+        self._held_by: FrameType | None = None
 
     @classmethod
     def forward(cls, engine: Engine) -> SliceWalk:
@@ -232,15 +258,36 @@ class SliceWalk:
     # -- the walk's moments ----------------------------------------------------------------------
 
     def __enter__(self) -> SliceWalk:
-        self._claim.__enter__()  # within the caller's claim, where it took one: changes nothing
+        self._held_by = sys._getframe(1)  # before the claim: a claim inside the walk reads it (rule 4)
         try:
+            self._claim.__enter__()  # within the caller's claim, where it took one: marks the walk running
             if self.direction is Direction.FORWARD:
                 self.engine.slots.forget_contents()
         except BaseException:
-            # __exit__ will not run: an interrupt here must not leave the claim held (rule 1).
+            # __exit__ will not run: an interrupt here, in the claim too, must not leave it held
+            # or the walk marked running (rules 1 and 4).
             self._claim.__exit__(None, None, None)
             raise
         return self
+
+    def refuse_inside(self, what: str) -> bool:
+        """Refuse ``what``, a claim of this walk's thread while the walk runs (rule 4 of Note: [One
+        walk at a time]), before it touches anything. But where the frame running the walk's ``with``
+        statement has returned, an interrupt stopped the walk's ``__exit__`` as it started, leaving
+        it marked running: forgotten then, and ``True`` where its claim was the one that took the
+        engine, which the caller's claim takes over (and gives up).
+
+        Raises:
+            RuntimeError: the walk runs: the model was called from a hook or layer inside it.
+        """
+        frame = sys._getframe(1)
+        while frame is not None and frame is not self._held_by:
+            frame = frame.f_back
+        if frame is None:
+            self.engine.walk_running, self._held_by = None, None
+            return self._claim._took
+        walk = self.direction.name.lower()
+        raise RuntimeError(NESTED_CALL.format(walk=walk, what=what))
 
     def __iter__(self) -> Iterator[tuple[int, list[torch.Tensor]]]:
         """Each slice in order, acquired: its index and device views (one per storage entry)."""
@@ -326,6 +373,7 @@ class SliceWalk:
                 else:
                     self.engine.pool.end_forward()
             finally:
+                self._held_by = None  # the walk and its frame need not keep each other
                 self._claim.__exit__(exc_type, exc, traceback)
 
     def _fail(self) -> None:
