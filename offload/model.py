@@ -25,6 +25,7 @@ from .streams.gradient_files import back_in_files, gradients_in_files, zeroed_in
 from .streams.host_storage import check_memory_held_once
 from .data_parallel import DataParallel
 from .walk.activation_policy import ActivationPlan, OffloadActivations
+from .walk.claims import MOVE, WalkClaim
 from .walk.engine import Engine
 from .grad_scaler import warn_about_plain_grad_scalers
 from .planning.footprint import MemoryFootprint, measure as measure_footprint
@@ -306,26 +307,26 @@ class OffloadModel(CopiedByLayers, FixedStructure):
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> OffloadModel:
         """Follow ``.to()``, ``.cuda()``, ``.cpu()``, ``.double()``, ``.half()``: see Note: [Moving an
         OffloadModel] in ``offload/modeling/placement.py``."""
-        self._settle()
-        engine = self._engine
-        at_home = gradients_in_files(s.storage for s in engine.slices)  # Note: [Gradients on disk]
-        target = compute_target(fn, self.device, self.offload_device)
-        if target != self.device and may_move_compute(engine, self.device, self.offload_device, target,
-                                                      self.__dict__.get("_data_parallel") is not None):
-            # The host copies stay on offload_device (re-laid out, and pinned when target is CUDA);
-            # the device slots, copy streams and buffers are built anew for target.
-            self.device = target
-            self._adopt([(list(s.names), list(s.layers)) for s in engine.slices])
-            for optimizer in list(engine.optimizers):  # they step the new engine from now on
-                optimizer._follow(self._engine)
-            if self.device.type == "cuda" and self.offload_device.type == "cpu":
-                warn_about_plain_grad_scalers()  # as a model built there: Note: [Loss scaling with host gradients]
-        convert = host_conversion(fn, self.offload_device)
-        if convert is None:  # a move alone: the host copies stay as they are
-            return self
-        super()._apply(stays_on_compute(convert, self.offload_device, self._engine.num_resident), recurse)
-        self._engine.refresh()
-        back_in_files((s.storage for s in self._engine.slices), at_home)  # _apply moved them to RAM
+        with WalkClaim(self._engine, MOVE):  # before anything moves or waits: Note: [One walk at a time], rule 4
+            self._settle()
+            engine = self._engine
+            at_home = gradients_in_files(s.storage for s in engine.slices)  # Note: [Gradients on disk]
+            target = compute_target(fn, self.device, self.offload_device)
+            if target != self.device and may_move_compute(engine, self.device, self.offload_device, target,
+                                                          self.__dict__.get("_data_parallel") is not None):
+                # The host copies stay on offload_device (re-laid out, and pinned when target is CUDA);
+                # the device slots, copy streams and buffers are built anew for target.
+                self.device = target
+                self._adopt([(list(s.names), list(s.layers)) for s in engine.slices])
+                for optimizer in list(engine.optimizers):  # they step the new engine from now on
+                    optimizer._follow(self._engine)
+                if self.device.type == "cuda" and self.offload_device.type == "cpu":
+                    warn_about_plain_grad_scalers()  # as a model built there: [Loss scaling with host gradients]
+            convert = host_conversion(fn, self.offload_device)
+            if convert is not None:  # else a move alone: the host copies stay as they are
+                super()._apply(stays_on_compute(convert, self.offload_device, self._engine.num_resident), recurse)
+                self._engine.refresh()
+                back_in_files((s.storage for s in self._engine.slices), at_home)  # _apply moved them to RAM
         return self
 
 

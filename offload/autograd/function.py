@@ -47,7 +47,8 @@ import torch
 import torch.autograd.forward_ad as forward_ad
 
 from ..walk.activation_policy import ActivationPlan
-from ..walk.engine import Engine, WalkClaim
+from ..walk.claims import WalkClaim
+from ..walk.engine import Engine
 from ..streams.labels import label
 from ..walk.microbatch import split_leaves
 from ..walk.slice_walk import SliceWalk

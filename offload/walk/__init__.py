@@ -7,6 +7,8 @@
   in a module's buffers and attributes;
 - ``activation_policy.py``: what each slice keeps for backward (recompute, kept graph, offload);
 - ``slice_walk.py``: one walk of the slices through the slots (Note: [The walk], [Buffers]);
+- ``claims.py``: which thread holds a model's engine for a forward, backward or move (Note: [One
+  walk at a time] in ``slice_walk.py``);
 - ``structures.py``: an input, boundary activation or output taken apart into leaves and put
   back together;
 - ``microbatch.py``: a batch split into microbatches and joined again;

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import operator
 import threading
+import types
 import warnings
 import weakref
 from collections.abc import Iterable, Sequence
@@ -21,6 +22,7 @@ from torch import nn
 from torch.nn.utils.parametrize import ParametrizationList
 
 from .binding import Binding, give_back_unheld
+from .claims import WalkClaim
 from ..tiers.master_files import place_masters
 from .milestones import Milestones
 from .structures import map_tensors
@@ -296,6 +298,7 @@ class Engine:
     """
 
     walk_running: Any = None  #: the SliceWalk ``walking``'s thread runs now, if any: a WalkClaim sets it
+    claimed_at: types.FrameType | None = None  #: the frame holding ``walking``'s claim: a WalkClaim sets it
 
     def __init__(self, groups: Sequence[tuple[list[str], list[nn.Module]]], device: torch.device,
                  host_device: torch.device, compute_dtype: torch.dtype | None = None, masters: Any = None,
@@ -481,53 +484,6 @@ class Engine:
             "as they would in plain PyTorch (an optimizer stepping a flat buffer no longer trains it). Change the "
             "parameters themselves: build the optimizer over model.parameters() (docs/memory.md, Parameters that "
             "view another tensor).", stacklevel=3)
-
-
-class WalkClaim:
-    """The calling thread's claim on ``engine`` for one forward, backward or refresh, as a context
-    around all it does with the engine (Note: [One walk at a time] in ``slice_walk.py``).
-
-    Args:
-        engine: the model's slices and their machinery.
-        what: what the call is, for the message ("a forward").
-        walk: the ``SliceWalk`` the claim is for, if any: no claim may come inside it (rule 4).
-
-    Raises:
-        RuntimeError: on entering, while another thread holds a claim on ``engine`` or this one walks it.
-    """
-
-    #: Held while a claim reads and sets an engine's ``walking``: a few instructions, every engine's.
-    _claiming = threading.Lock()
-
-    def __init__(self, engine: Engine, what: str, walk: Any = None) -> None:
-        self.engine, self.what, self.walk = engine, what, walk
-        self._took = False  # rule 4: a claim inside the thread's own gives nothing up
-        self._opened = False  # ... but a walk's ends the walk it marked running
-
-    def __enter__(self) -> None:
-        me = threading.current_thread()
-        with WalkClaim._claiming:
-            holder = self.engine.walking
-            if holder is None:  # one statement: no interrupt between the claim and its record
-                self.engine.walking, self.engine.walk_running, self._took = me, self.walk, True
-                return
-        if holder is not me:
-            raise RuntimeError(
-                f"OffloadModel: {self.what} from another thread (thread {me.name!r}) while thread {holder.name!r} "
-                "runs a walk of this model (a forward or backward, which holds its device slots and the records of "
-                "its step). This call was refused before it touched anything, and that walk goes on. Use the model "
-                "from one thread at a time, or a copy (copy.deepcopy) per thread (docs/api.md; Note: [One walk at a "
-                "time] in offload/walk/slice_walk.py)")
-        if self.engine.walk_running is not None:  # rule 4: refused, unless an interrupt left it behind
-            self._took = self.engine.walk_running.refuse_inside(self.what)
-        if self.walk is not None:
-            self.engine.walk_running, self._opened = self.walk, True
-
-    def __exit__(self, *exc_info: object) -> None:
-        if self._took:
-            self.engine.walking, self.engine.walk_running = None, None
-        elif self._opened:
-            self.engine.walk_running = None
 
 
 #: Every engine alive (weakly: models may be dropped).

@@ -117,14 +117,17 @@ Note: [One walk at a time]
 
     1. Each forward (with autograd or without) and each backward claims its engine for the
        calling thread before it reads or writes anything of the engine's, and gives the claim up
-       when it returns or raises (``WalkClaim`` in ``engine.py``, beside what it claims). Every
+       when it returns or raises (``WalkClaim`` in ``claims.py``). Every
        :class:`SliceWalk` claims from entering to leaving, which is all a forward without
        autograd does with the engine; ``OffloadFunction``'s forward and backward claim around
        their records and milestones too (the walk's claim inside theirs changes nothing: rule 4).
        ``Engine.refresh``, which every forward runs first, claims as well: while another thread
        walks, the layers hold that walk's device copies, which it would take for parameters the
-       user replaced, and it would lay the slices out again under that walk. A few claims per
-       call, none per slice: each under a microsecond (a lock held for a few instructions).
+       user replaced, and it would lay the slices out again under that walk. So does a move
+       (``.to()``, ``.cuda()``, ``.cpu()``, ``.double()``: ``OffloadModel._apply``), before it
+       waits for pending updates or builds the engine anew. A few claims per call, none per
+       slice: each under a microsecond (a lock held for a few instructions, and a look down the
+       stack, a few frames deep, at a claim inside the thread's own).
     2. A claim from another thread while one is held raises a ``RuntimeError`` at once, in the
        thread that asked, naming both threads; the walk that holds the claim goes on untouched.
        Refused, not waited for: the model is not safe to share between threads outside its walks
@@ -133,7 +136,8 @@ Note: [One walk at a time]
        at a time, said as soon as it is broken (``docs/api.md``). A copy per thread
        (``copy.deepcopy``) has an engine of its own.
     3. Autograd may run a backward on a thread of its own (a CUDA device's), not the caller's:
-       its claim is that thread's, taken after the forward's was given up, so training from one
+       its claim is that thread's, taken after the forward's was given up (or taken over, where an
+       interrupt left the forward's behind: rule 5), so training from one
        thread, in the main thread or another, never meets a claim of its own. Several forwards
        before one backward claim one after the other. A checkpointed slice recomputes inside its
        backward's claim; the host workers that run updates in backward do not walk.
@@ -143,7 +147,8 @@ Note: [One walk at a time]
        claim comes inside a :class:`SliceWalk`: a layer or hook that calls the model inside the
        model's own walk (a forward hook running a "teacher" pass, a backward hook calling
        ``model(x)``) would load into slots the outer walk holds and lay the slices out again over
-       the device copies its layers hold. Its first claim (the refresh's, or a backward's) raises
+       the device copies its layers hold (a move would build them anew, or convert the host
+       copies under it). Its first claim (the refresh's, a backward's, a move's) raises
        a ``RuntimeError`` at once, before it touches anything: "OffloadModel: the model was called
        inside its own forward walk, from a hook or a layer (...). ... Call the model after the walk
        returns ..., or call a separate copy made beforehand (copy.deepcopy(model) ...)". A hook
@@ -152,8 +157,23 @@ Note: [One walk at a time]
        (``Engine.walk_running``, set in the statement that takes the claim) and the frame running
        its ``with`` statement; one check per claim, none per slice. An interrupt as the walk's
        ``__exit__`` starts (where no code can guard) leaves the mark: a later claim finds that
-       frame gone from its stack, forgets the mark and, where the walk's claim had taken the
-       engine, takes that claim over and gives it up.
+       frame gone from its stack and forgets the mark.
+    5. Every claim is recoverable. An interrupt (Ctrl-C, a signal handler's exception) that lands
+       as a claim returns from taking the engine, or as it starts to give it up, leaves the
+       engine held by a thread that will never give it up; every other thread, a CUDA device's
+       autograd thread running the next backward included, would be refused from then on. So
+       the claim that takes the engine records the frame that holds it (the frame running its
+       ``with`` statement: the refresh's, the Function's ``forward`` or ``backward``, the move's,
+       the one running the walk's), set with the thread in one statement. A claim that finds the
+       engine held looks for that frame on the holder's stack (its own, or the other thread's,
+       ``sys._current_frames()``): not there, or the holder ended, the claim was left behind, and
+       the new one takes it over, the walk's mark with it, and gives it up as its own. From
+       taking the engine to clearing the record, the holder runs inside that frame (its
+       ``__exit__`` included), so a claim in use is never taken over: a claim is refused exactly
+       while its holder is still inside it. The look costs nothing while the engine is free
+       (the common case), a few frames at a claim inside the thread's own. A claim left behind
+       keeps its frame, and what that frame's locals hold, alive until it is taken over
+       (``tests/test_claim_interrupts.py`` interrupts every claim at each of its lines).
 """
 
 from __future__ import annotations
@@ -166,7 +186,8 @@ from typing import Any
 
 import torch
 
-from .engine import Engine, WalkClaim
+from .claims import MOVE, WalkClaim
+from .engine import Engine
 from ..streams import Event
 
 
@@ -179,6 +200,13 @@ NESTED_CALL = (
     "and call the model with it then), or call a separate copy made beforehand (copy.deepcopy(model), a teacher or "
     "debugging copy with device slots of its own) (docs/api.md; Note: [One walk at a time] in "
     "offload/walk/slice_walk.py)")
+#: What a move of the model (``.to()``) inside its own thread's walk raises (rule 4 of Note: [One walk at a time]).
+NESTED_MOVE = (
+    "OffloadModel: the model was moved inside its own {walk} walk, from a hook or a layer ({what}, while the {walk} "
+    "runs the model's slices through its device slots, which a move would build anew and its host copies, which it "
+    "would convert). This call was refused before it changed anything; where the hook catches this error, the {walk} "
+    "goes on as if it had not been made. Move or convert the model before the forward or after the walk returns "
+    "(docs/api.md; Note: [One walk at a time] in offload/walk/slice_walk.py)")
 
 
 class Direction(enum.Enum):
@@ -260,7 +288,7 @@ class SliceWalk:
     def __enter__(self) -> SliceWalk:
         self._held_by = sys._getframe(1)  # before the claim: a claim inside the walk reads it (rule 4)
         try:
-            self._claim.__enter__()  # within the caller's claim, where it took one: marks the walk running
+            self._claim.take(self._held_by)  # within the caller's claim, where it took one: marks the walk running
             if self.direction is Direction.FORWARD:
                 self.engine.slots.forget_contents()
         except BaseException:
@@ -270,12 +298,12 @@ class SliceWalk:
             raise
         return self
 
-    def refuse_inside(self, what: str) -> bool:
+    def refuse_inside(self, what: str) -> None:
         """Refuse ``what``, a claim of this walk's thread while the walk runs (rule 4 of Note: [One
         walk at a time]), before it touches anything. But where the frame running the walk's ``with``
         statement has returned, an interrupt stopped the walk's ``__exit__`` as it started, leaving
-        it marked running: forgotten then, and ``True`` where its claim was the one that took the
-        engine, which the caller's claim takes over (and gives up).
+        it marked running inside a claim still held: forgotten then (where the walk's own claim
+        took the engine, the caller's claim took that over before asking: rule 5).
 
         Raises:
             RuntimeError: the walk runs: the model was called from a hook or layer inside it.
@@ -285,9 +313,9 @@ class SliceWalk:
             frame = frame.f_back
         if frame is None:
             self.engine.walk_running, self._held_by = None, None
-            return self._claim._took
+            return
         walk = self.direction.name.lower()
-        raise RuntimeError(NESTED_CALL.format(walk=walk, what=what))
+        raise RuntimeError((NESTED_MOVE if what == MOVE else NESTED_CALL).format(walk=walk, what=what))
 
     def __iter__(self) -> Iterator[tuple[int, list[torch.Tensor]]]:
         """Each slice in order, acquired: its index and device views (one per storage entry)."""
