@@ -59,7 +59,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from ..model import OffloadModel, engine_of
 from ..optimizer import OffloadOptimizer
-from . import causal_lm_embeddings
+from . import causal_lm_embeddings, causal_lm_guards
 from .peft import peft_base_model, peft_names_as_hf
 from .transformers_loading import load_causal_lm, stored_into_stages
 from .transformers_batch import LAST_HIDDEN_STATE, ROUTER_LOGITS
@@ -94,13 +94,6 @@ __all__ = ["OffloadedCausalLM"]
 #: trainers cannot get from the model]). (``return_dict`` and ``logits_to_keep`` change the output:
 #: ``forward`` honours them; ``output_attentions=False`` and the like pass as any ``False``.)
 _IGNORED = {"use_cache", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"}
-
-_NO_PEFT_AROUND = (
-    "PEFT cannot wrap an OffloadedCausalLM: the adapters it saves would be named by the offloaded stages "
-    "(offloaded.1.layer...) and would not load into the Hugging Face model. Add the adapters first and "
-    "wrap the PeftModel: OffloadedCausalLM(peft.get_peft_model(hf_model, LoraConfig(...)), device=...), "
-    "and give TRL's SFTTrainer that model without peft_config")
-
 
 class OffloadedCausalLM(PreTrainedModel):
     """A Hugging Face causal LM whose parameters live in host memory, for the Hugging Face trainers.
@@ -143,6 +136,8 @@ class OffloadedCausalLM(PreTrainedModel):
     accepts_loss_kwargs = True  # Note: [What the trainers read from the model], rule 2
     _keys_to_ignore_on_save = None
     __getattr__ = attribute_or_advice
+    __setattr__, add_module = causal_lm_guards.set_attribute, causal_lm_guards.add_module  # Note: [Around the stages]
+    register_parameter = causal_lm_guards.register_parameter
 
     def __init__(self, model: nn.Module, device: torch.device | str | int, *, loss_chunk_tokens: int | None = None,
                  untie_embeddings: bool = False, **options: Any) -> None:
@@ -266,17 +261,7 @@ class OffloadedCausalLM(PreTrainedModel):
         """
         return _trainer_optimizer(self, args, options)
 
-    @property
-    def peft_config(self) -> Any:
-        if self.peft_model is None:
-            raise AttributeError("peft_config")
-        return self.peft_model.peft_config
-
-    @peft_config.setter
-    def peft_config(self, value: Any) -> None:
-        # PEFT's tuners set it on the model they wrap: get_peft_model(OffloadedCausalLM(...)), or TRL's
-        # SFTTrainer(peft_config=...). Their adapters would be named by the stages, not by the model.
-        raise ValueError(_NO_PEFT_AROUND)
+    peft_config = causal_lm_guards.peft_config  # the PeftModel's; PEFT around the wrapper refused
 
     # -- forward -------------------------------------------------------------------------------
 
@@ -300,6 +285,7 @@ class OffloadedCausalLM(PreTrainedModel):
                 are warned of: the outputs hold ``None`` there.)
             ValueError: a packed batch's sequence boundaries (``seq_idx``, ``cu_seq_lens_q``) that a
                 convolution or linear-attention layer needs (LFM2, Qwen3-Next).
+            RuntimeError: a hook on the Hugging Face model or its decoder, which the stages bypass.
         """
         # shift_labels among the keywords, as in the model's signature: Trainer takes every argument
         # named like a label for a label its batches must hold before it computes an eval loss.
@@ -331,6 +317,7 @@ class OffloadedCausalLM(PreTrainedModel):
 
     def _batch(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
                position_ids: torch.Tensor | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+        causal_lm_guards.refuse_bypassed_hooks(self)  # Note: [Around the stages], rule 2
         return _batch_of(self.config, self.stages[0].router_logits, input_ids, attention_mask, position_ids, kwargs)
 
     # -- saving and loading --------------------------------------------------------------------
@@ -343,7 +330,8 @@ class OffloadedCausalLM(PreTrainedModel):
         names and layouts, a tied output embedding once, no older weight file left beside them), but
         for the shards: one a slice, written from the host copies themselves, no copy of the model
         made (:func:`~offload.integrations.transformers_saving.save_causal_lm`). A PEFT model writes
-        its adapters instead (``PeftModel.save_pretrained``). A ``state_dict`` is written as the
+        its adapters instead (``PeftModel.save_pretrained``), one injected after wrapping as its PeftModel
+        would (Note: [Around the stages] in ``causal_lm_guards.py``). A ``state_dict`` is written as the
         model's (or the PeftModel's) ``save_pretrained`` writes one: those tensors, under its names.
 
         Raises:
@@ -355,6 +343,8 @@ class OffloadedCausalLM(PreTrainedModel):
         self.offloaded._settle()
         if self.peft_model is not None:
             self.peft_model.save_pretrained(save_directory, *args, state_dict=state_dict, **kwargs)
+        elif (adapters := causal_lm_guards.injected_adapters(self.hf_model)) is not None:  # Note: [Around the stages]
+            causal_lm_guards.save_injected_adapter(self.hf_model, adapters, save_directory, args, state_dict, kwargs)
         elif state_dict is not None:
             self.hf_model.save_pretrained(save_directory, *args, state_dict=state_dict, **kwargs)
         else:
@@ -544,7 +534,9 @@ def _load_stored_names(model: OffloadedCausalLM, state_dict: dict[str, Any], pre
 
 
 def _report_in_hf_names(model: OffloadedCausalLM, incompatible_keys: _IncompatibleKeys) -> None:
-    """Rule 3 of Note: [Hugging Face names at any depth]."""
+    """Rule 3 of Note: [Hugging Face names at any depth]; nothing after ``load_checkpoint``, which runs no pre-hook."""
+    if not model._loading_under:  # its keys are state_dict()'s (Note: [Module load hooks] in checkpoint/contents.py)
+        return
     prefix, error_msgs, before = model._loading_under.pop()
     renamed = {f"{prefix}offloaded.{stage_key}": prefix + hf_name for stage_key, hf_name in _hf_names(model).items()}
     incompatible_keys.missing_keys[:] = [renamed.get(key, key) for key in incompatible_keys.missing_keys]

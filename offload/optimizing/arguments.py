@@ -26,14 +26,34 @@ def offload_model_of(model: Any) -> Any:
     return model
 
 
+def _stray_parameters(model: Any) -> str:
+    """What to add to the refusal of a wrapper of an OffloadModel that holds parameters beside it
+    (set on the wrapper, or registered on it behind its back), which ``offload_model_of`` would not
+    step; empty for anything else."""
+    inner = getattr(model, "offloaded", None)
+    if not (isinstance(inner, OffloadModel) and isinstance(model, torch.nn.Module)):
+        return ""
+    held = {id(p) for p in inner.parameters()}
+    stray = [name for name, p in model.named_parameters() if id(p) not in held]
+    if not stray:
+        return ""
+    return (f", all of it: this {type(model).__name__} holds an OffloadModel (.offloaded) and also "
+            f"{', '.join(stray[:5])}{' ...' if len(stray) > 5 else ''} outside it, which OffloadOptimizer would not "
+            "step. Put them into the model before wrapping it (for an OffloadedCausalLM, whose forward never runs "
+            "them, delete them, del model.<name>, and change the Hugging Face model: model.hf_model.lm_head = ..., "
+            "which its stages follow), or pass model.offloaded to step the OffloadModel alone and give the others "
+            "an optimizer of their own. Otherwise")
+
+
 def check_arguments(model: Any, optimizer_class: Any, num_threads: Any, disk_tier: Any) -> OffloadModel:
     """Raise what ``OffloadOptimizer`` says it raises for its own arguments; return the OffloadModel it steps."""
     model = offload_model_of(model)
     if not isinstance(model, OffloadModel):
         raise TypeError(
             f"OffloadOptimizer steps an OffloadModel or an OffloadedCausalLM, got {type(model).__name__}; wrap the "
-            f"model first: model = OffloadModel(model, device=...) (a Hugging Face causal LM: model = "
-            f"OffloadedCausalLM(model, device=...)), then OffloadOptimizer(model, torch.optim.AdamW, lr=...)")
+            f"model first{_stray_parameters(model)}: model = OffloadModel(model, device=...) (a Hugging Face "
+            f"causal LM: model = OffloadedCausalLM(model, device=...)), then OffloadOptimizer(model, "
+            f"torch.optim.AdamW, lr=...)")
     if isinstance(optimizer_class, torch.optim.Optimizer):
         # Its repr would list every hyperparameter of every group.
         raise TypeError(
