@@ -29,6 +29,11 @@ Note: [Loss chunks profiled once]
        the work does not: 10**10 rows of 2 tokens took 7.5 GB to plan. So the profile's saved
        bytes are the loop's, in total and in the largest tensor beside the head's input
        (``tests/test_planning.py`` compares them).
+    6. The graph the stand-in builds is not the loop's: its pieces of the head's input are slices
+       of one tensor, whose gradients autograd sums, where the loop's split has none to sum.
+       :meth:`RepeatedChunks.made_by_chunks` says which nodes the stand-in made (by sequence
+       number), so that the planner leaves their sums out (Note: [Gradients summed in backward]
+       in ``shapes.py``).
 """
 
 from __future__ import annotations
@@ -74,6 +79,9 @@ class RepeatedChunks:
         self._joined: dict[int, tuple[torch.Tensor, list[tuple[int, int]]]] = {}
         # Keys for those chunks' storages: below 0, which no storage's (an address) is.
         self._keys = itertools.count(-1, -1)
+        # The sequence numbers of the nodes the stand-in made (rule 6), a range per call.
+        self._made: list[range] = []
+        self._next_node = getattr(torch._C._autograd, "_get_sequence_nr", None)
 
     @contextlib.contextmanager
     def patched(self, layer: nn.Module, index: int) -> Iterator[None]:
@@ -92,6 +100,19 @@ class RepeatedChunks:
 
     def _chunks(self, chunk: Callable[..., torch.Tensor], index: int, size: int, hidden: torch.Tensor,
                 targets: torch.Tensor) -> torch.Tensor:
+        first = self._next_node() if self._next_node is not None else 0
+        try:
+            return self._cut(chunk, index, size, hidden, targets)
+        finally:
+            self._made.append(range(first, self._next_node() if self._next_node is not None else 0))
+
+    def made_by_chunks(self, sequence_nr: int) -> bool:
+        """Whether the stand-in made the node numbered so (rule 6); every node where this
+        PyTorch does not number them."""
+        return self._next_node is None or any(sequence_nr in made for made in self._made)
+
+    def _cut(self, chunk: Callable[..., torch.Tensor], index: int, size: int, hidden: torch.Tensor,
+             targets: torch.Tensor) -> torch.Tensor:
         whole = hidden.shape[0] // size * size  # the tokens in full chunks
         losses = []
         if whole:

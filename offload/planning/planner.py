@@ -283,6 +283,8 @@ class SliceLayout:
         cast_gradient_bytes, cast_trainable_bytes: as ``gradient_bytes`` and ``trainable_bytes``, of
             the trainable parameters a load casts (none already in the compute dtype, nor a batch or
             instance norm's): those with a shadow, which the host update writes (``timing.py``).
+        layer_gradient_bytes: per layer of the model, its trainable parameters' gradients as
+            autograd produces them (a tied weight's in its first layer).
     """
 
     ranges: list[range]
@@ -303,6 +305,7 @@ class SliceLayout:
     borrowed_gradients: list[list[tuple[int, int]]] = field(default_factory=list)
     cast_gradient_bytes: list[int] = field(default_factory=list)
     cast_trainable_bytes: list[int] = field(default_factory=list)
+    layer_gradient_bytes: list[int] = field(default_factory=list)
 
     @property
     def num_slices(self) -> int:
@@ -409,7 +412,18 @@ def slice_layout(layers: nn.Module | Sequence[int] | int, *, num_slices: int = 8
         borrowed_gradients=_borrowed_gradients(slices),
         cast_gradient_bytes=[sum(_align(t.numel * t.dtype.itemsize, ALIGNMENT) for t in s) for s in cast],
         cast_trainable_bytes=[sum(t.numel * t.dtype.itemsize for t in s) for s in cast],
+        layer_gradient_bytes=_layer_gradient_bytes(per_layer, device_dtype),
     )
+
+
+def _layer_gradient_bytes(per_layer: list[list[_Tensor]], device_dtype: Callable[[_Tensor], torch.dtype]) -> list[int]:
+    seen: set[object] = set()
+    result = []
+    for layer in per_layer:
+        trained = [t for t in layer if t.is_parameter and t.trainable and (t.key is None or t.key not in seen)]
+        seen.update(t.key for t in trained)
+        result.append(sum(t.numel * device_dtype(t).itemsize for t in trained))
+    return result
 
 
 def _borrowed_gradients(slices: list[list[_Tensor]]) -> list[list[tuple[int, int]]]:
@@ -507,20 +521,25 @@ def _activations(layout: SliceLayout, profile: ModelProfile | None, num_microbat
 
     Host: the input of every slice, whole batch, but the last slice's last microbatch (its graph is
     kept), as ``offload/autograd/records.py`` checkpoints them. Device: the largest over slices of its
-    whole-batch input and output (the forward keeps every microbatch's output until the next
-    slice runs) and one microbatch's recompute and backward (what the slice's graph saves, its
-    output's gradient, and a gradient the size of its largest saved tensor being produced, or more
-    where autograd sums two: Note: [Gradients summed in backward] in ``shapes.py``). A model whose
-    output is large (logits) needs its loss's memory on top.
-    """
+    whole-batch input and output (the forward keeps every microbatch's output until the next slice
+    runs) and one microbatch's recompute and backward: its graph's saved bytes, its output's gradient
+    and the most of a gradient the size of its largest saved tensor, a layer's sum (Note: [Gradients
+    summed in backward] in ``shapes.py``) and its forward's transients (Note: [Working bytes beyond
+    the saved] in ``working_bytes.py``), those two less the slice's gradients not produced by then
+    (``device_gradients`` counts them whole). Large logits need their loss's memory on top."""
     if profile is None:
         return activation_bytes, 0
     inputs = profile.slice_input_bytes(layout.ranges)
     outputs = profile.slice_output_bytes(layout.ranges)
     saved = profile.slice_saved_bytes(layout.ranges)
     host = activation_bytes + profile.checkpointed_bytes(layout.ranges, num_microbatches)
-    gradients = profile.slice_backward_gradients(layout.ranges)
-    per_slice = [i + o + -(-(s + o + g) // num_microbatches) for i, o, s, g in zip(inputs, outputs, saved, gradients)]
+    grads = layout.layer_gradient_bytes or [0] * len(profile.layers)  # a layout made by hand: none
+    per_slice = []
+    for r, i, o, s, largest in zip(layout.ranges, inputs, outputs, saved, profile.slice_largest_saved(layout.ranges)):
+        held = [s + o + largest]  # one microbatch's, then less the gradients not produced yet
+        held += [s + o + profile.layers[k].summing for k in r] + [s + o + profile.layers[k].transient for k in r]
+        not_yet = [0] + [sum(grads[r.start:k]) for k in r] + [sum(grads[r.start:r.stop])] * len(r)
+        per_slice.append(i + o + max(-(-h // num_microbatches) - g for h, g in zip(held, not_yet)))
     return host, max(per_slice)
 
 

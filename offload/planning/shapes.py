@@ -33,11 +33,13 @@ import torch
 from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from .loss_chunks import RepeatedChunks, chunked_head
+from .working_bytes import NodeBytes, TransientBytes
 from ..streams.host_storage import keeping_their_dtype
+from ..walk.structures import flatten, tensors_in, unflatten
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,8 @@ class LayerProfile:
         output_bytes: the tensors it returns (each storage once).
         summing: bytes its backward holds beyond ``saved`` while it adds up the gradients of a
             tensor that two operations read (Note: [Gradients summed in backward]).
+        transient: the most bytes its forward holds at once beyond what it saves and returns
+            (Note: [Working bytes beyond the saved] in ``working_bytes.py``).
     """
 
     forward_flops: int
@@ -61,6 +65,7 @@ class LayerProfile:
     saved: dict[int, int]
     output_bytes: int
     summing: int = 0
+    transient: int = 0
 
     @property
     def saved_bytes(self) -> int:
@@ -103,13 +108,6 @@ class ModelProfile:
     def slice_largest_saved(self, ranges: Sequence[range]) -> list[int]:
         """Each slice's largest saved tensor: about what its backward produces at once beside them."""
         return [max((max(self.layers[k].saved.values(), default=0) for k in r), default=0) for r in ranges]
-
-    def slice_backward_gradients(self, ranges: Sequence[range]) -> list[int]:
-        """Bytes each slice's backward holds beyond what its graph saves: a gradient the size of its
-        largest saved tensor being produced, or more while it sums two (Note: [Gradients summed in
-        backward])."""
-        summing = [max((self.layers[k].summing for k in r), default=0) for r in ranges]
-        return [max(largest, s) for largest, s in zip(self.slice_largest_saved(ranges), summing)]
 
     def slice_output_bytes(self, ranges: Sequence[range]) -> list[int]:
         return [self.layers[r.stop - 1].output_bytes for r in ranges]
@@ -157,23 +155,26 @@ def profile_layers(layers: nn.Sequential, make_input: Callable[[], Any], *,
             contextlib.ExitStack() as stand_ins:
         x = _cast_inputs(make_input(), compute_dtype)
         input_bytes, batch = _nbytes(x), _batch_size(x)
-        forward, saved, outputs, summed, last = _forward(children, x, compute_dtype, stand_ins, chunks)
-        backward = _backward_flops(last)
+        forward, saved, outputs, transient, sums, last = _forward(children, x, compute_dtype, stand_ins, chunks)
+        with NodeBytes() as nodes:  # what each node of the backward makes: Note: [Working bytes beyond the saved]
+            backward = _backward_flops(last)
+        summed = sums.beyond_saved(nodes.made)
         skipped_forward, skipped_backward = chunks.flops()
     forward = [flops + skipped_forward.get(index, 0) for index, flops in enumerate(forward)]
     backward += skipped_backward
     total = sum(forward) or 1
-    layer_profiles = [LayerProfile(f, round(backward * f / total), s, o, g)
-                      for f, s, o, g in zip(forward, saved, outputs, summed)]
+    layer_profiles = [LayerProfile(f, round(backward * f / total), s, o, g, t)
+                      for f, s, o, g, t in zip(forward, saved, outputs, summed, transient)]
     return ModelProfile(layers=layer_profiles, input_bytes=input_bytes, batch_size=batch)
 
 
 def _forward(children: list[nn.Module], x: Any, compute_dtype: torch.dtype | None, stand_ins: contextlib.ExitStack,
-             chunks: RepeatedChunks) -> tuple[list[int], list[dict[int, int]], list[int], list[int], Any]:
+             chunks: RepeatedChunks) -> tuple[list[int], list[dict[int, int]], list[int], list[int],
+                                              _SummedGradients, Any]:
     forward: list[int] = []
     saved: list[dict[int, int]] = []
     outputs: list[int] = []
-    summed: list[int] = []
+    transient: list[int] = []
     sums = _SummedGradients()
     for index, layer in enumerate(children):
         replacements = _fake_state(layer, compute_dtype)
@@ -191,16 +192,17 @@ def _forward(children: list[nn.Module], x: Any, compute_dtype: torch.dtype | Non
 
         try:
             with _flop_counter() as counter, _without_fake_kernel_log(), _MatmulInOneDtype(), \
-                    torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), TransientBytes() as made:
                 x = layer(x)
         except Exception as error:
             raise RuntimeError(f"profiling layer {index} ({type(layer).__name__}) on fake tensors failed: "
                                f"{error}") from error
         forward.append(counter.get_total_flops())
-        summed.append(sums.beyond_saved(x, layer_saved, counted=not chunked_head(layer)))
+        transient.append(made.most_beyond(layer_saved, {_storage_id(t) for t in tensors_in(x)}))
+        sums.layer_built(x, layer_saved, chunks.made_by_chunks if chunked_head(layer) else None)
         saved.append(chunks.as_looped(layer_saved))
         outputs.append(_nbytes(x))
-    return forward, saved, outputs, summed, x
+    return forward, saved, outputs, transient, sums, x
 
 
 # Note: [Gradients summed in backward]
@@ -218,31 +220,39 @@ def _forward(children: list[nn.Module], x: Any, compute_dtype: torch.dtype | Non
 #     :class:`_SummedGradients` finds the sums in the graph a layer built (edges from its nodes
 #     into one input of one node, two or more, sized by that input's metadata) and counts, at the
 #     second of them to run, the saved tensors that a node made no later saved (by the sequence
-#     number autograd gives its nodes in order). A parameter's gradient (an ``AccumulateGrad``)
-#     is left out: it is the slice's gradients, counted apart; so is a chunked loss's head, whose
-#     chunks run once per shape (Note: [Loss chunks profiled once]), in an order whose sums are
-#     not the loop's.
+#     number autograd gives its nodes in order), and the larger of the three gradients at the sum
+#     and, while the second node runs, the waiting gradient, that node's incoming gradients and
+#     what its operations make in the profile's backward (Note: [Working bytes beyond the saved] in
+#     ``working_bytes.py``, rule 2: an RMSNorm's ``pow`` makes three of its input's size). A
+#     parameter's gradient (an ``AccumulateGrad``) is left out: it is the slice's gradients,
+#     counted apart; so are the sums of a chunked loss's chunks, which run once per shape (Note:
+#     [Loss chunks profiled once]), in an order whose sums are not the loop's: not the head's norm
+#     before them, whose sum comes at two slices beside the last decoder's saved tensors.
 
 
 class _SummedGradients:
     """What each layer's backward holds beyond its saved tensors while it sums gradients (Note:
     [Gradients summed in backward]): call :meth:`saving` from the layer's pack hook, then
-    :meth:`beyond_saved` with what it returned and saved."""
+    :meth:`layer_built` with what it returned and saved, and after the backward
+    :meth:`beyond_saved` with what its nodes made."""
 
     def __init__(self) -> None:
         self._walked: set[Any] = set()  # the graph's nodes that earlier layers built
         self._saved_after: dict[int, int] = {}  # a storage's first saver's sequence number, plus one
         # The next node's sequence number (not in every PyTorch: then every saved tensor counts).
         self._next_node = getattr(torch._C._autograd, "_get_sequence_nr", lambda: 0)
+        # Per layer, its sums: (the second node's sequence number, the saved bytes then held less
+        # the layer's, the summed gradient's bytes, the node's incoming gradients' bytes).
+        self._sums: list[list[tuple[int, int, int, int]]] = []
 
     def saving(self, storage: int) -> None:
         self._saved_after.setdefault(storage, self._next_node())
 
-    def beyond_saved(self, output: Any, saved: dict[int, int], counted: bool = True) -> int:
-        """Bytes beyond ``saved`` (the layer's, by storage) at the sum that holds the most; 0
-        where not ``counted``, its nodes walked all the same."""
-        consumers: dict[tuple[Any, int], list[int]] = {}
-        nodes = [t.grad_fn for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    def layer_built(self, output: Any, saved: dict[int, int], skipped: Callable[[int], bool] | None) -> None:
+        """Find the sums in the graph the layer built (``saved`` its saved bytes by storage), but
+        those whose nodes ``skipped`` says (by sequence number) are not the real run's."""
+        consumers: dict[tuple[Any, int], list[tuple[int, Any]]] = {}
+        nodes = [t.grad_fn for t in tensors_in(output) if t.grad_fn is not None]
         while nodes:
             node = nodes.pop()
             if node in self._walked:
@@ -250,16 +260,25 @@ class _SummedGradients:
             self._walked.add(node)
             for target, position in node.next_functions:
                 if target is not None and target.name() != "torch::autograd::AccumulateGrad":
-                    consumers.setdefault((target, position), []).append(node._sequence_nr())
+                    consumers.setdefault((target, position), []).append((node._sequence_nr(), node))
                     nodes.append(target)
-        total, most = sum(saved.values()), 0
-        for (target, position), made in consumers.items() if counted else ():
+        total, sums = sum(saved.values()), []
+        for (target, position), made in consumers.items():
+            if skipped is not None and any(skipped(number) for number, _ in made):
+                continue
             if len(made) > 1 and hasattr(target, "_input_metadata"):  # the engine's record of the input
-                second = sorted(made)[-2]
+                second, node = sorted(made, key=lambda m: m[0])[-2]
                 held = sum(saved[s] for s, after in self._saved_after.items() if after <= second + 1 and s in saved)
-                most = max(most, held + 3 * _metadata_bytes(target._input_metadata[position]) - total)
+                incoming = sum(_metadata_bytes(m) for m in getattr(node, "_input_metadata", ()))
+                sums.append((second, held - total, _metadata_bytes(target._input_metadata[position]), incoming))
+        self._sums.append(sums)
         self._saved_after.clear()
-        return most
+
+    def beyond_saved(self, made: dict[int, int]) -> list[int]:
+        """Per layer, the bytes beyond its saved ones at the sum that holds the most, given what
+        each node of the backward made (by sequence number; a node not there made one gradient)."""
+        return [max([0] + [held + max(3 * size, size + incoming + made.get(second, size))
+                           for second, held, size, incoming in sums]) for sums in self._sums]
 
 
 def _metadata_bytes(metadata: Any) -> int:
@@ -414,7 +433,7 @@ def _flop_counter() -> FlopCounterMode:
 
 
 def _backward_flops(output: Any) -> int:
-    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    tensors = [t for t in tensors_in(output) if t.requires_grad]
     if not tensors:
         return 0
     with _flop_counter() as counter:
@@ -440,9 +459,9 @@ def _fake_state(layer: nn.Module, compute_dtype: torch.dtype | None) -> dict[str
 def _cast_inputs(x: Any, compute_dtype: torch.dtype | None) -> Any:
     if compute_dtype is None:
         return x
-    leaves, spec = tree_flatten(x)
+    leaves, spec = flatten(x, "the model's input")  # as OffloadModel takes it apart, a dataclass's tensors too
     cast = [t.to(compute_dtype) if isinstance(t, torch.Tensor) and t.dtype.is_floating_point else t for t in leaves]
-    return tree_unflatten(cast, spec)
+    return unflatten(cast, spec)
 
 
 def _storage_id(t: torch.Tensor) -> int:
@@ -451,11 +470,12 @@ def _storage_id(t: torch.Tensor) -> int:
 
 
 def _nbytes(x: Any) -> int:
-    storages = {_storage_id(t): t.untyped_storage().nbytes() for t in tree_flatten(x)[0]
-                if isinstance(t, torch.Tensor)}
+    # A dataclass's or a dict subclass's tensors are the walk's leaves too (Note: [Containers
+    # pytree keeps whole] in offload/walk/structures.py): boundary activations it offloads.
+    storages = {_storage_id(t): t.untyped_storage().nbytes() for t in tensors_in(x)}
     return sum(storages.values())
 
 
 def _batch_size(x: Any) -> int:
-    tensors = [t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
+    tensors = [t for t in tensors_in(x) if t.dim() > 0]
     return tensors[0].shape[0] if tensors else 1
