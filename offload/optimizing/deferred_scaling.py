@@ -63,6 +63,7 @@ import torch
 
 from ..clipping import add_scaler
 from ..kernels.scaling import OwedScaling
+from ..streams.workers import mark_of, queued_since
 from ..tiers.slice_update import SliceStep
 from ..walk.engine import Engine
 from .stepping import SliceUpdates
@@ -148,11 +149,20 @@ class OwedSlice:
 
     def submit(self) -> None:
         engine = self.updates.engine
+        worker = self.updates.start_worker()
         work = functools.partial(_scale, self.scaling, self.index)
-        # After what is pending on the slice (an update a clip after step() would race with).
-        event = engine.copies.submit(self.updates.start_worker(), work, after=[engine.updates.event(self.index)],
-                                     key=self.index)
-        engine.updates.submitted(self.index, event, writes_shadow=False)
+        mark = mark_of(worker)
+        event = None
+        try:
+            # After what is pending on the slice (an update a clip after step() would race with).
+            event = engine.copies.submit(worker, work, after=[engine.updates.event(self.index, self)], key=self.index)
+        finally:
+            # Owed until registered: asked of the worker if an interrupt came once it was queued
+            # (Note: [A worker under interrupts and forks] in offload/streams/workers.py).
+            if event is None:
+                event = queued_since(worker, mark)
+            if event is not None:
+                engine.updates.submitted(self.index, event, writes_shadow=False, claimed=self)
 
 
 def _scalable(grad: torch.Tensor | None) -> bool:

@@ -110,13 +110,14 @@ class SliceUpdates:
         try:
             outside = self._hand_outside(rest, hyper, grad_scale, found_inf)
             for step in steps:
-                if self.sharding is not None:  # the event of the exchange that follows this rank's part
-                    update = functools.partial(self._hand_update, step, hyper, grad_scale, found_inf)
-                    told = functools.partial(self.failure.told, self._steps, step.index,
-                                             self.sharding.collectives.world_size)
-                    updated = self.sharding.submit(step, update, told)
-                else:
-                    updated = self._submit_update(step, hyper, grad_scale, found_inf)
+                if self.sharding is None:
+                    self._submit_update(step, hyper, grad_scale, found_inf)
+                    continue
+                # The event of the exchange that follows this rank's part.
+                update = functools.partial(self._hand_update, step, hyper, grad_scale, found_inf, exchanged=True)
+                told = functools.partial(self.failure.told, self._steps, step.index,
+                                         self.sharding.collectives.world_size)
+                updated = self.sharding.submit(step, update, told)
                 if updated is not None:
                     self._register(step.index, updated)
         except BaseException as error:
@@ -143,13 +144,16 @@ class SliceUpdates:
                 continue
             if all(g is None for g in grads):
                 continue
-            handed = self.failure.handing(-1)
+            worker = self.start_worker()
+            mark = worker.mark() if isinstance(worker, HostWorker) else None  # see _queued_since
+            handed = None
             try:
+                handed = self.failure.handing(-1)
                 # Key -1: the worker runs it before any slice's update not started (rule 1).
-                handed.event = self.engine.copies.submit(self.start_worker(),
-                                                         functools.partial(self.failure.run, handed, update), key=-1)
+                handed.event = self.engine.copies.submit(worker, functools.partial(self.failure.run, handed, update),
+                                                         key=-1)
             except BaseException:
-                self.failure.withdrawn(handed)
+                _outside_raised(self, handed, _queued_since(worker, mark, self.disk, -1))
                 raise
             return handed.event
         return None
@@ -194,15 +198,13 @@ class SliceUpdates:
         [Update in backward] in ``in_backward.py``)."""
         self.start_worker()
         try:
-            updated = self._submit_update(step, hyper, None, None, grads, after)
+            self._submit_update(step, hyper, None, None, grads, after)
         except BaseException as error:
             if self.failure.handed_this_step(step.index):
                 # Queued, then interrupted: backward does not count it as started (Note: [An update
                 # that failed part way], rule 6).
                 self.failure.interrupted(error, None, "a backward (update_in_backward)")
             raise
-        if updated is not None:
-            self._register(step.index, updated)
 
     def raise_late(self) -> None:
         """Raise what a sharded step left for this thread (registered with the engine's waits): this
@@ -242,16 +244,23 @@ class SliceUpdates:
     def _submit_update(self, step: SliceStep, hyper: list[dict[str, Any]], grad_scale: torch.Tensor | None,
                        found_inf: torch.Tensor | None, grads: list[torch.Tensor | None] | None = None,
                        after: Sequence[Event | None] = ()) -> Event | None:
-        """Queue the update of the parameters ``step`` steps on the host worker, with ``grads``
-        (default: their ``.grad``) after the events ``after``; its event, or ``None`` when none of
-        them has a gradient."""
+        """Queue and register the update of the parameters ``step`` steps (:meth:`_hand_update`); its
+        event, or ``None`` when none of them has a gradient."""
         handed = self._hand_update(step, hyper, grad_scale, found_inf, grads, after)
         return None if handed is None else handed.event
 
     def _hand_update(self, step: SliceStep, hyper: list[dict[str, Any]], grad_scale: torch.Tensor | None,
                      found_inf: torch.Tensor | None, grads: list[torch.Tensor | None] | None = None,
-                     after: Sequence[Event | None] = ()) -> Handed | None:
-        """:meth:`_submit_update`, returning what was handed over (``None``: nothing)."""
+                     after: Sequence[Event | None] = (), exchanged: bool = False) -> Handed | None:
+        """Queue the update of the parameters ``step`` steps on the host worker, with ``grads``
+        (default: their ``.grad``) after the events ``after``, and register it with the waits;
+        what was handed over (``None``: none of them has a gradient). ``exchanged``: a sharded
+        update, whose exchange the caller registers after it, masters on disk written back after that.
+
+        Queued, registered and the owed work claimed in one try: wherever an interrupt lands, the
+        update is either queued and registered, the work owed on the slice done by it, or not
+        queued and that work still owed (Note: [A worker under interrupts and forks] in
+        ``offload/streams/workers.py``)."""
         assert step.whole is not None
         if grads is None:
             grads = [p.grad for p in step.whole.params]
@@ -265,45 +274,29 @@ class SliceUpdates:
         owed = handed = None
         try:
             # A clip's scaling owed on the slice: done in the update's own pass (Note: [Scaling in
-            # the update] in deferred_scaling.py).
+            # the update] in deferred_scaling.py), owed until the update is registered.
             owed = self.engine.updates.claim(step.index)
             scaling = getattr(owed, "scaling", None)  # an OwedSlice's (deferred_scaling.py, which imports this module)
             assert owed is None or isinstance(scaling, OwedScaling), "internal error: unknown work owed on a slice"
             handed = self.failure.handing(step.index)
             work = functools.partial(self.failure.run, handed,
                                      functools.partial(step.run, grads, hyper, grad_scale, found_inf, scaling))
-            handed.event = self._submit(step.index, work, [*after, self.engine.updates.event(step.index)])
+            handed.event = self._submit(step.index, work, [*after, self.engine.updates.event(step.index, owed)])
+            self._register(step.index, handed.event, owed, masters=not exchanged)
         except BaseException:
-            self._hand_off_raised(step.index, handed, _queued_since(worker, mark, self.disk, step.index), owed)
+            _hand_off_raised(self, step.index, handed, _queued_since(worker, mark, self.disk, step.index), owed)
             raise
         return handed
 
-    def _hand_off_raised(self, index: int, handed: Handed | None, queued: Event | None, owed: Any) -> None:
-        """Slice ``index``'s hand-off raised (an interrupt: Note: [An update that failed part way],
-        rule 6). An update ``queued`` (its event) runs whatever follows: it is registered with the
-        waits, as any update, and does the work owed on the slice. One not queued is withdrawn,
-        the work owed on the slice owed again, and its masters on disk written back and dropped,
-        as for an update that is skipped (they may have been read in for it)."""
-        if queued is not None:
-            assert handed is not None, "internal error: an update queued before it was recorded"
-            handed.event = queued  # its work holds it: handing() had returned
-            self._register(index, queued)
-            return
-        if handed is not None:
-            self.failure.withdrawn(handed)
-        else:
-            self.failure.withdrawn_part_way(index)  # raised inside handing()
-        if owed is not None:
-            self.engine.updates.owe(index, owed)  # not submitted: still owed
-        self._write_masters(index, None)
-
-    def _register(self, index: int, updated: Event) -> None:
-        """Slice ``index``'s update (or a sharded one's exchange), ``updated``, was queued: the next
-        load of the slice waits for it, and with masters on disk they are written back after it."""
+    def _register(self, index: int, updated: Event, claimed: Any = None, masters: bool = True) -> None:
+        """Slice ``index``'s update (or a sharded one's exchange), ``updated``, was queued, doing the
+        work ``claimed`` on the slice: the next load of the slice waits for it, and with masters on
+        disk (``masters``) they are written back after it."""
         try:
-            self.engine.updates.submitted(index, updated)
+            self.engine.updates.submitted(index, updated, claimed=claimed)
         finally:
-            self._write_masters(index, updated)
+            if masters:
+                self._write_masters(index, updated)
 
     def _submit(self, index: int, work: Callable[[], None], waits: Sequence[Event | None] = ()) -> Event:
         """Run slice ``index``'s update on the update worker after the events ``waits`` (its masters
@@ -340,6 +333,41 @@ def _queued_since(worker: Any, mark: object, disk: TierPlumbing, index: int) -> 
     if isinstance(worker, HostWorker):
         return worker.queued_since(mark)
     return disk.tier.queued_updates.get(index) if disk.tier is not None else None
+
+
+def _hand_off_raised(updates: SliceUpdates, index: int, handed: Handed | None, queued: Event | None,
+                     owed: Any) -> None:
+    """Slice ``index``'s hand-off raised (an interrupt: Note: [An update that failed part way],
+    rule 6). An update ``queued`` (its event) runs whatever follows: it is registered with the
+    waits (again, if it was: that changes nothing), as any update, and does the work ``owed`` on
+    the slice. One not queued is withdrawn, the work owed on the slice left owed, and its masters
+    on disk written back and dropped, as for an update that is skipped (they may have been read
+    in for it)."""
+    if queued is not None:
+        assert handed is not None, "internal error: an update queued before it was recorded"
+        handed.event = queued  # its work holds it: handing() had returned
+        updates._register(index, queued, owed)
+        return
+    if handed is not None:
+        updates.failure.withdrawn(handed)
+    else:
+        updates.failure.withdrawn_part_way(index)  # raised inside handing()
+    updates._write_masters(index, None)
+
+
+def _outside_raised(updates: SliceUpdates, handed: Handed | None, queued: Event | None) -> None:
+    """The hand-off of the parameters outside the model raised (an interrupt). Queued all the same
+    (its event ``queued``), it runs: ``step()`` waits for it before it raises, as for any update
+    of those (Note: [Parameters outside the model], rule 2). Not queued, it is withdrawn."""
+    if queued is None:
+        if handed is not None:
+            updates.failure.withdrawn(handed)
+        else:
+            updates.failure.withdrawn_part_way(-1)  # raised inside handing()
+        return
+    assert handed is not None, "internal error: an update queued before it was recorded"
+    handed.event = queued
+    updates.engine.copies.wait_host(queued)
 
 
 def _left(steps: Sequence[SliceStep], rest: Sequence[SliceStep], handed: Callable[[int], bool]) -> list[int]:

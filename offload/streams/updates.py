@@ -31,7 +31,8 @@ class Owed(Protocol):
     """Work recorded on a slice and submitted only when something needs it done."""
 
     def submit(self) -> None:
-        """Submit the work now (it reports its event with :meth:`SliceUpdates.submitted`)."""
+        """Submit the work now; it reports its event with :meth:`SliceUpdates.submitted`, naming
+        itself ``claimed`` (owed until then)."""
 
 
 class SliceUpdates:
@@ -74,23 +75,32 @@ class SliceUpdates:
         self._owed[index] = owed
 
     def claim(self, index: int) -> Owed | None:
-        """Take slice ``index``'s owed work unsubmitted, for the update about to be submitted to do
-        in its own pass (``None``: nothing owed)."""
-        return self._owed.pop(index, None)
+        """Slice ``index``'s owed work, for the update about to be submitted to do in its own pass
+        (``None``: nothing owed). It stays owed until :meth:`submitted` says that update was
+        queued (``claimed``): an interrupt between the two (Ctrl-C) leaves it owed, never lost,
+        and never done twice (Note: [A worker under interrupts and forks] in ``workers.py``)."""
+        return self._owed.get(index)
 
     def _submit_owed(self, index: int | None = None) -> None:
-        """Submit what is owed on slice ``index`` (``None``: on every slice, in slice order)."""
+        """Submit what is owed on slice ``index`` (``None``: on every slice, in slice order); each
+        stays owed until its submission says it was queued (:meth:`submitted`, as for :meth:`claim`)."""
         for k in sorted(self._owed) if index is None else [index]:
-            owed = self._owed.pop(k, None)
+            owed = self._owed.get(k)
             if owed is not None:
                 owed.submit()
 
-    def submitted(self, index: int, event: Event, writes_shadow: bool = True) -> None:
+    def submitted(self, index: int, event: Event, writes_shadow: bool = True, claimed: Owed | None = None) -> None:
         """Work that rewrites slice ``index``'s host memory was submitted: an update, or, not
         ``writes_shadow``, work that leaves the parameters and their shadow alone (a clip's
         scaling of its gradients: Note: [Scaling in the update] in
         ``offload/optimizing/deferred_scaling.py``); ``event`` completes when it is done, and it
-        stands for everything submitted for the slice before."""
+        stands for everything submitted for the slice before. ``claimed``: the work owed on the
+        slice that it does (:meth:`claim`), owed no more. Called again with the same event (a
+        hand-off interrupted in here registers again), it changes nothing."""
+        # No call from here to the store, so no check for signals: an interrupt cannot leave the
+        # owed work dropped and the event unknown (Note: [A worker under interrupts and forks]).
+        if claimed is not None and index in self._owed:
+            del self._owed[index]
         assert index not in self._owed, "internal error: work submitted on a slice past what it owes"
         self._pending[index] = event
         if writes_shadow:
@@ -113,10 +123,12 @@ class SliceUpdates:
         self._submit_owed(index)
         return self.copies.has_completed(self._pending.get(index))
 
-    def event(self, index: int) -> Event | None:
+    def event(self, index: int, claimed: Owed | None = None) -> Event | None:
         """The event of slice ``index``'s pending update (``None``: none pending), for work that
-        waits for it off this thread (a cast ahead of the slice's load)."""
-        self._submit_owed(index)
+        waits for it off this thread (a cast ahead of the slice's load); ``claimed``: the owed
+        work that the caller's submission does, not submitted here (:meth:`claim`)."""
+        if claimed is None or self._owed.get(index) is not claimed:
+            self._submit_owed(index)
         return self._pending.get(index)
 
     def wait(self, index: int) -> Event | None:

@@ -30,7 +30,12 @@ Note: [A worker under interrupts and forks]
        what waits. ``threading.Condition``'s own ``with`` runs Python code, where an interrupt
        left the lock held: the worker, then the interpreter's exit, blocked forever.
     2. A caller interrupted in or after a hand-off asks :meth:`HostWorker.queued_since` whether its
-       work was queued (it runs, and is to be waited for like any other) or not (it never runs).
+       work was queued (it runs, and is to be waited for like any other) or not (it never runs),
+       never the event a submission returned: the interrupt may land between the queue and the
+       caller's store. So a hand-off queues and registers its work in one ``try`` whose handler
+       asks (``_hand_update`` and ``_hand_outside`` in ``offload/optimizing/stepping.py``, the
+       disk tier's pipeline, a clip's owed scaling), and work owed on a slice stays owed until
+       the submission that does it is registered (``SliceUpdates.claim`` in ``updates.py``).
     3. A child of ``os.fork()`` holds the workers but not their threads. A worker that had nothing
        left to run at the fork starts a thread again at its next submission: the child trains on.
        One with work not finished (being run, which the child holds half done, or waiting, which
@@ -40,6 +45,10 @@ Note: [A worker under interrupts and forks]
        readable. Each worker's lock is held across the fork (``os.register_at_fork``), so the
        child's copy of the counts is whole; the child gets new locks. A DataLoader worker, forked,
        never touches the workers and is unaffected.
+    4. What a process keeps in files (a disk tier's state: ``offload/tiers/disk_tier.py``) a fork
+       child shares with its parent: a step there would write the parent's files. Such an owner
+       notes :func:`forks` when it is made and refuses, in a child, at the first use that reads
+       or writes them, saying what to do.
 """
 
 from __future__ import annotations
@@ -60,6 +69,7 @@ import torch
 _live: weakref.WeakSet[HostWorker] = weakref.WeakSet()
 _on_worker = threading.local()  # .worker: the HostWorker whose thread this is
 _held_for_fork: list[HostWorker] = []  # the workers whose lock an os.fork() in progress holds
+_forks = 0  # the os.fork() calls between the interpreter's start and this process (rule 4)
 
 
 #: Seconds the interpreter's exit waits quietly for the host workers to finish what they hold; it
@@ -104,14 +114,33 @@ def _release_after_fork() -> None:
         _held_for_fork.pop()._lock.release()
 
 
+def forks() -> int:
+    """How many ``os.fork()`` calls made this process (a child's child: 2); what an owner of files
+    compares with the count when it was made (Note: [A worker under interrupts and forks], rule 4)."""
+    return _forks
+
+
 def _forked_child() -> None:
     """After ``os.fork()``, in the child: the workers' threads are gone (rule 3)."""
+    global _forks
+    _forks += 1
     _held_for_fork.clear()
     for worker in list(_live):
         worker._after_fork_in_child()
 
 
 os.register_at_fork(before=_hold_for_fork, after_in_parent=_release_after_fork, after_in_child=_forked_child)
+
+
+def mark_of(worker: object) -> object:
+    """``worker``'s :meth:`HostWorker.mark`; ``None`` for the stream-ordering checker's workers."""
+    return worker.mark() if isinstance(worker, HostWorker) else None
+
+
+def queued_since(worker: object, mark: object) -> WorkerEvent | None:
+    """``worker``'s :meth:`HostWorker.queued_since` (rule 2); ``None`` for the stream-ordering
+    checker's workers, which are never interrupted: their caller knows what it queued."""
+    return worker.queued_since(mark) if isinstance(worker, HostWorker) else None
 
 
 @dataclass(frozen=True)

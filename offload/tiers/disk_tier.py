@@ -72,7 +72,8 @@ Note: [Disk tier failures]
 
     An interrupt (Ctrl-C's ``KeyboardInterrupt``, or any error) while :meth:`StateTier.submit`
     queues a slice's pieces withdraws nothing already queued: the write is queued after the last
-    piece that was (tried a second time if its own submission raised), so a queued update's state
+    piece that was, as its worker says (an interrupt may land before its event is returned), tried
+    again if it was not queued itself (as its worker says), so a queued update's state
     reaches the file and a queued read's buffer stays taken until it is done; the update's event
     stays known (``StateTier.queued_updates``) for the caller to register with its waits (Note:
     [An update that failed part way], rule 6, in ``offload/optimizing/partial_failure.py``).
@@ -102,7 +103,7 @@ from ..streams.backend import Event
 from ..streams.copies import CopyStreams
 from ..streams.disk import AlignedBuffer, DiskTierError
 from ..streams.trim import give_back_freed_memory
-from ..streams.workers import HostWorker
+from ..streams.workers import HostWorker, forks, mark_of, queued_since
 
 __all__ = ["WINDOW", "DiskTier", "DiskTierError", "Place", "StateTier", "expected_state_bytes", "size_text"]
 
@@ -195,6 +196,7 @@ class StateTier:
         self._reader: HostWorker | None = None
         self._writer: HostWorker | None = None
         self.closed = False
+        self.made_at_forks = forks()  # a fork child shares the files: Note: [A worker under interrupts and forks]
 
     # -- what it holds -----------------------------------------------------------------------------
 
@@ -243,30 +245,30 @@ class StateTier:
         ``after`` too, write it back; returns the update's event (the next load of the slice waits
         for it only)."""
         self._check_open()
-        if self._reader is None:
-            self._reader = self.copies.new_worker("disk read")
-            self._writer = self.copies.new_worker("disk write")
-            self.files.workers += [self._reader, self._writer]
+        _refuse_in_fork_child(self, "a step's update")
+        _start_workers(self)
         record = self.records[index]
         slot = self._window.next(index, record.nbytes)
-        queued: Event | None = None  # the last piece queued, which the write follows
         assert self._writer is not None
+        reads, updates, writes = mark_of(self._reader), mark_of(update_worker), mark_of(self._writer)
+        write, queued, read = functools.partial(record.write, self.files), None, None  # made now: no call in between
         try:
             # The buffer is free once the write of the slice that used it last has read it.
             queued = read = self.copies.submit(self._reader, functools.partial(record.read, slot, slot.region),
                                                after=[slot.free])
             # The update reads what the read wrote into the buffer.
-            queued = self.queued_updates[index] = self.copies.submit(
-                update_worker, functools.partial(self._update, record, work), after=[read, *after], key=index)
-        finally:
-            if queued is not None:  # even when interrupted: what was queued runs (Note: [Disk tier failures])
-                write = functools.partial(record.write, self.files)
-                try:  # the write reads the state the update left
-                    slot.free = self._last_write = self.copies.submit(self._writer, write, after=[queued])
-                except BaseException:  # an interrupt: once more, or that state would never reach the file
-                    slot.free = self._last_write = self.copies.submit(self._writer, write, after=[queued])
-                    raise
-        return queued
+            queued = self.copies.submit(update_worker, functools.partial(self._update, record, work),
+                                        after=[read, *after], key=index)
+        finally:  # even when interrupted: what was queued runs (Note: [Disk tier failures])
+            last, marks = None, [(self._reader, reads), (update_worker, updates)]
+            try:
+                last = _queued_last(self, index, queued, read, marks)
+                if last is not None:  # the write reads the state the update left
+                    slot.free = self._last_write = self.copies.submit(self._writer, write, after=[last])
+            except BaseException:  # interrupted here: asked again, and the write queued once
+                _write_once(self, slot, write, _queued_last(self, index, queued, read, marks), writes)
+                raise
+        return last
 
     def _update(self, record: SliceRecord, work: Callable[[], None]) -> None:
         if record.read_error is not None:
@@ -326,7 +328,8 @@ class StateTier:
         return self.partly_loaded
 
     def check_loaded(self, doing: str) -> None:
-        """Raise if a load failed part way (:meth:`load_failed`): ``doing`` would use the mix."""
+        """Raise if a load failed part way (:meth:`load_failed`), or in a fork child: ``doing`` would use the mix."""
+        _refuse_in_fork_child(self, doing)
         if self.partly_loaded is not None:
             raise RuntimeError(_partly_loaded(self.partly_loaded, doing))
 
@@ -421,6 +424,44 @@ class StateTier:
                 record.buffer, record.place = None, Place.RAM
         if lost is not None:
             raise DiskTierError(lost)
+
+
+def _start_workers(tier: StateTier) -> None:
+    """The reader and the writer, started by the first update (Note: [Disk tier pipeline])."""
+    if tier._reader is None:
+        tier._reader, tier._writer = tier.copies.new_worker("disk read"), tier.copies.new_worker("disk write")
+        tier.files.workers += [tier._reader, tier._writer]
+
+
+def _write_once(tier: StateTier, slot: Any, write: Callable[[], None], after: Event | None, mark: object) -> None:
+    """Queue ``write`` on ``tier``'s writer after ``after``, the last piece queued, unless the writer
+    queued it since ``mark`` before an interrupt: the state reaches the file once. ``slot`` waits for it."""
+    if after is not None:
+        written = queued_since(tier._writer, mark)
+        slot.free = tier._last_write = (written if written is not None else
+                                        tier.copies.submit(tier._writer, write, after=[after]))
+
+
+def _refuse_in_fork_child(tier: StateTier, doing: str) -> None:
+    """Raise in a fork child: ``tier``'s files are its parent's (Note: [A worker under interrupts and forks])."""
+    if forks() != tier.made_at_forks:
+        raise RuntimeError(
+            f"this process is a child of os.fork(), and this OffloadOptimizer's disk tier keeps its state in files "
+            f"that the parent process reads and writes ({tier.directory}): {doing} here would change the parent's "
+            "state. Train in the parent only, or start processes with the 'spawn' or 'forkserver' method "
+            "(multiprocessing.get_context('spawn')) and build the model and optimizer there.")
+
+
+def _queued_last(tier: StateTier, index: int, queued: Event | None, read: Event | None,
+                 marks: list[tuple[Any, object]]) -> Event | None:
+    """The last piece of slice ``index``'s pipeline queued: ``queued``, or, past an interrupt, what the reader and
+    the update worker say since their ``marks``. The update's event is kept in ``tier.queued_updates``."""
+    (reader, reads), (update_worker, updates) = marks
+    update = queued if queued is not read else queued_since(update_worker, updates)
+    if update is not None:
+        tier.queued_updates[index] = update
+        return update
+    return read if read is not None else queued_since(reader, reads)
 
 
 def _read_failure(index: int, error: OSError) -> HostUpdateError:
