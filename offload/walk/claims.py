@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import weakref
 from types import FrameType
 from typing import Any
 
@@ -40,9 +41,17 @@ class WalkClaim:
     _claiming = threading.Lock()
 
     def __init__(self, engine: Any, what: str, walk: Any = None) -> None:
-        self.engine, self.what, self.walk = engine, what, walk
+        self.engine, self.what = engine, what
+        # Weakly: the walk holds its claim, and a cycle would keep the walk (and what it holds) for
+        # the garbage collector instead of freeing it as its walk ends.
+        self._walk = weakref.ref(walk) if walk is not None else None
         self._took = False  # rule 4: a claim inside the thread's own gives nothing up
         self._opened = False  # ... but a walk's ends the walk it marked running
+
+    @property
+    def walk(self) -> Any:
+        """The ``SliceWalk`` the claim is for, if any (alive while it runs)."""
+        return self._walk() if self._walk is not None else None
 
     def __enter__(self) -> None:
         self.take(sys._getframe(1))
