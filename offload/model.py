@@ -238,12 +238,7 @@ class OffloadModel(CopiedByLayers, FixedStructure):
     # CopiedByLayers's copies).
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if set_to_none:
-            super().zero_grad(set_to_none=True)
-            return
-        with zeroed_in_files([s.storage for s in self._engine.slices], self.parameters()):
-            super().zero_grad(set_to_none=False)
-        mark_zeroed(self.parameters())  # zeros the next backward may add into as slices land
+        _zero_grad(self, super().zero_grad, set_to_none)
 
     # -- inspection --------------------------------------------------------------------------
 
@@ -378,6 +373,25 @@ def _identity_hooks() -> Iterator[None]:
         yield
     finally:
         hooks.__exit__(None, None, None)
+
+
+def _zero_grad(model: OffloadModel, zero: Callable[..., None], set_to_none: bool) -> None:
+    """``OffloadModel.zero_grad``: ``zero`` (``nn.Module.zero_grad``) after the check that the
+    model's OffloadOptimizer makes in its own ``zero_grad()`` under ``update_in_backward`` (a batch
+    skipped after the backward that started updates is refused, zeroing nothing; one skipped
+    before starts the accumulation again: Note: [Update in backward]). The optimizer's
+    subscriber to the model's walks makes it: this module cannot import the optimizer's."""
+    engine = model._engine
+    for subscriber in list(engine.milestones.subscribers):
+        check = getattr(subscriber, "before_zero_grad", None)
+        if check is not None:
+            check()
+    if set_to_none:
+        zero(set_to_none=True)
+        return
+    with zeroed_in_files([s.storage for s in engine.slices], model.parameters()):
+        zero(set_to_none=False)
+    mark_zeroed(model.parameters())  # zeros the next backward may add into as slices land
 
 
 def engine_of(model: OffloadModel) -> Engine:

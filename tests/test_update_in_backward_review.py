@@ -620,3 +620,56 @@ def test_a_step_skipped_without_zero_grad_names_it_in_the_count_error():
         _loss(model, batch(step)).backward()
     with pytest.raises(RuntimeError, match=r"step\(\) after 2 backward\(s\).*a step\(\) skipped"):
         optimizer.step()
+
+
+@pytest.mark.parametrize("zeroed_by", ["optimizer", "model"])
+def test_a_batch_skipped_before_its_last_backward_starts_the_accumulation_again(zeroed_by):
+    """``zero_grad()`` after a backward that started no update (the first of an accumulation of 2)
+    skips the batch, as docs/optimizer.md advises: the next accumulation counts from one, as in the
+    plain loop, whether the optimizer or the model (``netD.zero_grad()``) zeroes. Counted on, its
+    first backward would start every slice's update on half its gradients."""
+    plain, model = network(), OffloadModel(network(), device="cpu", num_slices=NUM_SLICES)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    optimizer = OffloadOptimizer(model, torch.optim.SGD, lr=0.1, momentum=0.9, update_in_backward=True,
+                                 accumulation_steps=2)
+    for m, opt in ((plain, plain_opt), (model, optimizer)):
+        for step in range(2):  # the second one starts updates in backward
+            for micro in range(2):
+                _loss(m, batch(10 * step + micro), 2).backward()
+            opt.step()
+            opt.zero_grad()
+        _loss(m, batch(20), 2).backward()
+        (m if zeroed_by == "model" else opt).zero_grad()  # the batch skipped
+        for micro in range(2):
+            _loss(m, batch(30 + micro), 2).backward()
+            if opt is optimizer and micro == 0:
+                assert not optimizer._in_backward.started  # the first backward of two starts nothing
+        opt.step()
+        opt.zero_grad()
+    assert optimizer._in_backward.last_started == set(range(NUM_SLICES))
+    assert_same(plain, plain_opt, model, optimizer)
+
+
+def test_the_models_zero_grad_after_the_backward_that_started_updates_is_refused_as_the_optimizers():
+    """``model.zero_grad()`` (PyTorch's DCGAN example calls ``netD.zero_grad()``) after the backward
+    that started the updates is refused as the optimizer's ``zero_grad()`` is, zeroing nothing
+    (accepted, it zeroed the gradients of a half-finished step, and the next ``step()`` blamed the
+    count); ``step()`` then finishes the step as the plain optimizer's."""
+    plain, model = network(), OffloadModel(network(), device="cpu", num_slices=NUM_SLICES)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    optimizer = OffloadOptimizer(model, torch.optim.SGD, lr=0.1, momentum=0.9, update_in_backward=True)
+    for step in range(3):
+        for m, opt in ((plain, plain_opt), (model, optimizer)):
+            _loss(m, batch(step)).backward()
+            if step == 2 and opt is optimizer:
+                grads = [p.grad.clone() for p in model.parameters()]
+                for set_to_none in (True, False):
+                    with pytest.raises(RuntimeError, match=r"zero_grad\(\) without step\(\) after the backward that "
+                                                           r"started the update of slices \[0, 1, 2\].*nothing was "
+                                                           r"zeroed"):
+                        model.zero_grad(set_to_none=set_to_none)
+                for p, g in zip(model.parameters(), grads):
+                    torch.testing.assert_close(p.grad, g, rtol=0, atol=0)
+            opt.step()
+            m.zero_grad()
+    assert_same(plain, plain_opt, model, optimizer)

@@ -35,8 +35,11 @@ Note: [Update in backward]
     - a hyperparameter set between that backward and ``step()`` (a warm-up set by hand, a
       scheduler stepped before the optimizer): ``step()`` raises; a ``torch.optim.lr_scheduler``
       step tells it itself, so that one setting the values they had is refused too;
-    - ``zero_grad()`` with no ``step()`` after that backward had started updates (a batch skipped):
-      ``zero_grad()`` raises, zeroing nothing (:func:`check_zero_grad`);
+    - ``zero_grad()`` (the optimizer's or the model's) with no ``step()`` after that backward had
+      started updates (a batch skipped, or a backward through the model for another model's loss: a
+      GAN's generator step through the discriminator, which counts as one of its backwards):
+      ``zero_grad()`` raises, zeroing nothing (:func:`check_zero_grad`); one before it starts the
+      accumulation again;
     - ``load_state_dict()`` of the optimizer between that backward and ``step()`` (the updates that
       ran stepped the state it replaced): ``step()`` raises;
     - ``step()`` after more backwards than declared: ``step()`` raises (after fewer, none started
@@ -343,7 +346,7 @@ class BackwardUpdates(Subscriber):
                 f"accumulation_steps={self.accumulation_steps}: the updates started in backward "
                 f"{self.accumulation_steps} did not see the gradients added later. {self._what_ran(started)} Pass the "
                 "number of backwards per step as accumulation_steps, and call step() after each accumulation's last "
-                "backward (a step() skipped, the next accumulation adds onto its gradients).")
+                f"backward (a step() skipped, the next accumulation adds onto its gradients). {ANOTHER_MODELS_LOSS}")
         # A fused optimizer gets the scale itself; another finds its gradients unscaled in place by a
         # kernel that leaves their version counters as they were, so the scaler is looked for.
         scaler = _calling_scaler()
@@ -371,6 +374,9 @@ class BackwardUpdates(Subscriber):
     def _name(self, p: torch.Tensor) -> str:
         return self._names.get(id(p), f"a parameter of shape {tuple(p.shape)}")
 
+    def before_zero_grad(self) -> None:  # the model's own zero_grad() (netD.zero_grad()), as the optimizer's
+        check_zero_grad(self)
+
 
 def check_failed_backward(backward: BackwardUpdates | None) -> None:
     """Before the state is handed out (a save, ``state_dict()``): a backward that raised after it
@@ -380,13 +386,23 @@ def check_failed_backward(backward: BackwardUpdates | None) -> None:
         _latch_failure(backward, backward.started)
 
 
+#: What the refusals of a backward counted too many say of its usual cause beside a skipped step.
+ANOTHER_MODELS_LOSS = (
+    "A backward through this model for another model's loss counts as one of its own: a GAN's generator step "
+    "backpropagates its loss through the discriminator D while D's parameters require grad, and so starts D's "
+    "update with the generator loss's gradients, which plain PyTorch never steps. For that step, switch D's "
+    "parameters off (for p in D.parameters(): p.requires_grad_(False)), and on again before D's own backward "
+    "(docs/optimizer.md, Several models in one loop).")
+
+
 def check_zero_grad(backward: BackwardUpdates | None) -> None:
-    """Before ``zero_grad()``: refuse one after the backward that started updates, with no
-    ``step()`` since (a skipped batch): those updates ran and the other slices' would not, and the
-    next accumulation's ``step()`` would find too many backwards. After such a backward that
-    started none (the first step, or every slice waiting for ``step()``), the step is skipped as
-    without the option: the accumulation starts again. A backward that raised is left to its error
-    and to ``step()``, which say what ran."""
+    """Before ``zero_grad()`` (the optimizer's, or the model's: :meth:`BackwardUpdates.before_zero_grad`):
+    refuse one after the backward that started updates, with no ``step()`` since (a skipped batch,
+    or a backward for another model's loss): those updates ran and the other slices' would not, and
+    the next accumulation's ``step()`` would find too many backwards. Where no update started (the
+    first step, every slice waiting for ``step()``, or an accumulation not ended yet), the batch is
+    skipped as without the option: the accumulation starts again, its count and reads forgotten. A
+    backward that raised is left to its error and to ``step()``, which say what ran."""
     if backward is None or backward._task_open or backward._failed:
         return
     if backward.started:
@@ -395,9 +411,8 @@ def check_zero_grad(backward: BackwardUpdates | None) -> None:
             f"{sorted(backward.started)}: those updates ran with its gradients; nothing was zeroed. Call step() (it "
             "finishes the step with the same gradients) before zero_grad(), and load the last checkpoint after it "
             "to undo the step; to skip a batch, skip it before its last backward, or build "
-            "OffloadOptimizer without update_in_backward.")
-    if backward.backwards >= backward.accumulation_steps:
-        backward.backwards, backward._reads = 0, None
+            f"OffloadOptimizer without update_in_backward. {ANOTHER_MODELS_LOSS}")
+    backward.backwards, backward._reads = 0, None
 
 
 def _before_updates(backward: BackwardUpdates, optimizer: Any) -> None:

@@ -13,7 +13,7 @@ import threading
 import types
 import warnings
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -318,7 +318,7 @@ class Engine:
 
         self.slices: list[Slice] = []
         held: set[int] = set()  # what earlier slices hold (Note: [Tied parameters across slices])
-        _check_layout(layer for _, layers in groups for layer in layers)
+        _before_layout(None, [layer for _, layers in groups for layer in layers])
         for i, (names, layers) in enumerate(groups):
             homes = (functools.partial(self.master_files.gradient_home, i) if self.master_files is not None
                      else None)  # Note: [Gradients on disk]
@@ -446,13 +446,16 @@ class Engine:
 
     def _follow_changes(self) -> None:
         """:meth:`refresh` under its claim."""
+        # Before anything reads or lays out a parameter another model holds too: its optimizer may
+        # still be writing it (Note: [Parameters several models hold]).
+        settle_other_holders(self, self.parameter_ids)
         # The cheap checks first; a substitute's values are compared once a refresh, and only where
         # nothing else lays its slice out again (Note: [Tensors substituted for a call]).
         changed = {s.index for s in self.slices if s.storage.registered_tensors_changed() or s.storage.moved()
                    or substitutes_changed(s.storage)}
         if not changed:
             return  # the common case, checked every forward
-        _check_layout(layer for s in self.slices for layer in s.layers)  # before anything moves
+        _before_layout(self, [layer for s in self.slices for layer in s.layers])  # before anything moves
         # A change made through a reference taken before step(): the pending updates still write
         # the host copies being laid out again, which copies what they hold.
         self.updates.wait_all(shadows_stale=True)
@@ -505,6 +508,31 @@ def held_by_an_engine(p: torch.Tensor) -> bool:
     return any(id(p) in engine.parameter_ids for engine in live_engines())
 
 
+def settle_other_holders(engine: Engine | None, ids: Collection[int]) -> None:
+    """Block until the pending updates of every live engine but ``engine`` that holds one of the
+    parameters ``ids`` are done, leaving them pending there (with the shadows they wrote).
+
+    Note: [Parameters several models hold]
+        Several OffloadModels may hold one parameter: a submodule two nn.Sequentials share, one
+        nn.Sequential wrapped twice, an OffloadModel used as a layer of another, one Hugging Face
+        model in two OffloadedCausalLMs. Each lays it out in a host buffer of its own, so a layout
+        by one takes it out of the other's (``moved()``), which lays it out again at its next
+        forward: both compute with its current values, as in plain PyTorch. But an
+        OffloadOptimizer's update of it may still be pending on the other model's worker, writing
+        the memory it was handed (an update follows the parameter's memory only when it is handed
+        over: ``SliceStep.bind``). A layout that copied the parameter before that update landed
+        would lose it for good; a load would read it half written. So an engine waits for every
+        other holder's pending updates before it lays out or reads anything: at each refresh (every
+        forward) and when it is built. Every update then lands where the parameter's data is, and
+        each model reads it after the updates stepped before: exact, at the cost of the overlap of
+        one model's update with the other's forward. Without a shared parameter nothing waits (one
+        set test per other live engine each forward).
+    """
+    for other in live_engines():
+        if other is not engine and other.updates.pending() and not other.parameter_ids.isdisjoint(ids):
+            other.updates.finish_all()
+
+
 def _check_layout(layers: Iterable[nn.Module]) -> None:
     """Call the ``check_layout`` a layer may carry (a callable attribute) before a layout: it refuses,
     with a message of its own, registrations its layers cannot run, which the layout would refuse with a
@@ -514,6 +542,14 @@ def _check_layout(layers: Iterable[nn.Module]) -> None:
         check = layer.__dict__.get("check_layout")
         if check is not None:
             check()
+
+
+def _before_layout(engine: Engine | None, layers: Sequence[nn.Module]) -> None:
+    """Before ``engine`` (``None``: one being built) lays ``layers`` out: their own checks
+    (:func:`_check_layout`), then the pending updates of the other models that hold the parameters
+    they register now, which the layout copies (Note: [Parameters several models hold])."""
+    _check_layout(layers)
+    settle_other_holders(engine, {id(p) for layer in layers for p in layer.parameters()})
 
 
 def _check_reassigned(index: int, name: str, new_value: torch.Tensor, target: torch.Tensor,
