@@ -46,6 +46,7 @@ from .optimizing.copying import CopiedByStateDict
 from .optimizing.deferred_scaling import DeferredScaling
 from .optimizing.in_backward import BackwardUpdates, check_failed_backward, check_in_backward, check_zero_grad
 from .optimizing.plan import as_class_adds, inner_optimizer, plan_key, slice_steps, snapshot
+from .optimizing.random_draws import RandomDraws
 from .optimizing.sharding import Sharding
 from .optimizing.stepping import SliceUpdates
 from .optimizing.following import follow, tied_to_engine
@@ -148,6 +149,7 @@ class OffloadOptimizer(CopiedByStateDict, torch.optim.Optimizer):
                                                    _before_update, update_in_backward)
         self._norms = BackwardNorms.attach(self, engine_of(model), accumulation_steps, norms_in_backward)
         self._scaling = DeferredScaling.attach(self, _scaled_in_update, scale_in_update)
+        self._draws = RandomDraws(optimizer_class)  # Note: [An optimizer that draws random numbers]
         #: step() ran on the model's engine: a move to the host is a teardown then (rule 3 of Note:
         #: [Moving an OffloadModel] in offload/modeling/placement.py)
         self._stepped_engine = False
@@ -206,10 +208,7 @@ class OffloadOptimizer(CopiedByStateDict, torch.optim.Optimizer):
         # An update must not write host copies that a load still reads (a safety net: see Note:
         # [Orderings the end of a walk covers] in offload/streams/copies.py).
         engine.copies.wait_loads_done()
-        todo = [s for s in self._steps if s.index not in started]
-        # Slice order: the resident (first) slices' updates, queued on the device, then the others'.
-        self._updates.run_now([s for s in todo if _resident(s)], hyper, *scaling, started)
-        self._updates.submit([s for s in todo if not _resident(s)], self._rest, hyper, grad_scale, found_inf)
+        _start_updates(self, started, hyper, scaling, (grad_scale, found_inf))
         if unwritten is not None:  # a write of the updates backward ran, once the step is whole (_step_begins)
             raise unwritten
         return loss
@@ -462,6 +461,19 @@ def _plan(optimizer: OffloadOptimizer, kept: bool = False) -> None:
     optimizer._disk.plan([(step.index, step.whole.params) for step in optimizer._steps
                           if step.whole is not None and not _resident(step)])
     optimizer._plan_key = key
+
+
+def _start_updates(optimizer: OffloadOptimizer, started: set[int], hyper: list[dict[str, Any]],
+                   scaling: tuple[Any, Any], on_host: tuple[torch.Tensor | None, torch.Tensor | None]) -> None:
+    """Start the updates backward did not (``started``), in slice order: the resident (first) slices',
+    queued on the device (GradScaler's ``scaling`` there), then the others' (with it ``on_host``);
+    waited for while the optimizer may draw random numbers (Note: [An optimizer that draws random
+    numbers] in ``offload/optimizing/random_draws.py``)."""
+    def start(resident: list[SliceStep], streamed: list[SliceStep], rest: list[SliceStep], handed: set[int]) -> None:
+        optimizer._updates.run_now(resident, hyper, *scaling, handed)
+        optimizer._updates.submit(streamed, rest, hyper, *on_host)
+
+    optimizer._draws.start(optimizer, [s for s in optimizer._steps if s.index not in started], started, start)
 
 
 def _resident(step: SliceStep) -> bool:

@@ -5,8 +5,10 @@ backward. Restoring the CPU generator alone is not enough (dropout on CUDA draws
 generator), and restoring one state for the whole model is wrong (every slice and microbatch
 starts from a different point of the sequence). Python's own generator, and NumPy's global one
 once NumPy is loaded, are part of it (:class:`LibraryRng`): a layer drop decided by
-``random.random()`` must take the same branch in the recompute. A ``torch.Generator`` a layer
-keeps as an attribute is restored with the layer's attributes (Note: [Attribute state]).
+``random.random()`` must take the same branch in the recompute. A generator a layer keeps as an
+attribute (``torch.Generator``, ``random.Random``, NumPy's) is restored with the layer's attributes
+(Note: [Attribute state]). An optimizer's draws are kept out of the window a recompute replays
+(Note: [An optimizer that draws random numbers] in ``offload/optimizing/random_draws.py``).
 """
 
 from __future__ import annotations
