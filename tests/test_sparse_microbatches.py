@@ -168,3 +168,27 @@ def test_a_sparse_output_that_cannot_be_joined_is_refused_saying_what_to_return(
     model = OffloadModel(nn.Sequential(nn.Linear(4, 4), ToCsc()), device="cpu", num_slices=2, num_microbatches=2)
     with torch.no_grad(), pytest.raises(ValueError, match=r"output leaf 0 .*sparse_csc.*to_sparse_coo\(\)"):
         model(torch.randn(5, 4))
+
+
+class ToSparse(nn.Module):
+    """Hands on its input as a sparse tensor: an output that needs a gradient."""
+
+    def __init__(self, layout: torch.layout) -> None:
+        super().__init__()
+        self.layout = layout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to_sparse_coo() if self.layout == torch.sparse_coo else x.to_sparse_csr()
+
+
+@pytest.mark.parametrize("layout", [torch.sparse_coo, torch.sparse_csr], ids=["coo", "csr"])
+def test_a_sparse_output_that_needs_a_gradient_takes_it_cut_into_the_microbatches(layout):
+    # Its to_dense() in the loss gives it a sparse gradient, which backward cuts as forward joined.
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 8), ToSparse(layout))
+    model = OffloadModel(copy.deepcopy(plain), device="cpu", num_slices=2, num_microbatches=2)
+    x = torch.randn(6, 6)
+    for chunk in x.chunk(2):  # the plain model microbatch by microbatch
+        plain(chunk).to_dense().pow(2).sum().backward()
+    model(x).to_dense().pow(2).sum().backward()
+    assert_same_grads(model, plain, **EXACT)

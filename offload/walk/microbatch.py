@@ -401,6 +401,14 @@ def split_like(leaf: torch.Tensor | None, sizes: Sequence[int]) -> list[torch.Te
         return [None] * len(sizes)
     if len(sizes) == 1:
         return [leaf]
+    if leaf.layout in _SPARSE_LAYOUTS:  # a sparse output's gradient (its to_dense() in the loss gives one)
+        if not _rows_cut(leaf):
+            raise ValueError(
+                f"the gradient of a sparse output ({leaf.layout}, shape {tuple(leaf.shape)}) cannot be cut along "
+                f"dim 0 into the microbatches' (sizes {list(sizes)}): only COO and two-dimensional CSR gradients "
+                "can (Note: [Sparse tensors carrying the batch] in offload/walk/microbatch.py). Return the output "
+                "dense or as COO, or use num_microbatches=1")
+        return _sparse_chunks(leaf, sizes)
     return list(torch.split(leaf, list(sizes), dim=0))
 
 
