@@ -202,3 +202,23 @@ def test_a_group_added_after_some_steps_is_made_by_the_class_torchao():
     for (name, want), got in zip(plain.named_parameters(), model.parameters()):
         torch.testing.assert_close(got, want, **EXACT, msg=name)
     torch.testing.assert_close(optimizer.state_dict(), plain_opt.state_dict(), **EXACT)
+
+
+@pytest.mark.parametrize("num_threads", [1, 3])
+def test_threads_started_after_an_update_keep_the_thread_count_they_had(num_threads):
+    # The worker's torch.set_num_threads also stored its count for every thread started later: a
+    # user's training thread ran on one core (or another count), and its reductions' rounding moved.
+    def count_in_a_new_thread() -> int:
+        seen: list[int] = []
+        thread = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        thread.start()
+        thread.join(timeout=30)
+        return seen[0]
+
+    before = count_in_a_new_thread()
+    model = OffloadModel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), device="cpu")
+    optimizer = OffloadOptimizer(model, torch.optim.SGD, lr=0.1, num_threads=num_threads)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    optimizer.synchronize()
+    assert count_in_a_new_thread() == before

@@ -168,6 +168,23 @@ class _Submission:
     taken: bool = False  # the thread took it off the queue (queued_since reads it)
 
 
+def _own_thread_count(count: int) -> None:
+    """Give the calling thread ``count`` PyTorch threads, and later threads the count they had.
+
+    PyTorch initialises a thread's count at its first use (the ``get_num_threads`` here) to the
+    last count any thread stored; only then does the worker's own stick, whatever other threads
+    set. But ``set_num_threads`` stores ``count`` for every thread started later too: a user's
+    training or data thread would start on the worker's count (one core, or all but one), and a
+    reduction's order, so its result, changes with it. A throwaway thread stores the count back.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    if before != count:
+        restore = threading.Thread(target=torch.set_num_threads, args=(before,), name="offload-thread-count")
+        restore.start()
+        restore.join()
+
+
 class HostWorker:
     """One thread that runs submitted callables in order (or, ``by_key``, in key order among the ready).
 
@@ -353,10 +370,7 @@ class HostWorker:
         if self.device is not None and self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         if self.num_threads is not None:
-            # PyTorch initialises a thread's count at its first use (this call), to the last count
-            # any thread stored; only then does the worker's own stick, whatever other threads set.
-            torch.get_num_threads()
-            torch.set_num_threads(self.num_threads)
+            _own_thread_count(self.num_threads)
         while True:
             item = self._next()
             if item is None:
