@@ -339,6 +339,11 @@ def test_updates_skipped_after_a_failed_one_leave_no_masters_in_ram(tmp_path, mo
     # reads; the write of slice 2 must still come after its read, which is slow here.
     model = OffloadModel(network(), device="cpu", num_slices=3, compute_dtype=BF16, masters=tmp_path)
     optimizer = OffloadOptimizer(model, FailsFirstSlice, lr=0.1, fused=True)
+    # The first step of a class outside torch.optim waits for its updates (Note: [An optimizer that
+    # draws random numbers]): the one watched here is the second, overlapped.
+    loss_of(model, 1).backward()
+    optimizer.step()
+    optimizer.zero_grad()
     slow = model._engine.slices[2].storage.masters_file
     real = mapped.MappedFile.read_in
 
