@@ -75,7 +75,7 @@ class RandomDraws:
             start(resident, streamed, rest, started)
             return
         updates: SliceUpdates = optimizer._updates
-        before = torch.default_generator.get_state()
+        before = torch.default_generator.get_state() if self.draws is None else None
         if rest and optimizer._sharding is None and self._outside_last(optimizer, todo):
             start(resident, streamed, [], started)
             updates.engine.updates.finish_all()  # the slices' draws first, as plainly
@@ -85,7 +85,7 @@ class RandomDraws:
         else:
             start(resident, streamed, rest, started)
         updates.engine.updates.finish_all()
-        if self.draws is None and _any_gradient([*todo, *rest]):
+        if before is not None and _any_gradient([*todo, *rest]):
             self.draws = not torch.equal(before, torch.default_generator.get_state())
             if self.draws:
                 _drawing(optimizer, optimizer._sharding is not None or self._outside_last(optimizer, todo) is None)
