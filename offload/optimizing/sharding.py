@@ -81,19 +81,20 @@ class Sharding:
             mine[index] = [item for item, owner in zip(items, slice_owners) if owner == self.collectives.rank]
         return mine
 
-    def submit(self, step: SliceStep, update: Callable[[], Handed | None],
-               told: Callable[[list[int]], None]) -> Event | None:
-        """This rank updates the parameters of ``step`` it owns (``update`` queues that), then every
-        rank takes each updated parameter from its owner; the event of that exchange, which the next
-        forward's load waits for, or ``None`` when no parameter of the slice has a gradient.
+    def stepped(self, step: SliceStep) -> list[tuple[torch.Tensor, int]]:
+        """The parameters of ``step``'s slice (every rank's) that have a gradient, each with the rank
+        that owns it: what the exchange shares (none: the slice is not stepped)."""
+        everyone, slice_owners = self.shared[step.index]
+        return [(p, owner) for p, owner in zip(everyone, slice_owners) if p.grad is not None]
+
+    def exchange(self, step: SliceStep, handed: Handed | None, told: Callable[[list[int]], None]) -> Event:
+        """Once this rank's update of the parameters of ``step`` it owns (``handed``; ``None``: it
+        owns none with a gradient) is done, every rank takes each updated parameter from its owner,
+        then writes the slice's shadow; the event of that exchange, which the next forward's load
+        waits for (``_hand_sharded`` in ``stepping.py`` queues and registers it).
         ``told`` gets the other ranks whose part did not finish (Note: [A failed part of a sharded
         update] in ``offload/streams/collectives.py``)."""
-        everyone, slice_owners = self.shared[step.index]
-        stepped = [(p, owner) for p, owner in zip(everyone, slice_owners) if p.grad is not None]
-        if not stepped:
-            return None
-        handed = update() if step.whole is not None else None
-        updated = None if handed is None else handed.event
+        stepped = self.stepped(step)
         storage = step.storage
         then = None
         if storage is not None and storage.shadow is not None:
@@ -101,7 +102,8 @@ class Sharding:
                 storage.write_shadow()
                 storage.shadow_written()
         return self.collectives.broadcast([p.detach() for p, _ in stepped], [owner for _, owner in stepped],
-                                          after=[updated], what=f"sharing the updated parameters of slice {step.index}",
+                                          after=[None if handed is None else handed.event],
+                                          what=f"sharing the updated parameters of slice {step.index}",
                                           then=then, failed=lambda: handed is not None and not handed.done, told=told)
 
     def refuse_partial(self, doing: str) -> None:

@@ -63,7 +63,7 @@ import torch
 from ..kernels.scaling import OwedScaling
 from ..streams import Event
 from ..streams.mapped import MappedFile
-from ..streams.workers import HostWorker
+from ..streams.workers import HostWorker, mark_of, queued_since
 from ..tiers.slice_update import HostUpdateError, SliceStep
 from ..walk.engine import Engine
 from .partial_failure import Handed, PartialFailure
@@ -112,14 +112,8 @@ class SliceUpdates:
             for step in steps:
                 if self.sharding is None:
                     self._submit_update(step, hyper, grad_scale, found_inf)
-                    continue
-                # The event of the exchange that follows this rank's part.
-                update = functools.partial(self._hand_update, step, hyper, grad_scale, found_inf, exchanged=True)
-                told = functools.partial(self.failure.told, self._steps, step.index,
-                                         self.sharding.collectives.world_size)
-                updated = self.sharding.submit(step, update, told)
-                if updated is not None:
-                    self._register(step.index, updated)
+                else:
+                    _hand_sharded(self, step, hyper, grad_scale, found_inf)
         except BaseException as error:
             # Note: [An update that failed part way], rule 6: what was handed over runs, the rest does not.
             self.failure.interrupted(error, _left(steps, rest, self.failure.handed_this_step), "step()")
@@ -145,8 +139,7 @@ class SliceUpdates:
             if all(g is None for g in grads):
                 continue
             worker = self.start_worker()
-            mark = worker.mark() if isinstance(worker, HostWorker) else None  # see _queued_since
-            handed = None
+            mark, handed = mark_of(worker), None  # see _queued_since
             try:
                 handed = self.failure.handing(-1)
                 # Key -1: the worker runs it before any slice's update not started (rule 1).
@@ -254,13 +247,14 @@ class SliceUpdates:
                      after: Sequence[Event | None] = (), exchanged: bool = False) -> Handed | None:
         """Queue the update of the parameters ``step`` steps on the host worker, with ``grads``
         (default: their ``.grad``) after the events ``after``, and register it with the waits;
-        what was handed over (``None``: none of them has a gradient). ``exchanged``: a sharded
-        update, whose exchange the caller registers after it, masters on disk written back after that.
+        what was handed over (``None``: none of them has a gradient). ``exchanged``: this rank's
+        part of a sharded update, followed by its exchange (:func:`_hand_sharded`).
 
         Queued, registered and the owed work claimed in one try: wherever an interrupt lands, the
-        update is either queued and registered, the work owed on the slice done by it, or not
-        queued and that work still owed (Note: [A worker under interrupts and forks] in
-        ``offload/streams/workers.py``)."""
+        update is either queued and registered, the work owed on the slice done by it (and,
+        ``exchanged``, its exchange queued after it and registered last, masters on disk written
+        back after that), or not queued and that work still owed (Note: [A worker under interrupts
+        and forks] in ``offload/streams/workers.py``)."""
         assert step.whole is not None
         if grads is None:
             grads = [p.grad for p in step.whole.params]
@@ -270,7 +264,8 @@ class SliceUpdates:
             self.engine.updates.wait(step.index)  # the proxies may still be in use by its last update
             step.bind()
         worker = self.start_worker()
-        mark = worker.mark() if isinstance(worker, HostWorker) else None  # see _queued_since
+        exchanges = mark_of(self.sharding.collectives.worker) if exchanged and self.sharding is not None else None
+        mark = mark_of(worker)  # see _queued_since
         owed = handed = None
         try:
             # A clip's scaling owed on the slice: done in the update's own pass (Note: [Scaling in
@@ -283,8 +278,13 @@ class SliceUpdates:
                                      functools.partial(step.run, grads, hyper, grad_scale, found_inf, scaling))
             handed.event = self._submit(step.index, work, [*after, self.engine.updates.event(step.index, owed)])
             self._register(step.index, handed.event, owed, masters=not exchanged)
+            if exchanged:
+                self._register(step.index, _exchange(self, step, handed))
         except BaseException:
-            _hand_off_raised(self, step.index, handed, _queued_since(worker, mark, self.disk, step.index), owed)
+            queued = _queued_since(worker, mark, self.disk, step.index)
+            _hand_off_raised(self, step.index, handed, queued, owed, masters=not exchanged)
+            if exchanged and queued is not None:
+                _exchange_raised(self, step, handed, exchanges)
             raise
         return handed
 
@@ -331,28 +331,79 @@ def _queued_since(worker: Any, mark: object, disk: TierPlumbing, index: int) -> 
     interrupts and forks] in ``offload/streams/workers.py``); ``None`` if it did not. The
     stream-ordering checker's workers, never interrupted, cannot say: its disk tier can."""
     if isinstance(worker, HostWorker):
-        return worker.queued_since(mark)
+        return queued_since(worker, mark)
+    # Kept until flush(): maybe an earlier step's, which only a checker's (never interrupted) run reads.
     return disk.tier.queued_updates.get(index) if disk.tier is not None else None
 
 
+def _hand_sharded(updates: SliceUpdates, step: SliceStep, hyper: list[dict[str, Any]],
+                  grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
+    """Slice ``step``'s sharded update: this rank updates the parameters of it that it owns
+    (``SliceUpdates._hand_update``), then every rank takes each updated parameter from its owner
+    (the exchange, :meth:`Sharding.exchange`), whose event the next load of the slice waits for
+    (it writes the slice's shadow); with masters on disk, they are written back after it.
+
+    As one hand-off: wherever an interrupt lands, the exchange of an update queued is queued
+    and registered too (asked of the collectives worker, queued once), as the disk tier's write
+    follows its update; an exchange alone (this rank owns nothing of the slice with a gradient)
+    is registered if it was queued."""
+    assert updates.sharding is not None
+    if not updates.sharding.stepped(step):
+        return  # no parameter of the slice has a gradient, on any rank
+    handed = None if step.whole is None else updates._hand_update(step, hyper, grad_scale, found_inf,
+                                                                  exchanged=True)
+    if handed is not None:
+        return
+    mark = mark_of(updates.sharding.collectives.worker)
+    try:
+        updates._register(step.index, _exchange(updates, step, None))
+    except BaseException:
+        _exchange_raised(updates, step, None, mark)
+        raise
+
+
+def _exchange(updates: SliceUpdates, step: SliceStep, handed: Handed | None) -> Event:
+    """Queue slice ``step``'s exchange after this rank's part of its update, ``handed``
+    (:meth:`Sharding.exchange`); its event."""
+    assert updates.sharding is not None
+    told = functools.partial(updates.failure.told, updates._steps, step.index, updates.sharding.collectives.world_size)
+    return updates.sharding.exchange(step, handed, told)
+
+
 def _hand_off_raised(updates: SliceUpdates, index: int, handed: Handed | None, queued: Event | None,
-                     owed: Any) -> None:
+                     owed: Any, masters: bool = True) -> None:
     """Slice ``index``'s hand-off raised (an interrupt: Note: [An update that failed part way],
     rule 6). An update ``queued`` (its event) runs whatever follows: it is registered with the
     waits (again, if it was: that changes nothing), as any update, and does the work ``owed`` on
-    the slice. One not queued is withdrawn, the work owed on the slice left owed, and its masters
-    on disk written back and dropped, as for an update that is skipped (they may have been read
-    in for it)."""
+    the slice; its masters on disk are written back after it (``masters``; a sharded update's
+    after its exchange: :func:`_exchange_raised`). One not queued is withdrawn, the work owed on
+    the slice left owed, and its masters on disk written back and dropped, as for an update that
+    is skipped (they may have been read in for it)."""
     if queued is not None:
         assert handed is not None, "internal error: an update queued before it was recorded"
         handed.event = queued  # its work holds it: handing() had returned
-        updates._register(index, queued, owed)
+        updates._register(index, queued, owed, masters)
         return
     if handed is not None:
         updates.failure.withdrawn(handed)
     else:
         updates.failure.withdrawn_part_way(index)  # raised inside handing()
     updates._write_masters(index, None)
+
+
+def _exchange_raised(updates: SliceUpdates, step: SliceStep, handed: Handed | None, mark: object) -> None:
+    """Slice ``step``'s sharded hand-off raised (an interrupt) once this rank's part of the update,
+    ``handed``, was queued and registered (``None``: it has none). Its exchange, if the collectives
+    worker queued it since ``mark``, is registered (again, if it was: that changes nothing), or
+    else queued now after that update (none: nothing of the slice was queued, so nothing is): the
+    next load waits for it, not for the update alone, and the masters on disk are written back
+    after it (Note: [A worker under interrupts and forks], rule 2, in ``offload/streams/workers.py``)."""
+    assert updates.sharding is not None
+    exchanged = queued_since(updates.sharding.collectives.worker, mark)
+    if exchanged is None and handed is not None:
+        exchanged = _exchange(updates, step, handed)
+    if exchanged is not None:
+        updates._register(step.index, exchanged)
 
 
 def _outside_raised(updates: SliceUpdates, handed: Handed | None, queued: Event | None) -> None:

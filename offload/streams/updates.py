@@ -99,7 +99,7 @@ class SliceUpdates:
         hand-off interrupted in here registers again), it changes nothing."""
         # No call from here to the store, so no check for signals: an interrupt cannot leave the
         # owed work dropped and the event unknown (Note: [A worker under interrupts and forks]).
-        if claimed is not None and index in self._owed:
+        if claimed is not None and index in self._owed and self._owed[index] is claimed:
             del self._owed[index]
         assert index not in self._owed, "internal error: work submitted on a slice past what it owes"
         self._pending[index] = event

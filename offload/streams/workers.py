@@ -33,7 +33,8 @@ Note: [A worker under interrupts and forks]
        work was queued (it runs, and is to be waited for like any other) or not (it never runs),
        never the event a submission returned: the interrupt may land between the queue and the
        caller's store. So a hand-off queues and registers its work in one ``try`` whose handler
-       asks (``_hand_update`` and ``_hand_outside`` in ``offload/optimizing/stepping.py``, the
+       asks (``_hand_update``, ``_hand_sharded`` and ``_hand_outside`` in
+       ``offload/optimizing/stepping.py``, a sharded update's exchange queued after its update, the
        disk tier's pipeline, a clip's owed scaling), and work owed on a slice stays owed until
        the submission that does it is registered (``SliceUpdates.claim`` in ``updates.py``).
     3. A child of ``os.fork()`` holds the workers but not their threads. A worker that had nothing
@@ -48,7 +49,9 @@ Note: [A worker under interrupts and forks]
     4. What a process keeps in files (a disk tier's state: ``offload/tiers/disk_tier.py``) a fork
        child shares with its parent: a step there would write the parent's files. Such an owner
        notes :func:`forks` when it is made and refuses, in a child, at the first use that reads
-       or writes them, saying what to do.
+       or writes them, saying what to do; the child's exit, or its close or drop of the owner,
+       closes only its copies of the descriptors and leaves the files to the parent
+       (``StateFiles`` in ``offload/tiers/state_files.py``).
 """
 
 from __future__ import annotations

@@ -103,7 +103,7 @@ from ..streams.backend import Event
 from ..streams.copies import CopyStreams
 from ..streams.disk import AlignedBuffer, DiskTierError
 from ..streams.trim import give_back_freed_memory
-from ..streams.workers import HostWorker, forks, mark_of, queued_since
+from ..streams.workers import HostWorker, mark_of, queued_since
 
 __all__ = ["WINDOW", "DiskTier", "DiskTierError", "Place", "StateTier", "expected_state_bytes", "size_text"]
 
@@ -196,7 +196,6 @@ class StateTier:
         self._reader: HostWorker | None = None
         self._writer: HostWorker | None = None
         self.closed = False
-        self.made_at_forks = forks()  # a fork child shares the files: Note: [A worker under interrupts and forks]
 
     # -- what it holds -----------------------------------------------------------------------------
 
@@ -407,15 +406,16 @@ class StateTier:
 
     def close(self, index_of: dict[int, int]) -> None:
         """Wait for every queued write, then remove the files (or, with ``keep``, write the manifest
-        beside them); idempotent."""
+        beside them); idempotent. A fork child only closes its descriptors (``StateFiles.in_fork_child``)."""
         if self.closed:
             return
-        self.closed = True
+        self.closed, lost = True, None
         try:
-            # The writer may still be writing the last step's slices (the update does not wait for
-            # them): a file closed or removed under it would leak, or keep the step before's state.
-            self.copies.wait_host(self._last_write)
-            lost = _keep(self.files, self.records.values(), index_of) if self.keep else None
+            if not self.files.in_fork_child():
+                # The writer may still be writing the last step's slices (the update does not wait for
+                # them): a file closed or removed under it would leak, or keep the step before's state.
+                self.copies.wait_host(self._last_write)
+                lost = _keep(self.files, self.records.values(), index_of) if self.keep else None
         finally:
             self.files.remove()
             # Nothing left to hold: the window goes, and memory_footprint() counts no disk bytes.
@@ -444,7 +444,7 @@ def _write_once(tier: StateTier, slot: Any, write: Callable[[], None], after: Ev
 
 def _refuse_in_fork_child(tier: StateTier, doing: str) -> None:
     """Raise in a fork child: ``tier``'s files are its parent's (Note: [A worker under interrupts and forks])."""
-    if forks() != tier.made_at_forks:
+    if tier.files.in_fork_child():
         raise RuntimeError(
             f"this process is a child of os.fork(), and this OffloadOptimizer's disk tier keeps its state in files "
             f"that the parent process reads and writes ({tier.directory}): {doing} here would change the parent's "

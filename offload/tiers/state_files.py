@@ -17,12 +17,13 @@ from typing import Any
 import torch
 
 from ..streams.disk import PAGE, DiskCounters, DiskTierError, StateFile, direct_io_supported, make_directory
-from ..streams.workers import HostWorker
+from ..streams.workers import HostWorker, forks
 
 
 class StateFiles:
     """One optimizer's directory of state files, removed (unless ``keep``) when the tier that owns
-    this object goes, closed or not.
+    this object goes, closed or not, by the process that made them: a child of ``os.fork()`` only
+    closes its copies of the descriptors (:meth:`in_fork_child`).
 
     Args:
         path: the user's directory (``DiskTier.path``), made if it does not exist.
@@ -53,9 +54,18 @@ class StateFiles:
         self._files: list[StateFile] = []
         #: Workers that use the files (the tier's reader and writer): closed before the files are.
         self.workers: list[HostWorker] = []
+        self.made_at_forks = forks()  # see in_fork_child
         # Files go when the optimizer does, closed or not (never named after object ids: each
         # optimizer has its own directory).
-        self._finalizer = weakref.finalize(self, _remove, self.directory, self._files, self.keep, self.workers)
+        self._finalizer = weakref.finalize(self, _remove, self.directory, self._files, self.keep, self.workers,
+                                           self.made_at_forks)
+
+    def in_fork_child(self) -> bool:
+        """Whether this process is a child of ``os.fork()`` (at any depth) of the one that made the
+        files: they are the parent's, which the child must neither write nor remove, at its exit
+        or when it drops or closes the optimizer (Note: [A worker under interrupts and forks], rule
+        4, in ``offload/streams/workers.py``)."""
+        return forks() != self.made_at_forks
 
     @property
     def disk_nbytes(self) -> int:
@@ -77,7 +87,8 @@ class StateFiles:
         (self.directory / "manifest.json").write_text(json.dumps(manifest, indent=1))
 
     def remove(self) -> None:
-        """Close the workers and the files, and remove them unless ``keep``; idempotent."""
+        """Close the workers and the files, and remove them unless ``keep`` or in a fork child
+        (:meth:`in_fork_child`); idempotent."""
         self._finalizer()
 
 
@@ -146,10 +157,12 @@ def size_text(nbytes: int) -> str:
     return f"{nbytes} bytes"
 
 
-def _remove(directory: Path, files: list[StateFile], keep: bool, workers: list[HostWorker]) -> None:
+def _remove(directory: Path, files: list[StateFile], keep: bool, workers: list[HostWorker],
+            made_at_forks: int) -> None:
     for worker in workers:
         worker.close()
     for file in files:
-        file.close()
-    if not keep:
+        file.close()  # this process's descriptors: a fork child's are its own copies
+    # Not from a fork child (its exit runs this too): the directory is the parent's.
+    if not keep and forks() == made_at_forks:
         shutil.rmtree(directory, ignore_errors=True)
