@@ -24,6 +24,7 @@ Note: [What the trainers read from the model]
        parent module's (a LightningModule's), under its prefix (Note: [Hugging Face names at any depth]).
        ``named_parameters`` keeps the stages' names (``offloaded.3.layer.mlp.up_proj.weight``): the
        trainers only group and order the parameters by them, in the model's own order.
+       ``get_parameter``, ``get_buffer`` and ``get_submodule`` take both (Note: [Two naming schemes]).
     4. ``.to(device)`` reaches ``OffloadModel._apply``: the compute device moves, the parameters
        stay on the host (Note: [Moving an OffloadModel] in ``offload/modeling/placement.py``).
     5. Activation checkpointing (``gradient_checkpointing=True``, ``SFTConfig``'s default) is
@@ -59,7 +60,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from ..model import OffloadModel, engine_of
 from ..optimizer import OffloadOptimizer
-from . import causal_lm_embeddings, causal_lm_guards
+from . import causal_lm_embeddings, causal_lm_guards, hf_names
 from .peft import peft_base_model, peft_names_as_hf
 from .transformers_loading import load_causal_lm, stored_into_stages
 from .transformers_batch import LAST_HIDDEN_STATE, ROUTER_LOGITS
@@ -206,6 +207,10 @@ class OffloadedCausalLM(PreTrainedModel):
     set_output_embeddings = causal_lm_embeddings.set_output_embeddings
     resize_token_embeddings = causal_lm_embeddings.resize_token_embeddings
     tie_weights = causal_lm_embeddings.tie_weights
+
+    # The wrapper's names and the Hugging Face model's, which state_dict() uses (Note: [Two naming
+    # schemes] in hf_names.py): nn.Module's lookup knows only the first.
+    get_parameter, get_buffer, get_submodule = hf_names.get_parameter, hf_names.get_buffer, hf_names.get_submodule
 
     def set_attn_implementation(self, attn_implementation: str | dict[str, str]) -> None:
         """The model's own: its checks, and the config the stages read at every call."""
@@ -454,14 +459,6 @@ def _stages_of(offloaded: OffloadModel, hf_model: nn.Module) -> CausalLMSequenti
     return stages
 
 
-def _hf_names(model: OffloadedCausalLM) -> dict[str, str]:
-    """The OffloadModel's state_dict keys -> the Hugging Face model's."""
-    engine = engine_of(model.offloaded)
-    keys = [key for s in engine.slices for name, layer in zip(s.names, s.layers)
-            for key in layer.state_dict(prefix=f"{name}.", keep_vars=True)]
-    return {key: model.stages.hf_name(key) for key in keys}
-
-
 # -- Hugging Face names in state dicts ---------------------------------------------------------------
 # Note: [Hugging Face names at any depth]
 #     ``state_dict()`` on a parent (a LightningModule) calls each child's ``state_dict()``, but
@@ -493,7 +490,7 @@ def _hf_names(model: OffloadedCausalLM) -> dict[str, str]:
 def _save_in_hf_names(model: OffloadedCausalLM, state_dict: dict[str, Any], prefix: str,
                       local_metadata: dict[str, Any]) -> None:
     """Rule 1 of Note: [Hugging Face names at any depth]."""
-    for stage_key, hf_name in _hf_names(model).items():
+    for stage_key, hf_name in hf_names.state_dict_names(model).items():
         key = f"{prefix}offloaded.{stage_key}"
         if key in state_dict:  # a hook of the stages' own may have left it out
             state_dict[prefix + hf_name] = state_dict.pop(key)
@@ -507,7 +504,7 @@ def _load_in_hf_names(model: OffloadedCausalLM, state_dict: dict[str, Any], pref
     for key in [key for key in state_dict if key.startswith(stages)]:
         unexpected_keys.append(key)
         del state_dict[key]
-    names = _hf_names(model)
+    names = hf_names.state_dict_names(model)
     peft_names_as_hf(model.peft_model, model.hf_model, state_dict, prefix, names.values())  # [PEFT models], rule 6
     for stage_key, hf_name in names.items():
         if prefix + hf_name in state_dict:
@@ -538,7 +535,8 @@ def _report_in_hf_names(model: OffloadedCausalLM, incompatible_keys: _Incompatib
     if not model._loading_under:  # its keys are state_dict()'s (Note: [Module load hooks] in checkpoint/contents.py)
         return
     prefix, error_msgs, before = model._loading_under.pop()
-    renamed = {f"{prefix}offloaded.{stage_key}": prefix + hf_name for stage_key, hf_name in _hf_names(model).items()}
+    renamed = {f"{prefix}offloaded.{stage_key}": prefix + hf_name
+               for stage_key, hf_name in hf_names.state_dict_names(model).items()}
     incompatible_keys.missing_keys[:] = [renamed.get(key, key) for key in incompatible_keys.missing_keys]
     unexpected = incompatible_keys.unexpected_keys
     unexpected[before:] = [renamed.get(key, key) for key in unexpected[before:]]
