@@ -251,3 +251,65 @@ def test_a_fork_child_that_exits_closes_or_drops_the_optimizer_leaves_the_parent
     done = run_python(FORK_EXIT, how, timeout=TIMEOUT)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert done.stdout.splitlines()[-2:] == ["parent same: True", "removed by the parent: True"], done.stdout
+
+
+FORK_MASTERS = """
+import os, sys, tempfile
+import torch
+from offload import DiskTier, OffloadModel, OffloadOptimizer
+from tests.test_worker_interrupts_and_fork import batch_loss, same, train_on
+from tests.test_optimizer import network
+
+torch.set_num_threads(1)  # libgomp's thread pool does not survive a fork (PyTorch's own limit)
+how = sys.argv[1]
+twin = OffloadModel(network(), device="cpu", num_slices=3, compute_dtype=torch.bfloat16)
+model = OffloadModel(network(), device="cpu", num_slices=3, compute_dtype=torch.bfloat16,
+                     masters=DiskTier(tempfile.mkdtemp()))
+plain = torch.optim.AdamW(twin.parameters(), lr=1e-2, fused=True)
+optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
+train_on(twin, plain, model, optimizer, [0, 1])
+for m in (twin, model):
+    batch_loss(m, 2).backward()  # gradients in their files, for the child's step and zero_grad
+optimizer.synchronize()
+before = [(p.detach().clone(), p.grad.clone()) for p in model.parameters()]
+with torch.no_grad():
+    seen = model(torch.ones(2, 6))
+pid = os.fork()
+if pid == 0:
+    try:
+        if how == "backward":
+            optimizer.zero_grad()
+            batch_loss(model, 7).backward()
+        elif how == "step":
+            optimizer.step()
+        elif how == "zero_grad":
+            optimizer.zero_grad(set_to_none=False)
+        else:  # evaluation reads the masters only
+            with torch.no_grad():
+                os._exit(0 if torch.equal(model(torch.ones(2, 6)), seen) else 4)
+        told = False
+    except RuntimeError as error:
+        told = "child of os.fork()" in str(error) and "masters" in str(error) and "'spawn'" in str(error)
+        print("child:", error, flush=True)
+    os._exit(0 if told else 3)
+_, status = os.waitpid(pid, 0)
+assert os.waitstatus_to_exitcode(status) == 0, status
+after = [(p.detach().clone(), p.grad.clone()) for p in model.parameters()]
+assert all(torch.equal(a, b) and torch.equal(g, h) for (a, g), (b, h) in zip(before, after)), \\
+    "the child changed the parent's parameters or gradients"
+for m, opt in ((twin, plain), (model, optimizer)):
+    opt.step()
+train_on(twin, plain, model, optimizer, [3, 4])
+print("parent same:", same(twin, model, optimizer), flush=True)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork() is POSIX only")
+@pytest.mark.parametrize("how", ["backward", "step", "zero_grad", "evaluation"])
+def test_a_fork_child_is_refused_what_would_write_the_masters_on_disk_that_it_shares_with_the_parent(how):
+    # Before the fix the child's backward wrote its gradients into the parent's (the files are
+    # mapped shared), its step the parent's masters, and its zero_grad(set_to_none=False)
+    # discarded the parent's gradients: the parent trained on with the child's values.
+    done = run_python(FORK_MASTERS, how, timeout=TIMEOUT)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert done.stdout.splitlines()[-1] == "parent same: True", done.stdout

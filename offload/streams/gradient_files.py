@@ -70,6 +70,9 @@ class GradientPaging(Protocol):
     def landed(self, home: GradientHome) -> None:
         """The home holds a backward's gradients: write them back and drop them."""
 
+    def refuse_in_fork_child(self, doing: str) -> None:
+        """Raise in a child of ``os.fork()``, which shares the files with its parent."""
+
 
 class GradientHome:
     """One slice's gradients in a file mapping, each at a fixed place (Note: [Gradients on disk]).
@@ -137,6 +140,7 @@ class GradientHome:
     def zero(self) -> None:
         """Make every gradient here zero without holding its pages (the file discarded), or, where
         the filesystem cannot discard, zero it in RAM and write it back."""
+        self.paging.refuse_in_fork_child("zero_grad(set_to_none=False), which zeroes the gradients in their file,")
         if not self.file.discard():
             self.file.tensor.zero_()
             self.file.write_back()

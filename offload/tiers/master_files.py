@@ -49,6 +49,11 @@ Note: [Masters on disk]
     files are preallocated, so a full disk shows when the model is built. A slice that a rank of
     a sharded update only receives is not read in ahead: the exchange reads its pages in where it
     writes them (a read error there is a ``SIGBUS``, as for your own reads of a parameter).
+
+    A child of ``os.fork()`` shares the mappings with its parent: what it writes into them is the
+    parent's masters and gradients. Its first backward, ``step()`` or zeroing of the gradients in
+    their files raises, before anything is written (:meth:`MasterFiles.refuse_in_fork_child`;
+    rule 4 of Note: [A worker under interrupts and forks] in ``offload/streams/workers.py``).
 """
 
 from __future__ import annotations
@@ -70,7 +75,7 @@ from ..streams.disk import DiskCounters, make_directory
 from ..streams.gradient_files import GradientHome
 from ..streams.mapped import MappedFile, mapping_supported
 from ..streams.slice_entries import Entry
-from ..streams.workers import HostWorker
+from ..streams.workers import HostWorker, forks
 
 
 class MasterFiles:
@@ -110,6 +115,7 @@ class MasterFiles:
         # The writes of the gradients landed last, by turn: a landing waits for its turn's last write.
         self._landed: list[Event | None] = [None] * WINDOW
         self._landing_turn = 0
+        self.made_at_forks = forks()  # see refuse_in_fork_child
 
     def allocate(self, nbytes: int, what: str = "masters") -> MappedFile:
         """A new file mapping of ``nbytes`` for a slice's host buffer (or, ``what="gradients"``,
@@ -137,6 +143,7 @@ class MasterFiles:
     def before_landing(self, home: GradientHome) -> None:
         """Block until the gradients landed :data:`WINDOW` landings ago are written back and
         dropped: RAM holds at most that many slices' landed gradients."""
+        self.refuse_in_fork_child("a backward, whose gradients land in them,")
         self.copies.wait_host(self._landed[self._landing_turn % WINDOW])
 
     def landed(self, home: GradientHome) -> None:
@@ -154,6 +161,7 @@ class MasterFiles:
         """Read slice ``index``'s masters (and its ``gradients``' file, when ``.grad`` is there) in,
         on the reader, once the window has room; the update waits for the returned event and runs
         under :meth:`guard`."""
+        self.refuse_in_fork_child("a step's update")
         self._start_workers()
         turn = self._turn % WINDOW
         self._turn += 1
@@ -214,6 +222,16 @@ class MasterFiles:
         if turn is not None:  # not read in by an update of this rank (a sharded update's exchange wrote it)
             self._window[turn] = event
         self._last_write = event
+
+    def refuse_in_fork_child(self, doing: str) -> None:
+        """Raise in a child of ``os.fork()``: the files are mapped shared with the parent, and
+        ``doing`` would write the parent's masters or gradients (Note: [Masters on disk])."""
+        if forks() != self.made_at_forks:
+            raise RuntimeError(
+                f"this process is a child of os.fork(), and this OffloadModel keeps its float32 masters and their "
+                f"gradients in files mapped shared with the parent process ({self.directory}): {doing} here would "
+                "change the parent's. Train in the parent only, or start processes with the 'spawn' or 'forkserver' "
+                "method (multiprocessing.get_context('spawn')) and build the model and optimizer there.")
 
     def _start_workers(self) -> None:
         if self._reader is None:
