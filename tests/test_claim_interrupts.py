@@ -12,8 +12,6 @@ refused before anything moves, and the walk goes on exactly. Every thread is joi
 
 from __future__ import annotations
 
-import linecache
-import sys
 import threading
 import types
 from collections.abc import Callable
@@ -30,6 +28,8 @@ from offload import model as model_module
 from offload.walk import claims as claims_module
 from offload.walk import engine as engine_module
 from offload.walk import slice_walk as slice_walk_module
+
+from .interrupt_points import LineEvents, traced
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*per-tensor CPU implementation")
 
@@ -114,55 +114,15 @@ def in_thread(target: Callable[[], Any], name: str) -> dict:
     return joined(started(target, name))
 
 
-class Interrupts:
-    """A trace function that raises KeyboardInterrupt at event ``at`` (counted from 1 over the calls
-    and lines of :data:`TRACED`), as a signal handler would; ``at=0`` only counts."""
-
-    #: Every claim's taking and giving up: the claim itself, and each frame that holds one.
-    TRACED = {
-        claims_module.__file__: None,  # every function
-        slice_walk_module.__file__: {"__enter__", "__exit__", "refuse_inside"},
-        engine_module.__file__: {"refresh"},
-        function_module.__file__: {"forward", "backward"},
-        model_module.__file__: {"_apply"},
-    }
-
-    def __init__(self, at: int) -> None:
-        self.at = at
-        self.count = 0
-        self.fired: tuple[str, int] | None = None
-
-    def __enter__(self) -> Interrupts:
-        sys.settrace(self._call)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        sys.settrace(None)
-
-    def _call(self, frame: Any, event: str, arg: Any) -> Any:
-        code = frame.f_code
-        if code.co_filename not in self.TRACED:
-            return None
-        names = self.TRACED[code.co_filename]
-        if names is not None and code.co_name not in names:
-            return None
-        self._hit(frame)
-        return self._line
-
-    def _line(self, frame: Any, event: str, arg: Any) -> Any:
-        # Python checks for a signal as a function starts, as a loop turns and as a call returns:
-        # never at the no-op that marks where a try begins, nor as a with statement's exit starts
-        # (a lock's: an interrupt raised there would leave it held, which no signal can).
-        source = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
-        if event == "line" and source != "try:" and not source.startswith("with "):
-            self._hit(frame)
-        return self._line
-
-    def _hit(self, frame: Any) -> None:
-        self.count += 1
-        if self.count == self.at:
-            self.fired = (frame.f_code.co_name, frame.f_lineno)
-            raise KeyboardInterrupt
+#: Where :func:`interrupted_everywhere` interrupts (``tests/interrupt_points.py``'s ``LineEvents``):
+#: every claim's taking and giving up, the claim itself and each frame that holds one.
+TRACED: dict[str, set[str] | None] = {
+    claims_module.__file__: None,  # every function
+    slice_walk_module.__file__: {"__enter__", "__exit__", "refuse_inside"},
+    engine_module.__file__: {"refresh"},
+    function_module.__file__: {"forward", "backward"},
+    model_module.__file__: {"_apply"},
+}
 
 
 def _forward_without_autograd(model: OffloadModel) -> None:
@@ -184,13 +144,15 @@ def interrupted_everywhere(model: OffloadModel, call: str, before: Callable[[int
     and ``after(at)``, and check that the engine is free after that; the number of interrupts that
     left it held by the main thread (a claim left behind)."""
     engine = engine_of(model)
-    with Interrupts(0) as counted:
+    counted = LineEvents(TRACED)
+    with traced(counted):
         CALLS[call](model)
     assert counted.count > 20
     left_held = 0
     for at in range(1, counted.count + 1):
         before(at)
-        with Interrupts(at) as interrupted, pytest.raises(KeyboardInterrupt):
+        interrupted = LineEvents(TRACED, at)
+        with traced(interrupted), pytest.raises(KeyboardInterrupt):
             CALLS[call](model)
         left_held += engine.walking is threading.main_thread()
         after(at)

@@ -12,7 +12,6 @@ never leaves the walk marked running (rule 4 of Note: [One walk at a time] in
 from __future__ import annotations
 
 import copy
-import linecache
 import sys
 import types
 from collections.abc import Callable
@@ -27,6 +26,8 @@ from offload import OffloadModel, OffloadOptimizer
 from offload.model import engine_of
 from offload.walk import claims as claims_module
 from offload.walk import slice_walk as slice_walk_module
+
+from .interrupt_points import LineEvents, traced
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*per-tensor CPU implementation")
 
@@ -341,47 +342,11 @@ def test_a_copy_made_beforehand_can_be_called_from_a_hook():
     assert_same(plain, model, opt)
 
 
-class Interrupts:
-    """A trace function that raises KeyboardInterrupt at event ``at`` (counted from 1 over the calls
-    and lines of ``WalkClaim``'s and ``SliceWalk``'s ``__enter__``, ``__exit__`` and
-    ``refuse_inside``, and of the claim's ``take`` and its look for a claim left behind), as a signal
-    handler would."""
-
-    NAMES = {"__enter__", "__exit__", "refuse_inside", "take", "_left_behind"}
-    FILES = {claims_module.__file__, slice_walk_module.__file__}
-
-    def __init__(self, at: int) -> None:
-        self.at = at
-        self.count = 0
-        self.fired: tuple[str, str, int, str] | None = None  # where: file, function, line, event
-
-    def __enter__(self) -> Interrupts:
-        sys.settrace(self._call)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        sys.settrace(None)
-
-    def _call(self, frame: Any, event: str, arg: Any) -> Any:
-        if frame.f_code.co_filename not in self.FILES or frame.f_code.co_name not in self.NAMES:
-            return None
-        self._hit(frame, event)
-        return self._line
-
-    def _line(self, frame: Any, event: str, arg: Any) -> Any:
-        # Python checks for a signal as a function starts, as a loop turns and as a call returns:
-        # never at the no-op that marks where a try begins, nor as a with statement's exit starts
-        # (the lock's: an interrupt raised there would leave it held, which no signal can).
-        source = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
-        if event == "line" and source != "try:" and not source.startswith("with "):
-            self._hit(frame, event)
-        return self._line
-
-    def _hit(self, frame: Any, event: str) -> None:
-        self.count += 1
-        if self.count == self.at:
-            self.fired = (frame.f_code.co_filename, frame.f_code.co_name, frame.f_lineno, event)
-            raise KeyboardInterrupt
+#: Where the interrupt test interrupts (``tests/interrupt_points.py``'s ``LineEvents``): the calls
+#: and lines of ``WalkClaim``'s and ``SliceWalk``'s ``__enter__``, ``__exit__`` and ``refuse_inside``,
+#: and of the claim's ``take`` and its look for a claim left behind.
+CLAIMING = {"__enter__", "__exit__", "refuse_inside", "take", "_left_behind"}
+TRACED = {claims_module.__file__: CLAIMING, slice_walk_module.__file__: CLAIMING}
 
 
 @pytest.mark.parametrize("training", [True, False], ids=["step", "no-grad-forward"])
@@ -395,12 +360,14 @@ def test_an_interrupt_anywhere_in_claiming_never_leaves_the_walk_marked_running(
         else:
             with torch.no_grad():
                 model(batch(0))
-    with Interrupts(0) as counted:
+    counted = LineEvents(TRACED)
+    with traced(counted):
         call()
     assert counted.count > 30
     left_marked = 0
     for at in range(1, counted.count + 1):
-        with Interrupts(at) as interrupted, pytest.raises(KeyboardInterrupt):
+        interrupted = LineEvents(TRACED, at)
+        with traced(interrupted), pytest.raises(KeyboardInterrupt):
             call()
         marked = engine.walk_running
         # The next call from this thread is not refused as one inside a walk: a walk an interrupt

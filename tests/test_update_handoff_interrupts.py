@@ -4,7 +4,8 @@ forks] in offload/streams/workers.py; Note: [An update that failed part way], ru
 offload/optimizing/partial_failure.py).
 
 Each test sweeps a window of the hand-off point by point, as ``tests/test_worker_interrupts_and_fork.py``
-does (a trace function raises KeyboardInterrupt at the N-th place where CPython checks for signals):
+does (``tests/interrupt_points.py``'s ``SignalChecks`` raises KeyboardInterrupt at the N-th place
+where CPython checks for signals):
 
 1. ``register``: from slice 1's ``_hand_update`` to its registration, which ``step()`` (or backward,
    ``update_in_backward``) did after ``_hand_update`` had returned;
@@ -20,16 +21,13 @@ at its first step. Every run is a subprocess with a time limit.
 
 from __future__ import annotations
 
-import dis
-import json
+import contextlib
+import functools
 import os
 import re
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
-from inspect import CO_GENERATOR as GENERATOR
 from pathlib import Path
 from types import CodeType, FrameType
 from typing import Any
@@ -52,12 +50,12 @@ from offload.streams.workers import HostWorker
 from offload.tiers.disk_tier import StateTier
 from offload.tiers.slice_update import SliceStep
 
+from .interrupt_points import SignalChecks, print_sweep, run_python, run_sweep, traced
 from .test_interrupted_step import KWARGS, MIXED, assert_parameters_equal, step_plain, twins
 from .test_optimizer import EXACT, batch, loss_of, network
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*per-tensor CPU implementation")
 
-ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = 120  # seconds for one subprocess: a worker left waiting hangs it
 MAX_NORM = 0.05  # the clip of the ``claim`` window: small enough to scale every step
 
@@ -69,6 +67,7 @@ HAND_OFF: list[CodeType] = [
     PartialFailure.handing.__code__, pending.SliceUpdates.claim.__code__, pending.SliceUpdates.event.__code__,
     pending.SliceUpdates.submitted.__code__, pending.SliceUpdates._submit_owed.__code__,
     CopyStreams.submit.__code__, HostWorker.submit.__code__]
+#: The hand-off's outer frames (``step()``'s or backward's): a window closes as the one it opened in returns.
 OUTER = {SliceUpdates.submit.__code__, SliceUpdates.submit_one.__code__}
 HAND_UPDATE = SliceUpdates._hand_update.__code__
 
@@ -93,58 +92,12 @@ WINDOWS: dict[str, tuple[dict[str, Any], list[CodeType], Callable[[FrameType], b
 }
 
 
-class Window:
-    """A trace function that raises KeyboardInterrupt at point ``at`` of a window of a hand-off (it
-    opens and closes at calls that ``opens`` and ``closes`` pick, or as ``step()``'s or backward's
-    hand-off returns), and lists the points it passed (``at=-1``: it only lists them). The points
-    are those of ``tests/test_worker_interrupts_and_fork.py``'s ``Interrupter``: the start of a
-    function a traced frame calls, the instruction after a call that ran C code, a jump back."""
-
-    def __init__(self, codes: list[CodeType], opens: Callable[[FrameType], bool], closes: Callable[[FrameType], bool],
-                 at: int = -1) -> None:
-        self.codes, self.opens, self.closes, self.at = set(codes), opens, closes, at
-        self.points: list[str] = []
-        self.state = "before"  # then "open", then "done"
-        self.outer: FrameType | None = None  # the hand-off's outer frame (submit or submit_one), while open
-        self.checks: dict[FrameType, str] = {}
-
-    def __call__(self, frame: FrameType, event: str, arg: Any) -> Callable[..., Any] | None:
-        if self.state == "before" and self.opens(frame):
-            self.state, outer = "open", frame
-            while outer is not None and outer.f_code not in OUTER:
-                outer = outer.f_back
-            self.outer = outer
-        elif self.state == "open" and self.closes(frame):
-            self.state = "done"
-        elif (self.state == "open" and frame.f_back is not None and frame.f_back.f_code in self.codes
-              and not frame.f_code.co_flags & GENERATOR):
-            self.checks.pop(frame.f_back, None)  # it called Python code: no check as that returns
-            self.point(f"start of {frame.f_code.co_qualname}, called from {frame.f_back.f_code.co_qualname}")
-        if frame.f_code not in self.codes:
-            return None
-        frame.f_trace_opcodes = True
-        return self.local
-
-    def local(self, frame: FrameType, event: str, arg: Any) -> Callable[..., Any] | None:
-        if self.state != "open":
-            return self.local
-        if event == "return" and frame is self.outer:
-            self.state = "done"
-        if event != "opcode":
-            return self.local
-        due = self.checks.pop(frame, None)
-        if due is not None:
-            self.point(due)
-        name = dis.opname[frame.f_code.co_code[frame.f_lasti]]
-        if name in ("CALL", "JUMP_BACKWARD"):
-            self.checks[frame] = f"after {name} in {frame.f_code.co_qualname}:{frame.f_lineno}"
-        return self.local
-
-    def point(self, where: str) -> None:
-        self.points.append(where)
-        if len(self.points) - 1 == self.at:
-            self.state = "done"
-            raise KeyboardInterrupt(where)
+def window(name: str, at: int) -> SignalChecks:
+    """The trace function that interrupts window ``name`` at its point ``at`` (``-1``: it only lists
+    them): it closes at a call that ``closes`` picks, or as ``step()``'s or backward's hand-off
+    (``submit`` or ``submit_one``) returns."""
+    _, codes, opens, closes = WINDOWS[name]
+    return SignalChecks(codes, opens, closes=closes, returns_from=OUTER, at=at)
 
 
 def hold_update(index: int, seconds: float) -> Callable[[], None]:
@@ -189,27 +142,21 @@ def head_twins() -> tuple[Head, torch.optim.Optimizer, Head, OffloadOptimizer]:
 
 def interrupted_outside(at: int) -> dict[str, Any]:
     """One step of :func:`head_twins`, interrupted at point ``at`` of the ``outside`` window."""
-    _, codes, opens, closes = WINDOWS["outside"]
     plain_model, plain, model, optimizer = head_twins()
     for m in (plain_model, model):
         m(batch(1)).pow(2).mean().backward()
     optimizer.synchronize()
     before = [p.detach().clone() for p in model.head.parameters()]
-    window = Window(codes, opens, closes, at)
+    checks = window("outside", at)
     put_back = hold_update(-1, 0.05)
     try:
-        sys.settrace(window)
-        try:
+        with traced(checks), contextlib.suppress(KeyboardInterrupt):
             optimizer.step()
-        except KeyboardInterrupt:
-            pass
-        finally:
-            sys.settrace(None)
         seen = [p.detach().clone() for p in model.head.parameters()]  # as the caller reads them next
     finally:
         put_back()
     optimizer.synchronize()
-    where = window.points[at] if 0 <= at < len(window.points) else None
+    where = checks.fired
     ran = any(not torch.equal(p, q) for p, q in zip(model.head.parameters(), before))
     assert all(torch.equal(p, q) for p, q in zip(model.head.parameters(), seen)), \
         f"at {where}: step() raised before the update of the parameters outside the model, which it handed over, ran"
@@ -231,7 +178,7 @@ def interrupted_outside(at: int) -> dict[str, Any]:
             opt.step()
     optimizer.synchronize()
     _assert_equal(plain_model, model, f"at {where}, at the end")
-    return {"where": where, "points": window.points, "ran": [-1] if ran else []}
+    return {"where": where, "points": checks.points, "ran": [-1] if ran else []}
 
 
 def claim_twins(directory: Path) -> tuple[OffloadModel, torch.optim.Optimizer, OffloadModel, OffloadOptimizer]:
@@ -262,7 +209,7 @@ def interrupted_once(name: str, at: int) -> dict[str, Any]:
     scales them, for ``claim``)."""
     if name == "outside":
         return interrupted_outside(at)
-    options, codes, opens, closes = WINDOWS[name]
+    options = WINDOWS[name][0]
     in_backward, scale = bool(options.get("update_in_backward")), name == "claim"
     with tempfile.TemporaryDirectory() as directory:
         made = claim_twins(Path(directory)) if scale else twins(Path(directory), **options)
@@ -273,25 +220,20 @@ def interrupted_once(name: str, at: int) -> dict[str, Any]:
         slices = engine_of(model).slices
         optimizer.synchronize()  # the step twins() took is done: what changes next is this one's
         before = [[e.tensor.clone() for e in s.storage.params] for s in slices]
-        window = Window(codes, opens, closes, at)
+        checks = window(name, at)
         put_back = hold_update(2 if in_backward else 1, 0.05)
         try:
-            sys.settrace(window)
-            try:
+            with traced(checks), contextlib.suppress(KeyboardInterrupt):
                 loss_of(model, 1).backward()
                 if scale:
                     offload.clip_grad_norm_(model.parameters(), MAX_NORM)
                 optimizer.step()
-            except KeyboardInterrupt:
-                pass
-            finally:
-                sys.settrace(None)
             # What the next load waits for (read as is: asking for an event submits work owed on the slice).
             registered = set(engine_of(model).updates._pending)
         finally:
             put_back()
         optimizer.synchronize()
-        where = window.points[at] if 0 <= at < len(window.points) else None
+        where = checks.fired
         ran = {s.index for s, then in zip(slices, before)
                if any(not torch.equal(e.tensor, q) for e, q in zip(s.storage.params, then))}
         assert registered == ran, f"at {where}: slices {sorted(ran)} ran, {sorted(registered)} registered"
@@ -309,7 +251,7 @@ def interrupted_once(name: str, at: int) -> dict[str, Any]:
         if not in_backward:  # training on (after a backward that raised, the step is the user's to redo)
             (train_clipped if scale else train_on)(plain_model, plain, model, optimizer, [2, 3])
             assert_parameters_equal(plain_model, plain, model, optimizer)
-        return {"where": where, "points": window.points, "ran": sorted(ran)}
+        return {"where": where, "points": checks.points, "ran": sorted(ran)}
 
 
 def train_on(plain_model: OffloadModel, plain: torch.optim.Optimizer, model: OffloadModel,
@@ -337,17 +279,7 @@ def _assert_equal(plain_model: nn.Module, model: nn.Module, when: str) -> None:
 def sweep(name: str) -> None:
     """Interrupt window ``name`` at each of its points in turn (run in a subprocess: prints the outcomes)."""
     torch.set_num_threads(1)
-    points = interrupted_once(name, -1)["points"]
-    outcomes = [interrupted_once(name, at) for at in range(len(points))]
-    print(json.dumps({"points": points, "outcomes": [(o["where"], o["ran"]) for o in outcomes]}))
-
-
-def run_python(code: str, *args: str) -> subprocess.CompletedProcess[str]:
-    try:
-        return subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True,
-                              timeout=TIMEOUT, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
-    except subprocess.TimeoutExpired as hung:
-        raise AssertionError(f"still running after {TIMEOUT} s: {hung.stdout!r} {hung.stderr!r}") from None
+    print_sweep(functools.partial(interrupted_once, name))
 
 
 @pytest.mark.parametrize("name", sorted(WINDOWS))
@@ -359,11 +291,9 @@ def test_an_interrupt_anywhere_from_queue_to_registration_leaves_the_update_wait
     # slice (its gradients never scaled); "outside", one after the worker queued the update of
     # the parameters outside the model withdrew it: step() returned before it ran, and named
     # those parameters as left as they were.
-    done = run_python("import sys; from tests.test_update_handoff_interrupts import sweep; sweep(sys.argv[1])", name)
-    assert done.returncode == 0, done.stderr[-6000:]
-    result = json.loads(done.stdout.splitlines()[-1])
-    assert [where for where, _ in result["outcomes"]] == result["points"]  # each point was reached, and raised
-    ran = [tuple(r) for _, r in result["outcomes"]]
+    outcomes = run_sweep("import sys; from tests.test_update_handoff_interrupts import sweep; sweep(sys.argv[1])",
+                         name, timeout=TIMEOUT)
+    ran = [tuple(r) for _, r in outcomes]
     assert len(set(ran)) > 1, ran  # the window holds points before and after the update was queued
 
 
@@ -408,6 +338,6 @@ print("parent same:", same(plain_model, model, optimizer), flush=True)
 def test_a_fork_child_with_a_disk_tier_is_refused_at_its_first_step_and_the_parents_files_are_untouched():
     # Before the fix the child's step read and wrote the parent's state files: its update wrote
     # its own step's moments into them, and the parent's next step read those.
-    done = run_python(FORK_WITH_TIER)
+    done = run_python(FORK_WITH_TIER, timeout=TIMEOUT)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert done.stdout.splitlines()[-1] == "parent same: True", done.stdout

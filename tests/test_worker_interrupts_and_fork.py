@@ -3,8 +3,8 @@ forks] in offload/streams/workers.py).
 
 An interrupt lands at each point of one slice's hand-off in turn: each line and each return of the
 hand-off's own frames, from ``_hand_update`` down to the worker's queue, and each call they make
-into Python code (where CPython checks for signals), raised by a trace function, so the sweep is
-deterministic. Wherever it lands, the slices whose update ran are the ones registered with the
+into Python code (where CPython checks for signals), raised by a trace function
+(``tests/interrupt_points.py``'s ``SignalChecks``), so the sweep is deterministic. Wherever it lands, the slices whose update ran are the ones registered with the
 next load's waits and named as updated by the refusal to save (rule 6 of Note: [An update that
 failed part way]), and training on is the plain optimizer's with those slices stepped, bit for
 bit. A fork child trains on when nothing was left to the worker, is told to synchronize first
@@ -14,17 +14,13 @@ with a time limit: a worker left locked used to hang the process (in the next wa
 
 from __future__ import annotations
 
-import dis
-import json
+import contextlib
+import functools
 import os
 import re
-import signal
-import subprocess
-import sys
 import tempfile
 import threading
 from collections.abc import Callable
-from inspect import CO_GENERATOR as GENERATOR
 from pathlib import Path
 from types import CodeType, FrameType
 from typing import Any
@@ -43,12 +39,12 @@ from offload.streams.copies import CopyStreams
 from offload.streams.workers import HostWorker
 from offload.tiers.slice_update import SliceStep
 
+from .interrupt_points import SignalChecks, print_sweep, run_python, run_sweep, traced
 from .test_interrupted_step import MIXED, assert_parameters_equal, step_plain, twins
 from .test_optimizer import loss_of
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*per-tensor CPU implementation")
 
-ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = 300  # seconds for one subprocess: a worker left locked hangs it
 
 #: The frames of a slice's hand-off, traced line by line: with the disk tier, its own pipeline
@@ -61,54 +57,10 @@ BELOW_THE_TIER: list[CodeType] = [CopyStreams.submit.__code__, HostWorker.submit
 SWEEPS = {"ram": ({"tier": False}, HAND_OFF + BELOW_THE_TIER), "tier": ({"tier": True}, HAND_OFF)}
 
 
-class Interrupter:
-    """A trace function that raises KeyboardInterrupt at point ``at`` of slice 1's hand-off, and
-    lists the points it passed (``at=-1``: it only lists them). The points are where CPython 3.11
-    checks for signals, in the frames of ``codes``: the start of a function they call (a generator
-    aside), the instruction after a call that ran C code, a jump back. Not at a line's start: the
-    line that leaves a ``with`` block starts before its ``__exit__`` is called, and no signal lands there."""
-
-    def __init__(self, codes: list[CodeType], at: int = -1, real_signal: bool = False) -> None:
-        self.codes, self.at, self.real_signal = set(codes), at, real_signal
-        self.points: list[str] = []
-        self.top: FrameType | None = None  # slice 1's _hand_update, while it runs
-        self.checks: dict[FrameType, str] = {}  # a traced frame's check due at its next instruction
-
-    def __call__(self, frame: FrameType, event: str, arg: Any) -> Callable[..., Any] | None:
-        if self.top is None:
-            if frame.f_code is not SliceUpdates._hand_update.__code__ or frame.f_locals["step"].index != 1:
-                return None
-            self.top = frame
-        elif frame.f_back is not None and frame.f_back.f_code in self.codes and not frame.f_code.co_flags & GENERATOR:
-            self.checks.pop(frame.f_back, None)  # it called Python code: no check as that returns
-            self.point(f"start of {frame.f_code.co_qualname}, called from {frame.f_back.f_code.co_qualname}")
-        if frame.f_code not in self.codes:
-            return None
-        frame.f_trace_opcodes = True
-        return self.local
-
-    def local(self, frame: FrameType, event: str, arg: Any) -> Callable[..., Any] | None:
-        if self.top is None:
-            return None
-        if event == "return" and frame is self.top:
-            self.top = None
-        if event != "opcode":
-            return self.local
-        due = self.checks.pop(frame, None)
-        if due is not None:
-            self.point(due)
-        name = dis.opname[frame.f_code.co_code[frame.f_lasti]]
-        if name in ("CALL", "JUMP_BACKWARD"):
-            self.checks[frame] = f"after {name} in {frame.f_code.co_qualname}:{frame.f_lineno}"
-        return self.local
-
-    def point(self, where: str) -> None:
-        self.points.append(where)
-        if len(self.points) - 1 == self.at:
-            self.top = None
-            if self.real_signal:  # Ctrl-C: Python's handler raises at the next check, in this function
-                os.kill(os.getpid(), signal.SIGINT)
-            raise KeyboardInterrupt(where)
+def hands_slice_1(frame: FrameType) -> bool:
+    """Whether ``frame`` is slice 1's ``_hand_update``: the window swept opens there, and closes as
+    that frame returns."""
+    return frame.f_code is SliceUpdates._hand_update.__code__ and frame.f_locals["step"].index == 1
 
 
 def hold_slice_1() -> tuple[threading.Event, threading.Event, Callable[..., None]]:
@@ -136,15 +88,10 @@ def interrupted_once(options: dict[str, Any], codes: list[CodeType], at: int, re
             loss_of(m, 1).backward()
         before = [[e.tensor.clone() for e in s.storage.params] for s in engine_of(model).slices]
         started, gate, real_run = hold_slice_1()
-        interrupter = Interrupter(codes, at, real_signal)
+        checks = SignalChecks(codes, hands_slice_1, at=at, real_signal=real_signal)
         try:
-            sys.settrace(interrupter)
-            try:
+            with traced(checks), contextlib.suppress(KeyboardInterrupt):
                 optimizer.step()
-            except KeyboardInterrupt:
-                pass
-            finally:
-                sys.settrace(None)
             updates = engine_of(model).updates
             registered = {i for i in range(3) if updates.event(i) is not None}
         finally:
@@ -153,7 +100,7 @@ def interrupted_once(options: dict[str, Any], codes: list[CodeType], at: int, re
         optimizer.synchronize()
         ran = {s.index for s, then in zip(engine_of(model).slices, before)
                if any(not torch.equal(e.tensor, q) for e, q in zip(s.storage.params, then))}
-        where = interrupter.points[at] if 0 <= at < len(interrupter.points) else None
+        where = checks.fired
         assert registered == ran, f"at {where}: slices {sorted(ran)} ran, {sorted(registered)} registered"
         try:
             optimizer.state_dict()
@@ -171,33 +118,20 @@ def interrupted_once(options: dict[str, Any], codes: list[CodeType], at: int, re
                 loss_of(m, step).backward()
                 opt.step()
         assert_parameters_equal(plain_model, plain, model, optimizer)
-        return {"where": where, "points": interrupter.points, "ran": sorted(ran)}
+        return {"where": where, "points": checks.points, "ran": sorted(ran)}
 
 
 def sweep(name: str, real_signal: bool = False) -> None:
     """Interrupt the hand-off at each of its points in turn (run in a subprocess: prints the outcomes)."""
     options, codes = SWEEPS[name]
-    points = interrupted_once(options, codes, -1)["points"]
-    outcomes = [interrupted_once(options, codes, at, real_signal) for at in range(len(points))]
-    print(json.dumps({"points": points, "outcomes": [(o["where"], o["ran"]) for o in outcomes]}))
+    print_sweep(functools.partial(interrupted_once, options, codes, real_signal=real_signal))
 
 
-def run_python(code: str, *args: str) -> subprocess.CompletedProcess[str]:
-    try:
-        return subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True,
-                              timeout=TIMEOUT, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
-    except subprocess.TimeoutExpired as hung:
-        raise AssertionError(f"still running after {TIMEOUT} s: {hung.stdout!r} {hung.stderr!r}") from None
-
-
-def run_sweep(name: str, real_signal: bool = False) -> list[tuple[str, list[int]]]:
+def swept(name: str, real_signal: bool = False) -> list[tuple[str, list[int]]]:
     """:func:`sweep` in a subprocess: each point's name and the slices that ran, once it exited."""
-    done = run_python("import sys; from tests.test_worker_interrupts_and_fork import sweep; "
-                      "sweep(sys.argv[1], sys.argv[2] == 'real')", name, "real" if real_signal else "raise")
-    assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads(done.stdout.splitlines()[-1])
-    assert [where for where, _ in result["outcomes"]] == result["points"]  # each point was reached, and raised
-    return [(where, ran) for where, ran in result["outcomes"]]
+    return run_sweep("import sys; from tests.test_worker_interrupts_and_fork import sweep; "
+                     "sweep(sys.argv[1], sys.argv[2] == 'real')", name, "real" if real_signal else "raise",
+                     timeout=TIMEOUT)
 
 
 @pytest.mark.parametrize("name", sorted(SWEEPS))
@@ -205,7 +139,7 @@ def test_an_interrupt_anywhere_in_a_hand_off_leaves_what_ran_registered_named_an
     # Before the fix, an interrupt once the worker had queued the update (from its queue's append
     # to the end of HostWorker.submit) withdrew it: it ran unregistered (the next load did not wait
     # for it) and was named as left as it was; one as submit let its lock go left it held.
-    outcomes = run_sweep(name)
+    outcomes = swept(name)
     assert any(ran == [0] for _, ran in outcomes)
     queued_at = [where for where, ran in outcomes if ran == [0, 1]]
     if name == "ram":  # with the tier, the update is queued inside StateTier.submit, which is not swept
@@ -216,7 +150,7 @@ def test_a_real_ctrl_c_anywhere_in_submit_leaves_the_worker_usable_and_the_exit_
     # A SIGINT as submit left its ``with self._condition:`` (threading.Condition.__exit__, Python
     # code where CPython checks for signals) left the worker's lock held: the worker waited
     # forever, and so did the interpreter's exit, for it.
-    outcomes = run_sweep("ram", real_signal=True)
+    outcomes = swept("ram", real_signal=True)
     assert any(ran == [0, 1] for _, ran in outcomes) and any(ran == [0] for _, ran in outcomes)
 
 
@@ -318,6 +252,6 @@ def same(plain_model: nn.Module, model: OffloadModel, optimizer: OffloadOptimize
 def test_a_fork_child_trains_on_or_is_told_to_synchronize_first_and_the_parent_is_unchanged(scenario):
     # Before the fix the child hung in its next wait for the worker, whose thread it does not have:
     # forever, after synchronize() too (its next step's update was never run).
-    done = run_python(FORKS, scenario)
+    done = run_python(FORKS, scenario, timeout=TIMEOUT)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert done.stdout.splitlines()[-1] == "parent same: True", done.stdout
