@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
         "compute_dtype": args.compute_dtype,
     }
     gib = 2**30
-    print(f"{args.method}: {result['parameters'] / 1e6:.0f} M parameters in {seconds:.1f} s; peak RSS growth "
+    print(f"{args.method}: {result['parameters'] / 1e6:.1f} M parameters in {seconds:.1f} s; peak RSS growth "
           f"{result['peak_rss_growth_bytes'] / gib:.2f} GiB, host copies {footprint.host_copies / gib:.2f} GiB")
     print(json.dumps(result))
     if args.json is not None:

@@ -24,6 +24,8 @@ import argparse
 import gc
 import os
 import re
+import shlex
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -78,9 +80,9 @@ def main() -> None:
         preset = build_preset(args.preset, **dict(args.set))
     except ValueError as error:  # an unknown setting, or one out of range
         parser.error(f"--set: {error}")
-    if "RANK" not in os.environ:
+    if "RANK" not in os.environ:  # the command as given, under torchrun: copied, it trains what was asked
         parser.error("start it with torchrun, one process per GPU (or CPU process): "
-                     "torchrun --nproc_per_node=2 scripts/train_distributed.py --preset mlp")
+                     f"torchrun --nproc_per_node=2 {shlex.join(sys.argv)}")
 
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")

@@ -6,10 +6,15 @@ A snippet in README.md or docs/*.md is written for a reader: it trains ``layers`
 provides those names and files, at tiny sizes and on the CPU, in the snippet's own working
 directory. Each setup is a function here that writes the files and returns the names.
 
+A setup gives only what the reader supplies (:data:`READER_NAMES`), never ``torch`` or offload's
+names: a snippet imports what it uses, or continues a page whose earlier snippet did. Each snippet
+runs in the namespace the page's earlier snippets left (as a reader who copies the page in order
+has it), with its setup's names over it.
+
 Run as ``python -m tests.doc_snippets JOBS.json OUTCOMES.json``: each job is a snippet's code, its
-setup and its working directory; each runs in a fresh namespace, one after the other in this
-process (the imports are paid once). OUTCOMES.json maps each job to ``None`` or its traceback, and
-the exit status is 1 when one failed.
+page, its setup and its working directory; they run one after the other in this process (the
+imports are paid once). OUTCOMES.json maps each job to ``None`` or its traceback, and the exit
+status is 1 when one failed.
 """
 
 from __future__ import annotations
@@ -26,15 +31,24 @@ from typing import Any
 #: and its byte-level tokenizer, vocabulary 256), at most this many tokens long.
 SEQ_LEN = 64
 
+#: The names a setup may give: what the pages leave to the reader (their layers, data and loss, the
+#: model an excerpt continues from, a trainer's arguments). Imports are not among them.
+READER_NAMES = frozenset({
+    "layers", "loader", "loss_fn", "batches_from", "train_a_few_steps",   # a training loop's
+    "model", "optimizer",                                                  # built by an earlier step
+    "local_rank", "accumulate",                                            # torchrun's, the loop's
+    "hf_model", "ids", "mask", "labels", "data", "args",                   # a Hugging Face script's
+})
 
-def _offload_names() -> dict[str, Any]:
-    # Snippets that continue a page's earlier code use its imports (offload's public names).
-    import torch
-    from torch import nn
 
-    import offload
-
-    return {"torch": torch, "nn": nn, "offload": offload, **{name: getattr(offload, name) for name in offload.__all__}}
+def reader_names(names: dict[str, Any], setup: str) -> dict[str, Any]:
+    """``names``, once each is one :data:`READER_NAMES` lists: a setup that gives ``torch`` or
+    ``OffloadModel`` would hide a snippet that forgets to import it."""
+    unlisted = sorted(set(names) - READER_NAMES)
+    if unlisted:
+        raise ValueError(f"setup {setup} gives {unlisted}, which are no reader's (READER_NAMES): "
+                         "the snippet imports them")
+    return names
 
 
 def _layers(width: int = 16, depth: int = 16):
@@ -70,7 +84,7 @@ def layers() -> dict[str, Any]:
             optimizer.step()
             optimizer.zero_grad()
 
-    return {**_offload_names(), "layers": _layers(), "loader": batches, "loss_fn": torch.nn.functional.mse_loss,
+    return {"layers": _layers(), "loader": batches, "loss_fn": torch.nn.functional.mse_loss,
             "batches_from": batches_from, "train_a_few_steps": train_a_few_steps}
 
 
@@ -82,16 +96,20 @@ def disk() -> dict[str, Any]:
 
 def model() -> dict[str, Any]:
     """As :func:`layers`, and ``model``: those layers in an ``OffloadModel``."""
+    from offload import OffloadModel
+
     names = layers()
-    return {**names, "model": names["OffloadModel"](names["layers"], device="cpu", num_slices=4)}
+    return {**names, "model": OffloadModel(names["layers"], device="cpu", num_slices=4)}
 
 
 def optimizer() -> dict[str, Any]:
     """As :func:`model`, and ``optimizer``: an ``OffloadOptimizer`` (AdamW) stepping it."""
     import torch
 
+    from offload import OffloadOptimizer
+
     names = model()
-    return {**names, "optimizer": names["OffloadOptimizer"](names["model"], torch.optim.AdamW, lr=1e-3)}
+    return {**names, "optimizer": OffloadOptimizer(names["model"], torch.optim.AdamW, lr=1e-3)}
 
 
 def classifier() -> dict[str, Any]:
@@ -104,12 +122,11 @@ def classifier() -> dict[str, Any]:
 
 
 def torchrun() -> dict[str, Any]:
-    """What ``torchrun`` gives one process: the environment, ``local_rank``; and the page's imports."""
-    import torch.distributed as dist
-
+    """As :func:`layers`, and what ``torchrun`` gives one process: the environment, ``local_rank``;
+    and the loop's ``accumulate``."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000), RANK="0",
                       WORLD_SIZE="1", LOCAL_RANK="0")
-    return {**layers(), "dist": dist, "contextlib": contextlib, "local_rank": 0, "accumulate": 2}
+    return {**layers(), "local_rank": 0, "accumulate": 2}
 
 
 def weights() -> dict[str, Any]:
@@ -151,16 +168,15 @@ def _token_batches(n: int = 2):
 
 def hf() -> dict[str, Any]:
     """``path/to/llama``; ``hf_model`` read from it; a ``loader`` of token batches (and one batch as
-    ``ids``, ``mask``, ``labels``); and a Trainer's ``args``, ``data`` and ``Trainer``."""
-    import torch
+    ``ids``, ``mask``, ``labels``); and a Trainer's ``args`` and ``data``."""
     import transformers
 
     _save_llama("path/to/llama")
     loader = _token_batches()
     data = [{"input_ids": row.tolist(), "labels": row.tolist()} for row in loader[0]["input_ids"]]
-    return {"torch": torch, "hf_model": transformers.AutoModelForCausalLM.from_pretrained("path/to/llama"),
+    return {"hf_model": transformers.AutoModelForCausalLM.from_pretrained("path/to/llama"),
             "loader": loader, "ids": loader[0]["input_ids"], "mask": loader[0]["attention_mask"],
-            "labels": loader[0]["labels"], "data": data, "Trainer": transformers.Trainer,
+            "labels": loader[0]["labels"], "data": data,
             "args": transformers.TrainingArguments(output_dir="out", report_to=[], max_steps=1)}
 
 
@@ -193,15 +209,8 @@ CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] }}: {{ message
 
 def sft() -> dict[str, Any]:
     """``path/to/llama-instruct`` (a tokenizer with a chat template and an end-of-sequence token),
-    ``chats.jsonl``; and what the LoRA excerpt continues from: ``hf_model``, ``tokenizer``, ``data``,
-    ``config``, and the page's imports."""
-    import torch
-    import transformers
-    import trl
-    from datasets import load_dataset
-
-    from offload.integrations.causal_lm import OffloadedCausalLM
-
+    ``chats.jsonl``; and the reader's ``hf_model``, which the LoRA excerpt adapts (its
+    ``tokenizer``, ``data`` and ``config`` are the page's first snippet's)."""
     hf_model, tokenizer = _save_llama("path/to/llama-instruct", eos=True)
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained("path/to/llama-instruct")
@@ -209,11 +218,7 @@ def sft() -> dict[str, Any]:
                            {"role": "assistant", "content": " ".join(map(str, range(1, n + 1)))}]}
              for n in range(1, 9)]
     Path("chats.jsonl").write_text("".join(json.dumps(chat) + "\n" for chat in chats))
-    config = trl.SFTConfig(output_dir="sft", per_device_train_batch_size=2, max_steps=1, max_length=SEQ_LEN,
-                           report_to=[], use_cpu=True)
-    return {"torch": torch, "transformers": transformers, "trl": trl, "OffloadedCausalLM": OffloadedCausalLM,
-            "hf_model": hf_model, "tokenizer": tokenizer,
-            "data": load_dataset("json", data_files="chats.jsonl")["train"], "config": config}
+    return {"hf_model": hf_model}
 
 
 def tuned() -> dict[str, Any]:
@@ -234,33 +239,46 @@ def sequential_lm() -> dict[str, Any]:
     return {"model": causal_lm_sequential(hf_model)}
 
 
-def _leave_as_found() -> None:
-    # The next snippet starts from a fresh process's state: no process group (torchrun's setup).
+def _leave_as_found(environment: dict[str, str]) -> None:
+    # The next snippet starts from a fresh process's state: no process group, and none of the
+    # variables torchrun's setup sets (under them a trainer built later starts one of its own).
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(environment)
 
 
 def run(jobs: list[dict[str, Any]], outcomes_path: Path) -> int:
     """Run each job; write ``{job id: None, or the traceback}`` to ``outcomes_path`` after each one
-    (what a crash or a timeout leaves tells how far it got)."""
-    outcomes = {}
+    (what a crash or a timeout leaves tells how far it got). A job starts from what the jobs of its
+    page before it left: their imports, the functions and values they defined."""
+    outcomes, page, carried, environment = {}, None, {}, dict(os.environ)
     for job in jobs:
         os.chdir(job["directory"])
-        namespace = {"__name__": "__main__"}
+        if job["page"] != page:
+            page, carried = job["page"], {}
+        supplied, namespace = {}, {**carried, "__name__": "__main__"}
         try:
             if job["setup"]:
-                namespace.update(globals()[job["setup"]]())
+                supplied = reader_names(globals()[job["setup"]](), job["setup"])
+                namespace.update(supplied)
             exec(compile(job["code"], job["name"], "exec"), namespace)
             outcomes[job["id"]] = None
         except BaseException:  # SystemExit too: a command's refusal is a failure of the snippet
             outcomes[job["id"]] = traceback.format_exc()
         finally:
-            _leave_as_found()
+            _leave_as_found(environment)
+        # What the snippet bound, not what its setup gave: the next snippet's setup gives its own.
+        carried = {name: value for name, value in namespace.items()
+                   if not name.startswith("__") and supplied.get(name, _NOTHING) is not value}
         print(f"{'FAILED' if outcomes[job['id']] else 'ran'} {job['id']}", flush=True)
         outcomes_path.write_text(json.dumps(outcomes))
     return 1 if any(outcomes.values()) else 0
+
+
+_NOTHING = object()
 
 
 if __name__ == "__main__":

@@ -3,11 +3,15 @@
 The rules, for whoever writes a snippet:
 
 - A snippet runs as it stands, with ``"cuda"`` read as ``"cpu"`` and ``.cuda()`` dropped
-  (:data:`ON_THE_CPU`), in a fresh namespace and an empty working directory of its own.
-- What it takes for granted (``layers``, a ``loader``, ``"path/to/llama"``, ``train.txt``) comes
+  (:data:`ON_THE_CPU`), in an empty working directory of its own and the namespace its page's
+  earlier snippets left: it imports what it uses, unless an earlier snippet of the page did, as a
+  reader copying the page in order would have it.
+- What the reader supplies (``layers``, a ``loader``, ``"path/to/llama"``, ``train.txt``) comes
   from a setup named on the line before the fence, ``<!-- snippet-setup: NAME -->`` (invisible to
   readers). The setup is a function of ``tests/doc_snippets.py``; :data:`SETUPS` lists the variants
   the snippet runs under and the sizes the test makes small (``max_steps=2000`` -> ``max_steps=2``).
+  A setup gives only names ``tests/doc_snippets.py`` lists as the reader's (``READER_NAMES``),
+  never an import.
 - A snippet that is not code to run (a signature, an excerpt that needs other processes) is marked
   ``<!-- fragment: why -->`` on the line before the fence; it still has to compile.
 
@@ -34,6 +38,7 @@ from typing import Any
 
 import pytest
 
+from tests.doc_snippets import reader_names
 from tests.test_docs import ROOT, doc_id, documents
 
 
@@ -138,7 +143,8 @@ def jobs(found: list[Snippet], workdir: Path) -> list[dict]:
             directory = workdir / f"{snippet.document.replace('/', '-')}-{snippet.index}-{number}"
             directory.mkdir()
             listed.append({"id": f"{snippet.name} [setup {variant.function or 'none'}]", "name": snippet.name,
-                           "code": code, "setup": variant.function, "directory": str(directory)})
+                           "page": snippet.document, "code": code, "setup": variant.function,
+                           "directory": str(directory)})
     return listed
 
 
@@ -273,18 +279,32 @@ def test_the_checks_catch_what_they_are_for(tmp_path):
     # Each check reports a planted mistake, so the tests above can fail.
     text = ("```python\nloader\n```\n\n<!-- fragment: a signature -->\n```python\ndef f(x): ...\n```\n"
             "<!-- fragment: -->\n```python\nf(\n```\n<!-- snippet-setup: no-such -->\n```python\npass\n```\n"
-            "<!-- snippet-setup: model -->\n```python\nmodel(torch.zeros(2, 16, device=\"cuda\"))\n```\n")
+            "<!-- snippet-setup: model -->\n```python\nimport torch\nmodel(torch.zeros(2, 16, device=\"cuda\"))\n```\n")
     found = snippets("planted.md", text)
     assert [(s.setup, s.fragment) for s in found] == [(None, None), (None, "a signature"), (None, ""),
                                                        ("no-such", None), ("model", None)]
     problems = marker_problems(found)
     assert len(problems) == 3 and "says why" in problems[0] and "compile" in problems[1] and "no-such" in problems[2]
-    ran = run_snippets([found[0], found[1], found[4]], tmp_path)
-    assert ran.ids == ["planted.md:1 (python snippet 0) [setup none]", "planted.md:18 (python snippet 4) [setup model]"]
+    # A snippet has its page's earlier imports, and no setup's: the same code on a page of its own
+    # (run after the other, so nothing carries over from one page to the next) fails.
+    imports = "<!-- snippet-setup: layers -->\n```python\nimport torch\nfrom offload import OffloadModel\n```\n"
+    continued = ("<!-- snippet-setup: layers -->\n```python\nmodel = OffloadModel(layers, device=\"cuda\", "
+                 "num_slices=2)\nmodel(torch.zeros(2, 16)).sum().backward()\n```\n")
+    ran = run_snippets([found[0], found[1], found[4], *snippets("continued.md", imports + continued),
+                        *snippets("alone.md", continued)], tmp_path)
+    assert ran.ids == ["planted.md:1 (python snippet 0) [setup none]", "planted.md:18 (python snippet 4) [setup model]",
+                       "continued.md:2 (python snippet 0) [setup layers]",
+                       "continued.md:7 (python snippet 1) [setup layers]",
+                       "alone.md:2 (python snippet 0) [setup layers]"]
     assert ran.done.returncode == 1
     assert "NameError: name 'loader' is not defined" in ran.outcomes[ran.ids[0]]
     assert ran.outcomes[ran.ids[1]] is None, ran.outcomes[ran.ids[1]]   # on the CPU, with its setup
+    assert ran.problems("continued.md") == [], ran.problems("continued.md")
+    assert "NameError: name 'OffloadModel' is not defined" in ran.outcomes[ran.ids[4]]
     assert len(ran.problems("planted.md")) == 1 and ran.problems("other.md") == []
+    # A setup that gave an import would hide a snippet that forgets it.
+    with pytest.raises(ValueError, match="torch"):
+        reader_names({"layers": None, "torch": None}, "planted")
     # A stated signature that leaves a parameter out, or states another default, differs.
     stated = stated_signatures("class OffloadOptimizer:\n    def __init__(self, model, optimizer_class): ...\n"
                                "def latest_checkpoint(directory=None): ...\nOffloadModel(model, device)\n")

@@ -7,21 +7,29 @@ Checked for README.md and every docs/*.md:
 - every ``--flag`` a command gives a script in ``scripts/`` or ``benchmarks/`` (or a
   ``python -m offload.<tool>``) appears in that script's ``--help``;
 - every fenced Python snippet compiles;
+- every signature the prose states (``load_causal_lm(path, device, *, dtype=None, ...)``) is the
+  library's, as ``inspect.signature`` has it;
 - every relative link resolves to a file, and its ``#anchor`` to a heading of that file.
 
 Templates (``benchmarks/results/benchmark_<device>_<date>.json``) are not paths and are skipped.
+And what a tool's refusal advises, documentation read when it is needed, is so: the command it
+gives runs what was asked, the formats it lists are those taken.
 """
 
 from __future__ import annotations
 
+import ast
 import functools
 import importlib
+import inspect
 import json
+import os
 import re
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -224,6 +232,90 @@ def snippets_that_do_not_compile(path: Path, text: str) -> list[Problem]:
     return problems
 
 
+#: Prose signatures with no ``*`` or ``**`` to tell them from a call, as (document, the name as
+#: written there): checked as the others are.
+PROSE_SIGNATURES = frozenset({
+    ("docs/disk-tier.md", "DiskTier"),
+    ("docs/huggingface.md", "offload.integrations.data.token_blocks"),
+    ("docs/huggingface.md", "shuffled"),
+})
+INLINE_CALL = re.compile(r"`((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*)\(([^`]*)\)`")
+# A bare ``*``, ``*args`` or ``**options`` among the arguments: a signature, never a call.
+STAR = re.compile(r"(?:^|,)\s*\*")
+
+
+def stated_signature(arguments: str) -> inspect.Signature | None:
+    """The signature ``name(arguments)`` states, or None where the arguments are a call's
+    (``hf, loss_chunk_tokens=1024`` reads as one; ``..., masters=DiskTier(path)`` does not)."""
+    try:
+        args = ast.parse(f"def f({arguments}): ...").body[0].args
+        positional = [*args.posonlyargs, *args.args]
+        defaults = [inspect.Parameter.empty] * (len(positional) - len(args.defaults))
+        defaults += [ast.literal_eval(d) for d in args.defaults]
+        keyword = [inspect.Parameter.empty if d is None else ast.literal_eval(d) for d in args.kw_defaults]
+    except (SyntaxError, ValueError, TypeError):
+        return None
+    kinds = [inspect.Parameter.POSITIONAL_ONLY] * len(args.posonlyargs)
+    kinds += [inspect.Parameter.POSITIONAL_OR_KEYWORD] * len(args.args)
+    parameters = [inspect.Parameter(a.arg, kind, default=d) for a, kind, d in zip(positional, kinds, defaults)]
+    if args.vararg:
+        parameters.append(inspect.Parameter(args.vararg.arg, inspect.Parameter.VAR_POSITIONAL))
+    parameters += [inspect.Parameter(a.arg, inspect.Parameter.KEYWORD_ONLY, default=d)
+                   for a, d in zip(args.kwonlyargs, keyword)]
+    if args.kwarg:
+        parameters.append(inspect.Parameter(args.kwarg.arg, inspect.Parameter.VAR_KEYWORD))
+    return inspect.Signature(parameters)
+
+
+def offload_callable(name: str, text: str) -> Any:
+    """What a name in the prose stands for: ``offload.a.b`` by its path; a bare name among
+    ``offload.__all__`` or the ``__all__`` of a module the document names. None: not offload's."""
+    import offload
+
+    if name.startswith("offload."):
+        module, _, attribute = name.rpartition(".")
+        return getattr(importlib.import_module(module), attribute, None) if is_module(module.split(".")) else None
+    if "." in name:
+        return None
+    if name in offload.__all__:
+        return getattr(offload, name)
+    named = [m.group(0).split(".") for m in MODULE.finditer(text)]  # a module, or an attribute of one
+    for module in sorted({".".join(parts) for whole in named for parts in (whole, whole[:-1]) if is_module(parts)}):
+        if name in getattr(importlib.import_module(module), "__all__", ()):
+            return getattr(importlib.import_module(module), name)
+    return None
+
+
+def prose_signatures(path: Path, text: str,
+                     listed: frozenset = PROSE_SIGNATURES) -> list[tuple[int, str, inspect.Signature, Any]]:
+    """``(line, name, the signature stated, the function or class)`` for each prose signature of
+    one of offload's (a span with a ``*`` or ``**``, or a name :data:`PROSE_SIGNATURES` lists for
+    the document, where its arguments read as parameters: ``DiskTier("/nvme")`` is a call)."""
+    found = []
+    prose = FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), text)  # fences out, lines kept
+    for m in INLINE_CALL.finditer(prose):
+        name, arguments = m.groups()
+        if (doc_id(path), name) not in listed and not STAR.search(arguments):
+            continue
+        stated, target = stated_signature(arguments), offload_callable(name, text)
+        if stated is not None and target is not None:
+            found.append((prose.count("\n", 0, m.start()) + 1, name, stated, target))
+    return found
+
+
+def prose_signature_mismatches(path: Path, text: str, listed: frozenset = PROSE_SIGNATURES) -> list[Problem]:
+    """Each prose signature that is not ``inspect.signature``'s: the parameters' names, order,
+    defaults, and which are keyword-only."""
+    problems = []
+    for line, name, stated, target in prose_signatures(path, text, listed):
+        actual = inspect.signature(target)
+        actual = actual.replace(parameters=[p.replace(annotation=p.empty) for p in actual.parameters.values()],
+                                return_annotation=actual.empty)
+        if str(stated) != str(actual):
+            problems.append(Problem(doc_id(path), f"line {line} states {name}{stated}; the code: {name}{actual}"))
+    return problems
+
+
 @pytest.mark.parametrize("document", documents(), ids=doc_id)
 def test_links_resolve(document):
     problems = broken_links(document, document.read_text())
@@ -246,6 +338,19 @@ def test_script_flags_exist(document):
 def test_python_snippets_compile(document):
     problems = snippets_that_do_not_compile(document, document.read_text())
     assert not problems, "\n".join(map(str, problems))
+
+
+@pytest.mark.parametrize("document", documents(), ids=doc_id)
+def test_prose_signatures_are_the_librarys(document):
+    problems = prose_signature_mismatches(document, document.read_text())
+    assert not problems, "\n".join(map(str, problems))
+
+
+def test_listed_prose_signatures_are_in_the_docs():
+    # An entry whose signature left its page checks nothing; remove it so the list stays honest.
+    checked = {(document, name) for document in {d for d, _ in PROSE_SIGNATURES}
+               for _, name, _, _ in prose_signatures(ROOT / document, (ROOT / document).read_text())}
+    assert sorted(PROSE_SIGNATURES - checked) == []
 
 
 def test_pending_docs_are_still_pending():
@@ -271,6 +376,15 @@ def test_the_checks_catch_what_they_are_for():
     assert unknown_flags(readme, "```bash\npython -m offload plan --preset tiny --no-such-flag\n```\n") != []
     assert unknown_flags(readme, "```bash\noffload calibrate --dir /nvme\n```\n") == []
     assert snippets_that_do_not_compile(readme, "```python\nmodel(\n```\n") != []
+    # Prose signatures: a parameter left out, a keyword-only one stated positional; a call is no signature.
+    loading = "from offload.integrations.transformers import load_causal_lm\n`load_causal_lm({})`"
+    assert prose_signature_mismatches(readme, loading.format("path, device, *, dtype=None, **options")) != []
+    token_blocks = "`offload.integrations.data.token_blocks(source, tokenizer, block_size, {}text_field=None)`"
+    assert prose_signature_mismatches(readme, token_blocks.format(""),
+                                      frozenset({("README.md", "offload.integrations.data.token_blocks")})) != []
+    assert prose_signature_mismatches(readme, token_blocks.format("*, ")) == []
+    assert prose_signature_mismatches(readme, "`latest_checkpoint(directory, *, keep=3)`") != []
+    assert prose_signature_mismatches(readme, "`OffloadModel(..., masters=DiskTier(path))`") == []
 
 
 def test_the_suite_lists_why_tests_skipped(tmp_path):
@@ -308,3 +422,39 @@ def test_the_version_has_one_source():
 
     assert re.fullmatch(r"\d+\.\d+\.\d+\S*", offload.__version__)
     assert read_configuration(ROOT / "pyproject.toml", expand=True)["project"]["version"] == offload.__version__
+
+
+# A refusal's advice is documentation read at the moment it is needed: what it says to run runs,
+# and what it says is taken is.
+
+def test_the_torchrun_hint_is_the_command_given():
+    # Copying the hint trains what was asked for: the user's arguments, not the usage example's.
+    done = subprocess.run([sys.executable, "scripts/train_distributed.py", "--preset", "tiny", "--steps", "3",
+                           "--out", "a run"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")})
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.rstrip().endswith("torchrun --nproc_per_node=2 scripts/train_distributed.py --preset tiny "
+                                         "--steps 3 --out 'a run'"), done.stderr
+
+
+def test_the_data_format_error_names_every_format_the_reader_takes(tmp_path):
+    from offload.integrations.data import STREAMED, TEXT_SUFFIXES, DataFormatError, token_blocks
+
+    (tmp_path / "corpus.xml").write_text("<a/>")
+    with pytest.raises(DataFormatError) as refused:
+        next(token_blocks(tmp_path / "corpus.xml", None, 4))
+    unnamed = [suffix for suffix in (*TEXT_SUFFIXES, ".jsonl", ".json", *STREAMED)
+               if not re.search(re.escape(suffix) + r"\b", str(refused.value))]   # .jsonl names no .json
+    assert unnamed == [], str(refused.value)
+
+
+@pytest.mark.parametrize("gpu, advice", [([], "or pass --gpu NAME"),
+                                         (["--gpu", "a100"], "or leave out --rates: --gpu alone needs no calibration")],
+                         ids=["without --gpu", "with --gpu"])
+def test_plan_advises_what_was_not_given_already(gpu, advice, tmp_path, capsys):
+    from offload.cli.plan import main
+
+    with pytest.raises(SystemExit):
+        main(["--preset", "tiny", *gpu, "--rates", str(tmp_path / "none.json")])
+    message = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message.endswith(f"no such file; run `python -m offload calibrate --out {tmp_path / 'none.json'}` {advice}")

@@ -198,8 +198,9 @@ def check_machine_args(parser: argparse.ArgumentParser, args: argparse.Namespace
         check_disk_dir(parser, Path(args.disk_dir))
     if args.rates is not None and not args.rates.is_file():
         what = "a directory, not a rates file" if args.rates.is_dir() else "no such file"
+        instead = "leave out --rates: --gpu alone needs no calibration" if args.gpu else "pass --gpu NAME"
         parser.error(f"--rates {args.rates}: {what}; run `python -m offload calibrate --out {args.rates}` "
-                     f"or pass --gpu NAME")
+                     f"or {instead}")
 
 
 def check_disk_dir(parser: argparse.ArgumentParser, path: Path, flag: str = "--disk-dir") -> None:
@@ -257,7 +258,7 @@ def machine_rates(args: argparse.Namespace) -> MachineRates:
         flag = "--rates" if args.rates is not None else "the rates file"
         reason = _one_line(error)
         if "calibrate" not in reason:
-            reason += "; run `python -m offload calibrate` again, or pass --gpu NAME"
+            reason += "; run `python -m offload calibrate` again" + ("" if args.gpu else ", or pass --gpu NAME")
         raise PlanInputError(f"{flag} {path}: {reason}") from error
     if args.gpu:
         if args.device == "cpu":  # the GPU's compute and link rates would time a CPU device

@@ -136,7 +136,8 @@ def read_documents(source: str | os.PathLike[str], tokenizer: Any = None, *,
     else:
         raise DataFormatError(
             f"{path}: unknown data format {suffix or '(no suffix)'!r}; give plain text ({', '.join(TEXT_SUFFIXES)}), "
-            f"JSON lines (.jsonl), .parquet, .csv or a datasets directory (save_to_disk)")
+            "JSON lines (.jsonl, or .json with one object a line), .parquet, .csv or a datasets directory "
+            "(save_to_disk)")
 
 
 def check_encoding(source: str | os.PathLike[str]) -> None:
