@@ -43,9 +43,10 @@ table):
 # The one place the version is written: pyproject.toml reads it from here.
 __version__ = "0.1.0"
 
+from typing import TYPE_CHECKING
+
 from .autograd.recompute_state import is_recomputing, will_recompute
 from .clipping import clip_grad_norm_
-from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from .tiers.disk_tier import DiskTier, DiskTierError
 from .planning.footprint import MemoryFootprint
 from .grad_scaler import GradScaler
@@ -60,3 +61,26 @@ from .streams.collectives import CollectiveError
 __all__ = ["CheckpointError", "CollectiveError", "DiskTier", "DiskTierError", "GradScaler", "HostUpdateError", "MemoryFootprint",
            "OffloadActivations", "OffloadModel", "OffloadOptimizer", "clip_grad_norm_", "estimate_memory", "is_recomputing", "latest_checkpoint",
            "load_checkpoint", "load_sequential", "save_checkpoint", "will_recompute"]
+
+# offload.checkpoint imports torch.distributed.checkpoint, which brings some two hundred
+# torch.distributed modules and sympy: about a second, most of what `import offload` would add to
+# `import torch`. Its names load on first use instead (PEP 562), so a script that never checkpoints
+# does not pay for it.
+_CHECKPOINT_NAMES = ("CheckpointError", "latest_checkpoint", "load_checkpoint", "save_checkpoint")
+
+if TYPE_CHECKING:  # what type checkers and editors see: the names as if imported above
+    from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+
+
+def __getattr__(name: str) -> object:
+    if name not in _CHECKPOINT_NAMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from . import checkpoint
+
+    value = getattr(checkpoint, name)
+    globals()[name] = value  # later lookups find it without coming here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_CHECKPOINT_NAMES})

@@ -192,4 +192,4 @@ def test_the_transformers_integration_without_transformers_says_how_to_install_i
                           capture_output=True, text=True, timeout=120,
                           env={"PYTHONPATH": f"{tmp_path}:{ROOT}", "PATH": "/usr/bin:/bin"})
     assert done.returncode == 1
-    assert 'pip install -e ".[transformers]"' in done.stderr.strip().splitlines()[-1]
+    assert 'pip install "offload[transformers]"' in done.stderr.strip().splitlines()[-1]

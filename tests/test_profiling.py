@@ -219,7 +219,7 @@ def test_bad_arguments_are_one_line_errors(args, fragments, capsys):
 def test_plot_without_matplotlib_is_a_clear_error_before_anything_runs(monkeypatch, capsys):
     for name in [n for n in sys.modules if n == "matplotlib" or n.startswith("matplotlib.")] + ["matplotlib"]:
         monkeypatch.setitem(sys.modules, name, None)  # what `import` sees when it is not installed
-    with pytest.raises(PlotUnavailable, match=r'pip install -e "\.\[plot\]"'):
+    with pytest.raises(PlotUnavailable, match=r'pip install "offload\[plot\]"'):
         check_plotting()
     script = load_script()
     with pytest.raises(SystemExit) as exit_info:

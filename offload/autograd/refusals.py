@@ -165,11 +165,9 @@ def _registered(engine: Engine, matches: Callable[[torch.Tensor], bool]) -> str 
 
 def note_refused_hooks(error: RuntimeError) -> RuntimeError:
     """``error``, PyTorch's refusal of the saved-tensor hooks the model enters to build a graph
-    (rules 1 and 6 of Note: [Transforms the walk refuses]), with what to do added: as a note
-    (PEP 678), or on Python 3.10 as a new error caused by it, to be raised."""
+    (rules 1 and 6 of Note: [Transforms the walk refuses]), with what to do added as a note
+    (PEP 678), to be raised."""
     note = FUNC_GRADIENT_HOOKS if torch._C._are_functorch_transforms_active() else DISABLED_HOOKS
-    if not hasattr(error, "add_note"):  # Python 3.10
-        return RuntimeError(f"{error}\n{note}")
     error.add_note(note)
     return error
 

@@ -67,6 +67,7 @@ import torch
 from ..checkpoint import save_checkpoint
 from ..checkpoint.checkpoint_files import CheckpointError
 from ..clipping import clip_grad_norm_
+from ..integrations import install_hint
 from ..tiers.disk_tier import DiskTier
 from ..model import OffloadModel
 from ..optimizer import OffloadOptimizer
@@ -253,7 +254,7 @@ def _start(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
         from ..integrations.transformers import causal_lm_sequential
         from ..integrations.transformers_loading import load_causal_lm
     except ImportError as error:
-        raise SystemExit(f'{error}. Install the extra: pip install -e ".[transformers]"') from error
+        raise SystemExit(f"{error}. Install the extra: {install_hint('transformers')}") from error
     if args.no_progress:
         transformers.utils.logging.disable_progress_bar()  # the bar of loading checkpoint shards
     try:

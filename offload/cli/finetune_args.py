@@ -66,8 +66,8 @@ examples:
   offload-finetune --model ./llama-1b --out ./tuned-disk --disk-tier /nvme/offload --masters-on-disk
 
 Each example writes an --out of its own: a run without --resume into an --out that holds a finished
-model is refused unless --overwrite replaces it. python scripts/finetune_causal_lm.py takes the same
-options."""
+model is refused unless --overwrite replaces it. The project's docs/huggingface.md describes the
+command in full; from a clone, python scripts/finetune_causal_lm.py takes the same options."""
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):

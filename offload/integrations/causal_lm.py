@@ -75,8 +75,10 @@ try:
     from transformers import PreTrainedModel
     from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast, MoeModelOutputWithPast
 except ImportError as error:  # pragma: no cover - exercised only without the extra installed
+    from . import install_hint
+
     raise ImportError(
-        'offload.integrations.causal_lm needs Hugging Face transformers 5: pip install -e ".[transformers]"'
+        f"offload.integrations.causal_lm needs Hugging Face transformers 5: {install_hint('transformers')}"
     ) from error
 
 try:

@@ -58,17 +58,21 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.strategies import SingleDeviceStrategy
 
-from lightning.pytorch.plugins.precision import Precision
-
+from . import install_hint
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..clipping import clip_grad_norm_
 from ..checkpoint.contents import _rng_state, _set_rng_state
 from ..optimizer import OffloadOptimizer
+
+try:
+    import lightning.pytorch as pl
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+    from lightning.pytorch.plugins.precision import Precision
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+except ImportError as error:
+    raise ImportError(f"offload.integrations.lightning needs PyTorch Lightning: {install_hint('lightning')}") from error
 
 __all__ = ["OffloadStrategy", "RandomState"]
 

@@ -55,6 +55,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import install_hint
 from .peft import PeftRefusals, peft_base_model, refuse_peft_methods
 from .transformers_batch import IGNORE_INDEX
 from .transformers_families import _LAYOUTS, SUPPORTED_MODEL_TYPES, _Layout
@@ -74,7 +75,7 @@ try:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
 except ImportError as error:  # pragma: no cover - exercised only without the extra installed
     raise ImportError(
-        'offload.integrations.transformers needs Hugging Face transformers 5: pip install -e ".[transformers]"'
+        f"offload.integrations.transformers needs Hugging Face transformers 5: {install_hint('transformers')}"
     ) from error
 
 __all__ = ["CausalLMSequential", "causal_lm_sequential"]

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
+from ..integrations import install_hint
+
 
 class Plotted(Protocol):
     """What a plot reads of a :class:`~offload.profiling.results.Profile`. Named here rather than
@@ -118,7 +120,7 @@ def _matplotlib() -> tuple[Any, Any]:
         from matplotlib.figure import Figure
     except ImportError:
         raise PlotUnavailable("plotting needs matplotlib, which is not installed: "
-                              'pip install -e ".[plot]" (or pip install matplotlib)') from None
+                              f"{install_hint('plot')} (or pip install matplotlib)") from None
     return Figure, FigureCanvasAgg
 
 

@@ -147,7 +147,7 @@ class Slice:
             except Exception as error:
                 # A note says where (PEP 678); the exception itself, type included, is the layer's.
                 note = f"in layer {name} ({type(layer).__name__}) of OffloadModel slice {self.index}"
-                if hasattr(error, "add_note") and note not in getattr(error, "__notes__", ()):  # Python 3.11+
+                if note not in getattr(error, "__notes__", ()):
                     error.add_note(note)
                     if _COMPILED_BUFFER_WRITE in str(error):
                         error.add_note(COMPILED_BUFFER_NOTE)
