@@ -421,7 +421,7 @@ NEEDED = [
     # wrote the gradients back scaled.
     Dependency("synchronize_event", "wait_host", "deferred_scaling.py:settle", "host update"),
     Dependency("synchronize_event", "submit", "data_parallel.py:gradients_leaving", "offload"),
-    Dependency("synchronize_event", "submit", "sharding.py:submit", "host update"),
+    Dependency("synchronize_event", "submit", "sharding.py:exchange", "host update"),
     Dependency("synchronize_event", "submit", "disk_tier.py:submit", "disk write"),
     # A state buffer's write after the update that used it: the next update through that buffer
     # follows it only through the write and the read, not the worker (Note: [Updates in the next
