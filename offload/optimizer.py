@@ -42,7 +42,7 @@ from .streams.gradient_files import zeroed_in_files
 from .model import OffloadModel, engine_of
 from .optimizing.arguments import check_arguments
 from .optimizing.backward_norms import BackwardNorms
-from .optimizing.copying import CopiedByStateDict
+from .optimizing.copying import HALF_A_STEP, CopiedByStateDict, check_step_finished
 from .optimizing.deferred_scaling import DeferredScaling
 from .optimizing.in_backward import BackwardUpdates, check_failed_backward, check_in_backward, check_zero_grad
 from .optimizing.plan import as_class_adds, inner_optimizer, plan_key, slice_steps, snapshot
@@ -266,11 +266,13 @@ class OffloadOptimizer(CopiedByStateDict, torch.optim.Optimizer):
         mark_zeroed(params)
 
     def state_dict(self) -> dict[str, Any]:
-        """``torch.optim.Optimizer.state_dict()``, after the pending updates (a disk tier's state read
-        in one slice at a time). Sharded over several ranks, each holds only its share: a ``RuntimeError``
-        says to call :meth:`consolidated_state_dict` instead (Note: [A sharded state_dict()])."""
+        """``torch.optim.Optimizer.state_dict()``, after the pending updates (a disk tier's state read in one
+        slice at a time). Sharded, each rank holds only its share: a ``RuntimeError`` says to call
+        :meth:`consolidated_state_dict` instead (Note: [A sharded state_dict()]); between a backward that started
+        updates and ``step()``, one says to call ``step()`` first (Note: [Copying an OffloadOptimizer], rule 5)."""
         if self._sharding is not None:
             self._sharding.refuse_partial("state_dict()")
+        check_step_finished(self, "call state_dict()", HALF_A_STEP)
         return local_state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
 from .checkpoint_files import CheckpointError, free_bytes, pickled_size, unreadable
-from .commit import INFO_FILE, LATEST_FILE, _checkpoints_in, partial_directory, read_latest
+from .commit import INFO_FILE, LATEST_FILE, _checkpoints_in, foreign_entries, partial_directory, read_latest
 from .contents import READABLE_FORMATS, STRAY_PARAMETER, _describe, _optimizer_class, _partition, _steps_only
 from .quant_states import is_packed
 from .ranks import _gathered_list
@@ -89,11 +89,29 @@ def _check_target(path: Path) -> None:
     if path.exists() and not path.is_dir():
         raise FileExistsError(f"cannot save a checkpoint at {path}: it is a file, not a checkpoint directory. Choose "
                               "another path, or remove the file first.")
-    if path.is_dir() and not (path / INFO_FILE).is_file() and any(path.iterdir()):
+    if path.is_dir():
+        _check_replaceable(path)
+
+
+def _check_replaceable(path: Path) -> None:
+    """Refuse a directory ``path`` that holds something no save wrote, which a save would delete (it
+    replaces the whole directory): anything but an empty directory or a checkpoint of its own files
+    only (Note: [What a save deletes] in ``commit.py``)."""
+    entries = sorted(f"{entry.name}/" if entry.is_dir() else entry.name for entry in path.iterdir())
+    if entries and not (path / INFO_FILE).is_file():
+        # Not a checkpoint, even when its names are (DCP's files, written by another program).
         raise FileExistsError(
-            f"cannot save a checkpoint at {path}: it is a directory that holds files but no {INFO_FILE}, so it is "
-            "not a checkpoint, and a save would replace it with everything in it. Choose another path (a new or "
-            "empty directory, or an earlier checkpoint to replace), or move those files away first.")
+            f"cannot save a checkpoint at {path}: it is a directory that holds files but no {INFO_FILE} "
+            f"({_listed(entries, 5, ', ')}), so it is not a checkpoint, and a save would replace it with everything in "
+            "it. Choose another path (a new or empty directory, or an earlier checkpoint to replace), or move those "
+            "files away first.")
+    others = foreign_entries(path)
+    if others:
+        raise FileExistsError(
+            f"cannot save a checkpoint at {path}: it holds a checkpoint's files, and also {_listed(others, 5, ', ')}, "
+            "which save_checkpoint did not write; a save replaces the whole directory, deleting everything in it. "
+            f"Move those out of {path} (keep an export beside the checkpoint, not in it), or save under another "
+            "name.")
 
 
 def _check_room(group: Any, rank: int, path: Path, state: dict[str, Any], extra_nbytes: int,

@@ -2,13 +2,13 @@
 what is tidied after it (Note: [Atomic save]).
 
 What this file holds: the names beside a checkpoint (``latest``, the hidden partial directory and
-the pending ``latest``), the lock a save holds on its directory, :func:`prepare` (clears what
-killed saves left, makes the partial directory), :func:`commit` (writes what is left to write,
-then renames, undone on failure), :func:`tidy` (after the commit: the replaced checkpoint,
-``keep_last``), :func:`latest_checkpoint` (the checkpoint ``latest`` names, as :func:`read_latest`
-reads it) and :func:`committed` (where a load reads a checkpoint). What it does not: what a
-checkpoint holds (``offload/checkpoint/contents.py``), or writing its data
-(``offload/checkpoint/saver.py``).
+the pending ``latest``) and in it (:func:`foreign_entries`: what no save writes), the lock a save
+holds on its directory, :func:`prepare` (clears what killed saves left, makes the partial
+directory), :func:`commit` (writes what is left to write, then renames, undone on failure),
+:func:`tidy` (after the commit: the replaced checkpoint, ``keep_last``), :func:`latest_checkpoint`
+(the checkpoint ``latest`` names, as :func:`read_latest` reads it) and :func:`committed` (where a
+load reads a checkpoint). What it does not: what a checkpoint holds
+(``offload/checkpoint/contents.py``), or writing its data (``offload/checkpoint/saver.py``).
 
 Note: [Atomic save]
     A save is one event: when :func:`~offload.save_checkpoint` returns, the checkpoint is whole
@@ -41,6 +41,16 @@ Note: [Atomic save]
     the directory's rename and ``latest``'s, the new checkpoint is whole under its name while
     ``latest`` still names the previous one (the process reported nothing).
 
+Note: [What a save deletes]
+    Only what a save wrote. A checkpoint is replaced (step 3 of Note: [Atomic save]), or removed
+    for ``keep_last`` (step 4), as a whole directory; so one that holds anything beside a
+    checkpoint's own files (:func:`foreign_entries`: a model exported into ``step-N/hf``, a notes
+    file) is neither: a save onto it is refused before anything is written (``checks.py``), and
+    ``keep_last`` leaves it where it is and warns, naming what it holds, at each save until that is
+    moved out. Replacing only the checkpoint's own files, in place, would keep the user's files but
+    leave a directory that is half the old checkpoint and half the new one at some moment of every
+    save: the renames are what keep the old checkpoint whole until the new one is.
+
 Note: [Saves that share a directory]
     Several processes (two runs, a run and an evaluation job) may save checkpoints of different
     names into one directory at the same time; ``latest`` then names the checkpoint whose commit
@@ -66,6 +76,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -77,6 +88,10 @@ LATEST_FILE = "latest"
 #: What a save of an earlier version left for its new ``latest`` (one name for every save): a
 #: leftover to delete.
 PENDING_LATEST = ".latest.pending"
+#: The names of a checkpoint's own files, what a save writes into it: DCP's ``.metadata`` (written
+#: as ``.metadata.tmp`` first; ``__<rank>.metadata`` without coordination), each rank's data files
+#: ``__<rank>_<n>.distcp``, and ``offload.json``. Anything else there is not a save's to delete.
+_OWN_FILE = re.compile(rf"(__\d+)?\.metadata(\.tmp)?|__\d+_\d+\.distcp|{re.escape(INFO_FILE)}")
 #: The errors of a filesystem that cannot lock a directory (NFS emulates flock with byte-range
 #: locks, which a directory opened for reading cannot take): there a save cannot tell another's.
 _NO_LOCKS = (errno.EBADF, errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
@@ -88,6 +103,18 @@ _held: dict[Path, int] = {}
 class HalfCommitted(Exception):
     """A rename of the commit failed, and undoing those made before it failed too; the message
     says where each directory is."""
+
+
+def foreign_entries(checkpoint: Path) -> list[str]:
+    """What directory ``checkpoint`` holds that no save writes into a checkpoint (Note: [What a save
+    deletes]): each entry's name, a directory's with a ``/`` after it, sorted; empty for a
+    checkpoint as a save left it (or an empty directory).
+
+    Raises:
+        OSError: ``checkpoint`` could not be listed (not a directory; permissions).
+    """
+    return sorted(f"{entry.name}/" if entry.is_dir() else entry.name for entry in checkpoint.iterdir()
+                  if entry.is_symlink() or not entry.is_file() or not _OWN_FILE.fullmatch(entry.name))
 
 
 def partial_directory(path: Path) -> Path:
@@ -272,14 +299,28 @@ def tidy(path: Path, keep_last: int | None) -> list[str]:
             older = []
             problems.append(f"{saved}, but keep_last={keep_last} could not list {path.parent} ({error})")
         for old in older:
-            try:
-                _remove(old)
-            except OSError as error:
-                problems.append(f"{saved}, but keep_last={keep_last} could not remove {old} ({error}); the next "
-                                "save there tries again")
+            problem = _remove_for_keep_last(old, keep_last)
+            if problem is not None:
+                problems.append(f"{saved}, but {problem}")
     finally:
         _release(path)
     return problems
+
+
+def _remove_for_keep_last(checkpoint: Path, keep_last: int) -> str | None:
+    """Remove ``checkpoint``, older than the newest ``keep_last``, unless it holds what no save wrote
+    (Note: [What a save deletes]); what was not done, for a warning, or ``None``."""
+    try:
+        others = foreign_entries(checkpoint)
+        if not others:
+            _remove(checkpoint)
+            return None
+    except OSError as error:
+        return f"keep_last={keep_last} could not remove {checkpoint} ({error}); the next save there tries again"
+    held = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+    return (f"keep_last={keep_last} left {checkpoint} where it is: it also holds {held}, which save_checkpoint did "
+            "not write and does not delete. Move those out of it (keep an export beside the checkpoint, not in it), "
+            "and the next save removes it")
 
 
 def _remove(checkpoint: Path) -> None:

@@ -12,10 +12,10 @@ it writes in ``checks.py``, loading in ``loader.py``. It does not export to Hugg
 A save is atomic: it either returns, the checkpoint whole under its name and ``latest`` naming
 it, or raises with nothing new visible (Note: [Atomic save] in ``offload/checkpoint/commit.py``).
 Before anything is written, the arguments are checked (``extra`` pickles), the target must be a
-checkpoint, an empty directory or absent, and the filesystem must have room for the tensors and
-their headers (a lower bound; every rank decides from the same gathered figures). A save that fails
-after that (a disk that fills up, any error DCP gathers) deletes what it wrote and raises
-:class:`CheckpointError` on every rank.
+checkpoint holding only its own files, an empty directory or absent, and the filesystem must have
+room for the tensors and their headers (a lower bound; every rank decides from the same gathered
+figures). A save that fails after that (a disk that fills up, any error DCP gathers) deletes what
+it wrote and raises :class:`CheckpointError` on every rank.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from .contents import (HOOKED, STRAY_PARAMETER, _extra_to_save, _hooked_keys, _i
 from .ranks import _agreed, _gathered, _group, _on_rank_0
 from ..tiers.disk_tier import size_text
 from ..optimizer import OffloadOptimizer, check_whole
+from ..optimizing.copying import HALF_A_STEP, check_step_finished
 from .slice_save_planner import SliceReadingSavePlanner
 from .wrapped_state import state_entries
 
@@ -69,15 +70,16 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
 
     Args:
         path: the checkpoint directory to create; an earlier checkpoint there is replaced, and
-            anything else there (a file, a directory of other files) is refused. Its parent is
-            created.
+            anything else there (a file, a directory of other files, a checkpoint that also holds
+            files no save wrote) is refused. Its parent is created.
         model: an :class:`~offload.OffloadModel` or any ``nn.Module``.
         optimizer: an :class:`~offload.OffloadOptimizer`, any ``torch.optim`` optimizer over the
             model's parameters, or ``None``.
         extra: any picklable value to save with it, usually a dict (a scheduler's and a
             ``GradScaler``'s ``state_dict()``, the step, the data position), the same on every
             rank; :func:`load_checkpoint` returns it as it was (a bare tensor too).
-        keep_last: keep only this many checkpoints beside ``path`` (the newest), or all (``None``).
+        keep_last: keep only this many checkpoints beside ``path`` (the newest), or all (``None``);
+            an older one that also holds files no save wrote stays, with a warning.
         process_group: the group that saves together; default: the optimizer's, else the
             model's, else the default group when ``torch.distributed`` is initialised.
 
@@ -95,12 +97,16 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
             ``path`` is named ``latest`` or starts with ``.`` (the names of the save's own files),
             names no directory of its own (``.``, ``..``, ``""``) or has a name that starts or ends
             with whitespace (checked before anything is written).
-        FileExistsError: ``path`` is a file, or a directory of files that is not a checkpoint.
+        FileExistsError: ``path`` is a file, a directory of files that is not a checkpoint, or a
+            checkpoint that also holds files no save wrote (an export in ``step-N/hf``), which the
+            save would delete (Note: [What a save deletes] in ``commit.py``); the message names them.
         NotADirectoryError: a directory above ``path`` is a file (checked before anything is
             written).
         RuntimeError: the optimizer's parameters and state mix two steps (an update failed part
-            way) or a load into its disk tier failed part way: load the last checkpoint first
-            (checked before anything is written).
+            way) or a load into its disk tier failed part way: load the last checkpoint first; or,
+            with ``update_in_backward``, the save comes between the backward that started this
+            step's updates and ``step()``: call ``step()`` first (checked before anything is
+            written).
         CheckpointError: another rank refused one of the above (said on every rank; checked before
             anything is written), the filesystem has less room than the save needs (checked before
             anything is written), or the save failed (a full disk says so): what it wrote is
@@ -109,7 +115,8 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     Warns:
         UserWarning: on rank 0, the checkpoint is saved and ``latest`` names it, but what follows
             failed: deleting the checkpoint it replaced, removing the oldest for ``keep_last``
-            (the next save tries again), or syncing the directory. The message says which.
+            (the next save tries again; one that holds files no save wrote is left, naming them),
+            or syncing the directory. The message says which.
 
     Example::
 
@@ -156,6 +163,8 @@ def _state_to_save(model: nn.Module, optimizer: torch.optim.Optimizer | None, na
             raise ValueError(STRAY_PARAMETER)
         if isinstance(optimizer, OffloadOptimizer):
             check_whole(optimizer, "save_checkpoint()")
+            # Between a backward that started updates and step() (Note: [Copying an OffloadOptimizer], rule 5).
+            check_step_finished(optimizer, "save the checkpoint", HALF_A_STEP)
         for index, param, param_state, disk_keys in _optimizer_state(optimizer):
             for key, value in param_state.items():
                 entry = f"optim/state/{names[id(param)]}/{key}"

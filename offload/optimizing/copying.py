@@ -1,8 +1,9 @@
 """How an ``OffloadOptimizer`` is deep-copied and pickled: rebuilt over its model's copy from its
 settings and its ``state_dict()``, never copied field by field (its worker threads, its
-subscriptions to the model's walks and its disk tier's files are not the copy's to share). What it
-does not hold: the optimizer (``offload/optimizer.py``) or how its model is copied
-(``offload/modeling/copying.py``).
+subscriptions to the model's walks and its disk tier's files are not the copy's to share); and
+the refusal a copy shares with ``state_dict()`` and ``save_checkpoint`` between a backward that
+started updates and ``step()`` (:func:`check_step_finished`). What it does not hold: the optimizer
+(``offload/optimizer.py``) or how its model is copied (``offload/modeling/copying.py``).
 
 Note: [Copying an OffloadOptimizer]
     1. ``copy.deepcopy`` and pickling (``torch.save(optimizer)``) take the model, the settings, the
@@ -21,6 +22,15 @@ Note: [Copying an OffloadOptimizer]
        model: only the newest steps it), a sharded optimizer (it holds only this rank's share of
        the state), and one whose backward started updates that ``step()`` has not finished (the
        copy would update those slices twice).
+    5. That last moment is refused by ``state_dict()`` and ``save_checkpoint`` too, through the
+       same check (:func:`check_step_finished`): the slices backward updated are a step ahead of
+       those that wait for ``step()`` (Note: [Update in backward] in ``in_backward.py``), of the
+       parameters outside the model and of the loop's own count and scheduler, so what they would
+       hand out mixes two steps. ``step()`` finishes the step with the gradients backward read
+       (``zero_grad()`` is refused there): call it first. A backward that raised once updates had
+       started is left to ``check_whole`` (``offload/optimizer.py``), which latches that mix and
+       refuses it with its own advice, to load the last checkpoint (``step()`` would raise); a
+       copy, which reads ``state_dict()``, is refused by it then too.
 """
 
 from __future__ import annotations
@@ -33,6 +43,12 @@ from ..tiers.disk_tier import DiskTier
 
 _DO_INSTEAD = ("save optimizer.state_dict() (or the model and the optimizer with offload.save_checkpoint), then "
                "build OffloadOptimizer(model_copy, ...) for the model's copy and load_state_dict() it")
+
+#: Why ``state_dict()`` and a save are refused between a backward that started updates and
+#: ``step()`` (Note: [Copying an OffloadOptimizer], rule 5).
+HALF_A_STEP = ("what it holds would mix two steps: the slices updated are a step ahead of what step() still "
+               "does (the slices that wait for it, the parameters outside the model) and of the loop's own step "
+               "count and scheduler")
 
 
 class CopiedByStateDict:
@@ -52,10 +68,8 @@ class CopiedByStateDict:
         if optimizer._sharding is not None:
             raise TypeError(f"a sharded OffloadOptimizer holds only this rank's share of the state and cannot be "
                             f"copied or pickled; gather it with consolidated_state_dict() instead, or {_DO_INSTEAD}")
-        backward = optimizer._in_backward
-        if backward is not None and backward.started:
-            raise RuntimeError("update_in_backward: backward started this step's updates, and a copy made before "
-                               "step() would update those slices twice; call step() first, then copy the optimizer")
+        check_step_finished(optimizer, "copy the optimizer",
+                            "a copy made before step() would update those slices twice")
         state_dict = optimizer.state_dict()  # after the pending updates; a failed one raises here
         names = {id(p): name for name, p in optimizer.model.named_parameters()}
         groups = [{**group, "params": [names.get(id(p), p) for p in group["params"]]}
@@ -69,6 +83,32 @@ class CopiedByStateDict:
         raise TypeError(f"copy.copy() of an OffloadOptimizer would be a second optimizer over the same model, and "
                         f"only one optimizer steps a model; copy the model and the optimizer together with "
                         f"copy.deepcopy((model, optimizer)), or {_DO_INSTEAD}")
+
+
+def check_step_finished(optimizer: Any, doing: str, because: str) -> None:
+    """Refuse ``doing`` between the backward that started this step's updates (``update_in_backward``)
+    and the ``step()`` that finishes the step: the one check of that moment, for a copy,
+    ``state_dict()`` and ``save_checkpoint`` (Note: [Copying an OffloadOptimizer], rule 5).
+
+    Args:
+        optimizer: the ``OffloadOptimizer``.
+        doing: what is refused, as the advice ends ("call step() first, then ``doing``").
+        because: why, for the message.
+
+    Raises:
+        RuntimeError: backward started updates and ``step()`` has not come; the message names the
+            slices updated and those that wait for ``step()``, and why each waits.
+    """
+    backward = optimizer._in_backward
+    # A backward that raised once it had started updates (no forward since: still open; or one
+    # since: failed) left a mix that check_whole (offload/optimizer.py) refuses with its own
+    # advice, to load the last checkpoint: a step() would raise there.
+    if backward is None or not backward.started or backward._task_open or backward._failed:
+        return
+    waiting = "; ".join(f"slice {index} waits for step(): {why}" for index, why in sorted(backward.deferred.items()))
+    raise RuntimeError(f"update_in_backward: backward started this step's updates (slices {sorted(backward.started)} "
+                       f"are updated{f'; {waiting}' if waiting else ''}), and step() has not finished the step: "
+                       f"{because}; call step() first, then {doing}")
 
 
 def _settings(optimizer: Any) -> dict[str, Any]:
