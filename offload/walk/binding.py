@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import FrameType, TracebackType
 
@@ -60,6 +60,7 @@ from torch.nn.utils import parametrize
 
 from ..streams.quantized import RUN_STATE, restore_run_states, swap_run_states
 from ..streams.sites import Site
+from ..streams.slice_entries import Entry
 
 
 @dataclass(eq=False)
@@ -69,7 +70,9 @@ class Binding:
     ``SliceStorage.run_state_positions``; Note: [Quantized weights], rule 6).
 
     After the call, :attr:`reassigned` lists ``(i, new_tensor)`` for buffers a module replaced
-    during the call (``self.count = self.count + 1``); the caller decides what to keep of them.
+    during the call (``self.count = self.count + 1``), also where a later layer raised: the layers
+    that ran before it made them, as the plain model's would have. The caller decides what to keep
+    of them.
 
     Leaving always gives every site its host copy back, registered as it was (a parameter in
     ``_parameters``, never left behind as a buffer), also when the call raised or moved a tensor
@@ -134,13 +137,12 @@ class Binding:
                  tb: TracebackType | None) -> None:
         self._held_by = None
         try:
-            if exc_type is None:
-                for index, (entry_sites, tensor) in enumerate(zip(self.sites, self.tensors)):
-                    if not entry_sites:
-                        continue  # a quantisation state's tensor, registered nowhere
-                    current = entry_sites[0].table().get(entry_sites[0].name)
-                    if current is not tensor and current is not None and not entry_sites[0].is_parameter:
-                        self.reassigned.append((index, current))
+            for index, (entry_sites, tensor) in enumerate(zip(self.sites, self.tensors)):
+                if not entry_sites:
+                    continue  # a quantisation state's tensor, registered nowhere
+                current = entry_sites[0].table().get(entry_sites[0].name)
+                if current is not tensor and current is not None and not entry_sites[0].is_parameter:
+                    self.reassigned.append((index, current))
             give_back_unheld()
         except BaseException:
             give_back_unheld()  # rule 3: from the start, whether the error came before it or inside it
@@ -154,6 +156,27 @@ class Binding:
                 "forward, as PEFT does), or registered before the model is wrapped in OffloadModel, where it is "
                 "offloaded like any layer."
             )
+
+    def keep_reassigned(self, check: Callable[[str, torch.Tensor, torch.Tensor], None], refuse: bool = True) -> None:
+        """Copy each buffer in :attr:`reassigned` into its device copy, once ``check(name, new_tensor,
+        device_copy)`` let every one through; it raises to refuse one.
+
+        Args:
+            refuse: let ``check``'s error propagate; else (after a failed run, whose own error goes
+                on) copy only the ones it lets through, leaving the others as they were.
+        """
+        kept = []
+        for index, new_value in self.reassigned:  # all checked before any is kept
+            try:
+                check(self.sites[index][0].name, new_value, self.tensors[index])
+            except RuntimeError:
+                if refuse:
+                    raise
+                continue
+            kept.append((index, new_value))
+        with torch.no_grad():
+            for index, new_value in kept:
+                self.tensors[index].copy_(new_value)
 
     def give_back(self) -> None:
         """Undo what :meth:`__enter__` did, as far as it got; idempotent, and unlists the binding
@@ -169,6 +192,87 @@ class Binding:
         self._run_states = []
         if self._listed_in is not None and self in self._listed_in:
             self._listed_in.remove(self)
+
+
+class BufferMovedError(RuntimeError):
+    """A layer resized a buffer's device copy in place (``buf.resize_(...)``) or pointed it at other
+    memory (``buf.set_(...)``, ``buf.data = ...``) during a run: rule 5 of Note: [Buffers] in
+    ``offload/walk/slice_walk.py``. Its slice's buffers are not written back."""
+
+
+class BufferPlaces:
+    """Which of a slice's buffers each of its layers holds (as a module of the layer registers
+    them), made once a layout: :meth:`watch` checks after each layer only the buffers that layer
+    may have moved (rule 5 of Note: [Buffers] in ``offload/walk/slice_walk.py``).
+
+    Args:
+        layers: the slice's layers.
+        buffers: the slice's buffer entries as laid out now (the last of its entries): a new layout
+            needs new places.
+    """
+
+    def __init__(self, layers: Sequence[nn.Module], buffers: Sequence[Entry]) -> None:
+        self._buffers = buffers
+        self._by_layer: list[list[int]] = []
+        for layer in layers:
+            held = {id(module) for module in layer.modules()}
+            self._by_layer.append([k for k, entry in enumerate(buffers)
+                                   if any(id(site.module) in held for site in entry.sites)])
+
+    def watch(self, tensors: Sequence[torch.Tensor], name_of: Callable[[Site], str], index: int) -> BufferWatch:
+        """Where the buffers' device copies lie as a run of slice ``index`` starts: the last of
+        ``tensors`` (one per storage entry, the buffers last); ``name_of`` names a site in messages."""
+        buffers = tensors[len(tensors) - len(self._buffers):]
+        return BufferWatch(self._buffers, self._by_layer, buffers, [t.shape for t in buffers],
+                           [t.data_ptr() for t in buffers], name_of, index)
+
+
+@dataclass
+class BufferWatch:
+    """One run's record of where its slice's buffers lie: each device copy's shape and address as
+    the run started (rule 5 of Note: [Buffers] in ``offload/walk/slice_walk.py``). Checking is a
+    comparison of both per buffer: no tensor operation, nothing that waits for the device."""
+
+    buffers: Sequence[Entry]
+    by_layer: Sequence[Sequence[int]]
+    tensors: Sequence[torch.Tensor]
+    shapes: Sequence[torch.Size]
+    addresses: Sequence[int]
+    name_of: Callable[[Site], str]
+    index: int
+
+    def refuse_moved(self, layer: int | None = None) -> None:
+        """Raise if a buffer that the slice's layer ``layer`` holds (every buffer for ``None``) was
+        moved since the run started.
+
+        Raises:
+            BufferMovedError: naming the first buffer moved, and what to do.
+        """
+        for k in range(len(self.tensors)) if layer is None else self.by_layer[layer]:
+            tensor = self.tensors[k]
+            if tensor.shape == self.shapes[k] and tensor.data_ptr() == self.addresses[k]:
+                continue
+            site = self.buffers[k].sites[0]
+            change = (f"resized in place to shape {tuple(tensor.shape)} (laid out as {tuple(self.shapes[k])})"
+                      if tensor.shape != self.shapes[k] else "pointed at other memory")
+            raise BufferMovedError(
+                f"OffloadModel: {self.name_of(site)} was {change} during forward, in slice "
+                f"{self.index}. OffloadModel lays each buffer out in its slice's device memory with the shape it has "
+                "when the slice is laid out (when wrapping, and after layers register other tensors between "
+                "forwards), beside the slice's other buffers: one grown in place would overwrite them, and be cut "
+                "back on the host. Nothing of the slice's buffers was written back: they are as they were before "
+                "this forward. Give the buffer its final shape before wrapping: run one forward of the plain model "
+                "first (torch.ao.quantization's observers and FakeQuantize, as prepare_qat inserts them, size their "
+                f"buffers on their first call), or register it with the shape it takes (layer.{site.name} "
+                "= torch.zeros(...)), between forwards too, which lays its slice out again")
+
+    def put_back(self, views: Sequence[torch.Tensor]) -> None:
+        """Lay each buffer's device copy out again as ``views`` (the slice's fresh device views, one
+        per storage entry) has it: the slot keeps these tensors for the slice's next load."""
+        first = len(views) - len(self.tensors)
+        with torch.no_grad():
+            for tensor, view in zip(self.tensors, views[first:]):
+                tensor.set_(view)
 
 
 _bindings = threading.local()

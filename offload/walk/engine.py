@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.nn.utils.parametrize import ParametrizationList
 
-from .binding import Binding, give_back_unheld
+from .binding import Binding, BufferMovedError, BufferPlaces, BufferWatch, give_back_unheld
 from .claims import WalkClaim
 from ..tiers.master_files import place_masters
 from .milestones import Milestones
@@ -75,12 +75,13 @@ class BufferModes:
 
     Args:
         storage: the slice's storage, as laid out now: a new layout needs new ``BufferModes`` (the
-            modules may have changed).
+            modules, and which of them holds which buffer, may have changed).
     """
 
     def __init__(self, storage: SliceStorage) -> None:
         self._buffers = storage.buffers  # a new layout collects a new list
         self._modules = [m for layer in storage.layers for m in layer.modules() if next(m.buffers(), None) is not None]
+        self.places = BufferPlaces(storage.layers, storage.buffers)  # which layer holds which: rule 5
         #: per mode a run was probed in: whether the run changed a buffer without moving its counter
         self.written_unseen: dict[tuple[bool, ...], bool] = {}
 
@@ -139,11 +140,13 @@ class Slice:
     storage: SliceStorage
     buffer_modes: BufferModes | None = None  # made at the first run with buffers, and anew for a new layout
 
-    def run(self, inputs: Any) -> Any:
+    def run(self, inputs: Any, buffers: BufferWatch | None = None) -> Any:
         # nn.Sequential semantics: each layer gets the previous layer's output as its one argument.
-        for name, layer in zip(self.names, self.layers):
+        for position, (name, layer) in enumerate(zip(self.names, self.layers)):
             try:
                 inputs = layer(inputs)
+                if buffers is not None:  # before the next layer reads what a grown buffer overwrote
+                    buffers.refuse_moved(position)
             except Exception as error:
                 # A note says where (PEP 678); the exception itself, type included, is the layer's.
                 note = f"in layer {name} ({type(layer).__name__}) of OffloadModel slice {self.index}"
@@ -197,19 +200,26 @@ class Slice:
         written_before = slots.buffers.write_counter(self.index) if has_buffers else 0
         versions = [t._version for t in tensors]
         probe = self._probe_buffers(slots) if has_buffers else None
+        watch = probe.modes.places.watch(tensors, self.site_name, self.index) if probe is not None else None
         sites = [entry.sites for entry in self.storage.entries]
-        with Binding(sites, tensors, self.storage.run_state_positions) as binding:
-            output = self.run(inputs)
+        binding = Binding(sites, tensors, self.storage.run_state_positions)
+        check = functools.partial(_check_reassigned, self.index, compute_dtype=self.storage.compute_dtype)
+        try:
+            with binding:
+                output = self.run(inputs, watch)
+            if watch is not None:
+                watch.refuse_moved()  # rule 5 of Note: [Buffers]: also one layer's write to another's buffer
+        except BufferMovedError:
+            watch.put_back(self.storage.device_views(slots.slot_of(self.index).data))  # type: ignore[union-attr]
+            raise
+        except Exception:  # the failure path writes the buffers back (Note: [The walk]): keep the assignments
+            binding.keep_reassigned(check, refuse=False)
+            raise
         self._refuse_parameter_writes(tensors, versions)
         # An output that aliases the slot (a layer returning a weight or a view of one) would change
         # under the caller's feet when the slot is reused: give it memory of its own (in a dataclass too).
         output = map_tensors(lambda t: t.clone() if slots.owns(t) else t, output, f"slice {self.index}'s output")
-        for position, new_value in binding.reassigned:  # all checked before any is kept
-            _check_reassigned(self.index, sites[position][0].name, new_value, tensors[position],
-                              self.storage.compute_dtype)
-        with torch.no_grad():
-            for position, new_value in binding.reassigned:
-                tensors[position].copy_(new_value)
+        binding.keep_reassigned(check)
         # Rule 1 of Note: [Buffers] in offload/walk/slice_walk.py; the probe first, so that what it
         # finds is remembered whatever the other tests say.
         changed = probe is not None and (
