@@ -36,6 +36,7 @@ from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import Any
 
 import torch
+from torch.optim.optimizer import _global_optimizer_post_hooks  # mutated in place, never rebound
 
 from .autograd.accumulation import mark_zeroed
 from .streams.gradient_files import zeroed_in_files
@@ -476,6 +477,11 @@ def _start_updates(optimizer: OffloadOptimizer, started: set[int], hyper: list[d
         optimizer._updates.submit(streamed, rest, hyper, *on_host)
 
     optimizer._draws.start(optimizer, [s for s in optimizer._steps if s.index not in started], started, start)
+    if optimizer._optimizer_step_post_hooks or _global_optimizer_post_hooks:
+        # PyTorch runs step post-hooks as step() returns: they read (and may write) the parameters
+        # through whatever they hold, param_groups included, which waits for nothing. As for the
+        # plain optimizer they see them updated; the shadows are cast again after what they wrote.
+        engine_of(optimizer.model).updates.wait_all(shadows_stale=True)
 
 
 def _resident(step: SliceStep) -> bool:
