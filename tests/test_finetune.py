@@ -673,6 +673,31 @@ def test_ctrl_c_before_the_first_step_says_nothing_was_trained(tmp_path, capsys,
     assert capsys.readouterr().err.strip() == "interrupted before the first step; nothing was trained"
 
 
+def test_ctrl_c_while_a_resume_loads_names_the_checkpoint_it_resumes_and_the_command(tmp_path, capsys, monkeypatch):
+    # Before the fix the line said "nothing was trained" and gave neither the checkpoint nor the
+    # command, for a run resumed from a checkpoint of the steps an earlier run trained.
+    run = ["--device", "cpu", "--no-progress", "--out", str(tmp_path), "--save-every", "1", *TINY_RUN]
+    cli.main([*run, "--steps", "2"])
+    capsys.readouterr()
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "resume", interrupted)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*run, "--steps", "4", "--resume", "latest"])
+    assert exit_info.value.code == 130
+    checkpoint = tmp_path / "checkpoints" / "step-2"
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == (f"interrupted before the first step of this run; nothing was trained, and the checkpoint it "
+                    f"resumes, {checkpoint}, is as it was; resume with: "
+                    f"{resume_command([*run, '--steps', '4', '--resume', 'latest'], checkpoint, 'offload-finetune')}")
+    monkeypatch.undo()
+    command = last.split("resume with: ", 1)[1].split()
+    cli.main(command[1:])  # the command it gives resumes: steps 3 and 4
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step-4"
+
+
 @pytest.mark.parametrize("stopped_at", [1, 2])
 def test_ctrl_c_in_a_saves_clean_up_names_the_checkpoint_it_committed(stopped_at, tmp_path, capsys, monkeypatch):
     """Once a save committed, an interrupt in its clean-up (the replaced checkpoint's removal,

@@ -147,7 +147,7 @@ def _schedule(args: argparse.Namespace) -> dict[str, Any]:
 def run(argv: list[str], record: RunRecord) -> None:
     """The whole run; ``record`` follows its steps and checkpoints for the line that ends it early."""
     args = parse_args(argv, record.program or PROG)
-    record.save_every = args.save_every
+    record.save_every, record.checkpoint = args.save_every, args.resume  # a stop while loading names it too
     tqdm, DataFormatError, causal_lm_sequential, load_causal_lm = _start(args)
     torch.manual_seed(args.seed)
     tier = None if args.disk_tier is None else DiskTier(args.disk_tier)

@@ -309,6 +309,10 @@ class RunRecord:
         """One line: how far the run got, where its last checkpoint is and how to continue."""
         if self.step == 0 and self.checkpoint is None:
             return f"{why} before the first step; nothing was trained"
+        if self.step == 0:  # a resume stopped before its load told the step: no checkpoint is at step 0
+            return (f"{why} before the first step of this run; nothing was trained, and the checkpoint it resumes, "
+                    f"{self.checkpoint}, is as it was; resume with: "
+                    f"{resume_command(self.argv, self.checkpoint, self.program)}")
         if self.checkpoint is None and self.save_every and self.step >= self.save_every:
             # Its step was done and its save under way: a save that raises leaves nothing new.
             where = (f"no checkpoint was saved: the first, step-{self.save_every}, was being saved and did not "
