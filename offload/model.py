@@ -365,10 +365,8 @@ def _identity_hooks() -> Iterator[None]:
     try:
         hooks.__enter__()
     except RuntimeError as error:
-        refused = refusals.note_refused_hooks(error)
-        if refused is error:
-            raise
-        raise refused from error
+        refusals.note_refused_hooks(error)
+        raise
     try:
         yield
     finally:

@@ -163,13 +163,12 @@ def _registered(engine: Engine, matches: Callable[[torch.Tensor], bool]) -> str 
     return None
 
 
-def note_refused_hooks(error: RuntimeError) -> RuntimeError:
-    """``error``, PyTorch's refusal of the saved-tensor hooks the model enters to build a graph
-    (rules 1 and 6 of Note: [Transforms the walk refuses]), with what to do added as a note
-    (PEP 678), to be raised."""
+def note_refused_hooks(error: RuntimeError) -> None:
+    """Add what to do, as a note (PEP 678), to ``error``: PyTorch's refusal of the saved-tensor
+    hooks the model enters to build a graph (rules 1 and 6 of Note: [Transforms the walk
+    refuses]), which the caller then re-raises."""
     note = FUNC_GRADIENT_HOOKS if torch._C._are_functorch_transforms_active() else DISABLED_HOOKS
     error.add_note(note)
-    return error
 
 
 def refuse_cached_parametrizations(engine: Engine, num_microbatches: int) -> bool:
