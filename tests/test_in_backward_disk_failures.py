@@ -118,7 +118,7 @@ def test_step_raises_a_write_of_the_updates_backward_ran_once_the_step_is_whole(
     failing[0] = False  # space freed: as advised, the next batch
     train(runs, [3])
     assert_same(*runs[0], *runs[1])
-    assert sorted(os.listdir(runs[1][1]._tier.directory)) == [f"slice-{k:05d}.state" for k in range(3)]
+    assert sorted(os.listdir(runs[1][1]._tier.directory)) == ["owner.json"] + [f"slice-{k:05d}.state" for k in range(3)]
 
 
 @pytest.mark.parametrize("accumulation_steps", [1, 2])

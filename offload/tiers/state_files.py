@@ -8,7 +8,9 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+import sys
 import tempfile
+import warnings
 import weakref
 from pathlib import Path
 from collections.abc import Collection, Iterable
@@ -18,6 +20,7 @@ import torch
 
 from ..streams.disk import PAGE, DiskCounters, DiskTierError, StateFile, direct_io_supported, make_directory
 from ..streams.workers import HostWorker, forks
+from .leftovers import left_behind, mark_owner
 
 
 class StateFiles:
@@ -107,22 +110,28 @@ def _make_tier_directory(root: Path, direct: bool, optimizer: torch.optim.Optimi
             f"({getattr(optimizer, 'optimizer_class', type(optimizer)).__name__} over "
             f"{sum(p.numel() for p in stepped):,} parameters that train"
             f"{f', one rank of {ranks}' if ranks > 1 else ''}), and its filesystem has "
-            f"{size_text(free)} free. Free space there, or point DiskTier at a disk with room.")
+            f"{size_text(free)} free. Free space there, or point DiskTier at a disk with room."
+            + _leftovers(root))
     prefix = "offload-state-" + (f"rank{rank}-" if rank is not None else "")
     try:
         directory = Path(tempfile.mkdtemp(prefix=prefix, dir=root))  # unique, made atomically
     except OSError as error:
         raise DiskTierError(f"could not make the disk tier's directory in {root}: {error.strerror} "
-                            f"(errno {error.errno}); {size_text(free)} free there") from error
+                            f"(errno {error.errno}); {size_text(free)} free there." + _leftovers(root)) from error
     try:
-        return directory, direct and direct_io_supported(directory)
+        mark_owner(directory)
+        direct = direct and direct_io_supported(directory)
     except OSError as error:
         shutil.rmtree(directory, ignore_errors=True)
         raise DiskTierError(
             f"the disk tier could not write a test page in {directory} ({error.filename}): {error.strerror} "
             f"(errno {error.errno}); the filesystem of {root} has {size_text(shutil.disk_usage(root).free)} "
             f"free and the state needs about {size_text(needed)}. Free space there, or point DiskTier at "
-            "another disk.") from error
+            "another disk." + _leftovers(root)) from error
+    left = _leftovers(root, directory)
+    if left:
+        warnings.warn(f"DiskTier:{left}", stacklevel=_callers_level())
+    return directory, direct
 
 
 def expected_state_bytes(optimizer: torch.optim.Optimizer, elsewhere: Collection[int] = ()) -> int:
@@ -148,6 +157,29 @@ def expected_state_bytes(optimizer: torch.optim.Optimizer, elsewhere: Collection
 def _stepped(params: Iterable[torch.Tensor], elsewhere: Collection[int]) -> list[torch.Tensor]:
     """The parameters among ``params`` whose state a disk tier will keep, as far as is known now."""
     return [p for p in params if p.requires_grad and id(p) not in elsewhere]
+
+
+def _leftovers(root: Path, ours: Path | None = None) -> str:
+    """What to say of the tier directories in ``root`` that killed processes left (``leftovers.py``),
+    with a leading space; empty when there are none."""
+    found = [(d, n) for d, n in left_behind(root) if d != ours]
+    if not found:
+        return ""
+    names = ", ".join(str(d) for d, _ in found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+    return (f" {len(found)} disk tier director{'y' if len(found) == 1 else 'ies'} in {root} "
+            f"({size_text(sum(n for _, n in found))}) {'was' if len(found) == 1 else 'were'} left by processes "
+            f"that no longer run (killed before they could remove them): {names}. Delete "
+            f"{'it' if len(found) == 1 else 'them'} if no training uses {'it' if len(found) == 1 else 'them'}.")
+
+
+def _callers_level() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside this package (the user's
+    ``OffloadOptimizer(...)``, however deep the tier is made under it)."""
+    package = str(Path(__file__).resolve().parents[1])
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def size_text(nbytes: int) -> str:
