@@ -60,7 +60,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from ..model import OffloadModel, engine_of
 from ..optimizer import OffloadOptimizer
-from . import causal_lm_embeddings, causal_lm_guards, hf_names
+from . import causal_lm_configs, causal_lm_embeddings, causal_lm_guards, hf_names
 from .peft import peft_base_model, peft_names_as_hf
 from .transformers_loading import load_causal_lm, stored_into_stages
 from .transformers_batch import LAST_HIDDEN_STATE, ROUTER_LOGITS
@@ -141,6 +141,8 @@ class OffloadedCausalLM(PreTrainedModel):
     __getattr__ = attribute_or_advice
     __setattr__, add_module = causal_lm_guards.set_attribute, causal_lm_guards.add_module  # Note: [Around the stages]
     register_parameter = causal_lm_guards.register_parameter
+    # The model's own, not copies: save_pretrained writes the model's (Note: [The model's configs, not copies]).
+    config, generation_config = causal_lm_configs.config, causal_lm_configs.generation_config
 
     def __init__(self, model: nn.Module, device: torch.device | str | int, *, loss_chunk_tokens: int | None = None,
                  untie_embeddings: bool = False, **options: Any) -> None:
@@ -166,8 +168,6 @@ class OffloadedCausalLM(PreTrainedModel):
         # Not submodules: the stages hold their modules already, and .to() must reach them once.
         object.__setattr__(self, "hf_model", hf_model)
         object.__setattr__(self, "peft_model", model if model is not hf_model else None)
-        self.config = hf_model.config
-        self.generation_config = getattr(hf_model, "generation_config", None)
         self.name_or_path = getattr(hf_model, "name_or_path", "")
         self.loss_type = getattr(hf_model, "loss_type", None)  # rule 2 of the note
         self.model_tags = None

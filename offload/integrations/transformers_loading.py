@@ -15,6 +15,9 @@ the same way, with transformers' own functions:
   at a time; other conversions, which would need the whole tensor first, are refused;
 - non-persistent buffers (rotary frequencies, Gemma's embedding scale) are computed by the model's
   ``_init_weights``, which ``from_pretrained`` runs on them too, once their host memory exists;
+- the model's generation config is the folder's ``generation_config.json``, else one read from
+  ``config.json``, as ``from_pretrained`` reads them (``from_config`` derives one from the config
+  alone, without the file's end tokens and sampling settings, which a save would then write over);
 - the model is returned in eval mode, as ``from_pretrained`` returns it.
 
 :func:`stored_into_stages` converts a state dict in the stored names and layouts (a
@@ -40,7 +43,7 @@ from ..loading.safetensors_files import SafetensorsCheckpoint
 from .transformers_stages import CausalLMSequential, causal_lm_sequential
 
 try:
-    from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig, GenerationConfig
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import (
         Concatenate,
@@ -72,8 +75,9 @@ def load_causal_lm(
 
     Equal to ``from_pretrained(path, dtype=dtype)``, then ``causal_lm_sequential`` and
     ``OffloadModel``: every parameter and buffer bit for bit, so logits, losses and gradients are
-    too. But only the host copies are ever allocated, and the checkpoint is read tensor by tensor
-    into them (Note: [Loading slice by slice] in ``offload/loading/sequential.py``): peak memory is what
+    too, and the generation config (the folder's ``generation_config.json``). But only the host
+    copies are ever allocated, and the checkpoint is read tensor by tensor into them (Note:
+    [Loading slice by slice] in ``offload/loading/sequential.py``): peak memory is what
     ``memory_footprint()`` reports afterwards plus one tensor when ``dtype`` differs from the
     checkpoint's, instead of the model twice or more.
 
@@ -135,6 +139,7 @@ def load_causal_lm(
         raise TypeError(f"dtype must be a torch.dtype or 'auto', got {dtype!r}")
     with torch.device("meta"):
         hf_model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    _read_generation_config(hf_model, path)
     # The stored names' targets, before a 4-bit layer's state_dict would read its meta state.
     meta_state = hf_model.state_dict()
     if quantization_config is not None:
@@ -166,6 +171,20 @@ def _dtype_or_its_old_name(dtype: torch.dtype | str | None, options: dict[str, A
     if dtype is None:
         dtype = torch_dtype
     return torch.float32 if dtype is None else dtype
+
+
+def _read_generation_config(hf_model: nn.Module, folder: str) -> None:
+    """Set the folder's generation config on ``hf_model`` as ``from_pretrained`` sets it
+    (``adjust_generation_fn``): ``generation_config.json``, else one read from ``config.json``. The one
+    ``from_config`` derived lacks the file's settings (an instruct model's several end tokens, its
+    sampling defaults): generation would differ, and the next save would write it over the file."""
+    if not hf_model.can_generate():
+        return
+    try:
+        hf_model.generation_config = GenerationConfig.from_pretrained(folder)
+    except OSError:  # no generation_config.json (or one that does not read): from_pretrained's fallback
+        hf_model.generation_config = GenerationConfig.from_pretrained(folder, config_file_name="config.json",
+                                                                       _from_model_config=True)
 
 
 def _refuse_unknown_options(options: Mapping[str, Any]) -> None:
