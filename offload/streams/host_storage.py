@@ -15,7 +15,8 @@ and written back on its own.
 This file holds :class:`SliceStorage`, the tying of a parameter across slices
 (:func:`holder_of`), the host copies a loader fills (:func:`filled_by_caller`, :func:`adopt_meta`) and
 the parameters that keep their dtype under a compute dtype (:func:`keeping_their_dtype`), and the
-refusal of tensors over one memory (:func:`check_memory_held_once`).
+refusal of tensors over one memory (:func:`check_memory_held_once`); what a compute dtype refuses is
+in ``dtype_refusals.py``.
 What a slice holds is collected in ``slice_entries.py``, where each entry lies is computed in
 ``slice_layout.py``; the views into the buffer are made in ``flat_views.py``.
 
@@ -82,6 +83,7 @@ from torch import nn
 
 from .backend import Event
 from .disk import DiskTierError
+from .dtype_refusals import refuse_narrow_masters, refuse_norms_in_another_dtype
 from .flat_views import (_itemsize, alias, first_overlap, flat_exporter, own_storage_view, typed_view,
                          views_outside)
 from .gradient_files import GradientHome
@@ -159,31 +161,26 @@ def keeping_their_dtype(layers: Sequence[nn.Module]) -> set[int]:
     return kept
 
 
-
-def _set_device_dtypes(params: Sequence[Entry], layers: Sequence[nn.Module], compute_dtype: torch.dtype | None) -> None:
+def _set_device_dtypes(params: Sequence[Entry], layers: Sequence[nn.Module], compute_dtype: torch.dtype | None,
+                       wrapping: bool) -> None:
     """Give the floating-point ``params`` the device dtype ``compute_dtype``, but for those
-    :func:`keeping_their_dtype`; nothing without one.
+    :func:`keeping_their_dtype`; nothing without one. ``wrapping``: the slice's first layout.
 
     Raises:
         ValueError: a batch or instance norm holds a floating-point tensor in neither float32 nor
             ``compute_dtype`` (a float64 or float16 model under bfloat16): it keeps its dtype, and
             its kernels take a half-precision input only with float32 weights and statistics or
             the input's dtype. Buffers are not cast on the way (the buffer region is written back
-            as bytes), so the model is refused rather than failing in forward.
+            as bytes), so the model is refused rather than failing in forward. Or, ``wrapping``, a
+            parameter narrower than ``compute_dtype``, whose gradients cannot be exact (a float16 one
+            under bfloat16: Note: [Masters narrower than the compute dtype] in ``dtype_refusals.py``).
     """
     if compute_dtype is None:
         return
-    norms = [(path, m) for layer in layers for path, m in layer.named_modules() if isinstance(m, FLOAT32_LAYERS)]
-    for path, module in norms:
-        for name, tensor in [*module.named_parameters(path, recurse=False), *module.named_buffers(path, recurse=False)]:
-            if tensor.is_floating_point() and tensor.dtype not in (torch.float32, compute_dtype):
-                raise ValueError(
-                    f"'{name}' of a {type(module).__name__} is {tensor.dtype}: under compute_dtype={compute_dtype} "
-                    "batch and instance norms keep their own dtype, and their kernels take a "
-                    f"{compute_dtype} input only with float32 (or {compute_dtype}) weights and running statistics; "
-                    "convert them to float32 before wrapping the model (model.float(), or .float() on each norm)"
-                )
+    refuse_norms_in_another_dtype([(path, m) for layer in layers for path, m in layer.named_modules()
+                                   if isinstance(m, FLOAT32_LAYERS)], compute_dtype)
     kept = keeping_their_dtype(layers)
+    refuse_narrow_masters(params, layers, kept, compute_dtype, wrapping)
     for entry in params:
         if entry.dtype.is_floating_point and id(entry.tensor) not in kept:
             entry.device_dtype = compute_dtype
@@ -351,8 +348,9 @@ class SliceStorage:
     Raises:
         ValueError: for sparse tensors, a tensor registered both as parameter and as buffer, a
             buffer that an earlier slice holds, a tensor on the meta device outside
-            :func:`filled_by_caller`, tensors over one memory (:func:`check_memory_held_once`), or
-            a batch or instance norm in neither float32 nor the compute dtype (:func:`_set_device_dtypes`).
+            :func:`filled_by_caller`, tensors over one memory (:func:`check_memory_held_once`), a
+            batch or instance norm in neither float32 nor the compute dtype, or a parameter narrower
+            than the compute dtype (a float16 one under bfloat16; :func:`_set_device_dtypes`).
     """
 
     resident = False  #: whether the slice stays on the device (``resident_storage.py``)
@@ -360,6 +358,8 @@ class SliceStorage:
     substitutes: Sequence[tuple[Entry, torch.Tensor]] = ()
     #: the file that holds the slice's gradients, with its masters on disk (set by :meth:`build`)
     gradient_home: GradientHome | None = None
+    #: whether a build collected the slice's entries: the first one is the wrap's (:func:`_set_device_dtypes`)
+    collected = False
 
     def __init__(self, layers: Sequence[nn.Module], allocate: Callable[[int], torch.Tensor],
                  compute_dtype: torch.dtype | None = None, held_elsewhere: Collection[int] = (),
@@ -409,7 +409,8 @@ class SliceStorage:
         #: what this slice holds: laid out in the host buffer, in the same order as in the slot
         self.held = own + self.companions + self.buffers
         self._running_stat_modules = _running_stat_modules(self.layers)
-        _set_device_dtypes(self.params, self.layers, self.compute_dtype)
+        _set_device_dtypes(self.params, self.layers, self.compute_dtype, wrapping=not self.collected)
+        self.collected = True
 
     def _lay_out(self) -> None:
         """Each held entry's offset in the host buffer and in the device slot (borrowed parameters
