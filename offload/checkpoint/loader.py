@@ -9,6 +9,10 @@ hold: saving (``saver.py``), or which ranks take part (``ranks.py``).
 
 from __future__ import annotations
 
+import datetime
+import functools
+import hashlib
+import json
 import os
 from collections.abc import Collection
 from pathlib import Path
@@ -79,8 +83,9 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
             ``offload/checkpoint/checkpoint_files.py``), one of a newer format (upgrade), or one of
             another model (names, shapes, dtypes, a 4-bit weight's format, its modules' extra
             states), slicing or optimizer
-            (its class, its parameter groups); the message says what differs and what to do.
-            Nothing was loaded: the model and optimizer are unchanged.
+            (its class, its parameter groups); or, data parallel, the ranks were given different
+            checkpoints (compared by their ``offload.json``): the message says what differs and
+            what to do. Nothing was loaded: the model and optimizer are unchanged.
         DiskTierError: the optimizer's disk tier could not write part of the loaded state, raised
             once the load is done: that state is held in RAM (Note: [Disk tier failures] in
             ``offload/tiers/disk_tier.py``).
@@ -95,9 +100,11 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     """
     _check_arguments("load_checkpoint", model, optimizer)
     group, rank, world_size = _group(model, optimizer, process_group)
-    # Each rank checks what it reads before any collective; a refusal on one is said on every rank.
-    path, saved_format, metadata, model_state, extra_states, names, groups, state, wanted, on_disk = _agreed(
-        group, lambda: _checked_load(path, model, optimizer, rank, world_size), "loaded")
+    # Each rank checks what it reads before any collective; a refusal on one is said on every rank,
+    # and so are checkpoints that differ between ranks, which would resume each from another step.
+    path, saved_format, metadata, model_state, extra_states, names, groups, state, wanted, on_disk, _ = _agreed(
+        group, lambda: _checked_load(path, model, optimizer, rank, world_size), "loaded",
+        same=lambda loaded: loaded[-1], differ=functools.partial(_other_checkpoints, path))
     rng_key = f"rng/{rank}"
     packed = _check_packed(path, metadata, model_state, state, group)
     stored = _read_data(path, model, optimizer, state, on_disk, group)
@@ -136,7 +143,7 @@ def _checked_load(path: str | os.PathLike[str] | None, model: nn.Module, optimiz
     """What this rank loads, checked before anything is: the checkpoint directory, its format, its
     metadata, the model's tensors, its modules' extra states' names, parameter names, the
     optimizer's groups, DCP's state to fill and, as :func:`_state_to_load` says, the optimizer's
-    keys and what its disk tier keeps.
+    keys and what its disk tier keeps; last, which checkpoint it is (:func:`_identity`).
 
     Raises:
         CheckpointError: as :func:`load_checkpoint` says, before anything is loaded.
@@ -161,7 +168,27 @@ def _checked_load(path: str | os.PathLike[str] | None, model: nn.Module, optimiz
     # The files this rank reads, checked whole before anything is loaded (Note: [Checkpoint checksums]).
     verify_checksums(path, info.get("crc32"), {storage.relative_path for index, storage in
                                                (metadata.storage_data or {}).items() if index.fqn in state})
-    return path, info["format"], metadata, model_state, list(extra_states), names, groups, state, wanted, on_disk
+    return (path, info["format"], metadata, model_state, list(extra_states), names, groups, state, wanted, on_disk,
+            _identity(path, info))
+
+
+def _identity(path: Path, info: dict[str, Any]) -> tuple[str, str]:
+    """What the ranks of a load compare, and name when it differs: a digest of the checkpoint's
+    ``offload.json`` (its save time and every data file's checksum: a copy elsewhere is the same
+    checkpoint, a path that names another on each rank's filesystem is not), and its resolved
+    path and save time."""
+    digest = hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()
+    saved_ns = info.get("saved_ns")
+    when = (datetime.datetime.fromtimestamp(saved_ns / 1e9, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")
+            + " UTC" if isinstance(saved_ns, int) else "at a time it does not record")
+    return digest, f"{path.resolve()}, saved {when}"
+
+
+def _other_checkpoints(path: Any, listing: str) -> str:
+    """Why a load of ``path`` is refused when the ranks' checkpoints differ (``listing``)."""
+    return (f"cannot load checkpoint {path}: the ranks were given different checkpoints ({listing}). Nothing was "
+            "loaded: each rank would resume from another step, and the next update would mix them. Pass the same "
+            "checkpoint on every rank (one directory they all see, or identical copies of it).")
 
 
 def _check_packed(path: Path, metadata: Metadata, model_state: dict[str, torch.Tensor], state: dict[str, Any],

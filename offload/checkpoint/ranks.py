@@ -57,14 +57,6 @@ def _gathered_list(group: Any, value: Any) -> list[Any]:
     return everyone
 
 
-def _gathered(group: Any, checksums: dict[str, int]) -> dict[str, int]:
-    """Every rank's data files' checksums (each rank writes files of its own names)."""
-    merged: dict[str, int] = {}
-    for part in _gathered_list(group, checksums):
-        merged.update(part)
-    return merged
-
-
 def _on_rank_0(group: Any, rank: int, work: Any, failure: Any) -> None:
     """Run ``work`` on rank 0; on every rank, raise :class:`CheckpointError` with ``failure(error)``
     when it raised an ``Exception`` (so that no rank waits for one that gave up). A barrier too."""
@@ -86,21 +78,32 @@ def _on_rank_0(group: Any, rank: int, work: Any, failure: Any) -> None:
         raise CheckpointError(message) from raised
 
 
-def _agreed(group: Any, work: Callable[[], T], done: str = "saved", *, others: str | None = None) -> T:
+def _agreed(group: Any, work: Callable[[], T], done: str = "saved", *, others: str | None = None,
+            same: Callable[[T], tuple[Any, str]] | None = None, differ: Callable[[str], str] | None = None) -> T:
     """``work()`` on every rank of ``group``; when it raised an ``Exception`` on any rank, raise on
     every rank, so that none goes on into a collective that another left: the rank that raised
     its own exception, the others a :class:`CheckpointError` that names it and says why (nothing
     was ``done``, or what ``others`` says). A rank-local refusal before a save (this rank's
     optimizer mixes two steps) or a load (a path only this rank cannot read) is one; so is a
-    hook that raises on one rank as a load ends."""
+    hook that raises on one rank as a load ends.
+
+    ``same(result)``, when given, is what the ranks must have in common (the path a save writes,
+    the checkpoint a load reads), as a key and its description; when the keys differ, every rank
+    raises a :class:`CheckpointError` of ``differ(listing)``, the listing naming each rank's. It
+    travels with the refusals: no collective of its own."""
     try:
         result, error = work(), None
+        mine = None if same is None else same(result)
     except Exception as raised:
-        result, error = None, raised
-    said = _gathered_list(group, None if error is None else f"{type(error).__name__}: {error}")
+        result, error, mine = None, raised, None
+    said = _gathered_list(group, (None if error is None else f"{type(error).__name__}: {error}", mine))
     if error is not None:
         raise error
-    refused = [f"rank {rank}: {message}" for rank, message in enumerate(said) if message is not None]
+    refused = [f"rank {rank}: {message}" for rank, (message, _) in enumerate(said) if message is not None]
     if refused:
         raise CheckpointError((others or f"nothing was {done}, since another rank refused") + ": " + "; ".join(refused))
+    if same is not None and len({key for _, (key, _) in said}) > 1:
+        assert differ is not None, "same= needs differ="
+        raise CheckpointError(differ("; ".join(f"rank {rank}: {description}"
+                                               for rank, (_, (_, description)) in enumerate(said))))
     return result  # type: ignore[return-value]

@@ -11,15 +11,17 @@ it writes in ``checks.py``, loading in ``loader.py``. It does not export to Hugg
 
 A save is atomic: it either returns, the checkpoint whole under its name and ``latest`` naming
 it, or raises with nothing new visible (Note: [Atomic save] in ``offload/checkpoint/commit.py``).
-Before anything is written, the arguments are checked (``extra`` pickles), the target must be a
-checkpoint holding only its own files, an empty directory or absent, and the filesystem must have
-room for the tensors and their headers (a lower bound; every rank decides from the same gathered
-figures). A save that fails after that (a disk that fills up, any error DCP gathers) deletes what
-it wrote and raises :class:`CheckpointError` on every rank.
+Before anything is written, the arguments are checked (``extra`` pickles), every rank must name
+the same directory, the target must be a checkpoint holding only its own files, an empty directory
+or absent, and the filesystem must have room for the tensors and their headers (a lower bound;
+every rank decides from the same gathered figures). A save that fails after that (a disk that
+fills up, any error DCP gathers, a rank's files that rank 0 does not find before the commit: no
+shared filesystem) deletes what it wrote and raises :class:`CheckpointError` on every rank.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -43,7 +45,7 @@ from .commit import HalfCommitted, commit, latest_checkpoint, partial_directory,
 from .contents import (HOOKED, STRAY_PARAMETER, _extra_to_save, _hooked_keys, _info, _masters_on_disk,
                        _masters_releaser, _model_state, _named_groups, _optimizer_state, _own_storage, _parameter_names,
                        _release_masters, _rng_state, _split_model_state, _steps_only)
-from .ranks import _agreed, _gathered, _group, _on_rank_0
+from .ranks import _agreed, _gathered_list, _group, _on_rank_0
 from ..tiers.disk_tier import size_text
 from ..optimizer import OffloadOptimizer, check_whole
 from ..optimizing.copying import HALF_A_STEP, check_step_finished
@@ -108,9 +110,11 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
             step's updates and ``step()``: call ``step()`` first (checked before anything is
             written).
         CheckpointError: another rank refused one of the above (said on every rank; checked before
+            anything is written), the ranks were given different paths (as absolute paths; checked before
             anything is written), the filesystem has less room than the save needs (checked before
-            anything is written), or the save failed (a full disk says so): what it wrote is
-            removed, ``latest`` is unchanged and the previous checkpoint is intact.
+            anything is written), rank 0 does not find every rank's files where they were written
+            (the ranks share no filesystem there), or the save failed (a full disk says so): what
+            it wrote is removed, ``latest`` is unchanged and the previous checkpoint is intact.
 
     Warns:
         UserWarning: on rank 0, the checkpoint is saved and ``latest`` names it, but what follows
@@ -128,16 +132,44 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     _check_target(path)
     group, rank, world_size = _group(model, optimizer, process_group)
     names = _parameter_names(model)
-    # Rank-local refusals (this rank's optimizer mixes two steps) are said on every rank.
-    state, on_disk = _agreed(group, lambda: _state_to_save(model, optimizer, names, rank, extra))
+    # Rank-local refusals (this rank's optimizer mixes two steps) are said on every rank, and so
+    # are paths that differ: each rank would write into a directory of its own, and rank 0 commit
+    # a checkpoint without the others' files.
+    state, on_disk = _agreed(group, lambda: _state_to_save(model, optimizer, names, rank, extra),
+                             same=lambda _: _absolute(path), differ=functools.partial(_other_paths, path))
     needed = _check_room(group, rank, path, state, extra_nbytes, optimizer)
     partial = partial_directory(path)
     _on_rank_0(group, rank, functools.partial(prepare, path), lambda error: _save_failure(path, error, [], needed))
-    checksums = _gathered(group, _write_data(path, partial, model, optimizer, state, on_disk, group, rank, needed))
-    info = functools.partial(_info, model, optimizer, names, world_size, checksums)
-    for problem in _commit_saved(path, info, keep_last, group, rank, needed):
+    written = _write_data(path, partial, model, optimizer, state, on_disk, group, rank, needed)
+    checksums = _gathered_list(group, written)  # each rank's data files, by rank
+    merged = {name: crc for files in checksums for name, crc in files.items()}  # each rank's files have own names
+    info = functools.partial(_info, model, optimizer, names, world_size, merged)
+    try:
+        problems = _commit_saved(path, info, keep_last, group, rank, needed, checksums)
+    except CheckpointError:
+        if rank != 0:  # rank 0 removed its partial directory, and this rank's may be another
+            _remove_written(partial, written)
+        raise
+    for problem in problems:
         warnings.warn(problem, stacklevel=2)
     return path
+
+
+def _absolute(path: Path) -> tuple[str, str]:
+    """What the ranks of a save of ``path`` compare, and name when it differs: the absolute path
+    (one relative path from other working directories names other directories). Symbolic links
+    are not resolved: a shared directory reached through a link on one machine and directly on
+    another is one directory, and one path names it on both; that every rank's files reached the
+    directory rank 0 commits is checked after the write (``_check_every_rank_wrote``)."""
+    absolute = os.path.abspath(path)
+    return absolute, absolute
+
+
+def _other_paths(path: Path, listing: str) -> str:
+    """Why a save of ``path`` is refused when the ranks' absolute paths differ (``listing``)."""
+    return (f"cannot save checkpoint {path}: the ranks were given different paths ({listing}). Nothing was written. "
+            "Pass the same path on every rank, in a directory they all see (a shared filesystem): rank 0 commits "
+            "the checkpoint once every rank's files are in it.")
 
 
 def _state_to_save(model: nn.Module, optimizer: torch.optim.Optimizer | None, names: dict[int, str], rank: int,
@@ -238,26 +270,66 @@ def _write_data(path: Path, partial: Path, model: nn.Module, optimizer: torch.op
 
 
 def _commit_saved(path: Path, info: Callable[[], dict[str, Any]], keep_last: int | None, group: Any, rank: int,
-                  needed: int) -> list[str]:
-    """On rank 0, commit the checkpoint written for ``path``, ``info()`` as its ``offload.json``,
-    and tidy after it (Note: [Atomic save] in ``offload/checkpoint/commit.py``); what tidying
-    could not do, one sentence each (none on the other ranks).
+                  needed: int, checksums: list[dict[str, int]]) -> list[str]:
+    """On rank 0, once every rank's data files (``checksums``, by rank) are found in the partial
+    directory, commit the checkpoint written for ``path``, ``info()`` as its ``offload.json``, and
+    tidy after it (Note: [Atomic save] in ``offload/checkpoint/commit.py``); what tidying could
+    not do, one sentence each (none on the other ranks).
 
     Raises:
-        CheckpointError: on every rank, when the commit failed on rank 0: nothing new is visible
-            (or, should undoing its renames fail too, the message says what is where).
+        CheckpointError: on every rank, when a rank's data file is not in the partial directory
+            (the ranks do not see one filesystem: rank 0 removed the partial directory) or the
+            commit failed on rank 0: nothing new is visible (or, should undoing its renames fail
+            too, the message says what is where).
     """
     problems: list[str] = []
 
     def work() -> None:
+        _check_every_rank_wrote(path, checksums)
         commit(path, lambda: json.dumps(info(), indent=1).encode())
         problems.extend(tidy(path, keep_last))
 
     def failure(error: BaseException) -> str:
-        return str(error) if isinstance(error, HalfCommitted) else _save_failure(path, error, [], needed)
+        if isinstance(error, (HalfCommitted, CheckpointError)):
+            return str(error)
+        return _save_failure(path, error, [], needed)
 
     _on_rank_0(group, rank, work, failure)
     return problems
+
+
+def _check_every_rank_wrote(path: Path, checksums: list[dict[str, int]]) -> None:
+    """On rank 0, before the commit of ``path``: raise unless each rank's data files (``checksums``,
+    by rank) are in the partial directory. Ranks that do not share the filesystem there (machines
+    without one, or a path each mounts its own) each write into a directory of their own; the
+    commit would then make a checkpoint without the others' files, which no load reads.
+
+    Raises:
+        CheckpointError: some file is not there; the partial directory is removed first.
+    """
+    partial = partial_directory(path)
+    unseen = [f"rank {rank}'s {name}" for rank, names in enumerate(checksums) for name in sorted(names)
+              if not (partial / name).is_file()]
+    if not unseen:
+        return
+    shutil.rmtree(partial, ignore_errors=True)
+    raise CheckpointError(
+        f"could not save checkpoint {path}: rank 0, which commits it, does not find {', '.join(unseen)} in {partial}, "
+        f"where it was written: the ranks do not see one filesystem there. Nothing of it was kept and {_intact(path)}. "
+        "Save on every rank to a directory they all see (a shared filesystem).")
+
+
+def _remove_written(partial: Path, written: dict[str, int]) -> None:
+    """On a rank other than 0, after a failed commit: delete this rank's data files (``written``)
+    from ``partial``, and it once empty. Where the ranks share the filesystem, rank 0 removed them
+    with its partial directory before it said the commit failed, and nothing is left to do; where
+    they do not, they are in this rank's own directory, which rank 0 cannot see. Quietly: the
+    commit's error is the one to report."""
+    for name in written:
+        with contextlib.suppress(OSError):
+            (partial / name).unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        partial.rmdir()
 
 
 def _save_failure(path: Path, error: BaseException, write_errors: list[OSError], needed: int) -> str:
