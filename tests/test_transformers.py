@@ -738,11 +738,15 @@ def save_local_model(path: Path, config) -> torch.nn.Module:
     backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
-    config.vocab_size = len(vocab)
+    tokenizer.save_pretrained(path)
+    config.save_pretrained(path)
+    # The ids the tokenizer loads with beside the config: the model type's tokenizer class may add
+    # its special tokens (Qwen2's adds <|endoftext|>), and the command refuses more ids than the
+    # model embeds.
+    config.vocab_size = len(transformers.AutoTokenizer.from_pretrained(path))
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
     model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
     return model
 
 

@@ -17,9 +17,13 @@ Note: [Never lose a run]
        and the command that resumes from it: one line for Ctrl-C (exit status 130) and for SIGTERM,
        a scheduler's or ``kill``'s stop (exit status 143; :class:`Terminated`), that line
        and the error's message for a checkpoint that could not be saved, that line and the
-       error's traceback for any other error.
-    3. Batches are a function of ``--seed`` and the step alone (the block stream replayed), so a
-       resumed run draws the batches the stopped one would have.
+       reader's message for data it refuses (with the advice to mend the data first: the resume
+       reads the same stream to the same record), that line and the error's traceback for any
+       other error.
+    3. Batches are a function of the data options and the step alone (the block stream replayed),
+       so a resumed run draws the batches the stopped one would have. Every checkpoint records
+       those options (``finetune_resume.DATA_OPTIONS``), and a resume with others is refused
+       after the load, before anything trains; a checkpoint without the record is resumed as it is.
     4. A finished model in ``--out`` is never overwritten by a run that trained nothing. A resume
        from a checkpoint past ``--steps`` is refused before anything trains, and so is one from a
        checkpoint at ``--steps`` when ``--out`` holds a finished model (its export record, written
@@ -74,7 +78,7 @@ from ..optimizer import OffloadOptimizer
 from .finetune_args import DTYPES, PROG, fail, parse_args
 from .finetune_data import Batches, check_data_readable
 from .finetune_loss import batch_loss, evaluate, router_coefficient
-from .finetune_resume import lr_scheduler, resume
+from .finetune_resume import data_options, lr_scheduler, resume
 from .models import (four_bit_settings, pretrained_model, pretrained_tokenizer, quantized_random_model, random_model,
                      with_lora)
 from .invocation import invoked_as
@@ -158,6 +162,7 @@ def run(argv: list[str], record: RunRecord) -> None:
                "shadows": "disk" if args.shadows_on_disk else "ram",
                "resident_slices": args.resident_slices}
     model, hf, tokenizer, peft_model = _build_model(args, options, causal_lm_sequential, load_causal_lm)
+    _check_vocabulary(args, hf, tokenizer)
     # None (no load-balancing loss) or its coefficient, from here on (Note: [A router loss in the command]).
     args.router_aux_loss_coef = router_coefficient(args, hf)
     trained = hf if peft_model is None else peft_model
@@ -185,19 +190,52 @@ def run(argv: list[str], record: RunRecord) -> None:
     except DataFormatError as error:
         raise fail(str(error)) from None
     record.step, record.checkpoint = done, args.resume
-    try:
+    with _stop_lines(args, record, DataFormatError):
         loss_value, seen, elapsed = train(args, model, hf, optimizer, scheduler, trainable, train_batches, evaluation,
                                           record, done, tqdm)
+    _save(args, model, hf, peft_model, tokenizer, optimizer, record)
+    print(_last_line(args, done, loss_value, seen, elapsed))
+
+
+@contextmanager
+def _stop_lines(args: argparse.Namespace, record: RunRecord, data_format_error: type[Exception]) -> Iterator[None]:
+    """Around the steps: an error ends the run with the line that says how far it got and how to
+    resume, then the error (Note: [Never lose a run], rule 2)."""
+    try:
+        yield
     except CheckpointError as error:
         # A save the library refused or undid (a full disk, say) explains itself: its message and
-        # the stop line, no traceback (Note: [Never lose a run], rule 2).
+        # the stop line, no traceback.
         print(record.stopped("stopped: a checkpoint could not be saved"), file=sys.stderr, flush=True)
         raise fail(str(error).replace(" and save again.", " and resume with the command above.")) from None
+    except data_format_error as error:
+        # The reader's message says what is wrong where; the printed resume alone would replay the
+        # stream into the same record and stop there again, so the data is mended first.
+        print(record.stopped("stopped by a data error"), file=sys.stderr, flush=True)
+        finding = str(error).rstrip(". ")
+        if record.checkpoint is None:
+            raise fail(f"{finding}. Fix it in --data {args.data}, then run again") from None
+        raise fail(f"{finding}. Fix it in --data {args.data} itself, then resume with the command above: the resume "
+                   "reads the same stream again, to the checkpoint's step and on, and would stop at this record "
+                   "again") from None
     except Exception as error:
         print(record.stopped(f"stopped by {type(error).__name__}"), file=sys.stderr, flush=True)
         raise
-    _save(args, model, hf, peft_model, tokenizer, optimizer, record)
-    print(_last_line(args, done, loss_value, seen, elapsed))
+
+
+def _check_vocabulary(args: argparse.Namespace, hf: Any, tokenizer: Any) -> None:
+    """Refuse a tokenizer whose ids run past the model's input embeddings, before the first step:
+    the first batch holding such an id would stop the run in the embedding (a device-side assert on
+    CUDA), hours in when those ids are rare. Fewer ids than rows is usual (a vocabulary padded to a
+    multiple of 64, say) and goes on."""
+    embeddings = hf.get_input_embeddings()
+    rows = getattr(embeddings, "num_embeddings", None)
+    if rows is None or len(tokenizer) <= rows:
+        return
+    raise fail(f"--model {args.model}: its tokenizer has {len(tokenizer)} ids and the model's input embeddings "
+               f"{rows} rows, so ids {rows} and up have none: save the model with the tokenizer it was trained "
+               f"with, or grow its embeddings to the tokenizer (model.resize_token_embeddings({len(tokenizer)}), "
+               "then save_pretrained) and pass that")
 
 
 def _last_line(args: argparse.Namespace, done: int, loss_value: float, seen: int, elapsed: float) -> str:
@@ -391,7 +429,8 @@ def train(args: argparse.Namespace, model: OffloadModel, hf: Any, optimizer: Off
             path = args.out / "checkpoints" / f"step-{step}"
             before = saved_as(path)
             try:
-                save_checkpoint(path, model, optimizer, extra={"step": step}, keep_last=args.keep_checkpoints)
+                save_checkpoint(path, model, optimizer, extra={"step": step, "data": data_options(args)},
+                                keep_last=args.keep_checkpoints)
             except BaseException:
                 # An interrupt in the save's clean-up, once it committed, leaves it saved (latest names it).
                 if saved_as(path) not in (None, before):

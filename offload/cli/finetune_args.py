@@ -16,6 +16,7 @@ import torch
 
 from ..checkpoint import CheckpointError, latest_checkpoint
 from ..checkpoint.commit import committed
+from ..integrations.data import TEXT_SUFFIXES
 from .device_argument import device_argument
 from .models import SIZES
 from .outputs import holds_finished_model
@@ -28,6 +29,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}
 AUTO = "auto"
 #: ``--lr-schedule`` -> the name of transformers' schedule with warm-up (``get_scheduler``).
 SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
+#: The seeds ``torch.manual_seed`` takes (a negative one counts back from 2**64); past them it raises.
+SEEDS = range(-2**63, 2**64)
 # From the families' table, which imports nothing of transformers: its models import torchao and
 # its notes (offload/cli/quiet_imports.py), which --help has no use for.
 from ..integrations.transformers_families import SUPPORTED_MODEL_TYPES as ARCHITECTURES
@@ -47,7 +50,8 @@ OffloadOptimizer, end to end: a small random-initialised model (bytes as tokens,
 downloaded) or a local save_pretrained directory (--model), trained on plain text, JSON lines,
 parquet, CSV or a datasets directory (--data, read and tokenised lazily), saved with its tokenizer
 into --out. Before the model is built, plain text, JSON lines and CSV are read through once for a
-byte that is not UTF-8 and a parquet or CSV file's first row is read; every output directory is
+byte that is not UTF-8, a parquet or CSV file's first row is read, and the first document of --data
+and --eval-file goes through the reader (its field, a chat template); every output directory is
 checked for writing and room before the first step; a run that stops (an error, Ctrl-C) says where
 its last checkpoint is and how to resume."""
 
@@ -66,7 +70,8 @@ examples:
   offload-finetune --model ./llama-1b --out ./tuned-disk --disk-tier /nvme/offload --masters-on-disk
 
 Each example writes an --out of its own: a run without --resume into an --out that holds a finished
-model is refused unless --overwrite replaces it. The project's docs/huggingface.md describes the
+model, or a run into one holding model or tokenizer files this command did not write (a config.json),
+is refused unless --overwrite replaces them. The project's docs/huggingface.md describes the
 command in full; from a clone, python scripts/finetune_causal_lm.py takes the same options."""
 
 
@@ -121,7 +126,8 @@ def build_parser(prog: str = "offload-finetune") -> argparse.ArgumentParser:
                         help="give a tied lm_head a weight of its own (by default tied embeddings stay tied)")
     parser.add_argument("--device", type=device_argument, default="cuda" if torch.cuda.is_available() else "cpu",
                         help="where the layers compute (cuda when present)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the model's initialisation and the data order")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the model's initialisation and the data order (-2**63 to 2**64 - 1)")
     parser.add_argument("--no-progress", action="store_true",
                         help="print one line per step instead of a bar, and no loading bars")
     parser.add_argument("--disk-tier", type=user_path, metavar="DIR",
@@ -148,7 +154,7 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
                            "datasets directory (save_to_disk) (default: a short text shipped with the package)")
     data.add_argument("--text-field", metavar="NAME",
                       help="the records' field holding the text (default: 'text', else chat 'messages' "
-                           "rendered with the tokenizer's chat template)")
+                           "rendered with the tokenizer's chat template); not with plain-text data alone")
     data.add_argument("--shuffle-buffer", type=int, default=256, metavar="BLOCKS",
                       help="draw blocks at random from a buffer of this many (1: in file order)")
     data.add_argument("--eval-file", type=user_path, metavar="PATH", help="evaluation data, in any --data format")
@@ -191,7 +197,9 @@ def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
                       help="continue from a checkpoint: its directory, or 'latest' for OUT/checkpoints' newest")
     ckpt.add_argument("--overwrite", action="store_true",
                       help="replace a finished model in --out (without it, a new run refuses one, and so does a "
-                           "--resume of another --out's checkpoint or one that would end before the model's step)")
+                           "--resume of another --out's checkpoint or one that would end before the model's step), "
+                           "or model and tokenizer files there that this command did not write (config.json, "
+                           "adapter_config.json, tokenizer.json, ...), which the export removes or writes over")
 
 
 def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
@@ -307,15 +315,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "offload-finetune") ->
     check_dependent_args(parser, args)
     check_float_args(parser, args)
     check_four_bit_args(parser, args)
-    for name in ("steps", "batch_size", "seq_len", "num_slices", "microbatches", "grad_accum", "eval_batches",
-                 "shuffle_buffer"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.seq_len < 2:  # one token scores nothing: every loss would be 0 / 0
-        parser.error("--seq-len must be at least 2: a block's loss scores each token against the next")
-    for name in ("warmup_steps", "eval_every"):
-        if getattr(args, name) < 0:
-            parser.error(f"--{name.replace('_', '-')} must be 0 or more")
+    check_int_args(parser, args)
     if args.update_in_backward and args.max_grad_norm is not None:
         # Note: [Update in backward]: a slice's update starts before the last gradient, and so the total
         # norm, exists.
@@ -338,7 +338,43 @@ def parse_args(argv: list[str] | None = None, prog: str = "offload-finetune") ->
         parser.error("--keep-checkpoints keeps the newest of the checkpoints --save-every N saves, and none is saved "
                      "without it: add --save-every N, or leave out --keep-checkpoints")
     check_paths(parser, args)
+    check_text_field(parser, args)
     return args
+
+
+def check_int_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The counts are in range, and ``--seed`` is one ``torch.manual_seed`` takes: past :data:`SEEDS`
+    it raises once the run has started, a traceback instead of a parser error."""
+    for name in ("steps", "batch_size", "seq_len", "num_slices", "microbatches", "grad_accum", "eval_batches",
+                 "shuffle_buffer"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.seq_len < 2:  # one token scores nothing: every loss would be 0 / 0
+        parser.error("--seq-len must be at least 2: a block's loss scores each token against the next")
+    for name in ("warmup_steps", "eval_every"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be 0 or more")
+    if args.seed not in SEEDS:
+        parser.error(f"--seed must be from -2**63 to 2**64 - 1 ({SEEDS.start} to {SEEDS.stop - 1}), the seeds "
+                     f"torch.manual_seed takes; got {args.seed}")
+
+
+def check_text_field(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse ``--text-field`` where all the data is plain text: it names a field of records (JSON
+    lines, parquet, CSV, a datasets directory), and plain text, read as one stream, has none, so the
+    option would change nothing, silently (as :data:`_DEPENDENT_OPTIONS` are refused). With records
+    in ``--data`` or ``--eval-file``, it is theirs."""
+    if args.text_field is None:
+        return
+    sources = {"--data": args.data} if args.eval_file is None else {"--data": args.data, "--eval-file": args.eval_file}
+    # A directory is a datasets save, whatever its name (read_documents looks at it first).
+    if any(path.is_dir() or path.suffix.lower() not in TEXT_SUFFIXES for path in sources.values()):
+        return
+    default = " (the short text shipped with the package)" if args.data == DEFAULT_TEXT else ""
+    given = " and ".join(f"{flag} {path}" + (default if flag == "--data" else "") for flag, path in sources.items())
+    parser.error(f"--text-field {args.text_field} names the records' field holding the text, and {given} "
+                 f"{'is' if len(sources) == 1 else 'are'} plain text, which has no fields: leave out --text-field, "
+                 "or give records (JSON lines, parquet, CSV or a datasets directory)")
 
 
 def check_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

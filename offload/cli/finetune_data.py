@@ -1,12 +1,13 @@
 """``offload-finetune``'s data: the files checked before the model is built, and the batches of each step.
 
-Batches are a function of ``--seed`` and the step alone (Note: [Never lose a run], rule 3, in
+Batches are a function of the data options and the step alone (Note: [Never lose a run], rule 3, in
 ``offload/cli/finetune.py``): a resumed run replays the block stream to where the stopped one was.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,14 +21,46 @@ __all__ = ["Batches", "check_data_readable"]
 
 def check_data_readable(args: argparse.Namespace) -> None:
     """Before the model is built, ``--data`` and ``--eval-file`` read as a pass will read them: plain
-    text, JSON lines and CSV decode as UTF-8 (read through once), and a parquet or CSV file's first
-    row reads. The reading is lazy, so a bad byte deep in a large file, or a file its reader refuses,
-    would otherwise stop the run when training reaches it (``check_readable``)."""
-    from ..integrations.data import check_readable
+    text, JSON lines and CSV decode as UTF-8 (read through once), a parquet or CSV file's first row
+    reads (``check_readable``), and each one's first document comes through the reader. The reading
+    is lazy, so a bad byte deep in a large file, or a file its reader refuses, would otherwise stop
+    the run when training reaches it; and what the first document shows (a wrong ``--text-field``,
+    an empty file, chat records for a tokenizer without a chat template, a directory that is not a
+    ``datasets`` save) would be refused only once the model is loaded, minutes in for a large one.
 
-    for path in (args.data, args.eval_file):
-        if path is not None:
-            check_readable(path)
+    Raises:
+        DataFormatError: what the reader refuses, in its words.
+        SystemExit: a file without a document, or ``--model`` without a tokenizer.
+    """
+    from ..integrations.data import TEXT_SUFFIXES, check_readable
+
+    tokenizer = None
+    for flag, path in (("--data", args.data), ("--eval-file", args.eval_file)):
+        if path is None:
+            continue
+        check_readable(path)
+        if tokenizer is None and (path.is_dir() or path.suffix.lower() not in TEXT_SUFFIXES):
+            tokenizer = _run_tokenizer(args)  # records may be chats, which its template renders
+        _check_first_document(flag, path, tokenizer, args.text_field)
+
+
+def _run_tokenizer(args: argparse.Namespace):
+    """The tokenizer the run will train with: ``--model``'s, or the random model's byte tokenizer."""
+    from .models import byte_tokenizer, pretrained_tokenizer
+
+    return byte_tokenizer() if args.model is None else pretrained_tokenizer(args.model)
+
+
+def _check_first_document(flag: str, path: Path, tokenizer, text_field: str | None) -> None:
+    """Read ``path``'s first document as training will (its record's field, a chat rendered by the
+    tokenizer's template), and nothing more: a cost of one record whatever the file's size."""
+    from ..integrations.data import read_documents
+
+    purpose = "train" if flag == "--data" else "eval"  # --eval-file reads a DatasetDict's evaluation split
+    with contextlib.closing(read_documents(path, tokenizer, text_field=text_field, purpose=purpose)) as documents:
+        if next(documents, None) is None:
+            use = "train on" if flag == "--data" else "evaluate on"
+            raise fail(f"{flag} {path} holds no text (an empty file, or one without a record); give the text to {use}")
 
 
 class Batches:
@@ -39,11 +72,14 @@ class Batches:
         self.tokenizer = tokenizer
 
     def _blocks(self, path: Path, split: str | None) -> Iterator[torch.Tensor]:
-        """``path``'s blocks, or its ``split`` share under ``--eval-fraction``."""
-        from ..integrations.data import split_blocks, token_blocks
+        """``path``'s blocks, or its ``split`` share under ``--eval-fraction``; ``--eval-file``'s
+        (``split`` None) are a ``DatasetDict``'s evaluation split, never its train split."""
+        from ..integrations.data import eval_blocks, split_blocks, token_blocks
 
+        if split is None:
+            return eval_blocks(path, self.tokenizer, self.args.seq_len, text_field=self.args.text_field)
         blocks = token_blocks(path, self.tokenizer, self.args.seq_len, text_field=self.args.text_field)
-        return blocks if split is None else split_blocks(blocks, self.args.eval_fraction, split)
+        return split_blocks(blocks, self.args.eval_fraction, split)
 
     def _epochs(self) -> Iterator[torch.Tensor]:
         for epoch in itertools.count():

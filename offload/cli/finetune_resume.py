@@ -1,11 +1,16 @@
 """``offload-finetune --resume``: a checkpoint loaded into the run, its schedule brought to the
-step, and the line for a checkpoint that cannot be loaded, in the command's flags."""
+step, and the line for a checkpoint that cannot be loaded, or one saved by a run that read its
+data otherwise, in the command's flags."""
 
 from __future__ import annotations
 
 import argparse
 import re
+import shlex
+import sys
 import warnings
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -13,10 +18,17 @@ from ..checkpoint import load_checkpoint
 from ..checkpoint.checkpoint_files import CheckpointError
 from ..model import OffloadModel
 from ..optimizer import OffloadOptimizer
-from .finetune_args import SCHEDULES, fail, no_steps_left, resume_directory_advice
+from .finetune_args import DEFAULT_TEXT, SCHEDULES, fail, no_steps_left, resume_directory_advice
 from .outputs import holds_finished_model
 
-__all__ = ["lr_scheduler", "resume", "resume_failure"]
+__all__ = ["DATA_OPTIONS", "data_options", "lr_scheduler", "resume", "resume_failure"]
+
+#: The options that decide which blocks each step trains on and each evaluation reads, saved in
+#: every checkpoint's ``extra`` under ``"data"``: a resume replays the block stream to the
+#: checkpoint's step (Note: [Never lose a run], rule 3, in ``finetune.py``), which holds only if it
+#: reads the stream the saved run read. ``--eval-every`` and ``--steps`` say when, not what: not here.
+DATA_OPTIONS = ("data", "text_field", "seq_len", "seed", "batch_size", "grad_accum", "shuffle_buffer", "eval_file",
+                "eval_fraction", "eval_batches")
 
 
 def lr_scheduler(args: argparse.Namespace, optimizer: OffloadOptimizer) -> torch.optim.lr_scheduler.LRScheduler:
@@ -37,6 +49,7 @@ def resume(args: argparse.Namespace, model: OffloadModel, optimizer: OffloadOpti
         extra = load_checkpoint(args.resume, model, optimizer)
     except CheckpointError as error:
         raise fail(resume_failure(args, error)) from None
+    _check_same_data(args, extra)
     refusal = no_steps_left(extra["step"], args.steps, args.out)  # Note: [Never lose a run], rule 4
     if refusal is not None:
         raise fail(refusal)
@@ -68,12 +81,7 @@ def resume_failure(args: argparse.Namespace, error: CheckpointError) -> str:
         return resume_directory_advice(args.resume)
     elif "damaged" in finding or "incomplete" in finding or finding.startswith("no checkpoint"):
         checkpoints = args.out / "checkpoints"
-        # A new run with --save-every is refused beside that run's checkpoints (check_no_earlier_run).
-        start_over = (f"choose another --out, or remove {checkpoints}, and leave out --resume" if args.save_every
-                      else "leave out --resume")
-        if holds_finished_model(args.out, 0):  # a new run's export would replace it (check_no_finished_model)
-            start_over += " and pass --overwrite"
-        advice = f"pass --resume an earlier checkpoint (under {checkpoints}), or start over: {start_over}"
+        advice = f"pass --resume an earlier checkpoint (under {checkpoints}), or start over: {_start_over(args)}"
     elif (positions := _saved_positions(args, error)) is not None:
         seq_len = f"--seq-len {positions}" if positions > 64 else "--seq-len 64 or less"
         advice = (f"pass {seq_len}, as the run that saved it did (a random model's position table has "
@@ -84,6 +92,63 @@ def resume_failure(args: argparse.Namespace, error: CheckpointError) -> str:
                   "--bnb-4bit-* options, which change how a quantized base is stored), or leave out --resume to "
                   "start over")
     return f"--resume: {finding}; {advice}"
+
+
+def _start_over(args: argparse.Namespace) -> str:
+    """What a new run into ``--out`` instead of the resume needs to be let through."""
+    # A new run with --save-every is refused beside that run's checkpoints (check_no_earlier_run).
+    start_over = (f"choose another --out, or remove {args.out / 'checkpoints'}, and leave out --resume"
+                  if args.save_every else "leave out --resume")
+    if holds_finished_model(args.out, 0):  # a new run's export would replace it (check_no_finished_model)
+        start_over += " and pass --overwrite"
+    return start_over
+
+
+#: What a checkpoint records for the shipped sample text (``--data``'s default), which moves with
+#: the installation: the same data wherever the package is.
+SAMPLE = "the shipped sample.txt"
+#: The options that name files: data moved to another disk is the same data under another path.
+PATHS = ("data", "eval_file")
+
+
+def data_options(args: argparse.Namespace) -> dict[str, Any]:
+    """This run's :data:`DATA_OPTIONS`, a path made absolute: the same file named from another
+    directory is the same data."""
+    return {name: SAMPLE if name == "data" and value == DEFAULT_TEXT else
+            str(value.resolve()) if isinstance(value, Path) else value
+            for name, value in ((name, getattr(args, name)) for name in DATA_OPTIONS)}
+
+
+def _check_same_data(args: argparse.Namespace, extra: dict[str, Any]) -> None:
+    """Refuse a resume whose :data:`DATA_OPTIONS` differ from those its checkpoint was saved with:
+    the replay would skip another stream's blocks, some trained twice, others never. A checkpoint
+    saved before they were recorded resumes unchecked."""
+    saved = extra.get("data")
+    if not isinstance(saved, dict):
+        return
+    here = data_options(args)
+    changed = [name for name in DATA_OPTIONS if name in saved and saved[name] != here[name]]
+    moved = [name for name in changed if name in PATHS and None not in (saved[name], here[name])]
+    for name in moved:  # not refused: the file may have moved (another disk); its contents decide
+        print(f"note: --resume: checkpoint {args.resume} was saved by a run that read {_flag(name)} "
+              f"{_shown(saved[name])}, this one reads {_shown(here[name])}: the batches are that run's only if "
+              "the two hold the same data", file=sys.stderr, flush=True)
+    changed = [name for name in changed if name not in moved]
+    if not changed:
+        return
+    listed = "; ".join(f"{_flag(name)} was {_shown(saved[name])}, now {_shown(here[name])}" for name in changed)
+    raise fail(f"--resume: checkpoint {args.resume} was saved by a run that read its data otherwise ({listed}), so "
+               "the batches would differ from those that run would have drawn (the resume replays its block "
+               f"stream to step {extra['step']}): pass the old values to resume it, or start a new run: "
+               f"{_start_over(args)}")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _shown(value: Any) -> str:
+    return "unset" if value is None else shlex.quote(str(value))
 
 
 def _saved_positions(args: argparse.Namespace, error: CheckpointError) -> int | None:

@@ -9,8 +9,10 @@ that continues from it, started the way the run was (:mod:`offload.cli.invocatio
 save the model itself; :func:`mark_export` records in the output directory whether the model there
 is finished, which a new run (:func:`check_no_finished_model`), a resume
 (:func:`check_resume_keeps_finished_model`) and a resume that has nothing left to train read before
-they export over it, and :func:`remove_model_files` clears the previous model's files before an
-export writes its own, so that the directory holds one model.
+they export over it; without that record, a model's or a tokenizer's files there are no run's of
+this command, and a run refuses to replace them unasked (:func:`check_no_foreign_files`).
+:func:`remove_model_files` clears the previous model's files before an export writes its own, so
+that the directory holds one model.
 """
 
 from __future__ import annotations
@@ -34,10 +36,11 @@ from ..model import OffloadModel
 from ..tiers.disk_tier import size_text
 from .invocation import invoked_as
 
-__all__ = ["EXPORT_RECORD", "MODEL_FILES", "OutputError", "RunRecord", "Write", "check_no_earlier_run",
-           "check_no_finished_model", "check_outputs_writable", "check_resume_keeps_finished_model", "check_room",
-           "check_writable", "finished_step", "holds_finished_model", "mark_export", "planned_writes",
-           "remove_model_files", "resume_command"]
+__all__ = ["EXPORT_RECORD", "MODEL_FILES", "OutputError", "RunRecord", "TOKENIZER_FILES", "Write",
+           "check_no_earlier_run", "check_no_finished_model", "check_no_foreign_files", "check_outputs_writable",
+           "check_resume_keeps_finished_model", "check_room", "check_writable", "finished_step",
+           "holds_finished_model", "mark_export", "planned_writes", "remove_model_files", "replaced_files",
+           "resume_command"]
 
 #: The file in the output directory that says whether the model there is finished: written as an
 #: export starts and again once its last file is written (Note: [Never lose a run], rule 4).
@@ -48,6 +51,10 @@ EXPORT_RECORD = "offload_finetune.json"
 #: ones its index no longer names. The tokenizer's files are left: every export writes one.
 MODEL_FILES = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model*.bin.index.json",
                "adapter_model.bin", "adapter_config.json", "config.json", "generation_config.json")
+#: The names a tokenizer's ``save_pretrained`` writes under (a fast tokenizer's file and config, a slow
+#: one's vocabulary, the chat template): the export writes its tokenizer's over those in ``--out``.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json")
 
 
 class OutputError(RuntimeError):
@@ -114,6 +121,31 @@ def check_no_finished_model(out: Path, *, overwrite: bool) -> None:
                           "--out, or pass --overwrite to replace it")
 
 
+def check_no_foreign_files(out: Path, *, overwrite: bool) -> None:
+    """Refuse an ``out`` without the export record whose files an export would remove or replace
+    (:func:`replaced_files`: a ``config.json``, an ``adapter_config.json``, a tokenizer's), unless
+    ``overwrite`` (Note: [Never lose a run], rule 6, in ``finetune.py``).
+
+    The command writes nothing directly in ``out`` before its export, and the export writes the
+    record before its first file: without the record, such files are the user's or another tool's
+    (weights among them count as a finished model, which :func:`check_no_finished_model` refuses
+    first). With it they are a model this command wrote, which the checks of a finished model rule.
+    An empty ``out``, one holding only checkpoints (a resume into its own ``--out``) or other files
+    passes.
+
+    Raises:
+        OutputError: the files, and what to pass instead.
+    """
+    if overwrite or (out / EXPORT_RECORD).exists():
+        return
+    replaced = replaced_files(out)
+    if replaced:
+        names = ", ".join(path.name for path in replaced)
+        raise OutputError(f"--out {out} holds {names}, which this run's export would remove or replace, and no model "
+                          "this command wrote: choose another --out, or move those files elsewhere, or pass "
+                          "--overwrite to replace them")
+
+
 def check_resume_keeps_finished_model(args: argparse.Namespace) -> None:
     """Refuse a ``--resume`` whose export would replace a finished model in ``--out`` that its run
     was not going to replace, unless ``--overwrite`` (Note: [Never lose a run], rule 6, in ``finetune.py``).
@@ -165,6 +197,13 @@ def saved_as(path: Path) -> tuple[int, int] | None:
     return identity.st_dev, identity.st_ino
 
 
+def replaced_files(out: Path) -> list[Path]:
+    """The files directly in ``out`` that an export removes (:data:`MODEL_FILES`) or writes over (a
+    tokenizer's: :data:`TOKENIZER_FILES`), sorted."""
+    return sorted({path for pattern in (*MODEL_FILES, *TOKENIZER_FILES) for path in out.glob(pattern)
+                   if path.is_file()})
+
+
 def remove_model_files(out: Path) -> list[Path]:
     """Remove the previous model's files (:data:`MODEL_FILES`) directly in ``out`` before an export
     writes its own, and return them. Checkpoints, the export record and other files are left."""
@@ -204,8 +243,8 @@ def check_room(writes: Sequence[Write]) -> None:
 
 def check_outputs_writable(args: argparse.Namespace) -> None:
     """The run's directories made and probed, no earlier run's checkpoints in ``--out`` for a run
-    that does not resume, and no finished model there that the run's export would replace unasked
-    (Note: [Never lose a run], rules 1, 5 and 6).
+    that does not resume, and no finished model there, nor model or tokenizer files the command did
+    not write, that the run's export would replace unasked (Note: [Never lose a run], rules 1, 5 and 6).
 
     Raises:
         OutputError: the first that fails, naming the flag and what to do.
@@ -220,6 +259,7 @@ def check_outputs_writable(args: argparse.Namespace) -> None:
         check_no_finished_model(args.out, overwrite=args.overwrite)
     else:
         check_resume_keeps_finished_model(args)
+    check_no_foreign_files(args.out, overwrite=args.overwrite)
     if args.save_every:
         check_writable(args.out / "checkpoints", "--save-every: the checkpoints' directory")
     if args.disk_tier is not None:

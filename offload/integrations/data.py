@@ -9,23 +9,32 @@ a ``transformers.Trainer`` or a plain loop can too (``torch.stack`` a few blocks
 labels are the ids).
 
 It does not pad, truncate or batch, and it does not read anything twice: a new pass over the data
-calls :func:`token_blocks` again. Plain text, JSON lines and CSV are UTF-8 (a byte-order mark that
-opens the file is dropped, not read as text): :func:`check_encoding` reads such a file through once,
-without tokenising, to find a byte that does not decode before a pass over the data reaches it;
-:func:`check_readable` adds the first row of a parquet or CSV file, read as a pass would read it,
-so a file its reader refuses is found before a model is built.
+calls :func:`token_blocks` again. A CSV file's cells are text as written, whatever they look like
+(``NA``, ``12``, ``True``: no type is guessed). A ``DatasetDict`` is read by its ``train`` split,
+and by its ``validation`` (else ``test``) split for evaluation (:func:`eval_blocks`). Plain text, JSON
+lines and CSV are UTF-8 (a byte-order mark that opens the file is dropped, not read as text):
+:func:`check_encoding` reads such a file through once, without tokenising, to find a byte that
+does not decode before a pass over the data reaches it; :func:`check_readable` adds the first row
+of a parquet or CSV file, read as a pass would read it, so a file its reader refuses is found
+before a model is built.
 
 Note: [Packing]
     Documents (a JSON lines record, a parquet row, a dataset row) are tokenised one by one, each
     followed by the tokenizer's end-of-sequence token when it has one (once: not after ids that
-    already end with it), and joined into one stream
-    that is cut into blocks of ``block_size`` ids: a block may hold the end of one document and the
-    start of the next, and no token is padding. The last, shorter remainder is dropped.
+    already end with it), and joined into one stream that is cut into blocks of ``block_size`` ids:
+    a block may hold the end of one document and the start of the next, and no token is padding.
+    The last, shorter remainder is dropped. An empty document (no text, or text that gives no ids)
+    adds nothing: no lone end-of-sequence token to train on.
 
     Plain text is one document, read and tokenised about ``TEXT_CHUNK_BYTES`` at a time (a line
-    longer than that is read in parts, so memory stays flat whatever the line lengths). A piece is
-    cut before the last space that stands between two characters that are not whitespace; that
-    space and what follows it start the next piece. Pre-tokenizers start a new word at such a space
+    longer than that is read in parts, so memory stays flat whatever the line lengths), with no
+    end-of-sequence token added. A tokenizer that wraps every text it is given in special tokens (its
+    post-processor's: a BOS before, an EOS after, as Llama's ``add_eos_token``) has them as the whole
+    text has them: the opening ones once at the start, the closing ones once after the last piece,
+    none at a cut (:func:`_split_closing` tells the two apart; ``tests/test_data_readers.py``).
+
+    A piece is cut before the last space that stands between two characters that are not
+    whitespace; that space and what follows it start the next piece. Pre-tokenizers start a new word at such a space
     and never join it to the character before it: byte-level BPE (GPT-2's regex and the later ones
     built like it, as Llama 3's and Qwen's) and Metaspace (SentencePiece-style, which prepends its
     mark only to a text that does not already start with one), so the pieces' ids are the whole text's
@@ -48,8 +57,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["DataFormatError", "TEXT_SUFFIXES", "check_encoding", "check_readable", "read_documents", "shuffled",
-           "split_blocks", "token_blocks"]
+__all__ = ["DataFormatError", "TEXT_SUFFIXES", "check_encoding", "check_readable", "eval_blocks", "read_documents",
+           "shuffled", "split_blocks", "token_blocks"]
 
 #: Suffixes read as plain text; ``.jsonl``/``.json``, ``.parquet``, ``.csv`` and directories are
 #: the other formats. Anything else is refused rather than guessed.
@@ -60,6 +69,9 @@ STREAMED = {".parquet": ("parquet", "parquet"), ".csv": ("csv", "CSV")}
 #: are ValueErrors, as UnicodeDecodeError is; pyarrow's ArrowNotImplementedError a NotImplementedError),
 #: or the system for a read it refuses (an OSError with an errno: :func:`_unreadable` words the two apart).
 READER_ERRORS = (ValueError, OSError, NotImplementedError)
+#: The splits of a ``DatasetDict`` that each purpose reads, the first one it holds; one that holds a
+#: single split is read whatever its name.
+_SPLITS = {"train": ("train",), "eval": ("validation", "test")}
 #: What ``next`` gives for a stream that has ended: a row is never this.
 _END = object()
 #: How much plain text is read and tokenised at once (Note: [Packing]), in characters: bytes for ASCII.
@@ -78,7 +90,8 @@ def token_blocks(source: str | os.PathLike[str], tokenizer: Any, block_size: int
     Args:
         source: a plain-text file (``.txt``, ``.text``, ``.md``), a JSON lines file (``.jsonl``, or
             ``.json`` holding one object a line), a ``.parquet`` or ``.csv`` file, or a directory
-            written by ``datasets``' ``save_to_disk`` (its ``train`` split when it holds several).
+            written by ``datasets``' ``save_to_disk`` (its ``train`` split when it holds several;
+            :func:`eval_blocks` reads the one to evaluate on).
         tokenizer: a Hugging Face tokenizer (``__call__`` returning ``input_ids``); with chat
             records, one with a chat template.
         block_size: ids per block (the sequence length).
@@ -87,9 +100,9 @@ def token_blocks(source: str | os.PathLike[str], tokenizer: Any, block_size: int
 
     Raises:
         DataFormatError: an unknown format, a record without the field (naming the keys found),
-            text that is not UTF-8 (naming the byte), or a parquet or CSV file its reader refuses
-            (with the reader's reason) or the system cannot read (with the system's), when the
-            reading reaches it.
+            text that is not UTF-8 (naming the byte), a JSON array given as JSON lines, a
+            ``DatasetDict`` of several splits without ``train``, or a file its reader refuses (with the
+            reader's reason) or the system cannot read (with the system's), when the reading reaches it.
         FileNotFoundError: ``source`` does not exist.
 
     Example::
@@ -97,34 +110,84 @@ def token_blocks(source: str | os.PathLike[str], tokenizer: Any, block_size: int
         >>> blocks = token_blocks("corpus.jsonl", tokenizer, 1024)
         >>> batch = torch.stack([next(blocks) for _ in range(8)])   # 8 x 1024, labels = batch
     """
+    return _packed(read_documents(source, tokenizer, text_field=text_field), tokenizer, block_size)
+
+
+def eval_blocks(source: str | os.PathLike[str], tokenizer: Any, block_size: int, *,
+                text_field: str | None = None) -> Iterator[torch.Tensor]:
+    """:func:`token_blocks` of data to evaluate on: of a ``DatasetDict``, its ``validation`` split,
+    else its ``test`` split, or its only split; never the ``train`` split beside them, which would
+    report training-set figures as held-out ones. Any other source gives :func:`token_blocks`' blocks.
+
+    Raises:
+        DataFormatError: what :func:`token_blocks` raises, and for a ``DatasetDict`` of several splits
+            with neither ``validation`` nor ``test``, naming its splits.
+    """
+    return _packed(read_documents(source, tokenizer, text_field=text_field, purpose="eval"), tokenizer, block_size)
+
+
+def _packed(documents: Iterable[tuple[str, bool, bool]], tokenizer: Any, block_size: int) -> Iterator[torch.Tensor]:
+    """:func:`read_documents`' texts tokenised and packed into blocks (Note: [Packing])."""
     if block_size < 1:
         raise ValueError(f"block_size must be at least 1, got {block_size}")
     eos = getattr(tokenizer, "eos_token_id", None)
     pending: list[int] = []
-    for text, is_document, special in read_documents(source, tokenizer, text_field=text_field):
-        ids = tokenizer(text, add_special_tokens=special)["input_ids"]
-        pending.extend(ids)
-        if is_document and eos is not None and (not ids or ids[-1] != eos):  # some tokenizers end with it
-            pending.append(eos)
+    closing: list[int] = []  # the special tokens a tokenizer puts after a text: after plain text's last piece
+    for text, is_document, special in documents:
+        if is_document:
+            ids = tokenizer(text, add_special_tokens=special)["input_ids"]
+            if not ids:
+                continue  # text that gives no ids adds nothing: no lone end-of-sequence token to train on
+            pending.extend(ids)
+            if eos is not None and ids[-1] != eos:  # some tokenizers end with it
+                pending.append(eos)
+        elif special:  # plain text's first piece: the whole text's opening special tokens, if any
+            ids, closing = _split_closing(tokenizer, text)
+            pending.extend(ids)
+        else:
+            pending.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
         full = len(pending) - len(pending) % block_size
         for start in range(0, full, block_size):
             yield torch.tensor(pending[start:start + block_size], dtype=torch.long)
         del pending[:full]
+    pending.extend(closing)
+    for start in range(0, len(pending) - block_size + 1, block_size):
+        yield torch.tensor(pending[start:start + block_size], dtype=torch.long)
 
 
-def read_documents(source: str | os.PathLike[str], tokenizer: Any = None, *,
-                   text_field: str | None = None) -> Iterator[tuple[str, bool, bool]]:
+def _split_closing(tokenizer: Any, text: str) -> tuple[list[int], list[int]]:
+    """``text``'s ids with the tokenizer's special tokens, less the ones it puts after the text, and
+    those: ``(ids, closing)``. A post-processor wraps a text's own ids (``TemplateProcessing``'s
+    ``"<s> $A </s>"``, a Llama tokenizer's ``add_eos_token``); where they stand among the marked ids
+    tells the opening tokens from the closing ones. Plain text keeps the opening ones at its start and
+    the closing ones go after its last piece, as the whole text tokenised at once has them. The cost:
+    the first piece tokenised twice, about ``TEXT_CHUNK_BYTES`` once a pass."""
+    marked = tokenizer(text, add_special_tokens=True)["input_ids"]
+    plain = tokenizer(text, add_special_tokens=False)["input_ids"]
+    for start in range(len(marked) - len(plain) + 1):
+        if marked[start:start + len(plain)] == plain:
+            return marked[:start + len(plain)], marked[start + len(plain):]
+    return marked, []  # special tokens that do not wrap the text (none known): the first piece keeps them all
+
+
+def read_documents(source: str | os.PathLike[str], tokenizer: Any = None, *, text_field: str | None = None,
+                   purpose: str = "train") -> Iterator[tuple[str, bool, bool]]:
     """The texts of ``source`` one at a time, as ``(text, ends_a_document, add_special_tokens)``.
 
     Plain text comes in pieces of about ``TEXT_CHUNK_BYTES``, cut before a word (one stream: no
-    piece ends a document, so no end-of-sequence token goes in it); a record's text is a whole document; a chat record is rendered by
-    the tokenizer's template, which writes its own special tokens. See :func:`token_blocks`.
+    piece ends a document, so no end-of-sequence token goes in it; the first piece alone says to add
+    special tokens, which :func:`token_blocks` puts at the stream's ends); a record's text is a whole
+    document, and an empty one is left out; a chat record is rendered by the tokenizer's template,
+    which writes its own special tokens. ``purpose`` (``"train"`` or ``"eval"``) picks a
+    ``DatasetDict``'s split, as :func:`token_blocks` and :func:`eval_blocks` read it.
     """
+    if purpose not in _SPLITS:
+        raise ValueError(f"purpose must be 'train' or 'eval', got {purpose!r}")
     path = Path(source)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such file or directory")
     if path.is_dir():
-        yield from _records(_dataset_rows(path), path, tokenizer, text_field)
+        yield from _records(_dataset_rows(path, purpose), path, tokenizer, text_field)
         return
     suffix = path.suffix.lower()
     if suffix in TEXT_SUFFIXES:
@@ -175,21 +238,24 @@ def _check_utf8(path: Path) -> None:
     decoder = codecs.getincrementaldecoder("utf-8")()
     offset = 0  # of the chunk read next
     lines = 1  # the line the chunk read next starts in
-    with path.open("rb") as file:
-        while True:
-            chunk = file.read(4 * TEXT_CHUNK_BYTES)
-            # A sequence cut by the chunk's start waits in the decoder: its bytes come before the chunk's.
-            pending = len(decoder.getstate()[0])
-            try:
-                decoder.decode(chunk, final=not chunk)
-            except UnicodeDecodeError as error:
-                bad = offset - pending + error.start
-                line = lines + chunk[:max(bad - offset, 0)].count(b"\n")
-                raise _not_utf8(path, bad, line, error.object[error.start]) from None
-            if not chunk:
-                return
-            offset += len(chunk)
-            lines += chunk.count(b"\n")
+    try:
+        with path.open("rb") as file:
+            while True:
+                chunk = file.read(4 * TEXT_CHUNK_BYTES)
+                # A sequence cut by the chunk's start waits in the decoder: its bytes come before the chunk's.
+                pending = len(decoder.getstate()[0])
+                try:
+                    decoder.decode(chunk, final=not chunk)
+                except UnicodeDecodeError as error:
+                    bad = offset - pending + error.start
+                    line = lines + chunk[:max(bad - offset, 0)].count(b"\n")
+                    raise _not_utf8(path, bad, line, error.object[error.start]) from None
+                if not chunk:
+                    return
+                offset += len(chunk)
+                lines += chunk.count(b"\n")
+    except OSError as error:  # the system's (a permission, an I/O error): the file may be sound
+        raise _unreadable(path, _format_name(path), f"from line {lines} on", error) from error
 
 
 def _not_utf8(path: Path, offset: int, line: int, byte: int) -> DataFormatError:
@@ -205,21 +271,35 @@ def _utf8_lines(path: Path, limit: int = -1) -> Iterator[str]:
 
     A byte-order mark that opens the file (Notepad's, PowerShell 5's ``Out-File``) is dropped: it
     marks the encoding and is no text, and ``json.loads`` refuses a line that starts with it.
-    :func:`_check_utf8` accepts it (it decodes as UTF-8), so the two agree on what a file holds.
+    :func:`_check_utf8` accepts it (it decodes as UTF-8), so the two agree on what a file holds. A read
+    the system refuses stops them with :func:`_unreadable`'s error, naming the line.
     """
-    with path.open(encoding="utf-8-sig") as file:
-        try:
+    lines = 1  # the line read next
+    try:
+        with path.open(encoding="utf-8-sig") as file:
             # The text reader decodes incrementally: a character cut by a read waits for the next.
             while line := file.readline(limit):
                 yield line
-        except UnicodeDecodeError as error:
-            # The text reader does not say where in the file the bad byte is: find it in the bytes.
-            _check_utf8(path)
-            raise DataFormatError(f"{path}: not UTF-8 text ({error}); re-encode the file as UTF-8") from error
+                lines += line.endswith("\n")
+    except UnicodeDecodeError as error:
+        # The text reader does not say where in the file the bad byte is: find it in the bytes.
+        _check_utf8(path)
+        raise DataFormatError(f"{path}: not UTF-8 text ({error}); re-encode the file as UTF-8") from error
+    except OSError as error:  # the system's (a permission, an I/O error): the file may be sound
+        raise _unreadable(path, _format_name(path), f"from line {lines} on", error) from error
+
+
+def _format_name(path: Path) -> str:
+    """What ``path``'s suffix says it holds, as messages name it."""
+    suffix = path.suffix.lower()
+    if suffix in STREAMED:
+        return STREAMED[suffix][1]
+    return "JSON lines" if suffix in (".jsonl", ".json") else "plain-text"
 
 
 def _text_pieces(path: Path) -> Iterator[tuple[str, bool, bool]]:
-    # Only the first piece gets the tokenizer's special tokens (a BOS), as the whole text would.
+    # Only the first piece gets the tokenizer's special tokens: token_blocks keeps the opening ones (a BOS)
+    # there and puts the closing ones (an EOS) after the last piece, where the whole text has them.
     first = True
     piece: list[str] = []
     size = 0
@@ -247,9 +327,16 @@ def _word_start(text: str) -> int:
 
 
 def _json_lines(path: Path) -> Iterator[tuple[int, Any]]:
+    first = True
     for number, line in enumerate(_utf8_lines(path), 1):
         if not line.strip():
             continue
+        if first and line.lstrip().startswith("["):
+            # An array of records (Alpaca's format, pretty-printed or not) is JSON, but not JSON lines.
+            raise DataFormatError(
+                f"{path}, line {number}: a JSON array, not JSON lines (one object a line); convert it to one "
+                f"record a line, e.g. jq -c '.[]' {path} > {path.stem}.jsonl, and give that file")
+        first = False
         try:
             yield number, json.loads(line)
         except json.JSONDecodeError as error:
@@ -269,10 +356,11 @@ def _streamed_rows(path: Path, suffix: str) -> Iterator[tuple[int, Any]]:
     # group): the error below says it once.
     reader_log.setLevel(logging.CRITICAL)
     try:
-        rows = iter(datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True))
+        options = _cells_as_written(path, datasets) if builder == "csv" else {}
+        rows = iter(datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True, **options))
         row = next(rows, _END)
     except READER_ERRORS as error:
-        raise _unreadable(path, what, 1, error) from error
+        raise _unreadable(path, what, "at or before row 1", error) from error
     finally:
         reader_log.setLevel(level)
     number = 1
@@ -282,12 +370,24 @@ def _streamed_rows(path: Path, suffix: str) -> Iterator[tuple[int, Any]]:
         try:
             row = next(rows, _END)
         except READER_ERRORS as error:
-            raise _unreadable(path, what, number, error) from error
+            raise _unreadable(path, what, f"at or before row {number}", error) from error
 
 
-def _unreadable(path: Path, what: str, number: int, error: Exception) -> DataFormatError:
-    """The error for ``path``, a ``what`` file whose reading stopped at row ``number`` with ``error``:
-    a file that is not what its suffix says, or, for an error with an errno, a read the system refused."""
+def _cells_as_written(path: Path, datasets: Any) -> dict[str, Any]:
+    """The CSV reader's options that read each cell as the text it is: a CSV file has no types, and
+    pandas' guesses would turn a document that reads ``NA``, ``None``, ``nan`` or ``null`` into a null,
+    ``12`` into an int and ``True`` into a bool, and a chunk of 10,000 rows far into the file whose
+    cells all look like numbers into ints. An empty cell is an empty document: it adds nothing."""
+    import pandas  # datasets' CSV reader is pandas'; it names the columns as that reader will
+
+    columns = pandas.read_csv(path, nrows=0).columns
+    return {"features": datasets.Features({name: datasets.Value("string") for name in columns}), "na_filter": False}
+
+
+def _unreadable(path: Path, what: str, where: str, error: Exception) -> DataFormatError:
+    """The error for ``path``, a ``what`` file whose reading stopped ``where`` (``"at or before row 3"``)
+    with ``error``: a file that is not what its suffix says, or, for an error with an errno, a read the
+    system refused."""
     if isinstance(error, UnicodeDecodeError):
         _check_utf8(path)  # names the byte, by offset and line
     reason = " ".join(str(error).split()) or "no reason given"
@@ -295,24 +395,28 @@ def _unreadable(path: Path, what: str, number: int, error: Exception) -> DataFor
     # without is a reader's: pyarrow raises OSError for corrupt data in a parquet file ("Corrupt snappy
     # compressed data").
     if isinstance(error, OSError) and error.errno is not None:
-        return DataFormatError(f"{path}: could not be read, at or before row {number} ({type(error).__name__}: "
+        return DataFormatError(f"{path}: could not be read, {where} ({type(error).__name__}: "
                                f"{reason}); the system refused the read, not the {what} reader: check the disk "
                                "and the file's permissions, and run again")
-    return DataFormatError(f"{path}: not a {what} file its reader can read, at or before row {number} "
+    return DataFormatError(f"{path}: not a {what} file its reader can read, {where} "
                            f"({type(error).__name__}: {reason}); fix or re-export the file")
 
 
-def _dataset_rows(path: Path) -> Iterator[tuple[int, Any]]:
+def _dataset_rows(path: Path, purpose: str) -> Iterator[tuple[int, Any]]:
     datasets = _datasets(path)
     try:
         loaded = datasets.load_from_disk(str(path))
     except FileNotFoundError as error:
         raise DataFormatError(f"{path}: a directory, but not one written by datasets' save_to_disk ({error})") from error
     if isinstance(loaded, datasets.DatasetDict):
-        if "train" not in loaded and len(loaded) != 1:
-            raise DataFormatError(f"{path}: a DatasetDict with splits {sorted(loaded)} and no 'train'; "
-                                  "save the split to train on alone")
-        loaded = loaded["train"] if "train" in loaded else next(iter(loaded.values()))
+        # An eval split read from the train split would report training-set figures as held-out ones.
+        split = next((name for name in _SPLITS[purpose] if name in loaded), None)
+        if split is None and len(loaded) != 1:
+            wanted = " or ".join(map(repr, _SPLITS[purpose]))
+            advice = ("save the split to train on alone" if purpose == "train" else
+                      "save the split to evaluate on alone, or as 'validation' beside the others")
+            raise DataFormatError(f"{path}: a DatasetDict with splits {sorted(loaded)} and no {wanted}; {advice}")
+        loaded = loaded[split] if split is not None else next(iter(loaded.values()))
     # An Arrow table mapped from disk: rows are read as they are reached, not loaded whole.
     yield from enumerate(loaded, 1)
 
@@ -338,7 +442,8 @@ def _records(rows: Iterable[tuple[int, Any]], path: Path, tokenizer: Any,
                 f"Name the field that holds the text with --text-field (text_field=...)")
         value = record[field]
         if isinstance(value, str) and (text_field is not None or field == "text"):
-            yield value, True, True
+            if value:  # an empty document adds nothing (Note: [Packing])
+                yield value, True, True
         elif isinstance(value, str):
             # Found by its name, "messages" promises a chat: text there is more likely a chat
             # serialised by mistake than the corpus, which --text-field says outright.
