@@ -2,8 +2,9 @@
 time and says what each change needs, and whether the machine then has it.
 
 The options: the disk tier (``--disk-dir``, when there is none), LoRA adapters (``--lora-r``, for
-``--hf-config`` without them), a 4-bit base under them (``--quantize nf4``, without one), a smaller
-batch (``--batch-size``) or sequence (``--seq-len``), the planner's own choice instead of a fixed
+``--hf-config`` without them), a 4-bit base under them (``--quantize nf4``, without one), another
+count of microbatches dividing the batch (``--microbatches``: one the planner does not try, or
+another than the one fixed), a smaller batch (``--batch-size``) or sequence (``--seq-len``), the planner's own choice instead of a fixed
 one (``--resident-slices auto``, no ``--num-slices`` ...), and the memory itself (``--host-memory``, ``--device-memory``, ``--disk``: the least under
 which something fits, planned again to check). Every figure is a plan's
 (:func:`~offload.planning.choose.least_needs`), with the planner's margins; nothing here
@@ -19,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from ..planning.choose import Limits, Needs, Plan, gib, least_needs
+from ..planning.choose import MICROBATCH_LIMIT, Limits, Needs, Plan, gib, least_needs, microbatch_counts
 from ..planning.rates import MachineRates
 
 GIB = 2**30
@@ -107,6 +108,7 @@ def _tried(args: argparse.Namespace, plan: Plan, limits: Limits, planner: Planne
     if args.hf_config and not args.quantize and _installed("peft") and _installed("bitsandbytes"):
         flags = "--quantize nf4" if args.lora_r else f"--lora-r {LORA_RANK} --quantize nf4"
         yield _replan(planner, _with(args, lora_r=args.lora_r or LORA_RANK, quantize="nf4"), limits, flags)
+    yield _other_microbatches(planner, args, limits)
     # --microbatches splits the rows: a batch it does not divide is refused; a sequence is not split.
     yield _smaller(planner, args, limits, "batch_size", lowest=args.microbatches or 1, multiple=args.microbatches or 1)
     if args.hf_config:
@@ -150,6 +152,21 @@ def _smaller(planner: Planner, args: argparse.Namespace, limits: Limits, name: s
         if alternative.fits:
             return alternative
     return smallest
+
+
+def _other_microbatches(planner: Planner, args: argparse.Namespace, limits: Limits) -> Alternative | None:
+    """The fewest microbatches that fit, of the counts dividing the batch that the plan did not
+    try: past :data:`~offload.planning.choose.MICROBATCH_LIMIT` (the batch over a small count), or
+    any other than a fixed ``--microbatches``. ``None`` when none fits."""
+    batch = args.batch_size
+    small = [d for d in range(1, min(batch, MICROBATCH_LIMIT) + 1) if batch % d == 0]
+    counts = sorted({*small, *(batch // d for d in small)} - set([args.microbatches] if args.microbatches
+                                                                  else microbatch_counts(batch)))
+    for count in counts:
+        alternative = _replan(planner, _with(args, microbatches=count), limits, f"--microbatches {count}")
+        if alternative.fits:
+            return alternative
+    return None
 
 
 def _installed(name: str) -> bool:

@@ -40,8 +40,11 @@ from .timing import SCHEDULES, StepConfig, StepTime, estimate_step_time
 DEVICE_MARGIN = 0.9
 #: Share of the host RAM a plan may fill.
 HOST_MARGIN = 0.9
+#: The slice counts tried (each capped at the model's stages): a count between two of them changes a
+#: step's memory and time little, and every count adds a layout and a candidate per configuration.
 SLICE_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
-MICROBATCH_COUNTS = (1, 2, 4, 8, 16)
+#: The most microbatches tried below the batch itself (:func:`microbatch_counts`).
+MICROBATCH_LIMIT = 64
 #: (optimizer state, masters, shadows): where the state lives, simplest first.
 PLACES = (("ram", "ram", "ram"), ("disk", "ram", "ram"), ("disk", "disk", "ram"), ("disk", "disk", "disk"))
 #: The least share of the step that resident slices must save on a CPU "device" to be kept where
@@ -108,7 +111,7 @@ def choose(layers: nn.Module | Sequence[int], profile_for: Callable[[torch.dtype
             (:func:`~offload.planning.shapes.profile_layers`), called once per dtype tried.
         rates: the machine's (:mod:`offload.planning.rates`).
         limits: its memory and disk.
-        batch_size: rows per step (microbatch counts that do not divide it are skipped).
+        batch_size: rows per step (the microbatch counts tried divide it: :func:`microbatch_counts`).
         fixed: :class:`~offload.planning.timing.StepConfig` fields to keep as given
             (``{"compute_dtype": None}``, ``{"num_slices": 8}``, ``{"schedule": "serial"}``,
             ``{"resident_slices": 0}``). Without ``resident_slices`` each configuration keeps the
@@ -167,7 +170,7 @@ def _configs(layers: nn.Module | Sequence[int], batch_size: int, limits: Limits,
              schedules: Sequence[str]) -> list[StepConfig]:
     count = len(list(layers.children())) if isinstance(layers, nn.Module) else len(layers)
     slices = sorted({min(n, count) for n in SLICE_COUNTS})
-    microbatches = [m for m in MICROBATCH_COUNTS if batch_size % m == 0]
+    microbatches = microbatch_counts(batch_size)
     dtypes: list[torch.dtype | None] = [None, torch.bfloat16]
     places = PLACES if limits.disk_dir is not None else PLACES[:1]
     configs = []
@@ -186,6 +189,14 @@ def _configs(layers: nn.Module | Sequence[int], batch_size: int, limits: Limits,
                                                           if k in ("optimizer_state", "masters", "shadows",
                                                                    "resident_slices")}))
     return list(dict.fromkeys(configs))
+
+
+def microbatch_counts(batch_size: int) -> list[int]:
+    """The microbatch counts :func:`choose` tries: every count up to :data:`MICROBATCH_LIMIT` that
+    divides the batch, and the batch itself (a row a microbatch: the least activation memory).
+    An odd batch needs its odd divisors; a count past the limit only saves another share of the
+    activations, and each count adds a candidate per configuration."""
+    return sorted({m for m in range(1, min(batch_size, MICROBATCH_LIMIT) + 1) if batch_size % m == 0} | {batch_size})
 
 
 def _candidate(layout: SliceLayout, profile: ModelProfile | None,

@@ -22,6 +22,7 @@ from torch import nn
 
 from ..arguments import int_at_least, resident_count
 from .footprint import MemoryFootprint
+from .landing_pool import landing_pool
 from .shapes import ModelProfile
 from ..walk.slicing import partition
 from ..streams.pinned import size_class
@@ -184,7 +185,8 @@ def _footprint(layout: SliceLayout, placed: tuple[int, int, int, int, bool], act
     # gradients stay on the device: they take no host buffer.
     sized = size_class if pinned else _exact
     grads = [sized(b) for b in layout.host_gradient_bytes(resident)] or [0]
-    window = _landing_pool([sized(b) for b in layout.landing_bytes(resident)], layout.tied_on_host(resident))
+    window = landing_pool([sized(b) for b in layout.landing_bytes(resident)],
+                           layout.tied_on_host(resident, gradients_on_disk))
     # Only a slice whose load casts has a shadow (SliceLayout.casts).
     streamed = [b for b, casts in zip(layout.load_bytes[resident:], layout.casts[resident:]) if casts] or [0]
     # Note: [Shadows on disk]: a staging window in place of a shadow per streamed slice.
@@ -218,31 +220,6 @@ def _footprint(layout: SliceLayout, placed: tuple[int, int, int, int, bool], act
         device_resident_gradients=sum(layout.trainable_bytes[:resident]),
         device_resident_optimizer_state=sum(layout.state_bytes[:resident]),
     )
-
-
-def _landing_pool(landing: Sequence[int], tied: Sequence[bool]) -> int:
-    """The pooled bytes the streamed slices' gradients land in, as backward takes them (the last
-    slice first) onto ``.grad`` they are added into: a buffer of the largest slice's size each, in
-    use while it lands and while it is added, the next slice landing meanwhile; a slice with a
-    weight tied across slices lands in a buffer of its own size, held until backward ends (Note:
-    [A tied weight's gradients summed in place]). Buffers of one size serve each other in turn."""
-    largest = max(landing, default=0)
-    held: dict[int, int] = {}  # tied slices' buffers landed so far, by size
-    most: dict[int, int] = {}
-    adding = 0  # the previous slice's buffer, still being added
-    for nbytes, is_tied in zip(reversed(landing), reversed(tied)):
-        if not nbytes:
-            continue  # nothing lands: the buffer before is added when the next slice's gradients leave
-        if is_tied:
-            held[nbytes] = held.get(nbytes, 0) + 1
-            in_use = {size: count + (adding if size == largest else 0) for size, count in held.items()}
-            adding = 0
-        else:
-            in_use = {**held, largest: held.get(largest, 0) + adding + 1}
-            adding = 1
-        for size, count in in_use.items():
-            most[size] = max(most.get(size, 0), count)
-    return sum(size * count for size, count in most.items())
 
 
 @dataclass(frozen=True)
@@ -351,12 +328,15 @@ class SliceLayout:
         return sum(sized(landing[k - resident]) - (0 if self.casts[k] else sized(own[k - resident]))
                    for k in set(last.values()))
 
-    def tied_on_host(self, resident: int = 0) -> list[bool]:
+    def tied_on_host(self, resident: int = 0, gradients_on_disk: bool = False) -> list[bool]:
         """Per streamed slice, whether its gradients include a trainable weight tied across
         streamed slices (it holds one a later slice borrows, or borrows one): its landing buffer
-        is held until backward ends (Note: [A tied weight's gradients summed in place])."""
+        is held until backward ends (Note: [A tied weight's gradients summed in place]). With the
+        gradients on disk, a holder with a gradient file keeps no buffer: its part stays in the
+        file, and the sum in the last borrower's buffer (:meth:`tied_sums_off_file`)."""
         borrowed = self._borrowed
-        holders = {holder for tied in borrowed for holder, _ in tied if holder >= resident}
+        holders = {holder for tied in borrowed for holder, _ in tied
+                   if holder >= resident and not (gradients_on_disk and self.casts[holder])}
         return [k in holders or any(holder >= resident for holder, _ in tied)
                 for k, tied in enumerate(borrowed) if k >= resident]
 
