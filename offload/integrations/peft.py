@@ -15,14 +15,17 @@ Note: [PEFT models]
        or a key/value cache before the model), Poly (``task_ids``), activated LoRA (offsets
        computed from the input ids), AdaLoRA with ``orth_reg_weight`` above 0 (its tuner's forward
        adds the adapters' orthogonality penalty to the loss; with ``orth_reg_weight=0`` it adds
-       zero, and training, ``update_and_allocate`` included, is the ``PeftModel``'s bit for bit),
-       and SHADOW (hooks on the model's forward run a shadow network beside the decoder layers). So are
-       methods whose layers share tensors across slices: VeRA, PVeRA and RandLoRA register one
-       pair of frozen random projections in every adapted layer, and a buffer lives in one slice;
-       and trainable tokens (``trainable_token_indices``) on a tied embedding, whose wrappers of the
-       embedding and of ``lm_head`` share one buffer of token indices (untying afterwards keeps it
-       shared). Every adapter the model holds is checked, active or not: ``set_adapter`` registers
-       nothing new, so an adapter switched on later would run unseen (:func:`refuse_peft_methods`).
+       zero, and training, ``update_and_allocate`` included, is the ``PeftModel``'s bit for bit:
+       rule 7), and SHADOW (hooks on the model's forward run a shadow network beside the decoder
+       layers). So are methods whose layers share tensors across slices: VeRA, PVeRA and RandLoRA
+       register one pair of frozen random projections in every adapted layer, and a buffer lives in
+       one slice; trainable tokens (``trainable_token_indices``) on a tied embedding, whose wrappers
+       of the embedding and of ``lm_head`` share one buffer of token indices (untying afterwards
+       keeps it shared); and a LoRA on a tied embedding with ``ensure_weight_tying=True``, whose
+       ``lm_head`` LoRA matrices are the embedding's (PEFT records the tied targets in the config's
+       ``target_modules_to_tie``). Every adapter the model holds is checked, active or not:
+       ``set_adapter`` registers nothing new, so an adapter switched on later would run unseen
+       (:func:`refuse_peft_methods`).
     3. Cutting the ``PeftModel`` itself cannot work by attribute: ``PeftModel.__getattr__`` forwards
        to the tuner, whose ``model`` is the ``*ForCausalLM``, not its decoder, which is what a
        Llama-layout family's ``model`` attribute is.
@@ -45,20 +48,51 @@ Note: [PEFT models]
        before anything moves, so a refused method injected after wrapping (an activated
        LoRA or an AdaLoRA with its penalty, which would train silently wrong; VeRA, whose shared buffer
        the layout would refuse without naming the method) gets the message wrapping gives.
+       Two injections change nothing inside the slices, so no layout follows and the stages would
+       silently run the bare layers; they are refused where PEFT makes them (rule 8).
     6. ``OffloadedCausalLM(peft_model).state_dict()`` holds the Hugging Face model's names
        (``model.layers.0...``), which ``peft_model.get_base_model()`` loads; the ``PeftModel`` names
        the same tensors ``base_model.model.model.layers.0...``. Its ``load_state_dict`` takes
        those names too (:func:`peft_names_as_hf`), so a checkpoint of the plain ``PeftModel``
        loads into it; a ``PeftModel`` does not take the Hugging Face names.
+    7. AdaLoRA's loop is ``optimizer.step(); peft_model.base_model.update_and_allocate(i)``, and
+       ``update_and_allocate`` reads every adapter and its gradient (the importance scores) and
+       masks ``lora_E`` in place, through the tuner, not through the ``OffloadModel``. Under
+       ``OffloadOptimizer`` the updates ``step()`` handed to the worker may still be running
+       then: it read some adapters before their update and masked others under it (adapters
+       0.07 apart after 8 steps, on some runs). So once an AdaLoRA adapter is seen (at the cut or
+       before a layout), ``AdaLoraModel.update_and_allocate`` first waits for the pending updates
+       of every model that holds its parameters, as a read through that model waits
+       (``SettledModule`` in ``offload/modeling/settled.py``: the shadows are cast again, since it
+       writes the masters): :func:`wait_for_updates_of`. PEFT's class is patched, once: the
+       tuner a ``get_peft_model`` after wrapping builds is out of reach, and a method set on an
+       instance would be copied by a deep copy bound to the original. For a model no
+       ``OffloadModel`` holds it waits for nothing.
+    8. Injected after wrapping (rule 5), two methods change nothing the slices register, so no
+       layout follows and :class:`PeftRefusals` never runs: a prompt-learning ``PeftModel``
+       (virtual tokens or a key/value cache before the model: its ``base_model`` is the Hugging
+       Face model itself, which keeps running bare in the stages) and
+       ``LoraConfig(layer_replication=...)``, which sets a new list of copied layers on the
+       decoder (the stages keep the old layers, without adapters). PyTorch's global
+       module-registration hook sees both where they happen (the ``PeftModel`` registering the
+       model as its ``base_model``; the decoder's ``ModuleList`` of layers set anew) and refuses
+       them there, before the registration, so ``get_peft_model`` raises and leaves the model as
+       it was (:class:`_CutModels`). Only while the stages cut from the model live: running the
+       ``PeftModel`` on its own after dropping the wrapper is the plain ``PeftModel``'s business.
 """
 
 from __future__ import annotations
 
+import functools
+import gc
 import sys
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from torch import nn
+
+from ..walk.engine import live_engines
 
 
 def peft_base_model(model: nn.Module) -> nn.Module | None:
@@ -131,16 +165,140 @@ def refuse_peft_methods(hf_model: nn.Module) -> None:
 
 class PeftRefusals:
     """Rule 2 of Note: [PEFT models] for adapters injected after wrapping (rule 5): a stage's
-    ``check_layout``, which the engine calls before it lays the slices out again.
+    ``check_layout``, which the engine calls before it lays the slices out again. An AdaLoRA
+    adapter found at the cut or there makes ``update_and_allocate`` wait for pending updates (rule
+    7). While it lives, what no layout would show is refused where it happens (rule 8,
+    :class:`_CutModels`).
 
     Holds the Hugging Face model, so that a copy or a pickle of the stages checks its own copy of it.
     """
 
     def __init__(self, hf_model: nn.Module) -> None:
         self.hf_model = hf_model
+        _CutModels.add(self)
+        self._settle_adalora()
 
     def __call__(self) -> None:
         refuse_peft_methods(self.hf_model)
+        self._settle_adalora()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        _CutModels.add(self)  # a copy's stages hold the copy's model
+        self._settle_adalora()  # unpickled in another process, whose PEFT is unpatched
+
+    def _settle_adalora(self) -> None:
+        configs = self.hf_model.__dict__.get("peft_config")  # as refuse_peft_methods reads them
+        if isinstance(configs, Mapping) and any(_kind(config) == "ADALORA" for config in configs.values()):
+            _settle_before_update_and_allocate()
+
+
+def wait_for_updates_of(module: nn.Module) -> None:
+    """Block until the pending host updates of every ``OffloadModel`` that holds a parameter of
+    ``module`` are done, as a read of its parameters through that model waits
+    (``SettledModule._settle``): the caller may write them next, so the shadows the updates wrote are
+    cast again. Nothing pending (or no such model): a check per live model."""
+    ids: set[int] | None = None
+    for engine in live_engines():
+        if not engine.updates.pending():
+            continue
+        if ids is None:
+            ids = {id(p) for p in module.parameters()}
+        if not engine.parameter_ids.isdisjoint(ids):
+            engine.updates.wait_all(shadows_stale=True)
+
+
+def _settle_before_update_and_allocate() -> None:
+    """Make ``AdaLoraModel.update_and_allocate`` wait for the pending updates of the models holding
+    the tuner's parameters first (Note: [PEFT models], rule 7). Once: later calls find it patched."""
+    from peft.tuners.adalora import AdaLoraModel
+
+    original = AdaLoraModel.update_and_allocate
+    if getattr(original, "waits_for_offloaded_updates", False):
+        return
+
+    @functools.wraps(original)
+    def update_and_allocate(self: Any, *args: Any, **kwargs: Any) -> Any:
+        wait_for_updates_of(self.model)
+        return original(self, *args, **kwargs)
+
+    update_and_allocate.waits_for_offloaded_updates = True  # type: ignore[attr-defined]
+    AdaLoraModel.update_and_allocate = update_and_allocate
+
+
+class _CutModels:
+    """The Hugging Face models that live stages were cut from, and their decoders' lists of layers,
+    so that a registration the stages cannot follow is refused where it is made (Note: [PEFT
+    models], rule 8): a ``PeftModel`` taking the model as its ``base_model`` (prompt learning), and
+    the list of layers set anew (``layer_replication``).
+
+    PyTorch's global module-registration hook, installed once, sees every registration; each table
+    is keyed weakly by the module and holds the :class:`PeftRefusals` of the stages weakly, so a
+    model whose stages are gone is refused nothing. The cost for any other registration: a lookup
+    in each table.
+    """
+
+    #: Hugging Face model -> the PeftRefusals of the stages cut from it
+    models: weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[PeftRefusals]] = weakref.WeakKeyDictionary()
+    #: the decoder's ModuleList of layers (``model.layers``, GPT-2's ``transformer.h``) -> the same
+    layer_lists: weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[PeftRefusals]] = weakref.WeakKeyDictionary()
+    _installed = False
+
+    @classmethod
+    def add(cls, refusals: PeftRefusals) -> None:
+        if not cls._installed:
+            nn.modules.module.register_module_module_registration_hook(cls._registered)
+            cls._installed = True
+        model = refusals.hf_model
+        cls.models.setdefault(model, weakref.WeakSet()).add(refusals)
+        # The decoder is a child of the model, and its layers the one ModuleList among the decoder's
+        # children in every supported family (the experts' lists sit inside the layers).
+        for parent in (model, *model.children()):
+            for child in parent.children():
+                if isinstance(child, nn.ModuleList):
+                    cls.layer_lists.setdefault(child, weakref.WeakSet()).add(refusals)
+
+    @classmethod
+    def _registered(cls, module: nn.Module, name: str, submodule: nn.Module | None) -> None:
+        if submodule is None or not (cls.models or cls.layer_lists):
+            return
+        replaced = module.__dict__.get("_modules", {}).get(name)
+        if replaced is not None and replaced is not submodule and _held(cls.layer_lists, replaced):
+            raise ValueError(_replaced_layers_message(module, name))
+        peft = sys.modules.get("peft")
+        if peft is not None and isinstance(module, peft.PeftModel) and _held(cls.models, submodule):
+            raise ValueError(_prompt_learning_message(module))
+
+
+def _held(table: weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[PeftRefusals]], module: nn.Module) -> bool:
+    """Whether live stages were cut from ``module`` (a table of :class:`_CutModels`)."""
+    holders = table.get(module)
+    if not holders:
+        return False
+    gc.collect()  # about to refuse: stages dropped but kept in a reference cycle do not count
+    return bool(holders)
+
+
+def _replaced_layers_message(decoder: nn.Module, name: str) -> str:
+    return (
+        f"{type(decoder).__name__}.{name}, the decoder's list of layers, is being replaced after the model was cut "
+        "into stages (causal_lm_sequential, OffloadedCausalLM, load_causal_lm); PEFT's "
+        "LoraConfig(layer_replication=...) does this. The stages hold the layers cut before and would keep running "
+        "them, without the new layers or their adapters. Call peft.get_peft_model(hf_model, config) before "
+        "wrapping, and wrap the PeftModel it returns; a model loaded slice by slice (load_causal_lm, "
+        "offload-finetune --model) gets its adapters after wrapping, so load it with transformers' from_pretrained "
+        "for layer_replication")
+
+
+def _prompt_learning_message(peft_model: nn.Module) -> str:
+    kind = getattr(peft_model.__dict__.get("peft_type"), "value", "prompt learning")
+    return (
+        f"a PeftModel with a prompt-learning adapter ({kind}) around a Hugging Face model that was cut into stages "
+        "(causal_lm_sequential, OffloadedCausalLM, load_causal_lm): its forward adds virtual tokens or a key/value "
+        "cache before the model runs, which the stages never see, so the offloaded model would train and evaluate "
+        "the bare model. Prompt learning is refused at the cut too. Adapter methods that live inside the model's "
+        "layers (LoRA, DoRA, IA3, LoHa, LoKr, ...) can be added after wrapping; to run this PeftModel without "
+        "offloading, drop the wrapper first")
 
 
 def peft_names_as_hf(peft_model: nn.Module | None, hf_model: nn.Module, state_dict: dict[str, Any], prefix: str,
@@ -176,7 +334,7 @@ _SHARED_PROJECTIONS = {"VERA": "VeRA", "PVERA": "PVeRA", "RANDLORA": "RandLoRA"}
 def _refusal(config: Any) -> str | None:
     """What ``config``'s method does that the stages cannot, and what to use instead; ``None`` when
     its adapters live inside the model's layers alone (Note: [PEFT models], rule 2)."""
-    kind = str(getattr(config.peft_type, "value", config.peft_type))
+    kind = _kind(config)
     if kind == "POLY":
         return "a Poly adapter: its forward needs task_ids, which the stages do not carry"
     if getattr(config, "alora_invocation_tokens", None):
@@ -191,12 +349,24 @@ def _refusal(config: Any) -> str | None:
                 "which the stages call one by one without those hooks (the shadow would get no input and no "
                 "gradient). Use LoRA (LoraConfig) or another method whose adapters live inside the layers (DoRA, "
                 "IA3, LoHa, LoKr, OFT)")
+    if getattr(config, "target_modules_to_tie", None):
+        tied = ", ".join(sorted(config.target_modules_to_tie))
+        return (f"a LoRA on a tied embedding with ensure_weight_tying=True: PEFT gives {tied} the embedding's LoRA "
+                "matrices (the same memory), and the stages hold the embedding in the first slice and lm_head in "
+                "the last, each slice with tensors of its own. Pass ensure_weight_tying=False (a targeted lm_head "
+                "gets LoRA matrices of its own; untargeted, it keeps the embedding's frozen weight), or train the "
+                "whole embedding (modules_to_save=['embed_tokens'], where ensure_weight_tying=True is supported)")
     if kind in _SHARED_PROJECTIONS:
         return (f"a {_SHARED_PROJECTIONS[kind]} adapter: every adapted layer holds the same frozen random "
                 "projections (one buffer shared by all of them), and the stages cut the layers into slices that "
                 "each hold their own tensors. Use LoRA (LoraConfig) or another method whose adapters are each "
                 "layer's own (DoRA, IA3, LoHa, LoKr, OFT)")
     return None
+
+
+def _kind(config: Any) -> str:
+    """The method's name as PEFT spells it (``"LORA"``, ``"ADALORA"``)."""
+    return str(getattr(config.peft_type, "value", config.peft_type))
 
 
 def _refuse(configs: Mapping[str, Any]) -> None:
