@@ -21,9 +21,11 @@ It writes a :class:`~offload.planning.rates.MachineRates` as JSON (``--out``, de
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -243,8 +245,29 @@ def _make_out_directory(parser: argparse.ArgumentParser, out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    rates = calibrate(args.dir, args.device)
-    path = save_rates(rates, args.out)
+    try:
+        rates = calibrate(args.dir, args.device)
+        path = _save(rates, args.out)
+    except KeyboardInterrupt:
+        # Like offload-finetune's Ctrl-C: one line, no traceback, exit status 128 + SIGINT.
+        print(f"\noffload calibrate: interrupted; nothing written ({args.out} unchanged)", file=sys.stderr)
+        raise SystemExit(130) from None
+    _report(rates, path)
+
+
+def _save(rates: MachineRates, out: Path) -> Path:
+    """``save_rates``, whole or not at all (the old file stays on any failure); where it cannot
+    (a full disk, after a minute of measuring), the rates go to stdout so the work is not lost."""
+    try:
+        return save_rates(rates, out)
+    except OSError as error:
+        print(json.dumps(rates.to_json(), indent=2))
+        raise SystemExit(f"offload calibrate: error: cannot write --out {out} ({error.strerror or error}); the "
+                         "measured rates are printed above: save them to a file and pass it as --rates, or free "
+                         "space and run calibrate again") from None
+
+
+def _report(rates: MachineRates, path: Path) -> None:
     gb = 1e9
     print(f"{rates.name}")
     print(f"  device matmul: " + ", ".join(f"{k} {v / 1e12:.2f} TFLOP/s" for k, v in rates.device_flops.items()))

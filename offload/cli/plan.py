@@ -192,6 +192,8 @@ def check_machine_args(parser: argparse.ArgumentParser, args: argparse.Namespace
         if value is not None and not 0 < value < math.inf:
             parser.error(f"--{name.replace('_', '-')} must be a positive number of GiB, got {value:g} (a finite "
                          "one; leave it out for the default)")
+    if args.device_memory is not None and args.device == "cpu":  # else a limit shown, and never checked
+        parser.error("--device-memory with --device cpu: a CPU device's memory is the host's: use --host-memory")
     if args.disk is not None and args.disk_dir is None:
         parser.error("--disk is the space under --disk-dir: give --disk-dir DIR too")
     if args.disk_dir is not None:
@@ -464,7 +466,8 @@ def finetune_flags(candidate: Candidate, work: Workload, args: argparse.Namespac
         flags += ["--resident-slices", str(config.resident_slices)]
     if args.max_grad_norm is not None:
         flags += ["--max-grad-norm", f"{args.max_grad_norm:g}"]
-    return "offload-finetune " + " ".join(flags)
+    # offload-finetune's default is cuda where present: the CPU plan's run must say so.
+    return "offload-finetune " + " ".join(flags + (["--device", "cpu"] if args.device == "cpu" else []))
 
 
 def _row(c: Candidate) -> dict[str, Any]:

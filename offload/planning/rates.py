@@ -16,6 +16,7 @@ import dataclasses
 import json
 import math
 import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -172,7 +173,12 @@ def _check_values(data: dict[str, Any]) -> None:
 
 
 def _number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int past a float's range (10**400): not a rate either
+        return False
 
 
 def default_rates_path() -> Path:
@@ -183,9 +189,22 @@ def default_rates_path() -> Path:
 
 
 def save_rates(rates: MachineRates, path: str | os.PathLike[str]) -> Path:
+    """Write ``rates`` to ``path`` whole or not at all: a full disk or an error part way leaves the
+    file that was there as it was (a temp file beside it, made durable, then renamed over it)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(rates.to_json(), indent=2) + "\n")
+    text = json.dumps(rates.to_json(), indent=2) + "\n"
+    handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "w") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        os.chmod(temp, 0o644)  # mkstemp's 0600 would hide the rates from other users, as write_text did not
+        os.replace(temp, path)
+    except BaseException:  # Ctrl-C too: no temp file left behind
+        Path(temp).unlink(missing_ok=True)
+        raise
     return path
 
 
