@@ -16,21 +16,12 @@ from offload.cli.main import main
 from offload.cli.plan import parse_args, run_plan
 from offload.planning.choose import least_needs, microbatch_counts
 
+from .test_memory import TiedHead
+
 GIB = 2**30
 TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 4096,
               "tie_word_embeddings": False}
-
-
-class _Tied(nn.Module):
-    """An output head computing with the embedding's weight (tied across slices)."""
-
-    def __init__(self, embedding: nn.Embedding) -> None:
-        super().__init__()
-        self.weight = embedding.weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x @ self.weight.t()
 
 
 def _tied_apart() -> nn.Sequential:
@@ -38,7 +29,7 @@ def _tied_apart() -> nn.Sequential:
     a norm of its own (its landing buffer larger than the embedding's gradient, as a Llama's)."""
     torch.manual_seed(0)
     embedding = nn.Embedding(4000, 80)
-    head = nn.Sequential(nn.LayerNorm(80), _Tied(embedding))
+    head = nn.Sequential(nn.LayerNorm(80), TiedHead(embedding))
     return nn.Sequential(embedding, nn.Linear(80, 80), nn.Linear(80, 80), head)
 
 
