@@ -208,7 +208,8 @@ def test_footprint_counts_every_category_per_parameter():
     (torch.optim.AdamW, {"lr": 1e-2, "fused": True}, "adamw"),
     (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "fused": True}, "sgd-momentum"),
     (torch.optim.SGD, {"lr": 0.1, "fused": True}, "sgd"),
-], ids=["adamw", "sgd-momentum", "sgd"])
+    (torch.optim.Adam, {"lr": 1e-2, "amsgrad": True, "fused": True}, "adam"),
+], ids=["adamw", "sgd-momentum", "sgd", "adam-amsgrad"])
 @pytest.mark.parametrize("num_slices", [2, 5])
 @pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen-base"])
 @pytest.mark.parametrize("resident", [0, 1, 2], ids=["streamed", "one-resident", "two-resident"])
@@ -220,7 +221,7 @@ def test_the_estimate_matches_the_footprint(compute_dtype, optimizer_class, kwar
         for k in (0, 1, 3, 5):
             plain[k].requires_grad_(False)
     plan = estimate_memory(plain, num_slices=num_slices, compute_dtype=compute_dtype, optimizer=name, device="cpu",
-                           resident_slices=resident)
+                           resident_slices=resident, amsgrad=kwargs.get("amsgrad", False))
     model = OffloadModel(plain, device="cpu", num_slices=num_slices, compute_dtype=compute_dtype,
                          resident_slices=resident)
     optimizer = OffloadOptimizer(model, optimizer_class, **kwargs)
@@ -418,6 +419,41 @@ def test_the_disk_windows_count_the_slices_the_tiers_serve(frozen, tmp_path):
     # gradients (2 pages each).
     assert plan.host_disk_window == footprint.host_disk_window == 3 * (3 + 2 + 2) * page
     assert plan.disk == footprint.disk
+
+
+def test_amsgrads_third_state_tensor_is_counted_in_ram_and_on_disk(tmp_path):
+    """``max_exp_avg_sq`` is one more parameter-sized tensor of state: in RAM, and in the state's
+    files and their window on disk."""
+    def layers() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(*(nn.Linear(37, 37) for _ in range(4)))
+
+    for optimizer_state in ("ram", "disk"):
+        plain = estimate_memory(layers(), num_slices=4, device="cpu", optimizer="adam", optimizer_state=optimizer_state)
+        plan = estimate_memory(layers(), num_slices=4, device="cpu", optimizer="adam", optimizer_state=optimizer_state,
+                               amsgrad=True)
+        model = OffloadModel(layers(), device="cpu", num_slices=4)
+        tier = {"disk_tier": DiskTier(tmp_path / optimizer_state)} if optimizer_state == "disk" else {}
+        optimizer = OffloadOptimizer(model, torch.optim.Adam, lr=1e-3, amsgrad=True, fused=True, **tier)
+        for _ in range(2):
+            model(torch.randn(4, 37)).sum().backward()
+            optimizer.step()
+        optimizer.synchronize()
+        footprint = model.memory_footprint()
+        optimizer.close()
+        assert plan.host_optimizer_state == footprint.host_optimizer_state
+        assert plan.disk == footprint.disk and plan.host_disk_window == footprint.host_disk_window
+        if optimizer_state == "ram":
+            assert plan.host_optimizer_state == plain.host_optimizer_state * 3 // 2
+        else:
+            assert plan.disk > plain.disk and plan.host_disk_window > plain.host_disk_window
+
+
+def test_amsgrad_is_refused_beside_an_optimizer_without_it():
+    with pytest.raises(ValueError, match="amsgrad is Adam's and AdamW's option, not 'sgd-momentum'"):
+        estimate_memory([10, 10], num_slices=2, optimizer="sgd-momentum", amsgrad=True)
+    with pytest.raises(TypeError, match="amsgrad must be a bool"):
+        estimate_memory([10, 10], num_slices=2, amsgrad="yes")
 
 
 def test_the_estimate_refuses_what_the_model_refuses():

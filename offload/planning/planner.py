@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..arguments import int_at_least, resident_count
+from ..arguments import resident_count
 from .footprint import MemoryFootprint
+from .estimate_settings import check_places, check_settings, state_elements
 from .landing_pool import landing_pool
 from .shapes import ModelProfile
 from ..walk.slicing import partition
@@ -33,9 +34,6 @@ from ..streams.shadow_staging import STAGING_BUFFERS
 from ..tiers.state_slice import file_nbytes
 from ..tiers.state_window import most_at_once, place
 
-#: Optimizer state per parameter, in units of the parameter's own element size.
-STATE_ELEMENTS = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0, None: 0}
-_PLACES = ("ram", "disk")
 
 
 @dataclass(frozen=True)
@@ -71,7 +69,7 @@ def estimate_memory(layers: nn.Module | Sequence[int], *, num_slices: int = 8,
                     optimizer: str | None = "adamw", optimizer_state: str = "ram", masters: str = "ram",
                     num_microbatches: int = 1, device: str | torch.device = "cuda",
                     activation_bytes: int = 0, profile: ModelProfile | None = None,
-                    resident_slices: int = 0, shadows: str = "ram") -> MemoryFootprint:
+                    resident_slices: int = 0, shadows: str = "ram", amsgrad: bool = False) -> MemoryFootprint:
     """Predict the memory an OffloadModel trained by OffloadOptimizer holds, by category.
 
     Args:
@@ -87,6 +85,8 @@ def estimate_memory(layers: nn.Module | Sequence[int], *, num_slices: int = 8,
             them; a slice with nothing to cast has no shadow).
         optimizer: ``"adamw"``/``"adam"`` (two moments), ``"sgd-momentum"`` (one buffer),
             ``"sgd"`` or ``None`` (no state).
+        amsgrad: Adam's or AdamW's ``amsgrad=True``: a third state tensor, ``max_exp_avg_sq``, as
+            large as each trained parameter (in RAM, on disk or on the device with the others).
         optimizer_state: ``"ram"``, or ``"disk"`` to count the optimizer state on disk.
         masters: ``"ram"``, or ``"disk"`` to count the masters on disk, as ``OffloadModel(...,
             masters=DiskTier(path))`` keeps them (it needs ``compute_dtype``: the shadow, which loads
@@ -126,17 +126,18 @@ def estimate_memory(layers: nn.Module | Sequence[int], *, num_slices: int = 8,
         ValueError: what :class:`~offload.OffloadModel` refuses (``num_slices`` or
             ``num_microbatches`` below 1, a ``compute_dtype`` other than bfloat16 or float16,
             ``resident_slices`` below 0 or above the number of slices), an unknown optimizer or
-            place, no parameters, a negative count or ``activation_bytes``.
+            place, ``amsgrad`` with an optimizer other than Adam or AdamW, no parameters, a negative
+            count or ``activation_bytes``.
 
     Example::
 
         >>> plan = offload.estimate_memory([7_000_000] * 32, num_slices=8, compute_dtype=torch.bfloat16)
         >>> plan.host_total / 2**30, plan.per_parameter()["host_masters"]
     """
-    _check_settings(num_slices, num_microbatches, activation_bytes, compute_dtype)
-    _check_places(optimizer, optimizer_state, masters, compute_dtype, shadows)
+    check_settings(num_slices, num_microbatches, activation_bytes, compute_dtype)
+    check_places(optimizer, optimizer_state, masters, compute_dtype, shadows, amsgrad)
     layout = slice_layout(layers, num_slices=num_slices, param_dtype=param_dtype, compute_dtype=compute_dtype,
-                          optimizer=optimizer)
+                          optimizer=optimizer, amsgrad=amsgrad)
     return footprint_of(layout, profile, compute_dtype=compute_dtype, optimizer_state=optimizer_state,
                         masters=masters, num_microbatches=num_microbatches, device=device,
                         activation_bytes=activation_bytes, resident_slices=resident_slices, shadows=shadows)
@@ -343,11 +344,9 @@ class SliceLayout:
 
 def slice_layout(layers: nn.Module | Sequence[int] | int, *, num_slices: int = 8,
                  param_dtype: torch.dtype = torch.float32, compute_dtype: torch.dtype | None = None,
-                 optimizer: str | None = "adamw") -> SliceLayout:
+                 optimizer: str | None = "adamw", amsgrad: bool = False) -> SliceLayout:
     """Cut ``layers`` (as :func:`estimate_memory` takes them) into slices and count each slice's bytes."""
-    if optimizer not in STATE_ELEMENTS:
-        known = sorted(k for k in STATE_ELEMENTS if k)
-        raise ValueError(f"optimizer must be one of {known} or None, got {optimizer!r}")
+    states = state_elements(optimizer, amsgrad)
     if isinstance(layers, int) and not isinstance(layers, bool):
         if layers < 1:
             raise ValueError(f"estimate_memory needs a positive parameter count, got {layers}")
@@ -376,14 +375,14 @@ def slice_layout(layers: nn.Module | Sequence[int] | int, *, num_slices: int = 8
         # A slot holds the slice in its device layout, buffers included, then what it borrows.
         device_bytes=[_laid_out(s, device_dtype) for s in slices],
         gradient_bytes=[sum(_align(t.numel * t.dtype.itemsize, ALIGNMENT) for t in s) for s in trained],
-        state_bytes=[sum(STATE_ELEMENTS[optimizer] * t.numel * t.dtype.itemsize for t in s) for s in trained],
+        state_bytes=[sum(states * t.numel * t.dtype.itemsize for t in s) for s in trained],
         tensor_bytes=[sum(t.numel * t.dtype.itemsize for t in s) for s in own],
         trainable_bytes=[sum(t.numel * t.dtype.itemsize for t in s) for s in trained],
         trainable_counts=[sum(t.numel for t in s) for s in trained],
         parameters=sum(t.numel for s in own for t in s if t.is_parameter),
         trainable=sum(t.numel for s in trained for t in s),
         computed_gradient_bytes=[sum(t.numel * device_dtype(t).itemsize for t in s) for s in trained],
-        state_file_bytes=[file_nbytes([t.numel * t.dtype.itemsize for t in s for _ in range(STATE_ELEMENTS[optimizer])])
+        state_file_bytes=[file_nbytes([t.numel * t.dtype.itemsize for t in s for _ in range(states)])
                           for s in trained],
         largest_gradient_bytes=[max((t.numel * t.dtype.itemsize for t in s), default=0) for s in trained],
         # The shadow holds what a load copies from the slice's own host copy: not what it borrows.
@@ -430,33 +429,6 @@ def _held_once(slices: list[list[_Tensor]]) -> list[list[_Tensor]]:
             held.setdefault(key, k)
         result.append(list(mine.values()))
     return result
-
-
-def _check_settings(num_slices: object, num_microbatches: object, activation_bytes: object,
-                    compute_dtype: torch.dtype | None) -> None:
-    """Refuse what OffloadModel refuses, with its words: a prediction for a model that cannot be
-    built would mislead."""
-    int_at_least("num_slices", num_slices, 1)
-    int_at_least("num_microbatches", num_microbatches, 1)
-    int_at_least("activation_bytes", activation_bytes, 0)
-    if compute_dtype not in (None, torch.bfloat16, torch.float16):
-        raise ValueError(f"compute_dtype must be None, torch.bfloat16 or torch.float16, got {compute_dtype!r}")
-
-
-def _check_places(optimizer: str | None, optimizer_state: str, masters: str, compute_dtype: torch.dtype | None,
-                  shadows: str = "ram") -> None:
-    if optimizer not in STATE_ELEMENTS:
-        known = sorted(k for k in STATE_ELEMENTS if k)
-        raise ValueError(f"optimizer must be one of {known} or None, got {optimizer!r}")
-    for name, place in (("optimizer_state", optimizer_state), ("masters", masters), ("shadows", shadows)):
-        if place not in _PLACES:
-            raise ValueError(f"{name} must be 'ram' or 'disk', got {place!r}")
-    if masters == "disk" and compute_dtype is None:
-        raise ValueError("masters='disk' needs a compute_dtype, as OffloadModel(..., masters=...) does: loads "
-                         "read the shadow in that dtype, kept in RAM")
-    if shadows == "disk" and masters != "disk":
-        raise ValueError("shadows='disk' casts each load from the masters on disk, as OffloadModel(..., "
-                         "shadows='disk') does: it needs masters='disk'")
 
 
 def _placed(layout: SliceLayout, optimizer_state: str, masters: str, resident: int = 0
