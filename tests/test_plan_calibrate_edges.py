@@ -1,5 +1,6 @@
 """Edges of ``offload calibrate`` and ``offload plan``: a rates file written whole or not at all
-(a full disk leaves the old one, and the measured rates on stdout), Ctrl-C in one line, a CPU
+(a full disk leaves the old one, and the measured rates on stdout; a link is written through,
+a file keeps its mode), Ctrl-C in one line, a CPU
 plan's printed command run on the CPU, ``--device-memory`` refused for a CPU device, and a rates
 file with an integer past a float's range refused in one line. Nothing is measured: ``calibrate``
 is replaced by one that returns fixed rates."""
@@ -64,6 +65,28 @@ def test_rates_are_written_whole_and_readable(where, capsys):
     assert load_rates(where / "new" / "rates.json").to_json() == CPU_RATES
     assert os.stat(where / "new" / "rates.json").st_mode & 0o777 == 0o644
     assert os.listdir(where / "new") == ["rates.json"]
+
+
+def test_a_linked_rates_file_is_written_through_the_link(where, capsys):
+    (where / "kept").mkdir()
+    (where / "kept" / "rates.json").write_text("{}")
+    (where / "linked.json").symlink_to(where / "kept" / "rates.json")
+    main(["calibrate", "--out", "linked.json"])
+    assert (where / "linked.json").is_symlink()
+    assert load_rates(where / "kept" / "rates.json").to_json() == CPU_RATES
+    assert os.listdir(where / "kept") == ["rates.json"]
+
+
+def test_the_file_keeps_its_mode_and_a_new_one_gets_the_umasks(where, capsys):
+    os.chmod(where / "old.json", 0o640)
+    main(["calibrate", "--out", "old.json"])
+    assert os.stat(where / "old.json").st_mode & 0o777 == 0o640
+    umask = os.umask(0o077)
+    try:
+        main(["calibrate", "--out", "private.json"])
+    finally:
+        os.umask(umask)
+    assert os.stat(where / "private.json").st_mode & 0o777 == 0o600
 
 
 def test_ctrl_c_during_calibrate_is_one_line_with_exit_status_130(where, monkeypatch, capsys):

@@ -16,6 +16,7 @@ import dataclasses
 import json
 import math
 import os
+import stat
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -190,22 +191,35 @@ def default_rates_path() -> Path:
 
 def save_rates(rates: MachineRates, path: str | os.PathLike[str]) -> Path:
     """Write ``rates`` to ``path`` whole or not at all: a full disk or an error part way leaves the
-    file that was there as it was (a temp file beside it, made durable, then renamed over it)."""
+    file that was there as it was (a temp file beside it, made durable, then renamed over it). A
+    symbolic link is written through, as a plain write would: its target is replaced, the link kept."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    target = Path(os.path.realpath(path))  # renaming over the link itself would turn it into a file
+    target.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(rates.to_json(), indent=2) + "\n"
-    handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    handle, temp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
         with os.fdopen(handle, "w") as file:
             file.write(text)
             file.flush()
             os.fsync(file.fileno())
-        os.chmod(temp, 0o644)  # mkstemp's 0600 would hide the rates from other users, as write_text did not
-        os.replace(temp, path)
+        # mkstemp's 0600 would hide the rates from other users where a plain write would not: the
+        # file keeps its mode, or a new one gets what the umask allows a plain write.
+        os.chmod(temp, _mode_of(target))
+        os.replace(temp, target)
     except BaseException:  # Ctrl-C too: no temp file left behind
         Path(temp).unlink(missing_ok=True)
         raise
     return path
+
+
+def _mode_of(path: Path) -> int:
+    try:
+        return stat.S_IMODE(path.stat().st_mode)
+    except FileNotFoundError:
+        umask = os.umask(0o022)  # the only way to read it; set back at once
+        os.umask(umask)
+        return 0o666 & ~umask
 
 
 def load_rates(path: str | os.PathLike[str]) -> MachineRates:
