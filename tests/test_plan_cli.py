@@ -61,6 +61,7 @@ def inputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
                                                     "num_attention_heads": 2, "intermediate_size": 128}))
     (tmp_path / "no_type.json").write_text(json.dumps({"hidden_size": 64}))
     (tmp_path / "a list.json").write_text("[1, 2]")
+    (tmp_path / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}\xff\xfe" * 4)
     (tmp_path / "odd_heads.json").write_text(json.dumps(TINY_LLAMA | {"hidden_size": 65}))
     (tmp_path / "negative.json").write_text(json.dumps(TINY_LLAMA | {"intermediate_size": -3}))
     (tmp_path / "no_config").mkdir()
@@ -173,12 +174,19 @@ BAD_INPUTS = {
     # --hf-config.
     "config missing": (["--hf-config", "none.json", "--gpu", "a100"], "--hf-config none.json: no such file"),
     "config dir without one": (["--hf-config", "no_config", "--gpu", "a100"], "the directory holds no config.json"),
-    "config not json": (["--hf-config", "truncated.json", "--gpu", "a100"], "--hf-config truncated.json: not valid JSON"),
+    "config not json": (["--hf-config", "truncated.json", "--gpu", "a100"], "--hf-config truncated.json: not a JSON config"),
     # The config's own mistakes before the rates': without a calibration, they were answered "no rates".
-    "config not json without rates": (["--hf-config", "truncated.json"], "--hf-config truncated.json: not valid JSON"),
-    "json text not json without rates": (["--hf-config", "{bad json"], "--hf-config {bad json: not valid JSON"),
+    "config not json without rates": (["--hf-config", "truncated.json"], "--hf-config truncated.json: not a JSON config"),
+    "json text not json without rates": (["--hf-config", "{bad json"], "--hf-config {bad json: not a JSON config"),
     "config a text file without rates": (["--hf-config", "plan_cli_factory.py"],
-                                         "--hf-config plan_cli_factory.py: not valid JSON"),
+                                         "--hf-config plan_cli_factory.py: not a JSON config"),
+    # A weights file or a Hub id where the config belongs: the error says what to give.
+    "config a weights file": (["--hf-config", "model.safetensors"], "--hf-config model.safetensors: not a JSON config "
+                              "('utf-8' codec can't decode byte 0xff in position 10: invalid start byte); give the "
+                              "model's config.json, the folder holding it, or its JSON text"),
+    "config a hub id": (["--hf-config", "meta-llama/Llama-3.1-8B"], "--hf-config meta-llama/Llama-3.1-8B: no such "
+                        "file or directory, and not JSON: give a config.json, the folder holding it, or its JSON text "
+                        "(a Hub id is not fetched: download the model's config.json)"),
     "config not a causal LM without rates": (["--hf-config", "bert.json"], "model_type 'bert' is not a causal LM"),
     "config not a causal LM": (["--hf-config", "bert.json", "--gpu", "a100"], "model_type 'bert' is not a causal LM"),
     "config without a type": (["--hf-config", "no_type.json", "--gpu", "a100"], "the config has no model_type"),

@@ -153,7 +153,8 @@ def check_model_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     if not spec or spec.lstrip().startswith("{"):
         return  # JSON text (a long one is no path: asking the file system would fail)
     if not Path(spec).exists():
-        parser.error(f"--hf-config {spec}: no such file or directory, and not JSON")
+        parser.error(f"--hf-config {spec}: no such file or directory, and not JSON: give a config.json, the folder "
+                     "holding it, or its JSON text (a Hub id is not fetched: download the model's config.json)")
     if Path(spec).is_dir() and not (Path(spec) / "config.json").is_file():
         parser.error(f"--hf-config {spec}: the directory holds no config.json")
 

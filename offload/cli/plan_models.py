@@ -188,8 +188,10 @@ def hf_config(spec: str) -> Any:
             return transformers.AutoConfig.from_pretrained(path, local_files_only=True)
         text = spec if is_json else path.read_text()
         data = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise PlanInputError(f"--hf-config {spec}: not valid JSON: {error}") from error
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        # A weights or tokenizer file beside the config is the usual mistake: say what to give instead.
+        raise PlanInputError(f"--hf-config {spec}: not a JSON config ({_one_line(error)}); give the model's "
+                             "config.json, the folder holding it, or its JSON text") from error
     except (OSError, ValueError) as error:  # unreadable, or a config transformers refuses
         raise PlanInputError(f"--hf-config {spec}: {_one_line(error)}") from error
     if not isinstance(data, dict) or data.get("model_type") is None:
