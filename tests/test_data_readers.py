@@ -14,6 +14,9 @@ import json
 import os
 import pathlib
 import re
+import shlex
+import shutil
+import subprocess
 
 import pytest
 
@@ -241,4 +244,24 @@ def test_a_json_array_is_refused_with_how_to_make_json_lines(body, line, tmp_pat
     with pytest.raises(DataFormatError) as caught:
         next(token_blocks(path, byte_tokenizer(), 1))
     assert str(caught.value) == (f"{path}, line {line}: a JSON array, not JSON lines (one object a line); convert it "
-                                 f"to one record a line, e.g. jq -c '.[]' {path} > alpaca.jsonl, and give that file")
+                                 f"to one record a line, e.g. jq -c '.[]' {path} > alpaca-lines.jsonl, and give that file")
+
+
+@pytest.mark.parametrize("name", ["data.json", "data.jsonl", "DATA.JSONL"])
+def test_the_json_array_advice_never_writes_into_the_file_it_reads(name, tmp_path, monkeypatch):
+    """Run as printed from the file's directory, the advised command must not name its input as its
+    output: the shell empties that file before jq reads it (``> data.jsonl`` for ``data.jsonl``); on
+    a filesystem that ignores case, ``data.jsonl`` is ``DATA.JSONL`` too."""
+    monkeypatch.chdir(tmp_path)
+    path = pathlib.Path(name)
+    body = '[{"text": "ab"}, {"text": "cd"}]\n'
+    path.write_text(body, encoding="utf-8")
+    with pytest.raises(DataFormatError) as caught:
+        next(read_documents(path))
+    command = re.search(r"e\.g\. (jq .*), and give that file$", str(caught.value))[1]
+    *_, read, redirect, written = shlex.split(command)
+    assert (read, redirect) == (name, ">") and written.lower() != name.lower(), command
+    if shutil.which("jq") is not None:  # the command itself, run as the user would
+        subprocess.run(["bash", "-c", command], check=True)
+        assert path.read_text(encoding="utf-8") == body
+        assert [text for text, _, _ in read_documents(pathlib.Path(written))] == ["ab", "cd"]

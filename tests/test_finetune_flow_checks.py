@@ -4,8 +4,9 @@ the first step and at a resume, and how a run that the data stops partway throug
 Data errors that need no model (a wrong ``--text-field``, an empty file, chat records for a tokenizer
 without a chat template, a directory that is not a ``datasets`` save) are refused before the model
 is built, from the first document of ``--data`` and ``--eval-file``; a tokenizer with more ids than
-the model has embeddings before the first step; a resume with other data options than the run that
-saved the checkpoint after its load (Note: [Never lose a run], rule 3, in ``offload/cli/finetune.py``).
+the model has embeddings before the first step; a resume with other training-stream options than the
+run that saved the checkpoint after its load (Note: [Never lose a run], rule 3, in
+``offload/cli/finetune.py``), while one with other evaluation options goes on with a note.
 The reader's error partway through training ends the run with the stop line and the error, no
 traceback, and the advice to mend the data before the printed resume (rule 2).
 """
@@ -13,6 +14,7 @@ traceback, and the advice to mend the data before the printed resume (rule 2).
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -198,9 +200,10 @@ def test_data_damaged_before_any_checkpoint_says_to_run_again(tmp_path, capsys, 
 
 
 def test_a_resume_with_other_data_options_is_refused_naming_each(tmp_path, capsys, monkeypatch):
-    """Each changed option with its old and new value; --data at another path is noted, not refused
-    (data moved to another disk is the same data), and the same file named from another directory
-    is the same --data; a resume with the saved run's options goes on."""
+    """Each changed option of the training stream with its old and new value, not --eval-file, which
+    the training batches do not read; --data at another path is noted, not refused (data moved to
+    another disk is the same data), and the same file named from another directory is the same
+    --data; a resume with the saved run's options goes on."""
     out = tmp_path / "out"
     text = tmp_path / "corpus.txt"
     text.write_text(SAMPLE.read_text())
@@ -217,15 +220,55 @@ def test_a_resume_with_other_data_options_is_refused_naming_each(tmp_path, capsy
     assert note == (f"note: --resume: checkpoint {checkpoint} was saved by a run that read --data {text}, this one "
                     f"reads {other}: the batches are that run's only if the two hold the same data"), note
     assert line == (f"offload-finetune: error: --resume: checkpoint {checkpoint} was saved by a run that read its data "
-                    f"otherwise (--seed was 0, now 7; --batch-size was 2, now 3; "
-                    f"--eval-file was unset, now {text}), so the batches would differ from those that run would have "
-                    "drawn (the resume replays its block stream to step 2): pass the old values to resume it, or "
+                    f"otherwise (--seed was 0, now 7; --batch-size was 2, now 3), so the batches would differ from "
+                    "those that run would have drawn (the resume replays its block stream to step 2): pass the old values to resume it, or "
                     f"start a new run: choose another --out, or remove {out / 'checkpoints'}, and leave out --resume and pass "
                     "--overwrite"), line
     monkeypatch.chdir(tmp_path)
     code, printed, err = run_cli(*saved[:-1], "corpus.txt", "--steps", "3", "--resume", "latest", capsys=capsys)
     assert code == 0 and f"resumed from {checkpoint} after step 2" in printed and "step 3/3" in printed, err[-3000:]
     assert "note:" not in err
+
+
+def resumed(out: Path, saved: list[str], resuming: list[str], capsys) -> tuple[str, list[str]]:
+    """Two steps saved with the options ``saved``, resumed to a third with ``resuming``: the resumed
+    run's final loss and its notes."""
+    code, _, err = run_cli("--out", str(out), "--save-every", "1", "--steps", "2", *saved, capsys=capsys)
+    assert code == 0, err[-3000:]
+    code, printed, err = run_cli("--out", str(out), "--save-every", "1", "--steps", "3", "--resume", "latest",
+                                 *resuming, capsys=capsys)
+    assert code == 0 and "after step 2" in printed and "step 3/3" in printed, err[-3000:]
+    return re.search(r"final loss (\S+);", printed)[1], [line for line in err.splitlines() if "note:" in line]
+
+
+def eval_note(out: Path, listed: str) -> str:
+    return (f"note: --resume: checkpoint {out / 'checkpoints' / 'step-2'} was saved by a run that evaluated otherwise "
+            f"({listed}): the evaluation figures are not comparable with that run's, the training batches are the same")
+
+
+def test_a_resume_adding_an_eval_file_goes_on_with_a_note_and_trains_as_one_without(tmp_path, capsys):
+    """--eval-file decides what an evaluation reads, not the training stream: a resume that adds it
+    draws the batches of one that does not, to the same loss, and says its evaluation figures differ."""
+    val = tmp_path / "val.txt"
+    val.write_text(SAMPLE.read_text())
+    loss, notes = resumed(tmp_path / "without", [], [], capsys)
+    assert notes == []
+    loss_with, notes = resumed(tmp_path / "with", [], ["--eval-file", str(val)], capsys)
+    assert notes == [eval_note(tmp_path / "with", f"--eval-file was unset, now {val}")]
+    assert loss_with == loss
+
+
+@pytest.mark.parametrize("change", ["dropped", "another file", "fewer batches"])
+def test_a_resume_with_other_eval_options_goes_on_with_a_note(change, tmp_path, capsys):
+    val, other = tmp_path / "val.txt", tmp_path / "other.txt"
+    val.write_text(SAMPLE.read_text())
+    other.write_text(SAMPLE.read_text()[::-1])
+    resuming, listed = {"dropped": ([], f"--eval-file was {val}, now unset"),
+                        "another file": (["--eval-file", str(other)], f"--eval-file was {val}, now {other}"),
+                        "fewer batches": (["--eval-file", str(val), "--eval-batches", "2"],
+                                          "--eval-batches was 8, now 2")}[change]
+    _, notes = resumed(tmp_path / "out", ["--eval-file", str(val)], resuming, capsys)
+    assert notes == [eval_note(tmp_path / "out", listed)]
 
 
 def test_the_shipped_sample_is_recorded_as_itself_wherever_the_package_is(tmp_path):

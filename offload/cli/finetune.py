@@ -22,8 +22,11 @@ Note: [Never lose a run]
        other error.
     3. Batches are a function of the data options and the step alone (the block stream replayed),
        so a resumed run draws the batches the stopped one would have. Every checkpoint records
-       those options (``finetune_resume.DATA_OPTIONS``), and a resume with others is refused
-       after the load, before anything trains; a checkpoint without the record is resumed as it is.
+       those options and the evaluation's (``finetune_resume.DATA_OPTIONS``); a resume with other
+       training-stream options (``TRAIN_STREAM_OPTIONS``) is refused after the load, before anything
+       trains, and one with other evaluation options (``EVAL_OPTIONS``: ``--eval-file``,
+       ``--eval-batches``) goes on with a note that its evaluation figures are not the saved run's;
+       a checkpoint without the record is resumed as it is.
     4. A finished model in ``--out`` is never overwritten by a run that trained nothing. A resume
        from a checkpoint past ``--steps`` is refused before anything trains, and so is one from a
        checkpoint at ``--steps`` when ``--out`` holds a finished model (its export record, written

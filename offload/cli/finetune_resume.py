@@ -21,14 +21,21 @@ from ..optimizer import OffloadOptimizer
 from .finetune_args import DEFAULT_TEXT, SCHEDULES, fail, no_steps_left, resume_directory_advice
 from .outputs import holds_finished_model
 
-__all__ = ["DATA_OPTIONS", "data_options", "lr_scheduler", "resume", "resume_failure"]
+__all__ = ["DATA_OPTIONS", "EVAL_OPTIONS", "TRAIN_STREAM_OPTIONS", "data_options", "lr_scheduler", "resume",
+           "resume_failure"]
 
-#: The options that decide which blocks each step trains on and each evaluation reads, saved in
-#: every checkpoint's ``extra`` under ``"data"``: a resume replays the block stream to the
+#: The options that decide which blocks each step trains on (``finetune_data.Batches.train``;
+#: ``--eval-fraction`` holds blocks out of that stream): a resume replays the block stream to the
 #: checkpoint's step (Note: [Never lose a run], rule 3, in ``finetune.py``), which holds only if it
-#: reads the stream the saved run read. ``--eval-every`` and ``--steps`` say when, not what: not here.
-DATA_OPTIONS = ("data", "text_field", "seq_len", "seed", "batch_size", "grad_accum", "shuffle_buffer", "eval_file",
-                "eval_fraction", "eval_batches")
+#: reads the stream the saved run read, so a resume with others is refused.
+TRAIN_STREAM_OPTIONS = ("data", "text_field", "seq_len", "seed", "batch_size", "grad_accum", "shuffle_buffer",
+                        "eval_fraction")
+#: The options that decide only what an evaluation reads: a resume with others trains on the same
+#: batches, and is let through with a note that its evaluation figures are not the saved run's.
+EVAL_OPTIONS = ("eval_file", "eval_batches")
+#: Both, saved in every checkpoint's ``extra`` under ``"data"``. ``--eval-every`` and ``--steps``
+#: say when, not what: not here.
+DATA_OPTIONS = TRAIN_STREAM_OPTIONS + EVAL_OPTIONS
 
 
 def lr_scheduler(args: argparse.Namespace, optimizer: OffloadOptimizer) -> torch.optim.lr_scheduler.LRScheduler:
@@ -107,8 +114,6 @@ def _start_over(args: argparse.Namespace) -> str:
 #: What a checkpoint records for the shipped sample text (``--data``'s default), which moves with
 #: the installation: the same data wherever the package is.
 SAMPLE = "the shipped sample.txt"
-#: The options that name files: data moved to another disk is the same data under another path.
-PATHS = ("data", "eval_file")
 
 
 def data_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -120,27 +125,34 @@ def data_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _check_same_data(args: argparse.Namespace, extra: dict[str, Any]) -> None:
-    """Refuse a resume whose :data:`DATA_OPTIONS` differ from those its checkpoint was saved with:
-    the replay would skip another stream's blocks, some trained twice, others never. A checkpoint
-    saved before they were recorded resumes unchecked."""
+    """Refuse a resume whose :data:`TRAIN_STREAM_OPTIONS` differ from those its checkpoint was saved
+    with: the replay would skip another stream's blocks, some trained twice, others never. A change of
+    :data:`EVAL_OPTIONS` gets a note. A checkpoint saved before they were recorded resumes unchecked."""
     saved = extra.get("data")
     if not isinstance(saved, dict):
         return
     here = data_options(args)
     changed = [name for name in DATA_OPTIONS if name in saved and saved[name] != here[name]]
-    moved = [name for name in changed if name in PATHS and None not in (saved[name], here[name])]
-    for name in moved:  # not refused: the file may have moved (another disk); its contents decide
-        print(f"note: --resume: checkpoint {args.resume} was saved by a run that read {_flag(name)} "
-              f"{_shown(saved[name])}, this one reads {_shown(here[name])}: the batches are that run's only if "
-              "the two hold the same data", file=sys.stderr, flush=True)
-    changed = [name for name in changed if name not in moved]
-    if not changed:
-        return
-    listed = "; ".join(f"{_flag(name)} was {_shown(saved[name])}, now {_shown(here[name])}" for name in changed)
-    raise fail(f"--resume: checkpoint {args.resume} was saved by a run that read its data otherwise ({listed}), so "
-               "the batches would differ from those that run would have drawn (the resume replays its block "
-               f"stream to step {extra['step']}): pass the old values to resume it, or start a new run: "
-               f"{_start_over(args)}")
+    if "data" in changed and None not in (saved["data"], here["data"]):
+        # Not refused: the file may have moved (another disk); its contents decide.
+        print(f"note: --resume: checkpoint {args.resume} was saved by a run that read --data {_shown(saved['data'])}, "
+              f"this one reads {_shown(here['data'])}: the batches are that run's only if the two hold the same data",
+              file=sys.stderr, flush=True)
+        changed.remove("data")
+    refused = [name for name in changed if name in TRAIN_STREAM_OPTIONS]
+    if refused:
+        raise fail(f"--resume: checkpoint {args.resume} was saved by a run that read its data otherwise "
+                   f"({_listed(refused, saved, here)}), so the batches would differ from those that run would have "
+                   f"drawn (the resume replays its block stream to step {extra['step']}): pass the old values to "
+                   f"resume it, or start a new run: {_start_over(args)}")
+    if changed:  # the training batches are the saved run's: only what the evaluations read differs
+        print(f"note: --resume: checkpoint {args.resume} was saved by a run that evaluated otherwise "
+              f"({_listed(changed, saved, here)}): the evaluation figures are not comparable with that run's, "
+              "the training batches are the same", file=sys.stderr, flush=True)
+
+
+def _listed(names: list[str], saved: dict[str, Any], here: dict[str, Any]) -> str:
+    return "; ".join(f"{_flag(name)} was {_shown(saved[name])}, now {_shown(here[name])}" for name in names)
 
 
 def _flag(name: str) -> str:

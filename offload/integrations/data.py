@@ -51,6 +51,7 @@ import codecs
 import json
 import logging
 import os
+import shlex
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -261,7 +262,14 @@ def _check_utf8(path: Path) -> None:
 def _not_utf8(path: Path, offset: int, line: int, byte: int) -> DataFormatError:
     return DataFormatError(
         f"{path}: not UTF-8 text: byte 0x{byte:02x} at offset {offset} (line {line}) does not decode; re-encode "
-        f"the file as UTF-8 (Latin-1 text, say: iconv -f LATIN1 -t UTF-8 {path} > {path.stem}-utf8{path.suffix})")
+        f"the file as UTF-8 (Latin-1 text, say: iconv -f LATIN1 -t UTF-8 {_converted(path, '-utf8' + path.suffix)})")
+
+
+def _converted(path: Path, ending: str) -> str:
+    """``path`` and the file a command advised to convert it writes, ``path``'s stem with
+    ``ending``, shell-quoted: never ``path`` itself, which the shell would empty before the command
+    reads it (``> data.jsonl`` for ``data.jsonl``), whatever its suffix or its letters' case."""
+    return f"{shlex.quote(str(path))} > {shlex.quote(path.stem + ending)}"
 
 
 def _utf8_lines(path: Path, limit: int = -1) -> Iterator[str]:
@@ -335,7 +343,7 @@ def _json_lines(path: Path) -> Iterator[tuple[int, Any]]:
             # An array of records (Alpaca's format, pretty-printed or not) is JSON, but not JSON lines.
             raise DataFormatError(
                 f"{path}, line {number}: a JSON array, not JSON lines (one object a line); convert it to one "
-                f"record a line, e.g. jq -c '.[]' {path} > {path.stem}.jsonl, and give that file")
+                f"record a line, e.g. jq -c '.[]' {_converted(path, '-lines.jsonl')}, and give that file")
         first = False
         try:
             yield number, json.loads(line)
