@@ -8,7 +8,6 @@ layers adopted into an engine, and its forward. What it hands off: where it comp
 from __future__ import annotations
 
 import contextlib
-import inspect
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -32,41 +31,13 @@ from .planning.footprint import MemoryFootprint, measure as measure_footprint
 from .walk.slicing import layer_nbytes, partition
 from .walk.streamed import streamed_forward
 from .modeling.placement import compute_target, existing_device, host_conversion, may_move_compute, stays_on_compute
+from .modeling.compiled import EAGER_RUN_REASON, EagerUnderDynamo, refuse_export
 from .modeling.copying import CopiedByLayers
 from .modeling.structure import FixedStructure, check_layers_unchanged
 
 #: Slices of an ``nn.Sequential`` when ``num_slices`` is not given (fewer where it has fewer layers).
 DEFAULT_NUM_SLICES = 3
 
-
-#: The forward (:func:`_run`) as ``torch.compile`` calls it: eagerly; set by the first construction.
-#:
-#: Note: [Compiled around the walk]
-#:     Under ``torch.compile(model)`` Dynamo would trace into the walk: the copy engine, its events
-#:     and pooled buffers, which it cannot trace (fake tensors of the pool's sizes fail) and which
-#:     gains nothing from it. The walk runs eagerly instead, a graph break at the model's call;
-#:     layers compiled themselves (``torch.compile(layer)`` before wrapping) compile as they would
-#:     anywhere. It is made on the first construction, outside any tracing (Dynamo would trace the
-#:     making, and warn), and read as a global; importing Dynamo takes a second, which the first
-#:     ``torch.optim`` step takes anyway. ``torch.compile(model, fullgraph=True)`` refuses the break:
-#:     its error gives :data:`EAGER_RUN_REASON` (torch 2.8 and later take a reason).
-_EAGER_RUN: Callable[..., Any] | None = None
-
-
-#: What ``torch.compile(model, fullgraph=True)`` says of the graph break at the model's call.
-EAGER_RUN_REASON = (
-    "OffloadModel's walk (copies to and from host memory, slice by slice) runs eagerly, outside the compiled "
-    "graph, so the wrapped model cannot compile with fullgraph=True. Compile the layers before wrapping them "
-    "(OffloadModel(nn.Sequential(*[torch.compile(layer) for layer in layers]), ...)), or compile the wrapped "
-    "model without fullgraph=True (docs/api.md, Limitations)")
-
-
-def _make_eager_run() -> None:
-    global _EAGER_RUN
-    if _EAGER_RUN is None:
-        # Dynamo's error under fullgraph=True names this reason (torch 2.8 and later take one).
-        takes_reason = "reason" in inspect.signature(torch.compiler.disable).parameters
-        _EAGER_RUN = torch.compiler.disable(_run, **({"reason": EAGER_RUN_REASON} if takes_reason else {}))
 
 class OffloadModel(CopiedByLayers, FixedStructure):
     """Train an ``nn.Sequential`` whose parameters live in host memory.
@@ -210,7 +181,7 @@ class OffloadModel(CopiedByLayers, FixedStructure):
                               shadows=self.__dict__.get("_shadows", "ram"))
         self._warned_microbatch_batchnorm = False
         per_tensor_warning.install()
-        _make_eager_run()  # outside any tracing (Note: [Compiled around the walk])
+        _RUN.prepare()  # outside any tracing (Note: [Compiled around the walk] in offload/modeling/compiled.py)
 
     # -- data parallelism ----------------------------------------------------------------------
 
@@ -290,9 +261,11 @@ class OffloadModel(CopiedByLayers, FixedStructure):
 
         Raises:
             TypeError: keyword arguments, or not exactly one positional argument.
+            RuntimeError: under ``torch.export`` or ``torch.jit.trace`` (Note: [Exported or traced] in
+                ``offload/modeling/compiled.py``).
         """
-        compiling = torch.compiler.is_compiling() and _EAGER_RUN is not None  # Note: [Compiled around the walk]
-        return (_EAGER_RUN if compiling else _run)(self, *args, **kwargs)
+        refuse_export()
+        return _RUN(self, *args, **kwargs)  # Note: [Compiled around the walk] in offload/modeling/compiled.py
 
     def _activation_plan(self) -> ActivationPlan:
         return ActivationPlan.of(self.checkpoint_activation, self.offload_activations, self._engine.num_slices)
@@ -352,6 +325,10 @@ def _run(model: OffloadModel, *args: Any, **kwargs: Any) -> Any:
             engine, call, model._activation_plan(), model.num_microbatches, *input_tensors, *params,
         )
     return call.output_with(outputs)
+
+
+#: :func:`_run` as ``forward`` calls it: eagerly while Dynamo traces the call, made on the first construction.
+_RUN = EagerUnderDynamo(_run, EAGER_RUN_REASON)
 
 
 @contextlib.contextmanager

@@ -41,10 +41,12 @@ from torch.optim.optimizer import _global_optimizer_post_hooks  # mutated in pla
 from .autograd.accumulation import mark_zeroed
 from .streams.gradient_files import zeroed_in_files
 from .model import OffloadModel, engine_of
+from .modeling.compiled import EagerUnderDynamo
 from .optimizing.arguments import check_arguments
 from .optimizing.backward_norms import BackwardNorms
 from .optimizing.copying import HALF_A_STEP, CopiedByStateDict, check_step_finished
 from .optimizing.deferred_scaling import DeferredScaling
+from .optimizing.eager_step import EAGER_STEP_REASON, waiting
 from .optimizing.in_backward import BackwardUpdates, check_failed_backward, check_in_backward, check_zero_grad
 from .optimizing.plan import as_class_adds, inner_optimizer, plan_key, slice_steps, snapshot
 from .optimizing.random_draws import RandomDraws
@@ -151,6 +153,7 @@ class OffloadOptimizer(CopiedByStateDict, torch.optim.Optimizer):
         self._norms = BackwardNorms.attach(self, engine_of(model), accumulation_steps, norms_in_backward)
         self._scaling = DeferredScaling.attach(self, _scaled_in_update, scale_in_update)
         self._draws = RandomDraws(optimizer_class)  # Note: [An optimizer that draws random numbers]
+        _STEP.prepare()  # outside any tracing (Note: [A compiled step])
         #: step() ran on the model's engine: a move to the host is a teardown then (rule 3 of Note:
         #: [Moving an OffloadModel] in offload/modeling/placement.py)
         self._stepped_engine = False
@@ -189,30 +192,13 @@ class OffloadOptimizer(CopiedByStateDict, torch.optim.Optimizer):
 
         The next forward waits for each slice's update just before loading it. Parameters without a
         gradient (all of them before the first backward) are left as they are, as ``torch.optim``
-        leaves them.
+        leaves them. Under ``torch.compile`` it runs eagerly (Note: [A compiled step] in
+        ``offload/optimizing/eager_step.py``).
 
         Raises:
             RuntimeError: a newer OffloadOptimizer was built for the same model.
         """
-        _check_newest(self.model, self)
-        self._disk.check_loaded("step()")
-        self._stepped_engine = True
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        engine = engine_of(self.model)
-        started, unwritten = _step_begins(self)
-        hyper = [snapshot(group) for group in self.param_groups]
-        scaling = (getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
-        grad_scale, found_inf = _on_host(scaling)
-        # An update must not write host copies that a load still reads (a safety net: see Note:
-        # [Orderings the end of a walk covers] in offload/streams/copies.py).
-        engine.copies.wait_loads_done()
-        _start_updates(self, started, hyper, scaling, (grad_scale, found_inf))
-        if unwritten is not None:  # a write of the updates backward ran, once the step is whole (_step_begins)
-            raise unwritten
-        return loss
+        return _STEP(self, closure)
 
     def consolidated_state_dict(self, to: int = 0) -> dict[str, Any] | None:
         """The whole optimizer state, gathered from the ranks that own its parts, on rank ``to``
@@ -498,6 +484,33 @@ def _scaled_in_update(optimizer: OffloadOptimizer) -> tuple[SliceUpdates, list[S
         return optimizer._updates, []
     _plan(optimizer)
     return optimizer._updates, [step for step in optimizer._steps if not _resident(step)]
+
+
+def _step(optimizer: OffloadOptimizer, closure: Callable[[], Any] | None) -> Any:
+    """:meth:`OffloadOptimizer.step`'s work, eager under ``torch.compile`` as :data:`_STEP` calls it."""
+    _check_newest(optimizer.model, optimizer)
+    optimizer._disk.check_loaded("step()")
+    optimizer._stepped_engine = True
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+    engine = engine_of(optimizer.model)
+    started, unwritten = _step_begins(optimizer)
+    hyper = [snapshot(group) for group in optimizer.param_groups]
+    scaling = (getattr(optimizer, "grad_scale", None), getattr(optimizer, "found_inf", None))
+    grad_scale, found_inf = _on_host(scaling)
+    # An update must not write host copies that a load still reads (a safety net: see Note:
+    # [Orderings the end of a walk covers] in offload/streams/copies.py).
+    engine.copies.wait_loads_done()
+    _start_updates(optimizer, started, hyper, scaling, (grad_scale, found_inf))
+    if unwritten is not None:  # a write of the updates backward ran, once the step is whole (_step_begins)
+        raise unwritten
+    return loss
+
+
+#: :func:`_step` as ``step()`` calls it: eagerly while Dynamo traces the call (Note: [A compiled step]).
+_STEP = EagerUnderDynamo(_step, EAGER_STEP_REASON, traced=waiting(_step))
 
 
 def _step_begins(optimizer: OffloadOptimizer) -> tuple[set[int], DiskTierError | None]:

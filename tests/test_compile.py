@@ -1,11 +1,15 @@
 """``torch.compile`` with OffloadModel: compiled layers, and the compiled wrapped model, give the
 plain model's results; a compiled layer that writes a buffer in forward is refused by PyTorch, and
 the error says why and what to do (docs/api.md, Limitations); the registration hooks OffloadModel
-installs leave other compiled modules in one graph."""
+installs leave other compiled modules in one graph, and leave with the last model; compiled layers
+compile no more graphs than in the plain model; a compiled ``OffloadOptimizer.step`` is an eager
+``torch.optim`` step; compiled autograd, ``torch.export`` and ``torch.jit.trace`` are refused with
+what to do."""
 
 from __future__ import annotations
 
 import copy
+import gc
 import warnings
 
 import pytest
@@ -13,8 +17,10 @@ import torch
 from torch import nn
 from torch.nn.utils.parametrizations import spectral_norm
 
-from offload import OffloadModel
-from offload.streams.slice_entries import RegisteredTensors, collect_entries
+from offload import OffloadModel, OffloadOptimizer
+from offload.autograd.function import COMPILED_AUTOGRAD
+from offload.modeling.compiled import EXPORT_REFUSED
+from offload.streams.slice_entries import RegisteredTensors, _RegistrationCounter, collect_entries
 from offload.walk.engine import COMPILED_BUFFER_NOTE
 
 EXACT = {"rtol": 0.0, "atol": 0.0}
@@ -78,7 +84,8 @@ def test_registration_hooks_leave_compiled_modules_in_one_graph(fullgraph):
     # The registration hooks are process-wide: a hook that read a count made dynamo recompile a
     # spectral-norm layer outside any OffloadModel, which assigns its buffer ``_u`` in forward, at
     # every call (``_RegistrationCounter`` in offload/streams/slice_entries.py says why).
-    OffloadModel(network(), device="cpu")
+    model = OffloadModel(network(), device="cpu")  # alive: its hooks are installed
+    assert _hooks_installed()
     torch._dynamo.reset()
     graphs: list[torch.fx.GraphModule] = []
     torch.manual_seed(0)
@@ -88,6 +95,7 @@ def test_registration_hooks_leave_compiled_modules_in_one_graph(fullgraph):
         x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
         torch.testing.assert_close(layer(x), plain(x), **EXACT)
     assert len(graphs) == 1
+    del model
 
 
 def test_a_registration_in_a_compiled_forward_is_still_seen():
@@ -109,3 +117,149 @@ def test_a_registration_in_a_compiled_forward_is_still_seen():
         # Only the hooks tell: the laid-out entries are all still in place.
         assert registered.changed(params + buffers)
     assert len(graphs) <= 2
+
+
+def _graphs_for_two_steps(wrap: bool) -> tuple[int, list[torch.Tensor]]:
+    torch._dynamo.reset()
+    graphs: list[torch.fx.GraphModule] = []
+    layers = nn.Sequential(*[torch.compile(layer, backend=_counting_backend(graphs)) for layer in network()])
+    # Three slices, checkpointed: each slice but the last runs forward twice (forward, recompute).
+    run = OffloadModel(layers, device="cpu", num_slices=3) if wrap else layers
+    results = []
+    for step in range(2):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        y = run(x)
+        y.square().sum().backward()
+        results += [y.detach()] + [p.grad.clone() for p in run.parameters()]
+        run.zero_grad()
+    return len(graphs), results
+
+
+def test_layers_compiled_before_wrapping_compile_no_more_graphs_than_in_the_plain_model():
+    # The checkpointed forward used to flip autocast's cache flag with no autocast on; the flag is
+    # in Dynamo's global-state guard, so each compiled layer compiled once more, and six kinds of
+    # layer went past Dynamo's recompile limit (8), silently running the rest uncompiled.
+    plain_graphs, want = _graphs_for_two_steps(wrap=False)
+    wrapped_graphs, got = _graphs_for_two_steps(wrap=True)
+    assert wrapped_graphs <= plain_graphs == len(network())
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **EXACT)
+
+
+@pytest.mark.filterwarnings("ignore:SGD is stepping OffloadModel's host parameters")
+def test_layers_compiled_with_inductor_give_the_plain_models_results():
+    # Inductor's kernels round unlike eager ones, so a layer that fell back to eager (Dynamo's
+    # recompile limit) shows here, where aot_eager's fallback would be bit-identical.
+    results = []
+    for wrap in (False, True):
+        torch._dynamo.reset()
+        layers = nn.Sequential(*[torch.compile(layer) for layer in network()])
+        run = OffloadModel(layers, device="cpu", num_slices=3) if wrap else layers
+        opt = torch.optim.SGD(run.parameters(), lr=0.1)
+        results.append([])
+        for step in range(2):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+            y = run(x)
+            y.square().sum().backward()
+            results[-1] += [y.detach()] + [p.grad.clone() for p in run.parameters()]
+            opt.step()
+            opt.zero_grad()
+        results[-1] += [p.detach().clone() for p in run.parameters()]
+    for a, b in zip(*results):
+        torch.testing.assert_close(b, a, **EXACT)
+
+
+@pytest.mark.filterwarnings("ignore:.* is stepping OffloadModel's host parameters")
+@pytest.mark.parametrize("optimizer_class, kwargs", [(torch.optim.AdamW, {}), (torch.optim.SGD, {"momentum": 0.9})])
+def test_a_compiled_offload_optimizer_step_is_an_eager_torch_optim_step(optimizer_class, kwargs):
+    # Dynamo's view of an optimizer sets capturable=True in its groups: AdamW asserted on the host
+    # worker (Note: [A compiled step] in offload/optimizing/eager_step.py).
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    model = OffloadModel(copy.deepcopy(plain), device="cpu", num_slices=2)
+    plain_opt = optimizer_class(plain.parameters(), lr=0.01, **kwargs)
+    opt = OffloadOptimizer(model, optimizer_class, lr=0.01, **kwargs)
+    graphs: list[torch.fx.GraphModule] = []
+    step = torch.compile(opt.step, backend=_counting_backend(graphs))
+    for i in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
+        plain(x).square().sum().backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+        model(x).square().sum().backward()
+        step()
+        opt.zero_grad()
+    opt.synchronize()
+    assert not opt.param_groups[0].get("capturable", False)
+    assert not graphs  # nothing of the step was traced
+    for (name, a), b in zip(plain.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b, a, **EXACT, msg=name)
+
+
+def test_a_backward_under_compiled_autograd_is_refused_with_what_to_do():
+    # Dynamo used to fail inside the walk's hooks with an internal AttributeError.
+    torch._dynamo.reset()
+    plain = network()
+    model = OffloadModel(copy.deepcopy(plain), device="cpu", num_slices=3)
+    x = torch.randn(4, 8)
+    with torch._dynamo.compiled_autograd._enable(torch.compile(backend="eager")):
+        with pytest.raises(RuntimeError) as raised:
+            model(x).square().sum().backward()
+    assert str(raised.value) == COMPILED_AUTOGRAD
+    assert all(p.grad is None for p in model.parameters())
+    # Outside it, backward is the plain model's.
+    model(x).square().sum().backward()
+    plain(x).square().sum().backward()
+    for (name, a), b in zip(plain.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, **EXACT, msg=name)
+
+
+def _hooks_installed() -> bool:
+    registered = _RegistrationCounter._registered
+    return all(registered in hooks.values() for hooks in (
+        nn.modules.module._global_module_registration_hooks, nn.modules.module._global_parameter_registration_hooks,
+        nn.modules.module._global_buffer_registration_hooks))
+
+
+def test_registration_hooks_leave_with_the_last_model_so_other_models_compile_their_backward(monkeypatch):
+    # Compiled autograd cannot trace a process-wide registration hook: with one left behind, a plain
+    # model's compiled training step failed (KeyError: _orig_mod) once any OffloadModel had been built.
+    models = [OffloadModel(network(), device="cpu") for _ in range(2)]
+    assert _hooks_installed()
+    del models[0]
+    gc.collect()
+    assert _hooks_installed()  # the other model still watches
+    storage = models[0]._engine.slices[-1].storage
+    storage.layers[0].register_buffer("late", torch.zeros(1))  # and still sees a registration
+    assert storage.registered_tensors_changed()
+    del storage
+    del models
+    gc.collect()
+    assert not _hooks_installed()
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._dynamo.config, "compiled_autograd", True)
+    plain = network()
+
+    @torch.compile(backend="eager")
+    def train_step(x: torch.Tensor) -> torch.Tensor:
+        loss = plain(x).square().sum()
+        loss.backward()
+        return loss
+
+    train_step(torch.randn(4, 8))
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("export", ["non-strict", "strict", "jit.trace"])
+def test_exporting_or_tracing_is_refused_with_what_to_do(export):
+    torch._dynamo.reset()
+    model = OffloadModel(network(), device="cpu", num_slices=3)
+    x = torch.randn(4, 8)
+    with pytest.raises(RuntimeError) as raised:
+        if export == "jit.trace":
+            torch.jit.trace(model, x)
+        else:
+            torch.export.export(model, (x,), strict=export == "strict")
+    assert EXPORT_REFUSED in str(raised.value)
+    torch.testing.assert_close(model(x), network()(x), **EXACT)  # and the model runs on

@@ -41,6 +41,7 @@ Note: [The caller's saved-tensor hooks]
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any
 
 import torch
@@ -88,6 +89,7 @@ class OffloadFunction(torch.autograd.Function):
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         if torch.is_grad_enabled():
             raise RuntimeError(refusals.DOUBLE_BACKWARD)
+        _refuse_compiled_autograd()
         # Autograd runs backward in the caller's inference mode (loss.backward() under
         # torch.inference_mode(), which the plain model's nodes do not mind): the recompute must build
         # a graph, and the gradients' watch reads accumulation nodes through views, neither of which
@@ -186,6 +188,23 @@ def _walk_backward(ctx: Any, grad_outputs: tuple[torch.Tensor | None, ...]) -> t
         grads.land()
         walk.finish()
     return (None, None, None, None, *grads.results(grad_out))
+
+
+#: Why a backward under compiled autograd is refused, and what to do.
+COMPILED_AUTOGRAD = (
+    "OffloadModel's backward walk (copies to and from host memory, slice by slice) runs eagerly, and compiled "
+    "autograd cannot trace it: run this backward without compiled autograd (outside "
+    "torch._dynamo.compiled_autograd._enable(...), with torch._dynamo.config.compiled_autograd = False). Layers "
+    "compiled before wrapping still compile their own forward and backward (docs/api.md, Limitations)")
+
+
+def _refuse_compiled_autograd() -> None:
+    """Raise :data:`COMPILED_AUTOGRAD` in a compiled-autograd region, where PyTorch's own error
+    (Dynamo tracing the walk) names neither OffloadModel nor what to do."""
+    # Not imported: compiled autograd cannot be on; importing Dynamo here would cost a second.
+    compiled_autograd = sys.modules.get("torch._dynamo.compiled_autograd")
+    if compiled_autograd is not None and getattr(compiled_autograd, "in_compiled_autograd_region", False):
+        raise RuntimeError(COMPILED_AUTOGRAD)
 
 
 def _identity(tensor: torch.Tensor) -> torch.Tensor:

@@ -69,13 +69,37 @@ def autocast_cache_disabled() -> Iterator[None]:
     offloading avoids. Without the cache every use casts afresh, to the same values; that run
     keeps no graph, so how the casts would meet in backward does not matter there (the recompute,
     which backward uses, keeps the cache as the plain model does).
+
+    Only while autocast is on: without it nothing is cast, so the cache is unused, and the flag is
+    part of the global state Dynamo guards a compiled graph on. Flipping it there made every layer
+    compiled before wrapping compile once more for this run, and the extra graphs took Dynamo
+    over its recompile limit, past which layers run uncompiled and round differently.
+
+    Under autocast the flag is still flipped, at the cost of that second graph per compiled layer.
+    Keeping it on and emptying the cache after the slice would drop the casts the caller's own
+    weights made earlier in the same autocast block (PyTorch can empty only the whole cache): a
+    weight used again after this model would be cast twice, and its two gradients would meet in
+    full precision instead of in half precision as in the plain model.
     """
+    if not _autocast_on():
+        yield
+        return
     previous = torch.is_autocast_cache_enabled()
     torch.set_autocast_cache_enabled(False)
     try:
         yield
     finally:
         torch.set_autocast_cache_enabled(previous)
+
+
+def _autocast_on() -> bool:
+    """Whether any device's autocast is on (the cache serves them all)."""
+    return any(torch.is_autocast_enabled(device_type) for device_type in _AUTOCAST_DEVICE_TYPES
+               if torch.amp.is_autocast_available(device_type))
+
+
+#: The device types whose autocast this process may turn on.
+_AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "xla", "privateuseone")
 
 
 def device_generator_initialized(device: torch.device) -> bool:

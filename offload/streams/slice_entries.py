@@ -8,11 +8,14 @@ It does not place the entries in memory (``slice_layout.py``) or copy them (``ho
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from .flat_views import _itemsize, dense_stride
 from .quantized import (RUN_STATE, device_state, device_weight, is_8bit_weight, settle_8bit_layer, state_at,
@@ -161,7 +164,7 @@ def bind_device_weights(tensors: list[torch.Tensor], views: Sequence[torch.Tenso
 class _RegistrationCounter:
     """Whether modules, parameters or buffers were registered in this process (``setattr`` on a
     module, ``register_*``) since a given look, told by PyTorch's global registration hooks,
-    installed once.
+    installed while a :class:`RegisteredTensors` (a slice of a live OffloadModel) watches.
 
     Walking every module of a model at every forward to find ones added since it was laid out
     costs about half a millisecond for 32 decoder layers; this tells in constant time that nothing
@@ -174,23 +177,40 @@ class _RegistrationCounter:
     guards on its value and recompiles at every call until its recompile limit, then runs the module
     eagerly. A constant store it replays after the graph at every call with no guard; and
     ``torch.compiler.disable`` on the hook would break the graph there, which ``fullgraph=True``
-    refuses.
+    refuses. Compiled autograd (torch 2.13) cannot trace any global registration hook, of any model:
+    so the hooks are removed once the last watcher is collected, and a process that has dropped its
+    OffloadModels compiles other models' backward again (docs/api.md, Limitations).
     """
 
     count = 0  # bumped by a look that finds ``unseen`` set
     unseen = False  # set by the hook: something was registered since the last look
-    _installed = False
+    _handles: list[RemovableHandle] = []  # the installed hooks; empty while nothing watches
+    _watchers = 0  # RegisteredTensors alive
+    # Reentrant: a collection inside watch() may run a watcher's finalizer on this thread.
+    _lock = threading.RLock()
 
     @classmethod
-    def install(cls) -> None:
-        if cls._installed:
-            return
-        cls._installed = True
-        hooks = nn.modules.module
-        for register in (hooks.register_module_module_registration_hook,
-                         hooks.register_module_parameter_registration_hook,
-                         hooks.register_module_buffer_registration_hook):
-            register(cls._registered)
+    def watch(cls, watcher: object) -> None:
+        """Install the hooks unless installed, until ``watcher`` and every other one is collected."""
+        with cls._lock:
+            cls._watchers += 1  # before installing: a finalizer run in between must not remove them
+            if not cls._handles:
+                hooks = nn.modules.module
+                cls._handles = [register(cls._registered) for register in (
+                    hooks.register_module_module_registration_hook,
+                    hooks.register_module_parameter_registration_hook,
+                    hooks.register_module_buffer_registration_hook)]
+        weakref.finalize(watcher, cls._unwatch)
+
+    @classmethod
+    def _unwatch(cls) -> None:
+        with cls._lock:
+            cls._watchers -= 1
+            if cls._watchers == 0:
+                for handle in cls._handles:
+                    handle.remove()
+                cls._handles = []
+                # Nothing watches, so no look compares against what goes unseen until the next watch.
 
     @classmethod
     def _registered(cls, module: nn.Module, name: str, value: object) -> None:
@@ -231,7 +251,7 @@ class RegisteredTensors:
     """
 
     def __init__(self, layers: Sequence[nn.Module]) -> None:
-        _RegistrationCounter.install()
+        _RegistrationCounter.watch(self)
         self.layers = layers
         self.counted = _RegistrationCounter.look()
         self.registrations = _registrations(layers)
