@@ -59,14 +59,13 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from ..model import OffloadModel, engine_of
-from ..optimizer import OffloadOptimizer
-from . import causal_lm_configs, causal_lm_embeddings, causal_lm_guards, hf_names
+from . import causal_lm_configs, causal_lm_embeddings, causal_lm_guards, causal_lm_optimizer, hf_names
 from .peft import peft_base_model, peft_names_as_hf
 from .transformers_loading import load_causal_lm, stored_into_stages
 from .transformers_batch import LAST_HIDDEN_STATE, ROUTER_LOGITS
 from .transformers_refusals import (MissingLogits, attribute_or_advice, refuse_adapter_on_head,
-                                    refuse_packed_sequences, refuse_router_logits, refuse_trainer_arguments,
-                                    refuse_update_in_backward, warn_of_cache, warn_of_layer_outputs)
+                                    refuse_packed_sequences, refuse_router_logits, warn_of_cache,
+                                    warn_of_layer_outputs)
 from .transformers_saving import positional_save_arguments, save_causal_lm, save_options
 from .transformers_router import flat_router_logits, router_logits_asked, with_router_loss
 from .transformers_stages import CausalLMSequential, causal_lm_sequential, packed_sequence_keywords
@@ -143,6 +142,7 @@ class OffloadedCausalLM(PreTrainedModel):
     register_parameter = causal_lm_guards.register_parameter
     # The model's own, not copies: save_pretrained writes the model's (Note: [The model's configs, not copies]).
     config, generation_config = causal_lm_configs.config, causal_lm_configs.generation_config
+    vocab_size = causal_lm_configs.vocab_size  # resize_token_embeddings changes the model's
 
     def __init__(self, model: nn.Module, device: torch.device | str | int, *, loss_chunk_tokens: int | None = None,
                  untie_embeddings: bool = False, **options: Any) -> None:
@@ -248,25 +248,8 @@ class OffloadedCausalLM(PreTrainedModel):
         return sum(p.numel() for p in dict.fromkeys(engine.parameters())
                    if not (exclude_embeddings and id(p) in embeddings) and (p.requires_grad or not only_trainable))
 
-    def offload_optimizer(self, args: Any, **options: Any) -> OffloadOptimizer:
-        """The optimizer ``transformers.Trainer`` would build from ``args`` (a ``TrainingArguments``,
-        ``SFTConfig`` included), as an :class:`~offload.OffloadOptimizer` that steps the host copies
-        beside the next forward: the same class and hyperparameters (``optim``, ``learning_rate``,
-        the Adam betas and epsilon, ``fused`` for ``adamw_torch_fused``, the default) and the same
-        two groups, ``weight_decay`` for the parameters the Trainer decays and none for biases and
-        norms. Hand it to the trainer with ``optimizers=(optimizer, None)``: the trainer then builds
-        its learning-rate schedule (warm-up included) over it.
-
-        Args:
-            args: the trainer's arguments.
-            options: :class:`~offload.OffloadOptimizer`'s own (``num_threads``, ``disk_tier``).
-
-        Raises:
-            ValueError: an ``optim`` the Trainer builds from the model itself (GaLore, LOMO, ...), which
-                cannot step slice by slice; ``update_in_backward``; ``args`` this model cannot train under
-                (:func:`~.transformers_refusals.refuse_trainer_arguments`).
-        """
-        return _trainer_optimizer(self, args, options)
+    # The optimizer the trainer would build, as an OffloadOptimizer (causal_lm_optimizer.py).
+    offload_optimizer = causal_lm_optimizer.offload_optimizer
 
     peft_config = causal_lm_guards.peft_config  # the PeftModel's; PEFT around the wrapper refused
 
@@ -545,46 +528,3 @@ def _report_in_hf_names(model: OffloadedCausalLM, incompatible_keys: _Incompatib
     stage_name = re.compile(rf"{re.escape(prefix)}offloaded\.[\w.]*\w")
     error_msgs[:] = [stage_name.sub(lambda found: renamed.get(found.group(0), found.group(0)), message)
                      for message in error_msgs]
-
-def _trainer_optimizer(model: OffloadedCausalLM, args: Any, options: dict[str, Any]) -> OffloadOptimizer:
-    """:meth:`OffloadedCausalLM.offload_optimizer`."""
-    from transformers import Trainer
-
-    refuse_update_in_backward(options)
-    refuse_trainer_arguments(model, args)
-
-    optimizer_class, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
-    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)) or {
-            "params", "model", "optimizer_dict"} & set(kwargs):
-        raise ValueError(f"optim={args.optim!r} builds its optimizer from the whole model; OffloadOptimizer "
-                         "steps one slice at a time. Use an optimizer such as adamw_torch_fused (the default)")
-    optimizer = OffloadOptimizer(model.offloaded, optimizer_class, _decay_groups(model, args.weight_decay),
-                                 **options, **kwargs)
-    if "bitsandbytes" in str(optimizer_class) and kwargs.get("optim_bits") == 8:
-        _embeddings_in_32_bits(model)
-    return optimizer
-
-
-def _embeddings_in_32_bits(model: OffloadedCausalLM) -> None:
-    """What ``Trainer.create_optimizer`` does for a bitsandbytes 8-bit ``optim``: every embedding's
-    weight keeps 32-bit state, through bitsandbytes' module overrides (which the inner optimizers
-    read for their proxies, Note: [bitsandbytes overrides] in ``offload/optimizing/plan.py``)."""
-    import bitsandbytes
-
-    manager = bitsandbytes.optim.GlobalOptimManager.get_instance()
-    for module in model.modules():
-        if isinstance(module, nn.Embedding):
-            manager.register_module_override(module, "weight", {"optim_bits": 32})
-
-
-def _decay_groups(model: OffloadedCausalLM, weight_decay: float) -> list[dict[str, Any]]:
-    """The trainable parameters in the Trainer's two groups: ``weight_decay`` for those it decays, none
-    for biases and norms. An empty group is kept, as the Trainer keeps it (LoRA adapters alone leave
-    the second one empty): the two optimizers' state dicts then load into each other."""
-    from transformers import Trainer
-
-    # Trainer.get_decay_parameter_names reads nothing of the trainer: the rule is the Trainer's own.
-    decayed = set(Trainer.get_decay_parameter_names(None, model))  # type: ignore[arg-type]
-    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    return [{"params": [p for name, p in named if name in decayed], "weight_decay": weight_decay},
-            {"params": [p for name, p in named if name not in decayed], "weight_decay": 0.0}]

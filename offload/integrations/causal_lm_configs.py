@@ -1,4 +1,4 @@
-"""An :class:`~offload.integrations.causal_lm.OffloadedCausalLM`'s ``config`` and ``generation_config``:
+"""An :class:`~offload.integrations.causal_lm.OffloadedCausalLM`'s ``config``, ``generation_config`` and ``vocab_size``:
 the wrapped Hugging Face model's own, read and written there.
 
 What it does not hold: loading them from a folder (``load_causal_lm`` in ``transformers_loading.py``)
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["config", "generation_config"]
+__all__ = ["config", "generation_config", "vocab_size"]
 
 
 def _config(model: Any) -> Any:
@@ -46,3 +46,12 @@ config = property(_config, _set_config, doc="The Hugging Face model's config, re
 generation_config = property(_generation_config, _set_generation_config,
                              doc="The Hugging Face model's generation config, read and assigned there "
                                  "(``save_pretrained`` writes it).")
+
+
+def _vocab_size(model: Any) -> Any:
+    return model.hf_model.vocab_size  # an AttributeError, for a model without one, is answered with advice
+
+
+#: ``OffloadedCausalLM.vocab_size``: the Hugging Face model's, which ``resize_token_embeddings`` changes
+#: (TRL's ``clone_chat_template`` reads it right after): a property, not a copy taken at wrapping.
+vocab_size = property(_vocab_size, doc="The Hugging Face model's vocab_size, read there.")

@@ -24,6 +24,10 @@ Note: [The embeddings through the model's own methods]
        untied on purpose (``untie_embeddings=True``) has its config say so, and stays untied; one
        loaded from a checkpoint whose stored head differs is tied by ``tie_weights()`` as the plain
        model loaded from it is (its config still says tied).
+    4. A parameter replaced so (the old embedding's, ``lm_head``'s) is noted for the
+       ``OffloadOptimizer`` built before that still holds it, whose next ``step()`` refuses to step
+       it (Note: [Parameters replaced after the optimizer] in ``offload/optimizing/let_go.py``):
+       the new one would never train. Build the optimizer after the change.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from typing import Any
 from torch import nn
 
 from ..model import engine_of
+from ..optimizing.let_go import noting_let_go
 
 __all__ = ["get_input_embeddings", "get_output_embeddings", "resize_token_embeddings", "set_input_embeddings",
            "set_output_embeddings", "tie_weights"]
@@ -78,5 +83,7 @@ def _through_the_model(model: Any, method: str, *args: Any, **kwargs: Any) -> An
     (rules 1 and 2 of the note)."""
     model.offloaded._settle()
     result = getattr(model.hf_model, method)(*args, **kwargs)
-    engine_of(model.offloaded).refresh()
+    engine = engine_of(model.offloaded)
+    with noting_let_go(engine):  # an optimizer built before must not step what was replaced (rule 4)
+        engine.refresh()
     return result

@@ -62,7 +62,7 @@ _NO_PEFT_AROUND = (
     "PEFT cannot wrap an OffloadedCausalLM: the adapters it saves would be named by the offloaded stages "
     "(offloaded.1.layer...) and would not load into the Hugging Face model. Add the adapters first and "
     "wrap the PeftModel: OffloadedCausalLM(peft.get_peft_model(hf_model, LoraConfig(...)), device=...), "
-    "and give TRL's SFTTrainer that model without peft_config")
+    "and give the TRL trainer ({trainer}) that model without peft_config{reference}")
 
 _NOT_ON_THE_WRAPPER = (
     "an OffloadedCausalLM runs its offloaded stages, cut from the Hugging Face model when it was wrapped, and "
@@ -162,7 +162,27 @@ def _peft_config(model: Any) -> Any:
 def _refuse_peft_around(model: Any, value: Any) -> None:
     # PEFT's tuners set it on the model they wrap: get_peft_model(OffloadedCausalLM(...)), or TRL's
     # SFTTrainer(peft_config=...). Their adapters would be named by the stages, not by the model.
-    raise ValueError(_NO_PEFT_AROUND)
+    trainer = _trl_trainer_calling()
+    # DPO and KTO then need the reference precomputed (rule 2 of Note: [What the trainers cannot get
+    # from the model] in transformers_refusals.py): the next refusal, said at once.
+    reference = (f", and {trainer.removesuffix('Trainer')}Config(precompute_ref_log_probs=True)"
+                 if trainer in ("DPOTrainer", "KTOTrainer") else "")
+    raise ValueError(_NO_PEFT_AROUND.format(trainer=trainer or "SFTTrainer, DPOTrainer, ...", reference=reference))
+
+
+def _trl_trainer_calling() -> str | None:
+    """The class name of the TRL trainer whose ``__init__`` is on the stack (adding the adapters), if any:
+    PEFT, which sets ``peft_config``, is not told which trainer called it, so the stack is read."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "__init__" and "self" in frame.f_locals:
+            # By TRL's own class: a user's subclass is named by the trainer it subclasses.
+            mro = type(frame.f_locals["self"]).__mro__
+            trl_class = next((c for c in mro if c.__module__.startswith("trl.")), None)
+            if trl_class is not None:
+                return trl_class.__name__
+        frame = frame.f_back
+    return None
 
 
 #: ``OffloadedCausalLM.peft_config``: the wrapped ``PeftModel``'s adapter configs; setting it is

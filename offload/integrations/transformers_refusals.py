@@ -66,6 +66,13 @@ Note: [What the trainers cannot get from the model]
        it into a training run that never reads them, where the loss and the logits are the model's;
        the outputs hold ``None`` in their place. ``False`` (what a trainer or a generation config
        may set) is silent.
+    7. Completions generated from the model as it trains. TRL's on-policy trainers (``GRPOTrainer``,
+       ``RLOOTrainer``, ``DistillationTrainer``, the experimental online DPO and GKD) call
+       ``generate`` on the model at every step, which this model refuses (its forward keeps no
+       cache, and generating through the stages is not built): they accepted the model and failed
+       at the first step. ``offload_optimizer`` refuses their arguments, known by the generation
+       settings only they have (``generation_kwargs``, ``max_new_tokens``). The trainer's own
+       optimizer goes unchecked, as in rule 2, and fails at that first step.
 """
 
 from __future__ import annotations
@@ -78,7 +85,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["MissingLogits", "attribute_or_advice", "refuse_adapter_on_head", "refuse_packed_sequences", "refuse_reference_from_path",
+__all__ = ["MissingLogits", "attribute_or_advice", "refuse_adapter_on_head", "refuse_generating_trainer",
+           "refuse_packed_sequences", "refuse_reference_from_path",
            "refuse_router_logits", "refuse_router_loss", "refuse_trainer_arguments", "refuse_update_in_backward",
            "warn_of_cache", "warn_of_layer_outputs"]
 
@@ -115,6 +123,10 @@ class MissingLogits(torch.Tensor):
         return "MissingLogits()"
 
 
+#: Settings only the arguments of TRL's trainers that generate as they train have (GRPOConfig,
+#: RLOOConfig, DistillationConfig, OnlineDPOConfig, GKDConfig, ...): rule 7 of the note.
+_GENERATION_SETTINGS = ("generation_kwargs", "max_new_tokens")
+
 #: What may be read of :class:`MissingLogits` (see there).
 _READABLE = {torch.Tensor.dtype.__get__}
 
@@ -135,7 +147,8 @@ def refuse_trainer_arguments(model: Any, args: Any) -> None:
             "checkpoint. Set load_best_model_at_end=False (metric_for_best_model alone still records "
             "trainer.state.best_model_checkpoint) and load the best adapters afterwards: "
             "peft.PeftModel.from_pretrained(base_model, trainer.state.best_model_checkpoint)")
-    # Note: [What the trainers cannot get from the model], rules 2 and 3.
+    # Note: [What the trainers cannot get from the model], rules 2, 3 and 7.
+    refuse_generating_trainer(args)
     refuse_reference_from_path(args, model.peft_model is not None)
     if not model.stages[0].router_logits:  # Note: [Router logits]
         refuse_router_loss(model.config, args)
@@ -169,6 +182,19 @@ def refuse_adapter_on_head(output_embeddings: nn.Module) -> None:
             "runs the adapted lm_head")
 
 
+def refuse_generating_trainer(args: Any) -> None:
+    """Raise for the arguments of a TRL trainer that generates from the model as it trains (rule 7 of
+    Note: [What the trainers cannot get from the model]): those with generation settings."""
+    if not any(hasattr(args, setting) for setting in _GENERATION_SETTINGS):
+        return
+    trainer = type(args).__name__.removesuffix("Config") + "Trainer"
+    raise ValueError(
+        f"TRL's {trainer} generates completions from the model at every step (on-policy: GRPO, RLOO, online DPO, "
+        "distillation), and an OffloadedCausalLM does not generate: its forward runs the offloaded stages without a "
+        "cache, and model.generate() is refused. Train it with a trainer that does not generate (SFTTrainer, "
+        "DPOTrainer, KTOTrainer, transformers.Trainer), or train the plain model with this one")
+
+
 def refuse_reference_from_path(args: Any, is_peft: bool) -> None:
     """Raise for DPO- and KTO-like arguments (those with ``precompute_ref_log_probs``) without it, for
     a model holding PEFT adapters (rule 2 of Note: [What the trainers cannot get from the model])."""
@@ -176,12 +202,15 @@ def refuse_reference_from_path(args: Any, is_peft: bool) -> None:
         return
     trainer = type(args).__name__.removesuffix("Config") + "Trainer"
     raise ValueError(
-        f"TRL's {trainer} does not see the PeftModel inside an OffloadedCausalLM: without a ref_model it would load "
+        f"TRL's {trainer} does not see the PeftModel inside an OffloadedCausalLM: given no ref_model it would load "
         "the base model a second time from config._name_or_path, whole and not offloaded, and take it without the "
         "adapters for the reference (or fail to load it, for a model never saved), where for the PeftModel it takes "
-        f"the model with its adapters as they are before the first step. Pass {type(args).__name__}("
-        "precompute_ref_log_probs=True): the reference log-probabilities are then computed once before training, by "
-        "this model with its adapters (the PeftModel's reference) or by the ref_model you pass")
+        "the model with its adapters as they are before the first step. offload_optimizer cannot see a ref_model "
+        f"passed to the trainer, so it refuses either way. Pass {type(args).__name__}(precompute_ref_log_probs=True): "
+        "the reference log-probabilities are then computed once before training, by this model with its adapters "
+        f"(the PeftModel's reference) or by the ref_model you pass. Or, passing a ref_model, build the {trainer} "
+        "without this optimizer (optimizers left at their default): the trainer's own optimizer trains it as it "
+        "trains the PeftModel with that ref_model")
 
 
 def refuse_router_loss(config: Any, args: Any) -> None:

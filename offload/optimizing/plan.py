@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_map
 
 from ..tiers.slice_update import InnerOptimizer, SliceStep, StateByProxy, state_box
 from ..walk.engine import Engine
+from .let_go import let_go_name
 from .sharding import Item, Sharding
 
 #: Builds an inner optimizer over parameters, each in the settings of its user group.
@@ -35,6 +36,7 @@ def slice_steps(param_groups: list[dict[str, Any]], engine: Engine, sharding: Sh
     model (none or one). Sharded, each slice's step updates this rank's parameters only, and
     ``state`` loses the other ranks' (:meth:`Sharding.assign`)."""
     ordered, rest = _by_slice(param_groups, engine)
+    _refuse_let_go(engine, [p for p, _ in rest])
     if sharding is not None:
         ordered = sharding.assign(ordered, state)
     steps = []
@@ -112,6 +114,26 @@ def _by_slice(param_groups: list[dict[str, Any]],
             else:
                 rest.append((p, g))
     return {index: sorted(per_slice[index], key=lambda item: item[0]) for index in sorted(per_slice)}, rest
+
+
+def _refuse_let_go(engine: Engine, outside: list[torch.Tensor]) -> None:
+    """Refuse to step a parameter the model let go of after the optimizer was built (Note:
+    [Parameters replaced after the optimizer] in ``let_go.py``).
+
+    Raises:
+        RuntimeError: one of ``outside`` (the parameters the slices do not hold) was replaced in the model.
+    """
+    for p in outside:
+        name = let_go_name(engine, p)
+        if name is not None:
+            raise RuntimeError(
+                f"the model's parameters changed after this OffloadOptimizer was built: {name} was replaced in the "
+                "model (by resize_token_embeddings, set_input_embeddings, set_output_embeddings or tie_weights), and "
+                "the optimizer would step the old tensor, which the model no longer holds, and never train the new "
+                "one. Build the optimizer after changing the model. With TRL's SFTConfig(chat_template_path=...), "
+                "which resizes the embeddings inside SFTTrainer(...): pass optimizers=(None, None) so that the "
+                "trainer builds its optimizer after, or call trl.clone_chat_template(model, tokenizer, path) "
+                "yourself, leave chat_template_path unset, and build the optimizer after it")
 
 
 def _translate_bnb_overrides(inner: Any, outer: Any, proxies: list[nn.Parameter], params: list[torch.Tensor]) -> None:
