@@ -136,6 +136,25 @@ def test_the_trainers_that_generate_are_refused_up_front(config_class, tmp_path)
         model.offload_optimizer(config)
 
 
+def test_a_trainer_that_generates_only_when_told_is_refused_only_then(tmp_path):
+    """By class and settings, not by the settings a class has: GKD generates for a share lmbda of
+    its steps (none at 0, though its config has max_new_tokens), A2PO at every step (its config has
+    no generation settings), ORPO only with generate_during_eval."""
+    from trl.experimental.a2po import A2POConfig
+    from trl.experimental.gkd import GKDConfig
+    from trl.experimental.orpo import ORPOConfig
+
+    model = OffloadedCausalLM(tiny(byte_tokenizer()), device="cpu", num_slices=2)
+    common = {"output_dir": str(tmp_path), "use_cpu": True, "report_to": [], "bf16": False}
+    model.offload_optimizer(GKDConfig(lmbda=0.0, seq_kd=False, **common))
+    model.offload_optimizer(ORPOConfig(**common))
+    for config, when in ((GKDConfig(lmbda=0.5, **common), "for a share lmbda=0.5"),
+                         (A2POConfig(**common), "at every step"),
+                         (ORPOConfig(generate_during_eval=True, **common), "in each evaluation")):
+        with pytest.raises(ValueError, match=f"generates completions from the model {when}"):
+            model.offload_optimizer(config)
+
+
 @pytest.mark.parametrize("kind", ["dpo", "kto"])
 def test_peft_config_under_dpo_and_kto_is_refused_naming_the_trainer_and_the_precompute(kind, tmp_path):
     from .test_trl import TRAINERS

@@ -99,7 +99,7 @@ def _autocast_on() -> bool:
 
 
 #: The device types whose autocast this process may turn on.
-_AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "xla", "privateuseone")
+_AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "xla", "ipu", "maia", "privateuseone")
 
 
 def device_generator_initialized(device: torch.device) -> bool:

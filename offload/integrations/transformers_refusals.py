@@ -70,8 +70,12 @@ Note: [What the trainers cannot get from the model]
        ``RLOOTrainer``, ``DistillationTrainer``, the experimental online DPO and GKD) call
        ``generate`` on the model at every step, which this model refuses (its forward keeps no
        cache, and generating through the stages is not built): they accepted the model and failed
-       at the first step. ``offload_optimizer`` refuses their arguments, known by the generation
-       settings only they have (``generation_kwargs``, ``max_new_tokens``). The trainer's own
+       at the first step. ``offload_optimizer`` refuses their arguments, known by their class
+       (a subclass's too, GMPO's of GRPO's): those that generate at every step, those that mix
+       generated and given completions when their share ``lmbda`` is above 0 (GKD, GOLD,
+       IW-OPD: at 0 they never generate), and those that generate while evaluating when told
+       (``generate_during_eval``: CPO, ORPO). Not by the settings a class has: GKD's config has
+       ``max_new_tokens`` at ``lmbda=0`` too, A2PO's has neither and generates. The trainer's own
        optimizer goes unchecked, as in rule 2, and fails at that first step.
 """
 
@@ -123,9 +127,12 @@ class MissingLogits(torch.Tensor):
         return "MissingLogits()"
 
 
-#: Settings only the arguments of TRL's trainers that generate as they train have (GRPOConfig,
-#: RLOOConfig, DistillationConfig, OnlineDPOConfig, GKDConfig, ...): rule 7 of the note.
-_GENERATION_SETTINGS = ("generation_kwargs", "max_new_tokens")
+#: The arguments of TRL's trainers that generate from the model at every step (TRL 1.16, the
+#: experimental ones included), by class name: rule 7 of the note.
+_GENERATING = frozenset({"GRPOConfig", "RLOOConfig", "OnlineDPOConfig", "DistillationConfig", "A2POConfig",
+                         "SDPOConfig", "SDFTConfig"})
+#: Those that generate for a share ``lmbda`` of the batches (on-policy), given completions otherwise.
+_MIXING = frozenset({"GKDConfig", "GOLDConfig", "IWOPDConfig"})
 
 #: What may be read of :class:`MissingLogits` (see there).
 _READABLE = {torch.Tensor.dtype.__get__}
@@ -184,15 +191,22 @@ def refuse_adapter_on_head(output_embeddings: nn.Module) -> None:
 
 def refuse_generating_trainer(args: Any) -> None:
     """Raise for the arguments of a TRL trainer that generates from the model as it trains (rule 7 of
-    Note: [What the trainers cannot get from the model]): those with generation settings."""
-    if not any(hasattr(args, setting) for setting in _GENERATION_SETTINGS):
-        return
+    Note: [What the trainers cannot get from the model])."""
+    names = {cls.__name__ for cls in type(args).__mro__}
     trainer = type(args).__name__.removesuffix("Config") + "Trainer"
+    if names & _GENERATING:
+        when = "at every step (on-policy)"
+    elif names & _MIXING and (getattr(args, "lmbda", 0) or 0) > 0:
+        when = f"for a share lmbda={args.lmbda} of the steps (on-policy; lmbda=0 generates none)"
+    elif getattr(args, "generate_during_eval", False):
+        when = "in each evaluation (generate_during_eval=True; leave it False)"
+    else:
+        return
     raise ValueError(
-        f"TRL's {trainer} generates completions from the model at every step (on-policy: GRPO, RLOO, online DPO, "
-        "distillation), and an OffloadedCausalLM does not generate: its forward runs the offloaded stages without a "
-        "cache, and model.generate() is refused. Train it with a trainer that does not generate (SFTTrainer, "
-        "DPOTrainer, KTOTrainer, transformers.Trainer), or train the plain model with this one")
+        f"TRL's {trainer} generates completions from the model {when}, and an OffloadedCausalLM does not generate: "
+        "its forward runs the offloaded stages without a cache, and model.generate() is refused. Train it with a "
+        "trainer that does not generate (SFTTrainer, DPOTrainer, KTOTrainer, transformers.Trainer), or train the "
+        "plain model with this one")
 
 
 def refuse_reference_from_path(args: Any, is_peft: bool) -> None:
