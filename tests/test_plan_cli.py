@@ -482,6 +482,17 @@ def test_a_config_given_as_json_longer_than_a_file_name_is_read_as_json(capsys):
     assert "model = OffloadModel(" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("model_type", ["exaone", "sarvam_moe"])
+def test_a_model_type_built_as_a_familys_class_is_planned(model_type, capsys):
+    """As causal_lm_sequential cuts it (docs/huggingface.md): EXAONE 3 as a Llama, Sarvam-MoE as GLM-4-MoE."""
+    transformers = pytest.importorskip("transformers")
+    if model_type not in transformers.models.auto.configuration_auto.CONFIG_MAPPING_NAMES:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
+    main(["plan", "--hf-config", json.dumps(TINY_LLAMA | {"model_type": model_type}), "--gpu", "a100",
+          "--host-memory", "8", "--seq-len", "32", "--batch-size", "2"])
+    assert "model = OffloadModel(" in capsys.readouterr().out
+
+
 #: Llama-3-8B's shapes, as its config.json gives them: docs/planning.md's "When nothing fits".
 LLAMA3_8B = ('{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, '
              '"intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32, '

@@ -1,7 +1,7 @@
 """Where each Hugging Face causal LM family's forward departs from Llama's: the families
 :func:`~offload.integrations.transformers.causal_lm_sequential` cuts, and for each a :class:`_Layout`
 (an embedding multiplier, a mask or rotary table per layer type, a scale or soft-cap on the
-logits...).
+logits...); and the model types that transformers builds as one of those families' classes.
 
 It holds data only: the stages that follow a layout are in ``transformers_layers.py``, the cut that
 picks one in ``transformers_stages.py``. It needs no ``transformers``.
@@ -102,7 +102,16 @@ _LAYOUTS = {
     "jetmoe": _Layout(),
     "qwen3_next": _MASK_PER_LAYER_TYPE,  # linear and full attention layers
 }
-#: ``config.model_type`` values this module can cut. Others share parts of the layout but differ in
-#: details that change results (embedding dropout outside a module, positions as attention biases,
-#: router losses), or have not been checked, so they are refused rather than approximated.
+#: The ``config.model_type`` values of the families this module cuts. Others share parts of the layout but
+#: differ in details that change results (embedding dropout outside a module, positions as attention
+#: biases, router losses), or have not been checked, so they are refused rather than approximated.
 SUPPORTED_MODEL_TYPES = ("gpt2", *_LAYOUTS)
+#: Model types with a config class of their own that ``AutoModelForCausalLM`` builds as one family's
+#: ``*ForCausalLM`` (transformers 5.23 on: internlm3, iquestcoder; 5.24 on: the others), so the model
+#: computes that family's forward and is cut with its layout. The cut checks that the model is of that
+#: family's class (a checkpoint's own remote code is not); each is checked bit for bit as the families are.
+#: A model type that a later release builds as a family's class is refused until it is added here.
+_BUILT_AS_FAMILY = {"exaone": "llama", "internlm3": "llama", "iquestcoder": "llama", "sarvam_mla": "deepseek_v3",
+                    "sarvam_moe": "glm4_moe"}
+# Found by the model's own type wherever a layout is looked up (the cut, the wrapper's checks).
+_LAYOUTS.update({kind: _LAYOUTS[family] for kind, family in _BUILT_AS_FAMILY.items()})

@@ -58,7 +58,7 @@ from torch import nn
 from . import install_hint
 from .peft import PeftRefusals, peft_base_model, refuse_peft_methods
 from .transformers_batch import IGNORE_INDEX
-from .transformers_families import _LAYOUTS, SUPPORTED_MODEL_TYPES, _Layout
+from .transformers_families import _BUILT_AS_FAMILY, _LAYOUTS, SUPPORTED_MODEL_TYPES, _Layout
 from .transformers_layers import DecoderLayer, GPT2Embedding, Head, LlamaEmbedding
 from .transformers_masks import _MaskCache
 from .transformers_router import RouterCapture, RouterLoss, router_loss_of
@@ -297,10 +297,13 @@ def _check_classes(model: nn.Module) -> None:
     ``config.model_type`` names a family, not a class: ``GPT2DoubleHeadsModel`` is ``"gpt2"`` too
     but adds a second head, and a subclass may override ``forward``. A subclass that keeps both
     forwards (one that adds a method, say) computes what the family's causal LM computes, and is accepted.
+    A model type built as a family's class (``_BUILT_AS_FAMILY``) must be of that family's classes, the
+    ones its layout follows, whatever class a checkpoint's remote code or another release builds for it.
     """
     model_type = model.config.model_type
-    expected = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
-    expected_base = getattr(transformers, MODEL_MAPPING_NAMES[model_type])
+    family = _BUILT_AS_FAMILY.get(model_type, model_type)
+    expected = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[family])
+    expected_base = getattr(transformers, MODEL_MAPPING_NAMES[family])
     base = getattr(model, "transformer" if model_type == "gpt2" else _LAYOUTS[model_type].base, None)
     for module, want in ((model, expected), (base, expected_base)):
         if isinstance(module, want) and type(module).forward is want.forward:
@@ -315,6 +318,22 @@ def _check_classes(model: nn.Module) -> None:
             f"Load the model with transformers.AutoModelForCausalLM, or write the stages for this class as an "
             "nn.Sequential of its own modules"
         )
+
+
+def _refuse_model_type(model: nn.Module, model_type: Any) -> None:
+    built_as = ", ".join(f"{kind} (as {family})" for kind, family in _BUILT_AS_FAMILY.items())
+    got = f"got {type(model).__name__} (model_type {model_type!r})"
+    # A model type that transformers builds as a family's class, but whose config no one has checked
+    # against that family's layout: say so, rather than seem to refuse a class the list names.
+    family = next((kind for kind in SUPPORTED_MODEL_TYPES
+                   if MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(kind) == type(model).__name__), None)
+    if family is not None and hasattr(model, "lm_head"):
+        got = (f"got {type(model).__name__}, {family}'s class, for model_type {model_type!r}, which has not been "
+               f"checked against {family}'s layout and is refused as an unknown architecture")
+    raise ValueError(
+        f"causal_lm_sequential supports the causal LMs (*ForCausalLM) of {', '.join(SUPPORTED_MODEL_TYPES)}, and "
+        f"the model types built as one of their classes: {built_as}; {got}. For another architecture, write the "
+        "stages as an nn.Sequential of its own modules (see this module's source for the pattern)")
 
 
 def _untie(model: nn.Module) -> None:
@@ -379,7 +398,10 @@ def causal_lm_sequential(model: nn.Module, *, untie_embeddings: bool = False,
 
     Args:
         model: a ``transformers`` causal LM whose ``config.model_type`` is in :data:`SUPPORTED_MODEL_TYPES`
-            (the family's ``*ForCausalLM``, or a subclass that keeps its ``forward``), or a ``PeftModel`` of one.
+            (the family's ``*ForCausalLM``, or a subclass that keeps its ``forward``), or is a model type
+            transformers builds as one of those families' classes (EXAONE 3, InternLM3, IQuest-Coder as
+            ``LlamaForCausalLM``, Sarvam-MLA as ``DeepseekV3ForCausalLM``, Sarvam-MoE as ``Glm4MoeForCausalLM``),
+            or a ``PeftModel`` of one.
         untie_embeddings: give a tied ``lm_head`` a weight of its own (see above).
         loss_chunk_tokens: tokens per chunk of a loss computed in the head, or ``None`` (the
             default) to return logits.
@@ -414,12 +436,8 @@ def causal_lm_sequential(model: nn.Module, *, untie_embeddings: bool = False,
         model = peft_base  # Note: [PEFT models]
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES or not hasattr(model, "lm_head"):
-        raise ValueError(
-            f"causal_lm_sequential supports the causal LMs (*ForCausalLM) of {', '.join(SUPPORTED_MODEL_TYPES)}; "
-            f"got {type(model).__name__} (model_type {model_type!r}). For another architecture, write the stages "
-            "as an nn.Sequential of its own modules (see this module's source for the pattern)"
-        )
+    if model_type not in (*SUPPORTED_MODEL_TYPES, *_BUILT_AS_FAMILY) or not hasattr(model, "lm_head"):
+        _refuse_model_type(model, model_type)
     _check_classes(model)
     if getattr(config, "add_cross_attention", False):
         raise ValueError("GPT-2 with cross-attention (add_cross_attention=True) is not supported: its blocks need "
