@@ -9,8 +9,10 @@ what to do."""
 from __future__ import annotations
 
 import copy
-import gc
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -222,33 +224,39 @@ def _hooks_installed() -> bool:
         nn.modules.module._global_buffer_registration_hooks))
 
 
-def test_registration_hooks_leave_with_the_last_model_so_other_models_compile_their_backward(monkeypatch):
+def test_registration_hooks_leave_with_the_last_model_so_other_models_compile_their_backward():
     # Compiled autograd cannot trace a process-wide registration hook: with one left behind, a plain
     # model's compiled training step failed (KeyError: _orig_mod) once any OffloadModel had been built.
-    models = [OffloadModel(network(), device="cpu") for _ in range(2)]
-    assert _hooks_installed()
-    del models[0]
-    gc.collect()
-    assert _hooks_installed()  # the other model still watches
-    storage = models[0]._engine.slices[-1].storage
-    storage.layers[0].register_buffer("late", torch.zeros(1))  # and still sees a registration
-    assert storage.registered_tensors_changed()
-    del storage
-    del models
-    gc.collect()
-    assert not _hooks_installed()
-    torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "compiled_autograd", True)
-    plain = network()
+    # In a process of its own: here, models earlier tests left alive keep the hooks installed.
+    code = """
+import gc, torch
+from offload import OffloadModel
+from tests.test_compile import _hooks_installed, network
+models = [OffloadModel(network(), device="cpu") for _ in range(2)]
+assert _hooks_installed()
+del models[0]
+gc.collect()
+assert _hooks_installed()  # the other model still watches
+storage = models[0]._engine.slices[-1].storage
+storage.layers[0].register_buffer("late", torch.zeros(1))  # and still sees a registration
+assert storage.registered_tensors_changed()
+del storage, models
+gc.collect()
+assert not _hooks_installed()
+torch._dynamo.config.compiled_autograd = True
+plain = network()
 
-    @torch.compile(backend="eager")
-    def train_step(x: torch.Tensor) -> torch.Tensor:
-        loss = plain(x).square().sum()
-        loss.backward()
-        return loss
+@torch.compile(backend="eager")
+def train_step(x):
+    loss = plain(x).square().sum()
+    loss.backward()
+    return loss
 
-    train_step(torch.randn(4, 8))
-    torch._dynamo.reset()
+train_step(torch.randn(4, 8))
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent, capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 @pytest.mark.parametrize("export", ["non-strict", "strict", "jit.trace"])
