@@ -206,12 +206,11 @@ def hf_config(spec: str) -> Any:
 
 
 def _check_family(spec: str, model_type: str) -> None:
-    from ..integrations.transformers import SUPPORTED_MODEL_TYPES
-    from ..integrations.transformers_families import _BUILT_AS_FAMILY
+    from ..integrations.transformers_families import CUT_MODEL_TYPES
 
-    if model_type not in (*SUPPORTED_MODEL_TYPES, *_BUILT_AS_FAMILY):  # as causal_lm_sequential cuts them
+    if model_type not in CUT_MODEL_TYPES:  # as causal_lm_sequential cuts them
         raise PlanInputError(f"--hf-config {spec}: model_type {model_type!r} is not a causal LM that offload cuts "
-                             f"into stages; it plans {', '.join((*SUPPORTED_MODEL_TYPES, *_BUILT_AS_FAMILY))}")
+                             f"into stages; it plans {', '.join(CUT_MODEL_TYPES)}")
 
 
 def hf_workload(args: argparse.Namespace) -> Workload:

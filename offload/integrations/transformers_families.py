@@ -115,3 +115,5 @@ _BUILT_AS_FAMILY = {"exaone": "llama", "internlm3": "llama", "iquestcoder": "lla
                     "sarvam_moe": "glm4_moe"}
 # Found by the model's own type wherever a layout is looked up (the cut, the wrapper's checks).
 _LAYOUTS.update({kind: _LAYOUTS[family] for kind, family in _BUILT_AS_FAMILY.items()})
+#: Every ``config.model_type`` the cut takes: the families' and those built as one of their classes.
+CUT_MODEL_TYPES = (*SUPPORTED_MODEL_TYPES, *_BUILT_AS_FAMILY)

@@ -58,7 +58,7 @@ from torch import nn
 from . import install_hint
 from .peft import PeftRefusals, peft_base_model, refuse_peft_methods
 from .transformers_batch import IGNORE_INDEX
-from .transformers_families import _BUILT_AS_FAMILY, _LAYOUTS, SUPPORTED_MODEL_TYPES, _Layout
+from .transformers_families import _BUILT_AS_FAMILY, _LAYOUTS, CUT_MODEL_TYPES, SUPPORTED_MODEL_TYPES, _Layout
 from .transformers_layers import DecoderLayer, GPT2Embedding, Head, LlamaEmbedding
 from .transformers_masks import _MaskCache
 from .transformers_router import RouterCapture, RouterLoss, router_loss_of
@@ -436,7 +436,7 @@ def causal_lm_sequential(model: nn.Module, *, untie_embeddings: bool = False,
         model = peft_base  # Note: [PEFT models]
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
-    if model_type not in (*SUPPORTED_MODEL_TYPES, *_BUILT_AS_FAMILY) or not hasattr(model, "lm_head"):
+    if model_type not in CUT_MODEL_TYPES or not hasattr(model, "lm_head"):
         _refuse_model_type(model, model_type)
     _check_classes(model)
     if getattr(config, "add_cross_attention", False):
