@@ -56,7 +56,7 @@ from .optimizing.following import follow, tied_to_engine
 from .optimizing.tier_plumbing import SliceState, TierPlumbing
 from .streams.collectives import HostCollectives
 from .tiers.disk_tier import DiskTier, DiskTierError, StateTier
-from .tiers.slice_update import SliceStep, held_state, hold_state, setstate_through_property
+from .tiers.slice_update import SliceStep, held_state, hold_state, setstate_through_property, unwrapped_optimizer
 
 
 #: The OffloadOptimizer built last for each model: only it may step the model (an older one, still
@@ -206,7 +206,7 @@ class OffloadOptimizer(CopiedByStateDict, torch.optim.Optimizer):
         ``to``. Without sharding it is ``state_dict()`` on every rank. The result loads into
         ``optimizer_class`` and into an OffloadOptimizer, sharded or not.
         """
-        local = local_state_dict(self)
+        local = local_state_dict(unwrapped_optimizer(self))  # its plan and hooks, not a wrapper's copies
         return local if self._sharding is None else self._sharding.gather_state(local, to)
 
     def state_by_slice(self) -> Iterator[tuple[int, dict[torch.Tensor, dict[str, Any]]]]:
@@ -221,7 +221,7 @@ class OffloadOptimizer(CopiedByStateDict, torch.optim.Optimizer):
         """
         check_whole(self, "Reading the state")
         # With a disk tier, the slice's tensors come from its file: copies, one slice at a time.
-        for index, states, _ in _states_by_slice(self, self._disk.slice_state):
+        for index, states, _ in _states_by_slice(unwrapped_optimizer(self), self._disk.slice_state):
             yield index, states
 
     def synchronize(self) -> None:
@@ -302,12 +302,12 @@ class OffloadOptimizer(CopiedByStateDict, torch.optim.Optimizer):
     @property
     def _collectives(self) -> HostCollectives | None:
         """The host collectives of a sharded update; ``None`` when every rank updates everything."""
-        return None if self.__dict__.get("_sharding") is None else self._sharding.collectives
+        return None if unwrapped_optimizer(self).__dict__.get("_sharding") is None else self._sharding.collectives
 
     @property
     def _tier(self) -> StateTier | None:
         """The disk tier, or ``None``."""
-        return None if self.__dict__.get("_disk") is None else self._disk.tier
+        return None if unwrapped_optimizer(self).__dict__.get("_disk") is None else self._disk.tier
 
 
 # -- the optimizer's state, as checkpoints read and load it -------------------------------------------
@@ -375,7 +375,7 @@ def load_beside_tier(optimizer: OffloadOptimizer, state_dict: dict[str, Any], lo
 def _finish_updates(optimizer: OffloadOptimizer) -> None:
     """Wait for the pending updates, leaving them pending for the next forward (the shadows they
     wrote are kept), as ``zero_grad(set_to_none=False)`` does."""
-    model = optimizer.__dict__.get("model")  # None while torch.optim's __init__ sets the state up
+    model = unwrapped_optimizer(optimizer).__dict__.get("model")  # None while torch.optim's __init__ sets the state
     if model is not None and engine_of(model).updates.pending():
         engine_of(model).updates.finish_all()
 

@@ -18,6 +18,8 @@ The public face is :func:`save_checkpoint`, :func:`load_checkpoint`, :func:`late
   slice by slice (Note: [Slice-by-slice save], [Slice-by-slice load]);
 - ``wrapped_state.py``: optimizer state kept as a tensor subclass around plain tensors (torchao's
   low-bit moments), saved as those tensors and built again (Note: [Wrapped state]);
+- ``framework_wrappers.py``: Lightning Fabric's wrappers of the model and the optimizer, seen
+  through at a save and a load;
 - ``quant_states.py``: a 4-bit weight's packed quantisation state, checked before a load and set
   after it (Note: [Packed quantisation state]).
 """

@@ -31,6 +31,7 @@ from .commit import committed
 from .contents import (HOOKED, _kept_parameters, _loaded_extra, _loads_on_disk, _masters_on_disk,
                        _masters_releaser, _model_state, _parameter_names, _release_masters, _restore_modules,
                        _set_rng_state, _split_model_state)
+from .framework_wrappers import unwrapped
 from .quant_states import format_differences, is_packed, read_packed, set_unreached
 from .ranks import _agreed, _group
 from ..tiers.disk_tier import DiskTierError
@@ -98,6 +99,7 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
             (not DCP's wrapper), with the note a disk tier's partly loaded state adds; the model
             and optimizer may be partly loaded, as above: load again.
     """
+    model, optimizer = unwrapped(model, optimizer)  # Fabric's wrappers (framework_wrappers.py)
     _check_arguments("load_checkpoint", model, optimizer)
     group, rank, world_size = _group(model, optimizer, process_group)
     # Each rank checks what it reads before any collective; a refusal on one is said on every rank,

@@ -45,6 +45,7 @@ from .commit import HalfCommitted, commit, latest_checkpoint, partial_directory,
 from .contents import (HOOKED, STRAY_PARAMETER, _extra_to_save, _hooked_keys, _info, _masters_on_disk,
                        _masters_releaser, _model_state, _named_groups, _optimizer_state, _own_storage, _parameter_names,
                        _release_masters, _rng_state, _split_model_state, _steps_only)
+from .framework_wrappers import unwrapped
 from .ranks import _agreed, _gathered_list, _group, _on_rank_0
 from ..tiers.disk_tier import size_text
 from ..optimizer import OffloadOptimizer, check_whole
@@ -127,6 +128,7 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
         >>> save_checkpoint(f"ckpt/step-{step}", model, optimizer,
         ...                 extra={"step": step, "scheduler": scheduler.state_dict()}, keep_last=3)
     """
+    model, optimizer = unwrapped(model, optimizer)  # Fabric's wrappers (framework_wrappers.py)
     extra_nbytes = _check_save_arguments(model, optimizer, extra, keep_last)
     path = Path(path).expanduser()
     _check_target(path)

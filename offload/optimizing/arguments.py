@@ -16,10 +16,17 @@ from ..tiers.disk_tier import DiskTier
 
 def offload_model_of(model: Any) -> Any:
     """The OffloadModel that ``OffloadOptimizer(model, ...)`` steps: ``model`` itself, or the one a
-    wrapper holds as ``model.offloaded`` when the wrapper's parameters are exactly that model's
-    (``OffloadedCausalLM``; recognised by that, so that ``import offload`` needs no transformers).
-    Anything else is returned as it is, for :func:`check_arguments` to refuse."""
-    inner = None if isinstance(model, OffloadModel) else getattr(model, "offloaded", None)
+    wrapper holds when the wrapper's parameters are exactly that model's: as ``model.offloaded``
+    (``OffloadedCausalLM``), or as ``model.module``, itself or held by it (Lightning Fabric's
+    ``_FabricModule``, which ``fabric.setup_module`` returns, and ``DistributedDataParallel``).
+    Recognised by those attributes, so that ``import offload`` needs neither transformers nor
+    Lightning. Anything else is returned as it is, for :func:`check_arguments` to refuse."""
+    if isinstance(model, OffloadModel):
+        return model
+    inner = getattr(model, "offloaded", None)
+    wrapped = getattr(model, "module", None)
+    if inner is None and isinstance(wrapped, torch.nn.Module) and wrapped is not model:
+        inner = offload_model_of(wrapped)
     if isinstance(inner, OffloadModel) and isinstance(model, torch.nn.Module) and (
             {id(p) for p in model.parameters()} == {id(p) for p in inner.parameters()}):
         return inner

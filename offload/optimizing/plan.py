@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from ..tiers.slice_update import InnerOptimizer, SliceStep, StateByProxy, state_box
+from ..tiers.slice_update import InnerOptimizer, SliceStep, StateByProxy, state_box, unwrapped_optimizer
 from ..walk.engine import Engine
 from .let_go import let_go_name
 from .sharding import Item, Sharding
@@ -79,7 +79,7 @@ def as_class_adds(optimizer: Any, param_group: Any) -> Any:
     refuses raises here, before anything is added. Left as it is: a group the class adds as
     ``torch.optim`` does, one added while the OffloadOptimizer is built (the class built it), and
     one that is no dict (``torch.optim``'s error says so; the class would take it for parameters)."""
-    optimizer_class = optimizer.__dict__.get("optimizer_class")
+    optimizer_class = unwrapped_optimizer(optimizer).__dict__.get("optimizer_class")  # through Fabric's wrapper too
     if (optimizer_class is None or optimizer_class.add_param_group is torch.optim.Optimizer.add_param_group
             or not isinstance(param_group, dict)):
         return param_group

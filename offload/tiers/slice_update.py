@@ -81,8 +81,27 @@ class HeldState:
         self.state = state
 
 
+def unwrapped_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """``optimizer``, or the optimizer that a training framework's wrapper of it stands for: the one
+    that holds the state in its ``__dict__``.
+
+    Lightning wraps an optimizer in an object that keeps it as ``_optimizer`` and whose class is
+    made a subclass of the optimizer's class, so that ``isinstance`` holds: the class's methods and
+    properties (an OffloadOptimizer's ``state``) then run with the wrapper as ``self``. The
+    Trainer's ``LightningOptimizer`` copies the optimizer's ``__dict__``, but Fabric's
+    ``_FabricOptimizer`` does not (it forwards missing attributes through ``__getattr__``, which
+    ``__dict__`` bypasses), so code that reads ``__dict__`` follows the wrapper here, recognised by
+    that shape, so that ``import offload`` needs no Lightning.
+    """
+    while isinstance(inner := vars(optimizer).get("_optimizer"), torch.optim.Optimizer) and (
+            isinstance(optimizer, type(inner)) and optimizer is not inner):
+        optimizer = inner
+    return optimizer
+
+
 def hold_state(optimizer: torch.optim.Optimizer, state: Any) -> None:
     """Make ``state`` what ``optimizer``'s box holds (Note: [What an update holds]), made at the first."""
+    optimizer = unwrapped_optimizer(optimizer)
     box = optimizer.__dict__.get("_held_state")
     if box is None:
         optimizer.__dict__["_held_state"] = HeldState(state)
@@ -101,7 +120,7 @@ def setstate_through_property(optimizer: torch.optim.Optimizer, state: dict[str,
 
 def state_box(optimizer: torch.optim.Optimizer) -> HeldState:
     """The box that holds ``optimizer``'s ``state``, for what runs its updates to hold instead of it."""
-    return optimizer.__dict__["_held_state"]
+    return unwrapped_optimizer(optimizer).__dict__["_held_state"]
 
 
 def held_state(optimizer: torch.optim.Optimizer) -> Any:
