@@ -57,6 +57,7 @@ from .optimizing.tier_plumbing import SliceState, TierPlumbing
 from .streams.collectives import HostCollectives
 from .tiers.disk_tier import DiskTier, DiskTierError, StateTier
 from .tiers.slice_update import SliceStep, held_state, hold_state, setstate_through_property, unwrapped_optimizer
+from .walk.steps import count_step
 
 
 #: The OffloadOptimizer built last for each model: only it may step the model (an older one, still
@@ -497,6 +498,7 @@ def _step(optimizer: OffloadOptimizer, closure: Callable[[], Any] | None) -> Any
             loss = closure()
     engine = engine_of(optimizer.model)
     started, unwritten = _step_begins(optimizer)
+    count_step(engine, optimizer.param_groups, started)  # Note: [A step between a forward and its backward]
     hyper = [snapshot(group) for group in optimizer.param_groups]
     scaling = (getattr(optimizer, "grad_scale", None), getattr(optimizer, "found_inf", None))
     grad_scale, found_inf = _on_host(scaling)

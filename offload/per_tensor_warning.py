@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from .optimizing.settled_steps import settle_before_step
 from .walk.engine import held_by_an_engine
 
 
@@ -30,9 +31,12 @@ _state = {"installed": False, "warned": False}
 
 
 def install() -> None:
-    """Register the hook, once (called when the first OffloadModel is built)."""
+    """Register the hook, once (called when the first OffloadModel is built), and beside it the
+    wait of another optimizer's step for the model's pending updates (Note: [Another optimizer
+    stepping the model's parameters] in ``offload/optimizing/settled_steps.py``)."""
     if not _state["installed"]:
         register_optimizer_step_pre_hook(_hook)
+        register_optimizer_step_pre_hook(settle_before_step)
         _state["installed"] = True
 
 

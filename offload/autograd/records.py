@@ -117,6 +117,7 @@ from ..streams import DeviceSlots, Event, OffloadTicket
 from ..streams.saved_activations import SavedActivations
 from ..walk.activation_policy import ActivationMode, ActivationPlan
 from ..walk.module_state import AttributeSnapshot, AttributeTracker
+from ..walk.steps import steps_of
 from .call import Call
 from .replay import AutocastState, LibraryRng, LibraryRngCapture, capture_rng
 
@@ -525,6 +526,7 @@ class CallRecord:
     split: Split
     records: ForwardRecords
     param_versions: list[tuple[int, ...]]
+    steps: int  # OffloadOptimizer steps of the engine so far (Note: [A step between a forward and its backward])
     autocast: AutocastState
     input_meta: list[tuple[torch.Size, torch.dtype, torch.device]]  # per input tensor
 
@@ -534,11 +536,22 @@ class CallRecord:
         """The record of a forward that just ran."""
         return cls(engine, call, split, records,
                    param_versions=[s.storage.param_versions() for s in engine.slices],
+                   steps=steps_of(engine),
                    autocast=AutocastState.capture(engine.device),
                    input_meta=[(t.shape, t.dtype, t.device) for t in input_tensors])
 
     def check_versions(self) -> None:
-        """Refuse a backward after the parameters changed in place since forward."""
+        """Refuse a backward after the parameters changed in place since forward: stepped by an
+        OffloadOptimizer (Note: [A step between a forward and its backward] in
+        ``offload/walk/steps.py``) or written by the user."""
+        if steps_of(self.engine) != self.steps:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                "operation: OffloadOptimizer.step() updated the OffloadModel's parameters between this forward and "
+                "its backward, so backward would compute gradients at parameters the forward never used. Call "
+                "loss.backward() before optimizer.step(), and run the forward again after a step (in a GAN loop: "
+                "step a model's optimizer only once every backward through that model's forward is done)."
+            )
         for s, recorded in zip(self.engine.slices, self.param_versions):
             if s.storage.param_versions() != recorded:
                 raise RuntimeError(
