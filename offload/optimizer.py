@@ -122,7 +122,7 @@ class OffloadOptimizer(CopiedByStateDict, torch.optim.Optimizer):
                  disk_tier: DiskTier | str | os.PathLike[str] | None = None, update_in_backward: bool = False,
                  accumulation_steps: int = 1, norms_in_backward: bool = False, scale_in_update: bool = False,
                  **optimizer_kwargs: Any) -> None:
-        model = check_arguments(model, optimizer_class, num_threads, disk_tier)
+        model = check_arguments(model, optimizer_class, num_threads, disk_tier, params)
         check_in_backward(model, engine_of(model), update_in_backward, accumulation_steps, shard, norms_in_backward,
                           scale_in_update)
         # The class checks its own arguments and fills in its defaults.

@@ -123,6 +123,16 @@ def test_an_optimizer_instance_gets_a_short_message():
                        "class and its arguments: OffloadOptimizer(model, torch.optim.AdamW, lr=...)")
 
 
+@pytest.mark.parametrize("lr", [1e-3, 1])
+def test_a_learning_rate_in_the_place_of_params_says_to_pass_it_by_name(lr):
+    # torch.optim.AdamW(params, 1e-3) takes the learning rate second; OffloadOptimizer's third place is params.
+    model = OffloadModel(layers(), device="cpu")
+    with pytest.raises(TypeError) as info:
+        OffloadOptimizer(model, torch.optim.AdamW, lr)
+    assert str(info.value) == (f"params (OffloadOptimizer's third argument) is {lr!r}, a number: pass hyperparameters "
+                               f"as keywords, OffloadOptimizer(model, torch.optim.AdamW, lr={lr!r})")
+
+
 # -- one OffloadOptimizer per model --------------------------------------------------------------
 
 

@@ -5,6 +5,7 @@ wrapper of one. What it does not hold: the checks of ``update_in_backward`` and 
 
 from __future__ import annotations
 
+import numbers
 import os
 from typing import Any
 
@@ -52,7 +53,8 @@ def _stray_parameters(model: Any) -> str:
             "an optimizer of their own. Otherwise")
 
 
-def check_arguments(model: Any, optimizer_class: Any, num_threads: Any, disk_tier: Any) -> OffloadModel:
+def check_arguments(model: Any, optimizer_class: Any, num_threads: Any, disk_tier: Any,
+                    params: Any = None) -> OffloadModel:
     """Raise what ``OffloadOptimizer`` says it raises for its own arguments; return the OffloadModel it steps."""
     model = offload_model_of(model)
     if not isinstance(model, OffloadModel):
@@ -71,6 +73,12 @@ def check_arguments(model: Any, optimizer_class: Any, num_threads: Any, disk_tie
         raise TypeError(
             f"optimizer_class must be a torch.optim.Optimizer subclass such as torch.optim.AdamW, got "
             f"{optimizer_class!r}; pass its arguments as keywords: OffloadOptimizer(model, torch.optim.AdamW, lr=1e-3)")
+    if isinstance(params, numbers.Number):
+        # torch.optim takes the learning rate second (AdamW(params, 1e-3)); here the third place is params,
+        # and the class would fail with "'float' object is not iterable".
+        raise TypeError(
+            f"params (OffloadOptimizer's third argument) is {params!r}, a number: pass hyperparameters as "
+            f"keywords, OffloadOptimizer(model, torch.optim.{optimizer_class.__name__}, lr={params!r})")
     if issubclass(optimizer_class, torch.optim.LBFGS):
         raise ValueError("LBFGS re-evaluates the model inside step() through a closure; OffloadOptimizer "
                          "cannot overlap that. Use it directly on model.parameters().")
