@@ -3,7 +3,8 @@ plain model's results; a compiled layer that writes a buffer in forward is refus
 the error says why and what to do (docs/api.md, Limitations); the registration hooks OffloadModel
 installs leave other compiled modules in one graph, and leave with the last model; compiled layers
 compile no more graphs than in the plain model; a compiled ``OffloadOptimizer.step`` is an eager
-``torch.optim`` step; compiled autograd, ``torch.export`` and ``torch.jit.trace`` are refused with
+``torch.optim`` step; a ``loss.backward()`` inside a compiled training step gives the plain model's
+gradients; compiled autograd, ``torch.export`` and ``torch.jit.trace`` are refused with
 what to do."""
 
 from __future__ import annotations
@@ -217,6 +218,65 @@ def test_a_backward_under_compiled_autograd_is_refused_with_what_to_do():
         torch.testing.assert_close(b.grad, a.grad, **EXACT, msg=name)
 
 
+@pytest.mark.filterwarnings("ignore:SGD is stepping OffloadModel's host parameters")
+@pytest.mark.parametrize("num_slices", [1, 3])
+def test_a_backward_inside_a_compiled_training_step_gives_every_gradient_of_the_plain_models(num_slices):
+    # loss.backward() in the compiled function is a graph break, with Dynamo's frame hook still on:
+    # it traced the walk's backward, and the last slice's parameters (all, with one slice) were left
+    # with .grad None, silently (Note: [A backward inside a compiled function] in function.py).
+    torch._dynamo.reset()
+    plain = network()
+    model = OffloadModel(copy.deepcopy(plain), device="cpu", num_slices=num_slices)
+
+    def train_step(run: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        loss = run(x).square().sum()
+        loss.backward()
+        return loss
+
+    step = torch.compile(train_step, backend="eager")
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i in range(2):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
+        torch.testing.assert_close(step(model, x), step(plain, x), **EXACT)
+        for (name, a), b in zip(plain.named_parameters(), model.parameters()):
+            assert b.grad is not None, name
+            torch.testing.assert_close(b.grad, a.grad, **EXACT, msg=name)
+        for o in (plain_opt, opt):
+            o.step()
+            o.zero_grad()
+
+
+@pytest.mark.filterwarnings("ignore:AdamW is stepping OffloadModel's host parameters")
+def test_a_whole_compiled_training_step_with_an_offload_optimizer_is_the_plain_models():
+    # Forward, backward, step() and zero_grad() in one compiled function: every parameter differed
+    # from the first step on (the last slice never trained); under aot_eager backward raised.
+    torch._dynamo.reset()
+    plain = network()
+    model = OffloadModel(copy.deepcopy(plain), device="cpu", num_slices=3)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=0.01)
+    opt = OffloadOptimizer(model, torch.optim.AdamW, lr=0.01)
+
+    @torch.compile(backend="aot_eager")
+    def train_step(x: torch.Tensor) -> torch.Tensor:
+        loss = model(x).square().sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    for i in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
+        want = plain(x).square().sum()
+        want.backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+        torch.testing.assert_close(train_step(x), want, **EXACT)
+    opt.synchronize()
+    for (name, a), b in zip(plain.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b, a, **EXACT, msg=name)
+
+
 def _hooks_installed() -> bool:
     registered = _RegistrationCounter._registered
     return all(registered in hooks.values() for hooks in (
@@ -243,6 +303,52 @@ assert storage.registered_tensors_changed()
 del storage, models
 gc.collect()
 assert not _hooks_installed()
+torch._dynamo.config.compiled_autograd = True
+plain = network()
+
+@torch.compile(backend="eager")
+def train_step(x):
+    loss = plain(x).square().sum()
+    loss.backward()
+    return loss
+
+train_step(torch.randn(4, 8))
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent, capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_the_hugging_face_cuts_registration_hooks_leave_with_the_last_model_too():
+    # The cut's two hooks (_Replacements, rule 5 of Note: [PEFT models]; _CutModels, rule 8) stayed
+    # for the rest of the process once an OffloadedCausalLM had been built: a plain model's compiled
+    # training step then failed (KeyError: _orig_mod). In a process of its own, as above.
+    pytest.importorskip("transformers")
+    code = """
+import gc, torch
+from torch import nn
+from offload.integrations.causal_lm import OffloadedCausalLM
+from offload.integrations.peft import _CutModels
+from offload.integrations.transformers_stages import _Replacements
+from tests.test_compile import network
+from tests.test_trainer import llama
+hooks = nn.modules.module._global_module_registration_hooks.values()
+ours = (_Replacements._registered, _CutModels._registered)
+for _ in range(2):  # and a model built after the last left installs them again
+    models = [OffloadedCausalLM(llama(64), device="cpu", num_slices=2) for _ in range(2)]
+    assert all(hook in hooks for hook in ours)
+    del models[0]
+    gc.collect()
+    assert all(hook in hooks for hook in ours)  # the other model still watches
+    decoder = models[0].hf_model.model
+    try:  # and still refuses a new list of layers (layer_replication)
+        decoder.layers = nn.ModuleList(list(decoder.layers))
+        raise AssertionError("a new list of layers was not refused")
+    except ValueError as refused:
+        assert "the decoder's list of layers" in str(refused)
+    del models, decoder
+    gc.collect()
+    assert not any(hook in hooks for hook in ours)
 torch._dynamo.config.compiled_autograd = True
 plain = network()
 

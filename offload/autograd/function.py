@@ -36,12 +36,28 @@ Note: [The caller's saved-tensor hooks]
        Inside that block every strided tensor of the model's input enters slice 0 through a copy
        (Note: [Leaves enter through a copy] in ``slice_graph.py``), which the graph saves and the
        caller cannot change; a recompute's leaves are the walk's copies anyway.
+
+Note: [A backward inside a compiled function]
+    ``loss.backward()`` inside a ``torch.compile``'d function (a training step compiled whole) is a
+    graph break: Dynamo (torch 2.13, ``trace_autograd_ops`` off) runs it eagerly, but its frame hook
+    stays on, so every Python frame the autograd engine calls on this thread is Dynamo's to compile,
+    the walk's backward among them (the model's call runs eagerly: Note: [Compiled around the walk]
+    in ``offload/modeling/compiled.py``). Traced, the kept last slice's ``leaf.data = view``
+    (``_kept_entry_tensors`` in ``slice_graph.py``) became a ``set_`` replayed from a graph, and
+    that slice's parameters were left with ``.grad`` None, silently (every parameter with one
+    slice); the walk's copies and events gain nothing from tracing anyway. So ``backward``, where
+    Dynamo traces it (``torch.compiler.is_compiling()``, which it reads as true), calls itself
+    again through ``torch.compiler.disable``, which turns the hook off for every frame under it:
+    the plain model's gradients, bit for bit, in the compiled function as outside it. The eager
+    version is made at the first forward, never traced (Dynamo would trace the making, and warn),
+    as the model's call's is (``EagerUnderDynamo``); an eager backward does not go through it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -71,6 +87,7 @@ class OffloadFunction(torch.autograd.Function):
     def apply(cls, *args: Any) -> Any:
         # Before autograd sees the call: Note: [Transforms the walk refuses] in refusals.py.
         refusals.refuse_at_call(args[1], args[4:])
+        _prepare_eager_backward()  # never traced: the model's call runs eagerly under Dynamo
         return super().apply(*args)
 
     @staticmethod
@@ -87,6 +104,10 @@ class OffloadFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        if torch.compiler.is_compiling() and _EAGER_BACKWARD is not None:
+            # Dynamo traces this frame: run it again with Dynamo off (Note: [A backward inside a
+            # compiled function]).
+            return _EAGER_BACKWARD(ctx, *grad_outputs)
         if torch.is_grad_enabled():
             raise RuntimeError(refusals.DOUBLE_BACKWARD)
         _refuse_compiled_autograd()
@@ -96,6 +117,18 @@ class OffloadFunction(torch.autograd.Function):
         # inference mode allows.
         with torch.inference_mode(False), WalkClaim(ctx.run.engine, "a backward"):
             return _walk_backward(ctx, grad_outputs)
+
+
+#: ``OffloadFunction.backward`` with Dynamo off for every frame under it, made by the first
+#: forward, outside any tracing; ``None`` before (Note: [A backward inside a compiled function]).
+_EAGER_BACKWARD: Callable[..., tuple[torch.Tensor | None, ...]] | None = None
+
+
+def _prepare_eager_backward() -> None:
+    global _EAGER_BACKWARD
+    if _EAGER_BACKWARD is None:
+        # Dynamo is imported already: the model's construction made its call's eager version.
+        _EAGER_BACKWARD = torch.compiler.disable(OffloadFunction.backward)
 
 
 def _walk_forward(ctx: Any, engine: Engine, call: Call, plan: ActivationPlan, num_microbatches: int,

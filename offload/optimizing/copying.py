@@ -31,6 +31,9 @@ Note: [Copying an OffloadOptimizer]
        started is left to ``check_whole`` (``offload/optimizer.py``), which latches that mix and
        refuses it with its own advice, to load the last checkpoint (``step()`` would raise); a
        copy, which reads ``state_dict()``, is refused by it then too.
+    6. A parameter the model let go of after the optimizer was built (Note: [Parameters replaced
+       after the optimizer] in ``let_go.py``) is copied as itself, and its note with it: the copy
+       refuses to step it as the original does, with the same advice.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from typing import Any
 import torch
 
 from ..tiers.disk_tier import DiskTier
+from .let_go import carry_let_go, noted_let_go
 
 _DO_INSTEAD = ("save optimizer.state_dict() (or the model and the optimizer with offload.save_checkpoint), then "
                "build OffloadOptimizer(model_copy, ...) for the model's copy and load_state_dict() it")
@@ -74,8 +78,12 @@ class CopiedByStateDict:
         names = {id(p): name for name, p in optimizer.model.named_parameters()}
         groups = [{**group, "params": [names.get(id(p), p) for p in group["params"]]}
                   for group in optimizer.param_groups]
+        # A tensor the model let go of is copied as itself, outside the model's copy: its note goes
+        # with it, so the copy refuses to step it too (rule 6).
+        let_go = {(g, i): name for g, group in enumerate(optimizer.param_groups) for i, p in enumerate(group["params"])
+                  if id(p) not in names and (name := noted_let_go(optimizer, p)) is not None}
         return _rebuilt, (type(optimizer), optimizer.model, optimizer.optimizer_class, groups, _settings(optimizer),
-                          state_dict)
+                          state_dict, let_go)
 
     def __copy__(self) -> Any:
         # A shallow copy would share the model, and only the newest optimizer of a model steps it:
@@ -124,12 +132,17 @@ def _settings(optimizer: Any) -> dict[str, Any]:
 
 
 def _rebuilt(cls: type[Any], model: Any, optimizer_class: type[torch.optim.Optimizer], groups: list[dict[str, Any]],
-             settings: dict[str, Any], state_dict: dict[str, Any]) -> torch.optim.Optimizer:
+             settings: dict[str, Any], state_dict: dict[str, Any],
+             let_go: dict[tuple[int, int], str] | None = None) -> torch.optim.Optimizer:
     """The copy: a ``cls`` (``OffloadOptimizer``) of ``optimizer_class`` over ``model`` (the
-    model's copy), each parameter ``groups`` names found in it by name, loaded with ``state_dict``."""
+    model's copy), each parameter ``groups`` names found in it by name, loaded with ``state_dict``;
+    the parameters at ``let_go``'s places (group, index) noted as let go under its names (rule 6;
+    absent in a pickle from before)."""
     params = dict(model.named_parameters())
     groups = [{**group, "params": [params[p] if isinstance(p, str) else p for p in group["params"]]}
               for group in groups]
     optimizer = cls(model, optimizer_class, groups, **settings)
+    for (g, i), name in (let_go or {}).items():
+        carry_let_go(optimizer, groups[g]["params"][i], name)
     optimizer.load_state_dict(state_dict)
     return optimizer

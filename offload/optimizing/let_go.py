@@ -24,6 +24,11 @@ Note: [Parameters replaced after the optimizer]
     3. The note holds the parameter itself, not its id (an id is reused once the object dies), and
        lives as long as the optimizer: a weak key, so a dropped optimizer takes the old tensors
        with it. Parameters never in the model (stepped outside it, on purpose) are never noted.
+    4. A copy of the optimizer (``copy.deepcopy``, a pickle: Note: [Copying an OffloadOptimizer] in
+       ``copying.py``) keeps the old tensor, copied, among its groups, since the model's copy does
+       not hold it either: the note goes with it (:func:`noted_let_go` in the original,
+       :func:`carry_let_go` in the copy, under the copied tensor), so the copy refuses to step it as
+       the original does, and a copy of an optimizer that refuses nothing keeps working.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["let_go_name", "noting_let_go"]
+__all__ = ["carry_let_go", "let_go_name", "noted_let_go", "noting_let_go"]
 
 #: Per optimizer: id of a parameter the model let go of -> (that parameter, its name in the old layout).
 _LET_GO: weakref.WeakKeyDictionary[Any, dict[int, tuple[torch.Tensor, str]]] = weakref.WeakKeyDictionary()
@@ -68,6 +73,18 @@ def let_go_name(engine: Any, p: torch.Tensor) -> str | None:
         if noted is not None and noted[0] is p:
             return noted[1]
     return None
+
+
+def noted_let_go(optimizer: Any, p: torch.Tensor) -> str | None:
+    """The name noted for ``p`` in ``optimizer``'s note, for the copy to carry (rule 4); ``None`` if not noted."""
+    noted = _LET_GO.get(optimizer, {}).get(id(p))
+    return noted[1] if noted is not None and noted[0] is p else None
+
+
+def carry_let_go(optimizer: Any, p: torch.Tensor, name: str) -> None:
+    """Note ``p`` (the copy of a tensor the original's note held) as let go under ``name``, for
+    ``optimizer`` (the copy): it refuses to step it as the original does (rule 4)."""
+    _LET_GO.setdefault(optimizer, {})[id(p)] = (p, name)
 
 
 def _names(engine: Any, entries: list[tuple[int, list[Any]]], held: dict[int, torch.Tensor]) -> dict[int, str]:
