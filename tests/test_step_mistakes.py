@@ -140,6 +140,56 @@ def test_updates_in_backward_trip_no_check(accumulation_steps):
     assert_same_parameters(model, plain)
 
 
+def test_a_step_of_parameters_outside_the_model_only_is_no_mistake():
+    # One optimizer over the model and a head beside it: a step that updates the head alone, between
+    # the model's forward and its backward, changes nothing the forward read (it raised before).
+    def run(offload):
+        body, head = network(), nn.Linear(3, 1)
+        if offload:
+            body = OffloadModel(body, device="cpu", num_slices=3)
+            optimizer = OffloadOptimizer(body, torch.optim.AdamW, [*body.parameters(), *head.parameters()], lr=1e-2)
+        else:
+            optimizer = torch.optim.AdamW([*body.parameters(), *head.parameters()], lr=1e-2)
+        for step in range(3):
+            features = body(batch(step))
+            head(features.detach()).pow(2).mean().backward()
+            optimizer.step()  # the head only: the body has no gradient yet
+            optimizer.zero_grad()
+            features.pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return nn.Sequential(body, head)
+
+    assert_same_parameters(run(True), run(False))
+
+
+def test_a_step_under_a_forward_through_other_weights_is_no_mistake():
+    # torch.func.functional_call with weights of the caller's (an EMA's): the forward read those, not
+    # the model's parameters, so the model's step before its backward is no mistake (it raised before).
+    def run(offload):
+        model = network()
+        if offload:
+            model = OffloadModel(model, device="cpu", num_slices=3)
+            optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2)
+        else:
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ema = {name: p.detach().clone() for name, p in model.named_parameters()}
+        grads = []
+        for step in range(3):
+            loss_of(model, step).backward()
+            x = batch(50 + step).requires_grad_()
+            other = torch.func.functional_call(model, ema, (x,)).pow(2).mean()
+            optimizer.step()
+            optimizer.zero_grad()
+            grads.append(torch.autograd.grad(other, x)[0])
+        return model, grads
+
+    (model, grads), (plain, plain_grads) = run(True), run(False)
+    assert_same_parameters(model, plain)
+    for got, expected in zip(grads, plain_grads):
+        torch.testing.assert_close(got, expected, **EXACT)
+
+
 # -- a plain optimizer stepping the same parameters right after ------------------------------------------
 
 

@@ -117,7 +117,7 @@ from ..streams import DeviceSlots, Event, OffloadTicket
 from ..streams.saved_activations import SavedActivations
 from ..walk.activation_policy import ActivationMode, ActivationPlan
 from ..walk.module_state import AttributeSnapshot, AttributeTracker
-from ..walk.steps import steps_of
+from ..walk.steps import read_by_forward, stepped_since, steps_of
 from .call import Call
 from .replay import AutocastState, LibraryRng, LibraryRngCapture, capture_rng
 
@@ -527,6 +527,7 @@ class CallRecord:
     records: ForwardRecords
     param_versions: list[tuple[int, ...]]
     steps: int  # OffloadOptimizer steps of the engine so far (Note: [A step between a forward and its backward])
+    read: frozenset[int]  # the tensors the forward read in the parameters' places (the same Note)
     autocast: AutocastState
     input_meta: list[tuple[torch.Size, torch.dtype, torch.device]]  # per input tensor
 
@@ -536,7 +537,7 @@ class CallRecord:
         """The record of a forward that just ran."""
         return cls(engine, call, split, records,
                    param_versions=[s.storage.param_versions() for s in engine.slices],
-                   steps=steps_of(engine),
+                   steps=steps_of(engine), read=read_by_forward(engine),
                    autocast=AutocastState.capture(engine.device),
                    input_meta=[(t.shape, t.dtype, t.device) for t in input_tensors])
 
@@ -544,7 +545,7 @@ class CallRecord:
         """Refuse a backward after the parameters changed in place since forward: stepped by an
         OffloadOptimizer (Note: [A step between a forward and its backward] in
         ``offload/walk/steps.py``) or written by the user."""
-        if steps_of(self.engine) != self.steps:
+        if stepped_since(self.engine, self.steps, self.read):
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified by an inplace "
                 "operation: OffloadOptimizer.step() updated the OffloadModel's parameters between this forward and "

@@ -1,7 +1,7 @@
-"""How many times an OffloadOptimizer stepped each engine's parameters: what a backward compares
-with its forward's count. What it does not hold: the step itself (``offload/optimizer.py``) or
-the check of the parameters' own version counters (``CallRecord.check_versions`` in
-``offload/autograd/records.py``).
+"""How many times an OffloadOptimizer stepped each engine's parameters, and which parameters each
+step updated: what a backward compares with its forward's record. What it does not hold: the step
+itself (``offload/optimizer.py``) or the check of the parameters' own version counters
+(``CallRecord.check_versions`` in ``offload/autograd/records.py``).
 
 Note: [A step between a forward and its backward]
     Plain PyTorch catches ``optimizer.step()`` run between a forward and its backward: the step
@@ -16,9 +16,13 @@ Note: [A step between a forward and its backward]
        update, whenever it updates something: a parameter with a gradient, or an update that
        backward started (``update_in_backward``). A step that finds no gradient changes nothing
        and counts nothing, as ``torch.optim`` bumps no counter then.
-    2. A forward records the count (``CallRecord.of``); its backward raises PyTorch's error, saying
-       a step ran in between, where the count moved. Fused classes are caught too: the library
-       knows it stepped them, although a plain fused optimizer leaves no trace PyTorch can see.
+    2. A forward records the count and the tensors it read in the parameters' places
+       (``CallRecord.of``); its backward raises PyTorch's error, saying a step ran in between, where
+       a later step updated one of them. A step that updated only others (parameters outside the
+       model the optimizer also steps, or the model's own under a forward that read the tensors
+       ``torch.func.functional_call`` put in their places: an EMA's weights) is no mistake. Fused
+       classes are caught too: the library knows it stepped them, although a plain fused optimizer
+       leaves no trace PyTorch can see.
     3. The parameters' own version counters are left as the inner optimizers leave them: the
        count tells a step from a write of the user's (which bumps a counter and keeps its own
        message), and the library's readers of ``_version`` see no write for a change the library
@@ -39,6 +43,8 @@ if TYPE_CHECKING:
 #: Engine to the number of steps an OffloadOptimizer took over its parameters; held weakly, so an
 #: engine's count goes with it.
 _steps: weakref.WeakKeyDictionary[Engine, int] = weakref.WeakKeyDictionary()
+#: Engine to {id of a parameter a step updated: the count after the last step that updated it}.
+_last: weakref.WeakKeyDictionary[Engine, dict[int, int]] = weakref.WeakKeyDictionary()
 
 
 def steps_of(engine: Engine) -> int:
@@ -47,9 +53,27 @@ def steps_of(engine: Engine) -> int:
     return _steps.get(engine, 0)
 
 
+def read_by_forward(engine: Engine) -> frozenset[int]:
+    """The ids of the tensors a forward reads in the parameters' places now: the model's own, or
+    those ``torch.func.functional_call`` substituted for them (rule 2)."""
+    return frozenset(id(entry.tensor) for s in engine.slices for entry in s.storage.params)
+
+
+def stepped_since(engine: Engine, steps: int, read: Collection[int]) -> bool:
+    """Whether a step after the ``steps``-th updated one of the tensors ``read`` (rule 2)."""
+    last = _last.get(engine)
+    return last is not None and steps != steps_of(engine) and any(last.get(i, 0) > steps for i in read)
+
+
 def count_step(engine: Engine, param_groups: Iterable[dict[str, Any]], started: Collection[int]) -> None:
-    """Count a step of ``engine``'s parameters if it updates any: a parameter of ``param_groups``
-    has a gradient, or backward ``started`` updates (rule 1 of Note: [A step between a forward
-    and its backward]). The first parameter with a gradient ends the search."""
-    if started or any(p.grad is not None for group in param_groups for p in group["params"]):
-        _steps[engine] = _steps.get(engine, 0) + 1
+    """Count a step of ``engine``'s parameters if it updates any: each parameter of ``param_groups``
+    with a gradient, and each of the slices whose update backward ``started`` (rule 1 of Note: [A
+    step between a forward and its backward])."""
+    stepped = [id(p) for group in param_groups for p in group["params"] if p.grad is not None]
+    stepped += [id(entry.tensor) for s in engine.slices if s.index in started for entry in s.storage.params]
+    if not stepped:
+        return
+    count = _steps[engine] = _steps.get(engine, 0) + 1
+    last = _last.setdefault(engine, {})
+    for i in stepped:
+        last[i] = count
