@@ -482,9 +482,10 @@ def test_a_config_given_as_json_longer_than_a_file_name_is_read_as_json(capsys):
     assert "model = OffloadModel(" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("model_type", ["exaone", "sarvam_moe"])
+@pytest.mark.parametrize("model_type", ["exaone", "sarvam_moe", "jais2"])
 def test_a_model_type_built_as_a_familys_class_is_planned(model_type, capsys):
-    """As causal_lm_sequential cuts it (docs/huggingface.md): EXAONE 3 as a Llama, Sarvam-MoE as GLM-4-MoE."""
+    """As causal_lm_sequential cuts it (docs/huggingface.md): EXAONE 3 as a Llama, Sarvam-MoE as GLM-4-MoE,
+    Jais 2 (a class of its own) with Llama's layout."""
     transformers = pytest.importorskip("transformers")
     if model_type not in transformers.models.auto.configuration_auto.CONFIG_MAPPING_NAMES:
         pytest.skip(f"transformers {transformers.__version__} has no {model_type}")

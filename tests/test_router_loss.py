@@ -18,11 +18,13 @@ transformers = pytest.importorskip("transformers", reason='transformers is not i
 from offload.integrations.transformers import OffloadedCausalLM, causal_lm_sequential  # noqa: E402
 from offload.integrations.transformers_router import router_loss_of  # noqa: E402
 
-from .test_transformers import EXACT, FAMILIES, batch, build  # noqa: E402
+from .test_transformers import EXACT, FAMILIES, LATER_FAMILIES, batch, build  # noqa: E402
 
 #: The families whose model adds a load-balancing loss computed from its router logits.
 ROUTED = ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "olmoe", "granitemoe", "granitemoeshared", "phimoe",
           "jetmoe", "qwen3_next"]
+#: Those among the later families (cut with a checked family's layout) that the installed release has.
+LATER_ROUTED = [kind for kind in ("ernie4_5_moe", "flex_olmo", "flint") if kind in LATER_FAMILIES]
 
 
 def routed(kind: str, coefficient: float = 0.25) -> torch.nn.Module:
@@ -53,11 +55,12 @@ def both_backward(reference: torch.nn.Module, model: torch.nn.Module,
 
 
 def test_the_families_with_a_router_loss_are_those_whose_stages_carry_router_logits():
-    found = [kind for kind in FAMILIES if router_loss_of(build(kind, layers=1)) is not None]
-    assert found == ROUTED
+    found = [kind for kind in FAMILIES + LATER_FAMILIES if router_loss_of(build(kind, layers=1)) is not None]
+    assert found == ROUTED + LATER_ROUTED
 
 
-CASES = [(kind, "recompute") for kind in ROUTED] + [("mixtral", policy) for policy in ACTIVATIONS if policy != "recompute"]
+CASES = [(kind, "recompute") for kind in ROUTED + LATER_ROUTED] + [
+    ("mixtral", policy) for policy in ACTIVATIONS if policy != "recompute"]
 
 
 @pytest.mark.parametrize(("kind", "activations"), CASES)
@@ -87,8 +90,9 @@ def test_loss_aux_loss_router_logits_and_gradients_are_the_models_bit_for_bit(ki
         assert_same_grads(hf, reference, **EXACT)
         with torch.no_grad():
             for p, q in zip(hf.parameters(), reference.parameters()):
-                p.sub_(0.1 * p.grad)
-                q.sub_(0.1 * q.grad)
+                if p.grad is not None:  # ERNIE 4.5 MoE's unused expert bias has none, in both
+                    p.sub_(0.1 * p.grad)
+                    q.sub_(0.1 * q.grad)
                 p.grad = q.grad = None
 
 
@@ -190,6 +194,33 @@ def test_a_model_with_routers_but_no_loss_refuses_the_call_asking_for_its_logits
     with pytest.raises(TypeError, match=r"cannot add this mixture of experts' load-balancing loss "
                                         r"\(output_router_logits=True in the call\).*router_aux_loss_coef=0\.0"):
         model(**batch(), output_router_logits=True)
+
+
+@pytest.mark.parametrize("kind", ["glm4_moe", "deepseek_v3", "llama4_text"])
+def test_a_config_asking_for_router_logits_of_a_family_without_the_loss_is_refused_as_such(kind):
+    """The model's loss is the same with or without ``output_router_logits`` (it adds no term): the cut
+    says so, and that turning it off is the way, not a ``router_logits=True`` that it refuses next."""
+    hf = build(kind, layers=1)
+    inputs = batch()
+    torch.manual_seed(7)
+    plain = hf(**inputs, labels=labelled(inputs), use_cache=False)
+    hf.config.output_router_logits = True
+    torch.manual_seed(7)
+    asked = hf(**inputs, labels=labelled(inputs), use_cache=False)
+    assert getattr(asked, "aux_loss", None) is None
+    torch.testing.assert_close(asked.loss, plain.loss, **EXACT)
+    message = (r"with output_router_logits=True: this model adds no load-balancing term to its loss.*"
+               r"output_router_logits = False.*the loss is the same$")
+    for cut in (lambda: causal_lm_sequential(hf), lambda: OffloadedCausalLM(hf, device="cpu", num_slices=1)):
+        with pytest.raises(ValueError, match=message):
+            cut()
+
+
+def test_a_family_whose_loss_the_stages_cannot_carry_is_told_to_turn_it_off(monkeypatch):
+    hf = routed("mixtral")
+    monkeypatch.setattr(hf, "router_aux_loss_coef", None)  # no coefficient: router_loss_of finds no loss
+    with pytest.raises(ValueError, match=r"which the stages cannot carry for it.*output_router_logits = False"):
+        OffloadedCausalLM(hf, device="cpu", num_slices=1)
 
 
 def test_a_model_without_routers_ignores_the_keyword_as_the_model_does():

@@ -21,7 +21,7 @@ import torch
 from offload import OffloadModel
 
 from .helpers import DEVICES, assert_same_grads
-from .test_transformers import EXACT, FAMILIES, TIED_BY_DEFAULT, batch, both_backward, build
+from .test_transformers import EXACT, FAMILIES, LATER_FAMILIES, TIED_BY_DEFAULT, batch, both_backward, build
 
 transformers = pytest.importorskip("transformers")
 from offload.integrations.transformers import causal_lm_sequential, load_causal_lm  # noqa: E402
@@ -47,7 +47,7 @@ def assert_same_tensors(got: torch.nn.Module, want: torch.nn.Module) -> None:
         torch.testing.assert_close(mine[name], tensor, **EXACT, msg=name)
 
 
-CASES = [pytest.param(kind, False, id=kind) for kind in FAMILIES] + [
+CASES = [pytest.param(kind, False, id=kind) for kind in FAMILIES + LATER_FAMILIES] + [
     pytest.param(kind, True, id=f"{kind}-tied") for kind in TIED_BY_DEFAULT]
 
 

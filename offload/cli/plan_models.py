@@ -257,15 +257,26 @@ def hf_workload(args: argparse.Namespace) -> Workload:
     hf_model = "get_peft_model(hf_model, LoraConfig(...))" if args.lora_r else "hf_model"
     router = ", router_logits=True" if getattr(config.get_text_config(), "output_router_logits", False) else ""
     build = f"causal_lm_sequential({hf_model}{', loss_chunk_tokens=' + str(chunk) if chunk else ''}{router})"
-    flags = ["--batch-size", str(rows), "--seq-len", str(tokens), "--loss-chunk-tokens", str(args.loss_chunk_tokens)]
+    input_flags = f"--hf-config {args.hf_config} --batch-size {rows} --seq-len {tokens}"
+    return Workload(layers, make_input, rows, build, finetune=_finetune_flags(args, layers.hf_model),
+                    input_flags=input_flags, profiled=profiled, four_bit=four_bit)
+
+
+def _finetune_flags(args: argparse.Namespace, hf: nn.Module) -> list[str] | None:
+    """``offload-finetune``'s flags for the planned model, or ``None`` where it would refuse every
+    checkpoint of it: one storing tensors that loading splits (Sarvam-MoE's fused ``query_key_value``)."""
+    from ..integrations.transformers_loading import split_on_loading
+
+    if split_on_loading(hf):
+        return None
+    flags = ["--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
+             "--loss-chunk-tokens", str(args.loss_chunk_tokens)]
     if args.lora_r:
         flags += ["--lora-r", str(args.lora_r)]
     if args.quantize:
         flags += ["--load-in-4bit", "--bnb-4bit-quant-type", args.quantize]
         flags += [] if args.bnb_4bit_use_double_quant else ["--no-bnb-4bit-use-double-quant"]
-    input_flags = f"--hf-config {args.hf_config} --batch-size {rows} --seq-len {tokens}"
-    return Workload(layers, make_input, rows, build, finetune=flags, input_flags=input_flags, profiled=profiled,
-                    four_bit=four_bit)
+    return flags
 
 
 def _check_sizes(spec: str, config: Any) -> None:

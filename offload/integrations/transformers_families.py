@@ -84,6 +84,13 @@ _LAYOUTS = {
     "nemotron": _Layout(),
     "bitnet": _Layout(),
     "lfm2": _Layout(final_norm="embedding_norm", mask="layer_types"),  # its convolution layers' type is "conv"
+    # Classes of their own (transformers 5.24) whose forward is, statement for statement, their
+    # model's: VaultGemma's Gemma 2's, Ministral 3's Mistral's, the others Llama's.
+    "vaultgemma": _Layout(mask="layer_types", layers_take_use_cache=False, final_logit_softcapping=True),
+    "ministral3": _Layout(mask="sliding_window"),
+    "diffllama": _Layout(),  # its differential attention is inside the layers
+    "jais2": _Layout(),
+    "youtu": _Layout(),  # multi-head latent attention inside the layers
     # Mixture of experts: the routing happens inside the layers; the load-balancing loss is refused
     # (``transformers_stages.py``).
     "mixtral": _Layout(mask="sliding_window"),
@@ -101,6 +108,18 @@ _LAYOUTS = {
     "phimoe": _Layout(mask="sliding_window"),
     "jetmoe": _Layout(),
     "qwen3_next": _MASK_PER_LAYER_TYPE,  # linear and full attention layers
+    # Classes of their own (transformers 5.24) whose forward is, statement for statement, their
+    # model's: GLM-4-MoE-Lite's and Solar Open's GLM-4-MoE's, Aria text's and A.X K1's DeepSeek-V3's,
+    # ERNIE 4.5 MoE's and FlexOlmo's OLMoE's (with its load-balancing loss), EXAONE-MoE's dots.llm1's,
+    # Flint's Qwen2-MoE's (with its loss).
+    "glm4_moe_lite": _Layout(),
+    "solar_open": _Layout(),
+    "aria_text": _Layout(),
+    "axk1": _Layout(),
+    "ernie4_5_moe": _Layout(),
+    "flex_olmo": _Layout(),
+    "exaone_moe": _MASK_PER_LAYER_TYPE,
+    "flint": _MASK_PER_LAYER_TYPE,
 }
 #: The ``config.model_type`` values of the families this module cuts. Others share parts of the layout but
 #: differ in details that change results (embedding dropout outside a module, positions as attention

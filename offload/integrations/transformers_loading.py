@@ -369,6 +369,30 @@ def _with_files(checkpoint: SafetensorsCheckpoint, names: list[str]) -> str:
     return _listed([f"'{name}' ({checkpoint[name].file.name})" for name in names])
 
 
+class _ConvertedOnLoading(ValueError):
+    """A stored tensor in a form the model converts on loading other than experts one by one (Sarvam-MoE's
+    fused ``query_key_value``, split into the three projections): told for ``load_causal_lm``, which
+    ``OffloadedCausalLM.from_pretrained`` and ``offload-finetune --model`` call; ``load_state_dict``
+    words it for itself (:func:`stored_into_stages`)."""
+
+    def __init__(self, stored_name: str, converter: WeightConverter) -> None:
+        self.stored_name, self.converter = stored_name, converter
+        super().__init__(
+            f"'{stored_name}' is stored in a form the model converts on loading ({converter!r}); load_causal_lm (and "
+            "so OffloadedCausalLM.from_pretrained and offload-finetune --model) reads only experts stored one by one "
+            "in place. Load this checkpoint with transformers' from_pretrained and wrap that model with "
+            "OffloadedCausalLM(hf_model, ...) or causal_lm_sequential instead")
+
+
+def split_on_loading(hf_model: nn.Module) -> list[str]:
+    """The stored names (patterns) that ``hf_model``'s conversions split into several of its tensors on
+    loading, which :func:`load_causal_lm` does not read (Sarvam-MoE's ``query_key_value``): every
+    checkpoint of such a model stores them, so ``offload plan`` prints no ``offload-finetune`` for it."""
+    return [pattern for transform in get_model_conversion_mapping(hf_model)
+            if isinstance(transform, WeightConverter) and len(transform.target_patterns) > 1
+            for pattern in transform.source_patterns]
+
+
 def _expert_part(converter: WeightConverter, pattern: str, stored_name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """The view of the stacked tensor that one expert's stored tensor fills, for the conversions
     that stack experts (``MergeModulelist(dim=0)``) and join the parts of each (``Concatenate(dim=1)``)."""
@@ -377,9 +401,7 @@ def _expert_part(converter: WeightConverter, pattern: str, stored_name: str) -> 
               and (len(ops) == 1 or (len(ops) == 2 and isinstance(ops[1], Concatenate) and ops[1].dim == 1)))
     found = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), stored_name)
     if not stacks or found is None:
-        raise ValueError(f"'{stored_name}' is stored in a form the model converts on loading ({converter!r}); "
-                         "load_causal_lm reads only experts stored one by one in place. Load this checkpoint with "
-                         "from_pretrained and wrap it with causal_lm_sequential instead")
+        raise _ConvertedOnLoading(stored_name, converter)
     expert = int(found.group(1))
     parts = len(converter.source_patterns)
     part = converter.source_patterns.index(pattern)
@@ -422,7 +444,11 @@ def stored_into_stages(hf_model: nn.Module, layers: CausalLMSequential, stored: 
         try:
             placement = place(name)
         except ValueError as error:  # a conversion other than stacking experts
-            errors.append(str(error))
+            errors.append(str(error) if not isinstance(error, _ConvertedOnLoading) else
+                          f"'{prefix}{name}' is stored in a form the model converts on loading ({error.converter!r}), "
+                          "which load_state_dict does not convert (it stacks experts stored one by one, and takes "
+                          "the model's own names): load these tensors' folder with transformers' from_pretrained "
+                          "and pass that model's state_dict()")
             continue
         if placement is None or placement.key not in targets or placement.key in given or placement.key in tensors:
             continue

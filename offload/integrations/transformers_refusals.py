@@ -324,7 +324,8 @@ def _router_message(asked: str) -> str:
     return (
         f"an OffloadedCausalLM cannot add this mixture of experts' load-balancing loss ({asked}): the offloaded "
         "slices carry router logits only for the families that compute it with a load_balancing_loss_func "
-        "(Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GPT-OSS, Granite-MoE, PhiMoE, JetMoE, Qwen3-Next). Train on the "
+        "(Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GPT-OSS, Granite-MoE, PhiMoE, JetMoE, Qwen3-Next, ERNIE 4.5 MoE, "
+        "FlexOlmo, Flint). Train on the "
         "language-modelling loss alone: with TRL's trainers pass router_aux_loss_coef=0.0 in their config "
         "(SFTConfig(router_aux_loss_coef=0.0), DPOConfig, KTOConfig), which otherwise takes the model config's "
         "coefficient; elsewhere leave output_router_logits off (config.output_router_logits = False, and no "

@@ -2,9 +2,9 @@
 
 Note: [Router logits]
     Mixtral and the families built like it (Qwen2-MoE, Qwen3-MoE, OLMoE, GPT-OSS, Granite-MoE,
-    PhiMoE, JetMoE, Qwen3-Next) add ``router_aux_loss_coef`` times a load-balancing loss to the
-    loss when ``output_router_logits`` is asked for. That loss is no sum of per-layer terms: it
-    multiplies each expert's share of the routed tokens over all layers by its mean probability
+    PhiMoE, JetMoE, Qwen3-Next, ERNIE 4.5 MoE, FlexOlmo, Flint) add ``router_aux_loss_coef`` times a
+    load-balancing loss to the loss when ``output_router_logits`` is asked for. That loss is no sum
+    of per-layer terms: it multiplies each expert's share of the routed tokens over all layers by its mean probability
     over all layers, so it needs every layer's router logits at once. The model records them with
     forward hooks on its router modules (those its ``_can_record_outputs["router_logits"]``
     names) and hands them to its family's ``load_balancing_loss_func``.
@@ -85,6 +85,33 @@ def router_loss_of(model: nn.Module) -> RouterLoss | None:
             or not hasattr(model, "num_experts") or not hasattr(model, "num_experts_per_tok")):
         return None
     return RouterLoss(function, model.num_experts, model.num_experts_per_tok, coefficient, routers)
+
+
+def refuse_unasked_router_loss(model: nn.Module, router: RouterLoss | None) -> None:
+    """Raise for a model whose config asks for router logits (``output_router_logits=True``) that the
+    stages will not carry (``router`` is ``None``), saying why for its family: one whose forward adds
+    no load-balancing term (GLM-4-MoE, DeepSeek-V3, Llama 4: no ``load_balancing_loss_func``) would
+    return the logits only for inspection, the loss the same without them; one whose term the
+    stages cannot carry; one whose term they carry where asked (``router_logits``)."""
+    if not getattr(getattr(model, "config", None), "output_router_logits", False) or router is not None:
+        return
+    name = type(model).__name__
+    off = ("set config.output_router_logits = False (\"output_router_logits\": false in a saved model's "
+           "config.json)")
+    if getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None) is None:
+        raise ValueError(f"{name} with output_router_logits=True: this model adds no load-balancing term to its loss; "
+                         f"it returns its router logits only for inspection, which the stages do not carry. "
+                         f"{off}: the loss is the same")
+    if router_loss_of(model) is None:
+        raise ValueError(f"{name} with output_router_logits=True: the model adds to its loss a load-balancing term "
+                         "computed from every layer's router logits, which the stages cannot carry for it (Note: "
+                         f"[Router logits]). {off} to train on the language-modelling loss alone")
+    # Only causal_lm_sequential's router_logits=False leaves a family with a loss the stages carry here.
+    raise ValueError(
+        f"{name} with output_router_logits=True: the model adds to its loss a load-balancing term computed from "
+        "every layer's router logits, which logits alone do not give. Cut it with router_logits=True and ask for "
+        "them (Note: [Router logits]), wrap it in OffloadedCausalLM (which adds the loss as the model does), or "
+        f"{off} to train on the language-modelling loss alone")
 
 
 class RouterCapture:

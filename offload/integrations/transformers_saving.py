@@ -4,7 +4,8 @@
 (``OffloadModel(..., masters=DiskTier(...))``), takes each slice's masters out of RAM once its
 shard is written: ``hf.save_pretrained`` reads every master into RAM before it is done, which
 peaks higher than training does (Note: [Masters on disk] in ``offload/tiers/master_files.py``). The
-folder loads with ``from_pretrained`` and ``load_causal_lm`` as ``save_pretrained``'s does. It
+folder loads with ``from_pretrained`` and ``load_causal_lm`` as ``save_pretrained``'s does (and, where
+``load_causal_lm`` refuses that one, as a Sarvam-MoE's fused ``query_key_value``, this one too). It
 does not save adapters (``PeftModel.save_pretrained`` writes only those, which are small) or a
 tokenizer.
 """

@@ -61,7 +61,7 @@ from .transformers_batch import IGNORE_INDEX
 from .transformers_families import _BUILT_AS_FAMILY, _LAYOUTS, CUT_MODEL_TYPES, SUPPORTED_MODEL_TYPES, _Layout
 from .transformers_layers import DecoderLayer, GPT2Embedding, Head, LlamaEmbedding
 from .transformers_masks import _MaskCache
-from .transformers_router import RouterCapture, RouterLoss, router_loss_of
+from .transformers_router import RouterCapture, RouterLoss, refuse_unasked_router_loss, router_loss_of
 
 try:
     import transformers
@@ -414,8 +414,9 @@ def causal_lm_sequential(model: nn.Module, *, untie_embeddings: bool = False,
             decoder's ``forward``, a PEFT method whose ``PeftModel.forward`` changes the inputs
             (prompt learning, Poly, activated LoRA, ...: Note: [PEFT models], rule 2), GPT-2
             with cross-attention, Gemma 3 with bidirectional attention, a mixture of experts
-            with ``output_router_logits=True`` without ``router_logits=True`` (the model would add a
-            load-balancing loss to the loss that the logits alone do not give), ``router_logits=True``
+            with ``output_router_logits=True`` whose load-balancing loss the stages do not carry
+            (without ``router_logits=True``, or a family they carry none for) or whose family adds
+            none (its router logits would only be returned, the loss the same), ``router_logits=True``
             for a model whose family computes no such loss; ``loss_chunk_tokens`` not a positive
             int, or given for a model whose ``loss_function`` is not transformers' ``ForCausalLMLoss``.
 
@@ -446,14 +447,7 @@ def causal_lm_sequential(model: nn.Module, *, untie_embeddings: bool = False,
     if router_logits and router is None:
         raise ValueError(f"router_logits=True: {type(model).__name__} computes no load-balancing loss from router "
                          "logits that the stages can carry (Note: [Router logits]); cut it without router_logits")
-    if getattr(config, "output_router_logits", False) and router is None:
-        raise ValueError(
-            f"{type(model).__name__} with output_router_logits=True: the model adds to its loss a load-balancing term "
-            "computed from every layer's router logits, which logits alone do not give. Cut it with "
-            "router_logits=True and ask for them (Note: [Router logits]), wrap it in OffloadedCausalLM (which adds "
-            "the loss as the model does), or set config.output_router_logits = False (\"output_router_logits\": "
-            "false in a saved model's config.json) to train on the language-modelling loss alone"
-        )
+    refuse_unasked_router_loss(model, router)
     if model_type == "gemma3_text" and config.use_bidirectional_attention:
         # The decoder then widens both masks with functions of its own, which the stages do not rebuild.
         raise ValueError("Gemma 3 with use_bidirectional_attention=True (an encoder, not a causal LM) is not supported")

@@ -178,6 +178,8 @@ def _forward(children: list[nn.Module], x: Any, compute_dtype: torch.dtype | Non
     sums = _SummedGradients()
     for index, layer in enumerate(children):
         replacements = _fake_state(layer, compute_dtype)
+        # Entered first, so it exits last: Note: [The layers' own tensors put back].
+        stand_ins.enter_context(_put_back(layer))
         # What torch.func.functional_call does, kept open until the backward has run.
         stand_ins.enter_context(_reparametrize_module(layer, replacements, tie_weights=True))
         stand_ins.enter_context(chunks.patched(layer, index))
@@ -439,6 +441,32 @@ def _backward_flops(output: Any) -> int:
     with _flop_counter() as counter:
         torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
     return counter.get_total_flops()
+
+
+# Note: [The layers' own tensors put back]
+#     ``_reparametrize_module`` puts each original back by name where the name then is, and a
+#     forward that re-registers a name moves it: PEFT's ``lora.ParamWrapper`` (LoRA on a mixture of
+#     experts' fused ``gate_up_proj`` / ``down_proj``) wraps the parameter in a ``torch.nn.utils.
+#     parametrize`` parametrization for the forward and removes it after, which registers the
+#     plain fake stand-in back as a buffer. The original parameter was then restored into
+#     ``_buffers``, so the experts' base weights left the layers' parameters and ``offload plan
+#     --lora-r`` counted (and sized the plan by) what was left. Each module's ``_parameters`` and
+#     ``_buffers`` are copied before the profile and put back, as they were, after it.
+
+
+@contextlib.contextmanager
+def _put_back(layer: nn.Module) -> Any:
+    """Restores every submodule's ``_parameters`` and ``_buffers`` dicts as they were on entry
+    (Note: [The layers' own tensors put back])."""
+    kept = [(module, dict(module._parameters), dict(module._buffers)) for module in layer.modules()]
+    try:
+        yield
+    finally:
+        for module, parameters, buffers in kept:
+            module._parameters.clear()
+            module._parameters.update(parameters)
+            module._buffers.clear()
+            module._buffers.update(buffers)
 
 
 def _fake_state(layer: nn.Module, compute_dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
