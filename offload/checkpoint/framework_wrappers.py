@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..tiers.slice_update import unwrapped_optimizer
@@ -34,4 +35,6 @@ def unwrapped_module(model: Any) -> Any:
 def unwrapped(model: Any, optimizer: Any) -> tuple[Any, Any]:
     """``model`` and ``optimizer`` with Fabric's wrappers (and Lightning's ``LightningOptimizer``)
     seen through; anything else as it is, for the checks of a save or a load to judge."""
-    return unwrapped_module(model), None if optimizer is None else unwrapped_optimizer(optimizer)
+    # Not an optimizer (a path given in its place): as it is, for the checks to name.
+    kept = not isinstance(optimizer, torch.optim.Optimizer)
+    return unwrapped_module(model), optimizer if kept else unwrapped_optimizer(optimizer)

@@ -75,10 +75,18 @@ def random_model(arch: str, size: str, vocab: int, seq_len: int):
     return transformers.AutoModelForCausalLM.from_config(config), byte_tokenizer()
 
 
+#: Model types whose configs take their sizes by the names of the family whose forward theirs repeats
+#: (``offload/integrations/transformers_families.py``): latent attention as DeepSeek-V3's, experts as
+#: that family's.
+_SIZED_AS = {"youtu": "deepseek_v3", "glm4_moe_lite": "deepseek_v3", "aria_text": "deepseek_v3",
+             "axk1": "deepseek_v3", "solar_open": "glm4_moe", "flex_olmo": "olmoe", "flint": "qwen2_moe"}
+
+
 def _family_sizes(arch: str, hidden: int, heads: int, intermediate: int) -> dict:
     """Sizes a family's config takes from elsewhere than the shared ones, where its defaults would not
     build (DeepSeek's latent attention, dots.llm1's unset experts) or build a model far larger than
     the size asked for (hundreds of experts)."""
+    arch = _SIZED_AS.get(arch, arch)
     experts = {"n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
                "moe_intermediate_size": intermediate // 2, "n_group": 1, "topk_group": 1}
     if arch in ("deepseek_v2", "deepseek_v3"):
@@ -92,6 +100,8 @@ def _family_sizes(arch: str, hidden: int, heads: int, intermediate: int) -> dict
     return {
         "gpt_oss": {"num_local_experts": 8},
         "olmoe": {"num_experts": 8},
+        "ernie4_5_moe": {"moe_num_experts": 8, "moe_k": 2, "moe_intermediate_size": intermediate // 2},
+        "exaone_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": intermediate // 2},
         "qwen3_moe": {"num_experts": 8, "moe_intermediate_size": intermediate // 2},
         "qwen2_moe": {"num_experts": 8, "moe_intermediate_size": intermediate // 2,
                       "shared_expert_intermediate_size": intermediate},
