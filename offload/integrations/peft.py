@@ -79,8 +79,8 @@ Note: [PEFT models]
        them there, before the registration, so ``get_peft_model`` raises and leaves the model as
        it was (:class:`_CutModels`). Only while the stages cut from the model live: running the
        ``PeftModel`` on its own after dropping the wrapper is the plain ``PeftModel``'s business.
-       The hook, and ``_Replacements``' of rule 5, leave with the last stages
-       (:class:`WatchedRegistrationHook`): compiled autograd cannot trace a global registration
+       The hook, and ``_Replacements``' of rule 5, leave with the last stages (``WatchedHooks`` in
+       ``offload/streams/watched_hooks.py``): compiled autograd cannot trace a global registration
        hook, of any model.
 """
 
@@ -89,14 +89,13 @@ from __future__ import annotations
 import functools
 import gc
 import sys
-import threading
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
+from ..streams.watched_hooks import WatchedHooks
 from ..walk.engine import live_engines
 
 
@@ -231,36 +230,6 @@ def _settle_before_update_and_allocate() -> None:
     AdaLoraModel.update_and_allocate = update_and_allocate
 
 
-class WatchedRegistrationHook:
-    """PyTorch's global module-registration hook, installed while something watches and removed once
-    the last watcher is collected, as ``_RegistrationCounter`` in ``offload/streams/slice_entries.py``
-    does its own: compiled autograd (torch 2.13) cannot trace any global registration hook, of any
-    model, so a process that has dropped its cut models compiles other models' backward again
-    (docs/api.md, torch.compile). The Hugging Face cut installs two: :class:`_CutModels` (rule 8 of
-    Note: [PEFT models]) and ``_Replacements`` in ``transformers_stages.py`` (rule 5)."""
-
-    def __init__(self) -> None:
-        self._handle: RemovableHandle | None = None  # the installed hook; None while nothing watches
-        self._watchers = 0  # watch() calls whose watcher lives
-        # Reentrant: a collection inside watch() may run a watcher's finalizer on this thread.
-        self._lock = threading.RLock()
-
-    def watch(self, watcher: object, hook: Callable[[nn.Module, str, nn.Module | None], None]) -> None:
-        """Install ``hook`` unless installed, until ``watcher`` and every other one is collected."""
-        with self._lock:
-            self._watchers += 1  # before installing: a finalizer run in between must not remove it
-            if self._handle is None:
-                self._handle = nn.modules.module.register_module_module_registration_hook(hook)
-        weakref.finalize(watcher, self._unwatch)
-
-    def _unwatch(self) -> None:
-        with self._lock:
-            self._watchers -= 1
-            if self._watchers == 0 and self._handle is not None:
-                self._handle.remove()
-                self._handle = None
-
-
 class _CutModels:
     """The Hugging Face models that live stages were cut from, and their decoders' lists of layers,
     so that a registration the stages cannot follow is refused where it is made (Note: [PEFT
@@ -268,8 +237,7 @@ class _CutModels:
     the list of layers set anew (``layer_replication``).
 
     PyTorch's global module-registration hook, installed while a :class:`PeftRefusals` lives (a
-    :class:`WatchedRegistrationHook`), sees every registration; each table is keyed weakly by the
-    module and holds the :class:`PeftRefusals` of the stages weakly, so a model whose stages are
+    ``WatchedHooks``), sees every registration; each table is keyed weakly by the module and holds the :class:`PeftRefusals` of the stages weakly, so a model whose stages are
     gone is refused nothing. The cost for any other registration: a lookup in each table.
     """
 
@@ -277,7 +245,7 @@ class _CutModels:
     models: weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[PeftRefusals]] = weakref.WeakKeyDictionary()
     #: the decoder's ModuleList of layers (``model.layers``, GPT-2's ``transformer.h``) -> the same
     layer_lists: weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[PeftRefusals]] = weakref.WeakKeyDictionary()
-    hook = WatchedRegistrationHook()
+    hook = WatchedHooks(nn.modules.module.register_module_module_registration_hook)
 
     @classmethod
     def add(cls, refusals: PeftRefusals) -> None:

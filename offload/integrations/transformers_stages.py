@@ -55,8 +55,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..streams.watched_hooks import WatchedHooks
 from . import install_hint
-from .peft import PeftRefusals, WatchedRegistrationHook, peft_base_model, refuse_peft_methods
+from .peft import PeftRefusals, peft_base_model, refuse_peft_methods
 from .transformers_batch import IGNORE_INDEX
 from .transformers_families import _BUILT_AS_FAMILY, _LAYOUTS, CUT_MODEL_TYPES, SUPPORTED_MODEL_TYPES, _Layout
 from .transformers_layers import DecoderLayer, GPT2Embedding, Head, LlamaEmbedding
@@ -175,7 +176,7 @@ class _Replacements:
     place (``setattr(parent, name, new)``) goes into the stage too (Note: [PEFT models], rule 5).
 
     PyTorch's global module-registration hook, installed while a stage that follows lives (a
-    ``WatchedRegistrationHook``, removed with the last: compiled autograd cannot trace it), sees
+    ``WatchedHooks``, removed with the last: compiled autograd cannot trace it), sees
     every such ``setattr``; the table is keyed weakly by the parent, and holds the stages weakly,
     so a model that is gone leaves nothing behind. The cost for any other registration is one
     dictionary lookup.
@@ -184,7 +185,7 @@ class _Replacements:
     #: parent module -> {attribute name -> [(stage, the stage's attribute for that module)]}
     places: weakref.WeakKeyDictionary[nn.Module, dict[str, list[tuple[weakref.ref[nn.Module], str]]]] = (
         weakref.WeakKeyDictionary())
-    hook = WatchedRegistrationHook()
+    hook = WatchedHooks(nn.modules.module.register_module_module_registration_hook)
 
     @classmethod
     def follow(cls, parent: nn.Module, name: str, stage: nn.Module, attribute: str) -> None:

@@ -4,6 +4,7 @@
 - ``backend``: streams, events and asynchronous copies of a device (CUDA, or a checker's simulation).
 - ``host_storage``: a slice's host copies, as views into one flat (pinned) buffer.
 - ``slice_entries``: what a slice holds (its parameters and buffers, each once, and where registered).
+- ``watched_hooks``: process-wide hooks installed while something watches them.
 - ``flat_views``: alignment, dense strides and tensors over a flat byte buffer.
 - ``host_buffers``: pooled host buffers for gradients and activations.
 - ``device_slots``: the two device slots that slices take turns in.

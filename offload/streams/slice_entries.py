@@ -8,19 +8,17 @@ It does not place the entries in memory (``slice_layout.py``) or copy them (``ho
 
 from __future__ import annotations
 
-import threading
-import weakref
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from .flat_views import _itemsize, dense_stride
 from .quantized import (RUN_STATE, device_state, device_weight, is_8bit_weight, settle_8bit_layer, state_at,
                         state_tensors)
 from .sites import Site
+from .watched_hooks import WatchedHooks
 
 @dataclass
 class Entry:
@@ -184,33 +182,15 @@ class _RegistrationCounter:
 
     count = 0  # bumped by a look that finds ``unseen`` set
     unseen = False  # set by the hook: something was registered since the last look
-    _handles: list[RemovableHandle] = []  # the installed hooks; empty while nothing watches
-    _watchers = 0  # RegisteredTensors alive
-    # Reentrant: a collection inside watch() may run a watcher's finalizer on this thread.
-    _lock = threading.RLock()
+    hooks = WatchedHooks(nn.modules.module.register_module_module_registration_hook,
+                         nn.modules.module.register_module_parameter_registration_hook,
+                         nn.modules.module.register_module_buffer_registration_hook)
 
     @classmethod
     def watch(cls, watcher: object) -> None:
-        """Install the hooks unless installed, until ``watcher`` and every other one is collected."""
-        with cls._lock:
-            cls._watchers += 1  # before installing: a finalizer run in between must not remove them
-            if not cls._handles:
-                hooks = nn.modules.module
-                cls._handles = [register(cls._registered) for register in (
-                    hooks.register_module_module_registration_hook,
-                    hooks.register_module_parameter_registration_hook,
-                    hooks.register_module_buffer_registration_hook)]
-        weakref.finalize(watcher, cls._unwatch)
-
-    @classmethod
-    def _unwatch(cls) -> None:
-        with cls._lock:
-            cls._watchers -= 1
-            if cls._watchers == 0:
-                for handle in cls._handles:
-                    handle.remove()
-                cls._handles = []
-                # Nothing watches, so no look compares against what goes unseen until the next watch.
+        """Install the hooks unless installed, until ``watcher`` and every other one is collected
+        (nothing watching, no look compares against what goes unseen until the next watch)."""
+        cls.hooks.watch(watcher, cls._registered)
 
     @classmethod
     def _registered(cls, module: nn.Module, name: str, value: object) -> None:
