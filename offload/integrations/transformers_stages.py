@@ -189,8 +189,10 @@ class _Replacements:
 
     @classmethod
     def follow(cls, parent: nn.Module, name: str, stage: nn.Module, attribute: str) -> None:
-        cls.hook.watch(stage, cls._registered)
-        cls.places.setdefault(parent, {}).setdefault(name, []).append((weakref.ref(stage), attribute))
+        followers = cls.places.setdefault(parent, {}).setdefault(name, [])
+        if not any(ref() is stage and held == attribute for ref, held in followers):  # a stage cut twice
+            cls.hook.watch(stage, cls._registered)
+            followers.append((weakref.ref(stage), attribute))
 
     @classmethod
     def _registered(cls, module: nn.Module, name: str, submodule: nn.Module | None) -> None:
@@ -203,16 +205,52 @@ class _Replacements:
                 setattr(stage, attribute, submodule)  # registered, so the slices see it changed
 
 
+class _FollowedPlaces:
+    """The places a stage's modules follow, kept on the stage (``_followed_places``) so that a copy
+    of it follows the copy's model: ``copy.deepcopy`` and unpickling (``torch.save(model)``) copy
+    each parent with the stage, and ``__setstate__`` enters the copy's parents in
+    :class:`_Replacements`, whose table no copy sees. Without it a copy's stages kept running the
+    modules they were copied with after ``resize_token_embeddings``, ``set_output_embeddings`` or
+    ``get_peft_model`` on the copy's model replaced them there. ``__setstate__`` reads nothing of
+    the copies, whose state may still be in the making then.
+
+    It holds its stage weakly (a strong reference would be a cycle, and a dropped model would wait
+    for the garbage collector) but hands it to copies and pickles, which build it first.
+    """
+
+    def __init__(self, stage: nn.Module) -> None:
+        self.stage = weakref.ref(stage)
+        self.places: list[tuple[nn.Module, str, str]] = []  # (parent, name there, the stage's attribute)
+
+    def add(self, parent: nn.Module, name: str, attribute: str) -> None:
+        if not any(held is parent and place == (name, attribute) for held, *place in self.places):
+            self.places.append((parent, name, attribute))
+        _Replacements.follow(parent, name, self.stage(), attribute)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"stage": self.stage(), "places": self.places}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.stage = weakref.ref(state["stage"])
+        self.places = []
+        for parent, name, attribute in state["places"]:
+            self.add(parent, name, attribute)
+
+
 def _follow_replacements(layers: nn.Sequential, hf_model: nn.Module) -> None:
     """Have every module a stage holds directly (the embedding, ``lm_head``, a decoder layer) follow
     what the Hugging Face model holds at its place: ``get_peft_model`` after the cut replaces
-    ``embed_tokens`` or ``lm_head`` on their parent, which the stages would otherwise never see."""
+    ``embed_tokens`` or ``lm_head`` on their parent, which the stages would otherwise never see.
+    A copy of the stages follows the copy's model (:class:`_FollowedPlaces`)."""
     places = {id(module): name for name, module in hf_model.named_modules() if name}
     for stage in layers:
         for attribute, module in stage.named_children():
             if id(module) in places:
                 parent, _, name = places[id(module)].rpartition(".")
-                _Replacements.follow(hf_model.get_submodule(parent), name, stage, attribute)
+                followed = stage.__dict__.get("_followed_places")
+                if followed is None:  # a plain attribute: the stage's state, which copies and pickles carry
+                    followed = stage.__dict__["_followed_places"] = _FollowedPlaces(stage)
+                followed.add(hf_model.get_submodule(parent), name, attribute)
 
 
 #: The mask function of each ``config.layer_types`` entry, as the decoders of ``_Layout(mask="layer_types")`` pick it.
