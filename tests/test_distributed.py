@@ -695,3 +695,53 @@ def test_a_save_that_one_rank_refuses_is_refused_on_every_rank(tmp_path):
         assert result["loaded"] and all(result["moved after load"])
     for a, b in zip(results[0]["params after load"], results[1]["params after load"]):
         assert torch.equal(a, b)
+
+
+def test_a_causal_lm_accumulates_under_its_own_no_sync(tmp_path, monkeypatch):
+    """``OffloadedCausalLM.no_sync()`` is its OffloadModel's: the backward inside it issues no
+    average, the synced one after it averages the total, and the gradients are the plain model's."""
+    transformers = pytest.importorskip("transformers")
+    from offload.integrations.causal_lm import OffloadedCausalLM
+    from offload.streams import collectives
+
+    calls = []
+    private_group = collectives.private_group
+
+    class Counted:
+        """The worker's private group, its all-reduces counted."""
+
+        def __init__(self, group):
+            self.group = private_group(group)
+
+        def allreduce(self, tensors):
+            calls.append(len(tensors))
+            return self.group.allreduce(tensors)
+
+        def broadcast(self, *args):
+            return self.group.broadcast(*args)
+
+    def tiny():
+        torch.manual_seed(0)
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=2, max_position_embeddings=32))
+
+    monkeypatch.setattr(collectives, "private_group", Counted)
+    ids = torch.randint(0, 64, (2, 2, 8), generator=torch.Generator().manual_seed(1))
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        model = OffloadedCausalLM(tiny(), "cpu", num_slices=2, process_group=dist.group.WORLD)
+        assert model.process_group is model.offloaded.process_group is not None
+        with model.no_sync():
+            model(input_ids=ids[0], labels=ids[0]).loss.backward()
+        assert calls == []
+        model(input_ids=ids[1], labels=ids[1]).loss.backward()
+        assert calls
+    finally:
+        dist.destroy_process_group()
+    reference = tiny()
+    for batch in ids:
+        reference(input_ids=batch, labels=batch).loss.backward()
+    got = dict(model.hf_model.named_parameters())
+    for name, want in reference.named_parameters():
+        torch.testing.assert_close(got[name].grad, want.grad, rtol=0, atol=0)

@@ -49,6 +49,7 @@ Note: [What the trainers read from the model]
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections.abc import Mapping
@@ -195,6 +196,16 @@ class OffloadedCausalLM(PreTrainedModel):
     def device(self) -> torch.device:  # type: ignore[override]
         """The compute device (the parameters are on ``offload_device``)."""
         return self.offloaded.device
+
+    @property
+    def process_group(self) -> Any:
+        """The process group gradients are averaged over (``process_group=``), or ``None``."""
+        return self.offloaded.process_group
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """:meth:`OffloadModel.no_sync`: data-parallel gradient accumulation, as under
+        ``DistributedDataParallel.no_sync()`` (docs/distributed.md)."""
+        return self.offloaded.no_sync()
 
     @property
     def base_model(self) -> _HiddenStates:  # type: ignore[override]
