@@ -21,10 +21,23 @@ Note: [Gradient averaging]
     averages every parameter of each slice that backward needs, as DDP with
     ``find_unused_parameters=True`` does: a missing gradient counts as zeros (it is zero-filled in
     the slice's host buffer, at its place), so that every rank reduces the same memory and ends
-    with the same gradients. Beside the sums, one small all-reduce counts per parameter the ranks
-    that had a gradient; one that none had keeps ``.grad`` as it was (``None``), as in one process.
-    (This host path; the device path, NCCL's, averages only what each rank has, and needs every
-    rank to produce the same gradients.)
+    with the same gradients. Before the sums, one small all-reduce of a header counts per parameter
+    the ranks that had a gradient; one that none had keeps ``.grad`` as it was (``None``), as in one
+    process. (This host path; the device path, NCCL's, averages only what each rank has, and needs
+    every rank to produce the same gradients.)
+
+Note: [Ranks that disagree on requires_grad]
+    ``requires_grad`` is compared at construction, but may change after it (a layer unfrozen after a
+    warm-up). Each slice's gradients lie compactly over the parameters this rank computes, so ranks
+    that changed it differently would sum unrelated memory (same sizes) or make gloo abort the
+    process (other sizes). So every synced backward issues, on every rank, one header per slice
+    with parameters, in slice order, even for a slice this rank computes no gradient of (issued
+    when backward passes it, or at the end for the slices it never reached): per parameter of the
+    slice, ``needed + (world size + 1) * present``. Its size is the slice's parameter count, the
+    same on every rank, and its sum is waited for before the sums: a parameter that some ranks
+    compute and others do not raises a ``CollectiveError`` naming it on every rank, before any sum
+    is issued. The cost: one small all-reduce per slice and synced backward (one for each slice
+    without gradients too), and its round trip before the slice's sums.
 
     BatchNorm running statistics stay per rank (use one rank's, or ``nn.SyncBatchNorm`` semantics
     are not provided).
@@ -33,6 +46,7 @@ Note: [Gradient averaging]
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -67,6 +81,25 @@ def check_group(group: Any, device: torch.device) -> str:
     return backend
 
 
+def refuse_parallel_wrapper(model: Any) -> None:
+    """Refuse PyTorch's data-parallel wrappers around the layers, saying what to use instead.
+
+    Raises:
+        TypeError: ``model`` is a ``DistributedDataParallel``, ``DataParallel`` or FSDP module.
+    """
+    # By name, among PyTorch's own classes: importing FSDP to compare would cost every construction.
+    wrapper = next((cls.__name__ for cls in type(model).__mro__ if cls.__module__.startswith("torch.") and cls.__name__
+                    in ("DistributedDataParallel", "DataParallel", "FullyShardedDataParallel", "FSDPModule")), None)
+    if wrapper is None:
+        return
+    raise TypeError(
+        f"OffloadModel got a {type(model).__name__} ({wrapper}): it takes the plain layers, and trains "
+        "data-parallel by itself. Wrap the layers inside it (an nn.Sequential; the wrapper's .module) and pass "
+        "process_group=torch.distributed.group.WORLD (after torch.distributed.init_process_group()): every rank "
+        "averages the gradients slice by slice and the host update is sharded (docs/distributed.md). "
+        "DistributedDataParallel around the OffloadModel works too")
+
+
 class DataParallel(Subscriber):
     """The gradient-averaging subscriber of one model; see Note: [Gradient averaging].
 
@@ -92,6 +125,11 @@ class DataParallel(Subscriber):
         # Synced backwards started and not landed: one that failed left the ranks' collectives out of
         # step (the others went on with theirs), and the next forward refuses to pair them wrongly.
         self._unlanded = 0
+        # A synced forward with a graph that raised: the others went on to that step's backward.
+        self.forward_failed = False
+        self._names = {id(t): name for name, t in named_tensors}  # for messages
+        # Per synced backward, the next slice whose header is owed (Note: [Ranks that disagree on requires_grad]).
+        self._next: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         self._sync_of: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
         self._events: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
         self._included: weakref.WeakKeyDictionary[Any, list[torch.Tensor]] = weakref.WeakKeyDictionary()
@@ -106,33 +144,10 @@ class DataParallel(Subscriber):
         on_model_device = (torch.cuda.device(engine.device) if engine.device.type == "cuda"
                            else contextlib.nullcontext())
         with on_model_device:
-            self._check_structure(named_tensors)
+            _check_structure(engine, group, self.world_size, named_tensors)
             self._take_rank_zeros(named_tensors)
 
     # -- construction ----------------------------------------------------------------------------
-
-    def _check_structure(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        # requires_grad too: a parameter one rank trains and another freezes would leave the ranks
-        # reducing different gradients.
-        mine = [f"{name} ({tuple(t.shape)}, {t.dtype}, requires_grad={t.requires_grad})" for name, t in named_tensors]
-        # The slices too: gradients are averaged, and a sharded update's parameters exchanged, slice
-        # by slice, so ranks that cut the model differently would pair collectives of other sizes.
-        partition = [list(s.names) for s in self.engine.slices]
-        everyone: list[Any] = [None] * self.world_size
-        dist.all_gather_object(everyone, (mine, partition), group=self.group)
-        first, first_cut = everyone[0]
-        for rank, (theirs, cut) in enumerate(everyone):
-            if theirs != first:
-                difference = next(((a, b) for a, b in zip(first, theirs) if a != b),
-                                  (f"{len(first)} tensors", f"{len(theirs)} tensors"))
-                raise ValueError(
-                    f"rank {rank}'s model differs from rank 0's (first difference: rank 0 has {difference[0]}, rank "
-                    f"{rank} has {difference[1]}); every rank must build the same model before wrapping it")
-            if cut != first_cut:
-                raise ValueError(
-                    f"rank {rank} cuts the model into other slices than rank 0 (rank 0: {_slices_text(first_cut)}; "
-                    f"rank {rank}: {_slices_text(cut)}); gradients are averaged slice by slice, so every rank must "
-                    "pass the same num_slices (or the same slices) to OffloadModel")
 
     def _take_rank_zeros(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         source = dist.get_global_rank(self.group, 0)
@@ -172,12 +187,15 @@ class DataParallel(Subscriber):
     # -- milestones --------------------------------------------------------------------------------
 
     def forward_started(self, token: Any) -> None:
-        if self._unlanded and self.world_size > 1:  # alone, a rank pairs with nobody
+        if (self._unlanded or self.forward_failed) and self.world_size > 1:  # alone, a rank pairs with nobody
+            failed = ("a backward of this model failed on rank {} while the ranks averaged its gradients" if
+                      self._unlanded else "a forward of this model (with autograd, outside no_sync()) raised on rank "
+                      "{}, and the other ranks went on to that step's backward")
             raise CollectiveError(
-                f"OffloadModel: a backward of this model failed on rank {self.rank} while the ranks averaged its "
-                "gradients: the other ranks' averaging went on, and this rank's next ones would be paired with "
-                "theirs wrongly (other slices' or steps' gradients). Stop every rank and restart them from the last "
-                "checkpoint; a batch to skip must be skipped on every rank before its backward")
+                f"OffloadModel: {failed.format(self.rank)}: the other ranks' averaging went on, and this rank's next "
+                "ones would be paired with theirs wrongly (other slices' or steps' gradients). Stop every rank and "
+                "restart them from the last checkpoint; a batch to skip (after an out-of-memory error, say) must be "
+                "skipped on every rank, before its forward")
         if self.device_collectives is not None:
             # Every backward before this forward ended: its gradients landed, or it failed and the
             # copy engine's drain waited for the communication stream. Either way its reductions
@@ -219,6 +237,7 @@ class DataParallel(Subscriber):
     def backward_started(self, token: Any, accumulates: bool) -> None:
         if self._sync_of.get(token, True):
             self._unlanded += 1
+            self._next[token] = len(self.engine.slices) - 1
 
     def gradients_produced(self, token: Any, index: int, grads: SliceGradients) -> None:
         if not self._sync_of.get(token, True):
@@ -245,12 +264,15 @@ class DataParallel(Subscriber):
         views = pending.host_views
         self._refuse_sparse(index, views)
         grads = self._places[token].pop(index)
+        self._headers_down_to(token, index + 1)  # the slices backward passed without gradients here
+        self._next[token] = index - 1
         extra = self._local_grads(token, index, [place is not None for place in grads.places])
         needed = [j for j, place in enumerate(grads.places) if place is not None]
         missing = _zeros_at_places(grads, views, self.engine.device)
         for j, zeros in missing.items():
             views[j] = zeros  # handed to autograd, averaged, unless no rank had a gradient (gradients_landed)
-        present = torch.tensor([int(j not in missing or extra[j] is not None) for j in needed], dtype=torch.int32)
+        present = [j in needed and (j not in missing or extra[j] is not None) for j in range(len(grads.places))]
+        header = self._header(index, [place is not None for place in grads.places], present)
 
         def prepare() -> None:  # in the worker: the pooled buffer is this slice's once the offload landed
             for zeros in missing.values():
@@ -260,22 +282,58 @@ class DataParallel(Subscriber):
                     views[j].add_(extra[j])  # type: ignore[union-attr]
 
         spans = runs([views[j] for j in needed])  # type: ignore[misc]
-        event = self.host.average(spans, prepare, present, after=[pending.ready],
-                                  what=f"averaging the gradients of slice {index}")
+        event = self.host.average(spans, prepare, header[0], after=[pending.ready],
+                                  what=f"averaging the gradients of slice {index}", agreed=header[1])
         self._events.setdefault(token, []).append(event)
-        self._counts.setdefault(token, []).append((index, needed, present))
+        self._counts.setdefault(token, []).append((index, needed, header[0]))
+
+    def _header(self, index: int, needed: list[bool], present: list[bool]) -> tuple[torch.Tensor, Any]:
+        """Slice ``index``'s header and the check of its sum (Note: [Ranks that disagree on requires_grad])."""
+        header = torch.tensor([int(n) + (self.world_size + 1) * int(p) for n, p in zip(needed, present)],
+                              dtype=torch.int32)
+        return header, functools.partial(self._agree, index, needed)
+
+    def _agree(self, index: int, needed: list[bool], summed: torch.Tensor) -> None:
+        """In the worker, before the sums: raise when some ranks compute a gradient of a parameter of
+        slice ``index`` that others do not (``summed``: the header's sum over the ranks)."""
+        for j, count in enumerate((summed % (self.world_size + 1)).tolist()):
+            if count not in (0, self.world_size):
+                name = self._names.get(id(self.engine.slices[index].storage.params[j].tensor), f"parameter {j}")
+                raise CollectiveError(
+                    f"the ranks disagree on which parameters get gradients: {count} of {self.world_size} ranks compute "
+                    f"one for {name} (slice {index}), and rank {self.rank} {'does' if needed[j] else 'does not'}. "
+                    "requires_grad is checked at construction only; every rank must change it the same way (freeze "
+                    "and unfreeze the same parameters on every rank). Stop every rank and restart them from the last "
+                    "checkpoint")
+
+    def _headers_down_to(self, token: Any, stop: int) -> None:
+        """Issue the headers owed, from the next slice down to ``stop``, of slices without gradients
+        on this rank (Note: [Ranks that disagree on requires_grad])."""
+        assert self.host is not None
+        index = self._next.get(token, -1)
+        while index >= stop:
+            count = len(self.engine.slices[index].storage.params)
+            if count:
+                header, agreed = self._header(index, [False] * count, [False] * count)
+                self._events.setdefault(token, []).append(self.host.average(
+                    [], _nothing, header, after=[], what=f"averaging the gradients of slice {index}", agreed=agreed))
+            index -= 1
+        self._next[token] = index
 
     def gradients_landed(self, token: Any, pending: dict[int, PendingGradients]) -> None:
         sync = self._sync_of.get(token, True)
+        if sync and self.host is not None:
+            self._headers_down_to(token, 0)  # the slices backward did not reach
         events = self._events.get(token, [])
         self._events[token] = []
         for event in events:
             self.engine.copies.wait_host(event)  # raises CollectiveError if a rank failed
         if sync:
             self._unlanded = max(0, self._unlanded - 1)
-        for index, needed, present in self._counts.pop(token, []):
-            for j, count in zip(needed, present.tolist()):
-                if count == 0 and index in pending:
+        for index, needed, summed in self._counts.pop(token, []):
+            counts = (summed // (self.world_size + 1)).tolist()
+            for j in needed:
+                if counts[j] == 0 and index in pending:
                     pending[index].host_views[j] = None  # no rank had one: .grad stays as it was
         if self.device_collectives is not None:
             self.device_collectives.landed()  # the offloads after the reductions have completed
@@ -290,6 +348,49 @@ class DataParallel(Subscriber):
         else:
             for p, _ in landed:
                 self._local[id(p)] = p
+
+
+def _check_structure(engine: Engine, group: Any, world_size: int, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """Raise unless every rank of ``group`` built rank 0's model and cut it into the same slices."""
+    # requires_grad too: a parameter one rank trains and another freezes would leave the ranks
+    # reducing different gradients (changed later: Note: [Ranks that disagree on requires_grad]).
+    mine = [f"{name} ({tuple(t.shape)}, {t.dtype}, requires_grad={t.requires_grad})" for name, t in named_tensors]
+    # The slices too: gradients are averaged, and a sharded update's parameters exchanged, slice
+    # by slice, so ranks that cut the model differently would pair collectives of other sizes.
+    partition = [list(s.names) for s in engine.slices]
+    everyone: list[Any] = [None] * world_size
+    dist.all_gather_object(everyone, (mine, partition), group=group)
+    first, first_cut = everyone[0]
+    for rank, (theirs, cut) in enumerate(everyone):
+        if theirs != first:
+            difference = next(((a, b) for a, b in zip(first, theirs) if a != b),
+                              (f"{len(first)} tensors", f"{len(theirs)} tensors"))
+            raise ValueError(
+                f"rank {rank}'s model differs from rank 0's (first difference: rank 0 has {difference[0]}, rank "
+                f"{rank} has {difference[1]}); every rank must build the same model before wrapping it")
+        if cut != first_cut:
+            raise ValueError(
+                f"rank {rank} cuts the model into other slices than rank 0 (rank 0: {_slices_text(first_cut)}; "
+                f"rank {rank}: {_slices_text(cut)}); gradients are averaged slice by slice, so every rank must "
+                "pass the same num_slices (or the same slices) to OffloadModel")
+
+
+def _nothing() -> None:
+    """A header's slice has no memory to prepare."""
+
+
+@contextlib.contextmanager
+def out_of_step_on_failure(data_parallel: DataParallel | None) -> Iterator[None]:
+    """Around a forward with autograd: when it raises on a synced data-parallel model (an
+    out-of-memory error that the loop catches to skip the batch), the other ranks went on to that
+    step's backward, and this rank's next forward refuses (``forward_started``), as after a failed
+    backward."""
+    try:
+        yield
+    except BaseException:
+        if data_parallel is not None and data_parallel.sync:
+            data_parallel.forward_failed = True
+        raise
 
 
 def _zeros_at_places(grads: SliceGradients, views: list[torch.Tensor | None],

@@ -22,7 +22,7 @@ from .autograd.accumulation import mark_zeroed
 from .autograd.function import identity_hooks
 from .streams.gradient_files import back_in_files, gradients_in_files, zeroed_in_files
 from .streams.host_storage import check_memory_held_once
-from .data_parallel import DataParallel
+from .data_parallel import DataParallel, out_of_step_on_failure, refuse_parallel_wrapper
 from .walk.activation_policy import ActivationPlan, OffloadActivations
 from .walk.claims import MOVE, WalkClaim
 from .walk.engine import Engine
@@ -114,8 +114,9 @@ class OffloadModel(CopiedByLayers, FixedStructure):
             (Note: [Resident slices] in ``offload/streams/resident_storage.py``, ``docs/optimizer.md``).
 
     Raises:
-        TypeError: ``model`` is neither an ``nn.Sequential`` nor a list of modules, or an
-            argument has the wrong type.
+        TypeError: ``model`` is neither an ``nn.Sequential`` nor a list of modules (a
+            ``DistributedDataParallel``, ``DataParallel`` or FSDP module says to pass ``process_group``
+            instead), or an argument has the wrong type.
         ValueError: ``num_slices < 1``, ``num_microbatches < 1``, ``resident_slices`` below 0 or above
             the number of slices (or with a ``process_group``), an empty model, a device that
             does not exist on this machine, a tensor shared between two slices, a process group
@@ -320,7 +321,7 @@ def _run(model: OffloadModel, *args: Any, **kwargs: Any) -> Any:
     # Saved tensors are packed when apply returns: the identity hooks keep any hooks the caller
     # has active (save_on_cpu, say) away from them. They are already on the host or in pooled
     # buffers whose copies may still be in flight.
-    with _identity_hooks():
+    with _identity_hooks(), out_of_step_on_failure(model.__dict__.get("_data_parallel")):
         outputs = OffloadFunction.apply(
             engine, call, model._activation_plan(), model.num_microbatches, *input_tensors, *params,
         )
@@ -453,6 +454,7 @@ def _resident_count(value: Any, num_slices: int, process_group: Any) -> int:
 
 
 def _slice_groups(model: Any, num_slices: int | None) -> list[tuple[list[str], list[nn.Module]]]:
+    refuse_parallel_wrapper(model)  # DDP, DataParallel, FSDP: process_group= instead
     if isinstance(model, OffloadModel):
         raise TypeError("this model is already an OffloadModel; train it as it is. To change its settings (slices, "
                         "devices, dtype), wrap the original nn.Sequential again instead")

@@ -90,13 +90,25 @@ def _agreed(group: Any, work: Callable[[], T], done: str = "saved", *, others: s
     ``same(result)``, when given, is what the ranks must have in common (the path a save writes,
     the checkpoint a load reads), as a key and its description; when the keys differ, every rank
     raises a :class:`CheckpointError` of ``differ(listing)``, the listing naming each rank's. It
-    travels with the refusals: no collective of its own."""
+    travels with the refusals: no collective of its own. The gather it makes is a save's or a
+    load's first collective: when it fails there (a rank that never called), a
+    :class:`CheckpointError` says that every rank must call it."""
     try:
         result, error = work(), None
         mine = None if same is None else same(result)
     except Exception as raised:
         result, error, mine = None, raised, None
-    said = _gathered_list(group, (None if error is None else f"{type(error).__name__}: {error}", mine))
+    try:
+        said = _gathered_list(group, (None if error is None else f"{type(error).__name__}: {error}", mine))
+    except RuntimeError as failed:  # a timeout, or a rank that left: DistBackendError is one
+        if same is None:
+            raise
+        # The first collective of a save or a load: the DDP habit of saving on rank 0 alone waits here.
+        called = "save_checkpoint" if done == "saved" else "load_checkpoint"
+        raise CheckpointError(
+            f"{called} is collective: every rank of the process group must call it (not only rank 0), with the "
+            f"same path; the other ranks did not join within the group's timeout, or one of them stopped, and "
+            f"nothing was {done} ({type(failed).__name__}: {failed})") from failed
     if error is not None:
         raise error
     refused = [f"rank {rank}: {message}" for rank, (message, _) in enumerate(said) if message is not None]

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from ..model import OffloadModel, engine_of
 from ..streams import Event
-from ..streams.collectives import HostCollectives
+from ..streams.collectives import CollectiveError, HostCollectives
 from ..tiers.slice_update import SliceStep
 from .partial_failure import Handed
 
@@ -32,6 +32,7 @@ class Sharding:
         self.collectives = collectives
         #: Per slice: every rank's parameters of it, in memory order, and the rank that owns each.
         self.shared: dict[int, tuple[list[torch.Tensor], list[int]]] = {}
+        self._compared: list[Any] | None = None  # the last plan every rank was found to share
 
     @classmethod
     def of(cls, model: OffloadModel, shard: bool | None, process_group: Any) -> Sharding | None:
@@ -71,6 +72,8 @@ class Sharding:
         self.shared = {}
         owners_of = dict(zip(ordered, owners([[p for _, p, _ in items] for items in ordered.values()],
                                              self.collectives.world_size, kept)))
+        self._compare([(index, [(k, g, owner) for (k, _, g), owner in zip(items, owners_of[index])])
+                       for index, items in ordered.items()])
         mine = {}
         for index, items in ordered.items():
             slice_owners = owners_of[index]
@@ -80,6 +83,38 @@ class Sharding:
                     state.pop(p, None)
             mine[index] = [item for item, owner in zip(items, slice_owners) if owner == self.collectives.rank]
         return mine
+
+    def _compare(self, plan: list[Any]) -> None:
+        """Raise on every rank when the ranks' plans differ (other parameter groups; a plain
+        ``torch.optim`` optimizer on some): each would take parameters from owners that do not
+        send them. One small object collective per plan that differs from the last compared (a
+        plan made again as it was, after a load or a move, compares nothing); ``plan`` is per
+        slice, per stepped parameter, its place in the slice, its group and its owner.
+
+        Raises:
+            ValueError: another rank's plan differs from this one.
+            CollectiveError: some ranks did not join the comparison within the group's timeout.
+        """
+        group, world_size = self.collectives.group, self.collectives.world_size
+        if world_size == 1 or plan == self._compared:
+            return
+        everyone: list[Any] = [None] * world_size
+        try:
+            dist.all_gather_object(everyone, plan, group=group)
+        except RuntimeError as error:
+            raise CollectiveError(
+                f"comparing the sharded OffloadOptimizer's plan (which rank updates which parameter) with the other "
+                f"ranks' failed on rank {self.collectives.rank} of {world_size}: {error}. Every rank must build an "
+                "OffloadOptimizer over the same parameter groups (not a plain torch.optim optimizer on some ranks) "
+                "and call step() and add_param_group() in the same order; or pass shard=False") from error
+        for rank, theirs in enumerate(everyone):
+            if theirs != plan:
+                raise ValueError(
+                    f"the sharded OffloadOptimizer of rank {rank} steps other parameters than rank "
+                    f"{self.collectives.rank}'s ({_plan_difference(plan, theirs)}): every rank must pass the same "
+                    "parameter groups, and add the same ones with add_param_group(); each rank updates its share of "
+                    "them and takes the others from their owners")
+        self._compared = plan
 
     def stepped(self, step: SliceStep) -> list[tuple[torch.Tensor, int]]:
         """The parameters of ``step``'s slice (every rank's) that have a gradient, each with the rank
@@ -148,6 +183,19 @@ class Sharding:
         for part in gathered:
             merged.update(part)
         return {"state": dict(sorted(merged.items())), "param_groups": local["param_groups"]}
+
+
+def _plan_difference(mine: list[Any], theirs: list[Any]) -> str:
+    """Where two plans of :meth:`Sharding._compare` first differ, in words."""
+    def text(plan: dict[int, Any], index: int) -> str:
+        items = plan.get(index, [])
+        groups = sorted({g for _, g, _ in items})
+        return f"{len(items)} parameters" + (f" of groups {groups}" if items else "")
+    mine_by, theirs_by = dict(mine), dict(theirs)
+    index = next((i for i in sorted(set(mine_by) | set(theirs_by)) if mine_by.get(i) != theirs_by.get(i)), None)
+    if index is None:
+        return "the same parameters in another order"
+    return f"in slice {index}: {text(theirs_by, index)} against {text(mine_by, index)} here"
 
 
 def owners(slices: list[list[torch.Tensor]], world_size: int, kept: dict[int, int] | None = None) -> list[list[int]]:

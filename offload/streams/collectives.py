@@ -110,6 +110,8 @@ class HostCollectives:
         def guarded() -> None:
             try:
                 work()
+            except CollectiveError:
+                raise  # it says what the ranks disagree on, on every rank
             except Exception as error:
                 raise CollectiveError(
                     f"{what} failed on rank {self.rank} of {self.world_size}: {error}. If another rank raised or "
@@ -117,22 +119,27 @@ class HostCollectives:
                 ) from error
         return self.copies.submit(self.worker, guarded, after)
 
-    def average(self, spans: Sequence[torch.Tensor], prepare: Callable[[], None], present: torch.Tensor | None,
-                after: Sequence[Event | None], what: str) -> Event:
+    def average(self, spans: Sequence[torch.Tensor], prepare: Callable[[], None], header: torch.Tensor | None,
+                after: Sequence[Event | None], what: str,
+                agreed: Callable[[torch.Tensor], None] | None = None) -> Event:
         """Run ``prepare`` (which fills the memory of ``spans``: zeros where this rank has no
-        gradient, local sums added), then replace each span by its mean over the group, and
-        ``present`` (per parameter, 1 where this rank has a gradient) by its sum; returns the event
-        of the end. Every rank passes spans of the same sizes in the same order."""
+        gradient, local sums added), replace ``header`` (what each rank says of the spans, of one
+        size on every rank) by its sum and ask ``agreed`` of it, which raises when the ranks'
+        spans would not match; then replace each span by its mean over the group. Returns the
+        event of the end. Every rank whose ``agreed`` passed passes spans of the same sizes in the
+        same order (Note: [Ranks that disagree on requires_grad] in ``offload/data_parallel.py``)."""
         def work() -> None:
             with torch.no_grad():
                 prepare()
-                # Issued first and waited for last: it travels beside the sums, not after them.
-                counted = None if present is None else self.channel.allreduce([present])
+                if header is not None:
+                    # Waited for before the sums: spans that differ between ranks would sum unrelated
+                    # memory, or make gloo abort the process on a size that does not match.
+                    self.channel.allreduce([header]).wait()
+                    if agreed is not None:
+                        agreed(header)
                 for span in spans:
                     self.channel.allreduce([span]).wait()
                     span.div_(self.world_size)
-                if counted is not None:
-                    counted.wait()
         return self.submit(what, work, after)
 
     def broadcast(self, tensors: Sequence[torch.Tensor], sources: Sequence[int], after: Sequence[Event | None],

@@ -1,0 +1,97 @@
+"""Mistakes of a data-parallel run that went silent or gave poor errors: each now raises an error
+that says what went wrong and what to do. The multi-process ones run in one spawned group of two
+gloo processes (``dist_mistake_workers.py``), each mistake on a group with a short timeout."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+import torch.multiprocessing as mp
+
+from offload import OffloadModel
+
+from .dist_workers import data, network
+
+WORLD = 2
+#: Seconds the ranks get before they are killed and the test fails: the mistakes take a few
+#: timeouts of dist_mistake_workers.SHORT_S each, far less even on a loaded machine.
+DEADLINE_S = 150
+
+mp.set_forkserver_preload(["torch", "torch._dynamo", "tests.dist_workers", "tests.dist_mistake_workers"])
+
+
+@pytest.fixture(scope="module")
+def mistakes(tmp_path_factory) -> list[dict]:
+    """What each rank saw of every mistake (one spawn for all of them: each costs seconds of imports)."""
+    from . import dist_mistake_workers
+
+    directory = tmp_path_factory.mktemp("mistakes")
+    ranks = mp.start_processes(dist_mistake_workers.run, args=(WORLD, str(directory)), nprocs=WORLD, join=False,
+                               start_method="forkserver")
+    deadline = time.monotonic() + DEADLINE_S
+    while not ranks.join(timeout=max(deadline - time.monotonic(), 0.0)):  # raises as soon as one rank fails
+        if time.monotonic() >= deadline:
+            for process in ranks.processes:
+                if process.is_alive():
+                    process.kill()
+                process.join()
+            pytest.fail(f"the ranks were still running after {DEADLINE_S} s and were killed")
+    return [torch.load(os.path.join(directory, f"mistakes.{rank}.pt"), weights_only=False) for rank in range(WORLD)]
+
+
+@pytest.mark.parametrize("case, name", [("same_slice", "2.bias"), ("whole_slice", "0.weight")])
+def test_ranks_that_change_requires_grad_differently_are_told_on_every_rank(mistakes, case, name):
+    """Frozen after construction on one rank only: every rank raises, naming the parameter, before
+    any sum (Note: [Ranks that disagree on requires_grad]): neither gradients summed as another
+    parameter's nor a process aborted by gloo."""
+    for rank in range(WORLD):
+        said = mistakes[rank][case]
+        assert said.startswith("CollectiveError: the ranks disagree on which parameters get gradients"), said
+        assert f"1 of 2 ranks compute one for {name}" in said and "every rank must change it the same way" in said
+
+
+def test_a_forward_that_raised_on_one_rank_refuses_its_next_forward(mistakes):
+    """The out-of-memory skip on one rank: the others went on to that step's backward, so that
+    rank's next forward refuses, as after a failed backward, instead of pairing other steps."""
+    first, second = mistakes[1]["forward_fails"]
+    assert first.startswith("RuntimeError") and "mat1 and mat2" in first
+    assert second.startswith("CollectiveError: OffloadModel: a forward of this model"), second
+    assert "raised on rank 1" in second
+    assert all(step.startswith("CollectiveError") for step in mistakes[0]["forward_fails"])
+
+
+def test_ranks_whose_sharded_optimizers_differ_are_told_so(mistakes):
+    for rank in range(WORLD):
+        said = mistakes[rank]["other_groups"]
+        assert said.startswith("ValueError: the sharded OffloadOptimizer of rank"), said
+        assert "every rank must pass the same parameter groups" in said and "in slice 0: " in said
+    said = mistakes[0]["plain_on_one_rank"]  # rank 1 steps a plain SGD: rank 0 waits in vain for it
+    assert said.startswith("CollectiveError: comparing the sharded OffloadOptimizer's plan"), said
+    assert "not a plain torch.optim optimizer on some ranks" in said
+
+
+@pytest.mark.parametrize("name, called", [("save_alone", "save_checkpoint"), ("load_alone", "load_checkpoint")])
+def test_a_checkpoint_called_on_rank_0_alone_says_every_rank_must_call_it(mistakes, name, called):
+    said = mistakes[0][name]
+    assert said.startswith(f"CheckpointError: {called} is collective: every rank of the process group must call it"), said
+    assert name not in mistakes[1]
+
+
+def test_pytorchs_data_parallel_wrappers_are_refused_with_process_group_as_the_advice(tmp_path):
+    with pytest.raises(TypeError, match=r"got a DataParallel \(DataParallel\).*process_group=torch.distributed"):
+        OffloadModel(nn.DataParallel(network(seed=0)), device="cpu")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        with pytest.raises(TypeError, match=r"DistributedDataParallel.*docs/distributed.md.*around the OffloadModel"):
+            OffloadModel(nn.parallel.DistributedDataParallel(network(seed=0)), device="cpu")
+        # The other way round works: DistributedDataParallel around an OffloadModel.
+        wrapped = nn.parallel.DistributedDataParallel(OffloadModel(network(seed=0), device="cpu", num_slices=2))
+        wrapped(data(0, 1)).pow(2).mean().backward()
+        assert all(p.grad is not None for p in wrapped.parameters())
+    finally:
+        dist.destroy_process_group()
