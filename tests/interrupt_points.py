@@ -195,3 +195,48 @@ def run_sweep(code: str, *args: str, timeout: float) -> list[tuple[str, Any]]:
     result = json.loads(done.stdout.splitlines()[-1])
     assert [where for where, _ in result["outcomes"]] == result["points"]  # each point was reached, and raised
     return [(where, ran) for where, ran in result["outcomes"]]
+
+
+#: Run by :func:`run_python_each`: imports torch once (nothing of the package), then, for each
+#: argument, forks a child that runs the code as a fresh interpreter would run it with that argument
+#: (in ``__main__``, its output in files of its own, ending as an interpreter ends: finalizers run).
+_EACH = """
+import json, os, sys, traceback
+import torch
+_code, _outputs, _args = sys.argv[1], sys.argv[2], sys.argv[3:]
+_statuses = {}
+for _k, _arg in enumerate(_args):
+    sys.stdout.flush()
+    sys.stderr.flush()
+    _pid = os.fork()
+    if _pid == 0:
+        os.dup2(os.open(os.path.join(_outputs, f"{_k}.out"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 1)
+        os.dup2(os.open(os.path.join(_outputs, f"{_k}.err"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+        sys.argv = ["-c", _arg]
+        try:
+            exec(compile(_code, "<string>", "exec"), vars(sys.modules["__main__"]))
+        except SystemExit:
+            raise
+        except BaseException:
+            traceback.print_exc()
+            sys.exit(1)
+        sys.exit(0)
+    _statuses[_arg] = os.waitstatus_to_exitcode(os.waitpid(_pid, 0)[1])
+print(json.dumps(_statuses))
+"""
+
+
+def run_python_each(code: str, args: list[str], *, timeout: float) -> dict[str, subprocess.CompletedProcess[str]]:
+    """:func:`run_python` of ``code`` with each one of ``args``, in one subprocess that imports torch
+    once and forks a child per argument (each as fresh as its own interpreter: nothing of the
+    package imported before it). One still running after ``timeout`` seconds in all fails the test."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as outputs:
+        done = run_python(_EACH, code, outputs, *args, timeout=timeout)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+        statuses = json.loads(done.stdout.splitlines()[-1])
+        return {arg: subprocess.CompletedProcess(
+                    [sys.executable, "-c", code, arg], statuses[arg],
+                    Path(outputs, f"{k}.out").read_text(), Path(outputs, f"{k}.err").read_text())
+                for k, arg in enumerate(args)}

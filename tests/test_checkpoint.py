@@ -180,6 +180,7 @@ def test_a_save_killed_at_any_moment_leaves_the_last_checkpoint_whole(tmp_path):
         counter = check_counting_checkpoint(latest, model, optimizer)
         assert counter > last, "the latest checkpoint is not the newest"
         last = counter
+        checked.add((latest.name, latest.stat().st_mtime_ns))  # whole: checked just now (the child is dead)
         # Every checkpoint that is visible is complete (each checked once).
         for entry in directory.iterdir():
             if entry.is_dir() and not entry.name.startswith("."):

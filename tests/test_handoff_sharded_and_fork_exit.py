@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -44,7 +45,7 @@ from offload.streams.workers import HostWorker
 from offload.tiers.master_files import MasterFiles
 from offload.tiers.slice_update import SliceStep
 
-from .interrupt_points import SignalChecks, print_sweep, run_python, run_sweep, traced
+from .interrupt_points import SignalChecks, print_sweep, run_python_each, run_sweep, traced
 from .test_interrupted_step import KWARGS, MIXED, assert_parameters_equal, step_plain
 from .test_optimizer import EXACT, batch, loss_of, network
 
@@ -242,13 +243,19 @@ print("removed by the parent:", not os.path.exists(directory), flush=True)
 """
 
 
+@pytest.fixture(scope="module")
+def forks_that_exit() -> dict[str, subprocess.CompletedProcess[str]]:
+    """:data:`FORK_EXIT` run with each way out, each as if in a fresh interpreter of its own."""
+    return run_python_each(FORK_EXIT, ["exit", "close", "drop"], timeout=3 * TIMEOUT)
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork() is POSIX only")
 @pytest.mark.parametrize("how", ["exit", "close", "drop"])
-def test_a_fork_child_that_exits_closes_or_drops_the_optimizer_leaves_the_parents_disk_tier(how):
+def test_a_fork_child_that_exits_closes_or_drops_the_optimizer_leaves_the_parents_disk_tier(how, forks_that_exit):
     # Before the fix the child's exit (the finalizer of the tier's files), close() or the drop of
     # its copy of the optimizer removed the parent's directory: the parent's next step failed to
     # read its state.
-    done = run_python(FORK_EXIT, how, timeout=TIMEOUT)
+    done = forks_that_exit[how]
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert done.stdout.splitlines()[-2:] == ["parent same: True", "removed by the parent: True"], done.stdout
 
@@ -304,12 +311,19 @@ print("parent same:", same(twin, model, optimizer), flush=True)
 """
 
 
+@pytest.fixture(scope="module")
+def forks_of_masters() -> dict[str, subprocess.CompletedProcess[str]]:
+    """:data:`FORK_MASTERS` run with each thing the child does, each as if in a fresh interpreter of its own."""
+    return run_python_each(FORK_MASTERS, ["backward", "step", "zero_grad", "evaluation"], timeout=4 * TIMEOUT)
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork() is POSIX only")
 @pytest.mark.parametrize("how", ["backward", "step", "zero_grad", "evaluation"])
-def test_a_fork_child_is_refused_what_would_write_the_masters_on_disk_that_it_shares_with_the_parent(how):
+def test_a_fork_child_is_refused_what_would_write_the_masters_on_disk_that_it_shares_with_the_parent(how,
+                                                                                                   forks_of_masters):
     # Before the fix the child's backward wrote its gradients into the parent's (the files are
     # mapped shared), its step the parent's masters, and its zero_grad(set_to_none=False)
     # discarded the parent's gradients: the parent trained on with the child's values.
-    done = run_python(FORK_MASTERS, how, timeout=TIMEOUT)
+    done = forks_of_masters[how]
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert done.stdout.splitlines()[-1] == "parent same: True", done.stdout

@@ -16,6 +16,7 @@ measure or diagnose the library, which neither the package nor a tool imports.
 from __future__ import annotations
 
 import ast
+import json
 import re
 import shutil
 import subprocess
@@ -377,15 +378,65 @@ def test_doc_mirrors_layers() -> None:
         assert named == set(entries), f"layer {layer}"
 
 
-@pytest.mark.parametrize("first", ["offload.integrations.transformers_loading", "offload.integrations.causal_lm",
-                                   "offload.profiling.results", "offload.streams.host_storage"])
-def test_any_module_imports_first(first: str) -> None:
-    """Each module of a former circle imports on its own, in a fresh interpreter."""
+#: The modules of former circles, each of which must import first, before any other of the package.
+IMPORTED_FIRST = ["offload.integrations.transformers_loading", "offload.integrations.causal_lm",
+                  "offload.profiling.results", "offload.streams.host_storage"]
+
+#: Run in one fresh interpreter, which imports torch (and transformers, where installed) but
+#: nothing of the package: for each module named in argv, a forked child of it imports that module
+#: first, as a fresh interpreter would (a circle is within the package; the libraries below it are
+#: imported once, here). Prints each one's traceback, or "" where it imported.
+_IMPORT_EACH_FIRST = """
+import importlib.util, json, os, sys, traceback
+import torch
+if importlib.util.find_spec("transformers") is not None:
+    import transformers
+assert not [m for m in sys.modules if m == "offload" or m.startswith("offload.")]
+errors = {}
+for name in sys.argv[1:]:
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.close(read)
+        try:
+            __import__(name)
+            message = ""
+        except BaseException:
+            message = traceback.format_exc() or "failed"
+        os.write(write, message.encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        message = pipe.read().decode()
+    _, status = os.waitpid(child, 0)
+    errors[name] = message if os.waitstatus_to_exitcode(status) == 0 else f"exit status {status}: {message}"
+print(json.dumps(errors))
+"""
+
+
+@pytest.fixture(scope="module")
+def imported_first() -> dict[str, str]:
+    """Each module of :data:`IMPORTED_FIRST` imported first, one after the other, in one fresh
+    interpreter: module name to its traceback ("" where it imported)."""
+    modules = [m for m in IMPORTED_FIRST if "integrations" not in m or _has_transformers()]
+    done = subprocess.run([sys.executable, "-c", _IMPORT_EACH_FIRST, *modules], cwd=ROOT, capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def _has_transformers() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformers") is not None
+
+
+@pytest.mark.parametrize("first", IMPORTED_FIRST)
+def test_any_module_imports_first(first: str, imported_first: dict[str, str]) -> None:
+    """Each module of a former circle imports on its own, before any other module of the package."""
     if "integrations" in first:
         pytest.importorskip("transformers")
-    done = subprocess.run([sys.executable, "-c", f"import {first}"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0, done.stderr
+    assert imported_first[first] == "", imported_first[first]
 
 
 # -- the repository: tools, library and measurements apart ---------------------------------------------------
