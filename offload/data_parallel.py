@@ -33,14 +33,24 @@ Note: [Ranks that disagree on requires_grad]
     process (other sizes). So every synced backward issues, on every rank, one header per slice
     with parameters, in slice order, even for a slice this rank computes no gradient of (issued
     when backward passes it, or at the end for the slices it never reached): per parameter of the
-    slice, ``needed + (world size + 1) * present``. Its size is the slice's parameter count, the
-    same on every rank, and its sum is waited for before the sums: a parameter that some ranks
-    compute and others do not raises a ``CollectiveError`` naming it on every rank, before any sum
-    is issued. The cost: one small all-reduce per slice and synced backward (one for each slice
+    slice, ``needed + (world size + 1) * present`` (and two entries more: Note: [A forward that
+    raised]). Its size is the same on every rank, and its sum is waited for before the sums: a
+    parameter that some ranks compute and others do not raises a ``CollectiveError`` naming it on
+    every rank, before any sum is issued. The cost: one small all-reduce per slice and synced backward (one for each slice
     without gradients too), and its round trip before the slice's sums.
 
     BatchNorm running statistics stay per rank (use one rank's, or ``nn.SyncBatchNorm`` semantics
     are not provided).
+
+Note: [A forward that raised]
+    A forward that raised on one rank only (an out-of-memory error that the loop catches to skip the
+    batch) leaves that rank a step behind the others, which went on to that step's backward: its
+    next backward's averages would pair with their previous step's. A local flag cannot tell this
+    from a forward that raised on every rank alike (a bad input), after which the ranks are still
+    in step. So each rank counts its synced forwards that raised, and every header carries the
+    count and its square: the square of the counts' sum is ``world size`` times the sum of their
+    squares only when every rank's count is the same; otherwise every rank raises a
+    ``CollectiveError`` before any sum.
 """
 
 from __future__ import annotations
@@ -125,8 +135,9 @@ class DataParallel(Subscriber):
         # Synced backwards started and not landed: one that failed left the ranks' collectives out of
         # step (the others went on with theirs), and the next forward refuses to pair them wrongly.
         self._unlanded = 0
-        # A synced forward with a graph that raised: the others went on to that step's backward.
-        self.forward_failed = False
+        # Synced forwards with a graph that raised, counted in every header: where one rank's loop
+        # skipped a batch that the others trained on, the counts differ (Note: [A forward that raised]).
+        self.forward_failures = 0
         self._names = {id(t): name for name, t in named_tensors}  # for messages
         # Per synced backward, the next slice whose header is owed (Note: [Ranks that disagree on requires_grad]).
         self._next: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
@@ -187,12 +198,10 @@ class DataParallel(Subscriber):
     # -- milestones --------------------------------------------------------------------------------
 
     def forward_started(self, token: Any) -> None:
-        if (self._unlanded or self.forward_failed) and self.world_size > 1:  # alone, a rank pairs with nobody
-            failed = ("a backward of this model failed on rank {} while the ranks averaged its gradients" if
-                      self._unlanded else "a forward of this model (with autograd, outside no_sync()) raised on rank "
-                      "{}, and the other ranks went on to that step's backward")
+        if self._unlanded and self.world_size > 1:  # alone, a rank pairs with nobody
             raise CollectiveError(
-                f"OffloadModel: {failed.format(self.rank)}: the other ranks' averaging went on, and this rank's next "
+                f"OffloadModel: a backward of this model failed on rank {self.rank} while the ranks averaged its "
+                "gradients: the other ranks' averaging went on, and this rank's next "
                 "ones would be paired with theirs wrongly (other slices' or steps' gradients). Stop every rank and "
                 "restart them from the last checkpoint; a batch to skip (after an out-of-memory error, say) must be "
                 "skipped on every rank, before its forward")
@@ -289,14 +298,24 @@ class DataParallel(Subscriber):
 
     def _header(self, index: int, needed: list[bool], present: list[bool]) -> tuple[torch.Tensor, Any]:
         """Slice ``index``'s header and the check of its sum (Note: [Ranks that disagree on requires_grad])."""
-        header = torch.tensor([int(n) + (self.world_size + 1) * int(p) for n, p in zip(needed, present)],
-                              dtype=torch.int32)
+        failed = self.forward_failures  # with its square: the sums tell whether every rank's is the same
+        header = torch.tensor([int(n) + (self.world_size + 1) * int(p) for n, p in zip(needed, present)]
+                              + [failed, failed * failed], dtype=torch.int64)
         return header, functools.partial(self._agree, index, needed)
 
     def _agree(self, index: int, needed: list[bool], summed: torch.Tensor) -> None:
         """In the worker, before the sums: raise when some ranks compute a gradient of a parameter of
-        slice ``index`` that others do not (``summed``: the header's sum over the ranks)."""
-        for j, count in enumerate((summed % (self.world_size + 1)).tolist()):
+        slice ``index`` that others do not, or when their counts of failed forwards differ
+        (``summed``: the header's sum over the ranks)."""
+        failed, squares = summed[-2:].tolist()
+        if failed * failed != squares * self.world_size:  # equal only when every rank's count is the same
+            raise CollectiveError(
+                f"a forward of this model (with autograd, outside no_sync()) raised on some ranks and not on others "
+                f"({self.forward_failures} so far on rank {self.rank}, {failed} on the {self.world_size} ranks "
+                "together): a rank that skipped a batch the others trained on pairs its gradients with another "
+                "step's. A batch to skip (after an out-of-memory error, say) must be skipped on every rank, before "
+                "its forward. Stop every rank and restart them from the last checkpoint")
+        for j, count in enumerate((summed[:-2] % (self.world_size + 1)).tolist()):
             if count not in (0, self.world_size):
                 name = self._names.get(id(self.engine.slices[index].storage.params[j].tensor), f"parameter {j}")
                 raise CollectiveError(
@@ -381,15 +400,13 @@ def _nothing() -> None:
 
 @contextlib.contextmanager
 def out_of_step_on_failure(data_parallel: DataParallel | None) -> Iterator[None]:
-    """Around a forward with autograd: when it raises on a synced data-parallel model (an
-    out-of-memory error that the loop catches to skip the batch), the other ranks went on to that
-    step's backward, and this rank's next forward refuses (``forward_started``), as after a failed
-    backward."""
+    """Around a forward with autograd: count it when it raises on a synced data-parallel model (Note:
+    [A forward that raised])."""
     try:
         yield
     except BaseException:
         if data_parallel is not None and data_parallel.sync:
-            data_parallel.forward_failed = True
+            data_parallel.forward_failures += 1
         raise
 
 

@@ -539,6 +539,8 @@ def _before_update(optimizer: OffloadOptimizer, when: str = "step") -> DiskTierE
     engine = engine_of(optimizer.model)
     optimizer._updates.failure.before_step(engine, when != "stepped")  # Note: [An update that failed part way]
     _plan(optimizer, kept=when == "stepped")
+    if optimizer._sharding is not None:
+        optimizer._sharding.compare_plan()  # the ranks' plans, each made alone
     writes: list[Callable[[], None]] = [functools.partial(optimizer._disk.flush, when)]  # a failed write retried first
     if engine.master_files is not None:
         writes.insert(0, engine.master_files.flush)  # masters that could not be written back are raised first

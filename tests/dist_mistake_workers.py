@@ -67,6 +67,38 @@ def forward_fails_on_one_rank(rank: int, world_size: int, directory: str, result
     dist.barrier()
 
 
+def forward_fails_on_every_rank(rank: int, world_size: int, directory: str, results: dict[str, Any]) -> None:
+    """Every rank's forward raises alike (a bad input): the ranks are still in step and train on."""
+    model = OffloadModel(network(seed=0), device="cpu", num_slices=3, process_group=short_group())
+    steps = []
+    for step in range(2):
+        try:
+            if step == 0:
+                model(torch.ones(4, 5))
+            else:
+                _step(model, rank, world_size, step)
+            steps.append("ok")
+        except (RuntimeError, CollectiveError) as error:
+            steps.append(_said(error))
+    results["forward_fails_everywhere"] = steps
+    dist.barrier()
+
+
+def state_read_on_one_rank(rank: int, world_size: int, directory: str, results: dict[str, Any]) -> None:
+    """Rank 0 alone reads its share of a sharded optimizer's state before the first step()."""
+    model = OffloadModel(network(seed=0), device="cpu", num_slices=3, process_group=short_group())
+    optimizer = OffloadOptimizer(model, torch.optim.SGD, lr=0.1, momentum=0.9)
+    try:
+        if rank == 0:
+            list(optimizer.state_by_slice())
+        _step(model, rank, world_size)
+        optimizer.step()
+        results["state_read_alone"] = "stepped"
+    except (CollectiveError, ValueError) as error:
+        results["state_read_alone"] = _said(error)
+    dist.barrier()
+
+
 def optimizers_differ(rank: int, world_size: int, directory: str, results: dict[str, Any]) -> None:
     """Sharded OffloadOptimizers over other parameter groups; then a plain optimizer on rank 1."""
     model = OffloadModel(network(seed=0), device="cpu", num_slices=3, process_group=dist.group.WORLD)
@@ -111,7 +143,8 @@ def checkpoint_on_one_rank(rank: int, world_size: int, directory: str, results: 
 
 def mistakes(rank: int, world_size: int, directory: str) -> None:
     results: dict[str, Any] = {}
-    for job in (requires_grad_changed, forward_fails_on_one_rank, optimizers_differ, checkpoint_on_one_rank):
+    for job in (requires_grad_changed, forward_fails_on_one_rank, forward_fails_on_every_rank, state_read_on_one_rank,
+                optimizers_differ, checkpoint_on_one_rank):
         try:
             job(rank, world_size, directory, results)
         except Exception as error:  # saved for the test to show, instead of failing every test of the group

@@ -55,14 +55,29 @@ def test_ranks_that_change_requires_grad_differently_are_told_on_every_rank(mist
         assert f"1 of 2 ranks compute one for {name}" in said and "every rank must change it the same way" in said
 
 
-def test_a_forward_that_raised_on_one_rank_refuses_its_next_forward(mistakes):
-    """The out-of-memory skip on one rank: the others went on to that step's backward, so that
-    rank's next forward refuses, as after a failed backward, instead of pairing other steps."""
+def test_a_forward_that_raised_on_one_rank_is_told_on_every_rank(mistakes):
+    """The out-of-memory skip on one rank: the others went on to that step's backward, so the next
+    backward's headers carry other counts of failed forwards, and every rank raises before any sum
+    instead of pairing other steps' gradients (Note: [A forward that raised])."""
     first, second = mistakes[1]["forward_fails"]
     assert first.startswith("RuntimeError") and "mat1 and mat2" in first
-    assert second.startswith("CollectiveError: OffloadModel: a forward of this model"), second
-    assert "raised on rank 1" in second
-    assert all(step.startswith("CollectiveError") for step in mistakes[0]["forward_fails"])
+    told = "CollectiveError: a forward of this model (with autograd, outside no_sync()) raised on some ranks and not"
+    assert second.startswith(told), second
+    assert "1 so far on rank 1, 1 on the 2 ranks together" in second
+    assert mistakes[0]["forward_fails"][0].startswith(told), mistakes[0]["forward_fails"]
+    assert mistakes[0]["forward_fails"][1].startswith("CollectiveError: OffloadModel: a backward of this model failed")
+
+
+def test_a_forward_that_raised_on_every_rank_alike_leaves_them_in_step(mistakes):
+    for rank in range(WORLD):
+        first, second = mistakes[rank]["forward_fails_everywhere"]
+        assert first.startswith("RuntimeError") and "mat1 and mat2" in first
+        assert second == "ok"
+
+
+def test_a_state_read_on_one_rank_before_the_first_step_compares_nothing(mistakes):
+    """The plan the read makes is compared with the other ranks' at the step, which every rank calls."""
+    assert [mistakes[rank]["state_read_alone"] for rank in range(WORLD)] == ["stepped"] * WORLD
 
 
 def test_ranks_whose_sharded_optimizers_differ_are_told_so(mistakes):

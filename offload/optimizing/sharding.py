@@ -33,6 +33,7 @@ class Sharding:
         #: Per slice: every rank's parameters of it, in memory order, and the rank that owns each.
         self.shared: dict[int, tuple[list[torch.Tensor], list[int]]] = {}
         self._compared: list[Any] | None = None  # the last plan every rank was found to share
+        self._made: list[Any] | None = None  # the last plan made
 
     @classmethod
     def of(cls, model: OffloadModel, shard: bool | None, process_group: Any) -> Sharding | None:
@@ -72,8 +73,10 @@ class Sharding:
         self.shared = {}
         owners_of = dict(zip(ordered, owners([[p for _, p, _ in items] for items in ordered.values()],
                                              self.collectives.world_size, kept)))
-        self._compare([(index, [(k, g, owner) for (k, _, g), owner in zip(items, owners_of[index])])
-                       for index, items in ordered.items()])
+        # Compared with the other ranks' at the next update (compare_plan): a plan is also made for
+        # reads that one rank may do alone (state_by_slice()), where a collective would wait for ever.
+        self._made = [(index, [(k, g, owner) for (k, _, g), owner in zip(items, owners_of[index])])
+                      for index, items in ordered.items()]
         mine = {}
         for index, items in ordered.items():
             slice_owners = owners_of[index]
@@ -84,19 +87,20 @@ class Sharding:
             mine[index] = [item for item, owner in zip(items, slice_owners) if owner == self.collectives.rank]
         return mine
 
-    def _compare(self, plan: list[Any]) -> None:
-        """Raise on every rank when the ranks' plans differ (other parameter groups; a plain
+    def compare_plan(self) -> None:
+        """Before updates start (in ``step()``, or the backward that starts them: every rank is
+        there), raise on every rank when the ranks' plans differ (other parameter groups; a plain
         ``torch.optim`` optimizer on some): each would take parameters from owners that do not
         send them. One small object collective per plan that differs from the last compared (a
-        plan made again as it was, after a load or a move, compares nothing); ``plan`` is per
+        plan made again as it was, after a load or a move, compares nothing); a plan is, per
         slice, per stepped parameter, its place in the slice, its group and its owner.
 
         Raises:
             ValueError: another rank's plan differs from this one.
             CollectiveError: some ranks did not join the comparison within the group's timeout.
         """
-        group, world_size = self.collectives.group, self.collectives.world_size
-        if world_size == 1 or plan == self._compared:
+        group, world_size, plan = self.collectives.group, self.collectives.world_size, self._made
+        if world_size == 1 or plan is None or plan == self._compared:
             return
         everyone: list[Any] = [None] * world_size
         try:
@@ -186,7 +190,7 @@ class Sharding:
 
 
 def _plan_difference(mine: list[Any], theirs: list[Any]) -> str:
-    """Where two plans of :meth:`Sharding._compare` first differ, in words."""
+    """Where two plans of :meth:`Sharding.compare_plan` first differ, in words."""
     def text(plan: dict[int, Any], index: int) -> str:
         items = plan.get(index, [])
         groups = sorted({g for _, g, _ in items})
