@@ -714,6 +714,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      f"{', '.join(PEERS + OFFLOAD_VARIANTS)}")
     if args.cpu_dry_run:
         args.device, args.steps, args.warmup = "cpu", 1, 1
+        # Toy sizes: each run's gc.collect() would spend most of its time walking the objects the
+        # imports made (torch's), which it never frees; set aside, it walks the runs' own.
+        gc.freeze()
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.device.type == "cuda" and args.device.index is None:
         args.device = torch.device("cuda", torch.cuda.current_device())

@@ -263,11 +263,13 @@ def step_losses(out: str) -> list[str]:
 
 
 def test_finetune_script_resumes_with_the_losses_of_a_run_that_never_stopped(tmp_path):
-    common = ["scripts/finetune_causal_lm.py", "--device", "cpu", "--no-progress", "--compute-dtype", "bf16",
-              "--steps", "4", "--out", str(tmp_path)]
-    whole = run(*common, "--save-every", "2")
+    common = ["--device", "cpu", "--no-progress", "--compute-dtype", "bf16", "--steps", "4", "--out", str(tmp_path)]
+    # The run that never stopped in this process; the resumed one in a fresh interpreter, the script
+    # as a user starts it: all it has of the first run is the checkpoint.
+    whole = finetune_here(*common, "--save-every", "2")
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step-2", "step-4"]
-    resumed = run(*common, "--resume", str(tmp_path / "checkpoints" / "step-2"))  # as if stopped after step 2
+    # As if stopped after step 2.
+    resumed = run("scripts/finetune_causal_lm.py", *common, "--resume", str(tmp_path / "checkpoints" / "step-2"))
     assert "resumed from" in resumed and "step-2 after step 2" in resumed
     assert step_losses(resumed) == step_losses(whole)[2:] and len(step_losses(whole)) == 4
     # The final loss in full, bit for bit.
