@@ -153,14 +153,14 @@ def test_the_h200_trace_shows_the_backward_thread_paused_in_every_slice_and_the_
 
 def test_the_summary_reads_the_boundaries_stage_as_bench_boundaries_writes_it(tmp_path):
     run("benchmarks/bench_boundaries.py", "--layers", "2", "--hidden", "32", "--seq-len", "8", "--rounds", "2",
-        "--warmup", "1", "--json", str(tmp_path / "boundaries.json"))
+        "--warmup", "0", "--json", str(tmp_path / "boundaries.json"))
     line = gpu_check_summary.boundaries(json.loads((tmp_path / "boundaries.json").read_text()))
     assert line.startswith("boundaries:") and "same loss and gradients: True" in line and "offloads 5 / 7" in line
 
 
 def test_the_summary_reads_the_walk_stage_as_bench_walk_writes_it(tmp_path):
     run("benchmarks/bench_walk.py", "--layers", "2", "--hidden", "32", "--seq-len", "8", "--rounds", "1",
-        "--warmup", "1", "--json", str(tmp_path / "walk.json"))
+        "--warmup", "0", "--json", str(tmp_path / "walk.json"))
     report = json.loads((tmp_path / "walk.json").read_text())
     line = gpu_check_summary.walk(report)
     assert line.startswith("walk: 4 thin slices on cpu") and "checkpointed" in line
