@@ -667,6 +667,10 @@ def test_with_the_masters_on_disk_a_tied_weights_sum_is_counted_in_ram(tmp_path)
     model = OffloadModel(tied(), device="cpu", num_slices=3, compute_dtype=torch.bfloat16,
                          masters=DiskTier(tmp_path))
     footprint = _trained_footprint(model, lambda: torch.randint(0, 500, (4, 8)))
-    assert footprint.host_gradients == 500 * 32 * 4
-    assert plan.host_gradients == footprint.host_gradients
-    assert plan.host_total == footprint.host_total
+    # The footprint counts the home files' pages in RAM now (mincore): dropped after their write-back,
+    # but a busy machine's page cache may keep some a while longer. What this test checks is the sum.
+    in_files = sum(s.storage.gradient_home.file.resident_bytes() for s in model._engine.slices
+                   if s.storage.gradient_home is not None)
+    assert footprint.host_gradients - in_files == 500 * 32 * 4
+    assert plan.host_gradients == footprint.host_gradients - in_files
+    assert plan.host_total == footprint.host_total - in_files
