@@ -50,11 +50,14 @@ def _hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if any(is_offloaded(p) for p in group["params"]):
             _state["warned"] = True
             outer = getattr(optimizer, "_offload_outer", False)
-            name = (optimizer.optimizer_class if outer else type(optimizer)).__name__  # type: ignore[attr-defined]
+            cls = optimizer.optimizer_class if outer else type(optimizer)  # type: ignore[attr-defined]
+            name = cls.__name__
+            # As the user would write it: torch.optim.AdamW, or a subclass by its own module.
+            spelled = f"torch.optim.{name}" if getattr(torch.optim, name, None) is cls else f"{cls.__module__}.{name}"
             how = "with foreach=True" if group.get("foreach") else \
                 "with its per-tensor CPU implementation (PyTorch's default for CPU tensors)"
-            fix = (f"Pass fused=True: OffloadOptimizer(model, torch.optim.{name}, ..., fused=True)." if outer else
-                   f"Use offload.OffloadOptimizer(model, torch.optim.{name}, ..., fused=True), which also overlaps "
+            fix = (f"Pass fused=True: OffloadOptimizer(model, {spelled}, ..., fused=True)." if outer else
+                   f"Use offload.OffloadOptimizer(model, {spelled}, ..., fused=True), which also overlaps "
                    "the update with the next forward, or pass fused=True.")
             warnings.warn(
                 f"{name} is stepping OffloadModel's host parameters {how}, 4-7x slower than fused=True on the host "

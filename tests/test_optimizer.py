@@ -665,6 +665,10 @@ def test_the_compute_dtype_shadow_is_written_by_the_update_not_by_the_forward():
     assert len(refreshes) == model.num_slices
 
 
+class _MyAdamW(torch.optim.AdamW):
+    """A user's subclass, for the warning's spelling of it."""
+
+
 @pytest.mark.parametrize("wrapped", [False, True], ids=["plain", "OffloadOptimizer"])
 def test_an_optimizer_without_fused_on_offloaded_parameters_warns_once(monkeypatch, wrapped):
     from offload import per_tensor_warning
@@ -687,6 +691,13 @@ def test_an_optimizer_without_fused_on_offloaded_parameters_warns_once(monkeypat
         if warns is not None:
             assert warns in messages[0] and "AdamW" in messages[0]
             assert ("OffloadOptimizer(model, torch.optim.AdamW, ..., fused=True)" in messages[0])
+    # A subclass is named as the user would import it, not as a torch.optim class that does not exist.
+    monkeypatch.setitem(per_tensor_warning._state, "warned", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        OffloadOptimizer(model, _MyAdamW, lr=1e-3).step()
+    messages = [str(w.message) for w in caught if "slower than fused=True" in str(w.message)]
+    assert f"OffloadOptimizer(model, {__name__}._MyAdamW, ..., fused=True)" in messages[0]
     # An optimizer without a fused implementation has nothing better to offer: no warning.
     monkeypatch.setitem(per_tensor_warning._state, "warned", False)
     with warnings.catch_warnings(record=True) as caught:

@@ -204,6 +204,10 @@ def test_forward_names_what_it_refuses_and_gives_no_loss_for_shift_labels_alone(
         model(inputs_embeds=torch.zeros(2, 9, 32))
     with pytest.raises(TypeError, match="it needs input_ids"):
         model(attention_mask=torch.ones(2, 9))
+    # What some tokenizers return by default: the message says how not to pass it.
+    with pytest.raises(TypeError, match="cannot honour token_type_ids. If the tokenizer added token_type_ids, call it "
+                                        "with return_token_type_ids=False"):
+        model(input_ids=ids(), token_type_ids=torch.zeros_like(ids()))
     shift_labels = torch.roll(ids(), -1, 1)
     shift_labels[:, -1] = -100
     expected, got = plain(input_ids=ids(), shift_labels=shift_labels), model(input_ids=ids(), shift_labels=shift_labels)

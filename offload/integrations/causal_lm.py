@@ -399,9 +399,12 @@ def _batch_of(config: Any, carries_router: bool, input_ids: torch.Tensor | None,
                      if key not in _IGNORED and value is not None and value is not False)
     if input_ids is None or refused:
         what = f"it cannot honour {', '.join(refused)}" if refused else "it needs input_ids"
+        # Some tokenizers return token_type_ids by default, which most causal LMs ignore (GPT-2 reads them).
+        tokenizer = (". If the tokenizer added token_type_ids, call it with return_token_type_ids=False or drop "
+                     "them from the batch" if "token_type_ids" in refused else "")
         raise TypeError(
             f"OffloadedCausalLM.forward takes input_ids, attention_mask, position_ids, labels (or shift_labels) "
-            f"and num_items_in_batch; {what}. With transformers.Trainer keep "
+            f"and num_items_in_batch; {what}{tokenizer}. With transformers.Trainer keep "
             "remove_unused_columns=True (the default) so that other dataset columns are dropped"
         )
     batch = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
