@@ -37,7 +37,10 @@ Note: [Ranks that disagree on requires_grad]
     raised]). Its size is the same on every rank, and its sum is waited for before the sums: a
     parameter that some ranks compute and others do not raises a ``CollectiveError`` naming it on
     every rank, before any sum is issued. The cost: one small all-reduce per slice and synced backward (one for each slice
-    without gradients too), and its round trip before the slice's sums.
+    without gradients too), and its round trip before the slice's sums. The headers of slices
+    without gradients here are issued together and waited for in order
+    (``HostCollectives.agree``): frozen layers cost about one round trip between two slices with
+    gradients, not one each.
 
     BatchNorm running statistics stay per rank (use one rank's, or ``nn.SyncBatchNorm`` semantics
     are not provided).
@@ -329,15 +332,17 @@ class DataParallel(Subscriber):
         """Issue the headers owed, from the next slice down to ``stop``, of slices without gradients
         on this rank (Note: [Ranks that disagree on requires_grad])."""
         assert self.host is not None
-        index = self._next.get(token, -1)
+        first = index = self._next.get(token, -1)
+        headers = []
         while index >= stop:
             count = len(self.engine.slices[index].storage.params)
             if count:
-                header, agreed = self._header(index, [False] * count, [False] * count)
-                self._events.setdefault(token, []).append(self.host.average(
-                    [], _nothing, header, after=[], what=f"averaging the gradients of slice {index}", agreed=agreed))
+                headers.append(self._header(index, [False] * count, [False] * count))
             index -= 1
         self._next[token] = index
+        if headers:
+            self._events.setdefault(token, []).append(self.host.agree(
+                headers, what=f"checking the gradients of slices {first} down to {stop} with the other ranks"))
 
     def gradients_landed(self, token: Any, pending: dict[int, PendingGradients]) -> None:
         sync = self._sync_of.get(token, True)
@@ -392,10 +397,6 @@ def _check_structure(engine: Engine, group: Any, world_size: int, named_tensors:
                 f"rank {rank} cuts the model into other slices than rank 0 (rank 0: {_slices_text(first_cut)}; "
                 f"rank {rank}: {_slices_text(cut)}); gradients are averaged slice by slice, so every rank must "
                 "pass the same num_slices (or the same slices) to OffloadModel")
-
-
-def _nothing() -> None:
-    """A header's slice has no memory to prepare."""
 
 
 @contextlib.contextmanager

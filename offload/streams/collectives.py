@@ -142,6 +142,19 @@ class HostCollectives:
                     span.div_(self.world_size)
         return self.submit(what, work, after)
 
+    def agree(self, headers: Sequence[tuple[torch.Tensor, Callable[[torch.Tensor], None]]], what: str) -> Event:
+        """Replace each header by its sum and ask its ``agreed`` of it, as :meth:`average` does for
+        spans that this rank does not have. The all-reduces are issued together and waited for in
+        order, so that many of them cost about one round trip, not one each: nothing waits on them
+        to decide what to send next, and each rank issues one header per slice in slice order
+        whether or not it has spans, so they pair with the other ranks' headers all the same."""
+        def work() -> None:
+            issued = [(self.channel.allreduce([header]), header, agreed) for header, agreed in headers]
+            for request, header, agreed in issued:
+                request.wait()
+                agreed(header)  # the first disagreement raises, as it would with the waits one by one
+        return self.submit(what, work)
+
     def broadcast(self, tensors: Sequence[torch.Tensor], sources: Sequence[int], after: Sequence[Event | None],
                   what: str, then: Callable[[], None] | None = None, failed: Callable[[], bool] | None = None,
                   told: Callable[[list[int]], None] | None = None) -> Event:
