@@ -88,6 +88,8 @@ def test_ranks_whose_sharded_optimizers_differ_are_told_so(mistakes):
     said = mistakes[0]["plain_on_one_rank"]  # rank 1 steps a plain SGD: rank 0 waits in vain for it
     assert said.startswith("CollectiveError: comparing the sharded OffloadOptimizer's plan"), said
     assert "not a plain torch.optim optimizer on some ranks" in said
+    # The same wait where one rank's backward was synced and another's was not (no_sync() on one rank).
+    assert "every rank must run the same synced backwards (no_sync() around the same ones)" in said
 
 
 @pytest.mark.parametrize("name, called", [("save_alone", "save_checkpoint"), ("load_alone", "load_checkpoint")])

@@ -110,7 +110,9 @@ class Sharding:
                 f"comparing the sharded OffloadOptimizer's plan (which rank updates which parameter) with the other "
                 f"ranks' failed on rank {self.collectives.rank} of {world_size}: {error}. Every rank must build an "
                 "OffloadOptimizer over the same parameter groups (not a plain torch.optim optimizer on some ranks) "
-                "and call step() and add_param_group() in the same order; or pass shard=False") from error
+                "and call step() and add_param_group() in the same order; or pass shard=False. A rank still in its "
+                "backward's gradient averages when another reached step() waits here too: every rank must run the "
+                "same synced backwards (no_sync() around the same ones)") from error
         for rank, theirs in enumerate(everyone):
             if theirs != plan:
                 raise ValueError(
