@@ -1,10 +1,11 @@
-"""What each rank runs in ``test_checkpoint_rank_paths.py`` (spawned processes import it from here).
+"""What each rank runs in ``test_checkpoint_rank_paths.py`` and ``test_checkpoint_extra_per_rank.py``
+(spawned processes import it from here).
 
 Two ranks join a gloo group through a file store in the test's directory, save or load checkpoints
-under ``directory/ckpt`` on paths that differ between them, and write what each one saw to
-``directory/<job>.<rank>.json``. A rank without a shared filesystem is played by rank 1 writing
-its partial directory, or reading its checkpoint, somewhere only it looks (the real case: each
-machine's own disk mounted at the same path).
+under ``directory/ckpt`` on paths that differ between them (or with an ``extra`` of each rank's
+own), and write what each one saw to ``directory/<job>.<rank>.json``. A rank without a shared
+filesystem is played by rank 1 writing its partial directory, or reading its checkpoint, somewhere
+only it looks (the real case: each machine's own disk mounted at the same path).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import os
 import shutil
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
 
 from offload import OffloadModel, OffloadOptimizer, load_checkpoint, save_checkpoint
 
@@ -138,4 +141,44 @@ def load_other_checkpoints(rank: int, directory: Path) -> dict[str, Any]:
             "loaded the saved model": parameters(fresh) == parameters(model)}
 
 
-JOBS = {f.__name__: f for f in (save_on_other_paths, save_without_a_shared_filesystem, load_other_checkpoints)}
+def plain(value: Any) -> Any:
+    """``value`` as JSON holds it: tensors as lists."""
+    if isinstance(value, dict):
+        return {key: plain(item) for key, item in value.items()}
+    return value.tolist() if isinstance(value, torch.Tensor) else value
+
+
+def save_extra_per_rank(rank: int, directory: Path) -> dict[str, Any]:
+    """Save, with every rank's extra its own, the same on every rank (a tensor in it too: compared
+    by its pickled bytes), and, as releases before per-rank extras wrote it, every rank's under the
+    one key ``extra`` (DCP keeps one); load each on both ranks. Returns, by checkpoint, what each
+    load returned and warned, the bytes of extra the room check counted, this rank's extra's
+    pickled size, and (rank 0) the checkpoint's extra keys."""
+    from offload.checkpoint import saver
+    from offload.checkpoint.checkpoint_files import pickled_size
+
+    counted: list[int] = []
+    check_room = saver._check_room
+    saver._check_room = lambda group, rank, path, state, extra_nbytes, optimizer: (
+        counted.append(extra_nbytes) or check_room(group, rank, path, state, extra_nbytes, optimizer))
+    model, optimizer = build()
+    train_step(model, optimizer, rank, 1)
+    extras = {"own": {"rank": rank, "position": torch.tensor([10 * rank, rank])},
+              "same": {"step": 1, "seen": torch.arange(3)}, "old": {"rank": rank}}
+    outcome: dict[str, Any] = {}
+    for name, extra in extras.items():
+        if name == "old":
+            saver._extra_keys = lambda digests: ["extra"] * len(digests)
+        save_checkpoint(directory / "ckpt" / name, model, optimizer, extra=extra)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loaded = load_checkpoint(directory / "ckpt" / name, model, optimizer)
+        keys = FileSystemReader(directory / "ckpt" / name).read_metadata().state_dict_metadata
+        outcome[name] = {"loaded": plain(loaded), "warned": [str(w.message) for w in caught],
+                         "counted": counted[-1], "pickled": pickled_size(extra),
+                         "keys": sorted(key for key in keys if key.startswith("extra"))}
+    return outcome
+
+
+JOBS = {f.__name__: f for f in (save_on_other_paths, save_without_a_shared_filesystem, load_other_checkpoints,
+                                save_extra_per_rank)}

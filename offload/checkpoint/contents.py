@@ -42,10 +42,15 @@ Note: [Checkpoint layout]
         that rank's CPU and CUDA generators and Python's ``random``: dropout draws the same
         numbers after a resume. Restored only when the number of ranks is unchanged.
     ``extra``
-        the caller's ``extra``, the same on every rank, as ``{"value": extra}``: DCP pickles a
+        rank 0's ``extra`` (each rank passes its own), as ``{"value": extra}``: DCP pickles a
         dict whatever it holds, where a bare tensor at the top level would be saved as tensor
         data, which a load asking for a pickled value cannot read. Before format 3, ``extra``
         itself (a bare tensor as tensor data, which a load now reads into a tensor of its shape).
+        Offered by rank 0 and the ranks whose ``extra`` is the same: every rank used to offer its
+        own under this one key, and DCP kept whichever it chose (Note: [Extra per rank]).
+    ``extra/<rank>``
+        another rank's ``extra``, as ``extra`` holds rank 0's, present only when it differs from
+        rank 0's (Note: [Extra per rank]).
 
     Every value that is not a tensor (the groups, the generators, ``extra``, an extra state) is
     pickled whole, as it is: a save's planner does not flatten sharded tensors (there are none
@@ -57,6 +62,24 @@ Note: [Checkpoint layout]
     ``offload.json`` holds the names, shapes and dtypes of the model's tensors, the names of its
     modules' extra states, the slicing, the optimizer class, its groups' parameters by name and
     the number of ranks: what :func:`load_checkpoint` checks before it writes anything.
+
+Note: [Extra per rank]
+    Each rank's ``extra`` is its own (a data position, a generator's ``get_state()``), and a load
+    gives each rank back the one it saved:
+
+    1. A save compares the ranks' ``extra`` by a digest of its pickled bytes (:func:`_extra_digest`,
+       gathered once). Rank 0's is saved as ``extra``, and so is every rank's that is the same: DCP
+       writes one of these copies (on the rank it balances onto); another rank's as
+       ``extra/<rank>``. Ranks that pass the same value (the step, a scheduler's state) write it
+       once, as every save did before, and a run of one process writes what it always did.
+    2. A load on the saved number of ranks reads ``extra/<rank>`` where there is one, else
+       ``extra``; on another number, ``extra`` on every rank (no saved rank is this one: rank 1
+       of two is not rank 1 of four, whose data it read), and, when some ``extra/<rank>`` is
+       there, a warning that the ranks saved different values and that rank 0's is returned.
+    3. The format did not change: a release that predates these keys reads ``extra``, rank 0's, on
+       every rank, which is what it documented (the same on every rank), and a checkpoint it wrote
+       loads here as one whose ranks saved the same value. Equal values whose pickles differ (a
+       tensor on another device on each rank) count as different: the warning is the cost.
 
 Note: [Module load hooks]
     DCP loads the model's tensors in place, into the parameters and buffers themselves, so
@@ -96,9 +119,11 @@ Note: [State dict hooks in a checkpoint]
 
 from __future__ import annotations
 
+import hashlib
+import io
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import torch
@@ -119,6 +144,8 @@ FORMAT = 3
 READABLE_FORMATS = (1, 2, 3)
 #: The first format whose ``extra`` is saved as ``{"value": extra}``.
 EXTRA_WRAPPED_SINCE = 3
+#: The key of rank 0's ``extra``; another rank's is under ``EXTRA/<rank>`` (Note: [Extra per rank]).
+EXTRA = "extra"
 #: The key of what the optimizer's ``state_dict()`` post-hooks add (Note: [State dict hooks in a checkpoint]).
 HOOKED = "optim/hooked"
 #: The last part of the name ``state_dict()`` gives a module's ``get_extra_state()``.
@@ -144,6 +171,46 @@ def _extra_to_save(extra: Any) -> dict[str, Any]:
     """``extra`` as DCP saves it (Note: [Checkpoint layout]): in a dict, which DCP pickles whatever
     it holds, so that any picklable value, a bare tensor too, loads back as it was."""
     return {"value": extra}
+
+
+def _extra_digest(extra: Any) -> str:
+    """A digest of ``extra``'s pickled bytes, which the ranks of a save compare (Note: [Extra per
+    rank]). ``torch.save``'s, not ``pickle``'s: a tensor pickles the address of its storage, which
+    differs from process to process, where ``torch.save`` writes the same bytes for the same value."""
+    sink = _HashingSink()
+    torch.save(extra, sink)
+    return sink.digest.hexdigest()
+
+
+class _HashingSink(io.RawIOBase):
+    """A writable file that keeps nothing but a digest of the bytes written."""
+
+    def __init__(self) -> None:
+        self.digest = hashlib.sha256()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        self.digest.update(view)
+        return view.nbytes
+
+
+def _extra_keys(digests: list[str]) -> list[str]:
+    """By rank, the key each rank offers its ``extra`` under, from their digests (Note: [Extra per
+    rank], rule 1)."""
+    return [EXTRA if digest == digests[0] else f"{EXTRA}/{rank}" for rank, digest in enumerate(digests)]
+
+
+def _extra_key_to_load(saved: Collection[str], rank: int, same_ranks: bool) -> tuple[str, list[str]]:
+    """The key of the ``extra`` this rank loads among the ``saved`` keys (Note: [Extra per rank],
+    rule 2), and the saved ranks whose ``extra`` it is not: empty on the saved number of ranks, or
+    when every rank saved rank 0's."""
+    if same_ranks:
+        own = f"{EXTRA}/{rank}"
+        return (own if own in saved else EXTRA), []
+    return EXTRA, sorted((key.removeprefix(f"{EXTRA}/") for key in saved if key.startswith(f"{EXTRA}/")), key=int)
 
 
 def _loaded_extra(loaded: Any, saved_format: int) -> Any:

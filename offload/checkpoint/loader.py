@@ -14,6 +14,7 @@ import functools
 import hashlib
 import json
 import os
+import warnings
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
@@ -28,9 +29,9 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from .checkpoint_files import CheckpointError, interrupt_behind, verify_checksums
 from .checks import _check_arguments, _check_model, _check_optimizer, _listed, _read
 from .commit import committed
-from .contents import (HOOKED, _kept_parameters, _loaded_extra, _loads_on_disk, _masters_on_disk,
-                       _masters_releaser, _model_state, _parameter_names, _release_masters, _restore_modules,
-                       _set_rng_state, _split_model_state)
+from .contents import (HOOKED, _extra_key_to_load, _kept_parameters, _loaded_extra, _loads_on_disk,
+                       _masters_on_disk, _masters_releaser, _model_state, _parameter_names, _release_masters,
+                       _restore_modules, _set_rng_state, _split_model_state)
 from .framework_wrappers import unwrapped
 from .quant_states import format_differences, is_packed, read_packed, set_unreached
 from .ranks import _agreed, _group
@@ -48,13 +49,14 @@ NO_PATH = ("load_checkpoint() got None for the path: latest_checkpoint() returns
 def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                     *, process_group: Any = None) -> Any:
     """Load a checkpoint written by :func:`save_checkpoint` into ``model`` and ``optimizer``, in
-    place, restore this rank's random number generators, and return the ``extra`` it was saved
-    with. Call it on every rank.
+    place, restore this rank's random number generators, and return the ``extra`` this rank saved.
+    Call it on every rank.
 
     It loads on any number of ranks (each reads the optimizer state of the parameters it updates
     now), and into the plain model and a plain ``torch.optim`` optimizer as well as into an
     :class:`~offload.OffloadModel` and :class:`~offload.OffloadOptimizer`. Random number
-    generators are restored only when the number of ranks is the one saved. The optimizer's
+    generators are restored only when the number of ranks is the one saved; on another number,
+    every rank gets rank 0's ``extra`` (Note: [Extra per rank] in ``contents.py``). The optimizer's
     ``load_state_dict`` hooks run, its pre-hooks seeing what its ``state_dict()`` post-hooks added
     at save (Note: [State dict hooks in a checkpoint] in ``contents.py``). The model's tensors are
     loaded in place; its modules' extra states are set and their ``load_state_dict`` post-hooks
@@ -98,13 +100,17 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
         KeyboardInterrupt: (or ``SystemExit``) an interrupt during the read, raised as itself
             (not DCP's wrapper), with the note a disk tier's partly loaded state adds; the model
             and optimizer may be partly loaded, as above: load again.
+
+    Warns:
+        UserWarning: on another number of ranks than saved the checkpoint, when its ranks saved
+            different ``extra`` values: the message names them and says rank 0's is returned.
     """
     model, optimizer = unwrapped(model, optimizer)  # Fabric's wrappers (framework_wrappers.py)
     _check_arguments("load_checkpoint", model, optimizer)
     group, rank, world_size = _group(model, optimizer, process_group)
     # Each rank checks what it reads before any collective; a refusal on one is said on every rank,
     # and so are checkpoints that differ between ranks, which would resume each from another step.
-    path, saved_format, metadata, model_state, extra_states, names, groups, state, wanted, on_disk, _ = _agreed(
+    path, extra_read, metadata, model_state, extra_states, names, groups, state, wanted, on_disk, _ = _agreed(
         group, lambda: _checked_load(path, model, optimizer, rank, world_size), "loaded",
         same=lambda loaded: loaded[-1], differ=functools.partial(_other_checkpoints, path))
     rng_key = f"rng/{rank}"
@@ -137,15 +143,20 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
         _release_masters(model)
     if failure is not None:
         raise failure
-    return _loaded_extra(state["extra"], saved_format)
+    saved_format, extra_key, not_own = extra_read
+    if not_own is not None:
+        warnings.warn(not_own, stacklevel=2)
+    return _loaded_extra(state[extra_key], saved_format)
 
 
 def _checked_load(path: str | os.PathLike[str] | None, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                   rank: int, world_size: int) -> tuple[Any, ...]:
-    """What this rank loads, checked before anything is: the checkpoint directory, its format, its
-    metadata, the model's tensors, its modules' extra states' names, parameter names, the
-    optimizer's groups, DCP's state to fill and, as :func:`_state_to_load` says, the optimizer's
-    keys and what its disk tier keeps; last, which checkpoint it is (:func:`_identity`).
+    """What this rank loads, checked before anything is: the checkpoint directory; its format, the
+    key of the ``extra`` this rank reads and what the load warns of it (``None``: nothing; Note:
+    [Extra per rank] in ``contents.py``); its metadata, the model's tensors, its modules' extra
+    states' names, parameter names, the optimizer's groups, DCP's state to fill and, as
+    :func:`_state_to_load` says, the optimizer's keys and what its disk tier keeps; last, which
+    checkpoint it is (:func:`_identity`).
 
     Raises:
         CheckpointError: as :func:`load_checkpoint` says, before anything is loaded.
@@ -164,14 +175,16 @@ def _checked_load(path: str | os.PathLike[str] | None, model: nn.Module, optimiz
     rng_key = f"rng/{rank}"
     if info["world_size"] == world_size and rng_key in metadata.state_dict_metadata:
         state[rng_key] = None
+    extra_key, others = _extra_key_to_load(metadata.state_dict_metadata, rank, info["world_size"] == world_size)
     # Before format 3, a bare tensor as extra was saved as tensor data (Note: [Checkpoint layout]).
-    saved_extra = metadata.state_dict_metadata.get("extra")
-    state["extra"] = _destination(saved_extra, None) if isinstance(saved_extra, TensorStorageMetadata) else None
+    saved_extra = metadata.state_dict_metadata.get(extra_key)
+    state[extra_key] = _destination(saved_extra, None) if isinstance(saved_extra, TensorStorageMetadata) else None
     # The files this rank reads, checked whole before anything is loaded (Note: [Checkpoint checksums]).
     verify_checksums(path, info.get("crc32"), {storage.relative_path for index, storage in
                                                (metadata.storage_data or {}).items() if index.fqn in state})
-    return (path, info["format"], metadata, model_state, list(extra_states), names, groups, state, wanted, on_disk,
-            _identity(path, info))
+    not_own = _rank_0s_extra(path, info["world_size"], world_size, others) if others else None
+    return (path, (info["format"], extra_key, not_own), metadata, model_state, list(extra_states), names, groups,
+            state, wanted, on_disk, _identity(path, info))
 
 
 def _identity(path: Path, info: dict[str, Any]) -> tuple[str, str]:
@@ -184,6 +197,16 @@ def _identity(path: Path, info: dict[str, Any]) -> tuple[str, str]:
     when = (datetime.datetime.fromtimestamp(saved_ns / 1e9, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")
             + " UTC" if isinstance(saved_ns, int) else "at a time it does not record")
     return digest, f"{path.resolve()}, saved {when}"
+
+
+def _rank_0s_extra(path: Path, saved: int, world_size: int, others: list[str]) -> str:
+    """What a load of ``path``, saved on ``saved`` ranks, warns on ``world_size`` ranks when the
+    saved ranks ``others`` passed another ``extra`` than rank 0 (Note: [Extra per rank])."""
+    ranks = f"rank {others[0]}" if len(others) == 1 else f"ranks {', '.join(others[:-1])} and {others[-1]}"
+    return (f"checkpoint {path} was saved on {saved} ranks whose extra values differ ({ranks} saved another value "
+            f"than rank 0), and is loaded on {world_size}: load_checkpoint returns rank 0's extra on every rank. "
+            "Derive what is per rank in it (a data position, a generator's state) for this number of ranks, or "
+            f"resume on {saved} ranks to get each rank's own.")
 
 
 def _other_checkpoints(path: Any, listing: str) -> str:

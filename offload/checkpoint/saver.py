@@ -42,9 +42,9 @@ from .checkpoint_files import (CheckpointError, ChecksummingFileSystem, disk_ful
                                interrupt_behind, pickled_size)
 from .checks import _check_room, _check_save_arguments, _check_target
 from .commit import HalfCommitted, commit, latest_checkpoint, partial_directory, prepare, tidy
-from .contents import (HOOKED, STRAY_PARAMETER, _extra_to_save, _hooked_keys, _info, _masters_on_disk,
-                       _masters_releaser, _model_state, _named_groups, _optimizer_state, _own_storage, _parameter_names,
-                       _release_masters, _rng_state, _split_model_state, _steps_only)
+from .contents import (HOOKED, STRAY_PARAMETER, _extra_digest, _extra_keys, _extra_to_save, _hooked_keys, _info,
+                       _masters_on_disk, _masters_releaser, _model_state, _named_groups, _optimizer_state, _own_storage,
+                       _parameter_names, _release_masters, _rng_state, _split_model_state, _steps_only)
 from .framework_wrappers import unwrapped
 from .ranks import _agreed, _gathered_list, _group, _on_rank_0
 from ..tiers.disk_tier import size_text
@@ -79,8 +79,10 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
         optimizer: an :class:`~offload.OffloadOptimizer`, any ``torch.optim`` optimizer over the
             model's parameters, or ``None``.
         extra: any picklable value to save with it, usually a dict (a scheduler's and a
-            ``GradScaler``'s ``state_dict()``, the step, the data position), the same on every
-            rank; :func:`load_checkpoint` returns it as it was (a bare tensor too).
+            ``GradScaler``'s ``state_dict()``, the step, the data position), each rank's own:
+            :func:`load_checkpoint` returns to each rank the one it saved, as it was (a bare
+            tensor too); on another number of ranks, rank 0's (Note: [Extra per rank] in
+            ``contents.py``). Ranks that pass the same value write it once.
         keep_last: keep only this many checkpoints beside ``path`` (the newest), or all (``None``);
             an older one that also holds files no save wrote stays, with a warning.
         process_group: the group that saves together; default: the optimizer's, else the
@@ -136,9 +138,13 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     names = _parameter_names(model)
     # Rank-local refusals (this rank's optimizer mixes two steps) are said on every rank, and so
     # are paths that differ: each rank would write into a directory of its own, and rank 0 commit
-    # a checkpoint without the others' files.
-    state, on_disk = _agreed(group, lambda: _state_to_save(model, optimizer, names, rank, extra),
-                             same=lambda _: _absolute(path), differ=functools.partial(_other_paths, path))
+    # a checkpoint without the others' files. The extra's digest is taken here too, so that a
+    # pickle that fails on one rank is said on every rank; the ranks compare digests next (Note:
+    # [Extra per rank] in contents.py).
+    state, on_disk, digest = _agreed(group, lambda: (*_state_to_save(model, optimizer, names, rank),
+                                                     _extra_digest(extra)),
+                                     same=lambda _: _absolute(path), differ=functools.partial(_other_paths, path))
+    extra_nbytes = _add_extra(state, extra, digest, extra_nbytes, group, rank)
     needed = _check_room(group, rank, path, state, extra_nbytes, optimizer)
     partial = partial_directory(path)
     _on_rank_0(group, rank, functools.partial(prepare, path), lambda error: _save_failure(path, error, [], needed))
@@ -174,10 +180,11 @@ def _other_paths(path: Path, listing: str) -> str:
             "the checkpoint once every rank's files are in it.")
 
 
-def _state_to_save(model: nn.Module, optimizer: torch.optim.Optimizer | None, names: dict[int, str], rank: int,
-                   extra: Any) -> tuple[dict[str, Any], dict[str, tuple[int, torch.Tensor, str]]]:
-    """What DCP saves (Note: [Checkpoint layout]), and, by key, the optimizer state a disk tier
-    keeps: where the planner reads it (slice index, parameter, state key).
+def _state_to_save(model: nn.Module, optimizer: torch.optim.Optimizer | None, names: dict[int, str], rank: int
+                   ) -> tuple[dict[str, Any], dict[str, tuple[int, torch.Tensor, str]]]:
+    """What DCP saves (Note: [Checkpoint layout]) but ``extra`` (:func:`_add_extra`), and, by key,
+    the optimizer state a disk tier keeps: where the planner reads it (slice index, parameter,
+    state key).
 
     Raises:
         ValueError: the optimizer steps a parameter the model lacks.
@@ -214,8 +221,18 @@ def _state_to_save(model: nn.Module, optimizer: torch.optim.Optimizer | None, na
             if rank == 0:  # rank 0's, as buffers and extra states: DCP would keep any one rank's
                 state[HOOKED] = hooked
     state[f"rng/{rank}"] = _rng_state()
-    state["extra"] = _extra_to_save(extra)  # wrapped: a bare tensor would be saved as tensor data
     return state, on_disk
+
+
+def _add_extra(state: dict[str, Any], extra: Any, digest: str, nbytes: int, group: Any, rank: int) -> int:
+    """Add this rank's ``extra`` to ``state`` under its key (Note: [Extra per rank]): ``extra``
+    when its ``digest`` is rank 0's, else its own. Returns the pickled bytes of every rank's that
+    is written (``nbytes`` each rank's own; ``extra`` once), for the room check."""
+    everyone = _gathered_list(group, (digest, nbytes))
+    keys = _extra_keys([theirs for theirs, _ in everyone])
+    state[keys[rank]] = _extra_to_save(extra)  # wrapped: a bare tensor would be saved as tensor data
+    written = {key: theirs for key, (_, theirs) in zip(keys, everyone)}  # the copies of extra: one value, once
+    return sum(written.values())
 
 
 def _check_hooked_pickles(hooked: dict[str, Any]) -> None:
