@@ -136,6 +136,8 @@ BAD_INPUTS = {
     "infinite device": ([*TINY, "--device-memory", "inf"], "--device-memory must be a positive number of GiB"),
     "infinite disk": ([*TINY, "--disk-dir", ".", "--disk", "inf"], "--disk must be a positive number of GiB"),
     "infinite pinned": ([*TINY, "--pinned-memory", "inf"], "--pinned-memory must be a positive number of GiB"),
+    "huge host": ([*TINY[:4], "--host-memory", "1e300"], "--host-memory must be a positive number of GiB, got 1e+300 "
+                  "(below 8589934592 GiB"),
     **{f"rates with a {name} rate": ([*TINY, "--rates", f"rates_{name}.json"], "must be a number")
        for name in BAD_RATES},
     "rates without device rates": ([*TINY[:2], "--device", "cpu", "--host-memory", "8", "--rates",

@@ -190,9 +190,10 @@ def check_machine_args(parser: argparse.ArgumentParser, args: argparse.Namespace
     """The machine's flags: sizes above 0, and paths that are what they name."""
     for name in ("device_memory", "host_memory", "disk", "pinned_memory"):
         value = getattr(args, name)
-        if value is not None and not 0 < value < math.inf:
-            parser.error(f"--{name.replace('_', '-')} must be a positive number of GiB, got {value:g} (a finite "
-                         "one; leave it out for the default)")
+        # Below 2**33 GiB: its bytes fit in 64 bits (a larger figure overflowed later, with a traceback).
+        if value is not None and not 0 < value < 2 ** 33:
+            parser.error(f"--{name.replace('_', '-')} must be a positive number of GiB, got {value:g} (below "
+                         f"{2 ** 33} GiB; leave it out for the default)")
     if args.device_memory is not None and args.device == "cpu":  # else a limit shown, and never checked
         parser.error("--device-memory with --device cpu: a CPU device's memory is the host's: use --host-memory")
     if args.disk is not None and args.disk_dir is None:
