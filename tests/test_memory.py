@@ -290,6 +290,31 @@ def test_the_host_gradient_window_is_sized_by_the_streamed_slices():
     assert max(b.data.numel() for b in model._engine.pool.buffers()) <= largest_streamed
 
 
+def test_with_the_masters_on_disk_the_first_steps_land_gradients_in_buffers_of_the_later_size(tmp_path):
+    """Gradients copied to their files land in buffers of the largest slice's size. Backward meets
+    the small slices first here: buffers sized as they came would hold the small ones beside the
+    largest's for two steps, more host memory than the later steps and the plan."""
+    def plain() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256), nn.Linear(256, 64), nn.Linear(64, 64),
+                             nn.Linear(64, 8))
+
+    profile = profile_layers(plain(), lambda: torch.zeros(4, 256), compute_dtype=torch.bfloat16)
+    plan = estimate_memory(plain(), num_slices=5, compute_dtype=torch.bfloat16, device="cpu", masters="disk",
+                           profile=profile)
+    model = OffloadModel(plain(), device="cpu", num_slices=5, compute_dtype=torch.bfloat16,
+                         masters=DiskTier(tmp_path))
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-3, fused=True)
+    pools = []
+    for _ in range(3):
+        model(torch.randn(4, 256)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        pools.append(model.memory_footprint().host_pool)
+    optimizer.close()
+    assert pools == [plan.host_pool] * 3
+
+
 def test_resident_slices_are_refused_by_the_estimate_as_by_the_model():
     for bad, error in ((-1, ValueError), (3, ValueError), (1.0, TypeError), (True, TypeError)):
         with pytest.raises(error) as estimated:

@@ -265,6 +265,10 @@ class BackwardGradients:
             engine.milestones.gradients_final(token, i, final, pending.ready)
 
     def __enter__(self) -> BackwardGradients:
+        # Every slice's host buffer size before the first lands (GradientOffloader.expect).
+        engine = self.run.engine
+        engine.gradients.expect((s.storage.params, flags, engine.stays_on_device(s.storage.params))
+                                for s, flags in zip(engine.slices, self.per_slice_needed))
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:

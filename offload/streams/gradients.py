@@ -51,7 +51,7 @@ it would have received from the plain model.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -216,7 +216,6 @@ class GradientOffloader:
     Args:
         copies: the copy engine.
         pool: where host gradient buffers come from.
-        max_nbytes: gradient bytes of the largest slice.
     """
 
     def __init__(self, copies: CopyStreams, pool: HostBufferPool) -> None:
@@ -249,14 +248,27 @@ class GradientOffloader:
         those ``keep`` marks stay on the device (:meth:`offload` keeps them there); the others go
         to ``home`` where it can take them (Note: [Gradients on disk])."""
         places, offset = lay_out_gradients(entries, needed)
-        if keep is None or not all(k for k, want in zip(keep, needed) if want):
-            # What passes through the host sizes the host buffers; a resident slice's never does.
-            self._max_nbytes = max(self._max_nbytes, offset)
+        self._note_size(offset, needed, keep)
         grads = SliceGradients(places, offset, self, keep=list(keep) if keep is not None and any(keep) else None,
                                home=home)
         if into is not None and any(t is not None for t in into):
             grads.into = list(into)
         return grads
+
+    def expect(self, slices: Iterable[tuple[Sequence[Entry], Sequence[bool], Sequence[bool] | None]]) -> None:
+        """Size the host buffers for every slice a backward is about to send (each as ``entries``,
+        ``needed`` and ``keep`` that :meth:`begin` takes) before the first of them lands. Buffers
+        taken while the largest slice was still unseen would be smaller ones, held beside the
+        largest's until the pool ages them out two steps later: more host memory in the first
+        steps than in the others, and than the planner counts."""
+        for entries, needed, keep in slices:
+            if any(needed):
+                self._note_size(lay_out_gradients(entries, needed)[1], needed, keep)
+
+    def _note_size(self, nbytes: int, needed: Sequence[bool], keep: Sequence[bool] | None) -> None:
+        if keep is None or not all(k for k, want in zip(keep, needed) if want):
+            # What passes through the host sizes the host buffers; a resident slice's never does.
+            self._max_nbytes = max(self._max_nbytes, nbytes)
 
     def _claim_buffer(self, nbytes: int) -> tuple[int, torch.Tensor]:
         """A device buffer of at least ``nbytes`` for compute to sum into, alternating between the two."""
