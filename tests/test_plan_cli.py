@@ -581,7 +581,7 @@ def test_when_the_disk_is_short_the_figure_is_the_least_a_tiered_configuration_n
     with pytest.raises(SystemExit):
         main(["plan", *args])
     out = capsys.readouterr().out
-    assert f"of host memory and {gib(least)} of disk (has 4.00 GiB)" in out.splitlines()[4]
+    assert f"of host memory and {gib(least)} of disk (has 4.00 GiB of host memory and 1.00 GiB of disk)" in out.splitlines()[4]
     disk = gib(least).removesuffix(" GiB")
     assert f"  --disk {disk}  " in out and out.split(f"  --disk {disk}  ")[1].split("\n")[0].endswith(": fits")
 

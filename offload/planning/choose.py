@@ -333,8 +333,14 @@ def missing(candidates: Sequence[Candidate], limits: Limits) -> str:
         where = f" on {limits.disk_dir}" if limits.disk_dir else ""
         parts.append(f"with the disk tier{where} it needs {gib(needs.tiered_host_memory)} of host memory and "
                      f"{gib(needs.tiered_disk)} of disk")
-    have = f" (has {gib(limits.host_memory, up=False)})" if limits.host_memory is not None else ""
-    return "; ".join(parts) + have
+    # What the machine has, named where a disk figure precedes it (a bare figure would read as the disk's).
+    has = []
+    if limits.host_memory is not None:
+        has.append(gib(limits.host_memory, up=False) + (" of host memory" if needs.tiered_host_memory is not None
+                                                          else ""))
+    if needs.tiered_host_memory is not None and limits.disk is not None:
+        has.append(f"{gib(limits.disk, up=False)} of disk")
+    return "; ".join(parts) + (f" (has {' and '.join(has)})" if has else "")
 
 
 def _ceil(nbytes: float) -> int:
