@@ -701,3 +701,60 @@ def test_with_the_masters_on_disk_a_tied_weights_sum_is_counted_in_ram(tmp_path)
     # The total is the same either way: pages of a home file still in RAM are the update window's,
     # which counts them apart from the rest of the window (footprint.py), not bytes beyond it.
     assert plan.host_total == footprint.host_total
+
+
+def _tied_across(layout: str, vocab: int) -> nn.Sequential:
+    """An embedding whose weight a later layer borrows: a head at the end, scores in the middle, or both."""
+    torch.manual_seed(0)
+    embedding = nn.Embedding(vocab, 32)
+    body = [module for _ in range(4) for module in (nn.Linear(32, 32), nn.Tanh())]
+    if layout == "head":
+        return nn.Sequential(embedding, *body, TiedHead(embedding))
+    tail = TiedHead(embedding) if layout == "scores-and-head" else nn.Linear(32, 32)
+    return nn.Sequential(embedding, *body[:4], TiedScores(embedding), *body[4:], tail)
+
+
+@pytest.mark.parametrize(("layout", "vocab", "num_slices", "resident"), [
+    ("head", 8, 3, 0), ("scores", 500, 3, 0), ("scores", 50, 4, 0), ("scores", 500, 3, 1),
+    ("scores-and-head", 500, 3, 0)])
+def test_with_the_masters_on_disk_a_holder_beside_other_gradients_lands_in_ram(tmp_path, layout, vocab, num_slices,
+                                                                             resident):
+    """A gradient file takes a backward's gradients only where nothing else refers to it, or each
+    lands in its own .grad there (Note: [Gradients on disk]). The embedding's slice holds a linear
+    layer too, whose .grad are views of its file after the first step, and the tied part has no
+    .grad there: that slice's gradients land in a pooled buffer of its own size, held until the
+    sum (Note: [A tied weight's gradients summed in place]), not in one of the largest slice's size
+    and let go. A borrowing slice's file has no place for what it borrows: its own .grad keep its
+    buffer in RAM, the last borrower's the sum too."""
+    profile = profile_layers(_tied_across(layout, vocab), lambda: torch.zeros(4, 8, dtype=torch.long),
+                             compute_dtype=torch.bfloat16)
+    plan = estimate_memory(_tied_across(layout, vocab), num_slices=num_slices, compute_dtype=torch.bfloat16,
+                           device="cpu", masters="disk", profile=profile, resident_slices=resident)
+    model = OffloadModel(_tied_across(layout, vocab), device="cpu", num_slices=num_slices,
+                         compute_dtype=torch.bfloat16, masters=DiskTier(tmp_path), resident_slices=resident)
+    borrowers = {str(k) for k, layer in enumerate(_tied_across(layout, vocab))
+                 if isinstance(layer, (TiedHead, TiedScores))}
+    assert "1" in model.partition[0] and not borrowers & set(model.partition[0])  # a linear layer beside the holder
+    # Three steps, not two: the first lands the holder's gradients in its file (nothing refers to it
+    # yet) through a buffer of the largest slice's size, which later steps do not take; the pool
+    # lets it go at the end of the third (HostBufferPool.end_step), leaving the steady state.
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-3, fused=True)
+    for _ in range(3):
+        model(torch.randint(0, vocab, (4, 8))).float().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+    optimizer.synchronize()
+    footprint = model.memory_footprint()
+    optimizer.close()
+    # As in test_with_the_masters_on_disk_a_tied_weights_sum_is_counted_in_ram: a home file's pages
+    # still in RAM are the update window's, counted apart from it.
+    in_files = sum(s.storage.gradient_home.file.resident_bytes() for s in model._engine.slices
+                   if s.storage.gradient_home is not None)
+    planned, measured = plan.host_categories(), footprint.host_categories()
+    measured["gradients"] -= in_files
+    measured["disk_window"] += in_files
+    for category in ("masters", "shadows", "gradients", "optimizer_state", "disk_window"):
+        assert planned[category] == measured[category], category
+    # After the step the boundary activations' buffers are idle, which the plan counts as in use.
+    assert plan.host_pool == footprint.host_pool
+    assert plan.host_total == footprint.host_total

@@ -195,7 +195,7 @@ def _footprint(layout: SliceLayout, placed: tuple[int, int, int, int, bool], act
     shadow_bytes = (staged if shadows == "disk" else sum(streamed)) if compute_dtype else 0
     # With masters on disk, a slice whose load casts nothing has no files: its gradients stay in RAM.
     in_ram = [g for g, c in zip(grads, layout.casts[resident:] or [False]) if not c]
-    gradients = sum(in_ram) + layout.tied_sums_off_file(resident, sized) if gradients_on_disk else sum(grads)
+    gradients = sum(in_ram) + layout.tied_gradients_off_file(resident, sized) if gradients_on_disk else sum(grads)
     pool = window + host_activations
     return MemoryFootprint(
         parameters=layout.parameters,
@@ -263,6 +263,8 @@ class SliceLayout:
             instance norm's): those with a shadow, which the host update writes (``timing.py``).
         layer_gradient_bytes: per layer of the model, its trainable parameters' gradients as
             autograd produces them (a tied weight's in its first layer).
+        lent_gradient_bytes: per slice, as ``gradient_bytes``, of the trainable weights it holds
+            that a later slice borrows (a weight tied across slices).
     """
 
     ranges: list[range]
@@ -284,6 +286,7 @@ class SliceLayout:
     cast_gradient_bytes: list[int] = field(default_factory=list)
     cast_trainable_bytes: list[int] = field(default_factory=list)
     layer_gradient_bytes: list[int] = field(default_factory=list)
+    lent_gradient_bytes: list[int] = field(default_factory=list)
 
     @property
     def num_slices(self) -> int:
@@ -307,16 +310,18 @@ class SliceLayout:
         """Per streamed slice, the host bytes its parameters' ``.grad`` keep: the gradients are
         views of the buffer they landed in, which a borrowing slice's own ``.grad`` keep whole, its
         borrowed weight's place included. That weight's ``.grad`` is the holder's, or, with the
-        masters on disk, in its last borrowing slice's buffer (:meth:`tied_sums_off_file`)."""
+        masters on disk, in its last borrowing slice's buffer (:meth:`tied_gradients_off_file`)."""
         return [landing if own else 0
                 for own, landing in zip(self.gradient_bytes[resident:], self.landing_bytes(resident))]
 
-    def tied_sums_off_file(self, resident: int = 0, sized: Callable[[int], int] | None = None) -> int:
-        """With the masters on disk: the RAM that tied weights' ``.grad`` keep outside the gradient
-        files. A weight whose holder has a file is summed in its last borrowing slice's landing
-        buffer, which that ``.grad`` keeps whole (Note: [A tied weight's gradients summed in
-        place]); a slice without a file is counted with the others already. ``sized``: the bytes
-        the pool allocates for a buffer of so many (pinned: its size class; default: exactly)."""
+    def tied_gradients_off_file(self, resident: int = 0, sized: Callable[[int], int] | None = None) -> int:
+        """With the masters on disk: the RAM that ``.grad`` keep outside the gradient files where
+        weights are tied across streamed slices. A borrowing slice's file has no place for what it
+        borrows, so its gradients land in RAM and its own ``.grad`` keep that buffer whole; a
+        weight whose holder has a file is summed in its last borrowing slice's buffer, which that
+        ``.grad`` keeps whole (Note: [A tied weight's gradients summed in place]). A slice without
+        a file is counted with the others already. ``sized``: the bytes the pool allocates for a
+        buffer of so many (pinned: its size class; default: exactly)."""
         sized = sized or _exact
         borrowed = self._borrowed
         last: dict[int, int] = {}  # holder -> its last borrowing slice
@@ -324,20 +329,33 @@ class SliceLayout:
             for holder, _ in tied:
                 if holder >= resident and self.casts[holder]:
                     last[holder] = k
+        sums = set(last.values())
         landing = self.landing_bytes(resident)
         own = self.host_gradient_bytes(resident)
-        return sum(sized(landing[k - resident]) - (0 if self.casts[k] else sized(own[k - resident]))
-                   for k in set(last.values()))
+        total = 0
+        for k in range(resident, self.num_slices):
+            if k in sums:
+                total += sized(landing[k - resident]) - (0 if self.casts[k] else sized(own[k - resident]))
+            elif self.casts[k] and any(holder >= resident for holder, _ in borrowed[k]):
+                total += sized(own[k - resident])
+        return total
 
     def tied_on_host(self, resident: int = 0, gradients_on_disk: bool = False) -> list[bool]:
         """Per streamed slice, whether its gradients include a trainable weight tied across
         streamed slices (it holds one a later slice borrows, or borrows one): its landing buffer
         is held until backward ends (Note: [A tied weight's gradients summed in place]). With the
-        gradients on disk, a holder with a gradient file keeps no buffer: its part stays in the
-        file, and the sum in the last borrower's buffer (:meth:`tied_sums_off_file`)."""
+        gradients on disk, a holder whose gradients are all lent (an embedding alone) keeps no
+        buffer: its part stays in its gradient file, and the sum in the last borrower's buffer
+        (:meth:`tied_gradients_off_file`)."""
         borrowed = self._borrowed
+        lent = self.lent_gradient_bytes or [0] * self.num_slices
+        # A file takes a backward's gradients only where nothing else refers to it or each lands
+        # in its own .grad there (Note: [Gradients on disk]); the tied part has no .grad there, so
+        # a holder whose other gradients' .grad are views of its file lands after the first step
+        # as without one: in a buffer of its own size, held until the sum.
         holders = {holder for tied in borrowed for holder, _ in tied
-                   if holder >= resident and not (gradients_on_disk and self.casts[holder])}
+                   if holder >= resident and not (gradients_on_disk and self.casts[holder]
+                                                  and self.gradient_bytes[holder] == lent[holder])}
         return [k in holders or any(holder >= resident for holder, _ in tied)
                 for k, tied in enumerate(borrowed) if k >= resident]
 
@@ -392,6 +410,7 @@ def slice_layout(layers: nn.Module | Sequence[int] | int, *, num_slices: int = 8
         cast_gradient_bytes=[sum(_align(t.numel * t.dtype.itemsize, ALIGNMENT) for t in s) for s in cast],
         cast_trainable_bytes=[sum(t.numel * t.dtype.itemsize for t in s) for s in cast],
         layer_gradient_bytes=_layer_gradient_bytes(per_layer, device_dtype),
+        lent_gradient_bytes=_lent_gradient_bytes(slices),
     )
 
 
@@ -409,6 +428,15 @@ def _borrowed_gradients(slices: list[list[_Tensor]]) -> list[list[tuple[int, int
     """Per slice, (holder's index, aligned gradient bytes) of each trainable weight it borrows."""
     return [[(t.holder, _align(t.numel * t.dtype.itemsize, ALIGNMENT))
              for t in tensors if t.holder is not None and t.is_parameter and t.trainable]
+            for tensors in slices]
+
+
+def _lent_gradient_bytes(slices: list[list[_Tensor]]) -> list[int]:
+    """Per slice, the aligned gradient bytes of the trainable weights it holds that a later slice
+    borrows."""
+    lent = {t.key for tensors in slices for t in tensors if t.borrowed}
+    return [sum(_align(t.numel * t.dtype.itemsize, ALIGNMENT) for t in tensors
+                if not t.borrowed and t.is_parameter and t.trainable and t.key is not None and t.key in lent)
             for tensors in slices]
 
 
