@@ -87,7 +87,8 @@ def test_the_kernel_lets_other_python_threads_run_while_it_works(kernel, op):
     thread stops for the whole update (a GPU trace showed a 12-15 ms stall in each slice's
     backward, one slice's update on the host). Here the main thread runs Python throughout calls
     on another thread. Holding the lock, its longest pause is at least a whole call; letting go,
-    a small part of one, unless the machine took its core away (then the next try)."""
+    a small part of one, unless the machine took its core away (then the next try: on a loaded
+    machine that happened in three tries running)."""
     import threading
     import time
     n = 1 << 24  # a call of tens of milliseconds, on one core
@@ -122,7 +123,9 @@ def test_the_kernel_lets_other_python_threads_run_while_it_works(kernel, op):
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-4)  # the lock passed between the threads at once, not after 5 ms
     try:
-        tries = [longest_pause_and_call() for _ in range(3)]
+        tries: list[tuple[float, float]] = []
+        while len(tries) < 10 and not any(pause < 0.5 * call for pause, call in tries):
+            tries.append(longest_pause_and_call())
     finally:
         sys.setswitchinterval(interval)
     assert any(pause < 0.5 * call for pause, call in tries), \
