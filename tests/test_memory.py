@@ -758,3 +758,69 @@ def test_with_the_masters_on_disk_a_holder_beside_other_gradients_lands_in_ram(t
     # After the step the boundary activations' buffers are idle, which the plan counts as in use.
     assert plan.host_pool == footprint.host_pool
     assert plan.host_total == footprint.host_total
+
+
+def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """The bytes of the optimizer's per-element state, read off its ``state`` (each storage once)."""
+    storages = {v.untyped_storage().data_ptr(): v.untyped_storage().nbytes() for values in optimizer.state.values()
+                for v in values.values() if isinstance(v, torch.Tensor) and v.dim() > 0}
+    return sum(storages.values())
+
+
+def _grad_bytes(model: OffloadModel, optimizer: torch.optim.Optimizer) -> int:
+    """The bytes of the ``.grad`` of the model's parameters and of those the optimizer steps
+    (each storage once)."""
+    params = [*model.parameters(), *(p for group in optimizer.param_groups for p in group["params"])]
+    storages = {p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes() for p in params
+                if p.grad is not None}
+    return sum(storages.values())
+
+
+def test_the_state_and_gradients_of_a_head_outside_the_model_are_counted():
+    """A head applied after the model, in a parameter group of its own: the optimizer keeps its
+    moments and it keeps its .grad (zero_grad(set_to_none=False)), both counted on the host."""
+    model = OffloadModel(network(layers=3), device="cpu", num_slices=3)
+    head = nn.Linear(32, 1000)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, [{"params": model.parameters()},
+                                                            {"params": head.parameters(), "lr": 1e-3}],
+                                 lr=1e-2, fused=True)
+    for _ in range(2):
+        head(model(torch.randn(5, 32))).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+    optimizer.synchronize()
+    footprint = model.memory_footprint()
+    head_bytes = (32 * 1000 + 1000) * 4
+    model_bytes = sum(p.numel() * 4 for p in model.parameters())
+    assert _state_bytes(optimizer) == 2 * (model_bytes + head_bytes)
+    assert footprint.host_optimizer_state == _state_bytes(optimizer)
+    assert footprint.host_gradients == _grad_bytes(model, optimizer) >= model_bytes + head_bytes
+    assert footprint.device_resident_optimizer_state == footprint.device_resident_gradients == 0
+    assert footprint.parameters == sum(p.numel() for p in model.parameters())  # the model's own
+    optimizer.close()
+
+
+@pytest.mark.parametrize("resident", [0, 1], ids=["streamed", "one-resident"])
+def test_a_weight_replaced_by_hand_keeps_its_state_and_gradient_counted_while_the_optimizer_steps_it(resident):
+    """``layer.weight = nn.Parameter(...)`` with the optimizer kept: the model holds the new
+    tensor, the optimizer keeps stepping the old one (as torch.optim does), with its moments and
+    its .grad. Each storage counts once, where it lies: the old weight of a resident slice is in
+    host memory on a CPU "device", so its state counts on the host, the rest of the slice's on the device."""
+    model = OffloadModel(network(layers=3), device="cpu", num_slices=3, resident_slices=resident)
+    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
+    old = model[0].weight
+    for step in range(3):
+        if step == 1:
+            model[0].weight = nn.Parameter(torch.randn(32, 32))
+        model(torch.randn(5, 32)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+    optimizer.synchronize()
+    footprint = model.memory_footprint()
+    assert all(p is not old for p in model.parameters()) and old in optimizer.state
+    assert _state_bytes(optimizer) == 2 * sum(p.numel() * 4 for group in optimizer.param_groups
+                                              for p in group["params"])
+    assert footprint.host_optimizer_state + footprint.device_resident_optimizer_state == _state_bytes(optimizer)
+    assert footprint.device_resident_optimizer_state == (2 * 32 * 4 if resident else 0)  # the resident bias's
+    assert footprint.host_gradients + footprint.device_resident_gradients == _grad_bytes(model, optimizer)
+    optimizer.close()

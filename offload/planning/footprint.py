@@ -1,7 +1,8 @@
 """``MemoryFootprint``: every byte an OffloadModel (and the OffloadOptimizers stepping it) holds,
 by category and per parameter.
 
-What it does not count: the user's own tensors (inputs, the loss), PyTorch's and Python's own
+What it does not count: the user's own tensors (inputs, the loss, the parameters themselves of a
+head outside the model, whose ``.grad`` and optimizer state count), PyTorch's and Python's own
 memory, temporaries that live inside one call (an optimizer's scratch), and the state of a plain
 ``torch.optim`` optimizer built on the model's parameters (only an
 :class:`~offload.OffloadOptimizer` is known to the model). Device bytes are what the model
@@ -33,21 +34,28 @@ class MemoryFootprint:
     """Memory OffloadModel holds besides the user's own tensors, in bytes, by category.
 
     The host categories are disjoint and together are every host byte the model and its
-    OffloadOptimizers hold; likewise the device ones.
+    OffloadOptimizers hold; likewise the device ones. That includes the ``.grad`` and state of
+    parameters the optimizers step outside the model (a head applied after it, a weight replaced
+    by hand that they go on stepping, as ``torch.optim`` does): in the gradients and optimizer
+    state, where each storage lies (in CPU memory: the host's; elsewhere: the resident
+    categories'). :func:`~offload.estimate_memory` knows the model only: their bytes are extra.
 
     Attributes:
-        parameters: elements of the parameters the model holds (for bytes per parameter).
+        parameters: elements of the parameters the model holds (for bytes per parameter; those
+            outside the model are not counted, their ``.grad`` and state are).
         host_masters: host buffers holding the parameters and buffers (the host copies); with
             masters on disk (``OffloadModel(..., masters=DiskTier(...))``), the pages of their
             files in RAM now.
         host_shadows: their copies in ``compute_dtype`` (0 without one); with ``shadows="disk"``,
             the staging window loads read instead (Note: [Shadows on disk] in
             ``offload/streams/shadow_staging.py``).
-        host_gradients: the parameters' ``.grad`` on the host (each storage once), pooled or not.
+        host_gradients: the parameters' ``.grad`` on the host (each storage once), pooled or not,
+            those of the optimizers' parameters outside the model included.
         host_optimizer_state: what the model's OffloadOptimizers keep per element of a parameter
             (AdamW's moments, SGD's momentum), each storage once. 0-d state (AdamW's step count,
             4 B a parameter, on the CPU wherever the parameter is) is left out, here and in
-            :func:`~offload.estimate_memory`.
+            :func:`~offload.estimate_memory`. State of parameters outside the model in CPU memory
+            counts here too.
         host_disk_window: host RAM the disk tiers (:class:`~offload.DiskTier`) take while the optimizer
             steps: the optimizers' window of three consecutive slices' state being read, updated and
             written (one arena: Note: [The window's arena] in ``offload/tiers/state_window.py``), and
@@ -77,8 +85,10 @@ class MemoryFootprint:
             footprint counts what the model holds between steps, and holds none: 0).
         device_resident: the parameters and buffers of the resident slices
             (``OffloadModel(..., resident_slices=k)``, Note: [Resident slices]), on the device.
-        device_resident_gradients: their ``.grad`` (each storage once).
-        device_resident_optimizer_state: what the OffloadOptimizers keep for them, on the device.
+        device_resident_gradients: their ``.grad`` (each storage once), and that of the
+            optimizers' parameters outside the model on the device.
+        device_resident_optimizer_state: what the OffloadOptimizers keep for them, on the device,
+            and for their parameters outside the model on the device.
     """
 
     parameters: int
@@ -151,17 +161,18 @@ class MemoryFootprint:
 def measure(engine: Engine, optimizers: Iterable[torch.optim.Optimizer], tiers: Iterable[Any] = ()) -> MemoryFootprint:
     """The footprint of ``engine``'s model, of ``optimizers`` (the OffloadOptimizers stepping it)
     and of ``tiers`` (their disk tiers) now."""
-    tiers = list(tiers)
+    tiers, optimizers = list(tiers), list(optimizers)
     windows = [window for tier in tiers for window in tier.window_ranges()]
     resident = [s.storage for s in engine.slices if s.storage.resident]
     storages = [s.storage for s in engine.slices if not s.storage.resident]
     params = [entry.tensor for storage in storages for entry in storage.held if entry.is_parameter]
     on_device = [entry.tensor for storage in resident for entry in storage.held if entry.is_parameter]
     homes = [storage.gradient_home for storage in storages if storage.gradient_home is not None]
-    grad_storages = _grad_storages(params)
+    outside = _outside(optimizers, params + on_device)
+    grad_storages, device_grads = _grad_storages(params), _grad_storages(on_device)
+    _add_where_they_lie(_grad_storages(outside), grad_storages, device_grads)
     for home in homes:  # Note: [Gradients on disk]: counted by the pages in RAM now, and the file
         grad_storages.pop(home.file.tensor.untyped_storage().data_ptr(), None)
-    device_grads = _grad_storages(on_device)
     pool_in_use = pool_idle = 0
     for buffer in engine.pool.buffers():
         if buffer.data.data_ptr() in grad_storages:
@@ -170,9 +181,9 @@ def measure(engine: Engine, optimizers: Iterable[torch.optim.Optimizer], tiers: 
             pool_idle += buffer.data.numel()
         else:
             pool_in_use += buffer.data.numel()
-    optimizers = list(optimizers)
     state = _state_storages(optimizers, params, windows)
     device_state = _state_storages(optimizers, on_device, [])
+    _add_where_they_lie(_state_storages(optimizers, outside, windows), state, device_state)
     # Masters on disk count where they are: the pages in RAM now, and the files.
     mapped = [storage.masters_file for storage in storages if storage.masters_file is not None]
     masters = sum(storage.flat.numel() for storage in storages if storage.masters_file is None)
@@ -184,8 +195,8 @@ def measure(engine: Engine, optimizers: Iterable[torch.optim.Optimizer], tiers: 
         parameters=sum(p.numel() for p in params + on_device),
         host_masters=masters_in_ram,
         host_shadows=shadows,
-        host_gradients=sum(grad_storages.values()) + gradients_in_ram,
-        host_optimizer_state=sum(state.values()),
+        host_gradients=_nbytes(grad_storages) + gradients_in_ram,
+        host_optimizer_state=_nbytes(state),
         host_disk_window=(sum(tier.window_nbytes for tier in tiers)
                           + max(0, _update_window(storages) - (masters_in_ram - masters) - gradients_in_ram)),
         host_activations=pool_in_use,
@@ -198,8 +209,8 @@ def measure(engine: Engine, optimizers: Iterable[torch.optim.Optimizer], tiers: 
         disk=(sum(tier.disk_nbytes for tier in tiers) + sum(file.nbytes for file in mapped)
               + sum(home.file.nbytes for home in homes)),
         device_resident=sum(storage.nbytes for storage in resident),
-        device_resident_gradients=sum(device_grads.values()),
-        device_resident_optimizer_state=sum(device_state.values()),
+        device_resident_gradients=_nbytes(device_grads),
+        device_resident_optimizer_state=_nbytes(device_state),
     )
 
 
@@ -213,9 +224,38 @@ def _update_window(storages: list[Any]) -> int:
             + most_at_once([s.gradient_home.file.nbytes for s in updated]))
 
 
-def _grad_storages(params: Iterable[torch.Tensor]) -> dict[int, int]:
-    """The bytes of the parameters' ``.grad``, by storage address (each storage once)."""
-    found: dict[int, int] = {}
+def _outside(optimizers: list[torch.optim.Optimizer], held: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors the optimizers step or keep state for that the model's slices do not hold: a
+    head applied after the model, a weight replaced by hand that they go on stepping (as
+    ``torch.optim`` does). Their ``.grad`` and state are the optimizers' bytes all the same."""
+    model_ids = {id(p) for p in held}
+    found: dict[int, torch.Tensor] = {}
+    for optimizer in optimizers:
+        stepped = [p for group in optimizer.param_groups for p in group["params"]]
+        for p in [*stepped, *optimizer.state]:
+            if isinstance(p, torch.Tensor) and id(p) not in model_ids:
+                found.setdefault(id(p), p)
+    return list(found.values())
+
+
+def _add_where_they_lie(outside: dict[int, torch.UntypedStorage], host: dict[int, torch.UntypedStorage],
+                         device: dict[int, torch.UntypedStorage]) -> None:
+    """Add ``outside``'s storages (those of the tensors outside the model) to ``host`` (in CPU
+    memory) or ``device``, each storage once: an old weight's ``.grad`` may still view the
+    gradient buffer of the slice that held it, counted there already."""
+    for address, storage in outside.items():
+        if address in host or address in device or storage.device.type == "meta":
+            continue  # a meta tensor holds no bytes
+        (host if storage.device.type == "cpu" else device)[address] = storage
+
+
+def _nbytes(storages: dict[int, torch.UntypedStorage]) -> int:
+    return sum(storage.nbytes() for storage in storages.values())
+
+
+def _grad_storages(params: Iterable[torch.Tensor]) -> dict[int, torch.UntypedStorage]:
+    """The storages of the parameters' ``.grad``, by address (each storage once)."""
+    found: dict[int, torch.UntypedStorage] = {}
     for p in params:
         if p.grad is None:
             continue
@@ -224,16 +264,16 @@ def _grad_storages(params: Iterable[torch.Tensor]) -> dict[int, int]:
         parts = (p.grad._indices(), p.grad._values()) if p.grad.layout == torch.sparse_coo else (p.grad,)
         for part in parts:
             storage = part.untyped_storage()
-            found[storage.data_ptr()] = storage.nbytes()
+            found[storage.data_ptr()] = storage
     return found
 
 
 def _state_storages(optimizers: Iterable[torch.optim.Optimizer], params: Iterable[torch.Tensor],
-                    windows: list[tuple[int, int]]) -> dict[int, int]:
-    """The bytes of the optimizers' per-parameter state of ``params``, by storage address (each
+                    windows: list[tuple[int, int]]) -> dict[int, torch.UntypedStorage]:
+    """The storages of the optimizers' per-parameter state of ``params``, by address (each
     storage once), leaving out what lies in a disk tier's window (``windows``: counted there)."""
     held = {id(p) for p in params}
-    found: dict[int, int] = {}
+    found: dict[int, torch.UntypedStorage] = {}
     for optimizer in optimizers:
         for p, values in optimizer.state.items():
             if id(p) not in held:
@@ -243,7 +283,7 @@ def _state_storages(optimizers: Iterable[torch.optim.Optimizer], params: Iterabl
                     for storage in state_storages(value):
                         if any(start <= storage.data_ptr() < stop for start, stop in windows):
                             continue
-                        found[storage.data_ptr()] = storage.nbytes()
+                        found[storage.data_ptr()] = storage
     return found
 
 
