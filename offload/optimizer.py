@@ -231,7 +231,7 @@ class OffloadOptimizer(CopiedByStateDict, torch.optim.Optimizer):
         engine = engine_of(self.model)
         engine.updates.wait_all()
         if engine.master_files is not None:
-            engine.master_files.flush()
+            engine.master_files.flush(self._updates.failure.unwritten)  # latched: partial_failure.py, rule 7
         self._disk.flush(_waiting(self))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -542,8 +542,8 @@ def _before_update(optimizer: OffloadOptimizer, when: str = "step") -> DiskTierE
     if optimizer._sharding is not None:
         optimizer._sharding.compare_plan()  # the ranks' plans, each made alone
     writes: list[Callable[[], None]] = [functools.partial(optimizer._disk.flush, when)]  # a failed write retried first
-    if engine.master_files is not None:
-        writes.insert(0, engine.master_files.flush)  # masters that could not be written back are raised first
+    if engine.master_files is not None:  # masters that could not be written back are raised first, and latched
+        writes.insert(0, functools.partial(engine.master_files.flush, optimizer._updates.failure.unwritten))
     unwritten = None
     for flush in writes:
         try:

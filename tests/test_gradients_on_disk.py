@@ -20,7 +20,7 @@ from offload.tiers import master_files
 from offload.tiers.disk_tier import WINDOW
 
 from .helpers import DEVICES
-from .test_optimizer import assert_same, loss_of, network
+from .test_optimizer import assert_same, assert_same_where_held, loss_of, network
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*per-tensor CPU implementation")
 
@@ -236,7 +236,11 @@ def test_a_failed_write_of_landed_gradients_is_raised(tmp_path, monkeypatch):
     same_grads(ram_model, model)  # the pages that could not be written are still in RAM
     for _, o in runs:
         o.step()
-    assert_same(ram_model, ram, model, optimizer)
+    # Nothing is lost in RAM (this kernel kept the pages), but saves refuse until a load
+    # (tests/test_masters_write_failure.py): the state is compared where it is held.
+    with pytest.raises(RuntimeError, match=r"may mix two steps: the masters or gradients of slice\(s\) 2"):
+        optimizer.state_dict()
+    assert_same_where_held(ram_model, ram, model, optimizer)
 
 
 def test_a_sparse_gradient_stays_in_ram_beside_dense_ones_in_the_file(tmp_path):

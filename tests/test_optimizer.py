@@ -83,6 +83,18 @@ def assert_same(model_a, opt_a, model_b, opt_b) -> None:
             torch.testing.assert_close(state_b["state"][k][name], state_a["state"][k][name], **EXACT)
 
 
+def assert_same_where_held(model_a, opt_a, model_b, opt_b) -> None:
+    """As :func:`assert_same`, reading the state where it is held: after a failure it latched, an
+    OffloadOptimizer's ``state_dict()`` refuses until a load."""
+    opt_b.synchronize()
+    for (name, a), b in zip(model_a.named_parameters(), model_b.parameters()):
+        torch.testing.assert_close(a, b, **EXACT, msg=lambda m: f"{name}: {m}")
+    for a, b in zip(opt_a.param_groups[0]["params"], opt_b.param_groups[0]["params"]):
+        assert opt_a.state[a].keys() == opt_b.state[b].keys()
+        for key in opt_a.state[a]:
+            torch.testing.assert_close(opt_b.state[b][key], opt_a.state[a][key], **EXACT)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("compute_dtype", [None, torch.bfloat16], ids=["float32", "bf16"])
 @pytest.mark.parametrize("cls, kwargs", OPTIMIZERS)

@@ -108,7 +108,8 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
         NotADirectoryError: a directory above ``path`` is a file (checked before anything is
             written).
         RuntimeError: the optimizer's parameters and state mix two steps (an update failed part
-            way) or a load into its disk tier failed part way: load the last checkpoint first; or,
+            way), or may (a write-back of masters on disk failed), or a load into its disk tier
+            failed part way: load the last checkpoint first; or,
             with ``update_in_backward``, the save comes between the backward that started this
             step's updates and ``step()``: call ``step()`` first (checked before anything is
             written).
@@ -158,6 +159,8 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
         if rank != 0:  # rank 0 removed its partial directory, and this rank's may be another
             _remove_written(partial, written)
         raise
+    if isinstance(optimizer, OffloadOptimizer):
+        optimizer._updates.failure.saved(path)  # the one to reload after a failure: partial_failure.py, rule 7
     for problem in problems:
         warnings.warn(problem, stacklevel=2)
     return path

@@ -65,14 +65,27 @@ Note: [An update that failed part way]
        (:meth:`interrupted`), naming the slices updated; when none was, nothing changed and
        nothing is latched. An update run in the caller's thread that raised inside (a resident
        slice's) is rule 2's.
+    7. With the masters on disk, a write-back of a slice's masters or gradients that failed
+       leaves values in RAM that the kernel may later replace with what the file held before
+       (Note: [Masters on disk] in ``offload/tiers/master_files.py``): the parameters a step
+       behind the state, or updated from older gradients. The flush that raises its
+       :class:`~offload.DiskTierError` (in ``step()`` or a wait) latches it first
+       (:meth:`unwritten`), as a mix that *may* be there: refused as rule 3 says, until loads as
+       rule 4 says. Not ``step()`` (rule 3): training on is the caller's choice, and no checkpoint
+       holds what it trains on. The error and the refusals name the checkpoint to reload when
+       this optimizer was saved into one since its last load (:meth:`saved`): the last saved
+       before the failure, as a save flushes first, and none is saved after it. A load forgets
+       it: the last one saved before it may hold another line of steps than the one loaded.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -111,6 +124,8 @@ class PartialFailure:
         self._state_loaded = False
         self._unloaded: set[int] | None = None
         self._watches: list[_LoadWatch] = []
+        # The checkpoint this optimizer was last saved into since its last load, to reload (rule 7).
+        self._saved: Path | None = None
 
     # -- the updates ---------------------------------------------------------------------------------
 
@@ -175,7 +190,25 @@ class PartialFailure:
     def mixed(self, what: str) -> None:
         """Latch a mix of two steps (``what`` it is)."""
         if self._mixed is None:
-            self._mixed = what
+            self._mixed = f"mix two steps: {what}"
+
+    def unwritten(self, what: str) -> str:
+        """Latch that a write-back of masters or gradients failed (``what``: the slices, the files,
+        why), a mix that may be there (rule 7); what the error should say to reload."""
+        if self._mixed is None:
+            self._mixed = f"may mix two steps: {what}"
+        return f"reload the last checkpoint saved before this error ({self._load_call()})"
+
+    def saved(self, path: Path) -> None:
+        """A save of this optimizer into ``path`` succeeded: the checkpoint to reload (rule 7)."""
+        self._saved = Path(os.path.abspath(path))
+
+    def _load_call(self) -> str:
+        """The call that loads the last checkpoint: the one saved since the last load (rule 7),
+        while it is there, else whatever ``latest`` names."""
+        if self._saved is not None and self._saved.is_dir():  # a refusal's cost, not a step's
+            return f"load_checkpoint({str(self._saved)!r}, model, optimizer)"
+        return "load_checkpoint(latest_checkpoint(directory), model, optimizer)"
 
     def check(self, doing: str, engine: Any) -> None:
         """Raise if the parameters and the optimizer state mix two steps: ``doing`` would save or
@@ -190,7 +223,7 @@ class PartialFailure:
         self._forget_replaced()
         if self._mixed is None:
             return
-        mix = f"this OffloadOptimizer's parameters and state mix two steps: {self._mixed}."
+        mix = f"this OffloadOptimizer's parameters and state {self._mixed}."
         if self._state_loaded:
             raise RuntimeError(
                 f"{mix} Its state was loaded since, but not the model's parameters, which still hold that mix: "
@@ -200,10 +233,10 @@ class PartialFailure:
             raise RuntimeError(
                 f"{mix} The model's parameters were loaded since, but not the optimizer's state: {doing} would use "
                 "it; load it too (load_state_dict() of the checkpoint the parameters came from, or "
-                "load_checkpoint(latest_checkpoint(directory))).")
+                f"{self._load_call()}).")
         raise RuntimeError(
-            f"{mix} {doing} would use that mix; load the last checkpoint first (load_checkpoint(latest_checkpoint("
-            "directory)), or load_state_dict() and the model's load_state_dict()).")
+            f"{mix} {doing} would use that mix; load the last checkpoint first ({self._load_call()}, or "
+            "load_state_dict() and the model's load_state_dict() of it).")
 
     def before_step(self, engine: Any, new_round: bool = True) -> None:
         """In ``step()`` (or the backward that would start updates): latch what the last round left
@@ -223,7 +256,7 @@ class PartialFailure:
         """A load replaced the state, once every update had ended: latch what the round left (rule
         2), and forget the mix once the model's parameters were loaded too (rule 4)."""
         self._latch_ended()
-        self._this_step, self._state_loaded = set(), True
+        self._this_step, self._state_loaded, self._saved = set(), True, None
         with self._lock:
             self._told = (-1, {}, False)
         self._forget_replaced()

@@ -41,14 +41,20 @@ Note: [Masters on disk]
     the window.
 
     Errors: a read that fails leaves its slice untouched (a :class:`~offload.HostUpdateError`
-    naming the file, as for any failed update, at the next call that waits for updates); a
-    write that fails leaves the slice updated in RAM for now, and the next ``synchronize()`` or
-    ``step()`` raises :class:`~offload.DiskTierError` naming the file. After a failed write the
-    kernel may count the pages as written and drop them later, so the slice's masters may then
-    be read back from what the file held before: the error says to reload a checkpoint. The
-    files are preallocated, so a full disk shows when the model is built. A slice that a rank of
-    a sharded update only receives is not read in ahead: the exchange reads its pages in where it
-    writes them (a read error there is a ``SIGBUS``, as for your own reads of a parameter).
+    naming the file, as for any failed update, at the next call that waits for updates); a write
+    that fails leaves the slice updated in RAM for now, and the next ``synchronize()`` or
+    ``step()`` raises :class:`~offload.DiskTierError` naming the file, whatever the slice's later
+    writes (its gradients' in the next backward) do. After a failed write the kernel may count the
+    pages as written and drop them later, so the slice's masters (or the gradients its update
+    reads) may then be read back from what the file held before. So the failure is latched, as an
+    update that failed part way is (rule 7 of Note: [An update that failed part way] in
+    ``offload/optimizing/partial_failure.py``): the optimizer's ``state_dict()`` and
+    ``save_checkpoint`` refuse until a load, so that no checkpoint holds values that may revert and
+    ``keep_last`` never deletes the one to reload, which the error names when the optimizer was
+    saved into it since its last load. The files are preallocated, so a full disk shows when the
+    model is built. A slice that a rank of a sharded update only receives is not read in ahead: the
+    exchange reads its pages in where it writes them (a read error there is a ``SIGBUS``, as for
+    your own reads of a parameter).
 
     A child of ``os.fork()`` shares the mappings with its parent: what it writes into them is the
     parent's masters and gradients. Its first backward, ``step()`` or zeroing of the gradients in
@@ -246,18 +252,21 @@ class MasterFiles:
             if gradients is not None:
                 gradients.write_back()
         except Exception as error:  # noqa: BLE001 - raised by flush(), naming the slice and the file
-            # Any error: one left to the worker would skip every write after it.
-            self._write_errors[index] = (file.path, error)
-        else:
-            self._write_errors.pop(index, None)
+            # Any error: one left to the worker would skip every write after it. Kept until flush()
+            # raises it, whatever the slice's later writes do: the kernel may have read its pages
+            # back from the file already, and a write of what it read back succeeds.
+            path = error.filename if isinstance(error, OSError) and error.filename else file.path
+            self._write_errors.setdefault(index, (path, error))
 
     def wait(self) -> None:
         """Wait for every write submitted so far; a failure stays for :meth:`flush` to raise (a
         write keeps its error instead of raising it on the writer)."""
         self.copies.wait_host(self._last_write)
 
-    def flush(self) -> None:
-        """Wait for every write; raise a write that failed (once).
+    def flush(self, latch: Callable[[str], str]) -> None:
+        """Wait for every write; raise a write that failed (once), having latched it with ``latch``
+        (the stepping optimizer's record of failures, ``PartialFailure.unwritten``: Note: [Masters
+        on disk], "Errors"), which returns what to reload.
 
         Raises:
             DiskTierError: masters could not be written back (updated in RAM for now, maybe not for long).
@@ -271,11 +280,14 @@ class MasterFiles:
         why = (f"{first.strerror} (errno {first.errno})" if isinstance(first, OSError) and first.strerror
                else f"{type(first).__name__}: {first}")
         files = ", ".join(f"slice {index}: {path}" for index, (path, _) in failed.items())
+        reload = latch(f"the masters or gradients of slice(s) {', '.join(map(str, failed))} could not be written "
+                       f"back to disk ({files}: {why}), and what RAM holds of them may revert to what the files "
+                       "held before")
         raise DiskTierError(
             f"could not write the masters or gradients of {len(failed)} slice(s) back to disk ({files}): {why}. "
             "Their values are in RAM for now, but after a failed write the kernel may drop their pages and read "
-            "back what the file held before: fix the disk, then reload the last checkpoint (or save one "
-            "elsewhere right away and check it) before training on")
+            "back what the file held before, so this optimizer's state_dict() and save_checkpoint() refuse until a "
+            f"load: fix the disk, then {reload} before training on")
 
 
 def place_masters(setting: DiskTier | str | os.PathLike[str] | None, compute_dtype: torch.dtype | None,
