@@ -13,10 +13,11 @@ loads with a single byte copy, and the buffers form one contiguous region that c
 and written back on its own.
 
 This file holds :class:`SliceStorage`, the tying of a parameter across slices
-(:func:`holder_of`), the host copies a loader fills (:func:`filled_by_caller`, :func:`adopt_meta`) and
-the parameters that keep their dtype under a compute dtype (:func:`keeping_their_dtype`), and the
-refusal of tensors over one memory (:func:`check_memory_held_once`); what a compute dtype refuses is
-in ``dtype_refusals.py``.
+(:func:`holder_of`), the parameters that keep their dtype under a compute dtype
+(:func:`keeping_their_dtype`), and the refusal of tensors over one memory
+(:func:`check_memory_held_once`); what a compute dtype refuses is in ``dtype_refusals.py``. The
+move of each tensor into the buffer, the host copies a loader fills (:func:`filled_by_caller`) and
+the undo of a build that raises are in ``take_in.py``.
 What a slice holds is collected in ``slice_entries.py``, where each entry lies is computed in
 ``slice_layout.py``; the views into the buffer are made in ``flat_views.py``.
 
@@ -73,8 +74,6 @@ Note: [Tensors substituted for a call]
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 from collections.abc import Callable, Collection, Iterator, Sequence
 
@@ -84,57 +83,15 @@ from torch import nn
 from .backend import Event
 from .disk import DiskTierError
 from .dtype_refusals import refuse_narrow_masters, refuse_norms_in_another_dtype
-from .flat_views import (_itemsize, alias, first_overlap, flat_exporter, own_storage_view, typed_view,
-                         views_outside)
+from .flat_views import _itemsize, alias, first_overlap, typed_view, views_outside
 from .gradient_files import GradientHome
 from .mapped import MappedFile
 from .quantized import is_4bit_weight, is_8bit_weight
 from .slice_entries import (Entry, RegisteredTensors, _runs, collect_entries, companions_of, run_state_positions,
                             settle_8bit_layers, states_replaced)
 from .slice_layout import lay_out
-
-#: True while a loader builds slices whose tensors are on the meta device (see
-#: :func:`filled_by_caller`).
-_FILLED_BY_CALLER = contextvars.ContextVar("offload_host_copies_filled_by_caller", default=False)
-
-
-@contextlib.contextmanager
-def filled_by_caller() -> Iterator[None]:
-    """Within this block, a slice's tensors on the meta device get host copies that are laid out
-    and allocated but not written: the caller fills them (``offload/loading/sequential.py`` reads them from a
-    checkpoint). The tensors stay the same Python objects, now holding host memory, so tied
-    weights stay tied. Outside it a meta tensor is refused: it has no values to copy."""
-    token = _FILLED_BY_CALLER.set(True)
-    try:
-        yield
-    finally:
-        _FILLED_BY_CALLER.reset(token)
-
-
-def adopt_meta(entry: Entry, host: torch.Tensor) -> None:
-    """Give ``entry``'s tensor, on the meta device, the memory of ``host`` (laid out, not written:
-    the caller of :func:`filled_by_caller` fills it); outside that block, refuse it.
-
-    A meta tensor cannot take host memory through ``.data`` (another tensor type): the whole tensor
-    is swapped instead, keeping the Python object and its attributes, so tied weights stay tied.
-    """
-    if not _FILLED_BY_CALLER.get():
-        raise ValueError(
-            f"'{entry.sites[0].name}' of {type(entry.sites[0].module).__name__} is on the meta device and has no "
-            "values to copy; build the model on real memory, or load it from a checkpoint with "
-            "offload.load_sequential (offload.integrations.transformers.load_causal_lm for Hugging Face models)"
-        )
-    tensor = entry.tensor
-    if isinstance(tensor, nn.Parameter):
-        # Of the parameter's own class: a bitsandbytes Params4bit stays one (Note: [Quantized weights]).
-        host = torch.Tensor._make_subclass(type(tensor), host, tensor.requires_grad)
-    else:
-        # Not a view: the swap would make the tensor one, and a later layout's ``.data`` keeps a
-        # view's base, which holds this host buffer alive beside the new one (the quantisation
-        # state's tensors and the buffers of every slice laid out again).
-        host = host.detach().requires_grad_(tensor.requires_grad)
-    host.__dict__.update(tensor.__dict__)
-    torch.utils.swap_tensors(tensor, host)
+# adopt_meta and filled_by_caller are imported from here (resident_storage.py, offload/loading)
+from .take_in import adopt_meta, filled_by_caller, given_back_if_raising, take_in  # noqa: F401
 
 
 #: Layers whose parameters keep their own dtype under a compute dtype: the batch and instance
@@ -235,35 +192,6 @@ def _check_buffers_held_once(buffers: Sequence[Entry], held_elsewhere: Collectio
                 f"layers that share it (this one a {type(layer).__name__}) as one element of a list, or use fewer "
                 "slices"
             )
-
-
-def _is_substitute(entry: Entry, host_device: torch.device) -> bool:
-    """Whether ``entry`` is a tensor put in a parameter's place for one call, which the layout
-    copies but does not take in (Note: [Tensors substituted for a call]): a plain tensor, not an
-    ``nn.Parameter``, on the host."""
-    tensor = entry.tensor
-    return entry.is_parameter and not isinstance(tensor, nn.Parameter) and tensor.device == host_device
-
-
-def _take_in(held: Sequence[Entry], flat: torch.Tensor) -> list[tuple[Entry, torch.Tensor]]:
-    """Copy each of ``held`` into its place in the host buffer ``flat``, under a storage of its own,
-    and point the tensor's ``.data`` there; a tensor on the meta device takes that memory unwritten
-    (:func:`adopt_meta`). Returns the substitutes, copied and left as they are, each with its host
-    copy (Note: [Tensors substituted for a call])."""
-    exporter = flat_exporter(flat)
-    substitutes = []
-    for entry in held:
-        host = own_storage_view(exporter, entry.host_offset, entry.dtype, entry.shape, entry.stride)
-        if entry.tensor.is_meta:
-            adopt_meta(entry, host)
-            continue
-        host.copy_(entry.tensor.detach())
-        if _is_substitute(entry, host.device):
-            substitutes.append((entry, host))
-        else:
-            # Same object, new storage: optimizers and user references keep working.
-            entry.tensor.data = host
-    return substitutes
 
 
 #: The integer dtype of each element size, to compare floating-point values bit for bit.
@@ -379,14 +307,15 @@ class SliceStorage:
         """Lay the slice out and move every tensor's data (but borrowed parameters' and
         substitutes') into the flat buffer.
 
-        One that raises (no room for masters on disk) leaves the slice half laid out: :meth:`moved`
-        then says so, and the next refresh lays it out again.
+        One that raises (no room for masters on disk, an interrupt) gives each tensor it moved memory
+        of its own (``take_in.give_back``): :meth:`moved` then says so, and the next refresh lays it out again.
         """
         self._built = False
         self._collect()
         self._lay_out()
         outside = [entry for entry in self.held if entry.sites and views_outside(entry.tensor)]  # before they move
-        self._move_in()
+        with given_back_if_raising(self):  # Note: [A build that raises] in ``take_in.py``
+            self._move_in()
         #: what the layout took out of memory another tensor holds (Note: [Tensors that view another's memory])
         self.viewed_outside = [e for e in outside if not any(e is kept for kept, _ in self.substitutes)]
         self._built = True
@@ -429,7 +358,7 @@ class SliceStorage:
         #: the file mapping that holds the host buffer, when the masters are on disk
         self.masters_file = self.allocate_masters(self.host_nbytes) if casts and self.allocate_masters else None
         self.flat = self.masters_file.tensor[:self.host_nbytes] if self.masters_file is not None else self.allocate(self.host_nbytes)
-        self.substitutes = _take_in(self.held, self.flat)
+        self.substitutes = take_in(self.held, self.flat)
         settle_8bit_layers(self.params)  # Note: [Quantized weights], rule 6
         self._expected_ptrs = [entry.tensor.data_ptr() for entry in self.entries]
         self.release_masters()  # what was copied in goes to disk

@@ -65,6 +65,7 @@ _libc.msync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 FALLOC_FL_KEEP_SIZE = 0x01
+FALLOC_FL_PUNCH_HOLE = 0x02
 FALLOC_FL_ZERO_RANGE = 0x10
 
 
@@ -178,6 +179,14 @@ class MappedFile:
         if code in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
             return False
         raise OSError(code, f"discarding the {self.what}: {os.strerror(code)}", self.path)
+
+    def give_space_back(self) -> bool:
+        """Give the file's blocks back to the disk now, while tensors may still refer to the
+        mapping (``fallocate(FALLOC_FL_PUNCH_HOLE)``): what reads it afterwards reads zeros. For a
+        build that raised (Note: [A build that raises] in ``take_in.py``), whose traceback
+        may hold the mapping for long. Returns ``False`` where the filesystem refuses: the blocks
+        then go with the mapping. Raises nothing: it runs while another error is raised."""
+        return _libc.fallocate(self.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, self.nbytes) == 0
 
     def resident_bytes(self) -> int:
         """Bytes of the mapping in RAM now (``mincore``)."""

@@ -26,22 +26,14 @@ from .claims import WalkClaim
 from ..tiers.master_files import place_masters
 from .milestones import Milestones
 from .structures import map_tensors
-from ..streams import (
-    ActivationOffloader,
-    Entry,
-    CopyStreams,
-    DeviceSlots,
-    GradientOffloader,
-    HostBufferPool,
-    SliceStorage,
-    SliceUpdates,
-    holder_of,
-)
+from ..streams import (ActivationOffloader, CopyStreams, DeviceSlots, Entry, GradientOffloader, HostBufferPool,
+                       SliceStorage, SliceUpdates, holder_of)
 from ..streams.host_storage import substitutes_changed
 from ..streams.pinned import size_class
 from ..streams.slice_entries import bind_device_weights
 from ..streams.resident_storage import ResidentStorage
 from ..streams.shadow_staging import ShadowStaging
+from ..streams.take_in import given_back_on_failure
 
 
 # What AOTAutograd says of a layer it compiled that writes in place into tensors sharing a storage.
@@ -325,19 +317,6 @@ class Engine:
         # Bound to the copy streams: held by the pool, storages and staging, a closure over the engine
         # would make a cycle, and a dropped model's buffers would wait for the cycle collector.
         allocate = functools.partial(self.copies.empty_host, host_device=host_device)
-
-        self.slices: list[Slice] = []
-        held: set[int] = set()  # what earlier slices hold (Note: [Tied parameters across slices])
-        _before_layout(None, [layer for _, layers in groups for layer in layers])
-        for i, (names, layers) in enumerate(groups):
-            homes = (functools.partial(self.master_files.gradient_home, i) if self.master_files is not None
-                     else None)  # Note: [Gradients on disk]
-            storage = (ResidentStorage(layers, device, compute_dtype, held) if i < resident_slices
-                       else SliceStorage(layers, allocate, compute_dtype, held, allocate_masters, homes,
-                                         staged=shadows == "disk"))
-            self.slices.append(Slice(i, names, layers, storage))
-            held.update(id(e.tensor) for e in storage.held)
-        _check_borrowed(self.slices)
         # Pinned buffers come in size classes: registering one costs driver and system calls.
         self.pool = HostBufferPool(allocate, size_class if self.pin else None)
         self._allocate = allocate
@@ -362,8 +341,21 @@ class Engine:
         self.zeroed_gradients: dict[int, tuple[int, int, int]] = {}
         # - Said once per model (Note: [Tensors that view another's memory] in offload/streams/host_storage.py)
         self.warned_viewed_outside = False
-        self.warn_viewed_outside()
-        self._build_device_side()
+        self.slices: list[Slice] = []
+        with given_back_on_failure(self.slices):  # Note: [A build that raises] in offload/streams/take_in.py
+            held: set[int] = set()  # what earlier slices hold (Note: [Tied parameters across slices])
+            _before_layout(None, [layer for _, layers in groups for layer in layers])
+            for i, (names, layers) in enumerate(groups):
+                homes = (functools.partial(self.master_files.gradient_home, i) if self.master_files is not None
+                         else None)  # Note: [Gradients on disk]
+                storage = (ResidentStorage(layers, device, compute_dtype, held) if i < resident_slices
+                           else SliceStorage(layers, allocate, compute_dtype, held, allocate_masters, homes,
+                                             staged=shadows == "disk"))
+                self.slices.append(Slice(i, names, layers, storage))
+                held.update(id(e.tensor) for e in storage.held)
+            _check_borrowed(self.slices)
+            self.warn_viewed_outside()
+            self._build_device_side()
         _LIVE.add(self)
 
     def _build_device_side(self) -> None:
