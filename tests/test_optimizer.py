@@ -658,6 +658,23 @@ def test_bad_arguments_get_clear_errors():
         OffloadOptimizer(model, torch.optim.SGD, lr=-1.0)
 
 
+class _ScheduleFree(torch.optim.SGD):
+    """The contract of the schedulefree package's optimizers: the parameters moved between two
+    points by train() and eval(), which the Hugging Face Trainer calls when the optimizer has them."""
+
+    def train(self) -> None: ...
+
+    def eval(self) -> None: ...
+
+
+def test_a_schedule_free_optimizer_is_refused_with_the_way_that_trains_it():
+    model = OffloadModel(network(), device="cpu", num_slices=2)
+    with pytest.raises(ValueError, match=r"_ScheduleFree has train\(\) and eval\(\) of its own .* "
+                                         r"_ScheduleFree\(model.parameters\(\), ...\)"):
+        OffloadOptimizer(model, _ScheduleFree, lr=0.1)
+    torch.optim.SGD(model.parameters(), lr=0.1)  # that way works: the model's parameters are its host copies
+
+
 def test_the_compute_dtype_shadow_is_written_by_the_update_not_by_the_forward():
     model = OffloadModel(network(), device="cpu", num_slices=3, compute_dtype=torch.bfloat16)
     optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)

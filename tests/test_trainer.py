@@ -534,6 +534,12 @@ def test_offload_optimizer_groups_and_hyperparameters_are_the_trainers(tmp_path,
                         staticmethod(lambda args, model: (torch.optim.AdamW, {"lr": 1e-3, "model": model})))
     with pytest.raises(ValueError, match="builds its optimizer from the whole model"):
         model.offload_optimizer(args)
+    # A schedule-free optimizer (optim="schedule_free_adamw"): its train() and eval() would never be called.
+    from .test_optimizer import _ScheduleFree
+    monkeypatch.setattr(transformers.Trainer, "get_optimizer_cls_and_kwargs",
+                        staticmethod(lambda args, model: (_ScheduleFree, {"lr": 1e-3})))
+    with pytest.raises(ValueError, match=r"optimizers=\(None, None\)"):
+        model.offload_optimizer(args)
 
 
 def lora_model() -> torch.nn.Module:

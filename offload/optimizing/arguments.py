@@ -82,6 +82,16 @@ def check_arguments(model: Any, optimizer_class: Any, num_threads: Any, disk_tie
     if issubclass(optimizer_class, torch.optim.LBFGS):
         raise ValueError("LBFGS re-evaluates the model inside step() through a closure; OffloadOptimizer "
                          "cannot overlap that. Use it directly on model.parameters().")
+    if callable(getattr(optimizer_class, "train", None)) or callable(getattr(optimizer_class, "eval", None)):
+        # torch.optim.Optimizer has neither: schedule-free optimizers switch the parameters between two
+        # points with them, which per-slice optimizers stepping beside the forward cannot follow.
+        name = optimizer_class.__name__
+        raise ValueError(
+            f"{name} has train() and eval() of its own (a schedule-free optimizer): they move the parameters "
+            "between two points, and it keeps its counters in the parameter groups; OffloadOptimizer's "
+            f"updates, one slice at a time beside the next forward, follow neither. Step it on the model's "
+            f"parameters directly, {name}(model.parameters(), ...) (the Hugging Face Trainer does so, and calls "
+            "its train() and eval(), with optimizers=(None, None)), or use another optimizer")
     if num_threads is not None and (isinstance(num_threads, bool) or not isinstance(num_threads, int)
                                     or num_threads < 1):
         raise ValueError(f"num_threads must be a positive int or None, got {num_threads!r}")
