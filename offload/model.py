@@ -22,6 +22,7 @@ from .autograd.accumulation import mark_zeroed
 from .autograd.function import identity_hooks
 from .streams.gradient_files import back_in_files, gradients_in_files, zeroed_in_files
 from .streams.host_storage import check_memory_held_once
+from .streams.take_in import given_back_on_failure
 from .data_parallel import DataParallel, out_of_step_on_failure, refuse_parallel_wrapper
 from .walk.activation_policy import ActivationPlan, OffloadActivations
 from .walk.claims import MOVE, WalkClaim
@@ -170,7 +171,8 @@ class OffloadModel(CopiedByLayers, FixedStructure):
             # with host gradients] in grad_scaler.py).
             warn_about_plain_grad_scalers()
         self._adopt(named_groups)
-        self._data_parallel = None if process_group is None else _data_parallel(self, process_group)
+        with given_back_on_failure(self._engine.slices):  # ranks that disagree: Note: [A build that raises]
+            self._data_parallel = None if process_group is None else _data_parallel(self, process_group)
 
     def _adopt(self, named_groups: list[tuple[list[str], list[nn.Module]]]) -> None:
         for names, layers in named_groups:

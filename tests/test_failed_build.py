@@ -190,6 +190,25 @@ def test_a_failure_after_every_slice_was_built_gives_them_all_back(on_disk, resi
     assert_trains_as_a_fresh_model(model)
 
 
+def test_ranks_that_refuse_the_model_give_its_layers_back(monkeypatch):
+    """Data parallelism is set up after the slices are built: ranks whose models differ raise
+    there, and the layers come back as from any other failure."""
+    import offload.model
+    made = made_by_the_build(monkeypatch)
+
+    def disagreeing(*args, **kwargs):
+        raise RuntimeError("ranks whose models differ (simulated)")
+
+    monkeypatch.setattr(offload.model, "DataParallel", disagreeing)
+    model = layers()
+    before = snapshot(model)
+    with pytest.raises(RuntimeError, match="simulated"):
+        OffloadModel(model, device="cpu", num_slices=3, process_group=object())
+    assert len(made) == 3
+    assert_as_they_were(model, before, made)
+    assert_trains_as_a_fresh_model(model)
+
+
 def failing_slots(*args, **kwargs):
     raise torch.OutOfMemoryError("CUDA out of memory (simulated) for the device slots")
 
