@@ -267,8 +267,9 @@ class BackwardGradients:
     def __enter__(self) -> BackwardGradients:
         # Every slice's host buffer size before the first lands (GradientOffloader.expect).
         engine = self.run.engine
-        engine.gradients.expect((s.storage.params, flags, engine.stays_on_device(s.storage.params))
-                                for s, flags in zip(engine.slices, self.per_slice_needed))
+        engine.gradients.expect(tuple(map(tuple, self.per_slice_needed)), lambda: (
+            (s.storage.params, flags, engine.stays_on_device(s.storage.params))
+            for s, flags in zip(engine.slices, self.per_slice_needed)))
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:

@@ -51,9 +51,9 @@ it would have received from the plain model.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -231,6 +231,7 @@ class GradientOffloader:
         # The most gradient bytes a slice has needed so far: the size of the host buffers that
         # gradients added into .grad on landing pass through (see offload()).
         self._max_nbytes = 0
+        self._expected: Any = None  # the last key expect() sized the buffers for
         #: Whether a slice's gradients cast on the device leave in one copy (Note: [One copy per
         #: slice]); ``OFFLOAD_GRADIENT_GATHER=0`` sends them one copy per tensor, for comparison.
         self.gather = os.environ.get(GATHER_ENV_VAR, "1") != "0"
@@ -255,13 +256,20 @@ class GradientOffloader:
             grads.into = list(into)
         return grads
 
-    def expect(self, slices: Iterable[tuple[Sequence[Entry], Sequence[bool], Sequence[bool] | None]]) -> None:
+    def expect(self, key: Any, slices: Callable[[], Iterable[tuple[Sequence[Entry], Sequence[bool],
+                                                                   Sequence[bool] | None]]]) -> None:
         """Size the host buffers for every slice a backward is about to send (each as ``entries``,
         ``needed`` and ``keep`` that :meth:`begin` takes) before the first of them lands. Buffers
         taken while the largest slice was still unseen would be smaller ones, held beside the
         largest's until the pool ages them out two steps later: more host memory in the first
-        steps than in the others, and than the planner counts."""
-        for entries, needed, keep in slices:
+        steps than in the others, and than the planner counts. ``key`` says which gradients the
+        backward needs: the slices are laid out again only when it changes (the size only grows,
+        and :meth:`begin` notes each slice's as well, so a key that misses a change costs memory
+        in the first steps after it, never correctness)."""
+        if key == self._expected:
+            return
+        self._expected = key
+        for entries, needed, keep in slices():
             if any(needed):
                 self._note_size(lay_out_gradients(entries, needed)[1], needed, keep)
 
