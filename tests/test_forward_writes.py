@@ -84,6 +84,29 @@ def test_a_forward_whose_renormalisation_changed_nothing_does_not_hide_a_later_o
     assert torch.equal(model[0].weight.detach(), before)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_weight_that_holds_a_nan_is_not_taken_as_written_and_a_signed_zero_is(device: str) -> None:
+    """The counter moves on every forward of an Embedding with max_norm; whether the weight changed
+    is told bit for bit: a NaN in a row no batch looks up is not a write (the plain model runs), a
+    0.0 made -0.0 is one."""
+    plain, model = _pair(functools.partial(_embedding, max_norm=1e3), device)
+    for m in (plain, model):
+        with torch.no_grad():
+            m[0].weight[19, 1] = float("nan")
+    ids = torch.arange(12).reshape(4, 3)
+    torch.testing.assert_close(model(ids.to(device)), plain(ids.to(device)), **EXACT)
+
+    def negate_zeros(module: nn.Module, args: tuple) -> None:
+        with torch.no_grad():
+            module.weight[18].copy_(-module.weight[18])  # a row of zeros: the same values, other bits
+
+    with torch.no_grad():
+        model[0].weight[18] = 0.0
+    model[0].register_forward_pre_hook(negate_zeros)
+    with pytest.raises(RuntimeError, match=r"parameter '0\.weight' \(Embedding\) was changed in place"):
+        model(ids.to(device))
+
+
 @pytest.mark.parametrize("compute_dtype", [None, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_weight_clamped_by_a_pre_hook_is_refused_beside_buffers_written(device: str, compute_dtype) -> None:

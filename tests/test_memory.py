@@ -824,3 +824,36 @@ def test_a_weight_replaced_by_hand_keeps_its_state_and_gradient_counted_while_th
     assert footprint.device_resident_optimizer_state == (2 * 32 * 4 if resident else 0)  # the resident bias's
     assert footprint.host_gradients + footprint.device_resident_gradients == _grad_bytes(model, optimizer)
     optimizer.close()
+
+
+class _Scale(nn.Module):
+    """A learnable scalar: a 0-d parameter, whose optimizer moments are 0-d too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+@pytest.mark.parametrize("cls, kwargs", [(torch.optim.AdamW, {"fused": True}), (torch.optim.NAdam, {}),
+                                         (torch.optim.ASGD, {})], ids=["AdamW", "NAdam", "ASGD"])
+def test_the_moments_of_a_0d_parameter_are_counted_and_its_counts_are_not(cls, kwargs):
+    model = OffloadModel(nn.Sequential(nn.Linear(4, 4), _Scale(), _Scale(), nn.Linear(4, 3)), device="cpu",
+                         num_slices=3)
+    optimizer = OffloadOptimizer(model, cls, lr=1e-2, **kwargs)
+    for _ in range(2):
+        model(torch.randn(5, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+    optimizer.synchronize()
+    per_element = sum(t.numel() * t.element_size() for state in optimizer.state.values() for key, t in state.items()
+                      if key not in ("step", "mu_product", "eta", "mu"))
+    assert any(t.dim() == 0 and key not in ("step", "mu_product", "eta", "mu")  # the scalars' moments among them
+               for state in optimizer.state.values() for key, t in state.items())
+    assert model.memory_footprint().host_optimizer_state == per_element
+    if cls is torch.optim.AdamW:
+        plan = estimate_memory(nn.Sequential(nn.Linear(4, 4), _Scale(), _Scale(), nn.Linear(4, 3)), num_slices=3,
+                               optimizer="adamw", device="cpu")
+        assert plan.host_optimizer_state == per_element

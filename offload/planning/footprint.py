@@ -268,6 +268,11 @@ def _grad_storages(params: Iterable[torch.Tensor]) -> dict[int, torch.UntypedSto
     return found
 
 
+#: torch.optim's state that is one number per parameter, not one per element (NAdam's mu_product,
+#: ASGD's eta and mu, every class's step): left out, as estimate_memory does.
+_SCALAR_STATE = frozenset({"step", "mu_product", "eta", "mu"})
+
+
 def _state_storages(optimizers: Iterable[torch.optim.Optimizer], params: Iterable[torch.Tensor],
                     windows: list[tuple[int, int]]) -> dict[int, torch.UntypedStorage]:
     """The storages of the optimizers' per-parameter state of ``params``, by address (each
@@ -278,8 +283,9 @@ def _state_storages(optimizers: Iterable[torch.optim.Optimizer], params: Iterabl
         for p, values in optimizer.state.items():
             if id(p) not in held:
                 continue
-            for value in values.values():
-                if isinstance(value, torch.Tensor) and value.dim() > 0:
+            for key, value in values.items():
+                # 0-d state is a count (AdamW's step), but for a 0-d parameter its moments are 0-d too.
+                if isinstance(value, torch.Tensor) and (value.dim() > 0 or p.dim() == 0 and key not in _SCALAR_STATE):
                     for storage in state_storages(value):
                         if any(start <= storage.data_ptr() < stop for start, stop in windows):
                             continue

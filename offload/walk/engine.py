@@ -28,7 +28,7 @@ from .milestones import Milestones
 from .structures import map_tensors
 from ..streams import (ActivationOffloader, CopyStreams, DeviceSlots, Entry, GradientOffloader, HostBufferPool,
                        SliceStorage, SliceUpdates, holder_of)
-from ..streams.host_storage import substitutes_changed
+from ..streams.host_storage import _same_bits as same_bits, substitutes_changed
 from ..streams.pinned import size_class
 from ..streams.slice_entries import bind_device_weights
 from ..streams.resident_storage import ResidentStorage
@@ -264,7 +264,9 @@ def _as_host_copy(device_copy: torch.Tensor, host_copy: torch.Tensor) -> bool:
     if device_copy.data_ptr() == host_copy.data_ptr() or device_copy.shape != host_copy.shape:
         return False  # a resident slice's parameter is its device copy: nothing to compare with
     try:
-        return torch.equal(device_copy, host_copy.detach().to(device_copy.device, device_copy.dtype))
+        # Bit for bit: a NaN equals itself (a weight that holds one is not taken as written), and
+        # -0.0 written over 0.0 is a write.
+        return same_bits(device_copy, host_copy.detach().to(device_copy.device, device_copy.dtype))
     except (RuntimeError, TypeError):  # a quantised weight's codes, say
         return False
 
