@@ -4,7 +4,11 @@ the kernel may read back what the file held before, so the optimizer's ``state_d
 loads replace the state and the parameters, and ``keep_last`` never deletes the checkpoint to
 reload. ``step()`` goes on. Rule 7 of Note: [An update that failed part way] in
 offload/optimizing/partial_failure.py; Note: [Masters on disk] in offload/tiers/master_files.py.
-The failure is injected as an ``EIO`` from the mapping's ``msync`` (``MappedFile.write_back``)."""
+A write-back the slice's storage does itself, on the calling thread (a forward's cast of a stale
+shadow, ``save_checkpoint``'s and ``load_checkpoint``'s release of the masters), is raised there at
+once and latched the same way (Note: [A write-back outside the masters' writer] in
+offload/streams/masters_io.py). The failure is injected as an ``EIO`` from the mapping's ``msync``
+(``MappedFile.write_back``)."""
 
 from __future__ import annotations
 
@@ -17,11 +21,13 @@ import threading
 import pytest
 import torch
 
-from offload import DiskTier, DiskTierError, OffloadModel, OffloadOptimizer, load_checkpoint, save_checkpoint
+from offload import (CheckpointError, DiskTier, DiskTierError, OffloadModel, OffloadOptimizer, load_checkpoint,
+                     save_checkpoint)
+from offload.checkpoint import loader
 from offload.streams import mapped
 
 from .test_masters_on_disk import BF16, train
-from .test_optimizer import assert_same, network
+from .test_optimizer import assert_same, loss_of, network
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*per-tensor CPU implementation")
 
@@ -31,14 +37,18 @@ def build(directory):
     return model, OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
 
 
-def fail_once(monkeypatch, what: str) -> list[mapped.MappedFile]:
-    """The next write-back of a ``what`` file (``"masters"``, ``"gradients"``) on the masters'
-    writer raises ``EIO``; the list gets the file it failed on."""
+#: The thread of the write-backs a slice's storage does itself.
+CALLER = threading.main_thread().name
+
+
+def fail_once(monkeypatch, what: str, thread: str = "offload masters write") -> list[mapped.MappedFile]:
+    """The next write-back of a ``what`` file (``"masters"``, ``"gradients"``) on ``thread`` (the
+    masters' writer, or :data:`CALLER`) raises ``EIO``; the list gets the file it failed on."""
     real = mapped.MappedFile.write_back
     failed: list[mapped.MappedFile] = []
 
     def write_back(self):
-        if not failed and threading.current_thread().name == "offload masters write" and self.what == what:
+        if not failed and threading.current_thread().name == thread and self.what == what:
             failed.append(self)
             raise OSError(errno.EIO, os.strerror(errno.EIO), self.path)
         real(self)
@@ -126,3 +136,148 @@ def test_loading_the_state_alone_keeps_refusing_and_the_parameters_too_clear_it(
         optimizer.state_dict()
     model.load_state_dict(parameters)
     optimizer.state_dict()
+
+
+def raised_at_once(file: mapped.MappedFile) -> str:
+    """What a failed write-back of the masters on the calling thread raises at once: the file, why,
+    and the advice the refusals give."""
+    return (rf"^could not write the masters of a slice back to disk \({re.escape(file.path)}\): Input/output error "
+            r"\(errno 5\)\. .*so the state_dict\(\) and save_checkpoint\(\) of this model's OffloadOptimizer refuse "
+            "until a load: fix the disk, then reload the last checkpoint saved before this error before training on$")
+
+
+def refused(model: OffloadModel, file: mapped.MappedFile, reload: str, doing: str = r"save_checkpoint\(\)") -> str:
+    """What the refusals after it say: the slice, its file and why, and the checkpoint to reload."""
+    index = slice_of(model, file)
+    return (rf"parameters and state may mix two steps: the masters of slice\(s\) {index} could not be written back "
+            rf"to disk \(slice {index}: {re.escape(file.path)}: Input/output error \(errno 5\)\), and what RAM holds "
+            rf"of them may revert.* {doing} would use that mix; load the last checkpoint first \({re.escape(reload)}, or")
+
+
+def resume(checkpoint, model, optimizer, tmp_path) -> None:
+    """Load ``checkpoint`` (``step-2``) into the model and a new one, train both on and save with
+    ``keep_last=1``: the save goes through, deletes the checkpoint, and the two agree."""
+    load_checkpoint(checkpoint, model, optimizer)
+    resumed = build(tmp_path / "resumed")
+    load_checkpoint(checkpoint, *resumed)
+    train([(model, optimizer), resumed], 2, first=2)
+    save_checkpoint(checkpoint.parent / "step-4", model, optimizer, keep_last=1)
+    assert sorted(os.listdir(checkpoint.parent)) == ["latest", "step-4"]
+    assert_same(*resumed, model, optimizer)
+
+
+def test_a_failed_write_back_in_a_forwards_cast_is_raised_there_and_latched(tmp_path, monkeypatch):
+    # The forward after a save casts each slice's shadow again (the save read the parameters),
+    # reading its masters in and writing them back on the calling thread.
+    model, optimizer = build(tmp_path / "m")
+    directory = tmp_path / "ckpt"
+    train([(model, optimizer)], 2)
+    save_checkpoint(directory / "step-2", model, optimizer, keep_last=1)
+    failed = fail_once(monkeypatch, "masters", CALLER)
+    errors = []
+    for step in range(2, 5):  # a loop that catches what is raised, goes on, and saves every step
+        try:
+            train([(model, optimizer)], 1, first=step)  # step() is not refused
+            save_checkpoint(directory / f"step-{step + 1}", model, optimizer, keep_last=1)
+        except (DiskTierError, RuntimeError) as error:
+            errors.append(error)
+    # The forward raised it; the next step()s went on (they raise it no second time); the saves refused.
+    assert [type(error) for error in errors] == [DiskTierError, RuntimeError, RuntimeError]
+    assert re.search(raised_at_once(failed[0]), str(errors[0]))
+    reload = f"load_checkpoint({str(directory / 'step-2')!r}, model, optimizer)"
+    for error in errors[1:]:
+        assert re.search(refused(model, failed[0], reload), str(error))
+    assert sorted(os.listdir(directory)) == ["latest", "step-2"]  # nothing saved, nothing deleted
+    with pytest.raises(RuntimeError, match=refused(model, failed[0], reload, r"state_dict\(\)")):
+        optimizer.state_dict()
+    monkeypatch.undo()  # the disk fixed
+    resume(directory / "step-2", model, optimizer, tmp_path)
+
+
+def test_a_failed_write_back_in_save_checkpoints_release_of_the_masters_is_latched(tmp_path, monkeypatch):
+    # DCP read every slice's masters in; the save writes each back once it is done with it.
+    model, optimizer = build(tmp_path / "m")
+    directory = tmp_path / "ckpt"
+    train([(model, optimizer)], 2)
+    save_checkpoint(directory / "step-2", model, optimizer, keep_last=1)
+    train([(model, optimizer)], 1, first=2)
+    failed = fail_once(monkeypatch, "masters", CALLER)
+    with pytest.raises(CheckpointError, match="could not save checkpoint .*could not write the masters of a slice"):
+        save_checkpoint(directory / "step-3", model, optimizer, keep_last=1)
+    assert failed
+    reload = f"load_checkpoint({str(directory / 'step-2')!r}, model, optimizer)"
+    for step in (3, 4):  # trained on and saved: refused each time
+        train([(model, optimizer)], 1, first=step)
+        with pytest.raises(RuntimeError, match=refused(model, failed[0], reload)):
+            save_checkpoint(directory / f"step-{step + 1}", model, optimizer, keep_last=1)
+    assert sorted(os.listdir(directory)) == ["latest", "step-2"]
+    monkeypatch.undo()
+    resume(directory / "step-2", model, optimizer, tmp_path)
+
+
+def test_a_failed_write_back_at_the_end_of_load_checkpoint_outlasts_that_load(tmp_path, monkeypatch):
+    # The load replaced the state and the parameters, which would end a latch set before it; its
+    # last act writes the masters it loaded back, and that failure is after it.
+    model, optimizer = build(tmp_path / "m")
+    directory = tmp_path / "ckpt"
+    train([(model, optimizer)], 2)
+    save_checkpoint(directory / "step-2", model, optimizer, keep_last=1)
+    train([(model, optimizer)], 1, first=2)
+    release, armed = loader._release_masters, []
+
+    def failing_release(model):
+        armed.append(fail_once(monkeypatch, "masters", CALLER))
+        release(model)
+
+    monkeypatch.setattr(loader, "_release_masters", failing_release)
+    with pytest.raises(DiskTierError) as raised:
+        load_checkpoint(directory / "step-2", model, optimizer)
+    failed = armed[0]  # the file it failed on
+    assert re.search(raised_at_once(failed[0]), str(raised.value))
+    monkeypatch.undo()
+    # The load forgot the checkpoint saved before it: latest_checkpoint names it.
+    reload = "load_checkpoint(latest_checkpoint(directory), model, optimizer)"
+    with pytest.raises(RuntimeError, match=refused(model, failed[0], reload)):
+        save_checkpoint(directory / "step-3", model, optimizer, keep_last=1)
+    train([(model, optimizer)], 1, first=2)  # step() is not refused
+    with pytest.raises(RuntimeError, match=refused(model, failed[0], reload)):
+        save_checkpoint(directory / "step-3", model, optimizer, keep_last=1)
+    assert sorted(os.listdir(directory)) == ["latest", "step-2"]
+    resume(directory / "step-2", model, optimizer, tmp_path)
+
+
+def test_a_failure_before_a_load_of_the_state_alone_keeps_refusing_and_the_parameters_too_end_it(tmp_path,
+                                                                                                 monkeypatch):
+    # Latched only after the optimizer's load (nothing looked in between): the loads after the
+    # failure count, as for a failure latched before them.
+    model, optimizer = build(tmp_path / "m")
+    train([(model, optimizer)], 2)
+    parameters = {name: t.clone() for name, t in model.state_dict().items()}
+    state = copy.deepcopy(optimizer.state_dict())
+    failed = fail_once(monkeypatch, "masters", CALLER)
+    with pytest.raises(DiskTierError):
+        train([(model, optimizer)], 1, first=2)  # the forward's cast (reading the parameters made the shadows stale)
+    monkeypatch.undo()
+    optimizer.load_state_dict(state)
+    with pytest.raises(RuntimeError, match=rf"slice\(s\) {slice_of(model, failed[0])} could not be written back.*Its "
+                                           "state was loaded since, but not the model's parameters"):
+        optimizer.state_dict()
+    model.load_state_dict(parameters)
+    optimizer.state_dict()
+
+
+def test_a_failure_on_the_writer_after_a_load_outlasts_that_load(tmp_path, monkeypatch):
+    # The backward after a load lands gradients whose write fails; the wait in state_dict() raises
+    # and latches it, and the load before it does not end it.
+    model, optimizer = build(tmp_path / "m")
+    train([(model, optimizer)], 2)
+    save_checkpoint(tmp_path / "ckpt" / "step-2", model, optimizer)
+    load_checkpoint(tmp_path / "ckpt" / "step-2", model, optimizer)
+    failed = fail_once(monkeypatch, "gradients")
+    loss_of(model, 2).backward()
+    monkeypatch.undo()
+    with pytest.raises(DiskTierError):
+        optimizer.state_dict()
+    with pytest.raises(RuntimeError, match=rf"may mix two steps: the masters or gradients of slice\(s\) "
+                                           rf"{slice_of(model, failed[0])} could not be written back"):
+        optimizer.state_dict()

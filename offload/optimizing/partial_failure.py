@@ -76,6 +76,13 @@ Note: [An update that failed part way]
        this optimizer was saved into one since its last load (:meth:`saved`): the last saved
        before the failure, as a save flushes first, and none is saved after it. A load forgets
        it: the last one saved before it may hold another line of steps than the one loaded.
+       A write-back that the slice's storage did itself and that failed (a forward's cast of a
+       stale shadow, a checkpoint's release of the masters: Note: [A write-back outside the
+       masters' writer] in ``offload/streams/masters_io.py``) was raised to its caller at once,
+       and is recorded on the storage: :meth:`check` and :meth:`before_step` latch it
+       (:meth:`_latch_unwritten`) without raising it again, naming the slice. Loads before a
+       write-back failed do not end its latch, wherever it is latched: the end of
+       ``load_checkpoint`` writes back the masters it loaded, after its own load of the state.
 """
 
 from __future__ import annotations
@@ -92,6 +99,7 @@ import torch
 from torch import nn
 
 from ..streams import Event
+from ..streams.masters_io import failed_write_backs, not_written_back
 from ..tiers.slice_update import HostUpdateError
 
 
@@ -126,6 +134,10 @@ class PartialFailure:
         self._watches: list[_LoadWatch] = []
         # The checkpoint this optimizer was last saved into since its last load, to reload (rule 7).
         self._saved: Path | None = None
+        # - The storages' failed write-backs (rule 7), by their number: those latched, and those
+        #   before the last load of the state (failed_write_backs() then).
+        self._unwritten_seen = 0
+        self._unwritten_at_load = 0
 
     # -- the updates ---------------------------------------------------------------------------------
 
@@ -192,12 +204,29 @@ class PartialFailure:
         if self._mixed is None:
             self._mixed = f"mix two steps: {what}"
 
-    def unwritten(self, what: str) -> str:
+    def unwritten(self, what: str, after_load: bool = True) -> str:
         """Latch that a write-back of masters or gradients failed (``what``: the slices, the files,
-        why), a mix that may be there (rule 7); what the error should say to reload."""
+        why), a mix that may be there (rule 7); what the error should say to reload. ``after_load``:
+        it failed after the loads so far, which do not end the latch (rule 4 counts the loads after it)."""
         if self._mixed is None:
             self._mixed = f"may mix two steps: {what}"
+        if after_load:
+            self._state_loaded, self._unloaded = False, None
         return f"reload the last checkpoint saved before this error ({self._load_call()})"
+
+    def _latch_unwritten(self, engine: Any) -> None:
+        """Latch the write-backs of ``engine``'s masters that failed on their slices' storages since
+        the last look (rule 7): nothing to look at while none failed in this process."""
+        latest = failed_write_backs()
+        if latest == self._unwritten_seen:
+            return
+        seen, self._unwritten_seen = self._unwritten_seen, latest
+        # A resident slice's storage keeps no masters on disk, and records nothing.
+        records = {s.index: record for s in engine.slices
+                   if (record := getattr(s.storage, "unwritten", None)) is not None and seen < record.number <= latest}
+        if records:
+            self.unwritten(not_written_back("masters", {index: (r.path, r.why) for index, r in records.items()}),
+                           after_load=max(r.number for r in records.values()) > self._unwritten_at_load)
 
     def saved(self, path: Path) -> None:
         """A save of this optimizer into ``path`` succeeded: the checkpoint to reload (rule 7)."""
@@ -220,6 +249,7 @@ class PartialFailure:
                 the model's parameters since (the message says which is still missing).
         """
         self._latch(engine)
+        self._latch_unwritten(engine)
         self._forget_replaced()
         if self._mixed is None:
             return
@@ -244,6 +274,7 @@ class PartialFailure:
         yet is raised first. ``new_round``: the step's updates begin here, not in the backward
         before (rule 1)."""
         self._latch(engine)
+        self._latch_unwritten(engine)
         self._forget_replaced()
         if not self._watches:  # from the first round on: a load after a failure counts (rule 4)
             self._watches = _watch(self, engine)
@@ -257,6 +288,7 @@ class PartialFailure:
         2), and forget the mix once the model's parameters were loaded too (rule 4)."""
         self._latch_ended()
         self._this_step, self._state_loaded, self._saved = set(), True, None
+        self._unwritten_at_load = failed_write_backs()
         with self._lock:
             self._told = (-1, {}, False)
         self._forget_replaced()

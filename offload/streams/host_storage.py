@@ -17,7 +17,8 @@ This file holds :class:`SliceStorage`, the tying of a parameter across slices
 (:func:`keeping_their_dtype`), and the refusal of tensors over one memory
 (:func:`check_memory_held_once`); what a compute dtype refuses is in ``dtype_refusals.py``. The
 move of each tensor into the buffer, the host copies a loader fills (:func:`filled_by_caller`) and
-the undo of a build that raises are in ``take_in.py``.
+the undo of a build that raises are in ``take_in.py``; the reads and write-backs of masters on disk
+that a storage does itself, and the record a failed write-back leaves, in ``masters_io.py``.
 What a slice holds is collected in ``slice_entries.py``, where each entry lies is computed in
 ``slice_layout.py``; the views into the buffer are made in ``flat_views.py``.
 
@@ -74,18 +75,17 @@ Note: [Tensors substituted for a call]
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Collection, Iterator, Sequence
 
 import torch
 from torch import nn
 
 from .backend import Event
-from .disk import DiskTierError
 from .dtype_refusals import refuse_narrow_masters, refuse_norms_in_another_dtype
 from .flat_views import _itemsize, alias, first_overlap, typed_view, views_outside
 from .gradient_files import GradientHome
 from .mapped import MappedFile
+from .masters_io import Unwritten, read_masters_in, write_masters_back
 from .quantized import is_4bit_weight, is_8bit_weight
 from .slice_entries import (Entry, RegisteredTensors, _runs, collect_entries, companions_of, run_state_positions,
                             settle_8bit_layers, states_replaced)
@@ -288,6 +288,8 @@ class SliceStorage:
     gradient_home: GradientHome | None = None
     #: whether a build collected the slice's entries: the first one is the wrap's (:func:`_set_device_dtypes`)
     collected = False
+    #: the last write-back of its masters on disk that failed (:meth:`release_masters`)
+    unwritten: Unwritten | None = None
 
     def __init__(self, layers: Sequence[nn.Module], allocate: Callable[[int], torch.Tensor],
                  compute_dtype: torch.dtype | None = None, held_elsewhere: Collection[int] = (),
@@ -383,10 +385,10 @@ class SliceStorage:
         copies, which no load still reads; masters on disk are read in first and dropped after.
 
         Raises:
-            DiskTierError: masters on disk could not be read or written back.
+            DiskTierError: masters on disk could not be read, or written back (:meth:`release_masters`).
         """
         if self.masters_file is not None:
-            self._masters_io(functools.partial(self.masters_file.read_in, write=False))
+            read_masters_in(self.masters_file)
         self.write_shadow(into=None if staging is None else staging[:self.load_nbytes])
         self._shadow_current = staging is None
         self.shadow_refreshes += 1
@@ -396,20 +398,12 @@ class SliceStorage:
         """Write masters on disk back and take them out of RAM (nothing when they are in RAM).
 
         Raises:
-            DiskTierError: they could not be written.
+            DiskTierError: they could not be written; :attr:`unwritten` records it, for the model's
+                OffloadOptimizer to refuse saves (Note: [A write-back outside the masters' writer]
+                in ``masters_io.py``).
         """
         if self.masters_file is not None:
-            self._masters_io(self.masters_file.write_back)
-
-    def _masters_io(self, call: Callable[[], None]) -> None:
-        try:
-            call()
-        except OSError as error:
-            raise DiskTierError(
-                f"{error.strerror} (errno {error.errno}) in {error.filename}, the file that holds a slice's float32 "
-                "masters (OffloadModel(..., masters=DiskTier(...))). A failed read changed nothing; after a failed "
-                "write the kernel may drop the pages and read back what the file held before: fix the disk, then "
-                "reload the last checkpoint") from error
+            write_masters_back(self)
 
     def write_shadow(self, written: Collection[int] = (), into: torch.Tensor | None = None) -> None:
         """Cast what the slice holds into the shadow (or ``into``), but for the host copies at the

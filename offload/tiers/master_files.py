@@ -51,7 +51,11 @@ Note: [Masters on disk]
     ``offload/optimizing/partial_failure.py``): the optimizer's ``state_dict()`` and
     ``save_checkpoint`` refuse until a load, so that no checkpoint holds values that may revert and
     ``keep_last`` never deletes the one to reload, which the error names when the optimizer was
-    saved into it since its last load. The files are preallocated, so a full disk shows when the
+    saved into it since its last load. A write-back the slice's storage does itself, on the
+    calling thread (a forward that casts a stale shadow, a checkpoint once it is done with the
+    slice), is raised at once and latched the same way, at the optimizer's next ``step()``,
+    ``state_dict()`` or save (Note: [A write-back outside the masters' writer] in
+    ``offload/streams/masters_io.py``). The files are preallocated, so a full disk shows when the
     model is built. A slice that a rank of a sharded update only receives is not read in ahead: the
     exchange reads its pages in where it writes them (a read error there is a ``SIGBUS``, as for
     your own reads of a parameter).
@@ -80,6 +84,7 @@ from ..streams.copies import CopyStreams
 from ..streams.disk import DiskCounters, make_directory
 from ..streams.gradient_files import GradientHome
 from ..streams.mapped import MappedFile, mapping_supported
+from ..streams.masters_io import after_a_failed_write, not_written_back, why_of
 from ..streams.slice_entries import Entry
 from ..streams.workers import HostWorker, forks
 
@@ -276,18 +281,13 @@ class MasterFiles:
         if not self._write_errors:
             return
         failed, self._write_errors = self._write_errors, {}
-        _, first = next(iter(failed.values()))
-        why = (f"{first.strerror} (errno {first.errno})" if isinstance(first, OSError) and first.strerror
-               else f"{type(first).__name__}: {first}")
+        said = {index: (path, why_of(error)) for index, (path, error) in failed.items()}
         files = ", ".join(f"slice {index}: {path}" for index, (path, _) in failed.items())
-        reload = latch(f"the masters or gradients of slice(s) {', '.join(map(str, failed))} could not be written "
-                       f"back to disk ({files}: {why}), and what RAM holds of them may revert to what the files "
-                       "held before")
+        reload = latch(not_written_back("masters or gradients", said))
         raise DiskTierError(
-            f"could not write the masters or gradients of {len(failed)} slice(s) back to disk ({files}): {why}. "
-            "Their values are in RAM for now, but after a failed write the kernel may drop their pages and read "
-            "back what the file held before, so this optimizer's state_dict() and save_checkpoint() refuse until a "
-            f"load: fix the disk, then {reload} before training on")
+            f"could not write the masters or gradients of {len(failed)} slice(s) back to disk ({files}): "
+            f"{next(iter(said.values()))[1]}. "
+            + after_a_failed_write("this optimizer's state_dict() and save_checkpoint()", reload))
 
 
 def place_masters(setting: DiskTier | str | os.PathLike[str] | None, compute_dtype: torch.dtype | None,
