@@ -8,6 +8,7 @@ peak allocated device memory) runs behind the ``cuda`` marker.
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import os
@@ -163,7 +164,14 @@ def test_plot_tells_thirteen_modes_apart_marks_phases_and_leaves_out_teardown():
     from offload.profiling.plot import PHASE_MARKERS, draw_profile
 
     modes = [Mode.resident(), *offload_modes([1, 2, 3], [1, 2], [True, False])]
-    profile = profile_modes(lambda: build_preset("tiny"), modes, "cpu", steps=2)
+    # The runner collects garbage before each of its 27 measurements: with what this process held
+    # before frozen (gc.freeze), each collection walks the modes' objects only, not the whole heap
+    # of an interpreter that imported torch and the suite (most of this test's time, unfrozen).
+    gc.freeze()
+    try:
+        profile = profile_modes(lambda: build_preset("tiny"), modes, "cpu", steps=2)
+    finally:
+        gc.unfreeze()
     (ax,) = draw_profile(profile, Figure).axes
     lines = {line.get_label(): line for line in ax.get_lines()}
     mode_lines = [lines[run.label] for run in profile.runs]
