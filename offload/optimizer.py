@@ -537,7 +537,7 @@ def _before_update(optimizer: OffloadOptimizer, when: str = "step") -> DiskTierE
     first (returned instead, ``"stepped"``: :func:`_step_begins`); the norms computed in backward
     forgotten."""
     engine = engine_of(optimizer.model)
-    optimizer._updates.failure.before_step(engine, when != "stepped")  # Note: [An update that failed part way]
+    optimizer._updates.before_step(optimizer, when)  # Note: [A step refused as a whole] in whole_step.py
     _plan(optimizer, kept=when == "stepped")
     if optimizer._sharding is not None:
         optimizer._sharding.compare_plan()  # the ranks' plans, each made alone

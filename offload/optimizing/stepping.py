@@ -69,6 +69,7 @@ from ..walk.engine import Engine
 from .partial_failure import Handed, PartialFailure
 from .sharding import Sharding
 from .tier_plumbing import TierPlumbing
+from .whole_step import rehearse
 
 
 class SliceUpdates:
@@ -98,6 +99,14 @@ class SliceUpdates:
             # ranks' failures, reach this thread after each wait (Note: [A failed part of a sharded
             # update] in offload/streams/collectives.py).
             engine.updates.raise_also(self.raise_late)
+
+    def before_step(self, optimizer: Any, when: str) -> None:
+        """Before ``optimizer``'s updates start (``when``: as ``_before_update`` in ``offload/optimizer.py``):
+        in a ``step()`` that starts them all, a step refused as a whole is refused first (Note: [A step
+        refused as a whole] in ``whole_step.py``); then a round of Note: [An update that failed part way] begins."""
+        if when == "step":
+            rehearse(optimizer)
+        self.failure.before_step(self.engine, when != "stepped")
 
     def submit(self, steps: Sequence[SliceStep], rest: Sequence[SliceStep], hyper: list[dict[str, Any]],
                grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:

@@ -181,14 +181,14 @@ class InnerOptimizer:
         self.optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
         self.optimizer.found_inf = found_inf  # type: ignore[attr-defined]
         try:
-            _step_unhooked(self.optimizer)
+            step_unhooked(self.optimizer)
         finally:
             for proxy in self.proxies:
                 proxy.grad = None
         _check_groups_kept(self.optimizer, self.group_of, hyper)
 
 
-def _step_unhooked(optimizer: torch.optim.Optimizer) -> None:
+def step_unhooked(optimizer: torch.optim.Optimizer) -> None:
     """``optimizer.step()`` without the step hooks PyTorch wraps around every optimizer's ``step``.
 
     The slice's optimizer is the library's own, one of several behind the user's
@@ -196,7 +196,8 @@ def _step_unhooked(optimizer: torch.optim.Optimizer) -> None:
     ``register_optimizer_step_pre_hook`` / ``_post_hook`` once, as the plain optimizer's does;
     through each slice's they would run again per slice, some on an update worker's thread. A
     subclass whose ``step`` calls ``super().step()`` still reaches its parent's wrapper, and with
-    it the hooks, once per slice: only the outermost wrapper is left out.
+    it the hooks, once per slice: only the outermost wrapper is left out. A rehearsal of the step
+    (Note: [A step refused as a whole] in ``offload/optimizing/whole_step.py``) steps so too.
     """
     step = type(optimizer).step
     raw = getattr(step, "__wrapped__", None) if getattr(step, "hooked", False) else None
@@ -261,6 +262,21 @@ class GroupStateError(TypeError):
 class HostUpdateError(RuntimeError):
     """The optimizer raised while a host worker updated a slice (raised at the next call that
     waits for the update: a forward, ``step()``, ``synchronize()``...)."""
+
+
+#: The most characters of an error's own message that a HostUpdateError repeats.
+SAID_AT_MOST = 300
+
+
+def said(error: BaseException) -> str:
+    """What ``error`` says, for the message of the :class:`HostUpdateError` raised from it: its type
+    and the first line of its message, cut at :data:`SAID_AT_MOST` characters (the whole of it is
+    the error's ``__cause__``), so that the reason shows where the error is printed."""
+    lines = str(error).strip().splitlines()
+    text = lines[0] if lines else ""
+    if len(text) > SAID_AT_MOST or len(lines) > 1:
+        text = text[:SAID_AT_MOST].rstrip() + " ..."
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 def other_slices(index: int) -> str:
@@ -342,16 +358,16 @@ class SliceStep:
         if self.index < 0:  # parameters outside the model: the step's first update (Note: [Parameters
             # outside the model] in offload/optimizing/stepping.py)
             return (f"the optimizer raised while updating the parameters outside the model (those the optimizer "
-                    f"holds that no slice does) {where}: they are unchanged if it raised before changing them, and "
-                    "may be partly updated otherwise. Their update runs first, so the slices' updates of this step "
-                    "were skipped. Reload a checkpoint before training on.")
+                    f"holds that no slice does) {where} ({said(error)}): they are unchanged if it raised before "
+                    "changing them, and may be partly updated otherwise. Their update runs first, so the slices' "
+                    "updates of this step were skipped. Reload a checkpoint before training on.")
         if isinstance(error, GroupStateError):  # seen once the step returned: the slice is updated
             return (f"{error} Slice {self.index} was updated {where} before this showed. {other_slices(self.index)} "
                     "Reload a checkpoint before training on.")
-        return (f"the optimizer raised while updating slice {self.index} of the model {where}: slice {self.index} "
-                "is unchanged if the optimizer raised before changing it (checking its arguments, allocating its "
-                f"state) and may be partly updated otherwise. {other_slices(self.index)} Reload a checkpoint before "
-                "training on.")
+        return (f"the optimizer raised while updating slice {self.index} of the model {where} ({said(error)}): slice "
+                f"{self.index} is unchanged if the optimizer raised before changing it (checking its arguments, "
+                f"allocating its state) and may be partly updated otherwise. {other_slices(self.index)} Reload a "
+                "checkpoint before training on.")
 
     def _step(self, grads: Sequence[torch.Tensor | None], hyper: Sequence[dict[str, Any]],
               grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None, shadow: bool,
