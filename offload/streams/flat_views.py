@@ -4,8 +4,9 @@ own in-place writes, and a view under a storage of its own (Note: [A storage per
 ``host_storage.py``).
 
 And :func:`views_outside`: whether a tensor's memory is part of another tensor's, which a layout
-cannot keep; :func:`first_overlap`: which of several tensors share memory, which a layout cannot
-keep either. It holds no buffer and lays out nothing: a slice's host copies are laid out in
+cannot keep; :func:`first_overlap`: which of several tensors share memory, and
+:func:`overlaps_itself`: whether a tensor's elements share memory, which a layout cannot keep
+either. It holds no buffer and lays out nothing: a slice's host copies are laid out in
 ``host_storage.py``, its gradients in ``gradients.py``, its resident copies in ``resident_storage.py``.
 """
 
@@ -85,6 +86,35 @@ def views_outside(tensor: torch.Tensor) -> bool:
         return False
     extent = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
     return nbytes > extent * tensor.element_size()
+
+
+def overlaps_itself(tensor: torch.Tensor) -> bool:
+    """Whether two of ``tensor``'s elements lie at one memory location: a stride 0 over more than
+    one element (``t.expand(4, 4)``), or strides that step onto each other (an ``as_strided``
+    view). A copy of it holds each element apart, so it is another tensor than the one written
+    (Note: [Parameters whose elements overlap] in ``host_storage.py``). An empty, meta or
+    not strided tensor does not count.
+
+    The dimensions sorted by stride (those of one element left out) cannot overlap when each
+    stride reaches past everything the smaller ones span: every tensor built by views of dense
+    memory passes so. Others are decided by listing their elements' offsets.
+    """
+    if tensor.numel() <= 1 or tensor.is_meta or tensor.layout != torch.strided:
+        return False
+    dims = sorted((stride, size) for size, stride in zip(tensor.shape, tensor.stride()) if size > 1)
+    if dims[0][0] == 0:
+        return True
+    span = 0  # the furthest offset the dimensions of smaller strides reach
+    for stride, size in dims:
+        if stride <= span:
+            break
+        span += (size - 1) * stride
+    else:
+        return False
+    offsets = torch.zeros(1, dtype=torch.int64)
+    for stride, size in dims:
+        offsets = (offsets[:, None] + torch.arange(size, dtype=torch.int64) * stride).view(-1)
+    return offsets.unique().numel() < offsets.numel()
 
 
 def memory_span(tensor: torch.Tensor) -> tuple[str, int, int] | None:

@@ -14,8 +14,8 @@ and written back on its own.
 
 This file holds :class:`SliceStorage`, the tying of a parameter across slices
 (:func:`holder_of`), the parameters that keep their dtype under a compute dtype
-(:func:`keeping_their_dtype`), and the refusal of tensors over one memory
-(:func:`check_memory_held_once`); what a compute dtype refuses is in ``dtype_refusals.py``. The
+(:func:`keeping_their_dtype`), and the refusal of tensors over one memory and of parameters whose
+elements share one (:func:`check_memory_held_once`); what a compute dtype refuses is in ``dtype_refusals.py``. The
 move of each tensor into the buffer, the host copies a loader fills (:func:`filled_by_caller`) and
 the undo of a build that raises are in ``take_in.py``; the reads and write-backs of masters on disk
 that a storage does itself, and the record a failed write-back leaves, in ``masters_io.py``.
@@ -53,6 +53,17 @@ Note: [Parameters over one memory]
     an ``nn.Parameter``: buffers over one memory (a mask registered by each layer as a view of one
     tensor) are read, as a rule. Substitutes (below) keep their memory and do not count.
 
+Note: [Parameters whose elements overlap]
+    A parameter some of whose elements share one memory location (``nn.Parameter(t.expand(4, 4))``,
+    stride 0; an overlapping ``as_strided`` view) is one model in plain PyTorch, which cannot step
+    it ("more than one element of the written-to tensor refers to a single memory location"). A
+    host copy holds each element apart, so the model would train as another one, with no word. So
+    such a parameter is refused, naming it, with the same timing as the pairs above
+    (:func:`check_memory_held_once`). Buffers are not: a layer reads them, and the copy holds the
+    same values (an expanded mask, positions); the one thing that differs, a layer writing into
+    one in place, raises in plain PyTorch for a stride 0 and has an order-dependent result for
+    other overlaps, so refusing every such buffer would refuse models that train alike.
+
 Note: [Tensors substituted for a call]
     ``torch.func.functional_call`` (``torch.nn.utils.stateless``) puts the caller's tensors in the
     layers' places for one call, writing ``module._parameters`` directly; ``setattr`` and
@@ -82,7 +93,7 @@ from torch import nn
 
 from .backend import Event
 from .dtype_refusals import refuse_narrow_masters, refuse_norms_in_another_dtype
-from .flat_views import _itemsize, alias, first_overlap, typed_view, views_outside
+from .flat_views import _itemsize, alias, first_overlap, overlaps_itself, typed_view, views_outside
 from .gradient_files import GradientHome
 from .mapped import MappedFile
 from .masters_io import Unwritten, read_masters_in, write_masters_back
@@ -145,13 +156,15 @@ def _set_device_dtypes(params: Sequence[Entry], layers: Sequence[nn.Module], com
 
 def check_memory_held_once(layers: Sequence[nn.Module], names: Sequence[str] | None = None) -> None:
     """Refuse two distinct tensors over one memory in ``layers``, one of them at least an
-    ``nn.Parameter`` (Note: [Parameters over one memory]), with a ``ValueError`` naming both;
+    ``nn.Parameter`` (Note: [Parameters over one memory]), with a ``ValueError`` naming both, and a
+    parameter whose elements share memory (Note: [Parameters whose elements overlap]), naming it;
     ``names`` name the layers in it (their classes without it)."""
     found: dict[int, tuple[str, torch.Tensor, bool]] = {}
     for i, layer in enumerate(layers):
         prefix = names[i] if names is not None else type(layer).__name__
         for name, tensor in layer.named_parameters(prefix):
             if isinstance(tensor, nn.Parameter):  # a plain tensor is a substitute: it keeps its memory
+                _refuse_overlapping_elements(name, tensor)
                 found.setdefault(id(tensor), (name, tensor, True))
         for name, tensor in layer.named_buffers(prefix):
             found.setdefault(id(tensor), (name, tensor, False))
@@ -167,6 +180,17 @@ def check_memory_held_once(layers: Sequence[nn.Module], names: Sequence[str] | N
         "nn.Parameter object (head.weight = emb.weight: one tensor, one gradient, one optimizer update); to keep "
         "them apart, give one memory of its own (nn.Parameter(emb.weight.detach().clone()))"
     )
+
+
+def _refuse_overlapping_elements(name: str, parameter: torch.Tensor) -> None:
+    """Refuse ``parameter`` where elements share memory (Note: [Parameters whose elements overlap])."""
+    if overlaps_itself(parameter):
+        raise ValueError(
+            f"parameter '{name}' has elements that share memory (shape {tuple(parameter.shape)}, strides "
+            f"{parameter.stride()}, as after .expand()): a plain optimizer cannot step it, and OffloadModel would "
+            "hold each element apart, another model. Register a parameter of its own shape (or one with memory of "
+            "its own: .contiguous(), .clone()) and expand it in forward"
+        )
 
 
 def _running_stat_modules(layers: Sequence[nn.Module]) -> list[nn.Module]:

@@ -8,6 +8,7 @@ It does not place the entries in memory (``slice_layout.py``) or copy them (``ho
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
@@ -78,8 +79,31 @@ def collect_entries(layers: Sequence[nn.Module]) -> tuple[list[Entry], list[Entr
             raise ValueError(f"only dense (strided) parameters and buffers are supported, got layout {tensor.layout}")
         entry = Entry(tensor, tuple(sites), tensor.shape, tensor.dtype, tensor.dtype, stride=dense_stride(tensor))
         entry.companions = _companions(entry)
+        _warn_laid_out_anew(entry)
         (params if sites[0].is_parameter else buffers).append(entry)
     return params, buffers
+
+
+def _warn_laid_out_anew(entry: Entry) -> None:
+    """Warn that a parameter which is not dense (a strided view such as ``t[:, ::2]``) gets its host
+    and device copies laid out row-major, so the kernels that read it (a matmul) may round otherwise
+    than in the plain model. Keeping its gaps would mean sizing every copy, shadow, gradient and
+    checkpoint by its extent instead of its elements; a dense copy made before wrapping costs
+    nothing. Once laid out it is row-major, so a later layout does not warn again; a plain tensor in
+    its place (Note: [Tensors substituted for a call] in ``host_storage.py``) keeps its memory and is
+    not warned about."""
+    tensor = entry.tensor
+    if (not entry.is_parameter or not isinstance(tensor, nn.Parameter) or tensor.is_meta or entry.stride is not None
+            or tensor.is_contiguous()):
+        return
+    site = entry.sites[0]
+    warnings.warn(
+        f"OffloadModel: parameter '{site.name}' of {type(site.module).__name__} is not dense (shape "
+        f"{tuple(tensor.shape)}, strides {tensor.stride()}); its host and device copies are laid out row-major, so "
+        "the kernels that read it (a matmul) may round differently and gradients can differ from the plain model's "
+        "in the last bits. Make it dense before wrapping (nn.Parameter(t.contiguous())): the same values, in a "
+        "layout OffloadModel keeps, bit for bit",
+        UserWarning, stacklevel=2)
 
 
 def _companions(entry: Entry) -> list[Entry]:
