@@ -23,6 +23,7 @@ from .autograd.function import identity_hooks
 from .streams.gradient_files import back_in_files, gradients_in_files, zeroed_in_files
 from .streams.host_storage import check_memory_held_once
 from .streams.take_in import given_back_on_failure
+from .tiers.master_files import watch_loads
 from .data_parallel import DataParallel, out_of_step_on_failure, refuse_parallel_wrapper
 from .walk.activation_policy import ActivationPlan, OffloadActivations
 from .walk.claims import MOVE, WalkClaim
@@ -182,6 +183,7 @@ class OffloadModel(CopiedByLayers, FixedStructure):
                               masters=self.__dict__.get("_masters"),
                               resident_slices=self.__dict__.get("_resident_slices", 0),
                               shadows=self.__dict__.get("_shadows", "ram"))
+        watch_loads(self, self._engine.master_files)  # a failed write-back refuses saves until a load
         self._warned_microbatch_batchnorm = False
         per_tensor_warning.install()
         _RUN.prepare()  # outside any tracing (Note: [Compiled around the walk] in offload/modeling/compiled.py)

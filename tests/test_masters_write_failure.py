@@ -142,7 +142,7 @@ def raised_at_once(file: mapped.MappedFile) -> str:
     """What a failed write-back of the masters on the calling thread raises at once: the file, why,
     and the advice the refusals give."""
     return (rf"^could not write the masters of a slice back to disk \({re.escape(file.path)}\): Input/output error "
-            r"\(errno 5\)\. .*so the state_dict\(\) and save_checkpoint\(\) of this model's OffloadOptimizer refuse "
+            r"\(errno 5\)\. .*so save_checkpoint\(\) of this model and its OffloadOptimizer's state_dict\(\) refuse "
             "until a load: fix the disk, then reload the last checkpoint saved before this error before training on$")
 
 
@@ -281,3 +281,70 @@ def test_a_failure_on_the_writer_after_a_load_outlasts_that_load(tmp_path, monke
     with pytest.raises(RuntimeError, match=rf"may mix two steps: the masters or gradients of slice\(s\) "
                                            rf"{slice_of(model, failed[0])} could not be written back"):
         optimizer.state_dict()
+
+
+def fail_a_step_unraised(model, optimizer, monkeypatch, step: int = 2) -> list[mapped.MappedFile]:
+    """Step ``step``'s write-back of the masters fails on the writer; nothing raised it yet, the
+    writes are done (``memory_footprint()`` waits for them) and the disk is fixed."""
+    failed = fail_once(monkeypatch, "masters")
+    train([(model, optimizer)], 1, first=step)
+    model.memory_footprint()
+    monkeypatch.undo()
+    assert failed
+    return failed
+
+
+def test_a_model_only_save_after_a_failure_is_refused_and_keep_last_deletes_nothing(tmp_path, monkeypatch):
+    # A loop that saves the weights alone (for evaluation, export) besides the full checkpoints.
+    model, optimizer = build(tmp_path / "m")
+    directory = tmp_path / "ckpt"
+    train([(model, optimizer)], 2)
+    save_checkpoint(directory / "step-2", model, optimizer, keep_last=1)
+    failed = fail_a_step_unraised(model, optimizer, monkeypatch)
+    index, reload = slice_of(model, failed[0]), f"load_checkpoint({str(directory / 'step-2')!r}, model)"
+    for _ in range(2):  # refused, and again: nothing forgets it
+        with pytest.raises(RuntimeError, match=rf"may not be the ones it trained: the masters or gradients of slice\(s\) "
+                                               rf"{index} could not be written back.*save_checkpoint\(\) would save "
+                                               rf"them; .*before this error \({re.escape(reload)}\)"):
+            save_checkpoint(directory / "step-3", model, keep_last=1)
+    assert sorted(os.listdir(directory)) == ["latest", "step-2"]  # nothing saved, nothing deleted
+    with pytest.raises(DiskTierError):  # the optimizer raises it still, once
+        optimizer.synchronize()
+    parameters = {name: t.clone() for name, t in model.state_dict().items()}
+    model.load_state_dict(parameters)  # a load of every parameter ends the model's latch
+    save_checkpoint(directory / "step-3", model, keep_last=1)
+    assert sorted(os.listdir(directory)) == ["latest", "step-3"]
+
+
+def test_an_optimizer_built_after_a_failure_inherits_it_and_names_the_checkpoint_saved_before(tmp_path, monkeypatch):
+    model, optimizer = build(tmp_path / "m")
+    directory = tmp_path / "ckpt"
+    train([(model, optimizer)], 2)
+    save_checkpoint(directory / "step-2", model, optimizer, keep_last=1)
+    failed = fail_a_step_unraised(model, optimizer, monkeypatch)
+    reload = f"load_checkpoint({str(directory / 'step-2')!r}, model, optimizer)"
+    with pytest.raises(DiskTierError, match=re.escape(f"reload the last checkpoint saved before this error ({reload})")):
+        optimizer.synchronize()
+    fresh = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, fused=True)
+    for step in (3, 4):  # refused before and after a step of its own
+        with pytest.raises(RuntimeError, match=refused(model, failed[0], reload).replace("the masters of",
+                                                                                          "the masters or gradients of")):
+            save_checkpoint(directory / f"step-{step}", model, fresh, keep_last=1)
+        train([(model, fresh)], 1, first=step)
+    with pytest.raises(RuntimeError, match=r"may mix two steps.*state_dict\(\) would use that mix"):
+        fresh.state_dict()
+    assert sorted(os.listdir(directory)) == ["latest", "step-2"]
+    resume(directory / "step-2", model, fresh, tmp_path)  # the load ends it
+
+
+def test_a_load_with_a_failure_pending_succeeds_ends_the_latch_and_resumes_bit_for_bit(tmp_path, monkeypatch):
+    # The pending error's advice is this very load: the load replaces what the failed write may
+    # revert, so it latches and drops the error instead of raising it.
+    model, optimizer = build(tmp_path / "m")
+    directory = tmp_path / "ckpt"
+    train([(model, optimizer)], 2)
+    save_checkpoint(directory / "step-2", model, optimizer, keep_last=1)
+    fail_a_step_unraised(model, optimizer, monkeypatch)
+    resume(directory / "step-2", model, optimizer, tmp_path)  # the first load goes through; saves after it too
+    optimizer.synchronize()  # nothing left to raise
+    optimizer.state_dict()

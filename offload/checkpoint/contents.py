@@ -463,6 +463,11 @@ def _masters_on_disk(model: nn.Module, state: dict[str, Any]) -> dict[str, int]:
     return found
 
 
+def _master_files(model: nn.Module) -> Any:
+    """The model's masters on disk (``MasterFiles``), or ``None``."""
+    return engine_of(model).master_files if isinstance(model, OffloadModel) else None
+
+
 def _masters_releaser(model: nn.Module) -> Any:
     """What a planner calls with a slice index once DCP is done with that slice's masters."""
     return engine_of(model).release_masters if isinstance(model, OffloadModel) else None

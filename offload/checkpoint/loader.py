@@ -30,8 +30,8 @@ from .checkpoint_files import CheckpointError, interrupt_behind, verify_checksum
 from .checks import _check_arguments, _check_model, _check_optimizer, _listed, _read
 from .commit import committed
 from .contents import (HOOKED, _extra_key_to_load, _kept_parameters, _loaded_extra, _loads_on_disk,
-                       _masters_on_disk, _masters_releaser, _model_state, _parameter_names, _release_masters,
-                       _restore_modules, _set_rng_state, _split_model_state)
+                       _master_files, _masters_on_disk, _masters_releaser, _model_state, _parameter_names,
+                       _release_masters, _restore_modules, _set_rng_state, _split_model_state)
 from .framework_wrappers import unwrapped
 from .quant_states import format_differences, is_packed, read_packed, set_unreached
 from .ranks import _agreed, _group
@@ -108,6 +108,9 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     model, optimizer = unwrapped(model, optimizer)  # Fabric's wrappers (framework_wrappers.py)
     _check_arguments("load_checkpoint", model, optimizer)
     group, rank, world_size = _group(model, optimizer, process_group)
+    files = _master_files(model)
+    if files is not None:  # a write-back that failed, not raised yet: latched, not raised (the load replaces it)
+        files.replaced()
     # Each rank checks what it reads before any collective; a refusal on one is said on every rank,
     # and so are checkpoints that differ between ranks, which would resume each from another step.
     path, extra_read, metadata, model_state, extra_states, names, groups, state, wanted, on_disk, _ = _agreed(

@@ -43,10 +43,11 @@ from .checkpoint_files import (CheckpointError, ChecksummingFileSystem, disk_ful
 from .checks import _check_room, _check_save_arguments, _check_target
 from .commit import HalfCommitted, commit, latest_checkpoint, partial_directory, prepare, tidy
 from .contents import (HOOKED, STRAY_PARAMETER, _extra_digest, _extra_keys, _extra_to_save, _hooked_keys, _info,
-                       _masters_on_disk, _masters_releaser, _model_state, _named_groups, _optimizer_state, _own_storage,
-                       _parameter_names, _release_masters, _rng_state, _split_model_state, _steps_only)
+                       _master_files, _masters_on_disk, _masters_releaser, _model_state, _named_groups, _optimizer_state,
+                       _own_storage, _parameter_names, _release_masters, _rng_state, _split_model_state, _steps_only)
 from .framework_wrappers import unwrapped
 from .ranks import _agreed, _gathered_list, _group, _on_rank_0
+from ..model import engine_of
 from ..tiers.disk_tier import size_text
 from ..optimizer import OffloadOptimizer, check_whole
 from ..optimizing.copying import HALF_A_STEP, check_step_finished
@@ -161,6 +162,9 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
         raise
     if isinstance(optimizer, OffloadOptimizer):
         optimizer._updates.failure.saved(path)  # the one to reload after a failure: partial_failure.py, rule 7
+    files = _master_files(model)
+    if files is not None:  # and the model's (Note: [Masters on disk], "Errors")
+        files.saved(path, isinstance(optimizer, OffloadOptimizer))
     for problem in problems:
         warnings.warn(problem, stacklevel=2)
     return path
@@ -223,6 +227,9 @@ def _state_to_save(model: nn.Module, optimizer: torch.optim.Optimizer | None, na
             _check_hooked_pickles(hooked)
             if rank == 0:  # rank 0's, as buffers and extra states: DCP would keep any one rank's
                 state[HOOKED] = hooked
+    files = _master_files(model)
+    if files is not None:  # after the optimizer's refusals, which say more: a write-back that failed since a load
+        files.refuse_unwritten(engine_of(model).slices, "save_checkpoint()", optimizer is not None)
     state[f"rng/{rank}"] = _rng_state()
     return state, on_disk
 

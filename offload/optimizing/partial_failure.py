@@ -83,6 +83,10 @@ Note: [An update that failed part way]
        (:meth:`_latch_unwritten`) without raising it again, naming the slice. Loads before a
        write-back failed do not end its latch, wherever it is latched: the end of
        ``load_checkpoint`` writes back the masters it loaded, after its own load of the state.
+       The model keeps every such failure too (``MasterFiles.failures``, its saves refused until
+       a load of its parameters): at its first look an optimizer built after one takes those
+       since the model's last load of its parameters as its own, and names the model's last
+       checkpoint saved with an optimizer's state when it was saved into none itself.
 """
 
 from __future__ import annotations
@@ -99,7 +103,7 @@ import torch
 from torch import nn
 
 from ..streams import Event
-from ..streams.masters_io import failed_write_backs, not_written_back
+from ..streams.masters_io import failed_write_backs, latched_text
 from ..tiers.slice_update import HostUpdateError
 
 
@@ -134,10 +138,11 @@ class PartialFailure:
         self._watches: list[_LoadWatch] = []
         # The checkpoint this optimizer was last saved into since its last load, to reload (rule 7).
         self._saved: Path | None = None
-        # - The storages' failed write-backs (rule 7), by their number: those latched, and those
-        #   before the last load of the state (failed_write_backs() then).
-        self._unwritten_seen = 0
+        # - The model's failed write-backs (rule 7), by their number: those latched (None: none
+        #   looked at yet), and those before the last load of the state (failed_write_backs() then).
+        self._unwritten_seen: int | None = None
         self._unwritten_at_load = 0
+        self._files: Any = None  # the model's MasterFiles, once looked at: its checkpoints to reload
 
     # -- the updates ---------------------------------------------------------------------------------
 
@@ -215,17 +220,19 @@ class PartialFailure:
         return f"reload the last checkpoint saved before this error ({self._load_call()})"
 
     def _latch_unwritten(self, engine: Any) -> None:
-        """Latch the write-backs of ``engine``'s masters that failed on their slices' storages since
-        the last look (rule 7): nothing to look at while none failed in this process."""
+        """Latch the write-backs of ``engine``'s masters or gradients that failed since the last look
+        (rule 7): nothing to look at while none failed in this process. At the first look, those
+        the model latched (since the last load of its parameters): an optimizer built after a
+        failure inherits it."""
+        self._files = files = engine.master_files
         latest = failed_write_backs()
-        if latest == self._unwritten_seen:
+        if files is None or latest == self._unwritten_seen:
             return
-        seen, self._unwritten_seen = self._unwritten_seen, latest
-        # A resident slice's storage keeps no masters on disk, and records nothing.
-        records = {s.index: record for s in engine.slices
-                   if (record := getattr(s.storage, "unwritten", None)) is not None and seen < record.number <= latest}
+        seen = files.loaded_at if self._unwritten_seen is None else self._unwritten_seen
+        self._unwritten_seen = latest
+        records = {index: r for index, r in files.failures(engine.slices, seen).items() if r.number <= latest}
         if records:
-            self.unwritten(not_written_back("masters", {index: (r.path, r.why) for index, r in records.items()}),
+            self.unwritten(latched_text(records),
                            after_load=max(r.number for r in records.values()) > self._unwritten_at_load)
 
     def saved(self, path: Path) -> None:
@@ -237,6 +244,8 @@ class PartialFailure:
         while it is there, else whatever ``latest`` names."""
         if self._saved is not None and self._saved.is_dir():  # a refusal's cost, not a step's
             return f"load_checkpoint({str(self._saved)!r}, model, optimizer)"
+        if self._files is not None:  # the model's, saved with another optimizer (one built before this)
+            return self._files.load_call(optimizer=True)
         return "load_checkpoint(latest_checkpoint(directory), model, optimizer)"
 
     def check(self, doing: str, engine: Any) -> None:
@@ -245,10 +254,13 @@ class PartialFailure:
 
         Raises:
             HostUpdateError: an update raised, and no wait has said so yet.
+            DiskTierError: a write-back of masters on disk failed, and no wait has said so yet.
             RuntimeError: an update failed part way, and loads have not replaced both the state and
                 the model's parameters since (the message says which is still missing).
         """
         self._latch(engine)
+        if engine.master_files is not None:  # a failed write not raised yet is raised here, as a wait would
+            engine.master_files.flush(self.unwritten)
         self._latch_unwritten(engine)
         self._forget_replaced()
         if self._mixed is None:

@@ -17,22 +17,26 @@ Note: [A write-back outside the masters' writer]
     RAM for now, but the kernel may drop the pages and read back what the file held before, as
     after a failed write on the writer; and a caller that catches the error goes on. So it is
     raised at once to the caller, and recorded on the storage (``SliceStorage.unwritten``, the
-    last failure of each slice) for the model's ``OffloadOptimizer``, which latches it as rule 7
-    of Note: [An update that failed part way] says, at its next ``step()``, ``state_dict()`` or
+    last failure of each slice) for the model, whose saves refuse until a load of its parameters
+    (``MasterFiles.refuse_unwritten``), and for its ``OffloadOptimizer``, which latches it as rule
+    7 of Note: [An update that failed part way] says, at its next ``step()``, ``state_dict()`` or
     save (which then refuses). The storage knows neither its slice's index nor the optimizer:
-    the optimizer finds the records on its slices, and names the slice.
+    the model and the optimizer find the records on its slices, and name the slice. The masters'
+    writer numbers its own failures the same way (:func:`numbered`), kept on ``MasterFiles``.
 
     The records are numbered in the order of the process's failures (:func:`failed_write_backs`),
     so that the optimizer looks at its slices only when that count moved (nothing is looked at
     while no write-back failed), and tells a failure that came before its last load, which the
     load replaced, from one after it (the end of ``load_checkpoint`` writes back the masters it
-    loaded), which a load before does not undo.
+    loaded), which a load before does not undo; the model keeps the count at the last load of its
+    parameters, and an optimizer built later takes the failures after it (and only those) as its own.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +52,7 @@ class Unwritten:
     number: int  # its place among the failed write-backs of this process, from 1
     path: str  # the file
     why: str  # the error, as the messages say it (:func:`why_of`)
+    what: str = "masters"  # what failed to be written: the masters' writer says "masters or gradients"
 
 
 # The count of failed write-backs, the number of the last record; written under the lock.
@@ -58,6 +63,23 @@ _numbering = threading.Lock()
 def failed_write_backs() -> int:
     """How many write-backs of masters on a slice's storage failed in this process so far."""
     return _failed
+
+
+def numbered(path: str, why: str, keep: Callable[[Unwritten], Any], what: str = "masters") -> Unwritten:
+    """A new :class:`Unwritten`, numbered next, handed to ``keep`` (which stores it) before the count
+    moves: whoever sees the count finds it."""
+    global _failed
+    with _numbering:
+        record = Unwritten(_failed + 1, path, why, what)
+        keep(record)
+        _failed = record.number
+    return record
+
+
+def latched_text(records: Mapping[int, Unwritten]) -> str:
+    """What a refusal says of the failed write-backs ``records`` (by slice): :func:`not_written_back`."""
+    what = "masters" if all(r.what == "masters" for r in records.values()) else "masters or gradients"
+    return not_written_back(what, {index: (r.path, r.why) for index, r in sorted(records.items())})
 
 
 def read_masters_in(file: MappedFile) -> None:
@@ -83,18 +105,14 @@ def write_masters_back(storage: Any) -> None:
     Raises:
         DiskTierError: they could not be written.
     """
-    global _failed
     file: MappedFile = storage.masters_file
     try:
         file.write_back()
     except OSError as error:
-        with _numbering:
-            record = Unwritten(_failed + 1, error.filename or file.path, why_of(error))
-            storage.unwritten = record
-            _failed = record.number  # once the record is there: whoever sees the count finds it
+        record = numbered(error.filename or file.path, why_of(error), functools.partial(setattr, storage, "unwritten"))
         raise DiskTierError(
             f"could not write the masters of a slice back to disk ({record.path}): {record.why}. "
-            + after_a_failed_write("the state_dict() and save_checkpoint() of this model's OffloadOptimizer",
+            + after_a_failed_write("save_checkpoint() of this model and its OffloadOptimizer's state_dict()",
                                    "reload the last checkpoint saved before this error")) from error
 
 

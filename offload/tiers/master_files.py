@@ -51,7 +51,13 @@ Note: [Masters on disk]
     ``offload/optimizing/partial_failure.py``): the optimizer's ``state_dict()`` and
     ``save_checkpoint`` refuse until a load, so that no checkpoint holds values that may revert and
     ``keep_last`` never deletes the one to reload, which the error names when the optimizer was
-    saved into it since its last load. A write-back the slice's storage does itself, on the
+    saved into it since its last load. The model keeps the failures too (numbered with the
+    storages', :meth:`MasterFiles.failures`): any ``save_checkpoint`` of it refuses until a load
+    of every parameter that trains (``load_checkpoint``, or its ``load_state_dict()``: the hooks
+    of :func:`watch_loads`), naming its last checkpoint saved before the failure (none
+    is saved after it), and an optimizer built after the failure takes it as its own. A load
+    (``load_checkpoint``) drops the failed writes not raised yet instead of raising them
+    (:meth:`MasterFiles.replaced`): it replaces what they may revert. A write-back the slice's storage does itself, on the
     calling thread (a forward that casts a stale shadow, a checkpoint once it is done with the
     slice), is raised at once and latched the same way, at the optimizer's next ``step()``,
     ``state_dict()`` or save (Note: [A write-back outside the masters' writer] in
@@ -72,8 +78,9 @@ import contextlib
 import functools
 import os
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -84,7 +91,8 @@ from ..streams.copies import CopyStreams
 from ..streams.disk import DiskCounters, make_directory
 from ..streams.gradient_files import GradientHome
 from ..streams.mapped import MappedFile, mapping_supported
-from ..streams.masters_io import after_a_failed_write, not_written_back, why_of
+from ..streams.masters_io import (Unwritten, after_a_failed_write, failed_write_backs, latched_text, not_written_back,
+                                  numbered, why_of)
 from ..streams.slice_entries import Entry
 from ..streams.workers import HostWorker, forks
 
@@ -122,6 +130,11 @@ class MasterFiles:
         # The gradients' files read in for each slice's update, which drops them when it is done.
         self._gradients_of: dict[int, MappedFile] = {}
         self._write_errors: dict[int, tuple[str, BaseException]] = {}
+        # The model's latch (Note: [Masters on disk], "Errors"): the writer's failures (numbered), the count
+        # at the last load of the parameters, the checkpoints saved since (by: with an optimizer's state).
+        self._failures: dict[int, Unwritten] = {}
+        self.loaded_at = 0
+        self._saves: dict[bool, Path] = {}
         self._last_write: Event | None = None
         # The writes of the gradients landed last, by turn: a landing waits for its turn's last write.
         self._landed: list[Event | None] = [None] * WINDOW
@@ -262,6 +275,7 @@ class MasterFiles:
             # back from the file already, and a write of what it read back succeeds.
             path = error.filename if isinstance(error, OSError) and error.filename else file.path
             self._write_errors.setdefault(index, (path, error))
+            numbered(path, why_of(error), functools.partial(self._failures.__setitem__, index), "masters or gradients")
 
     def wait(self) -> None:
         """Wait for every write submitted so far; a failure stays for :meth:`flush` to raise (a
@@ -287,7 +301,94 @@ class MasterFiles:
         raise DiskTierError(
             f"could not write the masters or gradients of {len(failed)} slice(s) back to disk ({files}): "
             f"{next(iter(said.values()))[1]}. "
-            + after_a_failed_write("this optimizer's state_dict() and save_checkpoint()", reload))
+            + after_a_failed_write("save_checkpoint() of this model and this optimizer's state_dict()", reload))
+
+    # -- the model's latch (Note: [Masters on disk], "Errors") ------------------------------------
+
+    def failures(self, slices: Iterable[Any], after: int) -> dict[int, Unwritten]:
+        """The failed write-backs numbered after ``after``, by slice: the writer's and those of
+        ``slices``' storages (Note: [A write-back outside the masters' writer]), each slice's last."""
+        found: dict[int, Unwritten] = {}
+        storages = ((s.index, getattr(s.storage, "unwritten", None)) for s in slices)  # a resident one records none
+        for index, record in [*self._failures.items(), *storages]:
+            if record is not None and record.number > after and record.number > getattr(found.get(index), "number", 0):
+                found[index] = record
+        return found
+
+    def refuse_unwritten(self, slices: Iterable[Any], doing: str, optimizer: bool) -> None:
+        """Raise while a write-back failed since the last load of the parameters: ``doing`` would
+        save values that may revert (``optimizer``: the save holds an optimizer's state too).
+
+        Raises:
+            RuntimeError: the failure, and the checkpoint to reload.
+        """
+        self.wait()
+        failed = self.failures(slices, self.loaded_at)
+        if failed:
+            raise RuntimeError(
+                f"this OffloadModel's parameters may not be the ones it trained: {latched_text(failed)}. {doing} "
+                f"would save them; fix the disk, then reload the last checkpoint saved before this error "
+                f"({self.load_call(optimizer)}), or load the model's parameters (load_state_dict()), before saving")
+
+    def load_call(self, optimizer: bool) -> str:
+        """The call that loads the last checkpoint saved since the last load of the parameters (of
+        them and, ``optimizer``, an optimizer's state), while it is there, else what ``latest`` names."""
+        path, args = self._saves.get(optimizer), "model, optimizer" if optimizer else "model"
+        if path is not None and path.is_dir():  # a refusal's cost, not a step's
+            return f"load_checkpoint({str(path)!r}, {args})"
+        return f"load_checkpoint(latest_checkpoint(directory), {args})"
+
+    def saved(self, path: str | os.PathLike[str], optimizer: bool) -> None:
+        """A save of the model into ``path`` succeeded (``optimizer``: with an OffloadOptimizer's state)."""
+        self._saves[False] = Path(os.path.abspath(path))
+        if optimizer:
+            self._saves[True] = self._saves[False]
+
+    def parameters_loaded(self) -> None:
+        """A load wrote every trained parameter: the failures before it are replaced, and so are
+        the checkpoints saved before it (they may hold another line of steps than the one loaded)."""
+        self.wait()
+        self.loaded_at, self._saves = failed_write_backs(), {}
+
+    def replaced(self) -> None:
+        """A load is about to replace every slice's values: the failed writes not raised yet are
+        dropped instead (the load replaces what they may revert), kept in :meth:`failures`."""
+        self.wait()
+        self._write_errors = {}
+
+
+def watch_loads(model: torch.nn.Module, files: MasterFiles | None) -> None:
+    """Tell ``files``' :meth:`~MasterFiles.parameters_loaded` of ``model``'s loads (its
+    ``load_state_dict()``, and ``load_checkpoint``, which runs its post-hooks); none without files."""
+    if files is not None:
+        watch = _ModelLoads(files)
+        # The public register_load_state_dict_pre_hook (newer torch) registers exactly this.
+        model._register_load_state_dict_pre_hook(watch.before, with_module=True)
+        model.register_load_state_dict_post_hook(watch.after)
+
+
+class _ModelLoads:
+    """A model's load hooks, for its :class:`MasterFiles` (held weakly): whether a load wrote every
+    parameter that trains (its version counter or address moved, or it was replaced)."""
+
+    def __init__(self, files: MasterFiles | None) -> None:
+        self._files = weakref.ref(files) if files is not None else lambda: None
+        self._before: dict[int, tuple[int, int]] | None = None
+
+    def before(self, module: torch.nn.Module, *_: Any) -> None:
+        self._before = {id(p): (p._version, p.data_ptr()) for p in module.parameters() if p.requires_grad}
+
+    def after(self, module: torch.nn.Module, _incompatible: Any) -> None:
+        # No pre-hook ran: load_checkpoint, which wrote every tensor.
+        files, before, self._before = self._files(), self._before, None
+        trained = [p for p in module.parameters() if p.requires_grad]
+        if files is not None and (before is None or all(before.get(id(p)) != (p._version, p.data_ptr())
+                                                        for p in trained)):
+            files.parameters_loaded()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A copied or pickled model takes its hooks along; they watch nothing there.
+        return _ModelLoads, (None,)
 
 
 def place_masters(setting: DiskTier | str | os.PathLike[str] | None, compute_dtype: torch.dtype | None,
