@@ -225,7 +225,8 @@ class BackwardGradients:
         storage = engine.slices[i].storage
         params = storage.params
         self._slice = (engine.gradients.begin(params, needed, self._into[i], engine.stays_on_device(params),
-                                              home=storage.gradient_home if self._homes else None)
+                                              home=storage.gradient_home if self._homes else None,
+                                              sparse_apart=not engine.milestones.rewrite_gradients)
                        if any(needed) else None)
 
     def add(self, param_grads: Sequence[torch.Tensor | None], others: Sequence[Any]) -> None:
@@ -267,9 +268,11 @@ class BackwardGradients:
     def __enter__(self) -> BackwardGradients:
         # Every slice's host buffer size before the first lands (GradientOffloader.expect).
         engine = self.run.engine
+        # A host average needs every gradient laid out dense (Note: [Sparse gradients take no room]).
         engine.gradients.expect(tuple(map(tuple, self.per_slice_needed)), lambda: (
             (s.storage.params, flags, engine.stays_on_device(s.storage.params))
-            for s, flags in zip(engine.slices, self.per_slice_needed)))
+            for s, flags in zip(engine.slices, self.per_slice_needed)),
+            sparse_apart=not engine.milestones.rewrite_gradients)
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:

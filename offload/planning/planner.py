@@ -28,6 +28,7 @@ from .shapes import ModelProfile
 from ..walk.slicing import partition
 from ..streams.pinned import size_class
 from ..streams.flat_views import ALIGN_ELEMENTS, ALIGNMENT, BUFFER_REGION_ALIGNMENT
+from ..streams.gradient_places import sparse_parameters
 from ..streams.host_storage import keeping_their_dtype
 from ..streams.quantized import state_tensors
 from ..streams.shadow_staging import STAGING_BUFFERS
@@ -58,6 +59,9 @@ class _Tensor:
     #: or instance norm: ``FLOAT32_LAYERS`` in ``offload/streams/host_storage.py``); as there, a
     #: tensor is kept when any layer of the slice that registers it is such a layer.
     keeps_dtype: bool = False
+    #: A parameter whose gradient comes sparse (``nn.Embedding(sparse=True)``): it takes no room
+    #: in the gradient buffers (Note: [Sparse gradients take no room] in ``gradient_places.py``).
+    sparse_gradient: bool = False
 
     @property
     def borrowed(self) -> bool:
@@ -265,6 +269,8 @@ class SliceLayout:
             autograd produces them (a tied weight's in its first layer).
         lent_gradient_bytes: per slice, as ``gradient_bytes``, of the trainable weights it holds
             that a later slice borrows (a weight tied across slices).
+        sparse_gradient_bytes: per slice, as ``gradient_bytes``, of those whose gradient comes
+            sparse: no buffer has room for them (their ``.grad``, indices and values, is not counted).
     """
 
     ranges: list[range]
@@ -287,10 +293,15 @@ class SliceLayout:
     cast_trainable_bytes: list[int] = field(default_factory=list)
     layer_gradient_bytes: list[int] = field(default_factory=list)
     lent_gradient_bytes: list[int] = field(default_factory=list)
+    sparse_gradient_bytes: list[int] = field(default_factory=list)
 
     @property
     def num_slices(self) -> int:
         return len(self.ranges)
+
+    @property
+    def _dense_gradient_bytes(self) -> list[int]:
+        return [g - s for g, s in zip(self.gradient_bytes, self.sparse_gradient_bytes or [0] * self.num_slices)]
 
     @property
     def _borrowed(self) -> list[list[tuple[int, int]]]:
@@ -304,7 +315,7 @@ class SliceLayout:
         with nothing else to send takes no buffer)."""
         borrowed = self._borrowed
         return [g + sum(b for _, b in tied) if g or any(holder >= resident for holder, _ in tied) else 0
-                for g, tied in zip(self.gradient_bytes[resident:], borrowed[resident:])]
+                for g, tied in zip(self._dense_gradient_bytes[resident:], borrowed[resident:])]
 
     def host_gradient_bytes(self, resident: int = 0) -> list[int]:
         """Per streamed slice, the host bytes its parameters' ``.grad`` keep: the gradients are
@@ -312,7 +323,7 @@ class SliceLayout:
         borrowed weight's place included. That weight's ``.grad`` is the holder's, or, with the
         masters on disk, in its last borrowing slice's buffer (:meth:`tied_gradients_off_file`)."""
         return [landing if own else 0
-                for own, landing in zip(self.gradient_bytes[resident:], self.landing_bytes(resident))]
+                for own, landing in zip(self._dense_gradient_bytes[resident:], self.landing_bytes(resident))]
 
     def tied_gradients_off_file(self, resident: int = 0, sized: Callable[[int], int] | None = None) -> int:
         """With the masters on disk: the RAM that ``.grad`` keep outside the gradient files where
@@ -393,6 +404,8 @@ def slice_layout(layers: nn.Module | Sequence[int] | int, *, num_slices: int = 8
         # A slot holds the slice in its device layout, buffers included, then what it borrows.
         device_bytes=[_laid_out(s, device_dtype) for s in slices],
         gradient_bytes=[sum(_align(t.numel * t.dtype.itemsize, ALIGNMENT) for t in s) for s in trained],
+        sparse_gradient_bytes=[sum(_align(t.numel * t.dtype.itemsize, ALIGNMENT) for t in s if t.sparse_gradient)
+                               for s in trained],
         state_bytes=[sum(states * t.numel * t.dtype.itemsize for t in s) for s in trained],
         tensor_bytes=[sum(t.numel * t.dtype.itemsize for t in s) for s in own],
         trainable_bytes=[sum(t.numel * t.dtype.itemsize for t in s) for s in trained],
@@ -418,7 +431,8 @@ def _layer_gradient_bytes(per_layer: list[list[_Tensor]], device_dtype: Callable
     seen: set[object] = set()
     result = []
     for layer in per_layer:
-        trained = [t for t in layer if t.is_parameter and t.trainable and (t.key is None or t.key not in seen)]
+        trained = [t for t in layer if t.is_parameter and t.trainable and not t.sparse_gradient
+                   and (t.key is None or t.key not in seen)]
         seen.update(t.key for t in trained)
         result.append(sum(t.numel * device_dtype(t).itemsize for t in trained))
     return result
@@ -427,7 +441,7 @@ def _layer_gradient_bytes(per_layer: list[list[_Tensor]], device_dtype: Callable
 def _borrowed_gradients(slices: list[list[_Tensor]]) -> list[list[tuple[int, int]]]:
     """Per slice, (holder's index, aligned gradient bytes) of each trainable weight it borrows."""
     return [[(t.holder, _align(t.numel * t.dtype.itemsize, ALIGNMENT))
-             for t in tensors if t.holder is not None and t.is_parameter and t.trainable]
+             for t in tensors if t.holder is not None and t.is_parameter and t.trainable and not t.sparse_gradient]
             for tensors in slices]
 
 
@@ -453,6 +467,8 @@ def _held_once(slices: list[list[_Tensor]]) -> list[list[_Tensor]]:
             mine.setdefault(key, dataclasses.replace(t, holder=held[key]) if key in held else t)
             if t.keeps_dtype and not mine[key].keeps_dtype:  # registered by a batch norm of this slice too
                 mine[key] = dataclasses.replace(mine[key], keeps_dtype=True)
+            if mine[key].sparse_gradient and not t.sparse_gradient:  # and read densely in this slice
+                mine[key] = dataclasses.replace(mine[key], sparse_gradient=False)
         for key in mine:
             held.setdefault(key, k)
         result.append(list(mine.values()))
@@ -532,13 +548,15 @@ def _layers(layers: nn.Module | Sequence[int], param_dtype: torch.dtype) -> list
             # An 8-bit weight that ran keeps its row scales on its layer (Note: [Quantized weights]).
             owners = {id(p): m for m in layer.modules() for p in m._parameters.values() if p is not None}
             kept = keeping_their_dtype([layer])  # the model's own test, so that the two cannot differ
+            sparse = sparse_parameters([layer])  # the model's own test too
             for is_parameter, source in ((True, layer.parameters()), (False, layer.buffers())):
                 for t in source:
                     if id(t) not in seen:
                         seen.add(id(t))
                         tensors.append(_Tensor(t.numel(), t.dtype, is_parameter,
                                                trainable=is_parameter and t.requires_grad, key=id(t),
-                                               keeps_dtype=is_parameter and id(t) in kept))
+                                               keeps_dtype=is_parameter and id(t) in kept,
+                                               sparse_gradient=is_parameter and id(t) in sparse))
                         tensors += [_Tensor(c.numel(), c.dtype, False, trainable=False, companion=True,
                                             key=(id(t), name))
                                     for name, c in state_tensors(t, f"a parameter of {type(layer).__name__}",

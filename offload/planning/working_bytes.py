@@ -134,9 +134,22 @@ class NodeBytes(TorchDispatchMode):
 def _new_storages(args: tuple, kwargs: dict | None, out: Any) -> dict[int, Any]:
     """The storages of an operation's outputs that none of its arguments has (a view's is its
     base's: made earlier, or a parameter's)."""
-    read = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+    read = {storage._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
+            for storage in _storages(t)}
     storages = {}
     for t in tree_flatten(out)[0]:
-        if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in read:
-            storages[t.untyped_storage()._cdata] = t.untyped_storage()
+        if isinstance(t, torch.Tensor):
+            storages.update((storage._cdata, storage) for storage in _storages(t) if storage._cdata not in read)
     return storages
+
+
+def _storages(t: torch.Tensor) -> list[Any]:
+    """The storages that hold a tensor's memory. A sparse one has none of its own: its indices
+    and values have theirs (``nn.Embedding(sparse=True)``'s gradient, made in backward)."""
+    if t.layout == torch.sparse_coo:
+        return [t._indices().untyped_storage(), t._values().untyped_storage()]
+    if t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return [t.crow_indices().untyped_storage(), t.col_indices().untyped_storage(), t.values().untyped_storage()]
+    if t.layout in (torch.sparse_csc, torch.sparse_bsc):
+        return [t.ccol_indices().untyped_storage(), t.row_indices().untyped_storage(), t.values().untyped_storage()]
+    return [t.untyped_storage()]

@@ -45,7 +45,8 @@ the host as soon as it lands (Note: [Gradients added in place] in
 A sparse gradient (``nn.Embedding(sparse=True)``) stays sparse: microbatches are summed as autograd
 sums them (``a + b`` of sparse tensors concatenates their entries), and its indices and values
 leave for the host in a pooled buffer of their own, so that autograd receives the sparse tensor
-it would have received from the plain model.
+it would have received from the plain model. Its parameter takes no room in the slice's buffers
+(Note: [Sparse gradients take no room] in ``gradient_places.py``).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ import torch
 from .backend import Event
 from .copies import CopyStreams
 from .flat_views import _align, empty_in_layout, typed_view
-from .gradient_places import GradientPlace, lay_out_gradients
+from .gradient_places import GradientPlace, SparseParameters, lay_out_gradients
 from .host_buffers import HostBuffer, HostBufferPool
 from .slice_entries import Entry
 
@@ -82,8 +83,10 @@ class SliceGradients:
         held: the first microbatch's gradients, as autograd produced them (in the compute dtype,
             under one), until a second microbatch needs a device buffer to sum into; cast to the
             parameters' dtypes where they are read as such (:meth:`device_tensors`).
-        sparse: per parameter, its sparse gradient summed over microbatches so far, or ``None``;
-            such a parameter is not :attr:`received` (that is the dense gradients').
+        apart: per parameter, its gradient that travels apart from the slice's buffer, summed over
+            microbatches so far (out of place), or ``None``: a sparse one, or a dense one whose
+            place takes no room (Note: [Sparse gradients take no room]); such a parameter is not
+            :attr:`received` (that is the gradients in the buffer's).
         sums: once summing started, per parameter its view into the device buffer.
         nbytes: bytes of all needed gradients laid out by :attr:`places`.
         reduced: an event the offload waits for: a collective still rewriting the device
@@ -102,7 +105,7 @@ class SliceGradients:
     offloader: GradientOffloader
     received: list[bool] = field(init=False)
     held: list[torch.Tensor | None] = field(init=False)
-    sparse: list[torch.Tensor | None] = field(init=False)
+    apart: list[torch.Tensor | None] = field(init=False)
     sums: list[torch.Tensor | None] | None = None
     buffer_index: int | None = None
     reduced: Event | None = None
@@ -113,22 +116,28 @@ class SliceGradients:
     def __post_init__(self) -> None:
         self.received = [False] * len(self.places)
         self.held = [None] * len(self.places)
-        self.sparse = [None] * len(self.places)
+        self.apart = [None] * len(self.places)
 
     def add(self, grads: Sequence[torch.Tensor | None]) -> None:
         """Add one microbatch's gradients (aligned with :attr:`places`)."""
         incoming = [(j, g) for j, g in enumerate(grads) if g is not None and self.places[j] is not None]
+        apart: set[int] = set()
         for j, g in incoming:
-            if g.is_sparse != (self.sparse[j] is not None) and (self.received[j] or self.sparse[j] is not None):
+            earlier = self.apart[j]
+            mixed = g.is_sparse != (earlier is not None and earlier.is_sparse)
+            if mixed and (self.received[j] or earlier is not None):
                 raise RuntimeError(
                     f"a parameter received a sparse gradient from one microbatch and a dense one from another "
                     f"(parameter {j} of its slice); OffloadModel sums a parameter's microbatch gradients in one "
                     "layout. Use num_microbatches=1, or the same sparse setting for every use of the parameter.")
-            if g.is_sparse:
-                g = g.to(self.places[j].dtype)  # type: ignore[union-attr]
-                # Autograd's own sum of sparse gradients (AccumulateGrad's `grad += new`).
-                self.sparse[j] = g if self.sparse[j] is None else self.sparse[j] + g
-        incoming = [(j, g) for j, g in incoming if not g.is_sparse]
+            place = self.places[j]
+            assert place is not None
+            if g.is_sparse or place.sparse:
+                apart.add(j)
+                g = g.to(place.dtype)
+                # Autograd's own sum (AccumulateGrad's `grad += new`): out of place, in the parameter's dtype.
+                self.apart[j] = g if earlier is None else earlier + g
+        incoming = [(j, g) for j, g in incoming if j not in apart]
         if self.sums is None and not any(self.received):
             for j, g in incoming:
                 self.held[j] = g  # cast where it is read in the parameter's dtype (Note: [Gradients in the compute dtype])
@@ -153,7 +162,7 @@ class SliceGradients:
             dense = [s if got else None for s, got in zip(self.sums, self.received)]
         else:
             dense = self.held_as_placed()
-        return [g if g is not None else d for g, d in zip(self.sparse, dense)]
+        return [g if g is not None else d for g, d in zip(self.apart, dense)]
 
     def held_as_placed(self, copied_home: Sequence[bool] = ()) -> list[torch.Tensor | None]:
         """The held gradients in their parameters' dtypes, cast on the device (and kept so), but
@@ -167,7 +176,7 @@ class SliceGradients:
 
     def _start_summing(self) -> None:
         self.buffer_index, flat = self.offloader._claim_buffer(self.nbytes)
-        self.sums = [place.view(flat) if place is not None else None for place in self.places]
+        self.sums = [place.view(flat) if place is not None and not place.sparse else None for place in self.places]
         pairs = [(s, h) for s, h in zip(self.sums, self.held) if s is not None and h is not None]
         if pairs:
             torch._foreach_copy_([s for s, _ in pairs], [h for _, h in pairs])
@@ -232,6 +241,7 @@ class GradientOffloader:
         # gradients added into .grad on landing pass through (see offload()).
         self._max_nbytes = 0
         self._expected: Any = None  # the last key expect() sized the buffers for
+        self._sparse = SparseParameters()  # which gradients come sparse, per slice
         #: Whether a slice's gradients cast on the device leave in one copy (Note: [One copy per
         #: slice]); ``OFFLOAD_GRADIENT_GATHER=0`` sends them one copy per tensor, for comparison.
         self.gather = os.environ.get(GATHER_ENV_VAR, "1") != "0"
@@ -243,12 +253,15 @@ class GradientOffloader:
 
     def begin(self, entries: Sequence[Entry], needed: Sequence[bool],
               into: Sequence[torch.Tensor | None] | None = None,
-              keep: Sequence[bool] | None = None, home: GradientHome | None = None) -> SliceGradients:
+              keep: Sequence[bool] | None = None, home: GradientHome | None = None,
+              sparse_apart: bool = True) -> SliceGradients:
         """Start collecting one slice's gradients for the parameters in ``needed``; those with a
         tensor in ``into`` are added into it on the host once they landed (see :meth:`accumulate`);
         those ``keep`` marks stay on the device (:meth:`offload` keeps them there); the others go
-        to ``home`` where it can take them (Note: [Gradients on disk])."""
-        places, offset = lay_out_gradients(entries, needed)
+        to ``home`` where it can take them (Note: [Gradients on disk]). With ``sparse_apart``, a
+        parameter whose gradient comes sparse takes no room in the buffers (Note: [Sparse
+        gradients take no room]); without, every one is laid out dense."""
+        places, offset = lay_out_gradients(entries, needed, self._sparse.of(entries) if sparse_apart else ())
         self._note_size(offset, needed, keep)
         grads = SliceGradients(places, offset, self, keep=list(keep) if keep is not None and any(keep) else None,
                                home=home)
@@ -257,7 +270,8 @@ class GradientOffloader:
         return grads
 
     def expect(self, key: Any, slices: Callable[[], Iterable[tuple[Sequence[Entry], Sequence[bool],
-                                                                   Sequence[bool] | None]]]) -> None:
+                                                                   Sequence[bool] | None]]],
+               sparse_apart: bool = True) -> None:
         """Size the host buffers for every slice a backward is about to send (each as ``entries``,
         ``needed`` and ``keep`` that :meth:`begin` takes) before the first of them lands. Buffers
         taken while the largest slice was still unseen would be smaller ones, held beside the
@@ -265,13 +279,15 @@ class GradientOffloader:
         steps than in the others, and than the planner counts. ``key`` says which gradients the
         backward needs: the slices are laid out again only when it changes (the size only grows,
         and :meth:`begin` notes each slice's as well, so a key that misses a change costs memory
-        in the first steps after it, never correctness)."""
-        if key == self._expected:
+        in the first steps after it, never correctness). ``sparse_apart`` is :meth:`begin`'s."""
+        if (key, sparse_apart) == self._expected:
             return
-        self._expected = key
+        self._expected = (key, sparse_apart)
+        self._sparse.clear()  # those of slices laid out anew since go
         for entries, needed, keep in slices():
             if any(needed):
-                self._note_size(lay_out_gradients(entries, needed)[1], needed, keep)
+                sparse = self._sparse.of(entries) if sparse_apart else ()
+                self._note_size(lay_out_gradients(entries, needed, sparse)[1], needed, keep)
 
     def _note_size(self, nbytes: int, needed: Sequence[bool], keep: Sequence[bool] | None) -> None:
         if keep is None or not all(k for k, want in zip(keep, needed) if want):
@@ -294,16 +310,16 @@ class GradientOffloader:
         """Start copying a slice's finished gradients to a host buffer (a resident slice's stay
         on the device: :meth:`_keep`)."""
         kept = self._keep(grads) if grads.keep is not None else {}
-        if not any(grads.received) and all(g is None for g in grads.sparse):
+        if not any(grads.received) and all(g is None for g in grads.apart):
             return PendingGradients([kept.get(j) for j in range(len(grads.places))], None, grads.into)
         host_views: list[torch.Tensor | None] = [None] * len(grads.places)
         ready: Event | None = None
         # Each copy below runs on the offload stream after the one before: the last one's ready
         # event says that all of them have landed.
-        for j, g in enumerate(grads.sparse):
-            if g is not None:
-                host_views[j], ready = self._offload_sparse(g, grads.reduced, label)
-        grads.sparse = [None] * len(grads.places)
+        for j, (g, place) in enumerate(zip(grads.apart, grads.places)):
+            if g is not None and place is not None:
+                host_views[j], ready = self._offload_sparse(g, place, grads.reduced, label)
+        grads.apart = [None] * len(grads.places)
         home, discard = _taking_home(grads)
         landing: list[torch.Tensor | None] | None = None
         if any(grads.received):
@@ -383,8 +399,8 @@ class GradientOffloader:
         assert grads.keep is not None
         kept: dict[int, torch.Tensor] = {}
         dense = grads.device_tensors()
-        pairs = [(j, place) for j, (place, got, keep) in enumerate(zip(grads.places, grads.received, grads.keep))
-                 if place is not None and got and keep]
+        pairs = [(j, place) for j, (place, g, keep) in enumerate(zip(grads.places, dense, grads.keep))
+                 if place is not None and g is not None and not g.is_sparse and keep]
         for j, place in pairs:
             kept[j] = empty_in_layout(place.shape, place.stride, place.dtype, self.copies.device)
         if pairs:
@@ -393,15 +409,22 @@ class GradientOffloader:
         for j, keep in enumerate(grads.keep):
             if not keep:
                 continue
-            if grads.sparse[j] is not None:
-                kept[j] = grads.sparse[j]  # type: ignore[assignment]  # summed out of place: its own memory
-            grads.received[j], grads.held[j], grads.sparse[j] = False, None, None
+            apart = grads.apart[j]
+            if apart is not None and apart.is_sparse:
+                kept[j] = apart  # summed out of place: its own memory
+            grads.received[j], grads.held[j], grads.apart[j] = False, None, None
         return kept
 
-    def _offload_sparse(self, grad: torch.Tensor, reduced: Event | None, label: str
+    def _offload_sparse(self, grad: torch.Tensor, place: GradientPlace, reduced: Event | None, label: str
                         ) -> tuple[torch.Tensor, Event | None]:
-        """Start copying a sparse gradient's indices and values into one pooled host buffer;
-        returns the host sparse tensor over them (valid once the event completes)."""
+        """Start copying a gradient that travels apart from its slice's buffer into a pooled host
+        buffer of its own: a sparse one's indices and values, or a dense one of a parameter laid
+        out as sparse (Note: [Sparse gradients take no room]), in its parameter's layout; returns
+        the host tensor (valid once the event completes)."""
+        if not grad.is_sparse:
+            host = self.pool.take(_nbytes(grad))
+            view = typed_view(host.data, 0, grad.dtype, grad.shape, place.stride)
+            return view, self.copies.offload_many([view], [grad], after=(host.read_event, reduced), label=label)
         indices, values = grad._indices(), grad._values()
         values_offset = _align(indices.numel() * indices.element_size())
         host = self.pool.take(values_offset + values.numel() * values.element_size())
