@@ -209,6 +209,28 @@ def test_ranks_that_refuse_the_model_give_its_layers_back(monkeypatch):
     assert_trains_as_a_fresh_model(model)
 
 
+def test_a_loader_whose_read_fails_gives_back_the_space_its_build_took(tmp_path, monkeypatch):
+    """load_sequential builds the slices, then reads the checkpoint into them: a read that fails
+    (a shard missing or unreadable) gives the masters' files back while the caller holds the error."""
+    import offload
+    from safetensors.torch import save_file
+    from offload.loading import sequential
+    save_file(layers().state_dict(), str(tmp_path / "weights.safetensors"))
+
+    def failing_read(self, model):
+        raise OSError(errno.EIO, "Input/output error (simulated)")
+
+    monkeypatch.setattr(sequential._Plan, "read", failing_read)
+    masters = tmp_path / "masters"
+    with pytest.raises(OSError, match="simulated") as raised:
+        offload.load_sequential(layers, tmp_path / "weights.safetensors", "cpu", num_slices=3, compute_dtype=BF16,
+                                masters=DiskTier(masters))
+    assert blocks_held_in(masters) in (None, 0)
+    del raised
+    gc.collect()
+    assert mappings_in(masters) == [] and blocks_held_in(masters) is None
+
+
 def failing_slots(*args, **kwargs):
     raise torch.OutOfMemoryError("CUDA out of memory (simulated) for the device slots")
 

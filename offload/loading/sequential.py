@@ -45,6 +45,7 @@ from torch import nn
 
 from ..model import OffloadModel, engine_of
 from ..streams.host_storage import filled_by_caller
+from ..streams.take_in import given_back_on_failure
 from ..streams.quantized import is_4bit_weight
 from .four_bit import read_quantized, unquantized_shape
 from .safetensors_files import SafetensorsCheckpoint
@@ -152,8 +153,11 @@ def build_from_checkpoint(
     plan.settle_ties(layers, untie=untie_differing_copies)
     with filled_by_caller():
         model = OffloadModel(layers, device, **options)
-    plan.compute_buffers(init_buffers)
-    plan.read(model)
+    # A read that fails (a missing shard, a full disk for the masters) gives back what the build
+    # took: the caller holding the error holds no host buffer or file (Note: [A build that raises]).
+    with given_back_on_failure(model._engine.slices):
+        plan.compute_buffers(init_buffers)
+        plan.read(model)
     return model
 
 
