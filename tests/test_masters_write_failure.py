@@ -69,13 +69,7 @@ def test_saves_are_refused_until_a_load_and_keep_last_keeps_the_checkpoint_to_re
     train([(model, optimizer)], 2)
     save_checkpoint(directory / "step-2", model, optimizer, keep_last=1)
     failed = fail_once(monkeypatch, what)
-    errors = []
-    for step in range(2, 5):  # a loop that catches what is raised, goes on, and saves every step
-        try:
-            train([(model, optimizer)], 1, first=step)  # step() is not refused
-            save_checkpoint(directory / f"step-{step + 1}", model, optimizer, keep_last=1)
-        except (DiskTierError, RuntimeError) as error:
-            errors.append(error)
+    errors = train_and_save_catching(model, optimizer, directory)
     index, reload = slice_of(model, failed[0]), re.escape(f"load_checkpoint({str(directory / 'step-2')!r}, model, "
                                                           "optimizer)")
     # Masters: raised by the save's wait. Gradients: by the next step(), which updated nothing.
@@ -154,6 +148,30 @@ def refused(model: OffloadModel, file: mapped.MappedFile, reload: str, doing: st
             rf"of them may revert.* {doing} would use that mix; load the last checkpoint first \({re.escape(reload)}, or")
 
 
+def train_and_save_catching(model, optimizer, directory) -> list[Exception]:
+    """Steps 3 to 5 as a loop that catches what is raised, goes on and saves every step (step() is
+    not refused); what it caught."""
+    errors = []
+    for step in range(2, 5):
+        try:
+            train([(model, optimizer)], 1, first=step)
+            save_checkpoint(directory / f"step-{step + 1}", model, optimizer, keep_last=1)
+        except (DiskTierError, RuntimeError) as error:
+            errors.append(error)
+    return errors
+
+
+def saved_at_step_two(tmp_path):
+    """A model with masters on disk and its optimizer, saved after two steps into ``ckpt/step-2``
+    and trained one step more; the checkpoints' directory."""
+    model, optimizer = build(tmp_path / "m")
+    directory = tmp_path / "ckpt"
+    train([(model, optimizer)], 2)
+    save_checkpoint(directory / "step-2", model, optimizer, keep_last=1)
+    train([(model, optimizer)], 1, first=2)
+    return model, optimizer, directory
+
+
 def resume(checkpoint, model, optimizer, tmp_path) -> None:
     """Load ``checkpoint`` (``step-2``) into the model and a new one, train both on and save with
     ``keep_last=1``: the save goes through, deletes the checkpoint, and the two agree."""
@@ -174,13 +192,7 @@ def test_a_failed_write_back_in_a_forwards_cast_is_raised_there_and_latched(tmp_
     train([(model, optimizer)], 2)
     save_checkpoint(directory / "step-2", model, optimizer, keep_last=1)
     failed = fail_once(monkeypatch, "masters", CALLER)
-    errors = []
-    for step in range(2, 5):  # a loop that catches what is raised, goes on, and saves every step
-        try:
-            train([(model, optimizer)], 1, first=step)  # step() is not refused
-            save_checkpoint(directory / f"step-{step + 1}", model, optimizer, keep_last=1)
-        except (DiskTierError, RuntimeError) as error:
-            errors.append(error)
+    errors = train_and_save_catching(model, optimizer, directory)
     # The forward raised it; the next step()s went on (they raise it no second time); the saves refused.
     assert [type(error) for error in errors] == [DiskTierError, RuntimeError, RuntimeError]
     assert re.search(raised_at_once(failed[0]), str(errors[0]))
@@ -196,11 +208,7 @@ def test_a_failed_write_back_in_a_forwards_cast_is_raised_there_and_latched(tmp_
 
 def test_a_failed_write_back_in_save_checkpoints_release_of_the_masters_is_latched(tmp_path, monkeypatch):
     # DCP read every slice's masters in; the save writes each back once it is done with it.
-    model, optimizer = build(tmp_path / "m")
-    directory = tmp_path / "ckpt"
-    train([(model, optimizer)], 2)
-    save_checkpoint(directory / "step-2", model, optimizer, keep_last=1)
-    train([(model, optimizer)], 1, first=2)
+    model, optimizer, directory = saved_at_step_two(tmp_path)
     failed = fail_once(monkeypatch, "masters", CALLER)
     with pytest.raises(CheckpointError, match="could not save checkpoint .*could not write the masters of a slice"):
         save_checkpoint(directory / "step-3", model, optimizer, keep_last=1)
@@ -218,11 +226,7 @@ def test_a_failed_write_back_in_save_checkpoints_release_of_the_masters_is_latch
 def test_a_failed_write_back_at_the_end_of_load_checkpoint_outlasts_that_load(tmp_path, monkeypatch):
     # The load replaced the state and the parameters, which would end a latch set before it; its
     # last act writes the masters it loaded back, and that failure is after it.
-    model, optimizer = build(tmp_path / "m")
-    directory = tmp_path / "ckpt"
-    train([(model, optimizer)], 2)
-    save_checkpoint(directory / "step-2", model, optimizer, keep_last=1)
-    train([(model, optimizer)], 1, first=2)
+    model, optimizer, directory = saved_at_step_two(tmp_path)
     release, armed = loader._release_masters, []
 
     def failing_release(model):
