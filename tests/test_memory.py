@@ -726,15 +726,22 @@ def test_with_the_masters_on_disk_a_holder_beside_other_gradients_lands_in_ram(t
     sum (Note: [A tied weight's gradients summed in place]), not in one of the largest slice's size
     and let go. A borrowing slice's file has no place for what it borrows: its own .grad keep its
     buffer in RAM, the last borrower's the sum too."""
-    profile = profile_layers(_tied_across(layout, vocab), lambda: torch.zeros(4, 8, dtype=torch.long),
-                             compute_dtype=torch.bfloat16)
-    plan = estimate_memory(_tied_across(layout, vocab), num_slices=num_slices, compute_dtype=torch.bfloat16,
-                           device="cpu", masters="disk", profile=profile, resident_slices=resident)
-    model = OffloadModel(_tied_across(layout, vocab), device="cpu", num_slices=num_slices,
-                         compute_dtype=torch.bfloat16, masters=DiskTier(tmp_path), resident_slices=resident)
     borrowers = {str(k) for k, layer in enumerate(_tied_across(layout, vocab))
                  if isinstance(layer, (TiedHead, TiedScores))}
-    assert "1" in model.partition[0] and not borrowers & set(model.partition[0])  # a linear layer beside the holder
+    partition = _planned_as_trained_on_disk(lambda: _tied_across(layout, vocab), vocab, num_slices, tmp_path,
+                                            resident)
+    assert "1" in partition[0] and not borrowers & set(partition[0])  # a linear layer beside the holder
+
+
+def _planned_as_trained_on_disk(make: Callable[[], nn.Sequential], vocab: int, num_slices: int, tmp_path: Path,
+                                resident: int = 0) -> tuple[tuple[str, ...], ...]:
+    """Check estimate_memory with the masters on disk against the footprint of ``make()`` trained
+    three steps, category by category; return the model's partition."""
+    profile = profile_layers(make(), lambda: torch.zeros(4, 8, dtype=torch.long), compute_dtype=torch.bfloat16)
+    plan = estimate_memory(make(), num_slices=num_slices, compute_dtype=torch.bfloat16,
+                           device="cpu", masters="disk", profile=profile, resident_slices=resident)
+    model = OffloadModel(make(), device="cpu", num_slices=num_slices,
+                         compute_dtype=torch.bfloat16, masters=DiskTier(tmp_path), resident_slices=resident)
     # Three steps, not two: the first lands the holder's gradients in its file (nothing refers to it
     # yet) through a buffer of the largest slice's size, which later steps do not take; the pool
     # lets it go at the end of the third (HostBufferPool.end_step), leaving the steady state.
@@ -758,6 +765,53 @@ def test_with_the_masters_on_disk_a_holder_beside_other_gradients_lands_in_ram(t
     # After the step the boundary activations' buffers are idle, which the plan counts as in use.
     assert plan.host_pool == footprint.host_pool
     assert plan.host_total == footprint.host_total
+    return model.partition
+
+
+class TiedMix(nn.Module):
+    """A layer with no parameters of its own that computes with an embedding's weight."""
+
+    def __init__(self, embedding: nn.Embedding) -> None:
+        super().__init__()
+        self.weight = embedding.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(x @ self.weight.t()) @ self.weight
+
+
+class _TwoTables(nn.Module):
+    """Two embeddings in one layer, summed: one slice holds two weights that later slices borrow."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.first, self.second = nn.Embedding(vocab, 32), nn.Embedding(vocab, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.first(x) + self.second(x)
+
+
+def _lent_by_one_slice(layout: str, vocab: int) -> nn.Sequential:
+    """A layer of two embeddings, each weight borrowed by a later layer without parameters of its
+    own: the two borrowers apart, together in one layer, or apart with the embeddings' layer
+    training a linear layer too."""
+    torch.manual_seed(0)
+    tables = _TwoTables(vocab)
+    first, second = TiedMix(tables.first), TiedMix(tables.second)
+    holder = nn.Sequential(tables, nn.Linear(32, 32)) if layout == "holder-trains" else tables
+    if layout == "together":
+        return nn.Sequential(holder, nn.Linear(32, 32), nn.Tanh(), nn.Sequential(first, second))
+    return nn.Sequential(holder, first, nn.Linear(32, 32), nn.Tanh(), second)
+
+
+@pytest.mark.parametrize("layout", ["apart", "together", "holder-trains"])
+def test_with_the_masters_on_disk_two_weights_lent_by_one_slice_are_summed_each_in_ram(tmp_path, layout):
+    """Each tied weight is summed in its own last borrowing slice's buffer (Note: [A tied weight's
+    gradients summed in place]), which its .grad keeps in RAM: two weights of one holder, borrowed
+    by two slices, are two such buffers, not one for the holder; borrowed by one slice, one buffer
+    with a place for each."""
+    layers = len(_lent_by_one_slice(layout, 500))
+    partition = _planned_as_trained_on_disk(lambda: _lent_by_one_slice(layout, 500), 500, layers, tmp_path)
+    assert partition == tuple((str(k),) for k in range(layers))  # each layer a slice of its own
 
 
 def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
