@@ -117,6 +117,24 @@ def test_merged_adapters_save_the_whole_model_again(tmp_path):
         torch.testing.assert_close(reloaded(input_ids=IDS).logits, logits, **EXACT)
 
 
+def test_a_wrapped_peft_model_merged_after_training_saves_the_whole_model(tmp_path):
+    # Wrapped as a PeftModel, the adapters trained, then merged: save_pretrained (and the Trainer's
+    # save_model, with its state_dict) writes the merged model, not the emptied PeftModel's adapter folder.
+    model = OffloadedCausalLM(lora(llama()), device="cpu", num_slices=2)
+    trained(model)
+    model.peft_model.merge_and_unload()
+    with torch.no_grad():
+        logits = model(input_ids=IDS).logits
+    model.save_pretrained(tmp_path / "direct")
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "run"), use_cpu=True, report_to=[])
+    transformers.Trainer(model=model, args=args).save_model(str(tmp_path / "trainer"))
+    for saved in ("direct", "trainer"):
+        assert "adapter_config.json" not in os.listdir(tmp_path / saved)
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / saved)
+        with torch.no_grad():
+            torch.testing.assert_close(reloaded(input_ids=IDS).logits, logits, **EXACT)
+
+
 def test_state_dict_and_checkpoints_of_adapters_added_after_wrapping_round_trip(tmp_path):
     model = OffloadedCausalLM(llama(), device="cpu", num_slices=2)
     lora(model.hf_model)

@@ -332,7 +332,8 @@ class OffloadedCausalLM(PreTrainedModel):
         for the shards: one a slice, written from the host copies themselves, no copy of the model
         made (:func:`~offload.integrations.transformers_saving.save_causal_lm`). A PEFT model writes
         its adapters instead (``PeftModel.save_pretrained``), one injected after wrapping as its PeftModel
-        would (Note: [Around the stages] in ``causal_lm_guards.py``). A ``state_dict`` is written as the
+        would (Note: [Around the stages] in ``causal_lm_guards.py``); once ``merge_and_unload()`` took
+        the adapters out, the whole model is written, however they were added. A ``state_dict`` is written as the
         model's (or the PeftModel's) ``save_pretrained`` writes one: those tensors, under its names.
 
         Raises:
@@ -342,7 +343,7 @@ class OffloadedCausalLM(PreTrainedModel):
         if not is_main_process:
             return
         self.offloaded._settle()
-        if self.peft_model is not None:
+        if self.peft_model is not None and causal_lm_guards.holds_adapters(self.hf_model):
             self.peft_model.save_pretrained(save_directory, *args, state_dict=state_dict, **kwargs)
         elif (adapters := causal_lm_guards.injected_adapters(self.hf_model)) is not None:  # Note: [Around the stages]
             causal_lm_guards.save_injected_adapter(self.hf_model, adapters, save_directory, args, state_dict, kwargs)

@@ -192,6 +192,17 @@ peft_config = property(_peft_config, _refuse_peft_around)
 
 # -- rule 4: adapters injected after wrapping ------------------------------------------------------
 
+def holds_adapters(hf_model: nn.Module) -> bool:
+    """Whether ``hf_model`` holds a PEFT layer (an adapter, or ``modules_to_save``' wrapper): none
+    once ``merge_and_unload()`` or ``unload()`` took them out. Reads every module: for saving."""
+    if sys.modules.get("peft") is None:
+        return False
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper
+
+    return any(isinstance(module, (BaseTunerLayer, AuxiliaryTrainingWrapper)) for module in hf_model.modules())
+
+
 def injected_adapters(hf_model: nn.Module) -> Mapping[str, Any] | None:
     """The configs of the PEFT adapters injected into ``hf_model`` (adapter name -> config), or ``None``
     when it holds no PEFT layer (rule 4 of Note: [Around the stages]). Reads every module: for saving.
@@ -199,13 +210,7 @@ def injected_adapters(hf_model: nn.Module) -> Mapping[str, Any] | None:
     Raises:
         ValueError: PEFT layers without PEFT's configs beside them, which no ``PeftModel`` could save.
     """
-    peft = sys.modules.get("peft")
-    if peft is None:
-        return None
-    from peft.tuners.tuners_utils import BaseTunerLayer
-    from peft.utils.other import AuxiliaryTrainingWrapper
-
-    if not any(isinstance(module, (BaseTunerLayer, AuxiliaryTrainingWrapper)) for module in hf_model.modules()):
+    if not holds_adapters(hf_model):
         return None  # merged and unloaded, say: the model's own folder holds it
     configs = hf_model.__dict__.get("peft_config")  # PEFT's tuners set it on the model they inject into
     if not isinstance(configs, Mapping) or not configs:
