@@ -115,6 +115,14 @@ def test_other_quantisations_are_refused(checkpoint, settings):
         load_causal_lm(checkpoint, "cpu", quantization_config=transformers.BitsAndBytesConfig(**settings))
 
 
+def test_an_8bit_config_is_refused_in_one_line_that_names_it(checkpoint):
+    with pytest.raises(ValueError) as refused:
+        load_causal_lm(checkpoint, "cpu", quantization_config=transformers.BitsAndBytesConfig(load_in_8bit=True))
+    message = str(refused.value)
+    assert "\n" not in message and "got a BitsAndBytesConfig(load_in_8bit=True);" in message
+    assert message.endswith("load other quantisations with from_pretrained and wrap the model")
+
+
 @pytest.mark.parametrize("flags", [[], ["--lora-r", "2", "--forward-only"]], ids=["load", "adapters and a forward"])
 def test_bench_qlora_loading_records_the_peak(tmp_path, flags):
     out = tmp_path / "loading.json"

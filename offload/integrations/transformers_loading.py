@@ -250,12 +250,20 @@ def _refuse_saved_quantized(path: str | os.PathLike[str], config: Any) -> None:
     )
 
 
+def _named(quantization_config: Any) -> str:
+    """A quantisation config in a few words: its repr is the whole config, dozens of lines."""
+    if isinstance(quantization_config, BitsAndBytesConfig):
+        return "a BitsAndBytesConfig(load_in_8bit=True)" if quantization_config.load_in_8bit else \
+            "a BitsAndBytesConfig without load_in_4bit"
+    return f"a {type(quantization_config).__name__}"
+
+
 def _quantize_on_meta(hf_model: nn.Module, quantization_config: Any) -> None:
     """Make the meta model's linear layers 4-bit ones of the shapes a real quantisation gives, and
     mark the model as ``from_pretrained`` marks a 4-bit one (PEFT reads the marks)."""
     if not isinstance(quantization_config, BitsAndBytesConfig) or not quantization_config.load_in_4bit:
         raise ValueError(f"quantization_config must be a BitsAndBytesConfig(load_in_4bit=True, ...), got "
-                         f"{quantization_config!r}; load other quantisations with from_pretrained and wrap the model")
+                         f"{_named(quantization_config)}; load other quantisations with from_pretrained and wrap the model")
     if quantization_config.llm_int8_skip_modules is not None or quantization_config.bnb_4bit_quant_storage != torch.uint8:
         raise ValueError("load_causal_lm quantises every linear layer but the head, into uint8 storage: leave "
                          "llm_int8_skip_modules and bnb_4bit_quant_storage unset, or load with from_pretrained")
