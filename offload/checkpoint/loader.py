@@ -9,6 +9,7 @@ hold: saving (``saver.py``), or which ranks take part (``ranks.py``).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import hashlib
@@ -109,15 +110,16 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     _check_arguments("load_checkpoint", model, optimizer)
     group, rank, world_size = _group(model, optimizer, process_group)
     files = _master_files(model)
-    if files is not None:  # a write-back that failed, not raised yet: latched, not raised (the load replaces it)
-        files.replaced()
-    # Each rank checks what it reads before any collective; a refusal on one is said on every rank,
-    # and so are checkpoints that differ between ranks, which would resume each from another step.
-    path, extra_read, metadata, model_state, extra_states, names, groups, state, wanted, on_disk, _ = _agreed(
-        group, lambda: _checked_load(path, model, optimizer, rank, world_size), "loaded",
-        same=lambda loaded: loaded[-1], differ=functools.partial(_other_checkpoints, path))
+    # A write-back that failed, not raised yet, is latched, not raised, once the checks pass (the load
+    # replaces what it may revert); a refused load leaves it to be raised.
+    with files.replacing() if files is not None else contextlib.nullcontext():
+        # Each rank checks what it reads before any collective; a refusal on one is said on every rank,
+        # and so are checkpoints that differ between ranks, which would resume each from another step.
+        path, extra_read, metadata, model_state, extra_states, names, groups, state, wanted, on_disk, _ = _agreed(
+            group, lambda: _checked_load(path, model, optimizer, rank, world_size), "loaded",
+            same=lambda loaded: loaded[-1], differ=functools.partial(_other_checkpoints, path))
+        packed = _check_packed(path, metadata, model_state, state, group)
     rng_key = f"rng/{rank}"
-    packed = _check_packed(path, metadata, model_state, state, group)
     stored = _read_data(path, model, optimizer, state, on_disk, group)
     set_unreached(model, packed, state)  # the model whole before anything else can raise
 

@@ -84,9 +84,9 @@ Note: [An update that failed part way]
        write-back failed do not end its latch, wherever it is latched: the end of
        ``load_checkpoint`` writes back the masters it loaded, after its own load of the state.
        The model keeps every such failure too (``MasterFiles.failures``, its saves refused until
-       a load of its parameters): at its first look an optimizer built after one takes those
-       since the model's last load of its parameters as its own, and names the model's last
-       checkpoint saved with an optimizer's state when it was saved into none itself.
+       a load of its slice's parameters): at its first look an optimizer built after one takes
+       those the model latches still as its own, and names the model's last checkpoint saved
+       with an optimizer's state when it was saved into none itself.
 """
 
 from __future__ import annotations
@@ -222,14 +222,13 @@ class PartialFailure:
     def _latch_unwritten(self, engine: Any) -> None:
         """Latch the write-backs of ``engine``'s masters or gradients that failed since the last look
         (rule 7): nothing to look at while none failed in this process. At the first look, those
-        the model latched (since the last load of its parameters): an optimizer built after a
-        failure inherits it."""
+        the model latches still (no load replaced their slices' parameters since): an optimizer
+        built after a failure inherits it."""
         self._files = files = engine.master_files
         latest = failed_write_backs()
         if files is None or latest == self._unwritten_seen:
             return
-        seen = files.loaded_at if self._unwritten_seen is None else self._unwritten_seen
-        self._unwritten_seen = latest
+        seen, self._unwritten_seen = self._unwritten_seen, latest
         records = {index: r for index, r in files.failures(engine.slices, seen).items() if r.number <= latest}
         if records:
             self.unwritten(latched_text(records),

@@ -51,20 +51,31 @@ Note: [Masters on disk]
     ``offload/optimizing/partial_failure.py``): the optimizer's ``state_dict()`` and
     ``save_checkpoint`` refuse until a load, so that no checkpoint holds values that may revert and
     ``keep_last`` never deletes the one to reload, which the error names when the optimizer was
-    saved into it since its last load. The model keeps the failures too (numbered with the
-    storages', :meth:`MasterFiles.failures`): any ``save_checkpoint`` of it refuses until a load
-    of every parameter that trains (``load_checkpoint``, or its ``load_state_dict()``: the hooks
-    of :func:`watch_loads`), naming its last checkpoint saved before the failure (none
-    is saved after it), and an optimizer built after the failure takes it as its own. A load
-    (``load_checkpoint``) drops the failed writes not raised yet instead of raising them
-    (:meth:`MasterFiles.replaced`): it replaces what they may revert. A write-back the slice's storage does itself, on the
-    calling thread (a forward that casts a stale shadow, a checkpoint once it is done with the
-    slice), is raised at once and latched the same way, at the optimizer's next ``step()``,
-    ``state_dict()`` or save (Note: [A write-back outside the masters' writer] in
-    ``offload/streams/masters_io.py``). The files are preallocated, so a full disk shows when the
-    model is built. A slice that a rank of a sharded update only receives is not read in ahead: the
-    exchange reads its pages in where it writes them (a read error there is a ``SIGBUS``, as for
-    your own reads of a parameter).
+    saved into it since its last load. The model keeps the failures too, by slice (numbered with
+    the storages', :meth:`MasterFiles.failures`): any ``save_checkpoint`` of it refuses while one
+    is latched, naming its last checkpoint saved before the failure (none is saved after it), and
+    an optimizer built after the failure takes those latched as its own. A slice's failure ends
+    with a load after it that wrote every parameter of that slice that trains (``requires_grad``:
+    only an update changes one, so only those may hold what the file does not), whatever else
+    the load wrote or left out. So ``load_checkpoint``, or a ``load_state_dict()`` of every
+    parameter that trains, ends them all; a ``load_state_dict()`` of a part (``strict=False``
+    with an adapter's weights, or with the failed slices' parameters) ends those of the slices
+    it wrote whole, and the others stay. The model's load hooks (:func:`watch_loads`) count a
+    parameter whose version counter or address moved: not one the load left out, nor one whose
+    shape did not fit (the load raises, and that slice stays refused). A slice none of whose
+    parameters trains is ended by a load of every parameter of the model that trains. Only such
+    a load of every one forgets the checkpoints saved before it (they may hold another line of
+    steps than the one loaded). ``load_checkpoint`` drops the failed writes not raised yet
+    instead of raising them (:meth:`MasterFiles.replacing`: it replaces what they may revert),
+    once its checks passed: a load refused (no checkpoint at the path, one of another model)
+    leaves them as they were, for the next wait to raise, and the saves refusing. A write-back
+    the slice's storage does itself, on the calling thread (a forward that casts a stale shadow,
+    a checkpoint once it is done with the slice), is raised at once and latched the same way, at
+    the optimizer's next ``step()``, ``state_dict()`` or save (Note: [A write-back outside the
+    masters' writer] in ``offload/streams/masters_io.py``). The files are preallocated, so a full
+    disk shows when the model is built. A slice that a rank of a sharded update only receives is
+    not read in ahead: the exchange reads its pages in where it writes them (a read error there is
+    a ``SIGBUS``, as for your own reads of a parameter).
 
     A child of ``os.fork()`` shares the mappings with its parent: what it writes into them is the
     parent's masters and gradients. Its first backward, ``step()`` or zeroing of the gradients in
@@ -78,29 +89,30 @@ import contextlib
 import functools
 import os
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .disk_tier import WINDOW, DiskTier, DiskTierError
+from .masters_latch import MastersLatch
 from .slice_update import HostUpdateError, other_slices
 from ..streams.backend import Event
 from ..streams.copies import CopyStreams
 from ..streams.disk import DiskCounters, make_directory
 from ..streams.gradient_files import GradientHome
 from ..streams.mapped import MappedFile, mapping_supported
-from ..streams.masters_io import (Unwritten, after_a_failed_write, failed_write_backs, latched_text, not_written_back,
-                                  numbered, why_of)
+from ..streams.masters_io import after_a_failed_write, not_written_back, numbered, why_of
 from ..streams.slice_entries import Entry
 from ..streams.workers import HostWorker, forks
 
 
-class MasterFiles:
+class MasterFiles(MastersLatch):
     """One model's masters on disk: allocates each slice's host buffer as a :class:`MappedFile` in
     the setting's directory, and reads it in and writes it back around each host update (Note:
-    [Masters on disk]).
+    [Masters on disk]); the model's latch of the writes that failed is its base,
+    :class:`~offload.tiers.masters_latch.MastersLatch`.
 
     Args:
         setting: the user's :class:`~offload.DiskTier` (``keep`` is refused: the files are unlinked
@@ -116,6 +128,7 @@ class MasterFiles:
         if not mapping_supported():
             raise ValueError("masters on disk need Linux (shared file mappings, posix_fadvise, posix_fallocate, "
                              "preadv); keep them in RAM on this system (masters=None)")
+        super().__init__()
         self.directory = Path(setting.path)
         make_directory(self.directory, "masters directory")
         self.copies = copies
@@ -130,11 +143,6 @@ class MasterFiles:
         # The gradients' files read in for each slice's update, which drops them when it is done.
         self._gradients_of: dict[int, MappedFile] = {}
         self._write_errors: dict[int, tuple[str, BaseException]] = {}
-        # The model's latch (Note: [Masters on disk], "Errors"): the writer's failures (numbered), the count
-        # at the last load of the parameters, the checkpoints saved since (by: with an optimizer's state).
-        self._failures: dict[int, Unwritten] = {}
-        self.loaded_at = 0
-        self._saves: dict[bool, Path] = {}
         self._last_write: Event | None = None
         # The writes of the gradients landed last, by turn: a landing waits for its turn's last write.
         self._landed: list[Event | None] = [None] * WINDOW
@@ -303,58 +311,19 @@ class MasterFiles:
             f"{next(iter(said.values()))[1]}. "
             + after_a_failed_write("save_checkpoint() of this model and this optimizer's state_dict()", reload))
 
-    # -- the model's latch (Note: [Masters on disk], "Errors") ------------------------------------
-
-    def failures(self, slices: Iterable[Any], after: int) -> dict[int, Unwritten]:
-        """The failed write-backs numbered after ``after``, by slice: the writer's and those of
-        ``slices``' storages (Note: [A write-back outside the masters' writer]), each slice's last."""
-        found: dict[int, Unwritten] = {}
-        storages = ((s.index, getattr(s.storage, "unwritten", None)) for s in slices)  # a resident one records none
-        for index, record in [*self._failures.items(), *storages]:
-            if record is not None and record.number > after and record.number > getattr(found.get(index), "number", 0):
-                found[index] = record
-        return found
-
-    def refuse_unwritten(self, slices: Iterable[Any], doing: str, optimizer: bool) -> None:
-        """Raise while a write-back failed since the last load of the parameters: ``doing`` would
-        save values that may revert (``optimizer``: the save holds an optimizer's state too).
-
-        Raises:
-            RuntimeError: the failure, and the checkpoint to reload.
-        """
+    @contextlib.contextmanager
+    def replacing(self) -> Iterator[None]:
+        """Around the checks of a load that will replace every slice's values: the failed writes
+        not raised yet are held back (the checks wait for the updates, which would raise them),
+        then dropped once the checks pass (the load replaces what they may revert; they stay in
+        :meth:`failures`), or put back when the load is refused, for the next wait to raise."""
         self.wait()
-        failed = self.failures(slices, self.loaded_at)
-        if failed:
-            raise RuntimeError(
-                f"this OffloadModel's parameters may not be the ones it trained: {latched_text(failed)}. {doing} "
-                f"would save them; fix the disk, then reload the last checkpoint saved before this error "
-                f"({self.load_call(optimizer)}), or load the model's parameters (load_state_dict()), before saving")
-
-    def load_call(self, optimizer: bool) -> str:
-        """The call that loads the last checkpoint saved since the last load of the parameters (of
-        them and, ``optimizer``, an optimizer's state), while it is there, else what ``latest`` names."""
-        path, args = self._saves.get(optimizer), "model, optimizer" if optimizer else "model"
-        if path is not None and path.is_dir():  # a refusal's cost, not a step's
-            return f"load_checkpoint({str(path)!r}, {args})"
-        return f"load_checkpoint(latest_checkpoint(directory), {args})"
-
-    def saved(self, path: str | os.PathLike[str], optimizer: bool) -> None:
-        """A save of the model into ``path`` succeeded (``optimizer``: with an OffloadOptimizer's state)."""
-        self._saves[False] = Path(os.path.abspath(path))
-        if optimizer:
-            self._saves[True] = self._saves[False]
-
-    def parameters_loaded(self) -> None:
-        """A load wrote every trained parameter: the failures before it are replaced, and so are
-        the checkpoints saved before it (they may hold another line of steps than the one loaded)."""
-        self.wait()
-        self.loaded_at, self._saves = failed_write_backs(), {}
-
-    def replaced(self) -> None:
-        """A load is about to replace every slice's values: the failed writes not raised yet are
-        dropped instead (the load replaces what they may revert), kept in :meth:`failures`."""
-        self.wait()
-        self._write_errors = {}
+        held, self._write_errors = self._write_errors, {}
+        try:
+            yield
+        except BaseException:
+            self._write_errors = {**self._write_errors, **held}  # a slice's first failure, as _write keeps
+            raise
 
 
 def watch_loads(model: torch.nn.Module, files: MasterFiles | None) -> None:
@@ -368,23 +337,30 @@ def watch_loads(model: torch.nn.Module, files: MasterFiles | None) -> None:
 
 
 class _ModelLoads:
-    """A model's load hooks, for its :class:`MasterFiles` (held weakly): whether a load wrote every
-    parameter that trains (its version counter or address moved, or it was replaced)."""
+    """A model's load hooks, for its :class:`MasterFiles` (held weakly): which parameters a load
+    wrote (its version counter or address moved, or it was replaced), and whether that was every
+    one that trains."""
 
     def __init__(self, files: MasterFiles | None) -> None:
         self._files = weakref.ref(files) if files is not None else lambda: None
         self._before: dict[int, tuple[int, int]] | None = None
 
     def before(self, module: torch.nn.Module, *_: Any) -> None:
-        self._before = {id(p): (p._version, p.data_ptr()) for p in module.parameters() if p.requires_grad}
+        self._before = {id(p): (p._version, p.data_ptr()) for p in module.parameters()}
 
     def after(self, module: torch.nn.Module, _incompatible: Any) -> None:
-        # No pre-hook ran: load_checkpoint, which wrote every tensor.
         files, before, self._before = self._files(), self._before, None
-        trained = [p for p in module.parameters() if p.requires_grad]
-        if files is not None and (before is None or all(before.get(id(p)) != (p._version, p.data_ptr())
-                                                        for p in trained)):
+        if files is None:
+            return
+        present = list(module.parameters())
+        # No pre-hook ran: load_checkpoint, which wrote every tensor.
+        written = present if before is None else [p for p in present
+                                                   if before.get(id(p)) != (p._version, p.data_ptr())]
+        ids = {id(p) for p in written}
+        if all(id(p) in ids for p in present if p.requires_grad):
             files.parameters_loaded()
+        elif written:  # a part (an adapter's weights, strict=False): what it wrote, for the slices it wrote whole
+            files.parameters_loaded(written, present)
 
     def __reduce__(self) -> tuple[Any, ...]:
         # A copied or pickled model takes its hooks along; they watch nothing there.
