@@ -79,8 +79,9 @@ def strip_fences(text: str) -> str:
 
 
 def slug(heading: str) -> str:
-    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces as hyphens."""
-    text = re.sub(r"[`*_]|\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip()).lower()
+    """GitHub's anchor for a heading: lower case, punctuation but ``_`` dropped, spaces as hyphens
+    (an underscore stays: ``estimate_memory`` in a heading anchors as ``estimate_memory``)."""
+    text = re.sub(r"[`*]|\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip()).lower()
     return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
 
 
