@@ -54,12 +54,27 @@ Note: [A forward that raised]
     count and its square: the square of the counts' sum is ``world size`` times the sum of their
     squares only when every rank's count is the same; otherwise every rank raises a
     ``CollectiveError`` before any sum.
+
+Note: [Gradient hooks see the average]
+    Autograd runs a parameter's own hooks (``register_hook``, ``register_post_accumulate_grad_hook``)
+    on what backward returns for it, and the model's backward returns the averaged gradients (Note:
+    [Gradient averaging]): a hook sees the average over the ranks, the same on every rank, where
+    under ``DistributedDataParallel`` it sees this rank's local gradient and the average comes
+    after it. A linear hook (a scale) gives the same result either way; one that is not (a clamp,
+    ``nan_to_num``, noise per rank, a per-rank statistic) does not. The hooks cannot run before
+    the average: the slices' sums start while backward goes on, and autograd runs the hooks only
+    once backward has returned. So the first synced backward with several ranks that finds a
+    hooked parameter warns, naming them and what to do (a hook that must see the local gradient:
+    ``DistributedDataParallel`` around an OffloadModel built without ``process_group``). The look
+    is two attribute reads per parameter (about 0.1 us for both), made at every synced backward
+    until it has warned, so hooks registered after some steps are found too.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -70,8 +85,12 @@ import torch.distributed as dist
 from .walk.engine import Engine
 from .walk.milestones import Subscriber
 from .streams import PendingGradients, SliceGradients
-from .streams.collectives import CollectiveError, DeviceCollectives, HostCollectives, runs
+from .streams.collectives import CollectiveError, DeviceCollectives, HostCollectives, runs, waiting_for_the_group
 from .streams.flat_views import empty_in_layout, flat_alias, typed_view
+
+
+#: What the construction's collectives build, for their errors (``waiting_for_the_group``).
+BUILDING = "data-parallel OffloadModel"
 
 
 def check_group(group: Any, device: torch.device) -> str:
@@ -132,7 +151,7 @@ class DataParallel(Subscriber):
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.on_device = "nccl" in backend
-        self.host = None if self.on_device else HostCollectives(engine.copies, group)
+        self.host = None if self.on_device else HostCollectives(engine.copies, group, BUILDING)
         self.device_collectives = DeviceCollectives(engine.copies, group) if self.on_device else None
         self.sync = True
         # Synced backwards started and not landed: one that failed left the ranks' collectives out of
@@ -141,6 +160,8 @@ class DataParallel(Subscriber):
         # Synced forwards with a graph that raised, counted in every header: where one rank's loop
         # skipped a batch that the others trained on, the counts differ (Note: [A forward that raised]).
         self.forward_failures = 0
+        # Alone, the average is the local gradient (Note: [Gradient hooks see the average]).
+        self._hooks_told = self.world_size == 1
         self._names = {id(t): name for name, t in named_tensors}  # for messages
         # Per synced backward, the next slice whose header is owed (Note: [Ranks that disagree on requires_grad]).
         self._next: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
@@ -159,34 +180,7 @@ class DataParallel(Subscriber):
                            else contextlib.nullcontext())
         with on_model_device:
             _check_structure(engine, group, self.world_size, named_tensors)
-            self._take_rank_zeros(named_tensors)
-
-    # -- construction ----------------------------------------------------------------------------
-
-    def _take_rank_zeros(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        source = dist.get_global_rank(self.group, 0)
-        # Masters on disk that a broadcast read or wrote go back to their files a slice at a time
-        # (the tensors come slice by slice, parameters then buffers; Note: [Masters on disk]).
-        holder = {id(entry.tensor): s.storage for s in self.engine.slices for entry in s.storage.held}
-        touched = None
-        with torch.no_grad():
-            for _, whole in named_tensors:
-                storage = holder.get(id(whole))
-                if touched is not None and storage is not touched:
-                    touched.release_masters()
-                touched = storage
-                # Its memory as one contiguous run (collectives want that): a channels_last or
-                # transposed parameter's too.
-                flat = flat_alias(whole)
-                tensor = whole if flat is None else flat
-                if self.on_device:
-                    staged = tensor.to(self.engine.device)
-                    dist.broadcast(staged, src=source, group=self.group)
-                    tensor.copy_(staged.cpu())
-                else:
-                    dist.broadcast(tensor, src=source, group=self.group)
-        if touched is not None:
-            touched.release_masters()
+            _take_rank_zeros(engine, group, self.on_device, named_tensors)
 
     # -- no_sync -----------------------------------------------------------------------------------
 
@@ -248,6 +242,8 @@ class DataParallel(Subscriber):
 
     def backward_started(self, token: Any, accumulates: bool) -> None:
         if self._sync_of.get(token, True):
+            if not self._hooks_told:  # first: a warning turned into an error leaves nothing issued
+                self._hooks_told = warn_of_hooks(self.engine, self._names, self.world_size)
             self._unlanded += 1
             self._next[token] = len(self.engine.slices) - 1
 
@@ -383,7 +379,8 @@ def _check_structure(engine: Engine, group: Any, world_size: int, named_tensors:
     # by slice, so ranks that cut the model differently would pair collectives of other sizes.
     partition = [list(s.names) for s in engine.slices]
     everyone: list[Any] = [None] * world_size
-    dist.all_gather_object(everyone, (mine, partition), group=group)
+    with waiting_for_the_group(BUILDING, dist.get_rank(group), world_size, "comparing its structure with rank 0's"):
+        dist.all_gather_object(everyone, (mine, partition), group=group)
     first, first_cut = everyone[0]
     for rank, (theirs, cut) in enumerate(everyone):
         if theirs != first:
@@ -399,6 +396,36 @@ def _check_structure(engine: Engine, group: Any, world_size: int, named_tensors:
                 "pass the same num_slices (or the same slices) to OffloadModel")
 
 
+def _take_rank_zeros(engine: Engine, group: Any, on_device: bool,
+                     named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """Replace every rank's parameters and buffers by rank 0's (``on_device``: through the device,
+    for NCCL)."""
+    source = dist.get_global_rank(group, 0)
+    waiting = functools.partial(waiting_for_the_group, BUILDING, dist.get_rank(group), dist.get_world_size(group),
+                                "taking rank 0's parameters and buffers")
+    # Masters on disk that a broadcast read or wrote go back to their files a slice at a time
+    # (the tensors come slice by slice, parameters then buffers; Note: [Masters on disk]).
+    holder = {id(entry.tensor): s.storage for s in engine.slices for entry in s.storage.held}
+    touched = None
+    with torch.no_grad():
+        for _, whole in named_tensors:
+            storage = holder.get(id(whole))
+            if touched is not None and storage is not touched:
+                touched.release_masters()
+            touched = storage
+            # Its memory as one contiguous run (collectives want that): a channels_last or
+            # transposed parameter's too.
+            flat = flat_alias(whole)
+            tensor = whole if flat is None else flat
+            staged = tensor.to(engine.device) if on_device else tensor
+            with waiting():
+                dist.broadcast(staged, src=source, group=group)
+            if staged is not tensor:
+                tensor.copy_(staged.cpu())
+    if touched is not None:
+        touched.release_masters()
+
+
 @contextlib.contextmanager
 def out_of_step_on_failure(data_parallel: DataParallel | None) -> Iterator[None]:
     """Around a forward with autograd: count it when it raises on a synced data-parallel model (Note:
@@ -409,6 +436,26 @@ def out_of_step_on_failure(data_parallel: DataParallel | None) -> Iterator[None]
         if data_parallel is not None and data_parallel.sync:
             data_parallel.forward_failures += 1
         raise
+
+
+def warn_of_hooks(engine: Engine, names: dict[int, str], world_size: int) -> bool:
+    """Warn that the gradient hooks of the model's parameters see the average, if any has one
+    (Note: [Gradient hooks see the average]); whether it warned. ``names``: the parameters' by id."""
+    hooked = {id(p): names.get(id(p), f"a parameter of slice {s.index}") for s in engine.slices
+              for p in (entry.tensor for entry in s.storage.params)
+              if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None)}
+    if not hooked:
+        return False
+    listed = list(hooked.values())
+    listed_text = ", ".join(listed[:5]) + (f" and {len(listed) - 5} more" if len(listed) > 5 else "")
+    warnings.warn(
+        f"OffloadModel(process_group=...): the gradient hooks of {listed_text} (register_hook, "
+        f"register_post_accumulate_grad_hook) receive the gradient already averaged over the {world_size} ranks, "
+        "the same on every rank, not this rank's own as under DistributedDataParallel: a hook that is not linear "
+        "(a clamp, nan_to_num, noise or a statistic per rank) gives other results than DDP. For a hook that must "
+        "see the local gradient, build the OffloadModel without process_group and wrap it in "
+        "DistributedDataParallel (docs/distributed.md)", UserWarning, stacklevel=3)
+    return True
 
 
 def _zeros_at_places(grads: SliceGradients, views: list[torch.Tensor | None],

@@ -4,8 +4,13 @@ ranks meet again on the default group between them (``dist_workers.py`` sets it 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import time
+import warnings
+from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -141,10 +146,69 @@ def checkpoint_on_one_rank(rank: int, world_size: int, directory: str, results: 
         dist.barrier()
 
 
+def construction_fails_on_one_rank(rank: int, world_size: int, directory: str, results: dict[str, Any]) -> None:
+    """Rank 1 fails while building its data-parallel OffloadModel, before each of the collectives
+    that building issues: a bad argument (before the private group), then, simulated, a failure
+    before the structure check and one before the broadcast of rank 0's tensors."""
+    failure = ValueError("rank 1 failed here")
+    for case, failing in (("bad_argument", None),
+                          ("structure", mock.patch("offload.data_parallel._check_structure", side_effect=failure)),
+                          ("broadcast", mock.patch("offload.data_parallel._take_rank_zeros", side_effect=failure))):
+        group = short_group()
+        started = time.monotonic()
+        try:
+            with failing if failing is not None and rank == 1 else contextlib.nullcontext():
+                OffloadModel(network(seed=0), device="cpu", num_slices=3, process_group=group,
+                             compute_dtype=torch.int8 if case == "bad_argument" and rank == 1 else None)
+            results[f"construction_{case}"] = "built"
+        except (RuntimeError, ValueError) as error:
+            results[f"construction_{case}"] = _said(error)
+        results[f"construction_{case}_s"] = time.monotonic() - started
+        dist.barrier()
+
+
+def _hook_warnings(step: Callable[[], None]) -> list[str]:
+    """The warnings about gradient hooks that ``step`` raised."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step()
+    return [str(w.message) for w in caught if "gradient hooks of" in str(w.message)]
+
+
+def hooks_see_the_average(rank: int, world_size: int, directory: str, results: dict[str, Any]) -> None:
+    """A clamping hook on a parameter: under process_group= it sees the average (and a synced
+    backward warns of it); under DistributedDataParallel around an OffloadModel it sees this rank's
+    own gradient, as under DDP over the plain layers."""
+    batch = share(data(0, world_size), rank, world_size)
+    plain = network(seed=0)
+    plain(batch).pow(2).mean().backward()
+    results["hooks_local"] = plain[2].weight.grad.clone()
+
+    model = OffloadModel(network(seed=0), device="cpu", num_slices=3, process_group=dist.group.WORLD)
+    said = [_hook_warnings(lambda: _step(model, rank, world_size))]  # no hooks: nothing to say
+    seen: list[torch.Tensor] = []
+    model[2].weight.register_hook(lambda g: (seen.append(g.clone()), g.clamp(-0.01, 0.01))[1])
+    model[4].bias.register_post_accumulate_grad_hook(lambda p: None)
+    with model.no_sync():  # local gradients: the hooks see what DDP's would
+        said.append(_hook_warnings(lambda: _step(model, rank, world_size)))
+    said += [_hook_warnings(lambda: _step(model, rank, world_size)) for _ in range(2)]  # told once
+    results["hooks_warned"] = said
+    results["hooks_seen_synced"] = seen[-1]
+
+    for name, layers in (("ddp", network(seed=0)),
+                         ("ddp_offload", OffloadModel(network(seed=0), device="cpu", num_slices=3))):
+        wrapped = nn.parallel.DistributedDataParallel(layers)
+        seen = []
+        wrapped.module[2].weight.register_hook(lambda g: (seen.append(g.clone()), g.clamp(-0.01, 0.01))[1])
+        said = _hook_warnings(lambda: wrapped(batch).pow(2).mean().backward())
+        results[f"hooks_{name}"] = (seen, said, [p.grad.clone() for p in wrapped.parameters()])
+    dist.barrier()
+
+
 def mistakes(rank: int, world_size: int, directory: str) -> None:
     results: dict[str, Any] = {}
     for job in (requires_grad_changed, forward_fails_on_one_rank, forward_fails_on_every_rank, state_read_on_one_rank,
-                optimizers_differ, checkpoint_on_one_rank):
+                optimizers_differ, checkpoint_on_one_rank, construction_fails_on_one_rank, hooks_see_the_average):
         try:
             job(rank, world_size, directory, results)
         except Exception as error:  # saved for the test to show, instead of failing every test of the group

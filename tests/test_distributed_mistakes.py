@@ -112,3 +112,50 @@ def test_pytorchs_data_parallel_wrappers_are_refused_with_process_group_as_the_a
         assert all(p.grad is not None for p in wrapped.parameters())
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("case, doing", [("bad_argument", "making its private gloo group"),
+                                         ("structure", "comparing its structure with rank 0's"),
+                                         ("broadcast", "taking rank 0's parameters and buffers")])
+def test_a_rank_that_fails_while_building_leaves_the_others_an_error_that_says_so(mistakes, case, doing):
+    """Rank 1 raised while building its data-parallel model, before one of the collectives that
+    building issues: rank 0 waits the group's timeout, then raises a CollectiveError that says what
+    it waited for and where to look, not gloo's bare "Wait timeout"."""
+    said = mistakes[0][f"construction_{case}"]
+    assert said.startswith("CollectiveError: building the data-parallel OffloadModel waited for the other ranks of "
+                           f"its process group and failed on rank 0 of 2, {doing}: "), said
+    assert "Every rank of the group must build the same data-parallel OffloadModel on it, in the same order" in said
+    assert "another rank probably failed or stopped first: look at its error" in said
+    own = mistakes[1][f"construction_{case}"]
+    assert own.startswith("ValueError: compute_dtype must be" if case == "bad_argument"
+                          else "ValueError: rank 1 failed here"), own
+    assert mistakes[0][f"construction_{case}_s"] < 60  # the short group's timeout, not the default 30 minutes
+
+
+def test_gradient_hooks_of_a_data_parallel_model_see_the_average_and_are_warned_of(mistakes):
+    """Note: [Gradient hooks see the average]: the hook gets the same average on every rank, and the
+    first synced backward with a hooked parameter warns once, naming them; neither a backward
+    without hooks nor one under no_sync() (local gradients) warns."""
+    average = (mistakes[0]["hooks_local"] + mistakes[1]["hooks_local"]) / 2
+    for rank in range(WORLD):
+        torch.testing.assert_close(mistakes[rank]["hooks_seen_synced"], average, rtol=0, atol=0)
+        unhooked, under_no_sync, first, second = mistakes[rank]["hooks_warned"]
+        assert unhooked == [] and under_no_sync == [] and second == [], mistakes[rank]["hooks_warned"]
+        assert len(first) == 1 and first[0].startswith(
+            "OffloadModel(process_group=...): the gradient hooks of 2.weight, 4.bias (register_hook, "), first
+        assert "build the OffloadModel without process_group and wrap it in DistributedDataParallel" in first[0]
+
+
+def test_ddp_around_an_offload_model_gives_hooks_the_local_gradient_as_ddp_does(mistakes):
+    """What the warning advises: a hook on a parameter of DistributedDataParallel(OffloadModel(...))
+    sees this rank's own gradient, and a clamping hook trains exactly as under DDP over the layers."""
+    for rank in range(WORLD):
+        local = mistakes[rank]["hooks_local"]
+        seen_ddp, said_ddp, grads_ddp = mistakes[rank]["hooks_ddp"]
+        seen, said, grads = mistakes[rank]["hooks_ddp_offload"]
+        assert len(seen) == len(seen_ddp) == 1 and said == said_ddp == []
+        torch.testing.assert_close(seen_ddp[0], local, rtol=0, atol=0)
+        torch.testing.assert_close(seen[0], local, rtol=0, atol=0)
+        for theirs, ours in zip(grads_ddp, grads, strict=True):
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    assert not torch.equal(mistakes[0]["hooks_local"], mistakes[1]["hooks_local"])  # the ranks' batches differ

@@ -21,7 +21,10 @@ Note: [A private group for the worker]
     run in the caller's thread, use it.
 
 A collective that fails (a timeout because another rank died, a broken connection) is raised, at
-the next wait, as :class:`CollectiveError`, saying on which rank and what it was doing.
+the next wait, as :class:`CollectiveError`, saying on which rank and what it was doing. So is one
+that building a model or an optimizer issues (:func:`waiting_for_the_group`): there, a rank that
+failed before it got as far (a bad argument on one rank) leaves the others waiting for the group's
+timeout, and the error says what every rank must do and where to look first.
 
 Note: [A failed part of a sharded update]
     In a sharded step each rank updates the parameters it owns and every rank then takes them from
@@ -68,7 +71,8 @@ Note: [Device collectives]
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 import weakref
 
@@ -91,15 +95,23 @@ class HostCollectives:
     Args:
         copies: the copy engine (its workers and waits).
         group: the process group (gloo, or any backend that reduces CPU tensors).
+        building: what they are made for (``"data-parallel OffloadModel"``), named in the error
+            when the other ranks do not join the private group (:func:`waiting_for_the_group`).
+
+    Raises:
+        CollectiveError: the other ranks of ``group`` did not make the private group with this one
+            within the group's timeout.
     """
 
-    def __init__(self, copies: CopyStreams, group: Any) -> None:
+    def __init__(self, copies: CopyStreams, group: Any,
+                 building: str = "sharded OffloadOptimizer (given its own process_group)") -> None:
         self.copies = copies
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         # Note: [A private group for the worker]: what the worker issues, the caller's thread never does.
-        self.channel = private_group(group)
+        with waiting_for_the_group(building, self.rank, self.world_size, "making its private gloo group"):
+            self.channel = private_group(group)
         self.worker = copies.new_worker("collectives")
         # The thread holds its worker, not this object: end it with the model that owns this.
         weakref.finalize(self, self.worker.close)
@@ -205,6 +217,29 @@ def private_group(group: Any) -> Any:
     _private_made[name] += 1
     store = dist.PrefixStore(f"offload/private/{name}/{made}", distributed_c10d._get_default_store())
     return dist.ProcessGroupGloo(store, dist.get_rank(group), dist.get_world_size(group), timeout)
+
+
+@contextlib.contextmanager
+def waiting_for_the_group(building: str, rank: int, world_size: int, doing: str) -> Iterator[None]:
+    """Around a collective that building a ``building`` (``"data-parallel OffloadModel"``) issues
+    on the caller's thread: raise its failure as a :class:`CollectiveError` that says so. Such a
+    collective waits, for the group's whole timeout, for every rank to build the same thing; most
+    often one did not because it raised first (a bad argument on that rank alone, an error while
+    loading its data), and the bare error (gloo's "Wait timeout") names neither.
+
+    Raises:
+        CollectiveError: the collective failed or timed out.
+    """
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as error:  # gloo's timeouts and broken connections; the store's (DistStoreError)
+        raise CollectiveError(
+            f"building the {building} waited for the other ranks of its process group and failed on rank {rank} of "
+            f"{world_size}, {doing}: {error}. Every rank of the group must build the same {building} on it, in "
+            "the same order (docs/distributed.md); another rank probably failed or stopped first: look at its "
+            "error. How long a rank waits is the process group's timeout") from error
 
 
 def runs(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
