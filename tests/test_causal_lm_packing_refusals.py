@@ -165,3 +165,26 @@ def test_generate_is_missing_with_advice_and_hasattr_stays_false():
     with pytest.raises(AttributeError, match="has no attribute 'no_such_thing'"):  # other names as before
         model.no_such_thing
     assert model.hf_model is not None and model.config is model.hf_model.config
+
+
+def test_generate_advice_with_resident_slices_on_a_device_points_to_the_saved_folder():
+    # hf_model.generate would meet the resident slices' parameters on the device and the others on the
+    # host; the device is set by hand here (a CPU machine), as OffloadModel sets it on a GPU.
+    hf = build("llama", dropout=0.0, layers=2)
+    model = OffloadedCausalLM(hf, device="cpu", num_slices=2, resident_slices=1)
+    model.offloaded.device = torch.device("cuda", 0)
+    try:
+        with pytest.raises(AttributeError, match=r"no generate\(\).*1 resident slice\(s\)' \(on cuda:0\).*"
+                                                 r"AutoModelForCausalLM\.from_pretrained"):
+            model.generate
+    finally:
+        model.offloaded.device = torch.device("cpu")
+
+
+@pytest.mark.parametrize("key", ["past_key_values", "cache_position"])
+def test_a_decoding_loops_cache_arguments_are_refused_with_where_to_decode(key):
+    _, model = pair("llama")
+    ids = packed(with_boundaries=False)["input_ids"]
+    value = transformers.DynamicCache() if key == "past_key_values" else torch.arange(ids.shape[1])
+    with pytest.raises(TypeError, match=rf"cannot honour {key}.*no key-value cache.*model\.hf_model\.generate"):
+        model(input_ids=ids, **{key: value})

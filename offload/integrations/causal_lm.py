@@ -403,6 +403,9 @@ def _batch_of(config: Any, carries_router: bool, input_ids: torch.Tensor | None,
         # Some tokenizers return token_type_ids by default, which most causal LMs ignore (GPT-2 reads them).
         tokenizer = (". If the tokenizer added token_type_ids, call it with return_token_type_ids=False or drop "
                      "them from the batch" if "token_type_ids" in refused else "")
+        if {"past_key_values", "cache_position"} & set(refused):  # a decoding loop's, not a dataset's
+            tokenizer += (". Its slices keep no key-value cache: decode with the Hugging Face model it wraps "
+                          "(model.hf_model.generate, after optimizer.synchronize())")
         raise TypeError(
             f"OffloadedCausalLM.forward takes input_ids, attention_mask, position_ids, labels (or shift_labels) "
             f"and num_items_in_batch; {what}{tokenizer}. With transformers.Trainer keep "

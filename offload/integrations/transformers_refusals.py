@@ -314,10 +314,22 @@ def attribute_or_advice(model: nn.Module, name: str) -> Any:
     except AttributeError:
         if name != "generate":
             raise
-        raise AttributeError(
-            "an OffloadedCausalLM has no generate(): its slices keep no key-value cache. Generate with the Hugging "
-            "Face model it wraps (model.hf_model, after optimizer.synchronize(); its parameters are on the host), "
-            "or load the folder save_pretrained() or Trainer.save_model() wrote with AutoModelForCausalLM") from None
+        raise AttributeError(_no_generate(model)) from None
+
+
+def _no_generate(model: nn.Module) -> str:
+    """Where to generate instead: with the Hugging Face model, whose parameters are on the host, but
+    for resident slices' (on the device, where ``hf_model.generate`` would meet both)."""
+    offloaded = model.__dict__.get("_modules", {}).get("offloaded")
+    resident, device = getattr(offloaded, "resident_slices", 0), getattr(offloaded, "device", "cpu")
+    saved = "the folder save_pretrained() or Trainer.save_model() wrote"
+    if resident and torch.device(device).type != "cpu":
+        where = (f"its Hugging Face model's parameters are on the host but for its {resident} resident slice(s)' "
+                 f"(on {device}), so generate with the model AutoModelForCausalLM.from_pretrained loads from {saved}")
+    else:
+        where = ("generate with the Hugging Face model it wraps (model.hf_model, after optimizer.synchronize(); its "
+                 f"parameters are on the host), or load {saved} with AutoModelForCausalLM")
+    return f"an OffloadedCausalLM has no generate(): its slices keep no key-value cache; {where}"
 
 
 def _router_message(asked: str) -> str:
