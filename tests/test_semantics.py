@@ -81,6 +81,26 @@ def test_retain_graph_twice_doubles_and_third_backward_raises(device, activation
         loss_off.backward()
 
 
+@pytest.mark.parametrize("retain_graph", [False, True])
+def test_a_loss_kept_past_its_backward_keeps_no_run_records_unless_the_graph_is_retained(retain_graph):
+    # A loop that keeps each step's loss (losses.append(loss)) keeps its graph: its checkpointed runs'
+    # records (generator states, snapshots) go with the backward that used them, as a kept graph's do.
+    _, model = pair("cpu", dropout=0.2, num_microbatches=2)
+    x = torch.randn(4, 6)
+    output = model(x)
+    records = output.grad_fn.run.records
+    kept = [weakref.ref(record) for row in records.grid for record in row]
+    assert len(kept) == 6 and records._last_library is None  # forward over: no run left to compare with
+    output.sum().backward(retain_graph=retain_graph)
+    gc.collect()
+    assert [ref() is not None for ref in kept] == [retain_graph] * 6
+    if retain_graph:  # the records serve the second backward
+        first = [p.grad.clone() for p in model.parameters()]
+        output.sum().backward()
+        for p, g in zip(model.parameters(), first):
+            torch.testing.assert_close(p.grad, 2 * g, **EXACT)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("activations", ACTIVATIONS)
 def test_autograd_grad_wrt_input_leaves_dot_grad_untouched(device, activations):
