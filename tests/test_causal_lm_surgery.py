@@ -240,3 +240,12 @@ def test_hooks_on_the_layers_the_stages_call_and_on_the_wrapper_run_as_in_the_pl
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=IDS).logits, plain(input_ids=IDS).logits, **EXACT)
     assert sorted(calls) == ["offloaded", "plain", "wrapper"]
+
+
+def test_memory_footprint_is_the_offloaded_models():
+    model = OffloadedCausalLM(llama(), device="cpu", num_slices=2)
+    trained(model)
+    footprint = model.memory_footprint()
+    assert footprint == model.offloaded.memory_footprint()
+    # Hugging Face's counts the parameters and buffers alone, not the gradients and optimizer state.
+    assert footprint.host_total > 2 * model.get_memory_footprint()

@@ -259,6 +259,12 @@ class OffloadedCausalLM(PreTrainedModel):
         return sum(p.numel() for p in dict.fromkeys(engine.parameters())
                    if not (exclude_embeddings and id(p) in embeddings) and (p.requires_grad or not only_trainable))
 
+    def memory_footprint(self) -> Any:
+        """Every host, pinned, device and disk byte the offloaded model holds, by category
+        (:meth:`OffloadModel.memory_footprint`): ``get_memory_footprint``, Hugging Face's, counts
+        the parameters and buffers alone."""
+        return self.offloaded.memory_footprint()
+
     # The optimizer the trainer would build, as an OffloadOptimizer (causal_lm_optimizer.py).
     offload_optimizer = causal_lm_optimizer.offload_optimizer
 
