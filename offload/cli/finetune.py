@@ -12,7 +12,9 @@ gradient accumulation and clipping, or the update during backward, are options. 
 Note: [Never lose a run]
     1. Every directory the run writes (``--out``, its checkpoints, ``--disk-tier``) is made and
        written to before the model is built, and each disk is checked for the room the run's
-       writes need once the model's size is known: both before the first step.
+       writes need once the model's size is known (the export's whole: its tensors with their
+       headers, its config and tokenizer files, less the previous model's files it replaces;
+       ``outputs.planned_writes``): both before the first step.
     2. After the first step, a run that stops says how far it got, where its last checkpoint is
        and the command that resumes from it: one line for Ctrl-C (exit status 130) and for SIGTERM,
        a scheduler's or ``kill``'s stop (exit status 143; :class:`Terminated`), that line
@@ -42,9 +44,10 @@ Note: [Never lose a run]
        ``--overwrite``, or it resumes a checkpoint under ``--out`` to ``--steps`` at or past that model's
        (its run's, or a later run's that was to replace it: ``outputs.check_resume_keeps_finished_model``).
        Every export first removes the previous model's files there (``outputs.remove_model_files``: old
-       shards and index, a full model's under an adapter, an adapter under a full model), so ``--out``
-       holds one model; an ``--out`` that is ``--model`` is refused, whose weights (a LoRA adapter's
-       base) the export would remove.
+       shards and index, a full model's under an adapter, an adapter under a full model, the old
+       tokenizer's files, a failed export's shards), so ``--out`` holds one model and its own
+       tokenizer; an ``--out`` that is ``--model`` is refused, whose weights (a LoRA adapter's base)
+       the export would remove.
 
 The options and ``--help`` are in ``offload/cli/finetune_args.py``; the models in
 ``offload/cli/models.py``; the output checks in ``offload/cli/outputs.py``; the data in
@@ -171,7 +174,7 @@ def run(argv: list[str], record: RunRecord) -> None:
     trained = hf if peft_model is None else peft_model
     trainable = [p for p in trained.parameters() if p.requires_grad]
     try:
-        check_room(planned_writes(args, model, trainable))  # Note: [Never lose a run], rule 1
+        check_room(planned_writes(args, model, trained, tokenizer))  # Note: [Never lose a run], rule 1
         batches = Batches(args, tokenizer)
         evaluation = batches.evaluation()
     except OutputError as error:

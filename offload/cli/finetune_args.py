@@ -31,6 +31,8 @@ AUTO = "auto"
 SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
 #: The seeds ``torch.manual_seed`` takes (a negative one counts back from 2**64); past them it raises.
 SEEDS = range(-2**63, 2**64)
+#: ``--eval-batches``' default, given once the parser knows it was not set (:func:`check_eval_batches`).
+EVAL_BATCHES = 8
 # From the families' table, which imports nothing of transformers: its models import torchao and
 # its notes (offload/cli/quiet_imports.py), which --help has no use for.
 from ..integrations.transformers_families import SUPPORTED_MODEL_TYPES as ARCHITECTURES
@@ -162,8 +164,9 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
                       help="hold out this fraction of --data's blocks for evaluation instead")
     data.add_argument("--eval-every", type=int, default=0, metavar="N",
                       help="evaluate every N steps (0: once, after the last step, when there is an eval split)")
-    data.add_argument("--eval-batches", type=int, default=8, metavar="N",
-                      help="batches in the evaluation (the first of the eval split, the same each time)")
+    data.add_argument("--eval-batches", type=int, metavar="N",
+                      help="batches in the evaluation: the first of the eval split, the same each time (default: "
+                           f"{EVAL_BATCHES})")
 
 
 def add_optimization_arguments(parser: argparse.ArgumentParser) -> None:
@@ -315,6 +318,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "offload-finetune") ->
     check_dependent_args(parser, args)
     check_float_args(parser, args)
     check_four_bit_args(parser, args)
+    check_eval_batches(parser, args)
     check_int_args(parser, args)
     if args.update_in_backward and args.max_grad_norm is not None:
         # Note: [Update in backward]: a slice's update starts before the last gradient, and so the total
@@ -332,6 +336,11 @@ def parse_args(argv: list[str] | None = None, prog: str = "offload-finetune") ->
         parser.error("--loss-chunk-tokens must be 0 (off) or a number of tokens")
     if args.save_every < 0:
         parser.error("--save-every must be 0 (never) or a number of steps")
+    if args.save_every > args.steps:
+        # The first save would come after the last step: the run would save none, silently.
+        parser.error(f"--save-every {args.save_every} saves a checkpoint every {args.save_every} steps, and --steps "
+                     f"{args.steps} ends the run before the first: give --save-every {args.steps} or less (a "
+                     "checkpoint at the last step), or leave out --save-every")
     if args.keep_checkpoints is not None and args.keep_checkpoints < 1:
         parser.error("--keep-checkpoints must be at least 1")
     if args.keep_checkpoints is not None and not args.save_every:
@@ -340,6 +349,18 @@ def parse_args(argv: list[str] | None = None, prog: str = "offload-finetune") ->
     check_paths(parser, args)
     check_text_field(parser, args)
     return args
+
+
+def check_eval_batches(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse ``--eval-batches`` without an eval split, where nothing is evaluated and it would
+    change nothing, silently (as ``--eval-every`` is refused, and :data:`_DEPENDENT_OPTIONS`); else
+    give it its default (:data:`EVAL_BATCHES`) when unset."""
+    if args.eval_batches is None:
+        args.eval_batches = EVAL_BATCHES
+    elif args.eval_file is None and not args.eval_fraction:
+        parser.error(f"--eval-batches {args.eval_batches} sets how many batches an evaluation reads, and without an "
+                     "eval split nothing is evaluated: add --eval-file PATH or --eval-fraction F, or leave out "
+                     "--eval-batches")
 
 
 def check_int_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

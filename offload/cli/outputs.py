@@ -11,13 +11,14 @@ is finished, which a new run (:func:`check_no_finished_model`), a resume
 (:func:`check_resume_keeps_finished_model`) and a resume that has nothing left to train read before
 they export over it; without that record, a model's or a tokenizer's files there are no run's of
 this command, and a run refuses to replace them unasked (:func:`check_no_foreign_files`).
-:func:`remove_model_files` clears the previous model's files before an export writes its own, so
-that the directory holds one model.
+:func:`remove_model_files` clears the previous model's files, its tokenizer's among them, before an
+export writes its own, so that the directory holds one model and its own tokenizer.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -26,6 +27,7 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -36,25 +38,33 @@ from ..model import OffloadModel
 from ..tiers.disk_tier import size_text
 from .invocation import invoked_as
 
-__all__ = ["EXPORT_RECORD", "MODEL_FILES", "OutputError", "RunRecord", "TOKENIZER_FILES", "Write",
-           "check_no_earlier_run", "check_no_finished_model", "check_no_foreign_files", "check_outputs_writable",
-           "check_resume_keeps_finished_model", "check_room", "check_writable", "finished_step",
-           "holds_finished_model", "mark_export", "planned_writes", "remove_model_files", "replaced_files",
-           "resume_command"]
+__all__ = ["CHAT_TEMPLATES_DIR", "EXPORT_RECORD", "MODEL_FILES", "OutputError", "RunRecord", "TOKENIZER_FILES",
+           "Write", "check_no_earlier_run", "check_no_finished_model", "check_no_foreign_files",
+           "check_outputs_writable", "check_resume_keeps_finished_model", "check_room", "check_writable",
+           "export_size", "finished_step", "holds_finished_model", "mark_export", "planned_writes",
+           "remove_model_files", "replaced_bytes", "replaced_files", "resume_command"]
 
 #: The file in the output directory that says whether the model there is finished: written as an
 #: export starts and again once its last file is written (Note: [Never lose a run], rule 4).
 EXPORT_RECORD = "offload_finetune.json"
-#: The files of a saved model or adapter (``save_pretrained``'s weights, their index, their config):
+#: The files of a saved model or adapter (``save_pretrained``'s weights, their index, their config,
+#: and the shards a failed export left under ``save_causal_lm``'s working names, its ``PARTIAL_STEM``):
 #: an export removes those of the previous model first, or a LoRA adapter would sit beside a full
 #: model's shards (``from_pretrained`` reads them together), a model of fewer shards beside the old
-#: ones its index no longer names. The tokenizer's files are left: every export writes one.
+#: ones its index no longer names.
 MODEL_FILES = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model*.bin.index.json",
-               "adapter_model.bin", "adapter_config.json", "config.json", "generation_config.json")
+               "adapter_model.bin", "adapter_config.json", "config.json", "generation_config.json",
+               "model.safetensors.partial-*")
+#: The directory a tokenizer's ``save_pretrained`` writes its chat templates but the default into.
+CHAT_TEMPLATES_DIR = "additional_chat_templates"
 #: The names a tokenizer's ``save_pretrained`` writes under (a fast tokenizer's file and config, a slow
-#: one's vocabulary, the chat template): the export writes its tokenizer's over those in ``--out``.
+#: one's vocabulary, the chat templates). An export removes the previous tokenizer's first, as the
+#: model's: ``save_pretrained`` writes only the files its tokenizer has, and a file of the previous
+#: one left beside them is read with it (a chat template the new tokenizer does not have, say).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json")
+                   "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "spiece.model",
+                   "sentencepiece.bpe.model", "chat_template.jinja", "chat_template.json",
+                   f"{CHAT_TEMPLATES_DIR}/*.jinja")
 
 
 class OutputError(RuntimeError):
@@ -63,11 +73,15 @@ class OutputError(RuntimeError):
 
 @dataclass(frozen=True)
 class Write:
-    """``nbytes`` the run will write under ``path``, for ``what`` (named in the error)."""
+    """``nbytes`` the run will write under ``path``, for ``what`` (named in the error), in ``files``
+    files, each of which may take up to a block more than its bytes (``0``: not counted); ``frees``:
+    the bytes of the files there it removes before it writes (the previous model an export replaces)."""
 
     path: Path
     nbytes: int
     what: str
+    files: int = 0
+    frees: int = 0
 
 
 def check_writable(path: Path, flag: str) -> None:
@@ -140,7 +154,7 @@ def check_no_foreign_files(out: Path, *, overwrite: bool) -> None:
         return
     replaced = replaced_files(out)
     if replaced:
-        names = ", ".join(path.name for path in replaced)
+        names = ", ".join(str(path.relative_to(out)) for path in replaced)
         raise OutputError(f"--out {out} holds {names}, which this run's export would remove or replace, and no model "
                           "this command wrote: choose another --out, or move those files elsewhere, or pass "
                           "--overwrite to replace them")
@@ -198,19 +212,36 @@ def saved_as(path: Path) -> tuple[int, int] | None:
 
 
 def replaced_files(out: Path) -> list[Path]:
-    """The files directly in ``out`` that an export removes (:data:`MODEL_FILES`) or writes over (a
-    tokenizer's: :data:`TOKENIZER_FILES`), sorted."""
+    """The files in ``out`` that an export removes before it writes its own: a model's
+    (:data:`MODEL_FILES`) and a tokenizer's (:data:`TOKENIZER_FILES`), sorted."""
     return sorted({path for pattern in (*MODEL_FILES, *TOKENIZER_FILES) for path in out.glob(pattern)
                    if path.is_file()})
 
 
 def remove_model_files(out: Path) -> list[Path]:
-    """Remove the previous model's files (:data:`MODEL_FILES`) directly in ``out`` before an export
-    writes its own, and return them. Checkpoints, the export record and other files are left."""
-    removed = sorted({path for pattern in MODEL_FILES for path in out.glob(pattern) if path.is_file()})
+    """Remove the previous model's and its tokenizer's files in ``out`` (:func:`replaced_files`)
+    before an export writes its own, and return them, so that ``out`` holds the new model and its
+    own tokenizer alone. Checkpoints, the export record and other files are left."""
+    removed = replaced_files(out)
     for path in removed:
         path.unlink()
+    with contextlib.suppress(OSError):  # absent, or holding files of someone else's: left
+        (out / CHAT_TEMPLATES_DIR).rmdir()
     return removed
+
+
+def replaced_bytes(out: Path) -> int:
+    """The bytes an export gets back removing the previous model's files from ``out``
+    (:func:`remove_model_files`), a failed export's shards among them: a file's bytes, or the
+    blocks it holds when fewer (a sparse file); a file with another link frees nothing."""
+    freed = 0
+    for path in replaced_files(out):
+        with contextlib.suppress(OSError):  # gone meanwhile: nothing to count
+            found = path.stat()
+            blocks = getattr(found, "st_blocks", None)  # in 512-byte units; none on Windows
+            held = found.st_size if blocks is None else min(found.st_size, 512 * blocks)
+            freed += held if found.st_nlink == 1 else 0
+    return freed
 
 
 def _device_of(path: Path) -> tuple[int, Path]:
@@ -221,8 +252,20 @@ def _device_of(path: Path) -> tuple[int, Path]:
     return os.stat(existing).st_dev, existing
 
 
+def _block_size(path: Path) -> int:
+    """The unit in which ``path``'s file system gives a file room (4096 bytes where it cannot say)."""
+    try:
+        return os.statvfs(path).f_frsize or 4096
+    except (AttributeError, OSError):  # no statvfs (Windows)
+        return 4096
+
+
 def check_room(writes: Sequence[Write]) -> None:
     """Check that each file system has room for the writes that land on it, added up.
+
+    A write's ``frees`` offset its own bytes alone: the export removes the previous model just
+    before it writes, after every other write of the run (the checkpoints, the disk tier's files),
+    which that room cannot hold meanwhile.
 
     Raises:
         OutputError: a file system's free bytes fall short, listing the writes that need them.
@@ -233,9 +276,13 @@ def check_room(writes: Sequence[Write]) -> None:
         by_device.setdefault(device, (existing, []))[1].append(write)
     for existing, group in by_device.values():
         free = shutil.disk_usage(existing).free
-        needed = sum(w.nbytes for w in group)
+        block = _block_size(existing)
+        sizes = [w.nbytes + w.files * block for w in group]
+        needed = sum(max(0, size - w.frees) for size, w in zip(sizes, group))
         if needed > free:
-            items = "; ".join(f"{w.what} in {w.path}: {size_text(w.nbytes)}" for w in group)
+            items = "; ".join(f"{w.what} in {w.path}: {size_text(size)}"
+                              + (f", less {size_text(w.frees)} of files there it replaces" if w.frees else "")
+                              for size, w in zip(sizes, group))
             raise OutputError(f"not enough room on the disk holding {existing}: {size_text(free)} free, the run "
                               f"writes {size_text(needed)} there ({items}). Free some space or choose other "
                               "directories, before anything trains")
@@ -266,12 +313,21 @@ def check_outputs_writable(args: argparse.Namespace) -> None:
         check_writable(args.disk_tier, "--disk-tier")
 
 
-def planned_writes(args: argparse.Namespace, model: OffloadModel, trainable: list[torch.Tensor]) -> list[Write]:
-    """What the run will write where, from the model's size (a lower bound: file headers aside)."""
+def planned_writes(args: argparse.Namespace, model: OffloadModel, trained: Any, tokenizer: Any) -> list[Write]:
+    """What the run will write where: the export in full (:func:`export_size`), less the previous
+    model's files in ``--out`` that it replaces (:func:`replaced_bytes`: a failed export's shards
+    among them, so that its retry is not refused for room the command holds itself), and the kept
+    checkpoints' and the disk tier's tensors (their files' headers aside). ``trained``: the model
+    whose parameters train, the ``PeftModel`` under ``--lora-r``.
+
+    Raises:
+        OutputError: the export's small files could not be measured (:func:`export_size`).
+    """
     every = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    learned = sum(p.numel() for p in trainable)
+    learned = sum(p.numel() for p in trained.parameters() if p.requires_grad)
     state = 8 * learned  # AdamW's two float32 moments
-    writes = [Write(args.out, every if args.lora_r == 0 else 4 * learned, "the trained model")]
+    nbytes, files = export_size(args, model, trained, tokenizer, every)
+    writes = [Write(args.out, nbytes, "the trained model", files=files, frees=replaced_bytes(args.out))]
     if args.save_every:
         saves = args.steps // args.save_every
         # keep_last removes the oldest once the newest is written: one more than kept at a time.
@@ -281,6 +337,87 @@ def planned_writes(args: argparse.Namespace, model: OffloadModel, trainable: lis
         masters = 4 * sum(p.numel() for p in model.parameters()) if args.masters_on_disk else 0
         writes.append(Write(args.disk_tier, state + masters, "the disk tier's files"))
     return writes
+
+
+#: A bound on a safetensors file's bytes besides its tensors' data and their entries: the header's
+#: length, its metadata (``{"format": "pt"}``) and its padding to 8 bytes.
+_SHARD_FRAME_BYTES = 64
+#: A bound on a tensor's line in the index besides its name: the indent, the quotes and the shard's
+#: name (``model-00001-of-00004.safetensors``).
+_INDEX_ENTRY_BYTES = 64
+#: A bound on what a small file of the export holds beyond the file saved before training: the
+#: config's ``dtype`` and ``architectures``, which the export sets, an adapter's base path; the
+#: index's frame, and the export record, are counted as one each.
+_SMALL_FILE_SLACK = 1024
+
+
+def export_size(args: argparse.Namespace, model: OffloadModel, trained: Any, tokenizer: Any,
+                tensor_bytes: int) -> tuple[int, int]:
+    """The bytes the export writes into ``--out``, and how many files, at most (Note: [Never lose a
+    run], rule 1, in ``finetune.py``).
+
+    The tensors (``tensor_bytes``, the whole model's; the trainable ones under ``--lora-r``), each
+    with its entries in its shard's header and in the index, and the small files: the tokenizer's,
+    the config and generation config (an adapter's config and model card under ``--lora-r``), saved
+    from the model before training into a temporary directory and measured there. A tokenizer alone
+    is some MiB (Llama 3's ``tokenizer.json`` 9, Gemma's 33): leaving it out let a run pass the check,
+    train, and fail at its export.
+
+    Raises:
+        OutputError: the temporary directory could not be written, naming it.
+    """
+    if args.lora_r:  # one adapter_model.safetensors, no index
+        learned = [(name, p) for name, p in trained.named_parameters() if p.requires_grad]
+        tensor_bytes = sum(p.numel() * p.element_size() for _, p in learned)
+        stored = {name: tuple(p.shape) for name, p in learned}
+        shards = 1
+    else:
+        stored = _stored_shapes(trained)
+        shards = model.num_slices + 1  # one a slice, and one for what no slice holds
+    small, small_files = _small_files_size(args, trained, tokenizer)
+    entries = sum(_entry_bytes(name, shape) for name, shape in stored.items())
+    others = small_files + 2  # and the index, the export record
+    framing = shards * _SHARD_FRAME_BYTES + others * _SMALL_FILE_SLACK
+    return tensor_bytes + entries + small + framing, shards + others
+
+
+def _stored_shapes(hf: Any) -> dict[str, tuple[int, ...]]:
+    """The names and shapes ``save_causal_lm`` stores ``hf``'s tensors under: its conversion mapping
+    reverted (a mixture's stacked experts stored one by one, an entry each), on meta tensors, which
+    hold no data."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    meta = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in hf.state_dict().items()}
+    return {name: tuple(t.shape) for name, t in revert_weight_conversion(hf, meta).items()}
+
+
+def _entry_bytes(name: str, shape: Sequence[int]) -> int:
+    """A bound on a tensor's entries in its shard's header and in the index: the header's JSON at
+    the longest dtype and offsets no file reaches, with the spaces safetensors leaves out, and the
+    index's line."""
+    header = json.dumps({name: {"dtype": "F8_E4M3", "shape": list(shape), "data_offsets": [2**64, 2**64]}})
+    return len(header.encode()) + len(json.dumps(name).encode()) + _INDEX_ENTRY_BYTES
+
+
+def _small_files_size(args: argparse.Namespace, trained: Any, tokenizer: Any) -> tuple[int, int]:
+    """The bytes and count of the export's files but its tensors', saved into a temporary directory
+    as the export saves them (:func:`export_size`)."""
+    try:
+        with tempfile.TemporaryDirectory(prefix="offload-finetune-export-") as folder:
+            tokenizer.save_pretrained(folder)
+            if args.lora_r:  # what PeftModel.save_pretrained writes beside the adapter's tensors
+                trained.peft_config[trained.active_adapter].save_pretrained(folder)
+                trained.create_or_update_model_card(folder)
+            else:  # what save_causal_lm writes beside the shards and their index
+                trained.config.save_pretrained(folder)
+                if trained.can_generate() and getattr(trained, "generation_config", None) is not None:
+                    trained.generation_config.save_pretrained(folder)
+            sizes = [path.stat().st_size for path in Path(folder).rglob("*") if path.is_file()]
+    except OSError as error:  # a full or missing temporary directory: the error names it
+        raise OutputError(f"cannot measure the files the export writes beside the weights (its tokenizer's, its "
+                          f"config) by saving them into a temporary directory: {error}. Free some space there or set "
+                          "TMPDIR to a directory with room, before anything trains") from error
+    return sum(sizes), len(sizes)
 
 
 def mark_export(out: Path, step: int, *, finished: bool) -> None:
