@@ -911,3 +911,42 @@ def test_the_moments_of_a_0d_parameter_are_counted_and_its_counts_are_not(cls, k
         plan = estimate_memory(nn.Sequential(nn.Linear(4, 4), _Scale(), _Scale(), nn.Linear(4, 3)), num_slices=3,
                                optimizer="adamw", device="cpu")
         assert plan.host_optimizer_state == per_element
+
+
+class _Borrowing(nn.Module):
+    """A layer that computes with an earlier layer's linear layer, holding none of its own."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(torch.tanh(x))
+
+
+def _chained_ties(links: int, vocab: int) -> nn.Sequential:
+    """A chain of ties: the embedding's weight borrowed by the next layer, which holds a linear
+    layer that the layer after it borrows, and so on for ``links`` linear layers."""
+    torch.manual_seed(0)
+    embedding = nn.Embedding(vocab, 32)
+    lent: nn.Module = embedding
+    layers: list[nn.Module] = [embedding]
+    for _ in range(links):
+        linear = nn.Linear(32, 32)
+        borrower = TiedMix(lent) if lent is embedding else _Borrowing(lent)
+        layers.append(nn.Sequential(borrower, linear))
+        lent = linear
+    return nn.Sequential(*layers, _Borrowing(lent))
+
+
+@pytest.mark.parametrize(("links", "resident"), [(1, 0), (2, 0), (1, 1)])
+def test_with_the_masters_on_disk_a_holder_that_borrows_keeps_its_weights_sum_in_its_own_buffer(tmp_path, links,
+                                                                                                 resident):
+    """A slice that borrows a streamed slice's weight lands its gradients in RAM (its file has no
+    place for what it borrows), so a weight it holds and lends on is summed in its own buffer, as
+    with the masters in RAM, not in the last borrowing slice's (Note: [A tied weight's gradients
+    summed in place]): no buffer is counted for the sum. Borrowing from a resident slice, its
+    gradients are in its file, and the sum is in the last borrower's buffer again."""
+    layers = len(_chained_ties(links, 500))
+    partition = _planned_as_trained_on_disk(lambda: _chained_ties(links, 500), 500, layers, tmp_path, resident)
+    assert partition == tuple((str(k),) for k in range(layers))  # each layer a slice of its own

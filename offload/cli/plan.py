@@ -7,8 +7,9 @@ The model is one of the benchmark presets (``--preset``), an ``nn.Sequential`` f
 on the meta device: no weights are read or allocated. Its shapes are profiled on fake tensors for
 the batch (``offload/planning/shapes.py``); the machine's rates come from ``offload calibrate``'s
 file or a GPU's defaults (``--gpu``); its memory from flags, or detected (host RAM available,
-free disk under ``--disk-dir``, the device's memory from the rates). ``offload/planning/choose.py``
-picks the configuration; this file reads arguments and prints.
+free disk under ``--disk-dir``, the device's memory from the rates: ``plan_machine.py``).
+``offload/planning/choose.py`` picks the configuration, among the compute dtypes ``OffloadModel``
+builds the model under; this file reads arguments and prints.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import json
 import math
 import os
 import shlex
-import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,18 +27,19 @@ from typing import Any
 import torch
 
 from ..planning.choose import DEVICE_MARGIN, HOST_MARGIN, Candidate, Limits, Plan, choose
+from ..planning.estimate_settings import check_dtypes
 from ..planning.presets import MAX_SIZE, preset_names
-from ..planning.rates import GPU_DEFAULTS, MachineRates, default_rates_path, load_rates
+from ..planning.rates import GPU_DEFAULTS, MachineRates, default_rates_path
 from ..planning.timing import SCHEDULES
 from ..streams.disk import file_above
 from .finetune_args import user_path
 from .plan_alternatives import Alternative, alternatives
-from .plan_models import (DEFAULT_LOSS_CHUNK_TOKENS, DEFAULT_SEQ_LEN, DTYPES, PlanInputError, Workload, _one_line,
-                          hf_config, workload)
+from .plan_machine import GIB, check_disk_rates, machine_limits, machine_rates
+from .plan_models import (DEFAULT_LOSS_CHUNK_TOKENS, DEFAULT_SEQ_LEN, DTYPES, PlanInputError, Workload, hf_config,
+                          workload)
 from .quantize import QUANT_TYPES
 from .quiet_imports import import_transformers
 
-GIB = 2**30
 PROG = "offload plan"
 
 
@@ -253,87 +254,6 @@ def _resident_slices(text: str) -> int | str:
     return value
 
 
-def machine_rates(args: argparse.Namespace) -> MachineRates:
-    """The GPU's defaults with the calibrated host where there is a calibration, or the calibration."""
-    path = args.rates or default_rates_path()
-    try:
-        calibrated = load_rates(path) if path.is_file() else None
-    except (TypeError, ValueError) as error:  # not JSON, or fields of another version
-        flag = "--rates" if args.rates is not None else "the rates file"
-        reason = _one_line(error)
-        if "calibrate" not in reason:
-            reason += "; run `python -m offload calibrate` again" + ("" if args.gpu else ", or pass --gpu NAME")
-        raise PlanInputError(f"{flag} {path}: {reason}") from error
-    if args.gpu:
-        if args.device == "cpu":  # the GPU's compute and link rates would time a CPU device
-            raise PlanInputError(f"--gpu {args.gpu} plans that GPU, and --device cpu a CPU device, which its rates do "
-                                 "not time: leave out --gpu for a CPU (with its calibration: `python -m offload "
-                                 "calibrate --device cpu`), or --device cpu for the GPU")
-        gpu = GPU_DEFAULTS[args.gpu]
-        return gpu.with_host(calibrated) if calibrated is not None else gpu
-    if calibrated is not None:
-        if args.device == "cuda" and _of_a_cpu_device(calibrated):
-            flag = "--rates" if args.rates is not None else "the rates file"
-            raise PlanInputError(f"{flag} {path}: rates of a CPU device, no link rates (host_to_device, "
-                                 f"device_to_host) to plan a GPU with: run `python -m offload calibrate` on the "
-                                 f"GPU's machine, pass --gpu NAME, or plan --device cpu")
-        if args.device == "cpu" and not _of_a_cpu_device(calibrated):
-            # Its compute rates are a GPU's: a CPU's step would be timed at the GPU's speed.
-            flag = "--rates" if args.rates is not None else "the rates file"
-            raise PlanInputError(f"{flag} {path}: rates of a GPU ({calibrated.name}), which time no CPU device: run "
-                                 f"`python -m offload calibrate --device cpu --out FILE` and pass --rates FILE, or "
-                                 f"plan --device cuda")
-        return calibrated
-    if args.device == "cpu":
-        # The host's defaults have no compute rate: a CPU's own must be measured.
-        raise PlanInputError(f"--device cpu needs this CPU's compute rates: run `python -m offload calibrate "
-                             f"--device cpu` (writes {path}), or pass --rates FILE")
-    raise PlanInputError(f"no rates: run `python -m offload calibrate` on the machine (writes {path}), or pass "
-                         f"--gpu {{{','.join(sorted(GPU_DEFAULTS))}}}")
-
-
-def _of_a_cpu_device(rates: MachineRates) -> bool:
-    """Whether ``rates`` are a CPU "device"'s, which time no GPU: a link rate of 0 (no link, as
-    ``offload calibrate`` writes for a CPU), or the name ``offload calibrate`` gives a CPU's rates
-    (files it wrote before it wrote 0 gave the host's copy rate as the link's). A GPU's loads would
-    take no time, divide by 0, or go at the speed of a copy in RAM."""
-    no_link = not (rates.host_to_device and rates.device_to_host)
-    return no_link or rates.name.startswith("calibrated: CPU ")
-
-
-def check_disk_rates(args: argparse.Namespace, rates: MachineRates) -> None:
-    """Refuse ``--disk-dir`` with rates that time no disk: a calibration without ``--dir`` leaves
-    them null, and the tier's reads and writes could not be timed."""
-    if args.disk_dir is None or (rates.disk_read is not None and rates.disk_write is not None):
-        return
-    # Only a calibration leaves them out (the host's defaults give them): the rates came from a file.
-    path = args.rates or default_rates_path()
-    flag = "--rates" if args.rates is not None else "the rates file"
-    out = f" --out {shlex.quote(str(path))}" if args.rates is not None else ""
-    raise PlanInputError(f"{flag} {path}: no disk rates (disk_read, disk_write) to plan a disk tier with: run "
-                         f"`python -m offload calibrate --dir {shlex.quote(str(args.disk_dir))}{out}`, or leave "
-                         f"out --disk-dir")
-
-
-def machine_limits(args: argparse.Namespace, rates: MachineRates) -> Limits:
-    import psutil
-
-    device = args.device_memory * GIB if args.device_memory is not None else rates.device_memory
-    host = args.host_memory * GIB if args.host_memory is not None else psutil.virtual_memory().available
-    disk = None
-    if args.disk_dir is not None:
-        disk = args.disk * GIB if args.disk is not None else shutil.disk_usage(_existing(Path(args.disk_dir))).free
-    pinned = None if args.pinned_memory is None else int(args.pinned_memory * GIB)
-    return Limits(device_memory=None if device is None else int(device), host_memory=int(host),
-                  disk=None if disk is None else int(disk), disk_dir=args.disk_dir, pinned_memory=pinned)
-
-
-def _existing(path: Path) -> Path:
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
 class Planner:
     """Plans for the arguments on one machine, keeping each model built for a batch: a re-plan
     with other limits or fixed choices (:mod:`offload.cli.plan_alternatives`) reuses its profiles."""
@@ -371,11 +291,34 @@ class Planner:
             # The base computes in its own dtype: a compute_dtype would give every slice with an
             # adapter a shadow, the 4-bit codes copied in it (docs/lora.md, QLoRA's bytes).
             fixed["compute_dtype"], param_dtype = None, work.four_bit.dtype
+        elif (refusal := refused_compute_dtype(work, args)) is not None:
+            # The printed OffloadModel(...) must build: a dtype the model refuses is no plan.
+            if args.compute_dtype != "auto":
+                raise PlanInputError(f"--compute-dtype {args.compute_dtype}: OffloadModel refuses the model under it: "
+                                     f"{refusal}; or plan with --compute-dtype none")
+            fixed["compute_dtype"] = None  # the other dtype choose() tries: the model's own, never refused
         if args.resident_slices != "auto":
             fixed["resident_slices"] = args.resident_slices
         return choose(work.layers, work.profile, self.rates, limits, device=args.device, optimizer=args.optimizer,
                       param_dtype=param_dtype, batch_size=work.batch_size, fixed=fixed,
                       clips_gradients=args.max_grad_norm is not None)
+
+
+def refused_compute_dtype(work: Workload, args: argparse.Namespace) -> str | None:
+    """Why :class:`~offload.OffloadModel` would refuse the model under the compute dtype the plan
+    takes (``--compute-dtype``'s, or bfloat16, the one ``choose()`` tries beside none): a batch or
+    instance norm in neither float32 nor that dtype, a parameter narrower than it (its words:
+    :func:`~offload.planning.estimate_settings.check_dtypes`); ``None`` where it builds. A 4-bit
+    base plans without one."""
+    if work.four_bit is not None or args.compute_dtype == "none":
+        return None
+    dtype = torch.bfloat16 if args.compute_dtype == "auto" else DTYPES[args.compute_dtype]
+    try:
+        # Whether it refuses does not depend on the cut; one slice names the whole model's.
+        check_dtypes(work.layers, dtype, args.num_slices or 1)
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def run_plan(args: argparse.Namespace) -> tuple[Plan, Workload, MachineRates, Limits]:
@@ -512,6 +455,8 @@ def report(plan: Plan, work: Workload, rates: MachineRates, limits: Limits, args
     if work.four_bit is not None:
         lines.append(work.four_bit.describe(sum(p.numel() for p in work.layers.parameters() if p.requires_grad)))
         own = str(work.four_bit.dtype).removeprefix("torch.")
+    if (refusal := refused_compute_dtype(work, args)) is not None:  # auto: a fixed one refused is an error
+        lines.append(f"compute dtype: none, the model's own: OffloadModel refuses it under bfloat16 ({refusal})")
     lines += [f"rates: {rates.name}", f"limits: {limit}", ""]
     fitting = sorted((c for c in plan.candidates if c.fits), key=lambda c: c.time.step)[:args.top]
     if plan.chosen is None:
@@ -552,6 +497,7 @@ def report(plan: Plan, work: Workload, rates: MachineRates, limits: Limits, args
 def as_json(plan: Plan, work: Workload, rates: MachineRates, limits: Limits, args: argparse.Namespace,
             alternatives: Sequence[Alternative] = ()) -> dict[str, Any]:
     chosen = plan.chosen
+    refusal = refused_compute_dtype(work, args)  # auto: a fixed one refused is an error
     return {
         "parameters": work.parameters,
         "four_bit": None if work.four_bit is None else work.four_bit.to_json(),
@@ -565,6 +511,8 @@ def as_json(plan: Plan, work: Workload, rates: MachineRates, limits: Limits, arg
         "missing": plan.missing,
         "alternatives": [a.to_json() for a in alternatives],
         "clips_gradients": args.max_grad_norm is not None,
+        # Why no bfloat16 candidate was tried (OffloadModel refuses the model under it), or null.
+        "refused_compute_dtype": None if refusal is None else {"compute_dtype": "bfloat16", "reason": refusal},
         "candidates": [_row(c) for c in plan.candidates],
     }
 

@@ -119,18 +119,22 @@ class SliceLayout:
         """With the masters on disk: the RAM that ``.grad`` keep outside the gradient files where
         weights are tied across streamed slices. A borrowing slice's file has no place for what it
         borrows, so its gradients land in RAM and its own ``.grad`` keep that buffer whole; a
-        weight whose holder has a file is summed in its last borrowing slice's buffer (each weight
-        in its own: a holder may lend several to different slices), which that ``.grad`` keeps whole (Note: [A tied weight's gradients summed in place]). A slice without
-        a file is counted with the others already. ``sized``: the bytes the pool allocates for a
-        buffer of so many (pinned: its size class; default: exactly)."""
+        weight whose holder's gradients are in its file is summed in its last borrowing slice's
+        buffer (each weight in its own: a holder may lend several to different slices), which that
+        ``.grad`` keeps whole (Note: [A tied weight's gradients summed in place]). A holder without
+        a file, or one that borrows from a streamed slice itself (a chain of ties: its gradients
+        land in RAM), keeps the sum in its own buffer, counted with the others already. ``sized``:
+        the bytes the pool allocates for a buffer of so many (pinned: its size class; default:
+        exactly)."""
         sized = sized or _exact
         borrowed = self._borrowed
         # A layout without the weights' numbers (made by hand) lends one weight per holder.
         weights = self.borrowed_weights or [[holder for holder, _ in tied] for tied in borrowed]
+        borrowing = {k for k, tied in enumerate(borrowed) if any(holder >= resident for holder, _ in tied)}
         last: dict[int, int] = {}  # weight -> its last borrowing slice, where its sum is
         for k, (tied, numbers) in enumerate(zip(borrowed, weights)):
             for (holder, _), weight in zip(tied, numbers):
-                if holder >= resident and self.casts[holder]:
+                if holder >= resident and self.casts[holder] and holder not in borrowing:
                     last[weight] = k
         sums = set(last.values())
         landing = self.landing_bytes(resident)
@@ -139,7 +143,7 @@ class SliceLayout:
         for k in range(resident, self.num_slices):
             if k in sums:
                 total += sized(landing[k - resident]) - (0 if self.casts[k] else sized(own[k - resident]))
-            elif self.casts[k] and any(holder >= resident for holder, _ in borrowed[k]):
+            elif self.casts[k] and k in borrowing:
                 total += sized(own[k - resident])
         return total
 

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from ..arguments import resident_count
 from .footprint import MemoryFootprint
-from .estimate_settings import check_places, check_settings, state_elements
+from .estimate_settings import check_dtypes, check_places, check_settings, state_elements
 from .landing_pool import landing_pool
 from .layout import SliceLayout, _exact
 from .shapes import ModelProfile
@@ -30,7 +30,7 @@ from ..walk.slicing import partition
 from ..streams.pinned import size_class
 from ..streams.flat_views import ALIGN_ELEMENTS, ALIGNMENT, BUFFER_REGION_ALIGNMENT
 from ..streams.gradient_places import sparse_parameters
-from ..streams.host_storage import keeping_their_dtype
+from ..streams.host_storage import _running_stat_modules as running_stat_modules, keeping_their_dtype
 from ..streams.quantized import state_tensors
 from ..streams.shadow_staging import STAGING_BUFFERS
 from ..tiers.state_slice import file_nbytes
@@ -63,10 +63,34 @@ class _Tensor:
     #: A parameter whose gradient comes sparse (``nn.Embedding(sparse=True)``): it takes no room
     #: in the gradient buffers (Note: [Sparse gradients take no room] in ``gradient_places.py``).
     sparse_gradient: bool = False
+    #: A 0-d tensor (a learnable scale): the disk tier keeps such a parameter's state in RAM, out of
+    #: its files (``goes_to_disk`` in ``offload/tiers/state_slice.py``).
+    scalar: bool = False
 
     @property
     def borrowed(self) -> bool:
         return self.holder is not None
+
+
+@dataclass(frozen=True)
+class ModelLayout(SliceLayout):
+    """A :class:`SliceLayout` built from a model's tensors (:func:`slice_layout`), with two counts of
+    host RAM that the tensors' bytes alone do not tell and that only the memory estimate reads (a
+    layout made by hand has neither: it counts none).
+
+    Attributes:
+        snapshot_bytes: per slice, its buffers' bytes laid out as a slot's buffer region, where one
+            of its normalisation layers updates running statistics in training (0 elsewhere, and
+            for a slice without buffers): each checkpointed run of the slice keeps a copy of the
+            whole region in a pooled host buffer until backward, the buffers as the run found them
+            for its recompute (rule 3 of Note: [Buffers] in ``offload/walk/slice_walk.py``).
+        scalar_state_bytes: per slice, the optimizer state of its trainable 0-d parameters, which
+            the disk tier keeps in RAM (``goes_to_disk`` in ``offload/tiers/state_slice.py``):
+            ``state_file_bytes`` leaves it out.
+    """
+
+    snapshot_bytes: list[int] = field(default_factory=list)
+    scalar_state_bytes: list[int] = field(default_factory=list)
 
 
 def estimate_memory(layers: nn.Module | Sequence[int], *, num_slices: int = 8,
@@ -110,6 +134,9 @@ def estimate_memory(layers: nn.Module | Sequence[int], *, num_slices: int = 8,
         activation_bytes: pooled buffers of one step besides those ``profile`` counts; with
             ``offload_activations``, add the saved tensors of the offloaded slices (what
             ``benchmarks/bench_activations.py`` reports as ``host_activation_bytes_after_forward``).
+            The copies of a slice's buffers that its checkpointed runs keep where a normalisation
+            layer updates running statistics (in training mode, as the layers are passed) are
+            counted without it; those of another layer that changes its buffers are not.
         profile: the model's :class:`~offload.planning.shapes.ModelProfile` for the batch
             (:func:`~offload.planning.shapes.profile_layers`): counts the boundary activations
             on the host and the activations' peak on the device (``device_activations``).
@@ -130,7 +157,8 @@ def estimate_memory(layers: nn.Module | Sequence[int], *, num_slices: int = 8,
             ``activation_bytes`` or ``resident_slices`` is not an int.
         ValueError: what :class:`~offload.OffloadModel` refuses (``num_slices`` or
             ``num_microbatches`` below 1, a ``compute_dtype`` other than bfloat16 or float16,
-            ``resident_slices`` below 0 or above the number of slices), an unknown optimizer or
+            ``resident_slices`` below 0 or above the number of slices; under a ``compute_dtype``, a
+            batch or instance norm in neither float32 nor it, a parameter narrower than it), an unknown optimizer or
             place, ``amsgrad`` with an optimizer other than Adam or AdamW, no parameters, a negative
             count or ``activation_bytes``.
 
@@ -141,6 +169,7 @@ def estimate_memory(layers: nn.Module | Sequence[int], *, num_slices: int = 8,
     """
     check_settings(num_slices, num_microbatches, activation_bytes, compute_dtype)
     check_places(optimizer, optimizer_state, masters, compute_dtype, shadows, amsgrad)
+    check_dtypes(layers, compute_dtype, num_slices)
     layout = slice_layout(layers, num_slices=num_slices, param_dtype=param_dtype, compute_dtype=compute_dtype,
                           optimizer=optimizer, amsgrad=amsgrad)
     return footprint_of(layout, profile, compute_dtype=compute_dtype, optimizer_state=optimizer_state,
@@ -182,7 +211,6 @@ def resident_device_bytes(layout: SliceLayout) -> list[int]:
 def _footprint(layout: SliceLayout, placed: tuple[int, int, int, int, bool], activations: tuple[int, int], *,
                compute_dtype: torch.dtype | None, num_microbatches: int, pinned: bool,
                resident: int = 0, shadows: str = "ram") -> MemoryFootprint:
-    host_activations, device_activations = activations
     masters_bytes, state, disk, disk_window, gradients_on_disk = placed
     # Gradients landing and being added (Note: [Gradients added in place]): two buffers of the
     # largest streamed slice's size, one when a single slice has gradients (a frozen base around
@@ -190,6 +218,8 @@ def _footprint(layout: SliceLayout, placed: tuple[int, int, int, int, bool], act
     # those that stay as .grad: views of such a buffer, they keep it whole. A resident slice's
     # gradients stay on the device: they take no host buffer.
     sized = size_class if pinned else _exact
+    host_activations = activations[0] + _buffer_snapshots(layout, num_microbatches, sized)
+    device_activations = activations[1]
     grads = [sized(b) for b in layout.host_gradient_bytes(resident)] or [0]
     window = landing_pool([sized(b) for b in layout.landing_bytes(resident)],
                            layout.tied_on_host(resident, gradients_on_disk))
@@ -230,14 +260,10 @@ def _footprint(layout: SliceLayout, placed: tuple[int, int, int, int, bool], act
 
 def slice_layout(layers: nn.Module | Sequence[int] | int, *, num_slices: int = 8,
                  param_dtype: torch.dtype = torch.float32, compute_dtype: torch.dtype | None = None,
-                 optimizer: str | None = "adamw", amsgrad: bool = False) -> SliceLayout:
+                 optimizer: str | None = "adamw", amsgrad: bool = False) -> ModelLayout:
     """Cut ``layers`` (as :func:`estimate_memory` takes them) into slices and count each slice's bytes."""
     states = state_elements(optimizer, amsgrad)
-    if isinstance(layers, int) and not isinstance(layers, bool):
-        if layers < 1:
-            raise ValueError(f"estimate_memory needs a positive parameter count, got {layers}")
-        # A count alone: the model cut into num_slices equal slices.
-        layers = [layers // num_slices + (k < layers % num_slices) for k in range(num_slices)]
+    layers = _as_layers(layers, num_slices)
     per_layer = _layers(layers, param_dtype)
     if not any(t.is_parameter for layer in per_layer for t in layer):
         raise ValueError("estimate_memory needs layers with parameters")
@@ -255,7 +281,7 @@ def slice_layout(layers: nn.Module | Sequence[int] | int, *, num_slices: int = 8
     own = [[t for t in s if not t.borrowed] for s in slices]
     trained = [[t for t in s if t.is_parameter and t.trainable] for s in own]
     cast = [[t for t in s if device_dtype(t) != t.dtype] for s in trained]
-    return SliceLayout(
+    return ModelLayout(
         ranges=ranges,
         host_bytes=[_laid_out(s, lambda t: t.dtype) for s in own],
         # A slot holds the slice in its device layout, buffers included, then what it borrows.
@@ -270,7 +296,7 @@ def slice_layout(layers: nn.Module | Sequence[int] | int, *, num_slices: int = 8
         parameters=sum(t.numel for s in own for t in s if t.is_parameter),
         trainable=sum(t.numel for s in trained for t in s),
         computed_gradient_bytes=[sum(t.numel * device_dtype(t).itemsize for t in s) for s in trained],
-        state_file_bytes=[file_nbytes([t.numel * t.dtype.itemsize for t in s for _ in range(states)])
+        state_file_bytes=[file_nbytes([t.numel * t.dtype.itemsize for t in s if not t.scalar for _ in range(states)])
                           for s in trained],
         largest_gradient_bytes=[max((t.numel * t.dtype.itemsize for t in s), default=0) for s in trained],
         # The shadow holds what a load copies from the slice's own host copy: not what it borrows.
@@ -282,7 +308,19 @@ def slice_layout(layers: nn.Module | Sequence[int] | int, *, num_slices: int = 8
         cast_trainable_bytes=[sum(t.numel * t.dtype.itemsize for t in s) for s in cast],
         layer_gradient_bytes=_layer_gradient_bytes(per_layer, device_dtype),
         lent_gradient_bytes=_lent_gradient_bytes(slices),
+        snapshot_bytes=_snapshot_bytes(layers, own, ranges),
+        scalar_state_bytes=[sum(states * t.numel * t.dtype.itemsize for t in s if t.scalar) for s in trained],
     )
+
+
+def _as_layers(layers: nn.Module | Sequence[int] | int, num_slices: int) -> nn.Module | Sequence[int]:
+    """``layers`` as :func:`_layers` takes them: a parameter count alone as the model cut into
+    ``num_slices`` equal slices."""
+    if isinstance(layers, int) and not isinstance(layers, bool):
+        if layers < 1:
+            raise ValueError(f"estimate_memory needs a positive parameter count, got {layers}")
+        return [layers // num_slices + (k < layers % num_slices) for k in range(num_slices)]
+    return layers
 
 
 def _layer_gradient_bytes(per_layer: list[list[_Tensor]], device_dtype: Callable[[_Tensor], torch.dtype]) -> list[int]:
@@ -324,6 +362,18 @@ def _lent_gradient_bytes(slices: list[list[_Tensor]]) -> list[int]:
             for tensors in slices]
 
 
+def _snapshot_bytes(layers: nn.Module | Sequence[int], own: list[list[_Tensor]], ranges: list[range]) -> list[int]:
+    """Per slice, its buffer region's bytes where a layer of it updates running statistics in
+    training, in the mode the layers are in now (the model's own test:
+    ``SliceStorage.has_running_stats_in_training``), else 0 (ModelLayout.snapshot_bytes). Parameter
+    counts have no buffers."""
+    if not isinstance(layers, nn.Module):
+        return [0] * len(ranges)
+    updating = [any(m.training for m in running_stat_modules([layer])) for layer in _children(layers)]
+    return [_laid_out([t for t in s if not t.is_parameter and not t.companion], lambda t: t.dtype)
+            if any(updating[k] for k in r) else 0 for s, r in zip(own, ranges)]
+
+
 def _held_once(slices: list[list[_Tensor]]) -> list[list[_Tensor]]:
     """Each slice's tensors, each once, those an earlier slice holds marked borrowed: as
     OffloadModel holds a weight tied across slices, once, in the first slice that registers it
@@ -358,9 +408,10 @@ def _placed(layout: SliceLayout, optimizer_state: str, masters: str, resident: i
         # The tier's files: one per slice with state, each tensor at 64 bytes, in whole pages. Its
         # window: three consecutive slices' state being read, updated and written, one arena with a
         # place per slice (Note: [The window's arena]); it serves only slices with state, so one
-        # without parameters, or frozen, does not count among the three.
+        # without parameters, or frozen, does not count among the three. A 0-d parameter's state
+        # stays in RAM (ModelLayout.scalar_state_bytes).
         files = layout.state_file_bytes[resident:]
-        disk, disk_window, state = sum(files), place([f for f in files if f])[1], 0
+        disk, disk_window, state = sum(files), place([f for f in files if f])[1], _scalar_state(layout, resident)
     if masters == "disk":
         # One file per slice, in whole pages (offload/streams/mapped.py); three consecutive slices' masters
         # are in RAM while the optimizer steps (Note: [Masters on disk]). Their gradients go to
@@ -409,10 +460,31 @@ def _activations(layout: SliceLayout, profile: ModelProfile | None, num_microbat
     return host, max(per_slice)
 
 
+def _children(layers: nn.Module) -> list[nn.Module]:
+    """The layers of a model as OffloadModel cuts them: its children, or the module itself."""
+    return list(layers.children()) or [layers]
+
+
+def _buffer_snapshots(layout: SliceLayout, num_microbatches: int, sized: Callable[[int], int]) -> int:
+    """Host bytes of the buffers checkpointed runs keep for their recompute (ModelLayout.snapshot_bytes):
+    a region per run of a slice that updates running statistics, every microbatch's but the last
+    slice's last, whose graph is kept (as ``checkpointed_bytes`` counts the boundary activations),
+    a resident slice's too; each in a pooled buffer of its own, in its size class where pinned."""
+    regions = layout.snapshot_bytes if isinstance(layout, ModelLayout) else []
+    runs = [num_microbatches] * (len(regions) - 1) + [num_microbatches - 1]
+    return sum(sized(region) * n for region, n in zip(regions, runs) if region)
+
+
+def _scalar_state(layout: SliceLayout, resident: int) -> int:
+    """The state the disk tier keeps in RAM: the streamed slices' 0-d parameters'
+    (ModelLayout.scalar_state_bytes)."""
+    return sum(layout.scalar_state_bytes[resident:]) if isinstance(layout, ModelLayout) else 0
+
+
 def _layers(layers: nn.Module | Sequence[int], param_dtype: torch.dtype) -> list[list[_Tensor]]:
     if isinstance(layers, nn.Module):
         result = []
-        for layer in layers.children() if len(list(layers.children())) else [layers]:
+        for layer in _children(layers):
             seen: set[int] = set()
             tensors = []
             # An 8-bit weight that ran keeps its row scales on its layer (Note: [Quantized weights]).
@@ -426,7 +498,8 @@ def _layers(layers: nn.Module | Sequence[int], param_dtype: torch.dtype) -> list
                         tensors.append(_Tensor(t.numel(), t.dtype, is_parameter,
                                                trainable=is_parameter and t.requires_grad, key=id(t),
                                                keeps_dtype=is_parameter and id(t) in kept,
-                                               sparse_gradient=is_parameter and id(t) in sparse))
+                                               sparse_gradient=is_parameter and id(t) in sparse,
+                                               scalar=t.dim() == 0))
                         tensors += [_Tensor(c.numel(), c.dtype, False, trainable=False, companion=True,
                                             key=(id(t), name))
                                     for name, c in state_tensors(t, f"a parameter of {type(layer).__name__}",
