@@ -419,7 +419,8 @@ def _take_rank_zeros(engine: Engine, group: Any, on_device: bool,
             tensor = whole if flat is None else flat
             staged = tensor.to(engine.device) if on_device else tensor
             with waiting():
-                dist.broadcast(staged, src=source, group=group)
+                # As bytes: the same bits, in every dtype (gloo sends no int16, uint16, uint32 or float8).
+                dist.broadcast(staged if flat is None else staged.view(torch.uint8), src=source, group=group)
             if staged is not tensor:
                 tensor.copy_(staged.cpu())
     if touched is not None:

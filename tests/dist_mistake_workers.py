@@ -205,10 +205,25 @@ def hooks_see_the_average(rank: int, world_size: int, directory: str, results: d
     dist.barrier()
 
 
+def buffers_gloo_cannot_send(rank: int, world_size: int, directory: str, results: dict[str, Any]) -> None:
+    """Buffers of dtypes gloo sends no collective in (int16, uint16, uint32, float8), and others, each
+    rank's own: building takes rank 0's, bit for bit (they go as bytes)."""
+    layers = network(seed=0)
+    dtypes = [torch.int16, torch.uint16, torch.uint32, torch.float8_e4m3fn, torch.bool, torch.complex64,
+              torch.bfloat16]
+    for k, dtype in enumerate(dtypes):
+        values = torch.arange(6, dtype=torch.float32).reshape(2, 3) * (rank + 1) + k
+        layers[k % 3 * 2].register_buffer(f"odd{k}", (values > 6) if dtype is torch.bool else values.to(dtype))
+    layers[0].register_buffer("scalar", torch.tensor(rank + 5, dtype=torch.int16))
+    model = OffloadModel(layers, device="cpu", num_slices=3, process_group=dist.group.WORLD)
+    results["odd_buffers"] = {name: b.clone() for name, b in model.named_buffers() if "odd" in name or "scalar" in name}
+
+
 def mistakes(rank: int, world_size: int, directory: str) -> None:
     results: dict[str, Any] = {}
     for job in (requires_grad_changed, forward_fails_on_one_rank, forward_fails_on_every_rank, state_read_on_one_rank,
-                optimizers_differ, checkpoint_on_one_rank, construction_fails_on_one_rank, hooks_see_the_average):
+                optimizers_differ, checkpoint_on_one_rank, construction_fails_on_one_rank, hooks_see_the_average,
+                buffers_gloo_cannot_send):
         try:
             job(rank, world_size, directory, results)
         except Exception as error:  # saved for the test to show, instead of failing every test of the group

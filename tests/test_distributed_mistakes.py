@@ -159,3 +159,12 @@ def test_ddp_around_an_offload_model_gives_hooks_the_local_gradient_as_ddp_does(
         for theirs, ours in zip(grads_ddp, grads, strict=True):
             torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
     assert not torch.equal(mistakes[0]["hooks_local"], mistakes[1]["hooks_local"])  # the ranks' batches differ
+
+
+def test_buffers_of_dtypes_gloo_cannot_send_are_taken_from_rank_0_bit_for_bit(mistakes):
+    zero = mistakes[0]["odd_buffers"]
+    assert len(zero) == 8, mistakes[0].get("buffers_gloo_cannot_send")
+    assert zero["0.scalar"].item() == 5 and zero["0.scalar"].dtype == torch.int16
+    for name, tensor in mistakes[1]["odd_buffers"].items():
+        assert tensor.dtype == zero[name].dtype
+        assert torch.equal(tensor.reshape(-1).view(torch.uint8), zero[name].reshape(-1).view(torch.uint8)), name
