@@ -101,6 +101,17 @@ def test_a_loss_kept_past_its_backward_keeps_no_run_records_unless_the_graph_is_
             torch.testing.assert_close(p.grad, 2 * g, **EXACT)
 
 
+def test_a_backward_again_after_one_that_raised_part_way_says_what_pytorch_says():
+    _, model = pair("cpu", num_microbatches=2)
+    first = next(m for m in model.modules() if isinstance(m, nn.Linear))
+    first.register_full_backward_hook(lambda *_: (_ for _ in ()).throw(ValueError("a hook's error")))
+    loss = model(torch.randn(4, 6, requires_grad=True)).sum()
+    with pytest.raises(ValueError, match="a hook's error"):
+        loss.backward()
+    with pytest.raises(RuntimeError, match=r"^Trying to backward through the graph a second time.*retain_graph=True"):
+        loss.backward()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("activations", ACTIVATIONS)
 def test_autograd_grad_wrt_input_leaves_dot_grad_untouched(device, activations):

@@ -421,7 +421,10 @@ class ForwardRecords:
         loop's ``losses.append(loss)``) would otherwise keep alive, ~35 KB a step for four slices."""
         record = self.grid[i][m]
         if record is None:
-            raise RuntimeError("internal error: backward reached a record that was already released")
+            raise RuntimeError(
+                "Trying to backward through the graph a second time: an earlier backward through this "
+                "OffloadModel's output (one that raised part way too) let go what its slices saved for it. "
+                "Specify retain_graph=True in the first backward, or run the forward again")
         if not retain_graph:
             self.grid[i][m] = None
         return record
