@@ -47,6 +47,14 @@ class SliceLayout:
         borrowed_weights: per slice, beside each of its ``borrowed_gradients``, the number of the
             weight it borrows (the same in every slice that borrows it; a holder may lend several):
             each weight is summed in its own last borrowing slice's buffer.
+        snapshot_bytes: per slice, its buffers' bytes laid out as a slot's buffer region, where one
+            of its normalisation layers updates running statistics in training (0 elsewhere, and
+            for a slice without buffers): each checkpointed run of the slice keeps a copy of the
+            whole region in a pooled host buffer until backward, the buffers as the run found them
+            for its recompute (rule 3 of Note: [Buffers] in ``offload/walk/slice_walk.py``).
+        scalar_state_bytes: per slice, the optimizer state of its trainable 0-d parameters, which
+            the disk tier keeps in RAM (``goes_to_disk`` in ``offload/tiers/state_slice.py``):
+            ``state_file_bytes`` leaves it out.
         casts: whether a load casts: some tensor of its own computes in another dtype than it is
             kept in. Only such a slice has a shadow, or a file for its masters on disk
             (``SliceStorage``); one of buffers alone, or already in the compute dtype, keeps its
@@ -84,6 +92,8 @@ class SliceLayout:
     lent_gradient_bytes: list[int] = field(default_factory=list)
     sparse_gradient_bytes: list[int] = field(default_factory=list)
     borrowed_weights: list[list[int]] = field(default_factory=list)
+    snapshot_bytes: list[int] = field(default_factory=list)
+    scalar_state_bytes: list[int] = field(default_factory=list)
 
     @property
     def num_slices(self) -> int:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -70,27 +70,6 @@ class _Tensor:
     @property
     def borrowed(self) -> bool:
         return self.holder is not None
-
-
-@dataclass(frozen=True)
-class ModelLayout(SliceLayout):
-    """A :class:`SliceLayout` built from a model's tensors (:func:`slice_layout`), with two counts of
-    host RAM that the tensors' bytes alone do not tell and that only the memory estimate reads (a
-    layout made by hand has neither: it counts none).
-
-    Attributes:
-        snapshot_bytes: per slice, its buffers' bytes laid out as a slot's buffer region, where one
-            of its normalisation layers updates running statistics in training (0 elsewhere, and
-            for a slice without buffers): each checkpointed run of the slice keeps a copy of the
-            whole region in a pooled host buffer until backward, the buffers as the run found them
-            for its recompute (rule 3 of Note: [Buffers] in ``offload/walk/slice_walk.py``).
-        scalar_state_bytes: per slice, the optimizer state of its trainable 0-d parameters, which
-            the disk tier keeps in RAM (``goes_to_disk`` in ``offload/tiers/state_slice.py``):
-            ``state_file_bytes`` leaves it out.
-    """
-
-    snapshot_bytes: list[int] = field(default_factory=list)
-    scalar_state_bytes: list[int] = field(default_factory=list)
 
 
 def estimate_memory(layers: nn.Module | Sequence[int], *, num_slices: int = 8,
@@ -260,7 +239,7 @@ def _footprint(layout: SliceLayout, placed: tuple[int, int, int, int, bool], act
 
 def slice_layout(layers: nn.Module | Sequence[int] | int, *, num_slices: int = 8,
                  param_dtype: torch.dtype = torch.float32, compute_dtype: torch.dtype | None = None,
-                 optimizer: str | None = "adamw", amsgrad: bool = False) -> ModelLayout:
+                 optimizer: str | None = "adamw", amsgrad: bool = False) -> SliceLayout:
     """Cut ``layers`` (as :func:`estimate_memory` takes them) into slices and count each slice's bytes."""
     states = state_elements(optimizer, amsgrad)
     layers = _as_layers(layers, num_slices)
@@ -281,7 +260,7 @@ def slice_layout(layers: nn.Module | Sequence[int] | int, *, num_slices: int = 8
     own = [[t for t in s if not t.borrowed] for s in slices]
     trained = [[t for t in s if t.is_parameter and t.trainable] for s in own]
     cast = [[t for t in s if device_dtype(t) != t.dtype] for s in trained]
-    return ModelLayout(
+    return SliceLayout(
         ranges=ranges,
         host_bytes=[_laid_out(s, lambda t: t.dtype) for s in own],
         # A slot holds the slice in its device layout, buffers included, then what it borrows.
@@ -365,7 +344,7 @@ def _lent_gradient_bytes(slices: list[list[_Tensor]]) -> list[int]:
 def _snapshot_bytes(layers: nn.Module | Sequence[int], own: list[list[_Tensor]], ranges: list[range]) -> list[int]:
     """Per slice, its buffer region's bytes where a layer of it updates running statistics in
     training, in the mode the layers are in now (the model's own test:
-    ``SliceStorage.has_running_stats_in_training``), else 0 (ModelLayout.snapshot_bytes). Parameter
+    ``SliceStorage.has_running_stats_in_training``), else 0 (SliceLayout.snapshot_bytes). Parameter
     counts have no buffers."""
     if not isinstance(layers, nn.Module):
         return [0] * len(ranges)
@@ -409,7 +388,7 @@ def _placed(layout: SliceLayout, optimizer_state: str, masters: str, resident: i
         # window: three consecutive slices' state being read, updated and written, one arena with a
         # place per slice (Note: [The window's arena]); it serves only slices with state, so one
         # without parameters, or frozen, does not count among the three. A 0-d parameter's state
-        # stays in RAM (ModelLayout.scalar_state_bytes).
+        # stays in RAM (SliceLayout.scalar_state_bytes).
         files = layout.state_file_bytes[resident:]
         disk, disk_window, state = sum(files), place([f for f in files if f])[1], _scalar_state(layout, resident)
     if masters == "disk":
@@ -466,19 +445,19 @@ def _children(layers: nn.Module) -> list[nn.Module]:
 
 
 def _buffer_snapshots(layout: SliceLayout, num_microbatches: int, sized: Callable[[int], int]) -> int:
-    """Host bytes of the buffers checkpointed runs keep for their recompute (ModelLayout.snapshot_bytes):
+    """Host bytes of the buffers checkpointed runs keep for their recompute (SliceLayout.snapshot_bytes):
     a region per run of a slice that updates running statistics, every microbatch's but the last
     slice's last, whose graph is kept (as ``checkpointed_bytes`` counts the boundary activations),
     a resident slice's too; each in a pooled buffer of its own, in its size class where pinned."""
-    regions = layout.snapshot_bytes if isinstance(layout, ModelLayout) else []
+    regions = layout.snapshot_bytes
     runs = [num_microbatches] * (len(regions) - 1) + [num_microbatches - 1]
     return sum(sized(region) * n for region, n in zip(regions, runs) if region)
 
 
 def _scalar_state(layout: SliceLayout, resident: int) -> int:
     """The state the disk tier keeps in RAM: the streamed slices' 0-d parameters'
-    (ModelLayout.scalar_state_bytes)."""
-    return sum(layout.scalar_state_bytes[resident:]) if isinstance(layout, ModelLayout) else 0
+    (SliceLayout.scalar_state_bytes)."""
+    return sum(layout.scalar_state_bytes[resident:])
 
 
 def _layers(layers: nn.Module | Sequence[int], param_dtype: torch.dtype) -> list[list[_Tensor]]:
