@@ -137,6 +137,18 @@ def test_a_gradient_transform_over_functional_call_is_refused_with_what_to_do(tr
     assert_trains_as_plain(plain, model)  # refused before the layout was touched
 
 
+def test_a_forward_mode_transform_over_the_parameters_is_refused_naming_it():
+    plain, model = pair(num_slices=2)
+    x = batch(0)
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    tangents = {name: torch.ones_like(p) for name, p in params.items()}
+    with torch.no_grad(), pytest.raises(RuntimeError) as raised:
+        torch.func.jvp(lambda p: functional_call(model, p, (x,)), (params,), (tangents,))
+    assert refusals.TRANSFORMED_TENSORS.format(name="0.weight") in told(raised.value)
+    assert "jvp or jacfwd over them" in told(raised.value) and "need the plain model" in told(raised.value)
+    assert_trains_as_plain(plain, model)
+
+
 def test_vmap_over_stacked_parameters_is_refused_and_over_inputs_runs():
     plain, model = pair(num_slices=2)
     xs = torch.randn(3, 5, 8, generator=torch.Generator().manual_seed(0))

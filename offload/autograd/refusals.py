@@ -96,11 +96,12 @@ CACHED_PARAMETRIZATIONS = (
 
 TRANSFORMED_TENSORS = (
     "OffloadModel: torch.func.functional_call passed the model tensors that a torch.func transform wraps (grad, "
-    "jacrev or vjp over the parameters, vmap over stacked ones), {name} among them. OffloadModel lays out every "
-    "parameter and buffer of a slice in one host buffer, and a transform's tensor has no memory of its own to lay "
-    "out. For gradients with respect to the parameters use torch.autograd.grad(loss, list(model.parameters())), or "
-    "pass functional_call plain tensors that require grad and call torch.autograd.grad over them; or use the plain "
-    "model (docs/api.md, Limitations).")
+    "jacrev or vjp over the parameters, jvp or jacfwd over them, vmap over stacked ones), {name} among them. "
+    "OffloadModel lays out every parameter and buffer of a slice in one host buffer, and a transform's tensor has no "
+    "memory of its own to lay out. For gradients with respect to the parameters use "
+    "torch.autograd.grad(loss, list(model.parameters())), or pass functional_call plain tensors that require grad "
+    "and call torch.autograd.grad over them; forward-mode derivatives with respect to the parameters (jvp, jacfwd) "
+    "need the plain model (docs/api.md, Limitations).")
 
 FUNC_GRADIENT_HOOKS = (
     "OffloadModel: while it builds a graph, OffloadModel runs its slices under saved-tensor hooks (its activation "
