@@ -187,9 +187,13 @@ def test_an_unwritable_out_is_refused_before_the_model_is_built(tmp_path, capsys
 
 
 def test_room_is_checked_per_disk_against_the_writes_added_up(tmp_path, monkeypatch):
+    """The free bytes are pinned: a real disk's change between the test's reading and the check's
+    (another process freeing a few megabytes) would move the edge it checks."""
     import shutil
 
-    free = shutil.disk_usage(tmp_path).free
+    usage = shutil.disk_usage(tmp_path)
+    free = 10 * 2**30
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=free))
     check_room([Write(tmp_path / "a", free // 3, "x"), Write(tmp_path / "b", free // 3, "y")])
     with pytest.raises(OutputError, match=r"not enough room .* free, the run writes .* \(the model in .*; checkpoints in"):
         check_room([Write(tmp_path / "a", free // 2 + 1, "the model"), Write(tmp_path / "b", free // 2 + 1, "checkpoints")])
