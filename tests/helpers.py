@@ -241,3 +241,37 @@ def quiet_transformers() -> Any:
     transformers.logging.set_verbosity_error()
     yield
     transformers.logging.set_verbosity(verbosity)
+
+
+class Scale(nn.Module):
+    """A learnable scalar: a 0-d parameter, whose optimizer moments are 0-d too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+def trained(model: Any, make_input: Callable[[], torch.Tensor], steps: int = 2,
+            optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW, **options: Any) -> Any:
+    """An ``OffloadOptimizer`` after ``steps`` steps with ``.grad`` kept (the gradient pool's steady
+    state), synchronized, returned open for a footprint to count its state while it lives."""
+    from offload import OffloadOptimizer
+
+    optimizer = OffloadOptimizer(model, optimizer_class, lr=1e-3, **options)
+    for _ in range(steps):
+        model(make_input()).float().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+    optimizer.synchronize()
+    return optimizer
+
+
+def footprint_after_steps(model: Any, make_input: Callable[[], torch.Tensor], steps: int = 2, **options: Any) -> Any:
+    """``model.memory_footprint()`` after :func:`trained`, the optimizer closed afterwards."""
+    optimizer = trained(model, make_input, steps, **options)
+    footprint = model.memory_footprint()
+    optimizer.close()
+    return footprint

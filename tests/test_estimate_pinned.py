@@ -13,7 +13,7 @@ from offload import DiskTier, OffloadModel, OffloadOptimizer, estimate_memory
 from offload.planning.planner import slice_layout
 from offload.streams.host_buffers import HostBufferPool
 
-from .helpers import CUDA
+from .helpers import CUDA, trained
 
 #: A Linear(600, 600)'s float32 gradients: 1,442,400 bytes, between two size classes.
 WIDTH = 600
@@ -65,17 +65,6 @@ def test_pinned_gradients_are_counted_in_the_engines_size_classes():
     assert not exact.pinned and exact.pinned_bytes == 0
 
 
-def _trained(model: OffloadModel, make_input) -> OffloadOptimizer:  # type: ignore[no-untyped-def]
-    """Two steps; the optimizer returned, for the footprint to count its state while it lives."""
-    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-3, fused=True)
-    for _ in range(2):
-        model(make_input()).float().sum().backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=False)
-    optimizer.synchronize()
-    return optimizer
-
-
 def test_the_estimate_for_cuda_equals_a_model_whose_pool_has_the_size_classes(monkeypatch):
     """A model on the CPU whose pool rounds as a pinned one does (the only difference the device
     makes to these categories): the gradients kept as ``.grad`` are what the estimate for CUDA
@@ -83,7 +72,7 @@ def test_the_estimate_for_cuda_equals_a_model_whose_pool_has_the_size_classes(mo
     monkeypatch.setattr(engine_module, "HostBufferPool", _SizedPool)
     plan = estimate_memory(linears(), num_slices=4, device="cuda")
     model = OffloadModel(linears(), device="cpu", num_slices=4)
-    optimizer = _trained(model, lambda: torch.randn(2, WIDTH))
+    optimizer = trained(model, lambda: torch.randn(2, WIDTH), fused=True)
     footprint = model.memory_footprint()
     optimizer.close()
     assert footprint.host_gradients > 4 * 4 * (WIDTH * WIDTH + WIDTH)
@@ -103,7 +92,7 @@ def test_with_the_masters_on_disk_a_tied_weights_sum_is_counted_in_its_size_clas
     plan = estimate_memory(tied(), num_slices=3, compute_dtype=torch.bfloat16, device="cuda", masters="disk")
     layers = tied()
     model = OffloadModel(layers, device="cpu", num_slices=3, compute_dtype=torch.bfloat16, masters=DiskTier(tmp_path))
-    _trained(model, lambda: torch.randint(0, 4000, (2, 3))).close()
+    trained(model, lambda: torch.randint(0, 4000, (2, 3)), fused=True).close()
     kept = layers[0].weight.grad.untyped_storage().nbytes()  # the parameter itself: its .grad is the sum
     assert kept == engine_module.size_class(4000 * 80 * 4) > 4000 * 80 * 4
     assert plan.host_gradients == kept

@@ -6,17 +6,16 @@ the state of a 0-d parameter, which the tier leaves in RAM (``goes_to_disk`` in
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import pytest
 import torch
 from torch import nn
 
 import offload.walk.engine as engine_module
-from offload import DiskTier, MemoryFootprint, OffloadModel, OffloadOptimizer, estimate_memory
+from offload import DiskTier, MemoryFootprint, OffloadModel, estimate_memory
 from offload.planning.shapes import profile_layers
 from offload.streams.host_buffers import HostBufferPool
+
+from .helpers import Scale, footprint_after_steps
 
 # Batch statistics per microbatch are beside the point here.
 pytestmark = pytest.mark.filterwarnings("ignore:OffloadModel with num_microbatches > 1 runs BatchNorm")
@@ -44,17 +43,6 @@ class _SizedPool(HostBufferPool):
         super().__init__(allocate, engine_module.size_class)
 
 
-class _Scale(nn.Module):
-    """A learnable scalar: a 0-d parameter, whose optimizer moments are 0-d too."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.scale = nn.Parameter(torch.tensor(1.5))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.scale
-
-
 def _normed(table: bool, frozen_norm: bool = False, rows: int | None = None) -> nn.Sequential:
     torch.manual_seed(0)
     norm = nn.BatchNorm1d(64)
@@ -62,19 +50,6 @@ def _normed(table: bool, frozen_norm: bool = False, rows: int | None = None) -> 
         norm.eval()
     middle = nn.Sequential(norm, _Table(64, rows)) if table else norm
     return nn.Sequential(nn.Linear(32, 64), middle, nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 16))
-
-
-def _trained(model: OffloadModel, make_input: Callable[[], torch.Tensor], **optimizer_kwargs: Any) -> MemoryFootprint:
-    """The footprint after three steps, ``.grad`` kept: the pool's steady state."""
-    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-3, fused=True, **optimizer_kwargs)
-    for _ in range(3):
-        model(make_input()).float().sum().backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=False)
-    optimizer.synchronize()
-    footprint = model.memory_footprint()
-    optimizer.close()
-    return footprint
 
 
 def _assert_as_planned(plan: MemoryFootprint, footprint: MemoryFootprint) -> None:
@@ -104,7 +79,7 @@ def test_the_buffers_kept_for_a_recompute_of_running_statistics_are_counted(tabl
                            compute_dtype=compute_dtype, device="cpu", profile=profile, resident_slices=resident)
     model = OffloadModel(_normed(table), device="cpu", num_slices=num_slices, num_microbatches=num_microbatches,
                          compute_dtype=compute_dtype, resident_slices=resident)
-    _assert_as_planned(plan, _trained(model, make_input))
+    _assert_as_planned(plan, footprint_after_steps(model, make_input, steps=3, fused=True))
     # The norm with the first layer (no table), or alone (with it): before the last slice.
     assert num_slices == 1 or "1" not in model.partition[-1]
 
@@ -122,7 +97,7 @@ def test_a_norm_in_eval_mode_keeps_no_copy_of_its_buffers():
     # elements, as aligned), the table.
     assert trained.host_activations - plan.host_activations == 3 * (2 * 64 * 4 + 16 * 8 + 64 * 64 * 4)
     model = OffloadModel(_normed(True, frozen_norm=True), device="cpu", num_slices=3, num_microbatches=3)
-    _assert_as_planned(plan, _trained(model, make_input))
+    _assert_as_planned(plan, footprint_after_steps(model, make_input, steps=3, fused=True))
 
 
 def test_pinned_copies_of_the_buffers_are_counted_in_their_size_class(monkeypatch):
@@ -139,12 +114,12 @@ def test_pinned_copies_of_the_buffers_are_counted_in_their_size_class(monkeypatc
     assert plan.host_activations - exact.host_activations == 2 * (engine_module.size_class(region) - region)
     model = OffloadModel(_normed(True, rows=rows), device="cpu", num_slices=3, num_microbatches=2)
     assert model.partition[1] == ("1",)
-    _assert_as_planned(plan, _trained(model, make_input))
+    _assert_as_planned(plan, footprint_after_steps(model, make_input, steps=3, fused=True))
 
 
 def _scaled(scalars: int) -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 8), *(_Scale() for _ in range(scalars)), nn.Linear(8, 8))
+    return nn.Sequential(nn.Linear(8, 8), *(Scale() for _ in range(scalars)), nn.Linear(8, 8))
 
 
 @pytest.mark.parametrize("num_slices, scalars", [(3, 1), (4, 2), (2, 1), (1, 2)],
@@ -157,12 +132,13 @@ def test_with_the_state_on_disk_a_0d_parameters_state_stays_in_ram(num_slices, s
     plan = estimate_memory(_scaled(scalars), num_slices=num_slices, optimizer="adamw", amsgrad=amsgrad,
                            optimizer_state="disk", device="cpu", resident_slices=resident)
     model = OffloadModel(_scaled(scalars), device="cpu", num_slices=num_slices, resident_slices=resident)
-    footprint = _trained(model, lambda: torch.randn(4, 8), amsgrad=amsgrad, disk_tier=DiskTier(tmp_path))
+    footprint = footprint_after_steps(model, lambda: torch.randn(4, 8), steps=3, fused=True, amsgrad=amsgrad,
+                                      disk_tier=DiskTier(tmp_path))
     for category in HOST:
         assert plan.host_categories()[category] == footprint.host_categories()[category], category
     for category in DEVICE:
         assert plan.device_categories()[category] == footprint.device_categories()[category], category
     assert plan.disk == footprint.disk
     streamed = [layer for part in model.partition[resident:] for layer in part]
-    in_ram = sum(isinstance(model[int(k)], _Scale) for k in streamed) * (3 if amsgrad else 2) * 4
+    in_ram = sum(isinstance(model[int(k)], Scale) for k in streamed) * (3 if amsgrad else 2) * 4
     assert footprint.host_optimizer_state == in_ram

@@ -11,7 +11,6 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -24,7 +23,7 @@ from offload.streams.disk import page_aligned
 from offload.streams.flat_views import _align
 from offload.streams.pinned import size_class
 
-from .helpers import DEVICES, HostStepped
+from .helpers import DEVICES, HostStepped, Scale, footprint_after_steps
 
 EXACT = {"rtol": 0.0, "atol": 0.0}
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -266,7 +265,7 @@ def test_a_slice_that_casts_nothing_has_no_shadow_and_no_masters_file_in_the_est
     model = OffloadModel(plain, device="cpu", num_slices=3, compute_dtype=torch.bfloat16,
                          masters=DiskTier(tmp_path) if masters == "disk" else None)
     assert [s.storage.shadow is None for s in engine_of(model).slices] == [False, True, False]
-    footprint = _trained_footprint(model, lambda: torch.randn(4, 64))
+    footprint = footprint_after_steps(model, lambda: torch.randn(4, 64), fused=True)
     for category in ("masters", "shadows", "gradients", "optimizer_state", "disk_window"):
         assert plan.host_categories()[category] == footprint.host_categories()[category], category
     assert plan.disk == footprint.disk
@@ -379,18 +378,6 @@ class TiedHead(nn.Module):
         return x @ self.weight.t()
 
 
-def _trained_footprint(model: OffloadModel, make_input: Callable[[], torch.Tensor], **optimizer_kwargs: Any):
-    optimizer = OffloadOptimizer(model, torch.optim.AdamW, lr=1e-3, fused=True, **optimizer_kwargs)
-    for _ in range(2):
-        model(make_input()).float().sum().backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=False)
-    optimizer.synchronize()
-    footprint = model.memory_footprint()
-    optimizer.close()
-    return footprint
-
-
 @pytest.mark.parametrize("head_norm", [False, True], ids=["head-alone", "head-with-norm"])
 @pytest.mark.parametrize("compute_dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("resident", [0, 1], ids=["streamed", "one-resident"])
@@ -411,7 +398,7 @@ def test_a_weight_tied_across_slices_is_counted_once_as_the_model_holds_it(compu
     plan = estimate_memory(tied(), num_slices=3, compute_dtype=compute_dtype, device="cpu", resident_slices=resident,
                            profile=profile)
     model = OffloadModel(tied(), device="cpu", num_slices=3, compute_dtype=compute_dtype, resident_slices=resident)
-    footprint = _trained_footprint(model, lambda: torch.randint(0, 500, (4, 8)))
+    footprint = footprint_after_steps(model, lambda: torch.randint(0, 500, (4, 8)), fused=True)
     assert plan.parameters == footprint.parameters == 500 * 32 + 2 * (32 * 32 + 32) + (64 if head_norm else 0)
     assert model.partition[-1] == ("4",)
     for category in ("masters", "shadows", "gradients", "optimizer_state"):
@@ -438,7 +425,7 @@ def test_the_disk_windows_count_the_slices_the_tiers_serve(frozen, tmp_path):
                            optimizer_state="disk", masters="disk")
     model = OffloadModel(layers(), device="cpu", num_slices=7, compute_dtype=torch.bfloat16,
                          masters=DiskTier(tmp_path / "masters"))
-    footprint = _trained_footprint(model, lambda: torch.randn(4, 37), disk_tier=DiskTier(tmp_path / "state"))
+    footprint = footprint_after_steps(model, lambda: torch.randn(4, 37), disk_tier=DiskTier(tmp_path / "state"), fused=True)
     page = page_aligned(1)
     # Three slices' state (AdamW's two moments of 37 x 37 + 37 floats: 3 pages), masters and
     # gradients (2 pages each).
@@ -673,7 +660,7 @@ def test_tied_slices_share_the_landing_buffers_of_their_size(layout):
     profile = profile_layers(tied(), lambda: torch.zeros(4, 8, dtype=torch.long))
     plan = estimate_memory(tied(), num_slices=slices, device="cpu", profile=profile)
     model = OffloadModel(tied(), device="cpu", num_slices=slices)
-    footprint = _trained_footprint(model, lambda: torch.randint(0, 50, (4, 8)))
+    footprint = footprint_after_steps(model, lambda: torch.randint(0, 50, (4, 8)), fused=True)
     assert plan.host_pool == footprint.host_pool
     assert plan.host_total == footprint.host_total
 
@@ -691,7 +678,7 @@ def test_with_the_masters_on_disk_a_tied_weights_sum_is_counted_in_ram(tmp_path)
                            profile=profile)
     model = OffloadModel(tied(), device="cpu", num_slices=3, compute_dtype=torch.bfloat16,
                          masters=DiskTier(tmp_path))
-    footprint = _trained_footprint(model, lambda: torch.randint(0, 500, (4, 8)))
+    footprint = footprint_after_steps(model, lambda: torch.randint(0, 500, (4, 8)), fused=True)
     # The footprint counts the home files' pages in RAM now (mincore): dropped after their write-back,
     # but a busy machine's page cache may keep some a while longer. What this test checks is the sum.
     in_files = sum(s.storage.gradient_home.file.resident_bytes() for s in model._engine.slices
@@ -880,21 +867,10 @@ def test_a_weight_replaced_by_hand_keeps_its_state_and_gradient_counted_while_th
     optimizer.close()
 
 
-class _Scale(nn.Module):
-    """A learnable scalar: a 0-d parameter, whose optimizer moments are 0-d too."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.scale = nn.Parameter(torch.tensor(1.5))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.scale
-
-
 @pytest.mark.parametrize("cls, kwargs", [(torch.optim.AdamW, {"fused": True}), (torch.optim.NAdam, {}),
                                          (torch.optim.ASGD, {})], ids=["AdamW", "NAdam", "ASGD"])
 def test_the_moments_of_a_0d_parameter_are_counted_and_its_counts_are_not(cls, kwargs):
-    model = OffloadModel(nn.Sequential(nn.Linear(4, 4), _Scale(), _Scale(), nn.Linear(4, 3)), device="cpu",
+    model = OffloadModel(nn.Sequential(nn.Linear(4, 4), Scale(), Scale(), nn.Linear(4, 3)), device="cpu",
                          num_slices=3)
     optimizer = OffloadOptimizer(model, cls, lr=1e-2, **kwargs)
     for _ in range(2):
@@ -908,7 +884,7 @@ def test_the_moments_of_a_0d_parameter_are_counted_and_its_counts_are_not(cls, k
                for state in optimizer.state.values() for key, t in state.items())
     assert model.memory_footprint().host_optimizer_state == per_element
     if cls is torch.optim.AdamW:
-        plan = estimate_memory(nn.Sequential(nn.Linear(4, 4), _Scale(), _Scale(), nn.Linear(4, 3)), num_slices=3,
+        plan = estimate_memory(nn.Sequential(nn.Linear(4, 4), Scale(), Scale(), nn.Linear(4, 3)), num_slices=3,
                                optimizer="adamw", device="cpu")
         assert plan.host_optimizer_state == per_element
 

@@ -11,11 +11,12 @@ import pytest
 import torch
 from torch import nn
 
-from offload import DiskTier, OffloadModel, OffloadOptimizer, estimate_memory
+from offload import DiskTier, OffloadModel, estimate_memory
 from offload.cli.main import main
 from offload.cli.plan import parse_args, run_plan
 from offload.planning.choose import least_needs, microbatch_counts
 
+from .helpers import footprint_after_steps
 from .test_memory import TiedHead
 
 GIB = 2**30
@@ -33,19 +34,6 @@ def _tied_apart() -> nn.Sequential:
     return nn.Sequential(embedding, nn.Linear(80, 80), nn.Linear(80, 80), head)
 
 
-def _footprint_after_steps(model: OffloadModel, make_input, optimizer_class=torch.optim.AdamW,  # type: ignore[no-untyped-def]
-                           **options):  # type: ignore[no-untyped-def]
-    optimizer = OffloadOptimizer(model, optimizer_class, lr=1e-3, **options)
-    for _ in range(3):
-        model(make_input()).float().sum().backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=False)
-    optimizer.synchronize()
-    footprint = model.memory_footprint()
-    optimizer.close()
-    return footprint
-
-
 def test_with_the_masters_on_disk_a_tied_holder_takes_no_landing_buffer_of_its_own(tmp_path):
     """The holder's part stays in its gradient file and the sum in the head's buffer, which
     ``host_gradients`` counts (Note: [A tied weight's gradients summed in place]): the window
@@ -53,7 +41,7 @@ def test_with_the_masters_on_disk_a_tied_holder_takes_no_landing_buffer_of_its_o
     plan = estimate_memory(_tied_apart(), num_slices=4, compute_dtype=torch.bfloat16, device="cpu", masters="disk")
     layers = _tied_apart()
     model = OffloadModel(layers, device="cpu", num_slices=4, compute_dtype=torch.bfloat16, masters=DiskTier(tmp_path))
-    footprint = _footprint_after_steps(model, lambda: torch.randint(0, 4000, (2, 3)), fused=True)
+    footprint = footprint_after_steps(model, lambda: torch.randint(0, 4000, (2, 3)), steps=3, fused=True)
     # Compared with the .grad's storage: the measured host_gradients also counts the gradient
     # files' pages the page cache still holds at that moment.
     assert plan.host_gradients == layers[0].weight.grad.untyped_storage().nbytes()
