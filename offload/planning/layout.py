@@ -136,7 +136,7 @@ class SliceLayout:
         land in RAM), keeps the sum in its own buffer, counted with the others already. ``sized``:
         the bytes the pool allocates for a buffer of so many (pinned: its size class; default:
         exactly)."""
-        sized = sized or _exact
+        sized = sized or exact_size
         borrowed = self._borrowed
         # A layout without the weights' numbers (made by hand) lends one weight per holder.
         weights = self.borrowed_weights or [[holder for holder, _ in tied] for tied in borrowed]
@@ -177,6 +177,6 @@ class SliceLayout:
                 for k, tied in enumerate(borrowed) if k >= resident]
 
 
-def _exact(nbytes: int) -> int:
+def exact_size(nbytes: int) -> int:
     """The bytes an unpinned pool allocates for a buffer of ``nbytes``: exactly those."""
     return nbytes

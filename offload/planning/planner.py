@@ -24,7 +24,7 @@ from ..arguments import resident_count
 from .footprint import MemoryFootprint
 from .estimate_settings import check_dtypes, check_places, check_settings, state_elements
 from .landing_pool import landing_pool
-from .layout import SliceLayout, _exact
+from .layout import SliceLayout, exact_size
 from .shapes import ModelProfile
 from ..walk.slicing import partition
 from ..streams.pinned import size_class
@@ -196,7 +196,7 @@ def _footprint(layout: SliceLayout, placed: tuple[int, int, int, int, bool], act
     # it); pinned ones are rounded up to their size class, as the pool allocates them, and so are
     # those that stay as .grad: views of such a buffer, they keep it whole. A resident slice's
     # gradients stay on the device: they take no host buffer.
-    sized = size_class if pinned else _exact
+    sized = size_class if pinned else exact_size
     host_activations = activations[0] + _buffer_snapshots(layout, num_microbatches, sized)
     device_activations = activations[1]
     grads = [sized(b) for b in layout.host_gradient_bytes(resident)] or [0]
