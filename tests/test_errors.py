@@ -66,6 +66,15 @@ def test_cuda_requested_without_cuda_names_the_device(monkeypatch):
         OffloadModel(nn.Sequential(nn.Linear(2, 2)), device="cuda:1")
 
 
+@pytest.mark.parametrize("name", ["device", "offload_device"])
+def test_a_device_index_without_an_accelerator_is_a_value_error_saying_to_pass_cpu(monkeypatch, name):
+    """torch reads an int as the accelerator's index and, with none, says only that it cannot reach one."""
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)  # a machine without one
+    with pytest.raises(ValueError, match=rf"{name}=0 \(an accelerator's index\) was requested, but this machine has "
+                                         rf"no accelerator; pass {name}='cpu'"):
+        OffloadModel(nn.Sequential(nn.Linear(2, 2)), **{"device": "cpu", name: 0})
+
+
 def test_unknown_device_string():
     with pytest.raises(TypeError, match="device must be"):
         OffloadModel(nn.Sequential(nn.Linear(2, 2)), device="gpu0")

@@ -128,6 +128,10 @@ def existing_device(value: Any, name: str) -> torch.device:
         TypeError: ``value`` names no device.
         ValueError: the device does not exist here; the message says what to pass instead.
     """
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0 and not torch.accelerator.is_available():
+        # torch reads an index as the accelerator's and, with none, says only that it cannot reach one.
+        raise ValueError(f"{name}={value!r} (an accelerator's index) was requested, but this machine has no "
+                         f"accelerator; pass {name}='cpu' to run on the CPU")
     try:
         device = torch.device(value)
     except (RuntimeError, TypeError) as error:
