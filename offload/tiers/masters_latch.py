@@ -11,6 +11,7 @@ latch (``offload/optimizing/partial_failure.py``).
 
 from __future__ import annotations
 
+import abc
 import os
 from collections.abc import Collection, Iterable
 from pathlib import Path
@@ -21,7 +22,7 @@ import torch
 from ..streams.masters_io import Unwritten, failed_write_backs, latched_text
 
 
-class MastersLatch:
+class MastersLatch(abc.ABC):
     """The failed write-backs of a model's masters, by slice, and the loads that replaced them
     (Note: [Masters on disk], "Errors"): ``save_checkpoint`` of the model refuses while one is left."""
 
@@ -35,9 +36,9 @@ class MastersLatch:
         self._written_at: dict[int, int] = {}
         self._saves: dict[bool, Path] = {}
 
+    @abc.abstractmethod
     def wait(self) -> None:
         """Wait for every write submitted so far (:class:`~offload.tiers.master_files.MasterFiles`'s)."""
-        raise NotImplementedError
 
     def failures(self, slices: Iterable[Any], after: int | None = None) -> dict[int, Unwritten]:
         """The failed write-backs by slice, each slice's last: the writer's and those of ``slices``'
