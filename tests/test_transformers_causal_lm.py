@@ -198,6 +198,23 @@ def test_from_pretrained_takes_the_attention_implementation_and_torch_dtype_as_t
         OffloadedCausalLM.from_pretrained(tmp_path, device="cpu", trust_remote_code=True)
 
 
+@pytest.mark.parametrize("key, value, hint", [
+    ("output_hidden_states", True, r"model\.base_model\(\.\.\.\) returns the last layer's"),
+    ("output_attentions", True, r"a forward hook on an attention layer"),
+    ("inputs_embeds", "embeds", r"pass input_ids, and change the embeddings with a forward hook"),
+])
+def test_a_keyword_the_caller_typed_is_refused_with_its_reason_and_no_dataset_advice(key, value, hint):
+    """The Trainer's advice on dataset columns is for keywords that could be columns, not these."""
+    _, model = pair(llama())
+    given = torch.zeros(2, 9, 32) if value == "embeds" else value
+    with pytest.raises(TypeError, match=rf"takes input_ids, .*logits_to_keep and return_dict .*cannot honour {key}\. "
+                                        rf".*{hint}") as refused:
+        model(**({} if key == "inputs_embeds" else {"input_ids": ids()}), **{key: given})
+    assert "remove_unused_columns" not in str(refused.value)
+    with pytest.raises(TypeError, match=r"cannot honour a_column\. With transformers\.Trainer keep remove_unused_columns"):
+        model(input_ids=ids(), a_column=torch.zeros(2))
+
+
 def test_forward_names_what_it_refuses_and_gives_no_loss_for_shift_labels_alone():
     plain, model = pair(llama())
     with pytest.raises(TypeError, match="cannot honour inputs_embeds"):

@@ -64,7 +64,7 @@ from . import causal_lm_configs, causal_lm_embeddings, causal_lm_guards, causal_
 from .peft import peft_base_model, peft_names_as_hf
 from .transformers_loading import load_causal_lm, stored_into_stages
 from .transformers_batch import LAST_HIDDEN_STATE, ROUTER_LOGITS
-from .transformers_refusals import (MissingLogits, attribute_or_advice, refuse_adapter_on_head,
+from .transformers_refusals import (MissingLogits, attribute_or_advice, forward_refusal, refuse_adapter_on_head,
                                     refuse_packed_sequences, refuse_router_logits, warn_of_cache,
                                     warn_of_layer_outputs)
 from .transformers_saving import positional_save_arguments, save_causal_lm, save_options
@@ -405,18 +405,7 @@ def _batch_of(config: Any, carries_router: bool, input_ids: torch.Tensor | None,
     refused = sorted(key for key, value in kwargs.items()
                      if key not in _IGNORED and value is not None and value is not False)
     if input_ids is None or refused:
-        what = f"it cannot honour {', '.join(refused)}" if refused else "it needs input_ids"
-        # Some tokenizers return token_type_ids by default, which most causal LMs ignore (GPT-2 reads them).
-        tokenizer = (". If the tokenizer added token_type_ids, call it with return_token_type_ids=False or drop "
-                     "them from the batch" if "token_type_ids" in refused else "")
-        if {"past_key_values", "cache_position"} & set(refused):  # a decoding loop's, not a dataset's
-            tokenizer += (". Its slices keep no key-value cache: decode with the Hugging Face model it wraps "
-                          "(model.hf_model.generate, after optimizer.synchronize())")
-        raise TypeError(
-            f"OffloadedCausalLM.forward takes input_ids, attention_mask, position_ids, labels (or shift_labels) "
-            f"and num_items_in_batch; {what}{tokenizer}. With transformers.Trainer keep "
-            "remove_unused_columns=True (the default) so that other dataset columns are dropped"
-        )
+        raise TypeError(forward_refusal(refused))
     batch = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
              ROUTER_LOGITS: router}
     return {key: value for key, value in batch.items() if value is not None and value is not False}

@@ -83,7 +83,7 @@ from __future__ import annotations
 
 import sys
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -275,6 +275,38 @@ def refuse_packed_sequences(readers: Mapping[str, str], model_type: str, kwargs:
         "hidden states, attention mask and position ids from slice to slice, so each sequence would leak into the "
         "next. Give each sequence a row of its own: with TRL, SFTConfig(packing=False) (and padding_free=False, its "
         "default); elsewhere a padding collator rather than DataCollatorWithFlattening")
+
+
+#: Why a keyword of ``forward`` is refused and what to do instead, for those a caller types (a
+#: dataset's columns reach ``forward`` through the Trainer, and get its advice instead).
+_FORWARD_HINTS = {
+    "output_hidden_states": "its slices pass on only the hidden states at their boundaries: model.base_model(...) "
+                            "returns the last layer's (normed) hidden states, and a forward hook on a layer "
+                            "(model.hf_model.model.layers[k]) sees that layer's",
+    "output_attentions": "its slices return no attention weights: a forward hook on an attention layer "
+                         "(model.hf_model.model.layers[k].self_attn) sees them, with attn_implementation='eager'",
+    "inputs_embeds": "its first slice embeds input_ids itself: pass input_ids, and change the embeddings with a "
+                     "forward hook on model.get_input_embeddings() (as NEFTune does)",
+    "token_type_ids": "if the tokenizer added token_type_ids, call it with return_token_type_ids=False or drop "
+                      "them from the batch",
+    "past_key_values": "its slices keep no key-value cache: decode with the Hugging Face model it wraps "
+                       "(model.hf_model.generate, after optimizer.synchronize())",
+}
+_FORWARD_HINTS["cache_position"] = _FORWARD_HINTS["past_key_values"]
+
+
+def forward_refusal(refused: Sequence[str]) -> str:
+    """The message of ``OffloadedCausalLM.forward`` for keywords it cannot honour (``refused``, set
+    to something other than ``None`` or ``False``), or for a call without ``input_ids``: what it
+    takes, a reason and a way on for each keyword it knows, the Trainer's advice for the rest."""
+    hints = list(dict.fromkeys(_FORWARD_HINTS[key] for key in refused if key in _FORWARD_HINTS))
+    unknown = [key for key in refused if key not in _FORWARD_HINTS or key == "token_type_ids"]
+    what = f"it cannot honour {', '.join(refused)}" if refused else "it needs input_ids"
+    columns = (". With transformers.Trainer keep remove_unused_columns=True (the default) so that other dataset "
+               "columns are dropped" if unknown or not refused else "")
+    return ("OffloadedCausalLM.forward takes input_ids, attention_mask, position_ids, labels (or shift_labels), "
+            "num_items_in_batch, logits_to_keep and return_dict (use_cache and output_router_logits as the model "
+            f"does); {what}" + "".join(f". {hint[0].upper()}{hint[1:]}" for hint in hints) + columns)
 
 
 def warn_of_layer_outputs(config: Any, kwargs: Mapping[str, Any]) -> None:
