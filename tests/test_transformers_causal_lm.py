@@ -215,6 +215,16 @@ def test_a_keyword_the_caller_typed_is_refused_with_its_reason_and_no_dataset_ad
         model(input_ids=ids(), a_column=torch.zeros(2))
 
 
+def test_train_and_eval_reach_the_hugging_face_models_own_flags():
+    """``hf_model`` is no submodule (its layers are the stages'), yet code that reads its
+    ``training`` (a pipeline, ``generate``) sees the mode the wrapper was put in."""
+    _, model = pair(llama())
+    model.eval()
+    assert not any(m.training for m in (model, model.offloaded, *model.hf_model.modules()))
+    model.train()
+    assert all(m.training for m in (model, model.offloaded, *model.hf_model.modules()))
+
+
 def test_forward_names_what_it_refuses_and_gives_no_loss_for_shift_labels_alone():
     plain, model = pair(llama())
     with pytest.raises(TypeError, match="cannot honour inputs_embeds"):

@@ -225,6 +225,14 @@ class OffloadedCausalLM(PreTrainedModel):
     # schemes] in hf_names.py): nn.Module's lookup knows only the first.
     get_parameter, get_buffer, get_submodule = hf_names.get_parameter, hf_names.get_buffer, hf_names.get_submodule
 
+    def train(self, mode: bool = True) -> OffloadedCausalLM:
+        """As ``nn.Module.train``, reaching the Hugging Face model's own modules too (no submodules
+        here: ``_adopt`` says why): ``model.eval()`` leaves ``model.hf_model.training`` as the plain
+        model's would be, for code that reads it there (a pipeline, ``generate``)."""
+        super().train(mode)
+        (self.peft_model or self.hf_model).train(mode)
+        return self
+
     def set_attn_implementation(self, attn_implementation: str | dict[str, str]) -> None:
         """The model's own: its checks, and the config the stages read at every call."""
         self.hf_model.set_attn_implementation(attn_implementation)
