@@ -36,6 +36,8 @@ Note: [Norms on several threads]
 from __future__ import annotations
 
 import threading
+import types
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -87,7 +89,10 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     else:
+        generator = isinstance(parameters, types.GeneratorType)
         parameters = list(parameters)
+        if generator and not parameters:  # a filter that kept nothing would turn clipping off unsaid
+            warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.", stacklevel=3)
     for scaler in list(_scalers):
         scaler.settle(parameters)  # an earlier clip's scaling, handed to an update worker, writes these gradients
     grads = [p.grad for p in parameters if p.grad is not None]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import threading
+import warnings
 
 import pytest
 import torch
@@ -80,6 +81,18 @@ def test_non_finite_gradients(special):
             assert _bits_equal(p.grad, q.grad)
     with pytest.raises(RuntimeError, match="non-finite"):
         offload.clip_grad_norm_(_parameters((torch.float32,), special), 0.5, error_if_nonfinite=True)
+
+
+def test_an_empty_generator_is_warned_of_as_torch_does_and_a_list_is_not():
+    """A filter that keeps no parameter would turn clipping off without a word."""
+    layer = nn.Linear(3, 3)
+    with pytest.warns(UserWarning, match="`parameters` is an empty generator, no gradient clipping will occur") as caught:
+        norm = offload.clip_grad_norm_((p for p in layer.parameters() if p.ndim > 2), 1.0)
+    assert caught[0].filename == __file__  # pointed at the call, as torch's is
+    assert norm.item() == 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        offload.clip_grad_norm_([], 1.0)
 
 
 def test_under_other_intra_op_thread_counts():

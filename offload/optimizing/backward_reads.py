@@ -78,8 +78,8 @@ class BackwardReads:
                     "state it replaced.", "Load the optimizer's state before backward or after step(), or build "
                     "OffloadOptimizer without update_in_backward.")
         if clipped:
-            return (f"clip_grad_norm_ ran over the gradient of {listing(clipped)} between backward and step(), "
-                    "after the updates backward started had read it unclipped.", "Build OffloadOptimizer without "
+            return (f"clip_grad_norm_ ran over the gradient of {listing(clipped)} between backward and step(); the "
+                    "updates read it as backward left it, unclipped.", "Build OffloadOptimizer without "
                     "update_in_backward to clip gradients before the update.")
         if changed:
             return (f"the gradient of {listing(changed)} changed between backward and step() (clip_grad_norm_, a "
