@@ -61,6 +61,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from ..model import OffloadModel, engine_of
 from . import causal_lm_configs, causal_lm_embeddings, causal_lm_guards, causal_lm_optimizer, hf_names
+from .causal_lm_switches import TrainerSwitches
 from .peft import peft_base_model, peft_names_as_hf
 from .transformers_loading import load_causal_lm, stored_into_stages
 from .transformers_batch import LAST_HIDDEN_STATE, ROUTER_LOGITS
@@ -98,7 +99,7 @@ __all__ = ["OffloadedCausalLM"]
 #: ``forward`` honours them; ``output_attentions=False`` and the like pass as any ``False``.)
 _IGNORED = {"use_cache", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"}
 
-class OffloadedCausalLM(PreTrainedModel):
+class OffloadedCausalLM(TrainerSwitches, PreTrainedModel):
     """A Hugging Face causal LM whose parameters live in host memory, for the Hugging Face trainers.
 
     ``Trainer(model=OffloadedCausalLM(hf_model, device="cuda", num_slices=8), ...)`` trains it as it
@@ -225,39 +226,9 @@ class OffloadedCausalLM(PreTrainedModel):
     # schemes] in hf_names.py): nn.Module's lookup knows only the first.
     get_parameter, get_buffer, get_submodule = hf_names.get_parameter, hf_names.get_buffer, hf_names.get_submodule
 
-    def train(self, mode: bool = True) -> OffloadedCausalLM:
-        """As ``nn.Module.train``, reaching the Hugging Face model's own modules too (no submodules
-        here: ``_adopt`` says why): ``model.eval()`` leaves ``model.hf_model.training`` as the plain
-        model's would be, for code that reads it there (a pipeline, ``generate``)."""
-        super().train(mode)
-        (self.peft_model or self.hf_model).train(mode)
-        return self
-
     def set_attn_implementation(self, attn_implementation: str | dict[str, str]) -> None:
         """The model's own: its checks, and the config the stages read at every call."""
         self.hf_model.set_attn_implementation(attn_implementation)
-
-    def gradient_checkpointing_enable(self, *args: Any, **kwargs: Any) -> None:
-        """Accepted: offloaded slices are recomputed in backward already (rule 5 of the note)."""
-        self.activation_checkpointing_requested = True
-
-    def gradient_checkpointing_disable(self) -> None:
-        self.activation_checkpointing_requested = False
-
-    activation_checkpointing_enable = gradient_checkpointing_enable
-    activation_checkpointing_disable = gradient_checkpointing_disable
-
-    @property
-    def is_gradient_checkpointing(self) -> bool:
-        return self.activation_checkpointing_requested
-
-    is_activation_checkpointing = is_gradient_checkpointing
-
-    def enable_input_require_grads(self) -> None:
-        """Accepted: nothing to do (rule 5 of the note)."""
-
-    def disable_input_require_grads(self) -> None:
-        """Accepted: nothing to do."""
 
     def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
         """As ``PreTrainedModel.num_parameters``, counted without waiting for pending host updates
