@@ -50,10 +50,16 @@ def plan_error(capsys: pytest.CaptureFixture[str], *args: str) -> str:
     return lines[0]
 
 
+@pytest.fixture(autouse=True)
+def no_calibration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An empty cache for every test here: the rates `offload calibrate` saved on this machine, if it
+    ever ran, would change what the planner prints."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
 @pytest.fixture
 def inputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A directory of good and bad inputs, the working directory, with no calibration in the cache."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tiny.json").write_text(json.dumps(TINY_LLAMA))
     (tmp_path / "truncated.json").write_text(json.dumps(TINY_LLAMA)[:-20])

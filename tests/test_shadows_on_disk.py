@@ -335,6 +335,7 @@ LLAMA_3_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 1
 def test_the_planner_keeps_the_shadows_off_ram_only_where_they_do_not_fit(tmp_path, monkeypatch):
     """Issue 41's target: a full fine-tune of Llama-3-8B on a 24 GB GPU with 32 GB of RAM and a disk."""
     pytest.importorskip("transformers")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # no calibration of this machine: --gpu's rates
     from offload.cli import plan_models
 
     from .test_planning import _offload
@@ -380,7 +381,7 @@ def test_the_planned_update_writes_no_shadow():
     assert in_ram.update + in_ram.shadow - on_disk.update == 2 * streamed
 
 
-def test_the_plan_of_a_llama_shaped_model_on_disk_holds_what_it_predicts(tmp_path):
+def test_the_plan_of_a_llama_shaped_model_on_disk_holds_what_it_predicts(tmp_path, monkeypatch):
     """`offload plan` chooses the disk configuration for a small Llama (the proportions of Llama 3:
     untied head, grouped key-value heads, an MLP 3.5 times as wide); trained so, as it prints,
     the model's footprint is the plan's host bytes within 5 % (the plan's pool is pinned and rounded
@@ -393,10 +394,12 @@ def test_the_plan_of_a_llama_shaped_model_on_disk_holds_what_it_predicts(tmp_pat
     config = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 896, "num_hidden_layers": 8,
               "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 4008, "max_position_embeddings": 128,
               "tie_word_embeddings": False}
-    plan, _, _, _ = run_plan(parse_args([
-        "--hf-config", json.dumps(config), "--gpu", "rtx-4090", "--device-memory", "0.05", "--host-memory", "0.1",
-        "--disk-dir", str(tmp_path), "--disk", "500", "--batch-size", "2", "--seq-len", "64", "--num-slices", "8",
-        "--max-grad-norm", "1"]))
+    with monkeypatch.context() as cache:
+        cache.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # no calibration of this machine: --gpu's rates
+        plan, _, _, _ = run_plan(parse_args([
+            "--hf-config", json.dumps(config), "--gpu", "rtx-4090", "--device-memory", "0.05", "--host-memory", "0.1",
+            "--disk-dir", str(tmp_path), "--disk", "500", "--batch-size", "2", "--seq-len", "64", "--num-slices", "8",
+            "--max-grad-norm", "1"]))
     chosen = plan.chosen.config
     assert (chosen.optimizer_state, chosen.masters, chosen.shadows) == ("disk", "disk", "disk")
     torch.manual_seed(0)
