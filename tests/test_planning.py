@@ -217,7 +217,7 @@ def test_the_estimate_predicts_the_resident_set_within_five_percent(spec):
     against what estimate_memory holds between steps. glibc's mmap threshold is fixed: by default
     it rises after the first large free, and freed temporaries of the step then stay resident."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-               MALLOC_MMAP_THRESHOLD_="65536")
+               MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="2", MALLOC_ARENA_MAX="2")  # threads' stacks, arenas
     done = subprocess.run([sys.executable, str(ROOT / "tests" / "planning_rss_worker.py"), json.dumps(spec)],
                           check=True, timeout=300, capture_output=True, text=True, env=env)
     result = json.loads(done.stdout.strip().splitlines()[-1])
