@@ -69,7 +69,9 @@ class BackwardReads:
                    ) -> tuple[str, str] | None:
         """What ``step()`` would read that these updates did not, and what to do instead; ``None``
         if nothing. A ``.grad`` changed in place through PyTorch's operations moves its version
-        counter; one replaced is another tensor."""
+        counter; one replaced is another tensor. What the updates themselves write into ``.grad``
+        moves no counter (``_own_writes`` in ``in_backward.py``), whether they ran before
+        :meth:`at_end` or after it."""
         changed = [name(p) for p, grad, version in self.seen
                    if p.grad is not grad or (grad is not None and grad._version != version)]
         clipped = list({id(p): name(p) for p in self.clipped if id(p) in inside}.values())

@@ -28,7 +28,12 @@ Note: [Update in backward]
       between backward and ``step()`` through PyTorch's in-place operations changes its version
       counter or its identity: ``step()`` raises (a write through ``.grad.data`` is not seen);
       ``offload.clip_grad_norm_``, which writes nothing below ``max_norm``, tells it itself
-      (``backward_reads.py``);
+      (``backward_reads.py``). The update itself may write into the gradients it reads, as the
+      plain optimizer writes into ``.grad`` (torch's foreach ``SGD`` with ``nesterov`` adds the
+      momentum into them), and the worker may run it after backward has returned, before
+      ``step()``: it writes through aliases with version counters of their own
+      (:func:`_own_writes`), so that its writes are never taken for a change, whenever it runs,
+      while a change of the user's moves ``.grad``'s counter before the update or after it;
     - a ``GradScaler`` stepping the optimizer: ``step()`` raises. It is found by its call (the
       kernel of ``GradScaler.unscale_`` leaves the version counters as they were), and by the
       scale it hands a fused optimizer;
@@ -280,8 +285,8 @@ class BackwardUpdates(Subscriber):
         # autograd adopts a returned gradient as .grad only if nothing else holds it, and copies
         # it otherwise (a copy of every gradient, read while the update runs).
         grads = [final.get(id(p), p.grad) for p in step.whole.params]
-        self._updates.submit_one(step, [None if g is None else g.detach() for g in grads], self._reads.hyper,
-                                [ready])
+        self._updates.submit_one(step, _own_writes(grads), self._reads.hyper, [ready])
+        _not_known_zeros(engine, step.whole.params)
         self.started.add(index)
 
     # -- the checks -------------------------------------------------------------------------------
@@ -462,6 +467,23 @@ def _unsubscriber(engine: Engine, subscriber: BackwardUpdates) -> Callable[[Any]
             m.unsubscribe(s)
 
     return unsubscribe
+
+
+def _own_writes(grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """Aliases of ``grads`` for an update that backward starts, each with a version counter of its
+    own (``.data``; ``detach()`` shares the gradient's): what the inner optimizer writes into
+    them in place (the update's own writes, Note: [Update in backward]) moves no counter that
+    ``step()`` compares, and anything else that writes into ``.grad`` still moves ``.grad``'s."""
+    return [None if g is None else g.data for g in grads]
+
+
+def _not_known_zeros(engine: Engine, params: list[torch.Tensor]) -> None:
+    """Forget that the ``.grad`` of ``params`` hold the zeros ``zero_grad`` left, as a write into
+    them would have (rule 6 of Note: [Gradients added in place] in
+    ``offload/autograd/accumulation.py``): their update, which backward just started, may write
+    into them through the aliases of :func:`_own_writes`, which move no version counter."""
+    for p in params:
+        engine.zeroed_gradients.pop(id(p), None)
 
 
 def _hooked(p: torch.Tensor) -> bool:
