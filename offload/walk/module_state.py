@@ -67,7 +67,10 @@ Note: [Attribute state]
        c. A run that registers hooks itself (a layer that hooks its sublayers at its first call, as
           Note: [Router logits] does) may not register them again when re-run: its recompute runs
           with the hooks it started with joined by those it registered, and a hook that removed
-          itself in the run runs again, as it ran in forward. A layer that decides by a plain
+          itself in the run runs again, as it ran in forward. The capture knows the tables at the
+          run's two ends, not which hooks each module's call found: a hook registered on a module
+          that had already run in that run (a later layer hooking an earlier one) runs in the
+          recompute where the forward did not, and its gradients differ (documented, not refused). A layer that decides by a plain
           attribute of its own (``if not self.hooked``) registers again when re-run, the attribute
           being restored, and its hook runs twice there: such a flag belongs in an object the
           layer holds (a change inside it is not restored).
